@@ -1,0 +1,586 @@
+"""The Kubernetes adapter of the cluster port, on the official `kubernetes` client.
+
+It speaks the API server's REST paths directly through the client's `ApiClient` (so auth,
+TLS, in-cluster token rotation and kubeconfig handling are the client's) and hands back the
+JSON exactly as the server sent it: no generated models, which would drop fields they do not
+know. Blocking client calls run in worker threads. Every request first takes a token from a
+QPS/burst bucket (client-go's defaults are far too low for a scheduler, so ours are 50/100),
+and 429, 5xx and connection failures are retried with jittered exponential backoff, honouring
+`Retry-After`.
+
+Watches behave like an informer's reflector: list (paginated) and replay it as ADDED, then
+watch from the list's resourceVersion with bookmarks; a stream that ends is resumed from the
+last resourceVersion seen; a 410 Gone (as an HTTP status or as an ERROR event in the stream)
+relists, and objects that vanished while we were not watching come out as DELETED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+from urllib.parse import quote
+
+import urllib3
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tessera.cluster.port import (
+    ClusterError,
+    ConflictError,
+    KubeObject,
+    NotFoundError,
+    ObjectRef,
+    WatchEvent,
+)
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+EVENT_MESSAGE_LIMIT = 1024
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class KubeClientSettings(BaseSettings):
+    """How the adapter uses the API server (`TESSERA_KUBE_*`)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TESSERA_KUBE_", extra="ignore", populate_by_name=True
+    )
+
+    qps: float = Field(50.0, ge=0, description="sustained requests per second (0: unlimited)")
+    burst: int = Field(100, ge=1, description="requests allowed at once above qps")
+    max_attempts: int = Field(6, ge=1, description="tries per request on 429/5xx/network errors")
+    backoff_initial_s: float = Field(0.2, gt=0)
+    backoff_max_s: float = Field(10.0, gt=0)
+    request_timeout_s: float = Field(30.0, gt=0)
+    watch_timeout_s: int = Field(300, ge=1, description="server-side timeout of one watch call")
+    page_size: int = Field(500, ge=1, description="items per list page")
+    kubeconfig: str | None = Field(
+        None,
+        validation_alias="TESSERA_KUBECONFIG",
+        description="kubeconfig path (default: in-cluster config, else $KUBECONFIG)",
+    )
+    context: str | None = None
+    component: str = Field("tessera", description="event source component")
+
+
+class TokenBucket:
+    """Client-side rate limit: `qps` tokens a second, at most `burst` saved up."""
+
+    def __init__(
+        self,
+        qps: float,
+        burst: int,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._qps = qps
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._clock = clock
+        self._sleep = sleep
+        self._updated = clock()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        if self._qps <= 0:
+            return
+        # The lock makes waiters take tokens in arrival order instead of racing for each refill.
+        async with self._lock:
+            while True:
+                now = self._clock()
+                elapsed = max(0.0, now - self._updated)
+                self._tokens = min(self._burst, self._tokens + elapsed * self._qps)
+                self._updated = now
+                if self._tokens >= 1.0:
+                    self._tokens -= 1.0
+                    return
+                await self._sleep((1.0 - self._tokens) / self._qps)
+
+
+@dataclass
+class _Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    stream: urllib3.BaseHTTPResponse | None = None
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+
+class _GoneError(ClusterError):
+    """The resourceVersion or continue token is too old: start again with a fresh list."""
+
+
+def _status_message(body: bytes, fallback: str) -> str:
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return fallback
+    if isinstance(status, dict) and status.get("message"):
+        return str(status["message"])
+    return fallback
+
+
+def _error_for(status: int, message: str) -> ClusterError:
+    if status == 404:
+        return NotFoundError(message, status)
+    if status == 409:
+        return ConflictError(message, status)
+    if status == 410:
+        return _GoneError(message, status)
+    return ClusterError(message, status)
+
+
+def _is_transient(error: ClusterError) -> bool:
+    return error.status is None or error.status in RETRYABLE_STATUSES
+
+
+def _retry_after(headers: dict[str, str]) -> float | None:
+    value = headers.get("Retry-After") or headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _object_key(obj: KubeObject) -> str:
+    meta = obj.get("metadata", {})
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def _resource_version(obj: KubeObject) -> str | None:
+    version = obj.get("metadata", {}).get("resourceVersion")
+    return str(version) if version else None
+
+
+def _quote(segment: str) -> str:
+    return quote(segment, safe="")
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Complete lines of a chunked watch body (a JSON event may span chunks)."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from (line for line in lines if line.strip())
+    if pending.strip():
+        yield pending
+
+
+class KubernetesCluster:
+    """`ClusterPort` on a real API server."""
+
+    def __init__(
+        self,
+        api_client: k8s_client.ApiClient,
+        settings: KubeClientSettings | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._api = api_client
+        self._settings = settings or KubeClientSettings()
+        self._sleep = sleep
+        self._bucket = TokenBucket(self._settings.qps, self._settings.burst, sleep=sleep)
+
+    @classmethod
+    def from_environment(cls, settings: KubeClientSettings | None = None) -> KubernetesCluster:
+        """In-cluster service account when running in a pod, else the kubeconfig."""
+        settings = settings or KubeClientSettings()
+        configuration = k8s_client.Configuration()
+        if settings.kubeconfig:
+            k8s_config.load_kube_config(
+                config_file=settings.kubeconfig,
+                context=settings.context,
+                client_configuration=configuration,
+            )
+        else:
+            try:
+                k8s_config.load_incluster_config(client_configuration=configuration)
+            except ConfigException:
+                k8s_config.load_kube_config(
+                    context=settings.context, client_configuration=configuration
+                )
+        return cls.from_configuration(configuration, settings)
+
+    @classmethod
+    def from_configuration(
+        cls, configuration: k8s_client.Configuration, settings: KubeClientSettings | None = None
+    ) -> KubernetesCluster:
+        # Our retry loop decides about retries; urllib3's own would multiply them.
+        configuration.retries = False
+        return cls(k8s_client.ApiClient(configuration), settings)
+
+    def close(self) -> None:
+        self._api.close()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]] | None,
+        body: Any,
+        content_type: str,
+        timeout: float | tuple[float, float],
+        stream: bool,
+    ) -> _Reply:
+        """One HTTP exchange, in a worker thread (the client is blocking)."""
+        # Serialised per attempt so a rotated service-account token is picked up.
+        method, url, headers, body, _ = self._api.param_serialize(
+            method,
+            path,
+            query_params=query or [],
+            header_params={"Accept": JSON, "Content-Type": content_type},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._api.call_api(method, url, headers, body, _request_timeout=timeout).response
+        reply_headers = dict(response.headers)
+        if stream and 200 <= response.status < 300:
+            return _Reply(response.status, reply_headers, b"", response)
+        data = response.data
+        response.release_conn()
+        return _Reply(response.status, reply_headers, data)
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self._settings.backoff_max_s)
+        ceiling = min(
+            self._settings.backoff_max_s, self._settings.backoff_initial_s * 2 ** (attempt - 1)
+        )
+        return random.uniform(ceiling / 2, ceiling)
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str = JSON,
+        stream: bool = False,
+        timeout: float | tuple[float, float] | None = None,
+        on_retry: Callable[[], None] | None = None,
+    ) -> _Reply:
+        """A request with rate limiting and retries; raises ClusterError when it fails."""
+        settings = self._settings
+        what = f"{method} {path}"
+        for attempt in range(1, settings.max_attempts + 1):
+            await self._bucket.acquire()
+            retry_after: float | None = None
+            try:
+                reply = await asyncio.to_thread(
+                    self._send,
+                    method,
+                    path,
+                    query,
+                    body,
+                    content_type,
+                    timeout or settings.request_timeout_s,
+                    stream,
+                )
+            except ApiException as exc:  # the client's wrapper for TLS and request-shape errors
+                raise ClusterError(f"{what}: {exc.reason}", exc.status or None) from exc
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                error = ClusterError(f"{what}: {exc}")
+            else:
+                if 200 <= reply.status < 300:
+                    return reply
+                message = _status_message(reply.body, f"HTTP {reply.status}")
+                error = _error_for(reply.status, f"{what}: {message}")
+                if not _is_transient(error):
+                    raise error
+                retry_after = _retry_after(reply.headers)
+            if attempt == settings.max_attempts:
+                raise error
+            delay = self._backoff(attempt, retry_after)
+            log.warning(
+                "kubernetes request failed, retrying",
+                extra={"request": what, "status": error.status, "attempt": attempt, "delay": delay},
+            )
+            if on_retry is not None:
+                on_retry()
+            await self._sleep(delay)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def _get_json(self, path: str, query: list[tuple[str, str]] | None = None) -> Any:
+        return (await self._request("GET", path, query)).json()
+
+    # --- pods ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pods_path(namespace: str | None) -> str:
+        if namespace:
+            return f"/api/v1/namespaces/{_quote(namespace)}/pods"
+        return "/api/v1/pods"
+
+    @staticmethod
+    def _pod_selector(node_name: str | None) -> str | None:
+        return f"spec.nodeName={node_name}" if node_name else None
+
+    async def get_pod(self, namespace: str, name: str) -> KubeObject:
+        pod: KubeObject = await self._get_json(f"{self._pods_path(namespace)}/{_quote(name)}")
+        return pod
+
+    async def list_pods(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> list[KubeObject]:
+        items, _ = await self._list_all(
+            self._pods_path(namespace), self._pod_selector(node_name), "Pod"
+        )
+        return items
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str | None] | None = None,
+        labels: dict[str, str | None] | None = None,
+    ) -> KubeObject:
+        metadata: dict[str, Any] = {}
+        if annotations:
+            metadata["annotations"] = annotations
+        if labels:
+            metadata["labels"] = labels
+        path = f"{self._pods_path(namespace)}/{_quote(name)}"
+        if not metadata:
+            return await self.get_pod(namespace, name)
+        # A merge patch (not strategic): a null value deletes exactly that key.
+        reply = await self._request(
+            "PATCH", path, body={"metadata": metadata}, content_type=MERGE_PATCH
+        )
+        pod: KubeObject = reply.json()
+        return pod
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            # The uid makes the server refuse to bind a pod recreated under the same name.
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        retried = False
+
+        def note_retry() -> None:
+            nonlocal retried
+            retried = True
+
+        path = f"{self._pods_path(namespace)}/{_quote(name)}/binding"
+        try:
+            await self._request("POST", path, body=binding, on_retry=note_retry)
+        except ConflictError:
+            # After a lost reply the first POST may have bound it: that is our success.
+            if retried and await self._bound_to(namespace, name, uid, node):
+                return
+            raise
+
+    async def _bound_to(self, namespace: str, name: str, uid: str, node: str) -> bool:
+        try:
+            pod = await self.get_pod(namespace, name)
+        except ClusterError:
+            return False
+        return (
+            pod.get("metadata", {}).get("uid") == uid
+            and pod.get("spec", {}).get("nodeName") == node
+        )
+
+    def watch_pods(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        return self._list_then_watch(
+            self._pods_path(namespace), self._pod_selector(node_name), "Pod"
+        )
+
+    # --- quotas, nodes, events ----------------------------------------------------------------
+
+    def watch_resource_quotas(self, namespace: str | None = None) -> AsyncIterator[WatchEvent]:
+        path = (
+            f"/api/v1/namespaces/{_quote(namespace)}/resourcequotas"
+            if namespace
+            else "/api/v1/resourcequotas"
+        )
+        return self._list_then_watch(path, None, "ResourceQuota")
+
+    async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
+        await self._request(
+            "PATCH",
+            f"/api/v1/nodes/{_quote(node)}",
+            body={"metadata": {"annotations": annotations}},
+            content_type=MERGE_PATCH,
+        )
+
+    async def record_event(
+        self,
+        involved: ObjectRef,
+        reason: str,
+        message: str,
+        event_type: Literal["Normal", "Warning"] = "Normal",
+    ) -> None:
+        # Events live in the object's namespace; cluster-scoped objects' go to "default".
+        namespace = involved.namespace or "default"
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        component = self._settings.component
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{involved.name}.{time.time_ns():x}", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": involved.api_version,
+                "kind": involved.kind,
+                "namespace": involved.namespace,
+                "name": involved.name,
+                "uid": involved.uid,
+            },
+            "reason": reason,
+            "message": message[:EVENT_MESSAGE_LIMIT],
+            "type": event_type,
+            "source": {"component": component},
+            "reportingComponent": component,
+            "reportingInstance": component,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self._request(
+                "POST", f"/api/v1/namespaces/{_quote(namespace)}/events", body=event
+            )
+        except ConflictError:
+            return  # a retry whose first attempt landed: the event exists
+
+    # --- list + watch -------------------------------------------------------------------------
+
+    async def _list_all(
+        self, path: str, field_selector: str | None, kind: str
+    ) -> tuple[list[KubeObject], str]:
+        """Every object, page by page; returns them with the list's resourceVersion."""
+        while True:
+            items: list[KubeObject] = []
+            token: str | None = None
+            try:
+                while True:
+                    query = [("limit", str(self._settings.page_size))]
+                    if field_selector:
+                        query.append(("fieldSelector", field_selector))
+                    if token:
+                        query.append(("continue", token))
+                    page = await self._get_json(path, query)
+                    for item in page.get("items") or []:
+                        # List items come without kind/apiVersion; watch events carry them.
+                        item.setdefault("kind", kind)
+                        item.setdefault("apiVersion", "v1")
+                        items.append(item)
+                    meta = page.get("metadata", {})
+                    token = meta.get("continue")
+                    if not token:
+                        return items, str(meta.get("resourceVersion", ""))
+            except _GoneError:
+                log.info("list continue token expired, listing again", extra={"path": path})
+
+    async def _list_then_watch(
+        self, path: str, field_selector: str | None, kind: str
+    ) -> AsyncIterator[WatchEvent]:
+        known: dict[str, KubeObject] = {}
+        resource_version: str | None = None
+        failures = 0
+        while True:
+            if resource_version is None:
+                items, resource_version = await self._list_all(path, field_selector, kind)
+                current = {_object_key(item): item for item in items}
+                for key in known.keys() - current.keys():
+                    yield WatchEvent(type="DELETED", object=known[key])
+                known = current
+                for item in items:
+                    yield WatchEvent(type="ADDED", object=item)
+            try:
+                stream = self._watch_stream(path, field_selector, resource_version)
+                async with aclosing(stream):
+                    async for event_type, obj in stream:
+                        failures = 0
+                        resource_version = _resource_version(obj) or resource_version
+                        if event_type == "BOOKMARK":
+                            continue
+                        key = _object_key(obj)
+                        if event_type == "DELETED":
+                            known.pop(key, None)
+                        else:
+                            known[key] = obj
+                        yield WatchEvent(type=event_type, object=obj)
+            except _GoneError:
+                log.info("watch resourceVersion expired, relisting", extra={"path": path})
+                resource_version = None
+            except ClusterError as error:
+                if not _is_transient(error):
+                    raise
+                failures += 1
+                delay = self._backoff(min(failures, 10), None)
+                log.warning(
+                    "watch failed, resuming",
+                    extra={"path": path, "error": str(error), "delay": delay},
+                )
+                await self._sleep(delay)
+
+    async def _watch_stream(
+        self, path: str, field_selector: str | None, resource_version: str
+    ) -> AsyncIterator[tuple[Literal["ADDED", "MODIFIED", "DELETED", "BOOKMARK"], KubeObject]]:
+        """One watch call: its events until the server ends the stream."""
+        timeout_s = self._settings.watch_timeout_s
+        query = [
+            ("watch", "true"),
+            ("resourceVersion", resource_version),
+            ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", str(timeout_s)),
+        ]
+        if field_selector:
+            query.append(("fieldSelector", field_selector))
+        # The read timeout outlives the server's own timeout, so a dead connection still ends.
+        timeout = (self._settings.request_timeout_s, timeout_s + 30.0)
+        reply = await self._request("GET", path, query, stream=True, timeout=timeout)
+        response = reply.stream
+        assert response is not None
+        lines = _split_lines(response.stream(decode_content=True))
+        try:
+            while True:
+                try:
+                    line = await asyncio.to_thread(next, lines, None)
+                except (urllib3.exceptions.HTTPError, OSError) as exc:
+                    raise ClusterError(f"watch {path}: {exc}") from exc
+                if line is None:
+                    return
+                try:
+                    event = json.loads(line)
+                    event_type = event["type"]
+                    obj = event["object"]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ClusterError(f"watch {path}: malformed event {line[:200]!r}") from exc
+                if event_type == "ERROR":
+                    code = obj.get("code") if isinstance(obj, dict) else None
+                    message = obj.get("message", "") if isinstance(obj, dict) else str(obj)
+                    raise _error_for(int(code or 500), f"watch {path}: {message}")
+                if event_type in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+                    yield event_type, obj
+        finally:
+            # Interrupts a read still blocked in a worker thread if our consumer went away, and
+            # drops the connection rather than pooling one with an unread body.
+            response.shutdown()
+            response.close()
