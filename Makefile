@@ -1,0 +1,61 @@
+# Developer commands. `make test` and `make demo` work from a fresh clone on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: all dev native protos browser test lint format demo bench docs clean
+
+all: dev native protos
+
+# The virtual environment with the project (editable) and its test tools.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+dev: $(STAMP)
+
+# libvgpu and the fakes its tests use.
+native: dev
+	@if [ -f native/libvgpu/Makefile ]; then \
+		$(MAKE) -C native/libvgpu PYTHON=$(abspath $(BIN)/python); \
+	else echo "native/libvgpu: not built yet"; fi
+
+# gRPC stubs for the kubelet APIs, generated from protos/.
+protos: dev
+
+# Headless Chromium for the dashboard's browser test (Debian package; never `playwright install`).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "could not install chromium: browser tests will be skipped"; \
+		else echo "chromium missing and not root: browser tests will be skipped"; fi; }
+
+test: dev native protos browser
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: dev
+	$(BIN)/ruff check .
+
+format: dev
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+demo: dev native protos
+	$(BIN)/tessera up $(DEMO_ARGS)
+
+bench: dev native protos
+	@for script in bench/*.py; do \
+		case "$$script" in bench/record.py) continue;; esac; \
+		echo "== $$script"; $(BIN)/python "$$script" || exit 1; done
+
+docs: dev
+	$(BIN)/python -m tessera.events_doc > docs/events.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info native/libvgpu/build .pytest_cache .ruff_cache

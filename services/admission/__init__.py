@@ -1,0 +1,1 @@
+"""tessera-admission: mutating admission webhook (HAMi rules)."""

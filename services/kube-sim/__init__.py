@@ -1,0 +1,1 @@
+"""tessera-kube-sim: local stand-in for apiserver, kube-scheduler and kubelet."""

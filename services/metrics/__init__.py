@@ -1,0 +1,1 @@
+"""tessera-metrics: Prometheus exposition and the dashboard."""

@@ -1,0 +1,1 @@
+"""tessera-node-agent: device discovery, device plugin, container regions."""

@@ -1,0 +1,1 @@
+"""tessera-quota: namespace GPU quotas over NATS."""

@@ -1,0 +1,1 @@
+"""tessera-scheduler: kube-scheduler extender and the allocation ledger."""

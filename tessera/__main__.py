@@ -1,0 +1,3 @@
+from tessera.cli.app import main
+
+main()

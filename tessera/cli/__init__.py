@@ -1,0 +1,1 @@
+"""The `tessera` command line: one module per command group, registered in app.py."""

@@ -1,0 +1,84 @@
+"""`tessera events`: tail the event stream, readable or as JSON lines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+
+import typer
+from rich.console import Console
+
+from tessera.bus import EVENTS_ALL, connect
+from tessera.events import subscribe
+from tessera.models import AllocationEvent, Event
+from tessera.settings import NatsSettings
+
+
+def describe(event: Event) -> str:
+    """One readable line for a person."""
+    data = event.model_dump(exclude={"event_id", "at", "source", "reason"})
+    if isinstance(event, AllocationEvent):
+        gpus = ", ".join(
+            f"{g.uuid}({g.memory_mib}MiB,{g.cores}%)" for c in event.containers for g in c
+        )
+        text = f"{event.namespace}/{event.name} {event.action} on {event.node}"
+        return text + (f" [{gpus}]" if gpus else "")
+    parts = [f"{k}={v}" for k, v in data.items() if v not in (None, "", [], {})]
+    return " ".join(parts)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("events")
+    def events_command(
+        subject: str = typer.Argument(EVENTS_ALL, help="filter, e.g. 'tessera.events.alloc.>'"),
+        as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+        since_seq: int | None = typer.Option(None, "--since-seq", help="start at this sequence"),
+        since: str | None = typer.Option(None, help="start at this ISO time (2026-11-29T10:00)"),
+        new: bool = typer.Option(False, "--new", help="only events published from now on"),
+        follow: bool = typer.Option(True, "--follow/--no-follow", help="keep waiting for more"),
+        idle_exit_s: float = typer.Option(1.0, help="with --no-follow: stop after this quiet time"),
+    ) -> None:
+        """Tail Tessera's event stream (allocations, nodes, admission, quota, OOM)."""
+        start_time = dt.datetime.fromisoformat(since) if since else None
+        asyncio.run(_tail(subject, as_json, since_seq, start_time, new, follow, idle_exit_s))
+
+
+async def _tail(
+    subject: str,
+    as_json: bool,
+    since_seq: int | None,
+    start_time: dt.datetime | None,
+    new: bool,
+    follow: bool,
+    idle_exit_s: float,
+) -> None:
+    console = Console(highlight=False)
+    nc = await connect(NatsSettings(), name="tessera-cli-events", initial_attempts=3)
+    stream = subscribe(
+        nc, subject, start_sequence=since_seq, start_time=start_time, new_only=new
+    )
+    try:
+        while True:
+            try:
+                received = await asyncio.wait_for(
+                    anext(stream), timeout=None if follow else idle_exit_s
+                )
+            except (TimeoutError, StopAsyncIteration):
+                break
+            event = received.event
+            if as_json:
+                line = {"seq": received.sequence, "subject": received.subject,
+                        "schema": type(event).__name__, "version": event.SCHEMA_VERSION,
+                        **event.model_dump(mode="json")}
+                print(json.dumps(line), flush=True)
+            else:
+                when = dt.datetime.fromtimestamp(event.at).strftime("%H:%M:%S.%f")[:-3]
+                kind = received.subject.removeprefix("tessera.events.")
+                reason = f"  [dim]{event.reason}[/dim]" if event.reason else ""
+                console.print(f"{when} [bold]{kind}[/bold] {describe(event)}{reason}")
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+        await nc.close()

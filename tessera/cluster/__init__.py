@@ -1,0 +1,23 @@
+"""The cluster port and its implementations (see port.py)."""
+
+from tessera.cluster.memory import InMemoryCluster
+from tessera.cluster.port import (
+    ClusterError,
+    ClusterPort,
+    ConflictError,
+    KubeObject,
+    NotFoundError,
+    ObjectRef,
+    WatchEvent,
+)
+
+__all__ = [
+    "ClusterError",
+    "ClusterPort",
+    "ConflictError",
+    "InMemoryCluster",
+    "KubeObject",
+    "NotFoundError",
+    "ObjectRef",
+    "WatchEvent",
+]

@@ -1,0 +1,160 @@
+"""An in-memory cluster behind the cluster port, for unit tests of services.
+
+It keeps the API server's contract where services rely on it: binding an already bound pod is a
+conflict, merge patches with None delete keys, watches list first and then stream changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from tessera.cluster.port import ConflictError, KubeObject, NotFoundError, ObjectRef, WatchEvent
+
+
+class InMemoryCluster:
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], KubeObject] = {}
+        self.quotas: dict[tuple[str, str], KubeObject] = {}
+        self.node_annotations: dict[str, dict[str, str]] = {}
+        self.events: list[dict[str, Any]] = []
+        self._pod_watchers: list[asyncio.Queue[WatchEvent]] = []
+        self._quota_watchers: list[asyncio.Queue[WatchEvent]] = []
+
+    # --- test helpers ---------------------------------------------------------------------
+    def add_pod(self, pod: KubeObject) -> KubeObject:
+        pod = copy.deepcopy(pod)
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("annotations", {})
+        meta.setdefault("labels", {})
+        pod.setdefault("status", {"phase": "Pending"})
+        self.pods[(meta["namespace"], meta["name"])] = pod
+        self._emit(self._pod_watchers, "ADDED", pod)
+        return copy.deepcopy(pod)
+
+    def update_pod(self, pod: KubeObject) -> None:
+        key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        self.pods[key] = copy.deepcopy(pod)
+        self._emit(self._pod_watchers, "MODIFIED", pod)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        pod = self.pods.pop((namespace, name))
+        self._emit(self._pod_watchers, "DELETED", pod)
+
+    def put_quota(self, quota: KubeObject) -> None:
+        key = (quota["metadata"].get("namespace", "default"), quota["metadata"]["name"])
+        kind = "MODIFIED" if key in self.quotas else "ADDED"
+        self.quotas[key] = copy.deepcopy(quota)
+        self._emit(self._quota_watchers, kind, quota)
+
+    # --- the port -------------------------------------------------------------------------
+    async def get_pod(self, namespace: str, name: str) -> KubeObject:
+        try:
+            return copy.deepcopy(self.pods[(namespace, name)])
+        except KeyError:
+            raise NotFoundError(f"pod {namespace}/{name} not found", 404) from None
+
+    async def list_pods(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> list[KubeObject]:
+        return [copy.deepcopy(p) for p in self.pods.values() if _matches(p, namespace, node_name)]
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str | None] | None = None,
+        labels: dict[str, str | None] | None = None,
+    ) -> KubeObject:
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise NotFoundError(f"pod {namespace}/{name} not found", 404)
+        meta = pod["metadata"]
+        for field, patch in (("annotations", annotations), ("labels", labels)):
+            target = meta.setdefault(field, {})
+            for key, value in (patch or {}).items():
+                if value is None:
+                    target.pop(key, None)
+                else:
+                    target[key] = value
+        self._emit(self._pod_watchers, "MODIFIED", pod)
+        return copy.deepcopy(pod)
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise NotFoundError(f"pod {namespace}/{name} not found", 404)
+        if uid and pod["metadata"].get("uid") != uid:
+            raise ConflictError(f"pod {namespace}/{name} uid mismatch", 409)
+        if pod.get("spec", {}).get("nodeName"):
+            raise ConflictError(f"pod {namespace}/{name} is already bound", 409)
+        pod.setdefault("spec", {})["nodeName"] = node
+        self._emit(self._pod_watchers, "MODIFIED", pod)
+
+    async def watch_pods(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._pod_watchers.append(queue)
+        try:
+            for pod in list(self.pods.values()):
+                if _matches(pod, namespace, node_name):
+                    yield WatchEvent(type="ADDED", object=copy.deepcopy(pod))
+            while True:
+                event = await queue.get()
+                if _matches(event.object, namespace, node_name):
+                    yield event
+        finally:
+            self._pod_watchers.remove(queue)
+
+    async def watch_resource_quotas(
+        self, namespace: str | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._quota_watchers.append(queue)
+        try:
+            for quota in list(self.quotas.values()):
+                if _matches(quota, namespace, None):
+                    yield WatchEvent(type="ADDED", object=copy.deepcopy(quota))
+            while True:
+                event = await queue.get()
+                if _matches(event.object, namespace, None):
+                    yield event
+        finally:
+            self._quota_watchers.remove(queue)
+
+    async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
+        target = self.node_annotations.setdefault(node, {})
+        for key, value in annotations.items():
+            if value is None:
+                target.pop(key, None)
+            else:
+                target[key] = value
+
+    async def record_event(
+        self,
+        involved: ObjectRef,
+        reason: str,
+        message: str,
+        event_type: Literal["Normal", "Warning"] = "Normal",
+    ) -> None:
+        self.events.append(
+            {"involved": involved.model_dump(), "reason": reason, "message": message,
+             "type": event_type}
+        )
+
+    @staticmethod
+    def _emit(watchers: list[asyncio.Queue[WatchEvent]], kind: str, obj: KubeObject) -> None:
+        for queue in watchers:
+            queue.put_nowait(WatchEvent(type=kind, object=copy.deepcopy(obj)))  # type: ignore[arg-type]
+
+
+def _matches(obj: KubeObject, namespace: str | None, node_name: str | None) -> bool:
+    if namespace and obj.get("metadata", {}).get("namespace") != namespace:
+        return False
+    return not (node_name and obj.get("spec", {}).get("nodeName") != node_name)

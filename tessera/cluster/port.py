@@ -1,0 +1,108 @@
+"""The cluster port: the few Kubernetes operations Tessera's services need.
+
+Services talk to the cluster only through this interface. Objects are plain Kubernetes JSON
+(dicts exactly as the API server serves them), so the real adapter and the local stand-in
+(kube-sim) stay interchangeable and tests can build objects from YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel
+
+KubeObject = dict[str, Any]
+WatchEventType = Literal["ADDED", "MODIFIED", "DELETED"]
+
+
+class WatchEvent(BaseModel):
+    """One change seen by a watch. A (re)list is replayed as ADDED events."""
+
+    type: WatchEventType
+    object: KubeObject
+
+
+class ObjectRef(BaseModel):
+    """What an Event is about (core/v1 ObjectReference, the fields we use)."""
+
+    kind: str = "Pod"
+    namespace: str = ""
+    name: str
+    uid: str = ""
+    api_version: str = "v1"
+
+
+class ClusterError(Exception):
+    """A cluster call failed; `status` is the HTTP status when there is one."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class NotFoundError(ClusterError):
+    """The object does not exist (HTTP 404)."""
+
+
+class ConflictError(ClusterError):
+    """The write lost a race or the object is already in that state (HTTP 409)."""
+
+
+@runtime_checkable
+class ClusterPort(Protocol):
+    """Everything the services ask of Kubernetes.
+
+    Implementations: `tessera.cluster.memory.InMemoryCluster` (tests), the Kubernetes adapter
+    (`kubernetes` client) and the kube-sim adapter. All methods are coroutines; watches are async
+    iterators that list first (yielding ADDED for every existing object), then stream changes,
+    and relist by themselves when the server says their resourceVersion is too old (410 Gone).
+    """
+
+    async def get_pod(self, namespace: str, name: str) -> KubeObject:
+        """The pod as the API serves it. Raises NotFoundError."""
+        ...
+
+    async def list_pods(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> list[KubeObject]:
+        """Pods, optionally only one namespace and/or only those bound to `node_name`."""
+        ...
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str | None] | None = None,
+        labels: dict[str, str | None] | None = None,
+    ) -> KubeObject:
+        """JSON merge patch of metadata; a None value removes the key. Returns the new pod."""
+        ...
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        """POST pods/<name>/binding. ConflictError if the pod is already bound."""
+        ...
+
+    def watch_pods(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        """List then watch pods (see the class doc for relist semantics)."""
+        ...
+
+    def watch_resource_quotas(self, namespace: str | None = None) -> AsyncIterator[WatchEvent]:
+        """List then watch ResourceQuota objects."""
+        ...
+
+    async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
+        """JSON merge patch of a node's annotations; None removes the key."""
+        ...
+
+    async def record_event(
+        self,
+        involved: ObjectRef,
+        reason: str,
+        message: str,
+        event_type: Literal["Normal", "Warning"] = "Normal",
+    ) -> None:
+        """Create a core/v1 Event about `involved` (best effort: callers may ignore failures)."""
+        ...

@@ -1,0 +1,363 @@
+"""HAMi encodings, in one place: resource requests, pod and node annotations.
+
+Facts from specs/hami-compat.md; the code is ours. Parsing is pure and raises RequestError with
+a sentence a person can act on; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from tessera.models import DeviceGrant, DeviceInfo
+from tessera.settings import TesseraSettings
+
+# --- annotation and label keys ----------------------------------------------------------------
+ANN_DEVICES_TO_ALLOCATE = "hami.io/vgpu-devices-to-allocate"
+ANN_DEVICES_ALLOCATED = "hami.io/vgpu-devices-allocated"
+ANN_VGPU_NODE = "hami.io/vgpu-node"
+ANN_VGPU_TIME = "hami.io/vgpu-time"
+ANN_BIND_TIME = "hami.io/bind-time"
+ANN_BIND_PHASE = "hami.io/bind-phase"
+LABEL_VGPU_NODE = ANN_VGPU_NODE
+ANN_NODE_REGISTER = "hami.io/node-nvidia-register"
+ANN_DEVICE_CORDON = "hami.io/device-cordon"
+ANN_USE_GPUTYPE = "nvidia.com/use-gputype"
+ANN_NOUSE_GPUTYPE = "nvidia.com/nouse-gputype"
+ANN_USE_GPUUUID = "nvidia.com/use-gpuuuid"
+ANN_NOUSE_GPUUUID = "nvidia.com/nouse-gpuuuid"
+ANN_NUMA_BIND = "nvidia.com/numa-bind"
+ANN_VGPU_MODE = "nvidia.com/vgpu-mode"
+ANN_GPU_POLICY = "hami.io/gpu-scheduler-policy"
+ANN_NODE_POLICY = "hami.io/node-scheduler-policy"
+ANN_SCORING_WEIGHTS = "hami.io/device-scoring-weights"
+# Prefixes a user may never set: only the scheduler writes them.
+SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-")
+
+BIND_PHASE_ALLOCATING = "allocating"
+BIND_PHASE_SUCCESS = "success"
+BIND_PHASE_FAILED = "failed"
+
+# Absurd values are refused rather than silently wrapped (16 TiB per GPU, 1024 GPUs).
+MAX_MEMORY_MIB = 16 * 1024 * 1024
+MAX_GPU_COUNT = 1024
+
+
+class RequestError(ValueError):
+    """A GPU request that cannot be honoured as written."""
+
+
+# --- quantities -------------------------------------------------------------------------------
+
+_SUFFIXES: dict[str, Decimal] = {
+    "": Decimal(1),
+    "m": Decimal("0.001"),
+    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+}
+
+
+def parse_quantity(value: object, resource: str = "quantity") -> Decimal:
+    """A Kubernetes quantity ("3000", "1.5", "2Gi", "500m", 7) as an exact Decimal."""
+    if isinstance(value, bool) or value is None:
+        raise RequestError(f"{resource}: {value!r} is not a quantity")
+    if isinstance(value, int):
+        return Decimal(value)
+    if isinstance(value, float):
+        value = repr(value)
+    if not isinstance(value, str):
+        raise RequestError(f"{resource}: {value!r} is not a quantity")
+    text = value.strip()
+    if not text or len(text) > 64:
+        raise RequestError(f"{resource}: {value!r} is not a quantity")
+    number, suffix = text, ""
+    for candidate in sorted(_SUFFIXES, key=len, reverse=True):
+        if candidate and text.endswith(candidate):
+            number, suffix = text[: -len(candidate)], candidate
+            break
+    # Only plain decimal numbers with an optional e/E exponent, as Kubernetes accepts.
+    if not number or any(ch not in "0123456789.+-eE" for ch in number):
+        raise RequestError(f"{resource}: {value!r} is not a quantity")
+    try:
+        parsed = Decimal(number) * _SUFFIXES[suffix]
+    except InvalidOperation as exc:
+        raise RequestError(f"{resource}: {value!r} is not a quantity") from exc
+    if not parsed.is_finite():
+        raise RequestError(f"{resource}: {value!r} is not a finite quantity")
+    return parsed
+
+
+def _as_int(value: object, resource: str, *, low: int, high: int) -> int:
+    parsed = parse_quantity(value, resource)
+    if parsed != parsed.to_integral_value():
+        raise RequestError(f"{resource}: {value!r} must be a whole number")
+    if parsed < low:
+        raise RequestError(f"{resource}: {value!r} must be at least {low}")
+    if parsed > high:
+        raise RequestError(f"{resource}: {value!r} is absurdly large (at most {high})")
+    return int(parsed)
+
+
+# --- container requests -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """What one container asks of each of its GPUs, after HAMi's defaults.
+
+    `memory_mib` is 0 when the request is a percentage (`memory_percentage` then applies per card).
+    """
+
+    count: int
+    memory_mib: int
+    memory_percentage: int | None
+    cores: int
+    priority: int | None = None
+
+    @property
+    def exclusive(self) -> bool:
+        return self.cores >= 100
+
+    def memory_on(self, card_memory_mib: int) -> int:
+        """The MiB this request takes on a card of that size."""
+        if self.memory_percentage is not None:
+            return card_memory_mib * self.memory_percentage // 100
+        return self.memory_mib
+
+
+def _resources(container: dict[str, Any], key: str) -> object | None:
+    resources = container.get("resources") or {}
+    if not isinstance(resources, dict):
+        raise RequestError(f"container {container.get('name', '?')}: resources must be an object")
+    for section in ("limits", "requests"):
+        values = resources.get(section) or {}
+        if not isinstance(values, dict):
+            raise RequestError(f"container {container.get('name', '?')}: {section} must be a map")
+        if key in values:
+            return values[key]
+    return None
+
+
+def raw_percentage(container: dict[str, Any], settings: TesseraSettings) -> Decimal | None:
+    """The percentage exactly as written (admission refuses values outside [0, 100])."""
+    value = _resources(container, settings.resource_mem_percentage)
+    return None if value is None else parse_quantity(value, settings.resource_mem_percentage)
+
+
+def parse_container_request(
+    container: dict[str, Any], settings: TesseraSettings
+) -> ContainerRequest | None:
+    """HAMi's reading of a container's GPU resources; None when it asks for no GPU."""
+    name = container.get("name", "?")
+    raw_count = _resources(container, settings.resource_name)
+    raw_mem = _resources(container, settings.resource_mem)
+    raw_pct = _resources(container, settings.resource_mem_percentage)
+    raw_cores = _resources(container, settings.resource_cores)
+    raw_priority = _resources(container, settings.resource_priority)
+    where = f"container {name}: "
+    count = 0
+    if raw_count is not None:
+        count = _as_int(raw_count, where + settings.resource_name, low=0, high=MAX_GPU_COUNT)
+    memory = 0
+    if raw_mem is not None:
+        memory = _as_int(raw_mem, where + settings.resource_mem, low=0, high=MAX_MEMORY_MIB)
+        memory *= settings.memory_factor
+        if memory > MAX_MEMORY_MIB:
+            raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
+    percentage: int | None = None
+    if raw_pct is not None:
+        pct = parse_quantity(raw_pct, where + settings.resource_mem_percentage)
+        # HAMi: > 100 clamps to 100, <= 0 is ignored (unset is not the same as 0).
+        if pct > 0:
+            percentage = int(min(pct, Decimal(100)))
+    cores = settings.default_cores
+    if raw_cores is not None:
+        cores = min(100, _as_int(raw_cores, where + settings.resource_cores, low=0, high=10**9))
+    priority: int | None = None
+    if raw_priority is not None:
+        priority = _as_int(raw_priority, where + settings.resource_priority, low=0, high=1)
+    if count == 0:
+        if raw_mem is None and raw_pct is None and raw_cores is None:
+            return None
+        count = settings.default_gpu_num
+    if memory == 0 and percentage is None:
+        if settings.default_mem:
+            memory = settings.default_mem
+        else:
+            percentage = 100
+    if memory and percentage is not None:
+        percentage = None  # an explicit MiB request wins over a percentage
+    return ContainerRequest(count, memory, percentage, cores, priority)
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    """Every container's request, positionally: init containers first (None = no GPU)."""
+
+    init: list[ContainerRequest | None] = field(default_factory=list)
+    containers: list[ContainerRequest | None] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[ContainerRequest | None]:
+        return [*self.init, *self.containers]
+
+    @property
+    def wants_gpu(self) -> bool:
+        return any(r is not None for r in self.all)
+
+
+def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequest:
+    spec = pod.get("spec") or {}
+    if not isinstance(spec, dict):
+        raise RequestError("pod spec must be an object")
+    init = spec.get("initContainers") or []
+    app = spec.get("containers") or []
+    if not isinstance(init, list) or not isinstance(app, list):
+        raise RequestError("containers must be lists")
+    for c in [*init, *app]:
+        if not isinstance(c, dict):
+            raise RequestError("every container must be an object")
+    return PodRequest(
+        init=[parse_container_request(c, settings) for c in init],
+        containers=[parse_container_request(c, settings) for c in app],
+    )
+
+
+def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tuple[int, int, int]:
+    """(memory MiB, cores, GPUs) charged to the namespace: app containers summed over every GPU,
+    init containers by max. Percentage requests count only when the card size is known."""
+
+    def charge(r: ContainerRequest | None) -> tuple[int, int, int]:
+        if r is None:
+            return 0, 0, 0
+        mem = r.memory_mib if r.memory_percentage is None else (
+            card_memory_mib * r.memory_percentage // 100 if card_memory_mib else 0
+        )
+        return mem * r.count, r.cores * r.count, r.count
+
+    app = [charge(r) for r in request.containers]
+    init = [charge(r) for r in request.init]
+    totals = tuple(sum(v[i] for v in app) for i in range(3))
+    peaks = tuple(max((v[i] for v in init), default=0) for i in range(3))
+    return tuple(max(t, p) for t, p in zip(totals, peaks, strict=True))  # type: ignore[return-value]
+
+
+# --- hami.io/vgpu-devices-to-allocate ----------------------------------------------------------
+
+_FORBIDDEN_IN_FIELDS = set(",:;")
+
+
+def encode_pod_devices(containers: list[list[DeviceGrant]]) -> str:
+    """Containers in order (init first), each ended by ';', devices `UUID,TYPE,MEM,CORES:`."""
+    out: list[str] = []
+    for devices in containers:
+        for d in devices:
+            if _FORBIDDEN_IN_FIELDS & set(d.uuid + d.type):
+                raise ValueError(f"device {d.uuid!r}/{d.type!r} contains a separator")
+            out.append(f"{d.uuid},{d.type},{d.memory_mib},{d.cores}:")
+        out.append(";")
+    return "".join(out)
+
+
+def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
+    """Inverse of encode_pod_devices; ValueError on a malformed annotation."""
+    if text == "":
+        return []
+    if not text.endswith(";"):
+        raise ValueError(f"{ANN_DEVICES_TO_ALLOCATE}: must end with ';': {text[:80]!r}")
+    containers: list[list[DeviceGrant]] = []
+    for part in text.split(";")[:-1]:
+        devices: list[DeviceGrant] = []
+        if part:
+            if not part.endswith(":"):
+                raise ValueError(f"device list must end with ':': {part[:80]!r}")
+            for item in part.split(":")[:-1]:
+                fields = item.split(",")
+                if len(fields) != 4:
+                    raise ValueError(f"device must be UUID,TYPE,MEM,CORES: {item[:80]!r}")
+                uuid, dtype, mem, cores = fields
+                try:
+                    devices.append(DeviceGrant(
+                        uuid=uuid, type=dtype, memory_mib=int(mem), cores=int(cores)
+                    ))
+                except ValueError as exc:
+                    raise ValueError(f"bad memory/cores in {item[:80]!r}") from exc
+        containers.append(devices)
+    return containers
+
+
+# --- hami.io/node-nvidia-register --------------------------------------------------------------
+
+
+def encode_node_register(devices: list[DeviceInfo]) -> str:
+    """The JSON form HAMi tooling reads."""
+    return json.dumps([
+        {
+            "id": d.uuid, "index": d.index, "count": d.split_count, "devmem": d.memory_mib,
+            "devcore": d.cores, "type": d.type, "numa": d.numa, "mode": d.mode,
+            "health": d.healthy,
+        }
+        for d in devices
+    ], separators=(",", ":"))
+
+
+def decode_node_register(text: str) -> list[DeviceInfo]:
+    """Either form: the JSON array, or the legacy `UUID,count,devmem,devcore,type,numa,health
+    [,index,mode]` items joined by ':'."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ANN_NODE_REGISTER}: invalid JSON: {exc}") from exc
+        devices = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ValueError(f"{ANN_NODE_REGISTER}: item {i} is not an object")
+            devices.append(DeviceInfo(
+                uuid=item["id"], index=item.get("index", i), split_count=item.get("count", 10),
+                memory_mib=item.get("devmem", 0), cores=item.get("devcore", 100),
+                type=item.get("type", ""), numa=item.get("numa", 0),
+                mode=item.get("mode") or "hami-core", healthy=bool(item.get("health", True)),
+            ))
+        return devices
+    devices = []
+    for i, item in enumerate(p for p in text.split(":") if p):
+        fields = item.split(",")
+        if len(fields) < 7:
+            raise ValueError(f"{ANN_NODE_REGISTER}: legacy item needs 7 fields: {item[:80]!r}")
+        try:
+            devices.append(DeviceInfo(
+                uuid=fields[0], split_count=int(fields[1]), memory_mib=int(fields[2]),
+                cores=int(fields[3]), type=fields[4], numa=int(fields[5]),
+                healthy=fields[6].strip().lower() == "true",
+                index=int(fields[7]) if len(fields) > 7 and fields[7] else i,
+                mode=fields[8] if len(fields) > 8 and fields[8] else "hami-core",
+            ))
+        except ValueError as exc:
+            raise ValueError(f"{ANN_NODE_REGISTER}: bad number in {item[:80]!r}") from exc
+    return devices
+
+
+def parse_scoring_weights(text: str) -> tuple[int, int, int]:
+    """`slot=1,core=1,memory=3` → (slot, core, memory); all three keys, ints ≥ 0, one > 0."""
+    weights: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("slot", "core", "memory") or key in weights:
+            raise RequestError(f"{ANN_SCORING_WEIGHTS}: expected slot=N,core=N,memory=N: {text!r}")
+        if not value.strip().isdigit():
+            raise RequestError(f"{ANN_SCORING_WEIGHTS}: {key} must be an integer >= 0")
+        weights[key] = int(value)
+    if len(weights) != 3 or not any(weights.values()):
+        raise RequestError(f"{ANN_SCORING_WEIGHTS}: give slot, core and memory, one above 0")
+    return weights["slot"], weights["core"], weights["memory"]
+
+
+def scheduler_owned(annotation: str) -> bool:
+    return annotation.startswith(SCHEDULER_OWNED_PREFIXES)

@@ -1,0 +1,292 @@
+"""Every message Tessera puts on the bus: KV values, events, usage samples, request/replies.
+
+All times are unix seconds (float). Memory is MiB unless a field says bytes. A device's
+`memory_mib` and `cores` are what it advertises (physical × the configured scaling).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from enum import StrEnum
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from tessera.codec import Message
+
+
+def now() -> float:
+    return time.time()
+
+
+# ---------------------------------------------------------------------------------------------
+# Nodes (KV tessera-nodes)
+
+
+class DeviceInfo(Message):
+    """One physical GPU as the node agent advertises it."""
+
+    uuid: str
+    index: int = Field(ge=0)
+    type: str = Field(description="NVML name prefixed with NVIDIA-, e.g. NVIDIA-H200")
+    memory_mib: int = Field(ge=0, description="advertised memory = physical × memory scaling")
+    physical_memory_mib: int = Field(0, ge=0)
+    cores: int = Field(100, ge=0, description="advertised compute = 100 × core scaling")
+    split_count: int = Field(10, ge=1, description="replica slots (pods) the GPU can hold")
+    numa: int = 0
+    healthy: bool = True
+    mode: str = "hami-core"
+    links: dict[str, int] = Field(
+        default_factory=dict, description="peer GPU uuid -> HAMi link score (higher is better)"
+    )
+
+
+class NodeRegistration(Message):
+    """KV tessera-nodes[node]: re-put on every heartbeat; the bucket TTL drops dead nodes."""
+
+    node: str
+    devices: list[DeviceInfo]
+    heartbeat_at: float = Field(default_factory=now)
+    agent_version: str = "0.1.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Ledger (KV tessera-ledger)
+
+
+class AllocationState(StrEnum):
+    RESERVED = "reserved"
+    BOUND = "bound"
+    ALLOCATED = "allocated"
+    RELEASED = "released"
+    FAILED = "failed"
+
+
+ACTIVE_STATES = frozenset(
+    {AllocationState.RESERVED, AllocationState.BOUND, AllocationState.ALLOCATED}
+)
+
+
+class DeviceGrant(Message):
+    """One GPU given to one container: HAMi's `UUID,TYPE,MEM,CORES`."""
+
+    uuid: str
+    type: str
+    memory_mib: int = Field(ge=0)
+    cores: int = Field(ge=0)
+
+
+class Allocation(Message):
+    """A pod's grants on one node. `containers` is positional: init containers first."""
+
+    pod_uid: str
+    namespace: str
+    name: str
+    node: str
+    containers: list[list[DeviceGrant]]
+    init_count: int = Field(0, ge=0, description="how many leading entries are init containers")
+    init_done: bool = Field(False, description="init containers finished: usage shrinks")
+    state: AllocationState = AllocationState.RESERVED
+    created_at: float = Field(default_factory=now)
+    updated_at: float = Field(default_factory=now)
+    expires_at: float | None = Field(None, description="a reservation not bound by then lapses")
+    priority: int = 1
+    core_policy: str = "default"
+    reason: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+class InFlightClaim(Message):
+    """The single pod a node is between bind and Allocate for (DESIGN §3 step 3-4)."""
+
+    pod_uid: str
+    namespace: str
+    name: str
+    taken_at: float = Field(default_factory=now)
+    expires_at: float
+    holder: str = Field("", description="the scheduler instance that took it")
+
+
+class NodeLedger(Message):
+    """KV tessera-ledger[node]: every allocation on the node. Every write is a CAS."""
+
+    node: str
+    allocations: dict[str, Allocation] = Field(default_factory=dict)
+    claim: InFlightClaim | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Quota (KV tessera-quota)
+
+
+class QuotaAmount(Message):
+    """Memory (MiB), cores (% units) and GPU count. None = unlimited (for limits)."""
+
+    memory_mib: int | None = None
+    cores: int | None = None
+    gpus: int | None = None
+
+
+class QuotaCharge(Message):
+    """What one pod holds against its namespace quota."""
+
+    pod_uid: str
+    name: str = ""
+    memory_mib: int = Field(0, ge=0)
+    cores: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0)
+    at: float = Field(default_factory=now)
+
+
+class QuotaState(Message):
+    """KV tessera-quota[namespace]: the limits and the charges that make up usage."""
+
+    namespace: str
+    limits: QuotaAmount = Field(default_factory=QuotaAmount)
+    charges: dict[str, QuotaCharge] = Field(default_factory=dict)
+    source: str = Field("", description="where the limits came from (ResourceQuota name, cli)")
+
+    def used(self) -> QuotaAmount:
+        return QuotaAmount(
+            memory_mib=sum(c.memory_mib for c in self.charges.values()),
+            cores=sum(c.cores for c in self.charges.values()),
+            gpus=sum(c.gpus for c in self.charges.values()),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Usage samples (core NATS tessera.usage.<node>, loss tolerant)
+
+
+class DeviceUsage(Message):
+    uuid: str
+    used_bytes: int = Field(0, ge=0)
+    limit_bytes: int = Field(0, ge=0)
+    sm_util: float = Field(0.0, ge=0, description="achieved compute %, last window")
+    sm_limit: int = Field(0, ge=0)
+    last_kernel_at: float | None = None
+
+
+class ContainerUsage(Message):
+    pod_uid: str
+    namespace: str
+    pod: str
+    container: str
+    devices: list[DeviceUsage]
+    oom_count: int = 0
+
+
+class HostDeviceUsage(Message):
+    uuid: str
+    used_bytes: int = Field(0, ge=0)
+    total_bytes: int = Field(0, ge=0)
+    utilization: float = Field(0.0, ge=0)
+
+
+class UsageSample(Message):
+    node: str
+    at: float = Field(default_factory=now)
+    containers: list[ContainerUsage] = Field(default_factory=list)
+    devices: list[HostDeviceUsage] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events (stream TESSERA_EVENTS, subjects tessera.events.<family>.<scope>.<action>)
+
+
+class Event(Message):
+    """Common envelope fields of every event. `event_id` is the Nats-Msg-Id (dedupe key)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.>"
+    event_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex,
+        description="unique id, also the Nats-Msg-Id: a re-publish with the same id is dropped",
+    )
+    at: float = Field(default_factory=now, description="unix seconds when it happened")
+    source: str = Field("", description="the service instance that published it")
+    reason: str = Field("", description="why, in words a person can act on")
+
+
+AllocAction = Literal["reserved", "bound", "allocated", "released", "failed", "mismatch"]
+NodeAction = Literal["registered", "unhealthy", "lost"]
+AdmissionAction = Literal["allowed", "denied", "mutated"]
+QuotaAction = Literal["changed", "exceeded"]
+
+
+class AllocationEvent(Event):
+    """A pod's allocation changed state on a node."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.alloc.<node>.<action>"
+    action: AllocAction
+    node: str
+    pod_uid: str
+    namespace: str
+    name: str
+    containers: list[list[DeviceGrant]] = Field(default_factory=list)
+
+
+class NodeEvent(Event):
+    """A node registered, a GPU turned unhealthy (or healthy again), or the node was lost."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.node.<node>.<action>"
+    action: NodeAction
+    node: str
+    device_uuids: list[str] = Field(default_factory=list)
+
+
+class AdmissionEvent(Event):
+    """The webhook allowed, denied or mutated a pod."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.admission.<namespace>.<action>"
+    action: AdmissionAction
+    namespace: str
+    name: str = ""
+    pod_uid: str = ""
+
+
+class QuotaEvent(Event):
+    """A namespace's quota limits changed, or a request would exceed them."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.quota.<namespace>.<action>"
+    action: QuotaAction
+    namespace: str
+    limits: QuotaAmount = Field(default_factory=QuotaAmount)
+    used: QuotaAmount = Field(default_factory=QuotaAmount)
+    pod_uid: str = ""
+
+
+class OomEvent(Event):
+    """A container hit its memory limit (libvgpu refused an allocation)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.oom.<node>"
+    node: str
+    pod_uid: str = ""
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    device_uuid: str = ""
+    oom_count: int = 0
+
+
+class SchedulingFailedEvent(Event):
+    """The scheduler could not place a pod; `node_reasons` as HAMi reports them."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.sched.<namespace>.failed"
+    namespace: str
+    name: str
+    pod_uid: str = ""
+    node_reasons: dict[str, str] = Field(default_factory=dict)
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    AllocationEvent,
+    NodeEvent,
+    AdmissionEvent,
+    QuotaEvent,
+    OomEvent,
+    SchedulingFailedEvent,
+)

