@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -580,7 +580,9 @@ class KubernetesCluster:
                 if event_type in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
                     yield event_type, obj
         finally:
-            # Interrupts a read still blocked in a worker thread if our consumer went away, and
-            # drops the connection rather than pooling one with an unread body.
-            response.shutdown()
-            response.close()
+            if not response.isclosed():
+                # Our consumer went away mid-stream: interrupt a read still blocked in a worker
+                # thread, and drop the connection rather than pool one with an unread body.
+                with suppress(RuntimeError, ValueError, OSError):
+                    response.shutdown()
+                response.close()
