@@ -94,6 +94,10 @@ class Allocation(Message):
     priority: int = 1
     core_policy: str = "default"
     reason: str = ""
+    container_names: list[str] = Field(
+        default_factory=list, description="names matching `containers`, positionally"
+    )
+    quota_held: bool = Field(False, description="a quota reservation exists for this pod")
 
     @property
     def active(self) -> bool:
@@ -290,3 +294,89 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     OomEvent,
     SchedulingFailedEvent,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Request/reply bodies (NATS micro endpoints)
+
+
+class QuotaRequest(Message):
+    """Body of tessera.quota.reserve / release. Charges as HAMi counts them (hami.quota_charge).
+
+    reserve: `check_only` asks "would it fit?" without holding anything (admission); otherwise
+    the charge is held under `pod_uid`, idempotently (the scheduler). release: frees `pod_uid`.
+    """
+
+    namespace: str
+    pod_uid: str = ""
+    name: str = ""
+    memory_mib: int = Field(0, ge=0)
+    cores: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0)
+    check_only: bool = False
+
+
+class QuotaStatusRequest(Message):
+    """Body of tessera.quota.status: one namespace, or every namespace when empty."""
+
+    namespace: str = ""
+
+
+class QuotaSetRequest(Message):
+    """Body of tessera.quota.set (local stack / CLI): replace a namespace's limits atomically."""
+
+    namespace: str
+    limits: QuotaAmount
+    source: str = "cli"
+
+
+class QuotaReply(Message):
+    """Reply of every quota endpoint. `ok` false carries a reason a person can act on."""
+
+    ok: bool
+    reason: str = ""
+    states: list[QuotaState] = Field(default_factory=list)
+
+
+class ExplainRequest(Message):
+    """Body of tessera.scheduler.explain: why is this pod pending?"""
+
+    namespace: str
+    name: str = ""
+    pod_uid: str = ""
+
+
+class ExplainReply(Message):
+    ok: bool
+    pending: bool = False
+    node: str = ""
+    summary: str = ""
+    node_reasons: dict[str, str] = Field(default_factory=dict)
+    at: float | None = None
+
+
+class LimitsSetRequest(Message):
+    """Body of tessera.node.<node>.limits.set: change a running container's limits per GPU.
+
+    A None value leaves that limit as it is. Memory in MiB, cores in %.
+    """
+
+    pod_uid: str = ""
+    namespace: str = ""
+    pod: str = ""
+    container: str
+    device_uuid: str = Field("", description="empty: every GPU of the container")
+    memory_mib: int | None = Field(None, ge=0)
+    cores: int | None = Field(None, ge=0, le=100)
+
+
+class LimitsSetReply(Message):
+    ok: bool
+    reason: str = ""
+
+
+class ErrorReply(Message):
+    """What any endpoint answers to a request it cannot parse."""
+
+    ok: bool = False
+    reason: str

@@ -65,6 +65,10 @@ class TesseraSettings(BaseSettings):
     node_name: str | None = Field(None, validation_alias=AliasChoices("TESSERA_NODE_NAME"))
     log_level: str = "INFO"
     quota_enabled: bool = True
+    cluster: Literal["auto", "kubernetes", "none"] = Field(
+        "auto",
+        description="cluster API: auto = kubernetes when TESSERA_KUBECONFIG or in-cluster",
+    )
     reservation_ttl_s: float = Field(30.0, gt=0, description="unbound reservations expire")
     node_ttl_s: float = Field(15.0, gt=0, description="TTL of tessera-nodes entries")
     request_timeout_s: float = Field(2.0, gt=0, description="NATS request/reply timeout")
