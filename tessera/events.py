@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js import api as js_api
 
 from tessera.bus import EVENTS_ALL, EVENTS_STREAM
@@ -78,14 +79,12 @@ async def subscribe(
     )
     js = nc.jetstream()
     if durable:
-        sub = await js.subscribe(
-            subject, durable=durable, stream=EVENTS_STREAM, config=config, manual_ack=True
-        )
-    else:
-        sub = await js.subscribe(
-            subject, stream=EVENTS_STREAM, config=config, ordered_consumer=True,
-            idle_heartbeat=5.0,
-        )
+        async for received in _pull_durable(js, subject, durable, config, skip_invalid):
+            yield received
+        return
+    sub = await js.subscribe(
+        subject, stream=EVENTS_STREAM, config=config, ordered_consumer=True, idle_heartbeat=5.0
+    )
     try:
         async for msg in sub.messages:
             try:
@@ -93,9 +92,36 @@ async def subscribe(
             except CodecError:
                 if not skip_invalid:
                     raise
-                if durable:
-                    await msg.ack()
                 continue
             yield ReceivedEvent(event, msg.subject, msg.metadata.sequence.stream, msg)
+    finally:
+        await sub.unsubscribe()
+
+
+async def _pull_durable(
+    js: JetStreamContext,
+    subject: str,
+    durable: str,
+    config: js_api.ConsumerConfig,
+    skip_invalid: bool,
+) -> AsyncIterator[ReceivedEvent]:
+    """A durable pull consumer, fetched one event at a time: nothing is held unacknowledged
+    beyond the event in hand, so a consumer that stops resumes exactly after its last ack."""
+    sub = await js.pull_subscribe(subject, durable=durable, stream=EVENTS_STREAM, config=config)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(batch=1, timeout=5.0)
+            except TimeoutError:
+                continue
+            for msg in msgs:
+                try:
+                    event = decode_event(msg.data)
+                except CodecError:
+                    if not skip_invalid:
+                        raise
+                    await msg.ack()
+                    continue
+                yield ReceivedEvent(event, msg.subject, msg.metadata.sequence.stream, msg)
     finally:
         await sub.unsubscribe()

@@ -54,10 +54,18 @@ class RequestError(ValueError):
 _SUFFIXES: dict[str, Decimal] = {
     "": Decimal(1),
     "m": Decimal("0.001"),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
 }
 
 
@@ -138,6 +146,10 @@ def _resources(container: dict[str, Any], key: str) -> object | None:
         if not isinstance(values, dict):
             raise RequestError(f"container {container.get('name', '?')}: {section} must be a map")
         if key in values:
+            if values[key] is None:
+                raise RequestError(
+                    f"container {container.get('name', '?')}: {key}: null is not a quantity"
+                )
             return values[key]
     return None
 
@@ -234,8 +246,10 @@ def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tup
     def charge(r: ContainerRequest | None) -> tuple[int, int, int]:
         if r is None:
             return 0, 0, 0
-        mem = r.memory_mib if r.memory_percentage is None else (
-            card_memory_mib * r.memory_percentage // 100 if card_memory_mib else 0
+        mem = (
+            r.memory_mib
+            if r.memory_percentage is None
+            else (card_memory_mib * r.memory_percentage // 100 if card_memory_mib else 0)
         )
         return mem * r.count, r.cores * r.count, r.count
 
@@ -281,9 +295,9 @@ def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
                     raise ValueError(f"device must be UUID,TYPE,MEM,CORES: {item[:80]!r}")
                 uuid, dtype, mem, cores = fields
                 try:
-                    devices.append(DeviceGrant(
-                        uuid=uuid, type=dtype, memory_mib=int(mem), cores=int(cores)
-                    ))
+                    devices.append(
+                        DeviceGrant(uuid=uuid, type=dtype, memory_mib=int(mem), cores=int(cores))
+                    )
                 except ValueError as exc:
                     raise ValueError(f"bad memory/cores in {item[:80]!r}") from exc
         containers.append(devices)
@@ -295,14 +309,23 @@ def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
 
 def encode_node_register(devices: list[DeviceInfo]) -> str:
     """The JSON form HAMi tooling reads."""
-    return json.dumps([
-        {
-            "id": d.uuid, "index": d.index, "count": d.split_count, "devmem": d.memory_mib,
-            "devcore": d.cores, "type": d.type, "numa": d.numa, "mode": d.mode,
-            "health": d.healthy,
-        }
-        for d in devices
-    ], separators=(",", ":"))
+    return json.dumps(
+        [
+            {
+                "id": d.uuid,
+                "index": d.index,
+                "count": d.split_count,
+                "devmem": d.memory_mib,
+                "devcore": d.cores,
+                "type": d.type,
+                "numa": d.numa,
+                "mode": d.mode,
+                "health": d.healthy,
+            }
+            for d in devices
+        ],
+        separators=(",", ":"),
+    )
 
 
 def decode_node_register(text: str) -> list[DeviceInfo]:
@@ -318,12 +341,19 @@ def decode_node_register(text: str) -> list[DeviceInfo]:
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise ValueError(f"{ANN_NODE_REGISTER}: item {i} is not an object")
-            devices.append(DeviceInfo(
-                uuid=item["id"], index=item.get("index", i), split_count=item.get("count", 10),
-                memory_mib=item.get("devmem", 0), cores=item.get("devcore", 100),
-                type=item.get("type", ""), numa=item.get("numa", 0),
-                mode=item.get("mode") or "hami-core", healthy=bool(item.get("health", True)),
-            ))
+            devices.append(
+                DeviceInfo(
+                    uuid=item["id"],
+                    index=item.get("index", i),
+                    split_count=item.get("count", 10),
+                    memory_mib=item.get("devmem", 0),
+                    cores=item.get("devcore", 100),
+                    type=item.get("type", ""),
+                    numa=item.get("numa", 0),
+                    mode=item.get("mode") or "hami-core",
+                    healthy=bool(item.get("health", True)),
+                )
+            )
         return devices
     devices = []
     for i, item in enumerate(p for p in text.split(":") if p):
@@ -331,13 +361,19 @@ def decode_node_register(text: str) -> list[DeviceInfo]:
         if len(fields) < 7:
             raise ValueError(f"{ANN_NODE_REGISTER}: legacy item needs 7 fields: {item[:80]!r}")
         try:
-            devices.append(DeviceInfo(
-                uuid=fields[0], split_count=int(fields[1]), memory_mib=int(fields[2]),
-                cores=int(fields[3]), type=fields[4], numa=int(fields[5]),
-                healthy=fields[6].strip().lower() == "true",
-                index=int(fields[7]) if len(fields) > 7 and fields[7] else i,
-                mode=fields[8] if len(fields) > 8 and fields[8] else "hami-core",
-            ))
+            devices.append(
+                DeviceInfo(
+                    uuid=fields[0],
+                    split_count=int(fields[1]),
+                    memory_mib=int(fields[2]),
+                    cores=int(fields[3]),
+                    type=fields[4],
+                    numa=int(fields[5]),
+                    healthy=fields[6].strip().lower() == "true",
+                    index=int(fields[7]) if len(fields) > 7 and fields[7] else i,
+                    mode=fields[8] if len(fields) > 8 and fields[8] else "hami-core",
+                )
+            )
         except ValueError as exc:
             raise ValueError(f"{ANN_NODE_REGISTER}: bad number in {item[:80]!r}") from exc
     return devices
