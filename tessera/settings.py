@@ -73,6 +73,18 @@ class TesseraSettings(BaseSettings):
     node_ttl_s: float = Field(15.0, gt=0, description="TTL of tessera-nodes entries")
     request_timeout_s: float = Field(2.0, gt=0, description="NATS request/reply timeout")
 
+    # Admission webhook.
+    tls_cert: str | None = Field(None, description="webhook TLS certificate (PEM), reloaded")
+    tls_key: str | None = Field(None, description="webhook TLS private key (PEM)")
+    quota_failure_policy: Literal["deny", "allow"] = Field(
+        "deny",
+        description="admission when the quota service does not answer: deny GPU pods, or allow "
+        "them unchecked (with a warning)",
+    )
+    admission_max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=4096, description="larger AdmissionReview bodies get HTTP 413"
+    )
+
     @field_validator("gpu_scheduler_policy", "node_scheduler_policy")
     @classmethod
     def _lower(cls, value: str) -> str:
