@@ -1,0 +1,198 @@
+{{/*
+Shared helpers of the tessera-metrics chart. Every Tessera chart carries the same set under its own
+prefix (template names are global across subcharts of the umbrella chart).
+*/}}
+
+{{- define "tessera-metrics.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Release "tessera" with chart "tessera-admission" (or alias "admission" under the umbrella)
+gives "tessera-admission", not "tessera-tessera-admission".
+*/}}
+{{- define "tessera-metrics.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else if hasPrefix (printf "%s-" .Release.Name) $name -}}
+{{- $name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tessera-metrics.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tessera-metrics.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: metrics
+{{- end -}}
+
+{{- define "tessera-metrics.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tessera-metrics.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tessera
+{{- end -}}
+
+{{- define "tessera-metrics.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tessera-metrics.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Tessera image: global.image (umbrella) wins over this chart's image. */}}
+{{- define "tessera-metrics.image" -}}
+{{- $image := mergeOverwrite (deepCopy .Values.image) ((.Values.global).image | default dict) -}}
+{{- printf "%s:%s" $image.repository (toString (default .Chart.AppVersion $image.tag)) -}}
+{{- end -}}
+
+{{- define "tessera-metrics.imagePullPolicy" -}}
+{{- $image := mergeOverwrite (deepCopy .Values.image) ((.Values.global).image | default dict) -}}
+{{- $image.pullPolicy | default "IfNotPresent" -}}
+{{- end -}}
+
+{{- define "tessera-metrics.imagePullSecrets" -}}
+{{- $secrets := concat (.Values.imagePullSecrets | default list) ((.Values.global).imagePullSecrets | default list) -}}
+{{- if $secrets }}
+imagePullSecrets:
+{{- range $secrets }}
+  - name: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* NATS connection settings: global.nats (umbrella) wins over this chart's nats. */}}
+{{- define "tessera-metrics.nats" -}}
+{{- toYaml (mergeOverwrite (deepCopy .Values.nats) ((.Values.global).nats | default dict)) -}}
+{{- end -}}
+
+{{/* The resource names of HAMi's API: global.resourceNames (umbrella) wins. */}}
+{{- define "tessera-metrics.resourceNames" -}}
+{{- toYaml (mergeOverwrite (deepCopy .Values.resourceNames) ((.Values.global).resourceNames | default dict)) -}}
+{{- end -}}
+
+{{- define "tessera-metrics.schedulerName" -}}
+{{- (.Values.global).schedulerName | default .Values.schedulerName -}}
+{{- end -}}
+
+{{/*
+Environment every Tessera service reads: the NATS connection (URL and credentials from a Secret,
+the CA from a Secret), the resource names, the scheduler name and this chart's `config` map as
+TESSERA_<SETTING> variables.
+*/}}
+{{- define "tessera-metrics.env" -}}
+{{- $nats := include "tessera-metrics.nats" . | fromYaml -}}
+{{- $auth := $nats.auth | default dict -}}
+{{- $tls := $nats.tls | default dict -}}
+{{- $names := include "tessera-metrics.resourceNames" . | fromYaml -}}
+{{- if and $auth.existingSecret $auth.urlKey }}
+- name: NATS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $auth.existingSecret | quote }}
+      key: {{ $auth.urlKey | quote }}
+{{- else }}
+- name: NATS_URL
+  value: {{ required "nats.url: a NATS server with JetStream is required (see the chart README)" $nats.url | quote }}
+{{- end }}
+{{- $authType := $auth.type | default "none" }}
+{{- if eq $authType "userPassword" }}
+- name: NATS_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ required "nats.auth.existingSecret is required for userPassword" $auth.existingSecret | quote }}
+      key: {{ $auth.userKey | default "user" | quote }}
+- name: NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $auth.existingSecret | quote }}
+      key: {{ $auth.passwordKey | default "password" | quote }}
+{{- else if eq $authType "creds" }}
+- name: NATS_CREDS
+  value: {{ printf "/etc/tessera/nats-auth/%s" ($auth.credsKey | default "nats.creds") | quote }}
+{{- else if ne $authType "none" }}
+{{- fail "nats.auth.type must be none, userPassword or creds" }}
+{{- end }}
+{{- if $tls.enabled }}
+- name: NATS_TLS_CA
+  value: {{ printf "/etc/tessera/nats-tls/%s" ($tls.caKey | default "ca.crt") | quote }}
+{{- end }}
+- name: TESSERA_RESOURCE_NAME
+  value: {{ $names.gpu | quote }}
+- name: TESSERA_RESOURCE_MEM
+  value: {{ $names.memory | quote }}
+- name: TESSERA_RESOURCE_MEM_PERCENTAGE
+  value: {{ $names.memoryPercentage | quote }}
+- name: TESSERA_RESOURCE_CORES
+  value: {{ $names.cores | quote }}
+- name: TESSERA_RESOURCE_PRIORITY
+  value: {{ $names.priority | quote }}
+- name: TESSERA_SCHEDULER_NAME
+  value: {{ include "tessera-metrics.schedulerName" . | quote }}
+- name: TESSERA_LOG_LEVEL
+  value: {{ .Values.logLevel | default "INFO" | quote }}
+{{- $config := mergeOverwrite (deepCopy (.Values.config | default dict)) ((.Values.global).config | default dict) }}
+{{- range $key := keys $config | sortAlpha }}
+- name: {{ printf "TESSERA_%s" ($key | snakecase | upper) }}
+  value: {{ get $config $key | toString | quote }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tessera-metrics.natsVolumeMounts" -}}
+{{- $nats := include "tessera-metrics.nats" . | fromYaml -}}
+{{- if eq (($nats.auth | default dict).type | default "none") "creds" }}
+- name: nats-auth
+  mountPath: /etc/tessera/nats-auth
+  readOnly: true
+{{- end }}
+{{- if ($nats.tls | default dict).enabled }}
+- name: nats-tls
+  mountPath: /etc/tessera/nats-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "tessera-metrics.natsVolumes" -}}
+{{- $nats := include "tessera-metrics.nats" . | fromYaml -}}
+{{- $auth := $nats.auth | default dict -}}
+{{- $tls := $nats.tls | default dict -}}
+{{- if eq ($auth.type | default "none") "creds" }}
+- name: nats-auth
+  secret:
+    secretName: {{ required "nats.auth.existingSecret is required for creds" $auth.existingSecret | quote }}
+    defaultMode: 0440
+    items:
+      - key: {{ $auth.credsKey | default "nats.creds" | quote }}
+        path: {{ $auth.credsKey | default "nats.creds" | quote }}
+{{- end }}
+{{- if $tls.enabled }}
+- name: nats-tls
+  secret:
+    secretName: {{ required "nats.tls.caSecret is required when nats.tls.enabled" $tls.caSecret | quote }}
+    items:
+      - key: {{ $tls.caKey | default "ca.crt" | quote }}
+        path: {{ $tls.caKey | default "ca.crt" | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Restricted-profile container security context for the control-plane services. */}}
+{{- define "tessera-metrics.restrictedContainerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
