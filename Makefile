@@ -25,8 +25,10 @@ native: dev
 		$(MAKE) -C native/libvgpu PYTHON=$(abspath $(BIN)/python); \
 	else echo "native/libvgpu: not built yet"; fi
 
-# gRPC stubs for the kubelet APIs, generated from protos/.
+# gRPC stubs for the kubelet APIs, generated from protos/ (gitignored; also generated on first
+# import of tessera.kubeapi when missing).
 protos: dev
+	$(BIN)/python -m tessera.kubeapi
 
 # Headless Chromium for the dashboard's browser test (Debian package; never `playwright install`).
 browser:
