@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tessera.kubeapi.stubs import ensure_stubs
 
-__path__.append(str(ensure_stubs()))  # noqa: F821  (module __path__: stubs import as subpackages)
+# Stubs import as subpackages of this package: tessera.kubeapi.deviceplugin.v1beta1.api_pb2.
+__path__.append(str(ensure_stubs()))
 
 from tessera.kubeapi.deviceplugin.v1beta1 import api_pb2 as dp  # noqa: E402
 from tessera.kubeapi.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc  # noqa: E402
