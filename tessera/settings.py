@@ -85,10 +85,49 @@ class TesseraSettings(BaseSettings):
         4 * 1024 * 1024, ge=4096, description="larger AdmissionReview bodies get HTTP 413"
     )
 
+    # Node agent (device discovery, device plugin, container regions).
+    device_source: Literal["nvml", "static"] = Field(
+        "nvml", description="nvml = real GPUs; static = simulated GPUs (local stack)"
+    )
+    static_gpu_count: int = Field(2, ge=0, le=64, description="static source: GPUs per node")
+    static_gpu_model: str = Field(
+        "NVIDIA A100-SXM4-80GB", description="static source: NVML name (type = NVIDIA-<name>)"
+    )
+    static_gpu_memory_mib: int = Field(81920, ge=1, description="static source: MiB per GPU")
+    static_numa_nodes: int = Field(1, ge=1, description="static source: GPUs spread over these")
+    nvml_library: str | None = Field(
+        None, description="path of libnvidia-ml.so.1 to load instead of the system one"
+    )
+    ignored_xids: str = Field(
+        "13,31,43,45,68,109", description="XIDs that do not make a GPU unhealthy (HAMi's list)"
+    )
+    health_recovery_s: float = Field(
+        60.0, gt=0, description="a GPU with no critical event for this long is healthy again"
+    )
+    node_heartbeat_s: float = Field(5.0, gt=0, description="re-put tessera-nodes this often")
+    usage_interval_s: float = Field(1.0, gt=0, description="usage sampling period")
+    device_plugin_dir: str = Field(
+        "/var/lib/kubelet/device-plugins", description="kubelet's device plugin socket dir"
+    )
+    pod_resources_socket: str = Field(
+        "/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet pod-resources API"
+    )
+    region_host_dir: str = Field(
+        "/var/lib/tessera/containers", description="per-container limits and usage regions"
+    )
+    libvgpu_host_path: str = Field(
+        "/usr/local/vgpu/libvgpu.so", description="libvgpu on the host, mounted into containers"
+    )
+
     @field_validator("gpu_scheduler_policy", "node_scheduler_policy")
     @classmethod
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
+
+    def ignored_xid_set(self) -> frozenset[int]:
+        """`ignored_xids` parsed ("13, 31" -> {13, 31}); junk items are an error at start-up."""
+        items = [x.strip() for x in self.ignored_xids.replace(";", ",").split(",")]
+        return frozenset(int(x) for x in items if x)
 
     def resource_names(self) -> list[str]:
         """Every resource name the scheduler extender manages."""
