@@ -49,6 +49,8 @@ QUOTA_RESERVE = "tessera.quota.reserve"
 QUOTA_RELEASE = "tessera.quota.release"
 QUOTA_STATUS = "tessera.quota.status"
 QUOTA_SET = "tessera.quota.set"
+# The quota service's durable consumer of allocation releases (shared by its replicas).
+QUOTA_RELEASED_CONSUMER = "tessera-quota-released"
 SCHEDULER_SERVICE = "tessera-scheduler"
 SCHEDULER_EXPLAIN = "tessera.scheduler.explain"
 NODE_SERVICE = "tessera-node-agent"
@@ -81,6 +83,11 @@ def token_name(token: str) -> str:
 
 def alloc_event_subject(node: str, action: str) -> str:
     return f"{EVENTS_PREFIX}.alloc.{subject_token(node)}.{action}"
+
+
+def alloc_events_filter(action: str) -> str:
+    """Filter for one allocation action on every node, e.g. tessera.events.alloc.*.released."""
+    return f"{EVENTS_PREFIX}.alloc.*.{action}"
 
 
 def node_event_subject(node: str, action: str) -> str:

@@ -72,6 +72,12 @@ class TesseraSettings(BaseSettings):
     reservation_ttl_s: float = Field(30.0, gt=0, description="unbound reservations expire")
     node_ttl_s: float = Field(15.0, gt=0, description="TTL of tessera-nodes entries")
     request_timeout_s: float = Field(2.0, gt=0, description="NATS request/reply timeout")
+    quota_reconcile_interval_s: float = Field(
+        10.0, gt=0, description="quota: how often usage is reconciled against the ledger"
+    )
+    quota_grace_margin_s: float = Field(
+        10.0, ge=0, description="quota: an unbacked charge is dropped after reservation TTL + this"
+    )
 
     # Admission webhook.
     tls_cert: str | None = Field(None, description="webhook TLS certificate (PEM), reloaded")

@@ -1,10 +1,24 @@
 """`python -m tessera.quota`: namespace GPU quotas over NATS."""
 
-from tessera.service import idle_until_stopped, run_service
+from tessera.quota.service import QuotaService
+
+from tessera.cluster.factory import cluster_from_settings
+from tessera.service import ServiceContext, run_service
+
+
+async def serve_quota(ctx: ServiceContext) -> None:
+    service = QuotaService(
+        ctx.nc,
+        ctx.buckets,
+        ctx.settings,
+        cluster=cluster_from_settings(ctx.settings),
+        log=ctx.log,
+    )
+    await service.run(ctx.stop)
 
 
 def main() -> None:
-    run_service("quota", "namespace GPU quotas over NATS", idle_until_stopped)
+    run_service("quota", "namespace GPU quotas over NATS", serve_quota)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,358 @@
+"""Quota arithmetic: pure functions over QuotaState, no I/O.
+
+Every function here is a `mutate` for `bus.cas_update` or feeds one: it gets the current state
+(None when the namespace has no entry yet) and returns the new state, or raises NoChange /
+QuotaRefused. The NATS side (services/quota/service.py) only reads, calls these and writes back
+with a compare-and-set, so the same rules hold with any number of replicas.
+
+Units: memory in MiB, cores in percent of one GPU (100 = a whole card), gpus a count.
+A limit of None is unlimited; an explicit 0 blocks every request that asks for a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from decimal import ROUND_CEILING
+
+from tessera.bus import NoChange
+from tessera.hami import parse_quantity
+from tessera.models import (
+    Allocation,
+    DeviceGrant,
+    QuotaAmount,
+    QuotaCharge,
+    QuotaRequest,
+    QuotaState,
+)
+
+DIMENSIONS: tuple[tuple[str, str, str], ...] = (
+    # (field, HAMi resource word, unit shown to people)
+    ("memory_mib", "gpumem", "MiB"),
+    ("cores", "gpucores", "%"),
+    ("gpus", "gpu", "GPUs"),
+)
+
+# Bounds that no real request or limit reaches; anything above is a mistake, not a quota.
+MAX_MEMORY_MIB = 1 << 40
+MAX_CORES = 100 * 1_000_000
+MAX_GPUS = 1_000_000
+_MAXIMA = {"memory_mib": MAX_MEMORY_MIB, "cores": MAX_CORES, "gpus": MAX_GPUS}
+
+# Kubernetes namespace names are DNS-1123 labels.
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+RESOURCE_QUOTA_SOURCE = "resourcequota/"
+
+
+class QuotaInputError(ValueError):
+    """A request or limit that cannot be honoured as written (the caller gets an ErrorReply)."""
+
+
+class QuotaRefused(Exception):
+    """The request does not fit the namespace's quota; `reason` says which limit and by how much."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise QuotaInputError("namespace is required")
+    if not _NAMESPACE.match(namespace):
+        raise QuotaInputError(
+            f"namespace {namespace!r} is not a valid Kubernetes namespace name "
+            "(lowercase letters, digits and '-', at most 63 characters)"
+        )
+    return namespace
+
+
+def check_request(request: QuotaRequest) -> None:
+    """Reject what the model's own bounds let through: bad names and absurd quantities."""
+    check_namespace(request.namespace)
+    for field, word, unit in DIMENSIONS:
+        value = getattr(request, field)
+        if value > _MAXIMA[field]:
+            raise QuotaInputError(
+                f"{word} {value} {unit} is absurdly large (at most {_MAXIMA[field]})"
+            )
+    if len(request.pod_uid) > 128:
+        raise QuotaInputError("pod_uid is longer than 128 characters")
+
+
+def check_limits(limits: QuotaAmount) -> None:
+    for field, word, unit in DIMENSIONS:
+        value = getattr(limits, field)
+        if value is None:
+            continue
+        if value < 0:
+            raise QuotaInputError(f"limit {word} {value} {unit} is negative")
+        if value > _MAXIMA[field]:
+            raise QuotaInputError(
+                f"limit {word} {value} {unit} is absurdly large (at most {_MAXIMA[field]})"
+            )
+
+
+# --- charges and fit --------------------------------------------------------------------------
+
+
+def asks_gpu(amount: QuotaRequest | QuotaCharge) -> bool:
+    return amount.gpus > 0 or amount.memory_mib > 0 or amount.cores > 0
+
+
+def refusal(state: QuotaState | None, request: QuotaRequest) -> str | None:
+    """Why `request` cannot fit on top of what the namespace already holds (None = it fits).
+
+    A charge the same pod already holds is not counted twice: a retried or resized reservation
+    is checked as a replacement of the old one.
+    """
+    if state is None or not asks_gpu(request):
+        return None
+    own = request.pod_uid
+    held = [c for uid, c in state.charges.items() if not (own and uid == own)]
+    reasons = []
+    for field, word, unit in DIMENSIONS:
+        limit = getattr(state.limits, field)
+        if limit is None:
+            continue
+        if limit == 0:
+            reasons.append(f"{word} limit is 0: GPU use is blocked in namespace {state.namespace}")
+            continue
+        used = sum(getattr(c, field) for c in held)
+        wanted = getattr(request, field)
+        if used + wanted > limit:
+            reasons.append(f"{word} {used} used + {wanted} requested > {limit} {unit} limit")
+    if not reasons:
+        return None
+    return f"exceeding resource quota in namespace {state.namespace}: " + "; ".join(reasons)
+
+
+def charge_of(request: QuotaRequest, at: float) -> QuotaCharge:
+    return QuotaCharge(
+        pod_uid=request.pod_uid,
+        name=request.name,
+        memory_mib=request.memory_mib,
+        cores=request.cores,
+        gpus=request.gpus,
+        at=at,
+    )
+
+
+def same_amounts(a: QuotaCharge, b: QuotaCharge) -> bool:
+    return (a.memory_mib, a.cores, a.gpus) == (b.memory_mib, b.cores, b.gpus)
+
+
+def reserve(state: QuotaState | None, request: QuotaRequest, at: float) -> QuotaState:
+    """Hold `request` under its pod uid. Idempotent: the same charge again is NoChange.
+
+    Raises QuotaRefused when it does not fit (nothing is written), NoChange when the pod already
+    holds exactly this charge or asks no GPU at all.
+    """
+    if not request.pod_uid:
+        raise QuotaInputError("a reservation needs pod_uid (use check_only to only ask)")
+    current = state.charges.get(request.pod_uid) if state else None
+    new_charge = charge_of(request, at)
+    if current is not None and same_amounts(current, new_charge):
+        raise NoChange
+    if not asks_gpu(request) and current is None:
+        raise NoChange
+    reason = refusal(state, request)
+    if reason:
+        raise QuotaRefused(reason)
+    new_state = state.model_copy(deep=True) if state else QuotaState(namespace=request.namespace)
+    if asks_gpu(request):
+        new_state.charges[request.pod_uid] = new_charge
+    else:
+        new_state.charges.pop(request.pod_uid, None)
+    return new_state
+
+
+def release(
+    state: QuotaState | None, pod_uid: str, *, charged_before: float | None = None
+) -> QuotaState:
+    """Free what `pod_uid` holds. NoChange when it holds nothing.
+
+    `charged_before`: only free a charge made at or before this time (a release event must not
+    free a newer reservation of the same pod).
+    """
+    if state is None or pod_uid not in state.charges:
+        raise NoChange
+    if charged_before is not None and state.charges[pod_uid].at > charged_before:
+        raise NoChange
+    new_state = state.model_copy(deep=True)
+    del new_state.charges[pod_uid]
+    return new_state
+
+
+def set_limits(
+    state: QuotaState | None, namespace: str, limits: QuotaAmount, source: str
+) -> QuotaState:
+    """Replace the limits in one write (no moment without a limit). Charges stay as they are:
+    pods already holding quota keep it even when the new limit is below their usage."""
+    check_limits(limits)
+    if state is not None and state.limits == limits and state.source == source:
+        raise NoChange
+    new_state = state.model_copy(deep=True) if state else QuotaState(namespace=namespace)
+    new_state.limits = limits.model_copy()
+    new_state.source = source
+    return new_state
+
+
+def over_limit(state: QuotaState) -> list[str]:
+    """Dimensions where usage is above the limit (after a limit was lowered under running pods)."""
+    used = state.used()
+    out = []
+    for field, word, _unit in DIMENSIONS:
+        limit = getattr(state.limits, field)
+        if limit is not None and getattr(used, field) > limit:
+            out.append(word)
+    return out
+
+
+# --- ResourceQuota objects --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResourceQuotaKeys:
+    """The `spec.hard` keys that carry GPU limits, derived from the configured resource names."""
+
+    memory: tuple[str, ...]
+    cores: tuple[str, ...]
+    gpus: tuple[str, ...]
+
+    @classmethod
+    def from_resource_names(
+        cls, resource_name: str, resource_mem: str, resource_cores: str
+    ) -> ResourceQuotaKeys:
+        return cls(
+            memory=(f"limits.{resource_mem}",),
+            cores=(f"limits.{resource_cores}",),
+            gpus=(f"limits.{resource_name}", f"requests.{resource_name}"),
+        )
+
+
+def quantity_value(value: object) -> int:
+    """A Kubernetes quantity as a whole number, rounded up as Kubernetes' Value() does."""
+    parsed = parse_quantity(value, "quota")
+    return int(parsed.to_integral_value(rounding=ROUND_CEILING))
+
+
+def limits_from_hard(
+    hard: Mapping[str, object], keys: ResourceQuotaKeys
+) -> tuple[QuotaAmount, list[str]]:
+    """GPU limits from a ResourceQuota's `spec.hard`, plus a message per value it could not use.
+
+    gpumem is in MiB as HAMi reads it (the quantity's plain value). When several keys give the
+    same limit (limits.nvidia.com/gpu and requests.nvidia.com/gpu), the smallest wins.
+    """
+    values: dict[str, int | None] = {}
+    problems: list[str] = []
+    for field, names in (("memory_mib", keys.memory), ("cores", keys.cores), ("gpus", keys.gpus)):
+        found: list[int] = []
+        for name in names:
+            if name not in hard:
+                continue
+            try:
+                value = quantity_value(hard[name])
+            except ValueError as exc:
+                problems.append(f"{name}: {exc}")
+                continue
+            if value < 0:
+                problems.append(f"{name}: {hard[name]!r} is negative")
+                continue
+            found.append(min(value, _MAXIMA[field]))
+        values[field] = min(found) if found else None
+    return QuotaAmount(**values), problems
+
+
+def tightest(amounts: Iterable[QuotaAmount]) -> QuotaAmount:
+    """Several ResourceQuota objects in one namespace all apply: the smallest limit wins."""
+    merged: dict[str, int | None] = {"memory_mib": None, "cores": None, "gpus": None}
+    for amount in amounts:
+        for field in merged:
+            value = getattr(amount, field)
+            if value is not None:
+                current = merged[field]
+                merged[field] = value if current is None else min(current, value)
+    return QuotaAmount(**merged)
+
+
+def has_any_limit(amount: QuotaAmount) -> bool:
+    return any(getattr(amount, f) is not None for f, _w, _u in DIMENSIONS)
+
+
+# --- reconciliation against the ledger --------------------------------------------------------
+
+
+def charge_from_allocation(alloc: Allocation) -> QuotaCharge:
+    """What an allocation's grants add up to, counted as HAMi counts a pod: app containers summed
+    over every GPU, init containers by max (they run one after the other, before the app)."""
+
+    def totals(containers: list[list[DeviceGrant]]) -> tuple[int, int, int]:
+        return (
+            sum(g.memory_mib for c in containers for g in c),
+            sum(g.cores for c in containers for g in c),
+            sum(len(c) for c in containers),
+        )
+
+    init = alloc.containers[: alloc.init_count]
+    app = totals(alloc.containers[alloc.init_count :])
+    peaks = [totals([c]) for c in init]
+    memory, cores, gpus = (max([app[i], *(p[i] for p in peaks)]) for i in range(3))
+    return QuotaCharge(
+        pod_uid=alloc.pod_uid, name=alloc.name, memory_mib=memory, cores=cores, gpus=gpus,
+        at=alloc.created_at,
+    )
+
+
+def reconcile(
+    state: QuotaState | None,
+    namespace: str,
+    backed: Mapping[str, Allocation],
+    now: float,
+    grace_s: float,
+) -> QuotaState:
+    """Make the charges agree with the ledger.
+
+    `backed`: this namespace's active allocations that hold quota (quota_held), by pod uid.
+    - a charge without a backing allocation is dropped once it is older than `grace_s` (the
+      scheduler reserves quota before it writes the ledger; a reservation never followed by an
+      allocation, or whose allocation ended without a release reaching us, must not leak);
+    - a backed allocation without a charge gets one back (quota state lost or wiped), dated
+      like the allocation so that it goes again at the next pass if the allocation ends.
+    NoChange when nothing differs.
+    """
+    new_state = state.model_copy(deep=True) if state else QuotaState(namespace=namespace)
+    changed = False
+    for uid, charge in list(new_state.charges.items()):
+        if uid not in backed and now - charge.at > grace_s:
+            del new_state.charges[uid]
+            changed = True
+    for uid, alloc in backed.items():
+        if uid not in new_state.charges:
+            charge = charge_from_allocation(alloc)
+            if asks_gpu(charge):
+                new_state.charges[uid] = charge
+                changed = True
+    if not changed:
+        raise NoChange
+    return new_state
+
+
+def limits_from_quotas(
+    state: QuotaState | None, namespace: str, quotas: Mapping[str, QuotaAmount]
+) -> QuotaState:
+    """The namespace's limits after its ResourceQuota objects changed (`quotas`: the GPU limits
+    of each object, by name). With none left, limits that came from ResourceQuotas become
+    unlimited; limits set by hand (the CLI) are left alone."""
+    if quotas:
+        source = RESOURCE_QUOTA_SOURCE + ",".join(sorted(quotas))
+        return set_limits(state, namespace, tightest(quotas.values()), source)
+    if state is None or not state.source.startswith(RESOURCE_QUOTA_SOURCE):
+        raise NoChange
+    return set_limits(state, namespace, QuotaAmount(), "")

@@ -1,0 +1,199 @@
+"""Keeping quota usage true to the ledger: the reconcile pass and the release-event consumer.
+
+A crash anywhere between the scheduler's reservation and its release must neither leak quota
+(a charge nobody will ever release) nor count a pod twice. Two mechanisms, both idempotent:
+- the durable consumer frees a pod's charge when its allocation is released on any node;
+- the reconcile pass (at start and periodically) compares every namespace's charges with the
+  active, quota-holding allocations in tessera-ledger (arithmetic.reconcile decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.kv import KeyValue
+from tessera.quota import arithmetic as qa
+
+from tessera import bus
+from tessera.codec import CodecError, Message, decode
+from tessera.models import Allocation, AllocationEvent, NodeLedger, QuotaState
+
+T = TypeVar("T", bound=Message)
+
+
+async def snapshot(
+    kv: KeyValue, model: type[T], log: logging.Logger
+) -> dict[str, tuple[T, int]]:
+    """Every current value of a bucket, by key, with its revision (undecodable ones skipped)."""
+
+    def skip(key: str, exc: Exception) -> None:
+        log.warning("undecodable value skipped", extra={"key": key, "err": str(exc)})
+
+    values: dict[str, tuple[T, int]] = {}
+    watcher = bus.watch_models(kv, model, on_error=skip)
+    try:
+        async for key, value, revision in watcher:
+            if key == "" and value is None:  # initial sync done
+                break
+            if value is None:
+                values.pop(key, None)
+            else:
+                values[key] = (value, revision)
+    finally:
+        await watcher.aclose()
+    return values
+
+
+class Reconciler:
+    """One pass: charges vs. the ledger, namespace by namespace, each write a CAS."""
+
+    def __init__(
+        self,
+        quota: KeyValue,
+        ledger: KeyValue,
+        clock: Callable[[], float],
+        grace_s: float,
+        log: logging.Logger,
+    ) -> None:
+        self.quota = quota
+        self.ledger = ledger
+        self.clock = clock
+        self.grace_s = grace_s
+        self.log = log
+
+    async def run_once(self) -> int:
+        """Reconcile every namespace; returns how many namespaces were rewritten."""
+        # Read the ledger before the quota state: a reservation made after this read is young
+        # and survives the grace period, so it cannot be dropped by this pass.
+        ledgers = await snapshot(self.ledger, NodeLedger, self.log)
+        backed: dict[str, dict[str, Allocation]] = defaultdict(dict)
+        for ledger, _revision in ledgers.values():
+            for uid, alloc in ledger.allocations.items():
+                if alloc.active and alloc.quota_held:
+                    backed[alloc.namespace][uid] = alloc
+        states = await snapshot(self.quota, QuotaState, self.log)
+        now = self.clock()
+        rewritten = 0
+        for namespace in sorted(set(states) | set(backed)):
+            ns_backed = backed.get(namespace, {})
+            state = states.get(namespace)
+            if state is not None and not _may_change(state[0], ns_backed, now, self.grace_s):
+                continue
+
+            def mutate(
+                current: QuotaState | None, ns: str = namespace, b: dict = ns_backed
+            ) -> QuotaState:
+                return qa.reconcile(current, ns, b, now, self.grace_s)
+
+            try:
+                before = state[0].charges.keys() if state else set()
+                result = await bus.cas_update(self.quota, namespace, QuotaState, mutate)
+            except bus.NoChange:
+                continue
+            except Exception as exc:
+                self.log.warning(
+                    "reconcile of namespace failed", extra={"namespace": namespace, "err": str(exc)}
+                )
+                continue
+            after = result.value.charges.keys()
+            if set(before) != set(after):
+                rewritten += 1
+                self.log.info(
+                    "quota reconciled with the ledger",
+                    extra={
+                        "namespace": namespace,
+                        "dropped": sorted(set(before) - set(after)),
+                        "restored": sorted(set(after) - set(before)),
+                    },
+                )
+        return rewritten
+
+
+def _may_change(
+    state: QuotaState, backed: dict[str, Allocation], now: float, grace_s: float
+) -> bool:
+    """Cheap pre-check so that a quiet pass writes nothing."""
+    try:
+        qa.reconcile(state, state.namespace, backed, now, grace_s)
+    except bus.NoChange:
+        return False
+    return True
+
+
+ReleaseHandler = Callable[[str, str, float | None], Awaitable[bool]]
+
+
+class ReleaseConsumer:
+    """Durable pull consumer of alloc.*.released, shared by every quota replica."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        durable: str,
+        release: ReleaseHandler,
+        log: logging.Logger,
+        batch: int = 64,
+    ) -> None:
+        self.js = js
+        self.durable = durable
+        self.release = release
+        self.log = log
+        self.batch = batch
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self._consume(stop)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("release consumer restarting", extra={"err": str(exc)})
+                await asyncio.sleep(1.0)
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        # Created once, starting with new events: what was released before the consumer existed
+        # is the reconcile pass's job. Afterwards the server remembers the position.
+        config = js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.NEW, ack_wait=30.0, max_ack_pending=1024
+        )
+        sub = await self.js.pull_subscribe(
+            bus.alloc_events_filter("released"),
+            durable=self.durable,
+            stream=bus.EVENTS_STREAM,
+            config=config,
+        )
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(self.batch, timeout=1.0)
+                except TimeoutError:
+                    continue
+                for msg in msgs:
+                    await self._handle(msg.data)
+                    await msg.ack()
+        finally:
+            await sub.unsubscribe()
+
+    async def _handle(self, payload: bytes) -> None:
+        try:
+            event = decode(payload, AllocationEvent)
+        except CodecError as exc:
+            self.log.warning("undecodable release event skipped", extra={"err": str(exc)})
+            return
+        try:
+            qa.check_namespace(event.namespace)
+        except qa.QuotaInputError:
+            return
+        # Only a charge made before the release: a newer reservation of the same pod stays.
+        freed = await self.release(event.namespace, event.pod_uid, event.at)
+        if freed:
+            self.log.info(
+                "quota released on allocation release",
+                extra={"namespace": event.namespace, "pod_uid": event.pod_uid, "node": event.node},
+            )

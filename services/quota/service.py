@@ -1,0 +1,374 @@
+"""The quota service: NATS micro endpoints over KV tessera-quota.
+
+State lives only in the KV bucket (one key per namespace, every write a CAS through
+bus.cas_update), so any number of replicas can serve the same namespaces: two reservations that
+race on one namespace cannot both pass the fit check against the same revision. The rules
+themselves are in arithmetic.py; this module decodes, calls them, writes and replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+from tessera.quota import arithmetic as qa
+from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
+from tessera.quota.resource_quotas import ResourceQuotaWatcher
+
+from tessera import bus
+from tessera.bus import Buckets, CasConflictError, NoChange, Versioned, cas_update, read
+from tessera.cluster.port import ClusterPort
+from tessera.codec import CodecError, Message, decode, encode
+from tessera.models import (
+    ErrorReply,
+    QuotaAmount,
+    QuotaEvent,
+    QuotaReply,
+    QuotaRequest,
+    QuotaSetRequest,
+    QuotaState,
+    QuotaStatusRequest,
+)
+from tessera.settings import TesseraSettings
+
+SERVICE_VERSION = "0.1.0"
+# Many replicas hammering one namespace lose CAS races to each other; keep trying well past the
+# default before answering "busy" (each attempt is a read and a conditional write, ~1 ms).
+CAS_ATTEMPTS = 200
+MAX_REASON_CHARS = 600
+
+
+class QuotaService:
+    """One replica of tessera.quota. Build it with a connected client; `start()`, `stop()`."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        buckets: Buckets,
+        settings: TesseraSettings,
+        *,
+        cluster: ClusterPort | None = None,
+        instance: str = "",
+        clock: Callable[[], float] = time.time,
+        reconcile_interval_s: float | None = None,
+        grace_margin_s: float | None = None,
+        consumer: str = bus.QUOTA_RELEASED_CONSUMER,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.kv = buckets.quota
+        self.buckets = buckets
+        self.settings = settings
+        self.cluster = cluster
+        self.instance = instance or f"quota-{socket.gethostname()}-{os.getpid()}"
+        self.clock = clock
+        self.log = log or logging.getLogger("tessera.quota")
+        self.reconciler = Reconciler(
+            quota=buckets.quota,
+            ledger=buckets.ledger,
+            clock=clock,
+            # A reservation is followed by its ledger entry within the reservation TTL; a charge
+            # still unbacked after that (plus a margin for clock skew) was leaked by a crash.
+            grace_s=settings.reservation_ttl_s
+            + (settings.quota_grace_margin_s if grace_margin_s is None else grace_margin_s),
+            log=self.log,
+        )
+        self.reconcile_interval_s = reconcile_interval_s or settings.quota_reconcile_interval_s
+        self.releases = ReleaseConsumer(self.js, consumer, self._release_charge, self.log)
+        self._micro: Service | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._stopping = asyncio.Event()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reconcile once, then serve. Returns once the endpoints answer."""
+        with contextlib.suppress(Exception):
+            await self.reconciler.run_once()
+        self._tasks.append(asyncio.create_task(self._reconcile_loop()))
+        self._tasks.append(asyncio.create_task(self.releases.run(self._stopping)))
+        if self.cluster is not None:
+            watcher = ResourceQuotaWatcher(
+                self.cluster, self.settings, self._apply_quotas, self.log
+            )
+            self._tasks.append(asyncio.create_task(watcher.run(self._stopping)))
+        self._micro = await add_service(
+            self.nc,
+            name=bus.QUOTA_SERVICE,
+            version=SERVICE_VERSION,
+            description="namespace GPU quotas (HAMi ResourceQuota semantics)",
+            metadata={"instance": self.instance},
+        )
+        endpoints: list[tuple[str, str, Callable[[Request], Awaitable[None]]]] = [
+            ("reserve", bus.QUOTA_RESERVE, self._on_reserve),
+            ("release", bus.QUOTA_RELEASE, self._on_release),
+            ("status", bus.QUOTA_STATUS, self._on_status),
+            ("set", bus.QUOTA_SET, self._on_set),
+        ]
+        for name, subject, handler in endpoints:
+            await self._micro.add_endpoint(name=name, subject=subject, handler=handler)
+        await self.nc.flush()
+        self.log.info("quota service serving", extra={"instance": self.instance})
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._micro is not None:
+            with contextlib.suppress(Exception):
+                await self._micro.stop()
+            self._micro = None
+        for task in self._tasks:
+            task.cancel()
+        for task in [*self._tasks, *self._background]:
+            with contextlib.suppress(BaseException):
+                await task
+        self._tasks.clear()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    async def _reconcile_loop(self) -> None:
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.reconcile_interval_s)
+            if self._stopping.is_set():
+                return
+            try:
+                await self.reconciler.run_once()
+            except Exception as exc:
+                self.log.warning("reconcile failed", extra={"err": str(exc)})
+
+    # --- endpoint plumbing --------------------------------------------------------------------
+
+    async def _serve(
+        self,
+        request: Request,
+        model: type[Message],
+        handler: Callable[[Any], Coroutine[Any, Any, Message]],
+    ) -> None:
+        """Decode, handle, reply. Whatever goes wrong, the caller gets an ErrorReply."""
+        try:
+            body = decode(request.data, model)
+            reply = await handler(body)
+        except CodecError as exc:
+            reply = ErrorReply(reason=_short(f"bad {model.__name__}: {exc}"))
+        except qa.QuotaInputError as exc:
+            reply = ErrorReply(reason=_short(str(exc)))
+        except CasConflictError:
+            reply = ErrorReply(reason="quota state is busy (too many concurrent writers); retry")
+        except Exception as exc:
+            self.log.exception("quota request failed", extra={"subject": request.subject})
+            reply = ErrorReply(reason=_short(f"internal error: {type(exc).__name__}: {exc}"))
+        with contextlib.suppress(Exception):
+            await request.respond(encode(reply))
+
+    async def _on_reserve(self, request: Request) -> None:
+        await self._serve(request, QuotaRequest, self.reserve)
+
+    async def _on_release(self, request: Request) -> None:
+        await self._serve(request, QuotaRequest, self.release)
+
+    async def _on_status(self, request: Request) -> None:
+        await self._serve(request, QuotaStatusRequest, self.status)
+
+    async def _on_set(self, request: Request) -> None:
+        await self._serve(request, QuotaSetRequest, self.set_limits)
+
+    # --- the operations -----------------------------------------------------------------------
+
+    async def reserve(self, req: QuotaRequest) -> QuotaReply:
+        qa.check_request(req)
+        if req.check_only:
+            current = await read(self.kv, req.namespace, QuotaState)
+            state = current.value if current else None
+            reason = qa.refusal(state, req)
+            if reason:
+                self._exceeded(state, req, reason)
+                return QuotaReply(ok=False, reason=reason, states=_states(state))
+            return QuotaReply(ok=True, reason="fits", states=_states(state))
+        if not req.pod_uid:
+            raise qa.QuotaInputError("a reservation needs pod_uid (or check_only for a dry run)")
+        stamp = self.clock()
+        try:
+            result, wrote = await cas_apply(
+                self.kv, req.namespace, lambda s: qa.reserve(s, req, stamp)
+            )
+        except qa.QuotaRefused as refused:
+            current = await read(self.kv, req.namespace, QuotaState)
+            state = current.value if current else None
+            self._exceeded(state, req, refused.reason)
+            return QuotaReply(ok=False, reason=refused.reason, states=_states(state))
+        state = result.value if result else None
+        if state is None or req.pod_uid not in state.charges:
+            outcome = "nothing to hold: the pod asks no GPU"
+        elif wrote:
+            outcome = "reserved"
+        else:
+            outcome = "already held"
+        return QuotaReply(ok=True, reason=outcome, states=_states(state))
+
+    async def release(self, req: QuotaRequest) -> QuotaReply:
+        qa.check_namespace(req.namespace)
+        if not req.pod_uid:
+            raise qa.QuotaInputError("release needs pod_uid")
+        freed = await self._release_charge(req.namespace, req.pod_uid, None)
+        current = await read(self.kv, req.namespace, QuotaState)
+        return QuotaReply(
+            ok=True,
+            reason="released" if freed else f"nothing held by pod {req.pod_uid}",
+            states=_states(current.value if current else None),
+        )
+
+    async def status(self, req: QuotaStatusRequest) -> Message:
+        if req.namespace:
+            qa.check_namespace(req.namespace)
+            current = await read(self.kv, req.namespace, QuotaState)
+            if current is None:
+                return ErrorReply(
+                    reason=f"unknown namespace {req.namespace!r}: no quota limits or charges "
+                    "are recorded for it (its GPU use is unlimited)"
+                )
+            return QuotaReply(ok=True, states=[current.value])
+        states = await snapshot(self.kv, QuotaState, self.log)
+        return QuotaReply(ok=True, states=[v for _k, (v, _r) in sorted(states.items())])
+
+    async def set_limits(self, req: QuotaSetRequest) -> QuotaReply:
+        qa.check_namespace(req.namespace)
+        qa.check_limits(req.limits)
+        source = req.source or "cli"
+        if source.startswith(qa.RESOURCE_QUOTA_SOURCE):
+            raise qa.QuotaInputError(f"source {source!r} is reserved for ResourceQuota objects")
+        state = await self._write_limits(
+            req.namespace, lambda s: qa.set_limits(s, req.namespace, req.limits, source)
+        )
+        over = qa.over_limit(state)
+        reason = "limits set"
+        if over:
+            reason += (
+                f"; usage is above the new {', '.join(over)} limit: pods already holding quota "
+                "keep it, new reservations are refused until usage falls below"
+            )
+        return QuotaReply(ok=True, reason=reason, states=[state])
+
+    # --- shared by endpoints, the event consumer and the ResourceQuota watcher ----------------
+
+    async def _write_limits(
+        self, namespace: str, mutate: Callable[[QuotaState | None], QuotaState]
+    ) -> QuotaState:
+        result, wrote = await cas_apply(self.kv, namespace, mutate)
+        if result is None:
+            return QuotaState(namespace=namespace)
+        if wrote:
+            self._changed(result.value, result.revision)
+        return result.value
+
+    async def _apply_quotas(self, namespace: str, quotas: dict[str, QuotaAmount]) -> None:
+        before = await read(self.kv, namespace, QuotaState)
+        state = await self._write_limits(
+            namespace, lambda s: qa.limits_from_quotas(s, namespace, quotas)
+        )
+        if before is None or before.value.limits != state.limits:
+            self.log.info(
+                "limits from ResourceQuota",
+                extra={"namespace": namespace, "limits": state.limits.model_dump()},
+            )
+
+    async def _release_charge(
+        self, namespace: str, pod_uid: str, charged_before: float | None
+    ) -> bool:
+        """Free `pod_uid`'s charge; True when this call freed it."""
+        _result, wrote = await cas_apply(
+            self.kv, namespace, lambda s: qa.release(s, pod_uid, charged_before=charged_before)
+        )
+        return wrote
+
+    # --- events (published in the background: a reply never waits on the stream) -------------
+
+    def _changed(self, state: QuotaState, revision: int) -> None:
+        event = QuotaEvent(
+            event_id=f"quota:{state.namespace}:changed:{revision}",
+            action="changed",
+            namespace=state.namespace,
+            limits=state.limits,
+            used=state.used(),
+            source=self.instance,
+            reason=f"limits set by {state.source or 'default (unlimited)'}",
+        )
+        self._publish(event)
+
+    def _exceeded(self, state: QuotaState | None, req: QuotaRequest, reason: str) -> None:
+        limits = state.limits if state else QuotaAmount()
+        used = state.used() if state else QuotaAmount()
+        # The same refusal retried against the same state is one event (Nats-Msg-Id dedupe).
+        who = req.pod_uid or req.name
+        digest = hashlib.sha256(
+            f"{who}|{limits.model_dump_json()}|{used.model_dump_json()}".encode()
+        ).hexdigest()[:16]
+        event = QuotaEvent(
+            event_id=f"quota:{req.namespace}:exceeded:{digest}" if who else uuid.uuid4().hex,
+            action="exceeded",
+            namespace=req.namespace,
+            limits=limits,
+            used=used,
+            pod_uid=req.pod_uid,
+            source=self.instance,
+            reason=reason,
+        )
+        self._publish(event)
+
+    def _publish(self, event: QuotaEvent) -> None:
+        async def publish() -> None:
+            try:
+                await bus.publish_event(self.js, event, attempts=3)
+            except Exception as exc:
+                self.log.warning("quota event not published", extra={"err": str(exc)})
+
+        task = asyncio.create_task(publish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def cas_apply(
+    kv: KeyValue, namespace: str, mutate: Callable[[QuotaState | None], QuotaState]
+) -> tuple[Versioned[QuotaState] | None, bool]:
+    """cas_update that also says whether it wrote: (current value or None, changed)."""
+    wrote = False
+
+    def tracked(state: QuotaState | None) -> QuotaState:
+        nonlocal wrote
+        wrote = False  # the last call is the one that counts (earlier ones lost a race)
+        new_state = mutate(state)
+        wrote = True
+        return new_state
+
+    try:
+        result = await cas_update(kv, namespace, QuotaState, tracked, attempts=CAS_ATTEMPTS)
+    except NoChange:
+        return None, False
+    return result, wrote
+
+
+def _states(state: QuotaState | None) -> list[QuotaState]:
+    return [state] if state is not None else []
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 1] + "…"
