@@ -1,0 +1,697 @@
+"""The Helm charts: rendered and linted with the Helm SDK (no helm binary, no cluster), every
+manifest validated against the Kubernetes 1.29 and 1.33 schemas, and the things an operator
+relies on asserted: the extender config follows the resource names, the webhook fails closed
+with the right exclusions, RBAC is minimal, the node agent touches only the host paths it needs,
+and the libvgpu install never rewrites a library a container has mapped.
+"""
+
+from __future__ import annotations
+
+import base64
+import mmap
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO_CHARTS = Path(__file__).resolve().parents[2] / "charts"
+SERVICE_CHARTS = [
+    "tessera-admission",
+    "tessera-scheduler",
+    "tessera-quota",
+    "tessera-node-agent",
+    "tessera-metrics",
+]
+ALL_CHARTS = [*SERVICE_CHARTS, "tessera"]
+KUBE_VERSIONS = ["1.29.0", "1.33.0"]
+NAMESPACE = "tessera-system"
+RELEASE = "tessera"
+HAMI_NAMES = {
+    "gpu": "nvidia.com/gpu",
+    "memory": "nvidia.com/gpumem",
+    "memoryPercentage": "nvidia.com/gpumem-percentage",
+    "cores": "nvidia.com/gpucores",
+    "priority": "nvidia.com/priority",
+}
+CUSTOM_NAMES = {
+    "gpu": "example.com/vgpu",
+    "memory": "example.com/vgpu-memory",
+    "memoryPercentage": "example.com/vgpu-memory-percentage",
+    "cores": "example.com/vgpu-cores",
+    "priority": "example.com/vgpu-priority",
+}
+# Custom resources: no schema in kubernetes-validate; their shape is asserted below instead.
+CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+CA_BUNDLE = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+
+Manifest = dict[str, Any]
+
+# (chart, values) pairs rendered, linted and validated besides the defaults.
+VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "tessera-admission",
+        {
+            "tls": {
+                "certManager": {"enabled": False},
+                "existingSecret": "admission-tls",
+                "caBundle": CA_BUNDLE.decode(),
+            },
+            "webhook": {"excludedNamespaces": ["cert-manager", "monitoring"]},
+        },
+    ),
+    (
+        "tessera-admission",
+        {
+            "tls": {"certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}},
+            "replicaCount": 3,
+            "nats": {"auth": {"type": "userPassword", "existingSecret": "nats-auth"}},
+        },
+    ),
+    ("tessera-scheduler", {"resourceNames": CUSTOM_NAMES, "schedulerName": "gpu-scheduler"}),
+    (
+        "tessera-quota",
+        {
+            "nats": {
+                "auth": {"type": "creds", "existingSecret": "nats-creds", "urlKey": "url"},
+                "tls": {"enabled": True, "caSecret": "nats-ca"},
+            }
+        },
+    ),
+    (
+        "tessera-node-agent",
+        {"libvgpu": {"install": False}, "hostPaths": {"regions": "/data/tessera/regions"}},
+    ),
+    ("tessera-metrics", {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}),
+    (
+        "tessera",
+        {
+            "global": {
+                "resourceNames": CUSTOM_NAMES,
+                "nats": {
+                    "url": "tls://nats.example:4222",
+                    "tls": {"enabled": True, "caSecret": "ca"},
+                },
+                "config": {"deviceSplitCount": 4},
+            },
+            "metrics": {"enabled": False},
+        },
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def charts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of charts/ with the umbrella's dependencies built (as `helm dependency update`)."""
+    root = tmp_path_factory.mktemp("charts") / "charts"
+    shutil.copytree(REPO_CHARTS, root, ignore=shutil.ignore_patterns("charts", "Chart.lock"))
+    helm.dependency_update(root / "tessera")
+    return root
+
+
+def render(
+    charts_dir: Path, chart: str, values: dict[str, Any] | None = None, namespace: str = NAMESPACE
+) -> list[Manifest]:
+    with helm.Chart.load(charts_dir / chart) as loaded:
+        files = loaded.render(values, name=RELEASE, namespace=namespace)
+    manifests = []
+    for path, text in sorted(files.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        manifests.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return manifests
+
+
+def find(manifests: list[Manifest], kind: str, name: str | None = None) -> Manifest:
+    matches = [
+        m
+        for m in manifests
+        if m["kind"] == kind and (name is None or m["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def kinds(manifests: list[Manifest]) -> set[str]:
+    return {m["kind"] for m in manifests}
+
+
+def container(workload: Manifest, name: str) -> Manifest:
+    (found,) = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return found
+
+
+def env_of(c: Manifest) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def lint_problems(chart_path: Path, values: dict[str, Any] | None, kube_version: str) -> list[str]:
+    report = helm.lint(
+        chart_path,
+        values,
+        strict=True,
+        namespace=NAMESPACE,
+        with_subcharts=True,
+        kube_version=f"v{kube_version}",
+    )
+    # Severity 1 is informational (e.g. "icon is recommended"); strict fails on the rest.
+    problems = [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
+    return problems + list(report["errors"])
+
+
+def validate_all(manifests: list[Manifest], kube_version: str) -> None:
+    for manifest in manifests:
+        if manifest["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        try:
+            kubernetes_validate.validate(manifest, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            where = "/".join(str(p) for p in getattr(error, "path", []))
+            first_line = str(error).splitlines()[0]
+            pytest.fail(
+                f"{manifest['kind']} {manifest['metadata']['name']} invalid for {kube_version} "
+                f"at {where}: {first_line}"
+            )
+
+
+def variant_id(variant: tuple[str, dict[str, Any]]) -> str:
+    chart, values = variant
+    return f"{chart}:{'+'.join(sorted(values))}"
+
+
+# --- every chart, every variant: lint, render, schema ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("chart", "values"),
+    [(chart, None) for chart in ALL_CHARTS] + VARIANTS,
+    ids=[f"{c}:defaults" for c in ALL_CHARTS] + [variant_id(v) for v in VARIANTS],
+)
+def test_chart_lints_strictly_and_every_manifest_is_valid_kubernetes(
+    charts_dir: Path, chart: str, values: dict[str, Any] | None
+) -> None:
+    manifests = render(charts_dir, chart, values)
+    assert manifests
+    for kube_version in KUBE_VERSIONS:
+        assert lint_problems(charts_dir / chart, values, kube_version) == []
+        validate_all(manifests, kube_version)
+    for manifest in manifests:
+        labels = manifest["metadata"]["labels"]
+        assert labels["app.kubernetes.io/part-of"] == "tessera"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_validation_would_catch_a_broken_manifest() -> None:
+    broken = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {"p": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBE_VERSIONS[0], strict=True)
+
+
+def test_umbrella_installs_each_service_once_under_short_names(charts_dir: Path) -> None:
+    manifests = render(charts_dir, "tessera")
+    workloads = {
+        m["metadata"]["name"] for m in manifests if m["kind"] in ("Deployment", "DaemonSet")
+    }
+    assert workloads == {
+        "tessera-admission",
+        "tessera-scheduler",
+        "tessera-quota",
+        "tessera-node-agent",
+        "tessera-metrics",
+    }
+    without_agent = render(charts_dir, "tessera", {"nodeAgent": {"enabled": False}})
+    assert "DaemonSet" not in kinds(without_agent)
+
+
+def test_umbrella_globals_reach_every_service(charts_dir: Path) -> None:
+    values = {
+        "global": {
+            "resourceNames": CUSTOM_NAMES,
+            "schedulerName": "gpu-scheduler",
+            "image": {"tag": "9.9.9"},
+            "nats": {
+                "url": "nats://nats.shared:4222",
+                "auth": {"type": "userPassword", "existingSecret": "nats-users"},
+            },
+        }
+    }
+    manifests = render(charts_dir, "tessera", values)
+    workloads = [m for m in manifests if m["kind"] in ("Deployment", "DaemonSet")]
+    assert len(workloads) == 5
+    for workload in workloads:
+        for c in workload["spec"]["template"]["spec"]["containers"]:
+            if c["name"] == "kube-scheduler":
+                continue
+            env = env_of(c)
+            assert c["image"] == "ghcr.io/tessera/tessera:9.9.9"
+            assert env["NATS_URL"] == "nats://nats.shared:4222"
+            assert env["NATS_PASSWORD"] == {
+                "secretKeyRef": {"name": "nats-users", "key": "password"}
+            }
+            assert env["TESSERA_RESOURCE_MEM"] == CUSTOM_NAMES["memory"]
+            assert env["TESSERA_SCHEDULER_NAME"] == "gpu-scheduler"
+    config = extender_config(manifests)
+    assert managed_resources(config) == set(CUSTOM_NAMES.values())
+
+
+# --- scheduler ------------------------------------------------------------------------------
+
+
+def extender_config(manifests: list[Manifest]) -> Manifest:
+    configmap = next(
+        m for m in manifests if m["kind"] == "ConfigMap" and "config.yaml" in m.get("data", {})
+    )
+    config: Manifest = yaml.safe_load(configmap["data"]["config.yaml"])
+    return config
+
+
+def managed_resources(config: Manifest) -> set[str]:
+    (extender,) = config["extenders"]
+    assert all(r["ignoredByScheduler"] is True for r in extender["managedResources"])
+    return {r["name"] for r in extender["managedResources"]}
+
+
+@pytest.mark.parametrize("names", [HAMI_NAMES, CUSTOM_NAMES], ids=["hami", "custom"])
+def test_extender_config_follows_the_resource_names(
+    charts_dir: Path, names: dict[str, str]
+) -> None:
+    manifests = render(charts_dir, "tessera-scheduler", {"resourceNames": names})
+    config = extender_config(manifests)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert [p["schedulerName"] for p in config["profiles"]] == ["tessera-scheduler"]
+    (extender,) = config["extenders"]
+    assert extender["urlPrefix"] == "http://127.0.0.1:8888"
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    assert extender["nodeCacheCapable"] is True
+    assert extender["weight"] >= 1
+    assert managed_resources(config) == set(names.values())
+    assert config["leaderElection"]["resourceNamespace"] == NAMESPACE
+
+    deployment = find(manifests, "Deployment")
+    extender_container = container(deployment, "extender")
+    env = env_of(extender_container)
+    assert env["TESSERA_LISTEN"] == "0.0.0.0:8888"
+    assert env["TESSERA_RESOURCE_NAME"] == names["gpu"]
+    assert env["TESSERA_RESOURCE_MEM_PERCENTAGE"] == names["memoryPercentage"]
+    assert env["TESSERA_CLUSTER"] == "kubernetes"
+    assert (env["TESSERA_KUBE_QPS"], env["TESSERA_KUBE_BURST"]) == ("50", "100")
+    assert extender_container["command"] == ["python", "-m", "tessera.scheduler"]
+    scheduler = container(deployment, "kube-scheduler")
+    assert "--config=/etc/tessera-scheduler/config.yaml" in scheduler["command"]
+    # Without a tag, kube-scheduler follows the cluster's minor version.
+    assert scheduler["image"].startswith("registry.k8s.io/kube-scheduler:v1.")
+
+
+def test_scheduler_pod_rolls_when_its_config_changes(charts_dir: Path) -> None:
+    def checksum(values: dict[str, Any] | None) -> str:
+        deployment = find(render(charts_dir, "tessera-scheduler", values), "Deployment")
+        annotations: dict[str, str] = deployment["spec"]["template"]["metadata"]["annotations"]
+        return annotations["checksum/config"]
+
+    assert checksum(None) != checksum({"resourceNames": CUSTOM_NAMES})
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+def test_webhook_fails_closed_and_excludes_only_system_namespaces(charts_dir: Path) -> None:
+    manifests = render(charts_dir, "tessera-admission")
+    config = find(manifests, "MutatingWebhookConfiguration")
+    (webhook,) = config["webhooks"]
+    assert webhook["admissionReviewVersions"] == ["v1"]
+    assert webhook["failurePolicy"] == "Fail"
+    assert 1 <= webhook["timeoutSeconds"] <= 5
+    assert webhook["sideEffects"] == "None"
+    assert webhook["rules"] == [
+        {
+            "operations": ["CREATE"],
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    # No objectSelector: a label a tenant can set on their own pod must not skip the webhook.
+    assert "objectSelector" not in webhook
+    (expression,) = webhook["namespaceSelector"]["matchExpressions"]
+    assert expression["key"] == "kubernetes.io/metadata.name"
+    assert expression["operator"] == "NotIn"
+    assert expression["values"] == ["kube-system", NAMESPACE]
+
+    service = find(manifests, "Service")
+    target = webhook["clientConfig"]["service"]
+    assert (target["name"], target["namespace"]) == (service["metadata"]["name"], NAMESPACE)
+    assert target["port"] == service["spec"]["ports"][0]["port"] == 443
+    deployment = find(manifests, "Deployment")
+    admission = container(deployment, "admission")
+    port_names = {p["name"]: p["containerPort"] for p in admission["ports"]}
+    assert port_names[service["spec"]["ports"][0]["targetPort"]] == 9443
+    assert admission["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
+def test_webhook_exclusions_can_grow_but_never_lose_the_system_namespaces(
+    charts_dir: Path,
+) -> None:
+    values = {"webhook": {"excludedNamespaces": ["cert-manager", "kube-system"]}}
+    manifests = render(charts_dir, "tessera-admission", values, namespace="gpu")
+    (webhook,) = find(manifests, "MutatingWebhookConfiguration")["webhooks"]
+    (expression,) = webhook["namespaceSelector"]["matchExpressions"]
+    assert expression["values"] == ["kube-system", "gpu", "cert-manager"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"webhook": {"timeoutSeconds": 10}}, "timeoutSeconds"),
+        ({"webhook": {"failurePolicy": "Skip"}}, "failurePolicy"),
+        (
+            {"tls": {"certManager": {"enabled": False}, "caBundle": CA_BUNDLE.decode()}},
+            "existingSecret",
+        ),
+        (
+            {"tls": {"certManager": {"enabled": False}, "existingSecret": "tls"}},
+            "caBundle",
+        ),
+    ],
+    ids=["slow-timeout", "bad-policy", "no-secret", "no-ca"],
+)
+def test_admission_refuses_unsafe_or_incomplete_values(
+    charts_dir: Path, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render(charts_dir, "tessera-admission", values)
+
+
+def test_admission_is_highly_available_with_cert_manager_certificates(charts_dir: Path) -> None:
+    manifests = render(charts_dir, "tessera-admission")
+    deployment = find(manifests, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pdb = find(manifests, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    certificate = find(manifests, "Certificate")
+    issuer = find(manifests, "Issuer")
+    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"]
+    service_name = find(manifests, "Service")["metadata"]["name"]
+    assert f"{service_name}.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+    config = find(manifests, "MutatingWebhookConfiguration")
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{NAMESPACE}/{certificate['metadata']['name']}"
+    )
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == certificate["spec"]["secretName"]
+    env = env_of(container(deployment, "admission"))
+    assert env["TESSERA_TLS_CERT"] == "/etc/tessera/tls/tls.crt"
+    assert env["TESSERA_TLS_KEY"] == "/etc/tessera/tls/tls.key"
+
+
+def test_admission_with_a_provided_secret_needs_no_cert_manager(charts_dir: Path) -> None:
+    values = {
+        "tls": {
+            "certManager": {"enabled": False},
+            "existingSecret": "admission-tls",
+            "caBundle": CA_BUNDLE.decode(),
+        }
+    }
+    manifests = render(charts_dir, "tessera-admission", values)
+    assert not any(m["apiVersion"].startswith("cert-manager.io/") for m in manifests)
+    config = find(manifests, "MutatingWebhookConfiguration")
+    assert "annotations" not in config["metadata"]
+    assert config["webhooks"][0]["clientConfig"]["caBundle"] == CA_BUNDLE.decode()
+    deployment = find(manifests, "Deployment")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "admission-tls"
+
+
+# --- RBAC and security contexts -------------------------------------------------------------
+
+# Exactly what each service may do through the API, as (apiGroup, resource) -> verbs.
+EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
+    "tessera-admission": {},
+    "tessera-metrics": {},
+    "tessera-quota": {
+        ("", "resourcequotas"): {"get", "list", "watch"},
+        ("", "events"): {"create", "patch"},
+    },
+    "tessera-node-agent": {
+        ("", "pods"): {"get", "list", "watch"},
+        ("", "nodes"): {"get", "patch"},
+        ("", "events"): {"create", "patch"},
+    },
+    "tessera-scheduler": {
+        ("", "pods"): {"get", "list", "watch", "patch"},
+        ("", "pods/binding"): {"create"},
+        ("", "events"): {"create", "patch"},
+        ("coordination.k8s.io", "leases"): {"create", "get", "update"},
+    },
+}
+# Roles Kubernetes itself defines for a second scheduler; nothing else is borrowed.
+BUILT_IN_ROLES = {
+    "system:kube-scheduler",
+    "system:volume-scheduler",
+    "extension-apiserver-authentication-reader",
+}
+
+
+def granted_rules(manifests: list[Manifest]) -> dict[tuple[str, str], set[str]]:
+    granted: dict[tuple[str, str], set[str]] = {}
+    for role in (m for m in manifests if m["kind"] in ("ClusterRole", "Role")):
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
+@pytest.mark.parametrize("chart", SERVICE_CHARTS)
+def test_rbac_grants_only_what_the_service_uses(charts_dir: Path, chart: str) -> None:
+    manifests = render(charts_dir, chart)
+    assert granted_rules(manifests) == EXPECTED_RULES[chart]
+    own_roles = {m["metadata"]["name"] for m in manifests if m["kind"] in ("ClusterRole", "Role")}
+    for binding in (m for m in manifests if m["kind"] in ("ClusterRoleBinding", "RoleBinding")):
+        assert binding["roleRef"]["name"] in own_roles | BUILT_IN_ROLES
+        (subject,) = binding["subjects"]
+        assert subject["kind"] == "ServiceAccount"
+        assert subject["namespace"] == NAMESPACE
+    # A leases update is limited to this scheduler's own lease.
+    for role in (m for m in manifests if m["kind"] == "Role"):
+        for rule in role["rules"]:
+            if "update" in rule["verbs"]:
+                assert rule["resourceNames"] == ["tessera-scheduler"]
+
+
+@pytest.mark.parametrize("chart", ["tessera-admission", "tessera-metrics"])
+def test_services_without_api_access_get_no_token(charts_dir: Path, chart: str) -> None:
+    manifests = render(charts_dir, chart)
+    assert find(manifests, "ServiceAccount")["automountServiceAccountToken"] is False
+    pod = find(manifests, "Deployment")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("chart", [c for c in SERVICE_CHARTS if c != "tessera-node-agent"])
+def test_control_plane_runs_non_root_read_only_without_capabilities(
+    charts_dir: Path, chart: str
+) -> None:
+    deployment = find(render(charts_dir, chart), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    assert not any("hostPath" in v for v in pod["volumes"])
+    for c in pod["containers"]:
+        context = c["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["readOnlyRootFilesystem"] is True
+        assert context["capabilities"] == {"drop": ["ALL"]}
+        assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            port = c[probe]["httpGet"]["port"]
+            assert port in {p["name"] for p in c["ports"]}
+        if c["name"] != "kube-scheduler":
+            assert c["command"][:2] == ["python", "-m"]
+
+
+# --- node agent -----------------------------------------------------------------------------
+
+
+def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> None:
+    daemonset = find(render(charts_dir, "tessera-node-agent"), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        "device-plugins": {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"},
+        "pod-resources": {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"},
+        "regions": {"path": "/var/lib/tessera/containers", "type": "DirectoryOrCreate"},
+        "vgpu": {"path": "/usr/local/vgpu", "type": "DirectoryOrCreate"},
+    }
+    assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+    assert pod["priorityClassName"] == "system-node-critical"
+
+    agent = container(daemonset, "node-agent")
+    mounts = {m["name"]: m for m in agent["volumeMounts"]}
+    # Same paths inside as on the host: the mounts it hands kubelet name host paths.
+    for name, host_path in host_paths.items():
+        assert mounts[name]["mountPath"] == host_path["path"]
+    assert mounts["pod-resources"].get("readOnly") is True
+    assert mounts["vgpu"].get("readOnly") is True
+    assert not mounts["regions"].get("readOnly")
+    context = agent["securityContext"]
+    assert context["privileged"] is False
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    env = env_of(agent)
+    assert env["TESSERA_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["TESSERA_REGION_DIR"] == "/var/lib/tessera/containers"
+    assert env["TESSERA_DEVICE_SPLIT_COUNT"] == "10"
+
+    (init,) = pod["initContainers"]
+    init_mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert set(init_mounts) == {"install-script", "vgpu"}
+    assert not init_mounts["vgpu"].get("readOnly")
+
+
+def test_node_agent_without_install_has_no_init_container(charts_dir: Path) -> None:
+    values = {"libvgpu": {"install": False}, "hostPaths": {"regions": "/data/regions"}}
+    manifests = render(charts_dir, "tessera-node-agent", values)
+    pod = find(manifests, "DaemonSet")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert "ConfigMap" not in kinds(manifests)
+    regions = next(v for v in pod["volumes"] if v["name"] == "regions")
+    assert regions["hostPath"]["path"] == "/data/regions"
+
+
+def run_install(script: Path, source: Path, vgpu_dir: Path) -> str:
+    result = subprocess.run(
+        ["sh", str(script)],
+        env={
+            "PATH": os.environ["PATH"],
+            "LIBVGPU_SOURCE": str(source),
+            "VGPU_DIR": str(vgpu_dir),
+            "LIBVGPU_CONTAINER_PATH": "/usr/local/vgpu/libvgpu.so",
+        },
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
+    return result.stdout
+
+
+def test_libvgpu_install_never_rewrites_a_mapped_library(charts_dir: Path, tmp_path: Path) -> None:
+    configmap = find(render(charts_dir, "tessera-node-agent"), "ConfigMap")
+    script = tmp_path / "install-libvgpu.sh"
+    script.write_text(configmap["data"]["install-libvgpu.sh"])
+    host = tmp_path / "host" / "usr-local-vgpu"
+    image_lib = tmp_path / "image" / "libvgpu.so"
+    image_lib.parent.mkdir()
+
+    image_lib.write_bytes(b"\x7fELF build one" * 100)
+    run_install(script, image_lib, host)
+    installed = host / "libvgpu.so"
+    assert installed.is_symlink()
+    assert installed.read_bytes() == image_lib.read_bytes()
+    assert (host / "ld.so.preload").read_text() == "/usr/local/vgpu/libvgpu.so\n"
+
+    # A running container has the first build mapped.
+    with open(installed, "rb") as mapped_file:
+        mapped = mmap.mmap(mapped_file.fileno(), 0, prot=mmap.PROT_READ)
+        first_inode = os.fstat(mapped_file.fileno()).st_ino
+        preload_inode = (host / "ld.so.preload").stat().st_ino
+
+        image_lib.write_bytes(b"\x7fELF build two" * 100)
+        output = run_install(script, image_lib, host)
+
+        assert mapped[:14] == b"\x7fELF build one"  # the mapped pages are untouched
+        assert installed.read_bytes() == image_lib.read_bytes()  # new containers get build two
+        assert os.stat(installed).st_ino != first_inode
+        assert os.readlink(installed) in output
+        mapped.close()
+    old_versions = [p for p in host.iterdir() if p.name.startswith("libvgpu.so.")]
+    assert len(old_versions) == 2  # the first build stays for whoever still maps it
+    assert (host / "ld.so.preload").stat().st_ino == preload_inode  # unchanged content
+    assert not list(host.glob(".*tmp"))
+
+    # The same build again is a no-op.
+    target = os.readlink(installed)
+    run_install(script, image_lib, host)
+    assert os.readlink(installed) == target
+    assert len([p for p in host.iterdir() if p.name.startswith("libvgpu.so.")]) == 2
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def metrics_with_dashboard(charts_dir: Path, tmp_path: Path) -> Iterator[Path]:
+    chart = tmp_path / "tessera-metrics"
+    shutil.copytree(charts_dir / "tessera-metrics", chart)
+    (chart / "dashboards" / "extra.json").write_text('{"title": "Tessera extra", "panels": []}')
+    yield chart
+
+
+def test_metrics_service_monitor_and_dashboards(
+    charts_dir: Path, metrics_with_dashboard: Path
+) -> None:
+    defaults = render(charts_dir, "tessera-metrics")
+    assert "ServiceMonitor" not in kinds(defaults)
+    service = find(defaults, "Service")
+    assert service["spec"]["ports"][0]["port"] == 9394
+
+    manifests = render(
+        metrics_with_dashboard.parent,
+        "tessera-metrics",
+        {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    )
+    monitor = find(manifests, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["spec"]["selector"].items()
+
+    dashboards = find(manifests, "ConfigMap")
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert yaml.safe_load(dashboards["data"]["extra.json"])["title"] == "Tessera extra"
+    shipped = sorted(
+        p.name for p in (REPO_CHARTS / "tessera-metrics" / "dashboards").glob("*.json")
+    )
+    assert sorted(dashboards["data"]) == sorted([*shipped, "extra.json"])
+
+
+# --- NATS connection ------------------------------------------------------------------------
+
+
+def test_nats_credentials_come_from_secrets_never_values(charts_dir: Path) -> None:
+    values = {
+        "nats": {
+            "auth": {"type": "creds", "existingSecret": "nats-creds", "urlKey": "url"},
+            "tls": {"enabled": True, "caSecret": "nats-ca"},
+        }
+    }
+    deployment = find(render(charts_dir, "tessera-quota", values), "Deployment")
+    quota = container(deployment, "quota")
+    env = env_of(quota)
+    assert env["NATS_URL"] == {"secretKeyRef": {"name": "nats-creds", "key": "url"}}
+    mounts = {m["name"]: m["mountPath"] for m in quota["volumeMounts"]}
+    assert env["NATS_CREDS"] == f"{mounts['nats-auth']}/nats.creds"
+    assert env["NATS_TLS_CA"] == f"{mounts['nats-tls']}/ca.crt"
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["nats-auth"]["secret"]["secretName"] == "nats-creds"
+    assert volumes["nats-tls"]["secret"]["secretName"] == "nats-ca"
+    assert "NATS_USER" not in env and "NATS_PASSWORD" not in env
+
+    with pytest.raises(helm.HelmError, match=r"nats\.auth\.type"):
+        render(charts_dir, "tessera-quota", {"nats": {"auth": {"type": "token"}}})
