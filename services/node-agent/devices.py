@@ -1,0 +1,202 @@
+"""What GPUs this node has, how they are linked, and whether they are healthy.
+
+Two sources give the same `PhysicalGpu` list: NVML (real GPUs, `nvml.py`) and a static one
+(simulated GPUs for the local stack). Everything else here is pure: HAMi's link scores, what a
+GPU advertises after scaling, and the health bookkeeping (unhealthy on a critical XID or a
+double-bit ECC error, healthy again after `health_recovery_s` without one — HAMi never recovers).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tessera.models import DeviceInfo
+from tessera.settings import TesseraSettings
+
+# NVML topology levels (nvmlGpuTopologyLevel_t) → HAMi's link scores (higher = closer).
+TOPOLOGY_INTERNAL = 0  # same board
+TOPOLOGY_SINGLE = 10  # one PCIe switch
+TOPOLOGY_MULTIPLE = 20  # several PCIe switches
+TOPOLOGY_HOSTBRIDGE = 30  # the same host bridge
+TOPOLOGY_NODE = 40  # the same CPU (NUMA node)
+TOPOLOGY_SYSTEM = 50  # across CPUs
+LEVEL_SCORES = {
+    TOPOLOGY_SYSTEM: 10,
+    TOPOLOGY_NODE: 20,
+    TOPOLOGY_HOSTBRIDGE: 30,
+    TOPOLOGY_MULTIPLE: 40,
+    TOPOLOGY_SINGLE: 50,
+    TOPOLOGY_INTERNAL: 60,
+}
+NVLINK_SCORE = 100
+
+# NVML event types the agent watches.
+EVENT_SINGLE_BIT_ECC = 0x1
+EVENT_DOUBLE_BIT_ECC = 0x2
+EVENT_XID_CRITICAL = 0x8
+
+
+def link_score(topology_level: int | None, nvlinks: int) -> int:
+    """HAMi's score of a GPU pair: 100 per NVLink, else by the PCIe relation."""
+    if nvlinks > 0:
+        return NVLINK_SCORE * nvlinks
+    if topology_level is None:
+        return LEVEL_SCORES[TOPOLOGY_SYSTEM]
+    return LEVEL_SCORES.get(topology_level, LEVEL_SCORES[TOPOLOGY_SYSTEM])
+
+
+@dataclass(frozen=True)
+class PhysicalGpu:
+    """One GPU as discovered, before scaling."""
+
+    uuid: str
+    index: int
+    name: str  # the NVML name, e.g. "NVIDIA H200"
+    memory_mib: int
+    numa: int = 0
+    mig: bool = False
+    links: dict[str, int] = field(default_factory=dict)  # peer uuid -> link score
+
+    @property
+    def type(self) -> str:
+        return f"NVIDIA-{self.name}"
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """A critical event from the driver. `uuid` None = every GPU of the node."""
+
+    uuid: str | None
+    kind: str  # "xid", "ecc", "lost"
+    code: int = 0
+
+    def describe(self) -> str:
+        target = self.uuid or "all GPUs"
+        if self.kind == "xid":
+            return f"XID {self.code} on {target}"
+        if self.kind == "ecc":
+            return f"double-bit ECC error on {target}"
+        return f"{target} fell off the bus"
+
+
+class DeviceSource(Protocol):
+    """Where GPUs come from. `wait_event` blocks (run it in a thread) up to `timeout_s`."""
+
+    def discover(self) -> list[PhysicalGpu]: ...
+
+    def wait_event(self, timeout_s: float) -> HealthEvent | None: ...
+
+    def host_usage(self) -> dict[str, tuple[int, int, float]]:
+        """uuid -> (used bytes, total bytes, utilization %); empty when unknown."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def advertise(
+    gpus: list[PhysicalGpu], settings: TesseraSettings, unhealthy: frozenset[str] = frozenset()
+) -> list[DeviceInfo]:
+    """What the node registers: memory × memory scaling, cores = 100 × core scaling."""
+    return [
+        DeviceInfo(
+            uuid=g.uuid,
+            index=g.index,
+            type=g.type,
+            memory_mib=int(g.memory_mib * settings.device_memory_scaling),
+            physical_memory_mib=g.memory_mib,
+            cores=int(100 * settings.device_core_scaling),
+            split_count=settings.device_split_count,
+            numa=g.numa,
+            healthy=g.uuid not in unhealthy,
+            mode="mig" if g.mig else "hami-core",
+            links=dict(g.links),
+        )
+        for g in gpus
+    ]
+
+
+def is_critical(event_type: int, xid: int, ignored_xids: frozenset[int]) -> bool:
+    """Does this NVML event make a GPU unhealthy? (single-bit ECC errors are corrected)."""
+    if event_type & EVENT_XID_CRITICAL:
+        return xid not in ignored_xids
+    return bool(event_type & EVENT_DOUBLE_BIT_ECC)
+
+
+class HealthTracker:
+    """Which GPUs are unhealthy now. Pure bookkeeping: the caller passes the clock."""
+
+    def __init__(self, uuids: list[str], recovery_s: float) -> None:
+        self._uuids = list(uuids)
+        self._recovery_s = recovery_s
+        self._last_bad: dict[str, float] = {}
+
+    @property
+    def unhealthy(self) -> frozenset[str]:
+        return frozenset(self._last_bad)
+
+    def record(self, event: HealthEvent, now: float) -> list[str]:
+        """Mark the event's GPUs unhealthy; returns those that were healthy until now."""
+        targets = [event.uuid] if event.uuid else self._uuids
+        newly = [u for u in targets if u in self._uuids and u not in self._last_bad]
+        for u in targets:
+            if u in self._uuids:
+                self._last_bad[u] = now
+        return newly
+
+    def recover(self, now: float) -> list[str]:
+        """GPUs with no critical event for `recovery_s`: healthy again (returned)."""
+        back = [u for u, t in self._last_bad.items() if now - t >= self._recovery_s]
+        for u in back:
+            del self._last_bad[u]
+        return back
+
+
+class StaticSource:
+    """Simulated GPUs (local stack): count, model and memory from settings, stable UUIDs."""
+
+    def __init__(self, settings: TesseraSettings, node: str) -> None:
+        self._settings = settings
+        self._node = node
+
+    def discover(self) -> list[PhysicalGpu]:
+        s = self._settings
+        count = s.static_gpu_count
+        per_numa = max(1, math.ceil(count / s.static_numa_nodes))
+        uuids = [
+            f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'{self._node}/gpu{i}')}"
+            for i in range(count)
+        ]
+        gpus = []
+        for i, u in enumerate(uuids):
+            numa = i // per_numa
+            links = {
+                peer: link_score(TOPOLOGY_NODE if (j // per_numa) == numa else TOPOLOGY_SYSTEM, 0)
+                for j, peer in enumerate(uuids)
+                if j != i
+            }
+            gpus.append(PhysicalGpu(u, i, s.static_gpu_model, s.static_gpu_memory_mib, numa,
+                                    links=links))
+        return gpus
+
+    def wait_event(self, timeout_s: float) -> HealthEvent | None:
+        import time
+
+        time.sleep(timeout_s)
+        return None
+
+    def host_usage(self) -> dict[str, tuple[int, int, float]]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+def source_from_settings(settings: TesseraSettings, node: str) -> DeviceSource:
+    if settings.device_source == "static":
+        return StaticSource(settings, node)
+    from tessera.node_agent.nvml import NvmlSource
+
+    return NvmlSource(settings)

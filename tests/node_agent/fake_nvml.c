@@ -1,0 +1,270 @@
+/*
+ * A fake libnvidia-ml.so.1 for the node agent's tests: the few NVML calls the agent makes
+ * through pynvml, answering from a text file named by FAKE_NVML_CONFIG (read at nvmlInit):
+ *
+ *   gpu <uuid> <memory MiB> <numa> <pci bus id> <mig 0|1> <name, rest of line>
+ *   topo <i> <j> <NVML topology level: 0 internal .. 50 system>
+ *   nvlink <i> <j> <number of links>
+ *   used <i> <MiB used> <utilization %>
+ *
+ * Events: lines "<device index | -1 for all> <event type> <event data>" appended to the file
+ * named by FAKE_NVML_EVENTS are delivered, in order, by nvmlEventSetWait_v2.
+ * Build: gcc -shared -fPIC -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o libnvidia-ml.so.1
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int nvmlReturn_t;
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_UNKNOWN 999
+
+#define MAX_GPUS 16
+#define MAX_LINKS 18
+
+typedef struct {
+    char bus_id_legacy[16];
+    unsigned int domain, bus, device, pci_device_id, pci_subsystem_id;
+    char bus_id[32];
+} nvmlPciInfo_t;
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int gpu, memory; } nvmlUtilization_t;
+
+struct fake_gpu {
+    char uuid[96];
+    char name[96];
+    char bus_id[32];
+    unsigned long long memory_mib, used_mib;
+    unsigned int util;
+    int numa;
+    unsigned int mig;
+    int topo[MAX_GPUS];
+    int link_peer[MAX_LINKS];
+    int nlinks;
+    unsigned long long registered;
+};
+typedef struct fake_gpu *nvmlDevice_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+struct fake_event_set { long offset; };
+typedef struct fake_event_set *nvmlEventSet_t;
+
+static struct fake_gpu gpus[MAX_GPUS];
+static unsigned int ngpus;
+static int initialised;
+
+static nvmlReturn_t load_config(void)
+{
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    FILE *f;
+    char line[512];
+    memset(gpus, 0, sizeof gpus);
+    ngpus = 0;
+    if (!path || !(f = fopen(path, "r")))
+        return NVML_ERROR_UNKNOWN;
+    while (fgets(line, sizeof line, f)) {
+        int i, j, n, off = 0;
+        unsigned long long a;
+        unsigned int b;
+        line[strcspn(line, "\n")] = 0;
+        if (strncmp(line, "gpu ", 4) == 0 && ngpus < MAX_GPUS) {
+            struct fake_gpu *g = &gpus[ngpus];
+            if (sscanf(line + 4, "%95s %llu %d %31s %u %n", g->uuid, &g->memory_mib, &g->numa,
+                       g->bus_id, &g->mig, &off) < 5)
+                continue;
+            snprintf(g->name, sizeof g->name, "%s", line + 4 + off);
+            for (i = 0; i < MAX_GPUS; i++)
+                g->topo[i] = 50;
+            ngpus++;
+        } else if (sscanf(line, "topo %d %d %d", &i, &j, &n) == 3 && i < MAX_GPUS && j < MAX_GPUS) {
+            gpus[i].topo[j] = n;
+            gpus[j].topo[i] = n;
+        } else if (sscanf(line, "nvlink %d %d %d", &i, &j, &n) == 3 && i < MAX_GPUS && j < MAX_GPUS) {
+            while (n-- > 0 && gpus[i].nlinks < MAX_LINKS && gpus[j].nlinks < MAX_LINKS) {
+                gpus[i].link_peer[gpus[i].nlinks++] = j;
+                gpus[j].link_peer[gpus[j].nlinks++] = i;
+            }
+        } else if (sscanf(line, "used %d %llu %u", &i, &a, &b) == 3 && i < MAX_GPUS) {
+            gpus[i].used_mib = a;
+            gpus[i].util = b;
+        }
+    }
+    fclose(f);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    nvmlReturn_t rc = load_config();
+    initialised = rc == NVML_SUCCESS;
+    return rc;
+}
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlShutdown(void) { initialised = 0; return NVML_SUCCESS; }
+
+const char *nvmlErrorString(nvmlReturn_t rc)
+{
+    switch (rc) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    default: return "Unknown Error";
+    }
+}
+
+#define CHECK_DEV(d) do { if (!initialised) return NVML_ERROR_UNINITIALIZED; \
+    if (!(d) || (d) < gpus || (d) >= gpus + ngpus) return NVML_ERROR_INVALID_ARGUMENT; } while (0)
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    *count = ngpus;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (index >= ngpus) return NVML_ERROR_INVALID_ARGUMENT;
+    *device = &gpus[index];
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src)
+{
+    if (strlen(src) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(dst, src);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int len)
+{ CHECK_DEV(d); return copy_str(uuid, len, d->uuid); }
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len)
+{ CHECK_DEV(d); return copy_str(name, len, d->name); }
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index)
+{ CHECK_DEV(d); *index = (unsigned int)(d - gpus); return NVML_SUCCESS; }
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t d, int *node)
+{ CHECK_DEV(d); *node = d->numa; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
+{
+    CHECK_DEV(d);
+    m->total = d->memory_mib << 20;
+    m->used = d->used_mib << 20;
+    m->free = m->total - m->used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
+{ CHECK_DEV(d); u->gpu = d->util; u->memory = 0; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending)
+{ CHECK_DEV(d); *current = d->mig; *pending = d->mig; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, int *level)
+{
+    CHECK_DEV(a);
+    CHECK_DEV(b);
+    *level = a == b ? 0 : a->topo[b - gpus];
+    return NVML_SUCCESS;
+}
+
+static void fill_pci(nvmlPciInfo_t *pci, const struct fake_gpu *g)
+{
+    memset(pci, 0, sizeof *pci);
+    snprintf(pci->bus_id, sizeof pci->bus_id, "%s", g->bus_id);
+    memcpy(pci->bus_id_legacy, g->bus_id, sizeof pci->bus_id_legacy - 1);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci)
+{ CHECK_DEV(d); fill_pci(pci, d); return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, unsigned int *active)
+{
+    CHECK_DEV(d);
+    if (link >= MAX_LINKS) return NVML_ERROR_INVALID_ARGUMENT;
+    *active = (int)link < d->nlinks;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t d, unsigned int link,
+                                                 nvmlPciInfo_t *pci)
+{
+    CHECK_DEV(d);
+    if ((int)link >= d->nlinks) return NVML_ERROR_INVALID_ARGUMENT;
+    fill_pci(pci, &gpus[d->link_peer[link]]);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types)
+{ CHECK_DEV(d); *types = 0x1 | 0x2 | 0x8; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    *set = calloc(1, sizeof **set);
+    return *set ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types, nvmlEventSet_t set)
+{ CHECK_DEV(d); (void)set; d->registered |= types; return NVML_SUCCESS; }
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) { free(set); return NVML_SUCCESS; }
+
+static int next_event(nvmlEventSet_t set, nvmlEventData_t *data)
+{
+    const char *path = getenv("FAKE_NVML_EVENTS");
+    char line[256];
+    FILE *f;
+    int found = 0;
+    if (!path || !(f = fopen(path, "r")))
+        return 0;
+    if (fseek(f, set->offset, SEEK_SET) == 0 && fgets(line, sizeof line, f) &&
+        strchr(line, '\n')) {
+        int index;
+        unsigned long long type, value;
+        set->offset = ftell(f);
+        if (sscanf(line, "%d %llu %llu", &index, &type, &value) == 3) {
+            memset(data, 0, sizeof *data);
+            data->device = index >= 0 && (unsigned)index < ngpus ? &gpus[index] : NULL;
+            data->eventType = type;
+            data->eventData = value;
+            found = 1;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeout_ms)
+{
+    struct timespec tick = {0, 10 * 1000 * 1000};
+    unsigned int waited = 0;
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    for (;;) {
+        if (next_event(set, data))
+            return NVML_SUCCESS;
+        if (waited >= timeout_ms)
+            return NVML_ERROR_TIMEOUT;
+        nanosleep(&tick, NULL);
+        waited += 10;
+    }
+}
