@@ -89,6 +89,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
         {"libvgpu": {"install": False}, "hostPaths": {"regions": "/data/tessera/regions"}},
     ),
     ("tessera-metrics", {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}),
+    ("tessera-quota", {"probes": {"enabled": True}, "replicaCount": 2}),
     (
         "tessera",
         {
@@ -518,6 +519,8 @@ def test_control_plane_runs_non_root_read_only_without_capabilities(
         assert context["readOnlyRootFilesystem"] is True
         assert context["capabilities"] == {"drop": ["ALL"]}
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+        if chart == "tessera-quota":
+            continue  # no HTTP face yet: probes are opt-in (test_opt_in_health_probes)
         for probe in ("readinessProbe", "livenessProbe"):
             port = c[probe]["httpGet"]["port"]
             assert port in {p["name"] for p in c["ports"]}
@@ -555,13 +558,30 @@ def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> Non
     assert context["capabilities"] == {"drop": ["ALL"]}
     env = env_of(agent)
     assert env["TESSERA_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
-    assert env["TESSERA_REGION_DIR"] == "/var/lib/tessera/containers"
+    assert env["TESSERA_REGION_HOST_DIR"] == "/var/lib/tessera/containers"
+    assert env["TESSERA_LIBVGPU_HOST_PATH"] == "/usr/local/vgpu/libvgpu.so"
+    assert env["TESSERA_DEVICE_PLUGIN_DIR"] == "/var/lib/kubelet/device-plugins"
+    assert env["TESSERA_POD_RESOURCES_SOCKET"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert env["TESSERA_DEVICE_SPLIT_COUNT"] == "10"
 
     (init,) = pod["initContainers"]
     init_mounts = {m["name"]: m for m in init["volumeMounts"]}
     assert set(init_mounts) == {"install-script", "vgpu"}
     assert not init_mounts["vgpu"].get("readOnly")
+
+
+@pytest.mark.parametrize(
+    ("chart", "kind", "name"),
+    [("tessera-quota", "Deployment", "quota"), ("tessera-node-agent", "DaemonSet", "node-agent")],
+)
+def test_opt_in_health_probes(charts_dir: Path, chart: str, kind: str, name: str) -> None:
+    assert "livenessProbe" not in container(find(render(charts_dir, chart), kind), name)
+    values = {"probes": {"enabled": True, "port": 8081}}
+    probed = container(find(render(charts_dir, chart, values), kind), name)
+    assert env_of(probed)["TESSERA_LISTEN"] == "0.0.0.0:8081"
+    assert probed["ports"] == [{"name": "health", "containerPort": 8081, "protocol": "TCP"}]
+    assert probed["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert probed["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
 
 
 def test_node_agent_without_install_has_no_init_container(charts_dir: Path) -> None:
