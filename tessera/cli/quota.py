@@ -1,0 +1,221 @@
+"""`tessera quota set|get|list`: namespace GPU quotas, through the quota service over NATS.
+
+    tessera quota set team-a --memory 16Gi --cores 200 --gpus 2
+    tessera quota get team-a
+    tessera quota list
+
+`set` replaces all three limits at once (the service writes them in one step, so there is never
+a moment without a limit): an option left out is unlimited, `0` blocks all GPU use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from decimal import ROUND_CEILING, Decimal
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tessera import bus
+from tessera.codec import CodecError, Message, decode, encode, peek_schema
+from tessera.hami import RequestError, parse_quantity
+from tessera.models import (
+    ErrorReply,
+    QuotaAmount,
+    QuotaReply,
+    QuotaSetRequest,
+    QuotaState,
+    QuotaStatusRequest,
+)
+from tessera.settings import NatsSettings, TesseraSettings
+
+UNLIMITED_WORDS = {"", "none", "unlimited", "-", "inf"}
+MIB = Decimal(2) ** 20
+
+
+class QuotaCliError(Exception):
+    """Something to tell the person at the terminal (exit code 1)."""
+
+
+def parse_memory_limit(text: str | None) -> int | None:
+    """MiB from "8000" (MiB, as in a ResourceQuota), "16Gi"/"512Mi"/"1G" (bytes), or unlimited."""
+    if text is None or text.strip().lower() in UNLIMITED_WORDS:
+        return None
+    text = text.strip()
+    try:
+        value = parse_quantity(text, "memory")
+    except RequestError as exc:
+        raise QuotaCliError(f"--memory: {exc}") from None
+    if text[-1].isalpha():  # a unit was given: the quantity is bytes
+        value = value / MIB
+    if value < 0:
+        raise QuotaCliError(f"--memory {text!r} is negative")
+    return int(value.to_integral_value(rounding=ROUND_CEILING))
+
+
+def parse_count_limit(text: str | None, option: str) -> int | None:
+    """A whole, non-negative number, or unlimited."""
+    if text is None or text.strip().lower() in UNLIMITED_WORDS:
+        return None
+    try:
+        value = parse_quantity(text, option)
+    except RequestError as exc:
+        raise QuotaCliError(f"{option}: {exc}") from None
+    if value < 0 or value != value.to_integral_value():
+        raise QuotaCliError(f"{option} {text!r} must be a whole number, 0 or more")
+    return int(value)
+
+
+async def request(subject: str, body: Message, timeout_s: float) -> QuotaReply:
+    nc = await bus.connect(NatsSettings(), name="tessera-cli-quota", initial_attempts=3)
+    try:
+        try:
+            msg = await nc.request(subject, encode(body), timeout=timeout_s)
+        except Exception as exc:  # no responders, timeout
+            raise QuotaCliError(
+                f"the quota service did not answer on {subject} ({type(exc).__name__}); "
+                "is it running (tessera up)?"
+            ) from None
+    finally:
+        await nc.close()
+    try:
+        schema, _ = peek_schema(msg.data)
+        if schema == ErrorReply.__name__:
+            raise QuotaCliError(decode(msg.data, ErrorReply).reason)
+        return decode(msg.data, QuotaReply)
+    except CodecError as exc:
+        raise QuotaCliError(f"unreadable reply from the quota service: {exc}") from None
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+def _cell(used: int | None, limit: int | None, unit: str) -> str:
+    used_text = f"{used:,}{unit}"
+    if limit is None:
+        return f"{used_text} / [dim]unlimited[/dim]"
+    if limit == 0:
+        return f"{used_text} / [bold red]0 (blocked)[/bold red]"
+    style = "red" if (used or 0) > limit else "green" if (used or 0) < limit else "yellow"
+    pct = f" ({100 * (used or 0) / limit:.0f}%)"
+    return f"[{style}]{used_text}[/{style}] / {limit:,}{unit}{pct}"
+
+
+def states_table(states: list[QuotaState], title: str = "GPU quotas") -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("namespace", style="bold")
+    table.add_column("memory used / limit")
+    table.add_column("cores used / limit")
+    table.add_column("GPUs used / limit")
+    table.add_column("pods", justify="right")
+    table.add_column("limits from", style="dim")
+    for state in states:
+        used = state.used()
+        table.add_row(
+            state.namespace,
+            _cell(used.memory_mib, state.limits.memory_mib, " MiB"),
+            _cell(used.cores, state.limits.cores, "%"),
+            _cell(used.gpus, state.limits.gpus, ""),
+            str(len(state.charges)),
+            state.source or "-",
+        )
+    return table
+
+
+def charges_table(state: QuotaState) -> Table:
+    table = Table(title=f"pods holding quota in {state.namespace}", title_justify="left")
+    numeric = ("memory", "cores", "GPUs")
+    for column in ("pod", "uid", "memory", "cores", "GPUs", "since"):
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for uid, charge in sorted(state.charges.items(), key=lambda kv: kv[1].at):
+        since = dt.datetime.fromtimestamp(charge.at).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(
+            charge.name or "-", uid, f"{charge.memory_mib:,} MiB", f"{charge.cores}%",
+            str(charge.gpus), since,
+        )
+    return table
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def register(app: typer.Typer) -> None:
+    quota_app = typer.Typer(
+        help="Namespace GPU quotas: limits and what pods hold against them.",
+        no_args_is_help=True,
+    )
+    app.add_typer(quota_app, name="quota")
+
+    def run(coro_factory: object) -> None:
+        console = Console(highlight=False)
+        try:
+            asyncio.run(coro_factory(console))  # type: ignore[operator]
+        except QuotaCliError as exc:
+            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+
+    @quota_app.command("set")
+    def set_command(
+        namespace: str = typer.Argument(..., help="the namespace"),
+        memory: str | None = typer.Option(
+            None, "--memory", "-m",
+            help="GPU memory: MiB (8000) or with a unit (16Gi); 0 blocks; omit for unlimited",
+        ),
+        cores: str | None = typer.Option(
+            None, "--cores", "-c", help="GPU compute in % of one GPU (200 = two whole GPUs)"
+        ),
+        gpus: str | None = typer.Option(None, "--gpus", "-g", help="number of GPUs"),
+    ) -> None:
+        """Replace a namespace's limits (all at once; an option left out means unlimited)."""
+
+        async def go(console: Console) -> None:
+            limits = QuotaAmount(
+                memory_mib=parse_memory_limit(memory),
+                cores=parse_count_limit(cores, "--cores"),
+                gpus=parse_count_limit(gpus, "--gpus"),
+            )
+            settings = TesseraSettings()
+            reply = await request(
+                bus.QUOTA_SET,
+                QuotaSetRequest(namespace=namespace, limits=limits, source="cli"),
+                settings.request_timeout_s,
+            )
+            console.print(states_table(reply.states, title=f"quota of {namespace}"))
+            if reply.reason:
+                console.print(reply.reason)
+
+        run(go)
+
+    @quota_app.command("get")
+    def get_command(namespace: str = typer.Argument(..., help="the namespace")) -> None:
+        """A namespace's limits, its usage and the pods holding quota."""
+
+        async def go(console: Console) -> None:
+            reply = await request(
+                bus.QUOTA_STATUS,
+                QuotaStatusRequest(namespace=namespace),
+                TesseraSettings().request_timeout_s,
+            )
+            console.print(states_table(reply.states, title=f"quota of {namespace}"))
+            for state in reply.states:
+                if state.charges:
+                    console.print(charges_table(state))
+
+        run(go)
+
+    @quota_app.command("list")
+    def list_command() -> None:
+        """Every namespace with limits or usage."""
+
+        async def go(console: Console) -> None:
+            reply = await request(
+                bus.QUOTA_STATUS, QuotaStatusRequest(), TesseraSettings().request_timeout_s
+            )
+            if not reply.states:
+                console.print("no namespace has GPU limits or usage yet")
+                return
+            console.print(states_table(reply.states))
+
+        run(go)
