@@ -1,10 +1,12 @@
 """`python -m tessera.metrics`: Prometheus exposition and the dashboard."""
 
-from tessera.service import idle_until_stopped, run_service
+from tessera.service import run_service
+
+from .service import run
 
 
 def main() -> None:
-    run_service("metrics", "Prometheus exposition and the dashboard", idle_until_stopped)
+    run_service("metrics", "Prometheus exposition and the dashboard", run)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""The JSON the dashboard page polls (/api/state), computed from the view. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .summary import MIB, GpuSummary, Slice, summarise
+from .view import ClusterView
+
+RECENT_ON_PAGE = 60
+
+
+def _slice(piece: Slice) -> dict[str, Any]:
+    return {
+        "namespace": piece.namespace,
+        "pod": piece.pod,
+        "pod_uid": piece.pod_uid,
+        "container": piece.container,
+        "container_index": piece.container_index,
+        "memory_mib": piece.memory_mib,
+        "cores": piece.cores,
+        "state": piece.state,
+        "used_mib": round(piece.used_bytes / MIB, 1) if piece.used_bytes is not None else None,
+        "sm_util": piece.sm_util,
+        "sm_limit": piece.sm_limit,
+    }
+
+
+def _gpu(gpu: GpuSummary) -> dict[str, Any]:
+    device = gpu.device
+    return {
+        "uuid": device.uuid,
+        "index": device.index,
+        "type": device.type,
+        "memory_mib": device.memory_mib,
+        "physical_memory_mib": gpu.physical_mib,
+        "cores": device.cores,
+        "split_count": device.split_count,
+        "healthy": device.healthy,
+        "mode": device.mode,
+        "numa": device.numa,
+        "allocated_mib": gpu.allocated_mib,
+        "allocated_cores": gpu.allocated_cores,
+        "shared": len(gpu.slices),
+        "host_used_mib": round(gpu.host.used_bytes / MIB, 1) if gpu.host else None,
+        "host_utilization": gpu.host.utilization if gpu.host else None,
+        "slices": [_slice(s) for s in gpu.slices],
+    }
+
+
+def dashboard_state(view: ClusterView, now: float) -> dict[str, Any]:
+    nodes = summarise(view, now)
+    gpus = [gpu for node in nodes for gpu in node.gpus]
+    pending = view.pending_pods(now)
+    total_mib = sum(g.device.memory_mib for g in gpus)
+    allocated_mib = sum(g.allocated_mib for g in gpus)
+    return {
+        "now": now,
+        "synced": view.synced,
+        "totals": {
+            "nodes": sum(1 for n in nodes if n.registered),
+            "gpus": len(gpus),
+            "unhealthy_gpus": sum(1 for g in gpus if not g.device.healthy),
+            "memory_mib": total_mib,
+            "allocated_mib": allocated_mib,
+            "cores": sum(g.device.cores for g in gpus),
+            "allocated_cores": sum(g.allocated_cores for g in gpus),
+            "pods": len({s.pod_uid for g in gpus for s in g.slices}),
+            "pending": len(pending),
+            "ooms": sum(view.ooms.values()),
+            "bad_messages": sum(view.bad_messages.values()),
+        },
+        "nodes": [
+            {
+                "name": node.name,
+                "registered": node.registered,
+                "heartbeat_age_s": (
+                    round(max(0.0, now - node.heartbeat_at), 1) if node.heartbeat_at else None
+                ),
+                "gpus": [_gpu(g) for g in node.gpus],
+                "orphans": [dict(_slice(s), uuid=uuid) for uuid, s in node.orphan_slices],
+            }
+            for node in nodes
+        ],
+        "pending": [
+            {
+                "namespace": pod.namespace,
+                "name": pod.name,
+                "pod_uid": pod.pod_uid,
+                "since": pod.since,
+                "waiting_s": round(max(0.0, now - pod.since), 1),
+                "attempts": pod.attempts,
+                "summary": pod.summary,
+                "node_reasons": dict(sorted(pod.node_reasons.items())),
+            }
+            for pod in pending
+        ],
+        "quotas": [
+            {
+                "namespace": ns,
+                "limits": state.limits.model_dump(),
+                "used": state.used().model_dump(),
+            }
+            for ns, state in sorted(view.quotas.items())
+        ],
+        "events": [
+            {
+                "at": e.at,
+                "kind": e.kind,
+                "action": e.action,
+                "scope": e.scope,
+                "text": e.text,
+                "reason": e.reason,
+                "severity": e.severity,
+            }
+            for e in reversed(list(view.recent)[-RECENT_ON_PAGE:])
+        ],
+    }

@@ -1,0 +1,199 @@
+// Tessera dashboard: polls api/state and redraws. No framework, no network beyond this service.
+"use strict";
+
+const POLL_MS = 2000;
+const GIB = 1024;
+
+const $ = (id) => document.getElementById(id);
+
+function esc(value) {
+  return String(value ?? "").replace(/[&<>"']/g, (c) => ({
+    "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;",
+  })[c]);
+}
+
+// One stable colour per pod, so a pod keeps its colour on every GPU and every refresh.
+function podColor(key) {
+  let hash = 2166136261;
+  for (let i = 0; i < key.length; i++) {
+    hash ^= key.charCodeAt(i);
+    hash = Math.imul(hash, 16777619);
+  }
+  const hue = (hash >>> 0) % 360;
+  return `hsl(${hue} 70% 66%)`;
+}
+
+function mem(mib) {
+  if (mib == null) return "–";
+  return mib >= GIB ? `${(mib / GIB).toFixed(mib >= 10 * GIB ? 0 : 1)} GiB` : `${Math.round(mib)} MiB`;
+}
+
+function pct(part, whole) {
+  return whole > 0 ? Math.round((100 * part) / whole) : 0;
+}
+
+function ago(seconds) {
+  if (seconds == null) return "";
+  if (seconds < 60) return `${Math.round(seconds)}s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)}m ${Math.round(seconds % 60)}s`;
+  return `${Math.floor(seconds / 3600)}h ${Math.floor((seconds % 3600) / 60)}m`;
+}
+
+function clock(unix) {
+  const d = new Date(unix * 1000);
+  return d.toTimeString().slice(0, 8);
+}
+
+function stat(label, value, detail, cls, fraction) {
+  const mini = fraction == null ? "" :
+    `<div class="mini"><div style="width:${Math.min(100, fraction * 100).toFixed(1)}%"></div></div>`;
+  return `<div class="stat ${cls || ""}"><div class="label">${esc(label)}</div>` +
+    `<div class="value">${esc(value)}</div><div class="detail">${esc(detail || "")}</div>${mini}</div>`;
+}
+
+function renderTotals(t) {
+  $("totals").innerHTML = [
+    stat("Nodes", t.nodes, `${t.gpus} GPUs`),
+    stat("Unhealthy GPUs", t.unhealthy_gpus, "reported by the node agents", t.unhealthy_gpus ? "err" : ""),
+    stat("Memory allocated", `${pct(t.allocated_mib, t.memory_mib)}%`,
+      `${mem(t.allocated_mib)} of ${mem(t.memory_mib)}`, "", t.memory_mib ? t.allocated_mib / t.memory_mib : 0),
+    stat("Compute allocated", `${pct(t.allocated_cores, t.cores)}%`,
+      `${t.allocated_cores}% of ${t.cores}%`, "", t.cores ? t.allocated_cores / t.cores : 0),
+    stat("Pods on GPUs", t.pods, "active allocations"),
+    stat("Pending pods", t.pending, "refused by the scheduler", t.pending ? "warn" : ""),
+    stat("OOM events", t.ooms, "GPU memory limit hit", t.ooms ? "err" : ""),
+  ].join("");
+}
+
+function segments(gpu, field, total) {
+  return gpu.slices.map((s) => {
+    const key = `${s.namespace}/${s.pod}`;
+    const amount = s[field];
+    const width = total > 0 ? (100 * amount) / total : 0;
+    const label = field === "memory_mib" ? mem(amount) : `${amount}%`;
+    const title = `${key} · ${s.container} · ${label} · ${s.state}`;
+    return `<div class="seg ${esc(s.state)}" data-pod="${esc(key)}" data-container="${esc(s.container)}"` +
+      ` data-amount="${amount}" style="width:${width.toFixed(3)}%;background:${podColor(key)}"` +
+      ` title="${esc(title)}">${width > 14 ? esc(s.pod) : ""}</div>`;
+  }).join("");
+}
+
+function renderGpu(gpu) {
+  const memUsed = gpu.host_used_mib;
+  const usedMark = memUsed != null && gpu.memory_mib > 0
+    ? `<div class="used-mark" style="left:${Math.min(100, (100 * memUsed) / gpu.memory_mib).toFixed(2)}%"` +
+      ` title="used on the card: ${mem(memUsed)}"></div>` : "";
+  const scaled = gpu.physical_memory_mib && gpu.physical_memory_mib !== gpu.memory_mib
+    ? ` · ${mem(gpu.physical_memory_mib)} physical` : "";
+  const health = gpu.healthy ? `<span class="badge ok">healthy</span>` : `<span class="badge err">unhealthy</span>`;
+  const util = gpu.host_utilization != null ? ` · ${Math.round(gpu.host_utilization)}% busy` : "";
+  const slices = gpu.slices.length
+    ? `<ul class="slices">${gpu.slices.map((s) => {
+        const key = `${s.namespace}/${s.pod}`;
+        const usage = [];
+        if (s.used_mib != null) usage.push(`uses ${mem(s.used_mib)}`);
+        if (s.sm_util != null) usage.push(`${Math.round(s.sm_util)}% SM`);
+        return `<li data-pod="${esc(key)}"><span class="swatch" style="background:${podColor(key)}"></span>` +
+          `<span class="slice-name">${esc(key)} <span class="ctr">${esc(s.container)}` +
+          `${s.state !== "allocated" ? " · " + esc(s.state) : ""}</span></span>` +
+          `<span class="slice-fig">${mem(s.memory_mib)} · ${s.cores}%${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
+      }).join("")}</ul>`
+    : `<div class="no-slices">idle: no pod holds this GPU</div>`;
+  return `<article class="gpu ${gpu.healthy ? "" : "unhealthy"}" data-uuid="${esc(gpu.uuid)}">
+    <div class="gpu-head"><span class="gpu-title">GPU ${gpu.index} · ${esc(gpu.type)}</span>${health}
+      <span class="badge">${gpu.shared}/${gpu.split_count} slots</span>
+      <span class="gpu-uuid mono" title="${esc(gpu.uuid)}">${esc(gpu.uuid.slice(-12))}</span></div>
+    <div class="metric-row"><span class="metric-name">memory</span>
+      <div class="bar mem">${segments(gpu, "memory_mib", gpu.memory_mib)}${usedMark}</div></div>
+    <div class="bar-caption"><span>${mem(gpu.allocated_mib)} of ${mem(gpu.memory_mib)} allocated${scaled}</span>
+      <span>${memUsed != null ? mem(memUsed) + " used" : ""}</span></div>
+    <div class="metric-row"><span class="metric-name">compute</span>
+      <div class="bar cores">${segments(gpu, "cores", gpu.cores)}</div></div>
+    <div class="bar-caption"><span>${gpu.allocated_cores}% of ${gpu.cores}% allocated${util}</span><span></span></div>
+    ${slices}
+  </article>`;
+}
+
+function renderNodes(nodes) {
+  if (!nodes.length) {
+    $("nodes").innerHTML = `<p class="empty">No node has registered yet.</p>`;
+    return;
+  }
+  $("nodes").innerHTML = nodes.map((n) => {
+    const state = n.registered
+      ? `<span class="badge ok">registered</span>`
+      : `<span class="badge err">not heartbeating</span>`;
+    const beat = n.heartbeat_age_s != null ? `heartbeat ${ago(n.heartbeat_age_s)} ago` : "";
+    const orphans = n.orphans.length
+      ? `<p class="badge warn">${n.orphans.length} grant(s) on GPUs the node no longer reports</p>` : "";
+    return `<section class="node" data-node="${esc(n.name)}">
+      <div class="node-head"><span class="node-name">${esc(n.name)}</span>${state}
+        <span class="node-meta">${n.gpus.length} GPU${n.gpus.length === 1 ? "" : "s"} · ${beat}</span></div>
+      ${orphans}
+      <div class="gpus">${n.gpus.map(renderGpu).join("") || '<p class="empty">no GPUs</p>'}</div>
+    </section>`;
+  }).join("");
+}
+
+function renderPending(pending) {
+  $("pending-count").textContent = pending.length;
+  if (!pending.length) {
+    $("pending").innerHTML = `<p class="empty">Nothing is waiting for a GPU.</p>`;
+    return;
+  }
+  $("pending").innerHTML = pending.map((p) => {
+    const key = `${p.namespace}/${p.name}`;
+    const entries = Object.entries(p.node_reasons);
+    const shown = entries.slice(0, 6).map(([node, why]) =>
+      `<li><span class="rn">${esc(node)}</span><span>${esc(why)}</span></li>`).join("");
+    const more = entries.length > 6 ? `<li><span class="rn"></span><span>+${entries.length - 6} more nodes</span></li>` : "";
+    return `<div class="pending-pod" data-pod="${esc(key)}">
+      <div class="who">${esc(key)}</div>
+      <div class="when">waiting ${ago(p.waiting_s)} · ${p.attempts} attempt${p.attempts === 1 ? "" : "s"}</div>
+      <div class="summary">${esc(p.summary)}</div>
+      <ul class="reasons">${shown}${more}</ul>
+    </div>`;
+  }).join("");
+}
+
+function renderEvents(events) {
+  if (!events.length) {
+    $("events").innerHTML = `<li class="empty">No events yet.</li>`;
+    return;
+  }
+  $("events").innerHTML = events.map((e) =>
+    `<li class="sev-${esc(e.severity)}"><span class="t">${clock(e.at)}</span>` +
+    `<span class="k">${esc(e.kind === "alloc" ? e.action : e.kind)}</span>` +
+    `<span class="txt">${esc(e.text)}${e.reason ? `<span class="why">${esc(e.reason)}</span>` : ""}</span></li>`
+  ).join("");
+}
+
+function setLive(cls, text) {
+  $("live").className = `live ${cls}`;
+  $("live-text").textContent = text;
+}
+
+let lastOk = 0;
+
+async function refresh() {
+  try {
+    const response = await fetch("api/state", { cache: "no-store" });
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const state = await response.json();
+    renderTotals(state.totals);
+    renderNodes(state.nodes);
+    renderPending(state.pending);
+    renderEvents(state.events);
+    lastOk = Date.now();
+    document.body.dataset.updated = String(lastOk);
+    if (state.synced) setLive("ok", `live · ${new Date().toTimeString().slice(0, 8)}`);
+    else setLive("replaying", "replaying the bus…");
+  } catch (err) {
+    const since = lastOk ? ` · last update ${ago((Date.now() - lastOk) / 1000)} ago` : "";
+    setLive("down", `metrics service unreachable${since}`);
+  } finally {
+    setTimeout(refresh, POLL_MS);
+  }
+}
+
+refresh();

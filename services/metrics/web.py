@@ -1,0 +1,65 @@
+"""HTTP out: /metrics (Prometheus text), /api/state (the dashboard's JSON), / (the page)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from tessera.settings import TesseraSettings
+
+from .dashboard_state import dashboard_state
+from .exposition import ViewCollector
+from .view import ClusterView
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def build_registry(
+    view: ClusterView, settings: TesseraSettings, clock: Callable[[], float]
+) -> CollectorRegistry:
+    """A private registry (no global state) holding only the view's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ViewCollector(view, settings, clock))
+    return registry
+
+
+def build_app(
+    view: ClusterView, settings: TesseraSettings, clock: Callable[[], float]
+) -> Starlette:
+    registry = build_registry(view, settings, clock)
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def state(_: Request) -> Response:
+        return JSONResponse(dashboard_state(view, clock()),
+                            headers={"Cache-Control": "no-store"})
+
+    async def index(_: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def healthz(_: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(_: Request) -> Response:
+        if view.synced:
+            return PlainTextResponse("ready")
+        return PlainTextResponse("replaying the bus", status_code=503)
+
+    return Starlette(
+        routes=[
+            Route("/", index),
+            Route("/metrics", metrics),
+            Route("/api/state", state),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ]
+    )
