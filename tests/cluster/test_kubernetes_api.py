@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -105,6 +106,7 @@ class Fault:
     status: int = 500  # 0: close the connection without answering
     headers: dict[str, str] = field(default_factory=dict)
     after_handling: bool = False  # handle the request, then lose the reply
+    with_query: str | None = None  # only requests carrying this query parameter
 
 
 class FakeApiServer:
@@ -169,7 +171,7 @@ class FakeApiServer:
                 body = json.loads(raw) if raw else None
                 record = Recorded(self.command, parts.path, query, dict(self.headers), body)
                 server.requests.append(record)
-                fault = server._take_fault(self.command, parts.path)
+                fault = server._take_fault(self.command, parts.path, query)
                 if fault and not fault.after_handling:
                     self._fail(fault)
                     return
@@ -220,9 +222,11 @@ class FakeApiServer:
 
         return Handler
 
-    def _take_fault(self, method: str, path: str) -> Fault | None:
+    def _take_fault(self, method: str, path: str, query: dict[str, str]) -> Fault | None:
         with self.lock:
             for fault in list(self.faults):
+                if fault.with_query and fault.with_query not in query:
+                    continue
                 if fault.method == method and fault.path == path:
                     self.faults.remove(fault)
                     return fault
@@ -502,6 +506,48 @@ async def test_node_annotations_and_events(
     assert pod_event["count"] == 1 and pod_event["source"] == {"component": "tessera"}
     assert node_event["metadata"]["namespace"] == "default"
     assert apiserver.calls("POST", "/api/v1/namespaces/default/events")
+
+
+async def test_list_restarts_when_its_continue_token_expires(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> None:
+    for name in ("p0", "p1", "p2"):
+        apiserver.add_pod(make_pod(name))
+    cluster = make_cluster(page_size=2)
+    apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
+    pods = await cluster.list_pods()
+    assert sorted(p["metadata"]["name"] for p in pods) == ["p0", "p1", "p2"]  # no duplicates
+    pages = [r.query.get("continue") for r in apiserver.calls("GET", "/api/v1/pods")]
+    assert pages == [None, "2", None, "2"]
+
+
+def test_from_environment_uses_the_kubeconfig_and_its_token(
+    apiserver: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "sim", "cluster": {"server": apiserver.url}}],
+                "users": [{"name": "tessera", "user": {"token": "s3cret"}}],
+                "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "tessera"}}],
+                "current-context": "sim",
+            }
+        )
+    )
+    monkeypatch.setenv("TESSERA_KUBECONFIG", str(kubeconfig))
+    apiserver.add_pod(make_pod("trainer"))
+    cluster = KubernetesCluster.from_environment()
+    try:
+        pod = asyncio.run(cluster.get_pod("team-a", "trainer"))
+    finally:
+        cluster.close()
+    assert pod["metadata"]["name"] == "trainer"
+    (request,) = apiserver.calls("GET", "/api/v1/namespaces/team-a/pods/trainer")
+    headers = {name.lower(): value for name, value in request.headers.items()}
+    assert headers["authorization"] == "Bearer s3cret"
 
 
 # --- retries ----------------------------------------------------------------------------------
