@@ -10,6 +10,7 @@ import typer
 COMMAND_MODULES = [
     "tessera.cli.up",
     "tessera.cli.events",
+    "tessera.cli.certs",
     "tessera.cli.quota",
 ]
 

@@ -1,0 +1,129 @@
+"""AdmissionReview in and out (admission.k8s.io/v1, and v1beta1 answered as v1beta1). Pure."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.settings import TesseraSettings
+
+from .rules import Admitted, Decision, Denial, decide
+
+API_VERSIONS = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
+NOT_A_POD = "NotAPod"
+
+
+class ReviewError(ValueError):
+    """A body that is not an AdmissionReview we can answer: HTTP `status` with `message`."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Review:
+    """The parts of an AdmissionReview request the webhook uses."""
+
+    api_version: str
+    uid: str
+    operation: str
+    namespace: str
+    name: str
+    group: str
+    kind: str
+    resource: str
+    sub_resource: str
+    object: Any
+    dry_run: bool
+
+
+def parse_review(body: bytes) -> Review:
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ReviewError(f"body is not JSON: {str(exc)[:200]}") from exc
+    if not isinstance(document, dict):
+        raise ReviewError("body must be a JSON object (an AdmissionReview)")
+    if document.get("kind") != "AdmissionReview":
+        raise ReviewError(f"expected kind AdmissionReview, got {_short(document.get('kind'))}")
+    api_version = document.get("apiVersion")
+    if api_version not in API_VERSIONS:
+        raise ReviewError(
+            f"unsupported apiVersion {_short(api_version)}; use one of {', '.join(API_VERSIONS)}"
+        )
+    request = document.get("request")
+    if not isinstance(request, dict):
+        raise ReviewError("AdmissionReview has no request object")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid or len(uid) > 256:
+        raise ReviewError("AdmissionReview request.uid must be a non-empty string")
+    kind = request.get("kind")
+    resource = request.get("resource")
+    return Review(
+        api_version=api_version,
+        uid=uid,
+        operation=_text(request.get("operation")),
+        namespace=_text(request.get("namespace")),
+        name=_text(request.get("name")),
+        group=_text(kind.get("group")) if isinstance(kind, dict) else "",
+        kind=_text(kind.get("kind")) if isinstance(kind, dict) else "",
+        resource=_text(resource.get("resource")) if isinstance(resource, dict) else "",
+        sub_resource=_text(request.get("subResource")),
+        object=request.get("object"),
+        dry_run=request.get("dryRun") is True,
+    )
+
+
+def review_decision(review: Review, settings: TesseraSettings) -> Decision:
+    """Route a review to the pod rules; what is not a pod creation passes or is refused."""
+    if review.group != "" or review.kind != "Pod" or review.resource not in ("", "pods"):
+        what = "/".join(p for p in (review.group, review.kind) if p) or "an object of no kind"
+        return Denial(
+            NOT_A_POD,
+            f"tessera-admission reviews pods only, got {what}; fix the rules of the "
+            "MutatingWebhookConfiguration",
+            400,
+        )
+    if review.sub_resource:
+        return Admitted(note=f"subresource {review.sub_resource} is not reviewed")
+    if review.operation != "CREATE":
+        return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
+    namespace = review.namespace or _pod_namespace(review.object)
+    return decide(review.object, namespace, settings)
+
+
+def response_body(review: Review, decision: Decision) -> bytes:
+    """The AdmissionReview answer, in the apiVersion the request used."""
+    response: dict[str, Any] = {"uid": review.uid}
+    if isinstance(decision, Denial):
+        response["allowed"] = False
+        # status.reason stays unset: Kubernetes reserves it for its own StatusReason values.
+        response["status"] = {"code": decision.code, "message": decision.message}
+    else:
+        response["allowed"] = True
+        if decision.patch:
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(
+                json.dumps(decision.patch, separators=(",", ":")).encode()
+            ).decode()
+        if decision.warnings:
+            response["warnings"] = list(decision.warnings)
+    answer = {"apiVersion": review.api_version, "kind": "AdmissionReview", "response": response}
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _pod_namespace(pod: Any) -> str:
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    namespace = metadata.get("namespace") if isinstance(metadata, dict) else None
+    return namespace if isinstance(namespace, str) else ""
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _short(value: Any) -> str:
+    return repr(value)[:80]

@@ -1,0 +1,361 @@
+"""HAMi's webhook rules as pure functions: a pod and the settings in, a patch or a denial out.
+
+The order is the one of specs/hami-compat.md ("Webhook rules, in order"). Nothing here does I/O:
+the quota verdict is asked for by the caller and folded in with `apply_quota_verdict`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from typing import Any
+
+import jsonpatch
+
+from tessera.hami import (
+    RequestError,
+    parse_container_request,
+    parse_pod_request,
+    parse_quantity,
+    quota_charge,
+    raw_percentage,
+    scheduler_owned,
+)
+from tessera.settings import TesseraSettings
+
+ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"
+ENV_CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+DEFAULT_SCHEDULER = "default-scheduler"
+CONTAINER_SECTIONS = ("initContainers", "containers")
+_MISSING = object()
+
+# Machine-readable denial reasons (metric labels, event reasons); the message says the rest.
+NO_CONTAINERS = "NoContainers"
+INVALID_POD = "InvalidPod"
+INVALID_REQUEST = "InvalidRequest"
+SCHEDULER_OWNED_ANNOTATION = "SchedulerOwnedAnnotation"
+PRIVILEGED_CONTAINER = "PrivilegedContainer"
+NODE_NAME_PRESET = "NodeNamePreset"
+QUOTA_EXCEEDED = "QuotaExceeded"
+QUOTA_UNAVAILABLE = "QuotaUnavailable"
+
+
+@dataclass(frozen=True)
+class Denial:
+    """The pod is refused; `message` is what the person who created it reads."""
+
+    reason: str
+    message: str
+    code: int = 403
+
+
+@dataclass(frozen=True)
+class QuotaAsk:
+    """What the namespace would be charged (hami.quota_charge of the normalised pod)."""
+
+    namespace: str
+    name: str
+    memory_mib: int
+    cores: int
+    gpus: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The pod is allowed, with `patch` (RFC 6902 operations; empty = unchanged)."""
+
+    patch: list[dict[str, Any]] = field(default_factory=list)
+    changes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    quota: QuotaAsk | None = None
+    note: str = ""
+
+    @property
+    def summary(self) -> str:
+        """One sentence for events and logs."""
+        return "; ".join(self.changes) if self.changes else self.note
+
+
+Decision = Admitted | Denial
+
+
+@dataclass(frozen=True)
+class QuotaVerdict:
+    """The quota service's answer: fits True/False, or None when it did not answer."""
+
+    fits: bool | None
+    reason: str = ""
+
+
+# --- the rules --------------------------------------------------------------------------------
+
+
+def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
+    """Every rule but the quota check, in HAMi's order."""
+    if not isinstance(pod, dict):
+        return Denial(INVALID_POD, "the request carries no pod object", 400)
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        return Denial(INVALID_POD, "pod has no spec", 400)
+    # Rule 1: no containers.
+    containers = spec.get("containers")
+    if not containers:
+        return Denial(NO_CONTAINERS, "pod has no containers", 400)
+    init = spec.get("initContainers") or []
+    if not isinstance(containers, list) or not isinstance(init, list):
+        return Denial(INVALID_POD, "spec.containers and spec.initContainers must be lists", 400)
+    if not all(isinstance(c, dict) for c in [*init, *containers]):
+        return Denial(INVALID_POD, "every container must be an object", 400)
+
+    # Rule 2: pods routed to another scheduler are none of our business.
+    scheduler = spec.get("schedulerName")
+    if scheduler not in (None, "", DEFAULT_SCHEDULER, settings.scheduler_name):
+        return Admitted(note=f"routed to scheduler {scheduler!r}; left unchanged")
+
+    metadata = pod.get("metadata") or {}
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if isinstance(annotations, dict):
+        owned = sorted(key for key in annotations if isinstance(key, str) and scheduler_owned(key))
+        if owned:
+            return Denial(
+                SCHEDULER_OWNED_ANNOTATION,
+                f"annotation(s) {', '.join(owned)} are written only by {settings.scheduler_name}; "
+                "remove them from the pod (or its template) and create it again",
+            )
+
+    # Rule 3: each init container, then each container, on a copy we are free to change.
+    mutated = _json_copy(pod)
+    changes: list[str] = []
+    warnings: list[str] = []
+    gpu_pod = False
+    try:
+        for section in CONTAINER_SECTIONS:
+            for index, container in enumerate(mutated["spec"].get(section) or []):
+                label = _container_label(container, section, index)
+                gpu_pod |= _normalise_container(container, label, settings, changes, warnings)
+    except RequestError as exc:
+        return Denial(INVALID_REQUEST, str(exc), 400)
+
+    if gpu_pod:
+        # Rule 4: a privileged container sees every GPU of the node, whatever it asked for.
+        for section in CONTAINER_SECTIONS:
+            for index, container in enumerate(spec.get(section) or []):
+                if _privileged(container):
+                    label = _container_label(container, section, index)
+                    return Denial(
+                        PRIVILEGED_CONTAINER,
+                        f"container {label} is privileged; a privileged container sees every GPU "
+                        "on the node, so a pod asking for GPU slices may not run one. Remove "
+                        "securityContext.privileged or move that container to another pod",
+                    )
+        # Rule 5: our scheduler places GPU pods; a preset node would bypass it.
+        node_name = spec.get("nodeName")
+        if node_name:
+            return Denial(
+                NODE_NAME_PRESET,
+                f"spec.nodeName is preset to {node_name!r}; GPU pods are placed by "
+                f"{settings.scheduler_name}. Remove spec.nodeName and use a nodeSelector or node "
+                "affinity to choose nodes",
+            )
+        if scheduler != settings.scheduler_name:
+            mutated["spec"]["schedulerName"] = settings.scheduler_name
+            changes.append(f"schedulerName set to {settings.scheduler_name}")
+
+    patch = json_patch(pod, mutated) if changes else []
+    quota = _quota_ask(mutated, namespace, settings) if gpu_pod else None
+    note = "GPU request accepted as written" if gpu_pod else "no GPU requested"
+    return Admitted(patch, tuple(changes), tuple(warnings), quota, note)
+
+
+def apply_quota_verdict(
+    decision: Admitted, verdict: QuotaVerdict, settings: TesseraSettings
+) -> Decision:
+    """Rule 6: refuse what the namespace quota cannot fit; the failure policy when unanswered."""
+    ask = decision.quota
+    where = f"namespace {ask.namespace}" if ask else "the namespace"
+    if verdict.fits is True:
+        return decision
+    if verdict.fits is False:
+        detail = f": {verdict.reason}" if verdict.reason else ""
+        return Denial(QUOTA_EXCEEDED, f"exceeding resource quota of {where}{detail}")
+    if settings.quota_failure_policy == "allow":
+        warning = (
+            f"GPU quota of {where} was not checked ({verdict.reason}); admitted because "
+            "TESSERA_QUOTA_FAILURE_POLICY=allow"
+        )
+        return replace(decision, warnings=(*decision.warnings, warning))
+    return Denial(
+        QUOTA_UNAVAILABLE,
+        f"the GPU quota of {where} could not be checked ({verdict.reason}), so the pod was not "
+        "admitted (TESSERA_QUOTA_FAILURE_POLICY=deny). Retry in a moment; if it persists, ask an "
+        "administrator to check the tessera-quota service",
+        503,
+    )
+
+
+def json_patch(original: dict[str, Any], mutated: dict[str, Any]) -> list[dict[str, Any]]:
+    """RFC 6902 operations from `original` to `mutated`, made by jsonpatch.make_patch.
+
+    The rules only change the spec and its containers, so the diff is taken per container and
+    over the keys that differ: make_patch then never walks the rest of a large pod.
+    """
+    ops: list[dict[str, Any]] = []
+    old_spec, new_spec = original["spec"], mutated["spec"]
+    for section in CONTAINER_SECTIONS:
+        pairs = zip(old_spec.get(section) or [], new_spec.get(section) or [], strict=True)
+        for index, (old, new) in enumerate(pairs):
+            ops += _diff_differing_keys(old, new, f"/spec/{section}/{index}")
+    ops += _diff_differing_keys(old_spec, new_spec, "/spec", skip=CONTAINER_SECTIONS)
+    return ops
+
+
+def _diff_differing_keys(
+    old: dict[str, Any], new: dict[str, Any], prefix: str, skip: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    ordered = [*old, *(k for k in new if k not in old)]
+    keys = [k for k in ordered if k not in skip and old.get(k, _MISSING) != new.get(k, _MISSING)]
+    if not keys:
+        return []
+    patch = jsonpatch.make_patch(
+        {k: old[k] for k in keys if k in old}, {k: new[k] for k in keys if k in new}
+    )
+    ops = []
+    for op in patch.patch:
+        op = dict(op, path=prefix + op["path"])
+        if "from" in op:
+            op["from"] = prefix + op["from"]
+        ops.append(op)
+    return ops
+
+
+# --- one container ------------------------------------------------------------------------------
+
+
+def _normalise_container(
+    container: dict[str, Any],
+    label: str,
+    settings: TesseraSettings,
+    changes: list[str],
+    warnings: list[str],
+) -> bool:
+    """HAMi's per-container rules, applied in place; True when the container asks for a GPU."""
+    where = f"container {label}: "
+    percentage = raw_percentage(container, settings)
+    if percentage is not None and not Decimal(0) <= percentage <= Decimal(100):
+        raise RequestError(
+            f"{where}{settings.resource_mem_percentage} must be between 0 and 100, "
+            f"got {_raw(container, settings.resource_mem_percentage)!r}"
+        )
+    # Validates every GPU quantity (malformed, negative, absurd → RequestError with a sentence).
+    request = parse_container_request(container, settings)
+    raw_count = _raw(container, settings.resource_name)
+    raw_mem = _raw(container, settings.resource_mem)
+    raw_pct = _raw(container, settings.resource_mem_percentage)
+    raw_cores = _raw(container, settings.resource_cores)
+    raw_priority = _raw(container, settings.resource_priority)
+
+    if raw_priority is not None:
+        priority = str(int(parse_quantity(raw_priority, settings.resource_priority)))
+        if _ensure_env(container, ENV_TASK_PRIORITY, priority):
+            changes.append(f"{label}: env {ENV_TASK_PRIORITY}={priority}")
+    if request is None:
+        if settings.env_overwrite and _ensure_env(container, ENV_VISIBLE_DEVICES, "none"):
+            changes.append(f"{label}: env {ENV_VISIBLE_DEVICES}=none (asks no GPU)")
+        return False
+
+    others = [r for r, raw in (
+        (settings.resource_mem, raw_mem),
+        (settings.resource_mem_percentage, raw_pct),
+        (settings.resource_cores, raw_cores),
+    ) if raw is not None]
+    if raw_count is not None and parse_quantity(raw_count, settings.resource_name) == 0:
+        raise RequestError(
+            f"{where}{settings.resource_name} is 0 but {', '.join(others)} is set; ask for at "
+            f"least 1 GPU or remove the GPU memory/cores request"
+        )
+    if settings.core_policy != "default" and _ensure_env(
+        container, ENV_CORE_POLICY, settings.core_policy
+    ):
+        changes.append(f"{label}: env {ENV_CORE_POLICY}={settings.core_policy}")
+    if raw_count is None:
+        _set_resource(container, settings, settings.resource_name, str(settings.default_gpu_num))
+        changes.append(f"{label}: {settings.resource_name}={settings.default_gpu_num} added")
+    asks_no_memory = raw_mem is None and raw_pct is None
+    if raw_cores is None and (percentage == 100 or asks_no_memory):
+        _set_resource(container, settings, settings.resource_cores, "100")
+        changes.append(f"{label}: {settings.resource_cores}=100 added (whole card, exclusive)")
+    if raw_cores is not None and parse_quantity(raw_cores, settings.resource_cores) > 100:
+        warnings.append(f"{where}{settings.resource_cores} above 100 is treated as 100")
+    return True
+
+
+def _container_label(container: dict[str, Any], section: str, index: int) -> str:
+    name = container.get("name")
+    return name if isinstance(name, str) and name else f"{section}[{index}]"
+
+
+def _raw(container: dict[str, Any], key: str) -> object | None:
+    """The value as written, limits before requests (shapes were checked by the parser)."""
+    resources = container.get("resources") or {}
+    for section in ("limits", "requests"):
+        values = resources.get(section) or {}
+        if key in values:
+            return values[key]
+    return None
+
+
+def _set_resource(
+    container: dict[str, Any], settings: TesseraSettings, key: str, value: str
+) -> None:
+    """Add a GPU resource to limits (where extended resources live), and to requests too when
+    the container lists its GPU resources there, so that the two stay equal."""
+    resources = container.get("resources")
+    if not isinstance(resources, dict):
+        resources = container["resources"] = {}
+    if not isinstance(resources.get("limits"), dict):
+        resources["limits"] = {}
+    resources["limits"][key] = value
+    requests = resources.get("requests")
+    if isinstance(requests, dict) and any(name in requests for name in settings.resource_names()):
+        requests[key] = value
+
+
+def _ensure_env(container: dict[str, Any], name: str, value: str) -> bool:
+    """Make `name` appear exactly once with `value`; False when it already did (reinvocation)."""
+    env = container.get("env")
+    if env is None:
+        env = container["env"] = []
+    if not isinstance(env, list):
+        raise RequestError(f"container {container.get('name', '?')}: env must be a list")
+    positions = [i for i, e in enumerate(env) if isinstance(e, dict) and e.get("name") == name]
+    wanted = {"name": name, "value": value}
+    if len(positions) == 1 and env[positions[0]] == wanted:
+        return False
+    if not positions:
+        env.append(wanted)
+        return True
+    # The resource is the source of truth: the first entry takes our value, later ones go (in
+    # Kubernetes the last duplicate would win).
+    env[positions[0]] = wanted
+    for i in reversed(positions[1:]):
+        del env[i]
+    return True
+
+
+def _privileged(container: Any) -> bool:
+    context = container.get("securityContext") if isinstance(container, dict) else None
+    return isinstance(context, dict) and context.get("privileged") is True
+
+
+def _quota_ask(pod: dict[str, Any], namespace: str, settings: TesseraSettings) -> QuotaAsk:
+    memory, cores, gpus = quota_charge(parse_pod_request(pod, settings))
+    metadata = pod.get("metadata") or {}
+    name = metadata.get("name") or metadata.get("generateName") or ""
+    return QuotaAsk(namespace, str(name), memory, cores, gpus)
+
+
+def _json_copy(value: Any) -> Any:
+    # A JSON round trip runs in C and is several times faster than copy.deepcopy.
+    return json.loads(json.dumps(value))

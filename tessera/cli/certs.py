@@ -1,0 +1,176 @@
+"""`tessera certs`: a CA and a serving certificate for the admission webhook.
+
+For the local stack and for clusters without cert-manager. Writes ca.crt, ca.key, tls.crt and
+tls.key (keys 0600) and prints the base64 caBundle to paste into the MutatingWebhookConfiguration.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# Webhook certificates are rotated by re-running the command; a year keeps clusters working
+# without making a leaked key good forever.
+DEFAULT_DAYS = 365
+
+
+@dataclass(frozen=True)
+class CertificateFiles:
+    ca_cert: Path
+    ca_key: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def in_directory(cls, directory: Path) -> CertificateFiles:
+        return cls(directory / "ca.crt", directory / "ca.key", directory / "tls.crt",
+                   directory / "tls.key")
+
+
+def service_names(dns_name: str) -> list[str]:
+    """The name given plus the forms a Service is also reached by (svc, namespace-qualified)."""
+    names = [dns_name]
+    parts = dns_name.split(".")
+    if len(parts) == 3 and parts[2] == "svc":  # name.namespace.svc
+        names += [f"{parts[0]}.{parts[1]}", f"{dns_name}.cluster.local"]
+    return list(dict.fromkeys(names))
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tessera"),
+        x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64]),
+    ])
+
+
+def generate_ca(
+    common_name: str = "tessera-admission-ca", days: int = DEFAULT_DAYS
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def issue_serving_certificate(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    dns_names: list[str],
+    ip_addresses: list[str] | None = None,
+    days: int = DEFAULT_DAYS,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    if not dns_names:
+        raise ValueError("a serving certificate needs at least one DNS name")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    alt_names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses or []]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(dns_names[0]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def write_certificates(
+    directory: Path,
+    dns_names: list[str],
+    ip_addresses: list[str] | None = None,
+    days: int = DEFAULT_DAYS,
+) -> CertificateFiles:
+    """A fresh CA and a serving certificate signed by it, written into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = CertificateFiles.in_directory(directory)
+    ca_cert, ca_key = generate_ca(days=days)
+    cert, key = issue_serving_certificate(ca_cert, ca_key, dns_names, ip_addresses, days)
+    _write(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    _write(files.ca_key, _key_pem(ca_key), 0o600)
+    # Key before certificate: a webhook reloading on change then sees a matching pair sooner.
+    _write(files.key, _key_pem(key), 0o600)
+    _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return files
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """Write beside, then rename: a reader never sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.chmod(temporary, mode)
+    os.replace(temporary, path)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("certs")
+    def certs_command(
+        dns_name: list[str] = typer.Argument(
+            ..., help="DNS name(s) of the webhook Service, e.g. tessera-admission.tessera.svc"
+        ),
+        out: Path = typer.Option(Path("certs"), "--out", "-o", help="directory to write into"),
+        ip: list[str] = typer.Option([], "--ip", help="IP address to include (repeatable)"),
+        days: int = typer.Option(DEFAULT_DAYS, min=1, max=3650, help="validity in days"),
+    ) -> None:
+        """Generate a CA and a serving certificate for the admission webhook."""
+        names = list(dict.fromkeys(n for name in dns_name for n in service_names(name)))
+        try:
+            for address in ip:
+                ipaddress.ip_address(address)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--ip") from exc
+        files = write_certificates(out, names, ip, days)
+        bundle = base64.b64encode(files.ca_cert.read_bytes()).decode()
+        typer.echo(f"wrote {files.ca_cert}, {files.ca_key}, {files.cert}, {files.key}")
+        typer.echo(f"names: {', '.join(names + ip)}")
+        typer.echo(f"webhook: TESSERA_TLS_CERT={files.cert} TESSERA_TLS_KEY={files.key}")
+        typer.echo(f"caBundle: {bundle}")
