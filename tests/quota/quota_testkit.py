@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
 from tessera.codec import Message, decode, encode, peek_schema
+from tessera.events import subscribe
 from tessera.models import ErrorReply, QuotaReply
 
 
@@ -21,3 +24,27 @@ async def call(nc: NatsClient, subject: str, body: Message | bytes, timeout: flo
 
 def unique_namespace(prefix: str = "ns") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+async def next_event(nc: NatsClient, subject: str, timeout: float = 5.0) -> Any:
+    """The first event on `subject` (from the start of the stream)."""
+
+    stream = subscribe(nc, subject)
+    try:
+        received = await asyncio.wait_for(anext(stream), timeout)
+        return received.event
+    finally:
+        await stream.aclose()
+
+
+async def eventually(check: Any, timeout: float = 5.0, interval: float = 0.05) -> Any:
+    """Await `check()` until it returns something truthy; fail after `timeout`."""
+
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
+        await asyncio.sleep(interval)
