@@ -118,14 +118,16 @@ class _Reply:
     status: int
     headers: dict[str, str]
     body: bytes
+    payload: Any = None  # the decoded JSON of a successful reply
     stream: urllib3.BaseHTTPResponse | None = None
-
-    def json(self) -> Any:
-        return json.loads(self.body) if self.body else None
 
 
 class _GoneError(ClusterError):
     """The resourceVersion or continue token is too old: start again with a fresh list."""
+
+
+class _TransientError(ClusterError):
+    """No usable answer (connection refused or dropped, a broken stream): worth another try."""
 
 
 def _status_message(body: bytes, fallback: str) -> str:
@@ -149,7 +151,7 @@ def _error_for(status: int, message: str) -> ClusterError:
 
 
 def _is_transient(error: ClusterError) -> bool:
-    return error.status is None or error.status in RETRYABLE_STATUSES
+    return isinstance(error, _TransientError) or error.status in RETRYABLE_STATUSES
 
 
 def _retry_after(headers: dict[str, str]) -> float | None:
@@ -257,10 +259,14 @@ class KubernetesCluster:
         response = self._api.call_api(method, url, headers, body, _request_timeout=timeout).response
         reply_headers = dict(response.headers)
         if stream and 200 <= response.status < 300:
-            return _Reply(response.status, reply_headers, b"", response)
+            return _Reply(response.status, reply_headers, b"", stream=response)
         data = response.data
         response.release_conn()
-        return _Reply(response.status, reply_headers, data)
+        reply = _Reply(response.status, reply_headers, data)
+        if 200 <= response.status < 300 and data:
+            # Decoded here, off the event loop: a big list is tens of megabytes.
+            reply.payload = json.loads(data)
+        return reply
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
@@ -300,8 +306,8 @@ class KubernetesCluster:
                 )
             except ApiException as exc:  # the client's wrapper for TLS and request-shape errors
                 raise ClusterError(f"{what}: {exc.reason}", exc.status or None) from exc
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                error = ClusterError(f"{what}: {exc}")
+            except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+                error = _TransientError(f"{what}: {exc}")
             else:
                 if 200 <= reply.status < 300:
                     return reply
@@ -323,7 +329,7 @@ class KubernetesCluster:
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _get_json(self, path: str, query: list[tuple[str, str]] | None = None) -> Any:
-        return (await self._request("GET", path, query)).json()
+        return (await self._request("GET", path, query)).payload
 
     # --- pods ---------------------------------------------------------------------------------
 
@@ -368,7 +374,7 @@ class KubernetesCluster:
         reply = await self._request(
             "PATCH", path, body={"metadata": metadata}, content_type=MERGE_PATCH
         )
-        pod: KubeObject = reply.json()
+        pod: KubeObject = reply.payload
         return pod
 
     async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
@@ -564,7 +570,7 @@ class KubernetesCluster:
                 try:
                     line = await asyncio.to_thread(next, lines, None)
                 except (urllib3.exceptions.HTTPError, OSError) as exc:
-                    raise ClusterError(f"watch {path}: {exc}") from exc
+                    raise _TransientError(f"watch {path}: {exc}") from exc
                 if line is None:
                     return
                 try:
@@ -572,7 +578,7 @@ class KubernetesCluster:
                     event_type = event["type"]
                     obj = event["object"]
                 except (ValueError, KeyError, TypeError) as exc:
-                    raise ClusterError(f"watch {path}: malformed event {line[:200]!r}") from exc
+                    raise _TransientError(f"watch {path}: malformed event {line[:200]!r}") from exc
                 if event_type == "ERROR":
                     code = obj.get("code") if isinstance(obj, dict) else None
                     message = obj.get("message", "") if isinstance(obj, dict) else str(obj)
