@@ -242,7 +242,11 @@ def _normalise_container(
 ) -> bool:
     """HAMi's per-container rules, applied in place; True when the container asks for a GPU."""
     where = f"container {label}: "
-    percentage = raw_percentage(container, settings)
+    try:
+        percentage = raw_percentage(container, settings)
+    except RequestError as exc:
+        message = str(exc)
+        raise RequestError(message if message.startswith("container ") else where + message) from exc
     if percentage is not None and not Decimal(0) <= percentage <= Decimal(100):
         raise RequestError(
             f"{where}{settings.resource_mem_percentage} must be between 0 and 100, "

@@ -1,0 +1,144 @@
+"""The HTTP face: bad input gets a 4xx or a denial with a message, never a 5xx; metrics count."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from admission_helpers import GPU, PRIORITY, container, pod, review
+from tessera.admission.app import AdmissionApp
+from tessera.admission.metrics import AdmissionMetrics
+
+from tessera.settings import TesseraSettings
+
+
+async def test_non_json_body_is_400_with_a_message(client):
+    answer = await client.post("/mutate", content=b"{not json")
+    assert answer.status_code == 400
+    assert "not JSON" in answer.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ([1, 2], "JSON object"),
+        ({"kind": "Pod", "apiVersion": "v1"}, "expected kind AdmissionReview"),
+        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v2"}, "unsupported"),
+        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1"}, "no request"),
+        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1", "request": {}},
+         "request.uid"),
+        ({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+          "request": {"uid": 7}}, "request.uid"),
+    ],
+)
+async def test_wrong_kinds_and_missing_uid_are_400(client, body, words):
+    answer = await client.post("/mutate", json=body)
+    assert answer.status_code == 400
+    assert words in answer.json()["error"]
+
+
+async def test_deeply_nested_json_is_400_not_a_crash(client):
+    answer = await client.post("/mutate", content=b"[" * 100_000 + b"]" * 100_000)
+    assert answer.status_code == 400
+
+
+async def test_huge_body_is_413_before_it_is_read():
+    app = AdmissionApp(
+        TesseraSettings(quota_enabled=False, admission_max_body_bytes=64 * 1024),
+        metrics=AdmissionMetrics(),
+    )
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+        big = pod(container(env=[{"name": f"V{i}", "value": "x" * 100} for i in range(1000)]))
+        answer = await c.post("/mutate", json=review(big))
+        assert answer.status_code == 413
+        assert "larger than 65536 bytes" in answer.json()["error"]
+
+        async def chunks():  # no Content-Length: the cap applies while reading
+            for _ in range(100):
+                yield b" " * 4096
+
+        answer = await c.post("/mutate", content=chunks())
+        assert answer.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("kind", "resource"),
+    [
+        ({"group": "apps", "version": "v1", "kind": "Deployment"}, "deployments"),
+        ({"group": "", "version": "v1", "kind": "ConfigMap"}, "configmaps"),
+    ],
+)
+async def test_non_pod_objects_are_denied_with_a_message(client, kind, resource):
+    answer = await client.post("/mutate", json=review({"metadata": {}}, kind=kind,
+                                                      resource=resource))
+    response = answer.json()["response"]
+    assert response["allowed"] is False
+    assert "pods only" in response["status"]["message"]
+    assert kind["kind"] in response["status"]["message"]
+
+
+@pytest.mark.parametrize("obj", [None, "a pod", 42, {"spec": "nope"}, {"metadata": {}}])
+async def test_pod_request_without_a_usable_object_is_denied(client, obj):
+    answer = await client.post("/mutate", json=review(obj))
+    assert answer.status_code == 200
+    response = answer.json()["response"]
+    assert response["allowed"] is False and response["status"]["message"]
+
+
+async def test_containers_of_the_wrong_shape_are_denied(client):
+    for bad in ({"containers": "x"}, {"containers": [1]}, {"containers": [{"resources": 5}]},
+                {"containers": [{"resources": {"limits": [GPU]}}]},
+                {"containers": [{"resources": {"limits": {PRIORITY: "1"}}, "env": {}}]}):
+        obj = {"metadata": {"name": "p"}, "spec": bad}
+        response = (await client.post("/mutate", json=review(obj))).json()["response"]
+        assert response["allowed"] is False, bad
+        assert response["status"]["message"]
+
+
+@pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
+async def test_only_creations_are_reviewed(client, operation):
+    # The scheduler writes its annotations with updates: they must not be refused here.
+    obj = pod(container(limits={GPU: "1"}), annotations={"hami.io/bind-phase": "success"})
+    response = (await client.post("/mutate", json=review(obj, operation=operation))).json()
+    assert response["response"]["allowed"] is True
+    assert "patch" not in response["response"]
+
+
+async def test_health_readiness_and_unknown_routes(client):
+    assert (await client.get("/healthz")).status_code == 200
+    assert (await client.get("/readyz")).json() == {"ready": True}
+    assert (await client.get("/mutate")).status_code == 405
+    assert (await client.get("/nope")).status_code == 404
+
+
+async def test_readyz_follows_the_bus_connection():
+    connected = {"up": False}
+    app = AdmissionApp(TesseraSettings(quota_enabled=False), metrics=AdmissionMetrics(),
+                       is_ready=lambda: connected["up"])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+        assert (await c.get("/readyz")).status_code == 503
+        connected["up"] = True
+        assert (await c.get("/readyz")).status_code == 200
+
+
+async def test_metrics_count_results_denials_by_reason_and_latency(client):
+    await client.post("/mutate", json=review(pod(container(limits={GPU: "1"}))))
+    await client.post("/mutate", json=review(pod(container())))
+    await client.post("/mutate", json=review(pod(container(limits={GPU: "abc"}))))
+    await client.post("/mutate", json=review(pod(container(limits={GPU: "1"}), nodeName="n")))
+    await client.post("/mutate", content=b"garbage")
+    text = (await client.get("/metrics")).text
+    assert 'tessera_admission_reviews_total{result="mutated"} 1.0' in text
+    assert 'tessera_admission_reviews_total{result="allowed"} 1.0' in text
+    assert 'tessera_admission_reviews_total{result="denied"} 2.0' in text
+    assert 'tessera_admission_reviews_total{result="rejected"} 1.0' in text
+    assert 'tessera_admission_denials_total{reason="InvalidRequest"} 1.0' in text
+    assert 'tessera_admission_denials_total{reason="NodeNamePreset"} 1.0' in text
+    assert "tessera_admission_review_duration_seconds_count 4.0" in text
+
+
+async def test_response_is_compact_json_with_the_request_uid(client):
+    answer = await client.post("/mutate", json=review(pod(container()), uid="abc-123"))
+    assert answer.headers["content-type"] == "application/json"
+    assert json.loads(answer.content)["response"] == {"uid": "abc-123", "allowed": True}
