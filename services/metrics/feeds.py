@@ -29,6 +29,8 @@ from .view import ClusterView
 log = logging.getLogger("tessera.metrics")
 
 RETRY_DELAY_S = 1.0
+# How often the reconnect watchdog looks at the client's reconnect count.
+WATCHDOG_S = 0.5
 
 
 class Feeds:
@@ -48,28 +50,56 @@ class Feeds:
         self.view = view
         self.clock = clock
         self._tasks: list[asyncio.Task[None]] = []
+        self._watchdog: asyncio.Task[None] | None = None
         self._usage_sub: Any = None
 
     async def start(self) -> None:
         # Listen to usage first, so pods allocated from now on get a "running" observation.
         self._usage_sub = await self.nc.subscribe(USAGE_ALL, cb=self._on_usage)
         self.view.latency.usage_since = self.clock()
-        kv_feeds: list[tuple[str, Any, type, Callable[[str, Any], None]]] = [
-            ("nodes", self.buckets.nodes, NodeRegistration, self.view.put_node),
-            ("ledger", self.buckets.ledger, NodeLedger, self.view.put_ledger),
-            ("quota", self.buckets.quota, QuotaState, self.view.put_quota),
+        self._start_streams()
+        self._watchdog = asyncio.create_task(self._restart_after_reconnect())
+
+    def _start_streams(self) -> None:
+        kv_feeds: list[tuple[str, Any, type, Callable[[str, Any], None], dict[str, Any]]] = [
+            ("nodes", self.buckets.nodes, NodeRegistration, self.view.put_node, self.view.nodes),
+            ("ledger", self.buckets.ledger, NodeLedger, self.view.put_ledger, self.view.ledgers),
+            ("quota", self.buckets.quota, QuotaState, self.view.put_quota, self.view.quotas),
         ]
-        for source, kv, model, put in kv_feeds:
-            self._tasks.append(asyncio.create_task(self._watch_kv(source, kv, model, put)))
+        for source, kv, model, put, current in kv_feeds:
+            self._tasks.append(
+                asyncio.create_task(self._watch_kv(source, kv, model, put, current))
+            )
         self._tasks.append(asyncio.create_task(self._follow_events()))
 
-    async def stop(self) -> None:
+    async def _stop_streams(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+
+    async def _restart_after_reconnect(self) -> None:
+        """JetStream consumers do not survive a broker restart: start them again after every
+        reconnect (KV watches re-deliver current values; events resume after the last one)."""
+        seen = self.nc.stats.get("reconnects", 0)
+        while True:
+            await asyncio.sleep(WATCHDOG_S)
+            now_seen = self.nc.stats.get("reconnects", 0)
+            if now_seen != seen and self.nc.is_connected:
+                seen = now_seen
+                log.info("nats reconnected; restarting the watches and the event consumer")
+                await self._stop_streams()
+                self._start_streams()
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watchdog
+            self._watchdog = None
+        await self._stop_streams()
         if self._usage_sub is not None:
             with contextlib.suppress(Exception):
                 await self._usage_sub.unsubscribe()
@@ -96,17 +126,30 @@ class Feeds:
     # --- KV -----------------------------------------------------------------------------------
 
     async def _watch_kv(
-        self, source: str, kv: Any, model: type, put: Callable[[str, Any], None]
+        self,
+        source: str,
+        kv: Any,
+        model: type,
+        put: Callable[[str, Any], None],
+        current: dict[str, Any],
     ) -> None:
         def on_error(key: str, exc: Exception) -> None:
             self._bad(source, key, exc)
 
         while True:
+            seen: set[str] | None = set()
             try:
                 async for key, value, _revision in watch_models(kv, model, on_error=on_error):
                     if key == "":
+                        if seen is not None:
+                            # Keys deleted while we were not watching are not re-delivered.
+                            for gone in set(current) - seen:
+                                put(gone, None)
+                            seen = None
                         self.view.kv_synced.add(source)
                         continue
+                    if seen is not None:
+                        seen.add(key)
                     try:
                         put(key, value)
                     except Exception as exc:  # a value that decodes but cannot be used

@@ -39,7 +39,7 @@ PENDING_STALE_S = 900.0
 BAD_MESSAGE_SOURCES = ("nodes", "ledger", "quota", "events", "usage")
 
 # HAMi writes node reasons as "3/8 CardInsufficientMemory"; several may be joined by ", " or "; ".
-_REASON = re.compile(r"^\s*(?:\d+/\d+\s+)?([A-Za-z][A-Za-z0-9_]*)")
+_REASON = re.compile(r"^\s*(?:\d+/\d+\s+)?([A-Z][A-Za-z0-9]*)(?=$|[\s:])")
 
 
 def reason_codes(text: str) -> list[str]:
