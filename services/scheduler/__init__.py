@@ -1,1 +1,6 @@
-"""tessera-scheduler: kube-scheduler extender and the allocation ledger."""
+"""tessera-scheduler: kube-scheduler extender with HAMi's placement rules on a CAS ledger.
+
+Pure decision code: `cards` (a node's GPUs and usage), `rules` (the fit checks), `placement`
+(fitting a pod on a node), `index` and `decide` (choosing among candidate nodes). I/O:
+`ledger` (CAS writes), `engine` (filter/prioritize/bind), `api` (HTTP), `runtime` (watches).
+"""

@@ -1,12 +1,53 @@
 """`python -m tessera.scheduler`: kube-scheduler extender and the allocation ledger."""
 
-from tessera.service import idle_until_stopped, run_service
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from tessera.cluster.factory import cluster_from_settings
+from tessera.service import ServiceContext, print_help, run_service
+from tessera.settings import settings_help
+
+from .config import SchedulerSettings
+from .runtime import SchedulerService
+
+NAME = "scheduler"
+DESCRIPTION = "kube-scheduler extender and the allocation ledger"
+DEFAULT_LISTEN = "0.0.0.0:8888"
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def serve(ctx: ServiceContext) -> None:
+    config = SchedulerSettings()
+    cluster = cluster_from_settings(ctx.settings)
+    service = SchedulerService(
+        ctx.settings, config, ctx.nc, ctx.js, ctx.buckets, cluster, instance=config.instance
+    )
+    await service.start()
+    host, port = split_listen(ctx.settings.listen or DEFAULT_LISTEN)
+    http = asyncio.create_task(service.serve_http(host, port))
+    ready = asyncio.create_task(service.wait_ready(timeout=3600))
+    ctx.log.info("scheduler serving", extra={"listen": f"{host}:{port}",
+                                             "instance": service.instance})  # fmt: skip
+    try:
+        await ctx.stop.wait()
+    finally:
+        ready.cancel()
+        service.stopping.set()
+        await http
+        await service.stop()
 
 
 def main() -> None:
-    run_service(
-        "scheduler", "kube-scheduler extender and the allocation ledger", idle_until_stopped
-    )
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print_help(f"tessera-{NAME}", DESCRIPTION, settings_help(SchedulerSettings))
+        return
+    run_service(NAME, DESCRIPTION, serve)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,178 @@
+"""What the placement code sees of a node: its GPUs with their current usage. Pure, no I/O.
+
+A node's usage is rebuilt from that node's own ledger entry only (O(allocations on the node)),
+never from the cluster's pods. A pod's usage on a GPU is the larger of its init containers' peak
+and its app containers' sum (they never run at the same time); once the init containers have
+succeeded only the app containers count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
+
+
+@dataclass(slots=True)
+class Card:
+    """One GPU: static facts from the node agent plus what is in use (memory MiB, cores, slots)."""
+
+    uuid: str
+    index: int
+    type: str
+    mode: str
+    numa: int
+    healthy: bool
+    cordoned: bool
+    memory_mib: int
+    cores: int
+    split_count: int
+    links: dict[str, int] = field(default_factory=dict)
+    used_mem: int = 0
+    used_cores: int = 0
+    used_slots: int = 0
+
+    @classmethod
+    def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
+        return cls(
+            uuid=device.uuid,
+            index=device.index,
+            type=device.type,
+            mode=device.mode,
+            numa=device.numa,
+            healthy=device.healthy,
+            cordoned=cordoned,
+            memory_mib=device.memory_mib,
+            cores=device.cores,
+            split_count=device.split_count,
+            links=device.links,
+        )
+
+    def clone(self) -> Card:
+        return Card(
+            self.uuid, self.index, self.type, self.mode, self.numa, self.healthy, self.cordoned,
+            self.memory_mib, self.cores, self.split_count, self.links,
+            self.used_mem, self.used_cores, self.used_slots,
+        )  # fmt: skip
+
+    @property
+    def free_mem(self) -> int:
+        return self.memory_mib - self.used_mem
+
+    @property
+    def free_cores(self) -> int:
+        return self.cores - self.used_cores
+
+    @property
+    def idle(self) -> bool:
+        return self.used_slots == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    memory_mib: int = 0
+    cores: int = 0
+    slots: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.memory_mib + other.memory_mib, self.cores + other.cores, self.slots + other.slots
+        )
+
+    def peak(self, other: Usage) -> Usage:
+        return Usage(
+            max(self.memory_mib, other.memory_mib),
+            max(self.cores, other.cores),
+            max(self.slots, other.slots),
+        )
+
+
+def allocation_usage(allocation: Allocation) -> dict[str, Usage]:
+    """What one pod holds on each GPU (init peak vs app sum, shrunk once init is done)."""
+    app: dict[str, Usage] = {}
+    for grants in allocation.containers[allocation.init_count :]:
+        for g in grants:
+            app[g.uuid] = app.get(g.uuid, Usage()) + Usage(g.memory_mib, g.cores, 1)
+    if allocation.init_done or allocation.init_count == 0:
+        return app
+    usage = dict(app)
+    for grants in allocation.containers[: allocation.init_count]:
+        per_init: dict[str, Usage] = {}
+        for g in grants:
+            per_init[g.uuid] = per_init.get(g.uuid, Usage()) + Usage(g.memory_mib, g.cores, 1)
+        for uuid, u in per_init.items():
+            usage[uuid] = usage.get(uuid, Usage()).peak(u)
+    return usage
+
+
+def counts_against_capacity(allocation: Allocation, now: float) -> bool:
+    """Active allocations hold capacity; a reservation past its expiry no longer does."""
+    if not allocation.active:
+        return False
+    return not (
+        allocation.state == AllocationState.RESERVED
+        and allocation.expires_at is not None
+        and allocation.expires_at <= now
+    )
+
+
+def build_cards(
+    registration: NodeRegistration,
+    allocations: Iterable[Allocation],
+    now: float,
+    cordoned: frozenset[str] = frozenset(),
+) -> list[Card]:
+    """The node's GPUs with the usage of every allocation that still holds capacity."""
+    cards = [Card.from_device(d, d.uuid in cordoned) for d in registration.devices]
+    by_uuid = {c.uuid: c for c in cards}
+    for allocation in allocations:
+        if not counts_against_capacity(allocation, now):
+            continue
+        for uuid, u in allocation_usage(allocation).items():
+            card = by_uuid.get(uuid)
+            if card is None:
+                continue  # the GPU vanished from the registration; nothing to charge
+            card.used_mem += u.memory_mib
+            card.used_cores += u.cores
+            card.used_slots += u.slots
+    return cards
+
+
+def ledger_cards(
+    registration: NodeRegistration,
+    ledger: NodeLedger | None,
+    now: float,
+    cordoned: frozenset[str] = frozenset(),
+) -> list[Card]:
+    return build_cards(registration, ledger.allocations.values() if ledger else (), now, cordoned)
+
+
+def node_score(cards: list[Card]) -> float:
+    """HAMi's node score on the state before the pod: 10 × (slots + cores + memory ratios)."""
+    count = sum(c.split_count for c in cards)
+    cores = sum(c.cores for c in cards)
+    memory = sum(c.memory_mib for c in cards)
+    if not cards:
+        return 0.0
+    score = 0.0
+    if count:
+        score += sum(c.used_slots for c in cards) / count
+    if cores:
+        score += sum(c.used_cores for c in cards) / cores
+    if memory:
+        score += sum(c.used_mem for c in cards) / memory
+    return 10.0 * score
+
+
+def over_capacity(cards: list[Card]) -> list[str]:
+    """Descriptions of every GPU granted beyond capacity (the invariant tests check this)."""
+    problems = []
+    for c in cards:
+        if c.used_mem > c.memory_mib:
+            problems.append(f"{c.uuid}: memory {c.used_mem}/{c.memory_mib}")
+        if c.used_cores > c.cores:
+            problems.append(f"{c.uuid}: cores {c.used_cores}/{c.cores}")
+        if c.used_slots > c.split_count:
+            problems.append(f"{c.uuid}: slots {c.used_slots}/{c.split_count}")
+    return problems

@@ -1,0 +1,47 @@
+"""Settings only the scheduler reads (TESSERA_* env, listed by `--help` with the shared ones)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SchedulerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TESSERA_", env_file=os.environ.get("TESSERA_ENV_FILE"), extra="ignore"
+    )
+
+    claim_ttl_s: float = Field(
+        45.0,
+        gt=0,
+        description="a node's in-flight claim (bind -> Allocate) lapses after this; another pod "
+        "may then take it over",
+    )
+    bind_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="how long bind waits for another pod's claim (keep below "
+        "kube-scheduler's extender httpTimeout)",
+    )
+    device_cordon: str = Field(
+        "",
+        description="comma list of GPU UUIDs excluded from new allocations on every node "
+        "(added to each node's hami.io/device-cordon annotation when the cluster port can read it)",
+    )
+    sweep_interval_s: float = Field(
+        1.0, gt=0, description="how often expired reservations and lapsed claims are swept"
+    )
+    reconcile_interval_s: float = Field(
+        30.0, gt=0, description="how often allocations of pods that no longer exist are released"
+    )
+    tls_cert: str | None = Field(None, description="PEM certificate: serve the extender over TLS")
+    tls_key: str | None = Field(None, description="PEM key for tls_cert")
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request accepted")
+    instance: str = Field(
+        "", description="this replica's name in claims and events (default: hostname-pid)"
+    )
+
+    def cordoned_uuids(self) -> frozenset[str]:
+        return frozenset(u.strip() for u in self.device_cordon.split(",") if u.strip())

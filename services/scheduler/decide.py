@@ -1,0 +1,87 @@
+"""The placement decision over the index: which node, which cards, and why the others failed.
+
+Pure (reads the index, writes nothing). The same code serves filter, the side-effect-free
+`nodes` path, prioritize, the benchmark and what-if questions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tessera.hami import PodRequest
+
+from .index import ClusterIndex, Need, NodeEntry
+from .placement import PodFit, fit_pod
+from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
+
+
+@dataclass
+class Decision:
+    """Fitting nodes in preference order (lazily), and the reasons of the nodes that failed."""
+
+    index: ClusterIndex
+    request: PodRequest
+    options: PodOptions
+    budget: QuotaBudget
+    slots: object  # numpy array of candidate slots in policy order
+    pruned: object  # numpy array of slots refused by the cheap summaries
+    unknown: list[str]
+    failed: dict[str, str] = field(default_factory=dict)
+    reason_counts: Counter[str] = field(default_factory=Counter)
+
+    def context(self) -> FitContext:
+        return FitContext(self.options, QuotaBudget(self.budget.memory_mib, self.budget.cores))
+
+    def fits(self) -> Iterator[tuple[NodeEntry, PodFit]]:
+        """Nodes where the pod fits, best first; failures are recorded as they are met."""
+        for slot in self.slots:  # type: ignore[attr-defined]
+            entry = self.index.entry_at(slot)
+            fit = fit_pod(entry.cards, self.request, self.context())
+            if fit.ok:
+                yield entry, fit
+            else:
+                self.record(entry.name, fit)
+
+    def record(self, node: str, fit: PodFit) -> None:
+        self.failed[node] = fit.reason_text()
+        self.reason_counts.update(fit.reasons.keys())
+
+    def explain_rest(self) -> None:
+        """Exact HAMi reasons for the nodes the summaries pruned and the unknown names (only
+        needed when the pod is refused, or for the side-effect-free path)."""
+        for slot in self.pruned:  # type: ignore[attr-defined]
+            entry = self.index.entry_at(slot)
+            fit = fit_pod(entry.cards, self.request, self.context())
+            if fit.ok:  # the summaries are conservative; should not happen, but stay exact
+                continue
+            self.record(entry.name, fit)
+        for name in self.unknown:
+            self.failed[name] = f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
+            self.reason_counts[NODE_UNREGISTERED] += 1
+
+
+def decide(
+    index: ClusterIndex,
+    request: PodRequest,
+    options: PodOptions,
+    names: list[str],
+    budget: QuotaBudget | None = None,
+) -> Decision:
+    slots, unknown = index.resolve(names)
+    ordered, pruned = index.order(slots, Need.of(request), options.node_policy)
+    return Decision(index, request, options, budget or QuotaBudget(), ordered, pruned, unknown)
+
+
+def prioritize_scores(index: ClusterIndex, options: PodOptions, names: list[str]) -> list[int]:
+    """0-10 per node from HAMi's node score (0-30) under the node policy."""
+    scores = []
+    for name in names:
+        entry = index.node(name)
+        if entry is None:
+            scores.append(0)
+            continue
+        fullness = min(10, round(entry.score / 3))
+        scores.append(fullness if options.node_policy == "binpack" else 10 - fullness)
+    return scores

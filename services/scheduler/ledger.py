@@ -1,0 +1,245 @@
+"""Writes to the tessera-ledger KV: every one a compare-and-set of the node's entry.
+
+The mutate functions are pure (current NodeLedger -> new one, or NoChange); the CAS loop in
+tessera.bus retries them on conflict. The reservation re-checks the fit against the ledger as it
+is at write time, so replicas that raced on a stale index can never overfill a GPU: the loser's
+write fails, it re-reads, re-checks and either fits elsewhere on the card or moves on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from nats.js.kv import KeyValue
+
+from tessera.bus import NoChange, Versioned, cas_update
+from tessera.hami import PodRequest
+from tessera.models import Allocation, AllocationState, InFlightClaim, NodeLedger, NodeRegistration
+
+from .cards import counts_against_capacity, ledger_cards
+from .placement import PodFit, fit_pod
+from .rules import FitContext
+
+
+class NodeFullError(Exception):
+    """The pod no longer fits this node (the ledger moved on since the index looked)."""
+
+    def __init__(self, fit: PodFit) -> None:
+        super().__init__(fit.reason_text())
+        self.fit = fit
+
+
+class ReservationGoneError(Exception):
+    """Bind found no live reservation for the pod on that node."""
+
+
+@dataclass(frozen=True)
+class ReservationRequest:
+    """Everything a reservation needs, so the mutate function stays pure."""
+
+    registration: NodeRegistration
+    cordoned: frozenset[str]
+    request: PodRequest
+    ctx_factory: Callable[[], FitContext]
+    template: Allocation  # pod identity, names, policies; containers filled by the fit
+    now: float
+    ttl_s: float
+
+
+def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeLedger:
+    ledger = current or NodeLedger(node=req.template.node)
+    uid = req.template.pod_uid
+    existing = ledger.allocations.get(uid)
+    if existing is not None and counts_against_capacity(existing, req.now):
+        raise NoChange  # already reserved here (a retried filter): keep it
+    others = [a for k, a in ledger.allocations.items() if k != uid]
+    cards = ledger_cards(
+        req.registration,
+        NodeLedger(node=ledger.node, allocations={a.pod_uid: a for a in others}),
+        req.now,
+        req.cordoned,
+    )
+    fit = fit_pod(cards, req.request, req.ctx_factory())
+    if not fit.ok:
+        raise NodeFullError(fit)
+    allocation = req.template.model_copy(
+        update={
+            "containers": fit.containers,
+            "state": AllocationState.RESERVED,
+            "created_at": req.now,
+            "updated_at": req.now,
+            "expires_at": req.now + req.ttl_s,
+        }
+    )
+    # Drop finished entries while writing anyway: the ledger never keeps dead pods.
+    ledger.allocations = {a.pod_uid: a for a in others if a.active}
+    ledger.allocations[uid] = allocation
+    return ledger
+
+
+@dataclass(frozen=True)
+class ClaimOutcome:
+    taken: bool
+    allocation: Allocation | None = None
+    holder: InFlightClaim | None = None
+
+
+def claim_mutate(
+    uid: str, holder: str, now: float, ttl_s: float, current: NodeLedger | None
+) -> NodeLedger:
+    """Take the node's in-flight claim for `uid` (free, expired or already ours)."""
+    if current is None:
+        raise ReservationGoneError("no ledger entry for the node")
+    allocation = current.allocations.get(uid)
+    if allocation is None or not counts_against_capacity(allocation, now):
+        raise ReservationGoneError("the reservation expired or was released")
+    if allocation.state != AllocationState.RESERVED:
+        raise AlreadyBoundError(uid)
+    claim = current.claim
+    if claim is not None and claim.pod_uid != uid and claim.expires_at > now:
+        raise ClaimHeldError(claim)
+    current.claim = InFlightClaim(
+        pod_uid=uid, namespace=allocation.namespace, name=allocation.name,
+        taken_at=now, expires_at=now + ttl_s, holder=holder,
+    )  # fmt: skip
+    # Keep the reservation alive while the bind is in flight.
+    allocation.expires_at = max(allocation.expires_at or now, now + ttl_s)
+    allocation.updated_at = now
+    return current
+
+
+class AlreadyBoundError(Exception):
+    """Bind was retried after it had succeeded: nothing to claim."""
+
+
+class ClaimHeldError(Exception):
+    def __init__(self, claim: InFlightClaim) -> None:
+        super().__init__(f"node claimed by {claim.namespace}/{claim.name} until {claim.expires_at}")
+        self.claim = claim
+
+
+def bound_mutate(uid: str, now: float, current: NodeLedger | None) -> NodeLedger:
+    if current is None or uid not in current.allocations:
+        raise ReservationGoneError("the reservation disappeared during bind")
+    allocation = current.allocations[uid]
+    if allocation.state != AllocationState.RESERVED:
+        raise NoChange
+    allocation.state = AllocationState.BOUND
+    allocation.expires_at = None
+    allocation.updated_at = now
+    return current
+
+
+def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | None) -> NodeLedger:
+    """Remove the pod's allocation (and its claim): nothing is kept for dead pods. The removed
+    allocation is reported through `removed` (cleared on every attempt)."""
+    removed.clear()
+    if current is None:
+        raise NoChange
+    had_claim = current.claim is not None and current.claim.pod_uid == uid
+    if uid not in current.allocations and not had_claim:
+        raise NoChange
+    allocation = current.allocations.pop(uid, None)
+    if allocation is not None:
+        removed.append(allocation)
+    if had_claim:
+        current.claim = None
+    return current
+
+
+def init_done_mutate(uid: str, current: NodeLedger | None) -> NodeLedger:
+    allocation = current.allocations.get(uid) if current else None
+    if allocation is None or allocation.init_done or allocation.init_count == 0:
+        raise NoChange
+    allocation.init_done = True
+    return current  # type: ignore[return-value]
+
+
+def sweep_mutate(
+    now: float, keep: frozenset[str], removed: list[Allocation], current: NodeLedger | None
+) -> NodeLedger:
+    """Drop expired reservations (except pods in `keep`, found bound meanwhile) and a lapsed
+    claim; mark kept ones bound. Dropped allocations are reported through `removed`."""
+    removed.clear()
+    if current is None:
+        raise NoChange
+    changed = False
+    for uid, a in list(current.allocations.items()):
+        expired = (
+            a.state == AllocationState.RESERVED and a.expires_at is not None and a.expires_at <= now
+        )
+        if expired and uid in keep:
+            a.state, a.expires_at, a.updated_at = AllocationState.BOUND, None, now
+            changed = True
+        elif expired or not a.active:
+            removed.append(current.allocations.pop(uid))
+            changed = True
+    if current.claim is not None and current.claim.expires_at <= now:
+        current.claim = None
+        changed = True
+    if not changed:
+        raise NoChange
+    return current
+
+
+def expired_reservations(ledger: NodeLedger, now: float) -> list[Allocation]:
+    return [
+        a for a in ledger.allocations.values()
+        if a.state == AllocationState.RESERVED and a.expires_at is not None and a.expires_at <= now
+    ]  # fmt: skip
+
+
+class LedgerWriter:
+    """The CAS writes, bound to the ledger bucket."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def reserve(self, req: ReservationRequest) -> Versioned[NodeLedger]:
+        return await cas_update(
+            self.kv, req.template.node, NodeLedger, partial(reserve_mutate, req)
+        )
+
+    async def claim(
+        self, node: str, uid: str, holder: str, now: float, ttl_s: float
+    ) -> Versioned[NodeLedger]:
+        return await cas_update(
+            self.kv, node, NodeLedger, partial(claim_mutate, uid, holder, now, ttl_s)
+        )
+
+    async def mark_bound(self, node: str, uid: str, now: float) -> Versioned[NodeLedger]:
+        return await cas_update(self.kv, node, NodeLedger, partial(bound_mutate, uid, now))
+
+    async def release(
+        self, node: str, uid: str
+    ) -> tuple[Versioned[NodeLedger] | None, Allocation | None]:
+        """(the new entry, the allocation removed by this call or None)."""
+        removed: list[Allocation] = []
+        try:
+            result = await cas_update(
+                self.kv, node, NodeLedger, partial(release_mutate, uid, removed)
+            )
+        except NoChange:
+            return None, None
+        return result, (removed[0] if removed else None)
+
+    async def set_init_done(self, node: str, uid: str) -> Versioned[NodeLedger] | None:
+        try:
+            return await cas_update(self.kv, node, NodeLedger, partial(init_done_mutate, uid))
+        except NoChange:
+            return None
+
+    async def sweep(
+        self, node: str, now: float, keep: frozenset[str] = frozenset()
+    ) -> tuple[Versioned[NodeLedger] | None, list[Allocation]]:
+        """(the new entry, the allocations this call dropped)."""
+        removed: list[Allocation] = []
+        try:
+            result = await cas_update(
+                self.kv, node, NodeLedger, partial(sweep_mutate, now, keep, removed)
+            )
+        except NoChange:
+            return None, []
+        return result, list(removed)

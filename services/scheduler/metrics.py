@@ -1,0 +1,65 @@
+"""The scheduler's own Prometheus metrics (tessera_scheduler_*), on a registry per instance.
+
+HAMi's scheduler metric names (hami_gpu_memory_allocated_bytes, ...) describe the ledger, not this
+process; the metrics service derives them from the bus so that they stay single-valued with any
+number of scheduler replicas (see README).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.filter_seconds = Histogram(
+            "tessera_scheduler_filter_seconds", "Filter call latency (HTTP handler)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.fit_seconds = Histogram(
+            "tessera_scheduler_fit_seconds", "Pure placement decision latency per pod",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.bind_seconds = Histogram(
+            "tessera_scheduler_bind_seconds", "Bind call latency, including claim waits",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.refusals = Counter(
+            "tessera_scheduler_refusals_total", "Node refusals by HAMi reason", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.unschedulable = Counter(
+            "tessera_scheduler_unschedulable_total", "Pods that fit no candidate node", registry=r
+        )
+        self.placed = Counter(
+            "tessera_scheduler_reservations_total", "Reservations written to the ledger",
+            registry=r,
+        )  # fmt: skip
+        self.bound = Counter("tessera_scheduler_binds_total", "Successful binds", registry=r)
+        self.bind_errors = Counter(
+            "tessera_scheduler_bind_errors_total", "Binds answered with an error", registry=r
+        )
+        self.claim_waits = Counter(
+            "tessera_scheduler_claim_waits_total", "Binds that waited for another pod's claim",
+            registry=r,
+        )  # fmt: skip
+        self.expired = Counter(
+            "tessera_scheduler_reservations_expired_total", "Reservations dropped unbound",
+            registry=r,
+        )  # fmt: skip
+        self.released = Counter(
+            "tessera_scheduler_releases_total", "Allocations released for ended/deleted pods",
+            registry=r,
+        )  # fmt: skip
+        self.inflight_claims = Gauge(
+            "tessera_scheduler_inflight_claims", "Nodes whose in-flight claim is held",
+            registry=r,
+        )  # fmt: skip
+        self.nodes = Gauge("tessera_scheduler_nodes", "Registered nodes in the index", registry=r)
+        self.ready = Gauge("tessera_scheduler_ready", "1 once the index is synced", registry=r)

@@ -1,0 +1,188 @@
+"""Fit a whole pod on one node: pick cards per container by policy, count refusal reasons. Pure.
+
+Init containers are fitted each on its own against the node as it is; app containers together,
+each seeing the cards the previous ones took. GPU policies order or select the cards that pass
+every check; a comma chain applies its policies in order (the first ordering policy is the main
+sort key, later ones break ties; `numa` and `topology-aware` then select among the ordered cards).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tessera.hami import ContainerRequest, PodRequest
+from tessera.models import DeviceGrant
+
+from .cards import Card
+from .rules import CARDS_INSUFFICIENT, NUMA_NOT_FIT, FitContext, PodOptions, card_refusal
+
+# Exhaustive search of the best-linked card set is bounded; beyond it a greedy pick is used.
+TOPOLOGY_EXHAUSTIVE_LIMIT = 5000
+
+
+@dataclass
+class PodFit:
+    """The outcome on one node: grants per container (init first) or the refusal reasons."""
+
+    ok: bool
+    containers: list[list[DeviceGrant]] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+    total_cards: int = 0
+
+    def reason_text(self) -> str:
+        return format_reasons(self.reasons, self.total_cards)
+
+
+def format_reasons(reasons: Counter[str], total_cards: int) -> str:
+    """HAMi's `N/M Reason, ...`, most frequent first."""
+    ordered = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{n}/{total_cards} {reason}" for reason, n in ordered)
+
+
+def device_score(card: Card, request: ContainerRequest, weights: tuple[int, int, int]) -> float:
+    """HAMi: 10 × (wSlot·(1+used)/count + wCore·(req+used)/total + wMem·(req+used)/total)."""
+    w_slot, w_core, w_mem = weights
+    score = 0.0
+    if card.split_count:
+        score += w_slot * (1 + card.used_slots) / card.split_count
+    if card.cores:
+        score += w_core * (request.cores + card.used_cores) / card.cores
+    if card.memory_mib:
+        score += w_mem * (request.memory_on(card.memory_mib) + card.used_mem) / card.memory_mib
+    return 10.0 * score
+
+
+def _sort_key(
+    request: ContainerRequest, options: PodOptions
+) -> Callable[[Card], tuple[float, ...]]:
+    """The ordering policies of the chain as one sort key (ties go by card index)."""
+    signs = [
+        -1.0 if policy == "binpack" else 1.0
+        for policy in options.gpu_policies
+        if policy in ("binpack", "spread")
+    ]
+
+    def key(card: Card) -> tuple[float, ...]:
+        score = device_score(card, request, options.weights) if signs else 0.0
+        return (*(sign * score for sign in signs), card.index)
+
+    return key
+
+
+def _best_group(
+    groups: list[list[Card]], count: int, key: Callable[[Card], tuple[float, ...]]
+) -> list[Card]:
+    """The NUMA group whose best `count` cards rank best together under the policy key."""
+
+    def group_key(group: list[Card]) -> tuple[float, ...]:
+        keys = [key(c) for c in group[:count]]
+        return tuple(sum(k[i] for k in keys) for i in range(len(keys[0])))
+
+    return min(groups, key=group_key)
+
+
+def _numa_groups(cards: list[Card]) -> list[list[Card]]:
+    groups: dict[int, list[Card]] = {}
+    for c in cards:
+        groups.setdefault(c.numa, []).append(c)
+    return list(groups.values())  # in order of each group's best card
+
+
+def _link_sum(cards: tuple[Card, ...]) -> int:
+    return sum(a.links.get(b.uuid, 0) for a, b in itertools.combinations(cards, 2))
+
+
+def _topology_pick(cards: list[Card], count: int) -> list[Card]:
+    if count == 1:
+        # Take the card whose links matter least, keeping well-linked sets for bigger pods.
+        return [min(cards, key=lambda c: sum(c.links.get(o.uuid, 0) for o in cards if o is not c))]
+    combos = 1
+    for i in range(count):
+        combos = combos * (len(cards) - i) // (i + 1)
+    if combos <= TOPOLOGY_EXHAUSTIVE_LIMIT:
+        best = max(itertools.combinations(cards, count), key=_link_sum)
+        return list(best)
+    picked = [cards[0]]
+    while len(picked) < count:
+        rest = [c for c in cards if c not in picked]
+        picked.append(max(rest, key=lambda c: sum(c.links.get(p.uuid, 0) for p in picked)))
+    return picked
+
+
+def pick_cards(
+    cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str]
+) -> list[Card] | None:
+    """The cards for one container, or None with the reasons counted."""
+    options = ctx.options
+    passing: list[Card] = []
+    local: Counter[str] = Counter()
+    for card in cards:
+        reason = card_refusal(card, request, ctx)
+        if reason is None:
+            passing.append(card)
+        else:
+            local[reason] += 1
+    count = request.count
+    if len(passing) < count:
+        reasons.update(local)
+        if passing:
+            reasons[CARDS_INSUFFICIENT] += len(passing)
+        return None
+    key = _sort_key(request, options)
+    ordered = sorted(passing, key=key)
+    if options.numa_bind or "numa" in options.gpu_policies:
+        groups = [g for g in _numa_groups(ordered) if len(g) >= count]
+        if groups:
+            ordered = _best_group(groups, count, key)
+        elif options.numa_bind:
+            reasons.update(local)
+            reasons[NUMA_NOT_FIT] += len(passing)
+            return None
+    if "topology-aware" in options.gpu_policies:
+        return _topology_pick(ordered, count)
+    return ordered[:count]
+
+
+def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
+    memory = request.memory_on(card.memory_mib)
+    card.used_mem += memory
+    card.used_cores += request.cores
+    card.used_slots += 1
+    if ctx.quota.memory_mib is not None:
+        ctx.quota.memory_mib -= memory
+    if ctx.quota.cores is not None:
+        ctx.quota.cores -= request.cores
+    return DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=request.cores)
+
+
+def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
+    """Place every container of the pod on this node's cards (the cards are not modified)."""
+    fit = PodFit(ok=False, total_cards=len(cards))
+    grants: list[list[DeviceGrant]] = []
+    budget = ctx.quota
+    for r in request.init:
+        if r is None:
+            grants.append([])
+            continue
+        scratch = [c.clone() for c in cards]
+        init_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
+        picked = pick_cards(scratch, r, init_ctx, fit.reasons)
+        if picked is None:
+            return fit
+        grants.append([_take(c, r, init_ctx) for c in picked])
+    scratch = [c.clone() for c in cards]
+    app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
+    for r in request.containers:
+        if r is None:
+            grants.append([])
+            continue
+        picked = pick_cards(scratch, r, app_ctx, fit.reasons)
+        if picked is None:
+            return fit
+        grants.append([_take(c, r, app_ctx) for c in picked])
+    fit.ok = True
+    fit.containers = grants
+    return fit

@@ -1,0 +1,220 @@
+"""HAMi's per-GPU fit checks, one small pure function each, in HAMi's order (hami-compat.md).
+
+A check answers "may this container's request go on this card?" with None (yes) or HAMi's reason
+name. Adding a check is adding a function and a line in FIT_CHECKS. NUMA binding (check 4) and
+"too few cards" depend on the set of cards picked, so they live in placement.py; cores above
+100 (check 8) are clamped when the request is parsed (tessera.hami).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera import hami
+from tessera.hami import ContainerRequest, RequestError
+from tessera.settings import TesseraSettings
+
+from .cards import Card
+
+# HAMi's reason names.
+CARD_NOT_HEALTH = "CardNotHealth"
+CARD_CORDONED = "CardCordoned"
+CARD_TYPE_MISMATCH = "CardTypeMismatch"
+NUMA_NOT_FIT = "NumaNotFit"
+CARD_UUID_MISMATCH = "CardUuidMismatch"
+CARD_TIME_SLICING_EXHAUSTED = "CardTimeSlicingExhausted"
+EXCLUSIVE_CONFLICT = "ExclusiveDeviceAllocateConflict"
+RESOURCE_QUOTA_NOT_FIT = "ResourceQuotaNotFit"
+CARD_INSUFFICIENT_MEMORY = "CardInsufficientMemory"
+CARD_INSUFFICIENT_CORE = "CardInsufficientCore"
+CARD_COMPUTE_UNITS_EXHAUSTED = "CardComputeUnitsExhausted"
+CARD_MIG_INFEASIBLE = "CardMigTopologyInfeasible"
+CARDS_INSUFFICIENT = "AllocatedCardsInsufficientRequest"
+# Node-level reasons of our own (HAMi has no registration outside node annotations).
+NODE_UNREGISTERED = "NodeUnregistered"
+REQUEST_INVALID = "RequestInvalid"
+
+GPU_POLICIES = ("binpack", "spread", "mutex", "numa", "topology-aware")
+NODE_POLICIES = ("binpack", "spread")
+
+
+@dataclass(frozen=True)
+class PodOptions:
+    """The pod's placement knobs: annotations over cluster defaults."""
+
+    use_types: tuple[str, ...] = ()
+    nouse_types: tuple[str, ...] = ()
+    use_uuids: frozenset[str] = frozenset()
+    nouse_uuids: frozenset[str] = frozenset()
+    numa_bind: bool = False
+    vgpu_mode: str | None = None
+    gpu_policies: tuple[str, ...] = ("spread",)
+    node_policy: str = "binpack"
+    weights: tuple[int, int, int] = (1, 1, 1)
+
+    @property
+    def mutex(self) -> bool:
+        return "mutex" in self.gpu_policies
+
+
+@dataclass
+class QuotaBudget:
+    """What the namespace may still take (None = unlimited); decremented as cards are picked."""
+
+    memory_mib: int | None = None
+    cores: int | None = None
+
+
+@dataclass
+class FitContext:
+    options: PodOptions
+    quota: QuotaBudget = field(default_factory=QuotaBudget)
+
+
+def _split(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def parse_policy_chain(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    chain = tuple(p.lower() for p in _split(text))
+    if not chain:
+        raise RequestError(f"{what}: empty policy")
+    for policy in chain:
+        if policy not in allowed:
+            raise RequestError(f"{what}: unknown policy {policy!r} (one of {', '.join(allowed)})")
+    return chain
+
+
+def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOptions:
+    """Read the user knobs; an invalid one is a RequestError with a sentence."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {} if isinstance(meta, dict) else {}
+    if not isinstance(annotations, dict):
+        raise RequestError("metadata.annotations must be a map")
+
+    def text(key: str) -> str | None:
+        value = annotations.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise RequestError(f"annotation {key} must be a string")
+        return value
+
+    gpu_policy = text(hami.ANN_GPU_POLICY) or settings.gpu_scheduler_policy
+    node_policy = text(hami.ANN_NODE_POLICY) or settings.node_scheduler_policy
+    node_chain = parse_policy_chain(node_policy, NODE_POLICIES, hami.ANN_NODE_POLICY)
+    if len(node_chain) != 1:
+        raise RequestError(f"{hami.ANN_NODE_POLICY}: one of binpack, spread")
+    weights_text = text(hami.ANN_SCORING_WEIGHTS)
+    mode = text(hami.ANN_VGPU_MODE)
+    return PodOptions(
+        use_types=tuple(t.lower() for t in _split(text(hami.ANN_USE_GPUTYPE) or "")),
+        nouse_types=tuple(t.lower() for t in _split(text(hami.ANN_NOUSE_GPUTYPE) or "")),
+        use_uuids=frozenset(_split(text(hami.ANN_USE_GPUUUID) or "")),
+        nouse_uuids=frozenset(_split(text(hami.ANN_NOUSE_GPUUUID) or "")),
+        numa_bind=(text(hami.ANN_NUMA_BIND) or "").strip().lower() == "true",
+        vgpu_mode=mode.strip().lower() if mode and mode.strip() else None,
+        gpu_policies=parse_policy_chain(gpu_policy, GPU_POLICIES, hami.ANN_GPU_POLICY),
+        node_policy=node_chain[0],
+        weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
+    )
+
+
+# --- the checks, in HAMi's order ----------------------------------------------------------------
+
+FitCheck = Callable[[Card, ContainerRequest, FitContext], "str | None"]
+
+
+def check_health(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return None if card.healthy else CARD_NOT_HEALTH
+
+
+def check_cordon(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return CARD_CORDONED if card.cordoned else None
+
+
+def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    options = ctx.options
+    kind = card.type.lower()
+    if options.use_types and not any(t in kind for t in options.use_types):
+        return CARD_TYPE_MISMATCH
+    if options.nouse_types and any(t in kind for t in options.nouse_types):
+        return CARD_TYPE_MISMATCH
+    if options.vgpu_mode is not None and card.mode.lower() not in options.vgpu_mode:
+        return CARD_TYPE_MISMATCH
+    return None
+
+
+def check_uuid_lists(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    options = ctx.options
+    if options.use_uuids and card.uuid not in options.use_uuids:
+        return CARD_UUID_MISMATCH
+    if card.uuid in options.nouse_uuids:
+        return CARD_UUID_MISMATCH
+    return None
+
+
+def check_slots(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return CARD_TIME_SLICING_EXHAUSTED if card.used_slots >= card.split_count else None
+
+
+def check_mutex(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return EXCLUSIVE_CONFLICT if ctx.options.mutex and not card.idle else None
+
+
+def check_quota(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    quota = ctx.quota
+    if quota.memory_mib is not None and request.memory_on(card.memory_mib) > quota.memory_mib:
+        return RESOURCE_QUOTA_NOT_FIT
+    if quota.cores is not None and request.cores > quota.cores:
+        return RESOURCE_QUOTA_NOT_FIT
+    return None
+
+
+def check_memory(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return CARD_INSUFFICIENT_MEMORY if request.memory_on(card.memory_mib) > card.free_mem else None
+
+
+def check_cores(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return CARD_INSUFFICIENT_CORE if request.cores > card.free_cores else None
+
+
+def check_exclusive(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    return EXCLUSIVE_CONFLICT if request.cores >= 100 and not card.idle else None
+
+
+def check_compute_units(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    exhausted = card.cores > 0 and card.used_cores >= card.cores
+    return CARD_COMPUTE_UNITS_EXHAUSTED if request.cores == 0 and exhausted else None
+
+
+def check_mig(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    # Tessera shares whole cards through libvgpu; it does not carve MIG instances.
+    return CARD_MIG_INFEASIBLE if card.mode.lower() == "mig" else None
+
+
+FIT_CHECKS: list[FitCheck] = [
+    check_health,  # 1
+    check_cordon,  # 2
+    check_type_and_mode,  # 3 (4, NUMA, is in placement.py)
+    check_uuid_lists,  # 5
+    check_slots,  # 6
+    check_mutex,  # 7 (8, clamping cores, and 9, memory from %, are in the request)
+    check_quota,  # 10
+    check_memory,  # 11
+    check_cores,  # 12
+    check_exclusive,  # 13
+    check_compute_units,  # 14
+    check_mig,  # 15
+]
+
+
+def card_refusal(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    """The first failing check's reason, or None when the card can take the request."""
+    for check in FIT_CHECKS:
+        reason = check(card, request, ctx)
+        if reason is not None:
+            return reason
+    return None
