@@ -246,7 +246,8 @@ def _normalise_container(
         percentage = raw_percentage(container, settings)
     except RequestError as exc:
         message = str(exc)
-        raise RequestError(message if message.startswith("container ") else where + message) from exc
+        named = message if message.startswith("container ") else where + message
+        raise RequestError(named) from exc
     if percentage is not None and not Decimal(0) <= percentage <= Decimal(100):
         raise RequestError(
             f"{where}{settings.resource_mem_percentage} must be between 0 and 100, "

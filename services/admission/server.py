@@ -1,9 +1,10 @@
 """Serve the webhook with uvicorn (httptools), over TLS whose files are reloaded when they change.
 
-Certificates rotate (cert-manager, `tessera certs`) while the webhook runs: a watcher re-reads
-the files and loads them into the live SSLContext, so new connections get the new certificate
-and no request is dropped. A half-written pair (cert and key not matching yet) keeps the old one
-until the next check.
+Certificates rotate (cert-manager, `tessera certs`) while the webhook runs: a watcher loads the
+files into a fresh SSLContext and, once that succeeded, hands it to every new connection (from
+the listening context's SNI callback, which OpenSSL calls with or without SNI). Connections
+already open keep theirs, nothing is dropped, and a half-written pair (cert and key not matching
+yet) never replaces a working one: it is retried at the next check.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class WebhookServer:
         self.tls = tls
         self.reload_interval_s = reload_interval_s
         self.context = server_tls_context(tls) if tls else None
+        self.current_context = self.context
+        if self.context is not None:
+            self.context.sni_callback = self._select_context
         self._signature = tls.signature() if tls else None
         context = self.context
         self.config = uvicorn.Config(
@@ -122,18 +126,25 @@ class WebhookServer:
         if self._serving:
             await self._serving
 
+    def _select_context(
+        self, connection: ssl.SSLObject, _server_name: str | None, _context: ssl.SSLContext
+    ) -> None:
+        if self.current_context is not self.context:
+            connection.context = self.current_context  # type: ignore[assignment]
+
     def reload_if_changed(self) -> bool:
-        """Load the files into the live context when they changed; True when reloaded."""
-        assert self.tls is not None and self.context is not None
+        """Serve the files from now on if they changed and form a valid pair; True if so."""
+        assert self.tls is not None
         try:
             signature = self.tls.signature()
             if signature == self._signature:
                 return False
-            self.context.load_cert_chain(self.tls.cert, self.tls.key)
+            fresh = server_tls_context(self.tls)
         except (OSError, ssl.SSLError) as exc:
             log.warning("TLS files unreadable or mismatched; keeping the current certificate",
                         extra={"err": str(exc)})
             return False
+        self.current_context = fresh
         self._signature = signature
         self.reloads += 1
         log.info("TLS certificate reloaded", extra={"cert": self.tls.cert})
