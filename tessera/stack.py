@@ -1,20 +1,96 @@
-"""The local stack: embedded NATS plus every service as a child process.
+"""The local stack: embedded NATS, kube-sim and every service as a child process.
 
 Used by `tessera up` and by end-to-end tests. Each service is started exactly as in production
-(`python -m tessera.<service>`, configured by env vars), so what runs here is what ships.
+(`python -m tessera.<service>`, configured by env vars), so what runs here is what ships. kube-sim
+plays the Kubernetes control plane and one kubelet per simulated node; each simulated node gets
+its own node agent with the static device source, talking to that node's kubelet over unix
+sockets. The state directory holds NATS data, logs, the webhook certificates and the kubeconfig
+the CLI reads (`tessera apply/get/delete`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tessera.nats_embedded import EmbeddedNats
+import yaml
+from pydantic import BaseModel, Field
+
+from tessera.nats_embedded import EmbeddedNats, free_port
+
+KUBECONFIG_NAME = "kubeconfig"
+STACK_FILE = "stack.json"
+
+
+class SimNode(BaseModel):
+    """One simulated node: its GPUs are served by a node agent with the static device source."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63)
+    gpus: int = Field(4, ge=0, le=64)
+    gpu_memory_mib: int = Field(24576, ge=1)
+    gpu_model: str = "NVIDIA A10"
+    numa_nodes: int = Field(1, ge=1)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+def make_nodes(
+    count: int,
+    gpus: int,
+    gpu_memory_mib: int,
+    gpu_model: str,
+    numa_nodes: int = 1,
+    prefix: str = "sim-node",
+) -> list[SimNode]:
+    return [
+        SimNode(
+            name=f"{prefix}-{i}",
+            gpus=gpus,
+            gpu_memory_mib=gpu_memory_mib,
+            gpu_model=gpu_model,
+            numa_nodes=numa_nodes,
+        )
+        for i in range(count)
+    ]
+
+
+def load_nodes(path: Path) -> list[SimNode]:
+    """Nodes from YAML or JSON: a list of nodes, or `{"nodes": [...]}`."""
+    data = yaml.safe_load(path.read_text())
+    if isinstance(data, dict):
+        data = data.get("nodes")
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of nodes")
+    return [SimNode.model_validate(item) for item in data]
+
+
+@dataclass
+class StackPorts:
+    """Where the HTTP faces listen. `tessera up` uses the documented defaults; tests pick free
+    ports so stacks never collide."""
+
+    kube_sim: int = 6443
+    scheduler: int = 8888
+    admission: int = 9443
+    metrics: int = 9394
+
+    @classmethod
+    def free(cls) -> StackPorts:
+        return cls(free_port(), free_port(), free_port(), free_port())
+
+
+def short_socket_root(state_dir: Path) -> Path:
+    """A short /tmp directory for kubelet sockets (unix socket paths must stay < 108 bytes)."""
+    digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:10]
+    return Path("/tmp") / f"tessera-kl-{digest}"
 
 
 @dataclass
@@ -26,17 +102,73 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def default_services(node_names: list[str] | None = None) -> list[ServiceSpec]:
-    """Every service once, plus one node agent per simulated node."""
+def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[str, str]:
+    node_dir = socket_root / node.name
+    env = {
+        "TESSERA_NODE_NAME": node.name,
+        "TESSERA_DEVICE_SOURCE": "static",
+        "TESSERA_STATIC_GPU_COUNT": str(node.gpus),
+        "TESSERA_STATIC_GPU_MODEL": node.gpu_model,
+        "TESSERA_STATIC_GPU_MEMORY_MIB": str(node.gpu_memory_mib),
+        "TESSERA_STATIC_NUMA_NODES": str(node.numa_nodes),
+        "TESSERA_DEVICE_PLUGIN_DIR": str(node_dir / "device-plugins"),
+        "TESSERA_POD_RESOURCES_SOCKET": str(node_dir / "pod-resources" / "kubelet.sock"),
+        "TESSERA_REGION_HOST_DIR": str(state_dir / "regions" / node.name),
+    }
+    libvgpu = Path(__file__).resolve().parent.parent / "native/libvgpu/build/libvgpu.so"
+    if libvgpu.is_file():
+        env["TESSERA_LIBVGPU_HOST_PATH"] = str(libvgpu)
+    return env
+
+
+def default_services(
+    nodes: list[SimNode] | None = None,
+    state_dir: Path = Path(".tessera"),
+    ports: StackPorts | None = None,
+    run_containers: bool = False,
+) -> list[ServiceSpec]:
+    """kube-sim first (the others read its kubeconfig), then every service once, then one node
+    agent per simulated node."""
+    nodes = nodes if nodes is not None else make_nodes(1, 4, 24576, "NVIDIA A10")
+    ports = ports or StackPorts()
+    state_dir = state_dir.resolve()
+    certs = state_dir / "certs"
+    socket_root = short_socket_root(state_dir)
+    kube_sim_env = {
+        "TESSERA_KUBE_SIM_LISTEN": f"127.0.0.1:{ports.kube_sim}",
+        "TESSERA_KUBE_SIM_KUBECONFIG": str(state_dir / KUBECONFIG_NAME),
+        "TESSERA_KUBE_SIM_NODES": json.dumps([n.model_dump() for n in nodes]),
+        "TESSERA_KUBE_SIM_WEBHOOK_URL": f"https://127.0.0.1:{ports.admission}/mutate",
+        "TESSERA_KUBE_SIM_WEBHOOK_CA": str(certs / "ca.crt"),
+        "TESSERA_KUBE_SIM_EXTENDER_URL": f"http://127.0.0.1:{ports.scheduler}",
+        "TESSERA_KUBE_SIM_KUBELET_ROOT": str(socket_root),
+        "TESSERA_KUBE_SIM_RUN_CONTAINERS": "true" if run_containers else "false",
+        "TESSERA_KUBE_SIM_CONTAINER_LOG_DIR": str(state_dir / "containers"),
+    }
     specs = [
+        ServiceSpec("kube-sim", "tessera.kube_sim", kube_sim_env),
         ServiceSpec("quota", "tessera.quota"),
-        ServiceSpec("scheduler", "tessera.scheduler"),
-        ServiceSpec("admission", "tessera.admission"),
-        ServiceSpec("metrics", "tessera.metrics"),
+        ServiceSpec(
+            "scheduler", "tessera.scheduler", {"TESSERA_LISTEN": f"127.0.0.1:{ports.scheduler}"}
+        ),
+        ServiceSpec(
+            "admission",
+            "tessera.admission",
+            {
+                "TESSERA_LISTEN": f"127.0.0.1:{ports.admission}",
+                "TESSERA_TLS_CERT": str(certs / "tls.crt"),
+                "TESSERA_TLS_KEY": str(certs / "tls.key"),
+            },
+        ),
+        ServiceSpec("metrics", "tessera.metrics", {"TESSERA_LISTEN": f"0.0.0.0:{ports.metrics}"}),
     ]
-    for node in node_names or ["sim-node-0"]:
+    for node in nodes:
         specs.append(
-            ServiceSpec(f"node-agent/{node}", "tessera.node_agent", {"TESSERA_NODE_NAME": node})
+            ServiceSpec(
+                f"node-agent/{node.name}",
+                "tessera.node_agent",
+                node_agent_env(node, socket_root, state_dir),
+            )
         )
     return specs
 
@@ -54,8 +186,18 @@ class RunningService:
         return "running" if code is None else f"exited ({code})"
 
 
+def read_stack_info(state_dir: Path) -> dict[str, Any]:
+    """What a running stack wrote about itself (ports, kubeconfig, NATS URL); {} if none."""
+    path = state_dir / STACK_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 class LocalStack:
-    """Start NATS (unless a URL is given) and the services; stop them all, in reverse order."""
+    """Start NATS (unless a URL is given), kube-sim and the services; stop them in reverse."""
 
     def __init__(
         self,
@@ -63,38 +205,115 @@ class LocalStack:
         services: list[ServiceSpec],
         nats_url: str | None = None,
         extra_env: dict[str, str] | None = None,
+        ports: StackPorts | None = None,
     ) -> None:
-        self.state_dir = state_dir
+        self.state_dir = state_dir.resolve()
         self.services = services
         self.extra_env = extra_env or {}
         self.nats: EmbeddedNats | None = None
         self.nats_url = nats_url
+        self.ports = ports or StackPorts()
         self.running: list[RunningService] = []
 
-    def start(self) -> None:
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / KUBECONFIG_NAME
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.kube_sim}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.metrics}/"
+
+    def start(self, wait_ready_s: float = 30.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
+        self._ensure_certificates()
         if self.nats_url is None:
             self.nats = EmbeddedNats(data_dir=self.state_dir / "nats").start()
             self.nats_url = self.nats.url
+        self.kubeconfig.unlink(missing_ok=True)
         for spec in self.services:
             self.start_service(spec)
+            if spec.module == "tessera.kube_sim":
+                self._wait_for_api(wait_ready_s)
+        (self.state_dir / STACK_FILE).write_text(
+            json.dumps(
+                {
+                    "nats_url": self.nats_url,
+                    "kubeconfig": str(self.kubeconfig),
+                    "api_url": self.api_url,
+                    "dashboard_url": self.dashboard_url,
+                    "scheduler_url": f"http://127.0.0.1:{self.ports.scheduler}",
+                    "pid": os.getpid(),
+                },
+                indent=2,
+            )
+        )
+
+    def _ensure_certificates(self) -> None:
+        from tessera.cli.certs import write_certificates  # cryptography: only when starting
+
+        certs = self.state_dir / "certs"
+        if not (certs / "tls.crt").is_file() or not (certs / "ca.crt").is_file():
+            write_certificates(certs, ["localhost", "tessera-admission"], ["127.0.0.1"])
+
+    def _wait_for_api(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.kubeconfig.is_file():
+                try:
+                    with urllib.request.urlopen(f"{self.api_url}/readyz", timeout=1) as reply:
+                        if reply.status == 200:
+                            return
+                except OSError:
+                    pass
+            kube_sim = next(r for r in self.running if r.spec.module == "tessera.kube_sim")
+            if kube_sim.proc.poll() is not None:
+                raise RuntimeError(f"kube-sim exited; see {kube_sim.log_path}")
+            time.sleep(0.05)
+        raise RuntimeError(f"kube-sim did not answer on {self.api_url} in {timeout_s:.0f} s")
+
+    def service_env(self, spec: ServiceSpec) -> dict[str, str]:
+        return {
+            **os.environ,
+            **self.extra_env,
+            "NATS_URL": str(self.nats_url),
+            "TESSERA_KUBECONFIG": str(self.kubeconfig),
+            **spec.env,
+        }
 
     def start_service(self, spec: ServiceSpec) -> RunningService:
-        env = {**os.environ, **self.extra_env, **spec.env, "NATS_URL": str(self.nats_url)}
         log_path = self.state_dir / "logs" / f"{spec.name.replace('/', '-')}.log"
         log_file = log_path.open("ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", spec.module],
-            env=env,
+            env=self.service_env(spec),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the CLI only; it stops children itself
         )
         log_file.close()
         running = RunningService(spec, proc, log_path, time.time())
-        self.running.append(running)
+        self.running = [r for r in self.running if r.spec.name != spec.name] + [running]
         return running
+
+    def find(self, name: str) -> RunningService:
+        return next(r for r in self.running if r.spec.name == name)
+
+    def kill_service(self, name: str) -> None:
+        """SIGKILL, as a crash would."""
+        running = self.find(name)
+        if running.proc.poll() is None:
+            running.proc.kill()
+            running.proc.wait()
+
+    def restart_service(self, name: str) -> RunningService:
+        running = self.find(name)
+        self.stop_service(running)
+        return self.start_service(running.spec)
 
     def stop_service(self, running: RunningService, timeout_s: float = 8.0) -> None:
         if running.proc.poll() is None:
@@ -118,3 +337,4 @@ class LocalStack:
                 running.proc.wait()
         if self.nats is not None:
             self.nats.stop()
+        (self.state_dir / STACK_FILE).unlink(missing_ok=True)

@@ -1,0 +1,135 @@
+"""Calling a mutating admission webhook as kube-apiserver does (AdmissionReview v1 over HTTPS).
+
+The pod is sent as `request.object`; an allowed response's base64 JSON patch is applied to it;
+a denial becomes the create's error, `admission webhook "<name>" denied the request: <msg>`.
+A webhook that cannot be reached follows the failure policy: `Fail` rejects the create with an
+internal error (clients retry), `Ignore` lets the pod through unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import json
+import logging
+import ssl
+import uuid
+from typing import Any, Literal
+
+import httpx
+import jsonpatch
+from tessera.kube_sim.store import KubeObject, StoreError
+
+log = logging.getLogger("tessera.kube_sim.admission")
+
+WEBHOOK_NAME = "vgpu.tessera.io"
+
+
+def admission_review(pod: KubeObject, operation: str, review_uid: str) -> dict[str, Any]:
+    namespace = pod.get("metadata", {}).get("namespace", "")
+    resource = {"group": "", "version": "v1", "resource": "pods"}
+    kind = {"group": "", "version": "v1", "kind": "Pod"}
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": review_uid,
+            "kind": kind,
+            "resource": resource,
+            "requestKind": kind,
+            "requestResource": resource,
+            "name": pod.get("metadata", {}).get("name", ""),
+            "namespace": namespace,
+            "operation": operation,
+            "userInfo": {"username": "kube-sim-user", "groups": ["system:authenticated"]},
+            "object": pod,
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    }
+
+
+def apply_review_response(pod: KubeObject, review: Any, review_uid: str) -> KubeObject:
+    """The pod after the webhook's answer; StoreError for a denial or a malformed answer."""
+    response = review.get("response") if isinstance(review, dict) else None
+    if not isinstance(response, dict) or response.get("uid") != review_uid:
+        raise StoreError(
+            500,
+            "InternalError",
+            f'Internal error occurred: failed calling webhook "{WEBHOOK_NAME}": '
+            "the response uid does not match the request",
+        )
+    if not response.get("allowed"):
+        result = response.get("status") or {}
+        code = int(result.get("code") or 400)
+        message = result.get("message") or "denied"
+        raise StoreError(
+            code if 400 <= code < 600 else 400,
+            "Forbidden" if code == 403 else "BadRequest",
+            f'admission webhook "{WEBHOOK_NAME}" denied the request: {message}',
+        )
+    patch_text = response.get("patch")
+    if not patch_text:
+        return pod
+    if response.get("patchType") != "JSONPatch":
+        raise StoreError(500, "InternalError", "webhook returned a patch of an unknown type")
+    try:
+        operations = json.loads(base64.b64decode(patch_text))
+        return jsonpatch.apply_patch(copy.deepcopy(pod), operations)
+    except (
+        ValueError,
+        binascii.Error,
+        jsonpatch.JsonPatchException,
+        jsonpatch.JsonPointerException,
+        TypeError,
+    ) as exc:
+        raise StoreError(
+            500, "InternalError", f'failed to apply the patch of webhook "{WEBHOOK_NAME}": {exc}'
+        ) from exc
+
+
+class AdmissionWebhook:
+    """The webhook configuration kube-sim calls for every pod CREATE."""
+
+    def __init__(
+        self,
+        url: str,
+        ca_file: str | None,
+        timeout_s: float = 10.0,
+        failure_policy: Literal["Fail", "Ignore"] = "Fail",
+    ) -> None:
+        self.url = url
+        self.failure_policy = failure_policy
+        verify: ssl.SSLContext | bool = True
+        if ca_file:
+            verify = ssl.create_default_context(cafile=ca_file)
+        self._client = httpx.AsyncClient(verify=verify, timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def __call__(self, pod: KubeObject, operation: str) -> KubeObject:
+        review_uid = str(uuid.uuid4())
+        body = admission_review(pod, operation, review_uid)
+        try:
+            reply = await self._client.post(self.url, json=body)
+            if reply.status_code != 200:
+                raise httpx.HTTPStatusError(
+                    f"HTTP {reply.status_code}: {reply.text[:200]}",
+                    request=reply.request,
+                    response=reply,
+                )
+            review = reply.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            if self.failure_policy == "Ignore":
+                log.warning("webhook failed, ignored by policy", extra={"error": str(exc)})
+                return pod
+            raise StoreError(
+                500,
+                "InternalError",
+                f'Internal error occurred: failed calling webhook "{WEBHOOK_NAME}": '
+                f'failed to call webhook: Post "{self.url}": {exc or type(exc).__name__}',
+            ) from exc
+        return apply_review_response(pod, review, review_uid)

@@ -1,0 +1,145 @@
+"""kube-sim wired together: API server, admission chain, scheduler and kubelets in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import uvicorn
+from tessera.kube_sim.admission import AdmissionWebhook
+from tessera.kube_sim.apiserver import ApiServer
+from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
+from tessera.kube_sim.kubeconfig import write_kubeconfig
+from tessera.kube_sim.scheduler import SchedulingLoop
+from tessera.kube_sim.settings import KubeSimSettings
+from tessera.kube_sim.store import KubeObject, ObjectStore, now_rfc3339
+
+from tessera.settings import TesseraSettings
+from tessera.stack import SimNode
+
+log = logging.getLogger("tessera.kube_sim")
+
+
+def node_object(node: SimNode) -> KubeObject:
+    labels = {
+        "kubernetes.io/hostname": node.name,
+        "kubernetes.io/os": "linux",
+        "gpu": "on",
+        "tessera.io/gpu-model": node.gpu_model.replace(" ", "-")[:63],
+        **node.labels,
+    }
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    return {
+        "metadata": {"name": node.name, "labels": labels, "annotations": {}},
+        "spec": {},
+        "status": {
+            "capacity": capacity,
+            "allocatable": dict(capacity),
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "kube-sim kubelet is posting ready status",
+                    "lastHeartbeatTime": now_rfc3339(),
+                }
+            ],
+            "nodeInfo": {"kubeletVersion": "v1.31.0-kube-sim", "operatingSystem": "linux"},
+        },
+    }
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+class KubeSim:
+    def __init__(self, settings: KubeSimSettings, tessera: TesseraSettings) -> None:
+        self.settings = settings
+        self.tessera = tessera
+        self.store = ObjectStore()
+        self.webhook = (
+            AdmissionWebhook(
+                settings.webhook_url,
+                settings.webhook_ca or None,
+                settings.webhook_timeout_s,
+                settings.webhook_failure_policy,
+            )
+            if settings.webhook_url
+            else None
+        )
+        self.api = ApiServer(self.store, self.webhook)
+        self.extender = (
+            ExtenderClient(
+                ExtenderConfig(
+                    url_prefix=settings.extender_url,
+                    weight=settings.extender_weight,
+                    http_timeout_s=settings.extender_timeout_s,
+                    managed_resources=tuple(tessera.resource_names()),
+                )
+            )
+            if settings.extender_url
+            else None
+        )
+        self.scheduler = SchedulingLoop(
+            self.api,
+            tessera.scheduler_name,
+            self.extender,
+            settings.backoff_initial_s,
+            settings.backoff_max_s,
+        )
+        self.nodes = settings.sim_nodes()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        for node in self.nodes:
+            self.store.create("Node", node_object(node))
+        host, port = split_listen(self.settings.listen)
+        config = uvicorn.Config(
+            self.api.app(),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+        server = uvicorn.Server(config)
+        server_task = asyncio.create_task(server.serve())
+        while not server.started:
+            if server_task.done():
+                await server_task  # raises the bind error
+                raise RuntimeError("kube-sim's API server stopped while starting")
+            await asyncio.sleep(0.02)
+        advertised = self.settings.advertise_host or host
+        if advertised in ("0.0.0.0", "::"):
+            advertised = "127.0.0.1"
+        if self.settings.kubeconfig:
+            write_kubeconfig(Path(self.settings.kubeconfig), f"http://{advertised}:{port}")
+        kubelets = await self._start_kubelets()
+        scheduler_task = asyncio.create_task(self.scheduler.run(stop))
+        log.info(
+            "kube-sim ready",
+            extra={"listen": self.settings.listen, "nodes": [n.name for n in self.nodes]},
+        )
+        try:
+            await stop.wait()
+        finally:
+            for kubelet in kubelets:
+                with contextlib.suppress(Exception):
+                    await kubelet.stop()
+            await scheduler_task
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server_task, 3.0)
+            if self.webhook is not None:
+                await self.webhook.close()
+            if self.extender is not None:
+                await self.extender.close()
+
+    async def _start_kubelets(self) -> list:  # type: ignore[type-arg]
+        from tessera.kube_sim.kubelets import start_kubelets
+
+        return await start_kubelets(self)

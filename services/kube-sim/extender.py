@@ -1,0 +1,129 @@
+"""A scheduler extender client speaking kube-scheduler's wire format (`extender/v1`).
+
+kube-scheduler POSTs `ExtenderArgs` to `<urlPrefix>/<verb>`; with `nodeCacheCapable: true` it
+sends node names only. Filter answers `ExtenderFilterResult`, prioritize a `HostPriorityList`
+(0-10, multiplied by the extender's weight), bind takes `ExtenderBindingArgs` (Go field names,
+no JSON tags) and answers `ExtenderBindingResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from tessera.kube_sim.store import KubeObject
+
+
+class ExtenderError(Exception):
+    """The extender could not be called, or answered with an error."""
+
+
+@dataclass
+class FilterResult:
+    nodes: list[str]
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExtenderConfig:
+    """The `extenders[]` entry of a KubeSchedulerConfiguration, as HAMi deploys it."""
+
+    url_prefix: str
+    filter_verb: str = "filter"
+    prioritize_verb: str = "prioritize"
+    bind_verb: str = "bind"
+    weight: int = 1
+    http_timeout_s: float = 30.0
+    node_cache_capable: bool = True
+    managed_resources: tuple[str, ...] = ()
+
+
+def requests_managed_resource(pod: KubeObject, managed: tuple[str, ...]) -> bool:
+    """kube-scheduler's IsInterested: any container (init included) names a managed resource."""
+    spec = pod.get("spec") or {}
+    for container in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        resources = container.get("resources") or {}
+        for section in ("requests", "limits"):
+            if any(name in managed for name in resources.get(section) or {}):
+                return True
+    return False
+
+
+class ExtenderClient:
+    def __init__(self, config: ExtenderConfig) -> None:
+        self.config = config
+        self._client = httpx.AsyncClient(
+            base_url=config.url_prefix.rstrip("/"), timeout=config.http_timeout_s
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _post(self, verb: str, body: Any) -> Any:
+        try:
+            reply = await self._client.post(f"/{verb}", json=body)
+        except httpx.HTTPError as exc:
+            raise ExtenderError(
+                f'Post "{self.config.url_prefix}/{verb}": {exc or type(exc).__name__}'
+            ) from exc
+        if reply.status_code != 200:
+            raise ExtenderError(f"extender {verb}: HTTP {reply.status_code}: {reply.text[:300]}")
+        try:
+            return reply.json()
+        except ValueError as exc:
+            raise ExtenderError(f"extender {verb}: invalid JSON reply") from exc
+
+    def _args(self, pod: KubeObject, nodes: list[str]) -> dict[str, Any]:
+        if self.config.node_cache_capable:
+            return {"pod": pod, "nodenames": nodes}
+        node_list = {
+            "kind": "NodeList",
+            "apiVersion": "v1",
+            "metadata": {},
+            "items": [{"metadata": {"name": name}} for name in nodes],
+        }
+        return {"pod": pod, "nodes": node_list}
+
+    async def filter(self, pod: KubeObject, nodes: list[str]) -> FilterResult:
+        result = await self._post(self.config.filter_verb, self._args(pod, nodes))
+        if not isinstance(result, dict):
+            raise ExtenderError("extender filter: the reply is not an ExtenderFilterResult")
+        if result.get("error"):
+            raise ExtenderError(str(result["error"]))
+        if self.config.node_cache_capable:
+            names = result.get("nodenames") or []
+        else:
+            items = (result.get("nodes") or {}).get("items") or []
+            names = [item.get("metadata", {}).get("name", "") for item in items]
+        # The extender may only narrow the candidates down, never add nodes.
+        kept = [str(name) for name in names if name in nodes]
+        return FilterResult(
+            kept,
+            {str(k): str(v) for k, v in (result.get("failedNodes") or {}).items()},
+            {str(k): str(v) for k, v in (result.get("failedAndUnresolvableNodes") or {}).items()},
+        )
+
+    async def prioritize(self, pod: KubeObject, nodes: list[str]) -> dict[str, int]:
+        result = await self._post(self.config.prioritize_verb, self._args(pod, nodes))
+        if not isinstance(result, list):
+            raise ExtenderError("extender prioritize: the reply is not a HostPriorityList")
+        scores: dict[str, int] = {}
+        for entry in result:
+            if isinstance(entry, dict) and entry.get("host") in nodes:
+                scores[str(entry["host"])] = int(entry.get("score") or 0) * self.config.weight
+        return scores
+
+    async def bind(self, pod: KubeObject, node: str) -> None:
+        meta = pod.get("metadata", {})
+        body = {
+            "PodName": meta.get("name", ""),
+            "PodNamespace": meta.get("namespace", ""),
+            "PodUID": meta.get("uid", ""),
+            "Node": node,
+        }
+        result = await self._post(self.config.bind_verb, body)
+        error = result.get("Error") or result.get("error") if isinstance(result, dict) else None
+        if error:
+            raise ExtenderError(str(error))

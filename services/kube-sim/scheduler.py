@@ -1,0 +1,296 @@
+"""kube-sim's scheduler: what kube-scheduler does for the pods of the local stack.
+
+One scheduling cycle at a time (filter → prioritize → pick a host), bindings in the background,
+as kube-scheduler runs them. Pods named for the Tessera scheduler that request a managed
+resource go through the extender (filter with node names, prioritize only when more than one
+node is left, bind through the extender); other pods of the Tessera or default scheduler are
+bound directly to the node with the fewest pods. A pod that cannot be placed gets a
+`PodScheduled=False` condition with kube-scheduler's message and a FailedScheduling event, and is
+retried with exponential backoff; a pod leaving the cluster or a node changing retries every
+waiting pod at once (kube-scheduler's "move all to active queue").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from tessera.kube_sim.apiserver import ApiServer
+from tessera.kube_sim.events import record_event
+from tessera.kube_sim.extender import ExtenderClient, ExtenderError, requests_managed_resource
+from tessera.kube_sim.store import Key, KubeObject, Selector, StoreError, now_rfc3339
+
+log = logging.getLogger("tessera.kube_sim.scheduler")
+
+DEFAULT_SCHEDULER = "default-scheduler"
+
+
+def unschedulable_message(total_nodes: int, failed: dict[str, str]) -> str:
+    """kube-scheduler's summary: `0/3 nodes are available: 2 <reason>, 1 <reason>.`"""
+    counts = Counter(failed.values())
+    parts = [f"{count} {reason}" for reason, count in sorted(counts.items())]
+    missing = total_nodes - sum(counts.values())
+    if missing > 0:
+        parts.append(f"{missing} node(s) were filtered out")
+    return f"0/{total_nodes} nodes are available: {', '.join(parts)}."
+
+
+def node_selector_matches(pod: KubeObject, node: KubeObject) -> bool:
+    wanted = (pod.get("spec") or {}).get("nodeSelector") or {}
+    labels = node.get("metadata", {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
+def node_ready(node: KubeObject) -> bool:
+    for condition in (node.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Ready":
+            return condition.get("status") == "True"
+    return True
+
+
+@dataclass
+class Backoff:
+    attempts: int
+    ready_at: float
+
+
+class SchedulingLoop:
+    def __init__(
+        self,
+        api: ApiServer,
+        scheduler_name: str,
+        extender: ExtenderClient | None,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 4.0,
+    ) -> None:
+        self.api = api
+        self.store = api.store
+        self.scheduler_name = scheduler_name
+        self.extender = extender
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._active: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._waiting: dict[Key, Backoff] = {}
+        self._binding: set[Key] = set()
+        self._bind_tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+
+    # --- which pods are ours ----------------------------------------------------------------
+
+    def responsible_for(self, pod: KubeObject) -> bool:
+        spec = pod.get("spec") or {}
+        if spec.get("nodeName") or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            return False
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return False
+        return spec.get("schedulerName") in (self.scheduler_name, DEFAULT_SCHEDULER)
+
+    def uses_extender(self, pod: KubeObject) -> bool:
+        return (
+            self.extender is not None
+            and pod.get("spec", {}).get("schedulerName") == self.scheduler_name
+            and requests_managed_resource(pod, self.extender.config.managed_resources)
+        )
+
+    # --- queues -----------------------------------------------------------------------------
+
+    def _enqueue(self, key: Key) -> None:
+        if key in self._queued or key in self._binding or key in self._waiting:
+            return
+        self._queued.add(key)
+        self._active.put_nowait(key)
+
+    def move_all_to_active(self) -> None:
+        """Something changed that may let waiting pods fit: retry them all now."""
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        for key in waiting:
+            self._enqueue(key)
+
+    def _back_off(self, key: Key) -> None:
+        previous = self._waiting.get(key)
+        attempts = (previous.attempts if previous else 0) + 1
+        delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (attempts - 1))
+        self._waiting[key] = Backoff(attempts, time.monotonic() + delay)
+        self._wake.set()
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        watcher = self.store.watch("Pod", Selector(), self.store.version)
+        node_watcher = self.store.watch("Node", Selector(), self.store.version)
+        for pod in self.store.list("Pod", Selector()):
+            if self.responsible_for(pod):
+                self._enqueue((pod["metadata"]["namespace"], pod["metadata"]["name"]))
+        tasks = [
+            asyncio.create_task(self._follow_pods(watcher.queue)),
+            asyncio.create_task(self._follow_nodes(node_watcher.queue)),
+            asyncio.create_task(self._release_backoffs()),
+            asyncio.create_task(self._schedule_forever()),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            self.store.unwatch(watcher)
+            self.store.unwatch(node_watcher)
+            for task in tasks + list(self._bind_tasks):
+                task.cancel()
+            for task in tasks + list(self._bind_tasks):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _follow_pods(self, queue: asyncio.Queue[tuple[str, KubeObject]]) -> None:
+        while True:
+            event_type, pod = await queue.get()
+            key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
+            if event_type == "DELETED":
+                self._waiting.pop(key, None)
+                self._queued.discard(key)
+                if pod.get("spec", {}).get("nodeName"):
+                    self.move_all_to_active()  # its capacity is free again
+            elif event_type == "ADDED" and self.responsible_for(pod):
+                self._enqueue(key)
+            elif (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                self.move_all_to_active()
+
+    async def _follow_nodes(self, queue: asyncio.Queue[tuple[str, KubeObject]]) -> None:
+        while True:
+            await queue.get()
+            self.move_all_to_active()
+
+    async def _release_backoffs(self) -> None:
+        while True:
+            now = time.monotonic()
+            due = [key for key, b in self._waiting.items() if b.ready_at <= now]
+            for key in due:
+                # Stays in _waiting (its attempt count drives the next delay) but is not due again.
+                self._waiting[key].ready_at = float("inf")
+                self._queued.add(key)
+                self._active.put_nowait(key)
+            next_at = min((b.ready_at for b in self._waiting.values()), default=now + 1.0)
+            next_at = min(next_at, now + 1.0)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.02, next_at - now))
+
+    async def _schedule_forever(self) -> None:
+        while True:
+            key = await self._active.get()
+            self._queued.discard(key)
+            try:
+                pod = self.store.get("Pod", *key)
+            except StoreError:
+                self._waiting.pop(key, None)
+                continue
+            if not self.responsible_for(pod) or key in self._binding:
+                self._waiting.pop(key, None)
+                continue
+            try:
+                await self.schedule_one(key, pod)
+            except Exception:  # one bad pod must not stop the scheduler
+                log.exception("scheduling cycle failed", extra={"pod": "/".join(key)})
+                self._back_off(key)
+
+    async def schedule_one(self, key: Key, pod: KubeObject) -> None:
+        nodes = [
+            n
+            for n in self.store.list("Node", Selector())
+            if node_ready(n) and node_selector_matches(pod, n)
+        ]
+        names = [n["metadata"]["name"] for n in nodes]
+        total = len(self.store.list("Node", Selector()))
+        if not names:
+            self._unschedulable(key, pod, f"0/{total} nodes are available: no node matches.")
+            return
+        if not self.uses_extender(pod):
+            counts = Counter(p["spec"].get("nodeName") for p in self.store.list("Pod", Selector()))
+            host = min(names, key=lambda n: (counts.get(n, 0), n))
+            self._start_bind(key, pod, host, via_extender=False)
+            return
+        assert self.extender is not None
+        try:
+            result = await self.extender.filter(pod, names)
+            if not result.nodes:
+                failed = {**result.failed, **result.unresolvable}
+                self._unschedulable(key, pod, unschedulable_message(total, failed))
+                return
+            host = result.nodes[0]
+            if len(result.nodes) > 1:
+                scores = await self.extender.prioritize(pod, result.nodes)
+                host = max(result.nodes, key=lambda n: (scores.get(n, 0), -result.nodes.index(n)))
+        except ExtenderError as error:
+            self._unschedulable(key, pod, f"extender error: {error}", reason="SchedulerError")
+            return
+        self._start_bind(key, pod, host, via_extender=True)
+
+    def _start_bind(self, key: Key, pod: KubeObject, host: str, via_extender: bool) -> None:
+        self._binding.add(key)
+        self._waiting.pop(key, None)
+        task = asyncio.create_task(self._bind(key, pod, host, via_extender))
+        self._bind_tasks.add(task)
+        task.add_done_callback(self._bind_tasks.discard)
+
+    async def _bind(self, key: Key, pod: KubeObject, host: str, via_extender: bool) -> None:
+        try:
+            if via_extender:
+                assert self.extender is not None
+                await self.extender.bind(pod, host)
+            else:
+                self.api.bind(key[0], key[1], host, pod["metadata"].get("uid"))
+            record_event(
+                self.store,
+                pod,
+                "Scheduled",
+                f"Successfully assigned {key[0]}/{key[1]} to {host}",
+                "Normal",
+            )
+        except (ExtenderError, StoreError) as error:
+            message = f"binding rejected: {error}"
+            log.info("bind failed", extra={"pod": "/".join(key), "node": host, "error": str(error)})
+            self._binding.discard(key)
+            self._unschedulable(key, pod, message, reason="SchedulerError")
+            return
+        self._binding.discard(key)
+
+    def _unschedulable(
+        self, key: Key, pod: KubeObject, message: str, reason: str = "Unschedulable"
+    ) -> None:
+        try:
+            current = self.store.get("Pod", *key)
+        except StoreError:
+            return
+        if current["metadata"].get("uid") != pod["metadata"].get("uid") or current["spec"].get(
+            "nodeName"
+        ):
+            return  # recreated, or bound meanwhile (a bind whose reply was lost)
+        conditions = (current.get("status") or {}).get("conditions") or []
+        already = any(
+            c.get("type") == "PodScheduled" and c.get("message") == message for c in conditions
+        )
+        if not already:
+
+            def set_condition(obj: KubeObject) -> None:
+                status = obj.setdefault("status", {})
+                kept = [
+                    c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"
+                ]
+                kept.append(
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": reason,
+                        "message": message,
+                        "lastTransitionTime": now_rfc3339(),
+                    }
+                )
+                status["conditions"] = kept
+
+            with contextlib.suppress(StoreError):
+                self.store.mutate("Pod", key[0], key[1], set_condition)
+            record_event(self.store, current, "FailedScheduling", message, "Warning")
+        self._back_off(key)

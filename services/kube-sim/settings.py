@@ -1,0 +1,58 @@
+"""kube-sim's settings (`TESSERA_KUBE_SIM_*`), next to the shared `TesseraSettings`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tessera.stack import SimNode, load_nodes
+
+
+class KubeSimSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TESSERA_KUBE_SIM_", env_file=os.environ.get("TESSERA_ENV_FILE"), extra="ignore"
+    )
+
+    listen: str = Field("127.0.0.1:6443", description="host:port of the API server (plain HTTP)")
+    kubeconfig: str = Field(
+        ".tessera/kubeconfig", description="kubeconfig written here, pointing at this server"
+    )
+    advertise_host: str = Field(
+        "", description="host name written into the kubeconfig (default: the listen host)"
+    )
+    nodes: str = Field(
+        "", description='simulated nodes, JSON: [{"name": "sim-node-0", "gpus": 4, ...}]'
+    )
+    nodes_file: str = Field("", description="simulated nodes from a YAML/JSON file instead")
+    webhook_url: str = Field(
+        "https://127.0.0.1:9443/mutate", description="admission webhook ('' = no admission)"
+    )
+    webhook_ca: str = Field("", description="CA bundle (PEM) that signed the webhook's cert")
+    webhook_timeout_s: float = Field(10.0, gt=0, le=30)
+    webhook_failure_policy: Literal["Fail", "Ignore"] = "Fail"
+    extender_url: str = Field(
+        "http://127.0.0.1:8888", description="scheduler extender urlPrefix ('' = none)"
+    )
+    extender_timeout_s: float = Field(30.0, gt=0, description="extender httpTimeout")
+    extender_weight: int = Field(1, ge=1)
+    backoff_initial_s: float = Field(0.5, gt=0, description="first retry of a pending pod")
+    backoff_max_s: float = Field(4.0, gt=0, description="longest wait between retries")
+    kubelet_root: str = Field(
+        "/tmp/tessera-kubelet", description="per-node kubelet sockets live in <root>/<node>/"
+    )
+    run_containers: bool = Field(
+        False, description="run containers that have a command as local processes"
+    )
+    container_log_dir: str = Field("", description="container logs (default <kubelet_root>/logs)")
+
+    def sim_nodes(self) -> list[SimNode]:
+        if self.nodes_file:
+            return load_nodes(Path(self.nodes_file))
+        if self.nodes:
+            return [SimNode.model_validate(n) for n in json.loads(self.nodes)]
+        return []

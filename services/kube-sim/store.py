@@ -1,0 +1,249 @@
+"""The object store behind kube-sim's API: objects by kind, a resourceVersion, a watch history.
+
+It keeps the API server's contract that clients rely on: every write bumps one global
+resourceVersion; a watch started at version V sees every change after V (replayed from a
+bounded history, 410 Gone once V has fallen out of it); a field selector on `spec.nodeName`
+turns a pod moving onto a node into ADDED and off it into DELETED, as kube-apiserver does.
+No I/O here: the HTTP layer and the scheduler loop both drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+KubeObject = dict[str, Any]
+Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds
+
+
+class StoreError(Exception):
+    """An API error with its HTTP status and Kubernetes reason."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def not_found(kind: str, name: str) -> StoreError:
+    return StoreError(404, "NotFound", f'{kind.lower()}s "{name}" not found')
+
+
+def conflict(message: str) -> StoreError:
+    return StoreError(409, "Conflict", message)
+
+
+def gone(version: int) -> StoreError:
+    return StoreError(410, "Expired", f"too old resource version: {version}")
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def key_of(obj: KubeObject) -> Key:
+    meta = obj.get("metadata", {})
+    return (meta.get("namespace", "") or "", meta.get("name", ""))
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which objects a list or watch wants: a namespace and/or `spec.nodeName`."""
+
+    namespace: str | None = None
+    node_name: str | None = None  # "" selects unbound pods (spec.nodeName=)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def matches(self, obj: KubeObject | None) -> bool:
+        if obj is None:
+            return False
+        meta = obj.get("metadata", {})
+        if self.namespace and meta.get("namespace") != self.namespace:
+            return False
+        if self.node_name is not None and (obj.get("spec", {}).get("nodeName") or "") != (
+            self.node_name
+        ):
+            return False
+        object_labels = meta.get("labels") or {}
+        return all(object_labels.get(k) == v for k, v in self.labels.items())
+
+    def __hash__(self) -> int:
+        return hash((self.namespace, self.node_name, tuple(sorted(self.labels.items()))))
+
+
+@dataclass
+class Change:
+    """One write, as kept in the history: the object before and after (None = absent)."""
+
+    version: int
+    kind: str
+    old: KubeObject | None
+    new: KubeObject | None
+
+
+def event_for(change: Change, selector: Selector) -> tuple[str, KubeObject] | None:
+    """The watch event a watcher with `selector` sees for `change` (None: nothing)."""
+    was, now = selector.matches(change.old), selector.matches(change.new)
+    if now and not was:
+        return "ADDED", change.new  # type: ignore[return-value]
+    if now and was:
+        return "MODIFIED", change.new  # type: ignore[return-value]
+    if was and not now:
+        # A delete carries the final state; an object leaving the selection its new state.
+        return "DELETED", change.new if change.new is not None else change.old  # type: ignore[return-value]
+    return None
+
+
+@dataclass
+class Watcher:
+    kind: str
+    selector: Selector
+    queue: asyncio.Queue[tuple[str, KubeObject]]
+
+
+class ObjectStore:
+    """Objects of several kinds with one resourceVersion sequence and a bounded history."""
+
+    def __init__(self, history_size: int = 20000, clock: Callable[[], str] = now_rfc3339) -> None:
+        self._objects: dict[str, dict[Key, KubeObject]] = {}
+        self._history: deque[Change] = deque(maxlen=history_size)
+        self._watchers: list[Watcher] = []
+        self._version = 0
+        self._clock = clock
+        self.first_version = 1  # the API server was born at version 1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def get(self, kind: str, namespace: str, name: str) -> KubeObject:
+        obj = self._objects.get(kind, {}).get((namespace, name))
+        if obj is None:
+            raise not_found(kind, name)
+        return copy.deepcopy(obj)
+
+    def list(self, kind: str, selector: Selector) -> list[KubeObject]:
+        objects = self._objects.get(kind, {})
+        return [copy.deepcopy(objects[k]) for k in sorted(objects) if selector.matches(objects[k])]
+
+    # --- writes -----------------------------------------------------------------------------
+
+    def create(self, kind: str, obj: KubeObject) -> KubeObject:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name"):
+            prefix = meta.get("generateName")
+            if not prefix:
+                raise StoreError(422, "Invalid", "metadata.name: Required value")
+            meta["name"] = f"{prefix}{uuid.uuid4().hex[:5]}"
+        key = key_of(obj)
+        if key in self._objects.get(kind, {}):
+            raise StoreError(409, "AlreadyExists", f'{kind.lower()}s "{key[1]}" already exists')
+        meta["uid"] = str(uuid.uuid4())
+        meta.setdefault("creationTimestamp", self._clock())
+        obj.setdefault("apiVersion", "v1")
+        obj["kind"] = kind
+        return self._write(kind, key, obj)
+
+    def replace(
+        self, kind: str, obj: KubeObject, expected_version: str | None = None
+    ) -> KubeObject:
+        key = key_of(obj)
+        current = self._objects.get(kind, {}).get(key)
+        if current is None:
+            raise not_found(kind, key[1])
+        if expected_version and expected_version != current["metadata"]["resourceVersion"]:
+            raise conflict(
+                f'Operation cannot be fulfilled on {kind.lower()}s "{key[1]}": the object has '
+                "been modified; please apply your changes to the latest version and try again"
+            )
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["uid"] = current["metadata"]["uid"]
+        obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
+        obj["kind"] = kind
+        obj.setdefault("apiVersion", "v1")
+        return self._write(kind, key, obj)
+
+    def mutate(
+        self, kind: str, namespace: str, name: str, change: Callable[[KubeObject], None]
+    ) -> KubeObject:
+        """Apply `change` to a copy of the object and store it (raises what `change` raises)."""
+        current = self._objects.get(kind, {}).get((namespace, name))
+        if current is None:
+            raise not_found(kind, name)
+        obj = copy.deepcopy(current)
+        change(obj)
+        return self._write(kind, (namespace, name), obj)
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> KubeObject:
+        objects = self._objects.get(kind, {})
+        current = objects.get((namespace, name))
+        if current is None:
+            raise not_found(kind, name)
+        if uid and current["metadata"].get("uid") != uid:
+            raise conflict(f"Precondition failed: UID in precondition: {uid}")
+        del objects[(namespace, name)]
+        final = copy.deepcopy(current)
+        self._version += 1
+        final["metadata"]["resourceVersion"] = str(self._version)
+        self._publish(Change(self._version, kind, current, None), final)
+        return copy.deepcopy(final)
+
+    def trim(self, kind: str, keep: int) -> None:
+        """Forget the oldest objects of a kind beyond `keep` (events), without watch events."""
+        objects = self._objects.get(kind, {})
+        while len(objects) > keep:
+            del objects[next(iter(objects))]
+
+    def _write(self, kind: str, key: Key, obj: KubeObject) -> KubeObject:
+        self._version += 1
+        obj["metadata"]["resourceVersion"] = str(self._version)
+        objects = self._objects.setdefault(kind, {})
+        old = objects.get(key)
+        objects[key] = obj
+        self._publish(Change(self._version, kind, old, obj), None)
+        return copy.deepcopy(obj)
+
+    def _publish(self, change: Change, deleted_final: KubeObject | None) -> None:
+        if deleted_final is not None:
+            # Watchers see the deleted object at the delete's resourceVersion.
+            change = Change(change.version, change.kind, deleted_final, None)
+        self._history.append(change)
+        for watcher in self._watchers:
+            if watcher.kind != change.kind:
+                continue
+            seen = event_for(change, watcher.selector)
+            if seen is not None:
+                watcher.queue.put_nowait((seen[0], copy.deepcopy(seen[1])))
+
+    # --- watches ----------------------------------------------------------------------------
+
+    def watch(self, kind: str, selector: Selector, since: int) -> Watcher:
+        """A watcher that gets every change after version `since` (410 if no longer known).
+
+        Replay and registration happen without yielding to the loop, so nothing falls between.
+        """
+        oldest_known = self._history[0].version - 1 if self._history else self._version
+        if since < oldest_known and since < self._version:
+            raise gone(since)
+        watcher = Watcher(kind, selector, asyncio.Queue())
+        for change in self._history:
+            if change.version > since and change.kind == kind:
+                seen = event_for(change, selector)
+                if seen is not None:
+                    watcher.queue.put_nowait((seen[0], copy.deepcopy(seen[1])))
+        self._watchers.append(watcher)
+        return watcher
+
+    def unwatch(self, watcher: Watcher) -> None:
+        if watcher in self._watchers:
+            self._watchers.remove(watcher)
