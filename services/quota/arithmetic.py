@@ -58,6 +58,12 @@ class QuotaRefused(Exception):
         self.reason = reason
 
 
+def _copy(state: QuotaState) -> QuotaState:
+    """A new state whose charge map can be changed without touching `state` (charges themselves
+    are never mutated, only replaced, so they are shared: a namespace may hold thousands)."""
+    return state.model_copy(update={"charges": dict(state.charges)})
+
+
 # --- validation -------------------------------------------------------------------------------
 
 
@@ -164,7 +170,7 @@ def reserve(state: QuotaState | None, request: QuotaRequest, at: float) -> Quota
     reason = refusal(state, request)
     if reason:
         raise QuotaRefused(reason)
-    new_state = state.model_copy(deep=True) if state else QuotaState(namespace=request.namespace)
+    new_state = _copy(state) if state else QuotaState(namespace=request.namespace)
     if asks_gpu(request):
         new_state.charges[request.pod_uid] = new_charge
     else:
@@ -184,7 +190,7 @@ def release(
         raise NoChange
     if charged_before is not None and state.charges[pod_uid].at > charged_before:
         raise NoChange
-    new_state = state.model_copy(deep=True)
+    new_state = _copy(state)
     del new_state.charges[pod_uid]
     return new_state
 
@@ -197,7 +203,7 @@ def set_limits(
     check_limits(limits)
     if state is not None and state.limits == limits and state.source == source:
         raise NoChange
-    new_state = state.model_copy(deep=True) if state else QuotaState(namespace=namespace)
+    new_state = _copy(state) if state else QuotaState(namespace=namespace)
     new_state.limits = limits.model_copy()
     new_state.source = source
     return new_state
@@ -327,7 +333,7 @@ def reconcile(
       like the allocation so that it goes again at the next pass if the allocation ends.
     NoChange when nothing differs.
     """
-    new_state = state.model_copy(deep=True) if state else QuotaState(namespace=namespace)
+    new_state = _copy(state) if state else QuotaState(namespace=namespace)
     changed = False
     for uid, charge in list(new_state.charges.items()):
         if uid not in backed and now - charge.at > grace_s:

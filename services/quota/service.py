@@ -133,7 +133,12 @@ class QuotaService:
             self._micro = None
         for task in self._tasks:
             task.cancel()
+        # Events already under way get a moment to reach the stream, then are abandoned: a
+        # service must stop within seconds even with NATS gone.
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=1.0)
         for task in [*self._tasks, *self._background]:
+            task.cancel()
             with contextlib.suppress(BaseException):
                 await task
         self._tasks.clear()

@@ -72,6 +72,7 @@ def test_reserve_is_idempotent_and_a_resize_replaces_the_old_charge() -> None:
     # The same pod asking 4000 instead of 3000 fits: its own old charge is not counted twice.
     resized = qa.reserve(s, req("p1", mem=4000), at=3.0)
     assert resized.used().memory_mib == 4000
+    assert s.used().memory_mib == 3000  # the input state is left as it was
     with pytest.raises(qa.QuotaRefused):
         qa.reserve(resized, req("p2", mem=1), at=4.0)
 
