@@ -1,0 +1,366 @@
+"""A kubelet stand-in speaking the real device-plugin and pod-resources gRPC protocols.
+
+    kubelet = SimKubelet(socket_dir, pod_resources_socket)
+    await kubelet.start()                      # Registration server on <socket_dir>/kubelet.sock
+    await kubelet.wait_registered("nvidia.com/gpu")
+    admission = await kubelet.admit_pod(pod)   # Allocate per container, then PreStartContainer
+    admission.ok, admission.containers[0].envs, admission.containers[0].mounts
+    await kubelet.restart()                    # deletes every socket in socket_dir, like kubelet
+
+It follows kubelet's order: on admission, one Allocate per container that requests a
+plugin's resource (init containers first), choosing devices through GetPreferredAllocation when
+the plugin offers it, and records the assignment (visible in pod-resources List right away);
+then, container by container, PreStartContainer with the same device IDs just before starting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tessera.kube_sim.podresources import (
+    PodResourcesServer,
+    PodResourcesService,
+    PodResourcesStore,
+)
+
+from tessera.kubeapi import (
+    DEVICE_PLUGIN_VERSION,
+    HEALTHY,
+    KUBELET_SOCKET_NAME,
+    PRE_START_TIMEOUT_S,
+    dp,
+    dp_grpc,
+)
+
+log = logging.getLogger("tessera.kube_sim.kubelet")
+RPC_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool
+
+
+@dataclass
+class ContainerAdmission:
+    name: str
+    init: bool
+    resource: str = ""
+    device_ids: list[str] = field(default_factory=list)
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    started: bool = False
+    error: str = ""
+
+    def mount(self, container_path: str) -> Mount | None:
+        return next((m for m in self.mounts if m.container_path == container_path), None)
+
+
+@dataclass
+class PodAdmission:
+    uid: str
+    namespace: str
+    name: str
+    containers: list[ContainerAdmission] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def container(self, name: str) -> ContainerAdmission:
+        return next(c for c in self.containers if c.name == name)
+
+
+@dataclass
+class PluginConnection:
+    """One registered device plugin and the devices its ListAndWatch stream last reported."""
+
+    resource: str
+    endpoint: str
+    pre_start_required: bool
+    preferred_allocation: bool
+    channel: grpc.aio.Channel
+    stub: dp_grpc.DevicePluginStub
+    registered_at: float = field(default_factory=time.monotonic)
+    devices: dict[str, dp.Device] = field(default_factory=dict)
+    updates: int = 0
+    streaming: bool = False
+    task: asyncio.Task[None] | None = None
+
+    def healthy(self) -> list[str]:
+        return [i for i, d in self.devices.items() if d.health == HEALTHY]
+
+
+def requested(container: dict[str, Any], resource: str) -> int:
+    """How many of `resource` a container asks (limits, else requests)."""
+    resources = container.get("resources") or {}
+    for section in ("limits", "requests"):
+        value = (resources.get(section) or {}).get(resource)
+        if value is not None:
+            return int(str(value))
+    return 0
+
+
+class _Registration(dp_grpc.RegistrationServicer):
+    def __init__(self, kubelet: SimKubelet) -> None:
+        self.kubelet = kubelet
+
+    async def Register(self, request, context):
+        if request.version != DEVICE_PLUGIN_VERSION:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unsupported device plugin API version {request.version!r}",
+            )
+        if not request.resource_name or not request.endpoint or "/" in request.endpoint:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad resource name or endpoint")
+        await self.kubelet._connect(request)
+        return dp.Empty()
+
+
+class SimKubelet:
+    """The device-manager half of kubelet, for tests and the local stack."""
+
+    def __init__(
+        self,
+        socket_dir: str | Path,
+        pod_resources_socket: str | Path,
+        *,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.socket_dir = Path(socket_dir)
+        self.pod_resources = PodResourcesStore()
+        self.plugins: dict[str, PluginConnection] = {}
+        self.registrations: list[tuple[str, str, float]] = []
+        self._on_change = on_change
+        self._changed = asyncio.Condition()
+        self._server: grpc.aio.Server | None = None
+        self._pr_server = PodResourcesServer(
+            pod_resources_socket, PodResourcesService(self.pod_resources, self._allocatable)
+        )
+
+    @property
+    def socket_path(self) -> Path:
+        return self.socket_dir / KUBELET_SOCKET_NAME
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._start_registration()
+        await self._pr_server.start()
+
+    async def _start_registration(self) -> None:
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        server = grpc.aio.server()
+        dp_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        self._server = server
+
+    async def stop(self) -> None:
+        await self._stop_registration()
+        await self._pr_server.stop()
+
+    async def _stop_registration(self) -> None:
+        for plugin in list(self.plugins.values()):
+            await self._close(plugin)
+        self.plugins.clear()
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    async def restart(self) -> None:
+        """What a kubelet restart looks like to plugins: every socket in the dir is deleted."""
+        await self._stop_registration()
+        for sock in self.socket_dir.glob("*.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                sock.unlink()
+        await self._start_registration()
+
+    # --- plugins --------------------------------------------------------------------------------
+
+    async def _connect(self, request: dp.RegisterRequest) -> None:
+        old = self.plugins.pop(request.resource_name, None)
+        if old is not None:
+            await self._close(old)
+        channel = grpc.aio.insecure_channel(f"unix://{self.socket_dir / request.endpoint}")
+        plugin = PluginConnection(
+            resource=request.resource_name,
+            endpoint=request.endpoint,
+            pre_start_required=request.options.pre_start_required,
+            preferred_allocation=request.options.get_preferred_allocation_available,
+            channel=channel,
+            stub=dp_grpc.DevicePluginStub(channel),
+        )
+        plugin.task = asyncio.create_task(self._watch(plugin))
+        self.plugins[request.resource_name] = plugin
+        self.registrations.append((request.resource_name, request.endpoint, time.monotonic()))
+        log.info("plugin registered", extra={"resource": request.resource_name})
+        await self._notify()
+
+    async def _close(self, plugin: PluginConnection) -> None:
+        if plugin.task is not None:
+            plugin.task.cancel()
+            with contextlib.suppress(BaseException):
+                await plugin.task
+        await plugin.channel.close()
+
+    async def _watch(self, plugin: PluginConnection) -> None:
+        try:
+            async for response in plugin.stub.ListAndWatch(dp.Empty()):
+                plugin.devices = {d.ID: d for d in response.devices}
+                plugin.updates += 1
+                plugin.streaming = True
+                await self._notify()
+        except grpc.aio.AioRpcError as exc:
+            log.info("ListAndWatch ended", extra={"resource": plugin.resource,
+                                                  "err": exc.details()})
+        finally:
+            plugin.streaming = False
+            with contextlib.suppress(Exception):
+                await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+        if self._on_change:
+            self._on_change()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+
+    async def wait_registered(
+        self, resource: str, *, after: int = 0, timeout: float = 10.0
+    ) -> PluginConnection:
+        """The plugin for `resource` once it registered more than `after` times in total and
+        its first device list arrived."""
+
+        def ready() -> bool:
+            count = sum(1 for r, _, _ in self.registrations if r == resource)
+            plugin = self.plugins.get(resource)
+            return count > after and plugin is not None and plugin.updates > 0
+
+        await self.wait_for(ready, timeout)
+        return self.plugins[resource]
+
+    def registration_count(self, resource: str) -> int:
+        return sum(1 for r, _, _ in self.registrations if r == resource)
+
+    def _allocatable(self) -> dict[str, list[str]]:
+        return {r: list(p.devices) for r, p in self.plugins.items()}
+
+    # --- admission ------------------------------------------------------------------------------
+
+    async def allocate_pod(self, pod: dict[str, Any]) -> PodAdmission:
+        """Allocate for every container that asks a plugin's resource, init containers first."""
+        meta = pod.get("metadata") or {}
+        spec = pod.get("spec") or {}
+        admission = PodAdmission(meta.get("uid", ""), meta.get("namespace", "default"),
+                                 meta.get("name", ""))
+        ordered = [(c, True) for c in spec.get("initContainers") or []]
+        ordered += [(c, False) for c in spec.get("containers") or []]
+        for container, init in ordered:
+            entry = ContainerAdmission(name=container.get("name", ""), init=init)
+            admission.containers.append(entry)
+            for resource, plugin in self.plugins.items():
+                count = requested(container, resource)
+                if count <= 0:
+                    continue
+                entry.resource = resource
+                try:
+                    await self._allocate(admission, entry, plugin, count)
+                except (AdmissionError, grpc.aio.AioRpcError) as exc:
+                    entry.error = _message(exc)
+                    admission.error = f"container {entry.name}: {entry.error}"
+                    return admission
+        return admission
+
+    async def _allocate(
+        self, admission: PodAdmission, entry: ContainerAdmission, plugin: PluginConnection,
+        count: int,
+    ) -> None:
+        in_use = self.pod_resources.in_use(plugin.resource)
+        available = [d for d in plugin.healthy() if d not in in_use]
+        if len(available) < count:
+            raise AdmissionError(
+                f"insufficient {plugin.resource}: {count} requested, {len(available)} available"
+            )
+        chosen = available[:count]
+        if plugin.preferred_allocation:
+            reply = await plugin.stub.GetPreferredAllocation(
+                dp.PreferredAllocationRequest(container_requests=[
+                    dp.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=available, allocation_size=count
+                    )
+                ]),
+                timeout=RPC_TIMEOUT_S,
+            )
+            preferred = list(reply.container_responses[0].deviceIDs)
+            if len(preferred) == count and set(preferred) <= set(available):
+                chosen = preferred
+        reply = await plugin.stub.Allocate(
+            dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(
+                devices_ids=chosen
+            )]),
+            timeout=RPC_TIMEOUT_S,
+        )
+        response = reply.container_responses[0]
+        entry.device_ids = list(chosen)
+        entry.envs = dict(response.envs)
+        entry.mounts = [Mount(m.container_path, m.host_path, m.read_only) for m in response.mounts]
+        self.pod_resources.assign(
+            admission.uid, admission.namespace, admission.name, entry.name, plugin.resource,
+            chosen,
+        )
+
+    async def start_pod(self, admission: PodAdmission) -> PodAdmission:
+        """Start containers in order: PreStartContainer (same IDs) just before each one."""
+        if not admission.ok:
+            return admission
+        for entry in admission.containers:
+            plugin = self.plugins.get(entry.resource) if entry.resource else None
+            if plugin is not None and entry.device_ids and plugin.pre_start_required:
+                try:
+                    await plugin.stub.PreStartContainer(
+                        dp.PreStartContainerRequest(devices_ids=entry.device_ids),
+                        timeout=PRE_START_TIMEOUT_S,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    entry.error = _message(exc)
+                    admission.error = f"container {entry.name} failed to start: {entry.error}"
+                    return admission
+            entry.started = True
+        return admission
+
+    async def admit_pod(self, pod: dict[str, Any]) -> PodAdmission:
+        """Admission then start, as kubelet does for a pod bound to its node."""
+        return await self.start_pod(await self.allocate_pod(pod))
+
+    def remove_pod(self, uid: str) -> None:
+        """The pod is gone: its devices are free again."""
+        self.pod_resources.remove(uid)
+
+
+class AdmissionError(Exception):
+    """kubelet refuses the pod (UnexpectedAdmissionError in a real cluster)."""
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,118 @@
+"""The node agent, assembled: devices → registration and health → device plugin → regions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+from tessera.node_agent.containers import ContainerStore
+from tessera.node_agent.devices import DeviceSource, advertise
+from tessera.node_agent.limits import LimitsService
+from tessera.node_agent.plugin import DevicePluginService, PluginEndpoint, list_pod_resources
+from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
+from tessera.node_agent.state import DeviceState
+from tessera.node_agent.usage import UsageSampler
+
+from tessera.bus import Buckets
+from tessera.cluster.port import ClusterPort
+from tessera.kubeapi import pr
+from tessera.settings import TesseraSettings
+
+
+class NodeAgent:
+    """Everything one node runs. Build it with its dependencies, then `await run(stop)`."""
+
+    def __init__(
+        self,
+        *,
+        settings: TesseraSettings,
+        node: str,
+        nc: object,
+        js: object,
+        buckets: Buckets,
+        source: DeviceSource,
+        cluster: ClusterPort | None = None,
+        log: logging.Logger | None = None,
+        pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self.nc = nc
+        self.js = js
+        self.buckets = buckets
+        self.source = source
+        self.cluster = cluster
+        self.log = log or logging.getLogger("tessera.node_agent")
+        self.pod_resources = pod_resources
+        self.instance = uuid.uuid4().hex[:8]
+        self.state = DeviceState()
+        self.store = ContainerStore(settings.region_host_dir)
+        self.ready = asyncio.Event()
+        self.plugin: DevicePluginService | None = None
+        self.endpoint: PluginEndpoint | None = None
+        self.health: HealthMonitor | None = None
+        self.sampler: UsageSampler | None = None
+
+    async def _pods_listed(self) -> set[tuple[str, str]] | None:
+        try:
+            pods = await self.pod_resources(self.settings.pod_resources_socket)
+        except Exception:
+            return None  # kubelet unreachable: decide from the ledger alone
+        return {(p.namespace, p.name) for p in pods}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        gpus = await asyncio.to_thread(self.source.discover)
+        await self.state.update(advertise(gpus, self.settings))
+        await asyncio.to_thread(self.store.ensure_root)
+        common = {"node": self.node, "log": self.log}
+        registrar = NodeRegistrar(
+            settings=self.settings, state=self.state, nodes_kv=self.buckets.nodes, js=self.js,
+            cluster=self.cluster, instance=self.instance, **common,
+        )
+        self.health = HealthMonitor(
+            source=self.source, gpus=gpus, settings=self.settings, state=self.state,
+            registrar=registrar, log=self.log,
+        )
+        self.plugin = DevicePluginService(
+            settings=self.settings, state=self.state, store=self.store,
+            ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
+            pod_resources=self.pod_resources, **common,
+        )
+        self.endpoint = PluginEndpoint(
+            self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log
+        )
+        self.sampler = UsageSampler(
+            store=self.store, state=self.state, ledger_kv=self.buckets.ledger, nc=self.nc,
+            js=self.js, source=self.source, interval_s=self.settings.usage_interval_s,
+            pod_listing=self._pods_listed, **common,
+        )
+        limits = LimitsService(
+            nc=self.nc, store=self.store, state=self.state, ledger_kv=self.buckets.ledger,
+            **common,
+        )
+        await limits.start()
+        tasks = [
+            asyncio.create_task(registrar.run(stop)),
+            asyncio.create_task(self.health.run(stop)),
+            asyncio.create_task(self.endpoint.run(stop)),
+            asyncio.create_task(self.sampler.run(stop)),
+        ]
+        self.log.info("node agent running", extra={
+            "node": self.node, "gpus": len(gpus), "plugin_dir": self.settings.device_plugin_dir,
+        })
+        self.ready.set()
+        try:
+            await stop.wait()
+        finally:
+            await limits.stop()
+            _done, pending = await asyncio.wait(tasks, timeout=3.0)
+            for task in pending:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            await self.plugin.drain()
+            await asyncio.to_thread(self.source.close)

@@ -1,0 +1,162 @@
+"""The per-container directories on the host: what was prepared for whom, and their files.
+
+    <region_host_dir>/<pod uid>/<index>-<container>/
+        prepared.json   who the directory was prepared for at Allocate (pod, container, device IDs)
+        limits/limits   the sealed limits (tessera.region.seal_limits); mounted read-only
+        region/usage    the usage region libvgpu writes; mounted read-write
+    <region_host_dir>/ld.so.preload   one line: the libvgpu path inside the container
+
+`prepared.json` is what makes PreStartContainer exact after a crash: it records, on disk, which
+pod an Allocate answer was meant for, keyed by the replica IDs kubelet handed over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from tessera.models import DeviceGrant, now
+
+# Where things appear inside the container.
+LIBVGPU_CONTAINER_PATH = "/usr/local/vgpu/libvgpu.so"
+PRELOAD_CONTAINER_PATH = "/etc/ld.so.preload"
+REGION_CONTAINER_DIR = "/run/tessera/region"
+REGION_FILE_NAME = "usage"
+REGION_CONTAINER_PATH = f"{REGION_CONTAINER_DIR}/{REGION_FILE_NAME}"
+
+PREPARED_FILE = "prepared.json"
+PRELOAD_FILE = "ld.so.preload"
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+class PreparedContainer(BaseModel):
+    """Who a container directory was prepared for (written at Allocate)."""
+
+    pod_uid: str
+    namespace: str
+    pod: str
+    container: str
+    index: int = Field(ge=0, description="position in Allocation.containers (init first)")
+    device_ids: list[str]
+    grants: list[DeviceGrant]
+    prepared_at: float = Field(default_factory=now)
+
+
+@dataclass(frozen=True)
+class ContainerDir:
+    path: Path
+    prepared: PreparedContainer
+
+    @property
+    def limits_dir(self) -> Path:
+        return self.path / "limits"
+
+    @property
+    def region_dir(self) -> Path:
+        return self.path / "region"
+
+    @property
+    def region_file(self) -> Path:
+        return self.region_dir / REGION_FILE_NAME
+
+    @property
+    def key(self) -> str:
+        return f"{self.prepared.pod_uid}/{self.prepared.index}"
+
+
+def _safe(name: str, what: str) -> str:
+    if not _SAFE.match(name) or name in (".", ".."):
+        raise ValueError(f"{what} {name!r} cannot name a directory")
+    return name
+
+
+def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class ContainerStore:
+    """The directory tree above, nothing else (no ledger, no gRPC)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def ensure_root(self) -> Path:
+        """Create the root and the ld.so.preload file every container mounts."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        preload = self.root / PRELOAD_FILE
+        content = (LIBVGPU_CONTAINER_PATH + "\n").encode()
+        if not preload.is_file() or preload.read_bytes() != content:
+            _write_atomic(preload, content, 0o444)
+        return preload
+
+    @property
+    def preload_file(self) -> Path:
+        return self.root / PRELOAD_FILE
+
+    def path_for(self, pod_uid: str, index: int, container: str) -> Path:
+        name = f"{index}-{_safe(container, 'container')}" if container else str(index)
+        return self.root / _safe(pod_uid, "pod uid") / name
+
+    def prepare(self, prepared: PreparedContainer) -> ContainerDir:
+        """Create (or re-create) the container's directory, empty limits, an empty region."""
+        from tessera.region import prepare_region_file
+
+        path = self.path_for(prepared.pod_uid, prepared.index, prepared.container)
+        cdir = ContainerDir(path, prepared)
+        cdir.limits_dir.mkdir(parents=True, exist_ok=True)
+        # A stale limits file of an earlier attempt must not survive: PreStart seals anew.
+        with contextlib.suppress(FileNotFoundError):
+            (cdir.limits_dir / "limits").unlink()
+        prepare_region_file(cdir.region_file)
+        _write_atomic(path / PREPARED_FILE, prepared.model_dump_json().encode())
+        return cdir
+
+    def all(self) -> list[ContainerDir]:
+        out = []
+        if not self.root.is_dir():
+            return out
+        for meta in self.root.glob(f"*/*/{PREPARED_FILE}"):
+            try:
+                prepared = PreparedContainer.model_validate_json(meta.read_bytes())
+            except (OSError, ValueError):
+                continue  # half-removed or foreign: garbage collection deals with it
+            out.append(ContainerDir(meta.parent, prepared))
+        return out
+
+    def for_pod(self, pod_uid: str) -> list[ContainerDir]:
+        return [c for c in self.all() if c.prepared.pod_uid == pod_uid]
+
+    def by_devices(self, device_ids: list[str]) -> list[ContainerDir]:
+        """Directories prepared for exactly these replica IDs, newest first."""
+        wanted = sorted(device_ids)
+        found = [c for c in self.all() if sorted(c.prepared.device_ids) == wanted]
+        return sorted(found, key=lambda c: c.prepared.prepared_at, reverse=True)
+
+    def pod_uids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return [p.name for p in self.root.iterdir() if p.is_dir()]
+
+    def remove_pod(self, pod_uid: str) -> None:
+        target = self.root / _safe(pod_uid, "pod uid")
+        if target.is_dir():
+            # The limits files are read-only; rmtree needs write permission on the dirs only.
+            shutil.rmtree(target, ignore_errors=True)

@@ -1,0 +1,231 @@
+"""Pure decisions of the kubelet handshake: which replicas, which container, which env.
+
+No I/O here: the plugin server (plugin.py) reads the ledger and the container store and calls
+these. Every refusal is a `HandshakeError` with a sentence an operator can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tessera.node_agent.containers import (
+    LIBVGPU_CONTAINER_PATH,
+    PRELOAD_CONTAINER_PATH,
+    REGION_CONTAINER_DIR,
+    REGION_CONTAINER_PATH,
+    ContainerDir,
+)
+
+from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, NodeLedger
+from tessera.region import SEALED_LIMITS_DIR, ContainerLimits, DeviceLimit
+from tessera.settings import TesseraSettings
+
+
+class HandshakeError(Exception):
+    """A request kubelet made that the agent must refuse (becomes a gRPC error)."""
+
+    def __init__(self, message: str, *, mismatch: bool = False) -> None:
+        super().__init__(message)
+        self.mismatch = mismatch
+
+
+def replica_id(uuid: str, i: int) -> str:
+    return f"{uuid}-{i}"
+
+
+def replica_ids(devices: Iterable[DeviceInfo]) -> list[str]:
+    return [replica_id(d.uuid, i) for d in devices for i in range(d.split_count)]
+
+
+def gpu_of(device_id: str, devices: dict[str, DeviceInfo]) -> str | None:
+    """The GPU UUID behind a replica ID, or None when it is not one of ours."""
+    base, sep, suffix = device_id.rpartition("-")
+    if not sep or not suffix.isdigit():
+        return None
+    device = devices.get(base)
+    if device is None or int(suffix) >= device.split_count:
+        return None
+    return base
+
+
+def gpus_of(device_ids: list[str], devices: dict[str, DeviceInfo]) -> list[str]:
+    """The GPUs behind replica IDs; refuses unknown IDs and two replicas of one GPU."""
+    unknown = [d for d in device_ids if gpu_of(d, devices) is None]
+    if unknown:
+        raise HandshakeError(f"unknown device IDs {unknown}: not replicas of this node's GPUs")
+    gpus = [gpu_of(d, devices) or "" for d in device_ids]
+    if len(set(gpus)) != len(gpus):
+        raise HandshakeError(f"device IDs {device_ids} name the same GPU twice")
+    return gpus
+
+
+def gpu_containers(allocation: Allocation) -> list[int]:
+    """Indexes of the containers that have GPUs: the ones kubelet calls Allocate for."""
+    return [i for i, grants in enumerate(allocation.containers) if grants]
+
+
+def container_name(allocation: Allocation, index: int) -> str:
+    names = allocation.container_names
+    return names[index] if index < len(names) else ""
+
+
+def describe(allocation: Allocation, index: int | None = None) -> str:
+    pod = f"pod {allocation.namespace}/{allocation.name}"
+    if index is None:
+        return pod
+    return f"{pod} container {container_name(allocation, index) or f'#{index}'}"
+
+
+def claimed_allocation(ledger: NodeLedger | None, node: str) -> Allocation:
+    """The allocation of the pod in flight on this node (the only one Allocate may serve)."""
+    if ledger is None or ledger.claim is None:
+        raise HandshakeError(
+            f"no pod is in flight on node {node}: the scheduler has bound none here, so this "
+            "Allocate cannot be attributed to a pod"
+        )
+    allocation = ledger.allocations.get(ledger.claim.pod_uid)
+    if allocation is None:
+        raise HandshakeError(
+            f"the in-flight pod {ledger.claim.namespace}/{ledger.claim.name} has no allocation "
+            f"on node {node}"
+        )
+    if allocation.state not in (AllocationState.BOUND, AllocationState.ALLOCATED):
+        raise HandshakeError(f"{describe(allocation)} is {allocation.state}, not bound")
+    return allocation
+
+
+def next_container(allocation: Allocation, prepared: Iterable[int]) -> int:
+    """The first GPU container of the pod not yet served (kubelet's order: init first)."""
+    done = set(prepared)
+    for index in gpu_containers(allocation):
+        if index not in done:
+            return index
+    raise HandshakeError(f"every GPU container of {describe(allocation)} is already allocated")
+
+
+def preferred_replicas(
+    grants: list[DeviceGrant],
+    available: list[str],
+    must_include: list[str],
+    size: int,
+    devices: dict[str, DeviceInfo],
+    who: str,
+) -> list[str]:
+    """One replica of each granted GPU, taken from what kubelet offers."""
+    wanted = [g.uuid for g in grants]
+    if size != len(wanted):
+        raise HandshakeError(
+            f"kubelet asks for {size} devices but {who} was granted {len(wanted)} GPU(s)",
+            mismatch=True,
+        )
+    chosen: dict[str, str] = {}
+    for device_id in must_include:
+        gpu = gpu_of(device_id, devices)
+        if gpu not in wanted:
+            raise HandshakeError(
+                f"kubelet must include {device_id}, which is not a replica of a GPU granted to "
+                f"{who} ({', '.join(wanted)})",
+                mismatch=True,
+            )
+        chosen.setdefault(gpu, device_id)
+    for device_id in available:
+        gpu = gpu_of(device_id, devices)
+        if gpu in wanted:
+            chosen.setdefault(gpu, device_id)
+    missing = [g for g in wanted if g not in chosen]
+    if missing:
+        raise HandshakeError(
+            f"no free replica of GPU(s) {', '.join(missing)} among the devices kubelet offers "
+            f"for {who}"
+        )
+    return [chosen[g] for g in wanted]
+
+
+def check_devices(grants: list[DeviceGrant], gpus: list[str], who: str) -> None:
+    """Allocate's check: kubelet's replicas are of exactly the GPUs granted to `who`."""
+    wanted = [g.uuid for g in grants]
+    if len(gpus) != len(wanted):
+        raise HandshakeError(
+            f"kubelet allocated {len(gpus)} device(s) but {who} was granted {len(wanted)} GPU(s)",
+            mismatch=True,
+        )
+    if set(gpus) != set(wanted):
+        raise HandshakeError(
+            f"kubelet chose GPU(s) {', '.join(sorted(gpus))} but {who} was granted "
+            f"{', '.join(wanted)}",
+            mismatch=True,
+        )
+
+
+def container_env(
+    allocation: Allocation, grants: list[DeviceGrant], settings: TesseraSettings
+) -> dict[str, str]:
+    """HAMi's env (a fallback: libvgpu obeys the sealed limits file when there is one)."""
+    env = {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in grants),
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": REGION_CONTAINER_PATH,
+        "GPU_CORE_UTILIZATION_POLICY": allocation.core_policy or settings.core_policy,
+        "CUDA_TASK_PRIORITY": str(allocation.priority),
+    }
+    for i, g in enumerate(grants):
+        env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{g.memory_mib}m"
+        env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(g.cores, 100))
+    if grants:
+        env["CUDA_DEVICE_SM_LIMIT"] = str(min(grants[0].cores, 100))
+    if settings.device_memory_scaling > 1:
+        env["CUDA_OVERSUBSCRIBE"] = "true"
+    return env
+
+
+def container_mounts(
+    cdir: ContainerDir, settings: TesseraSettings, preload_host_path: str
+) -> list[tuple[str, str, bool]]:
+    """(container path, host path, read-only) of every mount."""
+    return [
+        (LIBVGPU_CONTAINER_PATH, settings.libvgpu_host_path, True),
+        (PRELOAD_CONTAINER_PATH, preload_host_path, True),
+        (REGION_CONTAINER_DIR, str(cdir.region_dir), False),
+        # The directory, never the file: a bind-mounted file keeps the old inode on rename.
+        (SEALED_LIMITS_DIR, str(cdir.limits_dir), True),
+    ]
+
+
+def limits_for(
+    allocation: Allocation, index: int, settings: TesseraSettings
+) -> ContainerLimits:
+    """What PreStartContainer seals for container `index` of `allocation`."""
+    grants = allocation.containers[index]
+    return ContainerLimits(
+        devices=tuple(
+            DeviceLimit(g.uuid, mem_limit_bytes=g.memory_mib << 20, sm_limit_pct=min(g.cores, 100))
+            for g in grants
+        ),
+        priority=allocation.priority,
+        core_policy=allocation.core_policy or settings.core_policy,
+        oversubscribe=settings.device_memory_scaling > 1,
+        region_path=REGION_CONTAINER_PATH,
+    )
+
+
+def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
+    """Ledger CAS body once every GPU container of the pod is served: allocated + claim freed.
+
+    Raises bus.NoChange when there is nothing to do (a retry, or the claim moved on)."""
+    from tessera.bus import NoChange
+    from tessera.models import now
+
+    if ledger is None:
+        raise NoChange
+    changed = False
+    new = ledger.model_copy(deep=True)
+    allocation = new.allocations.get(pod_uid)
+    if allocation is not None and allocation.state == AllocationState.BOUND:
+        allocation.state = AllocationState.ALLOCATED
+        allocation.updated_at = now()
+        changed = True
+    if new.claim is not None and new.claim.pod_uid == pod_uid:
+        new.claim = None
+        changed = True
+    if not changed:
+        raise NoChange
+    return new

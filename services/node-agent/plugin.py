@@ -1,0 +1,450 @@
+"""The device plugin gRPC server kubelet talks to, and its registration with kubelet.
+
+`DevicePluginService` answers kubelet (ListAndWatch, GetPreferredAllocation, Allocate,
+PreStartContainer) using the pure rules of handshake.py; `PluginEndpoint` owns the unix socket in
+kubelet's device-plugin directory, registers, and re-registers whenever kubelet's socket is
+recreated (kubelet deletes every socket there when it restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+from tessera.node_agent import handshake as hs
+from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
+from tessera.node_agent.state import DeviceState
+
+from tessera import bus, hami
+from tessera.cluster.port import ClusterPort
+from tessera.kubeapi import (
+    DEVICE_PLUGIN_VERSION,
+    HEALTHY,
+    KUBELET_SOCKET_NAME,
+    UNHEALTHY,
+    dp,
+    dp_grpc,
+    pr,
+    pr_grpc,
+)
+from tessera.models import Allocation, AllocationEvent, NodeLedger
+from tessera.region import seal_limits
+from tessera.settings import TesseraSettings
+
+POD_RESOURCES_TIMEOUT_S = 5.0
+
+
+async def list_pod_resources(socket_path: str) -> list[pr.PodResources]:
+    """kubelet's pod-resources List (a fresh channel: kubelet may have restarted)."""
+    async with grpc.aio.insecure_channel(f"unix://{socket_path}") as channel:
+        stub = pr_grpc.PodResourcesListerStub(channel)
+        reply = await stub.List(pr.ListPodResourcesRequest(), timeout=POD_RESOURCES_TIMEOUT_S)
+        return list(reply.pod_resources)
+
+
+def holder_of(
+    pods: list[pr.PodResources], resource_name: str, device_ids: list[str]
+) -> tuple[str, str, str] | None:
+    """(namespace, pod, container) to which kubelet assigned exactly these device IDs."""
+    wanted = sorted(device_ids)
+    for pod in pods:
+        for container in pod.containers:
+            for devices in container.devices:
+                if devices.resource_name == resource_name and sorted(devices.device_ids) == wanted:
+                    return pod.namespace, pod.name, container.name
+    return None
+
+
+class DevicePluginService(dp_grpc.DevicePluginServicer):
+    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway)."""
+
+    def __init__(
+        self,
+        *,
+        settings: TesseraSettings,
+        node: str,
+        state: DeviceState,
+        store: ContainerStore,
+        ledger_kv: object,
+        js: object,
+        cluster: ClusterPort | None,
+        log: logging.Logger,
+        pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self.state = state
+        self.store = store
+        self.ledger_kv = ledger_kv
+        self.js = js
+        self.cluster = cluster
+        self.log = log
+        self.pod_resources = pod_resources
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # --- kubelet's RPCs ------------------------------------------------------------------------
+
+    async def GetDevicePluginOptions(self, request, context):
+        return dp.DevicePluginOptions(
+            pre_start_required=True, get_preferred_allocation_available=True
+        )
+
+    async def ListAndWatch(self, request, context) -> AsyncIterator[dp.ListAndWatchResponse]:
+        version = -1
+        while True:
+            devices, version = await self.state.wait_change(version)
+            yield dp.ListAndWatchResponse(devices=[
+                dp.Device(
+                    ID=hs.replica_id(d.uuid, i),
+                    health=HEALTHY if d.healthy else UNHEALTHY,
+                    topology=dp.TopologyInfo(nodes=[dp.NUMANode(ID=d.numa)]),
+                )
+                for d in devices
+                for i in range(d.split_count)
+            ])
+
+    async def GetPreferredAllocation(self, request, context):
+        return await self._guarded(context, "GetPreferredAllocation", self.preferred, request)
+
+    async def Allocate(self, request, context):
+        return await self._guarded(context, "Allocate", self.allocate, request)
+
+    async def PreStartContainer(self, request, context):
+        return await self._guarded(context, "PreStartContainer", self.pre_start, request)
+
+    async def _guarded(self, context, rpc: str, handler, request):
+        """Run a handshake step; any refusal or failure is a gRPC error with a message."""
+        try:
+            async with self._lock:
+                return await handler(request)
+        except hs.HandshakeError as exc:
+            self.log.warning("refused", extra={"rpc": rpc, "reason": str(exc)})
+            code = grpc.StatusCode.FAILED_PRECONDITION
+            if "unknown device IDs" in str(exc) or "same GPU twice" in str(exc):
+                code = grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc))
+        except Exception as exc:  # the agent keeps serving whatever went wrong
+            self.log.exception("handshake step failed", extra={"rpc": rpc})
+            await context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed: {exc}")
+
+    # --- the handshake -------------------------------------------------------------------------
+
+    async def _ledger(self) -> NodeLedger | None:
+        current = await bus.read(self.ledger_kv, self.node, NodeLedger)
+        return current.value if current else None
+
+    async def preferred(self, request: dp.PreferredAllocationRequest):
+        devices = self.state.by_uuid()
+        allocation = hs.claimed_allocation(await self._ledger(), self.node)
+        prepared = {c.prepared.index for c in self.store.for_pod(allocation.pod_uid)}
+        index = hs.next_container(allocation, prepared)
+        response = dp.PreferredAllocationResponse()
+        for i, req in enumerate(request.container_requests):
+            # Several requests in one call are consecutive containers of the claimed pod.
+            gpu_indexes = [j for j in hs.gpu_containers(allocation) if j >= index]
+            if i >= len(gpu_indexes):
+                raise hs.HandshakeError(f"more containers asked than {hs.describe(allocation)} has")
+            target = gpu_indexes[i]
+            ids = hs.preferred_replicas(
+                allocation.containers[target],
+                list(req.available_deviceIDs),
+                list(req.must_include_deviceIDs),
+                req.allocation_size,
+                devices,
+                hs.describe(allocation, target),
+            )
+            response.container_responses.append(dp.ContainerPreferredAllocationResponse(
+                deviceIDs=ids
+            ))
+        return response
+
+    async def allocate(self, request: dp.AllocateRequest):
+        devices = self.state.by_uuid()
+        if not request.container_requests:
+            raise hs.HandshakeError("Allocate with no container requests")
+        checked = [
+            (list(req.devices_ids), hs.gpus_of(list(req.devices_ids), devices))
+            for req in request.container_requests
+        ]
+        allocation = hs.claimed_allocation(await self._ledger(), self.node)
+        response = dp.AllocateResponse()
+        for ids, gpus in checked:
+            cdir = await self._prepare(allocation, ids, gpus)
+            response.container_responses.append(self._allocate_response(allocation, cdir))
+        await self._maybe_finish(allocation)
+        return response
+
+    async def _prepare(
+        self, allocation: Allocation, ids: list[str], gpus: list[str]
+    ) -> ContainerDir:
+        existing = self.store.for_pod(allocation.pod_uid)
+        for cdir in existing:
+            if sorted(cdir.prepared.device_ids) == sorted(ids):
+                return cdir  # kubelet retried the same container: same answer
+        index = hs.next_container(allocation, {c.prepared.index for c in existing})
+        who = hs.describe(allocation, index)
+        try:
+            hs.check_devices(allocation.containers[index], gpus, who)
+        except hs.HandshakeError as exc:
+            self._publish_mismatch(allocation, ids, str(exc))
+            raise
+        prepared = PreparedContainer(
+            pod_uid=allocation.pod_uid,
+            namespace=allocation.namespace,
+            pod=allocation.name,
+            container=hs.container_name(allocation, index),
+            index=index,
+            device_ids=ids,
+            grants=allocation.containers[index],
+        )
+        cdir = await asyncio.to_thread(self.store.prepare, prepared)
+        self.log.info("allocated", extra={
+            "pod": f"{allocation.namespace}/{allocation.name}", "container": prepared.container,
+            "devices": ids,
+        })
+        return cdir
+
+    def _allocate_response(self, allocation: Allocation, cdir: ContainerDir):
+        grants = allocation.containers[cdir.prepared.index]
+        out = dp.ContainerAllocateResponse(envs=hs.container_env(allocation, grants, self.settings))
+        for container_path, host_path, read_only in hs.container_mounts(
+            cdir, self.settings, str(self.store.preload_file)
+        ):
+            out.mounts.append(dp.Mount(
+                container_path=container_path, host_path=host_path, read_only=read_only
+            ))
+        return out
+
+    async def _maybe_finish(self, allocation: Allocation) -> None:
+        """Once every GPU container is served: allocated, claim released, event, bind-phase."""
+        prepared = {c.prepared.index for c in self.store.for_pod(allocation.pod_uid)}
+        if not set(hs.gpu_containers(allocation)) <= prepared:
+            return
+        try:
+            await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda ledger: hs.finish_mutation(allocation.pod_uid, ledger),
+            )
+        except bus.NoChange:
+            return
+        self._spawn(self._announce_allocated(allocation))
+
+    async def _announce_allocated(self, allocation: Allocation) -> None:
+        event = AllocationEvent(
+            event_id=f"{allocation.pod_uid}:allocated",
+            action="allocated",
+            node=self.node,
+            pod_uid=allocation.pod_uid,
+            namespace=allocation.namespace,
+            name=allocation.name,
+            containers=allocation.containers,
+            source=f"node-agent/{self.node}",
+        )
+        try:
+            await bus.publish_event(self.js, event)
+        except Exception as exc:
+            self.log.warning("allocated event not published", extra={"err": str(exc)})
+        if self.cluster is not None:
+            try:
+                await self.cluster.patch_pod_metadata(
+                    allocation.namespace, allocation.name,
+                    annotations={hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                )
+            except Exception as exc:
+                self.log.warning("bind-phase not written", extra={"err": str(exc)})
+
+    async def pre_start(self, request: dp.PreStartContainerRequest):
+        ids = list(request.devices_ids)
+        hs.gpus_of(ids, self.state.by_uuid())
+        candidates = self.store.by_devices(ids)
+        if not candidates:
+            raise hs.HandshakeError(
+                f"no container was prepared for devices {ids}: PreStartContainer without a "
+                "matching Allocate on this node"
+            )
+        cdir = candidates[0]
+        p = cdir.prepared
+        pods = await self.pod_resources(self.settings.pod_resources_socket)
+        holder = holder_of(pods, self.settings.resource_name, ids)
+        if holder is None:
+            raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
+        expected = (p.namespace, p.pod, p.container or holder[2])
+        if holder != expected:
+            reason = (
+                f"devices {ids} are held by {holder[0]}/{holder[1]} container {holder[2]}, but "
+                f"they were prepared for {p.namespace}/{p.pod} container {p.container or '?'}: "
+                "refusing to start it with another pod's limits"
+            )
+            self._publish_mismatch_raw(p.pod_uid, p.namespace, p.pod, ids, reason)
+            raise hs.HandshakeError(reason, mismatch=True)
+        ledger = await self._ledger()
+        allocation = ledger.allocations.get(p.pod_uid) if ledger else None
+        if allocation is None or not allocation.active:
+            raise hs.HandshakeError(f"pod {p.namespace}/{p.pod} has no active allocation here")
+        if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
+            raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
+        limits = hs.limits_for(allocation, p.index, self.settings)
+        await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
+        self.log.info("limits sealed", extra={
+            "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
+        })
+        # A crash between Allocate's answer and its ledger write leaves the claim held.
+        await self._maybe_finish(allocation)
+        return dp.PreStartContainerResponse()
+
+    # --- events --------------------------------------------------------------------------------
+
+    def _publish_mismatch(self, allocation: Allocation, ids: list[str], reason: str) -> None:
+        self._publish_mismatch_raw(
+            allocation.pod_uid, allocation.namespace, allocation.name, ids, reason
+        )
+
+    def _publish_mismatch_raw(
+        self, pod_uid: str, namespace: str, name: str, ids: list[str], reason: str
+    ) -> None:
+        digest = hashlib.sha256(",".join(sorted(ids)).encode()).hexdigest()[:12]
+        event = AllocationEvent(
+            event_id=f"{pod_uid}:mismatch:{digest}",
+            action="mismatch",
+            node=self.node,
+            pod_uid=pod_uid,
+            namespace=namespace,
+            name=name,
+            reason=reason,
+            source=f"node-agent/{self.node}",
+        )
+        self._spawn(self._publish_quietly(event))
+
+    async def _publish_quietly(self, event: AllocationEvent) -> None:
+        try:
+            await bus.publish_event(self.js, event)
+        except Exception as exc:
+            self.log.warning("event not published", extra={"err": str(exc)})
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for background publishes (on stop)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=3.0)
+
+
+def socket_inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+class PluginEndpoint:
+    """Our socket in kubelet's device-plugin directory, and the registration with kubelet."""
+
+    def __init__(
+        self,
+        plugin_dir: str,
+        resource_name: str,
+        service: DevicePluginService,
+        log: logging.Logger,
+        socket_name: str = "tessera-gpu.sock",
+        poll_s: float = 0.25,
+    ) -> None:
+        self.plugin_dir = Path(plugin_dir)
+        self.socket_path = self.plugin_dir / socket_name
+        self.resource_name = resource_name
+        self.service = service
+        self.log = log
+        self.poll_s = poll_s
+        self.registrations = 0
+        self._server: grpc.aio.Server | None = None
+        self._own_inode: int | None = None
+        self._kubelet_inode: int | None = None
+        self._registered = False
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.plugin_dir / KUBELET_SOCKET_NAME
+
+    async def _serve(self) -> None:
+        await self._stop_server()
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        server = grpc.aio.server()
+        dp_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        self._server = server
+        self._own_inode = socket_inode(self.socket_path)
+
+    async def _stop_server(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+            self._server = None
+
+    async def _register(self) -> bool:
+        request = dp.RegisterRequest(
+            version=DEVICE_PLUGIN_VERSION,
+            endpoint=self.socket_path.name,
+            resource_name=self.resource_name,
+            options=dp.DevicePluginOptions(
+                pre_start_required=True, get_preferred_allocation_available=True
+            ),
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+                await dp_grpc.RegistrationStub(channel).Register(request, timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            self.log.warning("kubelet registration failed", extra={"err": exc.details()})
+            return False
+        self.registrations += 1
+        self.log.info("registered with kubelet", extra={
+            "resource": self.resource_name, "endpoint": self.socket_path.name,
+        })
+        return True
+
+    async def start(self) -> None:
+        await self._serve()
+        self._kubelet_inode = socket_inode(self.kubelet_socket)
+        if self._kubelet_inode is not None:
+            self._registered = await self._register()
+
+    async def check(self) -> None:
+        """One watch step: re-serve if our socket vanished, re-register if kubelet restarted."""
+        if socket_inode(self.socket_path) != self._own_inode:
+            self.log.info("plugin socket gone (kubelet restart?); serving again")
+            await self._serve()
+            self._registered = False
+        kubelet = socket_inode(self.kubelet_socket)
+        if kubelet != self._kubelet_inode:
+            self._kubelet_inode = kubelet
+            self._registered = False
+        if not self._registered and kubelet is not None:
+            self._registered = await self._register()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.poll_s)
+                if stop.is_set():
+                    break
+                try:
+                    await self.check()
+                except Exception as exc:
+                    self.log.warning("plugin watch step failed", extra={"err": str(exc)})
+        finally:
+            await self._stop_server()
+            with contextlib.suppress(FileNotFoundError):
+                if socket_inode(self.socket_path) == self._own_inode:
+                    self.socket_path.unlink()
