@@ -1,0 +1,323 @@
+"""The extender end to end over its HTTP API, with the real NATS ledger and an in-memory cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tessera import bus, hami
+from tessera.bus import Buckets
+from tessera.cluster.memory import InMemoryCluster
+from tessera.codec import decode, encode
+from tessera.models import (
+    AllocationEvent,
+    AllocationState,
+    ExplainReply,
+    ExplainRequest,
+    NodeLedger,
+    QuotaReply,
+    QuotaRequest,
+    SchedulingFailedEvent,
+)
+
+from .conftest import MakeService, agent_allocate, http_client, register, unique, wait_until
+from .factories import GIB, container, device, node, pod
+
+
+async def setup_node(buckets: Buckets, service: Any, registration: Any) -> str:
+    await register(buckets, registration)
+    await wait_until(lambda: service.index.node(registration.node) is not None)
+    return registration.node
+
+
+async def ledger(buckets: Buckets, name: str) -> NodeLedger:
+    entry = await bus.read(buckets.ledger, name, NodeLedger)
+    assert entry is not None
+    return entry.value
+
+
+async def filter_call(client: Any, spec: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    response = await client.post("/filter", json={"pod": spec, "nodenames": names})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def bind_call(client: Any, spec: dict[str, Any], name: str) -> str:
+    meta = spec["metadata"]
+    response = await client.post("/bind", json={
+        "PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"],
+        "Node": name,
+    })  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response.json()["Error"]
+
+
+async def test_worked_example_two_pods_share_one_card(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=80 * GIB))
+    pod_a = cluster.add_pod(pod(container(mem=30 * GIB, cores=50)))
+    pod_b = cluster.add_pod(pod(container(mem=20 * GIB, cores=30)))
+    async with http_client(service) as client:
+        assert (await filter_call(client, pod_a, [name]))["nodenames"] == [name]
+        assert await bind_call(client, pod_a, name) == ""
+        assert (await filter_call(client, pod_b, [name]))["nodenames"] == [name]
+        # Pod A holds the node's claim until the agent's Allocate: B's bind waits, then binds.
+        bind_b = asyncio.create_task(bind_call(client, pod_b, name))
+        await asyncio.sleep(0.2)
+        assert not bind_b.done()
+        await agent_allocate(buckets, name, pod_a["metadata"]["uid"])
+        assert await asyncio.wait_for(bind_b, 5) == ""
+    state = await ledger(buckets, name)
+    grants = [g for a in state.allocations.values() for c in a.containers for g in c]
+    assert {g.uuid for g in grants} == {f"GPU-{name}-0"}
+    assert sum(g.memory_mib for g in grants) == 50 * GIB
+    assert sum(g.cores for g in grants) == 80
+    assert len(grants) == 2
+    assert state.claim is not None and state.claim.pod_uid == pod_b["metadata"]["uid"]
+    bound = cluster.pods[("default", pod_b["metadata"]["name"])]
+    annotations = bound["metadata"]["annotations"]
+    assert bound["spec"]["nodeName"] == name
+    assert hami.decode_pod_devices(annotations[hami.ANN_DEVICES_TO_ALLOCATE])[0][0].memory_mib == (
+        20 * GIB
+    )
+    assert annotations[hami.ANN_VGPU_NODE] == name
+    assert bound["metadata"]["labels"][hami.LABEL_VGPU_NODE] == name
+    assert annotations[hami.ANN_BIND_PHASE] == "allocating"
+    assert int(annotations[hami.ANN_BIND_TIME]) > 0 and int(annotations[hami.ANN_VGPU_TIME]) > 0
+    allocation = state.allocations[pod_b["metadata"]["uid"]]
+    assert allocation.state == AllocationState.BOUND and allocation.container_names == ["main"]
+
+
+async def test_bound_event_is_published_once(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster, nc: Any
+) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    spec = cluster.add_pod(pod(container(mem=1000)))
+    sub = await nc.subscribe(bus.alloc_event_subject(name, "bound"))
+    async with http_client(service) as client:
+        await filter_call(client, spec, [name])
+        assert await bind_call(client, spec, name) == ""
+        assert await bind_call(client, spec, name) == ""  # a retried bind succeeds quietly
+    event = decode((await sub.next_msg(timeout=3)).data, AllocationEvent)
+    assert event.pod_uid == spec["metadata"]["uid"] and event.event_id.endswith(":bound")
+
+
+async def test_pod_without_gpu_passes_untouched(
+    make_service: MakeService, buckets: Buckets
+) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n")))
+    plain = pod({"name": "web", "image": "nginx"})
+    async with http_client(service) as client:
+        result = await filter_call(client, plain, [name, "not-a-gpu-node"])
+    assert result["nodenames"] == [name, "not-a-gpu-node"] and not result["failedNodes"]
+    assert await bus.read(buckets.ledger, name, NodeLedger) is None
+
+
+async def test_full_nodes_path_has_no_side_effects_and_bind_reserves(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service()
+    small = await setup_node(buckets, service, node(unique("small"), gpus=1, memory_mib=8 * GIB))
+    big = await setup_node(buckets, service, node(unique("big"), gpus=1, memory_mib=80 * GIB))
+    spec = cluster.add_pod(pod(container(mem=10 * GIB)))
+    node_list = {"items": [{"metadata": {"name": small}}, {"metadata": {"name": big}}]}
+    async with http_client(service) as client:
+        response = await client.post("/filter", json={"pod": spec, "nodes": node_list})
+        result = response.json()
+        assert [n["metadata"]["name"] for n in result["nodes"]["items"]] == [big]
+        assert result["failedNodes"] == {small: "1/1 CardInsufficientMemory"}
+        assert await bus.read(buckets.ledger, big, NodeLedger) is None
+        assert await bind_call(client, spec, big) == ""
+    assert (await ledger(buckets, big)).allocations[spec["metadata"]["uid"]].state == "bound"
+
+
+async def test_refusal_reports_reasons_event_and_explain(
+    make_service: MakeService, buckets: Buckets, nc: Any
+) -> None:
+    service = await make_service()
+    full = await setup_node(buckets, service, node(unique("n"), gpus=2, memory_mib=8 * GIB))
+    spec = pod(container(mem=20 * GIB), namespace=unique("ns"))
+    sub = await nc.subscribe(bus.sched_failed_subject(spec["metadata"]["namespace"]))
+    async with http_client(service) as client:
+        result = await filter_call(client, spec, [full, "ghost"])
+    assert result["nodenames"] == []
+    assert result["failedNodes"][full] == "2/2 CardInsufficientMemory"
+    assert result["failedNodes"]["ghost"].startswith("NodeUnregistered")
+    event = decode((await sub.next_msg(timeout=3)).data, SchedulingFailedEvent)
+    assert event.node_reasons[full] == "2/2 CardInsufficientMemory"
+    ask = ExplainRequest(namespace=spec["metadata"]["namespace"], name=spec["metadata"]["name"])
+    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=3)).data,
+                   ExplainReply)  # fmt: skip
+    assert reply.pending and reply.node_reasons[full] == "2/2 CardInsufficientMemory"
+
+
+async def test_unbound_reservation_expires_and_is_released(
+    make_service: MakeService, buckets: Buckets, nc: Any
+) -> None:
+    service = await make_service({"reservation_ttl_s": 0.3})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    spec = pod(container(mem=1000))
+    sub = await nc.subscribe(bus.alloc_event_subject(name, "released"))
+    async with http_client(service) as client:
+        assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+    assert spec["metadata"]["uid"] in (await ledger(buckets, name)).allocations
+    event = decode((await sub.next_msg(timeout=5)).data, AllocationEvent)
+    assert event.pod_uid == spec["metadata"]["uid"]
+    assert (await ledger(buckets, name)).allocations == {}
+
+
+async def test_ended_and_deleted_pods_are_released(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    done = cluster.add_pod(pod(container(mem=1000)))
+    gone = cluster.add_pod(pod(container(mem=1000)))
+    async with http_client(service) as client:
+        for spec in (done, gone):
+            await filter_call(client, spec, [name])
+            assert await bind_call(client, spec, name) == ""
+            await agent_allocate(buckets, name, spec["metadata"]["uid"])
+    finished = cluster.pods[("default", done["metadata"]["name"])]
+    finished["status"]["phase"] = "Succeeded"
+    cluster.update_pod(finished)
+    cluster.delete_pod("default", gone["metadata"]["name"])
+    await wait_until(lambda: not service.index.pod_nodes.get(done["metadata"]["uid"])
+                     and not service.index.pod_nodes.get(gone["metadata"]["uid"]))  # fmt: skip
+    assert (await ledger(buckets, name)).allocations == {}
+
+
+async def test_init_containers_done_shrinks_usage(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=10 * GIB))
+    spec = cluster.add_pod(
+        pod(container("app", mem=3 * GIB), init=[container("init", mem=8 * GIB)])
+    )
+    async with http_client(service) as client:
+        await filter_call(client, spec, [name])
+        assert await bind_call(client, spec, name) == ""
+    assert service.index.node(name).cards[0].used_mem == 8 * GIB
+    running = cluster.pods[("default", spec["metadata"]["name"])]
+    running["status"] = {
+        "phase": "Running",
+        "initContainerStatuses": [
+            {"name": "init", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+        ],
+    }
+    cluster.update_pod(running)
+    await wait_until(lambda: service.index.node(name).cards[0].used_mem == 3 * GIB)
+    assert (await ledger(buckets, name)).allocations[spec["metadata"]["uid"]].init_done
+
+
+async def test_quota_refusal_and_timeout_are_clear(
+    make_service: MakeService, buckets: Buckets, nc: Any
+) -> None:
+    service = await make_service({"quota_enabled": True, "request_timeout_s": 0.3})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    namespace = unique("ns")
+    async with http_client(service) as client:
+        # No quota service answers: a refusal after the timeout, never a hang.
+        result = await filter_call(client, pod(container(mem=1000), namespace=namespace), [name])
+        assert "quota service did not answer" in result["failedNodes"][name]
+
+        async def deny(msg: Any) -> None:
+            request = decode(msg.data, QuotaRequest)
+            if request.namespace == namespace:
+                await msg.respond(encode(QuotaReply(ok=False, reason="limits.gpumem 500 exceeded")))
+
+        sub = await nc.subscribe(bus.QUOTA_RESERVE, cb=deny)
+        await nc.flush()
+        try:
+            result = await filter_call(client, pod(container(mem=1000), namespace=namespace),
+                                       [name])  # fmt: skip
+        finally:
+            await sub.unsubscribe()
+    assert result["failedNodes"][name].startswith("ResourceQuotaNotFit: limits.gpumem 500")
+    assert await bus.read(buckets.ledger, name, NodeLedger) is None
+
+
+async def test_lapsed_claim_is_taken_over_and_bind_wait_is_bounded(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service(config={"claim_ttl_s": 0.6, "bind_timeout_s": 0.2})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    first, second = (cluster.add_pod(pod(container(mem=1000))) for _ in range(2))
+    async with http_client(service) as client:
+        for spec in (first, second):
+            await filter_call(client, spec, [name])
+        assert await bind_call(client, first, name) == ""
+        # No Allocate comes for the first pod: the second waits at most bind_timeout_s ...
+        error = await bind_call(client, second, name)
+        assert "is busy" in error
+        # ... and once the claim lapsed, a bind takes it over.
+        await asyncio.sleep(0.5)
+    service.config.bind_timeout_s = 2.0
+    async with http_client(service) as client:
+        await filter_call(client, second, [name])
+        assert await bind_call(client, second, name) == ""
+    state = await ledger(buckets, name)
+    assert state.claim is not None and state.claim.pod_uid == second["metadata"]["uid"]
+
+
+async def test_readiness_and_metrics(make_service: MakeService, buckets: Buckets) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=1000))
+    async with http_client(service) as client:
+        assert (await client.get("/readyz")).status_code == 200
+        assert (await client.get("/healthz")).status_code == 200
+        await filter_call(client, pod(container(mem=5000)), [name])
+        text = (await client.get("/metrics")).text
+    assert "tessera_scheduler_filter_seconds_bucket" in text
+    assert 'tessera_scheduler_refusals_total{reason="CardInsufficientMemory"} 1.0' in text
+    assert "tessera_scheduler_inflight_claims" in text
+
+
+async def test_device_cordon_setting_excludes_cards(
+    make_service: MakeService, buckets: Buckets
+) -> None:
+    name = unique("n")
+    service = await make_service(config={"device_cordon": f"GPU-{name}-0"})
+    await setup_node(buckets, service, node(name, gpus=2))
+    async with http_client(service) as client:
+        result = await filter_call(client, pod(container(gpus=2, mem=1000)), [name])
+    assert result["failedNodes"][name] == (
+        "1/2 AllocatedCardsInsufficientRequest, 1/2 CardCordoned"
+    )
+
+
+async def test_node_policy_binpack_and_spread(make_service: MakeService, buckets: Buckets) -> None:
+    service = await make_service()
+    busy = await setup_node(buckets, service, node(unique("busy"), gpus=1))
+    idle = await setup_node(buckets, service, node(unique("idle"), gpus=1))
+    async with http_client(service) as client:
+        # Put one pod on `busy` (only candidate), then ask again with both nodes.
+        await filter_call(client, pod(container(mem=10 * GIB)), [busy])
+        packed = await filter_call(client, pod(container(mem=1000)), [idle, busy])
+        spread_pod = pod(container(mem=1000),
+                         annotations={"hami.io/node-scheduler-policy": "spread"})  # fmt: skip
+        spread = await filter_call(client, spread_pod, [busy, idle])
+        scores = (await client.post("/prioritize", json={
+            "pod": pod(container(mem=1000)), "nodenames": [idle, busy]})).json()  # fmt: skip
+    assert packed["nodenames"] == [busy]
+    assert spread["nodenames"] == [idle]
+    assert scores[0]["host"] == idle and scores[1]["score"] >= scores[0]["score"]
+
+
+async def test_scaled_device_advertises_more_memory(
+    make_service: MakeService, buckets: Buckets
+) -> None:
+    service = await make_service()
+    scaled = unique("n")
+    registration = node(scaled, gpus=1, memory_mib=160 * GIB)
+    registration.devices[0].physical_memory_mib = 80 * GIB
+    await setup_node(buckets, service, registration)
+    assert device().memory_mib == 80 * GIB
+    async with http_client(service) as client:
+        result = await filter_call(client, pod(container(mem=100 * GIB)), [scaled])
+    assert result["nodenames"] == [scaled]
