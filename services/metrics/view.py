@@ -216,8 +216,9 @@ class ClusterView:
             node_reasons=dict(event.node_reasons),
             attempts=(previous.attempts + 1) if previous else 1,
         )
-        self._remember(event, "sched", "failed", event.namespace,
-                       f"{event.namespace}/{event.name} unschedulable: {summary}", "warning")
+        self.recent.append(RecentEvent(event.at, "sched", "failed", event.namespace,
+                                       f"{event.namespace}/{event.name} unschedulable", summary,
+                                       "warning"))
 
     def _on_oom(self, event: OomEvent) -> None:
         self.ooms[(event.node, event.namespace, event.pod, event.container)] += 1
