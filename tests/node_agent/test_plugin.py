@@ -1,0 +1,215 @@
+"""The device plugin over real unix-socket gRPC, against the kubelet stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from node_agent_rig import GPU_TYPE, grants, make_pod, running_rig
+from tessera.node_agent.devices import HealthEvent
+
+from tessera import hami
+from tessera.codec import decode
+from tessera.events import subscribe
+from tessera.kubeapi import HEALTHY, UNHEALTHY, dp, dp_grpc
+from tessera.models import AllocationState, NodeRegistration
+from tessera.region import SEALED_LIMITS_DIR, read_limits
+
+
+async def next_event(nc, subject: str, timeout: float = 5.0):
+    stream = subscribe(nc, subject)
+    try:
+        received = await asyncio.wait_for(anext(stream), timeout)
+        return received.event
+    finally:
+        await stream.aclose()
+
+
+async def test_registers_and_advertises_replicas_with_numa(short_dir, nc, buckets):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        plugin = rig.kubelet.plugins["nvidia.com/gpu"]
+        assert plugin.pre_start_required and plugin.preferred_allocation
+        gpus = rig.gpus
+        assert sorted(plugin.devices) == sorted(f"{u}-{i}" for u in gpus for i in range(4))
+        assert {d.health for d in plugin.devices.values()} == {HEALTHY}
+        numa = {i: d.topology.nodes[0].ID for i, d in plugin.devices.items()}
+        assert numa[f"{gpus[0]}-3"] == 0 and numa[f"{gpus[1]}-0"] == 1
+        # The registration in tessera-nodes, with HAMi's annotation through the cluster port.
+        entry = await buckets.nodes.get(rig.node)
+        registration = decode(entry.value, NodeRegistration)
+        assert [d.uuid for d in registration.devices] == gpus
+        assert registration.devices[0].split_count == 4
+        await asyncio.sleep(0.1)
+        annotation = rig.cluster.node_annotations[rig.node][hami.ANN_NODE_REGISTER]
+        assert [d.uuid for d in hami.decode_node_register(annotation)] == gpus
+
+
+async def test_unhealthy_gpu_reaches_kubelet_registration_and_events(short_dir, nc, buckets):
+    async with running_rig(short_dir, nc, buckets, health_recovery_s=1.0) as rig:
+        bad, good = rig.gpus
+        rig.source.events.put(HealthEvent(bad, "xid", 79))
+        kubelet = rig.kubelet
+
+        def health_of(uuid: str) -> set[str]:
+            devices = kubelet.plugins["nvidia.com/gpu"].devices
+            return {d.health for i, d in devices.items() if i.startswith(uuid)}
+
+        await kubelet.wait_for(lambda: health_of(bad) == {UNHEALTHY}, timeout=5)
+        assert health_of(good) == {HEALTHY}
+        event = await next_event(nc, f"tessera.events.node.{rig.node}.unhealthy")
+        assert event.device_uuids == [bad] and "XID 79" in event.reason
+        entry = await buckets.nodes.get(rig.node)
+        assert [d.healthy for d in decode(entry.value, NodeRegistration).devices] == [False, True]
+        # No new critical event for health_recovery_s: healthy again (HAMi never recovers).
+        await kubelet.wait_for(lambda: health_of(bad) == {HEALTHY}, timeout=5)
+        for _ in range(20):
+            entry = await buckets.nodes.get(rig.node)
+            if decode(entry.value, NodeRegistration).devices[0].healthy:
+                break
+            await asyncio.sleep(0.2)
+        assert decode(entry.value, NodeRegistration).devices[0].healthy
+
+
+async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_dir, nc, buckets):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu0, gpu1 = rig.gpus
+        pod = make_pod("train", [("main", 2), ("side", 1)], init=[("setup", 1)])
+        allocation = await rig.bind(pod, [
+            grants((gpu1, 2000, 10)),
+            grants((gpu0, 6000, 30), (gpu1, 4000, 50)),
+            grants((gpu1, 1000, 0)),
+        ], init_count=1)
+        events = subscribe(nc, f"tessera.events.alloc.{rig.node}.allocated")
+        admission = await rig.kubelet.admit_pod(pod)
+        assert admission.ok, admission.error
+        setup, main, side = admission.containers
+        # GetPreferredAllocation steered kubelet to exactly the granted GPUs.
+        assert [i.rsplit("-", 1)[0] for i in setup.device_ids] == [gpu1]
+        assert [i.rsplit("-", 1)[0] for i in main.device_ids] == [gpu0, gpu1]
+        assert main.envs["NVIDIA_VISIBLE_DEVICES"] == f"{gpu0},{gpu1}"
+        assert main.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "6000m"
+        assert main.envs["CUDA_DEVICE_MEMORY_LIMIT_1"] == "4000m"
+        assert main.envs["CUDA_DEVICE_SM_LIMIT_0"] == "30"
+        assert main.envs["CUDA_DEVICE_SM_LIMIT_1"] == "50"
+        assert main.envs["CUDA_TASK_PRIORITY"] == "1"
+        assert main.envs["GPU_CORE_UTILIZATION_POLICY"] == "default"
+        assert "CUDA_OVERSUBSCRIBE" not in main.envs
+        assert setup.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "2000m"
+        libvgpu = main.mount("/usr/local/vgpu/libvgpu.so")
+        assert libvgpu.read_only and libvgpu.host_path == rig.settings.libvgpu_host_path
+        preload = main.mount("/etc/ld.so.preload")
+        with open(preload.host_path) as f:
+            assert f.read().strip() == "/usr/local/vgpu/libvgpu.so"
+        limits_mount = main.mount(SEALED_LIMITS_DIR)
+        assert limits_mount.read_only
+        assert not main.mount("/run/tessera/region").read_only
+        # PreStartContainer sealed each container's own limits.
+        sealed = read_limits(limits_mount.host_path)
+        assert [(d.uuid, d.mem_limit_bytes >> 20, d.sm_limit_pct) for d in sealed.devices] == [
+            (gpu0, 6000, 30), (gpu1, 4000, 50)
+        ]
+        assert sealed.region_path == main.envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+        side_limits = read_limits(side.mount(SEALED_LIMITS_DIR).host_path)
+        assert [(d.uuid, d.mem_limit_bytes >> 20) for d in side_limits.devices] == [(gpu1, 1000)]
+        # The allocation is allocated, the claim released, the event out, bind-phase success.
+        ledger = await rig.ledger()
+        assert ledger.claim is None
+        assert ledger.allocations[allocation.pod_uid].state == AllocationState.ALLOCATED
+        received = await asyncio.wait_for(anext(events), 5)
+        await events.aclose()
+        assert received.event.pod_uid == allocation.pod_uid
+        assert received.event.containers[1][0].memory_mib == 6000
+        await asyncio.sleep(0.2)
+        pod_now = await rig.cluster.get_pod("team", "train")
+        assert pod_now["metadata"]["annotations"][hami.ANN_BIND_PHASE] == "success"
+
+
+async def test_kubelet_restart_reregisters_within_five_seconds(short_dir, nc, buckets):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        before = rig.kubelet.registration_count("nvidia.com/gpu")
+        started = time.monotonic()
+        await rig.kubelet.restart()
+        plugin = await rig.kubelet.wait_registered("nvidia.com/gpu", after=before, timeout=5)
+        assert time.monotonic() - started < 5
+        assert len(plugin.devices) == 8
+        # And it serves again through the new socket.
+        pod = make_pod("after-restart", [("main", 1)])
+        await rig.bind(pod, [grants((rig.gpus[0], 1000, 10))])
+        admission = await rig.kubelet.admit_pod(pod)
+        assert admission.ok, admission.error
+
+
+async def test_bad_requests_get_grpc_errors_and_the_agent_keeps_serving(short_dir, nc, buckets):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu0, gpu1 = rig.gpus
+        socket = rig.agent.endpoint.socket_path
+        async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+            stub = dp_grpc.DevicePluginStub(channel)
+
+            async def allocate(ids):
+                request = dp.AllocateRequest(container_requests=[
+                    dp.ContainerAllocateRequest(devices_ids=ids)
+                ])
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Allocate(request, timeout=5)
+                return err.value
+
+            # Nothing in flight: Allocate cannot know the pod and says so.
+            err = await allocate([f"{gpu0}-0"])
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no pod is in flight" in err.details()
+            pod = make_pod("one", [("main", 1)])
+            await rig.bind(pod, [grants((gpu1, 1000, 10))])
+            err = await allocate(["GPU-nope-0", f"{gpu0}-0"])
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "unknown device IDs ['GPU-nope-0']" in err.details()
+            err = await allocate([f"{gpu0}-9"])  # beyond the split count
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            err = await allocate([f"{gpu0}-0", f"{gpu1}-0"])  # wrong count
+            assert "allocated 2 device(s)" in err.details() and "granted 1 GPU" in err.details()
+            err = await allocate([f"{gpu0}-0"])  # the wrong GPU
+            assert f"chose GPU(s) {gpu0}" in err.details()
+            err = await allocate([])
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.GetPreferredAllocation(dp.PreferredAllocationRequest(
+                    container_requests=[dp.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=[f"{gpu0}-0", f"{gpu1}-0"], allocation_size=2
+                    )]
+                ), timeout=5)
+            assert "asks for 2 devices" in bad.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.PreStartContainer(
+                    dp.PreStartContainerRequest(devices_ids=[f"{gpu1}-3"]), timeout=5
+                )
+            assert "no container was prepared" in bad.value.details()
+            # Still serving: the real admission of the bound pod goes through.
+            options = await stub.GetDevicePluginOptions(dp.Empty(), timeout=5)
+            assert options.pre_start_required
+        admission = await rig.kubelet.admit_pod(pod)
+        assert admission.ok, admission.error
+        assert admission.containers[0].envs["NVIDIA_VISIBLE_DEVICES"] == gpu1
+
+
+async def test_prestart_refuses_a_container_of_another_pod(short_dir, nc, buckets):
+    """The claim says pod B but kubelet is admitting pod A on the same GPU: Allocate cannot
+    tell them apart, PreStartContainer can (pod-resources) and fails the start."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu0 = rig.gpus[0]
+        pod_a = make_pod("a", [("main", 1)])
+        pod_b = make_pod("b", [("main", 1)])
+        await rig.bind(pod_a, [grants((gpu0, 1000, 10))], claim=False)
+        await rig.bind(pod_b, [grants((gpu0, 7000, 70))])
+        mismatches = subscribe(nc, f"tessera.events.alloc.{rig.node}.mismatch")
+        admission = await rig.kubelet.admit_pod(pod_a)
+        assert not admission.ok
+        container = admission.containers[0]
+        assert not container.started
+        assert "held by team/a" in container.error and "prepared for team/b" in container.error
+        assert read_limits(container.mount(SEALED_LIMITS_DIR).host_path) is None
+        event = (await asyncio.wait_for(anext(mismatches), 5)).event
+        await mismatches.aclose()
+        assert event.name == "b" and "another pod's limits" in event.reason
+        assert GPU_TYPE.startswith("NVIDIA-")
