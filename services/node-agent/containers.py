@@ -155,6 +155,11 @@ class ContainerStore:
             return []
         return [p.name for p in self.root.iterdir() if p.is_dir()]
 
+    def remove_container(self, cdir: ContainerDir) -> None:
+        shutil.rmtree(cdir.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            cdir.path.parent.rmdir()  # the pod's directory, when it was its only container
+
     def remove_pod(self, pod_uid: str) -> None:
         target = self.root / _safe(pod_uid, "pod uid")
         if target.is_dir():

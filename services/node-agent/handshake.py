@@ -229,3 +229,29 @@ def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
     if not changed:
         raise NoChange
     return new
+
+
+def reclaim_mutation(
+    pod_uid: str, ledger: NodeLedger | None, holder: str, ttl_s: float
+) -> NodeLedger:
+    """Ledger CAS body after a mis-attributed Allocate: the pod it was wrongly counted for gets
+    its claim back, so its own Allocate can still come (only while nobody else holds the claim).
+
+    Raises bus.NoChange when the claim moved on or the pod is not in the wrongly-finished state.
+    """
+    from tessera.bus import NoChange
+    from tessera.models import InFlightClaim, now
+
+    if ledger is None or ledger.claim is not None:
+        raise NoChange
+    allocation = ledger.allocations.get(pod_uid)
+    if allocation is None or allocation.state != AllocationState.ALLOCATED:
+        raise NoChange
+    new = ledger.model_copy(deep=True)
+    new.allocations[pod_uid].state = AllocationState.BOUND
+    new.allocations[pod_uid].updated_at = now()
+    new.claim = InFlightClaim(
+        pod_uid=pod_uid, namespace=allocation.namespace, name=allocation.name,
+        expires_at=now() + ttl_s, holder=holder,
+    )
+    return new

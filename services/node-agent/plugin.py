@@ -283,6 +283,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 "refusing to start it with another pod's limits"
             )
             self._publish_mismatch_raw(p.pod_uid, p.namespace, p.pod, ids, reason)
+            await self._undo_misattributed(cdir)
             raise hs.HandshakeError(reason, mismatch=True)
         ledger = await self._ledger()
         allocation = ledger.allocations.get(p.pod_uid) if ledger else None
@@ -298,6 +299,25 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # A crash between Allocate's answer and its ledger write leaves the claim held.
         await self._maybe_finish(allocation)
         return dp.PreStartContainerResponse()
+
+    async def _undo_misattributed(self, cdir: ContainerDir) -> None:
+        """An Allocate answered for the wrong pod: forget that preparation, and give the pod it
+        was counted for its claim back so that its own Allocate still succeeds."""
+        p = cdir.prepared
+        await asyncio.to_thread(self.store.remove_container, cdir)
+        if any(c.prepared.pod_uid == p.pod_uid for c in self.store.for_pod(p.pod_uid)):
+            return  # other containers of that pod were served: leave its state alone
+        with contextlib.suppress(bus.NoChange):
+            await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda ledger: hs.reclaim_mutation(
+                    p.pod_uid, ledger, f"node-agent/{self.node}",
+                    self.settings.reservation_ttl_s,
+                ),
+            )
+            self.log.warning("claim given back after a mis-attributed Allocate", extra={
+                "pod": f"{p.namespace}/{p.pod}",
+            })
 
     # --- events --------------------------------------------------------------------------------
 

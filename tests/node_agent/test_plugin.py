@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from node_agent_rig import GPU_TYPE, grants, make_pod, running_rig
+from node_agent_rig import grants, make_pod, running_rig
 from tessera.node_agent.devices import HealthEvent
 
 from tessera import hami
@@ -212,4 +212,11 @@ async def test_prestart_refuses_a_container_of_another_pod(short_dir, nc, bucket
         event = (await asyncio.wait_for(anext(mismatches), 5)).event
         await mismatches.aclose()
         assert event.name == "b" and "another pod's limits" in event.reason
-        assert GPU_TYPE.startswith("NVIDIA-")
+        # B's own Allocate still finds its claim and B starts with B's limits.
+        ledger = await rig.ledger()
+        assert ledger.claim is not None and ledger.claim.name == "b"
+        admission_b = await rig.kubelet.admit_pod(pod_b)
+        assert admission_b.ok, admission_b.error
+        sealed = read_limits(admission_b.containers[0].mount(SEALED_LIMITS_DIR).host_path)
+        assert [(d.uuid, d.mem_limit_bytes >> 20) for d in sealed.devices] == [(gpu0, 7000)]
+        assert (await rig.ledger()).claim is None
