@@ -127,6 +127,8 @@ class ApiServer:
         self.admit_pod = admit_pod
         self.bookmark_interval_s = bookmark_interval_s
         self.on_pod_deleted: list[Callable[[KubeObject], None]] = []
+        # node name -> its kubelet (anything with describe()), for the debug endpoint
+        self.kubelets: dict[str, Any] = {}
 
     def app(self) -> Starlette:
         ns = "/api/v1/namespaces/{namespace}"
@@ -136,6 +138,7 @@ class ApiServer:
             Route("/livez", self.healthz),
             Route("/version", self.version),
             Route("/api", self.api_versions),
+            Route("/kube-sim/v1/nodes/{name}/containers", self.node_containers),
             Route("/api/v1/{resource}", self.collection, methods=["GET", "POST"]),
             Route(f"{ns}/{{resource}}", self.collection, methods=["GET", "POST"]),
             Route("/api/v1/nodes/{name}", self.item, methods=["GET", "PUT", "PATCH", "DELETE"]),
@@ -161,6 +164,13 @@ class ApiServer:
 
     async def api_versions(self, request: Request) -> Response:
         return JSONResponse({"kind": "APIVersions", "versions": ["v1"]})
+
+    async def node_containers(self, request: Request) -> Response:
+        """Not a Kubernetes API: what the node's kubelet gave each container (env, mounts)."""
+        kubelet = self.kubelets.get(request.path_params["name"])
+        if kubelet is None:
+            return error_response(StoreError(404, "NotFound", "no kubelet for that node"))
+        return JSONResponse(kubelet.describe())
 
     # --- helpers ------------------------------------------------------------------------------
 

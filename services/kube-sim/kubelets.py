@@ -1,7 +1,301 @@
-"""Placeholder: replaced below once the stand-in kubelet lands."""
+"""One kubelet per simulated node: admit bound pods, start them, report their status.
+
+Each `NodeKubelet` follows the pods bound to its node (the same field-selector watch a kubelet
+uses), admits them one at a time through the device-plugin protocol (`SimKubelet`: Allocate per
+container, init containers first, then PreStartContainer just before each container starts),
+serves pod-resources, and writes the pod's status (Running, container states) back to the API.
+
+Where a real kubelet would fail a pod whose device plugin is briefly unreachable (a node agent
+restarting), this one retries admission with backoff for `admit_deadline_s` before failing the
+pod with UnexpectedAdmissionError, so the local stack converges after crashes without a
+ReplicaSet to recreate pods.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
-async def start_kubelets(sim: object) -> list:  # type: ignore[type-arg]
-    return []
+from tessera.kube_sim.events import record_event
+from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
+from tessera.kube_sim.processes import ContainerProcesses
+from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError, now_rfc3339
+
+log = logging.getLogger("tessera.kube_sim.kubelets")
+
+
+def pod_uses(pod: KubeObject, resources: list[str]) -> bool:
+    spec = pod.get("spec") or {}
+    for container in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        limits = (container.get("resources") or {}).get("limits") or {}
+        requests = (container.get("resources") or {}).get("requests") or {}
+        if any(r in limits or r in requests for r in resources):
+            return True
+    return False
+
+
+def running_status(pod: KubeObject, node: str, started: str) -> dict[str, Any]:
+    """The status kubelet reports once every container has started."""
+    spec = pod.get("spec") or {}
+    conditions = [
+        {"type": t, "status": "True", "lastTransitionTime": started}
+        for t in (
+            "PodReadyToStartContainers",
+            "Initialized",
+            "Ready",
+            "ContainersReady",
+            "PodScheduled",
+        )
+    ]
+    return {
+        "phase": "Running",
+        "conditions": conditions,
+        "hostIP": "10.0.0.1",
+        "podIP": "10.244.0.1",
+        "startTime": started,
+        "qosClass": (pod.get("status") or {}).get("qosClass", "BestEffort"),
+        "initContainerStatuses": [
+            {
+                "name": c.get("name", ""),
+                "image": c.get("image", ""),
+                "ready": True,
+                "restartCount": 0,
+                "started": False,
+                "state": {
+                    "terminated": {
+                        "exitCode": 0,
+                        "reason": "Completed",
+                        "startedAt": started,
+                        "finishedAt": started,
+                    }
+                },
+            }
+            for c in spec.get("initContainers") or []
+        ],
+        "containerStatuses": [
+            {
+                "name": c.get("name", ""),
+                "image": c.get("image", ""),
+                "ready": True,
+                "restartCount": 0,
+                "started": True,
+                "state": {"running": {"startedAt": started}},
+            }
+            for c in spec.get("containers") or []
+        ],
+    }
+
+
+class NodeKubelet:
+    def __init__(
+        self,
+        store: ObjectStore,
+        node: str,
+        root: Path,
+        gpu_resources: list[str],
+        processes: ContainerProcesses | None = None,
+        admit_deadline_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.node = node
+        self.gpu_resources = gpu_resources
+        self.processes = processes
+        self.admit_deadline_s = admit_deadline_s
+        self.device_kubelet = SimKubelet(
+            root / node / "device-plugins",
+            root / node / "pod-resources" / "kubelet.sock",
+            on_change=self._plugins_changed,
+        )
+        self.admissions: dict[str, PodAdmission] = {}  # by pod uid
+        self._queue: asyncio.Queue[KubeObject] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._capacity_dirty = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.device_kubelet.start()
+        watcher = self.store.watch("Pod", Selector(node_name=self.node), self.store.version)
+        for pod in self.store.list("Pod", Selector(node_name=self.node)):
+            self._queue.put_nowait(pod)
+        self._tasks = [
+            asyncio.create_task(self._follow(watcher)),
+            asyncio.create_task(self._admit_forever()),
+            asyncio.create_task(self._publish_capacity()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.processes is not None:
+            await self.processes.stop_all()
+        await self.device_kubelet.stop()
+
+    def _plugins_changed(self) -> None:
+        self._capacity_dirty.set()
+
+    async def _publish_capacity(self) -> None:
+        """Node capacity/allocatable = the devices each plugin advertises, as kubelet reports."""
+        while True:
+            await self._capacity_dirty.wait()
+            self._capacity_dirty.clear()
+            counts = {r: str(len(p.healthy())) for r, p in self.device_kubelet.plugins.items()}
+
+            def update(node: KubeObject, counts: dict[str, str] = counts) -> None:
+                status = node.setdefault("status", {})
+                for field in ("capacity", "allocatable"):
+                    status.setdefault(field, {}).update(counts)
+
+            with contextlib.suppress(StoreError):
+                self.store.mutate("Node", "", self.node, update)
+            await asyncio.sleep(0.5)  # coalesce bursts of ListAndWatch updates
+
+    async def _follow(self, watcher: Any) -> None:
+        try:
+            while True:
+                event_type, pod = await watcher.queue.get()
+                if event_type == "ADDED":
+                    self._queue.put_nowait(pod)
+                elif event_type == "DELETED":
+                    await self._remove(pod)
+        finally:
+            self.store.unwatch(watcher)
+
+    async def _remove(self, pod: KubeObject) -> None:
+        uid = pod["metadata"].get("uid", "")
+        self.admissions.pop(uid, None)
+        self.device_kubelet.remove_pod(uid)
+        if self.processes is not None:
+            await self.processes.stop_pod(uid)
+
+    async def _admit_forever(self) -> None:
+        # kubelet admits pods one at a time (its sync loop), which the node agent relies on.
+        while True:
+            pod = await self._queue.get()
+            try:
+                await self._admit(pod)
+            except Exception:
+                log.exception("pod admission crashed", extra={"pod": pod["metadata"]["name"]})
+
+    def _current(self, pod: KubeObject) -> KubeObject | None:
+        meta = pod["metadata"]
+        try:
+            current = self.store.get("Pod", meta["namespace"], meta["name"])
+        except StoreError:
+            return None
+        if current["metadata"].get("uid") != meta.get("uid"):
+            return None
+        return current
+
+    async def _admit(self, pod: KubeObject) -> None:
+        uid = pod["metadata"].get("uid", "")
+        if uid in self.admissions or (pod.get("status") or {}).get("phase") != "Pending":
+            return
+        admission: PodAdmission | None = None
+        if pod_uses(pod, self.gpu_resources):
+            admission = await self._admit_devices(pod)
+            if admission is None:
+                return
+        else:
+            admission = PodAdmission(uid, pod["metadata"]["namespace"], pod["metadata"]["name"])
+        self.admissions[uid] = admission
+        started = now_rfc3339()
+        if self.processes is not None:
+            await self.processes.start_pod(pod, admission, self._container_exited)
+        current = self._current(pod)
+        if current is None:
+            await self._remove(pod)
+            return
+        self._set_status(current, running_status(current, self.node, started))
+        record_event(
+            self.store,
+            current,
+            "Started",
+            f"Started pod on {self.node}",
+            "Normal",
+            component="kubelet",
+        )
+
+    async def _admit_devices(self, pod: KubeObject) -> PodAdmission | None:
+        """Allocate + PreStartContainer, retried while the plugin is away; None: gave up/gone."""
+        deadline = time.monotonic() + self.admit_deadline_s
+        delay = 0.1
+        last_error = ""
+        while True:
+            if self._current(pod) is None:
+                return None
+            uid = pod["metadata"].get("uid", "")
+            admission = await self.device_kubelet.admit_pod(pod)
+            if admission.ok:
+                return admission
+            self.device_kubelet.remove_pod(uid)  # a failed admission holds no devices
+            if admission.error != last_error:
+                log.warning(
+                    "pod admission failed, retrying",
+                    extra={"pod": pod["metadata"]["name"], "error": admission.error},
+                )
+                last_error = admission.error
+            if time.monotonic() >= deadline:
+                current = self._current(pod)
+                if current is not None:
+                    status = dict(current.get("status") or {})
+                    status.update(
+                        phase="Failed",
+                        reason="UnexpectedAdmissionError",
+                        message=f"Allocate failed: {admission.error}",
+                    )
+                    self._set_status(current, status)
+                    record_event(
+                        self.store,
+                        current,
+                        "UnexpectedAdmissionError",
+                        admission.error,
+                        "Warning",
+                        component="kubelet",
+                    )
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _set_status(self, pod: KubeObject, status: dict[str, Any]) -> None:
+        def apply(obj: KubeObject) -> None:
+            obj["status"] = status
+
+        with contextlib.suppress(StoreError):
+            self.store.mutate("Pod", pod["metadata"]["namespace"], pod["metadata"]["name"], apply)
+
+    def _container_exited(
+        self, pod: KubeObject, phase: str, statuses: list[dict[str, Any]]
+    ) -> None:
+        """A pod whose processes all ended: Succeeded or Failed, with the exit codes."""
+        current = self._current(pod)
+        if current is None:
+            return
+        status = dict(current.get("status") or {})
+        status["phase"] = phase
+        status["containerStatuses"] = statuses
+        self._set_status(current, status)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What each admitted container received (env, mounts, devices): for tests and demos."""
+        return [asdict(a) for a in self.admissions.values()]
+
+
+async def start_kubelets(sim: Any) -> list[NodeKubelet]:
+    settings = sim.settings
+    root = Path(settings.kubelet_root)
+    log_dir = Path(settings.container_log_dir or root / "logs")
+    kubelets = []
+    for node in sim.nodes:
+        processes = ContainerProcesses(log_dir / node.name) if settings.run_containers else None
+        kubelet = NodeKubelet(sim.store, node.name, root, [sim.tessera.resource_name], processes)
+        await kubelet.start()
+        kubelets.append(kubelet)
+    sim.api.kubelets = {k.node: k for k in kubelets}
+    return kubelets

@@ -182,6 +182,8 @@ class ObjectStore:
             raise not_found(kind, name)
         obj = copy.deepcopy(current)
         change(obj)
+        if obj == current:
+            return obj  # a no-op write keeps its resourceVersion and wakes no watcher
         return self._write(kind, (namespace, name), obj)
 
     def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> KubeObject:

@@ -10,6 +10,8 @@ import typer
 COMMAND_MODULES = [
     "tessera.cli.up",
     "tessera.cli.events",
+    "tessera.cli.pods",
+    "tessera.cli.sim",
     "tessera.cli.certs",
     "tessera.cli.quota",
 ]
