@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "tessera.cli.sim",
     "tessera.cli.certs",
     "tessera.cli.quota",
+    "tessera.cli.limits",
 ]
 
 

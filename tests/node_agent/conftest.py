@@ -31,6 +31,24 @@ def fake_nvml_lib() -> Iterator[Path]:
         shutil.rmtree(out, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def region_writer() -> Iterator[Path]:
+    """A C program that writes a usage region through tessera_region.h (as libvgpu would)."""
+    if not shutil.which("gcc"):
+        pytest.skip("gcc is needed to build the region writer")
+    out = Path(tempfile.mkdtemp(prefix="tsr-rw-"))
+    exe = out / "region_writer"
+    include = HERE.parent.parent / "native" / "libvgpu" / "include"
+    subprocess.run(
+        ["gcc", "-Wall", "-Werror", f"-I{include}", "-o", str(exe), str(HERE / "region_writer.c")],
+        check=True,
+    )
+    try:
+        yield exe
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A directory with a short path (unix socket paths must stay under 108 bytes)."""
