@@ -138,8 +138,9 @@ class AdmissionApp:
 async def _send(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers or JSON_HEADERS})
+    # An explicit length: the API server's client then reads one body, not chunks.
+    headers = [*(headers or JSON_HEADERS), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -198,36 +198,34 @@ def apply_quota_verdict(
 def json_patch(original: dict[str, Any], mutated: dict[str, Any]) -> list[dict[str, Any]]:
     """RFC 6902 operations from `original` to `mutated`, made by jsonpatch.make_patch.
 
-    The rules only change the spec and its containers, so the diff is taken per container and
-    over the keys that differ: make_patch then never walks the rest of a large pod.
+    make_patch walks (and copies) everything it is given, so it gets both pods pruned to the
+    branches that differ. Lists of equal length (the container lists) are pruned as maps keyed
+    by index, which gives the very same JSON pointers; lists that changed length (env) are left
+    whole for the library's list diff.
     """
-    ops: list[dict[str, Any]] = []
-    old_spec, new_spec = original["spec"], mutated["spec"]
-    for section in CONTAINER_SECTIONS:
-        pairs = zip(old_spec.get(section) or [], new_spec.get(section) or [], strict=True)
-        for index, (old, new) in enumerate(pairs):
-            ops += _diff_differing_keys(old, new, f"/spec/{section}/{index}")
-    ops += _diff_differing_keys(old_spec, new_spec, "/spec", skip=CONTAINER_SECTIONS)
-    return ops
+    old, new = _prune(original, mutated)
+    return jsonpatch.make_patch(old, new).patch
 
 
-def _diff_differing_keys(
-    old: dict[str, Any], new: dict[str, Any], prefix: str, skip: tuple[str, ...] = ()
-) -> list[dict[str, Any]]:
-    ordered = [*old, *(k for k in new if k not in old)]
-    keys = [k for k in ordered if k not in skip and old.get(k, _MISSING) != new.get(k, _MISSING)]
-    if not keys:
-        return []
-    patch = jsonpatch.make_patch(
-        {k: old[k] for k in keys if k in old}, {k: new[k] for k in keys if k in new}
-    )
-    ops = []
-    for op in patch.patch:
-        op = dict(op, path=prefix + op["path"])
-        if "from" in op:
-            op["from"] = prefix + op["from"]
-        ops.append(op)
-    return ops
+def _prune(old: Any, new: Any) -> tuple[Any, Any]:
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        old = {str(i): value for i, value in enumerate(old)}
+        new = {str(i): value for i, value in enumerate(new)}
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return old, new
+    pruned_old: dict[str, Any] = {}
+    pruned_new: dict[str, Any] = {}
+    for key in [*old, *(k for k in new if k not in old)]:
+        before, after = old.get(key, _MISSING), new.get(key, _MISSING)
+        if before == after:
+            continue
+        if before is not _MISSING and after is not _MISSING:
+            before, after = _prune(before, after)
+        if before is not _MISSING:
+            pruned_old[key] = before
+        if after is not _MISSING:
+            pruned_new[key] = after
+    return pruned_old, pruned_new
 
 
 # --- one container ------------------------------------------------------------------------------
