@@ -134,6 +134,16 @@ class LatencyTracker:
         self._observe(timeline, "allocated_to_running", timeline.allocated_at, at)
         self._observe(timeline, "admission_to_running", timeline.admitted_at, at)
 
+    def histograms_copy(self) -> LatencyTracker:
+        """A tracker holding copies of the histograms only (for reading elsewhere)."""
+        copy = LatencyTracker()
+        copy.histograms = {
+            stage: Histogram(h.bounds, list(h.counts), h.total, h.count)
+            for stage, h in self.histograms.items()
+        }
+        copy.usage_since = self.usage_since
+        return copy
+
     def tracked_pods(self) -> int:
         return len(self._pods)
 

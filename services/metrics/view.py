@@ -264,6 +264,33 @@ class ClusterView:
 
     # --- derived ------------------------------------------------------------------------------
 
+    def snapshot(self) -> ClusterView:
+        """A copy that later bus messages do not change, cheap enough to take per scrape, so
+        a large exposition can be rendered off the event loop. KV values and usage samples are
+        replaced, never mutated, so copying the dicts is enough; the snapshot cannot fold
+        events (it keeps no dedupe memory or timelines)."""
+        return ClusterView(
+            nodes=dict(self.nodes),
+            ledgers=dict(self.ledgers),
+            quotas=dict(self.quotas),
+            usage=dict(self.usage),
+            latency=self.latency.histograms_copy(),
+            pending=dict(self.pending),
+            recent=deque(self.recent, maxlen=RECENT_EVENTS),
+            alloc_events=Counter(self.alloc_events),
+            node_events=Counter(self.node_events),
+            admission_events=Counter(self.admission_events),
+            quota_events=Counter(self.quota_events),
+            sched_failures=Counter(self.sched_failures),
+            refusals=Counter(self.refusals),
+            ooms=Counter(self.ooms),
+            bad_messages=Counter(self.bad_messages),
+            events_applied=self.events_applied,
+            last_event_sequence=self.last_event_sequence,
+            kv_synced=set(self.kv_synced),
+            events_synced=self.events_synced,
+        )
+
     @property
     def synced(self) -> bool:
         return self.events_synced and {"nodes", "ledger", "quota"} <= self.kv_synced

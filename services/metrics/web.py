@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -30,17 +32,27 @@ def build_registry(
     return registry
 
 
+def render_exposition(view: ClusterView, settings: TesseraSettings, now: float) -> bytes:
+    return generate_latest(build_registry(view, settings, lambda: now))
+
+
+def render_state(view: ClusterView, now: float) -> bytes:
+    return json.dumps(dashboard_state(view, now), separators=(",", ":")).encode()
+
+
 def build_app(
     view: ClusterView, settings: TesseraSettings, clock: Callable[[], float]
 ) -> Starlette:
-    registry = build_registry(view, settings, clock)
-
+    # Rendering a large cluster takes a while: render a snapshot in a worker thread so the
+    # feeds keep folding bus messages meanwhile.
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = await asyncio.to_thread(render_exposition, view.snapshot(), settings, clock())
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def state(_: Request) -> Response:
-        return JSONResponse(dashboard_state(view, clock()),
-                            headers={"Cache-Control": "no-store"})
+        body = await asyncio.to_thread(render_state, view.snapshot(), clock())
+        return Response(body, media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
 
     async def index(_: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
