@@ -49,8 +49,22 @@ async def test_restart_rebuilds_index_and_expires_stale_reservations(
     names = list(registrations)
     await wait_until(lambda: all(first.index.node(n) for n in names))
 
-    tasks = [asyncio.create_task(burst(first, cluster, names, buckets, rng)) for _ in range(200)]
-    await asyncio.sleep(0.4)
+    gate = asyncio.Semaphore(16)
+
+    async def gated() -> None:
+        async with gate:
+            await burst(first, cluster, names, buckets, rng)
+
+    def reserved_somewhere() -> bool:
+        return any(
+            a.state == AllocationState.RESERVED
+            for e in first.index.entries.values() if e.ledger
+            for a in e.ledger.allocations.values()
+        )  # fmt: skip
+
+    tasks = [asyncio.create_task(gated()) for _ in range(200)]
+    await wait_until(reserved_somewhere)
+    await asyncio.sleep(0.2)
     # The crash: the replica's loops and every request in flight die where they stand.
     first.kill()
     for task in tasks:
