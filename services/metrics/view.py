@@ -190,8 +190,10 @@ class ClusterView:
         grants = [g for container in event.containers for g in container]
         detail = ""
         if grants:
-            detail = " [" + ", ".join(
-                f"{g.uuid[-8:]} {g.memory_mib} MiB {g.cores}%" for g in grants) + "]"
+            detail = ": " + ", ".join(
+                f"{g.memory_mib} MiB + {g.cores}% of {g.uuid}" for g in grants[:4])
+            if len(grants) > 4:
+                detail += f" and {len(grants) - 4} more"
         severity = {"failed": "error", "mismatch": "error", "released": "muted"}.get(
             event.action, "info")
         self._remember(event, "alloc", event.action, event.node,

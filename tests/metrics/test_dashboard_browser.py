@@ -25,6 +25,9 @@ from tessera.models import (
     HostDeviceUsage,
     NodeEvent,
     OomEvent,
+    QuotaAmount,
+    QuotaCharge,
+    QuotaState,
     SchedulingFailedEvent,
 )
 
@@ -38,6 +41,10 @@ async def test_dashboard_shows_gpu_bars_and_pending_reasons(bus: Bus, tmp_path: 
     from playwright.async_api import async_playwright
 
     await bus.buckets.nodes.put("gpu-node-1", encode(registration("gpu-node-1", gpus=2)))
+    await bus.buckets.quota.put("ml-team", encode(QuotaState(
+        namespace="ml-team", limits=QuotaAmount(memory_mib=49_152, cores=100),
+        charges={"uid-ml-team-trainer-0": QuotaCharge(pod_uid="uid-ml-team-trainer-0",
+                                                      memory_mib=40_960, cores=50, gpus=1)})))
     await bus.buckets.nodes.put("gpu-node-2", encode(registration("gpu-node-2", gpus=1,
                                                                   memory_mib=24_576)))
     service = await start_service(bus)
@@ -115,6 +122,8 @@ async def test_dashboard_shows_gpu_bars_and_pending_reasons(bus: Bus, tmp_path: 
                 assert any("gpu-node-1" in r and "2/2 CardInsufficientMemory" in r
                            for r in reasons)
                 assert "CardInsufficientMemory" in await pending.locator(".summary").inner_text()
+                quota = page.locator('.quota[data-namespace="ml-team"]')
+                assert "40 GiB of 48 GiB" in await quota.inner_text()
                 events = await page.locator("#events li").all_inner_texts()
                 assert any("out of GPU memory" in e for e in events)
                 await page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)

@@ -168,6 +168,29 @@ function renderEvents(events) {
   ).join("");
 }
 
+function quotaRow(label, used, limit, format) {
+  if (limit == null) return `<div class="q-row"><span class="q-name">${label}</span>` +
+    `<span class="q-fig">${format(used)} · no limit</span></div>`;
+  const share = limit > 0 ? used / limit : 1;
+  const cls = share >= 0.95 ? "err" : share >= 0.8 ? "warn" : "";
+  return `<div class="q-row"><span class="q-name">${label}</span>` +
+    `<span class="q-fig">${format(used)} of ${format(limit)}</span></div>` +
+    `<div class="mini q ${cls}"><div style="width:${Math.min(100, share * 100).toFixed(1)}%"></div></div>`;
+}
+
+function renderQuotas(quotas) {
+  if (!quotas.length) {
+    $("quotas").innerHTML = `<p class="empty">No namespace has a GPU quota.</p>`;
+    return;
+  }
+  $("quotas").innerHTML = quotas.map((q) =>
+    `<div class="quota" data-namespace="${esc(q.namespace)}"><div class="who">${esc(q.namespace)}</div>` +
+    quotaRow("memory", q.used.memory_mib || 0, q.limits.memory_mib, mem) +
+    quotaRow("compute", q.used.cores || 0, q.limits.cores, (v) => `${v}%`) +
+    (q.limits.gpus != null ? quotaRow("GPUs", q.used.gpus || 0, q.limits.gpus, String) : "") +
+    `</div>`).join("");
+}
+
 function setLive(cls, text) {
   $("live").className = `live ${cls}`;
   $("live-text").textContent = text;
@@ -183,6 +206,7 @@ async function refresh() {
     renderTotals(state.totals);
     renderNodes(state.nodes);
     renderPending(state.pending);
+    renderQuotas(state.quotas);
     renderEvents(state.events);
     lastOk = Date.now();
     document.body.dataset.updated = String(lastOk);
