@@ -6,7 +6,6 @@ the quota verdict is asked for by the caller and folded in with `apply_quota_ver
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
@@ -14,9 +13,10 @@ from typing import Any
 import jsonpatch
 
 from tessera.hami import (
+    ContainerRequest,
+    PodRequest,
     RequestError,
     parse_container_request,
-    parse_pod_request,
     parse_quantity,
     quota_charge,
     raw_percentage,
@@ -126,17 +126,23 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
             )
 
     # Rule 3: each init container, then each container, on a copy we are free to change.
-    mutated = _json_copy(pod)
+    mutated = _writable_copy(pod)
     changes: list[str] = []
     warnings: list[str] = []
-    gpu_pod = False
+    requests: dict[str, list[ContainerRequest | None]] = {}
     try:
         for section in CONTAINER_SECTIONS:
-            for index, container in enumerate(mutated["spec"].get(section) or []):
-                label = _container_label(container, section, index)
-                gpu_pod |= _normalise_container(container, label, settings, changes, warnings)
+            requests[section] = [
+                _normalise_container(
+                    container, _container_label(container, section, index), settings, changes,
+                    warnings,
+                )
+                for index, container in enumerate(mutated["spec"].get(section) or [])
+            ]
     except RequestError as exc:
         return Denial(INVALID_REQUEST, str(exc), 400)
+    normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"])
+    gpu_pod = normalised.wants_gpu
 
     if gpu_pod:
         # Rule 4: a privileged container sees every GPU of the node, whatever it asked for.
@@ -164,7 +170,7 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
             changes.append(f"schedulerName set to {settings.scheduler_name}")
 
     patch = json_patch(pod, mutated) if changes else []
-    quota = _quota_ask(mutated, namespace, settings) if gpu_pod else None
+    quota = _quota_ask(pod, normalised, namespace) if gpu_pod else None
     note = "GPU request accepted as written" if gpu_pod else "no GPU requested"
     return Admitted(patch, tuple(changes), tuple(warnings), quota, note)
 
@@ -204,13 +210,18 @@ def json_patch(original: dict[str, Any], mutated: dict[str, Any]) -> list[dict[s
     whole for the library's list diff.
     """
     old, new = _prune(original, mutated)
-    return jsonpatch.make_patch(old, new).patch
+    # No `move` operations: the rules never move anything, and looking for them is costly.
+    return jsonpatch.JsonPatch.from_diff(old, new, optimization=False).patch
 
 
 def _prune(old: Any, new: Any) -> tuple[Any, Any]:
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        old = {str(i): value for i, value in enumerate(old)}
-        new = {str(i): value for i, value in enumerate(new)}
+    if isinstance(old, list) and isinstance(new, list):
+        if len(old) == len(new):
+            old = {str(i): value for i, value in enumerate(old)}
+            new = {str(i): value for i, value in enumerate(new)}
+        elif len(old) < len(new) and new[: len(old)] == old:
+            # Appended entries (env): "add /env/<len>" in order, as pointers into a list do.
+            return {}, {str(i): new[i] for i in range(len(old), len(new))}
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return old, new
     pruned_old: dict[str, Any] = {}
@@ -237,8 +248,9 @@ def _normalise_container(
     settings: TesseraSettings,
     changes: list[str],
     warnings: list[str],
-) -> bool:
-    """HAMi's per-container rules, applied in place; True when the container asks for a GPU."""
+) -> ContainerRequest | None:
+    """HAMi's per-container rules, applied in place; the request as normalised (None = asks no
+    GPU), equal to what parse_container_request reads from the changed container."""
     where = f"container {label}: "
     try:
         percentage = raw_percentage(container, settings)
@@ -266,7 +278,7 @@ def _normalise_container(
     if request is None:
         if settings.env_overwrite and _ensure_env(container, ENV_VISIBLE_DEVICES, "none"):
             changes.append(f"{label}: env {ENV_VISIBLE_DEVICES}=none (asks no GPU)")
-        return False
+        return None
 
     others = [r for r, raw in (
         (settings.resource_mem, raw_mem),
@@ -289,9 +301,10 @@ def _normalise_container(
     if raw_cores is None and (percentage == 100 or asks_no_memory):
         _set_resource(container, settings, settings.resource_cores, "100")
         changes.append(f"{label}: {settings.resource_cores}=100 added (whole card, exclusive)")
+        request = replace(request, cores=100)
     if raw_cores is not None and parse_quantity(raw_cores, settings.resource_cores) > 100:
         warnings.append(f"{where}{settings.resource_cores} above 100 is treated as 100")
-    return True
+    return request
 
 
 def _container_label(container: dict[str, Any], section: str, index: int) -> str:
@@ -352,13 +365,33 @@ def _privileged(container: Any) -> bool:
     return isinstance(context, dict) and context.get("privileged") is True
 
 
-def _quota_ask(pod: dict[str, Any], namespace: str, settings: TesseraSettings) -> QuotaAsk:
-    memory, cores, gpus = quota_charge(parse_pod_request(pod, settings))
-    metadata = pod.get("metadata") or {}
-    name = metadata.get("name") or metadata.get("generateName") or ""
+def _quota_ask(pod: dict[str, Any], request: PodRequest, namespace: str) -> QuotaAsk:
+    memory, cores, gpus = quota_charge(request)
+    metadata = pod.get("metadata")
+    name = (metadata.get("name") or metadata.get("generateName") or "") if isinstance(
+        metadata, dict) else ""
     return QuotaAsk(namespace, str(name), memory, cores, gpus)
 
 
-def _json_copy(value: Any) -> Any:
-    # A JSON round trip runs in C and is several times faster than copy.deepcopy.
-    return json.loads(json.dumps(value))
+def _writable_copy(pod: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the pod in which the rules may change the spec, the containers, their
+    resources maps and env lists; everything else is shared with the original, which is
+    therefore never modified (env entries are replaced, never edited)."""
+    spec = dict(pod["spec"])
+    for section in CONTAINER_SECTIONS:
+        if isinstance(spec.get(section), list):
+            spec[section] = [_writable_container(c) for c in spec[section]]
+    return {**pod, "spec": spec}
+
+
+def _writable_container(container: dict[str, Any]) -> dict[str, Any]:
+    copy = dict(container)
+    resources = copy.get("resources")
+    if isinstance(resources, dict):
+        resources = copy["resources"] = dict(resources)
+        for section in ("limits", "requests"):
+            if isinstance(resources.get(section), dict):
+                resources[section] = dict(resources[section])
+    if isinstance(copy.get("env"), list):
+        copy["env"] = list(copy["env"])
+    return copy

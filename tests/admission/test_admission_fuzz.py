@@ -196,3 +196,26 @@ def test_json_patch_turns_any_document_into_any_other():
         assert jsonpatch.apply_patch(old, json_patch(old, new)) == new
 
     check()
+
+
+def test_quota_charge_is_the_one_of_the_patched_pod():
+    """The charge sent to the quota service is what the scheduler will read from the pod."""
+    from tessera.admission.rules import Admitted, decide
+
+    from tessera.hami import parse_pod_request, quota_charge
+
+    config = TesseraSettings(core_policy="force")
+
+    @FUZZ
+    @given(pods)
+    def check(obj: dict[str, Any]) -> None:
+        decision = decide(obj, "ns", config)
+        if not isinstance(decision, Admitted) or decision.quota is None:
+            return
+        new = jsonpatch.apply_patch(obj, decision.patch)
+        ask = decision.quota
+        charge = quota_charge(parse_pod_request(new, config))
+        assert (ask.memory_mib, ask.cores, ask.gpus) == charge
+
+    check()
+
