@@ -18,15 +18,6 @@ from tessera.models import AllocationState, NodeRegistration
 from tessera.region import SEALED_LIMITS_DIR, read_limits
 
 
-async def next_event(nc, subject: str, timeout: float = 5.0):
-    stream = subscribe(nc, subject)
-    try:
-        received = await asyncio.wait_for(anext(stream), timeout)
-        return received.event
-    finally:
-        await stream.aclose()
-
-
 async def test_registers_and_advertises_replicas_with_numa(short_dir, nc, buckets):
     async with running_rig(short_dir, nc, buckets) as rig:
         plugin = rig.kubelet.plugins["nvidia.com/gpu"]
@@ -46,9 +37,22 @@ async def test_registers_and_advertises_replicas_with_numa(short_dir, nc, bucket
         assert [d.uuid for d in hami.decode_node_register(annotation)] == gpus
 
 
+async def registered_health(buckets, node: str) -> list[bool]:
+    entry = await buckets.nodes.get(node)
+    return [d.healthy for d in decode(entry.value, NodeRegistration).devices]
+
+
+async def eventually(check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.1)
+
+
 async def test_unhealthy_gpu_reaches_kubelet_registration_and_events(short_dir, nc, buckets):
-    async with running_rig(short_dir, nc, buckets, health_recovery_s=1.0) as rig:
+    async with running_rig(short_dir, nc, buckets, health_recovery_s=3.0) as rig:
         bad, good = rig.gpus
+        unhealthy_events = subscribe(nc, f"tessera.events.node.{rig.node}.unhealthy")
         rig.source.events.put(HealthEvent(bad, "xid", 79))
         kubelet = rig.kubelet
 
@@ -58,18 +62,21 @@ async def test_unhealthy_gpu_reaches_kubelet_registration_and_events(short_dir, 
 
         await kubelet.wait_for(lambda: health_of(bad) == {UNHEALTHY}, timeout=5)
         assert health_of(good) == {HEALTHY}
-        event = await next_event(nc, f"tessera.events.node.{rig.node}.unhealthy")
+
+        async def registered_unhealthy() -> bool:
+            return await registered_health(buckets, rig.node) == [False, True]
+
+        await eventually(registered_unhealthy, timeout=2)
+        event = (await asyncio.wait_for(anext(unhealthy_events), 5)).event
+        await unhealthy_events.aclose()
         assert event.device_uuids == [bad] and "XID 79" in event.reason
-        entry = await buckets.nodes.get(rig.node)
-        assert [d.healthy for d in decode(entry.value, NodeRegistration).devices] == [False, True]
         # No new critical event for health_recovery_s: healthy again (HAMi never recovers).
-        await kubelet.wait_for(lambda: health_of(bad) == {HEALTHY}, timeout=5)
-        for _ in range(20):
-            entry = await buckets.nodes.get(rig.node)
-            if decode(entry.value, NodeRegistration).devices[0].healthy:
-                break
-            await asyncio.sleep(0.2)
-        assert decode(entry.value, NodeRegistration).devices[0].healthy
+        await kubelet.wait_for(lambda: health_of(bad) == {HEALTHY}, timeout=8)
+
+        async def registered_healthy() -> bool:
+            return await registered_health(buckets, rig.node) == [True, True]
+
+        await eventually(registered_healthy, timeout=3)
 
 
 async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_dir, nc, buckets):
