@@ -171,7 +171,8 @@ class RegionC(ctypes.Structure):
         ("reserved0", ctypes.c_uint32),
         ("lock", RegionLockC),
         ("created_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint64 * 7),
+        ("reclaim_ns", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 6),
         ("dev", RegionDeviceC * MAX_DEVICES),
         ("procs", ProcSlotC * MAX_PROCS),
     ]
@@ -392,7 +393,7 @@ class DeviceUsage:
     limit_bytes: int
     oom_count: int
     last_kernel_ns: int  # CLOCK_REALTIME ns (time.time_ns()); 0 = no launch seen
-    sm_limit_pct: int  # limit in force now; 0 = unlimited
+    sm_limit_pct: int  # SM % in force now: 100 = not limited, 0 = paused
     achieved_sm_pct: float | None  # None: libvgpu does not time this device (unthrottled)
     busy_ns_total: int
     launches: int

@@ -115,7 +115,7 @@ struct tsr_region_device {
     uint64_t oom_count;           /* allocations refused because of the limit */
     uint64_t last_kernel_ns;      /* CLOCK_REALTIME ns of recent launch activity (0 = none);
                                      precise when throttled, else updated every poll tick */
-    uint32_t sm_limit_pct;        /* the SM limit in force now, 0 = unlimited (informational) */
+    uint32_t sm_limit_pct;        /* SM % in force now: 100 = not limited, 0 = paused */
     uint32_t achieved_sm_x100;    /* measured SM % x 100 over the last window, or TSR_SM_UNKNOWN */
     uint64_t busy_ns_total;       /* measured GPU busy ns of throttled launches */
     int64_t budget_ns;            /* compute token bucket (GPU ns), shared by the container */
@@ -148,7 +148,8 @@ struct tsr_region {
         uint8_t raw[64];          /* opaque to the node agent: never lock it from the host */
     } lock;
     uint64_t created_ns;          /* CLOCK_REALTIME at initialisation */
-    uint64_t reserved[7];
+    uint64_t reclaim_ns;          /* CLOCK_MONOTONIC of the last dead-slot sweep */
+    uint64_t reserved[6];
     struct tsr_region_device dev[TSR_MAX_DEVICES];
     struct tsr_proc_slot procs[TSR_MAX_PROCS];
 };

@@ -1,0 +1,309 @@
+/*
+ * limits.c — where the limits come from (the sealed file, else env vars), the per-device limits
+ * in force, and the poll thread that notices a new limits file within TSR_LIMITS_POLL_MS.
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "vgpu.h"
+
+#define TV_DEFAULT_REGION "/tmp/tessera-vgpu.region"
+
+static int file_mode;       /* limits come from a limits file */
+static int limits_broken;   /* the file exists but never parsed: refuse all allocations */
+static struct stat last_st; /* of the limits file we last read */
+static int have_last_st;
+
+/* ---- the limits file ---------------------------------------------------------------------- */
+
+static int read_limits_file(const char *path, struct tsr_limits *out, struct stat *st_out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    int rc = -1;
+    struct stat st;
+    unsigned char *buf = NULL;
+    if (fstat(fd, &st) != 0 || st.st_size < (off_t)sizeof(struct tsr_limits) ||
+        st.st_size > (1 << 20))
+        goto out;
+    buf = malloc((size_t)st.st_size);
+    if (!buf) goto out;
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t n = pread(fd, buf + got, (size_t)st.st_size - got, (off_t)got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) goto out;
+        got += (size_t)n;
+    }
+    struct tsr_limits l;
+    memcpy(&l, buf, sizeof l);
+    if (l.magic != TSR_LIMITS_MAGIC || l.major != TSR_VERSION_MAJOR ||
+        l.header_size < sizeof(struct tsr_limits) || l.header_size > got ||
+        l.num_devices > TSR_MAX_DEVICES) {
+        TV_LOG(TV_LOG_ERROR, "limits file %s: bad header", path);
+        goto out;
+    }
+    uint64_t sum;
+    memcpy(&sum, buf + l.header_size - sizeof sum, sizeof sum);
+    if (sum != tsr_fnv1a64(buf, l.header_size - sizeof sum)) {
+        TV_LOG(TV_LOG_ERROR, "limits file %s: bad checksum", path);
+        goto out;
+    }
+    for (unsigned i = 0; i < TSR_MAX_DEVICES; i++) l.dev[i].uuid[TSR_UUID_LEN - 1] = 0;
+    l.region_path[TSR_PATH_LEN - 1] = 0;
+    *out = l;
+    if (st_out) *st_out = st;
+    rc = 0;
+out:
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+/* ---- env vars (standalone use only) ---------------------------------------------------------- */
+
+static uint64_t parse_bytes(const char *s)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s) return 0;
+    while (isspace((unsigned char)*end)) end++;
+    switch (tolower((unsigned char)*end)) {
+    case 'g': return (uint64_t)v << 30;
+    case 'm': return (uint64_t)v << 20;
+    case 'k': return (uint64_t)v << 10;
+    default: return v;
+    }
+}
+
+static void load_env(void)
+{
+    char name[64];
+    const char *all_mem = getenv("CUDA_DEVICE_MEMORY_LIMIT");
+    const char *all_sm = getenv("CUDA_DEVICE_SM_LIMIT");
+    for (int i = 0; i < TSR_MAX_DEVICES; i++) {
+        snprintf(name, sizeof name, "CUDA_DEVICE_MEMORY_LIMIT_%d", i);
+        const char *m = getenv(name);
+        tv.env_mem[i] = m ? parse_bytes(m) : all_mem ? parse_bytes(all_mem) : 0;
+        snprintf(name, sizeof name, "CUDA_DEVICE_SM_LIMIT_%d", i);
+        const char *c = getenv(name);
+        tv.env_sm[i] = c ? (uint32_t)atoi(c) : all_sm ? (uint32_t)atoi(all_sm) : 0;
+    }
+    memset(&tv.lim, 0, sizeof tv.lim);
+    tv.lim.priority = TSR_PRIORITY_LOW;
+    const char *p = getenv("CUDA_TASK_PRIORITY");
+    if (p && *p) tv.lim.priority = atoi(p);
+    const char *pol = getenv("GPU_CORE_UTILIZATION_POLICY");
+    tv.lim.core_policy = TSR_POLICY_DEFAULT;
+    if (pol && !strcasecmp(pol, "force")) tv.lim.core_policy = TSR_POLICY_FORCE;
+    if (pol && !strcasecmp(pol, "disable")) tv.lim.core_policy = TSR_POLICY_DISABLE;
+    const char *scrub = getenv("TESSERA_SCRUB_ON_FREE");
+    if (scrub && (*scrub == '1' || !strcasecmp(scrub, "true")))
+        tv.lim.flags |= TSR_LIMITS_SCRUB_ON_FREE;
+    const char *ctx = getenv("TESSERA_CTX_CHARGE_BYTES");
+    if (ctx && *ctx) tv.lim.ctx_charge_bytes = parse_bytes(ctx);
+    const char *region = getenv(TSR_ENV_REGION_PATH);
+    if (region) snprintf(tv.lim.region_path, sizeof tv.lim.region_path, "%s", region);
+}
+
+void tv_limits_load(void)
+{
+    const char *sealed = TSR_SEALED_LIMITS_DIR "/" TSR_LIMITS_FILE_NAME;
+    struct stat st;
+    if (stat(sealed, &st) == 0) {
+        tv.sealed = 1;
+        file_mode = 1;
+        snprintf(tv.limits_file, sizeof tv.limits_file, "%s", sealed);
+    } else {
+        const char *dir = getenv(TSR_ENV_LIMITS_DIR);
+        if (dir && *dir) {
+            snprintf(tv.limits_file, sizeof tv.limits_file, "%s/%s", dir, TSR_LIMITS_FILE_NAME);
+            file_mode = stat(tv.limits_file, &st) == 0;
+        }
+    }
+    if (file_mode) {
+        if (read_limits_file(tv.limits_file, &tv.lim, &last_st) == 0) {
+            have_last_st = 1;
+        } else {
+            /* Fail closed: a sealed file we cannot read must not mean "no limit". */
+            TV_LOG(TV_LOG_ERROR, "limits file %s unreadable: refusing device allocations",
+                   tv.limits_file);
+            memset(&tv.lim, 0, sizeof tv.lim);
+            limits_broken = 1;
+        }
+    } else {
+        load_env();
+    }
+    atomic_store(&tv.flags, tv.lim.flags);
+    tv.ctx_charge = tv.lim.ctx_charge_bytes ? tv.lim.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
+}
+
+const char *tv_limits_region_path(void)
+{
+    if (tv.lim.region_path[0]) return tv.lim.region_path;
+    if (!tv.sealed) {
+        const char *e = getenv(TSR_ENV_REGION_PATH);
+        if (e && *e) return e;
+    }
+    return TV_DEFAULT_REGION;
+}
+
+/* ---- the limits in force, per device slot ------------------------------------------------ */
+
+static uint32_t effective_sm(uint32_t limit, uint32_t dflags, uint32_t yield_pct, uint32_t policy)
+{
+    int limited = limit > 0 && limit < 100;
+    if (dflags & TSR_DEV_YIELD) {
+        if (yield_pct == 0) return TV_SM_PAUSE;
+        uint32_t y = limited && limit < yield_pct ? limit : yield_pct;
+        return y >= 100 ? 0 : y;
+    }
+    if (!limited) return 0;
+    switch (policy) {
+    case TSR_POLICY_FORCE: return limit;
+    case TSR_POLICY_DISABLE: return 0;
+    default:
+        /* Without a node agent (env mode) nothing signals contention: limit always. */
+        return (!file_mode || (dflags & TSR_DEV_CONTENDED)) ? limit : 0;
+    }
+}
+
+static const struct tsr_limits_device *limits_entry(int dslot)
+{
+    const char *uuid = tv.region ? tv.region->dev[dslot].uuid : "";
+    int ordinal = atomic_load(&tv.dev[dslot].ordinal);
+    for (unsigned i = 0; i < tv.lim.num_devices; i++)
+        if (uuid[0] && !strcmp(tv.lim.dev[i].uuid, uuid)) return &tv.lim.dev[i];
+    for (unsigned i = 0; i < tv.lim.num_devices; i++)
+        if (!tv.lim.dev[i].uuid[0] && (int)i == ordinal) return &tv.lim.dev[i];
+    return NULL;
+}
+
+/* Caller holds tv.mu. */
+void tv_limits_apply_slot(int d)
+{
+    if (d < 0 || d >= TSR_MAX_DEVICES) return;
+    uint64_t mem = 0;
+    uint32_t eff = 0;
+    if (limits_broken) {
+        mem = 1; /* nothing fits */
+    } else if (file_mode) {
+        const struct tsr_limits_device *e = limits_entry(d);
+        if (e) {
+            mem = e->mem_limit_bytes;
+            eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, tv.lim.core_policy);
+        }
+    } else {
+        int o = atomic_load(&tv.dev[d].ordinal);
+        if (o >= 0 && o < TSR_MAX_DEVICES) {
+            mem = tv.env_mem[o];
+            eff = effective_sm(tv.env_sm[o], 0, 0, tv.lim.core_policy);
+        } else if (tv.region) {
+            mem = __atomic_load_n(&tv.region->dev[d].limit_bytes, __ATOMIC_RELAXED);
+        }
+    }
+    atomic_store(&tv.dev[d].mem_limit, mem);
+    atomic_store(&tv.dev[d].sm_eff, eff);
+    int any = 0;
+    for (int i = 0; i < TSR_MAX_DEVICES; i++) any |= atomic_load(&tv.dev[i].sm_eff) != 0;
+    atomic_store(&tv.throttle_any, any);
+    if (tv.region && (file_mode || atomic_load(&tv.dev[d].ordinal) >= 0)) {
+        struct tsr_region_device *rd = &tv.region->dev[d];
+        __atomic_store_n(&rd->limit_bytes, mem, __ATOMIC_RELAXED);
+        __atomic_store_n(&rd->sm_limit_pct, eff == 0 ? 100u : eff == TV_SM_PAUSE ? 0u : eff,
+                         __ATOMIC_RELAXED);
+    }
+}
+
+static void apply_all(void)
+{
+    if (!tv.region) return;
+    uint32_t n = __atomic_load_n(&tv.region->num_devices, __ATOMIC_ACQUIRE);
+    for (uint32_t d = 0; d < n && d < TSR_MAX_DEVICES; d++) tv_limits_apply_slot((int)d);
+}
+
+int tv_limits_poll(void)
+{
+    if (!file_mode) return 0;
+    struct stat st;
+    if (stat(tv.limits_file, &st) != 0) return 0; /* keep what we have */
+    if (have_last_st && st.st_ino == last_st.st_ino && st.st_dev == last_st.st_dev &&
+        st.st_size == last_st.st_size && st.st_mtim.tv_sec == last_st.st_mtim.tv_sec &&
+        st.st_mtim.tv_nsec == last_st.st_mtim.tv_nsec)
+        return 0;
+    struct tsr_limits l;
+    struct stat rst;
+    if (read_limits_file(tv.limits_file, &l, &rst) != 0) {
+        last_st = st; /* do not re-read a bad file until it changes */
+        have_last_st = 1;
+        return 0;
+    }
+    pthread_mutex_lock(&tv.mu);
+    int changed = memcmp(&l, &tv.lim, sizeof l) != 0;
+    tv.lim = l;
+    limits_broken = 0;
+    last_st = rst;
+    have_last_st = 1;
+    atomic_store(&tv.flags, l.flags);
+    tv.ctx_charge = l.ctx_charge_bytes ? l.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
+    if (tv.region) {
+        __atomic_store_n(&tv.region->priority, l.priority, __ATOMIC_RELAXED);
+        __atomic_store_n(&tv.region->core_policy, l.core_policy, __ATOMIC_RELAXED);
+    }
+    apply_all();
+    pthread_mutex_unlock(&tv.mu);
+    if (changed) TV_LOG(TV_LOG_INFO, "limits reloaded (generation %llu)",
+                        (unsigned long long)l.generation);
+    return changed;
+}
+
+/* ---- the poll thread ------------------------------------------------------------------------ */
+
+static _Atomic int poll_started;
+
+static void *poll_main(void *arg)
+{
+    (void)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    unsigned tick = 0;
+    for (;;) {
+        tv_sleep_ns((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull);
+        tv_limits_poll();
+        tv_compute_poll(tv_mono_ns(), tv_real_ns());
+        if (++tick % (1000 / TSR_LIMITS_POLL_MS) == 0) tv_region_periodic_reclaim();
+    }
+    return NULL;
+}
+
+void tv_poll_thread_start(void)
+{
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&poll_started, &expected, 1)) return;
+    pthread_t t;
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, 256 * 1024);
+    if (pthread_create(&t, &a, poll_main, NULL) != 0) {
+        TV_LOG(TV_LOG_WARN, "cannot start the poll thread: limits will not be reloaded");
+        atomic_store(&poll_started, 0);
+    }
+    pthread_attr_destroy(&a);
+}
+
+void tv_limits_after_fork_child(void)
+{
+    atomic_store(&poll_started, 0);
+}

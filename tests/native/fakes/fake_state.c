@@ -1,0 +1,144 @@
+/* fake_state.c — see fake_state.h. Linked into the fake libcuda, the fake NVML and fkstat. */
+#define _GNU_SOURCE
+#include "fake_state.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+int fk_env_int(const char *name, int dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) : dflt;
+}
+
+int64_t fk_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void fk_sleep_until(int64_t t)
+{
+    for (;;) {
+        int64_t d = t - fk_now();
+        if (d <= 0) return;
+        struct timespec ts = {d / 1000000000, d % 1000000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void init_state(struct fk_state *s)
+{
+    memset(s, 0, sizeof *s);
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&s->mu, &a);
+    pthread_mutexattr_destroy(&a);
+    s->ndev = fk_env_int("FAKE_GPU_COUNT", 2);
+    if (s->ndev < 1) s->ndev = 1;
+    if (s->ndev > FK_MAX_DEV) s->ndev = FK_MAX_DEV;
+    uint64_t mem = (uint64_t)fk_env_int("FAKE_GPU_MEM_MB", 16384) << 20;
+    for (int i = 0; i < s->ndev; i++) {
+        struct fk_dev *d = &s->dev[i];
+        unsigned char b[16] = {0xfa, 0x4e, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+                               0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, (unsigned char)i};
+        memcpy(d->uuid_bytes, b, 16);
+        snprintf(d->uuid, sizeof d->uuid,
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                 b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+                 b[14], b[15]);
+        d->total = mem;
+    }
+    __atomic_store_n(&s->magic, FK_MAGIC, __ATOMIC_RELEASE);
+}
+
+struct fk_state *fk_state_at(const char *path)
+{
+    size_t sz = sizeof(struct fk_state);
+    struct fk_state *s;
+    if (!path || !*path) {
+        s = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (s == MAP_FAILED) abort();
+        init_state(s);
+        return s;
+    }
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        perror(path);
+        abort();
+    }
+    flock(fd, LOCK_EX);
+    struct stat st;
+    fstat(fd, &st);
+    if ((size_t)st.st_size < sz && ftruncate(fd, (off_t)sz) != 0) abort();
+    s = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (s == MAP_FAILED) abort();
+    if (__atomic_load_n(&s->magic, __ATOMIC_ACQUIRE) != FK_MAGIC) init_state(s);
+    flock(fd, LOCK_UN);
+    close(fd);
+    return s;
+}
+
+static struct fk_state *g_state;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static void open_default(void)
+{
+    g_state = fk_state_at(getenv("FAKE_CUDA_STATE"));
+}
+
+struct fk_state *fk_state(void)
+{
+    pthread_once(&g_once, open_default);
+    return g_state;
+}
+
+void fk_lock(struct fk_state *s)
+{
+    if (pthread_mutex_lock(&s->mu) == EOWNERDEAD) pthread_mutex_consistent(&s->mu);
+}
+
+void fk_unlock(struct fk_state *s)
+{
+    pthread_mutex_unlock(&s->mu);
+}
+
+int64_t fk_enqueue(struct fk_state *s, int dev, int64_t dur, int pid)
+{
+    struct fk_dev *d = &s->dev[dev];
+    int64_t now = fk_now();
+    int64_t start = d->busy_until > now ? d->busy_until : now;
+    int64_t end = start + dur;
+    d->busy_until = end;
+    struct fk_interval *iv = &d->ring[d->ring_n % FK_RING];
+    iv->start = start;
+    iv->end = end;
+    iv->pid = pid;
+    d->ring_n++;
+    return end;
+}
+
+int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid)
+{
+    struct fk_dev *d = &s->dev[dev];
+    int64_t busy = 0;
+    uint64_t n = d->ring_n, lo = n > FK_RING ? n - FK_RING : 0;
+    for (uint64_t i = n; i > lo; i--) {
+        struct fk_interval *iv = &d->ring[(i - 1) % FK_RING];
+        if (iv->end <= t0) break; /* intervals are in time order */
+        if (pid > 0 && iv->pid != pid) continue;
+        int64_t a = iv->start > t0 ? iv->start : t0, b = iv->end < t1 ? iv->end : t1;
+        if (b > a) busy += b - a;
+    }
+    return busy;
+}

@@ -1,0 +1,63 @@
+/*
+ * fake_state.h — the state a fake GPU keeps, shared by every process that loads the fake
+ * libcuda.so.1 / libnvidia-ml.so.1 with the same FAKE_CUDA_STATE file: per-device physical
+ * memory and an execution timeline. Kernels of a device run one after another in real time
+ * (CLOCK_MONOTONIC); each executed interval is kept in a ring so that utilisation over any
+ * window can be measured (fake NVML, fkstat).
+ *
+ * Environment: FAKE_CUDA_STATE (file; unset = private to the process), FAKE_GPU_COUNT (2),
+ * FAKE_GPU_MEM_MB (16384), FAKE_KERNEL_US (100: a kernel's duration unless its name ends in
+ * _<N>us), FAKE_CTX_BYTES (0: physical memory of a non-primary context), FAKE_NVML_REVERSE (1:
+ * NVML enumerates devices in the reverse CUDA order).
+ */
+#ifndef FAKE_STATE_H
+#define FAKE_STATE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define FK_MAX_DEV 4
+#define FK_RING (1 << 15)
+#define FK_MAX_EXPORTS 256
+#define FK_MAGIC 0x4B414646u
+
+struct fk_interval {
+    int64_t start, end;
+    int32_t pid, pad;
+};
+
+struct fk_dev {
+    char uuid[64];
+    unsigned char uuid_bytes[16];
+    uint64_t total, used;
+    int64_t busy_until;
+    uint64_t ring_n;
+    struct fk_interval ring[FK_RING];
+};
+
+struct fk_export {
+    int32_t in_use, dev, refs, pad;
+    uint64_t size;
+};
+
+struct fk_state {
+    uint32_t magic;
+    int32_t ndev;
+    pthread_mutex_t mu; /* robust, process-shared */
+    struct fk_dev dev[FK_MAX_DEV];
+    struct fk_export exports[FK_MAX_EXPORTS];
+};
+
+struct fk_state *fk_state(void);          /* open/create once per process */
+struct fk_state *fk_state_at(const char *path);
+void fk_lock(struct fk_state *s);
+void fk_unlock(struct fk_state *s);
+int64_t fk_now(void);                     /* CLOCK_MONOTONIC ns */
+void fk_sleep_until(int64_t t);
+/* Append [start, end) for pid to dev's timeline: returns the end. Caller holds the lock. */
+int64_t fk_enqueue(struct fk_state *s, int dev, int64_t dur, int pid);
+/* GPU busy ns of dev inside [t0, t1), only pid's kernels when pid > 0. */
+int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid);
+int fk_env_int(const char *name, int dflt);
+
+#endif

@@ -1,0 +1,374 @@
+/*
+ * cuctl — a driver-API program the tests steer line by line on stdin; one JSON line per command
+ * on stdout. Every allocation path, the views programs read back, launches on every path, and a
+ * few tools (hold the region lock, read fake counters).
+ *
+ *   init [dev]                       cuInit + the device's primary context, made current
+ *   alloc KIND BYTES                 KIND: plain pitch managed async pool vmm array array3d
+ *                                    mipmap graphnode graphnode2 ctx raw -> {"ok","rc","id"}
+ *   free ID                          the matching free/destroy/release
+ *   info | total | nvml [IDX] | nvml2 [IDX]
+ *   pool_create | pool_threshold BYTES | pool_trim BYTES | pool_destroy
+ *   export ID -> {"fd"} | import FD -> {"id"} | map ID BYTES -> {"id"} | unmap ID | release ID
+ *   write ID BYTE | stats | sync | sleep MS | lockhold REGION | exit
+ *   burn SECONDS KERNEL PATH         PATH: kernel ptsz ex coop graph -> {"launches","t0","t1"}
+ */
+#include <nvml.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "tessera_region.h"
+
+struct fake_stats {
+    long launches, coop_launches, ex_launches, graph_launches;
+    long frees_dirty, frees_clean;
+    long allocs, frees;
+};
+
+enum { O_PTR, O_ASYNC, O_POOLPTR, O_HANDLE, O_ARRAY, O_MIPMAP, O_GRAPH, O_CTX, O_MAP };
+
+struct obj {
+    int kind, used;
+    uint64_t v, size, extra;
+};
+
+static struct api A;
+static struct obj objs[4096];
+static int nobj;
+static CUdevice dev;
+static CUcontext primary;
+static CUmemoryPool pool;
+static CUstream stream;
+
+static int add(int kind, uint64_t v, uint64_t size, uint64_t extra)
+{
+    objs[nobj] = (struct obj){kind, 1, v, size, extra};
+    return nobj++;
+}
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void reply_rc(CUresult r, int id)
+{
+    printf("{\"ok\": %s, \"rc\": %d, \"id\": %d}\n", r == CUDA_SUCCESS ? "true" : "false", (int)r,
+           r == CUDA_SUCCESS ? id : -1);
+}
+
+static CUmemAllocationProp vmm_prop(void)
+{
+    CUmemAllocationProp p;
+    memset(&p, 0, sizeof p);
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = dev;
+    p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    return p;
+}
+
+static CUmemPoolProps pool_props(void)
+{
+    CUmemPoolProps p;
+    memset(&p, 0, sizeof p);
+    p.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = dev;
+    return p;
+}
+
+static void do_alloc(const char *kind, uint64_t bytes)
+{
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    int id = -1;
+    if (!strcmp(kind, "plain") || !strcmp(kind, "managed")) {
+        CUdeviceptr p = 0;
+        r = !strcmp(kind, "plain") ? A.cuMemAlloc(&p, bytes) : A.cuMemAllocManaged(&p, bytes, 1);
+        if (!r) id = add(O_PTR, p, bytes, 0);
+    } else if (!strcmp(kind, "raw")) { /* behind libvgpu's back: an untracked pointer */
+        CUresult (*raw)(CUdeviceptr *, size_t);
+        *(void **)&raw = dlsym(RTLD_DEFAULT, "fake_raw_alloc");
+        CUdeviceptr p = 0;
+        r = raw ? raw(&p, bytes) : CUDA_ERROR_NOT_FOUND;
+        if (!r) id = add(O_PTR, p, bytes, 0);
+    } else if (!strcmp(kind, "pitch")) {
+        CUdeviceptr p = 0;
+        size_t pitch = 0, width = 300 * 1024, height = bytes / width;
+        r = A.cuMemAllocPitch(&p, &pitch, width, height, 4);
+        if (!r) id = add(O_PTR, p, (uint64_t)pitch * height, 0);
+    } else if (!strcmp(kind, "async") || !strcmp(kind, "pool")) {
+        CUdeviceptr p = 0;
+        int from_pool = !strcmp(kind, "pool");
+        r = from_pool ? A.cuMemAllocFromPoolAsync(&p, bytes, pool, stream)
+                      : A.cuMemAllocAsync(&p, bytes, stream);
+        if (!r) id = add(from_pool ? O_POOLPTR : O_ASYNC, p, bytes, 0);
+    } else if (!strcmp(kind, "vmm")) {
+        CUmemGenericAllocationHandle h = 0;
+        CUmemAllocationProp prop = vmm_prop();
+        r = A.cuMemCreate(&h, bytes, &prop, 0);
+        if (!r) id = add(O_HANDLE, h, bytes, 0);
+    } else if (!strcmp(kind, "array")) {
+        CUDA_ARRAY_DESCRIPTOR d = {.Width = 16384, .Height = bytes / 16384 / 4,
+                                   .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+        CUarray a = NULL;
+        r = A.cuArrayCreate(&a, &d);
+        if (!r) id = add(O_ARRAY, (uint64_t)(uintptr_t)a, bytes, 0);
+    } else if (!strcmp(kind, "array3d")) {
+        CUDA_ARRAY3D_DESCRIPTOR d = {.Width = 1024, .Height = 1024, .Depth = bytes / (4u << 20),
+                                     .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+        CUarray a = NULL;
+        r = A.cuArray3DCreate(&a, &d);
+        if (!r) id = add(O_ARRAY, (uint64_t)(uintptr_t)a, bytes, 0);
+    } else if (!strcmp(kind, "mipmap")) {
+        /* a 2D float array of BYTES at level 0, plus its mip chain (BYTES/4 + BYTES/16 + ...) */
+        unsigned side = 1;
+        while ((uint64_t)side * side * 4 < bytes) side *= 2;
+        CUDA_ARRAY3D_DESCRIPTOR d = {.Width = side, .Height = side, .Depth = 0,
+                                     .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+        CUmipmappedArray m = NULL;
+        r = A.cuMipmappedArrayCreate(&m, &d, 3);
+        uint64_t total = (uint64_t)side * side * 4 + (uint64_t)(side / 2) * (side / 2) * 4 +
+                         (uint64_t)(side / 4) * (side / 4) * 4;
+        if (!r) id = add(O_MIPMAP, (uint64_t)(uintptr_t)m, total, 0);
+    } else if (!strcmp(kind, "graphnode") || !strcmp(kind, "graphnode2")) {
+        CUgraph g = NULL;
+        CUgraphNode n = NULL;
+        A.cuGraphCreate(&g, 0);
+        if (!strcmp(kind, "graphnode")) {
+            CUDA_MEM_ALLOC_NODE_PARAMS p;
+            memset(&p, 0, sizeof p);
+            p.poolProps = pool_props();
+            p.bytesize = bytes;
+            r = A.cuGraphAddMemAllocNode(&n, g, NULL, 0, &p);
+        } else {
+            CUgraphNodeParams p;
+            memset(&p, 0, sizeof p);
+            p.type = CU_GRAPH_NODE_TYPE_MEM_ALLOC;
+            p.alloc.poolProps = pool_props();
+            p.alloc.bytesize = bytes;
+            r = A.cuGraphAddNode(&n, g, NULL, NULL, 0, &p);
+        }
+        if (!r) id = add(O_GRAPH, (uint64_t)(uintptr_t)g, bytes, 0);
+        else A.cuGraphDestroy(g);
+    } else if (!strcmp(kind, "ctx")) {
+        CUcontext c = NULL;
+        r = A.cuCtxCreate(&c, NULL, 0, dev);
+        if (!r) {
+            id = add(O_CTX, (uint64_t)(uintptr_t)c, bytes, 0);
+            A.cuCtxSetCurrent(primary);
+        }
+    }
+    reply_rc(r, id);
+}
+
+static void do_free(int id)
+{
+    struct obj *o = &objs[id];
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    if (id < 0 || id >= nobj || !o->used) {
+        reply_rc(r, -1);
+        return;
+    }
+    switch (o->kind) {
+    case O_PTR: r = A.cuMemFree(o->v); break;
+    case O_ASYNC:
+    case O_POOLPTR:
+        r = A.cuMemFreeAsync(o->v, stream);
+        A.cuStreamSynchronize(stream);
+        break;
+    case O_HANDLE: r = A.cuMemRelease(o->v); break;
+    case O_ARRAY: r = A.cuArrayDestroy((CUarray)(uintptr_t)o->v); break;
+    case O_MIPMAP: r = A.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)o->v); break;
+    case O_GRAPH: r = A.cuGraphDestroy((CUgraph)(uintptr_t)o->v); break;
+    case O_CTX: r = A.cuCtxDestroy((CUcontext)(uintptr_t)o->v); break;
+    case O_MAP:
+        r = A.cuMemUnmap(o->v, o->size);
+        A.cuMemAddressFree(o->v, o->size);
+        break;
+    }
+    if (!r) o->used = 0;
+    reply_rc(r, id);
+}
+
+static void do_nvml(int idx, int v2)
+{
+    static void *h;
+    static nvmlReturn_t (*get)(unsigned, void **);
+    if (!h) {
+        h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        nvmlReturn_t (*init)(void);
+        *(void **)&init = dlsym(h, "nvmlInit_v2");
+        init();
+        *(void **)&get = dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    }
+    void *d = NULL;
+    get((unsigned)idx, &d);
+    char uuid[96] = "";
+    nvmlReturn_t (*uuidf)(void *, char *, unsigned);
+    *(void **)&uuidf = dlsym(h, "nvmlDeviceGetUUID");
+    uuidf(d, uuid, sizeof uuid);
+    if (v2) {
+        nvmlMemory_v2_t m = {.version = nvmlMemory_v2};
+        nvmlReturn_t (*f)(void *, nvmlMemory_v2_t *);
+        *(void **)&f = dlsym(h, "nvmlDeviceGetMemoryInfo_v2");
+        nvmlReturn_t r = f(d, &m);
+        printf("{\"rc\": %d, \"uuid\": \"%s\", \"total\": %llu, \"used\": %llu, \"free\": %llu, "
+               "\"reserved\": %llu}\n",
+               (int)r, uuid, m.total, m.used, m.free, m.reserved);
+    } else {
+        nvmlMemory_t m;
+        nvmlReturn_t (*f)(void *, nvmlMemory_t *);
+        *(void **)&f = dlsym(h, "nvmlDeviceGetMemoryInfo");
+        nvmlReturn_t r = f(d, &m);
+        printf("{\"rc\": %d, \"uuid\": \"%s\", \"total\": %llu, \"used\": %llu, \"free\": %llu}\n",
+               (int)r, uuid, m.total, m.used, m.free);
+    }
+}
+
+static void burn(double seconds, const char *kernel, const char *path)
+{
+    CUmodule mod;
+    CUfunction f;
+    A.cuModuleLoadData(&mod, "fake");
+    A.cuModuleGetFunction(&f, mod, kernel);
+    CUgraphExec exec = NULL;
+    if (!strcmp(path, "graph")) {
+        CUgraph g;
+        CUgraphNode n;
+        A.cuGraphCreate(&g, 0);
+        CUDA_KERNEL_NODE_PARAMS kp;
+        memset(&kp, 0, sizeof kp);
+        kp.func = f;
+        kp.gridDimX = kp.gridDimY = kp.gridDimZ = kp.blockDimX = kp.blockDimY = kp.blockDimZ = 1;
+        A.cuGraphAddKernelNode(&n, g, NULL, 0, &kp);
+        A.cuGraphInstantiate(&exec, g, 0);
+    }
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = cfg.blockDimX = cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.hStream = stream;
+    long n = 0;
+    int64_t t0 = now_ns(), end = t0 + (int64_t)(seconds * 1e9);
+    CUresult r = CUDA_SUCCESS;
+    while (now_ns() < end && r == CUDA_SUCCESS) {
+        if (!strcmp(path, "kernel")) r = A.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        else if (!strcmp(path, "ptsz")) r = A.cuLaunchKernel_ptsz(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        else if (!strcmp(path, "ex")) r = A.cuLaunchKernelEx(&cfg, f, NULL, NULL);
+        else if (!strcmp(path, "coop")) r = A.cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, NULL);
+        else if (!strcmp(path, "graph")) r = A.cuGraphLaunch(exec, stream);
+        n++;
+    }
+    A.cuCtxSynchronize();
+    printf("{\"rc\": %d, \"launches\": %ld, \"t0\": %lld, \"t1\": %lld}\n", (int)r, n, (long long)t0,
+           (long long)now_ns());
+}
+
+int main(void)
+{
+    if (api_load(&A) != 0) return 3;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    char line[512], cmd[64], a1[256], a2[256], a3[256];
+    while (fgets(line, sizeof line, stdin)) {
+        a1[0] = a2[0] = a3[0] = 0;
+        if (sscanf(line, "%63s %255s %255s %255s", cmd, a1, a2, a3) < 1) continue;
+        if (!strcmp(cmd, "init")) {
+            CUresult r = A.cuInit(0);
+            if (!r) r = A.cuDeviceGet(&dev, a1[0] ? atoi(a1) : 0);
+            if (!r) r = A.cuDevicePrimaryCtxRetain(&primary, dev);
+            if (!r) r = A.cuCtxSetCurrent(primary);
+            if (!r) r = A.cuStreamCreate(&stream, 0);
+            reply_rc(r, 0);
+        } else if (!strcmp(cmd, "alloc")) {
+            do_alloc(a1, strtoull(a2, NULL, 10));
+        } else if (!strcmp(cmd, "free")) {
+            do_free(atoi(a1));
+        } else if (!strcmp(cmd, "info")) {
+            size_t f = 0, t = 0;
+            CUresult r = A.cuMemGetInfo(&f, &t);
+            printf("{\"rc\": %d, \"free\": %zu, \"total\": %zu}\n", (int)r, f, t);
+        } else if (!strcmp(cmd, "total")) {
+            size_t t = 0;
+            CUresult r = A.cuDeviceTotalMem(&t, a1[0] ? atoi(a1) : dev);
+            printf("{\"rc\": %d, \"total\": %zu}\n", (int)r, t);
+        } else if (!strcmp(cmd, "nvml") || !strcmp(cmd, "nvml2")) {
+            do_nvml(a1[0] ? atoi(a1) : 0, !strcmp(cmd, "nvml2"));
+        } else if (!strcmp(cmd, "pool_create")) {
+            CUmemPoolProps p = pool_props();
+            reply_rc(A.cuMemPoolCreate(&pool, &p), 0);
+        } else if (!strcmp(cmd, "pool_threshold")) {
+            cuuint64_t v = strtoull(a1, NULL, 10);
+            reply_rc(A.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &v), 0);
+        } else if (!strcmp(cmd, "pool_trim")) {
+            reply_rc(A.cuMemPoolTrimTo(pool, strtoull(a1, NULL, 10)), 0);
+        } else if (!strcmp(cmd, "pool_destroy")) {
+            reply_rc(A.cuMemPoolDestroy(pool), 0);
+        } else if (!strcmp(cmd, "export")) {
+            int fd = -1;
+            CUresult r = A.cuMemExportToShareableHandle(&fd, objs[atoi(a1)].v,
+                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+            printf("{\"rc\": %d, \"fd\": %d}\n", (int)r, fd);
+        } else if (!strcmp(cmd, "import")) {
+            CUmemGenericAllocationHandle h = 0;
+            CUresult r = A.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)atoi(a1),
+                                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+            reply_rc(r, r ? -1 : add(O_HANDLE, h, 0, 0));
+        } else if (!strcmp(cmd, "map")) {
+            uint64_t size = strtoull(a2, NULL, 10);
+            CUdeviceptr va = 0;
+            CUresult r = A.cuMemAddressReserve(&va, size, 0, 0, 0);
+            if (!r) r = A.cuMemMap(va, size, 0, objs[atoi(a1)].v, 0);
+            if (r && va) A.cuMemAddressFree(va, size);
+            reply_rc(r, r ? -1 : add(O_MAP, va, size, 0));
+        } else if (!strcmp(cmd, "write")) {
+            struct obj *o = &objs[atoi(a1)];
+            unsigned char *buf = malloc(o->size);
+            memset(buf, atoi(a2), o->size);
+            CUresult r = A.cuMemcpyHtoD(o->v, buf, o->size);
+            free(buf);
+            reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "stats")) {
+            struct fake_stats s;
+            void (*f)(struct fake_stats *);
+            *(void **)&f = dlsym(RTLD_DEFAULT, "fake_stats");
+            f(&s);
+            printf("{\"launches\": %ld, \"coop\": %ld, \"ex\": %ld, \"graph\": %ld, \"frees_dirty\": "
+                   "%ld, \"frees_clean\": %ld, \"allocs\": %ld, \"frees\": %ld}\n",
+                   s.launches, s.coop_launches, s.ex_launches, s.graph_launches, s.frees_dirty,
+                   s.frees_clean, s.allocs, s.frees);
+        } else if (!strcmp(cmd, "sync")) {
+            reply_rc(A.cuCtxSynchronize(), 0);
+        } else if (!strcmp(cmd, "sleep")) {
+            usleep((useconds_t)atoi(a1) * 1000);
+            reply_rc(CUDA_SUCCESS, 0);
+        } else if (!strcmp(cmd, "lockhold")) {
+            /* Take the region's lock directly and never give it back (the SIGKILL test). */
+            FILE *f = fopen(a1, "r+");
+            struct tsr_region *r = NULL;
+            if (f) {
+                void *m = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fileno(f), 0);
+                r = m == MAP_FAILED ? NULL : m;
+            }
+            if (!r) {
+                printf("{\"ok\": false}\n");
+                continue;
+            }
+            pthread_mutex_lock(&r->lock.mutex);
+            printf("{\"ok\": true, \"locked\": true}\n");
+            for (;;) pause();
+        } else if (!strcmp(cmd, "burn")) {
+            burn(atof(a1), a2, a3[0] ? a3 : "kernel");
+        } else if (!strcmp(cmd, "exit")) {
+            break;
+        } else {
+            printf("{\"error\": \"unknown command %s\"}\n", cmd);
+        }
+    }
+    return 0;
+}
