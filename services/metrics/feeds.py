@@ -175,6 +175,13 @@ class Feeds:
 
     async def _consume_events(self) -> None:
         info = await self.js.stream_info(EVENTS_STREAM)
+        if info.state.last_seq < self.view.last_event_sequence:
+            # The stream was recreated (broker data lost): fold the new one from its start;
+            # event ids keep anything seen before from counting twice.
+            log.warning("event stream is behind what was applied; reading it from the start",
+                        extra={"stream_last": info.state.last_seq,
+                               "applied": self.view.last_event_sequence})
+            self.view.last_event_sequence = 0
         if self.view.last_event_sequence == 0 and info.state.messages == 0:
             self.view.events_synced = True
         start = self.view.last_event_sequence + 1
