@@ -38,6 +38,8 @@ async def run_admission(ctx: ServiceContext) -> None:
     if tls is None:
         log.warning("TESSERA_TLS_CERT/TESSERA_TLS_KEY not set: serving plain HTTP. The Kubernetes "
                     "API server only calls webhooks over TLS; create files with `tessera certs`")
+    # uvicorn's start/stop lines duplicate ours (and carry terminal colours); keep its warnings.
+    logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, log.getEffectiveLevel()))
     server = WebhookServer(app, host, port, tls)
     events.start()
     await server.start()
