@@ -92,7 +92,9 @@ function renderGpu(gpu) {
         const key = `${s.namespace}/${s.pod}`;
         const usage = [];
         if (s.used_mib != null) usage.push(`uses ${mem(s.used_mib)}`);
-        if (s.sm_util != null) usage.push(`${Math.round(s.sm_util)}% SM`);
+        if (s.sm_util != null) {
+          usage.push(s.sm_limit ? `${Math.round(s.sm_util)}/${s.sm_limit}% SM` : `${Math.round(s.sm_util)}% SM`);
+        }
         return `<li data-pod="${esc(key)}"><span class="swatch" style="background:${podColor(key)}"></span>` +
           `<span class="slice-name">${esc(key)} <span class="ctr">${esc(s.container)}` +
           `${s.state !== "allocated" ? " · " + esc(s.state) : ""}</span></span>` +
