@@ -207,20 +207,22 @@ class QuotaService:
             reason = qa.refusal(state, req)
             if reason:
                 self._exceeded(state, req, reason)
-                return QuotaReply(ok=False, reason=reason, states=_states(state))
-            return QuotaReply(ok=True, reason="fits", states=_states(state))
+                return QuotaReply(ok=False, reason=reason, states=_summary(state, req))
+            return QuotaReply(ok=True, reason="fits", states=_summary(state, req))
         if not req.pod_uid:
             raise qa.QuotaInputError("a reservation needs pod_uid (or check_only for a dry run)")
         stamp = self.clock()
+        seen: list[QuotaState | None] = [None]
+
+        def hold(state: QuotaState | None) -> QuotaState:
+            seen[0] = state  # the state a refusal was decided against, for the event
+            return qa.reserve(state, req, stamp)
+
         try:
-            result, wrote = await cas_apply(
-                self.kv, req.namespace, lambda s: qa.reserve(s, req, stamp)
-            )
+            result, wrote = await cas_apply(self.kv, req.namespace, hold)
         except qa.QuotaRefused as refused:
-            current = await read(self.kv, req.namespace, QuotaState)
-            state = current.value if current else None
-            self._exceeded(state, req, refused.reason)
-            return QuotaReply(ok=False, reason=refused.reason, states=_states(state))
+            self._exceeded(seen[0], req, refused.reason)
+            return QuotaReply(ok=False, reason=refused.reason, states=_summary(seen[0], req))
         state = result.value if result else None
         if state is None or req.pod_uid not in state.charges:
             outcome = "nothing to hold: the pod asks no GPU"
@@ -228,18 +230,19 @@ class QuotaService:
             outcome = "reserved"
         else:
             outcome = "already held"
-        return QuotaReply(ok=True, reason=outcome, states=_states(state))
+        return QuotaReply(ok=True, reason=outcome, states=_summary(state, req))
 
     async def release(self, req: QuotaRequest) -> QuotaReply:
         qa.check_namespace(req.namespace)
         if not req.pod_uid:
             raise qa.QuotaInputError("release needs pod_uid")
-        freed = await self._release_charge(req.namespace, req.pod_uid, None)
-        current = await read(self.kv, req.namespace, QuotaState)
+        result, freed = await cas_apply(
+            self.kv, req.namespace, lambda s: qa.release(s, req.pod_uid)
+        )
         return QuotaReply(
             ok=True,
             reason="released" if freed else f"nothing held by pod {req.pod_uid}",
-            states=_states(current.value if current else None),
+            states=_summary(result.value if result else None, req),
         )
 
     async def status(self, req: QuotaStatusRequest) -> Message:
@@ -371,8 +374,15 @@ async def cas_apply(
     return result, wrote
 
 
-def _states(state: QuotaState | None) -> list[QuotaState]:
-    return [state] if state is not None else []
+def _summary(state: QuotaState | None, req: QuotaRequest) -> list[QuotaState]:
+    """What reserve/release replies carry: the namespace's limits and this pod's own charge.
+
+    Not every charge: a namespace may hold thousands, and the caller asked about one pod
+    (tessera.quota.status returns the full state)."""
+    if state is None:
+        return []
+    own = {req.pod_uid: state.charges[req.pod_uid]} if req.pod_uid in state.charges else {}
+    return [state.model_copy(update={"charges": own})]
 
 
 def _short(text: str) -> str:
