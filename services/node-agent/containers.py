@@ -93,10 +93,13 @@ def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 class ContainerStore:
-    """The directory tree above, nothing else (no ledger, no gRPC)."""
+    """The directory tree above, nothing else (no ledger, no gRPC).
+
+    The agent is the only writer of the tree, so it is scanned once and then kept in memory."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._index: dict[Path, PreparedContainer] | None = None
 
     def ensure_root(self) -> Path:
         """Create the root and the ld.so.preload file every container mounts."""
@@ -127,19 +130,25 @@ class ContainerStore:
             (cdir.limits_dir / "limits").unlink()
         prepare_region_file(cdir.region_file)
         _write_atomic(path / PREPARED_FILE, prepared.model_dump_json().encode())
+        self._scan()[path] = prepared
         return cdir
 
+    def _scan(self) -> dict[Path, PreparedContainer]:
+        if self._index is None:
+            index: dict[Path, PreparedContainer] = {}
+            if self.root.is_dir():
+                for meta in self.root.glob(f"*/*/{PREPARED_FILE}"):
+                    try:
+                        index[meta.parent] = PreparedContainer.model_validate_json(
+                            meta.read_bytes()
+                        )
+                    except (OSError, ValueError):
+                        continue  # half-removed or foreign: garbage collection deals with it
+            self._index = index
+        return self._index
+
     def all(self) -> list[ContainerDir]:
-        out = []
-        if not self.root.is_dir():
-            return out
-        for meta in self.root.glob(f"*/*/{PREPARED_FILE}"):
-            try:
-                prepared = PreparedContainer.model_validate_json(meta.read_bytes())
-            except (OSError, ValueError):
-                continue  # half-removed or foreign: garbage collection deals with it
-            out.append(ContainerDir(meta.parent, prepared))
-        return out
+        return [ContainerDir(path, prepared) for path, prepared in self._scan().items()]
 
     def for_pod(self, pod_uid: str) -> list[ContainerDir]:
         return [c for c in self.all() if c.prepared.pod_uid == pod_uid]
@@ -156,12 +165,15 @@ class ContainerStore:
         return [p.name for p in self.root.iterdir() if p.is_dir()]
 
     def remove_container(self, cdir: ContainerDir) -> None:
+        self._scan().pop(cdir.path, None)
         shutil.rmtree(cdir.path, ignore_errors=True)
         with contextlib.suppress(OSError):
             cdir.path.parent.rmdir()  # the pod's directory, when it was its only container
 
     def remove_pod(self, pod_uid: str) -> None:
         target = self.root / _safe(pod_uid, "pod uid")
+        for path in [p for p in self._scan() if p.parent == target]:
+            del self._scan()[path]
         if target.is_dir():
             # The limits files are read-only; rmtree needs write permission on the dirs only.
             shutil.rmtree(target, ignore_errors=True)
