@@ -66,7 +66,7 @@ def parse_review(body: bytes) -> Review:
         api_version=api_version,
         uid=uid,
         operation=_text(request.get("operation")),
-        namespace=_text(request.get("namespace")),
+        namespace=_text(request.get("namespace")) or _pod_namespace(request.get("object")),
         name=_text(request.get("name")),
         group=_text(kind.get("group")) if isinstance(kind, dict) else "",
         kind=_text(kind.get("kind")) if isinstance(kind, dict) else "",
@@ -78,7 +78,11 @@ def parse_review(body: bytes) -> Review:
 
 
 def review_decision(review: Review, settings: TesseraSettings) -> Decision:
-    """Route a review to the pod rules; what is not a pod creation passes or is refused."""
+    """Route a review to the pod rules. Only creations are reviewed (anything else passes, so a
+    webhook registered too widely never blocks updates or deletions); creating anything but a
+    pod is refused, which makes such a registration visible at once."""
+    if review.operation != "CREATE":
+        return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
     if review.group != "" or review.kind != "Pod" or review.resource not in ("", "pods"):
         what = "/".join(p for p in (review.group, review.kind) if p) or "an object of no kind"
         return Denial(
@@ -89,10 +93,7 @@ def review_decision(review: Review, settings: TesseraSettings) -> Decision:
         )
     if review.sub_resource:
         return Admitted(note=f"subresource {review.sub_resource} is not reviewed")
-    if review.operation != "CREATE":
-        return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
-    namespace = review.namespace or _pod_namespace(review.object)
-    return decide(review.object, namespace, settings)
+    return decide(review.object, review.namespace, settings)
 
 
 def response_body(review: Review, decision: Decision) -> bytes:

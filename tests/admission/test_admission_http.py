@@ -9,6 +9,7 @@ import pytest
 from admission_helpers import GPU, PRIORITY, container, pod, review
 from tessera.admission.app import AdmissionApp
 from tessera.admission.metrics import AdmissionMetrics
+from tessera.admission.review import parse_review
 
 from tessera.settings import TesseraSettings
 
@@ -76,6 +77,20 @@ async def test_non_pod_objects_are_denied_with_a_message(client, kind, resource)
     assert response["allowed"] is False
     assert "pods only" in response["status"]["message"]
     assert kind["kind"] in response["status"]["message"]
+
+
+@pytest.mark.parametrize("operation", ["UPDATE", "DELETE"])
+async def test_a_too_wide_registration_never_blocks_updates_or_deletions(client, operation):
+    kind = {"group": "apps", "version": "v1", "kind": "Deployment"}
+    answer = await client.post("/mutate", json=review({"metadata": {}}, kind=kind,
+                                                      resource="deployments", operation=operation))
+    assert answer.json()["response"] == {"uid": answer.json()["response"]["uid"], "allowed": True}
+
+
+def test_namespace_comes_from_the_pod_when_the_request_has_none():
+    body = review(pod(container(limits={GPU: "1"}), namespace="from-pod"))
+    body["request"]["namespace"] = ""
+    assert parse_review(json.dumps(body).encode()).namespace == "from-pod"
 
 
 @pytest.mark.parametrize("obj", [None, "a pod", 42, {"spec": "nope"}, {"metadata": {}}])
