@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from nats.js import JetStreamContext
@@ -85,6 +85,9 @@ class Reconciler:
             state = states.get(namespace)
             if state is not None and not _may_change(state[0], ns_backed, now, self.grace_s):
                 continue
+            held = state[0].charges if state else {}
+            if any(uid not in held for uid in ns_backed):
+                ns_backed = await self._still_backed(ns_backed, held)
 
             def mutate(
                 current: QuotaState | None, ns: str = namespace, b: dict = ns_backed
@@ -113,6 +116,30 @@ class Reconciler:
                     },
                 )
         return rewritten
+
+
+    async def _still_backed(
+        self, backed: dict[str, Allocation], held: Mapping[str, object]
+    ) -> dict[str, Allocation]:
+        """Re-read the ledger of allocations whose charge is missing before giving it back: the
+        pod may have ended (and been released) since the snapshot was taken."""
+        confirmed = {uid: a for uid, a in backed.items() if uid in held}
+        nodes = {a.node for uid, a in backed.items() if uid not in held}
+        for node in nodes:
+            current = await bus.read(self.ledger, node, NodeLedger)
+            if current is None:
+                continue
+            for uid, alloc in backed.items():
+                now_alloc = current.value.allocations.get(uid)
+                if (
+                    uid not in held
+                    and alloc.node == node
+                    and now_alloc is not None
+                    and now_alloc.active
+                    and now_alloc.quota_held
+                ):
+                    confirmed[uid] = now_alloc
+        return confirmed
 
 
 def _may_change(

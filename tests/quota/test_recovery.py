@@ -162,3 +162,44 @@ async def test_kill_between_reserve_and_release_neither_leaks_nor_double_counts(
                 proc.kill()
                 proc.wait()
         await nc.close()
+
+
+async def test_the_service_comes_back_after_a_broker_crash(fresh_nats):
+    """nats-server is SIGKILLed and restarted: held quota survives, the service answers again
+    and still frees quota on release events (its durable consumer resumes)."""
+    from tessera.quota import QuotaService
+
+    settings = TesseraSettings()
+    service_nc = await connect(NatsSettings(NATS_URL=fresh_nats.url), name="quota-under-test")
+    nc = await connect(NatsSettings(NATS_URL=fresh_nats.url), name="client")
+    service = QuotaService(service_nc, await ensure_bus(service_nc.jetstream(), settings), settings)
+    await service.start()
+    try:
+        ns = unique_namespace()
+        await call(nc, bus.QUOTA_SET, QuotaSetRequest(namespace=ns, limits=QuotaAmount(gpus=2)))
+        assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "p1", 100))).ok
+
+        fresh_nats.kill()
+        fresh_nats.start()
+
+        async def serving_again() -> bool:
+            try:
+                return (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "p2", 100), timeout=1)).ok
+            except Exception:
+                return False
+
+        await eventually(serving_again, timeout=20, interval=0.2)
+        assert set(await charges(nc, ns)) == {"p1", "p2"}
+        assert not (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "p3", 100))).ok
+
+        await bus.publish_event(nc.jetstream(), AllocationEvent(
+            action="released", node="node-a", pod_uid="p1", namespace=ns, name="pod-p1"))
+
+        async def released() -> bool:
+            return set(await charges(nc, ns)) == {"p2"}
+
+        await eventually(released, timeout=10)
+    finally:
+        await service.stop()
+        await service_nc.close()
+        await nc.close()
