@@ -98,8 +98,10 @@ class QuotaService:
 
     async def start(self) -> None:
         """Reconcile once, then serve. Returns once the endpoints answer."""
-        with contextlib.suppress(Exception):
+        try:
             await self.reconciler.run_once()
+        except Exception as exc:  # the periodic pass will try again
+            self.log.warning("start-up reconcile failed", extra={"err": str(exc)})
         self._tasks.append(asyncio.create_task(self._reconcile_loop()))
         self._tasks.append(asyncio.create_task(self.releases.run(self._stopping)))
         if self.cluster is not None:
@@ -286,18 +288,15 @@ class QuotaService:
             return QuotaState(namespace=namespace)
         if wrote:
             self._changed(result.value, result.revision)
+            self.log.info(
+                "limits changed",
+                extra={"namespace": namespace, "limits": result.value.limits.model_dump(),
+                       "source": result.value.source},
+            )
         return result.value
 
     async def _apply_quotas(self, namespace: str, quotas: dict[str, QuotaAmount]) -> None:
-        before = await read(self.kv, namespace, QuotaState)
-        state = await self._write_limits(
-            namespace, lambda s: qa.limits_from_quotas(s, namespace, quotas)
-        )
-        if before is None or before.value.limits != state.limits:
-            self.log.info(
-                "limits from ResourceQuota",
-                extra={"namespace": namespace, "limits": state.limits.model_dump()},
-            )
+        await self._write_limits(namespace, lambda s: qa.limits_from_quotas(s, namespace, quotas))
 
     async def _release_charge(
         self, namespace: str, pod_uid: str, charged_before: float | None
