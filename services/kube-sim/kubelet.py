@@ -8,8 +8,9 @@
     await kubelet.restart()                    # deletes every socket in socket_dir, like kubelet
 
 It follows kubelet's order: on admission, one Allocate per container that requests a
-plugin's resource (init containers first), choosing devices through GetPreferredAllocation when
-the plugin offers it, and records the assignment (visible in pod-resources List right away);
+plugin's resource (init containers first), reusing an init container's devices for the
+containers after it first, choosing the rest through GetPreferredAllocation when the plugin
+offers it, and records the assignment (visible in pod-resources List right away);
 then, container by container, PreStartContainer with the same device IDs just before starting it.
 """
 
@@ -274,6 +275,9 @@ class SimKubelet:
                                  meta.get("name", ""))
         ordered = [(c, True) for c in spec.get("initContainers") or []]
         ordered += [(c, False) for c in spec.get("containers") or []]
+        # kubelet hands an init container's devices to the containers after it (init containers
+        # run one at a time) before it takes new ones.
+        reusable: dict[str, list[str]] = {}
         for container, init in ordered:
             entry = ContainerAdmission(name=container.get("name", ""), init=init)
             admission.containers.append(entry)
@@ -282,36 +286,45 @@ class SimKubelet:
                 if count <= 0:
                     continue
                 entry.resource = resource
+                pool = reusable.setdefault(resource, [])
                 try:
-                    await self._allocate(admission, entry, plugin, count)
+                    await self._allocate(admission, entry, plugin, count, pool)
                 except (AdmissionError, grpc.aio.AioRpcError) as exc:
                     entry.error = _message(exc)
                     admission.error = f"container {entry.name}: {entry.error}"
                     return admission
+                if init:
+                    pool.extend(d for d in entry.device_ids if d not in pool)
+                else:
+                    pool[:] = [d for d in pool if d not in entry.device_ids]
         return admission
 
     async def _allocate(
         self, admission: PodAdmission, entry: ContainerAdmission, plugin: PluginConnection,
-        count: int,
+        count: int, reusable: list[str],
     ) -> None:
+        reused = sorted(reusable)[:count]
         in_use = self.pod_resources.in_use(plugin.resource)
         available = [d for d in plugin.healthy() if d not in in_use]
-        if len(available) < count:
+        if len(reused) + len(available) < count:
             raise AdmissionError(
                 f"insufficient {plugin.resource}: {count} requested, {len(available)} available"
             )
-        chosen = available[:count]
-        if plugin.preferred_allocation:
+        chosen = reused + available[: count - len(reused)]
+        if len(reused) < count and plugin.preferred_allocation:
             reply = await plugin.stub.GetPreferredAllocation(
                 dp.PreferredAllocationRequest(container_requests=[
                     dp.ContainerPreferredAllocationRequest(
-                        available_deviceIDs=available, allocation_size=count
+                        available_deviceIDs=reused + available,
+                        must_include_deviceIDs=reused,
+                        allocation_size=count,
                     )
                 ]),
                 timeout=RPC_TIMEOUT_S,
             )
             preferred = list(reply.container_responses[0].deviceIDs)
-            if len(preferred) == count and set(preferred) <= set(available):
+            if (len(preferred) == count and set(reused) <= set(preferred)
+                    and set(preferred) <= set(available) | set(reused)):
                 chosen = preferred
         reply = await plugin.stub.Allocate(
             dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(

@@ -6,7 +6,7 @@ these. Every refusal is a `HandshakeError` with a sentence an operator can act o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tessera.node_agent.containers import (
     LIBVGPU_CONTAINER_PATH,
@@ -205,6 +205,42 @@ def limits_for(
         oversubscribe=settings.device_memory_scaling > 1,
         region_path=REGION_CONTAINER_PATH,
     )
+
+
+def pick_prepared(
+    candidates: list[ContainerDir],
+    holders: list[tuple[str, str, str]],
+    sealed: Callable[[ContainerDir], bool],
+) -> tuple[ContainerDir | None, str]:
+    """Which preparation a PreStartContainer is for: (directory, "") or (None, why not).
+
+    `candidates` were prepared for these exact replica IDs (several when kubelet reuses an init
+    container's devices for a later container, or an old pod's directory is still there);
+    `holders` are the (namespace, pod, container) kubelet's pod-resources says hold them. Only a
+    preparation for a holding pod qualifies; among those, kubelet starts containers in order, so
+    the earliest one not sealed yet (all sealed: a restart of the latest)."""
+    held_pods = {(ns, pod) for ns, pod, _ in holders}
+    own = sorted(
+        (c for c in candidates if (c.prepared.namespace, c.prepared.pod) in held_pods),
+        key=lambda c: (c.prepared.prepared_at, c.prepared.index),
+    )
+    if not own:
+        p = candidates[0].prepared
+        held = ", ".join(f"{ns}/{pod} container {c}" for ns, pod, c in holders)
+        return None, (
+            f"devices held by {held}, but they were prepared for {p.namespace}/{p.pod} container "
+            f"{p.container or '?'}: refusing to start it with another pod's limits"
+        )
+    unsealed = [c for c in own if not sealed(c)]
+    chosen = unsealed[0] if unsealed else own[-1]
+    p = chosen.prepared
+    names = {c for ns, pod, c in holders if (ns, pod) == (p.namespace, p.pod)}
+    if p.container and p.container not in names:
+        return None, (
+            f"devices of {p.namespace}/{p.pod} are held by container(s) {sorted(names)}, but "
+            f"they were prepared for container {p.container}: refusing to cross limits"
+        )
+    return chosen, ""
 
 
 def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:

@@ -34,7 +34,7 @@ from tessera.kubeapi import (
     pr_grpc,
 )
 from tessera.models import Allocation, AllocationEvent, NodeLedger
-from tessera.region import seal_limits
+from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 
 POD_RESOURCES_TIMEOUT_S = 5.0
@@ -48,17 +48,18 @@ async def list_pod_resources(socket_path: str) -> list[pr.PodResources]:
         return list(reply.pod_resources)
 
 
-def holder_of(
+def holders_of(
     pods: list[pr.PodResources], resource_name: str, device_ids: list[str]
-) -> tuple[str, str, str] | None:
-    """(namespace, pod, container) to which kubelet assigned exactly these device IDs."""
+) -> list[tuple[str, str, str]]:
+    """(namespace, pod, container) of every container kubelet assigned exactly these IDs."""
     wanted = sorted(device_ids)
-    for pod in pods:
-        for container in pod.containers:
-            for devices in container.devices:
-                if devices.resource_name == resource_name and sorted(devices.device_ids) == wanted:
-                    return pod.namespace, pod.name, container.name
-    return None
+    return [
+        (pod.namespace, pod.name, container.name)
+        for pod in pods
+        for container in pod.containers
+        for devices in container.devices
+        if devices.resource_name == resource_name and sorted(devices.device_ids) == wanted
+    ]
 
 
 class DevicePluginService(dp_grpc.DevicePluginServicer):
@@ -184,10 +185,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     async def _prepare(
         self, allocation: Allocation, ids: list[str], gpus: list[str]
     ) -> ContainerDir:
+        # Never matched by IDs: kubelet hands an init container's replicas to later containers.
         existing = self.store.for_pod(allocation.pod_uid)
-        for cdir in existing:
-            if sorted(cdir.prepared.device_ids) == sorted(ids):
-                return cdir  # kubelet retried the same container: same answer
         index = hs.next_container(allocation, {c.prepared.index for c in existing})
         who = hs.describe(allocation, index)
         try:
@@ -269,22 +268,21 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 f"no container was prepared for devices {ids}: PreStartContainer without a "
                 "matching Allocate on this node"
             )
-        cdir = candidates[0]
-        p = cdir.prepared
         pods = await self.pod_resources(self.settings.pod_resources_socket)
-        holder = holder_of(pods, self.settings.resource_name, ids)
-        if holder is None:
+        holders = holders_of(pods, self.settings.resource_name, ids)
+        if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
-        expected = (p.namespace, p.pod, p.container or holder[2])
-        if holder != expected:
-            reason = (
-                f"devices {ids} are held by {holder[0]}/{holder[1]} container {holder[2]}, but "
-                f"they were prepared for {p.namespace}/{p.pod} container {p.container or '?'}: "
-                "refusing to start it with another pod's limits"
-            )
-            self._publish_mismatch_raw(p.pod_uid, p.namespace, p.pod, ids, reason)
-            await self._undo_misattributed(cdir)
+        cdir, why = hs.pick_prepared(
+            candidates, holders, lambda c: (c.limits_dir / LIMITS_FILE_NAME).is_file()
+        )
+        if cdir is None:
+            stray = candidates[0].prepared
+            reason = f"{ids}: {why}"
+            self._publish_mismatch_raw(stray.pod_uid, stray.namespace, stray.pod, ids, reason)
+            if (stray.namespace, stray.pod) not in {(ns, pod) for ns, pod, _ in holders}:
+                await self._undo_misattributed(candidates[0])
             raise hs.HandshakeError(reason, mismatch=True)
+        p = cdir.prepared
         ledger = await self._ledger()
         allocation = ledger.allocations.get(p.pod_uid) if ledger else None
         if allocation is None or not allocation.active:

@@ -95,6 +95,7 @@ async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_d
         # GetPreferredAllocation steered kubelet to exactly the granted GPUs.
         assert [i.rsplit("-", 1)[0] for i in setup.device_ids] == [gpu1]
         assert [i.rsplit("-", 1)[0] for i in main.device_ids] == [gpu0, gpu1]
+        assert setup.device_ids[0] in main.device_ids  # kubelet reused the init's replica
         assert main.envs["NVIDIA_VISIBLE_DEVICES"] == f"{gpu0},{gpu1}"
         assert main.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "6000m"
         assert main.envs["CUDA_DEVICE_MEMORY_LIMIT_1"] == "4000m"
@@ -131,6 +132,31 @@ async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_d
         await asyncio.sleep(0.2)
         pod_now = await rig.cluster.get_pod("team", "train")
         assert pod_now["metadata"]["annotations"][hami.ANN_BIND_PHASE] == "success"
+
+
+async def test_reused_init_replica_still_gets_each_containers_own_limits(short_dir, nc, buckets):
+    """kubelet gives an app container the init container's replica: both hold the same ID, and
+    PreStartContainer still seals each one's own limits, in start order."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu1 = rig.gpus[1]
+        pod = make_pod("reuse", [("main", 1)], init=[("setup", 1)])
+        await rig.bind(pod, [grants((gpu1, 2000, 20)), grants((gpu1, 5000, 50))], init_count=1)
+        admission = await rig.kubelet.admit_pod(pod)
+        assert admission.ok, admission.error
+        setup, main = admission.containers
+        assert setup.device_ids == main.device_ids
+        assert main.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "5000m"
+        for container, mib, sm in ((setup, 2000, 20), (main, 5000, 50)):
+            sealed = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
+            assert [(d.mem_limit_bytes >> 20, d.sm_limit_pct) for d in sealed.devices] == [
+                (mib, sm)
+            ]
+        # Containers started again (a pod restart): still each one's own limits.
+        again = await rig.kubelet.start_pod(admission)
+        assert again.ok, again.error
+        for container, mib in ((setup, 2000), (main, 5000)):
+            sealed = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
+            assert sealed.devices[0].mem_limit_bytes >> 20 == mib and sealed.generation >= 1
 
 
 async def test_kubelet_restart_reregisters_within_five_seconds(short_dir, nc, buckets):
