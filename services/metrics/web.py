@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,12 +34,44 @@ def build_registry(
     return registry
 
 
-def render_exposition(view: ClusterView, settings: TesseraSettings, now: float) -> bytes:
-    return generate_latest(build_registry(view, settings, lambda: now))
+class _CyclicGcPause:
+    """Pause the cyclic garbage collector while rendering.
+
+    A render allocates hundreds of thousands of small acyclic objects (samples, label dicts);
+    each allocation burst triggers full collections over the whole heap, which hold the GIL
+    and so stall the event loop. Reference counting still frees everything; collection resumes
+    when the last concurrent render ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._was_enabled = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._active += 1
+
+    def __exit__(self, *_: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0 and self._was_enabled:
+                gc.enable()
 
 
-def render_state(view: ClusterView, now: float) -> bytes:
-    return json.dumps(dashboard_state(view, now), separators=(",", ":")).encode()
+def render_exposition(
+    view: ClusterView, settings: TesseraSettings, now: float, pause: _CyclicGcPause
+) -> bytes:
+    with pause:
+        return generate_latest(build_registry(view, settings, lambda: now))
+
+
+def render_state(view: ClusterView, now: float, pause: _CyclicGcPause) -> bytes:
+    with pause:
+        return json.dumps(dashboard_state(view, now), separators=(",", ":")).encode()
 
 
 def build_app(
@@ -45,12 +79,16 @@ def build_app(
 ) -> Starlette:
     # Rendering a large cluster takes a while: render a snapshot in a worker thread so the
     # feeds keep folding bus messages meanwhile.
+    pause = _CyclicGcPause()
+
     async def metrics(_: Request) -> Response:
-        body = await asyncio.to_thread(render_exposition, view.snapshot(), settings, clock())
+        body = await asyncio.to_thread(
+            render_exposition, view.snapshot(), settings, clock(), pause
+        )
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def state(_: Request) -> Response:
-        body = await asyncio.to_thread(render_state, view.snapshot(), clock())
+        body = await asyncio.to_thread(render_state, view.snapshot(), clock(), pause)
         return Response(body, media_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
