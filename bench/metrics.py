@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -150,6 +151,7 @@ async def replay_over_nats(
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]
     view = cluster_view()
     registry = build_registry(view, TesseraSettings(), lambda: NOW)
     scrape_s, text = timed(lambda: generate_latest(registry))
@@ -174,7 +176,8 @@ def main() -> None:
         "",
         "| measure | value |",
         "|---|---|",
-        f"| /metrics render, plain generate_latest (cyclic GC on) | {scrape_s * 1000:.0f} ms, {series} series, "
+        f"| /metrics render, plain generate_latest (cyclic GC on) | "
+        f"{scrape_s * 1000:.0f} ms, {series} series, "
         f"{len(text) / 1e6:.1f} MB |",
         f"| /metrics over HTTP in the service (snapshot rendered in a thread) | "
         f"{http_scrape_s * 1000:.0f} ms; worst event-loop stall meanwhile "
@@ -184,6 +187,8 @@ def main() -> None:
         f"| restart replay over NATS ({len(nats_events)} events) | {replay_s:.2f} s to ready "
         f"({applied} applied, {applied / replay_s:,.0f} events/s) |",
     ]
+    lines += ["", f"Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+              "(2 shared cores: figures move by 2-3× with the load)."]
     markdown = "\n".join(lines)
     print(markdown)
     record_section("metrics", markdown)
