@@ -1,0 +1,126 @@
+"""The pure rules of the handshake and of dynamic limits (no sockets, no NATS)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from node_agent_rig import grants
+from tessera.node_agent import handshake as hs
+from tessera.node_agent.containers import ContainerDir, PreparedContainer
+from tessera.node_agent.limits import LimitsError, apply_change, pod_usage_on
+
+from tessera.bus import NoChange
+from tessera.models import Allocation, AllocationState, DeviceInfo, InFlightClaim, NodeLedger
+
+A, B = "GPU-aaaa", "GPU-bbbb"
+DEVICES = {
+    u: DeviceInfo(uuid=u, index=i, type="NVIDIA-x", memory_mib=10000, split_count=3)
+    for i, u in enumerate((A, B))
+}
+
+
+def allocation(uid: str, containers, *, init_count: int = 0, state=AllocationState.BOUND):
+    return Allocation(pod_uid=uid, namespace="ns", name=uid, node="n", containers=containers,
+                      init_count=init_count, state=state,
+                      container_names=[f"c{i}" for i in range(len(containers))])
+
+
+def test_replica_ids_and_their_gpus():
+    assert hs.replica_ids([DEVICES[A]]) == [f"{A}-0", f"{A}-1", f"{A}-2"]
+    assert hs.gpus_of([f"{B}-2", f"{A}-0"], DEVICES) == [B, A]
+    for bad in ([f"{A}-3"], ["GPU-zzzz-0"], [A], [f"{A}-x"]):
+        with pytest.raises(hs.HandshakeError, match="unknown device IDs"):
+            hs.gpus_of(bad, DEVICES)
+    with pytest.raises(hs.HandshakeError, match="same GPU twice"):
+        hs.gpus_of([f"{A}-0", f"{A}-1"], DEVICES)
+
+
+def test_preferred_replicas_follow_the_grants():
+    g = grants((B, 100, 10), (A, 100, 10))
+    available = [f"{A}-0", f"{A}-1", f"{B}-1"]
+    assert hs.preferred_replicas(g, available, [], 2, DEVICES, "x") == [f"{B}-1", f"{A}-0"]
+    assert hs.preferred_replicas(g, available, [f"{A}-1"], 2, DEVICES, "x") == [f"{B}-1", f"{A}-1"]
+    with pytest.raises(hs.HandshakeError, match="must include"):
+        hs.preferred_replicas(grants((A, 1, 1)), available, [f"{B}-1"], 1, DEVICES, "x")
+    with pytest.raises(hs.HandshakeError, match="no free replica of GPU"):
+        hs.preferred_replicas(grants((B, 1, 1)), [f"{A}-0"], [], 1, DEVICES, "x")
+
+
+def test_next_container_skips_containers_without_gpus():
+    alloc = allocation("p", [[], grants((A, 1, 1)), [], grants((B, 1, 1))])
+    assert hs.next_container(alloc, set()) == 1
+    assert hs.next_container(alloc, {1}) == 3
+    with pytest.raises(hs.HandshakeError, match="already allocated"):
+        hs.next_container(alloc, {1, 3})
+
+
+def test_env_sets_every_gpus_sm_limit_and_oversubscription(settings):
+    alloc = allocation("p", [grants((A, 3000, 30), (B, 5000, 100))])
+    env = hs.container_env(alloc, alloc.containers[0], settings)
+    assert env["CUDA_DEVICE_SM_LIMIT_0"] == "30" and env["CUDA_DEVICE_SM_LIMIT_1"] == "100"
+    assert env["CUDA_DEVICE_SM_LIMIT"] == "30"
+    scaled = settings.model_copy(update={"device_memory_scaling": 2.0})
+    assert hs.container_env(alloc, alloc.containers[0], scaled)["CUDA_OVERSUBSCRIBE"] == "true"
+
+
+def prepared(tmp_path: Path, pod: str, index: int, at: float, sealed: bool = False):
+    cdir = ContainerDir(tmp_path / pod / str(index), PreparedContainer(
+        pod_uid=pod, namespace="ns", pod=pod, container=f"c{index}", index=index,
+        device_ids=[f"{A}-0"], grants=grants((A, 1, 1)), prepared_at=at,
+    ))
+    return cdir, sealed
+
+
+def test_pick_prepared_goes_by_the_holding_pod_and_start_order(tmp_path):
+    (init, _), (app, _) = prepared(tmp_path, "p", 0, 1.0), prepared(tmp_path, "p", 1, 2.0)
+    (old, _) = prepared(tmp_path, "gone", 0, 0.5)
+    holders = [("ns", "p", "c0"), ("ns", "p", "c1")]
+    sealed: set[int] = set()
+    chosen, _ = hs.pick_prepared([app, init, old], holders, lambda c: id(c) in sealed)
+    assert chosen is init
+    sealed.add(id(init))
+    chosen, _ = hs.pick_prepared([app, init, old], holders, lambda c: id(c) in sealed)
+    assert chosen is app
+    chosen, why = hs.pick_prepared([old], holders, lambda c: False)
+    assert chosen is None and "prepared for ns/gone" in why
+    chosen, why = hs.pick_prepared([init], [("ns", "p", "other")], lambda c: False)
+    assert chosen is None and "prepared for container c0" in why
+
+
+def test_finish_and_reclaim_are_cas_bodies():
+    alloc = allocation("p", [grants((A, 1, 1))])
+    ledger = NodeLedger(node="n", allocations={"p": alloc},
+                        claim=InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9))
+    done = hs.finish_mutation("p", ledger)
+    assert done.claim is None and done.allocations["p"].state == AllocationState.ALLOCATED
+    with pytest.raises(NoChange):
+        hs.finish_mutation("p", done)
+    back = hs.reclaim_mutation("p", done, "agent", 30)
+    assert back.claim.pod_uid == "p" and back.allocations["p"].state == AllocationState.BOUND
+    with pytest.raises(NoChange):  # someone else holds the claim now: leave it
+        hs.reclaim_mutation("p", back, "agent", 30)
+
+
+def test_pod_usage_counts_init_containers_by_their_peak():
+    alloc = allocation("p", [grants((A, 6000, 60)), grants((A, 2000, 20)), grants((A, 1000, 5))],
+                       init_count=1)
+    assert pod_usage_on(alloc, A) == (6000, 60)
+    assert pod_usage_on(alloc.model_copy(update={"init_done": True}), A) == (3000, 25)
+    assert pod_usage_on(alloc, B) == (0, 0)
+
+
+def test_limit_raises_respect_the_gpus_capacity():
+    mine = allocation("p", [grants((A, 4000, 40))], state=AllocationState.ALLOCATED)
+    other = allocation("q", [grants((A, 5000, 50))], state=AllocationState.ALLOCATED)
+    ledger = NodeLedger(node="n", allocations={"p": mine, "q": other})
+    capacity = {A: (10000, 100)}
+    new = apply_change(ledger, "p", 0, [A], 5000, 50, capacity)
+    assert new.allocations["p"].containers[0][0].memory_mib == 5000
+    with pytest.raises(LimitsError, match="not enough memory"):
+        apply_change(ledger, "p", 0, [A], 5001, None, capacity)
+    with pytest.raises(LimitsError, match="compute"):
+        apply_change(ledger, "p", 0, [A], None, 51, capacity)
+    released = ledger.model_copy(deep=True)
+    released.allocations["q"].state = AllocationState.RELEASED
+    assert apply_change(released, "p", 0, [A], 10000, None, capacity)
