@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.models import ContainerUsage, DeviceInfo, HostDeviceUsage, UsageSample
+from tessera.models import (
+    ContainerUsage,
+    DeviceInfo,
+    DeviceUsage,
+    HostDeviceUsage,
+    UsageSample,
+)
 
 from .view import ClusterView, counted_containers
 
@@ -73,6 +79,15 @@ def _container_usage(sample: UsageSample | None) -> dict[tuple[str, str], Contai
     return {(c.pod_uid, c.container): c for c in sample.containers}
 
 
+def _device_usage_by_pod(sample: UsageSample | None) -> dict[tuple[str, str], list[DeviceUsage]]:
+    """(pod uid, GPU uuid) -> what each of the pod's containers reports on that GPU."""
+    out: dict[tuple[str, str], list[DeviceUsage]] = {}
+    for container in sample.containers if sample else []:
+        for device in container.devices:
+            out.setdefault((container.pod_uid, device.uuid), []).append(device)
+    return out
+
+
 def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
     """Every node seen in the registrations or the ledgers, sorted by name."""
     usage = view.fresh_usage(now)
@@ -86,6 +101,7 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
             for d in sorted(registration.devices if registration else [], key=lambda d: d.index)
         }
         by_container = _container_usage(sample)
+        by_pod_device = _device_usage_by_pod(sample)
         node = NodeSummary(
             name=name,
             registered=registration is not None,
@@ -103,6 +119,11 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
                 used_by_uuid = {d.uuid: d for d in used.devices} if used else {}
                 for grant in grants:
                     device_usage = used_by_uuid.get(grant.uuid)
+                    if device_usage is None and used is None:
+                        # The ledger lacks container names: join on the GPU when only one of
+                        # the pod's containers reports on it.
+                        candidates = by_pod_device.get((allocation.pod_uid, grant.uuid), [])
+                        device_usage = candidates[0] if len(candidates) == 1 else None
                     piece = Slice(
                         namespace=allocation.namespace,
                         pod=allocation.name,

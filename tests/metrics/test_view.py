@@ -232,3 +232,17 @@ def test_usage_samples_feed_node_metrics_and_expire() -> None:
     stale = expose(view, now=NOW + 120)
     assert stale.value("hami_vgpu_memory_used_bytes", **labels) is None
     assert stale.value("hami_gpu_memory_allocated_bytes", device_uuid="GPU-n1-0") == 8_000 * MIB
+
+
+def test_usage_joins_slices_even_when_the_ledger_lacks_container_names() -> None:
+    view = ClusterView()
+    view.put_node("n1", registration("n1", gpus=1))
+    a = allocation("n1", "ns", "p", [[("GPU-n1-0", 8_000, 40)]])
+    a.container_names = []
+    view.put_ledger("n1", ledger("n1", a))
+    view.put_usage(usage("n1", NOW, [container_usage(a, "main", "GPU-n1-0", 3_000, 8_000, 20, 40)]),
+                   received_at=NOW)
+    [piece] = dashboard_state(view, NOW)["nodes"][0]["gpus"][0]["slices"]
+    assert piece["container"] == "#0" and piece["used_mib"] == 3_000 and piece["sm_util"] == 20
+    assert expose(view).value("tessera_gpu_memory_bytes", kind="containers_used",
+                              device_uuid="GPU-n1-0") == 3_000 * MIB
