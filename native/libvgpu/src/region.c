@@ -25,7 +25,9 @@ static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS s
 
 /* ---- processes ---------------------------------------------------------------------------- */
 
-/* state and starttime from /proc/<pid>/stat; 0 ok, -1 unreadable */
+#define TV_PF_EXITING 0x4u /* linux/sched.h: the task is exiting (robust futexes released) */
+
+/* state (a dying process reads 'X'), and starttime from /proc/<pid>/stat; 0 ok, -1 unreadable */
 static int proc_stat(pid_t pid, char *state, uint64_t *start)
 {
     char path[64], buf[1024];
@@ -40,10 +42,11 @@ static int proc_stat(pid_t pid, char *state, uint64_t *start)
     if (!p || p[1] != ' ') return -1;
     p += 2;
     *state = *p;
-    /* p points at field 3 (state); starttime is field 22 */
+    /* p points at field 3 (state); flags is field 9, starttime field 22 */
     for (int field = 3; field < 22 && p; field++) {
         p = strchr(p, ' ');
         if (p) p++;
+        if (p && field + 1 == 9 && (strtoul(p, NULL, 10) & TV_PF_EXITING)) *state = 'X';
     }
     if (!p) return -1;
     *start = strtoull(p, NULL, 10);

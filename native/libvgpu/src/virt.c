@@ -35,6 +35,7 @@ static void container_view(int d, uint64_t limit, uint64_t phys_total, uint64_t 
 CUresult CUDAAPI tv_cuMemGetInfo_v2(size_t *free_, size_t *total)
 {
     TV_CUDA_ENTER();
+    tv_mem_refresh_pools(); /* pools may have given freed memory back at a sync */
     size_t pf = 0, pt = 0;
     CUresult r = REAL(cuMemGetInfo_v2)(&pf, &pt);
     if (r != CUDA_SUCCESS) return r;
@@ -91,6 +92,7 @@ nvmlReturn_t tv_nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memor
     uint64_t limit;
     int d = nvml_slot(device, &limit);
     if (d < 0 || !limit) return r;
+    if (atomic_load(&tv.cuda_ready)) tv_mem_refresh_pools();
     uint64_t t, f, u;
     container_view(d, limit, memory->total, memory->free, &t, &f, &u);
     memory->total = t;
@@ -107,6 +109,7 @@ nvmlReturn_t tv_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t 
     uint64_t limit;
     int d = nvml_slot(device, &limit);
     if (d < 0 || !limit) return r;
+    if (atomic_load(&tv.cuda_ready)) tv_mem_refresh_pools();
     uint64_t t, f, u;
     container_view(d, limit, memory->total, memory->free + memory->reserved, &t, &f, &u);
     memory->total = t;

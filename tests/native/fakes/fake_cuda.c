@@ -233,7 +233,7 @@ static CUresult free_alloc(CUdeviceptr ptr)
     struct fk_alloc *a = alloc_find(ptr, 1);
     if (a) {
         stats.frees++;
-        if (a->size <= (64u << 20)) {
+        if (a->size <= (4u << 20)) {
             if (all_zero((const unsigned char *)(uintptr_t)a->ptr, a->size)) stats.frees_clean++;
             else stats.frees_dirty++;
         }

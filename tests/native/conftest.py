@@ -1,0 +1,251 @@
+"""Harness for libvgpu: builds the library, the fake driver and the test programs, and runs
+programs "in a container" (LD_PRELOAD, a region, a limits directory, a shared fake GPU).
+
+TESSERA_NATIVE_SAN=address runs everything against AddressSanitizer builds (own build dirs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tessera import region
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBVGPU_DIR = ROOT / "native" / "libvgpu"
+TESTS_DIR = Path(__file__).resolve().parent
+SAN = os.environ.get("TESSERA_NATIVE_SAN", "")
+MiB = 1 << 20
+
+# env vars a test must never inherit from the developer's shell
+_SCRUB_PREFIXES = ("CUDA_", "TESSERA_", "FAKE_", "GPU_CORE_", "LIBCUDA_", "LD_PRELOAD", "TV_TEST")
+
+
+@dataclass(frozen=True)
+class NativeBuild:
+    lib: Path  # libvgpu.so
+    bin: Path  # cuctl, stress, fkstat, ...
+    fake: Path  # libcuda.so.1, libnvidia-ml.so.1
+    san: str
+
+    @property
+    def preload(self) -> str:
+        if not self.san:
+            return str(self.lib)
+        asan = subprocess.run(
+            ["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        return f"{asan} {self.lib}"
+
+
+def _make(*args: str) -> None:
+    out = subprocess.run(["make", "-s", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"make {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+
+
+def build_native(san: str = SAN) -> NativeBuild:
+    build = LIBVGPU_DIR / ("build-asan" if san else "build")
+    py = f"PYTHON={sys.executable}"
+    _make("-C", str(LIBVGPU_DIR), f"BUILD={build}", f"SAN={san}", py)
+    _make("-C", str(TESTS_DIR), f"BUILD={build / 'tests'}", f"SAN={san}", py)
+    return NativeBuild(build / "libvgpu.so", build / "tests", build / "tests" / "fake", san)
+
+
+@pytest.fixture(scope="session")
+def native() -> NativeBuild:
+    if shutil.which("cc") is None or shutil.which("make") is None:
+        pytest.skip("no C toolchain")
+    return build_native()
+
+
+def base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES)}
+
+
+class Cuctl:
+    """A running tests/native/progs/cuctl: send a line, get its JSON answer."""
+
+    def __init__(self, exe: Path, env: dict[str, str], stderr_path: Path):
+        self._stderr = stderr_path.open("w")
+        self.stderr_path = stderr_path
+        self.p = subprocess.Popen(
+            [str(exe)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+        )
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.p.stdout, selectors.EVENT_READ)
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def send(self, line: str) -> None:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def recv(self, timeout: float = 20.0) -> dict:
+        if not self._sel.select(timeout):
+            raise TimeoutError(f"cuctl gave no answer in {timeout}s; stderr:\n{self.stderr()}")
+        out = self.p.stdout.readline()
+        if not out:
+            raise RuntimeError(f"cuctl exited ({self.p.poll()}); stderr:\n{self.stderr()}")
+        return json.loads(out)
+
+    def __call__(self, line: str, timeout: float = 20.0) -> dict:
+        self.send(line)
+        return self.recv(timeout)
+
+    def stderr(self) -> str:
+        if not self._stderr.closed:
+            self._stderr.flush()
+        return self.stderr_path.read_text(errors="replace")
+
+    def close(self, check: bool = True) -> None:
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write("exit\n")
+                self.p.stdin.close()
+            except BrokenPipeError:
+                pass
+            self.p.wait(timeout=30)
+        self._stderr.close()
+        if check and self.p.returncode not in (0, -9):
+            raise AssertionError(f"cuctl exited {self.p.returncode}:\n{self.stderr()}")
+
+
+@dataclass
+class Container:
+    """One container: its region, its limits directory, the processes it runs."""
+
+    native: NativeBuild
+    dir: Path
+    gpu_state: Path
+    name: str = "c"
+    procs: list[Cuctl] = field(default_factory=list)
+
+    @property
+    def region_path(self) -> Path:
+        return self.dir / "region"
+
+    @property
+    def limits_dir(self) -> Path:
+        return self.dir / "limits"
+
+    def seal(self, *devices: region.DeviceLimit, **kw) -> region.ContainerLimits:
+        kw.setdefault("core_policy", "force")
+        lim = region.ContainerLimits(devices=devices, region_path=str(self.region_path), **kw)
+        return region.seal_limits(self.limits_dir, lim)
+
+    def env(self, mode: str = "direct", preload: bool = True, **extra: str) -> dict[str, str]:
+        env = base_env()
+        env.update(
+            LD_LIBRARY_PATH=str(self.native.fake),
+            FAKE_CUDA_STATE=str(self.gpu_state),
+            TV_TEST_MODE=mode,
+            LIBCUDA_LOG_LEVEL="1",
+        )
+        if preload:
+            env["LD_PRELOAD"] = self.native.preload
+            if (self.limits_dir / region.LIMITS_FILE_NAME).exists():
+                env[region.ENV_LIMITS_DIR] = str(self.limits_dir)
+            else:
+                env[region.ENV_REGION_PATH] = str(self.region_path)
+        if self.native.san:
+            env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=0:exitcode=66"
+        env.update(extra)
+        return env
+
+    def cuctl(self, mode: str = "direct", preload: bool = True, **extra: str) -> Cuctl:
+        n = len(self.procs)
+        c = Cuctl(
+            self.native.bin / "cuctl",
+            self.env(mode, preload, **extra),
+            self.dir / f"cuctl-{n}.stderr",
+        )
+        self.procs.append(c)
+        return c
+
+    def run(self, argv: list[str], timeout: float = 60, **extra: str):
+        return subprocess.run(
+            argv, env=self.env(**extra), capture_output=True, text=True, timeout=timeout
+        )
+
+    def usage(self) -> region.RegionUsage:
+        u = region.read_region(self.region_path)
+        assert u is not None, "region not initialised"
+        return u
+
+    def used(self, dev: int = 0) -> int:
+        devices = self.usage().devices
+        return devices[dev].used_bytes if dev < len(devices) else 0
+
+
+class Cluster:
+    """Containers sharing one fake machine (the same FAKE_CUDA_STATE)."""
+
+    def __init__(self, native: NativeBuild, tmp: Path):
+        self.native = native
+        self.tmp = tmp
+        self.gpu_state = tmp / "gpu-state"
+        self.containers: list[Container] = []
+
+    def container(self, name: str | None = None) -> Container:
+        name = name or f"c{len(self.containers)}"
+        d = self.tmp / name
+        d.mkdir()
+        c = Container(self.native, d, self.gpu_state, name)
+        self.containers.append(c)
+        return c
+
+    def busy(self, dev: int, t0: int, t1: int, window: int, pids: list[int] | None = None):
+        argv = [str(self.native.bin / "fkstat"), str(self.gpu_state), str(dev), str(t0), str(t1)]
+        argv += [str(window), *(str(p) for p in pids or [])]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        return [float(x) * 100 for x in out.split()]
+
+    def close(self) -> None:
+        for c in self.containers:
+            for p in c.procs:
+                if p.p.poll() is None:
+                    p.p.kill()
+                    p.p.wait()
+                p.close(check=False)
+
+
+@pytest.fixture
+def cluster(native: NativeBuild, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(native, tmp_path)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def container(cluster: Cluster) -> Container:
+    return cluster.container()
+
+
+def wait_for(pred, timeout: float = 2.0, step: float = 0.005):
+    """Poll pred() until truthy; returns (value, seconds waited)."""
+    t0 = time.monotonic()
+    while True:
+        v = pred()
+        if v:
+            return v, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return v, time.monotonic() - t0
+        time.sleep(step)
