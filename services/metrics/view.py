@@ -191,7 +191,7 @@ class ClusterView:
         detail = ""
         if grants:
             detail = ": " + ", ".join(
-                f"{g.memory_mib} MiB + {g.cores}% of {g.uuid}" for g in grants[:4])
+                f"{g.memory_mib} MiB + {g.cores}% of GPU …{g.uuid[-12:]}" for g in grants[:4])
             if len(grants) > 4:
                 detail += f" and {len(grants) - 4} more"
         severity = {"failed": "error", "mismatch": "error", "released": "muted"}.get(

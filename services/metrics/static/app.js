@@ -28,6 +28,11 @@ function mem(mib) {
   return mib >= GIB ? `${(mib / GIB).toFixed(mib >= 10 * GIB ? 0 : 1)} GiB` : `${Math.round(mib)} MiB`;
 }
 
+// HAMi's device type is "NVIDIA-" + the NVML name, which often starts with NVIDIA already.
+function model(type) {
+  return String(type || "").replace(/^NVIDIA-(?=NVIDIA)/, "");
+}
+
 function pct(part, whole) {
   return whole > 0 ? Math.round((100 * part) / whole) : 0;
 }
@@ -80,7 +85,7 @@ function segments(gpu, field, total) {
 
 function renderGpu(gpu) {
   const memUsed = gpu.host_used_mib;
-  const usedMark = memUsed != null && gpu.memory_mib > 0
+  const usedMark = memUsed && gpu.memory_mib > 0
     ? `<div class="used-mark" style="left:${Math.min(100, (100 * memUsed) / gpu.memory_mib).toFixed(2)}%"` +
       ` title="used on the card: ${mem(memUsed)}"></div>` : "";
   const scaled = gpu.physical_memory_mib && gpu.physical_memory_mib !== gpu.memory_mib
@@ -102,7 +107,7 @@ function renderGpu(gpu) {
       }).join("")}</ul>`
     : `<div class="no-slices">idle: no pod holds this GPU</div>`;
   return `<article class="gpu ${gpu.healthy ? "" : "unhealthy"}" data-uuid="${esc(gpu.uuid)}">
-    <div class="gpu-head"><span class="gpu-title">GPU ${gpu.index} · ${esc(gpu.type)}</span>${health}
+    <div class="gpu-head"><span class="gpu-title">GPU ${gpu.index} · ${esc(model(gpu.type))}</span>${health}
       <span class="badge">${gpu.shared}/${gpu.split_count} slots</span>
       <span class="gpu-uuid mono" title="${esc(gpu.uuid)}">${esc(gpu.uuid.slice(-12))}</span></div>
     <div class="metric-row"><span class="metric-name">memory</span>
@@ -182,7 +187,7 @@ function quotaRow(label, used, limit, format) {
 
 function renderQuotas(quotas) {
   if (!quotas.length) {
-    $("quotas").innerHTML = `<p class="empty">No namespace has a GPU quota.</p>`;
+    $("quotas").innerHTML = `<p class="empty">No namespace holds GPU quota.</p>`;
     return;
   }
   $("quotas").innerHTML = quotas.map((q) =>
