@@ -103,6 +103,20 @@ def next_container(allocation: Allocation, prepared: Iterable[int]) -> int:
     raise HandshakeError(f"every GPU container of {describe(allocation)} is already allocated")
 
 
+def admission_restarted(
+    allocation: Allocation, prepared: list[ContainerDir], sealed: Callable[[ContainerDir], bool]
+) -> bool:
+    """An Allocate for a pod whose every GPU container is already prepared, none started, and
+    which is still only bound: kubelet is retrying an admission that failed before its end."""
+    done = {c.prepared.index for c in prepared}
+    return (
+        allocation.state == AllocationState.BOUND
+        and bool(done)
+        and set(gpu_containers(allocation)) <= done
+        and not any(sealed(c) for c in prepared)
+    )
+
+
 def preferred_replicas(
     grants: list[DeviceGrant],
     available: list[str],

@@ -144,8 +144,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     async def preferred(self, request: dp.PreferredAllocationRequest):
         devices = self.state.by_uuid()
         allocation = hs.claimed_allocation(await self._ledger(), self.node)
-        prepared = {c.prepared.index for c in self.store.for_pod(allocation.pod_uid)}
-        index = hs.next_container(allocation, prepared)
+        existing = self.store.for_pod(allocation.pod_uid)
+        if hs.admission_restarted(allocation, existing, self._sealed):
+            existing = []  # Allocate will prepare the pod anew
+        index = hs.next_container(allocation, {c.prepared.index for c in existing})
         response = dp.PreferredAllocationResponse()
         for i, req in enumerate(request.container_requests):
             # Several requests in one call are consecutive containers of the claimed pod.
@@ -187,6 +189,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     ) -> ContainerDir:
         # Never matched by IDs: kubelet hands an init container's replicas to later containers.
         existing = self.store.for_pod(allocation.pod_uid)
+        if hs.admission_restarted(allocation, existing, self._sealed):
+            # Every container was prepared, none started, the pod still in flight: the last
+            # admission failed before its end (agent crash, ledger error) and kubelet retries.
+            self.log.warning("kubelet retries the admission of a pod: preparing it anew",
+                             extra={"pod": f"{allocation.namespace}/{allocation.name}"})
+            for cdir in existing:
+                await asyncio.to_thread(self.store.remove_container, cdir)
+            existing = []
         index = hs.next_container(allocation, {c.prepared.index for c in existing})
         who = hs.describe(allocation, index)
         try:
@@ -272,9 +282,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         holders = holders_of(pods, self.settings.resource_name, ids)
         if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
-        cdir, why = hs.pick_prepared(
-            candidates, holders, lambda c: (c.limits_dir / LIMITS_FILE_NAME).is_file()
-        )
+        cdir, why = hs.pick_prepared(candidates, holders, self._sealed)
         if cdir is None:
             stray = candidates[0].prepared
             reason = f"{ids}: {why}"
@@ -297,6 +305,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # A crash between Allocate's answer and its ledger write leaves the claim held.
         await self._maybe_finish(allocation)
         return dp.PreStartContainerResponse()
+
+    @staticmethod
+    def _sealed(cdir: ContainerDir) -> bool:
+        return (cdir.limits_dir / LIMITS_FILE_NAME).is_file()
 
     async def _undo_misattributed(self, cdir: ContainerDir) -> None:
         """An Allocate answered for the wrong pod: forget that preparation, and give the pod it

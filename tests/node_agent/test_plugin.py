@@ -253,3 +253,34 @@ async def test_prestart_refuses_a_container_of_another_pod(short_dir, nc, bucket
         sealed = read_limits(admission_b.containers[0].mount(SEALED_LIMITS_DIR).host_path)
         assert [(d.uuid, d.mem_limit_bytes >> 20) for d in sealed.devices] == [(gpu0, 7000)]
         assert (await rig.ledger()).claim is None
+
+
+async def test_kubelet_retrying_an_unfinished_admission_is_served_again(short_dir, nc, buckets):
+    """The agent prepared every container but the pod never got to `allocated` (a crash before
+    the ledger write): kubelet's retry of the admission is served from the start."""
+    from tessera import bus
+    from tessera.models import InFlightClaim, NodeLedger, now
+
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu0 = rig.gpus[0]
+        pod = make_pod("retry", [("main", 1)])
+        allocation = await rig.bind(pod, [grants((gpu0, 1500, 15))])
+        first = await rig.kubelet.allocate_pod(pod)
+        assert first.ok, first.error
+
+        def restore(ledger: NodeLedger | None) -> NodeLedger:
+            ledger = ledger.model_copy(deep=True)
+            ledger.allocations[allocation.pod_uid].state = AllocationState.BOUND
+            ledger.claim = InFlightClaim(pod_uid=allocation.pod_uid, namespace="team",
+                                         name="retry", expires_at=now() + 60)
+            return ledger
+
+        await bus.cas_update(buckets.ledger, rig.node, NodeLedger, restore)
+        rig.kubelet.remove_pod(allocation.pod_uid)  # kubelet: the admission failed
+        again = await rig.kubelet.admit_pod(pod)
+        assert again.ok, again.error
+        sealed = read_limits(again.containers[0].mount(SEALED_LIMITS_DIR).host_path)
+        assert sealed.devices[0].mem_limit_bytes >> 20 == 1500
+        ledger = await rig.ledger()
+        assert ledger.claim is None
+        assert ledger.allocations[allocation.pod_uid].state == AllocationState.ALLOCATED
