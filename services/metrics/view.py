@@ -36,6 +36,7 @@ USAGE_MAX_AGE_S = 30.0
 # kube-scheduler retries an unschedulable pod at least every 5 minutes; a pod not refused again
 # for longer than this was deleted or placed by someone else.
 PENDING_STALE_S = 900.0
+MAX_PENDING = 10_000
 BAD_MESSAGE_SOURCES = ("nodes", "ledger", "quota", "events", "usage")
 
 # HAMi writes node reasons as "3/8 CardInsufficientMemory"; several may be joined by ", " or "; ".
@@ -91,7 +92,7 @@ class ClusterView:
     quotas: dict[str, QuotaState] = field(default_factory=dict)
     usage: dict[str, UsageView] = field(default_factory=dict)
     latency: LatencyTracker = field(default_factory=LatencyTracker)
-    pending: dict[str, PendingPod] = field(default_factory=dict)
+    pending: dict[tuple[str, str], PendingPod] = field(default_factory=dict)  # (ns, name)
     recent: deque[RecentEvent] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
     # Counters folded from the stream (label tuples -> count).
     alloc_events: Counter[tuple[str, str]] = field(default_factory=Counter)  # (node, action)
@@ -125,7 +126,7 @@ class ClusterView:
             self.ledgers[key] = value
             for allocation in value.allocations.values():
                 if allocation.state in ("bound", "allocated"):
-                    self._clear_pending(allocation.pod_uid, allocation.namespace, allocation.name)
+                    self._clear_pending(allocation.namespace, allocation.name)
 
     def put_quota(self, key: str, value: QuotaState | None) -> None:
         if value is None:
@@ -186,7 +187,7 @@ class ClusterView:
         self.alloc_events[(event.node, event.action)] += 1
         self.latency.allocation(event.action, event.namespace, event.name, event.pod_uid, event.at)
         if event.action in ("bound", "allocated", "released"):
-            self._clear_pending(event.pod_uid, event.namespace, event.name)
+            self._clear_pending(event.namespace, event.name)
         grants = [g for container in event.containers for g in container]
         detail = ""
         if grants:
@@ -205,9 +206,13 @@ class ClusterView:
         for text in event.node_reasons.values():
             for code in reason_codes(text):
                 self.refusals[code] += 1
-        key = event.pod_uid or f"{event.namespace}/{event.name}"
+        key = (event.namespace, event.name)
         summary = event.reason or _summarise(event.node_reasons)
         previous = self.pending.get(key)
+        if previous and previous.pod_uid and event.pod_uid and previous.pod_uid != event.pod_uid:
+            previous = None  # a new pod under an old name
+        if len(self.pending) >= MAX_PENDING:
+            self._forget_stale_pending(event.at)
         self.pending[key] = PendingPod(
             namespace=event.namespace,
             name=event.name,
@@ -256,12 +261,12 @@ class ClusterView:
         self.recent.append(RecentEvent(event.at, kind, action, scope, text, event.reason,
                                        severity))
 
-    def _clear_pending(self, pod_uid: str, namespace: str, name: str) -> None:
-        # Match on uid or on namespace/name: either side may lack the uid.
+    def _clear_pending(self, namespace: str, name: str) -> None:
+        self.pending.pop((namespace, name), None)
+
+    def _forget_stale_pending(self, now: float) -> None:
         for key, pod in list(self.pending.items()):
-            if (pod_uid and pod.pod_uid == pod_uid) or (pod.namespace, pod.name) == (
-                namespace, name
-            ):
+            if now - pod.last_at > PENDING_STALE_S:
                 del self.pending[key]
 
     # --- derived ------------------------------------------------------------------------------
