@@ -24,9 +24,10 @@ from tessera.settings import TesseraSettings
 class HandshakeError(Exception):
     """A request kubelet made that the agent must refuse (becomes a gRPC error)."""
 
-    def __init__(self, message: str, *, mismatch: bool = False) -> None:
+    def __init__(self, message: str, *, mismatch: bool = False, invalid: bool = False) -> None:
         super().__init__(message)
-        self.mismatch = mismatch
+        self.mismatch = mismatch  # kubelet's devices disagree with the scheduler's grant
+        self.invalid = invalid  # the request itself is malformed (not ours, duplicated)
 
 
 def replica_id(uuid: str, i: int) -> str:
@@ -52,10 +53,12 @@ def gpus_of(device_ids: list[str], devices: dict[str, DeviceInfo]) -> list[str]:
     """The GPUs behind replica IDs; refuses unknown IDs and two replicas of one GPU."""
     unknown = [d for d in device_ids if gpu_of(d, devices) is None]
     if unknown:
-        raise HandshakeError(f"unknown device IDs {unknown}: not replicas of this node's GPUs")
+        raise HandshakeError(
+            f"unknown device IDs {unknown}: not replicas of this node's GPUs", invalid=True
+        )
     gpus = [gpu_of(d, devices) or "" for d in device_ids]
     if len(set(gpus)) != len(gpus):
-        raise HandshakeError(f"device IDs {device_ids} name the same GPU twice")
+        raise HandshakeError(f"device IDs {device_ids} name the same GPU twice", invalid=True)
     return gpus
 
 

@@ -127,9 +127,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 return await handler(request)
         except hs.HandshakeError as exc:
             self.log.warning("refused", extra={"rpc": rpc, "reason": str(exc)})
-            code = grpc.StatusCode.FAILED_PRECONDITION
-            if "unknown device IDs" in str(exc) or "same GPU twice" in str(exc):
-                code = grpc.StatusCode.INVALID_ARGUMENT
+            code = (grpc.StatusCode.INVALID_ARGUMENT if exc.invalid
+                    else grpc.StatusCode.FAILED_PRECONDITION)
             await context.abort(code, str(exc))
         except Exception as exc:  # the agent keeps serving whatever went wrong
             self.log.exception("handshake step failed", extra={"rpc": rpc})
