@@ -184,6 +184,8 @@ def apply_quota_verdict(
     if verdict.fits is True:
         return decision
     if verdict.fits is False:
+        if verdict.reason.startswith("exceeding resource quota"):  # tessera-quota's own words
+            return Denial(QUOTA_EXCEEDED, verdict.reason)
         detail = f": {verdict.reason}" if verdict.reason else ""
         return Denial(QUOTA_EXCEEDED, f"exceeding resource quota of {where}{detail}")
     if settings.quota_failure_policy == "allow":
