@@ -8,6 +8,8 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource, advertise
 from tessera.node_agent.limits import LimitsService
@@ -30,8 +32,8 @@ class NodeAgent:
         *,
         settings: TesseraSettings,
         node: str,
-        nc: object,
-        js: object,
+        nc: NatsClient,
+        js: JetStreamContext,
         buckets: Buckets,
         source: DeviceSource,
         cluster: ClusterPort | None = None,

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 
+from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
@@ -91,10 +93,10 @@ class LimitsService:
         self,
         *,
         node: str,
-        nc: object,
+        nc: NatsClient,
         store: ContainerStore,
         state: DeviceState,
-        ledger_kv: object,
+        ledger_kv: KeyValue,
         log: logging.Logger,
     ) -> None:
         self.node = node

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
 from tessera.node_agent.state import DeviceState
@@ -72,8 +74,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         node: str,
         state: DeviceState,
         store: ContainerStore,
-        ledger_kv: object,
-        js: object,
+        ledger_kv: KeyValue,
+        js: JetStreamContext,
         cluster: ClusterPort | None,
         log: logging.Logger,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,

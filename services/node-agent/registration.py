@@ -8,6 +8,8 @@ import contextlib
 import logging
 import time
 
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 from tessera.node_agent.devices import (
     DeviceSource,
     HealthTracker,
@@ -34,8 +36,8 @@ class NodeRegistrar:
         node: str,
         settings: TesseraSettings,
         state: DeviceState,
-        nodes_kv: object,
-        js: object,
+        nodes_kv: KeyValue,
+        js: JetStreamContext,
         cluster: ClusterPort | None,
         log: logging.Logger,
         instance: str,

@@ -8,6 +8,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 from tessera.node_agent.containers import ContainerDir, ContainerStore
 from tessera.node_agent.devices import DeviceSource
 from tessera.node_agent.state import DeviceState
@@ -56,9 +59,9 @@ class UsageSampler:
         node: str,
         store: ContainerStore,
         state: DeviceState,
-        ledger_kv: object,
-        nc: object,
-        js: object,
+        ledger_kv: KeyValue,
+        nc: NatsClient,
+        js: JetStreamContext,
         source: DeviceSource,
         log: logging.Logger,
         interval_s: float = 1.0,
