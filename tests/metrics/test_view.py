@@ -246,3 +246,15 @@ def test_usage_joins_slices_even_when_the_ledger_lacks_container_names() -> None
     assert piece["container"] == "#0" and piece["used_mib"] == 3_000 and piece["sm_util"] == 20
     assert expose(view).value("tessera_gpu_memory_bytes", kind="containers_used",
                               device_uuid="GPU-n1-0") == 3_000 * MIB
+
+
+def test_pending_pods_age_out_and_a_recreated_pod_starts_over() -> None:
+    view = ClusterView()
+    first = SchedulingFailedEvent(event_id="f1", namespace="ml", name="job", pod_uid="old",
+                                  at=NOW - 2000, node_reasons={"n1": "1/1 CardInsufficientCore"})
+    view.apply_event(first, 1)
+    assert dashboard_state(view, NOW)["pending"] == []  # not refused again for 33 minutes
+    view.apply_event(first.model_copy(update={"event_id": "f2", "pod_uid": "new",
+                                              "at": NOW - 5}), 2)
+    [pod] = dashboard_state(view, NOW)["pending"]
+    assert pod["pod_uid"] == "new" and pod["attempts"] == 1 and pod["waiting_s"] == 5
