@@ -236,3 +236,21 @@ async def test_broker_restart_the_view_heals(bus: Bus) -> None:
         assert m.value("tessera_allocation_events_total", node="gpu-c", action="bound") == 1
     finally:
         await service.stop()
+
+
+async def test_resync_drops_keys_deleted_while_not_watching(bus: Bus) -> None:
+    await bus.buckets.nodes.put("gpu-a", encode(registration("gpu-a", gpus=1)))
+    await bus.buckets.nodes.put("gpu-gone", encode(registration("gpu-gone", gpus=1)))
+    service = await start_service(bus)
+    try:
+        assert (await scrape(service)).value("tessera_node_registered", node="gpu-gone") == 1
+        # What a reconnect does: the watches stop, the world changes, the watches start again.
+        await service.feeds._stop_streams()
+        await bus.buckets.nodes.delete("gpu-gone")
+        service.feeds._start_streams()
+        m = await until(service, lambda m: m.value("tessera_node_registered",
+                                                   node="gpu-gone") is None)
+        assert m.value("tessera_node_registered", node="gpu-gone") is None
+        assert m.value("tessera_node_registered", node="gpu-a") == 1
+    finally:
+        await service.stop()
