@@ -12,6 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from tessera.settings import TesseraSettings
 
 from .event_queue import EventQueue, PendingEvent
@@ -65,7 +67,7 @@ class AdmissionApp:
                     b"true" if ready else b"false"))
             else:
                 await _send(send, 200, self.metrics.exposition(),
-                            [(b"content-type", b"text/plain; version=0.0.4")])
+                            [(b"content-type", CONTENT_TYPE_LATEST.encode())])
         else:
             await _send(send, 404, _error(f"no route {method} {path}"))
 
