@@ -101,6 +101,10 @@ class TesseraSettings(BaseSettings):
     )
     static_gpu_memory_mib: int = Field(81920, ge=1, description="static source: MiB per GPU")
     static_numa_nodes: int = Field(1, ge=1, description="static source: GPUs spread over these")
+    static_fault_file: str | None = Field(
+        None, description="static source: lines '<GPU index> <XID>' appended here are driver "
+        "events (fault injection for the local stack)"
+    )
     nvml_library: str | None = Field(
         None, description="path of libnvidia-ml.so.1 to load instead of the system one"
     )

@@ -9,6 +9,7 @@ double-bit ECC error, healthy again after `health_recovery_s` without one — HA
 from __future__ import annotations
 
 import math
+import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -160,6 +161,7 @@ class StaticSource:
     def __init__(self, settings: TesseraSettings, node: str) -> None:
         self._settings = settings
         self._node = node
+        self._fault_offset = 0
 
     def discover(self) -> list[PhysicalGpu]:
         s = self._settings
@@ -182,10 +184,37 @@ class StaticSource:
         return gpus
 
     def wait_event(self, timeout_s: float) -> HealthEvent | None:
-        import time
+        """Events from `static_fault_file` (one '<GPU index> <XID>' per line), else none."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            event = self._next_fault()
+            if event is not None or time.monotonic() >= deadline:
+                return event
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
-        time.sleep(timeout_s)
-        return None
+    def _next_fault(self) -> HealthEvent | None:
+        path = self._settings.static_fault_file
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._fault_offset)
+                line = f.readline()
+        except FileNotFoundError:
+            return None
+        if not line.endswith(b"\n"):
+            return None  # nothing new, or a line still being written
+        self._fault_offset += len(line)
+        fields = line.split()
+        try:
+            index, xid = int(fields[0]), int(fields[1])
+        except (IndexError, ValueError):
+            return None
+        if xid in self._settings.ignored_xid_set():
+            return None
+        gpus = self.discover()
+        uuid = gpus[index].uuid if 0 <= index < len(gpus) else None
+        return HealthEvent(uuid, "xid", xid)
 
     def host_usage(self) -> dict[str, tuple[int, int, float]]:
         return {}

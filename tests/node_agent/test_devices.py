@@ -148,3 +148,18 @@ def test_static_source_is_stable_and_spread_over_numa():
     assert [g.numa for g in a] == [0, 0, 1, 1]
     assert a[0].links[a[1].uuid] == 20 and a[0].links[a[2].uuid] == 10
     assert all(g.memory_mib == 1000 and g.type.startswith("NVIDIA-") for g in a)
+
+
+def test_static_source_takes_injected_faults(tmp_path):
+    faults = tmp_path / "faults"
+    settings = TesseraSettings(static_gpu_count=2, static_fault_file=str(faults))
+    source = StaticSource(settings, "node-f")
+    gpus = [g.uuid for g in source.discover()]
+    assert source.wait_event(0.01) is None  # no file yet
+    faults.write_text("1 79\n0 43\n-1 48\n0 6")  # the last line is not finished yet
+    assert source.wait_event(0.2) == HealthEvent(gpus[1], "xid", 79)
+    assert source.wait_event(0.2) == HealthEvent(None, "xid", 48)  # 43 is ignored
+    assert source.wait_event(0.05) is None
+    with faults.open("a") as f:
+        f.write("2\n")
+    assert source.wait_event(0.2) == HealthEvent(gpus[0], "xid", 62)
