@@ -33,6 +33,9 @@ class QuotaChecker:
             gpus=ask.gpus,
             check_only=True,
         )
+        if not self.nc.is_connected:
+            # Reconnecting: answer at once instead of letting every review wait for the timeout.
+            return QuotaVerdict(None, "the webhook is not connected to NATS")
         try:
             reply = await self.nc.request(
                 bus.QUOTA_RESERVE, encode(request), timeout=self.timeout_s

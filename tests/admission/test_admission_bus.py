@@ -48,7 +48,7 @@ async def webhook(
             yield http
     finally:
         if queue:
-            await queue.stop()
+            await queue.stop(drain_timeout_s=0.5)
 
 
 @pytest.fixture
@@ -217,3 +217,28 @@ async def test_a_stuck_event_bus_never_slows_reviews_and_drops_are_counted():
     # Eight wait in the queue, up to a batch of four is stuck publishing, the rest were dropped.
     assert 50 - 8 - 4 <= queue.dropped <= 50 - 8
     assert f"tessera_admission_events_dropped_total {queue.dropped}.0" in metrics_text
+
+
+async def test_with_nats_down_reviews_answer_at_once(fresh_nats):
+    """The broker dies: GPU pods are denied (policy deny) without waiting for a timeout, pods
+    without GPU are admitted, and events pile up or drop without slowing anything."""
+    from tessera.bus import connect
+    from tessera.settings import NatsSettings
+
+    nc = await connect(NatsSettings(NATS_URL=fresh_nats.url), name="admission-down-test")
+    try:
+        async with webhook(nc, timeout_s=5.0) as http:
+            fresh_nats.kill()
+            for _ in range(100):
+                if not nc.is_connected:
+                    break
+                await asyncio.sleep(0.02)
+            started = time.monotonic()
+            gpu = await answer(http, pod(container(limits={GPU: "1"}), namespace="down"))
+            plain = await answer(http, pod(container(), namespace="down"))
+            assert time.monotonic() - started < 1.0
+    finally:
+        with contextlib.suppress(Exception):  # closing a client whose broker is gone
+            await nc.close()
+    assert gpu["allowed"] is False and "not connected to NATS" in gpu["status"]["message"]
+    assert plain["allowed"] is True
