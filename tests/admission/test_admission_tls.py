@@ -179,3 +179,48 @@ def test_certs_command_refuses_a_bad_ip(cert_dir):
                                               "-o", str(cert_dir)])
     assert result.exit_code != 0
     assert not (cert_dir / "tls.crt").exists()
+
+
+async def test_the_shipped_process_serves_tls_from_env_and_stops_on_sigterm(
+    admission_nats, cert_dir
+):
+    """`python -m tessera.admission` exactly as deployed: TLS files from the environment."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    files = write_certificates(cert_dir / "env", ["localhost"])
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "NATS_"))}
+    env.update(NATS_URL=admission_nats.url, TESSERA_LISTEN=f"127.0.0.1:{port}",
+               TESSERA_TLS_CERT=str(files.cert), TESSERA_TLS_KEY=str(files.key),
+               TESSERA_QUOTA_ENABLED="false")
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.admission"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"https://localhost:{port}"
+        async with httpx.AsyncClient(verify=trusting(files.ca_cert)) as http:
+            for _ in range(300):
+                try:
+                    ready = await http.get(f"{url}/readyz")
+                    break
+                except httpx.ConnectError:
+                    assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+                    await asyncio.sleep(0.05)
+            assert ready.status_code == 200
+        new = await post_review(url, trusting(files.ca_cert))
+        assert new["spec"]["schedulerName"] == "tessera-scheduler"
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - started < 5.0
+        logs = proc.stdout.read().decode()  # type: ignore[union-attr]
+        assert '"msg": "webhook listening"' in logs and '"tls": true' in logs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
