@@ -223,45 +223,57 @@ class NodeKubelet:
         )
 
     async def _admit_devices(self, pod: KubeObject) -> PodAdmission | None:
-        """Allocate + PreStartContainer, retried while the plugin is away; None: gave up/gone."""
+        """Allocate, then PreStartContainer per container; None: gave up, or the pod is gone.
+
+        As in kubelet, a recorded allocation is never redone: when starting fails (the plugin
+        restarting), only the start (PreStartContainer, same device IDs) is retried. A fresh
+        Allocate would be attributed by the plugin to whichever pod is in flight by then.
+        """
         deadline = time.monotonic() + self.admit_deadline_s
-        delay = 0.1
+        uid = pod["metadata"].get("uid", "")
+        admission: PodAdmission | None = None
+        # Short first retries: the usual refusal is a bind still being recorded (milliseconds).
+        delay = 0.02
         last_error = ""
         while True:
             if self._current(pod) is None:
+                self.device_kubelet.remove_pod(uid)
                 return None
-            uid = pod["metadata"].get("uid", "")
-            admission = await self.device_kubelet.admit_pod(pod)
-            if admission.ok:
-                return admission
-            self.device_kubelet.remove_pod(uid)  # a failed admission holds no devices
-            if admission.error != last_error:
-                log.warning(
-                    "pod admission failed, retrying",
-                    extra={"pod": pod["metadata"]["name"], "error": admission.error},
-                )
-                last_error = admission.error
+            if admission is None:
+                allocated = await self.device_kubelet.allocate_pod(pod)
+                if allocated.ok:
+                    admission = allocated
+                else:
+                    self.device_kubelet.remove_pod(uid)  # a failed Allocate holds no devices
+                    error = allocated.error
+            if admission is not None:
+                admission.error = ""
+                for entry in admission.containers:
+                    entry.error = ""
+                started = await self.device_kubelet.start_pod(admission)
+                if started.ok:
+                    return started
+                error = started.error
+            if error != last_error:
+                log.warning("pod admission failed, retrying",
+                            extra={"pod": pod["metadata"]["name"], "error": error})
+                last_error = error
             if time.monotonic() >= deadline:
-                current = self._current(pod)
-                if current is not None:
-                    status = dict(current.get("status") or {})
-                    status.update(
-                        phase="Failed",
-                        reason="UnexpectedAdmissionError",
-                        message=f"Allocate failed: {admission.error}",
-                    )
-                    self._set_status(current, status)
-                    record_event(
-                        self.store,
-                        current,
-                        "UnexpectedAdmissionError",
-                        admission.error,
-                        "Warning",
-                        component="kubelet",
-                    )
+                self._fail(pod, error)
                 return None
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 0.5)
+
+    def _fail(self, pod: KubeObject, error: str) -> None:
+        current = self._current(pod)
+        if current is None:
+            return
+        status = dict(current.get("status") or {})
+        status.update(phase="Failed", reason="UnexpectedAdmissionError",
+                      message=f"Allocate failed: {error}")
+        self._set_status(current, status)
+        record_event(self.store, current, "UnexpectedAdmissionError", error, "Warning",
+                     component="kubelet")
 
     def _set_status(self, pod: KubeObject, status: dict[str, Any]) -> None:
         def apply(obj: KubeObject) -> None:

@@ -272,6 +272,7 @@ class SchedulingLoop:
         already = any(
             c.get("type") == "PodScheduled" and c.get("message") == message for c in conditions
         )
+        log.info("pod not scheduled", extra={"pod": "/".join(key), "reason": message[:300]})
         if not already:
 
             def set_condition(obj: KubeObject) -> None:

@@ -8,6 +8,7 @@ extender over HTTP and the node agents over device-plugin gRPC.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -79,10 +80,24 @@ class Kube:
         return self.http.get(f"/kube-sim/v1/nodes/{node}/containers").json()
 
     def wait_for(
-        self, what: str, check: Callable[[], Any], timeout_s: float = 20.0, every_s: float = 0.1
+        self, what: str, check: Callable[[], Any], timeout_s: float = 20.0, every_s: float = 0.1,
+        progress: bool = False,
     ) -> Any:
         deadline = time.monotonic() + timeout_s
+        last_print = 0.0
         while True:
+            if progress and time.monotonic() - last_print > 2:
+                last_print = time.monotonic()
+                phases: dict[str, int] = {}
+                for pod in self.pods():
+                    bound = "bound" if pod["spec"].get("nodeName") else "unbound"
+                    key = f"{pod['status'].get('phase')}/{bound}"
+                    phases[key] = phases.get(key, 0) + 1
+                print(f"{time.strftime('%H:%M:%S')} {phases}", flush=True)
+                stragglers = [p for p in self.pods() if p["status"].get("phase") != "Running"]
+                for pod in stragglers[:3] if len(stragglers) <= 5 else []:
+                    conditions = pod["status"].get("conditions") or [{}]
+                    print(f"   {pod['metadata']['name']}: {conditions[-1].get('message')}")
             result = check()
             if result:
                 return result
@@ -189,7 +204,10 @@ def start_stack(
         running.kube.close()
         stack.stop()
         shutil.rmtree(short_socket_root(state_dir), ignore_errors=True)
-        shutil.rmtree(state_dir, ignore_errors=True)
+        if os.environ.get("E2E_KEEP_STATE"):
+            print(f"kept the stack's state (logs) in {state_dir}")
+        else:
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 @pytest.fixture
