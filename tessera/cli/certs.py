@@ -2,6 +2,8 @@
 
 For the local stack and for clusters without cert-manager. Writes ca.crt, ca.key, tls.crt and
 tls.key (keys 0600) and prints the base64 caBundle to paste into the MutatingWebhookConfiguration.
+Run again on the same directory to rotate the serving certificate: the CA found there is kept
+(so the caBundle stays valid) and the webhook picks the new files up by itself.
 """
 
 from __future__ import annotations
@@ -119,18 +121,37 @@ def write_certificates(
     dns_names: list[str],
     ip_addresses: list[str] | None = None,
     days: int = DEFAULT_DAYS,
+    *,
+    new_ca: bool = True,
 ) -> CertificateFiles:
-    """A fresh CA and a serving certificate signed by it, written into `directory`."""
+    """A serving certificate signed by a CA, written into `directory`: a fresh CA, or with
+    `new_ca=False` the one already there (made when missing or no longer valid)."""
     directory.mkdir(parents=True, exist_ok=True)
     files = CertificateFiles.in_directory(directory)
-    ca_cert, ca_key = generate_ca(days=days)
+    existing = None if new_ca else load_ca(files)
+    ca_cert, ca_key = existing or generate_ca(days=days)
     cert, key = issue_serving_certificate(ca_cert, ca_key, dns_names, ip_addresses, days)
-    _write(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(files.ca_key, _key_pem(ca_key), 0o600)
+    if existing is None:
+        _write(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        _write(files.ca_key, _key_pem(ca_key), 0o600)
     # Key before certificate: a webhook reloading on change then sees a matching pair sooner.
     _write(files.key, _key_pem(key), 0o600)
     _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return files
+
+
+def load_ca(files: CertificateFiles) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None:
+    """The CA in the directory, if both files are there, match and stay valid a day more."""
+    try:
+        cert = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+        key = serialization.load_pem_private_key(files.ca_key.read_bytes(), password=None)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
+        return None
+    if cert.not_valid_after_utc < dt.datetime.now(dt.UTC) + dt.timedelta(days=1):
+        return None
+    return cert, key
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -160,6 +181,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("certs"), "--out", "-o", help="directory to write into"),
         ip: list[str] = typer.Option([], "--ip", help="IP address to include (repeatable)"),
         days: int = typer.Option(DEFAULT_DAYS, min=1, max=3650, help="validity in days"),
+        new_ca: bool = typer.Option(
+            False, "--new-ca", help="make a new CA even if the directory has a valid one"
+        ),
     ) -> None:
         """Generate a CA and a serving certificate for the admission webhook."""
         names = list(dict.fromkeys(n for name in dns_name for n in service_names(name)))
@@ -168,9 +192,13 @@ def register(app: typer.Typer) -> None:
                 ipaddress.ip_address(address)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--ip") from exc
-        files = write_certificates(out, names, ip, days)
+        had_ca = not new_ca and load_ca(CertificateFiles.in_directory(out)) is not None
+        files = write_certificates(out, names, ip, days, new_ca=new_ca)
         bundle = base64.b64encode(files.ca_cert.read_bytes()).decode()
-        typer.echo(f"wrote {files.ca_cert}, {files.ca_key}, {files.cert}, {files.key}")
+        if had_ca:
+            typer.echo(f"kept the CA in {files.ca_cert}; wrote {files.cert}, {files.key}")
+        else:
+            typer.echo(f"wrote {files.ca_cert}, {files.ca_key}, {files.cert}, {files.key}")
         typer.echo(f"names: {', '.join(names + ip)}")
         typer.echo(f"webhook: TESSERA_TLS_CERT={files.cert} TESSERA_TLS_KEY={files.key}")
         typer.echo(f"caBundle: {bundle}")

@@ -224,3 +224,19 @@ async def test_the_shipped_process_serves_tls_from_env_and_stops_on_sigterm(
             proc.wait()
         if proc.stdout:
             proc.stdout.close()
+
+
+def test_running_certs_again_rotates_the_serving_certificate_under_the_same_ca(cert_dir):
+    out = cert_dir / "rotate"
+    app_cli, runner = build_app(), CliRunner()
+    assert runner.invoke(app_cli, ["certs", "localhost", "-o", str(out)]).exit_code == 0
+    files = CertificateFiles.in_directory(out)
+    ca_before, cert_before = files.ca_cert.read_bytes(), files.cert.read_bytes()
+    again = runner.invoke(app_cli, ["certs", "localhost", "-o", str(out)])
+    assert again.exit_code == 0 and "kept the CA" in again.output
+    assert files.ca_cert.read_bytes() == ca_before
+    assert files.cert.read_bytes() != cert_before
+    ca = x509.load_pem_x509_certificate(ca_before)
+    x509.load_pem_x509_certificate(files.cert.read_bytes()).verify_directly_issued_by(ca)
+    fresh = runner.invoke(app_cli, ["certs", "localhost", "-o", str(out), "--new-ca"])
+    assert fresh.exit_code == 0 and files.ca_cert.read_bytes() != ca_before
