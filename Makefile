@@ -48,8 +48,10 @@ lint: dev
 format: dev
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
+# The local stack (NATS, kube-sim with 2 simulated nodes x 4 GPUs, every service) with the
+# examples applied; the live view ends with the dashboard URL. DEMO_ARGS="--duration 60" to stop.
 demo: dev native protos
-	$(BIN)/tessera up $(DEMO_ARGS)
+	$(BIN)/tessera up --nodes 2 --gpus-per-node 4 --apply examples $(DEMO_ARGS)
 
 bench: dev native protos
 	@for script in bench/*.py; do \

@@ -79,19 +79,25 @@ def screen(stack: LocalStack) -> Group:
 
 
 def apply_directory(stack: LocalStack, directory: Path, console: Console) -> None:
-    """Create every pod/quota YAML in `directory` (sorted by name), as `tessera apply` does."""
-    from tessera.cli.pods import _create, api_client
+    """Create every Pod/ResourceQuota in the YAMLs of `directory` (by file name), as
+    `tessera apply` does; other documents (a kubeconfig, say) are skipped."""
+    from tessera.cli.pods import PLURALS, _create, api_client
 
     files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml"))
     with api_client(stack.state_dir, stack.kubeconfig) as client:
         for path in files:
-            for doc in yaml.safe_load_all(path.read_text()):
-                if not doc:
+            docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+            for doc in docs:
+                if doc.get("kind") not in PLURALS:
                     continue
                 try:
                     console.print(f"{path.name}: {_create(client, doc, 'default')}")
                 except Exception as error:  # a denied example is part of the demo
                     console.print(f"{path.name}: [yellow]{error}[/yellow]")
+                if doc.get("kind") == "ResourceQuota":
+                    # The quota service learns quotas from its watch; give it a moment so the
+                    # examples that follow are checked against this one.
+                    time.sleep(2.0)
 
 
 def wait_for_nodes(stack: LocalStack, nodes: list[SimNode], timeout_s: float) -> None:

@@ -1,0 +1,56 @@
+"""`make demo`'s content: every example in examples/ applied to a stack shaped like `tessera up`'s
+default (2 nodes × 4 A10), with the outcome each file promises."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tessera.cli.up import apply_directory
+from tessera.stack import make_nodes
+
+from .conftest import RunningStack, grants, start_stack
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RUNNING = ["share-1", "share-2", "share-3", "whole-gpu", "half-a-gpu", "four-gpus", "with-init",
+           "a10-only", "spread-1", "spread-2"]
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[RunningStack]:
+    yield from start_stack(make_nodes(2, 4, 24576, "NVIDIA A10", prefix="sim-node"))
+
+
+def test_every_example_does_what_it_says(sim: RunningStack) -> None:
+    out = io.StringIO()
+    apply_directory(sim.stack, EXAMPLES, Console(file=out, width=200))
+    output = out.getvalue()
+    assert "06-quota-denied.yaml" in output and "quota" in output.split("06-quota-denied")[1]
+    kube = sim.kube
+    pods = {p["metadata"]["name"]: p for p in (kube.wait_running("default", n) for n in RUNNING)}
+    assert kube.pods("team-a") == [], "the over-quota pod must have been refused"
+
+    shared = {grants(pods[f"share-{i}"])[0][0].uuid for i in (1, 2, 3)}
+    assert len(shared) == 1
+    [[whole]] = grants(pods["whole-gpu"])
+    assert (whole.memory_mib, whole.cores) == (24576, 100)
+    assert grants(pods["half-a-gpu"])[0][0].memory_mib == 12288
+    assert len({g.uuid for g in grants(pods["four-gpus"])[0]}) == 4
+    assert [len(c) for c in grants(pods["with-init"])] == [1, 1]
+    assert "A10" in grants(pods["a10-only"])[0][0].type
+    assert grants(pods["spread-1"])[0][0].uuid != grants(pods["spread-2"])[0][0].uuid
+
+    def pending_reason() -> str | None:
+        pod = kube.pod("default", "too-big")
+        conditions = pod["status"].get("conditions") or []
+        message = next((c.get("message", "") for c in conditions
+                        if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
+        return message if "CardInsufficientMemory" in message else None
+
+    kube.wait_for("too-big's reason", pending_reason, 15)
