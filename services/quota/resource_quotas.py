@@ -4,6 +4,12 @@ Keys honoured in `spec.hard` (names follow the configured resource names):
 `limits.nvidia.com/gpumem` (MiB), `limits.nvidia.com/gpucores` (% of a GPU),
 `limits.nvidia.com/gpu` / `requests.nvidia.com/gpu` (GPU count). Several objects in one
 namespace all apply (the smallest limit wins); each change is written in one CAS.
+
+A watch starts with a list of every object. Nothing is applied during that list: applying a
+namespace's first object before its second arrived would loosen its limit for a moment. Once
+the stream has been quiet for `settle_s`, the listed set replaces what was known, and
+namespaces whose ResourceQuotas vanished meanwhile (even while the service was down) lose the
+limits those objects had set.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ from collections.abc import Awaitable, Callable
 
 from tessera.quota import arithmetic as qa
 
-from tessera.cluster.port import ClusterPort, KubeObject, ObjectRef
+from tessera.cluster.port import ClusterPort, KubeObject, ObjectRef, WatchEvent
 from tessera.models import QuotaAmount
 from tessera.settings import TesseraSettings
 
 ApplyQuotas = Callable[[str, dict[str, QuotaAmount]], Awaitable[None]]
+# Namespaces whose stored limits came from ResourceQuota objects (read from KV tessera-quota).
+ListQuotaNamespaces = Callable[[], Awaitable[set[str]]]
+
+_END = object()
 
 
 class ResourceQuotaWatcher:
@@ -28,17 +38,23 @@ class ResourceQuotaWatcher:
         settings: TesseraSettings,
         apply: ApplyQuotas,
         log: logging.Logger,
+        *,
+        stored: ListQuotaNamespaces | None = None,
+        settle_s: float = 1.0,
     ) -> None:
         self.cluster = cluster
         self.keys = qa.ResourceQuotaKeys.from_resource_names(
             settings.resource_name, settings.resource_mem, settings.resource_cores
         )
         self.apply = apply
+        self.stored = stored
         self.log = log
+        self.settle_s = settle_s
         # namespace -> ResourceQuota name -> its GPU limits (only objects that set one).
         self.known: dict[str, dict[str, QuotaAmount]] = {}
         # Namespaces whose last change could not be written (NATS away): retried until it is.
         self.pending: set[str] = set()
+        self._reporting: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event, retry_s: float = 2.0) -> None:
         retry = asyncio.create_task(self._retry_pending(stop, retry_s))
@@ -56,25 +72,82 @@ class ResourceQuotaWatcher:
     async def _watch(self, stop: asyncio.Event) -> None:
         backoff = 0.5
         while not stop.is_set():
+            queue: asyncio.Queue[object] = asyncio.Queue()
+            pump = asyncio.create_task(self._pump(queue))
             try:
-                async for event in self.cluster.watch_resource_quotas():
-                    await self.handle(event.type, event.object)
-                    backoff = 0.5
+                await self._consume(queue)
+                backoff = 0.5
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.log.warning("ResourceQuota watch failed", extra={"err": str(exc)})
+            finally:
+                pump.cancel()
             await asyncio.sleep(backoff)
             backoff = min(10.0, backoff * 2)
 
+    async def _pump(self, queue: asyncio.Queue[object]) -> None:
+        """Move watch events into `queue` (so that waiting for quiet never cancels the watch)."""
+        try:
+            async for event in self.cluster.watch_resource_quotas():
+                queue.put_nowait(event)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    async def _consume(self, queue: asyncio.Queue[object]) -> None:
+        listed: dict[str, dict[str, QuotaAmount]] | None = {}
+        while True:
+            try:
+                if listed is None:
+                    item = await queue.get()
+                else:
+                    item = await asyncio.wait_for(queue.get(), self.settle_s)
+            except TimeoutError:
+                assert listed is not None
+                await self._settle(listed)
+                listed = None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            assert isinstance(item, WatchEvent)
+            if listed is None:
+                await self.handle(item.type, item.object)
+            else:
+                self._record(listed, item.type, item.object)
+
+    async def _settle(self, listed: dict[str, dict[str, QuotaAmount]]) -> None:
+        """The list is complete: it replaces what was known, changed namespaces are applied."""
+        previous, self.known = self.known, listed
+        touched = set(previous) | set(listed)
+        if self.stored is not None:
+            try:
+                touched |= await self.stored()  # limits set by objects deleted while we were away
+            except Exception as exc:
+                self.log.warning("could not list stored quotas", extra={"err": str(exc)})
+        for namespace in sorted(touched):
+            await self._apply(namespace)
+
     async def handle(self, kind: str, obj: KubeObject) -> None:
+        """One change after the initial list: record it and apply the namespace's limits."""
+        namespace = self._record(self.known, kind, obj)
+        if namespace is not None:
+            await self._apply(namespace)
+
+    def _record(
+        self, into: dict[str, dict[str, QuotaAmount]], kind: str, obj: KubeObject
+    ) -> str | None:
         meta = obj.get("metadata") or {}
         namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
         try:
             qa.check_namespace(namespace)
         except qa.QuotaInputError:
-            return
-        quotas = self.known.setdefault(namespace, {})
+            return None
+        quotas = into.setdefault(namespace, {})
         if kind == "DELETED":
             quotas.pop(name, None)
         else:
@@ -83,12 +156,12 @@ class ResourceQuotaWatcher:
                 hard = {}
             limits, problems = qa.limits_from_hard(hard, self.keys)
             if problems:
-                await self._report(namespace, name, meta.get("uid", ""), problems)
+                self._report(namespace, name, meta.get("uid", ""), problems)
             if qa.has_any_limit(limits):
                 quotas[name] = limits
             else:
                 quotas.pop(name, None)
-        await self._apply(namespace)
+        return namespace
 
     async def _apply(self, namespace: str) -> None:
         quotas = self.known.get(namespace, {})
@@ -105,15 +178,21 @@ class ResourceQuotaWatcher:
         if not quotas:
             self.known.pop(namespace, None)
 
-    async def _report(self, namespace: str, name: str, uid: str, problems: list[str]) -> None:
+    def _report(self, namespace: str, name: str, uid: str, problems: list[str]) -> None:
         message = "ignored GPU quota values: " + "; ".join(problems)
         self.log.warning(message, extra={"namespace": namespace, "quota": name})
-        try:
-            await self.cluster.record_event(
-                ObjectRef(kind="ResourceQuota", namespace=namespace, name=name, uid=uid),
-                "InvalidGPUQuota",
-                message,
-                "Warning",
-            )
-        except Exception as exc:
-            self.log.debug("event not recorded", extra={"err": str(exc)})
+
+        async def record() -> None:
+            try:
+                await self.cluster.record_event(
+                    ObjectRef(kind="ResourceQuota", namespace=namespace, name=name, uid=uid),
+                    "InvalidGPUQuota",
+                    message,
+                    "Warning",
+                )
+            except Exception as exc:
+                self.log.debug("event not recorded", extra={"err": str(exc)})
+
+        task = asyncio.get_running_loop().create_task(record())
+        self._reporting.add(task)
+        task.add_done_callback(self._reporting.discard)

@@ -106,7 +106,8 @@ class QuotaService:
         self._tasks.append(asyncio.create_task(self.releases.run(self._stopping)))
         if self.cluster is not None:
             watcher = ResourceQuotaWatcher(
-                self.cluster, self.settings, self._apply_quotas, self.log
+                self.cluster, self.settings, self._apply_quotas, self.log,
+                stored=self._namespaces_limited_by_resource_quotas,
             )
             self._tasks.append(asyncio.create_task(watcher.run(self._stopping)))
         self._micro = await add_service(
@@ -125,7 +126,28 @@ class QuotaService:
         for name, subject, handler in endpoints:
             await self._micro.add_endpoint(name=name, subject=subject, handler=handler)
         await self.nc.flush()
+        await self._wait_until_routed()
         self.log.info("quota service serving", extra={"instance": self.instance})
+
+    async def _wait_until_routed(self, timeout_s: float = 5.0) -> None:
+        """Ask our own status endpoint until the broker routes requests to it.
+
+        Right after one replica replaced another, we saw nats-server (2.15) answer a client's
+        first request with "no responders" for a few milliseconds although our subscriptions
+        were in place; callers take that for a missing quota service. A round trip through our
+        own endpoint before start() returns made it disappear in our tests.
+        """
+        probe = encode(QuotaStatusRequest())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.nc.request(bus.QUOTA_STATUS, probe, timeout=1.0)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self.log.warning("endpoints not reachable yet", extra={"err": str(exc)})
+                    return
+                await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -297,6 +319,13 @@ class QuotaService:
 
     async def _apply_quotas(self, namespace: str, quotas: dict[str, QuotaAmount]) -> None:
         await self._write_limits(namespace, lambda s: qa.limits_from_quotas(s, namespace, quotas))
+
+    async def _namespaces_limited_by_resource_quotas(self) -> set[str]:
+        states = await snapshot(self.kv, QuotaState, self.log)
+        return {
+            ns for ns, (state, _rev) in states.items()
+            if state.source.startswith(qa.RESOURCE_QUOTA_SOURCE)
+        }
 
     async def _release_charge(
         self, namespace: str, pod_uid: str, charged_before: float | None

@@ -44,4 +44,5 @@ async def start_quota(nats_url: str) -> AsyncIterator[StartQuota]:
         if not client.is_closed:
             with contextlib.suppress(Exception):
                 await client.jetstream().delete_consumer(bus.EVENTS_STREAM, consumer)
-            await client.close()
+            await client.drain()
+

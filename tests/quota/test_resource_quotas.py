@@ -9,7 +9,13 @@ from tessera.quota.resource_quotas import ResourceQuotaWatcher
 
 from tessera import bus
 from tessera.cluster.memory import InMemoryCluster
-from tessera.models import QuotaAmount, QuotaReply, QuotaRequest, QuotaStatusRequest
+from tessera.models import (
+    QuotaAmount,
+    QuotaReply,
+    QuotaRequest,
+    QuotaState,
+    QuotaStatusRequest,
+)
 from tessera.settings import TesseraSettings
 
 
@@ -90,3 +96,21 @@ async def test_deleting_the_last_resource_quota_makes_the_namespace_unlimited():
     await watcher.handle("DELETED", rq)
     assert applied[-1] == ("team-a", {})
     assert "team-a" not in watcher.known
+
+
+async def test_limits_of_resource_quotas_deleted_while_the_service_was_down_are_lifted(
+    start_quota, nc, buckets
+):
+    gone, by_hand = unique_namespace("gone"), unique_namespace("cli")
+    stale = QuotaState(namespace=gone, limits=QuotaAmount(gpus=1), source="resourcequota/old")
+    await bus.cas_update(buckets.quota, gone, QuotaState, lambda _s: stale)
+    manual = QuotaState(namespace=by_hand, limits=QuotaAmount(gpus=1), source="cli")
+    await bus.cas_update(buckets.quota, by_hand, QuotaState, lambda _s: manual)
+
+    await start_quota(cluster=InMemoryCluster())  # the cluster has no ResourceQuota any more
+
+    async def lifted() -> bool:
+        return await limits_of(nc, gone) == QuotaAmount()
+
+    await eventually(lifted)
+    assert await limits_of(nc, by_hand) == QuotaAmount(gpus=1)  # set by hand: left alone
