@@ -31,6 +31,10 @@ MiB = 1 << 20
 _SCRUB_PREFIXES = ("CUDA_", "TESSERA_", "FAKE_", "GPU_CORE_", "LIBCUDA_", "LD_PRELOAD", "TV_TEST")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "timing: measures real-time compute shares (not under ASan)")
+
+
 @dataclass(frozen=True)
 class NativeBuild:
     lib: Path  # libvgpu.so

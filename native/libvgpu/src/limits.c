@@ -18,6 +18,8 @@
 
 #define TV_DEFAULT_REGION "/tmp/tessera-vgpu.region"
 
+static void update_throttle_any(void);
+
 static int file_mode;       /* limits come from a limits file */
 static int limits_broken;   /* the file exists but never parsed: refuse all allocations */
 static struct stat last_st; /* of the limits file we last read */
@@ -146,6 +148,7 @@ void tv_limits_load(void)
     }
     atomic_store(&tv.flags, tv.lim.flags);
     tv.ctx_charge = tv.lim.ctx_charge_bytes ? tv.lim.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
+    update_throttle_any();
 }
 
 const char *tv_limits_region_path(void)
@@ -176,6 +179,30 @@ static uint32_t effective_sm(uint32_t limit, uint32_t dflags, uint32_t yield_pct
         /* Without a node agent (env mode) nothing signals contention: limit always. */
         return (!file_mode || (dflags & TSR_DEV_CONTENDED)) ? limit : 0;
     }
+}
+
+/* Could the limits throttle some device, mapped in this process or not yet? */
+static int limits_may_throttle(void)
+{
+    if (limits_broken) return 0;
+    if (file_mode) {
+        for (unsigned i = 0; i < tv.lim.num_devices; i++) {
+            const struct tsr_limits_device *e = &tv.lim.dev[i];
+            if (effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, tv.lim.core_policy))
+                return 1;
+        }
+        return 0;
+    }
+    for (int i = 0; i < TSR_MAX_DEVICES; i++)
+        if (effective_sm(tv.env_sm[i], 0, 0, tv.lim.core_policy)) return 1;
+    return 0;
+}
+
+static void update_throttle_any(void)
+{
+    int any = limits_may_throttle();
+    for (int i = 0; i < TSR_MAX_DEVICES; i++) any |= atomic_load(&tv.dev[i].sm_eff) != 0;
+    atomic_store(&tv.throttle_any, any);
 }
 
 static const struct tsr_limits_device *limits_entry(int dslot)
@@ -214,9 +241,7 @@ void tv_limits_apply_slot(int d)
     }
     atomic_store(&tv.dev[d].mem_limit, mem);
     atomic_store(&tv.dev[d].sm_eff, eff);
-    int any = 0;
-    for (int i = 0; i < TSR_MAX_DEVICES; i++) any |= atomic_load(&tv.dev[i].sm_eff) != 0;
-    atomic_store(&tv.throttle_any, any);
+    update_throttle_any();
     if (tv.region && (file_mode || atomic_load(&tv.dev[d].ordinal) >= 0)) {
         struct tsr_region_device *rd = &tv.region->dev[d];
         __atomic_store_n(&rd->limit_bytes, mem, __ATOMIC_RELAXED);
@@ -261,6 +286,7 @@ int tv_limits_poll(void)
         __atomic_store_n(&tv.region->core_policy, l.core_policy, __ATOMIC_RELAXED);
     }
     apply_all();
+    update_throttle_any();
     pthread_mutex_unlock(&tv.mu);
     if (changed) TV_LOG(TV_LOG_INFO, "limits reloaded (generation %llu)",
                         (unsigned long long)l.generation);

@@ -263,7 +263,7 @@ static void burn(double seconds, const char *kernel, const char *path)
         else if (!strcmp(path, "ex")) r = A.cuLaunchKernelEx(&cfg, f, NULL, NULL);
         else if (!strcmp(path, "coop")) r = A.cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, NULL);
         else if (!strcmp(path, "graph")) r = A.cuGraphLaunch(exec, stream);
-        n++;
+        if (++n % 8 == 0) A.cuCtxSynchronize(); /* like a real program: bounded queue */
     }
     A.cuCtxSynchronize();
     printf("{\"rc\": %d, \"launches\": %ld, \"t0\": %lld, \"t1\": %lld}\n", (int)r, n, (long long)t0,
