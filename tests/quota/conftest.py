@@ -45,4 +45,3 @@ async def start_quota(nats_url: str) -> AsyncIterator[StartQuota]:
             with contextlib.suppress(Exception):
                 await client.jetstream().delete_consumer(bus.EVENTS_STREAM, consumer)
             await client.drain()
-
