@@ -252,6 +252,9 @@ class NodeKubelet:
                     entry.error = ""
                 started = await self.device_kubelet.start_pod(admission)
                 if started.ok:
+                    if last_error:
+                        log.info("pod admitted after retries",
+                                 extra={"pod": pod["metadata"]["name"]})
                     return started
                 error = started.error
             if error != last_error:

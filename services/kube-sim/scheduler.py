@@ -56,6 +56,7 @@ def node_ready(node: KubeObject) -> bool:
 class Backoff:
     attempts: int
     ready_at: float
+    bind_node: str = ""  # the node a bind to was rejected: retried when that node moves on
 
 
 class SchedulingLoop:
@@ -65,7 +66,7 @@ class SchedulingLoop:
         scheduler_name: str,
         extender: ExtenderClient | None,
         backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 4.0,
+        backoff_max_s: float = 2.0,
     ) -> None:
         self.api = api
         self.store = api.store
@@ -112,11 +113,16 @@ class SchedulingLoop:
         for key in waiting:
             self._enqueue(key)
 
-    def _back_off(self, key: Key) -> None:
+    def _retry_binds_to(self, node: str) -> None:
+        for key in [k for k, b in self._waiting.items() if node and b.bind_node == node]:
+            del self._waiting[key]
+            self._enqueue(key)
+
+    def _back_off(self, key: Key, bind_node: str = "") -> None:
         previous = self._waiting.get(key)
         attempts = (previous.attempts if previous else 0) + 1
         delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (attempts - 1))
-        self._waiting[key] = Backoff(attempts, time.monotonic() + delay)
+        self._waiting[key] = Backoff(attempts, time.monotonic() + delay, bind_node)
         self._wake.set()
 
     # --- the loop ---------------------------------------------------------------------------
@@ -155,6 +161,11 @@ class SchedulingLoop:
                     self.move_all_to_active()  # its capacity is free again
             elif event_type == "ADDED" and self.responsible_for(pod):
                 self._enqueue(key)
+            elif (pod.get("status") or {}).get("phase") == "Running":
+                # A pod started on its node: the node's bind-to-Allocate hand-over is done, so
+                # binds rejected there (the node was busy) may go now. kube-scheduler's queueing
+                # hints do the same for assigned-pod updates.
+                self._retry_binds_to(pod["spec"].get("nodeName") or "")
             elif (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 self.move_all_to_active()
 
@@ -236,6 +247,7 @@ class SchedulingLoop:
         task.add_done_callback(self._bind_tasks.discard)
 
     async def _bind(self, key: Key, pod: KubeObject, host: str, via_extender: bool) -> None:
+        started = time.monotonic()
         try:
             if via_extender:
                 assert self.extender is not None
@@ -249,16 +261,19 @@ class SchedulingLoop:
                 f"Successfully assigned {key[0]}/{key[1]} to {host}",
                 "Normal",
             )
+            elapsed = round(time.monotonic() - started, 3)
+            log.info("bound", extra={"pod": "/".join(key), "node": host, "bind_s": elapsed})
         except (ExtenderError, StoreError) as error:
             message = f"binding rejected: {error}"
             log.info("bind failed", extra={"pod": "/".join(key), "node": host, "error": str(error)})
             self._binding.discard(key)
-            self._unschedulable(key, pod, message, reason="SchedulerError")
+            self._unschedulable(key, pod, message, reason="SchedulerError", bind_node=host)
             return
         self._binding.discard(key)
 
     def _unschedulable(
-        self, key: Key, pod: KubeObject, message: str, reason: str = "Unschedulable"
+        self, key: Key, pod: KubeObject, message: str, reason: str = "Unschedulable",
+        bind_node: str = "",
     ) -> None:
         try:
             current = self.store.get("Pod", *key)
@@ -294,4 +309,4 @@ class SchedulingLoop:
             with contextlib.suppress(StoreError):
                 self.store.mutate("Pod", key[0], key[1], set_condition)
             record_event(self.store, current, "FailedScheduling", message, "Warning")
-        self._back_off(key)
+        self._back_off(key, bind_node)

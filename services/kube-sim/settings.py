@@ -41,7 +41,7 @@ class KubeSimSettings(BaseSettings):
     extender_timeout_s: float = Field(30.0, gt=0, description="extender httpTimeout")
     extender_weight: int = Field(1, ge=1)
     backoff_initial_s: float = Field(0.5, gt=0, description="first retry of a pending pod")
-    backoff_max_s: float = Field(4.0, gt=0, description="longest wait between retries")
+    backoff_max_s: float = Field(2.0, gt=0, description="longest wait between retries")
     kubelet_root: str = Field(
         "/tmp/tessera-kubelet", description="per-node kubelet sockets live in <root>/<node>/"
     )

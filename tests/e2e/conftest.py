@@ -81,7 +81,7 @@ class Kube:
 
     def wait_for(
         self, what: str, check: Callable[[], Any], timeout_s: float = 20.0, every_s: float = 0.1,
-        progress: bool = False,
+        progress: bool | Callable[[], None] = False,
     ) -> Any:
         deadline = time.monotonic() + timeout_s
         last_print = 0.0
@@ -98,6 +98,8 @@ class Kube:
                 for pod in stragglers[:3] if len(stragglers) <= 5 else []:
                     conditions = pod["status"].get("conditions") or [{}]
                     print(f"   {pod['metadata']['name']}: {conditions[-1].get('message')}")
+                if callable(progress):
+                    progress()
             result = check()
             if result:
                 return result
