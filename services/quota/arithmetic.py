@@ -89,6 +89,8 @@ def check_request(request: QuotaRequest) -> None:
             )
     if len(request.pod_uid) > 128:
         raise QuotaInputError("pod_uid is longer than 128 characters")
+    if len(request.name) > 253:
+        raise QuotaInputError("name is longer than 253 characters (not a Kubernetes pod name)")
 
 
 def check_limits(limits: QuotaAmount) -> None:

@@ -184,6 +184,7 @@ async def test_bad_input_gets_an_error_reply_and_the_service_keeps_serving(start
         (bus.QUOTA_RESERVE, reserve(ns, "p", mem=1 << 50), "absurdly large"),
         (bus.QUOTA_RESERVE, reserve("Not_A_Namespace", "p"), "not a valid Kubernetes namespace"),
         (bus.QUOTA_RESERVE, reserve(ns, ""), "needs pod_uid"),
+        (bus.QUOTA_RESERVE, reserve(ns, "x" * 200), "pod_uid is longer"),
         (bus.QUOTA_RELEASE, QuotaRequest(namespace=ns), "needs pod_uid"),
         (bus.QUOTA_STATUS, QuotaStatusRequest(namespace=unique_namespace("nobody")),
          "unknown namespace"),
