@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 
 from tessera.cluster.factory import cluster_from_settings
@@ -22,6 +23,14 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+async def freeze_when_ready(service: SchedulerService) -> None:
+    """Once the index is built, move it out of the cyclic GC's way: a full collection over
+    5,000 nodes' objects otherwise stalls a filter call for tens of milliseconds."""
+    await service.wait_ready(timeout=3600)
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(ctx: ServiceContext) -> None:
     config = SchedulerSettings()
     cluster = cluster_from_settings(ctx.settings)
@@ -31,7 +40,7 @@ async def serve(ctx: ServiceContext) -> None:
     await service.start()
     host, port = split_listen(ctx.settings.listen or DEFAULT_LISTEN)
     http = asyncio.create_task(service.serve_http(host, port))
-    ready = asyncio.create_task(service.wait_ready(timeout=3600))
+    ready = asyncio.create_task(freeze_when_ready(service))
     ctx.log.info("scheduler serving", extra={"listen": f"{host}:{port}",
                                              "instance": service.instance})  # fmt: skip
     try:

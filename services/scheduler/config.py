@@ -30,6 +30,11 @@ class SchedulerSettings(BaseSettings):
         description="comma list of GPU UUIDs excluded from new allocations on every node "
         "(added to each node's hami.io/device-cordon annotation when the cluster port can read it)",
     )
+    avoid_busy_nodes: bool = Field(
+        True,
+        description="place on nodes with no bind in flight (claim or unbound reservation) "
+        "before the node policy's favourite, so a burst is not serialised on one node's claim",
+    )
     sweep_interval_s: float = Field(
         1.0, gt=0, description="how often expired reservations and lapsed claims are swept"
     )

@@ -68,9 +68,10 @@ def decide(
     options: PodOptions,
     names: list[str],
     budget: QuotaBudget | None = None,
+    avoid_busy: bool = True,
 ) -> Decision:
     slots, unknown = index.resolve(names)
-    ordered, pruned = index.order(slots, Need.of(request), options.node_policy)
+    ordered, pruned = index.order(slots, Need.of(request), options.node_policy, avoid_busy)
     return Decision(index, request, options, budget or QuotaBudget(), ordered, pruned, unknown)
 
 

@@ -162,6 +162,12 @@ class Scheduler:
             log.warning("event publish failed", extra={"event": type(event).__name__,
                                                        "err": str(exc)})  # fmt: skip
 
+    def _hint(self, node: str) -> bus.Versioned[NodeLedger] | None:
+        entry = self.index.entries.get(node)
+        if entry is None or entry.ledger is None:
+            return None
+        return bus.Versioned(entry.ledger, entry.ledger_revision)
+
     def _apply(self, node: str, result: bus.Versioned[NodeLedger] | None) -> None:
         if result is not None:
             self.index.set_ledger(node, result.value, result.revision, self.clock())
@@ -218,8 +224,9 @@ class Scheduler:
                 await self.release(held, ident.uid, why="rescheduled to other candidates")
         started = time.perf_counter()
         decision = decide(
-            self.index, request, options, names, self.budget(ident.namespace, ident.uid)
-        )
+            self.index, request, options, names, self.budget(ident.namespace, ident.uid),
+            self.config.avoid_busy_nodes,
+        )  # fmt: skip
         if dry_run:
             fitting = [entry.name for entry, _fit in decision.fits()]
             self.metrics.fit_seconds.observe(time.perf_counter() - started)
@@ -285,7 +292,7 @@ class Scheduler:
                 ttl_s=self.settings.reservation_ttl_s,
             )
             try:
-                result = await self.ledger.reserve(reservation)
+                result = await self.ledger.reserve(reservation, self._hint(entry.name))
             except NodeFullError as exc:
                 decision.record(entry.name, exc.fit)
                 continue
@@ -393,8 +400,9 @@ class Scheduler:
         while True:
             now = self.clock()
             try:
-                result = await self.ledger.claim(node, uid, self.instance, now,
-                                                 self.config.claim_ttl_s)  # fmt: skip
+                result = await self.ledger.claim(
+                    node, uid, self.instance, now, self.config.claim_ttl_s, self._hint(node)
+                )
                 break
             except ClaimHeldError as exc:
                 if not waited:
@@ -419,7 +427,7 @@ class Scheduler:
             await self.release(node, uid, why=f"bind failed: {error}")
             return error
         try:
-            bound = await self.ledger.mark_bound(node, uid, self.clock())
+            bound = await self.ledger.mark_bound(node, uid, self.clock(), self._hint(node))
             self._apply(node, bound)
         except (ReservationGoneError, CasConflictError) as exc:
             log.warning("mark bound failed", extra={"pod_uid": uid, "err": str(exc)})
@@ -434,8 +442,12 @@ class Scheduler:
     async def _ensure_reserved(self, ident: PodIdentity, node: str) -> str:
         """The pod must hold a live reservation on `node`; make one if filter did not (the
         side-effect-free path, another replica's expired one, a different node)."""
-        current = await bus.read(self.ledger.kv, node, NodeLedger)
         now = self.clock()
+        entry = self.index.entries.get(node)
+        known = entry.ledger.allocations.get(ident.uid) if entry and entry.ledger else None
+        if known is not None and _live(known, now):
+            return ""  # our index saw the reservation (ours, or a replica's via the watch)
+        current = await bus.read(self.ledger.kv, node, NodeLedger)
         if current is not None:
             self._apply(node, current)
             existing = current.value.allocations.get(ident.uid)
@@ -501,7 +513,7 @@ class Scheduler:
     async def release(self, node: str, uid: str, *, why: str) -> bool:
         """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""
         try:
-            result, removed = await self.ledger.release(node, uid)
+            result, removed = await self.ledger.release(node, uid, self._hint(node))
         except CasConflictError as exc:
             log.warning("release lost too many races", extra={"pod_uid": uid, "err": str(exc)})
             return False
@@ -565,6 +577,14 @@ class Scheduler:
                 if meta.get("uid") == a.pod_uid and (pod.get("spec") or {}).get("nodeName") == node:
                     keep.add(a.pod_uid)
         return frozenset(keep)
+
+
+def _live(allocation: Allocation, now: float) -> bool:
+    return allocation.active and not (
+        allocation.state == AllocationState.RESERVED
+        and allocation.expires_at is not None
+        and allocation.expires_at <= now
+    )
 
 
 def _container_names(pod: dict[str, Any]) -> list[str]:

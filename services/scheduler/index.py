@@ -22,6 +22,7 @@ from tessera.models import AllocationState, NodeLedger, NodeRegistration
 from .cards import Card, ledger_cards, node_score
 
 _GROW = 1024
+_WIDTH = 8  # cards per row; widened when a node has more GPUs
 _CANDIDATE_CACHE = 8
 
 
@@ -44,24 +45,22 @@ class NodeEntry:
 
 @dataclass(frozen=True)
 class Need:
-    """The pod's largest per-container demand: necessary conditions for any node to fit."""
+    """One container's demand: necessary conditions for a node to fit it."""
 
     gpus: int
     memory_mib: int
     memory_percentage: int
     cores: int
-    exclusive: bool
 
     @classmethod
-    def of(cls, request: PodRequest) -> Need:
-        rs = [r for r in request.all if r is not None]
-        return cls(
-            gpus=max((r.count for r in rs), default=0),
-            memory_mib=max((r.memory_mib for r in rs if r.memory_percentage is None), default=0),
-            memory_percentage=max((r.memory_percentage or 0 for r in rs), default=0),
-            cores=max((r.cores for r in rs), default=0),
-            exclusive=any(r.cores >= 100 for r in rs),
-        )
+    def of(cls, request: PodRequest) -> list[Need]:
+        """Every GPU container's demand (each must fit on its own, so each is necessary)."""
+        needs = {
+            cls(r.count, r.memory_mib if r.memory_percentage is None else 0,
+                r.memory_percentage or 0, r.cores)
+            for r in request.all if r is not None
+        }  # fmt: skip
+        return sorted(needs, key=lambda n: (n.gpus, n.memory_mib, n.cores))
 
 
 class ClusterIndex:
@@ -76,13 +75,18 @@ class ClusterIndex:
         self.topology_version = 0
         self._candidates: dict[tuple[str, ...], tuple[int, np.ndarray, list[str]]] = {}
         self._changed: dict[str, asyncio.Event] = {}
+        # One row per node, one column per card: what each card can still give (-1 = a card
+        # that takes no pod: unhealthy, cordoned, out of slots, MIG, or no card at all).
         capacity = _GROW
         self.free_gpus = np.full(capacity, -1, dtype=np.int32)
-        self.idle_gpus = np.zeros(capacity, dtype=np.int32)
-        self.max_free_mem = np.zeros(capacity, dtype=np.int64)
-        self.max_free_pct = np.zeros(capacity, dtype=np.int32)
-        self.max_free_cores = np.zeros(capacity, dtype=np.int32)
+        self.card_mem = np.full((capacity, _WIDTH), -1, dtype=np.int64)
+        self.card_pct = np.full((capacity, _WIDTH), -1, dtype=np.int16)
+        self.card_cores = np.full((capacity, _WIDTH), -1, dtype=np.int32)
+        self.card_computing = np.zeros((capacity, _WIDTH), dtype=bool)
+        self.card_idle = np.zeros((capacity, _WIDTH), dtype=bool)
         self.scores = np.zeros(capacity, dtype=np.float64)
+        # A bind is in flight on the node (claim held or a reservation not yet bound).
+        self.busy = np.zeros(capacity, dtype=bool)
 
     # --- updates from the watches -----------------------------------------------------------
     def _entry(self, node: str) -> NodeEntry:
@@ -98,12 +102,16 @@ class ClusterIndex:
             self.by_slot[slot] = entry
         return entry
 
-    def _grow(self) -> None:
-        for name in ("free_gpus", "idle_gpus", "max_free_mem", "max_free_pct", "max_free_cores",
-                     "scores"):  # fmt: skip
+    _ARRAYS = ("free_gpus", "card_mem", "card_pct", "card_cores", "card_computing", "card_idle",
+               "scores", "busy")  # fmt: skip
+
+    def _grow(self, rows: int = _GROW, columns: int = 0) -> None:
+        for name in self._ARRAYS:
             old = getattr(self, name)
-            new = np.full(len(old) + _GROW, -1 if name == "free_gpus" else 0, dtype=old.dtype)
-            new[: len(old)] = old
+            shape = (len(old) + rows, *(s + columns for s in old.shape[1:]))
+            fill = False if old.dtype == bool else (0 if name == "scores" else -1)
+            new = np.full(shape, fill, dtype=old.dtype)
+            new[tuple(slice(0, n) for n in old.shape)] = old
             setattr(self, name, new)
 
     def set_registration(
@@ -167,13 +175,20 @@ class ClusterIndex:
             if c.healthy and not c.cordoned and c.used_slots < c.split_count
             and c.mode.lower() != "mig"
         ]  # fmt: skip
+        if len(usable) > self.card_mem.shape[1]:
+            self._grow(0, len(usable) - self.card_mem.shape[1])
+        width = self.card_mem.shape[1]
+        pad = [-1] * (width - len(usable))
         self.free_gpus[slot] = len(usable)
-        self.idle_gpus[slot] = sum(1 for c in usable if c.used_slots == 0)
-        self.max_free_mem[slot] = max((c.free_mem for c in usable), default=0)
-        self.max_free_pct[slot] = max(
-            (c.free_mem * 100 // c.memory_mib for c in usable if c.memory_mib), default=0
-        )
-        self.max_free_cores[slot] = max((c.free_cores for c in usable), default=0)
+        self.card_mem[slot] = [c.free_mem for c in usable] + pad
+        self.card_pct[slot] = [
+            c.free_mem * 100 // c.memory_mib if c.memory_mib else 0 for c in usable
+        ] + pad
+        self.card_cores[slot] = [c.free_cores for c in usable] + pad
+        self.card_computing[slot] = [c.cores == 0 or c.free_cores > 0 for c in usable] + [
+            False
+        ] * len(pad)
+        self.card_idle[slot] = [c.used_slots == 0 for c in usable] + [False] * len(pad)
         self.scores[slot] = entry.score
         expiries = [
             a.expires_at
@@ -181,6 +196,10 @@ class ClusterIndex:
             if a.state == AllocationState.RESERVED and a.expires_at is not None
         ]
         entry.reserved_until = min(expiries, default=None)
+        claim = entry.ledger.claim if entry.ledger else None
+        self.busy[slot] = (claim is not None and claim.expires_at > now) or any(
+            e > now for e in expiries
+        )
 
     def _forget(self, entry: NodeEntry) -> None:
         del self.entries[entry.name]
@@ -214,24 +233,38 @@ class ClusterIndex:
         return array, unknown
 
     def order(
-        self, slots: np.ndarray, need: Need, node_policy: str
+        self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(survivors in policy order, pruned slots): cheap necessary conditions only."""
+        """(survivors in policy order, pruned slots): cheap necessary conditions only.
+
+        Per container, count the cards that could take it on memory, %, cores and exclusivity
+        together (vectorised over candidates × cards); a node needs as many as the container
+        asks. Type, UUID, NUMA and quota rules are left to the per-GPU fit.
+
+        With `avoid_busy`, nodes with a bind in flight go after the others (the node policy
+        orders each group), so a burst is not serialised on one node's claim."""
         if len(slots) == 0:
             return slots, slots
-        mask = self.free_gpus[slots] >= need.gpus
-        if need.memory_mib:
-            mask &= self.max_free_mem[slots] >= need.memory_mib
-        if need.memory_percentage:
-            mask &= self.max_free_pct[slots] >= need.memory_percentage
-        if need.cores:
-            mask &= self.max_free_cores[slots] >= need.cores
-        if need.exclusive:
-            mask &= self.idle_gpus[slots] >= need.gpus
+        mask = self.free_gpus[slots] >= 0
+        for need in needs:
+            ok = self.card_mem[slots] >= need.memory_mib
+            if need.memory_percentage:
+                ok &= self.card_pct[slots] >= need.memory_percentage
+            if need.cores:
+                ok &= self.card_cores[slots] >= need.cores
+            else:
+                ok &= self.card_computing[slots]
+            if need.cores >= 100:
+                ok &= self.card_idle[slots]
+            mask &= ok.sum(axis=1) >= need.gpus
         survivors = slots[mask]
         scores = self.scores[survivors]
         # binpack: fullest first; spread: emptiest first (stable: ties keep the caller's order).
-        order = np.argsort(-scores if node_policy == "binpack" else scores, kind="stable")
+        key = -scores if node_policy == "binpack" else scores
+        if avoid_busy:
+            order = np.lexsort((key, self.busy[survivors]))
+        else:
+            order = np.argsort(key, kind="stable")
         return survivors[order], slots[~mask]
 
     def entry_at(self, slot: int) -> NodeEntry:

@@ -12,9 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from tessera.bus import NoChange, Versioned, cas_update
+from tessera.codec import decode, encode
 from tessera.hami import PodRequest
 from tessera.models import Allocation, AllocationState, InFlightClaim, NodeLedger, NodeRegistration
 
@@ -191,36 +193,55 @@ def expired_reservations(ledger: NodeLedger, now: float) -> list[Allocation]:
     ]  # fmt: skip
 
 
+Hint = Versioned[NodeLedger] | None
+
+
 class LedgerWriter:
-    """The CAS writes, bound to the ledger bucket."""
+    """The CAS writes, bound to the ledger bucket.
+
+    Each write may take a hint: the entry and revision the index holds. The first attempt then
+    writes against that revision without reading (one round trip instead of two); if the hint
+    was stale, or the mutate refuses on it, the ordinary read-mutate-write loop decides."""
 
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
 
-    async def reserve(self, req: ReservationRequest) -> Versioned[NodeLedger]:
-        return await cas_update(
-            self.kv, req.template.node, NodeLedger, partial(reserve_mutate, req)
-        )
+    async def _cas(
+        self, key: str, mutate: Callable[[NodeLedger | None], NodeLedger], hint: Hint
+    ) -> Versioned[NodeLedger]:
+        if hint is not None and hint.revision > 0:
+            try:
+                new = mutate(decode(encode(hint.value), NodeLedger))  # a private copy
+            except Exception:
+                new = None  # refused on what may be stale: decide again on a fresh read
+            if new is not None:
+                try:
+                    revision = await self.kv.update(key, encode(new), last=hint.revision)
+                    return Versioned(new, revision)
+                except KeyWrongLastSequenceError:
+                    pass
+        return await cas_update(self.kv, key, NodeLedger, mutate)
+
+    async def reserve(self, req: ReservationRequest, hint: Hint = None) -> Versioned[NodeLedger]:
+        return await self._cas(req.template.node, partial(reserve_mutate, req), hint)
 
     async def claim(
-        self, node: str, uid: str, holder: str, now: float, ttl_s: float
+        self, node: str, uid: str, holder: str, now: float, ttl_s: float, hint: Hint = None
     ) -> Versioned[NodeLedger]:
-        return await cas_update(
-            self.kv, node, NodeLedger, partial(claim_mutate, uid, holder, now, ttl_s)
-        )
+        return await self._cas(node, partial(claim_mutate, uid, holder, now, ttl_s), hint)
 
-    async def mark_bound(self, node: str, uid: str, now: float) -> Versioned[NodeLedger]:
-        return await cas_update(self.kv, node, NodeLedger, partial(bound_mutate, uid, now))
+    async def mark_bound(
+        self, node: str, uid: str, now: float, hint: Hint = None
+    ) -> Versioned[NodeLedger]:
+        return await self._cas(node, partial(bound_mutate, uid, now), hint)
 
     async def release(
-        self, node: str, uid: str
+        self, node: str, uid: str, hint: Hint = None
     ) -> tuple[Versioned[NodeLedger] | None, Allocation | None]:
         """(the new entry, the allocation removed by this call or None)."""
         removed: list[Allocation] = []
         try:
-            result = await cas_update(
-                self.kv, node, NodeLedger, partial(release_mutate, uid, removed)
-            )
+            result = await self._cas(node, partial(release_mutate, uid, removed), hint)
         except NoChange:
             return None, None
         return result, (removed[0] if removed else None)

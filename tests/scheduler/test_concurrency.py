@@ -122,18 +122,31 @@ async def test_two_replicas_never_overfill_a_gpu(
     assert seen[0] > PODS  # the checker really saw the ledger move
     assert stats["bound"] > PODS // 3, stats
     assert stats["bound"] + stats["refused"] + stats["bind_errors"] == PODS
-    # Final state: every GPU within capacity; every live allocation belongs to a live pod whose
-    # annotation matches the ledger's grants exactly.
+    # Final state: every GPU within capacity; once the last deletions are processed, every
+    # allocation belongs to a live pod whose annotation matches the ledger's grants exactly.
     live = {p["metadata"]["uid"]: p for p in cluster.pods.values()}
-    for name, registration in registrations.items():
-        entry = await bus.read(buckets.ledger, name, NodeLedger)
-        assert entry is not None
-        allocations = entry.value.allocations
-        assert over_capacity(build_cards(registration, allocations.values(), 0.0)) == []
-        for uid, allocation in allocations.items():
-            if allocation.state == AllocationState.RESERVED:
-                continue
-            assert uid in live, f"{uid} was deleted but still holds {name}"
-            annotation = live[uid]["metadata"]["annotations"][hami.ANN_DEVICES_TO_ALLOCATE]
-            assert hami.decode_pod_devices(annotation) == allocation.containers
+
+    async def leftovers() -> list[str]:
+        stale = []
+        for name, registration in registrations.items():
+            entry = await bus.read(buckets.ledger, name, NodeLedger)
+            assert entry is not None
+            allocations = entry.value.allocations
+            assert over_capacity(build_cards(registration, allocations.values(), 0.0)) == []
+            for uid, allocation in allocations.items():
+                if allocation.state == AllocationState.RESERVED:
+                    continue
+                if uid not in live:
+                    stale.append(f"{uid} was deleted but still holds {name}")
+                    continue
+                annotation = live[uid]["metadata"]["annotations"][hami.ANN_DEVICES_TO_ALLOCATE]
+                assert hami.decode_pod_devices(annotation) == allocation.containers
+        return stale
+
+    for _ in range(100):
+        stale = await leftovers()
+        if not stale:
+            break
+        await asyncio.sleep(0.1)
+    assert stale == []
     print(f"{PODS} pods in {elapsed:.1f}s: {stats}")

@@ -291,13 +291,19 @@ async def test_device_cordon_setting_excludes_cards(
     )
 
 
-async def test_node_policy_binpack_and_spread(make_service: MakeService, buckets: Buckets) -> None:
+async def test_node_policy_binpack_and_spread(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
     service = await make_service()
     busy = await setup_node(buckets, service, node(unique("busy"), gpus=1))
     idle = await setup_node(buckets, service, node(unique("idle"), gpus=1))
+    first = cluster.add_pod(pod(container(mem=10 * GIB)))
     async with http_client(service) as client:
-        # Put one pod on `busy` (only candidate), then ask again with both nodes.
-        await filter_call(client, pod(container(mem=10 * GIB)), [busy])
+        # Put one pod on `busy` (only candidate) and let it be allocated, then ask again.
+        await filter_call(client, first, [busy])
+        assert await bind_call(client, first, busy) == ""
+        await agent_allocate(buckets, busy, first["metadata"]["uid"])
+        await wait_until(lambda: not service.index.busy[service.index.entries[busy].slot])
         packed = await filter_call(client, pod(container(mem=1000)), [idle, busy])
         spread_pod = pod(container(mem=1000),
                          annotations={"hami.io/node-scheduler-policy": "spread"})  # fmt: skip
@@ -307,6 +313,21 @@ async def test_node_policy_binpack_and_spread(make_service: MakeService, buckets
     assert packed["nodenames"] == [busy]
     assert spread["nodenames"] == [idle]
     assert scores[0]["host"] == idle and scores[1]["score"] >= scores[0]["score"]
+
+
+async def test_nodes_with_a_bind_in_flight_go_last(
+    make_service: MakeService, buckets: Buckets
+) -> None:
+    service = await make_service()
+    fuller = await setup_node(buckets, service, node(unique("fuller"), gpus=1))
+    other = await setup_node(buckets, service, node(unique("other"), gpus=1))
+    async with http_client(service) as client:
+        await filter_call(client, pod(container(mem=10 * GIB)), [fuller])  # reserved, unbound
+        chosen = await filter_call(client, pod(container(mem=1000)), [fuller, other])
+        service.config.avoid_busy_nodes = False
+        packed = await filter_call(client, pod(container(mem=1000)), [other, fuller])
+    assert chosen["nodenames"] == [other]  # binpack would pick `fuller`, but its bind is pending
+    assert packed["nodenames"] == [fuller]
 
 
 async def test_scaled_device_advertises_more_memory(
