@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import record_section  # noqa: E402
+from record import record_section
 
-from tessera.stack import (  # noqa: E402
+from tessera.stack import (
     LocalStack,
     StackPorts,
     default_services,
@@ -58,12 +58,17 @@ async def wait_registered(client: httpx.AsyncClient, timeout_s: float = 60.0) ->
 
 async def one_round(client: httpx.AsyncClient, namespace: str) -> dict[str, float]:
     start = time.monotonic()
-    replies = await asyncio.gather(*[
-        client.post(f"/api/v1/namespaces/{namespace}/pods", json=pod(f"job-{i:02d}"))
-        for i in range(PODS)
-    ])
+    async def create(name: str) -> httpx.Response:
+        for _ in range(5):  # a connection dropped under the burst is retried, as clients do
+            try:
+                return await client.post(f"/api/v1/namespaces/{namespace}/pods", json=pod(name))
+            except httpx.TransportError:
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"could not create {name}")
+
+    replies = await asyncio.gather(*[create(f"job-{i:02d}") for i in range(PODS)])
     created = time.monotonic() - start
-    bad = [r.text for r in replies if r.status_code != 201]
+    bad = [r.text for r in replies if r.status_code not in (201, 409)]
     if bad:
         raise RuntimeError(f"create failed: {bad[:2]}")
     bound_at = running_at = None
@@ -99,6 +104,7 @@ def main() -> None:
     stack = LocalStack(state_dir, default_services(nodes, state_dir, ports), ports=ports)
     try:
         stack.start()
+        stack.wait_ready()
         rounds = asyncio.run(measure(stack))
     finally:
         stack.stop()

@@ -253,6 +253,29 @@ class LocalStack:
             )
         )
 
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until the scheduler extender and the webhook answer ready (they need NATS and their
+        first sync): what kube-scheduler and kube-apiserver depend on."""
+        import ssl
+
+        context = ssl.create_default_context(cafile=str(self.state_dir / "certs" / "ca.crt"))
+        probes = [
+            (f"http://127.0.0.1:{self.ports.scheduler}/readyz", None),
+            (f"https://127.0.0.1:{self.ports.admission}/readyz", context),
+        ]
+        deadline = time.monotonic() + timeout_s
+        for url, tls in probes:
+            while True:
+                try:
+                    with urllib.request.urlopen(url, timeout=1, context=tls) as reply:
+                        if reply.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} not ready in {timeout_s:.0f} s")
+                time.sleep(0.1)
+
     def _ensure_certificates(self) -> None:
         from tessera.cli.certs import write_certificates  # cryptography: only when starting
 

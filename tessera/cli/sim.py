@@ -42,8 +42,9 @@ def _decided(pod: dict[str, Any]) -> bool:
     """Bound, or the scheduler said why not."""
     if (pod.get("spec") or {}).get("nodeName"):
         return True
+    # Unschedulable is a decision; a SchedulerError (a bind that lost a race) is retried.
     return any(
-        c.get("type") == "PodScheduled" and c.get("status") == "False"
+        c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
         for c in (pod.get("status") or {}).get("conditions") or []
     )
 
@@ -139,6 +140,7 @@ def run_policy(nodes: list[SimNode], events: list[TraceEvent], policy: str) -> P
     )
     try:
         stack.start()
+        stack.wait_ready()
         wait_for_nodes(stack, nodes, timeout_s=60.0)
         return asyncio.run(replay_on(stack, events, policy))
     finally:

@@ -170,6 +170,7 @@ def register(app: typer.Typer) -> None:
         try:
             with console.status("starting NATS, kube-sim and services..."):
                 stack.start()
+                stack.wait_ready()
                 wait_for_nodes(stack, sim_nodes, timeout_s=30.0)
             if apply is not None:
                 apply_directory(stack, apply, console)

@@ -195,6 +195,7 @@ def start_stack(
     running = RunningStack(stack, nodes)
     try:
         stack.start()
+        stack.wait_ready()
         running.wait_nodes_registered()
         yield running
     except BaseException:
