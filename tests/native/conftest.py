@@ -1,7 +1,7 @@
 """Harness for libvgpu: builds the library, the fake driver and the test programs, and runs
 programs "in a container" (LD_PRELOAD, a region, a limits directory, a shared fake GPU).
 
-TESSERA_NATIVE_SAN=address runs everything against AddressSanitizer builds (own build dirs).
+LIBVGPU_TEST_SAN=address runs everything against AddressSanitizer builds (own build dirs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tessera import region
 ROOT = Path(__file__).resolve().parents[2]
 LIBVGPU_DIR = ROOT / "native" / "libvgpu"
 TESTS_DIR = Path(__file__).resolve().parent
-SAN = os.environ.get("TESSERA_NATIVE_SAN", "")
+SAN = os.environ.get("LIBVGPU_TEST_SAN", "")
 MiB = 1 << 20
 
 # env vars a test must never inherit from the developer's shell
@@ -53,7 +53,7 @@ class NativeBuild:
 
 
 def _make(*args: str) -> None:
-    out = subprocess.run(["make", "-s", *args], capture_output=True, text=True)
+    out = subprocess.run(["make", "-s", "-j4", *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"make {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
 

@@ -52,8 +52,14 @@ def test_single_tenant_30_percent(cluster):
 
 @pytest.mark.parametrize(
     ("path", "mode"),
-    [("ex", "direct"), ("coop", "direct"), ("graph", "direct"), ("ptsz", "direct"),
-     ("graph", "procaddr"), ("coop", "dlsym")],
+    [
+        ("ex", "direct"),
+        ("coop", "direct"),
+        ("graph", "direct"),
+        ("ptsz", "direct"),
+        ("graph", "procaddr"),
+        ("coop", "dlsym"),
+    ],
 )
 def test_every_launch_path_is_throttled(cluster, path, mode):
     k = cluster.container()
@@ -161,10 +167,15 @@ def test_high_priority_activity_throttles_low_priority(cluster):
                 d = u.device(UUID0) if u else None
                 acts.append(region.ContainerActivity(name, prio, d.last_kernel_ns if d else 0))
             flags = region.activity_flags(acts, now_ns=time.time_ns(), window_ns=SEC // 2)
-            region.set_device_flags(low.limits_dir, UUID0, contended=flags["low"].contended,
-                                    yield_=flags["low"].yield_)
-            region.set_device_flags(high.limits_dir, UUID0, contended=flags["high"].contended,
-                                    yield_=flags["high"].yield_)
+            region.set_device_flags(
+                low.limits_dir, UUID0, contended=flags["low"].contended, yield_=flags["low"].yield_
+            )
+            region.set_device_flags(
+                high.limits_dir,
+                UUID0,
+                contended=flags["high"].contended,
+                yield_=flags["high"].yield_,
+            )
             stop.wait(0.05)
 
     t = threading.Thread(target=agent, daemon=True)

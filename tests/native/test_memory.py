@@ -12,11 +12,12 @@ import pytest
 
 from tessera import region
 
-from .conftest import MiB, wait_for
+from .conftest import SAN, MiB, wait_for
 
 LIMIT = 1000 * MiB
 CHUNK = 300 * MiB
-MODES = ["direct", "dlsym", "procaddr"]
+# Under ASan the interception routes are not repeated: they share all but a few lines.
+MODES = ["direct"] if SAN else ["direct", "dlsym", "procaddr"]
 
 
 def request(kind: str) -> tuple[int, int]:

@@ -41,7 +41,13 @@ static int cmp_sym(const void *a, const void *b)
     return strcmp(tv_syms[*(const int *)a].name, tv_syms[*(const int *)b].name);
 }
 
-static void resolve_real_dlsym(void)
+/* dlsym is called by sanitizer runtimes before anything is initialised: what runs on that path
+ * must not be instrumented. */
+#define TV_EARLY __attribute__((no_sanitize_address))
+
+static int constructed;
+
+TV_EARLY static void resolve_real_dlsym(void)
 {
     if (real_dlsym_fn) return;
     static const char *versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.4",
@@ -50,13 +56,13 @@ static void resolve_real_dlsym(void)
         real_dlsym_fn = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", versions[i]);
 }
 
-void *tv_real_dlsym(void *handle, const char *name)
+TV_EARLY void *tv_real_dlsym(void *handle, const char *name)
 {
     resolve_real_dlsym();
     return real_dlsym_fn ? real_dlsym_fn(handle, name) : NULL;
 }
 
-static int lookup_hooked(const char *name)
+TV_EARLY static int lookup_hooked(const char *name)
 {
     int lo = 0, hi = nsorted - 1;
     while (lo <= hi) {
@@ -80,9 +86,6 @@ static void after_fork_child(void)
 
 __attribute__((constructor)) static void tv_constructor(void)
 {
-    static int done;
-    if (done) return;
-    done = 1;
     resolve_real_dlsym();
     for (int i = 0; i < TV_SYM_COUNT; i++)
         if (tv_syms[i].ours) sorted[nsorted++] = i;
@@ -91,15 +94,18 @@ __attribute__((constructor)) static void tv_constructor(void)
     for (int i = 0; i < TSR_MAX_DEVICES; i++) atomic_store(&tv.dev[i].ordinal, -1);
     tv.pid = getpid();
     pthread_atfork(NULL, NULL, after_fork_child);
+    __atomic_store_n(&constructed, 1, __ATOMIC_RELEASE);
 }
 
 /* The dlsym hook: libcudart, ctypes, pynvml and cuda-bindings all find the driver this way. */
-TV_PUBLIC void *dlsym(void *handle, const char *name)
+TV_EARLY TV_PUBLIC void *dlsym(void *handle, const char *name)
 {
     resolve_real_dlsym();
     void *r = real_dlsym_fn ? real_dlsym_fn(handle, name) : NULL;
     if (!r || (name[0] != 'c' && name[0] != 'n')) return r;
-    if (tv_unlikely(nsorted == 0)) tv_constructor(); /* called before our constructor ran */
+    /* Before our constructor (a runtime loaded ahead of us resolving its own symbols) there is
+     * nothing to hand out yet: CUDA cannot have been loaded by then. */
+    if (tv_unlikely(!__atomic_load_n(&constructed, __ATOMIC_ACQUIRE))) return r;
     int i = lookup_hooked(name);
     return i < 0 ? r : tv_syms[i].ours;
 }

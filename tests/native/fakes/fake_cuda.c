@@ -67,7 +67,12 @@ struct fk_array {
 struct fk_graph {
     int64_t kernel_ns;
     uint64_t mem;
-    int dev;
+    int dev, nnodes;
+    void *nodes[256]; /* node handles, freed with the graph */
+};
+struct fk_module {
+    int nfuncs;
+    struct fk_func *funcs[64];
 };
 struct fk_exec {
     int64_t kernel_ns;
@@ -942,20 +947,24 @@ API CUresult cuMipmappedArrayDestroy(CUmipmappedArray h)
 API CUresult cuModuleLoadData(CUmodule *m, const void *image)
 {
     (void)image;
-    *m = (CUmodule)calloc(1, 8);
+    *m = (CUmodule)calloc(1, sizeof(struct fk_module));
     return CUDA_SUCCESS;
 }
 API CUresult cuModuleUnload(CUmodule m)
 {
-    free(m);
+    struct fk_module *x = (struct fk_module *)m;
+    for (int i = 0; i < x->nfuncs; i++) free(x->funcs[i]);
+    free(x);
     return CUDA_SUCCESS;
 }
 API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
 {
-    (void)m;
+    struct fk_module *mod = (struct fk_module *)m;
+    if (mod->nfuncs >= 64) return CUDA_ERROR_OUT_OF_MEMORY;
     struct fk_func *x = calloc(1, sizeof *x);
     snprintf(x->name, sizeof x->name, "%s", name);
     x->dur = func_duration(name);
+    mod->funcs[mod->nfuncs++] = x;
     *f = (CUfunction)x;
     return CUDA_SUCCESS;
 }
@@ -1105,12 +1114,19 @@ API CUresult cuGraphCreate(CUgraph *g, unsigned int flags)
     *g = (CUgraph)x;
     return CUDA_SUCCESS;
 }
+static CUgraphNode new_node(CUgraph g)
+{
+    struct fk_graph *x = (struct fk_graph *)g;
+    void *n = calloc(1, 8);
+    if (x->nnodes < 256) x->nodes[x->nnodes++] = n;
+    return (CUgraphNode)n;
+}
 API CUresult cuGraphAddKernelNode_v2(CUgraphNode *n, CUgraph g, const CUgraphNode *deps, size_t nd,
                                      const CUDA_KERNEL_NODE_PARAMS *p)
 {
     (void)deps, (void)nd;
     ((struct fk_graph *)g)->kernel_ns += ((struct fk_func *)p->func)->dur;
-    *n = (CUgraphNode)calloc(1, 8);
+    *n = new_node(g);
     return CUDA_SUCCESS;
 }
 static CUresult mem_node(CUgraphNode *n, CUgraph g, const CUmemPoolProps *pp, size_t bytes, CUdeviceptr *out)
@@ -1121,7 +1137,7 @@ static CUresult mem_node(CUgraphNode *n, CUgraph g, const CUmemPoolProps *pp, si
     x->mem += bytes;
     x->dev = dev;
     *out = (CUdeviceptr)(uintptr_t)va_reserve(bytes, PROT_NONE);
-    *n = (CUgraphNode)calloc(1, 8);
+    *n = new_node(g);
     return CUDA_SUCCESS;
 }
 API CUresult cuGraphAddMemAllocNode(CUgraphNode *n, CUgraph g, const CUgraphNode *deps, size_t nd,
@@ -1132,8 +1148,8 @@ API CUresult cuGraphAddMemAllocNode(CUgraphNode *n, CUgraph g, const CUgraphNode
 }
 API CUresult cuGraphAddMemFreeNode(CUgraphNode *n, CUgraph g, const CUgraphNode *deps, size_t nd, CUdeviceptr p)
 {
-    (void)g, (void)deps, (void)nd, (void)p;
-    *n = (CUgraphNode)calloc(1, 8);
+    (void)deps, (void)nd, (void)p;
+    *n = new_node(g);
     return CUDA_SUCCESS;
 }
 static CUresult add_node(CUgraphNode *n, CUgraph g, CUgraphNodeParams *p)
@@ -1142,7 +1158,7 @@ static CUresult add_node(CUgraphNode *n, CUgraph g, CUgraphNodeParams *p)
         return mem_node(n, g, &p->alloc.poolProps, p->alloc.bytesize, &p->alloc.dptr);
     if (p->type == CU_GRAPH_NODE_TYPE_KERNEL)
         ((struct fk_graph *)g)->kernel_ns += ((struct fk_func *)p->kernel.func)->dur;
-    *n = (CUgraphNode)calloc(1, 8);
+    *n = new_node(g);
     return CUDA_SUCCESS;
 }
 API CUresult cuGraphAddNode(CUgraphNode *n, CUgraph g, const CUgraphNode *deps, size_t nd, CUgraphNodeParams *p)
@@ -1160,6 +1176,7 @@ API CUresult cuGraphDestroy(CUgraph g)
 {
     struct fk_graph *x = (struct fk_graph *)g;
     if (x->mem) phys_give(x->dev, x->mem);
+    for (int i = 0; i < x->nnodes; i++) free(x->nodes[i]);
     free(x);
     return CUDA_SUCCESS;
 }

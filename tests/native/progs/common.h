@@ -76,6 +76,7 @@ CUresult CUDAAPI cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, u
     X(cuGraphDestroy, cuGraphDestroy, (CUgraph))                                               \
     X(cuModuleLoadData, cuModuleLoadData, (CUmodule *, const void *))                          \
     X(cuModuleGetFunction, cuModuleGetFunction, (CUfunction *, CUmodule, const char *))        \
+    X(cuModuleUnload, cuModuleUnload, (CUmodule))                                              \
     X(cuLaunchKernel, cuLaunchKernel,                                                          \
       (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,       \
        CUstream, void **, void **))                                                            \

@@ -239,8 +239,8 @@ static void burn(double seconds, const char *kernel, const char *path)
     A.cuModuleLoadData(&mod, "fake");
     A.cuModuleGetFunction(&f, mod, kernel);
     CUgraphExec exec = NULL;
+    CUgraph g = NULL;
     if (!strcmp(path, "graph")) {
-        CUgraph g;
         CUgraphNode n;
         A.cuGraphCreate(&g, 0);
         CUDA_KERNEL_NODE_PARAMS kp;
@@ -266,6 +266,9 @@ static void burn(double seconds, const char *kernel, const char *path)
         if (++n % 8 == 0) A.cuCtxSynchronize(); /* like a real program: bounded queue */
     }
     A.cuCtxSynchronize();
+    if (exec) A.cuGraphExecDestroy(exec);
+    if (g) A.cuGraphDestroy(g);
+    A.cuModuleUnload(mod);
     printf("{\"rc\": %d, \"launches\": %ld, \"t0\": %lld, \"t1\": %lld}\n", (int)r, n, (long long)t0,
            (long long)now_ns());
 }
