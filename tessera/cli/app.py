@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "tessera.cli.certs",
     "tessera.cli.quota",
     "tessera.cli.limits",
+    "tessera.cli.run",
 ]
 
 
