@@ -291,6 +291,8 @@ class Scheduler:
                 now=self.clock(),
                 ttl_s=self.settings.reservation_ttl_s,
             )
+            # Other filters running while this CAS is in flight should look elsewhere first.
+            self.index.busy[entry.slot] = True
             try:
                 result = await self.ledger.reserve(reservation, self._hint(entry.name))
             except NodeFullError as exc:

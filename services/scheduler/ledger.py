@@ -16,11 +16,11 @@ from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from tessera.bus import NoChange, Versioned, cas_update
-from tessera.codec import decode, encode
+from tessera.codec import encode
 from tessera.hami import PodRequest
 from tessera.models import Allocation, AllocationState, InFlightClaim, NodeLedger, NodeRegistration
 
-from .cards import counts_against_capacity, ledger_cards
+from .cards import build_cards, counts_against_capacity
 from .placement import PodFit, fit_pod
 from .rules import FitContext
 
@@ -50,23 +50,27 @@ class ReservationRequest:
     ttl_s: float
 
 
+def _replace(
+    ledger: NodeLedger, allocations: dict[str, Allocation], claim: InFlightClaim | None
+) -> NodeLedger:
+    """A new ledger value; the input is never modified (mutate functions are copy-on-write, so
+    they may run on the index's own objects)."""
+    return ledger.model_copy(update={"allocations": allocations, "claim": claim})
+
+
 def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeLedger:
     ledger = current or NodeLedger(node=req.template.node)
     uid = req.template.pod_uid
     existing = ledger.allocations.get(uid)
     if existing is not None and counts_against_capacity(existing, req.now):
         raise NoChange  # already reserved here (a retried filter): keep it
-    others = [a for k, a in ledger.allocations.items() if k != uid]
-    cards = ledger_cards(
-        req.registration,
-        NodeLedger(node=ledger.node, allocations={a.pod_uid: a for a in others}),
-        req.now,
-        req.cordoned,
-    )
+    # Drop finished entries while writing anyway: the ledger never keeps dead pods.
+    others = {k: a for k, a in ledger.allocations.items() if k != uid and a.active}
+    cards = build_cards(req.registration, others.values(), req.now, req.cordoned)
     fit = fit_pod(cards, req.request, req.ctx_factory())
     if not fit.ok:
         raise NodeFullError(fit)
-    allocation = req.template.model_copy(
+    others[uid] = req.template.model_copy(
         update={
             "containers": fit.containers,
             "state": AllocationState.RESERVED,
@@ -75,17 +79,7 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
             "expires_at": req.now + req.ttl_s,
         }
     )
-    # Drop finished entries while writing anyway: the ledger never keeps dead pods.
-    ledger.allocations = {a.pod_uid: a for a in others if a.active}
-    ledger.allocations[uid] = allocation
-    return ledger
-
-
-@dataclass(frozen=True)
-class ClaimOutcome:
-    taken: bool
-    allocation: Allocation | None = None
-    holder: InFlightClaim | None = None
+    return _replace(ledger, others, ledger.claim)
 
 
 def claim_mutate(
@@ -102,14 +96,16 @@ def claim_mutate(
     claim = current.claim
     if claim is not None and claim.pod_uid != uid and claim.expires_at > now:
         raise ClaimHeldError(claim)
-    current.claim = InFlightClaim(
+    new_claim = InFlightClaim(
         pod_uid=uid, namespace=allocation.namespace, name=allocation.name,
         taken_at=now, expires_at=now + ttl_s, holder=holder,
     )  # fmt: skip
+    allocations = dict(current.allocations)
     # Keep the reservation alive while the bind is in flight.
-    allocation.expires_at = max(allocation.expires_at or now, now + ttl_s)
-    allocation.updated_at = now
-    return current
+    allocations[uid] = allocation.model_copy(update={
+        "expires_at": max(allocation.expires_at or now, now + ttl_s), "updated_at": now,
+    })  # fmt: skip
+    return _replace(current, allocations, new_claim)
 
 
 class AlreadyBoundError(Exception):
@@ -128,10 +124,11 @@ def bound_mutate(uid: str, now: float, current: NodeLedger | None) -> NodeLedger
     allocation = current.allocations[uid]
     if allocation.state != AllocationState.RESERVED:
         raise NoChange
-    allocation.state = AllocationState.BOUND
-    allocation.expires_at = None
-    allocation.updated_at = now
-    return current
+    allocations = dict(current.allocations)
+    allocations[uid] = allocation.model_copy(
+        update={"state": AllocationState.BOUND, "expires_at": None, "updated_at": now}
+    )
+    return _replace(current, allocations, current.claim)
 
 
 def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | None) -> NodeLedger:
@@ -143,20 +140,20 @@ def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | No
     had_claim = current.claim is not None and current.claim.pod_uid == uid
     if uid not in current.allocations and not had_claim:
         raise NoChange
-    allocation = current.allocations.pop(uid, None)
+    allocations = dict(current.allocations)
+    allocation = allocations.pop(uid, None)
     if allocation is not None:
         removed.append(allocation)
-    if had_claim:
-        current.claim = None
-    return current
+    return _replace(current, allocations, None if had_claim else current.claim)
 
 
 def init_done_mutate(uid: str, current: NodeLedger | None) -> NodeLedger:
     allocation = current.allocations.get(uid) if current else None
-    if allocation is None or allocation.init_done or allocation.init_count == 0:
+    if current is None or allocation is None or allocation.init_done or not allocation.init_count:
         raise NoChange
-    allocation.init_done = True
-    return current  # type: ignore[return-value]
+    allocations = dict(current.allocations)
+    allocations[uid] = allocation.model_copy(update={"init_done": True})
+    return _replace(current, allocations, current.claim)
 
 
 def sweep_mutate(
@@ -168,22 +165,26 @@ def sweep_mutate(
     if current is None:
         raise NoChange
     changed = False
-    for uid, a in list(current.allocations.items()):
+    allocations = dict(current.allocations)
+    for uid, a in current.allocations.items():
         expired = (
             a.state == AllocationState.RESERVED and a.expires_at is not None and a.expires_at <= now
         )
         if expired and uid in keep:
-            a.state, a.expires_at, a.updated_at = AllocationState.BOUND, None, now
+            allocations[uid] = a.model_copy(
+                update={"state": AllocationState.BOUND, "expires_at": None, "updated_at": now}
+            )
             changed = True
         elif expired or not a.active:
-            removed.append(current.allocations.pop(uid))
+            removed.append(allocations.pop(uid))
             changed = True
-    if current.claim is not None and current.claim.expires_at <= now:
-        current.claim = None
+    claim = current.claim
+    if claim is not None and claim.expires_at <= now:
+        claim = None
         changed = True
     if not changed:
         raise NoChange
-    return current
+    return _replace(current, allocations, claim)
 
 
 def expired_reservations(ledger: NodeLedger, now: float) -> list[Allocation]:
@@ -211,7 +212,7 @@ class LedgerWriter:
     ) -> Versioned[NodeLedger]:
         if hint is not None and hint.revision > 0:
             try:
-                new = mutate(decode(encode(hint.value), NodeLedger))  # a private copy
+                new = mutate(hint.value)  # copy-on-write: the hint is not modified
             except Exception:
                 new = None  # refused on what may be stale: decide again on a fresh read
             if new is not None:

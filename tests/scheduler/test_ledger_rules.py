@@ -1,0 +1,134 @@
+"""The ledger's pure mutate functions: what each write does, and that none modifies its input
+(the index hands its own objects in as CAS hints)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+from tessera.scheduler.ledger import (
+    AlreadyBoundError,
+    ClaimHeldError,
+    NodeFullError,
+    ReservationGoneError,
+    ReservationRequest,
+    bound_mutate,
+    claim_mutate,
+    init_done_mutate,
+    release_mutate,
+    reserve_mutate,
+    sweep_mutate,
+)
+from tessera.scheduler.rules import FitContext, PodOptions
+
+from tessera.bus import NoChange
+from tessera.codec import encode
+from tessera.hami import parse_pod_request
+from tessera.models import Allocation, AllocationState, DeviceGrant, InFlightClaim, NodeLedger
+from tessera.settings import TesseraSettings
+
+from .factories import GIB, container, node, pod
+
+NOW = 1000.0
+
+
+def allocation(uid: str, state: AllocationState, expires_at: float | None = None,
+               memory: int = 10 * GIB) -> Allocation:  # fmt: skip
+    return Allocation(
+        pod_uid=uid, namespace="ns", name=uid, node="n", state=state, expires_at=expires_at,
+        containers=[[DeviceGrant(uuid="GPU-n-0", type="T", memory_mib=memory, cores=0)]],
+        init_count=1 if uid == "init" else 0,
+    )  # fmt: skip
+
+
+def ledger(*allocations: Allocation, claim: InFlightClaim | None = None) -> NodeLedger:
+    return NodeLedger(node="n", allocations={a.pod_uid: a for a in allocations}, claim=claim)
+
+
+def reservation(memory_mib: int) -> ReservationRequest:
+    spec = pod(container(mem=memory_mib), uid="new")
+    return ReservationRequest(
+        registration=node("n", gpus=1), cordoned=frozenset(),
+        request=parse_pod_request(spec, TesseraSettings()),
+        ctx_factory=lambda: FitContext(PodOptions()),
+        template=Allocation(pod_uid="new", namespace="ns", name="new", node="n", containers=[]),
+        now=NOW, ttl_s=30,
+    )  # fmt: skip
+
+
+def claim_by(uid: str, expires_at: float) -> InFlightClaim:
+    return InFlightClaim(pod_uid=uid, namespace="ns", name=uid, expires_at=expires_at)
+
+
+CASES = [
+    ("reserve fits", partial(reserve_mutate, reservation(20 * GIB)),
+     ledger(allocation("a", AllocationState.ALLOCATED)), None),
+    ("reserve refuses a full card", partial(reserve_mutate, reservation(75 * GIB)),
+     ledger(allocation("a", AllocationState.ALLOCATED)), NodeFullError),
+    ("reserve ignores an expired reservation", partial(reserve_mutate, reservation(75 * GIB)),
+     ledger(allocation("old", AllocationState.RESERVED, NOW - 1)), None),
+    ("claim free node", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5)), None),
+    ("claim held by another", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5), claim=claim_by("b", NOW + 1)),
+     ClaimHeldError),
+    ("claim lapsed is taken over", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5), claim=claim_by("b", NOW - 1)),
+     None),
+    ("claim without reservation", partial(claim_mutate, "a", "me", NOW, 30), ledger(),
+     ReservationGoneError),
+    ("claim of an expired reservation", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW - 1)), ReservationGoneError),
+    ("claim after bind", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.BOUND)), AlreadyBoundError),
+    ("mark bound", partial(bound_mutate, "a", NOW),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5)), None),
+    ("release", partial(release_mutate, "a", []),
+     ledger(allocation("a", AllocationState.BOUND), claim=claim_by("a", NOW + 5)), None),
+    ("release unknown", partial(release_mutate, "zz", []), ledger(), NoChange),
+    ("init done", partial(init_done_mutate, "init"),
+     ledger(allocation("init", AllocationState.ALLOCATED)), None),
+    ("sweep", partial(sweep_mutate, NOW, frozenset(), []),
+     ledger(allocation("a", AllocationState.RESERVED, NOW - 1), claim=claim_by("b", NOW - 1)),
+     None),
+    ("sweep nothing due", partial(sweep_mutate, NOW, frozenset(), []),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 1)), NoChange),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "mutate", "current", "error"), CASES, ids=[c[0] for c in CASES])
+def test_mutates_are_copy_on_write(case: str, mutate, current: NodeLedger, error) -> None:  # type: ignore[no-untyped-def]
+    before = encode(current)
+    if error is None:
+        mutate(current)
+    else:
+        with pytest.raises(error):
+            mutate(current)
+    assert encode(current) == before
+
+
+def test_writes_do_what_they_say() -> None:
+    reserved = reserve_mutate(reservation(20 * GIB), ledger())
+    new = reserved.allocations["new"]
+    assert new.state == "reserved" and new.expires_at == NOW + 30
+    assert new.containers[0][0].memory_mib == 20 * GIB
+    claimed = claim_mutate("new", "me", NOW + 1, 45, reserved)
+    assert claimed.claim is not None and claimed.claim.pod_uid == "new"
+    assert claimed.allocations["new"].expires_at == NOW + 46  # kept alive while binding
+    bound = bound_mutate("new", NOW + 2, claimed)
+    assert bound.allocations["new"].state == "bound" and bound.allocations["new"].expires_at is None
+    removed: list[Allocation] = []
+    released = release_mutate("new", removed, bound)
+    assert released.allocations == {} and released.claim is None and removed[0].pod_uid == "new"
+
+
+def test_sweep_keeps_pods_found_bound_and_reports_the_dropped() -> None:
+    removed: list[Allocation] = []
+    swept = sweep_mutate(NOW, frozenset({"kept"}), removed, ledger(
+        allocation("kept", AllocationState.RESERVED, NOW - 1),
+        allocation("lapsed", AllocationState.RESERVED, NOW - 1),
+        allocation("live", AllocationState.RESERVED, NOW + 1),
+    ))  # fmt: skip
+    assert swept.allocations["kept"].state == "bound"
+    assert set(swept.allocations) == {"kept", "live"}
+    assert [a.pod_uid for a in removed] == ["lapsed"]
