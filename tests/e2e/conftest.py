@@ -184,12 +184,12 @@ class RunningStack:
 
 
 def start_stack(
-    nodes: list[SimNode], env: dict[str, str] | None = None
+    nodes: list[SimNode], env: dict[str, str] | None = None, run_containers: bool = False
 ) -> Iterator[RunningStack]:
     state_dir = Path(tempfile.mkdtemp(prefix="tessera-e2e-"))
     ports = StackPorts.free()
     stack = LocalStack(
-        state_dir, default_services(nodes, state_dir, ports), ports=ports,
+        state_dir, default_services(nodes, state_dir, ports, run_containers), ports=ports,
         extra_env={"TESSERA_LOG_LEVEL": "INFO", **(env or {})},
     )
     running = RunningStack(stack, nodes)

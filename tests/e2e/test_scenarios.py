@@ -39,7 +39,7 @@ SPREAD = {"hami.io/gpu-scheduler-policy": "spread"}
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
-    yield from start_stack(NODES)
+    yield from start_stack(NODES, run_containers=True)
 
 
 @pytest.fixture
@@ -227,3 +227,34 @@ def test_cli_apply_get_delete(sim: RunningStack, ns: str, tmp_path: Path) -> Non
     result = runner.invoke(build_app(), ["delete", "pod", "from-yaml", "-n", ns, *cli])
     assert result.exit_code == 0 and "deleted" in result.output
     assert sim.kube.pods(ns) == []
+
+
+def test_container_command_runs_with_its_slice(sim: RunningStack, ns: str, tmp_path: Path) -> None:
+    out = tmp_path / "env.txt"
+    pod = gpu_pod("runs", mem=1500, cores=15, node=NODE_C)
+    pod["spec"]["restartPolicy"] = "Never"
+    pod["spec"]["containers"][0]["command"] = [
+        "/bin/sh", "-c",
+        f"env | grep -E '^(CUDA_DEVICE_MEMORY_LIMIT_0|NVIDIA_VISIBLE_DEVICES|TESSERA_LIMITS_DIR"
+        f"|LD_PRELOAD|GREETING)=' | sort > {out}",
+    ]
+    pod["spec"]["containers"][0]["env"] = [{"name": "GREETING", "value": "hello"}]
+    assert sim.kube.create_pod(pod, ns).status_code == 201
+
+    def finished() -> dict[str, Any] | None:
+        current = sim.kube.pod(ns, "runs")
+        return current if current["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    done = sim.kube.wait_for("the container's process to exit", finished, 20)
+    assert done["status"]["phase"] == "Succeeded"
+    env = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    [[grant]] = grants(done)
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1500m"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == grant.uuid
+    assert env["GREETING"] == "hello"
+    libvgpu = Path(__file__).resolve().parents[2] / "native/libvgpu/build/libvgpu.so"
+    if libvgpu.is_file():  # `make native` built it: the process ran with it preloaded
+        assert env["LD_PRELOAD"] == str(libvgpu)
+    # The sealed limits directory is the host side of the container's read-only mount.
+    limits = read_limits(env["TESSERA_LIMITS_DIR"])
+    assert limits is not None and [d.mem_limit_bytes >> 20 for d in limits.devices] == [1500]
