@@ -54,7 +54,7 @@ def _extender_args(data: dict[str, Any]) -> tuple[dict[str, Any], list[str], lis
     names = data.get("nodenames")
     nodes = data.get("nodes")
     if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list) or not set(map(type, names)) <= {str}:
             raise _BadCall(400, "ExtenderArgs.nodenames must be a list of strings")
         if len(names) > MAX_CANDIDATES:
             raise _BadCall(413, f"more than {MAX_CANDIDATES} candidate nodes")

@@ -201,21 +201,38 @@ class SchedulerService:
             self.index.set_registration(key, value, now)
 
     async def _watch_ledger(self) -> None:
+        """Like bus.watch_models, but a revision the index already holds (this replica's own
+        write, applied when it returned) is skipped before decoding: decoding is the cost."""
         seen: set[str] | None = set()
-        async for key, value, revision in bus.watch_models(
-            self.buckets.ledger, NodeLedger, self._bad_value
-        ):
-            now = self.clock()
-            if not key:
-                for name in [n for n, e in self.index.entries.items() if e.ledger is not None]:
-                    if seen is not None and name not in seen:
-                        self.index.set_ledger(name, None, 0, now)
-                seen = None
-                self.ledger_synced.set()
-                continue
-            if seen is not None:
-                seen.add(key)
-            self.index.set_ledger(key, value, revision, now)
+        watcher = await self.buckets.ledger.watchall()
+        try:
+            async for entry in watcher:
+                now = self.clock()
+                if entry is None:
+                    for name in [n for n, e in self.index.entries.items() if e.ledger is not None]:
+                        if seen is not None and name not in seen:
+                            self.index.set_ledger(name, None, 0, now)
+                    seen = None
+                    self.ledger_synced.set()
+                    continue
+                key = entry.key
+                if seen is not None:
+                    seen.add(key)
+                if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                    self.index.set_ledger(key, None, entry.revision, now)
+                    continue
+                known = self.index.entries.get(key)
+                if known is not None and entry.revision <= known.ledger_revision:
+                    continue
+                try:
+                    value = decode(entry.value, NodeLedger)
+                except CodecError as exc:
+                    self._bad_value(key, exc)
+                    continue
+                self.index.set_ledger(key, value, entry.revision, now)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
 
     async def _watch_quota(self) -> None:
         async for key, value, _revision in bus.watch_models(
