@@ -197,3 +197,31 @@ def test_unschedulable_message_counts_reasons_like_kube_scheduler() -> None:
     assert message == (
         "0/3 nodes are available: 2 1/2 CardInsufficientMemory, 1 node(s) were filtered out."
     )
+
+
+def test_nodes_file_shapes_kube_sim_and_one_agent_per_node(tmp_path: Path) -> None:
+    from tessera.stack import StackPorts, default_services, load_nodes
+
+    nodes_file = tmp_path / "nodes.yaml"
+    nodes_file.write_text(
+        "nodes:\n"
+        "  - {name: big, gpus: 8, gpu_memory_mib: 81920, gpu_model: NVIDIA H100, numa_nodes: 2}\n"
+        "  - {name: small, gpus: 1}\n"
+    )
+    nodes = load_nodes(nodes_file)
+    specs = {s.name: s for s in default_services(nodes, tmp_path, StackPorts(1, 2, 3, 4))}
+    assert next(iter(specs)) == "kube-sim", "kube-sim first: the others read its kubeconfig"
+    sim_nodes = json.loads(specs["kube-sim"].env["TESSERA_KUBE_SIM_NODES"])
+    assert [n["name"] for n in sim_nodes] == ["big", "small"]
+    big = specs["node-agent/big"].env
+    assert big["TESSERA_STATIC_GPU_COUNT"] == "8"
+    assert big["TESSERA_STATIC_NUMA_NODES"] == "2"
+    assert big["TESSERA_STATIC_GPU_MODEL"] == "NVIDIA H100"
+    # The agent's kubelet sockets are where kube-sim's kubelet for that node listens.
+    root = specs["kube-sim"].env["TESSERA_KUBE_SIM_KUBELET_ROOT"]
+    assert big["TESSERA_DEVICE_PLUGIN_DIR"] == f"{root}/big/device-plugins"
+    assert len(f"{root}/big/device-plugins/kubelet.sock") < 108
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- {name: Not_A_Node}\n")
+    with pytest.raises(ValueError):
+        load_nodes(bad)
