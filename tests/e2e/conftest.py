@@ -198,7 +198,7 @@ def start_stack(
         stack.wait_ready()
         running.wait_nodes_registered()
         yield running
-    except BaseException:
+    except Exception:  # a stack that failed to start: show why
         for service in stack.running:
             tail = service.log_path.read_text(errors="replace")[-3000:]
             print(f"==== {service.spec.name} ({service.status})\n{tail}")
