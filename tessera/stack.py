@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -361,3 +362,5 @@ class LocalStack:
         if self.nats is not None:
             self.nats.stop()
         (self.state_dir / STACK_FILE).unlink(missing_ok=True)
+        # The kubelets' sockets (default_services puts them there); kube-sim has stopped.
+        shutil.rmtree(short_socket_root(self.state_dir), ignore_errors=True)
