@@ -64,6 +64,9 @@ _FAILURE_MEMORY = 10_000
 _REPUBLISH_SAME_FAILURE_S = 30.0
 
 
+_NO_GPU = "\0no-gpu"  # _ensure_reserved's answer for a pod that asks for no GPU
+
+
 class BadRequestError(ValueError):
     """The call itself is malformed (HTTP 400)."""
 
@@ -241,7 +244,7 @@ class Scheduler:
             return FilterOutcome(nodenames=[placed], failed=decision.failed)
         if quota_refusal:
             failed = {n: quota_refusal for n in names}
-            self._count_refusal({RESOURCE_QUOTA_NOT_FIT: 1})
+            self._count_refusal({RESOURCE_QUOTA_NOT_FIT: len(names)})
             self._remember_failure(ident, failed, quota_refusal)
             return FilterOutcome(failed=failed)
         decision.explain_rest()
@@ -316,14 +319,15 @@ class Scheduler:
     def _refuse_invalid(self, ident: PodIdentity, names: list[str], message: str) -> FilterOutcome:
         reason = f"{REQUEST_INVALID}: {message}"
         unresolvable = {n: reason for n in names}
-        self._count_refusal({REQUEST_INVALID: 1})
+        self._count_refusal({REQUEST_INVALID: len(names)})
         self._remember_failure(ident, unresolvable, reason)
         return FilterOutcome(unresolvable=unresolvable)
 
-    def _count_refusal(self, counts: Any) -> None:
+    def _count_refusal(self, counts: dict[str, int]) -> None:
+        """One unschedulable pod; per reason, how many nodes refused it for that reason."""
         self.metrics.unschedulable.inc()
-        for reason in counts:
-            self.metrics.refusals.labels(reason=reason).inc()
+        for reason, nodes in counts.items():
+            self.metrics.refusals.labels(reason=reason).inc(nodes)
 
     def _remember_failure(self, ident: PodIdentity, reasons: dict[str, str], summary: str) -> None:
         now = self.clock()
@@ -395,6 +399,8 @@ class Scheduler:
                 return f"pod {namespace}/{name}: {exc}"
         ident = PodIdentity(uid, namespace, name)
         error = await self._ensure_reserved(ident, node)
+        if error == _NO_GPU:
+            return await self._bind_plain(ident, node)
         if error:
             return error
         deadline = self.clock() + self.config.bind_timeout_s
@@ -471,13 +477,22 @@ class Scheduler:
             pod = await self.cluster.get_pod(ident.namespace, ident.name)
         except ClusterError as exc:
             return f"pod {ident.namespace}/{ident.name}: {exc}"
-        if self.index.node(node) is None:
-            return f"node {node}: no Tessera node agent registered it"
         outcome = await self.filter(pod, [node])
+        if outcome.passed_all:
+            return _NO_GPU
         if outcome.nodenames == [node]:
             return ""
         reasons = outcome.failed.get(node) or outcome.unresolvable.get(node) or outcome.error
         return f"pod {ident.namespace}/{ident.name} does not fit {node}: {reasons}"
+
+    async def _bind_plain(self, ident: PodIdentity, node: str) -> str:
+        """A pod that asks for no GPU: bind it, nothing to record."""
+        assert self.cluster is not None
+        try:
+            await self.cluster.bind_pod(ident.namespace, ident.name, ident.uid, node)
+        except ClusterError as exc:
+            return f"bind {ident.namespace}/{ident.name} to {node}: {exc}"
+        return ""
 
     async def _bind_in_cluster(self, ident: PodIdentity, node: str, allocation: Allocation) -> str:
         assert self.cluster is not None

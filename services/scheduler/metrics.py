@@ -31,7 +31,9 @@ class SchedulerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.refusals = Counter(
-            "tessera_scheduler_refusals_total", "Node refusals by HAMi reason", ["reason"],
+            "tessera_scheduler_refusals_total",
+            "Nodes refusing an unschedulable pod, by HAMi reason (a node counts once per reason)",
+            ["reason"],
             registry=r,
         )  # fmt: skip
         self.unschedulable = Counter(

@@ -342,3 +342,16 @@ async def test_scaled_device_advertises_more_memory(
     async with http_client(service) as client:
         result = await filter_call(client, pod(container(mem=100 * GIB)), [scaled])
     assert result["nodenames"] == [scaled]
+
+
+async def test_bind_of_a_pod_without_gpu_just_binds(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service()
+    plain = cluster.add_pod(pod({"name": "web", "image": "nginx"}))
+    async with http_client(service) as client:
+        assert await bind_call(client, plain, "cpu-only-node") == ""
+    assert cluster.pods[("default", plain["metadata"]["name"])]["spec"]["nodeName"] == (
+        "cpu-only-node"
+    )
+    assert await bus.read(buckets.ledger, "cpu-only-node", NodeLedger) is None
