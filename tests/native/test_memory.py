@@ -243,7 +243,7 @@ def test_limit_is_for_the_whole_container(container):
 @pytest.mark.parametrize("scrub", [False, True])
 def test_scrub_on_free(container, scrub):
     container.seal(region.DeviceLimit("", LIMIT), scrub_on_free=scrub)
-    c = container.cuctl()
+    c = container.cuctl(FAKE_CHECK_SCRUB="1")
     c("init")
     for kind in ("plain", "async"):
         i = c(f"alloc {kind} {MiB}")["id"]

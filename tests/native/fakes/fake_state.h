@@ -8,7 +8,8 @@
  * Environment: FAKE_CUDA_STATE (file; unset = private to the process), FAKE_GPU_COUNT (2),
  * FAKE_GPU_MEM_MB (16384), FAKE_KERNEL_US (100: a kernel's duration unless its name ends in
  * _<N>us), FAKE_CTX_BYTES (0: physical memory of a non-primary context), FAKE_NVML_REVERSE (1:
- * NVML enumerates devices in the reverse CUDA order).
+ * NVML enumerates devices in the reverse CUDA order), FAKE_CHECK_SCRUB (1: count frees of
+ * memory that was not all zeros, for the scrub-on-free tests).
  */
 #ifndef FAKE_STATE_H
 #define FAKE_STATE_H

@@ -99,7 +99,7 @@ struct api {
 };
 
 /* Base names for cuGetProcAddress (what cudart asks for) and per-thread flags. */
-static const char *proc_base(const char *sym, cuuint64_t *flags)
+static inline const char *proc_base(const char *sym, cuuint64_t *flags)
 {
     static char buf[128];
     *flags = CU_GET_PROC_ADDRESS_DEFAULT;
@@ -118,7 +118,7 @@ static const char *proc_base(const char *sym, cuuint64_t *flags)
     return buf;
 }
 
-static int api_load(struct api *a)
+static inline int api_load(struct api *a)
 {
     const char *mode = getenv("TV_TEST_MODE");
     if (!mode || !strcmp(mode, "direct")) {

@@ -1,0 +1,193 @@
+"""What libvgpu adds to a program: per unthrottled launch, per allocation, at start-up.
+
+Runs tests/native/progs/bench.c against the fake driver (FAKE_BENCH=1: the fake does as little
+as possible), with and without the preload, interleaved in the same run; then the same under
+callgrind, whose instruction counts do not depend on how busy the machine is; then 256 processes
+starting at the same instant, each timing its CUDA start-up (cuInit .. first allocation, which
+is when libvgpu initialises). Records the figures in bench/RESULTS.md (section "libvgpu").
+
+    python bench/libvgpu.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import record_section
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "native" / "libvgpu" / "build"
+TARGETS = {"launch_ns": 50.0, "alloc_ns": 1000.0, "startup_p99_ms": 50.0}
+
+
+def build() -> None:
+    py = f"PYTHON={sys.executable}"
+    for args in (
+        ["-C", str(ROOT / "native" / "libvgpu"), f"BUILD={BUILD}", py],
+        ["-C", str(ROOT / "tests" / "native"), f"BUILD={BUILD / 'tests'}", py],
+    ):
+        subprocess.run(["make", "-s", "-j4", *args], check=True)
+
+
+def env(tmp: Path, preload: bool) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TESSERA_", "FAKE_"))}
+    e.pop("LD_PRELOAD", None)
+    e.update(
+        FAKE_BENCH="1",
+        LD_LIBRARY_PATH=str(BUILD / "tests" / "fake"),
+        FAKE_CUDA_STATE=str(tmp / "gpu"),
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "region"),
+        CUDA_DEVICE_MEMORY_LIMIT_0="64g",
+        FAKE_GPU_MEM_MB="131072",
+        LIBCUDA_LOG_LEVEL="0",
+    )
+    if preload:
+        e["LD_PRELOAD"] = str(BUILD / "libvgpu.so")
+    return e
+
+
+def bench(tmp: Path, mode: str, n: int, preload: bool) -> float:
+    out = subprocess.run(
+        [str(BUILD / "tests" / "bench"), mode, str(n)],
+        env=env(tmp, preload),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.strip())
+
+
+def interleaved(tmp: Path, mode: str, n: int, reps: int) -> tuple[float, float]:
+    without, with_ = [], []
+    for _ in range(reps):
+        without.append(bench(tmp, mode, n, False))
+        with_.append(bench(tmp, mode, n, True))
+    return statistics.median(without), statistics.median(with_)
+
+
+def instructions(tmp: Path, mode: str, n: int, preload: bool) -> int:
+    out_file = tmp / f"cg.{mode}.{n}.{int(preload)}"
+    subprocess.run(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}",
+         str(BUILD / "tests" / "bench"), mode, str(n)],
+        env=env(tmp, preload), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    m = re.search(r"^(?:summary|totals): (\d+)", out_file.read_text(), re.M)
+    assert m, out_file
+    return int(m.group(1))
+
+
+def instructions_added(tmp: Path, mode: str, n1: int, n2: int) -> tuple[float, float]:
+    """(instructions per operation without, instructions added per operation)."""
+    per = {}
+    for preload in (False, True):
+        per[preload] = (
+            instructions(tmp, mode, n2, preload) - instructions(tmp, mode, n1, preload)
+        ) / (n2 - n1)
+    return per[False], per[True] - per[False]
+
+
+def startup(tmp: Path, procs: int, preload: bool) -> list[float]:
+    """ms from the common start instant to the first allocation done, for each process."""
+    run_dir = Path(tempfile.mkdtemp(dir=tmp))
+    deadline = time.monotonic_ns() + 3_000_000_000
+    e = env(run_dir, preload)
+    ps = [
+        subprocess.Popen(
+            [str(BUILD / "tests" / "bench"), "startup", str(deadline)],
+            env=e,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(procs)
+    ]
+    if time.monotonic_ns() > deadline:
+        raise RuntimeError("could not start the processes before the common instant")
+    out = []
+    for p in ps:
+        stdout, _ = p.communicate(timeout=120)
+        if p.returncode != 0:
+            raise RuntimeError(f"startup bench exited {p.returncode}")
+        out.append(int(stdout) / 1e6)
+    return out
+
+
+def p(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    build()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        reps = 3 if quick else 9
+        l0, l1 = interleaved(tmp, "launch", 200_000, reps)
+        a0, a1 = interleaved(tmp, "alloc", 50_000, reps)
+        have_vg = shutil.which("valgrind") is not None
+        if have_vg:
+            li0, li = instructions_added(tmp, "launch", 1_000, 11_000)
+            ai0, ai = instructions_added(tmp, "alloc", 100, 1_100)
+        rounds = 2 if quick else 5
+        s0, s1 = [], []
+        for _ in range(rounds):  # alternate: the machine's load changes over time
+            s0.append(startup(tmp, 256, False))
+            s1.append(startup(tmp, 256, True))
+
+    launch_added = l1 - l0
+    alloc_added = a1 - a0
+    p50_0 = statistics.median(p(r, 50) for r in s0)
+    p50_1 = statistics.median(p(r, 50) for r in s1)
+    p99_0 = statistics.median(p(r, 99) for r in s0)
+    p99_1 = statistics.median(p(r, 99) for r in s1)
+    startup_added = p99_1 - p99_0
+
+    def verdict(value: float, target: float) -> str:
+        return "met" if value <= target else "**missed**"
+
+    rows = [
+        "| what | without libvgpu | with libvgpu | added | target |",
+        "|---|---|---|---|---|",
+        f"| unthrottled cuLaunchKernel (median of {reps}, ns) | {l0:.1f} | {l1:.1f} | "
+        f"{launch_added:.1f} | ≤ 50 ns: {verdict(launch_added, 50)} |",
+        f"| cuMemAlloc + cuMemFree, 1 MiB (median of {reps}, ns) | {a0:.1f} | {a1:.1f} | "
+        f"{alloc_added:.1f} | ≤ 1 µs: {verdict(alloc_added, 1000)} |",
+    ]
+    if have_vg:
+        rows += [
+            f"| instructions per launch (callgrind) | {li0:.1f} | {li0 + li:.1f} | {li:.1f} | |",
+            f"| instructions per alloc + free (callgrind) | {ai0:.1f} | {ai0 + ai:.1f} | "
+            f"{ai:.1f} | |",
+        ]
+    rows += [
+        f"| start-up, 256 processes at once: p50 (ms, median of {rounds} rounds) | {p50_0:.2f} | "
+        f"{p50_1:.2f} | {p50_1 - p50_0:.2f} | |",
+        f"| start-up, 256 processes at once: p99 (ms, median of {rounds} rounds) | {p99_0:.2f} | "
+        f"{p99_1:.2f} | {startup_added:.2f} | ≤ 50 ms: {verdict(startup_added, 50)} |",
+    ]
+    text = "\n".join(rows) + (
+        "\n\nMeasured against the fake driver of tests/native with FAKE_BENCH=1 (launches and "
+        "allocations cost the fake almost nothing), so the *added* column is libvgpu's own cost. "
+        "Launches are unthrottled (no compute limit), allocations are under a memory limit (the "
+        "reservation in the shared region is taken). Start-up: each process waits for a common "
+        "instant, then times cuInit, its context and its first allocation (libvgpu reads the "
+        "limits, maps the region and registers the process there), all 256 contending for the "
+        "region at once. Wall times are medians of interleaved runs on a shared machine; the "
+        "callgrind rows count instructions and do not depend on load. Command: "
+        "`python bench/libvgpu.py` (in `make bench`). On a real GPU: native/libvgpu/gpu-check.sh."
+    )
+    print(text)
+    record_section("libvgpu", text)
+
+
+if __name__ == "__main__":
+    main()
