@@ -129,6 +129,16 @@ def build_cards(
     for allocation in allocations:
         if not counts_against_capacity(allocation, now):
             continue
+        if allocation.init_count == 0 or allocation.init_done:
+            # The common case, inlined (this loop runs on every ledger change of the node).
+            for grants in allocation.containers[allocation.init_count :]:
+                for g in grants:
+                    card = by_uuid.get(g.uuid)
+                    if card is not None:
+                        card.used_mem += g.memory_mib
+                        card.used_cores += g.cores
+                        card.used_slots += 1
+            continue
         for uuid, u in allocation_usage(allocation).items():
             card = by_uuid.get(uuid)
             if card is None:

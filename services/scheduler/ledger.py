@@ -206,6 +206,13 @@ class LedgerWriter:
 
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
+        # Writes in flight: key -> (payload, value). The watch often delivers our own write
+        # before its ack returns; matching the bytes spares decoding what we just encoded.
+        self.in_flight: dict[str, tuple[bytes, NodeLedger]] = {}
+
+    def own_value(self, key: str, payload: bytes) -> NodeLedger | None:
+        pending = self.in_flight.get(key)
+        return pending[1] if pending is not None and pending[0] == payload else None
 
     async def _cas(
         self, key: str, mutate: Callable[[NodeLedger | None], NodeLedger], hint: Hint
@@ -216,11 +223,16 @@ class LedgerWriter:
             except Exception:
                 new = None  # refused on what may be stale: decide again on a fresh read
             if new is not None:
+                payload = encode(new)
+                self.in_flight[key] = (payload, new)
                 try:
-                    revision = await self.kv.update(key, encode(new), last=hint.revision)
+                    revision = await self.kv.update(key, payload, last=hint.revision)
                     return Versioned(new, revision)
                 except KeyWrongLastSequenceError:
                     pass
+                finally:
+                    if self.in_flight.get(key, (None,))[0] is payload:
+                        del self.in_flight[key]
         return await cas_update(self.kv, key, NodeLedger, mutate)
 
     async def reserve(self, req: ReservationRequest, hint: Hint = None) -> Versioned[NodeLedger]:

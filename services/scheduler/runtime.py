@@ -224,11 +224,13 @@ class SchedulerService:
                 known = self.index.entries.get(key)
                 if known is not None and entry.revision <= known.ledger_revision:
                     continue
-                try:
-                    value = decode(entry.value, NodeLedger)
-                except CodecError as exc:
-                    self._bad_value(key, exc)
-                    continue
+                value = self.scheduler.ledger.own_value(key, entry.value)
+                if value is None:
+                    try:
+                        value = decode(entry.value, NodeLedger)
+                    except CodecError as exc:
+                        self._bad_value(key, exc)
+                        continue
                 self.index.set_ledger(key, value, entry.revision, now)
         finally:
             with contextlib.suppress(Exception):
