@@ -30,6 +30,7 @@ from tessera.models import (
     AllocationEvent,
     AllocationState,
     DeviceGrant,
+    ErrorReply,
     NodeLedger,
     QuotaReply,
     QuotaRequest,
@@ -361,7 +362,11 @@ class Scheduler:
         except (NatsTimeoutError, NoRespondersError, TimeoutError):
             return f"{RESOURCE_QUOTA_NOT_FIT}: quota service did not answer within {timeout:g} s"
         except CodecError as exc:
-            return f"{RESOURCE_QUOTA_NOT_FIT}: quota service answered garbage: {exc}"
+            try:
+                error = decode(msg.data, ErrorReply)
+            except CodecError:
+                return f"{RESOURCE_QUOTA_NOT_FIT}: quota service answered garbage: {exc}"
+            return f"{RESOURCE_QUOTA_NOT_FIT}: quota service error: {error.reason}"
         if not reply.ok:
             return f"{RESOURCE_QUOTA_NOT_FIT}: {reply.reason or 'namespace quota exceeded'}"
         return ""

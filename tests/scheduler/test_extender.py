@@ -355,3 +355,40 @@ async def test_bind_of_a_pod_without_gpu_just_binds(
         "cpu-only-node"
     )
     assert await bus.read(buckets.ledger, "cpu-only-node", NodeLedger) is None
+
+
+async def test_quota_is_held_with_the_reservation_and_released_with_the_pod(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster, nc: Any
+) -> None:
+    service = await make_service({"quota_enabled": True, "request_timeout_s": 2})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    namespace = unique("ns")
+    seen: dict[str, list[QuotaRequest]] = {"reserve": [], "release": []}
+
+    def responder(kind: str) -> Any:
+        async def answer(msg: Any) -> None:
+            request = decode(msg.data, QuotaRequest)
+            if request.namespace == namespace:
+                seen[kind].append(request)
+                await msg.respond(encode(QuotaReply(ok=True)))
+
+        return answer
+
+    subs = [await nc.subscribe(bus.QUOTA_RESERVE, cb=responder("reserve")),
+            await nc.subscribe(bus.QUOTA_RELEASE, cb=responder("release"))]  # fmt: skip
+    await nc.flush()
+    spec = cluster.add_pod(pod(container(gpus=2, mem=3000, cores=20), namespace=namespace))
+    try:
+        async with http_client(service) as client:
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+            assert await bind_call(client, spec, name) == ""
+        allocation = (await ledger(buckets, name)).allocations[spec["metadata"]["uid"]]
+        assert allocation.quota_held
+        charge = seen["reserve"][0]
+        assert (charge.memory_mib, charge.cores, charge.gpus) == (6000, 40, 2)
+        cluster.delete_pod(namespace, spec["metadata"]["name"])
+        await wait_until(lambda: bool(seen["release"]))
+        assert seen["release"][0].pod_uid == spec["metadata"]["uid"]
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
