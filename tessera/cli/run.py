@@ -63,8 +63,8 @@ def prepare(state_dir: Path, limits: region.ContainerLimits, lib: Path) -> dict[
     region.prepare_region_file(state_dir / "region")
     region.seal_limits(state_dir / "limits", limits)
     env = dict(os.environ)
-    preload = env.get("LD_PRELOAD", "").split()
-    env["LD_PRELOAD"] = " ".join([str(lib), *[p for p in preload if p != str(lib)]])
+    preload = [p for p in env.get("LD_PRELOAD", "").split() if p != str(lib)]
+    env["LD_PRELOAD"] = " ".join([*preload, str(lib)])  # runtimes that must come first stay first
     env[region.ENV_LIMITS_DIR] = str(state_dir / "limits")
     return env
 

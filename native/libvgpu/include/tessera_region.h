@@ -45,7 +45,9 @@ extern "C" {
 
 /* Where the node agent mounts the sealed limits directory inside a container. When a limits file
  * exists there, libvgpu ignores every env var that could change a limit or the region path. */
+#ifndef TSR_SEALED_LIMITS_DIR /* tests build a copy of libvgpu with their own */
 #define TSR_SEALED_LIMITS_DIR "/run/tessera/limits"
+#endif
 #define TSR_LIMITS_FILE_NAME "limits"
 /* Standalone use only (honoured only when TSR_SEALED_LIMITS_DIR/limits does not exist). */
 #define TSR_ENV_LIMITS_DIR "TESSERA_LIMITS_DIR"
