@@ -14,7 +14,7 @@ class SchedulerSettings(BaseSettings):
     )
 
     claim_ttl_s: float = Field(
-        45.0,
+        30.0,
         gt=0,
         description="a node's in-flight claim (bind -> Allocate) lapses after this; another pod "
         "may then take it over",

@@ -223,9 +223,12 @@ class Scheduler:
         if not dry_run:
             held = self.index.pod_nodes.get(ident.uid)
             if held is not None:
-                if held in names:
+                entry = self.index.entries.get(held)
+                known = entry.ledger.allocations.get(ident.uid) if entry and entry.ledger else None
+                if held in names and known is not None and _live(known, self.clock()):
                     return FilterOutcome(nodenames=[held])  # a retried filter: keep it
-                await self.release(held, ident.uid, why="rescheduled to other candidates")
+                why = "reservation lapsed" if held in names else "rescheduled to other candidates"
+                await self.release(held, ident.uid, why=why)
         started = time.perf_counter()
         decision = decide(
             self.index, request, options, names, self.budget(ident.namespace, ident.uid),
@@ -428,7 +431,14 @@ class Scheduler:
                 until_lapse = exc.claim.expires_at - now + 0.01
                 await self.index.wait_changed(node, min(remaining, until_lapse))
             except ReservationGoneError as exc:
-                return f"pod {namespace}/{name} on {node}: {exc}; it will be filtered again"
+                # Our reservation lapsed while we waited for the claim: take a fresh one if
+                # the pod still fits the node, and keep waiting within the same deadline.
+                if self.clock() >= deadline:
+                    return f"pod {namespace}/{name} on {node}: {exc}; it will be filtered again"
+                error = await self._ensure_reserved(ident, node, trust_index=False)
+                if error:
+                    return error
+                await asyncio.sleep(0.01)  # never a tight loop, whatever the ledger says
             except AlreadyBoundError:
                 return ""
             except CasConflictError as exc:
@@ -452,13 +462,15 @@ class Scheduler:
         )))  # fmt: skip
         return ""
 
-    async def _ensure_reserved(self, ident: PodIdentity, node: str) -> str:
+    async def _ensure_reserved(
+        self, ident: PodIdentity, node: str, *, trust_index: bool = True
+    ) -> str:
         """The pod must hold a live reservation on `node`; make one if filter did not (the
         side-effect-free path, another replica's expired one, a different node)."""
         now = self.clock()
         entry = self.index.entries.get(node)
         known = entry.ledger.allocations.get(ident.uid) if entry and entry.ledger else None
-        if known is not None and _live(known, now):
+        if trust_index and known is not None and _live(known, now):
             return ""  # our index saw the reservation (ours, or a replica's via the watch)
         current = await bus.read(self.ledger.kv, node, NodeLedger)
         if current is not None:

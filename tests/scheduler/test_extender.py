@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from tessera import bus, hami
@@ -392,3 +393,30 @@ async def test_quota_is_held_with_the_reservation_and_released_with_the_pod(
     finally:
         for sub in subs:
             await sub.unsubscribe()
+
+
+async def test_reservation_lapsing_during_a_claim_wait_is_renewed(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service(
+        {"reservation_ttl_s": 0.3}, {"claim_ttl_s": 1.0, "bind_timeout_s": 3.0}
+    )
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    first, second = (cluster.add_pod(pod(container(mem=1000))) for _ in range(2))
+    async with http_client(service) as client:
+        await filter_call(client, first, [name])
+        assert await bind_call(client, first, name) == ""  # holds the claim; no Allocate comes
+        await filter_call(client, second, [name])
+        # The second pod's reservation lapses while it waits; the claim lapses later: the bind
+        # renews the reservation and takes the claim over instead of failing.
+        assert await bind_call(client, second, name) == ""
+        await asyncio.sleep(0.4)
+        # A filter retried after its reservation lapsed places the pod again, never answering
+        # with the stale node alone.
+        third = cluster.add_pod(pod(container(mem=1000)))
+        await filter_call(client, third, [name])
+        await asyncio.sleep(0.4)
+        assert (await filter_call(client, third, [name]))["nodenames"] == [name]
+    state = await ledger(buckets, name)
+    assert state.allocations[second["metadata"]["uid"]].state == AllocationState.BOUND
+    assert state.allocations[third["metadata"]["uid"]].expires_at > time.time()
