@@ -40,6 +40,7 @@ static pthread_mutex_t cq_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ctxq *qs[TV_MAX_CTX];
 static int64_t dev_est[TSR_MAX_DEVICES];
 static uint64_t last_launches;
+static int stopping; /* exit has begun: the poll thread no longer calls the driver */
 
 #define RD(d) (&tv.region->dev[d])
 
@@ -92,8 +93,16 @@ static void harvest_all(int block)
 {
     if (block) pthread_mutex_lock(&cq_mu);
     else if (pthread_mutex_trylock(&cq_mu) != 0) return;
-    for (int i = 0; i < TV_MAX_CTX; i++)
+    for (int i = 0; i < TV_MAX_CTX && !stopping; i++)
         if (qs[i]) harvest(qs[i]);
+    pthread_mutex_unlock(&cq_mu);
+}
+
+/* At exit, before the driver's own destructors: wait for a harvest in progress, stop the next. */
+void tv_compute_shutdown(void)
+{
+    pthread_mutex_lock(&cq_mu);
+    stopping = 1;
     pthread_mutex_unlock(&cq_mu);
 }
 
@@ -135,6 +144,7 @@ void tv_compute_forget_ctx(CUcontext ctx)
 void tv_compute_after_fork_child(void)
 {
     pthread_mutex_init(&cq_mu, NULL);
+    stopping = 0;
     for (int i = 0; i < TV_MAX_CTX; i++) { /* the child has no CUDA context of its parent */
         free(qs[i]);
         qs[i] = NULL;

@@ -114,6 +114,7 @@ TV_EARLY TV_PUBLIC void *dlsym(void *handle, const char *name)
 
 static void at_exit(void)
 {
+    tv_compute_shutdown();
     tv_region_release_slot();
 }
 

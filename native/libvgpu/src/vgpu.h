@@ -134,6 +134,7 @@ int tv_mem_refresh_pools(void) TV_HIDDEN;   /* give back pool memory the driver 
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real) TV_HIDDEN; /* poll thread tick */
 void tv_compute_after_fork_child(void) TV_HIDDEN;
 void tv_compute_forget_ctx(CUcontext ctx) TV_HIDDEN; /* before the context is destroyed */
+void tv_compute_shutdown(void) TV_HIDDEN;            /* at exit */
 
 /* ---- virt.c ---- */
 uint64_t tv_dev_used(int dslot) TV_HIDDEN;
