@@ -35,6 +35,12 @@ class SchedulerSettings(BaseSettings):
         description="place on nodes with no bind in flight (claim or unbound reservation) "
         "before the node policy's favourite, so a burst is not serialised on one node's claim",
     )
+    orphaned_bind_s: float = Field(
+        3.0,
+        gt=0,
+        description="a claim held this long by a pod still `reserved` but bound in the "
+        "cluster means its binder died mid-bind: the sweeper marks it bound",
+    )
     sweep_interval_s: float = Field(
         1.0, gt=0, description="how often expired reservations and lapsed claims are swept"
     )

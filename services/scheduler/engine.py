@@ -572,6 +572,7 @@ class Scheduler:
             ledger = entry.ledger
             if ledger is None:
                 continue
+            await self._adopt_orphaned_bind(entry.name, ledger, now)
             lapsed_claim = ledger.claim is not None and ledger.claim.expires_at <= now
             due = entry.reserved_until is not None and entry.reserved_until <= now
             if not (due or lapsed_claim):
@@ -599,18 +600,54 @@ class Scheduler:
     async def _bound_meanwhile(self, node: str, ledger: NodeLedger, now: float) -> frozenset[str]:
         """Expired reservations whose pod is in fact bound to the node (a replica died between
         the cluster bind and marking it bound): these are kept and marked bound."""
-        if self.cluster is None:
-            return frozenset()
         keep = set()
         for a in ledger.allocations.values():
             if a.state != AllocationState.RESERVED or a.expires_at is None or a.expires_at > now:
                 continue
-            with contextlib.suppress(ClusterError):
-                pod = await self.cluster.get_pod(a.namespace, a.name)
-                meta = pod.get("metadata") or {}
-                if meta.get("uid") == a.pod_uid and (pod.get("spec") or {}).get("nodeName") == node:
-                    keep.add(a.pod_uid)
+            if await self._pod_bound_to(a, node):
+                keep.add(a.pod_uid)
         return frozenset(keep)
+
+    async def _pod_bound_to(self, allocation: Allocation, node: str) -> bool:
+        if self.cluster is None:
+            return False
+        try:
+            pod = await self.cluster.get_pod(allocation.namespace, allocation.name)
+        except ClusterError:
+            return False
+        meta = pod.get("metadata") or {}
+        return meta.get("uid") == allocation.pod_uid and (
+            (pod.get("spec") or {}).get("nodeName") == node
+        )
+
+    async def _adopt_orphaned_bind(self, node: str, ledger: NodeLedger, now: float) -> None:
+        """The claim's holder is still `reserved` long after taking the claim: its binder died
+        between the cluster bind and marking it bound. If the pod is bound to the node, mark it
+        bound now, so the agent's Allocate (which wants a bound pod) is not held up until the
+        reservation lapses. (A pod not bound is left alone: its binder may just be slow.)"""
+        claim = ledger.claim
+        if (
+            claim is None
+            or claim.expires_at <= now
+            or now - claim.taken_at < self.config.orphaned_bind_s
+        ):
+            return
+        held = ledger.allocations.get(claim.pod_uid)
+        if held is None or held.state != AllocationState.RESERVED:
+            return
+        if not await self._pod_bound_to(held, node):
+            return
+        try:
+            result = await self.ledger.mark_bound(node, held.pod_uid, now, self._hint(node))
+        except (ReservationGoneError, CasConflictError, NoChange):
+            return
+        self._apply(node, result)
+        self.spawn(self._publish(AllocationEvent(
+            event_id=f"{held.pod_uid}:bound", action="bound", node=node, pod_uid=held.pod_uid,
+            namespace=held.namespace, name=held.name, containers=held.containers,
+            reason="adopted: bound in the cluster, its binder did not finish",
+            source=self.instance,
+        )))  # fmt: skip
 
 
 def _live(allocation: Allocation, now: float) -> bool:

@@ -420,3 +420,22 @@ async def test_reservation_lapsing_during_a_claim_wait_is_renewed(
     state = await ledger(buckets, name)
     assert state.allocations[second["metadata"]["uid"]].state == AllocationState.BOUND
     assert state.allocations[third["metadata"]["uid"]].expires_at > time.time()
+
+
+async def test_binder_dying_mid_bind_is_adopted_by_the_sweeper(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    service = await make_service(config={"orphaned_bind_s": 0.3})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
+    spec = cluster.add_pod(pod(container(mem=1000)))
+    meta = spec["metadata"]
+    async with http_client(service) as client:
+        await filter_call(client, spec, [name])
+    # A replica took the claim and bound the pod in the cluster, then died before marking it.
+    await service.scheduler.ledger.claim(name, meta["uid"], "dead-replica", time.time(), 30)
+    await cluster.bind_pod("default", meta["name"], meta["uid"], name)
+    await wait_until(
+        lambda: service.index.entries[name].ledger.allocations[meta["uid"]].state == "bound"
+    )
+    state = await ledger(buckets, name)
+    assert state.claim is not None and state.claim.pod_uid == meta["uid"]  # still the agent's cue
