@@ -95,7 +95,8 @@ async def subscribe(
                 continue
             yield ReceivedEvent(event, msg.subject, msg.metadata.sequence.stream, msg)
     finally:
-        await sub.unsubscribe()
+        with contextlib.suppress(Exception):  # the connection may already be closed
+            await sub.unsubscribe()
 
 
 async def _pull_durable(
@@ -124,4 +125,5 @@ async def _pull_durable(
                     continue
                 yield ReceivedEvent(event, msg.subject, msg.metadata.sequence.stream, msg)
     finally:
-        await sub.unsubscribe()
+        with contextlib.suppress(Exception):  # the connection may already be closed
+            await sub.unsubscribe()

@@ -31,6 +31,7 @@ from tessera.models import (
     ErrorReply,
     ExplainReply,
     ExplainRequest,
+    NodeEvent,
     NodeLedger,
     NodeRegistration,
     QuotaState,
@@ -82,6 +83,7 @@ class SchedulerService:
         self.settings = settings
         self.config = config
         self.nc = nc
+        self.js = js
         self.buckets = buckets
         self.cluster = cluster
         self.clock = clock
@@ -198,6 +200,8 @@ class SchedulerService:
                 continue
             if seen is not None:
                 seen.add(key)
+            if value is None and seen is None:
+                await self._announce_lost(key, "registration deleted")
             self.index.set_registration(key, value, now)
 
     async def _watch_ledger(self) -> None:
@@ -282,16 +286,34 @@ class SchedulerService:
                 await asyncio.wait_for(self.stopping.wait(), self.config.sweep_interval_s)
             if self.ready():
                 await self.scheduler.sweep()
-                self._drop_silent_nodes()
+                await self._drop_silent_nodes()
 
-    def _drop_silent_nodes(self) -> None:
+    async def _drop_silent_nodes(self) -> None:
         """A node whose heartbeat is long past the bucket TTL is gone even if no delete marker
         reached the watch."""
         now = self.clock()
         limit = 2 * self.settings.node_ttl_s
         for name, entry in list(self.index.entries.items()):
             if entry.registration is not None and now - entry.registration.heartbeat_at > limit:
+                await self._announce_lost(name, f"no heartbeat for {limit:.0f} s")
                 self.index.set_registration(name, None, now)
+
+    async def _announce_lost(self, name: str, why: str) -> None:
+        """Publish node.<name>.lost once per vanished registration. Every replica sees the same
+        last heartbeat, so the event id (the dedupe key) is the same from all of them."""
+        entry = self.index.entries.get(name)
+        registration = entry.registration if entry is not None else None
+        if registration is None:
+            return
+        event = NodeEvent(
+            action="lost", node=name, source=self.instance, reason=why,
+            device_uuids=[d.uuid for d in registration.devices],
+            event_id=f"{name}:lost:{registration.heartbeat_at}",
+        )  # fmt: skip
+        try:
+            await bus.publish_event(self.js, event)
+        except Exception as exc:
+            log.warning("could not publish node lost", extra={"node": name, "err": str(exc)})
 
     async def _reconcile_loop(self) -> None:
         """Release allocations of pods that no longer exist (deleted while no replica watched)."""
