@@ -128,6 +128,11 @@ class TesseraSettings(BaseSettings):
     libvgpu_host_path: str = Field(
         "/usr/local/vgpu/libvgpu.so", description="libvgpu on the host, mounted into containers"
     )
+    preload_host_path: str | None = Field(
+        None,
+        description="ld.so.preload installed on the host (Helm's init container); unset: the "
+        "agent writes one in the region dir",
+    )
 
     @field_validator("gpu_scheduler_policy", "node_scheduler_policy")
     @classmethod

@@ -225,7 +225,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         grants = allocation.containers[cdir.prepared.index]
         out = dp.ContainerAllocateResponse(envs=hs.container_env(allocation, grants, self.settings))
         for container_path, host_path, read_only in hs.container_mounts(
-            cdir, self.settings, str(self.store.preload_file)
+            cdir, self.settings, self.settings.preload_host_path or str(self.store.preload_file)
         ):
             out.mounts.append(dp.Mount(
                 container_path=container_path, host_path=host_path, read_only=read_only

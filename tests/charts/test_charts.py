@@ -560,6 +560,8 @@ def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> Non
     assert env["TESSERA_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["TESSERA_REGION_HOST_DIR"] == "/var/lib/tessera/containers"
     assert env["TESSERA_LIBVGPU_HOST_PATH"] == "/usr/local/vgpu/libvgpu.so"
+    # Containers mount the ld.so.preload the init container installed, not a second copy.
+    assert env["TESSERA_PRELOAD_HOST_PATH"] == "/usr/local/vgpu/ld.so.preload"
     assert env["TESSERA_DEVICE_PLUGIN_DIR"] == "/var/lib/kubelet/device-plugins"
     assert env["TESSERA_POD_RESOURCES_SOCKET"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert env["TESSERA_DEVICE_SPLIT_COUNT"] == "10"
@@ -589,6 +591,8 @@ def test_node_agent_without_install_has_no_init_container(charts_dir: Path) -> N
     manifests = render(charts_dir, "tessera-node-agent", values)
     pod = find(manifests, "DaemonSet")["spec"]["template"]["spec"]
     assert "initContainers" not in pod
+    assert "TESSERA_PRELOAD_HOST_PATH" not in env_of(container(find(manifests, "DaemonSet"),
+                                                             "node-agent"))
     assert "ConfigMap" not in kinds(manifests)
     regions = next(v for v in pod["volumes"] if v["name"] == "regions")
     assert regions["hostPath"]["path"] == "/data/regions"
