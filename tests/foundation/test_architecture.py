@@ -65,7 +65,10 @@ def test_every_service_lists_its_settings(package: str) -> None:
         [sys.executable, "-m", package, "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert "NATS_URL" in result.stdout and "TESSERA_" in result.stdout
+    assert "TESSERA_" in result.stdout
+    # kube-sim plays Kubernetes and never touches the bus; every Tessera service does.
+    if package != "tessera.kube_sim":
+        assert "NATS_URL" in result.stdout
 
 
 def test_a_service_stops_cleanly_on_sigterm(nats_url: str) -> None:
