@@ -257,7 +257,9 @@ class NodeKubelet:
         deadline = time.monotonic() + self.admit_deadline_s
         uid = pod["metadata"].get("uid", "")
         admission: PodAdmission | None = None
-        # Short first retries: the usual refusal is a bind still being recorded (milliseconds).
+        # A real kubelet fails the pod on an Allocate error (UnexpectedAdmissionError) and its
+        # controller makes a new one; kube-sim retries the same pod instead, which is what the
+        # crash tests need while a node agent restarts.
         delay = 0.02
         last_error = ""
         while True:

@@ -92,7 +92,9 @@ def claimed_allocation(ledger: NodeLedger | None, node: str) -> Allocation:
             f"the in-flight pod {ledger.claim.namespace}/{ledger.claim.name} has no allocation "
             f"on node {node}"
         )
-    if allocation.state not in (AllocationState.BOUND, AllocationState.ALLOCATED):
+    # `reserved` is fine here: the claim is taken just before the cluster bind, and kubelet may
+    # call Allocate before the scheduler has marked the allocation bound in the ledger.
+    if not allocation.active:
         raise HandshakeError(f"{describe(allocation)} is {allocation.state}, not bound")
     return allocation
 
@@ -272,8 +274,11 @@ def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
     changed = False
     new = ledger.model_copy(deep=True)
     allocation = new.allocations.get(pod_uid)
-    if allocation is not None and allocation.state == AllocationState.BOUND:
+    if allocation is not None and allocation.state in (
+        AllocationState.RESERVED, AllocationState.BOUND
+    ):
         allocation.state = AllocationState.ALLOCATED
+        allocation.expires_at = None  # allocated: a reservation's expiry no longer applies
         allocation.updated_at = now()
         changed = True
     if new.claim is not None and new.claim.pod_uid == pod_uid:

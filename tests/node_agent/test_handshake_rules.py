@@ -124,3 +124,19 @@ def test_limit_raises_respect_the_gpus_capacity():
     released = ledger.model_copy(deep=True)
     released.allocations["q"].state = AllocationState.RELEASED
     assert apply_change(released, "p", 0, [A], 10000, None, capacity)
+
+
+def test_allocate_serves_a_claimed_pod_the_scheduler_has_not_yet_marked_bound():
+    """kubelet may call Allocate right after the cluster bind, before the scheduler's 'bound'
+    write lands: the claim already names the pod, so it is served, and its expiry is dropped."""
+    alloc = allocation("p", [grants((A, 1, 1))], state=AllocationState.RESERVED)
+    alloc.expires_at = 100.0
+    claim = InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9)
+    ledger = NodeLedger(node="n", allocations={"p": alloc}, claim=claim)
+    assert hs.claimed_allocation(ledger, "n") is ledger.allocations["p"]
+    done = hs.finish_mutation("p", ledger)
+    assert done.allocations["p"].state == AllocationState.ALLOCATED
+    assert done.allocations["p"].expires_at is None and done.claim is None
+    released = allocation("p", [grants((A, 1, 1))], state=AllocationState.RELEASED)
+    with pytest.raises(hs.HandshakeError, match="not bound"):
+        hs.claimed_allocation(NodeLedger(node="n", allocations={"p": released}, claim=claim), "n")
