@@ -449,11 +449,7 @@ class Scheduler:
         if error:
             await self.release(node, uid, why=f"bind failed: {error}")
             return error
-        try:
-            bound = await self.ledger.mark_bound(node, uid, self.clock(), self._hint(node))
-            self._apply(node, bound)
-        except (ReservationGoneError, CasConflictError) as exc:
-            log.warning("mark bound failed", extra={"pod_uid": uid, "err": str(exc)})
+        await self._mark_bound(node, uid)
         self.metrics.bound.inc()
         self.spawn(self._publish(AllocationEvent(
             event_id=f"{uid}:bound", action="bound", node=node, pod_uid=uid,
@@ -461,6 +457,25 @@ class Scheduler:
             source=self.instance,
         )))  # fmt: skip
         return ""
+
+    async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
+        """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a
+        failure (NATS away) is retried, then left to the sweeper, which adopts binds the cluster
+        shows; it never turns into a bind error kube-scheduler would act on."""
+        for attempt in range(1, attempts + 1):
+            try:
+                bound = await self.ledger.mark_bound(node, uid, self.clock(), self._hint(node))
+                self._apply(node, bound)
+                return
+            except NoChange:
+                return  # already bound, or the node agent has marked it allocated
+            except ReservationGoneError as exc:
+                log.warning("mark bound: reservation gone", extra={"pod_uid": uid, "err": str(exc)})
+                return
+            except Exception as exc:
+                log.warning("mark bound failed", extra={"pod_uid": uid, "attempt": attempt,
+                                                        "err": str(exc)})  # fmt: skip
+                await asyncio.sleep(0.05 * attempt)
 
     async def _ensure_reserved(
         self, ident: PodIdentity, node: str, *, trust_index: bool = True

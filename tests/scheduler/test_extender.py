@@ -439,3 +439,30 @@ async def test_binder_dying_mid_bind_is_adopted_by_the_sweeper(
     )
     state = await ledger(buckets, name)
     assert state.claim is not None and state.claim.pod_uid == meta["uid"]  # still the agent's cue
+
+
+async def test_bind_survives_a_failed_bound_write(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    """The cluster bind happened, so a NATS hiccup while recording it is retried, never
+    reported to kube-scheduler as a failed bind."""
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=80 * GIB))
+    spec = cluster.add_pod(pod(container(mem=10 * GIB, cores=10)))
+    real_mark_bound = service.scheduler.ledger.mark_bound
+    failures = []
+
+    async def flaky_mark_bound(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise TimeoutError("nats: timeout")
+        return await real_mark_bound(*args, **kwargs)
+
+    service.scheduler.ledger.mark_bound = flaky_mark_bound
+    async with http_client(service) as client:
+        assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        assert await bind_call(client, spec, name) == ""
+    assert failures == [1]
+    allocation = (await ledger(buckets, name)).allocations[spec["metadata"]["uid"]]
+    assert allocation.state == AllocationState.BOUND
+    assert cluster.pods[("default", spec["metadata"]["name"])]["spec"]["nodeName"] == name
