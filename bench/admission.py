@@ -37,6 +37,7 @@ from tessera.nats_embedded import EmbeddedNats, free_port  # noqa: E402
 
 DURATION_S = float(os.environ.get("BENCH_ADMISSION_SECONDS", "6"))
 TARGET_RATE = 500
+OPEN_LOOP_RUNS = 3
 
 
 def review_template() -> str:
@@ -319,13 +320,15 @@ async def scenario_set(nats_url: str, certs_dir: Path, template: str, quota: boo
     try:
         await wait_ready(port, context, proc)
         await closed_loop(port, context, template, 4, 1.0)  # warm-up
-        for clients in (1, 8, 32, 0):
+        # The open-loop row (the target) runs OPEN_LOOP_RUNS times: the machine is shared, and
+        # one run says little about how often a neighbour's burst lands inside it.
+        for clients in (1, 8, 32, *[-run for run in range(1, OPEN_LOOP_RUNS + 1)]):
             before, cpu = await server_histogram(port, context), cpu_seconds(proc.pid)
-            if clients:
+            if clients > 0:
                 name = f"TLS, {label}, closed loop, {clients} clients"
                 n, lat, el = await closed_loop(port, context, template, clients, DURATION_S)
             else:
-                name = f"TLS, {label}, open loop at {TARGET_RATE}/s"
+                name = f"TLS, {label}, open loop at {TARGET_RATE}/s, run {-clients}"
                 n, lat, el = await open_loop(port, context, template, TARGET_RATE, DURATION_S)
             cpu = cpu_seconds(proc.pid) - cpu
             rows.append(summarise(name, n, lat, el, cpu, before,
@@ -371,17 +374,26 @@ def main() -> None:
     table += [f"| {r.scenario} | {r.per_second:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
               f"{r.max_ms:.1f} | {r.cpu_ms:.2f} | {r.server_within_1ms:.1f} % | "
               f"{r.server_within_10ms:.2f} % |" for r in rows]
-    target = [r for r in rows if "open loop" in r.scenario]
-    verdict = ", ".join(
-        f"{'met' if r.per_second >= TARGET_RATE * 0.98 and r.p99_ms <= 10 else 'MISSED'} "
-        f"({r.scenario.split(', ')[1]}: p99 {r.p99_ms:.2f} ms)" for r in target)
+    verdicts = []
+    for label in ("quota check off", "quota check on (test double)"):
+        runs = [r for r in rows if "open loop" in r.scenario and f", {label}," in r.scenario]
+        met = [r for r in runs if r.per_second >= TARGET_RATE * 0.98 and r.p99_ms <= 10]
+        p99s = ", ".join(f"{r.p99_ms:.2f}" for r in runs)
+        verdicts.append(f"{label}: met in {len(met)} of {len(runs)} runs (p99 {p99s} ms)")
+    verdict = "; ".join(verdicts)
     markdown = "\n".join([
         f"`python -m tessera.admission` (uvicorn + httptools + uvloop, one process) over TLS on "
         f"loopback; AdmissionReview of a {size}-byte GPU pod (normalised, patched). Load "
         f"generator in the same machine (raw HTTP/1.1 keep-alive, TLS verifying the CA from "
         f"`tessera certs`); {DURATION_S:.0f} s per row. Quota rows ask a quota TEST DOUBLE "
         f"(separate process on the embedded nats-server, every request fits). Load average "
-        f"{load_before:.1f} before, {load_after:.1f} after (the machine is shared).",
+        f"{load_before:.1f} before, {load_after:.1f} after (the machine is shared with other "
+        f"work: a burst of it inside a row shows as a tail the webhook's own histogram does not "
+        f"have). \"Server-side\" columns: share of reviews the webhook answered within 1 / 10 ms "
+        f"of reading them (its `tessera_admission_review_duration_seconds`, quota round trip "
+        f"included). Closed loop: N connections back to back (capacity). Open loop: "
+        f"{TARGET_RATE} reviews/s on a fixed schedule, latency from the scheduled send time, "
+        f"{OPEN_LOOP_RUNS} runs.",
         "",
         *table,
         "",
