@@ -14,7 +14,9 @@ import platform
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-HEADER = "# Benchmark results\n\nRecorded by `make bench` (each script rewrites only its section).\n"
+HEADER = (
+    "# Benchmark results\n\nRecorded by `make bench` (each script rewrites only its section).\n"
+)
 
 
 def machine() -> str:
