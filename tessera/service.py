@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.bus import Buckets, connect, ensure_bus
+from tessera.health import serve_health
 from tessera.logging import configure_logging
 from tessera.settings import NatsSettings, TesseraSettings, settings_help
 
@@ -49,8 +50,16 @@ def print_help(
     console.print(table)
 
 
-async def serve(name: str, main: ServiceMain, settings: TesseraSettings | None = None) -> None:
-    """Connect to NATS, ensure the bus exists, run `main` until SIGTERM/SIGINT, then clean up."""
+async def serve(
+    name: str,
+    main: ServiceMain,
+    settings: TesseraSettings | None = None,
+    health_probes: bool = False,
+) -> None:
+    """Connect to NATS, ensure the bus exists, run `main` until SIGTERM/SIGINT, then clean up.
+
+    With `health_probes` and TESSERA_LISTEN set, /healthz and /readyz (= connected to NATS) are
+    served there, for services that have no HTTP face of their own."""
     settings = settings or TesseraSettings()
     nats_settings = NatsSettings()
     log = logging.getLogger(f"tessera.{name}")
@@ -63,6 +72,12 @@ async def serve(name: str, main: ServiceMain, settings: TesseraSettings | None =
         loop.add_signal_handler(sig, ctx.stop.set)
     log.info("started", extra={"nats": nats_settings.url})
     task = asyncio.create_task(main(ctx))
+    probes = None
+    if health_probes and settings.listen:
+        probes = asyncio.create_task(
+            serve_health(settings.listen, lambda: nc.is_connected, ctx.stop)
+        )
+        log.info("health probes", extra={"listen": settings.listen})
     stopper = asyncio.create_task(ctx.stop.wait())
     _done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     ctx.stop.set()
@@ -74,13 +89,17 @@ async def serve(name: str, main: ServiceMain, settings: TesseraSettings | None =
         log.warning("service main did not stop in 5 s; cancelled")
     finally:
         stopper.cancel()
+        if probes is not None:
+            probes.cancel()
         await nc.drain() if nc.is_connected else await nc.close()
     if task.done() and not task.cancelled() and task.exception():
         raise task.exception()  # type: ignore[misc]
     log.info("stopped")
 
 
-def run_service(name: str, description: str, main: ServiceMain) -> None:
+def run_service(
+    name: str, description: str, main: ServiceMain, health_probes: bool = False
+) -> None:
     """Entry point shared by every `python -m tessera.<service>`."""
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         print_help(f"tessera-{name}", description)
@@ -88,7 +107,7 @@ def run_service(name: str, description: str, main: ServiceMain) -> None:
     settings = TesseraSettings()
     configure_logging(name, settings.log_level)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(name, main, settings))
+        asyncio.run(serve(name, main, settings, health_probes))
 
 
 async def idle_until_stopped(ctx: ServiceContext) -> None:

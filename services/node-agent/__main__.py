@@ -22,7 +22,12 @@ async def agent_main(ctx: ServiceContext) -> None:
 
 
 def main() -> None:
-    run_service("node-agent", "device discovery, device plugin, container regions", agent_main)
+    run_service(
+        "node-agent",
+        "device discovery, device plugin, container regions",
+        agent_main,
+        health_probes=True,
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ async def serve_quota(ctx: ServiceContext) -> None:
 
 
 def main() -> None:
-    run_service("quota", "namespace GPU quotas over NATS", serve_quota)
+    run_service("quota", "namespace GPU quotas over NATS", serve_quota, health_probes=True)
 
 
 if __name__ == "__main__":

@@ -576,9 +576,10 @@ def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> Non
     ("chart", "kind", "name"),
     [("tessera-quota", "Deployment", "quota"), ("tessera-node-agent", "DaemonSet", "node-agent")],
 )
-def test_opt_in_health_probes(charts_dir: Path, chart: str, kind: str, name: str) -> None:
-    assert "livenessProbe" not in container(find(render(charts_dir, chart), kind), name)
-    values = {"probes": {"enabled": True, "port": 8081}}
+def test_health_probes(charts_dir: Path, chart: str, kind: str, name: str) -> None:
+    off = {"probes": {"enabled": False}}
+    assert "livenessProbe" not in container(find(render(charts_dir, chart, off), kind), name)
+    values = {"probes": {"port": 8081}}
     probed = container(find(render(charts_dir, chart, values), kind), name)
     assert env_of(probed)["TESSERA_LISTEN"] == "0.0.0.0:8081"
     assert probed["ports"] == [{"name": "health", "containerPort": 8081, "protocol": "TCP"}]
