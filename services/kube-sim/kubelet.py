@@ -7,11 +7,18 @@
     admission.ok, admission.containers[0].envs, admission.containers[0].mounts
     await kubelet.restart()                    # deletes every socket in socket_dir, like kubelet
 
+On Register it dials the plugin's endpoint at once (retrying for up to `DIAL_TIMEOUT_S`, so
+a plugin may register just before it serves) and keeps the device list its ListAndWatch stream
+reports; when that stream ends, the resource's devices turn Unhealthy until the plugin
+registers again, as in kubelet.
+
 It follows kubelet's order: on admission, one Allocate per container that requests a
-plugin's resource (init containers first), reusing an init container's devices for the
+device resource (init containers first), reusing an init container's devices for the
 containers after it first, choosing the rest through GetPreferredAllocation when the plugin
 offers it, and records the assignment (visible in pod-resources List right away);
 then, container by container, PreStartContainer with the same device IDs just before starting it.
+A pod asking for a device resource that no plugin registered, or that has too few healthy
+devices, is refused with kubelet's admission error instead of starting without devices.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,12 +44,21 @@ from tessera.kubeapi import (
     HEALTHY,
     KUBELET_SOCKET_NAME,
     PRE_START_TIMEOUT_S,
+    UNHEALTHY,
     dp,
     dp_grpc,
 )
 
 log = logging.getLogger("tessera.kube_sim.kubelet")
 RPC_TIMEOUT_S = 10.0
+# kubelet gives a freshly registered plugin this long to accept the connection.
+DIAL_TIMEOUT_S = 10.0
+# A plugin socket that is not there yet is retried quickly, not with gRPC's 1 s+ backoff.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,13 @@ class PluginConnection:
     def healthy(self) -> list[str]:
         return [i for i, d in self.devices.items() if d.health == HEALTHY]
 
+    def mark_unhealthy(self) -> None:
+        """The stream ended: kubelet keeps the devices but can no longer hand them out."""
+        self.devices = {
+            i: dp.Device(ID=d.ID, health=UNHEALTHY, topology=d.topology)
+            for i, d in self.devices.items()
+        }
+
 
 def requested(container: dict[str, Any], resource: str) -> int:
     """How many of `resource` a container asks (limits, else requests)."""
@@ -138,8 +161,16 @@ class SimKubelet:
         pod_resources_socket: str | Path,
         *,
         on_change: Callable[[], None] | None = None,
+        device_resources: Iterable[str] = (),
+        dial_timeout_s: float = DIAL_TIMEOUT_S,
     ) -> None:
         self.socket_dir = Path(socket_dir)
+        # Resources this node expects a device plugin for (the node's extended resources):
+        # a pod asking for one is refused while no plugin serves it. Any resource a plugin
+        # registered counts too; other extended resources (HAMi's gpumem/gpucores) are left
+        # to the scheduler, as kubelet leaves resources no device plugin manages.
+        self.device_resources = set(device_resources)
+        self.dial_timeout_s = dial_timeout_s
         self.pod_resources = PodResourcesStore()
         self.plugins: dict[str, PluginConnection] = {}
         self.registrations: list[tuple[str, str, float]] = []
@@ -198,7 +229,9 @@ class SimKubelet:
         old = self.plugins.pop(request.resource_name, None)
         if old is not None:
             await self._close(old)
-        channel = grpc.aio.insecure_channel(f"unix://{self.socket_dir / request.endpoint}")
+        channel = grpc.aio.insecure_channel(
+            f"unix://{self.socket_dir / request.endpoint}", options=_CHANNEL_OPTIONS
+        )
         plugin = PluginConnection(
             resource=request.resource_name,
             endpoint=request.endpoint,
@@ -221,17 +254,26 @@ class SimKubelet:
         await plugin.channel.close()
 
     async def _watch(self, plugin: PluginConnection) -> None:
+        """Dial the plugin (it may register just before it serves), then follow ListAndWatch
+        until it ends; from then on its devices are Unhealthy until it registers again."""
         try:
+            await asyncio.wait_for(plugin.channel.channel_ready(), self.dial_timeout_s)
             async for response in plugin.stub.ListAndWatch(dp.Empty()):
                 plugin.devices = {d.ID: d for d in response.devices}
                 plugin.updates += 1
                 plugin.streaming = True
                 await self._notify()
+            log.info("ListAndWatch ended by the plugin", extra={"resource": plugin.resource})
+        except TimeoutError:
+            log.warning("device plugin never accepted the connection",
+                        extra={"resource": plugin.resource, "endpoint": plugin.endpoint,
+                               "timeout_s": self.dial_timeout_s})
         except grpc.aio.AioRpcError as exc:
             log.info("ListAndWatch ended", extra={"resource": plugin.resource,
                                                   "err": exc.details()})
         finally:
             plugin.streaming = False
+            plugin.mark_unhealthy()
             with contextlib.suppress(Exception):
                 await self._notify()
 
@@ -281,13 +323,18 @@ class SimKubelet:
         for container, init in ordered:
             entry = ContainerAdmission(name=container.get("name", ""), init=init)
             admission.containers.append(entry)
-            for resource, plugin in self.plugins.items():
+            for resource in self._device_resources_of(container):
                 count = requested(container, resource)
                 if count <= 0:
                     continue
                 entry.resource = resource
                 pool = reusable.setdefault(resource, [])
                 try:
+                    plugin = self.plugins.get(resource)
+                    if plugin is None:
+                        raise AdmissionError(
+                            f"resource {resource} is not registered: no device plugin serves it"
+                        )
                     await self._allocate(admission, entry, plugin, count, pool)
                 except (AdmissionError, grpc.aio.AioRpcError) as exc:
                     entry.error = _message(exc)
@@ -299,6 +346,11 @@ class SimKubelet:
                     pool[:] = [d for d in pool if d not in entry.device_ids]
         return admission
 
+    def _device_resources_of(self, container: dict[str, Any]) -> list[str]:
+        resources = container.get("resources") or {}
+        names = set((resources.get("limits") or {}) | (resources.get("requests") or {}))
+        return sorted(n for n in names if n in self.plugins or n in self.device_resources)
+
     async def _allocate(
         self, admission: PodAdmission, entry: ContainerAdmission, plugin: PluginConnection,
         count: int, reusable: list[str],
@@ -307,8 +359,14 @@ class SimKubelet:
         in_use = self.pod_resources.in_use(plugin.resource)
         available = [d for d in plugin.healthy() if d not in in_use]
         if len(reused) + len(available) < count:
+            if not plugin.healthy():
+                raise AdmissionError(
+                    "no healthy devices present; cannot allocate unhealthy devices "
+                    f"{plugin.resource}"
+                )
             raise AdmissionError(
-                f"insufficient {plugin.resource}: {count} requested, {len(available)} available"
+                f"requested number of devices unavailable for {plugin.resource}. "
+                f"Requested: {count}, Available: {len(reused) + len(available)}"
             )
         chosen = reused + available[: count - len(reused)]
         if len(reused) < count and plugin.preferred_allocation:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.kube_sim.events import record_event
-from tessera.kube_sim.kubelet import PodAdmission, SimKubelet, requested
+from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
 from tessera.kube_sim.processes import ContainerProcesses
 from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError, now_rfc3339
 
@@ -110,6 +110,7 @@ class NodeKubelet:
             root / node / "device-plugins",
             root / node / "pod-resources" / "kubelet.sock",
             on_change=self._plugins_changed,
+            device_resources=gpu_resources,
         )
         self.admissions: dict[str, PodAdmission] = {}  # by pod uid
         self._queue: asyncio.Queue[KubeObject] = asyncio.Queue()
@@ -125,7 +126,6 @@ class NodeKubelet:
             asyncio.create_task(self._follow(watcher)),
             asyncio.create_task(self._admit_forever()),
             asyncio.create_task(self._publish_capacity()),
-            asyncio.create_task(self._watch_plugin_streams()),
         ]
 
     async def stop(self) -> None:
@@ -140,30 +140,6 @@ class NodeKubelet:
 
     def _plugins_changed(self) -> None:
         self._capacity_dirty.set()
-
-    async def _watch_plugin_streams(self, grace_s: float = 2.0) -> None:
-        """A plugin whose ListAndWatch stream died is asked to register again.
-
-        kubelet dials a plugin's endpoint while handling Register (blocking, 10 s), so a plugin
-        that registers before it serves gets an error and retries. The stand-in connects lazily,
-        so such a plugin would stay registered with no devices; deleting the sockets (what a
-        kubelet restart does, and what plugins watch for) makes it register again.
-        """
-        dead_since: float | None = None
-        while True:
-            await asyncio.sleep(0.5)
-            plugins = list(self.device_kubelet.plugins.values())
-            dead = any(p.task is not None and p.task.done() for p in plugins)
-            if not dead:
-                dead_since = None
-                continue
-            now = time.monotonic()
-            dead_since = dead_since or now
-            if now - dead_since >= grace_s:
-                log.warning("device plugin stream lost; asking plugins to register again",
-                            extra={"node": self.node})
-                await self.device_kubelet.restart()
-                dead_since = None
 
     async def _publish_capacity(self) -> None:
         """Node capacity/allocatable = the devices each plugin advertises, as kubelet reports."""
@@ -267,15 +243,15 @@ class NodeKubelet:
                 self.device_kubelet.remove_pod(uid)
                 return None
             if admission is None:
-                missing = self._unserved(pod)
-                allocated = None if missing else await self.device_kubelet.allocate_pod(pod)
-                if allocated is not None and allocated.ok and not self._incomplete(pod, allocated):
+                # SimKubelet refuses a pod whose device resource has no registered plugin or
+                # too few healthy devices (its stream ended), so no container starts without
+                # its devices.
+                allocated = await self.device_kubelet.allocate_pod(pod)
+                if allocated.ok:
                     admission = allocated
                 else:
                     self.device_kubelet.remove_pod(uid)  # a failed Allocate holds no devices
-                    error = missing or (
-                        (allocated.error or self._incomplete(pod, allocated)) if allocated else ""
-                    )
+                    error = allocated.error
             if admission is not None:
                 admission.error = ""
                 for entry in admission.containers:
@@ -296,28 +272,6 @@ class NodeKubelet:
                 return None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
-
-    def _incomplete(self, pod: KubeObject, admission: PodAdmission) -> str:
-        """A container that asks for a device resource but got no device (its plugin went away
-        during admission)."""
-        spec = pod.get("spec") or {}
-        containers = (spec.get("initContainers") or []) + (spec.get("containers") or [])
-        for container, entry in zip(containers, admission.containers, strict=False):
-            for resource in self.gpu_resources:
-                if requested(container, resource) > 0 and not entry.device_ids:
-                    return f"container {entry.name}: no {resource} allocated"
-        return ""
-
-    def _unserved(self, pod: KubeObject) -> str:
-        """Why the pod's device resources cannot be allocated now ('' = they can): like kubelet,
-        never start a container that asks for a resource no registered, streaming plugin serves."""
-        for resource in self.gpu_resources:
-            if not pod_uses(pod, [resource]):
-                continue
-            plugin = self.device_kubelet.plugins.get(resource)
-            if plugin is None or not plugin.streaming or not plugin.devices:
-                return f"no device plugin serving {resource} on {self.node} (yet)"
-        return ""
 
     def _fail(self, pod: KubeObject, error: str) -> None:
         current = self._current(pod)

@@ -1,0 +1,127 @@
+"""The kubelet stand-in behaves like kubelet towards device plugins and pods.
+
+A plugin that registers a moment before it serves still gets its devices used (kubelet dials
+on Register and retries briefly); when its stream ends the devices stop being handed out; a
+pod asking for a device resource no plugin registered gets kubelet's admission error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tessera.kube_sim.kubelet import SimKubelet
+
+from tessera.kubeapi import DEVICE_PLUGIN_VERSION, HEALTHY, UNHEALTHY, dp, dp_grpc
+
+RESOURCE = "example.com/gpu"
+
+
+class FakePlugin(dp_grpc.DevicePluginServicer):
+    """Two healthy devices; Allocate hands back which IDs it got as an env variable."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+
+    async def GetDevicePluginOptions(self, request, context):
+        return dp.DevicePluginOptions()
+
+    async def ListAndWatch(self, request, context) -> AsyncIterator[dp.ListAndWatchResponse]:
+        yield dp.ListAndWatchResponse(devices=[
+            dp.Device(ID=f"dev-{i}", health=HEALTHY) for i in range(2)
+        ])
+        await self.stop.wait()
+
+    async def Allocate(self, request, context):
+        return dp.AllocateResponse(container_responses=[
+            dp.ContainerAllocateResponse(envs={"DEVICES": ",".join(r.devices_ids)})
+            for r in request.container_requests
+        ])
+
+
+async def serve_plugin(socket_dir: Path, plugin: FakePlugin) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    dp_grpc.add_DevicePluginServicer_to_server(plugin, server)
+    server.add_insecure_port(f"unix://{socket_dir / 'late.sock'}")
+    await server.start()
+    return server
+
+
+async def register(kubelet: SimKubelet) -> None:
+    async with grpc.aio.insecure_channel(f"unix://{kubelet.socket_path}") as channel:
+        await dp_grpc.RegistrationStub(channel).Register(
+            dp.RegisterRequest(version=DEVICE_PLUGIN_VERSION, endpoint="late.sock",
+                               resource_name=RESOURCE),
+            timeout=5,
+        )
+
+
+def pod(name: str, limits: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": f"uid-{name}", "namespace": "default", "name": name},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
+    }
+
+
+@contextlib.asynccontextmanager
+async def running_kubelet(short_dir: Path, **kw: Any) -> AsyncIterator[SimKubelet]:
+    kubelet = SimKubelet(short_dir / "dp", short_dir / "pr" / "kubelet.sock", **kw)
+    await kubelet.start()
+    try:
+        yield kubelet
+    finally:
+        await kubelet.stop()
+
+
+async def test_plugin_registering_before_it_serves_is_used(short_dir):
+    async with running_kubelet(short_dir) as kubelet:
+        await register(kubelet)  # nothing listens on late.sock yet
+        await asyncio.sleep(0.6)
+        plugin = FakePlugin()
+        server = await serve_plugin(kubelet.socket_dir, plugin)
+        try:
+            connection = await kubelet.wait_registered(RESOURCE, timeout=5)
+            assert sorted(connection.healthy()) == ["dev-0", "dev-1"]
+            admission = await kubelet.admit_pod(pod("a", {RESOURCE: "1"}))
+            assert admission.ok, admission.error
+            assert admission.containers[0].envs == {"DEVICES": "dev-0"}
+
+            # The plugin goes away: its devices stay known but are no longer handed out.
+            plugin.stop.set()
+            await server.stop(grace=0.5)
+            await kubelet.wait_for(lambda: not kubelet.plugins[RESOURCE].streaming, timeout=5)
+            devices = kubelet.plugins[RESOURCE].devices
+            assert {d.health for d in devices.values()} == {UNHEALTHY}
+            refused = await kubelet.allocate_pod(pod("b", {RESOURCE: "1"}))
+            assert not refused.ok
+            assert "no healthy devices" in refused.error and RESOURCE in refused.error
+        finally:
+            plugin.stop.set()
+            await server.stop(grace=None)
+
+
+async def test_pod_asking_for_an_unregistered_resource_is_refused(short_dir):
+    async with running_kubelet(short_dir, device_resources=[RESOURCE]) as kubelet:
+        refused = await kubelet.admit_pod(pod("gpu", {RESOURCE: "1", "cpu": "1"}))
+        assert not refused.ok
+        assert f"resource {RESOURCE} is not registered" in refused.error
+        assert not refused.containers[0].started
+        assert not kubelet.pod_resources.in_use(RESOURCE)
+        # Extended resources no device plugin manages (HAMi's gpumem) are left alone.
+        plain = await kubelet.admit_pod(pod("plain", {"example.com/gpumem": "1000", "cpu": "1"}))
+        assert plain.ok, plain.error
+        assert plain.containers[0].started
+
+
+async def test_plugin_that_never_serves_leaves_its_resource_unusable(short_dir):
+    async with running_kubelet(short_dir, dial_timeout_s=0.5) as kubelet:
+        await register(kubelet)
+        dialling = kubelet.plugins[RESOURCE].task
+        assert dialling is not None
+        await asyncio.wait_for(dialling, 5)  # gave up dialling after dial_timeout_s
+        refused = await kubelet.allocate_pod(pod("c", {RESOURCE: "1"}))
+        assert not refused.ok and RESOURCE in refused.error
