@@ -126,9 +126,9 @@ int tv_ctx_dev_slot(void) TV_HIDDEN;        /* ... of the current context's devi
 int tv_stream_dev_slot(CUstream s) TV_HIDDEN;
 void tv_format_uuid(const CUuuid *u, char out[TSR_UUID_LEN]) TV_HIDDEN;
 
-/* ---- memory.c ---- */
-void tv_memory_after_fork_child(void) TV_HIDDEN;
-int tv_mem_refresh_pools(void) TV_HIDDEN;   /* give back pool memory the driver released */
+/* ---- memory tracking (memtrack.h: memtrack.c, memory.c, mempool.c, vmm.c, ...) ---- */
+void tv_memory_after_fork_child(void) TV_HIDDEN; /* memtrack.c */
+int tv_mem_refresh_pools(void) TV_HIDDEN; /* mempool.c: uncharge what the driver took back */
 
 /* ---- compute.c ---- */
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real) TV_HIDDEN; /* poll thread tick */

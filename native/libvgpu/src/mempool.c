@@ -1,0 +1,209 @@
+/* mempool.c — stream-ordered allocations and pools: what a pool retains stays charged. */
+#define _GNU_SOURCE
+#include "memtrack.h"
+
+/* Caller holds mem_mu. */
+static struct ent *pool_rec(CUmemoryPool pool, int ds)
+{
+    struct ent *p = map_find(&pools, (uint64_t)(uintptr_t)pool);
+    if (!p) {
+        struct ent e = {.key = (uint64_t)(uintptr_t)pool, .dslot = ds};
+        map_put(&pools, &e);
+        p = map_find(&pools, (uint64_t)(uintptr_t)pool);
+    }
+    return p;
+}
+
+/* A freed allocation's bytes stay charged to its pool ("retained") until the driver says the
+ * pool gave them back. Returns the bytes uncharged. Caller holds nothing. */
+static uint64_t refresh_pool(CUmemoryPool pool)
+{
+    cuuint64_t reserved = 0;
+    if (!REAL(cuMemPoolGetAttribute) ||
+        REAL(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) !=
+            CUDA_SUCCESS)
+        return 0;
+    LOCK();
+    struct ent *p = map_find(&pools, (uint64_t)(uintptr_t)pool);
+    uint64_t drop = 0;
+    int ds = -1;
+    if (p) {
+        uint64_t keep = reserved > p->aux ? reserved - p->aux : 0;
+        if (keep < p->aux2) {
+            drop = p->aux2 - keep;
+            p->aux2 = keep;
+        }
+        ds = p->dslot;
+    }
+    UNLOCK();
+    tv_mem_unreserve(ds, drop);
+    return drop;
+}
+
+int tv_mem_refresh_pools(void)
+{
+    CUmemoryPool list[64];
+    int n = 0;
+    LOCK();
+    for (size_t i = 0; i < pools.cap && n < 64; i++)
+        if (pools.e[i].key != EMPTY && pools.e[i].key != TOMB && pools.e[i].aux2 > 0)
+            list[n++] = (CUmemoryPool)(uintptr_t)pools.e[i].key;
+    UNLOCK();
+    uint64_t freed = 0;
+    for (int i = 0; i < n; i++) freed += refresh_pool(list[i]);
+    return freed > 0;
+}
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s,
+                            int from_pool, int ptsz)
+{
+    TV_CUDA_ENTER();
+    int ds = -1;
+    if (from_pool) {
+        LOCK();
+        struct ent *p = map_find(&pools, (uint64_t)(uintptr_t)pool);
+        int known = p != NULL;
+        if (p) ds = p->dslot;
+        UNLOCK();
+        if (!known) ds = tv_stream_dev_slot(s);
+    } else {
+        ds = tv_stream_dev_slot(s);
+        int ord = ds >= 0 ? atomic_load(&tv.dev[ds].ordinal) : -1;
+        pool = NULL;
+        if (ord >= 0 && REAL(cuDeviceGetMemPool)) REAL(cuDeviceGetMemPool)(&pool, ord);
+    }
+    uint64_t reuse = 0;
+    if (pool && ds >= 0) {
+        LOCK();
+        struct ent *p = pool_rec(pool, ds);
+        if (p) {
+            reuse = p->aux2 < bytes ? p->aux2 : bytes;
+            p->aux2 -= reuse;
+        }
+        UNLOCK();
+    }
+    uint64_t need = bytes - reuse;
+    if (charged_alloc(ds, need) != CUDA_SUCCESS) {
+        if (reuse) {
+            LOCK();
+            struct ent *p = pool_rec(pool, ds);
+            if (p) p->aux2 += reuse;
+            UNLOCK();
+        }
+        return OOM;
+    }
+    CUresult r;
+    if (from_pool)
+        r = ptsz ? REAL(cuMemAllocFromPoolAsync_ptsz)(dptr, bytes, pool, s)
+                 : REAL(cuMemAllocFromPoolAsync)(dptr, bytes, pool, s);
+    else
+        r = ptsz ? REAL(cuMemAllocAsync_ptsz)(dptr, bytes, s) : REAL(cuMemAllocAsync)(dptr, bytes, s);
+    LOCK();
+    struct ent *p = pool && ds >= 0 ? pool_rec(pool, ds) : NULL;
+    if (r != CUDA_SUCCESS) {
+        if (p) p->aux2 += reuse;
+    } else if (ds >= 0) {
+        if (p) p->aux += bytes;
+        struct ent e = {.key = *dptr, .size = bytes, .aux = (uint64_t)(uintptr_t)pool,
+                        .dslot = ds, .kind = K_ASYNC};
+        map_put(&ptrs, &e);
+    }
+    UNLOCK();
+    if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, need);
+    return r;
+}
+
+CUresult CUDAAPI tv_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    return alloc_async(dptr, bytesize, NULL, hStream, 0, 0);
+}
+CUresult CUDAAPI tv_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    return alloc_async(dptr, bytesize, NULL, hStream, 0, 1);
+}
+CUresult CUDAAPI tv_cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize,
+                                            CUmemoryPool pool, CUstream hStream)
+{
+    return alloc_async(dptr, bytesize, pool, hStream, 1, 0);
+}
+CUresult CUDAAPI tv_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
+                                                 CUmemoryPool pool, CUstream hStream)
+{
+    return alloc_async(dptr, bytesize, pool, hStream, 1, 1);
+}
+
+/* The bytes of a freed allocation: back to its pool (still charged) or uncharged. */
+void release_ptr(const struct ent *e)
+{
+    if (e->kind == K_ASYNC && e->aux) {
+        LOCK();
+        struct ent *p = map_find(&pools, e->aux);
+        if (p) {
+            p->aux = p->aux > e->size ? p->aux - e->size : 0;
+            p->aux2 += e->size;
+        }
+        UNLOCK();
+        if (p) return;
+    }
+    tv_mem_unreserve(e->dslot, e->size);
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
+{
+    TV_CUDA_ENTER();
+    struct ent e;
+    int found = dptr && untrack(&ptrs, dptr, &e);
+    if (found && scrub())
+        REAL(cuMemsetD8Async)(dptr, 0, e.size, ptsz && !s ? CU_STREAM_PER_THREAD : s);
+    CUresult r = ptsz ? REAL(cuMemFreeAsync_ptsz)(dptr, s) : REAL(cuMemFreeAsync)(dptr, s);
+    if (found) {
+        if (r == CUDA_SUCCESS) release_ptr(&e);
+        else track(&ptrs, e.key, e.size, e.dslot, e.kind, e.aux);
+    }
+    return r;
+}
+
+CUresult CUDAAPI tv_cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    return free_async(dptr, hStream, 0);
+}
+CUresult CUDAAPI tv_cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    return free_async(dptr, hStream, 1);
+}
+
+CUresult CUDAAPI tv_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    TV_CUDA_ENTER();
+    CUresult r = REAL(cuMemPoolCreate)(pool, props);
+    if (r == CUDA_SUCCESS && props) {
+        int ds = props->location.type == CU_MEM_LOCATION_TYPE_DEVICE
+                     ? tv_dev_slot(props->location.id)
+                     : -1; /* host pools take no device memory */
+        LOCK();
+        struct ent e = {.key = (uint64_t)(uintptr_t)*pool, .dslot = ds};
+        map_put(&pools, &e);
+        UNLOCK();
+    }
+    return r;
+}
+
+CUresult CUDAAPI tv_cuMemPoolDestroy(CUmemoryPool pool)
+{
+    TV_CUDA_ENTER();
+    CUresult r = REAL(cuMemPoolDestroy)(pool);
+    if (r == CUDA_SUCCESS) {
+        struct ent p;
+        /* Outstanding allocations stay charged until freed (release_ptr finds no pool). */
+        if (untrack(&pools, (uint64_t)(uintptr_t)pool, &p)) tv_mem_unreserve(p.dslot, p.aux2);
+    }
+    return r;
+}
+
+CUresult CUDAAPI tv_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    TV_CUDA_ENTER();
+    CUresult r = REAL(cuMemPoolTrimTo)(pool, minBytesToKeep);
+    if (r == CUDA_SUCCESS) refresh_pool(pool);
+    return r;
+}

@@ -1,0 +1,83 @@
+/*
+ * memtrack.h — what the memory files share: the tables of what libvgpu charged, and the lock
+ * that guards them. Every path that takes device memory reserves against the container's limit
+ * BEFORE calling the driver (tv_mem_reserve, atomic across processes) and rolls back if the
+ * driver fails; frees uncharge what was charged. The accounting model is in README.md.
+ *
+ *   memtrack.c  the tables (below), their lock, fork handling
+ *   memory.c    cuMemAlloc, cuMemAllocManaged, cuMemAllocPitch, cuMemFree
+ *   mempool.c   stream-ordered allocations and pools (retained bytes)
+ *   vmm.c       cuMemCreate / Import / Map / Unmap / Release
+ *   arrays.c    CUDA arrays and mipmapped arrays
+ *   graphmem.c  graph memory nodes, graphs and their instantiations
+ *   contexts.c  contexts beyond the primary one
+ */
+#ifndef TV_MEMTRACK_H
+#define TV_MEMTRACK_H
+
+#include "vgpu.h"
+
+/* ---- a small open-addressing map: 64-bit key -> record ------------------------------------ */
+
+enum kind { K_PLAIN = 1, K_PITCH, K_MANAGED, K_ASYNC, K_CREATED, K_IMPORTED };
+
+struct ent {
+    uint64_t key;
+    uint64_t size;
+    uint64_t aux;  /* pool / refs / handle / graph key, by table */
+    uint64_t aux2; /* pool: retained bytes */
+    int32_t dslot;
+    uint32_t kind;
+};
+
+struct map {
+    struct ent *e;
+    size_t cap, used, live;
+};
+
+#define EMPTY 0ull
+#define TOMB (~0ull)
+
+struct ent *map_find(struct map *m, uint64_t key) TV_HIDDEN;
+void map_put(struct map *m, const struct ent *v) TV_HIDDEN;
+int map_take(struct map *m, uint64_t key, struct ent *out) TV_HIDDEN; /* 1 if it was there */
+void map_clear(struct map *m) TV_HIDDEN;
+
+/* ---- tables, all under mem_mu (never held while calling the driver or the region lock) ---- */
+
+extern pthread_mutex_t mem_mu TV_HIDDEN;
+extern struct map ptrs TV_HIDDEN;    /* dptr -> size, slot, kind, pool (aux) */
+extern struct map pools TV_HIDDEN;   /* pool -> slot, outstanding (aux), retained (aux2) */
+extern struct map handles TV_HIDDEN; /* VMM handle -> charged size, slot, refs (aux), kind */
+extern struct map vmaps TV_HIDDEN;   /* mapped va -> size, handle (aux) */
+extern struct map arrays TV_HIDDEN;  /* CUarray / CUmipmappedArray -> size, slot */
+extern struct map gnodes TV_HIDDEN;  /* graph mem-alloc node -> size, slot, graph key (aux) */
+extern struct map graphs TV_HIDDEN;  /* graph key -> refs (aux): the graph + its instantiations */
+extern struct map execs TV_HIDDEN;   /* graph exec -> graph key (aux) */
+extern struct map ctxs TV_HIDDEN;    /* extra context -> charge, slot */
+
+#define LOCK() pthread_mutex_lock(&mem_mu)
+#define UNLOCK() pthread_mutex_unlock(&mem_mu)
+#define OOM CUDA_ERROR_OUT_OF_MEMORY
+
+/* Caller holds nothing (they take mem_mu). */
+void track(struct map *m, uint64_t key, uint64_t size, int dslot, uint32_t kind,
+           uint64_t aux) TV_HIDDEN;
+int untrack(struct map *m, uint64_t key, struct ent *out) TV_HIDDEN;
+
+/* Scrub-on-free: zero device memory before it is released. */
+static inline int scrub(void)
+{
+    return (atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_SCRUB_ON_FREE) != 0;
+}
+
+/* The reservation, before the driver is called. */
+static inline CUresult charged_alloc(int ds, uint64_t bytes)
+{
+    return tv_mem_reserve(ds, bytes) == 0 ? CUDA_SUCCESS : OOM;
+}
+
+/* mempool.c: the bytes of a freed allocation, back to its pool (still charged) or uncharged. */
+void release_ptr(const struct ent *e) TV_HIDDEN;
+
+#endif
