@@ -2,5 +2,6 @@
 
 Pure decision code: `cards` (a node's GPUs and usage), `rules` (the fit checks), `placement`
 (fitting a pod on a node), `index` and `decide` (choosing among candidate nodes). I/O:
-`ledger` (CAS writes), `engine` (filter/prioritize/bind), `api` (HTTP), `runtime` (watches).
+`ledger` (CAS writes), `filtering` / `binding` / `release` (the ledger protocol's steps),
+`quota_client`, `engine` (the `Scheduler` composing them), `api` (HTTP), `runtime` (watches).
 """

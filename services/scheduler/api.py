@@ -18,7 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .engine import BadRequestError, FilterOutcome, Scheduler
+from .engine import Scheduler
+from .filtering import FilterOutcome
+from .pods import BadRequestError
 
 log = logging.getLogger("tessera.scheduler.api")
 MAX_CANDIDATES = 100_000

@@ -70,7 +70,8 @@ class ClusterIndex:
         self.entries: dict[str, NodeEntry] = {}
         self.by_slot: list[NodeEntry | None] = []
         self.free_slots: list[int] = []
-        self.pod_nodes: dict[str, str] = {}
+        self.pod_nodes: dict[str, str] = {}  # pod uid -> node, for every active allocation
+        self.pod_uids: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, the same pods
         self.global_cordon = global_cordon
         self.topology_version = 0
         self._candidates: dict[tuple[str, ...], tuple[int, np.ndarray, list[str]]] = {}
@@ -129,15 +130,18 @@ class ClusterIndex:
         entry = self._entry(node)
         if revision and revision <= entry.ledger_revision:
             return False
-        old_pods = set(entry.ledger.allocations) if entry.ledger else set()
+        old_allocations = entry.ledger.allocations if entry.ledger else {}
         entry.ledger = ledger
         entry.ledger_revision = revision
-        new_pods = {uid for uid, a in (ledger.allocations.items() if ledger else ()) if a.active}
-        for uid in old_pods - new_pods:
-            if self.pod_nodes.get(uid) == node:
+        new_pods = {uid: a for uid, a in (ledger.allocations.items() if ledger else ()) if a.active}
+        for uid, gone in old_allocations.items():
+            if uid not in new_pods and self.pod_nodes.get(uid) == node:
                 del self.pod_nodes[uid]
-        for uid in new_pods:
+                if self.pod_uids.get((gone.namespace, gone.name)) == uid:
+                    del self.pod_uids[(gone.namespace, gone.name)]
+        for uid, allocation in new_pods.items():
             self.pod_nodes[uid] = node
+            self.pod_uids[(allocation.namespace, allocation.name)] = uid
         self._rebuild(entry, now)
         event = self._changed.pop(node, None)
         if event is not None:
@@ -266,6 +270,10 @@ class ClusterIndex:
         else:
             order = np.argsort(key, kind="stable")
         return survivors[order], slots[~mask]
+
+    def pod_uid(self, namespace: str, name: str) -> str | None:
+        """The uid of the pod with an active allocation under that name, if any."""
+        return self.pod_uids.get((namespace, name))
 
     def entry_at(self, slot: int) -> NodeEntry:
         entry = self.by_slot[int(slot)]

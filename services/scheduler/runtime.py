@@ -356,10 +356,7 @@ class SchedulerService:
         scheduler = self.scheduler
         uid = body.pod_uid
         if not uid and body.name:
-            for entry in self.index.entries.values():
-                for a in entry.ledger.allocations.values() if entry.ledger else ():
-                    if a.namespace == body.namespace and a.name == body.name and a.active:
-                        uid = a.pod_uid
+            uid = self.index.pod_uid(body.namespace, body.name) or ""
         node = self.index.pod_nodes.get(uid) if uid else None
         if node is not None:
             entry = self.index.entries[node]

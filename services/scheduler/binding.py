@@ -1,0 +1,208 @@
+"""Bind: make sure the pod holds a reservation on the node, take the node's in-flight claim
+(waiting while another pod holds it), write HAMi's annotations and bind in the cluster, then
+mark the allocation bound in the ledger. A failed cluster bind releases the allocation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from tessera import hami
+from tessera.bus import CasConflictError, NoChange
+from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
+from tessera.models import Allocation, AllocationEvent
+
+from .background import EventPublisher
+from .config import SchedulerSettings
+from .filtering import PodFilter
+from .indexed_ledger import IndexedLedger
+from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError
+from .metrics import SchedulerMetrics
+from .pods import PodIdentity, allocation_live
+from .release import AllocationReleaser
+
+log = logging.getLogger("tessera.scheduler")
+
+_NO_GPU = "\0no-gpu"  # _ensure_reserved's answer for a pod that asks for no GPU
+
+
+class PodBinder:
+    def __init__(
+        self,
+        *,
+        config: SchedulerSettings,
+        ledger: IndexedLedger,
+        cluster: ClusterPort | None,
+        pod_filter: PodFilter,
+        releaser: AllocationReleaser,
+        publisher: EventPublisher,
+        metrics: SchedulerMetrics,
+        instance: str,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.index = ledger.index
+        self.cluster = cluster
+        self.pod_filter = pod_filter
+        self.releaser = releaser
+        self.publisher = publisher
+        self.metrics = metrics
+        self.instance = instance
+        self.clock = clock
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
+        """'' on success, else the error text kube-scheduler shows."""
+        if not self.cluster:
+            return "no cluster API configured: this scheduler cannot bind pods"
+        if not uid:
+            try:
+                uid = (await self.cluster.get_pod(namespace, name))["metadata"]["uid"]
+            except (ClusterError, KeyError) as exc:
+                return f"pod {namespace}/{name}: {exc}"
+        ident = PodIdentity(uid, namespace, name)
+        error = await self._ensure_reserved(ident, node)
+        if error == _NO_GPU:
+            return await self._bind_plain(ident, node)
+        if error:
+            return error
+        deadline = self.clock() + self.config.bind_timeout_s
+        waited = False
+        while True:
+            now = self.clock()
+            try:
+                result = await self.ledger.writer.claim(
+                    node, uid, self.instance, now, self.config.claim_ttl_s, self.ledger.hint(node)
+                )
+                break
+            except ClaimHeldError as exc:
+                if not waited:
+                    self.metrics.claim_waits.inc()
+                    waited = True
+                remaining = deadline - now
+                if remaining <= 0:
+                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name} holds "
+                            f"its in-flight claim; retry")  # fmt: skip
+                until_lapse = exc.claim.expires_at - now + 0.01
+                await self.index.wait_changed(node, min(remaining, until_lapse))
+            except ReservationGoneError as exc:
+                # Our reservation lapsed while we waited for the claim: take a fresh one if
+                # the pod still fits the node, and keep waiting within the same deadline.
+                if self.clock() >= deadline:
+                    return f"pod {namespace}/{name} on {node}: {exc}; it will be filtered again"
+                error = await self._ensure_reserved(ident, node, trust_index=False)
+                if error:
+                    return error
+                await asyncio.sleep(0.01)  # never a tight loop, whatever the ledger says
+            except AlreadyBoundError:
+                return ""
+            except CasConflictError as exc:
+                return f"ledger busy on {node}: {exc}"
+        self.ledger.apply(node, result)
+        allocation = result.value.allocations[uid]
+        error = await self._bind_in_cluster(ident, node, allocation)
+        if error:
+            await self.releaser.release(node, uid, why=f"bind failed: {error}")
+            return error
+        await self._mark_bound(node, uid)
+        self.metrics.bound.inc()
+        self.publisher.publish_soon(AllocationEvent(
+            event_id=f"{uid}:bound", action="bound", node=node, pod_uid=uid,
+            namespace=namespace, name=name, containers=allocation.containers,
+            source=self.instance,
+        ))  # fmt: skip
+        return ""
+
+    async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
+        """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a
+        failure (NATS away) is retried, then left to the sweeper, which adopts binds the cluster
+        shows; it never turns into a bind error kube-scheduler would act on."""
+        for attempt in range(1, attempts + 1):
+            try:
+                bound = await self.ledger.writer.mark_bound(
+                    node, uid, self.clock(), self.ledger.hint(node)
+                )
+                self.ledger.apply(node, bound)
+                return
+            except NoChange:
+                return  # already bound, or the node agent has marked it allocated
+            except ReservationGoneError as exc:
+                log.warning("mark bound: reservation gone", extra={"pod_uid": uid, "err": str(exc)})
+                return
+            except Exception as exc:
+                log.warning("mark bound failed", extra={"pod_uid": uid, "attempt": attempt,
+                                                        "err": str(exc)})  # fmt: skip
+                await asyncio.sleep(0.05 * attempt)
+
+    async def _ensure_reserved(
+        self, ident: PodIdentity, node: str, *, trust_index: bool = True
+    ) -> str:
+        """The pod must hold a live reservation on `node`; make one if filter did not (the
+        side-effect-free path, another replica's expired one, a different node)."""
+        now = self.clock()
+        entry = self.index.entries.get(node)
+        known = entry.ledger.allocations.get(ident.uid) if entry and entry.ledger else None
+        if trust_index and known is not None and allocation_live(known, now):
+            return ""  # our index saw the reservation (ours, or a replica's via the watch)
+        current = await self.ledger.read(node)
+        existing = current.value.allocations.get(ident.uid) if current is not None else None
+        if existing is not None and allocation_live(existing, now):
+            return ""
+        held = self.index.pod_nodes.get(ident.uid)
+        if held is not None and held != node:
+            await self.releaser.release(held, ident.uid, why=f"kube-scheduler bound it to {node}")
+        assert self.cluster is not None
+        try:
+            pod = await self.cluster.get_pod(ident.namespace, ident.name)
+        except ClusterError as exc:
+            return f"pod {ident.namespace}/{ident.name}: {exc}"
+        outcome = await self.pod_filter.filter(pod, [node])
+        if outcome.passed_all:
+            return _NO_GPU
+        if outcome.nodenames == [node]:
+            return ""
+        reasons = outcome.failed.get(node) or outcome.unresolvable.get(node) or outcome.error
+        return f"pod {ident.namespace}/{ident.name} does not fit {node}: {reasons}"
+
+    async def _bind_plain(self, ident: PodIdentity, node: str) -> str:
+        """A pod that asks for no GPU: bind it, nothing to record."""
+        assert self.cluster is not None
+        try:
+            await self.cluster.bind_pod(ident.namespace, ident.name, ident.uid, node)
+        except ClusterError as exc:
+            return f"bind {ident.namespace}/{ident.name} to {node}: {exc}"
+        return ""
+
+    async def _bind_in_cluster(self, ident: PodIdentity, node: str, allocation: Allocation) -> str:
+        assert self.cluster is not None
+        now = str(int(self.clock()))
+        try:
+            await self.cluster.patch_pod_metadata(
+                ident.namespace,
+                ident.name,
+                annotations={
+                    hami.ANN_DEVICES_TO_ALLOCATE: hami.encode_pod_devices(allocation.containers),
+                    hami.ANN_VGPU_NODE: node,
+                    hami.ANN_VGPU_TIME: now,
+                    hami.ANN_BIND_TIME: now,
+                    hami.ANN_BIND_PHASE: hami.BIND_PHASE_ALLOCATING,
+                },
+                labels={hami.LABEL_VGPU_NODE: node},
+            )
+            await self.cluster.bind_pod(ident.namespace, ident.name, ident.uid, node)
+        except ConflictError as exc:
+            with contextlib.suppress(ClusterError):
+                pod = await self.cluster.get_pod(ident.namespace, ident.name)
+                if (pod.get("spec") or {}).get("nodeName") == node:
+                    return ""  # a retried bind that already happened
+            return f"bind {ident.namespace}/{ident.name} to {node}: {exc}"
+        except (ClusterError, ValueError) as exc:
+            with contextlib.suppress(ClusterError):
+                await self.cluster.patch_pod_metadata(
+                    ident.namespace, ident.name,
+                    annotations={hami.ANN_BIND_PHASE: hami.BIND_PHASE_FAILED},
+                )  # fmt: skip
+            return f"bind {ident.namespace}/{ident.name} to {node}: {exc}"
+        return ""

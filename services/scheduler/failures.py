@@ -1,0 +1,74 @@
+"""Why pods were refused: remembered for explain, counted in metrics, announced as events."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tessera.models import SchedulingFailedEvent
+
+from .background import EventPublisher
+from .metrics import SchedulerMetrics
+from .pods import PodIdentity
+
+_FAILURE_MEMORY = 10_000
+_REPUBLISH_SAME_FAILURE_S = 30.0
+
+
+@dataclass
+class FailureRecord:
+    node_reasons: dict[str, str]
+    summary: str
+    at: float
+
+
+class FailureLog:
+    """The latest refusal per pod (by uid and by namespace/name), bounded, oldest forgotten.
+
+    The same reasons again within 30 s are not published again (kube-scheduler retries often)."""
+
+    def __init__(
+        self,
+        metrics: SchedulerMetrics,
+        publisher: EventPublisher,
+        instance: str,
+        clock: Callable[[], float],
+    ) -> None:
+        self.metrics = metrics
+        self.publisher = publisher
+        self.instance = instance
+        self.clock = clock
+        self.records: OrderedDict[str, FailureRecord] = OrderedDict()
+
+    def get(self, key: str) -> FailureRecord | None:
+        """The record for a pod uid or a `namespace/name`."""
+        return self.records.get(key)
+
+    def forget(self, uid: str) -> None:
+        self.records.pop(uid, None)
+
+    def count_refusal(self, counts: dict[str, int]) -> None:
+        """One unschedulable pod; per reason, how many nodes refused it for that reason."""
+        self.metrics.unschedulable.inc()
+        for reason, nodes in counts.items():
+            self.metrics.refusals.labels(reason=reason).inc(nodes)
+
+    def remember(self, ident: PodIdentity, reasons: dict[str, str], summary: str) -> None:
+        now = self.clock()
+        key = ident.uid or f"{ident.namespace}/{ident.name}"
+        previous = self.records.pop(key, None)
+        self.records[key] = FailureRecord(reasons, summary, now)
+        self.records[f"{ident.namespace}/{ident.name}"] = self.records[key]
+        while len(self.records) > _FAILURE_MEMORY:
+            self.records.popitem(last=False)
+        if (
+            previous is not None
+            and previous.node_reasons == reasons
+            and now - previous.at < _REPUBLISH_SAME_FAILURE_S
+        ):
+            return
+        self.publisher.publish_soon(SchedulingFailedEvent(
+            namespace=ident.namespace, name=ident.name, pod_uid=ident.uid, reason=summary,
+            node_reasons=dict(list(reasons.items())[:200]), source=self.instance,
+        ))  # fmt: skip

@@ -1,0 +1,155 @@
+"""Taking allocations out of the ledger: a pod that ended (release) and reservations or claims
+that lapsed (sweep). Each removal releases the quota charge and publishes `alloc.<node>.released`.
+
+The sweep runs on every replica; CAS makes that safe. Before dropping an expired reservation it
+asks the cluster whether the pod is in fact bound to the node (a replica died between the cluster
+bind and marking it bound): such a reservation is kept and marked bound instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from tessera.bus import CasConflictError, NoChange
+from tessera.cluster.port import ClusterError, ClusterPort
+from tessera.models import Allocation, AllocationEvent, AllocationState, NodeLedger
+
+from .background import EventPublisher
+from .config import SchedulerSettings
+from .indexed_ledger import IndexedLedger
+from .ledger import ReservationGoneError
+from .metrics import SchedulerMetrics
+from .quota_client import QuotaClient
+
+log = logging.getLogger("tessera.scheduler")
+
+
+class AllocationReleaser:
+    def __init__(
+        self,
+        *,
+        ledger: IndexedLedger,
+        cluster: ClusterPort | None,
+        quota: QuotaClient,
+        publisher: EventPublisher,
+        metrics: SchedulerMetrics,
+        config: SchedulerSettings,
+        instance: str,
+        clock: Callable[[], float],
+    ) -> None:
+        self.ledger = ledger
+        self.cluster = cluster
+        self.quota = quota
+        self.publisher = publisher
+        self.metrics = metrics
+        self.config = config
+        self.instance = instance
+        self.clock = clock
+
+    async def release(self, node: str, uid: str, *, why: str) -> bool:
+        """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""
+        try:
+            result, removed = await self.ledger.writer.release(node, uid, self.ledger.hint(node))
+        except CasConflictError as exc:
+            log.warning("release lost too many races", extra={"pod_uid": uid, "err": str(exc)})
+            return False
+        self.ledger.apply(node, result)
+        if removed is None:
+            return False
+        self.metrics.released.inc()
+        if removed.quota_held:
+            self.quota.release_soon(removed.namespace, uid, removed.name)
+        self.publisher.publish_soon(AllocationEvent(
+            event_id=f"{uid}:released", action="released", node=node, pod_uid=uid,
+            namespace=removed.namespace, name=removed.name, containers=removed.containers,
+            reason=why, source=self.instance,
+        ))  # fmt: skip
+        return True
+
+    async def sweep(self) -> int:
+        """Drop every expired reservation and lapsed claim; returns how many pods were dropped."""
+        now = self.clock()
+        dropped = 0
+        for entry in list(self.ledger.index.entries.values()):
+            ledger = entry.ledger
+            if ledger is None:
+                continue
+            await self._adopt_orphaned_bind(entry.name, ledger, now)
+            lapsed_claim = ledger.claim is not None and ledger.claim.expires_at <= now
+            due = entry.reserved_until is not None and entry.reserved_until <= now
+            if not (due or lapsed_claim):
+                continue
+            keep = await self._bound_meanwhile(entry.name, ledger, now)
+            try:
+                result, removed = await self.ledger.writer.sweep(entry.name, now, keep)
+            except CasConflictError:
+                continue
+            self.ledger.apply(entry.name, result)
+            for allocation in removed:
+                dropped += 1
+                self.metrics.expired.inc()
+                if allocation.quota_held:
+                    self.quota.release_soon(allocation.namespace, allocation.pod_uid,
+                                            allocation.name)  # fmt: skip
+                self.publisher.publish_soon(AllocationEvent(
+                    event_id=f"{allocation.pod_uid}:released", action="released",
+                    node=entry.name, pod_uid=allocation.pod_uid, namespace=allocation.namespace,
+                    name=allocation.name, containers=allocation.containers,
+                    reason="reservation expired before bind", source=self.instance,
+                ))  # fmt: skip
+        return dropped
+
+    async def _bound_meanwhile(self, node: str, ledger: NodeLedger, now: float) -> frozenset[str]:
+        """Expired reservations whose pod is in fact bound to the node (a replica died between
+        the cluster bind and marking it bound): these are kept and marked bound."""
+        keep = set()
+        for a in ledger.allocations.values():
+            if a.state != AllocationState.RESERVED or a.expires_at is None or a.expires_at > now:
+                continue
+            if await self._pod_bound_to(a, node):
+                keep.add(a.pod_uid)
+        return frozenset(keep)
+
+    async def _pod_bound_to(self, allocation: Allocation, node: str) -> bool:
+        if self.cluster is None:
+            return False
+        try:
+            pod = await self.cluster.get_pod(allocation.namespace, allocation.name)
+        except ClusterError:
+            return False
+        meta = pod.get("metadata") or {}
+        return meta.get("uid") == allocation.pod_uid and (
+            (pod.get("spec") or {}).get("nodeName") == node
+        )
+
+    async def _adopt_orphaned_bind(self, node: str, ledger: NodeLedger, now: float) -> None:
+        """The claim's holder is still `reserved` long after taking the claim: its binder died
+        between the cluster bind and marking it bound. If the pod is bound to the node, mark it
+        bound now, so the agent's Allocate (which wants a bound pod) is not held up until the
+        reservation lapses. (A pod not bound is left alone: its binder may just be slow.)"""
+        claim = ledger.claim
+        if (
+            claim is None
+            or claim.expires_at <= now
+            or now - claim.taken_at < self.config.orphaned_bind_s
+        ):
+            return
+        held = ledger.allocations.get(claim.pod_uid)
+        if held is None or held.state != AllocationState.RESERVED:
+            return
+        if not await self._pod_bound_to(held, node):
+            return
+        try:
+            result = await self.ledger.writer.mark_bound(
+                node, held.pod_uid, now, self.ledger.hint(node)
+            )
+        except (ReservationGoneError, CasConflictError, NoChange):
+            return
+        self.ledger.apply(node, result)
+        self.publisher.publish_soon(AllocationEvent(
+            event_id=f"{held.pod_uid}:bound", action="bound", node=node, pod_uid=held.pod_uid,
+            namespace=held.namespace, name=held.name, containers=held.containers,
+            reason="adopted: bound in the cluster, its binder did not finish",
+            source=self.instance,
+        ))  # fmt: skip
