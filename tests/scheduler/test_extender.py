@@ -466,3 +466,23 @@ async def test_bind_survives_a_failed_bound_write(
     allocation = (await ledger(buckets, name)).allocations[spec["metadata"]["uid"]]
     assert allocation.state == AllocationState.BOUND
     assert cluster.pods[("default", spec["metadata"]["name"])]["spec"]["nodeName"] == name
+
+
+async def test_explain_by_name_finds_a_placed_pod(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster, nc: Any
+) -> None:
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=80 * GIB))
+    spec = cluster.add_pod(pod(container(mem=10 * GIB, cores=10), namespace=unique("ns")))
+    async with http_client(service) as client:
+        assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        assert await bind_call(client, spec, name) == ""
+    ask = ExplainRequest(namespace=spec["metadata"]["namespace"], name=spec["metadata"]["name"])
+    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=3)).data,
+                   ExplainReply)  # fmt: skip
+    assert reply.ok and not reply.pending and reply.node == name
+    # Another pod's name in the same namespace is not mistaken for it.
+    other = ExplainRequest(namespace=spec["metadata"]["namespace"], name="someone-else")
+    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(other), timeout=3)).data,
+                   ExplainReply)  # fmt: skip
+    assert reply.node != name
