@@ -5,23 +5,6 @@
 
 #include "memtrack.h"
 
-static uint64_t mix(uint64_t k)
-{
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdull;
-    k ^= k >> 33;
-    return k;
-}
-
-struct ent *map_find(struct map *m, uint64_t key)
-{
-    if (!m->cap) return NULL;
-    for (size_t i = mix(key) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
-        if (m->e[i].key == key) return &m->e[i];
-        if (m->e[i].key == EMPTY) return NULL;
-    }
-}
-
 static void map_grow(struct map *m)
 {
     struct map old = *m;
@@ -56,16 +39,6 @@ void map_put(struct map *m, const struct ent *v)
     }
 }
 
-int map_take(struct map *m, uint64_t key, struct ent *out)
-{
-    struct ent *f = map_find(m, key);
-    if (!f) return 0;
-    if (out) *out = *f;
-    f->key = TOMB;
-    m->live--;
-    return 1;
-}
-
 void map_clear(struct map *m)
 {
     free(m->e);
@@ -74,22 +47,6 @@ void map_clear(struct map *m)
 
 pthread_mutex_t mem_mu = PTHREAD_MUTEX_INITIALIZER;
 struct map ptrs, pools, handles, vmaps, arrays, gnodes, graphs, execs, ctxs;
-
-void track(struct map *m, uint64_t key, uint64_t size, int dslot, uint32_t kind, uint64_t aux)
-{
-    struct ent e = {.key = key, .size = size, .aux = aux, .dslot = dslot, .kind = kind};
-    LOCK();
-    map_put(m, &e);
-    UNLOCK();
-}
-
-int untrack(struct map *m, uint64_t key, struct ent *out)
-{
-    LOCK();
-    int found = map_take(m, key, out);
-    UNLOCK();
-    return found;
-}
 
 void tv_memory_after_fork_child(void)
 {

@@ -38,9 +38,36 @@ struct map {
 #define EMPTY 0ull
 #define TOMB (~0ull)
 
-struct ent *map_find(struct map *m, uint64_t key) TV_HIDDEN;
+/* Lookups are inline: they are on every alloc/free path. */
+static inline uint64_t mix(uint64_t k)
+{
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    k ^= k >> 33;
+    return k;
+}
+
+static inline struct ent *map_find(struct map *m, uint64_t key)
+{
+    if (!m->cap) return NULL;
+    for (size_t i = mix(key) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
+        if (m->e[i].key == key) return &m->e[i];
+        if (m->e[i].key == EMPTY) return NULL;
+    }
+}
+
+/* 1 if it was there */
+static inline int map_take(struct map *m, uint64_t key, struct ent *out)
+{
+    struct ent *f = map_find(m, key);
+    if (!f) return 0;
+    if (out) *out = *f;
+    f->key = TOMB;
+    m->live--;
+    return 1;
+}
+
 void map_put(struct map *m, const struct ent *v) TV_HIDDEN;
-int map_take(struct map *m, uint64_t key, struct ent *out) TV_HIDDEN; /* 1 if it was there */
 void map_clear(struct map *m) TV_HIDDEN;
 
 /* ---- tables, all under mem_mu (never held while calling the driver or the region lock) ---- */
@@ -60,10 +87,23 @@ extern struct map ctxs TV_HIDDEN;    /* extra context -> charge, slot */
 #define UNLOCK() pthread_mutex_unlock(&mem_mu)
 #define OOM CUDA_ERROR_OUT_OF_MEMORY
 
-/* Caller holds nothing (they take mem_mu). */
-void track(struct map *m, uint64_t key, uint64_t size, int dslot, uint32_t kind,
-           uint64_t aux) TV_HIDDEN;
-int untrack(struct map *m, uint64_t key, struct ent *out) TV_HIDDEN;
+/* Caller holds nothing (they take mem_mu). Inline: they are on every alloc/free. */
+static inline void track(struct map *m, uint64_t key, uint64_t size, int dslot, uint32_t kind,
+                         uint64_t aux)
+{
+    struct ent e = {.key = key, .size = size, .aux = aux, .dslot = dslot, .kind = kind};
+    LOCK();
+    map_put(m, &e);
+    UNLOCK();
+}
+
+static inline int untrack(struct map *m, uint64_t key, struct ent *out)
+{
+    LOCK();
+    int found = map_take(m, key, out);
+    UNLOCK();
+    return found;
+}
 
 /* Scrub-on-free: zero device memory before it is released. */
 static inline int scrub(void)
