@@ -87,6 +87,11 @@ class TesseraSettings(BaseSettings):
         description="admission when the quota service does not answer: deny GPU pods, or allow "
         "them unchecked (with a warning)",
     )
+    admission_trusted_user_prefixes: str = Field(
+        "",
+        description="comma list of user-name prefixes (the scheduler's and node agent's service "
+        "accounts) whose pod updates may change scheduler-owned annotations",
+    )
     admission_max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=4096, description="larger AdmissionReview bodies get HTTP 413"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 from tessera.settings import TesseraSettings
 
-from .rules import Admitted, Decision, Denial, decide
+from .rules import Admitted, Decision, Denial, decide, decide_update
 
 API_VERSIONS = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
 NOT_A_POD = "NotAPod"
@@ -38,6 +38,8 @@ class Review:
     sub_resource: str
     object: Any
     dry_run: bool
+    old_object: Any = None
+    username: str = ""
 
 
 def parse_review(body: bytes) -> Review:
@@ -62,6 +64,7 @@ def parse_review(body: bytes) -> Review:
         raise ReviewError("AdmissionReview request.uid must be a non-empty string")
     kind = request.get("kind")
     resource = request.get("resource")
+    user_info = request.get("userInfo")
     return Review(
         api_version=api_version,
         uid=uid,
@@ -74,13 +77,18 @@ def parse_review(body: bytes) -> Review:
         sub_resource=_text(request.get("subResource")),
         object=request.get("object"),
         dry_run=request.get("dryRun") is True,
+        old_object=request.get("oldObject"),
+        username=_text(user_info.get("username")) if isinstance(user_info, dict) else "",
     )
 
 
 def review_decision(review: Review, settings: TesseraSettings) -> Decision:
-    """Route a review to the pod rules. Only creations are reviewed (anything else passes, so a
-    webhook registered too widely never blocks updates or deletions); creating anything but a
-    pod is refused, which makes such a registration visible at once."""
+    """Route a review to the pod rules. Creations get every rule; a pod update is checked only
+    for changes to scheduler-owned annotations; anything else passes (so a webhook registered too
+    widely never blocks other objects' updates or deletions). Creating anything but a pod is
+    refused, which makes such a registration visible at once."""
+    if review.operation == "UPDATE" and _is_pod(review) and not review.sub_resource:
+        return decide_update(review.old_object, review.object, review.username, settings)
     if review.operation != "CREATE":
         return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
     if review.group != "" or review.kind != "Pod" or review.resource not in ("", "pods"):
@@ -114,6 +122,10 @@ def response_body(review: Review, decision: Decision) -> bytes:
             response["warnings"] = list(decision.warnings)
     answer = {"apiVersion": review.api_version, "kind": "AdmissionReview", "response": response}
     return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _is_pod(review: Review) -> bool:
+    return review.group == "" and review.kind == "Pod" and review.resource in ("", "pods")
 
 
 def _pod_namespace(pod: Any) -> str:

@@ -92,6 +92,31 @@ class QuotaVerdict:
 # --- the rules --------------------------------------------------------------------------------
 
 
+def decide_update(old: Any, new: Any, username: str, settings: TesseraSettings) -> Decision:
+    """A pod update may not add, change or remove scheduler-owned annotations, unless it comes
+    from a trusted identity (the scheduler's and node agent's service accounts)."""
+    prefixes = [p.strip() for p in settings.admission_trusted_user_prefixes.split(",") if p.strip()]
+    if username and any(username.startswith(p) for p in prefixes):
+        return Admitted(note="update by a trusted Tessera component")
+    before, after = _owned_annotations(old), _owned_annotations(new)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        return Denial(
+            SCHEDULER_OWNED_ANNOTATION,
+            f"annotation(s) {', '.join(changed)} are written only by {settings.scheduler_name}; "
+            f"{username or 'this user'} may not change them",
+        )
+    return Admitted(note="update leaves scheduler-owned annotations alone")
+
+
+def _owned_annotations(pod: Any) -> dict[str, Any]:
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        return {}
+    return {k: v for k, v in annotations.items() if isinstance(k, str) and scheduler_owned(k)}
+
+
 def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
     """Every rule but the quota check, in HAMi's order."""
     if not isinstance(pod, dict):

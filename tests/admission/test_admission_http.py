@@ -111,13 +111,56 @@ async def test_containers_of_the_wrong_shape_are_denied(client):
         assert response["status"]["message"]
 
 
-@pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
-async def test_only_creations_are_reviewed(client, operation):
-    # The scheduler writes its annotations with updates: they must not be refused here.
+@pytest.mark.parametrize("operation", ["DELETE", "CONNECT"])
+async def test_only_creations_and_updates_are_reviewed(client, operation):
     obj = pod(container(limits={GPU: "1"}), annotations={"hami.io/bind-phase": "success"})
     response = (await client.post("/mutate", json=review(obj, operation=operation))).json()
     assert response["response"]["allowed"] is True
     assert "patch" not in response["response"]
+
+
+def update_review(old: dict, new: dict, username: str) -> dict:
+    body = review(new, operation="UPDATE")
+    body["request"]["oldObject"] = old
+    body["request"]["userInfo"]["username"] = username
+    return body
+
+
+async def test_a_user_cannot_change_scheduler_owned_annotations_by_update(client):
+    bound = pod(container(limits={GPU: "1"}), annotations={
+        "hami.io/vgpu-devices-to-allocate": "GPU-a,NVIDIA,1000,10:;", "team": "a"})
+    forged = json.loads(json.dumps(bound))
+    forged["metadata"]["annotations"]["hami.io/vgpu-devices-to-allocate"] = "GPU-a,NVIDIA,99,100:;"
+    answer = (await client.post("/mutate", json=update_review(bound, forged, "alice"))).json()
+    assert answer["response"]["allowed"] is False
+    message = answer["response"]["status"]["message"]
+    assert "hami.io/vgpu-devices-to-allocate" in message and "alice" in message
+    # Adding one is refused too; removing one as well.
+    added = json.loads(json.dumps(bound))
+    added["metadata"]["annotations"]["hami.io/bind-phase"] = "success"
+    assert (await client.post("/mutate", json=update_review(bound, added, "alice"))
+            ).json()["response"]["allowed"] is False
+    # Other annotations and labels are the user's to change.
+    relabelled = json.loads(json.dumps(bound))
+    relabelled["metadata"]["annotations"]["team"] = "b"
+    answer = (await client.post("/mutate", json=update_review(bound, relabelled, "alice"))).json()
+    assert answer["response"]["allowed"] is True and "patch" not in answer["response"]
+
+
+async def test_tessera_components_may_write_their_annotations():
+    trusted = "system:serviceaccount:tessera-system:"
+    settings = TesseraSettings(quota_enabled=False, admission_trusted_user_prefixes=trusted)
+    app = AdmissionApp(settings, metrics=AdmissionMetrics())
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://webhook"
+    ) as client:
+        old = pod(container(limits={GPU: "1"}))
+        new = json.loads(json.dumps(old))
+        new["metadata"]["annotations"] = {"hami.io/bind-phase": "allocating"}
+        ok = update_review(old, new, trusted + "tessera-scheduler")
+        assert (await client.post("/mutate", json=ok)).json()["response"]["allowed"] is True
+        other = update_review(old, new, "system:serviceaccount:team-a:default")
+        assert (await client.post("/mutate", json=other)).json()["response"]["allowed"] is False
 
 
 async def test_health_readiness_and_unknown_routes(client):

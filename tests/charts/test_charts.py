@@ -336,13 +336,20 @@ def test_webhook_fails_closed_and_excludes_only_system_namespaces(charts_dir: Pa
     assert webhook["sideEffects"] == "None"
     assert webhook["rules"] == [
         {
-            "operations": ["CREATE"],
+            "operations": ["CREATE", "UPDATE"],
             "apiGroups": [""],
             "apiVersions": ["v1"],
             "resources": ["pods"],
             "scope": "Namespaced",
         }
     ]
+    # Updates by this release's service accounts skip the webhook, and the webhook trusts the
+    # same identities: a tenant's update may not touch the scheduler-owned annotations.
+    (condition,) = webhook["matchConditions"]
+    prefix = f"system:serviceaccount:{NAMESPACE}:"
+    assert condition["expression"] == (
+        f"request.operation != 'UPDATE' || !request.userInfo.username.startsWith('{prefix}')"
+    )
     # No objectSelector: a label a tenant can set on their own pod must not skip the webhook.
     assert "objectSelector" not in webhook
     (expression,) = webhook["namespaceSelector"]["matchExpressions"]
@@ -359,6 +366,7 @@ def test_webhook_fails_closed_and_excludes_only_system_namespaces(charts_dir: Pa
     port_names = {p["name"]: p["containerPort"] for p in admission["ports"]}
     assert port_names[service["spec"]["ports"][0]["targetPort"]] == 9443
     assert admission["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert env_of(admission)["TESSERA_ADMISSION_TRUSTED_USER_PREFIXES"] == prefix
 
 
 def test_webhook_exclusions_can_grow_but_never_lose_the_system_namespaces(
