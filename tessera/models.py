@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 import uuid
 from enum import StrEnum
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 
 from pydantic import Field
 
-from tessera.codec import Message
+from tessera.codec import Message, decode, peek_schema
 
 
 def now() -> float:
@@ -380,3 +380,23 @@ class ErrorReply(Message):
 
     ok: bool = False
     reason: str
+
+
+class RemoteError(Exception):
+    """An endpoint answered with an ErrorReply; `reason` is its message."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+R = TypeVar("R", bound=Message)
+
+
+def decode_reply(payload: bytes, model: type[R]) -> R:
+    """A request/reply answer: `model`, or RemoteError when the endpoint sent an ErrorReply.
+    CodecError (from tessera.codec) for anything else."""
+    schema, _ = peek_schema(payload)
+    if schema == ErrorReply.__name__:
+        raise RemoteError(decode(payload, ErrorReply).reason)
+    return decode(payload, model)

@@ -8,8 +8,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from tessera import bus
-from tessera.codec import CodecError, decode, encode
-from tessera.models import ErrorReply, QuotaReply, QuotaRequest
+from tessera.codec import CodecError, encode
+from tessera.models import QuotaReply, QuotaRequest, RemoteError, decode_reply
 
 from .rules import QuotaAsk, QuotaVerdict
 
@@ -48,11 +48,9 @@ class QuotaChecker:
             log.warning("quota request failed", extra={"err": str(exc)})
             return QuotaVerdict(None, f"the quota service could not be reached: {exc}")
         try:
-            answer = decode(reply.data, QuotaReply)
-        except CodecError as exc:
-            try:
-                refused = decode(reply.data, ErrorReply)
-            except CodecError:
-                return QuotaVerdict(None, f"the quota service answered garbage: {exc}")
+            answer = decode_reply(reply.data, QuotaReply)
+        except RemoteError as refused:
             return QuotaVerdict(None, f"the quota service refused the request: {refused.reason}")
+        except CodecError as exc:
+            return QuotaVerdict(None, f"the quota service answered garbage: {exc}")
         return QuotaVerdict(answer.ok, answer.reason)

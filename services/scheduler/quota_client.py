@@ -10,8 +10,15 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from tessera import bus
-from tessera.codec import CodecError, decode, encode
-from tessera.models import DeviceGrant, ErrorReply, QuotaReply, QuotaRequest, QuotaState
+from tessera.codec import CodecError, encode
+from tessera.models import (
+    DeviceGrant,
+    QuotaReply,
+    QuotaRequest,
+    QuotaState,
+    RemoteError,
+    decode_reply,
+)
 from tessera.settings import TesseraSettings
 
 from .background import BackgroundTasks
@@ -68,15 +75,13 @@ class QuotaClient:
         timeout = self.settings.request_timeout_s
         try:
             msg = await self.nc.request(bus.QUOTA_RESERVE, encode(body), timeout=timeout)
-            reply = decode(msg.data, QuotaReply)
+            reply = decode_reply(msg.data, QuotaReply)
         except (NatsTimeoutError, NoRespondersError, TimeoutError):
             return f"{RESOURCE_QUOTA_NOT_FIT}: quota service did not answer within {timeout:g} s"
-        except CodecError as exc:
-            try:
-                error = decode(msg.data, ErrorReply)
-            except CodecError:
-                return f"{RESOURCE_QUOTA_NOT_FIT}: quota service answered garbage: {exc}"
+        except RemoteError as error:
             return f"{RESOURCE_QUOTA_NOT_FIT}: quota service error: {error.reason}"
+        except CodecError as exc:
+            return f"{RESOURCE_QUOTA_NOT_FIT}: quota service answered garbage: {exc}"
         if not reply.ok:
             return f"{RESOURCE_QUOTA_NOT_FIT}: {reply.reason or 'namespace quota exceeded'}"
         return ""

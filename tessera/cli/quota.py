@@ -19,15 +19,16 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera import bus
-from tessera.codec import CodecError, Message, decode, encode, peek_schema
+from tessera.codec import CodecError, Message, encode
 from tessera.hami import RequestError, parse_quantity
 from tessera.models import (
-    ErrorReply,
     QuotaAmount,
     QuotaReply,
     QuotaSetRequest,
     QuotaState,
     QuotaStatusRequest,
+    RemoteError,
+    decode_reply,
 )
 from tessera.settings import NatsSettings, TesseraSettings
 
@@ -81,10 +82,9 @@ async def request(subject: str, body: Message, timeout_s: float) -> QuotaReply:
     finally:
         await nc.close()
     try:
-        schema, _ = peek_schema(msg.data)
-        if schema == ErrorReply.__name__:
-            raise QuotaCliError(decode(msg.data, ErrorReply).reason)
-        return decode(msg.data, QuotaReply)
+        return decode_reply(msg.data, QuotaReply)
+    except RemoteError as error:
+        raise QuotaCliError(error.reason) from None
     except CodecError as exc:
         raise QuotaCliError(f"unreadable reply from the quota service: {exc}") from None
 

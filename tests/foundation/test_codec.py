@@ -122,3 +122,13 @@ def test_events_decode_by_their_schema_name() -> None:
     assert isinstance(decoded, models.OomEvent) and decoded == event
     with pytest.raises(CodecError, match="unknown event schema"):
         decode_event(encode(models.NodeLedger(node="n1")))
+
+
+def test_replies_decode_as_the_model_or_raise_the_endpoints_error() -> None:
+    from tessera.models import ErrorReply, QuotaReply, RemoteError, decode_reply
+
+    assert decode_reply(encode(QuotaReply(ok=True)), QuotaReply).ok
+    with pytest.raises(RemoteError, match="quota state is busy"):
+        decode_reply(encode(ErrorReply(reason="quota state is busy")), QuotaReply)
+    with pytest.raises(CodecError):
+        decode_reply(b"garbage", QuotaReply)
