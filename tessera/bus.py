@@ -6,6 +6,7 @@ DESIGN §2 in code. Nothing else in the project spells a subject, bucket or stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import ssl
@@ -42,6 +43,9 @@ EVENTS_ALL = f"{EVENTS_PREFIX}.>"
 # Publishers retry for at most ~30 s; the dedupe window must cover the longest retry.
 EVENTS_DEDUPE_WINDOW_S = 120.0
 EVENTS_MAX_AGE_S = 7 * 24 * 3600.0
+# The server-time reference (tessera.clock): one tiny message per instance, stamped by the server.
+CLOCK_STREAM = "TESSERA_CLOCK"
+CLOCK_PREFIX = "tessera.clock"
 
 # --- request/reply endpoints (NATS micro services) -------------------------------------------
 QUOTA_SERVICE = "tessera-quota"
@@ -112,6 +116,10 @@ def sched_failed_subject(namespace: str) -> str:
 
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
+
+
+def clock_subject(instance: str) -> str:
+    return f"{CLOCK_PREFIX}.{subject_token(instance)}"
 
 
 def node_limits_subject(node: str) -> str:
@@ -188,15 +196,24 @@ class Buckets:
 
 
 async def ensure_bus(js: JetStreamContext, settings: TesseraSettings) -> Buckets:
-    """Create the buckets and the stream if missing (idempotent; safe from many services)."""
-    nodes = await _ensure_kv(js, NODES_BUCKET, ttl=settings.node_ttl_s, history=1)
-    ledger = await _ensure_kv(js, LEDGER_BUCKET, ttl=None, history=5)
-    quota = await _ensure_kv(js, QUOTA_BUCKET, ttl=None, history=5)
-    await ensure_events_stream(js)
+    """Create the buckets and the streams if missing (idempotent; safe from many services), with
+    `settings.bus_replicas` replicas each (1 on one server; 3 on a 3-server cluster)."""
+    replicas = settings.bus_replicas
+    nodes = await _ensure_kv(js, NODES_BUCKET, ttl=settings.node_ttl_s, history=1,
+                             replicas=replicas)  # fmt: skip
+    ledger = await _ensure_kv(js, LEDGER_BUCKET, ttl=None, history=5, replicas=replicas)
+    quota = await _ensure_kv(js, QUOTA_BUCKET, ttl=None, history=5, replicas=replicas)
+    await ensure_events_stream(js, replicas)
+    await ensure_clock_stream(js, replicas)
     return Buckets(nodes=nodes, ledger=ledger, quota=quota)
 
 
-async def ensure_events_stream(js: JetStreamContext) -> None:
+BUS_STREAMS = (
+    f"KV_{NODES_BUCKET}", f"KV_{LEDGER_BUCKET}", f"KV_{QUOTA_BUCKET}", EVENTS_STREAM, CLOCK_STREAM,
+)  # fmt: skip
+
+
+async def ensure_events_stream(js: JetStreamContext, replicas: int = 1) -> None:
     config = js_api.StreamConfig(
         name=EVENTS_STREAM,
         subjects=[EVENTS_ALL],
@@ -204,33 +221,106 @@ async def ensure_events_stream(js: JetStreamContext) -> None:
         duplicate_window=EVENTS_DEDUPE_WINDOW_S,
         max_age=EVENTS_MAX_AGE_S,
         discard=js_api.DiscardPolicy.OLD,
+        num_replicas=replicas,
     )
+    await _ensure_stream(js, config)
+
+
+async def ensure_clock_stream(js: JetStreamContext, replicas: int = 1) -> None:
+    config = js_api.StreamConfig(
+        name=CLOCK_STREAM,
+        subjects=[f"{CLOCK_PREFIX}.>"],
+        storage=js_api.StorageType.MEMORY,
+        max_msgs_per_subject=1,
+        max_age=300.0,
+        discard=js_api.DiscardPolicy.OLD,
+        num_replicas=replicas,
+    )
+    await _ensure_stream(js, config)
+
+
+async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:
+    assert config.name is not None
     try:
-        await js.stream_info(EVENTS_STREAM)
-        return
+        info = await js.stream_info(config.name)
     except NotFoundError:
-        pass
+        try:
+            await js.add_stream(config)
+            return
+        except BadRequestError:
+            # Another service created it between our check and our add.
+            info = await js.stream_info(config.name)
+    await _match_replicas(js, info, config.num_replicas or 1)
+
+
+async def _match_replicas(js: JetStreamContext, info: js_api.StreamInfo, replicas: int) -> None:
+    """Raise (or lower) an existing stream's replica count to the configured one."""
+    if (info.config.num_replicas or 1) == replicas:
+        return
     try:
-        await js.add_stream(config)
-    except BadRequestError:
-        # Another service created it between our check and our add.
-        await js.stream_info(EVENTS_STREAM)
+        await js.update_stream(info.config.evolve(num_replicas=replicas))
+    except Exception as exc:  # the cluster may be short of servers: keep serving, say so
+        log.warning("stream replicas not changed", extra={"stream": info.config.name,
+                                                          "want": replicas, "err": str(exc)})
 
 
 async def _ensure_kv(
-    js: JetStreamContext, bucket: str, *, ttl: float | None, history: int
+    js: JetStreamContext, bucket: str, *, ttl: float | None, history: int, replicas: int = 1
 ) -> KeyValue:
     try:
-        return await js.key_value(bucket)
+        kv = await js.key_value(bucket)
+        await _match_replicas(js, await js.stream_info(f"KV_{bucket}"), replicas)
+        return kv
     except BucketNotFoundError:
         pass
     config = js_api.KeyValueConfig(
-        bucket=bucket, ttl=ttl, history=history, storage=js_api.StorageType.FILE
-    )
+        bucket=bucket, ttl=ttl, history=history, storage=js_api.StorageType.FILE,
+        replicas=replicas,
+    )  # fmt: skip
     try:
         return await js.create_key_value(config)
     except BadRequestError:
         return await js.key_value(bucket)
+
+
+class BusKeeper:
+    """Keeps the buckets and streams in existence: a service whose NATS lost its store (a wiped
+    disk, a cluster that lost a replica set) re-creates them, and reports not-ready while it
+    cannot. `generation` grows each time a stream is found re-created (by us or another
+    service), so watchers restart and state that lived only in NATS is rebuilt."""
+
+    def __init__(self, js: JetStreamContext, settings: TesseraSettings) -> None:
+        self.js = js
+        self.settings = settings
+        self.ready = False
+        self.generation = 0
+        self.reason = "bus not checked yet"
+        self.changed = asyncio.Event()  # set on every generation change; waiters clear it
+        self._created: dict[str, object] = {}
+
+    async def check(self) -> bool:
+        """Ensure everything exists; True when it does. Bumps `generation` on a re-creation."""
+        try:
+            await ensure_bus(self.js, self.settings)
+            created = {name: (await self.js.stream_info(name)).created for name in BUS_STREAMS}
+        except Exception as exc:
+            self.ready = False
+            self.reason = f"NATS buckets/streams unavailable: {type(exc).__name__}: {exc}"[:300]
+            return False
+        if self._created and created != self._created:
+            self.generation += 1
+            self.changed.set()
+            log.warning("bus re-created", extra={"generation": self.generation})
+        self._created = created
+        self.ready = True
+        self.reason = ""
+        return True
+
+    async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        while not stop.is_set():
+            await self.check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
 
 
 # --- publishing -------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ def answer(request_line: bytes, ready: Callable[[], bool]) -> bytes:
     if target == "/readyz":
         if ready():
             return _response("200 OK", "ready\n")
-        return _response("503 Service Unavailable", "not ready: no connection to NATS\n")
+        return _response(
+            "503 Service Unavailable", "not ready: no connection to NATS or its buckets\n"
+        )
     return _response("404 Not Found", "try /healthz or /readyz\n")
 
 

@@ -122,3 +122,153 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+# --- a JetStream cluster of several servers (tests, `tessera up --nats-cluster 3`) -------------
+
+
+class ClusterMember:
+    """One server of an EmbeddedNatsCluster: its own client, route and monitor ports and its
+    own store directory. `wipe()` deletes its whole store, as a lost disk would."""
+
+    def __init__(self, name: str, data_dir: Path, cluster_name: str) -> None:
+        self.name = name
+        self.data_dir = data_dir
+        self.cluster_name = cluster_name
+        self.port = free_port()
+        self.route_port = free_port()
+        self.monitor_port = free_port()
+        self.routes: list[int] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.data_dir / "jetstream"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def config_text(self) -> str:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in self.routes)
+        return (
+            f'server_name: "{self.name}"\n'
+            f"listen: 127.0.0.1:{self.port}\n"
+            f"http: 127.0.0.1:{self.monitor_port}\n"
+            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
+            f'cluster {{ name: "{self.cluster_name}", listen: 127.0.0.1:{self.route_port}, '
+            f"routes: [{routes}] }}\n"
+        )
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "nats-server.conf"
+        config.write_text(self.config_text())
+        args = [find_nats_server(), "-c", str(config), "-l", str(self.data_dir / "nats.log")]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def healthy(self) -> bool:
+        """The server's own JetStream health check (meta leader known, assets current)."""
+        import urllib.request
+
+        if not self.running:
+            return False
+        try:
+            url = f"http://127.0.0.1:{self.monitor_port}/healthz"
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
+    def wipe(self) -> None:
+        """Delete the whole JetStream store (only while stopped)."""
+        assert not self.running, "stop the server before wiping its store"
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+class EmbeddedNatsCluster:
+    """`size` nats-servers routed into one JetStream cluster on loopback, each storing in its own
+    directory under `data_dir`. Clients get every member's URL (`url`, comma separated)."""
+
+    def __init__(
+        self, size: int = 3, data_dir: str | Path | None = None, cluster_name: str = "tessera"
+    ) -> None:
+        if size < 1:
+            raise ValueError("a cluster needs at least one server")
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tessera-nats-cluster-"))
+        self.members = [
+            ClusterMember(f"n{i}", self.data_dir / f"n{i}", cluster_name) for i in range(size)
+        ]
+        for member in self.members:
+            member.routes = [m.route_port for m in self.members if m is not member]
+
+    @property
+    def url(self) -> str:
+        return ",".join(m.url for m in self.members)
+
+    @property
+    def running(self) -> bool:
+        return any(m.running for m in self.members)
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedNatsCluster:
+        for member in self.members:
+            member.start()
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 30.0, members: list[ClusterMember] | None = None):
+        deadline = time.monotonic() + timeout_s
+        waiting = list(members or self.members)
+        while waiting:
+            waiting = [m for m in waiting if not m.healthy()]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(m.name for m in waiting)
+                raise TimeoutError(f"NATS cluster members not healthy in {timeout_s}s: {names}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+    def restart(self, timeout_s: float = 30.0) -> None:
+        self.stop()
+        self.start(timeout_s)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,7 +17,8 @@ from nats.js import JetStreamContext
 from rich.console import Console
 from rich.table import Table
 
-from tessera.bus import Buckets, connect, ensure_bus
+from tessera.bus import Buckets, BusKeeper, connect, ensure_bus
+from tessera.clock import ServerClock
 from tessera.health import serve_health
 from tessera.logging import configure_logging
 from tessera.settings import NatsSettings, TesseraSettings, settings_help
@@ -33,6 +36,13 @@ class ServiceContext:
     buckets: Buckets
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tessera"))
+    # Re-creates lost buckets/streams and says whether the bus is usable (readiness).
+    keeper: BusKeeper | None = None
+    # now() on the NATS server's clock: for every lease judged between machines.
+    clock: ServerClock = field(default_factory=ServerClock)
+
+    def bus_ready(self) -> bool:
+        return self.nc.is_connected and (self.keeper is None or self.keeper.ready)
 
 
 ServiceMain = Callable[[ServiceContext], Awaitable[None]]
@@ -66,7 +76,13 @@ async def serve(
     nc = await connect(nats_settings, name=f"tessera-{name}")
     js = nc.jetstream()
     buckets = await ensure_bus(js, settings)
-    ctx = ServiceContext(name, settings, nats_settings, nc, js, buckets, log=log)
+    keeper = BusKeeper(js, settings)
+    ctx = ServiceContext(name, settings, nats_settings, nc, js, buckets, log=log, keeper=keeper)
+    upkeep = [
+        asyncio.create_task(keeper.run(ctx.stop, settings.bus_check_interval_s)),
+        asyncio.create_task(ctx.clock.run(js, f"{name}-{socket.gethostname()}-{os.getpid()}",
+                                          ctx.stop, settings.clock_sync_interval_s)),
+    ]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctx.stop.set)
@@ -75,7 +91,7 @@ async def serve(
     probes = None
     if health_probes and settings.listen:
         probes = asyncio.create_task(
-            serve_health(settings.listen, lambda: nc.is_connected, ctx.stop)
+            serve_health(settings.listen, ctx.bus_ready, ctx.stop)
         )
         log.info("health probes", extra={"listen": settings.listen})
     stopper = asyncio.create_task(ctx.stop.wait())
@@ -89,6 +105,8 @@ async def serve(
         log.warning("service main did not stop in 5 s; cancelled")
     finally:
         stopper.cancel()
+        for upkeep_task in upkeep:
+            upkeep_task.cancel()
         if probes is not None:
             probes.cancel()
         await nc.drain() if nc.is_connected else await nc.close()

@@ -79,6 +79,17 @@ class TesseraSettings(BaseSettings):
         10.0, ge=0, description="quota: an unbacked charge is dropped after reservation TTL + this"
     )
 
+    # Durability (the bus's own redundancy and recovery).
+    bus_replicas: int = Field(
+        1, ge=1, le=5, description="replicas of every bucket and stream (3 on a 3-server NATS)"
+    )
+    bus_check_interval_s: float = Field(
+        1.0, gt=0, description="how often buckets/streams are checked and re-created if lost"
+    )
+    clock_sync_interval_s: float = Field(
+        5.0, gt=0, description="how often the offset to the NATS server's clock is re-measured"
+    )
+
     # Admission webhook.
     tls_cert: str | None = Field(None, description="webhook TLS certificate (PEM), reloaded")
     tls_key: str | None = Field(None, description="webhook TLS private key (PEM)")

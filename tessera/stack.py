@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field
 
-from tessera.nats_embedded import EmbeddedNats, free_port
+from tessera.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
 
 KUBECONFIG_NAME = "kubeconfig"
 STACK_FILE = "stack.json"
@@ -207,6 +207,7 @@ class LocalStack:
         nats_url: str | None = None,
         extra_env: dict[str, str] | None = None,
         ports: StackPorts | None = None,
+        nats_cluster: int = 0,
     ) -> None:
         self.state_dir = state_dir.resolve()
         self.services = services
@@ -215,6 +216,9 @@ class LocalStack:
         self.nats_url = nats_url
         self.ports = ports or StackPorts()
         self.running: list[RunningService] = []
+        # `nats_cluster` >= 2: NATS runs as a JetStream cluster of that many servers.
+        self.nats_cluster_size = nats_cluster
+        self.nats_cluster: EmbeddedNatsCluster | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -232,6 +236,8 @@ class LocalStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
         self._ensure_certificates()
+        if self.nats_url is None and self.nats_cluster_size >= 2:
+            self._start_nats_cluster()
         if self.nats_url is None:
             self.nats = EmbeddedNats(data_dir=self.state_dir / "nats").start()
             self.nats_url = self.nats.url
@@ -253,6 +259,14 @@ class LocalStack:
                 indent=2,
             )
         )
+
+    def _start_nats_cluster(self) -> None:
+        """NATS as a JetStream cluster; every bucket and stream then keeps a replica on up to
+        three servers, so one server's lost disk loses nothing."""
+        cluster = EmbeddedNatsCluster(self.nats_cluster_size, self.state_dir / "nats-cluster")
+        self.nats_cluster = cluster.start()
+        self.nats_url = cluster.url
+        self.extra_env.setdefault("TESSERA_BUS_REPLICAS", str(min(3, self.nats_cluster_size)))
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until the scheduler extender and the webhook answer ready (they need NATS and their
@@ -361,6 +375,8 @@ class LocalStack:
                 running.proc.wait()
         if self.nats is not None:
             self.nats.stop()
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
         (self.state_dir / STACK_FILE).unlink(missing_ok=True)
         # The kubelets' sockets (default_services puts them there); kube-sim has stopped.
         shutil.rmtree(short_socket_root(self.state_dir), ignore_errors=True)

@@ -32,7 +32,7 @@ async def run_admission(ctx: ServiceContext) -> None:
                         on_drop=metrics.events_dropped.inc)
     quota = QuotaChecker(ctx.nc, settings.request_timeout_s) if settings.quota_enabled else None
     app = AdmissionApp(settings, metrics=metrics, quota=quota, events=events,
-                       is_ready=lambda: ctx.nc.is_connected)
+                       is_ready=ctx.bus_ready)
     host, port = parse_listen(settings.listen or DEFAULT_LISTEN)
     tls = tls_files(settings)
     if tls is None:

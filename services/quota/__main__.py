@@ -13,6 +13,8 @@ async def serve_quota(ctx: ServiceContext) -> None:
         ctx.settings,
         cluster=cluster_from_settings(ctx.settings),
         log=ctx.log,
+        clock=ctx.clock,
+        keeper=ctx.keeper,
     )
     await service.run(ctx.stop)
 

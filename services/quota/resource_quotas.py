@@ -56,6 +56,12 @@ class ResourceQuotaWatcher:
         self.pending: set[str] = set()
         self._reporting: set[asyncio.Task[None]] = set()
 
+    async def reapply_all(self) -> None:
+        """Write every namespace's known limits again (the quota bucket was lost and re-created:
+        what the objects say is still in memory). A write that fails is retried as pending."""
+        for namespace in sorted(self.known):
+            await self._apply(namespace)
+
     async def run(self, stop: asyncio.Event, retry_s: float = 2.0) -> None:
         retry = asyncio.create_task(self._retry_pending(stop, retry_s))
         try:

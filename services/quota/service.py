@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -29,7 +31,15 @@ from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
 
 from tessera import bus
-from tessera.bus import Buckets, CasConflictError, NoChange, Versioned, cas_update, read
+from tessera.bus import (
+    Buckets,
+    BusKeeper,
+    CasConflictError,
+    NoChange,
+    Versioned,
+    cas_update,
+    read,
+)
 from tessera.cluster.port import ClusterPort
 from tessera.codec import CodecError, Message, decode, encode
 from tessera.models import (
@@ -42,6 +52,7 @@ from tessera.models import (
     QuotaState,
     QuotaStatusRequest,
 )
+from tessera.restore import RestoreReport, allocations_from_pods
 from tessera.settings import TesseraSettings
 
 SERVICE_VERSION = "0.1.0"
@@ -67,6 +78,7 @@ class QuotaService:
         grace_margin_s: float | None = None,
         consumer: str = bus.QUOTA_RELEASED_CONSUMER,
         log: logging.Logger | None = None,
+        keeper: BusKeeper | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -93,23 +105,31 @@ class QuotaService:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
+        self.keeper = keeper
+        self.rq_watcher: ResourceQuotaWatcher | None = None
+        # Set while the quota state is rebuilt after NATS lost it: reservations wait.
+        self.rebuilding = ""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Reconcile once, then serve. Returns once the endpoints answer."""
+        if self.cluster is not None:
+            self.rq_watcher = ResourceQuotaWatcher(
+                self.cluster, self.settings, self._apply_quotas, self.log,
+                stored=self._namespaces_limited_by_resource_quotas,
+            )
         try:
+            await self.charges_from_pods()
             await self.reconciler.run_once()
         except Exception as exc:  # the periodic pass will try again
             self.log.warning("start-up reconcile failed", extra={"err": str(exc)})
         self._tasks.append(asyncio.create_task(self._reconcile_loop()))
         self._tasks.append(asyncio.create_task(self.releases.run(self._stopping)))
-        if self.cluster is not None:
-            watcher = ResourceQuotaWatcher(
-                self.cluster, self.settings, self._apply_quotas, self.log,
-                stored=self._namespaces_limited_by_resource_quotas,
-            )
-            self._tasks.append(asyncio.create_task(watcher.run(self._stopping)))
+        if self.rq_watcher is not None:
+            self._tasks.append(asyncio.create_task(self.rq_watcher.run(self._stopping)))
+        if self.keeper is not None:
+            self._tasks.append(asyncio.create_task(self._follow_bus(self.keeper)))
         self._micro = await add_service(
             self.nc,
             name=bus.QUOTA_SERVICE,
@@ -185,6 +205,64 @@ class QuotaService:
             except Exception as exc:
                 self.log.warning("reconcile failed", extra={"err": str(exc)})
 
+    # --- NATS lost its store -------------------------------------------------------------------
+
+    async def _follow_bus(self, keeper: BusKeeper) -> None:
+        seen = keeper.generation
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), 0.2)
+            if keeper.generation == seen:
+                continue
+            seen = keeper.generation
+            self.rebuilding = "quota state is being rebuilt after NATS lost its store; retry"
+            while not self._stopping.is_set():
+                try:
+                    await self.rebuild()
+                    break
+                except Exception as exc:
+                    self.log.warning("quota rebuild failed; retrying", extra={"err": str(exc)})
+                    await asyncio.sleep(1.0)
+            self.rebuilding = ""
+
+    async def rebuild(self) -> None:
+        """The quota bucket was re-created empty: limits from the ResourceQuota objects already
+        known, charges from the bound pods' annotations, then the usual pass over the ledger."""
+        if self.rq_watcher is not None:
+            await self.rq_watcher.reapply_all()
+        await self.charges_from_pods()
+        await self.reconciler.run_once()
+        self.log.warning("quota state rebuilt")
+
+    async def charges_from_pods(self) -> int:
+        """Give every bound, unfinished GPU pod its charge back where it has none (never drops
+        one); returns how many namespaces were written."""
+        if self.cluster is None:
+            return 0
+        now = self.clock()
+        report = RestoreReport()
+        by_node = allocations_from_pods(
+            await self.cluster.list_pods(), quota_held=True, now=now, claim_ttl_s=0.0,
+            report=report,
+        )  # fmt: skip
+        backed: dict[str, dict[str, Any]] = defaultdict(dict)
+        for found in by_node.values():
+            for allocation, _claim in found:
+                backed[allocation.namespace][allocation.pod_uid] = allocation
+        written = 0
+        for namespace, allocations in backed.items():
+            _result, wrote = await cas_apply(
+                self.kv, namespace,
+                lambda s, ns=namespace, a=allocations: qa.reconcile(s, ns, a, now, math.inf),
+            )  # fmt: skip
+            written += wrote
+        return written
+
+    def _refusing(self) -> str:
+        if self.keeper is not None and not self.keeper.ready:
+            return f"quota not ready: {self.keeper.reason}"
+        return self.rebuilding
+
     # --- endpoint plumbing --------------------------------------------------------------------
 
     async def _serve(
@@ -223,8 +301,11 @@ class QuotaService:
 
     # --- the operations -----------------------------------------------------------------------
 
-    async def reserve(self, req: QuotaRequest) -> QuotaReply:
+    async def reserve(self, req: QuotaRequest) -> Message:
         qa.check_request(req)
+        wait = self._refusing()
+        if wait:
+            return ErrorReply(reason=wait)
         if req.check_only:
             current = await read(self.kv, req.namespace, QuotaState)
             state = current.value if current else None

@@ -37,8 +37,9 @@ async def serve(ctx: ServiceContext) -> None:
     config = SchedulerSettings()
     cluster = cluster_from_settings(ctx.settings)
     service = SchedulerService(
-        ctx.settings, config, ctx.nc, ctx.js, ctx.buckets, cluster, instance=config.instance
-    )
+        ctx.settings, config, ctx.nc, ctx.js, ctx.buckets, cluster, instance=config.instance,
+        clock=ctx.clock, keeper=ctx.keeper,
+    )  # fmt: skip
     await service.start()
     host, port = split_listen(ctx.settings.listen or DEFAULT_LISTEN)
     http = asyncio.create_task(service.serve_http(host, port))

@@ -98,7 +98,11 @@ def build_app(
     scheduler: Scheduler,
     ready: Callable[[], bool],
     max_body_bytes: int = 32 * 1024 * 1024,
+    *,
+    refusing: Callable[[], str] | None = None,
 ) -> Starlette:
+    """`refusing()` names why filters and binds must wait ('' = serve): until the ledger is
+    synced and rebuilt from the cluster, no placement may be made on what it does not know."""
     metrics = scheduler.metrics
 
     async def filter_(request: Request) -> Response:
@@ -109,7 +113,11 @@ def build_app(
             pod, names, nodes = _extender_args(data)
             if nodes is not None:
                 scheduler.learn_node_objects(nodes)
-            outcome = await scheduler.filter(pod, names, dry_run=nodes is not None)
+            wait = refusing() if refusing is not None else ""
+            if wait:
+                outcome = FilterOutcome(error=wait)
+            else:
+                outcome = await scheduler.filter(pod, names, dry_run=nodes is not None)
         except _BadCall as exc:
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
         except BadRequestError as exc:
@@ -146,7 +154,8 @@ def build_app(
                 fields[key] = value
             if not fields["podname"] or not fields["node"]:
                 raise _BadCall(400, "ExtenderBindingArgs needs PodName and Node")
-            error = await scheduler.bind(
+            wait = refusing() if refusing is not None else ""
+            error = wait or await scheduler.bind(
                 fields["podnamespace"] or "default",
                 fields["podname"],
                 fields["poduid"],

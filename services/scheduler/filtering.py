@@ -23,7 +23,7 @@ from .decide import Decision, decide, prioritize_scores
 from .failures import FailureLog
 from .index import ClusterIndex
 from .indexed_ledger import IndexedLedger
-from .ledger import NodeFullError, ReservationRequest
+from .ledger import LedgerLostError, NodeFullError, ReservationRequest
 from .metrics import SchedulerMetrics
 from .pods import (
     BadRequestError,
@@ -173,6 +173,7 @@ class PodFilter:
                 template=template,
                 now=self.clock(),
                 ttl_s=self.settings.reservation_ttl_s,
+                may_create=entry.ledger is None,
             )
             # Other filters running while this CAS is in flight should look elsewhere first.
             self.index.busy[entry.slot] = True
@@ -181,7 +182,7 @@ class PodFilter:
             except NodeFullError as exc:
                 decision.record(entry.name, exc.fit)
                 continue
-            except (CasConflictError, NoChange):
+            except (CasConflictError, NoChange, LedgerLostError):
                 continue
             self.ledger.apply(entry.name, result)
             allocation = result.value.allocations.get(ident.uid)

@@ -48,6 +48,13 @@ class ReservationRequest:
     template: Allocation  # pod identity, names, policies; containers filled by the fit
     now: float
     ttl_s: float
+    # False when the index knew an entry for this node: finding none now means the ledger was
+    # lost (NATS lost its store) and not rebuilt yet, so a reservation must not start it afresh.
+    may_create: bool = True
+
+
+class LedgerLostError(Exception):
+    """The node's ledger entry vanished under us; wait for the rebuild from pods."""
 
 
 def _replace(
@@ -59,6 +66,8 @@ def _replace(
 
 
 def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeLedger:
+    if current is None and not req.may_create:
+        raise LedgerLostError(req.template.node)
     ledger = current or NodeLedger(node=req.template.node)
     uid = req.template.pod_uid
     existing = ledger.allocations.get(uid)

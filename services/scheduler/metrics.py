@@ -65,3 +65,7 @@ class SchedulerMetrics:
         )  # fmt: skip
         self.nodes = Gauge("tessera_scheduler_nodes", "Registered nodes in the index", registry=r)
         self.ready = Gauge("tessera_scheduler_ready", "1 once the index is synced", registry=r)
+        self.ledger_restored = Counter(
+            "tessera_scheduler_ledger_restored_total",
+            "Allocations the ledger had lost, restored from bound pods' annotations", registry=r,
+        )  # fmt: skip

@@ -23,7 +23,8 @@ from nats.micro.service import Service
 from starlette.applications import Starlette
 
 from tessera import bus
-from tessera.bus import Buckets
+from tessera.bus import Buckets, BusKeeper
+from tessera.clock import server_time
 from tessera.cluster.port import ClusterPort, WatchEvent
 from tessera.codec import CodecError, decode, encode
 from tessera.models import (
@@ -36,6 +37,7 @@ from tessera.models import (
     NodeRegistration,
     QuotaState,
 )
+from tessera.restore import init_containers_succeeded
 from tessera.settings import TesseraSettings
 
 from .api import build_app
@@ -44,6 +46,7 @@ from .engine import Scheduler
 from .index import ClusterIndex
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
+from .rebuild import LedgerRebuilder, ledger_cas
 
 log = logging.getLogger("tessera.scheduler")
 SERVICE_VERSION = "0.1.0"
@@ -52,19 +55,6 @@ _FINISHED_PHASES = ("Succeeded", "Failed")
 
 def default_instance() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def _init_containers_succeeded(pod: dict[str, Any]) -> bool:
-    spec = pod.get("spec") or {}
-    wanted = len(spec.get("initContainers") or [])
-    statuses = (pod.get("status") or {}).get("initContainerStatuses") or []
-    if wanted == 0 or len(statuses) < wanted:
-        return False
-    for status in statuses:
-        terminated = ((status or {}).get("state") or {}).get("terminated") or {}
-        if terminated.get("exitCode") != 0:
-            return False
-    return True
 
 
 class SchedulerService:
@@ -79,6 +69,7 @@ class SchedulerService:
         *,
         instance: str = "",
         clock: Callable[[], float] = time.time,
+        keeper: BusKeeper | None = None,
     ) -> None:
         self.settings = settings
         self.config = config
@@ -86,7 +77,8 @@ class SchedulerService:
         self.js = js
         self.buckets = buckets
         self.cluster = cluster
-        self.clock = clock
+        self.clock = clock  # the NATS server's clock in production (tessera.clock.ServerClock)
+        self.keeper = keeper
         self.instance = instance or config.instance or default_instance()
         self.index = ClusterIndex(config.cordoned_uuids())
         self.metrics = SchedulerMetrics()
@@ -95,30 +87,56 @@ class SchedulerService:
             self.metrics, self.instance, clock,
         )  # fmt: skip
         self.nodes_synced = asyncio.Event()
-        self.ledger_synced = asyncio.Event()
+        self.ledger_synced = asyncio.Event()  # set after the sync *and* the rebuild from pods
         self.stopping = asyncio.Event()
+        self.rebuilder = (
+            LedgerRebuilder(
+                cluster=cluster, index=self.index,
+                write=lambda node, mutate: ledger_cas(buckets.ledger, node, mutate),
+                quota_enabled=settings.quota_enabled, claim_ttl_s=config.claim_ttl_s, clock=clock,
+            )
+            if cluster is not None else None
+        )  # fmt: skip
+        self.rebuild_error = ""
+        # node -> when its registration was last written, on the NATS server's clock (the KV
+        # entry's own timestamp): "node lost" never compares one machine's clock to another's.
+        self.heard: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._watch_tasks: list[asyncio.Task[None]] = []
         self._micro: Service | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     def ready(self) -> bool:
-        return self.nodes_synced.is_set() and self.ledger_synced.is_set()
+        return not self.not_ready_reason()
+
+    def not_ready_reason(self) -> str:
+        """Why filters and binds are refused now ('' when serving)."""
+        if self.keeper is not None and not self.keeper.ready:
+            return f"scheduler not ready: {self.keeper.reason}"
+        synced = getattr(self.clock, "synced", None)
+        if synced is not None and not synced.is_set():
+            return "scheduler not ready: the NATS server's clock is not measured yet"
+        if not self.nodes_synced.is_set():
+            return "scheduler not ready: node registrations not synced yet"
+        if not self.ledger_synced.is_set():
+            why = f" ({self.rebuild_error})" if self.rebuild_error else ""
+            return f"scheduler not ready: the ledger is being synced and rebuilt from pods{why}"
+        return ""
 
     def app(self) -> Starlette:
-        return build_app(self.scheduler, self.ready, self.config.max_body_bytes)
+        return build_app(
+            self.scheduler, self.ready, self.config.max_body_bytes, refusing=self.not_ready_reason
+        )
 
     async def start(self) -> None:
-        loops: list[Callable[[], Awaitable[None]]] = [
-            self._watch_nodes,
-            self._watch_ledger,
-            self._sweep_loop,
-        ]
-        if self.settings.quota_enabled:
-            loops.append(self._watch_quota)
+        loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
             loops += [self._watch_pods, self._reconcile_loop]
+        if self.keeper is not None:
+            loops.append(self._follow_bus)
         for loop in loops:
             self._tasks.append(asyncio.create_task(self._forever(loop)))
+        self._start_watches()
         self._micro = await add_service(
             self.nc,
             name=bus.SCHEDULER_SERVICE,
@@ -131,9 +149,11 @@ class SchedulerService:
         )
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        await asyncio.wait_for(
-            asyncio.gather(self.nodes_synced.wait(), self.ledger_synced.wait()), timeout
-        )
+        waits = [self.nodes_synced.wait(), self.ledger_synced.wait()]
+        synced = getattr(self.clock, "synced", None)
+        if synced is not None:
+            waits.append(synced.wait())
+        await asyncio.wait_for(asyncio.gather(*waits), timeout)
         self.metrics.ready.set(1)
 
     async def stop(self) -> None:
@@ -142,18 +162,54 @@ class SchedulerService:
             with contextlib.suppress(Exception):
                 await self._micro.stop()
             self._micro = None
-        for task in self._tasks:
+        for task in [*self._tasks, *self._watch_tasks]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._watch_tasks]:
             with contextlib.suppress(BaseException):
                 await task
         self._tasks.clear()
+        self._watch_tasks.clear()
         await self.scheduler.drain()
 
     def kill(self) -> None:
         """Stop abruptly, as a crash would (tests): no draining, nothing finished."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._watch_tasks]:
             task.cancel()
+
+    # --- the bus lost its store ---------------------------------------------------------------
+    def _start_watches(self) -> None:
+        loops: list[Callable[[], Awaitable[None]]] = [self._watch_nodes, self._watch_ledger]
+        if self.settings.quota_enabled:
+            loops.append(self._watch_quota)
+        self._watch_tasks = [asyncio.create_task(self._forever(loop)) for loop in loops]
+
+    async def _follow_bus(self) -> None:
+        """When the buckets were re-created (NATS lost its store), everything the index learnt
+        from them is void: stop serving, forget it, watch again, and rebuild the ledger from the
+        cluster's pods before the next filter."""
+        assert self.keeper is not None
+        seen = self.keeper.generation
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), 0.2)
+            if self.keeper.generation == seen:
+                continue
+            seen = self.keeper.generation
+            log.warning("buckets re-created: re-syncing and rebuilding the ledger",
+                        extra={"generation": seen})  # fmt: skip
+            self.nodes_synced.clear()
+            self.ledger_synced.clear()
+            self.metrics.ready.set(0)
+            for task in self._watch_tasks:
+                task.cancel()
+            for task in self._watch_tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            now = self.clock()
+            for name in list(self.index.entries):
+                self.index.set_ledger(name, None, 0, now)
+            self.scheduler.quotas.clear()
+            self._start_watches()
 
     async def serve_http(self, host: str, port: int) -> None:
         """Serve the extender until `stopping` is set."""
@@ -187,22 +243,38 @@ class SchedulerService:
     # --- watches ------------------------------------------------------------------------------
     async def _watch_nodes(self) -> None:
         seen: set[str] | None = set()
-        async for key, value, _revision in bus.watch_models(
-            self.buckets.nodes, NodeRegistration, self._bad_value
-        ):
-            now = self.clock()
-            if not key:
-                for name in [n for n, e in self.index.entries.items() if e.schedulable]:
-                    if seen is not None and name not in seen:
-                        self.index.set_registration(name, None, now)
-                seen = None
-                self.nodes_synced.set()
-                continue
-            if seen is not None:
-                seen.add(key)
-            if value is None and seen is None:
-                await self._announce_lost(key, "registration deleted")
-            self.index.set_registration(key, value, now)
+        watcher = await self.buckets.nodes.watchall()
+        try:
+            async for entry in watcher:
+                now = self.clock()
+                if entry is None:
+                    for name in [n for n, e in self.index.entries.items() if e.schedulable]:
+                        if seen is not None and name not in seen:
+                            self.index.set_registration(name, None, now)
+                    seen = None
+                    self.nodes_synced.set()
+                    continue
+                key = entry.key
+                if seen is not None:
+                    seen.add(key)
+                value: NodeRegistration | None = None
+                if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
+                    try:
+                        value = decode(entry.value, NodeRegistration)
+                    except CodecError as exc:
+                        self._bad_value(key, exc)
+                        continue
+                if value is None:
+                    self.heard.pop(key, None)
+                    if seen is None:
+                        await self._announce_lost(key, "registration deleted")
+                else:
+                    written = server_time(entry.created)
+                    self.heard[key] = written if written is not None else now
+                self.index.set_registration(key, value, now)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
 
     async def _watch_ledger(self) -> None:
         """Like bus.watch_models, but a revision the index already holds (this replica's own
@@ -217,6 +289,7 @@ class SchedulerService:
                         if seen is not None and name not in seen:
                             self.index.set_ledger(name, None, 0, now)
                     seen = None
+                    await self._rebuild_from_pods()
                     self.ledger_synced.set()
                     continue
                 key = entry.key
@@ -239,6 +312,21 @@ class SchedulerService:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    async def _rebuild_from_pods(self) -> None:
+        """Restore what the ledger lacks from the pods' annotations (see rebuild.py). Runs after
+        every (re)sync of the ledger, before the scheduler serves: a lost or empty ledger can
+        never let a new pod onto GPUs that running pods hold. A failure (cluster API away) is
+        raised: the watch restarts and tries again, and filters stay refused meanwhile."""
+        if self.rebuilder is None:
+            return
+        try:
+            report = await self.rebuilder.rebuild()
+        except Exception as exc:
+            self.rebuild_error = f"rebuild from pods failed: {type(exc).__name__}: {exc}"[:300]
+            raise
+        self.rebuild_error = ""
+        self.metrics.ledger_restored.inc(report.restored)
 
     async def _watch_quota(self) -> None:
         async for key, value, _revision in bus.watch_models(
@@ -271,7 +359,7 @@ class SchedulerService:
             await self.scheduler.release(node, uid, why="pod deleted")
         elif phase in _FINISHED_PHASES:
             await self.scheduler.release(node, uid, why=f"pod {phase.lower()}")
-        elif _init_containers_succeeded(pod):
+        elif init_containers_succeeded(pod):
             entry = self.index.entries.get(node)
             allocation = entry.ledger.allocations.get(uid) if entry and entry.ledger else None
             if allocation is not None and allocation.init_count and not allocation.init_done:
@@ -294,7 +382,8 @@ class SchedulerService:
         now = self.clock()
         limit = 2 * self.settings.node_ttl_s
         for name, entry in list(self.index.entries.items()):
-            if entry.registration is not None and now - entry.registration.heartbeat_at > limit:
+            heard = self.heard.get(name)
+            if entry.registration is not None and heard is not None and now - heard > limit:
                 await self._announce_lost(name, f"no heartbeat for {limit:.0f} s")
                 self.index.set_registration(name, None, now)
 

@@ -156,6 +156,11 @@ def register(app: typer.Typer) -> None:
         free_ports: bool = typer.Option(
             False, "--free-ports", help="pick free ports instead of 6443/8888/9443/9394"
         ),
+        nats_cluster: int = typer.Option(
+            1, "--nats-cluster", min=1, max=5,
+            help="NATS servers: 3 runs a JetStream cluster (each its own store, buckets and "
+            "stream with 3 replicas)",
+        ),
     ) -> None:
         """Start NATS, kube-sim with simulated GPU nodes, and every service; Ctrl-C stops all."""
         console = Console()
@@ -164,7 +169,10 @@ def register(app: typer.Typer) -> None:
         )
         ports = StackPorts.free() if free_ports else StackPorts()
         services = default_services(sim_nodes, state_dir, ports, run_containers)
-        stack = LocalStack(state_dir, services, nats_url=os.environ.get("NATS_URL"), ports=ports)
+        stack = LocalStack(
+            state_dir, services, nats_url=os.environ.get("NATS_URL"), ports=ports,
+            nats_cluster=nats_cluster if nats_cluster > 1 else 0,
+        )  # fmt: skip
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:

@@ -1,0 +1,128 @@
+"""Rebuilding the ledger from the cluster: the cluster is the durable record.
+
+Every pod the scheduler binds carries its grants in HAMi's annotations
+(`hami.io/vgpu-devices-to-allocate`, `hami.io/vgpu-node`, `hami.io/bind-phase`). When the ledger
+is empty or lost (NATS lost its store, a bucket was deleted), the bound pods still run on those
+grants, so before any new placement the scheduler lists every pod and writes back, per node, the
+allocations the ledger is missing. Each node is one compare-and-set that only ever *adds* missing
+pods, so any number of replicas may rebuild at once, and a rebuild over an intact ledger writes
+nothing.
+
+`restore_mutate` is pure (reading the pods is `tessera.restore`, shared with quota, which rebuilds
+its charges from the same pods); `LedgerRebuilder` does the I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from tessera.bus import CasConflictError, NoChange, Versioned, cas_update
+from tessera.cluster.port import ClusterPort
+from tessera.models import Allocation, InFlightClaim, NodeLedger
+from tessera.restore import RestoreReport, allocations_from_pods
+
+from .index import ClusterIndex
+
+log = logging.getLogger("tessera.scheduler")
+
+
+def restore_mutate(
+    node: str,
+    found: list[tuple[Allocation, InFlightClaim | None]],
+    restored: list[str],
+    current: NodeLedger | None,
+) -> NodeLedger:
+    """Add the pods the node's ledger lacks; never change or drop what it holds. The claim is
+    restored only when the node has none."""
+    restored.clear()
+    ledger = current or NodeLedger(node=node)
+    allocations = dict(ledger.allocations)
+    claim = ledger.claim
+    for allocation, pod_claim in found:
+        held = allocations.get(allocation.pod_uid)
+        if held is not None and held.active:
+            continue
+        allocations[allocation.pod_uid] = allocation
+        restored.append(allocation.pod_uid)
+        if claim is None and pod_claim is not None:
+            claim = pod_claim
+    if not restored:
+        raise NoChange
+    return ledger.model_copy(update={"allocations": allocations, "claim": claim})
+
+
+class LedgerRebuilder:
+    """Lists every pod and restores, node by node, the allocations the ledger lacks."""
+
+    def __init__(
+        self,
+        *,
+        cluster: ClusterPort,
+        index: ClusterIndex,
+        write: Callable[..., Any],
+        quota_enabled: bool,
+        claim_ttl_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.write = write  # (node, mutate) -> Versioned[NodeLedger]; the ledger KV's CAS
+        self.quota_enabled = quota_enabled
+        self.claim_ttl_s = claim_ttl_s
+        self.clock = clock
+
+    async def rebuild(self) -> RestoreReport:
+        report = RestoreReport()
+        pods = await self.cluster.list_pods()
+        now = self.clock()
+        by_node = allocations_from_pods(
+            pods, quota_held=self.quota_enabled, now=now, claim_ttl_s=self.claim_ttl_s,
+            report=report,
+        )  # fmt: skip
+        for node, found in by_node.items():
+            self._check_devices(node, found, report)
+            # A pod the index already places on another node is not restored twice.
+            missing = [f for f in found if self.index.pod_nodes.get(f[0].pod_uid) in (None, node)]
+            restored: list[str] = []
+            try:
+                result: Versioned[NodeLedger] = await self.write(
+                    node, partial(restore_mutate, node, missing, restored)
+                )
+            except NoChange:
+                continue
+            except CasConflictError as exc:
+                raise RuntimeError(f"ledger rebuild of {node} lost too many races") from exc
+            self.index.set_ledger(node, result.value, result.revision, self.clock())
+            report.restored += len(restored)
+            report.nodes_written += 1
+        if report.restored or report.unreadable or report.unknown_devices:
+            log.warning("ledger rebuilt from the cluster's pods", extra={
+                "restored": report.restored, "nodes": report.nodes_written,
+                "gpu_pods": report.gpu_pods, "unreadable": report.unreadable[:10],
+                "unknown_devices": report.unknown_devices[:10],
+            })  # fmt: skip
+        return report
+
+    def _check_devices(
+        self, node: str, found: list[tuple[Allocation, InFlightClaim | None]],
+        report: RestoreReport,
+    ) -> None:
+        """Grants on devices the node's registration does not list are restored anyway (the pod
+        runs on them) but reported: the node agent may have re-registered different GPUs."""
+        entry = self.index.entries.get(node)
+        if entry is None or entry.registration is None:
+            return
+        known = {d.uuid for d in entry.registration.devices}
+        for allocation, _claim in found:
+            for grant in (g for c in allocation.containers for g in c):
+                if grant.uuid not in known:
+                    report.unknown_devices.append(
+                        f"{allocation.namespace}/{allocation.name} on {node}: {grant.uuid}"
+                    )
+
+
+async def ledger_cas(kv: Any, node: str, mutate: Callable[[NodeLedger | None], NodeLedger]) -> Any:
+    return await cas_update(kv, node, NodeLedger, mutate)
