@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -12,7 +14,8 @@ from tessera.scheduler.config import SchedulerSettings
 from tessera.scheduler.runtime import SchedulerService
 
 from tessera import bus
-from tessera.bus import Buckets, connect, ensure_bus
+from tessera.bus import Buckets, BusKeeper, connect, ensure_bus
+from tessera.clock import ServerClock
 from tessera.cluster.memory import InMemoryCluster
 from tessera.codec import encode
 from tessera.models import AllocationState, NodeLedger, NodeRegistration
@@ -30,28 +33,43 @@ def cluster() -> InMemoryCluster:
 async def make_service(nats_url: str, cluster: InMemoryCluster) -> AsyncIterator[MakeService]:
     """Start scheduler replicas (each with its own NATS connection); all stopped at teardown."""
     started: list[tuple[SchedulerService, Any]] = []
+    upkeep: list[asyncio.Task[None]] = []
+    stop = asyncio.Event()
 
     async def make(
         settings: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         with_cluster: bool = True,
+        clock: Callable[[], float] | None = None,
+        keeper: bool = False,
+        url: str | None = None,
     ) -> SchedulerService:
+        """`clock`: a tessera.clock.ServerClock is kept measured for the replica's life."""
         tessera_settings = TesseraSettings(**{"quota_enabled": False, **(settings or {})})
-        nc = await connect(NatsSettings(NATS_URL=nats_url), name="scheduler-test")
+        nc = await connect(NatsSettings(NATS_URL=url or nats_url), name="scheduler-test")
         js = nc.jetstream()
         buckets = await ensure_bus(js, tessera_settings)
+        instance = f"test-{uuid.uuid4().hex[:6]}"
+        bus_keeper = BusKeeper(js, tessera_settings) if keeper else None
         service = SchedulerService(
             tessera_settings,
             SchedulerSettings(**{"sweep_interval_s": 0.2, **(config or {})}),
             nc, js, buckets, cluster if with_cluster else None,
-            instance=f"test-{uuid.uuid4().hex[:6]}",
+            instance=instance, clock=clock or time.time, keeper=bus_keeper,
         )  # fmt: skip
+        if isinstance(clock, ServerClock):
+            upkeep.append(asyncio.create_task(clock.run(js, instance, stop, 0.5)))
+        if bus_keeper is not None:
+            upkeep.append(asyncio.create_task(bus_keeper.run(stop, 0.2)))
         await service.start()
         await service.wait_ready(10)
         started.append((service, nc))
         return service
 
     yield make
+    stop.set()
+    for task in upkeep:
+        task.cancel()
     for service, nc in started:
         await service.stop()
         await nc.close()
