@@ -17,6 +17,7 @@ async def agent_main(ctx: ServiceContext) -> None:
     agent = NodeAgent(
         settings=ctx.settings, node=node, nc=ctx.nc, js=ctx.js, buckets=ctx.buckets,
         source=source, cluster=cluster_from_settings(ctx.settings), log=ctx.log,
+        clock=ctx.clock,
     )
     await agent.run(ctx.stop)
 

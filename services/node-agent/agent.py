@@ -39,8 +39,10 @@ class NodeAgent:
         cluster: ClusterPort | None = None,
         log: logging.Logger | None = None,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.settings = settings
+        self.clock = clock  # the NATS server's clock: claims it gives back are judged on it
         self.node = node
         self.nc = nc
         self.js = js
@@ -81,7 +83,7 @@ class NodeAgent:
         self.plugin = DevicePluginService(
             settings=self.settings, state=self.state, store=self.store,
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
-            pod_resources=self.pod_resources, **common,
+            pod_resources=self.pod_resources, clock=self.clock, **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log

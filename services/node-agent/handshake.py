@@ -290,7 +290,8 @@ def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
 
 
 def reclaim_mutation(
-    pod_uid: str, ledger: NodeLedger | None, holder: str, ttl_s: float
+    pod_uid: str, ledger: NodeLedger | None, holder: str, ttl_s: float,
+    clock: Callable[[], float] | None = None,
 ) -> NodeLedger:
     """Ledger CAS body after a mis-attributed Allocate: the pod it was wrongly counted for gets
     its claim back, so its own Allocate can still come (only while nobody else holds the claim).
@@ -305,11 +306,12 @@ def reclaim_mutation(
     allocation = ledger.allocations.get(pod_uid)
     if allocation is None or allocation.state != AllocationState.ALLOCATED:
         raise NoChange
+    at = (clock or now)()  # the scheduler judges this claim's expiry on the server's clock
     new = ledger.model_copy(deep=True)
     new.allocations[pod_uid].state = AllocationState.BOUND
-    new.allocations[pod_uid].updated_at = now()
+    new.allocations[pod_uid].updated_at = at
     new.claim = InFlightClaim(
         pod_uid=pod_uid, namespace=allocation.namespace, name=allocation.name,
-        expires_at=now() + ttl_s, holder=holder,
+        taken_at=at, expires_at=at + ttl_s, holder=holder,
     )
     return new

@@ -79,8 +79,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         cluster: ClusterPort | None,
         log: logging.Logger,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.node = node
         self.state = state
         self.store = store
@@ -323,7 +325,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 self.ledger_kv, self.node, NodeLedger,
                 lambda ledger: hs.reclaim_mutation(
                     p.pod_uid, ledger, f"node-agent/{self.node}",
-                    self.settings.reservation_ttl_s,
+                    self.settings.reservation_ttl_s, self.clock,
                 ),
             )
             self.log.warning("claim given back after a mis-attributed Allocate", extra={
