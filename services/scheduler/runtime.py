@@ -103,6 +103,7 @@ class SchedulerService:
         self.heard: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._watch_tasks: list[asyncio.Task[None]] = []
+        self._generation = keeper.generation if keeper is not None else 0  # the bus we synced
         self._micro: Service | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -113,6 +114,8 @@ class SchedulerService:
         """Why filters and binds are refused now ('' when serving)."""
         if self.keeper is not None and not self.keeper.ready:
             return f"scheduler not ready: {self.keeper.reason}"
+        if self.keeper is not None and self.keeper.generation != self._generation:
+            return "scheduler not ready: the buckets were re-created; the ledger is being rebuilt"
         synced = getattr(self.clock, "synced", None)
         if synced is not None and not synced.is_set():
             return "scheduler not ready: the NATS server's clock is not measured yet"
@@ -209,6 +212,7 @@ class SchedulerService:
             for name in list(self.index.entries):
                 self.index.set_ledger(name, None, 0, now)
             self.scheduler.quotas.clear()
+            self._generation = seen
             self._start_watches()
 
     async def serve_http(self, host: str, port: int) -> None:

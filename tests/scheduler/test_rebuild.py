@@ -189,8 +189,9 @@ async def test_wiped_store_under_a_running_scheduler_is_recreated_and_rebuilt(
                 break
             except Exception:
                 await asyncio.sleep(0.1)
-        await service.wait_ready(30)
-        assert service.keeper is not None and service.keeper.generation >= 1
+        keeper = service.keeper
+        assert keeper is not None
+        await wait_until(lambda: keeper.generation >= 1 and service.ready(), 30)
         after = await bus.read(buckets.ledger, name, NodeLedger)
         assert after is not None and set(after.value.allocations) == set(placed)
         await wait_until(lambda: service.index.node(name) is not None
