@@ -184,13 +184,14 @@ class RunningStack:
 
 
 def start_stack(
-    nodes: list[SimNode], env: dict[str, str] | None = None, run_containers: bool = False
+    nodes: list[SimNode], env: dict[str, str] | None = None, run_containers: bool = False,
+    nats_cluster: int = 0,
 ) -> Iterator[RunningStack]:
     state_dir = Path(tempfile.mkdtemp(prefix="tessera-e2e-"))
     ports = StackPorts.free()
     stack = LocalStack(
         state_dir, default_services(nodes, state_dir, ports, run_containers), ports=ports,
-        extra_env={"TESSERA_LOG_LEVEL": "INFO", **(env or {})},
+        extra_env={"TESSERA_LOG_LEVEL": "INFO", **(env or {})}, nats_cluster=nats_cluster,
     )
     running = RunningStack(stack, nodes)
     try:
