@@ -261,6 +261,19 @@ def test_umbrella_globals_reach_every_service(charts_dir: Path) -> None:
     assert managed_resources(config) == set(CUSTOM_NAMES.values())
 
 
+def test_production_values_replicate_every_bucket_on_three_servers(charts_dir: Path) -> None:
+    """One NATS server's lost disk must lose nothing: every service creates (and re-creates)
+    buckets and the stream with 3 replicas by default; a single-server install can say 1."""
+    for values, wanted in ((None, "3"), ({"global": {"config": {"busReplicas": 1}}}, "1")):
+        manifests = render(charts_dir, "tessera", values)
+        workloads = [m for m in manifests if m["kind"] in ("Deployment", "DaemonSet")]
+        assert len(workloads) == 5
+        for workload in workloads:
+            for c in workload["spec"]["template"]["spec"]["containers"]:
+                if c["name"] != "kube-scheduler":
+                    assert env_of(c)["TESSERA_BUS_REPLICAS"] == wanted, workload["metadata"]
+
+
 # --- scheduler ------------------------------------------------------------------------------
 
 
