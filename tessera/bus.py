@@ -37,6 +37,8 @@ log = logging.getLogger("tessera.bus")
 NODES_BUCKET = "tessera-nodes"
 LEDGER_BUCKET = "tessera-ledger"
 QUOTA_BUCKET = "tessera-quota"
+# One key per pod holding quota: `<namespace>.<pod uid>` -> QuotaCharge (see QuotaState).
+QUOTA_CHARGES_BUCKET = "tessera-quota-charges"
 EVENTS_STREAM = "TESSERA_EVENTS"
 EVENTS_PREFIX = "tessera.events"
 EVENTS_ALL = f"{EVENTS_PREFIX}.>"
@@ -122,6 +124,11 @@ def clock_subject(instance: str) -> str:
     return f"{CLOCK_PREFIX}.{subject_token(instance)}"
 
 
+def quota_charge_key(namespace: str, pod_uid: str) -> str:
+    """Key of one pod's charge in QUOTA_CHARGES_BUCKET (pod uids are KV-safe: [0-9a-f-])."""
+    return f"{namespace}.{pod_uid}"
+
+
 def node_limits_subject(node: str) -> str:
     return f"tessera.node.{subject_token(node)}.limits.set"
 
@@ -193,6 +200,7 @@ class Buckets:
     nodes: KeyValue
     ledger: KeyValue
     quota: KeyValue
+    quota_charges: KeyValue
 
 
 async def ensure_bus(js: JetStreamContext, settings: TesseraSettings) -> Buckets:
@@ -203,13 +211,15 @@ async def ensure_bus(js: JetStreamContext, settings: TesseraSettings) -> Buckets
                              replicas=replicas)  # fmt: skip
     ledger = await _ensure_kv(js, LEDGER_BUCKET, ttl=None, history=5, replicas=replicas)
     quota = await _ensure_kv(js, QUOTA_BUCKET, ttl=None, history=5, replicas=replicas)
+    charges = await _ensure_kv(js, QUOTA_CHARGES_BUCKET, ttl=None, history=1, replicas=replicas)
     await ensure_events_stream(js, replicas)
     await ensure_clock_stream(js, replicas)
-    return Buckets(nodes=nodes, ledger=ledger, quota=quota)
+    return Buckets(nodes=nodes, ledger=ledger, quota=quota, quota_charges=charges)
 
 
 BUS_STREAMS = (
-    f"KV_{NODES_BUCKET}", f"KV_{LEDGER_BUCKET}", f"KV_{QUOTA_BUCKET}", EVENTS_STREAM, CLOCK_STREAM,
+    f"KV_{NODES_BUCKET}", f"KV_{LEDGER_BUCKET}", f"KV_{QUOTA_BUCKET}",
+    f"KV_{QUOTA_CHARGES_BUCKET}", EVENTS_STREAM, CLOCK_STREAM,
 )  # fmt: skip
 
 

@@ -146,20 +146,41 @@ class QuotaCharge(Message):
     at: float = Field(default_factory=now)
 
 
+class QuotaUsage(Message):
+    """Totals of the charges folded out of a namespace's state into their own keys."""
+
+    memory_mib: int = Field(0, ge=0)
+    cores: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0)
+    pods: int = Field(0, ge=0)
+
+
 class QuotaState(Message):
-    """KV tessera-quota[namespace]: the limits and the charges that make up usage."""
+    """KV tessera-quota[namespace]: the limits and the usage counter, one small value whatever
+    the namespace's size (every write a CAS).
+
+    Usage = `settled` (the totals of charges kept one per pod in KV tessera-quota-charges, key
+    `<namespace>.<pod uid>`) + `charges` (recent reservations, folded into `settled` and their
+    own keys a few seconds later). `releasing`: settled charges already taken out of `settled`
+    whose keys are being deleted. A status reply carries every charge in `charges` instead.
+    """
 
     namespace: str
     limits: QuotaAmount = Field(default_factory=QuotaAmount)
     charges: dict[str, QuotaCharge] = Field(default_factory=dict)
     source: str = Field("", description="where the limits came from (ResourceQuota name, cli)")
+    settled: QuotaUsage = Field(default_factory=QuotaUsage)
+    releasing: dict[str, QuotaCharge] = Field(default_factory=dict)
 
     def used(self) -> QuotaAmount:
         return QuotaAmount(
-            memory_mib=sum(c.memory_mib for c in self.charges.values()),
-            cores=sum(c.cores for c in self.charges.values()),
-            gpus=sum(c.gpus for c in self.charges.values()),
+            memory_mib=self.settled.memory_mib + sum(c.memory_mib for c in self.charges.values()),
+            cores=self.settled.cores + sum(c.cores for c in self.charges.values()),
+            gpus=self.settled.gpus + sum(c.gpus for c in self.charges.values()),
         )
+
+    def pods(self) -> int:
+        return self.settled.pods + len(self.charges)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tessera.models import (
     QuotaCharge,
     QuotaRequest,
     QuotaState,
+    QuotaUsage,
 )
 
 DIMENSIONS: tuple[tuple[str, str, str], ...] = (
@@ -42,6 +43,8 @@ _MAXIMA = {"memory_mib": MAX_MEMORY_MIB, "cores": MAX_CORES, "gpus": MAX_GPUS}
 
 # Kubernetes namespace names are DNS-1123 labels.
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Pod uids are UUIDs; anything a KV key can hold after "<namespace>." is accepted.
+_POD_UID = re.compile(r"^[-_=a-zA-Z0-9]{1,128}$")
 
 RESOURCE_QUOTA_SOURCE = "resourcequota/"
 
@@ -59,9 +62,34 @@ class QuotaRefused(Exception):
 
 
 def _copy(state: QuotaState) -> QuotaState:
-    """A new state whose charge map can be changed without touching `state` (charges themselves
-    are never mutated, only replaced, so they are shared: a namespace may hold thousands)."""
-    return state.model_copy(update={"charges": dict(state.charges)})
+    """A new state whose maps can be changed without touching `state` (charges themselves are
+    never mutated, only replaced, so they are shared)."""
+    return state.model_copy(update={
+        "charges": dict(state.charges), "releasing": dict(state.releasing),
+        "settled": state.settled.model_copy(),
+    })  # fmt: skip
+
+
+def _add(usage: QuotaUsage, charge: QuotaCharge, sign: int) -> None:
+    usage.memory_mib = max(0, usage.memory_mib + sign * charge.memory_mib)
+    usage.cores = max(0, usage.cores + sign * charge.cores)
+    usage.gpus = max(0, usage.gpus + sign * charge.gpus)
+    usage.pods = max(0, usage.pods + sign)
+
+
+def held_charge(
+    state: QuotaState | None, pod_uid: str, own_settled: QuotaCharge | None
+) -> QuotaCharge | None:
+    """What the pod holds now: its journal entry, else its settled key (unless being released)."""
+    if not pod_uid:
+        return None
+    if state is None:
+        return own_settled
+    if pod_uid in state.charges:
+        return state.charges[pod_uid]
+    if pod_uid in state.releasing:
+        return None
+    return own_settled
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -89,6 +117,10 @@ def check_request(request: QuotaRequest) -> None:
             )
     if len(request.pod_uid) > 128:
         raise QuotaInputError("pod_uid is longer than 128 characters")
+    if request.pod_uid and not _POD_UID.match(request.pod_uid):
+        raise QuotaInputError(
+            "pod_uid must be 1-128 letters, digits, '-', '_' or '=' (a Kubernetes pod uid)"
+        )
     if len(request.name) > 253:
         raise QuotaInputError("name is longer than 253 characters (not a Kubernetes pod name)")
 
@@ -113,16 +145,18 @@ def asks_gpu(amount: QuotaRequest | QuotaCharge) -> bool:
     return amount.gpus > 0 or amount.memory_mib > 0 or amount.cores > 0
 
 
-def refusal(state: QuotaState | None, request: QuotaRequest) -> str | None:
+def refusal(
+    state: QuotaState | None, request: QuotaRequest, own_settled: QuotaCharge | None = None
+) -> str | None:
     """Why `request` cannot fit on top of what the namespace already holds (None = it fits).
 
-    A charge the same pod already holds is not counted twice: a retried or resized reservation
-    is checked as a replacement of the old one.
+    A charge the same pod already holds (in the journal, or settled: `own_settled`) is not
+    counted twice: a retried or resized reservation is checked as a replacement of the old one.
     """
     if state is None or not asks_gpu(request):
         return None
-    own = request.pod_uid
-    held = [c for uid, c in state.charges.items() if not (own and uid == own)]
+    own = held_charge(state, request.pod_uid, own_settled)
+    used_now = state.used()
     reasons = []
     for field, word, unit in DIMENSIONS:
         limit = getattr(state.limits, field)
@@ -131,7 +165,7 @@ def refusal(state: QuotaState | None, request: QuotaRequest) -> str | None:
         if limit == 0:
             reasons.append(f"{word} limit is 0: GPU use is blocked in namespace {state.namespace}")
             continue
-        used = sum(getattr(c, field) for c in held)
+        used = (getattr(used_now, field) or 0) - (getattr(own, field) if own else 0)
         wanted = getattr(request, field)
         if used + wanted > limit:
             reasons.append(f"{word} {used} used + {wanted} requested > {limit} {unit} limit")
@@ -155,46 +189,121 @@ def same_amounts(a: QuotaCharge, b: QuotaCharge) -> bool:
     return (a.memory_mib, a.cores, a.gpus) == (b.memory_mib, b.cores, b.gpus)
 
 
-def reserve(state: QuotaState | None, request: QuotaRequest, at: float) -> QuotaState:
-    """Hold `request` under its pod uid. Idempotent: the same charge again is NoChange.
+def reserve(
+    state: QuotaState | None, request: QuotaRequest, at: float,
+    own_settled: QuotaCharge | None = None,
+) -> QuotaState:  # fmt: skip
+    """Hold `request` under its pod uid, in the journal. Idempotent: the same charge again is
+    NoChange. `own_settled`: the pod's settled charge (its key), if it has one.
 
     Raises QuotaRefused when it does not fit (nothing is written), NoChange when the pod already
     holds exactly this charge or asks no GPU at all.
     """
-    if not request.pod_uid:
+    uid = request.pod_uid
+    if not uid:
         raise QuotaInputError("a reservation needs pod_uid (use check_only to only ask)")
-    current = state.charges.get(request.pod_uid) if state else None
+    current = held_charge(state, uid, own_settled)
     new_charge = charge_of(request, at)
     if current is not None and same_amounts(current, new_charge):
         raise NoChange
     if not asks_gpu(request) and current is None:
         raise NoChange
-    reason = refusal(state, request)
+    reason = refusal(state, request, own_settled)
     if reason:
         raise QuotaRefused(reason)
     new_state = _copy(state) if state else QuotaState(namespace=request.namespace)
+    settled = current is not None and uid not in new_state.charges
+    if settled:  # a resize of a folded charge: out of the totals, back into the journal
+        assert current is not None
+        _add(new_state.settled, current, -1)
     if asks_gpu(request):
-        new_state.charges[request.pod_uid] = new_charge
+        new_state.charges[uid] = new_charge
     else:
-        new_state.charges.pop(request.pod_uid, None)
+        new_state.charges.pop(uid, None)
+        if settled:
+            new_state.releasing[uid] = current  # type: ignore[assignment]
     return new_state
 
 
 def release(
-    state: QuotaState | None, pod_uid: str, *, charged_before: float | None = None
-) -> QuotaState:
-    """Free what `pod_uid` holds. NoChange when it holds nothing.
+    state: QuotaState | None, pod_uid: str, *, charged_before: float | None = None,
+    own_settled: QuotaCharge | None = None,
+) -> QuotaState:  # fmt: skip
+    """Free what `pod_uid` holds (journal entry or settled key). NoChange when it holds nothing.
 
     `charged_before`: only free a charge made at or before this time (a release event must not
-    free a newer reservation of the same pod).
+    free a newer reservation of the same pod). A settled charge leaves the totals at once and
+    waits in `releasing` until its key is deleted.
     """
-    if state is None or pod_uid not in state.charges:
+    current = held_charge(state, pod_uid, own_settled)
+    if state is None or current is None:
         raise NoChange
-    if charged_before is not None and state.charges[pod_uid].at > charged_before:
+    if charged_before is not None and current.at > charged_before:
         raise NoChange
     new_state = _copy(state)
-    del new_state.charges[pod_uid]
+    if pod_uid in new_state.charges:
+        del new_state.charges[pod_uid]
+        if own_settled is not None:
+            new_state.releasing[pod_uid] = own_settled  # a stale key from a resize
+    else:
+        _add(new_state.settled, current, -1)
+        new_state.releasing[pod_uid] = current
     return new_state
+
+
+def restore(state: QuotaState | None, namespace: str, charges: list[QuotaCharge]) -> QuotaState:
+    """Give back charges found missing (quota state lost; pods still run): into the journal,
+    with no limit check (the pods already hold the GPUs). NoChange when all are held."""
+    new_state = _copy(state) if state else QuotaState(namespace=namespace)
+    added = False
+    for charge in charges:
+        if charge.pod_uid not in new_state.charges and asks_gpu(charge):
+            new_state.charges[charge.pod_uid] = charge
+            new_state.releasing.pop(charge.pod_uid, None)
+            added = True
+    if not added:
+        raise NoChange
+    return new_state
+
+
+def fold(state: QuotaState, folded: set[str], gone: set[str]) -> QuotaState:
+    """Journal entries whose keys are written (`folded`) move into the totals; `gone`: released
+    keys confirmed deleted. NoChange when neither applies."""
+    if not (folded & set(state.charges)) and not (gone & set(state.releasing)):
+        raise NoChange
+    new_state = _copy(state)
+    for uid in folded:
+        charge = new_state.charges.pop(uid, None)
+        if charge is not None:
+            _add(new_state.settled, charge, +1)
+            new_state.releasing.pop(uid, None)
+    for uid in gone:
+        if uid not in new_state.charges:
+            new_state.releasing.pop(uid, None)
+    return new_state
+
+
+def recompute(state: QuotaState, keys: Mapping[str, QuotaCharge]) -> QuotaState:
+    """The settled totals as the keys say (keys of pods in the journal or being released are
+    not counted: they are counted there, or no longer). NoChange when they agree."""
+    usage = QuotaUsage()
+    for uid, charge in keys.items():
+        if uid not in state.charges and uid not in state.releasing:
+            _add(usage, charge, +1)
+    if usage == state.settled:
+        raise NoChange
+    new_state = _copy(state)
+    new_state.settled = usage
+    return new_state
+
+
+def full_view(state: QuotaState, keys: Mapping[str, QuotaCharge]) -> QuotaState:
+    """Every charge the namespace holds in `charges` (settled keys and journal), no totals."""
+    charges = {u: c for u, c in keys.items() if u not in state.releasing}
+    charges.update(state.charges)
+    return state.model_copy(
+        update={"charges": charges, "settled": QuotaUsage(), "releasing": {}}
+    )
 
 
 def set_limits(

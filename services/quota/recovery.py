@@ -10,6 +10,7 @@ A crash anywhere between the scheduler's reservation and its release must neithe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
@@ -19,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.kv import KeyValue
 from tessera.quota import arithmetic as qa
+from tessera.quota.store import QuotaStore
 
 from tessera import bus
 from tessera.codec import CodecError, Message, decode
@@ -60,12 +62,14 @@ class Reconciler:
         clock: Callable[[], float],
         grace_s: float,
         log: logging.Logger,
+        store: QuotaStore,
     ) -> None:
         self.quota = quota
         self.ledger = ledger
         self.clock = clock
         self.grace_s = grace_s
         self.log = log
+        self.store = store
 
     async def run_once(self) -> int:
         """Reconcile every namespace; returns how many namespaces were rewritten."""
@@ -81,42 +85,44 @@ class Reconciler:
         now = self.clock()
         rewritten = 0
         for namespace in sorted(set(states) | set(backed)):
-            ns_backed = backed.get(namespace, {})
-            state = states.get(namespace)
-            if state is not None and not _may_change(state[0], ns_backed, now, self.grace_s):
-                continue
-            held = state[0].charges if state else {}
-            if any(uid not in held for uid in ns_backed):
-                ns_backed = await self._still_backed(ns_backed, held)
-
-            def mutate(
-                current: QuotaState | None, ns: str = namespace, b: dict = ns_backed
-            ) -> QuotaState:
-                return qa.reconcile(current, ns, b, now, self.grace_s)
-
             try:
-                before = state[0].charges.keys() if state else set()
-                result = await bus.cas_update(self.quota, namespace, QuotaState, mutate)
-            except bus.NoChange:
-                continue
+                rewritten += await self._namespace(
+                    namespace, states.get(namespace), backed.get(namespace, {}), now
+                )
             except Exception as exc:
                 self.log.warning(
                     "reconcile of namespace failed", extra={"namespace": namespace, "err": str(exc)}
                 )
-                continue
-            after = result.value.charges.keys()
-            if set(before) != set(after):
-                rewritten += 1
-                self.log.info(
-                    "quota reconciled with the ledger",
-                    extra={
-                        "namespace": namespace,
-                        "dropped": sorted(set(before) - set(after)),
-                        "restored": sorted(set(after) - set(before)),
-                    },
-                )
         return rewritten
 
+    async def _namespace(
+        self, namespace: str, state: tuple[QuotaState, int] | None,
+        ns_backed: dict[str, Allocation], now: float,
+    ) -> int:  # fmt: skip
+        keys = await self.store.list_charges(namespace)
+        view = qa.full_view(state[0] if state else QuotaState(namespace=namespace), keys)
+        if any(uid not in view.charges for uid in ns_backed):
+            ns_backed = await self._still_backed(ns_backed, view.charges)
+        try:
+            target = qa.reconcile(view, namespace, ns_backed, now, self.grace_s)
+        except bus.NoChange:
+            target = view
+        dropped = sorted(set(view.charges) - set(target.charges))
+        restored = sorted(set(target.charges) - set(view.charges))
+        for uid in dropped:
+            await self.store.update(namespace, uid, lambda s, own, u=uid: qa.release(
+                s, u, charged_before=now - self.grace_s, own_settled=own))  # fmt: skip
+        if restored:
+            back = [target.charges[u] for u in restored]
+            with contextlib.suppress(bus.NoChange):
+                await bus.cas_update(self.quota, namespace, QuotaState,
+                                     lambda s: qa.restore(s, namespace, back))  # fmt: skip
+        healed = await self.store.recompute(namespace) if state else False
+        if dropped or restored:
+            self.log.info("quota reconciled with the ledger", extra={
+                "namespace": namespace, "dropped": dropped, "restored": restored,
+            })  # fmt: skip
+        return int(bool(dropped or restored or healed))
 
     async def _still_backed(
         self, backed: dict[str, Allocation], held: Mapping[str, object]
@@ -140,17 +146,6 @@ class Reconciler:
                 ):
                     confirmed[uid] = now_alloc
         return confirmed
-
-
-def _may_change(
-    state: QuotaState, backed: dict[str, Allocation], now: float, grace_s: float
-) -> bool:
-    """Cheap pre-check so that a quiet pass writes nothing."""
-    try:
-        qa.reconcile(state, state.namespace, backed, now, grace_s)
-    except bus.NoChange:
-        return False
-    return True
 
 
 ReleaseHandler = Callable[[str, str, float | None], Awaitable[bool]]

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import os
 import socket
 import time
@@ -29,6 +28,7 @@ from nats.micro.service import Service
 from tessera.quota import arithmetic as qa
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
+from tessera.quota.store import QuotaStore
 
 from tessera import bus
 from tessera.bus import (
@@ -38,13 +38,13 @@ from tessera.bus import (
     NoChange,
     Versioned,
     cas_update,
-    read,
 )
 from tessera.cluster.port import ClusterPort
 from tessera.codec import CodecError, Message, decode, encode
 from tessera.models import (
     ErrorReply,
     QuotaAmount,
+    QuotaCharge,
     QuotaEvent,
     QuotaReply,
     QuotaRequest,
@@ -89,6 +89,7 @@ class QuotaService:
         self.instance = instance or f"quota-{socket.gethostname()}-{os.getpid()}"
         self.clock = clock
         self.log = log or logging.getLogger("tessera.quota")
+        self.store = QuotaStore(buckets.quota, buckets.quota_charges, clock, self.log)
         self.reconciler = Reconciler(
             quota=buckets.quota,
             ledger=buckets.ledger,
@@ -98,6 +99,7 @@ class QuotaService:
             grace_s=settings.reservation_ttl_s
             + (settings.quota_grace_margin_s if grace_margin_s is None else grace_margin_s),
             log=self.log,
+            store=self.store,
         )
         self.reconcile_interval_s = reconcile_interval_s or settings.quota_reconcile_interval_s
         self.releases = ReleaseConsumer(self.js, consumer, self._release_charge, self.log)
@@ -125,6 +127,7 @@ class QuotaService:
         except Exception as exc:  # the periodic pass will try again
             self.log.warning("start-up reconcile failed", extra={"err": str(exc)})
         self._tasks.append(asyncio.create_task(self._reconcile_loop()))
+        self._tasks.append(asyncio.create_task(self._fold_loop()))
         self._tasks.append(asyncio.create_task(self.releases.run(self._stopping)))
         if self.rq_watcher is not None:
             self._tasks.append(asyncio.create_task(self.rq_watcher.run(self._stopping)))
@@ -205,6 +208,19 @@ class QuotaService:
             except Exception as exc:
                 self.log.warning("reconcile failed", extra={"err": str(exc)})
 
+    async def _fold_loop(self, interval_s: float = 1.0) -> None:
+        """Keep every namespace's counter small: journal entries move into their own keys."""
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval_s)
+            try:
+                states = await snapshot(self.kv, QuotaState, self.log)
+                for namespace, (state, _revision) in states.items():
+                    if state.charges or state.releasing:
+                        await self.store.fold(namespace)
+            except Exception as exc:
+                self.log.warning("fold pass failed", extra={"err": str(exc)})
+
     # --- NATS lost its store -------------------------------------------------------------------
 
     async def _follow_bus(self, keeper: BusKeeper) -> None:
@@ -251,10 +267,16 @@ class QuotaService:
                 backed[allocation.namespace][allocation.pod_uid] = allocation
         written = 0
         for namespace, allocations in backed.items():
+            view = await self.store.full_state(namespace) or QuotaState(namespace=namespace)
+            missing = [
+                qa.charge_from_allocation(a) for u, a in allocations.items()
+                if u not in view.charges
+            ]  # fmt: skip
+            if not missing:
+                continue
             _result, wrote = await cas_apply(
-                self.kv, namespace,
-                lambda s, ns=namespace, a=allocations: qa.reconcile(s, ns, a, now, math.inf),
-            )  # fmt: skip
+                self.kv, namespace, lambda s, ns=namespace, m=missing: qa.restore(s, ns, m)
+            )
             written += wrote
         return written
 
@@ -307,9 +329,9 @@ class QuotaService:
         if wait:
             return ErrorReply(reason=wait)
         if req.check_only:
-            current = await read(self.kv, req.namespace, QuotaState)
+            current, own = await self.store.read_with_own(req.namespace, req.pod_uid)
             state = current.value if current else None
-            reason = qa.refusal(state, req)
+            reason = qa.refusal(state, req, own)
             if reason:
                 self._exceeded(state, req, reason)
                 return QuotaReply(ok=False, reason=reason, states=_summary(state, req))
@@ -319,17 +341,17 @@ class QuotaService:
         stamp = self.clock()
         seen: list[QuotaState | None] = [None]
 
-        def hold(state: QuotaState | None) -> QuotaState:
+        def hold(state: QuotaState | None, own: QuotaCharge | None) -> QuotaState:
             seen[0] = state  # the state a refusal was decided against, for the event
-            return qa.reserve(state, req, stamp)
+            return qa.reserve(state, req, stamp, own)
 
         try:
-            result, wrote = await cas_apply(self.kv, req.namespace, hold)
+            result, wrote = await self.store.update(req.namespace, req.pod_uid, hold)
         except qa.QuotaRefused as refused:
             self._exceeded(seen[0], req, refused.reason)
             return QuotaReply(ok=False, reason=refused.reason, states=_summary(seen[0], req))
         state = result.value if result else None
-        if state is None or req.pod_uid not in state.charges:
+        if not qa.asks_gpu(req):
             outcome = "nothing to hold: the pod asks no GPU"
         elif wrote:
             outcome = "reserved"
@@ -341,8 +363,8 @@ class QuotaService:
         qa.check_namespace(req.namespace)
         if not req.pod_uid:
             raise qa.QuotaInputError("release needs pod_uid")
-        result, freed = await cas_apply(
-            self.kv, req.namespace, lambda s: qa.release(s, req.pod_uid)
+        result, freed = await self.store.update(
+            req.namespace, req.pod_uid, lambda s, own: qa.release(s, req.pod_uid, own_settled=own)
         )
         return QuotaReply(
             ok=True,
@@ -353,13 +375,13 @@ class QuotaService:
     async def status(self, req: QuotaStatusRequest) -> Message:
         if req.namespace:
             qa.check_namespace(req.namespace)
-            current = await read(self.kv, req.namespace, QuotaState)
-            if current is None:
+            full = await self.store.full_state(req.namespace)
+            if full is None:
                 return ErrorReply(
                     reason=f"unknown namespace {req.namespace!r}: no quota limits or charges "
                     "are recorded for it (its GPU use is unlimited)"
                 )
-            return QuotaReply(ok=True, states=[current.value])
+            return QuotaReply(ok=True, states=[full])
         states = await snapshot(self.kv, QuotaState, self.log)
         return QuotaReply(ok=True, states=[v for _k, (v, _r) in sorted(states.items())])
 
@@ -412,9 +434,8 @@ class QuotaService:
         self, namespace: str, pod_uid: str, charged_before: float | None
     ) -> bool:
         """Free `pod_uid`'s charge; True when this call freed it."""
-        _result, wrote = await cas_apply(
-            self.kv, namespace, lambda s: qa.release(s, pod_uid, charged_before=charged_before)
-        )
+        _result, wrote = await self.store.update(namespace, pod_uid, lambda s, own: qa.release(
+            s, pod_uid, charged_before=charged_before, own_settled=own))  # fmt: skip
         return wrote
 
     # --- events (published in the background: a reply never waits on the stream) -------------

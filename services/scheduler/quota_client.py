@@ -47,15 +47,16 @@ def quota_budget(state: QuotaState | None, uid: str) -> QuotaBudget:
     """What the namespace has left for pod `uid` (its own charge, if held, not counted)."""
     if state is None:
         return QuotaBudget()
-    charges = [c for k, c in state.charges.items() if k != uid]
+    used = state.used()  # settled totals + recent charges
+    own = state.charges.get(uid)
     limits = state.limits
 
     def left(limit: int | None, used: int) -> int | None:
         return None if limit is None else max(0, limit - used)
 
     return QuotaBudget(
-        left(limits.memory_mib, sum(c.memory_mib for c in charges)),
-        left(limits.cores, sum(c.cores for c in charges)),
+        left(limits.memory_mib, (used.memory_mib or 0) - (own.memory_mib if own else 0)),
+        left(limits.cores, (used.cores or 0) - (own.cores if own else 0)),
     )
 
 

@@ -118,7 +118,7 @@ def states_table(states: list[QuotaState], title: str = "GPU quotas") -> Table:
             _cell(used.memory_mib, state.limits.memory_mib, " MiB"),
             _cell(used.cores, state.limits.cores, "%"),
             _cell(used.gpus, state.limits.gpus, ""),
-            str(len(state.charges)),
+            str(state.pods()),
             state.source or "-",
         )
     return table

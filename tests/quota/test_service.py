@@ -10,7 +10,7 @@ import msgpack
 from quota_testkit import call, eventually, next_event, unique_namespace
 
 from tessera import bus
-from tessera.bus import connect, read
+from tessera.bus import connect
 from tessera.models import (
     AllocationEvent,
     ErrorReply,
@@ -18,7 +18,6 @@ from tessera.models import (
     QuotaReply,
     QuotaRequest,
     QuotaSetRequest,
-    QuotaState,
     QuotaStatusRequest,
 )
 from tessera.settings import NatsSettings
@@ -153,8 +152,8 @@ async def test_concurrent_reservations_from_many_clients_and_two_replicas_never_
         granted = {f"pod{i}" for i, r in enumerate(replies) if r.ok}
         assert len(granted) == 10
 
-        state = (await read(first.kv, ns, QuotaState)).value
-        assert set(state.charges) == granted
+        state = await first.store.full_state(ns)
+        assert state is not None and set(state.charges) == granted
         assert state.used().memory_mib == 10_000
 
         # Every client retries everything: the winners stay winners, nobody else gets in.

@@ -1,0 +1,194 @@
+"""Quota state in NATS: a small per-namespace counter plus one key per charged pod.
+
+A namespace's `QuotaState` (KV tessera-quota) holds its limits, the totals of its settled charges
+and a short journal of recent reservations; every reservation and release is one compare-and-set
+of that value, so the fit check stays atomic across replicas while the value stays a few hundred
+bytes whatever the namespace's size (10,000 pods included: no 1 MiB ceiling, no O(pods) decode).
+Each pod's charge also lives under its own key in KV tessera-quota-charges
+(`<namespace>.<pod uid>`): written when the journal entry is folded into the totals a few seconds
+later (`fold`), deleted when the charge is released. `recompute` re-derives the totals from the
+keys under the same CAS, so a crash between the two writes heals.
+
+Reads of a pod's own key go out together with the read of the counter (one round trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+from tessera.quota import arithmetic as qa
+
+from tessera import bus
+from tessera.bus import CasConflictError, NoChange, Versioned, read
+from tessera.codec import CodecError, decode, encode
+from tessera.models import QuotaCharge, QuotaState
+
+# Many replicas hammering one namespace lose CAS races to each other; keep trying well past the
+# default before answering "busy" (each attempt is a read and a conditional write, ~1 ms).
+CAS_ATTEMPTS = 200
+FOLD_AFTER_S = 2.0  # journal entries older than this get their own key and leave the journal
+
+Mutate = Callable[[QuotaState | None, QuotaCharge | None], QuotaState]
+
+
+class QuotaStore:
+    def __init__(
+        self, counters: KeyValue, charges: KeyValue, clock: Callable[[], float],
+        log: logging.Logger | None = None,
+    ) -> None:  # fmt: skip
+        self.counters = counters
+        self.charges = charges
+        self.clock = clock
+        self.log = log or logging.getLogger("tessera.quota")
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def settled_charge(self, namespace: str, pod_uid: str) -> QuotaCharge | None:
+        if not pod_uid:
+            return None
+        try:
+            entry = await self.charges.get(bus.quota_charge_key(namespace, pod_uid))
+        except KeyNotFoundError:
+            return None
+        if entry.value is None or entry.operation in ("DEL", "PURGE"):
+            return None
+        try:
+            return decode(entry.value, QuotaCharge)
+        except CodecError as exc:
+            self.log.warning("undecodable charge key ignored", extra={"key": entry.key,
+                                                                     "err": str(exc)})  # fmt: skip
+            return None
+
+    async def read_with_own(
+        self, namespace: str, pod_uid: str
+    ) -> tuple[Versioned[QuotaState] | None, QuotaCharge | None]:
+        """The namespace's counter and the pod's settled charge, in one round trip."""
+        counter, own = await asyncio.gather(
+            read(self.counters, namespace, QuotaState), self.settled_charge(namespace, pod_uid)
+        )
+        return counter, own
+
+    async def list_charges(self, namespace: str) -> dict[str, QuotaCharge]:
+        """Every charge key of the namespace, by pod uid (O(pods): for passes, never requests)."""
+        out: dict[str, QuotaCharge] = {}
+        watcher = await self.charges.watch(f"{namespace}.*")
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                uid = entry.key.split(".", 1)[1]
+                if entry.value is None or entry.operation in ("DEL", "PURGE"):
+                    out.pop(uid, None)
+                    continue
+                try:
+                    out[uid] = decode(entry.value, QuotaCharge)
+                except CodecError:
+                    continue
+        finally:
+            await watcher.stop()
+        return out
+
+    async def full_state(self, namespace: str) -> QuotaState | None:
+        """The namespace with every charge in `charges` (status replies, the CLI)."""
+        counter = await read(self.counters, namespace, QuotaState)
+        keys = await self.list_charges(namespace)
+        if counter is None and not keys:
+            return None
+        state = counter.value if counter else QuotaState(namespace=namespace)
+        return qa.full_view(state, keys)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    async def update(
+        self, namespace: str, pod_uid: str, mutate: Mutate
+    ) -> tuple[Versioned[QuotaState] | None, bool]:
+        """CAS the counter with `mutate(state, the pod's settled charge)`; (result, wrote).
+        NoChange leaves it as is: (current value or None, False). A charge this write puts into
+        `releasing` has its key deleted before returning."""
+        for _ in range(CAS_ATTEMPTS):
+            current, own = await self.read_with_own(namespace, pod_uid)
+            try:
+                new = mutate(current.value if current else None, own)
+            except NoChange:
+                return current, False
+            payload = encode(new)
+            try:
+                if current is None:
+                    revision = await self.counters.create(namespace, payload)
+                else:
+                    revision = await self.counters.update(namespace, payload,
+                                                          last=current.revision)  # fmt: skip
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(0.001)
+                continue
+            if pod_uid and pod_uid in new.releasing and own is not None:
+                await self._delete_key(namespace, pod_uid)
+            return Versioned(new, revision), True
+        raise CasConflictError(f"{namespace}: gave up after {CAS_ATTEMPTS} conflicting writes")
+
+    async def _delete_key(self, namespace: str, pod_uid: str) -> None:
+        try:
+            await self.charges.delete(bus.quota_charge_key(namespace, pod_uid))
+        except Exception as exc:  # the fold pass deletes it later
+            self.log.warning("charge key not deleted", extra={"namespace": namespace,
+                                                              "pod_uid": pod_uid, "err": str(exc)})
+
+    async def fold(self, namespace: str) -> int:
+        """Give journal entries older than FOLD_AFTER_S their own keys and move them into the
+        settled totals; finish deletions of released keys. Returns how many were folded."""
+        for _ in range(CAS_ATTEMPTS):
+            current = await read(self.counters, namespace, QuotaState)
+            if current is None:
+                return 0
+            state = current.value
+            now = self.clock()
+            due = {u: c for u, c in state.charges.items() if now - c.at >= FOLD_AFTER_S}
+            if not due and not state.releasing:
+                return 0
+            await asyncio.gather(*(
+                self.charges.put(bus.quota_charge_key(namespace, u), encode(c))
+                for u, c in due.items()
+            ))  # fmt: skip
+            gone = set()
+            for uid in state.releasing:
+                if uid in state.charges:
+                    continue  # re-reserved meanwhile: its new key comes with its fold
+                await self._delete_key(namespace, uid)
+                gone.add(uid)
+            try:
+                new = qa.fold(state, set(due), gone)
+            except NoChange:
+                return 0
+            try:
+                await self.counters.update(namespace, encode(new), last=current.revision)
+            except KeyWrongLastSequenceError:
+                continue
+            return len(due)
+        return 0
+
+    async def recompute(self, namespace: str) -> bool:
+        """Re-derive the settled totals from the keys (heals a crash between a counter write and
+        its key write); True when they were off."""
+        for _ in range(CAS_ATTEMPTS):
+            current = await read(self.counters, namespace, QuotaState)
+            if current is None:
+                return False
+            keys = await self.list_charges(namespace)
+            try:
+                new = qa.recompute(current.value, keys)
+            except NoChange:
+                return False
+            try:
+                await self.counters.update(namespace, encode(new), last=current.revision)
+            except KeyWrongLastSequenceError:
+                continue
+            self.log.warning("quota totals re-derived from the charge keys", extra={
+                "namespace": namespace, "was": current.value.settled.model_dump(),
+                "now": new.settled.model_dump(),
+            })  # fmt: skip
+            return True
+        return False

@@ -1,0 +1,148 @@
+"""Quota that scales: a namespace's counter stays small however many pods it charges (charges
+are folded into per-pod keys and totals), and the fit check stays atomic across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+from quota_testkit import call, eventually, unique_namespace
+from tessera.quota import arithmetic as qa
+
+from tessera import bus
+from tessera.bus import read
+from tessera.codec import encode
+from tessera.models import (
+    QuotaAmount,
+    QuotaCharge,
+    QuotaReply,
+    QuotaRequest,
+    QuotaSetRequest,
+    QuotaState,
+    QuotaUsage,
+)
+
+NS = "team"
+
+
+def reserve(ns: str, uid: str, mem: int) -> QuotaRequest:
+    return QuotaRequest(namespace=ns, pod_uid=uid, name=uid, memory_mib=mem, gpus=1)
+
+
+async def set_limits(nc, ns: str, memory_mib: int) -> None:  # type: ignore[no-untyped-def]
+    body = QuotaSetRequest(namespace=ns, limits=QuotaAmount(memory_mib=memory_mib))
+    assert (await call(nc, bus.QUOTA_SET, body)).ok
+
+
+def charge(uid: str, mem: int, at: float = 0.0) -> QuotaCharge:
+    return QuotaCharge(pod_uid=uid, memory_mib=mem, gpus=1, at=at)
+
+
+def request(uid: str, mem: int) -> QuotaRequest:
+    return QuotaRequest(namespace=NS, pod_uid=uid, memory_mib=mem, gpus=1)
+
+
+def test_folded_charges_count_and_a_resize_or_release_moves_them_out() -> None:
+    state = qa.reserve(None, request("a", 100), at=1.0)
+    state = qa.reserve(state, request("b", 200), at=1.0)
+    folded = qa.fold(state, {"a", "b"}, set())
+    assert folded.charges == {} and folded.settled == QuotaUsage(memory_mib=300, gpus=2, pods=2)
+    assert folded.used().memory_mib == 300
+    settled_a = charge("a", 100, 1.0)
+    # The same charge again, against its settled key: nothing to write.
+    try:
+        qa.reserve(folded, request("a", 100), at=2.0, own_settled=settled_a)
+        raise AssertionError("a retried reservation was written twice")
+    except bus.NoChange:
+        pass
+    # A resize leaves the totals and is checked as a replacement, not on top.
+    limited = qa.set_limits(folded, NS, QuotaAmount(memory_mib=450), "cli")
+    resized = qa.reserve(limited, request("a", 250), at=2.0, own_settled=settled_a)
+    assert resized.settled.memory_mib == 200 and resized.charges["a"].memory_mib == 250
+    assert resized.used().memory_mib == 450
+    # Releasing a settled charge takes it out at once and marks its key for deletion.
+    released = qa.release(folded, "b", own_settled=charge("b", 200, 1.0))
+    assert released.used().memory_mib == 100 and "b" in released.releasing
+    # A second release of the same charge (its key not deleted yet) frees nothing more.
+    try:
+        qa.release(released, "b", own_settled=charge("b", 200, 1.0))
+        raise AssertionError("a charge was released twice")
+    except bus.NoChange:
+        pass
+    assert qa.fold(released, set(), {"b"}).releasing == {}
+
+
+def test_recompute_trusts_the_keys_except_journal_and_released_ones() -> None:
+    state = QuotaState(namespace=NS, settled=QuotaUsage(memory_mib=999, pods=9),
+                       charges={"j": charge("j", 5)}, releasing={"r": charge("r", 7)})  # fmt: skip
+    keys = {"k1": charge("k1", 10), "k2": charge("k2", 20), "j": charge("j", 4),
+            "r": charge("r", 7)}  # fmt: skip
+    healed = qa.recompute(state, keys)
+    assert healed.settled == QuotaUsage(memory_mib=30, gpus=2, pods=2)
+    assert healed.used().memory_mib == 35
+
+
+async def test_a_large_namespace_keeps_a_small_value_and_two_replicas_never_overfill(
+    start_quota, nc
+) -> None:
+    first = await start_quota()
+    await start_quota()
+    ns = unique_namespace("big")
+    await set_limits(nc, ns, memory_mib=400 * 10)
+    replies = await asyncio.gather(*(
+        call(nc, bus.QUOTA_RESERVE, reserve(ns, f"p{i}", mem=10), timeout=20) for i in range(300)
+    ))  # fmt: skip
+    assert all(isinstance(r, QuotaReply) and r.ok for r in replies)
+
+    async def folded() -> bool:
+        current = await read(first.kv, ns, QuotaState)
+        return current is not None and not current.value.charges and \
+            current.value.settled.pods == 300
+    await eventually(folded, timeout=20)
+    counter = (await read(first.kv, ns, QuotaState)).value
+    assert len(encode(counter)) < 1024, "the namespace's value grows with its pods"
+    assert counter.used().memory_mib == 3000
+    full = await first.store.full_state(ns)
+    assert full is not None and len(full.charges) == 300
+
+    # Two replicas race for the last 100 slots with 160 pods, some of them retries of old ones.
+    racers = [reserve(ns, f"q{i}", mem=10) for i in range(160)]
+    retries = [reserve(ns, f"p{i}", mem=10) for i in range(0, 300, 10)]
+    replies = await asyncio.gather(*(
+        call(nc, bus.QUOTA_RESERVE, body, timeout=20) for body in racers + retries
+    ))  # fmt: skip
+    granted = [b.pod_uid for b, r in zip(racers, replies[: len(racers)], strict=True) if r.ok]
+    assert len(granted) == 100
+    assert all(r.ok and r.reason == "already held" for r in replies[len(racers):])
+    full = await first.store.full_state(ns)
+    assert full is not None and full.used().memory_mib == 4000 and len(full.charges) == 400
+
+    # Releasing settled and recent charges alike frees exactly what they held.
+    for uid in ["p0", "p1", granted[0]]:
+        freed = await call(nc, bus.QUOTA_RELEASE, QuotaRequest(namespace=ns, pod_uid=uid))
+        assert freed.ok and freed.reason == "released"
+    counter = (await read(first.kv, ns, QuotaState)).value
+    assert counter.used().memory_mib == 3970
+    assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "late", mem=40))).ok is False
+    assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "late", mem=30))).ok is True
+
+
+async def test_totals_off_after_a_crash_are_re_derived_from_the_keys(
+    start_quota, nc
+) -> None:
+    first = await start_quota()
+    ns = unique_namespace("heal")
+    for i in range(5):
+        assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, f"p{i}", mem=100))).ok
+
+    async def folded() -> bool:
+        current = await read(first.kv, ns, QuotaState)
+        return current is not None and current.value.settled.pods == 5
+    await eventually(folded, timeout=20)
+
+    def crashed(state: QuotaState | None) -> QuotaState:
+        assert state is not None  # a counter write whose key write never happened
+        return state.model_copy(update={"settled": QuotaUsage(memory_mib=900, gpus=6, pods=6)})
+    await bus.cas_update(first.kv, ns, QuotaState, crashed)
+    assert await first.store.recompute(ns)
+    counter = (await read(first.kv, ns, QuotaState)).value
+    assert counter.settled == QuotaUsage(memory_mib=500, gpus=5, pods=5)
