@@ -38,11 +38,11 @@ struct ctxq {
 
 static pthread_mutex_t cq_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ctxq *qs[TV_MAX_CTX];
-static int64_t dev_est[TSR_MAX_DEVICES];
+static int64_t dev_est[TV_MAX_SLOTS];
 static uint64_t last_launches;
 static int stopping; /* exit has begun: the poll thread no longer calls the driver */
 
-#define RD(d) (&tv.region->dev[d])
+#define RD(d) tv_region_dev(&tv.rg, d)
 
 /* ---- the bucket (lock-free, shared by the container's processes) -------------------------- */
 
@@ -57,7 +57,7 @@ static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now)
     int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED), nb;
     do {
         nb = b + add;
-        if (nb > TV_BURST_NS) nb = b > TV_BURST_NS ? b : TV_BURST_NS;
+        if (nb > TV_BURST_NS) nb = TV_BURST_NS; /* also clamps a budget written into the region */
     } while (!__atomic_compare_exchange_n(&rd->budget_ns, &b, nb, 1, __ATOMIC_RELAXED,
                                           __ATOMIC_RELAXED));
 }
@@ -167,6 +167,11 @@ static void wait_budget(int d)
         } else {
             refill(rd, eff, now);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
+            if (tv_unlikely(b > TV_BURST_NS)) { /* never banked by us: written into the region */
+                __atomic_compare_exchange_n(&rd->budget_ns, &b, 0, 0, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED);
+                continue;
+            }
             if (b > 0) return;
             sleep = (uint64_t)(-b + 1000) * 100 / eff;
         }
@@ -185,7 +190,7 @@ static void note_launch(int d)
 
 static inline void bump_process_launches(void)
 {
-    struct tsr_proc_slot *s = atomic_load_explicit(&tv.slot, memory_order_relaxed);
+    struct tsr_proc_slot *s = atomic_load_explicit(&tv.rg.slot, memory_order_relaxed);
     if (s) __atomic_store_n(&s->launches, __atomic_load_n(&s->launches, __ATOMIC_RELAXED) + 1,
                             __ATOMIC_RELAXED);
 }
@@ -288,6 +293,7 @@ static CUresult lk_thunk(const void *p)
         if (tv_likely(fast_ok()))                                                             \
             return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params, extra);               \
         TV_CUDA_ENTER();                                                                      \
+        if (fast_ok()) return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params, extra);    \
         struct lk_args a = {f, gx, gy, gz, bx, by, bz, sh, s, params, extra, PTSZ, 0};        \
         return gate(s, PTSZ, lk_thunk, &a);                                                   \
     }
@@ -301,6 +307,7 @@ LAUNCH_KERNEL(cuLaunchKernel_ptsz, 1)
     {                                                                                         \
         if (tv_likely(fast_ok())) return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params);\
         TV_CUDA_ENTER();                                                                      \
+        if (fast_ok()) return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params);           \
         struct lk_args a = {f, gx, gy, gz, bx, by, bz, sh, s, params, NULL, PTSZ, 1};         \
         return gate(s, PTSZ, lk_thunk, &a);                                                   \
     }
@@ -327,6 +334,7 @@ static CUresult ex_thunk(const void *p)
     {                                                                                         \
         if (tv_likely(fast_ok())) return REAL(NAME)(c, f, params, extra);                     \
         TV_CUDA_ENTER();                                                                      \
+        if (fast_ok()) return REAL(NAME)(c, f, params, extra);                                \
         struct ex_args a = {c, f, params, extra, PTSZ};                                       \
         return gate(c ? c->hStream : NULL, PTSZ, ex_thunk, &a);                               \
     }
@@ -348,10 +356,19 @@ static CUresult graph_thunk(const void *p)
 #define LAUNCH_GRAPH(NAME, PTSZ)                                                              \
     CUresult CUDAAPI tv_##NAME(CUgraphExec g, CUstream s)                                     \
     {                                                                                         \
-        if (tv_likely(fast_ok())) return REAL(NAME)(g, s);                                    \
-        TV_CUDA_ENTER();                                                                      \
-        struct graph_args a = {g, s, PTSZ};                                                   \
-        return gate(s, PTSZ, graph_thunk, &a);                                                \
+        CUresult r;                                                                           \
+        if (tv_likely(fast_ok())) {                                                           \
+            r = REAL(NAME)(g, s);                                                             \
+        } else {                                                                              \
+            TV_CUDA_ENTER();                                                                  \
+            struct graph_args a = {g, s, PTSZ};                                               \
+            r = fast_ok() ? REAL(NAME)(g, s) : gate(s, PTSZ, graph_thunk, &a);                \
+        }                                                                                     \
+        /* graph memory nodes: its allocations are live now (graphmem.c) */                  \
+        if (r == CUDA_SUCCESS &&                                                              \
+            atomic_load_explicit(&tv_graphmem_nodes, memory_order_relaxed))                   \
+            tv_graphmem_launched(g);                                                          \
+        return r;                                                                             \
     }
 LAUNCH_GRAPH(cuGraphLaunch, 0)
 LAUNCH_GRAPH(cuGraphLaunch_ptsz, 1)
@@ -363,6 +380,7 @@ CUresult CUDAAPI tv_cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lis
 {
     if (tv_likely(fast_ok())) return REAL(cuLaunchCooperativeKernelMultiDevice)(list, n, flags);
     TV_CUDA_ENTER();
+    if (fast_ok()) return REAL(cuLaunchCooperativeKernelMultiDevice)(list, n, flags);
     int slots[TSR_MAX_DEVICES], ns = 0;
     for (unsigned i = 0; list && i < n && ns < TSR_MAX_DEVICES; i++) {
         int d = tv_stream_dev_slot(list[i].hStream);
@@ -384,13 +402,13 @@ CUresult CUDAAPI tv_cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lis
 
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
 {
-    if (!tv.region) return;
+    if (!tv.rg.map) return;
     if (atomic_load(&tv.cuda_ready)) harvest_all(0);
-    struct tsr_proc_slot *s = atomic_load(&tv.slot);
+    struct tsr_proc_slot *s = atomic_load(&tv.rg.slot);
     uint64_t l = s ? __atomic_load_n(&s->launches, __ATOMIC_RELAXED) : 0;
     int active = l != last_launches;
     last_launches = l;
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+    for (int d = 0; d < TV_MAX_SLOTS; d++) {
         if (atomic_load(&tv.dev[d].ordinal) < 0) continue;
         struct tsr_region_device *rd = RD(d);
         if (active) __atomic_store_n(&rd->last_kernel_ns, now_real, __ATOMIC_RELAXED);
