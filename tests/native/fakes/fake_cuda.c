@@ -1031,9 +1031,13 @@ API CUresult cuEventRecord(CUevent e, CUstream s)
     struct fk_event *x = (struct fk_event *)e;
     int dev = stream_dev(s);
     if (dev < 0) return CUDA_ERROR_INVALID_CONTEXT;
-    fk_lock(S);
-    int64_t now = fk_now(), b = S->dev[dev].busy_until;
-    fk_unlock(S);
+    /* Stream order, as CUDA: the event completes once the work this process submitted to the
+     * device before it is done, not the other processes' work (a process's streams on a device
+     * are one queue here). So an event pair around a kernel also spans whatever other processes
+     * queued on the device ahead of that kernel, as on a real time-sliced GPU. */
+    pthread_mutex_lock(&mu);
+    int64_t now = fk_now(), b = last_end[dev];
+    pthread_mutex_unlock(&mu);
     x->ts = b > now ? b : now;
     x->recorded = 1;
     return CUDA_SUCCESS;

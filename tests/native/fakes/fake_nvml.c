@@ -146,7 +146,7 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
         int64_t busy = fk_busy(s, dev, t0, now, pids[k]);
         out[k] = (nvmlProcessUtilizationSample_t){.pid = (unsigned)pids[k],
                                                   .timeStamp = (unsigned long long)now / 1000,
-                                                  .smUtil = (unsigned)(busy * 100 / (now - t0))};
+                                                  .smUtil = (unsigned)((busy * 100 + (now - t0) / 2) / (now - t0))};
     }
     fk_unlock(s);
     *count = (unsigned)n;

@@ -12,6 +12,7 @@
  *   export ID -> {"fd"} | import FD -> {"id"} | map ID BYTES -> {"id"} | unmap ID | release ID
  *   write ID BYTE | stats | sync | sleep MS | lockhold REGION | exit
  *   burn SECONDS KERNEL PATH         PATH: kernel ptsz ex coop graph -> {"launches","t0","t1"}
+ *   burnq SECONDS KERNEL DEPTH       cuLaunchKernel, at most DEPTH in flight (event ring)
  */
 #include <nvml.h>
 #include <pthread.h>
@@ -273,6 +274,37 @@ static void burn(double seconds, const char *kernel, const char *path)
            (long long)now_ns());
 }
 
+/* Launches on one stream, never more than `depth` in flight (a program that keeps the GPU fed
+ * across its own CPU hiccups): waits on an event recorded `depth` launches earlier. Events are
+ * not hooked, so they are called directly whatever TV_TEST_MODE is. */
+static void burnq(double seconds, const char *kernel, int depth)
+{
+    enum { MAXQ = 256 };
+    if (depth < 1) depth = 1;
+    if (depth > MAXQ) depth = MAXQ;
+    CUmodule mod;
+    CUfunction f;
+    CUevent ev[MAXQ];
+    A.cuModuleLoadData(&mod, "fake");
+    A.cuModuleGetFunction(&f, mod, kernel);
+    for (int i = 0; i < depth; i++) cuEventCreate(&ev[i], CU_EVENT_DEFAULT);
+    long n = 0;
+    int64_t t0 = now_ns(), end = t0 + (int64_t)(seconds * 1e9);
+    CUresult r = CUDA_SUCCESS;
+    while (now_ns() < end && r == CUDA_SUCCESS) {
+        CUevent e = ev[n % depth];
+        if (n >= depth) cuEventSynchronize(e);
+        r = A.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        cuEventRecord(e, stream);
+        n++;
+    }
+    A.cuCtxSynchronize();
+    for (int i = 0; i < depth; i++) cuEventDestroy(ev[i]);
+    A.cuModuleUnload(mod);
+    printf("{\"rc\": %d, \"launches\": %ld, \"t0\": %lld, \"t1\": %lld}\n", (int)r, n, (long long)t0,
+           (long long)now_ns());
+}
+
 int main(void)
 {
     if (api_load(&A) != 0) return 3;
@@ -365,6 +397,8 @@ int main(void)
             pthread_mutex_lock(&r->lock.mutex);
             printf("{\"ok\": true, \"locked\": true}\n");
             for (;;) pause();
+        } else if (!strcmp(cmd, "burnq")) {
+            burnq(atof(a1), a2, a3[0] ? atoi(a3) : 16);
         } else if (!strcmp(cmd, "burn")) {
             burn(atof(a1), a2, a3[0] ? a3 : "kernel");
         } else if (!strcmp(cmd, "exit")) {
