@@ -1,23 +1,28 @@
 /*
- * owntime.c — how much of the device time an event pair measured was really this process's.
+ * owntime.c — what a launch costs this process in device time, when it shares the GPU.
  *
  * The limiter times its launches with a CUDA event before and after each one. Alone on a GPU that
- * is exact. When other containers share the GPU it is not: an event completes when *its stream*
- * reaches it, so the pair around a kernel also spans the other contexts' work the GPU ran in
- * between (their kernels queued ahead of ours, their time slices). Charged that, a container is
- * billed for its neighbours' kernels and gets less than its limit.
+ * is exact. Shared, it is not: an event completes when *its stream* reaches it, so the pair
+ * around a kernel also spans the other contexts' work the GPU ran in between (their kernels
+ * queued ahead of ours, their time slices). Charged that, a container pays for its neighbours'
+ * kernels and gets less than its limit (10 % and 90 % containers got 6 % and 84 %).
  *
- * The device itself knows each process's share: NVML's per-process utilisation
- * (nvmlDeviceGetProcessUtilization, the per-process SM busy % the driver samples). Every 500 ms
- * the poll thread asks it how busy this process kept the device since the last answer and
- * compares that with the raw event time measured over the same interval. The ratio
- * (own time / measured time, 0.01..1, smoothed) is applied to every measurement: the bucket is
- * charged, and achieved % is published, in own device time.
+ * The device knows each process's share: NVML's per-process utilisation
+ * (nvmlDeviceGetProcessUtilization: per process, the SM busy % the driver samples). Every 500 ms
+ * the poll thread asks how busy this process kept the device since the last answer. While NVML
+ * shows other processes busy on the device too:
+ *  - a launch is charged this process's own device time per launch (NVML's time over the
+ *    launches completed in the same interval, smoothed) instead of its stretched event time:
+ *    the limit is applied to submitted work, priced at what the device says it costs;
+ *  - each interval is settled: busy_ns_total (achieved %) is corrected at once to the device's
+ *    figure, the bucket gradually (see pay_debts), so over time the container is charged
+ *    exactly what the device gave it.
+ * Alone on the device, the event measurements stand: they are finer than NVML's whole percents.
  *
  * Never fails open: without NVML, without the entry point, or when NVML does not list this
- * process (a pid namespace the node agent has not mapped: tsr_proc_slot.host_pid), the ratio
- * stays 1 — the container is charged the full measured time, i.e. throttled at or below its
- * limit. Contention can only add time to an event pair, so the ratio is never above 1.
+ * process (a pid namespace whose host pids the node agent has not written:
+ * tsr_proc_slot.host_pid), launches are charged their full event time — the container is then
+ * throttled at or below its limit, never above.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -26,21 +31,18 @@
 #include "vgpu.h"
 
 #define OT_PERIOD_NS 500000000ull /* how often NVML is asked */
-#define OT_MIN_RAW_NS 5000000ll   /* a window with less measured time says nothing */
-#define OT_ONE 1000000u           /* ratio 1.0 in parts per million */
-#define OT_MIN 10000u             /* 0.01 */
 #define OT_SAMPLES 256
 
 struct owntime {
-    _Atomic uint32_t ppm;      /* the ratio applied to measurements */
-    _Atomic int64_t raw_ns;    /* event time measured since the last NVML answer */
-    _Atomic int64_t charged_ns; /* ... and what was charged for it */
+    _Atomic int shared;          /* NVML's last answer showed other processes busy */
+    _Atomic int64_t per_launch;  /* own device ns per launch while shared, 0 = not known yet */
+    _Atomic int64_t launches;    /* launches measured since the last NVML answer */
+    _Atomic int64_t charged_ns;  /* ... and what they were charged */
     nvmlDevice_t handle;
     int have_handle;
-    unsigned long long last_ts; /* NVML timestamp (µs) of the newest sample seen */
-    double own_avg, raw_avg;    /* decaying sums of own (NVML) and measured time, ns */
-    int seen;                   /* NVML has listed this process on this device */
-    int64_t debt;               /* settled but not yet charged to the bucket (poll thread) */
+    unsigned long long last_ts;  /* NVML timestamp (µs) of the newest sample seen */
+    int seen;                    /* NVML has listed this process on this device */
+    int64_t debt;                /* settled but not yet charged to the bucket (poll thread) */
 };
 
 static struct owntime ot[TSR_MAX_DEVICES];
@@ -50,12 +52,12 @@ static uint64_t next_poll;
 void tv_owntime_reset(void)
 {
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
-        atomic_store(&ot[d].ppm, OT_ONE);
-        atomic_store(&ot[d].raw_ns, 0);
+        atomic_store(&ot[d].shared, 0);
+        atomic_store(&ot[d].per_launch, 0);
+        atomic_store(&ot[d].launches, 0);
         atomic_store(&ot[d].charged_ns, 0);
         ot[d].have_handle = 0;
         ot[d].last_ts = 0;
-        ot[d].own_avg = ot[d].raw_avg = 0;
         ot[d].seen = 0;
         ot[d].debt = 0;
     }
@@ -63,18 +65,13 @@ void tv_owntime_reset(void)
     next_poll = 0;
 }
 
-__attribute__((constructor)) static void owntime_init(void)
-{
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) atomic_store(&ot[d].ppm, OT_ONE);
-}
-
-/* Measured (raw) event time of one launch -> the device time to charge. Any thread. */
+/* The measured event time of one completed launch -> the device time to charge. Any thread. */
 int64_t tv_owntime_charge(int d, int64_t raw_ns)
 {
-    if (d < 0 || d >= TSR_MAX_DEVICES || raw_ns <= 0) return raw_ns;
-    atomic_fetch_add_explicit(&ot[d].raw_ns, raw_ns, memory_order_relaxed);
-    uint32_t ppm = atomic_load_explicit(&ot[d].ppm, memory_order_relaxed);
-    int64_t c = ppm >= OT_ONE ? raw_ns : (int64_t)((__int128)raw_ns * ppm / OT_ONE);
+    if (d < 0 || d >= TSR_MAX_DEVICES || raw_ns < 0) return raw_ns;
+    int64_t c = raw_ns, pl = atomic_load_explicit(&ot[d].per_launch, memory_order_relaxed);
+    if (atomic_load_explicit(&ot[d].shared, memory_order_relaxed) && pl > 0 && pl < raw_ns) c = pl;
+    atomic_fetch_add_explicit(&ot[d].launches, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&ot[d].charged_ns, c, memory_order_relaxed);
     return c;
 }
@@ -169,7 +166,7 @@ static int64_t nvml_own_busy(int d, int *others)
  * says this process used with what was measured and charged over the same interval. */
 /* The bucket takes a settlement gradually (a 25th of what is left per 20 ms tick, never
  * forgiven): paid back at once, a refund would let the container burst, queue ahead of its
- * neighbours on the device, and make the next windows swing the other way. */
+ * neighbours on the device, and make the next intervals swing the other way. */
 static void pay_debts(void)
 {
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
@@ -181,6 +178,7 @@ static void pay_debts(void)
     }
 }
 
+/* Poll thread, every tick (20 ms). Returns bit d set when NVML answered for device d. */
 unsigned tv_owntime_poll(uint64_t now_mono)
 {
     if (!tv.region) return 0;
@@ -197,29 +195,24 @@ unsigned tv_owntime_poll(uint64_t now_mono)
         if (!find_handle(d)) continue;
         int others;
         int64_t own = nvml_own_busy(d, &others);
-        int64_t raw = atomic_exchange(&ot[d].raw_ns, 0);
+        int64_t n = atomic_exchange(&ot[d].launches, 0);
         int64_t charged = atomic_exchange(&ot[d].charged_ns, 0);
-        if (own < 0) continue;
+        if (own < 0) { /* NVML cannot see this process: full event time */
+            atomic_store(&ot[d].shared, 0);
+            continue;
+        }
         answered |= 1u << d;
-        if (raw >= OT_MIN_RAW_NS) {
-            /* a ratio of (exponentially weighted) sums, not an average of ratios: contention
-             * that stretches the measurements also lowers that window's ratio */
-            ot[d].own_avg = ot[d].own_avg * 2 / 3 + (double)own;
-            ot[d].raw_avg = ot[d].raw_avg * 2 / 3 + (double)raw;
-            double r = ot[d].own_avg / ot[d].raw_avg * OT_ONE;
-            atomic_store(&ot[d].ppm, r > OT_ONE ? OT_ONE : r < OT_MIN ? OT_MIN : (uint32_t)r);
+        atomic_store(&ot[d].shared, others);
+        if (!others) continue;
+        if (n > 0) {
+            int64_t pl = atomic_load(&ot[d].per_launch), now_pl = own / n;
+            atomic_store(&ot[d].per_launch, pl > 0 ? (2 * pl + now_pl) / 3 : now_pl);
         }
-        /* Shared with other processes, settle the window: busy_ns_total and (gradually) the
-         * bucket end up holding what the device says this process used, not the ratio's estimate
-         * of it (the ratio lags the contention it corrects, which would bias the charge). Alone,
-         * the event measurements stand: they are finer than NVML's whole percents. */
-        uint32_t ppm = atomic_load(&ot[d].ppm);
-        if (others) {
-            tv_compute_recharge(d, 0, own - charged);
-            ot[d].debt += own - charged;
-        }
-        TV_LOG(TV_LOG_DEBUG, "owntime dev %d: own %lld ns, measured %lld, charged %lld, ratio %.3f",
-               d, (long long)own, (long long)raw, (long long)charged, (double)ppm / OT_ONE);
+        tv_compute_recharge(d, 0, own - charged);
+        ot[d].debt += own - charged;
+        TV_LOG(TV_LOG_DEBUG, "owntime dev %d: own %lld ns, %lld launches charged %lld, %lld/launch",
+               d, (long long)own, (long long)n, (long long)charged,
+               (long long)atomic_load(&ot[d].per_launch));
     }
     return answered;
 }
