@@ -29,16 +29,33 @@ class Share:
         return max((abs(a - t) for a, t in self.published), default=float("nan"))
 
 
-def run_sharing(cluster, limits: list[int], seconds: float = 6.0, warmup: float = 2.0,
-                kernel: str = "k_4000us", depth: int = 8, dev: int = 0) -> list[Share]:
+def run_sharing(
+    cluster,
+    limits: list[int],
+    seconds: float = 6.0,
+    warmup: float = 2.0,
+    kernel: str = "k_4000us",
+    depth: int = 8,
+    dev: int = 0,
+    pid_offset: int = 0,
+    map_host_pids: bool = False,
+) -> list[Share]:
     """Start one burning process per container (limit in %, policy force) on one GPU; measure
-    from `warmup` after the last one started until the first one stops."""
+    from `warmup` after the last one started until the first one stops.
+
+    pid_offset: the fake NVML reports pids shifted by it (a pid namespace seen from the host);
+    map_host_pids: write each process's host pid into its region slot, as the node agent does."""
     procs = []
     for i, lim in enumerate(limits):
         k = cluster.container(f"share{i}")
         k.seal(region.DeviceLimit("", 0, lim))
-        c = k.cuctl()
+        c = k.cuctl(FAKE_NVML_PID_OFFSET=str(pid_offset))
         assert c(f"init {dev}")["ok"]
+        if map_host_pids:  # an allocation registers the process in its region
+            r = c("alloc plain 4096")
+            assert r["ok"] and c(f"free {r['id']}")["ok"]
+            slot = next(p.slot for p in k.usage().processes if p.pid == c.pid)
+            region.set_host_pid(k.region_path, slot, c.pid + pid_offset)
         procs.append((k, c))
     for _, c in procs:
         c.send(f"burnq {seconds + warmup} {kernel} {depth}")

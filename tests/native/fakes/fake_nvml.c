@@ -121,7 +121,7 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     int dev = dev_of(d);
     int64_t now = fk_now(), t0 = (int64_t)since_us * 1000;
     if (t0 < now - 1000000000 || t0 >= now) t0 = now - 1000000000;
-    int pids[64], n = 0;
+    int pids[64], n = 0, pid_offset = fk_env_int("FAKE_NVML_PID_OFFSET", 0);
     fk_lock(s);
     struct fk_dev *x = &s->dev[dev];
     uint64_t hi = x->ring_n, lo = hi > FK_RING ? hi - FK_RING : 0;
@@ -144,7 +144,8 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     }
     for (int k = 0; k < n; k++) {
         int64_t busy = fk_busy(s, dev, t0, now, pids[k]);
-        out[k] = (nvmlProcessUtilizationSample_t){.pid = (unsigned)pids[k],
+        /* FAKE_NVML_PID_OFFSET: report pids as a host outside the caller's pid namespace would */
+        out[k] = (nvmlProcessUtilizationSample_t){.pid = (unsigned)(pids[k] + pid_offset),
                                                   .timeStamp = (unsigned long long)now / 1000,
                                                   .smUtil = (unsigned)((busy * 100 + (now - t0) / 2) / (now - t0))};
     }

@@ -9,7 +9,16 @@
  * FAKE_GPU_MEM_MB (16384), FAKE_KERNEL_US (100: a kernel's duration unless its name ends in
  * _<N>us), FAKE_CTX_BYTES (0: physical memory of a non-primary context), FAKE_NVML_REVERSE (1:
  * NVML enumerates devices in the reverse CUDA order), FAKE_CHECK_SCRUB (1: count frees of
- * memory that was not all zeros, for the scrub-on-free tests).
+ * memory that was not all zeros, for the scrub-on-free tests), FAKE_NVML_PID_OFFSET (0: added
+ * to the pids NVML reports, as seen from outside a pid namespace).
+ *
+ * The timeline: every process's kernels on a device go into one queue, in submission order, and
+ * run one at a time for their duration (a GPU time-slicing between contexts at kernel
+ * granularity). An event completes when the work its process submitted to the device before it
+ * is done (stream order; a process's streams on a device count as one queue), not when other
+ * processes' work is — so an event pair around a kernel spans the other processes' kernels
+ * queued ahead of it, as on a real shared GPU. Each interval is kept with its pid: fkstat and
+ * the fake NVML's per-process utilisation read the device's truth from it.
  */
 #ifndef FAKE_STATE_H
 #define FAKE_STATE_H
