@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,7 +69,7 @@ __all__ = [
 LIMITS_MAGIC = 0x4C525354  # "TSRL"
 REGION_MAGIC = 0x52525354  # "TSRR"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1
 MAX_DEVICES = 16
 MAX_PROCS = 1024
 UUID_LEN = 64
@@ -88,6 +89,7 @@ LIMITS_OVERSUBSCRIBE = 1 << 1
 DEV_CONTENDED = 1 << 0
 DEV_YIELD = 1 << 1
 SM_UNKNOWN = 0xFFFFFFFF
+LOCK_READY = 0x4B434F4C  # tsr_region.lock_ready once libvgpu initialised the lock
 
 
 # ---- ctypes mirrors (names and order exactly as in tessera_region.h) --------------------------
@@ -168,7 +170,7 @@ class RegionC(ctypes.Structure):
         ("max_procs", ctypes.c_uint32),
         ("priority", ctypes.c_int32),
         ("core_policy", ctypes.c_uint32),
-        ("reserved0", ctypes.c_uint32),
+        ("lock_ready", ctypes.c_uint32),
         ("lock", RegionLockC),
         ("created_ns", ctypes.c_uint64),
         ("reclaim_ns", ctypes.c_uint64),
@@ -427,14 +429,43 @@ REGION_SIZE = ctypes.sizeof(RegionC)
 
 
 def prepare_region_file(path: str | os.PathLike[str], mode: int = 0o666) -> None:
-    """Create an empty region file (libvgpu initialises it on first use). Idempotent."""
+    """Create the container's region with a valid header (libvgpu initialises its lock on first
+    use). libvgpu under sealed limits refuses to charge against a region without one, so a tenant
+    that truncates or zeroes the file cannot hand new processes a fresh budget. Keeps a region
+    that already has a valid header; otherwise writes a new one atomically (temp + rename)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p, os.O_CREAT | os.O_RDWR, mode)
     try:
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
+        with open(p, "rb") as f:
+            head = RegionC.from_buffer_copy(f.read(REGION_SIZE).ljust(REGION_SIZE, b"\0"))
+        if (
+            os.stat(p).st_size == REGION_SIZE
+            and head.magic == REGION_MAGIC
+            and head.major == VERSION_MAJOR
+            and head.size == REGION_SIZE
+        ):
+            os.chmod(p, mode)
+            return
+    except (FileNotFoundError, ValueError):
+        pass
+    c = RegionC()
+    c.magic, c.major, c.minor, c.size = REGION_MAGIC, VERSION_MAJOR, VERSION_MINOR, REGION_SIZE
+    c.max_procs = MAX_PROCS
+    c.created_ns = time.time_ns()
+    for d in c.dev:
+        d.sm_limit_pct, d.achieved_sm_x100 = 100, SM_UNKNOWN
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(c))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:

@@ -153,6 +153,7 @@ class Container:
     def seal(self, *devices: region.DeviceLimit, **kw) -> region.ContainerLimits:
         kw.setdefault("core_policy", "force")
         lim = region.ContainerLimits(devices=devices, region_path=str(self.region_path), **kw)
+        region.prepare_region_file(self.region_path)  # as the node agent does
         return region.seal_limits(self.limits_dir, lim)
 
     def env(self, mode: str = "direct", preload: bool = True, **extra: str) -> dict[str, str]:

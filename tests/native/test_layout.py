@@ -171,5 +171,9 @@ def test_activity_flags_policy():
 
 def test_read_region_absent_or_empty(tmp_path):
     assert region.read_region(tmp_path / "none") is None
-    region.prepare_region_file(tmp_path / "r")
-    assert region.read_region(tmp_path / "r") is None
+    (tmp_path / "empty").touch()
+    assert region.read_region(tmp_path / "empty") is None
+    region.prepare_region_file(tmp_path / "r")  # a valid header, nothing charged yet
+    u = region.read_region(tmp_path / "r")
+    assert u is not None and u.devices == () and u.processes == ()
+    region.RegionC.from_buffer_copy((tmp_path / "r").read_bytes())  # exactly the C size

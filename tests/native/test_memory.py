@@ -320,9 +320,9 @@ def test_dead_process_memory_reclaimed_on_demand(container):
     c.close()
 
 
-def test_region_version_mismatch_fails_safe(container):
-    """A region of another major version is not trusted: libvgpu keeps per-process accounting
-    and the limit still holds."""
+def test_region_version_mismatch_refuses_until_repaired(container):
+    """A region of another major version is not trusted: under sealed limits every device
+    allocation is refused (never per-process budgets), until the region is valid again."""
     container.seal(region.DeviceLimit("", LIMIT))
     data = bytearray(region.REGION_SIZE)
     data[0:4] = region.REGION_MAGIC.to_bytes(4, "little")
@@ -330,10 +330,15 @@ def test_region_version_mismatch_fails_safe(container):
     container.region_path.write_bytes(bytes(data))
     c = container.cuctl()
     c("init")
-    assert c(f"alloc plain {3 * CHUNK}")["ok"]
     assert not c(f"alloc plain {CHUNK}")["ok"]
+    assert "bad header" in c.stderr()
+    region.prepare_region_file(container.region_path)  # the node agent repairs it
+    ok, _ = wait_for(lambda: c(f"alloc plain {CHUNK}")["ok"], timeout=5, step=0.02)
+    assert ok
+    assert container.used() == CHUNK
+    assert c(f"alloc plain {2 * CHUNK}")["ok"]
+    assert not c(f"alloc plain {CHUNK}")["ok"]  # the limit holds in the repaired region
     c.close()
-    assert "version" in c.stderr()
 
 
 def test_programs_without_cuda_are_untouched(container, native):

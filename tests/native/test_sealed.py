@@ -26,6 +26,7 @@ def test_sealed_limits_win_over_everything_the_tenant_sets(native, cluster, tmp_
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     k = cluster.container()
+    region.prepare_region_file(k.region_path)
     region.seal_limits(
         sealed,
         region.ContainerLimits(

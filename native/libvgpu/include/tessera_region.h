@@ -36,7 +36,7 @@ extern "C" {
 #define TSR_LIMITS_MAGIC 0x4C525354u /* bytes "TSRL" (little-endian) */
 #define TSR_REGION_MAGIC 0x52525354u /* bytes "TSRR" (little-endian) */
 #define TSR_VERSION_MAJOR 1u
-#define TSR_VERSION_MINOR 0u
+#define TSR_VERSION_MINOR 1u
 
 #define TSR_MAX_DEVICES 16
 #define TSR_MAX_PROCS 1024
@@ -106,7 +106,8 @@ struct tsr_limits {
 
 /* ---- the usage region ------------------------------------------------------------------ */
 
-#define TSR_SM_UNKNOWN 0xFFFFFFFFu /* achieved_sm_x100 when libvgpu does not time this device */
+#define TSR_SM_UNKNOWN 0xFFFFFFFFu
+#define TSR_LOCK_READY 0x4B434F4Cu /* "LOCK": tsr_region.lock_ready */ /* achieved_sm_x100 when libvgpu does not time this device */
 
 struct tsr_region_device {
     char uuid[TSR_UUID_LEN];      /* written by libvgpu: the GPU behind this slot */
@@ -144,7 +145,7 @@ struct tsr_region {
     uint32_t max_procs;           /* TSR_MAX_PROCS */
     int32_t priority;             /* copied from the limits (informational) */
     uint32_t core_policy;         /* copied from the limits (informational) */
-    uint32_t reserved0;
+    uint32_t lock_ready;          /* TSR_LOCK_READY once libvgpu initialised the lock (1.1) */
     union {
         pthread_mutex_t mutex;    /* PTHREAD_PROCESS_SHARED + PTHREAD_MUTEX_ROBUST */
         uint8_t raw[64];          /* opaque to the node agent: never lock it from the host */

@@ -1,6 +1,6 @@
 /* arrays.c — CUDA arrays and mipmapped arrays, charged by their computed size. */
 #define _GNU_SOURCE
-#include "memtrack.h"
+#include "account.h"
 
 static uint64_t elem_bytes(CUarray_format f, unsigned channels)
 {

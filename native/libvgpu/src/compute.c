@@ -38,11 +38,11 @@ struct ctxq {
 
 static pthread_mutex_t cq_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ctxq *qs[TV_MAX_CTX];
-static int64_t dev_est[TSR_MAX_DEVICES];
+static int64_t dev_est[TV_MAX_SLOTS];
 static uint64_t last_launches;
 static int stopping; /* exit has begun: the poll thread no longer calls the driver */
 
-#define RD(d) (&tv.region->dev[d])
+#define RD(d) tv_region_dev(&tv.rg, d)
 
 /* ---- the bucket (lock-free, shared by the container's processes) -------------------------- */
 
@@ -57,7 +57,7 @@ static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now)
     int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED), nb;
     do {
         nb = b + add;
-        if (nb > TV_BURST_NS) nb = b > TV_BURST_NS ? b : TV_BURST_NS;
+        if (nb > TV_BURST_NS) nb = TV_BURST_NS; /* also clamps a budget written into the region */
     } while (!__atomic_compare_exchange_n(&rd->budget_ns, &b, nb, 1, __ATOMIC_RELAXED,
                                           __ATOMIC_RELAXED));
 }
@@ -71,7 +71,7 @@ static void charge(int d, int64_t ns)
  * device time used. */
 void tv_compute_recharge(int d, int64_t bucket_ns, int64_t busy_ns)
 {
-    if (d < 0 || d >= TSR_MAX_DEVICES || !tv.region) return;
+    if (d < 0 || d >= TV_MAX_SLOTS || !tv.rg.map) return;
     charge(d, bucket_ns);
     if (busy_ns) __atomic_fetch_add(&RD(d)->busy_ns_total, (uint64_t)busy_ns, __ATOMIC_RELAXED);
 }
@@ -177,6 +177,11 @@ static void wait_budget(int d)
         } else {
             refill(rd, eff, now);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
+            if (tv_unlikely(b > TV_BURST_NS)) { /* never banked by us: written into the region */
+                __atomic_compare_exchange_n(&rd->budget_ns, &b, 0, 0, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED);
+                continue;
+            }
             if (b > 0) return;
             sleep = (uint64_t)(-b + 1000) * 100 / eff;
         }
@@ -195,7 +200,7 @@ static void note_launch(int d)
 
 static inline void bump_process_launches(void)
 {
-    struct tsr_proc_slot *s = atomic_load_explicit(&tv.slot, memory_order_relaxed);
+    struct tsr_proc_slot *s = atomic_load_explicit(&tv.rg.slot, memory_order_relaxed);
     if (s) __atomic_store_n(&s->launches, __atomic_load_n(&s->launches, __ATOMIC_RELAXED) + 1,
                             __ATOMIC_RELAXED);
 }
@@ -298,6 +303,7 @@ static CUresult lk_thunk(const void *p)
         if (tv_likely(fast_ok()))                                                             \
             return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params, extra);               \
         TV_CUDA_ENTER();                                                                      \
+        if (fast_ok()) return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params, extra);    \
         struct lk_args a = {f, gx, gy, gz, bx, by, bz, sh, s, params, extra, PTSZ, 0};        \
         return gate(s, PTSZ, lk_thunk, &a);                                                   \
     }
@@ -311,6 +317,7 @@ LAUNCH_KERNEL(cuLaunchKernel_ptsz, 1)
     {                                                                                         \
         if (tv_likely(fast_ok())) return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params);\
         TV_CUDA_ENTER();                                                                      \
+        if (fast_ok()) return REAL(NAME)(f, gx, gy, gz, bx, by, bz, sh, s, params);           \
         struct lk_args a = {f, gx, gy, gz, bx, by, bz, sh, s, params, NULL, PTSZ, 1};         \
         return gate(s, PTSZ, lk_thunk, &a);                                                   \
     }
@@ -337,6 +344,7 @@ static CUresult ex_thunk(const void *p)
     {                                                                                         \
         if (tv_likely(fast_ok())) return REAL(NAME)(c, f, params, extra);                     \
         TV_CUDA_ENTER();                                                                      \
+        if (fast_ok()) return REAL(NAME)(c, f, params, extra);                                \
         struct ex_args a = {c, f, params, extra, PTSZ};                                       \
         return gate(c ? c->hStream : NULL, PTSZ, ex_thunk, &a);                               \
     }
@@ -358,10 +366,19 @@ static CUresult graph_thunk(const void *p)
 #define LAUNCH_GRAPH(NAME, PTSZ)                                                              \
     CUresult CUDAAPI tv_##NAME(CUgraphExec g, CUstream s)                                     \
     {                                                                                         \
-        if (tv_likely(fast_ok())) return REAL(NAME)(g, s);                                    \
-        TV_CUDA_ENTER();                                                                      \
-        struct graph_args a = {g, s, PTSZ};                                                   \
-        return gate(s, PTSZ, graph_thunk, &a);                                                \
+        CUresult r;                                                                           \
+        if (tv_likely(fast_ok())) {                                                           \
+            r = REAL(NAME)(g, s);                                                             \
+        } else {                                                                              \
+            TV_CUDA_ENTER();                                                                  \
+            struct graph_args a = {g, s, PTSZ};                                               \
+            r = fast_ok() ? REAL(NAME)(g, s) : gate(s, PTSZ, graph_thunk, &a);                \
+        }                                                                                     \
+        /* graph memory nodes: its allocations are live now (graphmem.c) */                  \
+        if (r == CUDA_SUCCESS &&                                                              \
+            atomic_load_explicit(&tv_graphmem_nodes, memory_order_relaxed))                   \
+            tv_graphmem_launched(g);                                                          \
+        return r;                                                                             \
     }
 LAUNCH_GRAPH(cuGraphLaunch, 0)
 LAUNCH_GRAPH(cuGraphLaunch_ptsz, 1)
@@ -373,6 +390,7 @@ CUresult CUDAAPI tv_cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lis
 {
     if (tv_likely(fast_ok())) return REAL(cuLaunchCooperativeKernelMultiDevice)(list, n, flags);
     TV_CUDA_ENTER();
+    if (fast_ok()) return REAL(cuLaunchCooperativeKernelMultiDevice)(list, n, flags);
     int slots[TSR_MAX_DEVICES], ns = 0;
     for (unsigned i = 0; list && i < n && ns < TSR_MAX_DEVICES; i++) {
         int d = tv_stream_dev_slot(list[i].hStream);
@@ -394,17 +412,17 @@ CUresult CUDAAPI tv_cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lis
 
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
 {
-    if (!tv.region) return;
+    if (!tv.rg.map) return;
     unsigned nvml_mask = 0;
     if (atomic_load(&tv.cuda_ready)) {
         harvest_all(0);
         if (!__atomic_load_n(&stopping, __ATOMIC_RELAXED)) nvml_mask = tv_owntime_poll(now_mono);
     }
-    struct tsr_proc_slot *s = atomic_load(&tv.slot);
+    struct tsr_proc_slot *s = atomic_load(&tv.rg.slot);
     uint64_t l = s ? __atomic_load_n(&s->launches, __ATOMIC_RELAXED) : 0;
     int active = l != last_launches;
     last_launches = l;
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+    for (int d = 0; d < TV_MAX_SLOTS; d++) {
         if (atomic_load(&tv.dev[d].ordinal) < 0) continue;
         struct tsr_region_device *rd = RD(d);
         if (active) __atomic_store_n(&rd->last_kernel_ns, now_real, __ATOMIC_RELAXED);

@@ -1,6 +1,6 @@
 /* contexts.c — contexts beyond the primary one, charged tv.ctx_charge each. */
 #define _GNU_SOURCE
-#include "memtrack.h"
+#include "account.h"
 
 static CUresult ctx_create(CUcontext *pctx, CUdevice dev, int v, unsigned flags,
                            CUexecAffinityParam *aff, int naff, CUctxCreateParams *params)

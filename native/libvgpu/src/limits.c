@@ -1,6 +1,7 @@
 /*
- * limits.c — where the limits come from (the sealed file, else env vars), the per-device limits
- * in force, and the poll thread that notices a new limits file within TSR_LIMITS_POLL_MS.
+ * limits.c — the limiting layer's inputs: where the limits come from (the sealed file, else env
+ * vars), and the per-device limits in force (tv.dev[]). The poll thread (init.c) calls
+ * tv_limits_poll every TSR_LIMITS_POLL_MS so that a new limits file is in force within 100 ms.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -20,8 +21,7 @@
 
 static void update_throttle_any(void);
 
-static int file_mode;       /* limits come from a limits file */
-static int limits_broken;   /* the file exists but never parsed: refuse all allocations */
+#define L (tv.lm)
 static struct stat last_st; /* of the limits file we last read */
 static int have_last_st;
 
@@ -92,30 +92,31 @@ static void load_env(void)
 {
     char name[64];
     const char *all_mem = getenv("CUDA_DEVICE_MEMORY_LIMIT");
+    L.env_mem_all = all_mem ? parse_bytes(all_mem) : 0;
     const char *all_sm = getenv("CUDA_DEVICE_SM_LIMIT");
     for (int i = 0; i < TSR_MAX_DEVICES; i++) {
         snprintf(name, sizeof name, "CUDA_DEVICE_MEMORY_LIMIT_%d", i);
         const char *m = getenv(name);
-        tv.env_mem[i] = m ? parse_bytes(m) : all_mem ? parse_bytes(all_mem) : 0;
+        L.env_mem[i] = m ? parse_bytes(m) : all_mem ? parse_bytes(all_mem) : 0;
         snprintf(name, sizeof name, "CUDA_DEVICE_SM_LIMIT_%d", i);
         const char *c = getenv(name);
-        tv.env_sm[i] = c ? (uint32_t)atoi(c) : all_sm ? (uint32_t)atoi(all_sm) : 0;
+        L.env_sm[i] = c ? (uint32_t)atoi(c) : all_sm ? (uint32_t)atoi(all_sm) : 0;
     }
-    memset(&tv.lim, 0, sizeof tv.lim);
-    tv.lim.priority = TSR_PRIORITY_LOW;
+    memset(&L.lim, 0, sizeof L.lim);
+    L.lim.priority = TSR_PRIORITY_LOW;
     const char *p = getenv("CUDA_TASK_PRIORITY");
-    if (p && *p) tv.lim.priority = atoi(p);
+    if (p && *p) L.lim.priority = atoi(p);
     const char *pol = getenv("GPU_CORE_UTILIZATION_POLICY");
-    tv.lim.core_policy = TSR_POLICY_DEFAULT;
-    if (pol && !strcasecmp(pol, "force")) tv.lim.core_policy = TSR_POLICY_FORCE;
-    if (pol && !strcasecmp(pol, "disable")) tv.lim.core_policy = TSR_POLICY_DISABLE;
+    L.lim.core_policy = TSR_POLICY_DEFAULT;
+    if (pol && !strcasecmp(pol, "force")) L.lim.core_policy = TSR_POLICY_FORCE;
+    if (pol && !strcasecmp(pol, "disable")) L.lim.core_policy = TSR_POLICY_DISABLE;
     const char *scrub = getenv("TESSERA_SCRUB_ON_FREE");
     if (scrub && (*scrub == '1' || !strcasecmp(scrub, "true")))
-        tv.lim.flags |= TSR_LIMITS_SCRUB_ON_FREE;
+        L.lim.flags |= TSR_LIMITS_SCRUB_ON_FREE;
     const char *ctx = getenv("TESSERA_CTX_CHARGE_BYTES");
-    if (ctx && *ctx) tv.lim.ctx_charge_bytes = parse_bytes(ctx);
+    if (ctx && *ctx) L.lim.ctx_charge_bytes = parse_bytes(ctx);
     const char *region = getenv(TSR_ENV_REGION_PATH);
-    if (region) snprintf(tv.lim.region_path, sizeof tv.lim.region_path, "%s", region);
+    if (region) snprintf(L.lim.region_path, sizeof L.lim.region_path, "%s", region);
 }
 
 void tv_limits_load(void)
@@ -123,38 +124,38 @@ void tv_limits_load(void)
     const char *sealed = TSR_SEALED_LIMITS_DIR "/" TSR_LIMITS_FILE_NAME;
     struct stat st;
     if (stat(sealed, &st) == 0) {
-        tv.sealed = 1;
-        file_mode = 1;
-        snprintf(tv.limits_file, sizeof tv.limits_file, "%s", sealed);
+        L.sealed = 1;
+        L.file_mode = 1;
+        snprintf(L.file, sizeof L.file, "%s", sealed);
     } else {
         const char *dir = getenv(TSR_ENV_LIMITS_DIR);
         if (dir && *dir) {
-            snprintf(tv.limits_file, sizeof tv.limits_file, "%s/%s", dir, TSR_LIMITS_FILE_NAME);
-            file_mode = stat(tv.limits_file, &st) == 0;
+            snprintf(L.file, sizeof L.file, "%s/%s", dir, TSR_LIMITS_FILE_NAME);
+            L.file_mode = stat(L.file, &st) == 0;
         }
     }
-    if (file_mode) {
-        if (read_limits_file(tv.limits_file, &tv.lim, &last_st) == 0) {
+    if (L.file_mode) {
+        if (read_limits_file(L.file, &L.lim, &last_st) == 0) {
             have_last_st = 1;
         } else {
             /* Fail closed: a sealed file we cannot read must not mean "no limit". */
             TV_LOG(TV_LOG_ERROR, "limits file %s unreadable: refusing device allocations",
-                   tv.limits_file);
-            memset(&tv.lim, 0, sizeof tv.lim);
-            limits_broken = 1;
+                   L.file);
+            memset(&L.lim, 0, sizeof L.lim);
+            L.broken = 1;
         }
     } else {
         load_env();
     }
-    atomic_store(&tv.flags, tv.lim.flags);
-    tv.ctx_charge = tv.lim.ctx_charge_bytes ? tv.lim.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
+    atomic_store(&tv.flags, L.lim.flags);
+    tv.ctx_charge = L.lim.ctx_charge_bytes ? L.lim.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
     update_throttle_any();
 }
 
 const char *tv_limits_region_path(void)
 {
-    if (tv.lim.region_path[0]) return tv.lim.region_path;
-    if (!tv.sealed) {
+    if (L.lim.region_path[0]) return L.lim.region_path;
+    if (!L.sealed) {
         const char *e = getenv(TSR_ENV_REGION_PATH);
         if (e && *e) return e;
     }
@@ -177,113 +178,162 @@ static uint32_t effective_sm(uint32_t limit, uint32_t dflags, uint32_t yield_pct
     case TSR_POLICY_DISABLE: return 0;
     default:
         /* Without a node agent (env mode) nothing signals contention: limit always. */
-        return (!file_mode || (dflags & TSR_DEV_CONTENDED)) ? limit : 0;
+        return (!L.file_mode || (dflags & TSR_DEV_CONTENDED)) ? limit : 0;
     }
 }
 
 /* Could the limits throttle some device, mapped in this process or not yet? */
 static int limits_may_throttle(void)
 {
-    if (limits_broken) return 0;
-    if (file_mode) {
-        for (unsigned i = 0; i < tv.lim.num_devices; i++) {
-            const struct tsr_limits_device *e = &tv.lim.dev[i];
-            if (effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, tv.lim.core_policy))
+    if (L.broken) return 0;
+    if (L.file_mode) {
+        for (unsigned i = 0; i < L.lim.num_devices; i++) {
+            const struct tsr_limits_device *e = &L.lim.dev[i];
+            if (effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy))
                 return 1;
         }
         return 0;
     }
     for (int i = 0; i < TSR_MAX_DEVICES; i++)
-        if (effective_sm(tv.env_sm[i], 0, 0, tv.lim.core_policy)) return 1;
+        if (effective_sm(L.env_sm[i], 0, 0, L.lim.core_policy)) return 1;
     return 0;
 }
 
 static void update_throttle_any(void)
 {
     int any = limits_may_throttle();
-    for (int i = 0; i < TSR_MAX_DEVICES; i++) any |= atomic_load(&tv.dev[i].sm_eff) != 0;
+    for (int i = 0; i < TV_MAX_SLOTS; i++) any |= atomic_load(&tv.dev[i].sm_eff) != 0;
     atomic_store(&tv.throttle_any, any);
+}
+
+static const char *slot_uuid(int d)
+{
+    return tv.rg.uuid[d][0] ? tv.rg.uuid[d] : tv_region_dev(&tv.rg, d)->uuid;
 }
 
 static const struct tsr_limits_device *limits_entry(int dslot)
 {
-    const char *uuid = tv.region ? tv.region->dev[dslot].uuid : "";
+    const char *uuid = slot_uuid(dslot);
     int ordinal = atomic_load(&tv.dev[dslot].ordinal);
-    for (unsigned i = 0; i < tv.lim.num_devices; i++)
-        if (uuid[0] && !strcmp(tv.lim.dev[i].uuid, uuid)) return &tv.lim.dev[i];
-    for (unsigned i = 0; i < tv.lim.num_devices; i++)
-        if (!tv.lim.dev[i].uuid[0] && (int)i == ordinal) return &tv.lim.dev[i];
+    for (unsigned i = 0; i < L.lim.num_devices; i++)
+        if (uuid[0] && !strncmp(L.lim.dev[i].uuid, uuid, TSR_UUID_LEN)) return &L.lim.dev[i];
+    for (unsigned i = 0; i < L.lim.num_devices; i++)
+        if (!L.lim.dev[i].uuid[0] && (int)i == ordinal) return &L.lim.dev[i];
     return NULL;
+}
+
+/* A device whose UUID the driver cannot tell ("CUDA-<n>"): it may be any sealed device, so it
+ * gets the smallest limits among them (never none). */
+static const struct tsr_limits_device *strictest_entry(struct tsr_limits_device *out)
+{
+    if (!L.lim.num_devices) return NULL;
+    memset(out, 0, sizeof *out);
+    for (unsigned i = 0; i < L.lim.num_devices; i++) {
+        const struct tsr_limits_device *e = &L.lim.dev[i];
+        if (e->mem_limit_bytes && (!out->mem_limit_bytes || e->mem_limit_bytes < out->mem_limit_bytes))
+            out->mem_limit_bytes = e->mem_limit_bytes;
+        if (e->sm_limit_pct && e->sm_limit_pct < 100 &&
+            (!out->sm_limit_pct || e->sm_limit_pct < out->sm_limit_pct)) {
+            out->sm_limit_pct = e->sm_limit_pct;
+            out->flags = e->flags;
+            out->yield_sm_pct = e->yield_sm_pct;
+        }
+    }
+    return out;
 }
 
 /* Caller holds tv.mu. */
 void tv_limits_apply_slot(int d)
 {
-    if (d < 0 || d >= TSR_MAX_DEVICES) return;
+    if (d < 0 || d >= TV_MAX_SLOTS) return;
     uint64_t mem = 0;
     uint32_t eff = 0;
-    if (limits_broken) {
+    if (L.broken) {
         mem = 1; /* nothing fits */
-    } else if (file_mode) {
+    } else if (L.file_mode) {
+        struct tsr_limits_device any;
         const struct tsr_limits_device *e = limits_entry(d);
+        if (!e && !strncmp(slot_uuid(d), "CUDA-", 5)) e = strictest_entry(&any);
         if (e) {
             mem = e->mem_limit_bytes;
-            eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, tv.lim.core_policy);
+            eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy);
         }
     } else {
         int o = atomic_load(&tv.dev[d].ordinal);
         if (o >= 0 && o < TSR_MAX_DEVICES) {
-            mem = tv.env_mem[o];
-            eff = effective_sm(tv.env_sm[o], 0, 0, tv.lim.core_policy);
-        } else if (tv.region) {
-            mem = __atomic_load_n(&tv.region->dev[d].limit_bytes, __ATOMIC_RELAXED);
+            mem = L.env_mem[o];
+            eff = effective_sm(L.env_sm[o], 0, 0, L.lim.core_policy);
+        } else {
+            mem = L.env_mem_all; /* seen through NVML only: the all-devices limit */
         }
     }
     atomic_store(&tv.dev[d].mem_limit, mem);
     atomic_store(&tv.dev[d].sm_eff, eff);
     update_throttle_any();
-    if (tv.region && (file_mode || atomic_load(&tv.dev[d].ordinal) >= 0)) {
-        struct tsr_region_device *rd = &tv.region->dev[d];
+    if (L.file_mode || atomic_load(&tv.dev[d].ordinal) >= 0) {
+        struct tsr_region_device *rd = tv_region_dev(&tv.rg, d);
         __atomic_store_n(&rd->limit_bytes, mem, __ATOMIC_RELAXED);
         __atomic_store_n(&rd->sm_limit_pct, eff == 0 ? 100u : eff == TV_SM_PAUSE ? 0u : eff,
                          __ATOMIC_RELAXED);
     }
 }
 
+void tv_limits_seed(struct tv_region_seed *out)
+{
+    memset(out, 0, sizeof *out);
+    out->priority = L.lim.priority;
+    out->core_policy = L.lim.core_policy;
+    for (unsigned i = 0; i < L.lim.num_devices && i < TSR_MAX_DEVICES; i++)
+        if (L.lim.dev[i].uuid[0])
+            memcpy(out->uuids[out->nuuid++], L.lim.dev[i].uuid, TSR_UUID_LEN);
+}
+
+int tv_limits_any_mem(void)
+{
+    if (L.broken) return 1;
+    if (L.file_mode) {
+        for (unsigned i = 0; i < L.lim.num_devices; i++)
+            if (L.lim.dev[i].mem_limit_bytes) return 1;
+        return 0;
+    }
+    for (int i = 0; i < TSR_MAX_DEVICES; i++)
+        if (L.env_mem[i]) return 1;
+    return L.env_mem_all != 0;
+}
+
 static void apply_all(void)
 {
-    if (!tv.region) return;
-    uint32_t n = __atomic_load_n(&tv.region->num_devices, __ATOMIC_ACQUIRE);
-    for (uint32_t d = 0; d < n && d < TSR_MAX_DEVICES; d++) tv_limits_apply_slot((int)d);
+    for (int d = 0; d < TV_MAX_SLOTS; d++)
+        if (tv.rg.uuid[d][0] || atomic_load(&tv.dev[d].ordinal) >= 0) tv_limits_apply_slot(d);
 }
 
 int tv_limits_poll(void)
 {
-    if (!file_mode) return 0;
+    if (!L.file_mode) return 0;
     struct stat st;
-    if (stat(tv.limits_file, &st) != 0) return 0; /* keep what we have */
+    if (stat(L.file, &st) != 0) return 0; /* keep what we have */
     if (have_last_st && st.st_ino == last_st.st_ino && st.st_dev == last_st.st_dev &&
         st.st_size == last_st.st_size && st.st_mtim.tv_sec == last_st.st_mtim.tv_sec &&
         st.st_mtim.tv_nsec == last_st.st_mtim.tv_nsec)
         return 0;
     struct tsr_limits l;
     struct stat rst;
-    if (read_limits_file(tv.limits_file, &l, &rst) != 0) {
+    if (read_limits_file(L.file, &l, &rst) != 0) {
         last_st = st; /* do not re-read a bad file until it changes */
         have_last_st = 1;
         return 0;
     }
     pthread_mutex_lock(&tv.mu);
-    int changed = memcmp(&l, &tv.lim, sizeof l) != 0;
-    tv.lim = l;
-    limits_broken = 0;
+    int changed = memcmp(&l, &L.lim, sizeof l) != 0;
+    L.lim = l;
+    L.broken = 0;
     last_st = rst;
     have_last_st = 1;
     atomic_store(&tv.flags, l.flags);
     tv.ctx_charge = l.ctx_charge_bytes ? l.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
-    if (tv.region) {
-        __atomic_store_n(&tv.region->priority, l.priority, __ATOMIC_RELAXED);
-        __atomic_store_n(&tv.region->core_policy, l.core_policy, __ATOMIC_RELAXED);
+    if (tv.rg.map) {
+        __atomic_store_n(&tv.rg.map->priority, l.priority, __ATOMIC_RELAXED);
+        __atomic_store_n(&tv.rg.map->core_policy, l.core_policy, __ATOMIC_RELAXED);
     }
     apply_all();
     update_throttle_any();
@@ -291,45 +341,4 @@ int tv_limits_poll(void)
     if (changed) TV_LOG(TV_LOG_INFO, "limits reloaded (generation %llu)",
                         (unsigned long long)l.generation);
     return changed;
-}
-
-/* ---- the poll thread ------------------------------------------------------------------------ */
-
-static _Atomic int poll_started;
-
-static void *poll_main(void *arg)
-{
-    (void)arg;
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL);
-    unsigned tick = 0;
-    for (;;) {
-        tv_sleep_ns((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull);
-        tv_limits_poll();
-        tv_compute_poll(tv_mono_ns(), tv_real_ns());
-        if (++tick % (1000 / TSR_LIMITS_POLL_MS) == 0) tv_region_periodic_reclaim();
-    }
-    return NULL;
-}
-
-void tv_poll_thread_start(void)
-{
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&poll_started, &expected, 1)) return;
-    pthread_t t;
-    pthread_attr_t a;
-    pthread_attr_init(&a);
-    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&a, 256 * 1024);
-    if (pthread_create(&t, &a, poll_main, NULL) != 0) {
-        TV_LOG(TV_LOG_WARN, "cannot start the poll thread: limits will not be reloaded");
-        atomic_store(&poll_started, 0);
-    }
-    pthread_attr_destroy(&a);
-}
-
-void tv_limits_after_fork_child(void)
-{
-    atomic_store(&poll_started, 0);
 }

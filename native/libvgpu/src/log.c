@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "vgpu.h"
+#include "base.h"
 
 int tv_log_level = TV_LOG_WARN;
 

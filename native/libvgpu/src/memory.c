@@ -4,7 +4,7 @@
  * the other allocation paths are listed in memtrack.h.
  */
 #define _GNU_SOURCE
-#include "memtrack.h"
+#include "account.h"
 
 CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
@@ -65,6 +65,8 @@ CUresult CUDAAPI tv_cuMemFree_v2(CUdeviceptr dptr)
     if (found) {
         if (r == CUDA_SUCCESS) release_ptr(&e);
         else track(&ptrs, e.key, e.size, e.dslot, e.kind, e.aux);
+    } else if (r == CUDA_SUCCESS && atomic_load_explicit(&tv_graphmem_nodes, memory_order_relaxed)) {
+        tv_graphmem_freed(dptr); /* a graph allocation: no graph holds it any more? */
     }
     return r;
 }

@@ -1,6 +1,6 @@
 /* mempool.c — stream-ordered allocations and pools: what a pool retains stays charged. */
 #define _GNU_SOURCE
-#include "memtrack.h"
+#include "account.h"
 
 /* Caller holds mem_mu. */
 static struct ent *pool_rec(CUmemoryPool pool, int ds)
@@ -12,46 +12,6 @@ static struct ent *pool_rec(CUmemoryPool pool, int ds)
         p = map_find(&pools, (uint64_t)(uintptr_t)pool);
     }
     return p;
-}
-
-/* A freed allocation's bytes stay charged to its pool ("retained") until the driver says the
- * pool gave them back. Returns the bytes uncharged. Caller holds nothing. */
-static uint64_t refresh_pool(CUmemoryPool pool)
-{
-    cuuint64_t reserved = 0;
-    if (!REAL(cuMemPoolGetAttribute) ||
-        REAL(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) !=
-            CUDA_SUCCESS)
-        return 0;
-    LOCK();
-    struct ent *p = map_find(&pools, (uint64_t)(uintptr_t)pool);
-    uint64_t drop = 0;
-    int ds = -1;
-    if (p) {
-        uint64_t keep = reserved > p->aux ? reserved - p->aux : 0;
-        if (keep < p->aux2) {
-            drop = p->aux2 - keep;
-            p->aux2 = keep;
-        }
-        ds = p->dslot;
-    }
-    UNLOCK();
-    tv_mem_unreserve(ds, drop);
-    return drop;
-}
-
-int tv_mem_refresh_pools(void)
-{
-    CUmemoryPool list[64];
-    int n = 0;
-    LOCK();
-    for (size_t i = 0; i < pools.cap && n < 64; i++)
-        if (pools.e[i].key != EMPTY && pools.e[i].key != TOMB && pools.e[i].aux2 > 0)
-            list[n++] = (CUmemoryPool)(uintptr_t)pools.e[i].key;
-    UNLOCK();
-    uint64_t freed = 0;
-    for (int i = 0; i < n; i++) freed += refresh_pool(list[i]);
-    return freed > 0;
 }
 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s,
@@ -70,7 +30,7 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, 
         ds = tv_stream_dev_slot(s);
         int ord = ds >= 0 ? atomic_load(&tv.dev[ds].ordinal) : -1;
         pool = NULL;
-        if (ord >= 0 && REAL(cuDeviceGetMemPool)) REAL(cuDeviceGetMemPool)(&pool, ord);
+        if (ord >= 0 && REAL(cuDeviceGetMemPool)(&pool, ord) != CUDA_SUCCESS) pool = NULL;
     }
     uint64_t reuse = 0;
     if (pool && ds >= 0) {
@@ -132,22 +92,6 @@ CUresult CUDAAPI tv_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes
     return alloc_async(dptr, bytesize, pool, hStream, 1, 1);
 }
 
-/* The bytes of a freed allocation: back to its pool (still charged) or uncharged. */
-void release_ptr(const struct ent *e)
-{
-    if (e->kind == K_ASYNC && e->aux) {
-        LOCK();
-        struct ent *p = map_find(&pools, e->aux);
-        if (p) {
-            p->aux = p->aux > e->size ? p->aux - e->size : 0;
-            p->aux2 += e->size;
-        }
-        UNLOCK();
-        if (p) return;
-    }
-    tv_mem_unreserve(e->dslot, e->size);
-}
-
 static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
 {
     TV_CUDA_ENTER();
@@ -159,6 +103,8 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
     if (found) {
         if (r == CUDA_SUCCESS) release_ptr(&e);
         else track(&ptrs, e.key, e.size, e.dslot, e.kind, e.aux);
+    } else if (r == CUDA_SUCCESS && atomic_load_explicit(&tv_graphmem_nodes, memory_order_relaxed)) {
+        tv_graphmem_freed(dptr);
     }
     return r;
 }
@@ -179,7 +125,7 @@ CUresult CUDAAPI tv_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr
     if (r == CUDA_SUCCESS && props) {
         int ds = props->location.type == CU_MEM_LOCATION_TYPE_DEVICE
                      ? tv_dev_slot(props->location.id)
-                     : -1; /* host pools take no device memory */
+                     : TV_SLOT_HOST; /* host pools take no device memory */
         LOCK();
         struct ent e = {.key = (uint64_t)(uintptr_t)*pool, .dslot = ds};
         map_put(&pools, &e);
@@ -204,6 +150,6 @@ CUresult CUDAAPI tv_cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 {
     TV_CUDA_ENTER();
     CUresult r = REAL(cuMemPoolTrimTo)(pool, minBytesToKeep);
-    if (r == CUDA_SUCCESS) refresh_pool(pool);
+    if (r == CUDA_SUCCESS) tv_pool_refresh(pool);
     return r;
 }

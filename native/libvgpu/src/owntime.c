@@ -45,13 +45,13 @@ struct owntime {
     int64_t debt;                /* settled but not yet charged to the bucket (poll thread) */
 };
 
-static struct owntime ot[TSR_MAX_DEVICES];
+static struct owntime ot[TV_MAX_SLOTS];
 static int nvml_state; /* 0 not tried, 1 usable, -1 not available (poll thread only) */
 static uint64_t next_poll;
 
 void tv_owntime_reset(void)
 {
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+    for (int d = 0; d < TV_MAX_SLOTS; d++) {
         atomic_store(&ot[d].shared, 0);
         atomic_store(&ot[d].per_launch, 0);
         atomic_store(&ot[d].launches, 0);
@@ -68,7 +68,7 @@ void tv_owntime_reset(void)
 /* The measured event time of one completed launch -> the device time to charge. Any thread. */
 int64_t tv_owntime_charge(int d, int64_t raw_ns)
 {
-    if (d < 0 || d >= TSR_MAX_DEVICES || raw_ns < 0) return raw_ns;
+    if (d < 0 || d >= TV_MAX_SLOTS || raw_ns < 0) return raw_ns;
     int64_t c = raw_ns, pl = atomic_load_explicit(&ot[d].per_launch, memory_order_relaxed);
     if (atomic_load_explicit(&ot[d].shared, memory_order_relaxed) && pl > 0 && pl < raw_ns) c = pl;
     atomic_fetch_add_explicit(&ot[d].launches, 1, memory_order_relaxed);
@@ -84,9 +84,9 @@ static int nvml_usable(void)
     void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!h) return 0;
     dlclose(h);
-    if (tv_nvml_init() != 0 || !REAL(nvmlInit_v2) || !REAL(nvmlDeviceGetCount_v2) ||
-        !REAL(nvmlDeviceGetHandleByIndex_v2) || !REAL(nvmlDeviceGetUUID) ||
-        !REAL(nvmlDeviceGetProcessUtilization))
+    if (tv_nvml_init() != 0 || !TV_HAS(nvmlInit_v2) || !TV_HAS(nvmlDeviceGetCount_v2) ||
+        !TV_HAS(nvmlDeviceGetHandleByIndex_v2) || !TV_HAS(nvmlDeviceGetUUID) ||
+        !TV_HAS(nvmlDeviceGetProcessUtilization))
         return 0;
     if (REAL(nvmlInit_v2)() != NVML_SUCCESS) return 0;
     nvml_state = 1;
@@ -96,7 +96,7 @@ static int nvml_usable(void)
 static int find_handle(int d)
 {
     if (ot[d].have_handle) return 1;
-    const char *want = tv.region->dev[d].uuid;
+    const char *want = tv_region_dev(&tv.rg, d)->uuid;
     unsigned n = 0;
     if (!want[0] || REAL(nvmlDeviceGetCount_v2)(&n) != NVML_SUCCESS) return 0;
     for (unsigned i = 0; i < n; i++) {
@@ -118,9 +118,9 @@ static int find_handle(int d)
 /* This process's pid as NVML reports it: the host pid the node agent wrote, else our own. */
 static unsigned nvml_pid(void)
 {
-    struct tsr_proc_slot *s = atomic_load(&tv.slot);
+    struct tsr_proc_slot *s = atomic_load(&tv.rg.slot);
     uint32_t hp = s ? __atomic_load_n(&s->host_pid, __ATOMIC_RELAXED) : 0;
-    return hp ? hp : (unsigned)tv.pid;
+    return hp ? hp : (unsigned)tv.rg.pid;
 }
 
 /* Own busy ns since ot[d].last_ts per NVML; -1 when NVML said nothing about this process. */
@@ -169,7 +169,7 @@ static int64_t nvml_own_busy(int d, int *others)
  * neighbours on the device, and make the next intervals swing the other way. */
 static void pay_debts(void)
 {
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+    for (int d = 0; d < TV_MAX_SLOTS; d++) {
         int64_t part = ot[d].debt / 25;
         if (!part) part = ot[d].debt;
         if (!part) continue;
@@ -181,16 +181,16 @@ static void pay_debts(void)
 /* Poll thread, every tick (20 ms). Returns bit d set when NVML answered for device d. */
 unsigned tv_owntime_poll(uint64_t now_mono)
 {
-    if (!tv.region) return 0;
+    if (!tv.rg.map) return 0;
     pay_debts();
     if (now_mono < next_poll) return 0;
     next_poll = now_mono + OT_PERIOD_NS;
     int any = 0;
-    for (int d = 0; d < TSR_MAX_DEVICES; d++)
+    for (int d = 0; d < TV_MAX_SLOTS; d++)
         any |= atomic_load(&tv.dev[d].ordinal) >= 0 && atomic_load(&tv.dev[d].sm_eff) != 0;
     if (!any || !nvml_usable()) return 0;
     unsigned answered = 0;
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+    for (int d = 0; d < TV_MAX_SLOTS; d++) {
         if (atomic_load(&tv.dev[d].ordinal) < 0 || atomic_load(&tv.dev[d].sm_eff) == 0) continue;
         if (!find_handle(d)) continue;
         int others;

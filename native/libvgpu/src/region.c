@@ -1,7 +1,7 @@
 /*
- * region.c — the usage region shared by the container's processes: creation, the robust
- * cross-process lock, process slots (and reclaiming those of dead processes), and the atomic
- * reserve / unreserve of device memory against the limit.
+ * region.c — the usage region (region.h): opening and validating it, the robust cross-process
+ * lock, process slots (and reclaiming those of dead processes), per-device charges against a
+ * limit the caller passes, and repairing what a tenant may have written into it.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -15,11 +15,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "vgpu.h"
+#include "region.h"
 
-#define R (tv.region)
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 #define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
+#define REGION_SZ sizeof(struct tsr_region)
 
 static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS slots are live */
 
@@ -61,10 +61,10 @@ static uint64_t self_start_time(void)
     return t;
 }
 
-static int proc_alive(pid_t pid, uint64_t start)
+static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
 {
     if (pid <= 0) return 0;
-    if (pid == tv.pid) return 1;
+    if (pid == rg->pid) return 1;
     if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
     uint64_t st;
@@ -75,7 +75,7 @@ static int proc_alive(pid_t pid, uint64_t start)
 }
 
 /* Caller holds the lock. Uncharge a slot's bytes and free it. */
-static void reclaim_slot(struct tsr_proc_slot *s)
+static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
 {
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         uint64_t u = LOAD(s->used[d]), total = LOAD(R->dev[d].used_bytes);
@@ -84,223 +84,338 @@ static void reclaim_slot(struct tsr_proc_slot *s)
     memset(s, 0, sizeof *s);
 }
 
-int tv_region_reclaim_dead(void)
+int tv_region_reclaim_dead(struct tv_region *rg)
 {
     int n = 0;
     for (int i = 0; i < TSR_MAX_PROCS; i++) {
-        struct tsr_proc_slot *s = &R->procs[i];
+        struct tsr_proc_slot *s = &rg->map->procs[i];
         pid_t pid = LOAD(s->pid);
-        if (pid == 0 || pid == tv.pid) continue;
-        if (!proc_alive(pid, LOAD(s->start_time))) {
+        if (pid == 0 || pid == rg->pid) continue;
+        if (!proc_alive(rg, pid, LOAD(s->start_time))) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", i, (int)pid);
-            reclaim_slot(s);
+            reclaim_slot(rg->map, s);
             n++;
         }
     }
     return n;
 }
 
-/* After a lock owner died: free dead slots, then rebuild every total from the live slots (the
- * dead owner may have stopped between updating a total and its slot). */
-static void recover(void)
+/* Caller holds the lock. The device total from the live slots (never below our own). */
+static uint64_t live_sum(struct tv_region *rg, int d)
 {
-    tv_region_reclaim_dead();
-    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
-        uint64_t sum = 0;
-        for (int i = 0; i < TSR_MAX_PROCS; i++)
-            if (LOAD(R->procs[i].pid)) sum += LOAD(R->procs[i].used[d]);
-        STORE(R->dev[d].used_bytes, sum);
-    }
+    uint64_t sum = 0;
+    for (int i = 0; i < TSR_MAX_PROCS; i++)
+        if (LOAD(rg->map->procs[i].pid) && i != rg->slot_idx)
+            sum += LOAD(rg->map->procs[i].used[d]);
+    return sum + rg->mine[d];
 }
 
-static void init_mutex(void)
+/* After a lock owner died: free dead slots, then rebuild every total from the live slots (the
+ * dead owner may have stopped between updating a total and its slot). */
+static void recover(struct tv_region *rg)
+{
+    tv_region_reclaim_dead(rg);
+    for (int d = 0; d < TSR_MAX_DEVICES; d++) STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
+}
+
+static void init_mutex(struct tsr_region *r)
 {
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
     pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(&R->lock.mutex, &a);
+    pthread_mutex_init(&r->lock.mutex, &a);
     pthread_mutexattr_destroy(&a);
+    __atomic_store_n(&r->lock_ready, TSR_LOCK_READY, __ATOMIC_RELEASE);
 }
 
-void tv_region_lock(void)
+void tv_region_lock(struct tv_region *rg)
 {
+    struct tsr_region *R = rg->map;
     int r = pthread_mutex_lock(&R->lock.mutex);
     if (tv_likely(r == 0)) return;
     if (r == EOWNERDEAD) {
         TV_LOG(TV_LOG_WARN, "region lock: its owner died; recovering");
-        recover();
+        recover(rg);
         pthread_mutex_consistent(&R->lock.mutex);
         return;
     }
-    if (r == ENOTRECOVERABLE) {
-        TV_LOG(TV_LOG_ERROR, "region lock not recoverable: re-initialising it");
-        if (tv.region_fd >= 0) flock(tv.region_fd, LOCK_EX);
-        init_mutex();
-        if (tv.region_fd >= 0) flock(tv.region_fd, LOCK_UN);
-        tv_region_lock();
-        return;
-    }
-    TV_LOG(TV_LOG_ERROR, "region lock: error %d", r);
+    TV_LOG(TV_LOG_ERROR, "region lock: error %d: re-initialising it", r);
+    if (rg->fd >= 0) flock(rg->fd, LOCK_EX);
+    init_mutex(R);
+    if (rg->fd >= 0) flock(rg->fd, LOCK_UN);
+    if (pthread_mutex_lock(&R->lock.mutex) == EOWNERDEAD) pthread_mutex_consistent(&R->lock.mutex);
 }
 
-void tv_region_unlock(void)
+void tv_region_unlock(struct tv_region *rg)
 {
-    pthread_mutex_unlock(&R->lock.mutex);
+    pthread_mutex_unlock(&rg->map->lock.mutex);
 }
 
-/* ---- creation ----------------------------------------------------------------------------- */
+/* ---- creation and validation -------------------------------------------------------------- */
 
-static void init_region(struct tsr_region *r)
+static int header_ok(const struct tsr_region *r)
+{
+    return __atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) == TSR_REGION_MAGIC &&
+           LOAD(r->major) == TSR_VERSION_MAJOR && LOAD(r->size) == REGION_SZ &&
+           LOAD(r->max_procs) == TSR_MAX_PROCS && LOAD(r->num_devices) <= TSR_MAX_DEVICES;
+}
+
+static void init_fresh(struct tsr_region *r, const struct tv_region_seed *seed)
 {
     memset(r, 0, sizeof *r);
     r->major = TSR_VERSION_MAJOR;
     r->minor = TSR_VERSION_MINOR;
-    r->size = sizeof *r;
+    r->size = REGION_SZ;
     r->max_procs = TSR_MAX_PROCS;
-    r->priority = tv.lim.priority;
-    r->core_policy = tv.lim.core_policy;
+    r->priority = seed ? seed->priority : 0;
+    r->core_policy = seed ? seed->core_policy : 0;
     r->created_ns = tv_real_ns();
-    struct tsr_region *saved = R;
-    R = r;
-    init_mutex();
-    R = saved;
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < tv.lim.num_devices && i < TSR_MAX_DEVICES; i++)
-        if (tv.lim.dev[i].uuid[0])
-            memcpy(r->dev[n++].uuid, tv.lim.dev[i].uuid, TSR_UUID_LEN);
+    init_mutex(r);
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         r->dev[d].achieved_sm_x100 = TSR_SM_UNKNOWN;
         r->dev[d].sm_limit_pct = 100;
     }
-    r->num_devices = n;
     __atomic_store_n(&r->magic, TSR_REGION_MAGIC, __ATOMIC_RELEASE);
 }
 
-static int region_ok(const struct tsr_region *r)
+static struct tsr_region *map_anon(void)
 {
-    return __atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) == TSR_REGION_MAGIC;
+    struct tsr_region *r =
+        mmap(NULL, REGION_SZ, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) abort();
+    init_fresh(r, NULL);
+    return r;
 }
 
-void tv_region_open(const char *path)
+/* A usable mapping of fd, or NULL: a regular file of exactly the region's size. */
+static struct tsr_region *map_file(int fd, struct stat *st)
 {
-    const size_t sz = sizeof(struct tsr_region);
-    struct tsr_region *r = NULL;
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (fd >= 0) {
-        struct stat st;
-        if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sz) {
-            r = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (r == MAP_FAILED) r = NULL;
-        }
-        if (!r || !region_ok(r)) {
-            flock(fd, LOCK_EX); /* only the first process of the container gets here */
-            if (fstat(fd, &st) == 0 && (size_t)st.st_size < sz && ftruncate(fd, (off_t)sz) != 0)
-                TV_LOG(TV_LOG_ERROR, "region %s: cannot grow: %s", path, strerror(errno));
-            if (!r) {
-                r = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-                if (r == MAP_FAILED) r = NULL;
+    if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode) || (size_t)st->st_size != REGION_SZ)
+        return NULL;
+    void *m = mmap(NULL, REGION_SZ, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return m == MAP_FAILED ? NULL : m;
+}
+
+static int uuid_sealed(const struct tv_region_seed *seed, const char *uuid)
+{
+    for (unsigned i = 0; seed && i < seed->nuuid; i++)
+        if (!strncmp(seed->uuids[i], uuid, TSR_UUID_LEN)) return 1;
+    return 0;
+}
+
+/* Caller holds the lock. A slot for uuid in the shared table: found, added, or taken from an
+ * entry that no sealed limit names and that nothing is charged to. -1 if none. */
+static int shared_slot_locked(struct tv_region *rg, const char *uuid,
+                              const struct tv_region_seed *seed)
+{
+    struct tsr_region *R = rg->map;
+    uint32_t n = LOAD(R->num_devices);
+    if (n > TSR_MAX_DEVICES) n = TSR_MAX_DEVICES, STORE(R->num_devices, n);
+    for (uint32_t k = 0; k < n; k++)
+        if (!strncmp(R->dev[k].uuid, uuid, TSR_UUID_LEN)) return (int)k;
+    int k = -1;
+    if (n < TSR_MAX_DEVICES) {
+        k = (int)n;
+        STORE(R->num_devices, n + 1);
+    } else if (seed && seed->nuuid) {
+        for (uint32_t j = 0; j < n && k < 0; j++) {
+            char u[TSR_UUID_LEN];
+            memcpy(u, R->dev[j].uuid, TSR_UUID_LEN);
+            u[TSR_UUID_LEN - 1] = 0;
+            if (!uuid_sealed(seed, u) && live_sum(rg, (int)j) == 0) {
+                TV_LOG(TV_LOG_WARN, "region: device slot %u held '%.16s', named by no limit: "
+                       "reused", j, u);
+                k = (int)j;
             }
-            if (r && !region_ok(r)) init_region(r);
-            flock(fd, LOCK_UN);
         }
-        if (r && r->major != TSR_VERSION_MAJOR) {
-            TV_LOG(TV_LOG_ERROR, "region %s has version %u.%u, this libvgpu %u.%u", path,
-                   r->major, r->minor, TSR_VERSION_MAJOR, TSR_VERSION_MINOR);
-            munmap(r, sz);
-            r = NULL;
-        }
-        if (r) {
-            tv.region_fd = fd;
-        } else {
-            close(fd);
-        }
+    }
+    if (k >= 0) {
+        struct tsr_region_device *rd = &R->dev[k];
+        memset(rd, 0, sizeof *rd);
+        snprintf(rd->uuid, TSR_UUID_LEN, "%s", uuid);
+        rd->achieved_sm_x100 = TSR_SM_UNKNOWN;
+        rd->sm_limit_pct = 100;
+    }
+    return k;
+}
+
+/* Caller holds the lock. Every sealed device gets a slot before anyone needs one. */
+static void seed_devices(struct tv_region *rg, const struct tv_region_seed *seed)
+{
+    for (unsigned i = 0; seed && i < seed->nuuid; i++)
+        if (seed->uuids[i][0]) shared_slot_locked(rg, seed->uuids[i], seed);
+}
+
+static void set_standin(struct tv_region *rg)
+{
+    static struct tsr_region *standin;
+    if (!standin) standin = map_anon();
+    rg->map = standin;
+}
+
+/* Map path: 0 ok (rg->map set), -1 not usable. Strict: never create or initialise it. */
+static int attach(struct tv_region *rg, const char *path, int strict,
+                  const struct tv_region_seed *seed)
+{
+    int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (strict ? 0 : O_CREAT);
+    int fd = open(path, flags, 0666);
+    if (fd < 0) return -1;
+    struct stat st;
+    struct tsr_region *r = map_file(fd, &st);
+    if (!r && !strict) { /* standalone: the first process creates it */
+        flock(fd, LOCK_EX);
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size < REGION_SZ &&
+            ftruncate(fd, (off_t)REGION_SZ) != 0)
+            TV_LOG(TV_LOG_ERROR, "region %s: cannot grow: %s", path, strerror(errno));
+        r = map_file(fd, &st);
+        flock(fd, LOCK_UN);
     }
     if (!r) {
-        TV_LOG(TV_LOG_WARN, "region %s unusable (%s): accounting is per process", path,
-               strerror(errno));
-        r = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-        if (r == MAP_FAILED) abort();
-        init_region(r);
-        tv.region_private = 1;
+        close(fd);
+        return -1;
     }
-    R = r;
-    tv.start_time = self_start_time();
+    flock(fd, LOCK_EX);
+    int ok = header_ok(r);
+    if (!ok && !strict) {
+        init_fresh(r, seed);
+        ok = 1;
+    }
+    if (ok && __atomic_load_n(&r->lock_ready, __ATOMIC_ACQUIRE) != TSR_LOCK_READY) init_mutex(r);
+    flock(fd, LOCK_UN);
+    if (!ok) {
+        TV_LOG(TV_LOG_ERROR, "region %s: bad header: refusing device memory until it is "
+               "repaired", path);
+        munmap(r, REGION_SZ);
+        close(fd);
+        return -1;
+    }
+    if (rg->fd >= 0) close(rg->fd); /* an earlier mapping stays: other threads may hold it */
+    rg->fd = fd;
+    rg->ino = st.st_ino;
+    rg->dev = st.st_dev;
+    rg->map = r;
+    tv_region_lock(rg);
+    seed_devices(rg, seed);
+    tv_region_unlock(rg);
+    return 0;
+}
+
+void tv_region_open(struct tv_region *rg, const char *path, int strict,
+                    const struct tv_region_seed *seed)
+{
+    rg->fd = -1;
+    rg->slot_idx = -1;
+    rg->pid = getpid();
+    rg->strict = strict;
+    pthread_mutex_init(&rg->priv_mu, NULL);
+    rg->priv = map_anon();
+    snprintf(rg->path, sizeof rg->path, "%s", path ? path : "");
+    if (path && path[0] && attach(rg, path, strict, seed) == 0) {
+        /* shared */
+    } else if (strict) {
+        TV_LOG(TV_LOG_ERROR, "region %s unusable: refusing device memory until it is repaired",
+               rg->path);
+        set_standin(rg);
+        atomic_store(&rg->bad, 1);
+    } else {
+        TV_LOG(TV_LOG_WARN, "region %s unusable (%s): accounting is per process", rg->path,
+               strerror(errno));
+        rg->map = map_anon();
+        rg->is_private = 1;
+    }
+    rg->start_time = self_start_time();
 }
 
 /* ---- process slots ------------------------------------------------------------------------ */
 
-struct tsr_proc_slot *tv_slot(void)
+/* Caller holds the lock. Write what this process holds into its slot and the totals. */
+static void assert_mine(struct tv_region *rg, struct tsr_proc_slot *s)
 {
-    struct tsr_proc_slot *s = atomic_load_explicit(&tv.slot, memory_order_acquire);
+    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+        uint64_t had = LOAD(s->used[d]), m = rg->mine[d];
+        if (had == m) continue;
+        STORE(s->used[d], m);
+        uint64_t t = LOAD(rg->map->dev[d].used_bytes) - had + m;
+        STORE(rg->map->dev[d].used_bytes, t);
+    }
+}
+
+struct tsr_proc_slot *tv_region_register(struct tv_region *rg)
+{
+    struct tsr_proc_slot *s = atomic_load_explicit(&rg->slot, memory_order_acquire);
     if (tv_likely(s != NULL)) return s;
-    tv_core_init();
-    if (!tv.start_time) tv.start_time = self_start_time();
-    tv_region_lock();
-    s = atomic_load(&tv.slot);
+    if (!rg->start_time) rg->start_time = self_start_time();
+    struct tsr_region *R = rg->map;
+    tv_region_lock(rg);
+    s = atomic_load(&rg->slot);
     if (!s) {
         int idx = -1;
         for (int pass = 0; pass < 2 && idx < 0; pass++) {
             for (int i = 0; i < TSR_MAX_PROCS; i++) {
                 pid_t pid = LOAD(R->procs[i].pid);
-                if (pid == tv.pid) { /* a previous process with our pid: it is dead */
-                    reclaim_slot(&R->procs[i]);
+                if (pid == rg->pid) { /* a previous process with our pid: it is dead */
+                    reclaim_slot(R, &R->procs[i]);
                     idx = i;
                     break;
                 }
                 if (pid == 0 && idx < 0) idx = i;
             }
-            if (idx < 0) tv_region_reclaim_dead();
+            if (idx < 0) tv_region_reclaim_dead(rg);
         }
         if (idx >= 0) {
             s = &R->procs[idx];
             memset(s, 0, sizeof *s);
-            STORE(s->start_time, tv.start_time);
-            STORE(s->pid, (int32_t)tv.pid);
+            STORE(s->start_time, rg->start_time);
+            STORE(s->pid, (int32_t)rg->pid);
         } else {
             TV_LOG(TV_LOG_ERROR, "region full (%d processes): this process is not tracked",
                    TSR_MAX_PROCS);
             s = &overflow_slot;
         }
-        tv.slot_idx = idx;
-        atomic_store_explicit(&tv.slot, s, memory_order_release);
+        rg->slot_idx = idx;
+        assert_mine(rg, s);
+        atomic_store_explicit(&rg->slot, s, memory_order_release);
     }
-    tv_region_unlock();
-    tv_poll_thread_start();
+    tv_region_unlock(rg);
     return s;
 }
 
-void tv_region_release_slot(void)
+void tv_region_release(struct tv_region *rg)
 {
-    struct tsr_proc_slot *s = atomic_load(&tv.slot);
-    if (!s || !R) return;
-    tv_region_lock();
+    struct tsr_proc_slot *s = atomic_load(&rg->slot);
+    if (!s || !rg->map || atomic_load(&rg->bad)) return;
+    tv_region_lock(rg);
     if (s == &overflow_slot) {
         for (int d = 0; d < TSR_MAX_DEVICES; d++) {
-            uint64_t u = s->used[d], total = LOAD(R->dev[d].used_bytes);
-            STORE(R->dev[d].used_bytes, total > u ? total - u : 0);
+            uint64_t u = s->used[d], total = LOAD(rg->map->dev[d].used_bytes);
+            STORE(rg->map->dev[d].used_bytes, total > u ? total - u : 0);
         }
         memset(s, 0, sizeof *s);
-    } else if (LOAD(s->pid) == (int32_t)tv.pid) {
-        reclaim_slot(s);
+    } else if (LOAD(s->pid) == (int32_t)rg->pid) {
+        reclaim_slot(rg->map, s);
     }
-    atomic_store(&tv.slot, NULL);
-    tv_region_unlock();
+    atomic_store(&rg->slot, NULL);
+    tv_region_unlock(rg);
 }
 
-void tv_region_after_fork_child(void)
+void tv_region_after_fork_child(struct tv_region *rg)
 {
-    atomic_store(&tv.slot, NULL);
-    tv.slot_idx = -1;
-    tv.start_time = 0;
-    tv_limits_after_fork_child();
+    atomic_store(&rg->slot, NULL);
+    rg->slot_idx = -1;
+    rg->start_time = 0;
+    rg->pid = getpid();
+    memset(rg->mine, 0, sizeof rg->mine); /* the child holds none of its parent's memory */
+    pthread_mutex_init(&rg->priv_mu, NULL);
 }
 
-void tv_region_periodic_reclaim(void)
+/* ---- the poll thread's share --------------------------------------------------------------- */
+
+static void reclaim_periodic(struct tv_region *rg)
 {
-    if (!R || tv.region_private) return;
+    struct tsr_region *R = rg->map;
     uint64_t now = tv_mono_ns();
-    uint64_t last = __atomic_load_n(&R->reclaim_ns, __ATOMIC_RELAXED);
+    uint64_t last = LOAD(R->reclaim_ns);
     if (now - last < 1000000000ull && last <= now) return;
     if (!__atomic_compare_exchange_n(&R->reclaim_ns, &last, now, 0, __ATOMIC_RELAXED,
                                      __ATOMIC_RELAXED))
@@ -312,98 +427,219 @@ void tv_region_periodic_reclaim(void)
     for (int i = 0; i < TSR_MAX_PROCS; i++) { /* liveness checked outside the lock */
         int32_t pid = LOAD(R->procs[i].pid);
         uint64_t st = LOAD(R->procs[i].start_time);
-        if (pid && pid != tv.pid && !proc_alive(pid, st)) {
+        if (pid && pid != rg->pid && !proc_alive(rg, pid, st)) {
             idx[n] = i;
             pids[n] = pid;
             starts[n++] = st;
         }
     }
     if (!n) return;
-    tv_region_lock();
+    tv_region_lock(rg);
     for (int k = 0; k < n; k++) {
         struct tsr_proc_slot *s = &R->procs[idx[k]];
         if (LOAD(s->pid) == pids[k] && LOAD(s->start_time) == starts[k]) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", idx[k], (int)pids[k]);
-            reclaim_slot(s);
+            reclaim_slot(R, s);
         }
     }
-    tv_region_unlock();
+    tv_region_unlock(rg);
+}
+
+/* Is our slot, or a total, below what this process holds? (read without the lock) */
+static int tampered(struct tv_region *rg, struct tsr_proc_slot *s)
+{
+    if (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) return 1;
+    for (int d = 0; d < TSR_MAX_DEVICES; d++)
+        if (LOAD(s->used[d]) != rg->mine[d] || LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
+            return 1;
+    return 0;
+}
+
+/* Caller holds the lock. Put back what a tenant took out: our slot, our share of each total. */
+static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
+{
+    if (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) {
+        if (LOAD(s->pid) == 0) {
+            STORE(s->start_time, rg->start_time);
+            STORE(s->pid, (int32_t)rg->pid);
+        } else { /* someone else holds it now: take a new one */
+            atomic_store(&rg->slot, NULL);
+            tv_region_unlock(rg);
+            tv_region_register(rg);
+            tv_region_lock(rg);
+            return;
+        }
+    }
+    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+        if (LOAD(s->used[d]) != rg->mine[d]) STORE(s->used[d], rg->mine[d]);
+        if (LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
+            STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
+    }
+}
+
+/* Bad: is the file usable again? Then map it, take a slot, put back our devices and charges. */
+static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed)
+{
+    if (attach(rg, rg->path, rg->strict, seed) != 0) return;
+    atomic_store(&rg->slot, NULL);
+    rg->slot_idx = -1;
+    tv_region_lock(rg);
+    for (int d = 0; d < TSR_MAX_DEVICES; d++) {
+        if (!rg->uuid[d][0]) continue;
+        struct tsr_region_device *rd = &rg->map->dev[d];
+        if (strncmp(rd->uuid, rg->uuid[d], TSR_UUID_LEN) && !rd->uuid[0]) {
+            snprintf(rd->uuid, TSR_UUID_LEN, "%s", rg->uuid[d]);
+            if (LOAD(rg->map->num_devices) <= (uint32_t)d) STORE(rg->map->num_devices, d + 1);
+        }
+    }
+    tv_region_unlock(rg);
+    tv_region_register(rg); /* writes mine[] into the slot and the totals */
+    atomic_store(&rg->bad, 0);
+    TV_LOG(TV_LOG_WARN, "region %s valid again: charges resume", rg->path);
+}
+
+void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_seed *seed)
+{
+    if (rg->is_private) return;
+    if (atomic_load(&rg->bad)) {
+        try_reattach(rg, seed);
+        return;
+    }
+    struct stat st, pst;
+    int gone = fstat(rg->fd, &st) != 0 || (size_t)st.st_size != REGION_SZ ||
+               stat(rg->path, &pst) != 0 || pst.st_ino != rg->ino || pst.st_dev != rg->dev;
+    if (gone || !header_ok(rg->map)) {
+        TV_LOG(TV_LOG_ERROR, "region %s was truncated, replaced or overwritten: refusing device "
+               "memory until it is valid again", rg->path);
+        atomic_store(&rg->bad, 1);
+        set_standin(rg); /* never touch a truncated mapping again (SIGBUS) */
+        return;
+    }
+    struct tsr_proc_slot *s = atomic_load(&rg->slot);
+    if (s && tampered(rg, s)) {
+        TV_LOG(TV_LOG_WARN, "region %s: this process's charges were changed: restored", rg->path);
+        tv_region_lock(rg);
+        repair(rg, atomic_load(&rg->slot));
+        tv_region_unlock(rg);
+    }
+    if (reclaim) reclaim_periodic(rg);
 }
 
 /* ---- devices ------------------------------------------------------------------------------ */
 
-int tv_region_find_dev(const char *uuid)
+int tv_region_find_dev(struct tv_region *rg, const char *uuid)
 {
-    if (!R || !uuid[0]) return -1;
+    if (!uuid[0]) return -1;
+    struct tsr_region *R = rg->map;
     uint32_t n = __atomic_load_n(&R->num_devices, __ATOMIC_ACQUIRE);
     for (uint32_t k = 0; k < n && k < TSR_MAX_DEVICES; k++)
         if (!strncmp(R->dev[k].uuid, uuid, TSR_UUID_LEN)) return (int)k;
+    R = rg->priv;
+    n = __atomic_load_n(&R->num_devices, __ATOMIC_ACQUIRE);
+    for (uint32_t k = 0; k < n && k < TSR_MAX_DEVICES; k++)
+        if (!strncmp(R->dev[k].uuid, uuid, TSR_UUID_LEN)) return TSR_MAX_DEVICES + (int)k;
     return -1;
 }
 
-int tv_region_dev_slot(const char *uuid)
+int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
+                       const struct tv_region_seed *seed)
 {
-    int k = tv_region_find_dev(uuid);
-    if (k >= 0) return k;
-    tv_region_lock();
-    k = tv_region_find_dev(uuid);
-    if (k < 0) {
-        uint32_t n = R->num_devices;
-        if (n < TSR_MAX_DEVICES) {
-            snprintf(R->dev[n].uuid, TSR_UUID_LEN, "%s", uuid);
-            __atomic_store_n(&R->num_devices, n + 1, __ATOMIC_RELEASE);
-            k = (int)n;
-        } else {
-            TV_LOG(TV_LOG_ERROR, "region: more than %d devices", TSR_MAX_DEVICES);
-        }
+    if (!uuid[0]) return -1;
+    int k = -1;
+    if (!atomic_load(&rg->bad)) {
+        tv_region_lock(rg);
+        k = shared_slot_locked(rg, uuid, seed);
+        tv_region_unlock(rg);
     }
-    tv_region_unlock();
+    if (k < 0) { /* no room we may take: this process alone is held to the limit */
+        pthread_mutex_lock(&rg->priv_mu);
+        struct tsr_region *P = rg->priv;
+        uint32_t n = P->num_devices;
+        for (uint32_t j = 0; j < n && k < 0; j++)
+            if (!strncmp(P->dev[j].uuid, uuid, TSR_UUID_LEN)) k = TSR_MAX_DEVICES + (int)j;
+        if (k < 0 && n < TSR_MAX_DEVICES) {
+            snprintf(P->dev[n].uuid, TSR_UUID_LEN, "%s", uuid);
+            __atomic_store_n(&P->num_devices, n + 1, __ATOMIC_RELEASE);
+            k = TSR_MAX_DEVICES + (int)n;
+        }
+        pthread_mutex_unlock(&rg->priv_mu);
+        if (k >= 0)
+            TV_LOG(TV_LOG_ERROR, "region: no device slot for %s: held to its limit by this "
+                   "process's own allocations", uuid);
+    }
+    if (k >= 0) snprintf(rg->uuid[k], TSR_UUID_LEN, "%s", uuid);
     return k;
 }
 
-/* ---- memory accounting -------------------------------------------------------------------- */
+/* ---- memory ------------------------------------------------------------------------------- */
 
-static int fits(int d, uint64_t limit, uint64_t bytes)
+static int fits(uint64_t used, uint64_t limit, uint64_t bytes)
 {
-    uint64_t used = LOAD(R->dev[d].used_bytes);
     return !limit || (bytes <= limit && used <= limit - bytes);
 }
 
-int tv_mem_reserve(int d, uint64_t bytes)
+static int charge_private(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
 {
-    if (d < 0 || d >= TSR_MAX_DEVICES || bytes == 0) return 0;
-    struct tsr_proc_slot *s = tv_slot();
-    for (int attempt = 0;; attempt++) {
-        uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
-        tv_region_lock();
-        if (!fits(d, limit, bytes) && attempt == 0) tv_region_reclaim_dead();
-        if (fits(d, limit, bytes)) {
-            struct tsr_region_device *rd = &R->dev[d];
-            uint64_t used = LOAD(rd->used_bytes) + bytes;
-            STORE(rd->used_bytes, used);
-            STORE(s->used[d], LOAD(s->used[d]) + bytes);
-            if (used > LOAD(rd->peak_bytes)) STORE(rd->peak_bytes, used);
-            tv_region_unlock();
-            return 0;
-        }
-        tv_region_unlock();
-        if (attempt == 0 && tv_mem_refresh_pools() > 0) continue; /* pools gave memory back */
-        __atomic_fetch_add(&R->dev[d].oom_count, 1, __ATOMIC_RELAXED);
-        TV_LOG(TV_LOG_INFO, "out of memory on slot %d: %llu + %llu > %llu", d,
-               (unsigned long long)LOAD(R->dev[d].used_bytes), (unsigned long long)bytes,
-               (unsigned long long)limit);
-        return -1;
+    struct tsr_region_device *rd = tv_region_dev(rg, d);
+    pthread_mutex_lock(&rg->priv_mu);
+    int ok = fits(rg->mine[d], limit, bytes);
+    if (ok) {
+        rg->mine[d] += bytes;
+        STORE(rd->used_bytes, rg->mine[d]);
+        if (rg->mine[d] > rd->peak_bytes) rd->peak_bytes = rg->mine[d];
     }
+    pthread_mutex_unlock(&rg->priv_mu);
+    return ok ? 0 : -1;
 }
 
-void tv_mem_unreserve(int d, uint64_t bytes)
+int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
 {
-    if (d < 0 || d >= TSR_MAX_DEVICES || bytes == 0) return;
-    struct tsr_proc_slot *s = tv_slot();
-    tv_region_lock();
+    if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return 0;
+    if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) return -1; /* until repaired */
+    if (d >= TSR_MAX_DEVICES) return charge_private(rg, d, bytes, limit);
+    struct tsr_proc_slot *s = tv_region_register(rg);
+    struct tsr_region *R = rg->map;
+    tv_region_lock(rg);
+    if (tv_unlikely(tampered(rg, s))) {
+        repair(rg, s);
+        s = atomic_load(&rg->slot);
+    }
     struct tsr_region_device *rd = &R->dev[d];
-    uint64_t used = LOAD(rd->used_bytes), mine = LOAD(s->used[d]);
+    if (!fits(LOAD(rd->used_bytes), limit, bytes)) tv_region_reclaim_dead(rg);
+    int ok = fits(LOAD(rd->used_bytes), limit, bytes);
+    if (ok) {
+        uint64_t used = LOAD(rd->used_bytes) + bytes;
+        rg->mine[d] += bytes;
+        STORE(rd->used_bytes, used);
+        STORE(s->used[d], rg->mine[d]);
+        if (used > LOAD(rd->peak_bytes)) STORE(rd->peak_bytes, used);
+    }
+    tv_region_unlock(rg);
+    return ok ? 0 : -1;
+}
+
+void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
+{
+    if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return;
+    if (d >= TSR_MAX_DEVICES || atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
+        pthread_mutex_lock(&rg->priv_mu);
+        rg->mine[d] = rg->mine[d] > bytes ? rg->mine[d] - bytes : 0;
+        if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, rg->mine[d]);
+        pthread_mutex_unlock(&rg->priv_mu);
+        return;
+    }
+    struct tsr_proc_slot *s = tv_region_register(rg);
+    tv_region_lock(rg);
+    struct tsr_region_device *rd = &rg->map->dev[d];
+    uint64_t used = LOAD(rd->used_bytes);
+    rg->mine[d] = rg->mine[d] > bytes ? rg->mine[d] - bytes : 0;
     STORE(rd->used_bytes, used > bytes ? used - bytes : 0);
-    STORE(s->used[d], mine > bytes ? mine - bytes : 0);
-    tv_region_unlock();
+    STORE(s->used[d], rg->mine[d]);
+    tv_region_unlock(rg);
+}
+
+void tv_region_count_oom(struct tv_region *rg, int d)
+{
+    if (d >= 0 && d < TV_MAX_SLOTS)
+        __atomic_fetch_add(&tv_region_dev(rg, d)->oom_count, 1, __ATOMIC_RELAXED);
 }

@@ -1,4 +1,18 @@
-/* vgpu.h — libvgpu's internal interfaces (one process's view). */
+/*
+ * vgpu.h — libvgpu's layers, top-down. Each layer calls only the ones below it.
+ *
+ *   interception  intercept.c (dlsym / dlvsym / dlmopen hooks, the cuGetProcAddress swap),
+ *                 the entry points: memory.c mempool.c vmm.c arrays.c graphmem.c contexts.c
+ *                 compute.c virt.c, and init.c (lazy start-up, the poll thread, fork, exit)
+ *   accounting    account.c (account.h: what was charged, reserve / unreserve against the
+ *   and limiting  limit), limits.c (the limits in force), devices.c (CUDA device -> slot),
+ *                 the compute limiter (compute.c)
+ *   bottom        region.c (region.h: the usage region), driver.c (driver.h: the real driver
+ *                 table and glibc's own lookup), log.c (base.h)
+ *
+ * The process's state is one struct tv_state: each layer's part is its own struct, and the
+ * bottom layer's functions take theirs explicitly (struct tv_region *).
+ */
 #ifndef TV_VGPU_H
 #define TV_VGPU_H
 
@@ -6,42 +20,14 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/types.h>
-#include <time.h>
 
-#include "symbols.h"
-#include "tessera_region.h"
-
-#define TV_HIDDEN __attribute__((visibility("hidden")))
-#define tv_likely(x) __builtin_expect(!!(x), 1)
-#define tv_unlikely(x) __builtin_expect(!!(x), 0)
+#include "base.h"
+#include "driver.h"
+#include "region.h"
 
 #define TV_MAX_CUDA_DEVS 64
 #define TV_SM_PAUSE 1000u                   /* sm_eff: launches wait (yield with 0 %) */
 #define TV_DEFAULT_CTX_CHARGE (64ull << 20) /* per context beyond the primary */
-
-/* ---- log.c ---- */
-enum { TV_LOG_ERROR = 0, TV_LOG_WARN = 1, TV_LOG_INFO = 2, TV_LOG_DEBUG = 4 };
-extern int tv_log_level;
-void tv_log_init(void) TV_HIDDEN;
-void tv_log(int level, const char *fmt, ...) TV_HIDDEN __attribute__((format(printf, 2, 3)));
-#define TV_LOG(lvl, ...)                                                                   \
-    do {                                                                                   \
-        if (tv_unlikely((lvl) <= tv_log_level)) tv_log((lvl), __VA_ARGS__);               \
-    } while (0)
-
-static inline uint64_t tv_mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO: no system call */
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-static inline uint64_t tv_real_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-void tv_sleep_ns(uint64_t ns) TV_HIDDEN;
 
 /* ---- per device slot, this process's copy of the limits in force ---- */
 struct tv_dev {
@@ -51,84 +37,75 @@ struct tv_dev {
     uint64_t win_busy, win_ts;  /* poll thread: achieved-% window */
 };
 
+/* limits.c: where the limits come from */
+struct tv_limits {
+    int sealed;                 /* the sealed file of the node agent exists */
+    int file_mode;              /* limits come from a file (sealed, or TESSERA_LIMITS_DIR) */
+    int broken;                 /* the file exists but never parsed: refuse all allocations */
+    char file[TSR_PATH_LEN + 32];
+    struct tsr_limits lim;      /* the last good limits file, or built from env */
+    uint64_t env_mem[TSR_MAX_DEVICES], env_mem_all;
+    uint32_t env_sm[TSR_MAX_DEVICES];
+};
+
 struct tv_state {
-    /* init (hooks.c) */
-    _Atomic int core_ready;
-    _Atomic int cuda_ready;
+    /* init.c */
+    _Atomic int core_ready;     /* limits read, region open */
+    _Atomic int cuda_ready;     /* + the real driver, this process registered, poll thread */
     _Atomic int nvml_ready;
     void *cuda_handle;
     void *nvml_handle;
+    pthread_mutex_t mu;         /* init, device mapping, limits reload */
 
-    /* limits (limits.c) */
-    int sealed;                 /* limits come from a file (sealed dir or TESSERA_LIMITS_DIR) */
-    char limits_file[TSR_PATH_LEN + 32];
-    struct tsr_limits lim;      /* the last good limits file, or built from env */
-    uint64_t env_mem[TSR_MAX_DEVICES];
-    uint32_t env_sm[TSR_MAX_DEVICES];
-    _Atomic uint32_t flags;     /* TSR_LIMITS_* */
+    struct tv_limits lm;        /* limits.c */
+    _Atomic uint32_t flags;     /* TSR_LIMITS_* in force */
     uint64_t ctx_charge;
 
-    /* region (region.c) */
-    struct tsr_region *region;
-    int region_fd;
-    int region_private;         /* no shared file: accounting is per process */
-    _Atomic(struct tsr_proc_slot *) slot;
-    int slot_idx;
-    pid_t pid;
-    uint64_t start_time;
+    struct tv_region rg;        /* region.c */
 
-    /* devices */
-    _Atomic int cuda_slot[TV_MAX_CUDA_DEVS]; /* CUDA ordinal -> region device slot, -1 unknown */
-    struct tv_dev dev[TSR_MAX_DEVICES];
+    /* devices.c / limits.c */
+    _Atomic int cuda_slot[TV_MAX_CUDA_DEVS]; /* CUDA ordinal -> device slot, -1 unknown */
+    struct tv_dev dev[TV_MAX_SLOTS];
     _Atomic int throttle_any;   /* some device has sm_eff != 0: launches take the slow path */
-
-    pthread_mutex_t mu;         /* init, device mapping, limits reload */
 };
 extern struct tv_state tv TV_HIDDEN;
 
-/* ---- hooks.c: init and the real driver ---- */
+/* ---- init.c, intercept.c (top) ---- */
+void tv_intercept_init(void) TV_HIDDEN;     /* constructor: the sorted hook table */
 void tv_core_init(void) TV_HIDDEN;          /* limits + region, no driver needed */
 int tv_cuda_init(void) TV_HIDDEN;           /* + the real libcuda; 0 ok */
 int tv_nvml_init(void) TV_HIDDEN;           /* + the real libnvidia-ml; 0 ok */
-void *tv_real_dlsym(void *handle, const char *name) TV_HIDDEN;
 #define TV_CUDA_ENTER()                                                                    \
     do {                                                                                   \
         if (tv_unlikely(!atomic_load_explicit(&tv.cuda_ready, memory_order_acquire)) &&    \
             tv_cuda_init() != 0)                                                           \
             return CUDA_ERROR_NOT_INITIALIZED;                                             \
     } while (0)
+/* This process's slot in the region (registered by tv_cuda_init). */
+static inline struct tsr_proc_slot *tv_slot(void)
+{
+    struct tsr_proc_slot *s = atomic_load_explicit(&tv.rg.slot, memory_order_acquire);
+    return tv_likely(s != NULL) ? s : tv_region_register(&tv.rg);
+}
 
-/* ---- limits.c ---- */
+/* ---- limits.c (middle) ---- */
 void tv_limits_load(void) TV_HIDDEN;        /* at init: sealed file, else env */
 int tv_limits_poll(void) TV_HIDDEN;         /* poll thread: reload when the file changed */
-void tv_limits_apply_slot(int dslot) TV_HIDDEN; /* recompute tv.dev[dslot] from tv.lim/env */
+void tv_limits_apply_slot(int dslot) TV_HIDDEN; /* recompute tv.dev[dslot]; caller holds tv.mu */
 const char *tv_limits_region_path(void) TV_HIDDEN;
-void tv_poll_thread_start(void) TV_HIDDEN;
-void tv_limits_after_fork_child(void) TV_HIDDEN;
+void tv_limits_seed(struct tv_region_seed *out) TV_HIDDEN; /* what the region must know */
+int tv_limits_any_mem(void) TV_HIDDEN;      /* some memory limit (or a broken file) exists */
 
-/* ---- region.c ---- */
-void tv_region_open(const char *path) TV_HIDDEN;
-void tv_region_lock(void) TV_HIDDEN;
-void tv_region_unlock(void) TV_HIDDEN;
-struct tsr_proc_slot *tv_slot(void) TV_HIDDEN;   /* this process's slot, registering if needed */
-void tv_region_release_slot(void) TV_HIDDEN;
-int tv_region_dev_slot(const char *uuid) TV_HIDDEN; /* find or add, -1 if full */
-int tv_region_reclaim_dead(void) TV_HIDDEN;   /* caller holds the lock */
-void tv_region_periodic_reclaim(void) TV_HIDDEN; /* at most once a second per container */
-int tv_region_find_dev(const char *uuid) TV_HIDDEN; /* -1 if the region has no such device */
-int tv_mem_reserve(int dslot, uint64_t bytes) TV_HIDDEN; /* 0 ok, -1 over the limit */
-void tv_mem_unreserve(int dslot, uint64_t bytes) TV_HIDDEN;
-void tv_region_after_fork_child(void) TV_HIDDEN;
-
-/* ---- devices (hooks.c) ---- */
-int tv_dev_slot(CUdevice dev) TV_HIDDEN;    /* region device slot of a CUDA device, -1 unknown */
+/* ---- devices.c (middle) ---- */
+int tv_dev_slot(CUdevice dev) TV_HIDDEN;    /* device slot of a CUDA device, -1 unknown */
 int tv_ctx_dev_slot(void) TV_HIDDEN;        /* ... of the current context's device */
 int tv_stream_dev_slot(CUstream s) TV_HIDDEN;
+int tv_uuid_slot(const char *uuid) TV_HIDDEN; /* NVML: by UUID, applying its limits */
 void tv_format_uuid(const CUuuid *u, char out[TSR_UUID_LEN]) TV_HIDDEN;
 
-/* ---- memory tracking (memtrack.h: memtrack.c, memory.c, mempool.c, vmm.c, ...) ---- */
-void tv_memory_after_fork_child(void) TV_HIDDEN; /* memtrack.c */
-int tv_mem_refresh_pools(void) TV_HIDDEN; /* mempool.c: uncharge what the driver took back */
+/* ---- account.c (middle; account.h for the allocation paths) ---- */
+void tv_account_after_fork_child(void) TV_HIDDEN;
+int tv_mem_refresh_pools(void) TV_HIDDEN;   /* uncharge what the driver took back */
 
 /* ---- compute.c ---- */
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real) TV_HIDDEN; /* poll thread tick */
@@ -141,6 +118,11 @@ void tv_compute_recharge(int dslot, int64_t bucket_ns, int64_t busy_ns) TV_HIDDE
 int64_t tv_owntime_charge(int dslot, int64_t raw_ns) TV_HIDDEN; /* measured -> charged ns */
 unsigned tv_owntime_poll(uint64_t now_mono) TV_HIDDEN; /* tick: bit d = NVML answered for d */
 void tv_owntime_reset(void) TV_HIDDEN;                          /* after fork, in the child */
+
+/* ---- graphmem.c ---- */
+extern _Atomic int tv_graphmem_nodes TV_HIDDEN;      /* memory nodes tracked (0: skip) */
+void tv_graphmem_launched(CUgraphExec exec) TV_HIDDEN; /* after a successful graph launch */
+int tv_graphmem_freed(CUdeviceptr p) TV_HIDDEN;      /* cuMemFree(Async) of a graph alloc */
 
 /* ---- virt.c ---- */
 uint64_t tv_dev_used(int dslot) TV_HIDDEN;

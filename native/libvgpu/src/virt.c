@@ -11,8 +11,7 @@
 
 uint64_t tv_dev_used(int d)
 {
-    if (d < 0 || !tv.region) return 0;
-    return __atomic_load_n(&tv.region->dev[d].used_bytes, __ATOMIC_RELAXED);
+    return d < 0 || !tv.rg.map ? 0 : tv_region_used(&tv.rg, d);
 }
 
 static void container_view(int d, uint64_t limit, uint64_t phys_total, uint64_t phys_free,
@@ -64,29 +63,17 @@ static int nvml_slot(nvmlDevice_t device, uint64_t *limit)
 {
     char uuid[96];
     *limit = 0;
-    if (!REAL(nvmlDeviceGetUUID) || REAL(nvmlDeviceGetUUID)(device, uuid, sizeof uuid) != NVML_SUCCESS)
-        return -1;
+    if (REAL(nvmlDeviceGetUUID)(device, uuid, sizeof uuid) != NVML_SUCCESS) return -1;
     uuid[TSR_UUID_LEN - 1] = 0;
-    int d = tv_region_find_dev(uuid);
-    if (d < 0) {
-        /* a device no CUDA process of the container has touched yet: add it, take its limit */
-        pthread_mutex_lock(&tv.mu);
-        d = tv_region_dev_slot(uuid);
-        if (d >= 0) tv_limits_apply_slot(d);
-        pthread_mutex_unlock(&tv.mu);
-        if (d < 0) return -1;
-    } else if (atomic_load(&tv.dev[d].ordinal) < 0) {
-        pthread_mutex_lock(&tv.mu);
-        tv_limits_apply_slot(d);
-        pthread_mutex_unlock(&tv.mu);
-    }
+    int d = tv_uuid_slot(uuid);
+    if (d < 0) return -1;
     *limit = atomic_load(&tv.dev[d].mem_limit);
     return d;
 }
 
 nvmlReturn_t tv_nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    if (tv_nvml_init() != 0 || !REAL(nvmlDeviceGetMemoryInfo)) return NVML_ERROR_UNINITIALIZED;
+    if (tv_nvml_init() != 0) return NVML_ERROR_UNINITIALIZED;
     nvmlReturn_t r = REAL(nvmlDeviceGetMemoryInfo)(device, memory);
     if (r != NVML_SUCCESS || !memory) return r;
     uint64_t limit;
@@ -103,7 +90,7 @@ nvmlReturn_t tv_nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memor
 
 nvmlReturn_t tv_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
-    if (tv_nvml_init() != 0 || !REAL(nvmlDeviceGetMemoryInfo_v2)) return NVML_ERROR_UNINITIALIZED;
+    if (tv_nvml_init() != 0) return NVML_ERROR_UNINITIALIZED;
     nvmlReturn_t r = REAL(nvmlDeviceGetMemoryInfo_v2)(device, memory);
     if (r != NVML_SUCCESS || !memory) return r;
     uint64_t limit;

@@ -1,9 +1,10 @@
 /* vmm.c — virtual memory management: created handles charged at creation, imported ones at
  * map; uncharged when the handle is released and every mapping of it unmapped. */
 #define _GNU_SOURCE
+#include <stdlib.h>
 #include <string.h>
 
-#include "memtrack.h"
+#include "account.h"
 
 CUresult CUDAAPI tv_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                 const CUmemAllocationProp *prop, unsigned long long flags)
@@ -11,7 +12,7 @@ CUresult CUDAAPI tv_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     TV_CUDA_ENTER();
     int ds = prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE
                  ? tv_dev_slot(prop->location.id)
-                 : -1;
+                 : TV_SLOT_HOST;
     if (charged_alloc(ds, size) != CUDA_SUCCESS) return OOM;
     CUresult r = REAL(cuMemCreate)(handle, size, prop, flags);
     if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, size);
@@ -69,7 +70,7 @@ CUresult CUDAAPI tv_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
          * maps it: it stays alive while mapped here, whatever its exporter does. */
         CUmemAllocationProp prop;
         memset(&prop, 0, sizeof prop);
-        if (ds < 0 && REAL(cuMemGetAllocationPropertiesFromHandle) &&
+        if (ds < 0 &&
             REAL(cuMemGetAllocationPropertiesFromHandle)(&prop, handle) == CUDA_SUCCESS &&
             prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE)
             ds = tv_dev_slot(prop.location.id);
@@ -100,13 +101,22 @@ CUresult CUDAAPI tv_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 CUresult CUDAAPI tv_cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     TV_CUDA_ENTER();
-    uint64_t found[64];
-    int n = 0;
+    /* Every mapping inside the range, however many: each one's handle loses a reference. */
+    uint64_t small[64], *found = small;
+    size_t n = 0, cap = 64;
     LOCK();
-    for (size_t i = 0; i < vmaps.cap && n < 64; i++) {
+    for (size_t i = 0; i < vmaps.cap; i++) {
         struct ent *m = &vmaps.e[i];
-        if (m->key != EMPTY && m->key != TOMB && m->key >= ptr && m->key < ptr + size)
-            found[n++] = m->key;
+        if (m->key == EMPTY || m->key == TOMB || m->key < ptr || m->key - ptr >= size) continue;
+        if (n == cap) {
+            uint64_t *bigger = malloc(2 * cap * sizeof *bigger);
+            if (!bigger) break; /* the rest stay charged: never less than the driver holds */
+            memcpy(bigger, found, n * sizeof *found);
+            if (found != small) free(found);
+            found = bigger;
+            cap *= 2;
+        }
+        found[n++] = m->key;
     }
     UNLOCK();
     if (n && scrub()) {
@@ -115,9 +125,10 @@ CUresult CUDAAPI tv_cuMemUnmap(CUdeviceptr ptr, size_t size)
     }
     CUresult r = REAL(cuMemUnmap)(ptr, size);
     if (r == CUDA_SUCCESS)
-        for (int i = 0; i < n; i++) {
+        for (size_t i = 0; i < n; i++) {
             struct ent m;
             if (untrack(&vmaps, found[i], &m)) handle_unref(m.aux);
         }
+    if (found != small) free(found);
     return r;
 }

@@ -8,6 +8,16 @@
  * with export/import across processes; arrays; graphs with kernel and memory nodes; contexts;
  * events; and kernels that occupy the device's timeline for their duration (FAKE_KERNEL_US, or
  * the _<N>us suffix of the kernel's name), one after another, in real time.
+ *
+ * Graph memory nodes follow CUDA's documented lifetime (cuGraphAddMemAllocNode): the address is
+ * fixed when the node is added, physical memory is taken when the graph is launched, and it
+ * stays taken — after the exec and the graph are destroyed — until cuMemFree / cuMemFreeAsync of
+ * the address, a launched free node, or the next launch of an exec instantiated with
+ * CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH. Relaunching with the allocation still live
+ * (without auto-free) fails with CUDA_ERROR_INVALID_VALUE.
+ *
+ * Built with -DFAKE_OMIT='"name,name"' (tests/native/Makefile, target `variant`) it is a driver
+ * that lacks those entry points: not exported, and not returned by cuGetProcAddress.
  */
 #define _GNU_SOURCE
 #define __CUDA_API_VERSION_INTERNAL /* as the real driver is built: every entry point, no macros */
@@ -21,6 +31,8 @@
 #include <unistd.h>
 
 #include "fake_state.h"
+
+#undef cuMemAlloc /* the legacy 32-bit entry point is defined below under its own name */
 
 #define API __attribute__((visibility("default")))
 #define S fk_state()
@@ -52,6 +64,7 @@ struct fk_handle {
 struct fk_alloc {
     uint64_t ptr, size;
     int dev;
+    int graph, live; /* a graph allocation; live: launched and not freed */
     struct fk_pool *pool;
     struct fk_alloc *next;
 };
@@ -64,11 +77,13 @@ struct fk_array {
     uint64_t bytes;
     int dev;
 };
+#define FK_GMEM 64
 struct fk_graph {
     int64_t kernel_ns;
-    uint64_t mem;
-    int dev, nnodes;
+    int dev, nnodes, nalloc, nfree;
     void *nodes[256]; /* node handles, freed with the graph */
+    struct fk_alloc *alloc[FK_GMEM]; /* its allocation nodes (records live in allocs[]) */
+    uint64_t free_ptr[FK_GMEM];      /* its free nodes */
 };
 struct fk_module {
     int nfuncs;
@@ -76,7 +91,9 @@ struct fk_module {
 };
 struct fk_exec {
     int64_t kernel_ns;
-    int dev;
+    int dev, nalloc, nfree, autofree;
+    struct fk_alloc *alloc[FK_GMEM];
+    uint64_t free_ptr[FK_GMEM];
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -95,6 +112,7 @@ struct fake_stats {
     long launches, coop_launches, ex_launches, graph_launches;
     long frees_dirty, frees_clean;
     long allocs, frees;
+    long stream_getctx, ctx_getdevice; /* calls, to see which path a launch took */
 };
 static struct fake_stats stats;
 static int check_dirty = -1; /* FAKE_CHECK_SCRUB=1: count frees of memory that was not zeroed */
@@ -249,6 +267,15 @@ static CUresult free_alloc(CUdeviceptr ptr)
 {
     if (check_dirty < 0) check_dirty = fk_env_int("FAKE_CHECK_SCRUB", 0);
     pthread_mutex_lock(&mu);
+    struct fk_alloc *g = alloc_find(ptr, 0);
+    if (g && g->graph) { /* a graph allocation: its physical memory goes, its address stays */
+        int live = g->live;
+        g->live = 0;
+        pthread_mutex_unlock(&mu);
+        if (!live) return CUDA_ERROR_INVALID_VALUE;
+        phys_give(g->dev, g->size);
+        return CUDA_SUCCESS;
+    }
     struct fk_alloc *a = alloc_find(ptr, 1);
     if (a) {
         stats.frees++;
@@ -496,6 +523,7 @@ API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
 }
 API CUresult cuCtxGetDevice(CUdevice *d)
 {
+    __atomic_fetch_add(&stats.ctx_getdevice, 1, __ATOMIC_RELAXED);
     if (!cur()) return CUDA_ERROR_INVALID_CONTEXT;
     *d = cur()->dev;
     return CUDA_SUCCESS;
@@ -532,6 +560,15 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     return new_alloc(dptr, size, cur()->dev, NULL);
 }
 /* An allocation that does not go through libvgpu (tests: freeing an untracked pointer). */
+/* The CUDA 2.x ABI (32-bit pointer and size); libvgpu must never hand it out. */
+API CUresult cuMemAlloc(unsigned int *dptr, unsigned int size)
+{
+    NEED_CTX();
+    CUdeviceptr p = 0;
+    CUresult r = new_alloc(&p, size, cur()->dev, NULL);
+    if (dptr) *dptr = (unsigned int)p;
+    return r;
+}
 API CUresult fake_raw_alloc(CUdeviceptr *dptr, size_t size)
 {
     NEED_CTX();
@@ -998,6 +1035,7 @@ API CUresult cuStreamDestroy_v2(CUstream s)
 }
 API CUresult cuStreamGetCtx(CUstream s, CUcontext *c)
 {
+    __atomic_fetch_add(&stats.stream_getctx, 1, __ATOMIC_RELAXED);
     if (!s || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) *c = (CUcontext)cur();
     else *c = (CUcontext)((struct fk_stream *)s)->ctx;
     return CUDA_SUCCESS;
@@ -1151,11 +1189,34 @@ API CUresult cuGraphAddKernelNode_v2(CUgraphNode *n, CUgraph g, const CUgraphNod
 static CUresult mem_node(CUgraphNode *n, CUgraph g, const CUmemPoolProps *pp, size_t bytes, CUdeviceptr *out)
 {
     struct fk_graph *x = (struct fk_graph *)g;
+    if (x->nalloc >= FK_GMEM) return CUDA_ERROR_NOT_SUPPORTED;
     int dev = pp->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? pp->location.id : x->dev;
-    if (phys_take(dev, bytes) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
-    x->mem += bytes;
+    void *va = va_reserve(bytes, PROT_NONE); /* the address only: memory comes at launch */
+    if (!va) return CUDA_ERROR_OUT_OF_MEMORY;
+    struct fk_alloc *a = calloc(1, sizeof *a);
+    a->ptr = (uint64_t)(uintptr_t)va;
+    a->size = bytes;
+    a->dev = dev;
+    a->graph = 1;
+    pthread_mutex_lock(&mu);
+    unsigned b = bucket(a->ptr);
+    a->next = allocs[b];
+    allocs[b] = a;
+    pthread_mutex_unlock(&mu);
+    x->alloc[x->nalloc++] = a;
     x->dev = dev;
-    *out = (CUdeviceptr)(uintptr_t)va_reserve(bytes, PROT_NONE);
+    *out = a->ptr;
+    *n = new_node(g);
+    return CUDA_SUCCESS;
+}
+static CUresult free_node(CUgraphNode *n, CUgraph g, CUdeviceptr p)
+{
+    struct fk_graph *x = (struct fk_graph *)g;
+    pthread_mutex_lock(&mu);
+    struct fk_alloc *a = alloc_find(p, 0);
+    pthread_mutex_unlock(&mu);
+    if (!a || !a->graph || x->nfree >= FK_GMEM) return CUDA_ERROR_INVALID_VALUE;
+    x->free_ptr[x->nfree++] = p;
     *n = new_node(g);
     return CUDA_SUCCESS;
 }
@@ -1167,14 +1228,14 @@ API CUresult cuGraphAddMemAllocNode(CUgraphNode *n, CUgraph g, const CUgraphNode
 }
 API CUresult cuGraphAddMemFreeNode(CUgraphNode *n, CUgraph g, const CUgraphNode *deps, size_t nd, CUdeviceptr p)
 {
-    (void)deps, (void)nd, (void)p;
-    *n = new_node(g);
-    return CUDA_SUCCESS;
+    (void)deps, (void)nd;
+    return free_node(n, g, p);
 }
 static CUresult add_node(CUgraphNode *n, CUgraph g, CUgraphNodeParams *p)
 {
     if (p->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC)
         return mem_node(n, g, &p->alloc.poolProps, p->alloc.bytesize, &p->alloc.dptr);
+    if (p->type == CU_GRAPH_NODE_TYPE_MEM_FREE) return free_node(n, g, p->free.dptr);
     if (p->type == CU_GRAPH_NODE_TYPE_KERNEL)
         ((struct fk_graph *)g)->kernel_ns += ((struct fk_func *)p->kernel.func)->dur;
     *n = new_node(g);
@@ -1191,46 +1252,74 @@ API CUresult cuGraphAddNode_v2(CUgraphNode *n, CUgraph g, const CUgraphNode *dep
     (void)deps, (void)e, (void)nd;
     return add_node(n, g, p);
 }
+/* Destroying a graph (or its exec) frees nothing that a launch allocated: those allocations
+ * live until freed. The records stay in allocs[] (the address stays reserved). */
 API CUresult cuGraphDestroy(CUgraph g)
 {
     struct fk_graph *x = (struct fk_graph *)g;
-    if (x->mem) phys_give(x->dev, x->mem);
     for (int i = 0; i < x->nnodes; i++) free(x->nodes[i]);
     free(x);
     return CUDA_SUCCESS;
 }
-static CUresult instantiate(CUgraphExec *e, CUgraph g)
+static CUresult instantiate(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
     struct fk_graph *x = (struct fk_graph *)g;
     struct fk_exec *y = calloc(1, sizeof *y);
     y->kernel_ns = x->kernel_ns;
     y->dev = x->dev;
+    y->nalloc = x->nalloc;
+    y->nfree = x->nfree;
+    memcpy(y->alloc, x->alloc, sizeof y->alloc);
+    memcpy(y->free_ptr, x->free_ptr, sizeof y->free_ptr);
+    y->autofree = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     *e = (CUgraphExec)y;
     return CUDA_SUCCESS;
 }
 API CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
-    (void)flags;
-    return instantiate(e, g);
+    return instantiate(e, g, flags);
 }
 API CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
 {
-    (void)p;
-    return instantiate(e, g);
+    return instantiate(e, g, p ? p->flags : 0);
 }
 API CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
 {
-    (void)p;
-    return instantiate(e, g);
+    return instantiate(e, g, p ? p->flags : 0);
 }
 API CUresult cuGraphExecDestroy(CUgraphExec e)
 {
     free(e);
     return CUDA_SUCCESS;
 }
+/* Launch: allocation nodes take their memory, then free nodes give theirs back. */
+static CUresult graph_memory(struct fk_exec *y)
+{
+    for (int i = 0; i < y->nalloc; i++) {
+        struct fk_alloc *a = y->alloc[i];
+        if (a->live) {
+            if (!y->autofree) return CUDA_ERROR_INVALID_VALUE;
+            phys_give(a->dev, a->size);
+            a->live = 0;
+        }
+        if (phys_take(a->dev, a->size) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
+        a->live = 1;
+    }
+    for (int i = 0; i < y->nfree; i++) {
+        pthread_mutex_lock(&mu);
+        struct fk_alloc *a = alloc_find(y->free_ptr[i], 0);
+        int live = a && a->graph && a->live;
+        if (live) a->live = 0;
+        pthread_mutex_unlock(&mu);
+        if (live) phys_give(a->dev, a->size);
+    }
+    return CUDA_SUCCESS;
+}
 API CUresult cuGraphLaunch(CUgraphExec e, CUstream s)
 {
     struct fk_exec *y = (struct fk_exec *)e;
+    CUresult r = graph_memory(y);
+    if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&mu);
     stats.graph_launches++;
     pthread_mutex_unlock(&mu);
@@ -1256,7 +1345,7 @@ static const struct {
     E(cuCtxDestroy_v2), E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxPushCurrent_v2),
     E(cuCtxPopCurrent_v2), E(cuCtxGetDevice), E(cuCtxGetDevice_v2), E(cuCtxSynchronize),
     E(cuMemGetInfo_v2), E(cuMemAlloc_v2), E(cuMemAllocManaged), E(cuMemAllocPitch_v2),
-    E(cuMemFree_v2), E(cuMemGetAddressRange_v2), E(cuMemsetD8_v2), E(cuMemsetD8Async),
+    E(cuMemFree_v2), E(cuMemAlloc), E(cuMemGetAddressRange_v2), E(cuMemsetD8_v2), E(cuMemsetD8Async),
     E(cuMemsetD8Async_ptsz), E(cuMemcpyHtoD_v2), E(cuMemcpyDtoH_v2), E(cuDeviceGetDefaultMemPool),
     E(cuDeviceGetMemPool), E(cuMemPoolCreate), E(cuMemPoolDestroy), E(cuMemPoolTrimTo),
     E(cuMemPoolGetAttribute), E(cuMemPoolSetAttribute), E(cuMemAllocAsync), E(cuMemAllocAsync_ptsz),
@@ -1279,8 +1368,22 @@ static const struct {
     E(cuGraphLaunch_ptsz), {"cuGetProcAddress", NULL}, {"cuGetProcAddress_v2", NULL},
 };
 
+/* -DFAKE_OMIT='"a,b"': a driver without these entry points. */
+static int omitted(const char *name)
+{
+#ifdef FAKE_OMIT
+    const char *list = FAKE_OMIT;
+    size_t n = strlen(name);
+    for (const char *p = list; (p = strstr(p, name)) != NULL; p += n)
+        if ((p == list || p[-1] == ',') && (p[n] == ',' || p[n] == 0)) return 1;
+#endif
+    (void)name;
+    return 0;
+}
+
 static void *find(const char *name)
 {
+    if (omitted(name)) return NULL;
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
         if (!strcmp(table[i].name, name)) return table[i].fn;
     return NULL;
@@ -1289,10 +1392,12 @@ static void *find(const char *name)
 API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags,
                                  CUdriverProcAddressQueryResult *st);
 
-static void *lookup(const char *sym, cuuint64_t flags)
+static void *lookup(const char *sym, int ver, cuuint64_t flags)
 {
     char buf[160];
-    if (!strcmp(sym, "cuGetProcAddress")) return (void *)cuGetProcAddress_v2;
+    if (ver < 3020 && find(sym)) return find(sym); /* before 3.2: the unsuffixed (v1) ABI */
+    if (!strcmp(sym, "cuGetProcAddress"))
+        return omitted("cuGetProcAddress_v2") ? NULL : (void *)cuGetProcAddress_v2;
     if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
         snprintf(buf, sizeof buf, "%s_ptsz", sym);
         if (find(buf)) return find(buf);
@@ -1311,8 +1416,7 @@ static void *lookup(const char *sym, cuuint64_t flags)
 API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags,
                                  CUdriverProcAddressQueryResult *st)
 {
-    (void)ver;
-    void *f = lookup(sym, flags);
+    void *f = lookup(sym, ver, flags);
     if (st) *st = f ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     *pfn = f;
     return f ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;

@@ -13,7 +13,16 @@
  *   write ID BYTE | stats | sync | sleep MS | lockhold REGION | exit
  *   burn SECONDS KERNEL PATH         PATH: kernel ptsz ex coop graph -> {"launches","t0","t1"}
  *   burnq SECONDS KERNEL DEPTH       cuLaunchKernel, at most DEPTH in flight (event ring)
+ *   phys                             the fake device's physical memory in use
+ *   mapmany ID N BYTES               N mappings of handle ID side by side -> {"id"} (one unmap)
+ *   graphmem BYTES [autofree [N]]    a graph with one allocation node (no free node): create,
+ *                                    instantiate, launch (N times), destroy exec and graph; the
+ *                                    allocation outlives them -> {"id"} (free ID = cuMemFree)
+ *   graphfree ID                     a graph with a free node for graph allocation ID, launched
+ *   route HOW BYTES                  find cuMemAlloc through HOW and allocate BYTES with it ->
+ *                                    {"ok","rc","ours"} (ours: the function is libvgpu's)
  */
+#define _GNU_SOURCE
 #include <nvml.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -28,6 +37,7 @@ struct fake_stats {
     long launches, coop_launches, ex_launches, graph_launches;
     long frees_dirty, frees_clean;
     long allocs, frees;
+    long stream_getctx, ctx_getdevice;
 };
 
 enum { O_PTR, O_ASYNC, O_POOLPTR, O_HANDLE, O_ARRAY, O_MIPMAP, O_GRAPH, O_CTX, O_MAP };
@@ -233,6 +243,128 @@ static void do_nvml(int idx, int v2)
     }
 }
 
+/* The graph-memory pattern of issue 19: the allocation outlives the exec and the graph. */
+static void graphmem(uint64_t bytes, int autofree, int launches)
+{
+    CUgraph g = NULL;
+    CUgraphNode n = NULL;
+    CUgraphExec e = NULL;
+    CUDA_MEM_ALLOC_NODE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.poolProps = pool_props();
+    p.bytesize = bytes;
+    CUresult r = A.cuGraphCreate(&g, 0);
+    if (!r) r = A.cuGraphAddMemAllocNode(&n, g, NULL, 0, &p);
+    if (!r) r = A.cuGraphInstantiate(&e, g, autofree ? CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH : 0);
+    for (int i = 0; i < launches && !r; i++) r = A.cuGraphLaunch(e, stream);
+    if (!r) r = A.cuStreamSynchronize(stream);
+    if (e) A.cuGraphExecDestroy(e);
+    if (g) A.cuGraphDestroy(g);
+    reply_rc(r, r ? -1 : add(O_PTR, p.dptr, bytes, 0));
+}
+
+static void graphfree(int id)
+{
+    CUgraph g = NULL;
+    CUgraphNode n = NULL;
+    CUgraphExec e = NULL;
+    CUresult r = A.cuGraphCreate(&g, 0);
+    if (!r) r = A.cuGraphAddMemFreeNode(&n, g, NULL, 0, objs[id].v);
+    if (!r) r = A.cuGraphInstantiate(&e, g, 0);
+    if (!r) r = A.cuGraphLaunch(e, stream);
+    if (!r) r = A.cuStreamSynchronize(stream);
+    if (e) A.cuGraphExecDestroy(e);
+    if (g) A.cuGraphDestroy(g);
+    if (!r) objs[id].used = 0;
+    reply_rc(r, id);
+}
+
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef void *(*dlsym_fn)(void *, const char *);
+
+/* A second instance of the driver: a copy of its file, dlopen'ed (its own state). */
+static void *driver_copy(void)
+{
+    Dl_info info;
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    void *f = h ? dlsym(h, "cuInit") : NULL;
+    if (!f || !dladdr(f, &info)) return NULL;
+    char path[] = "/tmp/cuctl-libcuda-XXXXXX";
+    int out = mkstemp(path);
+    FILE *in = fopen(info.dli_fname, "rb");
+    char buf[65536];
+    size_t n;
+    while (in && out >= 0 && (n = fread(buf, 1, sizeof buf, in)) > 0)
+        if (write(out, buf, n) != (ssize_t)n) break;
+    if (in) fclose(in);
+    if (out >= 0) close(out);
+    void *copy = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    unlink(path);
+    if (!copy) return NULL;
+    CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(copy, "cuInit");
+    CUresult (*retain)(CUcontext *, CUdevice) =
+        (CUresult(*)(CUcontext *, CUdevice))dlsym(copy, "cuDevicePrimaryCtxRetain");
+    CUresult (*set)(CUcontext) = (CUresult(*)(CUcontext))dlsym(copy, "cuCtxSetCurrent");
+    CUcontext c;
+    if (init) init(0);
+    if (retain && set && !retain(&c, dev)) set(c);
+    return copy;
+}
+
+static void route(const char *how, uint64_t bytes)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    alloc_fn f = NULL;
+    const char *err = "";
+    if (!strcmp(how, "dlsym")) {
+        f = (alloc_fn)dlsym(h, "cuMemAlloc_v2");
+    } else if (!strcmp(how, "dlsym_default")) {
+        f = (alloc_fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+    } else if (!strcmp(how, "dlsym_next")) {
+        f = (alloc_fn)dlsym(RTLD_NEXT, "cuMemAlloc_v2");
+    } else if (!strcmp(how, "dlvsym_dlsym") || !strcmp(how, "dlvsym_dlsym_old")) {
+        /* glibc's own dlsym, by version: the route of issue 19 */
+        dlsym_fn ds = (dlsym_fn)dlvsym(RTLD_DEFAULT, "dlsym",
+                                       how[12] ? "GLIBC_2.2.5" : "GLIBC_2.34");
+        f = ds ? (alloc_fn)ds(h, "cuMemAlloc_v2") : NULL;
+    } else if (!strcmp(how, "dlvsym_next_dlsym")) {
+        dlsym_fn ds = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        f = ds ? (alloc_fn)ds(h, "cuMemAlloc_v2") : NULL;
+    } else if (!strcmp(how, "dlsym_dlsym")) {
+        void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+        dlsym_fn ds = (dlsym_fn)dlsym(libc, "dlsym");
+        f = ds ? (alloc_fn)ds(h, "cuMemAlloc_v2") : NULL;
+    } else if (!strcmp(how, "dlvsym")) {
+        f = (alloc_fn)dlvsym(h, "cuMemAlloc_v2", "libcuda.so.1");
+    } else if (!strcmp(how, "path")) {
+        Dl_info info;
+        void *any = dlsym(h, "cuInit");
+        void *hp = any && dladdr(any, &info) ? dlopen(info.dli_fname, RTLD_NOW) : NULL;
+        f = hp ? (alloc_fn)dlsym(hp, "cuMemAlloc_v2") : NULL;
+    } else if (!strcmp(how, "copy")) {
+        void *copy = driver_copy();
+        f = copy ? (alloc_fn)dlsym(copy, "cuMemAlloc_v2") : NULL;
+    } else if (!strcmp(how, "legacy")) {
+        f = (alloc_fn)dlsym(h, "cuMemAlloc"); /* the 32-bit v1 entry point */
+    } else if (!strcmp(how, "procaddr_legacy")) {
+        CUresult (*gpa)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+        *(void **)&gpa = dlsym(h, "cuGetProcAddress_v2");
+        if (gpa) gpa("cuMemAlloc", (void **)&f, 3000, 0, NULL);
+    } else if (!strcmp(how, "dlmopen")) {
+        void *hn = dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW);
+        if (!hn) err = dlerror();
+        f = hn ? (alloc_fn)dlsym(hn, "cuMemAlloc_v2") : NULL;
+    }
+    Dl_info info;
+    int ours = f && dladdr((void *)f, &info) && info.dli_fname && strstr(info.dli_fname, "libvgpu");
+    CUdeviceptr p = 0;
+    CUresult r = f ? f(&p, bytes) : CUDA_ERROR_NOT_FOUND;
+    int id = r ? -1 : add(O_PTR, p, bytes, 0);
+    printf("{\"ok\": %s, \"rc\": %d, \"id\": %d, \"found\": %s, \"ours\": %s, \"err\": \"%.80s\"}\n",
+           r ? "false" : "true", (int)r, id, f ? "true" : "false", ours ? "true" : "false",
+           err ? err : "");
+}
+
 static void burn(double seconds, const char *kernel, const char *path)
 {
     CUmodule mod;
@@ -361,6 +493,13 @@ int main(void)
             if (!r) r = A.cuMemMap(va, size, 0, objs[atoi(a1)].v, 0);
             if (r && va) A.cuMemAddressFree(va, size);
             reply_rc(r, r ? -1 : add(O_MAP, va, size, 0));
+        } else if (!strcmp(cmd, "mapmany")) { /* N mappings of handle ID in one range */
+            int n = atoi(a2);
+            uint64_t size = strtoull(a3, NULL, 10);
+            CUdeviceptr va = 0;
+            CUresult r = A.cuMemAddressReserve(&va, size * (uint64_t)n, 0, 0, 0);
+            for (int i = 0; i < n && !r; i++) r = A.cuMemMap(va + i * size, size, 0, objs[atoi(a1)].v, 0);
+            reply_rc(r, r ? -1 : add(O_MAP, va, size * (uint64_t)n, 0));
         } else if (!strcmp(cmd, "write")) {
             struct obj *o = &objs[atoi(a1)];
             unsigned char *buf = malloc(o->size);
@@ -374,9 +513,10 @@ int main(void)
             *(void **)&f = dlsym(RTLD_DEFAULT, "fake_stats");
             f(&s);
             printf("{\"launches\": %ld, \"coop\": %ld, \"ex\": %ld, \"graph\": %ld, \"frees_dirty\": "
-                   "%ld, \"frees_clean\": %ld, \"allocs\": %ld, \"frees\": %ld}\n",
+                   "%ld, \"frees_clean\": %ld, \"allocs\": %ld, \"frees\": %ld, "
+                   "\"stream_getctx\": %ld, \"ctx_getdevice\": %ld}\n",
                    s.launches, s.coop_launches, s.ex_launches, s.graph_launches, s.frees_dirty,
-                   s.frees_clean, s.allocs, s.frees);
+                   s.frees_clean, s.allocs, s.frees, s.stream_getctx, s.ctx_getdevice);
         } else if (!strcmp(cmd, "sync")) {
             reply_rc(A.cuCtxSynchronize(), 0);
         } else if (!strcmp(cmd, "sleep")) {
@@ -399,6 +539,16 @@ int main(void)
             for (;;) pause();
         } else if (!strcmp(cmd, "burnq")) {
             burnq(atof(a1), a2, a3[0] ? atoi(a3) : 16);
+        } else if (!strcmp(cmd, "phys")) {
+            uint64_t (*f)(int);
+            *(void **)&f = dlsym(RTLD_DEFAULT, "fake_physical_used");
+            printf("{\"phys\": %llu}\n", f ? (unsigned long long)f((int)dev) : 0ull);
+        } else if (!strcmp(cmd, "graphmem")) {
+            graphmem(strtoull(a1, NULL, 10), !strcmp(a2, "autofree"), a3[0] ? atoi(a3) : 1);
+        } else if (!strcmp(cmd, "graphfree")) {
+            graphfree(atoi(a1));
+        } else if (!strcmp(cmd, "route")) {
+            route(a1, strtoull(a2, NULL, 10));
         } else if (!strcmp(cmd, "burn")) {
             burn(atof(a1), a2, a3[0] ? a3 : "kernel");
         } else if (!strcmp(cmd, "exit")) {

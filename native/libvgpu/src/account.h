@@ -1,10 +1,11 @@
 /*
- * memtrack.h — what the memory files share: the tables of what libvgpu charged, and the lock
- * that guards them. Every path that takes device memory reserves against the container's limit
- * BEFORE calling the driver (tv_mem_reserve, atomic across processes) and rolls back if the
- * driver fails; frees uncharge what was charged. The accounting model is in README.md.
+ * account.h — the accounting layer, for the allocation paths above it: the tables of what
+ * libvgpu charged, the lock that guards them, and the reservation against the limit. Every path
+ * that takes device memory reserves BEFORE calling the driver (tv_mem_reserve, atomic across
+ * processes through the region) and rolls back if the driver fails; frees uncharge what was
+ * charged. The accounting model is in README.md.
  *
- *   memtrack.c  the tables (below), their lock, fork handling
+ *   account.c   the tables (below), their lock, reserve / unreserve, pool refresh, fork
  *   memory.c    cuMemAlloc, cuMemAllocManaged, cuMemAllocPitch, cuMemFree
  *   mempool.c   stream-ordered allocations and pools (retained bytes)
  *   vmm.c       cuMemCreate / Import / Map / Unmap / Release
@@ -12,14 +13,18 @@
  *   graphmem.c  graph memory nodes, graphs and their instantiations
  *   contexts.c  contexts beyond the primary one
  */
-#ifndef TV_MEMTRACK_H
-#define TV_MEMTRACK_H
+#ifndef TV_ACCOUNT_H
+#define TV_ACCOUNT_H
 
 #include "vgpu.h"
 
 /* ---- a small open-addressing map: 64-bit key -> record ------------------------------------ */
 
 enum kind { K_PLAIN = 1, K_PITCH, K_MANAGED, K_ASYNC, K_CREATED, K_IMPORTED };
+
+/* A device slot that is deliberately no device (host pools, host VMM): never charged. Any other
+ * negative slot is a device libvgpu could not identify: refused while a memory limit exists. */
+#define TV_SLOT_HOST (-2)
 
 struct ent {
     uint64_t key;
@@ -78,9 +83,11 @@ extern struct map pools TV_HIDDEN;   /* pool -> slot, outstanding (aux), retaine
 extern struct map handles TV_HIDDEN; /* VMM handle -> charged size, slot, refs (aux), kind */
 extern struct map vmaps TV_HIDDEN;   /* mapped va -> size, handle (aux) */
 extern struct map arrays TV_HIDDEN;  /* CUarray / CUmipmappedArray -> size, slot */
-extern struct map gnodes TV_HIDDEN;  /* graph mem-alloc node -> size, slot, graph key (aux) */
+extern struct map gnodes TV_HIDDEN;  /* graph allocation dptr -> size, slot, graph key (aux,
+                                        0 = graph gone), live (aux2: allocated by a launch) */
+extern struct map gfrees TV_HIDDEN;  /* graph free node -> dptr (size), graph key (aux) */
 extern struct map graphs TV_HIDDEN;  /* graph key -> refs (aux): the graph + its instantiations */
-extern struct map execs TV_HIDDEN;   /* graph exec -> graph key (aux) */
+extern struct map execs TV_HIDDEN;   /* graph exec -> graph key (aux), auto-free (kind) */
 extern struct map ctxs TV_HIDDEN;    /* extra context -> charge, slot */
 
 #define LOCK() pthread_mutex_lock(&mem_mu)
@@ -111,13 +118,17 @@ static inline int scrub(void)
     return (atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_SCRUB_ON_FREE) != 0;
 }
 
+int tv_mem_reserve(int dslot, uint64_t bytes) TV_HIDDEN; /* 0 ok, -1 over the limit */
+void tv_mem_unreserve(int dslot, uint64_t bytes) TV_HIDDEN;
+
 /* The reservation, before the driver is called. */
 static inline CUresult charged_alloc(int ds, uint64_t bytes)
 {
     return tv_mem_reserve(ds, bytes) == 0 ? CUDA_SUCCESS : OOM;
 }
 
-/* mempool.c: the bytes of a freed allocation, back to its pool (still charged) or uncharged. */
+/* account.c: the bytes of a freed allocation, back to its pool (still charged) or uncharged. */
 void release_ptr(const struct ent *e) TV_HIDDEN;
+uint64_t tv_pool_refresh(CUmemoryPool pool) TV_HIDDEN; /* bytes uncharged */
 
 #endif

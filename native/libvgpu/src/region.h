@@ -1,0 +1,92 @@
+/*
+ * region.h — the bottom layer's usage region: one file per container, shared by its processes
+ * (tessera_region.h), plus a private one for what cannot be shared. Knows nothing of limits or of
+ * the driver: callers pass the limit with each charge. All state is in struct tv_region.
+ *
+ * Device slots 0..TSR_MAX_DEVICES-1 live in the shared file; TSR_MAX_DEVICES..TV_MAX_SLOTS-1 in
+ * the process's private region, for a device the shared table has no room for (then that
+ * process alone is held to the limit).
+ *
+ * The region is writable by the tenant, so nothing read from it is trusted blindly:
+ *  - the header (magic, version, size, process count, device count) is checked on open and every
+ *    poll; under strict mode (limits from a file: the node agent prepared the region) a bad or
+ *    missing region refuses every charge until it is valid again ("bad");
+ *  - each process keeps what it charged itself (mine[]); a charge that finds its own slot or the
+ *    device total below that repairs them first (zeroed counters cannot hide our own charges),
+ *    and the poll thread re-asserts them every tick (other processes' zeroing is undone within
+ *    TSR_LIMITS_POLL_MS);
+ *  - device-table entries for UUIDs that no sealed limit names and that hold nothing are
+ *    reclaimed when a sealed device needs a slot.
+ */
+#ifndef TV_REGION_H
+#define TV_REGION_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/types.h>
+
+#include "base.h"
+#include "tessera_region.h"
+
+#define TV_MAX_SLOTS (2 * TSR_MAX_DEVICES)
+
+struct tv_region {
+    struct tsr_region *map;   /* the shared region (a private stand-in while bad/absent) */
+    struct tsr_region *priv;  /* this process's own: devices without a shared slot */
+    int fd;
+    int is_private;           /* no shared file at all (standalone without a path) */
+    int strict;               /* the node agent prepared the file: never initialise it */
+    _Atomic int bad;          /* the shared file failed validation: refuse charges */
+    _Atomic(struct tsr_proc_slot *) slot;
+    int slot_idx;
+    pid_t pid;
+    uint64_t start_time;
+    uint64_t mine[TV_MAX_SLOTS];          /* bytes this process charged, per slot */
+    char uuid[TV_MAX_SLOTS][TSR_UUID_LEN]; /* what each slot we use is (for re-attaching) */
+    char path[TSR_PATH_LEN];
+    uint64_t ino, dev;        /* of the file mapped */
+    pthread_mutex_t priv_mu;  /* private slots' charges */
+};
+
+/* What the region needs to know of the limits, passed in (the region never reads them). */
+struct tv_region_seed {
+    int32_t priority;
+    uint32_t core_policy;
+    unsigned nuuid;
+    char uuids[TSR_MAX_DEVICES][TSR_UUID_LEN]; /* sealed devices: always get a slot */
+};
+
+void tv_region_open(struct tv_region *rg, const char *path, int strict,
+                    const struct tv_region_seed *seed) TV_HIDDEN;
+void tv_region_lock(struct tv_region *rg) TV_HIDDEN;
+void tv_region_unlock(struct tv_region *rg) TV_HIDDEN;
+struct tsr_proc_slot *tv_region_register(struct tv_region *rg) TV_HIDDEN;
+void tv_region_release(struct tv_region *rg) TV_HIDDEN;
+int tv_region_reclaim_dead(struct tv_region *rg) TV_HIDDEN; /* caller holds the lock */
+/* The poll thread's share: dead slots (once a second), validation, repair, re-attach. */
+void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_seed *seed) TV_HIDDEN;
+void tv_region_after_fork_child(struct tv_region *rg) TV_HIDDEN;
+
+/* Devices: find, or find-or-add (falling back to a private slot); -1 when impossible. */
+int tv_region_find_dev(struct tv_region *rg, const char *uuid) TV_HIDDEN;
+int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
+                       const struct tv_region_seed *seed) TV_HIDDEN;
+
+/* Memory: 0 charged, -1 over `limit` (0 = none) or refused (bad region). */
+int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit) TV_HIDDEN;
+void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes) TV_HIDDEN;
+void tv_region_count_oom(struct tv_region *rg, int d) TV_HIDDEN;
+
+static inline struct tsr_region_device *tv_region_dev(struct tv_region *rg, int d)
+{
+    return d < TSR_MAX_DEVICES ? &rg->map->dev[d] : &rg->priv->dev[d - TSR_MAX_DEVICES];
+}
+/* The container's usage of a slot, never below what this process itself holds there. */
+static inline uint64_t tv_region_used(struct tv_region *rg, int d)
+{
+    if (d < 0 || d >= TV_MAX_SLOTS) return 0;
+    uint64_t u = __atomic_load_n(&tv_region_dev(rg, d)->used_bytes, __ATOMIC_RELAXED);
+    return u < rg->mine[d] ? rg->mine[d] : u;
+}
+
+#endif
