@@ -40,6 +40,7 @@ static pthread_mutex_t cq_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ctxq *qs[TV_MAX_CTX];
 static int64_t dev_est[TV_MAX_SLOTS];
 static uint64_t last_launches;
+static int fast_devices_noted; /* poll thread: note_devices_of_fast_launches() ran */
 static int stopping; /* exit has begun: the poll thread no longer calls the driver */
 
 #define RD(d) tv_region_dev(&tv.rg, d)
@@ -159,6 +160,7 @@ void tv_compute_after_fork_child(void)
         qs[i] = NULL;
     }
     last_launches = 0;
+    fast_devices_noted = 0;
     tv_owntime_reset();
 }
 
@@ -410,6 +412,22 @@ CUresult CUDAAPI tv_cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lis
 
 /* ---- the poll thread's share --------------------------------------------------------------- */
 
+/* Unthrottled launches take the fast path, which never asks which device they are on. A process
+ * that launches without having allocated (so without a device slot) still shows as active on
+ * the node agent's contention view: its visible devices are registered, once, from here. */
+static void note_devices_of_fast_launches(void)
+{
+    if (fast_devices_noted || !atomic_load(&tv.cuda_ready) ||
+        __atomic_load_n(&stopping, __ATOMIC_RELAXED))
+        return;
+    for (int d = 0; d < TV_MAX_SLOTS; d++)
+        if (atomic_load(&tv.dev[d].ordinal) >= 0) return; /* it has devices: they are marked */
+    int n = 0;
+    if (REAL(cuDeviceGetCount)(&n) != CUDA_SUCCESS) return;
+    fast_devices_noted = 1;
+    for (int i = 0; i < n && i < TV_MAX_CUDA_DEVS; i++) tv_dev_slot(i);
+}
+
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
 {
     if (!tv.rg.map) return;
@@ -422,6 +440,7 @@ void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
     uint64_t l = s ? __atomic_load_n(&s->launches, __ATOMIC_RELAXED) : 0;
     int active = l != last_launches;
     last_launches = l;
+    if (active) note_devices_of_fast_launches();
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         if (atomic_load(&tv.dev[d].ordinal) < 0) continue;
         struct tsr_region_device *rd = RD(d);
