@@ -126,5 +126,6 @@ int tv_graphmem_freed(CUdeviceptr p) TV_HIDDEN;      /* cuMemFree(Async) of a gr
 
 /* ---- virt.c ---- */
 uint64_t tv_dev_used(int dslot) TV_HIDDEN;
+int tv_nvml_slot(nvmlDevice_t device, uint64_t *limit) TV_HIDDEN; /* -1: not ours to virtualise */
 
 #endif

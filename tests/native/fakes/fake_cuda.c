@@ -171,6 +171,7 @@ static CUresult phys_take(int dev, uint64_t bytes)
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     d->used += bytes;
+    fk_proc_note(st, dev, getpid(), (int64_t)bytes);
     fk_unlock(st);
     return CUDA_SUCCESS;
 }
@@ -180,6 +181,7 @@ static void phys_give(int dev, uint64_t bytes)
     struct fk_state *st = S;
     fk_lock(st);
     st->dev[dev].used -= bytes < st->dev[dev].used ? bytes : st->dev[dev].used;
+    fk_proc_note(st, dev, getpid(), -(int64_t)bytes);
     fk_unlock(st);
 }
 
@@ -447,6 +449,9 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
     primary[d]->refs++;
     *pctx = (CUcontext)primary[d];
     pthread_mutex_unlock(&mu);
+    fk_lock(S);
+    fk_proc_note(S, d, getpid(), 0); /* a context: NVML lists the process */
+    fk_unlock(S);
     return CUDA_SUCCESS;
 }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)

@@ -50,12 +50,20 @@ struct fk_export {
     uint64_t size;
 };
 
+/* A process with a context on a device, and the device memory it holds (NVML's process list). */
+struct fk_proc {
+    int32_t pid, pad;
+    uint64_t used;
+};
+#define FK_MAX_PROCS 64
+
 struct fk_state {
     uint32_t magic;
     int32_t ndev;
     pthread_mutex_t mu; /* robust, process-shared */
     struct fk_dev dev[FK_MAX_DEV];
     struct fk_export exports[FK_MAX_EXPORTS];
+    struct fk_proc procs[FK_MAX_DEV][FK_MAX_PROCS];
 };
 
 struct fk_state *fk_state(void);          /* open/create once per process */
@@ -69,5 +77,7 @@ int64_t fk_enqueue(struct fk_state *s, int dev, int64_t dur, int pid);
 /* GPU busy ns of dev inside [t0, t1), only pid's kernels when pid > 0. */
 int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid);
 int fk_env_int(const char *name, int dflt);
+/* pid holds `delta` more bytes on dev (0: it has a context there). Caller holds the lock. */
+void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta);
 
 #endif
