@@ -27,6 +27,8 @@ import yaml
 from pydantic import BaseModel, Field
 
 from tessera.nats_embedded import EmbeddedNats, free_port
+from tessera.settings import NatsSettings
+from tessera.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
 
 KUBECONFIG_NAME = "kubeconfig"
 STACK_FILE = "stack.json"
@@ -207,6 +209,7 @@ class LocalStack:
         nats_url: str | None = None,
         extra_env: dict[str, str] | None = None,
         ports: StackPorts | None = None,
+        nats_auth: bool = True,
     ) -> None:
         self.state_dir = state_dir.resolve()
         self.services = services
@@ -215,6 +218,11 @@ class LocalStack:
         self.nats_url = nats_url
         self.ports = ports or StackPorts()
         self.running: list[RunningService] = []
+        # The embedded NATS enforces one identity per service (tessera.bus_permissions); an
+        # external NATS_URL is used as given.
+        self.auth: StackAuth | None = (
+            StackAuth.generate(self._node_names()) if nats_auth and nats_url is None else None
+        )
 
     @property
     def kubeconfig(self) -> Path:
@@ -233,8 +241,13 @@ class LocalStack:
         (self.state_dir / "logs").mkdir(exist_ok=True)
         self._ensure_certificates()
         if self.nats_url is None:
-            self.nats = EmbeddedNats(data_dir=self.state_dir / "nats").start()
+            self.nats = EmbeddedNats(
+                data_dir=self.state_dir / "nats",
+                auth_config=self.auth.server_config() if self.auth else None,
+            ).start()
             self.nats_url = self.nats.url
+            if self.auth is not None:
+                self.auth.write_admin_env(self.state_dir / ADMIN_ENV_NAME, self.nats_url)
         self.kubeconfig.unlink(missing_ok=True)
         for spec in self.services:
             self.start_service(spec)
@@ -249,6 +262,7 @@ class LocalStack:
                     "dashboard_url": self.dashboard_url,
                     "scheduler_url": f"http://127.0.0.1:{self.ports.scheduler}",
                     "pid": os.getpid(),
+                    "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
                 },
                 indent=2,
             )
@@ -300,14 +314,37 @@ class LocalStack:
             time.sleep(0.05)
         raise RuntimeError(f"kube-sim did not answer on {self.api_url} in {timeout_s:.0f} s")
 
+    def _node_names(self) -> list[str]:
+        return [
+            spec.env["TESSERA_NODE_NAME"] for spec in self.services
+            if spec.module == "tessera.node_agent" and "TESSERA_NODE_NAME" in spec.env
+        ]
+
+    def nats_identity_env(self, spec: ServiceSpec) -> dict[str, str]:
+        """The child's own NATS user (none for kube-sim, or when auth is off)."""
+        identity = identity_of(spec.module, spec.env)
+        if self.auth is None or identity is None or identity.user not in self.auth.passwords:
+            return {}
+        return self.auth.env(identity.user)
+
+    def nats_settings(self, role: str = "admin", node: str | None = None) -> NatsSettings:
+        """How a test or the CLI connects to this stack's NATS as `role` (default: admin)."""
+        if self.auth is None:
+            return NatsSettings(NATS_URL=str(self.nats_url))
+        return self.auth.settings(str(self.nats_url), role, node)
+
     def service_env(self, spec: ServiceSpec) -> dict[str, str]:
-        return {
+        env = {
             **os.environ,
             **self.extra_env,
             "NATS_URL": str(self.nats_url),
             "TESSERA_KUBECONFIG": str(self.kubeconfig),
             **spec.env,
         }
+        for key in ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_CREDS"):
+            if self.auth is not None:
+                env.pop(key, None)  # a developer's shell must not override the identities
+        return {**env, **self.nats_identity_env(spec)}
 
     def start_service(self, spec: ServiceSpec) -> RunningService:
         log_path = self.state_dir / "logs" / f"{spec.name.replace('/', '-')}.log"
