@@ -5,6 +5,7 @@ nothing is written, and the rightful identity can still do the same thing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -17,7 +18,7 @@ from tessera import bus
 from tessera import bus_permissions as bp
 from tessera.bus import connect, ensure_bus, publish_event
 from tessera.codec import encode
-from tessera.events import subscribe
+from tessera.events import decode_event, subscribe
 from tessera.models import AllocationEvent, NodeLedger, NodeRegistration, QuotaState
 from tessera.settings import TesseraSettings
 
@@ -290,33 +291,51 @@ async def test_event_subscriber_reads_but_cannot_forge_a_release(as_identity) ->
 async def test_event_subscriber_cannot_take_over_the_quota_services_consumer(
     as_identity, admin
 ) -> None:
+    quota = await as_identity(bp.QUOTA)  # the quota service's own durable: allowed
+    quota_sub = await quota.nc.jetstream().pull_subscribe(
+        bus.alloc_events_filter("released"), durable=bus.QUOTA_RELEASED_CONSUMER,
+        stream=bus.EVENTS_STREAM,
+    )
+    scheduler = await as_identity(bp.SCHEDULER)
+    released = AllocationEvent(action="released", node=f"n-{uuid.uuid4().hex[:6]}",
+                               pod_uid="u2", namespace="n", name="p")
+    await publish_event(scheduler.nc.jetstream(), released)
+
     reader = await as_identity(bp.EVENTS_READER)
     js = reader.nc.jetstream()
     # Its own durable is fine ...
     mine = await js.pull_subscribe(bus.EVENTS_ALL, durable=f"billing-{uuid.uuid4().hex[:6]}",
                                    stream=bus.EVENTS_STREAM)
+    assert len(await mine.fetch(1, timeout=5)) == 1
     await mine.unsubscribe()
-    # ... the quota service's is not: neither by name in the subject ...
-    with pytest.raises(Exception):  # noqa: B017
-        await js.pull_subscribe(bus.EVENTS_ALL, durable=bus.QUOTA_RELEASED_CONSUMER,
-                                stream=bus.EVENTS_STREAM)
-    await reader.violation(bus.QUOTA_RELEASED_CONSUMER)
-    # ... nor through the unnamed create subject with the name in the body.
+    # ... pulling (and so acknowledging away) the quota service's releases is not ...
+    stolen = await js.pull_subscribe(bus.alloc_events_filter("released"),
+                                     durable=bus.QUOTA_RELEASED_CONSUMER,
+                                     stream=bus.EVENTS_STREAM)
+    with pytest.raises(Exception):  # noqa: B017 - a timeout: the pull request never got through
+        await stolen.fetch(1, timeout=1)
+    await reader.violation(f"CONSUMER.MSG.NEXT.{bus.EVENTS_STREAM}.{bus.QUOTA_RELEASED_CONSUMER}")
+    got = await quota_sub.fetch(10, timeout=5)
+    assert released.event_id in [decode_event(m.data).event_id for m in got]
+    # ... nor re-creating it with another filter (by name in the subject) ...
+    config = js_api.ConsumerConfig(name=bus.QUOTA_RELEASED_CONSUMER,
+                                   durable_name=bus.QUOTA_RELEASED_CONSUMER,
+                                   filter_subject="tessera.events.nothing")
+    with pytest.raises(Exception):  # noqa: B017 - a timeout
+        await js.add_consumer(bus.EVENTS_STREAM, config, timeout=1)
+    await reader.violation(f"CONSUMER.CREATE.{bus.EVENTS_STREAM}.{bus.QUOTA_RELEASED_CONSUMER}")
+    # ... nor through the unnamed create subject with the name in the body: the server
+    # refuses a durable there.
     config = js_api.ConsumerConfig(durable_name=bus.QUOTA_RELEASED_CONSUMER,
                                    filter_subject=bus.EVENTS_ALL)
-    with pytest.raises(Exception) as refused:  # noqa: B017
-        await reader.nc.jetstream()._jsm._api_request(  # the raw API call a tool could make
-            f"$JS.API.CONSUMER.CREATE.{bus.EVENTS_STREAM}",
-            encode_json({"stream_name": bus.EVENTS_STREAM, "config": config.as_dict()}),
-            timeout=2,
-        )
-    assert "durable" in str(refused.value).lower() or "name" in str(refused.value).lower()
-
-
-def encode_json(value: object) -> bytes:
-    import json
-
-    return json.dumps(value).encode()
+    body = {"stream_name": bus.EVENTS_STREAM, "config": config.as_dict()}
+    reply = await reader.nc.request(
+        f"$JS.API.CONSUMER.CREATE.{bus.EVENTS_STREAM}", json.dumps(body).encode(), timeout=5
+    )
+    assert "error" in json.loads(reply.data), reply.data
+    info = await admin.nc.jetstream().consumer_info(bus.EVENTS_STREAM,
+                                                    bus.QUOTA_RELEASED_CONSUMER)
+    assert info.config.filter_subject == bus.alloc_events_filter("released")
 
 
 # --- each identity can still do its job --------------------------------------------------------
