@@ -60,6 +60,7 @@ bench: dev native protos
 
 docs: dev
 	$(BIN)/python -m tessera.events_doc > docs/events.md
+	$(BIN)/python -m tessera.security_doc docs/security.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info native/libvgpu/build .pytest_cache .ruff_cache

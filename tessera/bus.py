@@ -154,6 +154,15 @@ def event_subject(event: Event) -> str:
 
 # --- connecting -------------------------------------------------------------------------------
 
+INBOX_ROOT = "_INBOX"
+
+
+def inbox_prefix(user: str) -> str:
+    """The reply-subject prefix of an identity: its own token under _INBOX, so the server can
+    let each identity read only its own replies (see tessera.bus_permissions)."""
+    return f"{INBOX_ROOT}.{subject_token(user)}"
+
+
 
 async def connect(
     nats_settings: NatsSettings,
@@ -177,7 +186,8 @@ async def connect(
         options["user_credentials"] = nats_settings.creds
     if nats_settings.user:
         options["user"] = nats_settings.user
-        options["password"] = nats_settings.password or ""
+        options["password"] = nats_settings.resolved_password()
+        options["inbox_prefix"] = inbox_prefix(nats_settings.user)
     if nats_settings.tls_ca:
         options["tls"] = ssl.create_default_context(cafile=nats_settings.tls_ca)
     backoff = 0.1

@@ -42,9 +42,17 @@ class EmbeddedNats:
     """A nats-server with JetStream on a loopback port, storing in `data_dir`.
 
     `restart()` keeps the port and the data, as a crashed and restarted broker would.
+    `auth_config` is an `authorization {...}` block (tessera.bus_permissions renders it): the
+    server then refuses anonymous clients and enforces each user's permissions.
     """
 
-    def __init__(self, data_dir: str | Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        port: int | None = None,
+        auth_config: str | None = None,
+    ) -> None:
+        self.auth_config = auth_config
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tessera-nats-"))
         self.port = port or free_port()
@@ -64,10 +72,21 @@ class EmbeddedNats:
         args = [
             find_nats_server(), "-js", "-a", "127.0.0.1", "-p", str(self.port),
             "-sd", str(self.data_dir / "jetstream"), "-l", str(self.log_path),
+            *self._auth_args(),
         ]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready(timeout_s)
         return self
+
+    def _auth_args(self) -> list[str]:
+        """`-c <file>` with the authorization block (owner-only: it holds passwords)."""
+        if self.auth_config is None:
+            return []
+        path = self.data_dir / "auth.conf"
+        path.touch(mode=0o600, exist_ok=True)
+        path.chmod(0o600)
+        path.write_text(self.auth_config)
+        return ["-c", str(path)]
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -131,8 +150,11 @@ class ClusterMember:
     """One server of an EmbeddedNatsCluster: its own client, route and monitor ports and its
     own store directory. `wipe()` deletes its whole store, as a lost disk would."""
 
-    def __init__(self, name: str, data_dir: Path, cluster_name: str) -> None:
+    def __init__(
+        self, name: str, data_dir: Path, cluster_name: str, auth_config: str | None = None
+    ) -> None:
         self.name = name
+        self.auth_config = auth_config
         self.data_dir = data_dir
         self.cluster_name = cluster_name
         self.port = free_port()
@@ -162,7 +184,7 @@ class ClusterMember:
             f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
             f'cluster {{ name: "{self.cluster_name}", listen: 127.0.0.1:{self.route_port}, '
             f"routes: [{routes}] }}\n"
-        )
+        ) + (f"{self.auth_config}\n" if self.auth_config else "")
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -216,14 +238,19 @@ class EmbeddedNatsCluster:
     directory under `data_dir`. Clients get every member's URL (`url`, comma separated)."""
 
     def __init__(
-        self, size: int = 3, data_dir: str | Path | None = None, cluster_name: str = "tessera"
+        self,
+        size: int = 3,
+        data_dir: str | Path | None = None,
+        cluster_name: str = "tessera",
+        auth_config: str | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one server")
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tessera-nats-cluster-"))
         self.members = [
-            ClusterMember(f"n{i}", self.data_dir / f"n{i}", cluster_name) for i in range(size)
+            ClusterMember(f"n{i}", self.data_dir / f"n{i}", cluster_name, auth_config)
+            for i in range(size)
         ]
         for member in self.members:
             member.routes = [m.route_port for m in self.members if m is not member]

@@ -26,6 +26,20 @@ class NatsSettings(BaseSettings):
     user: str | None = Field(None, validation_alias="NATS_USER")
     password: str | None = Field(None, validation_alias="NATS_PASSWORD")
     tls_ca: str | None = Field(None, validation_alias="NATS_TLS_CA")
+    password_file: str | None = Field(
+        None,
+        validation_alias="NATS_PASSWORD_FILE",
+        description="read the password from this file (a mounted Secret) instead of NATS_PASSWORD",
+    )
+
+    def resolved_password(self) -> str:
+        """NATS_PASSWORD, else the first line of NATS_PASSWORD_FILE, else ''."""
+        if self.password:
+            return self.password
+        if self.password_file:
+            with open(self.password_file, encoding="utf-8") as handle:
+                return handle.readline().strip()
+        return ""
 
 
 class TesseraSettings(BaseSettings):

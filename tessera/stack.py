@@ -27,6 +27,8 @@ import yaml
 from pydantic import BaseModel, Field
 
 from tessera.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
+from tessera.settings import NatsSettings
+from tessera.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
 
 KUBECONFIG_NAME = "kubeconfig"
 STACK_FILE = "stack.json"
@@ -208,6 +210,7 @@ class LocalStack:
         extra_env: dict[str, str] | None = None,
         ports: StackPorts | None = None,
         nats_cluster: int = 0,
+        nats_auth: bool = True,
     ) -> None:
         self.state_dir = state_dir.resolve()
         self.services = services
@@ -219,6 +222,11 @@ class LocalStack:
         # `nats_cluster` >= 2: NATS runs as a JetStream cluster of that many servers.
         self.nats_cluster_size = nats_cluster
         self.nats_cluster: EmbeddedNatsCluster | None = None
+        # The embedded NATS enforces one identity per service (tessera.bus_permissions); an
+        # external NATS_URL is used as given.
+        self.auth: StackAuth | None = (
+            StackAuth.generate(self._node_names()) if nats_auth and nats_url is None else None
+        )
 
     @property
     def kubeconfig(self) -> Path:
@@ -238,9 +246,16 @@ class LocalStack:
         self._ensure_certificates()
         if self.nats_url is None and self.nats_cluster_size >= 2:
             self._start_nats_cluster()
+            if self.auth is not None:
+                self.auth.write_admin_env(self.state_dir / ADMIN_ENV_NAME, self.nats_url)
         if self.nats_url is None:
-            self.nats = EmbeddedNats(data_dir=self.state_dir / "nats").start()
+            self.nats = EmbeddedNats(
+                data_dir=self.state_dir / "nats",
+                auth_config=self.auth.server_config() if self.auth else None,
+            ).start()
             self.nats_url = self.nats.url
+            if self.auth is not None:
+                self.auth.write_admin_env(self.state_dir / ADMIN_ENV_NAME, self.nats_url)
         self.kubeconfig.unlink(missing_ok=True)
         for spec in self.services:
             self.start_service(spec)
@@ -255,6 +270,7 @@ class LocalStack:
                     "dashboard_url": self.dashboard_url,
                     "scheduler_url": f"http://127.0.0.1:{self.ports.scheduler}",
                     "pid": os.getpid(),
+                    "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
                 },
                 indent=2,
             )
@@ -263,7 +279,11 @@ class LocalStack:
     def _start_nats_cluster(self) -> None:
         """NATS as a JetStream cluster; every bucket and stream then keeps a replica on up to
         three servers, so one server's lost disk loses nothing."""
-        cluster = EmbeddedNatsCluster(self.nats_cluster_size, self.state_dir / "nats-cluster")
+        cluster = EmbeddedNatsCluster(
+            self.nats_cluster_size,
+            self.state_dir / "nats-cluster",
+            auth_config=self.auth.server_config() if self.auth else None,
+        )
         self.nats_cluster = cluster.start()
         self.nats_url = cluster.url
         self.extra_env.setdefault("TESSERA_BUS_REPLICAS", str(min(3, self.nats_cluster_size)))
@@ -314,14 +334,37 @@ class LocalStack:
             time.sleep(0.05)
         raise RuntimeError(f"kube-sim did not answer on {self.api_url} in {timeout_s:.0f} s")
 
+    def _node_names(self) -> list[str]:
+        return [
+            spec.env["TESSERA_NODE_NAME"] for spec in self.services
+            if spec.module == "tessera.node_agent" and "TESSERA_NODE_NAME" in spec.env
+        ]
+
+    def nats_identity_env(self, spec: ServiceSpec) -> dict[str, str]:
+        """The child's own NATS user (none for kube-sim, or when auth is off)."""
+        identity = identity_of(spec.module, spec.env)
+        if self.auth is None or identity is None or identity.user not in self.auth.passwords:
+            return {}
+        return self.auth.env(identity.user)
+
+    def nats_settings(self, role: str = "admin", node: str | None = None) -> NatsSettings:
+        """How a test or the CLI connects to this stack's NATS as `role` (default: admin)."""
+        if self.auth is None:
+            return NatsSettings(NATS_URL=str(self.nats_url))
+        return self.auth.settings(str(self.nats_url), role, node)
+
     def service_env(self, spec: ServiceSpec) -> dict[str, str]:
-        return {
+        env = {
             **os.environ,
             **self.extra_env,
             "NATS_URL": str(self.nats_url),
             "TESSERA_KUBECONFIG": str(self.kubeconfig),
             **spec.env,
         }
+        for key in ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_CREDS"):
+            if self.auth is not None:
+                env.pop(key, None)  # a developer's shell must not override the identities
+        return {**env, **self.nats_identity_env(spec)}
 
     def start_service(self, spec: ServiceSpec) -> RunningService:
         log_path = self.state_dir / "logs" / f"{spec.name.replace('/', '-')}.log"

@@ -10,6 +10,10 @@ import pytest
 from tessera.bus import Buckets, connect, ensure_bus
 from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera.stack_auth import StackAuth
+
+# The GPU nodes the authenticated server has identities for (a dotted name included).
+AUTH_NODES = ("node-a", "node-b", "gpu.node-c")
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +38,32 @@ def fresh_nats() -> Iterator[EmbeddedNats]:
     server.start()
     try:
         yield server
+    finally:
+        server.cleanup()
+
+
+class AuthNats:
+    """A nats-server enforcing the generated permissions, and every identity's password."""
+
+    def __init__(self, server: EmbeddedNats, auth: StackAuth) -> None:
+        self.server = server
+        self.auth = auth
+        self.url = server.url
+        self.nodes = AUTH_NODES
+
+    def settings(self, role: str, node: str | None = None) -> NatsSettings:
+        return self.auth.settings(self.url, role, node)
+
+
+@pytest.fixture(scope="session")
+def auth_nats() -> Iterator[AuthNats]:
+    """A private server with authorization on: one user per service and per node agent of
+    AUTH_NODES, anonymous clients refused (tessera.bus_permissions)."""
+    auth = StackAuth.generate(AUTH_NODES)
+    server = EmbeddedNats(auth_config=auth.server_config())
+    server.start()
+    try:
+        yield AuthNats(server, auth)
     finally:
         server.cleanup()
 

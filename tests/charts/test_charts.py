@@ -236,10 +236,7 @@ def test_umbrella_globals_reach_every_service(charts_dir: Path) -> None:
             "resourceNames": CUSTOM_NAMES,
             "schedulerName": "gpu-scheduler",
             "image": {"tag": "9.9.9"},
-            "nats": {
-                "url": "nats://nats.shared:4222",
-                "auth": {"type": "userPassword", "existingSecret": "nats-users"},
-            },
+            "nats": {"url": "nats://nats.shared:4222", "auth": {"type": "userPassword"}},
         }
     }
     manifests = render(charts_dir, "tessera", values)
@@ -252,9 +249,15 @@ def test_umbrella_globals_reach_every_service(charts_dir: Path) -> None:
             env = env_of(c)
             assert c["image"] == "ghcr.io/tessera/tessera:9.9.9"
             assert env["NATS_URL"] == "nats://nats.shared:4222"
-            assert env["NATS_PASSWORD"] == {
-                "secretKeyRef": {"name": "nats-users", "key": "password"}
-            }
+            # Each service its own NATS identity (docs/security.md), never one shared Secret.
+            component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+            if component == "node-agent":
+                assert env["NATS_USER"] == "tessera-node-$(TESSERA_NODE_NAME)"
+                assert env["NATS_PASSWORD_FILE"] == "/etc/tessera/nats/password"
+            else:
+                assert env["NATS_PASSWORD"] == {
+                    "secretKeyRef": {"name": f"tessera-nats-{component}", "key": "password"}
+                }
             assert env["TESSERA_RESOURCE_MEM"] == CUSTOM_NAMES["memory"]
             assert env["TESSERA_SCHEDULER_NAME"] == "gpu-scheduler"
     config = extender_config(manifests)
@@ -561,6 +564,8 @@ def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> Non
         "pod-resources": {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"},
         "regions": {"path": "/var/lib/tessera/containers", "type": "DirectoryOrCreate"},
         "vgpu": {"path": "/usr/local/vgpu", "type": "DirectoryOrCreate"},
+        # This node's own NATS password (docs/security.md), read-only.
+        "nats-node": {"path": "/etc/tessera/nats", "type": "Directory"},
     }
     assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
     assert pod["priorityClassName"] == "system-node-critical"
@@ -572,6 +577,7 @@ def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> Non
         assert mounts[name]["mountPath"] == host_path["path"]
     assert mounts["pod-resources"].get("readOnly") is True
     assert mounts["vgpu"].get("readOnly") is True
+    assert mounts["nats-node"].get("readOnly") is True
     assert not mounts["regions"].get("readOnly")
     context = agent["securityContext"]
     assert context["privileged"] is False

@@ -48,8 +48,8 @@ def request_mib(i: int) -> int:
     return 500 + (i % 9) * 50
 
 
-async def read_ledgers(nats_url: str) -> dict[str, NodeLedger]:
-    nc = await connect(NatsSettings(NATS_URL=nats_url), name="e2e-crash-check")
+async def read_ledgers(nats_settings: NatsSettings) -> dict[str, NodeLedger]:
+    nc = await connect(nats_settings, name="e2e-crash-check")
     try:
         buckets = await ensure_bus(nc.jetstream(), TesseraSettings())
         return {n.name: decode((await buckets.ledger.get(n.name)).value, NodeLedger)
@@ -139,7 +139,7 @@ def run_burst(sim: RunningStack, namespace: str) -> BurstOutcome:
         pass
     admitted = {e["uid"]: e for node in NODES for e in kube.containers(node.name)}
     return BurstOutcome(
-        namespace, kube.pods(namespace), asyncio.run(read_ledgers(stack.nats_url or "")),
+        namespace, kube.pods(namespace), asyncio.run(read_ledgers(stack.nats_settings())),
         admitted, converged_s, created_s, errors,
     )
 

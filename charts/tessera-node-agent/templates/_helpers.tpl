@@ -104,17 +104,25 @@ TESSERA_<SETTING> variables.
   value: {{ required "nats.url: a NATS server with JetStream is required (see the chart README)" $nats.url | quote }}
 {{- end }}
 {{- $authType := $auth.type | default "none" }}
+{{- if and (eq $authType "userPassword") (((.Values.global).nats).auth).existingSecret }}
+{{- fail "global.nats.auth.existingSecret would give every service one NATS identity: leave it empty (each service reads its own Secret tessera-nats-<service>, see docs/security.md) or set each chart's nats.auth.existingSecret" }}
+{{- end }}
 {{- if eq $authType "userPassword" }}
+{{- /* One identity per node (docs/security.md): the user names the node (TESSERA_NODE_NAME is
+set before this list); the password is the node's own, from its Secret (one DaemonSet per node,
+.TesseraNode) or from the node's disk. */}}
 - name: NATS_USER
-  valueFrom:
-    secretKeyRef:
-      name: {{ required "nats.auth.existingSecret is required for userPassword" $auth.existingSecret | quote }}
-      key: {{ $auth.userKey | default "user" | quote }}
+  value: "tessera-node-$(TESSERA_NODE_NAME)"
+{{- if .TesseraNode }}
 - name: NATS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ $auth.existingSecret | quote }}
+      name: {{ printf "tessera-nats-node-%s" .TesseraNode | quote }}
       key: {{ $auth.passwordKey | default "password" | quote }}
+{{- else }}
+- name: NATS_PASSWORD_FILE
+  value: {{ printf "%s/password" (.Values.natsHostCredentials | default "/etc/tessera/nats") | quote }}
+{{- end }}
 {{- else if eq $authType "creds" }}
 - name: NATS_CREDS
   value: {{ printf "/etc/tessera/nats-auth/%s" ($auth.credsKey | default "nats.creds") | quote }}
@@ -151,6 +159,11 @@ TESSERA_<SETTING> variables.
 
 {{- define "tessera-node-agent.natsVolumeMounts" -}}
 {{- $nats := include "tessera-node-agent.nats" . | fromYaml -}}
+{{- if and (eq (($nats.auth | default dict).type | default "none") "userPassword") (not .TesseraNode) }}
+- name: nats-node
+  mountPath: {{ .Values.natsHostCredentials | default "/etc/tessera/nats" }}
+  readOnly: true
+{{- end }}
 {{- if eq (($nats.auth | default dict).type | default "none") "creds" }}
 - name: nats-auth
   mountPath: /etc/tessera/nats-auth
@@ -167,6 +180,13 @@ TESSERA_<SETTING> variables.
 {{- $nats := include "tessera-node-agent.nats" . | fromYaml -}}
 {{- $auth := $nats.auth | default dict -}}
 {{- $tls := $nats.tls | default dict -}}
+{{- if and (eq ($auth.type | default "none") "userPassword") (not .TesseraNode) }}
+# This node's own NATS password, provisioned on the host (docs/security.md, "Node agents").
+- name: nats-node
+  hostPath:
+    path: {{ .Values.natsHostCredentials | default "/etc/tessera/nats" | quote }}
+    type: Directory
+{{- end }}
 {{- if eq ($auth.type | default "none") "creds" }}
 - name: nats-auth
   secret:

@@ -104,16 +104,21 @@ TESSERA_<SETTING> variables.
   value: {{ required "nats.url: a NATS server with JetStream is required (see the chart README)" $nats.url | quote }}
 {{- end }}
 {{- $authType := $auth.type | default "none" }}
+{{- if and (eq $authType "userPassword") (((.Values.global).nats).auth).existingSecret }}
+{{- fail "global.nats.auth.existingSecret would give every service one NATS identity: leave it empty (each service reads its own Secret tessera-nats-<service>, see docs/security.md) or set each chart's nats.auth.existingSecret" }}
+{{- end }}
 {{- if eq $authType "userPassword" }}
+{{- /* One identity per service (docs/security.md): its own Secret unless told otherwise. */}}
+{{- $secret := $auth.existingSecret | default "tessera-nats-quota" }}
 - name: NATS_USER
   valueFrom:
     secretKeyRef:
-      name: {{ required "nats.auth.existingSecret is required for userPassword" $auth.existingSecret | quote }}
+      name: {{ $secret | quote }}
       key: {{ $auth.userKey | default "user" | quote }}
 - name: NATS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ $auth.existingSecret | quote }}
+      name: {{ $secret | quote }}
       key: {{ $auth.passwordKey | default "password" | quote }}
 {{- else if eq $authType "creds" }}
 - name: NATS_CREDS

@@ -1,0 +1,125 @@
+"""`tessera nats-config`: the nats-server authorization block for a cluster, from the one
+permission table (tessera/bus_permissions.py), and the Secrets that go with it.
+
+    tessera nats-config --node gpu-1 --node gpu-2             # the block, passwords as $VARs
+    tessera nats-config --node gpu-1 --out nats-auth/         # + passwords, Secrets for Helm
+    tessera nats-config --table                               # the permission table (markdown)
+
+With `--out`, passwords are generated once and kept in `<out>/passwords.json` (0600): running
+again with more nodes adds their identities and keeps every existing password.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from pathlib import Path
+
+import typer
+import yaml
+
+from tessera import bus_permissions as bp
+
+PASSWORDS_FILE = "passwords.json"
+AUTH_FILE = "auth.conf"
+SECRETS_FILE = "secrets.yaml"
+
+
+def secret_name(perms: bp.Permissions) -> str:
+    """The Kubernetes Secret a chart reads an identity's credentials from."""
+    if perms.node is not None:
+        return f"tessera-nats-node-{perms.node}"
+    return f"tessera-nats-{perms.role}"
+
+
+def env_reference_config(nodes: list[str]) -> str:
+    """The block with every password as an env reference nats-server resolves at start."""
+    users = [
+        (p, bp.Credential(env_var=bp.password_env_var(p.user))) for p in bp.identities(nodes)
+    ]
+    return bp.ServerAuth(users).render()
+
+
+def load_passwords(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise typer.BadParameter(f"{path}: expected a JSON object of user -> password")
+    return data
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(text)
+
+
+def secrets_manifest(identities: list[bp.Permissions], passwords: dict[str, str],
+                     namespace: str) -> str:
+    docs = []
+    for perms in identities:
+        docs.append({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {
+                "name": secret_name(perms),
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/part-of": "tessera",
+                           "tessera.io/nats-role": perms.role},
+            },
+            "data": {
+                "user": base64.b64encode(perms.user.encode()).decode(),
+                "password": base64.b64encode(passwords[perms.user].encode()).decode(),
+            },
+        })
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def write_bundle(out: Path, nodes: list[str], namespace: str) -> list[bp.Permissions]:
+    """auth.conf (passwords inline, for the NATS server), secrets.yaml (one Secret per
+    identity, for Tessera's namespace) and passwords.json (kept for the next run)."""
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    identities = bp.identities(nodes)
+    passwords = load_passwords(out / PASSWORDS_FILE)
+    for perms in identities:
+        passwords.setdefault(perms.user, secrets.token_urlsafe(24))
+    _write_private(out / PASSWORDS_FILE, json.dumps(passwords, indent=2, sort_keys=True))
+    config = bp.ServerAuth(
+        [(p, bp.Credential(password=passwords[p.user])) for p in identities]
+    ).render()
+    _write_private(out / AUTH_FILE, config)
+    _write_private(out / SECRETS_FILE, secrets_manifest(identities, passwords, namespace))
+    return identities
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("nats-config")
+    def nats_config_command(
+        node: list[str] = typer.Option(
+            [], "--node", help="a GPU node's name (repeat; each gets its own node-agent user)"
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="write auth.conf, secrets.yaml and passwords.json here"
+        ),
+        namespace: str = typer.Option(
+            "tessera-system", "--namespace", help="namespace of the Secrets in secrets.yaml"
+        ),
+        table: bool = typer.Option(False, "--table", help="print the permission table only"),
+    ) -> None:
+        """Print nats-server's authorization block: one user per Tessera service and per node
+        agent, each limited to the subjects it needs."""
+        if table:
+            typer.echo(bp.markdown_table(), nl=False)
+            return
+        if len(set(node)) != len(node):
+            raise typer.BadParameter("a node is named twice", param_hint="--node")
+        if out is None:
+            typer.echo(env_reference_config(node), nl=False)
+            return
+        identities = write_bundle(out, node, namespace)
+        typer.echo(f"{len(identities)} identities; wrote {out / AUTH_FILE} (include it in the "
+                   f"NATS server's config) and {out / SECRETS_FILE} (kubectl apply -f it).")
