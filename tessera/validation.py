@@ -296,7 +296,7 @@ def limits_problem(request: LimitsSetRequest, devices: Iterable[DeviceInfo]) -> 
                 return Problem(
                     "limits_out_of_range",
                     f"{request.memory_mib} MiB is more than GPU {device.uuid} has "
-                    f"({device.memory_mib} MiB)",
+                    f"({device.memory_mib} MiB): not enough memory",
                 )
     return None
 
