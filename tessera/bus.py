@@ -116,6 +116,11 @@ def sched_failed_subject(namespace: str) -> str:
     return f"{EVENTS_PREFIX}.sched.{subject_token(namespace)}.failed"
 
 
+def rejected_event_subject(kind: str) -> str:
+    """Where a value refused by bus validation is reported (tessera.validation)."""
+    return f"{EVENTS_PREFIX}.rejected.{subject_token(kind)}"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -149,6 +154,8 @@ def event_subject(event: Event) -> str:
         return oom_event_subject(event.node)
     if isinstance(event, m.SchedulingFailedEvent):
         return sched_failed_subject(event.namespace)
+    if isinstance(event, m.ValueRejectedEvent):
+        return rejected_event_subject(event.kind)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

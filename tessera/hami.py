@@ -260,6 +260,24 @@ def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tup
     return tuple(max(t, p) for t, p in zip(totals, peaks, strict=True))  # type: ignore[return-value]
 
 
+def grants_quota_charge(
+    containers: list[list[DeviceGrant]], init_count: int
+) -> tuple[int, int, int]:
+    """(memory MiB, cores, GPUs) that granted containers hold against the namespace quota,
+    counted as `quota_charge` counts a request: app containers summed, init containers by max."""
+
+    def total(grants: list[list[DeviceGrant]]) -> tuple[int, int, int]:
+        return (
+            sum(g.memory_mib for c in grants for g in c),
+            sum(g.cores for c in grants for g in c),
+            sum(len(c) for c in grants),
+        )
+
+    app = total(containers[init_count:])
+    peaks = [total([c]) for c in containers[:init_count]]
+    return tuple(max([app[i], *(p[i] for p in peaks)]) for i in range(3))  # type: ignore[return-value]
+
+
 # --- hami.io/vgpu-devices-to-allocate ----------------------------------------------------------
 
 _FORBIDDEN_IN_FIELDS = set(",:;")

@@ -307,6 +307,19 @@ class SchedulingFailedEvent(Event):
     node_reasons: dict[str, str] = Field(default_factory=dict)
 
 
+RejectedKind = Literal["registration", "ledger", "quota", "limits", "event"]
+
+
+class ValueRejectedEvent(Event):
+    """A value read from the bus failed validation and was not applied (a forged or corrupt
+    registration, ledger entry, quota record, limits request or consumed event)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.rejected.<kind>"
+    kind: RejectedKind
+    key: str = Field("", description="the KV key or subject the value came from")
+    problem: str = Field("", description="machine-readable reason, e.g. memory_out_of_range")
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -314,6 +327,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     QuotaEvent,
     OomEvent,
     SchedulingFailedEvent,
+    ValueRejectedEvent,
 )
 
 

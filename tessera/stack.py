@@ -124,6 +124,29 @@ def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[st
     return env
 
 
+# The extender speaks mutual TLS: kube-sim (as kube-scheduler) presents this client certificate,
+# signed by the stack's CA; the scheduler refuses callers without one (docs/security-extender.md).
+EXTENDER_CLIENT_NAME = "kube-scheduler"
+
+
+def extender_server_env(certs: Path, port: int) -> dict[str, str]:
+    return {
+        "TESSERA_LISTEN": f"127.0.0.1:{port}",
+        "TESSERA_TLS_CERT": str(certs / "tls.crt"),
+        "TESSERA_TLS_KEY": str(certs / "tls.key"),
+        "TESSERA_TLS_CLIENT_CA": str(certs / "ca.crt"),
+    }
+
+
+def extender_client_env(certs: Path, port: int) -> dict[str, str]:
+    return {
+        "TESSERA_KUBE_SIM_EXTENDER_URL": f"https://127.0.0.1:{port}",
+        "TESSERA_KUBE_SIM_EXTENDER_CA": str(certs / "ca.crt"),
+        "TESSERA_KUBE_SIM_EXTENDER_CERT": str(certs / f"{EXTENDER_CLIENT_NAME}.crt"),
+        "TESSERA_KUBE_SIM_EXTENDER_KEY": str(certs / f"{EXTENDER_CLIENT_NAME}.key"),
+    }
+
+
 def default_services(
     nodes: list[SimNode] | None = None,
     state_dir: Path = Path(".tessera"),
@@ -143,7 +166,7 @@ def default_services(
         "TESSERA_KUBE_SIM_NODES": json.dumps([n.model_dump() for n in nodes]),
         "TESSERA_KUBE_SIM_WEBHOOK_URL": f"https://127.0.0.1:{ports.admission}/mutate",
         "TESSERA_KUBE_SIM_WEBHOOK_CA": str(certs / "ca.crt"),
-        "TESSERA_KUBE_SIM_EXTENDER_URL": f"http://127.0.0.1:{ports.scheduler}",
+        **extender_client_env(certs, ports.scheduler),
         "TESSERA_KUBE_SIM_KUBELET_ROOT": str(socket_root),
         "TESSERA_KUBE_SIM_RUN_CONTAINERS": "true" if run_containers else "false",
         "TESSERA_KUBE_SIM_CONTAINER_LOG_DIR": str(state_dir / "containers"),
@@ -151,9 +174,7 @@ def default_services(
     specs = [
         ServiceSpec("kube-sim", "tessera.kube_sim", kube_sim_env),
         ServiceSpec("quota", "tessera.quota"),
-        ServiceSpec(
-            "scheduler", "tessera.scheduler", {"TESSERA_LISTEN": f"127.0.0.1:{ports.scheduler}"}
-        ),
+        ServiceSpec("scheduler", "tessera.scheduler", extender_server_env(certs, ports.scheduler)),
         ServiceSpec(
             "admission",
             "tessera.admission",
@@ -268,7 +289,7 @@ class LocalStack:
                     "kubeconfig": str(self.kubeconfig),
                     "api_url": self.api_url,
                     "dashboard_url": self.dashboard_url,
-                    "scheduler_url": f"http://127.0.0.1:{self.ports.scheduler}",
+                    "scheduler_url": f"https://127.0.0.1:{self.ports.scheduler}",
                     "pid": os.getpid(),
                     "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
                 },
@@ -293,9 +314,14 @@ class LocalStack:
         first sync): what kube-scheduler and kube-apiserver depend on."""
         import ssl
 
-        context = ssl.create_default_context(cafile=str(self.state_dir / "certs" / "ca.crt"))
+        certs = self.state_dir / "certs"
+        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        extender = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        extender.load_cert_chain(
+            certs / f"{EXTENDER_CLIENT_NAME}.crt", certs / f"{EXTENDER_CLIENT_NAME}.key"
+        )
         probes = [
-            (f"http://127.0.0.1:{self.ports.scheduler}/readyz", None),
+            (f"https://127.0.0.1:{self.ports.scheduler}/readyz", extender),
             (f"https://127.0.0.1:{self.ports.admission}/readyz", context),
         ]
         deadline = time.monotonic() + timeout_s
@@ -312,11 +338,17 @@ class LocalStack:
                 time.sleep(0.1)
 
     def _ensure_certificates(self) -> None:
-        from tessera.cli.certs import write_certificates  # cryptography: only when starting
+        from tessera.cli.certs import (  # cryptography: only when starting
+            write_certificates,
+            write_client_certificate,
+        )
 
         certs = self.state_dir / "certs"
-        if not (certs / "tls.crt").is_file() or not (certs / "ca.crt").is_file():
+        fresh = not (certs / "tls.crt").is_file() or not (certs / "ca.crt").is_file()
+        if fresh:
             write_certificates(certs, ["localhost", "tessera-admission"], ["127.0.0.1"])
+        if fresh or not (certs / f"{EXTENDER_CLIENT_NAME}.crt").is_file():
+            write_client_certificate(certs, EXTENDER_CLIENT_NAME)
 
     def _wait_for_api(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

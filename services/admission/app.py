@@ -68,6 +68,10 @@ class AdmissionApp:
             else:
                 await _send(send, 200, self.metrics.exposition(),
                             [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+        elif path in ("/healthz", "/readyz", "/metrics"):
+            await _send(send, 405, _error(f"use GET {path}"), [
+                *JSON_HEADERS, (b"allow", b"GET, HEAD"),
+            ])  # fmt: skip
         else:
             await _send(send, 404, _error(f"no route {method} {path}"))
 

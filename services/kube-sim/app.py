@@ -79,6 +79,9 @@ class KubeSim:
                     weight=settings.extender_weight,
                     http_timeout_s=settings.extender_timeout_s,
                     managed_resources=tuple(tessera.resource_names()),
+                    ca_file=settings.extender_ca,
+                    cert_file=settings.extender_cert,
+                    key_file=settings.extender_key,
                 )
             )
             if settings.extender_url

@@ -8,6 +8,7 @@ no JSON tags) and answers `ExtenderBindingResult`.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,20 @@ class ExtenderConfig:
     http_timeout_s: float = 30.0
     node_cache_capable: bool = True
     managed_resources: tuple[str, ...] = ()
+    # tlsConfig, as KubeSchedulerConfiguration names it: caFile verifies the extender, and
+    # certFile/keyFile are the client certificate an mTLS extender demands.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """None for a plain http:// extender."""
+        if not self.url_prefix.startswith("https://"):
+            return None
+        context = ssl.create_default_context(cafile=self.ca_file or None)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file or None)
+        return context
 
 
 def requests_managed_resource(pod: KubeObject, managed: tuple[str, ...]) -> bool:
@@ -54,9 +69,11 @@ def requests_managed_resource(pod: KubeObject, managed: tuple[str, ...]) -> bool
 class ExtenderClient:
     def __init__(self, config: ExtenderConfig) -> None:
         self.config = config
+        context = config.ssl_context()
         self._client = httpx.AsyncClient(
-            base_url=config.url_prefix.rstrip("/"), timeout=config.http_timeout_s
-        )
+            base_url=config.url_prefix.rstrip("/"), timeout=config.http_timeout_s,
+            verify=context if context is not None else True,
+        )  # fmt: skip
 
     async def close(self) -> None:
         await self._client.aclose()

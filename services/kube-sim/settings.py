@@ -39,6 +39,11 @@ class KubeSimSettings(BaseSettings):
         "http://127.0.0.1:8888", description="scheduler extender urlPrefix ('' = none)"
     )
     extender_timeout_s: float = Field(30.0, gt=0, description="extender httpTimeout")
+    extender_ca: str = Field("", description="extender tlsConfig caFile (https:// urlPrefix)")
+    extender_cert: str = Field(
+        "", description="extender tlsConfig certFile: client certificate for an mTLS extender"
+    )
+    extender_key: str = Field("", description="extender tlsConfig keyFile")
     extender_weight: int = Field(1, ge=1)
     backoff_initial_s: float = Field(0.5, gt=0, description="first retry of a pending pod")
     backoff_max_s: float = Field(2.0, gt=0, description="longest wait between retries")

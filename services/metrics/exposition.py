@@ -218,6 +218,9 @@ def event_families(view: ClusterView, now: float) -> Iterator[Metric]:
     yield _counter("tessera_bus_bad_messages", "bus messages that could not be decoded, by "
                    "source (garbage, unknown schema or version)", ["source"],
                    (([s], n) for s, n in sorted(view.bad_messages.items())))
+    yield _counter("tessera_bus_rejected", "bus values that decoded but failed validation "
+                   "(never applied), by source and reason", ["source", "reason"],
+                   ((list(k), n) for k, n in sorted(view.rejected.items())))
     pending = _gauge("tessera_pods_pending", "pods refused by the scheduler and not placed yet",
                      ["namespace"])
     by_namespace: dict[str, int] = {}

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from tessera.bus import Buckets
 from tessera.service import ServiceContext
 from tessera.settings import TesseraSettings
+from tessera.validation import Bounds
 
 from .feeds import Feeds
 from .view import ClusterView
@@ -54,7 +55,9 @@ class MetricsService:
         listen: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.view = ClusterView()
+        self.view = ClusterView(
+            bounds=Bounds.of(settings), node_stale_s=2 * settings.node_ttl_s
+        )
         self.settings = settings
         self.feeds = Feeds(nc, js, buckets, self.view, clock)
         self.app = build_app(self.view, settings, clock)

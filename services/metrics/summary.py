@@ -104,7 +104,7 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
         by_pod_device = _device_usage_by_pod(sample)
         node = NodeSummary(
             name=name,
-            registered=registration is not None,
+            registered=view.node_registered(name, now),
             heartbeat_at=registration.heartbeat_at if registration else None,
             gpus=list(gpus.values()),
         )

@@ -26,6 +26,7 @@ from tessera.models import (
     SchedulingFailedEvent,
     UsageSample,
 )
+from tessera.validation import Bounds, ledger_problem, quota_problem, registration_problem
 
 from .latency import LatencyTracker
 
@@ -104,6 +105,12 @@ class ClusterView:
     ooms: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)  # node, ns, pod, c
     bad_messages: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(
         BAD_MESSAGE_SOURCES, 0)))
+    # Values refused by validation (tessera.validation), by (source, reason): never applied.
+    rejected: Counter[tuple[str, str]] = field(default_factory=Counter)
+    bounds: Bounds = field(default_factory=Bounds)
+    # A registration whose heartbeat is older than this no longer counts as registered (KV TTL
+    # expiry reaches no watcher); the service sets 2 × the nodes bucket TTL.
+    node_stale_s: float = 30.0
     events_applied: int = 0
     last_event_sequence: int = 0
     kv_synced: set[str] = field(default_factory=set)
@@ -116,12 +123,27 @@ class ClusterView:
         if value is None:
             self.nodes.pop(key, None)
             self.usage.pop(key, None)
-        else:
+        elif not self._rejects("registration", registration_problem(key, value, self.bounds)):
             self.nodes[key] = value
+
+    def node_registered(self, name: str, now: float) -> bool:
+        """Registered and heartbeating (a forged or dead node drops out within node_stale_s)."""
+        registration = self.nodes.get(name)
+        return registration is not None and now - registration.heartbeat_at <= self.node_stale_s
+
+    def _rejects(self, source: str, problem: object) -> bool:
+        if problem is None:
+            return False
+        self.rejected[(source, getattr(problem, "code", "invalid"))] += 1
+        return True
 
     def put_ledger(self, key: str, value: NodeLedger | None) -> None:
         if value is None:
             self.ledgers.pop(key, None)
+        elif self._rejects(
+            "ledger", ledger_problem(key, value, self.nodes.get(key), self.bounds)
+        ):
+            return  # the last valid value stays
         else:
             self.ledgers[key] = value
             for allocation in value.allocations.values():
@@ -131,7 +153,7 @@ class ClusterView:
     def put_quota(self, key: str, value: QuotaState | None) -> None:
         if value is None:
             self.quotas.pop(key, None)
-        else:
+        elif not self._rejects("quota", quota_problem(key, value)):
             self.quotas[key] = value
 
     # --- usage samples ------------------------------------------------------------------------
@@ -250,6 +272,10 @@ class ClusterView:
 
     def _on_node(self, event: NodeEvent) -> None:
         self.node_events[(event.node, event.action)] += 1
+        registration = self.nodes.get(event.node)
+        if event.action == "lost" and registration and registration.heartbeat_at <= event.at:
+            # The scheduler saw it go (its KV entry expired): not registered any more.
+            self.nodes.pop(event.node, None)
         gpus = f" ({', '.join(event.device_uuids)})" if event.device_uuids else ""
         self._remember(event, "node", event.action, event.node,
                        f"node {event.node} {event.action}{gpus}",
@@ -292,6 +318,9 @@ class ClusterView:
             refusals=Counter(self.refusals),
             ooms=Counter(self.ooms),
             bad_messages=Counter(self.bad_messages),
+            rejected=Counter(self.rejected),
+            bounds=self.bounds,
+            node_stale_s=self.node_stale_s,
             events_applied=self.events_applied,
             last_event_sequence=self.last_event_sequence,
             kv_synced=set(self.kv_synced),

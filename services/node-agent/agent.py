@@ -95,7 +95,7 @@ class NodeAgent:
         )
         limits = LimitsService(
             nc=self.nc, store=self.store, state=self.state, ledger_kv=self.buckets.ledger,
-            **common,
+            settings=self.settings, cluster=self.cluster, js=self.js, **common,
         )
         await limits.start()
         tasks = [

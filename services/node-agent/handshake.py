@@ -53,8 +53,9 @@ def gpus_of(device_ids: list[str], devices: dict[str, DeviceInfo]) -> list[str]:
     """The GPUs behind replica IDs; refuses unknown IDs and two replicas of one GPU."""
     unknown = [d for d in device_ids if gpu_of(d, devices) is None]
     if unknown:
+        shown = f"{unknown[:5]}" + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise HandshakeError(
-            f"unknown device IDs {unknown}: not replicas of this node's GPUs", invalid=True
+            f"unknown device IDs {shown}: not replicas of this node's GPUs", invalid=True
         )
     gpus = [gpu_of(d, devices) or "" for d in device_ids]
     if len(set(gpus)) != len(gpus):

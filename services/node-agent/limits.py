@@ -1,8 +1,13 @@
 """Dynamic limits: tessera.node.<node>.limits.set rewrites a running container's sealed limits.
 
-The ledger is changed first (CAS, so a raise can never push a GPU past its advertised capacity,
-whatever the scheduler does at the same time), then the sealed file; libvgpu applies it within
-100 ms. Shrinking memory below what the container uses now is refused.
+The request is validated against the node's GPUs first (a value no GPU here can hold is
+rejected and reported). The ledger is the truth and is changed first (CAS, so a raise can never
+push a GPU past its advertised capacity, whatever the scheduler does at the same time); the
+pod's quota charge is resized with it (through tessera.quota.reserve, which refuses a raise the
+namespace quota cannot hold, before anything is written), the pod's
+`hami.io/vgpu-devices-allocated` annotation records the new grants, then the sealed file
+changes; libvgpu applies it within 100 ms. Shrinking memory below what the container uses now
+is refused.
 """
 
 from __future__ import annotations
@@ -12,17 +17,31 @@ import contextlib
 import logging
 
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
+from prometheus_client import CollectorRegistry
 from tessera.node_agent.containers import ContainerDir, ContainerStore
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus
+from tessera import bus, hami
+from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
-from tessera.models import Allocation, LimitsSetReply, LimitsSetRequest, NodeLedger, now
+from tessera.models import (
+    Allocation,
+    LimitsSetReply,
+    LimitsSetRequest,
+    NodeLedger,
+    QuotaReply,
+    QuotaRequest,
+    decode_reply,
+    now,
+)
 from tessera.region import RegionFormatError, read_limits, read_region, set_device_flags
+from tessera.settings import TesseraSettings
+from tessera.validation import Rejections, limits_problem
 
 SERVICE_VERSION = "0.1.0"
 
@@ -98,6 +117,9 @@ class LimitsService:
         state: DeviceState,
         ledger_kv: KeyValue,
         log: logging.Logger,
+        settings: TesseraSettings | None = None,
+        cluster: ClusterPort | None = None,
+        js: JetStreamContext | None = None,
     ) -> None:
         self.node = node
         self.nc = nc
@@ -105,6 +127,9 @@ class LimitsService:
         self.state = state
         self.ledger_kv = ledger_kv
         self.log = log
+        self.settings = settings or TesseraSettings()
+        self.cluster = cluster
+        self.rejections = Rejections(f"node-agent/{node}", js, CollectorRegistry())
         self._micro: Service | None = None
         self._lock = asyncio.Lock()
 
@@ -153,6 +178,51 @@ class LimitsService:
             raise LimitsError(f"pod {who} matches several pods here; give its uid")
         return matches[0]
 
+    async def _resize_quota(
+        self, before: Allocation, after: Allocation, *, best_effort: bool = False
+    ) -> bool:
+        """Resize the pod's quota charge to `after`'s grants; True when a request was made."""
+        if not (self.settings.quota_enabled and after.quota_held):
+            return False
+        old = hami.grants_quota_charge(before.containers, before.init_count)
+        new = hami.grants_quota_charge(after.containers, after.init_count)
+        if old == new:
+            return False
+        request = QuotaRequest(
+            namespace=after.namespace, pod_uid=after.pod_uid, name=after.name,
+            memory_mib=new[0], cores=new[1], gpus=new[2],
+        )  # fmt: skip
+        try:
+            msg = await self.nc.request(
+                bus.QUOTA_RESERVE, encode(request), timeout=self.settings.request_timeout_s
+            )
+            reply = decode_reply(msg.data, QuotaReply)
+        except Exception as exc:  # timeout, ErrorReply (RemoteError), garbage, NATS away
+            if best_effort:
+                self.log.warning("quota charge not restored", extra={"err": str(exc)})
+                return True
+            raise LimitsError(f"the quota service did not resize the charge: {exc}") from exc
+        if not reply.ok and not best_effort:
+            raise LimitsError(f"quota: {reply.reason}")
+        return True
+
+    async def _record_on_pod(self, allocation: Allocation) -> None:
+        """The pod's hami.io/vgpu-devices-allocated carries the grants as they are now (the node
+        agent checks a restarted container's grant against it)."""
+        if self.cluster is None:
+            return
+        try:
+            await self.cluster.patch_pod_metadata(
+                allocation.namespace, allocation.name,
+                annotations={hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(
+                    allocation.containers
+                )},
+            )  # fmt: skip
+        except ClusterError as exc:
+            self.log.warning("pod annotation not updated after limits.set",
+                             extra={"pod": f"{allocation.namespace}/{allocation.name}",
+                                    "err": str(exc)})  # fmt: skip
+
     async def set_limits(self, req: LimitsSetRequest) -> LimitsSetReply:
         try:
             return await self._set_limits(req)
@@ -162,6 +232,10 @@ class LimitsService:
     async def _set_limits(self, req: LimitsSetRequest) -> LimitsSetReply:
         if req.memory_mib is None and req.cores is None:
             raise LimitsError("nothing to change: give a memory and/or a cores limit")
+        problem = limits_problem(req, self.state.devices())
+        if problem is not None:
+            self.rejections.reject("limits", bus.node_limits_subject(self.node), problem)
+            raise LimitsError(problem.detail)
         cdir = await asyncio.to_thread(self._find, req)
         try:
             sealed = await asyncio.to_thread(read_limits, cdir.limits_dir)
@@ -188,15 +262,26 @@ class LimitsService:
                     )
         capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
         p = cdir.prepared
-        try:
-            await bus.cas_update(
-                self.ledger_kv, self.node, NodeLedger,
-                lambda ledger: apply_change(
-                    ledger, p.pod_uid, p.index, uuids, req.memory_mib, req.cores, capacity
-                ),
+
+        def change(ledger: NodeLedger | None) -> NodeLedger:
+            return apply_change(
+                ledger, p.pod_uid, p.index, uuids, req.memory_mib, req.cores, capacity
             )
-        except bus.NoChange as exc:
-            raise LimitsError("the pod has no allocation on this node") from exc
+
+        current = await bus.read(self.ledger_kv, self.node, NodeLedger)
+        before = current.value.allocations.get(p.pod_uid) if current else None
+        after = change(current.value if current else None).allocations[p.pod_uid]
+        assert before is not None  # apply_change refuses a pod with no allocation
+        resized = await self._resize_quota(before, after)
+        try:
+            result = await bus.cas_update(self.ledger_kv, self.node, NodeLedger, change)
+        except Exception as exc:
+            if resized:
+                await self._resize_quota(after, before, best_effort=True)
+            if isinstance(exc, bus.NoChange):
+                raise LimitsError("the pod has no allocation on this node") from exc
+            raise
+        await self._record_on_pod(result.value.allocations[p.pod_uid])
         for uuid in uuids:
             await asyncio.to_thread(
                 set_device_flags, cdir.limits_dir, uuid,

@@ -19,12 +19,14 @@ from pathlib import Path
 import grpc
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from prometheus_client import CollectorRegistry
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
+from tessera.node_agent.grant_check import GrantRefused, check_grant
 from tessera.node_agent.state import DeviceState
 
 from tessera import bus, hami
-from tessera.cluster.port import ClusterPort
+from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.kubeapi import (
     DEVICE_PLUGIN_VERSION,
     HEALTHY,
@@ -38,8 +40,21 @@ from tessera.kubeapi import (
 from tessera.models import Allocation, AllocationEvent, NodeLedger
 from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
+from tessera.validation import Problem, Rejections
 
 POD_RESOURCES_TIMEOUT_S = 5.0
+# kubelet's messages are small; a larger cap than gRPC's 4 MiB default lets an oversized request
+# reach validation (INVALID_ARGUMENT with a reason) instead of dying as RESOURCE_EXHAUSTED.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def check_id_count(device_ids: list[str], replicas: int) -> None:
+    """More IDs than the node has replicas cannot be a real request."""
+    if len(device_ids) > replicas:
+        raise hs.HandshakeError(
+            f"{len(device_ids)} device IDs in one request, but this node advertises only "
+            f"{replicas} replicas", invalid=True,
+        )  # fmt: skip
 
 
 async def list_pod_resources(socket_path: str) -> list[pr.PodResources]:
@@ -93,6 +108,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self.pod_resources = pod_resources
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        self.rejections = Rejections(f"node-agent/{node}", js, CollectorRegistry())
 
     # --- kubelet's RPCs ------------------------------------------------------------------------
 
@@ -146,6 +162,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
 
     async def preferred(self, request: dp.PreferredAllocationRequest):
         devices = self.state.by_uuid()
+        replicas = sum(d.split_count for d in devices.values())
+        for req in request.container_requests:
+            check_id_count(list(req.available_deviceIDs), replicas)
+            check_id_count(list(req.must_include_deviceIDs), replicas)
         allocation = hs.claimed_allocation(await self._ledger(), self.node)
         existing = self.store.for_pod(allocation.pod_uid)
         if hs.admission_restarted(allocation, existing, self._sealed):
@@ -175,6 +195,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         devices = self.state.by_uuid()
         if not request.container_requests:
             raise hs.HandshakeError("Allocate with no container requests")
+        replicas = sum(d.split_count for d in devices.values())
+        check_id_count([i for r in request.container_requests for i in r.devices_ids], replicas)
         checked = [
             (list(req.devices_ids), hs.gpus_of(list(req.devices_ids), devices))
             for req in request.container_requests
@@ -274,7 +296,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
         ids = list(request.devices_ids)
-        hs.gpus_of(ids, self.state.by_uuid())
+        devices = self.state.by_uuid()
+        check_id_count(ids, sum(d.split_count for d in devices.values()))
+        hs.gpus_of(ids, devices)
         candidates = self.store.by_devices(ids)
         if not candidates:
             raise hs.HandshakeError(
@@ -300,6 +324,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             raise hs.HandshakeError(f"pod {p.namespace}/{p.pod} has no active allocation here")
         if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
             raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
+        await self._check_grant(allocation, p.index)
         limits = hs.limits_for(allocation, p.index, self.settings)
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
         self.log.info("limits sealed", extra={
@@ -308,6 +333,27 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # A crash between Allocate's answer and its ledger write leaves the claim held.
         await self._maybe_finish(allocation)
         return dp.PreStartContainerResponse()
+
+    async def _check_grant(self, allocation: Allocation, index: int) -> None:
+        """The ledger's grant must be what the pod asked for (grant_check): a grant forged on
+        the bus is refused before it is sealed. Without a cluster API there is no pod to ask."""
+        if self.cluster is None:
+            return
+        who = hs.describe(allocation, index)
+        try:
+            pod = await self.cluster.get_pod(allocation.namespace, allocation.name)
+        except ClusterError as exc:
+            raise hs.HandshakeError(
+                f"{who}: cannot read the pod to check its grant: {exc}"
+            ) from exc
+        try:
+            if (pod.get("metadata") or {}).get("uid") != allocation.pod_uid:
+                raise GrantRefused(f"{who}: the cluster's pod has another uid than the ledger's")
+            check_grant(pod, index, allocation.containers[index], self.state.by_uuid(),
+                        self.settings)  # fmt: skip
+        except GrantRefused as exc:
+            self.rejections.reject("ledger", self.node, Problem("grant_above_request", str(exc)))
+            raise hs.HandshakeError(str(exc), mismatch=True) from exc
 
     @staticmethod
     def _sealed(cdir: ContainerDir) -> bool:
@@ -412,7 +458,9 @@ class PluginEndpoint:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ])  # fmt: skip
         dp_grpc.add_DevicePluginServicer_to_server(self.service, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         await server.start()

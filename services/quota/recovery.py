@@ -161,7 +161,10 @@ class ReleaseConsumer:
         release: ReleaseHandler,
         log: logging.Logger,
         batch: int = 64,
+        check: Callable[[AllocationEvent], Awaitable[bool]] | None = None,
     ) -> None:
+        # `check`: is the event true? (False: a release the ledger contradicts; not applied.)
+        self.check = check
         self.js = js
         self.durable = durable
         self.release = release
@@ -211,6 +214,8 @@ class ReleaseConsumer:
         try:
             qa.check_namespace(event.namespace)
         except qa.QuotaInputError:
+            return
+        if self.check is not None and not await self.check(event):
             return
         # Only a charge made before the release: a newer reservation of the same pod stays.
         freed = await self.release(event.namespace, event.pod_uid, event.at)

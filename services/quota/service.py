@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
+from prometheus_client import CollectorRegistry
 from tessera.quota import arithmetic as qa
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
@@ -42,7 +43,9 @@ from tessera.bus import (
 from tessera.cluster.port import ClusterPort
 from tessera.codec import CodecError, Message, decode, encode
 from tessera.models import (
+    AllocationEvent,
     ErrorReply,
+    NodeLedger,
     QuotaAmount,
     QuotaCharge,
     QuotaEvent,
@@ -54,6 +57,7 @@ from tessera.models import (
 )
 from tessera.restore import RestoreReport, allocations_from_pods
 from tessera.settings import TesseraSettings
+from tessera.validation import Problem, Rejections
 
 SERVICE_VERSION = "0.1.0"
 # Many replicas hammering one namespace lose CAS races to each other; keep trying well past the
@@ -102,7 +106,10 @@ class QuotaService:
             store=self.store,
         )
         self.reconcile_interval_s = reconcile_interval_s or settings.quota_reconcile_interval_s
-        self.releases = ReleaseConsumer(self.js, consumer, self._release_charge, self.log)
+        self.rejections = Rejections(self.instance, self.js, CollectorRegistry())
+        self.releases = ReleaseConsumer(
+            self.js, consumer, self._release_charge, self.log, check=self._release_is_true
+        )
         self._micro: Service | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -429,6 +436,23 @@ class QuotaService:
             ns for ns, (state, _rev) in states.items()
             if state.source.startswith(qa.RESOURCE_QUOTA_SOURCE)
         }
+
+    async def _release_is_true(self, event: AllocationEvent) -> bool:
+        """A released event is applied only if the ledger agrees: the pod holds no active
+        allocation on that node any more (the scheduler removes it before announcing)."""
+        try:
+            current = await bus.read(self.buckets.ledger, event.node, NodeLedger)
+        except CodecError:
+            return True  # the ledger entry is being repaired; the reconciler corrects later
+        allocation = current.value.allocations.get(event.pod_uid) if current else None
+        if allocation is None or not allocation.active:
+            return True
+        self.rejections.reject("event", bus.alloc_event_subject(event.node, "released"), Problem(
+            "release_contradicted",
+            f"released event for pod {event.namespace}/{event.name} ({event.pod_uid}), but the "
+            f"ledger of {event.node} still holds its {allocation.state} allocation: charge kept",
+        ), revision=0)  # fmt: skip
+        return False
 
     async def _release_charge(
         self, namespace: str, pod_uid: str, charged_before: float | None

@@ -35,6 +35,8 @@ async def freeze_when_ready(service: SchedulerService) -> None:
 
 async def serve(ctx: ServiceContext) -> None:
     config = SchedulerSettings()
+    if config.tls_client_ca and not (config.tls_cert and config.tls_key):
+        raise SystemExit("TESSERA_TLS_CLIENT_CA needs TESSERA_TLS_CERT and TESSERA_TLS_KEY")
     cluster = cluster_from_settings(ctx.settings)
     service = SchedulerService(
         ctx.settings, config, ctx.nc, ctx.js, ctx.buckets, cluster, instance=config.instance,
@@ -43,6 +45,12 @@ async def serve(ctx: ServiceContext) -> None:
     await service.start()
     host, port = split_listen(ctx.settings.listen or DEFAULT_LISTEN)
     http = asyncio.create_task(service.serve_http(host, port))
+    servers = [http]
+    if config.probe_listen:
+        probe_host, probe_port = split_listen(config.probe_listen)
+        servers.append(asyncio.create_task(
+            service.serve_http(probe_host, probe_port, probes_only=True)
+        ))  # fmt: skip
     ready = asyncio.create_task(freeze_when_ready(service))
     ctx.log.info("scheduler serving", extra={"listen": f"{host}:{port}",
                                              "instance": service.instance})  # fmt: skip
@@ -51,7 +59,8 @@ async def serve(ctx: ServiceContext) -> None:
     finally:
         ready.cancel()
         service.stopping.set()
-        await http
+        for server in servers:
+            await server
         await service.stop()
 
 

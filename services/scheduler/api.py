@@ -20,7 +20,9 @@ from starlette.routing import Route
 
 from .engine import Scheduler
 from .filtering import FilterOutcome
+from .pod_gate import PodGate
 from .pods import BadRequestError
+from .validation import LedgerGuard
 
 log = logging.getLogger("tessera.scheduler.api")
 MAX_CANDIDATES = 100_000
@@ -100,9 +102,16 @@ def build_app(
     max_body_bytes: int = 32 * 1024 * 1024,
     *,
     refusing: Callable[[], str] | None = None,
+    guard: LedgerGuard | None = None,
+    gate: PodGate | None = None,
+    probes_only: bool = False,
 ) -> Starlette:
-    """`refusing()` names why filters and binds must wait ('' = serve): until the ledger is
-    synced and rebuilt from the cluster, no placement may be made on what it does not know."""
+    """The extender's routes. `refusing()` names why filters and binds must wait ('' = serve):
+    until the ledger is synced and rebuilt from the cluster, no placement may be made on what it
+    does not know. `guard` refuses nodes whose ledger entry is quarantined; `gate` checks with
+    the cluster that the pod's node constraints allow the node before bind (filter asks it
+    whether the pod exists through `PodFilter.pod_check`). `probes_only`: only /healthz, /readyz
+    and /metrics (the plain listener beside an mTLS extender)."""
     metrics = scheduler.metrics
 
     async def filter_(request: Request) -> Response:
@@ -117,7 +126,11 @@ def build_app(
             if wait:
                 outcome = FilterOutcome(error=wait)
             else:
+                refused = guard.refusals(names) if guard is not None else {}
+                if refused:
+                    names = [n for n in names if n not in refused]
                 outcome = await scheduler.filter(pod, names, dry_run=nodes is not None)
+                outcome.failed.update(refused)
         except _BadCall as exc:
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
         except BadRequestError as exc:
@@ -154,8 +167,19 @@ def build_app(
                 fields[key] = value
             if not fields["podname"] or not fields["node"]:
                 raise _BadCall(400, "ExtenderBindingArgs needs PodName and Node")
-            wait = refusing() if refusing is not None else ""
-            error = wait or await scheduler.bind(
+            namespace = fields["podnamespace"] or "default"
+            error = refusing() if refusing is not None else ""
+            if not error and guard is not None:
+                error = guard.refusal(fields["node"]) or ""
+            if not error and gate is not None:
+                error = await gate.check_bind(
+                    namespace, fields["podname"], fields["poduid"], fields["node"]
+                ) or ""
+            if error:
+                log.warning("bind refused", extra={"node": fields["node"], "reason": error})
+                metrics.bind_errors.inc()
+                return JSONResponse({"Error": error})
+            error = await scheduler.bind(
                 fields["podnamespace"] or "default",
                 fields["podname"],
                 fields["poduid"],
@@ -184,13 +208,18 @@ def build_app(
         metrics.nodes.set(sum(1 for e in scheduler.index.entries.values() if e.schedulable))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    probes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
+    ]
+    if probes_only:
+        return Starlette(routes=probes)
     return Starlette(
         routes=[
             Route("/filter", filter_, methods=["POST"]),
             Route("/prioritize", prioritize, methods=["POST"]),
             Route("/bind", bind, methods=["POST"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics_page, methods=["GET"]),
+            *probes,
         ]
     )

@@ -49,6 +49,16 @@ class SchedulerSettings(BaseSettings):
     )
     tls_cert: str | None = Field(None, description="PEM certificate: serve the extender over TLS")
     tls_key: str | None = Field(None, description="PEM key for tls_cert")
+    tls_client_ca: str | None = Field(
+        None,
+        description="PEM CA: with tls_cert, callers must present a client certificate it "
+        "signed (kube-scheduler's extender tlsConfig certFile/keyFile); others are refused",
+    )
+    probe_listen: str | None = Field(
+        None,
+        description="host:port of a plain HTTP listener with only /healthz, /readyz and "
+        "/metrics (for kubelet probes and Prometheus when the extender is mTLS or loopback)",
+    )
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="largest request accepted")
     instance: str = Field(
         "", description="this replica's name in claims and events (default: hostname-pid)"

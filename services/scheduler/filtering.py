@@ -8,7 +8,7 @@ Prioritize lives here too: it scores the same way, writing nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,8 @@ class PodFilter:
         self.metrics = metrics
         self.instance = instance
         self.clock = clock
+        # Does the pod exist in the cluster? (pod_gate.PodGate, set by the runtime.)
+        self.pod_check: Callable[[PodIdentity], Awaitable[str | None]] | None = None
 
     def budget(self, namespace: str, uid: str) -> QuotaBudget:
         state = self.quotas.get(namespace) if self.settings.quota_enabled else None
@@ -97,6 +99,10 @@ class PodFilter:
             return FilterOutcome(nodenames=list(names), passed_all=True)
         if not dry_run and not ident.uid:
             raise BadRequestError("pod.metadata.uid is required")
+        if not dry_run and self.pod_check is not None:
+            unknown = await self.pod_check(ident)
+            if unknown is not None:  # a pod the cluster does not have: hold nothing for it
+                return FilterOutcome(unresolvable={n: unknown for n in names})
         if not dry_run:
             held = self.index.pod_nodes.get(ident.uid)
             if held is not None:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,6 +40,7 @@ from tessera.models import (
 )
 from tessera.restore import init_containers_succeeded
 from tessera.settings import TesseraSettings
+from tessera.validation import Bounds, Problem, Rejections
 
 from .api import build_app
 from .config import SchedulerSettings
@@ -46,7 +48,9 @@ from .engine import Scheduler
 from .index import ClusterIndex
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
+from .pod_gate import PodGate
 from .rebuild import LedgerRebuilder, ledger_cas
+from .validation import LedgerGuard, cluster_rebuild
 
 log = logging.getLogger("tessera.scheduler")
 SERVICE_VERSION = "0.1.0"
@@ -86,6 +90,13 @@ class SchedulerService:
             settings, config, self.index, LedgerWriter(buckets.ledger), nc, js, cluster,
             self.metrics, self.instance, clock,
         )  # fmt: skip
+        self.rejections = Rejections(f"scheduler/{self.instance}", js, self.metrics.registry)
+        self.guard = LedgerGuard(
+            bounds=Bounds.of(settings), index=self.index, ledger_kv=buckets.ledger,
+            rejections=self.rejections, rebuild=cluster_rebuild(cluster) if cluster else None,
+        )  # fmt: skip
+        self.gate = PodGate(cluster)
+        self.scheduler.pod_filter.pod_check = self.gate.check_identity
         self.nodes_synced = asyncio.Event()
         self.ledger_synced = asyncio.Event()  # set after the sync *and* the rebuild from pods
         self.stopping = asyncio.Event()
@@ -128,8 +139,14 @@ class SchedulerService:
 
     def app(self) -> Starlette:
         return build_app(
-            self.scheduler, self.ready, self.config.max_body_bytes, refusing=self.not_ready_reason
-        )
+            self.scheduler, self.ready, self.config.max_body_bytes,
+            refusing=self.not_ready_reason, guard=self.guard, gate=self.gate,
+        )  # fmt: skip
+
+    def probe_app(self) -> Starlette:
+        """Only /healthz, /readyz and /metrics: for kubelet and Prometheus, which present no
+        client certificate to an mTLS extender."""
+        return build_app(self.scheduler, self.ready, probes_only=True)
 
     async def start(self) -> None:
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
@@ -172,7 +189,9 @@ class SchedulerService:
                 await task
         self._tasks.clear()
         self._watch_tasks.clear()
+        await self.guard.stop()
         await self.scheduler.drain()
+        await self.rejections.drain()
 
     def kill(self) -> None:
         """Stop abruptly, as a crash would (tests): no draining, nothing finished."""
@@ -215,12 +234,18 @@ class SchedulerService:
             self._generation = seen
             self._start_watches()
 
-    async def serve_http(self, host: str, port: int) -> None:
-        """Serve the extender until `stopping` is set."""
+    async def serve_http(self, host: str, port: int, *, probes_only: bool = False) -> None:
+        """Serve the extender until `stopping` is set. With `TESSERA_TLS_CLIENT_CA` the TLS
+        handshake itself refuses any caller without a client certificate that CA signed."""
+        tls: dict[str, Any] = {}
+        if not probes_only:
+            tls = {"ssl_certfile": self.config.tls_cert, "ssl_keyfile": self.config.tls_key}
+            if self.config.tls_client_ca:
+                tls["ssl_ca_certs"] = self.config.tls_client_ca
+                tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED
         config = uvicorn.Config(
-            self.app(), host=host, port=port, log_config=None, access_log=False,
-            ssl_certfile=self.config.tls_cert, ssl_keyfile=self.config.tls_key,
-            timeout_graceful_shutdown=2,
+            self.probe_app() if probes_only else self.app(), host=host, port=port,
+            log_config=None, access_log=False, timeout_graceful_shutdown=2, **tls,
         )  # fmt: skip
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
@@ -266,8 +291,10 @@ class SchedulerService:
                     try:
                         value = decode(entry.value, NodeRegistration)
                     except CodecError as exc:
-                        self._bad_value(key, exc)
+                        self.guard.registration_undecodable(key, exc)
                         continue
+                    if not self.guard.registration_ok(key, value, entry.revision):
+                        continue  # never applied: the node keeps its last valid registration
                 if value is None:
                     self.heard.pop(key, None)
                     if seen is None:
@@ -300,6 +327,7 @@ class SchedulerService:
                 if seen is not None:
                     seen.add(key)
                 if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                    self.guard.ledger_valid(key)
                     self.index.set_ledger(key, None, entry.revision, now)
                     continue
                 known = self.index.entries.get(key)
@@ -310,8 +338,15 @@ class SchedulerService:
                     try:
                         value = decode(entry.value, NodeLedger)
                     except CodecError as exc:
-                        self._bad_value(key, exc)
+                        # Quarantined and repaired; the index keeps the last valid value.
+                        self.guard.ledger_rejected(
+                            key, entry.revision, Problem("undecodable", str(exc)[:300])
+                        )
                         continue
+                    if not self.guard.ledger_ok(key, value, entry.revision):
+                        continue
+                else:
+                    self.guard.ledger_valid(key)
                 self.index.set_ledger(key, value, entry.revision, now)
         finally:
             with contextlib.suppress(Exception):
@@ -333,18 +368,17 @@ class SchedulerService:
         self.metrics.ledger_restored.inc(report.restored)
 
     async def _watch_quota(self) -> None:
-        async for key, value, _revision in bus.watch_models(
-            self.buckets.quota, QuotaState, self._bad_value
+        async for key, value, revision in bus.watch_models(
+            self.buckets.quota, QuotaState, self.guard.quota_undecodable
         ):
             if not key:
+                continue
+            if value is not None and not self.guard.quota_ok(key, value, revision):
                 continue
             if value is None:
                 self.scheduler.quotas.pop(key, None)
             else:
                 self.scheduler.quotas[key] = value
-
-    def _bad_value(self, key: str, exc: Exception) -> None:
-        log.warning("undecodable KV value skipped", extra={"key": key, "err": str(exc)})
 
     async def _watch_pods(self) -> None:
         assert self.cluster is not None
@@ -352,6 +386,7 @@ class SchedulerService:
             await self.on_pod_event(event)
 
     async def on_pod_event(self, event: WatchEvent) -> None:
+        self.gate.observe(event)
         pod = event.object
         meta = pod.get("metadata") or {}
         uid = meta.get("uid")

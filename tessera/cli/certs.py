@@ -1,4 +1,5 @@
-"""`tessera certs`: a CA and a serving certificate for the admission webhook.
+"""`tessera certs`: a CA and a serving certificate for the admission webhook (or the scheduler
+extender), and client certificates for mutual TLS (`--client kube-scheduler`).
 
 For the local stack and for clusters without cert-manager. Writes ca.crt, ca.key, tls.crt and
 tls.key (keys 0600) and prints the base64 caBundle to paste into the MutatingWebhookConfiguration.
@@ -116,6 +117,51 @@ def issue_serving_certificate(
     return cert, key
 
 
+def issue_client_certificate(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    days: int = DEFAULT_DAYS,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A client certificate (extended key usage clientAuth): what kube-scheduler presents to
+    an extender that verifies its callers (mutual TLS)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def write_client_certificate(
+    directory: Path, common_name: str, days: int = DEFAULT_DAYS
+) -> tuple[Path, Path]:
+    """`<name>.crt` and `<name>.key` signed by the CA in `directory` (which must be there)."""
+    files = CertificateFiles.in_directory(directory)
+    ca = load_ca(files)
+    if ca is None:
+        raise ValueError(f"no valid CA in {directory}: write the serving certificate first")
+    cert, key = issue_client_certificate(ca[0], ca[1], common_name, days)
+    stem = "".join(c if c.isalnum() or c in "-_." else "-" for c in common_name)
+    key_path, cert_path = directory / f"{stem}.key", directory / f"{stem}.crt"
+    _write(key_path, _key_pem(key), 0o600)
+    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return cert_path, key_path
+
+
 def write_certificates(
     directory: Path,
     dns_names: list[str],
@@ -184,8 +230,14 @@ def register(app: typer.Typer) -> None:
         new_ca: bool = typer.Option(
             False, "--new-ca", help="make a new CA even if the directory has a valid one"
         ),
+        client: list[str] = typer.Option(
+            [], "--client",
+            help="also issue a client certificate with this common name, signed by the same CA "
+            "(repeatable), e.g. kube-scheduler for an mTLS scheduler extender",
+        ),
     ) -> None:
-        """Generate a CA and a serving certificate for the admission webhook."""
+        """Generate a CA and a serving certificate (admission webhook, scheduler extender), and
+        optionally client certificates for mutual TLS."""
         names = list(dict.fromkeys(n for name in dns_name for n in service_names(name)))
         try:
             for address in ip:
@@ -202,3 +254,6 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"names: {', '.join(names + ip)}")
         typer.echo(f"webhook: TESSERA_TLS_CERT={files.cert} TESSERA_TLS_KEY={files.key}")
         typer.echo(f"caBundle: {bundle}")
+        for name in client:
+            cert_path, key_path = write_client_certificate(out, name, days)
+            typer.echo(f"client {name}: certFile={cert_path} keyFile={key_path}")

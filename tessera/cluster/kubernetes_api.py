@@ -427,6 +427,10 @@ class KubernetesCluster:
         )
         return self._list_then_watch(path, None, "ResourceQuota")
 
+    async def get_node(self, name: str) -> KubeObject:
+        node: KubeObject = await self._get_json(f"/api/v1/nodes/{_quote(name)}")
+        return node
+
     async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
         await self._request(
             "PATCH",

@@ -16,7 +16,12 @@ from tessera.cluster.port import ConflictError, KubeObject, NotFoundError, Objec
 
 
 class InMemoryCluster:
-    def __init__(self) -> None:
+    """`implicit_nodes`: every node name exists (unlabelled, untainted) unless `add_node` gave
+    it an object; otherwise only added nodes exist, as on a real API server."""
+
+    def __init__(self, *, implicit_nodes: bool = False) -> None:
+        self.implicit_nodes = implicit_nodes
+        self.nodes: dict[str, KubeObject] = {}
         self.pods: dict[tuple[str, str], KubeObject] = {}
         self.quotas: dict[tuple[str, str], KubeObject] = {}
         self.node_annotations: dict[str, dict[str, str]] = {}
@@ -45,6 +50,9 @@ class InMemoryCluster:
     def delete_pod(self, namespace: str, name: str) -> None:
         pod = self.pods.pop((namespace, name))
         self._emit(self._pod_watchers, "DELETED", pod)
+
+    def add_node(self, node: KubeObject) -> None:
+        self.nodes[node["metadata"]["name"]] = copy.deepcopy(node)
 
     def put_quota(self, quota: KubeObject) -> None:
         key = (quota["metadata"].get("namespace", "default"), quota["metadata"]["name"])
@@ -127,6 +135,17 @@ class InMemoryCluster:
                     yield event
         finally:
             self._quota_watchers.remove(queue)
+
+    async def get_node(self, name: str) -> KubeObject:
+        node = self.nodes.get(name)
+        if node is None and self.implicit_nodes:
+            node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+        if node is None:
+            raise NotFoundError(f"node {name} not found", 404)
+        node = copy.deepcopy(node)
+        annotations = node["metadata"].setdefault("annotations", {})
+        annotations.update(self.node_annotations.get(name, {}))
+        return node
 
     async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
         target = self.node_annotations.setdefault(node, {})

@@ -93,6 +93,10 @@ class ClusterPort(Protocol):
         """List then watch ResourceQuota objects."""
         ...
 
+    async def get_node(self, name: str) -> KubeObject:
+        """The Node as the API serves it (labels, taints). Raises NotFoundError."""
+        ...
+
     async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
         """JSON merge patch of a node's annotations; None removes the key."""
         ...

@@ -168,6 +168,10 @@ async def test_health_readiness_and_unknown_routes(client):
     assert (await client.get("/readyz")).json() == {"ready": True}
     assert (await client.get("/mutate")).status_code == 405
     assert (await client.get("/nope")).status_code == 404
+    for path in ("/metrics", "/healthz", "/readyz"):
+        response = await client.post(path, content=b"x")
+        assert response.status_code == 405, path
+        assert response.headers["allow"] == "GET, HEAD"
 
 
 async def test_readyz_follows_the_bus_connection():

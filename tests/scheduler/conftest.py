@@ -26,7 +26,8 @@ MakeService = Callable[..., Awaitable[SchedulerService]]
 
 @pytest.fixture
 def cluster() -> InMemoryCluster:
-    return InMemoryCluster()
+    # Node names the tests register on the bus exist in the cluster, unlabelled and untainted.
+    return InMemoryCluster(implicit_nodes=True)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessera.bus import Buckets
+from tessera.cluster.memory import InMemoryCluster
 
 from .conftest import MakeService, http_client, register, unique, wait_until
 from .factories import container, node, pod
@@ -77,12 +78,15 @@ async def test_absurd_quantities_are_refused_with_a_message(
     assert result["failedAndUnresolvableNodes"][name].startswith("RequestInvalid: container c")
 
 
-async def test_unknown_nodes_are_refused_by_name(service_and_node: tuple[Any, str]) -> None:
+async def test_unknown_nodes_are_refused_by_name(
+    service_and_node: tuple[Any, str], cluster: InMemoryCluster
+) -> None:
     service, _ = service_and_node
     async with http_client(service) as client:
         response = await client.post(
-            "/filter", json={"pod": pod(container(mem=100)), "nodenames": ["nowhere"]}
-        )
+            "/filter", json={"pod": cluster.add_pod(pod(container(mem=100))),
+                             "nodenames": ["nowhere"]},
+        )  # fmt: skip
         bind = await client.post("/bind", json={"PodName": "ghost", "PodNamespace": "default",
                                                 "PodUID": "u-1", "Node": "nowhere"})  # fmt: skip
     assert "NodeUnregistered" in response.json()["failedNodes"]["nowhere"]

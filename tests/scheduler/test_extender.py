@@ -137,11 +137,11 @@ async def test_full_nodes_path_has_no_side_effects_and_bind_reserves(
 
 
 async def test_refusal_reports_reasons_event_and_explain(
-    make_service: MakeService, buckets: Buckets, nc: Any
+    make_service: MakeService, buckets: Buckets, nc: Any, cluster: InMemoryCluster
 ) -> None:
     service = await make_service()
     full = await setup_node(buckets, service, node(unique("n"), gpus=2, memory_mib=8 * GIB))
-    spec = pod(container(mem=20 * GIB), namespace=unique("ns"))
+    spec = cluster.add_pod(pod(container(mem=20 * GIB), namespace=unique("ns")))
     sub = await nc.subscribe(bus.sched_failed_subject(spec["metadata"]["namespace"]))
     async with http_client(service) as client:
         result = await filter_call(client, spec, [full, "ghost"])
@@ -157,11 +157,11 @@ async def test_refusal_reports_reasons_event_and_explain(
 
 
 async def test_unbound_reservation_expires_and_is_released(
-    make_service: MakeService, buckets: Buckets, nc: Any
+    make_service: MakeService, buckets: Buckets, nc: Any, cluster: InMemoryCluster
 ) -> None:
     service = await make_service({"reservation_ttl_s": 0.3})
     name = await setup_node(buckets, service, node(unique("n"), gpus=1))
-    spec = pod(container(mem=1000))
+    spec = cluster.add_pod(pod(container(mem=1000)))
     sub = await nc.subscribe(bus.alloc_event_subject(name, "released"))
     async with http_client(service) as client:
         assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
@@ -217,14 +217,15 @@ async def test_init_containers_done_shrinks_usage(
 
 
 async def test_quota_refusal_and_timeout_are_clear(
-    make_service: MakeService, buckets: Buckets, nc: Any
+    make_service: MakeService, buckets: Buckets, nc: Any, cluster: InMemoryCluster
 ) -> None:
     service = await make_service({"quota_enabled": True, "request_timeout_s": 0.3})
     name = await setup_node(buckets, service, node(unique("n"), gpus=1))
     namespace = unique("ns")
     async with http_client(service) as client:
         # No quota service answers: a refusal after the timeout, never a hang.
-        result = await filter_call(client, pod(container(mem=1000), namespace=namespace), [name])
+        spec = cluster.add_pod(pod(container(mem=1000), namespace=namespace))
+        result = await filter_call(client, spec, [name])
         assert "quota service did not answer" in result["failedNodes"][name]
 
         async def deny(msg: Any) -> None:
@@ -235,8 +236,8 @@ async def test_quota_refusal_and_timeout_are_clear(
         sub = await nc.subscribe(bus.QUOTA_RESERVE, cb=deny)
         await nc.flush()
         try:
-            result = await filter_call(client, pod(container(mem=1000), namespace=namespace),
-                                       [name])  # fmt: skip
+            spec = cluster.add_pod(pod(container(mem=1000), namespace=namespace))
+            result = await filter_call(client, spec, [name])
         finally:
             await sub.unsubscribe()
     assert result["failedNodes"][name].startswith("ResourceQuotaNotFit: limits.gpumem 500")
@@ -266,13 +267,15 @@ async def test_lapsed_claim_is_taken_over_and_bind_wait_is_bounded(
     assert state.claim is not None and state.claim.pod_uid == second["metadata"]["uid"]
 
 
-async def test_readiness_and_metrics(make_service: MakeService, buckets: Buckets) -> None:
+async def test_readiness_and_metrics(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
     service = await make_service()
     name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=1000))
     async with http_client(service) as client:
         assert (await client.get("/readyz")).status_code == 200
         assert (await client.get("/healthz")).status_code == 200
-        await filter_call(client, pod(container(mem=5000)), [name])
+        await filter_call(client, cluster.add_pod(pod(container(mem=5000))), [name])
         text = (await client.get("/metrics")).text
     assert "tessera_scheduler_filter_seconds_bucket" in text
     assert 'tessera_scheduler_refusals_total{reason="CardInsufficientMemory"} 1.0' in text
@@ -280,13 +283,14 @@ async def test_readiness_and_metrics(make_service: MakeService, buckets: Buckets
 
 
 async def test_device_cordon_setting_excludes_cards(
-    make_service: MakeService, buckets: Buckets
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
     name = unique("n")
     service = await make_service(config={"device_cordon": f"GPU-{name}-0"})
     await setup_node(buckets, service, node(name, gpus=2))
     async with http_client(service) as client:
-        result = await filter_call(client, pod(container(gpus=2, mem=1000)), [name])
+        spec = cluster.add_pod(pod(container(gpus=2, mem=1000)))
+        result = await filter_call(client, spec, [name])
     assert result["failedNodes"][name] == (
         "1/2 AllocatedCardsInsufficientRequest, 1/2 CardCordoned"
     )
@@ -305,9 +309,9 @@ async def test_node_policy_binpack_and_spread(
         assert await bind_call(client, first, busy) == ""
         await agent_allocate(buckets, busy, first["metadata"]["uid"])
         await wait_until(lambda: not service.index.busy[service.index.entries[busy].slot])
-        packed = await filter_call(client, pod(container(mem=1000)), [idle, busy])
-        spread_pod = pod(container(mem=1000),
-                         annotations={"hami.io/node-scheduler-policy": "spread"})  # fmt: skip
+        packed = await filter_call(client, cluster.add_pod(pod(container(mem=1000))), [idle, busy])
+        spread_pod = cluster.add_pod(pod(container(mem=1000),
+                         annotations={"hami.io/node-scheduler-policy": "spread"}))  # fmt: skip
         spread = await filter_call(client, spread_pod, [busy, idle])
         scores = (await client.post("/prioritize", json={
             "pod": pod(container(mem=1000)), "nodenames": [idle, busy]})).json()  # fmt: skip
@@ -317,31 +321,35 @@ async def test_node_policy_binpack_and_spread(
 
 
 async def test_nodes_with_a_bind_in_flight_go_last(
-    make_service: MakeService, buckets: Buckets
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
     service = await make_service()
     fuller = await setup_node(buckets, service, node(unique("fuller"), gpus=1))
     other = await setup_node(buckets, service, node(unique("other"), gpus=1))
+
+    def spec(mem: int) -> dict[str, Any]:
+        return cluster.add_pod(pod(container(mem=mem)))
+
     async with http_client(service) as client:
-        await filter_call(client, pod(container(mem=10 * GIB)), [fuller])  # reserved, unbound
-        chosen = await filter_call(client, pod(container(mem=1000)), [fuller, other])
+        await filter_call(client, spec(10 * GIB), [fuller])  # reserved, unbound
+        chosen = await filter_call(client, spec(1000), [fuller, other])
         service.config.avoid_busy_nodes = False
-        packed = await filter_call(client, pod(container(mem=1000)), [other, fuller])
+        packed = await filter_call(client, spec(1000), [other, fuller])
     assert chosen["nodenames"] == [other]  # binpack would pick `fuller`, but its bind is pending
     assert packed["nodenames"] == [fuller]
 
 
 async def test_scaled_device_advertises_more_memory(
-    make_service: MakeService, buckets: Buckets
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
-    service = await make_service()
+    service = await make_service({"device_memory_scaling": 2})
     scaled = unique("n")
     registration = node(scaled, gpus=1, memory_mib=160 * GIB)
     registration.devices[0].physical_memory_mib = 80 * GIB
     await setup_node(buckets, service, registration)
     assert device().memory_mib == 80 * GIB
     async with http_client(service) as client:
-        result = await filter_call(client, pod(container(mem=100 * GIB)), [scaled])
+        result = await filter_call(client, cluster.add_pod(pod(container(mem=100 * GIB))), [scaled])
     assert result["nodenames"] == [scaled]
 
 

@@ -1,0 +1,77 @@
+"""The grant the agent is about to seal, checked against what the pod asked for.
+
+The ledger is written over the bus; a grant in it is only sealed into a container if the cluster
+agrees: it may not exceed the pod's own request (HAMi's reading of its resources, per GPU), nor
+drop a limit the pod asked for (0 MiB or 0 % means unlimited). A grant raised since by
+`limits.set` is recorded by the agent in the pod's `hami.io/vgpu-devices-allocated`
+annotation (which tenants cannot write: admission denies user-set scheduler-owned annotations);
+a grant equal to that record is accepted. Pure: the caller fetches the pod.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera import hami
+from tessera.models import DeviceGrant, DeviceInfo
+from tessera.settings import TesseraSettings
+
+
+class GrantRefused(Exception):
+    """The ledger's grant is not what the pod asked for (the message says how)."""
+
+
+def recorded_grants(pod: dict[str, Any], index: int) -> list[DeviceGrant] | None:
+    """The container's grants as `limits.set` last recorded them on the pod, if it did."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    text = annotations.get(hami.ANN_DEVICES_ALLOCATED)
+    if not text:
+        return None
+    try:
+        containers = hami.decode_pod_devices(text)
+    except ValueError:
+        return None
+    return containers[index] if index < len(containers) else None
+
+
+def check_grant(
+    pod: dict[str, Any],
+    index: int,
+    grants: list[DeviceGrant],
+    devices: dict[str, DeviceInfo],
+    settings: TesseraSettings,
+) -> None:
+    """Raise GrantRefused unless `grants` (container `index`, init containers first) stay
+    within the pod's request."""
+    meta = pod.get("metadata") or {}
+    who = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    if recorded_grants(pod, index) == grants:
+        return  # exactly what limits.set recorded on the pod
+    try:
+        requests = hami.parse_pod_request(pod, settings).all
+    except hami.RequestError as exc:
+        raise GrantRefused(f"{who}: its GPU request cannot be read: {exc}") from exc
+    request = requests[index] if index < len(requests) else None
+    if request is None:
+        raise GrantRefused(f"{who} container #{index} asks for no GPU but the ledger grants one")
+    if len(grants) > request.count:
+        raise GrantRefused(
+            f"{who} container #{index}: ledger grants {len(grants)} GPUs, the pod asks "
+            f"{request.count}"
+        )
+    for grant in grants:
+        device = devices.get(grant.uuid)
+        card = device.memory_mib if device is not None else 0
+        asked = request.memory_on(card) if request.memory_percentage is not None else (
+            request.memory_mib
+        )
+        if grant.memory_mib > asked or grant.memory_mib <= 0:
+            raise GrantRefused(
+                f"{who} container #{index}: ledger grants {grant.memory_mib} MiB on "
+                f"{grant.uuid}, the pod asks {asked} MiB: refusing to seal a forged grant"
+            )
+        if request.cores and not 0 < grant.cores <= request.cores:
+            raise GrantRefused(
+                f"{who} container #{index}: ledger grants {grant.cores}% compute on "
+                f"{grant.uuid}, the pod asks {request.cores}%: refusing to seal a forged grant"
+            )

@@ -1,0 +1,247 @@
+"""What the scheduler reads from the bus is validated before the index sees it.
+
+- A node registration with a problem (capacity no GPU has, ...) is not applied: the node keeps
+  its last valid registration (or stays unknown), and the rejection is counted and published.
+- A ledger entry that does not decode, or holds a grant beyond its device, puts the node in
+  quarantine: the index keeps the node's last valid ledger (its allocations still count), filter
+  and bind refuse the node with `LedgerUnreadable: ...`, and a repair rewrites the key from the
+  newest valid revision in the KV history, then lets `rebuild` (the cluster-side rebuild: pods
+  bound to the node carry their grants in annotations) complete it. The repair is a CAS against
+  the bad revision, so concurrent replicas repair once and a legitimate write in between wins.
+  `LedgerGuard.repair(node)` is the hook other code (the lost-ledger rebuild) may call.
+- A quota record with a problem is ignored (the last valid one stays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from tessera import hami
+from tessera.cluster.port import ClusterError, ClusterPort
+from tessera.codec import CodecError, decode, encode
+from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration, QuotaState
+from tessera.validation import (
+    Bounds,
+    Problem,
+    Rejections,
+    ledger_problem,
+    quota_problem,
+    registration_problem,
+)
+
+from .index import ClusterIndex
+
+log = logging.getLogger("tessera.scheduler.validation")
+LEDGER_UNREADABLE = "LedgerUnreadable"
+_FINISHED = ("Succeeded", "Failed")
+
+# (node, the newest valid value from history or None) -> the value to write back
+Rebuild = Callable[[str, NodeLedger | None], Awaitable[NodeLedger]]
+
+
+class LedgerGuard:
+    """Validates registrations, ledger entries and quota records; quarantines and repairs."""
+
+    def __init__(
+        self,
+        *,
+        bounds: Bounds,
+        index: ClusterIndex,
+        ledger_kv: KeyValue,
+        rejections: Rejections,
+        rebuild: Rebuild | None = None,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.bounds = bounds
+        self.index = index
+        self.ledger_kv = ledger_kv
+        self.rejections = rejections
+        self.rebuild = rebuild
+        self.retry_s = retry_s
+        self.quarantined: dict[str, tuple[int, Problem]] = {}  # node -> (bad revision, why)
+        self._repairs: dict[str, asyncio.Task[None]] = {}
+
+    # --- checks called by the watches -----------------------------------------------------------
+    def registration_ok(self, key: str, value: NodeRegistration, revision: int = 0) -> bool:
+        problem = registration_problem(key, value, self.bounds)
+        if problem is None:
+            self.rejections.accepted("registration", key)
+            return True
+        self.rejections.reject("registration", key, problem, revision)
+        return False
+
+    def registration_undecodable(self, key: str, exc: Exception) -> None:
+        self.rejections.reject("registration", key, Problem("undecodable", str(exc)[:300]))
+
+    def quota_ok(self, key: str, value: QuotaState, revision: int = 0) -> bool:
+        problem = quota_problem(key, value)
+        if problem is None:
+            return True
+        self.rejections.reject("quota", key, problem, revision)
+        return False
+
+    def quota_undecodable(self, key: str, exc: Exception) -> None:
+        self.rejections.reject("quota", key, Problem("undecodable", str(exc)[:300]))
+
+    def ledger_ok(self, key: str, value: NodeLedger, revision: int) -> bool:
+        entry = self.index.entries.get(key)
+        registration = entry.registration if entry is not None else None
+        problem = ledger_problem(key, value, registration, self.bounds)
+        if problem is None:
+            self.ledger_valid(key)
+            return True
+        self.ledger_rejected(key, revision, problem)
+        return False
+
+    def ledger_valid(self, key: str) -> None:
+        """A valid value (or a delete) arrived: the node leaves quarantine."""
+        if self.quarantined.pop(key, None) is not None:
+            log.info("ledger entry valid again", extra={"node": key})
+        self.rejections.accepted("ledger", key)
+
+    def ledger_rejected(self, key: str, revision: int, problem: Problem) -> None:
+        self.quarantined[key] = (revision, problem)
+        self.rejections.reject("ledger", key, problem, revision)
+        task = self._repairs.get(key)
+        if task is None or task.done():
+            self._repairs[key] = asyncio.get_running_loop().create_task(self._repair_until_ok(key))
+
+    # --- what filter and bind ask ----------------------------------------------------------------
+    def refusal(self, node: str) -> str | None:
+        bad = self.quarantined.get(node)
+        if bad is None:
+            return None
+        return (f"{LEDGER_UNREADABLE}: the node's ledger entry (revision {bad[0]}) was rejected "
+                f"({bad[1].code}); it is being repaired")  # fmt: skip
+
+    def refusals(self, names: list[str]) -> dict[str, str]:
+        if not self.quarantined:
+            return {}
+        out = {}
+        for name in names:
+            why = self.refusal(name)
+            if why is not None:
+                out[name] = why
+        return out
+
+    # --- repair ----------------------------------------------------------------------------------
+    async def _repair_until_ok(self, node: str) -> None:
+        while node in self.quarantined:
+            try:
+                if await self.repair(node):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("ledger repair failed; retrying", extra={"node": node, "err": str(exc)})
+            await asyncio.sleep(self.retry_s)
+
+    async def repair(self, node: str) -> bool:
+        """Rewrite the node's ledger entry from its newest valid revision (+ `rebuild`).
+
+        True when the key now holds a valid value (written by this call, or by anyone)."""
+        try:
+            history = await self.ledger_kv.history(node)
+        except KeyNotFoundError:
+            self.ledger_valid(node)
+            return True
+        latest = history[-1]
+        good: NodeLedger | None = None
+        for entry in reversed(history):
+            if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                if entry is latest:
+                    self.ledger_valid(node)
+                    return True
+                break  # the key was deleted before: empty is the last valid state
+            value = self._valid(node, entry.value)
+            if value is not None:
+                if entry is latest:
+                    return True  # valid already: the watch will deliver it
+                good = value
+                break
+        repaired = await self.rebuild(node, good) if self.rebuild else good
+        repaired = repaired or NodeLedger(node=node)
+        try:
+            await self.ledger_kv.update(node, encode(repaired), last=latest.revision)
+        except KeyWrongLastSequenceError:
+            return False  # someone wrote meanwhile: the watch judges that value
+        log.warning("ledger entry repaired", extra={
+            "node": node, "from_revision": latest.revision,
+            "allocations": len(repaired.allocations),
+        })  # fmt: skip
+        return True
+
+    def _valid(self, node: str, payload: bytes) -> NodeLedger | None:
+        try:
+            value = decode(payload, NodeLedger)
+        except CodecError:
+            return None
+        entry = self.index.entries.get(node)
+        registration = entry.registration if entry is not None else None
+        return value if ledger_problem(node, value, registration, self.bounds) is None else None
+
+    async def stop(self) -> None:
+        for task in self._repairs.values():
+            task.cancel()
+        for task in self._repairs.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self._repairs.clear()
+
+
+def cluster_rebuild(cluster: ClusterPort) -> Rebuild:
+    """Complete a repaired ledger from the cluster: every live pod bound to the node whose
+    HAMi annotation carries its grants and that the history value lacks is added back, so no
+    running pod loses its allocation (and its GPU is never handed out twice)."""
+
+    async def rebuild(node: str, base: NodeLedger | None) -> NodeLedger:
+        ledger = base.model_copy(deep=True) if base is not None else NodeLedger(node=node)
+        try:
+            pods = await cluster.list_pods(node_name=node)
+        except ClusterError as exc:
+            if base is None:
+                raise  # nothing to write that would not lose allocations: retry later
+            log.warning("ledger repair without the cluster", extra={"err": str(exc)})
+            return ledger
+        for pod in pods:
+            allocation = allocation_from_pod(pod, node)
+            if allocation is not None and allocation.pod_uid not in ledger.allocations:
+                ledger.allocations[allocation.pod_uid] = allocation
+        return ledger
+
+    return rebuild
+
+
+def allocation_from_pod(pod: dict[str, Any], node: str) -> Allocation | None:
+    """The allocation a bound, live pod's annotations describe (None if it has none)."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    if (pod.get("status") or {}).get("phase") in _FINISHED:
+        return None
+    if (pod.get("spec") or {}).get("nodeName") != node or not meta.get("uid"):
+        return None
+    text = annotations.get(hami.ANN_DEVICES_ALLOCATED) or annotations.get(
+        hami.ANN_DEVICES_TO_ALLOCATE
+    )
+    if not text:
+        return None
+    try:
+        containers = hami.decode_pod_devices(text)
+    except ValueError:
+        return None
+    spec = pod.get("spec") or {}
+    names = [c.get("name", "") for c in (spec.get("initContainers") or [])]
+    names += [c.get("name", "") for c in (spec.get("containers") or [])]
+    return Allocation(
+        pod_uid=meta["uid"], namespace=meta.get("namespace") or "default", name=meta["name"],
+        node=node, containers=containers, init_count=len(spec.get("initContainers") or []),
+        state=AllocationState.ALLOCATED, container_names=names,
+        reason="rebuilt from the pod's annotations after a ledger repair",
+    )  # fmt: skip

@@ -1,0 +1,355 @@
+"""Validation of values read from the bus, before any service applies them.
+
+An authenticated client can still write nonsense (a bug, a stolen credential, a corrupt store):
+a registration with capacity no GPU has, a ledger grant beyond its device, garbage bytes. Every
+reader runs these pure checks on what it decodes; a value with a problem is rejected (not
+applied) and reported through `Rejections` (a counter `tessera_bus_rejected_total{source,reason}`
+and a `ValueRejectedEvent` on `tessera.events.rejected.<kind>`).
+
+Checks return a `Problem` (a machine-readable code and a sentence) or None. No I/O here except
+in `Rejections`, which publishes best effort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, Counter
+
+from tessera.bus import publish_event
+from tessera.models import (
+    Allocation,
+    DeviceGrant,
+    DeviceInfo,
+    LimitsSetRequest,
+    NodeLedger,
+    NodeRegistration,
+    QuotaAmount,
+    QuotaState,
+    RejectedKind,
+    ValueRejectedEvent,
+)
+from tessera.settings import TesseraSettings
+
+log = logging.getLogger("tessera.validation")
+
+# Physical bounds of any GPU Tessera may meet (the largest shipping card has 288 GB).
+MAX_GPU_MEMORY_MIB = 300 * 1024
+MAX_DEVICES_PER_NODE = 64
+MAX_NUMA_NODE = 63
+MAX_LINK_SCORE = 100 * 18 + 60  # 18 NVLinks
+MAX_NAME_CHARS = 253  # a Kubernetes object name
+MAX_CONTAINERS = 256
+# Memory of well-known NVIDIA models whose NVML name does not say it (MiB, largest variant).
+KNOWN_MODEL_MIB = {
+    "T4": 16384, "A2": 16384, "A10": 24576, "A10G": 24576, "A16": 16384, "A30": 24576,
+    "A40": 49152, "L4": 24576, "L40": 49152, "L40S": 49152, "V100": 32768, "P100": 16384,
+    "P4": 8192, "P40": 24576, "H100": 96 * 1024, "H200": 141 * 1024, "GH200": 144 * 1024,
+    "B200": 192 * 1024,
+}  # fmt: skip
+_GB_IN_NAME = re.compile(r"(\d{1,4})\s*GB\b", re.IGNORECASE)
+_NAME_TOLERANCE = 1.1  # NVML reports a little more than the marketing GB
+# HAMi's annotation encodings use these as separators: a UUID carrying one would corrupt them.
+_UUID_FORBIDDEN = set(",:;= \t\n")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a value was rejected: `code` for metrics, `detail` for people."""
+
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a well-formed value may hold, from the cluster-wide settings."""
+
+    memory_scaling: float = 1.0
+    core_scaling: float = 1.0
+    max_split_count: int = 1024
+    max_gpu_memory_mib: int = MAX_GPU_MEMORY_MIB
+    max_devices: int = MAX_DEVICES_PER_NODE
+
+    @classmethod
+    def of(cls, settings: TesseraSettings) -> Bounds:
+        return cls(
+            memory_scaling=settings.device_memory_scaling,
+            core_scaling=settings.device_core_scaling,
+            max_split_count=max(settings.device_split_count, 1024),
+        )
+
+    @property
+    def max_cores(self) -> int:
+        return int(100 * self.core_scaling)
+
+    @property
+    def max_advertised_mib(self) -> int:
+        return int(self.max_gpu_memory_mib * self.memory_scaling)
+
+
+# --- node registrations -------------------------------------------------------------------------
+
+
+def model_memory_ceiling(device_type: str) -> int | None:
+    """The most memory a card of this NVML type can have (MiB), when the name tells."""
+    match = _GB_IN_NAME.search(device_type)
+    if match:
+        return int(int(match.group(1)) * 1024 * _NAME_TOLERANCE)
+    tokens = re.split(r"[\s\-_]+", device_type.upper())
+    known = [KNOWN_MODEL_MIB[t] for t in tokens if t in KNOWN_MODEL_MIB]
+    return int(max(known) * _NAME_TOLERANCE) if known else None
+
+
+def device_problem(device: DeviceInfo, bounds: Bounds) -> Problem | None:
+    where = f"GPU {device.uuid[:64]!r}"
+    if not device.uuid or len(device.uuid) > 128 or _UUID_FORBIDDEN & set(device.uuid):
+        return Problem("device_uuid", f"{where}: a UUID must be 1-128 chars without , : ; =")
+    if device.index >= bounds.max_devices:
+        return Problem("device_index", f"{where}: index {device.index} out of range")
+    physical = device.physical_memory_mib or device.memory_mib
+    if not 0 < physical <= bounds.max_gpu_memory_mib:
+        return Problem(
+            "memory_out_of_range",
+            f"{where}: {physical} MiB of physical memory; no GPU has more than "
+            f"{bounds.max_gpu_memory_mib} MiB",
+        )
+    ceiling = model_memory_ceiling(device.type)
+    if ceiling is not None and physical > ceiling:
+        return Problem(
+            "memory_out_of_range",
+            f"{where}: a {device.type} has at most {ceiling} MiB, not {physical} MiB",
+        )
+    if device.memory_mib > physical * bounds.memory_scaling + 1:
+        return Problem(
+            "memory_out_of_range",
+            f"{where}: advertises {device.memory_mib} MiB, more than {physical} MiB × memory "
+            f"scaling {bounds.memory_scaling}",
+        )
+    if device.cores > bounds.max_cores:
+        return Problem(
+            "cores_out_of_range",
+            f"{where}: {device.cores} cores, more than {bounds.max_cores} (100 × core scaling)",
+        )
+    if device.split_count > bounds.max_split_count:
+        return Problem(
+            "split_count_out_of_range",
+            f"{where}: split count {device.split_count} above {bounds.max_split_count}",
+        )
+    if not 0 <= device.numa <= MAX_NUMA_NODE:
+        return Problem("numa_out_of_range", f"{where}: NUMA node {device.numa}")
+    if len(device.type) > 128 or len(device.mode) > 32:
+        return Problem("device_type", f"{where}: type or mode name too long")
+    if len(device.links) > bounds.max_devices or any(
+        not 0 <= score <= MAX_LINK_SCORE for score in device.links.values()
+    ):
+        return Problem("links_out_of_range", f"{where}: link scores out of range")
+    return None
+
+
+def registration_problem(
+    key: str, registration: NodeRegistration, bounds: Bounds
+) -> Problem | None:
+    """A node registration as the nodes KV holds it under `key`."""
+    if registration.node != key or not key or len(key) > MAX_NAME_CHARS:
+        return Problem(
+            "key_mismatch", f"registration for node {registration.node!r} stored under {key!r}"
+        )
+    devices = registration.devices
+    if len(devices) > bounds.max_devices:
+        return Problem(
+            "device_count",
+            f"node {key}: {len(devices)} GPUs, more than {bounds.max_devices} per node",
+        )
+    if len({d.uuid for d in devices}) != len(devices):
+        return Problem("device_uuid", f"node {key}: a GPU UUID appears twice")
+    if len({d.index for d in devices}) != len(devices):
+        return Problem("device_index", f"node {key}: a GPU index appears twice")
+    for device in devices:
+        problem = device_problem(device, bounds)
+        if problem is not None:
+            return Problem(problem.code, f"node {key}: {problem.detail}")
+    return None
+
+
+# --- ledger entries -----------------------------------------------------------------------------
+
+
+def grant_problem(
+    grant: DeviceGrant, devices: dict[str, DeviceInfo] | None, bounds: Bounds
+) -> Problem | None:
+    """One grant against its device (when the node's registration is known) or the bounds."""
+    device = devices.get(grant.uuid) if devices is not None else None
+    if devices is not None and device is None:
+        return Problem("grant_unknown_device", f"grant on {grant.uuid!r}, not a GPU of the node")
+    memory = device.memory_mib if device else bounds.max_advertised_mib
+    cores = device.cores if device else bounds.max_cores
+    if grant.memory_mib > memory:
+        return Problem(
+            "grant_above_capacity",
+            f"grant of {grant.memory_mib} MiB on {grant.uuid}, which has {memory} MiB",
+        )
+    if grant.cores > cores:
+        return Problem(
+            "grant_above_capacity", f"grant of {grant.cores}% on {grant.uuid}, which has {cores}%"
+        )
+    return None
+
+
+def ledger_problem(
+    key: str, ledger: NodeLedger, registration: NodeRegistration | None, bounds: Bounds
+) -> Problem | None:
+    """A node's ledger entry: keys match, every grant within its device. On the scheduler's
+    hot path (every ledger write of every replica): plain loops, details only on failure."""
+    if ledger.node != key:
+        return Problem("key_mismatch", f"ledger of node {ledger.node!r} stored under {key!r}")
+    capacity = (
+        {d.uuid: (d.memory_mib, d.cores) for d in registration.devices}
+        if registration is not None
+        else {}
+    )
+    default = (bounds.max_advertised_mib, bounds.max_cores)
+    for uid, allocation in ledger.allocations.items():
+        containers = allocation.containers
+        if (
+            uid != allocation.pod_uid
+            or allocation.node != key
+            or len(containers) > MAX_CONTAINERS
+            or allocation.init_count > len(containers)
+        ):
+            return _allocation_problem(key, uid, allocation, None)
+        for grants in containers:
+            for grant in grants:
+                memory, cores = capacity.get(grant.uuid, default)
+                if grant.memory_mib > memory or grant.cores > cores:
+                    return _allocation_problem(key, uid, allocation, grant, memory, cores)
+            if len(grants) > 1 and len({g.uuid for g in grants}) != len(grants):
+                who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
+                return Problem("grant_duplicate", f"{who}: one container granted a GPU twice")
+    if ledger.claim is not None and ledger.claim.pod_uid not in ledger.allocations:
+        return Problem("claim_without_allocation", f"node {key}: claim by a pod with no allocation")
+    return None
+
+
+def _allocation_problem(
+    key: str, uid: str, allocation: Allocation, grant: DeviceGrant | None, memory: int = 0,
+    cores: int = 0,
+) -> Problem:
+    who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
+    if grant is not None:
+        return Problem(
+            "grant_above_capacity",
+            f"{who}: grant of {grant.memory_mib} MiB / {grant.cores}% on {grant.uuid}, which "
+            f"has {memory} MiB / {cores}%",
+        )
+    if uid != allocation.pod_uid or allocation.node != key:
+        return Problem("key_mismatch", f"{who}: filed under uid {uid!r} / node mismatch")
+    return Problem("container_count", f"{who}: {len(allocation.containers)} containers, "
+                   f"{allocation.init_count} init")  # fmt: skip
+
+
+# --- quota records and requests -----------------------------------------------------------------
+
+
+def _amount_problem(amount: QuotaAmount, what: str) -> Problem | None:
+    for field_name in ("memory_mib", "cores", "gpus"):
+        value = getattr(amount, field_name)
+        if value is not None and not 0 <= value <= 2**53:
+            return Problem("quota_out_of_range", f"{what}.{field_name} = {value}")
+    return None
+
+
+def quota_problem(key: str, state: QuotaState) -> Problem | None:
+    """A namespace's quota record as the quota KV holds it."""
+    if state.namespace != key:
+        return Problem("key_mismatch", f"quota of {state.namespace!r} stored under {key!r}")
+    problem = _amount_problem(state.limits, f"quota {key} limits")
+    if problem is not None:
+        return problem
+    for uid, charge in state.charges.items():
+        if uid != charge.pod_uid:
+            return Problem(
+                "key_mismatch", f"quota {key}: charge for {charge.pod_uid!r} under {uid!r}"
+            )
+        if charge.memory_mib > 2**40 or charge.cores > 2**31 or charge.gpus > 2**20:
+            return Problem("quota_out_of_range", f"quota {key}: charge of pod {uid} is absurd")
+    return None
+
+
+def limits_problem(request: LimitsSetRequest, devices: Iterable[DeviceInfo]) -> Problem | None:
+    """A limits.set request against the node's GPUs (the model already bounds cores to 0-100)."""
+    by_uuid = {d.uuid: d for d in devices}
+    if request.device_uuid and request.device_uuid not in by_uuid:
+        return Problem("limits_unknown_device", f"no GPU {request.device_uuid!r} on this node")
+    targets = [by_uuid[request.device_uuid]] if request.device_uuid else list(by_uuid.values())
+    if request.memory_mib is not None:
+        if request.memory_mib <= 0:
+            return Problem("limits_out_of_range", "a memory limit must be at least 1 MiB")
+        for device in targets:
+            if request.memory_mib > device.memory_mib:
+                return Problem(
+                    "limits_out_of_range",
+                    f"{request.memory_mib} MiB is more than GPU {device.uuid} has "
+                    f"({device.memory_mib} MiB): not enough memory",
+                )
+    return None
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+class Rejections:
+    """Counts and announces rejected values. One per service instance (own registry)."""
+
+    def __init__(
+        self,
+        service: str,
+        js: JetStreamContext | None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.service = service
+        self.js = js
+        self.counter = Counter(
+            "tessera_bus_rejected_total",
+            "Values read from the bus that failed validation and were not applied",
+            ["source", "reason"],
+            registry=registry,
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.seen: dict[tuple[str, str], Problem] = {}  # (kind, key) -> last problem
+
+    def reject(self, kind: RejectedKind, key: str, problem: Problem, revision: int = 0) -> None:
+        """Count, log and publish (best effort, deduplicated per key and revision)."""
+        self.counter.labels(kind, problem.code).inc()
+        self.seen[(kind, key)] = problem
+        log.warning("bus value rejected", extra={
+            "kind": kind, "key": key, "problem": problem.code, "detail": problem.detail,
+        })  # fmt: skip
+        if self.js is None:
+            return
+        event = ValueRejectedEvent(
+            event_id=f"rejected:{kind}:{key}:{revision or problem.code}:{self.service}",
+            kind=kind, key=key[:300], problem=problem.code, reason=problem.detail[:500],
+            source=self.service,
+        )  # fmt: skip
+        task = asyncio.get_running_loop().create_task(self._publish(event))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def accepted(self, kind: RejectedKind, key: str) -> None:
+        self.seen.pop((kind, key), None)
+
+    async def _publish(self, event: ValueRejectedEvent) -> None:
+        assert self.js is not None
+        with contextlib.suppress(Exception):
+            await publish_event(self.js, event, attempts=3)
+
+    async def drain(self, timeout: float = 2.0) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
