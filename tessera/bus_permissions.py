@@ -23,6 +23,7 @@ Nothing grants STREAM.DELETE/PURGE, MSG.DELETE or CONSUMER.DELETE: no service ne
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import get_args
@@ -38,6 +39,7 @@ STREAMS = (
     bus.EVENTS_STREAM,
 )
 NODE_PLACEHOLDER = "<node>"
+_DOC_NODE = "doc-node-placeholder"  # a valid name, shown as <node> in the table
 
 # Role names (also the user names, prefixed with "tessera-"; node agents add their node).
 ADMISSION = "admission"
@@ -70,11 +72,20 @@ def kv_subject(bucket: str, key: str) -> str:
     return f"$KV.{bucket}.{key}"
 
 
+# A Kubernetes node name (DNS-1123 subdomain). Checked before a name becomes a permission: a
+# node called '>' or '*' would otherwise be granted every node's keys.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def check_node_name(node: str | None) -> str:
+    if not node or len(node) > 253 or not _NODE_NAME.match(node):
+        raise ValueError(f"not a Kubernetes node name: {node!r}")
+    return node
+
+
 def user_name(role: str, node: str | None = None) -> str:
     if role == NODE_AGENT:
-        if not node:
-            raise ValueError("a node agent's identity names its node")
-        return f"tessera-node-{node}"
+        return f"tessera-node-{check_node_name(node)}"
     return f"tessera-{role}"
 
 
@@ -304,8 +315,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             Rule("usage samples", subscribe=(bus.USAGE_ALL,)),
         ], False
     if role == NODE_AGENT:
-        if not node:
-            raise ValueError("a node agent's identity names its node")
+        node = check_node_name(node)
         alloc = _checked(["allocated", "mismatch"], AllocAction)
         node_actions = _checked(["registered", "unhealthy"], NodeAction)
         return [
@@ -442,13 +452,13 @@ def _conf_value(value: object, indent: int) -> str:
     return json.dumps(value)
 
 
-def markdown_table(node: str = NODE_PLACEHOLDER) -> str:
+def markdown_table() -> str:
     """The permission table of docs/security.md: one row per role and purpose."""
     rows = [
         "| identity | for | publish | subscribe |",
         "|---|---|---|---|",
     ]
-    for perms in identities([node]):
+    for perms in identities([_DOC_NODE]):
         for rule in perms.rules:
             pub = "<br>".join(f"`{s}`" for s in rule.publish) or "-"
             sub = "<br>".join(f"`{s}`" for s in rule.subscribe) or "-"
@@ -460,4 +470,4 @@ def markdown_table(node: str = NODE_PLACEHOLDER) -> str:
             extra.append("denied: " + "<br>".join(f"`{s}`" for s in perms.publish_deny))
         if extra:
             rows.append(f"| `{perms.user}` | {'; '.join(extra)} | | |")
-    return "\n".join(rows) + "\n"
+    return ("\n".join(rows) + "\n").replace(_DOC_NODE, NODE_PLACEHOLDER)

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tessera.stack import LocalStack, SimNode, StackPorts, default_services, load_nodes, make_nodes
+from tessera.stack_auth import ADMIN_ENV_NAME
 
 
 def status_table(stack: LocalStack) -> Table:
@@ -69,10 +70,15 @@ def pods_table(stack: LocalStack) -> Table | Text:
 
 
 def screen(stack: LocalStack) -> Group:
+    admin = (
+        f"[bold]NATS as admin (tessera quota/limits/events):[/bold] "
+        f"TESSERA_ENV_FILE={stack.state_dir / ADMIN_ENV_NAME}\n" if stack.auth else ""
+    )
     footer = Text.from_markup(
         f"\n[bold]dashboard:[/bold] {stack.dashboard_url}    "
         f"[bold]metrics:[/bold] {stack.dashboard_url}metrics    "
         f"[bold]kubeconfig:[/bold] {stack.kubeconfig}\n"
+        f"{admin}"
         "try: tessera get pods -A · tessera apply -f examples/… · tessera events · Ctrl-C stops"
     )
     return Group(status_table(stack), pods_table(stack), footer)

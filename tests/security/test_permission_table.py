@@ -101,9 +101,11 @@ def test_event_readers_only_read() -> None:
     assert not reader.allow_responses
 
 
-def test_a_node_agent_needs_its_node() -> None:
+@pytest.mark.parametrize("node", [None, "", ">", "*", "a.>", "a b", "A", "-a", "a" * 254])
+def test_a_node_agent_needs_a_real_node_name(node: str | None) -> None:
+    """A wildcard or odd node name never becomes a permission (it would grant every node)."""
     with pytest.raises(ValueError):
-        bp.permissions(bp.NODE_AGENT)
+        bp.permissions(bp.NODE_AGENT, node)
 
 
 def test_cli_bundle_keeps_passwords_and_adds_nodes(tmp_path: Path) -> None:

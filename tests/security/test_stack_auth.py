@@ -115,6 +115,23 @@ def test_a_pod_is_placed_and_the_cli_works_with_auth_on(sim: RunningStack, names
     assert violations(sim) == []
 
 
+def test_services_reconnect_with_their_identities_after_nats_restarts(
+    sim: RunningStack, namespace: str
+) -> None:
+    """Watches, the quota consumer and micro endpoints come back under the same permissions."""
+    assert sim.stack.nats is not None
+    sim.stack.nats.kill()
+    sim.stack.nats.start()
+    sim.kube.create_pod_retrying(gpu_pod("after-restart", mem=2000, node="auth-a"), namespace)
+    pod = sim.kube.wait_running(namespace, "after-restart", timeout_s=90)
+    assert [g.memory_mib for g in grants(pod)[0]] == [2000]
+    changed = cli(sim, "limits", "set", "auth-a", f"{namespace}/after-restart", "main",
+                  "--memory", "1500")
+    assert changed.returncode == 0, changed.stdout + changed.stderr
+    sim.kube.delete_namespace_pods(namespace)
+    assert violations(sim) == []
+
+
 def test_stack_info_names_the_admin_env_file(sim: RunningStack) -> None:
     info = json.loads((sim.stack.state_dir / "stack.json").read_text())
     path = info["nats_admin_env"]
