@@ -111,8 +111,8 @@ def trace(count: int, seed: int = 2) -> list[dict[str, Any]]:
         if rng.random() < 0.3:
             annotations["hami.io/gpu-scheduler-policy"] = rng.choice(["binpack", "spread"])
         pods.append({
-            "metadata": {"name": f"bench-{i}", "namespace": "bench", "uid": f"uid-{seed}-{i}",
-                         "annotations": annotations},
+            "metadata": {"name": f"bench-{seed}-{i}", "namespace": "bench",
+                         "uid": f"uid-{seed}-{i}", "annotations": annotations},
             "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
         })  # fmt: skip
     return pods
@@ -221,10 +221,13 @@ from tessera.scheduler.runtime import SchedulerService
 from tessera.settings import NatsSettings, TesseraSettings
 
 class BenchCluster:
-    # Accepts every patch and bind (the API server is not what is measured here).
+    # Accepts every patch and bind (the API server is not what is measured here). It "has" every
+    # pod the bench posts (uid-<seed>-<i> for bench-<seed>-<i>) and every node, untainted.
     async def get_pod(self, namespace, name):
-        from tessera.cluster.port import NotFoundError
-        raise NotFoundError("bench cluster keeps no pods", 404)
+        uid = "uid-" + name.removeprefix("bench-")
+        return {"metadata": {"name": name, "namespace": namespace, "uid": uid}, "spec": {}}
+    async def get_node(self, name):
+        return {"metadata": {"name": name}}
     async def list_pods(self, namespace=None, node_name=None):
         return []
     async def patch_pod_metadata(self, namespace, name, annotations=None, labels=None):

@@ -181,27 +181,6 @@ def registration_problem(
 # --- ledger entries -----------------------------------------------------------------------------
 
 
-def grant_problem(
-    grant: DeviceGrant, devices: dict[str, DeviceInfo] | None, bounds: Bounds
-) -> Problem | None:
-    """One grant against its device (when the node's registration is known) or the bounds."""
-    device = devices.get(grant.uuid) if devices is not None else None
-    if devices is not None and device is None:
-        return Problem("grant_unknown_device", f"grant on {grant.uuid!r}, not a GPU of the node")
-    memory = device.memory_mib if device else bounds.max_advertised_mib
-    cores = device.cores if device else bounds.max_cores
-    if grant.memory_mib > memory:
-        return Problem(
-            "grant_above_capacity",
-            f"grant of {grant.memory_mib} MiB on {grant.uuid}, which has {memory} MiB",
-        )
-    if grant.cores > cores:
-        return Problem(
-            "grant_above_capacity", f"grant of {grant.cores}% on {grant.uuid}, which has {cores}%"
-        )
-    return None
-
-
 def ledger_problem(
     key: str, ledger: NodeLedger, registration: NodeRegistration | None, bounds: Bounds
 ) -> Problem | None:

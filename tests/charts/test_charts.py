@@ -318,7 +318,7 @@ def test_extender_config_follows_the_resource_names(
     deployment = find(manifests, "Deployment")
     extender_container = container(deployment, "extender")
     env = env_of(extender_container)
-    assert env["TESSERA_LISTEN"] == "0.0.0.0:8888"
+    assert env["TESSERA_LISTEN"] == "127.0.0.1:8888"  # loopback: kube-scheduler only
     assert env["TESSERA_RESOURCE_NAME"] == names["gpu"]
     assert env["TESSERA_RESOURCE_MEM_PERCENTAGE"] == names["memoryPercentage"]
     assert env["TESSERA_CLUSTER"] == "kubernetes"
@@ -328,6 +328,40 @@ def test_extender_config_follows_the_resource_names(
     assert "--config=/etc/tessera-scheduler/config.yaml" in scheduler["command"]
     # Without a tag, kube-scheduler follows the cluster's minor version.
     assert scheduler["image"].startswith("registry.k8s.io/kube-scheduler:v1.")
+
+
+def test_extender_answers_only_kube_scheduler(charts_dir: Path) -> None:
+    """/filter and /bind on the pod's loopback (kube-scheduler is in the pod); kubelet and
+    Prometheus get a probe port without them; optionally mutual TLS on top."""
+    manifests = render(charts_dir, "tessera-scheduler")
+    (extender,) = extender_config(manifests)["extenders"]
+    assert extender["urlPrefix"].startswith("http://127.0.0.1:")
+    deployment = find(manifests, "Deployment")
+    ext = container(deployment, "extender")
+    env = env_of(ext)
+    assert env["TESSERA_LISTEN"].startswith("127.0.0.1:")
+    assert env["TESSERA_PROBE_LISTEN"] == "0.0.0.0:8889"
+    assert [p["containerPort"] for p in ext["ports"]] == [8889]
+    assert find(manifests, "Service")["spec"]["ports"][0]["targetPort"] == "http"
+
+    values = {"extender": {"tls": {"enabled": True, "secretName": "extender-mtls"}}}
+    manifests = render(charts_dir, "tessera-scheduler", values)
+    (extender,) = extender_config(manifests)["extenders"]
+    assert extender["urlPrefix"].startswith("https://127.0.0.1:")
+    assert extender["enableHTTPS"] is True
+    tls = extender["tlsConfig"]
+    assert {tls["certFile"], tls["keyFile"], tls["caFile"]} == {
+        "/etc/tessera-extender-tls/client.crt", "/etc/tessera-extender-tls/client.key",
+        "/etc/tessera-extender-tls/ca.crt",
+    }  # fmt: skip
+    deployment = find(manifests, "Deployment")
+    env = env_of(container(deployment, "extender"))
+    assert env["TESSERA_TLS_CLIENT_CA"] == "/etc/tessera-extender-tls/ca.crt"
+    for name in ("extender", "kube-scheduler"):
+        mounts = {m["name"]: m for m in container(deployment, name)["volumeMounts"]}
+        assert mounts["extender-tls"]["mountPath"] == "/etc/tessera-extender-tls"
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["extender-tls"]["secret"]["secretName"] == "extender-mtls"
 
 
 def test_scheduler_pod_rolls_when_its_config_changes(charts_dir: Path) -> None:

@@ -83,7 +83,10 @@ def test_services_reach_nats_and_kube_sim(resolved: dict) -> None:
         assert services[name]["depends_on"]["kube-sim"]["condition"] == "service_healthy"
     sim = services["kube-sim"]["environment"]
     assert sim["TESSERA_KUBE_SIM_WEBHOOK_URL"] == "https://admission:9443/mutate"
-    assert sim["TESSERA_KUBE_SIM_EXTENDER_URL"] == "http://scheduler:8888"
+    assert sim["TESSERA_KUBE_SIM_EXTENDER_URL"] == "https://scheduler:8888"
+    # Mutual TLS: kube-sim presents the client certificate the scheduler's CA signed.
+    assert sim["TESSERA_KUBE_SIM_EXTENDER_CERT"] == "/certs/kube-scheduler.crt"
+    assert services["scheduler"]["environment"]["TESSERA_TLS_CLIENT_CA"] == "/certs/ca.crt"
     assert services["admission"]["environment"]["TESSERA_LISTEN"].endswith(":9443")
     assert services["scheduler"]["environment"]["TESSERA_LISTEN"].endswith(":8888")
 

@@ -9,7 +9,14 @@ from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.memory import InMemoryCluster
 from tessera.codec import decode, encode
-from tessera.models import NodeLedger, QuotaReply, QuotaRequest, ValueRejectedEvent
+from tessera.models import (
+    NodeLedger,
+    QuotaAmount,
+    QuotaReply,
+    QuotaRequest,
+    QuotaState,
+    ValueRejectedEvent,
+)
 
 from .conftest import MakeService, agent_allocate, http_client, register, unique, wait_until
 from .factories import GIB, container, node, pod
@@ -201,3 +208,17 @@ async def test_post_metrics_is_405(make_service: MakeService) -> None:
     async with http_client(service) as client:
         response = await client.post("/metrics", content=b"x")
     assert response.status_code == 405
+
+
+async def test_a_quota_record_with_negative_limits_is_ignored(
+    make_service: MakeService, buckets: Buckets
+) -> None:
+    service = await make_service({"quota_enabled": True})
+    namespace = unique("ns")
+    valid = QuotaState(namespace=namespace, limits=QuotaAmount(memory_mib=4000))
+    await buckets.quota.put(namespace, encode(valid))
+    await wait_until(lambda: namespace in service.scheduler.quotas)
+    forged = QuotaState(namespace=namespace, limits=QuotaAmount(memory_mib=-1))
+    await buckets.quota.put(namespace, encode(forged))
+    await wait_until(lambda: ("quota", namespace) in service.rejections.seen)
+    assert service.scheduler.quotas[namespace].limits.memory_mib == 4000
