@@ -58,6 +58,7 @@ __all__ = [
     "decode_limits",
     "encode_limits",
     "prepare_region_file",
+    "read_device_claims",
     "read_limits",
     "read_region",
     "seal_limits",
@@ -493,6 +494,36 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
         devices=devices,
         processes=procs,
     )
+
+
+class _RegionHeadC(ctypes.Structure):
+    """RegionC without its trailing process slots (same offsets)."""
+
+    _fields_ = [f for f in RegionC._fields_ if f[0] != "procs"]
+
+
+_CLAIMS_SIZE = RegionC.procs.offset  # the header and the device table, not the process slots
+
+
+def read_device_claims(path: str | os.PathLike[str]) -> dict[str, tuple[int, float | None]] | None:
+    """uuid -> (used bytes, achieved SM % or None) as the region claims; None when it is absent,
+    not initialised or damaged. Reads only the header and the device table (the node agent's
+    watchdog calls it for every busy container twice a second)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_CLAIMS_SIZE)
+    except OSError:
+        return None
+    if len(data) < _CLAIMS_SIZE or int.from_bytes(data[:4], "little") != REGION_MAGIC:
+        return None
+    r = _RegionHeadC.from_buffer_copy(data)
+    if r.major != VERSION_MAJOR:
+        return None
+    out: dict[str, tuple[int, float | None]] = {}
+    for d in r.dev[: min(r.num_devices, MAX_DEVICES)]:
+        sm = None if d.achieved_sm_x100 == SM_UNKNOWN else d.achieved_sm_x100 / 100
+        out[d.uuid.decode(errors="replace")] = (int(d.used_bytes), sm)
+    return out
 
 
 def set_host_pid(path: str | os.PathLike[str], slot: int, host_pid: int) -> None:

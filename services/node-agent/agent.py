@@ -18,10 +18,15 @@ from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
 from tessera.node_agent.state import DeviceState
 from tessera.node_agent.usage import UsageSampler
 
+from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
+from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
+
+from .nvml_processes import ProcessProbe
+from .watchdog import Watchdog, watchdog_from_settings
 
 
 class NodeAgent:
@@ -39,6 +44,7 @@ class NodeAgent:
         cluster: ClusterPort | None = None,
         log: logging.Logger | None = None,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
+        process_probe: ProcessProbe | None = None,
     ) -> None:
         self.settings = settings
         self.node = node
@@ -57,6 +63,8 @@ class NodeAgent:
         self.endpoint: PluginEndpoint | None = None
         self.health: HealthMonitor | None = None
         self.sampler: UsageSampler | None = None
+        self.process_probe = process_probe
+        self.watchdog: Watchdog | None = None
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
         try:
@@ -64,6 +72,10 @@ class NodeAgent:
         except Exception:
             return None  # kubelet unreachable: decide from the ledger alone
         return {(p.namespace, p.name) for p in pods}
+
+    async def _ledger(self) -> NodeLedger | None:
+        current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
+        return current.value if current else None
 
     async def run(self, stop: asyncio.Event) -> None:
         gpus = await asyncio.to_thread(self.source.discover)
@@ -96,12 +108,18 @@ class NodeAgent:
             **common,
         )
         await limits.start()
+        self.watchdog = await watchdog_from_settings(
+            self.settings, probe=self.process_probe, store=self.store, ledger=self._ledger,
+            js=self.js, **common,
+        )
         tasks = [
             asyncio.create_task(registrar.run(stop)),
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
         ]
+        if self.watchdog is not None:
+            tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         self.log.info("node agent running", extra={
             "node": self.node, "gpus": len(gpus), "plugin_dir": self.settings.device_plugin_dir,
         })
