@@ -22,7 +22,9 @@ GRACE_S = 2.0  # the default memory grace period
 
 
 @pytest.fixture
-def env(short_dir: Path, fake_nvml_lib: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WatchEnv]:
+def env(
+    short_dir: Path, fake_nvml_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[WatchEnv]:
     watch_env = make_env(short_dir, fake_nvml_lib, monkeypatch)
     try:
         yield watch_env
@@ -100,7 +102,7 @@ async def test_observe_reports_the_breach_and_counts_it_but_kills_nothing(env, n
 async def test_short_spikes_within_the_grace_period_are_tolerated(env, nc, buckets):
     breaches = Breaches(nc, env.node)
     async with watched_rig(env, nc, buckets, enforcement="kill") as rig:
-        pod_uid, region = await admit(rig, "spiky", 1000)
+        pod_uid, _region = await admit(rig, "spiky", 1000)
         tenant = env.spawn_in_pod(pod_uid)
         for _ in range(4):
             env.gpu_holds((0, tenant, 1600, 0))
