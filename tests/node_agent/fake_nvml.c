@@ -329,13 +329,13 @@ typedef struct {
 
 struct fake_proc { unsigned int pid; unsigned long long used_mib; unsigned int sm; };
 
-static int process_alive(unsigned int pid)
+__attribute__((unused)) static int process_alive(unsigned int pid)
 {
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
 }
 
 /* The processes the state file lists on GPU `d` (that still exist). */
-static unsigned int load_processes(nvmlDevice_t d, struct fake_proc *out)
+__attribute__((unused)) static unsigned int load_processes(nvmlDevice_t d, struct fake_proc *out)
 {
     const char *path = getenv("FAKE_NVML_PROCESSES");
     char line[256];

@@ -177,3 +177,19 @@ async def test_processes_of_no_known_pod_are_left_alone(env, nc, buckets):
         stats = rig.agent.watchdog.stats
         assert stats["unattributed"] >= 3 and stats["poll_failed"] == 0
     await breaches.close()
+
+
+def test_a_kill_is_refused_when_the_pid_no_longer_belongs_to_the_pod(env):
+    """Between the poll and the kill a pid may be recycled or the process moved: the pod is
+    checked again through a pidfd, and only then is the signal sent."""
+    from tessera.node_agent.watchdog import end_process
+
+    pod_uid = "11111111-2222-4333-8444-555555555555"
+    mine = env.spawn_in_pod(pod_uid)
+    other = env.spawn_in_pod("99999999-2222-4333-8444-555555555555")
+    assert not end_process(env.proc_root, other.pid, pod_uid)
+    assert not end_process(env.proc_root, 1, pod_uid)  # never init
+    assert other.poll() is None
+    assert end_process(env.proc_root, mine.pid, pod_uid)
+    assert mine.wait(5) == -9
+    assert not end_process(env.proc_root, mine.pid, pod_uid)  # gone: nothing to end
