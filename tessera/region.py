@@ -55,6 +55,7 @@ __all__ = [
     "RegionFormatError",
     "RegionUsage",
     "activity_flags",
+    "decode_device_claims",
     "decode_limits",
     "encode_limits",
     "prepare_region_file",
@@ -496,34 +497,38 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
     )
 
 
-class _RegionHeadC(ctypes.Structure):
-    """RegionC without its trailing process slots (same offsets)."""
+CLAIMS_SIZE = RegionC.procs.offset  # the header and the device table, not the process slots
+_DEV0 = RegionC.dev.offset
+_DEV_SIZE = ctypes.sizeof(RegionDeviceC)
+_OFF_MAJOR, _OFF_NUM = RegionC.major.offset, RegionC.num_devices.offset
+_OFF_USED, _OFF_SM = RegionDeviceC.used_bytes.offset, RegionDeviceC.achieved_sm_x100.offset
 
-    _fields_ = [f for f in RegionC._fields_ if f[0] != "procs"]
 
-
-_CLAIMS_SIZE = RegionC.procs.offset  # the header and the device table, not the process slots
+def decode_device_claims(data: bytes) -> dict[str, tuple[int, float | None]] | None:
+    """uuid -> (used bytes, achieved SM % or None) as a region claims, from its first
+    `CLAIMS_SIZE` bytes; None when not initialised, of another major version, or cut short.
+    Cheap enough for the node agent's watchdog to call for every busy container each poll."""
+    if len(data) < CLAIMS_SIZE or int.from_bytes(data[:4], "little") != REGION_MAGIC:
+        return None
+    if int.from_bytes(data[_OFF_MAJOR:_OFF_MAJOR + 2], "little") != VERSION_MAJOR:
+        return None
+    out: dict[str, tuple[int, float | None]] = {}
+    for i in range(min(int.from_bytes(data[_OFF_NUM:_OFF_NUM + 4], "little"), MAX_DEVICES)):
+        base = _DEV0 + i * _DEV_SIZE
+        uuid = data[base:base + UUID_LEN].split(b"\0", 1)[0].decode(errors="replace")
+        used = int.from_bytes(data[base + _OFF_USED:base + _OFF_USED + 8], "little")
+        sm = int.from_bytes(data[base + _OFF_SM:base + _OFF_SM + 4], "little")
+        out[uuid] = (used, None if sm == SM_UNKNOWN else sm / 100)
+    return out
 
 
 def read_device_claims(path: str | os.PathLike[str]) -> dict[str, tuple[int, float | None]] | None:
-    """uuid -> (used bytes, achieved SM % or None) as the region claims; None when it is absent,
-    not initialised or damaged. Reads only the header and the device table (the node agent's
-    watchdog calls it for every busy container twice a second)."""
+    """`decode_device_claims` of a region file; None when absent or unreadable."""
     try:
         with open(path, "rb") as f:
-            data = f.read(_CLAIMS_SIZE)
+            return decode_device_claims(f.read(CLAIMS_SIZE))
     except OSError:
         return None
-    if len(data) < _CLAIMS_SIZE or int.from_bytes(data[:4], "little") != REGION_MAGIC:
-        return None
-    r = _RegionHeadC.from_buffer_copy(data)
-    if r.major != VERSION_MAJOR:
-        return None
-    out: dict[str, tuple[int, float | None]] = {}
-    for d in r.dev[: min(r.num_devices, MAX_DEVICES)]:
-        sm = None if d.achieved_sm_x100 == SM_UNKNOWN else d.achieved_sm_x100 / 100
-        out[d.uuid.decode(errors="replace")] = (int(d.used_bytes), sm)
-    return out
 
 
 def set_host_pid(path: str | os.PathLike[str], slot: int, host_pid: int) -> None:

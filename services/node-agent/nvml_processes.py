@@ -22,6 +22,7 @@ NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_VALUE_NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
 UUID_BUFFER = 96
+INITIAL_ENTRIES = 64  # result arrays start this big and grow when NVML asks for more
 PROCESS_LIST_ENTRY_POINTS = (
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetComputeRunningProcesses_v2",
@@ -98,6 +99,7 @@ class NvmlProcessProbe:
         self._open = True
         self._handles: dict[str, ctypes.c_void_p] = {}
         self._last_seen_us: dict[str, int] = {}
+        self._buffers: dict[str, ctypes.Array] = {}  # one per entry point (polls are serial)
         self._list_fn: str | None = next(
             (n for n in PROCESS_LIST_ENTRY_POINTS if self._fn(n) is not None), None)
         if self._list_fn is None:
@@ -179,28 +181,36 @@ class NvmlProcessProbe:
                 out.append(GpuProcess(uuid, pid, used, sm))
         return out
 
+    def _buffer(self, kind: str, struct: type[ctypes.Structure], size: int) -> ctypes.Array:
+        """A reused result array of at least `size` entries (grown by doubling)."""
+        buf = self._buffers.get(kind)
+        if buf is None or len(buf) < size:
+            buf = (struct * max(size, 2 * len(buf) if buf is not None else INITIAL_ENTRIES))()
+            self._buffers[kind] = buf
+        return buf
+
     def _processes(self, uuid: str, handle: ctypes.c_void_p) -> list[tuple[int, int | None]] | None:
+        """One call with a buffer that is usually big enough; on INSUFFICIENT_SIZE (the count
+        is then the size needed) a bigger one, as nvml.h documents."""
         if self._list_fn is None:
             return None
         fn = self._fns[self._list_fn]
         struct = _STRUCTS[self._list_fn]
-        count = ctypes.c_uint(0)
-        rc = fn(handle, ctypes.byref(count), None)
-        if rc == NVML_SUCCESS:
-            return []
-        for _attempt in range(3):  # the list may grow between the calls
-            if rc != NVML_ERROR_INSUFFICIENT_SIZE:
-                break
-            count.value = count.value * 2 + 4
-            buf = (struct * count.value)()
+        needed = 0
+        for _attempt in range(4):  # the list may grow between the calls
+            buf = self._buffer(self._list_fn, struct, needed)
+            count = ctypes.c_uint(len(buf))
             rc = fn(handle, ctypes.byref(count), buf)
             if rc == NVML_SUCCESS:
                 return [
                     (int(buf[i].pid),
                      None if buf[i].usedGpuMemory == NVML_VALUE_NOT_AVAILABLE
                      else int(buf[i].usedGpuMemory))
-                    for i in range(count.value)
+                    for i in range(min(count.value, len(buf)))
                 ]
+            if rc != NVML_ERROR_INSUFFICIENT_SIZE:
+                break
+            needed = count.value + 4
         self.errors[f"{self._list_fn}:{rc}"] += 1
         self.log.warning("NVML process list failed", extra={"uuid": uuid, "rc": rc})
         return None
@@ -211,27 +221,25 @@ class NvmlProcessProbe:
         if fn is None:
             return None
         last = ctypes.c_ulonglong(self._last_seen_us.get(uuid, 0))
-        count = ctypes.c_uint(0)
-        rc = fn(handle, None, ctypes.byref(count), last)
-        if rc == NVML_ERROR_NOT_FOUND:
-            return {}  # no sample since the last poll: nobody ran
-        for _attempt in range(3):
-            if rc != NVML_ERROR_INSUFFICIENT_SIZE:
-                break
-            count.value = count.value * 2 + 4
-            buf = (ProcessUtilizationSample * count.value)()
+        needed = 0
+        for _attempt in range(4):
+            buf = self._buffer(UTILIZATION_ENTRY_POINT, ProcessUtilizationSample, needed)
+            count = ctypes.c_uint(len(buf))
             rc = fn(handle, buf, ctypes.byref(count), last)
+            if rc == NVML_ERROR_NOT_FOUND:
+                return {}  # no sample since the last poll: nobody ran
             if rc == NVML_SUCCESS:
                 per_pid: dict[int, list[int]] = {}
                 newest = last.value
-                for i in range(count.value):
-                    s = buf[i]
-                    per_pid.setdefault(int(s.pid), []).append(min(int(s.smUtil), 100))
-                    newest = max(newest, int(s.timeStamp))
+                for i in range(min(count.value, len(buf))):
+                    sample = buf[i]
+                    per_pid.setdefault(int(sample.pid), []).append(min(int(sample.smUtil), 100))
+                    newest = max(newest, int(sample.timeStamp))
                 self._last_seen_us[uuid] = newest
                 return {pid: sum(v) / len(v) for pid, v in per_pid.items()}
-            if rc == NVML_ERROR_NOT_FOUND:
-                return {}
+            if rc != NVML_ERROR_INSUFFICIENT_SIZE:
+                break
+            needed = count.value + 4
         self.errors[f"{UTILIZATION_ENTRY_POINT}:{rc}"] += 1
         return None
 

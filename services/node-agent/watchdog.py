@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -25,11 +24,12 @@ from nats.js import JetStreamContext
 
 from tessera import bus
 from tessera.models import Allocation, LimitBreachedEvent, NodeLedger
-from tessera.region import ContainerLimits, RegionFormatError, read_device_claims, read_limits
+from tessera.region import ContainerLimits
 from tessera.settings import TesseraSettings
 
 from .containers import ContainerDir, ContainerStore
 from .nvml_processes import GpuProcess, NvmlError, NvmlProcessProbe, ProcessProbe
+from .watchdog_host import Claims, LimitsCache, PodOfPid, RegionClaims, end_process
 from .watchdog_rules import (
     Breach,
     BreachJudge,
@@ -39,64 +39,9 @@ from .watchdog_rules import (
     WatchdogPolicy,
     combine,
     container_share,
-    pod_uid_from_cgroup,
 )
 
 LEDGER_REFRESH_S = 1.0
-
-
-def read_pod_of(proc_root: Path, pid: int) -> str | None:
-    """The pod uid of host pid `pid` from <proc root>/<pid>/cgroup; None when not a pod's."""
-    try:
-        text = (proc_root / str(pid) / "cgroup").read_text(errors="replace")
-    except OSError:
-        return None
-    return pod_uid_from_cgroup(text)
-
-
-def end_process(proc_root: Path, pid: int, pod_uid: str) -> bool:
-    """SIGKILL `pid` if it still is a process of `pod_uid` (a pidfd pins the process between
-    the check and the signal, so a recycled pid is never hit)."""
-    if pid <= 1 or pid == os.getpid():
-        return False
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return False  # gone already
-    try:
-        if read_pod_of(proc_root, pid) != pod_uid:
-            return False
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-class LimitsCache:
-    """Sealed limits files, decoded again only when the file changes (stat is cheap)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[Path, tuple[tuple[int, int, int], ContainerLimits | None]] = {}
-
-    def read(self, directory: Path) -> ContainerLimits | None:
-        path = directory / "limits"
-        try:
-            st = path.stat()
-        except OSError:
-            self._cache.pop(path, None)
-            return None
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        cached = self._cache.get(path)
-        if cached and cached[0] == stamp:
-            return cached[1]
-        try:
-            limits = read_limits(directory)
-        except (RegionFormatError, OSError):
-            limits = None  # the agent wrote it: damaged means mid-replace, try next poll
-        self._cache[path] = (stamp, limits)
-        return limits
 
 
 @dataclass(frozen=True)
@@ -138,6 +83,9 @@ class Watchdog:
         self.wall = wall
         self.end = end
         self.limits = LimitsCache()
+        self.pods_of = PodOfPid(self.proc_root)
+        self.claims = RegionClaims()
+        self._paths: dict[Path, tuple[str, str]] = {}  # container dir -> limits dir, region
         self.stats: Counter[str] = Counter()
         self._allocations: dict[str, Allocation] = {}
         self._ledger_at: float | None = None
@@ -156,11 +104,12 @@ class Watchdog:
 
     def _gather(self, allocations: dict[str, Allocation]) -> Poll:
         procs: list[GpuProcess] = self.probe.poll()
+        now = self.clock()
         owners: dict[int, str | None] = {}
         seen_parts: dict[ShareKey, list[GpuProcess]] = {}
         for p in procs:
             if p.pid not in owners:
-                owners[p.pid] = read_pod_of(self.proc_root, p.pid)
+                owners[p.pid] = self.pods_of.lookup(p.pid, now)
             pod = owners[p.pid]
             if pod is None or pod not in allocations:
                 self.stats["unattributed"] += 1
@@ -176,11 +125,14 @@ class Watchdog:
             )
         shares: dict[ShareKey, Share] = {}
         names: dict[ShareKey, list[str]] = {}
+        self.pods_of.keep_only(set(owners))
         busy = {pod for pod, _ in seen}
+        read: dict[Path, tuple[ContainerLimits | None, Claims | None]] = {}
         by_pod: dict[str, list[ContainerDir]] = {}
         for cdir in self.store.all():
             if cdir.prepared.pod_uid in busy:
                 by_pod.setdefault(cdir.prepared.pod_uid, []).append(cdir)
+                read[cdir.path] = self._read_container(cdir, now)
         for key in seen:
             pod, uuid = key
             init_count = allocations[pod].init_count
@@ -188,14 +140,14 @@ class Watchdog:
             claimed: int | None = None
             claimed_sm: float | None = None
             for cdir in by_pod.get(pod, []):
-                limits = self.limits.read(cdir.limits_dir)
+                limits, claims = read[cdir.path]
                 part = (container_share(limits, uuid, cdir.prepared.index < init_count)
                         if limits else None)
                 if part is None:
                     continue  # not sealed yet, or not on this GPU
                 parts.append(part)
                 names.setdefault(key, []).append(cdir.prepared.container)
-                claim = (read_device_claims(cdir.region_file) or {}).get(uuid)
+                claim = claims.get(uuid) if claims else None
                 if claim is not None:
                     claimed = (claimed or 0) + claim[0]
                     if claim[1] is not None:
@@ -203,7 +155,20 @@ class Watchdog:
             share = combine(parts, claimed, claimed_sm)
             if share is not None:
                 shares[key] = share
+        for path in [p for p in self._paths if p not in read]:
+            del self._paths[path]
+        self.limits.keep_only({paths[0] for paths in self._paths.values()})
+        regions = {paths[1] for paths in self._paths.values()}
+        self.claims.keep_only(regions)
         return Poll(shares, seen, names)
+
+    def _read_container(
+        self, cdir: ContainerDir, now: float
+    ) -> tuple[ContainerLimits | None, Claims | None]:
+        paths = self._paths.get(cdir.path)
+        if paths is None:  # as plain strings: pathlib costs more than the reads themselves
+            paths = self._paths[cdir.path] = (str(cdir.limits_dir), str(cdir.region_file))
+        return self.limits.read(paths[0], now), self.claims.read(paths[1], now)
 
     # ---- one poll -----------------------------------------------------------------------------
 
@@ -276,6 +241,7 @@ class Watchdog:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
         await asyncio.to_thread(self.probe.close)
+        self.claims.close()
 
 
 def _figures(breach: Breach, unit: str) -> str:

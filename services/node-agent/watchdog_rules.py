@@ -10,6 +10,7 @@ at a time, before the app containers).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import deque
 from collections.abc import Iterable
@@ -53,6 +54,7 @@ class ContainerShare:
     sm_limit_pct: int | None  # the compute limit in force now; None = not limited now
 
 
+@functools.lru_cache(maxsize=4096)
 def container_share(limits: ContainerLimits, uuid: str, init: bool) -> ContainerShare | None:
     """What libvgpu enforces for this container on `uuid` right now, from its sealed limits."""
     device = limits.device(uuid)
@@ -86,9 +88,16 @@ def combine(
     claimed_sm_pct: float | None = None,
 ) -> Share | None:
     """A pod's share of a GPU from its containers' (see the module's docstring)."""
-    items = list(parts)
+    items = tuple(parts)
     if not items:
         return None
+    mem, sm = combined_limits(items)
+    return Share(mem, sm, claimed_bytes, claimed_sm_pct)
+
+
+@functools.lru_cache(maxsize=4096)
+def combined_limits(items: tuple[ContainerShare, ...]) -> tuple[int, int | None]:
+    """(memory bytes, SM %) a pod may hold on a GPU (memoised: it is asked every poll)."""
 
     def total(group: list[ContainerShare]) -> tuple[int, int | None]:
         mem = 0 if any(p.mem_limit_bytes == 0 for p in group) else sum(
@@ -103,7 +112,7 @@ def combine(
     mem = 0 if any(m == 0 for m, _ in candidates) else max(m for m, _ in candidates)
     sms = [s for _, s in candidates]
     sm = None if any(s is None for s in sms) else max(s or 0 for s in sms)
-    return Share(mem, sm, claimed_bytes, claimed_sm_pct)
+    return mem, sm
 
 
 @dataclass(frozen=True)

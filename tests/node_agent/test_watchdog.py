@@ -182,7 +182,7 @@ async def test_processes_of_no_known_pod_are_left_alone(env, nc, buckets):
 def test_a_kill_is_refused_when_the_pid_no_longer_belongs_to_the_pod(env):
     """Between the poll and the kill a pid may be recycled or the process moved: the pod is
     checked again through a pidfd, and only then is the signal sent."""
-    from tessera.node_agent.watchdog import end_process
+    from tessera.node_agent.watchdog_host import end_process
 
     pod_uid = "11111111-2222-4333-8444-555555555555"
     mine = env.spawn_in_pod(pod_uid)
