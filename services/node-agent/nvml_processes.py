@@ -14,8 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_FOUND = 6
@@ -62,8 +61,7 @@ _STRUCTS = {
 }
 
 
-@dataclass(frozen=True)
-class GpuProcess:
+class GpuProcess(NamedTuple):  # a tuple: one per process, every poll
     uuid: str
     pid: int
     used_bytes: int | None  # None: the driver does not say (NVML_VALUE_NOT_AVAILABLE)

@@ -33,6 +33,7 @@ from .watchdog_host import Claims, LimitsCache, PodOfPid, RegionClaims, end_proc
 from .watchdog_rules import (
     Breach,
     BreachJudge,
+    ContainerShare,
     Seen,
     Share,
     ShareKey,
@@ -85,7 +86,9 @@ class Watchdog:
         self.limits = LimitsCache()
         self.pods_of = PodOfPid(self.proc_root)
         self.claims = RegionClaims()
-        self._paths: dict[Path, tuple[str, str]] = {}  # container dir -> limits dir, region
+        self._paths: dict[str, tuple[str, str]] = {}  # container dir -> limits dir, region
+        self._share_memo: dict[tuple[str, str, bool], tuple[ContainerLimits,
+                                                            ContainerShare | None]] = {}
         self.stats: Counter[str] = Counter()
         self._allocations: dict[str, Allocation] = {}
         self._ledger_at: float | None = None
@@ -127,22 +130,22 @@ class Watchdog:
         names: dict[ShareKey, list[str]] = {}
         self.pods_of.keep_only(set(owners))
         busy = {pod for pod, _ in seen}
-        read: dict[Path, tuple[ContainerLimits | None, Claims | None]] = {}
-        by_pod: dict[str, list[ContainerDir]] = {}
+        read: dict[str, tuple[ContainerLimits | None, Claims | None]] = {}
+        by_pod: dict[str, list[tuple[str, ContainerDir]]] = {}
         for cdir in self.store.all():
             if cdir.prepared.pod_uid in busy:
-                by_pod.setdefault(cdir.prepared.pod_uid, []).append(cdir)
-                read[cdir.path] = self._read_container(cdir, now)
+                where = str(cdir.path)
+                by_pod.setdefault(cdir.prepared.pod_uid, []).append((where, cdir))
+                read[where] = self._read_container(where, cdir, now)
         for key in seen:
             pod, uuid = key
             init_count = allocations[pod].init_count
             parts = []
             claimed: int | None = None
             claimed_sm: float | None = None
-            for cdir in by_pod.get(pod, []):
-                limits, claims = read[cdir.path]
-                part = (container_share(limits, uuid, cdir.prepared.index < init_count)
-                        if limits else None)
+            for where, cdir in by_pod.get(pod, []):
+                limits, claims = read[where]
+                part = self._share_of(where, limits, uuid, cdir.prepared.index < init_count)
                 if part is None:
                     continue  # not sealed yet, or not on this GPU
                 parts.append(part)
@@ -157,17 +160,34 @@ class Watchdog:
                 shares[key] = share
         for path in [p for p in self._paths if p not in read]:
             del self._paths[path]
+        for key in [k for k in self._share_memo if k[0] not in read]:
+            del self._share_memo[key]
         self.limits.keep_only({paths[0] for paths in self._paths.values()})
         regions = {paths[1] for paths in self._paths.values()}
         self.claims.keep_only(regions)
         return Poll(shares, seen, names)
 
+    def _share_of(
+        self, where: str, limits: ContainerLimits | None, uuid: str, init: bool
+    ) -> ContainerShare | None:
+        """container_share, remembered while the limits object is the same (LimitsCache hands
+        out one object per file version)."""
+        if limits is None:
+            return None
+        key = (where, uuid, init)
+        cached = self._share_memo.get(key)
+        if cached is not None and cached[0] is limits:
+            return cached[1]
+        part = container_share(limits, uuid, init)
+        self._share_memo[key] = (limits, part)
+        return part
+
     def _read_container(
-        self, cdir: ContainerDir, now: float
+        self, where: str, cdir: ContainerDir, now: float
     ) -> tuple[ContainerLimits | None, Claims | None]:
-        paths = self._paths.get(cdir.path)
+        paths = self._paths.get(where)
         if paths is None:  # as plain strings: pathlib costs more than the reads themselves
-            paths = self._paths[cdir.path] = (str(cdir.limits_dir), str(cdir.region_file))
+            paths = self._paths[where] = (str(cdir.limits_dir), str(cdir.region_file))
         return self.limits.read(paths[0], now), self.claims.read(paths[1], now)
 
     # ---- one poll -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import re
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from tessera.region import CORE_POLICIES, ContainerLimits
 
@@ -45,8 +45,7 @@ def pod_uid_from_cgroup(text: str) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-@dataclass(frozen=True)
-class ContainerShare:
+class ContainerShare(NamedTuple):  # a tuple: built for every busy pod, every poll
     """One container's sealed limits on one GPU."""
 
     init: bool
@@ -54,7 +53,6 @@ class ContainerShare:
     sm_limit_pct: int | None  # the compute limit in force now; None = not limited now
 
 
-@functools.lru_cache(maxsize=4096)
 def container_share(limits: ContainerLimits, uuid: str, init: bool) -> ContainerShare | None:
     """What libvgpu enforces for this container on `uuid` right now, from its sealed limits."""
     device = limits.device(uuid)
@@ -72,8 +70,7 @@ def container_share(limits: ContainerLimits, uuid: str, init: bool) -> Container
     return ContainerShare(init, device.mem_limit_bytes, sm)
 
 
-@dataclass(frozen=True)
-class Share:
+class Share(NamedTuple):  # a tuple: built for every busy pod, every poll
     """What a pod may hold on one GPU, and what its usage region claims it holds."""
 
     mem_limit_bytes: int  # 0 = unlimited
@@ -115,8 +112,7 @@ def combined_limits(items: tuple[ContainerShare, ...]) -> tuple[int, int | None]
     return mem, sm
 
 
-@dataclass(frozen=True)
-class Seen:
+class Seen(NamedTuple):  # a tuple: built for every busy pod, every poll
     """What NVML shows for one pod on one GPU in one poll."""
 
     used_bytes: int

@@ -11,7 +11,8 @@
  * named by FAKE_NVML_EVENTS are delivered, in order, by nvmlEventSetWait_v2.
  *
  * Processes: the file named by FAKE_NVML_PROCESSES holds lines "<device index> <pid> <used MiB>
- * <SM %>", re-read on every call, so a test changes what the GPU "holds" by rewriting it. They
+ * <SM %>", parsed again whenever it changes, so a test changes what the GPU "holds" by
+ * rewriting it (write a temporary file and rename it over). They
  * stand for processes that do not go through libvgpu at all. nvmlDeviceGetComputeRunningProcesses
  * (_v3, _v2 and the unversioned v1) and nvmlDeviceGetProcessUtilization answer from it as NVML
  * documents; a pid that no longer exists is not listed (the driver forgets an exited process).
@@ -27,6 +28,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <sys/types.h>
+#include <sys/stat.h>
 
 typedef int nvmlReturn_t;
 #define NVML_SUCCESS 0
@@ -334,25 +336,50 @@ __attribute__((unused)) static int process_alive(unsigned int pid)
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
 }
 
-/* The processes the state file lists on GPU `d` (that still exist). */
-__attribute__((unused)) static unsigned int load_processes(nvmlDevice_t d, struct fake_proc *out)
+/* The state file, parsed again only when it changes (rewritten by rename: a new inode). */
+static struct { int gpu; struct fake_proc p; } state[MAX_FAKE_PROCS];
+static unsigned int nstate;
+static struct stat state_st;
+
+static void load_state(void)
 {
     const char *path = getenv("FAKE_NVML_PROCESSES");
     char line[256];
-    unsigned int n = 0;
+    struct stat st;
     FILE *f;
-    if (!path || !(f = fopen(path, "r")))
-        return 0;
-    while (n < MAX_FAKE_PROCS && fgets(line, sizeof line, f)) {
-        int index;
-        struct fake_proc p;
-        if (sscanf(line, "%d %u %llu %u", &index, &p.pid, &p.used_mib, &p.sm) != 4)
-            continue;
-        if (index < 0 || (unsigned)index >= ngpus || &gpus[index] != d || !process_alive(p.pid))
-            continue;
-        out[n++] = p;
+    if (!path || stat(path, &st) != 0) {
+        nstate = 0;
+        memset(&state_st, 0, sizeof state_st);
+        return;
+    }
+    if (st.st_ino == state_st.st_ino && st.st_dev == state_st.st_dev &&
+        st.st_size == state_st.st_size && st.st_mtim.tv_sec == state_st.st_mtim.tv_sec &&
+        st.st_mtim.tv_nsec == state_st.st_mtim.tv_nsec)
+        return;
+    nstate = 0;
+    if (!(f = fopen(path, "r")))
+        return;
+    while (nstate < MAX_FAKE_PROCS && fgets(line, sizeof line, f)) {
+        if (sscanf(line, "%d %u %llu %u", &state[nstate].gpu, &state[nstate].p.pid,
+                   &state[nstate].p.used_mib, &state[nstate].p.sm) == 4)
+            nstate++;
     }
     fclose(f);
+    state_st = st;
+}
+
+/* The processes the state file lists on GPU `d` (that still exist). */
+__attribute__((unused)) static unsigned int load_processes(nvmlDevice_t d, struct fake_proc *out)
+{
+    unsigned int i, n = 0;
+    load_state();
+    for (i = 0; i < nstate; i++) {
+        int index = state[i].gpu;
+        if (index < 0 || (unsigned)index >= ngpus || &gpus[index] != d ||
+            !process_alive(state[i].p.pid))
+            continue;
+        out[n++] = state[i].p;
+    }
     return n;
 }
 
