@@ -29,10 +29,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from record import record_section
 from tessera.node_agent.containers import ContainerStore, PreparedContainer
 from tessera.node_agent.nvml_processes import GpuProcess, NvmlProcessProbe
-from tessera.node_agent.watchdog import Watchdog
+from tessera.node_agent.watchdog import CachedLedger, Watchdog
 from tessera.node_agent.watchdog_rules import WatchdogPolicy
 
+from tessera.bus import connect, ensure_bus
+from tessera.codec import encode
 from tessera.models import Allocation, AllocationState, DeviceGrant, NodeLedger
+from tessera.nats_embedded import EmbeddedNats
 from tessera.region import (
     MAX_PROCS,
     REGION_MAGIC,
@@ -42,6 +45,7 @@ from tessera.region import (
     RegionC,
     seal_limits,
 )
+from tessera.settings import NatsSettings, TesseraSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = 8
@@ -95,7 +99,7 @@ def write_region(path: Path, gpu: str, used: int, sm: float) -> None:
     path.write_bytes(bytes(r))
 
 
-async def run(base: Path) -> str:
+async def run(base: Path, url: str) -> str:
     lib = build_fake_nvml(base)
     gpus = [f"GPU-{uuid.UUID(int=i + 1)}" for i in range(GPUS)]
     (base / "nvml.conf").write_text("".join(
@@ -136,13 +140,15 @@ async def run(base: Path) -> str:
                 lines.append(f"{g} {child.pid} 3000 10\n")
         (base / "procs").write_text("".join(lines))
 
-        async def read_ledger() -> NodeLedger:
-            return ledger
-
+        # The ledger through the bus, as the agent reads it (once a second, decoded on change).
+        nc = await connect(NatsSettings(NATS_URL=url), name="bench-watchdog")
+        buckets = await ensure_bus(nc.jetstream(), TesseraSettings())
+        await buckets.ledger.put("bench", encode(ledger))
+        read_ledger = CachedLedger(buckets.ledger, "bench")
         probe = TimedProbe(NvmlProcessProbe(str(lib)))
         log = logging.getLogger("bench.watchdog")
         watchdog = Watchdog(
-            node="bench", store=store, ledger=read_ledger, probe=probe, js=None,  # type: ignore[arg-type]
+            node="bench", store=store, ledger=read_ledger, probe=probe, js=nc.jetstream(),
             policy=WatchdogPolicy(), enforcement="kill", proc_root=proc_root, log=log,
             poll_s=POLL_S,
         )
@@ -161,6 +167,7 @@ async def run(base: Path) -> str:
         load = os.getloadavg()[0]
         stop.set()
         await task
+        await nc.close()
     finally:
         for child in children:
             child.kill()
@@ -176,9 +183,10 @@ async def run(base: Path) -> str:
     return f"""
 Watchdog at {shape}, default poll {POLL_S * 1000:.0f} ms,
 every container busy (one process each, listed by NVML with memory and SM %), sealed limits and
-an initialised region each; {WINDOWS} windows of {DURATION_S:.0f} s after {WARMUP_S:.0f} s warm-up,
-the median shown (`.venv/bin/python bench/watchdog.py`). Load average during the run: {load:.1f}
-on {os.cpu_count()} cores (CPU time grows on a busy machine: colder caches).
+an initialised region each, the node's ledger read from a real NATS KV;
+{WINDOWS} windows of {DURATION_S:.0f} s after {WARMUP_S:.0f} s warm-up, the median shown
+(`.venv/bin/python bench/watchdog.py`). Load average during the run: {load:.1f} on
+{os.cpu_count()} cores (CPU time grows on a busy machine: colder caches).
 
 | figure | value |
 |---|---|
@@ -194,9 +202,12 @@ on {os.cpu_count()} cores (CPU time grows on a busy machine: colder caches).
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     base = Path(tempfile.mkdtemp(prefix="tsr-wd-bench-"))
+    server = EmbeddedNats()
+    server.start()
     try:
-        text = asyncio.run(run(base))
+        text = asyncio.run(run(base, server.url))
     finally:
+        server.cleanup()
         shutil.rmtree(base, ignore_errors=True)
     print(text)
     record_section("watchdog", text)

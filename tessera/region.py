@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import struct
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -500,25 +501,27 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
 CLAIMS_SIZE = RegionC.procs.offset  # the header and the device table, not the process slots
 _DEV0 = RegionC.dev.offset
 _DEV_SIZE = ctypes.sizeof(RegionDeviceC)
-_OFF_MAJOR, _OFF_NUM = RegionC.major.offset, RegionC.num_devices.offset
+_HEAD = struct.Struct(f"<IH{RegionC.num_devices.offset - 6}xI")  # magic, major, num_devices
 _OFF_USED, _OFF_SM = RegionDeviceC.used_bytes.offset, RegionDeviceC.achieved_sm_x100.offset
+_CLAIM = struct.Struct(  # uuid, used_bytes, achieved_sm_x100 of one device entry
+    f"<{UUID_LEN}s{_OFF_USED - UUID_LEN}xQ{_OFF_SM - _OFF_USED - 8}xI"
+)
 
 
 def decode_device_claims(data: bytes) -> dict[str, tuple[int, float | None]] | None:
     """uuid -> (used bytes, achieved SM % or None) as a region claims, from its first
     `CLAIMS_SIZE` bytes; None when not initialised, of another major version, or cut short.
     Cheap enough for the node agent's watchdog to call for every busy container each poll."""
-    if len(data) < CLAIMS_SIZE or int.from_bytes(data[:4], "little") != REGION_MAGIC:
+    if len(data) < CLAIMS_SIZE:
         return None
-    if int.from_bytes(data[_OFF_MAJOR:_OFF_MAJOR + 2], "little") != VERSION_MAJOR:
+    magic, major, num = _HEAD.unpack_from(data, 0)
+    if magic != REGION_MAGIC or major != VERSION_MAJOR:
         return None
     out: dict[str, tuple[int, float | None]] = {}
-    for i in range(min(int.from_bytes(data[_OFF_NUM:_OFF_NUM + 4], "little"), MAX_DEVICES)):
-        base = _DEV0 + i * _DEV_SIZE
-        uuid = data[base:base + UUID_LEN].split(b"\0", 1)[0].decode(errors="replace")
-        used = int.from_bytes(data[base + _OFF_USED:base + _OFF_USED + 8], "little")
-        sm = int.from_bytes(data[base + _OFF_SM:base + _OFF_SM + 4], "little")
-        out[uuid] = (used, None if sm == SM_UNKNOWN else sm / 100)
+    for i in range(min(num, MAX_DEVICES)):
+        uuid, used, sm = _CLAIM.unpack_from(data, _DEV0 + i * _DEV_SIZE)
+        out[uuid.split(b"\0", 1)[0].decode(errors="replace")] = (
+            used, None if sm == SM_UNKNOWN else sm / 100)
     return out
 
 

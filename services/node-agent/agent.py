@@ -18,15 +18,13 @@ from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
 from tessera.node_agent.state import DeviceState
 from tessera.node_agent.usage import UsageSampler
 
-from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
-from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
 from .nvml_processes import ProcessProbe
-from .watchdog import Watchdog, watchdog_from_settings
+from .watchdog import CachedLedger, Watchdog, watchdog_from_settings
 
 
 class NodeAgent:
@@ -73,10 +71,6 @@ class NodeAgent:
             return None  # kubelet unreachable: decide from the ledger alone
         return {(p.namespace, p.name) for p in pods}
 
-    async def _ledger(self) -> NodeLedger | None:
-        current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
-        return current.value if current else None
-
     async def run(self, stop: asyncio.Event) -> None:
         gpus = await asyncio.to_thread(self.source.discover)
         await self.state.update(advertise(gpus, self.settings))
@@ -109,8 +103,8 @@ class NodeAgent:
         )
         await limits.start()
         self.watchdog = await watchdog_from_settings(
-            self.settings, probe=self.process_probe, store=self.store, ledger=self._ledger,
-            js=self.js, **common,
+            self.settings, probe=self.process_probe, store=self.store,
+            ledger=CachedLedger(self.buckets.ledger, self.node), js=self.js, **common,
         )
         tasks = [
             asyncio.create_task(registrar.run(stop)),

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from tessera import bus
+from tessera.codec import decode
 from tessera.models import Allocation, LimitBreachedEvent, NodeLedger
 from tessera.region import ContainerLimits
 from tessera.settings import TesseraSettings
@@ -43,6 +46,30 @@ from .watchdog_rules import (
 )
 
 LEDGER_REFRESH_S = 1.0
+
+
+class CachedLedger:
+    """This node's ledger from KV, decoded again only when its revision moves (the watchdog
+    asks every second; a node's ledger changes only when its pods do)."""
+
+    def __init__(self, kv: KeyValue, node: str) -> None:
+        self.kv = kv
+        self.node = node
+        self._revision: int | None = None
+        self._value: NodeLedger | None = None
+
+    async def __call__(self) -> NodeLedger | None:
+        try:
+            entry = await self.kv.get(self.node)
+        except KeyNotFoundError:
+            entry = None
+        if entry is None or entry.value is None or entry.operation in ("DEL", "PURGE"):
+            self._revision, self._value = None, None
+            return None
+        if entry.revision != self._revision:
+            self._value = decode(entry.value, NodeLedger)
+            self._revision = entry.revision
+        return self._value
 
 
 @dataclass(frozen=True)
