@@ -13,6 +13,7 @@ every call) is inside the figure and reported apart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -79,6 +80,27 @@ class TimedProbe:
         self.probe.close()
 
 
+async def idle_floor(seconds: float) -> float:
+    """% of one core an asyncio loop costs that only wakes every POLL_S and hops to a thread:
+    the machine's floor for any such poller."""
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            await asyncio.to_thread(lambda: None)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), POLL_S)
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(1.0)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    await asyncio.sleep(seconds)
+    floor = 100 * (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    stop.set()
+    await task
+    return floor
+
+
 def build_fake_nvml(out: Path) -> Path:
     lib = out / "libnvidia-ml.so.1"
     subprocess.run(
@@ -100,6 +122,7 @@ def write_region(path: Path, gpu: str, used: int, sm: float) -> None:
 
 
 async def run(base: Path, url: str) -> str:
+    floor = await idle_floor(10.0)
     lib = build_fake_nvml(base)
     gpus = [f"GPU-{uuid.UUID(int=i + 1)}" for i in range(GPUS)]
     (base / "nvml.conf").write_text("".join(
@@ -192,6 +215,7 @@ an initialised region each, the node's ledger read from a real NATS KV;
 |---|---|
 | CPU, whole loop (process CPU time / wall time), median window | {cpu} |
 | every window, % of one core | {spread} |
+| floor: an empty asyncio loop waking as often, with a thread hop | {floor:.2f} % |
 | of which inside the fake NVML (a state file and a liveness check per pid) | {probe_pct:.2f} % |
 | CPU per poll | {per_poll_ms:.2f} ms |
 | polls in the median window | {polls} (expected {DURATION_S / POLL_S:.0f}) |

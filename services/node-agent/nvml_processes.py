@@ -171,8 +171,8 @@ class NvmlProcessProbe:
         out: list[GpuProcess] = []
         for uuid, handle in self._handles.items():
             procs = self._processes(uuid, handle)
-            if procs is None:
-                continue
+            if not procs:
+                continue  # nothing runs there (or the list failed): no utilisation to ask
             util = self._utilization(uuid, handle)
             for pid, used in procs:
                 sm = None if util is None else float(util.get(pid, 0))

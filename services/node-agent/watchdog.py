@@ -45,7 +45,7 @@ from .watchdog_rules import (
     container_share,
 )
 
-LEDGER_REFRESH_S = 1.0
+LEDGER_REFRESH_S = 2.0  # a new pod is in the ledger long before its container starts
 
 
 class CachedLedger:

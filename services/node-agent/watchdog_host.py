@@ -123,6 +123,7 @@ class RegionClaims:
     def __init__(self, revalidate_s: float = 1.0) -> None:
         self.revalidate_s = revalidate_s
         self._fds: dict[str, tuple[int, tuple[int, int], float]] = {}  # fd, identity, checked
+        self._last: dict[str, tuple[bytes, Claims | None]] = {}  # raw bytes, decoded
 
     def read(self, key: str, now: float) -> Claims | None:
         entry = self._fds.get(key)
@@ -144,9 +145,15 @@ class RegionClaims:
                 entry = (entry[0], identity, now)
             self._fds[key] = entry
         try:
-            return decode_device_claims(os.pread(entry[0], CLAIMS_SIZE, 0))
+            data = os.pread(entry[0], CLAIMS_SIZE, 0)
         except OSError:
             return None
+        last = self._last.get(key)
+        if last is not None and last[0] == data:
+            return last[1]  # unchanged since the last poll: no need to decode again
+        claims = decode_device_claims(data)
+        self._last[key] = (data, claims)
+        return claims
 
     def keep_only(self, paths: set[str]) -> None:
         for key in [k for k in self._fds if k not in paths]:
@@ -154,6 +161,7 @@ class RegionClaims:
 
     def _close(self, key: str) -> None:
         entry = self._fds.pop(key, None)
+        self._last.pop(key, None)
         if entry is not None:
             with contextlib.suppress(OSError):
                 os.close(entry[0])
