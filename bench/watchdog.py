@@ -44,6 +44,7 @@ from tessera.region import (
     ContainerLimits,
     DeviceLimit,
     RegionC,
+    RegionDeviceC,
     seal_limits,
 )
 from tessera.settings import NatsSettings, TesseraSettings
@@ -111,6 +112,22 @@ def build_fake_nvml(out: Path) -> Path:
     return lib
 
 
+# Stands for libvgpu in the 64 containers: every 100 ms each region's launch counter and last
+# kernel time move, as they do on a busy GPU (another process: its CPU is not the watchdog's).
+TENANTS = """
+import os, struct, sys, time
+offsets = [int(x) for x in sys.argv[1].split(",")]
+fds = [os.open(p, os.O_RDWR) for p in sys.argv[2:]]
+n = 0
+while True:
+    n += 1
+    for fd in fds:
+        os.pwrite(fd, struct.pack("<Q", time.time_ns()), offsets[0])
+        os.pwrite(fd, struct.pack("<Q", n), offsets[1])
+    time.sleep(0.1)
+"""
+
+
 def write_region(path: Path, gpu: str, used: int, sm: float) -> None:
     r = RegionC()
     r.magic, r.major, r.size = REGION_MAGIC, VERSION_MAJOR, ctypes.sizeof(RegionC)
@@ -168,6 +185,13 @@ async def run(base: Path, url: str) -> str:
         buckets = await ensure_bus(nc.jetstream(), TesseraSettings())
         await buckets.ledger.put("bench", encode(ledger))
         read_ledger = CachedLedger(buckets.ledger, "bench")
+        dev0 = RegionC.dev.offset
+        tenants = subprocess.Popen([
+            sys.executable, "-c", TENANTS,
+            f"{dev0 + RegionDeviceC.last_kernel_ns.offset},{dev0 + RegionDeviceC.launches.offset}",
+            *[str(c.region_file) for c in store.all()],
+        ])
+        children.append(tenants)
         probe = TimedProbe(NvmlProcessProbe(str(lib)))
         log = logging.getLogger("bench.watchdog")
         watchdog = Watchdog(
@@ -206,7 +230,8 @@ async def run(base: Path, url: str) -> str:
     return f"""
 Watchdog at {shape}, default poll {POLL_S * 1000:.0f} ms,
 every container busy (one process each, listed by NVML with memory and SM %), sealed limits and
-an initialised region each, the node's ledger read from a real NATS KV;
+an initialised region each (whose launch counters another process moves every 100 ms, as
+libvgpu does on a busy GPU), the node's ledger read from a real NATS KV;
 {WINDOWS} windows of {DURATION_S:.0f} s after {WARMUP_S:.0f} s warm-up, the median shown
 (`.venv/bin/python bench/watchdog.py`). Load average during the run: {load:.1f} on
 {os.cpu_count()} cores (CPU time grows on a busy machine: colder caches).
