@@ -225,14 +225,16 @@ class Watchdog:
         poll = await asyncio.to_thread(self._gather, allocations)
         self.stats["polls"] += 1
         breaches = self.judge.judge(self.clock(), poll.shares, poll.seen)
-        for breach in breaches:
-            killed: list[int] = []
-            if self.enforcement == "kill" and breach.enforceable:
-                killed = await asyncio.to_thread(self._end_all, breach)
+        killed: dict[int, list[int]] = {}
+        if self.enforcement == "kill" and any(b.enforceable for b in breaches):
+            # every kill before any publish: a slow or absent bus never delays enforcement
+            killed = await asyncio.to_thread(
+                lambda: {i: self._end_all(b) for i, b in enumerate(breaches) if b.enforceable})
+        for i, breach in enumerate(breaches):
             if breach.new:
                 self.stats[f"breach:{breach.reason}"] += 1
                 await self._publish(breach, allocations.get(breach.key[0]),
-                                    poll.containers.get(breach.key, []), killed)
+                                    poll.containers.get(breach.key, []), killed.get(i, []))
         return breaches
 
     def _end_all(self, breach: Breach) -> list[int]:

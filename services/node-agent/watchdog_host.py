@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 from pathlib import Path
 
 from tessera.region import (
@@ -116,6 +117,22 @@ class LimitsCache:
             del self._cache[key]
 
 
+def _open_regular(path: str) -> int | None:
+    """A read-only descriptor on `path` if it is a plain file. The region directory is the
+    tenant's: a symlink, a FIFO (whose open would block) or a device is refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 class RegionClaims:
     """What usage regions claim, through descriptors kept open (one pread per poll). A region
     replaced on disk is reopened; a truncated one reads short and claims nothing."""
@@ -136,9 +153,8 @@ class RegionClaims:
             identity = (st.st_dev, st.st_ino)
             if entry is None or entry[1] != identity:
                 self._close(key)  # replaced (the region dir is the tenant's): read the new one
-                try:
-                    fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                except OSError:
+                fd = _open_regular(key)
+                if fd is None:
                     return None
                 entry = (fd, identity, now)
             else:

@@ -193,3 +193,22 @@ def test_a_kill_is_refused_when_the_pid_no_longer_belongs_to_the_pod(env):
     assert end_process(env.proc_root, mine.pid, pod_uid)
     assert mine.wait(5) == -9
     assert not end_process(env.proc_root, mine.pid, pod_uid)  # gone: nothing to end
+
+
+def test_a_region_replaced_by_a_fifo_or_a_symlink_claims_nothing_and_never_blocks(env):
+    """The region directory is the tenant's: whatever it puts there, the watchdog reads a
+    plain file or nothing (a FIFO would block an ordinary open forever)."""
+    import os
+
+    from tessera.node_agent.watchdog_host import RegionClaims
+
+    claims = RegionClaims()
+    fifo = env.base / "fifo-region"
+    os.mkfifo(fifo)
+    link = env.base / "link-region"
+    link.symlink_to("/etc/passwd")
+    started = time.monotonic()
+    assert claims.read(str(fifo), 0.0) is None
+    assert claims.read(str(link), 0.0) is None
+    assert claims.read(str(env.base / "absent"), 0.0) is None
+    assert time.monotonic() - started < 2
