@@ -134,6 +134,11 @@ class NvmlProcessProbe:
         return self._list_fn
 
     @property
+    def gpus(self) -> list[str]:
+        """UUIDs of the GPUs NVML lists."""
+        return list(self._handles)
+
+    @property
     def has_utilization(self) -> bool:
         return self._fn(UTILIZATION_ENTRY_POINT) is not None
 
