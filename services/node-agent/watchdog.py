@@ -147,6 +147,10 @@ class Watchdog:
             seen_parts.setdefault((pod, p.uuid), []).append(p)
         seen: dict[ShareKey, Seen] = {}
         for key, parts in seen_parts.items():
+            if len(parts) == 1:  # the common case: one process of the pod on that GPU
+                one = parts[0]
+                seen[key] = Seen(one.used_bytes or 0, one.sm_pct, (one.pid,))
+                continue
             sms = [p.sm_pct for p in parts]
             seen[key] = Seen(
                 used_bytes=sum(p.used_bytes or 0 for p in parts),
@@ -185,14 +189,17 @@ class Watchdog:
             share = combine(parts, claimed, claimed_sm)
             if share is not None:
                 shares[key] = share
-        for path in [p for p in self._paths if p not in read]:
+        if len(read) != len(self._paths):  # (every container read this poll is in _paths)
+            self._forget_all_but(read)  # containers went idle or away: drop their caches
+        return Poll(shares, seen, names)
+
+    def _forget_all_but(self, busy: dict[str, object]) -> None:
+        for path in [p for p in self._paths if p not in busy]:
             del self._paths[path]
-        for key in [k for k in self._share_memo if k[0] not in read]:
+        for key in [k for k in self._share_memo if k[0] not in busy]:
             del self._share_memo[key]
         self.limits.keep_only({paths[0] for paths in self._paths.values()})
-        regions = {paths[1] for paths in self._paths.values()}
-        self.claims.keep_only(regions)
-        return Poll(shares, seen, names)
+        self.claims.keep_only({paths[1] for paths in self._paths.values()})
 
     def _share_of(
         self, where: str, limits: ContainerLimits | None, uuid: str, init: bool

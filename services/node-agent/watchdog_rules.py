@@ -151,6 +151,7 @@ class _ShareState:
     over_since: dict[str, float] = field(default_factory=dict)  # reason -> start
     reported: set[str] = field(default_factory=set)
     sm_samples: deque[tuple[float, float, int]] = field(default_factory=deque)  # t, seen, limit
+    sm_sums: list[float] = field(default_factory=lambda: [0.0, 0.0])  # of seen, of limit
     sm_since: float | None = None
 
 
@@ -217,19 +218,24 @@ class BreachJudge:
         p = self.policy
         if share.sm_limit_pct is None or s.sm_pct is None:
             state.sm_samples.clear()  # not limited now, or cannot be seen: the window restarts
+            state.sm_sums[:] = [0.0, 0.0]
             state.sm_since = None
             self._sustained(now, "compute", False, state, 0)
             return []
         if state.sm_since is None:
             state.sm_since = now
-        samples = state.sm_samples
+        samples, sums = state.sm_samples, state.sm_sums
         samples.append((now, s.sm_pct, share.sm_limit_pct))
+        sums[0] += s.sm_pct
+        sums[1] += share.sm_limit_pct
         while samples and samples[0][0] <= now - p.compute_window_s:
-            samples.popleft()
+            _, old_seen, old_limit = samples.popleft()
+            sums[0] -= old_seen
+            sums[1] -= old_limit
         if now - state.sm_since < p.compute_window_s:
             return []  # not yet a whole window of observation
-        mean_seen = sum(x[1] for x in samples) / len(samples)
-        mean_limit = sum(x[2] for x in samples) / len(samples)
+        mean_seen = sums[0] / len(samples)  # running sums: no pass over the window per poll
+        mean_limit = sums[1] / len(samples)
         hit = self._sustained(now, "compute", mean_seen > mean_limit + p.compute_margin_pct,
                               state, 0)
         if not hit:
