@@ -205,12 +205,11 @@ class NvmlProcessProbe:
             count = ctypes.c_uint(len(buf))
             rc = fn(handle, ctypes.byref(count), buf)
             if rc == NVML_SUCCESS:
-                return [
-                    (int(buf[i].pid),
-                     None if buf[i].usedGpuMemory == NVML_VALUE_NOT_AVAILABLE
-                     else int(buf[i].usedGpuMemory))
-                    for i in range(min(count.value, len(buf)))
-                ]
+                out = []
+                for entry in buf[: min(count.value, len(buf))]:
+                    used = entry.usedGpuMemory
+                    out.append((entry.pid, None if used == NVML_VALUE_NOT_AVAILABLE else used))
+                return out
             if rc != NVML_ERROR_INSUFFICIENT_SIZE:
                 break
             needed = count.value + 4
@@ -234,8 +233,7 @@ class NvmlProcessProbe:
             if rc == NVML_SUCCESS:
                 per_pid: dict[int, list[int]] = {}
                 newest = last.value
-                for i in range(min(count.value, len(buf))):
-                    sample = buf[i]
+                for sample in buf[: min(count.value, len(buf))]:
                     per_pid.setdefault(int(sample.pid), []).append(min(int(sample.smUtil), 100))
                     newest = max(newest, int(sample.timeStamp))
                 self._last_seen_us[uuid] = newest
