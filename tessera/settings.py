@@ -150,16 +150,17 @@ class TesseraSettings(BaseSettings):
     )
     watchdog_poll_s: float = Field(0.5, gt=0, description="watchdog: NVML poll period")
     watchdog_memory_margin_pct: float = Field(
-        5.0, ge=0, description="watchdog: memory above the limit by more than this % is a breach"
+        5.0, ge=0, description="watchdog: memory margin, % above the sealed limit"
     )
     watchdog_memory_grace_s: float = Field(
-        2.0, ge=0, description="watchdog: ... once it lasts this long"
+        2.0, ge=0, description="watchdog: memory above limit + margin this long is a breach"
     )
     watchdog_compute_margin_pct: float = Field(
-        10.0, ge=0, description="watchdog: SM % above the limit by more than these points ..."
+        10.0, ge=0, description="watchdog: compute margin, SM % points above the limit"
     )
     watchdog_compute_window_s: float = Field(
-        10.0, gt=0, description="watchdog: ... averaged over this window is a breach"
+        10.0, gt=0,
+        description="watchdog: mean SM % over this window above limit + margin is a breach",
     )
     watchdog_tamper_allowance_mib: int = Field(
         256, ge=0,
