@@ -121,6 +121,10 @@ def rejected_event_subject(kind: str) -> str:
     return f"{EVENTS_PREFIX}.rejected.{subject_token(kind)}"
 
 
+def limit_breached_subject(node: str) -> str:
+    return f"{EVENTS_PREFIX}.limit.{subject_token(node)}.breached"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -156,6 +160,8 @@ def event_subject(event: Event) -> str:
         return sched_failed_subject(event.namespace)
     if isinstance(event, m.ValueRejectedEvent):
         return rejected_event_subject(event.kind)
+    if isinstance(event, m.LimitBreachedEvent):
+        return limit_breached_subject(event.node)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

@@ -320,6 +320,35 @@ class ValueRejectedEvent(Event):
     problem: str = Field("", description="machine-readable reason, e.g. memory_out_of_range")
 
 
+class LimitBreachedEvent(Event):
+    """The node agent's watchdog saw a pod hold more of a GPU than its sealed limits, from
+    outside the container (NVML's per-process memory and utilisation), for longer than the grace
+    period; or saw its usage region claim less than the GPU shows (`breach` = `tampered`).
+    `action` says what the enforcement policy did: `observed` (event and metric only) or
+    `killed` (the pod's processes on that GPU were ended)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.limit.<node>.breached"
+    node: str
+    pod_uid: str
+    namespace: str = ""
+    pod: str = ""
+    container: str = Field("", description="the pod's containers holding that GPU, comma-joined")
+    device_uuid: str
+    breach: Literal["memory", "compute", "tampered"]
+    unit: Literal["bytes", "percent"] = Field(
+        description="of limit / seen / region_claim: bytes (memory, tampered) or SM % (compute)"
+    )
+    limit: float = Field(description="the sealed limit (0 = unlimited)")
+    seen: float = Field(description="what NVML shows (compute: the mean over the window)")
+    region_claim: float | None = Field(
+        None, description="what the container's usage region claims; null when unreadable"
+    )
+    since: float = Field(description="unix seconds when the condition began")
+    policy: Literal["observe", "kill"] = "observe"
+    action: Literal["observed", "killed"] = "observed"
+    pids: list[int] = Field(default_factory=list, description="host pids on that GPU")
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -328,6 +357,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     OomEvent,
     SchedulingFailedEvent,
     ValueRejectedEvent,
+    LimitBreachedEvent,
 )
 
 

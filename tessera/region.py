@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import struct
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -56,9 +57,11 @@ __all__ = [
     "RegionFormatError",
     "RegionUsage",
     "activity_flags",
+    "decode_device_claims",
     "decode_limits",
     "encode_limits",
     "prepare_region_file",
+    "read_device_claims",
     "read_limits",
     "read_region",
     "seal_limits",
@@ -524,6 +527,42 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
         devices=devices,
         processes=procs,
     )
+
+
+CLAIMS_SIZE = RegionC.procs.offset  # the header and the device table, not the process slots
+_DEV0 = RegionC.dev.offset
+_DEV_SIZE = ctypes.sizeof(RegionDeviceC)
+_HEAD = struct.Struct(f"<IH{RegionC.num_devices.offset - 6}xI")  # magic, major, num_devices
+_OFF_USED, _OFF_SM = RegionDeviceC.used_bytes.offset, RegionDeviceC.achieved_sm_x100.offset
+_CLAIM = struct.Struct(  # uuid, used_bytes, achieved_sm_x100 of one device entry
+    f"<{UUID_LEN}s{_OFF_USED - UUID_LEN}xQ{_OFF_SM - _OFF_USED - 8}xI"
+)
+
+
+def decode_device_claims(data: bytes) -> dict[str, tuple[int, float | None]] | None:
+    """uuid -> (used bytes, achieved SM % or None) as a region claims, from its first
+    `CLAIMS_SIZE` bytes; None when not initialised, of another major version, or cut short.
+    Cheap enough for the node agent's watchdog to call for every busy container each poll."""
+    if len(data) < CLAIMS_SIZE:
+        return None
+    magic, major, num = _HEAD.unpack_from(data, 0)
+    if magic != REGION_MAGIC or major != VERSION_MAJOR:
+        return None
+    out: dict[str, tuple[int, float | None]] = {}
+    for i in range(min(num, MAX_DEVICES)):
+        uuid, used, sm = _CLAIM.unpack_from(data, _DEV0 + i * _DEV_SIZE)
+        out[uuid.split(b"\0", 1)[0].decode(errors="replace")] = (
+            used, None if sm == SM_UNKNOWN else sm / 100)
+    return out
+
+
+def read_device_claims(path: str | os.PathLike[str]) -> dict[str, tuple[int, float | None]] | None:
+    """`decode_device_claims` of a region file; None when absent or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return decode_device_claims(f.read(CLAIMS_SIZE))
+    except OSError:
+        return None
 
 
 def set_host_pid(path: str | os.PathLike[str], slot: int, host_pid: int) -> None:

@@ -164,6 +164,38 @@ class TesseraSettings(BaseSettings):
         "agent writes one in the region dir",
     )
 
+    # Node agent: the watchdog on real usage (NVML), outside the tenant's reach.
+    enforcement: Literal["observe", "kill"] = Field(
+        "observe",
+        description="watchdog policy on a breach: observe = event + metric; kill = also end the "
+        "pod's processes on that GPU (HAMi's ACTIVE_OOM_KILLER)",
+    )
+    watchdog: Literal["auto", "on", "off"] = Field(
+        "auto", description="the usage watchdog: auto = on with the nvml device source"
+    )
+    watchdog_poll_s: float = Field(0.5, gt=0, description="watchdog: NVML poll period")
+    watchdog_memory_margin_pct: float = Field(
+        5.0, ge=0, description="watchdog: memory margin, % above the sealed limit"
+    )
+    watchdog_memory_grace_s: float = Field(
+        2.0, ge=0, description="watchdog: memory above limit + margin this long is a breach"
+    )
+    watchdog_compute_margin_pct: float = Field(
+        10.0, ge=0, description="watchdog: compute margin, SM % points above the limit"
+    )
+    watchdog_compute_window_s: float = Field(
+        10.0, gt=0,
+        description="watchdog: mean SM % over this window above limit + margin is a breach",
+    )
+    watchdog_tamper_allowance_mib: int = Field(
+        256, ge=0,
+        description="watchdog: NVML may show this much more than a region claims (contexts) "
+        "before the region is reported as tampered",
+    )
+    watchdog_proc_root: str = Field(
+        "/proc", description="watchdog: the host's /proc (pid -> cgroup -> pod)"
+    )
+
     @field_validator("gpu_scheduler_policy", "node_scheduler_policy")
     @classmethod
     def _lower(cls, value: str) -> str:

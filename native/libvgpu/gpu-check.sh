@@ -14,6 +14,7 @@
 #   5. compute limit accuracy: a 1 ms busy kernel back to back for 6 s at $SM_PCT %, per 1 s
 #      window (kernel time from its own %globaltimer stamps), plus a 10/90 pair of processes
 #   6. launch overhead: empty kernels, with and without the preload, interleaved
+#   7. the node agent's watchdog: a process without libvgpu over its seal is seen and ended
 # Prints a summary and writes $RESULTS_DIR/gpu-check.json (default: a temp dir; $OUT if set).
 set -uo pipefail
 
@@ -310,6 +311,14 @@ w0=$(med "${w[@]}"); l0=$(med "${l[@]}")
 added=$("$PY" -c "print(round($l0 - $w0, 1))" 2>/dev/null || echo "?")
 log "empty kernel launch: ${w0} ns without, ${l0} ns with libvgpu (median of 5): +${added} ns"
 RES[launch_ns]="without $w0, with $l0, added $added (target <= 50)"
+
+# ---- 7. the node agent's watchdog on real NVML ---------------------------------------------------
+# A process that never loads libvgpu holds 2 GiB against a 1 GiB seal: seen, judged, ended.
+if wd=$(cd "$ROOT" && timeout 120 "$PY" tests/node_agent/gpu_watchdog_check.py 2>"$WORK/wd.err"); then
+    pass watchdog "$wd"
+else
+    fail watchdog "${wd:-$(tail -3 "$WORK/wd.err" | tr '\n' ' ')}"
+fi
 
 # ---- summary ---------------------------------------------------------------------------------------
 {

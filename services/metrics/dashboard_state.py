@@ -23,6 +23,7 @@ def _slice(piece: Slice) -> dict[str, Any]:
         "used_mib": round(piece.used_bytes / MIB, 1) if piece.used_bytes is not None else None,
         "sm_util": piece.sm_util,
         "sm_limit": piece.sm_limit,
+        "breach": piece.breach,
     }
 
 
@@ -68,6 +69,7 @@ def dashboard_state(view: ClusterView, now: float) -> dict[str, Any]:
             "pods": len({s.pod_uid for g in gpus for s in g.slices}),
             "pending": len(pending),
             "ooms": sum(view.ooms.values()),
+            "limit_breaches": sum(view.limit_breaches.values()),
             "bad_messages": sum(view.bad_messages.values()),
         },
         "nodes": [

@@ -204,6 +204,9 @@ def event_families(view: ClusterView, now: float) -> Iterator[Metric]:
     yield _counter("tessera_oom_events", "containers that hit their GPU memory limit",
                    ["node", "namespace", "pod", "container"],
                    ((list(k), n) for k, n in sorted(view.ooms.items())))
+    yield _counter("tessera_limit_breaches", "the node agents' watchdog saw a slice beyond its "
+                   "limits on the GPU itself (NVML), by reason: memory, compute, tampered",
+                   ["reason"], (([r], n) for r, n in sorted(view.limit_breaches.items())))
     yield _counter("tessera_allocation_events", "allocation events by node and action",
                    ["node", "action"],
                    ((list(k), n) for k, n in sorted(view.alloc_events.items())))

@@ -37,6 +37,7 @@ class Slice:
     limit_bytes: int | None = None
     sm_util: float | None = None
     sm_limit: int | None = None
+    breach: str | None = None  # the watchdog's latest breach reason on this slice's GPU
 
 
 @dataclass
@@ -88,6 +89,10 @@ def _device_usage_by_pod(sample: UsageSample | None) -> dict[tuple[str, str], li
     return out
 
 
+def _breach(view: ClusterView, pod_uid: str, uuid: str) -> str | None:
+    return view.breached.get(pod_uid, {}).get(uuid)
+
+
 def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
     """Every node seen in the registrations or the ledgers, sorted by name."""
     usage = view.fresh_usage(now)
@@ -137,6 +142,7 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
                         limit_bytes=device_usage.limit_bytes if device_usage else None,
                         sm_util=device_usage.sm_util if device_usage else None,
                         sm_limit=device_usage.sm_limit if device_usage else None,
+                        breach=_breach(view, allocation.pod_uid, grant.uuid),
                     )
                     gpu = gpus.get(grant.uuid)
                     if gpu is None:

@@ -17,6 +17,7 @@ from tessera.models import (
     Allocation,
     AllocationEvent,
     Event,
+    LimitBreachedEvent,
     NodeEvent,
     NodeLedger,
     NodeRegistration,
@@ -39,6 +40,7 @@ USAGE_MAX_AGE_S = 30.0
 PENDING_STALE_S = 900.0
 MAX_PENDING = 10_000
 BAD_MESSAGE_SOURCES = ("nodes", "ledger", "quota", "events", "usage")
+BREACH_REASONS = ("memory", "compute", "tampered")
 
 # HAMi writes node reasons as "3/8 CardInsufficientMemory"; several may be joined by ", " or "; ".
 _REASON = re.compile(r"^\s*(?:\d+/\d+\s+)?([A-Z][A-Za-z0-9]*)(?=$|[\s:])")
@@ -103,6 +105,11 @@ class ClusterView:
     sched_failures: Counter[str] = field(default_factory=Counter)  # namespace
     refusals: Counter[str] = field(default_factory=Counter)  # reason code
     ooms: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)  # node, ns, pod, c
+    limit_breaches: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(
+        BREACH_REASONS, 0)))  # watchdog breach reason
+    # pod uid -> GPU uuid -> the latest watchdog breach reason (the dashboard marks the slice;
+    # forgotten when the pod's allocation is released)
+    breached: dict[str, dict[str, str]] = field(default_factory=dict)
     bad_messages: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(
         BAD_MESSAGE_SOURCES, 0)))
     # Values refused by validation (tessera.validation), by (source, reason): never applied.
@@ -197,6 +204,8 @@ class ClusterView:
             self._on_sched_failed(event)
         elif isinstance(event, OomEvent):
             self._on_oom(event)
+        elif isinstance(event, LimitBreachedEvent):
+            self._on_limit_breached(event)
         elif isinstance(event, AdmissionEvent):
             self._on_admission(event)
         elif isinstance(event, QuotaEvent):
@@ -210,6 +219,8 @@ class ClusterView:
         self.latency.allocation(event.action, event.namespace, event.name, event.pod_uid, event.at)
         if event.action in ("bound", "allocated", "released"):
             self._clear_pending(event.namespace, event.name)
+        if event.action == "released":
+            self.breached.pop(event.pod_uid, None)
         grants = [g for container in event.containers for g in container]
         detail = ""
         if grants:
@@ -255,6 +266,14 @@ class ClusterView:
                                                     else "")
         self._remember(event, "oom", "oom", event.node,
                        f"{where} out of GPU memory on {event.node}", "error")
+
+    def _on_limit_breached(self, event: LimitBreachedEvent) -> None:
+        self.limit_breaches[event.breach] += 1
+        self.breached.setdefault(event.pod_uid, {})[event.device_uuid] = event.breach
+        where = f"{event.namespace}/{event.pod}" if event.pod else event.pod_uid
+        self._remember(event, "limit", event.action, event.node,
+                       f"{where} breached its {event.breach} limit on GPU …"
+                       f"{event.device_uuid[-12:]} ({event.action})", "error")
 
     def _on_admission(self, event: AdmissionEvent) -> None:
         self.admission_events[(event.namespace, event.action)] += 1
@@ -317,6 +336,8 @@ class ClusterView:
             sched_failures=Counter(self.sched_failures),
             refusals=Counter(self.refusals),
             ooms=Counter(self.ooms),
+            limit_breaches=Counter(self.limit_breaches),
+            breached={pod: dict(gpus) for pod, gpus in self.breached.items()},
             bad_messages=Counter(self.bad_messages),
             rejected=Counter(self.rejected),
             bounds=self.bounds,

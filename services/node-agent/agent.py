@@ -23,6 +23,9 @@ from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
 from tessera.settings import TesseraSettings
 
+from .nvml_processes import ProcessProbe
+from .watchdog import CachedLedger, Watchdog, watchdog_from_settings
+
 
 class NodeAgent:
     """Everything one node runs. Build it with its dependencies, then `await run(stop)`."""
@@ -40,6 +43,7 @@ class NodeAgent:
         log: logging.Logger | None = None,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
         clock: Callable[[], float] | None = None,
+        process_probe: ProcessProbe | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock  # the NATS server's clock: claims it gives back are judged on it
@@ -59,6 +63,8 @@ class NodeAgent:
         self.endpoint: PluginEndpoint | None = None
         self.health: HealthMonitor | None = None
         self.sampler: UsageSampler | None = None
+        self.process_probe = process_probe
+        self.watchdog: Watchdog | None = None
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
         try:
@@ -98,12 +104,18 @@ class NodeAgent:
             settings=self.settings, cluster=self.cluster, js=self.js, **common,
         )
         await limits.start()
+        self.watchdog = await watchdog_from_settings(
+            self.settings, probe=self.process_probe, store=self.store,
+            ledger=CachedLedger(self.buckets.ledger, self.node), js=self.js, **common,
+        )
         tasks = [
             asyncio.create_task(registrar.run(stop)),
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
         ]
+        if self.watchdog is not None:
+            tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         self.log.info("node agent running", extra={
             "node": self.node, "gpus": len(gpus), "plugin_dir": self.settings.device_plugin_dir,
         })

@@ -781,3 +781,19 @@ def test_nats_credentials_come_from_secrets_never_values(charts_dir: Path) -> No
 
     with pytest.raises(helm.HelmError, match=r"nats\.auth\.type"):
         render(charts_dir, "tessera-quota", {"nats": {"auth": {"type": "token"}}})
+
+
+def test_node_agent_watchdog_gets_host_pids_and_cap_kill_only_when_asked(charts_dir: Path) -> None:
+    def agent_pod(values: dict[str, Any]) -> tuple[Manifest, Manifest]:
+        daemonset = find(render(charts_dir, "tessera-node-agent", values), "DaemonSet")
+        return daemonset["spec"]["template"]["spec"], container(daemonset, "node-agent")
+
+    pod, agent = agent_pod({})
+    assert not pod.get("hostPID") and env_of(agent)["TESSERA_ENFORCEMENT"] == "observe"
+    pod, agent = agent_pod({"watchdog": {"hostPID": True}})
+    assert pod["hostPID"] is True
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # observe: no kill
+    pod, agent = agent_pod({"watchdog": {"hostPID": True}, "config": {"enforcement": "kill"}})
+    assert env_of(agent)["TESSERA_ENFORCEMENT"] == "kill"
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+    assert agent["securityContext"]["privileged"] is False

@@ -9,6 +9,15 @@
  *
  * Events: lines "<device index | -1 for all> <event type> <event data>" appended to the file
  * named by FAKE_NVML_EVENTS are delivered, in order, by nvmlEventSetWait_v2.
+ *
+ * Processes: the file named by FAKE_NVML_PROCESSES holds lines "<device index> <pid> <used MiB>
+ * <SM %>", parsed again whenever it changes, so a test changes what the GPU "holds" by
+ * rewriting it (write a temporary file and rename it over). They
+ * stand for processes that do not go through libvgpu at all. nvmlDeviceGetComputeRunningProcesses
+ * (_v3, _v2 and the unversioned v1) and nvmlDeviceGetProcessUtilization answer from it as NVML
+ * documents; a pid that no longer exists is not listed (the driver forgets an exited process).
+ * Build with -DFAKE_NVML_NO_PROCESSES_V3 / _V2 / _V1 or -DFAKE_NVML_NO_PROCESS_UTILIZATION to
+ * leave that entry point out (older drivers and partial stand-ins lack some).
  * Build: gcc -shared -fPIC -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o libnvidia-ml.so.1
  */
 #define _GNU_SOURCE
@@ -16,12 +25,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <errno.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/stat.h>
 
 typedef int nvmlReturn_t;
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_TIMEOUT 10
 #define NVML_ERROR_UNKNOWN 999
@@ -66,7 +80,7 @@ typedef struct fake_event_set *nvmlEventSet_t;
 
 static struct fake_gpu gpus[MAX_GPUS];
 static unsigned int ngpus;
-static int initialised;
+static int initialised; /* NVML reference-counts nvmlInit / nvmlShutdown */
 
 static nvmlReturn_t load_config(void)
 {
@@ -112,11 +126,17 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags;
     nvmlReturn_t rc = load_config();
-    initialised = rc == NVML_SUCCESS;
+    if (rc == NVML_SUCCESS)
+        initialised++;
     return rc;
 }
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
-nvmlReturn_t nvmlShutdown(void) { initialised = 0; return NVML_SUCCESS; }
+nvmlReturn_t nvmlShutdown(void)
+{
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    initialised--;
+    return NVML_SUCCESS;
+}
 
 const char *nvmlErrorString(nvmlReturn_t rc)
 {
@@ -125,6 +145,8 @@ const char *nvmlErrorString(nvmlReturn_t rc)
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_TIMEOUT: return "Timeout";
     default: return "Unknown Error";
     }
@@ -138,6 +160,19 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
     if (!initialised) return NVML_ERROR_UNINITIALIZED;
     *count = ngpus;
     return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    unsigned int i;
+    if (!initialised) return NVML_ERROR_UNINITIALIZED;
+    if (!uuid || !device) return NVML_ERROR_INVALID_ARGUMENT;
+    for (i = 0; i < ngpus; i++)
+        if (strcmp(gpus[i].uuid, uuid) == 0) {
+            *device = &gpus[i];
+            return NVML_SUCCESS;
+        }
+    return NVML_ERROR_NOT_FOUND;
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
@@ -268,3 +303,144 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         waited += 10;
     }
 }
+
+/* ---- running processes (layouts as in NVIDIA's nvml.h) ------------------------------------ */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;     /* 0xFFFFFFFF without MIG */
+    unsigned int computeInstanceId; /* 0xFFFFFFFF without MIG */
+} nvmlProcessInfo_v2_t;             /* also the _v3 entry point's nvmlProcessInfo_t */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp; /* CPU time, microseconds */
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
+#define MAX_FAKE_PROCS 256
+
+struct fake_proc { unsigned int pid; unsigned long long used_mib; unsigned int sm; };
+
+__attribute__((unused)) static int process_alive(unsigned int pid)
+{
+    return kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
+/* The state file, parsed again only when it changes (rewritten by rename: a new inode). */
+static struct { int gpu; struct fake_proc p; } state[MAX_FAKE_PROCS];
+static unsigned int nstate;
+static struct stat state_st;
+
+static void load_state(void)
+{
+    const char *path = getenv("FAKE_NVML_PROCESSES");
+    char line[256];
+    struct stat st;
+    FILE *f;
+    if (!path || stat(path, &st) != 0) {
+        nstate = 0;
+        memset(&state_st, 0, sizeof state_st);
+        return;
+    }
+    if (st.st_ino == state_st.st_ino && st.st_dev == state_st.st_dev &&
+        st.st_size == state_st.st_size && st.st_mtim.tv_sec == state_st.st_mtim.tv_sec &&
+        st.st_mtim.tv_nsec == state_st.st_mtim.tv_nsec)
+        return;
+    nstate = 0;
+    if (!(f = fopen(path, "r")))
+        return;
+    while (nstate < MAX_FAKE_PROCS && fgets(line, sizeof line, f)) {
+        if (sscanf(line, "%d %u %llu %u", &state[nstate].gpu, &state[nstate].p.pid,
+                   &state[nstate].p.used_mib, &state[nstate].p.sm) == 4)
+            nstate++;
+    }
+    fclose(f);
+    state_st = st;
+}
+
+/* The processes the state file lists on GPU `d` (that still exist). */
+__attribute__((unused)) static unsigned int load_processes(nvmlDevice_t d, struct fake_proc *out)
+{
+    unsigned int i, n = 0;
+    load_state();
+    for (i = 0; i < nstate; i++) {
+        int index = state[i].gpu;
+        if (index < 0 || (unsigned)index >= ngpus || &gpus[index] != d ||
+            !process_alive(state[i].p.pid))
+            continue;
+        out[n++] = state[i].p;
+    }
+    return n;
+}
+
+/* NVML's contract: *count 0 (infos may be NULL) asks the size: INSUFFICIENT_SIZE with the count,
+ * or SUCCESS when nothing runs; a buffer too small gets INSUFFICIENT_SIZE and the needed count. */
+#define RUNNING_PROCESSES(name, type, fill)                                                   \
+nvmlReturn_t name(nvmlDevice_t d, unsigned int *count, type *infos)                         \
+{                                                                                           \
+    struct fake_proc procs[MAX_FAKE_PROCS];                                                 \
+    unsigned int n, i;                                                                      \
+    CHECK_DEV(d);                                                                           \
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;                                         \
+    n = load_processes(d, procs);                                                           \
+    if (*count < n) { *count = n; return NVML_ERROR_INSUFFICIENT_SIZE; }                    \
+    if (n && !infos) return NVML_ERROR_INVALID_ARGUMENT;                                    \
+    for (i = 0; i < n; i++) {                                                               \
+        memset(&infos[i], 0, sizeof infos[i]);                                              \
+        infos[i].pid = procs[i].pid;                                                        \
+        infos[i].usedGpuMemory = procs[i].used_mib << 20;                                   \
+        fill                                                                                \
+    }                                                                                       \
+    *count = n;                                                                             \
+    return NVML_SUCCESS;                                                                    \
+}
+
+#ifndef FAKE_NVML_NO_PROCESSES_V3
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_v2_t,
+                  infos[i].gpuInstanceId = 0xFFFFFFFFu; infos[i].computeInstanceId = 0xFFFFFFFFu;)
+#endif
+#ifndef FAKE_NVML_NO_PROCESSES_V2
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t,
+                  infos[i].gpuInstanceId = 0xFFFFFFFFu; infos[i].computeInstanceId = 0xFFFFFFFFu;)
+#endif
+#ifndef FAKE_NVML_NO_PROCESSES_V1
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, ;)
+#endif
+
+#ifndef FAKE_NVML_NO_PROCESS_UTILIZATION
+/* One sample per listed process, stamped now: NOT_FOUND when none is newer than lastSeen. */
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
+                                             nvmlProcessUtilizationSample_t *samples,
+                                             unsigned int *count, unsigned long long last_seen)
+{
+    struct fake_proc procs[MAX_FAKE_PROCS];
+    struct timespec ts;
+    unsigned long long stamp;
+    unsigned int n, i;
+    CHECK_DEV(d);
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    stamp = (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000;
+    n = load_processes(d, procs);
+    if (n == 0 || stamp <= last_seen) return NVML_ERROR_NOT_FOUND;
+    if (!samples || *count < n) { *count = n; return NVML_ERROR_INSUFFICIENT_SIZE; }
+    for (i = 0; i < n; i++) {
+        memset(&samples[i], 0, sizeof samples[i]);
+        samples[i].pid = procs[i].pid;
+        samples[i].timeStamp = stamp;
+        samples[i].smUtil = procs[i].sm;
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+#endif

@@ -89,6 +89,7 @@ async def bind(
     *,
     init_count: int = 0,
     claim: bool = True,
+    core_policy: str = "default",
 ) -> Allocation:
     """What the scheduler writes at bind: a bound allocation and the node's in-flight claim."""
     meta = pod["metadata"]
@@ -99,7 +100,7 @@ async def bind(
     allocation = Allocation(
         pod_uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], node=node,
         containers=containers, init_count=init_count, state=AllocationState.BOUND,
-        container_names=names,
+        container_names=names, core_policy=core_policy,
     )
 
     def mutate(ledger: NodeLedger | None) -> NodeLedger:
@@ -132,6 +133,7 @@ class Rig:
     source: InjectableSource
     cluster: InMemoryCluster
     agent: NodeAgent | None = None
+    process_probe: Any = None  # the watchdog's NVML stand-in, when a test gives one
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -144,6 +146,7 @@ class Rig:
         self.agent = NodeAgent(
             settings=self.settings, node=self.node, nc=self.nc, js=self.nc.jetstream(),
             buckets=self.buckets, source=self.source, cluster=self.cluster,
+            process_probe=self.process_probe,
         )
         self.task = asyncio.create_task(self.agent.run(self.stop))
         await asyncio.wait_for(self.agent.ready.wait(), 10)
@@ -165,13 +168,16 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def running_rig(base: Path, nc: Any, buckets: Buckets, **overrides: Any):
+async def running_rig(
+    base: Path, nc: Any, buckets: Buckets, *, node: str | None = None, process_probe: Any = None,
+    **overrides: Any,
+):
     settings = rig_settings(base, **overrides)
-    node = f"node-{uuid.uuid4().hex[:8]}"
+    node = node or f"node-{uuid.uuid4().hex[:8]}"
     kubelet = SimKubelet(settings.device_plugin_dir, settings.pod_resources_socket)
     await kubelet.start()
     rig = Rig(settings, node, nc, buckets, kubelet, InjectableSource(settings, node),
-              InMemoryCluster())
+              InMemoryCluster(), process_probe=process_probe)
     try:
         await rig.start_agent()
         await kubelet.wait_registered(settings.resource_name)

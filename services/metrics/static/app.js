@@ -67,6 +67,7 @@ function renderTotals(t) {
     stat("Pods on GPUs", t.pods, "active allocations"),
     stat("Pending pods", t.pending, "refused by the scheduler", t.pending ? "warn" : ""),
     stat("OOM events", t.ooms, "GPU memory limit hit", t.ooms ? "err" : ""),
+    stat("Limit breaches", t.limit_breaches, "seen by the node watchdogs", t.limit_breaches ? "err" : ""),
   ].join("");
 }
 
@@ -76,8 +77,8 @@ function segments(gpu, field, total) {
     const amount = s[field];
     const width = total > 0 ? (100 * amount) / total : 0;
     const label = field === "memory_mib" ? mem(amount) : `${amount}%`;
-    const title = `${key} · ${s.container} · ${label} · ${s.state}`;
-    return `<div class="seg ${esc(s.state)}" data-pod="${esc(key)}" data-container="${esc(s.container)}"` +
+    const title = `${key} · ${s.container} · ${label} · ${s.state}${s.breach ? " · breached: " + s.breach : ""}`;
+    return `<div class="seg ${esc(s.state)}${s.breach ? " breached" : ""}" data-pod="${esc(key)}" data-container="${esc(s.container)}"` +
       ` data-amount="${amount}" style="width:${width.toFixed(3)}%;background:${podColor(key)}"` +
       ` title="${esc(title)}">${width > 14 ? esc(s.pod) : ""}</div>`;
   }).join("");
@@ -102,7 +103,8 @@ function renderGpu(gpu) {
         }
         return `<li data-pod="${esc(key)}"><span class="swatch" style="background:${podColor(key)}"></span>` +
           `<span class="slice-name">${esc(key)} <span class="ctr">${esc(s.container)}` +
-          `${s.state !== "allocated" ? " · " + esc(s.state) : ""}</span></span>` +
+          `${s.state !== "allocated" ? " · " + esc(s.state) : ""}</span>` +
+          `${s.breach ? ` <span class="badge err breach">breached: ${esc(s.breach)}</span>` : ""}</span>` +
           `<span class="slice-fig">${mem(s.memory_mib)} · ${s.cores}%${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
       }).join("")}</ul>`
     : `<div class="no-slices">idle: no pod holds this GPU</div>`;
