@@ -29,15 +29,11 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from tessera import bus
-from tessera.models import AdmissionAction, AllocAction, NodeAction, QuotaAction
+from tessera.models import AdmissionAction, AllocAction, NodeAction, QuotaAction, RejectedKind
 
 JS_API = "$JS.API"
-STREAMS = (
-    f"KV_{bus.NODES_BUCKET}",
-    f"KV_{bus.LEDGER_BUCKET}",
-    f"KV_{bus.QUOTA_BUCKET}",
-    bus.EVENTS_STREAM,
-)
+# Every stream a service may have to (re-)create: the buckets, the events, the clock.
+STREAMS = bus.BUS_STREAMS
 NODE_PLACEHOLDER = "<node>"
 _DOC_NODE = "doc-node-placeholder"  # a valid name, shown as <node> in the table
 
@@ -147,6 +143,27 @@ def _bus_setup() -> Rule:
         publish=tuple(
             f"{JS_API}.STREAM.{verb}.{stream}" for stream in STREAMS for verb in ("INFO", "CREATE")
         ),
+    )
+
+
+def _server_clock() -> Rule:
+    # tessera.clock.ServerClock: publish a tiny message, read the server's stamp on it back.
+    return Rule(
+        "measure the NATS server's clock",
+        publish=(
+            f"{bus.CLOCK_PREFIX}.*",
+            f"{JS_API}.STREAM.MSG.GET.{bus.CLOCK_STREAM}",
+            f"{JS_API}.DIRECT.GET.{bus.CLOCK_STREAM}",
+            f"{JS_API}.DIRECT.GET.{bus.CLOCK_STREAM}.>",
+        ),
+    )
+
+
+def _rejections(kinds: Iterable[str]) -> Rule:
+    # tessera.validation.Rejections: a value that failed validation is reported, never applied.
+    return Rule(
+        "report values refused by validation",
+        publish=tuple(bus.rejected_event_subject(k) for k in _checked(kinds, RejectedKind)),
     )
 
 
@@ -277,6 +294,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 + [wildcard(bus.sched_failed_subject)],
             ),
             _requests("reserve and release quota", bus.QUOTA_RESERVE, bus.QUOTA_RELEASE),
+            _rejections(["registration", "ledger", "quota"]),
             _micro(bus.SCHEDULER_SERVICE, [bus.SCHEDULER_EXPLAIN]),
         ], True
     if role == QUOTA:
@@ -284,7 +302,10 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _bus_setup(),
             _kv_watch(bus.QUOTA_BUCKET),
             _kv_write(bus.QUOTA_BUCKET),
+            _kv_watch(bus.QUOTA_CHARGES_BUCKET),
+            _kv_write(bus.QUOTA_CHARGES_BUCKET),
             _kv_watch(bus.LEDGER_BUCKET),
+            _rejections(["event"]),
             _events_durable(bus.QUOTA_RELEASED_CONSUMER),
             _publish_events(
                 "quota events",
@@ -328,8 +349,10 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 "its own node's events",
                 [bus.alloc_event_subject(node, a) for a in alloc]
                 + [bus.node_event_subject(node, a) for a in node_actions]
-                + [bus.oom_event_subject(node)],
+                + [bus.oom_event_subject(node), bus.limit_breached_subject(node)],
             ),
+            _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
+            _rejections(["ledger", "limits"]),
             Rule("its own usage samples", publish=(bus.usage_subject(node),)),
             _micro(bus.NODE_SERVICE, [bus.node_limits_subject(node)]),
         ], True
@@ -372,6 +395,8 @@ def permissions(role: str, node: str | None = None) -> Permissions:
     user = user_name(role, node)
     rules, allow_responses = _rules(role, node)
     rules = [*rules, _inbox(user)]
+    if role in (*SERVICE_ROLES, NODE_AGENT):  # tessera.service.serve keeps a ServerClock
+        rules.append(_server_clock())
     deny = _service_durable_deny() if role in (ADMIN, EVENTS_READER) else ()
     return Permissions(
         user=user,

@@ -99,10 +99,11 @@ def test_a_pod_is_placed_and_the_cli_works_with_auth_on(sim: RunningStack, names
                   "--memory", "900")
     assert changed.returncode == 0, changed.stdout + changed.stderr
     assert "900 MiB" in changed.stdout
-    # ... and the quota service charged both pods (its release consumer and watches work).
+    # ... and the quota service charged both pods (its release consumer and watches work), the
+    # second at its changed limit (limits.set resizes the pod's quota charge too).
     usage = cli(sim, "quota", "get", namespace)
     assert usage.returncode == 0, usage.stdout + usage.stderr
-    assert "2,000 MiB" in usage.stdout and "p-gpu-auth-b" in usage.stdout, usage.stdout
+    assert "1,900 MiB" in usage.stdout and "p-gpu-auth-b" in usage.stdout, usage.stdout
 
     sim.kube.delete_namespace_pods(namespace)
 
