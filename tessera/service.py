@@ -77,6 +77,7 @@ async def serve(
     js = nc.jetstream()
     buckets = await ensure_bus(js, settings)
     keeper = BusKeeper(js, settings)
+    await keeper.check()  # remembers the streams this service starts on, so a loss shows
     ctx = ServiceContext(name, settings, nats_settings, nc, js, buckets, log=log, keeper=keeper)
     upkeep = [
         asyncio.create_task(keeper.run(ctx.stop, settings.bus_check_interval_s)),
