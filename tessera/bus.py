@@ -316,6 +316,11 @@ class BusKeeper:
         try:
             created = await self._bounded_ensure()
         except Exception as exc:
+            nc = getattr(self.js, "_nc", None)
+            if isinstance(exc, TimeoutError) and nc is not None and nc.is_connected:
+                # Connected but slow (a busy process or server): not evidence of a lost bus.
+                log.warning("bus check slow", extra={"err": str(exc)})
+                return self.ready
             if self.ready:
                 log.warning("bus unavailable", extra={"err": f"{type(exc).__name__}: {exc}"})
             self.ready = False
