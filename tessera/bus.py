@@ -320,7 +320,10 @@ class BusKeeper:
     """Keeps the buckets and streams in existence: a service whose NATS lost its store (a wiped
     disk, a cluster that lost a replica set) re-creates them, and reports not-ready while it
     cannot. `generation` grows each time a stream is found re-created (by us or another
-    service), so watchers restart and state that lived only in NATS is rebuilt."""
+    service), so watchers restart and state that lived only in NATS is rebuilt. Call `check()`
+    once right after `ensure_bus`, before watching: that is the bus later checks compare to."""
+
+    CHECK_TIMEOUT_S = 5.0  # a check stuck in a reconnect counts as failed
 
     def __init__(self, js: JetStreamContext, settings: TesseraSettings) -> None:
         self.js = js
@@ -334,9 +337,15 @@ class BusKeeper:
     async def check(self) -> bool:
         """Ensure everything exists; True when it does. Bumps `generation` on a re-creation."""
         try:
-            await ensure_bus(self.js, self.settings)
-            created = {name: (await self.js.stream_info(name)).created for name in BUS_STREAMS}
+            created = await self._bounded_ensure()
         except Exception as exc:
+            nc = getattr(self.js, "_nc", None)
+            if isinstance(exc, TimeoutError) and nc is not None and nc.is_connected:
+                # Connected but slow (a busy process or server): not evidence of a lost bus.
+                log.warning("bus check slow", extra={"err": str(exc)})
+                return self.ready
+            if self.ready:
+                log.warning("bus unavailable", extra={"err": f"{type(exc).__name__}: {exc}"})
             self.ready = False
             self.reason = f"NATS buckets/streams unavailable: {type(exc).__name__}: {exc}"[:300]
             return False
@@ -348,6 +357,21 @@ class BusKeeper:
         self.ready = True
         self.reason = ""
         return True
+
+    async def _bounded_ensure(self) -> dict[str, object]:
+        """`_ensure` with a deadline that holds even when a request caught in a reconnect does
+        not honour cancellation (seen with nats-py): the stuck attempt is abandoned."""
+        attempt = asyncio.ensure_future(self._ensure())
+        done, _ = await asyncio.wait({attempt}, timeout=self.CHECK_TIMEOUT_S)
+        if not done:
+            attempt.cancel()
+            attempt.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise TimeoutError(f"no answer in {self.CHECK_TIMEOUT_S:.0f} s")
+        return attempt.result()
+
+    async def _ensure(self) -> dict[str, object]:
+        await ensure_bus(self.js, self.settings)
+        return {name: (await self.js.stream_info(name)).created for name in BUS_STREAMS}
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         while not stop.is_set():

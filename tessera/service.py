@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -77,7 +78,11 @@ async def serve(
     js = nc.jetstream()
     buckets = await ensure_bus(js, settings)
     keeper = BusKeeper(js, settings)
-    ctx = ServiceContext(name, settings, nats_settings, nc, js, buckets, log=log, keeper=keeper)
+    await keeper.check()  # remembers the streams this service starts on, so a loss shows
+    skew = settings.clock_skew_s
+    clock = ServerClock(local=(lambda: time.time() + skew) if skew else time.time)
+    ctx = ServiceContext(name, settings, nats_settings, nc, js, buckets, log=log, keeper=keeper,
+                         clock=clock)  # fmt: skip
     upkeep = [
         asyncio.create_task(keeper.run(ctx.stop, settings.bus_check_interval_s)),
         asyncio.create_task(ctx.clock.run(js, f"{name}-{socket.gethostname()}-{os.getpid()}",

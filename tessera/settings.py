@@ -103,6 +103,10 @@ class TesseraSettings(BaseSettings):
     clock_sync_interval_s: float = Field(
         5.0, gt=0, description="how often the offset to the NATS server's clock is re-measured"
     )
+    clock_skew_s: float = Field(
+        0.0, ge=-86400, le=86400,
+        description="drills only: shift this process's own clock (leases must not notice)",
+    )
 
     # Admission webhook.
     tls_cert: str | None = Field(None, description="webhook TLS certificate (PEM), reloaded")

@@ -337,6 +337,28 @@ class LocalStack:
                     raise RuntimeError(f"{url} not ready in {timeout_s:.0f} s")
                 time.sleep(0.1)
 
+    def readiness(self, name: str) -> str:
+        """'ready' / 'not ready' from the service's /readyz ('' for services without one here):
+        a service that lost its buckets says so while it re-creates them and rebuilds."""
+        import ssl
+
+        urls = {
+            "scheduler": (f"http://127.0.0.1:{self.ports.scheduler}/readyz", None),
+            "metrics": (f"http://127.0.0.1:{self.ports.metrics}/readyz", None),
+            "admission": (
+                f"https://127.0.0.1:{self.ports.admission}/readyz",
+                ssl.create_default_context(cafile=str(self.state_dir / "certs" / "ca.crt")),
+            ),
+        }
+        if name not in urls:
+            return ""
+        url, tls = urls[name]
+        try:
+            with urllib.request.urlopen(url, timeout=0.5, context=tls) as reply:
+                return "ready" if reply.status == 200 else "not ready"
+        except OSError:
+            return "not ready"
+
     def _ensure_certificates(self) -> None:
         from tessera.cli.certs import (  # cryptography: only when starting
             write_certificates,

@@ -288,8 +288,8 @@ class QuotaService:
         return written
 
     def _refusing(self) -> str:
-        if self.keeper is not None and not self.keeper.ready:
-            return f"quota not ready: {self.keeper.reason}"
+        """Reservations wait only while the state is rebuilt; a bus that is away fails them by
+        itself (and /readyz says so)."""
         return self.rebuilding
 
     # --- endpoint plumbing --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from nats.js.kv import KeyValue
 from tessera.quota import arithmetic as qa
 
 from tessera import bus
-from tessera.bus import CasConflictError, NoChange, Versioned, read
+from tessera.bus import CasConflictError, NoChange, Versioned, cas_update, read
 from tessera.codec import CodecError, decode, encode
 from tessera.models import QuotaCharge, QuotaState
 
@@ -139,41 +139,45 @@ class QuotaStore:
 
     async def fold(self, namespace: str) -> int:
         """Give journal entries older than FOLD_AFTER_S their own keys and move them into the
-        settled totals; finish deletions of released keys. Returns how many were folded."""
-        for _ in range(CAS_ATTEMPTS):
-            current = await read(self.counters, namespace, QuotaState)
-            if current is None:
-                return 0
-            state = current.value
-            now = self.clock()
-            due = {u: c for u, c in state.charges.items() if now - c.at >= FOLD_AFTER_S}
-            if not due and not state.releasing:
-                return 0
-            await asyncio.gather(*(
-                self.charges.put(bus.quota_charge_key(namespace, u), encode(c))
-                for u, c in due.items()
-            ))  # fmt: skip
-            gone = set()
-            for uid in state.releasing:
-                if uid in state.charges:
-                    continue  # re-reserved meanwhile: its new key comes with its fold
+        settled totals; finish deletions of released keys. Returns how many were folded.
+
+        The keys are written first, then one CAS moves exactly the entries whose charge is
+        still the one written (a retry re-reads, it never re-writes keys), so a namespace busy
+        with reservations cannot starve its fold."""
+        current = await read(self.counters, namespace, QuotaState)
+        if current is None:
+            return 0
+        state = current.value
+        now = self.clock()
+        due = {u: c for u, c in state.charges.items() if now - c.at >= FOLD_AFTER_S}
+        if not due and not state.releasing:
+            return 0
+        await asyncio.gather(*(
+            self.charges.put(bus.quota_charge_key(namespace, u), encode(c))
+            for u, c in due.items()
+        ))  # fmt: skip
+        gone = set()
+        for uid in state.releasing:
+            if uid not in state.charges:  # re-reserved meanwhile: its new key comes with its fold
                 await self._delete_key(namespace, uid)
                 gone.add(uid)
-            try:
-                new = qa.fold(state, set(due), gone)
-            except NoChange:
-                return 0
-            try:
-                await self.counters.update(namespace, encode(new), last=current.revision)
-            except KeyWrongLastSequenceError:
-                continue
-            return len(due)
-        return 0
+
+        def move(latest: QuotaState | None) -> QuotaState:
+            if latest is None:
+                raise NoChange
+            written = {u for u, c in due.items() if latest.charges.get(u) == c}
+            return qa.fold(latest, written, gone)
+
+        try:
+            await cas_update(self.counters, namespace, QuotaState, move, attempts=CAS_ATTEMPTS)
+        except NoChange:
+            return 0
+        return len(due)
 
     async def recompute(self, namespace: str) -> bool:
         """Re-derive the settled totals from the keys (heals a crash between a counter write and
-        its key write); True when they were off."""
-        for _ in range(CAS_ATTEMPTS):
+        its key write); True when they were off. A busy namespace may need the next pass."""
+        for _ in range(5):
             current = await read(self.counters, namespace, QuotaState)
             if current is None:
                 return False

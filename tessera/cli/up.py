@@ -31,15 +31,19 @@ def status_table(stack: LocalStack) -> Table:
     table.add_column("service")
     table.add_column("pid", justify="right")
     table.add_column("status")
+    table.add_column("ready")
     table.add_column("up", justify="right")
     table.add_column("log")
     for running in stack.running:
         status = running.status
         style = "green" if status == "running" else "red"
+        ready = stack.readiness(running.spec.name) if status == "running" else ""
+        ready_style = "green" if ready == "ready" else "yellow"
         table.add_row(
             running.spec.name,
             str(running.proc.pid),
             f"[{style}]{status}[/{style}]",
+            f"[{ready_style}]{ready}[/{ready_style}]" if ready else "",
             f"{time.time() - running.started_at:.0f}s",
             str(running.log_path),
         )

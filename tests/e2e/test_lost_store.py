@@ -13,7 +13,6 @@ import asyncio
 import json
 import shutil
 import time
-import urllib.request
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -67,12 +66,8 @@ def ledger_holds(nats_url: str, pods: list[dict]) -> bool:
 
 
 def scheduler_ready(sim: RunningStack) -> bool:
-    try:
-        url = f"http://127.0.0.1:{sim.stack.ports.scheduler}/readyz"
-        with urllib.request.urlopen(url, timeout=1) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
+    """What `tessera up` shows in its ready column."""
+    return sim.stack.readiness("scheduler") == "ready"
 
 
 def gpu_use(pods: list[dict]) -> dict[str, int]:

@@ -52,6 +52,8 @@ async def make_service(nats_url: str, cluster: InMemoryCluster) -> AsyncIterator
         buckets = await ensure_bus(js, tessera_settings)
         instance = f"test-{uuid.uuid4().hex[:6]}"
         bus_keeper = BusKeeper(js, tessera_settings) if keeper else None
+        if bus_keeper is not None:
+            assert await bus_keeper.check()  # what the service starts on (as service.serve)
         service = SchedulerService(
             tessera_settings,
             SchedulerSettings(**{"sweep_interval_s": 0.2, **(config or {})}),

@@ -165,7 +165,7 @@ async def test_filter_is_refused_with_a_reason_until_the_ledger_is_rebuilt(nats_
 
 
 async def test_wiped_store_under_a_running_scheduler_is_recreated_and_rebuilt(
-    make_service: MakeService, fresh_nats: EmbeddedNats, cluster: InMemoryCluster
+    fresh_nats: EmbeddedNats, make_service: MakeService, cluster: InMemoryCluster
 ) -> None:
     """NATS loses its whole JetStream store and comes back empty on the same port: the
     scheduler re-creates the buckets, reports not-ready meanwhile, and rebuilds the ledger."""
