@@ -217,8 +217,6 @@ class SchedulerService:
         async for key, value, revision in bus.watch_models(
             self.buckets.nodes, NodeRegistration, self.guard.registration_undecodable
         ):
-            if value is not None and not self.guard.registration_ok(key, value, revision):
-                continue  # never applied: the node keeps its last valid registration
             now = self.clock()
             if not key:
                 for name in [n for n, e in self.index.entries.items() if e.schedulable]:
@@ -229,6 +227,8 @@ class SchedulerService:
                 continue
             if seen is not None:
                 seen.add(key)
+            if value is not None and not self.guard.registration_ok(key, value, revision):
+                continue  # never applied: the node keeps its last valid registration
             if value is None and seen is None:
                 await self._announce_lost(key, "registration deleted")
             self.index.set_registration(key, value, now)
