@@ -101,9 +101,9 @@ REGISTRATION = NodeRegistration(node="n1", devices=[device()])
         (NodeLedger(node="n2", allocations={}), REGISTRATION, "key_mismatch"),
         (NodeLedger(node="n1", allocations={"u1": allocation(init_count=3)}), REGISTRATION,
          "container_count"),
+        # A claim whose allocation was swept is legitimate (it lapses by itself).
         (NodeLedger(node="n1", claim=InFlightClaim(pod_uid="x", namespace="ns", name="p",
-                                                   expires_at=1.0)), REGISTRATION,
-         "claim_without_allocation"),
+                                                   expires_at=1.0)), REGISTRATION, None),
     ],
 )  # fmt: skip
 def test_ledger_bounds(
