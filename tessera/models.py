@@ -311,8 +311,7 @@ RejectedKind = Literal["registration", "ledger", "quota", "limits", "event"]
 
 
 class ValueRejectedEvent(Event):
-    """A value read from the bus failed validation and was not applied (a forged or corrupt
-    registration, ledger entry, quota record, limits request or consumed event)."""
+    """A bus value (registration, ledger, quota, limits request, event) failed validation."""
 
     SUBJECT: ClassVar[str] = "tessera.events.rejected.<kind>"
     kind: RejectedKind

@@ -211,8 +211,6 @@ def ledger_problem(
             if len(grants) > 1 and len({g.uuid for g in grants}) != len(grants):
                 who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
                 return Problem("grant_duplicate", f"{who}: one container granted a GPU twice")
-    if ledger.claim is not None and ledger.claim.pod_uid not in ledger.allocations:
-        return Problem("claim_without_allocation", f"node {key}: claim by a pod with no allocation")
     return None
 
 
@@ -259,6 +257,23 @@ def quota_problem(key: str, state: QuotaState) -> Problem | None:
         if charge.memory_mib > 2**40 or charge.cores > 2**31 or charge.gpus > 2**20:
             return Problem("quota_out_of_range", f"quota {key}: charge of pod {uid} is absurd")
     return None
+
+
+def quota_salvage(key: str, state: QuotaState) -> QuotaState:
+    """What can be kept of an invalid quota record: its namespace set to the key, out-of-range
+    limits set to 0 (GPU use blocked until an operator sets them again: fail closed), bad
+    charges dropped (the quota reconciler gives backed pods their charge back from the ledger)."""
+    limits = state.limits.model_copy()
+    for field_name in ("memory_mib", "cores", "gpus"):
+        value = getattr(limits, field_name)
+        if value is not None and not 0 <= value <= 2**53:
+            setattr(limits, field_name, 0)
+    charges = {
+        uid: charge for uid, charge in state.charges.items()
+        if uid == charge.pod_uid
+        and charge.memory_mib <= 2**40 and charge.cores <= 2**31 and charge.gpus <= 2**20
+    }  # fmt: skip
+    return state.model_copy(update={"namespace": key, "limits": limits, "charges": charges})
 
 
 def limits_problem(request: LimitsSetRequest, devices: Iterable[DeviceInfo]) -> Problem | None:

@@ -57,7 +57,7 @@ from tessera.models import (
 )
 from tessera.restore import RestoreReport, allocations_from_pods
 from tessera.settings import TesseraSettings
-from tessera.validation import Problem, Rejections
+from tessera.validation import Problem, Rejections, quota_problem, quota_salvage
 
 SERVICE_VERSION = "0.1.0"
 # Many replicas hammering one namespace lose CAS races to each other; keep trying well past the
@@ -338,7 +338,7 @@ class QuotaService:
         if req.check_only:
             current, own = await self.store.read_with_own(req.namespace, req.pod_uid)
             state = current.value if current else None
-            reason = qa.refusal(state, req, own)
+            reason = self._invalid(req.namespace, state) or qa.refusal(state, req, own)
             if reason:
                 self._exceeded(state, req, reason)
                 return QuotaReply(ok=False, reason=reason, states=_summary(state, req))
@@ -350,6 +350,9 @@ class QuotaService:
 
         def hold(state: QuotaState | None, own: QuotaCharge | None) -> QuotaState:
             seen[0] = state  # the state a refusal was decided against, for the event
+            invalid = self._invalid(req.namespace, state)
+            if invalid:
+                raise qa.QuotaRefused(invalid)
             return qa.reserve(state, req, stamp, own)
 
         try:
@@ -412,10 +415,29 @@ class QuotaService:
 
     # --- shared by endpoints, the event consumer and the ResourceQuota watcher ----------------
 
+    def _invalid(self, namespace: str, state: QuotaState | None) -> str:
+        """Why the stored record cannot be used ('' when it can): a reservation against it is
+        refused (fail closed) until limits are set again, which salvages it."""
+        problem = quota_problem(namespace, state) if state is not None else None
+        if problem is None:
+            return ""
+        self.rejections.reject("quota", namespace, problem)
+        return (f"the quota record of namespace {namespace} is invalid ({problem.detail}): GPU "
+                "reservations are refused until its limits are set again")  # fmt: skip
+
     async def _write_limits(
         self, namespace: str, mutate: Callable[[QuotaState | None], QuotaState]
     ) -> QuotaState:
-        result, wrote = await cas_apply(self.kv, namespace, mutate)
+        def salvaged(state: QuotaState | None) -> QuotaState:
+            if state is None or quota_problem(namespace, state) is None:
+                return mutate(state)
+            state = quota_salvage(namespace, state)  # writing limits repairs the record
+            try:
+                return mutate(state)
+            except NoChange:
+                return state
+
+        result, wrote = await cas_apply(self.kv, namespace, salvaged)
         if result is None:
             return QuotaState(namespace=namespace)
         if wrote:

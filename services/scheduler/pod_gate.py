@@ -4,7 +4,8 @@
   that uid: a made-up pod posted to /filter holds nothing. Pods the scheduler's pod watch has
   seen are known without a round trip; others are looked up once (`get_pod`).
 - Bind re-checks the pod's node constraints it can see (constraints.py) against the Node object
-  (cached for a few seconds, as kube-scheduler's own cache is).
+  (cached for a few seconds, as kube-scheduler's own cache is). The constraints of pods not yet
+  bound come from the pod watch too, so a bind costs no extra API call in the common case.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .pods import PodIdentity
 
 POD_UNKNOWN = "PodUnknown"
 _KNOWN_LIMIT = 200_000
+_CONSTRAINT_FIELDS = ("nodeSelector", "affinity", "tolerations")
 
 
 class PodGate:
@@ -33,6 +35,8 @@ class PodGate:
         self.clock = clock
         self.node_cache_s = node_cache_s
         self.known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name), from the watch
+        # uid -> the scheduling-relevant part of an unbound pod's spec, from the watch
+        self.unbound: dict[str, dict[str, Any]] = {}
         self._nodes: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def observe(self, event: WatchEvent) -> None:
@@ -41,10 +45,15 @@ class PodGate:
         uid = meta.get("uid")
         if not isinstance(uid, str) or not uid:
             return
+        spec = event.object.get("spec") or {}
+        if event.type == "DELETED" or spec.get("nodeName"):
+            self.unbound.pop(uid, None)
         if event.type == "DELETED":
             self.known.pop(uid, None)
         elif len(self.known) < _KNOWN_LIMIT:
             self.known[uid] = (str(meta.get("namespace") or "default"), str(meta.get("name")))
+            if not spec.get("nodeName"):
+                self.unbound[uid] = {k: spec[k] for k in _CONSTRAINT_FIELDS if k in spec}
 
     async def check_identity(self, ident: PodIdentity) -> str | None:
         return await self.pod_problem(ident.namespace, ident.name, ident.uid)
@@ -72,13 +81,17 @@ class PodGate:
         """Bind's check: the pod exists (with that uid) and its constraints allow `node`."""
         if self.cluster is None:
             return None
-        try:
-            pod = await self.cluster.get_pod(namespace, name)
-        except ClusterError as exc:
-            return f"pod {namespace}/{name}: {exc}"
-        real = (pod.get("metadata") or {}).get("uid")
-        if uid and real != uid:
-            return f"pod {namespace}/{name} in the cluster has uid {real}, not {uid}"
+        constraints = self.unbound.get(uid) if uid else None
+        if constraints is not None and self.known.get(uid) == (namespace, name):
+            pod: dict[str, Any] = {"metadata": {"uid": uid}, "spec": constraints}
+        else:
+            try:
+                pod = await self.cluster.get_pod(namespace, name)
+            except ClusterError as exc:
+                return f"pod {namespace}/{name}: {exc}"
+            real = (pod.get("metadata") or {}).get("uid")
+            if uid and real != uid:
+                return f"pod {namespace}/{name} in the cluster has uid {real}, not {uid}"
         problem = await self.bind_problem(pod, node)
         return f"refusing to bind {namespace}/{name}: {problem}" if problem else None
 

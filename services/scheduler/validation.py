@@ -162,8 +162,9 @@ class LedgerGuard:
                 break  # the key was deleted before: empty is the last valid state
             value = self._valid(node, entry.value)
             if value is not None:
-                if entry is latest:
-                    return True  # valid already: the watch will deliver it
+                if entry is latest:  # valid already (someone wrote one): nothing to repair
+                    self.ledger_valid(node)
+                    return True
                 good = value
                 break
         repaired = await self.rebuild(node, good) if self.rebuild else good

@@ -15,7 +15,10 @@ from tessera.models import (
     AllocationState,
     DeviceGrant,
     NodeLedger,
+    QuotaAmount,
     QuotaRequest,
+    QuotaSetRequest,
+    QuotaState,
     QuotaStatusRequest,
     ValueRejectedEvent,
 )
@@ -52,3 +55,25 @@ async def test_a_contradicted_release_keeps_the_charge(start_quota, nc, buckets)
         return await charges(nc, ns) == set()
 
     await eventually(freed, timeout=10)
+
+
+async def test_an_invalid_quota_record_refuses_reservations_until_limits_are_set(
+    start_quota, nc, buckets
+) -> None:
+    await start_quota()
+    ns = unique_namespace()
+    # A decodable record with a negative limit (forged or corrupt): never used as is.
+    await buckets.quota.put(ns, encode(QuotaState(
+        namespace=ns, limits=QuotaAmount(memory_mib=-1000))))  # fmt: skip
+    sub = await nc.subscribe(bus.rejected_event_subject("quota"))
+    ask = QuotaRequest(namespace=ns, pod_uid="p1", name="p1", memory_mib=100, cores=1, gpus=1)
+    refused = await call(nc, bus.QUOTA_RESERVE, ask)
+    assert not refused.ok and "quota record of namespace" in refused.reason
+    rejected = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+    assert rejected.problem == "quota_out_of_range"
+    check = await call(nc, bus.QUOTA_RESERVE, ask.model_copy(update={"check_only": True}))
+    assert not check.ok
+    # Setting the limits again repairs the record; reservations work again.
+    assert (await call(nc, bus.QUOTA_SET, QuotaSetRequest(
+        namespace=ns, limits=QuotaAmount(memory_mib=4000)))).ok  # fmt: skip
+    assert (await call(nc, bus.QUOTA_RESERVE, ask)).ok
