@@ -80,11 +80,13 @@ def base_env() -> dict[str, str]:
 class Cuctl:
     """A running tests/native/progs/cuctl: send a line, get its JSON answer."""
 
-    def __init__(self, exe: Path, env: dict[str, str], stderr_path: Path):
+    def __init__(
+        self, exe: Path, env: dict[str, str], stderr_path: Path, prefix: tuple[str, ...] = ()
+    ):
         self._stderr = stderr_path.open("w")
         self.stderr_path = stderr_path
         self.p = subprocess.Popen(
-            [str(exe)],
+            [*prefix, str(exe)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

@@ -58,7 +58,8 @@ static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now)
     int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED), nb;
     do {
         nb = b + add;
-        if (nb > TV_BURST_NS) nb = TV_BURST_NS; /* also clamps a budget written into the region */
+        if (nb > TV_BURST_NS) nb = TV_BURST_NS;
+        if (b > 4 * TV_BURST_NS) nb = -TV_BURST_NS; /* written into the region: a debt */
     } while (!__atomic_compare_exchange_n(&rd->budget_ns, &b, nb, 1, __ATOMIC_RELAXED,
                                           __ATOMIC_RELAXED));
 }
@@ -179,9 +180,11 @@ static void wait_budget(int d)
         } else {
             refill(rd, eff, now);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
-            if (tv_unlikely(b > TV_BURST_NS)) { /* never banked by us: written into the region */
-                __atomic_compare_exchange_n(&rd->budget_ns, &b, 0, 0, __ATOMIC_RELAXED,
-                                            __ATOMIC_RELAXED);
+            if (tv_unlikely(b > 4 * TV_BURST_NS)) {
+                /* far more than refills and corrections bank: written into the region by the
+                 * tenant. Treated as an empty bucket (a debt of one burst), never as budget. */
+                __atomic_compare_exchange_n(&rd->budget_ns, &b, -TV_BURST_NS, 0,
+                                            __ATOMIC_RELAXED, __ATOMIC_RELAXED);
                 continue;
             }
             if (b > 0) return;

@@ -247,6 +247,57 @@ static void seed_devices(struct tv_region *rg, const struct tv_region_seed *seed
         if (seed->uuids[i][0]) shared_slot_locked(rg, seed->uuids[i], seed);
 }
 
+/* ---- a truncated file ---------------------------------------------------------------------
+ * A tenant may truncate the region under our mapping: the next access would raise SIGBUS. The
+ * handler below turns a fault inside any region mapping of ours into a private zero page (the
+ * region then reads as invalid: charges are refused until it is repaired) and passes every
+ * other SIGBUS on to whoever had the signal before. */
+
+#define TV_MAPS 8
+static void *mapped[TV_MAPS]; /* every shared mapping we made (old ones stay mapped) */
+static _Atomic int *bad_flag;
+static struct sigaction old_bus;
+
+static void on_sigbus(int sig, siginfo_t *si, void *ctx)
+{
+    uintptr_t a = (uintptr_t)si->si_addr;
+    for (int i = 0; i < TV_MAPS; i++) {
+        uintptr_t m = (uintptr_t)__atomic_load_n(&mapped[i], __ATOMIC_RELAXED);
+        if (m && a >= m && a < m + REGION_SZ) {
+            mmap((void *)m, REGION_SZ, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (bad_flag) atomic_store(bad_flag, 1);
+            return; /* the access is retried on the zero page */
+        }
+    }
+    if (old_bus.sa_flags & SA_SIGINFO) {
+        if (old_bus.sa_sigaction) old_bus.sa_sigaction(sig, si, ctx);
+        return;
+    }
+    if (old_bus.sa_handler != SIG_DFL && old_bus.sa_handler != SIG_IGN) {
+        old_bus.sa_handler(sig);
+        return;
+    }
+    signal(SIGBUS, SIG_DFL); /* not ours: the fault repeats and takes its default course */
+}
+
+static void guard_mapping(struct tv_region *rg, void *m)
+{
+    for (int i = 0; i < TV_MAPS; i++)
+        if (!mapped[i]) {
+            __atomic_store_n(&mapped[i], m, __ATOMIC_RELAXED);
+            break;
+        }
+    if (bad_flag) return;
+    bad_flag = &rg->bad;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &old_bus);
+}
+
 static void set_standin(struct tv_region *rg)
 {
     static struct tsr_region *standin;
@@ -294,6 +345,7 @@ static int attach(struct tv_region *rg, const char *path, int strict,
     rg->fd = fd;
     rg->ino = st.st_ino;
     rg->dev = st.st_dev;
+    guard_mapping(rg, r);
     rg->map = r;
     tv_region_lock(rg);
     seed_devices(rg, seed);
@@ -600,6 +652,11 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
     struct tsr_proc_slot *s = tv_region_register(rg);
     struct tsr_region *R = rg->map;
     tv_region_lock(rg);
+    if (tv_unlikely(atomic_load(&rg->bad) || !header_ok(R))) { /* truncated or overwritten */
+        atomic_store(&rg->bad, 1);
+        tv_region_unlock(rg);
+        return -1;
+    }
     if (tv_unlikely(tampered(rg, s))) {
         repair(rg, s);
         s = atomic_load(&rg->slot);

@@ -94,6 +94,12 @@ CUresult CUDAAPI cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, u
     X(cuMemsetD8, cuMemsetD8_v2, (CUdeviceptr, unsigned char, size_t))                         \
     X(cuMemcpyHtoD, cuMemcpyHtoD_v2, (CUdeviceptr, const void *, size_t))
 
+/* Weak references: a driver that lacks one of them still loads the program (the tests run
+ * drivers lacking optional entry points); a missing one is NULL, then api_missing. */
+#define X(field, sym, params) extern __typeof__(sym) sym __attribute__((weak));
+API_LIST(X)
+#undef X
+
 struct api {
 #define X(field, sym, params) CUresult(CUDAAPI *field) params;
     API_LIST(X)

@@ -1,0 +1,370 @@
+"""Issue 19: a hostile tenant, as it would be in a container. Every program here runs as an
+unprivileged user (uid/gid 65534) in its own mount namespace where /etc/ld.so.preload (mode 0444,
+root's) names libvgpu, with the limits sealed by "the node agent" (root, 0444) and the region
+prepared by it (0666, like the agent's). The tenant has no LD_PRELOAD of its own to drop.
+
+It tries: zeroing, truncating and overfilling the region, a huge compute budget, glibc's own
+dlsym through dlvsym, graph memory nodes, and a copy of the dynamic loader that ignores the
+preload file. Everything but the last is blocked in-process; the last is shown to bypass
+libvgpu (no LD_PRELOAD limiter can stop it): the node agent's watchdog is what catches it
+(services/node-agent, tests/node_agent: kill or observe within its grace period)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tessera import region
+
+from .conftest import LIBVGPU_DIR, Cuctl, MiB, base_env, wait_for
+
+LIMIT = 1000 * MiB
+CHUNK = 300 * MiB
+UID = 65534
+GPU0 = "GPU-fa4e0000-0000-0000-0000-000000000000"  # the fake driver's device 0
+
+
+def _unprivileged_possible() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create the unprivileged tenant and its mount namespace"
+    for tool in ("unshare", "setpriv", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a mount namespace here: {probe.stderr.strip()}"
+    return None
+
+
+@dataclass
+class Tenant:
+    base: Path
+    lib: Path
+    native: object
+    n: int = 0
+
+    @property
+    def region_path(self) -> Path:
+        return self.base / "region" / "usage"
+
+    @property
+    def prefix(self) -> tuple[str, ...]:
+        """Run argv as the tenant: own mount namespace, /etc with the preload file, uid 65534."""
+        script = 'mount --bind "$0" /etc && exec setpriv --reuid=65534 --regid=65534 '
+        script += '--clear-groups --no-new-privs "$@"'
+        return ("unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                str(self.base / "etc"))  # fmt: skip
+
+    def env(self, mode: str = "direct", **extra: str) -> dict[str, str]:
+        env = base_env()
+        env.update(
+            LD_LIBRARY_PATH=str(self.native.fake),
+            FAKE_CUDA_STATE=str(self.base / "gpu" / "state"),
+            TV_TEST_MODE=mode,
+            LIBCUDA_LOG_LEVEL="1",
+            # what a tenant would try: none of it may count
+            CUDA_DEVICE_MEMORY_LIMIT="100g",
+            TESSERA_LIMITS_DIR=str(self.base / "mine"),
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.base / "gpu" / "my-region"),
+        )
+        if self.native.san:
+            env["ASAN_OPTIONS"] = "detect_leaks=0"
+        env.update(extra)
+        return env
+
+    def cuctl(self, mode: str = "direct", exe: Path | None = None, prefix=None) -> Cuctl:
+        self.n += 1
+        return Cuctl(
+            exe or self.native.bin / "cuctl",
+            self.env(mode),
+            self.base / "logs" / f"cuctl-{self.n}.stderr",
+            self.prefix if prefix is None else prefix,
+        )
+
+    def python(self, code: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run Python code as the tenant (the region is the tenant's to write)."""
+        return subprocess.run(
+            [*self.prefix, sys.executable, "-c", code],
+            env=self.env(), capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+    def used(self) -> int:
+        u = region.read_region(self.region_path)
+        dev = u.device(GPU0) if u else None
+        return dev.used_bytes if dev else 0
+
+    def seal(self, sm: int = 0) -> None:
+        region.prepare_region_file(self.region_path)
+        region.seal_limits(
+            self.base / "sealed",
+            region.ContainerLimits(
+                devices=(region.DeviceLimit(GPU0, LIMIT, sm),),
+                core_policy="force",
+                region_path=str(self.region_path),
+            ),
+        )
+
+
+@pytest.fixture(scope="module")
+def tenant_build(native):
+    reason = _unprivileged_possible()
+    if reason:
+        pytest.skip(f"tenant suite: {reason}")
+    base = Path(tempfile.mkdtemp(prefix="tessera-tenant-", dir="/tmp"))
+    base.chmod(0o755)
+    build = base / "build"
+    # a libvgpu whose sealed directory is this suite's (the real one is /run/tessera/limits)
+    out = subprocess.run(
+        ["make", "-s", "-j2", "-C", str(LIBVGPU_DIR), f"BUILD={build}", f"SAN={native.san}",
+         f"PYTHON={sys.executable}", f'CFLAGS=-O2 -DTSR_SEALED_LIMITS_DIR=\\"{base}/sealed\\"'],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    etc = base / "etc"
+    subprocess.run(["cp", "-a", "/etc", str(etc)], check=True)
+    preload = native.preload.replace(str(native.lib), str(build / "libvgpu.so"))
+    (etc / "ld.so.preload").write_text(preload.replace(" ", "\n") + "\n")
+    (etc / "ld.so.preload").chmod(0o444)
+    yield base, build / "libvgpu.so"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def tenant(tenant_build, native):
+    base, lib = tenant_build
+    for d in ("sealed", "region", "gpu", "logs", "mine"):
+        shutil.rmtree(base / d, ignore_errors=True)
+        (base / d).mkdir()
+    (base / "gpu").chmod(0o1777)  # the fake GPU's shared state: any process of the machine
+    (base / "logs").chmod(0o777)
+    t = Tenant(base, lib, native)
+    t.seal()
+    procs: list[Cuctl] = []
+    real_cuctl = t.cuctl
+
+    def tracked(*a, **kw):
+        c = real_cuctl(*a, **kw)
+        procs.append(c)
+        return c
+
+    t.cuctl = tracked
+    yield t
+    for c in procs:
+        if c.p.poll() is None:
+            c.p.kill()
+            c.p.wait()
+        c.close(check=False)
+
+
+def dev_off(field: str, d: int = 0) -> int:
+    return (region.RegionC.dev.offset + d * ctypes.sizeof(region.RegionDeviceC)
+            + getattr(region.RegionDeviceC, field).offset)  # fmt: skip
+
+
+def slot_off(i: int, field: str) -> int:
+    return (region.RegionC.procs.offset + i * ctypes.sizeof(region.ProcSlotC)
+            + getattr(region.ProcSlotC, field).offset)  # fmt: skip
+
+
+def test_tenant_is_unprivileged_and_cannot_touch_its_limits(tenant):
+    c = tenant.cuctl()
+    assert c("init")["ok"]
+    status = Path(f"/proc/{c.pid}/status").read_text()
+    assert f"Uid:\t{UID}\t{UID}" in status
+    assert "/libvgpu.so" in Path(f"/proc/{c.pid}/maps").read_text()  # from the preload file
+    assert c("info")["total"] == LIMIT  # the sealed limit, not CUDA_DEVICE_MEMORY_LIMIT=100g
+    assert [c(f"alloc plain {CHUNK}")["ok"] for _ in range(4)] == [True, True, True, False]
+    assert tenant.used() == 3 * CHUNK
+    probe = tenant.python(
+        "import sys\n"
+        f"for p in ('/etc/ld.so.preload', '{tenant.base}/sealed/limits'):\n"
+        "    try:\n        open(p, 'r+b')\n        print('writable', p)\n"
+        "    except PermissionError:\n        pass\n"
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout == ""
+    c.close()
+
+
+def test_zeroed_counters_do_not_double_the_budget(tenant):
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {3 * CHUNK}")["ok"]
+    n = region.MAX_PROCS
+    zero = tenant.python(
+        f"f = open('{tenant.region_path}', 'r+b')\n"
+        f"f.seek({dev_off('used_bytes')}); f.write(bytes(8))\n"
+        f"for i in range({n}):\n"
+        f"    f.seek({slot_off(0, 'used')} + i * {ctypes.sizeof(region.ProcSlotC)})\n"
+        "    f.write(bytes(8))\n"
+    )
+    assert zero.returncode == 0, zero.stderr
+    assert not a(f"alloc plain {CHUNK}")["ok"]  # its own charges are put back first
+    restored, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=3)
+    assert restored
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert not b(f"alloc plain {CHUNK}")["ok"]  # a new process sees the container's usage
+    assert b(f"alloc plain {100 * MiB}")["ok"]
+    assert a("phys")["phys"] <= LIMIT
+
+
+def test_truncated_region_gives_no_fresh_budget(tenant):
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {3 * CHUNK}")["ok"]
+    cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
+    assert cut.returncode == 0, cut.stderr
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert not b(f"alloc plain {CHUNK}")["ok"]  # refused until the region is repaired
+    refused, _ = wait_for(lambda: not a(f"alloc plain {10 * MiB}")["ok"], timeout=3)
+    assert refused, a.stderr()
+    # the tenant writes a fresh, valid header: the live processes put their charges back
+    fresh = tenant.base / "gpu" / "fresh"
+    region.prepare_region_file(fresh)
+    rewrite = tenant.python(
+        f"data = open('{fresh}', 'rb').read()\n"
+        f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
+    )
+    assert rewrite.returncode == 0, rewrite.stderr
+    back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=5)
+    assert back, tenant.used()
+    ok, _ = wait_for(lambda: b(f"alloc plain {50 * MiB}")["ok"], timeout=5, step=0.05)
+    assert ok
+    assert not b(f"alloc plain {CHUNK}")["ok"]
+    assert a("phys")["phys"] <= LIMIT
+    assert "bad header" in b.stderr() or "unusable" in b.stderr()
+
+
+def bogus_table(tenant, claim_pid: int | None) -> str:
+    lines = [f"f = open('{tenant.region_path}', 'r+b')"]
+    for d in range(region.MAX_DEVICES):
+        lines.append(
+            f"f.seek({dev_off('uuid', d)}); f.write(b'GPU-bogus-{d:02d}'.ljust(64, b'\\0'))"
+        )
+        lines.append(
+            f"f.seek({dev_off('used_bytes', d)}); f.write((1 << 30).to_bytes(8, 'little'))"
+        )
+    lines.append(
+        f"f.seek({region.RegionC.num_devices.offset}); f.write((16).to_bytes(4, 'little'))"
+    )
+    if claim_pid:  # a live process "holds" something on every bogus device
+        lines.append(f"f.seek({slot_off(0, 'pid')}); f.write(({claim_pid}).to_bytes(4, 'little'))")
+        for d in range(region.MAX_DEVICES):
+            lines.append(
+                f"f.seek({slot_off(0, 'used')} + {d * 8}); f.write((1).to_bytes(8, 'little'))"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def test_overfilled_device_table_is_reclaimed_for_the_sealed_device(tenant):
+    fill = tenant.python(bogus_table(tenant, None))
+    assert fill.returncode == 0, fill.stderr
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {3 * CHUNK}")["ok"]
+    assert not a(f"alloc plain {CHUNK}")["ok"]
+    assert tenant.used() == 3 * CHUNK  # charged in the shared region again
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert not b(f"alloc plain {CHUNK}")["ok"]  # container-wide
+
+
+def test_device_table_held_by_bogus_claims_fails_closed(tenant):
+    """Every slot claimed by a live process: libvgpu cannot take one, so each process is held to
+    the limit by its own allocations (a second process could take another limit's worth: that
+    is the watchdog's to catch, memory > limit + 5 % for 2 s)."""
+    holder = subprocess.Popen([*tenant.prefix, "sleep", "60"], env=tenant.env())
+    try:
+        time.sleep(0.2)
+        fill = tenant.python(bogus_table(tenant, holder.pid))
+        assert fill.returncode == 0, fill.stderr
+        a = tenant.cuctl()
+        assert a("init")["ok"]
+        assert a(f"alloc plain {3 * CHUNK}")["ok"]
+        assert not a(f"alloc plain {CHUNK}")["ok"]  # never unlimited
+        assert a("info")["total"] == LIMIT
+        assert "no device slot" in a.stderr()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.timing
+def test_huge_compute_budget_does_not_lift_the_limit(tenant):
+    tenant.seal(sm=30)
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    writer = subprocess.Popen(
+        [*tenant.prefix, sys.executable, "-c",
+         "import time\n"
+         f"f = open('{tenant.region_path}', 'r+b')\n"
+         "end = time.time() + 2.5\n"
+         "while time.time() < end:\n"
+         f"    f.seek({dev_off('budget_ns')}); f.write((1 << 62).to_bytes(8, 'little')); f.flush()\n"
+         "    time.sleep(0.001)\n"],
+        env=tenant.env(),
+    )  # fmt: skip
+    try:
+        got = a("burn 2.0 k_1000us kernel", timeout=60)
+    finally:
+        writer.wait(timeout=30)
+    assert got["rc"] == 0
+    argv = [str(tenant.native.bin / "fkstat"), str(tenant.base / "gpu" / "state"), "0",
+            str(got["t0"] + 300_000_000), str(got["t1"]), str(got["t1"] - got["t0"] - 300_000_000),
+            str(a.pid)]  # fmt: skip
+    share = float(
+        subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split()[0]
+    )
+    assert share < 0.45, share  # unlimited it would be ~1.0
+
+
+def test_dlvsym_of_glibc_dlsym_reaches_libvgpu(tenant):
+    a = tenant.cuctl(mode="dlsym")
+    assert a("init")["ok"]
+    got = [a(f"route dlvsym_dlsym {CHUNK}") for _ in range(4)]
+    assert all(g["ours"] for g in got)
+    assert [g["ok"] for g in got] == [True, True, True, False]
+    assert a("phys")["phys"] <= LIMIT
+
+
+def test_graph_memory_nodes_cannot_hold_more_than_the_limit(tenant):
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    got = [a(f"graphmem {600 * MiB}") for _ in range(8)]
+    assert sum(g["ok"] for g in got) == 1
+    assert a("phys")["phys"] == 600 * MiB
+    assert a("info")["free"] == LIMIT - 600 * MiB
+
+
+def test_loader_copy_without_the_preload_file_bypasses_libvgpu(tenant):
+    """NOT blockable in-process: a copy of ld.so whose "/etc/ld.so.preload" string is changed
+    never loads libvgpu, and allocates past the limit. The node agent's watchdog sees the
+    process's memory in NVML and kills it (or reports it) within its grace period."""
+    ldso = Path(os.path.realpath("/lib64/ld-linux-x86-64.so.2"))
+    if not ldso.exists():
+        pytest.skip("no x86-64 dynamic loader at the usual path")
+    copy = tenant.base / "gpu" / "ld-copy.so"
+    patch = tenant.python(
+        f"data = open('{ldso}', 'rb').read()\n"
+        "assert b'/etc/ld.so.preload' in data\n"
+        f"open('{copy}', 'wb').write(data.replace(b'/etc/ld.so.preload', b'/etc/ld.so.prelXad'))\n"
+        f"import os; os.chmod('{copy}', 0o755)\n"
+    )
+    assert patch.returncode == 0, patch.stderr
+    c = tenant.cuctl(prefix=(*tenant.prefix, str(copy)))
+    assert c("init")["ok"]
+    assert "libvgpu.so" not in Path(f"/proc/{c.pid}/maps").read_text()
+    assert [c(f"alloc plain {3 * CHUNK}")["ok"] for _ in range(2)] == [True, True]
+    assert c("phys")["phys"] == 6 * CHUNK > LIMIT  # beyond the limit: only the watchdog sees it
+    assert tenant.used() == 0  # nothing in the region: "region claims less than NVML shows"
