@@ -119,7 +119,8 @@ def test_unlimited_is_not_throttled(cluster):
     start_burn(c, 1.0)
     r = c.recv(timeout=30)
     assert min(windows(cluster, 0, r, [c.pid], SEC // 2)) > 60
-    assert k.usage().devices[0].achieved_sm_pct is None  # not timed when not throttled
+    devices = k.usage().devices  # unthrottled launches take the fast path: maybe no slot yet
+    assert all(d.achieved_sm_pct is None for d in devices)  # not timed when not throttled
 
 
 def test_default_policy_limits_only_under_contention(cluster):

@@ -40,6 +40,7 @@ static pthread_mutex_t cq_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ctxq *qs[TV_MAX_CTX];
 static int64_t dev_est[TV_MAX_SLOTS];
 static uint64_t last_launches;
+static int fast_devices_noted; /* poll thread: note_devices_of_fast_launches() ran */
 static int stopping; /* exit has begun: the poll thread no longer calls the driver */
 
 #define RD(d) tv_region_dev(&tv.rg, d)
@@ -68,6 +69,15 @@ static void charge(int d, int64_t ns)
     if (ns) __atomic_fetch_sub(&RD(d)->budget_ns, ns, __ATOMIC_RELAXED);
 }
 
+/* Owntime settles: charge the bucket `bucket_ns` more (negative: less) and count `busy_ns` more
+ * device time used. */
+void tv_compute_recharge(int d, int64_t bucket_ns, int64_t busy_ns)
+{
+    if (d < 0 || d >= TV_MAX_SLOTS || !tv.rg.map) return;
+    charge(d, bucket_ns);
+    if (busy_ns) __atomic_fetch_add(&RD(d)->busy_ns_total, (uint64_t)busy_ns, __ATOMIC_RELAXED);
+}
+
 /* ---- measuring launches ------------------------------------------------------------------- */
 
 /* Caller holds cq_mu. Apply the completed measurements of one context. */
@@ -81,7 +91,7 @@ static void harvest(struct ctxq *q)
         float ms;
         if (s == CUDA_SUCCESS && REAL(cuEventElapsedTime)(&ms, p->start, p->end) == CUDA_SUCCESS &&
             ms >= 0)
-            actual = (int64_t)((double)ms * 1e6);
+            actual = tv_owntime_charge(p->dslot, (int64_t)((double)ms * 1e6));
         charge(p->dslot, actual - p->est);
         __atomic_fetch_add(&RD(p->dslot)->busy_ns_total, (uint64_t)actual, __ATOMIC_RELAXED);
         q->est_ns = q->est_ns < 0 ? actual : (q->est_ns * 7 + actual) / 8;
@@ -151,6 +161,8 @@ void tv_compute_after_fork_child(void)
         qs[i] = NULL;
     }
     last_launches = 0;
+    fast_devices_noted = 0;
+    tv_owntime_reset();
 }
 
 /* ---- waiting for budget ------------------------------------------------------------------- */
@@ -403,30 +415,55 @@ CUresult CUDAAPI tv_cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lis
 
 /* ---- the poll thread's share --------------------------------------------------------------- */
 
+/* Unthrottled launches take the fast path, which never asks which device they are on. A process
+ * that launches without having allocated (so without a device slot) still shows as active on
+ * the node agent's contention view: its visible devices are registered, once, from here. */
+static void note_devices_of_fast_launches(void)
+{
+    if (fast_devices_noted || !atomic_load(&tv.cuda_ready) ||
+        __atomic_load_n(&stopping, __ATOMIC_RELAXED))
+        return;
+    for (int d = 0; d < TV_MAX_SLOTS; d++)
+        if (atomic_load(&tv.dev[d].ordinal) >= 0) return; /* it has devices: they are marked */
+    int n = 0;
+    if (REAL(cuDeviceGetCount)(&n) != CUDA_SUCCESS) return;
+    fast_devices_noted = 1;
+    for (int i = 0; i < n && i < TV_MAX_CUDA_DEVS; i++) tv_dev_slot(i);
+}
+
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
 {
     if (!tv.rg.map) return;
-    if (atomic_load(&tv.cuda_ready)) harvest_all(0);
+    unsigned nvml_mask = 0;
+    if (atomic_load(&tv.cuda_ready)) {
+        harvest_all(0);
+        if (!__atomic_load_n(&stopping, __ATOMIC_RELAXED)) nvml_mask = tv_owntime_poll(now_mono);
+    }
     struct tsr_proc_slot *s = atomic_load(&tv.rg.slot);
     uint64_t l = s ? __atomic_load_n(&s->launches, __ATOMIC_RELAXED) : 0;
     int active = l != last_launches;
     last_launches = l;
+    if (active) note_devices_of_fast_launches();
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         if (atomic_load(&tv.dev[d].ordinal) < 0) continue;
         struct tsr_region_device *rd = RD(d);
         if (active) __atomic_store_n(&rd->last_kernel_ns, now_real, __ATOMIC_RELAXED);
         struct tv_dev *v = &tv.dev[d];
-        if (now_mono - v->win_ts >= 1000000000ull) {
-            uint64_t busy = __atomic_load_n(&rd->busy_ns_total, __ATOMIC_RELAXED);
-            uint32_t eff = atomic_load(&v->sm_eff);
-            if (v->win_ts && busy >= v->win_busy) {
-                uint64_t pct = (busy - v->win_busy) * 10000 / (now_mono - v->win_ts);
-                __atomic_store_n(&rd->achieved_sm_x100,
-                                 eff ? (uint32_t)(pct > 10000 ? 10000 : pct) : TSR_SM_UNKNOWN,
-                                 __ATOMIC_RELAXED);
-            }
-            v->win_busy = busy;
-            v->win_ts = now_mono;
+        /* achieved % over ~1 s; when NVML answers for this device (every 500 ms), from one
+         * answer to another, so that settled windows are published as the device saw them */
+        uint64_t age = now_mono - v->win_ts;
+        int due = nvml_mask & (1u << d) ? age >= 900000000ull : age >= 1000000000ull;
+        if (!due) continue;
+        uint64_t busy = __atomic_load_n(&rd->busy_ns_total, __ATOMIC_RELAXED);
+        uint32_t eff = atomic_load(&v->sm_eff);
+        if (v->win_ts && now_mono > v->win_ts) {
+            int64_t delta = (int64_t)(busy - v->win_busy); /* a settled window may lower it */
+            uint64_t pct = delta > 0 ? (uint64_t)delta * 10000 / (now_mono - v->win_ts) : 0;
+            __atomic_store_n(&rd->achieved_sm_x100,
+                             eff ? (uint32_t)(pct > 10000 ? 10000 : pct) : TSR_SM_UNKNOWN,
+                             __ATOMIC_RELAXED);
         }
+        v->win_busy = busy;
+        v->win_ts = now_mono;
     }
 }

@@ -222,6 +222,13 @@ static const struct tsr_limits_device *limits_entry(int dslot)
     return NULL;
 }
 
+static int ordinal_entries(void)
+{
+    for (unsigned i = 0; i < L.lim.num_devices; i++)
+        if (!L.lim.dev[i].uuid[0]) return 1;
+    return 0;
+}
+
 /* A device whose UUID the driver cannot tell ("CUDA-<n>"): it may be any sealed device, so it
  * gets the smallest limits among them (never none). */
 static const struct tsr_limits_device *strictest_entry(struct tsr_limits_device *out)
@@ -254,6 +261,10 @@ void tv_limits_apply_slot(int d)
         struct tsr_limits_device any;
         const struct tsr_limits_device *e = limits_entry(d);
         if (!e && !strncmp(slot_uuid(d), "CUDA-", 5)) e = strictest_entry(&any);
+        /* seen through NVML only (no CUDA ordinal yet) while the limits name devices by CUDA
+         * ordinal (`tessera run`, HAMi-style): the strictest of them, never none */
+        if (!e && atomic_load(&tv.dev[d].ordinal) < 0 && ordinal_entries())
+            e = strictest_entry(&any);
         if (e) {
             mem = e->mem_limit_bytes;
             eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy);

@@ -101,7 +101,6 @@ int tv_dev_slot(CUdevice dev) TV_HIDDEN;    /* device slot of a CUDA device, -1 
 int tv_ctx_dev_slot(void) TV_HIDDEN;        /* ... of the current context's device */
 int tv_stream_dev_slot(CUstream s) TV_HIDDEN;
 int tv_uuid_slot(const char *uuid) TV_HIDDEN; /* NVML: by UUID, applying its limits */
-int tv_dev_map_visible(void) TV_HIDDEN;     /* every device this process sees; 0 when done */
 void tv_format_uuid(const CUuuid *u, char out[TSR_UUID_LEN]) TV_HIDDEN;
 
 /* ---- account.c (middle; account.h for the allocation paths) ---- */
@@ -113,6 +112,12 @@ void tv_compute_poll(uint64_t now_mono, uint64_t now_real) TV_HIDDEN; /* poll th
 void tv_compute_after_fork_child(void) TV_HIDDEN;
 void tv_compute_forget_ctx(CUcontext ctx) TV_HIDDEN; /* before the context is destroyed */
 void tv_compute_shutdown(void) TV_HIDDEN;            /* at exit */
+void tv_compute_recharge(int dslot, int64_t bucket_ns, int64_t busy_ns) TV_HIDDEN; /* owntime */
+
+/* ---- owntime.c: own device time out of event time (NVML per-process utilisation) ---- */
+int64_t tv_owntime_charge(int dslot, int64_t raw_ns) TV_HIDDEN; /* measured -> charged ns */
+unsigned tv_owntime_poll(uint64_t now_mono) TV_HIDDEN; /* tick: bit d = NVML answered for d */
+void tv_owntime_reset(void) TV_HIDDEN;                          /* after fork, in the child */
 
 /* ---- graphmem.c ---- */
 extern _Atomic int tv_graphmem_nodes TV_HIDDEN;      /* memory nodes tracked (0: skip) */
@@ -121,5 +126,6 @@ int tv_graphmem_freed(CUdeviceptr p) TV_HIDDEN;      /* cuMemFree(Async) of a gr
 
 /* ---- virt.c ---- */
 uint64_t tv_dev_used(int dslot) TV_HIDDEN;
+int tv_nvml_slot(nvmlDevice_t device, uint64_t *limit) TV_HIDDEN; /* -1: not ours to virtualise */
 
 #endif

@@ -59,7 +59,7 @@ CUresult CUDAAPI tv_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 }
 
 /* NVML: the device's slot through its UUID (NVML and CUDA order devices differently). */
-static int nvml_slot(nvmlDevice_t device, uint64_t *limit)
+int tv_nvml_slot(nvmlDevice_t device, uint64_t *limit)
 {
     char uuid[96];
     *limit = 0;
@@ -77,7 +77,7 @@ nvmlReturn_t tv_nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memor
     nvmlReturn_t r = REAL(nvmlDeviceGetMemoryInfo)(device, memory);
     if (r != NVML_SUCCESS || !memory) return r;
     uint64_t limit;
-    int d = nvml_slot(device, &limit);
+    int d = tv_nvml_slot(device, &limit);
     if (d < 0 || !limit) return r;
     if (atomic_load(&tv.cuda_ready)) tv_mem_refresh_pools();
     uint64_t t, f, u;
@@ -94,7 +94,7 @@ nvmlReturn_t tv_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t 
     nvmlReturn_t r = REAL(nvmlDeviceGetMemoryInfo_v2)(device, memory);
     if (r != NVML_SUCCESS || !memory) return r;
     uint64_t limit;
-    int d = nvml_slot(device, &limit);
+    int d = tv_nvml_slot(device, &limit);
     if (d < 0 || !limit) return r;
     if (atomic_load(&tv.cuda_ready)) tv_mem_refresh_pools();
     uint64_t t, f, u;

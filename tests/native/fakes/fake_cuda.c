@@ -171,6 +171,7 @@ static CUresult phys_take(int dev, uint64_t bytes)
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     d->used += bytes;
+    fk_proc_note(st, dev, getpid(), (int64_t)bytes);
     fk_unlock(st);
     return CUDA_SUCCESS;
 }
@@ -180,6 +181,7 @@ static void phys_give(int dev, uint64_t bytes)
     struct fk_state *st = S;
     fk_lock(st);
     st->dev[dev].used -= bytes < st->dev[dev].used ? bytes : st->dev[dev].used;
+    fk_proc_note(st, dev, getpid(), -(int64_t)bytes);
     fk_unlock(st);
 }
 
@@ -447,6 +449,9 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
     primary[d]->refs++;
     *pctx = (CUcontext)primary[d];
     pthread_mutex_unlock(&mu);
+    fk_lock(S);
+    fk_proc_note(S, d, getpid(), 0); /* a context: NVML lists the process */
+    fk_unlock(S);
     return CUDA_SUCCESS;
 }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
@@ -1069,9 +1074,13 @@ API CUresult cuEventRecord(CUevent e, CUstream s)
     struct fk_event *x = (struct fk_event *)e;
     int dev = stream_dev(s);
     if (dev < 0) return CUDA_ERROR_INVALID_CONTEXT;
-    fk_lock(S);
-    int64_t now = fk_now(), b = S->dev[dev].busy_until;
-    fk_unlock(S);
+    /* Stream order, as CUDA: the event completes once the work this process submitted to the
+     * device before it is done, not the other processes' work (a process's streams on a device
+     * are one queue here). So an event pair around a kernel also spans whatever other processes
+     * queued on the device ahead of that kernel, as on a real time-sliced GPU. */
+    pthread_mutex_lock(&mu);
+    int64_t now = fk_now(), b = last_end[dev];
+    pthread_mutex_unlock(&mu);
     x->ts = b > now ? b : now;
     x->recorded = 1;
     return CUDA_SUCCESS;

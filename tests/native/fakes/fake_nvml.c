@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #define NVML_NO_UNVERSIONED_FUNC_DEFS /* define the legacy names as well */
 #include <nvml.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -121,7 +122,7 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     int dev = dev_of(d);
     int64_t now = fk_now(), t0 = (int64_t)since_us * 1000;
     if (t0 < now - 1000000000 || t0 >= now) t0 = now - 1000000000;
-    int pids[64], n = 0;
+    int pids[64], n = 0, pid_offset = fk_env_int("FAKE_NVML_PID_OFFSET", 0);
     fk_lock(s);
     struct fk_dev *x = &s->dev[dev];
     uint64_t hi = x->ring_n, lo = hi > FK_RING ? hi - FK_RING : 0;
@@ -144,11 +145,79 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     }
     for (int k = 0; k < n; k++) {
         int64_t busy = fk_busy(s, dev, t0, now, pids[k]);
-        out[k] = (nvmlProcessUtilizationSample_t){.pid = (unsigned)pids[k],
+        /* FAKE_NVML_PID_OFFSET: report pids as a host outside the caller's pid namespace would */
+        out[k] = (nvmlProcessUtilizationSample_t){.pid = (unsigned)(pids[k] + pid_offset),
                                                   .timeStamp = (unsigned long long)now / 1000,
-                                                  .smUtil = (unsigned)(busy * 100 / (now - t0))};
+                                                  .smUtil = (unsigned)((busy * 100 + (now - t0) / 2) / (now - t0))};
     }
     fk_unlock(s);
     *count = (unsigned)n;
     return NVML_SUCCESS;
+}
+
+/* Running processes: those with a context on the device (live ones), with the memory they hold.
+ * The fake GPU runs no graphics or MPS clients. With FAKE_NVML_PID_OFFSET, host pids. */
+static nvmlReturn_t procs(nvmlDevice_t d, unsigned *count, void *infos, int ver)
+{
+    struct fk_state *s = fk_state();
+    struct fk_proc out[FK_MAX_PROCS];
+    unsigned n = 0;
+    int off = fk_env_int("FAKE_NVML_PID_OFFSET", 0);
+    fk_lock(s);
+    for (int i = 0; i < FK_MAX_PROCS; i++) {
+        struct fk_proc *p = &s->procs[dev_of(d)][i];
+        if (p->pid > 0 && kill(p->pid, 0) == 0) out[n++] = *p;
+    }
+    fk_unlock(s);
+    if (!infos || *count < n) {
+        *count = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        unsigned pid = (unsigned)(out[i].pid + off);
+        if (ver == 1)
+            ((nvmlProcessInfo_v1_t *)infos)[i] = (nvmlProcessInfo_v1_t){pid, out[i].used};
+        else
+            ((nvmlProcessInfo_v2_t *)infos)[i] = (nvmlProcessInfo_v2_t){pid, out[i].used,
+                                                                        0xFFFFFFFFu, 0xFFFFFFFFu};
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+static nvmlReturn_t none(unsigned *count)
+{
+    *count = 0;
+    return NVML_SUCCESS;
+}
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_t *p)
+{
+    return procs(d, c, p, 3);
+}
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_v2_t *p)
+{
+    return procs(d, c, p, 2);
+}
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_v1_t *p)
+{
+    return procs(d, c, p, 1);
+}
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_t *p)
+{
+    (void)d, (void)p;
+    return none(c);
+}
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_v2_t *p)
+{
+    (void)d, (void)p;
+    return none(c);
+}
+API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_v1_t *p)
+{
+    (void)d, (void)p;
+    return none(c);
+}
+API nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsigned *c, nvmlProcessInfo_t *p)
+{
+    (void)d, (void)p;
+    return none(c);
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -141,4 +142,18 @@ int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid)
         if (b > a) busy += b - a;
     }
     return busy;
+}
+
+void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta)
+{
+    struct fk_proc *free_p = NULL;
+    for (int i = 0; i < FK_MAX_PROCS; i++) {
+        struct fk_proc *p = &s->procs[dev][i];
+        if (p->pid == pid) {
+            p->used = delta < 0 && (uint64_t)-delta > p->used ? 0 : p->used + (uint64_t)delta;
+            return;
+        }
+        if (!free_p && (p->pid == 0 || (kill(p->pid, 0) != 0 && errno == ESRCH))) free_p = p;
+    }
+    if (free_p) *free_p = (struct fk_proc){.pid = pid, .used = delta > 0 ? (uint64_t)delta : 0};
 }

@@ -9,7 +9,16 @@
  * FAKE_GPU_MEM_MB (16384), FAKE_KERNEL_US (100: a kernel's duration unless its name ends in
  * _<N>us), FAKE_CTX_BYTES (0: physical memory of a non-primary context), FAKE_NVML_REVERSE (1:
  * NVML enumerates devices in the reverse CUDA order), FAKE_CHECK_SCRUB (1: count frees of
- * memory that was not all zeros, for the scrub-on-free tests).
+ * memory that was not all zeros, for the scrub-on-free tests), FAKE_NVML_PID_OFFSET (0: added
+ * to the pids NVML reports, as seen from outside a pid namespace).
+ *
+ * The timeline: every process's kernels on a device go into one queue, in submission order, and
+ * run one at a time for their duration (a GPU time-slicing between contexts at kernel
+ * granularity). An event completes when the work its process submitted to the device before it
+ * is done (stream order; a process's streams on a device count as one queue), not when other
+ * processes' work is — so an event pair around a kernel spans the other processes' kernels
+ * queued ahead of it, as on a real shared GPU. Each interval is kept with its pid: fkstat and
+ * the fake NVML's per-process utilisation read the device's truth from it.
  */
 #ifndef FAKE_STATE_H
 #define FAKE_STATE_H
@@ -41,12 +50,20 @@ struct fk_export {
     uint64_t size;
 };
 
+/* A process with a context on a device, and the device memory it holds (NVML's process list). */
+struct fk_proc {
+    int32_t pid, pad;
+    uint64_t used;
+};
+#define FK_MAX_PROCS 64
+
 struct fk_state {
     uint32_t magic;
     int32_t ndev;
     pthread_mutex_t mu; /* robust, process-shared */
     struct fk_dev dev[FK_MAX_DEV];
     struct fk_export exports[FK_MAX_EXPORTS];
+    struct fk_proc procs[FK_MAX_DEV][FK_MAX_PROCS];
 };
 
 struct fk_state *fk_state(void);          /* open/create once per process */
@@ -60,5 +77,7 @@ int64_t fk_enqueue(struct fk_state *s, int dev, int64_t dur, int pid);
 /* GPU busy ns of dev inside [t0, t1), only pid's kernels when pid > 0. */
 int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid);
 int fk_env_int(const char *name, int dflt);
+/* pid holds `delta` more bytes on dev (0: it has a context there). Caller holds the lock. */
+void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta);
 
 #endif

@@ -7,11 +7,12 @@
  *   alloc KIND BYTES                 KIND: plain pitch managed async pool vmm array array3d
  *                                    mipmap graphnode graphnode2 ctx raw -> {"ok","rc","id"}
  *   free ID                          the matching free/destroy/release
- *   info | total | nvml [IDX] | nvml2 [IDX]
+ *   info | total | nvml [IDX] | nvml2 [IDX] | procs [IDX] [VER]  (NVML, no CUDA needed)
  *   pool_create | pool_threshold BYTES | pool_trim BYTES | pool_destroy
  *   export ID -> {"fd"} | import FD -> {"id"} | map ID BYTES -> {"id"} | unmap ID | release ID
  *   write ID BYTE | stats | sync | sleep MS | lockhold REGION | exit
  *   burn SECONDS KERNEL PATH         PATH: kernel ptsz ex coop graph -> {"launches","t0","t1"}
+ *   burnq SECONDS KERNEL DEPTH       cuLaunchKernel, at most DEPTH in flight (event ring)
  *   phys                             the fake device's physical memory in use
  *   mapmany ID N BYTES               N mappings of handle ID side by side -> {"id"} (one unmap)
  *   graphmem BYTES [autofree [N]]    a graph with one allocation node (no free node): create,
@@ -242,6 +243,36 @@ static void do_nvml(int idx, int v2)
     }
 }
 
+/* NVML's running compute processes of device IDX through the entry point of version VER
+ * (3, 2 or 1), as nvidia-smi lists them -> {"rc", "procs": [[pid, used], ...]} */
+static void do_procs(int idx, int ver)
+{
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    nvmlReturn_t (*init)(void), (*get)(unsigned, void **), (*f)(void *, unsigned *, void *);
+    *(void **)&init = dlsym(h, "nvmlInit_v2");
+    *(void **)&get = dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    *(void **)&f = dlsym(h, ver == 3   ? "nvmlDeviceGetComputeRunningProcesses_v3"
+                            : ver == 2 ? "nvmlDeviceGetComputeRunningProcesses_v2"
+                                       : "nvmlDeviceGetComputeRunningProcesses");
+    init();
+    void *d = NULL;
+    get((unsigned)idx, &d);
+    unsigned n = 0;
+    nvmlReturn_t r = f(d, &n, NULL); /* how many */
+    unsigned cap = n + 4;
+    nvmlProcessInfo_v2_t v2[64];
+    nvmlProcessInfo_v1_t v1[64];
+    if (cap > 64) cap = 64;
+    n = cap;
+    if (r == NVML_SUCCESS || r == NVML_ERROR_INSUFFICIENT_SIZE) r = f(d, &n, ver == 1 ? (void *)v1 : (void *)v2);
+    printf("{\"rc\": %d, \"procs\": [", (int)r);
+    for (unsigned i = 0; r == NVML_SUCCESS && i < n; i++)
+        printf("%s[%u, %llu]", i ? ", " : "", ver == 1 ? v1[i].pid : v2[i].pid,
+               ver == 1 ? v1[i].usedGpuMemory : v2[i].usedGpuMemory);
+    printf("]}\n");
+    dlclose(h);
+}
+
 /* The graph-memory pattern of issue 19: the allocation outlives the exec and the graph. */
 static void graphmem(uint64_t bytes, int autofree, int launches)
 {
@@ -405,6 +436,37 @@ static void burn(double seconds, const char *kernel, const char *path)
            (long long)now_ns());
 }
 
+/* Launches on one stream, never more than `depth` in flight (a program that keeps the GPU fed
+ * across its own CPU hiccups): waits on an event recorded `depth` launches earlier. Events are
+ * not hooked, so they are called directly whatever TV_TEST_MODE is. */
+static void burnq(double seconds, const char *kernel, int depth)
+{
+    enum { MAXQ = 256 };
+    if (depth < 1) depth = 1;
+    if (depth > MAXQ) depth = MAXQ;
+    CUmodule mod;
+    CUfunction f;
+    CUevent ev[MAXQ];
+    A.cuModuleLoadData(&mod, "fake");
+    A.cuModuleGetFunction(&f, mod, kernel);
+    for (int i = 0; i < depth; i++) cuEventCreate(&ev[i], CU_EVENT_DEFAULT);
+    long n = 0;
+    int64_t t0 = now_ns(), end = t0 + (int64_t)(seconds * 1e9);
+    CUresult r = CUDA_SUCCESS;
+    while (now_ns() < end && r == CUDA_SUCCESS) {
+        CUevent e = ev[n % depth];
+        if (n >= depth) cuEventSynchronize(e);
+        r = A.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        cuEventRecord(e, stream);
+        n++;
+    }
+    A.cuCtxSynchronize();
+    for (int i = 0; i < depth; i++) cuEventDestroy(ev[i]);
+    A.cuModuleUnload(mod);
+    printf("{\"rc\": %d, \"launches\": %ld, \"t0\": %lld, \"t1\": %lld}\n", (int)r, n, (long long)t0,
+           (long long)now_ns());
+}
+
 int main(void)
 {
     if (api_load(&A) != 0) return 3;
@@ -432,6 +494,8 @@ int main(void)
             size_t t = 0;
             CUresult r = A.cuDeviceTotalMem(&t, a1[0] ? atoi(a1) : dev);
             printf("{\"rc\": %d, \"total\": %zu}\n", (int)r, t);
+        } else if (!strcmp(cmd, "procs")) {
+            do_procs(a1[0] ? atoi(a1) : 0, a2[0] ? atoi(a2) : 3);
         } else if (!strcmp(cmd, "nvml") || !strcmp(cmd, "nvml2")) {
             do_nvml(a1[0] ? atoi(a1) : 0, !strcmp(cmd, "nvml2"));
         } else if (!strcmp(cmd, "pool_create")) {
@@ -505,6 +569,8 @@ int main(void)
             pthread_mutex_lock(&r->lock.mutex);
             printf("{\"ok\": true, \"locked\": true}\n");
             for (;;) pause();
+        } else if (!strcmp(cmd, "burnq")) {
+            burnq(atof(a1), a2, a3[0] ? atoi(a3) : 16);
         } else if (!strcmp(cmd, "phys")) {
             uint64_t (*f)(int);
             *(void **)&f = dlsym(RTLD_DEFAULT, "fake_physical_used");
