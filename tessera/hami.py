@@ -33,6 +33,8 @@ ANN_VGPU_MODE = "nvidia.com/vgpu-mode"
 ANN_GPU_POLICY = "hami.io/gpu-scheduler-policy"
 ANN_NODE_POLICY = "hami.io/node-scheduler-policy"
 ANN_SCORING_WEIGHTS = "hami.io/device-scoring-weights"
+# Tessera's own pod annotation (not HAMi's): zero device memory before it is freed.
+ANN_SCRUB_ON_FREE = "tessera.io/scrub-on-free"
 # Prefixes a user may never set: only the scheduler writes them.
 SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-")
 
@@ -411,6 +413,16 @@ def parse_scoring_weights(text: str) -> tuple[int, int, int]:
     if len(weights) != 3 or not any(weights.values()):
         raise RequestError(f"{ANN_SCORING_WEIGHTS}: give slot, core and memory, one above 0")
     return weights["slot"], weights["core"], weights["memory"]
+
+
+def parse_scrub_on_free(value: str | None) -> bool:
+    """`tessera.io/scrub-on-free`: "true" or "false" (case-insensitive); absent = False."""
+    if value is None:
+        return False
+    text = value.strip().lower()
+    if text not in ("true", "false"):
+        raise RequestError(f'{ANN_SCRUB_ON_FREE}: "true" or "false", not {value!r}')
+    return text == "true"
 
 
 def scheduler_owned(annotation: str) -> bool:

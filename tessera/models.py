@@ -93,6 +93,9 @@ class Allocation(Message):
     expires_at: float | None = Field(None, description="a reservation not bound by then lapses")
     priority: int = 1
     core_policy: str = "default"
+    scrub_on_free: bool = Field(
+        False, description="the pod asked for tessera.io/scrub-on-free: zero memory before free"
+    )
     reason: str = ""
     container_names: list[str] = Field(
         default_factory=list, description="names matching `containers`, positionally"

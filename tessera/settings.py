@@ -162,6 +162,12 @@ class TesseraSettings(BaseSettings):
     libvgpu_host_path: str = Field(
         "/usr/local/vgpu/libvgpu.so", description="libvgpu on the host, mounted into containers"
     )
+    scrub_on_free: bool = Field(
+        False,
+        description="node agent: seal scrub-on-free (device memory zeroed before it is freed) "
+        "into every container on this node; a pod can ask for it alone with the "
+        "tessera.io/scrub-on-free annotation",
+    )
     preload_host_path: str | None = Field(
         None,
         description="ld.so.preload installed on the host (Helm's init container); unset: the "

@@ -223,6 +223,7 @@ def limits_for(
         priority=allocation.priority,
         core_policy=allocation.core_policy or settings.core_policy,
         oversubscribe=settings.device_memory_scaling > 1,
+        scrub_on_free=allocation.scrub_on_free or settings.scrub_on_free,
         region_path=REGION_CONTAINER_PATH,
     )
 

@@ -167,6 +167,7 @@ class PodFilter:
                 priority=next((r.priority for r in request.all if r and r.priority is not None),
                               1),
                 core_policy=self.settings.core_policy,
+                scrub_on_free=options.scrub_on_free,
                 container_names=names_of_containers,
                 quota_held=held_charge is not None,
             )  # fmt: skip

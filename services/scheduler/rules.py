@@ -53,6 +53,7 @@ class PodOptions:
     gpu_policies: tuple[str, ...] = ("spread",)
     node_policy: str = "binpack"
     weights: tuple[int, int, int] = (1, 1, 1)
+    scrub_on_free: bool = False  # sealed into the containers' limits by the node agent
 
     @property
     def mutex(self) -> bool:
@@ -119,6 +120,7 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
         gpu_policies=parse_policy_chain(gpu_policy, GPU_POLICIES, hami.ANN_GPU_POLICY),
         node_policy=node_chain[0],
         weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
+        scrub_on_free=hami.parse_scrub_on_free(text(hami.ANN_SCRUB_ON_FREE)),
     )
 
 

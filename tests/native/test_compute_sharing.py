@@ -9,10 +9,14 @@ warm-up), on the device's time, so a busy test machine delays launches but does 
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import subprocess
 
 import pytest
 
+from .conftest import MiB
 from .sharing import run_sharing, summary
 
 pytestmark = pytest.mark.timing
@@ -64,3 +68,31 @@ def test_without_a_matching_nvml_pid_no_container_exceeds_its_limit(cluster):
     assert min(s.got - s.limit for s in shares) < -SHARE_TOL, (
         "expected the old, neighbour-charged behaviour without NVML: " + summary(shares)
     )
+
+
+@pytest.mark.valgrind
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="no valgrind")
+@pytest.mark.skipif(bool(os.environ.get("LIBVGPU_TEST_SAN")), reason="not with ASan")
+def test_shared_gpu_paths_are_valgrind_clean(cluster, native):
+    """The owntime path (NVML per-process utilisation, settling) and the NVML process view run
+    under valgrind memcheck while a neighbour shares the GPU."""
+    from tessera import region
+
+    neighbour, k = cluster.container("neighbour"), cluster.container("k")
+    neighbour.seal(region.DeviceLimit("", 0, 50))
+    k.seal(region.DeviceLimit("", 1000 * MiB, 30))
+    n = neighbour.cuctl()
+    assert n("init")["ok"]
+    n.send("burnq 4 k_4000us 8")
+    out = subprocess.run(
+        ["valgrind", "--error-exitcode=99", "--leak-check=full", "--errors-for-leak-kinds=definite",
+         "--show-leak-kinds=definite", "-q", str(native.bin / "cuctl")],
+        input="init\nalloc plain 1048576\nburnq 2.5 k_4000us 8\nprocs 0 3\nprocs 0 1\nnvml\nexit\n",
+        env=k.env(LIBCUDA_LOG_LEVEL="4"),  # debug: shows the settling ran
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "owntime dev 0" in out.stderr  # NVML answered while the GPU was shared
+    assert n.recv(timeout=60)["rc"] == 0

@@ -92,15 +92,3 @@ int tv_uuid_slot(const char *uuid)
     pthread_mutex_unlock(&tv.mu);
     return d;
 }
-
-int tv_dev_map_visible(void)
-{
-    int n = 0;
-    if (REAL(cuDeviceGetCount)(&n) != CUDA_SUCCESS) return -1; /* before cuInit: later */
-    int ok = 1;
-    for (int i = 0; i < n && i < TV_MAX_CUDA_DEVS; i++) {
-        CUdevice d;
-        if (REAL(cuDeviceGet)(&d, i) != CUDA_SUCCESS || tv_dev_slot(d) < 0) ok = 0;
-    }
-    return ok ? 0 : -1;
-}

@@ -108,14 +108,10 @@ static void *poll_main(void *arg)
     sigdelset(&all, SIGSEGV);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
     unsigned tick = 0;
-    int mapped = 0;
     struct tv_region_seed seed;
     for (;;) {
         tv_sleep_ns((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull);
         tv_limits_poll();
-        /* Unthrottled launches never ask which device they run on: the devices this process
-         * can see are put in the region here, so that its activity and limits are reported. */
-        if (!mapped && atomic_load(&tv.cuda_ready)) mapped = tv_dev_map_visible() == 0;
         pthread_mutex_lock(&tv.mu);
         tv_limits_seed(&seed);
         pthread_mutex_unlock(&tv.mu);

@@ -101,7 +101,6 @@ int tv_dev_slot(CUdevice dev) TV_HIDDEN;    /* device slot of a CUDA device, -1 
 int tv_ctx_dev_slot(void) TV_HIDDEN;        /* ... of the current context's device */
 int tv_stream_dev_slot(CUstream s) TV_HIDDEN;
 int tv_uuid_slot(const char *uuid) TV_HIDDEN; /* NVML: by UUID, applying its limits */
-int tv_dev_map_visible(void) TV_HIDDEN;     /* every device this process sees; 0 when done */
 void tv_format_uuid(const CUuuid *u, char out[TSR_UUID_LEN]) TV_HIDDEN;
 
 /* ---- account.c (middle; account.h for the allocation paths) ---- */
