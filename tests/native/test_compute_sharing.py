@@ -26,14 +26,13 @@ PUBLISHED_TOL = 1.0  # points between what a container publishes and what the de
 
 
 def check_published(s) -> None:
-    """The container's achieved % (1 s windows) against the device's truth over the same
-    windows: on average within 1 point; each window within 2.5 (the test reads the region every
-    50 ms, so it places a window's end to within that)."""
-    assert len(s.published) >= 2, f"{s.limit}%: too few published figures {s.published}"
-    pub = statistics.fmean(a for a, _ in s.published)
-    truth = statistics.fmean(t for _, t in s.published)
-    assert abs(pub - truth) <= PUBLISHED_TOL, (s.limit, s.published)
-    assert s.worst_published_error <= 2.5, (s.limit, s.published)
+    """What the container published against what the device gave it: over the run, the mean of
+    its achieved % within 1 point of its share of the device; each 1 s figure within 1 point of
+    the device's truth over the 1 s window it describes (placed to within 50 ms)."""
+    assert len(s.published) >= 4, f"{s.limit}%: too few published figures {s.published}"
+    mean = statistics.fmean(a for a, _ in s.published)
+    assert abs(mean - s.got) <= PUBLISHED_TOL, (s.limit, s.got, s.published)
+    assert s.worst_published_error <= PUBLISHED_TOL, (s.limit, s.published)
 
 
 @pytest.mark.parametrize(
