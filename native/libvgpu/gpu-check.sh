@@ -14,6 +14,12 @@
 #   5. compute limit accuracy: a 1 ms busy kernel back to back for 6 s at $SM_PCT %, per 1 s
 #      window (kernel time from its own %globaltimer stamps), plus a 10/90 pair of processes
 #   6. launch overhead: empty kernels, with and without the preload, interleaved
+#   7. graph memory nodes: an allocation node launched and its graph destroyed stays charged
+#      until freed (one of three fits under the limit, cuMemGetInfo shows it); glibc's dlsym
+#      fetched through dlvsym still hands out libvgpu's functions
+#   8. watchdog view: a process without libvgpu (as one that escaped the preload file through a
+#      patched loader copy) allocates past the limit; the node agent's NVML probe
+#      (services/node-agent/nvml_processes.py) must see its pid holding that memory
 # Prints a summary and writes $RESULTS_DIR/gpu-check.json (default: a temp dir; $OUT if set).
 set -uo pipefail
 
@@ -60,7 +66,8 @@ LIBCUDA_LINK=${LIBCUDA_LINK:-$(ls "$CUINC/../lib64/stubs/libcuda.so" 2>/dev/null
     ldconfig -p | awk '/libcuda\.so\.1 / {print $NF; exit}')}
 [ -n "$LIBCUDA_LINK" ] || { log "no libcuda to link against (set LIBCUDA_LINK)"; exit 2; }
 cc -O2 -std=gnu11 -pthread -I"$CUINC" -I"$NVMLINC" -I"$HERE/include" -I"$ROOT/tests/native/progs" \
-    -o "$WORK/cuctl" "$ROOT/tests/native/progs/cuctl.c" "$LIBCUDA_LINK" -ldl ||
+    -o "$WORK/cuctl" "$ROOT/tests/native/progs/cuctl.c" -Wl,--no-as-needed "$LIBCUDA_LINK" \
+    -Wl,--as-needed -ldl ||
     { log "cuctl build failed"; exit 2; }
 
 cat >"$WORK/procaddr.c" <<'EOF'
@@ -310,6 +317,53 @@ w0=$(med "${w[@]}"); l0=$(med "${l[@]}")
 added=$("$PY" -c "print(round($l0 - $w0, 1))" 2>/dev/null || echo "?")
 log "empty kernel launch: ${w0} ns without, ${l0} ns with libvgpu (median of 5): +${added} ns"
 RES[launch_ns]="without $w0, with $l0, added $added (target <= 50)"
+
+# ---- 7. graph memory nodes and dlvsym -------------------------------------------------------------
+G=$((LIMIT_MIB * 6 / 10 << 20))
+out=$(printf 'init\ngraphmem %s\ngraphmem %s\ngraphmem %s\ninfo\nfree 0\ngraphmem %s\nroute dlvsym_dlsym %s\n' \
+    "$G" "$G" "$G" "$G" "$((LIMIT_MIB * 3 / 10 << 20))" | TV_TEST_MODE=dlsym contained timeout 60 "$WORK/cuctl")
+echo "$out" >"$RESULTS/graphmem.jsonl"
+oks=$(echo "$out" | sed -n 2,4p | grep -c '"ok": true')
+free_b=$(echo "$out" | sed -n 5p | sed -n 's/.*"free": \([0-9]*\).*/\1/p')
+after=$(echo "$out" | sed -n 7p); route=$(echo "$out" | sed -n 8p)
+if [ "$oks" -eq 1 ] && [ -n "$free_b" ] && [ $((free_b >> 20)) -le $((LIMIT_MIB * 4 / 10 + 1)) ] &&
+    echo "$after" | grep -q '"ok": true' && echo "$route" | grep -q '"ours": true'; then
+    pass graph_memory "1 of 3 fit, free $((free_b >> 20)) MiB after one, freed and re-used; dlvsym route ours"
+else fail graph_memory "$(echo "$out" | tr '\n' ' ')"; fi
+
+# ---- 8. the watchdog's view of a process that bypasses libvgpu -------------------------------------
+PROBE="$ROOT/services/node-agent/nvml_processes.py"
+if [ ! -f "$PROBE" ]; then
+    skip watchdog_view "no services/node-agent/nvml_processes.py"
+else
+    B=$((LIMIT_MIB * 7 / 10 << 20))
+    # no libvgpu at all: what a process that escaped the preload (a patched loader copy,
+    # tests/native/test_tenant.py) holds, as only the watchdog can see it
+    (printf 'init\nalloc plain %s\nalloc plain %s\n' "$B" "$B"; sleep 8) |
+        "$WORK/cuctl" >"$WORK/bypass.out" 2>&1 &
+    sleep 3
+    BYPASS=$(pgrep -n -f "^$WORK/cuctl" || true)
+    seen=$("$PY" -c 'import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("nvml_processes", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+probe, pid, limit = mod.NvmlProcessProbe(), int(sys.argv[2] or 0), int(sys.argv[3]) << 20
+t0 = time.monotonic()
+while time.monotonic() - t0 < 4:
+    mine = [p for p in probe.poll() if p.pid == pid]
+    if mine and (mine[0].used_bytes or 0) > limit:
+        print(f"pid {pid} holds {mine[0].used_bytes >> 20} MiB > {limit >> 20} MiB, "
+              f"seen in {time.monotonic() - t0:.1f} s")
+        break
+    time.sleep(0.5)
+else:
+    print("NOT SEEN")' "$PROBE" "$BYPASS" "$LIMIT_MIB" 2>&1 | tail -1)
+    [ -n "$BYPASS" ] && kill "$BYPASS" 2>/dev/null
+    wait
+    echo "$seen" >"$RESULTS/watchdog-view.txt"
+    if grep -q '"ok": true' "$WORK/bypass.out" && [ -n "$seen" ] && [ "$seen" = "${seen#NOT}" ]; then
+        pass watchdog_view "$seen"
+    else fail watchdog_view "$seen; $(tr '\n' ' ' <"$WORK/bypass.out")"; fi
+fi
 
 # ---- summary ---------------------------------------------------------------------------------------
 {

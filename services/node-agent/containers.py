@@ -125,6 +125,10 @@ class ContainerStore:
         path = self.path_for(prepared.pod_uid, prepared.index, prepared.container)
         cdir = ContainerDir(path, prepared)
         cdir.limits_dir.mkdir(parents=True, exist_ok=True)
+        # The region is the container's alone: its directories are the agent's (root's), so no
+        # other container or host user reaches them; the container sees only what it mounts.
+        for private in (path.parent, path):
+            os.chmod(private, 0o700)
         # A stale limits file of an earlier attempt must not survive: PreStart seals anew.
         with contextlib.suppress(FileNotFoundError):
             (cdir.limits_dir / "limits").unlink()

@@ -50,6 +50,7 @@ def test_builds_with_pip_headers_only(tmp_path):
     assert exported(tmp_path / "libvgpu.so") == hooked_names() | {"dlsym", "dlvsym", "dlmopen"}
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.skipif(bool(os.environ.get("LIBVGPU_TEST_SAN")), reason="already the ASan run")
 def test_native_suite_under_asan():
     """Every native test but the timing ones, against ASan builds of libvgpu, fakes and programs
@@ -72,7 +73,7 @@ def test_native_suite_under_asan():
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1700,
     )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " passed" in out.stdout

@@ -311,7 +311,8 @@ def test_huge_compute_budget_does_not_lift_the_limit(tenant):
          f"f = open('{tenant.region_path}', 'r+b')\n"
          "end = time.time() + 2.5\n"
          "while time.time() < end:\n"
-         f"    f.seek({dev_off('budget_ns')}); f.write((1 << 62).to_bytes(8, 'little')); f.flush()\n"
+         f"    f.seek({dev_off('budget_ns')})\n"
+         "    f.write((1 << 62).to_bytes(8, 'little')); f.flush()\n"
          "    time.sleep(0.001)\n"],
         env=tenant.env(),
     )  # fmt: skip
