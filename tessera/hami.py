@@ -33,6 +33,43 @@ ANN_VGPU_MODE = "nvidia.com/vgpu-mode"
 ANN_GPU_POLICY = "hami.io/gpu-scheduler-policy"
 ANN_NODE_POLICY = "hami.io/node-scheduler-policy"
 ANN_SCORING_WEIGHTS = "hami.io/device-scoring-weights"
+# Forms HAMi's guides print, honoured as aliases of the canonical annotation keys (admission
+# copies them to the canonical key and warns). `hami.io/task-priority` is mapped, not copied:
+# see task_priority_to_priority.
+ANN_ALIAS_GPU_TYPE = "hami.io/gpu-type"
+ANN_ALIAS_GPU_UUID = "hami.io/gpu-uuid-white-list"
+ANN_ALIAS_TASK_PRIORITY = "hami.io/task-priority"
+ANNOTATION_ALIASES = {
+    ANN_ALIAS_GPU_TYPE: ANN_USE_GPUTYPE,
+    ANN_ALIAS_GPU_UUID: ANN_USE_GPUUUID,
+}
+# The resource alias (`nvidia.com/cores` = the cores resource, default nvidia.com/gpucores).
+RESOURCE_ALIAS_CORES = "nvidia.com/cores"
+GPU_SCHEDULER_POLICIES = ("binpack", "spread", "mutex", "numa", "topology-aware")
+NODE_SCHEDULER_POLICIES = ("binpack", "spread")
+# Every hami.io/ and nvidia.com/ annotation Tessera reads (others draw an admission warning).
+KNOWN_ANNOTATIONS = frozenset({
+    ANN_USE_GPUTYPE, ANN_NOUSE_GPUTYPE, ANN_USE_GPUUUID, ANN_NOUSE_GPUUUID, ANN_NUMA_BIND,
+    ANN_VGPU_MODE, ANN_GPU_POLICY, ANN_NODE_POLICY, ANN_SCORING_WEIGHTS,
+    ANN_ALIAS_GPU_TYPE, ANN_ALIAS_GPU_UUID, ANN_ALIAS_TASK_PRIORITY,
+    ANN_DEVICES_TO_ALLOCATE, ANN_DEVICES_ALLOCATED, ANN_VGPU_NODE, ANN_VGPU_TIME, ANN_BIND_TIME,
+    ANN_BIND_PHASE,
+})
+
+
+def task_priority_to_priority(value: str) -> int:
+    """`hami.io/task-priority` (higher number = more important) → `nvidia.com/priority`
+    (0 = high, 1 = low): a number above 0 is high (0), 0 or below is low (1)."""
+    try:
+        number = int(value.strip())
+    except ValueError as exc:
+        raise RequestError(
+            f"annotation {ANN_ALIAS_TASK_PRIORITY}: {value!r} is not an integer (a higher number "
+            "is a higher priority; above 0 maps to nvidia.com/priority 0 = high)"
+        ) from exc
+    return 0 if number > 0 else 1
+
+
 # Prefixes a user may never set: only the scheduler writes them.
 SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-")
 

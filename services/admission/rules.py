@@ -24,6 +24,8 @@ from tessera.hami import (
 )
 from tessera.settings import TesseraSettings
 
+from .compat import apply_compat
+
 ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"
 ENV_CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -156,6 +158,7 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
     warnings: list[str] = []
     requests: dict[str, list[ContainerRequest | None]] = {}
     try:
+        apply_compat(mutated, settings, changes, warnings)  # aliases, what can never fit
         for section in CONTAINER_SECTIONS:
             requests[section] = [
                 _normalise_container(

@@ -53,6 +53,7 @@ class FailureLog:
         self.metrics.unschedulable.inc()
         for reason, nodes in counts.items():
             self.metrics.refusals.labels(reason=reason).inc(nodes)
+            self.metrics.hami_allocation_failures.labels(reason=reason).inc()
 
     def remember(self, ident: PodIdentity, reasons: dict[str, str], summary: str) -> None:
         now = self.clock()
