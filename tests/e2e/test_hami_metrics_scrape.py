@@ -49,7 +49,7 @@ def test_scrape_matches_hami_table(sim: RunningStack, namespace: str, tmp_path: 
     quota = tmp_path / "quota.json"
     quota.write_text(json.dumps({
         "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpu"},
-        "spec": {"hard": {"limits.nvidia.com/gpumem": "20000"}},
+        "spec": {"hard": {"limits.nvidia.com/gpumem": "40000"}},
     }))
     result = CliRunner().invoke(build_app(), ["apply", "-f", str(quota), "-n", ns,
                                               "--kubeconfig", str(sim.stack.kubeconfig)])
@@ -82,7 +82,7 @@ def test_scrape_matches_hami_table(sim: RunningStack, namespace: str, tmp_path: 
     assert cores == {"half": 50, "quarter": 25}
     used = [s for s in samples["hami_resource_quota_used"] if s["namespace"] == ns]
     assert [(s["quota_name"], s["limit"], s["__value__"]) for s in used] == [
-        ("nvidia.com/gpumem", "20000", 5000)]
+        ("nvidia.com/gpumem", "40000", 5000)]
     legacy = [s for s in samples["GPUDeviceCoreAllocated"] if s["deviceuuid"] == target]
     assert [(s["nodeid"], s["__value__"]) for s in legacy] == [(NODE, 75)]
     problems = check_labels(samples, HAMI) + check_labels(samples, LEGACY)
@@ -90,7 +90,16 @@ def test_scrape_matches_hami_table(sim: RunningStack, namespace: str, tmp_path: 
     for hami_name, legacy_name in TWINS.items():
         assert len(samples.get(hami_name, [])) == len(samples.get(legacy_name, [])), hami_name
 
-    scheduler = scrape(f"http://127.0.0.1:{sim.stack.ports.scheduler}")
+    # A pod no card can hold (30 000 MiB on 24 GiB cards): counted by HAMi's fit reason.
+    sim.kube.create_pod_retrying(gpu_pod("too-big", mem=30_000, cores=10), ns)
+    scheduler_url = f"http://127.0.0.1:{sim.stack.ports.scheduler}"
+
+    def refused() -> dict[str, list[dict[str, str]]] | None:
+        samples = scrape(scheduler_url)
+        failures = samples.get("hami_scheduler_allocation_failures_total", [])
+        return samples if any(s["reason"] == "CardInsufficientMemory" for s in failures) else None
+
+    scheduler = sim.kube.wait_for("the refusal counted", refused, 30, 0.5)
     for name, labels in SCHEDULER.items():
         assert name in scheduler, f"scheduler does not publish {name}"
         for sample in scheduler[name]:
