@@ -249,6 +249,9 @@ class PodRequest:
 
     init: list[ContainerRequest | None] = field(default_factory=list)
     containers: list[ContainerRequest | None] = field(default_factory=list)
+    # Indices (into `init`) of native sidecars: init containers with restartPolicy: Always keep
+    # running beside the app containers, so they are summed with them, never maxed.
+    sidecars: frozenset[int] = frozenset()
 
     @property
     def all(self) -> list[ContainerRequest | None]:
@@ -273,12 +276,22 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     return PodRequest(
         init=[parse_container_request(c, settings) for c in init],
         containers=[parse_container_request(c, settings) for c in app],
+        sidecars=sidecar_indices(init),
+    )
+
+
+def sidecar_indices(init_containers: list[Any]) -> frozenset[int]:
+    """Init containers with `restartPolicy: Always` (Kubernetes' native sidecars)."""
+    return frozenset(
+        i for i, c in enumerate(init_containers)
+        if isinstance(c, dict) and c.get("restartPolicy") == "Always"
     )
 
 
 def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tuple[int, int, int]:
-    """(memory MiB, cores, GPUs) charged to the namespace: app containers summed over every GPU,
-    init containers by max. Percentage requests count only when the card size is known."""
+    """(memory MiB, cores, GPUs) charged to the namespace: app containers and native sidecars
+    summed over every GPU, other init containers by max. Percentage requests count only when the
+    card size is known."""
 
     def charge(r: ContainerRequest | None) -> tuple[int, int, int]:
         if r is None:
@@ -290,8 +303,9 @@ def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tup
         )
         return mem * r.count, r.cores * r.count, r.count
 
-    app = [charge(r) for r in request.containers]
-    init = [charge(r) for r in request.init]
+    sidecars = [r for i, r in enumerate(request.init) if i in request.sidecars]
+    app = [charge(r) for r in [*sidecars, *request.containers]]
+    init = [charge(r) for i, r in enumerate(request.init) if i not in request.sidecars]
     totals = tuple(sum(v[i] for v in app) for i in range(3))
     peaks = tuple(max((v[i] for v in init), default=0) for i in range(3))
     return tuple(max(t, p) for t, p in zip(totals, peaks, strict=True))  # type: ignore[return-value]

@@ -98,10 +98,25 @@ class Allocation(Message):
         default_factory=list, description="names matching `containers`, positionally"
     )
     quota_held: bool = Field(False, description="a quota reservation exists for this pod")
+    sidecars: list[int] = Field(
+        default_factory=list,
+        description="indices of init containers with restartPolicy: Always (native sidecars): "
+        "they run alongside the app containers, so they are summed with them, not maxed",
+    )
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    def init_grants(self) -> list[list[DeviceGrant]]:
+        """Init containers that run to completion, one after another (counted by max)."""
+        sidecars = set(self.sidecars)
+        return [g for i, g in enumerate(self.containers[: self.init_count]) if i not in sidecars]
+
+    def app_grants(self) -> list[list[DeviceGrant]]:
+        """App containers and native sidecars: they run together (summed)."""
+        sidecars = [self.containers[i] for i in self.sidecars if i < self.init_count]
+        return [*sidecars, *self.containers[self.init_count :]]
 
 
 class InFlightClaim(Message):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from tessera import hami
@@ -159,6 +160,15 @@ def _container(container: dict[str, Any], label: str, settings: TesseraSettings,
         _never_fits(values, label, section, settings)
 
 
+def _quantity(value: object) -> Decimal:
+    """The value, or 0 when it is no quantity at all (the request parser denies those, naming
+    the container)."""
+    try:
+        return parse_quantity(value) if value is not None else Decimal(0)
+    except RequestError:
+        return Decimal(0)
+
+
 def _never_fits(values: dict[str, Any], label: str, section: str,
                 settings: TesseraSettings) -> None:
     where = f"container {label}: {section}"
@@ -173,16 +183,16 @@ def _never_fits(values: dict[str, Any], label: str, section: str,
             f"number of MiB without one ({memory!r} would be read as {understood} MiB); write "
             f"e.g. {settings.resource_mem}: 4096 for 4 GiB"
         )
+    # Absurd values (1e400) are left to the request parser, which calls them that.
     cores = values.get(settings.resource_cores)
-    if cores is not None and parse_quantity(cores, settings.resource_cores) > 100:
+    if 100 < _quantity(cores) <= 10**9:
         raise RequestError(
             f"{where} {settings.resource_cores}: {cores!r} is more than a card has; it is a "
             "percentage of one GPU's compute per GPU, 0 to 100 (100 = a whole card; ask more "
             f"GPUs with {settings.resource_name} for more)"
         )
     count = values.get(settings.resource_name)
-    if count is not None and parse_quantity(count, settings.resource_name) > \
-            settings.max_gpus_per_node:
+    if settings.max_gpus_per_node < _quantity(count) <= hami.MAX_GPU_COUNT:
         raise RequestError(
             f"{where} {settings.resource_name}: {count!r} GPUs is more than any node has (at "
             f"most {settings.max_gpus_per_node}, TESSERA_MAX_GPUS_PER_NODE); all GPUs of a "

@@ -21,6 +21,7 @@ from tessera.hami import (
     quota_charge,
     raw_percentage,
     scheduler_owned,
+    sidecar_indices,
 )
 from tessera.settings import TesseraSettings
 
@@ -169,7 +170,8 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
             ]
     except RequestError as exc:
         return Denial(INVALID_REQUEST, str(exc), 400)
-    normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"])
+    normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"],
+                            sidecars=sidecar_indices(init))
     gpu_pod = normalised.wants_gpu
 
     if gpu_pod:
@@ -332,8 +334,6 @@ def _normalise_container(
         _set_resource(container, settings, settings.resource_cores, "100")
         changes.append(f"{label}: {settings.resource_cores}=100 added (whole card, exclusive)")
         request = replace(request, cores=100)
-    if raw_cores is not None and parse_quantity(raw_cores, settings.resource_cores) > 100:
-        warnings.append(f"{where}{settings.resource_cores} above 100 is treated as 100")
     return request
 
 

@@ -334,7 +334,8 @@ def counted_containers(allocation: Allocation) -> list[tuple[int, list]]:
     return [
         (index, grants)
         for index, grants in enumerate(allocation.containers)
-        if not (allocation.init_done and index < allocation.init_count)
+        if not (allocation.init_done and index < allocation.init_count
+                and index not in allocation.sidecars)
     ]
 
 

@@ -308,8 +308,8 @@ def charge_from_allocation(alloc: Allocation) -> QuotaCharge:
             sum(len(c) for c in containers),
         )
 
-    init = alloc.containers[: alloc.init_count]
-    app = totals(alloc.containers[alloc.init_count :])
+    init = alloc.init_grants()
+    app = totals(alloc.app_grants())
     peaks = [totals([c]) for c in init]
     memory, cores, gpus = (max([app[i], *(p[i] for p in peaks)]) for i in range(3))
     return QuotaCharge(
