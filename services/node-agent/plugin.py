@@ -265,7 +265,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             try:
                 await self.cluster.patch_pod_metadata(
                     allocation.namespace, allocation.name,
-                    annotations={hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                    # HAMi's tools read what was allocated from -allocated (-to-allocate stays).
+                    annotations={
+                        hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS,
+                        hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(
+                            allocation.containers),
+                    },
                 )
             except Exception as exc:
                 self.log.warning("bind-phase not written", extra={"err": str(exc)})

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "tessera.cli.quota",
     "tessera.cli.limits",
     "tessera.cli.run",
+    "tessera.cli.describe",
 ]
 
 

@@ -1,6 +1,7 @@
-"""A HAMi operator's scrape of a running stack: the metrics service and the scheduler publish
-HAMi's names, units and labels (table in tests/metrics/hami_table.py, from HAMi's docs), with
-legacyNames switched on."""
+"""A HAMi operator's day on a running stack: the metrics service and the scheduler publish HAMi's
+names, units and labels (table in tests/metrics/hami_table.py, from HAMi's docs; legacyNames on);
+the scheduler records HAMi's Events on the pod; pods carry hami.io/vgpu-devices-allocated;
+`tessera describe pod` shows both."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
 from tessera.cli.app import build_app
+from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
 from tessera.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, gpu_uuid, start_stack
@@ -108,3 +111,40 @@ def test_scrape_matches_hami_table(sim: RunningStack, namespace: str, tmp_path: 
     binds = {s["result"]: s["__value__"] for s in scheduler["hami_scheduler_bind_total"]}
     assert filtered["success"] >= 2 and binds["success"] >= 2
     assert scheduler["hami_build_info"][0]["__value__"] == 1
+
+
+def test_events_annotations_and_describe(sim: RunningStack, namespace: str) -> None:
+    ns = namespace
+    placed = sim.kube.create_pod_retrying(gpu_pod("fits", mem=2000, cores=10), ns)
+    sim.kube.wait_running(ns, "fits", 30)
+    sim.kube.create_pod_retrying(gpu_pod("never", mem=30_000, cores=10), ns)
+
+    def allocated() -> dict[str, Any] | None:
+        pod = sim.kube.pod(ns, "fits")
+        annotations = pod["metadata"].get("annotations") or {}
+        return pod if annotations.get(ANN_DEVICES_ALLOCATED) else None
+
+    pod = sim.kube.wait_for("hami.io/vgpu-devices-allocated", allocated, 20, 0.3)
+    annotations = pod["metadata"]["annotations"]
+    assert decode_pod_devices(annotations[ANN_DEVICES_ALLOCATED]) == decode_pod_devices(
+        annotations[ANN_DEVICES_TO_ALLOCATE])
+    assert annotations["hami.io/bind-phase"] == "success"
+
+    def reasons(name: str) -> dict[str, dict[str, Any]]:
+        items = sim.kube.http.get(f"/api/v1/namespaces/{ns}/events").json()["items"]
+        return {e["reason"]: e for e in items if e["involvedObject"]["name"] == name}
+
+    sim.kube.wait_for("the scheduler's events", lambda: {"FilteringSucceed", "BindingSucceed"}
+                      <= set(reasons("fits")) and "FilteringFailed" in reasons("never"), 20, 0.5)
+    failed = reasons("never")["FilteringFailed"]
+    assert failed["type"] == "Warning" and NODE in failed["message"]
+    assert "CardInsufficientMemory" in failed["message"]
+    assert reasons("fits")["BindingSucceed"]["involvedObject"]["uid"] == placed["metadata"]["uid"]
+
+    result = CliRunner().invoke(build_app(), ["describe", "pod", "never", "-n", ns,
+                                              "--kubeconfig", str(sim.stack.kubeconfig)])
+    assert result.exit_code == 0, result.output
+    assert "FilteringFailed" in result.output and "CardInsufficientMemory" in result.output
+    result = CliRunner().invoke(build_app(), ["describe", "pod", "fits", "-n", ns,
+                                              "--kubeconfig", str(sim.stack.kubeconfig)])
+    assert "BindingSucceed" in result.output and ANN_DEVICES_ALLOCATED in result.output
