@@ -110,6 +110,10 @@ def sched_failed_subject(namespace: str) -> str:
     return f"{EVENTS_PREFIX}.sched.{subject_token(namespace)}.failed"
 
 
+def sched_gone_subject(namespace: str) -> str:
+    return f"{EVENTS_PREFIX}.sched.{subject_token(namespace)}.gone"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -134,6 +138,8 @@ def event_subject(event: Event) -> str:
         return oom_event_subject(event.node)
     if isinstance(event, m.SchedulingFailedEvent):
         return sched_failed_subject(event.namespace)
+    if isinstance(event, m.PodGoneEvent):
+        return sched_gone_subject(event.namespace)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

@@ -301,6 +301,15 @@ class SchedulingFailedEvent(Event):
     node_reasons: dict[str, str] = Field(default_factory=dict)
 
 
+class PodGoneEvent(Event):
+    """A pod the scheduler never placed was deleted: it leaves every pending list at once."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.sched.<namespace>.gone"
+    namespace: str
+    name: str
+    pod_uid: str = ""
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -308,6 +317,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     QuotaEvent,
     OomEvent,
     SchedulingFailedEvent,
+    PodGoneEvent,
 )
 
 

@@ -21,6 +21,7 @@ from tessera.models import (
     NodeLedger,
     NodeRegistration,
     OomEvent,
+    PodGoneEvent,
     QuotaEvent,
     QuotaState,
     SchedulingFailedEvent,
@@ -181,6 +182,8 @@ class ClusterView:
             self._on_quota(event)
         elif isinstance(event, NodeEvent):
             self._on_node(event)
+        elif isinstance(event, PodGoneEvent):
+            self._on_pod_gone(event)
         return True
 
     def _on_allocation(self, event: AllocationEvent) -> None:
@@ -260,6 +263,13 @@ class ClusterView:
     ) -> None:
         self.recent.append(RecentEvent(event.at, kind, action, scope, text, event.reason,
                                        severity))
+
+    def _on_pod_gone(self, event: PodGoneEvent) -> None:
+        """A deleted pod leaves the pending list at once (and, on replay, after a restart)."""
+        pending = self.pending.get((event.namespace, event.name))
+        if pending is not None and (not event.pod_uid or not pending.pod_uid
+                                    or pending.pod_uid == event.pod_uid):
+            self._clear_pending(event.namespace, event.name)
 
     def _clear_pending(self, namespace: str, name: str) -> None:
         self.pending.pop((namespace, name), None)

@@ -148,3 +148,36 @@ def test_events_annotations_and_describe(sim: RunningStack, namespace: str) -> N
     result = CliRunner().invoke(build_app(), ["describe", "pod", "fits", "-n", ns,
                                               "--kubeconfig", str(sim.stack.kubeconfig)])
     assert "BindingSucceed" in result.output and ANN_DEVICES_ALLOCATED in result.output
+
+
+def test_deleted_pending_pod_leaves_pending_lists_also_after_restart(
+    sim: RunningStack, namespace: str
+) -> None:
+    ns = namespace
+    metrics_url = f"http://127.0.0.1:{sim.stack.ports.metrics}"
+    sim.kube.create_pod_retrying(gpu_pod("stuck", mem=30_000, cores=10), ns)
+
+    def pending_count() -> float | None:
+        samples = scrape(metrics_url).get("tessera_pods_pending", [])
+        values = [s["__value__"] for s in samples if s.get("namespace") == ns]
+        return values[0] if values else None
+
+    def dashboard_pending() -> list[str]:
+        state = httpx.get(f"{metrics_url}/api/state", timeout=10).json()
+        return [p["name"] for p in state["pending"] if p["namespace"] == ns]
+
+    sim.kube.wait_for("the pod pending", lambda: pending_count() == 1
+                      and dashboard_pending() == ["stuck"], 30, 0.5)
+    sim.kube.delete_pod(ns, "stuck")
+    sim.kube.wait_for("the pod off the pending lists", lambda: pending_count() is None
+                      and dashboard_pending() == [], 15, 0.3)
+    sim.stack.restart_service("metrics")
+
+    def replayed() -> bool:
+        try:
+            return httpx.get(f"{metrics_url}/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    sim.kube.wait_for("metrics replayed the stream", replayed, 30, 0.3)
+    assert pending_count() is None and dashboard_pending() == []

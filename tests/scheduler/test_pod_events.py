@@ -9,8 +9,11 @@ from typing import Any
 from tessera.scheduler.background import BackgroundTasks
 from tessera.scheduler.kube_events import PodEventRecorder
 
+from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.memory import InMemoryCluster
+from tessera.codec import decode, encode
+from tessera.models import ExplainReply, ExplainRequest, PodGoneEvent
 
 from .conftest import MakeService, http_client, unique, wait_until
 from .factories import GIB, container, node, pod
@@ -82,3 +85,28 @@ async def test_recorder_rate_limits_and_never_blocks() -> None:
     assert hung.in_flight == 4 and hung.dropped == 6
     for task in list(hung.tasks._tasks):  # the hung writes: end them with the test
         task.cancel()
+
+
+async def test_deleted_pending_pod_leaves_explain_and_is_announced(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster, nc: Any
+) -> None:
+    service = await make_service()
+    full = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=8 * GIB))
+    namespace = unique("ns")
+    spec = cluster.add_pod(pod(container(mem=20 * GIB), namespace=namespace))
+    sub = await nc.subscribe(bus.sched_gone_subject(namespace))
+    async with http_client(service) as client:
+        await filter_call(client, spec, [full])
+    ask = ExplainRequest(namespace=namespace, name=spec["metadata"]["name"])
+
+    async def explain() -> ExplainReply:
+        reply = await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=3)
+        return decode(reply.data, ExplainReply)
+
+    assert (await explain()).pending
+    cluster.delete_pod(namespace, spec["metadata"]["name"])
+    gone = decode((await sub.next_msg(timeout=5)).data, PodGoneEvent)
+    assert (gone.namespace, gone.name, gone.pod_uid) == (
+        namespace, spec["metadata"]["name"], spec["metadata"]["uid"])
+    assert not (await explain()).pending
+    assert service.scheduler.failures.get(f"{namespace}/{spec['metadata']['name']}") is None
