@@ -353,6 +353,10 @@ class QuotaSetRequest(Message):
     namespace: str
     limits: QuotaAmount
     source: str = "cli"
+    override: bool = Field(
+        False, description="replace limits that came from a ResourceQuota object (refused "
+        "otherwise, naming the object)",
+    )
 
 
 class QuotaReply(Message):

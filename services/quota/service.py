@@ -288,9 +288,19 @@ class QuotaService:
         source = req.source or "cli"
         if source.startswith(qa.RESOURCE_QUOTA_SOURCE):
             raise qa.QuotaInputError(f"source {source!r} is reserved for ResourceQuota objects")
-        state = await self._write_limits(
-            req.namespace, lambda s: qa.set_limits(s, req.namespace, req.limits, source)
-        )
+        def guarded(current: QuotaState | None) -> QuotaState:
+            # Checked inside the CAS: a ResourceQuota applied meanwhile is never overwritten.
+            if (current is not None and current.source.startswith(qa.RESOURCE_QUOTA_SOURCE)
+                    and not req.override):
+                objects = current.source.removeprefix(qa.RESOURCE_QUOTA_SOURCE)
+                raise qa.QuotaInputError(
+                    f"namespace {req.namespace} has its GPU limits from ResourceQuota "
+                    f"{objects}; edit that object (kubectl edit resourcequota), or pass "
+                    "--override to replace its limits until the ResourceQuota next changes"
+                )
+            return qa.set_limits(current, req.namespace, req.limits, source)
+
+        state = await self._write_limits(req.namespace, guarded)
         over = qa.over_limit(state)
         reason = "limits set"
         if over:
