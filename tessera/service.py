@@ -33,6 +33,8 @@ class ServiceContext:
     buckets: Buckets
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tessera"))
+    # Set by a service's main to serve /metrics beside the probes (Prometheus text).
+    metrics: Callable[[], bytes] | None = None
 
 
 ServiceMain = Callable[[ServiceContext], Awaitable[None]]
@@ -75,7 +77,8 @@ async def serve(
     probes = None
     if health_probes and settings.listen:
         probes = asyncio.create_task(
-            serve_health(settings.listen, lambda: nc.is_connected, ctx.stop)
+            serve_health(settings.listen, lambda: nc.is_connected, ctx.stop,
+                         lambda: ctx.metrics() if ctx.metrics else None)
         )
         log.info("health probes", extra={"listen": settings.listen})
     stopper = asyncio.create_task(ctx.stop.wait())

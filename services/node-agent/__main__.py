@@ -18,6 +18,7 @@ async def agent_main(ctx: ServiceContext) -> None:
         settings=ctx.settings, node=node, nc=ctx.nc, js=ctx.js, buckets=ctx.buckets,
         source=source, cluster=cluster_from_settings(ctx.settings), log=ctx.log,
     )
+    ctx.metrics = agent.metrics.render  # /metrics beside the probes on TESSERA_LISTEN
     await agent.run(ctx.stop)
 
 

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
+from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
 from tessera import bus, hami
@@ -79,9 +81,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         cluster: ClusterPort | None,
         log: logging.Logger,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
+        metrics: NodeAgentMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.node = node
+        self.metrics = metrics or NodeAgentMetrics()
         self.state = state
         self.store = store
         self.ledger_kv = ledger_kv
@@ -123,11 +127,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         return await self._guarded(context, "PreStartContainer", self.pre_start, request)
 
     async def _guarded(self, context, rpc: str, handler, request):
-        """Run a handshake step; any refusal or failure is a gRPC error with a message."""
+        """Run a handshake step; any refusal or failure is a gRPC error with a message. Each
+        call is timed and counted (ok / refused / error) in /metrics."""
+        started = time.perf_counter()
+        result = "error"
         try:
             async with self._lock:
-                return await handler(request)
+                reply = await handler(request)
+            result = "ok"
+            return reply
         except hs.HandshakeError as exc:
+            result = "refused"
             self.log.warning("refused", extra={"rpc": rpc, "reason": str(exc)})
             code = (grpc.StatusCode.INVALID_ARGUMENT if exc.invalid
                     else grpc.StatusCode.FAILED_PRECONDITION)
@@ -135,6 +145,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         except Exception as exc:  # the agent keeps serving whatever went wrong
             self.log.exception("handshake step failed", extra={"rpc": rpc})
             await context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed: {exc}")
+        finally:
+            self.metrics.handshake(rpc, time.perf_counter() - started, result)
 
     # --- the handshake -------------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("tessera-metrics", {"prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
                          "config": {"legacyNames": True}}),
     ("tessera-scheduler", {"serviceMonitor": {"enabled": True}}),
+    ("tessera-node-agent", {"podMonitor": {"enabled": True}}),
     ("tessera-quota", {"probes": {"enabled": True}, "replicaCount": 2}),
     (
         "tessera",
