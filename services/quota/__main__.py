@@ -14,6 +14,7 @@ async def serve_quota(ctx: ServiceContext) -> None:
         cluster=cluster_from_settings(ctx.settings),
         log=ctx.log,
     )
+    ctx.metrics = service.metrics.render  # /metrics beside the probes on TESSERA_LISTEN
     await service.run(ctx.stop)
 
 

@@ -25,6 +25,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 from tessera.quota import arithmetic as qa
+from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
 
@@ -77,6 +78,7 @@ class QuotaService:
         self.instance = instance or f"quota-{socket.gethostname()}-{os.getpid()}"
         self.clock = clock
         self.log = log or logging.getLogger("tessera.quota")
+        self.metrics = QuotaMetrics()
         self.reconciler = Reconciler(
             quota=buckets.quota,
             ledger=buckets.ledger,
@@ -194,6 +196,8 @@ class QuotaService:
         handler: Callable[[Any], Coroutine[Any, Any, Message]],
     ) -> None:
         """Decode, handle, reply. Whatever goes wrong, the caller gets an ErrorReply."""
+        started = time.perf_counter()
+        reply: Message
         try:
             body = decode(request.data, model)
             reply = await handler(body)
@@ -206,6 +210,10 @@ class QuotaService:
         except Exception as exc:
             self.log.exception("quota request failed", extra={"subject": request.subject})
             reply = ErrorReply(reason=_short(f"internal error: {type(exc).__name__}: {exc}"))
+        result = "error" if isinstance(reply, ErrorReply) else (
+            "refused" if getattr(reply, "ok", True) is False else "ok")
+        self.metrics.answered(request.subject.rpartition(".")[2], result,
+                              time.perf_counter() - started)
         with contextlib.suppress(Exception):
             await request.respond(encode(reply))
 

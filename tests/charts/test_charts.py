@@ -94,6 +94,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("tessera-scheduler", {"serviceMonitor": {"enabled": True}}),
     ("tessera-node-agent", {"podMonitor": {"enabled": True}}),
     ("tessera-admission", {"serviceMonitor": {"enabled": True}}),
+    ("tessera-quota", {"podMonitor": {"enabled": True}}),
     ("tessera-quota", {"probes": {"enabled": True}, "replicaCount": 2}),
     (
         "tessera",

@@ -27,6 +27,7 @@ def render(chart: str, values: dict[str, Any]) -> list[dict[str, Any]]:
      "tessera-admission"),
     ("tessera-node-agent", {"podMonitor": {"enabled": True}}, "PodMonitor",
      "tessera-node-agent"),
+    ("tessera-quota", {"podMonitor": {"enabled": True}}, "PodMonitor", "tessera-quota"),
     ("tessera-metrics", {"serviceMonitor": {"enabled": True}}, "ServiceMonitor", None),
 ])
 def test_monitor_scrapes_a_real_port_at_metrics(chart, values, kind, job) -> None:

@@ -98,3 +98,57 @@ async def test_quota_set_refuses_to_replace_a_resource_quota_unless_override(
     status = await call(nc, bus.QUOTA_STATUS, QuotaStatusRequest(namespace=ns))
     assert status.states[0].limits == QuotaAmount(memory_mib=9000)
     assert status.states[0].source == "cli"
+
+
+async def test_quota_service_counts_requests_by_endpoint_and_result(start_quota, nc):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tessera.models import QuotaRequest
+
+    service = await start_quota()
+    ns = unique_namespace()
+    await call(nc, bus.QUOTA_SET, QuotaSetRequest(namespace=ns, limits=QuotaAmount(gpus=1)))
+    await call(nc, bus.QUOTA_RESERVE, QuotaRequest(namespace=ns, pod_uid="a", gpus=2,
+                                                   check_only=True))
+    await call(nc, bus.QUOTA_STATUS, QuotaStatusRequest(namespace="Not A Namespace!"))
+    samples = {(s.name, s.labels.get("op"), s.labels.get("result")): s.value
+               for f in text_string_to_metric_families(service.metrics.render().decode())
+               for s in f.samples}
+    assert samples[("tessera_quota_requests_total", "set", "ok")] == 1
+    assert samples[("tessera_quota_requests_total", "reserve", "refused")] == 1
+    assert samples[("tessera_quota_requests_total", "status", "error")] == 1
+    assert samples[("tessera_quota_request_seconds_count", "reserve", None)] == 1
+
+
+def test_quota_process_serves_metrics_beside_its_probes(nats_url, tmp_path):
+    """The real entry point: /metrics on TESSERA_LISTEN, as the chart's PodMonitor scrapes it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tessera.nats_embedded import free_port
+
+    port = free_port()
+    env = {**os.environ, "NATS_URL": nats_url, "TESSERA_LISTEN": f"127.0.0.1:{port}",
+           "TESSERA_CLUSTER": "none"}
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.quota"], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90  # a busy 2-core machine starts Python slowly
+        while True:
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                if reply.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "no /metrics"
+            time.sleep(0.2)
+        assert "tessera_quota_requests" in reply.text
+        assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
