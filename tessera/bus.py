@@ -125,6 +125,10 @@ def limit_breached_subject(node: str) -> str:
     return f"{EVENTS_PREFIX}.limit.{subject_token(node)}.breached"
 
 
+def sched_gone_subject(namespace: str) -> str:
+    return f"{EVENTS_PREFIX}.sched.{subject_token(namespace)}.gone"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -162,6 +166,8 @@ def event_subject(event: Event) -> str:
         return rejected_event_subject(event.kind)
     if isinstance(event, m.LimitBreachedEvent):
         return limit_breached_subject(event.node)
+    if isinstance(event, m.PodGoneEvent):
+        return sched_gone_subject(event.namespace)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

@@ -35,6 +35,43 @@ ANN_NODE_POLICY = "hami.io/node-scheduler-policy"
 ANN_SCORING_WEIGHTS = "hami.io/device-scoring-weights"
 # Tessera's own pod annotation (not HAMi's): zero device memory before it is freed.
 ANN_SCRUB_ON_FREE = "tessera.io/scrub-on-free"
+# Forms HAMi's guides print, honoured as aliases of the canonical annotation keys (admission
+# copies them to the canonical key and warns). `hami.io/task-priority` is mapped, not copied:
+# see task_priority_to_priority.
+ANN_ALIAS_GPU_TYPE = "hami.io/gpu-type"
+ANN_ALIAS_GPU_UUID = "hami.io/gpu-uuid-white-list"
+ANN_ALIAS_TASK_PRIORITY = "hami.io/task-priority"
+ANNOTATION_ALIASES = {
+    ANN_ALIAS_GPU_TYPE: ANN_USE_GPUTYPE,
+    ANN_ALIAS_GPU_UUID: ANN_USE_GPUUUID,
+}
+# The resource alias (`nvidia.com/cores` = the cores resource, default nvidia.com/gpucores).
+RESOURCE_ALIAS_CORES = "nvidia.com/cores"
+GPU_SCHEDULER_POLICIES = ("binpack", "spread", "mutex", "numa", "topology-aware")
+NODE_SCHEDULER_POLICIES = ("binpack", "spread")
+# Every hami.io/ and nvidia.com/ annotation Tessera reads (others draw an admission warning).
+KNOWN_ANNOTATIONS = frozenset({
+    ANN_USE_GPUTYPE, ANN_NOUSE_GPUTYPE, ANN_USE_GPUUUID, ANN_NOUSE_GPUUUID, ANN_NUMA_BIND,
+    ANN_VGPU_MODE, ANN_GPU_POLICY, ANN_NODE_POLICY, ANN_SCORING_WEIGHTS,
+    ANN_ALIAS_GPU_TYPE, ANN_ALIAS_GPU_UUID, ANN_ALIAS_TASK_PRIORITY,
+    ANN_DEVICES_TO_ALLOCATE, ANN_DEVICES_ALLOCATED, ANN_VGPU_NODE, ANN_VGPU_TIME, ANN_BIND_TIME,
+    ANN_BIND_PHASE,
+})
+
+
+def task_priority_to_priority(value: str) -> int:
+    """`hami.io/task-priority` (higher number = more important) → `nvidia.com/priority`
+    (0 = high, 1 = low): a number above 0 is high (0), 0 or below is low (1)."""
+    try:
+        number = int(value.strip())
+    except ValueError as exc:
+        raise RequestError(
+            f"annotation {ANN_ALIAS_TASK_PRIORITY}: {value!r} is not an integer (a higher number "
+            "is a higher priority; above 0 maps to nvidia.com/priority 0 = high)"
+        ) from exc
+    return 0 if number > 0 else 1
+
+
 # Prefixes a user may never set: only the scheduler writes them.
 SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-")
 
@@ -214,6 +251,9 @@ class PodRequest:
 
     init: list[ContainerRequest | None] = field(default_factory=list)
     containers: list[ContainerRequest | None] = field(default_factory=list)
+    # Indices (into `init`) of native sidecars: init containers with restartPolicy: Always keep
+    # running beside the app containers, so they are summed with them, never maxed.
+    sidecars: frozenset[int] = frozenset()
 
     @property
     def all(self) -> list[ContainerRequest | None]:
@@ -238,12 +278,22 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     return PodRequest(
         init=[parse_container_request(c, settings) for c in init],
         containers=[parse_container_request(c, settings) for c in app],
+        sidecars=sidecar_indices(init),
+    )
+
+
+def sidecar_indices(init_containers: list[Any]) -> frozenset[int]:
+    """Init containers with `restartPolicy: Always` (Kubernetes' native sidecars)."""
+    return frozenset(
+        i for i, c in enumerate(init_containers)
+        if isinstance(c, dict) and c.get("restartPolicy") == "Always"
     )
 
 
 def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tuple[int, int, int]:
-    """(memory MiB, cores, GPUs) charged to the namespace: app containers summed over every GPU,
-    init containers by max. Percentage requests count only when the card size is known."""
+    """(memory MiB, cores, GPUs) charged to the namespace: app containers and native sidecars
+    summed over every GPU, other init containers by max. Percentage requests count only when the
+    card size is known."""
 
     def charge(r: ContainerRequest | None) -> tuple[int, int, int]:
         if r is None:
@@ -255,8 +305,9 @@ def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tup
         )
         return mem * r.count, r.cores * r.count, r.count
 
-    app = [charge(r) for r in request.containers]
-    init = [charge(r) for r in request.init]
+    sidecars = [r for i, r in enumerate(request.init) if i in request.sidecars]
+    app = [charge(r) for r in [*sidecars, *request.containers]]
+    init = [charge(r) for i, r in enumerate(request.init) if i not in request.sidecars]
     totals = tuple(sum(v[i] for v in app) for i in range(3))
     peaks = tuple(max((v[i] for v in init), default=0) for i in range(3))
     return tuple(max(t, p) for t, p in zip(totals, peaks, strict=True))  # type: ignore[return-value]

@@ -101,10 +101,25 @@ class Allocation(Message):
         default_factory=list, description="names matching `containers`, positionally"
     )
     quota_held: bool = Field(False, description="a quota reservation exists for this pod")
+    sidecars: list[int] = Field(
+        default_factory=list,
+        description="indices of init containers with restartPolicy: Always (native sidecars): "
+        "they run alongside the app containers, so they are summed with them, not maxed",
+    )
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    def init_grants(self) -> list[list[DeviceGrant]]:
+        """Init containers that run to completion, one after another (counted by max)."""
+        sidecars = set(self.sidecars)
+        return [g for i, g in enumerate(self.containers[: self.init_count]) if i not in sidecars]
+
+    def app_grants(self) -> list[list[DeviceGrant]]:
+        """App containers and native sidecars: they run together (summed)."""
+        sidecars = [self.containers[i] for i in self.sidecars if i < self.init_count]
+        return [*sidecars, *self.containers[self.init_count :]]
 
 
 class InFlightClaim(Message):
@@ -351,6 +366,15 @@ class LimitBreachedEvent(Event):
     pids: list[int] = Field(default_factory=list, description="host pids on that GPU")
 
 
+class PodGoneEvent(Event):
+    """A pod the scheduler never placed was deleted: it leaves every pending list at once."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.sched.<namespace>.gone"
+    namespace: str
+    name: str
+    pod_uid: str = ""
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -360,6 +384,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     SchedulingFailedEvent,
     ValueRejectedEvent,
     LimitBreachedEvent,
+    PodGoneEvent,
 )
 
 
@@ -395,6 +420,10 @@ class QuotaSetRequest(Message):
     namespace: str
     limits: QuotaAmount
     source: str = "cli"
+    override: bool = Field(
+        False, description="replace limits that came from a ResourceQuota object (refused "
+        "otherwise, naming the object)",
+    )
 
 
 class QuotaReply(Message):

@@ -41,6 +41,8 @@ class ServiceContext:
     keeper: BusKeeper | None = None
     # now() on the NATS server's clock: for every lease judged between machines.
     clock: ServerClock = field(default_factory=ServerClock)
+    # Set by a service's main to serve /metrics beside the probes (Prometheus text).
+    metrics: Callable[[], bytes] | None = None
 
     def bus_ready(self) -> bool:
         return self.nc.is_connected and (self.keeper is None or self.keeper.ready)
@@ -96,7 +98,8 @@ async def serve(
     probes = None
     if health_probes and settings.listen:
         probes = asyncio.create_task(
-            serve_health(settings.listen, ctx.bus_ready, ctx.stop)
+            serve_health(settings.listen, ctx.bus_ready, ctx.stop,
+                         lambda: ctx.metrics() if ctx.metrics else None)
         )
         log.info("health probes", extra={"listen": settings.listen})
     stopper = asyncio.create_task(ctx.stop.wait())

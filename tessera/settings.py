@@ -108,6 +108,12 @@ class TesseraSettings(BaseSettings):
         description="drills only: shift this process's own clock (leases must not notice)",
     )
 
+    # Metrics service.
+    legacy_names: bool = Field(
+        False, description="metrics: also publish HAMi's pre-hami_ names (GPUDeviceCoreLimit, "
+        "HostCoreUtilization, ...) that older dashboards and HAMi's WebUI read",
+    )
+
     # Admission webhook.
     tls_cert: str | None = Field(None, description="webhook TLS certificate (PEM), reloaded")
     tls_key: str | None = Field(None, description="webhook TLS private key (PEM)")
@@ -120,6 +126,10 @@ class TesseraSettings(BaseSettings):
         "",
         description="comma list of user-name prefixes (the scheduler's and node agent's service "
         "accounts) whose pod updates may change scheduler-owned annotations",
+    )
+    max_gpus_per_node: int = Field(
+        16, ge=1, le=1024, description="admission: a container asking more GPUs than this can "
+        "never fit on any node and is denied",
     )
     admission_max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=4096, description="larger AdmissionReview bodies get HTTP 413"

@@ -21,8 +21,11 @@ from tessera.hami import (
     quota_charge,
     raw_percentage,
     scheduler_owned,
+    sidecar_indices,
 )
 from tessera.settings import TesseraSettings
+
+from .compat import apply_compat
 
 ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"
 ENV_CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
@@ -156,6 +159,7 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
     warnings: list[str] = []
     requests: dict[str, list[ContainerRequest | None]] = {}
     try:
+        apply_compat(mutated, settings, changes, warnings)  # aliases, what can never fit
         for section in CONTAINER_SECTIONS:
             requests[section] = [
                 _normalise_container(
@@ -166,7 +170,8 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
             ]
     except RequestError as exc:
         return Denial(INVALID_REQUEST, str(exc), 400)
-    normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"])
+    normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"],
+                            sidecars=sidecar_indices(init))
     gpu_pod = normalised.wants_gpu
 
     if gpu_pod:
@@ -329,8 +334,6 @@ def _normalise_container(
         _set_resource(container, settings, settings.resource_cores, "100")
         changes.append(f"{label}: {settings.resource_cores}=100 added (whole card, exclusive)")
         request = replace(request, cores=100)
-    if raw_cores is not None and parse_quantity(raw_cores, settings.resource_cores) > 100:
-        warnings.append(f"{where}{settings.resource_cores} above 100 is treated as 100")
     return request
 
 

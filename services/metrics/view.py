@@ -22,6 +22,7 @@ from tessera.models import (
     NodeLedger,
     NodeRegistration,
     OomEvent,
+    PodGoneEvent,
     QuotaEvent,
     QuotaState,
     SchedulingFailedEvent,
@@ -212,6 +213,8 @@ class ClusterView:
             self._on_quota(event)
         elif isinstance(event, NodeEvent):
             self._on_node(event)
+        elif isinstance(event, PodGoneEvent):
+            self._on_pod_gone(event)
         return True
 
     def _on_allocation(self, event: AllocationEvent) -> None:
@@ -306,6 +309,13 @@ class ClusterView:
         self.recent.append(RecentEvent(event.at, kind, action, scope, text, event.reason,
                                        severity))
 
+    def _on_pod_gone(self, event: PodGoneEvent) -> None:
+        """A deleted pod leaves the pending list at once (and, on replay, after a restart)."""
+        pending = self.pending.get((event.namespace, event.name))
+        if pending is not None and (not event.pod_uid or not pending.pod_uid
+                                    or pending.pod_uid == event.pod_uid):
+            self._clear_pending(event.namespace, event.name)
+
     def _clear_pending(self, namespace: str, name: str) -> None:
         self.pending.pop((namespace, name), None)
 
@@ -384,7 +394,8 @@ def counted_containers(allocation: Allocation) -> list[tuple[int, list]]:
     return [
         (index, grants)
         for index, grants in enumerate(allocation.containers)
-        if not (allocation.init_done and index < allocation.init_count)
+        if not (allocation.init_done and index < allocation.init_count
+                and index not in allocation.sidecars)
     ]
 
 

@@ -19,6 +19,7 @@ async def agent_main(ctx: ServiceContext) -> None:
         source=source, cluster=cluster_from_settings(ctx.settings), log=ctx.log,
         clock=ctx.clock,
     )
+    ctx.metrics = agent.metrics.render  # /metrics beside the probes on TESSERA_LISTEN
     await agent.run(ctx.stop)
 
 

@@ -13,6 +13,7 @@ from nats.js import JetStreamContext
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource, advertise
 from tessera.node_agent.limits import LimitsService
+from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.plugin import DevicePluginService, PluginEndpoint, list_pod_resources
 from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
 from tessera.node_agent.state import DeviceState
@@ -58,6 +59,8 @@ class NodeAgent:
         self.instance = uuid.uuid4().hex[:8]
         self.state = DeviceState()
         self.store = ContainerStore(settings.region_host_dir)
+        self.metrics = NodeAgentMetrics()
+        self.metrics.watch(self.state.devices, lambda: [c.region_file for c in self.store.all()])
         self.ready = asyncio.Event()
         self.plugin: DevicePluginService | None = None
         self.endpoint: PluginEndpoint | None = None
@@ -84,12 +87,12 @@ class NodeAgent:
         )
         self.health = HealthMonitor(
             source=self.source, gpus=gpus, settings=self.settings, state=self.state,
-            registrar=registrar, log=self.log,
+            registrar=registrar, log=self.log, metrics=self.metrics,
         )
         self.plugin = DevicePluginService(
             settings=self.settings, state=self.state, store=self.store,
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
-            pod_resources=self.pod_resources, clock=self.clock, **common,
+            pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics, **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log

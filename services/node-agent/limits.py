@@ -52,8 +52,8 @@ class LimitsError(Exception):
 
 def pod_usage_on(allocation: Allocation, uuid: str) -> tuple[int, int]:
     """(MiB, cores) a pod holds on one GPU: max(init peak, app sum), as HAMi counts it."""
-    init = allocation.containers[: allocation.init_count]
-    app = allocation.containers[allocation.init_count:]
+    init = allocation.init_grants()
+    app = allocation.app_grants()
 
     def on(grants: list) -> tuple[int, int]:
         g = next((g for g in grants if g.uuid == uuid), None)

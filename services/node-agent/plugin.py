@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
 from tessera.node_agent.grant_check import GrantRefused, check_grant
+from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
 from tessera import bus, hami
@@ -95,10 +97,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         log: logging.Logger,
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
         clock: Callable[[], float] | None = None,
+        metrics: NodeAgentMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
         self.node = node
+        self.metrics = metrics or NodeAgentMetrics()
         self.state = state
         self.store = store
         self.ledger_kv = ledger_kv
@@ -141,11 +145,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         return await self._guarded(context, "PreStartContainer", self.pre_start, request)
 
     async def _guarded(self, context, rpc: str, handler, request):
-        """Run a handshake step; any refusal or failure is a gRPC error with a message."""
+        """Run a handshake step; any refusal or failure is a gRPC error with a message. Each
+        call is timed and counted (ok / refused / error) in /metrics."""
+        started = time.perf_counter()
+        result = "error"
         try:
             async with self._lock:
-                return await handler(request)
+                reply = await handler(request)
+            result = "ok"
+            return reply
         except hs.HandshakeError as exc:
+            result = "refused"
             self.log.warning("refused", extra={"rpc": rpc, "reason": str(exc)})
             code = (grpc.StatusCode.INVALID_ARGUMENT if exc.invalid
                     else grpc.StatusCode.FAILED_PRECONDITION)
@@ -153,6 +163,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         except Exception as exc:  # the agent keeps serving whatever went wrong
             self.log.exception("handshake step failed", extra={"rpc": rpc})
             await context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed: {exc}")
+        finally:
+            self.metrics.handshake(rpc, time.perf_counter() - started, result)
 
     # --- the handshake -------------------------------------------------------------------------
 
@@ -289,7 +301,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             try:
                 await self.cluster.patch_pod_metadata(
                     allocation.namespace, allocation.name,
-                    annotations={hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                    # HAMi's tools read what was allocated from -allocated (-to-allocate stays).
+                    annotations={
+                        hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS,
+                        hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(
+                            allocation.containers),
+                    },
                 )
             except Exception as exc:
                 self.log.warning("bind-phase not written", extra={"err": str(exc)})

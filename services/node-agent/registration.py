@@ -16,6 +16,7 @@ from tessera.node_agent.devices import (
     PhysicalGpu,
     advertise,
 )
+from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
 from tessera import bus, hami
@@ -125,7 +126,9 @@ class HealthMonitor:
         registrar: NodeRegistrar,
         log: logging.Logger,
         wait_s: float = 0.5,
+        metrics: NodeAgentMetrics | None = None,
     ) -> None:
+        self.metrics = metrics or NodeAgentMetrics()
         self.source = source
         self.gpus = gpus
         self.settings = settings
@@ -142,6 +145,7 @@ class HealthMonitor:
         event = await asyncio.to_thread(self.source.wait_event, self.wait_s)
         now = time.time()
         if event is not None:
+            self.metrics.driver_events.inc()
             newly = self.tracker.record(event, now)
             if newly:
                 self.log.warning("GPU unhealthy", extra={"uuids": newly, "why": event.describe()})
@@ -163,5 +167,6 @@ class HealthMonitor:
             try:
                 await self.step()
             except Exception as exc:
+                self.metrics.nvml_errors.inc()
                 self.log.warning("health watch failed", extra={"err": str(exc)})
                 await asyncio.sleep(self.wait_s)

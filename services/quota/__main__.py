@@ -16,6 +16,7 @@ async def serve_quota(ctx: ServiceContext) -> None:
         clock=ctx.clock,
         keeper=ctx.keeper,
     )
+    ctx.metrics = service.metrics.render  # /metrics beside the probes on TESSERA_LISTEN
     await service.run(ctx.stop)
 
 

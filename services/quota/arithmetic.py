@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import ROUND_CEILING
 
+from tessera.quota import quota_units
+
 from tessera.bus import NoChange
 from tessera.hami import parse_quantity
 from tessera.models import (
@@ -341,15 +343,20 @@ class ResourceQuotaKeys:
     memory: tuple[str, ...]
     cores: tuple[str, ...]
     gpus: tuple[str, ...]
+    unsupported: tuple[str, ...] = ()
 
     @classmethod
     def from_resource_names(
-        cls, resource_name: str, resource_mem: str, resource_cores: str
+        cls, resource_name: str, resource_mem: str, resource_cores: str,
+        resource_mem_percentage: str = "nvidia.com/gpumem-percentage",
     ) -> ResourceQuotaKeys:
+        """Both the `limits.` and the `requests.` forms users write (they mean the same here)."""
         return cls(
-            memory=(f"limits.{resource_mem}",),
-            cores=(f"limits.{resource_cores}",),
+            memory=(f"limits.{resource_mem}", f"requests.{resource_mem}"),
+            cores=(f"limits.{resource_cores}", f"requests.{resource_cores}"),
             gpus=(f"limits.{resource_name}", f"requests.{resource_name}"),
+            unsupported=(f"limits.{resource_mem_percentage}",
+                         f"requests.{resource_mem_percentage}"),
         )
 
 
@@ -368,21 +375,34 @@ def limits_from_hard(
     same limit (limits.nvidia.com/gpu and requests.nvidia.com/gpu), the smallest wins.
     """
     values: dict[str, int | None] = {}
-    problems: list[str] = []
+    problems: list[str] = [
+        f"{name}: a percentage of each card is not a namespace total Tessera can enforce; the "
+        f"namespace's GPU memory stays as the other keys set it (use {keys.memory[0]} in MiB, "
+        "or bytes with a unit such as 160Gi)"
+        for name in keys.unsupported if name in hard
+    ]
     for field, names in (("memory_mib", keys.memory), ("cores", keys.cores), ("gpus", keys.gpus)):
         found: list[int] = []
         for name in names:
             if name not in hard:
                 continue
             try:
-                value = quantity_value(hard[name])
+                if field == "memory_mib":
+                    value = quota_units.memory_mib(name, hard[name])
+                else:
+                    what = "percent of one GPU" if field == "cores" else "a number of GPUs"
+                    value = quota_units.plain_count(name, hard[name], what)
             except ValueError as exc:
-                problems.append(f"{name}: {exc}")
+                problems.append(f"{exc}; not applied")
+                continue
+            if value > _MAXIMA[field]:
+                problems.append(f"{name}: {hard[name]!r} is more than any cluster has (at most "
+                                f"{_MAXIMA[field]}); not applied")
                 continue
             if value < 0:
                 problems.append(f"{name}: {hard[name]!r} is negative")
                 continue
-            found.append(min(value, _MAXIMA[field]))
+            found.append(value)
         values[field] = min(found) if found else None
     return QuotaAmount(**values), problems
 
@@ -417,8 +437,8 @@ def charge_from_allocation(alloc: Allocation) -> QuotaCharge:
             sum(len(c) for c in containers),
         )
 
-    init = alloc.containers[: alloc.init_count]
-    app = totals(alloc.containers[alloc.init_count :])
+    init = alloc.init_grants()
+    app = totals(alloc.app_grants())
     peaks = [totals([c]) for c in init]
     memory, cores, gpus = (max([app[i], *(p[i] for p in peaks)]) for i in range(3))
     return QuotaCharge(

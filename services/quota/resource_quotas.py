@@ -1,9 +1,12 @@
 """Namespace limits from Kubernetes ResourceQuota objects, watched through the cluster port.
 
-Keys honoured in `spec.hard` (names follow the configured resource names):
-`limits.nvidia.com/gpumem` (MiB), `limits.nvidia.com/gpucores` (% of a GPU),
-`limits.nvidia.com/gpu` / `requests.nvidia.com/gpu` (GPU count). Several objects in one
-namespace all apply (the smallest limit wins); each change is written in one CAS.
+Keys honoured in `spec.hard` (names follow the configured resource names), each in its
+`limits.` and `requests.` form: `nvidia.com/gpumem` (MiB, or bytes with a unit: `160Gi`),
+`nvidia.com/gpucores` (% of a GPU), `nvidia.com/gpu` (GPU count); see quota_units.py. A value
+that cannot be read (and `gpumem-percentage`, which is no namespace total) is not applied and is
+reported as an `InvalidGPUQuota` Warning event on the ResourceQuota, never read as unlimited.
+Several objects in one namespace all apply (the smallest limit wins); each change is written in
+one CAS.
 
 A watch starts with a list of every object. Nothing is applied during that list: applying a
 namespace's first object before its second arrived would loosen its limit for a moment. Once
@@ -44,7 +47,8 @@ class ResourceQuotaWatcher:
     ) -> None:
         self.cluster = cluster
         self.keys = qa.ResourceQuotaKeys.from_resource_names(
-            settings.resource_name, settings.resource_mem, settings.resource_cores
+            settings.resource_name, settings.resource_mem, settings.resource_cores,
+            settings.resource_mem_percentage,
         )
         self.apply = apply
         self.stored = stored

@@ -27,6 +27,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from prometheus_client import CollectorRegistry
 from tessera.quota import arithmetic as qa
+from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
 from tessera.quota.store import QuotaStore
@@ -94,6 +95,7 @@ class QuotaService:
         self.clock = clock
         self.log = log or logging.getLogger("tessera.quota")
         self.store = QuotaStore(buckets.quota, buckets.quota_charges, clock, self.log)
+        self.metrics = QuotaMetrics()
         self.reconciler = Reconciler(
             quota=buckets.quota,
             ledger=buckets.ledger,
@@ -301,6 +303,8 @@ class QuotaService:
         handler: Callable[[Any], Coroutine[Any, Any, Message]],
     ) -> None:
         """Decode, handle, reply. Whatever goes wrong, the caller gets an ErrorReply."""
+        started = time.perf_counter()
+        reply: Message
         try:
             body = decode(request.data, model)
             reply = await handler(body)
@@ -313,6 +317,10 @@ class QuotaService:
         except Exception as exc:
             self.log.exception("quota request failed", extra={"subject": request.subject})
             reply = ErrorReply(reason=_short(f"internal error: {type(exc).__name__}: {exc}"))
+        result = "error" if isinstance(reply, ErrorReply) else (
+            "refused" if getattr(reply, "ok", True) is False else "ok")
+        self.metrics.answered(request.subject.rpartition(".")[2], result,
+                              time.perf_counter() - started)
         with contextlib.suppress(Exception):
             await request.respond(encode(reply))
 
@@ -401,9 +409,19 @@ class QuotaService:
         source = req.source or "cli"
         if source.startswith(qa.RESOURCE_QUOTA_SOURCE):
             raise qa.QuotaInputError(f"source {source!r} is reserved for ResourceQuota objects")
-        state = await self._write_limits(
-            req.namespace, lambda s: qa.set_limits(s, req.namespace, req.limits, source)
-        )
+        def guarded(current: QuotaState | None) -> QuotaState:
+            # Checked inside the CAS: a ResourceQuota applied meanwhile is never overwritten.
+            if (current is not None and current.source.startswith(qa.RESOURCE_QUOTA_SOURCE)
+                    and not req.override):
+                objects = current.source.removeprefix(qa.RESOURCE_QUOTA_SOURCE)
+                raise qa.QuotaInputError(
+                    f"namespace {req.namespace} has its GPU limits from ResourceQuota "
+                    f"{objects}; edit that object (kubectl edit resourcequota), or pass "
+                    "--override to replace its limits until the ResourceQuota next changes"
+                )
+            return qa.set_limits(current, req.namespace, req.limits, source)
+
+        state = await self._write_limits(req.namespace, guarded)
         over = qa.over_limit(state)
         reason = "limits set"
         if over:

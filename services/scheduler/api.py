@@ -140,6 +140,8 @@ def build_app(
             outcome = FilterOutcome(error=f"internal error: {type(exc).__name__}: {exc}")
         finally:
             metrics.filter_seconds.observe(time.perf_counter() - started)
+        fits = bool(outcome.nodenames) or outcome.passed_all
+        metrics.filtered(time.perf_counter() - started, fits and not outcome.error)
         return JSONResponse(_filter_result(outcome, nodes))
 
     async def prioritize(request: Request) -> Response:
@@ -194,6 +196,7 @@ def build_app(
             metrics.bind_seconds.observe(time.perf_counter() - started)
         if error:
             metrics.bind_errors.inc()
+        metrics.bound_result(not error)
         return JSONResponse({"Error": error})
 
     async def healthz(request: Request) -> Response:

@@ -91,13 +91,13 @@ class Usage:
 def allocation_usage(allocation: Allocation) -> dict[str, Usage]:
     """What one pod holds on each GPU (init peak vs app sum, shrunk once init is done)."""
     app: dict[str, Usage] = {}
-    for grants in allocation.containers[allocation.init_count :]:
+    for grants in allocation.app_grants():
         for g in grants:
             app[g.uuid] = app.get(g.uuid, Usage()) + Usage(g.memory_mib, g.cores, 1)
     if allocation.init_done or allocation.init_count == 0:
         return app
     usage = dict(app)
-    for grants in allocation.containers[: allocation.init_count]:
+    for grants in allocation.init_grants():
         per_init: dict[str, Usage] = {}
         for g in grants:
             per_init[g.uuid] = per_init.get(g.uuid, Usage()) + Usage(g.memory_mib, g.cores, 1)
@@ -131,7 +131,8 @@ def build_cards(
             continue
         if allocation.init_count == 0 or allocation.init_done:
             # The common case, inlined (this loop runs on every ledger change of the node).
-            for grants in allocation.containers[allocation.init_count :]:
+            app = allocation.containers if allocation.init_count == 0 else allocation.app_grants()
+            for grants in app:
                 for g in grants:
                     card = by_uuid.get(g.uuid)
                     if card is not None:

@@ -30,6 +30,7 @@ from .failures import FailureLog
 from .filtering import FilterOutcome, PodFilter, prioritize
 from .index import ClusterIndex
 from .indexed_ledger import IndexedLedger
+from .kube_events import PodEventRecorder
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
 from .quota_client import QuotaClient
@@ -65,6 +66,7 @@ class Scheduler:
         indexed = IndexedLedger(ledger, index, clock)
         quota = QuotaClient(nc, settings, self.tasks)
         self.failures = FailureLog(metrics, publisher, instance, clock)
+        self.pod_events = PodEventRecorder(cluster, self.tasks, clock)
         self.releaser = AllocationReleaser(
             ledger=indexed, cluster=cluster, quota=quota, publisher=publisher, metrics=metrics,
             config=config, instance=instance, clock=clock,
@@ -83,14 +85,20 @@ class Scheduler:
     async def filter(
         self, pod: dict[str, Any], names: list[str], *, dry_run: bool = False
     ) -> FilterOutcome:
-        return await self.pod_filter.filter(pod, names, dry_run=dry_run)
+        outcome = await self.pod_filter.filter(pod, names, dry_run=dry_run)
+        if not dry_run and not outcome.passed_all:
+            refused = {**outcome.failed, **outcome.unresolvable}
+            self.pod_events.filtered(pod, outcome.nodenames or [], refused, outcome.error)
+        return outcome
 
     def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
         return prioritize(self.index, self.settings, pod, names)
 
     async def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """'' on success, else the error text kube-scheduler shows."""
-        return await self.binder.bind(namespace, name, uid, node)
+        error = await self.binder.bind(namespace, name, uid, node)
+        self.pod_events.bound(namespace, name, uid, node, error)
+        return error
 
     async def release(self, node: str, uid: str, *, why: str) -> bool:
         """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""

@@ -48,11 +48,21 @@ class FailureLog:
     def forget(self, uid: str) -> None:
         self.records.pop(uid, None)
 
+    def forget_pod(self, uid: str, namespace: str, name: str) -> bool:
+        """Drop a deleted pod's refusal (by uid and by name); True when one was remembered."""
+        by_uid = self.records.pop(uid, None) if uid else None
+        key = f"{namespace}/{name}"
+        by_name = self.records.get(key)
+        if by_name is not None and (by_uid is None or by_name is by_uid):
+            del self.records[key]
+        return by_uid is not None or by_name is not None
+
     def count_refusal(self, counts: dict[str, int]) -> None:
         """One unschedulable pod; per reason, how many nodes refused it for that reason."""
         self.metrics.unschedulable.inc()
         for reason, nodes in counts.items():
             self.metrics.refusals.labels(reason=reason).inc(nodes)
+            self.metrics.hami_allocation_failures.labels(reason=reason).inc()
 
     def remember(self, ident: PodIdentity, reasons: dict[str, str], summary: str) -> None:
         now = self.clock()

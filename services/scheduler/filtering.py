@@ -155,7 +155,7 @@ class PodFilter:
             if not timed:
                 self.metrics.fit_seconds.observe(time.perf_counter() - started)
                 timed = True
-            charge = grants_charge(fit.containers, len(request.init))
+            charge = grants_charge(fit.containers, len(request.init), request.sidecars)
             if self.settings.quota_enabled and charge != held_charge:
                 refusal = await self.quota.reserve(ident, charge)
                 if refusal:
@@ -163,7 +163,7 @@ class PodFilter:
                 held_charge = charge
             template = Allocation(
                 pod_uid=ident.uid, namespace=ident.namespace, name=ident.name, node=entry.name,
-                containers=[], init_count=len(request.init),
+                containers=[], init_count=len(request.init), sidecars=sorted(request.sidecars),
                 priority=next((r.priority for r in request.all if r and r.priority is not None),
                               1),
                 core_policy=self.settings.core_policy,

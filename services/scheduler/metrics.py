@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tessera import __version__
+
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
@@ -69,3 +71,42 @@ class SchedulerMetrics:
             "tessera_scheduler_ledger_restored_total",
             "Allocations the ledger had lost, restored from bound pods' annotations", registry=r,
         )  # fmt: skip
+        self._hami_compatible(r)
+
+    def _hami_compatible(self, r: CollectorRegistry) -> None:
+        """HAMi's scheduler counters, so its dashboards and alerts find them.
+
+        Names from HAMi's issues #2341/#3083 and its monitoring docs; HAMi documents no label
+        set for them, so the labels are bounded ones of ours: `result` (success|failure) and,
+        for allocation failures, the HAMi fit reason (CardInsufficientMemory, ...).
+        """
+        self.hami_filter_total = Counter(
+            "hami_scheduler_filter", "Filter calls by result (success: some node fits)",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.hami_filter_duration = Histogram(
+            "hami_scheduler_filter_duration_seconds", "Filter call latency",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.hami_bind_total = Counter(
+            "hami_scheduler_bind", "Bind calls by result", ["result"], registry=r
+        )
+        self.hami_allocation_failures = Counter(
+            "hami_scheduler_allocation_failures", "Pods no node could hold, by HAMi fit reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        build = Gauge(
+            "hami_build_info", "Build of the running scheduler (value 1)",
+            ["version", "implementation"], registry=r,
+        )  # fmt: skip
+        build.labels(version=__version__, implementation="tessera").set(1)
+        for result in ("success", "failure"):
+            self.hami_filter_total.labels(result=result)
+            self.hami_bind_total.labels(result=result)
+
+    def filtered(self, seconds: float, fits: bool) -> None:
+        self.hami_filter_duration.observe(seconds)
+        self.hami_filter_total.labels(result="success" if fits else "failure").inc()
+
+    def bound_result(self, ok: bool) -> None:
+        self.hami_bind_total.labels(result="success" if ok else "failure").inc()

@@ -163,18 +163,28 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
     fit = PodFit(ok=False, total_cards=len(cards))
     grants: list[list[DeviceGrant]] = []
     budget = ctx.quota
-    for r in request.init:
+    # The app's cards: native sidecars are taken here as they start (in init order), so each
+    # later init container fits beside the sidecars already running, and the app containers
+    # beside all of them (summed, never maxed).
+    scratch = [c.clone() for c in cards]
+    app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
+    for index, r in enumerate(request.init):
         if r is None:
             grants.append([])
             continue
-        scratch = [c.clone() for c in cards]
-        init_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
-        picked = pick_cards(scratch, r, init_ctx, fit.reasons)
+        if index in request.sidecars:
+            picked = pick_cards(scratch, r, app_ctx, fit.reasons)
+            if picked is None:
+                return fit
+            grants.append([_take(c, r, app_ctx) for c in picked])
+            continue
+        init_cards = [c.clone() for c in scratch]
+        init_ctx = FitContext(ctx.options, type(budget)(app_ctx.quota.memory_mib,
+                                                        app_ctx.quota.cores))
+        picked = pick_cards(init_cards, r, init_ctx, fit.reasons)
         if picked is None:
             return fit
         grants.append([_take(c, r, init_ctx) for c in picked])
-    scratch = [c.clone() for c in cards]
-    app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
     for r in request.containers:
         if r is None:
             grants.append([])

@@ -28,8 +28,11 @@ from .rules import RESOURCE_QUOTA_NOT_FIT, QuotaBudget
 log = logging.getLogger("tessera.scheduler")
 
 
-def grants_charge(containers: list[list[DeviceGrant]], init_count: int) -> tuple[int, int, int]:
-    """(memory, cores, gpus) for quota as HAMi counts it: app summed, init by max."""
+def grants_charge(
+    containers: list[list[DeviceGrant]], init_count: int, sidecars: frozenset[int] = frozenset()
+) -> tuple[int, int, int]:
+    """(memory, cores, gpus) for quota as HAMi counts it: app summed, init by max; native
+    sidecars (init containers that keep running) are summed with the app."""
 
     def total(grants: list[list[DeviceGrant]]) -> tuple[int, int, int]:
         return (
@@ -38,8 +41,9 @@ def grants_charge(containers: list[list[DeviceGrant]], init_count: int) -> tuple
             sum(len(c) for c in grants),
         )
 
-    app = total(containers[init_count:])
-    peaks = [total([c]) for c in containers[:init_count]]
+    app = total([*(containers[i] for i in sorted(sidecars) if i < init_count),
+                 *containers[init_count:]])
+    peaks = [total([c]) for i, c in enumerate(containers[:init_count]) if i not in sidecars]
     return tuple(max([app[i], *(p[i] for p in peaks)]) for i in range(3))  # type: ignore[return-value]
 
 

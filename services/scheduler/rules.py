@@ -36,8 +36,8 @@ CARDS_INSUFFICIENT = "AllocatedCardsInsufficientRequest"
 NODE_UNREGISTERED = "NodeUnregistered"
 REQUEST_INVALID = "RequestInvalid"
 
-GPU_POLICIES = ("binpack", "spread", "mutex", "numa", "topology-aware")
-NODE_POLICIES = ("binpack", "spread")
+GPU_POLICIES = hami.GPU_SCHEDULER_POLICIES
+NODE_POLICIES = hami.NODE_SCHEDULER_POLICIES
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from tessera.models import (
     NodeEvent,
     NodeLedger,
     NodeRegistration,
+    PodGoneEvent,
     QuotaState,
 )
 from tessera.restore import init_containers_succeeded
@@ -392,6 +393,8 @@ class SchedulerService:
         uid = meta.get("uid")
         node = self.index.pod_nodes.get(uid) if uid else None
         if node is None:
+            if event.type == "DELETED":
+                await self._pending_pod_gone(pod)
             return
         phase = (pod.get("status") or {}).get("phase")
         if event.type == "DELETED":
@@ -405,6 +408,25 @@ class SchedulerService:
                 result = await self.scheduler.ledger.set_init_done(node, uid)
                 if result is not None:
                     self.index.set_ledger(node, result.value, result.revision, self.clock())
+
+    async def _pending_pod_gone(self, pod: dict[str, Any]) -> None:
+        """A deleted pod that holds no allocation: forget its refusal (explain) and tell the bus
+        (dashboard, tessera_pods_pending), once per pod (the event id dedupes replicas)."""
+        meta = pod.get("metadata") or {}
+        spec = pod.get("spec") or {}
+        namespace, name, uid = meta.get("namespace") or "default", meta.get("name"), meta.get("uid")
+        if not name or spec.get("nodeName"):
+            return
+        remembered = self.scheduler.failures.forget_pod(uid or "", namespace, name)
+        if not remembered and spec.get("schedulerName") != self.settings.scheduler_name:
+            return
+        event = PodGoneEvent(namespace=namespace, name=name, pod_uid=uid or "",
+                             source=self.instance, reason="pod deleted before it was placed",
+                             event_id=f"{uid or namespace + '/' + name}:gone")
+        try:
+            await bus.publish_event(self.js, event)
+        except Exception as exc:
+            log.warning("could not publish pod gone", extra={"pod": name, "err": str(exc)})
 
     # --- periodic work ------------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "tessera.cli.limits",
     "tessera.cli.run",
     "tessera.cli.nats_config",
+    "tessera.cli.describe",
 ]
 
 

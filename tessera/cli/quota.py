@@ -167,6 +167,10 @@ def register(app: typer.Typer) -> None:
             None, "--cores", "-c", help="GPU compute in % of one GPU (200 = two whole GPUs)"
         ),
         gpus: str | None = typer.Option(None, "--gpus", "-g", help="number of GPUs"),
+        override: bool = typer.Option(
+            False, "--override",
+            help="replace limits that come from a ResourceQuota (until it next changes)",
+        ),
     ) -> None:
         """Replace a namespace's limits (all at once; an option left out means unlimited)."""
 
@@ -179,7 +183,8 @@ def register(app: typer.Typer) -> None:
             settings = TesseraSettings()
             reply = await request(
                 bus.QUOTA_SET,
-                QuotaSetRequest(namespace=namespace, limits=limits, source="cli"),
+                QuotaSetRequest(namespace=namespace, limits=limits, source="cli",
+                                override=override),
                 settings.request_timeout_s,
             )
             console.print(states_table(reply.states, title=f"quota of {namespace}"))

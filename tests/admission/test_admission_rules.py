@@ -197,10 +197,11 @@ async def test_env_overwrite_hides_gpus_from_containers_that_ask_none():
     assert env_of(new) == {"NVIDIA_VISIBLE_DEVICES": "none"}
 
 
-async def test_gpucores_above_100_is_admitted_with_a_warning(client):
+async def test_gpucores_above_100_can_never_fit_and_is_denied(client):
+    # HAMi clamps silently; a card has 100, so Tessera says so (see test_admission_compat.py).
     response = await mutate(client, pod(container(limits={GPU: "1", CORES: "150"})))
-    assert response["allowed"] is True
-    assert any("treated as 100" in w for w in response["warnings"])
+    assert response["allowed"] is False
+    assert CORES in response["status"]["message"] and "0 to 100" in response["status"]["message"]
 
 
 # --- denials -------------------------------------------------------------------------------------

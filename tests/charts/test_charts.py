@@ -89,6 +89,12 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
         {"libvgpu": {"install": False}, "hostPaths": {"regions": "/data/tessera/regions"}},
     ),
     ("tessera-metrics", {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}),
+    ("tessera-metrics", {"prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
+                         "config": {"legacyNames": True}}),
+    ("tessera-scheduler", {"serviceMonitor": {"enabled": True}}),
+    ("tessera-node-agent", {"podMonitor": {"enabled": True}}),
+    ("tessera-admission", {"serviceMonitor": {"enabled": True}}),
+    ("tessera-quota", {"podMonitor": {"enabled": True}}),
     ("tessera-quota", {"probes": {"enabled": True}, "replicaCount": 2}),
     (
         "tessera",

@@ -112,7 +112,7 @@ async def test_exposition_names_labels_and_values_from_the_bus(bus: Bus) -> None
         # HAMi's scheduler metrics, with HAMi's label names.
         assert m.value("hami_gpu_memory_limit_bytes", **gpu_a0) == 81_920 * MIB
         assert m.value("hami_gpu_memory_allocated_bytes", **gpu_a0) == 49_152 * MIB
-        assert m.value("hami_gpu_core_allocated_ratio", **gpu_a0) == 0.7
+        assert m.value("hami_gpu_core_allocated_ratio", **gpu_a0) == 70
         assert m.value("hami_gpu_shared_count", **gpu_a0) == 2
         assert m.value("hami_node_gpu_overview", **gpu_a0) == 49_152 * MIB
         assert m.value("hami_node_gpu_memory_allocated_ratio", **gpu_a0) == 0.6
@@ -120,18 +120,18 @@ async def test_exposition_names_labels_and_values_from_the_bus(bus: Bus) -> None
         assert m.value("hami_vgpu_memory_allocated_bytes", namespace="team-b", pod="infer",
                        container_index="0", device_uuid="GPU-gpu-a-1") == 8_192 * MIB
         assert m.value("hami_resource_quota_used", namespace="team-a",
-                       resource="limits.nvidia.com/gpumem") == 40_960
+                       quota_name="nvidia.com/gpumem") == 40_960
         assert m.value("hami_resource_quota_limit", namespace="team-a",
-                       resource="limits.nvidia.com/gpumem") == 81_920
+                       quota_name="nvidia.com/gpumem", limit="81920") == 81_920
         # HAMi's node metrics, from the usage sample.
         ctr = {"namespace": "team-a", "pod": "train", "container": "trainer",
                "vdevice_index": "0", "device_uuid": "GPU-gpu-a-0"}
         assert m.value("hami_vgpu_memory_used_bytes", **ctr) == 30_000 * MIB
         assert m.value("hami_vgpu_memory_limit_bytes", **ctr) == 40_960 * MIB
-        assert m.value("hami_container_device_utilization_ratio", **ctr) == 0.48
+        assert m.value("hami_container_device_utilization_ratio", **ctr) == 48
         assert 0.4 < m.value("hami_container_last_kernel_elapsed_seconds", **ctr) < 0.6
         assert m.value("hami_host_gpu_memory_used_bytes", **gpu_a0) == 31_000 * MIB
-        assert m.value("hami_host_gpu_utilization_ratio", **gpu_a0) == 0.61
+        assert m.value("hami_host_gpu_utilization_ratio", **gpu_a0) == 61
         # Tessera's own: the memory ledgers side by side, latency, refusals, OOMs, bad input.
         for kind, mib in (("physical", 81_920), ("allocated", 49_152), ("used", 31_000),
                           ("containers_used", 30_000)):

@@ -61,14 +61,14 @@ def test_gpu_metrics_split_by_pods_and_hami_labels() -> None:
             "device_type": "NVIDIA-H200"}
     assert m.value("hami_gpu_memory_limit_bytes", **gpu0) == 80 * 1024 * MIB
     assert m.value("hami_gpu_memory_allocated_bytes", **gpu0) == 30_000 * MIB
-    assert m.value("hami_gpu_core_allocated_ratio", **gpu0) == 0.5
-    assert m.value("hami_gpu_core_limit_ratio", **gpu0) == 1.0
+    assert m.value("hami_gpu_core_allocated_ratio", **gpu0) == 50  # percent, as HAMi
+    assert m.value("hami_gpu_core_limit_ratio", **gpu0) == 100
     assert m.value("hami_gpu_shared_count", **gpu0) == 2
     assert m.value("hami_node_gpu_memory_allocated_ratio", **gpu0) == 30_000 / (80 * 1024)
     assert m.value("hami_gpu_shared_count", device_uuid="GPU-n1-1") == 1
     assert m.value("hami_vgpu_memory_allocated_bytes", namespace="team-b", pod="infer",
                    container_index="0", device_uuid="GPU-n1-1", device_index="1") == 4_000 * MIB
-    assert m.value("hami_vgpu_core_allocated_ratio", pod="train", device_uuid="GPU-n1-0") == 0.3
+    assert m.value("hami_vgpu_core_allocated_ratio", pod="train", device_uuid="GPU-n1-0") == 30
     assert m.value("tessera_gpu_memory_bytes", kind="allocated", device_uuid="GPU-n1-0") == (
         30_000 * MIB)
     assert m.value("tessera_gpu_memory_bytes", kind="physical", device_uuid="GPU-n1-0") == (
@@ -194,10 +194,14 @@ def test_quota_metrics_in_hami_and_tessera_units() -> None:
     ))
     m = expose(view)
     assert m.value("hami_resource_quota_used", namespace="team-a",
-                   resource="limits.nvidia.com/gpumem") == 10_000
+                   quota_name="nvidia.com/gpumem", limit="40000", zone="vGPU") == 10_000
     assert m.value("hami_resource_quota_limit", namespace="team-a",
-                   resource="limits.nvidia.com/gpucores") == 200
-    assert m.value("hami_resource_quota_limit", resource="limits.nvidia.com/gpu") is None
+                   quota_name="nvidia.com/gpucores") == 200
+    assert m.value("hami_resource_quota_used", namespace="team-a",
+                   quota_name="nvidia.com/gpucores") == 50
+    # Unlimited resources have no HAMi quota series (HAMi reports ResourceQuota entries only).
+    assert m.value("hami_resource_quota_limit", quota_name="nvidia.com/gpu") is None
+    assert m.value("hami_resource_quota_used", quota_name="nvidia.com/gpu") is None
     assert m.value("tessera_quota_used", namespace="team-a", resource="memory_bytes") == (
         10_000 * MIB)
     assert m.value("tessera_quota_limit", namespace="team-a", resource="cores") == 2.0
@@ -220,12 +224,12 @@ def test_usage_samples_feed_node_metrics_and_expire() -> None:
               "device_uuid": "GPU-n1-0"}
     assert m.value("hami_vgpu_memory_used_bytes", **labels) == 3_000 * MIB
     assert m.value("hami_vgpu_memory_limit_bytes", **labels) == 8_000 * MIB
-    assert m.value("hami_container_device_utilization_ratio", **labels) == 0.375
+    assert m.value("hami_container_device_utilization_ratio", **labels) == 37.5
     assert m.value("hami_container_last_kernel_elapsed_seconds", **labels) == 2.0
     assert m.value("tessera_container_compute_ratio", kind="limit", **labels) == 0.4
     assert m.value("hami_host_gpu_memory_used_bytes", device_uuid="GPU-n1-0",
                    device_index="0") == 3_500 * MIB
-    assert m.value("hami_host_gpu_utilization_ratio", device_uuid="GPU-n1-0") == 0.42
+    assert m.value("hami_host_gpu_utilization_ratio", device_uuid="GPU-n1-0") == 42
     assert m.value("tessera_gpu_memory_bytes", kind="used", device_uuid="GPU-n1-0") == 3_500 * MIB
     gpu = dashboard_state(view, NOW)["nodes"][0]["gpus"][0]
     assert gpu["slices"][0]["used_mib"] == 3_000 and gpu["host_used_mib"] == 3_500
