@@ -287,11 +287,11 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _kv_watch(bus.QUOTA_BUCKET),
             _kv_write(bus.LEDGER_BUCKET),
             _publish_events(
-                "allocation events, lost nodes, scheduling failures",
+                "allocation events, lost nodes, scheduling failures, deleted pending pods",
                 [wildcard(bus.alloc_event_subject, a) for a in alloc]
                 + [wildcard(bus.node_event_subject, a)
                    for a in _checked(["lost"], NodeAction)]
-                + [wildcard(bus.sched_failed_subject)],
+                + [wildcard(bus.sched_failed_subject), wildcard(bus.sched_gone_subject)],
             ),
             _requests("reserve and release quota", bus.QUOTA_RESERVE, bus.QUOTA_RELEASE),
             _rejections(["registration", "ledger", "quota"]),
