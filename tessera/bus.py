@@ -246,9 +246,10 @@ async def ensure_bus(js: JetStreamContext, settings: TesseraSettings) -> Buckets
     return Buckets(nodes=nodes, ledger=ledger, quota=quota, quota_charges=charges)
 
 
+# The streams whose loss loses state (the clock stream is in memory: it goes with every restart).
 BUS_STREAMS = (
     f"KV_{NODES_BUCKET}", f"KV_{LEDGER_BUCKET}", f"KV_{QUOTA_BUCKET}",
-    f"KV_{QUOTA_CHARGES_BUCKET}", EVENTS_STREAM, CLOCK_STREAM,
+    f"KV_{QUOTA_CHARGES_BUCKET}", EVENTS_STREAM,
 )  # fmt: skip
 
 

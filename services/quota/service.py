@@ -213,7 +213,7 @@ class QuotaService:
             if self._stopping.is_set():
                 return
             try:
-                await self.reconciler.run_once()
+                await self.reconciler.run_once(self.reconcile_interval_s)
             except Exception as exc:
                 self.log.warning("reconcile failed", extra={"err": str(exc)})
 

@@ -76,10 +76,14 @@ class QuotaStore:
         """Every charge key of the namespace, by pod uid (O(pods): for passes, never requests)."""
         out: dict[str, QuotaCharge] = {}
         watcher = await self.charges.watch(f"{namespace}.*")
+        seen = 0
         try:
             async for entry in watcher:
                 if entry is None:
                     break
+                seen += 1
+                if seen % 200 == 0:
+                    await asyncio.sleep(0)  # let requests in between: this is a background pass
                 uid = entry.key.split(".", 1)[1]
                 if entry.value is None or entry.operation in ("DEL", "PURGE"):
                     out.pop(uid, None)

@@ -201,3 +201,36 @@ async def test_watch_yields_current_values_then_a_marker_then_changes(buckets) -
     assert seen[f"{prefix}-0"] is None
     assert seen[f"{prefix}-1"] == QuotaState(namespace=f"{prefix}-1")
     assert f"{prefix}-bad" in errors
+
+
+async def test_bus_keeper_recreates_lost_buckets_and_says_so(fresh_nats: EmbeddedNats) -> None:
+    """A deleted bucket (NATS lost it) is re-created by the next check, with the configured
+    replicas, and the keeper's generation tells watchers their state is void."""
+    from tessera import bus
+
+    settings = TesseraSettings()
+    nc = await connect(NatsSettings(NATS_URL=fresh_nats.url), name="keeper-test")
+    try:
+        js = nc.jetstream()
+        await ensure_bus(js, settings)
+        keeper = bus.BusKeeper(js, settings)
+        assert await keeper.check() and keeper.generation == 0
+        assert await keeper.check() and keeper.generation == 0  # nothing changed: no bump
+        for name in bus.BUS_STREAMS:
+            info = await js.stream_info(name)
+            assert (info.config.num_replicas or 1) == settings.bus_replicas
+        await js.delete_key_value(bus.LEDGER_BUCKET)
+        assert await keeper.check()
+        assert keeper.generation == 1 and keeper.ready
+        await js.stream_info(f"KV_{bus.LEDGER_BUCKET}")  # back
+        fresh_nats.stop()
+        assert not await keeper.check() and not keeper.ready
+        assert "unavailable" in keeper.reason
+        fresh_nats.start()
+        for _ in range(100):
+            if await keeper.check():
+                break
+            await asyncio.sleep(0.1)
+        assert keeper.ready and keeper.generation == 1  # same store: nothing lost, no bump
+    finally:
+        await nc.close()
