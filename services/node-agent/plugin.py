@@ -35,7 +35,7 @@ from tessera.kubeapi import (
     pr,
     pr_grpc,
 )
-from tessera.models import Allocation, AllocationEvent, NodeLedger
+from tessera.models import Allocation, AllocationEvent, NodeLedger, allocation_shape
 from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 
@@ -65,7 +65,11 @@ def holders_of(
 
 
 class DevicePluginService(dp_grpc.DevicePluginServicer):
-    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway)."""
+    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway).
+
+    Several pods may be in flight on the node (one shape at a time, see the README): Allocate
+    attributes kubelet's devices to one of them, PreStartContainer proves which pod holds them
+    and repairs a crossed attribution before any limit is sealed."""
 
     def __init__(
         self,
@@ -91,6 +95,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self.pod_resources = pod_resources
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        # The pod the last GetPreferredAllocation answered for, and the pod whose containers
+        # the last Allocate served: hints for attributing the next Allocate (never proof).
+        self._guess: str | None = None
+        self._run: str | None = None
 
     # --- kubelet's RPCs ------------------------------------------------------------------------
 
@@ -144,30 +152,107 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
 
     async def preferred(self, request: dp.PreferredAllocationRequest):
         devices = self.state.by_uuid()
-        allocation = hs.claimed_allocation(await self._ledger(), self.node)
-        existing = self.store.for_pod(allocation.pod_uid)
-        if hs.admission_restarted(allocation, existing, self._sealed):
-            existing = []  # Allocate will prepare the pod anew
-        index = hs.next_container(allocation, {c.prepared.index for c in existing})
+        ledger = await self._ledger()
         response = dp.PreferredAllocationResponse()
-        for i, req in enumerate(request.container_requests):
-            # Several requests in one call are consecutive containers of the claimed pod.
-            gpu_indexes = [j for j in hs.gpu_containers(allocation) if j >= index]
-            if i >= len(gpu_indexes):
-                raise hs.HandshakeError(f"more containers asked than {hs.describe(allocation)} has")
-            target = gpu_indexes[i]
-            ids = hs.preferred_replicas(
-                allocation.containers[target],
-                list(req.available_deviceIDs),
-                list(req.must_include_deviceIDs),
-                req.allocation_size,
-                devices,
-                hs.describe(allocation, target),
-            )
+        run = self._open_run(ledger)
+        for req in request.container_requests:
+            size, available = req.allocation_size, list(req.available_deviceIDs)
+            must = list(req.must_include_deviceIDs)
+            if run is not None and len(run[0].containers[run[1]]) == size:
+                targets = [run]  # kubelet is in the middle of this pod's admission
+            else:
+                targets = [(a, hs.gpu_containers(a)[0])
+                           for a in self._unserved(ledger) if hs.first_size(a) == size]
+            if not targets:
+                raise hs.HandshakeError(
+                    f"no pod in flight on node {self.node} asks for {size} device(s)"
+                ) if ledger and hs.in_flight(ledger) else hs.no_pod_in_flight(self.node)
+            ids, error = None, None
+            for allocation, index in targets:  # the oldest pod whose GPUs kubelet still offers
+                try:
+                    ids = hs.preferred_replicas(allocation.containers[index], available, must,
+                                                size, devices, hs.describe(allocation, index))
+                except hs.HandshakeError as exc:
+                    error = error or exc
+                    continue
+                self._guess = allocation.pod_uid
+                later = [j for j in hs.gpu_containers(allocation) if j > index]
+                run = (allocation, later[0]) if later else None
+                break
+            if ids is None:
+                assert error is not None
+                raise error
             response.container_responses.append(dp.ContainerPreferredAllocationResponse(
                 deviceIDs=ids
             ))
         return response
+
+    def _served(self, allocation: Allocation) -> list[ContainerDir]:
+        return self.store.for_pod(allocation.pod_uid)
+
+    def _unserved(self, ledger: NodeLedger | None) -> list[Allocation]:
+        """In-flight pods kubelet has not begun to admit (or is admitting anew after a failure
+        before the end: every container prepared, none started, still only bound)."""
+        out = []
+        for allocation in hs.in_flight(ledger):
+            if not hs.gpu_containers(allocation):
+                continue
+            existing = self._served(allocation)
+            if not existing or hs.admission_restarted(allocation, existing, self._sealed):
+                out.append(allocation)
+        return out
+
+    def _open_run(self, ledger: NodeLedger | None) -> tuple[Allocation, int] | None:
+        """The pod kubelet is in the middle of admitting (some GPU containers served, not all)
+        and its next GPU container. Read from disk, so it survives an agent restart."""
+        runs = []
+        for allocation in hs.in_flight(ledger):
+            existing = self._served(allocation)
+            done = {c.prepared.index for c in existing}
+            remaining = [i for i in hs.gpu_containers(allocation) if i not in done]
+            if existing and remaining:
+                latest = max(c.prepared.prepared_at for c in existing)
+                runs.append((allocation.pod_uid != self._run, -latest, allocation, remaining[0]))
+        if not runs:
+            return None
+        _, _, allocation, index = min(runs, key=lambda r: r[:2])
+        return allocation, index
+
+    def _attribute(
+        self, ledger: NodeLedger | None, ids: list[str], gpus: list[str]
+    ) -> tuple[Allocation, int]:
+        """Which pod and container an Allocate serves (see the README's handshake)."""
+        run = self._open_run(ledger)
+        if run is not None and len(run[0].containers[run[1]]) == len(ids):
+            allocation, index = run
+            who = hs.describe(allocation, index)
+            try:
+                hs.check_devices(allocation.containers[index], gpus, who)
+            except hs.HandshakeError as exc:
+                self._publish_mismatch(allocation, ids, str(exc))
+                raise
+            return allocation, index
+        unserved = self._unserved(ledger)
+        chosen = hs.choose_new_pod(unserved, len(ids), set(gpus), self._guess)
+        if chosen is not None:
+            return chosen, hs.gpu_containers(chosen)[0]
+        nearest = hs.choose_new_pod(unserved, len(ids), None, self._guess)
+        if nearest is None:
+            if hs.in_flight(ledger):
+                raise hs.HandshakeError(
+                    f"no pod in flight on node {self.node} asks for {len(ids)} device(s)",
+                    mismatch=True,
+                )
+            raise hs.no_pod_in_flight(self.node)
+        index = hs.gpu_containers(nearest)[0]
+        wanted = ", ".join(g.uuid for g in nearest.containers[index])
+        exc = hs.HandshakeError(
+            f"kubelet chose GPU(s) {', '.join(sorted(gpus))} but no pod in flight on "
+            f"{self.node} was granted them ({hs.describe(nearest, index)} was granted {wanted})",
+            mismatch=True,
+        )
+        self._publish_mismatch(nearest, ids, str(exc))
+        raise exc
 
     async def allocate(self, request: dp.AllocateRequest):
         devices = self.state.by_uuid()
@@ -177,19 +262,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             (list(req.devices_ids), hs.gpus_of(list(req.devices_ids), devices))
             for req in request.container_requests
         ]
-        allocation = hs.claimed_allocation(await self._ledger(), self.node)
+        ledger = await self._ledger()
         response = dp.AllocateResponse()
         for ids, gpus in checked:
-            cdir = await self._prepare(allocation, ids, gpus)
+            allocation, index = self._attribute(ledger, ids, gpus)
+            cdir = await self._prepare(allocation, index, ids)
             response.container_responses.append(self._allocate_response(allocation, cdir))
-        await self._maybe_finish(allocation)
+            await self._maybe_finish(allocation)
         return response
 
-    async def _prepare(
-        self, allocation: Allocation, ids: list[str], gpus: list[str]
-    ) -> ContainerDir:
-        # Never matched by IDs: kubelet hands an init container's replicas to later containers.
-        existing = self.store.for_pod(allocation.pod_uid)
+    async def _prepare(self, allocation: Allocation, index: int, ids: list[str]) -> ContainerDir:
+        existing = self._served(allocation)
         if hs.admission_restarted(allocation, existing, self._sealed):
             # Every container was prepared, none started, the pod still in flight: the last
             # admission failed before its end (agent crash, ledger error) and kubelet retries.
@@ -197,14 +280,6 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                              extra={"pod": f"{allocation.namespace}/{allocation.name}"})
             for cdir in existing:
                 await asyncio.to_thread(self.store.remove_container, cdir)
-            existing = []
-        index = hs.next_container(allocation, {c.prepared.index for c in existing})
-        who = hs.describe(allocation, index)
-        try:
-            hs.check_devices(allocation.containers[index], gpus, who)
-        except hs.HandshakeError as exc:
-            self._publish_mismatch(allocation, ids, str(exc))
-            raise
         prepared = PreparedContainer(
             pod_uid=allocation.pod_uid,
             namespace=allocation.namespace,
@@ -215,6 +290,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             grants=allocation.containers[index],
         )
         cdir = await asyncio.to_thread(self.store.prepare, prepared)
+        self._run = allocation.pod_uid
         self.log.info("allocated", extra={
             "pod": f"{allocation.namespace}/{allocation.name}", "container": prepared.container,
             "devices": ids,
@@ -237,6 +313,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         prepared = {c.prepared.index for c in self.store.for_pod(allocation.pod_uid)}
         if not set(hs.gpu_containers(allocation)) <= prepared:
             return
+        if self._run == allocation.pod_uid:
+            self._run = None
         try:
             await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,
@@ -284,6 +362,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
         cdir, why = hs.pick_prepared(candidates, holders, self._sealed)
+        if cdir is None and await self._repair_cross(candidates, holders):
+            cdir, why = hs.pick_prepared(self.store.by_devices(ids), holders, self._sealed)
         if cdir is None:
             stray = candidates[0].prepared
             reason = f"{ids}: {why}"
@@ -306,6 +386,53 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # A crash between Allocate's answer and its ledger write leaves the claim held.
         await self._maybe_finish(allocation)
         return dp.PreStartContainerResponse()
+
+    async def _repair_cross(
+        self, candidates: list[ContainerDir], holders: list[tuple[str, str, str]]
+    ) -> bool:
+        """kubelet gave these devices to pod H while the Allocate was counted for pod L (two
+        pods in flight, the guess crossed them). If H and L have one shape and neither has
+        started a container, exchange their grants and progress in the ledger (one CAS, no
+        capacity moves) and relabel their directories: H's limits get sealed, L's own Allocate
+        still comes. True when repaired; nothing is sealed before this check."""
+        label = next((c for c in candidates if not self._sealed(c)), None)
+        pods = {(ns, pod) for ns, pod, _ in holders}
+        ledger = await self._ledger()
+        if label is None or len(pods) != 1 or ledger is None:
+            return False
+        (namespace, name), = pods
+        holder = next((a for a in ledger.allocations.values()
+                       if (a.namespace, a.name) == (namespace, name) and a.active), None)
+        labelled = ledger.allocations.get(label.prepared.pod_uid)
+        if holder is None or labelled is None or holder.pod_uid == labelled.pod_uid:
+            return False
+        if allocation_shape(holder) != allocation_shape(labelled):
+            return False
+        theirs, mine = self._served(holder), self._served(labelled)
+        if any(self._sealed(c) for c in theirs + mine):
+            return False
+        try:
+            result = await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda current: hs.swap_mutation(labelled.pod_uid, holder.pod_uid, current),
+            )
+        except (hs.HandshakeError, bus.NoChange):
+            return False
+        swapped = result.value.allocations
+        for cdirs, owner in ((mine, swapped[holder.pod_uid]), (theirs, swapped[labelled.pod_uid])):
+            for c in cdirs:
+                i = c.prepared.index
+                await asyncio.to_thread(self.store.relabel, c, c.prepared.model_copy(update={
+                    "pod_uid": owner.pod_uid, "namespace": owner.namespace, "pod": owner.name,
+                    "container": hs.container_name(owner, i), "grants": owner.containers[i],
+                }))  # fmt: skip
+        if self._run in (holder.pod_uid, labelled.pod_uid):
+            self._run = labelled.pod_uid if self._run == holder.pod_uid else holder.pod_uid
+        self.log.warning("crossed in-flight pods repaired before sealing", extra={
+            "holder": f"{holder.namespace}/{holder.name}",
+            "counted_for": f"{labelled.namespace}/{labelled.name}",
+        })
+        return True
 
     @staticmethod
     def _sealed(cdir: ContainerDir) -> bool:

@@ -1,6 +1,7 @@
-"""Bind: make sure the pod holds a reservation on the node, take the node's in-flight claim
-(waiting while another pod holds it), write HAMi's annotations and bind in the cluster, then
-mark the allocation bound in the ledger. A failed cluster bind releases the allocation."""
+"""Bind: make sure the pod holds a reservation on the node, put it in the node's in-flight set
+(waiting only while pods of another shape are in flight there), write HAMi's annotations and bind
+in the cluster, then mark the allocation bound in the ledger. A failed cluster bind releases the
+allocation."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from collections.abc import Callable
 from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
-from tessera.models import Allocation, AllocationEvent
+from tessera.models import Allocation, AllocationEvent, InFlightClaim
 
 from .background import EventPublisher
 from .config import SchedulerSettings
 from .filtering import PodFilter
 from .indexed_ledger import IndexedLedger
-from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError
+from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError, competing_claim
 from .metrics import SchedulerMetrics
 from .pods import PodIdentity, allocation_live
 from .release import AllocationReleaser
@@ -73,9 +74,16 @@ class PodBinder:
         while True:
             now = self.clock()
             try:
-                result = await self.ledger.writer.claim(
-                    node, uid, self.instance, now, self.config.claim_ttl_s, self.ledger.hint(node)
-                )
+                # Decided on the index first: a waiting bind wakes on every change of the node's
+                # entry and must not pay a KV read and decode for each (the watch decoded it).
+                held = self._competitor(node, uid, now)
+                if held is not None:
+                    raise ClaimHeldError(held)
+                async with self.ledger.lock(node):
+                    result = await self.ledger.writer.claim(
+                        node, uid, self.instance, now, self.config.claim_ttl_s,
+                        self.ledger.hint(node), self.config.max_in_flight_per_node,
+                    )  # fmt: skip
                 break
             except ClaimHeldError as exc:
                 if not waited:
@@ -83,8 +91,8 @@ class PodBinder:
                     waited = True
                 remaining = deadline - now
                 if remaining <= 0:
-                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name} holds "
-                            f"its in-flight claim; retry")  # fmt: skip
+                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name}, of "
+                            "another shape, is in flight there; retry")  # fmt: skip
                 until_lapse = exc.claim.expires_at - now + 0.01
                 await self.index.wait_changed(node, min(remaining, until_lapse))
             except ReservationGoneError as exc:
@@ -115,15 +123,23 @@ class PodBinder:
         ))  # fmt: skip
         return ""
 
+    def _competitor(self, node: str, uid: str, now: float) -> InFlightClaim | None:
+        """The in-flight pod this bind must wait for, as the index sees the node (None: try)."""
+        hint = self.ledger.hint(node)
+        if hint is None or uid not in hint.value.allocations:
+            return None  # the CAS decides on a fresh read
+        return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node)
+
     async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
         """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a
         failure (NATS away) is retried, then left to the sweeper, which adopts binds the cluster
         shows; it never turns into a bind error kube-scheduler would act on."""
         for attempt in range(1, attempts + 1):
             try:
-                bound = await self.ledger.writer.mark_bound(
-                    node, uid, self.clock(), self.ledger.hint(node)
-                )
+                async with self.ledger.lock(node):
+                    bound = await self.ledger.writer.mark_bound(
+                        node, uid, self.clock(), self.ledger.hint(node)
+                    )
                 self.ledger.apply(node, bound)
                 return
             except NoChange:
