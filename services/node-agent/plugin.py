@@ -164,9 +164,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 targets = [(a, hs.gpu_containers(a)[0])
                            for a in self._unserved(ledger) if hs.first_size(a) == size]
             if not targets:
-                raise hs.HandshakeError(
-                    f"no pod in flight on node {self.node} asks for {size} device(s)"
-                ) if ledger and hs.in_flight(ledger) else hs.no_pod_in_flight(self.node)
+                raise self._no_pod_of_size("asks for", size, ledger)
             ids, error = None, None
             for allocation, index in targets:  # the oldest pod whose GPUs kubelet still offers
                 try:
@@ -238,12 +236,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             return chosen, hs.gpu_containers(chosen)[0]
         nearest = hs.choose_new_pod(unserved, len(ids), None, self._guess)
         if nearest is None:
-            if hs.in_flight(ledger):
-                raise hs.HandshakeError(
-                    f"no pod in flight on node {self.node} asks for {len(ids)} device(s)",
-                    mismatch=True,
-                )
-            raise hs.no_pod_in_flight(self.node)
+            raise self._no_pod_of_size("allocated", len(ids), ledger)
         index = hs.gpu_containers(nearest)[0]
         wanted = ", ".join(g.uuid for g in nearest.containers[index])
         exc = hs.HandshakeError(
@@ -253,6 +246,22 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         )
         self._publish_mismatch(nearest, ids, str(exc))
         raise exc
+
+    def _no_pod_of_size(
+        self, verb: str, size: int, ledger: NodeLedger | None
+    ) -> hs.HandshakeError:
+        flying = hs.in_flight(ledger)
+        if not flying:
+            return hs.no_pod_in_flight(self.node)
+        pods = "; ".join(
+            f"{hs.describe(a, hs.gpu_containers(a)[0])} was granted {hs.first_size(a)} GPU(s)"
+            for a in flying[:3] if hs.gpu_containers(a)
+        )  # fmt: skip
+        return hs.HandshakeError(
+            f"kubelet {verb} {size} devices but no pod in flight on {self.node} takes "
+            f"{size}: {pods}",
+            mismatch=True,
+        )
 
     async def allocate(self, request: dp.AllocateRequest):
         devices = self.state.by_uuid()
@@ -390,11 +399,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     async def _repair_cross(
         self, candidates: list[ContainerDir], holders: list[tuple[str, str, str]]
     ) -> bool:
-        """kubelet gave these devices to pod H while the Allocate was counted for pod L (two
-        pods in flight, the guess crossed them). If H and L have one shape and neither has
-        started a container, exchange their grants and progress in the ledger (one CAS, no
-        capacity moves) and relabel their directories: H's limits get sealed, L's own Allocate
-        still comes. True when repaired; nothing is sealed before this check."""
+        """kubelet gave these devices to pod H while the Allocate was counted for pod L (several
+        pods in flight, the guess crossed them). Repaired before anything is sealed, when
+        neither pod has started a container:
+        - H was granted exactly these GPUs for that container (one GPU layout): the directory
+          is relabelled to H (and H's own, if it has one there, to L); no grant moves;
+        - H and L have one shape: they exchange grants and progress in the ledger (one CAS,
+          every card keeps the same amounts) and their directories are relabelled.
+        L, left without a directory, is in flight again and its own Allocate still comes.
+        True when repaired."""
         label = next((c for c in candidates if not self._sealed(c)), None)
         pods = {(ns, pod) for ns, pod, _ in holders}
         ledger = await self._ledger()
@@ -406,11 +419,61 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         labelled = ledger.allocations.get(label.prepared.pod_uid)
         if holder is None or labelled is None or holder.pod_uid == labelled.pod_uid:
             return False
-        if allocation_shape(holder) != allocation_shape(labelled):
-            return False
         theirs, mine = self._served(holder), self._served(labelled)
         if any(self._sealed(c) for c in theirs + mine):
             return False
+        repaired = await self._relabel_one(label, holder, labelled, theirs)
+        if not repaired and allocation_shape(holder) == allocation_shape(labelled):
+            repaired = await self._swap_pods(holder, labelled, theirs, mine)
+        if not repaired:
+            return False
+        self.log.warning("crossed in-flight pods repaired before sealing", extra={
+            "holder": f"{holder.namespace}/{holder.name}",
+            "counted_for": f"{labelled.namespace}/{labelled.name}",
+        })
+        current = await self._ledger()
+        for pod in (holder, labelled):
+            now_ = current.allocations.get(pod.pod_uid) if current else None
+            if now_ is None:
+                continue
+            if self._served(now_):
+                await self._maybe_finish(now_)
+            else:
+                await self._give_back_claim(now_)
+        return True
+
+    def _gpus(self, cdir: ContainerDir) -> set[str]:
+        return set(hs.gpus_of(cdir.prepared.device_ids, self.state.by_uuid()))
+
+    async def _relabel(self, cdir: ContainerDir, owner: Allocation) -> None:
+        i = cdir.prepared.index
+        await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(update={
+            "pod_uid": owner.pod_uid, "namespace": owner.namespace, "pod": owner.name,
+            "container": hs.container_name(owner, i), "grants": owner.containers[i],
+        }))  # fmt: skip
+
+    async def _relabel_one(
+        self, label: ContainerDir, holder: Allocation, labelled: Allocation,
+        theirs: list[ContainerDir],
+    ) -> bool:
+        i = label.prepared.index
+        if i >= len(holder.containers) or {g.uuid for g in holder.containers[i]} != self._gpus(
+            label
+        ):
+            return False
+        displaced = [c for c in theirs if c.prepared.index == i]
+        for other in displaced:  # crossed both ways: H's directory there is really L's
+            if {g.uuid for g in labelled.containers[i]} != self._gpus(other):
+                return False
+        await self._relabel(label, holder)
+        for other in displaced:
+            await self._relabel(other, labelled)
+        return True
+
+    async def _swap_pods(
+        self, holder: Allocation, labelled: Allocation,
+        theirs: list[ContainerDir], mine: list[ContainerDir],
+    ) -> bool:
         try:
             result = await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,
@@ -419,20 +482,22 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         except (hs.HandshakeError, bus.NoChange):
             return False
         swapped = result.value.allocations
-        for cdirs, owner in ((mine, swapped[holder.pod_uid]), (theirs, swapped[labelled.pod_uid])):
-            for c in cdirs:
-                i = c.prepared.index
-                await asyncio.to_thread(self.store.relabel, c, c.prepared.model_copy(update={
-                    "pod_uid": owner.pod_uid, "namespace": owner.namespace, "pod": owner.name,
-                    "container": hs.container_name(owner, i), "grants": owner.containers[i],
-                }))  # fmt: skip
-        if self._run in (holder.pod_uid, labelled.pod_uid):
-            self._run = labelled.pod_uid if self._run == holder.pod_uid else holder.pod_uid
-        self.log.warning("crossed in-flight pods repaired before sealing", extra={
-            "holder": f"{holder.namespace}/{holder.name}",
-            "counted_for": f"{labelled.namespace}/{labelled.name}",
-        })
+        for c in mine:
+            await self._relabel(c, swapped[holder.pod_uid])
+        for c in theirs:
+            await self._relabel(c, swapped[labelled.pod_uid])
         return True
+
+    async def _give_back_claim(self, allocation: Allocation) -> None:
+        """A pod counted as served that was not: in flight again, so its Allocate can come."""
+        with contextlib.suppress(bus.NoChange):
+            await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda ledger: hs.reclaim_mutation(
+                    allocation.pod_uid, ledger, f"node-agent/{self.node}",
+                    self.settings.reservation_ttl_s,
+                ),
+            )
 
     @staticmethod
     def _sealed(cdir: ContainerDir) -> bool:
@@ -445,14 +510,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         await asyncio.to_thread(self.store.remove_container, cdir)
         if any(c.prepared.pod_uid == p.pod_uid for c in self.store.for_pod(p.pod_uid)):
             return  # other containers of that pod were served: leave its state alone
-        with contextlib.suppress(bus.NoChange):
-            await bus.cas_update(
-                self.ledger_kv, self.node, NodeLedger,
-                lambda ledger: hs.reclaim_mutation(
-                    p.pod_uid, ledger, f"node-agent/{self.node}",
-                    self.settings.reservation_ttl_s,
-                ),
-            )
+        ledger = await self._ledger()
+        allocation = ledger.allocations.get(p.pod_uid) if ledger else None
+        if allocation is not None:
+            await self._give_back_claim(allocation)
             self.log.warning("claim given back after a mis-attributed Allocate", extra={
                 "pod": f"{p.namespace}/{p.pod}",
             })

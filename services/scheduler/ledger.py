@@ -24,6 +24,7 @@ from tessera.models import (
     InFlightClaim,
     NodeLedger,
     NodeRegistration,
+    allocation_layout,
     allocation_shape,
 )
 
@@ -108,10 +109,12 @@ def competing_claim(
 ) -> InFlightClaim | None:
     """The claim `uid` must wait for, or None when it may go in flight now.
 
-    Pods of one shape are interchangeable until PreStart proves which is which (a crossed guess
-    is repaired by swapping their grants, which moves no capacity), so any number of them may be
-    in flight on a node together. A pod of another shape waits until they are resolved: kubelet
-    names no pod before PreStart, and swapping different shapes could overfill a card.
+    kubelet names no pod before PreStart, so the node agent may count an Allocate for the wrong
+    in-flight pod; PreStart catches it and repairs it, which is always possible between two pods
+    of one shape (swap their grants: no capacity moves) or of one GPU layout (relabel the
+    containers: no grant moves). Any number of pods that are pairwise one or the other may be in
+    flight together; a pod that is neither with some in-flight pod waits for it (a cross
+    between them could only be repaired by moving capacity, which may not be there).
     `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
     allocation = ledger.allocations[uid]
     others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
@@ -120,8 +123,12 @@ def competing_claim(
     first = min(others.values(), key=lambda c: c.expires_at)
     if max_in_flight and len(others) >= max_in_flight:
         return first
-    shape = allocation_shape(allocation)
-    clash = [c for k, c in others.items() if allocation_shape(ledger.allocations[k]) != shape]
+    shape, layout = allocation_shape(allocation), allocation_layout(allocation)
+    clash = [
+        c for k, c in others.items()
+        if allocation_shape(ledger.allocations[k]) != shape
+        and allocation_layout(ledger.allocations[k]) != layout
+    ]  # fmt: skip
     return min(clash, key=lambda c: c.expires_at) if clash else None
 
 
