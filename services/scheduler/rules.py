@@ -53,6 +53,9 @@ class PodOptions:
     gpu_policies: tuple[str, ...] = ("spread",)
     node_policy: str = "binpack"
     weights: tuple[int, int, int] = (1, 1, 1)
+    # Per init container: restartPolicy Always (a sidecar keeps its devices; kubelet does not
+    # hand them on to later containers).
+    sidecar_init: tuple[bool, ...] = ()
 
     @property
     def mutex(self) -> bool:
@@ -87,6 +90,15 @@ def parse_policy_chain(text: str, allowed: tuple[str, ...], what: str) -> tuple[
     return chain
 
 
+def _sidecars(pod: dict[str, Any]) -> tuple[bool, ...]:
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    inits = spec.get("initContainers") or []
+    return tuple(
+        isinstance(c, dict) and c.get("restartPolicy") == "Always"
+        for c in (inits if isinstance(inits, list) else [])
+    )
+
+
 def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOptions:
     """Read the user knobs; an invalid one is a RequestError with a sentence."""
     meta = pod.get("metadata") or {}
@@ -119,6 +131,7 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
         gpu_policies=parse_policy_chain(gpu_policy, GPU_POLICIES, hami.ANN_GPU_POLICY),
         node_policy=node_chain[0],
         weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
+        sidecar_init=_sidecars(pod),
     )
 
 

@@ -64,12 +64,9 @@ async def test_worked_example_two_pods_share_one_card(
         assert (await filter_call(client, pod_a, [name]))["nodenames"] == [name]
         assert await bind_call(client, pod_a, name) == ""
         assert (await filter_call(client, pod_b, [name]))["nodenames"] == [name]
-        # Pod A holds the node's claim until the agent's Allocate: B's bind waits, then binds.
-        bind_b = asyncio.create_task(bind_call(client, pod_b, name))
-        await asyncio.sleep(0.2)
-        assert not bind_b.done()
+        # A is in flight (no Allocate yet); B, on the same card, goes in flight beside it.
+        assert await asyncio.wait_for(bind_call(client, pod_b, name), 5) == ""
         await agent_allocate(buckets, name, pod_a["metadata"]["uid"])
-        assert await asyncio.wait_for(bind_b, 5) == ""
     state = await ledger(buckets, name)
     grants = [g for a in state.allocations.values() for c in a.containers for g in c]
     assert {g.uuid for g in grants} == {f"GPU-{name}-0"}
@@ -248,8 +245,8 @@ async def test_lapsed_claim_is_taken_over_and_bind_wait_is_bounded(
     make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
     service = await make_service(config={"claim_ttl_s": 0.6, "bind_timeout_s": 0.2})
-    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
-    # Two shapes: the second cannot go in flight beside the first (see competing_claim).
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    # Two shapes on two cards (spread): the second cannot fly beside the first.
     first, second = (cluster.add_pod(pod(container(mem=m))) for m in (1000, 2000))
     async with http_client(service) as client:
         for spec in (first, second):

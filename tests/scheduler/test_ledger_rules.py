@@ -33,10 +33,10 @@ NOW = 1000.0
 
 
 def allocation(uid: str, state: AllocationState, expires_at: float | None = None,
-               memory: int = 10 * GIB) -> Allocation:  # fmt: skip
+               memory: int = 10 * GIB, card: int = 0) -> Allocation:  # fmt: skip
     return Allocation(
         pod_uid=uid, namespace="ns", name=uid, node="n", state=state, expires_at=expires_at,
-        containers=[[DeviceGrant(uuid="GPU-n-0", type="T", memory_mib=memory, cores=0)]],
+        containers=[[DeviceGrant(uuid=f"GPU-n-{card}", type="T", memory_mib=memory, cores=0)]],
         init_count=1 if uid == "init" else 0,
     )  # fmt: skip
 
@@ -70,10 +70,15 @@ CASES = [
      ledger(allocation("old", AllocationState.RESERVED, NOW - 1)), None),
     ("claim free node", partial(claim_mutate, "a", "me", NOW, 30),
      ledger(allocation("a", AllocationState.RESERVED, NOW + 5)), None),
-    ("claim held by another shape", partial(claim_mutate, "a", "me", NOW, 30),
+    ("claim held by another shape on another card", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
+            allocation("b", AllocationState.BOUND, memory=GIB, card=1),
+            claim=claim_by("b", NOW + 1)),
+     ClaimHeldError),
+    ("claim beside another shape on the same card", partial(claim_mutate, "a", "me", NOW, 30),
      ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
             allocation("b", AllocationState.BOUND, memory=GIB), claim=claim_by("b", NOW + 1)),
-     ClaimHeldError),
+     None),
     ("claim beside the same shape", partial(claim_mutate, "a", "me", NOW, 30),
      ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
             allocation("b", AllocationState.BOUND), claim=claim_by("b", NOW + 1)),
