@@ -123,6 +123,16 @@ class ContainerStore:
         from tessera.region import prepare_region_file
 
         path = self.path_for(prepared.pod_uid, prepared.index, prepared.container)
+        owner = self._scan().get(path)
+        if owner is not None and owner.pod_uid != prepared.pod_uid:
+            # A relabel gave this directory to another pod, whose container mounts it: never
+            # reuse it; this preparation gets a directory of its own.
+            n = 2
+            while (path.with_name(f"{path.name}~{n}")) in self._scan() or path.with_name(
+                f"{path.name}~{n}"
+            ).exists():
+                n += 1
+            path = path.with_name(f"{path.name}~{n}")
         cdir = ContainerDir(path, prepared)
         cdir.limits_dir.mkdir(parents=True, exist_ok=True)
         # A stale limits file of an earlier attempt must not survive: PreStart seals anew.
