@@ -381,3 +381,49 @@ def swap_mutation(a_uid: str, b_uid: str, ledger: NodeLedger | None) -> NodeLedg
                 update={"pod_uid": pod.pod_uid, "namespace": pod.namespace, "name": pod.name}
             )
     return new
+
+
+def reuse_pool(allocation: Allocation, index: int) -> set[str]:
+    """GPUs kubelet may hand container `index` from the pod's init containers before it (its
+    device reuse; sidecars are not told apart here: the grant check still applies to them)."""
+    pool: set[str] = set()
+    for i in range(min(index, allocation.init_count)):
+        pool |= {g.uuid for g in allocation.containers[i]}
+    for i in range(allocation.init_count, index):
+        pool -= {g.uuid for g in allocation.containers[i]}
+    return pool
+
+
+def follow_reuse_mutation(
+    pod_uid: str, index: int, gpus: list[str], capacity: dict[str, tuple[int, int]],
+    ledger: NodeLedger | None,
+) -> NodeLedger:
+    """Ledger CAS body: kubelet gave container `index` other devices of the pod's reuse pool
+    than the grant names (it picks any of them when the pool holds more than asked): move those
+    grants onto kubelet's GPUs, same amounts, if every card still fits. HandshakeError if not."""
+    from tessera.node_agent.limits import pod_usage_on
+
+    allocation = ledger.allocations.get(pod_uid) if ledger else None
+    if ledger is None or allocation is None or index >= len(allocation.containers):
+        raise HandshakeError("the pod's allocation is gone", mismatch=True)
+    grants = allocation.containers[index]
+    wanted = {g.uuid for g in grants}
+    extra = [g for g in gpus if g not in wanted]
+    if len(gpus) != len(grants) or not set(extra) <= reuse_pool(allocation, index):
+        raise HandshakeError("kubelet's devices are not the pod's reusable ones", mismatch=True)
+    moving = iter(extra)
+    new_grants = [
+        g if g.uuid in gpus else g.model_copy(update={"uuid": next(moving)}) for g in grants
+    ]
+    new = ledger.model_copy(deep=True)
+    new.allocations[pod_uid].containers[index] = new_grants
+    for uuid in extra:
+        used = [pod_usage_on(a, uuid) for a in new.allocations.values() if a.active]
+        cap_mem, cap_cores = capacity.get(uuid, (0, 0))
+        if sum(m for m, _ in used) > cap_mem or sum(c for _, c in used) > cap_cores:
+            raise HandshakeError(
+                f"kubelet gave {describe(allocation, index)} GPU {uuid} (its init container's), "
+                "which has no room left for it",
+                mismatch=True,
+            )
+    return new

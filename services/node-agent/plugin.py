@@ -216,7 +216,25 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         _, _, allocation, index = min(runs, key=lambda r: r[:2])
         return allocation, index
 
-    def _attribute(
+    async def _follow_reuse(
+        self, allocation: Allocation, index: int, gpus: list[str]
+    ) -> Allocation | None:
+        """kubelet reused other init-container devices than the grant names: follow it in the
+        ledger when the cards allow (the pod's allocation after the change), else None."""
+        capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
+        try:
+            result = await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda current: hs.follow_reuse_mutation(
+                    allocation.pod_uid, index, gpus, capacity, current
+                ),
+            )
+        except hs.HandshakeError as exc:
+            self.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
+            return None
+        return result.value.allocations[allocation.pod_uid]
+
+    async def _attribute(
         self, ledger: NodeLedger | None, ids: list[str], gpus: list[str]
     ) -> tuple[Allocation, int]:
         """Which pod and container an Allocate serves (see the README's handshake)."""
@@ -227,8 +245,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             try:
                 hs.check_devices(allocation.containers[index], gpus, who)
             except hs.HandshakeError as exc:
-                self._publish_mismatch(allocation, ids, str(exc))
-                raise
+                followed = await self._follow_reuse(allocation, index, gpus)
+                if followed is None:
+                    self._publish_mismatch(allocation, ids, str(exc))
+                    raise
+                allocation = followed
             return allocation, index
         unserved = self._unserved(ledger)
         chosen = hs.choose_new_pod(unserved, len(ids), set(gpus), self._guess)
@@ -274,7 +295,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         ledger = await self._ledger()
         response = dp.AllocateResponse()
         for ids, gpus in checked:
-            allocation, index = self._attribute(ledger, ids, gpus)
+            allocation, index = await self._attribute(ledger, ids, gpus)
             cdir = await self._prepare(allocation, index, ids)
             response.container_responses.append(self._allocate_response(allocation, cdir))
             await self._maybe_finish(allocation)
