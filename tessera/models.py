@@ -151,16 +151,6 @@ def allocation_shape(allocation: Allocation) -> tuple:
     return (allocation.init_count, tuple(containers))
 
 
-def allocation_layout(allocation: Allocation) -> tuple:
-    """Which GPUs each container was granted (positional). Two pods with one layout receive
-    the same GPUs from kubelet, so a crossed guess between them is repaired by relabelling the
-    containers' directories, with no grant moving at all."""
-    return (
-        allocation.init_count,
-        tuple(frozenset(g.uuid for g in grants) for grants in allocation.containers),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Quota (KV tessera-quota)
 

@@ -24,7 +24,6 @@ from tessera.models import (
     InFlightClaim,
     NodeLedger,
     NodeRegistration,
-    allocation_layout,
     allocation_shape,
 )
 
@@ -110,11 +109,11 @@ def competing_claim(
     """The claim `uid` must wait for, or None when it may go in flight now.
 
     kubelet names no pod before PreStart, so the node agent may count an Allocate for the wrong
-    in-flight pod; PreStart catches it and repairs it, which is always possible between two pods
-    of one shape (swap their grants: no capacity moves) or of one GPU layout (relabel the
-    containers: no grant moves). Any number of pods that are pairwise one or the other may be in
-    flight together; a pod that is neither with some in-flight pod waits for it (a cross
-    between them could only be repaired by moving capacity, which may not be there).
+    in-flight pod; PreStart catches it and repairs it. Between two pods of one shape the repair
+    is exact in every respect: swapping their grants moves no capacity, and the env kubelet
+    already took from the Allocate answer names the same GPUs and amounts. So any number of pods
+    of one shape may be in flight on a node together; a pod of another shape waits for them (a
+    cross could leave the other pod's amounts in its env, or need capacity that is not there).
     `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
     allocation = ledger.allocations[uid]
     others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
@@ -123,12 +122,8 @@ def competing_claim(
     first = min(others.values(), key=lambda c: c.expires_at)
     if max_in_flight and len(others) >= max_in_flight:
         return first
-    shape, layout = allocation_shape(allocation), allocation_layout(allocation)
-    clash = [
-        c for k, c in others.items()
-        if allocation_shape(ledger.allocations[k]) != shape
-        and allocation_layout(ledger.allocations[k]) != layout
-    ]  # fmt: skip
+    shape = allocation_shape(allocation)
+    clash = [c for k, c in others.items() if allocation_shape(ledger.allocations[k]) != shape]
     return min(clash, key=lambda c: c.expires_at) if clash else None
 
 

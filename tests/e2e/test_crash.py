@@ -64,8 +64,8 @@ def describe_ledgers(ledgers: dict[str, NodeLedger]) -> dict[str, Any]:
         states: dict[str, int] = defaultdict(int)
         for allocation in ledger.allocations.values():
             states[str(allocation.state)] += 1
-        claim = ledger.claim and f"{ledger.claim.name} until {ledger.claim.expires_at:.0f}"
-        out[node] = {"claim": claim, **states}
+        claims = [f"{c.name} until {c.expires_at:.0f}" for c in ledger.in_flight().values()]
+        out[node] = {"in flight": claims, **states}
     return out
 
 

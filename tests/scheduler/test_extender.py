@@ -64,9 +64,12 @@ async def test_worked_example_two_pods_share_one_card(
         assert (await filter_call(client, pod_a, [name]))["nodenames"] == [name]
         assert await bind_call(client, pod_a, name) == ""
         assert (await filter_call(client, pod_b, [name]))["nodenames"] == [name]
-        # A is in flight (no Allocate yet); B, on the same card, goes in flight beside it.
-        assert await asyncio.wait_for(bind_call(client, pod_b, name), 5) == ""
+        # A is in flight (no Allocate yet); B, of another shape, waits for A's Allocate.
+        bind_b = asyncio.create_task(bind_call(client, pod_b, name))
+        await asyncio.sleep(0.2)
+        assert not bind_b.done()
         await agent_allocate(buckets, name, pod_a["metadata"]["uid"])
+        assert await asyncio.wait_for(bind_b, 5) == ""
     state = await ledger(buckets, name)
     grants = [g for a in state.allocations.values() for c in a.containers for g in c]
     assert {g.uuid for g in grants} == {f"GPU-{name}-0"}
