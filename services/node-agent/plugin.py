@@ -232,7 +232,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         except hs.HandshakeError as exc:
             self.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
             return None
-        return result.value.allocations[allocation.pod_uid]
+        followed = result.value.allocations[allocation.pod_uid]
+        self._spawn(self._annotate(followed, {
+            hami.ANN_DEVICES_TO_ALLOCATE: hami.encode_pod_devices(followed.containers),
+        }))
+        return followed
 
     async def _attribute(
         self, ledger: NodeLedger | None, ids: list[str], gpus: list[str]
@@ -369,14 +373,31 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             await bus.publish_event(self.js, event)
         except Exception as exc:
             self.log.warning("allocated event not published", extra={"err": str(exc)})
-        if self.cluster is not None:
+        await self._annotate(allocation, {
+            hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS,
+            # HAMi's record of what the pod was given (the grants kubelet's devices carry).
+            hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(allocation.containers),
+        })
+
+    async def _annotate(
+        self, allocation: Allocation, annotations: dict[str, str], attempts: int = 5
+    ) -> None:
+        """Patch the pod's annotations (the cluster is the durable record of grants), retried."""
+        if self.cluster is None:
+            return
+        for attempt in range(1, attempts + 1):
             try:
                 await self.cluster.patch_pod_metadata(
-                    allocation.namespace, allocation.name,
-                    annotations={hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                    allocation.namespace, allocation.name, annotations=annotations
                 )
+                return
             except Exception as exc:
-                self.log.warning("bind-phase not written", extra={"err": str(exc)})
+                if attempt == attempts:
+                    self.log.warning("pod annotations not written", extra={
+                        "pod": f"{allocation.namespace}/{allocation.name}", "err": str(exc),
+                    })  # fmt: skip
+                    return
+                await asyncio.sleep(0.2 * attempt)
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
         ids = list(request.devices_ids)
@@ -461,6 +482,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 await self._maybe_finish(now_)
             else:
                 await self._give_back_claim(now_)
+            # The scheduler wrote the old grants into the pod at bind: record the new ones.
+            devices = hami.encode_pod_devices(now_.containers)
+            served = bool(self._served(now_))
+            self._spawn(self._annotate(now_, {
+                hami.ANN_DEVICES_TO_ALLOCATE: devices,
+                hami.ANN_DEVICES_ALLOCATED: devices,
+                hami.ANN_BIND_PHASE: (hami.BIND_PHASE_SUCCESS if served
+                                      else hami.BIND_PHASE_ALLOCATING),
+            }))  # fmt: skip
         return True
 
     def _gpus(self, cdir: ContainerDir) -> set[str]:

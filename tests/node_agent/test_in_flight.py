@@ -16,6 +16,7 @@ from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
 from tessera.node_agent.devices import StaticSource
 from test_crossed_limits import start_agent_process
 
+from tessera import hami
 from tessera.models import NodeLedger
 from tessera.region import SEALED_LIMITS_DIR, read_limits
 
@@ -46,6 +47,17 @@ def check_exact(admissions: list[PodAdmission], wanted_mib: dict[str, int],
     assert ledger.in_flight() == {}
 
 
+async def wait_annotation(rig: Any, name: str, containers: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        pod = await rig.cluster.get_pod("team", name)
+        text = (pod["metadata"].get("annotations") or {}).get(hami.ANN_DEVICES_ALLOCATED)
+        if text and hami.decode_pod_devices(text) == containers:
+            return
+        assert asyncio.get_running_loop().time() < deadline, (name, text)
+        await asyncio.sleep(0.05)
+
+
 async def test_identical_pods_admitted_in_reverse_order_are_swapped_before_sealing(
     short_dir, nc, buckets
 ):
@@ -56,7 +68,12 @@ async def test_identical_pods_admitted_in_reverse_order_are_swapped_before_seali
         for i, pod in enumerate(pods):
             await rig.bind(pod, [grants((rig.gpus[i % 2], 2000, 20))])
         admissions = [await rig.kubelet.admit_pod(p) for p in reversed(pods)]
-        check_exact(admissions, {p["metadata"]["name"]: 2000 for p in pods}, await rig.ledger())
+        ledger = await rig.ledger()
+        check_exact(admissions, {p["metadata"]["name"]: 2000 for p in pods}, ledger)
+        # The pods' own record (HAMi's annotations, from which a lost ledger is rebuilt) was
+        # rewritten to the repaired grants too.
+        for allocation in ledger.allocations.values():
+            await wait_annotation(rig, allocation.name, allocation.containers)
         per_gpu = [sum(1 for a in admissions
                        if gpu_of_replica(a.containers[0].device_ids[0]) == g)
                    for g in rig.gpus]  # fmt: skip
