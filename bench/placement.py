@@ -101,8 +101,17 @@ async def main(url, port, config):
     await service.wait_ready(600)
     await service.serve_http("127.0.0.1", port)
 
-import uvloop
+import os, signal, uvloop
 asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+if os.environ.get("BENCH_PROFILE"):  # cProfile of the scheduler, written on SIGTERM
+    import cProfile
+    profiler = cProfile.Profile()
+    def dump(*_):
+        profiler.disable()
+        profiler.dump_stats(os.environ["BENCH_PROFILE"])
+        os._exit(0)
+    signal.signal(signal.SIGTERM, dump)
+    profiler.enable()
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
 """
 
@@ -163,6 +172,8 @@ class Kubelets:
                 await bus.cas_update(self.buckets.ledger, event.node, NodeLedger,
                                      lambda c: self._allocate(event.pod_uid, c))  # fmt: skip
         self.allocated.setdefault(event.pod_uid, time.perf_counter())
+        if os.environ.get("BENCH_DEBUG"):
+            print(f"{time.perf_counter():.1f} allocated {event.name}", flush=True)
         if len(self.allocated) >= self.expected:
             self.done.set()
 
@@ -189,6 +200,7 @@ async def kube_scheduler(client: LeanClient, pods: list[dict[str, Any]], names: 
     for spec in pods:
         queue.put_nowait((spec, BACKOFF_INITIAL_S))
     pending = len(pods)
+    debug = os.environ.get("BENCH_DEBUG")
     binds: set[asyncio.Task[None]] = set()
     names_json = json.dumps(names)
     finished = asyncio.Event()
@@ -202,6 +214,9 @@ async def kube_scheduler(client: LeanClient, pods: list[dict[str, Any]], names: 
         }).encode())  # fmt: skip
         if result["Error"]:
             stats["bind_errors"] += 1
+            if os.environ.get("BENCH_DEBUG"):
+                print(f"{time.perf_counter():.1f} bind error {meta['name']}: {result['Error']}",
+                      flush=True)
             await asyncio.sleep(backoff)
             queue.put_nowait((spec, min(backoff * 2, BACKOFF_MAX_S)))
             return
@@ -212,6 +227,8 @@ async def kube_scheduler(client: LeanClient, pods: list[dict[str, Any]], names: 
     async def cycles() -> None:
         while True:
             spec, backoff = await queue.get()
+            if debug:
+                print(f"{time.perf_counter():.1f} filter {spec['metadata']['name']}", flush=True)
             body = f'{{"pod": {json.dumps(spec)}, "nodenames": {names_json}}}'
             result = await client.post("/filter", body.encode())
             if not result.get("nodenames"):
