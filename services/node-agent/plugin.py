@@ -233,9 +233,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             self.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
             return None
         followed = result.value.allocations[allocation.pod_uid]
-        self._spawn(self._annotate(followed, {
-            hami.ANN_DEVICES_TO_ALLOCATE: hami.encode_pod_devices(followed.containers),
-        }))
+        self._spawn(self._annotate(followed, {}, (hami.ANN_DEVICES_TO_ALLOCATE,)))
         return followed
 
     async def _attribute(
@@ -373,22 +371,31 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             await bus.publish_event(self.js, event)
         except Exception as exc:
             self.log.warning("allocated event not published", extra={"err": str(exc)})
-        await self._annotate(allocation, {
-            hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS,
-            # HAMi's record of what the pod was given (the grants kubelet's devices carry).
-            hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(allocation.containers),
-        })
+        # HAMi's record of what the pod was given (the grants kubelet's devices carry).
+        await self._annotate(allocation, {hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                             (hami.ANN_DEVICES_ALLOCATED,))  # fmt: skip
 
     async def _annotate(
-        self, allocation: Allocation, annotations: dict[str, str], attempts: int = 5
+        self, allocation: Allocation, annotations: dict[str, str],
+        grant_keys: tuple[str, ...] = (), attempts: int = 5,
     ) -> None:
-        """Patch the pod's annotations (the cluster is the durable record of grants), retried."""
+        """Patch the pod's annotations (the cluster is the durable record of grants), retried.
+        `grant_keys` get the pod's grants as the ledger holds them when the patch is sent, so a
+        late patch never writes grants a repair has since replaced."""
         if self.cluster is None:
             return
         for attempt in range(1, attempts + 1):
             try:
+                values = dict(annotations)
+                if grant_keys:
+                    ledger = await self._ledger()
+                    current = ledger.allocations.get(allocation.pod_uid) if ledger else None
+                    if current is None:
+                        return  # released meanwhile: nothing to record
+                    devices = hami.encode_pod_devices(current.containers)
+                    values |= dict.fromkeys(grant_keys, devices)
                 await self.cluster.patch_pod_metadata(
-                    allocation.namespace, allocation.name, annotations=annotations
+                    allocation.namespace, allocation.name, annotations=values
                 )
                 return
             except Exception as exc:
@@ -483,14 +490,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             else:
                 await self._give_back_claim(now_)
             # The scheduler wrote the old grants into the pod at bind: record the new ones.
-            devices = hami.encode_pod_devices(now_.containers)
             served = bool(self._served(now_))
             self._spawn(self._annotate(now_, {
-                hami.ANN_DEVICES_TO_ALLOCATE: devices,
-                hami.ANN_DEVICES_ALLOCATED: devices,
                 hami.ANN_BIND_PHASE: (hami.BIND_PHASE_SUCCESS if served
                                       else hami.BIND_PHASE_ALLOCATING),
-            }))  # fmt: skip
+            }, (hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_DEVICES_ALLOCATED)))  # fmt: skip
         return True
 
     def _gpus(self, cdir: ContainerDir) -> set[str]:
