@@ -215,5 +215,6 @@ def test_all_pods_running_after_the_last_restart(burst: BurstOutcome) -> None:
                     f"ledgers: {describe_ledgers(burst.ledgers)}")
     print(
         f"\nall {PODS} pods Running {burst.converged_s:.1f} s after the last restart "
-        f"(target {CONVERGE_S:.0f} s; the burst was all created {burst.created_s:.1f} s after it)"
+        f"(target {CONVERGE_S:.0f} s; the burst was all created {burst.created_s:.1f} s after it, "
+        f"so {burst.converged_s - max(burst.created_s, 0.0):.1f} s after the last pod was created)"
     )
