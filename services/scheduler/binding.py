@@ -91,8 +91,8 @@ class PodBinder:
                     waited = True
                 remaining = deadline - now
                 if remaining <= 0:
-                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name}, of "
-                            "another shape, is in flight there; retry")  # fmt: skip
+                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name} is "
+                            "in flight there and this pod may not join it; retry")  # fmt: skip
                 until_lapse = exc.claim.expires_at - now + 0.01
                 await self.index.wait_changed(node, min(remaining, until_lapse))
             except ReservationGoneError as exc:

@@ -161,9 +161,7 @@ class AlreadyBoundError(Exception):
 
 class ClaimHeldError(Exception):
     def __init__(self, claim: InFlightClaim) -> None:
-        super().__init__(
-            f"{claim.namespace}/{claim.name} (another shape) is in flight until {claim.expires_at}"
-        )
+        super().__init__(f"{claim.namespace}/{claim.name} is in flight until {claim.expires_at}")
         self.claim = claim
 
 

@@ -81,7 +81,7 @@ async def test_agent_killed_between_allocate_and_prestart(short_dir, nats_url, b
         assert admission_a.ok, admission_a.error
         assert sealed_mib(a) == [(gpu, 3000)]
         assert a.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
-        assert (await ledger_of(buckets.ledger, node)).claim is None
+        assert (await ledger_of(buckets.ledger, node)).in_flight() == {}
     finally:
         agent.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
