@@ -13,7 +13,7 @@ from collections.abc import Callable
 from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
-from tessera.models import Allocation, AllocationEvent, InFlightClaim
+from tessera.models import Allocation, AllocationEvent, InFlightClaim, allocation_shape
 
 from .background import EventPublisher
 from .config import SchedulerSettings
@@ -27,6 +27,16 @@ from .release import AllocationReleaser
 log = logging.getLogger("tessera.scheduler")
 
 _NO_GPU = "\0no-gpu"  # _ensure_reserved's answer for a pod that asks for no GPU
+
+
+FAIR_AFTER_S = 1.0
+
+
+class _QueuedError(Exception):
+    """A bind of another shape waits for this node ahead of this one."""
+
+    def __init__(self, ahead_uid: str) -> None:
+        super().__init__(f"pod {ahead_uid}, of another shape, waits for it first")
 
 
 class PodBinder:
@@ -53,6 +63,8 @@ class PodBinder:
         self.metrics = metrics
         self.instance = instance
         self.clock = clock
+        # node -> binds waiting to join its in-flight set, in arrival order: (uid, shape, since)
+        self._waiting: dict[str, list[tuple[str, tuple | None, float]]] = {}
 
     async def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """'' on success, else the error text kube-scheduler shows."""
@@ -70,6 +82,13 @@ class PodBinder:
         if error:
             return error
         deadline = self.clock() + self.config.bind_timeout_s
+        try:
+            return await self._bind_claimed(ident, node, deadline)
+        finally:
+            self._leave_queue(node, uid)
+
+    async def _bind_claimed(self, ident: PodIdentity, node: str, deadline: float) -> str:
+        uid, namespace, name = ident.uid, ident.namespace, ident.name
         waited = False
         while True:
             now = self.clock()
@@ -79,22 +98,26 @@ class PodBinder:
                 held = self._competitor(node, uid, now)
                 if held is not None:
                     raise ClaimHeldError(held)
+                ahead = self._queued_ahead(node, uid)
+                if ahead is not None:
+                    raise _QueuedError(ahead)
                 async with self.ledger.lock(node):
                     result = await self.ledger.writer.claim(
                         node, uid, self.instance, now, self.config.claim_ttl_s,
                         self.ledger.hint(node), self.config.max_in_flight_per_node,
                     )  # fmt: skip
                 break
-            except ClaimHeldError as exc:
+            except (ClaimHeldError, _QueuedError) as exc:
                 if not waited:
                     self.metrics.claim_waits.inc()
                     waited = True
+                self._join_queue(node, uid)
                 remaining = deadline - now
                 if remaining <= 0:
-                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name} is "
-                            "in flight there and this pod may not join it; retry")  # fmt: skip
-                until_lapse = exc.claim.expires_at - now + 0.01
-                await self.index.wait_changed(node, min(remaining, until_lapse))
+                    return f"node {node} is busy: {exc}; retry"
+                until = (exc.claim.expires_at - now + 0.01 if isinstance(exc, ClaimHeldError)
+                         else 0.5)  # fmt: skip
+                await self.index.wait_changed(node, min(remaining, until))
             except ReservationGoneError as exc:
                 # Our reservation lapsed while we waited for the claim: take a fresh one if
                 # the pod still fits the node, and keep waiting within the same deadline.
@@ -108,6 +131,7 @@ class PodBinder:
                 return ""
             except CasConflictError as exc:
                 return f"ledger busy on {node}: {exc}"
+        self._leave_queue(node, uid)
         self.ledger.apply(node, result)
         allocation = result.value.allocations[uid]
         error = await self._bind_in_cluster(ident, node, allocation)
@@ -122,6 +146,49 @@ class PodBinder:
             source=self.instance,
         ))  # fmt: skip
         return ""
+
+    # --- fairness among waiting binds (this replica's) --------------------------------------
+    # Pods of one shape join a node's in-flight set without waiting; a steady stream of them
+    # would starve a pod of another shape waiting for the set to drain. So once a bind of
+    # another shape has waited FAIR_AFTER_S, later binds queue behind it: the set drains, the
+    # waiter goes in flight, and the node alternates between shapes. Shorter waits hold nobody
+    # back (most waits end within one kubelet round trip).
+
+    def _shape(self, node: str, uid: str) -> tuple | None:
+        hint = self.ledger.hint(node)
+        allocation = hint.value.allocations.get(uid) if hint is not None else None
+        return allocation_shape(allocation) if allocation is not None else None
+
+    def _join_queue(self, node: str, uid: str) -> None:
+        queue = self._waiting.setdefault(node, [])
+        if all(w[0] != uid for w in queue):
+            queue.append((uid, self._shape(node, uid), self.clock()))
+
+    def _leave_queue(self, node: str, uid: str) -> None:
+        queue = self._waiting.get(node)
+        if not queue:
+            return
+        kept = [w for w in queue if w[0] != uid]
+        if len(kept) != len(queue):
+            self.index.notify(node)  # those behind it look again
+        if kept:
+            self._waiting[node] = kept
+        else:
+            del self._waiting[node]
+
+    def _queued_ahead(self, node: str, uid: str) -> str | None:
+        """A bind of another shape that started waiting for this node before this one."""
+        queue = self._waiting.get(node)
+        if not queue:
+            return None
+        mine = self._shape(node, uid)
+        now = self.clock()
+        for other, shape, since in queue:
+            if other == uid:
+                return None
+            if shape is not None and shape != mine and now - since >= FAIR_AFTER_S:
+                return other
+        return None
 
     def _competitor(self, node: str, uid: str, now: float) -> InFlightClaim | None:
         """The in-flight pod this bind must wait for, as the index sees the node (None: try)."""

@@ -286,6 +286,12 @@ class ClusterIndex:
             for c in e.ledger.in_flight().values() if c.expires_at > now
         )  # fmt: skip
 
+    def notify(self, node: str) -> None:
+        """Wake whoever waits for the node's entry to change (a waiting bind left its queue)."""
+        event = self._changed.pop(node, None)
+        if event is not None:
+            event.set()
+
     async def wait_changed(self, node: str, timeout: float) -> None:
         """Return when the node's ledger entry next changes, or after `timeout` seconds."""
         event = self._changed.setdefault(node, asyncio.Event())

@@ -73,6 +73,34 @@ async def test_another_shape_on_other_cards_waits_for_the_pods_in_flight(
     assert set(state.claims) == {other["metadata"]["uid"]}
 
 
+async def test_a_waiting_shape_is_not_starved_by_a_stream_of_another(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """A1 in flight; B (another shape) waits for it; A2 (A1's shape) comes after B has waited a
+    while: it could join A1 at once, but queues behind B, so a stream of A pods cannot starve
+    B."""
+    service = await make_service(config={"bind_timeout_s": 10.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
+    a1, a2 = (cluster.add_pod(pod(container(mem=GIB), annotations=on[0])) for _ in range(2))
+    b = cluster.add_pod(pod(container(mem=3 * GIB), annotations=on[1]))
+    async with http_client(service) as client:
+        assert await place_and_bind(client, a1, name) == ""
+        for spec in (b, a2):
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        bind_b = asyncio.create_task(bind_call(client, b, name))
+        await asyncio.sleep(1.2)  # B has waited longer than FAIR_AFTER_S
+        bind_a2 = asyncio.create_task(bind_call(client, a2, name))
+        await asyncio.sleep(0.3)
+        assert not bind_b.done() and not bind_a2.done()  # A2 queues behind B
+        await agent_allocate(buckets, name, a1["metadata"]["uid"])
+        assert await asyncio.wait_for(bind_b, 5) == ""
+        await asyncio.sleep(0.3)
+        assert not bind_a2.done()  # B is in flight now: A2, another shape, waits for it
+        await agent_allocate(buckets, name, b["metadata"]["uid"])
+        assert await asyncio.wait_for(bind_a2, 5) == ""
+
+
 async def test_waiting_binds_do_not_reread_the_ledger_on_every_change(
     make_service: MakeService, buckets: Any, cluster: Any
 ) -> None:
@@ -102,13 +130,12 @@ async def test_waiting_binds_do_not_reread_the_ledger_on_every_change(
         await asyncio.sleep(0.2)
         reads[0] = 0
         for spec in small[1:]:  # 19 more changes to the node's entry while they wait
-            assert await place_and_bind(client, spec, name) == ""
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
         changes_reads = reads[0]
-        for spec in small:
-            await agent_allocate(buckets, name, spec["metadata"]["uid"])
+        await agent_allocate(buckets, name, small[0]["metadata"]["uid"])
         assert await asyncio.wait_for(asyncio.gather(*waiters), 10) == [""] * 8
-    # 19 filter+bind rounds write ~3 times each; 8 waiters × ~60 wake-ups re-reading would be
-    # hundreds. Allow for the few CAS retries a conflict with the watch can cause.
+    # 19 reservations each wake the 8 waiters: re-reading would be 150+ reads. Allow for the
+    # few CAS retries a conflict with the watch can cause.
     assert changes_reads <= 20, changes_reads
 
 
