@@ -29,7 +29,7 @@ log = logging.getLogger("tessera.scheduler")
 _NO_GPU = "\0no-gpu"  # _ensure_reserved's answer for a pod that asks for no GPU
 
 
-FAIR_AFTER_S = 1.0
+FAIR_AFTER_S = 3.0
 
 
 class _QueuedError(Exception):

@@ -89,7 +89,7 @@ async def test_a_waiting_shape_is_not_starved_by_a_stream_of_another(
         for spec in (b, a2):
             assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
         bind_b = asyncio.create_task(bind_call(client, b, name))
-        await asyncio.sleep(1.2)  # B has waited longer than FAIR_AFTER_S
+        await asyncio.sleep(3.2)  # B has waited longer than FAIR_AFTER_S
         bind_a2 = asyncio.create_task(bind_call(client, a2, name))
         await asyncio.sleep(0.3)
         assert not bind_b.done() and not bind_a2.done()  # A2 queues behind B
