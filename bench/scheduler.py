@@ -290,12 +290,14 @@ async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
     the allocation allocated and release the node's claim (one CAS)."""
 
     def allocate(uid: str, current: NodeLedger | None) -> NodeLedger:
-        if current is None or current.claim is None or current.claim.pod_uid != uid:
+        if current is None or uid not in current.in_flight():
             raise bus.NoChange
         allocation = current.allocations.get(uid)
         if allocation is not None and allocation.state == AllocationState.BOUND:
             allocation.state = AllocationState.ALLOCATED
-        current.claim = None
+        current.claims.pop(uid, None)
+        if current.claim is not None and current.claim.pod_uid == uid:
+            current.claim = None
         return current
 
     async def on_bound(msg: Any) -> None:

@@ -123,7 +123,7 @@ class Allocation(Message):
 
 
 class InFlightClaim(Message):
-    """The single pod a node is between bind and Allocate for (DESIGN §3 step 3-4)."""
+    """A pod between bind and the node agent's resolution of it (DESIGN §3 step 3-5)."""
 
     pod_uid: str
     namespace: str
@@ -138,7 +138,35 @@ class NodeLedger(Message):
 
     node: str
     allocations: dict[str, Allocation] = Field(default_factory=dict)
-    claim: InFlightClaim | None = None
+    claim: InFlightClaim | None = Field(
+        None, description="legacy single in-flight claim (older schedulers); read with `claims`"
+    )
+    claims: dict[str, InFlightClaim] = Field(
+        default_factory=dict,
+        description="pod uid -> claim: the pods in flight between bind and the agent's "
+        "resolution; all of one shape at a time (interchangeable until PreStart)",
+    )
+
+    def in_flight(self) -> dict[str, InFlightClaim]:
+        """Every claim, the legacy single one included."""
+        if self.claim is None or self.claim.pod_uid in self.claims:
+            return self.claims
+        return {**self.claims, self.claim.pod_uid: self.claim}
+
+
+def allocation_shape(allocation: Allocation) -> tuple:
+    """What makes two pods interchangeable on one node: the same GPU containers in the same
+    order with the same per-GPU memory and cores, and the same pattern of shared cards between
+    containers (an app container on its init container's card). Swapping the grants of two pods
+    of one shape moves no capacity: every card holds the same amounts as before."""
+    first_seen: dict[str, int] = {}
+    containers = []
+    for grants in allocation.containers:
+        containers.append(tuple(
+            (g.memory_mib, g.cores, first_seen.setdefault(g.uuid, len(first_seen)))
+            for g in grants
+        ))  # fmt: skip
+    return (allocation.init_count, tuple(containers))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,6 +152,8 @@ def default_services(
     state_dir: Path = Path(".tessera"),
     ports: StackPorts | None = None,
     run_containers: bool = False,
+    kubelet_delay_s: float = 0.0,
+    kubelet_jitter_s: float = 0.0,
 ) -> list[ServiceSpec]:
     """kube-sim first (the others read its kubeconfig), then every service once, then one node
     agent per simulated node."""
@@ -169,6 +171,8 @@ def default_services(
         **extender_client_env(certs, ports.scheduler),
         "TESSERA_KUBE_SIM_KUBELET_ROOT": str(socket_root),
         "TESSERA_KUBE_SIM_RUN_CONTAINERS": "true" if run_containers else "false",
+        "TESSERA_KUBE_SIM_KUBELET_DELAY_S": str(kubelet_delay_s),
+        "TESSERA_KUBE_SIM_KUBELET_JITTER_S": str(kubelet_jitter_s),
         "TESSERA_KUBE_SIM_CONTAINER_LOG_DIR": str(state_dir / "containers"),
     }
     specs = [

@@ -14,7 +14,8 @@ registers again, as in kubelet.
 
 It follows kubelet's order: on admission, one Allocate per container that requests a
 device resource (init containers first), reusing an init container's devices for the
-containers after it first, choosing the rest through GetPreferredAllocation when the plugin
+containers after it first (any of them when more are reusable than asked; the kube-sim README
+states the rules), choosing the rest through GetPreferredAllocation when the plugin
 offers it, and records the assignment (visible in pod-resources List right away);
 then, container by container, PreStartContainer with the same device IDs just before starting it.
 A pod asking for a device resource that no plugin registered, or that has too few healthy
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -163,6 +165,7 @@ class SimKubelet:
         on_change: Callable[[], None] | None = None,
         device_resources: Iterable[str] = (),
         dial_timeout_s: float = DIAL_TIMEOUT_S,
+        rng: random.Random | None = None,
     ) -> None:
         self.socket_dir = Path(socket_dir)
         # Resources this node expects a device plugin for (the node's extended resources):
@@ -171,6 +174,7 @@ class SimKubelet:
         # to the scheduler, as kubelet leaves resources no device plugin manages.
         self.device_resources = set(device_resources)
         self.dial_timeout_s = dial_timeout_s
+        self.rng = rng or random.Random()
         self.pod_resources = PodResourcesStore()
         self.plugins: dict[str, PluginConnection] = {}
         self.registrations: list[tuple[str, str, float]] = []
@@ -317,8 +321,9 @@ class SimKubelet:
                                  meta.get("name", ""))
         ordered = [(c, True) for c in spec.get("initContainers") or []]
         ordered += [(c, False) for c in spec.get("containers") or []]
-        # kubelet hands an init container's devices to the containers after it (init containers
-        # run one at a time) before it takes new ones.
+        # kubelet's device reuse (see the README): a finished init container's devices are
+        # handed to the containers after it before new ones are taken; a sidecar (restartable
+        # init container) and every app container keep theirs, so they leave the pool.
         reusable: dict[str, list[str]] = {}
         for container, init in ordered:
             entry = ContainerAdmission(name=container.get("name", ""), init=init)
@@ -340,7 +345,7 @@ class SimKubelet:
                     entry.error = _message(exc)
                     admission.error = f"container {entry.name}: {entry.error}"
                     return admission
-                if init:
+                if init and container.get("restartPolicy") != "Always":
                     pool.extend(d for d in entry.device_ids if d not in pool)
                 else:
                     pool[:] = [d for d in pool if d not in entry.device_ids]
@@ -355,7 +360,8 @@ class SimKubelet:
         self, admission: PodAdmission, entry: ContainerAdmission, plugin: PluginConnection,
         count: int, reusable: list[str],
     ) -> None:
-        reused = sorted(reusable)[:count]
+        # kubelet takes reusable devices from a Go set: any of them, in no fixed order.
+        reused = self.rng.sample(reusable, min(count, len(reusable)))
         in_use = self.pod_resources.in_use(plugin.resource)
         available = [d for d in plugin.healthy() if d not in in_use]
         if len(reused) + len(available) < count:

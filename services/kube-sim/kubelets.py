@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -100,12 +101,21 @@ class NodeKubelet:
         gpu_resources: list[str],
         processes: ContainerProcesses | None = None,
         admit_deadline_s: float = 60.0,
+        allocate_delay_s: float = 0.0,
+        allocate_jitter_s: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.store = store
         self.node = node
         self.gpu_resources = gpu_resources
         self.processes = processes
         self.admit_deadline_s = admit_deadline_s
+        # A real kubelet sees a bound pod 0.1-1 s after the bind (watch, sync loop); this
+        # models it: each pod is admitted delay ± jitter seconds after it appears.
+        self.allocate_delay_s = allocate_delay_s
+        self.allocate_jitter_s = allocate_jitter_s
+        self.rng = rng or random.Random()
+        self._arrivals: set[asyncio.Task[None]] = set()
         self.device_kubelet = SimKubelet(
             root / node / "device-plugins",
             root / node / "pod-resources" / "kubelet.sock",
@@ -121,17 +131,36 @@ class NodeKubelet:
         await self.device_kubelet.start()
         watcher = self.store.watch("Pod", Selector(node_name=self.node), self.store.version)
         for pod in self.store.list("Pod", Selector(node_name=self.node)):
-            self._queue.put_nowait(pod)
+            self._arrive(pod)
         self._tasks = [
             asyncio.create_task(self._follow(watcher)),
             asyncio.create_task(self._admit_forever()),
             asyncio.create_task(self._publish_capacity()),
         ]
 
+    def delay(self) -> float:
+        jitter = self.rng.uniform(-self.allocate_jitter_s, self.allocate_jitter_s)
+        return max(0.0, self.allocate_delay_s + jitter)
+
+    def _arrive(self, pod: KubeObject) -> None:
+        """Queue a pod for admission after the modelled delay (at once when there is none)."""
+        wait = self.delay()
+        if wait <= 0:
+            self._queue.put_nowait(pod)
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(wait)
+            self._queue.put_nowait(pod)
+
+        task = asyncio.create_task(later())
+        self._arrivals.add(task)
+        task.add_done_callback(self._arrivals.discard)
+
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._arrivals]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._arrivals]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.processes is not None:
@@ -162,7 +191,7 @@ class NodeKubelet:
             while True:
                 event_type, pod = await watcher.queue.get()
                 if event_type == "ADDED":
-                    self._queue.put_nowait(pod)
+                    self._arrive(pod)
                 elif event_type == "DELETED":
                     await self._remove(pod)
         finally:
@@ -315,7 +344,10 @@ async def start_kubelets(sim: Any) -> list[NodeKubelet]:
     kubelets = []
     for node in sim.nodes:
         processes = ContainerProcesses(log_dir / node.name) if settings.run_containers else None
-        kubelet = NodeKubelet(sim.store, node.name, root, [sim.tessera.resource_name], processes)
+        kubelet = NodeKubelet(
+            sim.store, node.name, root, [sim.tessera.resource_name], processes,
+            allocate_delay_s=settings.kubelet_delay_s, allocate_jitter_s=settings.kubelet_jitter_s,
+        )
         await kubelet.start()
         kubelets.append(kubelet)
     sim.api.kubelets = {k.node: k for k in kubelets}

@@ -50,6 +50,13 @@ class KubeSimSettings(BaseSettings):
     kubelet_root: str = Field(
         "/tmp/tessera-kubelet", description="per-node kubelet sockets live in <root>/<node>/"
     )
+    kubelet_delay_s: float = Field(
+        0.0, ge=0, description="each kubelet admits a bound pod (Allocate) this long after it "
+        "appears, as a real kubelet does 0.1-1 s after the bind"
+    )
+    kubelet_jitter_s: float = Field(
+        0.0, ge=0, description="± this much random spread on kubelet_delay_s, per pod"
+    )
     run_containers: bool = Field(
         False, description="run containers that have a command as local processes"
     )

@@ -123,6 +123,16 @@ class ContainerStore:
         from tessera.region import prepare_region_file
 
         path = self.path_for(prepared.pod_uid, prepared.index, prepared.container)
+        owner = self._scan().get(path)
+        if owner is not None and owner.pod_uid != prepared.pod_uid:
+            # A relabel gave this directory to another pod, whose container mounts it: never
+            # reuse it; this preparation gets a directory of its own.
+            n = 2
+            while (path.with_name(f"{path.name}~{n}")) in self._scan() or path.with_name(
+                f"{path.name}~{n}"
+            ).exists():
+                n += 1
+            path = path.with_name(f"{path.name}~{n}")
         cdir = ContainerDir(path, prepared)
         cdir.limits_dir.mkdir(parents=True, exist_ok=True)
         # The region is the container's alone: its directories are the agent's (root's), so no
@@ -163,10 +173,21 @@ class ContainerStore:
         found = [c for c in self.all() if sorted(c.prepared.device_ids) == wanted]
         return sorted(found, key=lambda c: c.prepared.prepared_at, reverse=True)
 
+    def relabel(self, cdir: ContainerDir, prepared: PreparedContainer) -> ContainerDir:
+        """PreStart proved the directory serves another pod than the one it was prepared for
+        (two interchangeable pods crossed): record its true owner. The path stays (kubelet
+        already holds the mounts), so ownership is always read from `prepared.json`."""
+        _write_atomic(cdir.path / PREPARED_FILE, prepared.model_dump_json().encode())
+        self._scan()[cdir.path] = prepared
+        return ContainerDir(cdir.path, prepared)
+
     def pod_uids(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        return [p.name for p in self.root.iterdir() if p.is_dir()]
+        """Every pod that owns a directory (by its label), and pod directories holding none."""
+        owners = {c.prepared.pod_uid for c in self.all()}
+        if self.root.is_dir():
+            held = {p.parent.name for p in self._scan()}
+            owners |= {p.name for p in self.root.iterdir() if p.is_dir() and p.name not in held}
+        return sorted(owners)
 
     def remove_container(self, cdir: ContainerDir) -> None:
         self._scan().pop(cdir.path, None)
@@ -175,9 +196,10 @@ class ContainerStore:
             cdir.path.parent.rmdir()  # the pod's directory, when it was its only container
 
     def remove_pod(self, pod_uid: str) -> None:
-        target = self.root / _safe(pod_uid, "pod uid")
-        for path in [p for p in self._scan() if p.parent == target]:
-            del self._scan()[path]
-        if target.is_dir():
+        """Remove the directories the pod owns (wherever a relabel left them)."""
+        for cdir in self.for_pod(pod_uid):
             # The limits files are read-only; rmtree needs write permission on the dirs only.
+            self.remove_container(cdir)
+        target = self.root / _safe(pod_uid, "pod uid")
+        if target.is_dir() and not any(p.parent == target for p in self._scan()):
             shutil.rmtree(target, ignore_errors=True)

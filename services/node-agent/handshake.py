@@ -80,24 +80,57 @@ def describe(allocation: Allocation, index: int | None = None) -> str:
     return f"{pod} container {container_name(allocation, index) or f'#{index}'}"
 
 
-def claimed_allocation(ledger: NodeLedger | None, node: str) -> Allocation:
-    """The allocation of the pod in flight on this node (the only one Allocate may serve)."""
-    if ledger is None or ledger.claim is None:
-        raise HandshakeError(
-            f"no pod is in flight on node {node}: the scheduler has bound none here, so this "
-            "Allocate cannot be attributed to a pod"
+def in_flight(ledger: NodeLedger | None) -> list[Allocation]:
+    """The pods kubelet may be admitting on this node: bound (or claimed and about to be) but
+    not yet allocated, oldest claim first (kubelet admits pods in about the order they bind)."""
+    if ledger is None:
+        return []
+    claims = ledger.in_flight()
+
+    def waiting(a: Allocation) -> bool:
+        return a.state == AllocationState.BOUND or (
+            a.state == AllocationState.RESERVED and a.pod_uid in claims
         )
-    allocation = ledger.allocations.get(ledger.claim.pod_uid)
-    if allocation is None:
-        raise HandshakeError(
-            f"the in-flight pod {ledger.claim.namespace}/{ledger.claim.name} has no allocation "
-            f"on node {node}"
-        )
-    # `reserved` is fine here: the claim is taken just before the cluster bind, and kubelet may
-    # call Allocate before the scheduler has marked the allocation bound in the ledger.
-    if not allocation.active:
-        raise HandshakeError(f"{describe(allocation)} is {allocation.state}, not bound")
-    return allocation
+
+    def order(a: Allocation) -> tuple[float, float]:
+        claim = claims.get(a.pod_uid)
+        return (claim.taken_at if claim else a.updated_at, a.created_at)
+
+    return sorted((a for a in ledger.allocations.values() if waiting(a)), key=order)
+
+
+def no_pod_in_flight(node: str) -> HandshakeError:
+    return HandshakeError(
+        f"no pod is in flight on node {node}: the scheduler has bound none here, so this "
+        "Allocate cannot be attributed to a pod"
+    )
+
+
+def first_size(allocation: Allocation) -> int:
+    """How many devices kubelet asks for the pod's first GPU container."""
+    indexes = gpu_containers(allocation)
+    return len(allocation.containers[indexes[0]]) if indexes else 0
+
+
+def choose_new_pod(
+    candidates: list[Allocation], size: int, gpus: set[str] | None, guess: str | None
+) -> Allocation | None:
+    """The in-flight pod (none of its containers served yet) a new kubelet admission is for.
+
+    `gpus`: the GPUs kubelet chose (Allocate), or None (GetPreferredAllocation: the first pod in
+    order whose GPUs kubelet still offers). Only a pod granted exactly those GPUs qualifies for
+    an Allocate; the last preference given wins among them, then the oldest claim. A wrong
+    choice among pods of one shape is caught and repaired at PreStart."""
+    sized = [a for a in candidates if first_size(a) == size]
+    if gpus is not None:
+        sized = [
+            a for a in sized
+            if {g.uuid for g in a.containers[gpu_containers(a)[0]]} == gpus
+        ]  # fmt: skip
+    for a in sized:
+        if a.pod_uid == guess:
+            return a
+    return sized[0] if sized else None
 
 
 def next_container(allocation: Allocation, prepared: Iterable[int]) -> int:
@@ -265,7 +298,7 @@ def pick_prepared(
 
 
 def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
-    """Ledger CAS body once every GPU container of the pod is served: allocated + claim freed.
+    """Ledger CAS body once every GPU container of the pod is served: allocated, claim dropped.
 
     Raises bus.NoChange when there is nothing to do (a retry, or the claim moved on)."""
     from tessera.bus import NoChange
@@ -283,6 +316,9 @@ def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
         allocation.expires_at = None  # allocated: a reservation's expiry no longer applies
         allocation.updated_at = now()
         changed = True
+    if pod_uid in new.claims:
+        del new.claims[pod_uid]
+        changed = True
     if new.claim is not None and new.claim.pod_uid == pod_uid:
         new.claim = None
         changed = True
@@ -295,25 +331,103 @@ def reclaim_mutation(
     pod_uid: str, ledger: NodeLedger | None, holder: str, ttl_s: float,
     clock: Callable[[], float] | None = None,
 ) -> NodeLedger:
-    """Ledger CAS body after a mis-attributed Allocate: the pod it was wrongly counted for gets
-    its claim back, so its own Allocate can still come (only while nobody else holds the claim).
+    """Ledger CAS body after a mis-attributed Allocate: the pod it was wrongly counted for is
+    in flight again, so its own Allocate can still come.
 
-    Raises bus.NoChange when the claim moved on or the pod is not in the wrongly-finished state.
+    Raises bus.NoChange when the pod is not in the wrongly-finished state.
     """
     from tessera.bus import NoChange
     from tessera.models import InFlightClaim, now
 
-    if ledger is None or ledger.claim is not None:
-        raise NoChange
-    allocation = ledger.allocations.get(pod_uid)
-    if allocation is None or allocation.state != AllocationState.ALLOCATED:
+    allocation = ledger.allocations.get(pod_uid) if ledger else None
+    if ledger is None or allocation is None or allocation.state != AllocationState.ALLOCATED:
         raise NoChange
     at = (clock or now)()  # the scheduler judges this claim's expiry on the server's clock
     new = ledger.model_copy(deep=True)
     new.allocations[pod_uid].state = AllocationState.BOUND
     new.allocations[pod_uid].updated_at = at
-    new.claim = InFlightClaim(
+    new.claims[pod_uid] = InFlightClaim(
         pod_uid=pod_uid, namespace=allocation.namespace, name=allocation.name,
         taken_at=at, expires_at=at + ttl_s, holder=holder,
     )
+    return new
+
+
+def swap_mutation(a_uid: str, b_uid: str, ledger: NodeLedger | None) -> NodeLedger:
+    """Ledger CAS body of a crossed-guess repair: pods `a` and `b` (one shape) exchange their
+    grants and their progress (state, expiry, in-flight claim), so each pod's grants are the GPUs
+    kubelet really gave it. Every card holds the same amounts as before. Raises HandshakeError
+    when the two are no longer interchangeable."""
+    from tessera.models import allocation_shape
+
+    a = ledger.allocations.get(a_uid) if ledger else None
+    b = ledger.allocations.get(b_uid) if ledger else None
+    if ledger is None or a is None or b is None or not (a.active and b.active):
+        raise HandshakeError("a crossed pod's allocation is gone: cannot repair", mismatch=True)
+    if allocation_shape(a) != allocation_shape(b):
+        raise HandshakeError(
+            f"{describe(a)} and {describe(b)} differ in shape: their grants cannot be swapped",
+            mismatch=True,
+        )
+    new = ledger.model_copy(deep=True)
+
+    def progress(x: Allocation) -> dict:
+        return {"containers": x.containers, "state": x.state, "expires_at": x.expires_at}
+
+    new.allocations[a_uid] = a.model_copy(update=progress(b))
+    new.allocations[b_uid] = b.model_copy(update=progress(a))
+    claims = ledger.in_flight()
+    new.claim = None
+    new.claims = {k: c for k, c in claims.items() if k not in (a_uid, b_uid)}
+    for old, pod in ((a_uid, b), (b_uid, a)):
+        if old in claims:
+            new.claims[pod.pod_uid] = claims[old].model_copy(
+                update={"pod_uid": pod.pod_uid, "namespace": pod.namespace, "name": pod.name}
+            )
+    return new
+
+
+def reuse_pool(allocation: Allocation, index: int) -> set[str]:
+    """GPUs kubelet may hand container `index` from the pod's init containers before it (its
+    device reuse; sidecars are not told apart here: the grant check still applies to them)."""
+    pool: set[str] = set()
+    for i in range(min(index, allocation.init_count)):
+        pool |= {g.uuid for g in allocation.containers[i]}
+    for i in range(allocation.init_count, index):
+        pool -= {g.uuid for g in allocation.containers[i]}
+    return pool
+
+
+def follow_reuse_mutation(
+    pod_uid: str, index: int, gpus: list[str], capacity: dict[str, tuple[int, int]],
+    ledger: NodeLedger | None,
+) -> NodeLedger:
+    """Ledger CAS body: kubelet gave container `index` other devices of the pod's reuse pool
+    than the grant names (it picks any of them when the pool holds more than asked): move those
+    grants onto kubelet's GPUs, same amounts, if every card still fits. HandshakeError if not."""
+    from tessera.node_agent.limits import pod_usage_on
+
+    allocation = ledger.allocations.get(pod_uid) if ledger else None
+    if ledger is None or allocation is None or index >= len(allocation.containers):
+        raise HandshakeError("the pod's allocation is gone", mismatch=True)
+    grants = allocation.containers[index]
+    wanted = {g.uuid for g in grants}
+    extra = [g for g in gpus if g not in wanted]
+    if len(gpus) != len(grants) or not set(extra) <= reuse_pool(allocation, index):
+        raise HandshakeError("kubelet's devices are not the pod's reusable ones", mismatch=True)
+    moving = iter(extra)
+    new_grants = [
+        g if g.uuid in gpus else g.model_copy(update={"uuid": next(moving)}) for g in grants
+    ]
+    new = ledger.model_copy(deep=True)
+    new.allocations[pod_uid].containers[index] = new_grants
+    for uuid in extra:
+        used = [pod_usage_on(a, uuid) for a in new.allocations.values() if a.active]
+        cap_mem, cap_cores = capacity.get(uuid, (0, 0))
+        if sum(m for m, _ in used) > cap_mem or sum(c for _, c in used) > cap_cores:
+            raise HandshakeError(
+                f"kubelet gave {describe(allocation, index)} GPU {uuid} (its init container's), "
+                "which has no room left for it",
+                mismatch=True,
+            )
     return new

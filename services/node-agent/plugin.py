@@ -39,7 +39,7 @@ from tessera.kubeapi import (
     pr,
     pr_grpc,
 )
-from tessera.models import Allocation, AllocationEvent, NodeLedger
+from tessera.models import Allocation, AllocationEvent, NodeLedger, allocation_shape
 from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
@@ -82,7 +82,11 @@ def holders_of(
 
 
 class DevicePluginService(dp_grpc.DevicePluginServicer):
-    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway)."""
+    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway).
+
+    Several pods may be in flight on the node (one shape at a time, see the README): Allocate
+    attributes kubelet's devices to one of them, PreStartContainer proves which pod holds them
+    and repairs a crossed attribution before any limit is sealed."""
 
     def __init__(
         self,
@@ -113,6 +117,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self.rejections = Rejections(f"node-agent/{node}", js, CollectorRegistry())
+        # The pod the last GetPreferredAllocation answered for, and the pod whose containers
+        # the last Allocate served: hints for attributing the next Allocate (never proof).
+        self._guess: str | None = None
+        self._run: str | None = None
 
     # --- kubelet's RPCs ------------------------------------------------------------------------
 
@@ -178,30 +186,139 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         for req in request.container_requests:
             check_id_count(list(req.available_deviceIDs), replicas)
             check_id_count(list(req.must_include_deviceIDs), replicas)
-        allocation = hs.claimed_allocation(await self._ledger(), self.node)
-        existing = self.store.for_pod(allocation.pod_uid)
-        if hs.admission_restarted(allocation, existing, self._sealed):
-            existing = []  # Allocate will prepare the pod anew
-        index = hs.next_container(allocation, {c.prepared.index for c in existing})
+        ledger = await self._ledger()
         response = dp.PreferredAllocationResponse()
-        for i, req in enumerate(request.container_requests):
-            # Several requests in one call are consecutive containers of the claimed pod.
-            gpu_indexes = [j for j in hs.gpu_containers(allocation) if j >= index]
-            if i >= len(gpu_indexes):
-                raise hs.HandshakeError(f"more containers asked than {hs.describe(allocation)} has")
-            target = gpu_indexes[i]
-            ids = hs.preferred_replicas(
-                allocation.containers[target],
-                list(req.available_deviceIDs),
-                list(req.must_include_deviceIDs),
-                req.allocation_size,
-                devices,
-                hs.describe(allocation, target),
-            )
+        run = self._open_run(ledger)
+        for req in request.container_requests:
+            size, available = req.allocation_size, list(req.available_deviceIDs)
+            must = list(req.must_include_deviceIDs)
+            if run is not None and len(run[0].containers[run[1]]) == size:
+                targets = [run]  # kubelet is in the middle of this pod's admission
+            else:
+                targets = [(a, hs.gpu_containers(a)[0])
+                           for a in self._unserved(ledger) if hs.first_size(a) == size]
+            if not targets:
+                raise self._no_pod_of_size("asks for", size, ledger)
+            ids, error = None, None
+            for allocation, index in targets:  # the oldest pod whose GPUs kubelet still offers
+                try:
+                    ids = hs.preferred_replicas(allocation.containers[index], available, must,
+                                                size, devices, hs.describe(allocation, index))
+                except hs.HandshakeError as exc:
+                    error = error or exc
+                    continue
+                self._guess = allocation.pod_uid
+                later = [j for j in hs.gpu_containers(allocation) if j > index]
+                run = (allocation, later[0]) if later else None
+                break
+            if ids is None:
+                assert error is not None
+                raise error
             response.container_responses.append(dp.ContainerPreferredAllocationResponse(
                 deviceIDs=ids
             ))
         return response
+
+    def _served(self, allocation: Allocation) -> list[ContainerDir]:
+        return self.store.for_pod(allocation.pod_uid)
+
+    def _unserved(self, ledger: NodeLedger | None) -> list[Allocation]:
+        """In-flight pods kubelet has not begun to admit (or is admitting anew after a failure
+        before the end: every container prepared, none started, still only bound)."""
+        out = []
+        for allocation in hs.in_flight(ledger):
+            if not hs.gpu_containers(allocation):
+                continue
+            existing = self._served(allocation)
+            if not existing or hs.admission_restarted(allocation, existing, self._sealed):
+                out.append(allocation)
+        return out
+
+    def _open_run(self, ledger: NodeLedger | None) -> tuple[Allocation, int] | None:
+        """The pod kubelet is in the middle of admitting (some GPU containers served, not all)
+        and its next GPU container. Read from disk, so it survives an agent restart."""
+        runs = []
+        for allocation in hs.in_flight(ledger):
+            existing = self._served(allocation)
+            done = {c.prepared.index for c in existing}
+            remaining = [i for i in hs.gpu_containers(allocation) if i not in done]
+            if existing and remaining:
+                latest = max(c.prepared.prepared_at for c in existing)
+                runs.append((allocation.pod_uid != self._run, -latest, allocation, remaining[0]))
+        if not runs:
+            return None
+        _, _, allocation, index = min(runs, key=lambda r: r[:2])
+        return allocation, index
+
+    async def _follow_reuse(
+        self, allocation: Allocation, index: int, gpus: list[str]
+    ) -> Allocation | None:
+        """kubelet reused other init-container devices than the grant names: follow it in the
+        ledger when the cards allow (the pod's allocation after the change), else None."""
+        capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
+        try:
+            result = await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda current: hs.follow_reuse_mutation(
+                    allocation.pod_uid, index, gpus, capacity, current
+                ),
+            )
+        except hs.HandshakeError as exc:
+            self.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
+            return None
+        followed = result.value.allocations[allocation.pod_uid]
+        self._spawn(self._annotate(followed, {}, (hami.ANN_DEVICES_TO_ALLOCATE,)))
+        return followed
+
+    async def _attribute(
+        self, ledger: NodeLedger | None, ids: list[str], gpus: list[str]
+    ) -> tuple[Allocation, int]:
+        """Which pod and container an Allocate serves (see the README's handshake)."""
+        run = self._open_run(ledger)
+        if run is not None and len(run[0].containers[run[1]]) == len(ids):
+            allocation, index = run
+            who = hs.describe(allocation, index)
+            try:
+                hs.check_devices(allocation.containers[index], gpus, who)
+            except hs.HandshakeError as exc:
+                followed = await self._follow_reuse(allocation, index, gpus)
+                if followed is None:
+                    self._publish_mismatch(allocation, ids, str(exc))
+                    raise
+                allocation = followed
+            return allocation, index
+        unserved = self._unserved(ledger)
+        chosen = hs.choose_new_pod(unserved, len(ids), set(gpus), self._guess)
+        if chosen is not None:
+            return chosen, hs.gpu_containers(chosen)[0]
+        nearest = hs.choose_new_pod(unserved, len(ids), None, self._guess)
+        if nearest is None:
+            raise self._no_pod_of_size("allocated", len(ids), ledger)
+        index = hs.gpu_containers(nearest)[0]
+        wanted = ", ".join(g.uuid for g in nearest.containers[index])
+        exc = hs.HandshakeError(
+            f"kubelet chose GPU(s) {', '.join(sorted(gpus))} but no pod in flight on "
+            f"{self.node} was granted them ({hs.describe(nearest, index)} was granted {wanted})",
+            mismatch=True,
+        )
+        self._publish_mismatch(nearest, ids, str(exc))
+        raise exc
+
+    def _no_pod_of_size(
+        self, verb: str, size: int, ledger: NodeLedger | None
+    ) -> hs.HandshakeError:
+        flying = hs.in_flight(ledger)
+        if not flying:
+            return hs.no_pod_in_flight(self.node)
+        pods = "; ".join(
+            f"{hs.describe(a, hs.gpu_containers(a)[0])} was granted {hs.first_size(a)} GPU(s)"
+            for a in flying[:3] if hs.gpu_containers(a)
+        )  # fmt: skip
+        return hs.HandshakeError(
+            f"kubelet {verb} {size} devices but no pod in flight on {self.node} takes "
+            f"{size}: {pods}",
+            mismatch=True,
+        )
 
     async def allocate(self, request: dp.AllocateRequest):
         devices = self.state.by_uuid()
@@ -213,19 +330,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             (list(req.devices_ids), hs.gpus_of(list(req.devices_ids), devices))
             for req in request.container_requests
         ]
-        allocation = hs.claimed_allocation(await self._ledger(), self.node)
+        ledger = await self._ledger()
         response = dp.AllocateResponse()
         for ids, gpus in checked:
-            cdir = await self._prepare(allocation, ids, gpus)
+            allocation, index = await self._attribute(ledger, ids, gpus)
+            cdir = await self._prepare(allocation, index, ids)
             response.container_responses.append(self._allocate_response(allocation, cdir))
-        await self._maybe_finish(allocation)
+            await self._maybe_finish(allocation)
         return response
 
-    async def _prepare(
-        self, allocation: Allocation, ids: list[str], gpus: list[str]
-    ) -> ContainerDir:
-        # Never matched by IDs: kubelet hands an init container's replicas to later containers.
-        existing = self.store.for_pod(allocation.pod_uid)
+    async def _prepare(self, allocation: Allocation, index: int, ids: list[str]) -> ContainerDir:
+        existing = self._served(allocation)
         if hs.admission_restarted(allocation, existing, self._sealed):
             # Every container was prepared, none started, the pod still in flight: the last
             # admission failed before its end (agent crash, ledger error) and kubelet retries.
@@ -233,14 +348,6 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                              extra={"pod": f"{allocation.namespace}/{allocation.name}"})
             for cdir in existing:
                 await asyncio.to_thread(self.store.remove_container, cdir)
-            existing = []
-        index = hs.next_container(allocation, {c.prepared.index for c in existing})
-        who = hs.describe(allocation, index)
-        try:
-            hs.check_devices(allocation.containers[index], gpus, who)
-        except hs.HandshakeError as exc:
-            self._publish_mismatch(allocation, ids, str(exc))
-            raise
         prepared = PreparedContainer(
             pod_uid=allocation.pod_uid,
             namespace=allocation.namespace,
@@ -251,6 +358,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             grants=allocation.containers[index],
         )
         cdir = await asyncio.to_thread(self.store.prepare, prepared)
+        self._run = allocation.pod_uid
         self.log.info("allocated", extra={
             "pod": f"{allocation.namespace}/{allocation.name}", "container": prepared.container,
             "devices": ids,
@@ -273,6 +381,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         prepared = {c.prepared.index for c in self.store.for_pod(allocation.pod_uid)}
         if not set(hs.gpu_containers(allocation)) <= prepared:
             return
+        if self._run == allocation.pod_uid:
+            self._run = None
         try:
             await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,
@@ -297,19 +407,40 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             await bus.publish_event(self.js, event)
         except Exception as exc:
             self.log.warning("allocated event not published", extra={"err": str(exc)})
-        if self.cluster is not None:
+        # HAMi's record of what the pod was given (the grants kubelet's devices carry).
+        await self._annotate(allocation, {hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                             (hami.ANN_DEVICES_ALLOCATED,))  # fmt: skip
+
+    async def _annotate(
+        self, allocation: Allocation, annotations: dict[str, str],
+        grant_keys: tuple[str, ...] = (), attempts: int = 5,
+    ) -> None:
+        """Patch the pod's annotations (the cluster is the durable record of grants), retried.
+        `grant_keys` get the pod's grants as the ledger holds them when the patch is sent, so a
+        late patch never writes grants a repair has since replaced."""
+        if self.cluster is None:
+            return
+        for attempt in range(1, attempts + 1):
             try:
+                values = dict(annotations)
+                if grant_keys:
+                    ledger = await self._ledger()
+                    current = ledger.allocations.get(allocation.pod_uid) if ledger else None
+                    if current is None:
+                        return  # released meanwhile: nothing to record
+                    devices = hami.encode_pod_devices(current.containers)
+                    values |= dict.fromkeys(grant_keys, devices)
                 await self.cluster.patch_pod_metadata(
-                    allocation.namespace, allocation.name,
-                    # HAMi's tools read what was allocated from -allocated (-to-allocate stays).
-                    annotations={
-                        hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS,
-                        hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(
-                            allocation.containers),
-                    },
+                    allocation.namespace, allocation.name, annotations=values
                 )
+                return
             except Exception as exc:
-                self.log.warning("bind-phase not written", extra={"err": str(exc)})
+                if attempt == attempts:
+                    self.log.warning("pod annotations not written", extra={
+                        "pod": f"{allocation.namespace}/{allocation.name}", "err": str(exc),
+                    })  # fmt: skip
+                    return
+                await asyncio.sleep(0.2 * attempt)
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
         ids = list(request.devices_ids)
@@ -327,6 +458,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
         cdir, why = hs.pick_prepared(candidates, holders, self._sealed)
+        if cdir is None and await self._repair_cross(candidates, holders):
+            cdir, why = hs.pick_prepared(self.store.by_devices(ids), holders, self._sealed)
         if cdir is None:
             stray = candidates[0].prepared
             reason = f"{ids}: {why}"
@@ -372,6 +505,115 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             self.rejections.reject("ledger", self.node, Problem("grant_above_request", str(exc)))
             raise hs.HandshakeError(str(exc), mismatch=True) from exc
 
+    async def _repair_cross(
+        self, candidates: list[ContainerDir], holders: list[tuple[str, str, str]]
+    ) -> bool:
+        """kubelet gave these devices to pod H while the Allocate was counted for pod L (several
+        pods in flight, the guess crossed them). Repaired before anything is sealed, when
+        neither pod has started a container:
+        - H was granted exactly these GPUs for that container (one GPU layout): the directory
+          is relabelled to H (and H's own, if it has one there, to L); no grant moves;
+        - H and L have one shape: they exchange grants and progress in the ledger (one CAS,
+          every card keeps the same amounts) and their directories are relabelled.
+        L, left without a directory, is in flight again and its own Allocate still comes.
+        True when repaired."""
+        label = next((c for c in candidates if not self._sealed(c)), None)
+        pods = {(ns, pod) for ns, pod, _ in holders}
+        ledger = await self._ledger()
+        if label is None or len(pods) != 1 or ledger is None:
+            return False
+        (namespace, name), = pods
+        holder = next((a for a in ledger.allocations.values()
+                       if (a.namespace, a.name) == (namespace, name) and a.active), None)
+        labelled = ledger.allocations.get(label.prepared.pod_uid)
+        if holder is None or labelled is None or holder.pod_uid == labelled.pod_uid:
+            return False
+        theirs, mine = self._served(holder), self._served(labelled)
+        if any(self._sealed(c) for c in theirs + mine):
+            return False
+        repaired = await self._relabel_one(label, holder, labelled, theirs)
+        if not repaired and allocation_shape(holder) == allocation_shape(labelled):
+            repaired = await self._swap_pods(holder, labelled, theirs, mine)
+        if not repaired:
+            return False
+        self.log.warning("crossed in-flight pods repaired before sealing", extra={
+            "holder": f"{holder.namespace}/{holder.name}",
+            "counted_for": f"{labelled.namespace}/{labelled.name}",
+        })
+        current = await self._ledger()
+        for pod in (holder, labelled):
+            now_ = current.allocations.get(pod.pod_uid) if current else None
+            if now_ is None:
+                continue
+            if self._served(now_):
+                await self._maybe_finish(now_)
+            else:
+                await self._give_back_claim(now_)
+            # The scheduler wrote the old grants into the pod at bind: record the new ones.
+            served = bool(self._served(now_))
+            self._spawn(self._annotate(now_, {
+                hami.ANN_BIND_PHASE: (hami.BIND_PHASE_SUCCESS if served
+                                      else hami.BIND_PHASE_ALLOCATING),
+            }, (hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_DEVICES_ALLOCATED)))  # fmt: skip
+        return True
+
+    def _gpus(self, cdir: ContainerDir) -> set[str]:
+        return set(hs.gpus_of(cdir.prepared.device_ids, self.state.by_uuid()))
+
+    async def _relabel(self, cdir: ContainerDir, owner: Allocation) -> None:
+        i = cdir.prepared.index
+        await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(update={
+            "pod_uid": owner.pod_uid, "namespace": owner.namespace, "pod": owner.name,
+            "container": hs.container_name(owner, i), "grants": owner.containers[i],
+        }))  # fmt: skip
+
+    async def _relabel_one(
+        self, label: ContainerDir, holder: Allocation, labelled: Allocation,
+        theirs: list[ContainerDir],
+    ) -> bool:
+        i = label.prepared.index
+        if i >= len(holder.containers) or {g.uuid for g in holder.containers[i]} != self._gpus(
+            label
+        ):
+            return False
+        displaced = [c for c in theirs if c.prepared.index == i]
+        for other in displaced:  # crossed both ways: H's directory there is really L's
+            if {g.uuid for g in labelled.containers[i]} != self._gpus(other):
+                return False
+        await self._relabel(label, holder)
+        for other in displaced:
+            await self._relabel(other, labelled)
+        return True
+
+    async def _swap_pods(
+        self, holder: Allocation, labelled: Allocation,
+        theirs: list[ContainerDir], mine: list[ContainerDir],
+    ) -> bool:
+        try:
+            result = await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda current: hs.swap_mutation(labelled.pod_uid, holder.pod_uid, current),
+            )
+        except (hs.HandshakeError, bus.NoChange):
+            return False
+        swapped = result.value.allocations
+        for c in mine:
+            await self._relabel(c, swapped[holder.pod_uid])
+        for c in theirs:
+            await self._relabel(c, swapped[labelled.pod_uid])
+        return True
+
+    async def _give_back_claim(self, allocation: Allocation) -> None:
+        """A pod counted as served that was not: in flight again, so its Allocate can come."""
+        with contextlib.suppress(bus.NoChange):
+            await bus.cas_update(
+                self.ledger_kv, self.node, NodeLedger,
+                lambda ledger: hs.reclaim_mutation(
+                    allocation.pod_uid, ledger, f"node-agent/{self.node}",
+                    self.settings.reservation_ttl_s, self.clock,
+                ),
+            )
+
     @staticmethod
     def _sealed(cdir: ContainerDir) -> bool:
         return (cdir.limits_dir / LIMITS_FILE_NAME).is_file()
@@ -383,14 +625,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         await asyncio.to_thread(self.store.remove_container, cdir)
         if any(c.prepared.pod_uid == p.pod_uid for c in self.store.for_pod(p.pod_uid)):
             return  # other containers of that pod were served: leave its state alone
-        with contextlib.suppress(bus.NoChange):
-            await bus.cas_update(
-                self.ledger_kv, self.node, NodeLedger,
-                lambda ledger: hs.reclaim_mutation(
-                    p.pod_uid, ledger, f"node-agent/{self.node}",
-                    self.settings.reservation_ttl_s, self.clock,
-                ),
-            )
+        ledger = await self._ledger()
+        allocation = ledger.allocations.get(p.pod_uid) if ledger else None
+        if allocation is not None:
+            await self._give_back_claim(allocation)
             self.log.warning("claim given back after a mis-attributed Allocate", extra={
                 "pod": f"{p.namespace}/{p.pod}",
             })

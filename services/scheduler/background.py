@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -30,19 +31,43 @@ class BackgroundTasks:
             await asyncio.wait(set(self._tasks), timeout=timeout)
 
 
-class EventPublisher:
-    """Publishes events to the stream in the background; a failure is logged, never raised."""
+# Events are a public API: a publish that fails (NATS away or slow to ack on a loaded machine)
+# is retried with backoff for this long. Every event carries a Nats-Msg-Id, so a retry of a
+# publish that in fact landed is dropped by the stream's dedupe window (longer than this).
+RETRY_FOR_S = 60.0
 
-    def __init__(self, js: JetStreamContext, tasks: BackgroundTasks) -> None:
+
+class EventPublisher:
+    """Publishes events to the stream in the background; a failure is retried, then logged."""
+
+    def __init__(
+        self, js: JetStreamContext, tasks: BackgroundTasks, retry_for_s: float = RETRY_FOR_S
+    ) -> None:
         self.js = js
         self.tasks = tasks
+        self.retry_for_s = retry_for_s
 
-    def publish_soon(self, event: Any) -> None:
-        self.tasks.spawn(self._publish(event))
+    def publish_soon(self, event: Any, on_done: Callable[[bool], None] | None = None) -> None:
+        """Publish in the background; `on_done(landed)` once it landed or was given up."""
+        self.tasks.spawn(self._publish(event, on_done))
 
-    async def _publish(self, event: Any) -> None:
-        try:
-            await bus.publish_event(self.js, event, attempts=3)
-        except Exception as exc:
-            log.warning("event publish failed", extra={"event": type(event).__name__,
-                                                       "err": str(exc)})  # fmt: skip
+    async def _publish(self, event: Any, on_done: Callable[[bool], None] | None) -> None:
+        deadline = time.monotonic() + self.retry_for_s
+        delay = 0.2
+        while True:
+            try:
+                await bus.publish_event(self.js, event, attempts=3)
+            except Exception as exc:
+                if time.monotonic() + delay >= deadline:
+                    log.warning("event publish failed, given up", extra={
+                        "event": type(event).__name__, "err": str(exc),
+                    })  # fmt: skip
+                    if on_done is not None:
+                        on_done(False)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if on_done is not None:
+                on_done(True)
+            return

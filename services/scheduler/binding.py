@@ -1,6 +1,7 @@
-"""Bind: make sure the pod holds a reservation on the node, take the node's in-flight claim
-(waiting while another pod holds it), write HAMi's annotations and bind in the cluster, then
-mark the allocation bound in the ledger. A failed cluster bind releases the allocation."""
+"""Bind: make sure the pod holds a reservation on the node, put it in the node's in-flight set
+(waiting only while pods of another shape are in flight there), write HAMi's annotations and bind
+in the cluster, then mark the allocation bound in the ledger. A failed cluster bind releases the
+allocation."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from collections.abc import Callable
 from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
-from tessera.models import Allocation, AllocationEvent
+from tessera.models import Allocation, AllocationEvent, InFlightClaim, allocation_shape
 
 from .background import EventPublisher
 from .config import SchedulerSettings
 from .filtering import PodFilter
 from .indexed_ledger import IndexedLedger
-from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError
+from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError, competing_claim
 from .metrics import SchedulerMetrics
 from .pods import PodIdentity, allocation_live
 from .release import AllocationReleaser
@@ -26,6 +27,16 @@ from .release import AllocationReleaser
 log = logging.getLogger("tessera.scheduler")
 
 _NO_GPU = "\0no-gpu"  # _ensure_reserved's answer for a pod that asks for no GPU
+
+
+FAIR_AFTER_S = 3.0
+
+
+class _QueuedError(Exception):
+    """A bind of another shape waits for this node ahead of this one."""
+
+    def __init__(self, ahead_uid: str) -> None:
+        super().__init__(f"pod {ahead_uid}, of another shape, waits for it first")
 
 
 class PodBinder:
@@ -52,6 +63,8 @@ class PodBinder:
         self.metrics = metrics
         self.instance = instance
         self.clock = clock
+        # node -> binds waiting to join its in-flight set, in arrival order: (uid, shape, since)
+        self._waiting: dict[str, list[tuple[str, tuple | None, float]]] = {}
 
     async def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """'' on success, else the error text kube-scheduler shows."""
@@ -69,24 +82,42 @@ class PodBinder:
         if error:
             return error
         deadline = self.clock() + self.config.bind_timeout_s
+        try:
+            return await self._bind_claimed(ident, node, deadline)
+        finally:
+            self._leave_queue(node, uid)
+
+    async def _bind_claimed(self, ident: PodIdentity, node: str, deadline: float) -> str:
+        uid, namespace, name = ident.uid, ident.namespace, ident.name
         waited = False
         while True:
             now = self.clock()
             try:
-                result = await self.ledger.writer.claim(
-                    node, uid, self.instance, now, self.config.claim_ttl_s, self.ledger.hint(node)
-                )
+                # Decided on the index first: a waiting bind wakes on every change of the node's
+                # entry and must not pay a KV read and decode for each (the watch decoded it).
+                held = self._competitor(node, uid, now)
+                if held is not None:
+                    raise ClaimHeldError(held)
+                ahead = self._queued_ahead(node, uid)
+                if ahead is not None:
+                    raise _QueuedError(ahead)
+                async with self.ledger.lock(node):
+                    result = await self.ledger.writer.claim(
+                        node, uid, self.instance, now, self.config.claim_ttl_s,
+                        self.ledger.hint(node), self.config.max_in_flight_per_node,
+                    )  # fmt: skip
                 break
-            except ClaimHeldError as exc:
+            except (ClaimHeldError, _QueuedError) as exc:
                 if not waited:
                     self.metrics.claim_waits.inc()
                     waited = True
+                self._join_queue(node, uid)
                 remaining = deadline - now
                 if remaining <= 0:
-                    return (f"node {node} is busy: {exc.claim.namespace}/{exc.claim.name} holds "
-                            f"its in-flight claim; retry")  # fmt: skip
-                until_lapse = exc.claim.expires_at - now + 0.01
-                await self.index.wait_changed(node, min(remaining, until_lapse))
+                    return f"node {node} is busy: {exc}; retry"
+                until = (exc.claim.expires_at - now + 0.01 if isinstance(exc, ClaimHeldError)
+                         else 0.5)  # fmt: skip
+                await self.index.wait_changed(node, min(remaining, until))
             except ReservationGoneError as exc:
                 # Our reservation lapsed while we waited for the claim: take a fresh one if
                 # the pod still fits the node, and keep waiting within the same deadline.
@@ -100,6 +131,7 @@ class PodBinder:
                 return ""
             except CasConflictError as exc:
                 return f"ledger busy on {node}: {exc}"
+        self._leave_queue(node, uid)
         self.ledger.apply(node, result)
         allocation = result.value.allocations[uid]
         error = await self._bind_in_cluster(ident, node, allocation)
@@ -115,15 +147,66 @@ class PodBinder:
         ))  # fmt: skip
         return ""
 
+    # --- fairness among waiting binds (this replica's) --------------------------------------
+    # Pods of one shape join a node's in-flight set without waiting; a steady stream of them
+    # would starve a pod of another shape waiting for the set to drain. So once a bind of
+    # another shape has waited FAIR_AFTER_S, later binds queue behind it: the set drains, the
+    # waiter goes in flight, and the node alternates between shapes. Shorter waits hold nobody
+    # back (most waits end within one kubelet round trip).
+
+    def _shape(self, node: str, uid: str) -> tuple | None:
+        hint = self.ledger.hint(node)
+        allocation = hint.value.allocations.get(uid) if hint is not None else None
+        return allocation_shape(allocation) if allocation is not None else None
+
+    def _join_queue(self, node: str, uid: str) -> None:
+        queue = self._waiting.setdefault(node, [])
+        if all(w[0] != uid for w in queue):
+            queue.append((uid, self._shape(node, uid), self.clock()))
+
+    def _leave_queue(self, node: str, uid: str) -> None:
+        queue = self._waiting.get(node)
+        if not queue:
+            return
+        kept = [w for w in queue if w[0] != uid]
+        if len(kept) != len(queue):
+            self.index.notify(node)  # those behind it look again
+        if kept:
+            self._waiting[node] = kept
+        else:
+            del self._waiting[node]
+
+    def _queued_ahead(self, node: str, uid: str) -> str | None:
+        """A bind of another shape that started waiting for this node before this one."""
+        queue = self._waiting.get(node)
+        if not queue:
+            return None
+        mine = self._shape(node, uid)
+        now = self.clock()
+        for other, shape, since in queue:
+            if other == uid:
+                return None
+            if shape is not None and shape != mine and now - since >= FAIR_AFTER_S:
+                return other
+        return None
+
+    def _competitor(self, node: str, uid: str, now: float) -> InFlightClaim | None:
+        """The in-flight pod this bind must wait for, as the index sees the node (None: try)."""
+        hint = self.ledger.hint(node)
+        if hint is None or uid not in hint.value.allocations:
+            return None  # the CAS decides on a fresh read
+        return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node)
+
     async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
         """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a
         failure (NATS away) is retried, then left to the sweeper, which adopts binds the cluster
         shows; it never turns into a bind error kube-scheduler would act on."""
         for attempt in range(1, attempts + 1):
             try:
-                bound = await self.ledger.writer.mark_bound(
-                    node, uid, self.clock(), self.ledger.hint(node)
-                )
+                async with self.ledger.lock(node):
+                    bound = await self.ledger.writer.mark_bound(
+                        node, uid, self.clock(), self.ledger.hint(node)
+                    )
                 self.ledger.apply(node, bound)
                 return
             except NoChange:

@@ -16,8 +16,14 @@ class SchedulerSettings(BaseSettings):
     claim_ttl_s: float = Field(
         30.0,
         gt=0,
-        description="a node's in-flight claim (bind -> Allocate) lapses after this; another pod "
-        "may then take it over",
+        description="a pod's in-flight claim (bind -> Allocate) lapses after this; pods of "
+        "another shape waiting for the node then go ahead",
+    )
+    max_in_flight_per_node: int = Field(
+        0,
+        ge=0,
+        description="cap on pods in flight (bind -> Allocate) per node; 0 = no cap (pods of one "
+        "shape go in flight together), 1 = the old one-claim-per-node behaviour",
     )
     bind_timeout_s: float = Field(
         20.0,

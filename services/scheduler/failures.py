@@ -21,6 +21,8 @@ class FailureRecord:
     node_reasons: dict[str, str]
     summary: str
     at: float
+    published: bool = False  # its event reached the stream
+    pending: bool = False  # its event is being published (retried until it lands)
 
 
 class FailureLog:
@@ -72,13 +74,24 @@ class FailureLog:
         self.records[f"{ident.namespace}/{ident.name}"] = self.records[key]
         while len(self.records) > _FAILURE_MEMORY:
             self.records.popitem(last=False)
+        record = self.records[key]
         if (
             previous is not None
             and previous.node_reasons == reasons
             and now - previous.at < _REPUBLISH_SAME_FAILURE_S
         ):
-            return
+            # Suppressed only once the earlier one is known to have reached the stream (or is
+            # still being retried): a repeat must never hide a lost event.
+            record.at = previous.at
+            record.published = previous.published
+            if previous.published or previous.pending:
+                return
+        record.pending = True
+
+        def published(landed: bool) -> None:
+            record.published, record.pending = landed, False
+
         self.publisher.publish_soon(SchedulingFailedEvent(
             namespace=ident.namespace, name=ident.name, pod_uid=ident.uid, reason=summary,
             node_reasons=dict(list(reasons.items())[:200]), source=self.instance,
-        ))  # fmt: skip
+        ), published)  # fmt: skip

@@ -185,7 +185,10 @@ class PodFilter:
             # Other filters running while this CAS is in flight should look elsewhere first.
             self.index.busy[entry.slot] = True
             try:
-                result = await self.ledger.writer.reserve(reservation, self.ledger.hint(entry.name))
+                async with self.ledger.lock(entry.name):
+                    result = await self.ledger.writer.reserve(
+                        reservation, self.ledger.hint(entry.name)
+                    )
             except NodeFullError as exc:
                 decision.record(entry.name, exc.fit)
                 continue

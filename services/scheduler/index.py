@@ -200,8 +200,8 @@ class ClusterIndex:
             if a.state == AllocationState.RESERVED and a.expires_at is not None
         ]
         entry.reserved_until = min(expiries, default=None)
-        claim = entry.ledger.claim if entry.ledger else None
-        self.busy[slot] = (claim is not None and claim.expires_at > now) or any(
+        claims = entry.ledger.in_flight().values() if entry.ledger else ()
+        self.busy[slot] = any(c.expires_at > now for c in claims) or any(
             e > now for e in expiries
         )
 
@@ -282,10 +282,15 @@ class ClusterIndex:
 
     def claims_held(self, now: float) -> int:
         return sum(
-            1 for e in self.entries.values()
-            if e.ledger is not None and e.ledger.claim is not None
-            and e.ledger.claim.expires_at > now
+            1 for e in self.entries.values() if e.ledger is not None
+            for c in e.ledger.in_flight().values() if c.expires_at > now
         )  # fmt: skip
+
+    def notify(self, node: str) -> None:
+        """Wake whoever waits for the node's entry to change (a waiting bind left its queue)."""
+        event = self._changed.pop(node, None)
+        if event is not None:
+            event.set()
 
     async def wait_changed(self, node: str, timeout: float) -> None:
         """Return when the node's ledger entry next changes, or after `timeout` seconds."""

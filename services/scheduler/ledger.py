@@ -18,7 +18,14 @@ from nats.js.kv import KeyValue
 from tessera.bus import NoChange, Versioned, cas_update
 from tessera.codec import encode
 from tessera.hami import PodRequest
-from tessera.models import Allocation, AllocationState, InFlightClaim, NodeLedger, NodeRegistration
+from tessera.models import (
+    Allocation,
+    AllocationState,
+    InFlightClaim,
+    NodeLedger,
+    NodeRegistration,
+    allocation_shape,
+)
 
 from .cards import build_cards, counts_against_capacity
 from .placement import PodFit, fit_pod
@@ -58,11 +65,16 @@ class LedgerLostError(Exception):
 
 
 def _replace(
-    ledger: NodeLedger, allocations: dict[str, Allocation], claim: InFlightClaim | None
+    ledger: NodeLedger,
+    allocations: dict[str, Allocation],
+    claims: dict[str, InFlightClaim] | None = None,
 ) -> NodeLedger:
     """A new ledger value; the input is never modified (mutate functions are copy-on-write, so
-    they may run on the index's own objects)."""
-    return ledger.model_copy(update={"allocations": allocations, "claim": claim})
+    they may run on the index's own objects). New `claims` also retire the legacy single claim."""
+    update: dict = {"allocations": allocations}
+    if claims is not None:
+        update |= {"claims": claims, "claim": None}
+    return ledger.model_copy(update=update)
 
 
 def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeLedger:
@@ -88,13 +100,47 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
             "expires_at": req.now + req.ttl_s,
         }
     )
-    return _replace(ledger, others, ledger.claim)
+    return _replace(ledger, others)
+
+
+def live_claims(ledger: NodeLedger, now: float) -> dict[str, InFlightClaim]:
+    """Claims that still count: not lapsed, and their pod still waits for its Allocate."""
+    return {
+        uid: c for uid, c in ledger.in_flight().items()
+        if c.expires_at > now and (a := ledger.allocations.get(uid)) is not None
+        and a.state in (AllocationState.RESERVED, AllocationState.BOUND)
+    }  # fmt: skip
+
+
+def competing_claim(
+    ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0
+) -> InFlightClaim | None:
+    """The claim `uid` must wait for, or None when it may go in flight now.
+
+    kubelet names no pod before PreStart, so the node agent may count an Allocate for the wrong
+    in-flight pod; PreStart catches it and repairs it. Between two pods of one shape the repair
+    is exact in every respect: swapping their grants moves no capacity, and the env kubelet
+    already took from the Allocate answer names the same GPUs and amounts. So any number of pods
+    of one shape may be in flight on a node together; a pod of another shape waits for them (a
+    cross could leave the other pod's amounts in its env, or need capacity that is not there).
+    `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
+    allocation = ledger.allocations[uid]
+    others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
+    if not others:
+        return None
+    first = min(others.values(), key=lambda c: c.expires_at)
+    if max_in_flight and len(others) >= max_in_flight:
+        return first
+    shape = allocation_shape(allocation)
+    clash = [c for k, c in others.items() if allocation_shape(ledger.allocations[k]) != shape]
+    return min(clash, key=lambda c: c.expires_at) if clash else None
 
 
 def claim_mutate(
-    uid: str, holder: str, now: float, ttl_s: float, current: NodeLedger | None
+    uid: str, holder: str, now: float, ttl_s: float, current: NodeLedger | None,
+    max_in_flight: int = 0,
 ) -> NodeLedger:
-    """Take the node's in-flight claim for `uid` (free, expired or already ours)."""
+    """Put `uid` in the node's in-flight set (see competing_claim), or ClaimHeldError."""
     if current is None:
         raise ReservationGoneError("no ledger entry for the node")
     allocation = current.allocations.get(uid)
@@ -102,10 +148,11 @@ def claim_mutate(
         raise ReservationGoneError("the reservation expired or was released")
     if allocation.state != AllocationState.RESERVED:
         raise AlreadyBoundError(uid)
-    claim = current.claim
-    if claim is not None and claim.pod_uid != uid and claim.expires_at > now:
-        raise ClaimHeldError(claim)
-    new_claim = InFlightClaim(
+    held = competing_claim(current, uid, now, max_in_flight)
+    if held is not None:
+        raise ClaimHeldError(held)
+    claims = live_claims(current, now)  # lapsed or finished claims are dropped on the way
+    claims[uid] = InFlightClaim(
         pod_uid=uid, namespace=allocation.namespace, name=allocation.name,
         taken_at=now, expires_at=now + ttl_s, holder=holder,
     )  # fmt: skip
@@ -114,7 +161,7 @@ def claim_mutate(
     allocations[uid] = allocation.model_copy(update={
         "expires_at": max(allocation.expires_at or now, now + ttl_s), "updated_at": now,
     })  # fmt: skip
-    return _replace(current, allocations, new_claim)
+    return _replace(current, allocations, claims)
 
 
 class AlreadyBoundError(Exception):
@@ -123,7 +170,7 @@ class AlreadyBoundError(Exception):
 
 class ClaimHeldError(Exception):
     def __init__(self, claim: InFlightClaim) -> None:
-        super().__init__(f"node claimed by {claim.namespace}/{claim.name} until {claim.expires_at}")
+        super().__init__(f"{claim.namespace}/{claim.name} is in flight until {claim.expires_at}")
         self.claim = claim
 
 
@@ -137,7 +184,7 @@ def bound_mutate(uid: str, now: float, current: NodeLedger | None) -> NodeLedger
     allocations[uid] = allocation.model_copy(
         update={"state": AllocationState.BOUND, "expires_at": None, "updated_at": now}
     )
-    return _replace(current, allocations, current.claim)
+    return _replace(current, allocations)
 
 
 def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | None) -> NodeLedger:
@@ -146,14 +193,15 @@ def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | No
     removed.clear()
     if current is None:
         raise NoChange
-    had_claim = current.claim is not None and current.claim.pod_uid == uid
+    claims = current.in_flight()
+    had_claim = uid in claims
     if uid not in current.allocations and not had_claim:
         raise NoChange
     allocations = dict(current.allocations)
     allocation = allocations.pop(uid, None)
     if allocation is not None:
         removed.append(allocation)
-    return _replace(current, allocations, None if had_claim else current.claim)
+    return _replace(current, allocations, {k: c for k, c in claims.items() if k != uid})
 
 
 def init_done_mutate(uid: str, current: NodeLedger | None) -> NodeLedger:
@@ -162,7 +210,7 @@ def init_done_mutate(uid: str, current: NodeLedger | None) -> NodeLedger:
         raise NoChange
     allocations = dict(current.allocations)
     allocations[uid] = allocation.model_copy(update={"init_done": True})
-    return _replace(current, allocations, current.claim)
+    return _replace(current, allocations)
 
 
 def sweep_mutate(
@@ -187,13 +235,13 @@ def sweep_mutate(
         elif expired or not a.active:
             removed.append(allocations.pop(uid))
             changed = True
-    claim = current.claim
-    if claim is not None and claim.expires_at <= now:
-        claim = None
+    claims = current.in_flight()
+    kept = {k: c for k, c in claims.items() if c.expires_at > now and k in allocations}
+    if len(kept) != len(claims) or current.claim is not None:
         changed = True
     if not changed:
         raise NoChange
-    return _replace(current, allocations, claim)
+    return _replace(current, allocations, kept)
 
 
 def expired_reservations(ledger: NodeLedger, now: float) -> list[Allocation]:
@@ -248,9 +296,11 @@ class LedgerWriter:
         return await self._cas(req.template.node, partial(reserve_mutate, req), hint)
 
     async def claim(
-        self, node: str, uid: str, holder: str, now: float, ttl_s: float, hint: Hint = None
+        self, node: str, uid: str, holder: str, now: float, ttl_s: float, hint: Hint = None,
+        max_in_flight: int = 0,
     ) -> Versioned[NodeLedger]:
-        return await self._cas(node, partial(claim_mutate, uid, holder, now, ttl_s), hint)
+        mutate = partial(claim_mutate, uid, holder, now, ttl_s, max_in_flight=max_in_flight)
+        return await self._cas(node, lambda current: mutate(current), hint)
 
     async def mark_bound(
         self, node: str, uid: str, now: float, hint: Hint = None

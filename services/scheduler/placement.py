@@ -1,9 +1,11 @@
 """Fit a whole pod on one node: pick cards per container by policy, count refusal reasons. Pure.
 
 Init containers are fitted each on its own against the node as it is; app containers together,
-each seeing the cards the previous ones took. GPU policies order or select the cards that pass
-every check; a comma chain applies its policies in order (the first ordering policy is the main
-sort key, later ones break ties; `numa` and `topology-aware` then select among the ordered cards).
+each seeing the cards the previous ones took; every container first gets the cards kubelet will
+hand it from the pod's init containers (kubelet's device reuse). GPU policies order or select the
+cards that pass every check; a comma chain applies its policies in order (the first ordering policy
+is the main sort key, later ones break ties; `numa` and `topology-aware` then select among the
+ordered cards).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant
@@ -158,41 +160,76 @@ def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant
     return DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=request.cores)
 
 
+def _pick_with_reuse(
+    cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str],
+    pool: list[str],
+) -> list[Card] | None:
+    """kubelet's device manager gives a container the devices of the pod's finished init
+    containers first (`pool`, see the kube-sim README), then new ones chosen through
+    GetPreferredAllocation. So: all of the pool when it holds no more than the container asks,
+    plus new cards picked by policy; when the pool holds more, kubelet takes any of them, so
+    the container must fit every pool card (the agent follows kubelet's pick at Allocate)."""
+    if not pool:
+        return pick_cards(cards, request, ctx, reasons)
+    by_uuid = {c.uuid: c for c in cards}
+    reusable = [by_uuid[u] for u in pool if u in by_uuid]
+    may_get = reusable if len(reusable) > request.count else reusable[: request.count]
+    refused = [r for c in may_get if (r := card_refusal(c, request, ctx)) is not None]
+    if refused:
+        reasons.update(refused)
+        return None
+    reused = may_get[: request.count]
+    if len(reused) == request.count:
+        return reused
+    rest = [c for c in cards if c not in reused]
+    more = pick_cards(rest, replace(request, count=request.count - len(reused)), ctx, reasons)
+    return None if more is None else reused + more
+
+
 def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
-    """Place every container of the pod on this node's cards (the cards are not modified)."""
+    """Place every container of the pod on this node's cards (the cards are not modified).
+
+    Init containers run one at a time, so each is fitted against the node as it is; app
+    containers together. Both follow kubelet's device reuse (`_pick_with_reuse`)."""
     fit = PodFit(ok=False, total_cards=len(cards))
     grants: list[list[DeviceGrant]] = []
     budget = ctx.quota
     # The app's cards: native sidecars are taken here as they start (in init order), so each
     # later init container fits beside the sidecars already running, and the app containers
-    # beside all of them (summed, never maxed).
+    # beside all of them (summed, never maxed). Every container follows kubelet's device reuse
+    # (`_pick_with_reuse`): a finished init container's GPUs are handed on; a sidecar keeps its.
     scratch = [c.clone() for c in cards]
     app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
+    pool: list[str] = []  # GPUs of init containers kubelet hands on, in the order they came
     for index, r in enumerate(request.init):
         if r is None:
             grants.append([])
             continue
         if index in request.sidecars:
-            picked = pick_cards(scratch, r, app_ctx, fit.reasons)
+            picked = _pick_with_reuse(scratch, r, app_ctx, fit.reasons, pool)
             if picked is None:
                 return fit
             grants.append([_take(c, r, app_ctx) for c in picked])
+            taken = {c.uuid for c in picked}
+            pool = [u for u in pool if u not in taken]  # a sidecar keeps its devices
             continue
         init_cards = [c.clone() for c in scratch]
         init_ctx = FitContext(ctx.options, type(budget)(app_ctx.quota.memory_mib,
                                                         app_ctx.quota.cores))
-        picked = pick_cards(init_cards, r, init_ctx, fit.reasons)
+        picked = _pick_with_reuse(init_cards, r, init_ctx, fit.reasons, pool)
         if picked is None:
             return fit
         grants.append([_take(c, r, init_ctx) for c in picked])
+        pool += [c.uuid for c in picked if c.uuid not in pool]
     for r in request.containers:
         if r is None:
             grants.append([])
             continue
-        picked = pick_cards(scratch, r, app_ctx, fit.reasons)
+        picked = _pick_with_reuse(scratch, r, app_ctx, fit.reasons, pool)
         if picked is None:
             return fit
         grants.append([_take(c, r, app_ctx) for c in picked])
+        pool = [u for u in pool if u not in {c.uuid for c in picked}]
     fit.ok = True
     fit.containers = grants
     return fit

@@ -50,7 +50,10 @@ class AllocationReleaser:
     async def release(self, node: str, uid: str, *, why: str) -> bool:
         """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""
         try:
-            result, removed = await self.ledger.writer.release(node, uid, self.ledger.hint(node))
+            async with self.ledger.lock(node):
+                result, removed = await self.ledger.writer.release(
+                    node, uid, self.ledger.hint(node)
+                )
         except CasConflictError as exc:
             log.warning("release lost too many races", extra={"pod_uid": uid, "err": str(exc)})
             return False
@@ -76,7 +79,7 @@ class AllocationReleaser:
             if ledger is None:
                 continue
             await self._adopt_orphaned_bind(entry.name, ledger, now)
-            lapsed_claim = ledger.claim is not None and ledger.claim.expires_at <= now
+            lapsed_claim = any(c.expires_at <= now for c in ledger.in_flight().values())
             due = entry.reserved_until is not None and entry.reserved_until <= now
             if not (due or lapsed_claim):
                 continue
@@ -124,26 +127,26 @@ class AllocationReleaser:
         )
 
     async def _adopt_orphaned_bind(self, node: str, ledger: NodeLedger, now: float) -> None:
-        """The claim's holder is still `reserved` long after taking the claim: its binder died
+        """A claim's holder is still `reserved` long after taking the claim: its binder died
         between the cluster bind and marking it bound. If the pod is bound to the node, mark it
         bound now, so the agent's Allocate (which wants a bound pod) is not held up until the
         reservation lapses. (A pod not bound is left alone: its binder may just be slow.)"""
-        claim = ledger.claim
-        if (
-            claim is None
-            or claim.expires_at <= now
-            or now - claim.taken_at < self.config.orphaned_bind_s
-        ):
-            return
-        held = ledger.allocations.get(claim.pod_uid)
-        if held is None or held.state != AllocationState.RESERVED:
-            return
-        if not await self._pod_bound_to(held, node):
-            return
+        for claim in list(ledger.in_flight().values()):
+            if claim.expires_at <= now or now - claim.taken_at < self.config.orphaned_bind_s:
+                continue
+            held = ledger.allocations.get(claim.pod_uid)
+            if held is None or held.state != AllocationState.RESERVED:
+                continue
+            if not await self._pod_bound_to(held, node):
+                continue
+            await self._adopt(node, held, now)
+
+    async def _adopt(self, node: str, held: Allocation, now: float) -> None:
         try:
-            result = await self.ledger.writer.mark_bound(
-                node, held.pod_uid, now, self.ledger.hint(node)
-            )
+            async with self.ledger.lock(node):
+                result = await self.ledger.writer.mark_bound(
+                    node, held.pod_uid, now, self.ledger.hint(node)
+                )
         except (ReservationGoneError, CasConflictError, NoChange):
             return
         self.ledger.apply(node, result)

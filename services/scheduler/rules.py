@@ -54,6 +54,9 @@ class PodOptions:
     node_policy: str = "binpack"
     weights: tuple[int, int, int] = (1, 1, 1)
     scrub_on_free: bool = False  # sealed into the containers' limits by the node agent
+    # Per init container: restartPolicy Always (a sidecar keeps its devices; kubelet does not
+    # hand them on to later containers).
+    sidecar_init: tuple[bool, ...] = ()
 
     @property
     def mutex(self) -> bool:
@@ -86,6 +89,15 @@ def parse_policy_chain(text: str, allowed: tuple[str, ...], what: str) -> tuple[
         if policy not in allowed:
             raise RequestError(f"{what}: unknown policy {policy!r} (one of {', '.join(allowed)})")
     return chain
+
+
+def _sidecars(pod: dict[str, Any]) -> tuple[bool, ...]:
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    inits = spec.get("initContainers") or []
+    return tuple(
+        isinstance(c, dict) and c.get("restartPolicy") == "Always"
+        for c in (inits if isinstance(inits, list) else [])
+    )
 
 
 def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOptions:
@@ -121,6 +133,7 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
         node_policy=node_chain[0],
         weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
         scrub_on_free=hami.parse_scrub_on_free(text(hami.ANN_SCRUB_ON_FREE)),
+        sidecar_init=_sidecars(pod),
     )
 
 

@@ -158,16 +158,33 @@ class SchedulerService:
         for loop in loops:
             self._tasks.append(asyncio.create_task(self._forever(loop)))
         self._start_watches()
-        self._micro = await add_service(
-            self.nc,
-            name=bus.SCHEDULER_SERVICE,
-            version=SERVICE_VERSION,
-            description="why is this pod pending (HAMi reasons per node)",
-            metadata={"instance": self.instance},
-        )
-        await self._micro.add_endpoint(
-            name="explain", subject=bus.SCHEDULER_EXPLAIN, handler=self._on_explain
-        )
+        explain = asyncio.create_task(self._register_explain())
+        self._tasks.append(explain)
+        with contextlib.suppress(TimeoutError):  # usually at once; else it keeps trying
+            await asyncio.wait_for(asyncio.shield(explain), 2.0)
+
+    async def _register_explain(self) -> None:
+        """The explain endpoint, registered whenever NATS lets us: a broker that goes away
+        while the scheduler starts must not stop it from starting (it used to time out here,
+        end the service's main and leave the process unable to serve or stop)."""
+        while not self.stopping.is_set():
+            try:
+                micro = await add_service(
+                    self.nc,
+                    name=bus.SCHEDULER_SERVICE,
+                    version=SERVICE_VERSION,
+                    description="why is this pod pending (HAMi reasons per node)",
+                    metadata={"instance": self.instance},
+                )
+                await micro.add_endpoint(
+                    name="explain", subject=bus.SCHEDULER_EXPLAIN, handler=self._on_explain
+                )
+                self._micro = micro
+                return
+            except Exception as exc:
+                log.warning("explain endpoint not registered yet", extra={"err": str(exc)})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), 0.5)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         waits = [self.nodes_synced.wait(), self.ledger_synced.wait()]

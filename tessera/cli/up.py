@@ -171,6 +171,14 @@ def register(app: typer.Typer) -> None:
             help="NATS servers: 3 runs a JetStream cluster (each its own store, buckets and "
             "stream with 3 replicas)",
         ),
+        kubelet_delay: float = typer.Option(
+            0.0, "--kubelet-delay", min=0.0,
+            help="seconds each simulated kubelet waits before admitting a bound pod (Allocate), "
+            "as real kubelets do 0.1-1 s after the bind",
+        ),
+        kubelet_jitter: float = typer.Option(
+            0.0, "--kubelet-jitter", min=0.0, help="± random spread on --kubelet-delay, per pod"
+        ),
     ) -> None:
         """Start NATS, kube-sim with simulated GPU nodes, and every service; Ctrl-C stops all."""
         console = Console()
@@ -178,7 +186,9 @@ def register(app: typer.Typer) -> None:
             nodes, gpus_per_node, gpu_memory, gpu_model, numa_nodes, nodes_file
         )
         ports = StackPorts.free() if free_ports else StackPorts()
-        services = default_services(sim_nodes, state_dir, ports, run_containers)
+        services = default_services(
+            sim_nodes, state_dir, ports, run_containers, kubelet_delay, kubelet_jitter
+        )
         stack = LocalStack(
             state_dir, services, nats_url=os.environ.get("NATS_URL"), ports=ports,
             nats_cluster=nats_cluster if nats_cluster > 1 else 0,

@@ -64,8 +64,8 @@ def describe_ledgers(ledgers: dict[str, NodeLedger]) -> dict[str, Any]:
         states: dict[str, int] = defaultdict(int)
         for allocation in ledger.allocations.values():
             states[str(allocation.state)] += 1
-        claim = ledger.claim and f"{ledger.claim.name} until {ledger.claim.expires_at:.0f}"
-        out[node] = {"claim": claim, **states}
+        claims = [f"{c.name} until {c.expires_at:.0f}" for c in ledger.in_flight().values()]
+        out[node] = {"in flight": claims, **states}
     return out
 
 
@@ -215,5 +215,6 @@ def test_all_pods_running_after_the_last_restart(burst: BurstOutcome) -> None:
                     f"ledgers: {describe_ledgers(burst.ledgers)}")
     print(
         f"\nall {PODS} pods Running {burst.converged_s:.1f} s after the last restart "
-        f"(target {CONVERGE_S:.0f} s; the burst was all created {burst.created_s:.1f} s after it)"
+        f"(target {CONVERGE_S:.0f} s; the burst was all created {burst.created_s:.1f} s after it, "
+        f"so {burst.converged_s - max(burst.created_s, 0.0):.1f} s after the last pod was created)"
     )

@@ -107,7 +107,7 @@ async def bind(
         ledger = ledger.model_copy(deep=True) if ledger else NodeLedger(node=node)
         ledger.allocations[allocation.pod_uid] = allocation
         if claim:
-            ledger.claim = InFlightClaim(
+            ledger.claims[allocation.pod_uid] = InFlightClaim(
                 pod_uid=allocation.pod_uid, namespace=allocation.namespace,
                 name=allocation.name, expires_at=now() + 60,
             )

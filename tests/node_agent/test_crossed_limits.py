@@ -81,7 +81,7 @@ async def test_agent_killed_between_allocate_and_prestart(short_dir, nats_url, b
         assert admission_a.ok, admission_a.error
         assert sealed_mib(a) == [(gpu, 3000)]
         assert a.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"
-        assert (await ledger_of(buckets.ledger, node)).claim is None
+        assert (await ledger_of(buckets.ledger, node)).in_flight() == {}
     finally:
         agent.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -92,11 +92,14 @@ async def test_agent_killed_between_allocate_and_prestart(short_dir, nats_url, b
         await kubelet.stop()
 
 
-async def test_late_allocate_of_an_earlier_pod_never_gets_the_claimed_pods_limits(
+async def test_crossed_guess_is_repaired_before_sealing_across_an_agent_kill(
     short_dir, nats_url, buckets
 ):
-    """Pod a's handshake stalls so long that the claim moves on to pod b (same GPU); a's late
-    Allocate is then answered as if for b, and only PreStartContainer can tell."""
+    """Pods a and b (other sizes, one GPU) are both in flight; kubelet admits b first while the
+    agent expects a (a bound earlier), so b's Allocate is counted for a. The agent is SIGKILLed
+    before the start. PreStartContainer finds b holding the devices, relabels the directory to
+    b before anything is sealed, and a, in flight again, is admitted after: both run with their
+    own limits, neither fails."""
     settings = rig_settings(short_dir, static_gpu_count=1)
     node = f"node-{uuid.uuid4().hex[:8]}"
     gpu = StaticSource(settings, node).discover()[0].uuid
@@ -107,20 +110,26 @@ async def test_late_allocate_of_an_earlier_pod_never_gets_the_claimed_pods_limit
         await kubelet.wait_registered("nvidia.com/gpu", timeout=30)
         pod_a = make_pod("a", [("main", 1)])
         pod_b = make_pod("b", [("main", 1)])
-        await bind(buckets.ledger, node, pod_a, [grants((gpu, 3000, 30))], claim=False)
+        await bind(buckets.ledger, node, pod_a, [grants((gpu, 3000, 30))])
+        await asyncio.sleep(0.05)  # a's claim is the older one: the agent expects a first
         await bind(buckets.ledger, node, pod_b, [grants((gpu, 9000, 60))])
-        admission_a = await kubelet.allocate_pod(pod_a)
+        admission_b = await kubelet.allocate_pod(pod_b)
+        assert admission_b.ok, admission_b.error
+        assert admission_b.containers[0].envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "3000m"  # a's
         agent.send_signal(signal.SIGKILL)  # and the agent restarts in the middle, too
         agent.wait(10)
         agent = start_agent_process(settings, node, nats_url)
         await kubelet.wait_registered("nvidia.com/gpu", after=1, timeout=30)
-        admission_a = await kubelet.start_pod(admission_a)
-        assert not admission_a.ok
-        assert "prepared for team/b" in admission_a.error
-        assert sealed_mib(admission_a.containers[0]) is None
-        admission_b = await kubelet.admit_pod(pod_b)
+        admission_b = await kubelet.start_pod(admission_b)
         assert admission_b.ok, admission_b.error
-        assert sealed_mib(admission_b.containers[0]) == [(gpu, 9000)]
+        assert sealed_mib(admission_b.containers[0]) == [(gpu, 9000)]  # its own, sealed
+        admission_a = await kubelet.admit_pod(pod_a)
+        assert admission_a.ok, admission_a.error
+        assert sealed_mib(admission_a.containers[0]) == [(gpu, 3000)]
+        state = await ledger_of(buckets.ledger, node)
+        assert {a.name: a.state for a in state.allocations.values()} == {
+            "a": "allocated", "b": "allocated"}
+        assert state.in_flight() == {}
     finally:
         agent.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):

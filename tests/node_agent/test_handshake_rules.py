@@ -93,13 +93,48 @@ def test_finish_and_reclaim_are_cas_bodies():
     ledger = NodeLedger(node="n", allocations={"p": alloc},
                         claim=InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9))
     done = hs.finish_mutation("p", ledger)
-    assert done.claim is None and done.allocations["p"].state == AllocationState.ALLOCATED
+    assert done.in_flight() == {} and done.allocations["p"].state == AllocationState.ALLOCATED
     with pytest.raises(NoChange):
         hs.finish_mutation("p", done)
     back = hs.reclaim_mutation("p", done, "agent", 30)
-    assert back.claim.pod_uid == "p" and back.allocations["p"].state == AllocationState.BOUND
-    with pytest.raises(NoChange):  # someone else holds the claim now: leave it
+    assert set(back.claims) == {"p"} and back.allocations["p"].state == AllocationState.BOUND
+    with pytest.raises(NoChange):  # in flight already: nothing to give back
         hs.reclaim_mutation("p", back, "agent", 30)
+
+
+def test_in_flight_pods_oldest_claim_first_and_the_guess_among_equals():
+    claims = {u: InFlightClaim(pod_uid=u, namespace="ns", name=u, taken_at=t, expires_at=99)
+              for u, t in (("late", 5.0), ("early", 1.0))}
+    pods = {
+        "late": allocation("late", [grants((A, 1000, 10))]),
+        "early": allocation("early", [grants((A, 2000, 10))]),
+        "pair": allocation("pair", [grants((A, 1000, 10), (B, 1000, 10))]),
+        "done": allocation("done", [grants((B, 1000, 10))], state=AllocationState.ALLOCATED),
+    }
+    ledger = NodeLedger(node="n", allocations=pods, claims=claims)
+    order = [a.pod_uid for a in hs.in_flight(ledger)]
+    assert order[:2] == ["early", "late"] and "done" not in order and "pair" in order
+    flying = hs.in_flight(ledger)
+    assert hs.choose_new_pod(flying, 1, {A}, None).pod_uid == "early"
+    assert hs.choose_new_pod(flying, 1, {A}, "late").pod_uid == "late"
+    assert hs.choose_new_pod(flying, 1, {B}, None) is None  # nobody was granted B alone
+    assert hs.choose_new_pod(flying, 2, {A, B}, "late").pod_uid == "pair"
+
+
+def test_swap_exchanges_grants_and_progress_of_one_shape_only():
+    a = allocation("a", [grants((A, 1000, 10))], state=AllocationState.ALLOCATED)
+    b = allocation("b", [grants((B, 1000, 10))])
+    c = allocation("c", [grants((B, 3000, 10))])
+    claim = InFlightClaim(pod_uid="b", namespace="ns", name="b", expires_at=99)
+    ledger = NodeLedger(node="n", allocations={"a": a, "b": b, "c": c}, claims={"b": claim})
+    swapped = hs.swap_mutation("a", "b", ledger)
+    assert swapped.allocations["b"].containers[0][0].uuid == A
+    assert swapped.allocations["b"].state == AllocationState.ALLOCATED
+    assert swapped.allocations["a"].containers[0][0].uuid == B
+    assert swapped.allocations["a"].state == AllocationState.BOUND
+    assert set(swapped.claims) == {"a"} and swapped.claims["a"].name == "a"
+    with pytest.raises(hs.HandshakeError, match="differ in shape"):
+        hs.swap_mutation("a", "c", ledger)
 
 
 def test_pod_usage_counts_init_containers_by_their_peak():
@@ -132,11 +167,11 @@ def test_allocate_serves_a_claimed_pod_the_scheduler_has_not_yet_marked_bound():
     alloc = allocation("p", [grants((A, 1, 1))], state=AllocationState.RESERVED)
     alloc.expires_at = 100.0
     claim = InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9)
-    ledger = NodeLedger(node="n", allocations={"p": alloc}, claim=claim)
-    assert hs.claimed_allocation(ledger, "n") is ledger.allocations["p"]
+    ledger = NodeLedger(node="n", allocations={"p": alloc}, claims={"p": claim})
+    assert hs.in_flight(ledger) == [ledger.allocations["p"]]
     done = hs.finish_mutation("p", ledger)
     assert done.allocations["p"].state == AllocationState.ALLOCATED
-    assert done.allocations["p"].expires_at is None and done.claim is None
+    assert done.allocations["p"].expires_at is None and done.in_flight() == {}
     released = allocation("p", [grants((A, 1, 1))], state=AllocationState.RELEASED)
-    with pytest.raises(hs.HandshakeError, match="not bound"):
-        hs.claimed_allocation(NodeLedger(node="n", allocations={"p": released}, claim=claim), "n")
+    gone = NodeLedger(node="n", allocations={"p": released}, claims={"p": claim})
+    assert hs.in_flight(gone) == []

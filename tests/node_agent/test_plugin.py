@@ -123,7 +123,7 @@ async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_d
         assert [(d.uuid, d.mem_limit_bytes >> 20) for d in side_limits.devices] == [(gpu1, 1000)]
         # The allocation is allocated, the claim released, the event out, bind-phase success.
         ledger = await rig.ledger()
-        assert ledger.claim is None
+        assert ledger.in_flight() == {}
         assert ledger.allocations[allocation.pod_uid].state == AllocationState.ALLOCATED
         received = await asyncio.wait_for(anext(events), 5)
         await events.aclose()
@@ -201,7 +201,7 @@ async def test_bad_requests_get_grpc_errors_and_the_agent_keeps_serving(short_di
             err = await allocate([f"{gpu0}-9"])  # beyond the split count
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
             err = await allocate([f"{gpu0}-0", f"{gpu1}-0"])  # wrong count
-            assert "allocated 2 device(s)" in err.details() and "granted 1 GPU" in err.details()
+            assert "allocated 2 devices" in err.details() and "granted 1 GPU" in err.details()
             err = await allocate([f"{gpu0}-0"])  # the wrong GPU
             assert f"chose GPU(s) {gpu0}" in err.details()
             err = await allocate([])
@@ -227,13 +227,25 @@ async def test_bad_requests_get_grpc_errors_and_the_agent_keeps_serving(short_di
 
 
 async def test_prestart_refuses_a_container_of_another_pod(short_dir, nc, buckets):
-    """The claim says pod B but kubelet is admitting pod A on the same GPU: Allocate cannot
-    tell them apart, PreStartContainer can (pod-resources) and fails the start."""
+    """Only pod B is in flight but kubelet admits pod A (its ledger entry, on another GPU and of
+    another size, says it was served already): Allocate counts it for B, PreStartContainer finds
+    A holding the devices, cannot repair (neither B's layout nor B's shape) and fails the start
+    rather than seal B's limits for A."""
+    from tessera import bus
+    from tessera.models import NodeLedger
+
     async with running_rig(short_dir, nc, buckets) as rig:
-        gpu0 = rig.gpus[0]
+        gpu0, gpu1 = rig.gpus[0], rig.gpus[1]
         pod_a = make_pod("a", [("main", 1)])
         pod_b = make_pod("b", [("main", 1)])
-        await rig.bind(pod_a, [grants((gpu0, 1000, 10))], claim=False)
+        allocation_a = await rig.bind(pod_a, [grants((gpu1, 1000, 10))], claim=False)
+
+        def served(ledger: NodeLedger | None) -> NodeLedger:
+            ledger = ledger.model_copy(deep=True)
+            ledger.allocations[allocation_a.pod_uid].state = AllocationState.ALLOCATED
+            return ledger
+
+        await bus.cas_update(buckets.ledger, rig.node, NodeLedger, served)
         await rig.bind(pod_b, [grants((gpu0, 7000, 70))])
         mismatches = subscribe(nc, f"tessera.events.alloc.{rig.node}.mismatch")
         admission = await rig.kubelet.admit_pod(pod_a)
@@ -247,12 +259,12 @@ async def test_prestart_refuses_a_container_of_another_pod(short_dir, nc, bucket
         assert event.name == "b" and "another pod's limits" in event.reason
         # B's own Allocate still finds its claim and B starts with B's limits.
         ledger = await rig.ledger()
-        assert ledger.claim is not None and ledger.claim.name == "b"
+        assert [c.name for c in ledger.in_flight().values()] == ["b"]
         admission_b = await rig.kubelet.admit_pod(pod_b)
         assert admission_b.ok, admission_b.error
         sealed = read_limits(admission_b.containers[0].mount(SEALED_LIMITS_DIR).host_path)
         assert [(d.uuid, d.mem_limit_bytes >> 20) for d in sealed.devices] == [(gpu0, 7000)]
-        assert (await rig.ledger()).claim is None
+        assert (await rig.ledger()).in_flight() == {}
 
 
 async def test_kubelet_retrying_an_unfinished_admission_is_served_again(short_dir, nc, buckets):
@@ -271,8 +283,8 @@ async def test_kubelet_retrying_an_unfinished_admission_is_served_again(short_di
         def restore(ledger: NodeLedger | None) -> NodeLedger:
             ledger = ledger.model_copy(deep=True)
             ledger.allocations[allocation.pod_uid].state = AllocationState.BOUND
-            ledger.claim = InFlightClaim(pod_uid=allocation.pod_uid, namespace="team",
-                                         name="retry", expires_at=now() + 60)
+            ledger.claims[allocation.pod_uid] = InFlightClaim(
+                pod_uid=allocation.pod_uid, namespace="team", name="retry", expires_at=now() + 60)
             return ledger
 
         await bus.cas_update(buckets.ledger, rig.node, NodeLedger, restore)
@@ -282,5 +294,5 @@ async def test_kubelet_retrying_an_unfinished_admission_is_served_again(short_di
         sealed = read_limits(again.containers[0].mount(SEALED_LIMITS_DIR).host_path)
         assert sealed.devices[0].mem_limit_bytes >> 20 == 1500
         ledger = await rig.ledger()
-        assert ledger.claim is None
+        assert ledger.in_flight() == {}
         assert ledger.allocations[allocation.pod_uid].state == AllocationState.ALLOCATED

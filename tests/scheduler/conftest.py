@@ -107,8 +107,7 @@ async def agent_allocate(buckets: Buckets, node: str, uid: str) -> None:
         allocation = current.allocations.get(uid)
         if allocation is not None and allocation.state == AllocationState.BOUND:
             allocation.state = AllocationState.ALLOCATED
-        if current.claim is not None and current.claim.pod_uid == uid:
-            current.claim = None
+        current.claims.pop(uid, None)
         return current
 
     await bus.cas_update(buckets.ledger, node, NodeLedger, mutate)

@@ -49,8 +49,7 @@ async def fake_agent_and_checker(
         seen[0] += 1
         cards = build_cards(registrations[key], value.allocations.values(), 0.0)
         violations.extend(over_capacity(cards))
-        claim = value.claim
-        if claim is not None:
+        for claim in value.in_flight().values():
             allocation = value.allocations.get(claim.pod_uid)
             if allocation is not None and allocation.state == AllocationState.BOUND:
                 asyncio.get_running_loop().create_task(agent_allocate(buckets, key, claim.pod_uid))

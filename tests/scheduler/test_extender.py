@@ -64,7 +64,7 @@ async def test_worked_example_two_pods_share_one_card(
         assert (await filter_call(client, pod_a, [name]))["nodenames"] == [name]
         assert await bind_call(client, pod_a, name) == ""
         assert (await filter_call(client, pod_b, [name]))["nodenames"] == [name]
-        # Pod A holds the node's claim until the agent's Allocate: B's bind waits, then binds.
+        # A is in flight (no Allocate yet); B, of another shape, waits for A's Allocate.
         bind_b = asyncio.create_task(bind_call(client, pod_b, name))
         await asyncio.sleep(0.2)
         assert not bind_b.done()
@@ -76,7 +76,7 @@ async def test_worked_example_two_pods_share_one_card(
     assert sum(g.memory_mib for g in grants) == 50 * GIB
     assert sum(g.cores for g in grants) == 80
     assert len(grants) == 2
-    assert state.claim is not None and state.claim.pod_uid == pod_b["metadata"]["uid"]
+    assert set(state.claims) == {pod_b["metadata"]["uid"]}
     bound = cluster.pods[("default", pod_b["metadata"]["name"])]
     annotations = bound["metadata"]["annotations"]
     assert bound["spec"]["nodeName"] == name
@@ -143,6 +143,7 @@ async def test_refusal_reports_reasons_event_and_explain(
     full = await setup_node(buckets, service, node(unique("n"), gpus=2, memory_mib=8 * GIB))
     spec = cluster.add_pod(pod(container(mem=20 * GIB), namespace=unique("ns")))
     sub = await nc.subscribe(bus.sched_failed_subject(spec["metadata"]["namespace"]))
+    await nc.flush()  # the server has the subscription before the event can be published
     async with http_client(service) as client:
         result = await filter_call(client, spec, [full, "ghost"])
     assert result["nodenames"] == []
@@ -248,8 +249,9 @@ async def test_lapsed_claim_is_taken_over_and_bind_wait_is_bounded(
     make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
     service = await make_service(config={"claim_ttl_s": 0.6, "bind_timeout_s": 0.2})
-    name = await setup_node(buckets, service, node(unique("n"), gpus=1))
-    first, second = (cluster.add_pod(pod(container(mem=1000))) for _ in range(2))
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    # Two shapes on two cards (spread): the second cannot fly beside the first.
+    first, second = (cluster.add_pod(pod(container(mem=m))) for m in (1000, 2000))
     async with http_client(service) as client:
         for spec in (first, second):
             await filter_call(client, spec, [name])
@@ -264,7 +266,7 @@ async def test_lapsed_claim_is_taken_over_and_bind_wait_is_bounded(
         await filter_call(client, second, [name])
         assert await bind_call(client, second, name) == ""
     state = await ledger(buckets, name)
-    assert state.claim is not None and state.claim.pod_uid == second["metadata"]["uid"]
+    assert set(state.claims) == {second["metadata"]["uid"]}
 
 
 async def test_readiness_and_metrics(
@@ -446,7 +448,7 @@ async def test_binder_dying_mid_bind_is_adopted_by_the_sweeper(
         lambda: service.index.entries[name].ledger.allocations[meta["uid"]].state == "bound"
     )
     state = await ledger(buckets, name)
-    assert state.claim is not None and state.claim.pod_uid == meta["uid"]  # still the agent's cue
+    assert set(state.claims) == {meta["uid"]}  # still the agent's cue
 
 
 async def test_bind_survives_a_failed_bound_write(

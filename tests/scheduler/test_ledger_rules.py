@@ -33,16 +33,17 @@ NOW = 1000.0
 
 
 def allocation(uid: str, state: AllocationState, expires_at: float | None = None,
-               memory: int = 10 * GIB) -> Allocation:  # fmt: skip
+               memory: int = 10 * GIB, card: int = 0) -> Allocation:  # fmt: skip
     return Allocation(
         pod_uid=uid, namespace="ns", name=uid, node="n", state=state, expires_at=expires_at,
-        containers=[[DeviceGrant(uuid="GPU-n-0", type="T", memory_mib=memory, cores=0)]],
+        containers=[[DeviceGrant(uuid=f"GPU-n-{card}", type="T", memory_mib=memory, cores=0)]],
         init_count=1 if uid == "init" else 0,
     )  # fmt: skip
 
 
 def ledger(*allocations: Allocation, claim: InFlightClaim | None = None) -> NodeLedger:
-    return NodeLedger(node="n", allocations={a.pod_uid: a for a in allocations}, claim=claim)
+    claims = {claim.pod_uid: claim} if claim else {}
+    return NodeLedger(node="n", allocations={a.pod_uid: a for a in allocations}, claims=claims)
 
 
 def reservation(memory_mib: int) -> ReservationRequest:
@@ -69,11 +70,26 @@ CASES = [
      ledger(allocation("old", AllocationState.RESERVED, NOW - 1)), None),
     ("claim free node", partial(claim_mutate, "a", "me", NOW, 30),
      ledger(allocation("a", AllocationState.RESERVED, NOW + 5)), None),
-    ("claim held by another", partial(claim_mutate, "a", "me", NOW, 30),
-     ledger(allocation("a", AllocationState.RESERVED, NOW + 5), claim=claim_by("b", NOW + 1)),
+    ("claim held by another shape on another card", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
+            allocation("b", AllocationState.BOUND, memory=GIB, card=1),
+            claim=claim_by("b", NOW + 1)),
+     ClaimHeldError),
+    ("claim held by another shape on the same card", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
+            allocation("b", AllocationState.BOUND, memory=GIB), claim=claim_by("b", NOW + 1)),
+     ClaimHeldError),
+    ("claim beside the same shape", partial(claim_mutate, "a", "me", NOW, 30),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
+            allocation("b", AllocationState.BOUND), claim=claim_by("b", NOW + 1)),
+     None),
+    ("claim capped at one per node", partial(claim_mutate, "a", "me", NOW, 30, max_in_flight=1),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
+            allocation("b", AllocationState.BOUND), claim=claim_by("b", NOW + 1)),
      ClaimHeldError),
     ("claim lapsed is taken over", partial(claim_mutate, "a", "me", NOW, 30),
-     ledger(allocation("a", AllocationState.RESERVED, NOW + 5), claim=claim_by("b", NOW - 1)),
+     ledger(allocation("a", AllocationState.RESERVED, NOW + 5),
+            allocation("b", AllocationState.BOUND, memory=GIB), claim=claim_by("b", NOW - 1)),
      None),
     ("claim without reservation", partial(claim_mutate, "a", "me", NOW, 30), ledger(),
      ReservationGoneError),
@@ -113,13 +129,13 @@ def test_writes_do_what_they_say() -> None:
     assert new.state == "reserved" and new.expires_at == NOW + 30
     assert new.containers[0][0].memory_mib == 20 * GIB
     claimed = claim_mutate("new", "me", NOW + 1, 45, reserved)
-    assert claimed.claim is not None and claimed.claim.pod_uid == "new"
+    assert set(claimed.claims) == {"new"}
     assert claimed.allocations["new"].expires_at == NOW + 46  # kept alive while binding
     bound = bound_mutate("new", NOW + 2, claimed)
     assert bound.allocations["new"].state == "bound" and bound.allocations["new"].expires_at is None
     removed: list[Allocation] = []
     released = release_mutate("new", removed, bound)
-    assert released.allocations == {} and released.claim is None and removed[0].pod_uid == "new"
+    assert released.allocations == {} and released.claims == {} and removed[0].pod_uid == "new"
 
 
 def test_sweep_keeps_pods_found_bound_and_reports_the_dropped() -> None:

@@ -106,7 +106,7 @@ async def test_restart_rebuilds_index_and_expires_stale_reservations(
             if entry is None:
                 continue
             value = entry.value
-            if value.claim is not None and value.claim.expires_at <= time.time():
+            if any(c.expires_at <= time.time() for c in value.in_flight().values()):
                 return False
             if any(a.state == AllocationState.RESERVED for a in value.allocations.values()):
                 return False

@@ -1,0 +1,142 @@
+"""Several pods in flight on one node at once, admitted by kubelet in an order the agent does not
+expect, across a kubelet restart and an agent SIGKILL: every container starts, with its own
+pod's limits on the GPUs kubelet really gave it, and the ledger ends agreeing with kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import uuid
+from typing import Any
+
+from node_agent_rig import bind, grants, ledger_of, make_pod, rig_settings, running_rig
+from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
+from tessera.node_agent.devices import StaticSource
+from test_crossed_limits import start_agent_process
+
+from tessera import hami
+from tessera.models import NodeLedger
+from tessera.region import SEALED_LIMITS_DIR, read_limits
+
+
+def sealed(admission: PodAdmission) -> list[tuple[str, int]]:
+    container = admission.containers[0]
+    limits = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
+    assert limits is not None, f"{admission.name}: nothing sealed"
+    return [(d.uuid, d.mem_limit_bytes >> 20) for d in limits.devices]
+
+
+def gpu_of_replica(device_id: str) -> str:
+    return device_id.rpartition("-")[0]
+
+
+def check_exact(admissions: list[PodAdmission], wanted_mib: dict[str, int],
+                ledger: NodeLedger) -> None:  # fmt: skip
+    """Each pod: started, sealed with its own memory on the GPU of its own device IDs, and the
+    ledger's grant says the same; nothing left in flight."""
+    by_name = {a.name: a for a in ledger.allocations.values()}
+    for admission in admissions:
+        assert admission.ok, f"{admission.name}: {admission.error}"
+        gpu = gpu_of_replica(admission.containers[0].device_ids[0])
+        assert sealed(admission) == [(gpu, wanted_mib[admission.name])], admission.name
+        grant = by_name[admission.name].containers[0][0]
+        assert (grant.uuid, grant.memory_mib) == (gpu, wanted_mib[admission.name])
+        assert by_name[admission.name].state == "allocated"
+    assert ledger.in_flight() == {}
+
+
+async def wait_annotation(rig: Any, name: str, containers: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        pod = await rig.cluster.get_pod("team", name)
+        text = (pod["metadata"].get("annotations") or {}).get(hami.ANN_DEVICES_ALLOCATED)
+        if text and hami.decode_pod_devices(text) == containers:
+            return
+        assert asyncio.get_running_loop().time() < deadline, (name, text)
+        await asyncio.sleep(0.05)
+
+
+async def test_identical_pods_admitted_in_reverse_order_are_swapped_before_sealing(
+    short_dir, nc, buckets
+):
+    """Six pods of one shape over two GPUs; kubelet admits them newest first, so every guess is
+    wrong: PreStart swaps the grants of the crossed pods (same amounts on each card)."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        pods = [make_pod(f"same{i}", [("main", 1)]) for i in range(6)]
+        for i, pod in enumerate(pods):
+            await rig.bind(pod, [grants((rig.gpus[i % 2], 2000, 20))])
+        admissions = [await rig.kubelet.admit_pod(p) for p in reversed(pods)]
+        ledger = await rig.ledger()
+        check_exact(admissions, {p["metadata"]["name"]: 2000 for p in pods}, ledger)
+        # The pods' own record (HAMi's annotations, from which a lost ledger is rebuilt) was
+        # rewritten to the repaired grants too.
+        for allocation in ledger.allocations.values():
+            await wait_annotation(rig, allocation.name, allocation.containers)
+        per_gpu = [sum(1 for a in admissions
+                       if gpu_of_replica(a.containers[0].device_ids[0]) == g)
+                   for g in rig.gpus]  # fmt: skip
+        assert per_gpu == [3, 3]
+
+
+async def test_pods_of_other_sizes_on_one_gpu_are_relabelled_before_sealing(
+    short_dir, nc, buckets
+):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        sizes = {"s1": 1000, "s2": 2000, "s3": 3000, "s4": 4000}
+        pods = {n: make_pod(n, [("main", 1)]) for n in sizes}
+        for name, pod in pods.items():
+            await rig.bind(pod, [grants((rig.gpus[0], sizes[name], 10))])
+        admissions = [await rig.kubelet.admit_pod(pods[n]) for n in ("s3", "s1", "s4", "s2")]
+        check_exact(admissions, sizes, await rig.ledger())
+
+
+async def test_kubelet_restart_with_pods_in_flight(short_dir, nc, buckets):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        pods = [make_pod(f"r{i}", [("main", 1)]) for i in range(3)]
+        for pod in pods:
+            await rig.bind(pod, [grants((rig.gpus[0], 1500, 15))])
+        half = await rig.kubelet.allocate_pod(pods[2])  # admitted, not started yet
+        assert half.ok, half.error
+        await rig.kubelet.restart()  # every socket deleted: the agent must re-register
+        await rig.kubelet.wait_registered(rig.settings.resource_name, after=1, timeout=20)
+        admissions = [await rig.kubelet.start_pod(half)]
+        admissions += [await rig.kubelet.admit_pod(p) for p in pods[:2]]
+        check_exact(admissions, {p["metadata"]["name"]: 1500 for p in pods}, await rig.ledger())
+
+
+async def test_agent_sigkill_with_pods_in_flight(short_dir, nats_url, buckets):
+    """Four pods of one shape over two GPUs in flight; kubelet allocates two of them newest
+    first, the agent is SIGKILLed before they start and comes back; then the starts and the
+    other two admissions (also out of order) all end exact."""
+    settings = rig_settings(short_dir)
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    gpus = [d.uuid for d in StaticSource(settings, node).discover()]
+    kubelet = SimKubelet(settings.device_plugin_dir, settings.pod_resources_socket)
+    await kubelet.start()
+    agent = start_agent_process(settings, node, nats_url)
+    try:
+        await kubelet.wait_registered("nvidia.com/gpu", timeout=30)
+        pods = [make_pod(f"k{i}", [("main", 1)]) for i in range(4)]
+        for i, pod in enumerate(pods):
+            await bind(buckets.ledger, node, pod, [grants((gpus[i % 2], 2500, 25))])
+            await asyncio.sleep(0.01)  # claims in a known order
+        first: list[Any] = [await kubelet.allocate_pod(p) for p in (pods[3], pods[2])]
+        assert all(a.ok for a in first), [a.error for a in first]
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        agent = start_agent_process(settings, node, nats_url)
+        await kubelet.wait_registered("nvidia.com/gpu", after=1, timeout=30)
+        admissions = [await kubelet.start_pod(a) for a in first]
+        admissions += [await kubelet.admit_pod(p) for p in (pods[1], pods[0])]
+        check_exact(admissions, {p["metadata"]["name"]: 2500 for p in pods},
+                    await ledger_of(buckets.ledger, node))  # fmt: skip
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(10)
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        await kubelet.stop()

@@ -1,0 +1,216 @@
+"""Several pods in flight on one node (bind -> the agent's Allocate), and init-container reuse.
+
+Against the real NATS ledger and an in-memory cluster: pods that a crossed guess cannot hurt
+(one shape, or one GPU layout) bind together without waiting for any Allocate; a pod of another
+shape on other cards waits for the pods in flight, and its wait decides on the index, never
+re-reading the node's entry from the KV on every change. Placement follows kubelet's device
+reuse for init containers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tessera.scheduler.cards import build_cards
+from tessera.scheduler.placement import fit_pod
+from tessera.scheduler.rules import FitContext, parse_pod_options
+
+from tessera.hami import PodRequest, parse_pod_request
+from tessera.models import AllocationState, DeviceGrant
+from tessera.settings import TesseraSettings
+
+from .conftest import MakeService, agent_allocate, http_client
+from .factories import GIB, container, node, pod
+from .test_extender import bind_call, filter_call, ledger, setup_node, unique
+
+
+async def place_and_bind(client: Any, spec: dict[str, Any], name: str) -> str:
+    assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+    return await bind_call(client, spec, name)
+
+
+async def test_pods_of_one_shape_bind_together_without_any_allocate(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """Twelve identical pods on one 4-GPU node (spread over the cards): no Allocate comes, yet
+    every bind returns at once and all twelve are in flight together."""
+    service = await make_service(config={"bind_timeout_s": 3.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=4))
+    specs = [cluster.add_pod(pod(container(mem=2 * GIB, cores=10))) for _ in range(12)]
+    async with http_client(service) as client:
+        for spec in specs:
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        started = asyncio.get_running_loop().time()
+        errors = await asyncio.gather(*(bind_call(client, s, name) for s in specs))
+        elapsed = asyncio.get_running_loop().time() - started
+    assert errors == [""] * 12
+    assert elapsed < 3.0  # nobody waited out the bind timeout for an Allocate
+    state = await ledger(buckets, name)
+    assert len(state.claims) == 12
+    assert {len({g.uuid for a in state.allocations.values() for g in a.containers[0]})} == {4}
+    assert service.metrics.claim_waits._value.get() == 0
+
+
+async def test_another_shape_on_other_cards_waits_for_the_pods_in_flight(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    service = await make_service(settings={"gpu_scheduler_policy": "spread"})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    first = cluster.add_pod(pod(container(mem=4 * GIB)))
+    other = cluster.add_pod(pod(container(mem=9 * GIB)))  # spread: the other card
+    async with http_client(service) as client:
+        assert await place_and_bind(client, first, name) == ""
+        assert (await filter_call(client, other, [name]))["nodenames"] == [name]
+        waiting = asyncio.create_task(bind_call(client, other, name))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # a cross between them could not be repaired in place
+        await agent_allocate(buckets, name, first["metadata"]["uid"])
+        assert await asyncio.wait_for(waiting, 5) == ""
+    state = await ledger(buckets, name)
+    cards = {a.name: a.containers[0][0].uuid for a in state.allocations.values()}
+    assert cards[first["metadata"]["name"]] != cards[other["metadata"]["name"]]
+    assert set(state.claims) == {other["metadata"]["uid"]}
+
+
+async def test_a_waiting_shape_is_not_starved_by_a_stream_of_another(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """A1 in flight; B (another shape) waits for it; A2 (A1's shape) comes after B has waited a
+    while: it could join A1 at once, but queues behind B, so a stream of A pods cannot starve
+    B."""
+    service = await make_service(config={"bind_timeout_s": 10.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
+    a1, a2 = (cluster.add_pod(pod(container(mem=GIB), annotations=on[0])) for _ in range(2))
+    b = cluster.add_pod(pod(container(mem=3 * GIB), annotations=on[1]))
+    async with http_client(service) as client:
+        assert await place_and_bind(client, a1, name) == ""
+        for spec in (b, a2):
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        bind_b = asyncio.create_task(bind_call(client, b, name))
+        await asyncio.sleep(3.2)  # B has waited longer than FAIR_AFTER_S
+        bind_a2 = asyncio.create_task(bind_call(client, a2, name))
+        await asyncio.sleep(0.3)
+        assert not bind_b.done() and not bind_a2.done()  # A2 queues behind B
+        await agent_allocate(buckets, name, a1["metadata"]["uid"])
+        assert await asyncio.wait_for(bind_b, 5) == ""
+        await asyncio.sleep(0.3)
+        assert not bind_a2.done()  # B is in flight now: A2, another shape, waits for it
+        await agent_allocate(buckets, name, b["metadata"]["uid"])
+        assert await asyncio.wait_for(bind_a2, 5) == ""
+
+
+async def test_waiting_binds_do_not_reread_the_ledger_on_every_change(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """Eight binds of another shape wait while twenty pods of one shape come and go on the
+    node: the waiters decide on the index the watch keeps, so KV reads stay few."""
+    service = await make_service(config={"bind_timeout_s": 20.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2, split=40))
+    kv = service.scheduler.ledger.kv
+    reads = [0]
+    real_get = kv.get
+
+    async def counting_get(key: str, *args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        return await real_get(key, *args, **kwargs)
+
+    kv.get = counting_get  # type: ignore[method-assign]
+    on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
+    small = [cluster.add_pod(pod(container(mem=1 * GIB, cores=1), annotations=on[0]))
+             for _ in range(20)]  # fmt: skip
+    big = [cluster.add_pod(pod(container(mem=3 * GIB, cores=1), annotations=on[1]))
+           for _ in range(8)]  # fmt: skip
+    async with http_client(service) as client:
+        assert await place_and_bind(client, small[0], name) == ""
+        for spec in big:
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        waiters = [asyncio.create_task(bind_call(client, s, name)) for s in big]
+        await asyncio.sleep(0.2)
+        reads[0] = 0
+        for spec in small[1:]:  # 19 more changes to the node's entry while they wait
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        changes_reads = reads[0]
+        await agent_allocate(buckets, name, small[0]["metadata"]["uid"])
+        assert await asyncio.wait_for(asyncio.gather(*waiters), 10) == [""] * 8
+    # 19 reservations each wake the 8 waiters: re-reading would be 150+ reads. Allow for the
+    # few CAS retries a conflict with the watch can cause.
+    assert changes_reads <= 20, changes_reads
+
+
+async def test_cap_of_one_restores_the_one_claim_per_node_behaviour(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    service = await make_service(config={"max_in_flight_per_node": 1})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    a, b = (cluster.add_pod(pod(container(mem=GIB))) for _ in range(2))
+    async with http_client(service) as client:
+        assert await place_and_bind(client, a, name) == ""
+        assert (await filter_call(client, b, [name]))["nodenames"] == [name]
+        waiting = asyncio.create_task(bind_call(client, b, name))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await agent_allocate(buckets, name, a["metadata"]["uid"])
+        assert await asyncio.wait_for(waiting, 5) == ""
+    state = await ledger(buckets, name)
+    assert state.allocations[a["metadata"]["uid"]].state == AllocationState.ALLOCATED
+
+
+# --- init containers: kubelet hands their devices to later containers first -------------------
+
+
+def fit(spec: dict[str, Any], gpus: int = 4, policy: str = "spread") -> list[list[DeviceGrant]]:
+    settings = TesseraSettings(gpu_scheduler_policy=policy)
+    request: PodRequest = parse_pod_request(spec, settings)
+    cards = build_cards(node("n", gpus=gpus), [], 0.0)
+    outcome = fit_pod(cards, request, FitContext(parse_pod_options(spec, settings)))
+    assert outcome.ok, outcome.reason_text()
+    return outcome.containers
+
+
+def cards_of(grants: list[DeviceGrant]) -> list[str]:
+    return [g.uuid for g in grants]
+
+
+def test_app_container_goes_on_its_init_containers_card() -> None:
+    spec = pod(container("app", mem=2 * GIB), init=[container("init", mem=5 * GIB)])
+    init, app = fit(spec)
+    assert cards_of(app) == cards_of(init)  # kubelet gives the app the init's device first
+    assert app[0].memory_mib == 2 * GIB and init[0].memory_mib == 5 * GIB
+
+
+def test_init_needing_more_than_its_app_and_more_cards_than_one() -> None:
+    """Init: 2 cards × 30 GiB; app: 3 cards × 10 GiB. kubelet gives the app both init devices,
+    then one new one: the app's grants name both init cards and one more."""
+    spec = pod(container("app", gpus=3, mem=10 * GIB),
+               init=[container("init", gpus=2, mem=30 * GIB)])  # fmt: skip
+    init, app = fit(spec)
+    assert set(cards_of(init)) < set(cards_of(app)) and len(set(cards_of(app))) == 3
+
+
+def test_second_app_container_gets_new_cards_once_the_pool_is_used() -> None:
+    spec = pod(container("a", mem=GIB), container("b", mem=GIB),
+               init=[container("init", mem=GIB)])  # fmt: skip
+    init, a, b = fit(spec)
+    assert cards_of(a) == cards_of(init) and cards_of(b) != cards_of(init)
+
+
+def test_an_init_card_too_small_for_the_app_refuses_the_node() -> None:
+    """kubelet will hand the app the init's card whatever else is free: if the app cannot fit
+    there, the node does not fit (never a grant kubelet would not give)."""
+    settings = TesseraSettings()
+    spec = pod(container("app", mem=70 * GIB), init=[container("init", mem=5 * GIB)],
+               annotations={"nvidia.com/use-gpuuuid": "GPU-n-0"})  # fmt: skip
+    registration = node("n", gpus=2)
+    # Card 0 already holds 20 GiB of another pod: the init fits there, the app does not.
+    from tessera.models import Allocation
+
+    other = Allocation(pod_uid="o", namespace="ns", name="o", node="n",
+                       state=AllocationState.ALLOCATED,
+                       containers=[[DeviceGrant(uuid="GPU-n-0", type="T", memory_mib=20 * GIB,
+                                                cores=0)]])  # fmt: skip
+    cards = build_cards(registration, [other], 0.0)
+    outcome = fit_pod(cards, parse_pod_request(spec, settings),
+                      FitContext(parse_pod_options(spec, settings)))  # fmt: skip
+    assert not outcome.ok and "CardInsufficientMemory" in outcome.reason_text()
