@@ -125,7 +125,7 @@ def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[st
 
 
 # The extender speaks mutual TLS: kube-sim (as kube-scheduler) presents this client certificate,
-# signed by the stack's CA; the scheduler refuses callers without one (docs/security-extender.md).
+# signed by the stack's CA; the scheduler refuses callers without one (docs/security.md §4.4).
 EXTENDER_CLIENT_NAME = "kube-scheduler"
 
 
