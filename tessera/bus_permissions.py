@@ -33,7 +33,7 @@ from tessera.models import AdmissionAction, AllocAction, NodeAction, QuotaAction
 
 JS_API = "$JS.API"
 # Every stream a service may have to (re-)create: the buckets, the events, the clock.
-STREAMS = bus.BUS_STREAMS
+STREAMS = (*bus.BUS_STREAMS, bus.CLOCK_STREAM)
 NODE_PLACEHOLDER = "<node>"
 _DOC_NODE = "doc-node-placeholder"  # a valid name, shown as <node> in the table
 
