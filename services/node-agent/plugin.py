@@ -428,8 +428,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     current = ledger.allocations.get(allocation.pod_uid) if ledger else None
                     if current is None:
                         return  # released meanwhile: nothing to record
+                    keys = await self._recordable(current, grant_keys)
                     devices = hami.encode_pod_devices(current.containers)
-                    values |= dict.fromkeys(grant_keys, devices)
+                    values |= dict.fromkeys(keys, devices)
                 await self.cluster.patch_pod_metadata(
                     allocation.namespace, allocation.name, annotations=values
                 )
@@ -441,6 +442,27 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     })  # fmt: skip
                     return
                 await asyncio.sleep(0.2 * attempt)
+
+    async def _recordable(
+        self, allocation: Allocation, grant_keys: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """`grant_keys` without `hami.io/vgpu-devices-allocated` when the ledger's grants are
+        not what the pod asked for: grant_check trusts that annotation as limits.set's record,
+        so a grant forged on the bus must never be copied into it."""
+        if hami.ANN_DEVICES_ALLOCATED not in grant_keys or self.cluster is None:
+            return grant_keys
+        try:
+            pod = await self.cluster.get_pod(allocation.namespace, allocation.name)
+            if (pod.get("metadata") or {}).get("uid") != allocation.pod_uid:
+                raise GrantRefused("the cluster's pod has another uid than the ledger's")
+            devices = self.state.by_uuid()
+            for index, grants in enumerate(allocation.containers):
+                if grants:
+                    check_grant(pod, index, grants, devices, self.settings)
+        except GrantRefused as exc:
+            self.rejections.reject("ledger", self.node, Problem("grant_above_request", str(exc)))
+            return tuple(k for k in grant_keys if k != hami.ANN_DEVICES_ALLOCATED)
+        return grant_keys
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
         ids = list(request.devices_ids)
