@@ -33,7 +33,7 @@ CAS_ATTEMPTS = 200
 FOLD_AFTER_S = 2.0  # journal entries older than this get their own key and leave the journal
 # Every reserve decodes and re-encodes the journal, so it must stay short however fast pods
 # arrive: past this many entries the service folds the namespace at once (any age).
-JOURNAL_SOFT_MAX = 32
+JOURNAL_SOFT_MAX = 8  # 32 measured p50 5.5 ms, p99 18 ms at 10,000 pods; 8: 3.0 / 8.8 ms
 
 Mutate = Callable[[QuotaState | None, QuotaCharge | None], QuotaState]
 

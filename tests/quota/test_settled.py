@@ -156,7 +156,7 @@ async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc)
 
     service = await start_quota(clock=lambda: 1_000_000.0)
     ns = unique_namespace("fast")
-    pods = 6 * JOURNAL_SOFT_MAX
+    pods = max(100, 6 * JOURNAL_SOFT_MAX)
     await set_limits(nc, ns, memory_mib=pods * 10)
     longest = 0
     for i in range(pods):
