@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     rows: list[tuple[str, dict[str, float], float]] = []
+    load_before = os.getloadavg()
+    print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
     for replicas in args.replicas:
         with EmbeddedNats() as server:
             procs = [start_replica(server.url) for _ in range(replicas)]
@@ -211,8 +213,9 @@ def main() -> None:
         "nats-server (JetStream file storage); every reserve that holds quota reads the "
         "namespace's small counter and the pod's own charge key (one round trip) and "
         "compare-and-sets the counter; charges move into per-pod keys of "
-        "tessera-quota-charges a few seconds later, so the counter does not grow with the "
-        "namespace (issue 13: before this, p50 12 ms at 1,000 pods, 67-93 ms from 3,000, and "
+        "tessera-quota-charges a few seconds later (at once when more than 8 are recent), so "
+        "the counter grows with neither the namespace nor the reservation rate "
+        "(issue 13: before this, p50 12 ms at 1,000 pods, 67-93 ms from 3,000, and "
         "failure near 6,600 pods at the 1 MiB value limit). Latencies in ms; req/s of the "
         "reserve/release cycle counts both calls. Measured on a shared 2-core machine with other "
         "work running, so tails are noisy.",
@@ -225,6 +228,14 @@ def main() -> None:
             f"| {name} | {p['n']:.0f} | {p['p50']:.2f} | {p['p90']:.2f} | {p['p99']:.2f} | "
             f"{p['max']:.2f} | {rate:.0f} |"
         )
+    load_after = os.getloadavg()
+    lines.append("")
+    lines.append(
+        f"Load average (1/5/15 min) before: {' / '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after: {' / '.join(f'{x:.2f}' for x in load_after)} "
+        f"(`bench/quota.py --requests {args.requests} "
+        f"--replicas {' '.join(map(str, args.replicas))}`)."
+    )
     text = "\n".join(lines)
     print(text)
     record_section("quota", text)

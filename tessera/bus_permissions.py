@@ -33,7 +33,7 @@ from tessera.models import AdmissionAction, AllocAction, NodeAction, QuotaAction
 
 JS_API = "$JS.API"
 # Every stream a service may have to (re-)create: the buckets, the events, the clock.
-STREAMS = (*bus.BUS_STREAMS, bus.CLOCK_STREAM)
+STREAMS = bus.BUS_STREAMS
 NODE_PLACEHOLDER = "<node>"
 _DOC_NODE = "doc-node-placeholder"  # a valid name, shown as <node> in the table
 
@@ -148,9 +148,12 @@ def _bus_setup() -> Rule:
 
 def _server_clock() -> Rule:
     # tessera.clock.ServerClock: publish a tiny message, read the server's stamp on it back.
+    # Its in-memory stream is found or created at start (bus.ensure_clock_stream).
     return Rule(
         "measure the NATS server's clock",
         publish=(
+            f"{JS_API}.STREAM.INFO.{bus.CLOCK_STREAM}",
+            f"{JS_API}.STREAM.CREATE.{bus.CLOCK_STREAM}",
             f"{bus.CLOCK_PREFIX}.*",
             f"{JS_API}.STREAM.MSG.GET.{bus.CLOCK_STREAM}",
             f"{JS_API}.DIRECT.GET.{bus.CLOCK_STREAM}",
@@ -362,7 +365,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 "inspect and manage streams (no delete, no purge)",
                 publish=(
                     f"{JS_API}.INFO",
-                    *(f"{JS_API}.STREAM.{verb}.{s}" for s in STREAMS
+                    *(f"{JS_API}.STREAM.{verb}.{s}" for s in (*STREAMS, bus.CLOCK_STREAM)
                       for verb in ("INFO", "CREATE", "UPDATE")),
                     f"{JS_API}.STREAM.LIST",
                     f"{JS_API}.STREAM.NAMES",

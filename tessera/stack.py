@@ -347,7 +347,7 @@ class LocalStack:
         import ssl
 
         urls = {
-            "scheduler": (f"http://127.0.0.1:{self.ports.scheduler}/readyz", None),
+            "scheduler": (f"https://127.0.0.1:{self.ports.scheduler}/readyz", None),
             "metrics": (f"http://127.0.0.1:{self.ports.metrics}/readyz", None),
             "admission": (
                 f"https://127.0.0.1:{self.ports.admission}/readyz",
@@ -358,6 +358,11 @@ class LocalStack:
             return ""
         url, tls = urls[name]
         try:
+            if name == "scheduler":  # the extender: mutual TLS, as kube-scheduler calls it
+                certs = self.state_dir / "certs"
+                tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+                tls.load_cert_chain(certs / f"{EXTENDER_CLIENT_NAME}.crt",
+                                    certs / f"{EXTENDER_CLIENT_NAME}.key")  # fmt: skip
             with urllib.request.urlopen(url, timeout=0.5, context=tls) as reply:
                 return "ready" if reply.status == 200 else "not ready"
         except OSError:

@@ -54,13 +54,14 @@ class MetricsService:
         *,
         listen: str | None = None,
         clock: Callable[[], float] = time.time,
+        bus_ready: Callable[[], bool] | None = None,
     ) -> None:
         self.view = ClusterView(
             bounds=Bounds.of(settings), node_stale_s=2 * settings.node_ttl_s
         )
         self.settings = settings
         self.feeds = Feeds(nc, js, buckets, self.view, clock)
-        self.app = build_app(self.view, settings, clock)
+        self.app = build_app(self.view, settings, clock, bus_ready)
         self.host, self.port = parse_listen(listen or settings.listen)
         self._server: _Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -95,7 +96,7 @@ class MetricsService:
 
 
 async def run(ctx: ServiceContext) -> None:
-    service = MetricsService(ctx.nc, ctx.js, ctx.buckets, ctx.settings)
+    service = MetricsService(ctx.nc, ctx.js, ctx.buckets, ctx.settings, bus_ready=ctx.bus_ready)
     await service.start()
     try:
         synced = asyncio.create_task(service.feeds.wait_synced(timeout=60.0))

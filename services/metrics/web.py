@@ -75,8 +75,13 @@ def render_state(view: ClusterView, now: float, pause: _CyclicGcPause) -> bytes:
 
 
 def build_app(
-    view: ClusterView, settings: TesseraSettings, clock: Callable[[], float]
+    view: ClusterView,
+    settings: TesseraSettings,
+    clock: Callable[[], float],
+    bus_ready: Callable[[], bool] | None = None,
 ) -> Starlette:
+    """`bus_ready` (ServiceContext.bus_ready): /readyz says 503 while NATS is unreachable or
+    its buckets/streams are lost and not yet re-created, as the other services do."""
     # Rendering a large cluster takes a while: render a snapshot in a worker thread so the
     # feeds keep folding bus messages meanwhile.
     pause = _CyclicGcPause()
@@ -99,6 +104,9 @@ def build_app(
         return PlainTextResponse("ok")
 
     async def readyz(_: Request) -> Response:
+        if bus_ready is not None and not bus_ready():
+            return PlainTextResponse("bus not usable (NATS unreachable or its store lost)",
+                                     status_code=503)
         if view.synced:
             return PlainTextResponse("ready")
         return PlainTextResponse("replaying the bus", status_code=503)

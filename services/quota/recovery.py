@@ -132,7 +132,9 @@ class Reconciler:
             with contextlib.suppress(bus.NoChange):
                 await bus.cas_update(self.quota, namespace, QuotaState,
                                      lambda s: qa.restore(s, namespace, back))  # fmt: skip
-        healed = await self.store.recompute(namespace) if state else False
+        # The snapshot's revision was read before the listing: unchanged, the list still holds.
+        unchanged = None if (dropped or restored or state is None) else (keys, state[1])
+        healed = await self.store.recompute(namespace, unchanged) if state else False
         if dropped or restored:
             self.log.info("quota reconciled with the ledger", extra={
                 "namespace": namespace, "dropped": dropped, "restored": restored,

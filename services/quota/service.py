@@ -30,7 +30,7 @@ from tessera.quota import arithmetic as qa
 from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
-from tessera.quota.store import QuotaStore
+from tessera.quota.store import JOURNAL_SOFT_MAX, QuotaStore
 
 from tessera import bus
 from tessera.bus import (
@@ -115,6 +115,7 @@ class QuotaService:
         self._micro: Service | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
+        self._folding: set[str] = set()  # namespaces with an early fold in flight
         self._stopping = asyncio.Event()
         self.keeper = keeper
         self.rq_watcher: ResourceQuotaWatcher | None = None
@@ -369,6 +370,8 @@ class QuotaService:
             self._exceeded(seen[0], req, refused.reason)
             return QuotaReply(ok=False, reason=refused.reason, states=_summary(seen[0], req))
         state = result.value if result else None
+        if state is not None and len(state.charges) > JOURNAL_SOFT_MAX:
+            self._fold_soon(req.namespace)
         if not qa.asks_gpu(req):
             outcome = "nothing to hold: the pod asks no GPU"
         elif wrote:
@@ -535,6 +538,26 @@ class QuotaService:
             reason=reason,
         )
         self._publish(event)
+
+    def _fold_soon(self, namespace: str) -> None:
+        """Fold a namespace whose journal grew past JOURNAL_SOFT_MAX now, in the background (at
+        most one at a time per namespace), so reserves keep decoding a short value."""
+        if namespace in self._folding:
+            return
+
+        async def fold() -> None:
+            try:
+                await self.store.fold(namespace, min_age_s=0.0)
+            except Exception as exc:  # the periodic fold pass tries again
+                self.log.warning("early fold failed", extra={"namespace": namespace,
+                                                             "err": str(exc)})  # fmt: skip
+            finally:
+                self._folding.discard(namespace)
+
+        self._folding.add(namespace)
+        task = asyncio.create_task(fold())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _publish(self, event: QuotaEvent) -> None:
         async def publish() -> None:

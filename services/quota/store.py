@@ -31,6 +31,9 @@ from tessera.models import QuotaCharge, QuotaState
 # default before answering "busy" (each attempt is a read and a conditional write, ~1 ms).
 CAS_ATTEMPTS = 200
 FOLD_AFTER_S = 2.0  # journal entries older than this get their own key and leave the journal
+# Every reserve decodes and re-encodes the journal, so it must stay short however fast pods
+# arrive: past this many entries the service folds the namespace at once (any age).
+JOURNAL_SOFT_MAX = 8  # 32 measured p50 5.5 ms, p99 18 ms at 10,000 pods; 8: 3.0 / 8.8 ms
 
 Mutate = Callable[[QuotaState | None, QuotaCharge | None], QuotaState]
 
@@ -141,8 +144,8 @@ class QuotaStore:
             self.log.warning("charge key not deleted", extra={"namespace": namespace,
                                                               "pod_uid": pod_uid, "err": str(exc)})
 
-    async def fold(self, namespace: str) -> int:
-        """Give journal entries older than FOLD_AFTER_S their own keys and move them into the
+    async def fold(self, namespace: str, min_age_s: float = FOLD_AFTER_S) -> int:
+        """Give journal entries older than `min_age_s` their own keys and move them into the
         settled totals; finish deletions of released keys. Returns how many were folded.
 
         The keys are written first, then one CAS moves exactly the entries whose charge is
@@ -153,7 +156,7 @@ class QuotaStore:
             return 0
         state = current.value
         now = self.clock()
-        due = {u: c for u, c in state.charges.items() if now - c.at >= FOLD_AFTER_S}
+        due = {u: c for u, c in state.charges.items() if now - c.at >= min_age_s}
         if not due and not state.releasing:
             return 0
         await asyncio.gather(*(
@@ -178,14 +181,23 @@ class QuotaStore:
             return 0
         return len(due)
 
-    async def recompute(self, namespace: str) -> bool:
+    async def recompute(
+        self, namespace: str, listed: tuple[dict[str, QuotaCharge], int] | None = None
+    ) -> bool:
         """Re-derive the settled totals from the keys (heals a crash between a counter write and
-        its key write); True when they were off. A busy namespace may need the next pass."""
+        its key write); True when they were off. A busy namespace may need the next pass.
+
+        `listed`: keys already listed by the caller, with the counter revision read before
+        listing them; used when the counter has not moved since (saves listing O(pods) again)."""
         for _ in range(5):
             current = await read(self.counters, namespace, QuotaState)
             if current is None:
                 return False
-            keys = await self.list_charges(namespace)
+            if listed is not None and listed[1] == current.revision:
+                keys = listed[0]
+            else:
+                keys = await self.list_charges(namespace)
+            listed = None
             try:
                 new = qa.recompute(current.value, keys)
             except NoChange:

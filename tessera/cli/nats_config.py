@@ -4,6 +4,11 @@ permission table (tessera/bus_permissions.py), and the Secrets that go with it.
     tessera nats-config --node gpu-1 --node gpu-2             # the block, passwords as $VARs
     tessera nats-config --node gpu-1 --out nats-auth/         # + passwords, Secrets for Helm
     tessera nats-config --table                               # the permission table (markdown)
+    tessera nats-config --out a/ --password-files creds/ --owner 65532:65532   # docker compose
+
+With `--password-files DIR`, each identity's password also goes to `DIR/<user>/password`
+(one directory per identity, so a container can mount its own and nobody else's; read it with
+NATS_PASSWORD_FILE), owned by `--owner` when given.
 
 With `--out`, passwords are generated once and kept in `<out>/passwords.json` (0600): running
 again with more nodes adds their identities and keeps every existing password.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import secrets
 from pathlib import Path
 
@@ -96,6 +102,33 @@ def write_bundle(out: Path, nodes: list[str], namespace: str) -> list[bp.Permiss
     return identities
 
 
+def parse_owner(owner: str) -> tuple[int, int]:
+    """`UID[:GID]` -> (uid, gid); the gid defaults to the uid."""
+    uid, _, gid = owner.partition(":")
+    try:
+        return int(uid), int(gid or uid)
+    except ValueError:
+        raise typer.BadParameter(
+            f"expected UID[:GID], got {owner!r}", param_hint="--owner"
+        ) from None
+
+
+def write_password_files(directory: Path, identities: list[bp.Permissions],
+                         passwords: dict[str, str], owner: tuple[int, int] | None) -> None:
+    """`<directory>/<user>/password` (0400) per identity: one mount per service."""
+    for perms in identities:
+        user_dir = directory / perms.user
+        user_dir.mkdir(parents=True, exist_ok=True)
+        path = user_dir / "password"
+        if path.exists():
+            path.chmod(0o600)
+        _write_private(path, passwords[perms.user] + "\n")
+        path.chmod(0o400)
+        if owner is not None:
+            for target in (user_dir, path):
+                os.chown(target, *owner)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("nats-config")
     def nats_config_command(
@@ -109,6 +142,13 @@ def register(app: typer.Typer) -> None:
             "tessera-system", "--namespace", help="namespace of the Secrets in secrets.yaml"
         ),
         table: bool = typer.Option(False, "--table", help="print the permission table only"),
+        password_files: Path | None = typer.Option(
+            None, "--password-files",
+            help="with --out: also write each password to <dir>/<user>/password",
+        ),
+        owner: str | None = typer.Option(
+            None, "--owner", help="UID[:GID] that owns the --password-files (a container user)"
+        ),
     ) -> None:
         """Print nats-server's authorization block: one user per Tessera service and per node
         agent, each limited to the subjects it needs."""
@@ -117,9 +157,15 @@ def register(app: typer.Typer) -> None:
             return
         if len(set(node)) != len(node):
             raise typer.BadParameter("a node is named twice", param_hint="--node")
+        if password_files is not None and out is None:
+            raise typer.BadParameter("needs --out", param_hint="--password-files")
         if out is None:
             typer.echo(env_reference_config(node), nl=False)
             return
         identities = write_bundle(out, node, namespace)
+        if password_files is not None:
+            passwords = load_passwords(out / PASSWORDS_FILE)
+            write_password_files(password_files, identities, passwords,
+                                 parse_owner(owner) if owner else None)
         typer.echo(f"{len(identities)} identities; wrote {out / AUTH_FILE} (include it in the "
                    f"NATS server's config) and {out / SECRETS_FILE} (kubectl apply -f it).")

@@ -41,8 +41,8 @@ def sim() -> Iterator[RunningStack]:
     yield from start_stack(NODES)
 
 
-async def read_ledgers(nats_url: str) -> dict[str, NodeLedger | None]:
-    nc = await connect(NatsSettings(NATS_URL=nats_url), name="e2e-wipe-check", initial_attempts=5)
+async def read_ledgers(nats: NatsSettings) -> dict[str, NodeLedger | None]:
+    nc = await connect(nats, name="e2e-wipe-check", initial_attempts=5)
     try:
         kv = await nc.jetstream().key_value("tessera-ledger")
         return {n.name: (v.value if (v := await read(kv, n.name, NodeLedger)) else None)
@@ -51,10 +51,10 @@ async def read_ledgers(nats_url: str) -> dict[str, NodeLedger | None]:
         await nc.close()
 
 
-def ledger_holds(nats_url: str, pods: list[dict]) -> bool:
+def ledger_holds(nats: NatsSettings, pods: list[dict]) -> bool:
     """Every pod's allocation is in the ledger of its node, with the grants it runs on."""
     try:
-        ledgers = asyncio.run(read_ledgers(nats_url))
+        ledgers = asyncio.run(read_ledgers(nats))
     except Exception:
         return False
     for pod in pods:
@@ -87,8 +87,8 @@ def test_wiped_store_loses_no_allocation_and_allocates_nothing_twice(sim: Runnin
     for i in range(RUNNING_BEFORE):
         kube.wait_running(namespace, f"before-{i}", 60)
     before = {p["metadata"]["uid"]: p for p in kube.pods(namespace)}
-    nats_url = stack.nats_url or ""
-    assert ledger_holds(nats_url, list(before.values()))
+    admin = stack.nats_settings()  # the admin identity (NATS refuses anonymous clients)
+    assert ledger_holds(admin, list(before.values()))
 
     # The disk under NATS is lost: stop it, delete the whole store, start it empty.
     assert stack.nats is not None
@@ -99,7 +99,7 @@ def test_wiped_store_loses_no_allocation_and_allocates_nothing_twice(sim: Runnin
 
     kube.wait_for(
         "the ledger rebuilt and the scheduler ready",
-        lambda: scheduler_ready(sim) and ledger_holds(nats_url, list(before.values())),
+        lambda: scheduler_ready(sim) and ledger_holds(admin, list(before.values())),
         RECOVERY_S, 0.25,
     )  # fmt: skip
     recovered_s = time.monotonic() - wiped_at
@@ -135,4 +135,4 @@ def test_wiped_store_loses_no_allocation_and_allocates_nothing_twice(sim: Runnin
     assert len(unplaced) == extra - (SLOTS - RUNNING_BEFORE)
     for gpu, mib in gpu_use(pods).items():
         assert mib <= GPU_MIB, f"{gpu} granted {mib} MiB of {GPU_MIB}"
-    assert ledger_holds(nats_url, running)
+    assert ledger_holds(admin, running)

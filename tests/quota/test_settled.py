@@ -146,3 +146,28 @@ async def test_totals_off_after_a_crash_are_re_derived_from_the_keys(
     assert await first.store.recompute(ns)
     counter = (await read(first.kv, ns, QuotaState)).value
     assert counter.settled == QuotaUsage(memory_mib=500, gpus=5, pods=5)
+
+
+async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc) -> None:
+    """Every reserve decodes the namespace's journal; reservations arriving faster than the
+    journal ages (a frozen clock: nothing is ever old enough for the periodic fold) must not
+    grow it: past JOURNAL_SOFT_MAX entries the service folds early. Nothing is lost doing so."""
+    from tessera.quota.store import JOURNAL_SOFT_MAX
+
+    service = await start_quota(clock=lambda: 1_000_000.0)
+    ns = unique_namespace("fast")
+    pods = max(100, 6 * JOURNAL_SOFT_MAX)
+    await set_limits(nc, ns, memory_mib=pods * 10)
+    longest = 0
+    for i in range(pods):
+        reply = await call(nc, bus.QUOTA_RESERVE, reserve(ns, f"p{i}", mem=10), timeout=20)
+        assert isinstance(reply, QuotaReply) and reply.ok, reply
+        current = await read(service.kv, ns, QuotaState)
+        assert current is not None
+        longest = max(longest, len(current.value.charges))
+    assert longest <= 3 * JOURNAL_SOFT_MAX, f"journal grew to {longest} entries"
+    full = await service.store.full_state(ns)
+    assert full is not None and len(full.charges) == pods
+    assert full.used().memory_mib == pods * 10
+    # Folded or not, the limit holds: the namespace is full.
+    assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "one-more", mem=10))).ok is False
