@@ -69,13 +69,18 @@ def prepare(state_dir: Path, limits: region.ContainerLimits, lib: Path) -> dict[
     return env
 
 
-def summary(state_dir: Path) -> str:
+def summary(state_dir: Path, limits: region.ContainerLimits | None = None) -> str:
+    """One line: peak and limit per GPU used. The limit is the one libvgpu applied; where it
+    recorded none (an older libvgpu, or a device it never resolved), the one sealed here — every
+    GPU gets the same, so a process that only used NVML is not reported as unlimited."""
     usage = region.read_region(state_dir / "region")
     if usage is None or not usage.devices:
         return "tessera run: no GPU was used"
+    sealed = limits.devices[0].mem_limit_bytes if limits and limits.devices else 0
     parts = []
     for d in usage.devices:
-        limit = f"{d.limit_bytes >> 20} MiB" if d.limit_bytes else "unlimited"
+        limit_bytes = d.limit_bytes or sealed
+        limit = f"{limit_bytes >> 20} MiB" if limit_bytes else "unlimited"
         parts.append(
             f"GPU {d.index}: peak {d.peak_bytes >> 20} MiB of {limit}, {d.oom_count} refused"
         )
@@ -131,7 +136,7 @@ def register(app: typer.Typer) -> None:
             except KeyboardInterrupt:
                 rc = 130
             if not quiet:
-                typer.echo(summary(sdir), err=True)
+                typer.echo(summary(sdir, limits), err=True)
         finally:
             if temporary:
                 shutil.rmtree(sdir, ignore_errors=True)

@@ -67,7 +67,7 @@ def run_sharing(
             u = region.read_region(k.region_path)
             d = u.devices[0] if u and u.devices else None
             a = d.achieved_sm_pct if d else None
-            if a is not None and (not seen[i] or seen[i][-1][1] != a):
+            if a is not None:
                 seen[i].append((time.monotonic_ns(), a))
         time.sleep(0.05)
     results = [c.recv(timeout=60) for _, c in procs]
@@ -79,14 +79,35 @@ def run_sharing(
     for i, ((_, c), lim) in enumerate(zip(procs, limits, strict=True)):
         whole = cluster.busy(dev, t0, t1, t1 - t0, [c.pid])[0]
         s = Share(lim, c.pid, whole, cluster.busy(dev, t0, t1, SEC, [c.pid]))
-        for ts, a in seen[i]:
-            # the value changed between the previous sample and ts: its 1 s window ended there
-            if ts - SEC - 100_000_000 < t0 or ts > t1:
-                continue
-            truth = cluster.busy(dev, ts - SEC - 50_000_000, ts - 50_000_000, SEC, [c.pid])[0]
-            s.published.append((a, truth))
+        s.published = published_vs_truth(cluster, dev, c.pid, seen[i], t0, t1)
         shares.append(s)
     return shares
+
+
+BIN = 50_000_000  # ns
+
+
+def published_vs_truth(cluster, dev, pid, samples, t0, t1) -> list[tuple[float, float]]:
+    """Each published figure (read at ts) describes a ~1 s window that ended at most ~1.05 s
+    before ts (a window ends at an NVML answer, every 0.5 s, and spans two of them). The device's
+    truth for it: the 1 s window, ending in [ts - 1.05 s, ts], closest to the figure (the test
+    cannot see exactly when libvgpu closed it). One figure per 0.5 s of the run."""
+    start = t0 - 2 * SEC
+    bins = cluster.busy(dev, start, t1, BIN, [pid])
+    per_window = SEC // BIN
+
+    def truth_ending(e: int) -> float:
+        k = (e - start) // BIN
+        return sum(bins[k - per_window : k]) / per_window
+
+    out, last = [], 0
+    for ts, a in samples:
+        if ts - SEC - 100_000_000 < t0 or ts > t1 or ts - last < SEC // 2:
+            continue
+        last = ts
+        ends = range(ts - 1_050_000_000, ts + 1, BIN)
+        out.append((a, min((truth_ending(e) for e in ends), key=lambda t: abs(t - a))))
+    return out
 
 
 def summary(shares: list[Share]) -> str:

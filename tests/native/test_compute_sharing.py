@@ -26,14 +26,13 @@ PUBLISHED_TOL = 1.0  # points between what a container publishes and what the de
 
 
 def check_published(s) -> None:
-    """The container's achieved % (1 s windows) against the device's truth over the same
-    windows: on average within 1 point; each window within 2.5 (the test reads the region every
-    50 ms, so it places a window's end to within that)."""
-    assert len(s.published) >= 2, f"{s.limit}%: too few published figures {s.published}"
-    pub = statistics.fmean(a for a, _ in s.published)
-    truth = statistics.fmean(t for _, t in s.published)
-    assert abs(pub - truth) <= PUBLISHED_TOL, (s.limit, s.published)
-    assert s.worst_published_error <= 2.5, (s.limit, s.published)
+    """What the container published against what the device gave it: over the run, the mean of
+    its achieved % within 1 point of its share of the device; each 1 s figure within 1 point of
+    the device's truth over the 1 s window it describes (placed to within 50 ms)."""
+    assert len(s.published) >= 4, f"{s.limit}%: too few published figures {s.published}"
+    mean = statistics.fmean(a for a, _ in s.published)
+    assert abs(mean - s.got) <= PUBLISHED_TOL, (s.limit, s.got, s.published)
+    assert s.worst_published_error <= PUBLISHED_TOL, (s.limit, s.published)
 
 
 @pytest.mark.parametrize(
@@ -83,11 +82,11 @@ def test_shared_gpu_paths_are_valgrind_clean(cluster, native):
     k.seal(region.DeviceLimit("", 1000 * MiB, 30))
     n = neighbour.cuctl()
     assert n("init")["ok"]
-    n.send("burnq 4 k_4000us 8")
+    n.send("burnq 120 k_4000us 8")  # outlasts the valgrind run; killed after it
     out = subprocess.run(
         ["valgrind", "--error-exitcode=99", "--leak-check=full", "--errors-for-leak-kinds=definite",
          "--show-leak-kinds=definite", "-q", str(native.bin / "cuctl")],
-        input="init\nalloc plain 1048576\nburnq 2.5 k_4000us 8\nprocs 0 3\nprocs 0 1\nnvml\nexit\n",
+        input="init\nalloc plain 1048576\nburnq 3 k_4000us 8\nprocs 0 3\nprocs 0 1\nnvml\nexit\n",
         env=k.env(LIBCUDA_LOG_LEVEL="4"),  # debug: shows the settling ran
         capture_output=True,
         text=True,
@@ -95,4 +94,5 @@ def test_shared_gpu_paths_are_valgrind_clean(cluster, native):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert "owntime dev 0" in out.stderr  # NVML answered while the GPU was shared
-    assert n.recv(timeout=60)["rc"] == 0
+    assert n.p.poll() is None, n.stderr()  # the neighbour was there throughout
+    n.p.kill()

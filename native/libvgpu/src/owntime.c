@@ -80,7 +80,7 @@ static int nvml_usable(void)
 {
     if (nvml_state) return nvml_state > 0;
     nvml_state = -1;
-    /* quietly: a container without NVML is normal, the ratio then stays 1 */
+    /* quietly: a container without NVML is normal; launches are then charged their event time */
     void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!h) return 0;
     dlclose(h);
@@ -119,8 +119,8 @@ static int find_handle(int d)
 static unsigned nvml_pid(void)
 {
     struct tsr_proc_slot *s = atomic_load(&tv.rg.slot);
-    uint32_t hp = s ? __atomic_load_n(&s->host_pid, __ATOMIC_RELAXED) : 0;
-    return hp ? hp : (unsigned)tv.rg.pid;
+    int32_t hp = s ? __atomic_load_n(&s->host_pid, __ATOMIC_RELAXED) : 0;
+    return hp > 0 ? (unsigned)hp : (unsigned)tv.rg.pid; /* 0 or negative: not written */
 }
 
 /* Own busy ns since ot[d].last_ts per NVML; -1 when NVML said nothing about this process. */

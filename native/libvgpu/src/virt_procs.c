@@ -79,9 +79,23 @@ static unsigned own_list(int d, enum vp_kind kind, const unsigned *host, int nho
         if (d < TSR_MAX_DEVICES) used = __atomic_load_n(&p->used[d], __ATOMIC_RELAXED);
         else if (pid == tv.rg.pid) used = tv.rg.mine[d]; /* a private slot: only our own */
         int seen = listed(host, nhost, (unsigned)(hp > 0 ? hp : pid));
-        if (seen || (kind == VP_COMPUTE && used > 0)) out[n++] = (struct vp_entry){(unsigned)pid, used};
+        if (seen || (kind == VP_COMPUTE && used > 0))
+            out[n++] = (struct vp_entry){(unsigned)pid, used};
     }
     return n;
+}
+
+static nvmlReturn_t passthrough(enum vp_kind kind, int ver, nvmlDevice_t dev, unsigned *count,
+                                void *infos)
+{
+    if (kind == VP_MPS) return REAL(nvmlDeviceGetMPSComputeRunningProcesses_v3)(dev, count, infos);
+    if (kind == VP_GRAPHICS)
+        return ver == 1   ? REAL(nvmlDeviceGetGraphicsRunningProcesses)(dev, count, infos)
+               : ver == 2 ? REAL(nvmlDeviceGetGraphicsRunningProcesses_v2)(dev, count, infos)
+                          : REAL(nvmlDeviceGetGraphicsRunningProcesses_v3)(dev, count, infos);
+    return ver == 1   ? REAL(nvmlDeviceGetComputeRunningProcesses)(dev, count, infos)
+           : ver == 2 ? REAL(nvmlDeviceGetComputeRunningProcesses_v2)(dev, count, infos)
+                      : REAL(nvmlDeviceGetComputeRunningProcesses_v3)(dev, count, infos);
 }
 
 static nvmlReturn_t running(enum vp_kind kind, int ver, nvmlDevice_t dev, unsigned *count,
@@ -109,19 +123,8 @@ static nvmlReturn_t running(enum vp_kind kind, int ver, nvmlDevice_t dev, unsign
         nhost = 0;
     }
     if (d < 0) { /* not a device of ours: as the driver answers */
-        free(host);
-        free(own);
-        host = NULL;
-        own = NULL;
-        if (ver == 1)
-            return kind == VP_GRAPHICS ? REAL(nvmlDeviceGetGraphicsRunningProcesses)(dev, count, infos)
-                                       : REAL(nvmlDeviceGetComputeRunningProcesses)(dev, count, infos);
-        if (kind == VP_MPS) return REAL(nvmlDeviceGetMPSComputeRunningProcesses_v3)(dev, count, infos);
-        if (kind == VP_GRAPHICS)
-            return ver == 3 ? REAL(nvmlDeviceGetGraphicsRunningProcesses_v3)(dev, count, infos)
-                            : REAL(nvmlDeviceGetGraphicsRunningProcesses_v2)(dev, count, infos);
-        return ver == 3 ? REAL(nvmlDeviceGetComputeRunningProcesses_v3)(dev, count, infos)
-                        : REAL(nvmlDeviceGetComputeRunningProcesses_v2)(dev, count, infos);
+        rc = passthrough(kind, ver, dev, count, infos);
+        goto out;
     }
     unsigned n = own_list(d, kind, host, nhost, own, VP_MAX);
     if (!infos || *count < n) {
