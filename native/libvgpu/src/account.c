@@ -68,7 +68,7 @@ void tv_account_after_fork_child(void)
 
 /* ---- reserve / unreserve -------------------------------------------------------------------- */
 
-int tv_mem_reserve(int d, uint64_t bytes)
+int tv_mem_reserve_slow(int d, uint64_t bytes)
 {
     if (bytes == 0 || d == TV_SLOT_HOST) return 0;
     if (d < 0 || d >= TV_MAX_SLOTS) {
@@ -78,21 +78,14 @@ int tv_mem_reserve(int d, uint64_t bytes)
                (unsigned long long)bytes);
         return -1;
     }
-    for (int attempt = 0;; attempt++) {
-        uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
-        if (tv_region_charge(&tv.rg, d, bytes, limit) == 0) return 0;
-        if (attempt == 0 && tv_mem_refresh_pools() > 0) continue; /* pools gave memory back */
-        tv_region_count_oom(&tv.rg, d);
-        TV_LOG(TV_LOG_INFO, "out of memory on slot %d: %llu + %llu > %llu%s", d,
-               (unsigned long long)tv_region_used(&tv.rg, d), (unsigned long long)bytes,
-               (unsigned long long)limit, atomic_load(&tv.rg.bad) ? " (region unusable)" : "");
-        return -1;
-    }
-}
-
-void tv_mem_unreserve(int d, uint64_t bytes)
-{
-    if (d >= 0 && d < TV_MAX_SLOTS) tv_region_uncharge(&tv.rg, d, bytes);
+    uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
+    /* the inline attempt failed: pools may have given memory back since */
+    if (tv_mem_refresh_pools() > 0 && tv_region_charge(&tv.rg, d, bytes, limit) == 0) return 0;
+    tv_region_count_oom(&tv.rg, d);
+    TV_LOG(TV_LOG_INFO, "out of memory on slot %d: %llu + %llu > %llu%s", d,
+           (unsigned long long)tv_region_used(&tv.rg, d), (unsigned long long)bytes,
+           (unsigned long long)limit, atomic_load(&tv.rg.bad) ? " (region unusable)" : "");
+    return -1;
 }
 
 /* ---- pools: what the driver took back ------------------------------------------------------ */

@@ -118,8 +118,21 @@ static inline int scrub(void)
     return (atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_SCRUB_ON_FREE) != 0;
 }
 
-int tv_mem_reserve(int dslot, uint64_t bytes) TV_HIDDEN; /* 0 ok, -1 over the limit */
-void tv_mem_unreserve(int dslot, uint64_t bytes) TV_HIDDEN;
+/* 0 ok, -1 over the limit. Inline: the common case (a known device, room left) is one call into
+ * the region; everything else (host memory, an unknown device, pools to ask, OOM) is slow. */
+int tv_mem_reserve_slow(int dslot, uint64_t bytes) TV_HIDDEN;
+static inline int tv_mem_reserve(int d, uint64_t bytes)
+{
+    if (tv_likely(d >= 0 && d < TV_MAX_SLOTS && bytes != 0)) {
+        uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
+        if (tv_likely(tv_region_charge(&tv.rg, d, bytes, limit) == 0)) return 0;
+    }
+    return tv_mem_reserve_slow(d, bytes);
+}
+static inline void tv_mem_unreserve(int d, uint64_t bytes)
+{
+    if (d >= 0 && d < TV_MAX_SLOTS) tv_region_uncharge(&tv.rg, d, bytes);
+}
 
 /* The reservation, before the driver is called. */
 static inline CUresult charged_alloc(int ds, uint64_t bytes)

@@ -129,11 +129,9 @@ static void init_mutex(struct tsr_region *r)
     __atomic_store_n(&r->lock_ready, TSR_LOCK_READY, __ATOMIC_RELEASE);
 }
 
-void tv_region_lock(struct tv_region *rg)
+void tv_region_lock_slow(struct tv_region *rg, int r)
 {
     struct tsr_region *R = rg->map;
-    int r = pthread_mutex_lock(&R->lock.mutex);
-    if (tv_likely(r == 0)) return;
     if (r == EOWNERDEAD) {
         TV_LOG(TV_LOG_WARN, "region lock: its owner died; recovering");
         recover(rg);
@@ -145,11 +143,6 @@ void tv_region_lock(struct tv_region *rg)
     init_mutex(R);
     if (rg->fd >= 0) flock(rg->fd, LOCK_UN);
     if (pthread_mutex_lock(&R->lock.mutex) == EOWNERDEAD) pthread_mutex_consistent(&R->lock.mutex);
-}
-
-void tv_region_unlock(struct tv_region *rg)
-{
-    pthread_mutex_unlock(&rg->map->lock.mutex);
 }
 
 /* ---- creation and validation -------------------------------------------------------------- */
@@ -347,9 +340,11 @@ static int attach(struct tv_region *rg, const char *path, int strict,
     rg->dev = st.st_dev;
     guard_mapping(rg, r);
     rg->map = r;
-    tv_region_lock(rg);
-    seed_devices(rg, seed);
-    tv_region_unlock(rg);
+    if (seed && seed->nuuid) {
+        tv_region_lock(rg);
+        seed_devices(rg, seed);
+        tv_region_unlock(rg);
+    }
     return 0;
 }
 
@@ -507,6 +502,13 @@ static int tampered(struct tv_region *rg, struct tsr_proc_slot *s)
     return 0;
 }
 
+/* The same, for the one device a charge is about (the hot path: three loads). */
+static inline int tampered_dev(struct tv_region *rg, struct tsr_proc_slot *s, int d)
+{
+    return (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) ||
+           LOAD(s->used[d]) != rg->mine[d] || LOAD(rg->map->dev[d].used_bytes) < rg->mine[d];
+}
+
 /* Caller holds the lock. Put back what a tenant took out: our slot, our share of each total. */
 static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
 {
@@ -646,29 +648,31 @@ static int charge_private(struct tv_region *rg, int d, uint64_t bytes, uint64_t 
 
 int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
 {
-    if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return 0;
     if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) return -1; /* until repaired */
     if (d >= TSR_MAX_DEVICES) return charge_private(rg, d, bytes, limit);
-    struct tsr_proc_slot *s = tv_region_register(rg);
-    struct tsr_region *R = rg->map;
+    struct tsr_proc_slot *s = tv_region_slot(rg);
+    struct tsr_region_device *rd = &rg->map->dev[d];
     tv_region_lock(rg);
-    if (tv_unlikely(atomic_load(&rg->bad) || !header_ok(R))) { /* truncated or overwritten */
-        atomic_store(&rg->bad, 1);
-        tv_region_unlock(rg);
+    if (tv_unlikely(atomic_load_explicit(&rg->bad, memory_order_relaxed))) {
+        tv_region_unlock(rg); /* truncated under us: the lock itself faulted (on_sigbus) */
         return -1;
     }
-    if (tv_unlikely(tampered(rg, s))) {
+    uint64_t mine = rg->mine[d], used = LOAD(rd->used_bytes);
+    if (tv_unlikely(tampered_dev(rg, s, d))) {
         repair(rg, s);
         s = atomic_load(&rg->slot);
+        used = LOAD(rd->used_bytes);
     }
-    struct tsr_region_device *rd = &R->dev[d];
-    if (!fits(LOAD(rd->used_bytes), limit, bytes)) tv_region_reclaim_dead(rg);
-    int ok = fits(LOAD(rd->used_bytes), limit, bytes);
+    if (!fits(used, limit, bytes)) {
+        tv_region_reclaim_dead(rg);
+        used = LOAD(rd->used_bytes);
+    }
+    int ok = fits(used, limit, bytes);
     if (ok) {
-        uint64_t used = LOAD(rd->used_bytes) + bytes;
-        rg->mine[d] += bytes;
+        used += bytes;
+        rg->mine[d] = mine + bytes;
         STORE(rd->used_bytes, used);
-        STORE(s->used[d], rg->mine[d]);
+        STORE(s->used[d], mine + bytes);
         if (used > LOAD(rd->peak_bytes)) STORE(rd->peak_bytes, used);
     }
     tv_region_unlock(rg);
@@ -685,7 +689,7 @@ void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
         pthread_mutex_unlock(&rg->priv_mu);
         return;
     }
-    struct tsr_proc_slot *s = tv_region_register(rg);
+    struct tsr_proc_slot *s = tv_region_slot(rg);
     tv_region_lock(rg);
     struct tsr_region_device *rd = &rg->map->dev[d];
     uint64_t used = LOAD(rd->used_bytes);

@@ -58,8 +58,16 @@ struct tv_region_seed {
 
 void tv_region_open(struct tv_region *rg, const char *path, int strict,
                     const struct tv_region_seed *seed) TV_HIDDEN;
-void tv_region_lock(struct tv_region *rg) TV_HIDDEN;
-void tv_region_unlock(struct tv_region *rg) TV_HIDDEN;
+void tv_region_lock_slow(struct tv_region *rg, int err) TV_HIDDEN; /* owner died, broken */
+static inline void tv_region_lock(struct tv_region *rg)
+{
+    int r = pthread_mutex_lock(&rg->map->lock.mutex);
+    if (tv_unlikely(r != 0)) tv_region_lock_slow(rg, r);
+}
+static inline void tv_region_unlock(struct tv_region *rg)
+{
+    pthread_mutex_unlock(&rg->map->lock.mutex);
+}
 struct tsr_proc_slot *tv_region_register(struct tv_region *rg) TV_HIDDEN;
 void tv_region_release(struct tv_region *rg) TV_HIDDEN;
 int tv_region_reclaim_dead(struct tv_region *rg) TV_HIDDEN; /* caller holds the lock */
@@ -72,10 +80,18 @@ int tv_region_find_dev(struct tv_region *rg, const char *uuid) TV_HIDDEN;
 int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
                        const struct tv_region_seed *seed) TV_HIDDEN;
 
-/* Memory: 0 charged, -1 over `limit` (0 = none) or refused (bad region). */
+/* Memory: 0 charged, -1 over `limit` (0 = none) or refused (bad region). Charge: 0 <= d <
+ * TV_MAX_SLOTS and bytes > 0 (the caller checked). */
 int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit) TV_HIDDEN;
 void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes) TV_HIDDEN;
 void tv_region_count_oom(struct tv_region *rg, int d) TV_HIDDEN;
+
+/* This process's slot, registering on first use. */
+static inline struct tsr_proc_slot *tv_region_slot(struct tv_region *rg)
+{
+    struct tsr_proc_slot *s = atomic_load_explicit(&rg->slot, memory_order_acquire);
+    return tv_likely(s != NULL) ? s : tv_region_register(rg);
+}
 
 static inline struct tsr_region_device *tv_region_dev(struct tv_region *rg, int d)
 {
