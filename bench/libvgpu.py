@@ -140,6 +140,7 @@ def p(values: list[float], q: float) -> float:
 def main() -> None:
     quick = "--quick" in sys.argv
     build()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         reps = 3 if quick else 9
@@ -155,6 +156,7 @@ def main() -> None:
             s0.append(startup(tmp, 256, False))
             s1.append(startup(tmp, 256, True))
 
+    load_after = os.getloadavg()[0]
     launch_added = l1 - l0
     alloc_added = a1 - a0
     p50_0 = statistics.median(p(r, 50) for r in s0)
@@ -193,8 +195,10 @@ def main() -> None:
         "reservation in the shared region is taken). Start-up: each process waits for a common "
         "instant, then times cuInit, its context and its first allocation (libvgpu reads the "
         "limits, maps the region and registers the process there), all 256 contending for the "
-        "region at once. Wall times are medians of interleaved runs on a shared machine; the "
-        "callgrind rows count instructions and do not depend on load. Command: "
+        "region at once. Wall times are medians of interleaved runs on a shared machine (load "
+        f"average {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores: "
+        "under load every wall time, with or without libvgpu, stretches); the callgrind rows "
+        "count instructions and do not depend on load. Command: "
         "`python bench/libvgpu.py` (in `make bench`). On a real GPU: native/libvgpu/gpu-check.sh."
     )
     print(text)

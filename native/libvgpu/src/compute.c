@@ -18,6 +18,10 @@
 #include "vgpu.h"
 
 #define TV_BURST_NS 10000000ll /* 10 ms of GPU time may be banked */
+/* ... 30 ms while other processes share the device (owntime.c): a container whose thread was
+ * descheduled catches up on its share, queued among its neighbours', instead of leaving it to
+ * them. Below the 4 x TV_BURST_NS beyond which a budget counts as written by the tenant. */
+#define TV_SHARED_BURST_NS 30000000ll
 #define TV_RING 64             /* launches in flight per context before we wait for one */
 #define TV_MAX_CTX 64
 #define TV_MIN_SLEEP 20000ull
@@ -47,7 +51,7 @@ static int stopping; /* exit has begun: the poll thread no longer calls the driv
 
 /* ---- the bucket (lock-free, shared by the container's processes) -------------------------- */
 
-static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now)
+static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now, int64_t cap)
 {
     uint64_t ts = __atomic_load_n(&rd->budget_ts_ns, __ATOMIC_RELAXED);
     if (now <= ts) return;
@@ -58,7 +62,7 @@ static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now)
     int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED), nb;
     do {
         nb = b + add;
-        if (nb > TV_BURST_NS) nb = TV_BURST_NS;
+        if (nb > cap) nb = b > cap && b <= TV_SHARED_BURST_NS ? b : cap;
         if (b > 4 * TV_BURST_NS) nb = -TV_BURST_NS; /* written into the region: a debt */
     } while (!__atomic_compare_exchange_n(&rd->budget_ns, &b, nb, 1, __ATOMIC_RELAXED,
                                           __ATOMIC_RELAXED));
@@ -178,7 +182,7 @@ static void wait_budget(int d)
             __atomic_store_n(&rd->budget_ts_ns, now, __ATOMIC_RELAXED); /* nothing accrues */
             sleep = TV_MAX_SLEEP;
         } else {
-            refill(rd, eff, now);
+            refill(rd, eff, now, tv_owntime_shared(d) ? TV_SHARED_BURST_NS : TV_BURST_NS);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
             if (tv_unlikely(b > 4 * TV_BURST_NS)) {
                 /* far more than refills and corrections bank: written into the region by the

@@ -31,7 +31,7 @@ static void after_fork_child(void)
 
 __attribute__((constructor)) static void tv_constructor(void)
 {
-    tv_libc_resolve();
+    /* glibc's lookup functions are found lazily, by the first lookup (driver.c) */
     for (int i = 0; i < TV_MAX_CUDA_DEVS; i++) atomic_store(&tv.cuda_slot[i], -1);
     for (int i = 0; i < TV_MAX_SLOTS; i++) atomic_store(&tv.dev[i].ordinal, -1);
     tv.rg.pid = getpid();

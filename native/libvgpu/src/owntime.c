@@ -65,6 +65,11 @@ void tv_owntime_reset(void)
     next_poll = 0;
 }
 
+int tv_owntime_shared(int d)
+{
+    return d >= 0 && d < TV_MAX_SLOTS && atomic_load_explicit(&ot[d].shared, memory_order_relaxed);
+}
+
 /* The measured event time of one completed launch -> the device time to charge. Any thread. */
 int64_t tv_owntime_charge(int d, int64_t raw_ns)
 {

@@ -340,9 +340,11 @@ static int attach(struct tv_region *rg, const char *path, int strict,
     rg->dev = st.st_dev;
     guard_mapping(rg, r);
     rg->map = r;
-    tv_region_lock(rg);
-    seed_devices(rg, seed);
-    tv_region_unlock(rg);
+    if (seed && seed->nuuid) {
+        tv_region_lock(rg);
+        seed_devices(rg, seed);
+        tv_region_unlock(rg);
+    }
     return 0;
 }
 

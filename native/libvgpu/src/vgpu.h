@@ -117,6 +117,7 @@ void tv_compute_recharge(int dslot, int64_t bucket_ns, int64_t busy_ns) TV_HIDDE
 /* ---- owntime.c: own device time out of event time (NVML per-process utilisation) ---- */
 int64_t tv_owntime_charge(int dslot, int64_t raw_ns) TV_HIDDEN; /* measured -> charged ns */
 unsigned tv_owntime_poll(uint64_t now_mono) TV_HIDDEN; /* tick: bit d = NVML answered for d */
+int tv_owntime_shared(int dslot) TV_HIDDEN; /* NVML's last answer showed others busy */
 void tv_owntime_reset(void) TV_HIDDEN;                          /* after fork, in the child */
 
 /* ---- graphmem.c ---- */
