@@ -20,7 +20,8 @@
 #define TV_BURST_NS 10000000ll /* 10 ms of GPU time may be banked */
 /* ... 30 ms while other processes share the device (owntime.c): a container whose thread was
  * descheduled catches up on its share, queued among its neighbours', instead of leaving it to
- * them. Below the 4 x TV_BURST_NS beyond which a budget counts as written by the tenant. */
+ * them. Not while yielding to a higher priority: it must stay out of that one's way. Below the
+ * 4 x TV_BURST_NS beyond which a budget counts as written by the tenant. */
 #define TV_SHARED_BURST_NS 30000000ll
 #define TV_RING 64             /* launches in flight per context before we wait for one */
 #define TV_MAX_CTX 64
@@ -182,7 +183,8 @@ static void wait_budget(int d)
             __atomic_store_n(&rd->budget_ts_ns, now, __ATOMIC_RELAXED); /* nothing accrues */
             sleep = TV_MAX_SLEEP;
         } else {
-            refill(rd, eff, now, tv_owntime_shared(d) ? TV_SHARED_BURST_NS : TV_BURST_NS);
+            int catch_up = tv_owntime_shared(d) && !atomic_load(&tv.dev[d].yielding);
+            refill(rd, eff, now, catch_up ? TV_SHARED_BURST_NS : TV_BURST_NS);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
             if (tv_unlikely(b > 4 * TV_BURST_NS)) {
                 /* far more than refills and corrections bank: written into the region by the

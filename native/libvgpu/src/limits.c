@@ -269,6 +269,7 @@ void tv_limits_apply_slot(int d)
             mem = e->mem_limit_bytes;
             eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy);
         }
+        atomic_store(&tv.dev[d].yielding, e && (e->flags & TSR_DEV_YIELD));
     } else {
         int o = atomic_load(&tv.dev[d].ordinal);
         if (o >= 0 && o < TSR_MAX_DEVICES) {

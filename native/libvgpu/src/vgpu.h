@@ -33,6 +33,7 @@
 struct tv_dev {
     _Atomic uint64_t mem_limit; /* bytes, 0 = unlimited */
     _Atomic uint32_t sm_eff;    /* 0 = unthrottled, 1..99 = %, TV_SM_PAUSE = wait */
+    _Atomic int yielding;       /* sm_eff comes from YIELD (a higher priority is active) */
     _Atomic int ordinal;        /* CUDA ordinal in this process, -1 = not seen */
     uint64_t win_busy, win_ts;  /* poll thread: achieved-% window */
 };
