@@ -44,8 +44,10 @@ def sim() -> Iterator[RunningStack]:
     yield from start_stack(NODES, env=env, nats_cluster=3)
 
 
-async def ledger_leader_and_ledgers(url: str) -> tuple[str, dict[str, NodeLedger]]:
-    nc = await connect(NatsSettings(NATS_URL=url), name="e2e-cluster-check", initial_attempts=10)
+async def ledger_leader_and_ledgers(
+    nats: NatsSettings,
+) -> tuple[str, dict[str, NodeLedger]]:
+    nc = await connect(nats, name="e2e-cluster-check", initial_attempts=10)
     try:
         js = nc.jetstream()
         info = await js.stream_info(f"KV_{LEDGER_BUCKET}")
@@ -62,7 +64,8 @@ def test_one_server_lost_mid_burst_loses_and_duplicates_nothing(sim: RunningStac
     assert stack.nats_cluster is not None and len(stack.nats_cluster.members) == 3
     url = stack.nats_url or ""
     assert url.count("nats://") == 3  # services were given every server
-    leader, _ = asyncio.run(ledger_leader_and_ledgers(url))
+    admin = stack.nats_settings()  # the admin identity (NATS refuses anonymous clients)
+    leader, _ = asyncio.run(ledger_leader_and_ledgers(admin))
     namespace = f"nc-{uuid.uuid4().hex[:6]}"
     errors: list[str] = []
 
@@ -98,7 +101,7 @@ def test_one_server_lost_mid_burst_loses_and_duplicates_nothing(sim: RunningStac
     stack.nats_cluster.wait_healthy(60, [victim])  # caught up from the two others
 
     pods = kube.pods(namespace)
-    _leader, ledgers = asyncio.run(ledger_leader_and_ledgers(url))
+    _leader, ledgers = asyncio.run(ledger_leader_and_ledgers(admin))
     active: dict[str, list[tuple[str, Allocation]]] = defaultdict(list)
     for node, ledger in ledgers.items():
         for uid, allocation in ledger.allocations.items():

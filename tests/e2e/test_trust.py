@@ -50,8 +50,8 @@ def test_the_extender_refuses_callers_without_the_client_certificate(sim: Runnin
     assert "does not exist in the cluster" in reply.json()["failedAndUnresolvableNodes"][NODE]
 
 
-async def ledger_of(url: str, write_garbage: bool = False) -> NodeLedger:
-    nc = await connect(NatsSettings(NATS_URL=url), name="e2e-trust")
+async def ledger_of(nats: NatsSettings, write_garbage: bool = False) -> NodeLedger:
+    nc = await connect(nats, name="e2e-trust")
     try:
         buckets = await ensure_bus(nc.jetstream(), TesseraSettings())
         if write_garbage:
@@ -65,18 +65,18 @@ async def ledger_of(url: str, write_garbage: bool = False) -> NodeLedger:
 def test_garbage_in_a_ledger_key_is_repaired_and_the_node_keeps_scheduling(
     sim: RunningStack, namespace: str
 ) -> None:
-    nats_url = sim.stack.nats_url
-    assert nats_url is not None
+    # Garbage written with the scheduler's own identity: authorised, so only validation stops it.
+    scheduler = sim.stack.nats_settings("scheduler")
     first = sim.kube.create_pod(gpu_pod("before", mem=8000, cores=30, node=NODE), namespace)
     assert first.status_code == 201, first.text
     running = sim.kube.wait_running(namespace, "before")
     uid = running["metadata"]["uid"]
-    asyncio.run(ledger_of(nats_url, write_garbage=True))
+    asyncio.run(ledger_of(scheduler, write_garbage=True))
     # A new pod on the same node is placed once the key is repaired (kube-sim retries).
     second = sim.kube.create_pod(gpu_pod("after", mem=8000, cores=30, node=NODE), namespace)
     assert second.status_code == 201, second.text
     sim.kube.wait_running(namespace, "after", timeout_s=40)
-    ledger = asyncio.run(ledger_of(nats_url))
+    ledger = asyncio.run(ledger_of(scheduler))
     assert uid in ledger.allocations, "the running pod lost its allocation"
     assert ledger.allocations[uid].containers[0][0].memory_mib == 8000
     certs = sim.stack.state_dir / "certs"
