@@ -6,6 +6,7 @@ the scheduler records HAMi's Events on the pod; pods carry hami.io/vgpu-devices-
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 
 from tessera.cli.app import build_app
 from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
-from tessera.stack import SimNode
+from tessera.stack import EXTENDER_CLIENT_NAME, SimNode
 
 from .conftest import RunningStack, gpu_pod, gpu_uuid, start_stack
 
@@ -43,8 +44,18 @@ def sim() -> Iterator[RunningStack]:
     yield from start_stack(NODES, env={"TESSERA_LEGACY_NAMES": "true"})
 
 
-def scrape(url: str) -> dict[str, list[dict[str, str]]]:
-    return label_sets(httpx.get(f"{url}/metrics", timeout=10).text)
+def scrape(url: str, verify: ssl.SSLContext | bool = True) -> dict[str, list[dict[str, str]]]:
+    return label_sets(httpx.get(f"{url}/metrics", timeout=10, verify=verify).text)
+
+
+def as_kube_scheduler(sim: RunningStack) -> ssl.SSLContext:
+    """The extender answers only mutual TLS, as Prometheus with kube-scheduler's client
+    certificate would scrape it (the chart's plain probe port serves the same /metrics)."""
+    certs = sim.stack.state_dir / "certs"
+    context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    context.load_cert_chain(certs / f"{EXTENDER_CLIENT_NAME}.crt",
+                            certs / f"{EXTENDER_CLIENT_NAME}.key")  # fmt: skip
+    return context
 
 
 def test_scrape_matches_hami_table(sim: RunningStack, namespace: str, tmp_path: Path) -> None:
@@ -95,10 +106,11 @@ def test_scrape_matches_hami_table(sim: RunningStack, namespace: str, tmp_path: 
 
     # A pod no card can hold (30 000 MiB on 24 GiB cards): counted by HAMi's fit reason.
     sim.kube.create_pod_retrying(gpu_pod("too-big", mem=30_000, cores=10), ns)
-    scheduler_url = f"http://127.0.0.1:{sim.stack.ports.scheduler}"
+    scheduler_url = f"https://127.0.0.1:{sim.stack.ports.scheduler}"
+    tls = as_kube_scheduler(sim)
 
     def refused() -> dict[str, list[dict[str, str]]] | None:
-        samples = scrape(scheduler_url)
+        samples = scrape(scheduler_url, tls)
         failures = samples.get("hami_scheduler_allocation_failures_total", [])
         return samples if any(s["reason"] == "CardInsufficientMemory" for s in failures) else None
 
