@@ -38,7 +38,38 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class EmbeddedNats:
+class ServerProcess:
+    """One nats-server child process: stopped gently (SIGTERM, then SIGKILL) or killed."""
+
+    _proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
+
+class EmbeddedNats(ServerProcess):
     """A nats-server with JetStream on a loopback port, storing in `data_dir`.
 
     `restart()` keeps the port and the data, as a crashed and restarted broker would.
@@ -63,9 +94,6 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -106,27 +134,6 @@ class EmbeddedNats:
         self.stop()
         raise TimeoutError(f"nats-server did not accept connections on {self.port} in {timeout_s}s")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        if self._proc.stderr:
-            self._proc.stderr.close()
-        self._proc = None
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self.stop()
-
     def restart(self, timeout_s: float = 15.0) -> None:
         self.stop()
         self.start(timeout_s)
@@ -146,7 +153,7 @@ class EmbeddedNats:
 # --- a JetStream cluster of several servers (tests, `tessera up --nats-cluster 3`) -------------
 
 
-class ClusterMember:
+class ClusterMember(ServerProcess):
     """One server of an EmbeddedNatsCluster: its own client, route and monitor ports and its
     own store directory. `wipe()` deletes its whole store, as a lost disk would."""
 
@@ -171,9 +178,6 @@ class ClusterMember:
     def store_dir(self) -> Path:
         return self.data_dir / "jetstream"
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def config_text(self) -> str:
         routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in self.routes)
@@ -205,27 +209,6 @@ class ClusterMember:
                 return reply.status == 200
         except OSError:
             return False
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        if self._proc.stderr:
-            self._proc.stderr.close()
-        self._proc = None
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self.stop()
 
     def wipe(self) -> None:
         """Delete the whole JetStream store (only while stopped)."""
