@@ -87,7 +87,7 @@ async def test_a_large_namespace_keeps_a_small_value_and_two_replicas_never_over
 ) -> None:
     # These charges have no ledger allocation behind them (no scheduler here): keep the
     # reconcile pass from dropping them as unbacked while a loaded machine runs the test.
-    patient = TesseraSettings(quota_grace_margin_s=3600)
+    patient = TesseraSettings(quota_reconcile_interval_s=3600, quota_grace_margin_s=3600)
     first = await start_quota(patient)
     await start_quota(patient)
     ns = unique_namespace("big")
@@ -158,7 +158,10 @@ async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc)
     grow it: past JOURNAL_SOFT_MAX entries the service folds early. Nothing is lost doing so."""
     from tessera.quota.store import JOURNAL_SOFT_MAX
 
-    service = await start_quota(clock=lambda: 1_000_000.0)
+    # The journal alone is under test: no reconcile pass runs meanwhile (its charges have no
+    # ledger allocation behind them).
+    quiet = TesseraSettings(quota_reconcile_interval_s=3600, quota_grace_margin_s=3600)
+    service = await start_quota(quiet, clock=lambda: 1_000_000.0)
     ns = unique_namespace("fast")
     pods = max(100, 6 * JOURNAL_SOFT_MAX)
     await set_limits(nc, ns, memory_mib=pods * 10)
