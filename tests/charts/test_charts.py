@@ -516,6 +516,7 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("", "pods"): {"get", "list", "watch"},
         ("", "nodes"): {"get", "patch"},
         ("", "events"): {"create", "patch"},
+        ("", "configmaps"): {"get", "list", "watch"},  # tessera-node-config, its namespace only
     },
     "tessera-scheduler": {
         ("", "pods"): {"get", "list", "watch", "patch"},
