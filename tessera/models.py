@@ -301,8 +301,7 @@ class AllocationEvent(Event):
 
 
 class NodeEvent(Event):
-    """A node registered, a GPU turned unhealthy (or healthy again), the node was lost, or its
-    device configuration was applied (`configured`) or refused (`config_refused`)."""
+    """A node registered or was lost, a GPU turned (un)healthy, or its device config changed."""
 
     SUBJECT: ClassVar[str] = "tessera.events.node.<node>.<action>"
     action: NodeAction

@@ -5,10 +5,14 @@ rest (a permissions violation), against the generated authorization block."""
 from __future__ import annotations
 
 import pytest
-from test_bus_permissions import NODE_A, NODE_B, as_identity  # noqa: F401 - the fixture
 
 from tessera import bus
 from tessera import bus_permissions as bp
+from tests.security.test_bus_permissions import (  # noqa: F401 - the fixture
+    NODE_A,
+    NODE_B,
+    as_identity,
+)
 
 
 @pytest.mark.parametrize(
