@@ -101,7 +101,8 @@ class NodeAgent:
         self.plugin = DevicePluginService(
             settings=self.settings, state=self.state, store=self.store,
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
-            pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics, **common,
+            pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics,
+            node_settings=self.configurator.node_settings, **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log

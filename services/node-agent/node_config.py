@@ -105,6 +105,7 @@ class NodeConfigurator:
         self.applied_at: float | None = None
         self._lock = asyncio.Lock()
         self._micro: Service | None = None
+        self._node_settings: tuple[tuple[int, float, float], TesseraSettings] | None = None
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -202,6 +203,17 @@ class NodeConfigurator:
             with contextlib.suppress(BaseException):
                 await watcher
             await self.stop()
+
+    def node_settings(self) -> TesseraSettings:
+        """The settings as this node's configuration has them (the handshake reads memory
+        scaling from here: > 1 seals oversubscribe and sets CUDA_OVERSUBSCRIBE)."""
+        key = (self.config.split_count, self.config.memory_scaling, self.config.core_scaling)
+        if self._node_settings is None or self._node_settings[0] != key:
+            self._node_settings = (key, self.settings.model_copy(update={
+                "device_split_count": key[0], "device_memory_scaling": key[1],
+                "device_core_scaling": key[2],
+            }))  # fmt: skip
+        return self._node_settings[1]
 
     # --- status -------------------------------------------------------------------------------
 

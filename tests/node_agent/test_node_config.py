@@ -34,6 +34,7 @@ from tessera.models import (
     NodeEvent,
     NodeRegistration,
 )
+from tessera.region import SEALED_LIMITS_DIR, read_limits
 from tessera.settings import TesseraSettings
 
 NS = "default"
@@ -280,19 +281,24 @@ async def test_restarted_agent_keeps_its_config(short_dir, nc, buckets) -> None:
         assert status.ok, status.reason
         await rig.stop_agent()
         await rig.buckets.nodes.delete(rig.node)  # whatever it registered before is gone
+        registrations = rig.kubelet.registration_count(rig.settings.resource_name)
         await rig.start_agent()
+        await rig.kubelet.wait_registered(rig.settings.resource_name, after=registrations)
         first = await until(lambda: registration(rig))
         assert [(d.index, d.split_count) for d in first.devices] == [(1, 7)]
+        gpu1 = rig.gpus[1]
+        await rig.kubelet.wait_for(lambda: replicas(rig) == [f"{gpu1}-{i}" for i in range(7)])
         shown = await request(rig, bus.node_config_get_subject(rig.node), b"{}")
         assert shown.local == {"devicesplitcount": 7, "filterdevices": {"uuid": [], "index": [0]}}
         # A ConfigMap that turned refusable while the agent was down does not shrink it either.
-        gpu1 = rig.gpus[1]
         pod = make_pod("held", [("main", 1)])
         await rig.bind(pod, [grants((gpu1, 9000, 10))])
         assert (await rig.kubelet.admit_pod(pod)).ok
         await rig.stop_agent()
         rig.cluster.put_config_map(config_map({"devicememoryscaling": 0.25}))
+        registrations = rig.kubelet.registration_count(rig.settings.resource_name)
         await rig.start_agent()
+        await rig.kubelet.wait_registered(rig.settings.resource_name, after=registrations)
         reg = await until(lambda: registration(rig))
         assert [(d.split_count, d.memory_mib) for d in reg.devices] == [(7, 16000)]
         shown = await request(rig, bus.node_config_get_subject(rig.node), b"{}")
@@ -308,3 +314,25 @@ async def test_restarted_agent_keeps_its_config(short_dir, nc, buckets) -> None:
         assert (await until(cleared)).effective["devicesplitcount"] == 7
         status = await set_local(rig, reset=True)
         assert status.ok and status.effective["devicesplitcount"] == 6 and not status.local
+
+
+async def test_per_node_memory_overcommit_reaches_the_container(short_dir, nc, buckets) -> None:
+    """A node set to memory scaling 1.5 (under the cluster's ceiling of 2) advertises 1.5 × its
+    memory, and its containers get oversubscription: CUDA_OVERSUBSCRIBE and the sealed flag."""
+    async with running_rig(short_dir, nc, buckets, max_device_memory_scaling=2.0) as rig:
+        plain = make_pod("plain", [("main", 1)])
+        await rig.bind(plain, [grants((rig.gpus[1], 1000, 10))])
+        admitted = await rig.kubelet.admit_pod(plain)
+        assert "CUDA_OVERSUBSCRIBE" not in admitted.containers[0].envs
+        status = await set_local(rig, devicememoryscaling=1.5)
+        assert status.ok, status.reason
+        reg = await registration(rig)
+        assert {(d.memory_mib, d.physical_memory_mib) for d in reg.devices} == {(24000, 16000)}
+        pod = make_pod("over", [("main", 1)])
+        await rig.bind(pod, [grants((rig.gpus[0], 20000, 50))])
+        admitted = await rig.kubelet.admit_pod(pod)
+        assert admitted.ok, admitted.error
+        container = admitted.containers[0]
+        assert container.envs["CUDA_OVERSUBSCRIBE"] == "true"
+        sealed = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
+        assert sealed.oversubscribe and sealed.devices[0].mem_limit_bytes == 20000 << 20
