@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 from node_agent_rig import grants, make_pod, running_rig
+from tessera.node_agent.devices import PhysicalGpu, advertise
 from tessera.node_agent.node_config_rules import (
     NodeConfigError,
     layer,
+    node_problem,
     parse_config_map,
     parse_entry,
     resolve,
@@ -36,6 +38,7 @@ from tessera.models import (
 )
 from tessera.region import SEALED_LIMITS_DIR, read_limits
 from tessera.settings import TesseraSettings
+from tessera.validation import Bounds, registration_problem
 
 NS = "default"
 
@@ -336,3 +339,19 @@ async def test_per_node_memory_overcommit_reaches_the_container(short_dir, nc, b
         assert container.envs["CUDA_OVERSUBSCRIBE"] == "true"
         sealed = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
         assert sealed.oversubscribe and sealed.devices[0].mem_limit_bytes == 20000 << 20
+
+
+def test_the_clusters_ceiling_bounds_what_a_node_may_be_configured_with() -> None:
+    """What the agent refuses is what the scheduler would refuse: one ceiling for both."""
+    gpus = [PhysicalGpu("GPU-a", 0, "NVIDIA A10", 24576)]
+    parsed = parse_config_map(config_map(nodes=[{"name": "n", "devicememoryscaling": 1.5}]))
+    for settings, allowed in ((TesseraSettings(), False),
+                              (TesseraSettings(max_device_memory_scaling=2.0), True)):
+        layered = layer(settings, parsed, "n", None)
+        config = resolve(layered.merged, settings)
+        problem = node_problem(layered, config, gpus, Bounds.of(settings))
+        registered = NodeRegistration(node="n", devices=advertise(gpus, settings, config=config))
+        scheduler_says = registration_problem("n", registered, Bounds.of(settings))
+        assert (problem is None) is allowed and (scheduler_says is None) is allowed
+        if not allowed:
+            assert "TESSERA_MAX_DEVICE_MEMORY_SCALING" in problem
