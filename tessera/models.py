@@ -597,5 +597,7 @@ class NodeConfigStatus(Message):
     sources: list[str] = Field(default_factory=list, description="layers, lowest first")
     local: dict[str, Any] = Field(default_factory=dict, description="the entry set on the bus")
     refused: str = Field("", description="the last change refused, and why")
+    pending: bool = Field(False, description="the ConfigMap's refused change is retried and "
+                          "applied once it fits")
     refused_at: float | None = None
     applied_at: float | None = None

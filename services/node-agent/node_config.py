@@ -9,7 +9,9 @@ Node and the status `get` shows — and the node keeps what it had. An accepted 
 advertised devices at once: the registration is re-put, HAMi's node annotation rewritten and
 kubelet's ListAndWatch streams the new replicas, without a restart. The applied configuration
 and the local entry are kept in `<region dir>/node-config.json`, so a restarted agent offers
-what it offered before even when the ConfigMap changed meanwhile to something refused.
+what it offered before even when the ConfigMap changed meanwhile to something refused. The
+ConfigMap is the desired state: a change of it refused for what pods hold stays pending and is
+applied once it fits (a change sent with `set` is refused for good: its sender is told).
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class NodeConfigurator:
         self.path = Path(settings.region_host_dir) / STATE_FILE
         self.config = DeviceConfig.of(settings)
         self.unhealthy: frozenset[str] = frozenset()
-        self.config_map: ConfigFile | None = None
+        self.config_map: ConfigFile | None = None  # the latest valid one (desired)
+        self.pending = False  # the ConfigMap asks for what was refused: retried every beat
         self.local: NodeDeviceConfig | None = None
         self.sources: tuple[str, ...] = ("settings",)
         self.refused = ""
@@ -136,7 +139,12 @@ class NodeConfigurator:
         await self.state.update(self._devices(self.config))
         if readable:
             async with self._lock:
-                await self._apply(self.config_map, self.local, origin="start")
+                try:
+                    status = await self._apply(self.config_map, self.local, origin=NODE_CONFIG_MAP)
+                    self.pending = not status.ok
+                except Exception as exc:  # NATS not answering yet: keep what was applied last
+                    self.pending = True
+                    self.log.warning("node config not checked at start", extra={"err": str(exc)})
         if self.nc is not None:
             await self._serve()
 
@@ -160,8 +168,12 @@ class NodeConfigurator:
             try:
                 parsed = parse_config_map(obj) if obj is not None else None
             except NodeConfigError as exc:
+                self.pending = False  # nothing valid to apply; the node keeps what it has
                 return await self._refuse(str(exc))
-            return await self._apply(parsed, self.local, origin=NODE_CONFIG_MAP)
+            self.config_map = parsed
+            status = await self._apply(parsed, self.local, origin=NODE_CONFIG_MAP)
+            self.pending = not status.ok
+            return status
 
     async def set_local(self, request: NodeConfigSetRequest) -> NodeConfigStatus:
         """`tessera node-config set`: this node's own entry, over the ConfigMap's."""
@@ -194,10 +206,27 @@ class NodeConfigurator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), WATCH_RETRY_S)
 
+    async def retry_pending(self) -> None:
+        """A ConfigMap refused because pods held what it takes away is applied once they left
+        (the ConfigMap is the desired state; the refusal is repeated only when it changes)."""
+        async with self._lock:
+            if self.pending:
+                status = await self._apply(self.config_map, self.local, origin=NODE_CONFIG_MAP)
+                self.pending = not status.ok
+
     async def run(self, stop: asyncio.Event) -> None:
         watcher = asyncio.create_task(self.watch(stop))
+        every = max(1.0, self.settings.node_heartbeat_s)
         try:
-            await stop.wait()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), every)
+                if stop.is_set():
+                    break
+                try:
+                    await self.retry_pending()
+                except Exception as exc:
+                    self.log.warning("pending node config not retried", extra={"err": str(exc)})
         finally:
             watcher.cancel()
             with contextlib.suppress(BaseException):
@@ -223,6 +252,7 @@ class NodeConfigurator:
             sources=list(self.sources),
             local=self.local.model_dump(exclude_none=True) if self.local else {},
             refused=self.refused, refused_at=self.refused_at, applied_at=self.applied_at,
+            pending=self.pending,
         )
 
     # --- applying -----------------------------------------------------------------------------

@@ -44,6 +44,8 @@ def show(status: NodeConfigStatus, console: Console) -> None:
         console.print(f"  local entry: {json.dumps(status.local, sort_keys=True)}")
     if status.refused:
         console.print(f"  last change REFUSED: {status.refused}")
+        if status.pending:
+            console.print("  (the ConfigMap's change is retried and applied once it fits)")
 
 
 def register(app: typer.Typer) -> None:

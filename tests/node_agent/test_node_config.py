@@ -31,9 +31,11 @@ from tessera.codec import decode, encode
 from tessera.events import decode_event
 from tessera.models import (
     NODE_CONFIG_MAP,
+    AllocationState,
     NodeConfigSetRequest,
     NodeConfigStatus,
     NodeEvent,
+    NodeLedger,
     NodeRegistration,
 )
 from tessera.region import SEALED_LIMITS_DIR, read_limits
@@ -355,3 +357,35 @@ def test_the_clusters_ceiling_bounds_what_a_node_may_be_configured_with() -> Non
         assert (problem is None) is allowed and (scheduler_says is None) is allowed
         if not allowed:
             assert "TESSERA_MAX_DEVICE_MEMORY_SCALING" in problem
+
+
+async def test_a_refused_configmap_is_applied_once_the_pods_leave(short_dir, nc, buckets) -> None:
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu0 = rig.gpus[0]
+        pod = make_pod("blocker", [("main", 1)])
+        allocation = await rig.bind(pod, [grants((gpu0, 10000, 30))])
+        assert (await rig.kubelet.admit_pod(pod)).ok
+        rig.cluster.put_config_map(config_map({"devicememoryscaling": 0.5}))
+
+        async def pending():
+            shown = await request(rig, bus.node_config_get_subject(rig.node), b"{}")
+            return shown if shown.pending and "10000 MiB allocated" in shown.refused else None
+
+        await until(pending)
+        assert {d.memory_mib for d in (await registration(rig)).devices} == {16000}
+
+        def release(ledger):
+            ledger = ledger.model_copy(deep=True)
+            ledger.allocations[allocation.pod_uid].state = AllocationState.RELEASED
+            return ledger
+
+        await bus.cas_update(rig.buckets.ledger, rig.node, NodeLedger, release)
+
+        async def halved():
+            reg = await registration(rig)
+            return reg if reg and {d.memory_mib for d in reg.devices} == {8000} else None
+
+        await until(halved)
+        shown = await request(rig, bus.node_config_get_subject(rig.node), b"{}")
+        assert not shown.pending and not shown.refused
+        assert any(e["reason"] == "NodeConfigApplied" for e in rig.cluster.events)
