@@ -159,6 +159,7 @@ class ForeignCapacity:
         self.by_node: dict[str, dict[str, ForeignPod]] = {}
         # node -> (HAMi's devices or None, why its annotation was refused)
         self.registers: dict[str, tuple[tuple[DeviceInfo, ...] | None, str]] = {}
+        self._texts: dict[str, object] = {}  # node -> the annotation text last decoded
         self._gone: dict[str, float] = {}  # uid -> when it stopped holding (deleted, finished)
         if registry is not None:
             self._gauges(registry)
@@ -293,8 +294,16 @@ class ForeignCapacity:
             return
         annotations = meta.get("annotations") or {}
         text = annotations.get(hami.ANN_NODE_REGISTER) if isinstance(annotations, dict) else None
+        if event.type == "DELETED":
+            text = None
+        if name in self._texts and self._texts[name] == text:
+            return  # Node objects change often (status); the annotation seldom: decode it once
+        if text is None:
+            self._texts.pop(name, None)
+        else:
+            self._texts[name] = text
         value: tuple[tuple[DeviceInfo, ...] | None, str] | None = None
-        if event.type != "DELETED" and text is not None:
+        if text is not None:
             try:
                 value = (tuple(hami.read_node_register(text)), "")
             except ValueError as exc:
