@@ -15,11 +15,15 @@ import json
 from typing import Any
 
 from prometheus_client import generate_latest
+from tessera.scheduler.foreign import ForeignCapacity
+from tessera.scheduler.index import ClusterIndex
 
 from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.memory import InMemoryCluster
+from tessera.cluster.port import WatchEvent
 from tessera.models import ExplainRequest, NodeLedger
+from tessera.settings import TesseraSettings
 
 from .conftest import MakeService, register, unique, wait_until
 from .factories import container, node, pod
@@ -238,3 +242,33 @@ async def test_tessera_pods_are_never_taken_for_hamis(
     ledger = await bus.read(buckets.ledger, name, NodeLedger)
     assert ledger is not None and len(ledger.value.allocations) == 1
     assert service.index.node(name) is not None
+
+
+def test_a_listing_never_brings_back_what_the_watch_saw_end() -> None:
+    """The listing a rebuild or reconcile works from may predate a delete or a newer update the
+    watch already applied: neither resurrects a freed GPU nor rolls back to older grants."""
+    now = [1000.0]
+    index = ClusterIndex()
+    index.set_registration("n1", node("n1", gpus=2, memory_mib=CARD), now[0])
+    foreign = ForeignCapacity(settings=TesseraSettings(), index=index, clock=lambda: now[0])
+    listed = hami_pod("old", "n1", f"GPU-n1-0,NVIDIA-H100,{CARD},100:;")
+    listed["metadata"]["resourceVersion"] = "5"
+    foreign.on_pod_event(WatchEvent(type="DELETED", object=listed))
+    assert foreign.load([listed], listed_at=now[0]) == []  # HAMi's: not for the ledger rebuild
+    assert not index.foreign_allocations("n1")
+
+    moved = hami_pod("moving", "n1", "GPU-n1-1,NVIDIA-H100,1000,10:;")
+    moved["metadata"]["resourceVersion"] = "9"
+    stale = {**moved, "metadata": {**moved["metadata"], "resourceVersion": "7",
+             "annotations": {**moved["metadata"]["annotations"],
+                             "hami.io/vgpu-devices-allocated": "GPU-n1-0,NVIDIA-H100,1,1:;"}}}
+    foreign.on_pod_event(WatchEvent(type="ADDED", object=moved))
+    foreign.load([stale], listed_at=now[0])
+    (held,) = index.foreign_allocations("n1")
+    assert held.containers[0][0].uuid == "GPU-n1-1"
+    cards = {c.uuid: c for c in index.entries["n1"].cards}
+    assert (cards["GPU-n1-1"].used_mem, cards["GPU-n1-0"].used_mem) == (1000, 0)
+
+    now[0] += 60  # a later listing without the pod: it ended while no watch saw it
+    foreign.load([], listed_at=now[0])
+    assert not index.foreign_allocations("n1") and index.entries["n1"].cards[1].used_mem == 0
