@@ -178,8 +178,8 @@ class ForeignCapacity:
         if not any(key in annotations for key in _HAMI_KEYS):
             return False, None
         uid, name = meta.get("uid"), meta.get("name")
-        if not isinstance(uid, str) or not uid or not isinstance(name, str) or not name:
-            return True, None
+        if not isinstance(uid, str) or not uid:
+            return True, None  # nothing to follow it by (the API server always sets one)
         status = pod.get("status") if isinstance(pod.get("status"), dict) else {}
         bound = spec.get("nodeName") or ""
         decided = annotations.get(hami.ANN_VGPU_NODE) or ""
@@ -192,11 +192,15 @@ class ForeignCapacity:
         namespace = str(meta.get("namespace") or "default")
         version = str(meta.get("resourceVersion") or "")
         now = self.clock()
+        if not isinstance(name, str) or not name:
+            return True, ForeignPod(uid, namespace, "?", node, None, "pod without a name", version,
+                                    now)  # fmt: skip
         try:
             allocation = self._allocation(pod, spec, annotations, uid, namespace, name, node,
                                           bound, decided, now)  # fmt: skip
-        except ValueError as exc:
-            return True, ForeignPod(uid, namespace, name, node, None, str(exc)[:300], version, now)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # hostile shapes too
+            why = str(exc) if isinstance(exc, ValueError) else f"malformed pod ({exc!r})"
+            return True, ForeignPod(uid, namespace, name, node, None, why[:300], version, now)
         if allocation is None:
             return True, None
         return True, ForeignPod(uid, namespace, name, node, allocation, "", version, now)

@@ -272,3 +272,28 @@ def test_a_listing_never_brings_back_what_the_watch_saw_end() -> None:
     now[0] += 60  # a later listing without the pod: it ended while no watch saw it
     foreign.load([], listed_at=now[0])
     assert not index.foreign_allocations("n1") and index.entries["n1"].cards[1].used_mem == 0
+
+
+def test_hostile_shapes_never_raise_and_never_free_a_gpu() -> None:
+    index = ClusterIndex()
+    index.set_registration("n1", node("n1", gpus=1, memory_mib=CARD), 0.0)
+    foreign = ForeignCapacity(settings=TesseraSettings(), index=index, clock=lambda: 0.0)
+    base = hami_pod("odd", "n1", "GPU-n1-0,NVIDIA-H100,1000,10:;")
+    shapes: list[Any] = [
+        {**base, "status": "Running"},
+        {**base, "spec": {**base["spec"], "containers": "main"}},
+        {**base, "spec": {**base["spec"], "initContainers": [7]}},
+        {**base, "metadata": {**base["metadata"], "annotations": {
+            "hami.io/vgpu-node": "n1", "hami.io/vgpu-devices-allocated": {"x": 1}}}},
+        {**base, "metadata": {**base["metadata"], "name": 5}},
+        {"metadata": [], "spec": {}},
+    ]
+    for shape in shapes:
+        foreign.on_pod_event(WatchEvent(type="ADDED", object=shape))
+        foreign.load([shape], listed_at=0.0)
+        if shape is not shapes[-1]:  # HAMi's: its GPU stays taken (counted, or quarantined)
+            entry = index.entries["n1"]
+            assert (entry.blocked.startswith("HAMiCapacityUnknown: HAMi pod team-hami/")
+                    or entry.cards[0].used_mem == 1000), shape  # fmt: skip
+    foreign.on_pod_event(WatchEvent(type="DELETED", object=base))
+    assert not index.entries["n1"].blocked
