@@ -34,11 +34,12 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from tessera import hami
 from tessera.cluster.port import WatchEvent
-from tessera.models import Allocation, AllocationState, DeviceInfo, NodeRegistration
+from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.restore import FINISHED_PHASES, init_containers_succeeded
 from tessera.settings import TesseraSettings
 
 from .cards import allocation_usage
+from .validation import Rebuild
 
 if TYPE_CHECKING:
     from .index import ClusterIndex
@@ -244,6 +245,21 @@ class ForeignCapacity:
                 if isinstance(values, dict) and keys & values.keys():
                     return True
         return False
+
+    def repairing(self, rebuild: Rebuild) -> Rebuild:
+        """The ledger repair's completion from the pods (validation.cluster_rebuild), minus
+        HAMi's pods: they are counted here, never written into Tessera's ledger."""
+
+        async def without_hami(node: str, base: NodeLedger | None) -> NodeLedger:
+            ledger = await rebuild(node, base)
+            kept = base.allocations if base is not None else {}
+            hamis = {u for u in ledger.allocations if u in self.pods and u not in kept}
+            if not hamis:
+                return ledger
+            allocations = {u: a for u, a in ledger.allocations.items() if u not in hamis}
+            return ledger.model_copy(update={"allocations": allocations})
+
+        return without_hami
 
     # --- the watches --------------------------------------------------------------------------
     def on_pod_event(self, event: WatchEvent) -> None:

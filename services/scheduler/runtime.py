@@ -93,19 +93,20 @@ class SchedulerService:
             self.metrics, self.instance, clock,
         )  # fmt: skip
         self.rejections = Rejections(f"scheduler/{self.instance}", js, self.metrics.registry)
+        self.foreign = ForeignCapacity(
+            settings=settings, index=self.index, cluster=cluster, registry=self.metrics.registry,
+            clock=clock,
+        )  # fmt: skip
         self.guard = LedgerGuard(
             bounds=Bounds.of(settings), index=self.index, ledger_kv=buckets.ledger,
-            rejections=self.rejections, rebuild=cluster_rebuild(cluster) if cluster else None,
+            rejections=self.rejections,
+            rebuild=self.foreign.repairing(cluster_rebuild(cluster)) if cluster else None,
         )  # fmt: skip
         self.gate = PodGate(cluster)
         self.scheduler.pod_filter.pod_check = self.gate.check_identity
         self.nodes_synced = asyncio.Event()
         self.ledger_synced = asyncio.Event()  # set after the sync *and* the rebuild from pods
         self.stopping = asyncio.Event()
-        self.foreign = ForeignCapacity(
-            settings=settings, index=self.index, cluster=cluster, registry=self.metrics.registry,
-            clock=clock,
-        )  # fmt: skip
         self.rebuilder = (
             LedgerRebuilder(
                 cluster=cluster, index=self.index,

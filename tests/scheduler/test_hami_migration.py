@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import generate_latest
 from tessera.scheduler.foreign import ForeignCapacity
 from tessera.scheduler.index import ClusterIndex
+from tessera.scheduler.validation import cluster_rebuild
 
 from tessera import bus
 from tessera.bus import Buckets
@@ -297,3 +298,19 @@ def test_hostile_shapes_never_raise_and_never_free_a_gpu() -> None:
                     or entry.cards[0].used_mem == 1000), shape  # fmt: skip
     foreign.on_pod_event(WatchEvent(type="DELETED", object=base))
     assert not index.entries["n1"].blocked
+
+
+async def test_ledger_repair_never_writes_hami_pods_into_tesseras_ledger() -> None:
+    """A quarantined ledger entry is completed from the pods' annotations: Tessera's pods come
+    back, HAMi's (same annotations, another scheduler) stay counted apart."""
+    cluster = InMemoryCluster()
+    index = ClusterIndex()
+    foreign = ForeignCapacity(settings=TesseraSettings(), index=index, clock=lambda: 0.0)
+    theirs = cluster.add_pod(hami_pod("theirs", "n1", "GPU-n1-0,NVIDIA-H100,1000,10:;"))
+    mine = hami_pod("mine", "n1", "GPU-n1-1,NVIDIA-H100,2000,0:;", namespace="default")
+    mine["spec"]["schedulerName"] = "tessera-scheduler"
+    mine = cluster.add_pod(mine)
+    foreign.load(await cluster.list_pods(), listed_at=0.0)
+    repaired = await foreign.repairing(cluster_rebuild(cluster))("n1", None)
+    assert set(repaired.allocations) == {mine["metadata"]["uid"]}
+    assert theirs["metadata"]["uid"] in foreign.pods
