@@ -412,6 +412,8 @@ def decode_node_register(text: str) -> list[DeviceInfo]:
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise ValueError(f"{ANN_NODE_REGISTER}: item {i} is not an object")
+            if not isinstance(item.get("id"), str):
+                raise ValueError(f"{ANN_NODE_REGISTER}: item {i} has no string \"id\"")
             devices.append(
                 DeviceInfo(
                     uuid=item["id"],
@@ -478,3 +480,82 @@ def parse_scrub_on_free(value: str | None) -> bool:
 
 def scheduler_owned(annotation: str) -> bool:
     return annotation.startswith(SCHEDULER_OWNED_PREFIXES)
+
+
+# --- HAMi's own records, read (never written) while a cluster migrates from HAMi ----------------
+# A cluster moving from HAMi runs both for a while: nodes registered by HAMi's device plugin and
+# pods placed by HAMi's scheduler are read as capacity Tessera must not hand out again. Anything
+# in them may be wrong or hostile, so these readers check what they decode and raise ValueError
+# with a sentence; the caller quarantines (services/scheduler/foreign.py).
+
+MAX_REGISTER_CHARS = 256 * 1024
+MAX_NODE_GPUS = 128
+MAX_SPLIT_COUNT = 1024
+MAX_CARD_CORES = 100 * 100  # 100 × deviceCoreScaling, generously
+MAX_GRANTS_CHARS = 64 * 1024
+
+
+def read_node_register(text: object) -> list[DeviceInfo]:
+    """`hami.io/node-nvidia-register` as HAMi's device plugin writes it (either form), checked:
+    string ids without separators and unique, 0 < memory ≤ 16 TiB, 1 ≤ count ≤ 1024,
+    0 ≤ cores ≤ 10000, at most 128 GPUs. ValueError says what is wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"{ANN_NODE_REGISTER}: not a string")
+    if len(text) > MAX_REGISTER_CHARS:
+        raise ValueError(f"{ANN_NODE_REGISTER}: {len(text)} characters (at most "
+                         f"{MAX_REGISTER_CHARS})")  # fmt: skip
+    try:
+        devices = decode_node_register(text)
+    except ValueError as exc:  # pydantic's ValidationError is one too
+        if str(exc).startswith(ANN_NODE_REGISTER):
+            raise
+        raise ValueError(f"{ANN_NODE_REGISTER}: {' '.join(str(exc).split())[:300]}") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{ANN_NODE_REGISTER}: malformed item ({type(exc).__name__}: {exc})"
+                         ) from exc  # fmt: skip
+    if len(devices) > MAX_NODE_GPUS:
+        raise ValueError(f"{ANN_NODE_REGISTER}: {len(devices)} GPUs (at most {MAX_NODE_GPUS})")
+    seen: set[str] = set()
+    for d in devices:
+        where = f"{ANN_NODE_REGISTER}: GPU {d.uuid[:80]!r}"
+        if not d.uuid or _FORBIDDEN_IN_FIELDS & set(d.uuid) or d.uuid in seen:
+            raise ValueError(f"{where}: empty, duplicated or containing ',', ':' or ';'")
+        seen.add(d.uuid)
+        if not 0 < d.memory_mib <= MAX_MEMORY_MIB:
+            raise ValueError(f"{where}: devmem {d.memory_mib} MiB is not in 1..{MAX_MEMORY_MIB}")
+        if not 1 <= d.split_count <= MAX_SPLIT_COUNT:
+            raise ValueError(f"{where}: count {d.split_count} is not in 1..{MAX_SPLIT_COUNT}")
+        if not 0 <= d.cores <= MAX_CARD_CORES:
+            raise ValueError(f"{where}: devcore {d.cores} is not in 0..{MAX_CARD_CORES}")
+    return devices
+
+
+def read_pod_grants(annotations: dict[str, Any], containers: int) -> list[list[DeviceGrant]]:
+    """The grants a pod placed by HAMi's scheduler holds: `hami.io/vgpu-devices-allocated`, or
+    `-to-allocate` while that one lists no device (HAMi's device plugin empties `-to-allocate`
+    as it serves the containers; `-allocated` keeps the whole record). Checked: at most one list
+    per container, every device with a UUID, memory ≤ 16 TiB, cores ≤ 10000. ValueError says
+    what is wrong; a pod annotated with neither key holds nothing ([])."""
+    chosen: list[list[DeviceGrant]] = []
+    for key in (ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE):
+        text = annotations.get(key)
+        if text is None:
+            continue
+        if not isinstance(text, str) or len(text) > MAX_GRANTS_CHARS:
+            raise ValueError(f"{key}: not a string of at most {MAX_GRANTS_CHARS} characters")
+        try:
+            grants = decode_pod_devices(text)
+        except ValueError as exc:
+            why = str(exc).removeprefix(f"{ANN_DEVICES_TO_ALLOCATE}: ")
+            raise ValueError(f"{key}: {why}") from exc
+        if len(grants) > containers:
+            raise ValueError(f"{key}: {len(grants)} device lists for {containers} containers")
+        for devices in grants:
+            for g in devices:
+                if not g.uuid or g.memory_mib > MAX_MEMORY_MIB or g.cores > MAX_CARD_CORES:
+                    raise ValueError(f"{key}: device {g.uuid[:80]!r} has no UUID or absurd "
+                                     f"amounts ({g.memory_mib} MiB, {g.cores} cores)")  # fmt: skip
+        if any(grants):
+            return grants
+        chosen = chosen or grants
+    return chosen

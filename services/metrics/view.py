@@ -46,6 +46,10 @@ BREACH_REASONS = ("memory", "compute", "tampered")
 # HAMi writes node reasons as "3/8 CardInsufficientMemory"; several may be joined by ", " or "; ".
 _REASON = re.compile(r"^\s*(?:\d+/\d+\s+)?([A-Z][A-Za-z0-9]*)(?=$|[\s:])")
 
+# How the dashboard shows a node event: a (re)configuration is routine, a refused one needs the
+# operator's eye, losing a node or a GPU is an error.
+NODE_EVENT_SEVERITY = {"registered": "info", "configured": "info", "config_refused": "warning"}
+
 
 def reason_codes(text: str) -> list[str]:
     """The machine-readable reason names in one node's refusal text (bounded label values)."""
@@ -301,7 +305,7 @@ class ClusterView:
         gpus = f" ({', '.join(event.device_uuids)})" if event.device_uuids else ""
         self._remember(event, "node", event.action, event.node,
                        f"node {event.node} {event.action}{gpus}",
-                       "info" if event.action == "registered" else "error")
+                       NODE_EVENT_SEVERITY.get(event.action, "error"))
 
     def _remember(
         self, event: Event, kind: str, action: str, scope: str, text: str, severity: str

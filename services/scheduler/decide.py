@@ -45,7 +45,7 @@ class Decision:
                 self.record(entry.name, fit)
 
     def record(self, node: str, fit: PodFit) -> None:
-        self.failed[node] = fit.reason_text()
+        self.failed[node] = fit.reason_text() + self.index.foreign_note(node)
         self.reason_counts.update(fit.reasons.keys())
 
     def explain_rest(self) -> None:
@@ -53,12 +53,17 @@ class Decision:
         needed when the pod is refused, or for the side-effect-free path)."""
         for slot in self.pruned:  # type: ignore[attr-defined]
             entry = self.index.entry_at(slot)
+            if entry.blocked:  # HAMi's holdings there are unknown (foreign.py)
+                self.failed[entry.name] = entry.blocked
+                self.reason_counts[entry.blocked.partition(":")[0]] += 1
+                continue
             fit = fit_pod(entry.cards, self.request, self.context())
             if fit.ok:  # the summaries are conservative; should not happen, but stay exact
                 continue
             self.record(entry.name, fit)
         for name in self.unknown:
-            self.failed[name] = f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
+            self.failed[name] = (f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
+                                 + self.index.foreign_note(name))
             self.reason_counts[NODE_UNREGISTERED] += 1
 
 

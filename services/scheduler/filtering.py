@@ -181,6 +181,7 @@ class PodFilter:
                 now=self.clock(),
                 ttl_s=self.settings.reservation_ttl_s,
                 may_create=entry.ledger is None,
+                foreign=self.index.foreign_allocations(entry.name),
             )
             # Other filters running while this CAS is in flight should look elsewhere first.
             self.index.busy[entry.slot] = True

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from tessera.hami import PodRequest
 from tessera.models import AllocationState, NodeLedger, NodeRegistration
 
-from .cards import Card, ledger_cards, node_score
+from .cards import Card, build_cards, node_score
 
 _GROW = 1024
 _WIDTH = 8  # cards per row; widened when a node has more GPUs
@@ -37,6 +38,7 @@ class NodeEntry:
     cards: list[Card] = field(default_factory=list)
     score: float = 0.0
     reserved_until: float | None = None  # earliest expiry of a reservation here
+    blocked: str = ""  # why nothing may be placed here (HAMi's holdings unknown: foreign.py)
 
     @property
     def schedulable(self) -> bool:
@@ -73,6 +75,8 @@ class ClusterIndex:
         self.pod_nodes: dict[str, str] = {}  # pod uid -> node, for every active allocation
         self.pod_uids: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, the same pods
         self.global_cordon = global_cordon
+        # node -> foreign.ForeignNode: what HAMi's pods hold there (kept by foreign.py).
+        self.foreign: dict[str, Any] = {}
         self.topology_version = 0
         self._candidates: dict[tuple[str, ...], tuple[int, np.ndarray, list[str]]] = {}
         self._changed: dict[str, asyncio.Event] = {}
@@ -171,7 +175,7 @@ class ClusterIndex:
             if entry.ledger is None:
                 self._forget(entry)
             return
-        cards = ledger_cards(entry.registration, entry.ledger, now, self.cordon_of(entry))
+        cards = self._cards(entry, now)
         entry.cards = cards
         entry.score = node_score(cards)
         usable = [
@@ -183,7 +187,7 @@ class ClusterIndex:
             self._grow(0, len(usable) - self.card_mem.shape[1])
         width = self.card_mem.shape[1]
         pad = [-1] * (width - len(usable))
-        self.free_gpus[slot] = len(usable)
+        self.free_gpus[slot] = -1 if entry.blocked else len(usable)
         self.card_mem[slot] = [c.free_mem for c in usable] + pad
         self.card_pct[slot] = [
             c.free_mem * 100 // c.memory_mib if c.memory_mib else 0 for c in usable
@@ -204,6 +208,29 @@ class ClusterIndex:
         self.busy[slot] = any(c.expires_at > now for c in claims) or any(
             e > now for e in expiries
         )
+
+    def _cards(self, entry: NodeEntry, now: float) -> list[Card]:
+        """The node's cards with what its ledger holds plus what HAMi's pods hold there."""
+        assert entry.registration is not None
+        allocations = list(entry.ledger.allocations.values()) if entry.ledger else []
+        foreign = self.foreign.get(entry.name)
+        entry.blocked = ""
+        if foreign is not None:
+            allocations += foreign.allocations
+            entry.blocked = foreign.blocking(entry.registration)
+        return build_cards(entry.registration, allocations, now, self.cordon_of(entry))
+
+    def foreign_allocations(self, node: str) -> tuple[Any, ...]:
+        foreign = self.foreign.get(node)
+        return foreign.allocations if foreign is not None else ()
+
+    def foreign_note(self, node: str) -> str:
+        """What a refusal of `node` adds about HAMi's registration and pods there."""
+        foreign = self.foreign.get(node)
+        if foreign is None:
+            return ""
+        entry = self.entries.get(node)
+        return foreign.note(entry.registration if entry is not None else None)
 
     def _forget(self, entry: NodeEntry) -> None:
         del self.entries[entry.name]

@@ -58,6 +58,8 @@ class ReservationRequest:
     # False when the index knew an entry for this node: finding none now means the ledger was
     # lost (NATS lost its store) and not rebuilt yet, so a reservation must not start it afresh.
     may_create: bool = True
+    # What HAMi's pods hold on the node (foreign.py): counted, never written to the ledger.
+    foreign: tuple[Allocation, ...] = ()
 
 
 class LedgerLostError(Exception):
@@ -87,7 +89,7 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
         raise NoChange  # already reserved here (a retried filter): keep it
     # Drop finished entries while writing anyway: the ledger never keeps dead pods.
     others = {k: a for k, a in ledger.allocations.items() if k != uid and a.active}
-    cards = build_cards(req.registration, others.values(), req.now, req.cordoned)
+    cards = build_cards(req.registration, [*others.values(), *req.foreign], req.now, req.cordoned)
     fit = fit_pod(cards, req.request, req.ctx_factory())
     if not fit.ok:
         raise NodeFullError(fit)

@@ -24,6 +24,7 @@ from tessera.cluster.port import ClusterPort
 from tessera.models import Allocation, InFlightClaim, NodeLedger
 from tessera.restore import RestoreReport, allocations_from_pods
 
+from .foreign import ForeignCapacity
 from .index import ClusterIndex
 
 log = logging.getLogger("tessera.scheduler")
@@ -66,8 +67,10 @@ class LedgerRebuilder:
         quota_enabled: bool,
         claim_ttl_s: float,
         clock: Callable[[], float],
+        foreign: ForeignCapacity | None = None,
     ) -> None:
         self.cluster = cluster
+        self.foreign = foreign  # HAMi's pods: counted apart (foreign.py), never restored here
         self.index = index
         self.write = write  # (node, mutate) -> Versioned[NodeLedger]; the ledger KV's CAS
         self.quota_enabled = quota_enabled
@@ -78,6 +81,8 @@ class LedgerRebuilder:
         report = RestoreReport()
         pods = await self.cluster.list_pods()
         now = self.clock()
+        if self.foreign is not None:
+            pods = self.foreign.load(pods, now)
         by_node = allocations_from_pods(
             pods, quota_held=self.quota_enabled, now=now, claim_ttl_s=self.claim_ttl_s,
             report=report,

@@ -46,6 +46,7 @@ from tessera.validation import Bounds, Problem, Rejections
 from .api import build_app
 from .config import SchedulerSettings
 from .engine import Scheduler
+from .foreign import ForeignCapacity
 from .index import ClusterIndex
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
@@ -92,9 +93,14 @@ class SchedulerService:
             self.metrics, self.instance, clock,
         )  # fmt: skip
         self.rejections = Rejections(f"scheduler/{self.instance}", js, self.metrics.registry)
+        self.foreign = ForeignCapacity(
+            settings=settings, index=self.index, cluster=cluster, registry=self.metrics.registry,
+            clock=clock,
+        )  # fmt: skip
         self.guard = LedgerGuard(
             bounds=Bounds.of(settings), index=self.index, ledger_kv=buckets.ledger,
-            rejections=self.rejections, rebuild=cluster_rebuild(cluster) if cluster else None,
+            rejections=self.rejections,
+            rebuild=self.foreign.repairing(cluster_rebuild(cluster)) if cluster else None,
         )  # fmt: skip
         self.gate = PodGate(cluster)
         self.scheduler.pod_filter.pod_check = self.gate.check_identity
@@ -106,6 +112,7 @@ class SchedulerService:
                 cluster=cluster, index=self.index,
                 write=lambda node, mutate: ledger_cas(buckets.ledger, node, mutate),
                 quota_enabled=settings.quota_enabled, claim_ttl_s=config.claim_ttl_s, clock=clock,
+                foreign=self.foreign,
             )
             if cluster is not None else None
         )  # fmt: skip
@@ -153,6 +160,8 @@ class SchedulerService:
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
             loops += [self._watch_pods, self._reconcile_loop]
+            if hasattr(self.cluster, "watch_nodes"):
+                loops.append(self.foreign.watch_nodes)  # HAMi's node registrations
         if self.keeper is not None:
             loops.append(self._follow_bus)
         for loop in loops:
@@ -405,6 +414,7 @@ class SchedulerService:
 
     async def on_pod_event(self, event: WatchEvent) -> None:
         self.gate.observe(event)
+        self.foreign.on_pod_event(event)
         pod = event.object
         meta = pod.get("metadata") or {}
         uid = meta.get("uid")
@@ -492,6 +502,7 @@ class SchedulerService:
                 continue
             listed_at = self.clock()
             pods = await self.cluster.list_pods()
+            self.foreign.load(pods, listed_at)
             alive = {
                 (p.get("metadata") or {}).get("uid")
                 for p in pods

@@ -431,6 +431,9 @@ class KubernetesCluster:
         node: KubeObject = await self._get_json(f"/api/v1/nodes/{_quote(name)}")
         return node
 
+    def watch_nodes(self) -> AsyncIterator[WatchEvent]:
+        return self._list_then_watch("/api/v1/nodes", None, "Node")
+
     async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
         await self._request(
             "PATCH",

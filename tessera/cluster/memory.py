@@ -30,6 +30,7 @@ class InMemoryCluster:
         self._quota_watchers: list[asyncio.Queue[WatchEvent]] = []
         self.config_maps: dict[tuple[str, str], KubeObject] = {}
         self._config_map_watchers: list[asyncio.Queue[WatchEvent]] = []
+        self._node_watchers: list[asyncio.Queue[WatchEvent]] = []
 
     # --- test helpers ---------------------------------------------------------------------
     def add_pod(self, pod: KubeObject) -> KubeObject:
@@ -54,7 +55,15 @@ class InMemoryCluster:
         self._emit(self._pod_watchers, "DELETED", pod)
 
     def add_node(self, node: KubeObject) -> None:
-        self.nodes[node["metadata"]["name"]] = copy.deepcopy(node)
+        name = node["metadata"]["name"]
+        kind = "MODIFIED" if name in self.nodes else "ADDED"
+        self.nodes[name] = copy.deepcopy(node)
+        self._emit(self._node_watchers, kind, self._node_view(name))
+
+    def delete_node(self, name: str) -> None:
+        view = self._node_view(name)
+        del self.nodes[name]
+        self._emit(self._node_watchers, "DELETED", view)
 
     def put_quota(self, quota: KubeObject) -> None:
         key = (quota["metadata"].get("namespace", "default"), quota["metadata"]["name"])
@@ -156,6 +165,26 @@ class InMemoryCluster:
                 target.pop(key, None)
             else:
                 target[key] = value
+        if node in self.nodes:
+            self._emit(self._node_watchers, "MODIFIED", self._node_view(node))
+
+    def _node_view(self, name: str) -> KubeObject:
+        """The Node as the API serves it: its object with the patched annotations merged."""
+        node = copy.deepcopy(self.nodes[name])
+        node["metadata"].setdefault("annotations", {}).update(self.node_annotations.get(name, {}))
+        return node
+
+    async def watch_nodes(self) -> AsyncIterator[WatchEvent]:
+        """Nodes given objects by `add_node` (implicit nodes have nothing to watch)."""
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._node_watchers.append(queue)
+        try:
+            for name in list(self.nodes):
+                yield WatchEvent(type="ADDED", object=self._node_view(name))
+            while True:
+                yield await queue.get()
+        finally:
+            self._node_watchers.remove(queue)
 
     async def record_event(
         self,

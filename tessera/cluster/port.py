@@ -101,6 +101,10 @@ class ClusterPort(Protocol):
         """JSON merge patch of a node's annotations; None removes the key."""
         ...
 
+    def watch_nodes(self) -> AsyncIterator[WatchEvent]:
+        """List then watch Node objects (the scheduler reads HAMi's registration annotation)."""
+        ...
+
     async def record_event(
         self,
         involved: ObjectRef,

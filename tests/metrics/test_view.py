@@ -262,3 +262,14 @@ def test_pending_pods_age_out_and_a_recreated_pod_starts_over() -> None:
                                               "at": NOW - 5}), 2)
     [pod] = dashboard_state(view, NOW)["pending"]
     assert pod["pod_uid"] == "new" and pod["attempts"] == 1 and pod["waiting_s"] == 5
+
+
+def test_node_configuration_events_are_not_shown_as_errors() -> None:
+    """An applied per-node config is routine, a refused one a warning; a lost node an error."""
+    from tessera.models import NodeEvent
+
+    view = ClusterView()
+    for action in ("configured", "config_refused", "lost"):
+        view.apply_event(NodeEvent(node="gpu-1", action=action, reason="r", at=NOW))
+    shown = {e.action: e.severity for e in view.recent}
+    assert shown == {"configured": "info", "config_refused": "warning", "lost": "error"}

@@ -1,0 +1,407 @@
+"""Capacity HAMi holds while a cluster migrates to Tessera node by node.
+
+The procedure: docs/migrating-from-hami.md.
+
+During a migration both systems run. Tessera places pods only on nodes its own node agent
+registered (only there is a slice enforced and its identity proven), so a node registered by
+HAMi's device plugin is **read-only**: its `hami.io/node-nvidia-register` is read, shown in
+refusals, and never placed on. Pods HAMi's scheduler placed (their `hami.io/vgpu-devices-allocated`
+or `-to-allocate`, `hami.io/vgpu-node` and `hami.io/bind-phase` annotations) hold GPUs wherever
+they run, also on a node that has since switched to Tessera's node agent: what they hold counts as
+used, in the index and in the reservation's compare-and-set, and is never written to the ledger
+(the ledger is Tessera's record; the cluster is HAMi's pods' record).
+
+A pod is HAMi's when its `spec.schedulerName` is set and is not Tessera's and it carries HAMi's
+placement annotations. It holds its grants from the moment HAMi's scheduler names its node until
+it ends (Succeeded, Failed, deleted) or its bind failed before it was bound. Anything unreadable
+fails closed: a HAMi pod whose annotations do not decode, disagree with its node, or name a GPU
+the node's Tessera registration does not list puts the node under quarantine
+(`HAMiCapacityUnknown: ...`, nothing placed there) until the pod is fixed or gone; an unreadable
+node registration is reported, the node stays unusable (as every node without Tessera's agent).
+
+Fed by the scheduler's pod watch, a node watch, the rebuild before the scheduler serves (so a
+restart rebuilds all of it from the cluster) and the periodic reconcile. No KV, no bus.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from tessera import hami
+from tessera.cluster.port import WatchEvent
+from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
+from tessera.restore import FINISHED_PHASES, init_containers_succeeded
+from tessera.settings import TesseraSettings
+
+from .cards import allocation_usage
+from .validation import Rebuild
+
+if TYPE_CHECKING:
+    from .index import ClusterIndex
+
+log = logging.getLogger("tessera.scheduler.foreign")
+
+HAMI_CAPACITY_UNKNOWN = "HAMiCapacityUnknown"
+_HAMI_KEYS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE)
+_TOMBSTONE_S = 600.0
+_LISTING_SLACK_S = 5.0
+_SHOWN = 4  # items listed in a refusal before "and N more"
+
+
+@dataclass(frozen=True)
+class ForeignPod:
+    """One pod HAMi placed: what it holds on `node` (None when its annotations are unreadable:
+    `problem` says why)."""
+
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    allocation: Allocation | None
+    problem: str = ""
+    resource_version: str = ""
+    seen_at: float = 0.0
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def same_as(self, other: ForeignPod | None) -> bool:
+        if other is None or (self.node, self.problem) != (other.node, other.problem):
+            return False
+        mine, theirs = self.allocation, other.allocation
+        if mine is None or theirs is None:
+            return mine is theirs
+        return (mine.containers, mine.init_done) == (theirs.containers, theirs.init_done)
+
+
+@dataclass(frozen=True)
+class ForeignNode:
+    """What the index needs to know of one node: HAMi's pods there and HAMi's registration."""
+
+    pods: tuple[ForeignPod, ...] = ()
+    devices: tuple[DeviceInfo, ...] | None = None
+    register_problem: str = ""
+    allocations: tuple[Allocation, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        held = tuple(p.allocation for p in self.pods if p.allocation is not None)
+        object.__setattr__(self, "allocations", held)
+
+    def blocking(self, registration: NodeRegistration | None) -> str:
+        """Why Tessera must place nothing on this registered node ('' = it may, counting the
+        allocations): a HAMi pod there whose holdings are unknown."""
+        if registration is None or not self.pods:
+            return ""
+        known = {d.uuid for d in registration.devices}
+        problems: list[str] = []
+        for pod in self.pods:
+            if pod.allocation is None:
+                problems.append(f"HAMi pod {pod.ref}: {pod.problem}")
+                continue
+            unknown = sorted({g.uuid for c in pod.allocation.containers for g in c} - known)
+            if unknown:
+                problems.append(f"HAMi pod {pod.ref} holds {', '.join(unknown[:3])}, which this "
+                                "node's Tessera registration does not list")  # fmt: skip
+        if not problems:
+            return ""
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return (f"{HAMI_CAPACITY_UNKNOWN}: {problems[0]}{more}; Tessera cannot tell which GPUs "
+                "HAMi's pods hold here, so it places nothing on this node until they are fixed "
+                "or gone")  # fmt: skip
+
+    def note(self, registration: NodeRegistration | None) -> str:
+        """What a refusal adds about this node: HAMi's registration (when Tessera's agent has
+        none) and every GPU a HAMi pod holds ('' when there is nothing to say)."""
+        parts: list[str] = []
+        if registration is None and self.devices is not None:
+            parts.append(f"it carries {hami.ANN_NODE_REGISTER} ({len(self.devices)} GPUs): "
+                         "read-only to Tessera, which places pods only where its own node agent "
+                         "enforces them")  # fmt: skip
+        elif registration is None and self.register_problem:
+            parts.append(f"its {hami.ANN_NODE_REGISTER} is unreadable and quarantined: "
+                         f"{self.register_problem}")  # fmt: skip
+        for pod in self.pods:
+            if pod.allocation is None:
+                parts.append(f"HAMi pod {pod.ref} is quarantined: {pod.problem}")
+                continue
+            for uuid, used in sorted(allocation_usage(pod.allocation).items()):
+                parts.append(f"{uuid}: {used.memory_mib} MiB and {used.cores} cores used by "
+                             f"HAMi pod {pod.ref}")  # fmt: skip
+        if not parts:
+            return ""
+        more = f" | and {len(parts) - _SHOWN} more" if len(parts) > _SHOWN else ""
+        return " [" + " | ".join(parts[:_SHOWN]) + more + "]"
+
+
+class ForeignCapacity:
+    """Keeps `index.foreign` (node -> ForeignNode) current from pods and Node objects."""
+
+    def __init__(
+        self,
+        *,
+        settings: TesseraSettings,
+        index: ClusterIndex,
+        cluster: Any = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.scheduler_name = settings.scheduler_name
+        self.index = index
+        self.cluster = cluster
+        self.clock = clock
+        self.pods: dict[str, ForeignPod] = {}
+        self.by_node: dict[str, dict[str, ForeignPod]] = {}
+        # node -> (HAMi's devices or None, why its annotation was refused)
+        self.registers: dict[str, tuple[tuple[DeviceInfo, ...] | None, str]] = {}
+        self._texts: dict[str, object] = {}  # node -> the annotation text last decoded
+        self._gone: dict[str, float] = {}  # uid -> when it stopped holding (deleted, finished)
+        if registry is not None:
+            self._gauges(registry)
+
+    # --- reading one pod ----------------------------------------------------------------------
+    def classify(self, pod: dict[str, Any]) -> tuple[bool, ForeignPod | None]:
+        """(is it HAMi's, what it holds now: None = nothing)."""
+        meta = pod.get("metadata")
+        spec = pod.get("spec")
+        if not isinstance(meta, dict) or not isinstance(spec, dict):
+            return False, None
+        annotations = meta.get("annotations") or {}
+        scheduler = spec.get("schedulerName")
+        if not isinstance(annotations, dict) or not scheduler or scheduler == self.scheduler_name:
+            return False, None
+        if not any(key in annotations for key in _HAMI_KEYS):
+            return False, None
+        uid, name = meta.get("uid"), meta.get("name")
+        if not isinstance(uid, str) or not uid:
+            return True, None  # nothing to follow it by (the API server always sets one)
+        status = pod.get("status") if isinstance(pod.get("status"), dict) else {}
+        bound = spec.get("nodeName") or ""
+        decided = annotations.get(hami.ANN_VGPU_NODE) or ""
+        if status.get("phase") in FINISHED_PHASES:
+            return True, None
+        if not bound and (not decided or
+                          annotations.get(hami.ANN_BIND_PHASE) == hami.BIND_PHASE_FAILED):
+            return True, None
+        node = str(bound or decided)
+        namespace = str(meta.get("namespace") or "default")
+        version = str(meta.get("resourceVersion") or "")
+        now = self.clock()
+        if not isinstance(name, str) or not name:
+            return True, ForeignPod(uid, namespace, "?", node, None, "pod without a name", version,
+                                    now)  # fmt: skip
+        try:
+            allocation = self._allocation(pod, spec, annotations, uid, namespace, name, node,
+                                          bound, decided, now)  # fmt: skip
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # hostile shapes too
+            why = str(exc) if isinstance(exc, ValueError) else f"malformed pod ({exc!r})"
+            return True, ForeignPod(uid, namespace, name, node, None, why[:300], version, now)
+        if allocation is None:
+            return True, None
+        return True, ForeignPod(uid, namespace, name, node, allocation, "", version, now)
+
+    def _allocation(
+        self, pod: dict[str, Any], spec: dict[str, Any], annotations: dict[str, Any], uid: str,
+        namespace: str, name: str, node: str, bound: str, decided: str, now: float,
+    ) -> Allocation | None:  # fmt: skip
+        if bound and decided and decided != bound:
+            raise ValueError(f"{hami.ANN_VGPU_NODE} says {str(decided)[:80]} but the pod is "
+                             f"bound to {bound}")  # fmt: skip
+        init = spec.get("initContainers") or []
+        app = spec.get("containers") or []
+        if not isinstance(init, list) or not isinstance(app, list):
+            raise ValueError("containers must be lists")
+        # A pod that asks for no GPU is given none by kubelet, whatever its annotations say.
+        if not self._asks_gpu([*init, *app]):
+            return None
+        grants = hami.read_pod_grants(annotations, len(init) + len(app))
+        if not any(grants):
+            raise ValueError("HAMi's scheduler named its node but it lists no device in "
+                             f"{hami.ANN_DEVICES_ALLOCATED}")  # fmt: skip
+        grants = grants + [[] for _ in range(len(init) + len(app) - len(grants))]
+        names = [str((c or {}).get("name", "")) if isinstance(c, dict) else ""
+                 for c in [*init, *app]]  # fmt: skip
+        return Allocation(
+            pod_uid=uid, namespace=namespace, name=name, node=node, containers=grants,
+            init_count=len(init), init_done=init_containers_succeeded(pod),
+            sidecars=sorted(hami.sidecar_indices(init)), state=AllocationState.ALLOCATED,
+            created_at=now, updated_at=now, container_names=names,
+            reason="placed by HAMi's scheduler (read-only to Tessera)",
+        )  # fmt: skip
+
+    def _asks_gpu(self, containers: list[Any]) -> bool:
+        s = self.settings
+        keys = {s.resource_name, s.resource_mem, s.resource_mem_percentage, s.resource_cores}
+        for container in containers:
+            resources = container.get("resources") if isinstance(container, dict) else None
+            for section in ("limits", "requests"):
+                values = resources.get(section) if isinstance(resources, dict) else None
+                if isinstance(values, dict) and keys & values.keys():
+                    return True
+        return False
+
+    def repairing(self, rebuild: Rebuild) -> Rebuild:
+        """The ledger repair's completion from the pods (validation.cluster_rebuild), minus
+        HAMi's pods: they are counted here, never written into Tessera's ledger."""
+
+        async def without_hami(node: str, base: NodeLedger | None) -> NodeLedger:
+            ledger = await rebuild(node, base)
+            kept = base.allocations if base is not None else {}
+            hamis = {u for u in ledger.allocations if u in self.pods and u not in kept}
+            if not hamis:
+                return ledger
+            allocations = {u: a for u, a in ledger.allocations.items() if u not in hamis}
+            return ledger.model_copy(update={"allocations": allocations})
+
+        return without_hami
+
+    # --- the watches --------------------------------------------------------------------------
+    def on_pod_event(self, event: WatchEvent) -> None:
+        """Every pod event the scheduler sees; cheap for pods that are not HAMi's."""
+        is_hami, record = self.classify(event.object)
+        meta = event.object.get("metadata") if isinstance(event.object, dict) else None
+        uid = meta.get("uid") if isinstance(meta, dict) else None
+        if not isinstance(uid, str) or not uid:
+            return
+        if not is_hami:
+            if uid in self.pods:
+                self._drop(uid)
+            return
+        if event.type == "DELETED" or record is None:
+            self._gone[uid] = self.clock()
+            self._drop(uid)
+            return
+        self._put(record)
+
+    def load(self, pods: list[dict[str, Any]], listed_at: float) -> list[dict[str, Any]]:
+        """A full listing (the rebuild before serving, the periodic reconcile): HAMi's pods are
+        taken in (and those no longer listed dropped); the others are returned for the ledger
+        rebuild, which must never restore HAMi's pods as Tessera's."""
+        self._expire_tombstones()
+        rest: list[dict[str, Any]] = []
+        listed: set[str] = set()
+        for pod in pods:
+            is_hami, record = self.classify(pod)
+            if not is_hami:
+                rest.append(pod)
+                continue
+            uid = ((pod.get("metadata") or {}).get("uid")) or ""
+            listed.add(uid)
+            if record is None:
+                self._drop(uid)
+            elif uid not in self._gone:  # deleted since the listing was taken: stays gone
+                self._put(record)
+        for uid, held in list(self.pods.items()):
+            if uid not in listed and held.seen_at < listed_at - _LISTING_SLACK_S:
+                self._drop(uid)
+        return rest
+
+    async def watch_nodes(self) -> None:
+        """List then watch Node objects for HAMi's registration annotation."""
+        async for event in self.cluster.watch_nodes():
+            self.on_node_event(event)
+
+    def on_node_event(self, event: WatchEvent) -> None:
+        meta = event.object.get("metadata") if isinstance(event.object, dict) else None
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(name, str) or not name:
+            return
+        annotations = meta.get("annotations") or {}
+        text = annotations.get(hami.ANN_NODE_REGISTER) if isinstance(annotations, dict) else None
+        if event.type == "DELETED":
+            text = None
+        if name in self._texts and self._texts[name] == text:
+            return  # Node objects change often (status); the annotation seldom: decode it once
+        if text is None:
+            self._texts.pop(name, None)
+        else:
+            self._texts[name] = text
+        value: tuple[tuple[DeviceInfo, ...] | None, str] | None = None
+        if text is not None:
+            try:
+                value = (tuple(hami.read_node_register(text)), "")
+            except ValueError as exc:
+                value = (None, str(exc)[:300])
+                log.warning("HAMi node registration quarantined",
+                            extra={"node": name, "err": value[1]})  # fmt: skip
+        if self.registers.get(name) == value:
+            return
+        if value is None:
+            self.registers.pop(name, None)
+        else:
+            self.registers[name] = value
+        self._publish(name)
+
+    # --- state --------------------------------------------------------------------------------
+    def _put(self, record: ForeignPod) -> None:
+        old = self.pods.get(record.uid)
+        if old is not None and _older(record.resource_version, old.resource_version):
+            return  # a listing taken before the event we already applied
+        if record.same_as(old):
+            self.pods[record.uid] = record
+            return
+        if old is None:
+            log.info("counting a HAMi pod's GPUs as used", extra={
+                "pod": record.ref, "node": record.node, "problem": record.problem})  # fmt: skip
+        if old is not None and old.node != record.node:
+            self._drop(record.uid)
+        self.pods[record.uid] = record
+        self.by_node.setdefault(record.node, {})[record.uid] = record
+        self._publish(record.node)
+
+    def _drop(self, uid: str) -> None:
+        old = self.pods.pop(uid, None)
+        if old is None:
+            return
+        on_node = self.by_node.get(old.node, {})
+        on_node.pop(uid, None)
+        if not on_node:
+            self.by_node.pop(old.node, None)
+        self._publish(old.node)
+
+    def _publish(self, node: str) -> None:
+        pods = tuple(self.by_node.get(node, {}).values())
+        devices, problem = self.registers.get(node, (None, ""))
+        if not pods and devices is None and not problem:
+            self.index.foreign.pop(node, None)
+        else:
+            self.index.foreign[node] = ForeignNode(pods, devices, problem)
+        self.index.refresh(node, self.clock())
+
+    def _expire_tombstones(self) -> None:
+        limit = self.clock() - _TOMBSTONE_S
+        for uid in [u for u, at in self._gone.items() if at < limit]:
+            del self._gone[uid]
+
+    # --- metrics ------------------------------------------------------------------------------
+    def _gauges(self, registry: CollectorRegistry) -> None:
+        pods = Gauge("tessera_scheduler_hami_pods",
+                     "Pods placed by HAMi's scheduler whose GPUs Tessera counts as used",
+                     registry=registry)  # fmt: skip
+        pods.set_function(lambda: sum(1 for p in self.pods.values() if p.allocation))
+        nodes = Gauge("tessera_scheduler_hami_nodes",
+                      "Nodes registered by HAMi's device plugin and not by Tessera's node agent "
+                      "(read-only to Tessera)", registry=registry)  # fmt: skip
+        nodes.set_function(lambda: sum(
+            1 for n, (devices, _p) in self.registers.items()
+            if devices is not None and self.index.node(n) is None))  # fmt: skip
+        quarantined = Gauge("tessera_scheduler_hami_quarantined",
+                            "HAMi records Tessera could not read (kind: pod, node)", ["kind"],
+                            registry=registry)  # fmt: skip
+        quarantined.labels(kind="pod").set_function(
+            lambda: sum(1 for p in self.pods.values() if p.problem))
+        quarantined.labels(kind="node").set_function(
+            lambda: sum(1 for _d, problem in self.registers.values() if problem))
+
+
+def _older(candidate: str, known: str) -> bool:
+    """True when both resourceVersions are numbers and `candidate` is the older one."""
+    if candidate.isdigit() and known.isdigit():
+        return int(candidate) < int(known)
+    return False
