@@ -115,10 +115,12 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def charts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of charts/ with the umbrella's dependencies built (as `helm dependency update`)."""
+    """A copy of charts/ with every chart's dependencies built (as `helm dependency update`):
+    the library chart in each service chart, the service charts in the umbrella."""
     root = tmp_path_factory.mktemp("charts") / "charts"
     shutil.copytree(REPO_CHARTS, root, ignore=shutil.ignore_patterns("charts", "Chart.lock"))
-    helm.dependency_update(root / "tessera")
+    for chart in ALL_CHARTS:
+        helm.dependency_update(root / chart)
     return root
 
 
