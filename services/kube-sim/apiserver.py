@@ -40,8 +40,16 @@ EVENTS_KEPT = 5000
 # Called on every pod CREATE before it is stored: returns the (mutated) pod or raises StoreError.
 AdmitPod = Callable[[KubeObject, str], Awaitable[KubeObject]]
 
-RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event"}
-CLUSTER_SCOPED = {"Node"}
+RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event",
+             "secrets": "Secret"}
+# admissionregistration.k8s.io/v1: a webhook that provisions its own certificate writes its
+# caBundle here.
+ADMISSION_GROUP = "/apis/admissionregistration.k8s.io/v1"
+ADMISSION_RESOURCES = {
+    "mutatingwebhookconfigurations": "MutatingWebhookConfiguration",
+    "validatingwebhookconfigurations": "ValidatingWebhookConfiguration",
+}
+CLUSTER_SCOPED = {"Node", *ADMISSION_RESOURCES.values()}
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 
 
@@ -149,6 +157,9 @@ class ApiServer:
             Route(
                 f"{ns}/{{resource}}/{{name}}/status", self.status, methods=["GET", "PUT", "PATCH"]
             ),
+            Route(f"{ADMISSION_GROUP}/{{resource}}", self.collection, methods=["GET", "POST"]),
+            Route(f"{ADMISSION_GROUP}/{{resource}}/{{name}}", self.item,
+                  methods=["GET", "PUT", "PATCH", "DELETE"]),
         ]
         return Starlette(routes=routes)
 
@@ -177,7 +188,8 @@ class ApiServer:
     @staticmethod
     def _kind(request: Request) -> str:
         resource = request.path_params.get("resource", "nodes")
-        kind = RESOURCES.get(resource)
+        group = request.url.path.startswith(ADMISSION_GROUP + "/")
+        kind = (ADMISSION_RESOURCES if group else RESOURCES).get(resource)
         if kind is None:
             raise StoreError(
                 404, "NotFound", f"the server could not find the requested resource ({resource})"

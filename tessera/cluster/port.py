@@ -110,3 +110,37 @@ class ClusterPort(Protocol):
     ) -> None:
         """Create a core/v1 Event about `involved` (best effort: callers may ignore failures)."""
         ...
+
+
+WebhookKind = Literal["mutating", "validating"]
+
+
+@runtime_checkable
+class WebhookCertificatePort(Protocol):
+    """What a webhook that provisions its own certificate asks of Kubernetes: one Secret to keep
+    the CA and serving certificate in, and its own webhook configurations to put the CA into
+    (`caBundle`). The chart's RBAC grants exactly these objects, by name.
+
+    Replacements are optimistic: the object's `metadata.resourceVersion` must still be current,
+    else ConflictError (another replica wrote first; read again)."""
+
+    async def get_secret(self, namespace: str, name: str) -> KubeObject:
+        """The Secret as the API serves it (`data` values base64). Raises NotFoundError."""
+        ...
+
+    async def create_secret(self, namespace: str, secret: KubeObject) -> KubeObject:
+        """Create it; ConflictError when it exists already."""
+        ...
+
+    async def replace_secret(self, namespace: str, secret: KubeObject) -> KubeObject:
+        """PUT with the resourceVersion it was read at; ConflictError when that is stale."""
+        ...
+
+    async def get_webhook_configuration(self, kind: WebhookKind, name: str) -> KubeObject:
+        """A Mutating- or ValidatingWebhookConfiguration. Raises NotFoundError."""
+        ...
+
+    async def replace_webhook_configuration(self, kind: WebhookKind, config: KubeObject
+                                            ) -> KubeObject:
+        """PUT with the resourceVersion it was read at; ConflictError when that is stale."""
+        ...
