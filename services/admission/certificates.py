@@ -110,7 +110,7 @@ class Bundle:
         return bundle
 
 
-# --- decisions (pure) ----------------------------------------------------------------------------
+# --- decisions (pure) -------------------------------------------------------------------------
 
 
 def bundle_from_secret(secret: KubeObject | None) -> Bundle | None:
@@ -175,7 +175,7 @@ def with_ca_bundle(config: KubeObject, ca_bundle: str) -> KubeObject | None:
     return config if changed else None
 
 
-# --- I/O -------------------------------------------------------------------------------------------
+# --- I/O ----------------------------------------------------------------------------------------
 
 
 def _write_atomically(path: Path, content: bytes, mode: int) -> None:
@@ -279,7 +279,7 @@ class CertificateProvisioner:
             except NotFoundError:
                 if (kind, name) not in self._missing:  # said once, retried every few seconds
                     log.warning("webhook configuration not found yet",
-                                extra={"kind": kind, "name": name})
+                                extra={"kind": kind, "configuration": name})
                     self._missing.add((kind, name))
                 self.pending.add((kind, name))
                 return
@@ -289,7 +289,7 @@ class CertificateProvisioner:
                     await self.cluster.replace_webhook_configuration(kind, changed)
                 except ConflictError:
                     continue
-                log.info("caBundle set", extra={"kind": kind, "name": name})
+                log.info("caBundle set", extra={"kind": kind, "configuration": name})
             self.pending.discard((kind, name))
             self._missing.discard((kind, name))
             return
