@@ -219,3 +219,26 @@ def test_the_image_ships_libvgpu_where_the_node_agent_chart_installs_it_from(
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     agents = [s for name, s in compose["services"].items() if name.startswith("node-agent")]
     assert agents and all(a["environment"]["TESSERA_LIBVGPU_HOST_PATH"] == source for a in agents)
+
+
+def test_make_image_says_when_there_is_no_builder(tmp_path: Path) -> None:
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    # A PATH with make's own directory only: no docker, podman or buildah on it.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("make", "sh", "sed", "head"):
+        found = shutil.which(tool)
+        if found:
+            (bare / tool).symlink_to(found)
+    result = subprocess.run([make, "-s", "image"], cwd=ROOT, capture_output=True, text=True,
+                            env={"PATH": str(bare)}, timeout=60)
+    assert result.returncode != 0
+    assert "no OCI image builder found (install docker, podman or buildah" in result.stderr
+    dry = subprocess.run([make, "-n", "image", "BUILDER=podman", "IMAGE=example/tessera:t"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "podman build -f Dockerfile -t example/tessera:t ." in dry.stdout
+    default = subprocess.run([make, "-n", "image", "BUILDER=buildah"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert f"buildah bud --layers -f Dockerfile -t {REPOSITORY}:{VERSION} ." in default.stdout
