@@ -235,3 +235,18 @@ def test_the_verification_pod_asks_for_a_slice_with_hamis_names() -> None:
     assert pod["metadata"]["namespace"] not in ("kube-system", "tessera-system")  # not excluded
     logs = [w for w in commands() if w[:2] == ["kubectl", "logs"]]
     assert logs == [["kubectl", "logs", f"pod/{pod['metadata']['name']}"]]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"nats": {"enabled": True}}, "busReplicas is 3 but the bundled NATS has 1 server"),
+    ({"nats": {"enabled": True, "config": {"jetstream": {"enabled": False}}},
+      "global": {"config": {"busReplicas": 1}}}, "jetstream.enabled must be true"),
+], ids=["more-replicas-than-servers", "no-jetstream"])
+def test_a_bundled_nats_that_cannot_hold_the_buckets_is_refused(
+    charts_dir: Path, values: dict[str, Any], message: str  # noqa: F811
+) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render(charts_dir, "tessera", values)
+    fixed = merge(values, {"global": {"config": {"busReplicas": 1}},
+                           "nats": {"config": {"jetstream": {"enabled": True}}}})
+    assert nats_servers(render(charts_dir, "tessera", fixed)) is not None
