@@ -237,16 +237,22 @@ def test_the_verification_pod_asks_for_a_slice_with_hamis_names() -> None:
     assert logs == [["kubectl", "logs", f"pod/{pod['metadata']['name']}"]]
 
 
+BUNDLED = {"nats": {"enabled": True}, "global": {"nats": {"url": "nats://tessera-nats:4222"}}}
+
+
 @pytest.mark.parametrize(("values", "message"), [
-    ({"nats": {"enabled": True}}, "busReplicas is 3 but the bundled NATS has 1 server"),
-    ({"nats": {"enabled": True, "config": {"jetstream": {"enabled": False}}},
-      "global": {"config": {"busReplicas": 1}}}, "jetstream.enabled must be true"),
-], ids=["more-replicas-than-servers", "no-jetstream"])
+    (BUNDLED, "busReplicas is 3 but the bundled NATS has 1 server"),
+    (merge(BUNDLED, {"nats": {"config": {"jetstream": {"enabled": False}}},
+                     "global": {"config": {"busReplicas": 1}}}), "jetstream.enabled must be true"),
+    (merge(BUNDLED, {"global": {"nats": {"url": "tls://nats.nats.svc.cluster.local:4222"},
+                                "config": {"busReplicas": 1}}}), "is not the bundled NATS"),
+], ids=["more-replicas-than-servers", "no-jetstream", "url-elsewhere"])
 def test_a_bundled_nats_that_cannot_hold_the_buckets_is_refused(
     charts_dir: Path, values: dict[str, Any], message: str  # noqa: F811
 ) -> None:
     with pytest.raises(helm.HelmError, match=message):
         render(charts_dir, "tessera", values)
-    fixed = merge(values, {"global": {"config": {"busReplicas": 1}},
+    fixed = merge(values, {"global": {"config": {"busReplicas": 1},
+                                      "nats": {"url": "nats://tessera-nats.tessera-system.svc:4222"}},
                            "nats": {"config": {"jetstream": {"enabled": True}}}})
     assert nats_servers(render(charts_dir, "tessera", fixed)) is not None
