@@ -189,9 +189,17 @@ def lint_problems(chart_path: Path, values: dict[str, Any] | None, kube_version:
     return problems + list(report["errors"])
 
 
+# Manifests already found valid, as (JSON text, Kubernetes version): renders of the umbrella,
+# its variants and the README's installs share most of theirs, and validating is the slow part.
+_VALID: set[tuple[str, str]] = set()
+
+
 def validate_all(manifests: list[Manifest], kube_version: str) -> None:
     for manifest in manifests:
         if manifest["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        key = (json.dumps(manifest, sort_keys=True), kube_version)
+        if key in _VALID:
             continue
         try:
             kubernetes_validate.validate(manifest, kube_version, strict=True)
@@ -202,6 +210,7 @@ def validate_all(manifests: list[Manifest], kube_version: str) -> None:
                 f"{manifest['kind']} {manifest['metadata']['name']} invalid for {kube_version} "
                 f"at {where}: {first_line}"
             )
+        _VALID.add(key)
 
 
 def variant_id(variant: tuple[str, dict[str, Any]]) -> str:
