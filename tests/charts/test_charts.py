@@ -32,7 +32,8 @@ SERVICE_CHARTS = [
     "tessera-metrics",
 ]
 ALL_CHARTS = [*SERVICE_CHARTS, "tessera"]
-KUBE_VERSIONS = ["1.29.0", "1.33.0"]
+# The oldest Kubernetes the charts support (kubeVersion), one in between, the newest with schemas.
+KUBE_VERSIONS = ["1.29.0", "1.33.0", kubernetes_validate.utils.latest_version()]
 NAMESPACE = "tessera-system"
 RELEASE = "tessera"
 HAMI_NAMES = {
