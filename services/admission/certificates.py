@@ -116,6 +116,8 @@ class Bundle:
 def bundle_from_secret(secret: KubeObject | None) -> Bundle | None:
     """The bundle a Secret holds, or None when it holds none that is usable."""
     data = (secret or {}).get("data") or {}
+    if not isinstance(data, dict):
+        return None
     try:
         raw = {k: base64.b64decode(v, validate=True) for k, v in data.items() if isinstance(v, str)}
         bundle = Bundle(pki.KeyPair(raw[CA_CERT], raw[CA_KEY]),
@@ -168,6 +170,8 @@ def with_ca_bundle(config: KubeObject, ca_bundle: str) -> KubeObject | None:
     """The configuration with every webhook's caBundle set, or None if nothing changes."""
     changed = False
     for webhook in config.get("webhooks") or []:
+        if not isinstance(webhook, dict):
+            continue
         client = webhook.setdefault("clientConfig", {})
         if client.get("caBundle") != ca_bundle:
             client["caBundle"] = ca_bundle
