@@ -31,15 +31,19 @@ def test_every_service_chart_depends_on_it_and_keeps_only_bindings(charts_dir) -
         meta = yaml.safe_load((CHARTS / chart / "Chart.yaml").read_text())
         assert {"name": "tessera-lib", "version": "0.1.0",
                 "repository": "file://../tessera-lib"} in meta["dependencies"], chart
-        helpers = (CHARTS / chart / "templates/_helpers.tpl").read_text()
-        lines = [line for line in helpers.split("*/}}", 1)[1].splitlines() if line.strip()]
+        # Each shared template is bound, in one line, to the library's; a chart may define
+        # templates of its own besides, but no copy of a shared one.
         bound = set()
-        for line in lines:
-            match = BINDING.match(line)
-            assert match, f"{chart}/_helpers.tpl holds more than bindings: {line}"
-            assert match["chart"] == chart
-            assert match["component"] == chart.removeprefix("tessera-")
-            bound.add(match["name"])
+        for path in (CHARTS / chart / "templates").glob("*.tpl"):
+            for line in path.read_text().splitlines():
+                define = re.match(rf'\{{\{{-? define "{chart}\.(\w+)"', line)
+                if not define or define.group(1) not in library:
+                    continue
+                match = BINDING.match(line)
+                assert match, f"{path.name} defines {define.group(1)} itself: {line}"
+                assert match["chart"] == chart
+                assert match["component"] == chart.removeprefix("tessera-")
+                bound.add(match["name"])
         assert bound == library, chart
         # Rendered, the component is the chart's.
         for m in render(charts_dir, chart):
