@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: all dev native protos browser test lint format demo bench docs clean
+.PHONY: all dev native protos browser test lint format demo bench docs image clean
 
 all: dev native protos
 
@@ -61,6 +61,21 @@ bench: dev native protos
 docs: dev
 	$(BIN)/python -m tessera.events_doc > docs/events.md
 	$(BIN)/python -m tessera.security_doc docs/security.md
+
+# The one image (Dockerfile): every service, the CLI and libvgpu. IMAGE=... to name it; the
+# builder is the first of docker, podman, buildah found (BUILDER=... to choose).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
+IMAGE ?= ghcr.io/tessera/tessera:$(VERSION)
+BUILDER ?= $(firstword $(foreach b,docker podman buildah,$(if $(shell command -v $(b) 2>/dev/null),$(b))))
+
+image:
+	@if [ -z "$(BUILDER)" ]; then \
+		echo "make image: no OCI image builder found (install docker, podman or buildah, or set BUILDER=)" >&2; \
+		exit 1; fi
+	@case "$(BUILDER)" in \
+		buildah) set -x; buildah bud --layers -f Dockerfile -t $(IMAGE) . ;; \
+		*) set -x; $(BUILDER) build -f Dockerfile -t $(IMAGE) . ;; \
+	esac
 
 clean:
 	rm -rf $(VENV) build *.egg-info native/libvgpu/build .pytest_cache .ruff_cache

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 
+from tessera.cluster.port import ClusterError
 from tessera.service import ServiceContext
 from tessera.settings import TesseraSettings
 
 from .app import AdmissionApp
+from .certificates import CertificateProvisioner, CertProvisionSettings
 from .event_queue import EventQueue
 from .metrics import AdmissionMetrics
 from .quota_check import QuotaChecker
@@ -25,6 +29,34 @@ def tls_files(settings: TesseraSettings) -> TlsFiles | None:
     return None
 
 
+async def provision_certificate(tls: TlsFiles | None, stop: asyncio.Event
+                                ) -> CertificateProvisioner | None:
+    """With TESSERA_WEBHOOK_CERT_SECRET: the webhook's own certificate in place before it serves
+    (retried while the API server cannot be reached), and the provisioner that renews it."""
+    cert_settings = CertProvisionSettings()
+    if not cert_settings.enabled:
+        return None
+    if tls is None:
+        raise ValueError("TESSERA_WEBHOOK_CERT_SECRET needs TESSERA_TLS_CERT and TESSERA_TLS_KEY "
+                         "(where to write the certificate)")
+    from tessera.cluster.kubernetes_api import KubernetesCluster  # heavy import, only when used
+
+    provisioner = CertificateProvisioner(KubernetesCluster.from_environment(), cert_settings,
+                                         tls.cert, tls.key)
+    delay = 1.0
+    while not stop.is_set():
+        try:
+            await provisioner.ensure()
+            return provisioner
+        except (ClusterError, OSError) as exc:
+            log.warning("cannot provision the webhook certificate yet; retrying",
+                        extra={"err": str(exc), "delay": delay})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(delay * 2, 30.0)
+    return None
+
+
 async def run_admission(ctx: ServiceContext) -> None:
     settings = ctx.settings
     metrics = AdmissionMetrics()
@@ -35,6 +67,9 @@ async def run_admission(ctx: ServiceContext) -> None:
                        is_ready=ctx.bus_ready)
     host, port = parse_listen(settings.listen or DEFAULT_LISTEN)
     tls = tls_files(settings)
+    provisioner = await provision_certificate(tls, ctx.stop)
+    if ctx.stop.is_set():
+        return  # stopped before it had a certificate to serve
     if tls is None:
         log.warning("TESSERA_TLS_CERT/TESSERA_TLS_KEY not set: serving plain HTTP. The Kubernetes "
                     "API server only calls webhooks over TLS; create files with `tessera certs`")
@@ -43,8 +78,11 @@ async def run_admission(ctx: ServiceContext) -> None:
     server = WebhookServer(app, host, port, tls)
     events.start()
     await server.start()
+    renewing = asyncio.create_task(provisioner.run(ctx.stop)) if provisioner else None
     try:
         await ctx.stop.wait()
     finally:
+        if renewing:
+            await renewing
         await server.stop()
         await events.stop(drain_timeout_s=1.0)

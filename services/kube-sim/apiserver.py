@@ -41,8 +41,15 @@ EVENTS_KEPT = 5000
 AdmitPod = Callable[[KubeObject, str], Awaitable[KubeObject]]
 
 RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event",
-             "configmaps": "ConfigMap"}
-CLUSTER_SCOPED = {"Node"}
+             "configmaps": "ConfigMap", "secrets": "Secret"}
+# admissionregistration.k8s.io/v1: a webhook that provisions its own certificate writes its
+# caBundle here.
+ADMISSION_GROUP = "/apis/admissionregistration.k8s.io/v1"
+ADMISSION_RESOURCES = {
+    "mutatingwebhookconfigurations": "MutatingWebhookConfiguration",
+    "validatingwebhookconfigurations": "ValidatingWebhookConfiguration",
+}
+CLUSTER_SCOPED = {"Node", *ADMISSION_RESOURCES.values()}
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 
 
@@ -150,6 +157,9 @@ class ApiServer:
             Route(
                 f"{ns}/{{resource}}/{{name}}/status", self.status, methods=["GET", "PUT", "PATCH"]
             ),
+            Route(f"{ADMISSION_GROUP}/{{resource}}", self.collection, methods=["GET", "POST"]),
+            Route(f"{ADMISSION_GROUP}/{{resource}}/{{name}}", self.item,
+                  methods=["GET", "PUT", "PATCH", "DELETE"]),
         ]
         return Starlette(routes=routes)
 
@@ -178,7 +188,8 @@ class ApiServer:
     @staticmethod
     def _kind(request: Request) -> str:
         resource = request.path_params.get("resource", "nodes")
-        kind = RESOURCES.get(resource)
+        group = request.url.path.startswith(ADMISSION_GROUP + "/")
+        kind = (ADMISSION_RESOURCES if group else RESOURCES).get(resource)
         if kind is None:
             raise StoreError(
                 404, "NotFound", f"the server could not find the requested resource ({resource})"

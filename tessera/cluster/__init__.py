@@ -9,6 +9,7 @@ from tessera.cluster.port import (
     NotFoundError,
     ObjectRef,
     WatchEvent,
+    WebhookCertificatePort,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "NotFoundError",
     "ObjectRef",
     "WatchEvent",
+    "WebhookCertificatePort",
 ]

@@ -43,6 +43,7 @@ from tessera.cluster.port import (
     NotFoundError,
     ObjectRef,
     WatchEvent,
+    WebhookKind,
 )
 
 log = logging.getLogger(__name__)
@@ -492,6 +493,43 @@ class KubernetesCluster:
         return self._list_then_watch(
             f"/api/v1/namespaces/{_quote(namespace)}/configmaps", None, "ConfigMap"
         )
+
+    # --- a webhook's own certificate (WebhookCertificatePort) -----------------------------------
+
+    @staticmethod
+    def _secret_path(namespace: str, name: str | None = None) -> str:
+        path = f"/api/v1/namespaces/{_quote(namespace)}/secrets"
+        return f"{path}/{_quote(name)}" if name else path
+
+    @staticmethod
+    def _webhook_path(kind: WebhookKind, name: str) -> str:
+        resource = {"mutating": "mutatingwebhookconfigurations",
+                    "validating": "validatingwebhookconfigurations"}[kind]
+        return f"/apis/admissionregistration.k8s.io/v1/{resource}/{_quote(name)}"
+
+    async def get_secret(self, namespace: str, name: str) -> KubeObject:
+        secret: KubeObject = await self._get_json(self._secret_path(namespace, name))
+        return secret
+
+    async def create_secret(self, namespace: str, secret: KubeObject) -> KubeObject:
+        reply = await self._request("POST", self._secret_path(namespace), body=secret)
+        created: KubeObject = reply.payload
+        return created
+
+    async def replace_secret(self, namespace: str, secret: KubeObject) -> KubeObject:
+        path = self._secret_path(namespace, secret["metadata"]["name"])
+        replaced: KubeObject = (await self._request("PUT", path, body=secret)).payload
+        return replaced
+
+    async def get_webhook_configuration(self, kind: WebhookKind, name: str) -> KubeObject:
+        config: KubeObject = await self._get_json(self._webhook_path(kind, name))
+        return config
+
+    async def replace_webhook_configuration(self, kind: WebhookKind, config: KubeObject
+                                            ) -> KubeObject:
+        path = self._webhook_path(kind, config["metadata"]["name"])
+        replaced: KubeObject = (await self._request("PUT", path, body=config)).payload
+        return replaced
 
     # --- list + watch -------------------------------------------------------------------------
 

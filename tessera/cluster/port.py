@@ -122,3 +122,36 @@ class ClusterPort(Protocol):
     def watch_config_maps(self, namespace: str) -> AsyncIterator[WatchEvent]:
         """List then watch the ConfigMaps of one namespace."""
         ...
+
+WebhookKind = Literal["mutating", "validating"]
+
+
+@runtime_checkable
+class WebhookCertificatePort(Protocol):
+    """What a webhook that provisions its own certificate asks of Kubernetes: one Secret to keep
+    the CA and serving certificate in, and its own webhook configurations to put the CA into
+    (`caBundle`). The chart's RBAC grants exactly these objects, by name.
+
+    Replacements are optimistic: the object's `metadata.resourceVersion` must still be current,
+    else ConflictError (another replica wrote first; read again)."""
+
+    async def get_secret(self, namespace: str, name: str) -> KubeObject:
+        """The Secret as the API serves it (`data` values base64). Raises NotFoundError."""
+        ...
+
+    async def create_secret(self, namespace: str, secret: KubeObject) -> KubeObject:
+        """Create it; ConflictError when it exists already."""
+        ...
+
+    async def replace_secret(self, namespace: str, secret: KubeObject) -> KubeObject:
+        """PUT with the resourceVersion it was read at; ConflictError when that is stale."""
+        ...
+
+    async def get_webhook_configuration(self, kind: WebhookKind, name: str) -> KubeObject:
+        """A Mutating- or ValidatingWebhookConfiguration. Raises NotFoundError."""
+        ...
+
+    async def replace_webhook_configuration(self, kind: WebhookKind, config: KubeObject
+                                            ) -> KubeObject:
+        """PUT with the resourceVersion it was read at; ConflictError when that is stale."""
+        ...

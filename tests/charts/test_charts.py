@@ -8,6 +8,7 @@ and the libvgpu install never rewrites a library a container has mapped.
 from __future__ import annotations
 
 import base64
+import json
 import mmap
 import os
 import shutil
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 REPO_CHARTS = Path(__file__).resolve().parents[2] / "charts"
+NATS_STANDIN = Path(__file__).resolve().parent / "standins" / "nats"
 SERVICE_CHARTS = [
     "tessera-admission",
     "tessera-scheduler",
@@ -30,7 +32,8 @@ SERVICE_CHARTS = [
     "tessera-metrics",
 ]
 ALL_CHARTS = [*SERVICE_CHARTS, "tessera"]
-KUBE_VERSIONS = ["1.29.0", "1.33.0"]
+# The oldest Kubernetes the charts support (kubeVersion), one in between, the newest with schemas.
+KUBE_VERSIONS = ["1.29.0", "1.33.0", kubernetes_validate.utils.latest_version()]
 NAMESPACE = "tessera-system"
 RELEASE = "tessera"
 HAMI_NAMES = {
@@ -69,11 +72,13 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     (
         "tessera-admission",
         {
-            "tls": {"certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}},
+            "tls": {"certManager": {"enabled": True,
+                                    "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}},
             "replicaCount": 3,
             "nats": {"auth": {"type": "userPassword", "existingSecret": "nats-auth"}},
         },
     ),
+    ("tessera-admission", {"tls": {"certManager": {"enabled": True}}}),
     ("tessera-scheduler", {"resourceNames": CUSTOM_NAMES, "schedulerName": "gpu-scheduler"}),
     (
         "tessera-quota",
@@ -115,10 +120,23 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def charts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of charts/ with the umbrella's dependencies built (as `helm dependency update`)."""
+    """A copy of charts/ with every chart's dependencies in place, as `helm dependency update`
+    leaves them: the library chart in each service chart; the library, the service charts and
+    NATS in the umbrella. NATS is the stand-in of tests/charts/standins/nats (the official
+    chart cannot be downloaded here)."""
     root = tmp_path_factory.mktemp("charts") / "charts"
     shutil.copytree(REPO_CHARTS, root, ignore=shutil.ignore_patterns("charts", "Chart.lock"))
-    helm.dependency_update(root / "tessera")
+    for chart in SERVICE_CHARTS:
+        helm.dependency_update(root / chart)  # file:// only
+    umbrella_deps = root / "tessera" / "charts"
+    umbrella_deps.mkdir()
+    for dependency in yaml.safe_load((root / "tessera" / "Chart.yaml").read_text())["dependencies"]:
+        if dependency["repository"].startswith("file://../"):
+            source = root / dependency["repository"].removeprefix("file://../")
+        else:
+            assert dependency["name"] == "nats", dependency
+            source = NATS_STANDIN
+        shutil.copytree(source, umbrella_deps / dependency["name"])
     return root
 
 
@@ -172,9 +190,17 @@ def lint_problems(chart_path: Path, values: dict[str, Any] | None, kube_version:
     return problems + list(report["errors"])
 
 
+# Manifests already found valid, as (JSON text, Kubernetes version): renders of the umbrella,
+# its variants and the README's installs share most of theirs, and validating is the slow part.
+_VALID: set[tuple[str, str]] = set()
+
+
 def validate_all(manifests: list[Manifest], kube_version: str) -> None:
     for manifest in manifests:
         if manifest["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        key = (json.dumps(manifest, sort_keys=True), kube_version)
+        if key in _VALID:
             continue
         try:
             kubernetes_validate.validate(manifest, kube_version, strict=True)
@@ -185,6 +211,7 @@ def validate_all(manifests: list[Manifest], kube_version: str) -> None:
                 f"{manifest['kind']} {manifest['metadata']['name']} invalid for {kube_version} "
                 f"at {where}: {first_line}"
             )
+        _VALID.add(key)
 
 
 def variant_id(variant: tuple[str, dict[str, Any]]) -> str:
@@ -210,6 +237,8 @@ def test_chart_lints_strictly_and_every_manifest_is_valid_kubernetes(
         validate_all(manifests, kube_version)
     for manifest in manifests:
         labels = manifest["metadata"]["labels"]
+        if labels.get("app.kubernetes.io/name") == "nats":
+            continue  # the NATS chart's own
         assert labels["app.kubernetes.io/part-of"] == "tessera"
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
 
@@ -329,7 +358,7 @@ def test_extender_config_follows_the_resource_names(
     assert env["TESSERA_RESOURCE_MEM_PERCENTAGE"] == names["memoryPercentage"]
     assert env["TESSERA_CLUSTER"] == "kubernetes"
     assert (env["TESSERA_KUBE_QPS"], env["TESSERA_KUBE_BURST"]) == ("50", "100")
-    assert extender_container["command"] == ["python", "-m", "tessera.scheduler"]
+    assert extender_container["command"] == ["tessera-scheduler"]
     scheduler = container(deployment, "kube-scheduler")
     assert "--config=/etc/tessera-scheduler/config.yaml" in scheduler["command"]
     # Without a tag, kube-scheduler follows the cluster's minor version.
@@ -442,7 +471,7 @@ def test_webhook_exclusions_can_grow_but_never_lose_the_system_namespaces(
         ({"webhook": {"failurePolicy": "Skip"}}, "failurePolicy"),
         (
             {"tls": {"certManager": {"enabled": False}, "caBundle": CA_BUNDLE.decode()}},
-            "existingSecret",
+            "existingSecret is not",
         ),
         (
             {"tls": {"certManager": {"enabled": False}, "existingSecret": "tls"}},
@@ -459,7 +488,7 @@ def test_admission_refuses_unsafe_or_incomplete_values(
 
 
 def test_admission_is_highly_available_with_cert_manager_certificates(charts_dir: Path) -> None:
-    manifests = render(charts_dir, "tessera-admission")
+    manifests = render(charts_dir, "tessera-admission", {"tls": {"certManager": {"enabled": True}}})
     deployment = find(manifests, "Deployment")
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
@@ -502,11 +531,59 @@ def test_admission_with_a_provided_secret_needs_no_cert_manager(charts_dir: Path
     assert volumes["tls"]["secret"]["secretName"] == "admission-tls"
 
 
+def test_admission_on_a_bare_cluster_provisions_its_own_certificate(charts_dir: Path) -> None:
+    """The default: no cert-manager, no Secret to provide. The webhook is told which Secret to
+    keep its CA in (the chart creates it empty), which DNS names to certify and which webhook
+    configuration's caBundle to set; it may touch exactly those two objects."""
+    manifests = render(charts_dir, "tessera-admission")
+    assert not any(m["apiVersion"].startswith("cert-manager.io/") for m in manifests)
+    deployment = find(manifests, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    env = env_of(container(deployment, "admission"))
+    secret = find(manifests, "Secret")
+    assert secret["type"] == "Opaque" and "data" not in secret  # the webhook fills it
+    assert env["TESSERA_WEBHOOK_CERT_SECRET"] == f"{NAMESPACE}/{secret['metadata']['name']}"
+    service = find(manifests, "Service")["metadata"]["name"]
+    dns_names = json.loads(env["TESSERA_WEBHOOK_CERT_DNS_NAMES"])
+    assert f"{service}.{NAMESPACE}.svc" in dns_names
+    config = find(manifests, "MutatingWebhookConfiguration")
+    assert json.loads(env["TESSERA_WEBHOOK_CERT_CONFIGURATIONS"]) == [
+        f"mutating/{config['metadata']['name']}"]
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert "annotations" not in config["metadata"]
+    assert int(env["TESSERA_WEBHOOK_CERT_RENEW_BEFORE_DAYS"]) < int(
+        env["TESSERA_WEBHOOK_CERT_VALIDITY_DAYS"])
+    # The files it writes: a writable in-memory volume where TESSERA_TLS_CERT/KEY point.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["emptyDir"]["medium"] == "Memory"
+    (mount,) = [m for m in container(deployment, "admission")["volumeMounts"] if m["name"] == "tls"]
+    assert mount["readOnly"] is False
+    assert env["TESSERA_TLS_CERT"].startswith(mount["mountPath"] + "/")
+    assert pod["automountServiceAccountToken"] is True
+    # Least privilege: get/update of the one Secret and the one configuration, by name.
+    for role in (m for m in manifests if m["kind"] in ("Role", "ClusterRole")):
+        for rule in role["rules"]:
+            assert rule["verbs"] == ["get", "update"]
+            if rule["resources"] == ["secrets"]:
+                assert rule["resourceNames"] == [secret["metadata"]["name"]]
+                assert role["kind"] == "Role"
+            else:
+                assert rule["resourceNames"] == [config["metadata"]["name"]]
+    # ServiceMonitor verifies the webhook with the CA the webhook keeps in that Secret.
+    monitored = render(charts_dir, "tessera-admission", {"serviceMonitor": {"enabled": True}})
+    tls_config = find(monitored, "ServiceMonitor")["spec"]["endpoints"][0]["tlsConfig"]
+    assert tls_config["ca"]["secret"] == {"name": secret["metadata"]["name"], "key": "ca.crt"}
+
+
 # --- RBAC and security contexts -------------------------------------------------------------
 
 # Exactly what each service may do through the API, as (apiGroup, resource) -> verbs.
 EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
-    "tessera-admission": {},
+    # Its own certificate (the default, without cert-manager): one Secret, one configuration.
+    "tessera-admission": {
+        ("", "secrets"): {"get", "update"},
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "update"},
+    },
     "tessera-metrics": {},
     "tessera-quota": {
         ("", "resourcequotas"): {"get", "list", "watch"},
@@ -553,16 +630,25 @@ def test_rbac_grants_only_what_the_service_uses(charts_dir: Path, chart: str) ->
         (subject,) = binding["subjects"]
         assert subject["kind"] == "ServiceAccount"
         assert subject["namespace"] == NAMESPACE
-    # A leases update is limited to this scheduler's own lease.
-    for role in (m for m in manifests if m["kind"] == "Role"):
+    # An update is limited to named objects: the scheduler's own lease, the webhook's own
+    # Secret and webhook configuration.
+    for role in (m for m in manifests if m["kind"] in ("Role", "ClusterRole")):
         for rule in role["rules"]:
             if "update" in rule["verbs"]:
-                assert rule["resourceNames"] == ["tessera-scheduler"]
+                assert rule["resourceNames"] in (["tessera-scheduler"],
+                                                 ["tessera-admission-certs"],
+                                                 [f"tessera-admission-{NAMESPACE}"])
 
 
-@pytest.mark.parametrize("chart", ["tessera-admission", "tessera-metrics"])
-def test_services_without_api_access_get_no_token(charts_dir: Path, chart: str) -> None:
-    manifests = render(charts_dir, chart)
+@pytest.mark.parametrize(("chart", "values"), [
+    ("tessera-metrics", None),
+    # The webhook calls the API only to provision its own certificate.
+    ("tessera-admission", {"tls": {"certManager": {"enabled": True}}}),
+    ("tessera-admission", {"tls": {"existingSecret": "tls", "caBundle": CA_BUNDLE.decode()}}),
+], ids=["metrics", "admission-cert-manager", "admission-existing-secret"])
+def test_services_without_api_access_get_no_token(charts_dir: Path, chart: str,
+                                                  values: dict[str, Any] | None) -> None:
+    manifests = render(charts_dir, chart, values)
     assert find(manifests, "ServiceAccount")["automountServiceAccountToken"] is False
     pod = find(manifests, "Deployment")["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
@@ -590,7 +676,7 @@ def test_control_plane_runs_non_root_read_only_without_capabilities(
             port = c[probe]["httpGet"]["port"]
             assert port in {p["name"] for p in c["ports"]}
         if c["name"] != "kube-scheduler":
-            assert c["command"][:2] == ["python", "-m"]
+            assert c["command"][0].startswith("tessera-")  # a console script of the image
 
 
 # --- node agent -----------------------------------------------------------------------------

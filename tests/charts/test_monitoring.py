@@ -4,20 +4,9 @@ workload really exposes, at /metrics, with the job names the shipped alerts read
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import helm_python as helm
 import pytest
-import yaml
-
-CHARTS = Path(__file__).resolve().parents[2] / "charts"
-
-
-def render(chart: str, values: dict[str, Any]) -> list[dict[str, Any]]:
-    with helm.Chart.load(CHARTS / chart) as loaded:
-        files = loaded.render(values, name="tessera", namespace="tessera-system")
-    return [d for p, t in sorted(files.items()) if not p.endswith("NOTES.txt")
-            for d in yaml.safe_load_all(t) if d]
+from test_charts import charts_dir, render  # noqa: F401 - the fixture (dependencies built)
 
 
 @pytest.mark.parametrize(("chart", "values", "kind", "job"), [
@@ -30,8 +19,9 @@ def render(chart: str, values: dict[str, Any]) -> list[dict[str, Any]]:
     ("tessera-quota", {"podMonitor": {"enabled": True}}, "PodMonitor", "tessera-quota"),
     ("tessera-metrics", {"serviceMonitor": {"enabled": True}}, "ServiceMonitor", None),
 ])
-def test_monitor_scrapes_a_real_port_at_metrics(chart, values, kind, job) -> None:
-    manifests = render(chart, values)
+def test_monitor_scrapes_a_real_port_at_metrics(charts_dir: Path,  # noqa: F811
+                                                chart, values, kind, job) -> None:
+    manifests = render(charts_dir, chart, values)
     (monitor,) = [m for m in manifests if m["kind"] == kind]
     endpoints = monitor["spec"].get("endpoints") or monitor["spec"]["podMetricsEndpoints"]
     (endpoint,) = endpoints
@@ -50,4 +40,4 @@ def test_monitor_scrapes_a_real_port_at_metrics(chart, values, kind, job) -> Non
     assert selector.items() <= labels.items()
     if job:
         assert {"targetLabel": "job", "replacement": job} in endpoint["relabelings"]
-    assert not [m for m in render(chart, {}) if m["kind"] == kind], "off by default"
+    assert not [m for m in render(charts_dir, chart, {}) if m["kind"] == kind], "off by default"

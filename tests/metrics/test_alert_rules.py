@@ -3,7 +3,11 @@ every expression reads metrics (and labels) the services really publish."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +61,19 @@ def published() -> dict[str, set[str]]:
     return out
 
 
+@functools.cache
+def metrics_chart() -> Path:
+    """A copy of the chart with its library chart in place, as `helm dependency update` leaves
+    it."""
+    root = Path(tempfile.mkdtemp(prefix="tessera-charts-"))
+    atexit.register(shutil.rmtree, root, True)
+    shutil.copytree(CHARTS, root / "charts", ignore=shutil.ignore_patterns("charts", "Chart.lock"))
+    helm.dependency_update(root / "charts" / "tessera-metrics")
+    return root / "charts" / "tessera-metrics"
+
+
 def rules(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    with helm.Chart.load(CHARTS / "tessera-metrics") as chart:
+    with helm.Chart.load(metrics_chart()) as chart:
         files = chart.render({"prometheusRule": {"enabled": True}, **(values or {})},
                              name="tessera", namespace="tessera-system")
     (text,) = [t for p, t in files.items() if p.endswith("prometheusrule.yaml")]
