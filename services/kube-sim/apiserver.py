@@ -1,9 +1,12 @@
 """kube-sim's API server: the subset of the Kubernetes REST API Tessera's services use.
 
 Paths, verbs, content types and JSON shapes are kube-apiserver's, so services reach it through
-the same Kubernetes adapter (`tessera.cluster.kubernetes_api`) they use in a real cluster:
-pods (create through admission, get, list, watch, delete, merge/JSON patch, binding, status),
-resourcequotas, nodes and events. Errors are `metav1.Status` objects.
+the same Kubernetes adapter (`tessera.cluster.kubernetes_api`) they use in a real cluster, and
+`kubectl` works against it: pods (create through admission, get, list, watch, delete,
+merge/strategic/JSON patch, binding, status), resourcequotas, nodes, events, namespaces and the
+workload kinds (apps/v1 Deployments and ReplicaSets with `scale`, batch/v1 Jobs); discovery and a
+minimal OpenAPI v3 (`discovery.py`), Table output for `kubectl get` (`tables.py`), defaulting
+and validation (`validation.py`). Errors are `metav1.Status` objects worded as kube-apiserver's.
 """
 
 from __future__ import annotations
@@ -11,16 +14,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import copy
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import jsonpatch
+import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from tessera.kube_sim import discovery, strategic_merge, tables, validation
+from tessera.kube_sim.selectors import SelectorError, parse_fields, parse_labels
 from tessera.kube_sim.store import (
     KubeObject,
     ObjectStore,
@@ -42,6 +51,14 @@ AdmitPod = Callable[[KubeObject, str], Awaitable[KubeObject]]
 
 RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event"}
 CLUSTER_SCOPED = {"Node"}
+# kinds added with the kubectl work (one home for their description: discovery.TYPES)
+RESOURCES.update(
+    {"namespaces": "Namespace", "deployments": "Deployment", "replicasets": "ReplicaSet",
+     "jobs": "Job"}
+)
+CLUSTER_SCOPED.add("Namespace")
+WORKLOADS = ("Deployment", "ReplicaSet", "Job")
+INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 
 
@@ -58,7 +75,14 @@ def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
 
 
 def error_response(error: StoreError) -> JSONResponse:
-    return JSONResponse(status_body(error.status, error.reason, error.message), error.status)
+    body = status_body(error.status, error.reason, error.message)
+    if error.details:
+        body["details"] = error.details
+    return JSONResponse(body, error.status)
+
+
+def no_such_resource() -> StoreError:
+    return StoreError(404, "NotFound", "the server could not find the requested resource")
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -129,6 +153,9 @@ class ApiServer:
         self.on_pod_deleted: list[Callable[[KubeObject], None]] = []
         # node name -> its kubelet (anything with describe()), for the debug endpoint
         self.kubelets: dict[str, Any] = {}
+        self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
+        for namespace in INITIAL_NAMESPACES:
+            self.ensure_namespace(namespace)
 
     def app(self) -> Starlette:
         ns = "/api/v1/namespaces/{namespace}"
@@ -138,6 +165,12 @@ class ApiServer:
             Route("/livez", self.healthz),
             Route("/version", self.version),
             Route("/api", self.api_versions),
+            Route("/api/v1", self.core_resources),
+            Route("/apis", self.api_groups),
+            Route("/apis/{group}", self.api_group),
+            Route("/apis/{group}/{version}", self.group_resources),
+            Route("/openapi/v3", self.openapi_root),
+            Route("/openapi/v3/{path:path}", self.openapi_document),
             Route("/kube-sim/v1/nodes/{name}/containers", self.node_containers),
             Route("/api/v1/{resource}", self.collection, methods=["GET", "POST"]),
             Route(f"{ns}/{{resource}}", self.collection, methods=["GET", "POST"]),
@@ -149,8 +182,26 @@ class ApiServer:
             Route(
                 f"{ns}/{{resource}}/{{name}}/status", self.status, methods=["GET", "PUT", "PATCH"]
             ),
+            *self._more_routes(),
         ]
         return Starlette(routes=routes)
+
+    def _more_routes(self) -> list[Route]:
+        """Cluster-scoped core kinds (namespaces) and the API groups (apps, batch)."""
+        item_methods = ["GET", "PUT", "PATCH", "DELETE"]
+        sub_methods = ["GET", "PUT", "PATCH"]
+        group = "/apis/{group}/{version}"
+        group_ns = f"{group}/namespaces/{{namespace}}"
+        return [
+            Route("/api/v1/{resource}/{name}", self.item, methods=item_methods),
+            Route("/api/v1/{resource}/{name}/status", self.status, methods=sub_methods),
+            Route(f"{group}/{{resource}}", self.collection, methods=["GET", "POST"]),
+            Route(f"{group_ns}/{{resource}}", self.collection, methods=["GET", "POST"]),
+            Route(f"{group}/{{resource}}/{{name}}", self.item, methods=item_methods),
+            Route(f"{group_ns}/{{resource}}/{{name}}", self.item, methods=item_methods),
+            Route(f"{group_ns}/{{resource}}/{{name}}/status", self.status, methods=sub_methods),
+            Route(f"{group_ns}/{{resource}}/{{name}}/scale", self.scale, methods=sub_methods),
+        ]
 
     # --- small endpoints ----------------------------------------------------------------------
 
@@ -163,7 +214,34 @@ class ApiServer:
         )
 
     async def api_versions(self, request: Request) -> Response:
-        return JSONResponse({"kind": "APIVersions", "versions": ["v1"]})
+        return JSONResponse(discovery.api_versions(request.url.netloc))
+
+    @staticmethod
+    def types() -> list[discovery.ResourceType]:
+        return discovery.all_types(RESOURCES, CLUSTER_SCOPED)
+
+    async def core_resources(self, request: Request) -> Response:
+        return JSONResponse(discovery.resource_list(self.types(), "", "v1"))
+
+    async def api_groups(self, request: Request) -> Response:
+        return JSONResponse(discovery.api_group_list(self.types()))
+
+    async def api_group(self, request: Request) -> Response:
+        found = discovery.api_group(self.types(), request.path_params["group"])
+        return JSONResponse(found) if found else error_response(no_such_resource())
+
+    async def group_resources(self, request: Request) -> Response:
+        found = discovery.resource_list(
+            self.types(), request.path_params["group"], request.path_params["version"]
+        )
+        return JSONResponse(found) if found else error_response(no_such_resource())
+
+    async def openapi_root(self, request: Request) -> Response:
+        return JSONResponse(discovery.openapi_root(self.types()))
+
+    async def openapi_document(self, request: Request) -> Response:
+        found = discovery.openapi_for_path(self.types(), request.path_params["path"])
+        return JSONResponse(found) if found else error_response(no_such_resource())
 
     async def node_containers(self, request: Request) -> Response:
         """Not a Kubernetes API: what the node's kubelet gave each container (env, mounts)."""
@@ -178,6 +256,12 @@ class ApiServer:
     def _kind(request: Request) -> str:
         resource = request.path_params.get("resource", "nodes")
         kind = RESOURCES.get(resource)
+        described = discovery.by_kind(kind) if kind else None
+        if described is not None and (
+            described.group != request.path_params.get("group", "")
+            or described.version != request.path_params.get("version", "v1")
+        ):
+            kind = None  # e.g. /api/v1/.../deployments: apps/v1 only
         if kind is None:
             raise StoreError(
                 404, "NotFound", f"the server could not find the requested resource ({resource})"
@@ -205,14 +289,26 @@ class ApiServer:
             if request.method == "POST":
                 return await self._create(request, kind, namespace or "")
             query = request.query_params
-            selector = Selector(
-                namespace=namespace,
-                node_name=parse_field_selector(query.get("fieldSelector")),
-                labels=parse_label_selector(query.get("labelSelector")),
-            )
+            try:
+                selector = Selector(
+                    namespace=namespace,
+                    label_requirements=parse_labels(query.get("labelSelector")),
+                    field_requirements=parse_fields(query.get("fieldSelector")),
+                )
+            except SelectorError as exc:
+                raise StoreError(400, "BadRequest", str(exc)) from exc
             if query.get("watch") in ("true", "1"):
                 return self._watch(request, kind, selector)
-            return self._list(kind, selector, query.get("limit"), query.get("continue"))
+            listed = self._list(kind, selector, query.get("limit"), query.get("continue"))
+            if tables.wants_table(request.headers.get("accept", "")):
+                body = json.loads(listed.body)
+                for item in body["items"]:
+                    item.setdefault("kind", kind)
+                return JSONResponse(
+                    tables.table(kind, body["items"], self.now(),
+                                 query.get("includeObject", "Metadata"), body["metadata"])
+                )
+            return listed
         except StoreError as error:
             return error_response(error)
 
@@ -238,11 +334,31 @@ class ApiServer:
             item.pop("kind", None)
             item.pop("apiVersion", None)
         return JSONResponse(
-            {"kind": f"{kind}List", "apiVersion": "v1", "metadata": meta, "items": items}
+            {"kind": f"{kind}List", "apiVersion": discovery.api_version_of(kind) or "v1",
+             "metadata": meta, "items": items}
         )
 
     async def _create(self, request: Request, kind: str, namespace: str) -> Response:
         obj = await self._body(request)
+        dry_run = request.query_params.get("dryRun") == "All"
+        return JSONResponse(await self.create_object(kind, namespace, obj, dry_run), 201)
+
+    def ensure_namespace(self, name: str) -> None:
+        """Namespaces exist once named: kube-sim creates one on first use (kube-apiserver
+        refuses objects in a namespace nobody created; kube-sim's callers never create them)."""
+        if not name:
+            return
+        try:
+            self.store.get("Namespace", "", name)
+        except StoreError:
+            with contextlib.suppress(StoreError):
+                self.store.create("Namespace", namespace_object(name))
+
+    async def create_object(
+        self, kind: str, namespace: str, obj: Any, dry_run: bool = False
+    ) -> KubeObject:
+        """POST's semantics: defaults, admission (pods), validation, store. Controllers use it
+        too, so the pods they make pass the admission webhook as on a real cluster."""
         if not isinstance(obj, dict):
             raise StoreError(400, "BadRequest", "the body must be a JSON object")
         meta = obj.setdefault("metadata", {})
@@ -257,27 +373,41 @@ class ApiServer:
                     "namespace sent on the request",
                 )
             meta["namespace"] = namespace or "default"
-        for field in ("uid", "resourceVersion"):
+        for field in ("uid", "resourceVersion", "deletionTimestamp", "generation"):
             meta.pop(field, None)
         if kind == "Pod":
             obj = self._pod_defaults(obj)
-            if self.admit_pod is not None:
+            if self.admit_pod is not None and not dry_run:
                 obj = await self.admit_pod(obj, "CREATE")
+            validation.validate_pod(obj)
+        elif kind in WORKLOADS:
+            validation.prepare_workload(kind, obj)
+            obj["status"] = {}
+        elif kind == "Namespace":
+            obj = {**namespace_object(meta.get("name", "")), **obj,
+                   "status": {"phase": "Active"}}
+            validation.raise_if("Namespace", obj, validation.validate_name(obj["metadata"]))
+        if dry_run:
+            return obj
+        if kind not in CLUSTER_SCOPED:
+            self.ensure_namespace(obj["metadata"]["namespace"])
         created = self.store.create(kind, obj)
+        if kind == "Job":
+            created = self.store.mutate(
+                "Job", created["metadata"]["namespace"], created["metadata"]["name"],
+                job_selector,
+            )
         if kind == "Event":
             self.store.trim("Event", EVENTS_KEPT)
-        return JSONResponse(created, 201)
+        return created
 
     @staticmethod
     def _pod_defaults(pod: KubeObject) -> KubeObject:
-        spec = pod.setdefault("spec", {})
-        if not isinstance(spec, dict) or not isinstance(spec.get("containers"), list):
-            raise StoreError(422, "Invalid", "spec.containers: Required value")
-        spec.setdefault("schedulerName", "default-scheduler")
-        spec.setdefault("restartPolicy", "Always")
+        pod.setdefault("spec", {})
+        validation.prepare_pod(pod)
         pod["metadata"].setdefault("labels", {})
         pod["metadata"].setdefault("annotations", {})
-        pod["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
+        pod["status"] = {"phase": "Pending", "qosClass": qos_class(pod["spec"])}
         return pod
 
     def _watch(self, request: Request, kind: str, selector: Selector) -> Response:
@@ -304,8 +434,14 @@ class ApiServer:
                 error = exc
         store = self.store
         interval = self.bookmark_interval_s
+        as_table = tables.wants_table(request.headers.get("accept", ""))
+        include = query.get("includeObject", "Metadata")
+        now = self.now
 
         def line(event_type: str, obj: KubeObject) -> bytes:
+            if as_table and event_type in ("ADDED", "MODIFIED", "DELETED"):
+                obj = tables.table(kind, [obj], now(), include,
+                                   {"resourceVersion": obj["metadata"].get("resourceVersion")})
             return json.dumps({"type": event_type, "object": obj}).encode() + b"\n"
 
         async def events() -> AsyncIterator[bytes]:
@@ -350,22 +486,155 @@ class ApiServer:
             namespace = request.path_params.get("namespace", "")
             name = request.path_params["name"]
             if request.method == "GET":
-                return JSONResponse(self.store.get(kind, namespace, name))
+                found = self.store.get(kind, namespace, name)
+                if tables.wants_table(request.headers.get("accept", "")):
+                    include = request.query_params.get("includeObject", "Metadata")
+                    return JSONResponse(tables.table(kind, [found], self.now(), include))
+                return JSONResponse(found)
             if request.method == "DELETE":
                 body = await self._body(request)
                 uid = None
+                policy = request.query_params.get("propagationPolicy")
                 if isinstance(body, dict):
                     uid = (body.get("preconditions") or {}).get("uid")
-                deleted = self.store.delete(kind, namespace, name, uid)
-                if kind == "Pod":
-                    for callback in self.on_pod_deleted:
-                        callback(deleted)
-                return JSONResponse(deleted)
+                    policy = body.get("propagationPolicy") or policy
+                if request.query_params.get("dryRun") == "All":
+                    return JSONResponse(self.store.get(kind, namespace, name))
+                return JSONResponse(self.delete_object(kind, namespace, name, uid, policy))
             if request.method == "PUT":
                 return await self._replace(request, kind, namespace, name)
+            if request.headers.get("content-type", "").startswith("application/apply-patch"):
+                return await self._apply(request, kind, namespace, name)
             return await self._patch(request, kind, namespace, name, status_only=False)
         except StoreError as error:
             return error_response(error)
+
+    def delete_object(
+        self, kind: str, namespace: str, name: str, uid: str | None = None,
+        policy: str | None = None,
+    ) -> KubeObject:
+        """DELETE's semantics, controllers included. Dependents (ownerReferences) go with their
+        owner (`Background`, `Foreground`: at once, in kube-sim) or are released (`Orphan`, the
+        API's default for batch/v1 Jobs); a namespace takes everything in it."""
+        policy = policy or ("Orphan" if kind == "Job" else "Background")
+        if policy not in ("Orphan", "Background", "Foreground"):
+            raise StoreError(
+                422, "Invalid", f'DeleteOptions.meta.k8s.io "" is invalid: propagationPolicy: '
+                f'Unsupported value: "{policy}": supported values: "Foreground", '
+                '"Background", "Orphan", "nil"',
+            )
+        deleted = self.store.delete(kind, namespace, name, uid)
+        if kind == "Pod":
+            for callback in self.on_pod_deleted:
+                callback(deleted)
+        owner_uid = deleted["metadata"].get("uid", "")
+        if kind in WORKLOADS:
+            for dependent_kind in ("ReplicaSet", "Pod"):
+                for dependent in self.store.list(dependent_kind, Selector(namespace=namespace)):
+                    self._release_or_delete(dependent_kind, dependent, owner_uid, policy)
+        if kind == "Namespace":
+            for other in self.store.kinds():
+                if other in CLUSTER_SCOPED or other == "Namespace":
+                    continue
+                for obj in self.store.list(other, Selector(namespace=name)):
+                    with contextlib.suppress(StoreError):
+                        self.delete_object(other, name, obj["metadata"]["name"], None,
+                                           "Background")
+        return deleted
+
+    def _release_or_delete(
+        self, kind: str, obj: KubeObject, owner_uid: str, policy: str
+    ) -> None:
+        refs = obj["metadata"].get("ownerReferences") or []
+        if not any(r.get("uid") == owner_uid for r in refs):
+            return
+        namespace, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+        with contextlib.suppress(StoreError):
+            if policy == "Orphan":
+
+                def release(o: KubeObject) -> None:
+                    kept = [r for r in o["metadata"].get("ownerReferences") or []
+                            if r.get("uid") != owner_uid]
+                    o["metadata"]["ownerReferences"] = kept
+                    if not kept:
+                        del o["metadata"]["ownerReferences"]
+
+                self.store.mutate(kind, namespace, name, release)
+            else:
+                self.delete_object(kind, namespace, name, None, "Background")
+
+    async def scale(self, request: Request) -> Response:
+        """`<workload>/scale` (autoscaling/v1 Scale), what `kubectl scale` talks to."""
+        try:
+            kind = self._kind(request)
+            if kind not in ("Deployment", "ReplicaSet"):
+                raise no_such_resource()
+            namespace = request.path_params["namespace"]
+            name = request.path_params["name"]
+            if request.method != "GET":
+                body = await self._body(request)
+                if not isinstance(body, dict):
+                    raise StoreError(400, "BadRequest", "the body must be a Scale object")
+                replicas = (body.get("spec") or {}).get("replicas")
+                if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                    raise validation.invalid("Scale", name, [validation.FieldError(
+                        "Invalid", "spec.replicas", "must be greater than or equal to 0",
+                        replicas)])
+                expected = (body.get("metadata") or {}).get("resourceVersion")
+
+                def set_replicas(obj: KubeObject) -> None:
+                    if expected and str(expected) != obj["metadata"].get("resourceVersion"):
+                        raise conflict(
+                            f'Operation cannot be fulfilled on {discovery.qualified_resource(kind)}'
+                            f' "{name}": the object has been modified; please apply your changes'
+                            " to the latest version and try again"
+                        )
+                    obj["spec"]["replicas"] = replicas
+
+                self.store.mutate(kind, namespace, name, set_replicas)
+            return JSONResponse(scale_of(self.store.get(kind, namespace, name)))
+        except StoreError as error:
+            return error_response(error)
+
+    async def _apply(self, request: Request, kind: str, namespace: str, name: str) -> Response:
+        """Server-side apply (`kubectl apply --server-side`), simplified: the applied
+        configuration is created, or merged into the object as a strategic merge patch (no
+        field ownership tracking)."""
+        raw = await request.body()
+        try:
+            applied = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as exc:
+            raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        if not isinstance(applied, dict):
+            raise StoreError(400, "BadRequest", "the body must be an object")
+        applied.setdefault("metadata", {})["name"] = name
+        try:
+            self.store.get(kind, namespace, name)
+        except StoreError:
+            return JSONResponse(await self.create_object(kind, namespace, applied), 201)
+        applied.pop("status", None)
+        return JSONResponse(self._update(kind, namespace, name, applied,
+                                         strategic_merge.apply))
+
+    def _update(
+        self, kind: str, namespace: str, name: str, patch: Any,
+        merge: Callable[[Any, Any], Any],
+    ) -> KubeObject:
+        def change(obj: KubeObject) -> None:
+            before = copy.deepcopy(obj)
+            patched = merge(obj, patch)
+            if not isinstance(patched, dict) or not isinstance(patched.get("metadata"), dict):
+                raise StoreError(422, "Invalid", "the patch removed metadata")
+            for key in IMMUTABLE_META:
+                if before["metadata"].get(key) is None:
+                    patched["metadata"].pop(key, None)
+                else:
+                    patched["metadata"][key] = before["metadata"][key]
+            validate_update(kind, before, patched)
+            obj.clear()
+            obj.update(patched)
+
+        return self.store.mutate(kind, namespace, name, change)
 
     async def status(self, request: Request) -> Response:
         try:
@@ -396,6 +665,10 @@ class ApiServer:
         if kind not in CLUSTER_SCOPED:
             body["metadata"]["namespace"] = namespace
         expected = body["metadata"].get("resourceVersion")
+        current = self.store.get(kind, namespace if kind not in CLUSTER_SCOPED else "", name)
+        if kind in WORKLOADS or kind == "Pod":
+            body.setdefault("status", current.get("status", {}))
+        validate_update(kind, current, body)
         return JSONResponse(self.store.replace(kind, body, str(expected) if expected else None))
 
     async def _patch(
@@ -425,7 +698,13 @@ class ApiServer:
                 wanted = (patch.get("metadata") or {}).get("resourceVersion")
                 if wanted and str(wanted) != version:
                     raise conflict(f'the object "{name}" has been modified; please retry')
-                patched = merge_patch(obj, patch)
+                if content_type == "application/strategic-merge-patch+json":
+                    try:
+                        patched = strategic_merge.apply(obj, patch)
+                    except strategic_merge.PatchError as exc:
+                        raise StoreError(422, "Invalid", str(exc)) from exc
+                else:
+                    patched = merge_patch(obj, patch)
             else:
                 raise StoreError(
                     415, "UnsupportedMediaType", f"unsupported patch type {content_type!r}"
@@ -439,6 +718,8 @@ class ApiServer:
                     patched["metadata"].pop(key, None)
                 else:
                     patched["metadata"][key] = value
+            if not status_only:
+                validate_update(kind, obj, patched)
             obj.clear()
             obj.update(patched)
 
@@ -485,3 +766,105 @@ class ApiServer:
             pod["status"]["conditions"] = conditions
 
         return self.store.mutate("Pod", namespace, name, assign)
+
+
+# --- object helpers ---------------------------------------------------------------------------
+
+
+def namespace_object(name: str) -> KubeObject:
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}},
+        "spec": {"finalizers": ["kubernetes"]},
+        "status": {"phase": "Active"},
+    }
+
+
+def job_selector(job: KubeObject) -> None:
+    """batch/v1 defaulting: a Job selects its pods by its own uid unless told otherwise."""
+    spec = job["spec"]
+    uid, name = job["metadata"]["uid"], job["metadata"]["name"]
+    labels = spec["template"].setdefault("metadata", {}).setdefault("labels", {})
+    labels.setdefault("batch.kubernetes.io/controller-uid", uid)
+    labels.setdefault("batch.kubernetes.io/job-name", name)
+    labels.setdefault("controller-uid", uid)
+    labels.setdefault("job-name", name)
+    if not spec.get("selector"):
+        spec["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
+
+
+def qos_class(spec: dict[str, Any]) -> str:
+    containers = (spec.get("containers") or []) + (spec.get("initContainers") or [])
+    resources = [c.get("resources") or {} for c in containers if isinstance(c, dict)]
+    named = [r for r in resources if r.get("requests") or r.get("limits")]
+    if not named:
+        return "BestEffort"
+    for r in resources:
+        limits, requests = r.get("limits") or {}, r.get("requests") or {}
+        for name in ("cpu", "memory"):
+            if name not in limits or str(requests.get(name, limits[name])) != str(limits[name]):
+                return "Burstable"
+    return "Guaranteed"
+
+
+def scale_of(obj: KubeObject) -> KubeObject:
+    meta = obj["metadata"]
+    match = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    return {
+        "kind": "Scale",
+        "apiVersion": "autoscaling/v1",
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
+                                          "creationTimestamp") if k in meta},
+        "spec": {"replicas": obj["spec"].get("replicas", 1)},
+        "status": {
+            "replicas": (obj.get("status") or {}).get("replicas", 0),
+            "selector": ",".join(f"{k}={v}" for k, v in match.items()),
+        },
+    }
+
+
+POD_MUTABLE = (
+    "`spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,"
+    "`spec.tolerations` (only additions to existing tolerations),"
+    "`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)"
+)
+
+
+def _without_images(spec: dict[str, Any]) -> dict[str, Any]:
+    spec = copy.deepcopy(spec)
+    for key in ("activeDeadlineSeconds", "tolerations", "terminationGracePeriodSeconds"):
+        spec.pop(key, None)
+    for section in ("containers", "initContainers"):
+        for container in spec.get(section) or []:
+            if isinstance(container, dict):
+                container.pop("image", None)
+    return spec
+
+
+def validate_update(kind: str, old: KubeObject, new: KubeObject) -> None:
+    """What an update may not change, worded as kube-apiserver's update validation."""
+    name = old["metadata"]["name"]
+    old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
+    if kind == "Pod" and old_spec != new_spec:
+        for section in ("containers", "initContainers"):
+            for container in new_spec.get(section) or []:
+                if isinstance(container, dict):
+                    validation.default_resources(container)
+        bound = old_spec.get("nodeName")
+        if bound and not new_spec.get("nodeName"):
+            new_spec["nodeName"] = bound
+        if _without_images(old_spec) != _without_images(new_spec):
+            raise validation.invalid("Pod", name, [validation.FieldError(
+                "Forbidden", "spec", f"pod updates may not change fields other than "
+                f"{POD_MUTABLE}")])
+    elif kind in WORKLOADS:
+        validation.prepare_workload(kind, new)
+        if old_spec.get("selector") != new_spec.get("selector"):
+            raise validation.invalid(kind, name, [validation.FieldError(
+                "Invalid", "spec.selector", "field is immutable", new_spec.get("selector"))])
+        if kind == "Job" and old_spec.get("template") != new_spec.get("template"):
+            raise validation.invalid(kind, name, [validation.FieldError(
+                "Invalid", "spec.template", "field is immutable", "core.PodTemplateSpec{...}")])
+        if kind == "Job" and old_spec.get("completions") != new_spec.get("completions"):
+            raise validation.invalid(kind, name, [validation.FieldError(
+                "Invalid", "spec.completions", "field is immutable",
+                new_spec.get("completions"))])
