@@ -58,6 +58,18 @@ RESOURCES.update(
 )
 CLUSTER_SCOPED.add("Namespace")
 WORKLOADS = ("Deployment", "ReplicaSet", "Job")
+# The field selectors kube-apiserver supports per kind (metadata.name/namespace for all).
+FIELD_LABELS = {
+    "Pod": {"spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
+            "spec.serviceAccountName", "spec.hostNetwork", "status.phase", "status.podIP",
+            "status.nominatedNodeName"},
+    "Event": {"involvedObject.kind", "involvedObject.namespace", "involvedObject.name",
+              "involvedObject.uid", "involvedObject.apiVersion", "involvedObject.resourceVersion",
+              "involvedObject.fieldPath", "reason", "reportingComponent", "source", "type"},
+    "Node": {"spec.unschedulable"},
+    "Namespace": {"status.phase"},
+    "Job": {"status.successful"},
+}
 INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 
@@ -297,6 +309,12 @@ class ApiServer:
                 )
             except SelectorError as exc:
                 raise StoreError(400, "BadRequest", str(exc)) from exc
+            allowed = FIELD_LABELS.get(kind, set()) | {"metadata.name", "metadata.namespace"}
+            for requirement in selector.field_requirements:
+                if requirement.key not in allowed:
+                    raise StoreError(
+                        400, "BadRequest", f"field label not supported: {requirement.key}"
+                    )
             if query.get("watch") in ("true", "1"):
                 return self._watch(request, kind, selector)
             listed = self._list(kind, selector, query.get("limit"), query.get("continue"))

@@ -22,6 +22,7 @@ from tessera.kube_sim.discovery import api_version_of, qualified_resource
 from tessera.kube_sim.selectors import Requirement, fields_match, labels_match
 
 KubeObject = dict[str, Any]
+NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds
 
 
@@ -184,7 +185,10 @@ class ObjectStore:
             prefix = meta.get("generateName")
             if not prefix:
                 raise StoreError(422, "Invalid", "metadata.name: Required value")
-            meta["name"] = f"{prefix}{uuid.uuid4().hex[:5]}"
+            # five characters from the alphabet Kubernetes uses for generated names
+            digits = uuid.uuid4().int
+            suffix = "".join(NAME_ALPHABET[(digits >> (5 * i)) % 27] for i in range(5))
+            meta["name"] = f"{prefix[:58]}{suffix}"
         key = key_of(obj)
         if key in self._objects.get(kind, {}):
             raise already_exists(kind, key[1])
