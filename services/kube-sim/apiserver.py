@@ -436,7 +436,10 @@ class ApiServer:
         initial: list[KubeObject] = []
         error: StoreError | None = None
         watcher = None
-        if raw_version in ("", "0"):
+        # A streaming list (client-go's WatchList): the current state as ADDED events, then a
+        # bookmark annotated `k8s.io/initial-events-end`, then the changes.
+        initial_end = query.get("sendInitialEvents") == "true"
+        if raw_version in ("", "0") or initial_end:
             # "Most recent": the current objects as ADDED, then every change after.
             initial = self.store.list(kind, selector)
             watcher = self.store.watch(kind, selector, self.store.version)
@@ -473,6 +476,13 @@ class ApiServer:
             try:
                 for obj in initial:
                     yield line("ADDED", obj)
+                if initial_end:
+                    yield line("BOOKMARK", {
+                        "kind": kind,
+                        "apiVersion": discovery.api_version_of(kind) or "v1",
+                        "metadata": {"resourceVersion": str(watcher.since),
+                                     "annotations": {"k8s.io/initial-events-end": "true"}},
+                    })
                 while True:
                     remaining = deadline - loop.time()
                     if remaining <= 0:

@@ -144,6 +144,7 @@ class Watcher:
     kind: str
     selector: Selector
     queue: asyncio.Queue[tuple[str, KubeObject]]
+    since: int = 0  # the resourceVersion it started after
 
 
 class ObjectStore:
@@ -287,7 +288,7 @@ class ObjectStore:
         oldest_known = self._history[0].version - 1 if self._history else self._version
         if since < oldest_known and since < self._version:
             raise gone(since)
-        watcher = Watcher(kind, selector, asyncio.Queue())
+        watcher = Watcher(kind, selector, asyncio.Queue(), since)
         for change in self._history:
             if change.version > since and change.kind == kind:
                 seen = event_for(change, selector)
