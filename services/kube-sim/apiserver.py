@@ -401,6 +401,8 @@ class ApiServer:
         elif kind in WORKLOADS:
             validation.prepare_workload(kind, obj)
             obj["status"] = {}
+        elif kind == "ResourceQuota":
+            quota_status(obj)
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}
@@ -807,6 +809,16 @@ def namespace_object(name: str) -> KubeObject:
     }
 
 
+def quota_status(quota: KubeObject) -> None:
+    """status.hard follows spec.hard, as kube-controller-manager's quota controller keeps it
+    (status.used is written by whoever counts: Tessera's quota service)."""
+    hard = (quota.get("spec") or {}).get("hard")
+    if isinstance(hard, dict):
+        status = quota.setdefault("status", {})
+        if isinstance(status, dict):
+            status["hard"] = dict(hard)
+
+
 def job_selector(job: KubeObject) -> None:
     """batch/v1 defaulting: a Job selects its pods by its own uid unless told otherwise."""
     spec = job["spec"]
@@ -884,6 +896,8 @@ def validate_update(kind: str, old: KubeObject, new: KubeObject) -> None:
             raise validation.invalid("Pod", name, [validation.FieldError(
                 "Forbidden", "spec", f"pod updates may not change fields other than "
                 f"{POD_MUTABLE}")])
+    elif kind == "ResourceQuota":
+        quota_status(new)
     elif kind in WORKLOADS:
         validation.prepare_workload(kind, new)
         if old_spec.get("selector") != new_spec.get("selector"):

@@ -332,3 +332,35 @@ def test_job_fails_past_its_backoff_limit(kubectl: Kubectl) -> None:
     assert failed["reason"] == "BackoffLimitExceeded"
     assert job["status"]["failed"] == 2
     kubectl.run("delete", "job", "broken")
+
+
+QUOTA = """
+apiVersion: v1
+kind: ResourceQuota
+metadata:
+  name: gpu
+  namespace: team-q
+spec:
+  hard:
+    limits.nvidia.com/gpumem: "8000"
+    pods: "10"
+"""
+
+
+def test_resource_quotas_and_events_print_as_kubectl_expects(kubectl: Kubectl) -> None:
+    assert kubectl.apply("q.yaml", QUOTA).stdout.strip() == "resourcequota/gpu created"
+    row = kubectl.run("get", "quota", "-n", "team-q", "--no-headers").stdout
+    assert "pods: 0/10" in row and "limits.nvidia.com/gpumem: 0/8000" in row
+    described = kubectl.run("describe", "quota", "gpu", "-n", "team-q").stdout
+    rows = [line.split() for line in described.splitlines()]
+    assert ["limits.nvidia.com/gpumem", "0", "8k"] in rows and ["pods", "0", "10"] in rows
+    assert "team-q" in kubectl.run("get", "namespaces").stdout  # made on first use
+    kubectl.apply("e.yaml", pod_yaml("evented", "team-q"))
+    kubectl.wait_for("the Scheduled event", lambda: "Scheduled" in kubectl.run(
+        "get", "events", "-n", "team-q").stdout)
+    events = kubectl.run("get", "events", "-n", "team-q").stdout.splitlines()
+    assert events[0].split() == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]
+    assert any("pod/evented" in line for line in events[1:])
+    kubectl.run("delete", "namespace", "team-q")
+    assert kubectl.json("pods", "-n", "team-q")["items"] == []
+    assert kubectl.json("quota", "-n", "team-q")["items"] == []
