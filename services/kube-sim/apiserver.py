@@ -191,6 +191,7 @@ class ApiServer:
                 f"{ns}/{{resource}}/{{name}}", self.item, methods=["GET", "PUT", "PATCH", "DELETE"]
             ),
             Route(f"{ns}/pods/{{name}}/binding", self.binding, methods=["POST"]),
+            Route(f"{ns}/pods/{{name}}/log", self.pod_log),
             Route(
                 f"{ns}/{{resource}}/{{name}}/status", self.status, methods=["GET", "PUT", "PATCH"]
             ),
@@ -536,6 +537,36 @@ class ApiServer:
             if request.headers.get("content-type", "").startswith("application/apply-patch"):
                 return await self._apply(request, kind, namespace, name)
             return await self._patch(request, kind, namespace, name, status_only=False)
+        except StoreError as error:
+            return error_response(error)
+
+    async def pod_log(self, request: Request) -> Response:
+        """`kubectl logs`: what the container's process wrote (kube-sim runs containers as
+        processes only with RUN_CONTAINERS; otherwise a container has written nothing)."""
+        try:
+            namespace, name = request.path_params["namespace"], request.path_params["name"]
+            pod = self.store.get("Pod", namespace, name)
+            names = [c.get("name", "") for c in (pod.get("spec") or {}).get("containers") or []]
+            container = request.query_params.get("container")
+            if not container:
+                if len(names) != 1:
+                    raise StoreError(400, "BadRequest", f"a container name must be specified "
+                                     f"for pod {name}, choose one of: [{' '.join(names)}]")
+                container = names[0]
+            if container not in names:
+                raise StoreError(400, "BadRequest",
+                                 f"container {container} is not valid for pod {name}")
+            kubelet = self.kubelets.get((pod.get("spec") or {}).get("nodeName") or "")
+            processes = getattr(kubelet, "processes", None)
+            text = ""
+            if processes is not None:
+                path = processes.log_dir / f"{name}_{container}.log"
+                if path.is_file():
+                    text = path.read_text(errors="replace")
+            tail = request.query_params.get("tailLines")
+            if tail and tail.isdigit():
+                text = "".join(text.splitlines(keepends=True)[-int(tail):]) if int(tail) else ""
+            return Response(text, media_type="text/plain")
         except StoreError as error:
             return error_response(error)
 

@@ -311,7 +311,7 @@ spec:
 
 def test_job_runs_to_completion_with_parallelism(kubectl: Kubectl) -> None:
     kubectl.apply("j.yaml", JOB.format(name="train", completions=3, backoff=6,
-                                       script="sleep 0.3; exit 0"))
+                                       script="sleep 0.3; echo done"))
     kubectl.run("wait", "--for=condition=complete", "job/train", "--timeout=40s")
     job = kubectl.json("job", "train")
     assert (job["status"]["succeeded"], job["status"].get("active", 0)) == (3, 0)
@@ -319,6 +319,8 @@ def test_job_runs_to_completion_with_parallelism(kubectl: Kubectl) -> None:
     assert sorted(p["status"]["phase"] for p in pods) == ["Succeeded"] * 3
     row = kubectl.run("get", "job", "train", "--no-headers").stdout.split()
     assert row[1:3] == ["Complete", "3/3"]
+    name = pods[0]["metadata"]["name"]
+    assert kubectl.run("logs", name).stdout == "done\n"  # what the process wrote
     kubectl.run("delete", "job", "train")  # kubectl's background cascade takes the pods
     kubectl.wait_for("the job's pods gone", lambda: not kubectl.json(
         "pods", "-l", "job-name=train")["items"])
