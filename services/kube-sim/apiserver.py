@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tessera.kube_sim import discovery, strategic_merge, tables, validation
+from tessera.kube_sim import discovery, schema, strategic_merge, tables, validation
 from tessera.kube_sim.selectors import SelectorError, parse_fields, parse_labels
 from tessera.kube_sim.store import (
     KubeObject,
@@ -91,6 +91,28 @@ def error_response(error: StoreError) -> JSONResponse:
     if error.details:
         body["details"] = error.details
     return JSONResponse(body, error.status)
+
+
+def field_warnings(request: Request, kind: str, body: Any) -> list[str]:
+    """kube-apiserver's field validation of a write: `Strict` refuses unknown fields (400
+    BadRequest, strict decoding error), `Warn` (the default) and `Ignore` store them, `Warn`
+    with a warning per field."""
+    mode = request.query_params.get("fieldValidation") or "Warn"
+    unknown = schema.unknown_fields(kind, body)
+    if not unknown or mode == "Ignore":
+        return []
+    if mode == "Strict":
+        raise StoreError(400, "BadRequest", schema.strict_error_message(
+            kind, discovery.api_version_of(kind) or "v1", unknown))
+    return [f'unknown field "{f}"' for f in unknown]
+
+
+def with_warnings(response: Response, warnings: list[str]) -> Response:
+    """RFC 7234 Warning headers (code 299), which kubectl prints as `Warning: ...`."""
+    for warning in warnings:
+        quoted = warning.replace("\\", "\\\\").replace('"', '\\"')
+        response.headers.append("Warning", f'299 - "{quoted}"')
+    return response
 
 
 def no_such_resource() -> StoreError:
@@ -360,7 +382,9 @@ class ApiServer:
     async def _create(self, request: Request, kind: str, namespace: str) -> Response:
         obj = await self._body(request)
         dry_run = request.query_params.get("dryRun") == "All"
-        return JSONResponse(await self.create_object(kind, namespace, obj, dry_run), 201)
+        warnings = field_warnings(request, kind, obj)
+        created = await self.create_object(kind, namespace, obj, dry_run)
+        return with_warnings(JSONResponse(created, 201), warnings)
 
     def ensure_namespace(self, name: str) -> None:
         """Namespaces exist once named: kube-sim creates one on first use (kube-apiserver
@@ -668,6 +692,7 @@ class ApiServer:
             raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
         if not isinstance(applied, dict):
             raise StoreError(400, "BadRequest", "the body must be an object")
+        field_warnings(request, kind, applied)
         applied.setdefault("metadata", {})["name"] = name
         try:
             self.store.get(kind, namespace, name)
@@ -722,6 +747,7 @@ class ApiServer:
         body = await self._body(request)
         if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict):
             raise StoreError(400, "BadRequest", "the body must be an object with metadata")
+        warnings = field_warnings(request, kind, body)
         body["metadata"]["name"] = name
         if kind not in CLUSTER_SCOPED:
             body["metadata"]["namespace"] = namespace
@@ -730,13 +756,19 @@ class ApiServer:
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
         validate_update(kind, current, body)
-        return JSONResponse(self.store.replace(kind, body, str(expected) if expected else None))
+        replaced = self.store.replace(kind, body, str(expected) if expected else None)
+        return with_warnings(JSONResponse(replaced), warnings)
 
     async def _patch(
         self, request: Request, kind: str, namespace: str, name: str, status_only: bool
     ) -> Response:
         patch = await self._body(request)
         content_type = request.headers.get("content-type", "").split(";")[0].strip()
+        warnings = (
+            field_warnings(request, kind, patch)
+            if content_type != "application/json-patch+json" and not status_only
+            else []
+        )
 
         def apply(obj: KubeObject) -> None:
             before = {k: obj["metadata"].get(k) for k in IMMUTABLE_META}
@@ -784,7 +816,8 @@ class ApiServer:
             obj.clear()
             obj.update(patched)
 
-        return JSONResponse(self.store.mutate(kind, namespace, name, apply))
+        return with_warnings(JSONResponse(self.store.mutate(kind, namespace, name, apply)),
+                             warnings)
 
     async def binding(self, request: Request) -> Response:
         try:

@@ -47,9 +47,8 @@ class Kubectl:
         return result
 
     def apply(self, name: str, text: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        path = self.workdir / name
-        path.write_text(text)
-        return self.run("apply", "-f", str(path), ok=ok)
+        (self.workdir / name).write_text(text)
+        return self.run("apply", "-f", name, ok=ok)  # relative: kubectl's messages name it
 
     def json(self, *args: str) -> Any:
         return json.loads(self.run("get", *args, "-o", "json").stdout)
@@ -171,8 +170,9 @@ def test_pod_apply_get_describe_update_delete(kubectl: Kubectl) -> None:
     assert ('The Pod "web-1" is invalid: spec: Forbidden: pod updates may not change fields '
             "other than `spec.containers[*].image`") in refused.stderr
 
-    created_twice = kubectl.run("create", "-f", str(kubectl.workdir / "p.yaml"), ok=False)
-    assert 'Error from server (AlreadyExists): error when creating' in created_twice.stderr
+    created_twice = kubectl.run("create", "-f", "p.yaml", ok=False)
+    assert 'Error from server (AlreadyExists): error when creating "p.yaml"' in (
+        created_twice.stderr)
     assert 'pods "web-1" already exists' in created_twice.stderr
 
     assert 'pod "web-1" deleted' in kubectl.run("delete", "pod", "web-1", "-n", "apps").stdout
@@ -366,3 +366,18 @@ def test_resource_quotas_and_events_print_as_kubectl_expects(kubectl: Kubectl) -
     kubectl.run("delete", "namespace", "team-q")
     assert kubectl.json("pods", "-n", "team-q")["items"] == []
     assert kubectl.json("quota", "-n", "team-q")["items"] == []
+
+
+def test_unknown_fields_are_refused_as_strict_decoding_errors(kubectl: Kubectl) -> None:
+    typo = pod_yaml("typo", extra="""    resources:
+      limit:
+        nvidia.com/gpu: 1""")
+    result = kubectl.apply("t.yaml", typo, ok=False)
+    assert result.returncode != 0
+    assert ('Error from server (BadRequest): error when creating "t.yaml": Pod in version "v1" '
+            'cannot be handled as a Pod: strict decoding error: unknown field '
+            '"spec.containers[0].resources.limit"') in result.stderr
+    # --validate=warn: stored, with kube-apiserver's warning
+    warned = kubectl.run("apply", "--validate=warn", "-f", "t.yaml")
+    assert 'Warning: unknown field "spec.containers[0].resources.limit"' in warned.stderr
+    kubectl.run("delete", "pod", "typo")
