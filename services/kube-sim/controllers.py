@@ -46,8 +46,22 @@ MAX_BURST = 500  # pods one owner creates or deletes per pass (the real controll
 REVISION = "deployment.kubernetes.io/revision"
 
 
+def normalized(value: Any) -> Any:
+    """A template as its meaning: empty and null fields dropped (`resources: {}` that a typed
+    client writes is no change), the pod-template-hash label left out."""
+    if isinstance(value, dict):
+        kept = {k: normalized(v) for k, v in value.items() if k != "pod-template-hash"}
+        return {k: v for k, v in kept.items() if v not in (None, {}, [])}
+    if isinstance(value, list):
+        return [normalized(v) for v in value]
+    return value
+
+
 def template_hash(template: dict[str, Any]) -> str:
-    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).digest()
+    """The pod-template-hash: equal for templates that mean the same (as
+    kube-controller-manager's EqualIgnoreHash), so a rollback finds its old ReplicaSet."""
+    text = json.dumps(normalized(template), sort_keys=True)
+    digest = hashlib.sha256(text.encode()).digest()
     return "".join(HASH_ALPHABET[b % len(HASH_ALPHABET)] for b in digest[:10])
 
 
@@ -289,7 +303,7 @@ class WorkloadControllers:
         ]
         current = next(
             (rs for rs in owned
-             if (rs["metadata"].get("labels") or {}).get("pod-template-hash") == digest),
+             if template_hash((rs.get("spec") or {}).get("template") or {}) == digest),
             None,
         )
         old = [rs for rs in owned if rs is not current]
@@ -303,8 +317,10 @@ class WorkloadControllers:
                                                  max(revisions, default=0) + 1)
             if current is None:
                 return
-        elif current["spec"].get("replicas") != wanted:
-            self._scale(deployment, current, wanted)
+        else:
+            self._mark_revision(deployment, current, max(revisions, default=0))
+            if current["spec"].get("replicas") != wanted:
+                self._scale(deployment, current, wanted)
         for rs in old:
             if rs["spec"].get("replicas", 0) != 0:
                 self._scale(deployment, rs, 0)
@@ -349,6 +365,24 @@ class WorkloadControllers:
         with contextlib.suppress(StoreError):
             self.store.mutate("Deployment", meta["namespace"], meta["name"], annotate)
         return created
+
+    def _mark_revision(self, deployment: KubeObject, rs: KubeObject, newest: int) -> None:
+        """A rollback reuses the old template's ReplicaSet, which becomes the newest revision."""
+        revision = int((rs["metadata"].get("annotations") or {}).get(REVISION, "0") or 0)
+        shown = (deployment["metadata"].get("annotations") or {}).get(REVISION)
+        if revision < newest:
+            revision = newest + 1
+        elif shown == str(revision):
+            return
+
+        def annotate(obj: KubeObject) -> None:
+            obj["metadata"].setdefault("annotations", {})[REVISION] = str(revision)
+
+        with contextlib.suppress(StoreError):
+            self.store.mutate("ReplicaSet", rs["metadata"]["namespace"], rs["metadata"]["name"],
+                              annotate)
+            self.store.mutate("Deployment", deployment["metadata"]["namespace"],
+                              deployment["metadata"]["name"], annotate)
 
     def _scale(self, deployment: KubeObject, rs: KubeObject, replicas: int) -> None:
         before = rs["spec"].get("replicas", 0)

@@ -285,6 +285,14 @@ def test_deployment_scale_roll_and_cascade(kubectl: Kubectl) -> None:
     described = kubectl.run("describe", "deployment", "web", "-n", "shop").stdout
     assert "ScalingReplicaSet" in described and "NewReplicaSet:" in described
 
+    # a rollback takes the first template's ReplicaSet back, as revision 3
+    kubectl.run("rollout", "undo", "deployment/web", "-n", "shop")
+    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=30s")
+    sets = {r["spec"]["template"]["spec"]["containers"][0]["image"]: (
+        r["spec"]["replicas"], r["metadata"]["annotations"]["deployment.kubernetes.io/revision"])
+        for r in kubectl.json("rs", "-n", "shop")["items"]}
+    assert sets == {"nginx:1": (2, "3"), "nginx:2": (0, "2")}
+
     kubectl.run("delete", "deployment", "web", "-n", "shop")
     kubectl.wait_for("the pods and replica sets gone", lambda: not kubectl.json(
         "rs,pods", "-n", "shop")["items"])
