@@ -44,6 +44,7 @@ HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the characters Kubernetes uses 
 TERMINAL = ("Succeeded", "Failed")
 MAX_BURST = 500  # pods one owner creates or deletes per pass (the real controllers' burst)
 REVISION = "deployment.kubernetes.io/revision"
+FOLLOWED = ("Deployment", "ReplicaSet", "Job", "Pod")
 
 
 def normalized(value: Any) -> Any:
@@ -168,27 +169,20 @@ class WorkloadControllers:
     # --- loop ----------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        watchers = [
-            self.store.watch(kind, Selector(), self.store.version)
-            for kind in ("Deployment", "ReplicaSet", "Job", "Pod")
-        ]
-        tasks = [asyncio.create_task(self._follow(w.queue)) for w in watchers]
-        tasks.append(asyncio.create_task(self._reconcile_forever()))
+        # A change to any kind they follow wakes a pass (no copies: the store calls back).
+        self.store.listeners.append(self._changed)
+        task = asyncio.create_task(self._reconcile_forever())
         self._dirty.set()
         try:
             await stop.wait()
         finally:
-            for watcher in watchers:
-                self.store.unwatch(watcher)
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            self.store.listeners.remove(self._changed)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
-    async def _follow(self, queue: asyncio.Queue[tuple[str, KubeObject]]) -> None:
-        while True:
-            await queue.get()
+    def _changed(self, kind: str) -> None:
+        if kind in FOLLOWED:
             self._dirty.set()
 
     async def _reconcile_forever(self) -> None:

@@ -154,6 +154,8 @@ class ObjectStore:
         self._objects: dict[str, dict[Key, KubeObject]] = {}
         self._history: deque[Change] = deque(maxlen=history_size)
         self._watchers: list[Watcher] = []
+        # called with the kind of every write, without a copy (in-process controllers)
+        self.listeners: list[Callable[[str], None]] = []
         self._version = 0
         self._clock = clock
         self.first_version = 1  # the API server was born at version 1
@@ -271,6 +273,8 @@ class ObjectStore:
             # Watchers see the deleted object at the delete's resourceVersion.
             change = Change(change.version, change.kind, deleted_final, None)
         self._history.append(change)
+        for listener in self.listeners:
+            listener(change.kind)
         for watcher in self._watchers:
             if watcher.kind != change.kind:
                 continue
