@@ -90,6 +90,36 @@ def insufficient(
     return reasons
 
 
+def tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
+    for toleration in tolerations:
+        if toleration.get("effect") and toleration.get("effect") != taint.get("effect"):
+            continue
+        if toleration.get("operator") == "Exists":
+            if not toleration.get("key") or toleration.get("key") == taint.get("key"):
+                return True
+        elif toleration.get("key") == taint.get("key") and (
+            toleration.get("value") or ""
+        ) == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def node_refusal(pod: KubeObject, node: KubeObject) -> str | None:
+    """kube-scheduler's NodeUnschedulable and TaintToleration filters (None: no objection)."""
+    tolerations = (pod.get("spec") or {}).get("tolerations") or []
+    spec = node.get("spec") or {}
+    if spec.get("unschedulable") and not tolerates(
+        tolerations, {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+    ):
+        return "node(s) were unschedulable"
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(
+            tolerations, taint
+        ):
+            return f"node(s) had untolerated taint {{{taint.get('key')}: {taint.get('value', '')}}}"
+    return None
+
+
 def unavailable_message(total_nodes: int, reasons: dict[str, list[str]]) -> str:
     """`0/3 nodes are available: 1 Insufficient cpu, 3 Insufficient nvidia.com/gpu.`:
     each reason counted over the nodes, sorted, as kube-scheduler's FitError prints it."""

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.extender import ExtenderClient, ExtenderError, requests_managed_resource
-from tessera.kube_sim.fit import NodeUsage, insufficient, pod_requests, unavailable_message
+from tessera.kube_sim.fit import (
+    NodeUsage,
+    insufficient,
+    node_refusal,
+    pod_requests,
+    unavailable_message,
+)
 from tessera.kube_sim.store import Key, KubeObject, Selector, StoreError, now_rfc3339
 
 log = logging.getLogger("tessera.kube_sim.scheduler")
@@ -213,7 +219,8 @@ class SchedulingLoop:
                 self._back_off(key)
 
     def feasible_nodes(self, pod: KubeObject) -> tuple[list[str], dict[str, list[str]]]:
-        """kube-scheduler's in-tree filters (node readiness, nodeSelector, NodeResourcesFit):
+        """kube-scheduler's in-tree filters (node readiness, nodeSelector, NodeUnschedulable,
+        TaintToleration, NodeResourcesFit):
         the nodes left, and each filtered node's reasons in kube-scheduler's words."""
         ignored = (
             frozenset(self.extender.config.managed_resources)
@@ -229,6 +236,8 @@ class SchedulingLoop:
                 failed[name] = ["node(s) had untolerated taint {node.kubernetes.io/not-ready: }"]
             elif not node_selector_matches(pod, node):
                 failed[name] = ["node(s) didn't match Pod's node affinity/selector"]
+            elif (refusal := node_refusal(pod, node)) is not None:
+                failed[name] = [refusal]
             else:
                 reasons = insufficient(wanted, node, self.usage.used(name), ignored)
                 if reasons:

@@ -10,6 +10,7 @@ from tessera.kube_sim import strategic_merge
 from tessera.kube_sim.fit import (
     NodeUsage,
     insufficient,
+    node_refusal,
     pod_requests,
     unavailable_message,
 )
@@ -123,3 +124,18 @@ def test_label_and_field_selectors() -> None:
 ])
 def test_ages_read_as_kubectl_prints_them(seconds: int, text: str) -> None:
     assert human_duration(seconds) == text
+
+
+def test_cordoned_and_tainted_nodes_refuse_pods_that_do_not_tolerate_them() -> None:
+    plain = pod([limits()])
+    cordoned = {"metadata": {"name": "n"}, "spec": {"unschedulable": True}}
+    assert node_refusal(plain, cordoned) == "node(s) were unschedulable"
+    tainted = {"metadata": {"name": "n"},
+               "spec": {"taints": [{"key": "gpu", "value": "a100", "effect": "NoSchedule"}]}}
+    assert node_refusal(plain, tainted) == "node(s) had untolerated taint {gpu: a100}"
+    tolerant = pod([limits()])
+    tolerant["spec"]["tolerations"] = [{"key": "gpu", "operator": "Exists"}]
+    assert node_refusal(tolerant, tainted) is None
+    preferred = {"metadata": {"name": "n"},
+                 "spec": {"taints": [{"key": "x", "effect": "PreferNoSchedule"}]}}
+    assert node_refusal(plain, preferred) is None

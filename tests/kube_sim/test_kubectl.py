@@ -389,3 +389,24 @@ def test_unknown_fields_are_refused_as_strict_decoding_errors(kubectl: Kubectl) 
     warned = kubectl.run("apply", "--validate=warn", "-f", "t.yaml")
     assert 'Warning: unknown field "spec.containers[0].resources.limit"' in warned.stderr
     kubectl.run("delete", "pod", "typo")
+
+
+def test_cordoned_nodes_take_no_new_pods(kubectl: Kubectl) -> None:
+    for node in ("sim-node-0", "sim-node-1"):
+        assert f"node/{node} cordoned" in kubectl.run("cordon", node).stdout
+    try:
+        assert "SchedulingDisabled" in kubectl.run("get", "nodes").stdout
+        kubectl.apply("c.yaml", pod_yaml("cordoned"))
+        expected = "0/2 nodes are available: 2 node(s) were unschedulable."
+
+        def reason() -> str | None:
+            conditions = kubectl.json("pod", "cordoned")["status"].get("conditions") or []
+            return next((c["message"] for c in conditions if c["status"] == "False"), None)
+
+        assert kubectl.wait_for("cordoned pod unschedulable", reason) == expected
+    finally:
+        for node in ("sim-node-0", "sim-node-1"):
+            kubectl.run("uncordon", node)
+    kubectl.wait_for("the pod placed once a node is back", lambda: kubectl.json(
+        "pod", "cordoned")["spec"].get("nodeName"))
+    kubectl.run("delete", "pod", "cordoned")
