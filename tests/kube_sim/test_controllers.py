@@ -5,6 +5,7 @@ Failed) is played by writing the pod's status, as a kubelet does."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -268,9 +269,8 @@ async def test_the_running_loop_converges_from_watch_events() -> None:
     task = asyncio.create_task(rig.controllers.run(stop))
     try:
         await rig.api.create_object("Deployment", "default", deployment(2))
-        for _ in range(200):
-            if len(rig.pods(app="web")) == 2:
-                break
+        deadline = time.monotonic() + 20  # generous: a loaded machine
+        while len(rig.pods(app="web")) != 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert len(rig.pods(app="web")) == 2
     finally:
