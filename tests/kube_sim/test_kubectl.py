@@ -79,7 +79,7 @@ def kubectl() -> Iterator[Kubectl]:
                             stderr=subprocess.STDOUT)
     kubeconfig = state / KUBECONFIG_NAME
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, (state / "kube-sim.log").read_text()
             if kubeconfig.is_file():
