@@ -227,7 +227,12 @@ class ApiServer:
             ),
             *self._more_routes(),
         ]
-        return Starlette(routes=routes)
+        return Starlette(routes=routes, exception_handlers={
+            404: lambda request, exc: error_response(no_such_resource()),
+            405: lambda request, exc: error_response(StoreError(
+                405, "MethodNotAllowed",
+                "the server does not allow this method on the requested resource")),
+        })
 
     def _more_routes(self) -> list[Route]:
         """Cluster-scoped core kinds (namespaces) and the API groups (apps, batch)."""
