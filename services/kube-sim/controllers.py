@@ -171,25 +171,33 @@ class WorkloadControllers:
     async def run(self, stop: asyncio.Event) -> None:
         # A change to any kind they follow wakes a pass (no copies: the store calls back).
         self.store.listeners.append(self._changed)
-        task = asyncio.create_task(self._reconcile_forever())
+        tasks = [asyncio.create_task(self._reconcile_forever()),
+                 asyncio.create_task(self._retry_refused())]
         self._dirty.set()
         try:
             await stop.wait()
         finally:
             self.store.listeners.remove(self._changed)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     def _changed(self, kind: str) -> None:
         if kind in FOLLOWED:
             self._dirty.set()
 
+    async def _retry_refused(self) -> None:
+        """Every second while an owner backs off a refused create: a pass to retry it."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.backoff.ready_at:
+                self._dirty.set()
+
     async def _reconcile_forever(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                # wake on a change, or every second to retry refused creates
-                await asyncio.wait_for(self._dirty.wait(), 1.0)
+            await self._dirty.wait()  # a change, or a retry due
             self._dirty.clear()
             await asyncio.sleep(0.01)  # coalesce a burst of changes into one pass
             try:
