@@ -1,9 +1,14 @@
 """kube-sim's API server: the subset of the Kubernetes REST API Tessera's services use.
 
 Paths, verbs, content types and JSON shapes are kube-apiserver's, so services reach it through
-the same Kubernetes adapter (`tessera.cluster.kubernetes_api`) they use in a real cluster:
-pods (create through admission, get, list, watch, delete, merge/JSON patch, binding, status),
-resourcequotas, nodes, events and configmaps. Errors are `metav1.Status` objects.
+the same Kubernetes adapter (`tessera.cluster.kubernetes_api`) they use in a real cluster, and
+`kubectl` works against it: pods (create through admission, get, list, watch, delete,
+merge/strategic/JSON patch, binding, status), resourcequotas, nodes, events, namespaces and the
+workload kinds (apps/v1 Deployments and ReplicaSets with `scale`, batch/v1 Jobs); discovery and a
+minimal OpenAPI v3 (`discovery.py`), Table output for `kubectl get` (`tables.py`), defaulting
+and validation (`validation.py`). Errors are `metav1.Status` objects worded as kube-apiserver's.
+Also configmaps (per-node device configuration), secrets and the admissionregistration webhook
+configurations (a webhook that provisions its own certificate).
 """
 
 from __future__ import annotations
@@ -11,16 +16,31 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import copy
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import jsonpatch
+import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from tessera.kube_sim import discovery, schema, strategic_merge, tables, validation
+from tessera.kube_sim.objects import (
+    WORKLOADS,
+    job_selector,
+    namespace_object,
+    qos_class,
+    quota_status,
+    scale_of,
+    validate_update,
+)
+from tessera.kube_sim.selectors import SelectorError, parse_fields, parse_labels
 from tessera.kube_sim.store import (
     KubeObject,
     ObjectStore,
@@ -40,16 +60,35 @@ EVENTS_KEPT = 5000
 # Called on every pod CREATE before it is stored: returns the (mutated) pod or raises StoreError.
 AdmitPod = Callable[[KubeObject, str], Awaitable[KubeObject]]
 
-RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event",
-             "configmaps": "ConfigMap", "secrets": "Secret"}
-# admissionregistration.k8s.io/v1: a webhook that provisions its own certificate writes its
-# caBundle here.
-ADMISSION_GROUP = "/apis/admissionregistration.k8s.io/v1"
-ADMISSION_RESOURCES = {
-    "mutatingwebhookconfigurations": "MutatingWebhookConfiguration",
-    "validatingwebhookconfigurations": "ValidatingWebhookConfiguration",
+RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event"}
+CLUSTER_SCOPED = {"Node"}
+# kinds added with the kubectl work (one home for their description: discovery.TYPES)
+RESOURCES.update(
+    {"namespaces": "Namespace", "deployments": "Deployment", "replicasets": "ReplicaSet",
+     "jobs": "Job"}
+)
+CLUSTER_SCOPED.add("Namespace")
+# configmaps (per-node device configuration), secrets and the webhook configurations (a webhook
+# that provisions its own certificate writes its caBundle there)
+RESOURCES.update(
+    {"configmaps": "ConfigMap", "secrets": "Secret",
+     "mutatingwebhookconfigurations": "MutatingWebhookConfiguration",
+     "validatingwebhookconfigurations": "ValidatingWebhookConfiguration"}
+)
+CLUSTER_SCOPED.update({"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"})
+# The field selectors kube-apiserver supports per kind (metadata.name/namespace for all).
+FIELD_LABELS = {
+    "Pod": {"spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
+            "spec.serviceAccountName", "spec.hostNetwork", "status.phase", "status.podIP",
+            "status.nominatedNodeName"},
+    "Event": {"involvedObject.kind", "involvedObject.namespace", "involvedObject.name",
+              "involvedObject.uid", "involvedObject.apiVersion", "involvedObject.resourceVersion",
+              "involvedObject.fieldPath", "reason", "reportingComponent", "source", "type"},
+    "Node": {"spec.unschedulable"},
+    "Namespace": {"status.phase"},
+    "Job": {"status.successful"},
 }
-CLUSTER_SCOPED = {"Node", *ADMISSION_RESOURCES.values()}
+INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 
 
@@ -66,7 +105,36 @@ def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
 
 
 def error_response(error: StoreError) -> JSONResponse:
-    return JSONResponse(status_body(error.status, error.reason, error.message), error.status)
+    body = status_body(error.status, error.reason, error.message)
+    if error.details:
+        body["details"] = error.details
+    return JSONResponse(body, error.status)
+
+
+def field_warnings(request: Request, kind: str, body: Any) -> list[str]:
+    """kube-apiserver's field validation of a write: `Strict` refuses unknown fields (400
+    BadRequest, strict decoding error), `Warn` (the default) and `Ignore` store them, `Warn`
+    with a warning per field."""
+    mode = request.query_params.get("fieldValidation") or "Warn"
+    unknown = schema.unknown_fields(kind, body)
+    if not unknown or mode == "Ignore":
+        return []
+    if mode == "Strict":
+        raise StoreError(400, "BadRequest", schema.strict_error_message(
+            kind, discovery.api_version_of(kind) or "v1", unknown))
+    return [f'unknown field "{f}"' for f in unknown]
+
+
+def with_warnings(response: Response, warnings: list[str]) -> Response:
+    """RFC 7234 Warning headers (code 299), which kubectl prints as `Warning: ...`."""
+    for warning in warnings:
+        quoted = warning.replace("\\", "\\\\").replace('"', '\\"')
+        response.headers.append("Warning", f'299 - "{quoted}"')
+    return response
+
+
+def no_such_resource() -> StoreError:
+    return StoreError(404, "NotFound", "the server could not find the requested resource")
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -137,6 +205,9 @@ class ApiServer:
         self.on_pod_deleted: list[Callable[[KubeObject], None]] = []
         # node name -> its kubelet (anything with describe()), for the debug endpoint
         self.kubelets: dict[str, Any] = {}
+        self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
+        for namespace in INITIAL_NAMESPACES:
+            self.ensure_namespace(namespace)
 
     def app(self) -> Starlette:
         ns = "/api/v1/namespaces/{namespace}"
@@ -146,6 +217,12 @@ class ApiServer:
             Route("/livez", self.healthz),
             Route("/version", self.version),
             Route("/api", self.api_versions),
+            Route("/api/v1", self.core_resources),
+            Route("/apis", self.api_groups),
+            Route("/apis/{group}", self.api_group),
+            Route("/apis/{group}/{version}", self.group_resources),
+            Route("/openapi/v3", self.openapi_root),
+            Route("/openapi/v3/{path:path}", self.openapi_document),
             Route("/kube-sim/v1/nodes/{name}/containers", self.node_containers),
             Route("/api/v1/{resource}", self.collection, methods=["GET", "POST"]),
             Route(f"{ns}/{{resource}}", self.collection, methods=["GET", "POST"]),
@@ -154,14 +231,35 @@ class ApiServer:
                 f"{ns}/{{resource}}/{{name}}", self.item, methods=["GET", "PUT", "PATCH", "DELETE"]
             ),
             Route(f"{ns}/pods/{{name}}/binding", self.binding, methods=["POST"]),
+            Route(f"{ns}/pods/{{name}}/log", self.pod_log),
             Route(
                 f"{ns}/{{resource}}/{{name}}/status", self.status, methods=["GET", "PUT", "PATCH"]
             ),
-            Route(f"{ADMISSION_GROUP}/{{resource}}", self.collection, methods=["GET", "POST"]),
-            Route(f"{ADMISSION_GROUP}/{{resource}}/{{name}}", self.item,
-                  methods=["GET", "PUT", "PATCH", "DELETE"]),
+            *self._more_routes(),
         ]
-        return Starlette(routes=routes)
+        return Starlette(routes=routes, exception_handlers={
+            404: lambda request, exc: error_response(no_such_resource()),
+            405: lambda request, exc: error_response(StoreError(
+                405, "MethodNotAllowed",
+                "the server does not allow this method on the requested resource")),
+        })
+
+    def _more_routes(self) -> list[Route]:
+        """Cluster-scoped core kinds (namespaces) and the API groups (apps, batch)."""
+        item_methods = ["GET", "PUT", "PATCH", "DELETE"]
+        sub_methods = ["GET", "PUT", "PATCH"]
+        group = "/apis/{group}/{version}"
+        group_ns = f"{group}/namespaces/{{namespace}}"
+        return [
+            Route("/api/v1/{resource}/{name}", self.item, methods=item_methods),
+            Route("/api/v1/{resource}/{name}/status", self.status, methods=sub_methods),
+            Route(f"{group}/{{resource}}", self.collection, methods=["GET", "POST"]),
+            Route(f"{group_ns}/{{resource}}", self.collection, methods=["GET", "POST"]),
+            Route(f"{group}/{{resource}}/{{name}}", self.item, methods=item_methods),
+            Route(f"{group_ns}/{{resource}}/{{name}}", self.item, methods=item_methods),
+            Route(f"{group_ns}/{{resource}}/{{name}}/status", self.status, methods=sub_methods),
+            Route(f"{group_ns}/{{resource}}/{{name}}/scale", self.scale, methods=sub_methods),
+        ]
 
     # --- small endpoints ----------------------------------------------------------------------
 
@@ -174,7 +272,34 @@ class ApiServer:
         )
 
     async def api_versions(self, request: Request) -> Response:
-        return JSONResponse({"kind": "APIVersions", "versions": ["v1"]})
+        return JSONResponse(discovery.api_versions(request.url.netloc))
+
+    @staticmethod
+    def types() -> list[discovery.ResourceType]:
+        return discovery.all_types(RESOURCES, CLUSTER_SCOPED)
+
+    async def core_resources(self, request: Request) -> Response:
+        return JSONResponse(discovery.resource_list(self.types(), "", "v1"))
+
+    async def api_groups(self, request: Request) -> Response:
+        return JSONResponse(discovery.api_group_list(self.types()))
+
+    async def api_group(self, request: Request) -> Response:
+        found = discovery.api_group(self.types(), request.path_params["group"])
+        return JSONResponse(found) if found else error_response(no_such_resource())
+
+    async def group_resources(self, request: Request) -> Response:
+        found = discovery.resource_list(
+            self.types(), request.path_params["group"], request.path_params["version"]
+        )
+        return JSONResponse(found) if found else error_response(no_such_resource())
+
+    async def openapi_root(self, request: Request) -> Response:
+        return JSONResponse(discovery.openapi_root(self.types()))
+
+    async def openapi_document(self, request: Request) -> Response:
+        found = discovery.openapi_for_path(self.types(), request.path_params["path"])
+        return JSONResponse(found) if found else error_response(no_such_resource())
 
     async def node_containers(self, request: Request) -> Response:
         """Not a Kubernetes API: what the node's kubelet gave each container (env, mounts)."""
@@ -188,8 +313,13 @@ class ApiServer:
     @staticmethod
     def _kind(request: Request) -> str:
         resource = request.path_params.get("resource", "nodes")
-        group = request.url.path.startswith(ADMISSION_GROUP + "/")
-        kind = (ADMISSION_RESOURCES if group else RESOURCES).get(resource)
+        kind = RESOURCES.get(resource)
+        described = discovery.by_kind(kind) if kind else None
+        if described is not None and (
+            described.group != request.path_params.get("group", "")
+            or described.version != request.path_params.get("version", "v1")
+        ):
+            kind = None  # e.g. /api/v1/.../deployments: apps/v1 only
         if kind is None:
             raise StoreError(
                 404, "NotFound", f"the server could not find the requested resource ({resource})"
@@ -217,14 +347,32 @@ class ApiServer:
             if request.method == "POST":
                 return await self._create(request, kind, namespace or "")
             query = request.query_params
-            selector = Selector(
-                namespace=namespace,
-                node_name=parse_field_selector(query.get("fieldSelector")),
-                labels=parse_label_selector(query.get("labelSelector")),
-            )
+            try:
+                selector = Selector(
+                    namespace=namespace,
+                    label_requirements=parse_labels(query.get("labelSelector")),
+                    field_requirements=parse_fields(query.get("fieldSelector")),
+                )
+            except SelectorError as exc:
+                raise StoreError(400, "BadRequest", str(exc)) from exc
+            allowed = FIELD_LABELS.get(kind, set()) | {"metadata.name", "metadata.namespace"}
+            for requirement in selector.field_requirements:
+                if requirement.key not in allowed:
+                    raise StoreError(
+                        400, "BadRequest", f"field label not supported: {requirement.key}"
+                    )
             if query.get("watch") in ("true", "1"):
                 return self._watch(request, kind, selector)
-            return self._list(kind, selector, query.get("limit"), query.get("continue"))
+            listed = self._list(kind, selector, query.get("limit"), query.get("continue"))
+            if tables.wants_table(request.headers.get("accept", "")):
+                body = json.loads(listed.body)
+                for item in body["items"]:
+                    item.setdefault("kind", kind)
+                return JSONResponse(
+                    tables.table(kind, body["items"], self.now(),
+                                 query.get("includeObject", "Metadata"), body["metadata"])
+                )
+            return listed
         except StoreError as error:
             return error_response(error)
 
@@ -250,11 +398,33 @@ class ApiServer:
             item.pop("kind", None)
             item.pop("apiVersion", None)
         return JSONResponse(
-            {"kind": f"{kind}List", "apiVersion": "v1", "metadata": meta, "items": items}
+            {"kind": f"{kind}List", "apiVersion": discovery.api_version_of(kind) or "v1",
+             "metadata": meta, "items": items}
         )
 
     async def _create(self, request: Request, kind: str, namespace: str) -> Response:
         obj = await self._body(request)
+        dry_run = request.query_params.get("dryRun") == "All"
+        warnings = field_warnings(request, kind, obj)
+        created = await self.create_object(kind, namespace, obj, dry_run)
+        return with_warnings(JSONResponse(created, 201), warnings)
+
+    def ensure_namespace(self, name: str) -> None:
+        """Namespaces exist once named: kube-sim creates one on first use (kube-apiserver
+        refuses objects in a namespace nobody created; kube-sim's callers never create them)."""
+        if not name:
+            return
+        try:
+            self.store.get("Namespace", "", name)
+        except StoreError:
+            with contextlib.suppress(StoreError):
+                self.store.create("Namespace", namespace_object(name))
+
+    async def create_object(
+        self, kind: str, namespace: str, obj: Any, dry_run: bool = False
+    ) -> KubeObject:
+        """POST's semantics: defaults, admission (pods), validation, store. Controllers use it
+        too, so the pods they make pass the admission webhook as on a real cluster."""
         if not isinstance(obj, dict):
             raise StoreError(400, "BadRequest", "the body must be a JSON object")
         meta = obj.setdefault("metadata", {})
@@ -269,27 +439,43 @@ class ApiServer:
                     "namespace sent on the request",
                 )
             meta["namespace"] = namespace or "default"
-        for field in ("uid", "resourceVersion"):
+        for field in ("uid", "resourceVersion", "deletionTimestamp", "generation"):
             meta.pop(field, None)
         if kind == "Pod":
             obj = self._pod_defaults(obj)
-            if self.admit_pod is not None:
+            if self.admit_pod is not None and not dry_run:
                 obj = await self.admit_pod(obj, "CREATE")
+            validation.validate_pod(obj)
+        elif kind in WORKLOADS:
+            validation.prepare_workload(kind, obj)
+            obj["status"] = {}
+        elif kind == "ResourceQuota":
+            quota_status(obj)
+        elif kind == "Namespace":
+            obj = {**namespace_object(meta.get("name", "")), **obj,
+                   "status": {"phase": "Active"}}
+            validation.raise_if("Namespace", obj, validation.validate_name(obj["metadata"]))
+        if dry_run:
+            return obj
+        if kind not in CLUSTER_SCOPED:
+            self.ensure_namespace(obj["metadata"]["namespace"])
         created = self.store.create(kind, obj)
+        if kind == "Job":
+            created = self.store.mutate(
+                "Job", created["metadata"]["namespace"], created["metadata"]["name"],
+                job_selector,
+            )
         if kind == "Event":
             self.store.trim("Event", EVENTS_KEPT)
-        return JSONResponse(created, 201)
+        return created
 
     @staticmethod
     def _pod_defaults(pod: KubeObject) -> KubeObject:
-        spec = pod.setdefault("spec", {})
-        if not isinstance(spec, dict) or not isinstance(spec.get("containers"), list):
-            raise StoreError(422, "Invalid", "spec.containers: Required value")
-        spec.setdefault("schedulerName", "default-scheduler")
-        spec.setdefault("restartPolicy", "Always")
+        pod.setdefault("spec", {})
+        validation.prepare_pod(pod)
         pod["metadata"].setdefault("labels", {})
         pod["metadata"].setdefault("annotations", {})
-        pod["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
+        pod["status"] = {"phase": "Pending", "qosClass": qos_class(pod["spec"])}
         return pod
 
     def _watch(self, request: Request, kind: str, selector: Selector) -> Response:
@@ -300,7 +486,10 @@ class ApiServer:
         initial: list[KubeObject] = []
         error: StoreError | None = None
         watcher = None
-        if raw_version in ("", "0"):
+        # A streaming list (client-go's WatchList): the current state as ADDED events, then a
+        # bookmark annotated `k8s.io/initial-events-end`, then the changes.
+        initial_end = query.get("sendInitialEvents") == "true"
+        if raw_version in ("", "0") or initial_end:
             # "Most recent": the current objects as ADDED, then every change after.
             initial = self.store.list(kind, selector)
             watcher = self.store.watch(kind, selector, self.store.version)
@@ -316,8 +505,14 @@ class ApiServer:
                 error = exc
         store = self.store
         interval = self.bookmark_interval_s
+        as_table = tables.wants_table(request.headers.get("accept", ""))
+        include = query.get("includeObject", "Metadata")
+        now = self.now
 
         def line(event_type: str, obj: KubeObject) -> bytes:
+            if as_table and event_type in ("ADDED", "MODIFIED", "DELETED"):
+                obj = tables.table(kind, [obj], now(), include,
+                                   {"resourceVersion": obj["metadata"].get("resourceVersion")})
             return json.dumps({"type": event_type, "object": obj}).encode() + b"\n"
 
         async def events() -> AsyncIterator[bytes]:
@@ -331,6 +526,13 @@ class ApiServer:
             try:
                 for obj in initial:
                     yield line("ADDED", obj)
+                if initial_end:
+                    yield line("BOOKMARK", {
+                        "kind": kind,
+                        "apiVersion": discovery.api_version_of(kind) or "v1",
+                        "metadata": {"resourceVersion": str(watcher.since),
+                                     "annotations": {"k8s.io/initial-events-end": "true"}},
+                    })
                 while True:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
@@ -362,22 +564,186 @@ class ApiServer:
             namespace = request.path_params.get("namespace", "")
             name = request.path_params["name"]
             if request.method == "GET":
-                return JSONResponse(self.store.get(kind, namespace, name))
+                found = self.store.get(kind, namespace, name)
+                if tables.wants_table(request.headers.get("accept", "")):
+                    include = request.query_params.get("includeObject", "Metadata")
+                    return JSONResponse(tables.table(kind, [found], self.now(), include))
+                return JSONResponse(found)
             if request.method == "DELETE":
                 body = await self._body(request)
                 uid = None
+                policy = request.query_params.get("propagationPolicy")
                 if isinstance(body, dict):
                     uid = (body.get("preconditions") or {}).get("uid")
-                deleted = self.store.delete(kind, namespace, name, uid)
-                if kind == "Pod":
-                    for callback in self.on_pod_deleted:
-                        callback(deleted)
-                return JSONResponse(deleted)
+                    policy = body.get("propagationPolicy") or policy
+                if request.query_params.get("dryRun") == "All":
+                    return JSONResponse(self.store.get(kind, namespace, name))
+                return JSONResponse(self.delete_object(kind, namespace, name, uid, policy))
             if request.method == "PUT":
                 return await self._replace(request, kind, namespace, name)
+            if request.headers.get("content-type", "").startswith("application/apply-patch"):
+                return await self._apply(request, kind, namespace, name)
             return await self._patch(request, kind, namespace, name, status_only=False)
         except StoreError as error:
             return error_response(error)
+
+    async def pod_log(self, request: Request) -> Response:
+        """`kubectl logs`: what the container's process wrote (kube-sim runs containers as
+        processes only with RUN_CONTAINERS; otherwise a container has written nothing)."""
+        try:
+            namespace, name = request.path_params["namespace"], request.path_params["name"]
+            pod = self.store.get("Pod", namespace, name)
+            names = [c.get("name", "") for c in (pod.get("spec") or {}).get("containers") or []]
+            container = request.query_params.get("container")
+            if not container:
+                if len(names) != 1:
+                    raise StoreError(400, "BadRequest", f"a container name must be specified "
+                                     f"for pod {name}, choose one of: [{' '.join(names)}]")
+                container = names[0]
+            if container not in names:
+                raise StoreError(400, "BadRequest",
+                                 f"container {container} is not valid for pod {name}")
+            kubelet = self.kubelets.get((pod.get("spec") or {}).get("nodeName") or "")
+            processes = getattr(kubelet, "processes", None)
+            text = ""
+            if processes is not None:
+                path = processes.log_dir / f"{name}_{container}.log"
+                if path.is_file():
+                    text = path.read_text(errors="replace")
+            tail = request.query_params.get("tailLines")
+            if tail and tail.isdigit():
+                text = "".join(text.splitlines(keepends=True)[-int(tail):]) if int(tail) else ""
+            return Response(text, media_type="text/plain")
+        except StoreError as error:
+            return error_response(error)
+
+    def delete_object(
+        self, kind: str, namespace: str, name: str, uid: str | None = None,
+        policy: str | None = None,
+    ) -> KubeObject:
+        """DELETE's semantics, controllers included. Dependents (ownerReferences) go with their
+        owner (`Background`, `Foreground`: at once, in kube-sim) or are released (`Orphan`, the
+        API's default for batch/v1 Jobs); a namespace takes everything in it."""
+        policy = policy or ("Orphan" if kind == "Job" else "Background")
+        if policy not in ("Orphan", "Background", "Foreground"):
+            raise StoreError(
+                422, "Invalid", f'DeleteOptions.meta.k8s.io "" is invalid: propagationPolicy: '
+                f'Unsupported value: "{policy}": supported values: "Foreground", '
+                '"Background", "Orphan", "nil"',
+            )
+        deleted = self.store.delete(kind, namespace, name, uid)
+        if kind == "Pod":
+            for callback in self.on_pod_deleted:
+                callback(deleted)
+        owner_uid = deleted["metadata"].get("uid", "")
+        if kind in WORKLOADS:
+            for dependent_kind in ("ReplicaSet", "Pod"):
+                for dependent in self.store.list(dependent_kind, Selector(namespace=namespace)):
+                    self._release_or_delete(dependent_kind, dependent, owner_uid, policy)
+        if kind == "Namespace":
+            for other in self.store.kinds():
+                if other in CLUSTER_SCOPED or other == "Namespace":
+                    continue
+                for obj in self.store.list(other, Selector(namespace=name)):
+                    with contextlib.suppress(StoreError):
+                        self.delete_object(other, name, obj["metadata"]["name"], None,
+                                           "Background")
+        return deleted
+
+    def _release_or_delete(
+        self, kind: str, obj: KubeObject, owner_uid: str, policy: str
+    ) -> None:
+        refs = obj["metadata"].get("ownerReferences") or []
+        if not any(r.get("uid") == owner_uid for r in refs):
+            return
+        namespace, name = obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+        with contextlib.suppress(StoreError):
+            if policy == "Orphan":
+
+                def release(o: KubeObject) -> None:
+                    kept = [r for r in o["metadata"].get("ownerReferences") or []
+                            if r.get("uid") != owner_uid]
+                    o["metadata"]["ownerReferences"] = kept
+                    if not kept:
+                        del o["metadata"]["ownerReferences"]
+
+                self.store.mutate(kind, namespace, name, release)
+            else:
+                self.delete_object(kind, namespace, name, None, "Background")
+
+    async def scale(self, request: Request) -> Response:
+        """`<workload>/scale` (autoscaling/v1 Scale), what `kubectl scale` talks to."""
+        try:
+            kind = self._kind(request)
+            if kind not in ("Deployment", "ReplicaSet"):
+                raise no_such_resource()
+            namespace = request.path_params["namespace"]
+            name = request.path_params["name"]
+            if request.method != "GET":
+                body = await self._body(request)
+                if not isinstance(body, dict):
+                    raise StoreError(400, "BadRequest", "the body must be a Scale object")
+                replicas = (body.get("spec") or {}).get("replicas")
+                if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                    raise validation.invalid("Scale", name, [validation.FieldError(
+                        "Invalid", "spec.replicas", "must be greater than or equal to 0",
+                        replicas)])
+                expected = (body.get("metadata") or {}).get("resourceVersion")
+
+                def set_replicas(obj: KubeObject) -> None:
+                    if expected and str(expected) != obj["metadata"].get("resourceVersion"):
+                        raise conflict(
+                            f'Operation cannot be fulfilled on {discovery.qualified_resource(kind)}'
+                            f' "{name}": the object has been modified; please apply your changes'
+                            " to the latest version and try again"
+                        )
+                    obj["spec"]["replicas"] = replicas
+
+                self.store.mutate(kind, namespace, name, set_replicas)
+            return JSONResponse(scale_of(self.store.get(kind, namespace, name)))
+        except StoreError as error:
+            return error_response(error)
+
+    async def _apply(self, request: Request, kind: str, namespace: str, name: str) -> Response:
+        """Server-side apply (`kubectl apply --server-side`), simplified: the applied
+        configuration is created, or merged into the object as a strategic merge patch (no
+        field ownership tracking)."""
+        raw = await request.body()
+        try:
+            applied = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as exc:
+            raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        if not isinstance(applied, dict):
+            raise StoreError(400, "BadRequest", "the body must be an object")
+        field_warnings(request, kind, applied)
+        applied.setdefault("metadata", {})["name"] = name
+        try:
+            self.store.get(kind, namespace, name)
+        except StoreError:
+            return JSONResponse(await self.create_object(kind, namespace, applied), 201)
+        applied.pop("status", None)
+        return JSONResponse(self._update(kind, namespace, name, applied,
+                                         strategic_merge.apply))
+
+    def _update(
+        self, kind: str, namespace: str, name: str, patch: Any,
+        merge: Callable[[Any, Any], Any],
+    ) -> KubeObject:
+        def change(obj: KubeObject) -> None:
+            before = copy.deepcopy(obj)
+            patched = merge(obj, patch)
+            if not isinstance(patched, dict) or not isinstance(patched.get("metadata"), dict):
+                raise StoreError(422, "Invalid", "the patch removed metadata")
+            for key in IMMUTABLE_META:
+                if before["metadata"].get(key) is None:
+                    patched["metadata"].pop(key, None)
+                else:
+                    patched["metadata"][key] = before["metadata"][key]
+            validate_update(kind, before, patched)
+            obj.clear()
+            obj.update(patched)
+
+        return self.store.mutate(kind, namespace, name, change)
 
     async def status(self, request: Request) -> Response:
         try:
@@ -404,17 +770,28 @@ class ApiServer:
         body = await self._body(request)
         if not isinstance(body, dict) or not isinstance(body.get("metadata"), dict):
             raise StoreError(400, "BadRequest", "the body must be an object with metadata")
+        warnings = field_warnings(request, kind, body)
         body["metadata"]["name"] = name
         if kind not in CLUSTER_SCOPED:
             body["metadata"]["namespace"] = namespace
         expected = body["metadata"].get("resourceVersion")
-        return JSONResponse(self.store.replace(kind, body, str(expected) if expected else None))
+        current = self.store.get(kind, namespace if kind not in CLUSTER_SCOPED else "", name)
+        if kind in WORKLOADS or kind == "Pod":
+            body.setdefault("status", current.get("status", {}))
+        validate_update(kind, current, body)
+        replaced = self.store.replace(kind, body, str(expected) if expected else None)
+        return with_warnings(JSONResponse(replaced), warnings)
 
     async def _patch(
         self, request: Request, kind: str, namespace: str, name: str, status_only: bool
     ) -> Response:
         patch = await self._body(request)
         content_type = request.headers.get("content-type", "").split(";")[0].strip()
+        warnings = (
+            field_warnings(request, kind, patch)
+            if content_type != "application/json-patch+json" and not status_only
+            else []
+        )
 
         def apply(obj: KubeObject) -> None:
             before = {k: obj["metadata"].get(k) for k in IMMUTABLE_META}
@@ -437,7 +814,13 @@ class ApiServer:
                 wanted = (patch.get("metadata") or {}).get("resourceVersion")
                 if wanted and str(wanted) != version:
                     raise conflict(f'the object "{name}" has been modified; please retry')
-                patched = merge_patch(obj, patch)
+                if content_type == "application/strategic-merge-patch+json":
+                    try:
+                        patched = strategic_merge.apply(obj, patch)
+                    except strategic_merge.PatchError as exc:
+                        raise StoreError(422, "Invalid", str(exc)) from exc
+                else:
+                    patched = merge_patch(obj, patch)
             else:
                 raise StoreError(
                     415, "UnsupportedMediaType", f"unsupported patch type {content_type!r}"
@@ -451,10 +834,13 @@ class ApiServer:
                     patched["metadata"].pop(key, None)
                 else:
                     patched["metadata"][key] = value
+            if not status_only:
+                validate_update(kind, obj, patched)
             obj.clear()
             obj.update(patched)
 
-        return JSONResponse(self.store.mutate(kind, namespace, name, apply))
+        return with_warnings(JSONResponse(self.store.mutate(kind, namespace, name, apply)),
+                             warnings)
 
     async def binding(self, request: Request) -> Response:
         try:
@@ -497,3 +883,4 @@ class ApiServer:
             pod["status"]["conditions"] = conditions
 
         return self.store.mutate("Pod", namespace, name, assign)
+

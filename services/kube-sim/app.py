@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 from tessera.kube_sim.admission import AdmissionWebhook
 from tessera.kube_sim.apiserver import ApiServer
+from tessera.kube_sim.controllers import WorkloadControllers
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
 from tessera.kube_sim.kubeconfig import write_kubeconfig
 from tessera.kube_sim.scheduler import SchedulingLoop
@@ -95,6 +96,7 @@ class KubeSim:
             settings.backoff_max_s,
         )
         self.nodes = settings.sim_nodes()
+        self.controllers = WorkloadControllers(self.api)
 
     async def run(self, stop: asyncio.Event) -> None:
         for node in self.nodes:
@@ -123,6 +125,7 @@ class KubeSim:
             write_kubeconfig(Path(self.settings.kubeconfig), f"http://{advertised}:{port}")
         kubelets = await self._start_kubelets()
         scheduler_task = asyncio.create_task(self.scheduler.run(stop))
+        controllers_task = asyncio.create_task(self.controllers.run(stop))
         log.info(
             "kube-sim ready",
             extra={"listen": self.settings.listen, "nodes": [n.name for n in self.nodes]},
@@ -134,6 +137,7 @@ class KubeSim:
                 with contextlib.suppress(Exception):
                     await kubelet.stop()
             await scheduler_task
+            await controllers_task
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server_task, 3.0)

@@ -23,7 +23,7 @@ def record_event(
     event = {
         "metadata": {"name": f"{meta.get('name', '')}.{time.time_ns():x}", "namespace": namespace},
         "involvedObject": {
-            "apiVersion": "v1",
+            "apiVersion": involved.get("apiVersion", "v1"),
             "kind": involved.get("kind", "Pod"),
             "namespace": namespace,
             "name": meta.get("name", ""),

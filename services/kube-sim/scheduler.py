@@ -22,6 +22,13 @@ from dataclasses import dataclass
 from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.extender import ExtenderClient, ExtenderError, requests_managed_resource
+from tessera.kube_sim.fit import (
+    NodeUsage,
+    insufficient,
+    node_refusal,
+    pod_requests,
+    unavailable_message,
+)
 from tessera.kube_sim.store import Key, KubeObject, Selector, StoreError, now_rfc3339
 
 log = logging.getLogger("tessera.kube_sim.scheduler")
@@ -80,6 +87,7 @@ class SchedulingLoop:
         self._binding: set[Key] = set()
         self._bind_tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self.usage = NodeUsage()  # what bound pods request per node (NodeResourcesFit)
 
     # --- which pods are ours ----------------------------------------------------------------
 
@@ -131,6 +139,7 @@ class SchedulingLoop:
         watcher = self.store.watch("Pod", Selector(), self.store.version)
         node_watcher = self.store.watch("Node", Selector(), self.store.version)
         for pod in self.store.list("Pod", Selector()):
+            self.usage.observe(pod)
             if self.responsible_for(pod):
                 self._enqueue((pod["metadata"]["namespace"], pod["metadata"]["name"]))
         tasks = [
@@ -154,6 +163,8 @@ class SchedulingLoop:
         while True:
             event_type, pod = await queue.get()
             key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
+            if event_type == "DELETED" or key not in self._binding:
+                self.usage.observe(pod, deleted=event_type == "DELETED")
             if event_type == "DELETED":
                 self._waiting.pop(key, None)
                 self._queued.discard(key)
@@ -207,16 +218,43 @@ class SchedulingLoop:
                 log.exception("scheduling cycle failed", extra={"pod": "/".join(key)})
                 self._back_off(key)
 
+    def feasible_nodes(self, pod: KubeObject) -> tuple[list[str], dict[str, list[str]]]:
+        """kube-scheduler's in-tree filters (node readiness, nodeSelector, NodeUnschedulable,
+        TaintToleration, NodeResourcesFit):
+        the nodes left, and each filtered node's reasons in kube-scheduler's words."""
+        ignored = (
+            frozenset(self.extender.config.managed_resources)
+            if self.extender is not None and self.uses_extender(pod)
+            else frozenset()
+        )
+        wanted = pod_requests(pod)
+        names: list[str] = []
+        failed: dict[str, list[str]] = {}
+        for node in self.store.list("Node", Selector()):
+            name = node["metadata"]["name"]
+            if not node_ready(node):
+                failed[name] = ["node(s) had untolerated taint {node.kubernetes.io/not-ready: }"]
+            elif not node_selector_matches(pod, node):
+                failed[name] = ["node(s) didn't match Pod's node affinity/selector"]
+            elif (refusal := node_refusal(pod, node)) is not None:
+                failed[name] = [refusal]
+            else:
+                reasons = insufficient(wanted, node, self.usage.used(name), ignored)
+                if reasons:
+                    failed[name] = reasons
+                else:
+                    names.append(name)
+        return names, failed
+
     async def schedule_one(self, key: Key, pod: KubeObject) -> None:
-        nodes = [
-            n
-            for n in self.store.list("Node", Selector())
-            if node_ready(n) and node_selector_matches(pod, n)
-        ]
-        names = [n["metadata"]["name"] for n in nodes]
-        total = len(self.store.list("Node", Selector()))
+        names, filtered = self.feasible_nodes(pod)
+        total = len(names) + len(filtered)
         if not names:
-            self._unschedulable(key, pod, f"0/{total} nodes are available: no node matches.")
+            message = (
+                unavailable_message(total, filtered) if filtered
+                else "0/0 nodes are available."
+            )
+            self._unschedulable(key, pod, message)
             return
         if not self.uses_extender(pod):
             counts = Counter(p["spec"].get("nodeName") for p in self.store.list("Pod", Selector()))
@@ -228,7 +266,8 @@ class SchedulingLoop:
             result = await self.extender.filter(pod, names)
             if not result.nodes:
                 failed = {**result.failed, **result.unresolvable}
-                self._unschedulable(key, pod, unschedulable_message(total, failed))
+                reasons = {**filtered, **{n: [r] for n, r in failed.items()}}
+                self._unschedulable(key, pod, unavailable_message(total, reasons))
                 return
             host = result.nodes[0]
             if len(result.nodes) > 1:
@@ -240,6 +279,7 @@ class SchedulingLoop:
         self._start_bind(key, pod, host, via_extender=True)
 
     def _start_bind(self, key: Key, pod: KubeObject, host: str, via_extender: bool) -> None:
+        self.usage.add(key, host, pod_requests(pod))  # assumed on the node while binding
         self._binding.add(key)
         self._waiting.pop(key, None)
         task = asyncio.create_task(self._bind(key, pod, host, via_extender))
@@ -267,6 +307,7 @@ class SchedulingLoop:
             message = f"binding rejected: {error}"
             log.info("bind failed", extra={"pod": "/".join(key), "node": host, "error": str(error)})
             self._binding.discard(key)
+            self.usage.remove(key)
             self._unschedulable(key, pod, message, reason="SchedulerError", bind_node=host)
             return
         self._binding.discard(key)

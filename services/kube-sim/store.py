@@ -18,22 +18,45 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from tessera.kube_sim.discovery import api_version_of, qualified_resource
+from tessera.kube_sim.selectors import Requirement, fields_match, labels_match
+
 KubeObject = dict[str, Any]
+NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds
 
 
 class StoreError(Exception):
     """An API error with its HTTP status and Kubernetes reason."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self, status: int, reason: str, message: str, details: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
+        self.details = details  # metav1.StatusDetails: name, group, kind, causes
+
+
+def _details(kind: str, name: str) -> dict[str, Any]:
+    resource = qualified_resource(kind)
+    plural, _, group = resource.partition(".")
+    return {"name": name, "group": group, "kind": plural} if group else {
+        "name": name, "kind": plural}
 
 
 def not_found(kind: str, name: str) -> StoreError:
-    return StoreError(404, "NotFound", f'{kind.lower()}s "{name}" not found')
+    return StoreError(
+        404, "NotFound", f'{qualified_resource(kind)} "{name}" not found', _details(kind, name)
+    )
+
+
+def already_exists(kind: str, name: str) -> StoreError:
+    return StoreError(
+        409, "AlreadyExists", f'{qualified_resource(kind)} "{name}" already exists',
+        _details(kind, name),
+    )
 
 
 def conflict(message: str) -> StoreError:
@@ -60,6 +83,9 @@ class Selector:
     namespace: str | None = None
     node_name: str | None = None  # "" selects unbound pods (spec.nodeName=)
     labels: dict[str, str] = field(default_factory=dict)
+    # full selectors (`!=`, `in`, `notin`, existence; any field path), beside the simple ones
+    label_requirements: tuple[Requirement, ...] = ()
+    field_requirements: tuple[Requirement, ...] = ()
 
     def matches(self, obj: KubeObject | None) -> bool:
         if obj is None:
@@ -72,10 +98,22 @@ class Selector:
         ):
             return False
         object_labels = meta.get("labels") or {}
-        return all(object_labels.get(k) == v for k, v in self.labels.items())
+        if not all(object_labels.get(k) == v for k, v in self.labels.items()):
+            return False
+        return labels_match(self.label_requirements, object_labels) and fields_match(
+            self.field_requirements, obj
+        )
 
     def __hash__(self) -> int:
-        return hash((self.namespace, self.node_name, tuple(sorted(self.labels.items()))))
+        return hash(
+            (
+                self.namespace,
+                self.node_name,
+                tuple(sorted(self.labels.items())),
+                self.label_requirements,
+                self.field_requirements,
+            )
+        )
 
 
 @dataclass
@@ -106,6 +144,7 @@ class Watcher:
     kind: str
     selector: Selector
     queue: asyncio.Queue[tuple[str, KubeObject]]
+    since: int = 0  # the resourceVersion it started after
 
 
 class ObjectStore:
@@ -115,6 +154,8 @@ class ObjectStore:
         self._objects: dict[str, dict[Key, KubeObject]] = {}
         self._history: deque[Change] = deque(maxlen=history_size)
         self._watchers: list[Watcher] = []
+        # called with the kind of every write, without a copy (in-process controllers)
+        self.listeners: list[Callable[[str], None]] = []
         self._version = 0
         self._clock = clock
         self.first_version = 1  # the API server was born at version 1
@@ -131,6 +172,9 @@ class ObjectStore:
             raise not_found(kind, name)
         return copy.deepcopy(obj)
 
+    def kinds(self) -> list[str]:
+        return list(self._objects)
+
     def list(self, kind: str, selector: Selector) -> list[KubeObject]:
         objects = self._objects.get(kind, {})
         return [copy.deepcopy(objects[k]) for k in sorted(objects) if selector.matches(objects[k])]
@@ -144,13 +188,16 @@ class ObjectStore:
             prefix = meta.get("generateName")
             if not prefix:
                 raise StoreError(422, "Invalid", "metadata.name: Required value")
-            meta["name"] = f"{prefix}{uuid.uuid4().hex[:5]}"
+            # five characters from the alphabet Kubernetes uses for generated names
+            digits = uuid.uuid4().int
+            suffix = "".join(NAME_ALPHABET[(digits >> (5 * i)) % 27] for i in range(5))
+            meta["name"] = f"{prefix[:58]}{suffix}"
         key = key_of(obj)
         if key in self._objects.get(kind, {}):
-            raise StoreError(409, "AlreadyExists", f'{kind.lower()}s "{key[1]}" already exists')
+            raise already_exists(kind, key[1])
         meta["uid"] = str(uuid.uuid4())
         meta.setdefault("creationTimestamp", self._clock())
-        obj.setdefault("apiVersion", "v1")
+        obj["apiVersion"] = api_version_of(kind) or obj.get("apiVersion") or "v1"
         obj["kind"] = kind
         return self._write(kind, key, obj)
 
@@ -163,14 +210,15 @@ class ObjectStore:
             raise not_found(kind, key[1])
         if expected_version and expected_version != current["metadata"]["resourceVersion"]:
             raise conflict(
-                f'Operation cannot be fulfilled on {kind.lower()}s "{key[1]}": the object has '
-                "been modified; please apply your changes to the latest version and try again"
+                f'Operation cannot be fulfilled on {qualified_resource(kind)} "{key[1]}": the '
+                "object has been modified; please apply your changes to the latest version and "
+                "try again"
             )
         obj = copy.deepcopy(obj)
         obj["metadata"]["uid"] = current["metadata"]["uid"]
         obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
         obj["kind"] = kind
-        obj.setdefault("apiVersion", "v1")
+        obj["apiVersion"] = api_version_of(kind) or obj.get("apiVersion") or "v1"
         return self._write(kind, key, obj)
 
     def mutate(
@@ -211,6 +259,11 @@ class ObjectStore:
         obj["metadata"]["resourceVersion"] = str(self._version)
         objects = self._objects.setdefault(kind, {})
         old = objects.get(key)
+        if "spec" in obj:
+            # metadata.generation counts spec changes (controllers report observedGeneration)
+            generation = int((old or {}).get("metadata", {}).get("generation") or 0)
+            changed = old is None or old.get("spec") != obj.get("spec")
+            obj["metadata"]["generation"] = generation + 1 if changed else max(generation, 1)
         objects[key] = obj
         self._publish(Change(self._version, kind, old, obj), None)
         return copy.deepcopy(obj)
@@ -220,6 +273,8 @@ class ObjectStore:
             # Watchers see the deleted object at the delete's resourceVersion.
             change = Change(change.version, change.kind, deleted_final, None)
         self._history.append(change)
+        for listener in self.listeners:
+            listener(change.kind)
         for watcher in self._watchers:
             if watcher.kind != change.kind:
                 continue
@@ -237,7 +292,7 @@ class ObjectStore:
         oldest_known = self._history[0].version - 1 if self._history else self._version
         if since < oldest_known and since < self._version:
             raise gone(since)
-        watcher = Watcher(kind, selector, asyncio.Queue())
+        watcher = Watcher(kind, selector, asyncio.Queue(), since)
         for change in self._history:
             if change.version > since and change.kind == kind:
                 seen = event_for(change, selector)

@@ -156,7 +156,7 @@ async def test_events_and_bad_requests(server: Server) -> None:
     assert bad.status_code == 400 and bad.json()["kind"] == "Status"
     missing = await server.http.post("/api/v1/namespaces/default/pods", json={"metadata": {}})
     assert missing.status_code == 422
-    selector = await server.http.get("/api/v1/pods", params={"fieldSelector": "status.phase=x"})
+    selector = await server.http.get("/api/v1/pods", params={"fieldSelector": "spec.foo=x"})
     assert selector.status_code == 400
 
 

@@ -1,0 +1,121 @@
+"""HAMi users' manifests through the real kubectl against the whole local stack: a Deployment
+of GPU slices runs (pods made by kube-sim's controllers pass the admission webhook, the
+extender places them, the node agent allocates), scales, and goes away with its pods; a pod
+asking for a resource no device plugin registered stays Pending with kube-scheduler's reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tessera.stack import make_nodes
+
+from .conftest import RunningStack, grants, start_stack
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+KUBECTL = os.environ.get("KUBECTL") or str(Path(sys.executable).parent / "kubectl")
+
+DEPLOYMENT = """
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: cuda-share
+  namespace: {namespace}
+spec:
+  replicas: {replicas}
+  selector:
+    matchLabels: {{app: cuda-share}}
+  template:
+    metadata:
+      labels: {{app: cuda-share}}
+    spec:
+      containers:
+      - name: ubuntu-container
+        image: ubuntu:22.04
+        command: ["bash", "-c", "sleep 86400"]
+        resources:
+          limits:
+            nvidia.com/gpu: 1
+            nvidia.com/gpumem: 3000
+            nvidia.com/gpucores: 30
+"""
+
+MIG_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: mig-slice
+  namespace: {namespace}
+spec:
+  containers:
+  - name: main
+    image: cuda:12
+    resources:
+      limits:
+        nvidia.com/mig-1g.10gb: 1
+"""
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[RunningStack]:
+    yield from start_stack(make_nodes(1, 2, 24576, "NVIDIA A10", prefix="kc-node"))
+
+
+def kubectl(sim: RunningStack, *args: str, manifest: str | None = None) -> str:
+    result = subprocess.run(
+        [KUBECTL, "--kubeconfig", str(sim.stack.kubeconfig), *args],
+        input=manifest, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    return result.stdout
+
+
+def pods(sim: RunningStack, namespace: str) -> list[dict[str, Any]]:
+    return json.loads(kubectl(sim, "get", "pods", "-n", namespace, "-o", "json"))["items"]
+
+
+def test_a_hami_deployment_runs_scales_and_leaves(sim: RunningStack, namespace: str) -> None:
+    manifest = DEPLOYMENT.format(namespace=namespace, replicas=2)
+    assert "deployment.apps/cuda-share created" in kubectl(sim, "apply", "-f", "-",
+                                                           manifest=manifest)
+    kubectl(sim, "rollout", "status", "deployment/cuda-share", "-n", namespace, "--timeout=60s")
+    running = pods(sim, namespace)
+    assert len(running) == 2
+    for pod in running:
+        assert pod["status"]["phase"] == "Running"
+        [[grant]] = grants(pod)  # HAMi's allocation annotation: one slice on one GPU
+        assert (grant.memory_mib, grant.cores) == (3000, 30)
+        assert pod["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"
+
+    kubectl(sim, "scale", "deployment/cuda-share", "-n", namespace, "--replicas=3")
+    kubectl(sim, "rollout", "status", "deployment/cuda-share", "-n", namespace, "--timeout=60s")
+    assert sorted(p["status"]["phase"] for p in pods(sim, namespace)) == ["Running"] * 3
+
+    kubectl(sim, "delete", "deployment", "cuda-share", "-n", namespace)
+    sim.kube.wait_for("the deployment's pods gone", lambda: not pods(sim, namespace), 30)
+
+
+def test_a_resource_no_plugin_registered_stays_pending(sim: RunningStack, namespace: str) -> None:
+    kubectl(sim, "apply", "-f", "-", manifest=MIG_POD.format(namespace=namespace))
+    expected = "0/1 nodes are available: 1 Insufficient nvidia.com/mig-1g.10gb."
+
+    def reason() -> str | None:
+        pod = sim.kube.pod(namespace, "mig-slice")
+        condition = next((c for c in pod["status"].get("conditions") or []
+                          if c["type"] == "PodScheduled" and c["status"] == "False"), None)
+        return condition["message"] if condition else None
+
+    assert sim.kube.wait_for("mig-slice unschedulable", reason, 20) == expected
+    described = kubectl(sim, "describe", "pod", "mig-slice", "-n", namespace)
+    assert "FailedScheduling" in described and expected in described
+    pod = sim.kube.pod(namespace, "mig-slice")
+    assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+    kubectl(sim, "delete", "pod", "mig-slice", "-n", namespace)
