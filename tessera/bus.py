@@ -146,6 +146,16 @@ def node_limits_subject(node: str) -> str:
     return f"tessera.node.{subject_token(node)}.limits.set"
 
 
+def node_config_set_subject(node: str) -> str:
+    """Set (or reset) a node's local device configuration entry (admin only)."""
+    return f"tessera.node.{subject_token(node)}.config.set"
+
+
+def node_config_get_subject(node: str) -> str:
+    """A node's applied device configuration and the last refusal."""
+    return f"tessera.node.{subject_token(node)}.config.get"
+
+
 def event_subject(event: Event) -> str:
     """The subject an event is published on, from its own fields."""
     from tessera import models as m  # local: models imports nothing from here

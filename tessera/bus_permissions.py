@@ -341,7 +341,9 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
     if role == NODE_AGENT:
         node = check_node_name(node)
         alloc = _checked(["allocated", "mismatch"], AllocAction)
-        node_actions = _checked(["registered", "unhealthy"], NodeAction)
+        node_actions = _checked(
+            ["registered", "unhealthy", "configured", "config_refused"], NodeAction
+        )
         return [
             _bus_setup(),
             _kv_read(bus.NODES_BUCKET),
@@ -357,7 +359,9 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
             _rejections(["ledger", "limits"]),
             Rule("its own usage samples", publish=(bus.usage_subject(node),)),
-            _micro(bus.NODE_SERVICE, [bus.node_limits_subject(node)]),
+            _micro(bus.NODE_SERVICE, [bus.node_limits_subject(node),
+                                      bus.node_config_set_subject(node),
+                                      bus.node_config_get_subject(node)]),
         ], True
     if role == ADMIN:
         return [
@@ -379,10 +383,12 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _events_read(),
             _events_durable(None),
             _requests(
-                "set quotas, change limits, ask why a pod is pending",
+                "set quotas, change limits and node configs, ask why a pod is pending",
                 bus.QUOTA_SET,
                 bus.QUOTA_STATUS,
                 wildcard(bus.node_limits_subject),
+                wildcard(bus.node_config_set_subject),
+                wildcard(bus.node_config_get_subject),
                 bus.SCHEDULER_EXPLAIN,
                 "$SRV.>",
             ),

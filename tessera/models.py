@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 import uuid
 from enum import StrEnum
-from typing import ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tessera.codec import Message, decode, peek_schema
 
@@ -283,7 +283,7 @@ class Event(Message):
 
 
 AllocAction = Literal["reserved", "bound", "allocated", "released", "failed", "mismatch"]
-NodeAction = Literal["registered", "unhealthy", "lost"]
+NodeAction = Literal["registered", "unhealthy", "lost", "configured", "config_refused"]
 AdmissionAction = Literal["allowed", "denied", "mutated"]
 QuotaAction = Literal["changed", "exceeded"]
 
@@ -301,7 +301,7 @@ class AllocationEvent(Event):
 
 
 class NodeEvent(Event):
-    """A node registered, a GPU turned unhealthy (or healthy again), or the node was lost."""
+    """A node registered or was lost, a GPU turned (un)healthy, or its device config changed."""
 
     SUBJECT: ClassVar[str] = "tessera.events.node.<node>.<action>"
     action: NodeAction
@@ -524,3 +524,80 @@ def decode_reply(payload: bytes, model: type[R]) -> R:
     if schema == ErrorReply.__name__:
         raise RemoteError(decode(payload, ErrorReply).reason)
     return decode(payload, model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-node device configuration (ConfigMap tessera-node-config; tessera.node.<node>.config.*)
+
+NODE_CONFIG_MAP = "tessera-node-config"
+NODE_CONFIG_KEY = "config.json"
+OperatingMode = Literal["hami-core", "mig", "mps"]
+
+
+class DeviceFilter(BaseModel):
+    """HAMi's `filterdevices`: GPUs this node does not offer, by UUID or by index."""
+
+    model_config = ConfigDict(extra="forbid")
+    uuid: list[str] = Field(default_factory=list, max_length=64)
+    index: list[int] = Field(default_factory=list, max_length=64)
+
+    @field_validator("index")
+    @classmethod
+    def _indices(cls, value: list[int]) -> list[int]:
+        bad = [i for i in value if not 0 <= i < 64]
+        if bad:
+            raise ValueError(f"a GPU index is 0-63, not {bad[0]}")
+        return value
+
+    @field_validator("uuid")
+    @classmethod
+    def _uuids(cls, value: list[str]) -> list[str]:
+        bad = [u for u in value if not u or len(u) > 128 or set(u) & set(",:;= \t\n")]
+        if bad:
+            raise ValueError(f"not a GPU UUID: {bad[0][:64]!r}")
+        return value
+
+
+class NodeDeviceConfig(BaseModel):
+    """One entry of the ConfigMap, with HAMi's field names (its device-plugin `nodeconfig`).
+    An absent field falls back to the `defaults` entry, then to the chart's settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    devicesplitcount: int | None = Field(None, ge=1, le=1024, description="pods per GPU")
+    devicememoryscaling: float | None = Field(
+        None, gt=0, le=100, description="advertised memory = physical × this"
+    )
+    devicecorescaling: float | None = Field(
+        None, gt=0, le=100, description="advertised compute = 100 × this"
+    )
+    operatingmode: OperatingMode | None = None
+    filterdevices: DeviceFilter | None = None
+
+    def over(self, base: NodeDeviceConfig) -> NodeDeviceConfig:
+        """This entry's fields where set, else `base`'s."""
+        mine = self.model_dump(exclude_none=True)
+        return base.model_copy(update={k: getattr(self, k) for k in mine})
+
+
+class NodeConfigSetRequest(Message):
+    """Body of tessera.node.<node>.config.set: the node's local entry (HAMi's field names),
+    layered over the ConfigMap's. `reset` drops the local entry."""
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    reset: bool = False
+
+
+class NodeConfigStatus(Message):
+    """What a node applies and why (reply of tessera.node.<node>.config.get and .set)."""
+
+    ok: bool = True
+    reason: str = ""
+    node: str = ""
+    effective: dict[str, Any] = Field(default_factory=dict)
+    sources: list[str] = Field(default_factory=list, description="layers, lowest first")
+    local: dict[str, Any] = Field(default_factory=dict, description="the entry set on the bus")
+    refused: str = Field("", description="the last change refused, and why")
+    pending: bool = Field(False, description="the ConfigMap's refused change is retried and "
+                          "applied once it fits")
+    refused_at: float | None = None
+    applied_at: float | None = None

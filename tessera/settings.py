@@ -216,6 +216,20 @@ class TesseraSettings(BaseSettings):
         "/proc", description="watchdog: the host's /proc (pid -> cgroup -> pod)"
     )
 
+    # Per-node device configuration (ConfigMap tessera-node-config; services/node-agent).
+    node_config_namespace: str = Field(
+        "default", description="node agent: namespace of the tessera-node-config ConfigMap"
+    )
+    max_device_memory_scaling: float | None = Field(
+        None, gt=0, le=100,
+        description="ceiling of any node's memory scaling (per-node config included); the "
+        "scheduler refuses registrations above it. Unset: device_memory_scaling",
+    )
+    max_device_core_scaling: float | None = Field(
+        None, gt=0, le=100,
+        description="ceiling of any node's core scaling; unset: device_core_scaling",
+    )
+
     @field_validator("gpu_scheduler_policy", "node_scheduler_policy")
     @classmethod
     def _lower(cls, value: str) -> str:

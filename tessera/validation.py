@@ -80,8 +80,9 @@ class Bounds:
     @classmethod
     def of(cls, settings: TesseraSettings) -> Bounds:
         return cls(
-            memory_scaling=settings.device_memory_scaling,
-            core_scaling=settings.device_core_scaling,
+            memory_scaling=max(settings.device_memory_scaling,
+                               settings.max_device_memory_scaling or 0),
+            core_scaling=max(settings.device_core_scaling, settings.max_device_core_scaling or 0),
             max_split_count=max(settings.device_split_count, 1024),
         )
 

@@ -3,7 +3,7 @@
 Paths, verbs, content types and JSON shapes are kube-apiserver's, so services reach it through
 the same Kubernetes adapter (`tessera.cluster.kubernetes_api`) they use in a real cluster:
 pods (create through admission, get, list, watch, delete, merge/JSON patch, binding, status),
-resourcequotas, nodes and events. Errors are `metav1.Status` objects.
+resourcequotas, nodes, events and configmaps. Errors are `metav1.Status` objects.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ EVENTS_KEPT = 5000
 # Called on every pod CREATE before it is stored: returns the (mutated) pod or raises StoreError.
 AdmitPod = Callable[[KubeObject, str], Awaitable[KubeObject]]
 
-RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event"}
+RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event",
+             "configmaps": "ConfigMap"}
 CLUSTER_SCOPED = {"Node"}
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 

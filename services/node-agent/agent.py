@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from tessera.node_agent.containers import ContainerStore
-from tessera.node_agent.devices import DeviceSource, advertise
+from tessera.node_agent.devices import DeviceSource
 from tessera.node_agent.limits import LimitsService
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.plugin import DevicePluginService, PluginEndpoint, list_pod_resources
@@ -24,6 +24,7 @@ from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
 from tessera.settings import TesseraSettings
 
+from .node_config import NodeConfigurator
 from .nvml_processes import ProcessProbe
 from .watchdog import CachedLedger, Watchdog, watchdog_from_settings
 
@@ -68,6 +69,8 @@ class NodeAgent:
         self.sampler: UsageSampler | None = None
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
+        self.configurator: NodeConfigurator | None = None
+        self.metrics.watch_watchdog(lambda: self.watchdog)
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
         try:
@@ -78,9 +81,14 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         gpus = await asyncio.to_thread(self.source.discover)
-        await self.state.update(advertise(gpus, self.settings))
         await asyncio.to_thread(self.store.ensure_root)
         common = {"node": self.node, "log": self.log}
+        # The advertised devices under the node's configuration, before anything registers.
+        self.configurator = NodeConfigurator(
+            settings=self.settings, state=self.state, gpus=gpus, ledger_kv=self.buckets.ledger,
+            js=self.js, nc=self.nc, cluster=self.cluster, metrics=self.metrics, **common,
+        )
+        await self.configurator.start()
         registrar = NodeRegistrar(
             settings=self.settings, state=self.state, nodes_kv=self.buckets.nodes, js=self.js,
             cluster=self.cluster, instance=self.instance, **common,
@@ -88,11 +96,13 @@ class NodeAgent:
         self.health = HealthMonitor(
             source=self.source, gpus=gpus, settings=self.settings, state=self.state,
             registrar=registrar, log=self.log, metrics=self.metrics,
+            apply_health=self.configurator.set_unhealthy,
         )
         self.plugin = DevicePluginService(
             settings=self.settings, state=self.state, store=self.store,
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
-            pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics, **common,
+            pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics,
+            node_settings=self.configurator.node_settings, **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log
@@ -116,6 +126,7 @@ class NodeAgent:
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
+            asyncio.create_task(self.configurator.run(stop)),
         ]
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))

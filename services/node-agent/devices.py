@@ -97,25 +97,51 @@ class DeviceSource(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class DeviceConfig:
+    """How this node offers its GPUs (HAMi's per-node device-plugin settings), resolved."""
+
+    split_count: int = 10
+    memory_scaling: float = 1.0
+    core_scaling: float = 1.0
+    mode: str | None = None  # None: from the hardware (MIG enabled or not)
+    exclude_uuids: frozenset[str] = frozenset()
+    exclude_indices: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, settings: TesseraSettings) -> DeviceConfig:
+        return cls(settings.device_split_count, settings.device_memory_scaling,
+                   settings.device_core_scaling)
+
+    def offers(self, gpu: PhysicalGpu) -> bool:
+        return gpu.uuid not in self.exclude_uuids and gpu.index not in self.exclude_indices
+
+
 def advertise(
-    gpus: list[PhysicalGpu], settings: TesseraSettings, unhealthy: frozenset[str] = frozenset()
+    gpus: list[PhysicalGpu],
+    settings: TesseraSettings,
+    unhealthy: frozenset[str] = frozenset(),
+    config: DeviceConfig | None = None,
 ) -> list[DeviceInfo]:
-    """What the node registers: memory × memory scaling, cores = 100 × core scaling."""
+    """What the node registers: the GPUs it offers, memory × memory scaling, cores = 100 ×
+    core scaling, `split_count` slots each (`config`, else the settings)."""
+    config = config or DeviceConfig.of(settings)
     return [
         DeviceInfo(
             uuid=g.uuid,
             index=g.index,
             type=g.type,
-            memory_mib=int(g.memory_mib * settings.device_memory_scaling),
+            memory_mib=int(g.memory_mib * config.memory_scaling),
             physical_memory_mib=g.memory_mib,
-            cores=int(100 * settings.device_core_scaling),
-            split_count=settings.device_split_count,
+            cores=int(100 * config.core_scaling),
+            split_count=config.split_count,
             numa=g.numa,
             healthy=g.uuid not in unhealthy,
-            mode="mig" if g.mig else "hami-core",
-            links=dict(g.links),
+            mode=config.mode or ("mig" if g.mig else "hami-core"),
+            links={peer: score for peer, score in g.links.items()},
         )
         for g in gpus
+        if config.offers(g)
     ]
 
 

@@ -102,8 +102,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         pod_resources: Callable[[str], Awaitable[list[pr.PodResources]]] = list_pod_resources,
         clock: Callable[[], float] | None = None,
         metrics: NodeAgentMetrics | None = None,
+        node_settings: Callable[[], TesseraSettings] | None = None,
     ) -> None:
         self.settings = settings
+        # The settings with this node's device configuration (memory scaling > 1 means
+        # CUDA_OVERSUBSCRIBE and oversubscribe in the sealed limits); node_config.py.
+        self.node_settings = node_settings or (lambda: settings)
         self.clock = clock
         self.node = node
         self.metrics = metrics or NodeAgentMetrics()
@@ -367,7 +371,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
 
     def _allocate_response(self, allocation: Allocation, cdir: ContainerDir):
         grants = allocation.containers[cdir.prepared.index]
-        out = dp.ContainerAllocateResponse(envs=hs.container_env(allocation, grants, self.settings))
+        out = dp.ContainerAllocateResponse(envs=hs.container_env(allocation, grants,
+                                                                 self.node_settings()))
         for container_path, host_path, read_only in hs.container_mounts(
             cdir, self.settings, self.settings.preload_host_path or str(self.store.preload_file)
         ):
@@ -497,7 +502,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
             raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
         await self._check_grant(allocation, p.index)
-        limits = hs.limits_for(allocation, p.index, self.settings)
+        limits = hs.limits_for(allocation, p.index, self.node_settings())
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
         self.log.info("limits sealed", extra={
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,

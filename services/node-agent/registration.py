@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -127,6 +128,7 @@ class HealthMonitor:
         log: logging.Logger,
         wait_s: float = 0.5,
         metrics: NodeAgentMetrics | None = None,
+        apply_health: Callable[[frozenset[str]], Awaitable[None]] | None = None,
     ) -> None:
         self.metrics = metrics or NodeAgentMetrics()
         self.source = source
@@ -137,8 +139,13 @@ class HealthMonitor:
         self.log = log
         self.wait_s = wait_s
         self.tracker = HealthTracker([g.uuid for g in gpus], settings.health_recovery_s)
+        # Re-advertising under the node's configuration (node_config.NodeConfigurator).
+        self.apply_health = apply_health
 
     async def _apply(self) -> None:
+        if self.apply_health is not None:
+            await self.apply_health(self.tracker.unhealthy)
+            return
         await self.state.update(advertise(self.gpus, self.settings, self.tracker.unhealthy))
 
     async def step(self) -> None:

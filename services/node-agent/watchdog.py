@@ -240,6 +240,8 @@ class Watchdog:
         for i, breach in enumerate(breaches):
             if breach.new:
                 self.stats[f"breach:{breach.reason}"] += 1
+                kill = self.enforcement == "kill" and breach.enforceable
+                self.stats[f"action:{breach.reason}:{'killed' if kill else 'observed'}"] += 1
                 await self._publish(breach, allocations.get(breach.key[0]),
                                     poll.containers.get(breach.key, []), killed.get(i, []))
         return breaches

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "tessera.cli.run",
     "tessera.cli.nats_config",
     "tessera.cli.describe",
+    "tessera.cli.node_config",
 ]
 
 

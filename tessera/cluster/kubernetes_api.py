@@ -478,6 +478,18 @@ class KubernetesCluster:
         except ConflictError:
             return  # a retry whose first attempt landed: the event exists
 
+    # --- config maps (per-node device configuration) ------------------------------------------
+
+    async def get_config_map(self, namespace: str, name: str) -> KubeObject:
+        path = f"/api/v1/namespaces/{_quote(namespace)}/configmaps/{_quote(name)}"
+        config_map: KubeObject = await self._get_json(path)
+        return config_map
+
+    def watch_config_maps(self, namespace: str) -> AsyncIterator[WatchEvent]:
+        return self._list_then_watch(
+            f"/api/v1/namespaces/{_quote(namespace)}/configmaps", None, "ConfigMap"
+        )
+
     # --- list + watch -------------------------------------------------------------------------
 
     async def _list_all(

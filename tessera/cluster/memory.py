@@ -28,6 +28,8 @@ class InMemoryCluster:
         self.events: list[dict[str, Any]] = []
         self._pod_watchers: list[asyncio.Queue[WatchEvent]] = []
         self._quota_watchers: list[asyncio.Queue[WatchEvent]] = []
+        self.config_maps: dict[tuple[str, str], KubeObject] = {}
+        self._config_map_watchers: list[asyncio.Queue[WatchEvent]] = []
 
     # --- test helpers ---------------------------------------------------------------------
     def add_pod(self, pod: KubeObject) -> KubeObject:
@@ -166,6 +168,38 @@ class InMemoryCluster:
             {"involved": involved.model_dump(), "reason": reason, "message": message,
              "type": event_type}
         )
+
+    # --- config maps ------------------------------------------------------------------------
+    def put_config_map(self, config_map: KubeObject) -> None:
+        meta = config_map.setdefault("metadata", {})
+        key = (meta.setdefault("namespace", "default"), meta["name"])
+        kind = "MODIFIED" if key in self.config_maps else "ADDED"
+        self.config_maps[key] = copy.deepcopy(config_map)
+        self._emit(self._config_map_watchers, kind, config_map)
+
+    def delete_config_map(self, namespace: str, name: str) -> None:
+        config_map = self.config_maps.pop((namespace, name))
+        self._emit(self._config_map_watchers, "DELETED", config_map)
+
+    async def get_config_map(self, namespace: str, name: str) -> KubeObject:
+        try:
+            return copy.deepcopy(self.config_maps[(namespace, name)])
+        except KeyError:
+            raise NotFoundError(f"configmap {namespace}/{name} not found", 404) from None
+
+    async def watch_config_maps(self, namespace: str) -> AsyncIterator[WatchEvent]:
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._config_map_watchers.append(queue)
+        try:
+            for config_map in list(self.config_maps.values()):
+                if _matches(config_map, namespace, None):
+                    yield WatchEvent(type="ADDED", object=copy.deepcopy(config_map))
+            while True:
+                event = await queue.get()
+                if _matches(event.object, namespace, None):
+                    yield event
+        finally:
+            self._config_map_watchers.remove(queue)
 
     @staticmethod
     def _emit(watchers: list[asyncio.Queue[WatchEvent]], kind: str, obj: KubeObject) -> None:

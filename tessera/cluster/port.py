@@ -110,3 +110,11 @@ class ClusterPort(Protocol):
     ) -> None:
         """Create a core/v1 Event about `involved` (best effort: callers may ignore failures)."""
         ...
+
+    async def get_config_map(self, namespace: str, name: str) -> KubeObject:
+        """A ConfigMap (per-node device configuration). Raises NotFoundError."""
+        ...
+
+    def watch_config_maps(self, namespace: str) -> AsyncIterator[WatchEvent]:
+        """List then watch the ConfigMaps of one namespace."""
+        ...

@@ -516,6 +516,7 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("", "pods"): {"get", "list", "watch"},
         ("", "nodes"): {"get", "patch"},
         ("", "events"): {"create", "patch"},
+        ("", "configmaps"): {"get", "list", "watch"},  # tessera-node-config, its namespace only
     },
     "tessera-scheduler": {
         ("", "pods"): {"get", "list", "watch", "patch"},
@@ -661,7 +662,9 @@ def test_node_agent_without_install_has_no_init_container(charts_dir: Path) -> N
     assert "initContainers" not in pod
     assert "TESSERA_PRELOAD_HOST_PATH" not in env_of(container(find(manifests, "DaemonSet"),
                                                              "node-agent"))
-    assert "ConfigMap" not in kinds(manifests)
+    # No install script ConfigMap (tessera-node-config, the device configuration, stays).
+    assert [m["metadata"]["name"] for m in manifests if m["kind"] == "ConfigMap"] == [
+        "tessera-node-config"]
     regions = next(v for v in pod["volumes"] if v["name"] == "regions")
     assert regions["hostPath"]["path"] == "/data/regions"
 
@@ -684,7 +687,8 @@ def run_install(script: Path, source: Path, vgpu_dir: Path) -> str:
 
 
 def test_libvgpu_install_never_rewrites_a_mapped_library(charts_dir: Path, tmp_path: Path) -> None:
-    configmap = find(render(charts_dir, "tessera-node-agent"), "ConfigMap")
+    configmap = find(render(charts_dir, "tessera-node-agent"), "ConfigMap",
+                     "tessera-node-agent-install")
     script = tmp_path / "install-libvgpu.sh"
     script.write_text(configmap["data"]["install-libvgpu.sh"])
     host = tmp_path / "host" / "usr-local-vgpu"

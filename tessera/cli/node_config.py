@@ -1,0 +1,108 @@
+"""`tessera node-config set|get`: a node's device configuration over the bus (admin identity).
+
+`set` sends the node's local entry (HAMi's per-node fields), layered over the ConfigMap
+`tessera-node-config`; the node agent validates it and applies it live, or refuses with the
+reason (for instance a split count below the pods already on a GPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from tessera.bus import connect, node_config_get_subject, node_config_set_subject
+from tessera.codec import CodecError, decode, encode
+from tessera.models import NodeConfigSetRequest, NodeConfigStatus
+from tessera.settings import NatsSettings, TesseraSettings
+
+
+def _entry(
+    split_count: int | None, memory_scaling: float | None, core_scaling: float | None,
+    mode: str | None, skip_uuid: list[str], skip_index: list[int],
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {}
+    if split_count is not None:
+        entry["devicesplitcount"] = split_count
+    if memory_scaling is not None:
+        entry["devicememoryscaling"] = memory_scaling
+    if core_scaling is not None:
+        entry["devicecorescaling"] = core_scaling
+    if mode is not None:
+        entry["operatingmode"] = mode
+    if skip_uuid or skip_index:
+        entry["filterdevices"] = {"uuid": list(skip_uuid), "index": list(skip_index)}
+    return entry
+
+
+def show(status: NodeConfigStatus, console: Console) -> None:
+    console.print(f"node {status.node}: {json.dumps(status.effective, sort_keys=True)}")
+    console.print(f"  from: {', '.join(status.sources)}")
+    if status.local:
+        console.print(f"  local entry: {json.dumps(status.local, sort_keys=True)}")
+    if status.refused:
+        console.print(f"  last change REFUSED: {status.refused}")
+        if status.pending:
+            console.print("  (the ConfigMap's change is retried and applied once it fits)")
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Per-node device configuration (HAMi's nodeconfig).",
+                        no_args_is_help=True)  # fmt: skip
+    app.add_typer(group, name="node-config")
+
+    @group.command("set")
+    def set_command(
+        node: str = typer.Argument(..., help="the node"),
+        split_count: int | None = typer.Option(None, "--split-count",
+                                               help="devicesplitcount: pods per GPU"),
+        memory_scaling: float | None = typer.Option(None, "--memory-scaling",
+                                                    help="devicememoryscaling"),
+        core_scaling: float | None = typer.Option(None, "--core-scaling",
+                                                  help="devicecorescaling"),
+        mode: str | None = typer.Option(None, "--mode", help="operatingmode: hami-core|mig|mps"),
+        skip_uuid: list[str] = typer.Option([], "--skip-uuid",
+                                            help="filterdevices.uuid (repeat)"),
+        skip_index: list[int] = typer.Option([], "--skip-index",
+                                             help="filterdevices.index (repeat)"),
+        reset: bool = typer.Option(False, "--reset", help="drop the local entry"),
+    ) -> None:
+        """Set the node's local entry (over the ConfigMap's); applied live or refused."""
+        request = NodeConfigSetRequest(
+            config=_entry(split_count, memory_scaling, core_scaling, mode, skip_uuid,
+                          skip_index), reset=reset,
+        )  # fmt: skip
+        status = asyncio.run(_request(node_config_set_subject(node), encode(request), node))
+        console = Console(highlight=False)
+        if not status.ok:
+            console.print(f"refused: {status.reason}")
+            raise typer.Exit(1)
+        console.print(status.reason)
+        show(status, console)
+
+    @group.command("get")
+    def get_command(node: str = typer.Argument(..., help="the node")) -> None:
+        """What the node applies, where it comes from, and the last refused change."""
+        status = asyncio.run(_request(node_config_get_subject(node), b"{}", node))
+        console = Console(highlight=False)
+        if not status.ok:
+            console.print(status.reason)
+            raise typer.Exit(1)
+        show(status, console)
+
+
+async def _request(subject: str, payload: bytes, node: str) -> NodeConfigStatus:
+    settings = TesseraSettings()
+    nc = await connect(NatsSettings(), name="tessera-cli-node-config", initial_attempts=3)
+    try:
+        msg = await nc.request(subject, payload, timeout=max(5.0, settings.request_timeout_s))
+    except Exception as exc:
+        return NodeConfigStatus(ok=False, node=node, reason=f"node {node} did not answer: {exc}")
+    finally:
+        await nc.close()
+    try:
+        return decode(msg.data, NodeConfigStatus)
+    except CodecError as exc:
+        return NodeConfigStatus(ok=False, node=node, reason=f"unreadable reply: {exc}")
