@@ -252,3 +252,20 @@ def smallest_profile(model: MigModel, memory_mib: int, cores: int) -> MigProfile
     if not fitting:
         return None
     return min(fitting, key=lambda p: (p.memory_slices, p.compute_slices))
+
+
+# NVML names a GPU instance profile by an index (`NVML_GPU_INSTANCE_PROFILE_<n>_SLICE`, nvml.h):
+# the node agent asks NVML for the profile at that index and creates instances with the profile
+# id NVML returns. The "1 slice rev2" profile is the 1g profile with two memory slices.
+_NVML_PROFILE_BY_COMPUTE = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+NVML_PROFILE_1_SLICE_REV2 = 0x9
+# NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE, by compute slices
+NVML_CI_PROFILE_BY_COMPUTE = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+
+
+def nvml_profile_index(model: MigModel, profile: MigProfile) -> int:
+    """The NVML_GPU_INSTANCE_PROFILE_* index of `profile` on `model`."""
+    smallest = min(p.memory_slices for p in model.profiles if p.compute_slices == 1)
+    if profile.compute_slices == 1 and profile.memory_slices > smallest:
+        return NVML_PROFILE_1_SLICE_REV2
+    return _NVML_PROFILE_BY_COMPUTE[profile.compute_slices]
