@@ -532,6 +532,7 @@ def decode_reply(payload: bytes, model: type[R]) -> R:
 NODE_CONFIG_MAP = "tessera-node-config"
 NODE_CONFIG_KEY = "config.json"
 OperatingMode = Literal["hami-core", "mig", "mps"]
+MigStrategyName = Literal["none", "single", "mixed", "dynamic"]
 
 
 class DeviceFilter(BaseModel):
@@ -571,6 +572,9 @@ class NodeDeviceConfig(BaseModel):
         None, gt=0, le=100, description="advertised compute = 100 × this"
     )
     operatingmode: OperatingMode | None = None
+    migstrategy: MigStrategyName | None = Field(
+        None, description="none | single | mixed (static MIG instances) | dynamic (per pod)"
+    )
     filterdevices: DeviceFilter | None = None
 
     def over(self, base: NodeDeviceConfig) -> NodeDeviceConfig:

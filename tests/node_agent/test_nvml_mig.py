@@ -167,3 +167,28 @@ def test_instances_outlive_a_restart_and_busy_ones_are_not_destroyed(
     nvml_mig.destroy(h, dev.gi_id)
     assert nvml_mig.list_devices(h, 0) == []
     nvml_mig.destroy(h, dev.gi_id)  # already gone: nothing to do
+
+
+def test_the_nvml_source_offers_what_nvml_holds(nvml, fake_nvml_lib: Path) -> None:
+    """What static MIG serves on a real node: NvmlSource.mig_offers over the driver's instances,
+    planned under `mixed` into one resource per profile."""
+    from tessera.node_agent import mig_static
+    from tessera.node_agent.nvml import NvmlSource
+
+    from tessera.settings import TesseraSettings
+
+    nvml(instance_line(0, A100, "1g.10gb", 0) + instance_line(0, A100, "1g.10gb", 1)
+         + instance_line(1, A30, "2g.12gb", 0))
+    source = NvmlSource(TesseraSettings(nvml_library=str(fake_nvml_lib)))
+    try:
+        gpus = source.discover()
+        offers = source.mig_offers()
+    finally:
+        source.close()
+    assert [g.mig for g in gpus] == [True, True, False]
+    plan = mig_static.plan("mixed", offers, "nvidia.com/gpu")
+    assert {r: [(o.parent_uuid, o.start) for o in v] for r, v in plan.resources.items()} == {
+        "nvidia.com/mig-1g.10gb": [(U[0], 0), (U[0], 1)],
+        "nvidia.com/mig-2g.12gb": [(U[1], 0)],
+    }
+    assert all(MIG_UUID.match(o.uuid) for o in offers)
