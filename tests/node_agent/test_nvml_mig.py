@@ -192,3 +192,24 @@ def test_the_nvml_source_offers_what_nvml_holds(nvml, fake_nvml_lib: Path) -> No
         "nvidia.com/mig-2g.12gb": [(U[1], 0)],
     }
     assert all(MIG_UUID.match(o.uuid) for o in offers)
+
+
+def test_the_gpu_check_step_runs_against_nvml(fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """gpu-check.sh's MIG step (gpu_mig_check.py), run here on the test NVML: the table agrees,
+    an instance is discovered, one is created and destroyed. (On a real H200: not yet run.)"""
+    import subprocess
+    import sys
+
+    h200 = mig.MODELS["H200"]
+    config = tmp_path / "nvml.conf"
+    config.write_text(f"gpu {U[0]} 144384 0 00000000:17:00.0 1 NVIDIA H200\n"
+                      + gpu_lines(0, h200) + instance_line(0, h200, "3g.71gb", 4))
+    env = {**os.environ, "FAKE_NVML_CONFIG": str(config), "TESSERA_GPU_CHECK_MIG_CREATE": "1",
+           "FAKE_NVML_MIG_STATE": str(tmp_path / "state"),
+           "LD_LIBRARY_PATH": str(fake_nvml_lib.parent)}
+    script = Path(__file__).with_name("gpu_mig_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"problems": []' in done.stdout and '"created": "MIG-' in done.stdout
+    assert '"3g.71gb", 4' in done.stdout
