@@ -79,10 +79,16 @@ class NodeAgent:
         configurator = self.configurator
         assert configurator is not None
         self.mig_plugins = MigPlugins(self.settings.device_plugin_dir, self.log)
+        seen = [-1]
+
+        async def changed() -> None:  # the advertised GPUs changed (config, health)
+            _devices, seen[0] = await self.state.wait_change(seen[0])
+
         await run_static_mig(
             source=self.source, strategy=lambda: configurator.config.mig_strategy,
+            health=lambda: {d.uuid: d.healthy for d in self.state.devices()},
             plugins=self.mig_plugins, gpu_resource=self.settings.resource_name,
-            interval_s=self.settings.node_heartbeat_s, stop=stop, log=self.log,
+            interval_s=self.settings.node_heartbeat_s, stop=stop, log=self.log, changed=changed,
         )
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:

@@ -8,9 +8,8 @@ instances the container gets. Rules in mig_static.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from tessera.node_agent import mig_static
@@ -150,15 +149,19 @@ async def run_static_mig(
     *,
     source: object,
     strategy: Callable[[], str],
+    health: Callable[[], dict[str, bool]],
     plugins: MigPlugins,
     gpu_resource: str,
     interval_s: float,
     stop: asyncio.Event,
     log: logging.Logger,
+    changed: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
     """Offer the instances NVML (or the static source) reports under the node's current MIG
-    strategy; re-read every `interval_s`, so instances an operator makes or removes and a
-    strategy changed through the node config follow without a restart."""
+    strategy, on the GPUs the node offers and as healthy as they are (`health`); re-read every
+    `interval_s` and whenever the advertised GPUs change (`changed`), so instances an operator
+    makes or removes, a strategy or filter changed through the node config and a card's health
+    follow without a restart."""
     discover = getattr(source, "mig_offers", None)
     last_problem = ""
     try:
@@ -172,6 +175,7 @@ async def run_static_mig(
                     log.warning("MIG discovery failed", extra={"err": str(exc)})
                     offers = None
             if offers is not None:
+                offers = mig_static.on_offered_gpus(offers, health())
                 plan = mig_static.plan(current, offers, gpu_resource)
                 if current == "single" and plan.resources:
                     # The libvgpu plugin already serves the GPU resource on this node, and
@@ -182,7 +186,12 @@ async def run_static_mig(
                     log.warning("MIG instances not offered", extra={"reason": plan.problem})
                 last_problem = plan.problem
                 await plugins.apply(plan)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
+            waiters = [asyncio.ensure_future(stop.wait())]
+            if changed is not None:
+                waiters.append(asyncio.ensure_future(changed()))
+            _done, pending = await asyncio.wait(waiters, timeout=interval_s,
+                                                return_when=asyncio.FIRST_COMPLETED)
+            for waiter in pending:
+                waiter.cancel()
     finally:
         await plugins.close()

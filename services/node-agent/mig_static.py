@@ -17,8 +17,8 @@ libvgpu: MIG isolates in hardware. Pure code, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
 from tessera import mig
 
@@ -60,6 +60,13 @@ def plan(strategy: str, offers: Iterable[MigOffer], gpu_resource: str) -> MigPla
     for o in items:
         by_profile.setdefault(mig.MIG_RESOURCE_PREFIX + o.profile, []).append(o)
     return MigPlan({name: tuple(v) for name, v in sorted(by_profile.items())})
+
+
+def on_offered_gpus(offers: Iterable[MigOffer], health: Mapping[str, bool]) -> list[MigOffer]:
+    """Only instances of GPUs the node offers (`health`: advertised GPU uuid → healthy, after
+    the node config's filters), each as healthy as its GPU (an XID on the card makes its
+    instances Unhealthy for kubelet)."""
+    return [replace(o, healthy=health[o.parent_uuid]) for o in offers if o.parent_uuid in health]
 
 
 def container_env(offers: Iterable[MigOffer], requested: list[str]) -> dict[str, str]:

@@ -107,3 +107,29 @@ async def _passes(rig, n: int, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
     await asyncio.wait_for(wait(), timeout)
+
+
+async def test_instances_follow_their_gpu_health_and_the_node_filter(
+        short_dir, nc, buckets) -> None:
+    """An XID on a card makes its instances Unhealthy for kubelet (no pod is given one); a GPU
+    the node config filters out offers no instance."""
+    from tessera.node_agent.devices import HealthEvent
+
+    from tessera.models import NodeConfigSetRequest
+
+    async with running_rig(short_dir, nc, buckets, static_gpu_model="NVIDIA A100-SXM4-80GB",
+                           static_mig_instances="1g.10gb@0", mig_strategy="mixed") as rig:
+        plugin = await rig.kubelet.wait_registered("nvidia.com/mig-1g.10gb")
+        offers = mig_static.simulated_offers(rig.source.discover(), "1g.10gb@0", rig.node)
+        on = {o.parent_index: o.uuid for o in offers}
+        assert sorted(plugin.healthy()) == sorted(on.values())
+        rig.source.events.put(HealthEvent(rig.gpus[1], "xid", 79))
+        await rig.kubelet.wait_for(lambda: plugin.healthy() == [on[0]])
+        await rig.kubelet.admit_pod(_pod("a", "nvidia.com/mig-1g.10gb"))
+        refused = await rig.kubelet.admit_pod(_pod("b", "nvidia.com/mig-1g.10gb"))
+        assert not refused.ok  # the only healthy instance is taken; the sick card's is not given
+
+        status = await rig.agent.configurator.set_local(
+            NodeConfigSetRequest(config={"filterdevices": {"index": [1]}}))
+        assert status.ok, status.reason
+        await rig.kubelet.wait_for(lambda: list(plugin.devices) == [on[0]])
