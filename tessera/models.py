@@ -403,6 +403,24 @@ class PodGoneEvent(Event):
     pod_uid: str = ""
 
 
+MigAction = Literal["created", "destroyed", "vanished"]
+
+
+class MigEvent(Event):
+    """Dynamic MIG on a node: the agent created a GPU + compute instance for a pod
+    (`created`), destroyed one no allocation holds any more (`destroyed`), or found the instance
+    of an allocation gone (`vanished`: after a reboot or someone's nvidia-smi)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.mig.<node>.<action>"
+    node: str
+    action: MigAction
+    device_uuid: str = Field(description="the GPU holding the instance")
+    mig_uuid: str = Field("", description="the instance's MIG-… UUID (empty when not made)")
+    profile: str = Field(description="GPU instance profile, e.g. 1g.10gb")
+    start: int = Field(ge=0, description="first memory slice of its placement")
+    pod_uid: str = ""
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -413,6 +431,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ValueRejectedEvent,
     LimitBreachedEvent,
     PodGoneEvent,
+    MigEvent,
 )
 
 

@@ -44,6 +44,9 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_IN_USE 19
+#define NVML_ERROR_INSUFFICIENT_RESOURCES 23
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 16
@@ -166,6 +169,9 @@ const char *nvmlErrorString(nvmlReturn_t rc)
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient Resources";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Version mismatch";
     default: return "Unknown Error";
     }
 }

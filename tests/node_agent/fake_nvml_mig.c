@@ -15,9 +15,6 @@
  * outlive the process as they outlive the agent on a real driver.
  */
 
-#define NVML_ERROR_IN_USE 19
-#define NVML_ERROR_INSUFFICIENT_RESOURCES 23
-#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_GPU_INSTANCE_PROFILE_COUNT 0x12
 #define NVML_COMPUTE_INSTANCE_PROFILE_COUNT 0x9
 #define GI_PROFILE_INFO_V2 0x02000098u
