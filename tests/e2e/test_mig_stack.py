@@ -83,3 +83,22 @@ def test_the_vllm_mig_pod_gets_its_instance(sim: RunningStack) -> None:
     kube.delete_pod("default", "vllm-mig")
     running2 = kube.wait_running("default", "vllm-mig-2", timeout_s=60)
     assert running2["spec"]["nodeName"] == MIG_NODE
+
+
+def test_tessera_up_mig_flag_needs_a_mig_capable_model() -> None:
+    """`tessera up --mig mixed` marks every node; a GPU model without MIG or an unknown
+    strategy is refused with the reason (before anything starts)."""
+    import typer
+
+    from tessera.cli.up import with_mig
+    from tessera.stack import make_nodes, node_agent_env
+
+    nodes = with_mig(make_nodes(2, 1, 81920, "NVIDIA A100-SXM4-80GB"), "mixed")
+    assert {n.mig for n in nodes} == {"mixed"}
+    env = node_agent_env(nodes[0], Path("/tmp/x"), Path("/tmp/y"))
+    assert env["TESSERA_MIG_STRATEGY"] == "mixed"
+    assert env["TESSERA_STATIC_MIG_INSTANCES"] == ",".join(f"1g.10gb@{s}" for s in range(7))
+    with pytest.raises(typer.BadParameter, match="MIG-capable"):
+        with_mig(make_nodes(1, 1, 24576, "NVIDIA A10"), "mixed")
+    with pytest.raises(typer.BadParameter, match="--mig must be one of"):
+        with_mig(nodes, "sometimes")
