@@ -156,6 +156,11 @@ def node_config_get_subject(node: str) -> str:
     return f"tessera.node.{subject_token(node)}.config.get"
 
 
+def mig_event_subject(node: str, action: str) -> str:
+    """Dynamic MIG instances created / destroyed / vanished on a node."""
+    return f"{EVENTS_PREFIX}.mig.{subject_token(node)}.{subject_token(action)}"
+
+
 def event_subject(event: Event) -> str:
     """The subject an event is published on, from its own fields."""
     from tessera import models as m  # local: models imports nothing from here
@@ -178,6 +183,8 @@ def event_subject(event: Event) -> str:
         return limit_breached_subject(event.node)
     if isinstance(event, m.PodGoneEvent):
         return sched_gone_subject(event.namespace)
+    if isinstance(event, m.MigEvent):
+        return mig_event_subject(event.node, event.action)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

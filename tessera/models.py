@@ -403,6 +403,24 @@ class PodGoneEvent(Event):
     pod_uid: str = ""
 
 
+MigAction = Literal["created", "destroyed", "vanished"]
+
+
+class MigEvent(Event):
+    """Dynamic MIG on a node: the agent created a GPU + compute instance for a pod
+    (`created`), destroyed one no allocation holds any more (`destroyed`), or found the instance
+    of an allocation gone (`vanished`: after a reboot or someone's nvidia-smi)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.mig.<node>.<action>"
+    node: str
+    action: MigAction
+    device_uuid: str = Field(description="the GPU holding the instance")
+    mig_uuid: str = Field("", description="the instance's MIG-… UUID (empty when not made)")
+    profile: str = Field(description="GPU instance profile, e.g. 1g.10gb")
+    start: int = Field(ge=0, description="first memory slice of its placement")
+    pod_uid: str = ""
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -413,6 +431,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ValueRejectedEvent,
     LimitBreachedEvent,
     PodGoneEvent,
+    MigEvent,
 )
 
 
@@ -532,6 +551,7 @@ def decode_reply(payload: bytes, model: type[R]) -> R:
 NODE_CONFIG_MAP = "tessera-node-config"
 NODE_CONFIG_KEY = "config.json"
 OperatingMode = Literal["hami-core", "mig", "mps"]
+MigStrategyName = Literal["none", "single", "mixed", "dynamic"]
 
 
 class DeviceFilter(BaseModel):
@@ -571,6 +591,9 @@ class NodeDeviceConfig(BaseModel):
         None, gt=0, le=100, description="advertised compute = 100 × this"
     )
     operatingmode: OperatingMode | None = None
+    migstrategy: MigStrategyName | None = Field(
+        None, description="none | single | mixed (static MIG instances) | dynamic (per pod)"
+    )
     filterdevices: DeviceFilter | None = None
 
     def over(self, base: NodeDeviceConfig) -> NodeDeviceConfig:

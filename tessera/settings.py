@@ -14,6 +14,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 CorePolicy = Literal["default", "force", "disable"]
+MigStrategy = Literal["none", "single", "mixed", "dynamic"]
 
 
 class NatsSettings(BaseSettings):
@@ -70,6 +71,10 @@ class TesseraSettings(BaseSettings):
     gpu_scheduler_policy: str = "spread"
     node_scheduler_policy: str = "binpack"
     core_policy: CorePolicy = "default"
+    mig_strategy: MigStrategy = Field(
+        "none", description="how MIG instances are offered: none, single, mixed (static "
+        "instances, the NVIDIA device plugin's strategies) or dynamic (created per pod)"
+    )
     env_overwrite: bool = Field(
         False, description="set NVIDIA_VISIBLE_DEVICES=none on containers that ask no GPU"
     )
@@ -145,6 +150,10 @@ class TesseraSettings(BaseSettings):
     )
     static_gpu_memory_mib: int = Field(81920, ge=1, description="static source: MiB per GPU")
     static_numa_nodes: int = Field(1, ge=1, description="static source: GPUs spread over these")
+    static_mig_instances: str = Field(
+        "", description="static source: MIG instances on every simulated GPU, "
+        "'<profile>@<start>,…' (e.g. '1g.10gb@0,1g.10gb@1,3g.40gb@4'); set: GPUs in MIG mode"
+    )
     static_fault_file: str | None = Field(
         None, description="static source: lines '<GPU index> <XID>' appended here are driver "
         "events (fault injection for the local stack)"

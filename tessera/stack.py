@@ -21,7 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field
@@ -43,6 +43,10 @@ class SimNode(BaseModel):
     gpu_model: str = "NVIDIA A10"
     numa_nodes: int = Field(1, ge=1)
     labels: dict[str, str] = Field(default_factory=dict)
+    # MIG (tessera.mig): the node's migStrategy, and the instances every GPU holds for the static
+    # strategies ('<profile>@<start>,…'; default: the model's smallest profile at every start).
+    mig: Literal["none", "single", "mixed", "dynamic"] = "none"
+    mig_instances: str = ""
 
 
 def make_nodes(
@@ -105,6 +109,21 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def _mig_env(node: SimNode) -> dict[str, str]:
+    """A MIG node's strategy and simulated instances (a GPU model without MIG: none)."""
+    from tessera import mig
+
+    model = mig.model_for(node.gpu_model)
+    if node.mig == "none" or model is None:
+        return {}
+    env = {"TESSERA_MIG_STRATEGY": node.mig}
+    if node.mig in ("single", "mixed"):
+        smallest = model.profiles[0]
+        env["TESSERA_STATIC_MIG_INSTANCES"] = node.mig_instances or ",".join(
+            f"{smallest.name}@{s}" for s in smallest.starts)
+    return env
+
+
 def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[str, str]:
     node_dir = socket_root / node.name
     env = {
@@ -118,6 +137,7 @@ def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[st
         "TESSERA_POD_RESOURCES_SOCKET": str(node_dir / "pod-resources" / "kubelet.sock"),
         "TESSERA_REGION_HOST_DIR": str(state_dir / "regions" / node.name),
     }
+    env.update(_mig_env(node))
     libvgpu = Path(__file__).resolve().parent.parent / "native/libvgpu/build/libvgpu.so"
     if libvgpu.is_file():
         env["TESSERA_LIBVGPU_HOST_PATH"] = str(libvgpu)

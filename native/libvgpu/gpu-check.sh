@@ -21,6 +21,9 @@
 #      patched loader copy) allocates past the limit; the node agent's NVML probe
 #      (services/node-agent/nvml_processes.py) must see its pid holding that memory
 #   9. the node agent's watchdog: a process without libvgpu over its seal is seen and ended
+#  10. MIG: the driver's profiles and placements for GPU 0 agree with tessera/mig.py; with MIG
+#      already on, the agent's discovery (and, with TESSERA_GPU_CHECK_MIG_CREATE=1, one instance
+#      created and destroyed). Never changes the MIG mode. (MPS: no step yet.)
 # Prints a summary and writes $RESULTS_DIR/gpu-check.json (default: a temp dir; $OUT if set).
 set -uo pipefail
 
@@ -372,6 +375,13 @@ if wd=$(cd "$ROOT" && timeout 120 "$PY" tests/node_agent/gpu_watchdog_check.py 2
     pass watchdog "$wd"
 else
     fail watchdog "${wd:-$(tail -3 "$WORK/wd.err" | tr '\n' ' ')}"
+fi
+
+# ---- 10. MIG profile tables and discovery on the real driver -----------------------------------
+if mg=$(cd "$ROOT" && timeout 60 "$PY" tests/node_agent/gpu_mig_check.py 2>"$WORK/mig.err"); then
+    pass mig "$mg"
+else
+    fail mig "${mg:-$(tail -3 "$WORK/mig.err" | tr '\n' ' ')}"
 fi
 
 # ---- summary ---------------------------------------------------------------------------------------

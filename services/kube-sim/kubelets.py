@@ -228,7 +228,8 @@ class NodeKubelet:
         if uid in self.admissions or (pod.get("status") or {}).get("phase") != "Pending":
             return
         admission: PodAdmission | None = None
-        if pod_uses(pod, self.gpu_resources):
+        # the GPU resources, and any other a device plugin registered (MIG instances, ...)
+        if pod_uses(pod, self.gpu_resources + list(self.device_kubelet.plugins)):
             admission = await self._admit_devices(pod)
             if admission is None:
                 return

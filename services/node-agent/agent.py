@@ -14,6 +14,7 @@ from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource
 from tessera.node_agent.limits import LimitsService
 from tessera.node_agent.metrics import NodeAgentMetrics
+from tessera.node_agent.mig_plugin import MigPlugins, run_static_mig
 from tessera.node_agent.plugin import DevicePluginService, PluginEndpoint, list_pod_resources
 from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
 from tessera.node_agent.state import DeviceState
@@ -70,7 +71,25 @@ class NodeAgent:
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
         self.configurator: NodeConfigurator | None = None
+        self.mig_plugins: MigPlugins | None = None
         self.metrics.watch_watchdog(lambda: self.watchdog)
+
+    async def _static_mig(self, stop: asyncio.Event) -> None:
+        """Existing MIG instances served as their own resources (mig_plugin.py)."""
+        configurator = self.configurator
+        assert configurator is not None
+        self.mig_plugins = MigPlugins(self.settings.device_plugin_dir, self.log)
+        seen = [-1]
+
+        async def changed() -> None:  # the advertised GPUs changed (config, health)
+            _devices, seen[0] = await self.state.wait_change(seen[0])
+
+        await run_static_mig(
+            source=self.source, strategy=lambda: configurator.config.mig_strategy,
+            health=lambda: {d.uuid: d.healthy for d in self.state.devices()},
+            plugins=self.mig_plugins, gpu_resource=self.settings.resource_name,
+            interval_s=self.settings.node_heartbeat_s, stop=stop, log=self.log, changed=changed,
+        )
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
         try:
@@ -130,6 +149,7 @@ class NodeAgent:
         ]
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
+        tasks.append(asyncio.create_task(self._static_mig(stop)))
         self.log.info("node agent running", extra={
             "node": self.node, "gpus": len(gpus), "plugin_dir": self.settings.device_plugin_dir,
         })

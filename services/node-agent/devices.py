@@ -105,13 +105,14 @@ class DeviceConfig:
     memory_scaling: float = 1.0
     core_scaling: float = 1.0
     mode: str | None = None  # None: from the hardware (MIG enabled or not)
+    mig_strategy: str = "none"  # tessera.mig.STRATEGIES
     exclude_uuids: frozenset[str] = frozenset()
     exclude_indices: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, settings: TesseraSettings) -> DeviceConfig:
         return cls(settings.device_split_count, settings.device_memory_scaling,
-                   settings.device_core_scaling)
+                   settings.device_core_scaling, mig_strategy=settings.mig_strategy)
 
     def offers(self, gpu: PhysicalGpu) -> bool:
         return gpu.uuid not in self.exclude_uuids and gpu.index not in self.exclude_indices
@@ -206,8 +207,14 @@ class StaticSource:
                 if j != i
             }
             gpus.append(PhysicalGpu(u, i, s.static_gpu_model, s.static_gpu_memory_mib, numa,
-                                    links=links))
+                                    mig=bool(s.static_mig_instances.strip()), links=links))
         return gpus
+
+    def mig_offers(self) -> list:
+        """The simulated MIG instances (static_mig_instances on every GPU), MIG UUIDs stable."""
+        from tessera.node_agent.mig_static import simulated_offers
+
+        return simulated_offers(self.discover(), self._settings.static_mig_instances, self._node)
 
     def wait_event(self, timeout_s: float) -> HealthEvent | None:
         """Events from `static_fault_file` (one '<GPU index> <XID>' per line), else none."""

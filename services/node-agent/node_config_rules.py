@@ -68,7 +68,7 @@ def _explain(error: ValidationError, where: str) -> str:
 
 
 KNOWN_KEYS = ("devicesplitcount", "devicememoryscaling", "devicecorescaling", "operatingmode",
-              "filterdevices")  # fmt: skip
+              "migstrategy", "filterdevices")  # fmt: skip
 
 
 def parse_entry(raw: Any, where: str = "node config") -> NodeDeviceConfig:
@@ -116,6 +116,7 @@ def base_entry(settings: TesseraSettings) -> NodeDeviceConfig:
         devicesplitcount=settings.device_split_count,
         devicememoryscaling=settings.device_memory_scaling,
         devicecorescaling=settings.device_core_scaling,
+        migstrategy=settings.mig_strategy,
         filterdevices=DeviceFilter(),
     )
 
@@ -157,6 +158,7 @@ def resolve(merged: NodeDeviceConfig, settings: TesseraSettings) -> DeviceConfig
         memory_scaling=merged.devicememoryscaling or base.memory_scaling,
         core_scaling=merged.devicecorescaling or base.core_scaling,
         mode=merged.operatingmode,
+        mig_strategy=merged.migstrategy or base.mig_strategy,
         exclude_uuids=frozenset(filters.uuid),
         exclude_indices=frozenset(filters.index),
     )
@@ -272,6 +274,8 @@ def describe(config: DeviceConfig) -> str:
              f"cores ×{config.core_scaling:g}"]  # fmt: skip
     if config.mode:
         parts.append(f"mode {config.mode}")
+    if config.mig_strategy != "none":
+        parts.append(f"migstrategy {config.mig_strategy}")
     skipped = sorted(config.exclude_uuids) + [f"index {i}" for i in sorted(config.exclude_indices)]
     if skipped:
         parts.append(f"skipping {', '.join(skipped)}")
@@ -285,6 +289,7 @@ def effective_entry(config: DeviceConfig) -> dict[str, Any]:
         devicememoryscaling=config.memory_scaling,
         devicecorescaling=config.core_scaling,
         operatingmode=config.mode,  # type: ignore[arg-type]
+        migstrategy=config.mig_strategy,  # type: ignore[arg-type]
         filterdevices=DeviceFilter(uuid=sorted(config.exclude_uuids),
                                    index=sorted(config.exclude_indices)),
     )

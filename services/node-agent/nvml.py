@@ -169,6 +169,20 @@ class NvmlSource:
                 out[u] = (int(mem.used), int(mem.total), float(util))
         return out
 
+    def mig_offers(self) -> list:
+        """The MIG instances that exist on the GPUs (nvml_mig.py), as static offers."""
+        from tessera.node_agent import nvml_mig
+        from tessera.node_agent.mig_static import MigOffer
+
+        out = []
+        with self._lock:
+            for index, (u, h) in enumerate(self._handles.items()):
+                for d in nvml_mig.list_devices(h, self._index(h, index)):
+                    out.append(MigOffer(uuid=d.uuid, parent_uuid=u, parent_index=d.parent_index,
+                                        profile=d.profile, start=d.start, gi_id=d.gi_id,
+                                        numa=self._numa(h)))
+        return out
+
     def close(self) -> None:
         if self._closed:
             return

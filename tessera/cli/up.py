@@ -142,6 +142,20 @@ def choose_nodes(
     return make_nodes(nodes, gpus_per_node, gpu_memory, gpu_model, numa_nodes)
 
 
+def with_mig(nodes: list[SimNode], strategy: str) -> list[SimNode]:
+    """`--mig`: every node in that MIG strategy (typer.BadParameter when it cannot be)."""
+    from tessera import mig
+
+    if strategy not in mig.STRATEGIES:
+        raise typer.BadParameter(f"--mig must be one of {', '.join(mig.STRATEGIES)}")
+    unknown = sorted({n.gpu_model for n in nodes if mig.model_for(n.gpu_model) is None})
+    if unknown:
+        known = ", ".join(f"NVIDIA {m}" for m in mig.MODELS)
+        raise typer.BadParameter(f"--mig needs a MIG-capable --gpu-model ({known}); "
+                                 f"{unknown[0]!r} is not")
+    return [n.model_copy(update={"mig": strategy}) for n in nodes]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("up")
     def up_command(
@@ -154,6 +168,11 @@ def register(app: typer.Typer) -> None:
         gpu_memory: int = typer.Option(24576, "--gpu-memory", min=1, help="MiB per GPU"),
         gpu_model: str = typer.Option("NVIDIA A10", "--gpu-model", help="NVML name of the GPUs"),
         numa_nodes: int = typer.Option(1, "--numa-nodes", min=1, help="NUMA nodes per node"),
+        mig: str = typer.Option(
+            "none", "--mig", help="MIG on every node: none, mixed, single (existing instances, "
+            "the model's smallest profile on every GPU) or dynamic; needs a MIG-capable "
+            "--gpu-model such as 'NVIDIA A100-SXM4-80GB' (nodes file: `mig`, `mig_instances`)"
+        ),
         nodes_file: Path | None = typer.Option(
             None, "--nodes-file", help="YAML list of nodes {name, gpus, gpu_memory_mib, ...}"
         ),
@@ -185,6 +204,8 @@ def register(app: typer.Typer) -> None:
         sim_nodes = choose_nodes(
             nodes, gpus_per_node, gpu_memory, gpu_model, numa_nodes, nodes_file
         )
+        if mig != "none" and nodes_file is None:
+            sim_nodes = with_mig(sim_nodes, mig)
         ports = StackPorts.free() if free_ports else StackPorts()
         services = default_services(
             sim_nodes, state_dir, ports, run_containers, kubelet_delay, kubelet_jitter

@@ -719,6 +719,7 @@ def test_node_agent_mounts_only_the_host_paths_it_needs(charts_dir: Path) -> Non
     assert env["TESSERA_DEVICE_PLUGIN_DIR"] == "/var/lib/kubelet/device-plugins"
     assert env["TESSERA_POD_RESOURCES_SOCKET"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert env["TESSERA_DEVICE_SPLIT_COUNT"] == "10"
+    assert env["TESSERA_MIG_STRATEGY"] == "none"  # config.migStrategy
 
     (init,) = pod["initContainers"]
     init_mounts = {m["name"]: m for m in init["volumeMounts"]}

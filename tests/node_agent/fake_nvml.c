@@ -18,6 +18,11 @@
  * documents; a pid that no longer exists is not listed (the driver forgets an exited process).
  * Build with -DFAKE_NVML_NO_PROCESSES_V3 / _V2 / _V1 or -DFAKE_NVML_NO_PROCESS_UTILIZATION to
  * leave that entry point out (older drivers and partial stand-ins lack some).
+ * Processes lines may carry two more fields, "<GPU instance id> <compute instance id>": the
+ * process runs in that MIG instance (reported by the process list; the instance is then IN_USE).
+ *
+ * MIG: GPU instance profiles, placements, GPU/compute instances and MIG devices, from
+ * `giprofile` / `gi` config lines; see fake_nvml_mig.c (included at the end of this file).
  * Build: gcc -shared -fPIC -Wl,-soname,libnvidia-ml.so.1 -Wl,-Bsymbolic -o libnvidia-ml.so.1
  */
 #define _GNU_SOURCE
@@ -29,6 +34,7 @@
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 typedef int nvmlReturn_t;
 #define NVML_SUCCESS 0
@@ -38,6 +44,9 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_IN_USE 19
+#define NVML_ERROR_INSUFFICIENT_RESOURCES 23
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 16
@@ -82,6 +91,14 @@ static struct fake_gpu gpus[MAX_GPUS];
 static unsigned int ngpus;
 static int initialised; /* NVML reference-counts nvmlInit / nvmlShutdown */
 
+/* MIG (fake_nvml_mig.c, included at the end) */
+static void mig_reset(void);
+static int mig_config_line(const char *line);
+static void mig_load_state(void);
+static nvmlReturn_t mig_uuid_of(nvmlDevice_t d, char *uuid, unsigned int len, int *handled);
+static nvmlReturn_t mig_name_of(nvmlDevice_t d, char *name, unsigned int len, int *handled);
+static int mig_memory_of(nvmlDevice_t d, nvmlMemory_t *m);
+
 static nvmlReturn_t load_config(void)
 {
     const char *path = getenv("FAKE_NVML_CONFIG");
@@ -89,6 +106,7 @@ static nvmlReturn_t load_config(void)
     char line[512];
     memset(gpus, 0, sizeof gpus);
     ngpus = 0;
+    mig_reset();
     if (!path || !(f = fopen(path, "r")))
         return NVML_ERROR_UNKNOWN;
     while (fgets(line, sizeof line, f)) {
@@ -116,9 +134,12 @@ static nvmlReturn_t load_config(void)
         } else if (sscanf(line, "used %d %llu %u", &i, &a, &b) == 3 && i < MAX_GPUS) {
             gpus[i].used_mib = a;
             gpus[i].util = b;
+        } else {
+            mig_config_line(line);
         }
     }
     fclose(f);
+    mig_load_state();
     return NVML_SUCCESS;
 }
 
@@ -148,6 +169,9 @@ const char *nvmlErrorString(nvmlReturn_t rc)
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient Resources";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Version mismatch";
     default: return "Unknown Error";
     }
 }
@@ -191,9 +215,21 @@ static nvmlReturn_t copy_str(char *dst, unsigned int len, const char *src)
 }
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int len)
-{ CHECK_DEV(d); return copy_str(uuid, len, d->uuid); }
+{
+    int mig = 0;
+    nvmlReturn_t rc = initialised ? mig_uuid_of(d, uuid, len, &mig) : NVML_SUCCESS;
+    if (mig) return rc;
+    CHECK_DEV(d);
+    return copy_str(uuid, len, d->uuid);
+}
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len)
-{ CHECK_DEV(d); return copy_str(name, len, d->name); }
+{
+    int mig = 0;
+    nvmlReturn_t rc = initialised ? mig_name_of(d, name, len, &mig) : NVML_SUCCESS;
+    if (mig) return rc;
+    CHECK_DEV(d);
+    return copy_str(name, len, d->name);
+}
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index)
 { CHECK_DEV(d); *index = (unsigned int)(d - gpus); return NVML_SUCCESS; }
 nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t d, int *node)
@@ -201,6 +237,7 @@ nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t d, int *node)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
 {
+    if (initialised && m && mig_memory_of(d, m)) return NVML_SUCCESS;
     CHECK_DEV(d);
     m->total = d->memory_mib << 20;
     m->used = d->used_mib << 20;
@@ -329,7 +366,12 @@ typedef struct {
 
 #define MAX_FAKE_PROCS 256
 
-struct fake_proc { unsigned int pid; unsigned long long used_mib; unsigned int sm; };
+struct fake_proc {
+    unsigned int pid;
+    unsigned long long used_mib;
+    unsigned int sm;
+    unsigned int gi, ci; /* MIG instance ids, 0xFFFFFFFF when on the whole GPU */
+};
 
 __attribute__((unused)) static int process_alive(unsigned int pid)
 {
@@ -360,8 +402,11 @@ static void load_state(void)
     if (!(f = fopen(path, "r")))
         return;
     while (nstate < MAX_FAKE_PROCS && fgets(line, sizeof line, f)) {
-        if (sscanf(line, "%d %u %llu %u", &state[nstate].gpu, &state[nstate].p.pid,
-                   &state[nstate].p.used_mib, &state[nstate].p.sm) == 4)
+        /* optional 5th/6th fields: the GPU and compute instance ids the process runs in */
+        state[nstate].p.gi = state[nstate].p.ci = 0xFFFFFFFFu;
+        if (sscanf(line, "%d %u %llu %u %u %u", &state[nstate].gpu, &state[nstate].p.pid,
+                   &state[nstate].p.used_mib, &state[nstate].p.sm, &state[nstate].p.gi,
+                   &state[nstate].p.ci) >= 4)
             nstate++;
     }
     fclose(f);
@@ -407,11 +452,11 @@ nvmlReturn_t name(nvmlDevice_t d, unsigned int *count, type *infos)             
 
 #ifndef FAKE_NVML_NO_PROCESSES_V3
 RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_v2_t,
-                  infos[i].gpuInstanceId = 0xFFFFFFFFu; infos[i].computeInstanceId = 0xFFFFFFFFu;)
+                  infos[i].gpuInstanceId = procs[i].gi; infos[i].computeInstanceId = procs[i].ci;)
 #endif
 #ifndef FAKE_NVML_NO_PROCESSES_V2
 RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_v2_t,
-                  infos[i].gpuInstanceId = 0xFFFFFFFFu; infos[i].computeInstanceId = 0xFFFFFFFFu;)
+                  infos[i].gpuInstanceId = procs[i].gi; infos[i].computeInstanceId = procs[i].ci;)
 #endif
 #ifndef FAKE_NVML_NO_PROCESSES_V1
 RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, ;)
@@ -444,3 +489,15 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
     return NVML_SUCCESS;
 }
 #endif
+
+#include "fake_nvml_mig.c"
+
+/* NVML refuses to destroy a compute instance a process runs in (NVML_ERROR_IN_USE). */
+static int ci_has_process(const struct fake_ci *c)
+{
+    struct fake_proc procs[MAX_FAKE_PROCS];
+    unsigned int n = load_processes(&gpus[c->gpu], procs), i;
+    for (i = 0; i < n; i++)
+        if (procs[i].gi == gis[c->gpu][c->gi].id && procs[i].ci == c->id) return 1;
+    return 0;
+}

@@ -119,6 +119,17 @@ def test_node_entry_wins_then_defaults_then_settings() -> None:
     assert over.split_count == 3 and over.exclude_indices == {1}  # the bus entry on top
 
 
+def test_mig_strategy_is_a_node_setting_layered_over_the_chart() -> None:
+    """HAMi's `migstrategy`: the chart's value (TESSERA_MIG_STRATEGY) unless the node says."""
+    settings = TesseraSettings(mig_strategy="single")
+    parsed = parse_config_map(config_map(nodes=[{"name": "gpu-a", "migstrategy": "mixed"}]))
+    assert resolve(layer(settings, parsed, "gpu-a", None).merged, settings).mig_strategy == "mixed"
+    assert resolve(layer(settings, parsed, "gpu-b", None).merged, settings).mig_strategy == "single"
+    local = parse_entry({"migstrategy": "dynamic"})
+    assert resolve(layer(settings, parsed, "gpu-a", local).merged,
+                   settings).mig_strategy == "dynamic"
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [
@@ -130,7 +141,8 @@ def test_node_entry_wins_then_defaults_then_settings() -> None:
         ({"devicememoryscaling": 1000}, "less than or equal to 100"),
         ({"operatingmode": "timeslice"}, "operatingmode"),
         ({"devicesplitcount": "ten"}, "devicesplitcount"),
-        ({"migstrategy": "single"}, "migstrategy: unknown key"),
+        ({"migstrategy": "sometimes"}, "migstrategy"),
+        ({"migStrategy": "mixed"}, "migStrategy: unknown key"),
         ({"filterdevices": {"index": [-1]}}, "a GPU index is 0-63"),
         ({"filterdevices": {"uuid": ["GPU-1,GPU-2"]}}, "not a GPU UUID"),
         ({"filterdevices": {"names": ["x"]}}, "filterdevices.names: unknown key"),

@@ -1,0 +1,115 @@
+"""Static MIG: which existing MIG instances this node offers kubelet, under which resource names.
+
+The NVIDIA device plugin's MIG strategies (its `migStrategy`), for instances that already exist
+(an operator made them with `nvidia-smi mig -cgi … -C`):
+
+- `none`: instances are not offered (and the scheduler never places libvgpu slices on a card in
+  MIG mode);
+- `mixed`: one resource per profile, `nvidia.com/mig-<profile>` (`nvidia.com/mig-1g.10gb`), each
+  instance one device;
+- `single`: every instance offered as the GPU resource (`nvidia.com/gpu`), which only makes sense
+  when all instances of the node have one profile (else nothing is offered, with a reason).
+
+An instance is a device whose ID is its MIG UUID; the container gets the UUIDs in
+`NVIDIA_VISIBLE_DEVICES` (the NVIDIA container toolkit exposes exactly those instances), and no
+libvgpu: MIG isolates in hardware. Pure code, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from tessera import mig
+
+
+@dataclass(frozen=True, slots=True)
+class MigOffer:
+    """One existing MIG instance as this node offers it."""
+
+    uuid: str  # "MIG-…": the device ID kubelet sees
+    parent_uuid: str
+    parent_index: int
+    profile: str  # "1g.10gb"
+    start: int
+    gi_id: int
+    numa: int = 0
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MigPlan:
+    """resource name → its instances (sorted by parent then start), and why nothing is
+    offered when a strategy cannot apply."""
+
+    resources: dict[str, tuple[MigOffer, ...]]
+    problem: str = ""
+
+
+def plan(strategy: str, offers: Iterable[MigOffer], gpu_resource: str) -> MigPlan:
+    items = sorted(offers, key=lambda o: (o.parent_index, o.start))
+    if strategy not in (mig.STRATEGY_SINGLE, mig.STRATEGY_MIXED) or not items:
+        return MigPlan({})
+    if strategy == mig.STRATEGY_SINGLE:
+        profiles = sorted({o.profile for o in items})
+        if len(profiles) > 1:
+            return MigPlan({}, f"migstrategy single needs one MIG profile on the node, it has "
+                               f"{', '.join(profiles)} (use mixed)")  # fmt: skip
+        return MigPlan({gpu_resource: tuple(items)})
+    by_profile: dict[str, list[MigOffer]] = {}
+    for o in items:
+        by_profile.setdefault(mig.MIG_RESOURCE_PREFIX + o.profile, []).append(o)
+    return MigPlan({name: tuple(v) for name, v in sorted(by_profile.items())})
+
+
+def on_offered_gpus(offers: Iterable[MigOffer], health: Mapping[str, bool]) -> list[MigOffer]:
+    """Only instances of GPUs the node offers (`health`: advertised GPU uuid → healthy, after
+    the node config's filters), each as healthy as its GPU (an XID on the card makes its
+    instances Unhealthy for kubelet)."""
+    return [replace(o, healthy=health[o.parent_uuid]) for o in offers if o.parent_uuid in health]
+
+
+def container_env(offers: Iterable[MigOffer], requested: list[str]) -> dict[str, str]:
+    """The env of a container given the instances `requested` (device IDs = MIG UUIDs);
+    ValueError naming the first ID that is not one of `offers`."""
+    known = {o.uuid for o in offers}
+    unknown = [i for i in requested if i not in known]
+    if unknown:
+        raise ValueError(f"device {unknown[0]!r} is not a MIG instance this resource offers")
+    if len(set(requested)) != len(requested):
+        raise ValueError("the same MIG instance was requested twice")
+    return {"NVIDIA_VISIBLE_DEVICES": ",".join(requested)}
+
+
+def socket_name(resource: str) -> str:
+    """The device-plugin socket for `resource` (`nvidia.com/mig-1g.10gb` →
+    `tessera-mig-1g.10gb.sock`)."""
+    return "tessera-" + resource.rsplit("/", 1)[-1] + ".sock"
+
+
+def simulated_offers(gpus: Iterable, layout: str, node: str) -> list[MigOffer]:
+    """The static source's instances: `layout` ('1g.10gb@0,3g.40gb@4') on every GPU whose model
+    has MIG profiles, checked against the model's placement rules (MigError when invalid)."""
+    import uuid as uuidlib
+
+    wanted = [item.strip() for item in layout.split(",") if item.strip()]
+    out: list[MigOffer] = []
+    for gpu in gpus:
+        model = mig.model_for(gpu.name)
+        if model is None or not wanted:
+            continue
+        instances = []
+        for item in wanted:
+            profile, _, start = item.partition("@")
+            if not start.isdigit():
+                raise mig.MigError(f"static MIG instance {item!r}: expected <profile>@<start>")
+            instances.append(mig.Instance(model.profile(profile).name, int(start)))
+        mig.occupied(model, instances)  # the layout must be one the hardware can hold
+        for gi_id, inst in enumerate(instances, start=1):
+            name = f"{node}/gpu{gpu.index}/gi{gi_id}"
+            out.append(MigOffer(
+                uuid=f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, name)}", parent_uuid=gpu.uuid,
+                parent_index=gpu.index, profile=inst.profile, start=inst.start, gi_id=gi_id,
+                numa=gpu.numa,
+            ))
+    return out
