@@ -19,7 +19,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from tessera.kube_sim import extended_fit
 from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.extender import ExtenderClient, ExtenderError, requests_managed_resource
@@ -258,12 +257,7 @@ class SchedulingLoop:
             self._unschedulable(key, pod, message)
             return
         if not self.uses_extender(pod):
-            pods = self.store.list("Pod", Selector())
-            names, failed = self._extended_fit(pod, nodes, pods)
-            if not names:
-                self._unschedulable(key, pod, unschedulable_message(total, failed))
-                return
-            counts = Counter(p["spec"].get("nodeName") for p in pods)
+            counts = Counter(p["spec"].get("nodeName") for p in self.store.list("Pod", Selector()))
             host = min(names, key=lambda n: (counts.get(n, 0), n))
             self._start_bind(key, pod, host, via_extender=False)
             return
@@ -283,23 +277,6 @@ class SchedulingLoop:
             self._unschedulable(key, pod, f"extender error: {error}", reason="SchedulerError")
             return
         self._start_bind(key, pod, host, via_extender=True)
-
-    def _extended_fit(
-        self, pod: KubeObject, nodes: list[KubeObject], pods: list[KubeObject]
-    ) -> tuple[list[str], dict[str, str]]:
-        """The nodes whose extended resources (MIG instances, …) cover the pod, and why the
-        others do not (kube-scheduler's NodeResourcesFit)."""
-        ignored = self.extender.config.managed_resources if self.extender is not None else ()
-        fit, failed = [], {}
-        for node in nodes:
-            name = node["metadata"]["name"]
-            bound = [p for p in pods if (p.get("spec") or {}).get("nodeName") == name]
-            reason = extended_fit.refusal(pod, node, bound, ignored)
-            if reason is None:
-                fit.append(name)
-            else:
-                failed[name] = reason
-        return fit, failed
 
     def _start_bind(self, key: Key, pod: KubeObject, host: str, via_extender: bool) -> None:
         self.usage.add(key, host, pod_requests(pod))  # assumed on the node while binding
