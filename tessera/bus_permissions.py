@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from tessera import bus
-from tessera.models import AdmissionAction, AllocAction, NodeAction, QuotaAction, RejectedKind
+from tessera.models import (
+    AdmissionAction,
+    AllocAction,
+    NodeAction,
+    PreemptionAction,
+    QuotaAction,
+    RejectedKind,
+)
 
 JS_API = "$JS.API"
 # Every stream a service may have to (re-)create: the buckets, the events, the clock.
@@ -296,6 +303,11 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                    for a in _checked(["lost"], NodeAction)]
                 + [wildcard(bus.sched_failed_subject), wildcard(bus.sched_gone_subject)],
             ),
+            _publish_events(
+                "preemption started / done",
+                [wildcard(bus.preemption_event_subject, a) for a in get_args(PreemptionAction)],
+            ),
+            Rule("usage samples: a victim's GPU memory is really free", subscribe=(bus.USAGE_ALL,)),
             _requests("reserve and release quota", bus.QUOTA_RESERVE, bus.QUOTA_RELEASE),
             _rejections(["registration", "ledger", "quota"]),
             _micro(bus.SCHEDULER_SERVICE, [bus.SCHEDULER_EXPLAIN]),
