@@ -4,7 +4,7 @@ card as numpy arrays, and a lower bound of each node's best victim-set key from 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,41 +120,44 @@ class ClusterView:
 Key = tuple[int, int, int, int]
 
 
-def bounds(view: ClusterView, query: PreemptionQuery) -> list[tuple[Key, int]]:
+def bounds(view: ClusterView, query: PreemptionQuery) -> Iterator[tuple[Key, int]]:
     """(lower bound of the node's best key, node position) for every node where some allowed set
     might make the pod fit, best first. Never above the exact key, because the card check is
     optimistic and removing more allocations never hurts a fit:
     - one victim enough (optimistically)? then (0, 1, its priority, its memory), least first;
     - else (0, 2, p, 0), p the least priority such that evicting every candidate of priority
-      <= p fits optimistically (any working set has a highest priority at least p)."""
+      <= p fits optimistically (any working set has a highest priority at least p).
+    The second kind is computed only if the caller asks past the first (lazily)."""
     if not view.row_uid:
-        return []
+        return
     prio = view.priorities(query)
     rows = np.nonzero(prio < query.priority)[0]
     if rows.size == 0:
-        return []
+        return
     nodes, p, total = view.row_node[rows], prio[rows], view.row_total[rows]
     order = np.lexsort((total, p, nodes))
     rows, nodes, p, total = rows[order], nodes[order], p[order], total[order]
     usage = view.rows[rows]  # [R, 3, G]
-    free = view.free[nodes]
-    cap, ok = view.cap_mem[nodes], view.card_ok[nodes]
-    single = optimistic_fit(free + usage, cap, ok, query.request)
-    running = np.cumsum(usage, axis=0)
-    starts = np.searchsorted(nodes, nodes, side="left")
-    before = np.where((starts > 0)[:, None, None], running[np.maximum(starts - 1, 0)], 0)
-    prefix = optimistic_fit(free + running - before, cap, ok, query.request)
-    out: list[tuple[Key, int]] = []
-    seen = np.zeros(view.free.shape[0], bool)
+    single = optimistic_fit(view.free[nodes] + usage, view.cap_mem[nodes], view.card_ok[nodes],
+                            query.request)  # fmt: skip
     hits = np.nonzero(single)[0]
     _, first = np.unique(nodes[hits], return_index=True)
-    for k in hits[first]:
-        seen[nodes[k]] = True
-        out.append(((0, 1, int(p[k]), int(total[k])), int(nodes[k])))
+    firsts = hits[first]
+    ranked = np.lexsort((nodes[firsts], total[firsts], p[firsts]))
+    for k in firsts[ranked]:
+        yield (0, 1, int(p[k]), int(total[k])), int(nodes[k])
+    # Nodes with no single victim: evict by increasing priority until it could fit.
+    rest = ~np.isin(nodes, nodes[firsts])
+    rows, nodes, p, usage = rows[rest], nodes[rest], p[rest], usage[rest]
+    if rows.size == 0:
+        return
+    running = np.cumsum(usage, axis=0)
+    starts = np.searchsorted(nodes, nodes, side="left")
+    before = running[np.maximum(starts - 1, 0)] * (starts > 0)[:, None, None]
+    prefix = optimistic_fit(view.free[nodes] + running - before, view.cap_mem[nodes],
+                            view.card_ok[nodes], query.request)  # fmt: skip
     hits = np.nonzero(prefix)[0]
     _, first = np.unique(nodes[hits], return_index=True)
-    for k in hits[first]:
-        if not seen[nodes[k]]:
-            out.append(((0, 2, int(p[k]), 0), int(nodes[k])))
-    out.sort()
-    return out
+    firsts = hits[first]
+    for k in firsts[np.lexsort((nodes[firsts], p[firsts]))]:
+        yield (0, 2, int(p[k]), 0), int(nodes[k])
