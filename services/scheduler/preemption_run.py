@@ -342,6 +342,9 @@ class Preemptor:
         ident = PodIdentity.of(pod)
         if not ident.uid or not may_preempt(pod):
             return None
+        priority = pod_priority(pod)
+        if not any(f.priority < priority for f in self.pods.values()):
+            return None  # nobody to evict (e.g. no PriorityClasses in use): cost nothing
         now = self.clock()
         last = self.attempts.get(ident.uid)
         if last is not None and now - last < self.config.preemption_retry_s:
