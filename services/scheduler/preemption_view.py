@@ -89,6 +89,32 @@ class ClusterView:
                 prio[own] = BIG
         return prio
 
+    _after: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _prefix: tuple[int, tuple[np.ndarray, ...]] | None = None
+
+    def after_each(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: its node's free capacity if that row alone went, the card sizes, card ok
+        (independent of the query: computed once per view)."""
+        if self._after is None:
+            n = self.row_node
+            self._after = (self.free[n] + self.rows, self.cap_mem[n], self.card_ok[n])
+        return self._after
+
+    def prefix(self, query: PreemptionQuery) -> tuple[np.ndarray, ...]:
+        """Rows ordered by (node, priority, memory), and per row its node's free capacity if it
+        and every row before it on the node went (once per view and priority map)."""
+        if self._prefix is None or self._prefix[0] != id(query.priorities):
+            prio = self.priorities(query)
+            order = np.lexsort((self.row_total, prio, self.row_node))
+            nodes = self.row_node[order]
+            running = np.cumsum(self.rows[order], axis=0)
+            starts = np.searchsorted(nodes, nodes, side="left")
+            before = running[np.maximum(starts - 1, 0)] * (starts > 0)[:, None, None]
+            free = self.free[nodes] + running - before
+            self._prefix = (id(query.priorities), (
+                prio[order], nodes, free, self.cap_mem[nodes], self.card_ok[nodes]))  # fmt: skip
+        return self._prefix[1]
+
     @classmethod
     def build(cls, nodes: Sequence[NodeState], now: float) -> ClusterView:
         return cls.of_blocks([NodeBlock.of(n, now) for n in nodes])
@@ -131,33 +157,23 @@ def bounds(view: ClusterView, query: PreemptionQuery) -> Iterator[tuple[Key, int
     if not view.row_uid:
         return
     prio = view.priorities(query)
-    rows = np.nonzero(prio < query.priority)[0]
-    if rows.size == 0:
+    allowed = prio < query.priority
+    if not allowed.any():
         return
-    nodes, p, total = view.row_node[rows], prio[rows], view.row_total[rows]
-    order = np.lexsort((total, p, nodes))
-    rows, nodes, p, total = rows[order], nodes[order], p[order], total[order]
-    usage = view.rows[rows]  # [R, 3, G]
-    single = optimistic_fit(view.free[nodes] + usage, view.cap_mem[nodes], view.card_ok[nodes],
-                            query.request)  # fmt: skip
-    hits = np.nonzero(single)[0]
-    _, first = np.unique(nodes[hits], return_index=True)
-    firsts = hits[first]
-    ranked = np.lexsort((nodes[firsts], total[firsts], p[firsts]))
-    for k in firsts[ranked]:
-        yield (0, 1, int(p[k]), int(total[k])), int(nodes[k])
+    free, cap, ok = view.after_each()
+    single = np.nonzero(optimistic_fit(free, cap, ok, query.request) & allowed)[0]
+    order = single[np.lexsort((view.row_node[single], view.row_total[single], prio[single]))]
+    _, first = np.unique(view.row_node[order], return_index=True)
+    firsts = order[np.sort(first)]
+    for k in firsts:
+        yield (0, 1, int(prio[k]), int(view.row_total[k])), int(view.row_node[k])
     # Nodes with no single victim: evict by increasing priority until it could fit.
-    rest = ~np.isin(nodes, nodes[firsts])
-    rows, nodes, p, usage = rows[rest], nodes[rest], p[rest], usage[rest]
-    if rows.size == 0:
-        return
-    running = np.cumsum(usage, axis=0)
-    starts = np.searchsorted(nodes, nodes, side="left")
-    before = running[np.maximum(starts - 1, 0)] * (starts > 0)[:, None, None]
-    prefix = optimistic_fit(view.free[nodes] + running - before, view.cap_mem[nodes],
-                            view.card_ok[nodes], query.request)  # fmt: skip
-    hits = np.nonzero(prefix)[0]
-    _, first = np.unique(nodes[hits], return_index=True)
+    s_prio, s_nodes, s_free, s_cap, s_ok = view.prefix(query)
+    has_single = np.zeros(view.free.shape[0], bool)
+    has_single[view.row_node[firsts]] = True
+    hits = optimistic_fit(s_free, s_cap, s_ok, query.request) & (s_prio < query.priority)
+    hits = np.nonzero(hits & ~has_single[s_nodes])[0]
+    _, first = np.unique(s_nodes[hits], return_index=True)
     firsts = hits[first]
-    for k in firsts[np.lexsort((nodes[firsts], p[firsts]))]:
-        yield (0, 2, int(p[k]), 0), int(nodes[k])
+    for k in firsts[np.lexsort((s_nodes[firsts], s_prio[firsts]))]:
+        yield (0, 2, int(s_prio[k]), 0), int(s_nodes[k])
