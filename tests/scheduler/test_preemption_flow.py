@@ -11,7 +11,7 @@ from tessera.scheduler.cards import build_cards, over_capacity
 
 from tessera import bus
 from tessera.cluster.memory import InMemoryCluster
-from tessera.codec import encode
+from tessera.codec import decode, encode
 from tessera.models import (
     Allocation,
     AllocationState,
@@ -19,6 +19,7 @@ from tessera.models import (
     ExplainRequest,
     HostDeviceUsage,
     NodeLedger,
+    PreemptionEvent,
     UsageSample,
 )
 
@@ -144,3 +145,50 @@ async def test_a_victim_is_released_only_when_the_agent_reports_its_memory_free(
     await wait_until(lambda: not victim_held(), timeout=5)
     placed = await service.scheduler.filter(urgent, [name])
     assert placed.nodenames == [name]
+
+
+async def test_a_nomination_whose_victims_never_go_is_re_evaluated(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    service = await make_service(config={
+        "preemption_margin_s": 0.5, "preemption_retry_s": 0.0, "sweep_interval_s": 0.1})
+    name = unique("stuck")
+    victim = prioritised("stuck", 20000, 10, name)
+    victim["spec"]["terminationGracePeriodSeconds"] = 0
+    await seed(service.buckets, cluster, name, [victim])
+    await wait_until(lambda: service.index.entries.get(name) is not None
+                     and service.index.entries[name].ledger is not None)  # fmt: skip
+    await wait_until(lambda: victim["metadata"]["uid"] in service.scheduler.preemption.pods)
+
+    async def accepted_but_stays(namespace: str, pod_name: str, uid: str, grace=None) -> None:
+        cluster.evictions.append((namespace, pod_name))  # a victim stuck terminating
+
+    cluster.evict_pod = accepted_but_stays  # type: ignore[method-assign]
+    urgent = prioritised("urgent", 20000, 1000)
+    cluster.add_pod(urgent)
+    first = await service.scheduler.filter(urgent, [name])
+    assert "waiting for preemption of" in first.failed[name]
+    uid = urgent["metadata"]["uid"]
+
+    def nominee_gone() -> bool:
+        ledger = service.index.entries[name].ledger
+        return ledger is not None and uid not in ledger.allocations
+
+    await wait_until(nominee_gone, timeout=5)  # the deadline passed: the reservation lapsed
+    await wait_until(lambda: uid not in service.scheduler.preemption.started, timeout=5)
+    await service.scheduler.drain()
+    done = await service.js.get_last_msg(
+        bus.EVENTS_STREAM, bus.preemption_event_subject("default", "done"))
+    event = decode(done.data, PreemptionEvent)
+    assert event.pod_uid == uid and event.outcome == "re-evaluated"
+    ledger = service.index.entries[name].ledger
+    assert ledger is not None and ledger.allocations[victim["metadata"]["uid"]].active
+    registration = service.index.entries[name].registration
+    assert registration is not None
+    cards = build_cards(registration, ledger.allocations.values(), time.time())
+    assert over_capacity(cards) == [] and cards[0].used_mem == 20000  # the victim counts again
+    # Re-evaluated from scratch: it nominates again (and would evict again).
+    again = await service.scheduler.filter(urgent, [name])
+    assert not again.nodenames and "waiting for preemption of" in again.failed[name]
+    assert len(cluster.evictions) == 2
+
