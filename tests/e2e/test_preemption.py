@@ -208,6 +208,14 @@ def test_equal_or_higher_priority_never_evicted_and_never_policy_pends(
     sim: RunningStack, ns: str
 ) -> None:
     node = "pre-b"
+    # The Priority admission step: an unknown class, or a spec.priority that contradicts the
+    # class, is refused as kube-apiserver does.
+    unknown = sim.kube.create_pod(pod("ghost", node, 1000, "no-such-class"), ns)
+    assert unknown.status_code == 403 and "no PriorityClass" in unknown.text
+    forged = pod("forged", node, 1000, "team")
+    forged["spec"]["priority"] = 2_000_000_000
+    refused = sim.kube.create_pod(forged, ns)
+    assert refused.status_code == 403 and "must not be provided" in refused.text
     create(sim, ns, pod("peer", node, 12000, "team"), pod("boss", node, 12000, "urgent"))
     before = running(sim, ns, "peer", "boss")
     # Same priority as `peer`, lower than `boss`: nobody may go.
