@@ -105,12 +105,14 @@ def run(n: int, queries: int, rng: random.Random) -> list[str]:
                 victims.append(len(choice.victims))
                 exact += choice.exact
         p50, p99 = percentile(times, 0.5), percentile(times, 0.99)
-        verdict = "meets" if p99 < 50 else "misses"
+        cpu99 = percentile(cpu, 0.99)
+        verdict = (f"{'meets' if p99 < 50 else 'misses'} (wall), "
+                   f"{'meets' if cpu99 < 50 else 'misses'} (CPU)")
         rows.append(
             f"| {n:,} × 8 | {allocations:,} | {shape} | {p50:.1f} | {p99:.1f} | "
-            f"{max(times):.1f} | {percentile(cpu, 0.99):.1f} | "
+            f"{max(times):.1f} | {cpu99:.1f} | "
             f"{statistics.mean(victims) if victims else 0:.1f} | "
-            f"{exact}/{len(victims)} | {verdict} < 50 ms |"
+            f"{exact}/{len(victims)} | {verdict} |"
         )
     rows.append(
         f"| {n:,} × 8 | {allocations:,} | per view, not per query: per-node blocks "
