@@ -173,6 +173,8 @@ class Preemptor:
     started: dict[str, Nomination] = field(default_factory=dict)
     marked_nodes: set[str] = field(default_factory=set)
     blocks: dict[str, tuple[int, NodeBlock]] = field(default_factory=dict)
+    view: tuple[tuple[int, ...], ClusterView] | None = None
+    priority_map: dict[str, int] | None = None
     last_full_scan: float = 0.0
 
     @property
@@ -188,8 +190,12 @@ class Preemptor:
         if event.type == "DELETED":
             self.pods.pop(uid, None)
             self.attempts.pop(uid, None)
+            self.priority_map = None
             return
-        self.pods[uid] = pod_facts(event.object)
+        facts = pod_facts(event.object)
+        if self.pods.get(uid) != facts:
+            self.priority_map = None
+        self.pods[uid] = facts
 
     def observe_usage(self, sample: UsageSample) -> None:
         self.usage[sample.node] = (self.clock(), sample)
@@ -363,12 +369,17 @@ class Preemptor:
             log.warning("preemption: cannot read disruption budgets", extra={"err": str(exc)})
             return None
         live = {u: f for u, f in self.pods.items() if not f.deleting}
+        if self.priority_map is None:  # rebuilt only after a pod event (kept: the view caches)
+            self.priority_map = {u: f.priority for u, f in live.items()}
         query = PreemptionQuery(
             pod_uid=ident.uid, request=request, options=options, priority=pod_priority(pod),
-            priorities={u: f.priority for u, f in live.items()},
+            priorities=self.priority_map,
             budgets=tuple(budgets_of(pdbs, live)), now=now,
         )  # fmt: skip
-        choice = select_victims(ClusterView.of_blocks(blocks), query)
+        key = tuple(id(b) for b in blocks)
+        if self.view is None or self.view[0] != key:  # kept while no candidate node changed
+            self.view = (key, ClusterView.of_blocks(blocks))
+        choice = select_victims(self.view[1], query)
         if choice is None:
             return None
         return await self._nominate(pod, ident, choice, request, options, query)

@@ -4,7 +4,7 @@ card as numpy arrays, and a lower bound of each node's best victim-set key from 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,15 +70,15 @@ class ClusterView:
     row_total: np.ndarray  # [R] MiB it holds
     row_uid: list[str]
     # The rows' priorities for one priority map (kept while the caller passes the same map).
-    _prio: tuple[int, np.ndarray] | None = None
+    _prio: tuple[Mapping[str, int], np.ndarray] | None = None
     _row_of: dict[str, int] | None = None
 
     def priorities(self, query: PreemptionQuery) -> np.ndarray:
         """Each row's pod priority (BIG: unknown, so never a victim; the preemptor itself too)."""
-        if self._prio is None or self._prio[0] != id(query.priorities):
+        if self._prio is None or self._prio[0] is not query.priorities:
             prio = np.fromiter((query.priorities.get(u, BIG) for u in self.row_uid), np.int64,
                                len(self.row_uid))  # fmt: skip
-            self._prio = (id(query.priorities), prio)
+            self._prio = (query.priorities, prio)
         prio = self._prio[1]
         if query.pod_uid in query.priorities:
             if self._row_of is None:
@@ -90,7 +90,7 @@ class ClusterView:
         return prio
 
     _after: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    _prefix: tuple[int, tuple[np.ndarray, ...]] | None = None
+    _prefix: tuple[Mapping[str, int], tuple[np.ndarray, ...]] | None = None
 
     def after_each(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per row: its node's free capacity if that row alone went, the card sizes, card ok
@@ -103,7 +103,7 @@ class ClusterView:
     def prefix(self, query: PreemptionQuery) -> tuple[np.ndarray, ...]:
         """Rows ordered by (node, priority, memory), and per row its node's free capacity if it
         and every row before it on the node went (once per view and priority map)."""
-        if self._prefix is None or self._prefix[0] != id(query.priorities):
+        if self._prefix is None or self._prefix[0] is not query.priorities:
             prio = self.priorities(query)
             order = np.lexsort((self.row_total, prio, self.row_node))
             nodes = self.row_node[order]
@@ -111,7 +111,7 @@ class ClusterView:
             starts = np.searchsorted(nodes, nodes, side="left")
             before = running[np.maximum(starts - 1, 0)] * (starts > 0)[:, None, None]
             free = self.free[nodes] + running - before
-            self._prefix = (id(query.priorities), (
+            self._prefix = (query.priorities, (
                 prio[order], nodes, free, self.cap_mem[nodes], self.card_ok[nodes]))  # fmt: skip
         return self._prefix[1]
 
