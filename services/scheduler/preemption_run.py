@@ -244,18 +244,29 @@ class Preemptor:
     async def _abandon(
         self, node: str, uid: str, held: Allocation | None, *, outcome: str, why: str
     ) -> None:
+        entry = self.index.entries.get(node)
+        victims = [a.pod_uid for a in marked_victims(entry.ledger if entry else None, uid,
+                                                       self.clock())]  # fmt: skip
+        # Taken out first: the sweep's tick must not report this nomination's end differently
+        # while the CAS below is in flight.
+        nomination = self.started.pop(uid, None)
         try:
             async with self.ledger.lock(node):
                 result = await abandon(self.ledger.writer.kv, node, uid, self.clock())
         except CasConflictError:
+            if nomination is not None:
+                self.started[uid] = nomination  # not ended: the tick or a retry will end it
             return
         self.ledger.apply(node, result)
+        for victim in victims:  # already gone: no nomination holds them back any more
+            if self.gone.pop(victim, None) is not None:
+                await self.releaser.release(node, victim, why="evicted; its nomination ended")
         if held is not None and held.quota_held:
             self.quota.release_soon(held.namespace, uid, held.name)
-        self._done(uid, outcome, why)
+        self._done(uid, outcome, why, nomination)
 
-    def _done(self, uid: str, outcome: str, why: str) -> None:
-        nomination = self.started.pop(uid, None)
+    def _done(self, uid: str, outcome: str, why: str, nomination: Nomination | None = None) -> None:
+        nomination = nomination or self.started.pop(uid, None)
         if nomination is None:
             return
         self.publisher.publish_soon(PreemptionEvent(

@@ -192,3 +192,32 @@ async def test_a_nomination_whose_victims_never_go_is_re_evaluated(
     assert not again.nodenames and "waiting for preemption of" in again.failed[name]
     assert len(cluster.evictions) == 2
 
+
+
+async def test_a_deleted_nominee_leaves_nothing_reserved(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    service = await make_service(config={"preemption_margin_s": 30, "sweep_interval_s": 0.1})
+    name = unique("deleted")
+    victim = prioritised("victim", 20000, 10, name)
+    await seed(service.buckets, cluster, name, [victim])
+    await wait_until(lambda: service.index.entries.get(name) is not None
+                     and service.index.entries[name].ledger is not None)  # fmt: skip
+    urgent = prioritised("urgent", 20000, 1000)
+    cluster.add_pod(urgent)
+    first = await service.scheduler.filter(urgent, [name])
+    assert "waiting for preemption of" in first.failed[name]
+    victim_uid, uid = victim["metadata"]["uid"], urgent["metadata"]["uid"]
+    await wait_until(lambda: victim_uid in service.scheduler.preemption.gone)
+    cluster.delete_pod("default", "urgent")  # the nominee goes before its victims' memory
+
+    def clean() -> bool:
+        ledger = service.index.entries[name].ledger
+        return ledger is not None and uid not in ledger.allocations \
+            and victim_uid not in ledger.allocations
+    await wait_until(clean, timeout=5)  # no reservation kept, the gone victim released
+    await service.scheduler.drain()
+    done = await service.js.get_last_msg(
+        bus.EVENTS_STREAM, bus.preemption_event_subject("default", "done"))
+    event = decode(done.data, PreemptionEvent)
+    assert event.pod_uid == uid and event.outcome == "pod-deleted"
