@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from tessera.node_agent.containers import REGION_CONTAINER_DIR, REGION_CONTAINER_PATH
 from tessera.scheduler.cards import ledger_cards, over_capacity
@@ -277,6 +278,14 @@ def test_memory_held_past_sigterm_delays_placement_and_never_overallocates(
     held = [a for a in ledger.allocations.values() if a.name == "stubborn"]
     assert held and held[0].preempted_by  # kept (counted as the nominee's) until memory is back
     assert "waiting for preemption of" in describe(sim, ns, "urgent")
+    metrics_url = f"http://127.0.0.1:{sim.stack.ports.metrics}"
+
+    def dashboard_says() -> bool:
+        state = httpx.get(f"{metrics_url}/api/state", timeout=10).json()
+        return any(p["name"] == "urgent" and p["namespace"] == ns
+                   and "waiting for preemption of" in p["summary"] for p in state["pending"])
+
+    sim.kube.wait_for("the dashboard shows the wait", dashboard_says, 20, 0.5)
     assert not sim.kube.pod(ns, "urgent")["spec"].get("nodeName")
     freed_at = int(time.time())
     hold_gpu_memory(region, uuid, 0)  # the process is finally gone: NVML shows it free
