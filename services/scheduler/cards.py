@@ -112,7 +112,9 @@ def counts_against_capacity(allocation: Allocation, now: float) -> bool:
     reservation holds its capacity meanwhile: see preemption_ledger.py)."""
     if not allocation.active:
         return False
-    if allocation.preempted_until is not None and now < allocation.preempted_until:
+    if allocation.preempted_by and allocation.preempted_until is not None and (
+        now < allocation.preempted_until
+    ):
         return False
     return not (
         allocation.state == AllocationState.RESERVED
