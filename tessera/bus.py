@@ -129,6 +129,10 @@ def sched_gone_subject(namespace: str) -> str:
     return f"{EVENTS_PREFIX}.sched.{subject_token(namespace)}.gone"
 
 
+def preemption_event_subject(namespace: str, action: str) -> str:
+    return f"{EVENTS_PREFIX}.preemption.{subject_token(namespace)}.{action}"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -185,6 +189,8 @@ def event_subject(event: Event) -> str:
         return sched_gone_subject(event.namespace)
     if isinstance(event, m.MigEvent):
         return mig_event_subject(event.node, event.action)
+    if isinstance(event, m.PreemptionEvent):
+        return preemption_event_subject(event.namespace, event.action)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

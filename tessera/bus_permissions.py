@@ -34,6 +34,7 @@ from tessera.models import (
     AllocAction,
     MigAction,
     NodeAction,
+    PreemptionAction,
     QuotaAction,
     RejectedKind,
 )
@@ -303,6 +304,11 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                    for a in _checked(["lost"], NodeAction)]
                 + [wildcard(bus.sched_failed_subject), wildcard(bus.sched_gone_subject)],
             ),
+            _publish_events(
+                "preemption started / done",
+                [wildcard(bus.preemption_event_subject, a) for a in get_args(PreemptionAction)],
+            ),
+            Rule("usage samples: a victim's GPU memory is really free", subscribe=(bus.USAGE_ALL,)),
             _requests("reserve and release quota", bus.QUOTA_RESERVE, bus.QUOTA_RELEASE),
             _rejections(["registration", "ledger", "quota"]),
             _micro(bus.SCHEDULER_SERVICE, [bus.SCHEDULER_EXPLAIN]),

@@ -106,6 +106,14 @@ class Allocation(Message):
         description="indices of init containers with restartPolicy: Always (native sidecars): "
         "they run alongside the app containers, so they are summed with them, not maxed",
     )
+    preempted_by: str = Field(
+        "", description="uid of the higher-priority pod this pod is being evicted for (preemption)"
+    )
+    preempted_until: float | None = Field(
+        None,
+        description="while now < this, the pod's capacity is held by the pod named in "
+        "`preempted_by` (its nominated reservation), not by this one; after it, it counts again",
+    )
 
     @property
     def active(self) -> bool:
@@ -421,6 +429,29 @@ class MigEvent(Event):
     pod_uid: str = ""
 
 
+PreemptionAction = Literal["started", "done"]
+
+
+class PreemptionEvent(Event):
+    """GPU-aware priority preemption of a pod that fit no node. `started`: the pod is nominated on
+    `node` (a reservation no other pod may take) and its victims are being evicted; `done`: the
+    victims' GPU memory is back and the pod may be placed (`outcome` placed), or the nomination
+    ended otherwise (`re-evaluated` past its deadline or refused by a PodDisruptionBudget,
+    `pod-deleted`)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.preemption.<namespace>.<action>"
+    action: PreemptionAction
+    namespace: str
+    name: str
+    pod_uid: str
+    node: str
+    priority: int = Field(0, description="the pod's spec.priority")
+    victims: list[str] = Field(default_factory=list, description="namespace/name of each victim")
+    victim_uids: list[str] = Field(default_factory=list)
+    deadline: float | None = Field(None, description="unix seconds: re-evaluated if not done")
+    outcome: Literal["", "placed", "re-evaluated", "pod-deleted"] = ""
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -432,6 +463,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     LimitBreachedEvent,
     PodGoneEvent,
     MigEvent,
+    PreemptionEvent,
 )
 
 

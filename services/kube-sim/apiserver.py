@@ -203,6 +203,10 @@ class ApiServer:
         self.admit_pod = admit_pod
         self.bookmark_interval_s = bookmark_interval_s
         self.on_pod_deleted: list[Callable[[KubeObject], None]] = []
+        # Added by other modules (disruption.py): routes served before the core ones, and
+        # built-in admission steps run on every pod CREATE before the webhook (Priority).
+        self.extra_routes: list[Route] = []
+        self.pod_admitters: list[Callable[[KubeObject], KubeObject]] = []
         # node name -> its kubelet (anything with describe()), for the debug endpoint
         self.kubelets: dict[str, Any] = {}
         self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -212,6 +216,7 @@ class ApiServer:
     def app(self) -> Starlette:
         ns = "/api/v1/namespaces/{namespace}"
         routes = [
+            *self.extra_routes,
             Route("/healthz", self.healthz),
             Route("/readyz", self.healthz),
             Route("/livez", self.healthz),
@@ -443,6 +448,8 @@ class ApiServer:
             meta.pop(field, None)
         if kind == "Pod":
             obj = self._pod_defaults(obj)
+            for admit in self.pod_admitters:
+                obj = admit(obj)
             if self.admit_pod is not None and not dry_run:
                 obj = await self.admit_pod(obj, "CREATE")
             validation.validate_pod(obj)

@@ -11,6 +11,7 @@ import uvicorn
 from tessera.kube_sim.admission import AdmissionWebhook
 from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.controllers import WorkloadControllers
+from tessera.kube_sim.disruption import Disruption
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
 from tessera.kube_sim.kubeconfig import write_kubeconfig
 from tessera.kube_sim.scheduler import SchedulingLoop
@@ -73,6 +74,9 @@ class KubeSim:
             else None
         )
         self.api = ApiServer(self.store, self.webhook)
+        self.disruption = Disruption(self.store, self._stop_processes)
+        self.api.extra_routes += self.disruption.routes()
+        self.api.pod_admitters.append(self.disruption.admit_priority)
         self.extender = (
             ExtenderClient(
                 ExtenderConfig(
@@ -141,10 +145,21 @@ class KubeSim:
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server_task, 3.0)
+            await self.disruption.close()
             if self.webhook is not None:
                 await self.webhook.close()
             if self.extender is not None:
                 await self.extender.close()
+
+    async def _stop_processes(self, node: str, uid: str, grace_s: float) -> bool:
+        """SIGTERM the pod's processes, SIGKILL at the end of the grace period. False when the
+        pod has no process (its containers are not run)."""
+        kubelet = self.api.kubelets.get(node)
+        processes = getattr(kubelet, "processes", None)
+        if processes is None or not processes.running(uid):
+            return False
+        await processes.stop_pod(uid, grace_s)
+        return True
 
     async def _start_kubelets(self) -> list:  # type: ignore[type-arg]
         from tessera.kube_sim.kubelets import start_kubelets

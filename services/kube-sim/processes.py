@@ -138,7 +138,12 @@ class ContainerProcesses:
         ]
         on_exit(pod, "Succeeded" if all(code == 0 for code in codes) else "Failed", statuses)
 
-    async def stop_pod(self, uid: str) -> None:
+    def running(self, uid: str) -> bool:
+        """Has the pod a process that has not exited?"""
+        return any(proc.returncode is None for proc in self._pods.get(uid, []))
+
+    async def stop_pod(self, uid: str, grace_s: float = 5.0) -> None:
+        """SIGTERM to every container's process group, SIGKILL after `grace_s`."""
         waiter = self._waiters.pop(uid, None)
         if waiter is not None:
             waiter.cancel()
@@ -147,7 +152,7 @@ class ContainerProcesses:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(proc.wait(), 5.0)
+                    await asyncio.wait_for(proc.wait(), grace_s)
                 except TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)

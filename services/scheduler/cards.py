@@ -107,8 +107,14 @@ def allocation_usage(allocation: Allocation) -> dict[str, Usage]:
 
 
 def counts_against_capacity(allocation: Allocation, now: float) -> bool:
-    """Active allocations hold capacity; a reservation past its expiry no longer does."""
+    """Active allocations hold capacity; a reservation past its expiry no longer does, nor does
+    a pod being evicted for a nominated pod until that nomination's deadline (the nominee's
+    reservation holds its capacity meanwhile: see preemption_ledger.py)."""
     if not allocation.active:
+        return False
+    if allocation.preempted_by and allocation.preempted_until is not None and (
+        now < allocation.preempted_until
+    ):
         return False
     return not (
         allocation.state == AllocationState.RESERVED

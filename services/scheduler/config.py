@@ -69,6 +69,17 @@ class SchedulerSettings(BaseSettings):
     instance: str = Field(
         "", description="this replica's name in claims and events (default: hostname-pid)"
     )
+    # --- preemption (preemption_run.py) ---
+    preemption: bool = Field(
+        True, description="evict lower-priority pods (spec.priority) for a pod that fits no node"
+    )
+    preemption_margin_s: float = Field(
+        15.0, ge=0, description="a nomination is re-evaluated this long after its victims' "
+        "grace period if their GPU memory is not back by then",
+    )
+    preemption_retry_s: float = Field(
+        2.0, ge=0, description="least time between two preemption attempts for one pod"
+    )
 
     def cordoned_uuids(self) -> frozenset[str]:
         return frozenset(u.strip() for u in self.device_cordon.split(",") if u.strip())

@@ -33,8 +33,11 @@ from .indexed_ledger import IndexedLedger
 from .kube_events import PodEventRecorder
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
+from .pods import PodIdentity
+from .preemption_run import Preemptor
 from .quota_client import QuotaClient
 from .release import AllocationReleaser
+from .rules import RESOURCE_QUOTA_NOT_FIT
 
 
 class Scheduler:
@@ -76,6 +79,11 @@ class Scheduler:
             releaser=self.releaser, failures=self.failures, publisher=publisher,
             metrics=metrics, instance=instance, clock=clock,
         )  # fmt: skip
+        self.preemption = Preemptor(
+            settings=settings, config=config, ledger=indexed, cluster=cluster,
+            releaser=self.releaser, quota=quota, publisher=publisher, instance=instance,
+            clock=clock,
+        )  # fmt: skip
         self.binder = PodBinder(
             config=config, ledger=indexed, cluster=cluster, pod_filter=self.pod_filter,
             releaser=self.releaser, publisher=publisher, metrics=metrics, instance=instance,
@@ -85,11 +93,45 @@ class Scheduler:
     async def filter(
         self, pod: dict[str, Any], names: list[str], *, dry_run: bool = False
     ) -> FilterOutcome:
+        if not dry_run:
+            waiting = self._waiting_for_preemption(pod, names)
+            if waiting is not None:
+                return waiting
         outcome = await self.pod_filter.filter(pod, names, dry_run=dry_run)
+        if not dry_run and not (outcome.passed_all or outcome.nodenames or outcome.error):
+            await self._preempt(pod, names, outcome)
         if not dry_run and not outcome.passed_all:
             refused = {**outcome.failed, **outcome.unresolvable}
             self.pod_events.filtered(pod, outcome.nodenames or [], refused, outcome.error)
         return outcome
+
+    def _waiting_for_preemption(
+        self, pod: dict[str, Any], names: list[str]
+    ) -> FilterOutcome | None:
+        """A nominee whose victims are still going: refused everywhere, saying whom it waits
+        for (never bound onto GPU memory still in use)."""
+        uid = (pod.get("metadata") or {}).get("uid") if isinstance(pod, dict) else None
+        waiting = self.preemption.waiting_summary(uid) if isinstance(uid, str) and uid else None
+        if waiting is None:
+            return None
+        _node, sentence = waiting
+        failed = {n: sentence for n in names}
+        self.failures.remember(PodIdentity.of(pod), failed, sentence)
+        self.pod_events.filtered(pod, [], failed, "")
+        return FilterOutcome(failed=failed)
+
+    async def _preempt(self, pod: dict[str, Any], names: list[str], outcome: FilterOutcome) -> None:
+        """The pod fit no node: try preemption (not when quota or the request itself refused)."""
+        if outcome.unresolvable or any(
+            r.startswith(RESOURCE_QUOTA_NOT_FIT) for r in outcome.failed.values()
+        ):
+            return
+        sentence = await self.preemption.preempt(pod, names)
+        if sentence is None:
+            return
+        outcome.failed = {n: f"{r}; {sentence}" if r else sentence
+                          for n, r in {**dict.fromkeys(names, ""), **outcome.failed}.items()}
+        self.failures.remember(PodIdentity.of(pod), outcome.failed, sentence)
 
     def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
         return prioritize(self.index, self.settings, pod, names)
@@ -101,12 +143,20 @@ class Scheduler:
         return error
 
     async def release(self, node: str, uid: str, *, why: str) -> bool:
-        """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""
+        """Remove the pod's allocation (ledger, quota, event). True when this call removed it.
+        A preemption victim stays until its GPU memory is seen free (preemption_run.py); a
+        nominee gives its nomination up."""
+        if self.preemption.defer_release(node, uid):
+            return False
+        await self.preemption.forget_nominee(node, uid)
         return await self.releaser.release(node, uid, why=why)
 
     async def sweep(self) -> int:
-        """Drop every expired reservation and lapsed claim; returns how many pods were dropped."""
-        return await self.releaser.sweep()
+        """Drop every expired reservation and lapsed claim; returns how many pods were dropped.
+        Also moves preemptions on (victims whose memory is back, lapsed nominations)."""
+        dropped = await self.releaser.sweep()
+        await self.preemption.tick()
+        return dropped
 
     async def drain(self, timeout: float = 3.0) -> None:
         """Wait (bounded) for background publishes and quota releases to finish."""

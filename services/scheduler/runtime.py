@@ -38,6 +38,7 @@ from tessera.models import (
     NodeRegistration,
     PodGoneEvent,
     QuotaState,
+    UsageSample,
 )
 from tessera.restore import init_containers_succeeded
 from tessera.settings import TesseraSettings
@@ -159,7 +160,7 @@ class SchedulerService:
     async def start(self) -> None:
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
-            loops += [self._watch_pods, self._reconcile_loop]
+            loops += [self._watch_pods, self._reconcile_loop, self._watch_usage]
             if hasattr(self.cluster, "watch_nodes"):
                 loops.append(self.foreign.watch_nodes)  # HAMi's node registrations
         if self.keeper is not None:
@@ -415,6 +416,7 @@ class SchedulerService:
     async def on_pod_event(self, event: WatchEvent) -> None:
         self.gate.observe(event)
         self.foreign.on_pod_event(event)
+        self.scheduler.preemption.observe_pod(event)
         pod = event.object
         meta = pod.get("metadata") or {}
         uid = meta.get("uid")
@@ -435,6 +437,24 @@ class SchedulerService:
                 result = await self.scheduler.ledger.set_init_done(node, uid)
                 if result is not None:
                     self.index.set_ledger(node, result.value, result.revision, self.clock())
+
+    async def _watch_usage(self) -> None:
+        """The node agents' usage samples: preemption releases a victim only once its node
+        reports the GPU memory back (a sample that does not decode, or names another node than
+        its subject, is ignored)."""
+        sub = await self.nc.subscribe(bus.USAGE_ALL)
+        try:
+            async for msg in sub.messages:
+                try:
+                    sample = decode(msg.data, UsageSample)
+                except CodecError:
+                    continue
+                if msg.subject != bus.usage_subject(sample.node):
+                    continue
+                self.scheduler.preemption.observe_usage(sample)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _pending_pod_gone(self, pod: dict[str, Any]) -> None:
         """A deleted pod that holds no allocation: forget its refusal (explain) and tell the bus
@@ -536,6 +556,10 @@ class SchedulerService:
         if not uid and body.name:
             uid = self.index.pod_uid(body.namespace, body.name) or ""
         node = self.index.pod_nodes.get(uid) if uid else None
+        waiting = scheduler.preemption.waiting_summary(uid) if uid else None
+        if waiting is not None:
+            return ExplainReply(ok=True, pending=True, node=waiting[0], summary=waiting[1],
+                                at=self.clock())  # fmt: skip
         if node is not None:
             entry = self.index.entries[node]
             allocation = entry.ledger.allocations[uid] if entry.ledger else None

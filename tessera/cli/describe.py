@@ -40,6 +40,9 @@ def render(pod: dict[str, Any], events: list[dict[str, Any]], console: Console) 
     console.print(f"GPUs:        {describe_gpus(summary['gpus']) or '<none>'}")
     if summary["reason"]:
         console.print(f"Reason:      {summary['reason']}")
+    nominated = (pod.get("status") or {}).get("nominatedNodeName")
+    if nominated:  # a preemption is under way for it on that node
+        console.print(f"Nominated:   {nominated}")
     annotations = meta.get("annotations") or {}
     console.print("Annotations:" + ("" if annotations else " <none>"))
     for key in sorted(annotations):

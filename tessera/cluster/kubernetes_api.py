@@ -39,6 +39,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tessera.cluster.port import (
     ClusterError,
     ConflictError,
+    DisruptionRefusedError,
     KubeObject,
     NotFoundError,
     ObjectRef,
@@ -287,6 +288,7 @@ class KubernetesCluster:
         stream: bool = False,
         timeout: float | tuple[float, float] | None = None,
         on_retry: Callable[[], None] | None = None,
+        final_statuses: frozenset[int] = frozenset(),
     ) -> _Reply:
         """A request with rate limiting and retries; raises ClusterError when it fails."""
         settings = self._settings
@@ -314,7 +316,7 @@ class KubernetesCluster:
                     return reply
                 message = _status_message(reply.body, f"HTTP {reply.status}")
                 error = _error_for(reply.status, f"{what}: {message}")
-                if not _is_transient(error):
+                if not _is_transient(error) or reply.status in final_statuses:
                     raise error
                 retry_after = _retry_after(reply.headers)
             if attempt == settings.max_attempts:
@@ -417,6 +419,44 @@ class KubernetesCluster:
         return self._list_then_watch(
             self._pods_path(namespace), self._pod_selector(node_name), "Pod"
         )
+
+    # --- preemption: eviction, nomination, disruption budgets ---------------------------------
+
+    async def evict_pod(
+        self, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> None:
+        eviction: dict[str, Any] = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+            "deleteOptions": {"preconditions": {"uid": uid}},
+        }
+        if grace_period_s is not None:
+            eviction["deleteOptions"]["gracePeriodSeconds"] = grace_period_s
+        path = f"{self._pods_path(namespace)}/{_quote(name)}/eviction"
+        try:
+            await self._request("POST", path, body=eviction, final_statuses=frozenset({429}))
+        except ClusterError as exc:
+            if exc.status == 429:  # a PodDisruptionBudget forbids it (not a rate limit here)
+                raise DisruptionRefusedError(str(exc), 429) from exc
+            raise
+
+    async def set_nominated_node(self, namespace: str, name: str, node: str | None) -> None:
+        await self._request(
+            "PATCH",
+            f"{self._pods_path(namespace)}/{_quote(name)}/status",
+            body={"status": {"nominatedNodeName": node}},
+            content_type=MERGE_PATCH,
+        )
+
+    async def list_disruption_budgets(self, namespace: str | None = None) -> list[KubeObject]:
+        path = (
+            f"/apis/policy/v1/namespaces/{_quote(namespace)}/poddisruptionbudgets"
+            if namespace
+            else "/apis/policy/v1/poddisruptionbudgets"
+        )
+        items, _ = await self._list_all(path, None, "PodDisruptionBudget")
+        return items
 
     # --- quotas, nodes, events ----------------------------------------------------------------
 

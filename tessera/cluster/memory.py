@@ -12,7 +12,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from tessera.cluster.port import ConflictError, KubeObject, NotFoundError, ObjectRef, WatchEvent
+from tessera.cluster.port import (
+    ConflictError,
+    DisruptionRefusedError,
+    KubeObject,
+    NotFoundError,
+    ObjectRef,
+    WatchEvent,
+)
 
 
 class InMemoryCluster:
@@ -26,6 +33,9 @@ class InMemoryCluster:
         self.quotas: dict[tuple[str, str], KubeObject] = {}
         self.node_annotations: dict[str, dict[str, str]] = {}
         self.events: list[dict[str, Any]] = []
+        # PodDisruptionBudgets as served (status.disruptionsAllowed set by the test), evictions
+        self.disruption_budgets: list[KubeObject] = []
+        self.evictions: list[tuple[str, str]] = []
         self._pod_watchers: list[asyncio.Queue[WatchEvent]] = []
         self._quota_watchers: list[asyncio.Queue[WatchEvent]] = []
         self.config_maps: dict[tuple[str, str], KubeObject] = {}
@@ -229,6 +239,41 @@ class InMemoryCluster:
                     yield event
         finally:
             self._config_map_watchers.remove(queue)
+
+    async def evict_pod(
+        self, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> None:
+        """Deleted at once (no kubelet here to run a grace period); 429 when a budget whose
+        selector matches the pod allows no disruption."""
+        pod = await self.get_pod(namespace, name)
+        if uid and pod["metadata"].get("uid") != uid:
+            raise ConflictError(f"pod {namespace}/{name}: uid precondition failed", 409)
+        labels = pod["metadata"].get("labels") or {}
+        for pdb in self.disruption_budgets:
+            meta, spec = pdb.get("metadata") or {}, pdb.get("spec") or {}
+            wanted = (spec.get("selector") or {}).get("matchLabels") or {}
+            if meta.get("namespace", "default") != namespace:
+                continue
+            matches = all(labels.get(k) == v for k, v in wanted.items())
+            if matches and (pdb.get("status") or {}).get("disruptionsAllowed", 0) <= 0:
+                raise DisruptionRefusedError(
+                    "Cannot evict pod as it would violate the pod's disruption budget.", 429
+                )
+        self.evictions.append((namespace, name))
+        self.delete_pod(namespace, name)
+
+    async def set_nominated_node(self, namespace: str, name: str, node: str | None) -> None:
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise NotFoundError(f"pod {namespace}/{name} not found", 404)
+        pod.setdefault("status", {})["nominatedNodeName"] = node
+        self._emit(self._pod_watchers, "MODIFIED", pod)
+
+    async def list_disruption_budgets(self, namespace: str | None = None) -> list[KubeObject]:
+        return [
+            copy.deepcopy(p) for p in self.disruption_budgets
+            if namespace is None or (p.get("metadata") or {}).get("namespace") == namespace
+        ]  # fmt: skip
 
     @staticmethod
     def _emit(watchers: list[asyncio.Queue[WatchEvent]], kind: str, obj: KubeObject) -> None:

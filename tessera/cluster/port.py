@@ -49,6 +49,11 @@ class ConflictError(ClusterError):
     """The write lost a race or the object is already in that state (HTTP 409)."""
 
 
+class DisruptionRefusedError(ClusterError):
+    """An eviction the API server refused because it would violate a PodDisruptionBudget
+    (HTTP 429 on the Eviction subresource)."""
+
+
 @runtime_checkable
 class ClusterPort(Protocol):
     """Everything the services ask of Kubernetes.
@@ -122,6 +127,25 @@ class ClusterPort(Protocol):
     def watch_config_maps(self, namespace: str) -> AsyncIterator[WatchEvent]:
         """List then watch the ConfigMaps of one namespace."""
         ...
+
+    # --- preemption (scheduler) -----------------------------------------------------------------
+
+    async def evict_pod(
+        self, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> None:
+        """POST pods/<name>/eviction (policy/v1 Eviction): the pod is deleted gracefully (its
+        grace period runs). DisruptionRefusedError when a PodDisruptionBudget forbids it,
+        NotFoundError when it is gone, ConflictError when `uid` no longer names it."""
+        ...
+
+    async def set_nominated_node(self, namespace: str, name: str, node: str | None) -> None:
+        """Set (or clear, with None) the pod's `status.nominatedNodeName`."""
+        ...
+
+    async def list_disruption_budgets(self, namespace: str | None = None) -> list[KubeObject]:
+        """PodDisruptionBudgets (policy/v1), with their status (`disruptionsAllowed`)."""
+        ...
+
 
 WebhookKind = Literal["mutating", "validating"]
 

@@ -598,6 +598,9 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
     "tessera-scheduler": {
         ("", "pods"): {"get", "list", "watch", "patch"},
         ("", "pods/binding"): {"create"},
+        ("", "pods/eviction"): {"create"},  # preemption: evict victims
+        ("", "pods/status"): {"patch"},  # preemption: status.nominatedNodeName
+        ("policy", "poddisruptionbudgets"): {"list"},  # preemption: honour PDBs
         ("", "events"): {"create", "patch"},
         ("coordination.k8s.io", "leases"): {"create", "get", "update"},
     },
