@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from tessera import bus
-from tessera.models import AdmissionAction, AllocAction, NodeAction, QuotaAction, RejectedKind
+from tessera.models import (
+    AdmissionAction,
+    AllocAction,
+    MpsAction,
+    NodeAction,
+    QuotaAction,
+    RejectedKind,
+)
 
 JS_API = "$JS.API"
 # Every stream a service may have to (re-)create: the buckets, the events, the clock.
@@ -354,7 +361,9 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 "its own node's events",
                 [bus.alloc_event_subject(node, a) for a in alloc]
                 + [bus.node_event_subject(node, a) for a in node_actions]
-                + [bus.oom_event_subject(node), bus.limit_breached_subject(node)],
+                + [bus.oom_event_subject(node), bus.limit_breached_subject(node)]
+                + [bus.mps_event_subject(node, a) for a in _checked(["started", "stopped"],
+                                                                    MpsAction)],
             ),
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
             _rejections(["ledger", "limits"]),
