@@ -27,7 +27,7 @@ from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
-from .mps import MpsDaemons
+from .mps import MPS_DIR, MpsDaemons
 from .node_config import NodeConfigurator
 from .nvml_processes import ProcessProbe
 from .watchdog import CachedLedger, Watchdog, watchdog_from_settings
@@ -75,7 +75,7 @@ class NodeAgent:
         self.watchdog: Watchdog | None = None
         self.configurator: NodeConfigurator | None = None
         self.mps = MpsDaemons(
-            binary=settings.mps_control_binary, root=Path(settings.region_host_dir) / "mps",
+            binary=settings.mps_control_binary, root=Path(settings.region_host_dir) / MPS_DIR,
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
         )
         self.metrics.watch_watchdog(lambda: self.watchdog)

@@ -5,7 +5,7 @@ it by that or by `nvidia.com/vgpu-mode: mps` (the scheduler places them only on 
 
 - **Daemons.** For each such GPU the agent runs `nvidia-cuda-mps-control -d` with
   `CUDA_VISIBLE_DEVICES=<uuid>` and `CUDA_MPS_PIPE_DIRECTORY` / `CUDA_MPS_LOG_DIRECTORY` under
-  `<region dir>/mps/<uuid>/`. A restarted agent adopts a daemon that still answers on its pipe
+  `<region dir>/.mps/<uuid>/`. A restarted agent adopts a daemon that still answers on its pipe
   directory (its pid file names a live process and `get_server_list` answers); a stale pipe
   directory (dead daemon) is cleaned and the daemon started anew. A GPU leaving MPS mode gets
   `quit` once no client is connected to its servers (until then the daemon is kept).
@@ -30,6 +30,7 @@ it by that or by `nvidia.com/vgpu-mode: mps` (the scheduler places them only on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -45,10 +46,12 @@ from tessera.models import Allocation, DeviceInfo, MpsEvent, NodeLedger
 from tessera.region import ContainerLimits
 
 MPS_MODE = "mps"
-MPS_DIR = "mps"
+MPS_DIR = ".mps"  # under the region dir; a dot-directory is never taken for a pod's
 PID_FILE = "nvidia-cuda-mps-control.pid"
 PIPE_CONTAINER_DIR = "/run/tessera/mps"
-COMMAND_TIMEOUT_S = 10.0
+COMMAND_TIMEOUT_S = 20.0
+# How the control daemon's answers start when it refuses a command.
+REFUSALS = ("invalid", "unknown", "server ", "error", "cannot")
 
 
 class MpsError(RuntimeError):
@@ -144,18 +147,23 @@ class ControlDaemon:
             return None
         return pid if pid > 0 and _pid_alive(pid) else None
 
-    def command(self, line: str) -> str:
+    def command(self, *lines: str) -> str:
+        """Run the control program once with `lines` on stdin (its interactive shell reads one
+        command a line); its answers, or MpsError when it fails or refuses one."""
+        script = "".join(line + "\n" for line in lines)
+        what = "; ".join(lines)
         try:
-            done = subprocess.run([self.binary], input=line + "\n", env=self._env(),
+            done = subprocess.run([self.binary], input=script, env=self._env(),
                                   capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MpsError(f"{self.binary}: {line}: {exc}") from exc
+            raise MpsError(f"{self.binary}: {what}: {exc}") from exc
         if done.returncode != 0:
-            raise MpsError(f"{self.binary}: {line}: exit {done.returncode}: "
+            raise MpsError(f"{self.binary}: {what}: exit {done.returncode}: "
                            f"{done.stderr.strip() or done.stdout.strip()}")
         answer = done.stdout.strip()
-        if answer.lower().startswith(("invalid", "unknown", "server ", "error")):
-            raise MpsError(f"{line}: {answer}")
+        for said in answer.splitlines():
+            if said.strip().lower().startswith(REFUSALS):
+                raise MpsError(f"{what}: {said.strip()}")
         return answer
 
     def answering(self) -> bool:
@@ -185,12 +193,14 @@ class ControlDaemon:
         return [int(w) for w in self.command("get_server_list").split() if w.isdigit()]
 
     def clients(self) -> list[int]:
-        return [int(w) for s in self.servers()
-                for w in self.command(f"get_client_list {s}").split() if w.isdigit()]
+        servers = self.servers()
+        if not servers:
+            return []
+        answer = self.command(*(f"get_client_list {s}" for s in servers))
+        return [int(w) for w in answer.split() if w.isdigit()]
 
     def apply(self, limits: ServerLimits) -> None:
-        for line in limit_commands(limits, self.servers()):
-            self.command(line)
+        self.command(*limit_commands(limits, self.servers()))
 
     def quit(self) -> None:
         self.command("quit")
@@ -254,15 +264,17 @@ class MpsDaemons:
         async with self._lock:
             await self._ensure(uuid)
             allocations = list(ledger.allocations.values()) if ledger else []
-            self.applied.pop(uuid, None)  # a new client is coming: set them again, whatever
             await self._limit(uuid, card_limits(uuid, allocations))
 
     async def _ensure(self, uuid: str) -> None:
         daemon = self.daemon(uuid)
-        if uuid in self.daemons and await asyncio.to_thread(daemon.answering):
-            return
+        if uuid in self.daemons and daemon.pid() is not None:
+            return  # ours and alive (its pid file names a live process): no command needed
         adopted = await asyncio.to_thread(daemon.answering)
         if not adopted:
+            pid = daemon.pid()
+            if pid is not None:  # alive but silent (busy, starting): never start a second one
+                raise MpsError(f"the MPS control daemon of {uuid} (pid {pid}) does not answer")
             await asyncio.to_thread(daemon.start)
             if not await asyncio.to_thread(daemon.answering):
                 raise MpsError(f"the MPS control daemon for {uuid} does not answer after start")
@@ -285,8 +297,8 @@ class MpsDaemons:
         daemon = self.daemon(uuid)
         try:
             if not await asyncio.to_thread(daemon.answering):
-                self.daemons.pop(uuid, None)
-                await asyncio.to_thread(shutil.rmtree, daemon.root, True)
+                self.daemons.pop(uuid, None)  # gone: its pipe directory too (logs are kept)
+                await asyncio.to_thread(shutil.rmtree, daemon.pipe_dir, True)
                 return
             clients = await asyncio.to_thread(daemon.clients)
             if clients:
@@ -322,10 +334,8 @@ class MpsDaemons:
                 await self.reconcile(list(devices()), await ledger())
             except Exception as exc:
                 self.log.error("mps reconcile", extra={"err": str(exc)})
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except TimeoutError:
-                pass
 
 
 def container_extras(uuids: set[str], grants_uuids: list[str], daemons: MpsDaemons

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/env -S python3 -S
 """FAKE nvidia-cuda-mps-control: a test stand-in for NVIDIA's MPS control daemon (no GPU here).
 
 It follows the documented contract of the real program (NVIDIA's MPS documentation, the
@@ -30,6 +30,7 @@ or `ERR <text>`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -82,10 +83,8 @@ class Daemon:
 
     def reap(self) -> None:
         for pid in list(self.servers):
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             if not alive(pid):
                 del self.servers[pid]
                 continue
@@ -206,7 +205,8 @@ class Daemon:
         s = self.servers[server]
         limits = (s["mem"].get(0, 0), s["atp"])
         s["clients"][pid] = limits
-        self.log(f"New client {pid} connected to server {server}")
+        self.log(f"New client {pid} (uid {uid}) connected to server {server}: pinned device "
+                 f"memory limit {limits[0]} bytes, active thread percentage {limits[1]:.1f}")
         return f"{limits[0]} {limits[1]:.1f}"
 
     def serve(self) -> None:
@@ -217,13 +217,17 @@ class Daemon:
         sock.bind(path)
         sock.listen(16)
         sock.settimeout(0.5)
-        with open(os.path.join(self.pipe, PID_FILE), "w") as f:
+        # SIGTERM: shut down as `quit` does (servers ended, pipe directory cleaned).
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "running", False))
+        tmp = os.path.join(self.pipe, PID_FILE + ".tmp")
+        with open(tmp, "w") as f:
             f.write(f"{os.getpid()}\n")
+        os.replace(tmp, os.path.join(self.pipe, PID_FILE))
         self.log("Startup")
         while self.running:
             try:
                 conn, _ = sock.accept()
-            except TimeoutError:
+            except (TimeoutError, InterruptedError):
                 self.reap()
                 continue
             with conn:
@@ -244,16 +248,14 @@ class Daemon:
         self.log("Shutdown")
         sock.close()
         for name in (SOCKET, PID_FILE):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.pipe, name))
-            except FileNotFoundError:
-                pass
 
 
 def talk(pipe: str, line: str) -> str | None:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(5)
+            s.settimeout(30)
             s.connect(os.path.join(pipe, SOCKET))
             s.sendall(line.encode() + b"\n")
             data = b""
@@ -287,8 +289,10 @@ def main(argv: list[str]) -> int:
             if os.fork() > 0:
                 os._exit(0)
             devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(devnull, fd)
+            errors = os.open(os.path.join(logdir, "fake-daemon.err"),
+                             os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            for fd, to in ((0, devnull), (1, devnull), (2, errors)):
+                os.dup2(to, fd)
         Daemon(pipe, logdir).serve()
         return 0
     if argv:

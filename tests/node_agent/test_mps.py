@@ -115,7 +115,7 @@ def attach(pipe: Path, pid: int, uid: int | None = None) -> str:
 def daemon_pid(pipe: Path) -> int | None:
     try:
         return int((pipe / mps.PID_FILE).read_text().split()[0])
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -152,6 +152,14 @@ async def mps_events(rig) -> list[MpsEvent]:
         await sub.unsubscribe()
 
 
+async def events_until(rig, action: str, count: int) -> list[MpsEvent]:
+    async def enough():
+        found = [e for e in await mps_events(rig) if e.action == action]
+        return found if len(found) >= count else None
+
+    return await until(enough)
+
+
 async def set_mode(rig, mode: str):
     body = encode(NodeConfigSetRequest(config={"operatingmode": mode}))
     msg = await rig.nc.request(bus.node_config_set_subject(rig.node), body, timeout=10)
@@ -175,13 +183,13 @@ def quit_all(root: Path) -> None:
 
 @pytest.fixture
 def mps_settings() -> dict:
-    return {"mps_control_binary": str(FAKE), "mps_reconcile_s": 0.2}
+    return {"mps_control_binary": str(FAKE), "mps_reconcile_s": 0.5}
 
 
 async def test_mps_node_runs_a_daemon_per_gpu_and_limits_each_pod_server_side(
     short_dir, nc, buckets, mps_settings
 ) -> None:
-    root = short_dir / "regions" / "mps"
+    root = short_dir / "regions" / ".mps"
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
             gpu0, gpu1 = rig.gpus
@@ -192,7 +200,7 @@ async def test_mps_node_runs_a_daemon_per_gpu_and_limits_each_pod_server_side(
                 return all(daemon_pid(root / g / "pipe") for g in (gpu0, gpu1))
 
             await until(both_running)
-            started = [e for e in await mps_events(rig) if e.action == "started"]
+            started = await events_until(rig, "started", 2)
             assert {e.device_uuid for e in started} == {gpu0, gpu1}
             assert not any(e.adopted for e in started)
 
@@ -242,7 +250,7 @@ async def test_mps_node_runs_a_daemon_per_gpu_and_limits_each_pod_server_side(
 async def test_restarted_agent_adopts_daemons_and_replaces_a_dead_one(
     short_dir, nc, buckets, mps_settings
 ) -> None:
-    root = short_dir / "regions" / "mps"
+    root = short_dir / "regions" / ".mps"
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
             gpu0, gpu1 = rig.gpus
@@ -266,7 +274,7 @@ async def test_restarted_agent_adopts_daemons_and_replaces_a_dead_one(
 
             await until(replaced)
             assert daemon_pid(root / gpu0 / "pipe") == before[gpu0]  # adopted, not restarted
-            started = [e for e in await mps_events(rig) if e.action == "started"]
+            started = await events_until(rig, "started", 4)
             adopted = [e for e in started if e.adopted]
             assert [(e.device_uuid, e.daemon_pid) for e in adopted] == [(gpu0, before[gpu0])]
     finally:
@@ -276,7 +284,7 @@ async def test_restarted_agent_adopts_daemons_and_replaces_a_dead_one(
 async def test_leaving_mps_mode_stops_daemons_once_no_client_is_connected(
     short_dir, nc, buckets, mps_settings
 ) -> None:
-    root = short_dir / "regions" / "mps"
+    root = short_dir / "regions" / ".mps"
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
             gpu0, gpu1 = rig.gpus
@@ -307,7 +315,7 @@ async def test_leaving_mps_mode_stops_daemons_once_no_client_is_connected(
                 return daemon_pid(root / gpu1 / "pipe") is None
 
             await until(gpu1_stopped)
-            stopped = [e for e in await mps_events(rig) if e.action == "stopped"]
+            stopped = await events_until(rig, "stopped", 2)
             assert {e.device_uuid for e in stopped} == {gpu0, gpu1}
             assert commands(root, gpu1)[-1] == "quit"
     finally:
@@ -316,7 +324,7 @@ async def test_leaving_mps_mode_stops_daemons_once_no_client_is_connected(
 
 async def test_a_mode_switch_of_a_card_in_use_is_refused(short_dir, nc, buckets,
                                                          mps_settings) -> None:
-    root = short_dir / "regions" / "mps"
+    root = short_dir / "regions" / ".mps"
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
             pod = make_pod("core", [("main", 1)])

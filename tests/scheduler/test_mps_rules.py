@@ -19,7 +19,7 @@ def test_an_mps_pod_goes_only_to_mps_cards_and_is_charged_as_usual() -> None:
     assert [(g.memory_mib, g.cores) for g in fit.containers[0]] == [(4000, 30)]
     full = run_fit(cards, pod(container(mem=4000, cores=30), annotations=MPS),
                    used={"GPU-1": (device().memory_mib - 1000, 0, 1)})
-    assert not full.ok and full.reason_text() == "1/2 CardTypeMismatch, 1/2 CardInsufficientMemory"
+    assert not full.ok and full.reason_text() == "1/2 CardInsufficientMemory, 1/2 CardTypeMismatch"
 
 
 def test_other_modes_never_land_on_an_mps_card() -> None:
