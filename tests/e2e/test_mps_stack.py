@@ -23,7 +23,7 @@ import pytest
 
 from tessera.stack import SimNode
 
-from .conftest import RunningStack, gpu_pod, grants, start_stack
+from .conftest import RunningStack, gpu_pod, gpu_uuid, grants, start_stack
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -103,11 +103,18 @@ def test_mps_pod_is_held_to_its_slice_by_the_server(sim, namespace, programs, tm
     pod["spec"]["restartPolicy"] = "Never"
     script = f"init\\nalloc plain {768 * MiB}\\nalloc plain {512 * MiB}\\nexit\\n"
     pod["spec"]["containers"][0]["command"] = [
-        "/bin/sh", "-c", f"echo $$ > {out}.pid; printf '{script}' | exec {programs}/cuctl > {out}",
+        # kube-sim has no mount namespace: libvgpu's sealed region path (a container path) does
+        # not resolve there, so the client runs without the preload — which leaves the MPS
+        # server as the only thing between it and the card, as this test means to show.
+        "/bin/sh", "-c", f"printf '{script}' > {out}.in; echo $$ > {out}.pid; exec env -u "
+        f"LD_PRELOAD {programs}/cuctl < {out}.in > {out} 2> {out}.err",
     ]
     pod["spec"]["containers"][0]["env"] = [
         {"name": "LD_LIBRARY_PATH", "value": str(programs / "fake")},
         {"name": "FAKE_CUDA_STATE", "value": str(tmp_path / "gpu-state")},
+        # the fake GPU is the node's (libvgpu, in accounting mode, matches it by UUID)
+        {"name": "FAKE_GPU_UUIDS", "value": gpu_uuid(NODE, 0)},
+        {"name": "FAKE_GPU_COUNT", "value": "1"},
         {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=64G"},  # hostile: asks more
         {"name": "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "value": "100"},
     ]
@@ -116,7 +123,8 @@ def test_mps_pod_is_held_to_its_slice_by_the_server(sim, namespace, programs, tm
     [[grant]] = grants(done)
     assert (grant.memory_mib, grant.cores) == (1024, 30)
     answers = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [a["rc"] for a in answers[:3]] == [0, 0, 2]  # 768 MiB fit, 512 MiB more do not
+    assert [a["rc"] for a in answers[:3]] == [0, 0, 2], (  # 768 MiB fit, 512 MiB more do not
+        answers, Path(f"{out}.err").read_text()[-3000:])
     # The server gave the container's process its slice: set through the daemon, not its env.
     [log] = control_logs(sim)
     text = log.read_text()
