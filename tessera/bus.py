@@ -125,6 +125,10 @@ def limit_breached_subject(node: str) -> str:
     return f"{EVENTS_PREFIX}.limit.{subject_token(node)}.breached"
 
 
+def mps_event_subject(node: str, action: str) -> str:
+    return f"{EVENTS_PREFIX}.mps.{subject_token(node)}.{action}"
+
+
 def sched_gone_subject(namespace: str) -> str:
     return f"{EVENTS_PREFIX}.sched.{subject_token(namespace)}.gone"
 
@@ -191,6 +195,8 @@ def event_subject(event: Event) -> str:
         return mig_event_subject(event.node, event.action)
     if isinstance(event, m.PreemptionEvent):
         return preemption_event_subject(event.namespace, event.action)
+    if isinstance(event, m.MpsEvent):
+        return mps_event_subject(event.node, event.action)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

@@ -33,6 +33,7 @@ from tessera.models import (
     AdmissionAction,
     AllocAction,
     MigAction,
+    MpsAction,
     NodeAction,
     PreemptionAction,
     QuotaAction,
@@ -368,7 +369,9 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 [bus.alloc_event_subject(node, a) for a in alloc]
                 + [bus.node_event_subject(node, a) for a in node_actions]
                 + [bus.oom_event_subject(node), bus.limit_breached_subject(node)]
-                + [bus.mig_event_subject(node, a) for a in get_args(MigAction)],
+                + [bus.mig_event_subject(node, a) for a in get_args(MigAction)]
+                + [bus.mps_event_subject(node, a) for a in _checked(["started", "stopped"],
+                                                                    MpsAction)],
             ),
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
             _rejections(["ledger", "limits"]),

@@ -373,6 +373,21 @@ class ValueRejectedEvent(Event):
     problem: str = Field("", description="machine-readable reason, e.g. memory_out_of_range")
 
 
+MpsAction = Literal["started", "stopped"]
+
+
+class MpsEvent(Event):
+    """A node agent started (or adopted, after its own restart) or stopped the MPS control
+    daemon of a GPU in MPS mode (services/node-agent/mps.py)."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.mps.<node>.<action>"
+    action: MpsAction
+    node: str
+    device_uuid: str
+    daemon_pid: int = Field(0, ge=0, description="the control daemon's pid on the host")
+    adopted: bool = Field(False, description="started: a daemon of an earlier run was adopted")
+
+
 class LimitBreachedEvent(Event):
     """The node agent's watchdog saw a pod hold more of a GPU than its sealed limits, from
     outside the container (NVML's per-process memory and utilisation), for longer than the grace
@@ -463,6 +478,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     LimitBreachedEvent,
     PodGoneEvent,
     MigEvent,
+    MpsEvent,
     PreemptionEvent,
 )
 

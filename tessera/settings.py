@@ -178,6 +178,13 @@ class TesseraSettings(BaseSettings):
     region_host_dir: str = Field(
         "/var/lib/tessera/containers", description="per-container limits and usage regions"
     )
+    mps_control_binary: str = Field(
+        "nvidia-cuda-mps-control",
+        description="node agent: NVIDIA's MPS control program, run once per GPU in MPS mode",
+    )
+    mps_reconcile_s: float = Field(
+        5.0, gt=0, description="node agent: how often MPS daemons and their limits are checked"
+    )
     libvgpu_host_path: str = Field(
         "/usr/local/vgpu/libvgpu.so", description="libvgpu on the host, mounted into containers"
     )

@@ -23,7 +23,12 @@
 #   9. the node agent's watchdog: a process without libvgpu over its seal is seen and ended
 #  10. MIG: the driver's profiles and placements for GPU 0 agree with tessera/mig.py; with MIG
 #      already on, the agent's discovery (and, with TESSERA_GPU_CHECK_MIG_CREATE=1, one instance
-#      created and destroyed). Never changes the MIG mode. (MPS: no step yet.)
+#      created and destroyed). Never changes the MIG mode.
+#  11. MPS, server-side: the node agent's daemon driver (services/node-agent/mps.py) starts
+#      nvidia-cuda-mps-control -d for GPU 0 under a temp pipe dir, sets the server limits
+#      (1024 MiB pinned, 30 % threads) with the documented commands; a client (cuctl, no
+#      libvgpu) whose env asks for 64 GiB / 100 % allocates 768 MiB, is refused 512 MiB more
+#      (OOM) and is listed by get_client_list; then `quit`
 # Prints a summary and writes $RESULTS_DIR/gpu-check.json (default: a temp dir; $OUT if set).
 set -uo pipefail
 
@@ -382,6 +387,43 @@ if mg=$(cd "$ROOT" && timeout 60 "$PY" tests/node_agent/gpu_mig_check.py 2>"$WOR
     pass mig "$mg"
 else
     fail mig "${mg:-$(tail -3 "$WORK/mig.err" | tr '\n' ' ')}"
+fi
+
+# ---- 11. MPS: limits set through the control daemon bind a client whatever its env asks -------------
+if command -v nvidia-cuda-mps-control >/dev/null; then
+    MPS_UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1)
+    MPS_ROOT=$(mktemp -d /tmp/tsr-mps-XXXX)
+    mps_out=$(cd "$ROOT" && timeout 120 "$PY" -c '
+import subprocess, sys, os
+from pathlib import Path
+from tessera.node_agent.mps import ControlDaemon, ServerLimits
+d = ControlDaemon("nvidia-cuda-mps-control", Path(sys.argv[1]), sys.argv[2])
+d.start()
+try:
+    d.apply(ServerLimits(memory_mib=1024, thread_pct=30))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "LD_PRELOAD"))}
+    env.update(CUDA_MPS_PIPE_DIRECTORY=str(d.pipe_dir), CUDA_VISIBLE_DEVICES=sys.argv[2],
+               CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=64G", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="100")
+    p = subprocess.Popen([sys.argv[3]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=env)
+    rcs = []
+    for line in ("init", f"alloc plain {768 << 20}", f"alloc plain {512 << 20}"):
+        p.stdin.write(line + "\n"); p.stdin.flush()
+        rcs.append(p.stdout.readline().strip())
+    clients = d.clients()
+    p.stdin.write("exit\n"); p.stdin.flush(); p.wait(30)
+    print(f"{rcs} clients={clients} pid={p.pid}")
+finally:
+    d.quit()
+' "$MPS_ROOT" "$MPS_UUID" "$WORK/cuctl" 2>&1 | tail -1)
+    rm -rf "$MPS_ROOT"
+    echo "$mps_out" >"$RESULTS/mps.txt"
+    if echo "$mps_out" | grep -q '"rc": 0' && echo "$mps_out" | grep -q '"rc": 2,' \
+        && echo "$mps_out" | grep -q 'clients=\[[0-9]'; then
+        pass mps_server_limits "$mps_out"
+    else fail mps_server_limits "$mps_out"; fi
+else
+    skip mps_server_limits "no nvidia-cuda-mps-control"
 fi
 
 # ---- summary ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -20,11 +21,14 @@ from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
 from tessera.node_agent.state import DeviceState
 from tessera.node_agent.usage import UsageSampler
 
+from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
+from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
+from .mps import MPS_DIR, MpsDaemons
 from .node_config import NodeConfigurator
 from .nvml_processes import ProcessProbe
 from .watchdog import CachedLedger, Watchdog, watchdog_from_settings
@@ -72,7 +76,16 @@ class NodeAgent:
         self.watchdog: Watchdog | None = None
         self.configurator: NodeConfigurator | None = None
         self.mig_plugins: MigPlugins | None = None
+        self.mps = MpsDaemons(
+            binary=settings.mps_control_binary, root=Path(settings.region_host_dir) / MPS_DIR,
+            node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
+        )
         self.metrics.watch_watchdog(lambda: self.watchdog)
+
+    async def _ledger(self) -> NodeLedger | None:
+        current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
+        return current.value if current else None
+
 
     async def _static_mig(self, stop: asyncio.Event) -> None:
         """Existing MIG instances served as their own resources (mig_plugin.py)."""
@@ -121,7 +134,7 @@ class NodeAgent:
             settings=self.settings, state=self.state, store=self.store,
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
             pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics,
-            node_settings=self.configurator.node_settings, **common,
+            node_settings=self.configurator.node_settings, mps=self.mps, **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log
@@ -146,6 +159,9 @@ class NodeAgent:
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
             asyncio.create_task(self.configurator.run(stop)),
+            asyncio.create_task(self.mps.run(
+                stop, self.state.devices, self._ledger, self.settings.mps_reconcile_s
+            )),
         ]
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))

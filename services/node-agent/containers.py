@@ -186,7 +186,9 @@ class ContainerStore:
         owners = {c.prepared.pod_uid for c in self.all()}
         if self.root.is_dir():
             held = {p.parent.name for p in self._scan()}
-            owners |= {p.name for p in self.root.iterdir() if p.is_dir() and p.name not in held}
+            # Dot-directories are the agent's own (`.mps`: MPS daemons), never a pod's.
+            owners |= {p.name for p in self.root.iterdir()
+                       if p.is_dir() and p.name not in held and not p.name.startswith(".")}
         return sorted(owners)
 
     def remove_container(self, cdir: ContainerDir) -> None:

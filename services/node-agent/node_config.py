@@ -37,6 +37,7 @@ from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError, Objec
 from tessera.codec import CodecError, decode, encode
 from tessera.models import (
     NODE_CONFIG_MAP,
+    DeviceInfo,
     NodeConfigSetRequest,
     NodeConfigStatus,
     NodeDeviceConfig,
@@ -55,6 +56,7 @@ from .node_config_rules import (
     describe,
     effective_entry,
     layer,
+    mode_change_problems,
     node_problem,
     parse_config_map,
     parse_entry,
@@ -264,6 +266,10 @@ class NodeConfigurator:
         current = await bus.read(self.ledger_kv, self.node, NodeLedger)
         return current.value if current else None
 
+    @staticmethod
+    def _problems(old: list[DeviceInfo], new: list[DeviceInfo], usage: dict) -> list[str]:
+        return shrink_problems(new, usage) + mode_change_problems(old, new, usage)
+
     async def _apply(
         self, config_map: ConfigFile | None, local: NodeDeviceConfig | None, *, origin: str
     ) -> NodeConfigStatus:
@@ -279,11 +285,11 @@ class NodeConfigurator:
             await asyncio.to_thread(self._save)
             return self.status(reason=f"unchanged: {describe(candidate)}")
         devices = self._devices(candidate)
-        problems = shrink_problems(devices, allocated(await self._ledger()))
+        problems = self._problems(old_devices, devices, allocated(await self._ledger()))
         if not problems:
             await self.state.update(devices)
             # The scheduler may have placed a pod on the old capacity meanwhile: look again.
-            problems = shrink_problems(devices, allocated(await self._ledger()))
+            problems = self._problems(old_devices, devices, allocated(await self._ledger()))
             if problems:
                 await self.state.update(old_devices)
         if problems:

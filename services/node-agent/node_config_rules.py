@@ -294,3 +294,19 @@ def effective_entry(config: DeviceConfig) -> dict[str, Any]:
                                    index=sorted(config.exclude_indices)),
     )
     return entry.model_dump(exclude_none=True)
+
+
+def mode_change_problems(
+    old: list[DeviceInfo], new: list[DeviceInfo], usage: dict[str, GpuUsage]
+) -> list[str]:
+    """Where a GPU holding pods would change its sharing mode (hami-core / mig / mps): never
+    two modes on one card, so the switch waits until the card is empty."""
+    before = {d.uuid: d.mode for d in old}
+    problems = []
+    for d in new:
+        u = usage.get(d.uuid)
+        was = before.get(d.uuid)
+        if u is not None and u.pods and was is not None and was != d.mode:
+            problems.append(f"GPU {d.index} ({d.uuid}) holds {u.pods} pod(s) in {was} mode and "
+                            f"cannot switch to {d.mode} until they are gone")
+    return problems

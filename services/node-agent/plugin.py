@@ -44,6 +44,9 @@ from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
 
+from . import mps
+from .mps import MpsDaemons
+
 POD_RESOURCES_TIMEOUT_S = 5.0
 # kubelet's messages are small; a larger cap than gRPC's 4 MiB default lets an oversized request
 # reach validation (INVALID_ARGUMENT with a reason) instead of dying as RESOURCE_EXHAUSTED.
@@ -103,8 +106,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         clock: Callable[[], float] | None = None,
         metrics: NodeAgentMetrics | None = None,
         node_settings: Callable[[], TesseraSettings] | None = None,
+        mps: MpsDaemons | None = None,
     ) -> None:
         self.settings = settings
+        self.mps = mps  # MPS cards' control daemons (mps.py); None: no MPS on this node
         # The settings with this node's device configuration (memory scaling > 1 means
         # CUDA_OVERSUBSCRIBE and oversubscribe in the sealed limits); node_config.py.
         self.node_settings = node_settings or (lambda: settings)
@@ -339,7 +344,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         for ids, gpus in checked:
             allocation, index = await self._attribute(ledger, ids, gpus)
             cdir = await self._prepare(allocation, index, ids)
-            response.container_responses.append(self._allocate_response(allocation, cdir))
+            response.container_responses.append(
+                await self._mps_answer(allocation, cdir, self._allocate_response(allocation, cdir))
+            )
             await self._maybe_finish(allocation)
         return response
 
@@ -380,6 +387,41 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 container_path=container_path, host_path=host_path, read_only=read_only
             ))
         return out
+
+    # --- MPS cards (mps.py): server-side limits before the container can connect ---------------
+
+    def _mps_cards(self, allocation: Allocation, index: int) -> set[str]:
+        return mps.mps_uuids(self.state.devices()) & {g.uuid for g in allocation.containers[index]}
+
+    async def _mps_enforce(self, cards: set[str]) -> None:
+        assert self.mps is not None
+        ledger = await self._ledger()
+        for uuid in sorted(cards):
+            try:
+                await self.mps.limit_now(uuid, ledger)
+            except mps.MpsError as exc:
+                raise hs.HandshakeError(f"MPS limits not set on {uuid}: {exc}") from exc
+
+    async def _mps_answer(self, allocation: Allocation, cdir: ContainerDir, out):
+        cards = self._mps_cards(allocation, cdir.prepared.index) if self.mps else set()
+        if not cards or self.mps is None:
+            return out
+        await self._mps_enforce(cards)
+        grants = [g.uuid for g in allocation.containers[cdir.prepared.index]]
+        env, mounts = mps.container_extras(cards, grants, self.mps)
+        out.envs.update(env)
+        for container_path, host_path, read_only in mounts:
+            out.mounts.append(dp.Mount(
+                container_path=container_path, host_path=host_path, read_only=read_only
+            ))
+        return out
+
+    async def _mps_limits(self, allocation: Allocation, index: int, limits):
+        cards = self._mps_cards(allocation, index) if self.mps else set()
+        if not cards:
+            return limits
+        await self._mps_enforce(cards)
+        return mps.accounting_only(limits, cards)
 
     async def _maybe_finish(self, allocation: Allocation) -> None:
         """Once every GPU container is served: allocated, claim released, event, bind-phase."""
@@ -502,7 +544,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
             raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
         await self._check_grant(allocation, p.index)
-        limits = hs.limits_for(allocation, p.index, self.node_settings())
+        limits = await self._mps_limits(allocation, p.index,
+                                        hs.limits_for(allocation, p.index, self.node_settings()))
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
         self.log.info("limits sealed", extra={
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,

@@ -159,6 +159,8 @@ def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) 
         return CARD_TYPE_MISMATCH
     if options.vgpu_mode is not None and card.mode.lower() not in options.vgpu_mode:
         return CARD_TYPE_MISMATCH
+    if card.mode.lower() == "mps" and request.count > 1:
+        return CARD_TYPE_MISMATCH  # an MPS client reaches one card's daemon: one card each
     return None
 
 

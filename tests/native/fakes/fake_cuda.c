@@ -30,6 +30,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "fake_mps.h"
 #include "fake_state.h"
 
 #undef cuMemAlloc /* the legacy 32-bit entry point is defined below under its own name */
@@ -164,10 +165,12 @@ static int stream_dev(CUstream s)
 static CUresult phys_take(int dev, uint64_t bytes)
 {
     struct fk_state *st = S;
+    if (fk_mps_take(dev, bytes)) return CUDA_ERROR_OUT_OF_MEMORY; /* the MPS server's limit */
     fk_lock(st);
     struct fk_dev *d = &st->dev[dev];
     if (bytes > d->total - d->used) {
         fk_unlock(st);
+        fk_mps_give(dev, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     d->used += bytes;
@@ -179,6 +182,7 @@ static CUresult phys_take(int dev, uint64_t bytes)
 static void phys_give(int dev, uint64_t bytes)
 {
     struct fk_state *st = S;
+    fk_mps_give(dev, bytes);
     fk_lock(st);
     st->dev[dev].used -= bytes < st->dev[dev].used ? bytes : st->dev[dev].used;
     fk_proc_note(st, dev, getpid(), -(int64_t)bytes);
@@ -361,6 +365,8 @@ API CUresult cuInit(unsigned int flags)
 {
     (void)flags;
     (void)S;
+    CUresult mps = fk_mps_attach(); /* a client of the MPS server when a daemon answers */
+    if (mps != CUDA_SUCCESS) return mps;
     initialized = 1;
     return CUDA_SUCCESS;
 }

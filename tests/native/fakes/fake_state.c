@@ -61,6 +61,28 @@ static void init_state(struct fk_state *s)
                  b[14], b[15]);
         d->total = mem;
     }
+    /* FAKE_GPU_UUIDS: "GPU-<uuid>,GPU-<uuid>": the devices' UUIDs, e.g. a node's as the node
+     * agent advertises them (a simulated node running real driver-API programs). */
+    const char *uuids = getenv("FAKE_GPU_UUIDS");
+    for (int i = 0; uuids && *uuids && i < s->ndev; i++) {
+        struct fk_dev *d = &s->dev[i];
+        unsigned char b[16];
+        const char *p = uuids + (strncmp(uuids, "GPU-", 4) ? 0 : 4);
+        int n = 0;
+        while (n < 16 && p[0] && p[0] != ',') {
+            unsigned v;
+            if (*p == '-') { p++; continue; }
+            if (sscanf(p, "%2x", &v) != 1) break;
+            b[n++] = (unsigned char)v;
+            p += 2;
+        }
+        if (n == 16) {
+            memcpy(d->uuid_bytes, b, 16);
+            snprintf(d->uuid, sizeof d->uuid, "%.*s", (int)strcspn(uuids, ","), uuids);
+        }
+        uuids = strchr(uuids, ',');
+        if (uuids) uuids++;
+    }
     __atomic_store_n(&s->magic, FK_MAGIC, __ATOMIC_RELEASE);
 }
 
