@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tessera.cli.pods import ApiError, _check, _fail, api_client, describe_gpus, pod_summary
+from tessera_cli.pods import ApiError, _check, _fail, api_client, describe_gpus, pod_summary
 
 
 def pod_events(client: httpx.Client, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]]:

@@ -22,8 +22,15 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tessera.stack import LocalStack, SimNode, StackPorts, default_services, load_nodes, make_nodes
-from tessera.stack_auth import ADMIN_ENV_NAME
+from tessera_cli.stack import (
+    LocalStack,
+    SimNode,
+    StackPorts,
+    default_services,
+    load_nodes,
+    make_nodes,
+)
+from tessera_cli.stack_auth import ADMIN_ENV_NAME
 
 
 def status_table(stack: LocalStack) -> Table:
@@ -51,7 +58,7 @@ def status_table(stack: LocalStack) -> Table:
 
 
 def pods_table(stack: LocalStack) -> Table | Text:
-    from tessera.cli.pods import describe_gpus, pod_summary
+    from tessera_cli.pods import describe_gpus, pod_summary
 
     try:
         reply = httpx.get(f"{stack.api_url}/api/v1/pods", timeout=2.0)
@@ -91,7 +98,7 @@ def screen(stack: LocalStack) -> Group:
 def apply_directory(stack: LocalStack, directory: Path, console: Console) -> None:
     """Create every Pod/ResourceQuota in the YAMLs of `directory` (by file name), as
     `tessera apply` does; other documents (a kubeconfig, say) are skipped."""
-    from tessera.cli.pods import PLURALS, _create, api_client
+    from tessera_cli.pods import PLURALS, _create, api_client
 
     files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml"))
     with api_client(stack.state_dir, stack.kubeconfig) as client:

@@ -8,16 +8,16 @@ import typer
 
 # One line per command module; each defines `register(app: typer.Typer) -> None`.
 COMMAND_MODULES = [
-    "tessera.cli.up",
-    "tessera.cli.events",
-    "tessera.cli.pods",
-    "tessera.cli.sim",
-    "tessera.cli.certs",
-    "tessera.cli.quota",
-    "tessera.cli.limits",
-    "tessera.cli.run",
-    "tessera.cli.nats_config",
-    "tessera.cli.describe",
+    "tessera_cli.up",
+    "tessera_cli.events",
+    "tessera_cli.pods",
+    "tessera_cli.sim",
+    "tessera_cli.certs",
+    "tessera_cli.quota",
+    "tessera_cli.limits",
+    "tessera_cli.run",
+    "tessera_cli.nats_config",
+    "tessera_cli.describe",
 ]
 
 

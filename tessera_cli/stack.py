@@ -23,56 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, Field
-
-from tessera.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
 from tessera.settings import NatsSettings
-from tessera.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
+from tessera.simnodes import SimNode, load_nodes, make_nodes  # noqa: F401 (re-exported)
+from tessera_cli.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
+from tessera_cli.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
 
 KUBECONFIG_NAME = "kubeconfig"
 STACK_FILE = "stack.json"
-
-
-class SimNode(BaseModel):
-    """One simulated node: its GPUs are served by a node agent with the static device source."""
-
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63)
-    gpus: int = Field(4, ge=0, le=64)
-    gpu_memory_mib: int = Field(24576, ge=1)
-    gpu_model: str = "NVIDIA A10"
-    numa_nodes: int = Field(1, ge=1)
-    labels: dict[str, str] = Field(default_factory=dict)
-
-
-def make_nodes(
-    count: int,
-    gpus: int,
-    gpu_memory_mib: int,
-    gpu_model: str,
-    numa_nodes: int = 1,
-    prefix: str = "sim-node",
-) -> list[SimNode]:
-    return [
-        SimNode(
-            name=f"{prefix}-{i}",
-            gpus=gpus,
-            gpu_memory_mib=gpu_memory_mib,
-            gpu_model=gpu_model,
-            numa_nodes=numa_nodes,
-        )
-        for i in range(count)
-    ]
-
-
-def load_nodes(path: Path) -> list[SimNode]:
-    """Nodes from YAML or JSON: a list of nodes, or `{"nodes": [...]}`."""
-    data = yaml.safe_load(path.read_text())
-    if isinstance(data, dict):
-        data = data.get("nodes")
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a list of nodes")
-    return [SimNode.model_validate(item) for item in data]
 
 
 @dataclass
@@ -369,7 +326,7 @@ class LocalStack:
             return "not ready"
 
     def _ensure_certificates(self) -> None:
-        from tessera.cli.certs import (  # cryptography: only when starting
+        from tessera_cli.certs import (  # cryptography: only when starting
             write_certificates,
             write_client_certificate,
         )
