@@ -1,42 +1,115 @@
-"""The `tessera` CLI. Each command lives in its own module with `register(app)`."""
+"""The `tessera` CLI. Each command lives in its own module with `register(app)`.
+
+Commands are imported only when they run: `tessera --help` lists them from the table below
+without importing any, and `tessera get pods` imports the pods module alone (bench/cli.py).
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Any, NamedTuple
 
 import typer
+from typer.core import TyperGroup
 
-# One line per command module; each defines `register(app: typer.Typer) -> None`.
-COMMAND_MODULES = [
-    "tessera_cli.up",
-    "tessera_cli.events",
-    "tessera_cli.pods",
-    "tessera_cli.sim",
-    "tessera_cli.certs",
-    "tessera_cli.quota",
-    "tessera_cli.limits",
-    "tessera_cli.run",
-    "tessera_cli.nats_config",
-    "tessera_cli.describe",
-]
+
+class CommandEntry(NamedTuple):
+    module: str
+    help: str  # the one-line summary `tessera --help` shows (a test keeps it the command's own)
+
+
+# One line per command: the module that registers it (`register(app: typer.Typer) -> None`).
+COMMANDS: dict[str, CommandEntry] = {
+    "up": CommandEntry(
+        "tessera_cli.up",
+        "Start NATS, kube-sim with simulated GPU nodes, and every service; Ctrl-C stops all.",
+    ),
+    "down": CommandEntry(
+        "tessera_cli.up", "Stop the stack `tessera up --wait` started (services first, then NATS)."
+    ),
+    "apply": CommandEntry(
+        "tessera_cli.pods", "Create or update the objects in YAML files, as `kubectl apply -f`."
+    ),
+    "get": CommandEntry(
+        "tessera_cli.pods", "List pods with their state, node, GPU slices and, when pending, why."
+    ),
+    "describe": CommandEntry(
+        "tessera_cli.describe",
+        "Show a pod's GPU slices, the scheduler's explanation and its events.",
+    ),
+    "delete": CommandEntry("tessera_cli.pods", "Delete pods (or quotas) by name, or from files."),
+    "events": CommandEntry(
+        "tessera_cli.events",
+        "Tail Tessera's event stream (allocations, nodes, admission, quota, OOM).",
+    ),
+    "quota": CommandEntry(
+        "tessera_cli.quota", "Namespace GPU quotas: limits and what pods hold against them."
+    ),
+    "limits": CommandEntry("tessera_cli.limits", "Change the limits of running GPU containers."),
+    "run": CommandEntry(
+        "tessera_cli.run",
+        "Run CMD under libvgpu with GPU limits: tessera run --gpumem 4000 --gpucores 30 -- CMD",
+    ),
+    "sim": CommandEntry("tessera_cli.sim", "what-if simulations against simulated nodes"),
+    "certs": CommandEntry(
+        "tessera_cli.certs",
+        "Generate a CA and a serving certificate (admission webhook, scheduler extender), "
+        "and optionally client certificates for mutual TLS.",
+    ),
+    "nats-config": CommandEntry(
+        "tessera_cli.nats_config",
+        "Print nats-server's authorization block: one user per Tessera service and per node "
+        "agent, each limited to the subjects it needs.",
+    ),
+}
+
+
+class LazyGroup(TyperGroup):
+    """A Typer group whose commands are imported on first use."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            self.load(cmd_name)
+        return self.commands.get(cmd_name)
+
+    def load(self, cmd_name: str) -> None:
+        module = importlib.import_module(COMMANDS[cmd_name].module)
+        holder = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
+        module.register(holder)
+        group = typer.main.get_group(holder)
+        for name, command in group.commands.items():
+            self.commands.setdefault(name, command)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        rows = [(name, entry.help) for name, entry in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 def build_app() -> typer.Typer:
     app = typer.Typer(
         name="tessera",
-        help="Tessera: GPU sharing for Kubernetes (HAMi-compatible). Run a local stack, watch "
-        "events, manage quotas and limits.",
+        cls=LazyGroup,
+        help="Tessera: GPU sharing for Kubernetes (HAMi-compatible). Run a local stack, apply "
+        "and inspect pods, watch events, manage quotas and limits.",
         no_args_is_help=True,
         add_completion=False,
+        rich_markup_mode=None,  # plain help: no rich import for `tessera --help`
         pretty_exceptions_show_locals=False,
     )
-    for module_name in COMMAND_MODULES:
-        importlib.import_module(module_name).register(app)
+
+    @app.callback()
+    def _root() -> None:
+        """Tessera: GPU sharing for Kubernetes."""
+
     return app
 
 
 def main() -> None:
-    build_app()()
+    build_app()(prog_name="tessera")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
-"""`tessera describe pod NAME`: a pod's GPU slices, annotations and Kubernetes Events, as
-`kubectl describe pod` shows them (the scheduler's FilteringFailed / BindingSucceed, ...)."""
+"""`tessera describe pod NAME`: what `kubectl describe pod` shows, plus Tessera's part: the GPU
+slices per container, the scheduler's explanation (why it waits, node by node, in words with
+HAMi's codes) and the pod's Kubernetes Events (FilteringFailed, BindingSucceed, ...)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import httpx
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from tessera_cli.pods import ApiError, _check, _fail, api_client, describe_gpus, pod_summary
+from tessera.gpuid import short_uuid
+from tessera.reasons import readable
+
+from .kube import KubeClient, api_client
+from .locate import CliError, fail
+from .pods import pod_gpus, pod_reason
+from .table import render
+
+FILTERING_FAILED = "FilteringFailed"
 
 
-def pod_events(client: httpx.Client, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]]:
+def pod_events(client: KubeClient, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]]:
     """The events whose involvedObject is this pod (by uid when known), oldest first."""
     meta = pod.get("metadata") or {}
-    items = _check(client.get(f"/api/v1/namespaces/{namespace}/events")).get("items") or []
+    items = client.get(f"/api/v1/namespaces/{namespace}/events").get("items") or []
     uid = meta.get("uid")
 
     def about_pod(event: dict[str, Any]) -> bool:
@@ -30,31 +36,66 @@ def pod_events(client: httpx.Client, namespace: str, pod: dict[str, Any]) -> lis
     return sorted(chosen, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
 
 
-def render(pod: dict[str, Any], events: list[dict[str, Any]], console: Console) -> None:
-    summary = pod_summary(pod)
+def explanation(pod: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
+    """Why the pod is where it is, from the scheduler: its latest refusal node by node (the
+    FilteringFailed event), else kube-scheduler's summary; nothing once it is placed."""
+    if (pod.get("spec") or {}).get("nodeName"):
+        return []
+    lines = []
+    summary = pod_reason(pod)
+    if summary:
+        lines.append(readable(summary))
+    refusals = [e for e in events if e.get("reason") == FILTERING_FAILED]
+    if refusals:
+        message = str(refusals[-1].get("message") or "")
+        head, _, per_node = message.partition("): ")
+        if per_node:
+            lines.append(head + "):")
+            lines += [f"  {readable(part.strip())}" for part in per_node.split("; ") if part]
+        else:
+            lines.append(readable(message))
+    return lines
+
+
+def render_pod(pod: dict[str, Any], events: list[dict[str, Any]]) -> str:
     meta = pod.get("metadata") or {}
-    console.print(f"Name:        {summary['name']}")
-    console.print(f"Namespace:   {summary['namespace']}")
-    console.print(f"Node:        {summary['node'] or '<none>'}")
-    console.print(f"Status:      {summary['phase']}")
-    console.print(f"GPUs:        {describe_gpus(summary['gpus']) or '<none>'}")
-    if summary["reason"]:
-        console.print(f"Reason:      {summary['reason']}")
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    out = [
+        f"Name:         {meta.get('name', '')}",
+        f"Namespace:    {meta.get('namespace', '')}",
+        f"Node:         {spec.get('nodeName') or '<none>'}",
+        f"Status:       {status.get('phase', 'Pending')}",
+        f"Scheduler:    {spec.get('schedulerName') or '<none>'}",
+    ]
+    grants = pod_gpus(pod)
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    out.append("GPU slices:" + ("" if any(grants) else "   <none>"))
+    for i, devices in enumerate(grants):
+        name = containers[i].get("name", f"#{i}") if i < len(containers) else f"#{i}"
+        for g in devices:
+            out.append(f"  {name}: {short_uuid(g['uuid'])} ({g['type']}) "
+                       f"{g['memory_mib']} MiB, {g['cores']}% compute   [{g['uuid']}]")
+    why = explanation(pod, events)
+    if why:
+        out.append("Scheduling:")
+        out += [f"  {line}" for line in why]
     annotations = meta.get("annotations") or {}
-    console.print("Annotations:" + ("" if annotations else " <none>"))
-    for key in sorted(annotations):
-        console.print(f"  {key}: {annotations[key]}")
-    console.print("Events:" + ("" if events else " <none>"))
+    out.append("Annotations:" + ("" if annotations else "  <none>"))
+    out += [f"  {key}: {annotations[key]}" for key in sorted(annotations)
+            if key != "kubectl.kubernetes.io/last-applied-configuration"]
+    out.append("Events:" + ("" if events else "       <none>"))
     if events:
-        table = Table(box=None, pad_edge=False)
-        for column in ("TYPE", "REASON", "FROM", "LAST SEEN", "MESSAGE"):
-            table.add_column(column, overflow="fold")
+        rows = []
         for event in events:
             source = (event.get("source") or {}).get("component") or event.get(
                 "reportingComponent", "")
-            table.add_row(event.get("type", ""), event.get("reason", ""), source,
-                          str(event.get("lastTimestamp") or ""), event.get("message", ""))
-        console.print(table)
+            rows.append([event.get("type", ""), event.get("reason", ""), source,
+                         str(event.get("lastTimestamp") or event.get("eventTime") or ""),
+                         readable(str(event.get("message", "")))])
+        table = render(["TYPE", "REASON", "FROM", "LAST SEEN", "MESSAGE"], rows)
+        out += [f"  {line}" for line in table.splitlines()]
+    return "\n".join(out)
 
 
 def register(app: typer.Typer) -> None:
@@ -63,18 +104,17 @@ def register(app: typer.Typer) -> None:
         resource: str = typer.Argument(..., help="pod"),
         name: str = typer.Argument(..., help="the pod's name"),
         namespace: str = typer.Option("default", "-n", "--namespace"),
-        state_dir: Path = typer.Option(Path(".tessera"), "--state-dir",
-                                       help="the stack's state dir"),
+        state_dir: Path | None = typer.Option(None, "--state-dir", help="the stack's state dir"),
         kubeconfig: Path | None = typer.Option(None, "--kubeconfig",
-                                               help="default: <state-dir>/kubeconfig"),
+                                               help="default: as for `tessera get`"),
     ) -> None:
-        """Show a pod's GPU slices, annotations and Kubernetes Events (kubectl describe pod)."""
-        if resource.lower() not in ("pod", "pods", "po"):
-            _fail(ApiError(f"unknown resource {resource!r} (pod)"))
+        """Show a pod's GPU slices, the scheduler's explanation and its events."""
         try:
+            if resource.lower() not in ("pod", "pods", "po"):
+                raise CliError(f"tessera describes pods (not {resource!r})")
             with api_client(state_dir, kubeconfig) as client:
-                pod = _check(client.get(f"/api/v1/namespaces/{namespace}/pods/{name}"))
+                pod = client.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
                 events = pod_events(client, namespace, pod)
-        except (ApiError, OSError, httpx.HTTPError) as error:
-            _fail(error)
-        render(pod, events, Console(width=200))
+        except CliError as error:
+            fail(error)
+        print(render_pod(pod, events))

@@ -129,7 +129,7 @@ async def replay_on(stack: LocalStack, events: list[TraceEvent], policy: str) ->
 
 
 def run_policy(nodes: list[SimNode], events: list[TraceEvent], policy: str) -> PolicyResult:
-    from tessera_cli.up import wait_for_nodes
+    from tessera_cli.up import wait_until_ready
 
     state_dir = Path(tempfile.mkdtemp(prefix="tessera-sim-"))
     ports = StackPorts.free()
@@ -140,8 +140,7 @@ def run_policy(nodes: list[SimNode], events: list[TraceEvent], policy: str) -> P
     )
     try:
         stack.start()
-        stack.wait_ready()
-        wait_for_nodes(stack, nodes, timeout_s=60.0)
+        wait_until_ready(stack, nodes, timeout_s=60.0)
         return asyncio.run(replay_on(stack, events, policy))
     finally:
         stack.stop()

@@ -21,15 +21,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tessera.settings import NatsSettings
 from tessera.simnodes import SimNode, load_nodes, make_nodes  # noqa: F401 (re-exported)
+from tessera_cli.locate import KUBECONFIG_NAME, STACK_FILE, read_stack_info  # noqa: F401
 from tessera_cli.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
 from tessera_cli.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
-
-KUBECONFIG_NAME = "kubeconfig"
-STACK_FILE = "stack.json"
 
 
 @dataclass
@@ -171,16 +168,6 @@ class RunningService:
         return "running" if code is None else f"exited ({code})"
 
 
-def read_stack_info(state_dir: Path) -> dict[str, Any]:
-    """What a running stack wrote about itself (ports, kubeconfig, NATS URL); {} if none."""
-    path = state_dir / STACK_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 class LocalStack:
     """Start NATS (unless a URL is given), kube-sim and the services; stop them in reverse."""
 
@@ -243,20 +230,25 @@ class LocalStack:
             self.start_service(spec)
             if spec.module == "tessera.kube_sim":
                 self._wait_for_api(wait_ready_s)
-        (self.state_dir / STACK_FILE).write_text(
-            json.dumps(
-                {
-                    "nats_url": self.nats_url,
-                    "kubeconfig": str(self.kubeconfig),
-                    "api_url": self.api_url,
-                    "dashboard_url": self.dashboard_url,
-                    "scheduler_url": f"https://127.0.0.1:{self.ports.scheduler}",
-                    "pid": os.getpid(),
-                    "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
-                },
-                indent=2,
-            )
-        )
+        self.write_stack_file(ready=False)
+
+    def write_stack_file(self, ready: bool) -> None:
+        """What the CLI reads to find this stack (tessera_cli.locate); `ready` once every
+        service answers ready (`tessera up --wait` returns then)."""
+        info = {
+            "nats_url": self.nats_url,
+            "kubeconfig": str(self.kubeconfig),
+            "api_url": self.api_url,
+            "dashboard_url": self.dashboard_url,
+            "scheduler_url": f"https://127.0.0.1:{self.ports.scheduler}",
+            "pid": os.getpid(),
+            "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
+            "ready": ready,
+        }
+        path = self.state_dir / STACK_FILE
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(info, indent=2))
+        scratch.replace(path)  # readers never see half a file
 
     def _start_nats_cluster(self) -> None:
         """NATS as a JetStream cluster; every bucket and stream then keeps a replica on up to
