@@ -108,10 +108,9 @@ def kind_of(manifest: Manifest) -> Kind:
     check(manifest)
     kind = by_kind(manifest.kind)
     if kind is None:
-        quoted = manifest.quote("kind:")
         raise ManifestError(
             f"{manifest.where}: kind {manifest.kind!r} is not one tessera applies "
-            f"({', '.join(k.kind for k in KINDS)})" + (f": {quoted}" if quoted else "")
+            f"({', '.join(k.kind for k in KINDS)}): \"kind: {manifest.kind}\""
         )
     return kind
 
@@ -147,7 +146,7 @@ def apply_one(client: KubeClient, manifest: Manifest, namespace: str) -> str:
             shown = ", ".join(frozen[:4]) + (f" and {len(frozen) - 4} more" if len(frozen) > 4
                                              else "")  # fmt: skip
             raise ApiError(
-                f"{label}: a pod's {shown} cannot change once it exists (Kubernetes allows only "
+                f"a pod's {shown} cannot change once it exists (Kubernetes allows only "
                 f"labels, annotations and images): delete it and apply again", 422, "Invalid"
             )
     patch = merge_patch(previous if isinstance(previous, dict) else {}, doc)

@@ -80,10 +80,10 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]]) -> str:
     if why:
         out.append("Scheduling:")
         out += [f"  {line}" for line in why]
-    annotations = meta.get("annotations") or {}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k != "kubectl.kubernetes.io/last-applied-configuration"}
     out.append("Annotations:" + ("" if annotations else "  <none>"))
-    out += [f"  {key}: {annotations[key]}" for key in sorted(annotations)
-            if key != "kubectl.kubernetes.io/last-applied-configuration"]
+    out += [f"  {key}: {annotations[key]}" for key in sorted(annotations)]
     out.append("Events:" + ("" if events else "       <none>"))
     if events:
         rows = []

@@ -393,6 +393,19 @@ class LocalStack:
         self.running = [r for r in self.running if r.spec.name != spec.name] + [running]
         return running
 
+    @staticmethod
+    def _terminate(group: list[RunningService], timeout_s: float = 8.0) -> None:
+        for running in group:
+            if running.proc.poll() is None:
+                running.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for running in group:
+            try:
+                running.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running.proc.kill()
+                running.proc.wait()
+
     def find(self, name: str) -> RunningService:
         return next(r for r in self.running if r.spec.name == name)
 
@@ -418,16 +431,12 @@ class LocalStack:
                 running.proc.wait()
 
     def stop(self) -> None:
-        for running in reversed(self.running):
-            if running.proc.poll() is None:
-                running.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 8.0
-        for running in reversed(self.running):
-            try:
-                running.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                running.proc.kill()
-                running.proc.wait()
+        """In order: the services (together), then kube-sim once nothing watches it any more,
+        then NATS once nothing uses it; each within bounded time (SIGTERM, then SIGKILL)."""
+        services = [r for r in reversed(self.running) if r.spec.module != "tessera.kube_sim"]
+        control_plane = [r for r in self.running if r.spec.module == "tessera.kube_sim"]
+        for group in (services, control_plane):
+            self._terminate(group)
         if self.nats is not None:
             self.nats.stop()
         if self.nats_cluster is not None:
