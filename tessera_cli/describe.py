@@ -4,6 +4,7 @@ HAMi's codes) and the pod's Kubernetes Events (FilteringFailed, BindingSucceed, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,61 @@ def pod_events(client: KubeClient, namespace: str, pod: dict[str, Any]) -> list[
     return sorted(chosen, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
 
 
-def explanation(pod: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
+_MEMORY_REFUSAL = re.compile(r"\b(\d+/\d+ CardInsufficientMemory)\b(?! \()")
+
+
+def free_memory(client: KubeClient, node: str) -> list[tuple[int, int]]:
+    """(GPU memory, MiB not granted) of each GPU the node registered, from its register
+    annotation and the grants recorded on the pods bound to it."""
+    from tessera.hami import ANN_NODE_REGISTER, decode_node_register
+
+    try:
+        meta = client.get(f"/api/v1/nodes/{node}").get("metadata") or {}
+        devices = decode_node_register((meta.get("annotations") or {})[ANN_NODE_REGISTER])
+        bound = client.get(f"/api/v1/pods?fieldSelector=spec.nodeName%3D{node}")
+    except (CliError, KeyError, ValueError):
+        return []
+    used: dict[str, int] = {}
+    for other in bound.get("items") or []:
+        if (other.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for container in pod_gpus(other):
+            for grant in container:
+                used[grant["uuid"]] = used.get(grant["uuid"], 0) + grant["memory_mib"]
+    return [(d.memory_mib, d.memory_mib - used.get(d.uuid, 0)) for d in devices]
+
+
+def memory_figures(client: KubeClient, pod: dict[str, Any], node: str) -> str:
+    """`needs 8000 MiB, best has 6000` for a node that refused the pod for memory ('' when
+    the figures cannot be known)."""
+    from tessera.hami import RequestError, parse_pod_request
+    from tessera.settings import TesseraSettings
+
+    try:
+        requests = [r for r in parse_pod_request(pod, TesseraSettings()).all if r is not None]
+    except RequestError:
+        return ""
+    gpus = free_memory(client, node)
+    if not requests or not gpus:
+        return ""
+    total, best = max(gpus, key=lambda g: g[1])
+    needs = max(r.memory_on(total) for r in requests)
+    return f"needs {needs} MiB, best has {max(best, 0)}"
+
+
+def with_figures(client: KubeClient, pod: dict[str, Any], line: str) -> str:
+    """A node's refusal (`node: 2/2 CardInsufficientMemory`) with the memory figures added."""
+    node, sep, reasons = line.partition(": ")
+    if not sep or not _MEMORY_REFUSAL.search(reasons):
+        return line
+    figures = memory_figures(client, pod, node.strip())
+    if not figures:
+        return line
+    return f"{node}: " + _MEMORY_REFUSAL.sub(lambda m: f"{m.group(1)} ({figures})", reasons, 1)
+
+
+def explanation(pod: dict[str, Any], events: list[dict[str, Any]],
+                client: KubeClient | None = None) -> list[str]:
     """Why the pod is where it is, from the scheduler: its latest refusal node by node (the
     FilteringFailed event), else kube-scheduler's summary; nothing once it is placed."""
     if (pod.get("spec") or {}).get("nodeName"):
@@ -51,13 +106,17 @@ def explanation(pod: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
         head, _, per_node = message.partition("): ")
         if per_node:
             lines.append(head + "):")
-            lines += [f"  {readable(part.strip())}" for part in per_node.split("; ") if part]
+            for part in per_node.split("; "):
+                if part.strip():
+                    part = with_figures(client, pod, part.strip()) if client else part.strip()
+                    lines.append(f"  {readable(part)}")
         else:
             lines.append(readable(message))
     return lines
 
 
-def render_pod(pod: dict[str, Any], events: list[dict[str, Any]]) -> str:
+def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
+               client: KubeClient | None = None) -> str:
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
@@ -76,7 +135,7 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]]) -> str:
         for g in devices:
             out.append(f"  {name}: {short_uuid(g['uuid'])} ({g['type']}) "
                        f"{g['memory_mib']} MiB, {g['cores']}% compute   [{g['uuid']}]")
-    why = explanation(pod, events)
+    why = explanation(pod, events, client)
     if why:
         out.append("Scheduling:")
         out += [f"  {line}" for line in why]
@@ -115,6 +174,7 @@ def register(app: typer.Typer) -> None:
             with api_client(state_dir, kubeconfig) as client:
                 pod = client.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
                 events = pod_events(client, namespace, pod)
+                text = render_pod(pod, events, client)
         except CliError as error:
             fail(error)
-        print(render_pod(pod, events))
+        print(text)

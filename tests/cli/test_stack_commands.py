@@ -113,8 +113,9 @@ def test_describe_explains_a_pod_that_cannot_fit(state: Path) -> None:
         return out if "FilteringFailed" in out and "Scheduling:" in out else None
 
     out = wait_for("the scheduler's explanation", explained)
-    assert "2 of 2 GPUs: not enough memory" in out, out
-    assert "CardInsufficientMemory" in out  # HAMi's code kept alongside
+    # In words, with the figures (the bigger GPU has 8000 - 2000 MiB left) and HAMi's code.
+    assert "2 of 2 GPUs: not enough memory (needs 9000 MiB, best has 6000; " \
+           "CardInsufficientMemory)" in out, out
     assert f"{NODE}:" in out
 
 
