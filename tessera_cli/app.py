@@ -6,11 +6,11 @@ without importing any, and `tessera get pods` imports the pods module alone (ben
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, NamedTuple
+import sys
+from typing import TYPE_CHECKING, NamedTuple
 
-import typer
-from typer.core import TyperGroup
+if TYPE_CHECKING:
+    import typer
 
 
 class CommandEntry(NamedTuple):
@@ -64,37 +64,19 @@ COMMANDS: dict[str, CommandEntry] = {
 }
 
 
-class LazyGroup(TyperGroup):
-    """A Typer group whose commands are imported on first use."""
-
-    def list_commands(self, ctx: Any) -> list[str]:
-        return list(COMMANDS)
-
-    def get_command(self, ctx: Any, cmd_name: str) -> Any:
-        if cmd_name not in self.commands and cmd_name in COMMANDS:
-            self.load(cmd_name)
-        return self.commands.get(cmd_name)
-
-    def load(self, cmd_name: str) -> None:
-        module = importlib.import_module(COMMANDS[cmd_name].module)
-        holder = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
-        module.register(holder)
-        group = typer.main.get_group(holder)
-        for name, command in group.commands.items():
-            self.commands.setdefault(name, command)
-
-    def format_commands(self, ctx: Any, formatter: Any) -> None:
-        rows = [(name, entry.help) for name, entry in COMMANDS.items()]
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
+DESCRIPTION = ("Tessera: GPU sharing for Kubernetes (HAMi-compatible). Run a local stack, apply "
+               "and inspect pods, watch events, manage quotas and limits.")
 
 
 def build_app() -> typer.Typer:
+    import typer
+
+    from .group import LazyGroup
+
     app = typer.Typer(
         name="tessera",
         cls=LazyGroup,
-        help="Tessera: GPU sharing for Kubernetes (HAMi-compatible). Run a local stack, apply "
-        "and inspect pods, watch events, manage quotas and limits.",
+        help=DESCRIPTION,
         no_args_is_help=True,
         add_completion=False,
         rich_markup_mode=None,  # plain help: no rich import for `tessera --help`
@@ -108,7 +90,28 @@ def build_app() -> typer.Typer:
     return app
 
 
+def top_level_help(width: int = 80) -> str:
+    """What `tessera --help` prints, from the table alone (no CLI framework imported): the
+    same text click renders for the app (a test compares them)."""
+    import textwrap
+
+    name_width = max(len(name) for name in COMMANDS)
+    lines = ["Usage: tessera [OPTIONS] COMMAND [ARGS]...", ""]
+    lines += textwrap.wrap(DESCRIPTION, width - 2, initial_indent="  ", subsequent_indent="  ")
+    lines += ["", "Options:", "  --help  Show this message and exit.", "", "Commands:"]
+    indent = " " * (name_width + 4)
+    for name, entry in COMMANDS.items():
+        wrapped = textwrap.wrap(entry.help, width - len(indent)) or [""]
+        lines.append(f"  {name.ljust(name_width)}  {wrapped[0]}")
+        lines += [indent + rest for rest in wrapped[1:]]
+    return "\n".join(lines)
+
+
 def main() -> None:
+    args = sys.argv[1:]
+    if args == ["--help"]:  # the commonest call, answered without importing typer
+        print(top_level_help())
+        return
     build_app()(prog_name="tessera")
 
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tessera_cli.app import COMMANDS, LazyGroup, build_app
+from tessera_cli.app import COMMANDS, build_app
+from tessera_cli.group import LazyGroup
 
 PROBE = """
 import json, sys
@@ -32,7 +33,17 @@ def loaded(*args: str) -> set[str]:
 def test_help_imports_no_command_module() -> None:
     modules = loaded("--help")
     assert sorted(m for m in modules if m.startswith("tessera_cli.")) == ["tessera_cli.app"]
-    assert not [m for m in modules if m.split(".")[0] in HEAVY]
+    assert not [m for m in modules if m.split(".")[0] in (*HEAVY, "typer")]
+
+
+def test_the_quick_help_is_what_the_framework_prints() -> None:
+    from typer.testing import CliRunner
+
+    from tessera_cli.app import top_level_help
+
+    shown = CliRunner().invoke(build_app(), ["--help"], terminal_width=80)
+    assert shown.exit_code == 0
+    assert shown.output == top_level_help() + "\n"
 
 
 def test_get_pods_imports_its_module_and_no_heavy_library(tmp_path) -> None:
