@@ -132,6 +132,7 @@ def run_foreground(stack: LocalStack, nodes: list[SimNode], apply: Path | None,
             _live(stack, console, stop, duration)
         else:
             _quiet(stop, duration)
+            print(_pods_listing(stack), flush=True)
     except KeyboardInterrupt:
         code = 0
     finally:
@@ -145,6 +146,19 @@ def run_foreground(stack: LocalStack, nodes: list[SimNode], apply: Path | None,
             print(f"  {running.spec.name}: {running.status}", flush=True)
         print("tessera: stopped", flush=True)
     return code
+
+
+def _pods_listing(stack: LocalStack) -> str:
+    """`tessera get pods -A` as it stands (left in logs when the stack stops by itself)."""
+    from .kube import KubeClient, KubeConfig
+    from .pods import pod_summary, pods_table
+
+    try:
+        with KubeClient(KubeConfig(server=stack.api_url), timeout_s=5.0) as client:
+            pods = [pod_summary(p) for p in client.get("/api/v1/pods").get("items") or []]
+    except CliError as error:
+        return f"(no pod list: {error})"
+    return pods_table(pods, all_namespaces=True) if pods else "(no pods)"
 
 
 def _quiet(stop: threading.Event, duration: float | None) -> None:
