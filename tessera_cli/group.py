@@ -30,6 +30,16 @@ class LazyGroup(TyperGroup):
         for name, command in group.commands.items():
             self.commands.setdefault(name, command)
 
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in COMMANDS:
+            from difflib import get_close_matches
+
+            close = get_close_matches(name, list(COMMANDS))
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            ctx.fail(f"No such command {name!r}.{hint}")
+        return super().resolve_command(ctx, args)
+
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         rows = [(name, entry.help) for name, entry in COMMANDS.items()]
         with formatter.section("Commands"):
