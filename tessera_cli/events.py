@@ -86,6 +86,8 @@ async def _tail(
                 break
             except Exception as exc:  # no event stream here, permissions, NATS gone
                 reason = str(exc) or type(exc).__name__
+                if "stream not found" in reason:
+                    reason = "this NATS has no Tessera event stream (no service has run on it)"
                 raise CliError(f"cannot read the event stream: {reason}") from None
             event = received.event
             if as_json:
