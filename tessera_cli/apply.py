@@ -169,10 +169,16 @@ _NEEDLES = (
 
 
 def quote_for(manifest: Manifest, message: str) -> str:
-    """The line of the manifest an API error is about, quoted (when one can be found)."""
+    """The line of the manifest an API error is about, quoted (when one can be found): a
+    resource name or field the message names, else an extended resource (`nvidia.com/gpumem:`)
+    whose short name it uses ("gpumem 0 used + 10000 requested")."""
     for pattern in _NEEDLES:
         for match in pattern.finditer(message):
             quoted = manifest.quote(match.group(0))
             if quoted:
                 return quoted
+    for word in re.findall(r"[a-z][a-z-]{2,}", message):
+        quoted = manifest.quote(f"/{word}:")
+        if quoted:
+            return quoted
     return ""

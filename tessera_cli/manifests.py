@@ -27,6 +27,7 @@ class Manifest:
     line: int  # where the document starts, 1-based
     text: str  # the document's own text
     doc: dict[str, Any]
+    start: int = 0  # the line `text` starts at (before comments), 1-based; 0: same as `line`
 
     @property
     def where(self) -> str:
@@ -43,8 +44,8 @@ class Manifest:
     def quote(self, needle: str) -> str:
         """`file:line: "the line"` for the first line of this document holding `needle`."""
         for offset, line in enumerate(self.text.splitlines()):
-            if needle and needle in line:
-                return f'{self.source}:{self.line + offset}: "{line.strip()}"'
+            if needle and needle in line and not line.lstrip().startswith("#"):
+                return f'{self.source}:{(self.start or self.line) + offset}: "{line.strip()}"'
         return ""
 
 
@@ -104,14 +105,15 @@ def parse(source: str, text: str) -> list[Manifest]:
             continue
         first = next((i for i, line in enumerate(chunk.splitlines()) if line.strip()
                       and not line.lstrip().startswith("#")), 0)  # fmt: skip
-        manifest = Manifest(source, start + first, chunk, doc if isinstance(doc, dict) else {})
+        manifest = Manifest(source, start + first, chunk, doc if isinstance(doc, dict) else {},
+                            start)
         if not isinstance(doc, dict):
             raise ManifestError(f"{manifest.where}: expected an object with apiVersion, kind "
                                 f'and metadata: "{chunk.strip().splitlines()[0][:80]}"')
         if doc.get("kind") == "List" and isinstance(doc.get("items"), list):
             for item in doc["items"]:
                 if isinstance(item, dict):
-                    manifests.append(Manifest(source, manifest.line, chunk, item))
+                    manifests.append(Manifest(source, manifest.line, chunk, item, start))
             continue
         manifests.append(manifest)
     return manifests

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera_cli.apply import diff_paths, merge_patch, subset_diff
+from tessera_cli.apply import diff_paths, merge_patch, quote_for, subset_diff
 from tessera_cli.manifests import ManifestError, check, load, parse
 
 POD = """apiVersion: v1
@@ -72,3 +72,14 @@ def test_changes_are_named_by_field_path() -> None:
     assert subset_diff(old, server) == []  # what the server added is no change
     assert merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1, "d": 3}, "e": 4}) == {
         "a": None, "b": {"d": 3}, "e": 4}
+
+
+def test_a_refusal_quotes_the_line_it_is_about() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "06-quota-denied.yaml"
+    [manifest] = load([str(example)])
+    denial = ("exceeding resource quota in namespace team-a: gpumem 0 used + 10000 requested "
+              "> 8000 MiB limit")
+    assert quote_for(manifest, denial) == f'{example}:16: "nvidia.com/gpumem: 5000"'
+    field = 'spec.containers[0].resources.limits[nvidia.com/gpucores]: Invalid value: "x"'
+    assert quote_for(manifest, field) == f'{example}:17: "nvidia.com/gpucores: 10"'
+    assert quote_for(manifest, "something else entirely") == ""
