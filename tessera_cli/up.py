@@ -186,15 +186,19 @@ def _live(stack: LocalStack, console: Any, stop: threading.Event, duration: Any)
         console.print(f"[bold]dashboard:[/bold] {stack.dashboard_url}")
 
 
+def refuse_a_second_stack(state_dir: Path) -> None:
+    info = read_stack_info(state_dir)
+    if info.get("pid") and int(info["pid"]) != os.getpid() and _alive(int(info["pid"])):
+        raise CliError(f"a stack is already running from {state_dir} (pid {info['pid']}); "
+                       "`tessera down` stops it")
+
+
 def start_detached(args: list[str], state_dir: Path, timeout_s: float) -> None:
     """`tessera up ARGS` in the background (its own session, output in logs/up.log); returns
     once its stack file says ready, or CliError with what went wrong."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "logs").mkdir(exist_ok=True)
-    info = read_stack_info(state_dir)
-    if info.get("pid") and _alive(int(info["pid"])):
-        raise CliError(f"a stack is already running from {state_dir} (pid {info['pid']}); "
-                       "`tessera down` stops it")
+    refuse_a_second_stack(state_dir)
     log_path = state_dir / "logs" / "up.log"
     with log_path.open("ab") as log:
         child = subprocess.Popen(
@@ -317,8 +321,11 @@ def register(app: typer.Typer) -> None:
                   f"{info.get('kubeconfig')} (pid {info.get('pid')}; `tessera down` stops it)")
             return
         try:
+            refuse_a_second_stack(directory)
             sim_nodes = choose_nodes(nodes, gpus_per_node, gpu_memory, gpu_model, numa_nodes,
                                      nodes_file)  # fmt: skip
+        except CliError as error:
+            fail(error)
         except (OSError, ValueError) as error:
             fail(f"--nodes-file: {error}")
         ports = StackPorts.free() if free_ports else StackPorts()

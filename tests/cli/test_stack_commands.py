@@ -128,6 +128,12 @@ def test_events_and_quota_find_nats_from_the_state_dir(state: Path) -> None:
     assert quotas.returncode == 0, quotas.stderr
 
 
+def test_a_second_stack_on_the_same_state_dir_is_refused(state: Path) -> None:
+    for args in (["up"], ["up", "--wait"]):
+        again = tessera(state, *args, "--free-ports")
+        assert again.returncode == 1 and "already running" in again.stderr, again.stderr
+
+
 def test_ctrl_c_stops_every_child_cleanly(state: Path) -> None:
     info = json.loads((state / "stack.json").read_text())
     pid = int(info["pid"])
