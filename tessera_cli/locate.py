@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
     from tessera.settings import NatsSettings
 
 STACK_FILE = "stack.json"
@@ -123,7 +125,9 @@ def _refused(url: str, timeout_s: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
-async def connect_nats(location: StackLocation, name: str, timeout_s: float = CONNECT_TIMEOUT_S):
+async def connect_nats(
+    location: StackLocation, name: str, timeout_s: float = CONNECT_TIMEOUT_S
+) -> NatsClient:
     """A NATS connection for one command, or CliError within `timeout_s` (nats-py itself would
     retry a server that is not there forever, printing a traceback each time)."""
     import asyncio
