@@ -112,7 +112,7 @@ def run_foreground(stack: LocalStack, nodes: list[SimNode], apply: Path | None,
     console = Console()
     interactive = sys.stdout.isatty()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # `tessera down`: as Ctrl-C, also while starting
     started = time.monotonic()
     code = 0
     try:
@@ -146,6 +146,10 @@ def run_foreground(stack: LocalStack, nodes: list[SimNode], apply: Path | None,
             print(f"  {running.spec.name}: {running.status}", flush=True)
         print("tessera: stopped", flush=True)
     return code
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _pods_listing(stack: LocalStack) -> str:
