@@ -83,11 +83,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--pods", type=int, default=40)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--binary", help="another `tessera` to time (an older checkout's venv)")
     options = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tessera-bench-cli-"))
     load_before = os.getloadavg()
     proc, kubeconfig = start_kube_sim(root, options.pods)
-    binary = tessera_binary()
+    binary = options.binary or tessera_binary()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "NATS_"))}
     commands = {
         "tessera --help": [binary, "--help"],
