@@ -11,10 +11,12 @@ DEMO_ARGS ?=
 all: dev native protos
 
 # The virtual environment with the project (editable) and its test tools.
+# pip's and setuptools' chatter goes to .venv/install.log, shown only if the install fails.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[dev]"
+	@echo "installing the project and its test tools into $(VENV) (log: $(VENV)/install.log)"
+	@{ $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q -e ".[dev]"; } \
+		> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	touch $(STAMP)
 
 dev: $(STAMP)
@@ -49,9 +51,11 @@ format: dev
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 # The local stack (NATS, kube-sim with 2 simulated nodes x 4 GPUs, every service) with the
-# examples applied; the live view ends with the dashboard URL. DEMO_ARGS="--duration 60" to stop.
-demo: dev native protos
-	$(BIN)/tessera up --nodes 2 --gpus-per-node 4 --apply examples $(DEMO_ARGS)
+# examples applied; the live view ends with the dashboard URL. Ctrl-C stops it;
+# DEMO_ARGS="--duration 60" stops by itself. Builds quietly first (errors still show).
+demo:
+	@$(MAKE) -s --no-print-directory dev native protos
+	@$(BIN)/tessera up --nodes 2 --gpus-per-node 4 --apply examples $(DEMO_ARGS)
 
 bench: dev native protos
 	@for script in bench/*.py; do \

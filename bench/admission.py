@@ -32,8 +32,8 @@ sys.path.insert(0, str(BENCH_DIR))
 
 from record import record_section  # noqa: E402
 
-from tessera.cli.certs import write_certificates  # noqa: E402
-from tessera.nats_embedded import EmbeddedNats, free_port  # noqa: E402
+from tessera_cli.certs import write_certificates  # noqa: E402
+from tessera_cli.nats_embedded import EmbeddedNats, free_port  # noqa: E402
 
 DURATION_S = float(os.environ.get("BENCH_ADMISSION_SECONDS", "6"))
 TARGET_RATE = 500

@@ -28,9 +28,9 @@ from tessera import bus_permissions as bp
 from tessera.bus import connect, ensure_bus, publish_event
 from tessera.codec import encode
 from tessera.models import AllocationEvent, NodeLedger
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
-from tessera.stack_auth import StackAuth
+from tessera_cli.nats_embedded import EmbeddedNats
+from tessera_cli.stack_auth import StackAuth
 
 ROUNDS = 5
 

@@ -22,7 +22,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import record_section
 
-from tessera.stack import (
+from tessera_cli.stack import (
     LocalStack,
     StackPorts,
     default_services,

@@ -37,8 +37,8 @@ from tessera.models import (
     NodeRegistration,
     UsageSample,
 )
-from tessera.nats_embedded import EmbeddedNats, free_port
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from record import record_section

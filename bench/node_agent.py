@@ -31,8 +31,8 @@ from tessera.models import (
     NodeLedger,
     now,
 )
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 PODS = 200
 LIVE_FOR_SAMPLING = 60

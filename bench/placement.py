@@ -45,7 +45,7 @@ from tessera.models import (
     NodeLedger,
     NodeRegistration,
 )
-from tessera.nats_embedded import EmbeddedNats
+from tessera_cli.nats_embedded import EmbeddedNats
 
 GPUS = 8
 RUN_LIMIT_S = 180.0

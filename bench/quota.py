@@ -33,8 +33,8 @@ from tessera.models import (
     QuotaState,
     QuotaStatusRequest,
 )
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 
 def start_replica(url: str) -> subprocess.Popen[bytes]:

@@ -46,8 +46,8 @@ from tessera.models import (
     NodeLedger,
     NodeRegistration,
 )
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 GIB = 1024
 GPUS = 8

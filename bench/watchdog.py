@@ -36,7 +36,6 @@ from tessera.node_agent.watchdog_rules import WatchdogPolicy
 from tessera.bus import connect, ensure_bus
 from tessera.codec import encode
 from tessera.models import Allocation, AllocationState, DeviceGrant, NodeLedger
-from tessera.nats_embedded import EmbeddedNats
 from tessera.region import (
     MAX_PROCS,
     REGION_MAGIC,
@@ -48,6 +47,7 @@ from tessera.region import (
     seal_limits,
 )
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = 8

@@ -2,7 +2,7 @@
 the names in tessera.bus, and the nats-server `authorization` block generated from it.
 
 The table is the one source for the server config (`tessera nats-config`), the local stack's
-users (tessera.stack) and docs/security.md. Each role lists exactly the subjects it publishes
+users (tessera_cli.stack) and docs/security.md. Each role lists exactly the subjects it publishes
 and subscribes to, including the JetStream API subjects behind what nats-py does for it:
 
 - KV read: `$JS.API.STREAM.MSG.GET.KV_<bucket>` (or DIRECT.GET when the bucket allows it);

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tessera.models import DeviceGrant, DeviceInfo
-from tessera.settings import TesseraSettings
+if TYPE_CHECKING:  # imported where used: the CLI reads annotations without loading pydantic
+    from tessera.models import DeviceGrant, DeviceInfo
+    from tessera.settings import TesseraSettings
 
 # --- annotation and label keys ----------------------------------------------------------------
 ANN_DEVICES_TO_ALLOCATE = "hami.io/vgpu-devices-to-allocate"
@@ -348,15 +349,16 @@ def encode_pod_devices(containers: list[list[DeviceGrant]]) -> str:
     return "".join(out)
 
 
-def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
-    """Inverse of encode_pod_devices; ValueError on a malformed annotation."""
+def parse_pod_devices(text: str) -> list[list[tuple[str, str, int, int]]]:
+    """The annotation as (uuid, type, MiB, cores) per device, per container; ValueError on a
+    malformed annotation. No models: cheap for a reader such as `tessera get pods`."""
     if text == "":
         return []
     if not text.endswith(";"):
         raise ValueError(f"{ANN_DEVICES_TO_ALLOCATE}: must end with ';': {text[:80]!r}")
-    containers: list[list[DeviceGrant]] = []
+    containers: list[list[tuple[str, str, int, int]]] = []
     for part in text.split(";")[:-1]:
-        devices: list[DeviceGrant] = []
+        devices: list[tuple[str, str, int, int]] = []
         if part:
             if not part.endswith(":"):
                 raise ValueError(f"device list must end with ':': {part[:80]!r}")
@@ -366,12 +368,26 @@ def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
                     raise ValueError(f"device must be UUID,TYPE,MEM,CORES: {item[:80]!r}")
                 uuid, dtype, mem, cores = fields
                 try:
-                    devices.append(
-                        DeviceGrant(uuid=uuid, type=dtype, memory_mib=int(mem), cores=int(cores))
-                    )
+                    devices.append((uuid, dtype, int(mem), int(cores)))
                 except ValueError as exc:
                     raise ValueError(f"bad memory/cores in {item[:80]!r}") from exc
         containers.append(devices)
+    return containers
+
+
+def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
+    """Inverse of encode_pod_devices; ValueError on a malformed annotation."""
+    from tessera.models import DeviceGrant
+
+    containers: list[list[DeviceGrant]] = []
+    for devices in parse_pod_devices(text):
+        grants = []
+        for uuid, dtype, mem, cores in devices:
+            try:
+                grants.append(DeviceGrant(uuid=uuid, type=dtype, memory_mib=mem, cores=cores))
+            except ValueError as exc:
+                raise ValueError(f"bad memory/cores in {uuid},{dtype},{mem},{cores}") from exc
+        containers.append(grants)
     return containers
 
 
@@ -402,6 +418,8 @@ def encode_node_register(devices: list[DeviceInfo]) -> str:
 def decode_node_register(text: str) -> list[DeviceInfo]:
     """Either form: the JSON array, or the legacy `UUID,count,devmem,devcore,type,numa,health
     [,index,mode]` items joined by ':'."""
+    from tessera.models import DeviceInfo
+
     text = text.strip()
     if text.startswith("["):
         try:

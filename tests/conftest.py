@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from tessera.bus import Buckets, connect, ensure_bus
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
-from tessera.stack_auth import StackAuth
+from tessera_cli.nats_embedded import EmbeddedNats
+from tessera_cli.stack_auth import StackAuth
 
 # The GPU nodes the authenticated server has identities for (a dotted name included).
 AUTH_NODES = ("node-a", "node-b", "gpu.node-c")

@@ -19,7 +19,7 @@ from tessera.kube_sim.settings import KubeSimSettings
 from tessera.kube_sim.store import KubeObject, ObjectStore, now_rfc3339
 
 from tessera.settings import TesseraSettings
-from tessera.stack import SimNode
+from tessera.simnodes import SimNode
 
 log = logging.getLogger("tessera.kube_sim")
 

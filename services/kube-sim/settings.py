@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tessera.stack import SimNode, load_nodes
+from tessera.simnodes import SimNode, load_nodes
 
 
 class KubeSimSettings(BaseSettings):

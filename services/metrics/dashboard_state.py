@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tessera.gpuid import short_uuid
+
 from .summary import MIB, GpuSummary, Slice, summarise
 from .view import ClusterView
 
@@ -31,6 +33,7 @@ def _gpu(gpu: GpuSummary) -> dict[str, Any]:
     device = gpu.device
     return {
         "uuid": device.uuid,
+        "short_uuid": short_uuid(device.uuid),  # the CLI shows the same (tessera.gpuid)
         "index": device.index,
         "type": device.type,
         "memory_mib": device.memory_mib,

@@ -12,6 +12,7 @@ import re
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from tessera.gpuid import short_uuid
 from tessera.models import (
     AdmissionEvent,
     Allocation,
@@ -232,7 +233,7 @@ class ClusterView:
         detail = ""
         if grants:
             detail = ": " + ", ".join(
-                f"{g.memory_mib} MiB + {g.cores}% of GPU …{g.uuid[-12:]}" for g in grants[:4])
+                f"{g.memory_mib} MiB + {g.cores}% of {short_uuid(g.uuid)}" for g in grants[:4])
             if len(grants) > 4:
                 detail += f" and {len(grants) - 4} more"
         severity = {"failed": "error", "mismatch": "error", "released": "muted"}.get(
@@ -279,8 +280,8 @@ class ClusterView:
         self.breached.setdefault(event.pod_uid, {})[event.device_uuid] = event.breach
         where = f"{event.namespace}/{event.pod}" if event.pod else event.pod_uid
         self._remember(event, "limit", event.action, event.node,
-                       f"{where} breached its {event.breach} limit on GPU …"
-                       f"{event.device_uuid[-12:]} ({event.action})", "error")
+                       f"{where} breached its {event.breach} limit on "
+                       f"{short_uuid(event.device_uuid)} ({event.action})", "error")
 
     def _on_admission(self, event: AdmissionEvent) -> None:
         self.admission_events[(event.namespace, event.action)] += 1
@@ -302,7 +303,7 @@ class ClusterView:
         if event.action == "lost" and registration and registration.heartbeat_at <= event.at:
             # The scheduler saw it go (its KV entry expired): not registered any more.
             self.nodes.pop(event.node, None)
-        gpus = f" ({', '.join(event.device_uuids)})" if event.device_uuids else ""
+        gpus = f" ({', '.join(map(short_uuid, event.device_uuids))})" if event.device_uuids else ""
         self._remember(event, "node", event.action, event.node,
                        f"node {event.node} {event.action}{gpus}",
                        NODE_EVENT_SEVERITY.get(event.action, "error"))

@@ -10,8 +10,8 @@ from tessera.admission.app import AdmissionApp
 from tessera.admission.metrics import AdmissionMetrics
 
 from tessera.bus import connect, ensure_events_stream
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 
 @pytest.fixture(scope="package")

@@ -22,11 +22,11 @@ from tessera.admission.service import run_admission, tls_files
 from typer.testing import CliRunner
 
 from tessera.bus import Buckets
-from tessera.cli.app import build_app
-from tessera.cli.certs import CertificateFiles, write_certificates
-from tessera.nats_embedded import free_port
 from tessera.service import ServiceContext
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.app import build_app
+from tessera_cli.certs import CertificateFiles, write_certificates
+from tessera_cli.nats_embedded import free_port
 
 
 @pytest.fixture

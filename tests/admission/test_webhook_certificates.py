@@ -29,7 +29,7 @@ from tessera.kube_sim.kubeconfig import write_kubeconfig
 from tessera.kube_sim.store import ObjectStore
 
 from tessera.cluster.kubernetes_api import KubeClientSettings, KubernetesCluster
-from tessera.nats_embedded import free_port
+from tessera_cli.nats_embedded import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from test_charts import (
 )
 
 from tessera import bus_permissions as bp
-from tessera.cli.nats_config import secret_name
+from tessera_cli.nats_config import secret_name
 
 SERVICES = {"admission": bp.ADMISSION, "scheduler": bp.SCHEDULER, "quota": bp.QUOTA,
             "metrics": bp.METRICS}

@@ -16,8 +16,8 @@ from nats.errors import NoServersError
 from test_compose import run_compose
 
 from tessera import bus_permissions as bp
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 BUS_SERVICES = {
     "admission": (bp.ADMISSION, None),
@@ -99,7 +99,7 @@ def run_job(resolved: dict, root: Path) -> dict[str, Path]:
     owner = args.index("--owner")
     del args[owner:owner + 2]  # not root here; ownership is the container's business
     args = [str(root) + a if a.startswith(("/nats-auth", "/nats-cred")) else a for a in args]
-    result = subprocess.run([sys.executable, "-m", "tessera", *args],
+    result = subprocess.run([sys.executable, "-m", "tessera_cli", *args],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return {target: root / target.lstrip("/") for target in job}

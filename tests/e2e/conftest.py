@@ -22,7 +22,7 @@ import pytest
 
 from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
 from tessera.models import DeviceGrant
-from tessera.stack import LocalStack, SimNode, StackPorts, default_services, short_socket_root
+from tessera_cli.stack import LocalStack, SimNode, StackPorts, default_services, short_socket_root
 
 
 class Kube:

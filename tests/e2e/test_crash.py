@@ -27,7 +27,7 @@ from tessera.bus import connect, ensure_bus
 from tessera.codec import decode
 from tessera.models import Allocation, NodeLedger
 from tessera.settings import NatsSettings, TesseraSettings
-from tessera.stack import SimNode
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 from .test_scenarios import sealed_memory_mib

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tessera.cli.up import apply_directory
-from tessera.stack import make_nodes
+from tessera_cli.stack import make_nodes
+from tessera_cli.up import apply_directory
 
 from .conftest import RunningStack, grants, start_stack
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli.app import build_app
 from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
-from tessera.stack import EXTENDER_CLIENT_NAME, SimNode
+from tessera_cli.app import build_app
+from tessera_cli.stack import EXTENDER_CLIENT_NAME, SimNode
 
 from .conftest import RunningStack, gpu_pod, gpu_uuid, start_stack
 

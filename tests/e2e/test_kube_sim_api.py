@@ -21,7 +21,7 @@ from tessera.kube_sim.store import ObjectStore, StoreError
 
 from tessera.cluster.kubernetes_api import KubeClientSettings, KubernetesCluster
 from tessera.cluster.port import ConflictError, NotFoundError, ObjectRef
-from tessera.nats_embedded import free_port
+from tessera_cli.nats_embedded import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,7 +200,7 @@ def test_unschedulable_message_counts_reasons_like_kube_scheduler() -> None:
 
 
 def test_nodes_file_shapes_kube_sim_and_one_agent_per_node(tmp_path: Path) -> None:
-    from tessera.stack import StackPorts, default_services, load_nodes
+    from tessera_cli.stack import StackPorts, default_services, load_nodes
 
     nodes_file = tmp_path / "nodes.yaml"
     nodes_file.write_text(

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tessera.stack import make_nodes
+from tessera_cli.stack import make_nodes
 
 from .conftest import RunningStack, grants, start_stack
 

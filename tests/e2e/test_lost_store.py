@@ -22,7 +22,7 @@ import pytest
 from tessera.bus import connect, read
 from tessera.models import NodeLedger
 from tessera.settings import NatsSettings
-from tessera.stack import SimNode
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 

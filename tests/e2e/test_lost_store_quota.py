@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 
 from tessera import bus
 from tessera.bus import connect
-from tessera.cli.app import build_app
 from tessera.codec import decode, encode, peek_schema
 from tessera.models import ErrorReply, QuotaReply, QuotaRequest, QuotaStatusRequest
-from tessera.stack import SimNode
+from tessera_cli.app import build_app
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, start_stack
 

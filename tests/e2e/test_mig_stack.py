@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tessera.stack import SimNode
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 
@@ -90,8 +90,8 @@ def test_tessera_up_mig_flag_needs_a_mig_capable_model() -> None:
     strategy is refused with the reason (before anything starts)."""
     import typer
 
-    from tessera.cli.up import with_mig
-    from tessera.stack import make_nodes, node_agent_env
+    from tessera_cli.stack import make_nodes, node_agent_env
+    from tessera_cli.up import with_mig
 
     nodes = with_mig(make_nodes(2, 1, 81920, "NVIDIA A100-SXM4-80GB"), "mixed")
     assert {n.mig for n in nodes} == {"mixed"}

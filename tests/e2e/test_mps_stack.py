@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tessera.stack import SimNode
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, gpu_uuid, grants, start_stack
 

@@ -19,9 +19,9 @@ import pytest
 
 from tessera.bus import LEDGER_BUCKET, connect, read
 from tessera.models import Allocation, NodeLedger
-from tessera.nats_embedded import ClusterMember
 from tessera.settings import NatsSettings
-from tessera.stack import SimNode
+from tessera_cli.nats_embedded import ClusterMember
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli.app import build_app
-from tessera.stack import SimNode
+from tessera_cli.app import build_app
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, start_stack
 

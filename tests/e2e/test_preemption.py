@@ -23,11 +23,11 @@ from typer.testing import CliRunner
 
 from tessera import bus
 from tessera.bus import connect
-from tessera.cli.app import build_app
 from tessera.codec import decode
 from tessera.models import NodeLedger, NodeRegistration, PreemptionEvent
 from tessera.region import MAX_PROCS, REGION_MAGIC, VERSION_MAJOR, VERSION_MINOR, RegionC
-from tessera.stack import SimNode
+from tessera_cli.app import build_app
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 

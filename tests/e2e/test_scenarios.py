@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli.app import build_app
 from tessera.region import read_limits
-from tessera.stack import SimNode
+from tessera_cli.app import build_app
+from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, gpu_uuid, grants, start_stack
 

@@ -15,7 +15,7 @@ from tessera.bus import connect, ensure_bus
 from tessera.codec import decode
 from tessera.models import NodeLedger
 from tessera.settings import NatsSettings, TesseraSettings
-from tessera.stack import EXTENDER_CLIENT_NAME, SimNode
+from tessera_cli.stack import EXTENDER_CLIENT_NAME, SimNode
 
 from .conftest import RunningStack, gpu_pod, start_stack
 

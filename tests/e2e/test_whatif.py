@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tessera.cli.app import build_app
-from tessera.cli.whatif import load_trace, snapshot
 from tessera.hami import ANN_DEVICES_ALLOCATED
+from tessera_cli.app import build_app
+from tessera_cli.whatif import load_trace, snapshot
 
 
 def placed_pod(name: str, slices: list[tuple[str, int, int]]) -> dict:

@@ -90,3 +90,42 @@ def test_a_service_stops_cleanly_on_sigterm(nats_url: str) -> None:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
+
+
+# The `tessera` command and the local-stack runner: installed with the project, but no part of
+# the contract. Nothing a service runs may need them (nor their heavy imports).
+CLI_PACKAGE = "tessera_cli"
+
+
+def test_cli_package_is_separate_from_the_contract() -> None:
+    assert (ROOT / CLI_PACKAGE / "app.py").is_file()
+    assert not (ROOT / "tessera" / "cli").exists()
+    assert not (ROOT / "tessera" / "stack.py").exists()
+
+
+@pytest.mark.parametrize("folder", ["tessera", *(f"services/{s}" for s in SERVICES)])
+def test_no_service_and_no_contract_module_imports_the_cli(folder: str) -> None:
+    for path in (ROOT / folder).rglob("*.py"):
+        for name in imported_modules(path):
+            assert name != CLI_PACKAGE and not name.startswith(CLI_PACKAGE + "."), (
+                f"{path.relative_to(ROOT)} imports {name}: services and the shared contract "
+                f"must not depend on the CLI package"
+            )
+
+
+def test_importing_every_service_loads_no_cli_module() -> None:
+    """Also through the back door: a contract module that imports it indirectly."""
+    code = (
+        "import sys, importlib, pkgutil\n"
+        f"for name in {sorted(SERVICES.values())!r}:\n"
+        "    pkg = importlib.import_module(name)\n"
+        "    for m in pkgutil.iter_modules(pkg.__path__, name + '.'):\n"
+        "        if not m.name.endswith('__main__'):\n"
+        "            importlib.import_module(m.name)\n"
+        f"print(','.join(sorted(n for n in sys.modules if n.split('.')[0] == {CLI_PACKAGE!r})))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"a service loads {result.stdout.strip()}"

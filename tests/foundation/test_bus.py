@@ -24,8 +24,8 @@ from tessera.bus import (
 )
 from tessera.codec import encode
 from tessera.models import AllocationEvent, DeviceInfo, NodeLedger, NodeRegistration, QuotaState
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 
 def unique(prefix: str) -> str:

@@ -100,7 +100,7 @@ async def test_cli_prints_events_as_json_lines(nats_url: str, nc, buckets) -> No
         nc.jetstream(), QuotaEvent(action="exceeded", namespace=namespace, reason="over gpumem")
     )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tessera", "events", f"tessera.events.quota.{namespace}.>",
+        sys.executable, "-m", "tessera_cli", "events", f"tessera.events.quota.{namespace}.>",
         "--json", "--no-follow",
         env={**os.environ, "NATS_URL": nats_url}, stdout=asyncio.subprocess.PIPE,
     )
@@ -117,10 +117,10 @@ def test_events_doc_matches_the_models() -> None:
 
 
 def test_readable_cli_line_names_the_pod(nats_url: str) -> None:
-    from tessera.cli.events import describe
+    from tessera_cli.events import describe
 
     line = describe(alloc("node-1", "bound", "trainer"))
     assert line == "team-a/trainer bound on node-1 [GPU-1(3000MiB,30%)]"
     assert subprocess.run(
-        [sys.executable, "-m", "tessera", "events", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "tessera_cli", "events", "--help"], capture_output=True, text=True
     ).returncode == 0

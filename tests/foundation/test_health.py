@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tessera.health import answer
-from tessera.nats_embedded import free_port
+from tessera_cli.nats_embedded import free_port
 
 
 def test_probe_answers() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tessera.stack import KUBECONFIG_NAME, StackPorts, default_services, make_nodes
+from tessera_cli.stack import KUBECONFIG_NAME, StackPorts, default_services, make_nodes
 
 pytestmark = pytest.mark.timeout(240)
 

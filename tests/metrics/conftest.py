@@ -8,8 +8,8 @@ import pytest
 from metrics_testkit import Bus
 
 from tessera.bus import connect, ensure_bus
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 
 @pytest.fixture

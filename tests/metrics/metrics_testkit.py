@@ -23,8 +23,8 @@ from tessera.models import (
     NodeRegistration,
     UsageSample,
 )
-from tessera.nats_embedded import EmbeddedNats, free_port
 from tessera.settings import TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats, free_port
 
 GIB_MIB = 1024
 MIB = 1024 * 1024

@@ -10,9 +10,9 @@ import httpx
 from tessera.metrics.service import run
 
 from tessera.bus import BusKeeper, connect, ensure_bus
-from tessera.nats_embedded import EmbeddedNats, free_port
 from tessera.service import ServiceContext
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats, free_port
 
 
 async def readyz(url: str) -> int:

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tessera.nats_embedded import EmbeddedNats, free_port
+from tessera_cli.nats_embedded import EmbeddedNats, free_port
 
 
 def test_service_process_serves_and_stops_on_sigterm(fresh_nats: EmbeddedNats) -> None:

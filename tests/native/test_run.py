@@ -21,7 +21,7 @@ def run(native, tmp_path, args, stdin="", **env):
         e["ASAN_OPTIONS"] = "detect_leaks=0"
     e.update(env)
     return subprocess.run(
-        [sys.executable, "-m", "tessera.cli.app", "run", *args],
+        [sys.executable, "-m", "tessera_cli", "run", *args],
         input=stdin,
         env=e,
         capture_output=True,

@@ -149,7 +149,7 @@ async def test_limits_set_rewrites_the_sealed_limits(short_dir, nc, buckets, reg
 async def test_cli_limits_set(short_dir, nc, buckets, nats_url):
     from typer.testing import CliRunner
 
-    from tessera.cli.app import build_app
+    from tessera_cli.app import build_app
 
     async with running_rig(short_dir, nc, buckets) as rig:
         await admitted(rig, "cli", 2000)

@@ -9,9 +9,9 @@ from quota_testkit import call, unique_namespace
 from typer.testing import CliRunner
 
 from tessera import bus
-from tessera.cli.app import build_app
-from tessera.cli.quota import QuotaCliError, parse_count_limit, parse_memory_limit
 from tessera.models import QuotaAmount, QuotaRequest, QuotaStatusRequest
+from tessera_cli.app import build_app
+from tessera_cli.quota import QuotaCliError, parse_count_limit, parse_memory_limit
 
 
 async def run_cli(*args: str) -> tuple[int, str]:

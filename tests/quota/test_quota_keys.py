@@ -13,9 +13,9 @@ from test_resource_quotas import limits_of, resource_quota
 from typer.testing import CliRunner
 
 from tessera import bus
-from tessera.cli.app import build_app
 from tessera.cluster.memory import InMemoryCluster
 from tessera.models import QuotaAmount, QuotaSetRequest, QuotaStatusRequest
+from tessera_cli.app import build_app
 
 KEYS = qa.ResourceQuotaKeys.from_resource_names(
     "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores", "nvidia.com/gpumem-percentage"
@@ -129,7 +129,7 @@ def test_quota_process_serves_metrics_beside_its_probes(nats_url, tmp_path):
 
     import httpx
 
-    from tessera.nats_embedded import free_port
+    from tessera_cli.nats_embedded import free_port
 
     port = free_port()
     env = {**os.environ, "NATS_URL": nats_url, "TESSERA_LISTEN": f"127.0.0.1:{port}",

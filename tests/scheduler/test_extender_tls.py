@@ -15,8 +15,8 @@ import pytest
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
 
 from tessera.bus import Buckets
-from tessera.cli.certs import write_certificates, write_client_certificate
 from tessera.cluster.memory import InMemoryCluster
+from tessera_cli.certs import write_certificates, write_client_certificate
 
 from .conftest import MakeService, register, unique, wait_until
 from .factories import container, node, pod

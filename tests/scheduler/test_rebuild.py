@@ -12,9 +12,9 @@ from tessera.bus import Buckets, connect, ensure_bus
 from tessera.cluster.memory import InMemoryCluster
 from tessera.cluster.port import ClusterError
 from tessera.models import AllocationState, NodeLedger
-from tessera.nats_embedded import EmbeddedNats
 from tessera.restore import RestoreReport, allocations_from_pods
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 from .conftest import MakeService, agent_allocate, http_client, register, unique, wait_until
 from .factories import GIB, container, node, pod

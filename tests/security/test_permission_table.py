@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from tessera import bus
 from tessera import bus_permissions as bp
-from tessera.cli.app import build_app
-from tessera.cli.nats_config import env_reference_config
-from tessera.nats_embedded import find_nats_server
 from tessera.security_doc import splice
-from tessera.stack_auth import StackAuth
+from tessera_cli.app import build_app
+from tessera_cli.nats_config import env_reference_config
+from tessera_cli.nats_embedded import find_nats_server
+from tessera_cli.stack_auth import StackAuth
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = ["gpu-1", "gpu.zone-b.2"]

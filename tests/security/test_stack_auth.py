@@ -18,8 +18,8 @@ import pytest
 from e2e.conftest import RunningStack, gpu_pod, grants, start_stack
 
 from tessera import bus_permissions as bp
-from tessera.stack import SimNode
-from tessera.stack_auth import ADMIN_ENV_NAME, identity_of
+from tessera_cli.stack import SimNode
+from tessera_cli.stack_auth import ADMIN_ENV_NAME, identity_of
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def cli(sim: RunningStack, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "TESSERA_"))}
     env["TESSERA_ENV_FILE"] = str(sim.stack.state_dir / ADMIN_ENV_NAME)
     return subprocess.run(
-        [sys.executable, "-m", "tessera.cli.app", *args], env=env, capture_output=True,
+        [sys.executable, "-m", "tessera_cli", *args], env=env, capture_output=True,
         text=True, timeout=60,
     )
 

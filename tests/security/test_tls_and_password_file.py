@@ -12,10 +12,10 @@ import pytest
 
 from tessera import bus_permissions as bp
 from tessera.bus import connect, ensure_bus
-from tessera.cli.certs import write_certificates
-from tessera.nats_embedded import EmbeddedNats
 from tessera.settings import NatsSettings, TesseraSettings
-from tessera.stack_auth import StackAuth
+from tessera_cli.certs import write_certificates
+from tessera_cli.nats_embedded import EmbeddedNats
+from tessera_cli.stack_auth import StackAuth
 
 NODE = "gpu-tls"
 

@@ -111,7 +111,7 @@ function renderGpu(gpu) {
   return `<article class="gpu ${gpu.healthy ? "" : "unhealthy"}" data-uuid="${esc(gpu.uuid)}">
     <div class="gpu-head"><span class="gpu-title">GPU ${gpu.index} · ${esc(model(gpu.type))}</span>${health}
       <span class="badge">${gpu.shared}/${gpu.split_count} slots</span>
-      <span class="gpu-uuid mono" title="${esc(gpu.uuid)}">${esc(gpu.uuid.slice(-12))}</span></div>
+      <span class="gpu-uuid mono" title="${esc(gpu.uuid)}">${esc(gpu.short_uuid || gpu.uuid)}</span></div>
     <div class="metric-row"><span class="metric-name">memory</span>
       <div class="bar mem">${segments(gpu, "memory_mib", gpu.memory_mib)}${usedMark}</div></div>
     <div class="bar-caption"><span>${mem(gpu.allocated_mib)} of ${mem(gpu.memory_mib)} allocated${scaled}</span>

@@ -102,7 +102,10 @@ class EmbeddedNats(ServerProcess):
             "-sd", str(self.data_dir / "jetstream"), "-l", str(self.log_path),
             *self._auth_args(),
         ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches `tessera up` only
+        )
         self._wait_ready(timeout_s)
         return self
 
@@ -195,7 +198,10 @@ class ClusterMember(ServerProcess):
         config = self.data_dir / "nats-server.conf"
         config.write_text(self.config_text())
         args = [find_nats_server(), "-c", str(config), "-l", str(self.data_dir / "nats.log")]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches `tessera up` only
+        )
 
     def healthy(self) -> bool:
         """The server's own JetStream health check (meta leader known, assets current)."""

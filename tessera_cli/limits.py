@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from tessera.bus import connect, node_limits_subject
+from tessera.bus import node_limits_subject
 from tessera.codec import CodecError, decode, encode
 from tessera.models import LimitsSetReply, LimitsSetRequest
-from tessera.settings import NatsSettings, TesseraSettings
+from tessera.settings import TesseraSettings
+
+from .locate import CliError, StackLocation, connect_nats, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -26,6 +29,7 @@ def register(app: typer.Typer) -> None:
         cores: int | None = typer.Option(None, "--cores", min=0, max=100, help="compute %"),
         gpu: str = typer.Option("", "--gpu", help="only this GPU UUID (default: all of them)"),
         uid: str = typer.Option("", "--uid", help="the pod's uid, when the name is ambiguous"),
+        state_dir: Path | None = typer.Option(None, "--state-dir", help="the stack's state dir"),
     ) -> None:
         """Rewrite a running container's sealed limits (libvgpu applies them within 100 ms).
 
@@ -35,7 +39,10 @@ def register(app: typer.Typer) -> None:
             pod_uid=uid, namespace=namespace or "default", pod=name, container=container,
             device_uuid=gpu, memory_mib=memory, cores=cores,
         )
-        reply = asyncio.run(_send(node, request))
+        try:
+            reply = asyncio.run(_send(StackLocation.find(state_dir), node, request))
+        except CliError as error:
+            fail(error)
         console = Console(highlight=False)
         if reply.ok:
             console.print(f"{namespace or 'default'}/{name} {container}: {reply.reason}")
@@ -44,9 +51,11 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(1)
 
 
-async def _send(node: str, request: LimitsSetRequest) -> LimitsSetReply:
+async def _send(
+    location: StackLocation, node: str, request: LimitsSetRequest
+) -> LimitsSetReply:
     settings = TesseraSettings()
-    nc = await connect(NatsSettings(), name="tessera-cli-limits", initial_attempts=3)
+    nc = await connect_nats(location, "tessera-cli-limits")
     try:
         msg = await nc.request(
             node_limits_subject(node), encode(request), timeout=max(5.0, settings.request_timeout_s)

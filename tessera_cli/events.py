@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from tessera.bus import EVENTS_ALL, connect
+from tessera.bus import EVENTS_ALL
 from tessera.events import subscribe
+from tessera.gpuid import short_uuid
 from tessera.models import AllocationEvent, Event
-from tessera.settings import NatsSettings
+
+from .locate import CliError, StackLocation, connect_nats, fail
 
 
 def describe(event: Event) -> str:
@@ -21,7 +24,9 @@ def describe(event: Event) -> str:
     data = event.model_dump(exclude={"event_id", "at", "source", "reason"})
     if isinstance(event, AllocationEvent):
         gpus = ", ".join(
-            f"{g.uuid}({g.memory_mib}MiB,{g.cores}%)" for c in event.containers for g in c
+            f"{short_uuid(g.uuid)}({g.memory_mib}MiB,{g.cores}%)"
+            for c in event.containers
+            for g in c
         )
         text = f"{event.namespace}/{event.name} {event.action} on {event.node}"
         return text + (f" [{gpus}]" if gpus else "")
@@ -39,13 +44,25 @@ def register(app: typer.Typer) -> None:
         new: bool = typer.Option(False, "--new", help="only events published from now on"),
         follow: bool = typer.Option(True, "--follow/--no-follow", help="keep waiting for more"),
         idle_exit_s: float = typer.Option(1.0, help="with --no-follow: stop after this quiet time"),
+        state_dir: Path | None = typer.Option(None, "--state-dir", help="the stack's state dir"),
     ) -> None:
         """Tail Tessera's event stream (allocations, nodes, admission, quota, OOM)."""
-        start_time = dt.datetime.fromisoformat(since) if since else None
-        asyncio.run(_tail(subject, as_json, since_seq, start_time, new, follow, idle_exit_s))
+        try:
+            start_time = dt.datetime.fromisoformat(since) if since else None
+        except ValueError:
+            fail(f"--since {since!r} is not an ISO time (2026-11-29T10:00)")
+        location = StackLocation.find(state_dir)
+        try:
+            asyncio.run(_tail(location, subject, as_json, since_seq, start_time, new, follow,
+                              idle_exit_s))
+        except CliError as error:
+            fail(error)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
 
 
 async def _tail(
+    location: StackLocation,
     subject: str,
     as_json: bool,
     since_seq: int | None,
@@ -55,7 +72,7 @@ async def _tail(
     idle_exit_s: float,
 ) -> None:
     console = Console(highlight=False)
-    nc = await connect(NatsSettings(), name="tessera-cli-events", initial_attempts=3)
+    nc = await connect_nats(location, "tessera-cli-events")
     stream = subscribe(
         nc, subject, start_sequence=since_seq, start_time=start_time, new_only=new
     )
@@ -67,6 +84,11 @@ async def _tail(
                 )
             except (TimeoutError, StopAsyncIteration):
                 break
+            except Exception as exc:  # no event stream here, permissions, NATS gone
+                reason = str(exc) or type(exc).__name__
+                if "stream not found" in reason:
+                    reason = "this NATS has no Tessera event stream (no service has run on it)"
+                raise CliError(f"cannot read the event stream: {reason}") from None
             event = received.event
             if as_json:
                 line = {"seq": received.sequence, "subject": received.subject,

@@ -26,7 +26,7 @@ INSTALLED_LIBVGPU = Path("/usr/local/vgpu/libvgpu.so")
 
 def find_libvgpu(explicit: Path | None = None) -> Path:
     """The library to preload: --lib, $TESSERA_LIBVGPU, this checkout's build, the installed one."""
-    repo_build = Path(__file__).resolve().parents[2] / "native" / "libvgpu" / "build" / "libvgpu.so"
+    repo_build = Path(__file__).resolve().parents[1] / "native" / "libvgpu" / "build" / "libvgpu.so"
     candidates = [explicit, Path(os.environ[LIBVGPU_ENV]) if os.environ.get(LIBVGPU_ENV) else None]
     for c in [*candidates, repo_build, INSTALLED_LIBVGPU]:
         if c is not None and c.is_file():

@@ -21,62 +21,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, Field
-
-from tessera.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
 from tessera.settings import NatsSettings
-from tessera.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
-
-KUBECONFIG_NAME = "kubeconfig"
-STACK_FILE = "stack.json"
-
-
-class SimNode(BaseModel):
-    """One simulated node: its GPUs are served by a node agent with the static device source."""
-
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63)
-    gpus: int = Field(4, ge=0, le=64)
-    gpu_memory_mib: int = Field(24576, ge=1)
-    gpu_model: str = "NVIDIA A10"
-    numa_nodes: int = Field(1, ge=1)
-    labels: dict[str, str] = Field(default_factory=dict)
-    # MIG (tessera.mig): the node's migStrategy, and the instances every GPU holds for the static
-    # strategies ('<profile>@<start>,…'; default: the model's smallest profile at every start).
-    mig: Literal["none", "single", "mixed", "dynamic"] = "none"
-    mig_instances: str = ""
-
-
-def make_nodes(
-    count: int,
-    gpus: int,
-    gpu_memory_mib: int,
-    gpu_model: str,
-    numa_nodes: int = 1,
-    prefix: str = "sim-node",
-) -> list[SimNode]:
-    return [
-        SimNode(
-            name=f"{prefix}-{i}",
-            gpus=gpus,
-            gpu_memory_mib=gpu_memory_mib,
-            gpu_model=gpu_model,
-            numa_nodes=numa_nodes,
-        )
-        for i in range(count)
-    ]
-
-
-def load_nodes(path: Path) -> list[SimNode]:
-    """Nodes from YAML or JSON: a list of nodes, or `{"nodes": [...]}`."""
-    data = yaml.safe_load(path.read_text())
-    if isinstance(data, dict):
-        data = data.get("nodes")
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a list of nodes")
-    return [SimNode.model_validate(item) for item in data]
+from tessera.simnodes import SimNode, load_nodes, make_nodes  # noqa: F401 (re-exported)
+from tessera_cli.locate import KUBECONFIG_NAME, STACK_FILE, read_stack_info  # noqa: F401
+from tessera_cli.nats_embedded import EmbeddedNats, EmbeddedNatsCluster, free_port
+from tessera_cli.stack_auth import ADMIN_ENV_NAME, StackAuth, identity_of
 
 
 @dataclass
@@ -234,16 +184,6 @@ class RunningService:
         return "running" if code is None else f"exited ({code})"
 
 
-def read_stack_info(state_dir: Path) -> dict[str, Any]:
-    """What a running stack wrote about itself (ports, kubeconfig, NATS URL); {} if none."""
-    path = state_dir / STACK_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 class LocalStack:
     """Start NATS (unless a URL is given), kube-sim and the services; stop them in reverse."""
 
@@ -306,20 +246,25 @@ class LocalStack:
             self.start_service(spec)
             if spec.module == "tessera.kube_sim":
                 self._wait_for_api(wait_ready_s)
-        (self.state_dir / STACK_FILE).write_text(
-            json.dumps(
-                {
-                    "nats_url": self.nats_url,
-                    "kubeconfig": str(self.kubeconfig),
-                    "api_url": self.api_url,
-                    "dashboard_url": self.dashboard_url,
-                    "scheduler_url": f"https://127.0.0.1:{self.ports.scheduler}",
-                    "pid": os.getpid(),
-                    "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
-                },
-                indent=2,
-            )
-        )
+        self.write_stack_file(ready=False)
+
+    def write_stack_file(self, ready: bool) -> None:
+        """What the CLI reads to find this stack (tessera_cli.locate); `ready` once every
+        service answers ready (`tessera up --wait` returns then)."""
+        info = {
+            "nats_url": self.nats_url,
+            "kubeconfig": str(self.kubeconfig),
+            "api_url": self.api_url,
+            "dashboard_url": self.dashboard_url,
+            "scheduler_url": f"https://127.0.0.1:{self.ports.scheduler}",
+            "pid": os.getpid(),
+            "nats_admin_env": str(self.state_dir / ADMIN_ENV_NAME) if self.auth else None,
+            "ready": ready,
+        }
+        path = self.state_dir / STACK_FILE
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(info, indent=2))
+        scratch.replace(path)  # readers never see half a file
 
     def _start_nats_cluster(self) -> None:
         """NATS as a JetStream cluster; every bucket and stream then keeps a replica on up to
@@ -389,7 +334,7 @@ class LocalStack:
             return "not ready"
 
     def _ensure_certificates(self) -> None:
-        from tessera.cli.certs import (  # cryptography: only when starting
+        from tessera_cli.certs import (  # cryptography: only when starting
             write_certificates,
             write_client_certificate,
         )
@@ -464,6 +409,19 @@ class LocalStack:
         self.running = [r for r in self.running if r.spec.name != spec.name] + [running]
         return running
 
+    @staticmethod
+    def _terminate(group: list[RunningService], timeout_s: float = 8.0) -> None:
+        for running in group:
+            if running.proc.poll() is None:
+                running.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for running in group:
+            try:
+                running.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running.proc.kill()
+                running.proc.wait()
+
     def find(self, name: str) -> RunningService:
         return next(r for r in self.running if r.spec.name == name)
 
@@ -489,16 +447,12 @@ class LocalStack:
                 running.proc.wait()
 
     def stop(self) -> None:
-        for running in reversed(self.running):
-            if running.proc.poll() is None:
-                running.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 8.0
-        for running in reversed(self.running):
-            try:
-                running.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                running.proc.kill()
-                running.proc.wait()
+        """In order: the services (together), then kube-sim once nothing watches it any more,
+        then NATS once nothing uses it; each within bounded time (SIGTERM, then SIGKILL)."""
+        services = [r for r in reversed(self.running) if r.spec.module != "tessera.kube_sim"]
+        control_plane = [r for r in self.running if r.spec.module == "tessera.kube_sim"]
+        for group in (services, control_plane):
+            self._terminate(group)
         if self.nats is not None:
             self.nats.stop()
         if self.nats_cluster is not None:

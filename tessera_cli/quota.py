@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from decimal import ROUND_CEILING, Decimal
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -30,13 +31,15 @@ from tessera.models import (
     RemoteError,
     decode_reply,
 )
-from tessera.settings import NatsSettings, TesseraSettings
+from tessera.settings import TesseraSettings
+
+from .locate import CliError, StackLocation, connect_nats, fail
 
 UNLIMITED_WORDS = {"", "none", "unlimited", "-", "inf"}
 MIB = Decimal(2) ** 20
 
 
-class QuotaCliError(Exception):
+class QuotaCliError(CliError):
     """Something to tell the person at the terminal (exit code 1)."""
 
 
@@ -69,8 +72,10 @@ def parse_count_limit(text: str | None, option: str) -> int | None:
     return int(value)
 
 
-async def request(subject: str, body: Message, timeout_s: float) -> QuotaReply:
-    nc = await bus.connect(NatsSettings(), name="tessera-cli-quota", initial_attempts=3)
+async def request(
+    subject: str, body: Message, timeout_s: float, location: StackLocation | None = None
+) -> QuotaReply:
+    nc = await connect_nats(location or StackLocation.find(), "tessera-cli-quota")
     try:
         try:
             msg = await nc.request(subject, encode(body), timeout=timeout_s)
@@ -148,13 +153,14 @@ def register(app: typer.Typer) -> None:
     )
     app.add_typer(quota_app, name="quota")
 
+    state_option = typer.Option(None, "--state-dir", help="the stack's state dir")
+
     def run(coro_factory: object) -> None:
         console = Console(highlight=False)
         try:
             asyncio.run(coro_factory(console))  # type: ignore[operator]
-        except QuotaCliError as exc:
-            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(1) from None
+        except CliError as exc:
+            fail(exc)
 
     @quota_app.command("set")
     def set_command(
@@ -171,6 +177,7 @@ def register(app: typer.Typer) -> None:
             False, "--override",
             help="replace limits that come from a ResourceQuota (until it next changes)",
         ),
+        state_dir: Path | None = state_option,
     ) -> None:
         """Replace a namespace's limits (all at once; an option left out means unlimited)."""
 
@@ -186,6 +193,7 @@ def register(app: typer.Typer) -> None:
                 QuotaSetRequest(namespace=namespace, limits=limits, source="cli",
                                 override=override),
                 settings.request_timeout_s,
+                StackLocation.find(state_dir),
             )
             console.print(states_table(reply.states, title=f"quota of {namespace}"))
             if reply.reason:
@@ -194,7 +202,10 @@ def register(app: typer.Typer) -> None:
         run(go)
 
     @quota_app.command("get")
-    def get_command(namespace: str = typer.Argument(..., help="the namespace")) -> None:
+    def get_command(
+        namespace: str = typer.Argument(..., help="the namespace"),
+        state_dir: Path | None = state_option,
+    ) -> None:
         """A namespace's limits, its usage and the pods holding quota."""
 
         async def go(console: Console) -> None:
@@ -202,6 +213,7 @@ def register(app: typer.Typer) -> None:
                 bus.QUOTA_STATUS,
                 QuotaStatusRequest(namespace=namespace),
                 TesseraSettings().request_timeout_s,
+                StackLocation.find(state_dir),
             )
             console.print(states_table(reply.states, title=f"quota of {namespace}"))
             for state in reply.states:
@@ -211,12 +223,13 @@ def register(app: typer.Typer) -> None:
         run(go)
 
     @quota_app.command("list")
-    def list_command() -> None:
+    def list_command(state_dir: Path | None = state_option) -> None:
         """Every namespace with limits or usage."""
 
         async def go(console: Console) -> None:
             reply = await request(
-                bus.QUOTA_STATUS, QuotaStatusRequest(), TesseraSettings().request_timeout_s
+                bus.QUOTA_STATUS, QuotaStatusRequest(), TesseraSettings().request_timeout_s,
+                StackLocation.find(state_dir),
             )
             if not reply.states:
                 console.print("no namespace has GPU limits or usage yet")

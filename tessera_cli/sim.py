@@ -23,9 +23,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tessera.cli.whatif import PolicyResult, TraceEvent, load_trace, render_chart, snapshot
 from tessera.hami import ANN_NODE_REGISTER, decode_node_register
-from tessera.stack import (
+from tessera_cli.stack import (
     LocalStack,
     SimNode,
     StackPorts,
@@ -34,6 +33,7 @@ from tessera.stack import (
     make_nodes,
     short_socket_root,
 )
+from tessera_cli.whatif import PolicyResult, TraceEvent, load_trace, render_chart, snapshot
 
 DECISION_TIMEOUT_S = 15.0
 
@@ -129,7 +129,7 @@ async def replay_on(stack: LocalStack, events: list[TraceEvent], policy: str) ->
 
 
 def run_policy(nodes: list[SimNode], events: list[TraceEvent], policy: str) -> PolicyResult:
-    from tessera.cli.up import wait_for_nodes
+    from tessera_cli.up import wait_until_ready
 
     state_dir = Path(tempfile.mkdtemp(prefix="tessera-sim-"))
     ports = StackPorts.free()
@@ -140,8 +140,7 @@ def run_policy(nodes: list[SimNode], events: list[TraceEvent], policy: str) -> P
     )
     try:
         stack.start()
-        stack.wait_ready()
-        wait_for_nodes(stack, nodes, timeout_s=60.0)
+        wait_until_ready(stack, nodes, timeout_s=60.0)
         return asyncio.run(replay_on(stack, events, policy))
     finally:
         stack.stop()

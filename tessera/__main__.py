@@ -1,3 +1,0 @@
-from tessera.cli.app import main
-
-main()

@@ -1,1 +1,0 @@
-"""The `tessera` command line: one module per command group, registered in app.py."""

@@ -1,0 +1,3 @@
+from tessera_cli.app import main
+
+main()
