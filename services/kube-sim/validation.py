@@ -190,7 +190,9 @@ def default_pod_spec(spec: dict[str, Any]) -> None:
     spec.setdefault("schedulerName", "default-scheduler")
     spec.setdefault("terminationGracePeriodSeconds", 30)
     spec.setdefault("dnsPolicy", "ClusterFirst")
-    for container in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+    # Wrong shapes are left for validate_pod_spec to refuse with the field named (never a 500).
+    sections = [spec.get("initContainers"), spec.get("containers")]
+    for container in [c for items in sections if isinstance(items, list) for c in items]:
         if isinstance(container, dict):
             default_resources(container)
             container.setdefault("imagePullPolicy", "IfNotPresent")

@@ -94,7 +94,8 @@ def test_stdin_and_errors_that_quote_the_yaml(kube_sim: KubeSim, ns: str, tmp_pa
     assert result.exit_code == 1
     assert "pod/fine created" in result.output
     # The server's own words, where in the file, and the line itself.
-    assert f"{bad}:15: pod/broken: spec.containers: Required value" in result.output, \
+    assert (f'{bad}:15: pod/broken: Pod "broken" is invalid: spec.containers: Required value'
+            in result.output), \
         result.output
     assert f'{bad}:20: "containers: "not a list""' in result.output
     assert f"{bad}:22: kind 'Frobnicator' is not one tessera applies" in result.output

@@ -139,3 +139,23 @@ def test_cordoned_and_tainted_nodes_refuse_pods_that_do_not_tolerate_them() -> N
     preferred = {"metadata": {"name": "n"},
                  "spec": {"taints": [{"key": "x", "effect": "PreferNoSchedule"}]}}
     assert node_refusal(plain, preferred) is None
+
+
+def test_a_pod_whose_containers_are_not_a_list_is_refused_not_crashed() -> None:
+    """A hostile shape gets kube-apiserver's 422 naming the field, never a 500."""
+    import asyncio
+
+    import httpx
+    from tessera.kube_sim.apiserver import ApiServer
+    from tessera.kube_sim.store import ObjectStore
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(ApiServer(ObjectStore()).app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://kube-sim") as client:
+            return await client.post("/api/v1/namespaces/default/pods", json={
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "b"},
+                "spec": {"containers": "not a list", "initContainers": 7}})
+
+    reply = asyncio.run(post())
+    assert reply.status_code == 422, reply.text
+    assert "spec.containers: Required value" in reply.json()["message"]
