@@ -166,7 +166,8 @@ def allocation_shape(allocation: Allocation) -> tuple:
             (g.memory_mib, g.cores, first_seen.setdefault(g.uuid, len(first_seen)))
             for g in grants
         ))  # fmt: skip
-    return (allocation.init_count, tuple(containers))
+    # Native sidecars keep their devices (kubelet reuses only plain init containers' ones).
+    return (allocation.init_count, tuple(allocation.sidecars), tuple(containers))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,6 +99,37 @@ def in_flight(ledger: NodeLedger | None) -> list[Allocation]:
     return sorted((a for a in ledger.allocations.values() if waiting(a)), key=order)
 
 
+def reported_containers(allocation: Allocation) -> list[int]:
+    """GPU containers kubelet's pod-resources List reports: app containers and native sidecars
+    (plain init containers are not listed)."""
+    sidecars = set(allocation.sidecars)
+    return [
+        i for i in gpu_containers(allocation) if i >= allocation.init_count or i in sidecars
+    ]  # fmt: skip
+
+
+def kubelet_admitting(
+    flying: list[Allocation], listed: dict[tuple[str, str], set[str]]
+) -> set[str]:
+    """Uids of the in-flight pods kubelet is admitting now, read off its pod-resources List
+    (`listed`: (namespace, pod) -> names of its containers that hold our devices).
+
+    kubelet adds a pod to its pod manager (which List reads) just before admitting it, admits
+    pods one at a time, and records each container's devices when its Allocate returns. So an
+    in-flight pod that kubelet lists with a GPU container still without devices is the one under
+    admission; a pod it does not list has not reached kubelet yet. Normally one pod qualifies;
+    the caller falls back to its guess when none or several do."""
+    out = set()
+    for allocation in flying:
+        held = listed.get((allocation.namespace, allocation.name))
+        if held is None:
+            continue
+        reported = reported_containers(allocation)
+        if not reported or any(container_name(allocation, i) not in held for i in reported):
+            out.add(allocation.pod_uid)
+    return out
+
+
 def no_pod_in_flight(node: str) -> HandshakeError:
     return HandshakeError(
         f"no pod is in flight on node {node}: the scheduler has bound none here, so this "

@@ -19,7 +19,13 @@ from .background import EventPublisher
 from .config import SchedulerSettings
 from .filtering import PodFilter
 from .indexed_ledger import IndexedLedger
-from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError, competing_claim
+from .ledger import (
+    AlreadyBoundError,
+    ClaimHeldError,
+    ReservationGoneError,
+    competing_claim,
+    first_request,
+)
 from .metrics import SchedulerMetrics
 from .pods import PodIdentity, allocation_live
 from .release import AllocationReleaser
@@ -155,9 +161,12 @@ class PodBinder:
     # back (most waits end within one kubelet round trip).
 
     def _shape(self, node: str, uid: str) -> tuple | None:
+        """(first device count, shape): what ledger.competes compares."""
         hint = self.ledger.hint(node)
         allocation = hint.value.allocations.get(uid) if hint is not None else None
-        return allocation_shape(allocation) if allocation is not None else None
+        if allocation is None:
+            return None
+        return first_request(allocation), allocation_shape(allocation)
 
     def _join_queue(self, node: str, uid: str) -> None:
         queue = self._waiting.setdefault(node, [])
@@ -186,7 +195,10 @@ class PodBinder:
         for other, shape, since in queue:
             if other == uid:
                 return None
-            if shape is not None and shape != mine and now - since >= FAIR_AFTER_S:
+            competing = shape is not None and mine is not None and (
+                shape[0] == mine[0] and shape[1] != mine[1]
+            )
+            if competing and now - since >= FAIR_AFTER_S:
                 return other
         return None
 

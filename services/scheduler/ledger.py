@@ -112,18 +112,30 @@ def live_claims(ledger: NodeLedger, now: float) -> dict[str, InFlightClaim]:
     }  # fmt: skip
 
 
+def first_request(allocation: Allocation) -> int:
+    """How many devices kubelet asks the node agent for when it starts admitting the pod: its
+    first GPU container's (GetPreferredAllocation and Allocate name a count, never a pod)."""
+    return next((len(grants) for grants in allocation.containers if grants), 0)
+
+
+def competes(a: Allocation, b: Allocation) -> bool:
+    """Whether two pods may not be in flight on one node together.
+
+    kubelet names no pod before PreStart; the node agent reads which pod kubelet is admitting
+    off its pod-resources List, and guesses only when that does not settle it. A guess can be
+    wrong only between pods whose admissions start with the same device count; PreStart then
+    repairs it, exactly when the two are of one shape (swapping their grants moves no
+    capacity, and the env kubelet took names the same amounts). Pods of another shape asking
+    the same count could need capacity that is not there to be repaired: they compete."""
+    return first_request(a) == first_request(b) and allocation_shape(a) != allocation_shape(b)
+
+
 def competing_claim(
     ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0
 ) -> InFlightClaim | None:
-    """The claim `uid` must wait for, or None when it may go in flight now.
-
-    kubelet names no pod before PreStart, so the node agent may count an Allocate for the wrong
-    in-flight pod; PreStart catches it and repairs it. Between two pods of one shape the repair
-    is exact in every respect: swapping their grants moves no capacity, and the env kubelet
-    already took from the Allocate answer names the same GPUs and amounts. So any number of pods
-    of one shape may be in flight on a node together; a pod of another shape waits for them (a
-    cross could leave the other pod's amounts in its env, or need capacity that is not there).
-    `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
+    """The claim `uid` must wait for, or None when it may go in flight now (see `competes`):
+    pods of one shape, and pods whose first GPU container asks another device count, are in
+    flight together. `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
     allocation = ledger.allocations[uid]
     others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
     if not others:
@@ -131,8 +143,7 @@ def competing_claim(
     first = min(others.values(), key=lambda c: c.expires_at)
     if max_in_flight and len(others) >= max_in_flight:
         return first
-    shape = allocation_shape(allocation)
-    clash = [c for k, c in others.items() if allocation_shape(ledger.allocations[k]) != shape]
+    clash = [c for k, c in others.items() if competes(allocation, ledger.allocations[k])]
     return min(clash, key=lambda c: c.expires_at) if clash else None
 
 

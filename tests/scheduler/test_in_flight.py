@@ -73,6 +73,28 @@ async def test_another_shape_on_other_cards_waits_for_the_pods_in_flight(
     assert set(state.claims) == {other["metadata"]["uid"]}
 
 
+async def test_shapes_kubelet_tells_apart_are_in_flight_together(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """Pods whose admissions start with different device counts (1, 2, 3 GPUs, each its own
+    amounts) and a second 1-GPU pod of the first one's shape: kubelet's request names the count,
+    so no cross between them is possible, and none waits for another's Allocate."""
+    service = await make_service(config={"bind_timeout_s": 3.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=4))
+    specs = [cluster.add_pod(pod(container(gpus=n, mem=m * GIB, cores=c)))
+             for n, m, c in ((1, 2, 10), (2, 5, 20), (3, 7, 15), (1, 2, 10))]  # fmt: skip
+    async with http_client(service) as client:
+        for spec in specs:
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        started = asyncio.get_running_loop().time()
+        errors = await asyncio.gather(*(bind_call(client, s, name) for s in specs))
+        elapsed = asyncio.get_running_loop().time() - started
+    assert errors == [""] * 4 and elapsed < 3.0
+    state = await ledger(buckets, name)
+    assert set(state.claims) == {s["metadata"]["uid"] for s in specs}
+    assert service.metrics.claim_waits._value.get() == 0
+
+
 async def test_a_waiting_shape_is_not_starved_by_a_stream_of_another(
     make_service: MakeService, buckets: Any, cluster: Any
 ) -> None:
