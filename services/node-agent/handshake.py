@@ -384,29 +384,37 @@ def reclaim_mutation(
     return new
 
 
-def swap_mutation(a_uid: str, b_uid: str, ledger: NodeLedger | None) -> NodeLedger:
-    """Ledger CAS body of a crossed-guess repair: pods `a` and `b` (one shape) exchange their
-    grants and their progress (state, expiry, in-flight claim), so each pod's grants are the GPUs
-    kubelet really gave it. Every card holds the same amounts as before. Raises HandshakeError
-    when the two are no longer interchangeable."""
-    from tessera.models import allocation_shape
+def swap_mutation(
+    a_uid: str, b_uid: str, ledger: NodeLedger | None,
+    capacity: dict[str, tuple[int, int]] | None = None,
+) -> NodeLedger:
+    """Ledger CAS body of a crossed-guess repair: pods `a` and `b` exchange their cards and
+    their progress (state, expiry, in-flight claim), so each pod's grants are the GPUs kubelet
+    really gave it. One shape: they swap grants and every card holds the same amounts as before.
+    One layout, other amounts: each keeps its amounts on the other's cards, refused unless every
+    card still fits (`capacity`: uuid -> (MiB, cores)). HandshakeError when they cannot."""
+    from tessera.models import allocation_layout, allocation_shape, exchange_grants
 
     a = ledger.allocations.get(a_uid) if ledger else None
     b = ledger.allocations.get(b_uid) if ledger else None
     if ledger is None or a is None or b is None or not (a.active and b.active):
         raise HandshakeError("a crossed pod's allocation is gone: cannot repair", mismatch=True)
-    if allocation_shape(a) != allocation_shape(b):
+    same_shape = allocation_shape(a) == allocation_shape(b)
+    if not same_shape and (allocation_layout(a) != allocation_layout(b) or capacity is None):
         raise HandshakeError(
-            f"{describe(a)} and {describe(b)} differ in shape: their grants cannot be swapped",
+            f"{describe(a)} and {describe(b)} differ in layout: their cards cannot be exchanged",
             mismatch=True,
         )
     new = ledger.model_copy(deep=True)
+    a_grants, b_grants = (b.containers, a.containers) if same_shape else exchange_grants(a, b)
 
-    def progress(x: Allocation) -> dict:
-        return {"containers": x.containers, "state": x.state, "expires_at": x.expires_at}
+    def progress(x: Allocation, grants: list[list[DeviceGrant]]) -> dict:
+        return {"containers": grants, "state": x.state, "expires_at": x.expires_at}
 
-    new.allocations[a_uid] = a.model_copy(update=progress(b))
-    new.allocations[b_uid] = b.model_copy(update=progress(a))
+    new.allocations[a_uid] = a.model_copy(update=progress(b, a_grants))
+    new.allocations[b_uid] = b.model_copy(update=progress(a, b_grants))
+    if not same_shape:
+        check_capacity(new, {g.uuid for c in (*a_grants, *b_grants) for g in c}, capacity or {})
     claims = ledger.in_flight()
     new.claim = None
     new.claims = {k: c for k, c in claims.items() if k not in (a_uid, b_uid)}
@@ -416,6 +424,21 @@ def swap_mutation(a_uid: str, b_uid: str, ledger: NodeLedger | None) -> NodeLedg
                 update={"pod_uid": pod.pod_uid, "namespace": pod.namespace, "name": pod.name}
             )
     return new
+
+
+def check_capacity(
+    ledger: NodeLedger, uuids: set[str], capacity: dict[str, tuple[int, int]]
+) -> None:
+    """HandshakeError when any of these cards holds more than its (MiB, cores) capacity."""
+    from tessera.node_agent.limits import pod_usage_on
+
+    for uuid in sorted(uuids):
+        used = [pod_usage_on(x, uuid) for x in ledger.allocations.values() if x.active]
+        cap_mem, cap_cores = capacity.get(uuid, (0, 0))
+        if sum(m for m, _ in used) > cap_mem or sum(c for _, c in used) > cap_cores:
+            raise HandshakeError(
+                f"exchanging the crossed pods' cards would overfill GPU {uuid}", mismatch=True
+            )
 
 
 def reuse_pool(allocation: Allocation, index: int) -> set[str]:

@@ -39,7 +39,7 @@ from tessera.kubeapi import (
     pr,
     pr_grpc,
 )
-from tessera.models import Allocation, AllocationEvent, NodeLedger, allocation_shape
+from tessera.models import Allocation, AllocationEvent, NodeLedger, allocation_layout
 from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
@@ -597,7 +597,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if any(self._sealed(c) for c in theirs + mine):
             return False
         repaired = await self._relabel_one(label, holder, labelled, theirs)
-        if not repaired and allocation_shape(holder) == allocation_shape(labelled):
+        if not repaired and allocation_layout(holder) == allocation_layout(labelled):
             repaired = await self._swap_pods(holder, labelled, theirs, mine)
         if not repaired:
             return False
@@ -654,12 +654,18 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self, holder: Allocation, labelled: Allocation,
         theirs: list[ContainerDir], mine: list[ContainerDir],
     ) -> bool:
+        capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
         try:
             result = await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,
-                lambda current: hs.swap_mutation(labelled.pod_uid, holder.pod_uid, current),
+                lambda current: hs.swap_mutation(
+                    labelled.pod_uid, holder.pod_uid, current, capacity
+                ),
             )
-        except (hs.HandshakeError, bus.NoChange):
+        except hs.HandshakeError as exc:
+            self.log.warning("crossed pods cannot be exchanged", extra={"err": str(exc)})
+            return False
+        except bus.NoChange:
             return False
         swapped = result.value.allocations
         for c in mine:

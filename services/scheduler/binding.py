@@ -13,7 +13,13 @@ from collections.abc import Callable
 from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
-from tessera.models import Allocation, AllocationEvent, InFlightClaim, allocation_shape
+from tessera.models import (
+    Allocation,
+    AllocationEvent,
+    InFlightClaim,
+    NodeRegistration,
+    allocation_shape,
+)
 
 from .background import EventPublisher
 from .config import SchedulerSettings
@@ -111,6 +117,7 @@ class PodBinder:
                     result = await self.ledger.writer.claim(
                         node, uid, self.instance, now, self.config.claim_ttl_s,
                         self.ledger.hint(node), self.config.max_in_flight_per_node,
+                        self._registration(node),
                     )  # fmt: skip
                 break
             except (ClaimHeldError, _QueuedError) as exc:
@@ -207,7 +214,12 @@ class PodBinder:
         hint = self.ledger.hint(node)
         if hint is None or uid not in hint.value.allocations:
             return None  # the CAS decides on a fresh read
-        return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node)
+        return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node,
+                               self._registration(node))  # fmt: skip
+
+    def _registration(self, node: str) -> NodeRegistration | None:
+        entry = self.index.entries.get(node)
+        return entry.registration if entry is not None else None
 
     async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
         """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a

@@ -24,10 +24,12 @@ from tessera.models import (
     InFlightClaim,
     NodeLedger,
     NodeRegistration,
+    allocation_layout,
     allocation_shape,
+    exchange_grants,
 )
 
-from .cards import build_cards, counts_against_capacity
+from .cards import build_cards, counts_against_capacity, over_capacity
 from .placement import PodFit, fit_pod
 from .rules import FitContext
 
@@ -118,24 +120,44 @@ def first_request(allocation: Allocation) -> int:
     return next((len(grants) for grants in allocation.containers if grants), 0)
 
 
-def competes(a: Allocation, b: Allocation) -> bool:
+def exchange_fits(
+    registration: NodeRegistration, ledger: NodeLedger, a_uid: str, b_uid: str, now: float
+) -> bool:
+    """Whether pods a and b (one layout) could trade cards, each keeping its amounts, without
+    any card of theirs going over capacity: the repair of a cross between them."""
+    a, b = ledger.allocations[a_uid], ledger.allocations[b_uid]
+    new_a, new_b = exchange_grants(a, b)
+    allocations = dict(ledger.allocations)
+    allocations[a_uid] = a.model_copy(update={"containers": new_a})
+    allocations[b_uid] = b.model_copy(update={"containers": new_b})
+    touched = {g.uuid for grants in (*new_a, *new_b) for g in grants}
+    cards = build_cards(registration, allocations.values(), now)
+    return not over_capacity([c for c in cards if c.uuid in touched])
+
+
+def competes(a: Allocation, b: Allocation, exchangeable: Callable[[], bool] | None = None) -> bool:
     """Whether two pods may not be in flight on one node together.
 
     kubelet names no pod before PreStart; the node agent reads which pod kubelet is admitting
     off its pod-resources List, and guesses only when that does not settle it. A guess can be
     wrong only between pods whose admissions start with the same device count; PreStart then
-    repairs it, exactly when the two are of one shape (swapping their grants moves no
-    capacity, and the env kubelet took names the same amounts). Pods of another shape asking
-    the same count could need capacity that is not there to be repaired: they compete."""
-    return first_request(a) == first_request(b) and allocation_shape(a) != allocation_shape(b)
+    repairs it: pods of one shape swap grants (no capacity moves), pods of one layout with
+    other amounts trade cards keeping their amounts (`exchangeable()`: that fits the cards).
+    Otherwise a cross could need capacity that is not there: the two compete for it."""
+    if first_request(a) != first_request(b) or allocation_shape(a) == allocation_shape(b):
+        return False
+    if allocation_layout(a) != allocation_layout(b) or exchangeable is None:
+        return True
+    return not exchangeable()
 
 
 def competing_claim(
-    ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0
+    ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0,
+    registration: NodeRegistration | None = None,
 ) -> InFlightClaim | None:
-    """The claim `uid` must wait for, or None when it may go in flight now (see `competes`):
-    pods of one shape, and pods whose first GPU container asks another device count, are in
-    flight together. `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
+    """The claim `uid` must wait for, or None when it may go in flight now (see `competes`;
+    without the node's `registration` pods of other amounts are not exchanged). `max_in_flight`
+    > 0 caps the set (1 = the old one-pod-per-node claim)."""
     allocation = ledger.allocations[uid]
     others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
     if not others:
@@ -143,13 +165,20 @@ def competing_claim(
     first = min(others.values(), key=lambda c: c.expires_at)
     if max_in_flight and len(others) >= max_in_flight:
         return first
-    clash = [c for k, c in others.items() if competes(allocation, ledger.allocations[k])]
+
+    def check(k: str) -> Callable[[], bool] | None:
+        if registration is None:
+            return None
+        return lambda: exchange_fits(registration, ledger, uid, k, now)
+
+    clash = [c for k, c in others.items()
+             if competes(allocation, ledger.allocations[k], check(k))]  # fmt: skip
     return min(clash, key=lambda c: c.expires_at) if clash else None
 
 
 def claim_mutate(
     uid: str, holder: str, now: float, ttl_s: float, current: NodeLedger | None,
-    max_in_flight: int = 0,
+    max_in_flight: int = 0, registration: NodeRegistration | None = None,
 ) -> NodeLedger:
     """Put `uid` in the node's in-flight set (see competing_claim), or ClaimHeldError."""
     if current is None:
@@ -159,7 +188,7 @@ def claim_mutate(
         raise ReservationGoneError("the reservation expired or was released")
     if allocation.state != AllocationState.RESERVED:
         raise AlreadyBoundError(uid)
-    held = competing_claim(current, uid, now, max_in_flight)
+    held = competing_claim(current, uid, now, max_in_flight, registration)
     if held is not None:
         raise ClaimHeldError(held)
     claims = live_claims(current, now)  # lapsed or finished claims are dropped on the way
@@ -308,9 +337,10 @@ class LedgerWriter:
 
     async def claim(
         self, node: str, uid: str, holder: str, now: float, ttl_s: float, hint: Hint = None,
-        max_in_flight: int = 0,
+        max_in_flight: int = 0, registration: NodeRegistration | None = None,
     ) -> Versioned[NodeLedger]:
-        mutate = partial(claim_mutate, uid, holder, now, ttl_s, max_in_flight=max_in_flight)
+        mutate = partial(claim_mutate, uid, holder, now, ttl_s, max_in_flight=max_in_flight,
+                         registration=registration)  # fmt: skip
         return await self._cas(node, lambda current: mutate(current), hint)
 
     async def mark_bound(

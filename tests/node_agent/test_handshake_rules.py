@@ -121,7 +121,7 @@ def test_in_flight_pods_oldest_claim_first_and_the_guess_among_equals():
     assert hs.choose_new_pod(flying, 2, {A, B}, "late").pod_uid == "pair"
 
 
-def test_swap_exchanges_grants_and_progress_of_one_shape_only():
+def test_swap_exchanges_grants_and_progress_of_one_shape_or_layout():
     a = allocation("a", [grants((A, 1000, 10))], state=AllocationState.ALLOCATED)
     b = allocation("b", [grants((B, 1000, 10))])
     c = allocation("c", [grants((B, 3000, 10))])
@@ -133,8 +133,20 @@ def test_swap_exchanges_grants_and_progress_of_one_shape_only():
     assert swapped.allocations["a"].containers[0][0].uuid == B
     assert swapped.allocations["a"].state == AllocationState.BOUND
     assert set(swapped.claims) == {"a"} and swapped.claims["a"].name == "a"
-    with pytest.raises(hs.HandshakeError, match="differ in shape"):
+    # Without the cards' capacity, pods of other amounts are not exchanged.
+    with pytest.raises(hs.HandshakeError, match="differ in layout"):
         hs.swap_mutation("a", "c", ledger)
+    # Other amounts, one layout: each keeps its amounts on the other's card, if that fits.
+    traded = hs.swap_mutation("a", "c", ledger, {A: (4000, 100), B: (4000, 100)})
+    assert [(g.uuid, g.memory_mib) for g in traded.allocations["c"].containers[0]] == [(A, 3000)]
+    assert [(g.uuid, g.memory_mib) for g in traded.allocations["a"].containers[0]] == [(B, 1000)]
+    assert traded.allocations["c"].state == AllocationState.ALLOCATED
+    with pytest.raises(hs.HandshakeError, match="overfill GPU"):
+        hs.swap_mutation("a", "c", ledger, {A: (2000, 100), B: (8000, 100)})
+    two = allocation("d", [grants((A, 1000, 10)), grants((B, 1000, 10))])
+    with pytest.raises(hs.HandshakeError, match="differ in layout"):
+        hs.swap_mutation("a", "d", ledger.model_copy(update={
+            "allocations": {**ledger.allocations, "d": two}}), {A: (9000, 100), B: (9000, 100)})
 
 
 def test_pod_usage_counts_init_containers_by_their_peak():

@@ -129,6 +129,27 @@ async def test_different_shapes_in_flight_are_resolved_from_kubelets_view(
         assert ledger.in_flight() == {}
 
 
+async def test_crossed_pods_of_other_amounts_trade_cards_before_sealing(short_dir, nc, buckets):
+    """Guessing (kubelet's List does not show the pod under admission): a (3000 MiB on GPU 0)
+    and b (5000 MiB on GPU 1) are in flight; kubelet admits b first and gets a's GPU. PreStart
+    sees b holding it and, before sealing, has the two trade cards keeping their amounts (it
+    fits): b runs with 5000 MiB on GPU 0, then a is admitted onto GPU 1 with 3000 MiB."""
+    async with running_rig(short_dir, nc, buckets, lists_admitting=False) as rig:
+        g0, g1 = rig.gpus
+        pod_a, pod_b = make_pod("a", [("main", 1)]), make_pod("b", [("main", 1)])
+        await rig.bind(pod_a, [grants((g0, 3000, 30))])
+        await asyncio.sleep(0.05)  # a's claim is the older one: the agent expects a first
+        await rig.bind(pod_b, [grants((g1, 5000, 50))])
+        admission_b = await rig.kubelet.admit_pod(pod_b)
+        assert admission_b.ok, admission_b.error
+        assert gpu_of_replica(admission_b.containers[0].device_ids[0]) == g0  # a's card
+        assert sealed(admission_b) == [(g0, 5000)]  # but b's own amounts, sealed
+        admission_a = await rig.kubelet.admit_pod(pod_a)
+        assert admission_a.ok, admission_a.error
+        check_exact([admission_a, admission_b], {"a": 3000, "b": 5000}, await rig.ledger())
+        assert gpu_of_replica(admission_a.containers[0].device_ids[0]) == g1
+
+
 async def test_kubelet_restart_with_pods_in_flight(short_dir, nc, buckets):
     async with running_rig(short_dir, nc, buckets) as rig:
         pods = [make_pod(f"r{i}", [("main", 1)]) for i in range(3)]
