@@ -443,12 +443,17 @@ def check_capacity(
 
 def reuse_pool(allocation: Allocation, index: int) -> set[str]:
     """GPUs kubelet may hand container `index` from the pod's init containers before it (its
-    device reuse; sidecars are not told apart here: the grant check still applies to them)."""
+    device reuse, container by container in order): a plain init container's GPUs join the
+    pool; a native sidecar (restartable init container) and every app container keep theirs,
+    so those leave it."""
     pool: set[str] = set()
-    for i in range(min(index, allocation.init_count)):
-        pool |= {g.uuid for g in allocation.containers[i]}
-    for i in range(allocation.init_count, index):
-        pool -= {g.uuid for g in allocation.containers[i]}
+    sidecars = set(allocation.sidecars)
+    for i in range(min(index, len(allocation.containers))):
+        cards = {g.uuid for g in allocation.containers[i]}
+        if i < allocation.init_count and i not in sidecars:
+            pool |= cards
+        else:
+            pool -= cards
     return pool
 
 

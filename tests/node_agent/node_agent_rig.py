@@ -90,6 +90,7 @@ async def bind(
     init_count: int = 0,
     claim: bool = True,
     core_policy: str = "default",
+    sidecars: list[int] | None = None,
 ) -> Allocation:
     """What the scheduler writes at bind: a bound allocation and the node's in-flight claim."""
     meta = pod["metadata"]
@@ -100,7 +101,7 @@ async def bind(
     allocation = Allocation(
         pod_uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], node=node,
         containers=containers, init_count=init_count, state=AllocationState.BOUND,
-        container_names=names, core_policy=core_policy,
+        container_names=names, core_policy=core_policy, sidecars=sidecars or [],
     )
 
     def mutate(ledger: NodeLedger | None) -> NodeLedger:
