@@ -29,7 +29,7 @@ from tessera.models import (
     exchange_grants,
 )
 
-from .cards import build_cards, counts_against_capacity, over_capacity
+from .cards import Card, allocation_usage, build_cards, counts_against_capacity
 from .placement import PodFit, fit_pod
 from .rules import FitContext
 
@@ -120,19 +120,26 @@ def first_request(allocation: Allocation) -> int:
     return next((len(grants) for grants in allocation.containers if grants), 0)
 
 
-def exchange_fits(
-    registration: NodeRegistration, ledger: NodeLedger, a_uid: str, b_uid: str, now: float
-) -> bool:
+def exchange_fits(cards: dict[str, Card], a: Allocation, b: Allocation) -> bool:
     """Whether pods a and b (one layout) could trade cards, each keeping its amounts, without
-    any card of theirs going over capacity: the repair of a cross between them."""
-    a, b = ledger.allocations[a_uid], ledger.allocations[b_uid]
+    any card of theirs going over capacity (`cards`: the node's cards with today's usage): the
+    repair of a cross between them."""
     new_a, new_b = exchange_grants(a, b)
-    allocations = dict(ledger.allocations)
-    allocations[a_uid] = a.model_copy(update={"containers": new_a})
-    allocations[b_uid] = b.model_copy(update={"containers": new_b})
-    touched = {g.uuid for grants in (*new_a, *new_b) for g in grants}
-    cards = build_cards(registration, allocations.values(), now)
-    return not over_capacity([c for c in cards if c.uuid in touched])
+    delta: dict[str, list[int]] = {}
+    for allocation, sign in ((a, -1), (b, -1), (a.model_copy(update={"containers": new_a}), 1),
+                             (b.model_copy(update={"containers": new_b}), 1)):  # fmt: skip
+        for uuid, use in allocation_usage(allocation).items():
+            d = delta.setdefault(uuid, [0, 0, 0])
+            d[0] += sign * use.memory_mib
+            d[1] += sign * use.cores
+            d[2] += sign * use.slots
+    for uuid, (mem, cores, slots) in delta.items():
+        card = cards.get(uuid)
+        if card is None or (mem > 0 and card.used_mem + mem > card.memory_mib) or (
+            cores > 0 and card.used_cores + cores > card.cores
+        ) or (slots > 0 and card.used_slots + slots > card.split_count):
+            return False
+    return True
 
 
 def competes(a: Allocation, b: Allocation, exchangeable: Callable[[], bool] | None = None) -> bool:
@@ -166,10 +173,19 @@ def competing_claim(
     if max_in_flight and len(others) >= max_in_flight:
         return first
 
+    cards: dict[str, Card] = {}
+
     def check(k: str) -> Callable[[], bool] | None:
         if registration is None:
             return None
-        return lambda: exchange_fits(registration, ledger, uid, k, now)
+
+        def fits() -> bool:
+            if not cards:  # the node's usage, built once for every pair
+                built = build_cards(registration, ledger.allocations.values(), now)
+                cards.update((c.uuid, c) for c in built)
+            return exchange_fits(cards, allocation, ledger.allocations[k])
+
+        return fits
 
     clash = [c for k, c in others.items()
              if competes(allocation, ledger.allocations[k], check(k))]  # fmt: skip
