@@ -158,6 +158,7 @@ class Kubelets:
         self.tasks: set[asyncio.Task[None]] = set()
         self.done = asyncio.Event()
         self.expected = 0
+        self.cas_giveups = 0  # cas_update calls that gave up on a hot key (then retried)
 
     @staticmethod
     def _allocate(uid: str, current: NodeLedger | None) -> NodeLedger:
@@ -176,9 +177,16 @@ class Kubelets:
     async def _admit(self, event: AllocationEvent) -> None:
         await asyncio.sleep(self.delay)
         async with self.locks.setdefault(event.node, asyncio.Lock()):
-            with contextlib.suppress(bus.NoChange):
-                await bus.cas_update(self.buckets.ledger, event.node, NodeLedger,
-                                     lambda c: self._allocate(event.pod_uid, c))  # fmt: skip
+            while True:  # a hot key can outlast cas_update's attempts: Allocate is retried
+                try:
+                    await bus.cas_update(self.buckets.ledger, event.node, NodeLedger,
+                                         lambda c: self._allocate(event.pod_uid, c))  # fmt: skip
+                    break
+                except bus.NoChange:
+                    break
+                except bus.CasConflictError:
+                    self.cas_giveups += 1
+                    await asyncio.sleep(0.05)
         self.allocated.setdefault(event.pod_uid, time.perf_counter())
         if os.environ.get("BENCH_DEBUG"):
             print(f"{time.perf_counter():.1f} allocated {event.name}", flush=True)
@@ -201,6 +209,16 @@ class Kubelets:
                 task.cancel()
 
 
+async def post(client: LeanClient, path: str, body: bytes) -> Any:
+    """client.post, once more on a fresh connection when a kept-alive one was closed under it
+    (uvicorn drops connections idle for 5 s; on a loaded machine a request can race that)."""
+    try:
+        return await client.post(path, body)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        client.idle.clear()
+        return await client.post(path, body)
+
+
 async def kube_scheduler(client: LeanClient, pods: list[dict[str, Any]], names: list[str],
                          stats: dict[str, int]) -> None:  # fmt: skip
     """One scheduling cycle at a time; binds run concurrently; failed binds back off."""
@@ -216,7 +234,7 @@ async def kube_scheduler(client: LeanClient, pods: list[dict[str, Any]], names: 
     async def bind(spec: dict[str, Any], node: str, backoff: float) -> None:
         nonlocal pending
         meta = spec["metadata"]
-        result = await client.post("/bind", json.dumps({
+        result = await post(client, "/bind", json.dumps({
             "PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"],
             "Node": node,
         }).encode())  # fmt: skip
@@ -238,7 +256,7 @@ async def kube_scheduler(client: LeanClient, pods: list[dict[str, Any]], names: 
             if debug:
                 print(f"{time.perf_counter():.1f} filter {spec['metadata']['name']}", flush=True)
             body = f'{{"pod": {json.dumps(spec)}, "nodenames": {names_json}}}'
-            result = await client.post("/filter", body.encode())
+            result = await post(client, "/filter", body.encode())
             if not result.get("nodenames"):
                 stats["unschedulable"] += 1
                 asyncio.get_running_loop().call_later(
@@ -302,6 +320,7 @@ async def run_one(
             "done": len(kubelets.allocated) >= pods_n, **stats,
             "scheduler_cpu_ms_per_pod": (cpu_seconds(proc.pid) - cpu_before) * 1000 / pods_n,
             "driver_cpu_s": time.process_time() - driver_before,
+            "agent_cas_giveups": kubelets.cas_giveups,
             "per_node": per_node, "load": (load_before + os.getloadavg()[0]) / 2,
         }  # fmt: skip
     finally:
