@@ -10,11 +10,14 @@ process plays kube-scheduler and the kubelets:
   admits it (one admission at a time per node, as kubelet's sync loop does) and Allocate marks
   it allocated and takes it out of the node's in-flight set (one CAS).
 
-Modes: `in-flight set` (this scheduler: pods of one shape or GPU layout go in flight together),
+Modes: `in-flight set` (this scheduler: pods go in flight together unless their cross could not
+be repaired),
 `per-node claim` (`TESSERA_MAX_IN_FLIGHT_PER_NODE=1`: a bind waits for the previous pod's
 Allocate), `HAMi-style lock` (one per node, and a bind that finds it held fails at once; the
 pod retries after kube-scheduler's backoff). Time = first filter until the last pod is
-allocated. Every pod has one shape (a Job or Deployment burst); binpack node policy.
+allocated. Pods of one shape (a Job or Deployment burst), or of four amounts in turn (one GPU
+layout); binpack node policy. `BENCH_MODES`, `BENCH_SCENARIOS` (e.g. `200x4x1`: pods x nodes x
+amounts), `BENCH_REPEAT` (in-flight runs) and `BENCH_LIMIT_S` select and bound the runs.
 """
 
 from __future__ import annotations
@@ -372,16 +375,20 @@ def main() -> None:
         "process, uvloop) against the real NATS ledger; this process plays kube-scheduler (one "
         "filter at a time, binds concurrent, failed binds back off 1 s doubling to 10 s) and "
         "each node's kubelet + agent (admits a pod `delay` s after its bind, one at a time per "
-        "node; Allocate marks it allocated, one CAS). Every pod: 1 GPU, 2000 MiB, 5 % cores; "
-        "nodes of 8 × 80 GiB GPUs (split 10); binpack node policy. Time = first filter to the "
-        "last pod allocated. Measured on the shared 2-core machine while other work ran "
-        "(loaded: figures move by tens of percent between runs).",
+        "node; Allocate marks it allocated, one CAS). Every pod: 1 GPU, 5 % cores, 2000 MiB "
+        "(`one shape`: a Deployment or Job burst) or 2000/3000/4000/5000 MiB in turn (`4 "
+        "amounts`: four Deployments packed onto one node, one GPU layout); nodes of 8 × 80 GiB "
+        "GPUs (split 10); binpack node policy. Time = first filter to the last pod allocated. "
+        "Measured on the shared 2-core machine while other work ran: the load average (1 min, "
+        "mean of start and end) is given per run; figures move by tens of percent with it.",
         "",
-        "`per-node claim` is this scheduler capped at one pod in flight per node "
-        "(`TESSERA_MAX_IN_FLIGHT_PER_NODE=1`), which is the behaviour before the in-flight "
-        "set. In `HAMi-style lock` every pod that lost the lock retries after the same "
-        "backoff, so the retries arrive together and one wins per round (kube-scheduler's "
-        "backoff has no jitter); that is why it does so much worse here than a real cluster, "
+        "`in-flight set` is this scheduler: pods go in flight together unless a crossed guess "
+        "between them could not be repaired (other layouts with the same first device count, "
+        "or a card trade that would not fit; see the scheduler README). `per-node claim` is "
+        "it capped at one pod in flight per node (`TESSERA_MAX_IN_FLIGHT_PER_NODE=1`), the "
+        "behaviour before the in-flight set. In `HAMi-style lock` every pod that lost the lock "
+        "retries after the same backoff, so the retries arrive together and one wins per "
+        "round (kube-scheduler's backoff has no jitter); that is why it does so much worse here than a real cluster, "
         "where arrivals spread out.",
         "",
         "| pods → nodes | pods | kubelet delay | mode | all allocated in | allocated | "
