@@ -388,8 +388,8 @@ def main() -> None:
         "it capped at one pod in flight per node (`TESSERA_MAX_IN_FLIGHT_PER_NODE=1`), the "
         "behaviour before the in-flight set. In `HAMi-style lock` every pod that lost the lock "
         "retries after the same backoff, so the retries arrive together and one wins per "
-        "round (kube-scheduler's backoff has no jitter); that is why it does so much worse here than a real cluster, "
-        "where arrivals spread out.",
+        "round (kube-scheduler's backoff has no jitter); that is why it does so much worse "
+        "here than a real cluster, where arrivals spread out.",
         "",
         "| pods → nodes | pods | kubelet delay | mode | all allocated in | allocated | "
         "failed binds | allocated per node | scheduler CPU ms/pod | load average | target |",
