@@ -213,8 +213,13 @@ def test_all_pods_running_after_the_last_restart(burst: BurstOutcome) -> None:
                 waiting[f"{bound}: {conditions[-1].get('message', '')[:90]}"] += 1
         pytest.fail(f"not all Running {WAIT_S:.0f} s after the last restart: {dict(waiting)}; "
                     f"ledgers: {describe_ledgers(burst.ledgers)}")
+    settled = burst.converged_s - max(burst.created_s, 0.0)
+    # First the figure the target is about: from the later of the last restart and the last
+    # pod's creation (on a loaded machine the burst is still being created after the restart).
+    print(f"\nall {PODS} pods Running {settled:.1f} s after the last restart or pod creation, "
+          f"whichever came later")
     print(
-        f"\nall {PODS} pods Running {burst.converged_s:.1f} s after the last restart "
+        f"all {PODS} pods Running {burst.converged_s:.1f} s after the last restart "
         f"(target {CONVERGE_S:.0f} s; the burst was all created {burst.created_s:.1f} s after it, "
         f"so {burst.converged_s - max(burst.created_s, 0.0):.1f} s after the last pod was created)"
     )

@@ -187,3 +187,29 @@ def test_allocate_serves_a_claimed_pod_the_scheduler_has_not_yet_marked_bound():
     released = allocation("p", [grants((A, 1, 1))], state=AllocationState.RELEASED)
     gone = NodeLedger(node="n", allocations={"p": released}, claims={"p": claim})
     assert hs.in_flight(gone) == []
+
+
+def test_the_pod_under_admission_is_read_off_kubelets_list():
+    """kubelet lists a pod from the start of its admission, its app containers (and native
+    sidecars, not plain init containers) without devices until each one's Allocate returned."""
+    done = allocation("done", [grants((A, 1000, 10))])
+    under = allocation("under", [grants((A, 1000, 10)), grants((B, 1000, 10))])
+    unseen = allocation("unseen", [grants((B, 1000, 10))])
+    init_only = allocation("init", [grants((A, 500, 5)), grants((B, 500, 5))], init_count=1)
+    listed = {("ns", "done"): {"c0"}, ("ns", "under"): {"c0"}, ("ns", "init"): {"c1"}}
+    flying = [done, under, unseen, init_only]
+    assert hs.kubelet_admitting(flying, listed) == {"under"}
+    # A plain init container is never listed: a pod whose app containers hold devices is done.
+    assert hs.kubelet_admitting([init_only], {("ns", "init"): set()}) == {"init"}
+    side = init_only.model_copy(update={"sidecars": [0]})
+    assert hs.kubelet_admitting([side], {("ns", "init"): {"c1"}}) == {"init"}  # sidecar c0 not
+    assert hs.kubelet_admitting([side], {("ns", "init"): {"c0", "c1"}}) == set()
+
+
+def test_reuse_pool_follows_kubelet_with_native_sidecars():
+    pod = allocation("p", [grants((A, 500, 5), (B, 500, 5)), grants((A, 300, 5)),
+                           grants((B, 400, 5))], init_count=2)
+    assert hs.reuse_pool(pod, 2) == {A, B}  # a plain init container hands both on
+    side = pod.model_copy(update={"sidecars": [1]})
+    assert hs.reuse_pool(side, 1) == {A, B}
+    assert hs.reuse_pool(side, 2) == {B}  # the sidecar keeps A
