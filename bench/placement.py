@@ -391,18 +391,20 @@ def main() -> None:
         "round (kube-scheduler's backoff has no jitter); that is why it does so much worse "
         "here than a real cluster, where arrivals spread out.",
         "",
-        "Why 200 → 4 took 9 s (median) under load before, and what changed: (1) this "
-        "benchmark's kube-scheduler stand-in lost binds: a request sent on a kept-alive "
-        "connection that uvicorn had just closed (5 s idle) failed and was never retried, so "
-        "runs ended with 198-199 of 200 pods; it is now sent again on a fresh connection, as an "
-        "HTTP client does, and the kubelet stand-in retries an Allocate whose CAS gave up on the "
-        "hot key. (2) The rest is CPU: the scheduler spends 10-15 ms of CPU per pod here, most "
+        "Why 200 → 4 takes 5-9 s on this machine (9 s median before): CPU. (A benchmark bug "
+        "found on the way: its kube-scheduler stand-in lost binds when a request raced uvicorn "
+        "closing a kept-alive connection (5 s idle), so loaded runs ended with 198-199 of 200 "
+        "pods; it now sends such a request again on a fresh connection, as an HTTP client "
+        "does.) The scheduler spends 10-15 ms of CPU per pod here, most "
         "of it decoding and encoding a node's whole ledger entry (up to 80 allocations) on each "
         "of the pod's three writes and the agent's one, and rebuilding the node's index row on "
         "every change (a profile of one run: pydantic validation 1.7 s, encoding 0.7 s, index "
-        "rebuilds 1.3 s of ~15 s of scheduler CPU); at a load average of 10-15 on 2 cores the "
-        "scheduler gets a fraction of one core, and the wall time is that CPU stretched by the "
-        "load. Cutting the per-entry cost is the issue's Scale item.",
+        "rebuilds 1.3 s of ~15 s of scheduler CPU, a slow loaded run); with the load average "
+        "at 6-15 on 2 cores the scheduler gets a fraction of one core, and the wall time is "
+        "that CPU stretched by the load (the driver itself, kube-scheduler and kubelets, adds "
+        "~2.5 s of CPU). Cutting the per-entry cost is the issue's Scale item. The `4 amounts` "
+        "rows show the new rule: the last session's in-flight set let one shape fly at a time "
+        "(not measured here).",
         "",
         "| pods → nodes | pods | kubelet delay | mode | all allocated in | allocated | "
         "failed binds | allocated per node | scheduler CPU ms/pod | load average | target |",
