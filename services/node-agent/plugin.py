@@ -39,7 +39,13 @@ from tessera.kubeapi import (
     pr,
     pr_grpc,
 )
-from tessera.models import Allocation, AllocationEvent, NodeLedger, allocation_layout
+from tessera.models import (
+    Allocation,
+    AllocationEvent,
+    NodeLedger,
+    allocation_layout,
+    allocation_shape,
+)
 from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
@@ -597,7 +603,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if any(self._sealed(c) for c in theirs + mine):
             return False
         repaired = await self._relabel_one(label, holder, labelled, theirs)
-        if not repaired and allocation_layout(holder) == allocation_layout(labelled):
+        # One shape: a swap moves no capacity. Other amounts: a trade, only when the holder is
+        # in flight (the labelled pod was counted served by the cross itself); a pod already
+        # served that kubelet admits again is not repaired.
+        tradable = allocation_layout(holder) == allocation_layout(labelled) and (
+            allocation_shape(holder) == allocation_shape(labelled)
+            or holder.pod_uid in {a.pod_uid for a in hs.in_flight(ledger)}
+        )
+        if not repaired and tradable:
             repaired = await self._swap_pods(holder, labelled, theirs, mine)
         if not repaired:
             return False
