@@ -174,7 +174,35 @@ def allocation_shape(allocation: Allocation) -> tuple:
             (g.memory_mib, g.cores, first_seen.setdefault(g.uuid, len(first_seen)))
             for g in grants
         ))  # fmt: skip
-    return (allocation.init_count, tuple(containers))
+    # Native sidecars keep their devices (kubelet reuses only plain init containers' ones).
+    return (allocation.init_count, tuple(allocation.sidecars), tuple(containers))
+
+
+def allocation_layout(allocation: Allocation) -> tuple:
+    """What kubelet sees of a pod's GPU request: its shape without the amounts (the same GPU
+    containers with the same device counts, the same cards shared between them, the same native
+    sidecars). Pods of one layout can exchange cards (`exchange_grants`)."""
+    first_seen: dict[str, int] = {}
+    containers = tuple(
+        tuple(first_seen.setdefault(g.uuid, len(first_seen)) for g in grants)
+        for grants in allocation.containers
+    )
+    return (allocation.init_count, tuple(allocation.sidecars), containers)
+
+
+def exchange_grants(
+    a: Allocation, b: Allocation
+) -> tuple[list[list[DeviceGrant]], list[list[DeviceGrant]]]:
+    """Two pods of one layout trade cards, each keeping its own amounts: (a's grants on b's
+    cards, b's grants on a's cards), position by position as kubelet would hand them over."""
+
+    def onto(mine: Allocation, theirs: Allocation) -> list[list[DeviceGrant]]:
+        return [
+            [g.model_copy(update={"uuid": t.uuid}) for g, t in zip(grants, other, strict=True)]
+            for grants, other in zip(mine.containers, theirs.containers, strict=True)
+        ]
+
+    return onto(a, b), onto(b, a)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ containers after it first (any of them when more are reusable than asked; the ku
 states the rules), choosing the rest through GetPreferredAllocation when the plugin
 offers it, and records the assignment (visible in pod-resources List right away);
 then, container by container, PreStartContainer with the same device IDs just before starting it.
+As kubelet's pod manager does, pod-resources List shows a pod from the moment its admission
+starts, its containers without devices until each one's Allocate returned
+(`lists_admitting=False` models a kubelet whose List shows a pod only once it holds devices).
 A pod asking for a device resource that no plugin registered, or that has too few healthy
 devices, is refused with kubelet's admission error instead of starting without devices.
 """
@@ -166,8 +169,10 @@ class SimKubelet:
         device_resources: Iterable[str] = (),
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         rng: random.Random | None = None,
+        lists_admitting: bool = True,
     ) -> None:
         self.socket_dir = Path(socket_dir)
+        self.lists_admitting = lists_admitting
         # Resources this node expects a device plugin for (the node's extended resources):
         # a pod asking for one is refused while no plugin serves it. Any resource a plugin
         # registered counts too; other extended resources (HAMi's gpumem/gpucores) are left
@@ -321,6 +326,12 @@ class SimKubelet:
                                  meta.get("name", ""))
         ordered = [(c, True) for c in spec.get("initContainers") or []]
         ordered += [(c, False) for c in spec.get("containers") or []]
+        if self.lists_admitting and any(self._device_resources_of(c) for c, _ in ordered):
+            # kubelet's List reports app containers and native sidecars, not plain init ones.
+            self.pod_resources.begin(admission.uid, admission.namespace, admission.name, [
+                c.get("name", "") for c, init in ordered
+                if not init or c.get("restartPolicy") == "Always"
+            ])  # fmt: skip
         # kubelet's device reuse (see the README): a finished init container's devices are
         # handed to the containers after it before new ones are taken; a sidecar (restartable
         # init container) and every app container keep theirs, so they leave the pool.
@@ -344,6 +355,9 @@ class SimKubelet:
                 except (AdmissionError, grpc.aio.AioRpcError) as exc:
                     entry.error = _message(exc)
                     admission.error = f"container {entry.name}: {entry.error}"
+                    # A rejected pod is no longer active: List stops showing it (devices it
+                    # was given before the failure stay recorded until remove_pod).
+                    self.pod_resources.drop_if_empty(admission.uid)
                     return admission
                 if init and container.get("restartPolicy") != "Always":
                     pool.extend(d for d in entry.device_ids if d not in pool)

@@ -46,6 +46,19 @@ class PodResourcesStore:
             pod.containers.append(entry)
         entry.devices[resource] = list(ids)
 
+    def begin(self, uid: str, namespace: str, name: str, containers: list[str]) -> None:
+        """A pod kubelet starts to admit: listed at once, its containers without devices yet
+        (kubelet adds a pod to its pod manager, which List reads, before admitting it)."""
+        pod = self._pods.setdefault(uid, PodDevices(uid, namespace, name))
+        for container in containers:
+            if all(c.name != container for c in pod.containers):
+                pod.containers.append(ContainerDevices(container))
+
+    def drop_if_empty(self, uid: str) -> None:
+        pod = self._pods.get(uid)
+        if pod is not None and not any(c.devices for c in pod.containers):
+            del self._pods[uid]
+
     def remove(self, uid: str) -> None:
         self._pods.pop(uid, None)
 

@@ -99,6 +99,37 @@ def in_flight(ledger: NodeLedger | None) -> list[Allocation]:
     return sorted((a for a in ledger.allocations.values() if waiting(a)), key=order)
 
 
+def reported_containers(allocation: Allocation) -> list[int]:
+    """GPU containers kubelet's pod-resources List reports: app containers and native sidecars
+    (plain init containers are not listed)."""
+    sidecars = set(allocation.sidecars)
+    return [
+        i for i in gpu_containers(allocation) if i >= allocation.init_count or i in sidecars
+    ]  # fmt: skip
+
+
+def kubelet_admitting(
+    flying: list[Allocation], listed: dict[tuple[str, str], set[str]]
+) -> set[str]:
+    """Uids of the in-flight pods kubelet is admitting now, read off its pod-resources List
+    (`listed`: (namespace, pod) -> names of its containers that hold our devices).
+
+    kubelet adds a pod to its pod manager (which List reads) just before admitting it, admits
+    pods one at a time, and records each container's devices when its Allocate returns. So an
+    in-flight pod that kubelet lists with a GPU container still without devices is the one under
+    admission; a pod it does not list has not reached kubelet yet. Normally one pod qualifies;
+    the caller falls back to its guess when none or several do."""
+    out = set()
+    for allocation in flying:
+        held = listed.get((allocation.namespace, allocation.name))
+        if held is None:
+            continue
+        reported = reported_containers(allocation)
+        if not reported or any(container_name(allocation, i) not in held for i in reported):
+            out.add(allocation.pod_uid)
+    return out
+
+
 def no_pod_in_flight(node: str) -> HandshakeError:
     return HandshakeError(
         f"no pod is in flight on node {node}: the scheduler has bound none here, so this "
@@ -353,29 +384,37 @@ def reclaim_mutation(
     return new
 
 
-def swap_mutation(a_uid: str, b_uid: str, ledger: NodeLedger | None) -> NodeLedger:
-    """Ledger CAS body of a crossed-guess repair: pods `a` and `b` (one shape) exchange their
-    grants and their progress (state, expiry, in-flight claim), so each pod's grants are the GPUs
-    kubelet really gave it. Every card holds the same amounts as before. Raises HandshakeError
-    when the two are no longer interchangeable."""
-    from tessera.models import allocation_shape
+def swap_mutation(
+    a_uid: str, b_uid: str, ledger: NodeLedger | None,
+    capacity: dict[str, tuple[int, int]] | None = None,
+) -> NodeLedger:
+    """Ledger CAS body of a crossed-guess repair: pods `a` and `b` exchange their cards and
+    their progress (state, expiry, in-flight claim), so each pod's grants are the GPUs kubelet
+    really gave it. One shape: they swap grants and every card holds the same amounts as before.
+    One layout, other amounts: each keeps its amounts on the other's cards, refused unless every
+    card still fits (`capacity`: uuid -> (MiB, cores)). HandshakeError when they cannot."""
+    from tessera.models import allocation_layout, allocation_shape, exchange_grants
 
     a = ledger.allocations.get(a_uid) if ledger else None
     b = ledger.allocations.get(b_uid) if ledger else None
     if ledger is None or a is None or b is None or not (a.active and b.active):
         raise HandshakeError("a crossed pod's allocation is gone: cannot repair", mismatch=True)
-    if allocation_shape(a) != allocation_shape(b):
+    same_shape = allocation_shape(a) == allocation_shape(b)
+    if not same_shape and (allocation_layout(a) != allocation_layout(b) or capacity is None):
         raise HandshakeError(
-            f"{describe(a)} and {describe(b)} differ in shape: their grants cannot be swapped",
+            f"{describe(a)} and {describe(b)} differ in layout: their cards cannot be exchanged",
             mismatch=True,
         )
     new = ledger.model_copy(deep=True)
+    a_grants, b_grants = (b.containers, a.containers) if same_shape else exchange_grants(a, b)
 
-    def progress(x: Allocation) -> dict:
-        return {"containers": x.containers, "state": x.state, "expires_at": x.expires_at}
+    def progress(x: Allocation, grants: list[list[DeviceGrant]]) -> dict:
+        return {"containers": grants, "state": x.state, "expires_at": x.expires_at}
 
-    new.allocations[a_uid] = a.model_copy(update=progress(b))
-    new.allocations[b_uid] = b.model_copy(update=progress(a))
+    new.allocations[a_uid] = a.model_copy(update=progress(b, a_grants))
+    new.allocations[b_uid] = b.model_copy(update=progress(a, b_grants))
+    if not same_shape:
+        check_capacity(new, {g.uuid for c in (*a_grants, *b_grants) for g in c}, capacity or {})
     claims = ledger.in_flight()
     new.claim = None
     new.claims = {k: c for k, c in claims.items() if k not in (a_uid, b_uid)}
@@ -387,14 +426,34 @@ def swap_mutation(a_uid: str, b_uid: str, ledger: NodeLedger | None) -> NodeLedg
     return new
 
 
+def check_capacity(
+    ledger: NodeLedger, uuids: set[str], capacity: dict[str, tuple[int, int]]
+) -> None:
+    """HandshakeError when any of these cards holds more than its (MiB, cores) capacity."""
+    from tessera.node_agent.limits import pod_usage_on
+
+    for uuid in sorted(uuids):
+        used = [pod_usage_on(x, uuid) for x in ledger.allocations.values() if x.active]
+        cap_mem, cap_cores = capacity.get(uuid, (0, 0))
+        if sum(m for m, _ in used) > cap_mem or sum(c for _, c in used) > cap_cores:
+            raise HandshakeError(
+                f"exchanging the crossed pods' cards would overfill GPU {uuid}", mismatch=True
+            )
+
+
 def reuse_pool(allocation: Allocation, index: int) -> set[str]:
     """GPUs kubelet may hand container `index` from the pod's init containers before it (its
-    device reuse; sidecars are not told apart here: the grant check still applies to them)."""
+    device reuse, container by container in order): a plain init container's GPUs join the
+    pool; a native sidecar (restartable init container) and every app container keep theirs,
+    so those leave it."""
     pool: set[str] = set()
-    for i in range(min(index, allocation.init_count)):
-        pool |= {g.uuid for g in allocation.containers[i]}
-    for i in range(allocation.init_count, index):
-        pool -= {g.uuid for g in allocation.containers[i]}
+    sidecars = set(allocation.sidecars)
+    for i in range(min(index, len(allocation.containers))):
+        cards = {g.uuid for g in allocation.containers[i]}
+        if i < allocation.init_count and i not in sidecars:
+            pool |= cards
+        else:
+            pool -= cards
     return pool
 
 

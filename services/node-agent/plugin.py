@@ -39,7 +39,13 @@ from tessera.kubeapi import (
     pr,
     pr_grpc,
 )
-from tessera.models import Allocation, AllocationEvent, NodeLedger, allocation_shape
+from tessera.models import (
+    Allocation,
+    AllocationEvent,
+    NodeLedger,
+    allocation_layout,
+    allocation_shape,
+)
 from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
@@ -48,6 +54,8 @@ from . import mps
 from .mps import MpsDaemons
 
 POD_RESOURCES_TIMEOUT_S = 5.0
+# GetPreferredAllocation and Allocate ask kubelet which pod it is admitting; past this, guess.
+ADMITTING_TIMEOUT_S = 1.0
 # kubelet's messages are small; a larger cap than gRPC's 4 MiB default lets an oversized request
 # reach validation (INVALID_ARGUMENT with a reason) instead of dying as RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -196,8 +204,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             check_id_count(list(req.available_deviceIDs), replicas)
             check_id_count(list(req.must_include_deviceIDs), replicas)
         ledger = await self._ledger()
+        only = await self._kubelet_admitting(ledger)
         response = dp.PreferredAllocationResponse()
-        run = self._open_run(ledger)
+        run = self._open_run(ledger, only)
         for req in request.container_requests:
             size, available = req.allocation_size, list(req.available_deviceIDs)
             must = list(req.must_include_deviceIDs)
@@ -205,7 +214,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 targets = [run]  # kubelet is in the middle of this pod's admission
             else:
                 targets = [(a, hs.gpu_containers(a)[0])
-                           for a in self._unserved(ledger) if hs.first_size(a) == size]
+                           for a in self._unserved(ledger, only) if hs.first_size(a) == size]
+                if not targets and only:  # kubelet's view did not settle it: every pod
+                    targets = [(a, hs.gpu_containers(a)[0])
+                               for a in self._unserved(ledger) if hs.first_size(a) == size]
             if not targets:
                 raise self._no_pod_of_size("asks for", size, ledger)
             ids, error = None, None
@@ -231,11 +243,39 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     def _served(self, allocation: Allocation) -> list[ContainerDir]:
         return self.store.for_pod(allocation.pod_uid)
 
-    def _unserved(self, ledger: NodeLedger | None) -> list[Allocation]:
+    async def _kubelet_admitting(self, ledger: NodeLedger | None) -> set[str] | None:
+        """The in-flight pods kubelet's pod-resources List shows under admission (normally
+        one: see hs.kubelet_admitting); None when kubelet could not be asked in time."""
+        flying = hs.in_flight(ledger)
+        if len(flying) < 2:
+            return None  # nothing to tell apart
+        try:
+            pods = await asyncio.wait_for(
+                self.pod_resources(self.settings.pod_resources_socket), ADMITTING_TIMEOUT_S
+            )
+        except Exception as exc:
+            self.log.info("pod-resources not read: guessing the pod", extra={"err": str(exc)})
+            return None
+        resource = self.settings.resource_name
+        listed = {
+            (pod.namespace, pod.name): {
+                c.name for c in pod.containers
+                if any(d.resource_name == resource and d.device_ids for d in c.devices)
+            }
+            for pod in pods
+        }  # fmt: skip
+        return hs.kubelet_admitting(flying, listed)
+
+    def _unserved(
+        self, ledger: NodeLedger | None, only: set[str] | None = None
+    ) -> list[Allocation]:
         """In-flight pods kubelet has not begun to admit (or is admitting anew after a failure
-        before the end: every container prepared, none started, still only bound)."""
+        before the end: every container prepared, none started, still only bound); with
+        `only` (kubelet's view, when it names any), just those."""
         out = []
         for allocation in hs.in_flight(ledger):
+            if only and allocation.pod_uid not in only:
+                continue
             if not hs.gpu_containers(allocation):
                 continue
             existing = self._served(allocation)
@@ -243,11 +283,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 out.append(allocation)
         return out
 
-    def _open_run(self, ledger: NodeLedger | None) -> tuple[Allocation, int] | None:
+    def _open_run(
+        self, ledger: NodeLedger | None, only: set[str] | None = None
+    ) -> tuple[Allocation, int] | None:
         """The pod kubelet is in the middle of admitting (some GPU containers served, not all)
         and its next GPU container. Read from disk, so it survives an agent restart."""
         runs = []
         for allocation in hs.in_flight(ledger):
+            if only and allocation.pod_uid not in only:
+                continue
             existing = self._served(allocation)
             done = {c.prepared.index for c in existing}
             remaining = [i for i in hs.gpu_containers(allocation) if i not in done]
@@ -280,10 +324,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         return followed
 
     async def _attribute(
-        self, ledger: NodeLedger | None, ids: list[str], gpus: list[str]
+        self, ledger: NodeLedger | None, ids: list[str], gpus: list[str],
+        only: set[str] | None = None,
     ) -> tuple[Allocation, int]:
-        """Which pod and container an Allocate serves (see the README's handshake)."""
-        run = self._open_run(ledger)
+        """Which pod and container an Allocate serves (see the README's handshake); `only`:
+        the pods kubelet's view says it is admitting."""
+        run = self._open_run(ledger, only)
         if run is not None and len(run[0].containers[run[1]]) == len(ids):
             allocation, index = run
             who = hs.describe(allocation, index)
@@ -296,8 +342,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     raise
                 allocation = followed
             return allocation, index
+        chosen = hs.choose_new_pod(self._unserved(ledger, only), len(ids), set(gpus), self._guess)
         unserved = self._unserved(ledger)
-        chosen = hs.choose_new_pod(unserved, len(ids), set(gpus), self._guess)
+        if chosen is None and only:  # kubelet's view did not settle it: every pod
+            chosen = hs.choose_new_pod(unserved, len(ids), set(gpus), self._guess)
         if chosen is not None:
             return chosen, hs.gpu_containers(chosen)[0]
         nearest = hs.choose_new_pod(unserved, len(ids), None, self._guess)
@@ -340,9 +388,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             for req in request.container_requests
         ]
         ledger = await self._ledger()
+        only = await self._kubelet_admitting(ledger)
         response = dp.AllocateResponse()
         for ids, gpus in checked:
-            allocation, index = await self._attribute(ledger, ids, gpus)
+            allocation, index = await self._attribute(ledger, ids, gpus, only)
             cdir = await self._prepare(allocation, index, ids)
             response.container_responses.append(
                 await self._mps_answer(allocation, cdir, self._allocate_response(allocation, cdir))
@@ -602,7 +651,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if any(self._sealed(c) for c in theirs + mine):
             return False
         repaired = await self._relabel_one(label, holder, labelled, theirs)
-        if not repaired and allocation_shape(holder) == allocation_shape(labelled):
+        # One shape: a swap moves no capacity. Other amounts: a trade, only when the holder is
+        # in flight (the labelled pod was counted served by the cross itself); a pod already
+        # served that kubelet admits again is not repaired.
+        tradable = allocation_layout(holder) == allocation_layout(labelled) and (
+            allocation_shape(holder) == allocation_shape(labelled)
+            or holder.pod_uid in {a.pod_uid for a in hs.in_flight(ledger)}
+        )
+        if not repaired and tradable:
             repaired = await self._swap_pods(holder, labelled, theirs, mine)
         if not repaired:
             return False
@@ -659,12 +715,18 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self, holder: Allocation, labelled: Allocation,
         theirs: list[ContainerDir], mine: list[ContainerDir],
     ) -> bool:
+        capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
         try:
             result = await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,
-                lambda current: hs.swap_mutation(labelled.pod_uid, holder.pod_uid, current),
+                lambda current: hs.swap_mutation(
+                    labelled.pod_uid, holder.pod_uid, current, capacity
+                ),
             )
-        except (hs.HandshakeError, bus.NoChange):
+        except hs.HandshakeError as exc:
+            self.log.warning("crossed pods cannot be exchanged", extra={"err": str(exc)})
+            return False
+        except bus.NoChange:
             return False
         swapped = result.value.allocations
         for c in mine:

@@ -13,13 +13,25 @@ from collections.abc import Callable
 from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
-from tessera.models import Allocation, AllocationEvent, InFlightClaim, allocation_shape
+from tessera.models import (
+    Allocation,
+    AllocationEvent,
+    InFlightClaim,
+    NodeRegistration,
+    allocation_shape,
+)
 
 from .background import EventPublisher
 from .config import SchedulerSettings
 from .filtering import PodFilter
 from .indexed_ledger import IndexedLedger
-from .ledger import AlreadyBoundError, ClaimHeldError, ReservationGoneError, competing_claim
+from .ledger import (
+    AlreadyBoundError,
+    ClaimHeldError,
+    ReservationGoneError,
+    competing_claim,
+    first_request,
+)
 from .metrics import SchedulerMetrics
 from .pods import PodIdentity, allocation_live
 from .release import AllocationReleaser
@@ -105,6 +117,7 @@ class PodBinder:
                     result = await self.ledger.writer.claim(
                         node, uid, self.instance, now, self.config.claim_ttl_s,
                         self.ledger.hint(node), self.config.max_in_flight_per_node,
+                        self._registration(node),
                     )  # fmt: skip
                 break
             except (ClaimHeldError, _QueuedError) as exc:
@@ -155,9 +168,12 @@ class PodBinder:
     # back (most waits end within one kubelet round trip).
 
     def _shape(self, node: str, uid: str) -> tuple | None:
+        """(first device count, shape): what ledger.competes compares."""
         hint = self.ledger.hint(node)
         allocation = hint.value.allocations.get(uid) if hint is not None else None
-        return allocation_shape(allocation) if allocation is not None else None
+        if allocation is None:
+            return None
+        return first_request(allocation), allocation_shape(allocation)
 
     def _join_queue(self, node: str, uid: str) -> None:
         queue = self._waiting.setdefault(node, [])
@@ -186,7 +202,10 @@ class PodBinder:
         for other, shape, since in queue:
             if other == uid:
                 return None
-            if shape is not None and shape != mine and now - since >= FAIR_AFTER_S:
+            competing = shape is not None and mine is not None and (
+                shape[0] == mine[0] and shape[1] != mine[1]
+            )
+            if competing and now - since >= FAIR_AFTER_S:
                 return other
         return None
 
@@ -195,7 +214,12 @@ class PodBinder:
         hint = self.ledger.hint(node)
         if hint is None or uid not in hint.value.allocations:
             return None  # the CAS decides on a fresh read
-        return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node)
+        return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node,
+                               self._registration(node))  # fmt: skip
+
+    def _registration(self, node: str) -> NodeRegistration | None:
+        entry = self.index.entries.get(node)
+        return entry.registration if entry is not None else None
 
     async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
         """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a

@@ -70,22 +70,25 @@ class FailureLog:
         now = self.clock()
         key = ident.uid or f"{ident.namespace}/{ident.name}"
         previous = self.records.pop(key, None)
-        self.records[key] = FailureRecord(reasons, summary, now)
-        self.records[f"{ident.namespace}/{ident.name}"] = self.records[key]
-        while len(self.records) > _FAILURE_MEMORY:
-            self.records.popitem(last=False)
-        record = self.records[key]
-        if (
+        repeat = (
             previous is not None
             and previous.node_reasons == reasons
             and now - previous.at < _REPUBLISH_SAME_FAILURE_S
-        ):
+        )
+        # A repeat keeps the same record, so the callback of a publish still in flight
+        # (or retried) lands on the record explain and later repeats read.
+        record = previous if repeat and previous is not None else FailureRecord(
+            reasons, summary, now
+        )
+        record.summary = summary
+        self.records[key] = record
+        self.records[f"{ident.namespace}/{ident.name}"] = record
+        while len(self.records) > _FAILURE_MEMORY:
+            self.records.popitem(last=False)
+        if repeat and (record.published or record.pending):
             # Suppressed only once the earlier one is known to have reached the stream (or is
             # still being retried): a repeat must never hide a lost event.
-            record.at = previous.at
-            record.published = previous.published
-            if previous.published or previous.pending:
-                return
+            return
         record.pending = True
 
         def published(landed: bool) -> None:

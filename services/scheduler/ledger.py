@@ -24,10 +24,12 @@ from tessera.models import (
     InFlightClaim,
     NodeLedger,
     NodeRegistration,
+    allocation_layout,
     allocation_shape,
+    exchange_grants,
 )
 
-from .cards import build_cards, counts_against_capacity
+from .cards import Card, allocation_usage, build_cards, counts_against_capacity
 from .placement import PodFit, fit_pod
 from .rules import FitContext
 
@@ -114,18 +116,57 @@ def live_claims(ledger: NodeLedger, now: float) -> dict[str, InFlightClaim]:
     }  # fmt: skip
 
 
-def competing_claim(
-    ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0
-) -> InFlightClaim | None:
-    """The claim `uid` must wait for, or None when it may go in flight now.
+def first_request(allocation: Allocation) -> int:
+    """How many devices kubelet asks the node agent for when it starts admitting the pod: its
+    first GPU container's (GetPreferredAllocation and Allocate name a count, never a pod)."""
+    return next((len(grants) for grants in allocation.containers if grants), 0)
 
-    kubelet names no pod before PreStart, so the node agent may count an Allocate for the wrong
-    in-flight pod; PreStart catches it and repairs it. Between two pods of one shape the repair
-    is exact in every respect: swapping their grants moves no capacity, and the env kubelet
-    already took from the Allocate answer names the same GPUs and amounts. So any number of pods
-    of one shape may be in flight on a node together; a pod of another shape waits for them (a
-    cross could leave the other pod's amounts in its env, or need capacity that is not there).
-    `max_in_flight` > 0 caps the set (1 = the old one-pod-per-node claim)."""
+
+def exchange_fits(cards: dict[str, Card], a: Allocation, b: Allocation) -> bool:
+    """Whether pods a and b (one layout) could trade cards, each keeping its amounts, without
+    any card of theirs going over capacity (`cards`: the node's cards with today's usage): the
+    repair of a cross between them."""
+    new_a, new_b = exchange_grants(a, b)
+    delta: dict[str, list[int]] = {}
+    for allocation, sign in ((a, -1), (b, -1), (a.model_copy(update={"containers": new_a}), 1),
+                             (b.model_copy(update={"containers": new_b}), 1)):  # fmt: skip
+        for uuid, use in allocation_usage(allocation).items():
+            d = delta.setdefault(uuid, [0, 0, 0])
+            d[0] += sign * use.memory_mib
+            d[1] += sign * use.cores
+            d[2] += sign * use.slots
+    for uuid, (mem, cores, slots) in delta.items():
+        card = cards.get(uuid)
+        if card is None or (mem > 0 and card.used_mem + mem > card.memory_mib) or (
+            cores > 0 and card.used_cores + cores > card.cores
+        ) or (slots > 0 and card.used_slots + slots > card.split_count):
+            return False
+    return True
+
+
+def competes(a: Allocation, b: Allocation, exchangeable: Callable[[], bool] | None = None) -> bool:
+    """Whether two pods may not be in flight on one node together.
+
+    kubelet names no pod before PreStart; the node agent reads which pod kubelet is admitting
+    off its pod-resources List, and guesses only when that does not settle it. A guess can be
+    wrong only between pods whose admissions start with the same device count; PreStart then
+    repairs it: pods of one shape swap grants (no capacity moves), pods of one layout with
+    other amounts trade cards keeping their amounts (`exchangeable()`: that fits the cards).
+    Otherwise a cross could need capacity that is not there: the two compete for it."""
+    if first_request(a) != first_request(b) or allocation_shape(a) == allocation_shape(b):
+        return False
+    if allocation_layout(a) != allocation_layout(b) or exchangeable is None:
+        return True
+    return not exchangeable()
+
+
+def competing_claim(
+    ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0,
+    registration: NodeRegistration | None = None,
+) -> InFlightClaim | None:
+    """The claim `uid` must wait for, or None when it may go in flight now (see `competes`;
+    without the node's `registration` pods of other amounts are not exchanged). `max_in_flight`
+    > 0 caps the set (1 = the old one-pod-per-node claim)."""
     allocation = ledger.allocations[uid]
     others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
     if not others:
@@ -133,14 +174,29 @@ def competing_claim(
     first = min(others.values(), key=lambda c: c.expires_at)
     if max_in_flight and len(others) >= max_in_flight:
         return first
-    shape = allocation_shape(allocation)
-    clash = [c for k, c in others.items() if allocation_shape(ledger.allocations[k]) != shape]
+
+    cards: dict[str, Card] = {}
+
+    def check(k: str) -> Callable[[], bool] | None:
+        if registration is None:
+            return None
+
+        def fits() -> bool:
+            if not cards:  # the node's usage, built once for every pair
+                built = build_cards(registration, ledger.allocations.values(), now)
+                cards.update((c.uuid, c) for c in built)
+            return exchange_fits(cards, allocation, ledger.allocations[k])
+
+        return fits
+
+    clash = [c for k, c in others.items()
+             if competes(allocation, ledger.allocations[k], check(k))]  # fmt: skip
     return min(clash, key=lambda c: c.expires_at) if clash else None
 
 
 def claim_mutate(
     uid: str, holder: str, now: float, ttl_s: float, current: NodeLedger | None,
-    max_in_flight: int = 0,
+    max_in_flight: int = 0, registration: NodeRegistration | None = None,
 ) -> NodeLedger:
     """Put `uid` in the node's in-flight set (see competing_claim), or ClaimHeldError."""
     if current is None:
@@ -150,7 +206,7 @@ def claim_mutate(
         raise ReservationGoneError("the reservation expired or was released")
     if allocation.state != AllocationState.RESERVED:
         raise AlreadyBoundError(uid)
-    held = competing_claim(current, uid, now, max_in_flight)
+    held = competing_claim(current, uid, now, max_in_flight, registration)
     if held is not None:
         raise ClaimHeldError(held)
     claims = live_claims(current, now)  # lapsed or finished claims are dropped on the way
@@ -299,9 +355,10 @@ class LedgerWriter:
 
     async def claim(
         self, node: str, uid: str, holder: str, now: float, ttl_s: float, hint: Hint = None,
-        max_in_flight: int = 0,
+        max_in_flight: int = 0, registration: NodeRegistration | None = None,
     ) -> Versioned[NodeLedger]:
-        mutate = partial(claim_mutate, uid, holder, now, ttl_s, max_in_flight=max_in_flight)
+        mutate = partial(claim_mutate, uid, holder, now, ttl_s, max_in_flight=max_in_flight,
+                         registration=registration)  # fmt: skip
         return await self._cas(node, lambda current: mutate(current), hint)
 
     async def mark_bound(

@@ -90,6 +90,7 @@ async def bind(
     init_count: int = 0,
     claim: bool = True,
     core_policy: str = "default",
+    sidecars: list[int] | None = None,
 ) -> Allocation:
     """What the scheduler writes at bind: a bound allocation and the node's in-flight claim."""
     meta = pod["metadata"]
@@ -100,7 +101,7 @@ async def bind(
     allocation = Allocation(
         pod_uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], node=node,
         containers=containers, init_count=init_count, state=AllocationState.BOUND,
-        container_names=names, core_policy=core_policy,
+        container_names=names, core_policy=core_policy, sidecars=sidecars or [],
     )
 
     def mutate(ledger: NodeLedger | None) -> NodeLedger:
@@ -170,11 +171,14 @@ class Rig:
 @contextlib.asynccontextmanager
 async def running_rig(
     base: Path, nc: Any, buckets: Buckets, *, node: str | None = None, process_probe: Any = None,
-    **overrides: Any,
+    lists_admitting: bool = True, **overrides: Any,
 ):
+    """`lists_admitting=False`: kubelet's pod-resources List shows a pod only once it holds
+    devices, so the agent cannot read which pod is under admission and must guess."""
     settings = rig_settings(base, **overrides)
     node = node or f"node-{uuid.uuid4().hex[:8]}"
-    kubelet = SimKubelet(settings.device_plugin_dir, settings.pod_resources_socket)
+    kubelet = SimKubelet(settings.device_plugin_dir, settings.pod_resources_socket,
+                         lists_admitting=lists_admitting)  # fmt: skip
     await kubelet.start()
     rig = Rig(settings, node, nc, buckets, kubelet, InjectableSource(settings, node),
               InMemoryCluster(), process_probe=process_probe)

@@ -99,11 +99,13 @@ async def test_crossed_guess_is_repaired_before_sealing_across_an_agent_kill(
     agent expects a (a bound earlier), so b's Allocate is counted for a. The agent is SIGKILLed
     before the start. PreStartContainer finds b holding the devices, relabels the directory to
     b before anything is sealed, and a, in flight again, is admitted after: both run with their
-    own limits, neither fails."""
+    own limits, neither fails. (This kubelet's pod-resources List shows a pod only once it
+    holds devices, so the agent cannot read which pod is under admission and must guess.)"""
     settings = rig_settings(short_dir, static_gpu_count=1)
     node = f"node-{uuid.uuid4().hex[:8]}"
     gpu = StaticSource(settings, node).discover()[0].uuid
-    kubelet = SimKubelet(settings.device_plugin_dir, settings.pod_resources_socket)
+    kubelet = SimKubelet(settings.device_plugin_dir, settings.pod_resources_socket,
+                         lists_admitting=False)  # fmt: skip
     await kubelet.start()
     agent = start_agent_process(settings, node, nats_url)
     try:

@@ -121,7 +121,7 @@ def test_in_flight_pods_oldest_claim_first_and_the_guess_among_equals():
     assert hs.choose_new_pod(flying, 2, {A, B}, "late").pod_uid == "pair"
 
 
-def test_swap_exchanges_grants_and_progress_of_one_shape_only():
+def test_swap_exchanges_grants_and_progress_of_one_shape_or_layout():
     a = allocation("a", [grants((A, 1000, 10))], state=AllocationState.ALLOCATED)
     b = allocation("b", [grants((B, 1000, 10))])
     c = allocation("c", [grants((B, 3000, 10))])
@@ -133,8 +133,20 @@ def test_swap_exchanges_grants_and_progress_of_one_shape_only():
     assert swapped.allocations["a"].containers[0][0].uuid == B
     assert swapped.allocations["a"].state == AllocationState.BOUND
     assert set(swapped.claims) == {"a"} and swapped.claims["a"].name == "a"
-    with pytest.raises(hs.HandshakeError, match="differ in shape"):
+    # Without the cards' capacity, pods of other amounts are not exchanged.
+    with pytest.raises(hs.HandshakeError, match="differ in layout"):
         hs.swap_mutation("a", "c", ledger)
+    # Other amounts, one layout: each keeps its amounts on the other's card, if that fits.
+    traded = hs.swap_mutation("a", "c", ledger, {A: (4000, 100), B: (4000, 100)})
+    assert [(g.uuid, g.memory_mib) for g in traded.allocations["c"].containers[0]] == [(A, 3000)]
+    assert [(g.uuid, g.memory_mib) for g in traded.allocations["a"].containers[0]] == [(B, 1000)]
+    assert traded.allocations["c"].state == AllocationState.ALLOCATED
+    with pytest.raises(hs.HandshakeError, match="overfill GPU"):
+        hs.swap_mutation("a", "c", ledger, {A: (2000, 100), B: (8000, 100)})
+    two = allocation("d", [grants((A, 1000, 10)), grants((B, 1000, 10))])
+    with pytest.raises(hs.HandshakeError, match="differ in layout"):
+        hs.swap_mutation("a", "d", ledger.model_copy(update={
+            "allocations": {**ledger.allocations, "d": two}}), {A: (9000, 100), B: (9000, 100)})
 
 
 def test_pod_usage_counts_init_containers_by_their_peak():
@@ -175,3 +187,29 @@ def test_allocate_serves_a_claimed_pod_the_scheduler_has_not_yet_marked_bound():
     released = allocation("p", [grants((A, 1, 1))], state=AllocationState.RELEASED)
     gone = NodeLedger(node="n", allocations={"p": released}, claims={"p": claim})
     assert hs.in_flight(gone) == []
+
+
+def test_the_pod_under_admission_is_read_off_kubelets_list():
+    """kubelet lists a pod from the start of its admission, its app containers (and native
+    sidecars, not plain init containers) without devices until each one's Allocate returned."""
+    done = allocation("done", [grants((A, 1000, 10))])
+    under = allocation("under", [grants((A, 1000, 10)), grants((B, 1000, 10))])
+    unseen = allocation("unseen", [grants((B, 1000, 10))])
+    init_only = allocation("init", [grants((A, 500, 5)), grants((B, 500, 5))], init_count=1)
+    listed = {("ns", "done"): {"c0"}, ("ns", "under"): {"c0"}, ("ns", "init"): {"c1"}}
+    flying = [done, under, unseen, init_only]
+    assert hs.kubelet_admitting(flying, listed) == {"under"}
+    # A plain init container is never listed: a pod whose app containers hold devices is done.
+    assert hs.kubelet_admitting([init_only], {("ns", "init"): set()}) == {"init"}
+    side = init_only.model_copy(update={"sidecars": [0]})
+    assert hs.kubelet_admitting([side], {("ns", "init"): {"c1"}}) == {"init"}  # sidecar c0 not
+    assert hs.kubelet_admitting([side], {("ns", "init"): {"c0", "c1"}}) == set()
+
+
+def test_reuse_pool_follows_kubelet_with_native_sidecars():
+    pod = allocation("p", [grants((A, 500, 5), (B, 500, 5)), grants((A, 300, 5)),
+                           grants((B, 400, 5))], init_count=2)
+    assert hs.reuse_pool(pod, 2) == {A, B}  # a plain init container hands both on
+    side = pod.model_copy(update={"sidecars": [1]})
+    assert hs.reuse_pool(side, 1) == {A, B}
+    assert hs.reuse_pool(side, 2) == {B}  # the sidecar keeps A

@@ -61,9 +61,10 @@ async def wait_annotation(rig: Any, name: str, containers: Any, timeout: float =
 async def test_identical_pods_admitted_in_reverse_order_are_swapped_before_sealing(
     short_dir, nc, buckets
 ):
-    """Six pods of one shape over two GPUs; kubelet admits them newest first, so every guess is
-    wrong: PreStart swaps the grants of the crossed pods (same amounts on each card)."""
-    async with running_rig(short_dir, nc, buckets) as rig:
+    """Six pods of one shape over two GPUs; kubelet admits them newest first and its List does
+    not show which pod it is admitting, so every guess is wrong: PreStart swaps the grants of
+    the crossed pods (same amounts on each card)."""
+    async with running_rig(short_dir, nc, buckets, lists_admitting=False) as rig:
         pods = [make_pod(f"same{i}", [("main", 1)]) for i in range(6)]
         for i, pod in enumerate(pods):
             await rig.bind(pod, [grants((rig.gpus[i % 2], 2000, 20))])
@@ -83,13 +84,70 @@ async def test_identical_pods_admitted_in_reverse_order_are_swapped_before_seali
 async def test_pods_of_other_sizes_on_one_gpu_are_relabelled_before_sealing(
     short_dir, nc, buckets
 ):
-    async with running_rig(short_dir, nc, buckets) as rig:
+    """Guessing (kubelet's List does not show the pod under admission), pods of other amounts
+    on one GPU cross; PreStart relabels each directory to its holder before sealing."""
+    async with running_rig(short_dir, nc, buckets, lists_admitting=False) as rig:
         sizes = {"s1": 1000, "s2": 2000, "s3": 3000, "s4": 4000}
         pods = {n: make_pod(n, [("main", 1)]) for n in sizes}
         for name, pod in pods.items():
             await rig.bind(pod, [grants((rig.gpus[0], sizes[name], 10))])
         admissions = [await rig.kubelet.admit_pod(pods[n]) for n in ("s3", "s1", "s4", "s2")]
         check_exact(admissions, sizes, await rig.ledger())
+
+
+async def test_different_shapes_in_flight_are_resolved_from_kubelets_view(
+    short_dir, nc, buckets
+):
+    """Pods of four kinds in flight together (1 GPU of 3000 MiB on GPU 0 twice, 1 GPU of 5000
+    MiB on GPU 1, 2 GPUs of 2000 MiB), admitted b, d, c, a (a guess by bind order would give
+    b a's GPU, a cross no swap can repair): the agent reads the pod under
+    admission off kubelet's pod-resources List, so each Allocate is answered for its own pod
+    (the env kubelet takes carries the pod's own amounts) and no grant had to move."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        g0, g1 = rig.gpus
+        kinds = {"a": [grants((g0, 3000, 30))], "b": [grants((g1, 5000, 50))],
+                 "c": [grants((g0, 2000, 20), (g1, 2000, 20))], "d": [grants((g0, 3000, 30))]}
+        pods = {n: make_pod(n, [("main", len(g[0]))]) for n, g in kinds.items()}
+        for n, pod in pods.items():
+            await rig.bind(pod, kinds[n])
+        admissions = [await rig.kubelet.admit_pod(pods[n]) for n in "bdca"]
+        ledger = await rig.ledger()
+        by_name = {a.name: a for a in ledger.allocations.values()}
+        for admission in admissions:
+            assert admission.ok, f"{admission.name}: {admission.error}"
+            want = kinds[admission.name][0]
+            assert by_name[admission.name].containers[0] == want  # nothing moved
+            container = admission.containers[0]
+            assert sorted(gpu_of_replica(d) for d in container.device_ids) == sorted(
+                g.uuid for g in want)
+            assert container.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{want[0].memory_mib}m"
+            limits = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
+            assert limits is not None
+            assert sorted((d.uuid, d.mem_limit_bytes >> 20) for d in limits.devices) == sorted(
+                (g.uuid, g.memory_mib) for g in want)
+            assert by_name[admission.name].state == "allocated"
+        assert ledger.in_flight() == {}
+
+
+async def test_crossed_pods_of_other_amounts_trade_cards_before_sealing(short_dir, nc, buckets):
+    """Guessing (kubelet's List does not show the pod under admission): a (3000 MiB on GPU 0)
+    and b (5000 MiB on GPU 1) are in flight; kubelet admits b first and gets a's GPU. PreStart
+    sees b holding it and, before sealing, has the two trade cards keeping their amounts (it
+    fits): b runs with 5000 MiB on GPU 0, then a is admitted onto GPU 1 with 3000 MiB."""
+    async with running_rig(short_dir, nc, buckets, lists_admitting=False) as rig:
+        g0, g1 = rig.gpus
+        pod_a, pod_b = make_pod("a", [("main", 1)]), make_pod("b", [("main", 1)])
+        await rig.bind(pod_a, [grants((g0, 3000, 30))])
+        await asyncio.sleep(0.05)  # a's claim is the older one: the agent expects a first
+        await rig.bind(pod_b, [grants((g1, 5000, 50))])
+        admission_b = await rig.kubelet.admit_pod(pod_b)
+        assert admission_b.ok, admission_b.error
+        assert gpu_of_replica(admission_b.containers[0].device_ids[0]) == g0  # a's card
+        assert sealed(admission_b) == [(g0, 5000)]  # but b's own amounts, sealed
+        admission_a = await rig.kubelet.admit_pod(pod_a)
+        assert admission_a.ok, admission_a.error
+        check_exact([admission_a, admission_b], {"a": 3000, "b": 5000}, await rig.ledger())
+        assert gpu_of_replica(admission_a.containers[0].device_ids[0]) == g1
 
 
 async def test_kubelet_restart_with_pods_in_flight(short_dir, nc, buckets):

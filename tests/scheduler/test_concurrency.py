@@ -43,6 +43,7 @@ def random_pod(rng: random.Random, namespace: str) -> dict[str, Any]:
 async def fake_agent_and_checker(
     buckets: Buckets, registrations: dict[str, Any], violations: list[str], seen: list[int]
 ) -> None:
+    allocating: set[str] = set()  # one Allocate per pod, as kubelet makes (no CAS storm)
     async for key, value, _revision in bus.watch_models(buckets.ledger, NodeLedger):
         if key not in registrations or value is None:
             continue
@@ -51,7 +52,9 @@ async def fake_agent_and_checker(
         violations.extend(over_capacity(cards))
         for claim in value.in_flight().values():
             allocation = value.allocations.get(claim.pod_uid)
-            if allocation is not None and allocation.state == AllocationState.BOUND:
+            if (allocation is not None and allocation.state == AllocationState.BOUND
+                    and claim.pod_uid not in allocating):
+                allocating.add(claim.pod_uid)
                 asyncio.get_running_loop().create_task(agent_allocate(buckets, key, claim.pod_uid))
 
 
@@ -101,6 +104,15 @@ async def test_two_replicas_never_overfill_a_gpu(
     violations: list[str] = []
     seen = [0]
     checker = asyncio.create_task(fake_agent_and_checker(buckets, registrations, violations, seen))
+
+    async def heartbeat() -> None:  # as node agents do: a loaded run outlives 2 x node TTL
+        while True:
+            await asyncio.sleep(2.0)
+            for registration in registrations.values():
+                fresh = registration.model_copy(update={"heartbeat_at": time.time()})
+                await register(buckets, fresh)
+
+    beating = asyncio.create_task(heartbeat())
     stats = {"bound": 0, "refused": 0, "bind_errors": 0}
     namespace = unique("ns")
     gate = asyncio.Semaphore(32)
@@ -114,8 +126,11 @@ async def test_two_replicas_never_overfill_a_gpu(
     elapsed = time.perf_counter() - started
     await asyncio.sleep(0.3)
     checker.cancel()
+    beating.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await checker
+    with contextlib.suppress(asyncio.CancelledError):
+        await beating
 
     assert violations == [], violations[:10]
     assert seen[0] > PODS  # the checker really saw the ledger move

@@ -48,6 +48,24 @@ def test_a_repeat_is_published_again_when_the_first_did_not_land() -> None:
     assert len(publisher.sent) == 2  # landed: the repeat is suppressed
 
 
+def test_a_publish_landing_after_a_repeat_is_known_to_the_repeat() -> None:
+    """The repeat keeps the first refusal's record, so the first publish landing while the
+    repeat was suppressed still counts: a third refusal is not published a second time."""
+    publisher = RecordingPublisher()
+    clock = [100.0]
+    log = FailureLog(SchedulerMetrics(), publisher, "test", lambda: clock[0])  # type: ignore[arg-type]
+    pod = PodIdentity("uid-2", "ns", "q")
+    reasons = {"n1": "1/1 CardInsufficientCore"}
+    log.remember(pod, reasons, "no node fits")
+    clock[0] += 1
+    log.remember(pod, reasons, "no node fits")  # suppressed: the first is in flight
+    publisher.sent[0][1](True)  # ... and lands now
+    clock[0] += 1
+    log.remember(pod, reasons, "no node fits")
+    assert len(publisher.sent) == 1
+    assert log.get("uid-2") is log.get("ns/q") and log.get("uid-2").published
+
+
 class FlakyJetStream:
     """A JetStream whose publish fails (no ack) a few times before it works."""
 

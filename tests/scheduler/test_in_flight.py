@@ -52,14 +52,20 @@ async def test_pods_of_one_shape_bind_together_without_any_allocate(
     assert service.metrics.claim_waits._value.get() == 0
 
 
-async def test_another_shape_on_other_cards_waits_for_the_pods_in_flight(
+async def test_another_shape_whose_cards_could_not_be_exchanged_waits(
     make_service: MakeService, buckets: Any, cluster: Any
 ) -> None:
-    service = await make_service(settings={"gpu_scheduler_policy": "spread"})
-    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
-    first = cluster.add_pod(pod(container(mem=4 * GIB)))
-    other = cluster.add_pod(pod(container(mem=9 * GIB)))  # spread: the other card
+    """4 GiB on card 0 (beside 5 GiB already running there) and 9 GiB on card 1 of 10 GiB
+    cards: a cross between them would need 14 GiB on card 0, so the second waits."""
+    service = await make_service()
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2, memory_mib=10 * GIB))
+    on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
+    filler = cluster.add_pod(pod(container(mem=5 * GIB), annotations=on[0]))
+    first = cluster.add_pod(pod(container(mem=4 * GIB), annotations=on[0]))
+    other = cluster.add_pod(pod(container(mem=9 * GIB), annotations=on[1]))
     async with http_client(service) as client:
+        assert await place_and_bind(client, filler, name) == ""
+        await agent_allocate(buckets, name, filler["metadata"]["uid"])
         assert await place_and_bind(client, first, name) == ""
         assert (await filter_call(client, other, [name]))["nodenames"] == [name]
         waiting = asyncio.create_task(bind_call(client, other, name))
@@ -73,6 +79,46 @@ async def test_another_shape_on_other_cards_waits_for_the_pods_in_flight(
     assert set(state.claims) == {other["metadata"]["uid"]}
 
 
+async def test_other_amounts_of_one_layout_whose_cards_could_be_exchanged_go_together(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """1-GPU pods of 1, 3 and 5 GiB on roomy cards: a cross between any two is repaired by
+    trading cards (each keeps its amounts), which fits, so none waits for another's Allocate."""
+    service = await make_service(config={"bind_timeout_s": 3.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2))
+    specs = [cluster.add_pod(pod(container(mem=m * GIB, cores=c)))
+             for m, c in ((1, 5), (3, 10), (5, 20), (3, 10))]  # fmt: skip
+    async with http_client(service) as client:
+        for spec in specs:
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        errors = await asyncio.gather(*(bind_call(client, s, name) for s in specs))
+    assert errors == [""] * 4
+    assert set((await ledger(buckets, name)).claims) == {s["metadata"]["uid"] for s in specs}
+    assert service.metrics.claim_waits._value.get() == 0
+
+
+async def test_shapes_kubelet_tells_apart_are_in_flight_together(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """Pods whose admissions start with different device counts (1, 2, 3 GPUs, each its own
+    amounts) and a second 1-GPU pod of the first one's shape: kubelet's request names the count,
+    so no cross between them is possible, and none waits for another's Allocate."""
+    service = await make_service(config={"bind_timeout_s": 3.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=4))
+    specs = [cluster.add_pod(pod(container(gpus=n, mem=m * GIB, cores=c)))
+             for n, m, c in ((1, 2, 10), (2, 5, 20), (3, 7, 15), (1, 2, 10))]  # fmt: skip
+    async with http_client(service) as client:
+        for spec in specs:
+            assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
+        started = asyncio.get_running_loop().time()
+        errors = await asyncio.gather(*(bind_call(client, s, name) for s in specs))
+        elapsed = asyncio.get_running_loop().time() - started
+    assert errors == [""] * 4 and elapsed < 3.0
+    state = await ledger(buckets, name)
+    assert set(state.claims) == {s["metadata"]["uid"] for s in specs}
+    assert service.metrics.claim_waits._value.get() == 0
+
+
 async def test_a_waiting_shape_is_not_starved_by_a_stream_of_another(
     make_service: MakeService, buckets: Any, cluster: Any
 ) -> None:
@@ -83,7 +129,9 @@ async def test_a_waiting_shape_is_not_starved_by_a_stream_of_another(
     name = await setup_node(buckets, service, node(unique("n"), gpus=2))
     on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
     a1, a2 = (cluster.add_pod(pod(container(mem=GIB), annotations=on[0])) for _ in range(2))
-    b = cluster.add_pod(pod(container(mem=3 * GIB), annotations=on[1]))
+    # Two GPU containers: another layout than A's, so a cross could not be repaired.
+    b = cluster.add_pod(pod(container("x", mem=GIB), container("y", mem=GIB),
+                            annotations=on[1]))  # fmt: skip
     async with http_client(service) as client:
         assert await place_and_bind(client, a1, name) == ""
         for spec in (b, a2):
@@ -120,8 +168,9 @@ async def test_waiting_binds_do_not_reread_the_ledger_on_every_change(
     on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
     small = [cluster.add_pod(pod(container(mem=1 * GIB, cores=1), annotations=on[0]))
              for _ in range(20)]  # fmt: skip
-    big = [cluster.add_pod(pod(container(mem=3 * GIB, cores=1), annotations=on[1]))
-           for _ in range(8)]  # fmt: skip
+    big = [cluster.add_pod(pod(container("x", mem=GIB, cores=1), container("y", mem=GIB, cores=1),
+                               annotations=on[1]))
+           for _ in range(8)]  # another layout: they wait  # fmt: skip
     async with http_client(service) as client:
         assert await place_and_bind(client, small[0], name) == ""
         for spec in big:
