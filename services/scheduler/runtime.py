@@ -34,7 +34,6 @@ from tessera.models import (
     ExplainReply,
     ExplainRequest,
     NodeEvent,
-    NodeLedger,
     NodeRegistration,
     PodGoneEvent,
     QuotaState,
@@ -346,6 +345,7 @@ class SchedulerService:
                     seen.add(key)
                 if entry.operation in ("DEL", "PURGE") or entry.value is None:
                     self.guard.ledger_valid(key)
+                    self.scheduler.ledger.codec.forget(key)
                     self.index.set_ledger(key, None, entry.revision, now)
                     continue
                 known = self.index.entries.get(key)
@@ -354,7 +354,7 @@ class SchedulerService:
                 value = self.scheduler.ledger.own_value(key, entry.value)
                 if value is None:
                     try:
-                        value = decode(entry.value, NodeLedger)
+                        value = self.scheduler.ledger.codec.decode(key, entry.value)
                     except CodecError as exc:
                         # Quarantined and repaired; the index keeps the last valid value.
                         self.guard.ledger_rejected(
