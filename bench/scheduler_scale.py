@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record import record_section
 from scheduler import (
-    SERVER,
     LeanClient,
     build_cluster,
     cpu_seconds,
@@ -73,6 +72,35 @@ def memory_mib(pid: int) -> tuple[float, float]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
+# The scheduler as `python -m tessera.scheduler` runs it: the extender listens at once (/readyz
+# answers 503 until ready) and the GC is handled by its `freeze_when_ready`.
+SERVER = """
+import asyncio, sys
+from tessera.bus import connect, ensure_bus
+from tessera.scheduler.__main__ import freeze_when_ready
+from tessera.scheduler.config import SchedulerSettings
+from tessera.scheduler.runtime import SchedulerService
+from tessera.settings import NatsSettings, TesseraSettings
+from scheduler import SERVER as _BENCH_SERVER
+
+exec(_BENCH_SERVER.split("async def main")[0])  # its BenchCluster (the API server stand-in)
+
+async def main(url, port):
+    settings = TesseraSettings(quota_enabled=False, node_ttl_s=36000, reservation_ttl_s=60)
+    nc = await connect(NatsSettings(NATS_URL=url), name="bench-scheduler")
+    js = nc.jetstream()
+    buckets = await ensure_bus(js, settings)
+    config = SchedulerSettings(reconcile_interval_s=36000, sweep_interval_s=1.0)
+    service = SchedulerService(settings, config, nc, js, buckets, BenchCluster(), instance="bench")
+    await service.start()
+    freezer = asyncio.create_task(freeze_when_ready(service))
+    await service.serve_http("127.0.0.1", port)
+
+import uvloop
+asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
 # BENCH_PROFILE=prefix: the scheduler processes run under cProfile (the first from SIGUSR1, sent
 # after the warm-up, the restarted one from its start), the stats written to <prefix>.<pid> when
 # terminated. For finding hot spots, not for figures.
@@ -94,6 +122,7 @@ async def ready_after_spawn(url: str, port: int, env: dict[str, str]) -> tuple[A
     """Spawn a scheduler; seconds until its /readyz answers 200."""
     started = time.perf_counter()
     code = (PROFILED + SERVER) if os.environ.get("BENCH_PROFILE") else SERVER
+    env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parent)}
     proc = subprocess.Popen([sys.executable, "-c", code, url, str(port)], env=env)
     request = b"GET /readyz HTTP/1.1\r\nHost: scheduler\r\nConnection: close\r\n\r\n"
     while time.perf_counter() - started < 600:

@@ -172,6 +172,7 @@ class ClusterIndex:
         self.pod_nodes: dict[str, str] = {}  # pod uid -> node, for every active allocation
         self.pod_uids: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, the same pods
         self.sweepable: set[str] = set()  # nodes with a reservation or a claim in their ledger
+        self._deferred: set[str] | None = None  # nodes to rebuild at flush_rebuilds
         self.global_cordon = global_cordon
         self.topology_version = 0
         self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
@@ -285,7 +286,24 @@ class ClusterIndex:
     def cordon_of(self, entry: NodeEntry) -> frozenset[str]:
         return entry.cordoned | self.global_cordon if self.global_cordon else entry.cordoned
 
+    def defer_rebuilds(self) -> None:
+        """Until `flush_rebuilds`, node rows are rebuilt once at the end instead of on every
+        update (start-up: a node's registration and its ledger arrive separately, and the
+        summaries are not read before the scheduler is ready)."""
+        if self._deferred is None:
+            self._deferred = set()
+
+    def flush_rebuilds(self, now: float) -> None:
+        deferred, self._deferred = self._deferred, None
+        for name in deferred or ():
+            entry = self.entries.get(name)
+            if entry is not None:
+                self._rebuild(entry, now)
+
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
+        if self._deferred is not None and (entry.registration is not None or entry.ledger):
+            self._deferred.add(entry.name)
+            return
         slot = entry.slot
         if entry.registration is None:
             entry.cards = []

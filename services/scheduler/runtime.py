@@ -116,6 +116,7 @@ class SchedulerService:
         self._watch_tasks: list[asyncio.Task[None]] = []
         self._generation = keeper.generation if keeper is not None else 0  # the bus we synced
         self._micro: Service | None = None
+        self._listed: set[str] = set()  # buckets whose start-up listing is complete
 
     # --- lifecycle ----------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -149,6 +150,7 @@ class SchedulerService:
         return build_app(self.scheduler, self.ready, probes_only=True)
 
     async def start(self) -> None:
+        self.index.defer_rebuilds()  # rows built once, when both buckets are listed
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
             loops += [self._watch_pods, self._reconcile_loop]
@@ -298,6 +300,8 @@ class SchedulerService:
                         if seen is not None and name not in seen:
                             self.index.set_registration(name, None, now)
                     seen = None
+                    self._listed.add("nodes")
+                    self._flush_when_listed(now)
                     self.nodes_synced.set()
                     continue
                 key = entry.key
@@ -338,6 +342,8 @@ class SchedulerService:
                             self.index.set_ledger(name, None, 0, now)
                     seen = None
                     await self._rebuild_from_pods()
+                    self._listed.add("ledger")
+                    self._flush_when_listed(self.clock())
                     self.ledger_synced.set()
                     continue
                 key = entry.key
@@ -369,6 +375,12 @@ class SchedulerService:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    def _flush_when_listed(self, now: float) -> None:
+        """Build the index rows deferred during the start-up listing once both buckets are
+        listed (before either sync event is set, so nothing is served on unbuilt rows)."""
+        if self._listed >= {"nodes", "ledger"}:
+            self.index.flush_rebuilds(now)
 
     async def _rebuild_from_pods(self) -> None:
         """Restore what the ledger lacks from the pods' annotations (see rebuild.py). Runs after
