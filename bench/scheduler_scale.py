@@ -209,11 +209,25 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def fit_p99(nodes: int) -> dict[str, Any]:
+    """The pure decision's p50/p99, wall clock and this thread's CPU time (on a loaded machine
+    the wall clock mostly measures waiting for a core; the CPU time does not)."""
+    import scheduler as bench
+
     load = loadavg()
-    runs = [run_ours(nodes, trace(2000)) for _ in range(REPEAT)]
-    return {"p50_ms": statistics.median(r["p50_ms"] for r in runs),
-            "p99_ms": statistics.median(r["p99_ms"] for r in runs),
-            "each_p99_ms": [round(r["p99_ms"], 3) for r in runs],
+    runs = []
+    for _ in range(REPEAT):
+        wall = run_ours(nodes, trace(2000))
+        clock, bench.time.perf_counter = bench.time.perf_counter, time.thread_time
+        try:
+            cpu = run_ours(nodes, trace(2000))
+        finally:
+            bench.time.perf_counter = clock
+        runs.append((wall, cpu))
+    return {"p50_ms": statistics.median(w["p50_ms"] for w, _c in runs),
+            "p99_ms": statistics.median(w["p99_ms"] for w, _c in runs),
+            "cpu_p50_ms": statistics.median(c["p50_ms"] for _w, c in runs),
+            "cpu_p99_ms": statistics.median(c["p99_ms"] for _w, c in runs),
+            "each_p99_ms": [round(w["p99_ms"], 3) for w, _c in runs],
             "load": (load, loadavg())}  # fmt: skip
 
 
@@ -230,6 +244,7 @@ def markdown(after: dict[str, Any], before: dict[str, Any]) -> str:
             ("filter + bind p50 ms", "p50_ms", "{:.1f}", None),
             ("filter + bind p99 ms", "p99_ms", "{:.1f}", None),
             ("scheduler CPU ms per pod", "scheduler_cpu_ms_per_pod", "{:.2f}", None),
+            ("pods/s its CPU allows (1000 / CPU ms per pod)", "cpu_pods_per_s", "{:.0f}", True),
             ("first start to ready, s", "start_s", "{:.2f}", None),
             ("restart to ready, s", "ready_s", "{:.2f}", False),
             ("RSS once ready, MiB", "rss_ready_mib", "{:.0f}", None),
@@ -237,21 +252,24 @@ def markdown(after: dict[str, Any], before: dict[str, Any]) -> str:
             ("peak RSS (VmHWM), MiB", "hwm_mib", "{:.0f}", None))  # fmt: skip
     for nodes in sorted(after["e2e"], key=int):
         now, then = after["e2e"][nodes], before.get("e2e", {}).get(nodes)
+        for figures in (now, then):
+            if figures:  # what the scheduler's own CPU allows on one core of its own
+                figures["cpu_pods_per_s"] = 1000 / figures["scheduler_cpu_ms_per_pod"]
         for label, key, fmt, higher in what:
-            target_key = "rss_mib" if key == "rss_mib" else key
+            target_key = "pods_per_s" if key == "cpu_pods_per_s" else key
             target = TARGETS.get(target_key, {}).get(int(nodes))
             old = fmt.format(then[key]) if then else "—"
+            judged = verdict(now[key], target, bool(higher)) if higher is not None else ""
             rows.append(f"| {int(nodes):,} × 8 | {label} | {old} | {fmt.format(now[key])} | "
-                        f"{verdict(now[key], target, bool(higher)) if higher is not None else ''} |")  # fmt: skip
-    fit_now, fit_then = after["fit"], before.get("fit")
-    rows.append(
-        f"| 5,000 × 8 | placement decision p99 ms (pure) | "
-        f"{fit_then['p99_ms']:.3f} | {fit_now['p99_ms']:.3f} | "
-        f"{verdict(fit_now['p99_ms'], TARGETS['fit_p99_ms'][5000], False)} |"
-        if fit_then else
-        f"| 5,000 × 8 | placement decision p99 ms (pure) | — | {fit_now['p99_ms']:.3f} | "
-        f"{verdict(fit_now['p99_ms'], TARGETS['fit_p99_ms'][5000], False)} |"
-    )  # fmt: skip
+                        f"{judged} |")  # fmt: skip
+    fit_now, fit_then = after["fit"], before.get("fit") or {}
+    for label, key in (("placement decision p50 ms, wall", "p50_ms"),
+                       ("placement decision p99 ms, wall", "p99_ms"),
+                       ("placement decision p50 ms, CPU", "cpu_p50_ms"),
+                       ("placement decision p99 ms, CPU", "cpu_p99_ms")):  # fmt: skip
+        old = f"{fit_then[key]:.3f}" if key in fit_then else "—"
+        target = verdict(fit_now[key], TARGETS["fit_p99_ms"][5000], False) if "p99" in key else ""
+        rows.append(f"| 5,000 × 8 | {label} | {old} | {fit_now[key]:.3f} | {target} |")
     runs = "; ".join(
         f"{int(n):,}: {e['runs']} run(s), pods/s {e['each_pods_per_s']}, restart s "
         f"{e['each_ready_s']}, load {e['load'][0]:.1f}-{e['load'][1]:.1f}"

@@ -47,8 +47,8 @@ def cluster(rng: random.Random, nodes: int) -> tuple[ClusterIndex, list[str]]:
                     state=AllocationState.ALLOCATED,
                 )  # fmt: skip
         index.set_registration(registration.node, registration, 0.0)
-        index.set_ledger(registration.node, NodeLedger(node=registration.node,
-                                                       allocations=allocations), 1, 0.0)  # fmt: skip
+        ledger = NodeLedger(node=registration.node, allocations=allocations)
+        index.set_ledger(registration.node, ledger, 1, 0.0)
         index.busy[index.entries[registration.node].slot] = rng.random() < 0.2
         names.append(registration.node)
     return index, names

@@ -102,11 +102,14 @@ def test_a_changed_allocation_is_validated_even_when_the_previous_one_was_valid(
         b"\xc1garbage",
         msgpack.packb({"schema": "NodeRegistration", "version": 1, "data": {}}),
         msgpack.packb({"schema": "NodeLedger", "version": 99, "data": {"node": "n1"}}),
-        msgpack.packb({"schema": "NodeLedger", "version": 1, "data": {"node": "n1",
-                       "allocations": {"u1": {"pod_uid": "u1"}}}}),  # fmt: skip
+        msgpack.packb(
+            {"schema": "NodeLedger", "version": 1,
+             "data": {"node": "n1", "allocations": {"u1": {"pod_uid": "u1"}}}}
+        ),
         msgpack.packb({"schema": "NodeLedger", "version": 1, "data": ["not", "a", "map"]}),
-        msgpack.packb({"schema": "NodeLedger", "version": 1, "data": {"node": "n1",
-                       "allocations": {1: {}}}}, strict_types=False),  # fmt: skip
+        msgpack.packb(
+            {"schema": "NodeLedger", "version": 1, "data": {"node": "n1", "allocations": {1: {}}}}
+        ),
         encode(ledger()) + b"\x00",  # trailing bytes
     ],
 )
