@@ -221,9 +221,13 @@ class ClusterIndex:
     ) -> None:
         entry = self._entry(node)
         was = entry.schedulable
-        entry.registration = registration
+        before, entry.registration = entry.registration, registration
         if was != entry.schedulable:
             self.topology_version += 1
+        if registration is not None and before is not None and (
+            registration.devices is before.devices
+        ):
+            return  # a heartbeat of the same registration: nothing to rebuild
         self._rebuild(entry, now)
 
     def set_ledger(self, node: str, ledger: NodeLedger | None, revision: int, now: float) -> bool:

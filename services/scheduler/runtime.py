@@ -50,6 +50,7 @@ from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
 from .pod_gate import PodGate
 from .rebuild import LedgerRebuilder, ledger_cas
+from .registration_codec import RegistrationCodec
 from .validation import LedgerGuard, cluster_rebuild
 
 log = logging.getLogger("tessera.scheduler")
@@ -117,6 +118,7 @@ class SchedulerService:
         self._generation = keeper.generation if keeper is not None else 0  # the bus we synced
         self._micro: Service | None = None
         self._listed: set[str] = set()  # buckets whose start-up listing is complete
+        self.registrations = RegistrationCodec()  # heartbeats without a decode
 
     # --- lifecycle ----------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -309,14 +311,19 @@ class SchedulerService:
                     seen.add(key)
                 value: NodeRegistration | None = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
-                    try:
-                        value = decode(entry.value, NodeRegistration)
-                    except CodecError as exc:
-                        self.guard.registration_undecodable(key, exc)
-                        continue
-                    if not self.guard.registration_ok(key, value, entry.revision):
-                        continue  # never applied: the node keeps its last valid registration
+                    # A heartbeat: the last valid registration, re-dated (no decode, no checks).
+                    value = self.registrations.heartbeat_only(key, entry.value)
+                    if value is None:
+                        try:
+                            value = self.registrations.decode(entry.value)
+                        except CodecError as exc:
+                            self.guard.registration_undecodable(key, exc)
+                            continue
+                        if not self.guard.registration_ok(key, value, entry.revision):
+                            continue  # never applied: the node keeps its last valid registration
+                        self.registrations.accepted(key, entry.value, value)
                 if value is None:
+                    self.registrations.forget(key)
                     self.heard.pop(key, None)
                     if seen is None:
                         await self._announce_lost(key, "registration deleted")
