@@ -340,7 +340,9 @@ def main() -> None:
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     result: dict[str, Any] = {"e2e": {}, "note": os.environ.get("BENCH_NOTE", "")}
-    if os.environ.get("BENCH_SKIP_FIT") != "1":
+    if os.environ.get("BENCH_E2E_FROM"):  # the decision figures of that run too
+        result["fit"] = json.loads(Path(os.environ["BENCH_E2E_FROM"]).read_text())["fit"]
+    elif os.environ.get("BENCH_SKIP_FIT") != "1":
         result["fit"] = fit_p99(5000)
         print(f"fit 5000: {result['fit']}", flush=True)
     if os.environ.get("BENCH_E2E_FROM"):  # end-to-end medians of an earlier run of this script
