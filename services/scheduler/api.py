@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from .engine import Scheduler
 from .filtering import FilterOutcome
+from .node_names import NodeNames, NodeNamesCache
 from .pod_gate import PodGate
 from .pods import BadRequestError
 from .validation import LedgerGuard
@@ -34,13 +35,19 @@ class _BadCall(Exception):
         self.status = status
 
 
-async def _json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+async def _json_object(
+    request: Request, max_bytes: int, names: NodeNamesCache | None = None
+) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > max_bytes:
         raise _BadCall(413, f"request body larger than {max_bytes} bytes")
     body = await request.body()
     if len(body) > max_bytes:
         raise _BadCall(413, f"request body larger than {max_bytes} bytes")
+    if names is not None:
+        data = names.parse(body)
+        if data is not None:
+            return data
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -58,6 +65,8 @@ def _extender_args(data: dict[str, Any]) -> tuple[dict[str, Any], list[str], lis
     names = data.get("nodenames")
     nodes = data.get("nodes")
     if names is not None:
+        if isinstance(names, NodeNames):
+            return pod, names, None  # checked when its bytes were first parsed
         if not isinstance(names, list) or not set(map(type, names)) <= {str}:
             raise _BadCall(400, "ExtenderArgs.nodenames must be a list of strings")
         if len(names) > MAX_CANDIDATES:
@@ -113,12 +122,13 @@ def build_app(
     whether the pod exists through `PodFilter.pod_check`). `probes_only`: only /healthz, /readyz
     and /metrics (the plain listener beside an mTLS extender)."""
     metrics = scheduler.metrics
+    names_cache = NodeNamesCache(MAX_CANDIDATES)
 
     async def filter_(request: Request) -> Response:
         started = time.perf_counter()
         nodes: list[Any] | None = None
         try:
-            data = await _json_object(request, max_body_bytes)
+            data = await _json_object(request, max_body_bytes, names_cache)
             pod, names, nodes = _extender_args(data)
             if nodes is not None:
                 scheduler.learn_node_objects(nodes)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from tessera.hami import PodRequest
-from tessera.models import AllocationState, NodeLedger, NodeRegistration
+from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration
 
 from .cards import Card, build_cards, node_score
 
@@ -65,6 +66,104 @@ class Need:
         return sorted(needs, key=lambda n: (n.gpus, n.memory_mib, n.cores))
 
 
+_CHUNK = 64  # candidates ordered and checked at a time
+
+
+class _Ordering:
+    """The candidates in policy order (non-busy first, then the policy's key, ties in the
+    caller's order), produced a chunk at a time; each chunk is checked against the index's
+    summaries when it is reached."""
+
+    def __init__(
+        self, index: ClusterIndex, slots: np.ndarray, needs: list[Need], node_policy: str,
+        avoid_busy: bool,
+    ) -> None:
+        self.index = index
+        self.slots = slots
+        self.needs = needs
+        scores = index.scores[slots]
+        # binpack: fullest first; spread: emptiest first.
+        self.keys = -scores if node_policy == "binpack" else scores
+        if avoid_busy:
+            busy = index.busy[slots]
+            self.groups = [np.flatnonzero(~busy), np.flatnonzero(busy)]
+        else:
+            self.groups = [np.arange(len(slots))]
+        self.survivors: list[int] = []
+        self.pruned: list[int] = []
+        self._pending = self._positions()
+
+    def _positions(self) -> Iterator[np.ndarray]:
+        """Positions into `slots` in order, a chunk at a time."""
+        for group in self.groups:
+            keys = self.keys[group]
+            rest = group
+            if len(group) > 2 * _CHUNK:
+                # The best _CHUNK keys (and every tie of the last one), in order; the rest
+                # only if those are exhausted.
+                kth = np.partition(keys, _CHUNK - 1)[_CHUNK - 1]
+                first = keys <= kth
+                head, keys_head = group[first], keys[first]
+                yield from self._chunks(head[np.argsort(keys_head, kind="stable")])
+                rest, keys = group[~first], keys[~first]
+            if len(rest):
+                yield from self._chunks(rest[np.argsort(keys, kind="stable")])
+
+    @staticmethod
+    def _chunks(positions: np.ndarray) -> Iterator[np.ndarray]:
+        for start in range(0, len(positions), _CHUNK):
+            yield positions[start : start + _CHUNK]
+
+    def advance(self) -> bool:
+        """Check the next chunk; False when every candidate was checked."""
+        positions = next(self._pending, None)
+        if positions is None:
+            return False
+        chunk = self.slots[positions]
+        mask = self.index._mask(chunk, self.needs)
+        self.survivors.extend(chunk[mask].tolist())
+        self.pruned.extend(chunk[~mask].tolist())
+        return True
+
+    def views(self) -> tuple[Ordered, Pruned]:
+        return Ordered(self), Pruned(self)
+
+
+class Ordered:
+    """The surviving slots, best first (iterable more than once; checked as iterated)."""
+
+    def __init__(self, ordering: _Ordering) -> None:
+        self._ordering = ordering
+
+    def __iter__(self) -> Iterator[int]:
+        ordering, i = self._ordering, 0
+        while True:
+            while i < len(ordering.survivors):
+                yield ordering.survivors[i]
+                i += 1
+            if not ordering.advance():
+                return
+
+    def __len__(self) -> int:
+        while self._ordering.advance():
+            pass
+        return len(self._ordering.survivors)
+
+
+class Pruned(Ordered):
+    """The slots the summaries refused (known once every chunk was checked)."""
+
+    def __iter__(self) -> Iterator[int]:
+        while self._ordering.advance():
+            pass
+        return iter(list(self._ordering.pruned))
+
+    def __len__(self) -> int:
+        while self._ordering.advance():
+            pass
+        return len(self._ordering.pruned)
+
+
 class ClusterIndex:
     """Nodes, their cards with usage, and which node holds each pod's allocation."""
 
@@ -74,11 +173,13 @@ class ClusterIndex:
         self.free_slots: list[int] = []
         self.pod_nodes: dict[str, str] = {}  # pod uid -> node, for every active allocation
         self.pod_uids: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, the same pods
+        self.sweepable: set[str] = set()  # nodes with a reservation or a claim in their ledger
+        self._deferred: set[str] | None = None  # nodes to rebuild at flush_rebuilds
         self.global_cordon = global_cordon
         # node -> foreign.ForeignNode: what HAMi's pods hold there (kept by foreign.py).
         self.foreign: dict[str, Any] = {}
         self.topology_version = 0
-        self._candidates: dict[tuple[str, ...], tuple[int, np.ndarray, list[str]]] = {}
+        self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
         self._changed: dict[str, asyncio.Event] = {}
         # One row per node, one column per card: what each card can still give (-1 = a card
         # that takes no pod: unhealthy, cordoned, out of slots, MIG, or no card at all).
@@ -124,9 +225,13 @@ class ClusterIndex:
     ) -> None:
         entry = self._entry(node)
         was = entry.schedulable
-        entry.registration = registration
+        before, entry.registration = entry.registration, registration
         if was != entry.schedulable:
             self.topology_version += 1
+        if registration is not None and before is not None and (
+            registration.devices is before.devices
+        ):
+            return  # a heartbeat of the same registration: nothing to rebuild
         self._rebuild(entry, now)
 
     def set_ledger(self, node: str, ledger: NodeLedger | None, revision: int, now: float) -> bool:
@@ -137,20 +242,43 @@ class ClusterIndex:
         old_allocations = entry.ledger.allocations if entry.ledger else {}
         entry.ledger = ledger
         entry.ledger_revision = revision
-        new_pods = {uid: a for uid, a in (ledger.allocations.items() if ledger else ()) if a.active}
-        for uid, gone in old_allocations.items():
-            if uid not in new_pods and self.pod_nodes.get(uid) == node:
-                del self.pod_nodes[uid]
-                if self.pod_uids.get((gone.namespace, gone.name)) == uid:
-                    del self.pod_uids[(gone.namespace, gone.name)]
-        for uid, allocation in new_pods.items():
-            self.pod_nodes[uid] = node
-            self.pod_uids[(allocation.namespace, allocation.name)] = uid
+        self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
+        if ledger is not None and (ledger.claims or ledger.claim is not None or any(
+            a.state == AllocationState.RESERVED for a in ledger.allocations.values()
+        )):  # fmt: skip
+            self.sweepable.add(node)
+        else:
+            self.sweepable.discard(node)
         self._rebuild(entry, now)
         event = self._changed.pop(node, None)
         if event is not None:
             event.set()
         return True
+
+    def _map_pods(
+        self, node: str, old: dict[str, Allocation], new: dict[str, Allocation]
+    ) -> None:
+        """Keep pod uid -> node and (namespace, name) -> uid current. Allocations are
+        copy-on-write, so one that is the same object as before changed nothing: a write that
+        changes one pod costs O(pods on the node) identity checks, not dictionary updates."""
+        for uid, gone in old.items():
+            now_there = new.get(uid)
+            if now_there is gone or (now_there is not None and now_there.active):
+                continue
+            if self.pod_nodes.get(uid) == node:
+                del self.pod_nodes[uid]
+                if self.pod_uids.get((gone.namespace, gone.name)) == uid:
+                    del self.pod_uids[(gone.namespace, gone.name)]
+        for uid, allocation in new.items():
+            if old.get(uid) is allocation or not allocation.active:
+                continue
+            self.pod_nodes[uid] = node
+            self.pod_uids[(allocation.namespace, allocation.name)] = uid
+
+    def sweep_candidates(self) -> list[NodeEntry]:
+        """Nodes whose ledger holds a reservation or a claim: the only ones a sweep can change
+        (the sweeper visits these, not every node, every second)."""
+        return [self.entries[n] for n in self.sweepable if n in self.entries]
 
     def set_cordon(self, node: str, uuids: frozenset[str], now: float) -> None:
         entry = self._entry(node)
@@ -166,7 +294,24 @@ class ClusterIndex:
     def cordon_of(self, entry: NodeEntry) -> frozenset[str]:
         return entry.cordoned | self.global_cordon if self.global_cordon else entry.cordoned
 
+    def defer_rebuilds(self) -> None:
+        """Until `flush_rebuilds`, node rows are rebuilt once at the end instead of on every
+        update (start-up: a node's registration and its ledger arrive separately, and the
+        summaries are not read before the scheduler is ready)."""
+        if self._deferred is None:
+            self._deferred = set()
+
+    def flush_rebuilds(self, now: float) -> None:
+        deferred, self._deferred = self._deferred, None
+        for name in deferred or ():
+            entry = self.entries.get(name)
+            if entry is not None:
+                self._rebuild(entry, now)
+
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
+        if self._deferred is not None and (entry.registration is not None or entry.ledger):
+            self._deferred.add(entry.name)
+            return
         slot = entry.slot
         if entry.registration is None:
             entry.cards = []
@@ -245,7 +390,8 @@ class ClusterIndex:
 
     def resolve(self, names: list[str]) -> tuple[np.ndarray, list[str]]:
         """Slots of the registered candidates (cached per list) and the unknown names."""
-        key = tuple(names)
+        token = getattr(names, "token", 0)  # api.NodeNames: a list whose content is known
+        key: object = ("token", token) if token else tuple(names)
         cached = self._candidates.get(key)
         if cached is not None and cached[0] == self.topology_version:
             return cached[1], cached[2]
@@ -265,7 +411,7 @@ class ClusterIndex:
 
     def order(
         self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[Ordered, Pruned]:
         """(survivors in policy order, pruned slots): cheap necessary conditions only.
 
         Per container, count the cards that could take it on memory, %, cores and exclusivity
@@ -273,9 +419,14 @@ class ClusterIndex:
         asks. Type, UUID, NUMA and quota rules are left to the per-GPU fit.
 
         With `avoid_busy`, nodes with a bind in flight go after the others (the node policy
-        orders each group), so a burst is not serialised on one node's claim."""
-        if len(slots) == 0:
-            return slots, slots
+        orders each group), so a burst is not serialised on one node's claim.
+
+        Lazy: a call usually stops at the first node that fits, so the candidates are ordered
+        and checked a chunk at a time, best first (a partial selection, not a sort of all N),
+        and the pruned ones are only known once every chunk was checked."""
+        return _Ordering(self, slots, needs, node_policy, avoid_busy).views()
+
+    def _mask(self, slots: np.ndarray, needs: list[Need]) -> np.ndarray:
         mask = self.free_gpus[slots] >= 0
         for need in needs:
             ok = self.card_mem[slots] >= need.memory_mib
@@ -288,15 +439,7 @@ class ClusterIndex:
             if need.cores >= 100:
                 ok &= self.card_idle[slots]
             mask &= ok.sum(axis=1) >= need.gpus
-        survivors = slots[mask]
-        scores = self.scores[survivors]
-        # binpack: fullest first; spread: emptiest first (stable: ties keep the caller's order).
-        key = -scores if node_policy == "binpack" else scores
-        if avoid_busy:
-            order = np.lexsort((key, self.busy[survivors]))
-        else:
-            order = np.argsort(key, kind="stable")
-        return survivors[order], slots[~mask]
+        return mask
 
     def pod_uid(self, namespace: str, name: str) -> str | None:
         """The uid of the pod with an active allocation under that name, if any."""

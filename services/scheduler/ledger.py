@@ -16,7 +16,6 @@ from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from tessera.bus import NoChange, Versioned, cas_update
-from tessera.codec import encode
 from tessera.hami import PodRequest
 from tessera.models import (
     Allocation,
@@ -30,6 +29,7 @@ from tessera.models import (
 )
 
 from .cards import Card, allocation_usage, build_cards, counts_against_capacity
+from .ledger_codec import LedgerCodec
 from .placement import PodFit, fit_pod
 from .rules import FitContext
 
@@ -321,6 +321,7 @@ class LedgerWriter:
 
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
+        self.codec = LedgerCodec()  # encodes and decodes only the allocations that changed
         # Writes in flight: key -> (payload, value). The watch often delivers our own write
         # before its ack returns; matching the bytes spares decoding what we just encoded.
         self.in_flight: dict[str, tuple[bytes, NodeLedger]] = {}
@@ -338,7 +339,7 @@ class LedgerWriter:
             except Exception:
                 new = None  # refused on what may be stale: decide again on a fresh read
             if new is not None:
-                payload = encode(new)
+                payload = self.codec.encode(new)
                 self.in_flight[key] = (payload, new)
                 try:
                     revision = await self.kv.update(key, payload, last=hint.revision)

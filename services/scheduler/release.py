@@ -74,7 +74,7 @@ class AllocationReleaser:
         """Drop every expired reservation and lapsed claim; returns how many pods were dropped."""
         now = self.clock()
         dropped = 0
-        for entry in list(self.ledger.index.entries.values()):
+        for entry in self.ledger.index.sweep_candidates():  # not every node: see there
             ledger = entry.ledger
             if ledger is None:
                 continue

@@ -34,7 +34,6 @@ from tessera.models import (
     ExplainReply,
     ExplainRequest,
     NodeEvent,
-    NodeLedger,
     NodeRegistration,
     PodGoneEvent,
     QuotaState,
@@ -53,6 +52,7 @@ from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
 from .pod_gate import PodGate
 from .rebuild import LedgerRebuilder, ledger_cas
+from .registration_codec import RegistrationCodec
 from .validation import LedgerGuard, cluster_rebuild
 
 log = logging.getLogger("tessera.scheduler")
@@ -125,6 +125,8 @@ class SchedulerService:
         self._watch_tasks: list[asyncio.Task[None]] = []
         self._generation = keeper.generation if keeper is not None else 0  # the bus we synced
         self._micro: Service | None = None
+        self._listed: set[str] = set()  # buckets whose start-up listing is complete
+        self.registrations = RegistrationCodec()  # heartbeats without a decode
 
     # --- lifecycle ----------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -158,6 +160,7 @@ class SchedulerService:
         return build_app(self.scheduler, self.ready, probes_only=True)
 
     async def start(self) -> None:
+        self.index.defer_rebuilds()  # rows built once, when both buckets are listed
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
             loops += [self._watch_pods, self._reconcile_loop, self._watch_usage]
@@ -309,6 +312,8 @@ class SchedulerService:
                         if seen is not None and name not in seen:
                             self.index.set_registration(name, None, now)
                     seen = None
+                    self._listed.add("nodes")
+                    self._flush_when_listed(now)
                     self.nodes_synced.set()
                     continue
                 key = entry.key
@@ -316,14 +321,19 @@ class SchedulerService:
                     seen.add(key)
                 value: NodeRegistration | None = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
-                    try:
-                        value = decode(entry.value, NodeRegistration)
-                    except CodecError as exc:
-                        self.guard.registration_undecodable(key, exc)
-                        continue
-                    if not self.guard.registration_ok(key, value, entry.revision):
-                        continue  # never applied: the node keeps its last valid registration
+                    # A heartbeat: the last valid registration, re-dated (no decode, no checks).
+                    value = self.registrations.heartbeat_only(key, entry.value)
+                    if value is None:
+                        try:
+                            value = self.registrations.decode(entry.value)
+                        except CodecError as exc:
+                            self.guard.registration_undecodable(key, exc)
+                            continue
+                        if not self.guard.registration_ok(key, value, entry.revision):
+                            continue  # never applied: the node keeps its last valid registration
+                        self.registrations.accepted(key, entry.value, value)
                 if value is None:
+                    self.registrations.forget(key)
                     self.heard.pop(key, None)
                     if seen is None:
                         await self._announce_lost(key, "registration deleted")
@@ -349,6 +359,8 @@ class SchedulerService:
                             self.index.set_ledger(name, None, 0, now)
                     seen = None
                     await self._rebuild_from_pods()
+                    self._listed.add("ledger")
+                    self._flush_when_listed(self.clock())
                     self.ledger_synced.set()
                     continue
                 key = entry.key
@@ -356,6 +368,7 @@ class SchedulerService:
                     seen.add(key)
                 if entry.operation in ("DEL", "PURGE") or entry.value is None:
                     self.guard.ledger_valid(key)
+                    self.scheduler.ledger.codec.forget(key)
                     self.index.set_ledger(key, None, entry.revision, now)
                     continue
                 known = self.index.entries.get(key)
@@ -364,7 +377,7 @@ class SchedulerService:
                 value = self.scheduler.ledger.own_value(key, entry.value)
                 if value is None:
                     try:
-                        value = decode(entry.value, NodeLedger)
+                        value = self.scheduler.ledger.codec.decode(key, entry.value)
                     except CodecError as exc:
                         # Quarantined and repaired; the index keeps the last valid value.
                         self.guard.ledger_rejected(
@@ -379,6 +392,12 @@ class SchedulerService:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    def _flush_when_listed(self, now: float) -> None:
+        """Build the index rows deferred during the start-up listing once both buckets are
+        listed (before either sync event is set, so nothing is served on unbuilt rows)."""
+        if self._listed >= {"nodes", "ledger"}:
+            self.index.flush_rebuilds(now)
 
     async def _rebuild_from_pods(self) -> None:
         """Restore what the ledger lacks from the pods' annotations (see rebuild.py). Runs after

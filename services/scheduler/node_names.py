@@ -1,0 +1,118 @@
+"""kube-scheduler's candidate list, parsed once per distinct list.
+
+With `nodeCacheCapable` every filter call carries every candidate node's name (260 KB at 20,000
+nodes), and the list rarely changes between calls. Parsing it, checking it and hashing it to find
+its slots in the index cost more than the placement itself. So the `nodenames` array's bytes are
+compared (memcmp) with the arrays of recent calls; on a match the list parsed and checked then is
+reused, and only the rest of the body (the pod) is parsed. The list carries a token the index
+caches its slots under (`ClusterIndex.resolve`).
+
+Exactness: the array is cut out of the body up to its first `]`. A previously parsed array is a
+complete JSON array, so when those bytes start at the `nodenames` value they are that whole
+value. The rest of the body, with a placeholder string in place of the array, must parse as a
+JSON object whose `nodenames` key holds the placeholder, and the placeholder must occur in it
+exactly once; anything else falls back to parsing the whole body, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+_KEY = b'"nodenames"'
+_PLACEHOLDER = "\\u0000tessera-nodenames"
+_PLACEHOLDER_JSON = b'"' + _PLACEHOLDER.encode() + b'"'
+_PLACEHOLDER_VALUE = json.loads(_PLACEHOLDER_JSON)
+_WS = b" \t\r\n"
+_MIN_BYTES = 4096  # shorter lists are cheap to parse; not worth remembering
+_REMEMBERED = 4
+_tokens = itertools.count(1)
+
+
+class NodeNames(list[str]):
+    """A candidate list already checked (strings, within the limit). `token` names its content:
+    two lists with one token have the same names in the same order."""
+
+    token: int = 0
+
+
+class NodeNamesCache:
+    def __init__(self, max_names: int, remembered: int = _REMEMBERED) -> None:
+        self.max_names = max_names
+        self.remembered = remembered
+        self._recent: list[tuple[bytes, list[str], int]] = []  # (array bytes, names, token)
+
+    def parse(self, body: bytes) -> dict[str, Any] | None:
+        """The body as a JSON object with lower-cased keys and `nodenames` a NodeNames, or
+        None when the fast path does not apply (the caller parses the whole body)."""
+        cut = self._cut(body)
+        if cut is None:
+            return None
+        start, end = cut
+        array = body[start:end]
+        known = self._lookup(array)
+        if known is None:
+            known = self._learn(array)
+            if known is None:
+                return None
+        rest = body[:start] + _PLACEHOLDER_JSON + body[end:]
+        if rest.count(_PLACEHOLDER_JSON) != 1:
+            return None
+        try:
+            data = json.loads(rest)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        lowered = {str(k).lower(): v for k, v in data.items()}
+        if lowered.get("nodenames") != _PLACEHOLDER_VALUE:
+            return None
+        names = NodeNames(known[0])
+        names.token = known[1]
+        lowered["nodenames"] = names
+        return lowered
+
+    @staticmethod
+    def _cut(body: bytes) -> tuple[int, int] | None:
+        """[start, end) of the array after the last `"nodenames":`, up to its first `]`."""
+        at = body.rfind(_KEY)
+        if at < 0:
+            return None
+        i = at + len(_KEY)
+        n = len(body)
+        while i < n and body[i] in _WS:
+            i += 1
+        if i >= n or body[i] != ord(":"):
+            return None
+        i += 1
+        while i < n and body[i] in _WS:
+            i += 1
+        if i >= n or body[i] != ord("["):
+            return None
+        end = body.find(b"]", i)
+        if end < 0 or end - i < _MIN_BYTES:
+            return None
+        return i, end + 1
+
+    def _lookup(self, array: bytes) -> tuple[list[str], int] | None:
+        for i, (known, names, token) in enumerate(self._recent):
+            if known == array:
+                if i:
+                    self._recent.insert(0, self._recent.pop(i))
+                return names, token
+        return None
+
+    def _learn(self, array: bytes) -> tuple[list[str], int] | None:
+        try:
+            names = json.loads(array)
+        except (ValueError, RecursionError):
+            return None  # e.g. a `]` inside a name: the cut was not the whole array
+        if not isinstance(names, list) or len(names) > self.max_names:
+            return None
+        if not all(type(name) is str for name in names):
+            return None
+        token = next(_tokens)
+        self._recent.insert(0, (array, names, token))
+        del self._recent[self.remembered :]
+        return names, token
