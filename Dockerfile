@@ -25,6 +25,7 @@ FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tessera ./tessera
+COPY tessera_cli ./tessera_cli
 COPY services ./services
 COPY protos ./protos
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
