@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tessera.kube_sim import fit
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
 from tessera.kube_sim.processes import ContainerProcesses
@@ -227,6 +228,9 @@ class NodeKubelet:
         uid = pod["metadata"].get("uid", "")
         if uid in self.admissions or (pod.get("status") or {}).get("phase") != "Pending":
             return
+        if (refusal := self._missing_resource(pod)) is not None:
+            self._reject(pod, *refusal)
+            return
         admission: PodAdmission | None = None
         # the GPU resources, and any other a device plugin registered (MIG instances, ...)
         if pod_uses(pod, self.gpu_resources + list(self.device_kubelet.plugins)):
@@ -302,6 +306,35 @@ class NodeKubelet:
                 return None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    def _missing_resource(self, pod: KubeObject) -> tuple[str, str] | None:
+        """kubelet's own admission check for a pod no scheduler placed (`spec.nodeName` set by
+        its author): an extended resource this node does not offer at all rejects it, as
+        kubelet does (`OutOf<resource>`), instead of running it without the device. Scheduled
+        pods are left to the device plugins (a plugin restarting must not reject them)."""
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "PodScheduled" and c.get("status") == "True" for c in conditions):
+            return None
+        try:
+            node = self.store.get("Node", "", self.node)
+        except StoreError:
+            return None
+        offered = fit.allocatable(node)
+        for name, amount in sorted(fit.pod_requests(pod).items()):
+            if "/" in name and fit.checked(name) and amount > 0 and not offered.get(name):
+                return (f"OutOf{name}", f"Node didn't have enough resource: {name}, requested: "
+                        f"{amount}, used: 0, capacity: 0")
+        return None
+
+    def _reject(self, pod: KubeObject, reason: str, message: str) -> None:
+        """A pod kubelet will not run: Failed with kubelet's reason and a Warning event."""
+        current = self._current(pod)
+        if current is None:
+            return
+        status = dict(current.get("status") or {})
+        status.update(phase="Failed", reason=reason, message=f"Pod was rejected: {message}")
+        self._set_status(current, status)
+        record_event(self.store, current, reason, message, "Warning", component="kubelet")
 
     def _fail(self, pod: KubeObject, error: str) -> None:
         current = self._current(pod)

@@ -119,3 +119,25 @@ def test_a_resource_no_plugin_registered_stays_pending(sim: RunningStack, namesp
     pod = sim.kube.pod(namespace, "mig-slice")
     assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
     kubectl(sim, "delete", "pod", "mig-slice", "-n", namespace)
+
+
+def test_a_pod_placed_by_hand_on_a_node_without_the_resource_is_rejected_by_kubelet(
+    sim: RunningStack, namespace: str
+) -> None:
+    """`spec.nodeName` set by the author skips every scheduler; kubelet itself then refuses a
+    resource the node does not offer (Failed, OutOf<resource>), never runs it without it."""
+    manifest = MIG_POD.format(namespace=namespace).replace(
+        "spec:\n  containers:", "spec:\n  nodeName: kc-node-0\n  containers:")
+    kubectl(sim, "apply", "-f", "-", manifest=manifest)
+
+    def phase() -> str | None:
+        status = sim.kube.pod(namespace, "mig-slice")["status"]
+        return status.get("phase") if status.get("phase") != "Pending" else None
+
+    assert sim.kube.wait_for("mig-slice rejected", phase, 20) == "Failed"
+    status = sim.kube.pod(namespace, "mig-slice")["status"]
+    assert status["reason"] == "OutOfnvidia.com/mig-1g.10gb"
+    assert status["message"] == ("Pod was rejected: Node didn't have enough resource: "
+                                 "nvidia.com/mig-1g.10gb, requested: 1, used: 0, capacity: 0")
+    assert "OutOfnvidia.com/mig-1g.10gb" in kubectl(sim, "get", "events", "-n", namespace)
+    kubectl(sim, "delete", "pod", "mig-slice", "-n", namespace)
