@@ -8,6 +8,7 @@ a cluster without cert-manager (services/admission/certificates.py).
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -45,6 +46,11 @@ def _name(common_name: str) -> x509.Name:
     ])
 
 
+def pair_of(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KeyPair:
+    """The PEM pair of a certificate and its key (loaded from files, for instance)."""
+    return _pem(cert, key)
+
+
 def _pem(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KeyPair:
     return KeyPair(
         cert.public_bytes(serialization.Encoding.PEM),
@@ -79,31 +85,53 @@ def make_ca(common_name: str, now: dt.datetime, validity: dt.timedelta) -> KeyPa
     return _pem(cert, key)
 
 
-def issue_serving(
-    ca: KeyPair, dns_names: list[str], now: dt.datetime, validity: dt.timedelta
+def _leaf(
+    ca: KeyPair, common_name: str, usage: x509.ObjectIdentifier, now: dt.datetime,
+    validity: dt.timedelta, alt_names: list[x509.GeneralName] | None = None,
 ) -> KeyPair:
-    """A TLS server certificate for `dns_names`, signed by `ca`, never outliving it."""
-    if not dns_names:
-        raise ValueError("a serving certificate needs at least one DNS name")
+    """A leaf certificate signed by `ca` for one extended key usage, never outliving the CA."""
     ca_cert, ca_key = ca.cert, ca.private_key()
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(_name(dns_names[0]))
+        .subject_name(_name(common_name))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - BACKDATE)
         .not_valid_after(min(now + validity, ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]),
-                       critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    )
+    if alt_names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+    cert = (
+        builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                        critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     return _pem(cert, key)
+
+
+def issue_serving(
+    ca: KeyPair, dns_names: list[str], now: dt.datetime, validity: dt.timedelta,
+    ip_addresses: list[str] | None = None,
+) -> KeyPair:
+    """A TLS server certificate for `dns_names` (and IP addresses), signed by `ca`, never
+    outliving it."""
+    if not dns_names:
+        raise ValueError("a serving certificate needs at least one DNS name")
+    alt_names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses or []]
+    return _leaf(ca, dns_names[0], ExtendedKeyUsageOID.SERVER_AUTH, now, validity, alt_names)
+
+
+def issue_client(
+    ca: KeyPair, common_name: str, now: dt.datetime, validity: dt.timedelta
+) -> KeyPair:
+    """A client certificate (clientAuth): what kube-scheduler presents to an extender that
+    verifies its callers (mutual TLS)."""
+    return _leaf(ca, common_name, ExtendedKeyUsageOID.CLIENT_AUTH, now, validity)
 
 
 def signed_by(leaf: x509.Certificate, ca: x509.Certificate) -> bool:

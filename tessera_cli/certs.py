@@ -18,9 +18,10 @@ from pathlib import Path
 
 import typer
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tessera import pki
 
 # Webhook certificates are rotated by re-running the command; a year keeps clusters working
 # without making a leaked key good forever.
@@ -49,39 +50,15 @@ def service_names(dns_name: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tessera"),
-        x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64]),
-    ])
+def _days(days: int) -> dt.timedelta:
+    return dt.timedelta(days=days)
 
 
 def generate_ca(
     common_name: str = "tessera-admission-ca", days: int = DEFAULT_DAYS
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(_name(common_name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
+    ca = pki.make_ca(common_name, dt.datetime.now(dt.UTC), _days(days))
+    return ca.cert, ca.private_key()
 
 
 def issue_serving_certificate(
@@ -91,30 +68,9 @@ def issue_serving_certificate(
     ip_addresses: list[str] | None = None,
     days: int = DEFAULT_DAYS,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    if not dns_names:
-        raise ValueError("a serving certificate needs at least one DNS name")
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    alt_names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
-    alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses or []]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(dns_names[0]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return cert, key
+    leaf = pki.issue_serving(pki.pair_of(ca_cert, ca_key), dns_names, dt.datetime.now(dt.UTC),
+                             _days(days), ip_addresses)  # fmt: skip
+    return leaf.cert, leaf.private_key()
 
 
 def issue_client_certificate(
@@ -125,25 +81,9 @@ def issue_client_certificate(
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A client certificate (extended key usage clientAuth): what kube-scheduler presents to
     an extender that verifies its callers (mutual TLS)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return cert, key
+    leaf = pki.issue_client(pki.pair_of(ca_cert, ca_key), common_name, dt.datetime.now(dt.UTC),
+                            _days(days))  # fmt: skip
+    return leaf.cert, leaf.private_key()
 
 
 def write_client_certificate(
