@@ -406,7 +406,8 @@ MpsAction = Literal["started", "stopped"]
 
 class MpsEvent(Event):
     """A node agent started (or adopted, after its own restart) or stopped the MPS control
-    daemon of a GPU in MPS mode (services/node-agent/mps.py)."""
+    daemon of one container on a GPU in MPS mode (services/node-agent/mps.py), with the limits
+    its server holds."""
 
     SUBJECT: ClassVar[str] = "tessera.events.mps.<node>.<action>"
     action: MpsAction
@@ -414,6 +415,11 @@ class MpsEvent(Event):
     device_uuid: str
     daemon_pid: int = Field(0, ge=0, description="the control daemon's pid on the host")
     adopted: bool = Field(False, description="started: a daemon of an earlier run was adopted")
+    pod: str = Field("", description="namespace/name of the pod whose container the daemon "
+                     "serves (one daemon per container and MPS card)")
+    container: str = ""
+    memory_mib: int = Field(0, ge=0, description="the server's pinned device memory limit")
+    thread_pct: int = Field(0, ge=0, le=100, description="the server's active thread %")
 
 
 class LimitBreachedEvent(Event):

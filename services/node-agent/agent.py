@@ -99,9 +99,10 @@ class NodeAgent:
 
         await run_static_mig(
             source=self.source, strategy=lambda: configurator.config.mig_strategy,
-            health=lambda: {d.uuid: d.healthy for d in self.state.devices()},
+            health=lambda: {d.uuid: d.healthy for d in configurator.physical()},
             plugins=self.mig_plugins, gpu_resource=self.settings.resource_name,
             interval_s=self.settings.node_heartbeat_s, stop=stop, log=self.log, changed=changed,
+            gpus=configurator.offered_gpus, single=configurator.set_mig_single,
         )
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
@@ -160,7 +161,8 @@ class NodeAgent:
             asyncio.create_task(self.sampler.run(stop)),
             asyncio.create_task(self.configurator.run(stop)),
             asyncio.create_task(self.mps.run(
-                stop, self.state.devices, self._ledger, self.settings.mps_reconcile_s
+                stop, self.state.devices, self._ledger, self.store.all,
+                self.settings.mps_reconcile_s,
             )),
         ]
         if self.watchdog is not None:

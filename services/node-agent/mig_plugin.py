@@ -156,12 +156,19 @@ async def run_static_mig(
     stop: asyncio.Event,
     log: logging.Logger,
     changed: Callable[[], Awaitable[object]] | None = None,
+    gpus: Callable[[], list] | None = None,
+    single: Callable[[list | None], Awaitable[None]] | None = None,
 ) -> None:
     """Offer the instances NVML (or the static source) reports under the node's current MIG
     strategy, on the GPUs the node offers and as healthy as they are (`health`); re-read every
     `interval_s` and whenever the advertised GPUs change (`changed`), so instances an operator
     makes or removes, a strategy or filter changed through the node config and a card's health
-    follow without a restart."""
+    follow without a restart.
+
+    Under `single` the instances are not served here: they become the node's GPUs (`single`
+    hands them to the node configuration, which the GPU plugin and the registration follow), so
+    the one plugin of `nvidia.com/gpu` on the node serves them, with the scheduler's placement
+    and the handshake's exact identity; `single(None)` gives the GPUs back."""
     discover = getattr(source, "mig_offers", None)
     last_problem = ""
     try:
@@ -176,12 +183,16 @@ async def run_static_mig(
                     offers = None
             if offers is not None:
                 offers = mig_static.on_offered_gpus(offers, health())
-                plan = mig_static.plan(current, offers, gpu_resource)
-                if current == "single" and plan.resources:
-                    # The libvgpu plugin already serves the GPU resource on this node, and
-                    # kubelet keeps one plugin per resource name: not served yet.
-                    plan = mig_static.MigPlan({}, "migstrategy single is not served yet (the "
-                                              f"libvgpu plugin owns {gpu_resource}); use mixed")
+                if current == "single" and single is not None and gpus is not None:
+                    devices, problem = mig_static.single_devices(gpus(), offers)
+                    await single(devices)
+                    plan = mig_static.MigPlan({}, problem)
+                else:
+                    if single is not None:
+                        await single(None)
+                    plan = mig_static.plan(current, offers, gpu_resource)
+                    if current == "single" and plan.resources:  # nothing to hand them to
+                        plan = mig_static.MigPlan({}, "migstrategy single: no GPU plugin here")
                 if plan.problem and plan.problem != last_problem:
                     log.warning("MIG instances not offered", extra={"reason": plan.problem})
                 last_problem = plan.problem

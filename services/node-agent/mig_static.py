@@ -7,8 +7,10 @@ The NVIDIA device plugin's MIG strategies (its `migStrategy`), for instances tha
   MIG mode);
 - `mixed`: one resource per profile, `nvidia.com/mig-<profile>` (`nvidia.com/mig-1g.10gb`), each
   instance one device;
-- `single`: every instance offered as the GPU resource (`nvidia.com/gpu`), which only makes sense
-  when all instances of the node have one profile (else nothing is offered, with a reason).
+- `single`: every instance offered as the GPU resource (`nvidia.com/gpu`). NVIDIA's rule: every
+  GPU of the node is in MIG mode and all its instances have one profile; else nothing is
+  offered, with a reason (`single_devices`). The instances then *are* the node's GPUs: each is
+  advertised as one whole device (split count 1: never sliced) served by the node's GPU plugin.
 
 An instance is a device whose ID is its MIG UUID; the container gets the UUIDs in
 `NVIDIA_VISIBLE_DEVICES` (the NVIDIA container toolkit exposes exactly those instances), and no
@@ -21,6 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from tessera import mig
+from tessera.models import DeviceInfo
+
+from .devices import PhysicalGpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,44 @@ def plan(strategy: str, offers: Iterable[MigOffer], gpu_resource: str) -> MigPla
     for o in items:
         by_profile.setdefault(mig.MIG_RESOURCE_PREFIX + o.profile, []).append(o)
     return MigPlan({name: tuple(v) for name, v in sorted(by_profile.items())})
+
+
+def single_devices(gpus: Iterable[PhysicalGpu], offers: Iterable[MigOffer]
+                   ) -> tuple[list[DeviceInfo], str]:
+    """The `single` strategy (NVIDIA's device plugin): the node's GPUs (`gpus`, those it offers)
+    must all be in MIG mode with at least one instance, all instances of one profile; then each
+    instance is one device of the GPU resource — its MIG UUID, the profile's memory, all of its
+    compute, one pod (split count 1), typed like GPU feature discovery's product name
+    (`NVIDIA-NVIDIA A100-SXM4-80GB-MIG-1g.10gb`). Else no device, and the reason."""
+    gpus = sorted(gpus, key=lambda g: g.index)
+    items = sorted(offers, key=lambda o: (o.parent_index, o.start))
+    if not gpus:
+        return [], ""
+    plain = [g for g in gpus if not g.mig]
+    if plain:
+        return [], (f"migstrategy single needs every GPU in MIG mode; GPU {plain[0].index} "
+                    f"({plain[0].uuid}) is not (use mixed, or filter the GPU out)")
+    if not items:
+        return [], ("migstrategy single: the node's GPUs hold no MIG instance (create them "
+                    "with nvidia-smi mig -cgi <profile> -C)")
+    profiles = sorted({o.profile for o in items})
+    if len(profiles) > 1:
+        return [], (f"migstrategy single needs one MIG profile on the node, it has "
+                    f"{', '.join(profiles)} (use mixed)")
+    by_uuid = {g.uuid: g for g in gpus}
+    out = []
+    for o in items:
+        gpu = by_uuid.get(o.parent_uuid)
+        if gpu is None:
+            continue
+        model = mig.model_for(gpu.name)
+        memory = model.profile_memory_mib(model.profile(o.profile)) if model else 0
+        out.append(DeviceInfo(
+            uuid=o.uuid, index=len(out), type=f"{gpu.type}-MIG-{o.profile}", memory_mib=memory,
+            physical_memory_mib=memory, cores=100, split_count=1, numa=o.numa,
+            healthy=o.healthy,
+        ))
+    return out, ""
 
 
 def on_offered_gpus(offers: Iterable[MigOffer], health: Mapping[str, bool]) -> list[MigOffer]:

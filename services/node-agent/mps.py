@@ -1,27 +1,32 @@
-"""MPS sharing: one NVIDIA MPS control daemon per GPU in MPS mode, slices enforced server-side.
+"""MPS sharing: one NVIDIA MPS control daemon per container on an MPS card, each holding its
+own pod's slice server-side.
 
 A GPU is in MPS mode when the node's configuration says so (`operatingmode: mps`); pods reach
-it by that or by `nvidia.com/vgpu-mode: mps` (the scheduler places them only on MPS cards).
+it by that or by `nvidia.com/vgpu-mode: mps` (the scheduler places them only on MPS cards, one
+card per container).
 
-- **Daemons.** For each such GPU the agent runs `nvidia-cuda-mps-control -d` with
-  `CUDA_VISIBLE_DEVICES=<uuid>` and `CUDA_MPS_PIPE_DIRECTORY` / `CUDA_MPS_LOG_DIRECTORY` under
-  `<region dir>/.mps/<uuid>/`. A restarted agent adopts a daemon that still answers on its pipe
-  directory (its pid file names a live process and `get_server_list` answers); a stale pipe
-  directory (dead daemon) is cleaned and the daemon started anew. A GPU leaving MPS mode gets
-  `quit` once no client is connected to its servers (until then the daemon is kept).
-- **Limits, server-side.** NVIDIA's MPS (v2 interface) limits per *server*: the pinned device
-  memory limit and the active thread percentage a server holds apply to every client that
-  connects to it afterwards; a client's own `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` /
-  `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` can only lower them (documented). So on each card the
-  agent sets the server limits (the defaults for servers not yet started, and each running
-  server from `get_server_list`) to the **smallest** slice among the card's active allocations
-  — never above any pod's own grant, whatever a container's environment says — before kubelet
-  gets the Allocate answer (so before the container can connect), and again on every
-  reconcile (a limit raised when a small pod leaves reaches clients that connect afterwards).
-  Pods of one size per MPS card get exactly their slice; a larger pod next to a smaller one
-  gets the smaller one (safe, not generous): give an MPS node uniform slices.
-- **The container** gets the pipe directory (mounted read-write at `/run/tessera/mps`,
-  `CUDA_MPS_PIPE_DIRECTORY`), and libvgpu stays preloaded in accounting mode: it keeps the
+- **Why one daemon per container.** NVIDIA's MPS (its v2 control interface) holds limits per
+  *server*: the pinned device memory limit and active thread percentage a server has bind every
+  client that connects to it afterwards, and a client's own `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` /
+  `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` can only lower them. A control daemon runs one server per
+  user id at a time, and every client of that uid joins it. So pods of different sizes sharing
+  one daemon cannot each get their own limits. NVIDIA documents running several control/server
+  pairs in parallel, each with its own `CUDA_MPS_PIPE_DIRECTORY` (its "Starting multiple
+  control/server pairs"): the agent gives each container holding an MPS card its own daemon
+  and pipe directory (`<region dir>/.mps/c-<hash of the container directory>/pipe`), whose
+  default limits are that container's grant, set before the container can start.
+- **Identity.** The pipe directory belongs to the container *directory* (the one kubelet mounts),
+  not to the pod an Allocate answer guessed: PreStartContainer, which proves the owner, puts
+  the proven pod's limits on the daemon before any process of the container runs, so a crossed
+  admission never leaves a container on another pod's limits.
+- **Restarts.** The daemons outlive the agent (clients keep running). A restarted agent adopts
+  each daemon that still answers on its pipe directory (its pid file names a live process and
+  `get_server_list` answers) and re-applies its limits; where a daemon died, the stale pipe
+  directory is removed and a new daemon started (its container's new processes connect to it).
+  A daemon whose container is gone (pod released, directory removed) gets `quit` once
+  `get_client_list` shows no client, and its directory is removed.
+- **The container** gets its pipe directory mounted read-write at `/run/tessera/mps`
+  (`CUDA_MPS_PIPE_DIRECTORY`), and libvgpu stays preloaded in accounting mode: it keeps the
   usage region (metrics, the watchdog's view) and the memory limit (the same value as the
   server's), but its compute limiter is off (sealed `sm_limit_pct` 100): MPS partitions the SMs,
   and a second, time-based limiter would compound with it.
@@ -31,19 +36,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nats.js import JetStreamContext
 
 from tessera import bus
-from tessera.models import Allocation, DeviceInfo, MpsEvent, NodeLedger
+from tessera.models import Allocation, DeviceGrant, DeviceInfo, MpsEvent, NodeLedger
 from tessera.region import ContainerLimits
+
+from .containers import ContainerDir
 
 MPS_MODE = "mps"
 MPS_DIR = ".mps"  # under the region dir; a dot-directory is never taken for a pod's
@@ -60,32 +68,63 @@ class MpsError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What every client of a card's MPS server may use: MiB of device 0, % of its threads."""
+    """What every client of one MPS server may use: MiB of device 0, % of its threads."""
 
     memory_mib: int
     thread_pct: int
+
+
+@dataclass(frozen=True)
+class MpsSlot:
+    """One container's own control daemon on one MPS card, and the limits its server holds."""
+
+    key: str  # the daemon's directory under <region dir>/.mps
+    uuid: str
+    pod_uid: str
+    pod: str  # namespace/name
+    container: str
+    limits: ServerLimits
 
 
 def mps_uuids(devices: Iterable[DeviceInfo]) -> set[str]:
     return {d.uuid for d in devices if d.mode == MPS_MODE}
 
 
-def card_limits(uuid: str, allocations: Iterable[Allocation]) -> ServerLimits | None:
-    """The smallest slice any active allocation holds on this card (None: nobody holds it).
-    A container's 0 % cores (HAMi: no compute limit) is 100 % of the threads."""
-    memory: list[int] = []
-    threads: list[int] = []
-    for allocation in allocations:
-        if not allocation.active:
-            continue
-        for grants in allocation.containers:
-            for g in grants:
-                if g.uuid == uuid:
-                    memory.append(g.memory_mib)
-                    threads.append(min(g.cores, 100) if g.cores > 0 else 100)
-    if not memory:
-        return None
-    return ServerLimits(max(1, min(memory)), max(1, min(threads)))
+def grant_limits(grant: DeviceGrant) -> ServerLimits:
+    """A grant as server limits. A container's 0 % cores (HAMi: no compute limit) is 100 %."""
+    threads = min(grant.cores, 100) if grant.cores > 0 else 100
+    return ServerLimits(max(1, grant.memory_mib), max(1, threads))
+
+
+def daemon_key(cdir: ContainerDir, uuid: str) -> str:
+    """The daemon directory of a container directory (its path, which never changes, even when
+    PreStartContainer relabels it to its true owner) on one card; short, for the sockets in it
+    (a unix socket path has 108 bytes)."""
+    where = f"{cdir.path.parent.name}/{cdir.path.name}\0{uuid}"
+    return "c-" + hashlib.sha256(where.encode()).hexdigest()[:20]
+
+
+def container_slots(cdir: ContainerDir, allocation: Allocation | None, cards: set[str]
+                    ) -> list[MpsSlot]:
+    """The daemons a container directory needs: one per MPS card of its owner's grant (the
+    ledger's, which limits.set changes), none when the owner holds no active allocation."""
+    p = cdir.prepared
+    if allocation is None or not allocation.active or p.index >= len(allocation.containers):
+        return []
+    return [MpsSlot(key=daemon_key(cdir, g.uuid), uuid=g.uuid, pod_uid=p.pod_uid,
+                    pod=f"{p.namespace}/{p.pod}", container=p.container,
+                    limits=grant_limits(g))
+            for g in allocation.containers[p.index] if g.uuid in cards]
+
+
+def wanted_slots(cdirs: Iterable[ContainerDir], allocations: Mapping[str, Allocation],
+                 cards: set[str]) -> dict[str, MpsSlot]:
+    """Every daemon the node should run: key → slot."""
+    out: dict[str, MpsSlot] = {}
+    for cdir in cdirs:
+        for slot in container_slots(cdir, allocations.get(cdir.prepared.pod_uid), cards):
+            out[slot.key] = slot
+    return out
 
 
 def limit_commands(limits: ServerLimits, servers: Iterable[int]) -> list[str]:
@@ -124,13 +163,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 class ControlDaemon:
-    """One GPU's control daemon, driven through the control program (blocking: run in a
-    thread). Every command is one run of the program with the command on stdin."""
+    """One control daemon (one card, one container), driven through the control program
+    (blocking: run in a thread). Every command is one run of the program with the command on
+    stdin."""
 
-    def __init__(self, binary: str, root: Path, uuid: str) -> None:
+    def __init__(self, binary: str, root: Path, uuid: str, key: str | None = None) -> None:
         self.binary = binary
         self.uuid = uuid
-        self.root = root / uuid
+        self.key = key or uuid
+        self.root = root / self.key
         self.pipe_dir = self.root / "pipe"
         self.log_dir = self.root / "log"
 
@@ -207,8 +248,9 @@ class ControlDaemon:
 
 
 class MpsDaemons:
-    """The node's control daemons: started, adopted, limited and stopped against what the
-    node advertises and what its ledger holds. All decisions are in the pure functions above."""
+    """The node's control daemons, one per container on an MPS card: started (or adopted),
+    limited and stopped against the node's container directories and its ledger. All decisions
+    are in the pure functions above."""
 
     def __init__(
         self,
@@ -228,125 +270,149 @@ class MpsDaemons:
         self.source = source
         self.daemons: dict[str, ControlDaemon] = {}
         self.applied: dict[str, ServerLimits] = {}
+        self.slots: dict[str, MpsSlot] = {}  # what each daemon serves (the dashboard's view)
         self._lock = asyncio.Lock()
 
-    def daemon(self, uuid: str) -> ControlDaemon:
-        return self.daemons.get(uuid) or ControlDaemon(self.binary, self.root, uuid)
+    def daemon(self, key: str, uuid: str = "") -> ControlDaemon:
+        return self.daemons.get(key) or ControlDaemon(self.binary, self.root, uuid or key, key)
 
-    def pipe_dir(self, uuid: str) -> Path:
-        return self.daemon(uuid).pipe_dir
+    def pipe_dir(self, cdir: ContainerDir, uuid: str) -> Path:
+        return self.root / daemon_key(cdir, uuid) / "pipe"
 
     def known_dirs(self) -> list[str]:
-        """GPUs with a pipe directory under the root (daemons of an earlier run included)."""
+        """Daemon directories under the root (daemons of an earlier run included)."""
         try:
             return sorted(p.name for p in self.root.iterdir() if (p / "pipe").is_dir())
         except FileNotFoundError:
             return []
 
-    async def reconcile(self, devices: Iterable[DeviceInfo], ledger: NodeLedger | None) -> None:
-        """Daemons for the GPUs in MPS mode (adopted or started), limits from the ledger, and
-        daemons of GPUs no longer in MPS mode stopped once their clients are gone."""
+    async def reconcile(self, devices: Iterable[DeviceInfo], ledger: NodeLedger | None,
+                        cdirs: Iterable[ContainerDir]) -> None:
+        """A daemon (adopted or started) with its container's limits for every container on an
+        MPS card, and daemons no container wants stopped once their clients are gone."""
         async with self._lock:
-            wanted = mps_uuids(devices)
-            allocations = list(ledger.allocations.values()) if ledger else []
-            for uuid in sorted(wanted):
+            allocations = ledger.allocations if ledger else {}
+            wanted = wanted_slots(cdirs, allocations, mps_uuids(devices))
+            for _key, slot in sorted(wanted.items()):
                 try:
-                    await self._ensure(uuid)
-                    await self._limit(uuid, card_limits(uuid, allocations))
+                    await self._ensure(slot)
+                    await self._limit(slot)
                 except MpsError as exc:
-                    self.log.error("mps daemon", extra={"gpu": uuid, "err": str(exc)})
-            for uuid in sorted((set(self.daemons) | set(self.known_dirs())) - wanted):
-                await self._retire(uuid)
+                    self.log.error("mps daemon", extra={"gpu": slot.uuid, "pod": slot.pod,
+                                                        "err": str(exc)})
+            for key in sorted((set(self.daemons) | set(self.known_dirs())) - set(wanted)):
+                await self._retire(key)
 
-    async def limit_now(self, uuid: str, ledger: NodeLedger | None) -> None:
-        """Put the card's limits in force before a container is answered (raises MpsError:
-        the Allocate fails and kubelet retries, rather than a client connecting unlimited)."""
+    async def limit_now(self, cdir: ContainerDir, allocation: Allocation, uuid: str) -> Path:
+        """Put this container's limits on its own daemon before the container can run (raises
+        MpsError: the Allocate or PreStartContainer fails and kubelet retries, rather than a
+        client connecting unlimited); the daemon's pipe directory."""
+        slots = container_slots(cdir, allocation, {uuid})
+        if not slots:
+            raise MpsError(f"{cdir.prepared.namespace}/{cdir.prepared.pod} holds no grant "
+                           f"on {uuid}")
+        slot = slots[0]
         async with self._lock:
-            await self._ensure(uuid)
-            allocations = list(ledger.allocations.values()) if ledger else []
-            await self._limit(uuid, card_limits(uuid, allocations))
+            await self._ensure(slot)
+            await self._limit(slot)
+        return self.daemons[slot.key].pipe_dir
 
-    async def _ensure(self, uuid: str) -> None:
-        daemon = self.daemon(uuid)
-        if uuid in self.daemons and daemon.pid() is not None:
+    async def _ensure(self, slot: MpsSlot) -> None:
+        daemon = self.daemon(slot.key, slot.uuid)
+        self.slots[slot.key] = slot
+        if slot.key in self.daemons and daemon.pid() is not None:
             return  # ours and alive (its pid file names a live process): no command needed
         adopted = await asyncio.to_thread(daemon.answering)
         if not adopted:
             pid = daemon.pid()
             if pid is not None:  # alive but silent (busy, starting): never start a second one
-                raise MpsError(f"the MPS control daemon of {uuid} (pid {pid}) does not answer")
+                raise MpsError(f"the MPS control daemon of {slot.pod} on {slot.uuid} (pid {pid})"
+                               " does not answer")
             await asyncio.to_thread(daemon.start)
             if not await asyncio.to_thread(daemon.answering):
-                raise MpsError(f"the MPS control daemon for {uuid} does not answer after start")
-        self.daemons[uuid] = daemon
-        self.applied.pop(uuid, None)
-        self.log.info("mps daemon", extra={"gpu": uuid, "adopted": adopted, "pid": daemon.pid()})
-        await self._publish("started", uuid, daemon.pid(), adopted,
+                raise MpsError(f"the MPS control daemon for {slot.pod} on {slot.uuid} does not "
+                               "answer after start")
+        self.daemons[slot.key] = daemon
+        self.applied.pop(slot.key, None)
+        self.log.info("mps daemon", extra={"gpu": slot.uuid, "pod": slot.pod,
+                                           "adopted": adopted, "pid": daemon.pid()})
+        await self._publish("started", daemon, slot, daemon.pid(), adopted,
                             "adopted a running control daemon" if adopted
                             else "started the control daemon")
 
-    async def _limit(self, uuid: str, limits: ServerLimits | None) -> None:
-        if limits is None or self.applied.get(uuid) == limits:
+    async def _limit(self, slot: MpsSlot) -> None:
+        if self.applied.get(slot.key) == slot.limits:
             return
-        await asyncio.to_thread(self.daemons[uuid].apply, limits)
-        self.applied[uuid] = limits
-        self.log.info("mps limits", extra={"gpu": uuid, "memory_mib": limits.memory_mib,
-                                           "thread_pct": limits.thread_pct})
+        await asyncio.to_thread(self.daemons[slot.key].apply, slot.limits)
+        self.applied[slot.key] = slot.limits
+        self.log.info("mps limits", extra={"gpu": slot.uuid, "pod": slot.pod,
+                                           "memory_mib": slot.limits.memory_mib,
+                                           "thread_pct": slot.limits.thread_pct})
 
-    async def _retire(self, uuid: str) -> None:
-        daemon = self.daemon(uuid)
+    async def _retire(self, key: str) -> None:
+        daemon = self.daemon(key)
+        slot = self.slots.get(key)
         try:
             if not await asyncio.to_thread(daemon.answering):
-                self.daemons.pop(uuid, None)  # gone: its pipe directory too (logs are kept)
-                await asyncio.to_thread(shutil.rmtree, daemon.pipe_dir, True)
+                self._forget(key)  # gone: its directory too
+                await asyncio.to_thread(shutil.rmtree, daemon.root, True)
                 return
             clients = await asyncio.to_thread(daemon.clients)
             if clients:
-                self.daemons[uuid] = daemon  # kept until its clients are gone
+                self.daemons[key] = daemon  # kept until its clients are gone
                 return
             pid = daemon.pid()
             await asyncio.to_thread(daemon.quit)
         except MpsError as exc:
-            self.log.error("mps daemon not stopped", extra={"gpu": uuid, "err": str(exc)})
+            self.log.error("mps daemon not stopped", extra={"daemon": key, "err": str(exc)})
             return
-        self.daemons.pop(uuid, None)
-        self.applied.pop(uuid, None)
-        await self._publish("stopped", uuid, pid, False, "the GPU left MPS mode")
+        self._forget(key)
+        await asyncio.to_thread(shutil.rmtree, daemon.root, True)
+        await self._publish("stopped", daemon, slot, pid, False,
+                            "its container is gone" if slot else "no container uses it")
 
-    async def _publish(
-        self, action: str, uuid: str, pid: int | None, adopted: bool, reason: str
-    ) -> None:
+    def _forget(self, key: str) -> None:
+        self.daemons.pop(key, None)
+        self.applied.pop(key, None)
+        self.slots.pop(key, None)
+
+    async def _publish(self, action: str, daemon: ControlDaemon, slot: MpsSlot | None,
+                       pid: int | None, adopted: bool, reason: str) -> None:
         if self.js is None:
             return
         try:
             await bus.publish_event(self.js, MpsEvent(
-                action=action, node=self.node, device_uuid=uuid, daemon_pid=pid or 0,
-                adopted=adopted, reason=reason, source=self.source))  # type: ignore[arg-type]
+                action=action, node=self.node, device_uuid=slot.uuid if slot else daemon.uuid,
+                daemon_pid=pid or 0, adopted=adopted, reason=reason, source=self.source,
+                pod=slot.pod if slot else "", container=slot.container if slot else "",
+                memory_mib=slot.limits.memory_mib if slot else 0,
+                thread_pct=slot.limits.thread_pct if slot else 0,
+            ))  # type: ignore[arg-type]
         except Exception as exc:  # an event lost is logged, never fatal
             self.log.warning("mps event not published", extra={"err": str(exc)})
 
     async def run(self, stop: asyncio.Event, devices: Callable[[], Iterable[DeviceInfo]],
                   ledger: Callable[[], Awaitable[NodeLedger | None]],
-                  interval_s: float) -> None:
+                  cdirs: Callable[[], list[ContainerDir]], interval_s: float) -> None:
         """Reconcile every `interval_s` until stopped. The daemons outlive the agent."""
         while not stop.is_set():
             try:
-                await self.reconcile(list(devices()), await ledger())
+                await self.reconcile(list(devices()), await ledger(),
+                                     await asyncio.to_thread(cdirs))
             except Exception as exc:
                 self.log.error("mps reconcile", extra={"err": str(exc)})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
 
 
-def container_extras(uuids: set[str], grants_uuids: list[str], daemons: MpsDaemons
+def container_extras(cards: set[str], grants_uuids: list[str], pipe_dir: Path
                      ) -> tuple[dict[str, str], list[tuple[str, str, bool]]]:
-    """Env and mounts added to an Allocate answer whose container holds an MPS card: the pipe
-    directory, and libvgpu's compute limiter off (the sealed file says the same)."""
-    mine = [u for u in grants_uuids if u in uuids]
-    if not mine:
+    """Env and mounts added to an Allocate answer whose container holds an MPS card: its own
+    daemon's pipe directory, and libvgpu's compute limiter off (the sealed file says the same)."""
+    if not any(u in cards for u in grants_uuids):
         return {}, []
     env = {"CUDA_MPS_PIPE_DIRECTORY": PIPE_CONTAINER_DIR, "CUDA_DEVICE_SM_LIMIT": "100"}
     for i, u in enumerate(grants_uuids):
-        if u in uuids:
+        if u in cards:
             env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = "100"
-    return env, [(PIPE_CONTAINER_DIR, str(daemons.pipe_dir(mine[0])), False)]
+    return env, [(PIPE_CONTAINER_DIR, str(pipe_dir), False)]

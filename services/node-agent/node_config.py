@@ -101,6 +101,8 @@ class NodeConfigurator:
         self.path = Path(settings.region_host_dir) / STATE_FILE
         self.config = DeviceConfig.of(settings)
         self.unhealthy: frozenset[str] = frozenset()
+        # migstrategy single: the MIG instances advertised in place of the GPUs (mig_plugin.py)
+        self.mig_single: list[DeviceInfo] | None = None
         self.config_map: ConfigFile | None = None  # the latest valid one (desired)
         self.pending = False  # the ConfigMap asks for what was refused: retried every beat
         self.local: NodeDeviceConfig | None = None
@@ -260,7 +262,25 @@ class NodeConfigurator:
     # --- applying -----------------------------------------------------------------------------
 
     def _devices(self, config: DeviceConfig) -> list:
+        if self.mig_single is not None and config.mig_strategy == "single":
+            return list(self.mig_single)
         return advertise(self.gpus, self.settings, self.unhealthy, config)
+
+    def physical(self) -> list[DeviceInfo]:
+        """The GPUs as offered under the current configuration (whatever MIG strategy)."""
+        return advertise(self.gpus, self.settings, self.unhealthy, self.config)
+
+    def offered_gpus(self) -> list[PhysicalGpu]:
+        return [g for g in self.gpus if self.config.offers(g)]
+
+    async def set_mig_single(self, devices: list[DeviceInfo] | None) -> None:
+        """migstrategy single: advertise these MIG instances as the node's GPUs (None: the
+        GPUs themselves)."""
+        async with self._lock:
+            if devices == self.mig_single:
+                return
+            self.mig_single = None if devices is None else list(devices)
+            await self.state.update(self._devices(self.config))
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.ledger_kv, self.node, NodeLedger)

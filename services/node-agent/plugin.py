@@ -437,27 +437,29 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             ))
         return out
 
-    # --- MPS cards (mps.py): server-side limits before the container can connect ---------------
+    # --- MPS cards (mps.py): each container's own server-side limits before it can run ------
 
     def _mps_cards(self, allocation: Allocation, index: int) -> set[str]:
         return mps.mps_uuids(self.state.devices()) & {g.uuid for g in allocation.containers[index]}
 
-    async def _mps_enforce(self, cards: set[str]) -> None:
+    async def _mps_enforce(self, cdir: ContainerDir, allocation: Allocation, cards: set[str]
+                           ) -> Path:
         assert self.mps is not None
-        ledger = await self._ledger()
+        pipes = []
         for uuid in sorted(cards):
             try:
-                await self.mps.limit_now(uuid, ledger)
+                pipes.append(await self.mps.limit_now(cdir, allocation, uuid))
             except mps.MpsError as exc:
                 raise hs.HandshakeError(f"MPS limits not set on {uuid}: {exc}") from exc
+        return pipes[0]
 
     async def _mps_answer(self, allocation: Allocation, cdir: ContainerDir, out):
         cards = self._mps_cards(allocation, cdir.prepared.index) if self.mps else set()
         if not cards or self.mps is None:
             return out
-        await self._mps_enforce(cards)
+        pipe = await self._mps_enforce(cdir, allocation, cards)
         grants = [g.uuid for g in allocation.containers[cdir.prepared.index]]
-        env, mounts = mps.container_extras(cards, grants, self.mps)
+        env, mounts = mps.container_extras(cards, grants, pipe)
         out.envs.update(env)
         for container_path, host_path, read_only in mounts:
             out.mounts.append(dp.Mount(
@@ -465,11 +467,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             ))
         return out
 
-    async def _mps_limits(self, allocation: Allocation, index: int, limits):
-        cards = self._mps_cards(allocation, index) if self.mps else set()
+    async def _mps_limits(self, cdir: ContainerDir, allocation: Allocation, limits):
+        """PreStartContainer: the proven owner's limits on the container's own daemon."""
+        cards = self._mps_cards(allocation, cdir.prepared.index) if self.mps else set()
         if not cards:
             return limits
-        await self._mps_enforce(cards)
+        await self._mps_enforce(cdir, allocation, cards)
         return mps.accounting_only(limits, cards)
 
     async def _maybe_finish(self, allocation: Allocation) -> None:
@@ -593,7 +596,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
             raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
         await self._check_grant(allocation, p.index)
-        limits = await self._mps_limits(allocation, p.index,
+        limits = await self._mps_limits(cdir, allocation,
                                         hs.limits_for(allocation, p.index, self.node_settings()))
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
         self.log.info("limits sealed", extra={

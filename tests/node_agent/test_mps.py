@@ -1,13 +1,14 @@
-"""MPS sharing on a node: one control daemon per GPU in MPS mode, slices enforced server-side.
+"""MPS sharing on a node: one control daemon per container on an MPS card, each pod held
+server-side to its own slice.
 
 The control daemon is tests/node_agent/fake_mps_control.py (a stand-in for NVIDIA's
 nvidia-cuda-mps-control that follows its documented commands and answers); the agent runs
 against a real NATS with kubelet's stand-in on real unix-socket gRPC. What a user would notice:
-a node set to `operatingmode: mps` gets a daemon per GPU; a pod's container is given the pipe
-directory, and the card's server limits are its slice before the container can start — a client
-that asks for more in its environment still gets the slice; a restarted agent adopts the
-daemons (or starts a new one where one died); a GPU leaving MPS mode has its daemon stopped once
-no client is connected; a card holding pods cannot switch modes.
+pods of different sizes on one MPS card each get their own daemon, whose server gives a client
+exactly that pod's slice (a client asking more in its environment still gets it — the fake
+driver's side is tests/native/test_mps_client.py); a restarted agent adopts the daemons (or
+starts a new one where one died); a pod's daemon is stopped once the pod is gone and no client
+is connected; a card holding pods cannot switch modes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from node_agent_rig import grants, make_pod, running_rig
 from tessera.node_agent import mps
+from tessera.node_agent.containers import ContainerDir, PreparedContainer
 from tessera.node_agent.node_config_rules import GpuUsage, mode_change_problems
 
 from tessera import bus
@@ -52,23 +54,35 @@ def _alloc(uid: str, *cards: tuple[str, int, int], state=AllocationState.ALLOCAT
                                   for u, m, c in cards])
 
 
-def test_a_cards_server_limits_are_the_smallest_active_slice() -> None:
-    allocations = [
+def _cdir(path: str, uid: str, index: int = 0) -> ContainerDir:
+    return ContainerDir(Path("/r") / path, PreparedContainer(
+        pod_uid=uid, namespace="t", pod=uid, container="main", index=index, device_ids=[],
+        grants=[]))
+
+
+def test_each_container_on_an_mps_card_gets_a_server_with_its_own_limits() -> None:
+    allocations = {a.pod_uid: a for a in [
         _alloc("a", ("GPU-1", 4000, 30)),
         _alloc("b", ("GPU-1", 8000, 0)),  # 0 cores: not limited, 100 % of the threads
         _alloc("c", ("GPU-1", 1000, 10), state=AllocationState.RELEASED),
-        _alloc("d", ("GPU-2", 2000, 50)),
-    ]
-    assert mps.card_limits("GPU-1", allocations) == mps.ServerLimits(4000, 30)
-    assert mps.card_limits("GPU-2", allocations) == mps.ServerLimits(2000, 50)
-    assert mps.card_limits("GPU-3", allocations) is None
-    assert mps.limit_commands(mps.ServerLimits(4000, 30), [71, 72]) == [
+        _alloc("d", ("GPU-2", 2000, 50)),  # GPU-2 is not in MPS mode
+    ]}
+    cdirs = [_cdir("a/0-main", "a"), _cdir("b/0-main", "b"), _cdir("c/0-main", "c"),
+             _cdir("d/0-main", "d"), _cdir("gone/0-main", "gone")]
+    slots = mps.wanted_slots(cdirs, allocations, {"GPU-1"})
+    assert sorted((s.pod, s.limits) for s in slots.values()) == [
+        ("t/a", mps.ServerLimits(4000, 30)), ("t/b", mps.ServerLimits(8000, 100))]
+    assert len(set(slots)) == 2
+    # The daemon belongs to the container directory: relabelling it to its true owner keeps
+    # the daemon (and the mount kubelet already has), with the owner's limits.
+    relabelled = mps.wanted_slots([_cdir("a/0-main", "b")], allocations, {"GPU-1"})
+    [(key, slot)] = relabelled.items()
+    assert key == mps.daemon_key(cdirs[0], "GPU-1") and slot.limits.memory_mib == 8000
+    assert mps.limit_commands(mps.ServerLimits(4000, 30), [71]) == [
         "set_default_device_pinned_mem_limit 0 4000M",
         "set_default_active_thread_percentage 30",
         "set_device_pinned_mem_limit 71 0 4000M",
         "set_active_thread_percentage 71 30",
-        "set_device_pinned_mem_limit 72 0 4000M",
-        "set_active_thread_percentage 72 30",
     ]
 
 
@@ -119,8 +133,8 @@ def daemon_pid(pipe: Path) -> int | None:
         return None
 
 
-def commands(root: Path, uuid: str) -> list[str]:
-    log = root / uuid / "log" / "control.log"
+def commands(pipe: Path) -> list[str]:
+    log = pipe.parent / "log" / "control.log"
     if not log.exists():
         return []
     return [line.split("Cmd: ", 1)[1] for line in log.read_text().splitlines() if "Cmd: " in line]
@@ -186,138 +200,141 @@ def mps_settings() -> dict:
     return {"mps_control_binary": str(FAKE), "mps_reconcile_s": 0.5}
 
 
-async def test_mps_node_runs_a_daemon_per_gpu_and_limits_each_pod_server_side(
+def pipes(root: Path) -> dict[Path, int | None]:
+    return {p: daemon_pid(p) for p in root.glob("c-*/pipe")}
+
+
+async def admit_mps(rig, name: str, gpu: str, memory: int, cores: int):
+    pod = make_pod(name, [("main", 1)])
+    await rig.bind(pod, [grants((gpu, memory, cores))])
+    admitted = await rig.kubelet.admit_pod(pod)
+    assert admitted.ok, admitted.error
+    return pod, admitted.containers[0]
+
+
+def pipe_of(container) -> Path:
+    return Path(container.mount(mps.PIPE_CONTAINER_DIR).host_path)
+
+
+async def test_pods_of_different_sizes_on_one_card_each_get_their_own_server_limits(
     short_dir, nc, buckets, mps_settings
 ) -> None:
     root = short_dir / "regions" / ".mps"
+    clients = []
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
-            gpu0, gpu1 = rig.gpus
-            assert not root.exists() or not list(root.iterdir())  # hami-core: no daemons
+            gpu0, _gpu1 = rig.gpus
             await set_mode(rig, "mps")
-
-            async def both_running():
-                return all(daemon_pid(root / g / "pipe") for g in (gpu0, gpu1))
-
-            await until(both_running)
-            started = await events_until(rig, "started", 2)
-            assert {e.device_uuid for e in started} == {gpu0, gpu1}
-            assert not any(e.adopted for e in started)
-
-            pod = make_pod("mps-a", [("main", 1)])
-            await rig.bind(pod, [grants((gpu0, 4000, 30))])
-            admitted = await rig.kubelet.admit_pod(pod)
-            assert admitted.ok, admitted.error
-            container = admitted.containers[0]
-            # The container reaches its card's daemon; libvgpu keeps accounting, no SM limiter.
-            assert container.envs["CUDA_MPS_PIPE_DIRECTORY"] == mps.PIPE_CONTAINER_DIR
-            assert container.mount(mps.PIPE_CONTAINER_DIR).host_path == str(root / gpu0 / "pipe")
-            assert container.envs["CUDA_DEVICE_SM_LIMIT_0"] == "100"
-            sealed = read_limits(container.mount(SEALED_LIMITS_DIR).host_path)
+            await asyncio.sleep(0.6)  # a reconcile: no container, so no daemon
+            assert pipes(root) == {}
+            _big, big = await admit_mps(rig, "mps-big", gpu0, 4000, 30)
+            _small, small = await admit_mps(rig, "mps-small", gpu0, 2000, 20)
+            # Each container reaches its own daemon; libvgpu keeps accounting, no SM limiter.
+            assert big.envs["CUDA_MPS_PIPE_DIRECTORY"] == mps.PIPE_CONTAINER_DIR
+            assert pipe_of(big) != pipe_of(small)
+            assert {pipe_of(big), pipe_of(small)} == set(pipes(root))
+            assert big.envs["CUDA_DEVICE_SM_LIMIT_0"] == "100"
+            sealed = read_limits(big.mount(SEALED_LIMITS_DIR).host_path)
             assert (sealed.devices[0].mem_limit_bytes, sealed.devices[0].sm_limit_pct) == (
                 4000 << 20, 100)
-            # Server-side limits were set through the daemon before the container could start.
-            said = commands(root, gpu0)
-            assert "set_default_device_pinned_mem_limit 0 4000M" in said
-            assert "set_default_active_thread_percentage 30" in said
-            assert not any("pinned" in c or "thread" in c for c in commands(root, gpu1))
-            # A client connecting now (whatever its env says) is given the slice.
-            client = subprocess.Popen(["sleep", "60"])
-            try:
-                assert attach(root / gpu0 / "pipe", client.pid) == f"{4000 << 20} 30.0"
-                # A second, smaller pod lowers the card's server limit for later clients,
-                # including on the server that is already running.
-                small = make_pod("mps-b", [("main", 1)])
-                await rig.bind(small, [grants((gpu0, 2000, 20))])
-                assert (await rig.kubelet.admit_pod(small)).ok
-                said = commands(root, gpu0)
-                server = control(root / gpu0 / "pipe", "get_server_list")
-                assert f"set_device_pinned_mem_limit {server} 0 2000M" in said
-                assert f"set_active_thread_percentage {server} 20" in said
-                other = subprocess.Popen(["sleep", "60"])
-                try:
-                    assert attach(root / gpu0 / "pipe", other.pid) == f"{2000 << 20} 20.0"
-                finally:
-                    other.kill()
-                    other.wait()
-            finally:
-                client.kill()
-                client.wait()
+            # Server-side limits were set through each daemon before its container could start.
+            assert "set_default_device_pinned_mem_limit 0 4000M" in commands(pipe_of(big))
+            assert "set_default_active_thread_percentage 20" in commands(pipe_of(small))
+            # A client of each pod is given that pod's slice, side by side on one card.
+            for _ in range(2):
+                clients.append(subprocess.Popen(["sleep", "60"]))
+            assert attach(pipe_of(big), clients[0].pid) == f"{4000 << 20} 30.0"
+            assert attach(pipe_of(small), clients[1].pid) == f"{2000 << 20} 20.0"
+            started = await events_until(rig, "started", 2)
+            assert sorted((e.pod.split("/")[1], e.memory_mib, e.thread_pct) for e in started) == [
+                ("mps-big", 4000, 30), ("mps-small", 2000, 20)]
+            # The small pod's reconcile never lowers the big pod's server (the old card-wide rule).
+            await asyncio.sleep(1.2)
+            assert not any("2000M" in c for c in commands(pipe_of(big)))
     finally:
+        for c in clients:
+            c.kill()
+            c.wait()
         quit_all(root)
 
 
-async def test_restarted_agent_adopts_daemons_and_replaces_a_dead_one(
+async def test_restarted_agent_adopts_daemons_and_replaces_a_dead_one_with_its_limits(
     short_dir, nc, buckets, mps_settings
 ) -> None:
     root = short_dir / "regions" / ".mps"
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
-            gpu0, gpu1 = rig.gpus
+            gpu0, _gpu1 = rig.gpus
             await set_mode(rig, "mps")
-
-            async def both_running():
-                return all(daemon_pid(root / g / "pipe") for g in (gpu0, gpu1))
-
-            await until(both_running)
-            before = {g: daemon_pid(root / g / "pipe") for g in (gpu0, gpu1)}
+            _a, kept = await admit_mps(rig, "mps-kept", gpu0, 3000, 40)
+            _b, lost = await admit_mps(rig, "mps-lost", gpu0, 1000, 10)
+            before = {pipe_of(kept): daemon_pid(pipe_of(kept)),
+                      pipe_of(lost): daemon_pid(pipe_of(lost))}
             await rig.stop_agent()
             # The daemons outlive the agent; one dies meanwhile (SIGKILL: a stale pipe dir).
             assert all(os.path.exists(f"/proc/{p}") for p in before.values())
-            os.kill(before[gpu1], signal.SIGKILL)
+            os.kill(before[pipe_of(lost)], signal.SIGKILL)
             await rig.start_agent()
 
             async def replaced():
-                pid = daemon_pid(root / gpu1 / "pipe")
-                return pid if pid and pid != before[gpu1] and os.path.exists(f"/proc/{pid}") \
-                    else None
+                pid = daemon_pid(pipe_of(lost))
+                return pid if pid and pid != before[pipe_of(lost)] else None
 
             await until(replaced)
-            assert daemon_pid(root / gpu0 / "pipe") == before[gpu0]  # adopted, not restarted
+            assert daemon_pid(pipe_of(kept)) == before[pipe_of(kept)]  # adopted, not restarted
+            client = subprocess.Popen(["sleep", "60"])
+            try:  # the new daemon holds the pod's own limits again
+                async def limited():  # the log keeps the dead daemon's commands: a 2nd time
+                    return commands(pipe_of(lost)).count(
+                        "set_default_active_thread_percentage 10") >= 2
+
+                await until(limited)
+                assert attach(pipe_of(lost), client.pid) == f"{1000 << 20} 10.0"
+            finally:
+                client.kill()
+                client.wait()
             started = await events_until(rig, "started", 4)
             adopted = [e for e in started if e.adopted]
-            assert [(e.device_uuid, e.daemon_pid) for e in adopted] == [(gpu0, before[gpu0])]
+            assert [(e.pod.split("/")[1], e.daemon_pid) for e in adopted] == [
+                ("mps-kept", before[pipe_of(kept)])]
     finally:
         quit_all(root)
 
 
-async def test_leaving_mps_mode_stops_daemons_once_no_client_is_connected(
+async def test_a_pods_daemon_stops_once_it_is_gone_and_no_client_is_connected(
     short_dir, nc, buckets, mps_settings
 ) -> None:
     root = short_dir / "regions" / ".mps"
     try:
         async with running_rig(short_dir, nc, buckets, **mps_settings) as rig:
-            gpu0, gpu1 = rig.gpus
+            gpu0, _gpu1 = rig.gpus
             await set_mode(rig, "mps")
-
-            async def both_running():
-                return all(daemon_pid(root / g / "pipe") for g in (gpu0, gpu1))
-
-            await until(both_running)
-            pid1 = daemon_pid(root / gpu1 / "pipe")
-            client = subprocess.Popen(["sleep", "60"])  # a process still connected on GPU 1
+            pod, container = await admit_mps(rig, "mps-gone", gpu0, 1000, 10)
+            pipe = pipe_of(container)
+            pid = daemon_pid(pipe)
+            client = subprocess.Popen(["sleep", "60"])  # a process still connected
             try:
-                assert attach(root / gpu1 / "pipe", client.pid).split()[1] == "100.0"
-                await set_mode(rig, "hami-core")
+                assert attach(pipe, client.pid).split()[1] == "10.0"
 
-                async def gpu0_stopped():
-                    return daemon_pid(root / gpu0 / "pipe") is None
+                def release(ledger):
+                    ledger = ledger.model_copy(deep=True)
+                    ledger.allocations[pod["metadata"]["uid"]].state = AllocationState.RELEASED
+                    return ledger
 
-                await until(gpu0_stopped)
-                await asyncio.sleep(1.0)  # several reconciles: GPU 1's daemon is kept
-                assert daemon_pid(root / gpu1 / "pipe") == pid1
-                assert os.path.exists(f"/proc/{pid1}")
+                await bus.cas_update(rig.buckets.ledger, rig.node, NodeLedger, release)
+                rig.kubelet.remove_pod(pod["metadata"]["uid"])
+                await asyncio.sleep(2.0)  # several reconciles: kept while its client runs
+                assert daemon_pid(pipe) == pid
             finally:
                 client.kill()
                 client.wait()
 
-            async def gpu1_stopped():
-                return daemon_pid(root / gpu1 / "pipe") is None
+            async def stopped():
+                return not pipe.parent.exists()
 
-            await until(gpu1_stopped)
-            stopped = await events_until(rig, "stopped", 2)
-            assert {e.device_uuid for e in stopped} == {gpu0, gpu1}
-            assert commands(root, gpu1)[-1] == "quit"
+            await until(stopped)
+            [event] = await events_until(rig, "stopped", 1)
+            assert (event.pod, event.daemon_pid) == ("team/mps-gone", pid)
     finally:
         quit_all(root)
 
