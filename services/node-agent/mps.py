@@ -24,7 +24,7 @@ card per container).
   `get_server_list` answers) and re-applies its limits; where a daemon died, the stale pipe
   directory is removed and a new daemon started (its container's new processes connect to it).
   A daemon whose container is gone (pod released, directory removed) gets `quit` once
-  `get_client_list` shows no client, and its directory is removed.
+  `get_client_list` shows no client, and its pipe directory is removed (its log is kept).
 - **The container** gets its pipe directory mounted read-write at `/run/tessera/mps`
   (`CUDA_MPS_PIPE_DIRECTORY`), and libvgpu stays preloaded in accounting mode: it keeps the
   usage region (metrics, the watchdog's view) and the memory limit (the same value as the
@@ -354,8 +354,8 @@ class MpsDaemons:
         slot = self.slots.get(key)
         try:
             if not await asyncio.to_thread(daemon.answering):
-                self._forget(key)  # gone: its directory too
-                await asyncio.to_thread(shutil.rmtree, daemon.root, True)
+                self._forget(key)  # gone: its pipe directory too (its log is kept)
+                await asyncio.to_thread(shutil.rmtree, daemon.pipe_dir, True)
                 return
             clients = await asyncio.to_thread(daemon.clients)
             if clients:
@@ -367,7 +367,7 @@ class MpsDaemons:
             self.log.error("mps daemon not stopped", extra={"daemon": key, "err": str(exc)})
             return
         self._forget(key)
-        await asyncio.to_thread(shutil.rmtree, daemon.root, True)
+        await asyncio.to_thread(shutil.rmtree, daemon.pipe_dir, True)
         await self._publish("stopped", daemon, slot, pid, False,
                             "its container is gone" if slot else "no container uses it")
 

@@ -1,10 +1,11 @@
 """MPS on the local stack, as an operator and a user do it: a ConfigMap sets a node to
-`operatingmode: mps`, its agent starts one control daemon per GPU (the FAKE
-nvidia-cuda-mps-control, tests/node_agent/fake_mps_control.py), and a pod asking
-`nvidia.com/vgpu-mode: mps` runs a driver-API program (cuctl on the fake libcuda, an MPS client)
-that is given its slice by the server — set through the daemon before the container started —
-and is stopped there although its environment asks for 64 GiB. A pod asking another mode is
-refused on that node with HAMi's reason."""
+`operatingmode: mps`, and a pod asking `nvidia.com/vgpu-mode: mps` runs a driver-API program
+(cuctl on the fake libcuda, an MPS client) through its own control daemon (the FAKE
+nvidia-cuda-mps-control, tests/node_agent/fake_mps_control.py), whose server gives it its slice —
+set through the daemon before the container started — and stops it there although its
+environment asks for 64 GiB. Two pods of different sizes on one card, side by side, are each
+stopped at their own limit. A pod asking another mode is refused on that node with HAMi's
+reason."""
 
 from __future__ import annotations
 
@@ -94,20 +95,22 @@ def finished(sim: RunningStack, ns: str, name: str):
     return check
 
 
-def test_mps_pod_is_held_to_its_slice_by_the_server(sim, namespace, programs, tmp_path) -> None:
-    mps_mode(sim)
-    sim.kube.wait_for("the agent starts the GPU's control daemon", lambda: control_logs(sim), 30)
-
-    out = tmp_path / "cuctl.out"
-    pod = gpu_pod("mps-client", mem=1024, cores=30, annotations={"nvidia.com/vgpu-mode": "mps"})
+def client_pod(name: str, mem: int, cores: int, allocs_mib: list[int], out: Path,
+               programs: Path, tmp_path: Path, hold: Path | None = None) -> dict[str, Any]:
+    """An MPS pod running cuctl: `allocs_mib` allocations in turn, answers in `out`; with
+    `hold`, the container stays (holding its memory) until that file exists."""
+    pod = gpu_pod(name, mem=mem, cores=cores, annotations={"nvidia.com/vgpu-mode": "mps"})
     pod["spec"]["restartPolicy"] = "Never"
-    script = f"init\\nalloc plain {768 * MiB}\\nalloc plain {512 * MiB}\\nexit\\n"
+    steps = "".join(f"alloc plain {m * MiB}\\n" for m in allocs_mib)
+    wait = f"while [ ! -e {hold} ]; do sleep 0.1; done; " if hold else ""
+    script = f"init\\n{steps}" + ("" if hold else "exit\\n")
     pod["spec"]["containers"][0]["command"] = [
         # kube-sim has no mount namespace: libvgpu's sealed region path (a container path) does
         # not resolve there, so the client runs without the preload — which leaves the MPS
         # server as the only thing between it and the card, as this test means to show.
-        "/bin/sh", "-c", f"printf '{script}' > {out}.in; echo $$ > {out}.pid; exec env -u "
-        f"LD_PRELOAD {programs}/cuctl < {out}.in > {out} 2> {out}.err",
+        "/bin/sh", "-c", f"printf '{script}' > {out}.in; echo $$ > {out}.pid; "
+        f"(cat {out}.in; {wait}echo exit) | env -u LD_PRELOAD {programs}/cuctl "
+        f"> {out} 2> {out}.err",
     ]
     pod["spec"]["containers"][0]["env"] = [
         {"name": "LD_LIBRARY_PATH", "value": str(programs / "fake")},
@@ -118,21 +121,32 @@ def test_mps_pod_is_held_to_its_slice_by_the_server(sim, namespace, programs, tm
         {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=64G"},  # hostile: asks more
         {"name": "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "value": "100"},
     ]
+    return pod
+
+
+def answers(out: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def test_mps_pod_is_held_to_its_slice_by_the_server(sim, namespace, programs, tmp_path) -> None:
+    mps_mode(sim)
+    out = tmp_path / "cuctl.out"
+    pod = client_pod("mps-client", 1024, 30, [768, 512], out, programs, tmp_path)
     sim.kube.create_pod_retrying(pod, namespace)
     done = sim.kube.wait_for("the client to finish", finished(sim, namespace, "mps-client"), 40)
     [[grant]] = grants(done)
     assert (grant.memory_mib, grant.cores) == (1024, 30)
-    answers = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [a["rc"] for a in answers[:3]] == [0, 0, 2], (  # 768 MiB fit, 512 MiB more do not
-        answers, Path(f"{out}.err").read_text()[-3000:])
+    said = answers(out)
+    assert [a["rc"] for a in said[:3]] == [0, 0, 2], (  # 768 MiB fit, 512 MiB more do not
+        said, Path(f"{out}.err").read_text()[-3000:])
     # The server gave the container's process its slice: set through the daemon, not its env.
-    [log] = control_logs(sim)
-    text = log.read_text()
+    text = "".join(log.read_text() for log in control_logs(sim))
     assert "Cmd: set_default_device_pinned_mem_limit 0 1024M" in text
     assert "Cmd: set_default_active_thread_percentage 30" in text
-    pid = int((tmp_path / "cuctl.out.pid").read_text())
-    assert (f"New client {pid} (uid {os.getuid()}) connected to server" in text
-            and f"pinned device memory limit {1024 * MiB} bytes, active thread percentage 30.0"
+    assert (f"pinned device memory limit {1024 * MiB} bytes, active thread percentage 30.0"
             in text), text[-2000:]
 
     other = gpu_pod("core-pod", mem=1000, annotations={"nvidia.com/vgpu-mode": "hami-core"})
@@ -144,3 +158,32 @@ def test_mps_pod_is_held_to_its_slice_by_the_server(sim, namespace, programs, tm
                    for e in events)
 
     sim.kube.wait_for("a hami-core pod refused on the MPS card", refused, 30)
+
+
+def test_two_pods_of_different_sizes_on_one_card_are_each_held_to_their_own_limit(
+    sim, namespace, programs, tmp_path
+) -> None:
+    """Side by side on the one card: the small pod (1 GiB, 20 %) holds its memory while the
+    large one (3 GiB, 50 %) runs; each is stopped at its own limit (before, both were held to
+    the smallest pod's), whatever their environments ask."""
+    mps_mode(sim)
+    hold = tmp_path / "release-small"
+    small_out, large_out = tmp_path / "small.out", tmp_path / "large.out"
+    small = client_pod("mps-small", 1024, 20, [768, 512], small_out, programs, tmp_path,
+                       hold=hold)
+    sim.kube.create_pod_retrying(small, namespace)
+    sim.kube.wait_for("the small pod's allocations", lambda: len(answers(small_out)) >= 3, 40)
+    large = client_pod("mps-large", 3072, 50, [2048, 768, 512], large_out, programs, tmp_path)
+    sim.kube.create_pod_retrying(large, namespace)
+    done = sim.kube.wait_for("the large pod to finish", finished(sim, namespace, "mps-large"), 40)
+    assert sim.kube.pod(namespace, "mps-small")["status"].get("phase") == "Running"
+    hold.touch()
+    sim.kube.wait_for("the small pod to finish", finished(sim, namespace, "mps-small"), 40)
+    assert [g.memory_mib for [g] in grants(done)] == [3072]
+    said_small, said_large = answers(small_out), answers(large_out)
+    assert [a["rc"] for a in said_small[:3]] == [0, 0, 2], said_small  # 768 fit, +512 not
+    assert [a["rc"] for a in said_large[:4]] == [0, 0, 0, 2], said_large  # 2816 fit, +512 not
+    # two servers on one card, each with its own pod's limits, set through its own daemon
+    text = "".join(log.read_text() for log in control_logs(sim))
+    assert f"pinned device memory limit {1024 * MiB} bytes, active thread percentage 20.0" in text
+    assert f"pinned device memory limit {3072 * MiB} bytes, active thread percentage 50.0" in text

@@ -330,7 +330,7 @@ async def test_a_pods_daemon_stops_once_it_is_gone_and_no_client_is_connected(
                 client.wait()
 
             async def stopped():
-                return not pipe.parent.exists()
+                return not pipe.exists()
 
             await until(stopped)
             [event] = await events_until(rig, "stopped", 1)
