@@ -24,11 +24,13 @@
 #  10. MIG: the driver's profiles and placements for GPU 0 agree with tessera/mig.py; with MIG
 #      already on, the agent's discovery (and, with TESSERA_GPU_CHECK_MIG_CREATE=1, one instance
 #      created and destroyed). Never changes the MIG mode.
-#  11. MPS, server-side: the node agent's daemon driver (services/node-agent/mps.py) starts
-#      nvidia-cuda-mps-control -d for GPU 0 under a temp pipe dir, sets the server limits
-#      (1024 MiB pinned, 30 % threads) with the documented commands; a client (cuctl, no
-#      libvgpu) whose env asks for 64 GiB / 100 % allocates 768 MiB, is refused 512 MiB more
-#      (OOM) and is listed by get_client_list; then `quit`
+#  10b. MIG single strategy: the agent's NVML discovery through NVIDIA's single rule
+#      (tests/node_agent/gpu_mig_single_check.py); skipped while no GPU is in MIG mode
+#  11. MPS, server-side, per pod: the node agent's daemon driver (services/node-agent/mps.py)
+#      runs two nvidia-cuda-mps-control -d on GPU 0 side by side (own pipe dirs, as for two
+#      pods), each with its own limits (1024 MiB / 30 %, 2048 MiB / 60 %); a client of each
+#      (cuctl, no libvgpu, env asking 64 GiB / 100 %) is stopped at its own server's limit and
+#      listed by its daemon's get_client_list (tests/node_agent/gpu_mps_check.py); then `quit`
 # Prints a summary and writes $RESULTS_DIR/gpu-check.json (default: a temp dir; $OUT if set).
 set -uo pipefail
 
@@ -389,39 +391,22 @@ else
     fail mig "${mg:-$(tail -3 "$WORK/mig.err" | tr '\n' ' ')}"
 fi
 
-# ---- 11. MPS: limits set through the control daemon bind a client whatever its env asks -------------
+# ---- 10b. MIG single strategy: NVIDIA's rule on the real instances ---------------------------------
+if ms=$(cd "$ROOT" && timeout 60 "$PY" tests/node_agent/gpu_mig_single_check.py 2>"$WORK/migs.err"); then
+    pass mig_single "$ms"
+else
+    fail mig_single "${ms:-$(tail -3 "$WORK/migs.err" | tr '\n' ' ')}"
+fi
+
+# ---- 11. MPS: two pods' servers on one GPU, each client stopped at its own limit ------------------
 if command -v nvidia-cuda-mps-control >/dev/null; then
     MPS_UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1)
-    MPS_ROOT=$(mktemp -d /tmp/tsr-mps-XXXX)
-    mps_out=$(cd "$ROOT" && timeout 120 "$PY" -c '
-import subprocess, sys, os
-from pathlib import Path
-from tessera.node_agent.mps import ControlDaemon, ServerLimits
-d = ControlDaemon("nvidia-cuda-mps-control", Path(sys.argv[1]), sys.argv[2])
-d.start()
-try:
-    d.apply(ServerLimits(memory_mib=1024, thread_pct=30))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_MPS_", "LD_PRELOAD"))}
-    env.update(CUDA_MPS_PIPE_DIRECTORY=str(d.pipe_dir), CUDA_VISIBLE_DEVICES=sys.argv[2],
-               CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=64G", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="100")
-    p = subprocess.Popen([sys.argv[3]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         env=env)
-    rcs = []
-    for line in ("init", f"alloc plain {768 << 20}", f"alloc plain {512 << 20}"):
-        p.stdin.write(line + "\n"); p.stdin.flush()
-        rcs.append(p.stdout.readline().strip())
-    clients = d.clients()
-    p.stdin.write("exit\n"); p.stdin.flush(); p.wait(30)
-    print(f"{rcs} clients={clients} pid={p.pid}")
-finally:
-    d.quit()
-' "$MPS_ROOT" "$MPS_UUID" "$WORK/cuctl" 2>&1 | tail -1)
-    rm -rf "$MPS_ROOT"
+    mps_out=$(cd "$ROOT" && timeout 180 "$PY" tests/node_agent/gpu_mps_check.py \
+        nvidia-cuda-mps-control "$MPS_UUID" "$WORK/cuctl" 2>"$WORK/mps.err" | tail -1)
     echo "$mps_out" >"$RESULTS/mps.txt"
-    if echo "$mps_out" | grep -q '"rc": 0' && echo "$mps_out" | grep -q '"rc": 2,' \
-        && echo "$mps_out" | grep -q 'clients=\[[0-9]'; then
+    if echo "$mps_out" | grep -q '"ok": true'; then
         pass mps_server_limits "$mps_out"
-    else fail mps_server_limits "$mps_out"; fi
+    else fail mps_server_limits "${mps_out:-$(tail -3 "$WORK/mps.err" | tr '\n' ' ')}"; fi
 else
     skip mps_server_limits "no nvidia-cuda-mps-control"
 fi

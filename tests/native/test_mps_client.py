@@ -66,3 +66,19 @@ def test_without_a_daemon_a_program_runs_without_mps(cluster, daemon) -> None:
                                       CUDA_MPS_PIPE_DIRECTORY=str(daemon.pipe_dir))
     assert plain("init")["rc"] == 0
     assert plain(f"alloc plain {2048 * MiB}")["rc"] == 0  # only the card's memory bounds it
+
+
+def test_the_gpu_checks_two_servers_side_by_side_pass_on_the_fakes(cluster) -> None:
+    """gpu-check.sh step 11 (tests/node_agent/gpu_mps_check.py) against the fake daemon and
+    driver: two pods' daemons on one card, each client stopped at its own server's limit — so
+    the script a GPU machine runs is known to work before one is lent."""
+    import json
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "node_agent" / "gpu_mps_check.py"
+    done = cluster.container().run(
+        [sys.executable, str(script), str(FAKE), "GPU-fake-0", str(cluster.native.bin / "cuctl")],
+        timeout=90, preload=False, FAKE_GPU_COUNT="1")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and result["ok"], (done.stdout, done.stderr[-2000:])
+    assert (result["a"]["rcs"], result["b"]["rcs"]) == ([0, 0, 2], [0, 0, 0, 2])
