@@ -1,0 +1,66 @@
+"""Static MIG with migStrategy single on the local stack: an A100 node whose instances all have
+one profile offers them as `nvidia.com/gpu` (NVIDIA's device-plugin semantics); a pod asking
+`nvidia.com/gpu: 1` is placed by Tessera's scheduler on one whole instance and its container gets
+exactly that instance's MIG UUID; when every instance is taken the next pod waits with the
+scheduler's reason; a pod asking more memory than an instance has is refused."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tessera_cli.stack import SimNode
+
+from .conftest import RunningStack, gpu_pod, grants, start_stack
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+NODE = "mig-single"
+A100 = "NVIDIA A100-SXM4-80GB"
+NODES = [SimNode(name=NODE, gpus=1, gpu_memory_mib=81920, gpu_model=A100, mig="single",
+                 mig_instances="1g.10gb@0,1g.10gb@1")]
+INSTANCES = [f"MIG-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{NODE}/gpu0/gi{i}')}" for i in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[RunningStack]:
+    yield from start_stack(NODES)
+
+
+def _events(sim: RunningStack, name: str) -> str:
+    items = sim.kube.http.get("/api/v1/namespaces/default/events").json()["items"]
+    return " ".join(e["message"] for e in items if e["involvedObject"].get("name") == name
+                    and e["reason"] == "FailedScheduling")
+
+
+def test_single_strategy_pods_get_whole_instances(sim: RunningStack) -> None:
+    kube = sim.kube
+    node = kube.http.get(f"/api/v1/nodes/{NODE}").json()
+    assert node["status"]["allocatable"].get("nvidia.com/gpu") == "2"  # one per instance
+    assert not [r for r in node["status"]["allocatable"] if r.startswith("nvidia.com/mig-")]
+    register = json.loads(node["metadata"]["annotations"]["hami.io/node-nvidia-register"])
+    assert sorted(d["id"] for d in register) == sorted(INSTANCES), register
+
+    kube.create_pod_retrying(gpu_pod("too-big", mem=20000), "default")
+    kube.wait_for("a pod asking more than an instance holds is refused",
+                  lambda: "CardInsufficientMemory" in _events(sim, "too-big"), timeout_s=30)
+
+    given = []
+    for name in ("infer-a", "infer-b"):
+        kube.create_pod_retrying(gpu_pod(name), "default")
+        running = kube.wait_running("default", name, timeout_s=40)
+        [[grant]] = grants(running)
+        assert grant.type == f"NVIDIA-{A100}-MIG-1g.10gb" and grant.memory_mib == 10240
+        [admitted] = [a for a in kube.containers(NODE) if a["name"] == name]
+        [container] = admitted["containers"]
+        assert container["envs"]["NVIDIA_VISIBLE_DEVICES"] == grant.uuid
+        given.append(grant.uuid)
+    assert sorted(given) == sorted(INSTANCES)  # each pod its own instance
+
+    kube.create_pod_retrying(gpu_pod("infer-c"), "default")
+    said = kube.wait_for("the third pod refused: both instances are held",
+                         lambda: _events(sim, "infer-c"), timeout_s=30)
+    assert "2/2 CardTimeSlicingExhausted" in said, said  # split count 1: never shared
