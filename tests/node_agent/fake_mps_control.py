@@ -20,7 +20,10 @@ nvidia-cuda-mps-control(1) man page), not its implementation:
   <PID> <dev>` (values like `2048M`, `2G`). Defaults apply to servers started afterwards; a
   server's own setting applies to clients that connect to it afterwards (as documented).
 - Servers are real (sleeping) child processes with real PIDs, one uid at a time: a client of
-  another uid is refused while the running server still has clients.
+  another uid is refused while the running server still has clients. Limits live per server.
+- Several daemons run side by side, each on its own pipe directory with its own servers and
+  limits (NVIDIA's "multiple control/server pairs"); a client reaches only the daemon of the
+  pipe directory it is given.
 
 What the fake CUDA driver (tests/native/fakes/fake_mps.c) speaks to it, in place of the private
 client protocol of the real driver: `fake_client_attach <pid> <uid>` → `<limit bytes of device
