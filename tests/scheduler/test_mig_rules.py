@@ -23,9 +23,11 @@ from tessera.models import (
     DeviceInfo,
     MigCapability,
     MigInstanceGrant,
+    NodeLedger,
     NodeRegistration,
 )
 from tessera.settings import TesseraSettings
+from tessera.validation import Bounds, ledger_problem, mig_problem, registration_problem
 
 from .factories import container, device, pod
 
@@ -184,3 +186,74 @@ def test_mig_pods_of_other_shapes_never_fly_together() -> None:
     same = allocation("c", [mig_grant("1g.10gb", 5)])
     assert competes(a, b, exchangeable=lambda: True)
     assert not competes(a, same)
+
+
+# --- the ledger's MIG records, validated as every reader validates a ledger value ----------------
+
+
+def _ledger(*allocations: Allocation) -> NodeLedger:
+    return NodeLedger(node="n", allocations={a.pod_uid: a for a in allocations})
+
+
+def _registration(**kw: Any) -> NodeRegistration:
+    return NodeRegistration(node="n", devices=[dynamic(**kw)])
+
+
+def _odd(grant: DeviceGrant, **changes: Any) -> DeviceGrant:
+    return grant.model_copy(update={"mig": grant.mig.model_copy(update=changes)})
+
+
+@pytest.mark.parametrize(
+    ("grants", "code", "says"),
+    [
+        ([[mig_grant("3g.40gb", 0)], [mig_grant("3g.40gb", 4)]], None, ""),
+        ([[mig_grant("3g.40gb", 0)], [mig_grant("1g.10gb", 2)]], "mig_overlap", "overlaps"),
+        ([[mig_grant("4g.40gb", 0)], [mig_grant("4g.40gb", 0, uuid="GPU-x")]], None, ""),
+        ([[_odd(mig_grant("1g.10gb", 0), profile="1g.11gb")]], "mig_profile", "no MIG profile"),
+        ([[_odd(mig_grant("3g.40gb", 0), start=2)]], "mig_placement", "slice 2 size 4"),
+        ([[_odd(mig_grant("1g.10gb", 0), size=3)]], "mig_placement", "not a placement"),
+        ([[mig_grant("1g.10gb", 0).model_copy(update={"memory_mib": 100})]], "mig_charge",
+         "not the profile's size"),
+        ([[mig_grant("1g.10gb", 0)], [slice_grant()]], "mig_mixed", "1 libvgpu slice(s)"),
+        ([[mig_grant("4g.40gb", 0)], [mig_grant("3g.40gb", 4)], [mig_grant("1g.10gb", 0)]],
+         "mig_overlap", "overlaps"),
+    ],
+)
+def test_ledger_mig_records_are_validated(grants, code, says) -> None:
+    held = [allocation(f"p{i}", g) for i, g in enumerate(grants)]
+    problem = ledger_problem("n", _ledger(*held), _registration(), Bounds())
+    assert (problem.code if problem else None) == code, problem
+    assert says in (problem.detail if problem else "")
+
+
+def test_ledger_mig_records_outside_the_card_geometries_are_refused() -> None:
+    held = [allocation("a", [mig_grant("1g.10gb", 0)])]
+    ok = _registration(geometries=[{"1g.10gb": 7}])
+    assert ledger_problem("n", _ledger(*held), ok, Bounds()) is None
+    narrow = _registration(geometries=[{"3g.40gb": 2}])
+    problem = ledger_problem("n", _ledger(*held), narrow, Bounds())
+    assert problem is not None and problem.code == "mig_geometry"
+
+
+def test_lapsed_reservations_do_not_count_as_overlap() -> None:
+    stale = allocation("old", [mig_grant("7g.80gb", 0)]).model_copy(
+        update={"state": AllocationState.RESERVED, "expires_at": 10.0})
+    new = allocation("new", [mig_grant("1g.10gb", 6)])
+    assert mig_problem("n", _ledger(stale, new), _registration(), at=20.0) is None
+    assert mig_problem("n", _ledger(stale, new), _registration(), at=5.0) is not None
+
+
+@pytest.mark.parametrize(
+    ("capability", "code"),
+    [
+        (MigCapability(model="A100-SXM4-80GB"), None),
+        (MigCapability(model="A30"), "mig_model"),  # not this card's model
+        (MigCapability(model="B300"), "mig_model"),
+        (MigCapability(model="A100-SXM4-80GB", geometries=[{"7g.80gb": 2}]), "mig_geometry"),
+        (MigCapability(model="A100-SXM4-80GB", geometries=[{"9g.90gb": 1}]), "mig_geometry"),
+    ],
+)
+def test_registered_capabilities_are_validated(capability, code) -> None:
+    reg = NodeRegistration(node="n", devices=[dynamic().model_copy(update={"mig": capability})])
+    problem = registration_problem("n", reg, Bounds())
+    assert (problem.code if problem else None) == code, problem
