@@ -354,7 +354,8 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
         ], False
     if role == NODE_AGENT:
         node = check_node_name(node)
-        alloc = _checked(["allocated", "mismatch"], AllocAction)
+        # failed: a dynamic MIG instance NVML refused (mig_service.py)
+        alloc = _checked(["allocated", "mismatch", "failed"], AllocAction)
         node_actions = _checked(
             ["registered", "unhealthy", "configured", "config_refused"], NodeAction
         )

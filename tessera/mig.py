@@ -134,9 +134,12 @@ def model_for(device_type: str) -> MigModel | None:
     """The MIG model of a device type as the node agent registers it (`NVIDIA-A100-SXM4-80GB`,
     `NVIDIA A100-SXM4-80GB`, `A100-SXM4-80GB`, any case); None when it is not MIG-capable."""
     name = device_type.strip()
-    for prefix in ("NVIDIA-", "NVIDIA "):
-        if name.upper().startswith(prefix):
-            name = name[len(prefix):]
+    stripped = True
+    while stripped:  # "NVIDIA-NVIDIA A100-…": the type of an NVML name that has the prefix
+        stripped = False
+        for prefix in ("NVIDIA-", "NVIDIA "):
+            if name.upper().startswith(prefix):
+                name, stripped = name[len(prefix):], True
     wanted = name.lower().replace("-", " ")
     for key, model in MODELS.items():
         if key.lower().replace("-", " ") == wanted:
@@ -240,6 +243,32 @@ def validate_geometries(model: MigModel, geometries: Sequence[Mapping[str, int]]
                 if start is None:
                     raise MigError(f"geometry {dict(geometry)} does not fit on {model.name}")
                 plan.append(Instance(name, start))
+
+
+def parse_geometries(text: str) -> dict[str, list[dict[str, int]]]:
+    """The `mig_geometries` setting: JSON `{model: [{profile: count}, …]}` (empty text: none),
+    every geometry checked against its model (MigError naming what is wrong)."""
+    import json
+
+    if not text.strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise MigError(f"MIG geometries are not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MigError("MIG geometries: expected {model: [{profile: count}, …]}")
+    out: dict[str, list[dict[str, int]]] = {}
+    for name, geometries in raw.items():
+        model = model_for(str(name))
+        if model is None:
+            raise MigError(f"MIG geometries: {name!r} is not a MIG model "
+                           f"(known: {', '.join(MODELS)})")  # fmt: skip
+        if not isinstance(geometries, list) or not all(isinstance(g, dict) for g in geometries):
+            raise MigError(f"MIG geometries of {model.name}: expected a list of {{profile: count}}")
+        validate_geometries(model, geometries)
+        out[model.name] = [dict(g) for g in geometries]
+    return out
 
 
 def smallest_profile(model: MigModel, memory_mib: int, cores: int) -> MigProfile | None:

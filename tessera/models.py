@@ -24,6 +24,18 @@ def now() -> float:
 # Nodes (KV tessera-nodes)
 
 
+class MigCapability(Message):
+    """A GPU whose node runs dynamic MIG (`migstrategy: dynamic`, HAMi's `mig` mode): the
+    scheduler fits pods to this model's instance profiles (tessera/mig.py) and the node agent
+    creates the instances at Allocate."""
+
+    model: str = Field(description="tessera.mig.MODELS key, e.g. A100-SXM4-80GB")
+    geometries: list[dict[str, int]] = Field(
+        default_factory=list,
+        description="allowed geometries, each {profile: count}; empty = any the hardware holds",
+    )
+
+
 class DeviceInfo(Message):
     """One physical GPU as the node agent advertises it."""
 
@@ -39,6 +51,9 @@ class DeviceInfo(Message):
     mode: str = "hami-core"
     links: dict[str, int] = Field(
         default_factory=dict, description="peer GPU uuid -> HAMi link score (higher is better)"
+    )
+    mig: MigCapability | None = Field(
+        None, description="set when the card serves dynamic MIG (its mode is then `mig`)"
     )
 
 
@@ -68,6 +83,24 @@ ACTIVE_STATES = frozenset(
 )
 
 
+class MigState(StrEnum):
+    PLANNED = "planned"  # placed by the scheduler; the node agent creates it at Allocate
+    CREATED = "created"  # exists on the GPU; `mig_uuid` is the MIG device the container gets
+    VANISHED = "vanished"  # it existed and is gone (reboot, an operator's nvidia-smi): reported
+    FAILED = "failed"  # NVML refused to create it; the allocation is released with the reason
+
+
+class MigInstanceGrant(Message):
+    """The dynamic MIG instance (GPU instance + one compute instance spanning it) a grant is
+    served by. The GPU is the grant's `uuid`; the grant's memory/cores are the profile's."""
+
+    profile: str = Field(description="GPU instance profile, e.g. 3g.40gb")
+    start: int = Field(ge=0, description="first memory slice of its placement")
+    size: int = Field(ge=1, description="memory slices of its placement")
+    mig_uuid: str = Field("", description="the MIG-… device UUID once created")
+    state: MigState = MigState.PLANNED
+
+
 class DeviceGrant(Message):
     """One GPU given to one container: HAMi's `UUID,TYPE,MEM,CORES`."""
 
@@ -75,6 +108,9 @@ class DeviceGrant(Message):
     type: str
     memory_mib: int = Field(ge=0)
     cores: int = Field(ge=0)
+    mig: MigInstanceGrant | None = Field(
+        None, description="dynamic MIG: the instance serving this grant (None: a libvgpu slice)"
+    )
 
 
 class Allocation(Message):
@@ -123,6 +159,10 @@ class Allocation(Message):
         """Init containers that run to completion, one after another (counted by max)."""
         sidecars = set(self.sidecars)
         return [g for i, g in enumerate(self.containers[: self.init_count]) if i not in sidecars]
+
+    def mig_grants(self) -> list[DeviceGrant]:
+        """The grants served by a dynamic MIG instance (GPU = `uuid`, instance = `mig`)."""
+        return [g for grants in self.containers for g in grants if g.mig is not None]
 
     def app_grants(self) -> list[list[DeviceGrant]]:
         """App containers and native sidecars: they run together (summed)."""

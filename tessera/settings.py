@@ -154,6 +154,10 @@ class TesseraSettings(BaseSettings):
         "", description="static source: MIG instances on every simulated GPU, "
         "'<profile>@<start>,…' (e.g. '1g.10gb@0,1g.10gb@1,3g.40gb@4'); set: GPUs in MIG mode"
     )
+    static_mig_state: str = Field(
+        "", description="static source: file holding the simulated dynamic MIG instances (they "
+        "outlive the agent, as real ones do); empty: kept in memory"
+    )
     static_fault_file: str | None = Field(
         None, description="static source: lines '<GPU index> <XID>' appended here are driver "
         "events (fault injection for the local stack)"
@@ -244,6 +248,20 @@ class TesseraSettings(BaseSettings):
     max_device_core_scaling: float | None = Field(
         None, gt=0, le=100,
         description="ceiling of any node's core scaling; unset: device_core_scaling",
+    )
+
+    # Dynamic MIG (migstrategy dynamic; services/node-agent/mig_dynamic.py).
+    mig_geometries: str = Field(
+        "", description="dynamic MIG: allowed geometries per GPU model, JSON "
+        '{"A100-SXM4-80GB": [{"3g.40gb": 2}, {"1g.10gb": 7}]}; a model not named: any layout '
+        "NVIDIA's profile tables allow",
+    )
+    mig_reconcile_s: float = Field(
+        2.0, gt=0, description="dynamic MIG: how often instances are reconciled with the ledger"
+    )
+    mig_orphan_grace_s: float = Field(
+        30.0, ge=0, description="dynamic MIG: an instance no allocation holds is destroyed "
+        "after this long (a pod's release destroys its instance at once)",
     )
 
     @field_validator("gpu_scheduler_policy", "node_scheduler_policy")

@@ -173,7 +173,7 @@ def registration_problem(
     if len({d.index for d in devices}) != len(devices):
         return Problem("device_index", f"node {key}: a GPU index appears twice")
     for device in devices:
-        problem = device_problem(device, bounds)
+        problem = device_problem(device, bounds) or mig_capability_problem(device)
         if problem is not None:
             return Problem(problem.code, f"node {key}: {problem.detail}")
     return None
@@ -195,6 +195,7 @@ def ledger_problem(
         else {}
     )
     default = (bounds.max_advertised_mib, bounds.max_cores)
+    has_mig = False
     for uid, allocation in ledger.allocations.items():
         containers = allocation.containers
         if (
@@ -209,9 +210,113 @@ def ledger_problem(
                 memory, cores = capacity.get(grant.uuid, default)
                 if grant.memory_mib > memory or grant.cores > cores:
                     return _allocation_problem(key, uid, allocation, grant, memory, cores)
+                has_mig = has_mig or grant.mig is not None
             if len(grants) > 1 and len({g.uuid for g in grants}) != len(grants):
                 who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
                 return Problem("grant_duplicate", f"{who}: one container granted a GPU twice")
+    return mig_problem(key, ledger, registration) if has_mig else None
+
+
+# --- dynamic MIG (tessera/mig.py) ---------------------------------------------------------------
+
+
+def mig_capability_problem(device: DeviceInfo) -> Problem | None:
+    """A card's dynamic-MIG capability: a model Tessera knows, matching the card's type, and
+    geometries the model can hold."""
+    from tessera import mig
+
+    if device.mig is None:
+        return None
+    where = f"GPU {device.uuid[:64]!r}"
+    model = mig.MODELS.get(device.mig.model)
+    if model is None or mig.model_for(device.type) is not model:
+        return Problem("mig_model", f"{where}: dynamic MIG model {device.mig.model[:64]!r} is "
+                       f"not a MIG model of a {device.type[:64]}")  # fmt: skip
+    if len(device.mig.geometries) > 64:
+        return Problem("mig_geometry", f"{where}: more than 64 allowed geometries")
+    try:
+        mig.validate_geometries(model, device.mig.geometries)
+    except mig.MigError as exc:
+        return Problem("mig_geometry", f"{where}: {exc}")
+    return None
+
+
+def _holds_capacity(allocation: Allocation, at: float) -> bool:
+    """As the scheduler counts it: active, not a lapsed reservation, not an eviction victim
+    whose capacity a nominated pod holds meanwhile (its instance may be planned over)."""
+    if not allocation.active:
+        return False
+    if allocation.preempted_by and allocation.preempted_until is not None and (
+        at < allocation.preempted_until
+    ):
+        return False
+    return not (allocation.state == "reserved" and allocation.expires_at is not None
+                and allocation.expires_at <= at)  # fmt: skip
+
+
+def mig_problem(
+    key: str, ledger: NodeLedger, registration: NodeRegistration | None,
+    at: float | None = None,
+) -> Problem | None:
+    """The dynamic MIG instances a node's ledger records: each a profile of its card's model
+    (the registration's, else the model its type names), of that profile's size and charge,
+    at a start the profile may take; on each card, the instances that hold capacity (`at`:
+    now, by default) never overlap, fit its compute slices, stay inside its allowed geometries,
+    and share the card with no libvgpu slice."""
+    from tessera import mig
+    from tessera.models import now
+
+    at = now() if at is None else at
+    devices = {d.uuid: d for d in registration.devices} if registration is not None else {}
+    per_card: dict[str, tuple[mig.MigModel, list[mig.Instance]]] = {}
+    slices: dict[str, int] = {}
+    for allocation in ledger.allocations.values():
+        holds = _holds_capacity(allocation, at)
+        who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
+        for grants in allocation.containers:
+            for grant in grants:
+                if grant.mig is None:
+                    slices[grant.uuid] = slices.get(grant.uuid, 0) + int(holds)
+                    continue
+                device = devices.get(grant.uuid)
+                if device is not None and device.mig is not None:
+                    model = mig.MODELS.get(device.mig.model)
+                else:
+                    model = mig.model_for(grant.type)
+                if model is None:
+                    return Problem("mig_model", f"{who}: a MIG instance on {grant.uuid}, which "
+                                   "has no dynamic-MIG model")  # fmt: skip
+                inst = grant.mig
+                try:
+                    profile = model.profile(inst.profile)
+                except mig.MigError as exc:
+                    return Problem("mig_profile", f"{who}: {exc}")
+                if inst.size != profile.memory_slices or inst.start not in profile.starts:
+                    return Problem("mig_placement", f"{who}: {profile.name} at slice "
+                                   f"{inst.start} size {inst.size} is not a placement "
+                                   f"{model.name} allows")  # fmt: skip
+                if (grant.memory_mib, grant.cores) != (model.profile_memory_mib(profile),
+                                                      model.profile_cores(profile)):
+                    return Problem("mig_charge", f"{who}: {profile.name} charged "
+                                   f"{grant.memory_mib} MiB / {grant.cores}%, not the "
+                                   "profile's size")  # fmt: skip
+                if holds:
+                    card = per_card.setdefault(grant.uuid, (model, []))
+                    card[1].append(mig.Instance(profile.name, inst.start))
+    for uuid, (model, instances) in per_card.items():
+        device = devices.get(uuid)
+        if slices.get(uuid):
+            return Problem("mig_mixed", f"node {key}: GPU {uuid} holds MIG instances and "
+                           f"{slices[uuid]} libvgpu slice(s)")  # fmt: skip
+        try:
+            mig.occupied(model, instances)
+        except mig.MigError as exc:
+            return Problem("mig_overlap", f"node {key}: GPU {uuid}: {exc}")
+        geometries = device.mig.geometries if device is not None and device.mig else None
+        if not mig.within_geometries(instances, geometries):
+            held = ", ".join(f"{i.profile}@{i.start}" for i in instances)
+            return Problem("mig_geometry", f"node {key}: GPU {uuid}: instances {held} are "
+                           "outside the card's allowed geometries")  # fmt: skip
     return None
 
 

@@ -88,6 +88,9 @@ def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[st
         "TESSERA_REGION_HOST_DIR": str(state_dir / "regions" / node.name),
     }
     env.update(_mig_env(node))
+    if node.mig == "dynamic" and env.get("TESSERA_MIG_STRATEGY") == "dynamic":
+        # the simulated MIG instances outlive the agent, as real ones do
+        env["TESSERA_STATIC_MIG_STATE"] = str(state_dir / "mig" / f"{node.name}.json")
     libvgpu = Path(__file__).resolve().parent.parent / "native/libvgpu/build/libvgpu.so"
     if libvgpu.is_file():
         env["TESSERA_LIBVGPU_HOST_PATH"] = str(libvgpu)

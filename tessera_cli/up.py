@@ -264,6 +264,10 @@ def with_mig(nodes: list[SimNode], strategy: str) -> list[SimNode]:
         known = ", ".join(f"NVIDIA {m}" for m in mig.MODELS)
         raise typer.BadParameter(f"--mig needs a MIG-capable --gpu-model ({known}); "
                                  f"{unknown[0]!r} is not")
+    if strategy == mig.STRATEGY_DYNAMIC:  # profiles are fractions of the model's memory
+        return [n.model_copy(update={"mig": strategy, "gpu_memory_mib":
+                                     mig.model_for(n.gpu_model).memory_mib})  # type: ignore
+                for n in nodes]  # fmt: skip
     return [n.model_copy(update={"mig": strategy}) for n in nodes]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,13 +22,15 @@ from tessera.node_agent.registration import HealthMonitor, NodeRegistrar
 from tessera.node_agent.state import DeviceState
 from tessera.node_agent.usage import UsageSampler
 
-from tessera import bus
+from tessera import bus, mig
 from tessera.bus import Buckets
 from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
+from .mig_dynamic import MigReconciler
+from .mig_service import DynamicMig
 from .mps import MPS_DIR, MpsDaemons
 from .node_config import NodeConfigurator
 from .nvml_processes import ProcessProbe
@@ -76,6 +79,7 @@ class NodeAgent:
         self.watchdog: Watchdog | None = None
         self.configurator: NodeConfigurator | None = None
         self.mig_plugins: MigPlugins | None = None
+        self.dynamic_mig: DynamicMig | None = None
         self.mps = MpsDaemons(
             binary=settings.mps_control_binary, root=Path(settings.region_host_dir) / MPS_DIR,
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
@@ -86,6 +90,24 @@ class NodeAgent:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
         return current.value if current else None
 
+
+    def _dynamic_mig(self) -> DynamicMig | None:
+        """Dynamic MIG (mig_service.py) when the node's migstrategy is `dynamic` at start and
+        the device source can make instances (NVML, or the static source's simulation)."""
+        assert self.configurator is not None
+        backend_of = getattr(self.source, "mig_backend", None)
+        if self.configurator.config.mig_strategy != mig.STRATEGY_DYNAMIC or backend_of is None:
+            return None
+        mig.parse_geometries(self.settings.mig_geometries)  # a bad setting stops the start
+        backend = backend_of()
+        reconciler = MigReconciler(
+            node=self.node, handles=backend.handles, list_devices=backend.list_devices,
+            create=backend.create, destroy=backend.destroy, js=self.js, log=self.log,
+            clock=self.clock or time.time, grace_s=self.settings.mig_orphan_grace_s,
+        )
+        return DynamicMig(node=self.node, reconciler=reconciler, ledger_kv=self.buckets.ledger,
+                          js=self.js, cluster=self.cluster, log=self.log,
+                          source=f"node-agent/{self.node}/{self.instance}")
 
     async def _static_mig(self, stop: asyncio.Event) -> None:
         """Existing MIG instances served as their own resources (mig_plugin.py)."""
@@ -131,11 +153,13 @@ class NodeAgent:
             registrar=registrar, log=self.log, metrics=self.metrics,
             apply_health=self.configurator.set_unhealthy,
         )
+        self.dynamic_mig = self._dynamic_mig()
         self.plugin = DevicePluginService(
             settings=self.settings, state=self.state, store=self.store,
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
             pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics,
-            node_settings=self.configurator.node_settings, mps=self.mps, **common,
+            node_settings=self.configurator.node_settings, mps=self.mps, mig=self.dynamic_mig,
+            **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log
@@ -168,6 +192,9 @@ class NodeAgent:
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
+        if self.dynamic_mig is not None:
+            tasks.append(asyncio.create_task(
+                self.dynamic_mig.run(stop, self.settings.mig_reconcile_s)))
         self.log.info("node agent running", extra={
             "node": self.node, "gpus": len(gpus), "plugin_dir": self.settings.device_plugin_dir,
         })

@@ -14,7 +14,8 @@ import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tessera.models import DeviceInfo
+from tessera import mig
+from tessera.models import DeviceInfo, MigCapability
 from tessera.settings import TesseraSettings
 
 # NVML topology levels (nvmlGpuTopologyLevel_t) → HAMi's link scores (higher = closer).
@@ -140,10 +141,28 @@ def advertise(
             healthy=g.uuid not in unhealthy,
             mode=config.mode or ("mig" if g.mig else "hami-core"),
             links={peer: score for peer, score in g.links.items()},
+            mig=dynamic_mig(g, config, settings),
         )
         for g in gpus
         if config.offers(g)
     ]
+
+
+def dynamic_mig(
+    gpu: PhysicalGpu, config: DeviceConfig, settings: TesseraSettings
+) -> MigCapability | None:
+    """What a GPU advertises for dynamic MIG: under `migstrategy: dynamic`, a GPU in MIG mode
+    whose model Tessera knows, with the operator's geometries for that model (none: any layout
+    NVIDIA's tables allow)."""
+    if config.mig_strategy != mig.STRATEGY_DYNAMIC or not gpu.mig or config.mode not in (
+        None, "mig"
+    ):
+        return None
+    model = mig.model_for(gpu.name)
+    if model is None:
+        return None
+    allowed = mig.parse_geometries(settings.mig_geometries).get(model.name, [])
+    return MigCapability(model=model.name, geometries=allowed)
 
 
 def is_critical(event_type: int, xid: int, ignored_xids: frozenset[int]) -> bool:
@@ -206,8 +225,9 @@ class StaticSource:
                 for j, peer in enumerate(uuids)
                 if j != i
             }
+            in_mig = bool(s.static_mig_instances.strip()) or s.mig_strategy == "dynamic"
             gpus.append(PhysicalGpu(u, i, s.static_gpu_model, s.static_gpu_memory_mib, numa,
-                                    mig=bool(s.static_mig_instances.strip()), links=links))
+                                    mig=in_mig, links=links))
         return gpus
 
     def mig_offers(self) -> list:
@@ -215,6 +235,13 @@ class StaticSource:
         from tessera.node_agent.mig_static import simulated_offers
 
         return simulated_offers(self.discover(), self._settings.static_mig_instances, self._node)
+
+    def mig_backend(self) -> object:
+        """Dynamic MIG on the simulated GPUs (mig_sim.py), instances kept in
+        `static_mig_state` (in memory when unset)."""
+        from tessera.node_agent.mig_sim import SimulatedMig
+
+        return SimulatedMig(self.discover(), self._settings.static_mig_state or None)
 
     def wait_event(self, timeout_s: float) -> HealthEvent | None:
         """Events from `static_fault_file` (one '<GPU index> <XID>' per line), else none."""

@@ -5,17 +5,19 @@ for which pod) with what NVML holds, and says what to create, what to destroy an
 
 - a wanted instance with none at its GPU/profile/start is created — unless the allocation had
   it already (`present_before`: after an agent restart or reboot), then it *vanished* and is
-  reported, not silently remade under a running pod;
+  reported, not silently remade under a running pod; or unless it is not due yet (`pending`:
+  a pod not being allocated now; an instance already there for it is kept);
 - an instance no allocation wants is an orphan: destroyed once it has been one for `grace_s`
-  (an allocation being written may not be visible yet), and only if no process runs in it
-  (NVML refuses with IN_USE otherwise; it is retried next pass).
+  (an allocation being written may not be visible yet), at once when it belonged to a pod
+  this agent saw and that pod's allocation is gone (`released`), and only if no process runs
+  in it (NVML refuses with IN_USE otherwise; it is retried next pass).
 
 `MigReconciler` runs a plan through NVML (nvml_mig.py, in a thread) and publishes `mig.created`,
 `mig.destroyed`, `mig.vanished` events; a creation NVML refuses comes back as a failure with the
 reason, for the caller to release the allocation with.
 
-Not wired yet: the ledger does not record a grant's MIG placement, so no allocation feeds
-`Wanted` today (see the scheduler README, "MIG").
+`DynamicMig` (mig_service.py) feeds it from the ledger: at Allocate for the pod being
+allocated, and every few seconds for releases, orphans and vanished instances.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Wanted:
     profile: str
     start: int
     present_before: bool = False  # the allocation had its instance (it was allocated)
+    pending: bool = False  # not due yet: kept if there, not created
 
     @property
     def place(self) -> tuple[str, str, int]:
@@ -60,6 +63,7 @@ def plan(
     orphan_since: Mapping[str, float],
     now: float,
     grace_s: float,
+    released: frozenset[str] = frozenset(),
 ) -> MigPlan:
     have = {(d.parent_uuid, d.profile, d.start): d for d in existing}
     wanted_places = set()
@@ -68,19 +72,23 @@ def plan(
         wanted_places.add(w.place)
         if w.place in have:
             continue
-        (out.vanished if w.present_before else out.create).append(w)
+        if w.present_before:
+            out.vanished.append(w)
+        elif not w.pending:
+            out.create.append(w)
     for place, device in have.items():
         if place in wanted_places:
             continue
         since = orphan_since.get(device.uuid, now)
         out.orphans[device.uuid] = since
-        if now - since >= grace_s:
+        if device.uuid in released or now - since >= grace_s:
             out.destroy.append(device)
     return out
 
 
 @dataclass
 class Outcome:
+    matched: list[tuple[Wanted, MigDevice]] = field(default_factory=list)  # already there
     created: list[tuple[Wanted, MigDevice]] = field(default_factory=list)
     failed: list[tuple[Wanted, str]] = field(default_factory=list)  # with NVML's reason
     destroyed: list[MigDevice] = field(default_factory=list)
@@ -112,15 +120,24 @@ class MigReconciler:
         self.clock = clock
         self.grace_s = grace_s
         self._orphans: dict[str, float] = {}
+        self._owned: dict[str, str] = {}  # MIG uuid -> the pod it was wanted by
 
     def existing(self) -> list[MigDevice]:
         return [d for handle, index in self.handles.values() for d in self._list(handle, index)]
 
     async def reconcile(self, wanted: list[Wanted]) -> Outcome:
         existing = await asyncio.to_thread(self.existing)
-        todo = plan(wanted, existing, self._orphans, self.clock(), self.grace_s)
+        have = {(d.parent_uuid, d.profile, d.start): d for d in existing}
+        out = Outcome()
+        for w in wanted:
+            if w.place in have:
+                out.matched.append((w, have[w.place]))
+                self._owned[have[w.place].uuid] = w.pod_uid
+        kept = {d.uuid for _, d in out.matched}
+        released = frozenset(u for u in self._owned if u not in kept)
+        todo = plan(wanted, existing, self._orphans, self.clock(), self.grace_s, released)
         self._orphans = todo.orphans
-        out = Outcome(vanished=list(todo.vanished))
+        out.vanished = list(todo.vanished)
         for w in todo.create:
             if w.gpu_uuid not in self.handles:
                 out.failed.append((w, f"this node has no GPU {w.gpu_uuid}"))
@@ -133,17 +150,23 @@ class MigReconciler:
                                       f"{w.gpu_uuid} failed: {exc}"))
                 continue
             out.created.append((w, device))
+            self._owned[device.uuid] = w.pod_uid
         for device in todo.destroy:
             handle, _index = self.handles[device.parent_uuid]
             try:
                 await asyncio.to_thread(self._destroy, handle, device.gi_id)
             except MigNvmlError as exc:
-                if not exc.in_use:
-                    raise
+                if not exc.in_use:  # kept, retried next pass
+                    self.log.warning("MIG instance not destroyed",
+                                     extra={"mig": device.uuid, "err": str(exc)})
                 out.busy.append(device)
                 continue
             self._orphans.pop(device.uuid, None)
+            self._owned.pop(device.uuid, None)
             out.destroyed.append(device)
+        alive = {d.uuid for d in existing} | {d.uuid for _, d in out.created}
+        for uuid in [u for u in self._owned if u not in alive]:
+            self._owned.pop(uuid)  # gone by itself (or vanished)
         await self._announce(out)
         return out
 

@@ -183,6 +183,16 @@ class NvmlSource:
                                         numa=self._numa(h)))
         return out
 
+    def mig_backend(self) -> object:
+        """Dynamic MIG through NVML (nvml_mig.py) on the GPUs in MIG mode, under this source's
+        NVML lock (mig_dynamic.MigReconciler's three calls and `handles`)."""
+        from tessera.node_agent import nvml_mig
+
+        with self._lock:
+            handles = {u: (h, self._index(h, i)) for i, (u, h) in enumerate(self._handles.items())
+                       if self._mig(h) and nvml_mig.model_of(h) is not None}  # fmt: skip
+        return nvml_mig.LockedNvmlMig(handles, self._lock)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
 
 import pynvml
@@ -184,3 +185,24 @@ def destroy(handle: object, gi_id: int) -> None:
     except pynvml.NVMLError as exc:
         raise MigNvmlError(f"destroying GPU instance {gi_id}: {exc}", exc.value) from exc
 
+
+class LockedNvmlMig:
+    """`list_devices`, `create`, `destroy` under the device source's NVML lock, and the GPUs in
+    MIG mode (`handles`: uuid -> (NVML handle, index)): what mig_dynamic.MigReconciler calls."""
+
+    def __init__(self, handles: dict[str, tuple[object, int]], lock: threading.Lock) -> None:
+        self.handles = handles
+        self._lock = lock
+
+    def list_devices(self, handle: object, parent_index: int) -> list[MigDevice]:
+        with self._lock:
+            return list_devices(handle, parent_index)
+
+    def create(self, handle: object, parent_index: int, profile_name: str, start: int
+               ) -> MigDevice:
+        with self._lock:
+            return create(handle, parent_index, profile_name, start)
+
+    def destroy(self, handle: object, gi_id: int) -> None:
+        with self._lock:
+            destroy(handle, gi_id)

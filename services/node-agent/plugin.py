@@ -51,6 +51,7 @@ from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
 
 from . import mps
+from .mig_service import DynamicMig, MigCreateFailed, visible_devices
 from .mps import MpsDaemons
 
 POD_RESOURCES_TIMEOUT_S = 5.0
@@ -115,8 +116,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         metrics: NodeAgentMetrics | None = None,
         node_settings: Callable[[], TesseraSettings] | None = None,
         mps: MpsDaemons | None = None,
+        mig: DynamicMig | None = None,
     ) -> None:
         self.settings = settings
+        self.mig = mig  # dynamic MIG (mig_service.py); None: the node does not run it
         self.mps = mps  # MPS cards' control daemons (mps.py); None: no MPS on this node
         # The settings with this node's device configuration (memory scaling > 1 means
         # CUDA_OVERSUBSCRIBE and oversubscribe in the sealed limits); node_config.py.
@@ -392,12 +395,43 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         response = dp.AllocateResponse()
         for ids, gpus in checked:
             allocation, index = await self._attribute(ledger, ids, gpus, only)
+            allocation = await self._mig_instances(allocation, index)
             cdir = await self._prepare(allocation, index, ids)
-            response.container_responses.append(
-                await self._mps_answer(allocation, cdir, self._allocate_response(allocation, cdir))
-            )
+            answer = self._mig_answer(allocation, cdir, self._allocate_response(allocation, cdir))
+            response.container_responses.append(await self._mps_answer(allocation, cdir, answer))
             await self._maybe_finish(allocation)
         return response
+
+    # --- dynamic MIG (mig_service.py): the pod's instances before its container is answered ----
+
+    async def _mig_instances(self, allocation: Allocation, index: int) -> Allocation:
+        if not any(g.mig is not None for g in allocation.containers[index]):
+            return allocation
+        if self.mig is None:
+            raise hs.HandshakeError(
+                f"{hs.describe(allocation, index)} was granted a MIG instance, but this node "
+                "agent does not run dynamic MIG (migstrategy dynamic takes effect at its start)")
+        try:
+            return await self.mig.allocate(allocation)
+        except MigCreateFailed as exc:
+            raise hs.HandshakeError(str(exc)) from exc
+
+    @staticmethod
+    def _mig_answer(allocation: Allocation, cdir: ContainerDir, out):
+        """A MIG instance reaches the container as its MIG UUID (as the NVIDIA device plugin
+        hands MIG devices over); a container of MIG instances only gets no libvgpu: the
+        hardware isolates it."""
+        grants = allocation.containers[cdir.prepared.index]
+        if not any(g.mig is not None for g in grants):
+            return out
+        visible = ",".join(visible_devices(grants))
+        if all(g.mig is not None for g in grants):
+            return dp.ContainerAllocateResponse(envs={
+                "NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible,
+                "CUDA_TASK_PRIORITY": str(allocation.priority),
+            })  # fmt: skip
+        out.envs["NVIDIA_VISIBLE_DEVICES"] = visible
+        return out
 
     async def _prepare(self, allocation: Allocation, index: int, ids: list[str]) -> ContainerDir:
         existing = self._served(allocation)

@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
+from tessera import mig
+from tessera.models import (
+    Allocation,
+    AllocationState,
+    DeviceGrant,
+    DeviceInfo,
+    NodeLedger,
+    NodeRegistration,
+)
 
 
 @dataclass(slots=True)
@@ -32,6 +40,13 @@ class Card:
     used_mem: int = 0
     used_cores: int = 0
     used_slots: int = 0
+    # Dynamic MIG (DeviceInfo.mig): the card's model ("" = not a dynamic-MIG card), its allowed
+    # geometries, the instances its allocations hold and how many libvgpu slices it holds (a
+    # card never mixes the two: rules.check_mig).
+    mig_model: str = ""
+    mig_geometries: tuple[dict[str, int], ...] = ()
+    mig_instances: list[mig.Instance] = field(default_factory=list)
+    libvgpu_slices: int = 0
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
@@ -47,6 +62,8 @@ class Card:
             cores=device.cores,
             split_count=device.split_count,
             links=device.links,
+            mig_model=device.mig.model if device.mig else "",
+            mig_geometries=tuple(device.mig.geometries) if device.mig else (),
         )
 
     def clone(self) -> Card:
@@ -54,7 +71,16 @@ class Card:
             self.uuid, self.index, self.type, self.mode, self.numa, self.healthy, self.cordoned,
             self.memory_mib, self.cores, self.split_count, self.links,
             self.used_mem, self.used_cores, self.used_slots,
+            self.mig_model, self.mig_geometries, list(self.mig_instances), self.libvgpu_slices,
         )  # fmt: skip
+
+    def hold(self, grant: DeviceGrant) -> None:
+        """Count what `grant` occupies besides memory/cores/slots: its MIG instance, or one
+        libvgpu slice."""
+        if grant.mig is not None:
+            self.mig_instances.append(mig.Instance(grant.mig.profile, grant.mig.start))
+        else:
+            self.libvgpu_slices += 1
 
     @property
     def free_mem(self) -> int:
@@ -145,6 +171,7 @@ def build_cards(
                         card.used_mem += g.memory_mib
                         card.used_cores += g.cores
                         card.used_slots += 1
+                        card.hold(g)
             continue
         for uuid, u in allocation_usage(allocation).items():
             card = by_uuid.get(uuid)
@@ -153,6 +180,11 @@ def build_cards(
             card.used_mem += u.memory_mib
             card.used_cores += u.cores
             card.used_slots += u.slots
+        for grants in allocation.containers:  # every instance exists until the pod's release
+            for g in grants:
+                card = by_uuid.get(g.uuid)
+                if card is not None:
+                    card.hold(g)
     return cards
 
 

@@ -155,6 +155,8 @@ def competes(a: Allocation, b: Allocation, exchangeable: Callable[[], bool] | No
     Otherwise a cross could need capacity that is not there: the two compete for it."""
     if first_request(a) != first_request(b) or allocation_shape(a) == allocation_shape(b):
         return False
+    if a.mig_grants() or b.mig_grants():
+        return True  # a MIG placement belongs to its card: never traded onto another one
     if allocation_layout(a) != allocation_layout(b) or exchangeable is None:
         return True
     return not exchangeable()

@@ -15,11 +15,21 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from tessera import mig
 from tessera.hami import ContainerRequest, PodRequest
-from tessera.models import DeviceGrant
+from tessera.models import DeviceGrant, MigInstanceGrant
 
 from .cards import Card
-from .rules import CARDS_INSUFFICIENT, NUMA_NOT_FIT, FitContext, PodOptions, card_refusal
+from .mig_fit import MigFit
+from .rules import (
+    CARDS_INSUFFICIENT,
+    NUMA_NOT_FIT,
+    FitContext,
+    PodOptions,
+    card_refusal,
+    mig_fit,
+    wants_mig,
+)
 
 # Exhaustive search of the best-linked card set is bounded; beyond it a greedy pick is used.
 TOPOLOGY_EXHAUSTIVE_LIMIT = 5000
@@ -33,15 +43,23 @@ class PodFit:
     containers: list[list[DeviceGrant]] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
     total_cards: int = 0
+    details: dict[str, str] = field(default_factory=dict)  # reason -> a sentence (MIG)
 
     def reason_text(self) -> str:
-        return format_reasons(self.reasons, self.total_cards)
+        return format_reasons(self.reasons, self.total_cards, self.details)
 
 
-def format_reasons(reasons: Counter[str], total_cards: int) -> str:
-    """HAMi's `N/M Reason, ...`, most frequent first."""
+def format_reasons(
+    reasons: Counter[str], total_cards: int, details: dict[str, str] | None = None
+) -> str:
+    """HAMi's `N/M Reason, ...`, most frequent first; a reason with a sentence (dynamic MIG's)
+    is followed by it in parentheses."""
     ordered = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
-    return ", ".join(f"{n}/{total_cards} {reason}" for reason, n in ordered)
+    details = details or {}
+    return ", ".join(
+        f"{n}/{total_cards} {reason}" + (f" ({details[reason]})" if reason in details else "")
+        for reason, n in ordered
+    )
 
 
 def device_score(card: Card, request: ContainerRequest, weights: tuple[int, int, int]) -> float:
@@ -149,15 +167,27 @@ def pick_cards(
 
 
 def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
-    memory = request.memory_on(card.memory_mib)
+    memory, cores, instance = request.memory_on(card.memory_mib), request.cores, None
+    if wants_mig(card, ctx.options):
+        # The charge is the profile's, not the request's (check_mig passed, so it fits).
+        fit = mig_fit(card, request)
+        if not isinstance(fit, MigFit):
+            raise AssertionError(f"check_mig passed but the MIG fit refuses: {fit}")
+        profile = mig.model_for(card.mig_model).profile(fit.profile)  # type: ignore[union-attr]
+        memory, cores = fit.memory_mib, fit.cores
+        instance = MigInstanceGrant(profile=fit.profile, start=fit.start,
+                                    size=profile.memory_slices)
     card.used_mem += memory
-    card.used_cores += request.cores
+    card.used_cores += cores
     card.used_slots += 1
     if ctx.quota.memory_mib is not None:
         ctx.quota.memory_mib -= memory
     if ctx.quota.cores is not None:
-        ctx.quota.cores -= request.cores
-    return DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=request.cores)
+        ctx.quota.cores -= cores
+    grant = DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=cores,
+                        mig=instance)
+    card.hold(grant)
+    return grant
 
 
 def _pick_with_reuse(
@@ -191,7 +221,7 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
 
     Init containers run one at a time, so each is fitted against the node as it is; app
     containers together. Both follow kubelet's device reuse (`_pick_with_reuse`)."""
-    fit = PodFit(ok=False, total_cards=len(cards))
+    fit = PodFit(ok=False, total_cards=len(cards), details=ctx.details)
     grants: list[list[DeviceGrant]] = []
     budget = ctx.quota
     # The app's cards: native sidecars are taken here as they start (in init order), so each
@@ -199,7 +229,7 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
     # beside all of them (summed, never maxed). Every container follows kubelet's device reuse
     # (`_pick_with_reuse`): a finished init container's GPUs are handed on; a sidecar keeps its.
     scratch = [c.clone() for c in cards]
-    app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores))
+    app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores), ctx.details)
     pool: list[str] = []  # GPUs of init containers kubelet hands on, in the order they came
     for index, r in enumerate(request.init):
         if r is None:
@@ -215,7 +245,7 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
             continue
         init_cards = [c.clone() for c in scratch]
         init_ctx = FitContext(ctx.options, type(budget)(app_ctx.quota.memory_mib,
-                                                        app_ctx.quota.cores))
+                                                        app_ctx.quota.cores), ctx.details)
         picked = _pick_with_reuse(init_cards, r, init_ctx, fit.reasons, pool)
         if picked is None:
             return fit

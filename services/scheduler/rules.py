@@ -17,6 +17,8 @@ from tessera.hami import ContainerRequest, RequestError
 from tessera.settings import TesseraSettings
 
 from .cards import Card
+from .mig_fit import MigFit, MigRefusal
+from .mig_fit import fit as fit_instance
 
 # HAMi's reason names.
 CARD_NOT_HEALTH = "CardNotHealth"
@@ -75,6 +77,9 @@ class QuotaBudget:
 class FitContext:
     options: PodOptions
     quota: QuotaBudget = field(default_factory=QuotaBudget)
+    # reason name -> the last sentence saying why (dynamic MIG refusals), shown after the
+    # counts; shared by the copies fit_pod makes of the context
+    details: dict[str, str] = field(default_factory=dict)
 
 
 def _split(text: str) -> list[str]:
@@ -157,7 +162,7 @@ def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) 
         return CARD_TYPE_MISMATCH
     if options.nouse_types and any(t in kind for t in options.nouse_types):
         return CARD_TYPE_MISMATCH
-    if options.vgpu_mode is not None and card.mode.lower() not in options.vgpu_mode:
+    if options.vgpu_mode is not None and not any(m in options.vgpu_mode for m in card_modes(card)):
         return CARD_TYPE_MISMATCH
     if card.mode.lower() == "mps" and request.count > 1:
         return CARD_TYPE_MISMATCH  # an MPS client reaches one card's daemon: one card each
@@ -207,9 +212,42 @@ def check_compute_units(card: Card, request: ContainerRequest, ctx: FitContext) 
     return CARD_COMPUTE_UNITS_EXHAUSTED if request.cores == 0 and exhausted else None
 
 
+def card_modes(card: Card) -> tuple[str, ...]:
+    """The `nvidia.com/vgpu-mode` values a card serves: its mode; a dynamic-MIG card serves
+    MIG instances and, while it holds none, libvgpu slices (HAMi's `mig` mode)."""
+    if card.mig_model:
+        return ("mig", "hami-core")
+    return (card.mode.lower(),)
+
+
+def wants_mig(card: Card, options: PodOptions) -> bool:
+    """Whether the request becomes a MIG instance on this card: a dynamic-MIG card, and the pod
+    asks `mig` or no mode at all (a pod asking `hami-core` gets a libvgpu slice)."""
+    return bool(card.mig_model) and (options.vgpu_mode is None or "mig" in options.vgpu_mode)
+
+
+def mig_fit(card: Card, request: ContainerRequest) -> MigFit | MigRefusal:
+    """The instance this request becomes on a dynamic-MIG card (mig_fit.py)."""
+    return fit_instance(
+        card.mig_model, card.mig_instances, request.memory_on(card.memory_mib), request.cores,
+        libvgpu_slices=card.libvgpu_slices, geometries=card.mig_geometries,
+    )
+
+
 def check_mig(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    # Tessera shares whole cards through libvgpu; it does not carve MIG instances.
-    return CARD_MIG_INFEASIBLE if card.mode.lower() == "mig" else None
+    if wants_mig(card, ctx.options):
+        fit = mig_fit(card, request)
+        if isinstance(fit, MigRefusal):
+            ctx.details[fit.reason] = fit.detail
+            return fit.reason
+        return None
+    if card.mig_model and card.mig_instances:
+        ctx.details[CARD_MIG_INFEASIBLE] = (
+            f"the card holds {len(card.mig_instances)} MIG instance(s); it takes libvgpu slices "
+            "only when it is empty (modes are never mixed on one card)")
+        return CARD_MIG_INFEASIBLE
+    # A card in MIG mode without dynamic MIG holds static instances (kubelet's resources).
+    return CARD_MIG_INFEASIBLE if card.mode.lower() == "mig" and not card.mig_model else None
 
 
 FIT_CHECKS: list[FitCheck] = [
