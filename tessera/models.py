@@ -36,6 +36,17 @@ class MigCapability(Message):
     )
 
 
+class StaticMigInstance(Message):
+    """An existing MIG instance a node offers under migstrategy mixed (kubelet allocates it; the
+    ledger does not hold it)."""
+
+    uuid: str = Field(max_length=128, description="the MIG-… device UUID")
+    profile: str = Field(max_length=32, description="e.g. 1g.10gb")
+    start: int = Field(ge=0, le=64, description="first memory slice of its placement")
+    size: int = Field(1, ge=1, le=64, description="memory slices of its placement")
+    pod: str = Field("", max_length=320, description="namespace/name holding it ('' = free)")
+
+
 class DeviceInfo(Message):
     """One physical GPU as the node agent advertises it."""
 
@@ -54,6 +65,11 @@ class DeviceInfo(Message):
     )
     mig: MigCapability | None = Field(
         None, description="set when the card serves dynamic MIG (its mode is then `mig`)"
+    )
+    mig_instances: list[StaticMigInstance] = Field(
+        default_factory=list, max_length=16,
+        description="static MIG (migstrategy mixed): the instances on this card the node offers "
+        "as nvidia.com/mig-<profile>, with the pod kubelet gave each (for the dashboard)",
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from tessera.node_agent import mig_static
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource
 from tessera.node_agent.limits import LimitsService
@@ -125,7 +126,28 @@ class NodeAgent:
             plugins=self.mig_plugins, gpu_resource=self.settings.resource_name,
             interval_s=self.settings.node_heartbeat_s, stop=stop, log=self.log, changed=changed,
             gpus=configurator.offered_gpus, single=configurator.set_mig_single,
+            served=self._show_mig_instances,
         )
+
+    async def _show_mig_instances(self, offers: list) -> None:
+        """Static instances per card with the pod kubelet gave each (its pod-resources API), for
+        the registration and so the dashboard."""
+        holders: dict[str, str] = {}
+        if offers:
+            try:
+                pods = await self.pod_resources(self.settings.pod_resources_socket)
+            except Exception:
+                pods = []  # kubelet unreachable: the instances without their holders
+            for pod in pods:
+                for container in pod.containers:
+                    for devices in container.devices:
+                        if devices.resource_name.startswith(mig.MIG_RESOURCE_PREFIX):
+                            for device_id in devices.device_ids:
+                                holders[device_id] = f"{pod.namespace}/{pod.name}"
+        assert self.configurator is not None
+        models = {g.uuid: mig.model_for(g.name) for g in self.configurator.gpus}
+        await self.configurator.set_mig_instances(
+            mig_static.instances_by_gpu(offers, holders, models))
 
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
         try:

@@ -158,6 +158,7 @@ async def run_static_mig(
     changed: Callable[[], Awaitable[object]] | None = None,
     gpus: Callable[[], list] | None = None,
     single: Callable[[list | None], Awaitable[None]] | None = None,
+    served: Callable[[list[MigOffer]], Awaitable[None]] | None = None,
 ) -> None:
     """Offer the instances NVML (or the static source) reports under the node's current MIG
     strategy, on the GPUs the node offers and as healthy as they are (`health`); re-read every
@@ -193,6 +194,8 @@ async def run_static_mig(
                     plan = mig_static.plan(current, offers, gpu_resource)
                     if current == "single" and plan.resources:  # nothing to hand them to
                         plan = mig_static.MigPlan({}, "migstrategy single: no GPU plugin here")
+                if served is not None:  # what the registration shows (mixed)
+                    await served([o for v in plan.resources.values() for o in v])
                 if plan.problem and plan.problem != last_problem:
                     log.warning("MIG instances not offered", extra={"reason": plan.problem})
                 last_problem = plan.problem

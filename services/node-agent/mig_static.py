@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from tessera import mig
-from tessera.models import DeviceInfo
+from tessera.models import DeviceInfo, StaticMigInstance
 
 from .devices import PhysicalGpu
 
@@ -103,6 +103,26 @@ def single_devices(gpus: Iterable[PhysicalGpu], offers: Iterable[MigOffer]
             healthy=o.healthy,
         ))
     return out, ""
+
+
+def instances_by_gpu(
+    offers: Iterable[MigOffer], holders: Mapping[str, str],
+    models: Mapping[str, mig.MigModel | None],
+) -> dict[str, list[StaticMigInstance]]:
+    """GPU uuid → its served instances as the registration shows them, each with its placement
+    size (`models`: GPU uuid → its profile table) and the pod (`holders`: MIG UUID →
+    namespace/name, from kubelet) that holds it."""
+    out: dict[str, list[StaticMigInstance]] = {}
+    for o in sorted(offers, key=lambda o: (o.parent_index, o.start)):
+        model = models.get(o.parent_uuid)
+        try:
+            size = model.profile(o.profile).memory_slices if model else 1
+        except mig.MigError:
+            size = 1
+        out.setdefault(o.parent_uuid, []).append(StaticMigInstance(
+            uuid=o.uuid, profile=o.profile, start=o.start, size=size,
+            pod=holders.get(o.uuid, "")))
+    return out
 
 
 def on_offered_gpus(offers: Iterable[MigOffer], health: Mapping[str, bool]) -> list[MigOffer]:

@@ -43,6 +43,7 @@ from tessera.models import (
     NodeDeviceConfig,
     NodeEvent,
     NodeLedger,
+    StaticMigInstance,
 )
 from tessera.settings import TesseraSettings
 from tessera.validation import Bounds
@@ -103,6 +104,8 @@ class NodeConfigurator:
         self.unhealthy: frozenset[str] = frozenset()
         # migstrategy single: the MIG instances advertised in place of the GPUs (mig_plugin.py)
         self.mig_single: list[DeviceInfo] | None = None
+        # migstrategy mixed: the instances served per card, shown in the registration
+        self.mig_instances: dict[str, list[StaticMigInstance]] = {}
         self.config_map: ConfigFile | None = None  # the latest valid one (desired)
         self.pending = False  # the ConfigMap asks for what was refused: retried every beat
         self.local: NodeDeviceConfig | None = None
@@ -264,7 +267,11 @@ class NodeConfigurator:
     def _devices(self, config: DeviceConfig) -> list:
         if self.mig_single is not None and config.mig_strategy == "single":
             return list(self.mig_single)
-        return advertise(self.gpus, self.settings, self.unhealthy, config)
+        devices = advertise(self.gpus, self.settings, self.unhealthy, config)
+        if not self.mig_instances:
+            return devices
+        return [d.model_copy(update={"mig_instances": self.mig_instances.get(d.uuid, [])})
+                for d in devices]
 
     def physical(self) -> list[DeviceInfo]:
         """The GPUs as offered under the current configuration (whatever MIG strategy)."""
@@ -272,6 +279,15 @@ class NodeConfigurator:
 
     def offered_gpus(self) -> list[PhysicalGpu]:
         return [g for g in self.gpus if self.config.offers(g)]
+
+    async def set_mig_instances(self, by_gpu: dict[str, list[StaticMigInstance]]) -> None:
+        """migstrategy mixed: the instances served on each card (and who holds them), carried
+        in the registration for the dashboard."""
+        async with self._lock:
+            if by_gpu == self.mig_instances:
+                return
+            self.mig_instances = dict(by_gpu)
+            await self.state.update(self._devices(self.config))
 
     async def set_mig_single(self, devices: list[DeviceInfo] | None) -> None:
         """migstrategy single: advertise these MIG instances as the node's GPUs (None: the

@@ -102,3 +102,32 @@ async def test_single_with_two_profiles_offers_nothing_and_says_why(
 
         await asyncio.wait_for(unregistered(), 10)  # the registration follows at once
         assert not [r for r in rig.kubelet.plugins if r.startswith("nvidia.com/mig-")]
+
+
+async def test_mixed_node_registers_its_instances_with_the_pod_holding_each(
+        short_dir, nc, buckets) -> None:
+    """What the dashboard shows for static MIG: each card's instances (profile, placement) in
+    the registration, with the pod kubelet gave each (its pod-resources API)."""
+    async with running_rig(short_dir, nc, buckets, static_gpu_model=A100,
+                           static_mig_instances="1g.10gb@0,3g.40gb@4", mig_strategy="mixed",
+                           node_heartbeat_s=0.3) as rig:
+        await rig.kubelet.wait_registered("nvidia.com/mig-3g.40gb")
+        pod = {"metadata": {"name": "train", "namespace": "default", "uid": "uid-train"},
+               "spec": {"containers": [{"name": "main", "resources": {
+                   "limits": {"nvidia.com/mig-3g.40gb": 1}}}]}}
+        admitted = await rig.kubelet.admit_pod(pod)
+        assert admitted.ok, admitted.error
+        held = admitted.container("main").device_ids[0]
+
+        async def shown():
+            while True:
+                devices = (await _registration(rig)).devices
+                if any(i.pod for d in devices for i in d.mig_instances):
+                    return devices
+                await asyncio.sleep(0.05)
+
+        devices = await asyncio.wait_for(shown(), 15)
+        assert [[(i.profile, i.start, i.size) for i in d.mig_instances] for d in devices] == [
+            [("1g.10gb", 0, 1), ("3g.40gb", 4, 4)]] * 2
+        holders = {i.uuid: i.pod for d in devices for i in d.mig_instances if i.pod}
+        assert holders == {held: "default/train"}
