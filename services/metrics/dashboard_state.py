@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tessera import mig
 from tessera.gpuid import short_uuid
 
 from .summary import MIB, GpuSummary, Slice, summarise
@@ -29,6 +30,35 @@ def _slice(piece: Slice) -> dict[str, Any]:
     }
 
 
+def mig_instances(gpu: GpuSummary) -> list[dict[str, Any]]:
+    """The card's MIG instances with the pod holding each: static ones (migstrategy mixed) as
+    the node registered them, dynamic ones from the ledger's grants."""
+    out = [{"source": "static", "uuid": i.uuid, "profile": i.profile, "start": i.start,
+            "size": i.size, "pod": i.pod, "container": "", "state": "created"}
+           for i in gpu.device.mig_instances]
+    out += [{"source": "dynamic", "uuid": s.mig.mig_uuid, "profile": s.mig.profile,
+             "start": s.mig.start, "size": s.mig.size, "pod": f"{s.namespace}/{s.pod}",
+             "container": s.container, "state": str(s.mig.state)}
+            for s in gpu.slices if s.mig is not None]
+    return sorted(out, key=lambda i: (i["start"], i["source"]))
+
+
+def mps_clients(gpu: GpuSummary) -> list[dict[str, Any]]:
+    """On a card in MPS mode, each container's own MPS server and the limits the node agent put
+    on it (its grant: pinned device memory, and the cores as active thread %, 0 = 100 %)."""
+    if gpu.device.mode != "mps":
+        return []
+    return [{"pod": f"{s.namespace}/{s.pod}", "container": s.container,
+             "memory_mib": max(1, s.memory_mib),
+             "thread_pct": min(s.cores, 100) if s.cores > 0 else 100, "state": s.state}
+            for s in gpu.slices]
+
+
+def _mig_slices(gpu: GpuSummary) -> int:
+    model = mig.model_for(gpu.device.type)
+    return model.memory_slices if model else 0
+
+
 def _gpu(gpu: GpuSummary) -> dict[str, Any]:
     device = gpu.device
     return {
@@ -49,6 +79,9 @@ def _gpu(gpu: GpuSummary) -> dict[str, Any]:
         "host_used_mib": round(gpu.host.used_bytes / MIB, 1) if gpu.host else None,
         "host_utilization": gpu.host.utilization if gpu.host else None,
         "slices": [_slice(s) for s in gpu.slices],
+        "mig_slices": _mig_slices(gpu),  # memory slices of the card (placement positions)
+        "mig_instances": mig_instances(gpu),
+        "mps_clients": mps_clients(gpu),
     }
 
 

@@ -13,6 +13,7 @@ from tessera.models import (
     DeviceInfo,
     DeviceUsage,
     HostDeviceUsage,
+    MigInstanceGrant,
     UsageSample,
 )
 
@@ -38,6 +39,7 @@ class Slice:
     sm_util: float | None = None
     sm_limit: int | None = None
     breach: str | None = None  # the watchdog's latest breach reason on this slice's GPU
+    mig: MigInstanceGrant | None = None  # dynamic MIG: the instance serving this grant
 
 
 @dataclass
@@ -143,6 +145,7 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
                         sm_util=device_usage.sm_util if device_usage else None,
                         sm_limit=device_usage.sm_limit if device_usage else None,
                         breach=_breach(view, allocation.pod_uid, grant.uuid),
+                        mig=grant.mig,
                     )
                     gpu = gpus.get(grant.uuid)
                     if gpu is None:

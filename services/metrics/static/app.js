@@ -84,6 +84,46 @@ function segments(gpu, field, total) {
   }).join("");
 }
 
+// MIG instances on their card: a strip of the card's memory slices with each instance at its
+// placement (start, size), labelled with its profile and the pod holding it.
+function renderMig(gpu) {
+  const instances = gpu.mig_instances || [];
+  if (!instances.length) return "";
+  const slots = gpu.mig_slices || Math.max(...instances.map((i) => i.start + i.size));
+  const boxes = instances.map((i) => {
+    const held = i.pod ? esc(i.pod) : "free";
+    const title = `${i.profile} at slice ${i.start} (${i.size} slice${i.size === 1 ? "" : "s"}) · ` +
+      `${i.pod || "free"}${i.container ? " · " + i.container : ""} · ${i.source}` +
+      `${i.state !== "created" ? " · " + i.state : ""}${i.uuid ? " · " + i.uuid : ""}`;
+    const colour = i.pod ? `background:${podColor(i.pod)}` : "";
+    return `<div class="mig-instance ${i.pod ? "held" : "free"} ${esc(i.source)} ${esc(i.state)}"` +
+      ` data-uuid="${esc(i.uuid)}" data-profile="${esc(i.profile)}" data-start="${i.start}"` +
+      ` data-size="${i.size}" data-pod="${esc(i.pod)}" data-source="${esc(i.source)}"` +
+      ` style="left:${((100 * i.start) / slots).toFixed(3)}%;width:${((100 * i.size) / slots).toFixed(3)}%;${colour}"` +
+      ` title="${esc(title)}"><span class="mig-profile">${esc(i.profile)}</span>` +
+      `<span class="mig-pod">${held}</span></div>`;
+  }).join("");
+  const kinds = [...new Set(instances.map((i) => i.source))].join(" + ");
+  return `<div class="metric-row"><span class="metric-name">MIG</span>` +
+    `<div class="mig-strip" data-slots="${slots}" style="--slot:${(100 / slots).toFixed(3)}%">${boxes}</div></div>` +
+    `<div class="bar-caption"><span>${instances.length} instance${instances.length === 1 ? "" : "s"} (${esc(kinds)}) · ` +
+    `${instances.filter((i) => i.pod).length} held</span><span>${slots} memory slices</span></div>`;
+}
+
+// MPS clients on their card: each pod's own server and the limits it holds (set server-side).
+function renderMps(gpu) {
+  const clients = gpu.mps_clients || [];
+  if (gpu.mode !== "mps") return "";
+  if (!clients.length) return `<div class="mps-none">MPS: no client</div>`;
+  return `<ul class="mps-clients">${clients.map((c) =>
+    `<li class="mps-client" data-pod="${esc(c.pod)}" data-container="${esc(c.container)}"` +
+    ` data-memory="${c.memory_mib}" data-threads="${c.thread_pct}">` +
+    `<span class="swatch" style="background:${podColor(c.pod)}"></span>` +
+    `<span class="slice-name">MPS server · ${esc(c.pod)} <span class="ctr">${esc(c.container)}</span></span>` +
+    `<span class="slice-fig">${mem(c.memory_mib)} pinned · ${c.thread_pct}% threads</span></li>`
+  ).join("")}</ul>`;
+}
+
 function renderGpu(gpu) {
   const memUsed = gpu.host_used_mib;
   const usedMark = memUsed && gpu.memory_mib > 0
@@ -107,10 +147,12 @@ function renderGpu(gpu) {
           `${s.breach ? ` <span class="badge err breach">breached: ${esc(s.breach)}</span>` : ""}</span>` +
           `<span class="slice-fig">${mem(s.memory_mib)} · ${s.cores}%${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
       }).join("")}</ul>`
+    : (gpu.mig_instances || []).some((i) => i.pod) ? ""
     : `<div class="no-slices">idle: no pod holds this GPU</div>`;
   return `<article class="gpu ${gpu.healthy ? "" : "unhealthy"}" data-uuid="${esc(gpu.uuid)}">
     <div class="gpu-head"><span class="gpu-title">GPU ${gpu.index} · ${esc(model(gpu.type))}</span>${health}
       <span class="badge">${gpu.shared}/${gpu.split_count} slots</span>
+      ${gpu.mode && gpu.mode !== "hami-core" ? `<span class="badge mode">${esc(gpu.mode.toUpperCase())}</span>` : ""}
       <span class="gpu-uuid mono" title="${esc(gpu.uuid)}">${esc(gpu.short_uuid || gpu.uuid)}</span></div>
     <div class="metric-row"><span class="metric-name">memory</span>
       <div class="bar mem">${segments(gpu, "memory_mib", gpu.memory_mib)}${usedMark}</div></div>
@@ -119,6 +161,8 @@ function renderGpu(gpu) {
     <div class="metric-row"><span class="metric-name">compute</span>
       <div class="bar cores">${segments(gpu, "cores", gpu.cores)}</div></div>
     <div class="bar-caption"><span>${gpu.allocated_cores}% of ${gpu.cores}% allocated${util}</span><span></span></div>
+    ${renderMig(gpu)}
+    ${renderMps(gpu)}
     ${slices}
   </article>`;
 }
