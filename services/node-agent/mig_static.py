@@ -7,10 +7,11 @@ The NVIDIA device plugin's MIG strategies (its `migStrategy`), for instances tha
   MIG mode);
 - `mixed`: one resource per profile, `nvidia.com/mig-<profile>` (`nvidia.com/mig-1g.10gb`), each
   instance one device;
-- `single`: every instance offered as the GPU resource (`nvidia.com/gpu`). NVIDIA's rule: every
-  GPU of the node is in MIG mode and all its instances have one profile; else nothing is
-  offered, with a reason (`single_devices`). The instances then *are* the node's GPUs: each is
-  advertised as one whole device (split count 1: never sliced) served by the node's GPU plugin.
+- `single`: every instance offered as the GPU resource (`nvidia.com/gpu`). NVIDIA's rules: no
+  GPU in MIG mode is `none`; every GPU in MIG mode, each with instances, all of one profile, is
+  valid; anything else offers nothing, with a reason (`single_devices`). The instances then
+  *are* the node's GPUs: each is advertised as one whole device (split count 1: never sliced)
+  served by the node's GPU plugin.
 
 An instance is a device whose ID is its MIG UUID; the container gets the UUIDs in
 `NVIDIA_VISIBLE_DEVICES` (the NVIDIA container toolkit exposes exactly those instances), and no
@@ -68,23 +69,27 @@ def plan(strategy: str, offers: Iterable[MigOffer], gpu_resource: str) -> MigPla
 
 
 def single_devices(gpus: Iterable[PhysicalGpu], offers: Iterable[MigOffer]
-                   ) -> tuple[list[DeviceInfo], str]:
-    """The `single` strategy (NVIDIA's device plugin): the node's GPUs (`gpus`, those it offers)
-    must all be in MIG mode with at least one instance, all instances of one profile; then each
-    instance is one device of the GPU resource — its MIG UUID, the profile's memory, all of its
-    compute, one pod (split count 1), typed like GPU feature discovery's product name
-    (`NVIDIA-NVIDIA A100-SXM4-80GB-MIG-1g.10gb`). Else no device, and the reason."""
+                   ) -> tuple[list[DeviceInfo] | None, str]:
+    """The `single` strategy, with NVIDIA's rules (its device plugin and GPU feature discovery):
+    no GPU of the node (`gpus`: those it offers) in MIG mode → as `none` (None: the GPUs
+    themselves are offered); GPUs with MIG on and off mixed, a GPU in MIG mode without an
+    instance, or more than one profile on the node → invalid: no device, and the reason.
+    Otherwise each instance is one device of the GPU resource — its MIG UUID, the profile's
+    memory, all of its compute, one pod (split count 1), typed like GPU feature discovery's
+    product name (`NVIDIA-NVIDIA A100-SXM4-80GB-MIG-1g.10gb`)."""
     gpus = sorted(gpus, key=lambda g: g.index)
     items = sorted(offers, key=lambda o: (o.parent_index, o.start))
-    if not gpus:
-        return [], ""
+    if not any(g.mig for g in gpus):
+        return None, ""
     plain = [g for g in gpus if not g.mig]
     if plain:
         return [], (f"migstrategy single needs every GPU in MIG mode; GPU {plain[0].index} "
                     f"({plain[0].uuid}) is not (use mixed, or filter the GPU out)")
-    if not items:
-        return [], ("migstrategy single: the node's GPUs hold no MIG instance (create them "
-                    "with nvidia-smi mig -cgi <profile> -C)")
+    held = {o.parent_uuid for o in items}
+    empty = [g for g in gpus if g.uuid not in held]
+    if empty:
+        return [], (f"migstrategy single: GPU {empty[0].index} ({empty[0].uuid}) is in MIG mode "
+                    "but holds no instance (create them with nvidia-smi mig -cgi <profile> -C)")
     profiles = sorted({o.profile for o in items})
     if len(profiles) > 1:
         return [], (f"migstrategy single needs one MIG profile on the node, it has "

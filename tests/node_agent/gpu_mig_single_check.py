@@ -32,6 +32,7 @@ def main() -> int:
         profiles = sorted({o.profile for o in offers})
         problems: list[str] = []
         uniform = all(g.mig for g in gpus) and len(profiles) == 1
+        devices = devices or []
         if uniform:
             if problem or len(devices) != len(offers):
                 problems.append(f"one profile on every GPU, yet {len(devices)} devices for "

@@ -40,8 +40,10 @@ def test_single_needs_every_gpu_in_mig_mode_and_one_profile() -> None:
     assert devices == [] and "one MIG profile" in problem and "3g.40gb" in problem
     devices, problem = mig_static.single_devices([_gpu(0), _gpu(1, mig=False)], offers[1:])
     assert devices == [] and "GPU 1 (GPU-1) is not" in problem
-    devices, problem = mig_static.single_devices([_gpu(0)], [])
-    assert devices == [] and "no MIG instance" in problem
+    devices, problem = mig_static.single_devices([_gpu(0), _gpu(1)], offers[1:])
+    assert devices == [] and "GPU 1 (GPU-1) is in MIG mode but holds no instance" in problem
+    # no GPU in MIG mode: as `none`, the GPUs themselves (NVIDIA's rule)
+    assert mig_static.single_devices([_gpu(0, mig=False)], []) == (None, "")
 
 
 async def _registration(rig) -> NodeRegistration:
