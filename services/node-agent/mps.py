@@ -49,7 +49,7 @@ from nats.js import JetStreamContext
 
 from tessera import bus
 from tessera.models import Allocation, DeviceGrant, DeviceInfo, MpsEvent, NodeLedger
-from tessera.region import ContainerLimits
+from tessera.region import ContainerLimits, read_limits
 
 from .containers import ContainerDir
 
@@ -118,13 +118,33 @@ def container_slots(cdir: ContainerDir, allocation: Allocation | None, cards: se
 
 
 def wanted_slots(cdirs: Iterable[ContainerDir], allocations: Mapping[str, Allocation],
-                 cards: set[str]) -> dict[str, MpsSlot]:
-    """Every daemon the node should run: key → slot."""
+                 cards: set[str], sealed: Callable[[ContainerDir], Mapping[str, int]] | None = None,
+                 ) -> dict[str, MpsSlot]:
+    """Every daemon the node should run: key → slot. `sealed` (container → GPU uuid → MiB
+    sealed) caps each server's memory at what PreStartContainer or limits.set validated and
+    sealed, so a ledger value changed on the bus alone never raises it."""
     out: dict[str, MpsSlot] = {}
     for cdir in cdirs:
-        for slot in container_slots(cdir, allocations.get(cdir.prepared.pod_uid), cards):
+        slots = container_slots(cdir, allocations.get(cdir.prepared.pod_uid), cards)
+        capped = sealed(cdir) if sealed is not None and slots else {}
+        for slot in slots:
+            cap = capped.get(slot.uuid)
+            if cap is not None and cap < slot.limits.memory_mib:
+                slot = replace(slot, limits=replace(slot.limits, memory_mib=max(1, cap)))
             out[slot.key] = slot
     return out
+
+
+def sealed_memory(cdir: ContainerDir) -> dict[str, int]:
+    """GPU uuid → the memory limit (MiB) sealed in the container's limits file (none before
+    PreStartContainer; an unreadable file caps nothing: the ledger's grant stands)."""
+    try:
+        limits = read_limits(cdir.limits_dir)
+    except Exception:
+        return {}
+    if limits is None:
+        return {}
+    return {d.uuid: d.mem_limit_bytes >> 20 for d in limits.devices if d.mem_limit_bytes > 0}
 
 
 def limit_commands(limits: ServerLimits, servers: Iterable[int]) -> list[str]:
@@ -292,7 +312,8 @@ class MpsDaemons:
         MPS card, and daemons no container wants stopped once their clients are gone."""
         async with self._lock:
             allocations = ledger.allocations if ledger else {}
-            wanted = wanted_slots(cdirs, allocations, mps_uuids(devices))
+            wanted = await asyncio.to_thread(wanted_slots, list(cdirs), allocations,
+                                             mps_uuids(devices), sealed_memory)
             for _key, slot in sorted(wanted.items()):
                 try:
                     await self._ensure(slot)

@@ -78,6 +78,14 @@ def test_each_container_on_an_mps_card_gets_a_server_with_its_own_limits() -> No
     relabelled = mps.wanted_slots([_cdir("a/0-main", "b")], allocations, {"GPU-1"})
     [(key, slot)] = relabelled.items()
     assert key == mps.daemon_key(cdirs[0], "GPU-1") and slot.limits.memory_mib == 8000
+    # A server's memory never exceeds what was validated and sealed for the container: a
+    # ledger value raised on the bus alone does not raise it.
+    capped = mps.wanted_slots(cdirs[:1], allocations, {"GPU-1"},
+                              lambda c: {"GPU-1": 3000, "GPU-9": 1})
+    assert [s.limits for s in capped.values()] == [mps.ServerLimits(3000, 30)]
+    assert [s.limits for s in mps.wanted_slots(
+        cdirs[:1], allocations, {"GPU-1"}, lambda c: {"GPU-1": 9000}).values()] == [
+        mps.ServerLimits(4000, 30)]
     assert mps.limit_commands(mps.ServerLimits(4000, 30), [71]) == [
         "set_default_device_pinned_mem_limit 0 4000M",
         "set_default_active_thread_percentage 30",
@@ -251,6 +259,28 @@ async def test_pods_of_different_sizes_on_one_card_each_get_their_own_server_lim
             # The small pod's reconcile never lowers the big pod's server (the old card-wide rule).
             await asyncio.sleep(1.2)
             assert not any("2000M" in c for c in commands(pipe_of(big)))
+
+            # A grant raised in the ledger alone (forged on the bus, never validated nor sealed)
+            # does not raise the server; a lowered one reaches clients that connect afterwards.
+            def regrant(memory: int):
+                def change(ledger):
+                    ledger = ledger.model_copy(deep=True)
+                    grant = ledger.allocations[_big["metadata"]["uid"]].containers[0][0]
+                    grant.memory_mib = memory
+                    return ledger
+                return change
+
+            await bus.cas_update(rig.buckets.ledger, rig.node, NodeLedger, regrant(64000))
+            await asyncio.sleep(1.2)
+            assert not any("64000M" in c for c in commands(pipe_of(big)))
+            await bus.cas_update(rig.buckets.ledger, rig.node, NodeLedger, regrant(3000))
+
+            async def lowered():
+                return "set_default_device_pinned_mem_limit 0 3000M" in commands(pipe_of(big))
+
+            await until(lowered)
+            clients.append(subprocess.Popen(["sleep", "60"]))
+            assert attach(pipe_of(big), clients[-1].pid) == f"{3000 << 20} 30.0"
     finally:
         for c in clients:
             c.kill()
