@@ -130,6 +130,20 @@ def instances_by_gpu(
     return out
 
 
+def single_instance_env(grants: Iterable, priority: int) -> dict[str, str] | None:
+    """The whole Allocate answer for a container holding only single-strategy instances (its
+    grants name MIG UUIDs, the devices such a node advertises): those instances, as the NVIDIA
+    device plugin hands MIG devices over, and no libvgpu — the hardware isolates them and each
+    is the pod's alone. None when the container holds anything else."""
+    uuids = [g.uuid for g in grants]
+    if not uuids or not all(u.startswith("MIG-") and g.mig is None
+                            for u, g in zip(uuids, grants, strict=True)):
+        return None
+    visible = ",".join(uuids)
+    return {"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible,
+            "CUDA_TASK_PRIORITY": str(priority)}
+
+
 def on_offered_gpus(offers: Iterable[MigOffer], health: Mapping[str, bool]) -> list[MigOffer]:
     """Only instances of GPUs the node offers (`health`: advertised GPU uuid → healthy, after
     the node config's filters), each as healthy as its GPU (an XID on the card makes its

@@ -50,7 +50,7 @@ from tessera.region import LIMITS_FILE_NAME, seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Problem, Rejections
 
-from . import mps
+from . import mig_static, mps
 from .mig_service import DynamicMig, MigCreateFailed, visible_devices
 from .mps import MpsDaemons
 
@@ -398,6 +398,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             allocation = await self._mig_instances(allocation, index)
             cdir = await self._prepare(allocation, index, ids)
             answer = self._mig_answer(allocation, cdir, self._allocate_response(allocation, cdir))
+            single = mig_static.single_instance_env(allocation.containers[index],
+                                                    allocation.priority)
+            if single is not None:  # migstrategy single: whole instances, no libvgpu
+                answer = dp.ContainerAllocateResponse(envs=single)
             response.container_responses.append(await self._mps_answer(allocation, cdir, answer))
             await self._maybe_finish(allocation)
         return response

@@ -57,6 +57,7 @@ def test_single_strategy_pods_get_whole_instances(sim: RunningStack) -> None:
         [admitted] = [a for a in kube.containers(NODE) if a["name"] == name]
         [container] = admitted["containers"]
         assert container["envs"]["NVIDIA_VISIBLE_DEVICES"] == grant.uuid
+        assert container["mounts"] == []  # a whole instance: no libvgpu
         given.append(grant.uuid)
     assert sorted(given) == sorted(INSTANCES)  # each pod its own instance
 

@@ -82,7 +82,10 @@ async def test_single_node_offers_its_instances_as_gpus_each_pod_gets_its_own(
         assert admitted.ok, admitted.error
         container = admitted.containers[0]
         assert container.envs["NVIDIA_VISIBLE_DEVICES"] == chosen
+        assert container.envs["CUDA_VISIBLE_DEVICES"] == chosen
         assert container.device_ids == [f"{chosen}-0"]
+        assert container.mounts == []  # no libvgpu: the hardware isolates a whole instance
+        assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in container.envs
 
 
 async def test_single_with_two_profiles_offers_nothing_and_says_why(
