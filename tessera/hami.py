@@ -394,8 +394,9 @@ def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
 # --- tessera.io/mig-instances (Tessera's own, scheduler-owned) -------------------------------
 
 # Each grant's dynamic MIG placement, beside hami.io/vgpu-devices-to-allocate (same positions):
-# containers ended by ';', each grant `<profile>@<start>/<size>:` or `:` for a libvgpu slice.
-# Written at bind only for pods holding an instance; read when the ledger is rebuilt.
+# containers ended by ';', each grant `<profile>@<start>/<size>[=<MIG uuid>]:` or `:` for a
+# libvgpu slice. Written at bind (placements) and by the node agent once the instances exist
+# (with their UUIDs), only for pods holding an instance; read when the ledger is rebuilt.
 ANN_MIG_INSTANCES = "tessera.io/mig-instances"
 
 
@@ -404,7 +405,9 @@ def encode_mig_instances(containers: list[list[DeviceGrant]]) -> str:
     if not any(g.mig is not None for grants in containers for g in grants):
         return ""
     return "".join(
-        "".join(f"{g.mig.profile}@{g.mig.start}/{g.mig.size}:" if g.mig else ":" for g in grants)
+        "".join(f"{g.mig.profile}@{g.mig.start}/{g.mig.size}"
+                + (f"={g.mig.mig_uuid}" if g.mig.mig_uuid else "") + ":"
+                if g.mig else ":" for g in grants)
         + ";"
         for grants in containers
     )
@@ -413,9 +416,10 @@ def encode_mig_instances(containers: list[list[DeviceGrant]]) -> str:
 def apply_mig_instances(
     containers: list[list[DeviceGrant]], text: str
 ) -> list[list[DeviceGrant]]:
-    """`containers` with the placements of `text` (planned: the node agent adopts the instance
-    it finds there); ValueError when `text` is malformed or does not match their shape."""
-    from tessera.models import MigInstanceGrant
+    """`containers` with the placements of `text` (with a MIG UUID: created, the node agent
+    adopts that instance; without: planned); ValueError when `text` is malformed or does not
+    match their shape."""
+    from tessera.models import MigInstanceGrant, MigState
 
     parts = text.split(";")
     if not text.endswith(";") or len(parts) - 1 != len(containers):
@@ -430,10 +434,15 @@ def apply_mig_instances(
             if not item:
                 row.append(grant)
                 continue
+            item, _, made = item.partition("=")
             profile, _, rest = item.partition("@")
             start, _, size = rest.partition("/")
             try:
-                placed = MigInstanceGrant(profile=profile, start=int(start), size=int(size))
+                if made and (not made.startswith("MIG-") or _FORBIDDEN_IN_FIELDS & set(made)):
+                    raise ValueError(made)
+                placed = MigInstanceGrant(profile=profile, start=int(start), size=int(size),
+                                          mig_uuid=made,
+                                          state=MigState.CREATED if made else MigState.PLANNED)
             except ValueError as exc:
                 raise ValueError(f"{ANN_MIG_INSTANCES}: bad entry {item[:80]!r}") from exc
             row.append(grant.model_copy(update={"mig": placed}))

@@ -48,7 +48,8 @@ DYNAMIC_GPU = gpu_uuid(DYNAMIC_NODE, 0)
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
-    yield from start_stack(NODES)
+    # an instance nobody claims is destroyed 2 s after it is first seen (default 30 s)
+    yield from start_stack(NODES, env={"TESSERA_MIG_ORPHAN_GRACE_S": "2"})
 
 
 def _allocatable(sim: RunningStack, node: str) -> dict[str, str]:
@@ -160,6 +161,11 @@ async def _ledger_and_events(sim: RunningStack) -> tuple[NodeLedger | None, list
         await nc.close()
 
 
+def _recorded(sim: RunningStack, name: str) -> str:
+    annotations = sim.kube.pod("default", name)["metadata"].get("annotations") or {}
+    return annotations.get(hami.ANN_MIG_INSTANCES) or ""
+
+
 def _mig_pod(name: str, mem: int, cores: int | None = None, mode: str = "mig") -> dict:
     return gpu_pod(name, mem=mem, cores=cores, annotations={
         hami.ANN_VGPU_MODE: mode, hami.ANN_USE_GPUUUID: DYNAMIC_GPU})
@@ -188,6 +194,10 @@ def test_dynamic_mig_packs_one_card_then_destroys_the_instances(sim: RunningStac
         assert container["mounts"] == []  # MIG isolates in hardware: no libvgpu
         assert visible not in seen
         seen.add(visible)
+        # the cluster's record (for a ledger rebuilt from the pods) names the instance
+        kube.wait_for("the pod's tessera.io/mig-instances",
+                      lambda n=name, v=visible: _recorded(sim, n).endswith(f"={v}:;"),
+                      timeout_s=20)
 
     held = [mig.Instance(i["profile"], i["start"]) for i in _instances(sim)]
     assert sorted(i.profile for i in held) == ["1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"]
@@ -235,3 +245,39 @@ def test_a_card_holding_a_libvgpu_slice_is_refused_for_mig_with_the_reason(
     assert [i["profile"] for i in _instances(sim)] == ["1g.10gb"]
     kube.delete_pod("default", "wants-mig")
     kube.wait_for("its instance destroyed", lambda: _instances(sim) == [], timeout_s=40)
+
+
+def test_a_creation_nvml_refuses_fails_the_allocation_with_the_reason(sim: RunningStack) -> None:
+    """An operator's instance sits where the scheduler places the pod (it cannot know): NVML
+    refuses, the allocation is released (failed) with NVML's reason, the pod gets a Warning
+    event saying so. The operator's instance, claimed by no allocation, is destroyed once no
+    process runs in it."""
+    kube = sim.kube
+    state = sim.stack.state_dir / "mig" / f"{DYNAMIC_NODE}.json"
+    busy = Path(f"{state}.busy")
+    busy.write_text("MIG-operator\n")  # a process runs in it: kept while it does
+    tmp = state.with_suffix(".e2e")
+    tmp.write_text(json.dumps({DYNAMIC_GPU: [
+        {"gi_id": 1, "profile": "1g.10gb", "start": 6, "uuid": "MIG-operator"}]}))
+    tmp.rename(state)
+
+    kube.create_pod_retrying(_mig_pod("blocked", 8000), "default")  # 1g.10gb, placed at 6
+
+    def refusal() -> str | None:
+        items = kube.http.get("/api/v1/namespaces/default/events").json()["items"]
+        return next((e["message"] for e in items if e["reason"] == "MigInstanceFailed"
+                     and e["involvedObject"]["name"] == "blocked"), None)
+
+    message = kube.wait_for("the pod's MigInstanceFailed event", refusal, timeout_s=40)
+    assert "1g.10gb at slice 6" in message and "Insufficient Resources" in message, message
+    ledger, _ = asyncio.run(_ledger_and_events(sim))
+    (held,) = [a for a in ledger.allocations.values() if a.name == "blocked"]
+    assert held.state == "failed" and "Insufficient Resources" in held.reason
+    assert [i["uuid"] for i in _instances(sim)] == ["MIG-operator"]
+    kube.delete_pod("default", "blocked")
+
+    busy.write_text("")  # the process ended: the orphan goes after its grace period
+    kube.wait_for("the operator's instance destroyed", lambda: _instances(sim) == [],
+                  timeout_s=30)
+    _, events = asyncio.run(_ledger_and_events(sim))
+    assert "MIG-operator" in {e.mig_uuid for e in events if e.action == "destroyed"}

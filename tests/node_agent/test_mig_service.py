@@ -60,9 +60,9 @@ def alloc(uid: str, node: str, *grants: DeviceGrant,
         # created and allocated: its instance must be there (vanished otherwise)
         ([alloc("a", "n", grant("1g.10gb", 6, MigState.CREATED, "MIG-x"),
                 state=AllocationState.ALLOCATED)], [], [("a", True, False)]),
-        # an allocated pod's planned grant (its record was lost): due, adopted or made
+        # a planned grant of an allocated pod (a ledger rebuilt before its Allocate): pending
         ([alloc("a", "n", grant("1g.10gb", 6), state=AllocationState.ALLOCATED)], [],
-         [("a", False, False)]),
+         [("a", False, True)]),
         # vanished / failed grants and released allocations want nothing
         ([alloc("a", "n", grant("1g.10gb", 6, MigState.VANISHED)),
           alloc("b", "n", grant("1g.10gb", 5, MigState.FAILED)),
@@ -163,6 +163,13 @@ async def test_allocate_creates_and_records_and_a_refusal_fails_the_allocation(
     (event,) = await asyncio.wait_for(failed, 10)
     assert event.pod_uid == "pb" and "Insufficient Resources" in event.reason
     assert ("2g.20gb", 0) not in rig.instances()  # nothing half-made is left
+
+    # the operator's instance sits exactly where a pod's goes: never handed to the pod
+    c = alloc("pc", rig.node, grant("1g.10gb", 0))
+    await rig.put(c)
+    with pytest.raises(MigCreateFailed, match="Insufficient Resources"):
+        await rig.service.allocate(c)
+    assert (await rig.ledger()).allocations["pc"].state == AllocationState.FAILED
 
 
 async def test_release_destroys_at_once_unless_a_process_holds_it(

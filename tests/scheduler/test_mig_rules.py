@@ -285,6 +285,19 @@ def test_placements_survive_a_ledger_rebuilt_from_the_pods() -> None:
     rebuilt = allocation_from_pod(spec, "n")
     assert rebuilt is not None and not rebuilt.mig_grants()
     assert hami.scheduler_owned(hami.ANN_MIG_INSTANCES)  # admission denies it from a user
+    # the node agent's record, once the instance exists, carries its UUID: adopted by it
+    made = [[_made(mig_grant("1g.10gb", 6))]]
+    text = hami.encode_mig_instances(made)
+    assert text == "1g.10gb@6/1=MIG-aa:;"
+    (g,) = hami.apply_mig_instances([[slice_grant()]], text)[0]
+    assert (g.mig.mig_uuid, g.mig.state) == ("MIG-aa", "created")
+    with pytest.raises(ValueError):
+        hami.apply_mig_instances([[slice_grant()]], "1g.10gb@6/1=GPU-x,y:;")
+
+
+def _made(g: DeviceGrant) -> DeviceGrant:
+    return g.model_copy(update={"mig": g.mig.model_copy(update={"mig_uuid": "MIG-aa",
+                                                                "state": "created"})})
 
 
 @pytest.mark.parametrize("text", ["", "3g.40gb@4/4:", "3g.40gb@4/4:;;", "3g.40gb@4:;",
