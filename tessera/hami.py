@@ -74,7 +74,7 @@ def task_priority_to_priority(value: str) -> int:
 
 
 # Prefixes a user may never set: only the scheduler writes them.
-SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-")
+SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-", "tessera.io/mig-instances")
 
 BIND_PHASE_ALLOCATING = "allocating"
 BIND_PHASE_SUCCESS = "success"
@@ -389,6 +389,65 @@ def decode_pod_devices(text: str) -> list[list[DeviceGrant]]:
                 raise ValueError(f"bad memory/cores in {uuid},{dtype},{mem},{cores}") from exc
         containers.append(grants)
     return containers
+
+
+# --- tessera.io/mig-instances (Tessera's own, scheduler-owned) -------------------------------
+
+# Each grant's dynamic MIG placement, beside hami.io/vgpu-devices-to-allocate (same positions):
+# containers ended by ';', each grant `<profile>@<start>/<size>[=<MIG uuid>]:` or `:` for a
+# libvgpu slice. Written at bind (placements) and by the node agent once the instances exist
+# (with their UUIDs), only for pods holding an instance; read when the ledger is rebuilt.
+ANN_MIG_INSTANCES = "tessera.io/mig-instances"
+
+
+def encode_mig_instances(containers: list[list[DeviceGrant]]) -> str:
+    """'' when no grant holds a MIG instance."""
+    if not any(g.mig is not None for grants in containers for g in grants):
+        return ""
+    return "".join(
+        "".join(f"{g.mig.profile}@{g.mig.start}/{g.mig.size}"
+                + (f"={g.mig.mig_uuid}" if g.mig.mig_uuid else "") + ":"
+                if g.mig else ":" for g in grants)
+        + ";"
+        for grants in containers
+    )
+
+
+def apply_mig_instances(
+    containers: list[list[DeviceGrant]], text: str
+) -> list[list[DeviceGrant]]:
+    """`containers` with the placements of `text` (with a MIG UUID: created, the node agent
+    adopts that instance; without: planned); ValueError when `text` is malformed or does not
+    match their shape."""
+    from tessera.models import MigInstanceGrant, MigState
+
+    parts = text.split(";")
+    if not text.endswith(";") or len(parts) - 1 != len(containers):
+        raise ValueError(f"{ANN_MIG_INSTANCES}: not one entry per container: {text[:80]!r}")
+    out = []
+    for grants, part in zip(containers, parts[:-1], strict=True):
+        items = part.split(":")[:-1] if part else []
+        if len(items) != len(grants) or (part and not part.endswith(":")):
+            raise ValueError(f"{ANN_MIG_INSTANCES}: not one entry per GPU: {part[:80]!r}")
+        row = []
+        for grant, item in zip(grants, items, strict=True):
+            if not item:
+                row.append(grant)
+                continue
+            item, _, made = item.partition("=")
+            profile, _, rest = item.partition("@")
+            start, _, size = rest.partition("/")
+            try:
+                if made and (not made.startswith("MIG-") or _FORBIDDEN_IN_FIELDS & set(made)):
+                    raise ValueError(made)
+                placed = MigInstanceGrant(profile=profile, start=int(start), size=int(size),
+                                          mig_uuid=made,
+                                          state=MigState.CREATED if made else MigState.PLANNED)
+            except ValueError as exc:
+                raise ValueError(f"{ANN_MIG_INSTANCES}: bad entry {item[:80]!r}") from exc
+            row.append(grant.model_copy(update={"mig": placed}))
+        out.append(row)
+    return out
 
 
 # --- hami.io/node-nvidia-register --------------------------------------------------------------

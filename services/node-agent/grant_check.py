@@ -65,6 +65,9 @@ def check_grant(
         asked = request.memory_on(card) if request.memory_percentage is not None else (
             request.memory_mib
         )
+        if grant.mig is not None:
+            check_mig_grant(grant, device, asked, request.cores, f"{who} container #{index}")
+            continue
         if grant.memory_mib > asked or grant.memory_mib <= 0:
             raise GrantRefused(
                 f"{who} container #{index}: ledger grants {grant.memory_mib} MiB on "
@@ -75,3 +78,27 @@ def check_grant(
                 f"{who} container #{index}: ledger grants {grant.cores}% compute on "
                 f"{grant.uuid}, the pod asks {request.cores}%: refusing to seal a forged grant"
             )
+
+
+def check_mig_grant(
+    grant: DeviceGrant, device: DeviceInfo | None, memory: int, cores: int, who: str
+) -> None:
+    """A dynamic MIG grant is charged its profile's size, more than asked: it must be a profile
+    of the card's model that covers the request, charged exactly the profile's amounts."""
+    from tessera import mig
+
+    assert grant.mig is not None
+    model = mig.MODELS.get(device.mig.model) if device is not None and device.mig else None
+    if model is None:
+        raise GrantRefused(f"{who}: ledger grants a MIG instance on {grant.uuid}, which does "
+                           "not serve dynamic MIG")  # fmt: skip
+    try:
+        profile = model.profile(grant.mig.profile)
+    except mig.MigError as exc:
+        raise GrantRefused(f"{who}: {exc}") from exc
+    charge = (model.profile_memory_mib(profile), model.profile_cores(profile))
+    if (grant.memory_mib, grant.cores) != charge or charge[0] < memory or charge[1] < cores:
+        raise GrantRefused(
+            f"{who}: ledger grants MIG {profile.name} ({grant.memory_mib} MiB / {grant.cores}%) "
+            f"on {grant.uuid} for an ask of {memory} MiB / {cores}%: refusing to seal a forged "
+            "grant")

@@ -6,10 +6,12 @@ for which pod) with what NVML holds, and says what to create, what to destroy an
 - a wanted instance with none at its GPU/profile/start is created — unless the allocation had
   it already (`present_before`: after an agent restart or reboot), then it *vanished* and is
   reported, not silently remade under a running pod; or unless it is not due yet (`pending`:
-  a pod not being allocated now; an instance already there for it is kept);
+  a pod not being allocated now). An instance is a pod's only when it is the one the ledger
+  records (`mig_uuid`) or one this agent made for that pod: someone else's instance at the
+  same place is never handed over (creating there fails, NVML says why);
 - an instance no allocation wants is an orphan: destroyed once it has been one for `grace_s`
   (an allocation being written may not be visible yet), at once when it belonged to a pod
-  this agent saw and that pod's allocation is gone (`released`), and only if no process runs
+  this agent saw and that pod's allocation is gone (`owned`), and only if no process runs
   in it (NVML refuses with IN_USE otherwise; it is retried next pass).
 
 `MigReconciler` runs a plan through NVML (nvml_mig.py, in a thread) and publishes `mig.created`,
@@ -43,14 +45,27 @@ class Wanted:
     start: int
     present_before: bool = False  # the allocation had its instance (it was allocated)
     pending: bool = False  # not due yet: kept if there, not created
+    mig_uuid: str = ""  # the instance the ledger records for it ("" = none yet)
 
     @property
     def place(self) -> tuple[str, str, int]:
         return self.gpu_uuid, self.profile, self.start
 
 
+def owns(w: Wanted, device: MigDevice, owned: Mapping[str, str]) -> bool:
+    """Whether `device` is `w`'s instance: at its place and the very instance the ledger
+    records, or (none recorded yet) one this agent made for that pod. An instance someone else
+    put at the same place is never handed to a pod."""
+    if (device.parent_uuid, device.profile, device.start) != w.place:
+        return False
+    if w.mig_uuid:
+        return device.uuid == w.mig_uuid
+    return owned.get(device.uuid) == w.pod_uid
+
+
 @dataclass(frozen=True)
 class MigPlan:
+    matched: list[tuple[Wanted, MigDevice]] = field(default_factory=list)
     create: list[Wanted] = field(default_factory=list)
     destroy: list[MigDevice] = field(default_factory=list)
     vanished: list[Wanted] = field(default_factory=list)
@@ -63,25 +78,30 @@ def plan(
     orphan_since: Mapping[str, float],
     now: float,
     grace_s: float,
-    released: frozenset[str] = frozenset(),
+    owned: Mapping[str, str] | None = None,
 ) -> MigPlan:
-    have = {(d.parent_uuid, d.profile, d.start): d for d in existing}
-    wanted_places = set()
+    """`owned`: MIG uuid -> the pod this agent made or saw it for; such an instance no
+    allocation wants any more was released: destroyed at once."""
+    owned = owned or {}
+    devices = list(existing)
+    have = {(d.parent_uuid, d.profile, d.start): d for d in devices}
     out = MigPlan()
+    kept: set[str] = set()
     for w in wanted:
-        wanted_places.add(w.place)
-        if w.place in have:
-            continue
-        if w.present_before:
+        device = have.get(w.place)
+        if device is not None and owns(w, device, owned):
+            out.matched.append((w, device))
+            kept.add(device.uuid)
+        elif w.present_before:
             out.vanished.append(w)
         elif not w.pending:
-            out.create.append(w)
-    for place, device in have.items():
-        if place in wanted_places:
+            out.create.append(w)  # NVML refuses when someone else's instance is there
+    for device in devices:
+        if device.uuid in kept:
             continue
         since = orphan_since.get(device.uuid, now)
         out.orphans[device.uuid] = since
-        if device.uuid in released or now - since >= grace_s:
+        if device.uuid in owned or now - since >= grace_s:
             out.destroy.append(device)
     return out
 
@@ -127,17 +147,11 @@ class MigReconciler:
 
     async def reconcile(self, wanted: list[Wanted]) -> Outcome:
         existing = await asyncio.to_thread(self.existing)
-        have = {(d.parent_uuid, d.profile, d.start): d for d in existing}
-        out = Outcome()
-        for w in wanted:
-            if w.place in have:
-                out.matched.append((w, have[w.place]))
-                self._owned[have[w.place].uuid] = w.pod_uid
-        kept = {d.uuid for _, d in out.matched}
-        released = frozenset(u for u in self._owned if u not in kept)
-        todo = plan(wanted, existing, self._orphans, self.clock(), self.grace_s, released)
+        todo = plan(wanted, existing, self._orphans, self.clock(), self.grace_s, self._owned)
         self._orphans = todo.orphans
-        out.vanished = list(todo.vanished)
+        out = Outcome(matched=list(todo.matched), vanished=list(todo.vanished))
+        for w, device in todo.matched:
+            self._owned[device.uuid] = w.pod_uid
         for w in todo.create:
             if w.gpu_uuid not in self.handles:
                 out.failed.append((w, f"this node has no GPU {w.gpu_uuid}"))

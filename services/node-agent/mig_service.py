@@ -12,7 +12,8 @@ reconciled after a restart.
   at once (IN_USE: retried next pass), one nobody ever claimed after `mig_orphan_grace_s`; an
   allocated pod whose instance is gone is reported (`mig.vanished`, its grant marked `vanished`,
   a Warning event), never silently remade. After an agent restart the first pass adopts the
-  instances the ledger names.
+  instances the ledger names (by MIG UUID: someone else's instance at the same place is never
+  handed to a pod).
 
 The ledger side (`wanted`, the CAS bodies) is pure and tested on its own.
 """
@@ -74,9 +75,8 @@ def wanted(ledger: NodeLedger | None, allocating: Iterable[str] = ()) -> list[Wa
             out.append(Wanted(
                 allocation.pod_uid, *place_of(g),
                 present_before=state == MigState.CREATED and not mine,
-                # an allocated pod's planned grant: its Allocate made it (record lost) or not
-                pending=state == MigState.PLANNED and not mine
-                and allocation.state != AllocationState.ALLOCATED,
+                pending=state == MigState.PLANNED and not mine,
+                mig_uuid=g.mig.mig_uuid if state == MigState.CREATED else "",  # type: ignore
             ))  # fmt: skip
     return out
 

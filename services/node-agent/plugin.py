@@ -568,6 +568,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     keys = await self._recordable(current, grant_keys)
                     devices = hami.encode_pod_devices(current.containers)
                     values |= dict.fromkeys(keys, devices)
+                    if mig := hami.encode_mig_instances(current.containers):
+                        values[hami.ANN_MIG_INSTANCES] = mig  # with the instances' UUIDs
                 await self.cluster.patch_pod_metadata(
                     allocation.namespace, allocation.name, annotations=values
                 )

@@ -295,6 +295,9 @@ class PodBinder:
                     hami.ANN_VGPU_TIME: now,
                     hami.ANN_BIND_TIME: now,
                     hami.ANN_BIND_PHASE: hami.BIND_PHASE_ALLOCATING,
+                    # dynamic MIG placements, for a ledger rebuilt from the cluster
+                    **({hami.ANN_MIG_INSTANCES: mig}
+                       if (mig := hami.encode_mig_instances(allocation.containers)) else {}),
                 },
                 labels={hami.LABEL_VGPU_NODE: node},
             )

@@ -326,7 +326,7 @@ class ClusterIndex:
         usable = [
             c for c in cards
             if c.healthy and not c.cordoned and c.used_slots < c.split_count
-            and c.mode.lower() != "mig"
+            and (c.mode.lower() != "mig" or bool(c.mig_model))  # dynamic MIG cards take pods
         ]  # fmt: skip
         if len(usable) > self.card_mem.shape[1]:
             self._grow(0, len(usable) - self.card_mem.shape[1])

@@ -237,6 +237,12 @@ def allocation_from_pod(pod: dict[str, Any], node: str) -> Allocation | None:
         containers = hami.decode_pod_devices(text)
     except ValueError:
         return None
+    placements = annotations.get(hami.ANN_MIG_INSTANCES)
+    if isinstance(placements, str) and placements:
+        # dynamic MIG: the node agent adopts the instances it finds there. Unreadable: the
+        # grants still count (as slices, so no MIG pod joins the card until they are gone).
+        with contextlib.suppress(ValueError):
+            containers = hami.apply_mig_instances(containers, placements)
     spec = pod.get("spec") or {}
     names = [c.get("name", "") for c in (spec.get("initContainers") or [])]
     names += [c.get("name", "") for c in (spec.get("containers") or [])]

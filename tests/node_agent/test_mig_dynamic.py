@@ -30,7 +30,15 @@ def _dev(uuid: str, profile: str, start: int, gpu: str = "GPU-a") -> MigDevice:
     [
         # a new allocation's instance is made; one already there is left alone
         ([Wanted("p1", "GPU-a", "1g.10gb", 6)], [], {}, 0, ["p1"], [], []),
-        ([Wanted("p1", "GPU-a", "1g.10gb", 6)], [_dev("MIG-1", "1g.10gb", 6)], {}, 0, [], [], []),
+        ([Wanted("p1", "GPU-a", "1g.10gb", 6, mig_uuid="MIG-1")], [_dev("MIG-1", "1g.10gb", 6)],
+         {}, 0, [], [], []),
+        # someone else's instance at that place is not the pod's: creating there is tried
+        # (NVML refuses), the stranger is an orphan
+        ([Wanted("p1", "GPU-a", "1g.10gb", 6)], [_dev("MIG-9", "1g.10gb", 6)], {}, 0, ["p1"],
+         [], []),
+        # the recorded instance replaced by another at the same place: vanished
+        ([Wanted("p1", "GPU-a", "1g.10gb", 6, present_before=True, mig_uuid="MIG-1")],
+         [_dev("MIG-2", "1g.10gb", 6)], {}, 0, [], [], ["p1"]),
         # an allocated pod whose instance is gone: reported, not remade under it
         ([Wanted("p1", "GPU-a", "1g.10gb", 6, present_before=True)], [], {}, 0, [], [], ["p1"]),
         # same profile elsewhere is not it
@@ -47,9 +55,7 @@ def test_plan(wanted, existing, orphans, now, create, destroy, vanished) -> None
     assert [w.pod_uid for w in result.create] == create
     assert [d.uuid for d in result.destroy] == destroy
     assert [w.pod_uid for w in result.vanished] == vanished
-    assert set(result.orphans) == {d.uuid for d in existing
-                                   if (d.parent_uuid, d.profile, d.start)
-                                   not in {w.place for w in wanted}}
+    assert set(result.orphans) == {d.uuid for d in existing} - {d.uuid for _, d in result.matched}
 
 
 async def _events(nc, node: str, n: int) -> list[MigEvent]:

@@ -60,9 +60,9 @@ def alloc(uid: str, node: str, *grants: DeviceGrant,
         # created and allocated: its instance must be there (vanished otherwise)
         ([alloc("a", "n", grant("1g.10gb", 6, MigState.CREATED, "MIG-x"),
                 state=AllocationState.ALLOCATED)], [], [("a", True, False)]),
-        # an allocated pod's planned grant (its record was lost): due, adopted or made
+        # a planned grant of an allocated pod (a ledger rebuilt before its Allocate): pending
         ([alloc("a", "n", grant("1g.10gb", 6), state=AllocationState.ALLOCATED)], [],
-         [("a", False, False)]),
+         [("a", False, True)]),
         # vanished / failed grants and released allocations want nothing
         ([alloc("a", "n", grant("1g.10gb", 6, MigState.VANISHED)),
           alloc("b", "n", grant("1g.10gb", 5, MigState.FAILED)),
@@ -164,6 +164,13 @@ async def test_allocate_creates_and_records_and_a_refusal_fails_the_allocation(
     assert event.pod_uid == "pb" and "Insufficient Resources" in event.reason
     assert ("2g.20gb", 0) not in rig.instances()  # nothing half-made is left
 
+    # the operator's instance sits exactly where a pod's goes: never handed to the pod
+    c = alloc("pc", rig.node, grant("1g.10gb", 0))
+    await rig.put(c)
+    with pytest.raises(MigCreateFailed, match="Insufficient Resources"):
+        await rig.service.allocate(c)
+    assert (await rig.ledger()).allocations["pc"].state == AllocationState.FAILED
+
 
 async def test_release_destroys_at_once_unless_a_process_holds_it(
         nvml, nc, buckets, tmp_path: Path) -> None:  # noqa: F811
@@ -232,3 +239,33 @@ async def test_kubelet_retrying_allocate_gets_the_same_instance(nvml, nc, bucket
     first = (await rig.service.allocate(a)).containers[0][0].mig.mig_uuid
     again = (await rig.service.allocate(a)).containers[0][0].mig.mig_uuid
     assert first == again and rig.instances() == [("2g.20gb", 4)]
+
+
+@pytest.mark.parametrize(
+    ("profile", "charge", "asked", "ok"),
+    [
+        ("3g.40gb", None, (35000, 0), True),  # charged the profile, above the ask: its size
+        ("7g.80gb", None, (35000, 30), True),  # a larger covering profile (geometry): allowed
+        ("1g.10gb", None, (35000, 0), False),  # does not cover the ask
+        ("3g.40gb", (81920, 100), (35000, 0), False),  # charged other than the profile's
+        ("2g.20gb", None, (15000, 50), False),  # 28 % compute does not cover 50 %
+    ],
+)
+def test_a_mig_grant_is_sealed_only_as_its_profile_covering_the_ask(profile, charge, asked,
+                                                                   ok) -> None:
+    from tessera.node_agent.grant_check import GrantRefused, check_mig_grant
+
+    from tessera.models import DeviceInfo, MigCapability
+
+    g = grant(profile, A100.profile(profile).starts[0])
+    if charge:
+        g = g.model_copy(update={"memory_mib": charge[0], "cores": charge[1]})
+    card = DeviceInfo(uuid=U[0], index=0, type="NVIDIA-A100-SXM4-80GB", memory_mib=81920,
+                      mode="mig", mig=MigCapability(model="A100-SXM4-80GB"))
+    if ok:
+        check_mig_grant(g, card, *asked, "pod x")
+    else:
+        with pytest.raises(GrantRefused, match="refusing to seal a forged grant"):
+            check_mig_grant(g, card, *asked, "pod x")
+    with pytest.raises(GrantRefused, match="does not serve dynamic MIG"):
+        check_mig_grant(g, card.model_copy(update={"mig": None}), *asked, "pod x")

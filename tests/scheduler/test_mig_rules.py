@@ -257,3 +257,52 @@ def test_registered_capabilities_are_validated(capability, code) -> None:
     reg = NodeRegistration(node="n", devices=[dynamic().model_copy(update={"mig": capability})])
     problem = registration_problem("n", reg, Bounds())
     assert (problem.code if problem else None) == code, problem
+
+
+# --- the cluster as the durable record: placements in tessera.io/mig-instances -------------------
+
+
+def test_placements_survive_a_ledger_rebuilt_from_the_pods() -> None:
+    from tessera.scheduler.validation import allocation_from_pod
+
+    containers = [[], [mig_grant("3g.40gb", 4), slice_grant("GPU-1")], [mig_grant("1g.10gb", 0)]]
+    text = hami.encode_mig_instances(containers)
+    assert text == ";3g.40gb@4/4::;1g.10gb@0/1:;"
+    assert hami.encode_mig_instances([[slice_grant()]]) == ""  # other pods carry nothing
+    spec = pod(container("a"), container("b"), init=[container("i", gpus=None)])
+    spec["spec"]["nodeName"] = "n"
+    spec["metadata"]["annotations"] = {
+        hami.ANN_DEVICES_TO_ALLOCATE: hami.encode_pod_devices(containers),
+        hami.ANN_MIG_INSTANCES: text,
+    }
+    rebuilt = allocation_from_pod(spec, "n")
+    assert rebuilt is not None
+    got = [[(g.mig.profile, g.mig.start, g.mig.size, g.mig.state) if g.mig else None
+            for g in c] for c in rebuilt.containers]  # fmt: skip
+    assert got == [[], [("3g.40gb", 4, 4, "planned"), None], [("1g.10gb", 0, 1, "planned")]]
+    # unreadable placements: the grants still hold their capacity (as slices)
+    spec["metadata"]["annotations"][hami.ANN_MIG_INSTANCES] = "3g.40gb@x/4:;"
+    rebuilt = allocation_from_pod(spec, "n")
+    assert rebuilt is not None and not rebuilt.mig_grants()
+    assert hami.scheduler_owned(hami.ANN_MIG_INSTANCES)  # admission denies it from a user
+    # the node agent's record, once the instance exists, carries its UUID: adopted by it
+    made = [[_made(mig_grant("1g.10gb", 6))]]
+    text = hami.encode_mig_instances(made)
+    assert text == "1g.10gb@6/1=MIG-aa:;"
+    (g,) = hami.apply_mig_instances([[slice_grant()]], text)[0]
+    assert (g.mig.mig_uuid, g.mig.state) == ("MIG-aa", "created")
+    with pytest.raises(ValueError):
+        hami.apply_mig_instances([[slice_grant()]], "1g.10gb@6/1=GPU-x,y:;")
+
+
+def _made(g: DeviceGrant) -> DeviceGrant:
+    return g.model_copy(update={"mig": g.mig.model_copy(update={"mig_uuid": "MIG-aa",
+                                                                "state": "created"})})
+
+
+@pytest.mark.parametrize("text", ["", "3g.40gb@4/4:", "3g.40gb@4/4:;;", "3g.40gb@4:;",
+                                  "a@b/c:;", ":;"])
+def test_malformed_placements_are_refused(text) -> None:
+    with pytest.raises(ValueError):
+        hami.apply_mig_instances([[mig_grant("3g.40gb", 4), slice_grant()]][:1] if text != ":;"
+                                 else [[mig_grant("3g.40gb", 4), slice_grant()]], text)
