@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tessera_cli.stack import SimNode
@@ -173,6 +174,16 @@ def test_two_pods_of_different_sizes_on_one_card_are_each_held_to_their_own_limi
                        hold=hold)
     sim.kube.create_pod_retrying(small, namespace)
     sim.kube.wait_for("the small pod's allocations", lambda: len(answers(small_out)) >= 3, 40)
+
+    def on_dashboard() -> list[dict[str, Any]]:  # the metrics service's view of the card
+        state = httpx.get(f"http://127.0.0.1:{sim.stack.ports.metrics}/api/state",
+                          timeout=10).json()
+        return [c for n in state["nodes"] if n["name"] == NODE for g in n["gpus"]
+                for c in g["mps_clients"] if c["pod"] == f"{namespace}/mps-small"]
+
+    [client] = sim.kube.wait_for("the dashboard shows the small pod's MPS server",
+                                 on_dashboard, 30)
+    assert (client["memory_mib"], client["thread_pct"]) == (1024, 20)
     large = client_pod("mps-large", 3072, 50, [2048, 768, 512], large_out, programs, tmp_path)
     sim.kube.create_pod_retrying(large, namespace)
     done = sim.kube.wait_for("the large pod to finish", finished(sim, namespace, "mps-large"), 40)
