@@ -46,12 +46,23 @@ def say(p: subprocess.Popen[str], line: str) -> int:
         return -1
 
 
+def compute_mode(uuid: str) -> str:
+    """The GPU's compute mode (two servers need Default), or '' without nvidia-smi."""
+    try:
+        done = subprocess.run(["nvidia-smi", f"--id={uuid}", "--query-gpu=compute_mode",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip()
+
+
 def main(binary: str, uuid: str, cuctl: str) -> int:
     root = Path(tempfile.mkdtemp(prefix="tsr-mps-"))
     pairs = {"a": (ServerLimits(1024, 30), [768, 512], [0, 2]),
              "b": (ServerLimits(2048, 60), [768, 768, 1024], [0, 0, 2])}
     daemons = {k: ControlDaemon(binary, root, uuid, key=k) for k in pairs}
-    result: dict[str, object] = {}
+    result: dict[str, object] = {"compute_mode": compute_mode(uuid)}
     procs: list[subprocess.Popen[str]] = []
     ok = True
     try:
