@@ -46,7 +46,7 @@ from scheduler import (
     run_ours,
     trace,
 )
-from tessera.nats_embedded import EmbeddedNats
+from tessera_cli.nats_embedded import EmbeddedNats
 
 from tessera.bus import connect, ensure_bus
 from tessera.codec import encode
