@@ -509,9 +509,13 @@ class SchedulerService:
         reached the watch."""
         now = self.clock()
         limit = 2 * self.settings.node_ttl_s
-        for name, entry in list(self.index.entries.items()):
+        cutoff = now - limit  # one float comparison per node: this runs every sweep
+        for name in [n for n, heard in self.heard.items() if heard < cutoff]:
+            entry = self.index.entries.get(name)
             heard = self.heard.get(name)
-            if entry.registration is not None and heard is not None and now - heard > limit:
+            if entry is not None and entry.registration is not None and heard is not None and (
+                now - heard > limit
+            ):
                 await self._announce_lost(name, f"no heartbeat for {limit:.0f} s")
                 self.index.set_registration(name, None, now)
 
