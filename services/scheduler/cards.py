@@ -123,7 +123,7 @@ def counts_against_capacity(allocation: Allocation, now: float) -> bool:
     )
 
 
-def _time_sensitive(allocation: Allocation, now: float) -> bool:
+def time_sensitive(allocation: Allocation, now: float) -> bool:
     """Whether what the allocation holds changes, or may have changed, with time alone."""
     return bool(allocation.preempted_by) or (
         allocation.state == AllocationState.RESERVED
@@ -142,12 +142,12 @@ def same_usage(old: NodeLedger, new: NodeLedger, now: float) -> bool:
     if before_all.keys() != after_all.keys():
         return False
     for uid, after in after_all.items():
-        if _time_sensitive(after, now):
+        if time_sensitive(after, now):
             return False
         before = before_all[uid]
         if before is after:
             continue
-        if _time_sensitive(before, now):
+        if time_sensitive(before, now):
             return False
         counts = counts_against_capacity(before, now)
         if counts != counts_against_capacity(after, now):
