@@ -28,7 +28,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record import record_section
-from tessera.scheduler.__main__ import GC_YOUNG_THRESHOLD
 from tessera.scheduler.cards import Card, allocation_usage, node_score
 from tessera.scheduler.decide import decide
 from tessera.scheduler.index import ClusterIndex
@@ -136,8 +135,7 @@ def run_ours(nodes: int, pods: list[dict[str, Any]]) -> dict[str, float]:
         index.set_ledger(r.node, ledger, 1, 0.0)
     names = [r.node for r in registrations]
     gc.collect()
-    gc.freeze()  # as the service does once its index is synced, with its young threshold
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    gc.freeze()  # as the service does once its index is synced
     times: list[float] = []
     placed = 0
     for spec in pods:

@@ -18,12 +18,6 @@ from .runtime import SchedulerService
 NAME = "scheduler"
 DESCRIPTION = "kube-scheduler extender and the allocation ledger"
 DEFAULT_LISTEN = "0.0.0.0:8888"
-# Tracked allocations between young collections once serving (CPython's default is 700). A
-# filter and bind allocate ~1,600 tracked objects between them and the index keeps a few hundred
-# per write, so at 700 a young collection ran every few pods and walked the survivors each time:
-# ~0.9 ms of CPU per pod at 5,000 nodes (bench/scheduler_scale.py), against ~0.1 ms at 10,000,
-# each young collection then taking a few ms (a full one, as before, tens).
-GC_YOUNG_THRESHOLD = 10_000
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -47,7 +41,6 @@ async def freeze_when_ready(service: SchedulerService, quiet_s: float = 60.0) ->
         gc.enable()
         await service.wait_ready(timeout=3600)
     gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     gc.enable()
 
 
