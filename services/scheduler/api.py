@@ -2,6 +2,10 @@
 
 Keys are matched case-insensitively, as kube-scheduler's Go decoder does. Malformed calls get a
 4xx with a message; anything unexpected inside becomes an `error` in the result, never a 500.
+
+A plain ASGI app (no framework routing or request objects: per call they cost more than the
+placement): `Extender.respond(method, path, body)` answers a whole request, `__call__` is its
+ASGI face for uvicorn and the tests' ASGI transport.
 """
 
 from __future__ import annotations
@@ -9,14 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from .engine import Scheduler
 from .filtering import FilterOutcome
@@ -27,6 +27,24 @@ from .validation import LedgerGuard
 
 log = logging.getLogger("tessera.scheduler.api")
 MAX_CANDIDATES = 100_000
+_JSON = b"application/json"
+_TEXT = b"text/plain; charset=utf-8"
+
+
+class Reply(NamedTuple):
+    status: int
+    body: bytes
+    content_type: bytes = _JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def json_reply(value: Any, status: int = 200) -> Reply:
+    """JSON as Starlette's JSONResponse wrote it (compact, UTF-8, no NaN)."""
+    body = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return Reply(status, body.encode())
+
+
+NOT_FOUND = Reply(404, b"Not Found", _TEXT)
 
 
 class _BadCall(Exception):
@@ -35,15 +53,7 @@ class _BadCall(Exception):
         self.status = status
 
 
-async def _json_object(
-    request: Request, max_bytes: int, names: NodeNamesCache | None = None
-) -> dict[str, Any]:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > max_bytes:
-        raise _BadCall(413, f"request body larger than {max_bytes} bytes")
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise _BadCall(413, f"request body larger than {max_bytes} bytes")
+def _json_object(body: bytes, names: NodeNamesCache | None = None) -> dict[str, Any]:
     if names is not None:
         data = names.parse(body)
         if data is not None:
@@ -105,30 +115,125 @@ def _filter_result(outcome: FilterOutcome, nodes: list[Any] | None) -> dict[str,
     return result
 
 
-def build_app(
-    scheduler: Scheduler,
-    ready: Callable[[], bool],
-    max_body_bytes: int = 32 * 1024 * 1024,
-    *,
-    refusing: Callable[[], str] | None = None,
-    guard: LedgerGuard | None = None,
-    gate: PodGate | None = None,
-    probes_only: bool = False,
-) -> Starlette:
-    """The extender's routes. `refusing()` names why filters and binds must wait ('' = serve):
-    until the ledger is synced and rebuilt from the cluster, no placement may be made on what it
-    does not know. `guard` refuses nodes whose ledger entry is quarantined; `gate` checks with
-    the cluster that the pod's node constraints allow the node before bind (filter asks it
-    whether the pod exists through `PodFilter.pod_check`). `probes_only`: only /healthz, /readyz
-    and /metrics (the plain listener beside an mTLS extender)."""
-    metrics = scheduler.metrics
-    names_cache = NodeNamesCache(MAX_CANDIDATES)
+Handler = Callable[[bytes], Awaitable[Reply]]
 
-    async def filter_(request: Request) -> Response:
+
+class Extender:
+    """The extender's routes (see `build_app`), answering whole requests."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        ready: Callable[[], bool],
+        max_body_bytes: int,
+        refusing: Callable[[], str] | None,
+        guard: LedgerGuard | None,
+        gate: PodGate | None,
+        probes_only: bool,
+    ) -> None:
+        self.scheduler = scheduler
+        self.metrics = scheduler.metrics
+        self.ready = ready
+        self.max_body_bytes = max_body_bytes
+        self.refusing = refusing
+        self.guard = guard
+        self.gate = gate
+        self.names_cache = NodeNamesCache(MAX_CANDIDATES)
+        probes: dict[str, tuple[str, Handler]] = {
+            "/healthz": ("GET", self.healthz),
+            "/readyz": ("GET", self.readyz),
+            "/metrics": ("GET", self.metrics_page),
+        }
+        calls: dict[str, tuple[str, Handler]] = {
+            "/filter": ("POST", self.filter_),
+            "/prioritize": ("POST", self.prioritize),
+            "/bind": ("POST", self.bind),
+        }
+        self.routes = probes if probes_only else {**calls, **probes}
+
+    # --- HTTP ---------------------------------------------------------------------------------
+    def route(self, method: str, path: str) -> Handler | Reply:
+        """The handler for a call, or the reply refusing it (404, 405)."""
+        found = self.routes.get(path)
+        if found is None:
+            return NOT_FOUND
+        allowed, handler = found
+        if method == allowed or (allowed == "GET" and method == "HEAD"):
+            return handler
+        allow = b"GET, HEAD" if allowed == "GET" else allowed.encode()
+        return Reply(405, b"Method Not Allowed", _TEXT, ((b"allow", allow),))
+
+    def too_large(self) -> Reply:
+        return json_reply({"error": f"request body larger than {self.max_body_bytes} bytes"}, 413)
+
+    async def respond(self, method: str, path: str, body: bytes) -> Reply:
+        """One whole request (the body already read, within max_body_bytes)."""
+        handler = self.route(method, path)
+        if isinstance(handler, Reply):
+            return handler
+        return await handler(body)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """ASGI."""
+        kind = scope["type"]
+        if kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if kind != "http":
+            return
+        handler = self.route(scope["method"], scope["path"])
+        if isinstance(handler, Reply):
+            reply = handler
+        else:
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return  # the client went away
+            reply = self.too_large() if isinstance(body, Reply) else await handler(body)
+        headers = [
+            (b"content-length", str(len(reply.body)).encode()),
+            (b"content-type", reply.content_type),
+            *reply.headers,
+        ]
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body})
+
+    async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | Reply | None:
+        """The body, or a Reply when it is over the limit, or None on disconnect."""
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > limit:
+                    return self.too_large()
+                break
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    return self.too_large()
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # --- the calls ----------------------------------------------------------------------------
+    async def filter_(self, body: bytes) -> Reply:
         started = time.perf_counter()
+        metrics, scheduler, refusing, guard = (self.metrics, self.scheduler, self.refusing,
+                                               self.guard)  # fmt: skip
         nodes: list[Any] | None = None
         try:
-            data = await _json_object(request, max_body_bytes, names_cache)
+            data = _json_object(body, self.names_cache)
             pod, names, nodes = _extender_args(data)
             if nodes is not None:
                 scheduler.learn_node_objects(nodes)
@@ -142,9 +247,9 @@ def build_app(
                 outcome = await scheduler.filter(pod, names, dry_run=nodes is not None)
                 outcome.failed.update(refused)
         except _BadCall as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+            return json_reply({"error": str(exc)}, exc.status)
         except BadRequestError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return json_reply({"error": str(exc)}, 400)
         except Exception as exc:
             log.exception("filter failed")
             outcome = FilterOutcome(error=f"internal error: {type(exc).__name__}: {exc}")
@@ -152,25 +257,26 @@ def build_app(
             metrics.filter_seconds.observe(time.perf_counter() - started)
         fits = bool(outcome.nodenames) or outcome.passed_all
         metrics.filtered(time.perf_counter() - started, fits and not outcome.error)
-        return JSONResponse(_filter_result(outcome, nodes))
+        return json_reply(_filter_result(outcome, nodes))
 
-    async def prioritize(request: Request) -> Response:
+    async def prioritize(self, body: bytes) -> Reply:
         try:
-            data = await _json_object(request, max_body_bytes)
+            data = _json_object(body)
             pod, names, _nodes = _extender_args(data)
-            return JSONResponse(scheduler.prioritize(pod, names))
+            return json_reply(self.scheduler.prioritize(pod, names))
         except _BadCall as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+            return json_reply({"error": str(exc)}, exc.status)
         except BadRequestError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return json_reply({"error": str(exc)}, 400)
         except Exception as exc:
             log.exception("prioritize failed")
-            return JSONResponse({"error": f"internal error: {exc}"}, status_code=422)
+            return json_reply({"error": f"internal error: {exc}"}, 422)
 
-    async def bind(request: Request) -> Response:
+    async def bind(self, body: bytes) -> Reply:
         started = time.perf_counter()
+        metrics, refusing, guard, gate = self.metrics, self.refusing, self.guard, self.gate
         try:
-            data = await _json_object(request, max_body_bytes)
+            data = _json_object(body)
             fields = {}
             for key in ("podname", "podnamespace", "poduid", "node"):
                 value = data.get(key, "")
@@ -190,15 +296,12 @@ def build_app(
             if error:
                 log.warning("bind refused", extra={"node": fields["node"], "reason": error})
                 metrics.bind_errors.inc()
-                return JSONResponse({"Error": error})
-            error = await scheduler.bind(
-                fields["podnamespace"] or "default",
-                fields["podname"],
-                fields["poduid"],
-                fields["node"],
+                return json_reply({"Error": error})
+            error = await self.scheduler.bind(
+                namespace, fields["podname"], fields["poduid"], fields["node"]
             )
         except _BadCall as exc:
-            return JSONResponse({"Error": str(exc)}, status_code=exc.status)
+            return json_reply({"Error": str(exc)}, exc.status)
         except Exception as exc:
             log.exception("bind failed")
             error = f"internal error: {type(exc).__name__}: {exc}"
@@ -207,32 +310,36 @@ def build_app(
         if error:
             metrics.bind_errors.inc()
         metrics.bound_result(not error)
-        return JSONResponse({"Error": error})
+        return json_reply({"Error": error})
 
-    async def healthz(request: Request) -> Response:
-        return JSONResponse({"ok": True})
+    async def healthz(self, body: bytes) -> Reply:
+        return json_reply({"ok": True})
 
-    async def readyz(request: Request) -> Response:
-        ok = ready()
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+    async def readyz(self, body: bytes) -> Reply:
+        ok = self.ready()
+        return json_reply({"ready": ok}, 200 if ok else 503)
 
-    async def metrics_page(request: Request) -> Response:
-        metrics.inflight_claims.set(scheduler.index.claims_held(scheduler.clock()))
-        metrics.nodes.set(sum(1 for e in scheduler.index.entries.values() if e.schedulable))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_page(self, body: bytes) -> Reply:
+        scheduler = self.scheduler
+        self.metrics.inflight_claims.set(scheduler.index.claims_held(scheduler.clock()))
+        self.metrics.nodes.set(sum(1 for e in scheduler.index.entries.values() if e.schedulable))
+        return Reply(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
 
-    probes = [
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics_page, methods=["GET"]),
-    ]
-    if probes_only:
-        return Starlette(routes=probes)
-    return Starlette(
-        routes=[
-            Route("/filter", filter_, methods=["POST"]),
-            Route("/prioritize", prioritize, methods=["POST"]),
-            Route("/bind", bind, methods=["POST"]),
-            *probes,
-        ]
-    )
+
+def build_app(
+    scheduler: Scheduler,
+    ready: Callable[[], bool],
+    max_body_bytes: int = 32 * 1024 * 1024,
+    *,
+    refusing: Callable[[], str] | None = None,
+    guard: LedgerGuard | None = None,
+    gate: PodGate | None = None,
+    probes_only: bool = False,
+) -> Extender:
+    """The extender's routes. `refusing()` names why filters and binds must wait ('' = serve):
+    until the ledger is synced and rebuilt from the cluster, no placement may be made on what it
+    does not know. `guard` refuses nodes whose ledger entry is quarantined; `gate` checks with
+    the cluster that the pod's node constraints allow the node before bind (filter asks it
+    whether the pod exists through `PodFilter.pod_check`). `probes_only`: only /healthz, /readyz
+    and /metrics (the plain listener beside an mTLS extender)."""
+    return Extender(scheduler, ready, max_body_bytes, refusing, guard, gate, probes_only)

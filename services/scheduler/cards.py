@@ -149,6 +149,45 @@ def counts_against_capacity(allocation: Allocation, now: float) -> bool:
     )
 
 
+def time_sensitive(allocation: Allocation, now: float) -> bool:
+    """Whether what the allocation holds changes, or may have changed, with time alone."""
+    return bool(allocation.preempted_by) or (
+        allocation.state == AllocationState.RESERVED
+        and allocation.expires_at is not None
+        and allocation.expires_at <= now
+    )
+
+
+def same_usage(old: NodeLedger, new: NodeLedger, now: float) -> bool:
+    """Whether `new` charges every card exactly what `old` did: the same pods, and each pod
+    that changed (claimed, bound, allocated: state and expiry only) holds the same grants.
+    Conservative: any pod whose charge changes with time alone (a reservation at or past its
+    expiry, a preemption victim) answers False, so cards built from `old` at an earlier time
+    equal cards built from `new` now whenever this answers True."""
+    before_all, after_all = old.allocations, new.allocations
+    if before_all.keys() != after_all.keys():
+        return False
+    for uid, after in after_all.items():
+        if time_sensitive(after, now):
+            return False
+        before = before_all[uid]
+        if before is after:
+            continue
+        if time_sensitive(before, now):
+            return False
+        counts = counts_against_capacity(before, now)
+        if counts != counts_against_capacity(after, now):
+            return False
+        if counts and not (
+            (before.containers is after.containers or before.containers == after.containers)
+            and before.init_count == after.init_count
+            and before.init_done == after.init_done
+            and before.sidecars == after.sidecars
+        ):
+            return False
+    return True
+
+
 def build_cards(
     registration: NodeRegistration,
     allocations: Iterable[Allocation],

@@ -152,6 +152,7 @@ class PodFilter:
         timed = False
         held_charge: tuple[int, int, int] | None = None
         for entry, fit in decision.fits():
+            seen = (entry.ledger, entry.cards)  # what `fit` was made on (before any await)
             if not timed:
                 self.metrics.fit_seconds.observe(time.perf_counter() - started)
                 timed = True
@@ -182,6 +183,12 @@ class PodFilter:
                 ttl_s=self.settings.reservation_ttl_s,
                 may_create=entry.ledger is None,
                 foreign=self.index.foreign_allocations(entry.name),
+                # The decision's fit stands for the write's own when it was made without a
+                # quota limit (the write fits without one: the quota is held already).
+                decided=(entry.ledger, fit) if (
+                    entry.ledger is not None and entry.ledger is seen[0]
+                    and entry.cards is seen[1] and decision.budget == QuotaBudget()
+                ) else None,
             )
             # Other filters running while this CAS is in flight should look elsewhere first.
             self.index.busy[entry.slot] = True

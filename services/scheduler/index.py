@@ -21,7 +21,7 @@ import numpy as np
 from tessera.hami import PodRequest
 from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration
 
-from .cards import Card, build_cards, node_score
+from .cards import Card, build_cards, node_score, same_usage
 
 _GROW = 1024
 _WIDTH = 8  # cards per row; widened when a node has more GPUs
@@ -239,7 +239,8 @@ class ClusterIndex:
         entry = self._entry(node)
         if revision and revision <= entry.ledger_revision:
             return False
-        old_allocations = entry.ledger.allocations if entry.ledger else {}
+        old = entry.ledger
+        old_allocations = old.allocations if old else {}
         entry.ledger = ledger
         entry.ledger_revision = revision
         self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
@@ -249,7 +250,14 @@ class ClusterIndex:
             self.sweepable.add(node)
         else:
             self.sweepable.discard(node)
-        self._rebuild(entry, now)
+        if (
+            old is not None and ledger is not None and self._deferred is None
+            and entry.registration is not None and same_usage(old, ledger, now)
+        ):  # fmt: skip
+            # A claim, a bind or the agent's Allocate: no card's usage moved, only the flags.
+            self._flags(entry, now)
+        else:
+            self._rebuild(entry, now)
         event = self._changed.pop(node, None)
         if event is not None:
             event.set()
@@ -343,6 +351,10 @@ class ClusterIndex:
         ] * len(pad)
         self.card_idle[slot] = [c.used_slots == 0 for c in usable] + [False] * len(pad)
         self.scores[slot] = entry.score
+        self._flags(entry, now)
+
+    def _flags(self, entry: NodeEntry, now: float) -> None:
+        """The earliest reservation expiry and whether a bind is in flight on the node."""
         expiries = [
             a.expires_at
             for a in (entry.ledger.allocations.values() if entry.ledger else ())
@@ -350,7 +362,7 @@ class ClusterIndex:
         ]
         entry.reserved_until = min(expiries, default=None)
         claims = entry.ledger.in_flight().values() if entry.ledger else ()
-        self.busy[slot] = any(c.expires_at > now for c in claims) or any(
+        self.busy[entry.slot] = any(c.expires_at > now for c in claims) or any(
             e > now for e in expiries
         )
 

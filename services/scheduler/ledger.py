@@ -28,7 +28,13 @@ from tessera.models import (
     exchange_grants,
 )
 
-from .cards import Card, allocation_usage, build_cards, counts_against_capacity
+from .cards import (
+    Card,
+    allocation_usage,
+    build_cards,
+    counts_against_capacity,
+    time_sensitive,
+)
 from .ledger_codec import LedgerCodec
 from .placement import PodFit, fit_pod
 from .rules import FitContext
@@ -62,6 +68,10 @@ class ReservationRequest:
     may_create: bool = True
     # What HAMi's pods hold on the node (foreign.py): counted, never written to the ledger.
     foreign: tuple[Allocation, ...] = ()
+    # The fit the decision made on the index's cards, and the ledger value they were built
+    # from: reused when the write starts from that very value and nothing the clock changes
+    # is in it (the cards would come out the same), instead of building and fitting again.
+    decided: tuple[NodeLedger, PodFit] | None = None
 
 
 class LedgerLostError(Exception):
@@ -81,6 +91,16 @@ def _replace(
     return ledger.model_copy(update=update)
 
 
+def _decided_fit(req: ReservationRequest, current: NodeLedger | None) -> PodFit | None:
+    if req.decided is None or current is None or current is not req.decided[0]:
+        return None
+    if any(time_sensitive(a, req.now) for a in current.allocations.values()) or any(
+        time_sensitive(a, req.now) for a in req.foreign
+    ):
+        return None
+    return req.decided[1]
+
+
 def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeLedger:
     if current is None and not req.may_create:
         raise LedgerLostError(req.template.node)
@@ -91,8 +111,11 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
         raise NoChange  # already reserved here (a retried filter): keep it
     # Drop finished entries while writing anyway: the ledger never keeps dead pods.
     others = {k: a for k, a in ledger.allocations.items() if k != uid and a.active}
-    cards = build_cards(req.registration, [*others.values(), *req.foreign], req.now, req.cordoned)
-    fit = fit_pod(cards, req.request, req.ctx_factory())
+    fit = _decided_fit(req, current)
+    if fit is None:
+        held = [*others.values(), *req.foreign]
+        cards = build_cards(req.registration, held, req.now, req.cordoned)
+        fit = fit_pod(cards, req.request, req.ctx_factory())
     if not fit.ok:
         raise NodeFullError(fit)
     others[uid] = req.template.model_copy(

@@ -32,16 +32,27 @@ _tokens = itertools.count(1)
 
 class NodeNames(list[str]):
     """A candidate list already checked (strings, within the limit). `token` names its content:
-    two lists with one token have the same names in the same order."""
+    two lists with one token have the same names in the same order.
+
+    Read-only: one instance is handed to every call with that list (a copy per call of 5,000 to
+    20,000 names cost more than the copy is worth, most of it in the cyclic GC walking the
+    copies of the calls in flight); whoever needs a changed list builds a new one."""
 
     token: int = 0
+
+    def _read_only(self, *_args: object, **_kwargs: object) -> None:
+        raise TypeError("NodeNames is shared between calls: build a new list instead")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
+    append = extend = insert = pop = remove = _read_only  # type: ignore[assignment]
+    clear = sort = reverse = _read_only  # type: ignore[assignment]
 
 
 class NodeNamesCache:
     def __init__(self, max_names: int, remembered: int = _REMEMBERED) -> None:
         self.max_names = max_names
         self.remembered = remembered
-        self._recent: list[tuple[bytes, list[str], int]] = []  # (array bytes, names, token)
+        self._recent: list[tuple[bytes, NodeNames]] = []  # (array bytes, names)
 
     def parse(self, body: bytes) -> dict[str, Any] | None:
         """The body as a JSON object with lower-cased keys and `nodenames` a NodeNames, or
@@ -68,9 +79,7 @@ class NodeNamesCache:
         lowered = {str(k).lower(): v for k, v in data.items()}
         if lowered.get("nodenames") != _PLACEHOLDER_VALUE:
             return None
-        names = NodeNames(known[0])
-        names.token = known[1]
-        lowered["nodenames"] = names
+        lowered["nodenames"] = known
         return lowered
 
     @staticmethod
@@ -95,15 +104,15 @@ class NodeNamesCache:
             return None
         return i, end + 1
 
-    def _lookup(self, array: bytes) -> tuple[list[str], int] | None:
-        for i, (known, names, token) in enumerate(self._recent):
+    def _lookup(self, array: bytes) -> NodeNames | None:
+        for i, (known, names) in enumerate(self._recent):
             if known == array:
                 if i:
                     self._recent.insert(0, self._recent.pop(i))
-                return names, token
+                return names
         return None
 
-    def _learn(self, array: bytes) -> tuple[list[str], int] | None:
+    def _learn(self, array: bytes) -> NodeNames | None:
         try:
             names = json.loads(array)
         except (ValueError, RecursionError):
@@ -112,7 +121,8 @@ class NodeNamesCache:
             return None
         if not all(type(name) is str for name in names):
             return None
-        token = next(_tokens)
-        self._recent.insert(0, (array, names, token))
+        known = NodeNames(names)
+        known.token = next(_tokens)
+        self._recent.insert(0, (array, known))
         del self._recent[self.remembered :]
-        return names, token
+        return known

@@ -21,7 +21,6 @@ from nats.js import JetStreamContext
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
-from starlette.applications import Starlette
 
 from tessera import bus
 from tessera.bus import Buckets, BusKeeper
@@ -43,7 +42,7 @@ from tessera.restore import init_containers_succeeded
 from tessera.settings import TesseraSettings
 from tessera.validation import Bounds, Problem, Rejections
 
-from .api import build_app
+from .api import Extender, build_app
 from .config import SchedulerSettings
 from .engine import Scheduler
 from .foreign import ForeignCapacity
@@ -148,13 +147,13 @@ class SchedulerService:
             return f"scheduler not ready: the ledger is being synced and rebuilt from pods{why}"
         return ""
 
-    def app(self) -> Starlette:
+    def app(self) -> Extender:
         return build_app(
             self.scheduler, self.ready, self.config.max_body_bytes,
             refusing=self.not_ready_reason, guard=self.guard, gate=self.gate,
         )  # fmt: skip
 
-    def probe_app(self) -> Starlette:
+    def probe_app(self) -> Extender:
         """Only /healthz, /readyz and /metrics: for kubelet and Prometheus, which present no
         client certificate to an mTLS extender."""
         return build_app(self.scheduler, self.ready, probes_only=True)
@@ -276,7 +275,9 @@ class SchedulerService:
                 tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED
         config = uvicorn.Config(
             self.probe_app() if probes_only else self.app(), host=host, port=port,
-            log_config=None, access_log=False, timeout_graceful_shutdown=2, **tls,
+            log_config=None, access_log=False, timeout_graceful_shutdown=2, lifespan="off",
+            proxy_headers=False,  # nothing reads the client address; its middleware costs
+            **tls,
         )  # fmt: skip
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
@@ -508,9 +509,13 @@ class SchedulerService:
         reached the watch."""
         now = self.clock()
         limit = 2 * self.settings.node_ttl_s
-        for name, entry in list(self.index.entries.items()):
+        cutoff = now - limit  # one float comparison per node: this runs every sweep
+        for name in [n for n, heard in self.heard.items() if heard < cutoff]:
+            entry = self.index.entries.get(name)
             heard = self.heard.get(name)
-            if entry.registration is not None and heard is not None and now - heard > limit:
+            if entry is not None and entry.registration is not None and heard is not None and (
+                now - heard > limit
+            ):
                 await self._announce_lost(name, f"no heartbeat for {limit:.0f} s")
                 self.index.set_registration(name, None, now)
 

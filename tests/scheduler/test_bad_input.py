@@ -168,3 +168,25 @@ async def test_fuzzed_bind_never_500(service_and_node: tuple[Any, str], body: An
         response = await client.post("/bind", content=as_json(body))
     assert response.status_code in (200, 400)
     assert "Error" in response.json()
+
+
+async def test_http_edges_oversized_body_wrong_method_unknown_path(
+    make_service: MakeService,
+) -> None:
+    """The extender's own HTTP handling: a body over the limit is refused with a message before
+    it is parsed, a wrong method is 405 naming the allowed one, an unknown path 404, and a
+    probe answers HEAD as GET does."""
+    service = await make_service(config={"max_body_bytes": 1000})
+    big = json.dumps({"pod": {"metadata": {"name": "x"}}, "nodenames": ["n" * 2000]}).encode()
+    async with http_client(service) as client:
+        too_big = await client.post("/filter", content=big)
+        bind_too_big = await client.post("/bind", content=b" " * 1001)
+        wrong = await client.get("/filter")
+        unknown = await client.post("/nowhere", content=b"{}")
+        head = await client.head("/readyz")
+    assert too_big.status_code == 413
+    assert "larger than 1000 bytes" in too_big.json()["error"]
+    assert bind_too_big.status_code == 413
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert unknown.status_code == 404
+    assert head.status_code == 200

@@ -148,3 +148,31 @@ def test_sweep_keeps_pods_found_bound_and_reports_the_dropped() -> None:
     assert swept.allocations["kept"].state == "bound"
     assert set(swept.allocations) == {"kept", "live"}
     assert [a.pod_uid for a in removed] == ["lapsed"]
+
+
+def test_reserve_reuses_the_decisions_fit_only_on_the_value_it_was_made_on() -> None:
+    """The filter hands the fit it made on the index's cards to the reservation; the write uses
+    it only when it starts from that very ledger value and nothing in it depends on the clock
+    (else it fits again on what it read)."""
+    from dataclasses import replace
+
+    from tessera.scheduler.placement import PodFit
+
+    base = reservation(20 * GIB)
+    held = ledger(allocation("a", AllocationState.ALLOCATED))
+    real = reserve_mutate(base, held).allocations["new"].containers
+    # A stand-in fit (a uuid of its own), to see which one the write used.
+    marked = PodFit(ok=True, containers=[[DeviceGrant(uuid="GPU-decided", type="T",
+                                                      memory_mib=1, cores=0)]])  # fmt: skip
+    assert real != marked.containers
+    used = reserve_mutate(replace(base, decided=(held, marked)), held)
+    assert used.allocations["new"].containers == marked.containers
+    # Another value of the same content (a fresh read): fitted again.
+    copy = held.model_copy()
+    assert reserve_mutate(replace(base, decided=(held, marked)), copy).allocations[
+        "new"].containers == real  # fmt: skip
+    # A reservation past its expiry in it: its charge depends on the clock, fitted again.
+    lapsed = ledger(allocation("a", AllocationState.ALLOCATED),
+                    allocation("old", AllocationState.RESERVED, expires_at=NOW - 1))  # fmt: skip
+    assert reserve_mutate(replace(base, decided=(lapsed, marked)), lapsed).allocations[
+        "new"].containers == real  # fmt: skip

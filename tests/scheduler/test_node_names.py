@@ -49,7 +49,10 @@ def test_a_repeated_list_keeps_its_token_and_a_new_one_gets_another() -> None:
     other = cache.parse(json.dumps({"pod": POD, "nodenames": NAMES[::-1]}).encode())
     assert one and two and other
     assert one["nodenames"].token == two["nodenames"].token != other["nodenames"].token
-    two["nodenames"].append("mutated")  # each call gets its own copy
+    with pytest.raises(TypeError):  # one list shared by the calls: nobody may change it
+        two["nodenames"].append("mutated")
+    with pytest.raises(TypeError):
+        two["nodenames"][0] = "mutated"
     again = cache.parse(json.dumps({"pod": POD, "nodenames": NAMES}).encode())
     assert again and again["nodenames"] == NAMES
 
