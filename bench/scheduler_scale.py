@@ -46,11 +46,11 @@ from scheduler import (
     run_ours,
     trace,
 )
-from tessera.nats_embedded import EmbeddedNats
 
 from tessera.bus import connect, ensure_bus
 from tessera.codec import encode
 from tessera.settings import NatsSettings, TesseraSettings
+from tessera_cli.nats_embedded import EmbeddedNats
 
 SIZES = tuple(int(s) for s in os.environ.get("BENCH_SIZES", "5000,20000").split(",") if s)
 REPEAT = int(os.environ.get("BENCH_REPEAT", "1"))

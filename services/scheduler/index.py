@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from tessera.hami import PodRequest
-from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration
+from tessera.models import AllocationState, NodeLedger, NodeRegistration
 
 from .cards import Card, build_cards, node_score
+from .wire_fast import LedgerWire
 
 _GROW = 1024
 _WIDTH = 8  # cards per row; widened when a node has more GPUs
@@ -33,7 +34,9 @@ class NodeEntry:
     name: str
     slot: int
     registration: NodeRegistration | None = None
-    ledger: NodeLedger | None = None
+    # The node's ledger entry: a NodeLedger, or a LedgerWire (checked, not built yet: see
+    # wire_fast.py) that `ledger` builds on first use. `view` reads either without building.
+    view: NodeLedger | LedgerWire | None = None
     ledger_revision: int = 0
     cordoned: frozenset[str] = frozenset()
     cards: list[Card] = field(default_factory=list)
@@ -44,6 +47,13 @@ class NodeEntry:
     @property
     def schedulable(self) -> bool:
         return self.registration is not None
+
+    @property
+    def ledger(self) -> NodeLedger | None:
+        view = self.view
+        if type(view) is LedgerWire:
+            view = self.view = view.materialize()
+        return view  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -234,13 +244,15 @@ class ClusterIndex:
             return  # a heartbeat of the same registration: nothing to rebuild
         self._rebuild(entry, now)
 
-    def set_ledger(self, node: str, ledger: NodeLedger | None, revision: int, now: float) -> bool:
+    def set_ledger(
+        self, node: str, ledger: NodeLedger | LedgerWire | None, revision: int, now: float
+    ) -> bool:
         """Apply a ledger value; older revisions than the one known are ignored."""
         entry = self._entry(node)
         if revision and revision <= entry.ledger_revision:
             return False
-        old_allocations = entry.ledger.allocations if entry.ledger else {}
-        entry.ledger = ledger
+        old_allocations = entry.view.allocations if entry.view is not None else {}
+        entry.view = ledger
         entry.ledger_revision = revision
         self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
         if ledger is not None and (ledger.claims or ledger.claim is not None or any(
@@ -255,9 +267,7 @@ class ClusterIndex:
             event.set()
         return True
 
-    def _map_pods(
-        self, node: str, old: dict[str, Allocation], new: dict[str, Allocation]
-    ) -> None:
+    def _map_pods(self, node: str, old: dict[str, Any], new: dict[str, Any]) -> None:
         """Keep pod uid -> node and (namespace, name) -> uid current. Allocations are
         copy-on-write, so one that is the same object as before changed nothing: a write that
         changes one pod costs O(pods on the node) identity checks, not dictionary updates."""
@@ -309,7 +319,7 @@ class ClusterIndex:
                 self._rebuild(entry, now)
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
-        if self._deferred is not None and (entry.registration is not None or entry.ledger):
+        if self._deferred is not None and (entry.registration is not None or entry.view):
             self._deferred.add(entry.name)
             return
         slot = entry.slot
@@ -317,7 +327,7 @@ class ClusterIndex:
             entry.cards = []
             self.free_gpus[slot] = -1
             entry.reserved_until = None
-            if entry.ledger is None:
+            if entry.view is None:
                 self._forget(entry)
             return
         cards = self._cards(entry, now)
@@ -343,13 +353,14 @@ class ClusterIndex:
         ] * len(pad)
         self.card_idle[slot] = [c.used_slots == 0 for c in usable] + [False] * len(pad)
         self.scores[slot] = entry.score
+        view = entry.view
         expiries = [
             a.expires_at
-            for a in (entry.ledger.allocations.values() if entry.ledger else ())
+            for a in (view.allocations.values() if view is not None else ())
             if a.state == AllocationState.RESERVED and a.expires_at is not None
         ]
         entry.reserved_until = min(expiries, default=None)
-        claims = entry.ledger.in_flight().values() if entry.ledger else ()
+        claims = view.in_flight().values() if view is not None else ()
         self.busy[slot] = any(c.expires_at > now for c in claims) or any(
             e > now for e in expiries
         )
@@ -357,7 +368,7 @@ class ClusterIndex:
     def _cards(self, entry: NodeEntry, now: float) -> list[Card]:
         """The node's cards with what its ledger holds plus what HAMi's pods hold there."""
         assert entry.registration is not None
-        allocations = list(entry.ledger.allocations.values()) if entry.ledger else []
+        allocations = list(entry.view.allocations.values()) if entry.view is not None else []
         foreign = self.foreign.get(entry.name)
         entry.blocked = ""
         if foreign is not None:
@@ -452,8 +463,8 @@ class ClusterIndex:
 
     def claims_held(self, now: float) -> int:
         return sum(
-            1 for e in self.entries.values() if e.ledger is not None
-            for c in e.ledger.in_flight().values() if c.expires_at > now
+            1 for e in self.entries.values() if e.view is not None
+            for c in e.view.in_flight().values() if c.expires_at > now
         )  # fmt: skip
 
     def notify(self, node: str) -> None:

@@ -1,12 +1,13 @@
-"""Node registrations as the scheduler reads them: a heartbeat costs a hash, not a decode.
+"""Node registrations as the scheduler reads them: a heartbeat costs a check, not a decode.
 
 A node agent re-puts its registration every `TESSERA_NODE_HEARTBEAT_S` (5 s): at 20,000 nodes that
 is 4,000 values a second, nearly all differing from the node's last one only in `heartbeat_at`.
 Decoding, validating and re-summarising each would take a large share of a core. So the
-scheduler keeps, per node, a hash of the last valid payload without its heartbeat; a payload
-whose hash matches is the last valid registration with a new heartbeat (its devices list is the
-same object, so the index sees nothing to rebuild). Anything else is decoded and validated as
-before. Decoded devices share one fields-set per shape and intern their repeated strings.
+scheduler keeps, per node, the last valid payload as msgspec checked it (wire_fast.py, one C
+pass); a payload equal to it but for the heartbeat is the last valid registration with a new
+heartbeat (its devices list is the same object, so the index sees nothing to rebuild). Anything
+else is decoded and validated as before. Decoded devices share one fields-set per shape and
+intern their repeated strings.
 """
 
 from __future__ import annotations
@@ -14,38 +15,16 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import msgpack
-
 from tessera.codec import decode
 from tessera.models import NodeRegistration
 
-
-def _digest(envelope: Any) -> tuple[int, float] | None:
-    """(hash of the payload without its heartbeat, the heartbeat), or None if not shaped so."""
-    if not isinstance(envelope, dict):
-        return None
-    data = envelope.get("data")
-    if not isinstance(data, dict):
-        return None
-    beat = data.pop("heartbeat_at", None)
-    if type(beat) not in (int, float):
-        return None
-    try:
-        return hash(msgpack.packb(envelope, use_bin_type=True)), float(beat)
-    except Exception:
-        return None
-
-
-def _unpack(payload: bytes) -> Any:
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception:
-        return None
+from . import wire_fast
 
 
 class RegistrationCodec:
     def __init__(self) -> None:
-        self._known: dict[str, tuple[int, NodeRegistration]] = {}
+        # key -> (the last valid payload as msgspec checked it, the registration from it)
+        self._known: dict[str, tuple[Any, NodeRegistration]] = {}
         self._sets: dict[frozenset[str], set[str]] = {}
 
     def heartbeat_only(self, key: str, payload: bytes) -> NodeRegistration | None:
@@ -54,10 +33,10 @@ class RegistrationCodec:
         known = self._known.get(key)
         if known is None:
             return None
-        digest = _digest(_unpack(payload))
-        if digest is None or digest[0] != known[0]:
+        parsed = wire_fast.parse_registration(payload)
+        if parsed is None or not wire_fast.same_but_heartbeat(parsed, known[0]):
             return None
-        return known[1].model_copy(update={"heartbeat_at": digest[1]})
+        return known[1].model_copy(update={"heartbeat_at": parsed.data.heartbeat_at})
 
     def decode(self, payload: bytes) -> NodeRegistration:
         """tessera.codec.decode (same value, same CodecError), devices slimmed."""
@@ -76,11 +55,11 @@ class RegistrationCodec:
 
     def accepted(self, key: str, payload: bytes, registration: NodeRegistration) -> None:
         """The registration was validated and applied: later heartbeats of it are cheap."""
-        digest = _digest(_unpack(payload))
-        if digest is None:
+        parsed = wire_fast.parse_registration(payload)
+        if parsed is None:  # not canonical: every value of it is decoded
             self._known.pop(key, None)
         else:
-            self._known[key] = (digest[0], registration)
+            self._known[key] = (parsed, registration)
 
     def forget(self, key: str) -> None:
         self._known.pop(key, None)
