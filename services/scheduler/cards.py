@@ -35,19 +35,10 @@ class Card:
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
-        return cls(
-            uuid=device.uuid,
-            index=device.index,
-            type=device.type,
-            mode=device.mode,
-            numa=device.numa,
-            healthy=device.healthy,
-            cordoned=cordoned,
-            memory_mib=device.memory_mib,
-            cores=device.cores,
-            split_count=device.split_count,
-            links=device.links,
-        )
+        return cls(  # positional: this runs for every card of every node the index rebuilds
+            device.uuid, device.index, device.type, device.mode, device.numa, device.healthy,
+            cordoned, device.memory_mib, device.cores, device.split_count, device.links,
+        )  # fmt: skip
 
     def clone(self) -> Card:
         return Card(

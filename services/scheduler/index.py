@@ -313,15 +313,28 @@ class ClusterIndex:
 
     def flush_rebuilds(self, now: float) -> None:
         deferred, self._deferred = self._deferred, None
+        rows = []
         for name in deferred or ():
             entry = self.entries.get(name)
             if entry is not None:
-                self._rebuild(entry, now)
+                row = self._summarise(entry, now)
+                if row is not None:
+                    rows.append(row)
+        if rows:
+            self._write_rows(rows)  # one assignment per array for every node
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
         if self._deferred is not None and (entry.registration is not None or entry.view):
             self._deferred.add(entry.name)
             return
+        row = self._summarise(entry, now)
+        if row is not None:
+            self._write_rows([row])
+
+    def _summarise(self, entry: NodeEntry, now: float) -> tuple | None:
+        """The node's cards, score and expiries set on the entry, and its row of the arrays
+        (slot, free GPUs, then per usable card: free memory, free %, free cores, computing,
+        idle; score, busy); None when the node has no registration (its row is cleared)."""
         slot = entry.slot
         if entry.registration is None:
             entry.cards = []
@@ -329,7 +342,7 @@ class ClusterIndex:
             entry.reserved_until = None
             if entry.view is None:
                 self._forget(entry)
-            return
+            return None
         cards = self._cards(entry, now)
         entry.cards = cards
         entry.score = node_score(cards)
@@ -338,21 +351,6 @@ class ClusterIndex:
             if c.healthy and not c.cordoned and c.used_slots < c.split_count
             and c.mode.lower() != "mig"
         ]  # fmt: skip
-        if len(usable) > self.card_mem.shape[1]:
-            self._grow(0, len(usable) - self.card_mem.shape[1])
-        width = self.card_mem.shape[1]
-        pad = [-1] * (width - len(usable))
-        self.free_gpus[slot] = -1 if entry.blocked else len(usable)
-        self.card_mem[slot] = [c.free_mem for c in usable] + pad
-        self.card_pct[slot] = [
-            c.free_mem * 100 // c.memory_mib if c.memory_mib else 0 for c in usable
-        ] + pad
-        self.card_cores[slot] = [c.free_cores for c in usable] + pad
-        self.card_computing[slot] = [c.cores == 0 or c.free_cores > 0 for c in usable] + [
-            False
-        ] * len(pad)
-        self.card_idle[slot] = [c.used_slots == 0 for c in usable] + [False] * len(pad)
-        self.scores[slot] = entry.score
         view = entry.view
         expiries = [
             a.expires_at
@@ -361,9 +359,46 @@ class ClusterIndex:
         ]
         entry.reserved_until = min(expiries, default=None)
         claims = view.in_flight().values() if view is not None else ()
-        self.busy[slot] = any(c.expires_at > now for c in claims) or any(
-            e > now for e in expiries
-        )
+        busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
+        return (
+            slot, -1 if entry.blocked else len(usable),
+            [c.memory_mib - c.used_mem for c in usable],
+            [(c.memory_mib - c.used_mem) * 100 // c.memory_mib if c.memory_mib else 0
+             for c in usable],
+            [c.cores - c.used_cores for c in usable],
+            [c.cores == 0 or c.cores > c.used_cores for c in usable],
+            [c.used_slots == 0 for c in usable],
+            entry.score, busy,
+        )  # fmt: skip
+
+    def _write_rows(self, rows: list[tuple]) -> None:
+        widest = max(len(row[2]) for row in rows)
+        if widest > self.card_mem.shape[1]:
+            self._grow(0, widest - self.card_mem.shape[1])
+        width = self.card_mem.shape[1]
+        padded = []
+        for slot, free, mem, pct, cores, computing, idle, score, busy in rows:
+            pad = width - len(mem)
+            padded.append((
+                slot, free, mem + [-1] * pad, pct + [-1] * pad, cores + [-1] * pad,
+                computing + [False] * pad, idle + [False] * pad, score, busy,
+            ))  # fmt: skip
+        if len(padded) == 1:
+            slot, free, mem, pct, cores, computing, idle, score, busy = padded[0]
+            self.free_gpus[slot] = free
+            self.card_mem[slot] = mem
+            self.card_pct[slot] = pct
+            self.card_cores[slot] = cores
+            self.card_computing[slot] = computing
+            self.card_idle[slot] = idle
+            self.scores[slot] = score
+            self.busy[slot] = busy
+            return
+        columns = list(zip(*padded, strict=True))
+        slots = np.asarray(columns[0], dtype=np.int64)
+        for name, values in zip(self._ARRAYS, columns[1:], strict=True):
+            array = getattr(self, name)
+            array[slots] = np.asarray(values, dtype=array.dtype)
 
     def _cards(self, entry: NodeEntry, now: float) -> list[Card]:
         """The node's cards with what its ledger holds plus what HAMi's pods hold there."""
