@@ -188,7 +188,7 @@ class LedgerCodec:
                 return self._full(node, payload)
             if not wire_fast.complete(item):
                 return self.decode(node, payload)  # fields to default: built at once
-            checked[uid] = item
+            checked[uid] = wire_fast.slim(uid, item)
         return wire_fast.LedgerWire(data, checked)
 
     def _full(self, node: str, payload: bytes) -> NodeLedger:

@@ -111,6 +111,7 @@ def _structs(complete: bool) -> dict[str, type[Struct]]:
         made[name] = msgspec.defstruct(
             f"{name}{'Complete' if complete else 'Partial'}", fields, kw_only=True,
             forbid_unknown_fields=True, bases=(_AllocationReads,) if name == "Allocation" else None,
+            gc=False,  # no cycles through them: the cyclic GC need not walk 100,000s of them
         )  # fmt: skip
     return made
 
@@ -233,6 +234,10 @@ def _allocation(item: Any) -> Allocation:
         for grants in values[4]
     ]  # fmt: skip
     values[7] = _STATES[values[7]]
+    if type(values[15]) is tuple:  # slimmed (see `slim`)
+        values[15] = list(values[15])
+    if type(values[17]) is tuple:
+        values[17] = list(values[17])
     return _ALLOCATION.build(values, type(item) is _FULL_ALLOCATION)
 
 
@@ -330,17 +335,17 @@ def registration_from(envelope: RegistrationEnvelope) -> NodeRegistration:
     )
 
 
-def same_but_heartbeat(a: RegistrationEnvelope, b: RegistrationEnvelope) -> bool:
-    """Whether two checked registrations differ at most in their heartbeat (which both have)."""
-    if a.schema != b.schema or a.version != b.version:
-        return False
-    x, y = a.data, b.data
-    if x.heartbeat_at is UNSET or y.heartbeat_at is UNSET:
-        return False
-    return (
-        x.node == y.node and x.agent_version == y.agent_version and type(x) is type(y)
-        and x.devices == y.devices
-    )  # fmt: skip
+_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def fingerprint(envelope: RegistrationEnvelope) -> int | None:
+    """A hash of everything in a checked registration but its heartbeat (None without one:
+    such a payload never matches)."""
+    data = envelope.data
+    if data.heartbeat_at is UNSET:
+        return None
+    return hash((envelope.schema, envelope.version, data.node, data.agent_version,
+                 type(data).__name__, _ENCODE(data.devices)))  # fmt: skip
 
 
 def parse_allocation(raw: Any) -> Any | None:
@@ -351,6 +356,25 @@ def parse_allocation(raw: Any) -> Any | None:
 
 def complete(item: Any) -> bool:
     return type(item) is _FULL_ALLOCATION
+
+
+def slim(uid: str, item: Any) -> Any:
+    """A checked allocation kept as it is (LedgerWire) shares the strings many repeat: its
+    namespace, node, policy, GPU UUIDs and types interned, its pod uid the map's key."""
+    item.namespace = _intern(item.namespace)
+    item.node = _intern(item.node)
+    item.core_policy = _intern(item.core_policy)
+    if item.pod_uid == uid:
+        item.pod_uid = uid
+    if not item.container_names:
+        item.container_names = ()  # read-only here; built as a new list (_allocation)
+    if not item.sidecars:
+        item.sidecars = ()
+    for grants in item.containers:
+        for grant in grants:
+            grant.uuid = _intern(grant.uuid)
+            grant.type = _intern(grant.type)
+    return item
 
 
 class LedgerWire:
