@@ -175,6 +175,11 @@ class LedgerCodec:
         summarises as it is and builds into the same NodeLedger when something needs it."""
         if node in self._decoded:
             return self.decode(node, payload)
+        whole = wire_fast.whole_ledger(payload)
+        if whole is not None and whole.data.allocations is not wire_fast.UNSET:
+            data = whole.data
+            slim = wire_fast.slim
+            return wire_fast.LedgerWire(data, {u: slim(u, a) for u, a in data.allocations.items()})
         envelope = wire_fast.split_ledger(payload)
         if envelope is None:
             return self._full(node, payload)  # not canonical: the ordinary decode judges

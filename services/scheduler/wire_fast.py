@@ -118,6 +118,7 @@ def _structs(complete: bool) -> dict[str, type[Struct]]:
 
 _COMPLETE = _structs(True)
 _PARTIAL = _structs(False)
+_FULL_ALLOCATION = _COMPLETE["Allocation"]
 
 
 def _envelope(data: type[Struct]) -> type[Struct]:
@@ -203,7 +204,6 @@ _DEVICE = _Builder(DeviceInfo)
 _REGISTRATION = _Builder(NodeRegistration)
 _STATES: dict[Any, Any] = {state.value: state for state in AllocationState}
 _STATES[UNSET] = UNSET
-_FULL_ALLOCATION = _COMPLETE["Allocation"]
 _astuple = msgspec.structs.astuple
 _intern = sys.intern
 _ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
@@ -263,6 +263,25 @@ _SPLIT_DECODER = msgspec.msgpack.Decoder(_envelope(msgspec.defstruct("LedgerSpli
     ("claim", _Claim | None | UnsetType, UNSET),
     ("claims", dict[str, _Claim] | UnsetType, UNSET),
 ], kw_only=True, forbid_unknown_fields=True)))  # fmt: skip
+
+
+# The same with every allocation decoded at once, complete (start-up: one C call per node).
+_WHOLE_DECODER = msgspec.msgpack.Decoder(_envelope(msgspec.defstruct("LedgerWhole", [
+    ("node", str),
+    ("allocations", dict[str, _FULL_ALLOCATION] | UnsetType, UNSET),
+    ("claim", _Claim | None | UnsetType, UNSET),
+    ("claims", dict[str, _Claim] | UnsetType, UNSET),
+], kw_only=True, forbid_unknown_fields=True)))  # fmt: skip
+
+
+def whole_ledger(payload: bytes) -> Any | None:
+    """The checked entry with every allocation complete (a Struct with all its fields), or
+    None: not so (split_ledger then tells which allocation, if any, is not canonical)."""
+    try:
+        envelope = _WHOLE_DECODER.decode(payload)
+    except _ERRORS:
+        return None
+    return envelope if _schema_ok(envelope, NodeLedger) else None
 
 
 def split_ledger(payload: bytes) -> Any | None:
