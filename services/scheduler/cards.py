@@ -114,6 +114,49 @@ def counts_against_capacity(allocation: Allocation, now: float) -> bool:
     )
 
 
+Charge = tuple[str, int, int, int]  # (GPU UUID, memory MiB, cores, slots) one pod holds there
+
+
+def charges(allocation: Allocation) -> list[Charge]:
+    """What one pod holds on each GPU, when it counts at all (`allocation_usage`, flattened;
+    a GPU may appear more than once: the amounts add up)."""
+    if allocation.init_count == 0 or allocation.init_done:
+        # The common case, inlined (this runs on every ledger change of the node).
+        app = allocation.containers if allocation.init_count == 0 else allocation.app_grants()
+        return [(g.uuid, g.memory_mib, g.cores, 1) for grants in app for g in grants]
+    return [(uuid, u.memory_mib, u.cores, u.slots)
+            for uuid, u in allocation_usage(allocation).items()]  # fmt: skip
+
+
+def add_charges(usage: dict[str, list[int]], items: Iterable[Charge], sign: int = 1) -> None:
+    """Add (or with sign -1 take back) charges to a GPU UUID -> [memory, cores, slots] map."""
+    for uuid, memory, cores, slots in items:
+        used = usage.get(uuid)
+        if used is None:
+            used = usage[uuid] = [0, 0, 0]
+        used[0] += sign * memory
+        used[1] += sign * cores
+        used[2] += sign * slots
+
+
+def cards_with_usage(
+    registration: NodeRegistration,
+    usages: Iterable[dict[str, list[int]]],
+    cordoned: frozenset[str] = frozenset(),
+) -> list[Card]:
+    """The node's GPUs charged with the given usage maps (summed)."""
+    cards = [Card.from_device(d, d.uuid in cordoned) for d in registration.devices]
+    by_uuid = {c.uuid: c for c in cards}
+    for usage in usages:
+        for uuid, (memory, cores, slots) in usage.items():
+            card = by_uuid.get(uuid)
+            if card is not None:  # a GPU gone from the registration: nothing to charge
+                card.used_mem += memory
+                card.used_cores += cores
+                card.used_slots += slots
+    return cards
+
+
 def build_cards(
     registration: NodeRegistration,
     allocations: Iterable[Allocation],
@@ -126,25 +169,30 @@ def build_cards(
     for allocation in allocations:
         if not counts_against_capacity(allocation, now):
             continue
-        if allocation.init_count == 0 or allocation.init_done:
-            # The common case, inlined (this loop runs on every ledger change of the node).
-            app = allocation.containers if allocation.init_count == 0 else allocation.app_grants()
-            for grants in app:
-                for g in grants:
-                    card = by_uuid.get(g.uuid)
-                    if card is not None:
-                        card.used_mem += g.memory_mib
-                        card.used_cores += g.cores
-                        card.used_slots += 1
-            continue
-        for uuid, u in allocation_usage(allocation).items():
+        for uuid, memory, cores, slots in charges(allocation):
             card = by_uuid.get(uuid)
-            if card is None:
-                continue  # the GPU vanished from the registration; nothing to charge
-            card.used_mem += u.memory_mib
-            card.used_cores += u.cores
-            card.used_slots += u.slots
+            if card is not None:  # the GPU vanished from the registration; nothing to charge
+                card.used_mem += memory
+                card.used_cores += cores
+                card.used_slots += slots
     return cards
+
+
+def status_changes_at(allocation: Allocation, now: float) -> float | None:
+    """When `counts_against_capacity(allocation, t)` next changes for t >= now (None: never,
+    as long as the allocation itself does not change)."""
+    if not allocation.active:
+        return None
+    when = None
+    if allocation.preempted_by and allocation.preempted_until is not None and (
+        now < allocation.preempted_until
+    ):
+        when = allocation.preempted_until
+    if allocation.state == AllocationState.RESERVED and allocation.expires_at is not None and (
+        allocation.expires_at > now
+    ):
+        when = allocation.expires_at if when is None else min(when, allocation.expires_at)
+    return when
 
 
 def ledger_cards(

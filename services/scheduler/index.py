@@ -21,7 +21,8 @@ import numpy as np
 from tessera.hami import PodRequest
 from tessera.models import AllocationState, NodeLedger, NodeRegistration
 
-from .cards import Card, build_cards, node_score
+from .cards import Card, add_charges, cards_with_usage, charges, counts_against_capacity, node_score
+from .node_usage import NodeUsage
 from .wire_fast import LedgerWire
 
 _GROW = 1024
@@ -43,6 +44,7 @@ class NodeEntry:
     score: float = 0.0
     reserved_until: float | None = None  # earliest expiry of a reservation here
     blocked: str = ""  # why nothing may be placed here (HAMi's holdings unknown: foreign.py)
+    usage: NodeUsage = field(default_factory=NodeUsage)  # what its ledger's pods hold, per GPU
 
     @property
     def schedulable(self) -> bool:
@@ -317,7 +319,7 @@ class ClusterIndex:
         for name in deferred or ():
             entry = self.entries.get(name)
             if entry is not None:
-                row = self._summarise(entry, now)
+                row = self._summarise(entry, now, remember=False)
                 if row is not None:
                     rows.append(row)
         if rows:
@@ -331,7 +333,7 @@ class ClusterIndex:
         if row is not None:
             self._write_rows([row])
 
-    def _summarise(self, entry: NodeEntry, now: float) -> tuple | None:
+    def _summarise(self, entry: NodeEntry, now: float, remember: bool = True) -> tuple | None:
         """The node's cards, score and expiries set on the entry, and its row of the arrays
         (slot, free GPUs, then per usable card: free memory, free %, free cores, computing,
         idle; score, busy); None when the node has no registration (its row is cleared)."""
@@ -343,7 +345,7 @@ class ClusterIndex:
             if entry.view is None:
                 self._forget(entry)
             return None
-        cards = self._cards(entry, now)
+        cards = self._cards(entry, now, remember)
         entry.cards = cards
         entry.score = node_score(cards)
         usable = [
@@ -352,11 +354,7 @@ class ClusterIndex:
             and c.mode.lower() != "mig"
         ]  # fmt: skip
         view = entry.view
-        expiries = [
-            a.expires_at
-            for a in (view.allocations.values() if view is not None else ())
-            if a.state == AllocationState.RESERVED and a.expires_at is not None
-        ]
+        expiries = entry.usage.reservations.values()
         entry.reserved_until = min(expiries, default=None)
         claims = view.in_flight().values() if view is not None else ()
         busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
@@ -400,16 +398,23 @@ class ClusterIndex:
             array = getattr(self, name)
             array[slots] = np.asarray(values, dtype=array.dtype)
 
-    def _cards(self, entry: NodeEntry, now: float) -> list[Card]:
-        """The node's cards with what its ledger holds plus what HAMi's pods hold there."""
+    def _cards(self, entry: NodeEntry, now: float, remember: bool = True) -> list[Card]:
+        """The node's cards with what its ledger holds (kept up to date from each change:
+        node_usage.py) plus what HAMi's pods hold there."""
         assert entry.registration is not None
-        allocations = list(entry.view.allocations.values()) if entry.view is not None else []
+        view = entry.view
+        entry.usage.update(view.allocations if view is not None else {}, now, remember)
+        usages = [entry.usage.usage]
         foreign = self.foreign.get(entry.name)
         entry.blocked = ""
         if foreign is not None:
-            allocations += foreign.allocations
+            held: dict[str, list[int]] = {}
+            for allocation in foreign.allocations:
+                if counts_against_capacity(allocation, now):
+                    add_charges(held, charges(allocation))
+            usages.append(held)
             entry.blocked = foreign.blocking(entry.registration)
-        return build_cards(entry.registration, allocations, now, self.cordon_of(entry))
+        return cards_with_usage(entry.registration, usages, self.cordon_of(entry))
 
     def foreign_allocations(self, node: str) -> tuple[Any, ...]:
         foreign = self.foreign.get(node)
