@@ -102,8 +102,9 @@ class LedgerCodec:
     def __init__(self, encode_nodes: int = _ENCODE_NODES) -> None:
         # node -> uid -> (hash of the allocation's bytes, the allocation decoded from them)
         self._decoded: dict[str, dict[str, tuple[int, Allocation]]] = {}
-        # node -> uid -> (allocation, its bytes), for the nodes written most recently
-        self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes]]] = OrderedDict()
+        # node -> uid -> (allocation, its key and bytes, their hash), for the nodes written
+        # most recently
+        self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes, int]]] = OrderedDict()
         self._encode_nodes = encode_nodes
         self._interned = _Interned()
 
@@ -112,7 +113,8 @@ class LedgerCodec:
         """The same bytes as `tessera.codec.encode(ledger)`."""
         node = ledger.node
         previous = self._encoded.pop(node, None) or {}
-        kept: dict[str, tuple[Allocation, bytes]] = {}
+        kept: dict[str, tuple[Allocation, bytes, int]] = {}
+        decoded: dict[str, tuple[int, Allocation]] = {}
         parts = [_HEAD]
         rest = ledger.model_dump(mode="json", exclude={"allocations"})
         parts.append(_map_header(len(rest) + 1))
@@ -126,18 +128,18 @@ class LedgerCodec:
             parts.append(_map_header(len(ledger.allocations)))
             for uid, allocation in ledger.allocations.items():
                 cached = previous.get(uid)
-                if cached is not None and cached[0] is allocation:
-                    packed = cached[1]
-                else:
+                if cached is None or cached[0] is not allocation:
                     packed = _pack(allocation.model_dump(mode="json"))
-                kept[uid] = (allocation, packed)
-                parts.append(_pack(uid))
-                parts.append(packed)
+                    # (the allocation, its map entry: key and value, the hash of its value)
+                    cached = (allocation, _pack(uid) + packed, hash(packed))
+                kept[uid] = cached
+                decoded[uid] = (cached[2], allocation)
+                parts.append(cached[1])
         self._encoded[node] = kept
         while len(self._encoded) > self._encode_nodes:
             self._encoded.popitem(last=False)
         # What this write leaves in the KV is what the next decode compares against.
-        self._decoded[node] = {uid: (hash(b), a) for uid, (a, b) in kept.items()}
+        self._decoded[node] = decoded
         return b"".join(parts)
 
     # --- decode ---------------------------------------------------------------------------------
