@@ -74,3 +74,31 @@ def test_usage_from_changes_equals_a_full_count(data: st.DataObject) -> None:
         expiries = [a.expires_at for a in ledger.allocations.values()
                     if a.state == AllocationState.RESERVED and a.expires_at is not None]
         assert entry.reserved_until == min(expiries, default=None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_start_up_count_equals_a_full_count(data: st.DataObject) -> None:
+    """At start-up rows are built once, after listing, without remembering each uid; the first
+    change afterwards is counted in full."""
+    registration = node("n1", gpus=GPUS)
+    registration = registration.model_copy(update={"devices": [
+        d.model_copy(update={"uuid": f"n1-gpu-{i}"}) for i, d in enumerate(registration.devices)
+    ]})  # fmt: skip
+    uids = data.draw(st.lists(st.sampled_from(UIDS), unique=True))
+    ledger = NodeLedger(node="n1", allocations={u: allocation(u, data.draw) for u in uids})
+    now = data.draw(st.floats(0, 100))
+    index = ClusterIndex()
+    index.defer_rebuilds()
+    index.set_registration("n1", registration, now)
+    index.set_ledger("n1", ledger, 1, now)
+    index.flush_rebuilds(now)
+    entry = index.entries["n1"]
+    assert entry.cards == build_cards(registration, ledger.allocations.values(), now)
+    later = now + data.draw(st.floats(0, 50))
+    uid = data.draw(st.sampled_from(UIDS))
+    ledger = ledger.model_copy(update={
+        "allocations": {**ledger.allocations, uid: allocation(uid, data.draw)}
+    })  # fmt: skip
+    index.set_ledger("n1", ledger, 2, later)
+    assert entry.cards == build_cards(registration, ledger.allocations.values(), later)
