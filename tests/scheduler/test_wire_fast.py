@@ -308,4 +308,13 @@ def check_registration(payload: bytes) -> None:
     codec.accepted("n1", good, codec.decode(good))
     beat = codec.heartbeat_only("n1", payload)
     if beat is not None:
-        assert expected is not None and beat == expected
+        assert expected is not None and strict_same(beat, expected)
+
+
+@pytest.mark.parametrize("beat", [math.nan, math.inf, 5, 2.5])
+def test_heartbeats_of_any_float_reuse_the_registration_as_a_decode_would_read_them(
+    beat: float,
+) -> None:
+    payload = registration_payload(heartbeat_at=beat)
+    with mock.patch("time.time", return_value=1234.5):
+        check_registration(payload)
