@@ -318,3 +318,19 @@ def test_heartbeats_of_any_float_reuse_the_registration_as_a_decode_would_read_t
     payload = registration_payload(heartbeat_at=beat)
     with mock.patch("time.time", return_value=1234.5):
         check_registration(payload)
+
+
+def test_a_slimmed_entry_builds_exactly_the_decoded_value() -> None:
+    """Kept unbuilt, empty lists are shared and strings interned; built, it is the value the
+    shared codec reads, type for type (lists, not the shared empties)."""
+    data = ledger_data()
+    data["allocations"]["u2"] |= {"container_names": [], "sidecars": [], "init_count": 0}
+    payload = envelope(data)
+    wire = LedgerCodec().read("n1", payload)
+    assert isinstance(wire, wire_fast.LedgerWire)
+    built = wire.materialize()
+    expected = decode(payload, NodeLedger)
+    assert strict_same(built, expected)
+    for uid, allocation in built.allocations.items():
+        assert strict_same(allocation, expected.allocations[uid])
+        assert strict_same(allocation.containers, expected.allocations[uid].containers)
