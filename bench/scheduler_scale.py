@@ -13,9 +13,11 @@ flight, the real NATS ledger, a fake agent releasing each claim as Allocate does
     python bench/scheduler_scale.py                       # 5,000 and 20,000 nodes, recorded
     BENCH_SIZES=5000 BENCH_REPEAT=3 python bench/scheduler_scale.py   # medians of 3
 
-`BENCH_NO_RECORD=1` prints without writing bench/RESULTS.md. `BENCH_JSON=path` also writes the
-raw figures. The "before" columns come from `scheduler_scale_before.json` (the same script run
-on the code before the Scale work; its commit and load are recorded in it).
+`BENCH_NO_RECORD=1` prints without writing bench/RESULTS.md. `BENCH_RESTART_ONLY=1` only spawns
+the scheduler BENCH_REPEAT times over one populated KV (restart to ready, its CPU, RSS; printed).
+`BENCH_JSON=path` also writes the raw figures. The "before" columns come from
+`scheduler_scale_before.json` (the same script run on the code before the Scale work; its commit
+and load are recorded in it).
 """
 
 from __future__ import annotations
@@ -213,6 +215,30 @@ async def one_run(nodes: int) -> dict[str, Any]:
         server.cleanup()
 
 
+async def restarts(nodes: int) -> list[dict[str, float]]:
+    """`BENCH_RESTART_ONLY=1`: the scheduler spawned BENCH_REPEAT times over one populated KV
+    (no run in between): seconds and CPU seconds to ready, RSS once ready, the load average."""
+    server = EmbeddedNats(data_dir=tempfile.mkdtemp(prefix="tessera-bench-restart-"))
+    server.start()
+    registrations, ledgers = build_cluster(nodes)
+    nc, _buckets = await populate(server.url, registrations, ledgers)
+    env = {**os.environ, "TESSERA_LOG_LEVEL": "WARNING"}
+    runs = []
+    try:
+        for _ in range(REPEAT):
+            load = loadavg()
+            proc, ready = await ready_after_spawn(server.url, free_port(), env)
+            runs.append({"ready_s": ready, "ready_cpu_s": cpu_seconds(proc.pid),
+                         "rss_ready_mib": memory_mib(proc.pid)[0], "load": load})  # fmt: skip
+            proc.terminate()
+            proc.wait(10)
+            print(f"restart {nodes}: {json.dumps(runs[-1])}", flush=True)
+    finally:
+        await nc.close()
+        server.cleanup()
+    return runs
+
+
 KEYS = ("pods_per_s", "p50_ms", "p99_ms", "scheduler_cpu_ms_per_pod", "start_s", "ready_s",
         "start_cpu_s", "ready_cpu_s",
         "rss_ready_mib", "rss_mib", "hwm_mib", "rss_restarted_mib")  # fmt: skip
@@ -342,6 +368,13 @@ def main() -> None:
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    if os.environ.get("BENCH_RESTART_ONLY") == "1":  # printed, not recorded
+        for nodes in SIZES:
+            runs = asyncio.run(restarts(nodes))
+            print(f"median {nodes}: " + json.dumps(
+                {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            ))  # fmt: skip
+        return
     result: dict[str, Any] = {"e2e": {}, "note": os.environ.get("BENCH_NOTE", "")}
     if os.environ.get("BENCH_E2E_FROM"):  # the decision figures of that run too
         result["fit"] = json.loads(Path(os.environ["BENCH_E2E_FROM"]).read_text())["fit"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Iterable
@@ -98,6 +99,7 @@ class Bounds:
 # --- node registrations -------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)  # pure; a cluster has a handful of GPU types
 def model_memory_ceiling(device_type: str) -> int | None:
     """The most memory a card of this NVML type can have (MiB), when the name tells."""
     match = _GB_IN_NAME.search(device_type)

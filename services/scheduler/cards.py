@@ -76,7 +76,10 @@ class Card:
 
     def hold(self, grant: DeviceGrant) -> None:
         """Count what `grant` occupies besides memory/cores/slots: its MIG instance, or one
-        libvgpu slice."""
+        libvgpu slice. Only a dynamic MIG card keeps count: nothing else reads it, and the index
+        (which keeps usage incrementally) then need not walk the allocations of other nodes."""
+        if not self.mig_model:
+            return
         if grant.mig is not None:
             self.mig_instances.append(mig.Instance(grant.mig.profile, grant.mig.start))
         else:
@@ -158,34 +161,66 @@ def time_sensitive(allocation: Allocation, now: float) -> bool:
     )
 
 
-def same_usage(old: NodeLedger, new: NodeLedger, now: float) -> bool:
-    """Whether `new` charges every card exactly what `old` did: the same pods, and each pod
-    that changed (claimed, bound, allocated: state and expiry only) holds the same grants.
-    Conservative: any pod whose charge changes with time alone (a reservation at or past its
-    expiry, a preemption victim) answers False, so cards built from `old` at an earlier time
-    equal cards built from `new` now whenever this answers True."""
-    before_all, after_all = old.allocations, new.allocations
-    if before_all.keys() != after_all.keys():
-        return False
-    for uid, after in after_all.items():
-        if time_sensitive(after, now):
-            return False
-        before = before_all[uid]
-        if before is after:
+Charge = tuple[str, int, int, int]  # (GPU UUID, memory MiB, cores, slots) one pod holds there
+
+
+def charges(allocation: Allocation) -> list[Charge]:
+    """What one pod holds on each GPU, when it counts at all (`allocation_usage`, flattened;
+    a GPU may appear more than once: the amounts add up)."""
+    if allocation.init_count == 0 or allocation.init_done:
+        # The common case, inlined (this runs on every ledger change of the node).
+        app = allocation.containers if allocation.init_count == 0 else allocation.app_grants()
+        return [(g.uuid, g.memory_mib, g.cores, 1) for grants in app for g in grants]
+    return [(uuid, u.memory_mib, u.cores, u.slots)
+            for uuid, u in allocation_usage(allocation).items()]  # fmt: skip
+
+
+def add_charges(usage: dict[str, list[int]], items: Iterable[Charge], sign: int = 1) -> None:
+    """Add (or with sign -1 take back) charges to a GPU UUID -> [memory, cores, slots] map."""
+    for uuid, memory, cores, slots in items:
+        used = usage.get(uuid)
+        if used is None:
+            used = usage[uuid] = [0, 0, 0]
+        used[0] += sign * memory
+        used[1] += sign * cores
+        used[2] += sign * slots
+
+
+def cards_with_usage(
+    registration: NodeRegistration,
+    usages: Iterable[dict[str, list[int]]],
+    cordoned: frozenset[str] = frozenset(),
+) -> list[Card]:
+    """The node's GPUs charged with the given usage maps (summed)."""
+    cards = [Card.from_device(d, d.uuid in cordoned) for d in registration.devices]
+    by_uuid = {c.uuid: c for c in cards}
+    for usage in usages:
+        for uuid, (memory, cores, slots) in usage.items():
+            card = by_uuid.get(uuid)
+            if card is not None:  # a GPU gone from the registration: nothing to charge
+                card.used_mem += memory
+                card.used_cores += cores
+                card.used_slots += slots
+    return cards
+
+
+def hold_grants(cards: list[Card], allocations: Iterable[Allocation], now: float) -> None:
+    """Count on `cards` what the counting allocations occupy besides memory/cores/slots: MIG
+    instances and libvgpu slices, as build_cards does while it charges (the index keeps usage
+    incrementally and asks for this only on nodes with dynamic MIG cards)."""
+    by_uuid = {c.uuid: c for c in cards}
+    for allocation in allocations:
+        if not counts_against_capacity(allocation, now):
             continue
-        if time_sensitive(before, now):
-            return False
-        counts = counts_against_capacity(before, now)
-        if counts != counts_against_capacity(after, now):
-            return False
-        if counts and not (
-            (before.containers is after.containers or before.containers == after.containers)
-            and before.init_count == after.init_count
-            and before.init_done == after.init_done
-            and before.sidecars == after.sidecars
-        ):
-            return False
-    return True
+        if allocation.init_count == 0 or allocation.init_done:
+            app = allocation.containers if allocation.init_count == 0 else allocation.app_grants()
+        else:
+            app = allocation.containers  # every instance exists until the pod's release
+        for grants in app:
+            for g in grants:
+                card = by_uuid.get(g.uuid)
+                if card is not None:
+                    card.hold(g)
 
 
 def build_cards(
@@ -225,6 +260,23 @@ def build_cards(
                 if card is not None:
                     card.hold(g)
     return cards
+
+
+def status_changes_at(allocation: Allocation, now: float) -> float | None:
+    """When `counts_against_capacity(allocation, t)` next changes for t >= now (None: never,
+    as long as the allocation itself does not change)."""
+    if not allocation.active:
+        return None
+    when = None
+    if allocation.preempted_by and allocation.preempted_until is not None and (
+        now < allocation.preempted_until
+    ):
+        when = allocation.preempted_until
+    if allocation.state == AllocationState.RESERVED and allocation.expires_at is not None and (
+        allocation.expires_at > now
+    ):
+        when = allocation.expires_at if when is None else min(when, allocation.expires_at)
+    return when
 
 
 def ledger_cards(

@@ -19,9 +19,19 @@ from typing import Any
 import numpy as np
 
 from tessera.hami import PodRequest
-from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration
+from tessera.models import AllocationState, NodeLedger, NodeRegistration
 
-from .cards import Card, build_cards, node_score, same_usage
+from .cards import (
+    Card,
+    add_charges,
+    cards_with_usage,
+    charges,
+    counts_against_capacity,
+    hold_grants,
+    node_score,
+)
+from .node_usage import NodeUsage
+from .wire_fast import LedgerWire
 
 _GROW = 1024
 _WIDTH = 8  # cards per row; widened when a node has more GPUs
@@ -33,17 +43,27 @@ class NodeEntry:
     name: str
     slot: int
     registration: NodeRegistration | None = None
-    ledger: NodeLedger | None = None
+    # The node's ledger entry: a NodeLedger, or a LedgerWire (checked, not built yet: see
+    # wire_fast.py) that `ledger` builds on first use. `view` reads either without building.
+    view: NodeLedger | LedgerWire | None = None
     ledger_revision: int = 0
     cordoned: frozenset[str] = frozenset()
     cards: list[Card] = field(default_factory=list)
     score: float = 0.0
     reserved_until: float | None = None  # earliest expiry of a reservation here
     blocked: str = ""  # why nothing may be placed here (HAMi's holdings unknown: foreign.py)
+    usage: NodeUsage = field(default_factory=NodeUsage)  # what its ledger's pods hold, per GPU
 
     @property
     def schedulable(self) -> bool:
         return self.registration is not None
+
+    @property
+    def ledger(self) -> NodeLedger | None:
+        view = self.view
+        if type(view) is LedgerWire:
+            view = self.view = view.materialize()
+        return view  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -234,14 +254,15 @@ class ClusterIndex:
             return  # a heartbeat of the same registration: nothing to rebuild
         self._rebuild(entry, now)
 
-    def set_ledger(self, node: str, ledger: NodeLedger | None, revision: int, now: float) -> bool:
+    def set_ledger(
+        self, node: str, ledger: NodeLedger | LedgerWire | None, revision: int, now: float
+    ) -> bool:
         """Apply a ledger value; older revisions than the one known are ignored."""
         entry = self._entry(node)
         if revision and revision <= entry.ledger_revision:
             return False
-        old = entry.ledger
-        old_allocations = old.allocations if old else {}
-        entry.ledger = ledger
+        old_allocations = entry.view.allocations if entry.view is not None else {}
+        entry.view = ledger
         entry.ledger_revision = revision
         self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
         if ledger is not None and (ledger.claims or ledger.claim is not None or any(
@@ -250,22 +271,15 @@ class ClusterIndex:
             self.sweepable.add(node)
         else:
             self.sweepable.discard(node)
-        if (
-            old is not None and ledger is not None and self._deferred is None
-            and entry.registration is not None and same_usage(old, ledger, now)
-        ):  # fmt: skip
-            # A claim, a bind or the agent's Allocate: no card's usage moved, only the flags.
-            self._flags(entry, now)
-        else:
-            self._rebuild(entry, now)
+        # Usage is kept per change (node_usage.py), so a claim, a bind or the agent's Allocate
+        # that moves no capacity costs a recount of the changed allocations only.
+        self._rebuild(entry, now)
         event = self._changed.pop(node, None)
         if event is not None:
             event.set()
         return True
 
-    def _map_pods(
-        self, node: str, old: dict[str, Allocation], new: dict[str, Allocation]
-    ) -> None:
+    def _map_pods(self, node: str, old: dict[str, Any], new: dict[str, Any]) -> None:
         """Keep pod uid -> node and (namespace, name) -> uid current. Allocations are
         copy-on-write, so one that is the same object as before changed nothing: a write that
         changes one pod costs O(pods on the node) identity checks, not dictionary updates."""
@@ -311,24 +325,37 @@ class ClusterIndex:
 
     def flush_rebuilds(self, now: float) -> None:
         deferred, self._deferred = self._deferred, None
+        rows = []
         for name in deferred or ():
             entry = self.entries.get(name)
             if entry is not None:
-                self._rebuild(entry, now)
+                row = self._summarise(entry, now, remember=False)
+                if row is not None:
+                    rows.append(row)
+        if rows:
+            self._write_rows(rows)  # one assignment per array for every node
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
-        if self._deferred is not None and (entry.registration is not None or entry.ledger):
+        if self._deferred is not None and (entry.registration is not None or entry.view):
             self._deferred.add(entry.name)
             return
+        row = self._summarise(entry, now)
+        if row is not None:
+            self._write_rows([row])
+
+    def _summarise(self, entry: NodeEntry, now: float, remember: bool = True) -> tuple | None:
+        """The node's cards, score and expiries set on the entry, and its row of the arrays
+        (slot, free GPUs, then per usable card: free memory, free %, free cores, computing,
+        idle; score, busy); None when the node has no registration (its row is cleared)."""
         slot = entry.slot
         if entry.registration is None:
             entry.cards = []
             self.free_gpus[slot] = -1
             entry.reserved_until = None
-            if entry.ledger is None:
+            if entry.view is None:
                 self._forget(entry)
-            return
-        cards = self._cards(entry, now)
+            return None
+        cards = self._cards(entry, now, remember)
         entry.cards = cards
         entry.score = node_score(cards)
         usable = [
@@ -336,46 +363,76 @@ class ClusterIndex:
             if c.healthy and not c.cordoned and c.used_slots < c.split_count
             and (c.mode.lower() != "mig" or bool(c.mig_model))  # dynamic MIG cards take pods
         ]  # fmt: skip
-        if len(usable) > self.card_mem.shape[1]:
-            self._grow(0, len(usable) - self.card_mem.shape[1])
-        width = self.card_mem.shape[1]
-        pad = [-1] * (width - len(usable))
-        self.free_gpus[slot] = -1 if entry.blocked else len(usable)
-        self.card_mem[slot] = [c.free_mem for c in usable] + pad
-        self.card_pct[slot] = [
-            c.free_mem * 100 // c.memory_mib if c.memory_mib else 0 for c in usable
-        ] + pad
-        self.card_cores[slot] = [c.free_cores for c in usable] + pad
-        self.card_computing[slot] = [c.cores == 0 or c.free_cores > 0 for c in usable] + [
-            False
-        ] * len(pad)
-        self.card_idle[slot] = [c.used_slots == 0 for c in usable] + [False] * len(pad)
-        self.scores[slot] = entry.score
-        self._flags(entry, now)
-
-    def _flags(self, entry: NodeEntry, now: float) -> None:
-        """The earliest reservation expiry and whether a bind is in flight on the node."""
-        expiries = [
-            a.expires_at
-            for a in (entry.ledger.allocations.values() if entry.ledger else ())
-            if a.state == AllocationState.RESERVED and a.expires_at is not None
-        ]
+        view = entry.view
+        expiries = entry.usage.reservations.values()
         entry.reserved_until = min(expiries, default=None)
-        claims = entry.ledger.in_flight().values() if entry.ledger else ()
-        self.busy[entry.slot] = any(c.expires_at > now for c in claims) or any(
-            e > now for e in expiries
-        )
+        claims = view.in_flight().values() if view is not None else ()
+        busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
+        return (
+            slot, -1 if entry.blocked else len(usable),
+            [c.memory_mib - c.used_mem for c in usable],
+            [(c.memory_mib - c.used_mem) * 100 // c.memory_mib if c.memory_mib else 0
+             for c in usable],
+            [c.cores - c.used_cores for c in usable],
+            [c.cores == 0 or c.cores > c.used_cores for c in usable],
+            [c.used_slots == 0 for c in usable],
+            entry.score, busy,
+        )  # fmt: skip
 
-    def _cards(self, entry: NodeEntry, now: float) -> list[Card]:
-        """The node's cards with what its ledger holds plus what HAMi's pods hold there."""
+    def _write_rows(self, rows: list[tuple]) -> None:
+        widest = max(len(row[2]) for row in rows)
+        if widest > self.card_mem.shape[1]:
+            self._grow(0, widest - self.card_mem.shape[1])
+        width = self.card_mem.shape[1]
+        padded = []
+        for slot, free, mem, pct, cores, computing, idle, score, busy in rows:
+            pad = width - len(mem)
+            padded.append((
+                slot, free, mem + [-1] * pad, pct + [-1] * pad, cores + [-1] * pad,
+                computing + [False] * pad, idle + [False] * pad, score, busy,
+            ))  # fmt: skip
+        if len(padded) == 1:
+            slot, free, mem, pct, cores, computing, idle, score, busy = padded[0]
+            self.free_gpus[slot] = free
+            self.card_mem[slot] = mem
+            self.card_pct[slot] = pct
+            self.card_cores[slot] = cores
+            self.card_computing[slot] = computing
+            self.card_idle[slot] = idle
+            self.scores[slot] = score
+            self.busy[slot] = busy
+            return
+        columns = list(zip(*padded, strict=True))
+        slots = np.asarray(columns[0], dtype=np.int64)
+        for name, values in zip(self._ARRAYS, columns[1:], strict=True):
+            array = getattr(self, name)
+            array[slots] = np.asarray(values, dtype=array.dtype)
+
+    def _cards(self, entry: NodeEntry, now: float, remember: bool = True) -> list[Card]:
+        """The node's cards with what its ledger holds (kept up to date from each change:
+        node_usage.py) plus what HAMi's pods hold there."""
         assert entry.registration is not None
-        allocations = list(entry.ledger.allocations.values()) if entry.ledger else []
+        view = entry.view
+        entry.usage.update(view.allocations if view is not None else {}, now, remember)
+        usages = [entry.usage.usage]
         foreign = self.foreign.get(entry.name)
         entry.blocked = ""
         if foreign is not None:
-            allocations += foreign.allocations
+            held: dict[str, list[int]] = {}
+            for allocation in foreign.allocations:
+                if counts_against_capacity(allocation, now):
+                    add_charges(held, charges(allocation))
+            usages.append(held)
             entry.blocked = foreign.blocking(entry.registration)
-        return build_cards(entry.registration, allocations, now, self.cordon_of(entry))
+        cards = cards_with_usage(entry.registration, usages, self.cordon_of(entry))
+        if any(c.mig_model for c in cards):
+            # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
+            # the amounts: counted from the models (MIG nodes are few; others skip this).
+            held = list(entry.ledger.allocations.values()) if entry.ledger is not None else []
+            if foreign is not None:
+                held.extend(foreign.allocations)
+            hold_grants(cards, held, now)
+        return cards
 
     def foreign_allocations(self, node: str) -> tuple[Any, ...]:
         foreign = self.foreign.get(node)
@@ -464,8 +521,8 @@ class ClusterIndex:
 
     def claims_held(self, now: float) -> int:
         return sum(
-            1 for e in self.entries.values() if e.ledger is not None
-            for c in e.ledger.in_flight().values() if c.expires_at > now
+            1 for e in self.entries.values() if e.view is not None
+            for c in e.view.in_flight().values() if c.expires_at > now
         )  # fmt: skip
 
     def notify(self, node: str) -> None:

@@ -8,13 +8,14 @@ reads whatever any writer wrote); what changes is the work:
   from (for the nodes written most recently); an allocation that is the same object as at the
   last write of the node is not dumped again. Mutate functions are copy-on-write, so an
   unchanged allocation is the same object, and a changed one is a new object.
-- decode: the entry is walked with msgpack's streaming unpacker; each allocation's bytes are
-  hashed and compared with the hash of the bytes the node's previous value of that allocation
-  came from. Only new or changed allocations are unpacked and validated (by the same pydantic
-  model, so the same rules and errors); the others are the previous objects. Anything the walk
-  does not expect falls back to `tessera.codec.decode` (same result, same errors).
-- memory: decoded allocations share one interned fields-set per distinct set of fields and
-  their repeated strings (namespace, node, GPU type and UUID, state) are interned.
+- decode: msgspec checks the entry and leaves each allocation as its bytes (wire_fast.py); each
+  allocation's bytes are hashed and compared with the hash of the bytes the node's previous
+  value of that allocation came from. Only new or changed allocations are decoded and checked
+  (by msgspec Structs that accept exactly the canonical subset of what the pydantic model
+  accepts); the others are the previous objects. Anything not canonical falls back to
+  `tessera.codec.decode` (same result, same errors).
+- memory: decoded objects share one fields-set per distinct set of fields and their repeated
+  strings (namespace, node, GPU type and UUID) are interned; their dicts are key-sharing.
 
 Reused allocation objects are shared between successive ledger values; nothing in the scheduler
 modifies an allocation in place (the index's objects are read-only by contract).
@@ -27,14 +28,14 @@ from collections import OrderedDict
 from typing import Any
 
 import msgpack
-from pydantic import ValidationError
 
 from tessera.codec import CodecError, decode
 from tessera.models import Allocation, DeviceGrant, NodeLedger
 
+from . import wire_fast
+
 _ENCODE_NODES = 512  # nodes whose allocations' bytes are kept for the next write
 _SCHEMA = NodeLedger.__name__
-_VERSIONS = NodeLedger.READABLE_VERSIONS | {NodeLedger.SCHEMA_VERSION}
 _FIELDS = tuple(NodeLedger.model_fields)
 
 
@@ -95,63 +96,15 @@ class _Interned:
                 values[name] = sys.intern(value)
 
 
-class _Fallback(Exception):
-    """The payload is not shaped as this fast path expects: decode it the ordinary way."""
-
-
-def _walk(payload: bytes) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes]]:
-    """(envelope without data, data without allocations, uid -> that allocation's bytes)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(payload) + 1)
-    unpacker.feed(payload)
-    envelope: dict[str, Any] = {}
-    data: dict[str, Any] | None = None
-    slices: dict[str, bytes] = {}
-    try:
-        for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
-            if type(key) is not str:
-                raise _Fallback
-            if key != "data":
-                envelope[key] = unpacker.unpack()
-                continue
-            if data is not None:
-                raise _Fallback
-            data = {}
-            for _ in range(unpacker.read_map_header()):
-                name = unpacker.unpack()
-                if type(name) is not str:
-                    raise _Fallback
-                if name != "allocations":
-                    data[name] = unpacker.unpack()
-                    continue
-                if "allocations" in data:
-                    raise _Fallback
-                data["allocations"] = None
-                for _ in range(unpacker.read_map_header()):
-                    uid = unpacker.unpack()
-                    if type(uid) is not str or uid in slices:
-                        raise _Fallback
-                    start = unpacker.tell()
-                    unpacker.skip()
-                    slices[uid] = payload[start : unpacker.tell()]
-        if unpacker.tell() != len(payload) or data is None:
-            raise _Fallback
-    except _Fallback:
-        raise
-    except Exception as exc:  # not a map where one is expected, truncated, ...
-        raise _Fallback from exc
-    data.pop("allocations", None)
-    return envelope, data, slices
-
-
 class LedgerCodec:
     """Encode and decode ledger entries, reusing the allocations that did not change."""
 
     def __init__(self, encode_nodes: int = _ENCODE_NODES) -> None:
         # node -> uid -> (hash of the allocation's bytes, the allocation decoded from them)
         self._decoded: dict[str, dict[str, tuple[int, Allocation]]] = {}
-        # node -> uid -> (allocation, its bytes), for the nodes written most recently
-        self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes]]] = OrderedDict()
+        # node -> uid -> (allocation, its key and bytes, their hash), for the nodes written
+        # most recently
+        self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes, int]]] = OrderedDict()
         self._encode_nodes = encode_nodes
         self._interned = _Interned()
 
@@ -160,7 +113,8 @@ class LedgerCodec:
         """The same bytes as `tessera.codec.encode(ledger)`."""
         node = ledger.node
         previous = self._encoded.pop(node, None) or {}
-        kept: dict[str, tuple[Allocation, bytes]] = {}
+        kept: dict[str, tuple[Allocation, bytes, int]] = {}
+        decoded: dict[str, tuple[int, Allocation]] = {}
         parts = [_HEAD]
         rest = ledger.model_dump(mode="json", exclude={"allocations"})
         parts.append(_map_header(len(rest) + 1))
@@ -174,59 +128,75 @@ class LedgerCodec:
             parts.append(_map_header(len(ledger.allocations)))
             for uid, allocation in ledger.allocations.items():
                 cached = previous.get(uid)
-                if cached is not None and cached[0] is allocation:
-                    packed = cached[1]
-                else:
+                if cached is None or cached[0] is not allocation:
                     packed = _pack(allocation.model_dump(mode="json"))
-                kept[uid] = (allocation, packed)
-                parts.append(_pack(uid))
-                parts.append(packed)
+                    # (the allocation, its map entry: key and value, the hash of its value)
+                    cached = (allocation, _pack(uid) + packed, hash(packed))
+                kept[uid] = cached
+                decoded[uid] = (cached[2], allocation)
+                parts.append(cached[1])
         self._encoded[node] = kept
         while len(self._encoded) > self._encode_nodes:
             self._encoded.popitem(last=False)
         # What this write leaves in the KV is what the next decode compares against.
-        self._decoded[node] = {uid: (hash(b), a) for uid, (a, b) in kept.items()}
+        self._decoded[node] = decoded
         return b"".join(parts)
 
     # --- decode ---------------------------------------------------------------------------------
     def decode(self, node: str, payload: bytes) -> NodeLedger:
         """The same value (and the same CodecError) as `tessera.codec.decode(payload,
         NodeLedger)`, decoding only the allocations whose bytes changed."""
-        try:
-            envelope, data, slices = _walk(payload)
-        except _Fallback:
-            return self._full(node, payload)
-        if envelope.get("schema") != _SCHEMA or envelope.get("version") not in _VERSIONS:
-            return self._full(node, payload)  # the ordinary decode words the error
+        envelope = wire_fast.split_ledger(payload)
+        if envelope is None:
+            return self._full(node, payload)  # not canonical: the ordinary decode judges
+        data = envelope.data
+        if data.allocations is wire_fast.UNSET:
+            self.forget(node)
+            return wire_fast.ledger_from(data, wire_fast.UNSET)
         previous = self._decoded.get(node, {})
-        hashes: dict[str, int] = {}
-        reused: dict[str, Allocation] = {}
-        fresh: dict[str, Any] = {}
-        for uid, raw in slices.items():
-            digest = hashes[uid] = hash(raw)
-            known = previous.get(uid)
-            if known is not None and known[0] == digest:
-                reused[uid] = known[1]
+        known: dict[str, tuple[int, Allocation]] = {}
+        merged: dict[str, Allocation] = {}
+        for uid, raw in data.allocations.items():
+            digest = hash(bytes(raw))
+            seen = previous.get(uid)
+            if seen is not None and seen[0] == digest:
+                allocation = seen[1]
             else:
-                try:
-                    fresh[uid] = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-                except Exception:
-                    return self._full(node, payload)
-        try:
-            ledger = NodeLedger.model_validate({**data, "allocations": fresh})
-        except ValidationError:
-            return self._full(node, payload)  # the ordinary decode words the error
-        validated = ledger.allocations
-        merged = {}
-        for uid in slices:
-            allocation = reused.get(uid)
-            merged[uid] = allocation if allocation is not None else self._interned.slim(
-                validated[uid]
-            )
-        ledger.allocations = merged
-        ledger.__pydantic_fields_set__.add("allocations")
-        self._decoded[node] = {uid: (hashes[uid], a) for uid, a in merged.items()}
-        return ledger
+                fresh = wire_fast.decode_allocation(raw)
+                if fresh is None:
+                    return self._full(node, payload)  # not canonical: the ordinary decode judges
+                allocation = fresh
+            merged[uid] = allocation
+            known[uid] = (digest, allocation)
+        self._decoded[node] = known
+        return wire_fast.ledger_from(data, merged)
+
+    def read(self, node: str, payload: bytes) -> NodeLedger | wire_fast.LedgerWire:
+        """`decode`, except that an entry of a node this codec holds nothing of (start-up, or a
+        node only others write) is checked but not built: a LedgerWire, which the index
+        summarises as it is and builds into the same NodeLedger when something needs it."""
+        if node in self._decoded:
+            return self.decode(node, payload)
+        whole = wire_fast.whole_ledger(payload)
+        if whole is not None and whole.data.allocations is not wire_fast.UNSET:
+            data = whole.data
+            slim = wire_fast.slim
+            return wire_fast.LedgerWire(data, {u: slim(u, a) for u, a in data.allocations.items()})
+        envelope = wire_fast.split_ledger(payload)
+        if envelope is None:
+            return self._full(node, payload)  # not canonical: the ordinary decode judges
+        data = envelope.data
+        if data.allocations is wire_fast.UNSET:
+            return self.decode(node, payload)
+        checked = {}
+        for uid, raw in data.allocations.items():
+            item = wire_fast.parse_allocation(raw)
+            if item is None:
+                return self._full(node, payload)
+            if not wire_fast.complete(item):
+                return self.decode(node, payload)  # fields to default: built at once
+            checked[uid] = wire_fast.slim(uid, item)
+        return wire_fast.LedgerWire(data, checked)
 
     def _full(self, node: str, payload: bytes) -> NodeLedger:
         self.forget(node)

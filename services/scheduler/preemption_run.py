@@ -283,7 +283,8 @@ class Preemptor:
         if now - self.last_full_scan >= FULL_SCAN_S:  # after a restart: find marks we did not set
             self.last_full_scan = now
             for name, entry in self.index.entries.items():
-                if entry.ledger and any(a.preempted_by for a in entry.ledger.allocations.values()):
+                view = entry.view  # read as it is: building every node's models is costly
+                if view and any(a.preempted_by for a in view.allocations.values()):
                     self.marked_nodes.add(name)
         for node in list(self.marked_nodes):
             entry = self.index.entries.get(node)

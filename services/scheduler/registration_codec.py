@@ -1,12 +1,14 @@
-"""Node registrations as the scheduler reads them: a heartbeat costs a hash, not a decode.
+"""Node registrations as the scheduler reads them: a heartbeat costs a check, not a decode.
 
 A node agent re-puts its registration every `TESSERA_NODE_HEARTBEAT_S` (5 s): at 20,000 nodes that
 is 4,000 values a second, nearly all differing from the node's last one only in `heartbeat_at`.
 Decoding, validating and re-summarising each would take a large share of a core. So the
-scheduler keeps, per node, a hash of the last valid payload without its heartbeat; a payload
-whose hash matches is the last valid registration with a new heartbeat (its devices list is the
-same object, so the index sees nothing to rebuild). Anything else is decoded and validated as
-before. Decoded devices share one fields-set per shape and intern their repeated strings.
+scheduler keeps, per node, a fingerprint of the last valid payload without its heartbeat
+(checked by msgspec, wire_fast.py: one C pass); a payload with the same fingerprint is the last
+valid registration with a new heartbeat (its devices list is the same object, so the index sees
+nothing to rebuild). Anything else is decoded and validated as before: by wire_fast when it is
+canonical, else by the shared codec. Decoded devices share one fields-set per shape, intern
+their repeated strings and have key-sharing dicts.
 """
 
 from __future__ import annotations
@@ -14,39 +16,18 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import msgpack
-
 from tessera.codec import decode
 from tessera.models import NodeRegistration
 
-
-def _digest(envelope: Any) -> tuple[int, float] | None:
-    """(hash of the payload without its heartbeat, the heartbeat), or None if not shaped so."""
-    if not isinstance(envelope, dict):
-        return None
-    data = envelope.get("data")
-    if not isinstance(data, dict):
-        return None
-    beat = data.pop("heartbeat_at", None)
-    if type(beat) not in (int, float):
-        return None
-    try:
-        return hash(msgpack.packb(envelope, use_bin_type=True)), float(beat)
-    except Exception:
-        return None
-
-
-def _unpack(payload: bytes) -> Any:
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception:
-        return None
+from . import wire_fast
 
 
 class RegistrationCodec:
     def __init__(self) -> None:
+        # key -> (fingerprint of the last valid payload but its heartbeat, its registration)
         self._known: dict[str, tuple[int, NodeRegistration]] = {}
         self._sets: dict[frozenset[str], set[str]] = {}
+        self._parsed: tuple[bytes, Any] | None = None
 
     def heartbeat_only(self, key: str, payload: bytes) -> NodeRegistration | None:
         """The node's last valid registration with the payload's heartbeat, when nothing else
@@ -54,13 +35,17 @@ class RegistrationCodec:
         known = self._known.get(key)
         if known is None:
             return None
-        digest = _digest(_unpack(payload))
-        if digest is None or digest[0] != known[0]:
-            return None
-        return known[1].model_copy(update={"heartbeat_at": digest[1]})
+        parsed = wire_fast.parse_registration(payload)
+        if parsed is None or wire_fast.fingerprint(parsed) != known[0]:
+            return None  # (an accepted payload without a heartbeat is not remembered)
+        return known[1].model_copy(update={"heartbeat_at": parsed.data.heartbeat_at})
 
     def decode(self, payload: bytes) -> NodeRegistration:
         """tessera.codec.decode (same value, same CodecError), devices slimmed."""
+        parsed = wire_fast.parse_registration(payload)
+        if parsed is not None:
+            self._parsed = (payload, parsed)  # for `accepted`, which usually follows
+            return wire_fast.registration_from(parsed)
         registration = decode(payload, NodeRegistration)
         for device in registration.devices:
             names = frozenset(device.__pydantic_fields_set__)
@@ -76,11 +61,15 @@ class RegistrationCodec:
 
     def accepted(self, key: str, payload: bytes, registration: NodeRegistration) -> None:
         """The registration was validated and applied: later heartbeats of it are cheap."""
-        digest = _digest(_unpack(payload))
-        if digest is None:
+        last, self._parsed = self._parsed, None
+        parsed = last[1] if last is not None and last[0] is payload else (
+            wire_fast.parse_registration(payload)
+        )
+        digest = wire_fast.fingerprint(parsed) if parsed is not None else None
+        if digest is None:  # not canonical, or no heartbeat: every value of it is decoded
             self._known.pop(key, None)
         else:
-            self._known[key] = (digest[0], registration)
+            self._known[key] = (digest, registration)
 
     def forget(self, key: str) -> None:
         self._known.pop(key, None)

@@ -355,7 +355,7 @@ class SchedulerService:
             async for entry in watcher:
                 now = self.clock()
                 if entry is None:
-                    for name in [n for n, e in self.index.entries.items() if e.ledger is not None]:
+                    for name in [n for n, e in self.index.entries.items() if e.view is not None]:
                         if seen is not None and name not in seen:
                             self.index.set_ledger(name, None, 0, now)
                     seen = None
@@ -378,7 +378,7 @@ class SchedulerService:
                 value = self.scheduler.ledger.own_value(key, entry.value)
                 if value is None:
                     try:
-                        value = self.scheduler.ledger.codec.decode(key, entry.value)
+                        value = self.scheduler.ledger.codec.read(key, entry.value)
                     except CodecError as exc:
                         # Quarantined and repaired; the index keeps the last valid value.
                         self.guard.ledger_rejected(
