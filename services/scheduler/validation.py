@@ -23,7 +23,7 @@ from typing import Any
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from tessera import hami
+from tessera import bus, hami
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
 from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration, QuotaState
@@ -148,7 +148,7 @@ class LedgerGuard:
 
         True when the key now holds a valid value (written by this call, or by anyone)."""
         try:
-            history = await self.ledger_kv.history(node)
+            history = await bus.history(self.ledger_kv, node)
         except KeyNotFoundError:
             self.ledger_valid(node)
             return True
