@@ -41,6 +41,7 @@ from tessera.cluster.port import (
 from tessera.hami import RequestError
 from tessera.models import Allocation, PreemptionEvent, UsageSample
 from tessera.settings import TesseraSettings
+from tessera.validation import MAX_GRACE_S
 
 from .background import EventPublisher
 from .cards import allocation_usage
@@ -99,7 +100,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         namespace=str(meta.get("namespace") or "default"), name=str(meta.get("name") or ""),
         priority=pod_priority(pod),
         labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {},
-        grace_s=grace if isinstance(grace, int) and 0 <= grace <= 86400 else DEFAULT_GRACE_S,
+        grace_s=grace if isinstance(grace, int) and 0 <= grace <= MAX_GRACE_S else DEFAULT_GRACE_S,
         deleting=bool(meta.get("deletionTimestamp")),
     )  # fmt: skip
 

@@ -102,6 +102,7 @@ class SchedulerService:
             bounds=Bounds.of(settings), index=self.index, ledger_kv=buckets.ledger,
             rejections=self.rejections,
             rebuild=self.foreign.repairing(cluster_rebuild(cluster)) if cluster else None,
+            clock=clock,
         )  # fmt: skip
         self.gate = PodGate(cluster)
         self.scheduler.pod_filter.pod_check = self.gate.check_identity

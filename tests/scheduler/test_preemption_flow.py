@@ -21,6 +21,7 @@ from tessera.models import (
     NodeLedger,
     PreemptionEvent,
     UsageSample,
+    ValueRejectedEvent,
 )
 
 from .conftest import MakeService, register, unique, wait_until
@@ -187,6 +188,7 @@ async def test_a_nomination_whose_victims_never_go_is_re_evaluated(
     assert registration is not None
     cards = build_cards(registration, ledger.allocations.values(), time.time())
     assert over_capacity(cards) == [] and cards[0].used_mem == 20000  # the victim counts again
+    assert ("ledger", name) not in service.rejections.seen  # every write of it was valid
     # Re-evaluated from scratch: it nominates again (and would evict again).
     again = await service.scheduler.filter(urgent, [name])
     assert not again.nodenames and "waiting for preemption of" in again.failed[name]
@@ -221,3 +223,44 @@ async def test_a_deleted_nominee_leaves_nothing_reserved(
         bus.EVENTS_STREAM, bus.preemption_event_subject("default", "done"))
     event = decode(done.data, PreemptionEvent)
     assert event.pod_uid == uid and event.outcome == "pod-deleted"
+    assert ("ledger", name) not in service.rejections.seen
+
+
+async def test_a_forged_preemption_mark_frees_nothing(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    """A node agent may rewrite its own node's entry: marking a running pod as a victim of a
+    nominee that holds no reservation would free its memory for the scheduler. Rejected; the
+    entry is repaired and the pod's memory keeps counting."""
+    service = await make_service()
+    name = unique("forged")
+    victim = prioritised("victim", 20000, 10, name)
+    await seed(service.buckets, cluster, name, [victim])
+    await wait_until(lambda: service.index.entries.get(name) is not None
+                     and service.index.entries[name].ledger is not None)  # fmt: skip
+    uid = victim["metadata"]["uid"]
+    current = await bus.read(service.buckets.ledger, name, NodeLedger)
+    assert current is not None
+    forged = current.value.model_copy(deep=True)
+    forged.allocations[uid].preempted_by = "ghost"
+    forged.allocations[uid].preempted_until = time.time() + 600
+    sub = await service.nc.subscribe(bus.rejected_event_subject("ledger"))
+    await service.buckets.ledger.update(name, encode(forged), last=current.revision)
+    event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+    assert event.key == name and event.problem == "preemption_mark_unbacked"
+
+    async def repaired() -> bool:
+        now = await bus.read(service.buckets.ledger, name, NodeLedger)
+        return now is not None and now.revision > current.revision + 1 \
+            and not now.value.allocations[uid].preempted_by
+
+    for _ in range(100):
+        if await repaired() and service.guard.refusal(name) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await repaired()
+    other = prioritised("other", 20000, 10)  # no lower priority to evict: no preemption
+    cluster.add_pod(other)
+    result = await service.scheduler.filter(other, [name])
+    assert not result.nodenames
+    assert "CardInsufficientMemory" in result.failed[name]  # the victim's 20000 MiB count
