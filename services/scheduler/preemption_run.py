@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera import bus
 from tessera.bus import CasConflictError
 from tessera.cluster.port import (
     ClusterError,
@@ -39,7 +40,7 @@ from tessera.cluster.port import (
     WatchEvent,
 )
 from tessera.hami import RequestError
-from tessera.models import Allocation, PreemptionEvent, UsageSample
+from tessera.models import Allocation, NodeLedger, PreemptionEvent, UsageSample
 from tessera.settings import TesseraSettings
 from tessera.validation import MAX_GRACE_S
 
@@ -223,16 +224,35 @@ class Preemptor:
 
     # --- the victims' release ---------------------------------------------------------------
 
-    def defer_release(self, node: str, uid: str) -> bool:
-        """A victim's pod ended: keep its allocation until its GPU memory is seen returned."""
-        entry = self.index.entries.get(node)
-        held = entry.ledger.allocations.get(uid) if entry and entry.ledger else None
+    async def defer_release(self, node: str, uid: str) -> bool:
+        """A victim's pod ended: keep its allocation until its GPU memory is seen returned.
+
+        The mark is written (by whichever replica nominated) before the eviction, so the ledger
+        itself always shows it by the time the pod is gone; this replica's index may not yet
+        (its watch lags): then the key is read."""
         now = self.clock()
-        if held is None or held.preempted_until is None or now >= held.preempted_until:
-            return False
+        if not self._under_mark(self._indexed(node, uid), now):
+            if not self.config.preemption:
+                return False
+            try:
+                current = await bus.read(self.ledger.writer.kv, node, NodeLedger)
+            except Exception as exc:  # cannot tell: released as before this check existed
+                log.warning("preemption: ledger unreadable", extra={"node": node, "err": str(exc)})
+                return False
+            held = current.value.allocations.get(uid) if current is not None else None
+            if not self._under_mark(held, now):
+                return False
         self.gone.setdefault(uid, now)
         self.marked_nodes.add(node)
         return True
+
+    def _indexed(self, node: str, uid: str) -> Allocation | None:
+        entry = self.index.entries.get(node)
+        return entry.ledger.allocations.get(uid) if entry and entry.ledger else None
+
+    @staticmethod
+    def _under_mark(held: Allocation | None, now: float) -> bool:
+        return held is not None and held.preempted_until is not None and now < held.preempted_until
 
     async def forget_nominee(self, node: str, uid: str) -> None:
         """The nominee's pod is gone: give the nomination up (reservation and marks)."""
