@@ -146,7 +146,8 @@ def memory_returned(sample: UsageSample, nominee: Allocation | None, victim: All
 
 @dataclass
 class Nomination:
-    """A nomination this replica started (for its `done` event)."""
+    """A nomination in progress, started by this replica or seen in the ledger (for its `done`
+    event, which every replica that sees the end publishes under one event id)."""
 
     node: str
     namespace: str
@@ -198,6 +199,14 @@ class Preemptor:
         if self.pods.get(uid) != facts:
             self.priority_map = None
         self.pods[uid] = facts
+
+    def observe_ledger(self, node: str, ledger: NodeLedger | None) -> None:
+        """A ledger entry the watch applied: nominations in it are followed by the tick (any
+        replica, so the `done` event survives the loss of the one that started it)."""
+        if ledger is not None and node not in self.marked_nodes and any(
+            a.preempted_by for a in ledger.allocations.values()
+        ):
+            self.marked_nodes.add(node)
 
     def observe_usage(self, sample: UsageSample) -> None:
         self.usage[sample.node] = (self.clock(), sample)
@@ -287,6 +296,8 @@ class Preemptor:
         self._done(uid, outcome, why, nomination)
 
     def _done(self, uid: str, outcome: str, why: str, nomination: Nomination | None = None) -> None:
+        """Publish `done` for a nomination this replica follows. Every replica that follows it
+        publishes the same event id (pod uid + deadline): the stream keeps the first."""
         nomination = nomination or self.started.pop(uid, None)
         if nomination is None:
             return
@@ -314,6 +325,7 @@ class Preemptor:
             if not marked:
                 self.marked_nodes.discard(node)
                 continue
+            self._adopt(node, ledger, marked, now)
             for victim in marked:
                 await self._settle_victim(node, victim, now)
         for uid, nomination in list(self.started.items()):
@@ -325,9 +337,32 @@ class Preemptor:
             if held is not None and held.active and now < nomination.deadline:
                 await self._hand_over(nomination.node, uid, now)
                 self._done(uid, "placed", "the victims' GPU memory is free")
+            elif now < nomination.deadline and uid not in self.pods:
+                self._done(uid, "pod-deleted", "the pod was deleted")
             else:
-                self._done(uid, "re-evaluated", "the victims did not go before the deadline")
+                why = ("the victims did not go before the deadline" if now >= nomination.deadline
+                       else "the nomination was given up")  # fmt: skip
+                self._done(uid, "re-evaluated", why)
                 await self._clear_nomination(nomination.namespace, nomination.name)
+
+    def _adopt(
+        self, node: str, ledger: NodeLedger | None, marked: list[Allocation], now: float
+    ) -> None:
+        """Follow nominations seen in the ledger that another replica (or this one before a
+        restart) started: each is known by its nominee's reservation and its victims' marks."""
+        if ledger is None:
+            return
+        for uid in {a.preempted_by for a in marked} - self.started.keys():
+            victims = marked_victims(ledger, uid, now)
+            nominee = ledger.allocations.get(uid)
+            if not victims or nominee is None or not nominee.active:
+                continue
+            facts = self.pods.get(uid)
+            self.started[uid] = Nomination(
+                node, nominee.namespace, nominee.name, facts.priority if facts else 0,
+                [f"{v.namespace}/{v.name}" for v in victims], [v.pod_uid for v in victims],
+                max(v.preempted_until or 0.0 for v in victims),
+            )  # fmt: skip
 
     async def _hand_over(self, node: str, uid: str, now: float) -> None:
         """Every victim is gone: the nominee's reservation becomes an ordinary one, with the

@@ -390,6 +390,7 @@ class SchedulerService:
                 else:
                     self.guard.ledger_valid(key)
                 self.index.set_ledger(key, value, entry.revision, now)
+                self.scheduler.preemption.observe_ledger(key, value)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.aclose()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 
+from nats.js.api import DeliverPolicy
 from tessera.scheduler.cards import build_cards, over_capacity
 
 from tessera import bus
@@ -264,3 +265,77 @@ async def test_a_forged_preemption_mark_frees_nothing(
     result = await service.scheduler.filter(other, [name])
     assert not result.nodenames
     assert "CardInsufficientMemory" in result.failed[name]  # the victim's 20000 MiB count
+
+
+async def done_events(service, uid: str) -> list[PreemptionEvent]:
+    """Every `preemption.done` the stream holds for the pod."""
+    await service.scheduler.drain()
+    subject = bus.preemption_event_subject("default", "done")
+    info = await service.js.stream_info(bus.EVENTS_STREAM, subjects_filter=subject)
+    stored = (info.state.subjects or {}).get(subject, 0)
+    sub = await service.js.subscribe(subject, ordered_consumer=True,
+                                     deliver_policy=DeliverPolicy.ALL)  # fmt: skip
+    out = []
+    try:
+        for _ in range(stored):
+            event = decode((await sub.next_msg(timeout=5)).data, PreemptionEvent)
+            if event.pod_uid == uid:
+                out.append(event)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def _preempt_on_one_finish_on_two(make_service, cluster, *, kill_first: bool):
+    config = {"preemption_margin_s": 30, "sweep_interval_s": 0.1}
+    one, two = await make_service(config=config), await make_service(config=config)
+    name = unique("done")
+    victim = prioritised("victim", 20000, 10, name)
+    reg = await seed(one.buckets, cluster, name, [victim])
+    await wait_until(lambda: all(s.index.entries.get(name) is not None
+                                 and s.index.entries[name].ledger is not None
+                                 for s in (one, two)))  # fmt: skip
+    urgent = prioritised("urgent", 20000, 1000)
+    cluster.add_pod(urgent)
+    uid = urgent["metadata"]["uid"]
+    first = await one.scheduler.filter(urgent, [name])
+    assert "waiting for preemption of" in first.failed[name]
+    if kill_first:
+        one.kill()  # the replica that started it is gone before the victim's memory is back
+    sample = UsageSample(node=name, devices=[HostDeviceUsage(
+        uuid=reg.devices[0].uuid, used_bytes=0, total_bytes=24000 * MIB)])  # fmt: skip
+
+    def victim_released() -> bool:
+        ledger = two.index.entries[name].ledger
+        return ledger is not None and victim["metadata"]["uid"] not in ledger.allocations
+
+    for _ in range(100):  # reports until the victim's pod is seen gone and its memory free
+        await two.nc.publish(bus.usage_subject(name), encode(sample))
+        if victim_released():
+            break
+        await asyncio.sleep(0.05)
+    assert victim_released()
+    for _ in range(100):
+        if await done_events(two, uid):
+            break
+        await asyncio.sleep(0.05)
+    for replica in (two,) if kill_first else (one, two):
+        await wait_until(lambda r=replica: uid not in r.scheduler.preemption.started, timeout=5)
+    return two, uid
+
+
+async def test_preemption_done_is_published_once_by_two_replicas(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    two, uid = await _preempt_on_one_finish_on_two(make_service, cluster, kill_first=False)
+    events = await done_events(two, uid)
+    assert [e.outcome for e in events] == ["placed"]
+
+
+async def test_preemption_done_survives_the_replica_that_started_it(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    two, uid = await _preempt_on_one_finish_on_two(make_service, cluster, kill_first=True)
+    events = await done_events(two, uid)
+    assert [(e.outcome, e.source) for e in events] == [("placed", two.instance)]
+    assert events[0].victims == ["default/victim"]
