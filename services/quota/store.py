@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -48,7 +48,6 @@ class QuotaStore:
         self.charges = charges
         self.clock = clock
         self.log = log or logging.getLogger("tessera.quota")
-        self._writers: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # namespace -> (lock, users)
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -101,36 +100,12 @@ class QuotaStore:
 
     # --- writes -------------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _one_at_a_time(self, namespace: str) -> AsyncIterator[None]:
-        """This replica's writes of one namespace, in turn. CAS keeps replicas correct; within a
-        replica, N concurrent requests racing for one key would cost O(N²) attempts (each write
-        voids every other's read: 300 requests beside a busy CPU outlasted a 20 s timeout)."""
-        held = self._writers.get(namespace)
-        if held is None:
-            held = self._writers[namespace] = (asyncio.Lock(), [0])
-        lock, users = held
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if users[0] == 0:
-                del self._writers[namespace]
-
     async def update(
         self, namespace: str, pod_uid: str, mutate: Mutate
     ) -> tuple[Versioned[QuotaState] | None, bool]:
         """CAS the counter with `mutate(state, the pod's settled charge)`; (result, wrote).
         NoChange leaves it as is: (current value or None, False). A charge this write puts into
         `releasing` has its key deleted before returning."""
-        async with self._one_at_a_time(namespace):
-            return await self._update(namespace, pod_uid, mutate)
-
-    async def _update(
-        self, namespace: str, pod_uid: str, mutate: Mutate
-    ) -> tuple[Versioned[QuotaState] | None, bool]:
         for _ in range(CAS_ATTEMPTS):
             current, own = await self.read_with_own(namespace, pod_uid)
             try:
