@@ -507,17 +507,106 @@ async def cas_update(
     raise CasConflictError(f"{key}: gave up after {attempts} conflicting writes")
 
 
+# --- watching ---------------------------------------------------------------------------------
+#
+# nats-py's KV watcher puts its None "initial values done" marker first when, at creation, the
+# consumer reported nothing pending and the subscription had received nothing. Under load that
+# is also true while the server has already delivered every current value and they are still on
+# their way to the client: the marker then comes BEFORE all of them (a listing of 300 keys came
+# back empty). So the marker is never believed alone: nats-py's leading marker only when the
+# consumer has delivered nothing; otherwise ours follows the first entry the server sent with
+# nothing left pending (`delta == 0`), i.e. once every value it held at creation was yielded.
+
+WATCH_INFO_ATTEMPTS = 5
+
+
+class WatchSyncError(RuntimeError):
+    """Whether a watch's initial values are complete could not be established (the watch
+    stops; callers watch again rather than act on a listing that may be incomplete)."""
+
+
+async def watch_entries(
+    kv: KeyValue, keys: str = ">", *, include_history: bool = False
+) -> AsyncIterator[KeyValue.Entry | None]:
+    """The raw entries of a KV watch (deletes included): current values first, then one None
+    once every one of them has been yielded, then changes. The watch stops when the generator
+    is closed (use `contextlib.aclosing` or `aclose()`)."""
+    watcher = await kv.watch(keys, include_history=include_history)
+    synced = False
+    first = True
+    try:
+        async for entry in watcher:
+            leading, first = first, False
+            if entry is None:
+                # nats-py puts a marker behind the message it received with nothing pending
+                # (true), or first of all at creation (true only if nothing was delivered).
+                if not synced and (not leading or await _delivered(watcher) == 0):
+                    synced = True
+                    yield None
+                continue
+            yield entry
+            if not synced and entry.delta == 0:
+                synced = True
+                yield None
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
+
+
+async def _delivered(watcher: KeyValue.KeyWatcher) -> int:
+    """How many messages the server has delivered to the watch's consumer so far."""
+    delay = 0.1
+    for attempt in range(1, WATCH_INFO_ATTEMPTS + 1):
+        try:
+            info = await watcher._sub.consumer_info()  # type: ignore[union-attr]
+            return int(info.delivered.consumer_seq or 0) if info.delivered else 0
+        except Exception as exc:
+            if attempt == WATCH_INFO_ATTEMPTS:
+                raise WatchSyncError(
+                    f"watch consumer unreadable: {type(exc).__name__}: {exc}"
+                ) from exc
+            await asyncio.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+async def list_entries(
+    kv: KeyValue, keys: str = ">", *, include_history: bool = False, yield_every: int = 200
+) -> list[KeyValue.Entry]:
+    """Every entry a watch of `keys` starts with (the current values, or with `include_history`
+    every revision), in stream order. Yields to the event loop every `yield_every` entries: a
+    long listing is a background pass and must let requests in between."""
+    out: list[KeyValue.Entry] = []
+    async with contextlib.aclosing(watch_entries(kv, keys, include_history=include_history)) as it:
+        async for entry in it:
+            if entry is None:
+                break
+            out.append(entry)
+            if len(out) % yield_every == 0:
+                await asyncio.sleep(0)
+    return out
+
+
+async def history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
+    """Every stored revision of one key, oldest first; KeyNotFoundError when there is none
+    (`KeyValue.history` trusts nats-py's marker and can answer "none" for a key that has)."""
+    entries = await list_entries(kv, key, include_history=True)
+    if not entries:
+        raise KeyNotFoundError
+    return entries
+
+
 async def watch_models(
     kv: KeyValue, model: type[T], on_error: Callable[[str, Exception], None] | None = None
 ) -> AsyncIterator[tuple[str, T | None, int]]:
     """Yield (key, value or None when deleted, revision): current values first, then changes.
 
-    After the current values, one ("", None, 0) marker says the initial sync is complete.
+    After the current values, one ("", None, 0) marker says the initial sync is complete (every
+    current value was yielded before it: see `watch_entries`).
     Undecodable values are reported to `on_error` and skipped, never raised.
     """
-    watcher = await kv.watchall()
-    try:
-        async for entry in watcher:
+    async with contextlib.aclosing(watch_entries(kv)) as entries:
+        async for entry in entries:
             if entry is None:
                 yield "", None, 0
                 continue
@@ -531,5 +620,3 @@ async def watch_models(
                     on_error(entry.key, exc)
                 continue
             yield entry.key, value, entry.revision
-    finally:
-        await watcher.stop()

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 from tessera.bus import publish_event
 from tessera.models import (
     Allocation,
+    AllocationState,
     DeviceGrant,
     DeviceInfo,
     LimitsSetRequest,
@@ -56,6 +58,15 @@ KNOWN_MODEL_MIB = {
 }  # fmt: skip
 _GB_IN_NAME = re.compile(r"(\d{1,4})\s*GB\b", re.IGNORECASE)
 _NAME_TOLERANCE = 1.1  # NVML reports a little more than the marketing GB
+# Preemption marks (Allocation.preempted_by / preempted_until) free a victim's capacity until the
+# nomination's deadline: the victims' longest grace period (counted at most MAX_GRACE_S) plus
+# TESSERA_PREEMPTION_MARGIN_S (at most MAX_PREEMPTION_MARGIN_S). A mark reaching further is forged.
+MAX_GRACE_S = 86400
+MAX_PREEMPTION_MARGIN_S = 3600
+MAX_NOMINATION_S = MAX_GRACE_S + MAX_PREEMPTION_MARGIN_S
+# Clocks of the writer and the reader (both the NATS server's, measured) may differ this much:
+# a mark ending within it is judged lapsed, whatever it names.
+MARK_SKEW_S = 5.0
 # HAMi's annotation encodings use these as separators: a UUID carrying one would corrupt them.
 _UUID_FORBIDDEN = set(",:;= \t\n")
 
@@ -185,9 +196,11 @@ def registration_problem(
 
 
 def ledger_problem(
-    key: str, ledger: NodeLedger, registration: NodeRegistration | None, bounds: Bounds
+    key: str, ledger: NodeLedger, registration: NodeRegistration | None, bounds: Bounds,
+    now: float | None = None,
 ) -> Problem | None:
-    """A node's ledger entry: keys match, every grant within its device. On the scheduler's
+    """A node's ledger entry: keys match, every grant within its device, every preemption mark
+    backed (`mark_problem`; its time checks need `now`, the reader's clock). On the scheduler's
     hot path (every ledger write of every replica): plain loops, details only on failure."""
     if ledger.node != key:
         return Problem("key_mismatch", f"ledger of node {ledger.node!r} stored under {key!r}")
@@ -216,7 +229,46 @@ def ledger_problem(
             if len(grants) > 1 and len({g.uuid for g in grants}) != len(grants):
                 who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
                 return Problem("grant_duplicate", f"{who}: one container granted a GPU twice")
-    return mig_problem(key, ledger, registration) if has_mig else None
+        if allocation.preempted_by or allocation.preempted_until is not None:
+            problem = mark_problem(key, ledger, allocation, now)
+            if problem is not None:
+                return problem
+    return mig_problem(key, ledger, registration, now) if has_mig else None
+
+
+def mark_problem(
+    key: str, ledger: NodeLedger, victim: Allocation, now: float | None
+) -> Problem | None:
+    """A victim's preemption mark. Only the scheduler's nomination sets one, in the same write
+    as the nominee's reservation (preemption_ledger.nominate_mutate), and while it is in force
+    the victim's capacity does not count: so a mark in force must name a `reserved` allocation
+    of the same entry, itself unmarked, whose expiry (the nomination's deadline) the mark does
+    not outlast, and it ends within MAX_NOMINATION_S. A lapsed mark (or one on an inactive
+    allocation) frees nothing and names whatever it named. A node agent rewriting its own entry
+    cannot free a running pod's capacity with a mark alone."""
+    who = f"node {key}: pod {victim.namespace}/{victim.name}"
+    until = victim.preempted_until
+    if not victim.preempted_by or until is None or not math.isfinite(until):
+        return Problem("preemption_mark", f"{who}: a preemption mark needs both the nominee "
+                       "and a finite end")  # fmt: skip
+    if victim.preempted_by == victim.pod_uid:
+        return Problem("preemption_mark", f"{who}: marked as its own preemptor")
+    if now is None or not victim.active or until <= now + MARK_SKEW_S:
+        return None
+    if until > now + MAX_NOMINATION_S:
+        return Problem("preemption_mark_too_long", f"{who}: marked until {until:.0f}, more "
+                       f"than {MAX_NOMINATION_S} s from now")  # fmt: skip
+    nominee = ledger.allocations.get(victim.preempted_by)
+    if (
+        nominee is None
+        or nominee.state != AllocationState.RESERVED
+        or nominee.preempted_by
+        or nominee.expires_at is None
+        or until > nominee.expires_at
+    ):
+        return Problem("preemption_mark_unbacked", f"{who}: marked for {victim.preempted_by!r}, "
+                       "which holds no reservation here lasting as long as the mark")  # fmt: skip
+    return None
 
 
 # --- dynamic MIG (tessera/mig.py) ---------------------------------------------------------------

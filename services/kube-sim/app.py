@@ -74,7 +74,7 @@ class KubeSim:
             else None
         )
         self.api = ApiServer(self.store, self.webhook)
-        self.disruption = Disruption(self.store, self._stop_processes)
+        self.disruption = Disruption(self.store, self._stop_processes, lambda: self.api.now())
         self.api.extra_routes += self.disruption.routes()
         self.api.pod_admitters.append(self.disruption.admit_priority)
         self.extender = (

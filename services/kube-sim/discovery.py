@@ -70,6 +70,11 @@ TYPES: tuple[ResourceType, ...] = (
                  group="admissionregistration.k8s.io", namespaced=False),
     ResourceType("validatingwebhookconfigurations", "ValidatingWebhookConfiguration",
                  group="admissionregistration.k8s.io", namespaced=False),
+    # served by disruption.py (the verbs it implements)
+    ResourceType("priorityclasses", "PriorityClass", group="scheduling.k8s.io",
+                 namespaced=False, short_names=("pc",), verbs=("create", "delete", "get", "list")),
+    ResourceType("poddisruptionbudgets", "PodDisruptionBudget", group="policy",
+                 short_names=("pdb",), verbs=("create", "delete", "get", "list")),
 )
 
 

@@ -34,11 +34,13 @@ import math
 import re
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tessera.kube_sim import tables
 from tessera.kube_sim.store import (
     KubeObject,
     ObjectStore,
@@ -135,8 +137,12 @@ def budget_status(pdb: KubeObject, pods: list[KubeObject]) -> dict[str, Any]:
 class Disruption:
     """The routes and the admission step; `stop_processes` reaches the kubelets' processes."""
 
-    def __init__(self, store: ObjectStore, stop_processes: StopProcesses | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, stop_processes: StopProcesses | None = None,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:  # fmt: skip
         self.store = store
+        self.now = now  # the Tables' ages
         self.stop_processes = stop_processes
         self._terminations: set[asyncio.Task[None]] = set()
         for name, value in SYSTEM_CLASSES.items():
@@ -159,8 +165,21 @@ class Disruption:
                   methods=["POST"]),
         ]
 
+    def _listing(
+        self, request: Request, kind: str, items: list[KubeObject],
+        meta: dict[str, Any] | None = None,
+    ) -> Response | None:  # fmt: skip
+        """The Table `kubectl get` asks for (Accept: ...;as=Table), else None."""
+        if not tables.wants_table(request.headers.get("accept", "")):
+            return None
+        include = request.query_params.get("includeObject", "Metadata")
+        return JSONResponse(tables.table(kind, items, self.now(), include, meta))
+
     @staticmethod
     async def _json(request: Request) -> dict[str, Any]:
+        if "protobuf" in request.headers.get("content-type", ""):  # `kubectl create <kind>`
+            raise StoreError(415, "UnsupportedMediaType", "kube-sim reads JSON bodies only "
+                             "(application/json): use kubectl apply -f / create -f")
         try:
             body = await request.json()
         except ValueError as exc:
@@ -176,8 +195,9 @@ class Disruption:
             if request.method == "GET":
                 items = self.store.list(PRIORITY_CLASS, Selector())
                 meta = {"resourceVersion": str(self.store.version)}
-                return JSONResponse({"kind": "PriorityClassList", "metadata": meta,
-                                     "apiVersion": "scheduling.k8s.io/v1", "items": items})
+                return self._listing(request, PRIORITY_CLASS, items, meta) or JSONResponse(
+                    {"kind": "PriorityClassList", "metadata": meta,
+                     "apiVersion": "scheduling.k8s.io/v1", "items": items})  # fmt: skip
             body = await self._json(request)
             name = body["metadata"].get("name")
             value = body.get("value")
@@ -208,7 +228,8 @@ class Disruption:
         name = request.path_params["name"]
         try:
             if request.method == "GET":
-                return JSONResponse(self.store.get(PRIORITY_CLASS, "", name))
+                found = self.store.get(PRIORITY_CLASS, "", name)
+                return self._listing(request, PRIORITY_CLASS, [found]) or JSONResponse(found)
             return JSONResponse(self.store.delete(PRIORITY_CLASS, "", name))
         except StoreError as error:
             return _error(error)
@@ -255,9 +276,10 @@ class Disruption:
             if request.method == "GET":
                 items = [self._with_status(p)
                          for p in self.store.list(PDB, Selector(namespace=namespace))]
-                return JSONResponse({"kind": "PodDisruptionBudgetList", "apiVersion": "policy/v1",
-                                     "metadata": {"resourceVersion": str(self.store.version)},
-                                     "items": items})  # fmt: skip
+                meta = {"resourceVersion": str(self.store.version)}
+                return self._listing(request, PDB, items, meta) or JSONResponse(
+                    {"kind": "PodDisruptionBudgetList", "apiVersion": "policy/v1",
+                     "metadata": meta, "items": items})  # fmt: skip
             body = await self._json(request)
             spec = body.get("spec")
             if not isinstance(spec, dict) or not isinstance(spec.get("selector"), dict):
@@ -279,7 +301,8 @@ class Disruption:
         namespace, name = request.path_params["namespace"], request.path_params["name"]
         try:
             if request.method == "GET":
-                return JSONResponse(self._with_status(self.store.get(PDB, namespace, name)))
+                found = self._with_status(self.store.get(PDB, namespace, name))
+                return self._listing(request, PDB, [found]) or JSONResponse(found)
             return JSONResponse(self.store.delete(PDB, namespace, name))
         except StoreError as error:
             return _error(error)

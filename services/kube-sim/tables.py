@@ -257,6 +257,24 @@ def _job(job: KubeObject, now: datetime) -> Row:
     ]
 
 
+def _priority_class(pc: KubeObject, now: datetime) -> Row:
+    return [pc["metadata"]["name"], pc.get("value", 0), bool(pc.get("globalDefault", False)),
+            age(pc["metadata"].get("creationTimestamp"), now),
+            pc.get("preemptionPolicy") or "PreemptLowerPriority"]  # fmt: skip
+
+
+def _budget(pdb: KubeObject, now: datetime) -> Row:
+    spec = pdb.get("spec") or {}
+
+    def amount(key: str) -> str:
+        value = spec.get(key)
+        return "N/A" if value is None else str(value)
+
+    allowed = (pdb.get("status") or {}).get("disruptionsAllowed", 0)
+    return [pdb["metadata"]["name"], amount("minAvailable"), amount("maxUnavailable"), allowed,
+            age(pdb["metadata"].get("creationTimestamp"), now)]  # fmt: skip
+
+
 def _default(obj: KubeObject, now: datetime) -> Row:
     return [obj["metadata"]["name"], age(obj["metadata"].get("creationTimestamp"), now)]
 
@@ -300,6 +318,16 @@ PRINTERS: dict[str, tuple[list[Column], Callable[[KubeObject, datetime], Row]]] 
         _job,
     ),
 }
+PRINTERS["PriorityClass"] = (
+    [("Name", S, 0), ("Value", INT, 0), ("Global-Default", "boolean", 0), ("Age", S, 0),
+     ("PreemptionPolicy", S, 0)],
+    _priority_class,
+)
+PRINTERS["PodDisruptionBudget"] = (
+    [("Name", S, 0), ("Min Available", S, 0), ("Max Unavailable", S, 0),
+     ("Allowed Disruptions", INT, 0), ("Age", S, 0)],
+    _budget,
+)
 DEFAULT_PRINTER: tuple[list[Column], Callable[[KubeObject, datetime], Row]] = (
     [("Name", S, 0), ("Age", S, 0)], _default
 )

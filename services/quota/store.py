@@ -77,46 +77,17 @@ class QuotaStore:
         return counter, own
 
     async def list_charges(self, namespace: str) -> dict[str, QuotaCharge]:
-        """Every charge key of the namespace, by pod uid (O(pods): for passes, never requests)."""
+        """Every charge key of the namespace, by pod uid (O(pods): for passes, never requests).
+        Complete: bus.list_entries reads on past nats-py's early "initial values done" marker."""
         out: dict[str, QuotaCharge] = {}
-        watcher = await self.charges.watch(f"{namespace}.*")
-        seen = 0
-        early_marker = False
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    if seen == 0 and await self._delivered(watcher) > 0:
-                        # nats-py put its "initial values done" marker before values the
-                        # server had already sent (the client had not handled them yet): read
-                        # on until the last initial value (the one with nothing pending).
-                        early_marker = True
-                        continue
-                    break
-                seen += 1
-                done = early_marker and entry.delta == 0
-                if seen % 200 == 0:
-                    await asyncio.sleep(0)  # let requests in between: this is a background pass
-                uid = entry.key.split(".", 1)[1]
-                if entry.value is None or entry.operation in ("DEL", "PURGE"):
-                    out.pop(uid, None)
-                else:
-                    with contextlib.suppress(CodecError):
-                        out[uid] = decode(entry.value, QuotaCharge)
-                if done:
-                    break
-        finally:
-            await watcher.stop()
+        for entry in await bus.list_entries(self.charges, f"{namespace}.*"):
+            uid = entry.key.split(".", 1)[1]
+            if entry.value is None or entry.operation in ("DEL", "PURGE"):
+                out.pop(uid, None)
+            else:
+                with contextlib.suppress(CodecError):
+                    out[uid] = decode(entry.value, QuotaCharge)
         return out
-
-    @staticmethod
-    async def _delivered(watcher: object) -> int:
-        """How many messages the server has delivered to the watch's consumer (0 when unknown:
-        then the marker is believed, as before)."""
-        try:
-            info = await watcher._sub.consumer_info()  # type: ignore[attr-defined]
-            return int(info.delivered.consumer_seq or 0)
-        except Exception:
-            return 0
 
     async def full_state(self, namespace: str) -> QuotaState | None:
         """The namespace with every charge in `charges` (status replies, the CLI)."""

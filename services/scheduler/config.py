@@ -7,6 +7,8 @@ import os
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tessera.validation import MAX_PREEMPTION_MARGIN_S
+
 
 class SchedulerSettings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -74,7 +76,8 @@ class SchedulerSettings(BaseSettings):
         True, description="evict lower-priority pods (spec.priority) for a pod that fits no node"
     )
     preemption_margin_s: float = Field(
-        15.0, ge=0, description="a nomination is re-evaluated this long after its victims' "
+        15.0, ge=0, le=MAX_PREEMPTION_MARGIN_S,
+        description="a nomination is re-evaluated this long after its victims' "
         "grace period if their GPU memory is not back by then",
     )
     preemption_retry_s: float = Field(

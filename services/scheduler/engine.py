@@ -146,7 +146,7 @@ class Scheduler:
         """Remove the pod's allocation (ledger, quota, event). True when this call removed it.
         A preemption victim stays until its GPU memory is seen free (preemption_run.py); a
         nominee gives its nomination up."""
-        if self.preemption.defer_release(node, uid):
+        if await self.preemption.defer_release(node, uid):
             return False
         await self.preemption.forget_nominee(node, uid)
         return await self.releaser.release(node, uid, why=why)

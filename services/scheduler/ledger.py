@@ -271,8 +271,9 @@ def bound_mutate(uid: str, now: float, current: NodeLedger | None) -> NodeLedger
 
 
 def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | None) -> NodeLedger:
-    """Remove the pod's allocation (and its claim): nothing is kept for dead pods. The removed
-    allocation is reported through `removed` (cleared on every attempt)."""
+    """Remove the pod's allocation (and its claim): nothing is kept for dead pods; victims
+    marked for it count again. The removed allocation is reported through `removed` (cleared
+    on every attempt)."""
     removed.clear()
     if current is None:
         raise NoChange
@@ -284,6 +285,10 @@ def release_mutate(uid: str, removed: list[Allocation], current: NodeLedger | No
     allocation = allocations.pop(uid, None)
     if allocation is not None:
         removed.append(allocation)
+        for key, a in current.allocations.items():  # a nominee gone: its marks go with it
+            if a.preempted_by == uid and key != uid:
+                allocations[key] = a.model_copy(update={"preempted_by": "",
+                                                        "preempted_until": None})  # fmt: skip
     return _replace(current, allocations, {k: c for k, c in claims.items() if k != uid})
 
 

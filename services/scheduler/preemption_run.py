@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera import bus
 from tessera.bus import CasConflictError
 from tessera.cluster.port import (
     ClusterError,
@@ -39,8 +40,9 @@ from tessera.cluster.port import (
     WatchEvent,
 )
 from tessera.hami import RequestError
-from tessera.models import Allocation, PreemptionEvent, UsageSample
+from tessera.models import Allocation, NodeLedger, PreemptionEvent, UsageSample
 from tessera.settings import TesseraSettings
+from tessera.validation import MAX_GRACE_S
 
 from .background import EventPublisher
 from .cards import allocation_usage
@@ -99,7 +101,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         namespace=str(meta.get("namespace") or "default"), name=str(meta.get("name") or ""),
         priority=pod_priority(pod),
         labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {},
-        grace_s=grace if isinstance(grace, int) and 0 <= grace <= 86400 else DEFAULT_GRACE_S,
+        grace_s=grace if isinstance(grace, int) and 0 <= grace <= MAX_GRACE_S else DEFAULT_GRACE_S,
         deleting=bool(meta.get("deletionTimestamp")),
     )  # fmt: skip
 
@@ -144,7 +146,8 @@ def memory_returned(sample: UsageSample, nominee: Allocation | None, victim: All
 
 @dataclass
 class Nomination:
-    """A nomination this replica started (for its `done` event)."""
+    """A nomination in progress, started by this replica or seen in the ledger (for its `done`
+    event, which every replica that sees the end publishes under one event id)."""
 
     node: str
     namespace: str
@@ -197,6 +200,14 @@ class Preemptor:
             self.priority_map = None
         self.pods[uid] = facts
 
+    def observe_ledger(self, node: str, ledger: NodeLedger | None) -> None:
+        """A ledger entry the watch applied: nominations in it are followed by the tick (any
+        replica, so the `done` event survives the loss of the one that started it)."""
+        if ledger is not None and node not in self.marked_nodes and any(
+            a.preempted_by for a in ledger.allocations.values()
+        ):
+            self.marked_nodes.add(node)
+
     def observe_usage(self, sample: UsageSample) -> None:
         self.usage[sample.node] = (self.clock(), sample)
 
@@ -222,16 +233,35 @@ class Preemptor:
 
     # --- the victims' release ---------------------------------------------------------------
 
-    def defer_release(self, node: str, uid: str) -> bool:
-        """A victim's pod ended: keep its allocation until its GPU memory is seen returned."""
-        entry = self.index.entries.get(node)
-        held = entry.ledger.allocations.get(uid) if entry and entry.ledger else None
+    async def defer_release(self, node: str, uid: str) -> bool:
+        """A victim's pod ended: keep its allocation until its GPU memory is seen returned.
+
+        The mark is written (by whichever replica nominated) before the eviction, so the ledger
+        itself always shows it by the time the pod is gone; this replica's index may not yet
+        (its watch lags): then the key is read."""
         now = self.clock()
-        if held is None or held.preempted_until is None or now >= held.preempted_until:
-            return False
+        if not self._under_mark(self._indexed(node, uid), now):
+            if not self.config.preemption:
+                return False
+            try:
+                current = await bus.read(self.ledger.writer.kv, node, NodeLedger)
+            except Exception as exc:  # cannot tell: released as before this check existed
+                log.warning("preemption: ledger unreadable", extra={"node": node, "err": str(exc)})
+                return False
+            held = current.value.allocations.get(uid) if current is not None else None
+            if not self._under_mark(held, now):
+                return False
         self.gone.setdefault(uid, now)
         self.marked_nodes.add(node)
         return True
+
+    def _indexed(self, node: str, uid: str) -> Allocation | None:
+        entry = self.index.entries.get(node)
+        return entry.ledger.allocations.get(uid) if entry and entry.ledger else None
+
+    @staticmethod
+    def _under_mark(held: Allocation | None, now: float) -> bool:
+        return held is not None and held.preempted_until is not None and now < held.preempted_until
 
     async def forget_nominee(self, node: str, uid: str) -> None:
         """The nominee's pod is gone: give the nomination up (reservation and marks)."""
@@ -266,6 +296,8 @@ class Preemptor:
         self._done(uid, outcome, why, nomination)
 
     def _done(self, uid: str, outcome: str, why: str, nomination: Nomination | None = None) -> None:
+        """Publish `done` for a nomination this replica follows. Every replica that follows it
+        publishes the same event id (pod uid + deadline): the stream keeps the first."""
         nomination = nomination or self.started.pop(uid, None)
         if nomination is None:
             return
@@ -294,6 +326,7 @@ class Preemptor:
             if not marked:
                 self.marked_nodes.discard(node)
                 continue
+            self._adopt(node, ledger, marked, now)
             for victim in marked:
                 await self._settle_victim(node, victim, now)
         for uid, nomination in list(self.started.items()):
@@ -305,9 +338,32 @@ class Preemptor:
             if held is not None and held.active and now < nomination.deadline:
                 await self._hand_over(nomination.node, uid, now)
                 self._done(uid, "placed", "the victims' GPU memory is free")
+            elif now < nomination.deadline and uid not in self.pods:
+                self._done(uid, "pod-deleted", "the pod was deleted")
             else:
-                self._done(uid, "re-evaluated", "the victims did not go before the deadline")
+                why = ("the victims did not go before the deadline" if now >= nomination.deadline
+                       else "the nomination was given up")  # fmt: skip
+                self._done(uid, "re-evaluated", why)
                 await self._clear_nomination(nomination.namespace, nomination.name)
+
+    def _adopt(
+        self, node: str, ledger: NodeLedger | None, marked: list[Allocation], now: float
+    ) -> None:
+        """Follow nominations seen in the ledger that another replica (or this one before a
+        restart) started: each is known by its nominee's reservation and its victims' marks."""
+        if ledger is None:
+            return
+        for uid in {a.preempted_by for a in marked} - self.started.keys():
+            victims = marked_victims(ledger, uid, now)
+            nominee = ledger.allocations.get(uid)
+            if not victims or nominee is None or not nominee.active:
+                continue
+            facts = self.pods.get(uid)
+            self.started[uid] = Nomination(
+                node, nominee.namespace, nominee.name, facts.priority if facts else 0,
+                [f"{v.namespace}/{v.name}" for v in victims], [v.pod_uid for v in victims],
+                max(v.preempted_until or 0.0 for v in victims),
+            )  # fmt: skip
 
     async def _hand_over(self, node: str, uid: str, now: float) -> None:
         """Every victim is gone: the nominee's reservation becomes an ordinary one, with the

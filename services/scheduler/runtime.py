@@ -101,6 +101,7 @@ class SchedulerService:
             bounds=Bounds.of(settings), index=self.index, ledger_kv=buckets.ledger,
             rejections=self.rejections,
             rebuild=self.foreign.repairing(cluster_rebuild(cluster)) if cluster else None,
+            clock=clock,
         )  # fmt: skip
         self.gate = PodGate(cluster)
         self.scheduler.pod_filter.pod_check = self.gate.check_identity
@@ -304,7 +305,7 @@ class SchedulerService:
     # --- watches ------------------------------------------------------------------------------
     async def _watch_nodes(self) -> None:
         seen: set[str] | None = set()
-        watcher = await self.buckets.nodes.watchall()
+        watcher = bus.watch_entries(self.buckets.nodes)  # its sync marker can be trusted
         try:
             async for entry in watcher:
                 now = self.clock()
@@ -344,13 +345,13 @@ class SchedulerService:
                 self.index.set_registration(key, value, now)
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()
+                await watcher.aclose()
 
     async def _watch_ledger(self) -> None:
         """Like bus.watch_models, but a revision the index already holds (this replica's own
         write, applied when it returned) is skipped before decoding: decoding is the cost."""
         seen: set[str] | None = set()
-        watcher = await self.buckets.ledger.watchall()
+        watcher = bus.watch_entries(self.buckets.ledger)  # its sync marker can be trusted
         try:
             async for entry in watcher:
                 now = self.clock()
@@ -390,9 +391,10 @@ class SchedulerService:
                 else:
                     self.guard.ledger_valid(key)
                 self.index.set_ledger(key, value, entry.revision, now)
+                self.scheduler.preemption.observe_ledger(key, value)
         finally:
             with contextlib.suppress(Exception):
-                await watcher.stop()
+                await watcher.aclose()
 
     def _flush_when_listed(self, now: float) -> None:
         """Build the index rows deferred during the start-up listing once both buckets are

@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from tessera import hami
+from tessera import bus, hami
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
 from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration, QuotaState
@@ -58,8 +59,10 @@ class LedgerGuard:
         rejections: Rejections,
         rebuild: Rebuild | None = None,
         retry_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.bounds = bounds
+        self.clock = clock  # judges preemption marks (tessera.validation.mark_problem)
         self.index = index
         self.ledger_kv = ledger_kv
         self.rejections = rejections
@@ -93,7 +96,7 @@ class LedgerGuard:
     def ledger_ok(self, key: str, value: NodeLedger, revision: int) -> bool:
         entry = self.index.entries.get(key)
         registration = entry.registration if entry is not None else None
-        problem = ledger_problem(key, value, registration, self.bounds)
+        problem = ledger_problem(key, value, registration, self.bounds, self.clock())
         if problem is None:
             self.ledger_valid(key)
             return True
@@ -148,7 +151,7 @@ class LedgerGuard:
 
         True when the key now holds a valid value (written by this call, or by anyone)."""
         try:
-            history = await self.ledger_kv.history(node)
+            history = await bus.history(self.ledger_kv, node)
         except KeyNotFoundError:
             self.ledger_valid(node)
             return True
@@ -186,7 +189,8 @@ class LedgerGuard:
             return None
         entry = self.index.entries.get(node)
         registration = entry.registration if entry is not None else None
-        return value if ledger_problem(node, value, registration, self.bounds) is None else None
+        problem = ledger_problem(node, value, registration, self.bounds, self.clock())
+        return value if problem is None else None
 
     async def stop(self) -> None:
         for task in self._repairs.values():

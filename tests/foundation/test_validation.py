@@ -18,6 +18,8 @@ from tessera.models import (
     QuotaState,
 )
 from tessera.validation import (
+    MARK_SKEW_S,
+    MAX_NOMINATION_S,
     Bounds,
     ledger_problem,
     limits_problem,
@@ -125,3 +127,85 @@ def test_quota_and_limits_bounds() -> None:
     assert too_much is not None and "not enough memory" in too_much.detail
     unknown = limits_problem(LimitsSetRequest(container="c", device_uuid="GPU-z"), devices)
     assert unknown is not None and unknown.code == "limits_unknown_device"
+
+
+# --- preemption marks -----------------------------------------------------------------------
+
+NOW = 1_000_000.0
+
+
+def nomination(until: float = NOW + 45, **victim: Any) -> NodeLedger:
+    """A victim marked for nominee `nom`, whose reservation lasts until `until`, as the
+    scheduler's nomination writes it; `victim` overrides the victim's fields."""
+    nominee = allocation(pod_uid="nom", name="nominee", expires_at=until)
+    marked = allocation(**{"preempted_by": "nom", "preempted_until": until, "state": "bound",
+                           **victim})  # fmt: skip
+    return NodeLedger(node="n1", allocations={"u1": marked, "nom": nominee})
+
+
+def mark_code(ledger: NodeLedger, now: float | None = NOW) -> str | None:
+    problem = ledger_problem("n1", ledger, REGISTRATION, Bounds(), now)
+    return problem.code if problem else None
+
+
+def test_the_schedulers_nomination_is_valid() -> None:
+    assert mark_code(nomination()) is None
+    assert mark_code(nomination(until=NOW + MAX_NOMINATION_S - 1)) is None
+
+
+@pytest.mark.parametrize(
+    ("ledger", "code"),
+    [
+        # A mark naming nobody in the entry: the running pod's capacity would be free.
+        (NodeLedger(node="n1", allocations={"u1": allocation(
+            state="bound", preempted_by="ghost", preempted_until=NOW + 600)}),
+         "preemption_mark_unbacked"),
+        # The nominee is a running pod, not a reservation (nothing holds what the mark frees).
+        (nomination().model_copy(update={"allocations": {
+            **nomination().allocations,
+            "nom": allocation(pod_uid="nom", name="nominee", state="bound")}}),
+         "preemption_mark_unbacked"),
+        # The mark outlasts the nominee's reservation (extended by the node's writer).
+        (nomination(preempted_until=NOW + 4000), "preemption_mark_unbacked"),
+        # Beyond any nomination's deadline (a day's grace + an hour).
+        (nomination(until=NOW + MAX_NOMINATION_S + 10), "preemption_mark_too_long"),
+        # Half a mark, a self-mark, an endless one.
+        (nomination(preempted_until=None), "preemption_mark"),
+        (nomination(preempted_by=""), "preemption_mark"),
+        (nomination(preempted_by="u1"), "preemption_mark"),
+        (nomination(preempted_until=float("inf")), "preemption_mark"),
+    ],
+)  # fmt: skip
+def test_forged_preemption_marks_are_rejected(ledger: NodeLedger, code: str) -> None:
+    assert mark_code(ledger) == code
+
+
+def test_a_nominee_marked_itself_cannot_back_marks() -> None:
+    ledger = nomination()
+    ledger.allocations["nom"] = ledger.allocations["nom"].model_copy(
+        update={"preempted_by": "u1", "preempted_until": NOW + 45}
+    )
+    assert mark_code(ledger) == "preemption_mark_unbacked"
+
+
+def test_a_lapsed_mark_frees_nothing_and_is_accepted() -> None:
+    """After the deadline the sweeper drops the nominee's reservation; the victim keeps its old
+    mark until released, which no longer counts (cards.counts_against_capacity)."""
+    ledger = NodeLedger(node="n1", allocations={"u1": allocation(
+        state="bound", preempted_by="gone", preempted_until=NOW - 1)})  # fmt: skip
+    assert mark_code(ledger) is None
+    # Within the clock-skew allowance too; beyond it, the mark is in force and unbacked.
+    ledger.allocations["u1"].preempted_until = NOW + MARK_SKEW_S
+    assert mark_code(ledger) is None
+    ledger.allocations["u1"].preempted_until = NOW + MARK_SKEW_S + 1
+    assert mark_code(ledger) == "preemption_mark_unbacked"
+    # A released victim frees nothing either way.
+    ledger.allocations["u1"].state = "released"
+    assert mark_code(ledger) is None
+
+
+def test_without_a_clock_only_the_timeless_checks_apply() -> None:
+    ghost = NodeLedger(node="n1", allocations={"u1": allocation(
+        state="bound", preempted_by="ghost", preempted_until=NOW + 600)})  # fmt: skip
+    assert mark_code(ghost, now=None) is None
+    assert mark_code(nomination(preempted_by="u1"), now=None) == "preemption_mark"

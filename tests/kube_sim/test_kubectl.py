@@ -142,6 +142,37 @@ def test_discovery_lists_what_kubectl_needs(kubectl: Kubectl) -> None:
     assert "default" in kubectl.run("get", "ns").stdout
 
 
+def test_priority_classes_and_disruption_budgets_through_kubectl(kubectl: Kubectl) -> None:
+    """scheduling.k8s.io/v1 PriorityClass and policy/v1 PodDisruptionBudget are discoverable,
+    so kubectl's names, short names and printing work as against kube-apiserver."""
+    resources = kubectl.run("api-resources").stdout
+    rows = {line.split()[0]: line.split() for line in resources.splitlines()[1:]}
+    assert rows["priorityclasses"][1:] == ["pc", "scheduling.k8s.io/v1", "false", "PriorityClass"]
+    assert rows["poddisruptionbudgets"][1:] == ["pdb", "policy/v1", "true",
+                                                "PodDisruptionBudget"]
+    kubectl.apply("pc.yaml", "apiVersion: scheduling.k8s.io/v1\nkind: PriorityClass\n"
+                  "metadata:\n  name: batch-high\nvalue: 1000\n")
+    kubectl.apply("pdb.yaml", "apiVersion: policy/v1\nkind: PodDisruptionBudget\n"
+                  "metadata:\n  name: keep-two\nspec:\n  minAvailable: 2\n"
+                  "  selector:\n    matchLabels:\n      app: web\n")
+    classes = kubectl.run("get", "pc").stdout.splitlines()
+    assert classes[0].split() == ["NAME", "VALUE", "GLOBAL-DEFAULT", "AGE", "PREEMPTIONPOLICY"]
+    by_name = {line.split()[0]: line.split() for line in classes[1:]}
+    assert by_name["batch-high"][1:3] == ["1000", "false"]
+    assert by_name["system-node-critical"][1] == "2000001000"
+    both = kubectl.run("get", "pc,pdb").stdout
+    assert "priorityclass.scheduling.k8s.io/batch-high" in both
+    assert "poddisruptionbudget.policy/keep-two" in both
+    budgets = kubectl.run("get", "pdb").stdout.splitlines()
+    assert budgets[0].split() == ["NAME", "MIN", "AVAILABLE", "MAX", "UNAVAILABLE", "ALLOWED",
+                                  "DISRUPTIONS", "AGE"]
+    assert budgets[1].split()[:4] == ["keep-two", "2", "N/A", "0"]
+    assert kubectl.json("pdb", "keep-two")["spec"]["minAvailable"] == 2
+    kubectl.run("delete", "pdb", "keep-two")
+    kubectl.run("delete", "pc", "batch-high")
+    assert "batch-high" not in kubectl.run("get", "priorityclasses").stdout
+
+
 def test_pod_apply_get_describe_update_delete(kubectl: Kubectl) -> None:
     assert kubectl.apply("p.yaml", pod_yaml("web-1", "apps")).stdout.strip() == "pod/web-1 created"
 

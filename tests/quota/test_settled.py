@@ -34,6 +34,19 @@ async def set_limits(nc, ns: str, memory_mib: int) -> None:  # type: ignore[no-u
     assert (await call(nc, bus.QUOTA_SET, body)).ok
 
 
+async def reserve_all(nc, bodies: list[QuotaRequest], in_flight: int = 16) -> list:  # type: ignore[no-untyped-def]
+    """Many reservations racing across the replicas, as schedulers send them: a bounded number
+    in flight, each with its own deadline. (300 sent at once queue behind each other at the
+    replicas, which serve one request at a time: on a starved machine the last waited > 20 s.)"""
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(body: QuotaRequest) -> object:
+        async with gate:
+            return await call(nc, bus.QUOTA_RESERVE, body, timeout=20)
+
+    return await asyncio.gather(*(one(b) for b in bodies))
+
+
 def charge(uid: str, mem: int, at: float = 0.0) -> QuotaCharge:
     return QuotaCharge(pod_uid=uid, memory_mib=mem, gpus=1, at=at)
 
@@ -92,9 +105,7 @@ async def test_a_large_namespace_keeps_a_small_value_and_two_replicas_never_over
     await start_quota(patient)
     ns = unique_namespace("big")
     await set_limits(nc, ns, memory_mib=400 * 10)
-    replies = await asyncio.gather(*(
-        call(nc, bus.QUOTA_RESERVE, reserve(ns, f"p{i}", mem=10), timeout=20) for i in range(300)
-    ))  # fmt: skip
+    replies = await reserve_all(nc, [reserve(ns, f"p{i}", mem=10) for i in range(300)])
     assert all(isinstance(r, QuotaReply) and r.ok for r in replies)
 
     async def folded() -> bool:
@@ -111,9 +122,7 @@ async def test_a_large_namespace_keeps_a_small_value_and_two_replicas_never_over
     # Two replicas race for the last 100 slots with 160 pods, some of them retries of old ones.
     racers = [reserve(ns, f"q{i}", mem=10) for i in range(160)]
     retries = [reserve(ns, f"p{i}", mem=10) for i in range(0, 300, 10)]
-    replies = await asyncio.gather(*(
-        call(nc, bus.QUOTA_RESERVE, body, timeout=20) for body in racers + retries
-    ))  # fmt: skip
+    replies = await reserve_all(nc, racers + retries)
     granted = [b.pod_uid for b, r in zip(racers, replies[: len(racers)], strict=True) if r.ok]
     assert len(granted) == 100
     assert all(r.ok and r.reason == "already held" for r in replies[len(racers):])

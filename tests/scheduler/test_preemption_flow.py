@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 
+from nats.js.api import DeliverPolicy
 from tessera.scheduler.cards import build_cards, over_capacity
 
 from tessera import bus
@@ -21,6 +22,7 @@ from tessera.models import (
     NodeLedger,
     PreemptionEvent,
     UsageSample,
+    ValueRejectedEvent,
 )
 
 from .conftest import MakeService, register, unique, wait_until
@@ -187,6 +189,7 @@ async def test_a_nomination_whose_victims_never_go_is_re_evaluated(
     assert registration is not None
     cards = build_cards(registration, ledger.allocations.values(), time.time())
     assert over_capacity(cards) == [] and cards[0].used_mem == 20000  # the victim counts again
+    assert ("ledger", name) not in service.rejections.seen  # every write of it was valid
     # Re-evaluated from scratch: it nominates again (and would evict again).
     again = await service.scheduler.filter(urgent, [name])
     assert not again.nodenames and "waiting for preemption of" in again.failed[name]
@@ -221,3 +224,118 @@ async def test_a_deleted_nominee_leaves_nothing_reserved(
         bus.EVENTS_STREAM, bus.preemption_event_subject("default", "done"))
     event = decode(done.data, PreemptionEvent)
     assert event.pod_uid == uid and event.outcome == "pod-deleted"
+    assert ("ledger", name) not in service.rejections.seen
+
+
+async def test_a_forged_preemption_mark_frees_nothing(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    """A node agent may rewrite its own node's entry: marking a running pod as a victim of a
+    nominee that holds no reservation would free its memory for the scheduler. Rejected; the
+    entry is repaired and the pod's memory keeps counting."""
+    service = await make_service()
+    name = unique("forged")
+    victim = prioritised("victim", 20000, 10, name)
+    await seed(service.buckets, cluster, name, [victim])
+    await wait_until(lambda: service.index.entries.get(name) is not None
+                     and service.index.entries[name].ledger is not None)  # fmt: skip
+    uid = victim["metadata"]["uid"]
+    current = await bus.read(service.buckets.ledger, name, NodeLedger)
+    assert current is not None
+    forged = current.value.model_copy(deep=True)
+    forged.allocations[uid].preempted_by = "ghost"
+    forged.allocations[uid].preempted_until = time.time() + 600
+    sub = await service.nc.subscribe(bus.rejected_event_subject("ledger"))
+    await service.buckets.ledger.update(name, encode(forged), last=current.revision)
+    event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+    assert event.key == name and event.problem == "preemption_mark_unbacked"
+
+    async def repaired() -> bool:
+        now = await bus.read(service.buckets.ledger, name, NodeLedger)
+        return now is not None and now.revision > current.revision + 1 \
+            and not now.value.allocations[uid].preempted_by
+
+    for _ in range(100):
+        if await repaired() and service.guard.refusal(name) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await repaired()
+    other = prioritised("other", 20000, 10)  # no lower priority to evict: no preemption
+    cluster.add_pod(other)
+    result = await service.scheduler.filter(other, [name])
+    assert not result.nodenames
+    assert "CardInsufficientMemory" in result.failed[name]  # the victim's 20000 MiB count
+
+
+async def done_events(service, uid: str) -> list[PreemptionEvent]:
+    """Every `preemption.done` the stream holds for the pod."""
+    await service.scheduler.drain()
+    subject = bus.preemption_event_subject("default", "done")
+    info = await service.js.stream_info(bus.EVENTS_STREAM, subjects_filter=subject)
+    stored = (info.state.subjects or {}).get(subject, 0)
+    sub = await service.js.subscribe(subject, ordered_consumer=True,
+                                     deliver_policy=DeliverPolicy.ALL)  # fmt: skip
+    out = []
+    try:
+        for _ in range(stored):
+            event = decode((await sub.next_msg(timeout=5)).data, PreemptionEvent)
+            if event.pod_uid == uid:
+                out.append(event)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def _preempt_on_one_finish_on_two(make_service, cluster, *, kill_first: bool):
+    config = {"preemption_margin_s": 30, "sweep_interval_s": 0.1}
+    one, two = await make_service(config=config), await make_service(config=config)
+    name = unique("done")
+    victim = prioritised("victim", 20000, 10, name)
+    reg = await seed(one.buckets, cluster, name, [victim])
+    await wait_until(lambda: all(s.index.entries.get(name) is not None
+                                 and s.index.entries[name].ledger is not None
+                                 for s in (one, two)))  # fmt: skip
+    urgent = prioritised("urgent", 20000, 1000)
+    cluster.add_pod(urgent)
+    uid = urgent["metadata"]["uid"]
+    first = await one.scheduler.filter(urgent, [name])
+    assert "waiting for preemption of" in first.failed[name]
+    if kill_first:
+        one.kill()  # the replica that started it is gone before the victim's memory is back
+    sample = UsageSample(node=name, devices=[HostDeviceUsage(
+        uuid=reg.devices[0].uuid, used_bytes=0, total_bytes=24000 * MIB)])  # fmt: skip
+
+    def victim_released() -> bool:
+        ledger = two.index.entries[name].ledger
+        return ledger is not None and victim["metadata"]["uid"] not in ledger.allocations
+
+    for _ in range(100):  # reports until the victim's pod is seen gone and its memory free
+        await two.nc.publish(bus.usage_subject(name), encode(sample))
+        if victim_released():
+            break
+        await asyncio.sleep(0.05)
+    assert victim_released()
+    for _ in range(100):
+        if await done_events(two, uid):
+            break
+        await asyncio.sleep(0.05)
+    for replica in (two,) if kill_first else (one, two):
+        await wait_until(lambda r=replica: uid not in r.scheduler.preemption.started, timeout=5)
+    return two, uid
+
+
+async def test_preemption_done_is_published_once_by_two_replicas(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    two, uid = await _preempt_on_one_finish_on_two(make_service, cluster, kill_first=False)
+    events = await done_events(two, uid)
+    assert [e.outcome for e in events] == ["placed"]
+
+
+async def test_preemption_done_survives_the_replica_that_started_it(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    two, uid = await _preempt_on_one_finish_on_two(make_service, cluster, kill_first=True)
+    events = await done_events(two, uid)
+    assert [(e.outcome, e.source) for e in events] == [("placed", two.instance)]
+    assert events[0].victims == ["default/victim"]

@@ -1,0 +1,257 @@
+"""A KV watch's "initial values done" marker must follow every current value.
+
+nats-py puts that marker first when, at the watch's creation, the consumer reports nothing
+pending and the client has received nothing yet. On a loaded machine that is also the state
+while the server has already delivered every value and they are still on their way (a listing
+of 300 keys came back empty). `ReorderingProxy` reproduces that state deterministically against
+the real nats-server: a TCP proxy speaking the NATS protocol that holds the watch's deliveries
+back until the answer to the client's consumer-info request has passed them and the client has
+acted on it (what the server itself does when its API answer overtakes the consumer's send
+queue and the deliveries follow a moment later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from tessera.quota.store import QuotaStore
+
+from tessera import bus
+from tessera.bus import connect, watch_entries, watch_models
+from tessera.codec import encode
+from tessera.models import QuotaCharge, QuotaState
+from tessera.settings import NatsSettings
+
+KEYS = 300
+Fresh = Callable[[], Awaitable[KeyValue]]
+
+
+class ReorderingProxy:
+    """NATS protocol proxy. `hold(n)`: keep the next JetStream deliveries (messages with a
+    `$JS.ACK.` reply subject) and the client's next consumer-info request until `n` deliveries
+    are held, then let the request through; once its answer has reached the client, send the
+    held deliveries when the client next sends anything (or after RELEASE_AFTER_S)."""
+
+    RELEASE_AFTER_S = 1.0
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self._want = 0
+        self._held: list[bytes] = []
+        self._info_request: tuple[asyncio.StreamWriter, bytes] | None = None
+        self._waiting_answer = False
+        self._answered: asyncio.StreamWriter | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.reordered = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
+    def hold(self, deliveries: int) -> None:
+        self._want = deliveries
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        for coro in (self._pump(reader, up_writer, to_server=True),
+                     self._pump(up_reader, writer, to_server=False)):  # fmt: skip
+            task = asyncio.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, to_server: bool
+    ) -> None:
+        try:
+            while True:
+                frame, args = await _read_frame(reader)
+                if to_server:
+                    self._to_server(writer, frame, args)
+                else:
+                    self._to_client(writer, frame, args)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def _to_server(self, writer: asyncio.StreamWriter, frame: bytes, args: list[bytes]) -> None:
+        self._send_held()
+        if self._want and args[0] in (b"PUB", b"HPUB") and b".CONSUMER.INFO." in args[1]:
+            self._info_request = (writer, frame)
+            self._release_request()
+            return
+        writer.write(frame)
+
+    def _to_client(self, writer: asyncio.StreamWriter, frame: bytes, args: list[bytes]) -> None:
+        reply = _reply_subject(args)
+        if self._want and reply.startswith(b"$JS.ACK."):
+            self._held.append(frame)
+            self._release_request()
+            return
+        writer.write(frame)
+        if self._waiting_answer and b"consumer_info_response" in frame:
+            self._waiting_answer = False
+            self._want = 0
+            self._answered = writer
+            asyncio.get_running_loop().call_later(self.RELEASE_AFTER_S, self._send_held)
+
+    def _send_held(self) -> None:
+        if self._answered is None:
+            return
+        for held in self._held:
+            self._answered.write(held)
+        self.reordered = len(self._held)
+        self._held.clear()
+        self._answered = None
+
+    def _release_request(self) -> None:
+        if self._info_request is not None and len(self._held) >= self._want:
+            writer, frame = self._info_request
+            self._info_request = None
+            self._waiting_answer = True
+            writer.write(frame)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[bytes, list[bytes]]:
+    """One protocol frame (control line, plus payload for [H]MSG / [H]PUB) and its tokens."""
+    line = await reader.readuntil(b"\r\n")
+    args = line.split()
+    op = args[0].upper() if args else b""
+    args[:1] = [op]
+    if op in (b"MSG", b"HMSG", b"PUB", b"HPUB"):
+        payload = await reader.readexactly(int(args[-1]) + 2)
+        return line + payload, args
+    return line, args
+
+
+def _reply_subject(args: list[bytes]) -> bytes:
+    # MSG subject sid [reply] size / HMSG subject sid [reply] hdr_size size
+    if args[0] == b"MSG" and len(args) == 5:
+        return args[3]
+    if args[0] == b"HMSG" and len(args) == 6:
+        return args[3]
+    return b""
+
+
+@pytest.fixture
+async def proxied(nats_server: object) -> AsyncIterator[tuple[ReorderingProxy, Fresh]]:
+    port = int(nats_server.url.rsplit(":", 1)[1])  # type: ignore[attr-defined]
+    proxy = ReorderingProxy(port)
+    await proxy.start()
+    nc = await connect(NatsSettings(NATS_URL=f"nats://127.0.0.1:{proxy.port}"), name="reorder")
+    js = nc.jetstream()
+    made: list[str] = []
+
+    async def fresh() -> KeyValue:
+        made.append(f"watch-{uuid.uuid4().hex[:12]}")
+        return await js.create_key_value(bucket=made[-1], history=8)
+
+    try:
+        yield proxy, fresh
+    finally:
+        for name in made:
+            with contextlib.suppress(Exception):
+                await js.delete_key_value(name)
+        await nc.close()
+        await proxy.stop()
+
+
+async def _fill(kv: object, prefix: str, model: object) -> set[str]:
+    keys = {f"{prefix}.k{i:03d}" for i in range(KEYS)}
+    await asyncio.gather(*(kv.put(k, encode(model)) for k in keys))  # type: ignore[attr-defined]
+    return keys
+
+
+async def _until_marker(stream: AsyncIterator[tuple[str, object, int]]) -> set[str]:
+    listed: set[str] = set()
+    async with asyncio.timeout(20):
+        async for key, _value, _revision in stream:
+            if key == "":
+                return listed
+            listed.add(key)
+    raise AssertionError("the watch ended without a marker")
+
+
+async def test_the_proxy_provokes_nats_py_early_marker(proxied) -> None:
+    """The condition itself: nats-py's own watcher says "done" before any of the values."""
+    proxy, fresh = proxied
+    kv = await fresh()
+    keys = await _fill(kv, "early", QuotaState(namespace="early"))
+    proxy.hold(KEYS)
+    watcher = await kv.watchall()
+    try:
+        async with asyncio.timeout(20):
+            first = await watcher.updates(timeout=20)
+            rest = [await watcher.updates(timeout=20) for _ in range(KEYS)]
+    finally:
+        await watcher.stop()
+    assert proxy.reordered == KEYS
+    assert first is None  # nats-py's "initial values done", before all 300
+    assert {e.key for e in rest if e is not None} == keys
+
+
+async def test_watch_models_marker_follows_every_current_value(proxied) -> None:
+    proxy, fresh = proxied
+    kv = await fresh()
+    keys = await _fill(kv, "models", QuotaState(namespace="models"))
+    proxy.hold(KEYS)
+    stream = watch_models(kv, QuotaState)
+    try:
+        listed = await _until_marker(stream)
+    finally:
+        await stream.aclose()
+    assert listed == keys  # the old watch_models listed none of them
+    assert proxy.reordered == KEYS
+
+
+async def test_listing_history_and_quota_charges_are_complete(proxied) -> None:
+    proxy, fresh = proxied
+    charges = await fresh()
+    charge = QuotaCharge(pod_uid="p", gpus=1, memory_mib=1024, cores=10, at=1.0)
+    keys = await _fill(charges, "ns-list", charge)
+    store = QuotaStore(await fresh(), charges, clock=lambda: 2.0)
+    proxy.hold(KEYS)
+    listed = await store.list_charges("ns-list")
+    assert proxy.reordered == KEYS
+    assert {f"ns-list.{uid}" for uid in listed} == keys
+
+    kv = await fresh()
+    for i in range(5):
+        await kv.put("hist", encode(QuotaState(namespace=f"v{i}")))
+    proxy.hold(5)
+    revisions = await bus.history(kv, "hist")
+    assert proxy.reordered == 5
+    assert len(revisions) == 5
+    with pytest.raises(KeyNotFoundError):
+        await bus.history(kv, "never-written")
+
+
+async def test_an_empty_watch_is_synced_at_once_then_follows_changes(proxied) -> None:
+    """The leading marker is believed when the consumer had nothing to deliver."""
+    _proxy, fresh = proxied
+    kv = await fresh()
+    entries = watch_entries(kv)
+    try:
+        async with asyncio.timeout(20):
+            assert await anext(entries) is None
+            await kv.put("a", encode(QuotaState(namespace="a")))
+            entry = await anext(entries)
+    finally:
+        await entries.aclose()
+    assert entry is not None and entry.key == "a"
