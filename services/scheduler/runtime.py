@@ -213,11 +213,15 @@ class SchedulerService:
             with contextlib.suppress(Exception):
                 await self._micro.stop()
             self._micro = None
-        for task in [*self._tasks, *self._watch_tasks]:
+        tasks = [*self._tasks, *self._watch_tasks]
+        for task in tasks:
             task.cancel()
-        for task in [*self._tasks, *self._watch_tasks]:
-            with contextlib.suppress(BaseException):
-                await task
+        if tasks:
+            # Bounded: a loop stuck in a call that ignores cancellation (a NATS request on a
+            # dead connection) must not hold the process up; it is named and left behind.
+            _done, stuck = await asyncio.wait(tasks, timeout=10.0)
+            for task in stuck:
+                log.warning("task did not stop within 10 s", extra={"task": task.get_name()})
         self._tasks.clear()
         self._watch_tasks.clear()
         await self.guard.stop()
