@@ -12,7 +12,7 @@ import pytest
 
 from tessera import region
 
-from .conftest import TESTS_DIR, Cuctl, MiB
+from .conftest import TESTS_DIR, Cuctl, MiB, build_lock
 
 LIMIT = 1000 * MiB
 CHUNK = 300 * MiB
@@ -49,11 +49,12 @@ KINDS = ["plain", "pitch", "managed", "async", "pool", "vmm", "array", "mipmap",
 
 def build_variant(native, name: str, omit: str):
     build = native.lib.parent / "tests"
-    out = subprocess.run(
-        ["make", "-s", "-C", str(TESTS_DIR), f"BUILD={build}", f"SAN={native.san}",
-         f"PYTHON={sys.executable}", "variant", f"VARIANT={name}", f"OMIT={omit}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    with build_lock(native.lib.parent):
+        out = subprocess.run(
+            ["make", "-s", "-C", str(TESTS_DIR), f"BUILD={build}", f"SAN={native.san}",
+             f"PYTHON={sys.executable}", "variant", f"VARIANT={name}", f"OMIT={omit}"],
+            capture_output=True, text=True,
+        )  # fmt: skip
     assert out.returncode == 0, out.stderr
     return build / f"fake-{name}"
 
