@@ -147,9 +147,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     RUN.finish_teardowns()
 
 
-# Modules that take longest (seconds on the 2-core machine, --durations): handed out first, so
-# no worker is left with a long module at the end while the other idles.
-LONG_MODULES: dict[str, float] = {}
+# Modules that take longest (seconds, --durations on the 2-core machine): handed out first, so
+# no worker is left with a long module at the end while the other idles. `serial` modules are
+# left out on purpose: early on they would wait for these to finish.
+LONG_MODULES: dict[str, float] = {
+    "tests/native/test_build.py": 90,  # the whole native suite again under ASan
+    "tests/cli/test_stack_commands.py": 60,
+    "tests/admission/test_admission_fuzz.py": 45,
+    "tests/node_agent/test_watchdog.py": 40,
+    "tests/charts/test_charts.py": 35,
+    "tests/e2e/test_nats_cluster.py": 30,
+    "tests/cli/test_finding_the_stack.py": 25,
+    "tests/e2e/test_whatif.py": 22,
+    "tests/scheduler/test_concurrency.py": 20,
+}
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
