@@ -147,19 +147,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     RUN.finish_teardowns()
 
 
-# Modules that take longest (seconds, --durations on the 2-core machine): handed out first, so
-# no worker is left with a long module at the end while the other idles. `serial` modules are
-# left out on purpose: early on they would wait for these to finish.
+# Modules that take longest (seconds, --durations on the loaded 2-core machine): handed out
+# first, so no worker is left with a long module at the end while the other idles. `serial`
+# modules are left out on purpose: early on they would wait for these to finish.
 LONG_MODULES: dict[str, float] = {
-    "tests/native/test_build.py": 90,  # the whole native suite again under ASan
-    "tests/cli/test_stack_commands.py": 60,
-    "tests/admission/test_admission_fuzz.py": 45,
+    "tests/native/test_build.py": 480,  # the whole native suite again under ASan
+    "tests/cli/test_stack_commands.py": 150,
+    "tests/scheduler/test_concurrency.py": 110,
+    "tests/admission/test_admission_fuzz.py": 85,
+    "tests/native/test_driver_variants.py": 70,
+    "tests/e2e/test_nats_cluster.py": 60,
+    "tests/charts/test_charts.py": 55,
+    "tests/e2e/test_whatif.py": 45,
     "tests/node_agent/test_watchdog.py": 40,
-    "tests/charts/test_charts.py": 35,
-    "tests/e2e/test_nats_cluster.py": 30,
-    "tests/cli/test_finding_the_stack.py": 25,
-    "tests/e2e/test_whatif.py": 22,
-    "tests/scheduler/test_concurrency.py": 20,
+    "tests/cli/test_finding_the_stack.py": 40,
 }
 
 
