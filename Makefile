@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite runs on two workers (pytest-xdist; tests/suite_run.py keeps them apart); 0: one process.
+PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: all dev native protos browser test lint format demo bench docs image clean
@@ -42,7 +44,7 @@ browser:
 
 test: dev native protos browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: dev
 	$(BIN)/ruff check .

@@ -1,11 +1,20 @@
-"""Shared fixtures: a real nats-server with JetStream, started once per test session."""
+"""Shared fixtures: a real nats-server with JetStream, started once per test session.
+
+The suite also runs on several workers (pytest-xdist, `make test`: `-n 2 --dist loadscope`); the
+hooks at the end keep that safe: a module's tests stay on one worker (its module-scoped stack
+starts once), and a test marked `serial` runs while no other test does.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+from suite_run import RUN, RunLock
 
 from tessera.bus import Buckets, connect, ensure_bus
 from tessera.settings import NatsSettings, TesseraSettings
@@ -93,3 +102,83 @@ def pytest_configure(config: pytest.Config) -> None:
     for key in list(os.environ):
         if key.startswith("TESSERA_") or key.startswith("NATS_"):
             del os.environ[key]
+    config.addinivalue_line(
+        "markers",
+        "serial: runs while no other test of the run does (real-time shares, convergence bounds"
+        " under a crash): with several workers, the others wait",
+    )
+
+
+# --- Several workers (pytest-xdist) ---------------------------------------------------------
+
+
+def _lock_folder(testrunuid: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"tessera-pytest-{testrunuid}"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:  # an xdist worker: the run's lock
+        RUN.lock = RunLock(_lock_folder(worker["testrunuid"]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: object) -> None:
+    """On the controller, per worker: remember the run's lock folder, to remove at the end."""
+    folder = _lock_folder(node.workerinput["testrunuid"])  # type: ignore[attr-defined]
+    config = node.config  # type: ignore[attr-defined]
+    config._tessera_lock_folders = {*getattr(config, "_tessera_lock_folders", ()), folder}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in getattr(config, "_tessera_lock_folders", ()):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Outermost wrapper: the wait for the lock is not part of the test's own timeout.
+    with RUN.test(serial=item.get_closest_marker("serial") is not None):
+        yield
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    RUN.finish_teardowns()
+
+
+# Modules that take longest (seconds, --durations on the loaded 2-core machine): handed out
+# first, so no worker is left with a long module at the end while the other idles. `serial`
+# modules are left out on purpose: early on they would wait for these to finish.
+LONG_MODULES: dict[str, float] = {
+    "tests/native/test_build.py": 480,  # the whole native suite again under ASan
+    "tests/cli/test_stack_commands.py": 150,
+    "tests/scheduler/test_concurrency.py": 110,
+    "tests/admission/test_admission_fuzz.py": 85,
+    "tests/native/test_driver_variants.py": 70,
+    "tests/e2e/test_nats_cluster.py": 60,
+    "tests/charts/test_charts.py": 55,
+    "tests/e2e/test_whatif.py": 45,
+    "tests/node_agent/test_watchdog.py": 40,
+    "tests/cli/test_finding_the_stack.py": 40,
+}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadscope`: whole modules to a worker (a module-scoped stack starts once), the
+    longest first."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LongestModuleFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node: object) -> None:
+            longest = max(self.workqueue, key=lambda scope: LONG_MODULES.get(scope, 0.0))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+    return LongestModuleFirst(config, log)

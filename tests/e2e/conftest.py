@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from suite_run import RUN
 
 from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
 from tessera.models import DeviceGrant
@@ -206,12 +207,17 @@ def start_stack(
         raise
     finally:
         running.kube.close()
-        stack.stop()
-        shutil.rmtree(short_socket_root(state_dir), ignore_errors=True)
-        if os.environ.get("E2E_KEEP_STATE"):
-            print(f"kept the stack's state (logs) in {state_dir}")
-        else:
-            shutil.rmtree(state_dir, ignore_errors=True)
+        # Stopping waits seconds for each process: beside the next tests (tests/suite_run.py).
+        RUN.teardown_in_background(str(state_dir), lambda: stop_stack(stack, state_dir))
+
+
+def stop_stack(stack: LocalStack, state_dir: Path) -> None:
+    stack.stop()
+    shutil.rmtree(short_socket_root(state_dir), ignore_errors=True)
+    if os.environ.get("E2E_KEEP_STATE"):
+        print(f"kept the stack's state (logs) in {state_dir}")
+    else:
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from tessera_cli.stack import SimNode
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 from .test_scenarios import sealed_memory_mib
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.serial]
 
 PODS = 200
 SPLIT = 20

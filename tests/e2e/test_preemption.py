@@ -31,7 +31,7 @@ from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, grants, start_stack
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.serial]
 
 GPU_MIB = 24576
 NODES = [SimNode(name=f"pre-{x}", gpus=1, gpu_memory_mib=GPU_MIB, gpu_model="NVIDIA A10")

@@ -6,6 +6,7 @@ LIBVGPU_TEST_SAN=address runs everything against AddressSanitizer builds (own bu
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "timing: measures real-time compute shares (not under ASan)")
 
 
+def pytest_collection_modifyitems(config, items):
+    # A real-time share is measured with no other test running beside it (tests/conftest.py).
+    for item in items:
+        if item.get_closest_marker("timing"):
+            item.add_marker(pytest.mark.serial)
+
+
 @dataclass(frozen=True)
 class NativeBuild:
     lib: Path  # libvgpu.so
@@ -52,6 +61,18 @@ class NativeBuild:
         return f"{asan} {self.lib}"
 
 
+@contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """One make at a time in a build directory: the suite's workers (pytest-xdist) share it."""
+    build.mkdir(parents=True, exist_ok=True)
+    with (build / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _make(*args: str) -> None:
     out = subprocess.run(["make", "-s", "-j4", *args], capture_output=True, text=True)
     if out.returncode != 0:
@@ -61,8 +82,9 @@ def _make(*args: str) -> None:
 def build_native(san: str = SAN) -> NativeBuild:
     build = LIBVGPU_DIR / ("build-asan" if san else "build")
     py = f"PYTHON={sys.executable}"
-    _make("-C", str(LIBVGPU_DIR), f"BUILD={build}", f"SAN={san}", py)
-    _make("-C", str(TESTS_DIR), f"BUILD={build / 'tests'}", f"SAN={san}", py)
+    with build_lock(build):
+        _make("-C", str(LIBVGPU_DIR), f"BUILD={build}", f"SAN={san}", py)
+        _make("-C", str(TESTS_DIR), f"BUILD={build / 'tests'}", f"SAN={san}", py)
     return NativeBuild(build / "libvgpu.so", build / "tests", build / "tests" / "fake", san)
 
 

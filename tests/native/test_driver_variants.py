@@ -12,7 +12,7 @@ import pytest
 
 from tessera import region
 
-from .conftest import TESTS_DIR, Cuctl, MiB
+from .conftest import TESTS_DIR, Cuctl, MiB, build_lock
 
 LIMIT = 1000 * MiB
 CHUNK = 300 * MiB
@@ -49,11 +49,12 @@ KINDS = ["plain", "pitch", "managed", "async", "pool", "vmm", "array", "mipmap",
 
 def build_variant(native, name: str, omit: str):
     build = native.lib.parent / "tests"
-    out = subprocess.run(
-        ["make", "-s", "-C", str(TESTS_DIR), f"BUILD={build}", f"SAN={native.san}",
-         f"PYTHON={sys.executable}", "variant", f"VARIANT={name}", f"OMIT={omit}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    with build_lock(native.lib.parent):
+        out = subprocess.run(
+            ["make", "-s", "-C", str(TESTS_DIR), f"BUILD={build}", f"SAN={native.san}",
+             f"PYTHON={sys.executable}", "variant", f"VARIANT={name}", f"OMIT={omit}"],
+            capture_output=True, text=True,
+        )  # fmt: skip
     assert out.returncode == 0, out.stderr
     return build / f"fake-{name}"
 
@@ -83,14 +84,29 @@ def exercise(c: Cuctl, phys_max: list[int]) -> None:
         step(view)
 
 
+@pytest.fixture(scope="module")
+def variant_driver(native):
+    """Each variant built once for the module (every route of it runs against the same build)."""
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_variant(native, name, VARIANTS[name])
+        return built[name]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", ["direct", "dlsym", "procaddr"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_driver_lacking_entry_points_never_crashes_nor_exceeds(native, container, variant, mode):
+def test_driver_lacking_entry_points_never_crashes_nor_exceeds(
+    native, container, variant_driver, variant, mode
+):
     if native.san and mode != "direct":
         pytest.skip("under ASan the direct route only (every route runs in the plain suite)")
     if mode == "procaddr" and variant.startswith("no-getprocaddress"):
         pytest.skip("the test program's procaddr route needs the driver's cuGetProcAddress_v2")
-    fake = build_variant(native, variant, VARIANTS[variant])
+    fake = variant_driver(variant)
     container.seal(region.DeviceLimit("", LIMIT, 30), scrub_on_free=True)
     env = container.env(mode)
     env["LD_LIBRARY_PATH"] = str(fake)

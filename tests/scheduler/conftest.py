@@ -30,6 +30,9 @@ def cluster() -> InMemoryCluster:
     return InMemoryCluster(implicit_nodes=True)
 
 
+STOP_S = 30.0  # a replica stops in well under a second; 30 s: a loaded machine
+
+
 @pytest.fixture
 async def make_service(nats_url: str, cluster: InMemoryCluster) -> AsyncIterator[MakeService]:
     """Start scheduler replicas (each with its own NATS connection); all stopped at teardown."""
@@ -73,9 +76,18 @@ async def make_service(nats_url: str, cluster: InMemoryCluster) -> AsyncIterator
     stop.set()
     for task in upkeep:
         task.cancel()
+    hung = []
     for service, nc in started:
-        await service.stop()
+        # Bounded: a replica whose loop swallows its cancellation would otherwise hang the whole
+        # run (pytest-timeout's own exception is swallowed by the same code). Closing its NATS
+        # connection ends what it waits for; the test then fails, naming the replica.
+        stopping = asyncio.ensure_future(service.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=STOP_S)
         await nc.close()
+        if not done:
+            hung.append(service.instance)
+            await asyncio.wait({stopping}, timeout=STOP_S)
+    assert not hung, f"scheduler replicas {hung} did not stop within {STOP_S} s"
 
 
 def http_client(service: SchedulerService) -> httpx.AsyncClient:

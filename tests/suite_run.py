@@ -1,0 +1,107 @@
+"""How the suite runs on several workers (pytest-xdist, `make test`) without tests disturbing
+one another. Used by tests/conftest.py's hooks and by the stack fixtures.
+
+- A readers-writer lock over files shared by the run's workers: every test holds it shared while
+  it runs (setup and teardown included), a test marked `serial` exclusive, so a real-time
+  measurement or a convergence bound under crashes runs with nothing else beside it.
+- Teardowns that only wait (a local stack stopping: SIGTERM, then waiting seconds for each
+  process) run in a thread beside the next tests. Each holds the lock shared until it is done, and
+  all are done before a `serial` test starts and before the worker's session ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RunLock:
+    """Files in a folder of the run. A waiting writer holds the gate, so new readers queue
+    behind it and a `serial` test is not starved by a stream of short ones."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.gate = folder / "gate.lock"
+        self.main = folder / "main.lock"
+
+    @contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        with self.gate.open("a") as gate, self.main.open("a") as main:
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_EX)
+                fcntl.flock(main, fcntl.LOCK_EX)
+            else:
+                fcntl.flock(gate, fcntl.LOCK_SH)
+                fcntl.flock(main, fcntl.LOCK_SH)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(main, fcntl.LOCK_UN)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+    def join_shared(self) -> Callable[[], None]:
+        """One more shared hold, taken by a process that already holds it shared (so it passes
+        no gate, which a waiting writer may hold); returns its release."""
+        main = self.main.open("a")
+        fcntl.flock(main, fcntl.LOCK_SH)
+
+        def release() -> None:
+            fcntl.flock(main, fcntl.LOCK_UN)
+            main.close()
+
+        return release
+
+
+@dataclass
+class SuiteRun:
+    """This process's part of the run: its lock (None in a single-process run), whether the
+    test now running holds it exclusively, and the teardowns still running."""
+
+    lock: RunLock | None = None
+    exclusive: bool = False
+    teardowns: list[threading.Thread] = field(default_factory=list)
+
+    @contextmanager
+    def test(self, serial: bool) -> Iterator[None]:
+        if serial:
+            self.finish_teardowns()
+        if self.lock is None:
+            yield
+            return
+        with self.lock.hold(exclusive=serial):
+            self.exclusive = serial
+            try:
+                yield
+            finally:
+                self.exclusive = False
+
+    def teardown_in_background(self, name: str, teardown: Callable[[], None]) -> None:
+        """Run `teardown` beside the next tests (inline when a `serial` test is running)."""
+        if self.exclusive:
+            teardown()
+            return
+        release = self.lock.join_shared() if self.lock is not None else None
+
+        def run() -> None:
+            try:
+                teardown()
+            finally:
+                if release is not None:
+                    release()
+
+        thread = threading.Thread(target=run, name=f"teardown {name}")
+        thread.start()
+        self.teardowns.append(thread)
+
+    def finish_teardowns(self) -> None:
+        while self.teardowns:
+            self.teardowns.pop().join()
+
+
+# One per pytest process (each xdist worker is a process of its own).
+RUN = SuiteRun()
