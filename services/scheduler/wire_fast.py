@@ -235,7 +235,8 @@ def _allocation(item: Any) -> Allocation:
     values[3] = _intern(values[3])  # node
     grant = _GRANT.build
     values[4] = [
-        [grant((_intern(g.uuid), _intern(g.type), g.memory_mib, g.cores, None)) for g in grants]
+        [grant((_intern(g.uuid), _intern(g.type), g.memory_mib, g.cores, g.mig),
+               g.mig is not UNSET) for g in grants]
         for grants in values[4]
     ]  # fmt: skip
     values[7] = _STATES[values[7]]
