@@ -220,8 +220,11 @@ async def connect(
     max_backoff_s: float = 2.0,
 ) -> NatsClient:
     """Connect, retrying the first connection with backoff, then reconnecting forever."""
+    servers = [u.strip() for u in nats_settings.url.split(",") if u.strip()]
+    if any(u.lower().startswith(("ws://", "wss://")) for u in servers):
+        _bind_websocket_transport()
     options: dict[str, object] = {
-        "servers": [u.strip() for u in nats_settings.url.split(",") if u.strip()],
+        "servers": servers,
         "name": name,
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
@@ -249,6 +252,19 @@ async def connect(
             await asyncio.sleep(backoff)
             backoff = min(max_backoff_s, backoff * 2)
     raise RuntimeError("unreachable")
+
+
+def _bind_websocket_transport() -> None:
+    """nats-py's websocket transport needs aiohttp, which `tessera/__init__.py` keeps out of
+    nats-py's import (it is a tenth of a service's start and only websockets use it): bind it
+    in when a websocket URL is configured."""
+    from nats.aio import transport
+
+    if transport.aiohttp is None:
+        import aiohttp
+        import multidict
+
+        transport.aiohttp, transport.multidict = aiohttp, multidict
 
 
 @dataclass

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from rich.console import Console
-from rich.table import Table
 
 from tessera.bus import Buckets, BusKeeper, connect, ensure_bus
 from tessera.clock import ServerClock
@@ -54,6 +52,10 @@ ServiceMain = Callable[[ServiceContext], Awaitable[None]]
 def print_help(
     name: str, description: str, extra: list[tuple[str, str, str]] | None = None
 ) -> None:
+    # rich only for --help: importing it is a tenth of a second of every service's start.
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     console.print(f"[bold]{name}[/bold]: {description}\n")
     console.print("Configured only by environment variables (or a file named by TESSERA_ENV_FILE):")
