@@ -122,48 +122,57 @@ def model_memory_ceiling(device_type: str) -> int | None:
 
 
 def device_problem(device: DeviceInfo, bounds: Bounds) -> Problem | None:
-    where = f"GPU {device.uuid[:64]!r}"
-    if not device.uuid or len(device.uuid) > 128 or _UUID_FORBIDDEN & set(device.uuid):
-        return Problem("device_uuid", f"{where}: a UUID must be 1-128 chars without , : ; =")
+    uuid = device.uuid
+    if not uuid or len(uuid) > 128 or not _UUID_FORBIDDEN.isdisjoint(uuid):
+        return Problem("device_uuid", f"{_where(device)}: a UUID must be 1-128 chars without "
+                       ", : ; =")  # fmt: skip
     if device.index >= bounds.max_devices:
-        return Problem("device_index", f"{where}: index {device.index} out of range")
-    physical = device.physical_memory_mib or device.memory_mib
+        return Problem("device_index", f"{_where(device)}: index {device.index} out of range")
+    problem = _capacity_problem(
+        device.physical_memory_mib or device.memory_mib, device.memory_mib, device.type,
+        device.cores, device.split_count, device.numa, device.mode, bounds,
+    )  # fmt: skip
+    if problem is not None:
+        return Problem(problem[0], f"{_where(device)}: {problem[1]}")
+    links = device.links
+    if links and (len(links) > bounds.max_devices or any(
+        not 0 <= score <= MAX_LINK_SCORE for score in links.values()
+    )):  # fmt: skip
+        return Problem("links_out_of_range", f"{_where(device)}: link scores out of range")
+    return None
+
+
+def _where(device: DeviceInfo) -> str:
+    return f"GPU {device.uuid[:64]!r}"
+
+
+@functools.lru_cache(maxsize=4096)  # pure; a cluster has a handful of GPU shapes
+def _capacity_problem(
+    physical: int, memory_mib: int, device_type: str, cores: int, split_count: int, numa: int,
+    mode: str, bounds: Bounds,
+) -> tuple[str, str] | None:
+    """(code, detail) of what is wrong with a GPU's amounts, type and mode, if anything: the
+    same for every card of one shape, so judged once per shape (40,000 cards at start-up)."""
     if not 0 < physical <= bounds.max_gpu_memory_mib:
-        return Problem(
-            "memory_out_of_range",
-            f"{where}: {physical} MiB of physical memory; no GPU has more than "
-            f"{bounds.max_gpu_memory_mib} MiB",
-        )
-    ceiling = model_memory_ceiling(device.type)
+        return ("memory_out_of_range", f"{physical} MiB of physical memory; no GPU has more "
+                f"than {bounds.max_gpu_memory_mib} MiB")  # fmt: skip
+    ceiling = model_memory_ceiling(device_type)
     if ceiling is not None and physical > ceiling:
-        return Problem(
-            "memory_out_of_range",
-            f"{where}: a {device.type} has at most {ceiling} MiB, not {physical} MiB",
-        )
-    if device.memory_mib > physical * bounds.memory_scaling + 1:
-        return Problem(
-            "memory_out_of_range",
-            f"{where}: advertises {device.memory_mib} MiB, more than {physical} MiB × memory "
-            f"scaling {bounds.memory_scaling}",
-        )
-    if device.cores > bounds.max_cores:
-        return Problem(
-            "cores_out_of_range",
-            f"{where}: {device.cores} cores, more than {bounds.max_cores} (100 × core scaling)",
-        )
-    if device.split_count > bounds.max_split_count:
-        return Problem(
-            "split_count_out_of_range",
-            f"{where}: split count {device.split_count} above {bounds.max_split_count}",
-        )
-    if not 0 <= device.numa <= MAX_NUMA_NODE:
-        return Problem("numa_out_of_range", f"{where}: NUMA node {device.numa}")
-    if len(device.type) > 128 or len(device.mode) > 32:
-        return Problem("device_type", f"{where}: type or mode name too long")
-    if len(device.links) > bounds.max_devices or any(
-        not 0 <= score <= MAX_LINK_SCORE for score in device.links.values()
-    ):
-        return Problem("links_out_of_range", f"{where}: link scores out of range")
+        return ("memory_out_of_range",
+                f"a {device_type} has at most {ceiling} MiB, not {physical} MiB")  # fmt: skip
+    if memory_mib > physical * bounds.memory_scaling + 1:
+        return ("memory_out_of_range", f"advertises {memory_mib} MiB, more than {physical} MiB "
+                f"× memory scaling {bounds.memory_scaling}")  # fmt: skip
+    if cores > bounds.max_cores:
+        return ("cores_out_of_range",
+                f"{cores} cores, more than {bounds.max_cores} (100 × core scaling)")
+    if split_count > bounds.max_split_count:
+        return ("split_count_out_of_range",
+                f"split count {split_count} above {bounds.max_split_count}")
+    if not 0 <= numa <= MAX_NUMA_NODE:
+        return ("numa_out_of_range", f"NUMA node {numa}")
+    if len(device_type) > 128 or len(mode) > 32:
+        return ("device_type", "type or mode name too long")
     return None
 
 
@@ -186,7 +195,9 @@ def registration_problem(
     if len({d.index for d in devices}) != len(devices):
         return Problem("device_index", f"node {key}: a GPU index appears twice")
     for device in devices:
-        problem = device_problem(device, bounds) or mig_capability_problem(device)
+        problem = device_problem(device, bounds)
+        if problem is None and device.mig is not None:
+            problem = mig_capability_problem(device)
         if problem is not None:
             return Problem(problem.code, f"node {key}: {problem.detail}")
     return None

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tessera.hami import PodRequest
-from tessera.models import AllocationState, NodeLedger, NodeRegistration
+from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
 from .cards import (
     Card,
@@ -31,9 +31,10 @@ from .cards import (
     node_score,
 )
 from .node_usage import NodeUsage
-from .wire_fast import LedgerWire
+from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
+_RESERVED = AllocationState.RESERVED.value  # (a str compares faster with a str)
 _WIDTH = 8  # cards per row; widened when a node has more GPUs
 _CANDIDATE_CACHE = 8
 
@@ -42,21 +43,35 @@ _CANDIDATE_CACHE = 8
 class NodeEntry:
     name: str
     slot: int
-    registration: NodeRegistration | None = None
+    # The node's registration: a NodeRegistration, or a RegistrationWire (checked, not built
+    # yet: wire_fast.py) that `registration` builds on first use. The index reads either.
+    registered: NodeRegistration | RegistrationWire | None = None
     # The node's ledger entry: a NodeLedger, or a LedgerWire (checked, not built yet: see
     # wire_fast.py) that `ledger` builds on first use. `view` reads either without building.
     view: NodeLedger | LedgerWire | None = None
     ledger_revision: int = 0
     cordoned: frozenset[str] = frozenset()
-    cards: list[Card] = field(default_factory=list)
     score: float = 0.0
     reserved_until: float | None = None  # earliest expiry of a reservation here
     blocked: str = ""  # why nothing may be placed here (HAMi's holdings unknown: foreign.py)
     usage: NodeUsage = field(default_factory=NodeUsage)  # what its ledger's pods hold, per GPU
+    # The node's cards with usage, built when first read (`cards`): most nodes' rows change
+    # many times (start-up, writes) between two fits that look at their cards.
+    _cards: list[Card] | None = field(default=None, repr=False)
+    _card_usage: tuple[list[dict[str, list[int]]], frozenset[str]] = field(
+        default=([], frozenset()), repr=False
+    )
 
     @property
     def schedulable(self) -> bool:
-        return self.registration is not None
+        return self.registered is not None
+
+    @property
+    def registration(self) -> NodeRegistration | None:
+        registered = self.registered
+        if type(registered) is RegistrationWire:
+            registered = self.registered = registered.materialize()
+        return registered  # type: ignore[return-value]
 
     @property
     def ledger(self) -> NodeLedger | None:
@@ -64,6 +79,23 @@ class NodeEntry:
         if type(view) is LedgerWire:
             view = self.view = view.materialize()
         return view  # type: ignore[return-value]
+
+    @property
+    def cards(self) -> list[Card]:
+        """The GPUs with what the ledger's pods and HAMi's pods hold (as of the row)."""
+        cards = self._cards
+        if cards is None:
+            if self.registered is None:
+                cards = []
+            else:
+                usages, cordon = self._card_usage
+                cards = cards_with_usage(self.registered, usages, cordon)  # type: ignore[arg-type]
+            self._cards = cards
+        return cards
+
+    @cards.setter
+    def cards(self, cards: list[Card]) -> None:
+        self._cards = cards
 
 
 @dataclass(frozen=True)
@@ -84,6 +116,21 @@ class Need:
             for r in request.all if r is not None
         }  # fmt: skip
         return sorted(needs, key=lambda n: (n.gpus, n.memory_mib, n.cores))
+
+
+def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """GPU UUID -> [memory, cores, slots] of several usage maps added up."""
+    total: dict[str, list[int]] = {}
+    for usage in usages:
+        for uuid, (memory, cores, slots) in usage.items():
+            held = total.get(uuid)
+            if held is None:
+                total[uuid] = [memory, cores, slots]
+            else:
+                held[0] += memory
+                held[1] += cores
+                held[2] += slots
+    return total
 
 
 _CHUNK = 64  # candidates ordered and checked at a time
@@ -241,11 +288,11 @@ class ClusterIndex:
             setattr(self, name, new)
 
     def set_registration(
-        self, node: str, registration: NodeRegistration | None, now: float
+        self, node: str, registration: NodeRegistration | RegistrationWire | None, now: float
     ) -> None:
         entry = self._entry(node)
         was = entry.schedulable
-        before, entry.registration = entry.registration, registration
+        before, entry.registered = entry.registered, registration
         if was != entry.schedulable:
             self.topology_version += 1
         if registration is not None and before is not None and (
@@ -266,7 +313,7 @@ class ClusterIndex:
         entry.ledger_revision = revision
         self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
         if ledger is not None and (ledger.claims or ledger.claim is not None or any(
-            a.state == AllocationState.RESERVED for a in ledger.allocations.values()
+            a.state == _RESERVED for a in ledger.allocations.values()
         )):  # fmt: skip
             self.sweepable.add(node)
         else:
@@ -283,6 +330,11 @@ class ClusterIndex:
         """Keep pod uid -> node and (namespace, name) -> uid current. Allocations are
         copy-on-write, so one that is the same object as before changed nothing: a write that
         changes one pod costs O(pods on the node) identity checks, not dictionary updates."""
+        if not old:  # a node's first value (start-up: every node): nothing to take back
+            active = [(uid, a) for uid, a in new.items() if a.state in ACTIVE_STATES]
+            self.pod_nodes.update(dict.fromkeys([uid for uid, _a in active], node))
+            self.pod_uids.update({(a.namespace, a.name): uid for uid, a in active})
+            return
         for uid, gone in old.items():
             now_there = new.get(uid)
             if now_there is gone or (now_there is not None and now_there.active):
@@ -336,7 +388,7 @@ class ClusterIndex:
             self._write_rows(rows)  # one assignment per array for every node
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
-        if self._deferred is not None and (entry.registration is not None or entry.view):
+        if self._deferred is not None and (entry.registered is not None or entry.view):
             self._deferred.add(entry.name)
             return
         row = self._summarise(entry, now)
@@ -344,18 +396,85 @@ class ClusterIndex:
             self._write_rows([row])
 
     def _summarise(self, entry: NodeEntry, now: float, remember: bool = True) -> tuple | None:
-        """The node's cards, score and expiries set on the entry, and its row of the arrays
-        (slot, free GPUs, then per usable card: free memory, free %, free cores, computing,
-        idle; score, busy); None when the node has no registration (its row is cleared)."""
+        """The node's score and expiries set on the entry (its cards to be built when read),
+        and its row of the arrays (slot, free GPUs, then per usable card: free memory, free %,
+        free cores, computing, idle; score, busy); None when the node has no registration (its
+        row is cleared)."""
         slot = entry.slot
-        if entry.registration is None:
+        registered = entry.registered
+        if registered is None:
             entry.cards = []
             self.free_gpus[slot] = -1
             entry.reserved_until = None
             if entry.view is None:
                 self._forget(entry)
             return None
-        cards = self._cards(entry, now, remember)
+        view = entry.view
+        usages = self._usages(entry, now, remember)
+        cordon = self.cordon_of(entry)
+        devices = registered.devices
+        if any(d.mig is not None and d.mig.model for d in devices):
+            # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
+            # the amounts: counted from the models (MIG nodes are few; others skip this).
+            row = self._row_of_cards(entry, self._mig_cards(entry, usages, cordon, now))
+        else:
+            entry._cards, entry._card_usage = None, (usages, cordon)
+            row = self._row_of_devices(entry, devices, usages, cordon)
+        expiries = entry.usage.reservations.values()
+        entry.reserved_until = min(expiries, default=None)
+        claims = view.in_flight().values() if view is not None else ()
+        busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
+        return (slot, *row, busy)
+
+    def _row_of_devices(
+        self, entry: NodeEntry, devices: list[Any], usages: list[dict[str, list[int]]],
+        cordon: frozenset[str],
+    ) -> tuple:
+        """The row of a node without dynamic MIG cards, read off its devices and usage maps:
+        exactly what `_row_of_cards` reads off the cards `cards_with_usage` builds from them
+        (the cards themselves are built only when something reads them)."""
+        usage = usages[0] if len(usages) == 1 else _summed(usages)
+        split = cores = memory = used_slots = used_cores = used_mem = 0
+        mem: list[int] = []
+        pct: list[int] = []
+        free_cores: list[int] = []
+        computing: list[bool] = []
+        idle: list[bool] = []
+        for d in devices:
+            used = usage.get(d.uuid)
+            if used is None:
+                u_mem = u_cores = u_slots = 0
+            else:
+                u_mem, u_cores, u_slots = used
+            split += d.split_count
+            cores += d.cores
+            memory += d.memory_mib
+            used_slots += u_slots
+            used_cores += u_cores
+            used_mem += u_mem
+            if d.healthy and u_slots < d.split_count and d.mode.lower() != "mig" and (
+                not cordon or d.uuid not in cordon
+            ):
+                free = d.memory_mib - u_mem
+                mem.append(free)
+                pct.append(free * 100 // d.memory_mib if d.memory_mib else 0)
+                free_cores.append(d.cores - u_cores)
+                computing.append(d.cores == 0 or d.cores > u_cores)
+                idle.append(u_slots == 0)
+        score = 0.0
+        if devices:  # node_score, term for term
+            if split:
+                score += used_slots / split
+            if cores:
+                score += used_cores / cores
+            if memory:
+                score += used_mem / memory
+            score *= 10.0
+        entry.score = score
+        return (-1 if entry.blocked else len(mem), mem, pct, free_cores, computing, idle, score)
+
+    @staticmethod
+    def _row_of_cards(entry: NodeEntry, cards: list[Card]) -> tuple:
         entry.cards = cards
         entry.score = node_score(cards)
         usable = [
@@ -363,20 +482,15 @@ class ClusterIndex:
             if c.healthy and not c.cordoned and c.used_slots < c.split_count
             and (c.mode.lower() != "mig" or bool(c.mig_model))  # dynamic MIG cards take pods
         ]  # fmt: skip
-        view = entry.view
-        expiries = entry.usage.reservations.values()
-        entry.reserved_until = min(expiries, default=None)
-        claims = view.in_flight().values() if view is not None else ()
-        busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
         return (
-            slot, -1 if entry.blocked else len(usable),
+            -1 if entry.blocked else len(usable),
             [c.memory_mib - c.used_mem for c in usable],
             [(c.memory_mib - c.used_mem) * 100 // c.memory_mib if c.memory_mib else 0
              for c in usable],
             [c.cores - c.used_cores for c in usable],
             [c.cores == 0 or c.cores > c.used_cores for c in usable],
             [c.used_slots == 0 for c in usable],
-            entry.score, busy,
+            entry.score,
         )  # fmt: skip
 
     def _write_rows(self, rows: list[tuple]) -> None:
@@ -408,10 +522,9 @@ class ClusterIndex:
             array = getattr(self, name)
             array[slots] = np.asarray(values, dtype=array.dtype)
 
-    def _cards(self, entry: NodeEntry, now: float, remember: bool = True) -> list[Card]:
-        """The node's cards with what its ledger holds (kept up to date from each change:
-        node_usage.py) plus what HAMi's pods hold there."""
-        assert entry.registration is not None
+    def _usages(self, entry: NodeEntry, now: float, remember: bool) -> list[dict[str, list[int]]]:
+        """What the node's ledger holds per GPU (kept up to date from each change:
+        node_usage.py), plus what HAMi's pods hold there; sets `entry.blocked`."""
         view = entry.view
         entry.usage.update(view.allocations if view is not None else {}, now, remember)
         usages = [entry.usage.usage]
@@ -423,15 +536,20 @@ class ClusterIndex:
                 if counts_against_capacity(allocation, now):
                     add_charges(held, charges(allocation))
             usages.append(held)
-            entry.blocked = foreign.blocking(entry.registration)
-        cards = cards_with_usage(entry.registration, usages, self.cordon_of(entry))
-        if any(c.mig_model for c in cards):
-            # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
-            # the amounts: counted from the models (MIG nodes are few; others skip this).
-            held = list(entry.ledger.allocations.values()) if entry.ledger is not None else []
-            if foreign is not None:
-                held.extend(foreign.allocations)
-            hold_grants(cards, held, now)
+            entry.blocked = foreign.blocking(entry.registered)
+        return usages
+
+    def _mig_cards(
+        self, entry: NodeEntry, usages: list[dict[str, list[int]]], cordon: frozenset[str],
+        now: float,
+    ) -> list[Card]:
+        assert entry.registered is not None
+        cards = cards_with_usage(entry.registered, usages, cordon)  # type: ignore[arg-type]
+        held = list(entry.ledger.allocations.values()) if entry.ledger is not None else []
+        foreign = self.foreign.get(entry.name)
+        if foreign is not None:
+            held.extend(foreign.allocations)
+        hold_grants(cards, held, now)
         return cards
 
     def foreign_allocations(self, node: str) -> tuple[Any, ...]:
@@ -468,7 +586,7 @@ class ClusterIndex:
         unknown: list[str] = []
         for name in names:
             entry = self.entries.get(name)
-            if entry is None or entry.registration is None:
+            if entry is None or entry.registered is None:
                 unknown.append(name)
             else:
                 slots.append(entry.slot)

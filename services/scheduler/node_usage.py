@@ -19,6 +19,10 @@ from tessera.models import AllocationState
 
 from .cards import add_charges, charges, counts_against_capacity, status_changes_at
 
+# Active states in which an allocation holds its capacity whatever the time (a reservation
+# lapses; a preemption mark frees it for a while).
+_HOLDING = frozenset({AllocationState.BOUND.value, AllocationState.ALLOCATED.value})
+
 
 class NodeUsage:
     __slots__ = ("changes", "counted", "counted_at", "reservations", "usage")
@@ -72,11 +76,16 @@ class NodeUsage:
         """`_count` of every allocation, inlined, keeping nothing per uid (start-up: 5,000
         nodes' worth; the next update of the node recounts anyway)."""
         usage, reservations = self.usage, self.reservations
-        reserved = AllocationState.RESERVED
+        reserved = AllocationState.RESERVED.value
         for uid, allocation in allocations.items():
-            if allocation.state == reserved and allocation.expires_at is not None:
+            state = allocation.state
+            if state in _HOLDING and not allocation.preempted_by:
+                pass  # counts (counts_against_capacity's common case, inlined)
+            elif state == reserved and allocation.expires_at is not None:
                 reservations[uid] = allocation.expires_at
-            if not counts_against_capacity(allocation, now):
+                if not counts_against_capacity(allocation, now):
+                    continue
+            elif not counts_against_capacity(allocation, now):
                 continue
             if allocation.init_count:
                 add_charges(usage, charges(allocation))

@@ -24,21 +24,44 @@ from . import wire_fast
 
 class RegistrationCodec:
     def __init__(self) -> None:
-        # key -> (fingerprint of the last valid payload but its heartbeat, its registration)
-        self._known: dict[str, tuple[int, NodeRegistration]] = {}
+        # key -> (fingerprint of the last valid payload but its heartbeat, or None until a
+        # heartbeat asks for it, and the registration read from it)
+        self._known: dict[str, tuple[int | None, Any]] = {}
         self._sets: dict[frozenset[str], set[str]] = {}
         self._parsed: tuple[bytes, Any] | None = None
 
-    def heartbeat_only(self, key: str, payload: bytes) -> NodeRegistration | None:
+    def heartbeat_only(
+        self, key: str, payload: bytes
+    ) -> NodeRegistration | wire_fast.RegistrationWire | None:
         """The node's last valid registration with the payload's heartbeat, when nothing else
         differs; else None (decode and validate it)."""
         known = self._known.get(key)
         if known is None:
             return None
+        digest, registration = known
+        if digest is None:  # kept unbuilt (`read`): its fingerprint, once a heartbeat asks
+            digest = registration.fingerprint()  # type: ignore[union-attr]
+            self._known[key] = (digest, registration)
         parsed = wire_fast.parse_registration(payload)
-        if parsed is None or wire_fast.fingerprint(parsed) != known[0]:
+        if parsed is None or wire_fast.fingerprint(parsed) != digest:
             return None  # (an accepted payload without a heartbeat is not remembered)
-        return known[1].model_copy(update={"heartbeat_at": parsed.data.heartbeat_at})
+        beat = parsed.data.heartbeat_at
+        if type(registration) is wire_fast.RegistrationWire:
+            return registration.with_heartbeat(beat)
+        return registration.model_copy(update={"heartbeat_at": beat})  # type: ignore[union-attr]
+
+    def read(self, payload: bytes) -> NodeRegistration | wire_fast.RegistrationWire:
+        """`decode`, except that a canonical payload giving every field (what every node agent
+        writes) is checked but not built: a RegistrationWire, which validation and the index
+        read as it is and which builds the same NodeRegistration when something needs it."""
+        parsed = wire_fast.parse_registration(payload)
+        if parsed is not None:
+            wire = wire_fast.registration_wire(parsed)
+            if wire is not None:
+                return wire
+            self._parsed = (payload, parsed)  # for `accepted`, which usually follows
+            return wire_fast.registration_from(parsed)
+        return self._decode(payload)
 
     def decode(self, payload: bytes) -> NodeRegistration:
         """tessera.codec.decode (same value, same CodecError), devices slimmed."""
@@ -46,6 +69,9 @@ class RegistrationCodec:
         if parsed is not None:
             self._parsed = (payload, parsed)  # for `accepted`, which usually follows
             return wire_fast.registration_from(parsed)
+        return self._decode(payload)
+
+    def _decode(self, payload: bytes) -> NodeRegistration:
         registration = decode(payload, NodeRegistration)
         for device in registration.devices:
             names = frozenset(device.__pydantic_fields_set__)
@@ -59,9 +85,14 @@ class RegistrationCodec:
                     values[field] = sys.intern(values[field])
         return registration
 
-    def accepted(self, key: str, payload: bytes, registration: NodeRegistration) -> None:
+    def accepted(
+        self, key: str, payload: bytes, registration: NodeRegistration | wire_fast.RegistrationWire
+    ) -> None:
         """The registration was validated and applied: later heartbeats of it are cheap."""
         last, self._parsed = self._parsed, None
+        if type(registration) is wire_fast.RegistrationWire:
+            self._known[key] = (None, registration)  # fingerprinted at its first heartbeat
+            return
         parsed = last[1] if last is not None and last[0] is payload else (
             wire_fast.parse_registration(payload)
         )

@@ -53,6 +53,7 @@ from .pod_gate import PodGate
 from .rebuild import LedgerRebuilder, ledger_cas
 from .registration_codec import RegistrationCodec
 from .validation import LedgerGuard, cluster_rebuild
+from .wire_fast import RegistrationWire
 
 log = logging.getLogger("tessera.scheduler")
 SERVICE_VERSION = "0.1.0"
@@ -325,13 +326,13 @@ class SchedulerService:
                 key = entry.key
                 if seen is not None:
                     seen.add(key)
-                value: NodeRegistration | None = None
+                value: NodeRegistration | RegistrationWire | None = None
                 if entry.operation not in ("DEL", "PURGE") and entry.value is not None:
                     # A heartbeat: the last valid registration, re-dated (no decode, no checks).
                     value = self.registrations.heartbeat_only(key, entry.value)
                     if value is None:
                         try:
-                            value = self.registrations.decode(entry.value)
+                            value = self.registrations.read(entry.value)
                         except CodecError as exc:
                             self.guard.registration_undecodable(key, exc)
                             continue

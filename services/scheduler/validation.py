@@ -38,6 +38,7 @@ from tessera.validation import (
 )
 
 from .index import ClusterIndex
+from .wire_fast import RegistrationWire
 
 log = logging.getLogger("tessera.scheduler.validation")
 LEDGER_UNREADABLE = "LedgerUnreadable"
@@ -72,7 +73,9 @@ class LedgerGuard:
         self._repairs: dict[str, asyncio.Task[None]] = {}
 
     # --- checks called by the watches -----------------------------------------------------------
-    def registration_ok(self, key: str, value: NodeRegistration, revision: int = 0) -> bool:
+    def registration_ok(
+        self, key: str, value: NodeRegistration | RegistrationWire, revision: int = 0
+    ) -> bool:
         problem = registration_problem(key, value, self.bounds)
         if problem is None:
             self.rejections.accepted("registration", key)
@@ -95,7 +98,7 @@ class LedgerGuard:
 
     def ledger_ok(self, key: str, value: NodeLedger, revision: int) -> bool:
         entry = self.index.entries.get(key)
-        registration = entry.registration if entry is not None else None
+        registration = entry.registered if entry is not None else None
         problem = ledger_problem(key, value, registration, self.bounds, self.clock())
         if problem is None:
             self.ledger_valid(key)
@@ -188,7 +191,7 @@ class LedgerGuard:
         except CodecError:
             return None
         entry = self.index.entries.get(node)
-        registration = entry.registration if entry is not None else None
+        registration = entry.registered if entry is not None else None
         problem = ledger_problem(node, value, registration, self.bounds, self.clock())
         return value if problem is None else None
 

@@ -360,6 +360,61 @@ def registration_from(envelope: RegistrationEnvelope) -> NodeRegistration:
     )
 
 
+class RegistrationWire:
+    """A checked registration whose devices are not built into pydantic objects yet (the
+    registration's LedgerWire): its devices are the checked Structs, with the attributes of
+    `DeviceInfo` (validation, the index's rows and cards read them as they are), and
+    `materialize()` builds the NodeRegistration `tessera.codec.decode` gives when something
+    needs the model. Only a complete payload (every field given, as every node agent writes it)
+    is kept so: nothing to default. Read-only, like every value the index holds."""
+
+    __slots__ = ("_version", "agent_version", "devices", "heartbeat_at", "node")
+
+    def __init__(
+        self, node: str, devices: list[Any], heartbeat_at: float, agent_version: str,
+        version: int,
+    ) -> None:  # fmt: skip
+        self.node = node
+        self.devices = devices
+        self.heartbeat_at = heartbeat_at
+        self.agent_version = agent_version
+        self._version = version  # the envelope's (the fingerprint covers it)
+
+    def materialize(self) -> NodeRegistration:
+        build = _DEVICE.build
+        devices = [build(list(_astuple(d))) for d in self.devices]
+        return _REGISTRATION.build((self.node, devices, self.heartbeat_at, self.agent_version))
+
+    def with_heartbeat(self, heartbeat_at: float) -> RegistrationWire:
+        """The same registration (the same devices list) with a new heartbeat."""
+        return RegistrationWire(self.node, self.devices, heartbeat_at, self.agent_version,
+                                self._version)  # fmt: skip
+
+    def fingerprint(self) -> int:
+        """`fingerprint` of the envelope it was read from."""
+        return hash((NodeRegistration.__name__, self._version, self.node, self.agent_version,
+                     _COMPLETE["Registration"].__name__, _ENCODE(self.devices)))  # fmt: skip
+
+
+def registration_wire(envelope: RegistrationEnvelope) -> RegistrationWire | None:
+    """The checked registration kept unbuilt (strings interned), or None: a payload that leaves
+    fields to default (build it: `registration_from`)."""
+    data = envelope.data
+    if type(data) is not _COMPLETE["Registration"]:
+        return None
+    full = _COMPLETE["Device"]
+    devices = data.devices
+    for device in devices:
+        if type(device) is not full:
+            return None
+    for device in devices:
+        device.uuid = _intern(device.uuid)
+        device.type = _intern(device.type)
+        device.mode = _intern(device.mode)
+    return RegistrationWire(data.node, devices, data.heartbeat_at, data.agent_version,
+                            envelope.version)  # fmt: skip
+
+
 _ENCODE = msgspec.msgpack.Encoder().encode
 
 
