@@ -364,10 +364,25 @@ def markdown(after: dict[str, Any], before: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
+def compile_bytecode() -> None:
+    """Compile the scheduler's modules to bytecode first, as installing the wheel does (pip
+    compiles what it installs). In a development checkout with PYTHONDONTWRITEBYTECODE=1 (this
+    machine's environment) no .pyc is ever written, so every spawn compiled ~70 modules from
+    source: ~0.2 s of each start that a real deployment never pays."""
+    import compileall
+
+    import tessera.scheduler
+
+    for package in (tessera, tessera.scheduler):
+        compileall.compile_dir(Path(package.__file__).parent, quiet=1)
+    compileall.compile_dir(Path(__file__).parent, maxlevels=0, quiet=1)
+
+
 def main() -> None:
     import uvloop
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    compile_bytecode()
     if os.environ.get("BENCH_RESTART_ONLY") == "1":  # printed, not recorded
         for nodes in SIZES:
             runs = asyncio.run(restarts(nodes))
