@@ -180,8 +180,11 @@ class LedgerCodec:
         whole = wire_fast.whole_ledger(payload)
         if whole is not None and whole.data.allocations is not wire_fast.UNSET:
             data = whole.data
-            slim = wire_fast.slim
-            return wire_fast.LedgerWire(data, {u: slim(u, a) for u, a in data.allocations.items()})
+            slim, allocations = wire_fast.slim, data.allocations
+            data.node = node_name = sys.intern(data.node)
+            for uid, item in allocations.items():
+                slim(uid, item, node_name)
+            return wire_fast.LedgerWire(data, allocations)
         envelope = wire_fast.split_ledger(payload)
         if envelope is None:
             return self._full(node, payload)  # not canonical: the ordinary decode judges

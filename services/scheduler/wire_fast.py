@@ -438,12 +438,14 @@ def complete(item: Any) -> bool:
     return type(item) is _FULL_ALLOCATION
 
 
-def slim(uid: str, item: Any) -> Any:
+def slim(uid: str, item: Any, node: str = "") -> Any:
     """A checked allocation kept as it is (LedgerWire) shares the strings many repeat: its
-    namespace, node, policy, GPU UUIDs and types interned, its pod uid the map's key."""
-    item.namespace = _intern(item.namespace)
-    item.node = _intern(item.node)
-    item.core_policy = _intern(item.core_policy)
+    namespace, node (`node`, interned, when it is the entry's), policy, GPU UUIDs and types
+    interned, its pod uid the map's key."""
+    intern = _intern
+    item.namespace = intern(item.namespace)
+    item.node = node if node and item.node == node else intern(item.node)
+    item.core_policy = intern(item.core_policy)
     if item.pod_uid == uid:
         item.pod_uid = uid
     if not item.container_names:
@@ -452,8 +454,8 @@ def slim(uid: str, item: Any) -> Any:
         item.sidecars = ()
     for grants in item.containers:
         for grant in grants:
-            grant.uuid = _intern(grant.uuid)
-            grant.type = _intern(grant.type)
+            grant.uuid = intern(grant.uuid)
+            grant.type = intern(grant.type)
     return item
 
 

@@ -30,6 +30,7 @@ from tessera.models import (
     NodeLedger,
     NodeRegistration,
 )
+from tessera.validation import Bounds, ledger_problem, registration_problem
 
 # Values a hostile writer may put anywhere: wrong types, lax-mode coercions pydantic accepts
 # (1.0 for 1, "1" for 1, 1 for True, bytes for str), broken constraints, odd containers.
@@ -303,6 +304,18 @@ def check_registration(payload: bytes) -> None:
         assert str(exc) == error
     else:
         assert expected is not None and strict_same(ours, expected)
+    try:
+        read = RegistrationCodec().read(payload)
+    except CodecError as exc:
+        assert str(exc) == error
+    else:  # kept unbuilt or built: the same value, judged the same by validation
+        assert expected is not None
+        built = read.materialize() if isinstance(read, wire_fast.RegistrationWire) else read
+        assert strict_same(built, expected)
+        bounds = Bounds()
+        assert registration_problem("n1", read, bounds) == registration_problem(
+            "n1", expected, bounds
+        )
     # A heartbeat shortcut is taken only for a payload equal to an accepted one but for it.
     good = registration_payload()
     codec.accepted("n1", good, codec.decode(good))
@@ -334,3 +347,50 @@ def test_a_slimmed_entry_builds_exactly_the_decoded_value() -> None:
     for uid, allocation in built.allocations.items():
         assert strict_same(allocation, expected.allocations[uid])
         assert strict_same(allocation.containers, expected.allocations[uid].containers)
+
+
+def test_a_registration_kept_unbuilt_is_read_validated_and_built_as_the_decoded_one() -> None:
+    payload = registration_payload()
+    codec = RegistrationCodec()
+    wire = codec.read(payload)
+    assert isinstance(wire, wire_fast.RegistrationWire)
+    expected = decode(payload, NodeRegistration)
+    assert strict_same(wire.materialize(), expected)
+    # A bad amount is refused with the same sentence either way (one check per GPU shape).
+    bad = registration_payload(devices=[
+        DeviceInfo(uuid=f"GPU-{i}", index=i, type="NVIDIA-H100", memory_mib=900_000)
+        .model_dump(mode="json") for i in range(2)
+    ])  # fmt: skip
+    problem = registration_problem("n1", codec.read(bad), Bounds())
+    assert problem == registration_problem("n1", decode(bad, NodeRegistration), Bounds())
+    assert problem is not None and "GPU 'GPU-0'" in problem.detail
+    # A heartbeat of it keeps the devices (nothing to rebuild) and reads as a decode would.
+    codec.accepted("n1", payload, wire)
+    beat = codec.heartbeat_only("n1", registration_payload(heartbeat_at=7.0))
+    assert isinstance(beat, wire_fast.RegistrationWire) and beat.devices is wire.devices
+    assert strict_same(beat.materialize(), decode(registration_payload(heartbeat_at=7.0),
+                                                  NodeRegistration))  # fmt: skip
+    assert codec.heartbeat_only("n1", registration_payload(agent_version="9")) is None
+
+
+def test_the_index_reads_an_unbuilt_registration_as_the_built_one() -> None:
+    payload = registration_payload(devices=[
+        DeviceInfo(uuid=f"GPU-{i}", index=i, type="NVIDIA-H100", memory_mib=80_000,
+                   healthy=i != 1).model_dump(mode="json") for i in range(3)
+    ])  # fmt: skip
+    ledger = decode(envelope(ledger_data()), NodeLedger)
+    built, lazy = ClusterIndex(), ClusterIndex(frozenset({"GPU-2"}))
+    built.global_cordon = frozenset({"GPU-2"})
+    for index, value in ((built, decode(payload, NodeRegistration)),
+                         (lazy, RegistrationCodec().read(payload))):  # fmt: skip
+        index.set_registration("n1", value, 5.0)
+        index.set_ledger("n1", ledger, 1, 5.0)
+    assert isinstance(lazy.entries["n1"].registered, wire_fast.RegistrationWire)
+    for name in ("free_gpus", "card_mem", "card_pct", "card_cores", "card_computing",
+                 "card_idle", "scores", "busy"):  # fmt: skip
+        assert (getattr(lazy, name) == getattr(built, name)).all(), name
+    assert lazy.entries["n1"].cards == built.entries["n1"].cards
+    assert ledger_problem("n1", ledger, lazy.entries["n1"].registered, Bounds()) is None
+    # First use builds the model: the value the shared codec reads.
+    assert lazy.entries["n1"].registration == decode(payload, NodeRegistration)
+    assert isinstance(lazy.entries["n1"].registered, NodeRegistration)
