@@ -255,9 +255,14 @@ def _claim(item: Any) -> Any:
     return _CLAIM.build(values, UNSET not in values)
 
 
+_READABLE = {
+    model: frozenset(model.READABLE_VERSIONS | {model.SCHEMA_VERSION})  # type: ignore[attr-defined]
+    for model in (NodeLedger, NodeRegistration)
+}  # fmt: skip
+
+
 def _schema_ok(envelope: Any, model: type[BaseModel]) -> bool:
-    versions = model.READABLE_VERSIONS | {model.SCHEMA_VERSION}  # type: ignore[attr-defined]
-    return envelope.schema == model.__name__ and envelope.version in versions
+    return envelope.schema == model.__name__ and envelope.version in _READABLE[model]
 
 
 # A ledger entry with each allocation left as its msgpack bytes (msgspec checks they are one
