@@ -77,8 +77,11 @@ def memory_mib(pid: int) -> tuple[float, float]:
 
 
 # The scheduler as `python -m tessera.scheduler` runs it: the extender listens at once (/readyz
-# answers 503 until ready) and the GC is handled by its `freeze_when_ready`.
+# answers 503 until ready) and the GC is handled as its `main` (off before the service is
+# imported) and `freeze_when_ready` handle it.
 SERVER = """
+import gc
+gc.disable()
 import asyncio, sys
 from tessera.bus import connect, ensure_bus
 from tessera.scheduler.__main__ import freeze_when_ready
