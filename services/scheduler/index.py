@@ -61,6 +61,9 @@ class NodeEntry:
     _card_usage: tuple[list[dict[str, list[int]]], frozenset[str]] = field(
         default=([], frozenset()), repr=False
     )
+    # The devices list of the RegistrationWire `registered` was built from: its heartbeats
+    # (which carry that list) re-date the built model instead of replacing it.
+    _built_from: list[Any] | None = field(default=None, repr=False)
 
     @property
     def schedulable(self) -> bool:
@@ -70,6 +73,7 @@ class NodeEntry:
     def registration(self) -> NodeRegistration | None:
         registered = self.registered
         if type(registered) is RegistrationWire:
+            self._built_from = registered.devices
             registered = self.registered = registered.materialize()
         return registered  # type: ignore[return-value]
 
@@ -295,10 +299,15 @@ class ClusterIndex:
         before, entry.registered = entry.registered, registration
         if was != entry.schedulable:
             self.topology_version += 1
-        if registration is not None and before is not None and (
-            registration.devices is before.devices
-        ):
-            return  # a heartbeat of the same registration: nothing to rebuild
+        if registration is not None and before is not None:
+            if registration.devices is before.devices:
+                return  # a heartbeat of the same registration: nothing to rebuild
+            if registration.devices is entry._built_from:  # a heartbeat of the one built
+                entry.registered = before.model_copy(  # type: ignore[union-attr]
+                    update={"heartbeat_at": registration.heartbeat_at}
+                )
+                return
+        entry._built_from = None
         self._rebuild(entry, now)
 
     def set_ledger(

@@ -394,3 +394,16 @@ def test_the_index_reads_an_unbuilt_registration_as_the_built_one() -> None:
     # First use builds the model: the value the shared codec reads.
     assert lazy.entries["n1"].registration == decode(payload, NodeRegistration)
     assert isinstance(lazy.entries["n1"].registered, NodeRegistration)
+    # A heartbeat of it re-dates the built model: nothing rebuilt, nothing built again.
+    codec = RegistrationCodec()
+    wire = codec.read(payload)
+    lazy.set_registration("n1", wire, 6.0)
+    built_model = lazy.entries["n1"].registration
+    cards = lazy.entries["n1"].cards
+    codec.accepted("n1", payload, wire)
+    lazy.set_registration("n1", codec.heartbeat_only("n1", registration_payload(
+        heartbeat_at=9.0, devices=msgpack.unpackb(payload)["data"]["devices"])), 7.0)  # fmt: skip
+    entry = lazy.entries["n1"]
+    assert isinstance(entry.registered, NodeRegistration) and entry.cards is cards
+    assert entry.registration.heartbeat_at == 9.0
+    assert entry.registration.devices is built_model.devices
