@@ -100,6 +100,8 @@ class Card:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """What a pod holds on one GPU."""
+
     memory_mib: int = 0
     cores: int = 0
     slots: int = 0

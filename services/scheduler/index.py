@@ -41,6 +41,8 @@ _CANDIDATE_CACHE = 8
 
 @dataclass
 class NodeEntry:
+    """What the index knows of one node: its registration, ledger entry, row and cards."""
+
     name: str
     slot: int
     # The node's registration: a NodeRegistration, or a RegistrationWire (checked, not built
