@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +60,8 @@ class NodeEntry:
     # The node's cards with usage, built when first read (`cards`): most nodes' rows change
     # many times (start-up, writes) between two fits that look at their cards.
     _cards: list[Card] | None = field(default=None, repr=False)
-    _card_usage: tuple[list[dict[str, list[int]]], frozenset[str]] = field(
-        default=([], frozenset()), repr=False
+    _card_usage: tuple[Sequence[dict[str, list[int]]], frozenset[str]] = field(
+        default=((), frozenset()), repr=False
     )
     # The devices list of the RegistrationWire `registered` was built from: its heartbeats
     # (which carry that list) re-date the built model instead of replacing it.
