@@ -189,8 +189,13 @@ async def one_run(nodes: int) -> dict[str, Any]:
             proc.send_signal(signal.SIGUSR1)
             env = {**env, "BENCH_PROFILE_START": "1"}
         before = cpu_seconds(proc.pid)
+        nats_pid = server._proc.pid  # type: ignore[union-attr]  # bench-only peek
+        nats_before, client_before = cpu_seconds(nats_pid), time.process_time()
         result.update(await drive([client], trace(PODS, seed=3), names, rng))
         result["scheduler_cpu_ms_per_pod"] = (cpu_seconds(proc.pid) - before) * 1000 / PODS
+        # nats-server, and this process (kube-scheduler's stand-in and the fake agent)
+        result["nats_cpu_ms_per_pod"] = (cpu_seconds(nats_pid) - nats_before) * 1000 / PODS
+        result["client_cpu_ms_per_pod"] = (time.process_time() - client_before) * 1000 / PODS
         result["rss_mib"], result["hwm_mib"] = memory_mib(proc.pid)
         await client.close()
         proc.terminate()
