@@ -34,7 +34,6 @@ from record import record_section
 from tessera.scheduler.cards import Card, allocation_usage, node_score
 from tessera.scheduler.decide import decide
 from tessera.scheduler.index import ClusterIndex
-from tessera.scheduler.ledger_codec import LedgerCodec
 from tessera.scheduler.placement import fit_pod
 from tessera.scheduler.rules import FitContext, parse_pod_options
 
@@ -293,27 +292,24 @@ async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
     the allocation allocated and take it out of the node's in-flight set in one real CAS (read
     the entry, write it back at that revision), as the node agent's `finish_mutation` does (a
     pod still `reserved` with a claim is in flight too). The real agents run on the nodes, not
-    beside the scheduler, so this stand-in keeps its own CPU low: the event's node and pod are
-    read off the msgpack map without building the model, and the entry is decoded and encoded
-    by the scheduler's incremental codec (msgspec) instead of pydantic."""
-    codec = LedgerCodec()
+    beside the scheduler, so this stand-in keeps its own CPU low: it edits the entry's msgpack
+    map in place of building the models (the fields `tessera.codec.encode` writes, with the
+    same types, so readers see the canonical form)."""
 
-    def allocate(uid: str, current: NodeLedger) -> NodeLedger:
-        claims = current.in_flight()
-        allocation = current.allocations.get(uid)
-        if uid not in claims:
+    def allocate(uid: str, payload: bytes) -> bytes:
+        envelope = msgpack.unpackb(payload)
+        ledger = envelope["data"]
+        claim = ledger.get("claim")
+        legacy = isinstance(claim, dict) and claim.get("pod_uid") == uid
+        if uid not in ledger["claims"] and not legacy:
             raise bus.NoChange
-        allocations = current.allocations
-        if allocation is not None and allocation.state in (
-            AllocationState.RESERVED, AllocationState.BOUND
-        ):
-            allocations = {**allocations, uid: allocation.model_copy(update={
-                "state": AllocationState.ALLOCATED, "expires_at": None,
-            })}  # fmt: skip
-        return current.model_copy(update={
-            "allocations": allocations, "claims": {k: c for k, c in claims.items() if k != uid},
-            "claim": None,
-        })  # fmt: skip
+        allocation = ledger["allocations"].get(uid)
+        if allocation is not None and allocation["state"] in ("reserved", "bound"):
+            allocation.update(state="allocated", expires_at=None, updated_at=time.time())
+        ledger["claims"].pop(uid, None)
+        if legacy:
+            ledger["claim"] = None
+        return msgpack.packb(envelope, use_bin_type=True)
 
     async def on_bound(msg: Any) -> None:
         data = msgpack.unpackb(msg.data)["data"]
@@ -321,9 +317,9 @@ async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
         with contextlib.suppress(Exception):  # NoChange, or the run ending under it
             for _ in range(20):
                 entry = await buckets.ledger.get(node)
-                new = allocate(uid, codec.decode(node, entry.value))
+                payload = allocate(uid, entry.value)
                 try:
-                    await buckets.ledger.update(node, codec.encode(new), last=entry.revision)
+                    await buckets.ledger.update(node, payload, last=entry.revision)
                     return
                 except KeyWrongLastSequenceError:
                     continue

@@ -129,7 +129,8 @@ async def ready_after_spawn(url: str, port: int, env: dict[str, str]) -> tuple[A
     """Spawn a scheduler; seconds until its /readyz answers 200."""
     started = time.perf_counter()
     code = (PROFILED + SERVER) if os.environ.get("BENCH_PROFILE") else SERVER
-    env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    paths = [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.Popen([sys.executable, "-c", code, url, str(port)], env=env)
     request = b"GET /readyz HTTP/1.1\r\nHost: scheduler\r\nConnection: close\r\n\r\n"
     while time.perf_counter() - started < 600:
