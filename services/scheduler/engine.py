@@ -23,6 +23,7 @@ from tessera.cluster.port import ClusterPort
 from tessera.models import QuotaState
 from tessera.settings import TesseraSettings
 
+from .acks import JetStreamAcks
 from .background import BackgroundTasks, EventPublisher
 from .binding import PodBinder
 from .config import SchedulerSettings
@@ -67,7 +68,9 @@ class Scheduler:
         self.tasks = BackgroundTasks()
         # A reservation also puts the pod in flight when its bind could (one write fewer).
         ledger.claim_ahead = ClaimAhead(instance, config.claim_ttl_s, config.max_in_flight_per_node)
-        publisher = EventPublisher(js, self.tasks)
+        acks = JetStreamAcks(nc)  # ledger writes and events wait for their acks there
+        ledger.acks = acks
+        publisher = EventPublisher(js, self.tasks, acks=acks)
         indexed = IndexedLedger(ledger, index, clock)
         quota = QuotaClient(nc, settings, self.tasks)
         self.failures = FailureLog(metrics, publisher, instance, clock)

@@ -15,7 +15,7 @@ from functools import partial
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from tessera.bus import NoChange, Versioned, cas_update
+from tessera.bus import LEDGER_BUCKET, NoChange, Versioned, cas_update
 from tessera.hami import PodRequest
 from tessera.models import (
     Allocation,
@@ -28,6 +28,7 @@ from tessera.models import (
     exchange_grants,
 )
 
+from .acks import JetStreamAcks
 from .cards import (
     Card,
     allocation_usage,
@@ -419,6 +420,9 @@ class LedgerWriter:
     def __init__(self, kv: KeyValue, claim_ahead: ClaimAhead | None = None) -> None:
         self.kv = kv
         self.claim_ahead = claim_ahead  # reservations also claim when they may (see ClaimAhead)
+        self.acks: JetStreamAcks | None = None  # the hinted write's update, with less work
+        # The subject nats-py's KeyValue writes a key to (its own prefix, e.g. a JS domain's).
+        self._pre: str = getattr(kv, "_pre", f"$KV.{LEDGER_BUCKET}.")
         self.codec = LedgerCodec()  # encodes and decodes only the allocations that changed
         # Writes in flight: key -> (payload, value). The watch often delivers our own write
         # before its ack returns; matching the bytes spares decoding what we just encoded.
@@ -440,7 +444,10 @@ class LedgerWriter:
                 payload = self.codec.encode(new)
                 self.in_flight[key] = (payload, new)
                 try:
-                    revision = await self.kv.update(key, payload, last=hint.revision)
+                    if self.acks is not None:
+                        revision = await self.acks.update(self._pre + key, payload, hint.revision)
+                    else:
+                        revision = await self.kv.update(key, payload, last=hint.revision)
                     return Versioned(new, revision)
                 except KeyWrongLastSequenceError:
                     pass
