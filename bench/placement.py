@@ -17,7 +17,8 @@ Allocate), `HAMi-style lock` (one per node, and a bind that finds it held fails 
 pod retries after kube-scheduler's backoff). Time = first filter until the last pod is
 allocated. Pods of one shape (a Job or Deployment burst), or of four amounts in turn (one GPU
 layout); binpack node policy. `BENCH_MODES`, `BENCH_SCENARIOS` (e.g. `200x4x1`: pods x nodes x
-amounts), `BENCH_REPEAT` (in-flight runs) and `BENCH_LIMIT_S` select and bound the runs.
+amounts), `BENCH_REPEAT` (in-flight runs) and `BENCH_LIMIT_S` select and bound the runs;
+`BENCH_NO_RECORD=1` prints without writing bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -413,7 +414,8 @@ def main() -> None:
         *rows,
     ])  # fmt: skip
     print(markdown)
-    record_section("placement", markdown)
+    if os.environ.get("BENCH_NO_RECORD") != "1":
+        record_section("placement", markdown)
 
 
 if __name__ == "__main__":
