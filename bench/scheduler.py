@@ -287,29 +287,31 @@ async def populate(
     return nc, buckets
 
 
+def allocate_payload(uid: str, payload: bytes) -> bytes:
+    """The node agent's Allocate as a ledger edit (`finish_mutation`): the pod (`reserved` with a
+    claim, or `bound`) becomes `allocated` and leaves the in-flight set; bus.NoChange when it is
+    not in flight. It edits the entry's msgpack map instead of building the models (the fields
+    `tessera.codec.encode` writes, with the same types, so readers see the canonical form): the
+    real agents run on the nodes, not on the cores the scheduler is measured on."""
+    envelope = msgpack.unpackb(payload)
+    ledger = envelope["data"]
+    claim = ledger.get("claim")
+    legacy = isinstance(claim, dict) and claim.get("pod_uid") == uid
+    if uid not in ledger["claims"] and not legacy:
+        raise bus.NoChange
+    allocation = ledger["allocations"].get(uid)
+    if allocation is not None and allocation["state"] in ("reserved", "bound"):
+        allocation.update(state="allocated", expires_at=None, updated_at=time.time())
+    ledger["claims"].pop(uid, None)
+    if legacy:
+        ledger["claim"] = None
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
 async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
     """The node agents' Allocate, as fast as it can be: on each `alloc.<node>.bound` event, mark
     the allocation allocated and take it out of the node's in-flight set in one real CAS (read
-    the entry, write it back at that revision), as the node agent's `finish_mutation` does (a
-    pod still `reserved` with a claim is in flight too). The real agents run on the nodes, not
-    beside the scheduler, so this stand-in keeps its own CPU low: it edits the entry's msgpack
-    map in place of building the models (the fields `tessera.codec.encode` writes, with the
-    same types, so readers see the canonical form)."""
-
-    def allocate(uid: str, payload: bytes) -> bytes:
-        envelope = msgpack.unpackb(payload)
-        ledger = envelope["data"]
-        claim = ledger.get("claim")
-        legacy = isinstance(claim, dict) and claim.get("pod_uid") == uid
-        if uid not in ledger["claims"] and not legacy:
-            raise bus.NoChange
-        allocation = ledger["allocations"].get(uid)
-        if allocation is not None and allocation["state"] in ("reserved", "bound"):
-            allocation.update(state="allocated", expires_at=None, updated_at=time.time())
-        ledger["claims"].pop(uid, None)
-        if legacy:
-            ledger["claim"] = None
-        return msgpack.packb(envelope, use_bin_type=True)
+    the entry, write it back at that revision; `allocate_payload`)."""
 
     async def on_bound(msg: Any) -> None:
         data = msgpack.unpackb(msg.data)["data"]
@@ -317,7 +319,7 @@ async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
         with contextlib.suppress(Exception):  # NoChange, or the run ending under it
             for _ in range(20):
                 entry = await buckets.ledger.get(node)
-                payload = allocate(uid, entry.value)
+                payload = allocate_payload(uid, entry.value)
                 try:
                     await buckets.ledger.update(node, payload, last=entry.revision)
                     return
