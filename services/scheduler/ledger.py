@@ -8,14 +8,16 @@ write fails, it re-reads, re-checks and either fits elsewhere on the card or mov
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from tessera.bus import LEDGER_BUCKET, NoChange, Versioned, cas_update
+from tessera.bus import LEDGER_BUCKET, CasConflictError, NoChange, Versioned, cas_update
 from tessera.hami import PodRequest
 from tessera.models import (
     Allocation,
@@ -454,7 +456,50 @@ class LedgerWriter:
                 finally:
                     if self.in_flight.get(key, (None,))[0] is payload:
                         del self.in_flight[key]
-        return await cas_update(self.kv, key, NodeLedger, mutate)
+        return await self._cas_read(key, mutate)
+
+    async def _cas_read(
+        self, key: str, mutate: Callable[[NodeLedger | None], NodeLedger], attempts: int = 25
+    ) -> Versioned[NodeLedger]:
+        """`tessera.bus.cas_update` (read, mutate, write at that revision, retry on conflict;
+        NoChange returns the current value), the entry decoded and encoded by the incremental
+        codec: a node packed by a burst while its agent writes conflicts often, and each retry
+        re-reads an entry of tens of allocations of which one or two changed."""
+        delay = 0.002
+        for _ in range(attempts):
+            try:
+                entry = await self.kv.get(key)
+            except KeyNotFoundError:  # (deleted or purged: KeyDeletedError is one too)
+                entry = None
+            current = None
+            if entry is not None and entry.value is not None and entry.operation not in (
+                "DEL", "PURGE"
+            ):
+                current = Versioned(self.codec.decode(key, entry.value), entry.revision)
+            try:
+                new = mutate(current.value if current is not None else None)
+            except NoChange:
+                if current is None:
+                    raise
+                return current
+            payload = self.codec.encode(new)
+            self.in_flight[key] = (payload, new)
+            try:
+                if current is None:
+                    revision = await self.kv.create(key, payload)
+                elif self.acks is not None:
+                    revision = await self.acks.update(self._pre + key, payload, current.revision)
+                else:
+                    revision = await self.kv.update(key, payload, last=current.revision)
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(0.1, delay * 2)
+                continue
+            finally:
+                if self.in_flight.get(key, (None,))[0] is payload:
+                    del self.in_flight[key]
+            return Versioned(new, revision)
+        raise CasConflictError(f"{key}: gave up after {attempts} conflicting writes")
 
     async def reserve(self, req: ReservationRequest, hint: Hint = None) -> Versioned[NodeLedger]:
         if self.claim_ahead is not None and req.claim_ahead is None:
