@@ -469,7 +469,7 @@ class LedgerWriter:
         for _ in range(attempts):
             try:
                 entry = await self.kv.get(key)
-            except KeyNotFoundError:  # (deleted or purged: KeyDeletedError is one too)
+            except KeyNotFoundError:  # (nats-py reports a deleted or purged key so too)
                 entry = None
             current = None
             if entry is not None and entry.value is not None and entry.operation not in (
