@@ -25,6 +25,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import msgpack
+from nats.js.errors import KeyWrongLastSequenceError
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record import record_section
@@ -36,10 +39,9 @@ from tessera.scheduler.rules import FitContext, parse_pod_options
 
 from tessera import bus, hami
 from tessera.bus import connect, ensure_bus
-from tessera.codec import decode, encode
+from tessera.codec import encode
 from tessera.models import (
     Allocation,
-    AllocationEvent,
     AllocationState,
     DeviceGrant,
     DeviceInfo,
@@ -285,27 +287,44 @@ async def populate(
     return nc, buckets
 
 
+def allocate_payload(uid: str, payload: bytes) -> bytes:
+    """The node agent's Allocate as a ledger edit (`finish_mutation`): the pod (`reserved` with a
+    claim, or `bound`) becomes `allocated` and leaves the in-flight set; bus.NoChange when it is
+    not in flight. It edits the entry's msgpack map instead of building the models (the fields
+    `tessera.codec.encode` writes, with the same types, so readers see the canonical form): the
+    real agents run on the nodes, not on the cores the scheduler is measured on."""
+    envelope = msgpack.unpackb(payload)
+    ledger = envelope["data"]
+    claim = ledger.get("claim")
+    legacy = isinstance(claim, dict) and claim.get("pod_uid") == uid
+    if uid not in ledger["claims"] and not legacy:
+        raise bus.NoChange
+    allocation = ledger["allocations"].get(uid)
+    if allocation is not None and allocation["state"] in ("reserved", "bound"):
+        allocation.update(state="allocated", expires_at=None, updated_at=time.time())
+    ledger["claims"].pop(uid, None)
+    if legacy:
+        ledger["claim"] = None
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
 async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
     """The node agents' Allocate, as fast as it can be: on each `alloc.<node>.bound` event, mark
-    the allocation allocated and release the node's claim (one CAS)."""
-
-    def allocate(uid: str, current: NodeLedger | None) -> NodeLedger:
-        if current is None or uid not in current.in_flight():
-            raise bus.NoChange
-        allocation = current.allocations.get(uid)
-        if allocation is not None and allocation.state == AllocationState.BOUND:
-            allocation.state = AllocationState.ALLOCATED
-        current.claims.pop(uid, None)
-        if current.claim is not None and current.claim.pod_uid == uid:
-            current.claim = None
-        return current
+    the allocation allocated and take it out of the node's in-flight set in one real CAS (read
+    the entry, write it back at that revision; `allocate_payload`)."""
 
     async def on_bound(msg: Any) -> None:
-        event = decode(msg.data, AllocationEvent)
+        data = msgpack.unpackb(msg.data)["data"]
+        node, uid = data["node"], data["pod_uid"]
         with contextlib.suppress(Exception):  # NoChange, or the run ending under it
-            await bus.cas_update(
-                buckets.ledger, event.node, NodeLedger, lambda c: allocate(event.pod_uid, c)
-            )
+            for _ in range(20):
+                entry = await buckets.ledger.get(node)
+                payload = allocate_payload(uid, entry.value)
+                try:
+                    await buckets.ledger.update(node, payload, last=entry.revision)
+                    return
+                except KeyWrongLastSequenceError:
+                    continue
 
     sub = await nc.subscribe(bus.alloc_events_filter("bound"), cb=on_bound)
     try:

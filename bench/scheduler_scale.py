@@ -132,7 +132,8 @@ async def ready_after_spawn(url: str, port: int, env: dict[str, str]) -> tuple[A
     """Spawn a scheduler; seconds until its /readyz answers 200."""
     started = time.perf_counter()
     code = (PROFILED + SERVER) if os.environ.get("BENCH_PROFILE") else SERVER
-    env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    paths = [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.Popen([sys.executable, "-c", code, url, str(port)], env=env)
     request = b"GET /readyz HTTP/1.1\r\nHost: scheduler\r\nConnection: close\r\n\r\n"
     while time.perf_counter() - started < 600:
@@ -192,8 +193,13 @@ async def one_run(nodes: int) -> dict[str, Any]:
             proc.send_signal(signal.SIGUSR1)
             env = {**env, "BENCH_PROFILE_START": "1"}
         before = cpu_seconds(proc.pid)
+        nats_pid = server._proc.pid  # type: ignore[union-attr]  # bench-only peek
+        nats_before, client_before = cpu_seconds(nats_pid), time.process_time()
         result.update(await drive([client], trace(PODS, seed=3), names, rng))
         result["scheduler_cpu_ms_per_pod"] = (cpu_seconds(proc.pid) - before) * 1000 / PODS
+        # nats-server, and this process (kube-scheduler's stand-in and the fake agent)
+        result["nats_cpu_ms_per_pod"] = (cpu_seconds(nats_pid) - nats_before) * 1000 / PODS
+        result["client_cpu_ms_per_pod"] = (time.process_time() - client_before) * 1000 / PODS
         result["rss_mib"], result["hwm_mib"] = memory_mib(proc.pid)
         await client.close()
         proc.terminate()

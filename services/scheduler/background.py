@@ -11,6 +11,9 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from tessera import bus
+from tessera.codec import encode
+
+from .acks import JetStreamAcks
 
 log = logging.getLogger("tessera.scheduler")
 
@@ -38,14 +41,25 @@ RETRY_FOR_S = 60.0
 
 
 class EventPublisher:
-    """Publishes events to the stream in the background; a failure is retried, then logged."""
+    """Publishes events to the stream in the background; a failure is retried, then logged.
+    With `acks` (acks.py) each attempt is one publish awaiting its ack there, else
+    `bus.publish_event`'s (the same subject, payload and Nats-Msg-Id)."""
 
     def __init__(
-        self, js: JetStreamContext, tasks: BackgroundTasks, retry_for_s: float = RETRY_FOR_S
+        self, js: JetStreamContext, tasks: BackgroundTasks, retry_for_s: float = RETRY_FOR_S,
+        acks: JetStreamAcks | None = None,
     ) -> None:
         self.js = js
         self.tasks = tasks
         self.retry_for_s = retry_for_s
+        self.acks = acks
+
+    async def _attempt(self, event: Any) -> None:
+        if self.acks is None:
+            await bus.publish_event(self.js, event, attempts=3)
+            return
+        headers = {"Nats-Msg-Id": event.event_id}
+        await self.acks.publish(bus.event_subject(event), encode(event), headers, timeout=2.0)
 
     def publish_soon(self, event: Any, on_done: Callable[[bool], None] | None = None) -> None:
         """Publish in the background; `on_done(landed)` once it landed or was given up."""
@@ -56,7 +70,7 @@ class EventPublisher:
         delay = 0.2
         while True:
             try:
-                await bus.publish_event(self.js, event, attempts=3)
+                await self._attempt(event)
             except Exception as exc:
                 if time.monotonic() + delay >= deadline:
                     log.warning("event publish failed, given up", extra={

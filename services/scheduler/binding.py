@@ -11,12 +11,13 @@ import logging
 from collections.abc import Callable
 
 from tessera import hami
-from tessera.bus import CasConflictError, NoChange
+from tessera.bus import CasConflictError, NoChange, Versioned
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
 from tessera.models import (
     Allocation,
     AllocationEvent,
     InFlightClaim,
+    NodeLedger,
     NodeRegistration,
     allocation_shape,
 )
@@ -29,6 +30,7 @@ from .ledger import (
     AlreadyBoundError,
     ClaimHeldError,
     ReservationGoneError,
+    claimed_ahead,
     competing_claim,
     first_request,
 )
@@ -102,7 +104,9 @@ class PodBinder:
     async def _bind_claimed(self, ident: PodIdentity, node: str, deadline: float) -> str:
         uid, namespace, name = ident.uid, ident.namespace, ident.name
         waited = False
-        while True:
+        ahead_of_time = self._claimed_ahead(node, uid)
+        result = ahead_of_time
+        while result is None:
             now = self.clock()
             try:
                 # Decided on the index first: a waiting bind wakes on every change of the node's
@@ -119,7 +123,6 @@ class PodBinder:
                         self.ledger.hint(node), self.config.max_in_flight_per_node,
                         self._registration(node),
                     )  # fmt: skip
-                break
             except (ClaimHeldError, _QueuedError) as exc:
                 if not waited:
                     self.metrics.claim_waits.inc()
@@ -145,7 +148,8 @@ class PodBinder:
             except CasConflictError as exc:
                 return f"ledger busy on {node}: {exc}"
         self._leave_queue(node, uid)
-        self.ledger.apply(node, result)
+        if result is not ahead_of_time:  # (the index holds the filter's write already)
+            self.ledger.apply(node, result)
         allocation = result.value.allocations[uid]
         error = await self._bind_in_cluster(ident, node, allocation)
         if error:
@@ -208,6 +212,15 @@ class PodBinder:
             if competing and now - since >= FAIR_AFTER_S:
                 return other
         return None
+
+    def _claimed_ahead(self, node: str, uid: str) -> Versioned[NodeLedger] | None:
+        """The node's entry when the pod's filter already put it in flight there (ledger
+        .ClaimAhead) with time to spare: the bind then writes no claim of its own."""
+        hint = self.ledger.hint(node)
+        if hint is None or not claimed_ahead(hint.value, uid, self.clock(),
+                                             self.config.claim_ttl_s):  # fmt: skip
+            return None
+        return hint
 
     def _competitor(self, node: str, uid: str, now: float) -> InFlightClaim | None:
         """The in-flight pod this bind must wait for, as the index sees the node (None: try)."""

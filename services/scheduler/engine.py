@@ -23,6 +23,7 @@ from tessera.cluster.port import ClusterPort
 from tessera.models import QuotaState
 from tessera.settings import TesseraSettings
 
+from .acks import JetStreamAcks
 from .background import BackgroundTasks, EventPublisher
 from .binding import PodBinder
 from .config import SchedulerSettings
@@ -31,7 +32,7 @@ from .filtering import FilterOutcome, PodFilter, prioritize
 from .index import ClusterIndex
 from .indexed_ledger import IndexedLedger
 from .kube_events import PodEventRecorder
-from .ledger import LedgerWriter
+from .ledger import ClaimAhead, LedgerWriter
 from .metrics import SchedulerMetrics
 from .pods import PodIdentity
 from .preemption_run import Preemptor
@@ -65,7 +66,11 @@ class Scheduler:
         # namespace -> quota state; the runtime's quota watch writes it, filter reads it.
         self.quotas: dict[str, QuotaState] = {}
         self.tasks = BackgroundTasks()
-        publisher = EventPublisher(js, self.tasks)
+        # A reservation also puts the pod in flight when its bind could (one write fewer).
+        ledger.claim_ahead = ClaimAhead(instance, config.claim_ttl_s, config.max_in_flight_per_node)
+        acks = JetStreamAcks(nc)  # ledger writes and events wait for their acks there
+        ledger.acks = acks
+        publisher = EventPublisher(js, self.tasks, acks=acks)
         indexed = IndexedLedger(ledger, index, clock)
         quota = QuotaClient(nc, settings, self.tasks)
         self.failures = FailureLog(metrics, publisher, instance, clock)

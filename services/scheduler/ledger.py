@@ -8,14 +8,16 @@ write fails, it re-reads, re-checks and either fits elsewhere on the card or mov
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from tessera.bus import NoChange, Versioned, cas_update
+from tessera.bus import LEDGER_BUCKET, CasConflictError, NoChange, Versioned, cas_update
 from tessera.hami import PodRequest
 from tessera.models import (
     Allocation,
@@ -28,6 +30,7 @@ from tessera.models import (
     exchange_grants,
 )
 
+from .acks import JetStreamAcks
 from .cards import (
     Card,
     allocation_usage,
@@ -53,6 +56,21 @@ class ReservationGoneError(Exception):
 
 
 @dataclass(frozen=True)
+class ClaimAhead:
+    """Put the pod in the node's in-flight set in the reservation's own write, so its bind
+    needs no claim write of its own (one ledger round trip per pod fewer). Taken only when the
+    bind would take it at once: no pod it competes with is in flight there (`competing_claim`,
+    the cap included) and no pod of another shape with the same first device count is reserved
+    there waiting to bind (the binder's fairness queue decides between those, in bind order).
+    The claim lapses `ttl_s` after the filter as a bind's does after the bind; a bind that finds
+    it with less than half of that left takes it afresh."""
+
+    holder: str
+    ttl_s: float
+    max_in_flight: int = 0
+
+
+@dataclass(frozen=True)
 class ReservationRequest:
     """Everything a reservation needs, so the mutate function stays pure."""
 
@@ -72,6 +90,8 @@ class ReservationRequest:
     # from: reused when the write starts from that very value and nothing the clock changes
     # is in it (the cards would come out the same), instead of building and fitting again.
     decided: tuple[NodeLedger, PodFit] | None = None
+    # Set by the writer (`LedgerWriter.claim_ahead`): claim in the same write when it may.
+    claim_ahead: ClaimAhead | None = None
 
 
 class LedgerLostError(Exception):
@@ -127,7 +147,32 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
             "expires_at": req.now + req.ttl_s,
         }
     )
-    return _replace(ledger, others)
+    reserved = _replace(ledger, others)
+    ahead = req.claim_ahead
+    if ahead is not None and _may_claim_ahead(reserved, uid, req.now, ahead, req.registration):
+        # The reservation keeps its own expiry: unbound, it lapses as any reservation does.
+        return _claimed(reserved, uid, ahead.holder, req.now, ahead.ttl_s, extend=False)
+    return reserved
+
+
+def _may_claim_ahead(
+    ledger: NodeLedger, uid: str, now: float, ahead: ClaimAhead,
+    registration: NodeRegistration | None,
+) -> bool:
+    """Whether the pod just reserved may go in flight in the same write (see ClaimAhead)."""
+    if competing_claim(ledger, uid, now, ahead.max_in_flight, registration) is not None:
+        return False
+    mine = ledger.allocations[uid]
+    first, shape = first_request(mine), None
+    claims = live_claims(ledger, now)
+    for key, other in ledger.allocations.items():
+        if (key == uid or key in claims or other.state != AllocationState.RESERVED
+                or not counts_against_capacity(other, now) or first_request(other) != first):
+            continue
+        shape = allocation_shape(mine) if shape is None else shape
+        if allocation_shape(other) != shape:
+            return False  # a bind of another shape may be waiting: it goes first
+    return True
 
 
 def live_claims(ledger: NodeLedger, now: float) -> dict[str, InFlightClaim]:
@@ -234,17 +279,42 @@ def claim_mutate(
     held = competing_claim(current, uid, now, max_in_flight, registration)
     if held is not None:
         raise ClaimHeldError(held)
+    return _claimed(current, uid, holder, now, ttl_s)
+
+
+def _claimed(
+    current: NodeLedger, uid: str, holder: str, now: float, ttl_s: float, *, extend: bool = True
+) -> NodeLedger:
+    """`current` with `uid` (reserved there) in the in-flight set; `extend`: its reservation
+    lives at least as long as the claim (a bind is in flight)."""
+    allocation = current.allocations[uid]
     claims = live_claims(current, now)  # lapsed or finished claims are dropped on the way
     claims[uid] = InFlightClaim(
         pod_uid=uid, namespace=allocation.namespace, name=allocation.name,
         taken_at=now, expires_at=now + ttl_s, holder=holder,
     )  # fmt: skip
+    if not extend:
+        return _replace(current, current.allocations, claims)
     allocations = dict(current.allocations)
     # Keep the reservation alive while the bind is in flight.
     allocations[uid] = allocation.model_copy(update={
         "expires_at": max(allocation.expires_at or now, now + ttl_s), "updated_at": now,
     })  # fmt: skip
     return _replace(current, allocations, claims)
+
+
+def claimed_ahead(ledger: NodeLedger, uid: str, now: float, ttl_s: float) -> bool:
+    """Whether `uid` is reserved and in flight (its filter claimed ahead, see ClaimAhead) with
+    at least half of a claim's time `ttl_s` left on both: its bind then writes no claim. (A
+    claim's write would give the reservation that long; the bound mark must find it.)"""
+    claim = ledger.in_flight().get(uid)
+    allocation = ledger.allocations.get(uid)
+    return (
+        claim is not None and allocation is not None
+        and allocation.state == AllocationState.RESERVED
+        and allocation.expires_at is not None and allocation.expires_at - now >= ttl_s / 2
+        and claim.expires_at - now >= ttl_s / 2 and counts_against_capacity(allocation, now)
+    )  # fmt: skip
 
 
 class AlreadyBoundError(Exception):
@@ -349,8 +419,12 @@ class LedgerWriter:
     writes against that revision without reading (one round trip instead of two); if the hint
     was stale, or the mutate refuses on it, the ordinary read-mutate-write loop decides."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, claim_ahead: ClaimAhead | None = None) -> None:
         self.kv = kv
+        self.claim_ahead = claim_ahead  # reservations also claim when they may (see ClaimAhead)
+        self.acks: JetStreamAcks | None = None  # the hinted write's update, with less work
+        # The subject nats-py's KeyValue writes a key to (its own prefix, e.g. a JS domain's).
+        self._pre: str = getattr(kv, "_pre", f"$KV.{LEDGER_BUCKET}.")
         self.codec = LedgerCodec()  # encodes and decodes only the allocations that changed
         # Writes in flight: key -> (payload, value). The watch often delivers our own write
         # before its ack returns; matching the bytes spares decoding what we just encoded.
@@ -372,16 +446,64 @@ class LedgerWriter:
                 payload = self.codec.encode(new)
                 self.in_flight[key] = (payload, new)
                 try:
-                    revision = await self.kv.update(key, payload, last=hint.revision)
+                    if self.acks is not None:
+                        revision = await self.acks.update(self._pre + key, payload, hint.revision)
+                    else:
+                        revision = await self.kv.update(key, payload, last=hint.revision)
                     return Versioned(new, revision)
                 except KeyWrongLastSequenceError:
                     pass
                 finally:
                     if self.in_flight.get(key, (None,))[0] is payload:
                         del self.in_flight[key]
-        return await cas_update(self.kv, key, NodeLedger, mutate)
+        return await self._cas_read(key, mutate)
+
+    async def _cas_read(
+        self, key: str, mutate: Callable[[NodeLedger | None], NodeLedger], attempts: int = 25
+    ) -> Versioned[NodeLedger]:
+        """`tessera.bus.cas_update` (read, mutate, write at that revision, retry on conflict;
+        NoChange returns the current value), the entry decoded and encoded by the incremental
+        codec: a node packed by a burst while its agent writes conflicts often, and each retry
+        re-reads an entry of tens of allocations of which one or two changed."""
+        delay = 0.002
+        for _ in range(attempts):
+            try:
+                entry = await self.kv.get(key)
+            except KeyNotFoundError:  # (nats-py reports a deleted or purged key so too)
+                entry = None
+            current = None
+            if entry is not None and entry.value is not None and entry.operation not in (
+                "DEL", "PURGE"
+            ):
+                current = Versioned(self.codec.decode(key, entry.value), entry.revision)
+            try:
+                new = mutate(current.value if current is not None else None)
+            except NoChange:
+                if current is None:
+                    raise
+                return current
+            payload = self.codec.encode(new)
+            self.in_flight[key] = (payload, new)
+            try:
+                if current is None:
+                    revision = await self.kv.create(key, payload)
+                elif self.acks is not None:
+                    revision = await self.acks.update(self._pre + key, payload, current.revision)
+                else:
+                    revision = await self.kv.update(key, payload, last=current.revision)
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(0.1, delay * 2)
+                continue
+            finally:
+                if self.in_flight.get(key, (None,))[0] is payload:
+                    del self.in_flight[key]
+            return Versioned(new, revision)
+        raise CasConflictError(f"{key}: gave up after {attempts} conflicting writes")
 
     async def reserve(self, req: ReservationRequest, hint: Hint = None) -> Versioned[NodeLedger]:
+        if self.claim_ahead is not None and req.claim_ahead is None:
+            req = replace(req, claim_ahead=self.claim_ahead)
         return await self._cas(req.template.node, partial(reserve_mutate, req), hint)
 
     async def claim(

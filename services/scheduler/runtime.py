@@ -10,12 +10,10 @@ import contextlib
 import logging
 import os
 import socket
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import uvicorn
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.micro import add_service
@@ -46,6 +44,7 @@ from .api import Extender, build_app
 from .config import SchedulerSettings
 from .engine import Scheduler
 from .foreign import ForeignCapacity
+from .http_server import ExtenderServer, tls_context
 from .index import ClusterIndex
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
@@ -271,28 +270,19 @@ class SchedulerService:
             self._start_watches()
 
     async def serve_http(self, host: str, port: int, *, probes_only: bool = False) -> None:
-        """Serve the extender until `stopping` is set. With `TESSERA_TLS_CLIENT_CA` the TLS
-        handshake itself refuses any caller without a client certificate that CA signed."""
-        tls: dict[str, Any] = {}
-        if not probes_only:
-            tls = {"ssl_certfile": self.config.tls_cert, "ssl_keyfile": self.config.tls_key}
-            if self.config.tls_client_ca:
-                tls["ssl_ca_certs"] = self.config.tls_client_ca
-                tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED
-        config = uvicorn.Config(
-            self.probe_app() if probes_only else self.app(), host=host, port=port,
-            log_config=None, access_log=False, timeout_graceful_shutdown=2, lifespan="off",
-            proxy_headers=False,  # nothing reads the client address; its middleware costs
-            **tls,
-        )  # fmt: skip
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
-        stopper = asyncio.create_task(self.stopping.wait())
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
-        stopper.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 3.0)
+        """Serve the extender until `stopping` is set (http_server.py). With
+        `TESSERA_TLS_CLIENT_CA` the TLS handshake itself refuses any caller without a client
+        certificate that CA signed."""
+        tls = None
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if not probes_only and (cert or key):
+            tls = tls_context(cert or "", key, self.config.tls_client_ca or None)
+        server = ExtenderServer(self.probe_app() if probes_only else self.app(), tls)
+        try:
+            await server.serve(host, port, self.stopping)
+        except OSError as exc:  # the address is taken: end the process, as uvicorn did
+            log.error("cannot listen", extra={"listen": f"{host}:{port}", "err": str(exc)})
+            raise SystemExit(1) from exc
 
     async def _forever(self, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a loop; when it fails (NATS away, cluster hiccup) start it again."""
