@@ -31,6 +31,10 @@ from .api import Extender, Reply
 
 log = logging.getLogger("tessera.scheduler.http")
 KEEP_ALIVE_S = 5.0
+# A request line's target and a header block beyond these are refused (400 and a close): none of
+# the extender's routes needs more, and a parser fed without end would hold memory for it.
+MAX_URL_BYTES = 8 * 1024
+MAX_HEADER_BYTES = 64 * 1024
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
                 b"content-length: 20\r\nconnection: close\r\n\r\nInvalid HTTP request")
@@ -72,6 +76,7 @@ class _Connection(asyncio.Protocol):
         self.writable: asyncio.Future[None] | None = None
         self.closing = False
         self._url = b""
+        self._header_bytes = 0
         self._length = -1
         self._chunks: list[bytes] = []
         self._size = 0
@@ -114,12 +119,18 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._length, self._chunks, self._size = b"", -1, [], 0
+        self._header_bytes = 0
         self._continue = self._answered = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_URL_BYTES:
+            raise ValueError("request target too long")  # httptools: HttpParserCallbackError
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise ValueError("header block too large")  # httptools: HttpParserCallbackError
         name = name.lower()
         if name == b"content-length" and value.strip().isdigit():
             self._length = int(value)

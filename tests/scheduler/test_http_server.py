@@ -7,6 +7,7 @@ not HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from typing import Any
@@ -104,6 +105,33 @@ async def test_refusals_oversized_wrong_method_unknown_path_and_garbage(served: 
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
     finally:
         writer.close()
+
+
+async def test_endless_request_target_or_header_block_is_refused(served: Any) -> None:
+    """A client that never ends its request line or its headers is answered 400 and closed once
+    past the caps, instead of the server accumulating what it sends. (A reset instead of the 400
+    is the kernel's answer to bytes still arriving after the close: refused all the same.)"""
+    _service, port = served
+    cases = (
+        (b"POST /", b"a" * 4096),
+        (b"POST /filter HTTP/1.1\r\n", b"x-pad: " + b"b" * 4089 + b"\r\n"),
+    )
+    for prefix, filler in cases:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(prefix)
+            with contextlib.suppress(ConnectionError):
+                for _ in range(64):  # 256 KiB, past both caps
+                    writer.write(filler)
+                    await writer.drain()
+            try:
+                status, headers, _body = await read_reply(reader)
+                assert status == 400 and headers["connection"] == "close"
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+            except ConnectionResetError:
+                pass
+        finally:
+            writer.close()
 
 
 async def test_chunked_body_and_expect_continue(served: Any, cluster: InMemoryCluster) -> None:
