@@ -121,6 +121,94 @@ def _pieces(positions: np.ndarray, size: int) -> Iterator[np.ndarray]:
         yield positions[start : start + size]
 
 
+def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
+    """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
+    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
+    the order of those `_mask` passes is unchanged. Each bound is taken at its largest over the
+    containers."""
+    gpus = max((n.gpus for n in needs), default=0)
+    possible = columns["free_gpus"] >= max(gpus, 0)
+    carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
+    memory = max((n.memory_mib for n in carded), default=0)
+    if memory > 0:
+        possible &= columns["bound_mem"] >= memory
+    percentage = max((n.memory_percentage for n in carded), default=0)
+    if percentage > 0:
+        possible &= columns["bound_pct"] >= percentage
+    cores = max((n.cores for n in carded), default=0)
+    if cores > 0:
+        possible &= columns["bound_cores"] >= cores
+    computing = max((n.gpus for n in carded if not n.cores), default=0)
+    if computing > 0:
+        possible &= columns["bound_computing"] >= computing
+    idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
+    if idle > 0:
+        possible &= columns["bound_idle"] >= idle
+    return possible
+
+
+class _Columns:
+    """The per-node values a decision reads (score, busy, the bounds), gathered in one candidate
+    list's order and kept current from the index's log of written rows. kube-scheduler sends
+    the same list call after call and a call changes a few nodes: a decision then patches the
+    rows written since the last one and reads contiguous arrays, instead of gathering every
+    candidate's values again (O(changed rows), not O(candidates))."""
+
+    NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
+             "bound_computing", "bound_idle")  # fmt: skip
+
+    def __init__(self, index: ClusterIndex, slots: np.ndarray) -> None:
+        self.slots = slots
+        self.where = {slot: position for position, slot in enumerate(slots.tolist())}
+        self.arrays: dict[str, np.ndarray] = {}
+        self.seen = -1  # the log position these values are current at (-1: never gathered)
+
+    def current(self, index: ClusterIndex, log: list[int], base: int) -> dict[str, np.ndarray]:
+        fresh = base + len(log)
+        if self.seen < base or (fresh - self.seen) * 16 > len(self.slots):
+            slots = self.slots
+            self.arrays = {name: getattr(index, name)[slots] for name in self.NAMES}
+        elif fresh != self.seen:
+            arrays, where = self.arrays, self.where
+            for slot in set(log[self.seen - base :]):
+                position = where.get(slot)
+                if position is not None:
+                    for name, column in arrays.items():
+                        column[position] = getattr(index, name)[slot]
+        self.seen = fresh
+        return self.arrays
+
+
+class _ColumnCache:
+    """`_Columns` of the recent candidate lists, and the log of the rows written since."""
+
+    KEEP = 1 << 15  # log entries kept (a list further behind is gathered again)
+    LISTS = 8
+
+    def __init__(self) -> None:
+        self.written: list[int] = []  # slots whose row was written, in order
+        self.base = 0  # the log position of written[0]
+        self.kept: dict[int, _Columns] = {}
+
+    def log(self, slots: list[int]) -> None:
+        self.written.extend(slots)
+        if len(self.written) > 2 * self.KEEP:
+            drop = len(self.written) - self.KEEP
+            del self.written[:drop]
+            self.base += drop
+
+    def columns(self, index: ClusterIndex, slots: np.ndarray) -> dict[str, np.ndarray]:
+        columns = self.kept.get(id(slots))
+        if columns is None or columns.slots is not slots:
+            columns = _Columns(index, slots)
+            if len(columns.where) != len(slots):  # a name twice: no patching by slot
+                return {name: getattr(index, name)[slots] for name in _Columns.NAMES}
+            if len(self.kept) >= self.LISTS:
+                self.kept.pop(next(iter(self.kept)))
+            self.kept[id(slots)] = columns
+        return columns.current(index, self.written, self.base)
+
+
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
     caller's order), produced a chunk at a time; each chunk is checked against the index's
@@ -134,13 +222,14 @@ class _Ordering:
         self.index = index
         self.slots = slots
         self.needs = needs
-        scores = index.scores[slots]
-        # binpack: fullest first; spread: emptiest first.
-        self.keys = keys = -scores if node_policy == "binpack" else scores
-        possible = index._possible(slots, needs)
+        columns = index._columns(slots)
+        scores = columns["scores"]
+        # binpack: fullest first; spread: emptiest first. Copies: the columns move on.
+        self.keys = keys = -scores if node_policy == "binpack" else scores.copy()
+        possible = _possible(columns, needs)
         self.busy: np.ndarray | None = None  # as it was when ordered (the policy order's)
         if avoid_busy:
-            self.busy = busy = index.busy[slots]
+            self.busy = busy = columns["busy"].copy()
             groups = [np.flatnonzero(possible & ~busy), np.flatnonzero(possible & busy)]
         else:
             groups = [np.flatnonzero(possible)]
@@ -246,6 +335,8 @@ class ClusterIndex:
         self.scores = np.zeros(capacity, dtype=np.float64)
         # A bind is in flight on the node (claim held or a reservation not yet bound).
         self.busy = np.zeros(capacity, dtype=bool)
+        # The decision's copies of those values per recent candidate list (index order).
+        self._column_cache = _ColumnCache()
 
     # --- updates from the watches -----------------------------------------------------------
     def _entry(self, node: str) -> NodeEntry:
@@ -566,9 +657,20 @@ class ClusterIndex:
                 new[: len(old)] = old
                 setattr(self, name, new)
 
+    def _columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """The decision's values of these candidates (`_Columns`, one per recent list)."""
+        self._grow_bounds()
+        return self._column_cache.columns(self, slots)
+
+    def mark_busy(self, slot: int) -> None:
+        """A bind is in flight on the node at `slot` (filters look elsewhere first)."""
+        self.busy[slot] = True
+        self._column_cache.log([int(slot)])
+
     def _write_bounds(self, rows: list[tuple]) -> None:
         """The bounds of the rows `_write_rows` just wrote (its unpadded row tuples)."""
         self._grow_bounds()
+        self._column_cache.log([row[0] for row in rows])
         if len(rows) == 1:
             slot, _free, mem, pct, cores, computing, idle, _score, _busy = rows[0]
             self.bound_mem[slot] = max(mem, default=-1)
@@ -583,31 +685,6 @@ class ClusterIndex:
         self.bound_cores[slots] = self.card_cores[slots].max(axis=1)
         self.bound_computing[slots] = np.count_nonzero(self.card_computing[slots], axis=1)
         self.bound_idle[slots] = np.count_nonzero(self.card_idle[slots], axis=1)
-
-    def _possible(self, slots: np.ndarray, needs: list[Need]) -> np.ndarray:
-        """Candidates whose bounds reach every container's demand: a necessary condition of
-        `_mask` (a node it refuses, `_mask` refuses too), so the order of those `_mask` passes
-        is unchanged. Each condition is taken at its largest over the containers."""
-        self._grow_bounds()
-        gpus = max((n.gpus for n in needs), default=0)
-        possible = self.free_gpus[slots] >= max(gpus, 0)
-        carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
-        memory = max((n.memory_mib for n in carded), default=0)
-        if memory > 0:
-            possible &= self.bound_mem[slots] >= memory
-        percentage = max((n.memory_percentage for n in carded), default=0)
-        if percentage > 0:
-            possible &= self.bound_pct[slots] >= percentage
-        cores = max((n.cores for n in carded), default=0)
-        if cores > 0:
-            possible &= self.bound_cores[slots] >= cores
-        computing = max((n.gpus for n in carded if not n.cores), default=0)
-        if computing > 0:
-            possible &= self.bound_computing[slots] >= computing
-        idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
-        if idle > 0:
-            possible &= self.bound_idle[slots] >= idle
-        return possible
 
     def pod_uid(self, namespace: str, name: str) -> str | None:
         """The uid of the pod with an active allocation under that name, if any."""
