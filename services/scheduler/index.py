@@ -157,19 +157,30 @@ class _Columns:
     NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
              "bound_computing", "bound_idle")  # fmt: skip
 
-    def __init__(self, index: ClusterIndex, slots: np.ndarray) -> None:
+    def __init__(self, slots: np.ndarray) -> None:
         self.slots = slots
-        self.where = {slot: position for position, slot in enumerate(slots.tolist())}
+        # slot -> position, built when first patched (a list used once never needs it); False:
+        # a slot listed twice, so the values are gathered again instead of patched.
+        self.where: dict[int, int] | bool | None = None
         self.arrays: dict[str, np.ndarray] = {}
         self.seen = -1  # the log position these values are current at (-1: never gathered)
 
     def current(self, index: ClusterIndex, log: list[int], base: int) -> dict[str, np.ndarray]:
         fresh = base + len(log)
-        if self.seen < base or (fresh - self.seen) * 16 > len(self.slots):
+        if fresh == self.seen:
+            return self.arrays
+        few = self.seen >= base and (fresh - self.seen) * 16 <= len(self.slots)
+        if few and self.where is None:
+            self.where = {slot: position for position, slot in enumerate(self.slots.tolist())}
+            if len(self.where) != len(self.slots):
+                self.where = False
+        where = self.where
+        if not few or not where:
             slots = self.slots
             self.arrays = {name: getattr(index, name)[slots] for name in self.NAMES}
-        elif fresh != self.seen:
-            arrays, where = self.arrays, self.where
+        else:
+            arrays = self.arrays
+            assert isinstance(where, dict)
             for slot in set(log[self.seen - base :]):
                 position = where.get(slot)
                 if position is not None:
@@ -200,9 +211,7 @@ class _ColumnCache:
     def columns(self, index: ClusterIndex, slots: np.ndarray) -> dict[str, np.ndarray]:
         columns = self.kept.get(id(slots))
         if columns is None or columns.slots is not slots:
-            columns = _Columns(index, slots)
-            if len(columns.where) != len(slots):  # a name twice: no patching by slot
-                return {name: getattr(index, name)[slots] for name in _Columns.NAMES}
+            columns = _Columns(slots)
             if len(self.kept) >= self.LISTS:
                 self.kept.pop(next(iter(self.kept)))
             self.kept[id(slots)] = columns
