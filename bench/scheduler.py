@@ -120,6 +120,113 @@ def trace(count: int, seed: int = 2) -> list[dict[str, Any]]:
     return pods
 
 
+# Label pools a nodeSelector may pick (kube-scheduler then sends only their nodes): every 4th
+# node, the first half (a zone), every 16th node (a small special pool).
+POOLS = {"quarter": (4, 0), "zone-a": (2, None), "small": (16, 3)}
+
+
+def pool_members(names: list[str], pool: str | None) -> list[str]:
+    if pool is None:
+        return names
+    step, offset = POOLS[pool]
+    if offset is None:  # a contiguous half
+        return names[: len(names) // step]
+    return names[offset::step]
+
+
+def decision_trace(count: int, seed: int = 4) -> list[tuple[dict[str, Any], str | None]]:
+    """A varied trace for the decision figure: (pod, label pool or None = every node). 1-8 GPUs
+    per container (mostly 1-2), memory in MiB or %, 0-100 % cores (a whole card rarely: no card
+    of the bench cluster is idle, so those are refused), node policy binpack or spread
+    per pod, some GPU policies, some two-container pods, 30 % restricted to a label pool."""
+    rng = random.Random(seed)
+    pods = []
+    for i in range(count):
+        containers = []
+        for c in range(2 if rng.random() < 0.1 else 1):
+            limits: dict[str, Any] = {
+                "nvidia.com/gpu": rng.choices([1, 2, 3, 4, 8], weights=[55, 20, 5, 12, 8])[0]
+            }
+            if rng.random() < 0.25:
+                limits["nvidia.com/gpumem-percentage"] = rng.choice([5, 10, 20, 25, 40])
+            else:
+                limits["nvidia.com/gpumem"] = rng.choice([1, 2, 4, 8, 12, 16, 24, 32]) * GIB
+            limits["nvidia.com/gpucores"] = rng.choices([0, 10, 20, 30, 50, 100],
+                                                        weights=[30, 20, 20, 15, 10, 1])[0]
+            containers.append({"name": f"c{c}", "resources": {"limits": limits}})
+        annotations = {"hami.io/node-scheduler-policy": rng.choice(["binpack", "spread"])}
+        if rng.random() < 0.3:
+            annotations["hami.io/gpu-scheduler-policy"] = rng.choice(["binpack", "spread"])
+        pool = rng.choice(list(POOLS)) if rng.random() < 0.3 else None
+        pods.append(({
+            "metadata": {"name": f"varied-{seed}-{i}", "namespace": "bench",
+                         "uid": f"varied-{seed}-{i}", "annotations": annotations},
+            "spec": {"containers": containers},
+        }, pool))  # fmt: skip
+    return pods
+
+
+def run_decisions(
+    nodes: int, pods: list[tuple[dict[str, Any], str | None]], warmup: int = WARMUP
+) -> dict[str, Any]:
+    """What the filter does for one pod given the index (parse the pod, prune, order, fit until a
+    node fits; for a refused pod, every node's reason too), timed per pod by this thread's CPU
+    time and by the wall clock together. Candidates: every node, or a label pool's, handed over
+    as the extender's HTTP layer does (one list object with a token per distinct list)."""
+    from tessera.scheduler.node_names import NodeNames
+
+    settings = TesseraSettings()
+    registrations, ledgers = build_cluster(nodes)
+    index = ClusterIndex()
+    for r, ledger in zip(registrations, ledgers, strict=True):
+        index.set_registration(r.node, r, 0.0)
+        index.set_ledger(r.node, ledger, 1, 0.0)
+    every = [r.node for r in registrations]
+    lists: dict[str | None, NodeNames] = {}
+    for token, pool in enumerate([None, *POOLS], start=1):
+        lists[pool] = NodeNames(pool_members(every, pool))
+        lists[pool].token = 10**9 + token
+    del registrations, ledgers
+    gc.collect()
+    gc.freeze()  # as the service does once its index is synced
+    cpu: list[float] = []  # placed pods (a refused pod's call also explains every node)
+    wall: list[float] = []
+    refused: list[float] = []
+    placements: list[tuple[str, list[list[str]]] | None] = []
+    for i, (spec, pool) in enumerate(pods):
+        started_cpu, started = time.thread_time(), time.perf_counter()
+        request = hami.parse_pod_request(spec, settings)
+        options = parse_pod_options(spec, settings)
+        decision = decide(index, request, options, lists[pool])
+        chosen = next(decision.fits(), None)
+        if chosen is None:
+            decision.explain_rest()
+            refused.append(time.thread_time() - started_cpu)
+            placements.append(None)
+            continue
+        if i >= warmup:
+            cpu.append(time.thread_time() - started_cpu)
+            wall.append(time.perf_counter() - started)
+        entry, fit = chosen
+        placements.append((entry.name, [[g.uuid for g in c] for c in fit.containers]))
+        ledger = entry.ledger.model_copy(deep=False)  # type: ignore[union-attr]
+        ledger.allocations = dict(ledger.allocations)
+        uid = spec["metadata"]["uid"]
+        ledger.allocations[uid] = Allocation(
+            pod_uid=uid, namespace="bench", name=uid, node=entry.name, containers=fit.containers,
+            init_count=len(request.init),
+        )  # fmt: skip
+        index.set_ledger(entry.name, ledger, entry.ledger_revision + 1, 0.0)
+    return {
+        "n": len(cpu), "placed": sum(p is not None for p in placements),
+        "cpu_p50_ms": percentile(cpu, 0.50) * 1000, "cpu_p99_ms": percentile(cpu, 0.99) * 1000,
+        "p50_ms": percentile(wall, 0.50) * 1000, "p99_ms": percentile(wall, 0.99) * 1000,
+        "refused": len(refused),
+        "refused_cpu_p50_ms": percentile(refused, 0.5) * 1000 if refused else 0.0,
+        "placements": placements,
+    }  # fmt: skip
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

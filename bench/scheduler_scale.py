@@ -45,7 +45,6 @@ from scheduler import (
     drive,
     fake_agent,
     free_port,
-    run_ours,
     trace,
 )
 
@@ -265,44 +264,32 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def fit_p99(nodes: int) -> dict[str, Any]:
-    """The pure decision's p50/p99, wall clock and this thread's CPU time (on a loaded machine
-    the wall clock mostly measures waiting for a core; the CPU time does not)."""
+    """The placement decision's p50/p99 (what the filter does for one pod given the index:
+    `scheduler.run_decisions`), by this thread's CPU time and the wall clock of the same calls
+    (on a loaded machine the wall clock mostly measures waiting for a core; the CPU time does
+    not). Two traces: bench/scheduler.py's (1-2 GPUs, binpack nodes, every node a candidate; the
+    figure recorded before) and the varied one (1-8 GPUs, binpack and spread, label pools).
+    Placed pods only; a refused pod's call explains every node (O(nodes)) and is counted apart."""
     import scheduler as bench
 
-    # The candidate list as the extender's HTTP layer hands it over: parsed once per distinct
-    # list and carrying a token (node_names.NodeNames), where this version has one.
-    try:
-        from tessera.scheduler.node_names import NodeNames
-    except ImportError:
-        NodeNames = None  # before the Scale work: a plain list
-    if NodeNames is not None and not getattr(bench, "_names_wrapped", False):
-        decide, known = bench.decide, {}
-
-        def with_token(index: Any, request: Any, options: Any, names: Any, *rest: Any) -> Any:
-            listed = known.get(id(names))
-            if listed is None or listed[0] is not names:
-                wrapped = NodeNames(names)
-                wrapped.token = 10**9 + len(known)
-                listed = known[id(names)] = (names, wrapped)
-            return decide(index, request, options, listed[1], *rest)
-
-        bench.decide, bench._names_wrapped = with_token, True
     load = loadavg()
-    runs = []
+    runs, varied_runs = [], []
     for _ in range(REPEAT):
-        wall = run_ours(nodes, trace(2000))
-        clock, bench.time.perf_counter = bench.time.perf_counter, time.thread_time
-        try:
-            cpu = run_ours(nodes, trace(2000))
-        finally:
-            bench.time.perf_counter = clock
-        runs.append((wall, cpu))
-    return {"p50_ms": statistics.median(w["p50_ms"] for w, _c in runs),
-            "p99_ms": statistics.median(w["p99_ms"] for w, _c in runs),
-            "cpu_p50_ms": statistics.median(c["p50_ms"] for _w, c in runs),
-            "cpu_p99_ms": statistics.median(c["p99_ms"] for _w, c in runs),
-            "each_p99_ms": [round(w["p99_ms"], 3) for w, _c in runs],
-            "load": (load, loadavg())}  # fmt: skip
+        runs.append(bench.run_decisions(nodes, [(pod, None) for pod in trace(2000)]))
+        varied_runs.append(bench.run_decisions(nodes, bench.decision_trace(2000)))
+
+    def median(key: str, of: list[dict[str, Any]]) -> float:
+        return statistics.median(r[key] for r in of)
+
+    out: dict[str, Any] = {}
+    for prefix, of in (("", runs), ("varied_", varied_runs)):
+        for key in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "refused_cpu_p50_ms"):
+            out[prefix + key] = median(key, of)
+        out[prefix + "refused"] = max(r["refused"] for r in of)
+        out[prefix + "each_p99_ms"] = [round(r["p99_ms"], 3) for r in of]
+        out[prefix + "each_cpu_p99_ms"] = [round(r["cpu_p99_ms"], 3) for r in of]
+    out["load"] = (load, loadavg())
+    return out
 
 
 def verdict(value: float, target: float | None, higher_is_better: bool) -> str:
@@ -341,7 +328,12 @@ def markdown(after: dict[str, Any], before: dict[str, Any]) -> str:
     for label, key in (("placement decision p50 ms, wall", "p50_ms"),
                        ("placement decision p99 ms, wall", "p99_ms"),
                        ("placement decision p50 ms, CPU", "cpu_p50_ms"),
-                       ("placement decision p99 ms, CPU", "cpu_p99_ms")):  # fmt: skip
+                       ("placement decision p99 ms, CPU", "cpu_p99_ms"),
+                       ("decision p50 ms, CPU, varied trace", "varied_cpu_p50_ms"),
+                       ("decision p99 ms, CPU, varied trace", "varied_cpu_p99_ms"),
+                       ("decision p99 ms, wall, varied trace", "varied_p99_ms")):  # fmt: skip
+        if key not in fit_now:
+            continue
         old = f"{fit_then[key]:.3f}" if key in fit_then else "—"
         target = verdict(fit_now[key], TARGETS["fit_p99_ms"][5000], False) if "p99" in key else ""
         rows.append(f"| 5,000 × 8 | {label} | {old} | {fit_now[key]:.3f} | {target} |")

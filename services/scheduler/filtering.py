@@ -191,7 +191,7 @@ class PodFilter:
                 ) else None,
             )
             # Other filters running while this CAS is in flight should look elsewhere first.
-            self.index.busy[entry.slot] = True
+            self.index.mark_busy(entry.slot)
             try:
                 async with self.ledger.lock(entry.name):
                     result = await self.ledger.writer.reserve(

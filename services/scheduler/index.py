@@ -139,13 +139,143 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return total
 
 
-_CHUNK = 64  # candidates ordered and checked at a time
+_CHUNK = 64  # candidates ordered and checked first; each later selection is _GROWTH × larger
+_GROWTH = 4
+
+
+def _positions(groups: list[np.ndarray], keys: np.ndarray) -> Iterator[np.ndarray]:
+    """Positions into the candidates in policy order, a chunk at a time: per group, the best
+    _CHUNK keys by partial selection (those strictly better than the _CHUNK-th sorted, then its
+    ties in the caller's order, unsorted), then the best 4× as many of the rest, and so on. A
+    selection costs O(rest); only what is selected is sorted. Busy nodes or nodes the summaries
+    fill up (binpack's fullest first) thus cost a few selections, never a sort of every
+    candidate.
+
+    A plain function (not a method): the generator holds no reference to the ordering, so a
+    decision that stops early leaves no reference cycle for the cyclic GC to find."""
+    for group in groups:
+        rest, size = group, _CHUNK
+        while len(rest):
+            rest_keys = keys[rest]
+            if len(rest) <= 2 * size:
+                yield from _pieces(rest[np.argsort(rest_keys, kind="stable")], size)
+                break
+            kth = np.partition(rest_keys, size - 1)[size - 1]
+            better = rest_keys < kth
+            if better.any():
+                yield rest[better][np.argsort(rest_keys[better], kind="stable")]
+            yield from _pieces(rest[rest_keys == kth], size)  # ties: the caller's order
+            rest = rest[rest_keys > kth]
+            size *= _GROWTH
+
+
+def _pieces(positions: np.ndarray, size: int) -> Iterator[np.ndarray]:
+    for start in range(0, len(positions), size):
+        yield positions[start : start + size]
+
+
+def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
+    """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
+    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
+    the order of those `_mask` passes is unchanged. Each bound is taken at its largest over the
+    containers."""
+    gpus = max((n.gpus for n in needs), default=0)
+    possible = columns["free_gpus"] >= max(gpus, 0)
+    carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
+    memory = max((n.memory_mib for n in carded), default=0)
+    if memory > 0:
+        possible &= columns["bound_mem"] >= memory
+    percentage = max((n.memory_percentage for n in carded), default=0)
+    if percentage > 0:
+        possible &= columns["bound_pct"] >= percentage
+    cores = max((n.cores for n in carded), default=0)
+    if cores > 0:
+        possible &= columns["bound_cores"] >= cores
+    computing = max((n.gpus for n in carded if not n.cores), default=0)
+    if computing > 0:
+        possible &= columns["bound_computing"] >= computing
+    idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
+    if idle > 0:
+        possible &= columns["bound_idle"] >= idle
+    return possible
+
+
+class _Columns:
+    """The per-node values a decision reads (score, busy, the bounds), gathered in one candidate
+    list's order and kept current from the index's log of written rows. kube-scheduler sends
+    the same list call after call and a call changes a few nodes: a decision then patches the
+    rows written since the last one and reads contiguous arrays, instead of gathering every
+    candidate's values again (O(changed rows), not O(candidates))."""
+
+    NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
+             "bound_computing", "bound_idle")  # fmt: skip
+
+    def __init__(self, slots: np.ndarray) -> None:
+        self.slots = slots
+        # slot -> position, built when first patched (a list used once never needs it); False:
+        # a slot listed twice, so the values are gathered again instead of patched.
+        self.where: dict[int, int] | bool | None = None
+        self.arrays: dict[str, np.ndarray] = {}
+        self.seen = -1  # the log position these values are current at (-1: never gathered)
+
+    def current(self, index: ClusterIndex, log: list[int], base: int) -> dict[str, np.ndarray]:
+        fresh = base + len(log)
+        if fresh == self.seen:
+            return self.arrays
+        few = self.seen >= base and (fresh - self.seen) * 16 <= len(self.slots)
+        if few and self.where is None:
+            self.where = {slot: position for position, slot in enumerate(self.slots.tolist())}
+            if len(self.where) != len(self.slots):
+                self.where = False
+        where = self.where
+        if not few or not where:
+            slots = self.slots
+            self.arrays = {name: getattr(index, name)[slots] for name in self.NAMES}
+        else:
+            arrays = self.arrays
+            assert isinstance(where, dict)
+            for slot in set(log[self.seen - base :]):
+                position = where.get(slot)
+                if position is not None:
+                    for name, column in arrays.items():
+                        column[position] = getattr(index, name)[slot]
+        self.seen = fresh
+        return self.arrays
+
+
+class _ColumnCache:
+    """`_Columns` of the recent candidate lists, and the log of the rows written since."""
+
+    KEEP = 1 << 15  # log entries kept (a list further behind is gathered again)
+    LISTS = 8
+
+    def __init__(self) -> None:
+        self.written: list[int] = []  # slots whose row was written, in order
+        self.base = 0  # the log position of written[0]
+        self.kept: dict[int, _Columns] = {}
+
+    def log(self, slots: list[int]) -> None:
+        self.written.extend(slots)
+        if len(self.written) > 2 * self.KEEP:
+            drop = len(self.written) - self.KEEP
+            del self.written[:drop]
+            self.base += drop
+
+    def columns(self, index: ClusterIndex, slots: np.ndarray) -> dict[str, np.ndarray]:
+        columns = self.kept.get(id(slots))
+        if columns is None or columns.slots is not slots:
+            columns = _Columns(slots)
+            if len(self.kept) >= self.LISTS:
+                self.kept.pop(next(iter(self.kept)))
+            self.kept[id(slots)] = columns
+        return columns.current(index, self.written, self.base)
 
 
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
     caller's order), produced a chunk at a time; each chunk is checked against the index's
-    summaries when it is reached."""
+    per-card summaries when it is reached. Candidates that the per-node bounds already rule out
+    (`ClusterIndex._possible`) are never ordered nor checked: they are pruned."""
 
     def __init__(
         self, index: ClusterIndex, slots: np.ndarray, needs: list[Need], node_policy: str,
@@ -154,38 +284,21 @@ class _Ordering:
         self.index = index
         self.slots = slots
         self.needs = needs
-        scores = index.scores[slots]
-        # binpack: fullest first; spread: emptiest first.
-        self.keys = -scores if node_policy == "binpack" else scores
+        columns = index._columns(slots)
+        scores = columns["scores"]
+        # binpack: fullest first; spread: emptiest first. Copies: the columns move on.
+        self.keys = keys = -scores if node_policy == "binpack" else scores.copy()
+        possible = _possible(columns, needs)
+        self.busy: np.ndarray | None = None  # as it was when ordered (the policy order's)
         if avoid_busy:
-            busy = index.busy[slots]
-            self.groups = [np.flatnonzero(~busy), np.flatnonzero(busy)]
+            self.busy = busy = columns["busy"].copy()
+            groups = [np.flatnonzero(possible & ~busy), np.flatnonzero(possible & busy)]
         else:
-            self.groups = [np.arange(len(slots))]
+            groups = [np.flatnonzero(possible)]
         self.survivors: list[int] = []
-        self.pruned: list[int] = []
-        self._pending = self._positions()
-
-    def _positions(self) -> Iterator[np.ndarray]:
-        """Positions into `slots` in order, a chunk at a time."""
-        for group in self.groups:
-            keys = self.keys[group]
-            rest = group
-            if len(group) > 2 * _CHUNK:
-                # The best _CHUNK keys (and every tie of the last one), in order; the rest
-                # only if those are exhausted.
-                kth = np.partition(keys, _CHUNK - 1)[_CHUNK - 1]
-                first = keys <= kth
-                head, keys_head = group[first], keys[first]
-                yield from self._chunks(head[np.argsort(keys_head, kind="stable")])
-                rest, keys = group[~first], keys[~first]
-            if len(rest):
-                yield from self._chunks(rest[np.argsort(keys, kind="stable")])
-
-    @staticmethod
-    def _chunks(positions: np.ndarray) -> Iterator[np.ndarray]:
-        for start in range(0, len(positions), _CHUNK):
-            yield positions[start : start + _CHUNK]
+        self.checked = 0  # candidates checked against the per-card summaries so far
+        self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
+        self._pending = _positions(groups, keys)
 
     def advance(self) -> bool:
         """Check the next chunk; False when every candidate was checked."""
@@ -195,8 +308,20 @@ class _Ordering:
         chunk = self.slots[positions]
         mask = self.index._mask(chunk, self.needs)
         self.survivors.extend(chunk[mask].tolist())
-        self.pruned.extend(chunk[~mask].tolist())
+        self.passed[positions[mask]] = True
+        self.checked += len(positions)
         return True
+
+    def pruned(self) -> list[int]:
+        """Every candidate that is not a survivor, in policy order (ordered here, in full: only
+        a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
+        while self.advance():
+            pass
+        if self.busy is not None:
+            order = np.lexsort((self.keys, self.busy))
+        else:
+            order = np.argsort(self.keys, kind="stable")
+        return self.slots[order[~self.passed[order]]].tolist()
 
     def views(self) -> tuple[Ordered, Pruned]:
         return Ordered(self), Pruned(self)
@@ -210,9 +335,10 @@ class Ordered:
 
     def __iter__(self) -> Iterator[int]:
         ordering, i = self._ordering, 0
+        survivors = ordering.survivors
         while True:
-            while i < len(ordering.survivors):
-                yield ordering.survivors[i]
+            while i < len(survivors):
+                yield survivors[i]
                 i += 1
             if not ordering.advance():
                 return
@@ -223,18 +349,23 @@ class Ordered:
         return len(self._ordering.survivors)
 
 
-class Pruned(Ordered):
-    """The slots the summaries refused (known once every chunk was checked)."""
+class Pruned:
+    """The slots the summaries refused, in policy order (known once every chunk was checked)."""
+
+    def __init__(self, ordering: _Ordering) -> None:
+        self._ordering = ordering
+        self._slots: list[int] | None = None
+
+    def _all(self) -> list[int]:
+        if self._slots is None:
+            self._slots = self._ordering.pruned()
+        return self._slots
 
     def __iter__(self) -> Iterator[int]:
-        while self._ordering.advance():
-            pass
-        return iter(list(self._ordering.pruned))
+        return iter(self._all())
 
     def __len__(self) -> int:
-        while self._ordering.advance():
-            pass
-        return len(self._ordering.pruned)
+        return len(self._all())
 
 
 class ClusterIndex:
@@ -266,6 +397,8 @@ class ClusterIndex:
         self.scores = np.zeros(capacity, dtype=np.float64)
         # A bind is in flight on the node (claim held or a reservation not yet bound).
         self.busy = np.zeros(capacity, dtype=bool)
+        # The decision's copies of those values per recent candidate list (index order).
+        self._column_cache = _ColumnCache()
 
     # --- updates from the watches -----------------------------------------------------------
     def _entry(self, node: str) -> NodeEntry:
@@ -416,6 +549,7 @@ class ClusterIndex:
         if registered is None:
             entry.cards = []
             self.free_gpus[slot] = -1
+            self._column_cache.log([slot])  # cached candidate columns see the row go
             entry.reserved_until = None
             if entry.view is None:
                 self._forget(entry)
@@ -526,12 +660,14 @@ class ClusterIndex:
             self.card_idle[slot] = idle
             self.scores[slot] = score
             self.busy[slot] = busy
+            self._write_bounds(rows)
             return
         columns = list(zip(*padded, strict=True))
         slots = np.asarray(columns[0], dtype=np.int64)
         for name, values in zip(self._ARRAYS, columns[1:], strict=True):
             array = getattr(self, name)
             array[slots] = np.asarray(values, dtype=array.dtype)
+        self._write_bounds(rows)
 
     def _usages(self, entry: NodeEntry, now: float, remember: bool) -> list[dict[str, list[int]]]:
         """What the node's ledger holds per GPU (kept up to date from each change:
@@ -636,8 +772,58 @@ class ClusterIndex:
                 ok &= self.card_computing[slots]
             if need.cores >= 100:
                 ok &= self.card_idle[slots]
-            mask &= ok.sum(axis=1) >= need.gpus
+            mask &= np.count_nonzero(ok, axis=1) >= need.gpus
         return mask
+
+    # --- per-node bounds: the decision's pre-filter ------------------------------------------
+    # One value per node, derived from its row of the per-card arrays whenever the row is
+    # written (`_write_rows` calls `_write_bounds`): the most free memory, %, cores any usable
+    # card has, and how many usable cards still compute / are idle. Every container's demand
+    # implies bounds a node must reach (`_possible`): a cheap gather over every candidate
+    # rules out the nodes that are full for this pod before anything is ordered or checked
+    # card by card (binpack puts the fullest nodes first, and most of them are full).
+    _BOUNDS = (("bound_mem", np.int64), ("bound_pct", np.int32), ("bound_cores", np.int32),
+               ("bound_computing", np.int16), ("bound_idle", np.int16))  # fmt: skip
+    bound_mem = bound_pct = bound_cores = bound_computing = bound_idle = np.zeros(0, np.int16)
+
+    def _grow_bounds(self) -> None:
+        """As many rows as the other arrays (a row never written: -1, as its other arrays)."""
+        capacity = len(self.free_gpus)
+        if len(self.bound_mem) < capacity:
+            for name, dtype in self._BOUNDS:
+                old = getattr(self, name)
+                new = np.full(capacity, -1, dtype=dtype)
+                new[: len(old)] = old
+                setattr(self, name, new)
+
+    def _columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """The decision's values of these candidates (`_Columns`, one per recent list)."""
+        self._grow_bounds()
+        return self._column_cache.columns(self, slots)
+
+    def mark_busy(self, slot: int) -> None:
+        """A bind is in flight on the node at `slot` (filters look elsewhere first)."""
+        self.busy[slot] = True
+        self._column_cache.log([int(slot)])
+
+    def _write_bounds(self, rows: list[tuple]) -> None:
+        """The bounds of the rows `_write_rows` just wrote (its unpadded row tuples)."""
+        self._grow_bounds()
+        self._column_cache.log([row[0] for row in rows])
+        if len(rows) == 1:
+            slot, _free, mem, pct, cores, computing, idle, _score, _busy = rows[0]
+            self.bound_mem[slot] = max(mem, default=-1)
+            self.bound_pct[slot] = max(pct, default=-1)
+            self.bound_cores[slot] = max(cores, default=-1)
+            self.bound_computing[slot] = sum(computing)
+            self.bound_idle[slot] = sum(idle)
+            return
+        slots = np.asarray([row[0] for row in rows], dtype=np.int64)
+        self.bound_mem[slots] = self.card_mem[slots].max(axis=1)
+        self.bound_pct[slots] = self.card_pct[slots].max(axis=1)
+        self.bound_cores[slots] = self.card_cores[slots].max(axis=1)
+        self.bound_computing[slots] = np.count_nonzero(self.card_computing[slots], axis=1)
+        self.bound_idle[slots] = np.count_nonzero(self.card_idle[slots], axis=1)
 
     def pod_uid(self, namespace: str, name: str) -> str | None:
         """The uid of the pod with an active allocation under that name, if any."""

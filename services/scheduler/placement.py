@@ -28,6 +28,7 @@ from .rules import (
     PodOptions,
     card_refusal,
     mig_fit,
+    relevant_checks,
     wants_mig,
 )
 
@@ -139,8 +140,9 @@ def pick_cards(
     options = ctx.options
     passing: list[Card] = []
     local: Counter[str] = Counter()
+    checks = relevant_checks(request, ctx)
     for card in cards:
-        reason = card_refusal(card, request, ctx)
+        reason = card_refusal(card, request, ctx, checks)
         if reason is None:
             passing.append(card)
         else:
@@ -216,6 +218,18 @@ def _pick_with_reuse(
     return None if more is None else reused + more
 
 
+def _own(cards: list[Card], owned: set[int], card: Card) -> Card:
+    """`card` as this fit's own copy in `cards` (cloned and put in its place the first time)."""
+    if id(card) in owned:
+        return card
+    for i, c in enumerate(cards):
+        if c is card:
+            cards[i] = copy = card.clone()
+            owned.add(id(copy))
+            return copy
+    raise AssertionError(f"{card.uuid} is not among the cards being fitted")
+
+
 def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
     """Place every container of the pod on this node's cards (the cards are not modified).
 
@@ -228,7 +242,10 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
     # later init container fits beside the sidecars already running, and the app containers
     # beside all of them (summed, never maxed). Every container follows kubelet's device reuse
     # (`_pick_with_reuse`): a finished init container's GPUs are handed on; a sidecar keeps its.
-    scratch = [c.clone() for c in cards]
+    # Copy-on-take: a card is cloned the first time a container takes it (`_own`); the others
+    # are read as they are.
+    scratch = list(cards)
+    owned: set[int] = set()
     app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores), ctx.details)
     pool: list[str] = []  # GPUs of init containers kubelet hands on, in the order they came
     for index, r in enumerate(request.init):
@@ -239,17 +256,17 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
             picked = _pick_with_reuse(scratch, r, app_ctx, fit.reasons, pool)
             if picked is None:
                 return fit
-            grants.append([_take(c, r, app_ctx) for c in picked])
+            grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
             taken = {c.uuid for c in picked}
             pool = [u for u in pool if u not in taken]  # a sidecar keeps its devices
             continue
-        init_cards = [c.clone() for c in scratch]
+        init_cards, init_owned = list(scratch), set[int]()
         init_ctx = FitContext(ctx.options, type(budget)(app_ctx.quota.memory_mib,
                                                         app_ctx.quota.cores), ctx.details)
         picked = _pick_with_reuse(init_cards, r, init_ctx, fit.reasons, pool)
         if picked is None:
             return fit
-        grants.append([_take(c, r, init_ctx) for c in picked])
+        grants.append([_take(_own(init_cards, init_owned, c), r, init_ctx) for c in picked])
         pool += [c.uuid for c in picked if c.uuid not in pool]
     for r in request.containers:
         if r is None:
@@ -258,7 +275,7 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
         picked = _pick_with_reuse(scratch, r, app_ctx, fit.reasons, pool)
         if picked is None:
             return fit
-        grants.append([_take(c, r, app_ctx) for c in picked])
+        grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
         pool = [u for u in pool if u not in {c.uuid for c in picked}]
     fit.ok = True
     fit.containers = grants

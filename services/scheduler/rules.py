@@ -145,6 +145,21 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
 # --- the checks, in HAMi's order ----------------------------------------------------------------
 
 FitCheck = Callable[[Card, ContainerRequest, FitContext], "str | None"]
+Applies = Callable[[ContainerRequest, FitContext], bool]
+# check -> when it can refuse a card at all (for the request and options, whatever the card);
+# a check without an entry may refuse any request. Set beside each check by `only_when`.
+_ONLY_WHEN: dict[Callable[..., str | None], Applies] = {}
+
+
+def only_when(applies: Applies) -> Callable[[FitCheck], FitCheck]:
+    """The check never refuses a card unless `applies(request, ctx)`: `relevant_checks` leaves it
+    out of a request it cannot refuse (the first failing check, so the reason, is the same)."""
+
+    def register(check: FitCheck) -> FitCheck:
+        _ONLY_WHEN[check] = applies
+        return check
+
+    return register
 
 
 def check_health(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
@@ -155,6 +170,10 @@ def check_cordon(card: Card, request: ContainerRequest, ctx: FitContext) -> str 
     return CARD_CORDONED if card.cordoned else None
 
 
+@only_when(lambda request, ctx: bool(
+    ctx.options.use_types or ctx.options.nouse_types or ctx.options.vgpu_mode is not None
+    or request.count > 1
+))  # fmt: skip
 def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     options = ctx.options
     kind = card.type.lower()
@@ -169,6 +188,7 @@ def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) 
     return None
 
 
+@only_when(lambda request, ctx: bool(ctx.options.use_uuids or ctx.options.nouse_uuids))
 def check_uuid_lists(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     options = ctx.options
     if options.use_uuids and card.uuid not in options.use_uuids:
@@ -182,10 +202,12 @@ def check_slots(card: Card, request: ContainerRequest, ctx: FitContext) -> str |
     return CARD_TIME_SLICING_EXHAUSTED if card.used_slots >= card.split_count else None
 
 
+@only_when(lambda request, ctx: ctx.options.mutex)
 def check_mutex(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     return EXCLUSIVE_CONFLICT if ctx.options.mutex and not card.idle else None
 
 
+@only_when(lambda request, ctx: ctx.quota.memory_mib is not None or ctx.quota.cores is not None)
 def check_quota(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     quota = ctx.quota
     if quota.memory_mib is not None and request.memory_on(card.memory_mib) > quota.memory_mib:
@@ -203,10 +225,12 @@ def check_cores(card: Card, request: ContainerRequest, ctx: FitContext) -> str |
     return CARD_INSUFFICIENT_CORE if request.cores > card.free_cores else None
 
 
+@only_when(lambda request, ctx: request.cores >= 100)
 def check_exclusive(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     return EXCLUSIVE_CONFLICT if request.cores >= 100 and not card.idle else None
 
 
+@only_when(lambda request, ctx: request.cores == 0)
 def check_compute_units(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     exhausted = card.cores > 0 and card.used_cores >= card.cores
     return CARD_COMPUTE_UNITS_EXHAUSTED if request.cores == 0 and exhausted else None
@@ -266,9 +290,18 @@ FIT_CHECKS: list[FitCheck] = [
 ]
 
 
-def card_refusal(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    """The first failing check's reason, or None when the card can take the request."""
-    for check in FIT_CHECKS:
+def relevant_checks(request: ContainerRequest, ctx: FitContext) -> list[FitCheck]:
+    """FIT_CHECKS, in order, less those that cannot refuse this request (`only_when`)."""
+    return [c for c in FIT_CHECKS if (a := _ONLY_WHEN.get(c)) is None or a(request, ctx)]
+
+
+def card_refusal(
+    card: Card, request: ContainerRequest, ctx: FitContext,
+    checks: list[FitCheck] | None = None,
+) -> str | None:
+    """The first failing check's reason, or None when the card can take the request. `checks`:
+    `relevant_checks(request, ctx)`, when the caller checks many cards."""
+    for check in FIT_CHECKS if checks is None else checks:
         reason = check(card, request, ctx)
         if reason is not None:
             return reason

@@ -82,4 +82,4 @@ def test_first_fit_needs_only_the_first_chunk() -> None:
     ordered, _pruned = index.order(slots, [Need(1, GIB, 0, 0)], "binpack")
     first = next(iter(ordered))
     assert first == reference(index, slots, [Need(1, GIB, 0, 0)], "binpack", True)[0][0]
-    assert len(ordered._ordering.survivors) + len(ordered._ordering.pruned) < 200
+    assert ordered._ordering.checked <= 64  # one chunk checked card by card
