@@ -399,6 +399,9 @@ class ClusterIndex:
         self.busy = np.zeros(capacity, dtype=bool)
         # The decision's copies of those values per recent candidate list (index order).
         self._column_cache = _ColumnCache()
+        # slot -> (cards, request key, reason text, reason names) of the last refusal found
+        # there (decide.Decision.explain_rest); valid while the node's cards are the same list
+        self.refusals: dict[int, tuple[list[Card], str, str, tuple[str, ...]]] = {}
 
     # --- updates from the watches -----------------------------------------------------------
     def _entry(self, node: str) -> NodeEntry:
@@ -713,6 +716,7 @@ class ClusterIndex:
 
     def _forget(self, entry: NodeEntry) -> None:
         del self.entries[entry.name]
+        self.refusals.pop(entry.slot, None)
         self.by_slot[entry.slot] = None
         self.free_slots.append(entry.slot)
         self.topology_version += 1

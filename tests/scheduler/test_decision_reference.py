@@ -182,3 +182,51 @@ def test_many_candidates_full_at_the_top() -> None:
         assert got == expected
         if expected:
             place(index, expected[0][0], spec["metadata"]["uid"], expected[0][1], rng)
+
+
+def test_a_refused_pod_retried_gets_exact_reasons_fitting_only_changed_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kube-scheduler retries an unschedulable pod with backoff, and each retry asks for every
+    node's reason. A retry refits only the nodes whose cards changed since; the reasons are the
+    reference's every time, a freed node's included."""
+    from tessera.scheduler import decide as decide_module
+
+    rng = random.Random(4)
+    index = ClusterIndex()
+    names = [f"r{i:03d}" for i in range(60)]
+    for name in names:
+        index.set_registration(name, registration(rng, name), 0.0)
+        index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
+    listed = NodeNames(names)
+    listed.token = 4242
+    spec = pod(rng, 0)
+    spec["spec"]["containers"] = [{"name": "big", "resources": {"limits": {
+        "nvidia.com/gpu": 8, "nvidia.com/gpumem": 90 * GIB, "nvidia.com/gpucores": 100}}}]
+    fits = {"n": 0}
+    real_fit = decide_module.fit_pod
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fits["n"] += 1
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "fit_pod", counted)
+    request = hami.parse_pod_request(spec, SETTINGS)
+    options = parse_pod_options(spec, SETTINGS)
+    for attempt in range(4):
+        expected, expected_failed = reference(index, spec, listed)
+        assert expected == []  # no card here has 90 GiB
+        fits["n"] = 0
+        decision = decide(index, request, options, listed)
+        assert list(decision.fits()) == []
+        decision.explain_rest()
+        assert decision.failed == expected_failed, f"attempt {attempt}"
+        if attempt == 0:
+            assert fits["n"] >= len(names) - 5
+        else:
+            assert fits["n"] <= 2, f"attempt {attempt}: {fits['n']} nodes refitted"
+        # Between retries one node changes: its reason must be found anew.
+        target = names[attempt * 7]
+        place(index, target, f"other-{attempt}", [[{
+            "uuid": index.entries[target].cards[0].uuid, "type": "NVIDIA-H100",
+            "memory_mib": GIB, "cores": 10}]], rng)  # fmt: skip
