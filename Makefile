@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# The suite runs in one process by default; PYTEST_WORKERS=2 spreads it over two workers
-# (pytest-xdist; tests/suite_run.py keeps serial tests alone) — faster on a quiet machine.
-PYTEST_WORKERS ?= 0
+# The suite runs on two workers by default (pytest-xdist: whole modules per worker;
+# tests/suite_run.py keeps `serial` tests alone); PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: all dev native protos browser test lint format demo bench docs image clean

@@ -30,6 +30,7 @@ from .ledger import (
     AlreadyBoundError,
     ClaimHeldError,
     ReservationGoneError,
+    RoomTakenError,
     claimed_ahead,
     competing_claim,
     first_request,
@@ -155,7 +156,10 @@ class PodBinder:
         if error:
             await self.releaser.release(node, uid, why=f"bind failed: {error}")
             return error
-        await self._mark_bound(node, uid)
+        error = await self._mark_bound(node, uid)
+        if error:
+            await self._withdraw_grant(ident, node, error)
+            return error
         self.metrics.bound.inc()
         self.publisher.publish_soon(AllocationEvent(
             event_id=f"{uid}:bound", action="bound", node=node, pod_uid=uid,
@@ -234,27 +238,53 @@ class PodBinder:
         entry = self.index.entries.get(node)
         return entry.registration if entry is not None else None
 
-    async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> None:
+    async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> str:
         """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a
         failure (NATS away) is retried, then left to the sweeper, which adopts binds the cluster
-        shows; it never turns into a bind error kube-scheduler would act on."""
+        shows; it never turns into a bind error kube-scheduler would act on. The one exception
+        (the error text returned): the reservation lapsed during the cluster bind and its room
+        was given to other pods meanwhile (ledger.RoomTakenError)."""
         for attempt in range(1, attempts + 1):
             try:
                 async with self.ledger.lock(node):
                     bound = await self.ledger.writer.mark_bound(
-                        node, uid, self.clock(), self.ledger.hint(node)
+                        node, uid, self.clock(), self.ledger.hint(node), self._registration(node)
                     )
                 self.ledger.apply(node, bound)
-                return
+                return ""
             except NoChange:
-                return  # already bound, or the node agent has marked it allocated
+                return ""  # already bound, or the node agent has marked it allocated
             except ReservationGoneError as exc:
                 log.warning("mark bound: reservation gone", extra={"pod_uid": uid, "err": str(exc)})
-                return
+                return ""
+            except RoomTakenError as exc:
+                return str(exc)
             except Exception as exc:
                 log.warning("mark bound failed", extra={"pod_uid": uid, "attempt": attempt,
                                                         "err": str(exc)})  # fmt: skip
                 await asyncio.sleep(0.05 * attempt)
+        return ""
+
+    async def _withdraw_grant(self, ident: PodIdentity, node: str, why: str) -> None:
+        """The pod is bound in the cluster, but the grant it was bound with is no longer its
+        own (RoomTakenError). It must never run with limits for memory it was not granted: its
+        allocation leaves the ledger (so the node agent serves it no Allocate, and kubelet fails
+        its admission; its controller makes a new pod) and its annotations lose the grant (so
+        no ledger rebuild from pods restores it), marked failed as HAMi marks a failed bind."""
+        log.warning("bound pod withdrawn: its room was taken", extra={
+            "pod": f"{ident.namespace}/{ident.name}", "node": node, "err": why,
+        })  # fmt: skip
+        await self.releaser.release(node, ident.uid, why=why)
+        assert self.cluster is not None
+        try:
+            await self.cluster.patch_pod_metadata(ident.namespace, ident.name, annotations={
+                hami.ANN_BIND_PHASE: hami.BIND_PHASE_FAILED,
+                hami.ANN_DEVICES_TO_ALLOCATE: None, hami.ANN_MIG_INSTANCES: None,
+            })  # fmt: skip
+        except ClusterError as exc:  # the ledger no longer holds it: the agent refuses it anyway
+            log.warning("withdrawn grant left on the pod", extra={
+                "pod": f"{ident.namespace}/{ident.name}", "err": str(exc),
+            })  # fmt: skip
 
     async def _ensure_reserved(
         self, ident: PodIdentity, node: str, *, trust_index: bool = True

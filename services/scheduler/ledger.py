@@ -17,6 +17,7 @@ from functools import partial
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from tessera import mig
 from tessera.bus import LEDGER_BUCKET, CasConflictError, NoChange, Versioned, cas_update
 from tessera.hami import PodRequest
 from tessera.models import (
@@ -327,12 +328,77 @@ class ClaimHeldError(Exception):
         self.claim = claim
 
 
-def bound_mutate(uid: str, now: float, current: NodeLedger | None) -> NodeLedger:
+class RoomTakenError(Exception):
+    """Marking a lapsed reservation bound found its room given to other pods meanwhile: the
+    pod must not run on those grants (see `bound_mutate`)."""
+
+    def __init__(self, uid: str, problems: list[str]) -> None:
+        super().__init__(
+            f"pod {uid}: its reservation lapsed before the bind was recorded and its room was "
+            f"given to other pods meanwhile ({'; '.join(problems)})"
+        )
+        self.uid = uid
+        self.problems = problems
+
+
+def regrant_problems(
+    registration: NodeRegistration, ledger: NodeLedger, uid: str, now: float
+) -> list[str]:
+    """What would go over capacity if `uid`'s allocation counted again at `now`, beside every
+    other allocation that counts then (empty: it still fits, on exactly the cards it names)."""
+    allocation = ledger.allocations[uid]
+    others = [a for k, a in ledger.allocations.items() if k != uid]
+    cards = {c.uuid: c for c in build_cards(registration, others, now)}
+    problems = []
+    for uuid, use in allocation_usage(allocation).items():
+        card = cards.get(uuid)
+        if card is None:
+            problems.append(f"{uuid}: no longer on the node")
+            continue
+        for what, used, add, cap in (
+            ("memory MiB", card.used_mem, use.memory_mib, card.memory_mib),
+            ("cores %", card.used_cores, use.cores, card.cores),
+            ("slots", card.used_slots, use.slots, card.split_count),
+        ):
+            if add > 0 and used + add > cap:
+                problems.append(f"{uuid}: {what} {used} in use + {add} > {cap}")
+    touched = {g.uuid for grants in allocation.containers for g in grants}
+    for grants in allocation.containers:  # dynamic MIG: its instances must still fit the card
+        for g in grants:
+            if (card := cards.get(g.uuid)) is not None:
+                card.hold(g)
+    for card in (cards[u] for u in sorted(touched) if u in cards and cards[u].mig_model):
+        if card.mig_instances and card.libvgpu_slices:
+            problems.append(f"{card.uuid}: MIG instances and libvgpu slices on one card")
+        model = mig.model_for(card.mig_model)
+        if model is not None:
+            try:
+                mig.occupied(model, card.mig_instances)
+            except mig.MigError as exc:
+                problems.append(f"{card.uuid}: {exc}")
+    return problems
+
+
+def bound_mutate(
+    uid: str, now: float, current: NodeLedger | None,
+    registration: NodeRegistration | None = None,
+) -> NodeLedger:
+    """Mark the pod's reservation bound (the cluster bind happened). A reservation that lapsed
+    meanwhile held nothing since: other pods may have been given its room. It is re-checked
+    against everything that counts at `now` (with the node's `registration`), and refused with
+    RoomTakenError when it no longer fits, so a card is never overfilled; without the
+    registration a lapsed reservation cannot be checked and is refused too."""
     if current is None or uid not in current.allocations:
         raise ReservationGoneError("the reservation disappeared during bind")
     allocation = current.allocations[uid]
     if allocation.state != AllocationState.RESERVED:
         raise NoChange
+    if not counts_against_capacity(allocation, now):
+        if registration is None:
+            raise RoomTakenError(uid, ["the node's registration is unknown: no re-check"])
+        problems = regrant_problems(registration, current, uid, now)
+        if problems:
+            raise RoomTakenError(uid, problems)
     allocations = dict(current.allocations)
     allocations[uid] = allocation.model_copy(
         update={"state": AllocationState.BOUND, "expires_at": None, "updated_at": now}
@@ -515,9 +581,12 @@ class LedgerWriter:
         return await self._cas(node, lambda current: mutate(current), hint)
 
     async def mark_bound(
-        self, node: str, uid: str, now: float, hint: Hint = None
+        self, node: str, uid: str, now: float, hint: Hint = None,
+        registration: NodeRegistration | None = None,
     ) -> Versioned[NodeLedger]:
-        return await self._cas(node, partial(bound_mutate, uid, now), hint)
+        """RoomTakenError when the reservation lapsed and its room is gone (bound_mutate)."""
+        return await self._cas(node, partial(bound_mutate, uid, now, registration=registration),
+                               hint)  # fmt: skip
 
     async def release(
         self, node: str, uid: str, hint: Hint = None

@@ -13,6 +13,7 @@ import selectors
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -165,6 +166,7 @@ class Container:
     gpu_state: Path
     name: str = "c"
     procs: list[Cuctl] = field(default_factory=list)
+    cpu: CpuStarvation | None = None
 
     @property
     def region_path(self) -> Path:
@@ -207,6 +209,8 @@ class Container:
             self.dir / f"cuctl-{n}.stderr",
         )
         self.procs.append(c)
+        if self.cpu is not None:
+            self.cpu.watch(c.pid)
         return c
 
     def run(self, argv: list[str], timeout: float = 60, **extra: str):
@@ -224,6 +228,74 @@ class Container:
         return devices[dev].used_bytes if dev < len(devices) else 0
 
 
+def run_queue_wait_ns(pid: int) -> int | None:
+    """How long `pid`'s main thread has waited for a CPU while runnable (the kernel's run-queue
+    delay, /proc/<pid>/schedstat's second field); None once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class CpuStarvation:
+    """Samples the run-queue wait of the launching processes (every `period` s, CLOCK_MONOTONIC
+    like cuctl's t0/t1), so a real-time share can be judged against what the launcher could
+    do: a window in which it waited W ns for a CPU could not feed the GPU for up to W ns (its
+    queue runs dry), which a loaded host causes and the limiter cannot help. It never excuses
+    more than that, and never excuses going over the limit."""
+
+    def __init__(self, period: float = 0.01):
+        self.period = period
+        self.samples: dict[int, list[tuple[int, int]]] = {}  # pid -> [(t_ns, wait_ns)]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pid: int) -> None:
+        with self._lock:
+            self.samples.setdefault(pid, [])
+        self._sample_one(pid)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cpu-starvation", daemon=True)
+            self._thread.start()
+
+    def _sample_one(self, pid: int) -> None:
+        t, wait = time.monotonic_ns(), run_queue_wait_ns(pid)
+        if wait is not None:
+            with self._lock:
+                self.samples[pid].append((t, wait))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for pid in list(self.samples):
+                self._sample_one(pid)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait_ns(self, pid: int, t0: int, t1: int) -> int:
+        """Run-queue wait of `pid` over [t0, t1), rounded outwards to the samples around it
+        (an over-estimate: it only ever widens what is excused)."""
+        self._sample_one(pid)
+        with self._lock:
+            samples = list(self.samples.get(pid, ()))
+        before = [w for t, w in samples if t <= t0]
+        after = [w for t, w in samples if t >= t1]
+        start = before[-1] if before else (samples[0][1] if samples else 0)
+        end = after[0] if after else (samples[-1][1] if samples else 0)
+        return max(0, end - start)
+
+    def fractions(self, pids: list[int], t0: int, t1: int, window: int) -> list[float]:
+        """Per window of [t0, t1) (fkstat's windows), the largest fraction of it any of `pids`
+        spent waiting for a CPU, in percentage points of the window."""
+        return [
+            100.0 * max((self.wait_ns(p, a, a + window) for p in pids), default=0) / window
+            for a in range(t0, t1 - window + 1, window)
+        ]  # fmt: skip
+
+
 class Cluster:
     """Containers sharing one fake machine (the same FAKE_CUDA_STATE)."""
 
@@ -232,12 +304,13 @@ class Cluster:
         self.tmp = tmp
         self.gpu_state = tmp / "gpu-state"
         self.containers: list[Container] = []
+        self.cpu = CpuStarvation()  # every cuctl of the cluster's containers is watched
 
     def container(self, name: str | None = None) -> Container:
         name = name or f"c{len(self.containers)}"
         d = self.tmp / name
         d.mkdir()
-        c = Container(self.native, d, self.gpu_state, name)
+        c = Container(self.native, d, self.gpu_state, name, cpu=self.cpu)
         self.containers.append(c)
         return c
 
@@ -247,7 +320,13 @@ class Cluster:
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         return [float(x) * 100 for x in out.split()]
 
+    def starved(self, pids: list[int], t0: int, t1: int, window: int) -> list[float]:
+        """Per window (as busy()'s), percentage points of it a launcher of `pids` waited for a
+        CPU (CpuStarvation)."""
+        return self.cpu.fractions(pids, t0, t1, window)
+
     def close(self) -> None:
+        self.cpu.stop()
         for c in self.containers:
             for p in c.procs:
                 if p.p.poll() is None:

@@ -1,6 +1,13 @@
 """Compute limits on the fake GPU's timeline: accuracy, every launch path, several containers,
 several GPUs, policies and priorities. Achieved % is read off the fake device's execution
-timeline (fkstat), per 1 s window, for exactly the container's processes."""
+timeline (fkstat), per 1 s window, for exactly the container's processes.
+
+The fake GPU runs in real time, fed by launcher processes on the host's CPUs. On a loaded host a
+launcher may wait for a CPU long enough for its queue to run dry; the GPU then idles through
+no fault of the limiter. Each window's lower bound is lowered by exactly the share of it the
+launcher spent waiting for a CPU (the kernel's run-queue delay: conftest.CpuStarvation). The
+upper bound does not depend on the host: the run so far never gets more than its limit plus
+TOL (a window may catch up what an earlier one fell short, by at most another TOL)."""
 
 from __future__ import annotations
 
@@ -24,14 +31,50 @@ def start_burn(c, seconds: float, path: str = "kernel", kernel: str = "k_1000us"
     c.send(f"burn {seconds} {kernel} {path}")
 
 
-def windows(cluster, dev, r, pids, window=SEC):
-    return cluster.busy(dev, r["t0"], r["t1"], window, pids)
+class Shares(list):
+    """Achieved % per window, with the percentage points of each window the launchers spent
+    waiting for a CPU (`starved`)."""
+
+    def __init__(self, values, starved):
+        super().__init__(values)
+        self.starved = list(starved)
+        assert len(self.starved) == len(self), (values, starved)
 
 
-def assert_near(values, target, tol=TOL):
+def shares(cluster, dev, t0, t1, window, pids) -> Shares:
+    return Shares(cluster.busy(dev, t0, t1, window, pids), cluster.starved(pids, t0, t1, window))
+
+
+def windows(cluster, dev, r, pids, window=SEC) -> Shares:
+    return shares(cluster, dev, r["t0"], r["t1"], window, pids)
+
+
+def show(values: Shares) -> str:
+    return f"windows {[round(v, 1) for v in values]}, launcher CPU waits " + str(
+        [round(w, 1) for w in values.starved]
+    )
+
+
+def assert_near(values: Shares, target, tol=TOL):
+    """Every window within target ± tol; below only by what the launcher's CPU waits excuse;
+    above only as catch-up: a window may make up what earlier ones fell short (the library
+    banks up to 30 ms after a descheduled launcher, and refunds launches first charged their
+    event time before NVML's first answer), never by more than another tol, and the run so far
+    never holds more than target per window plus tol."""
     assert values, "no complete window"
-    bad = [round(v, 1) for v in values if abs(v - target) > tol]
-    assert not bad, f"windows {[round(v, 1) for v in values]} vs target {target}±{tol}"
+    bad, total = [], 0.0
+    for n, (v, w) in enumerate(zip(values, values.starved, strict=True), 1):
+        total += v
+        if v < target - tol - w or v > target + 2 * tol or total > n * target + tol:
+            bad.append(round(v, 1))
+    assert not bad, f"{show(values)} vs target {target}±{tol}"
+
+
+def assert_above(values: Shares, floor):
+    """Every window above `floor` (an unthrottled share), less the launcher's CPU waits."""
+    assert values, "no complete window"
+    bad = [round(v, 1) for v, w in zip(values, values.starved, strict=True) if v <= floor - w]
+    assert not bad, f"{show(values)}: not above {floor}"
 
 
 def test_single_tenant_30_percent(cluster):
@@ -45,9 +88,13 @@ def test_single_tenant_30_percent(cluster):
     assert r["rc"] == 0
     assert_near(windows(cluster, 0, r, [c.pid]), 30)
     d = k.usage().devices[0]
+    now = time.monotonic_ns()
     assert d.sm_limit_pct == 30
-    assert d.achieved_sm_pct is not None and abs(d.achieved_sm_pct - 30) <= TOL
-    assert time.time_ns() - d.last_kernel_ns < 2 * SEC
+    # The library's own figure covers its last ~1 s window, published up to 1 s late.
+    waited = 100 * cluster.cpu.wait_ns(c.pid, now - 2 * SEC, now) / SEC
+    assert d.achieved_sm_pct is not None
+    assert 30 - TOL - waited <= d.achieved_sm_pct <= 30 + TOL, (d.achieved_sm_pct, waited)
+    assert time.time_ns() - d.last_kernel_ns < 2 * SEC + (now - r["t1"])  # stamped at launch
 
 
 @pytest.mark.parametrize(
@@ -79,7 +126,7 @@ def test_limit_is_shared_by_the_processes_of_a_container(cluster):
     start_burn(b, 3.0, "graph")
     ra, rb = a.recv(timeout=30), b.recv(timeout=30)
     t0, t1 = max(ra["t0"], rb["t0"]), min(ra["t1"], rb["t1"])
-    total = cluster.busy(0, t0, t1, SEC, [a.pid, b.pid])
+    total = shares(cluster, 0, t0, t1, SEC, [a.pid, b.pid])
     assert_near(total, 40)
 
 
@@ -93,12 +140,15 @@ def test_two_containers_10_and_90(cluster):
     start_burn(b, 3.0)
     ra, rb = a.recv(timeout=30), b.recv(timeout=30)
     t0, t1 = max(ra["t0"], rb["t0"]), min(ra["t1"], rb["t1"])
-    sa = cluster.busy(0, t0, t1, SEC, [a.pid])
-    sb = cluster.busy(0, t0, t1, SEC, [b.pid])
+    sa = shares(cluster, 0, t0, t1, SEC, [a.pid])
+    sb = shares(cluster, 0, t0, t1, SEC, [b.pid])
     assert_near(sa, 10)
     assert_near(sb, 90)
-    ratio = sum(sb) / sum(sa)
-    assert 9 * 0.75 <= ratio <= 9 * 1.25, ratio
+    # The ratio over the windows in which both launchers had a CPU (waits under 1 % of it).
+    fed = [i for i in range(len(sa)) if max(sa.starved[i], sb.starved[i]) < 1.0]
+    if fed:
+        ratio = sum(sb[i] for i in fed) / sum(sa[i] for i in fed)
+        assert 9 * 0.75 <= ratio <= 9 * 1.25, (ratio, show(sa), show(sb))
 
 
 def test_two_gpus_hold_their_own_limits(cluster):
@@ -118,7 +168,7 @@ def test_unlimited_is_not_throttled(cluster):
     c = k.cuctl()
     start_burn(c, 1.0)
     r = c.recv(timeout=30)
-    assert min(windows(cluster, 0, r, [c.pid], SEC // 2)) > 60
+    assert_above(windows(cluster, 0, r, [c.pid], SEC // 2), 60)
     devices = k.usage().devices  # unthrottled launches take the fast path: maybe no slot yet
     assert all(d.achieved_sm_pct is None for d in devices)  # not timed when not throttled
 
@@ -133,9 +183,9 @@ def test_default_policy_limits_only_under_contention(cluster):
     t_flag = time.monotonic_ns()
     region.set_device_flags(k.limits_dir, UUID0, contended=True)
     r = c.recv(timeout=30)
-    free = cluster.busy(0, r["t0"], r["t0"] + SEC, SEC, [c.pid])
-    limited = cluster.busy(0, t_flag + SEC // 5, r["t1"], SEC // 2, [c.pid])
-    assert min(free) > 60  # not throttled
+    free = shares(cluster, 0, r["t0"], r["t0"] + SEC, SEC, [c.pid])
+    limited = shares(cluster, 0, t_flag + SEC // 5, r["t1"], SEC // 2, [c.pid])
+    assert_above(free, 60)  # not throttled
     assert_near(limited, 30)
 
 
@@ -148,8 +198,8 @@ def test_limit_change_is_picked_up(cluster):
     t_change = time.monotonic_ns()
     region.set_device_flags(k.limits_dir, UUID0, sm_limit_pct=60)
     r = c.recv(timeout=30)
-    assert_near(cluster.busy(0, r["t0"], t_change, SEC, [c.pid]), 30)
-    assert_near(cluster.busy(0, t_change + SEC // 5, r["t1"], SEC // 2, [c.pid]), 60)
+    assert_near(shares(cluster, 0, r["t0"], t_change, SEC, [c.pid]), 30)
+    assert_near(shares(cluster, 0, t_change + SEC // 5, r["t1"], SEC // 2, [c.pid]), 60)
 
 
 def test_high_priority_activity_throttles_low_priority(cluster):
@@ -192,12 +242,12 @@ def test_high_priority_activity_throttles_low_priority(cluster):
     finally:
         stop.set()
         t.join()
-    alone = cluster.busy(0, rl["t0"], rl["t0"] + SEC // 2, SEC // 2, [lo.pid])
-    assert min(alone) > 60  # not throttled (a busy host may leave small gaps)
+    alone = shares(cluster, 0, rl["t0"], rl["t0"] + SEC // 2, SEC // 2, [lo.pid])
+    assert_above(alone, 60)  # not throttled
     shared_lo = cluster.busy(0, rh["t0"] + SEC // 2, rh["t1"], SEC // 2, [lo.pid])
-    shared_hi = cluster.busy(0, rh["t0"] + SEC // 2, rh["t1"], SEC // 2, [hi.pid])
+    shared_hi = shares(cluster, 0, rh["t0"] + SEC // 2, rh["t1"], SEC // 2, [hi.pid])
     # Throttled to its 10 % share over the shared period; one half-second window may carry a
     # launch that straddles its edge on a busy host (seen up to 16.8 %), never much more.
     assert sum(shared_lo) / len(shared_lo) <= 10 + TOL, shared_lo
     assert max(shared_lo) <= 10 + 2 * TOL, shared_lo
-    assert min(shared_hi) >= 70, shared_hi
+    assert_above(shared_hi, 70)

@@ -41,14 +41,13 @@ async def test_pods_of_one_shape_bind_together_without_any_allocate(
     async with http_client(service) as client:
         for spec in specs:
             assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
-        started = asyncio.get_running_loop().time()
         errors = await asyncio.gather(*(bind_call(client, s, name) for s in specs))
-        elapsed = asyncio.get_running_loop().time() - started
     assert errors == [""] * 12
-    assert elapsed < 3.0  # nobody waited out the bind timeout for an Allocate
     state = await ledger(buckets, name)
     assert len(state.claims) == 12
     assert {len({g.uuid for a in state.allocations.values() for g in a.containers[0]})} == {4}
+    # Nobody waited for another's Allocate (counted, not timed: a loaded host slows every bind
+    # alike; none comes, so a wait would also end in the bind timeout's error above).
     assert service.metrics.claim_waits._value.get() == 0
 
 
@@ -110,10 +109,8 @@ async def test_shapes_kubelet_tells_apart_are_in_flight_together(
     async with http_client(service) as client:
         for spec in specs:
             assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
-        started = asyncio.get_running_loop().time()
         errors = await asyncio.gather(*(bind_call(client, s, name) for s in specs))
-        elapsed = asyncio.get_running_loop().time() - started
-    assert errors == [""] * 4 and elapsed < 3.0
+    assert errors == [""] * 4
     state = await ledger(buckets, name)
     assert set(state.claims) == {s["metadata"]["uid"] for s in specs}
     assert service.metrics.claim_waits._value.get() == 0
