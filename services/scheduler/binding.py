@@ -243,7 +243,7 @@ class PodBinder:
         failure (NATS away) is retried, then left to the sweeper, which adopts binds the cluster
         shows; it never turns into a bind error kube-scheduler would act on. The one exception
         (the error text returned): the reservation lapsed during the cluster bind and its room
-        was given to other pods meanwhile (ledger.RoomTakenError)."""
+        was given to other pods meanwhile (ledger.RoomTakenError), or the reservation is gone."""
         for attempt in range(1, attempts + 1):
             try:
                 async with self.ledger.lock(node):
@@ -255,8 +255,10 @@ class PodBinder:
             except NoChange:
                 return ""  # already bound, or the node agent has marked it allocated
             except ReservationGoneError as exc:
+                # Swept as lapsed before the cluster bind showed (or the pod was deleted): its
+                # room may be another pod's now, so the grant on the pod is not its own.
                 log.warning("mark bound: reservation gone", extra={"pod_uid": uid, "err": str(exc)})
-                return ""
+                return f"pod {uid}: its reservation was gone when the bind was recorded ({exc})"
             except RoomTakenError as exc:
                 return str(exc)
             except Exception as exc:
@@ -268,23 +270,9 @@ class PodBinder:
     async def _withdraw_grant(self, ident: PodIdentity, node: str, why: str) -> None:
         """The pod is bound in the cluster, but the grant it was bound with is no longer its
         own (RoomTakenError). It must never run with limits for memory it was not granted: its
-        allocation leaves the ledger (so the node agent serves it no Allocate, and kubelet fails
-        its admission; its controller makes a new pod) and its annotations lose the grant (so
-        no ledger rebuild from pods restores it), marked failed as HAMi marks a failed bind."""
-        log.warning("bound pod withdrawn: its room was taken", extra={
-            "pod": f"{ident.namespace}/{ident.name}", "node": node, "err": why,
-        })  # fmt: skip
+        allocation leaves the ledger and its annotations lose the grant (`withdraw_grant`)."""
         await self.releaser.release(node, ident.uid, why=why)
-        assert self.cluster is not None
-        try:
-            await self.cluster.patch_pod_metadata(ident.namespace, ident.name, annotations={
-                hami.ANN_BIND_PHASE: hami.BIND_PHASE_FAILED,
-                hami.ANN_DEVICES_TO_ALLOCATE: None, hami.ANN_MIG_INSTANCES: None,
-            })  # fmt: skip
-        except ClusterError as exc:  # the ledger no longer holds it: the agent refuses it anyway
-            log.warning("withdrawn grant left on the pod", extra={
-                "pod": f"{ident.namespace}/{ident.name}", "err": str(exc),
-            })  # fmt: skip
+        await self.releaser.withdraw_grant(ident.namespace, ident.name, why)
 
     async def _ensure_reserved(
         self, ident: PodIdentity, node: str, *, trust_index: bool = True

@@ -438,11 +438,20 @@ def init_done_mutate(uid: str, current: NodeLedger | None) -> NodeLedger:
 
 
 def sweep_mutate(
-    now: float, keep: frozenset[str], removed: list[Allocation], current: NodeLedger | None
+    now: float, keep: frozenset[str], removed: list[Allocation], current: NodeLedger | None,
+    registration: NodeRegistration | None = None, withdrawn: list[str] | None = None,
 ) -> NodeLedger:
     """Drop expired reservations (except pods in `keep`, found bound meanwhile) and a lapsed
-    claim; mark kept ones bound. Dropped allocations are reported through `removed`."""
+    claim; mark kept ones bound. Dropped allocations are reported through `removed`.
+
+    A kept reservation lapsed: other pods may have been given its room since. Like
+    `bound_mutate`, it is re-checked beside everything that counts at `now` (the node's
+    `registration`); one whose room is gone (or that cannot be checked) is dropped instead and
+    its pod reported through `withdrawn` too: it is bound in the cluster, and must lose its
+    grant, never run on room that is another pod's."""
     removed.clear()
+    if withdrawn is not None:
+        withdrawn.clear()
     if current is None:
         raise NoChange
     changed = False
@@ -452,9 +461,17 @@ def sweep_mutate(
             a.state == AllocationState.RESERVED and a.expires_at is not None and a.expires_at <= now
         )
         if expired and uid in keep:
-            allocations[uid] = a.model_copy(
-                update={"state": AllocationState.BOUND, "expires_at": None, "updated_at": now}
+            room_gone = registration is None or regrant_problems(
+                registration, _replace(current, allocations), uid, now
             )
+            if not room_gone:
+                allocations[uid] = a.model_copy(
+                    update={"state": AllocationState.BOUND, "expires_at": None, "updated_at": now}
+                )
+            else:
+                removed.append(allocations.pop(uid))
+                if withdrawn is not None:
+                    withdrawn.append(uid)
             changed = True
         elif expired or not a.active:
             removed.append(allocations.pop(uid))
@@ -606,14 +623,16 @@ class LedgerWriter:
             return None
 
     async def sweep(
-        self, node: str, now: float, keep: frozenset[str] = frozenset()
+        self, node: str, now: float, keep: frozenset[str] = frozenset(),
+        registration: NodeRegistration | None = None, withdrawn: list[str] | None = None,
     ) -> tuple[Versioned[NodeLedger] | None, list[Allocation]]:
-        """(the new entry, the allocations this call dropped)."""
+        """(the new entry, the allocations this call dropped); kept pods whose room was gone
+        are dropped too and named in `withdrawn` (see `sweep_mutate`)."""
         removed: list[Allocation] = []
         try:
-            result = await cas_update(
-                self.kv, node, NodeLedger, partial(sweep_mutate, now, keep, removed)
-            )
+            result = await cas_update(self.kv, node, NodeLedger, partial(
+                sweep_mutate, now, keep, removed, registration=registration, withdrawn=withdrawn,
+            ))  # fmt: skip
         except NoChange:
             return None, []
         return result, list(removed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.models import Allocation, AllocationEvent, AllocationState, NodeLedger
@@ -18,11 +19,12 @@ from tessera.models import Allocation, AllocationEvent, AllocationState, NodeLed
 from .background import EventPublisher
 from .config import SchedulerSettings
 from .indexed_ledger import IndexedLedger
-from .ledger import ReservationGoneError
+from .ledger import ReservationGoneError, RoomTakenError
 from .metrics import SchedulerMetrics
 from .quota_client import QuotaClient
 
 log = logging.getLogger("tessera.scheduler")
+_ROOM_GONE = "bound in the cluster after its reservation lapsed, and its room was given away"
 
 
 class AllocationReleaser:
@@ -84,12 +86,17 @@ class AllocationReleaser:
             if not (due or lapsed_claim):
                 continue
             keep = await self._bound_meanwhile(entry.name, ledger, now)
+            withdrawn: list[str] = []
             try:
-                result, removed = await self.ledger.writer.sweep(entry.name, now, keep)
+                result, removed = await self.ledger.writer.sweep(
+                    entry.name, now, keep, entry.registration, withdrawn
+                )
             except CasConflictError:
                 continue
             self.ledger.apply(entry.name, result)
             for allocation in removed:
+                if allocation.pod_uid in withdrawn:
+                    await self.withdraw_grant(allocation.namespace, allocation.name, _ROOM_GONE)
                 dropped += 1
                 self.metrics.expired.inc()
                 if allocation.quota_held:
@@ -99,7 +106,8 @@ class AllocationReleaser:
                     event_id=f"{allocation.pod_uid}:released", action="released",
                     node=entry.name, pod_uid=allocation.pod_uid, namespace=allocation.namespace,
                     name=allocation.name, containers=allocation.containers,
-                    reason="reservation expired before bind", source=self.instance,
+                    reason=_ROOM_GONE if allocation.pod_uid in withdrawn
+                    else "reservation expired before bind", source=self.instance,
                 ))  # fmt: skip
         return dropped
 
@@ -113,6 +121,27 @@ class AllocationReleaser:
             if await self._pod_bound_to(a, node):
                 keep.add(a.pod_uid)
         return frozenset(keep)
+
+    async def withdraw_grant(self, namespace: str, name: str, why: str) -> None:
+        """A pod bound in the cluster whose allocation left the ledger because its room was
+        given to others (ledger.RoomTakenError, `sweep_mutate`): its annotations lose the grant
+        (so no ledger rebuild from pods restores it), marked failed as HAMi marks a failed bind.
+        The node agent serves it no Allocate (the ledger holds nothing for it): kubelet fails its
+        admission and its controller makes a new pod."""
+        log.warning("bound pod withdrawn: its room was taken", extra={
+            "pod": f"{namespace}/{name}", "err": why,
+        })  # fmt: skip
+        if self.cluster is None:
+            return
+        try:
+            await self.cluster.patch_pod_metadata(namespace, name, annotations={
+                hami.ANN_BIND_PHASE: hami.BIND_PHASE_FAILED,
+                hami.ANN_DEVICES_TO_ALLOCATE: None, hami.ANN_MIG_INSTANCES: None,
+            })  # fmt: skip
+        except ClusterError as exc:  # the ledger no longer holds it: the agent refuses it anyway
+            log.warning("withdrawn grant left on the pod", extra={
+                "pod": f"{namespace}/{name}", "err": str(exc),
+            })  # fmt: skip
 
     async def _pod_bound_to(self, allocation: Allocation, node: str) -> bool:
         if self.cluster is None:
@@ -142,12 +171,18 @@ class AllocationReleaser:
             await self._adopt(node, held, now)
 
     async def _adopt(self, node: str, held: Allocation, now: float) -> None:
+        entry = self.ledger.index.entries.get(node)
         try:
             async with self.ledger.lock(node):
                 result = await self.ledger.writer.mark_bound(
-                    node, held.pod_uid, now, self.ledger.hint(node)
+                    node, held.pod_uid, now, self.ledger.hint(node),
+                    entry.registration if entry is not None else None,
                 )
         except (ReservationGoneError, CasConflictError, NoChange):
+            return
+        except RoomTakenError as exc:  # lapsed, and its room given away: never run on it
+            if await self.release(node, held.pod_uid, why=str(exc)):
+                await self.withdraw_grant(held.namespace, held.name, str(exc))
             return
         self.ledger.apply(node, result)
         self.publisher.publish_soon(AllocationEvent(

@@ -7,6 +7,7 @@ overfilled. Refused, the pod (already bound in the cluster) loses its grant and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -136,3 +137,64 @@ async def test_bind_outlasting_its_reservation_fails_and_withdraws_the_grant(
     assert annotations[hami.ANN_BIND_PHASE] == hami.BIND_PHASE_FAILED
     assert hami.ANN_DEVICES_TO_ALLOCATE not in annotations
     assert a["metadata"]["uid"] not in service.index.pod_nodes
+
+
+async def test_reservation_swept_during_the_bind_fails_it_and_withdraws_the_grant(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    """Pod a's reservation is swept (it lapsed, and the pod was not yet bound in the cluster)
+    while its cluster bind is on the wire: the bind reports the reservation gone instead of
+    success, and the pod loses the grant annotations (its room may be another pod's now)."""
+    service = await make_service(config={"sweep_interval_s": 3600.0})
+    registration = node(unique("n"), gpus=1, memory_mib=80 * GIB)
+    name = await setup_node(buckets, service, registration)
+    a = cluster.add_pod(pod(container(mem=60 * GIB)))
+    real_bind = cluster.bind_pod
+
+    async def bind_while_swept(namespace: str, pod_name: str, uid: str, node_name: str) -> None:
+        writer = LedgerWriter(buckets.ledger)
+        await writer.release(node_name, uid)  # what the sweep does to a lapsed reservation
+        await real_bind(namespace, pod_name, uid, node_name)
+
+    cluster.bind_pod = bind_while_swept  # type: ignore[method-assign]
+    async with http_client(service) as client:
+        assert (await filter_call(client, a, [name]))["nodenames"] == [name]
+        error = await bind_call(client, a, name)
+    assert "reservation was gone" in error, error
+    annotations = cluster.pods[("default", a["metadata"]["name"])]["metadata"]["annotations"]
+    assert annotations[hami.ANN_BIND_PHASE] == hami.BIND_PHASE_FAILED
+    assert hami.ANN_DEVICES_TO_ALLOCATE not in annotations
+
+
+async def test_sweep_does_not_adopt_a_bound_pod_whose_room_was_given_away(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    """A replica bound pod a in the cluster and died before recording it; a's reservation
+    lapsed, and another replica gave its room to b. The sweep finds a bound in the cluster but
+    must not mark it bound on b's room: a's allocation goes and its grant is withdrawn."""
+    skew = [0.0]
+    service = await make_service(config={"sweep_interval_s": 3600.0},
+                                 clock=lambda: time.time() + skew[0])  # fmt: skip
+    registration = node(unique("n"), gpus=1, memory_mib=80 * GIB)
+    name = await setup_node(buckets, service, registration)
+    a = cluster.add_pod(pod(container(mem=60 * GIB)))
+    async with http_client(service) as client:
+        assert (await filter_call(client, a, [name]))["nodenames"] == [name]
+    await cluster.bind_pod("default", a["metadata"]["name"], a["metadata"]["uid"], name)
+    skew[0] += service.settings.reservation_ttl_s + 5
+    b_uid = unique("b")
+    other = LedgerWriter(buckets.ledger)
+    await other.reserve(reservation(registration, b_uid, 60 * GIB, time.time() + skew[0]))
+    for _ in range(200):  # the index has seen b's reservation
+        entry = service.index.entries[name]
+        if entry.ledger is not None and b_uid in entry.ledger.allocations:
+            break
+        await asyncio.sleep(0.02)
+    await service.scheduler.sweep()
+    ledger = await read(buckets, name)
+    assert a["metadata"]["uid"] not in ledger.allocations
+    assert b_uid in ledger.allocations
+    assert overfilled(registration, ledger, time.time() + skew[0]) == []
+    annotations = cluster.pods[("default", a["metadata"]["name"])]["metadata"]["annotations"]
+    assert annotations[hami.ANN_BIND_PHASE] == hami.BIND_PHASE_FAILED
+    assert hami.ANN_DEVICES_TO_ALLOCATE not in annotations

@@ -140,14 +140,40 @@ def test_writes_do_what_they_say() -> None:
 
 def test_sweep_keeps_pods_found_bound_and_reports_the_dropped() -> None:
     removed: list[Allocation] = []
+    withdrawn: list[str] = []
     swept = sweep_mutate(NOW, frozenset({"kept"}), removed, ledger(
         allocation("kept", AllocationState.RESERVED, NOW - 1),
         allocation("lapsed", AllocationState.RESERVED, NOW - 1),
         allocation("live", AllocationState.RESERVED, NOW + 1),
-    ))  # fmt: skip
+    ), registration=node("n", gpus=1), withdrawn=withdrawn)  # fmt: skip
     assert swept.allocations["kept"].state == "bound"
     assert set(swept.allocations) == {"kept", "live"}
-    assert [a.pod_uid for a in removed] == ["lapsed"]
+    assert [a.pod_uid for a in removed] == ["lapsed"] and withdrawn == []
+
+
+def test_sweep_never_adopts_a_bound_pod_onto_room_given_away() -> None:
+    """A pod found bound in the cluster after its reservation lapsed: while it held nothing,
+    its room went to another pod. Marking it bound would overfill the card: it is dropped and
+    named as withdrawn (its grant must go). Without the registration it cannot be checked:
+    withdrawn too. Its own room still free: adopted as before."""
+    card = node("n", gpus=1).devices[0].memory_mib
+    taken = ledger(
+        allocation("kept", AllocationState.RESERVED, NOW - 1, memory=card - GIB),
+        allocation("other", AllocationState.ALLOCATED, memory=2 * GIB),
+    )
+    for registration in (node("n", gpus=1), None):
+        removed: list[Allocation] = []
+        withdrawn: list[str] = []
+        swept = sweep_mutate(NOW, frozenset({"kept"}), removed, taken,
+                             registration=registration, withdrawn=withdrawn)  # fmt: skip
+        assert set(swept.allocations) == {"other"}
+        assert [a.pod_uid for a in removed] == ["kept"] and withdrawn == ["kept"]
+    free = ledger(allocation("kept", AllocationState.RESERVED, NOW - 1, memory=card - 3 * GIB),
+                  allocation("other", AllocationState.ALLOCATED, memory=2 * GIB))  # fmt: skip
+    withdrawn = []
+    swept = sweep_mutate(NOW, frozenset({"kept"}), [], free, registration=node("n", gpus=1),
+                         withdrawn=withdrawn)  # fmt: skip
+    assert swept.allocations["kept"].state == "bound" and withdrawn == []
 
 
 def test_reserve_reuses_the_decisions_fit_only_on_the_value_it_was_made_on() -> None:
