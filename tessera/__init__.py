@@ -17,28 +17,50 @@ __version__ = "0.1.0"
 
 
 def _nats_without_websockets() -> None:
-    """Import nats-py's transport module with aiohttp hidden.
+    """Have nats-py's transport module imported with aiohttp hidden.
 
     nats-py imports aiohttp (and through it an SSL context with the system's CA certificates)
     only to offer websocket URLs (`ws://`, `wss://`); that import was a tenth of every
-    service's start. Tessera connects over TCP, so nats-py's transport is first imported here
-    with `import aiohttp` failing (nats-py then leaves its websocket transport unbound), and
-    aiohttp is importable again right after. `tessera.bus.connect` (the one place that
-    connects) binds aiohttp into the transport when a websocket URL is configured.
-    Every tessera module runs this before it can import nats; nothing if nats-py's transport
-    or aiohttp is already imported."""
+    service's start. Tessera connects over TCP, so when nats-py's transport is first imported
+    (by whatever imports nats, whenever: a CLI command that never touches the bus imports
+    nothing of it), `import aiohttp` fails inside it (nats-py then leaves its websocket
+    transport unbound), and aiohttp is importable again right after. `tessera.bus.connect`
+    (the one place that connects) binds aiohttp into the transport when a websocket URL is
+    configured. Nothing happens if nats-py's transport or aiohttp is already imported."""
     import sys
+    from importlib.abc import MetaPathFinder
+    from importlib.machinery import ModuleSpec, PathFinder
+    from types import ModuleType
+    from typing import Any
 
     if "nats.aio.transport" in sys.modules or "aiohttp" in sys.modules:
         return
-    sys.modules["aiohttp"] = None  # type: ignore[assignment]  # `import aiohttp` raises
-    try:
-        import nats.aio.transport  # noqa: F401
-    except ImportError:
-        pass  # nats-py missing or broken: whoever imports it says so
-    finally:
-        if "aiohttp" in sys.modules and sys.modules["aiohttp"] is None:
-            del sys.modules["aiohttp"]
+
+    class TransportWithoutAiohttp(MetaPathFinder):
+        def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+            if name != "nats.aio.transport":
+                return None
+            sys.meta_path.remove(self)  # once
+            spec = PathFinder.find_spec(name, path, target)
+            loader: Any = spec.loader if spec is not None else None
+            if loader is None or not hasattr(loader, "exec_module"):
+                return spec
+            run = loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                hidden = "aiohttp" not in sys.modules
+                if hidden:
+                    sys.modules["aiohttp"] = None  # type: ignore[assignment]  # import raises
+                try:
+                    run(module)
+                finally:
+                    if hidden and "aiohttp" in sys.modules and sys.modules["aiohttp"] is None:
+                        del sys.modules["aiohttp"]
+
+            loader.exec_module = exec_module  # this module's own loader object
+            return spec
+
+    sys.meta_path.insert(0, TransportWithoutAiohttp())
 
 
 _nats_without_websockets()

@@ -176,23 +176,31 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         """Run a handshake step; any refusal or failure is a gRPC error with a message. Each
         call is timed and counted (ok / refused / error) in /metrics."""
         started = time.perf_counter()
-        result = "error"
+        counted = False
+
+        def count(result: str) -> None:  # before kubelet hears the answer, so a scrape right
+            nonlocal counted  # after a refusal already shows it
+            if not counted:
+                counted = True
+                self.metrics.handshake(rpc, time.perf_counter() - started, result)
+
         try:
             async with self._lock:
                 reply = await handler(request)
-            result = "ok"
+            count("ok")
             return reply
         except hs.HandshakeError as exc:
-            result = "refused"
+            count("refused")
             self.log.warning("refused", extra={"rpc": rpc, "reason": str(exc)})
             code = (grpc.StatusCode.INVALID_ARGUMENT if exc.invalid
                     else grpc.StatusCode.FAILED_PRECONDITION)
             await context.abort(code, str(exc))
         except Exception as exc:  # the agent keeps serving whatever went wrong
+            count("error")
             self.log.exception("handshake step failed", extra={"rpc": rpc})
             await context.abort(grpc.StatusCode.INTERNAL, f"{rpc} failed: {exc}")
         finally:
-            self.metrics.handshake(rpc, time.perf_counter() - started, result)
+            count("error")  # cancelled: neither answered nor refused
 
     # --- the handshake -------------------------------------------------------------------------
 
