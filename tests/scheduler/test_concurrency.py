@@ -136,7 +136,10 @@ async def test_two_replicas_never_overfill_a_gpu(
         await beating
 
     assert violations == [], violations[:10]
-    assert seen[0] > PODS  # the checker really saw the ledger move
+    # The checker really saw the ledger move: a bound pod writes its node's entry at least
+    # three times (reservation with its claim, bound, allocated) and once more when it ends;
+    # half of that leaves room for a checker that lags on a loaded machine.
+    assert seen[0] >= 2 * stats["bound"] > 0, (seen, stats)
     # Enough pods went through to have raced (on a loaded 2-core machine fewer are bound
     # before their retries run out; the property under test is the absence of overfill).
     assert stats["bound"] > PODS // 5, stats
