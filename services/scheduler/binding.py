@@ -248,7 +248,8 @@ class PodBinder:
             try:
                 async with self.ledger.lock(node):
                     bound = await self.ledger.writer.mark_bound(
-                        node, uid, self.clock(), self.ledger.hint(node), self._registration(node)
+                        node, uid, self.clock(), self.ledger.hint(node), self._registration(node),
+                        self.index.foreign_allocations(node),
                     )
                 self.ledger.apply(node, bound)
                 return ""

@@ -342,12 +342,16 @@ class RoomTakenError(Exception):
 
 
 def regrant_problems(
-    registration: NodeRegistration, ledger: NodeLedger, uid: str, now: float
+    registration: NodeRegistration, ledger: NodeLedger, uid: str, now: float,
+    foreign: tuple[Allocation, ...] = (),
 ) -> list[str]:
     """What would go over capacity if `uid`'s allocation counted again at `now`, beside every
-    other allocation that counts then (empty: it still fits, on exactly the cards it names)."""
+    other consumer of the node's cards that counts then: the ledger's other allocations and
+    `foreign`, what HAMi's pods hold there (foreign.py: counted, never in the ledger). Empty: it
+    still fits, on exactly the cards it names."""
     allocation = ledger.allocations[uid]
     others = [a for k, a in ledger.allocations.items() if k != uid]
+    others.extend(a for a in foreign if a.pod_uid != uid)
     cards = {c.uuid: c for c in build_cards(registration, others, now)}
     problems = []
     for uuid, use in allocation_usage(allocation).items():
@@ -381,13 +385,14 @@ def regrant_problems(
 
 def bound_mutate(
     uid: str, now: float, current: NodeLedger | None,
-    registration: NodeRegistration | None = None,
+    registration: NodeRegistration | None = None, foreign: tuple[Allocation, ...] = (),
 ) -> NodeLedger:
     """Mark the pod's reservation bound (the cluster bind happened). A reservation that lapsed
     meanwhile held nothing since: other pods may have been given its room. It is re-checked
     against everything that counts at `now` (with the node's `registration`), and refused with
-    RoomTakenError when it no longer fits, so a card is never overfilled; without the
-    registration a lapsed reservation cannot be checked and is refused too."""
+    RoomTakenError when it no longer fits, so a card is never overfilled (HAMi's pods there,
+    `foreign`, count too); without the registration a lapsed reservation cannot be checked and
+    is refused too."""
     if current is None or uid not in current.allocations:
         raise ReservationGoneError("the reservation disappeared during bind")
     allocation = current.allocations[uid]
@@ -396,7 +401,7 @@ def bound_mutate(
     if not counts_against_capacity(allocation, now):
         if registration is None:
             raise RoomTakenError(uid, ["the node's registration is unknown: no re-check"])
-        problems = regrant_problems(registration, current, uid, now)
+        problems = regrant_problems(registration, current, uid, now, foreign)
         if problems:
             raise RoomTakenError(uid, problems)
     allocations = dict(current.allocations)
@@ -440,15 +445,16 @@ def init_done_mutate(uid: str, current: NodeLedger | None) -> NodeLedger:
 def sweep_mutate(
     now: float, keep: frozenset[str], removed: list[Allocation], current: NodeLedger | None,
     registration: NodeRegistration | None = None, withdrawn: list[str] | None = None,
+    foreign: tuple[Allocation, ...] = (),
 ) -> NodeLedger:
     """Drop expired reservations (except pods in `keep`, found bound meanwhile) and a lapsed
     claim; mark kept ones bound. Dropped allocations are reported through `removed`.
 
     A kept reservation lapsed: other pods may have been given its room since. Like
     `bound_mutate`, it is re-checked beside everything that counts at `now` (the node's
-    `registration`); one whose room is gone (or that cannot be checked) is dropped instead and
-    its pod reported through `withdrawn` too: it is bound in the cluster, and must lose its
-    grant, never run on room that is another pod's."""
+    `registration`, HAMi's pods there: `foreign`); one whose room is gone (or that cannot be
+    checked) is dropped instead and its pod reported through `withdrawn` too: it is bound in
+    the cluster, and must lose its grant, never run on room that is another pod's."""
     removed.clear()
     if withdrawn is not None:
         withdrawn.clear()
@@ -462,7 +468,7 @@ def sweep_mutate(
         )
         if expired and uid in keep:
             room_gone = registration is None or regrant_problems(
-                registration, _replace(current, allocations), uid, now
+                registration, _replace(current, allocations), uid, now, foreign
             )
             if not room_gone:
                 allocations[uid] = a.model_copy(
@@ -599,11 +605,11 @@ class LedgerWriter:
 
     async def mark_bound(
         self, node: str, uid: str, now: float, hint: Hint = None,
-        registration: NodeRegistration | None = None,
+        registration: NodeRegistration | None = None, foreign: tuple[Allocation, ...] = (),
     ) -> Versioned[NodeLedger]:
         """RoomTakenError when the reservation lapsed and its room is gone (bound_mutate)."""
-        return await self._cas(node, partial(bound_mutate, uid, now, registration=registration),
-                               hint)  # fmt: skip
+        return await self._cas(node, partial(bound_mutate, uid, now, registration=registration,
+                                             foreign=foreign), hint)  # fmt: skip
 
     async def release(
         self, node: str, uid: str, hint: Hint = None
@@ -625,6 +631,7 @@ class LedgerWriter:
     async def sweep(
         self, node: str, now: float, keep: frozenset[str] = frozenset(),
         registration: NodeRegistration | None = None, withdrawn: list[str] | None = None,
+        foreign: tuple[Allocation, ...] = (),
     ) -> tuple[Versioned[NodeLedger] | None, list[Allocation]]:
         """(the new entry, the allocations this call dropped); kept pods whose room was gone
         are dropped too and named in `withdrawn` (see `sweep_mutate`)."""
@@ -632,6 +639,7 @@ class LedgerWriter:
         try:
             result = await cas_update(self.kv, node, NodeLedger, partial(
                 sweep_mutate, now, keep, removed, registration=registration, withdrawn=withdrawn,
+                foreign=foreign,
             ))  # fmt: skip
         except NoChange:
             return None, []

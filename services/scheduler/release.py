@@ -89,7 +89,8 @@ class AllocationReleaser:
             withdrawn: list[str] = []
             try:
                 result, removed = await self.ledger.writer.sweep(
-                    entry.name, now, keep, entry.registration, withdrawn
+                    entry.name, now, keep, entry.registration, withdrawn,
+                    self.ledger.index.foreign_allocations(entry.name),
                 )
             except CasConflictError:
                 continue
@@ -177,6 +178,7 @@ class AllocationReleaser:
                 result = await self.ledger.writer.mark_bound(
                     node, held.pod_uid, now, self.ledger.hint(node),
                     entry.registration if entry is not None else None,
+                    self.ledger.index.foreign_allocations(node),
                 )
         except (ReservationGoneError, CasConflictError, NoChange):
             return

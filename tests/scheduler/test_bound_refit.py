@@ -7,8 +7,10 @@ overfilled. Refused, the pod (already bound in the cluster) loses its grant and 
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from tessera.scheduler.cards import build_cards, over_capacity
@@ -18,6 +20,7 @@ from tessera.scheduler.ledger import (
     RoomTakenError,
 )
 from tessera.scheduler.rules import FitContext, PodOptions
+from tessera.scheduler.runtime import SchedulerService
 
 from tessera import bus, hami
 from tessera.bus import Buckets
@@ -26,9 +29,10 @@ from tessera.hami import parse_pod_request
 from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
-from .conftest import MakeService, http_client, unique
+from .conftest import MakeService, http_client, unique, wait_until
 from .factories import GIB, container, node, pod
 from .test_extender import bind_call, filter_call, setup_node
+from .test_hami_migration import hami_pod
 
 T0 = 1_000_000.0
 TTL = 30.0
@@ -100,43 +104,124 @@ async def test_live_or_still_fitting_reservations_are_marked_bound(buckets: Buck
     assert overfilled(registration, ledger, late) == []
 
 
-async def test_bind_outlasting_its_reservation_fails_and_withdraws_the_grant(
+@dataclass
+class LapsingBind:
+    """One replica whose clock the test moves (`skew`) and whose periodic sweep never runs, one
+    80 GiB card, and pod a (60 GiB) in the cluster, about to be filtered there."""
+
+    service: SchedulerService
+    registration: NodeRegistration
+    a: dict[str, Any]
+    skew: list[float]
+
+    @property
+    def node(self) -> str:
+        return self.registration.node
+
+    def now(self) -> float:
+        return time.time() + self.skew[0]
+
+
+async def lapsing_bind(
     make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
-) -> None:
-    """Through the extender: pod a's cluster bind takes longer than its reservation (and its
-    claim); meanwhile another replica gives a's room to pod b. a's bind reports a clear error,
-    its allocation leaves the ledger (the node agent serves it nothing) and its pod loses the
-    grant annotations; b keeps its room; no card is overfilled."""
+) -> LapsingBind:
     skew = [0.0]
     service = await make_service(config={"sweep_interval_s": 3600.0},
                                  clock=lambda: time.time() + skew[0])  # fmt: skip
     registration = node(unique("n"), gpus=1, memory_mib=80 * GIB)
-    name = await setup_node(buckets, service, registration)
-    a = cluster.add_pod(pod(container(mem=60 * GIB)))
+    await setup_node(buckets, service, registration)
+    return LapsingBind(service, registration, cluster.add_pod(pod(container(mem=60 * GIB))), skew)
+
+
+# Who is given a's 60 GiB while a's reservation has lapsed: another replica's reservation (in
+# the ledger), or a pod HAMi's scheduler placed there (foreign.py: known from the cluster only,
+# never in the ledger). The re-fit must see both.
+TAKERS = ["tessera-reservation", "hami-pod"]
+
+
+async def give_room_away(
+    setup: LapsingBind, taker: str, buckets: Buckets, cluster: InMemoryCluster
+) -> str:
+    """Pod b takes 60 GiB of the card as the replica now sees it; returns b's uid."""
+    if taker == "hami-pod":
+        held = cluster.add_pod(hami_pod(
+            unique("hami-b"), setup.node, f"GPU-{setup.node}-0,NVIDIA-A100,{60 * GIB},0:;",
+            mem=60 * GIB, cores=0,
+        ))  # fmt: skip
+        await wait_until(lambda: setup.service.index.foreign_allocations(setup.node))
+        return str(held["metadata"]["uid"])
     b_uid = unique("b")
-    real_bind = cluster.bind_pod
+    # Another replica's reservation, decided at write time: a's lapsed one holds nothing.
+    await LedgerWriter(buckets.ledger).reserve(
+        reservation(setup.registration, b_uid, 60 * GIB, setup.now()))
+    await wait_until(lambda: b_uid in (setup.service.index.entries[setup.node].ledger
+                                       or NodeLedger(node="")).allocations)  # fmt: skip
+    return b_uid
 
-    async def slow_bind(namespace: str, pod_name: str, uid: str, node_name: str) -> None:
-        if pod_name == a["metadata"]["name"]:
-            skew[0] += 3 * service.config.claim_ttl_s + service.settings.reservation_ttl_s
-            # Another replica's reservation, decided at write time: a's lapsed one holds nothing.
-            other = LedgerWriter(buckets.ledger)
-            await other.reserve(reservation(registration, b_uid, 60 * GIB, time.time() + skew[0]))
-        await real_bind(namespace, pod_name, uid, node_name)
 
-    cluster.bind_pod = slow_bind  # type: ignore[method-assign]
-    async with http_client(service) as client:
-        assert (await filter_call(client, a, [name]))["nodenames"] == [name]
-        error = await bind_call(client, a, name)
-    assert "reservation lapsed" in error and "given to other pods" in error, error
-    ledger = await read(buckets, name)
+async def assert_b_kept_its_room(setup: LapsingBind, taker: str, b_uid: str,
+                                 buckets: Buckets, cluster: InMemoryCluster) -> None:  # fmt: skip
+    """a holds nothing (ledger, annotations); b still holds its room; no card is overfilled
+    counting every consumer (the ledger and HAMi's pods)."""
+    a = setup.a
+    ledger = await read(buckets, setup.node)
     assert a["metadata"]["uid"] not in ledger.allocations
-    assert ledger.allocations[b_uid].state == AllocationState.RESERVED
-    assert overfilled(registration, ledger, time.time() + skew[0]) == []
-    annotations = cluster.pods[("default", a["metadata"]["name"])]["metadata"]["annotations"]
+    foreign = setup.service.index.foreign_allocations(setup.node)
+    if taker == "hami-pod":
+        assert [f.pod_uid for f in foreign] == [b_uid]
+    else:
+        assert ledger.allocations[b_uid].state == AllocationState.RESERVED
+    held = [*ledger.allocations.values(), *foreign]
+    assert over_capacity(build_cards(setup.registration, held, setup.now())) == []
+    assert_grant_withdrawn(cluster, a)
+
+
+def assert_grant_withdrawn(cluster: InMemoryCluster, spec: dict[str, Any]) -> None:
+    """The pod, bound in the cluster, lost its grant: marked failed as HAMi marks a failed bind,
+    no `vgpu-devices-to-allocate` a ledger rebuild could restore it from."""
+    annotations = cluster.pods[("default", spec["metadata"]["name"])]["metadata"]["annotations"]
     assert annotations[hami.ANN_BIND_PHASE] == hami.BIND_PHASE_FAILED
     assert hami.ANN_DEVICES_TO_ALLOCATE not in annotations
-    assert a["metadata"]["uid"] not in service.index.pod_nodes
+
+
+async def filter_and_bind(
+    setup: LapsingBind, cluster: InMemoryCluster, during_bind: Callable[[], Awaitable[None]]
+) -> str:
+    """Pod a through the extender (filter, then bind), `during_bind` running while its cluster
+    bind is on the wire; returns the bind's error."""
+    real_bind = cluster.bind_pod
+
+    async def bind(namespace: str, pod_name: str, uid: str, node_name: str) -> None:
+        if uid == setup.a["metadata"]["uid"]:
+            await during_bind()
+        await real_bind(namespace, pod_name, uid, node_name)
+
+    cluster.bind_pod = bind  # type: ignore[method-assign]
+    async with http_client(setup.service) as client:
+        assert (await filter_call(client, setup.a, [setup.node]))["nodenames"] == [setup.node]
+        return await bind_call(client, setup.a, setup.node)
+
+
+@pytest.mark.parametrize("taker", TAKERS)
+async def test_bind_outlasting_its_reservation_fails_and_withdraws_the_grant(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster, taker: str
+) -> None:
+    """Through the extender: pod a's cluster bind takes longer than its reservation (and its
+    claim); meanwhile its room is given to pod b. a's bind reports a clear error, its
+    allocation leaves the ledger (the node agent serves it nothing) and its pod loses the grant
+    annotations; b keeps its room; no card is overfilled."""
+    setup = await lapsing_bind(make_service, buckets, cluster)
+    service = setup.service
+    taken: list[str] = []
+
+    async def slow() -> None:
+        setup.skew[0] += 3 * service.config.claim_ttl_s + service.settings.reservation_ttl_s
+        taken.append(await give_room_away(setup, taker, buckets, cluster))
+
+    error = await filter_and_bind(setup, cluster, slow)
+    assert "reservation lapsed" in error and "given to other pods" in error, error
+    await assert_b_kept_its_room(setup, taker, taken[0], buckets, cluster)
+    assert setup.a["metadata"]["uid"] not in service.index.pod_nodes
 
 
 async def test_reservation_swept_during_the_bind_fails_it_and_withdraws_the_grant(
@@ -145,56 +230,29 @@ async def test_reservation_swept_during_the_bind_fails_it_and_withdraws_the_gran
     """Pod a's reservation is swept (it lapsed, and the pod was not yet bound in the cluster)
     while its cluster bind is on the wire: the bind reports the reservation gone instead of
     success, and the pod loses the grant annotations (its room may be another pod's now)."""
-    service = await make_service(config={"sweep_interval_s": 3600.0})
-    registration = node(unique("n"), gpus=1, memory_mib=80 * GIB)
-    name = await setup_node(buckets, service, registration)
-    a = cluster.add_pod(pod(container(mem=60 * GIB)))
-    real_bind = cluster.bind_pod
+    setup = await lapsing_bind(make_service, buckets, cluster)
 
-    async def bind_while_swept(namespace: str, pod_name: str, uid: str, node_name: str) -> None:
-        writer = LedgerWriter(buckets.ledger)
-        await writer.release(node_name, uid)  # what the sweep does to a lapsed reservation
-        await real_bind(namespace, pod_name, uid, node_name)
+    async def swept() -> None:  # what the sweep does to a lapsed reservation
+        await LedgerWriter(buckets.ledger).release(setup.node, setup.a["metadata"]["uid"])
 
-    cluster.bind_pod = bind_while_swept  # type: ignore[method-assign]
-    async with http_client(service) as client:
-        assert (await filter_call(client, a, [name]))["nodenames"] == [name]
-        error = await bind_call(client, a, name)
+    error = await filter_and_bind(setup, cluster, swept)
     assert "reservation was gone" in error, error
-    annotations = cluster.pods[("default", a["metadata"]["name"])]["metadata"]["annotations"]
-    assert annotations[hami.ANN_BIND_PHASE] == hami.BIND_PHASE_FAILED
-    assert hami.ANN_DEVICES_TO_ALLOCATE not in annotations
+    assert_grant_withdrawn(cluster, setup.a)
 
 
+@pytest.mark.parametrize("taker", TAKERS)
 async def test_sweep_does_not_adopt_a_bound_pod_whose_room_was_given_away(
-    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster, taker: str
 ) -> None:
     """A replica bound pod a in the cluster and died before recording it; a's reservation
-    lapsed, and another replica gave its room to b. The sweep finds a bound in the cluster but
-    must not mark it bound on b's room: a's allocation goes and its grant is withdrawn."""
-    skew = [0.0]
-    service = await make_service(config={"sweep_interval_s": 3600.0},
-                                 clock=lambda: time.time() + skew[0])  # fmt: skip
-    registration = node(unique("n"), gpus=1, memory_mib=80 * GIB)
-    name = await setup_node(buckets, service, registration)
-    a = cluster.add_pod(pod(container(mem=60 * GIB)))
-    async with http_client(service) as client:
-        assert (await filter_call(client, a, [name]))["nodenames"] == [name]
-    await cluster.bind_pod("default", a["metadata"]["name"], a["metadata"]["uid"], name)
-    skew[0] += service.settings.reservation_ttl_s + 5
-    b_uid = unique("b")
-    other = LedgerWriter(buckets.ledger)
-    await other.reserve(reservation(registration, b_uid, 60 * GIB, time.time() + skew[0]))
-    for _ in range(200):  # the index has seen b's reservation
-        entry = service.index.entries[name]
-        if entry.ledger is not None and b_uid in entry.ledger.allocations:
-            break
-        await asyncio.sleep(0.02)
-    await service.scheduler.sweep()
-    ledger = await read(buckets, name)
-    assert a["metadata"]["uid"] not in ledger.allocations
-    assert b_uid in ledger.allocations
-    assert overfilled(registration, ledger, time.time() + skew[0]) == []
-    annotations = cluster.pods[("default", a["metadata"]["name"])]["metadata"]["annotations"]
-    assert annotations[hami.ANN_BIND_PHASE] == hami.BIND_PHASE_FAILED
-    assert hami.ANN_DEVICES_TO_ALLOCATE not in annotations
+    lapsed, and its room was given to b. The sweep finds a bound in the cluster but must not
+    mark it bound on b's room: a's allocation goes and its grant is withdrawn."""
+    setup = await lapsing_bind(make_service, buckets, cluster)
+    a = setup.a
+    async with http_client(setup.service) as client:
+        assert (await filter_call(client, a, [setup.node]))["nodenames"] == [setup.node]
+    await cluster.bind_pod("default", a["metadata"]["name"], a["metadata"]["uid"], setup.node)
+    setup.skew[0] += setup.service.settings.reservation_ttl_s + 5
+    b_uid = await give_room_away(setup, taker, buckets, cluster)
+    await setup.service.scheduler.sweep()
+    await assert_b_kept_its_room(setup, taker, b_uid, buckets, cluster)
