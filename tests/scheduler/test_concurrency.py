@@ -2,7 +2,18 @@
 
 A fake node agent plays Allocate (marks bound pods allocated, releases the claim); a checker
 watches every ledger revision of the test's nodes and records any GPU over memory, cores or
-slots. Pods are deleted at random meanwhile, so releases race with reservations.
+slots. Pods are deleted at random meanwhile, so releases race with reservations. Afterwards
+every deleted pod's allocation must leave the ledger within the bound the scheduler README
+states (the pod watch at once; the periodic reconcile when the watch missed it).
+
+Bounded on a loaded machine: new pods start only during PLACE_BUDGET_S (a starved run places
+fewer, still 32 at a time), and the wait for releases ends at the README's bound. What made a
+run under double CI load outlast pytest's 300 s (session 6): 1000 pods took up to ~85 s to
+place beside two CPU hogs (17 s quiet), and each replica's pod watch, awaiting every release
+in turn, ended the burst ~750 events behind: deleted pods' GPUs stayed held up to 38 s after
+the deletion (past the README's bound; fixed in the runtime: releases run off the watch), so
+most pods were refused; the old final loop (100 tries, 0.1 s apart, six KV reads each) then
+neither waited for the stated bound nor ended at one.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ import asyncio
 import contextlib
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.scheduler.cards import build_cards, over_capacity
@@ -24,9 +36,20 @@ from tessera.models import AllocationState, NodeLedger
 from .conftest import MakeService, agent_allocate, register, unique, wait_until
 from .factories import GIB, container, node, pod
 
-PODS = 1000
-NODES = 6
+PODS = 400
+NODES = 3
 GPUS = 4
+PLACE_BUDGET_S = 60.0  # no pod starts after this (a quiet machine places all 400 in ~15 s)
+MIN_BOUND = 100  # pods bound: enough to have raced (a quiet run binds ~380)
+# The runtime's reconcile releases only allocations older than its listing by this much
+# (services/scheduler/runtime.py `_reconcile_loop`): a pod deleted just before a listing
+# waits for the next one.
+LISTING_SLACK_S = 5.0
+LOADED_MARGIN_S = 10.0  # a reconcile pass on a starved machine (list 1000 pods, release each)
+# "On the pod watch event (at once)": the median deleted pod's allocation is gone this soon
+# (400 pods beside two CPU hogs, load 5-6: 0.4-0.6 s; when the watch awaited each release in
+# turn: 2.7 s quiet, 16-21 s beside the hogs, with 70 % of the pods refused meanwhile).
+AT_ONCE_S = 1.5
 
 
 def random_pod(rng: random.Random, namespace: str) -> dict[str, Any]:
@@ -40,19 +63,36 @@ def random_pod(rng: random.Random, namespace: str) -> dict[str, Any]:
     return pod(spec, namespace=namespace, annotations=annotations)
 
 
+@dataclass
+class Observed:
+    """What the checker saw: overfills, ledger revisions, and how long each deleted pod's
+    allocation stayed in the ledger after the deletion (seconds, as the checker saw it)."""
+
+    violations: list[str] = field(default_factory=list)
+    revisions: int = 0
+    deleted_at: dict[str, float] = field(default_factory=dict)  # uid -> time.time() of delete
+    release_lags: list[float] = field(default_factory=list)
+
+
 async def fake_agent_and_checker(
-    buckets: Buckets, registrations: dict[str, Any], violations: list[str], seen: list[int]
+    buckets: Buckets, registrations: dict[str, Any], seen: Observed
 ) -> None:
     allocating: set[str] = set()  # one Allocate per pod, as kubelet makes (no CAS storm)
+    held: dict[str, set[str]] = {}  # node -> uids its last revision held
     async for key, value, _revision in bus.watch_models(buckets.ledger, NodeLedger):
         if key not in registrations or value is None:
             continue
-        seen[0] += 1
+        seen.revisions += 1
+        now = time.time()
+        for uid in held.get(key, set()) - value.allocations.keys():
+            if uid in seen.deleted_at:
+                seen.release_lags.append(now - seen.deleted_at[uid])
+        held[key] = set(value.allocations)
         # At the clock of the moment the revision is seen: a reservation that has lapsed
         # holds nothing (the scheduler may give its room away), so a clock of 0 would report
         # a lapsed reservation and its successor as an overfill that never was.
-        cards = build_cards(registrations[key], value.allocations.values(), time.time())
-        violations.extend(over_capacity(cards))
+        cards = build_cards(registrations[key], value.allocations.values(), now)
+        seen.violations.extend(over_capacity(cards))
         for claim in value.in_flight().values():
             allocation = value.allocations.get(claim.pod_uid)
             if (allocation is not None and allocation.state == AllocationState.BOUND
@@ -68,6 +108,7 @@ async def place(
     names: list[str],
     rng: random.Random,
     stats: dict[str, int],
+    deleted_at: dict[str, float],
 ) -> None:
     spec = cluster.add_pod(spec)
     meta = spec["metadata"]
@@ -84,10 +125,12 @@ async def place(
     )
     if error:
         stats["bind_errors"] += 1
+        print(f"bind error: {error[:160]}")
         return
     stats["bound"] += 1
     if rng.random() < 0.98:  # nearly every pod ends soon, so capacity keeps turning over
         await asyncio.sleep(rng.uniform(0, 0.2))
+        deleted_at[meta["uid"]] = time.time()
         cluster.delete_pod(meta["namespace"], meta["name"])
 
 
@@ -104,9 +147,8 @@ async def test_two_replicas_never_overfill_a_gpu(
     names = list(registrations)
     for replica in replicas:
         await wait_until(lambda r=replica: all(r.index.node(n) for n in names))
-    violations: list[str] = []
-    seen = [0]
-    checker = asyncio.create_task(fake_agent_and_checker(buckets, registrations, violations, seen))
+    seen = Observed()
+    checker = asyncio.create_task(fake_agent_and_checker(buckets, registrations, seen))
 
     async def heartbeat() -> None:  # as node agents do: a loaded run outlives 2 x node TTL
         while True:
@@ -116,37 +158,41 @@ async def test_two_replicas_never_overfill_a_gpu(
                 await register(buckets, fresh)
 
     beating = asyncio.create_task(heartbeat())
-    stats = {"bound": 0, "refused": 0, "bind_errors": 0}
+    stats = {"bound": 0, "refused": 0, "bind_errors": 0, "not_started": 0}
     namespace = unique("ns")
     gate = asyncio.Semaphore(32)
+    started = time.perf_counter()
 
     async def one(spec: dict[str, Any]) -> None:
         async with gate:
-            await place(replicas, cluster, spec, names, rng, stats)
+            if time.perf_counter() - started > PLACE_BUDGET_S:
+                stats["not_started"] += 1
+                return
+            await place(replicas, cluster, spec, names, rng, stats, seen.deleted_at)
 
-    started = time.perf_counter()
     await asyncio.gather(*(one(random_pod(rng, namespace)) for _ in range(PODS)))
-    elapsed = time.perf_counter() - started
-    await asyncio.sleep(0.3)
-    checker.cancel()
-    beating.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await checker
-    with contextlib.suppress(asyncio.CancelledError):
-        await beating
-
-    assert violations == [], violations[:10]
+    placed_s = time.perf_counter() - started
+    # The checker (and fake agent) must have run throughout: a watch that died early (a NATS
+    # timeout on a starved machine) would leave the overfill check vacuous.
+    assert not checker.done(), checker.exception()
+    assert seen.violations == [], seen.violations[:10]
     # The checker really saw the ledger move: a bound pod writes its node's entry at least
     # three times (reservation with its claim, bound, allocated) and once more when it ends;
     # half of that leaves room for a checker that lags on a loaded machine.
-    assert seen[0] >= 2 * stats["bound"] > 0, (seen, stats)
+    assert seen.revisions >= 2 * stats["bound"] > 0, (seen.revisions, stats)
     # Enough pods went through to have raced (on a loaded 2-core machine fewer are bound
     # before their retries run out; the property under test is the absence of overfill).
-    assert stats["bound"] > PODS // 5, stats
-    assert stats["bound"] + stats["refused"] + stats["bind_errors"] == PODS
-    # Final state: every GPU within capacity; once the last deletions are processed, every
-    # allocation belongs to a live pod whose annotation matches the ledger's grants exactly.
+    assert stats["bound"] >= MIN_BOUND, stats
+    assert sum(stats.values()) == PODS, stats
+
+    # Final state: every GPU within capacity; every allocation that is not a reservation
+    # belongs to a live pod whose annotation matches the ledger's grants exactly, once the
+    # deletions are processed. The README's bound for that: at once on the pod watch event,
+    # at worst the reconcile interval (plus its listing slack) when the watch missed it.
     live = {p["metadata"]["uid"]: p for p in cluster.pods.values()}
+    reconcile_s = max(r.config.reconcile_interval_s for r in replicas)
+    bound_s = reconcile_s + LISTING_SLACK_S + LOADED_MARGIN_S
+    last_delete = max(seen.deleted_at.values(), default=time.time())
 
     async def leftovers() -> list[str]:
         stale = []
@@ -159,16 +205,41 @@ async def test_two_replicas_never_overfill_a_gpu(
                 if allocation.state == AllocationState.RESERVED:
                     continue
                 if uid not in live:
-                    stale.append(f"{uid} was deleted but still holds {name}")
+                    ago = time.time() - seen.deleted_at.get(uid, last_delete)
+                    stale.append(f"{uid} ({allocation.state.value}) deleted {ago:.1f} s ago "
+                                 f"still holds {name}")  # fmt: skip
                     continue
                 annotation = live[uid]["metadata"]["annotations"][hami.ANN_DEVICES_TO_ALLOCATE]
                 assert hami.decode_pod_devices(annotation) == allocation.containers
         return stale
 
-    for _ in range(100):
+    settle_started = time.perf_counter()
+    polls = 0
+    while True:
+        polls += 1
         stale = await leftovers()
-        if not stale:
+        if not stale or time.time() > last_delete + bound_s:
             break
-        await asyncio.sleep(0.1)
-    assert stale == []
-    print(f"{PODS} pods in {elapsed:.1f}s: {stats}")
+        await asyncio.sleep(0.25)
+    settle_s = time.perf_counter() - settle_started
+    backlog = [q.qsize() for q in getattr(cluster, "_pod_watchers", [])]  # diagnostic only
+    checker.cancel()
+    beating.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await checker
+    with contextlib.suppress(asyncio.CancelledError):
+        await beating
+    assert stale == [], (
+        f"{len(stale)} allocations of deleted pods outlived the stated release bound "
+        f"({bound_s:.0f} s after the last deletion; pod watch queues now {backlog}): {stale[:5]}"
+    )
+    lags = sorted(seen.release_lags) or [0.0]
+    # Released on the watch event, during the burst too (a deleted pod's GPUs held until the
+    # burst ends refuse new pods meanwhile), never later than the README's worst case.
+    assert lags[len(lags) // 2] <= AT_ONCE_S and lags[-1] <= bound_s, (
+        f"release after deletion: median {lags[len(lags) // 2]:.1f} s, max {lags[-1]:.1f} s "
+        f"(bounds {AT_ONCE_S} s, {bound_s:.0f} s)"
+    )
+    print(f"{PODS} pods, {placed_s:.1f} s placing, {settle_s:.1f} s until every deleted pod's "
+          f"allocation was gone ({polls} polls); release after deletion (as the checker saw "
+          f"it) p50 {lags[len(lags) // 2]:.2f} s, max {lags[-1]:.2f} s over {len(lags)}: {stats}")
