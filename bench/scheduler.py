@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import os
@@ -26,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from nats.js.errors import KeyWrongLastSequenceError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record import record_section
+from standins import LeanAgent, LeanClient
 from tessera.scheduler.cards import Card, allocation_usage, node_score
 from tessera.scheduler.decide import decide
 from tessera.scheduler.index import ClusterIndex
@@ -418,61 +417,18 @@ def allocate_payload(uid: str, payload: bytes) -> bytes:
 async def fake_agent(nc: Any, buckets: Any, stop: asyncio.Event) -> None:
     """The node agents' Allocate, as fast as it can be: on each `alloc.<node>.bound` event, mark
     the allocation allocated and take it out of the node's in-flight set in one real CAS (read
-    the entry, write it back at that revision; `allocate_payload`)."""
-
-    async def on_bound(msg: Any) -> None:
-        data = msgpack.unpackb(msg.data)["data"]
-        node, uid = data["node"], data["pod_uid"]
-        with contextlib.suppress(Exception):  # NoChange, or the run ending under it
-            for _ in range(20):
-                entry = await buckets.ledger.get(node)
-                payload = allocate_payload(uid, entry.value)
-                try:
-                    await buckets.ledger.update(node, payload, last=entry.revision)
-                    return
-                except KeyWrongLastSequenceError:
-                    continue
-
-    sub = await nc.subscribe(bus.alloc_events_filter("bound"), cb=on_bound)
+    the entry, write it back at that revision; `allocate_payload`). On the wire it is what the
+    agent's `bus.cas_update` sends; `standins.LeanAgent` does it without nats-py's per-request
+    work (the real agents run on the nodes, not on the cores the scheduler is measured on)."""
+    agent = LeanAgent(nc.connected_url.geturl(), bus.LEDGER_BUCKET,
+                      bus.alloc_events_filter("bound"), allocate_payload, bus.NoChange)
+    await agent.start()
     try:
         await stop.wait()
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-
-
-class LeanClient:
-    """Keep-alive HTTP/1.1 JSON POSTs over asyncio streams: the load generator shares the two
-    cores with the scheduler, so it must cost little (httpx costs ~3 ms of CPU per call here;
-    kube-scheduler, in Go, far less)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self.opened: list[asyncio.StreamWriter] = []
-
-    async def post(self, path: str, body: bytes) -> Any:
-        if self.idle:
-            reader, writer = self.idle.pop()
-        else:
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-            self.opened.append(writer)
-        head = (f"POST {path} HTTP/1.1\r\nHost: scheduler\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-        writer.write(head + body)
-        headers = await reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in headers.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        payload = await reader.readexactly(length)
-        self.idle.append((reader, writer))
-        return json.loads(payload)
-
-    async def close(self) -> None:
-        for writer in self.opened:
-            writer.close()
+        agent.close()
+        if os.environ.get("BENCH_DEBUG"):
+            print(f"fake agent: {agent.allocated} allocated, {agent.gave_up} given up", flush=True)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -503,13 +459,14 @@ async def drive(
     splits: list[tuple[float, float, str]] = []
     outcomes = {"bound": 0, "refused": 0, "bind_errors": 0}
     gate = asyncio.Semaphore(E2E_CONCURRENCY)
-    names_json = json.dumps(names)
+    # kube-scheduler builds the list from its node cache; it is encoded here once, not per call
+    names_json = json.dumps(names).encode()
 
     async def one(spec: dict[str, Any]) -> None:
         async with gate:
             started = time.perf_counter()
-            body = f'{{"pod": {json.dumps(spec)}, "nodenames": {names_json}}}'
-            result = await rng.choice(clients).post("/filter", body.encode())
+            body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), names_json)
+            result = await rng.choice(clients).post("/filter", body)
             if not result.get("nodenames"):
                 outcomes["refused"] += 1
                 return
