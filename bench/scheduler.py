@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -485,6 +485,8 @@ async def drive(
     await asyncio.gather(*(one(s) for s in pods))
     elapsed = time.perf_counter() - started
     if os.environ.get("BENCH_DEBUG"):
+        per_node = Counter(row[2] for row in splits)
+        print(f"pods on {len(per_node)} nodes, most on one: {per_node.most_common(3)}")
         for row in sorted(splits, key=lambda r: -(r[0] + r[1]))[:10]:
             print(f"slow: filter {row[0] * 1000:.0f} ms, bind {row[1] * 1000:.0f} ms on {row[2]}")
     return {
