@@ -136,7 +136,7 @@ class LedgerGuard:
             seen = judged[1]
             changed = {uid: a for uid, a in value.allocations.items() if seen.get(uid) is not a}
             if not any(map(_whole_entry_check, changed.values())):
-                subset = NodeLedger.model_construct(node=value.node, allocations=changed)
+                subset = value.model_copy(update={"allocations": changed})
                 if ledger_problem(key, subset, registration, self.bounds) is None:
                     self._judged[key] = (devices, value.allocations)
                     return None
