@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -393,12 +394,56 @@ async def populate(
     return nc, buckets
 
 
+class _Ledger(msgspec.Struct, forbid_unknown_fields=True):
+    """A ledger entry's data as `tessera.codec.encode` writes it (these fields, this order),
+    every value but the claims' and the allocations' keys left as its bytes."""
+
+    node: msgspec.Raw
+    allocations: dict[str, msgspec.Raw]
+    claim: msgspec.Raw
+    claims: dict[str, msgspec.Raw]
+
+
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    schema: msgspec.Raw
+    version: msgspec.Raw
+    data: _Ledger
+
+
+_ENTRY = msgspec.msgpack.Decoder(_Envelope)
+
+
 def allocate_payload(uid: str, payload: bytes) -> bytes:
     """The node agent's Allocate as a ledger edit (`finish_mutation`): the pod (`reserved` with a
     claim, or `bound`) becomes `allocated` and leaves the in-flight set; bus.NoChange when it is
     not in flight. It edits the entry's msgpack map instead of building the models (the fields
     `tessera.codec.encode` writes, with the same types, so readers see the canonical form): the
-    real agents run on the nodes, not on the cores the scheduler is measured on."""
+    real agents run on the nodes, not on the cores the scheduler is measured on. Only the pod's
+    allocation is decoded; every other value is copied as the bytes it was (`msgspec.Raw`), so
+    the result is byte for byte what decoding and packing it all gives (an entry of another
+    form than the canonical one is edited that way)."""
+    try:
+        envelope = _ENTRY.decode(payload)
+    except msgspec.ValidationError:
+        return _allocate_payload_decoded(uid, payload)
+    ledger = envelope.data
+    claim = msgpack.unpackb(ledger.claim)
+    legacy = isinstance(claim, dict) and claim.get("pod_uid") == uid
+    if uid not in ledger.claims and not legacy:
+        raise bus.NoChange
+    raw = ledger.allocations.get(uid)
+    if raw is not None:
+        allocation = msgpack.unpackb(raw)
+        if allocation["state"] in ("reserved", "bound"):
+            allocation.update(state="allocated", expires_at=None, updated_at=time.time())
+            ledger.allocations[uid] = msgspec.Raw(msgpack.packb(allocation, use_bin_type=True))
+    ledger.claims.pop(uid, None)
+    if legacy:
+        ledger.claim = msgspec.Raw(msgpack.packb(None))
+    return msgspec.msgpack.encode(envelope)
+
+
+def _allocate_payload_decoded(uid: str, payload: bytes) -> bytes:
     envelope = msgpack.unpackb(payload)
     ledger = envelope["data"]
     claim = ledger.get("claim")
