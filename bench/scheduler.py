@@ -4,7 +4,7 @@
    5,000 nodes × 8 GPUs, 50 % occupied, on one random trace; p50/p99 and decisions per second.
 2. The same trace through a baseline that rebuilds usage from every allocation in the cluster on
    every call and fits every node (HAMi's method); the speed-up as a ratio.
-3. filter + bind end to end over HTTP (uvicorn in a child process) with the real NATS ledger at
+3. filter + bind end to end over HTTP (the extender in a child process) with the real NATS ledger at
    1,000 and 5,000 nodes; a fake node agent releases each claim as Allocate would.
 """
 
@@ -644,10 +644,11 @@ def main() -> None:
         *ratio_rows,
         "",
         f"**End to end over HTTP**: filter (all N names) then bind, {E2E_CONCURRENCY} pods in "
-        "flight, against `tessera.scheduler` in a child process (uvicorn, uvloop) with the real "
-        "NATS ledger (JetStream file storage). The client process plays kube-scheduler (a lean "
-        "keep-alive HTTP client) and the node agents (on each `alloc.<node>.bound` event it marks "
-        "the allocation allocated and releases the node's claim, as Allocate does); the cluster "
+        "flight, against `tessera.scheduler` in a child process (its HTTP server, uvloop) with the "
+        "real NATS ledger (JetStream file storage). The client process plays kube-scheduler (a "
+        "lean keep-alive HTTP client) and the node agents (on each `alloc.<node>.bound` event it "
+        "marks the allocation allocated and releases the node's claim in one CAS, as Allocate "
+        "does; the same requests on the wire, `bench/standins.py`); the cluster "
         "port accepts patches and binds without an API server. All of it, nats-server included, "
         "shares the machine's 2 cores with other work, so the CPU each process spent per pod is "
         "reported too. Target ≥ 200 pods/s at 5,000 nodes. Latency = filter + bind per pod.",
