@@ -183,6 +183,7 @@ class PodFilter:
                 ttl_s=self.settings.reservation_ttl_s,
                 may_create=entry.ledger is None,
                 foreign=self.index.foreign_allocations(entry.name),
+                claim_ahead=self.ledger.writer.claim_ahead,  # (set here: no copy in reserve)
                 # The decision's fit stands for the write's own when it was made without a
                 # quota limit (the write fits without one: the quota is held already).
                 decided=(entry.ledger, fit) if (

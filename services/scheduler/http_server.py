@@ -73,6 +73,8 @@ class _Connection(asyncio.Protocol):
         self.queue: deque[tuple[str, str, Any, bool]] = deque()
         self.worker: asyncio.Task[None] | None = None
         self.idle: asyncio.TimerHandle | None = None
+        self.loop = asyncio.get_running_loop()
+        self.active_at = 0.0  # the last request data or reply: idle is counted from there
         self.writable: asyncio.Future[None] | None = None
         self.closing = False
         self._url = b""
@@ -105,16 +107,14 @@ class _Connection(asyncio.Protocol):
         self.writable = None
 
     def data_received(self, data: bytes) -> None:
-        self._disarm_idle()
+        self.active_at = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse()
         except httptools.HttpParserError:
             self._refuse()
-        else:
-            if not self.queue and self.worker is None and not self.closing:
-                self._arm_idle()
+
 
     # --- httptools callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -166,7 +166,7 @@ class _Connection(asyncio.Protocol):
             self.paused = True  # a client pipelining without reading: wait for it
             self.transport.pause_reading()
         if self.worker is None:
-            self.worker = asyncio.get_running_loop().create_task(self._serve())
+            self.worker = self.loop.create_task(self._serve())
 
     # --- answering ----------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -199,8 +199,7 @@ class _Connection(asyncio.Protocol):
                     self.transport.resume_reading()
         finally:
             self.worker = None
-            if not self.closing:
-                self._arm_idle()
+            self.active_at = self.loop.time()
 
     def _refuse(self) -> None:
         if not self.closing:
@@ -209,13 +208,28 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _arm_idle(self) -> None:
-        self._disarm_idle()
-        self.idle = asyncio.get_running_loop().call_later(KEEP_ALIVE_S, self._close_idle)
+        """One timer per connection, not one per request: when it fires early (the connection
+        was active since), it is set again for what is left of KEEP_ALIVE_S."""
+        self.active_at = self.loop.time()
+        self.idle = self.loop.call_later(KEEP_ALIVE_S, self._check_idle)
 
     def _disarm_idle(self) -> None:
         if self.idle is not None:
             self.idle.cancel()
             self.idle = None
+
+    def _check_idle(self) -> None:
+        self.idle = None
+        if self.closing:
+            return
+        if self.worker is not None or self.queue:  # answering: idle counts from the reply
+            self.idle = self.loop.call_later(KEEP_ALIVE_S, self._check_idle)
+            return
+        left = self.active_at + KEEP_ALIVE_S - self.loop.time()
+        if left > 0:
+            self.idle = self.loop.call_later(left, self._check_idle)
+            return
+        self._close_idle()
 
     def _close_idle(self) -> None:
         if self.worker is None and not self.queue and not self.closing:

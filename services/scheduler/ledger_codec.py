@@ -48,6 +48,9 @@ _HEAD = b"".join([
     _pack("data"),
 ])  # fmt: skip
 _KEYS = {name: _pack(name) for name in _FIELDS}
+# The encode below writes `node`, `allocations`, then these, as `tessera.codec.encode` does.
+_TAIL = _FIELDS[2:]
+assert _FIELDS[:2] == ("node", "allocations"), "NodeLedger's field order changed: see encode"
 
 
 def _map_header(n: int) -> bytes:
@@ -100,12 +103,14 @@ class LedgerCodec:
     """Encode and decode ledger entries, reusing the allocations that did not change."""
 
     def __init__(self, encode_nodes: int = _ENCODE_NODES) -> None:
-        # node -> uid -> (hash of the allocation's bytes, the allocation decoded from them)
-        self._decoded: dict[str, dict[str, tuple[int, Allocation]]] = {}
+        # node -> uid -> (the allocation, its map entry's bytes or b"", the hash of its bytes)
+        self._decoded: dict[str, dict[str, tuple[Allocation, bytes, int]]] = {}
         # node -> uid -> (allocation, its key and bytes, their hash), for the nodes written
         # most recently
         self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes, int]]] = OrderedDict()
         self._encode_nodes = encode_nodes
+        # node -> (claim, claims, the bytes of the fields after `allocations`) of its last write
+        self._tails: dict[str, tuple[Any, Any, bytes]] = {}
         self._interned = _Interned()
 
     # --- encode ---------------------------------------------------------------------------------
@@ -113,34 +118,36 @@ class LedgerCodec:
         """The same bytes as `tessera.codec.encode(ledger)`."""
         node = ledger.node
         previous = self._encoded.pop(node, None) or {}
+        tail = self._tails.get(node)
+        if tail is None or tail[0] is not ledger.claim or tail[1] is not ledger.claims:
+            # The fields after `allocations`: claims change on a claim or an Allocate, not on a
+            # reservation's or a bind's write (the same objects: mutate functions copy on write).
+            tail = self._tails[node] = (ledger.claim, ledger.claims, self._pack_tail(ledger))
+        # uid -> (allocation, its map entry: key and value, the hash of its value)
         kept: dict[str, tuple[Allocation, bytes, int]] = {}
-        decoded: dict[str, tuple[int, Allocation]] = {}
-        parts = [_HEAD]
-        rest = ledger.model_dump(mode="json", exclude={"allocations"})
-        parts.append(_map_header(len(rest) + 1))
-        for name in _FIELDS:
-            if name != "allocations":
-                if name in rest:
-                    parts.append(_KEYS[name])
-                    parts.append(_pack(rest[name]))
-                continue
-            parts.append(_KEYS[name])
-            parts.append(_map_header(len(ledger.allocations)))
-            for uid, allocation in ledger.allocations.items():
-                cached = previous.get(uid)
-                if cached is None or cached[0] is not allocation:
-                    packed = _pack(allocation.model_dump(mode="json"))
-                    # (the allocation, its map entry: key and value, the hash of its value)
-                    cached = (allocation, _pack(uid) + packed, hash(packed))
-                kept[uid] = cached
-                decoded[uid] = (cached[2], allocation)
-                parts.append(cached[1])
+        parts = [_HEAD, _map_header(len(_FIELDS)), _KEYS["node"], _pack(node),
+                 _KEYS["allocations"], _map_header(len(ledger.allocations))]  # fmt: skip
+        append = parts.append
+        for uid, allocation in ledger.allocations.items():
+            cached = previous.get(uid)
+            if cached is None or cached[0] is not allocation:
+                packed = _pack(allocation.model_dump(mode="json"))
+                cached = (allocation, _pack(uid) + packed, hash(packed))
+            kept[uid] = cached
+            append(cached[1])
+        append(tail[2])
         self._encoded[node] = kept
         while len(self._encoded) > self._encode_nodes:
-            self._encoded.popitem(last=False)
+            gone, _ = self._encoded.popitem(last=False)
+            self._tails.pop(gone, None)
         # What this write leaves in the KV is what the next decode compares against.
-        self._decoded[node] = decoded
+        self._decoded[node] = kept
         return b"".join(parts)
+
+    @staticmethod
+    def _pack_tail(ledger: NodeLedger) -> bytes:
+        rest = ledger.model_dump(mode="json", include=set(_TAIL))
+        return b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
 
     # --- decode ---------------------------------------------------------------------------------
     def decode(self, node: str, payload: bytes) -> NodeLedger:
@@ -154,20 +161,20 @@ class LedgerCodec:
             self.forget(node)
             return wire_fast.ledger_from(data, wire_fast.UNSET)
         previous = self._decoded.get(node, {})
-        known: dict[str, tuple[int, Allocation]] = {}
+        known: dict[str, tuple[Allocation, bytes, int]] = {}
         merged: dict[str, Allocation] = {}
         for uid, raw in data.allocations.items():
             digest = hash(bytes(raw))
             seen = previous.get(uid)
-            if seen is not None and seen[0] == digest:
-                allocation = seen[1]
+            if seen is not None and seen[2] == digest:
+                allocation = seen[0]
             else:
                 fresh = wire_fast.decode_allocation(raw)
                 if fresh is None:
                     return self._full(node, payload)  # not canonical: the ordinary decode judges
                 allocation = fresh
             merged[uid] = allocation
-            known[uid] = (digest, allocation)
+            known[uid] = (allocation, b"", digest)
         self._decoded[node] = known
         return wire_fast.ledger_from(data, merged)
 
@@ -212,6 +219,7 @@ class LedgerCodec:
         """The node's entry is gone (or unreadable): hold nothing of it."""
         self._decoded.pop(node, None)
         self._encoded.pop(node, None)
+        self._tails.pop(node, None)
 
 
 __all__ = ["CodecError", "LedgerCodec"]

@@ -57,16 +57,20 @@ class NodeNamesCache:
     def parse(self, body: bytes) -> dict[str, Any] | None:
         """The body as a JSON object with lower-cased keys and `nodenames` a NodeNames, or
         None when the fast path does not apply (the caller parses the whole body)."""
-        cut = self._cut(body)
-        if cut is None:
+        start = self._start(body)
+        if start is None:
             return None
-        start, end = cut
-        array = body[start:end]
-        known = self._lookup(array)
-        if known is None:
-            known = self._learn(array)
+        found = self._lookup(body, start)
+        if found is None:
+            end = body.find(b"]", start)
+            if end < 0 or end + 1 - start < _MIN_BYTES:
+                return None
+            end += 1
+            known = self._learn(body[start:end])
             if known is None:
                 return None
+        else:
+            known, end = found
         rest = body[:start] + _PLACEHOLDER_JSON + body[end:]
         if rest.count(_PLACEHOLDER_JSON) != 1:
             return None
@@ -83,33 +87,35 @@ class NodeNamesCache:
         return lowered
 
     @staticmethod
-    def _cut(body: bytes) -> tuple[int, int] | None:
-        """[start, end) of the array after the last `"nodenames":`, up to its first `]`."""
-        at = body.rfind(_KEY)
-        if at < 0:
-            return None
-        i = at + len(_KEY)
+    def _start(body: bytes) -> int | None:
+        """Where the array after the first `"nodenames":` starts (its `[`). (The first such,
+        not the last: kube-scheduler writes the pod first and the list after it, and a search
+        from the end walks back through the whole list. Which occurrence is cut does not matter
+        for exactness: the rest must parse with the placeholder as the top-level `nodenames`.)"""
+        at = body.find(_KEY)
         n = len(body)
-        while i < n and body[i] in _WS:
-            i += 1
-        if i >= n or body[i] != ord(":"):
-            return None
-        i += 1
-        while i < n and body[i] in _WS:
-            i += 1
-        if i >= n or body[i] != ord("["):
-            return None
-        end = body.find(b"]", i)
-        if end < 0 or end - i < _MIN_BYTES:
-            return None
-        return i, end + 1
+        while at >= 0:
+            i = at + len(_KEY)
+            while i < n and body[i] in _WS:
+                i += 1
+            if i < n and body[i] == ord(":"):
+                i += 1
+                while i < n and body[i] in _WS:
+                    i += 1
+                if i < n and body[i] == ord("["):
+                    return i
+            at = body.find(_KEY, at + 1)
+        return None
 
-    def _lookup(self, array: bytes) -> NodeNames | None:
+    def _lookup(self, body: bytes, start: int) -> tuple[NodeNames, int] | None:
+        """A remembered array whose bytes the body holds at `start` (compared in place), and
+        where it ends. A remembered array is a whole JSON array holding no `]` but its last
+        byte, so a match is exactly the cut up to the first `]`."""
         for i, (known, names) in enumerate(self._recent):
-            if known == array:
+            if body.startswith(known, start):
                 if i:
                     self._recent.insert(0, self._recent.pop(i))
-                return names
+                return names, start + len(known)
         return None
 
     def _learn(self, array: bytes) -> NodeNames | None:

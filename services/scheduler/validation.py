@@ -48,6 +48,13 @@ _FINISHED = ("Succeeded", "Failed")
 Rebuild = Callable[[str, NodeLedger | None], Awaitable[NodeLedger]]
 
 
+def _whole_entry_check(allocation: Allocation) -> bool:
+    """Whether `ledger_problem` judges this allocation against the whole entry and the clock
+    (a preemption mark, a dynamic-MIG grant)."""
+    return bool(allocation.preempted_by or allocation.preempted_until is not None
+                or allocation.mig_grants())
+
+
 class LedgerGuard:
     """Validates registrations, ledger entries and quota records; quarantines and repairs."""
 
@@ -71,6 +78,8 @@ class LedgerGuard:
         self.retry_s = retry_s
         self.quarantined: dict[str, tuple[int, Problem]] = {}  # node -> (bad revision, why)
         self._repairs: dict[str, asyncio.Task[None]] = {}
+        # node -> (the devices list, the allocations map of a value judged valid with them)
+        self._judged: dict[str, tuple[Any, dict[str, Allocation]]] = {}
 
     # --- checks called by the watches -----------------------------------------------------------
     def registration_ok(
@@ -99,12 +108,45 @@ class LedgerGuard:
     def ledger_ok(self, key: str, value: NodeLedger, revision: int) -> bool:
         entry = self.index.entries.get(key)
         registration = entry.registered if entry is not None else None
-        problem = ledger_problem(key, value, registration, self.bounds, self.clock())
+        problem = self._ledger_problem(key, value, registration)
         if problem is None:
             self.ledger_valid(key)
             return True
         self.ledger_rejected(key, revision, problem)
         return False
+
+    def _ledger_problem(
+        self, key: str, value: NodeLedger, registration: Any
+    ) -> Problem | None:
+        """`tessera.validation.ledger_problem`, judging again only what changed.
+
+        A node's entry is rewritten for one pod at a time, and the codec hands the allocations
+        that did not change over as the very objects of the value before. Every check
+        `ledger_problem` makes of an allocation without a preemption mark or a MIG grant reads
+        only that allocation, its uid, the key and the registration's devices. So when the
+        last value judged valid under this key was judged with the same devices list, and
+        neither it nor any changed allocation has a mark or a MIG grant (those are judged
+        against the whole entry and the clock), only the allocations that are not the same
+        objects as then are judged; the rest passed the same checks. On a problem the whole
+        value is judged again, so the problem reported is the one it always was."""
+        devices = registration.devices if registration is not None else None
+        fresh = type(value) is NodeLedger
+        judged = self._judged.get(key) if fresh else None
+        if judged is not None and judged[0] is devices and value.node == key:
+            seen = judged[1]
+            changed = {uid: a for uid, a in value.allocations.items() if seen.get(uid) is not a}
+            if not any(map(_whole_entry_check, changed.values())):
+                subset = value.model_copy(update={"allocations": changed})
+                if ledger_problem(key, subset, registration, self.bounds) is None:
+                    self._judged[key] = (devices, value.allocations)
+                    return None
+        problem = ledger_problem(key, value, registration, self.bounds, self.clock())
+        if problem is None and fresh and not any(map(_whole_entry_check,
+                                                     value.allocations.values())):  # fmt: skip
+            self._judged[key] = (devices, value.allocations)
+        else:
+            self._judged.pop(key, None)
+        return problem
 
     def ledger_valid(self, key: str) -> None:
         """A valid value (or a delete) arrived: the node leaves quarantine."""

@@ -170,3 +170,27 @@ async def test_httpx_client_sees_the_same_extender(served: Any) -> None:
     assert metrics.status_code == 200 and "tessera_scheduler_" in metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, HEAD"
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_and_a_used_one_is_not(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle is counted from the last request or reply: a connection used every 0.2 s outlives
+    the 0.5 s keep-alive; left alone, it is closed about 0.5 s after its last reply."""
+    from tessera.scheduler import http_server
+
+    monkeypatch.setattr(http_server, "KEEP_ALIVE_S", 0.5)
+    _service, port = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(6):  # 1.2 s of use, more than twice the keep-alive
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: s\r\n\r\n")
+            status, _headers, _body = await read_reply(reader)
+            assert status == 200
+            await asyncio.sleep(0.2)
+        last = loop.time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        assert 0.2 <= loop.time() - last < 3.0
+    finally:
+        writer.close()
