@@ -21,6 +21,7 @@ import numpy as np
 from tessera.hami import PodRequest
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
+from .candidate_order import PolicyOrder, policy_sign, walk
 from .cards import (
     Card,
     add_charges,
@@ -139,76 +140,40 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return total
 
 
-_CHUNK = 64  # candidates ordered and checked first; each later selection is _GROWTH × larger
-_GROWTH = 4
-
-
-def _positions(groups: list[np.ndarray], keys: np.ndarray) -> Iterator[np.ndarray]:
-    """Positions into the candidates in policy order, a chunk at a time: per group, the best
-    _CHUNK keys by partial selection (those strictly better than the _CHUNK-th sorted, then its
-    ties in the caller's order, unsorted), then the best 4× as many of the rest, and so on. A
-    selection costs O(rest); only what is selected is sorted. Busy nodes or nodes the summaries
-    fill up (binpack's fullest first) thus cost a few selections, never a sort of every
-    candidate.
-
-    A plain function (not a method): the generator holds no reference to the ordering, so a
-    decision that stops early leaves no reference cycle for the cyclic GC to find."""
-    for group in groups:
-        rest, size = group, _CHUNK
-        while len(rest):
-            rest_keys = keys[rest]
-            if len(rest) <= 2 * size:
-                yield from _pieces(rest[np.argsort(rest_keys, kind="stable")], size)
-                break
-            kth = np.partition(rest_keys, size - 1)[size - 1]
-            better = rest_keys < kth
-            if better.any():
-                yield rest[better][np.argsort(rest_keys[better], kind="stable")]
-            yield from _pieces(rest[rest_keys == kth], size)  # ties: the caller's order
-            rest = rest[rest_keys > kth]
-            size *= _GROWTH
-
-
-def _pieces(positions: np.ndarray, size: int) -> Iterator[np.ndarray]:
-    for start in range(0, len(positions), size):
-        yield positions[start : start + size]
-
-
-def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
+def _possible(index: ClusterIndex, slots: np.ndarray, needs: list[Need]) -> np.ndarray:
     """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
-    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
-    the order of those `_mask` passes is unchanged. Each bound is taken at its largest over the
-    containers."""
+    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), read
+    before the per-card summaries. Each bound is taken at its largest over the containers."""
     gpus = max((n.gpus for n in needs), default=0)
-    possible = columns["free_gpus"] >= max(gpus, 0)
+    possible = index.free_gpus[slots] >= max(gpus, 0)
     carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
     memory = max((n.memory_mib for n in carded), default=0)
     if memory > 0:
-        possible &= columns["bound_mem"] >= memory
+        possible &= index.bound_mem[slots] >= memory
     percentage = max((n.memory_percentage for n in carded), default=0)
     if percentage > 0:
-        possible &= columns["bound_pct"] >= percentage
+        possible &= index.bound_pct[slots] >= percentage
     cores = max((n.cores for n in carded), default=0)
     if cores > 0:
-        possible &= columns["bound_cores"] >= cores
+        possible &= index.bound_cores[slots] >= cores
     computing = max((n.gpus for n in carded if not n.cores), default=0)
     if computing > 0:
-        possible &= columns["bound_computing"] >= computing
+        possible &= index.bound_computing[slots] >= computing
     idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
     if idle > 0:
-        possible &= columns["bound_idle"] >= idle
+        possible &= index.bound_idle[slots] >= idle
     return possible
 
 
 class _Columns:
-    """The per-node values a decision reads (score, busy, the bounds), gathered in one candidate
-    list's order and kept current from the index's log of written rows. kube-scheduler sends
-    the same list call after call and a call changes a few nodes: a decision then patches the
-    rows written since the last one and reads contiguous arrays, instead of gathering every
-    candidate's values again (O(changed rows), not O(candidates))."""
+    """The per-node values a decision orders by (score, busy), gathered in one candidate list's
+    order and kept current from the index's log of written rows, and the list's order under
+    each node policy (`candidate_order.PolicyOrder`), told which positions' scores changed.
+    kube-scheduler sends the same list call after call and a call changes a few nodes: a
+    decision then patches the rows written since the last one, instead of gathering and
+    sorting every candidate again (O(changed rows), not O(candidates))."""
 
-    NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
-             "bound_computing", "bound_idle")  # fmt: skip
+    NAMES = ("scores", "busy")
 
     def __init__(self, slots: np.ndarray) -> None:
         self.slots = slots
@@ -216,12 +181,13 @@ class _Columns:
         # a slot listed twice, so the values are gathered again instead of patched.
         self.where: dict[int, int] | bool | None = None
         self.arrays: dict[str, np.ndarray] = {}
+        self.orders: dict[str, PolicyOrder] = {}
         self.seen = -1  # the log position these values are current at (-1: never gathered)
 
-    def current(self, index: ClusterIndex, log: list[int], base: int) -> dict[str, np.ndarray]:
+    def current(self, index: ClusterIndex, log: list[int], base: int) -> _Columns:
         fresh = base + len(log)
         if fresh == self.seen:
-            return self.arrays
+            return self
         few = self.seen >= base and (fresh - self.seen) * 16 <= len(self.slots)
         if few and self.where is None:
             self.where = {slot: position for position, slot in enumerate(self.slots.tolist())}
@@ -229,18 +195,41 @@ class _Columns:
                 self.where = False
         where = self.where
         if not few or not where:
+            before = self.arrays.get("scores")
             slots = self.slots
             self.arrays = {name: getattr(index, name)[slots] for name in self.NAMES}
+            if before is None:
+                self.orders.clear()
+            else:
+                self._changed(np.flatnonzero(before != self.arrays["scores"]).tolist())
         else:
-            arrays = self.arrays
             assert isinstance(where, dict)
+            scores, busy = self.arrays["scores"], self.arrays["busy"]
+            index_scores, index_busy = index.scores, index.busy
+            changed = []
             for slot in set(log[self.seen - base :]):
                 position = where.get(slot)
                 if position is not None:
-                    for name, column in arrays.items():
-                        column[position] = getattr(index, name)[slot]
+                    busy[position] = index_busy[slot]
+                    score = index_scores[slot]
+                    if score != scores[position]:
+                        scores[position] = score
+                        changed.append(position)
+            self._changed(changed)
         self.seen = fresh
-        return self.arrays
+        return self
+
+    def _changed(self, positions: list[int]) -> None:
+        if positions:
+            for order in self.orders.values():
+                order.changed(positions)
+
+    def order(self, policy: str) -> PolicyOrder:
+        """The list in the node policy's order (built at its first use)."""
+        order = self.orders.get(policy)
+        if order is None:
+            order = self.orders[policy] = PolicyOrder(policy_sign(policy), self.arrays["scores"])
+        return order
 
 
 class _ColumnCache:
@@ -261,7 +250,7 @@ class _ColumnCache:
             del self.written[:drop]
             self.base += drop
 
-    def columns(self, index: ClusterIndex, slots: np.ndarray) -> dict[str, np.ndarray]:
+    def columns(self, index: ClusterIndex, slots: np.ndarray) -> _Columns:
         columns = self.kept.get(id(slots))
         if columns is None or columns.slots is not slots:
             columns = _Columns(slots)
@@ -273,9 +262,10 @@ class _ColumnCache:
 
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
-    caller's order), produced a chunk at a time; each chunk is checked against the index's
-    per-card summaries when it is reached. Candidates that the per-node bounds already rule out
-    (`ClusterIndex._possible`) are never ordered nor checked: they are pruned."""
+    caller's order), walked a chunk at a time from the list's kept policy order
+    (`candidate_order.walk`); each chunk is checked when it is reached: first against the
+    per-node bounds (`_possible`), then the per-card summaries (`ClusterIndex._mask`). The
+    candidates either refuses are pruned."""
 
     def __init__(
         self, index: ClusterIndex, slots: np.ndarray, needs: list[Need], node_policy: str,
@@ -285,42 +275,39 @@ class _Ordering:
         self.slots = slots
         self.needs = needs
         columns = index._columns(slots)
-        scores = columns["scores"]
-        # binpack: fullest first; spread: emptiest first. Copies: the columns move on.
-        self.keys = keys = -scores if node_policy == "binpack" else scores.copy()
-        possible = _possible(columns, needs)
-        self.busy: np.ndarray | None = None  # as it was when ordered (the policy order's)
-        if avoid_busy:
-            self.busy = busy = columns["busy"].copy()
-            groups = [np.flatnonzero(possible & ~busy), np.flatnonzero(possible & busy)]
-        else:
-            groups = [np.flatnonzero(possible)]
+        snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
+        # as it was when ordered (the policy order's)
+        self.busy: np.ndarray | None = columns.arrays["busy"].copy() if avoid_busy else None
         self.survivors: list[int] = []
-        self.checked = 0  # candidates checked against the per-card summaries so far
+        self.checked = 0  # candidates walked (bounds, then per-card summaries) so far
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
-        self._pending = _positions(groups, keys)
+        self.walked: list[np.ndarray] = []  # positions in policy order, as walked
+        self._pending = walk(snapshot, self.busy)
 
     def advance(self) -> bool:
         """Check the next chunk; False when every candidate was checked."""
         positions = next(self._pending, None)
         if positions is None:
             return False
+        self.walked.append(positions)
         chunk = self.slots[positions]
-        mask = self.index._mask(chunk, self.needs)
-        self.survivors.extend(chunk[mask].tolist())
-        self.passed[positions[mask]] = True
+        mask = _possible(self.index, chunk, self.needs)
+        possible = np.flatnonzero(mask)
+        if len(possible):
+            mask[possible] = self.index._mask(chunk[possible], self.needs)
+            self.survivors.extend(chunk[mask].tolist())
+            self.passed[positions[mask]] = True
         self.checked += len(positions)
         return True
 
     def pruned(self) -> list[int]:
-        """Every candidate that is not a survivor, in policy order (ordered here, in full: only
-        a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
+        """Every candidate that is not a survivor, in policy order (walked in full: only a
+        refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
             pass
-        if self.busy is not None:
-            order = np.lexsort((self.keys, self.busy))
-        else:
-            order = np.argsort(self.keys, kind="stable")
+        if not self.walked:
+            return []
+        order = np.concatenate(self.walked)
         return self.slots[order[~self.passed[order]]].tolist()
 
     def views(self) -> tuple[Ordered, Pruned]:
@@ -800,7 +787,7 @@ class ClusterIndex:
                 new[: len(old)] = old
                 setattr(self, name, new)
 
-    def _columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+    def _columns(self, slots: np.ndarray) -> _Columns:
         """The decision's values of these candidates (`_Columns`, one per recent list)."""
         self._grow_bounds()
         return self._column_cache.columns(self, slots)
