@@ -32,7 +32,7 @@ def policy_sign(policy: str) -> float:
 class PolicyOrder:
     """The candidates of one list sorted by one policy's key, and the positions since changed."""
 
-    REBUILD = 64
+    REBUILD = int(__import__("os").environ.get("XREBUILD", "64"))
 
     def __init__(self, sign: float, scores: np.ndarray) -> None:
         self.sign = sign

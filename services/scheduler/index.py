@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from tessera.hami import PodRequest
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
 from .candidate_order import PolicyOrder, policy_sign, walk
+from .card_summaries import Cards, Need, joint_mask, summary_mask
 from .cards import (
     Card,
     add_charges,
@@ -105,24 +105,14 @@ class NodeEntry:
         self._cards = cards
 
 
-@dataclass(frozen=True)
-class Need:
-    """One container's demand: necessary conditions for a node to fit it."""
-
-    gpus: int
-    memory_mib: int
-    memory_percentage: int
-    cores: int
-
-    @classmethod
-    def of(cls, request: PodRequest) -> list[Need]:
-        """Every GPU container's demand (each must fit on its own, so each is necessary)."""
-        needs = {
-            cls(r.count, r.memory_mib if r.memory_percentage is None else 0,
-                r.memory_percentage or 0, r.cores)
-            for r in request.all if r is not None
-        }  # fmt: skip
-        return sorted(needs, key=lambda n: (n.gpus, n.memory_mib, n.cores))
+def free_percentage(free: int, memory: int) -> int:
+    """The largest `gpumem-percentage` a card with `free` of `memory` MiB can take: the largest
+    p with memory * p // 100 <= free (`ContainerRequest.memory_on`, rules.check_memory), so a
+    node whose card takes the request is never pruned (free * 100 // memory rounds down, and
+    refused 1 % = 819 MiB of an 80 GiB card with exactly 819 MiB free)."""
+    if memory <= 0:
+        return -1 if free < 0 else 32767
+    return min((100 * (free + 1) - 1) // memory, 32767)
 
 
 def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
@@ -269,11 +259,12 @@ class _Ordering:
 
     def __init__(
         self, index: ClusterIndex, slots: np.ndarray, needs: list[Need], node_policy: str,
-        avoid_busy: bool,
+        avoid_busy: bool, together: tuple[Need, ...] = (),
     ) -> None:
         self.index = index
         self.slots = slots
         self.needs = needs
+        self.together = together
         columns = index._columns(slots)
         snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
         # as it was when ordered (the policy order's)
@@ -294,7 +285,7 @@ class _Ordering:
         mask = _possible(self.index, chunk, self.needs)
         possible = np.flatnonzero(mask)
         if len(possible):
-            mask[possible] = self.index._mask(chunk[possible], self.needs)
+            mask[possible] = self.index._mask(chunk[possible], self.needs, self.together)
             self.survivors.extend(chunk[mask].tolist())
             self.passed[positions[mask]] = True
         self.checked += len(positions)
@@ -592,7 +583,7 @@ class ClusterIndex:
             ):
                 free = d.memory_mib - u_mem
                 mem.append(free)
-                pct.append(free * 100 // d.memory_mib if d.memory_mib else 0)
+                pct.append(free_percentage(free, d.memory_mib))
                 free_cores.append(d.cores - u_cores)
                 computing.append(d.cores == 0 or d.cores > u_cores)
                 idle.append(u_slots == 0)
@@ -620,8 +611,7 @@ class ClusterIndex:
         return (
             -1 if entry.blocked else len(usable),
             [c.memory_mib - c.used_mem for c in usable],
-            [(c.memory_mib - c.used_mem) * 100 // c.memory_mib if c.memory_mib else 0
-             for c in usable],
+            [free_percentage(c.memory_mib - c.used_mem, c.memory_mib) for c in usable],
             [c.cores - c.used_cores for c in usable],
             [c.cores == 0 or c.cores > c.used_cores for c in usable],
             [c.used_slots == 0 for c in usable],
@@ -735,35 +725,33 @@ class ClusterIndex:
         return array, unknown
 
     def order(
-        self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True
+        self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True,
+        together: tuple[Need, ...] = (),
     ) -> tuple[Ordered, Pruned]:
         """(survivors in policy order, pruned slots): cheap necessary conditions only.
 
         Per container, count the cards that could take it on memory, %, cores and exclusivity
         together (vectorised over candidates × cards); a node needs as many as the container
-        asks. Type, UUID, NUMA and quota rules are left to the per-GPU fit.
+        asks. `together` (`Need.together`): the app containers placed at once, which must also
+        fit the cards together (`card_summaries.joint_mask`). Type, UUID, NUMA and quota rules
+        are left to the per-GPU fit.
 
         With `avoid_busy`, nodes with a bind in flight go after the others (the node policy
         orders each group), so a burst is not serialised on one node's claim.
 
-        Lazy: a call usually stops at the first node that fits, so the candidates are ordered
-        and checked a chunk at a time, best first (a partial selection, not a sort of all N),
-        and the pruned ones are only known once every chunk was checked."""
-        return _Ordering(self, slots, needs, node_policy, avoid_busy).views()
+        Lazy: a call usually stops at the first node that fits, so the candidates are walked
+        and checked a chunk at a time, best first, from the list's kept order
+        (candidate_order.py), and the pruned ones are only known once every chunk was checked."""
+        return _Ordering(self, slots, needs, node_policy, avoid_busy, together).views()
 
-    def _mask(self, slots: np.ndarray, needs: list[Need]) -> np.ndarray:
-        mask = self.free_gpus[slots] >= 0
-        for need in needs:
-            ok = self.card_mem[slots] >= need.memory_mib
-            if need.memory_percentage:
-                ok &= self.card_pct[slots] >= need.memory_percentage
-            if need.cores:
-                ok &= self.card_cores[slots] >= need.cores
-            else:
-                ok &= self.card_computing[slots]
-            if need.cores >= 100:
-                ok &= self.card_idle[slots]
-            mask &= np.count_nonzero(ok, axis=1) >= need.gpus
+    def _mask(
+        self, slots: np.ndarray, needs: list[Need], together: tuple[Need, ...] = ()
+    ) -> np.ndarray:
+        """The candidates whose per-card summaries can hold the pod (card_summaries.py)."""
+        cards = Cards(self, slots)
+        mask = summary_mask(cards, self.free_gpus[slots], needs)
+        if together and mask.any():
+            mask &= joint_mask(cards, together)
         return mask
 
     # --- per-node bounds: the decision's pre-filter ------------------------------------------
