@@ -16,11 +16,13 @@ The walk is exactly the full stable sort (`tests/scheduler/test_candidate_order.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator
 
 import numpy as np
 
-CHUNK = 64  # candidates read first; each later chunk GROWTH × larger
+HEAD = 8  # candidates of the kept order read first (in Python)
+CHUNK = 64  # then this many (numpy), each later chunk GROWTH × larger
 GROWTH = 4
 
 
@@ -32,7 +34,7 @@ def policy_sign(policy: str) -> float:
 class PolicyOrder:
     """The candidates of one list sorted by one policy's key, and the positions since changed."""
 
-    REBUILD = int(__import__("os").environ.get("XREBUILD", "64"))
+    REBUILD = 64
 
     def __init__(self, sign: float, scores: np.ndarray) -> None:
         self.sign = sign
@@ -102,34 +104,47 @@ class PolicyOrder:
 
 
 def walk(
-    snapshot: tuple[np.ndarray, ...], busy: np.ndarray | None
-) -> Iterator[np.ndarray]:
-    """Positions in policy order, a chunk at a time: with `busy` (by position), the others
-    first and then the busy ones, each group in the policy order. Every position once.
+    snapshot: tuple[np.ndarray, ...], busy: np.ndarray | None, possible: np.ndarray
+) -> Iterator[list[int] | np.ndarray]:
+    """The `possible` positions in policy order, a chunk at a time: with `busy` (by position),
+    the others first and then the busy ones, each group in the policy order. Each once.
+
+    Each group's first chunk (`HEAD` of the kept order and the moved positions before its
+    last) is a Python list, merged in Python: most calls fit on one of the first nodes, and a
+    dozen numpy calls on a few elements cost more than the Python. The rest are numpy arrays.
 
     A plain function (a generator holding no reference to its caller's objects), so a decision
     that stops early leaves no reference cycle for the cyclic GC."""
     perm, perm_keys, dirty, moved, moved_keys = snapshot
-    groups: tuple[bool | None, ...] = (False, True) if busy is not None else (None,)
-    total = len(perm)
-    for group in groups:
-        if group is None or busy is None:
-            extra, extra_keys = moved, moved_keys
-        else:
-            chosen = busy[moved] == group
-            extra, extra_keys = moved[chosen], moved_keys[chosen]
-        start, size, taken = 0, CHUNK, 0
+    moved_pairs = list(zip(moved_keys.tolist(), moved.tolist(), strict=True))  # sorted
+    for group in (False, True) if busy is not None else (None,):
+        out = ~possible
+        if busy is not None:
+            out |= busy if not group else ~busy
+        pairs = [pair for pair, o in zip(moved_pairs, out[moved].tolist(), strict=True) if not o]
+        kept = perm[np.flatnonzero(~(out | dirty)[perm])]  # the group's kept ones, in order
+        total = len(kept)
+        # The head, in Python.
+        raw = kept[:HEAD].tolist()
+        raw_keys = perm_keys[raw].tolist()
+        head = list(zip(raw_keys, raw, strict=True))
+        taken = len(pairs) if len(raw) >= total else bisect_right(pairs, (raw_keys[-1], raw[-1]))
+        if taken:
+            head = sorted(head + pairs[:taken])
+        if head:
+            yield [position for _key, position in head]
+        start, size = len(raw), CHUNK
+        if start >= total:
+            continue
+        extra = np.array([position for _key, position in pairs], dtype=np.int64)
+        extra_keys = np.array([key for key, _position in pairs], dtype=np.float64)
         while start < total:
-            raw = perm[start : start + size]
+            chunk = kept[start : start + size]
             start += size
-            keep = ~dirty[raw]
-            if busy is not None:
-                keep &= busy[raw] if group else ~busy[raw]
-            chunk = raw[keep]
             if start >= total:
                 upto = len(extra)
             else:  # the moved positions that sort before the next chunk's first
-                last = int(raw[-1])
+                last = int(chunk[-1])
                 bound = perm_keys[last]
                 low = int(np.searchsorted(extra_keys, bound, side="left"))
                 high = int(np.searchsorted(extra_keys, bound, side="right"))
@@ -142,5 +157,12 @@ def walk(
             if len(chunk):
                 yield chunk
             size *= GROWTH
-        if taken < len(extra):  # no kept positions at all
-            yield extra[taken:]
+
+
+def full_order(snapshot: tuple[np.ndarray, ...], busy: np.ndarray | None) -> np.ndarray:
+    """Every position in policy order (busy ones last), as of the snapshot: a full sort, for
+    the rare caller that needs them all (a refused pod's reasons)."""
+    _perm, perm_keys, _dirty, moved, moved_keys = snapshot
+    keys = perm_keys.copy()
+    keys[moved] = moved_keys
+    return np.lexsort((keys, busy)) if busy is not None else np.argsort(keys, kind="stable")

@@ -97,6 +97,26 @@ def summary_mask(cards: Cards, free_gpus: np.ndarray, needs: list[Need]) -> np.n
     return mask
 
 
+def row_holds(
+    memory: list[int], percentage: list[int], cores: list[int], computing: list[bool],
+    idle: list[bool], needs: list[Need],
+) -> bool:
+    """`summary_mask` for one node (its free GPUs >= 0), from its row of each array."""
+    for need in needs:
+        mib, pct, asked = need.memory_mib, need.memory_percentage, need.cores
+        cards = 0
+        for i, free in enumerate(memory):
+            if (
+                free >= mib and (not pct or percentage[i] >= pct)
+                and (cores[i] >= asked if asked else computing[i])
+                and (asked < 100 or idle[i])
+            ):  # fmt: skip
+                cards += 1
+        if cards < need.gpus:
+            return False
+    return True
+
+
 def joint_mask(cards: Cards, together: tuple[Need, ...]) -> np.ndarray:
     """Per node: its cards can hold every grant of the containers together (a necessary
     condition: memory and cores summed per pair of containers sharing a card)."""

@@ -20,8 +20,8 @@ import numpy as np
 
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
-from .candidate_order import PolicyOrder, policy_sign, walk
-from .card_summaries import Cards, Need, joint_mask, summary_mask
+from .candidate_order import PolicyOrder, full_order, policy_sign, walk
+from .card_summaries import Cards, Need, joint_mask, row_holds, summary_mask
 from .cards import (
     Card,
     add_charges,
@@ -130,28 +130,29 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return total
 
 
-def _possible(index: ClusterIndex, slots: np.ndarray, needs: list[Need]) -> np.ndarray:
+def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
     """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
-    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), read
-    before the per-card summaries. Each bound is taken at its largest over the containers."""
+    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
+    the order of those `_mask` passes is unchanged. Each bound is taken at its largest over the
+    containers."""
     gpus = max((n.gpus for n in needs), default=0)
-    possible = index.free_gpus[slots] >= max(gpus, 0)
+    possible = columns["free_gpus"] >= max(gpus, 0)
     carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
     memory = max((n.memory_mib for n in carded), default=0)
     if memory > 0:
-        possible &= index.bound_mem[slots] >= memory
+        possible &= columns["bound_mem"] >= memory
     percentage = max((n.memory_percentage for n in carded), default=0)
     if percentage > 0:
-        possible &= index.bound_pct[slots] >= percentage
+        possible &= columns["bound_pct"] >= percentage
     cores = max((n.cores for n in carded), default=0)
     if cores > 0:
-        possible &= index.bound_cores[slots] >= cores
+        possible &= columns["bound_cores"] >= cores
     computing = max((n.gpus for n in carded if not n.cores), default=0)
     if computing > 0:
-        possible &= index.bound_computing[slots] >= computing
+        possible &= columns["bound_computing"] >= computing
     idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
     if idle > 0:
-        possible &= index.bound_idle[slots] >= idle
+        possible &= columns["bound_idle"] >= idle
     return possible
 
 
@@ -163,7 +164,8 @@ class _Columns:
     decision then patches the rows written since the last one, instead of gathering and
     sorting every candidate again (O(changed rows), not O(candidates))."""
 
-    NAMES = ("scores", "busy")
+    NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
+             "bound_computing", "bound_idle")  # fmt: skip
 
     def __init__(self, slots: np.ndarray) -> None:
         self.slots = slots
@@ -194,17 +196,17 @@ class _Columns:
                 self._changed(np.flatnonzero(before != self.arrays["scores"]).tolist())
         else:
             assert isinstance(where, dict)
-            scores, busy = self.arrays["scores"], self.arrays["busy"]
-            index_scores, index_busy = index.scores, index.busy
+            arrays = self.arrays
+            scores, index_scores = arrays["scores"], index.scores
             changed = []
             for slot in set(log[self.seen - base :]):
                 position = where.get(slot)
                 if position is not None:
-                    busy[position] = index_busy[slot]
                     score = index_scores[slot]
                     if score != scores[position]:
-                        scores[position] = score
                         changed.append(position)
+                    for name, column in arrays.items():
+                        column[position] = getattr(index, name)[slot]
             self._changed(changed)
         self.seen = fresh
         return self
@@ -252,10 +254,11 @@ class _ColumnCache:
 
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
-    caller's order), walked a chunk at a time from the list's kept policy order
-    (`candidate_order.walk`); each chunk is checked when it is reached: first against the
-    per-node bounds (`_possible`), then the per-card summaries (`ClusterIndex._mask`). The
-    candidates either refuses are pruned."""
+    caller's order), walked from the list's kept policy order (`candidate_order.walk`).
+    Candidates that the per-node bounds already rule out (`_possible`) are never walked nor
+    checked: they are pruned. The others are checked as they are reached against the per-card
+    summaries: the first few one by one in Python (`row_holds`), then a chunk at a time
+    (`ClusterIndex._mask`)."""
 
     def __init__(
         self, index: ClusterIndex, slots: np.ndarray, needs: list[Need], node_policy: str,
@@ -266,39 +269,52 @@ class _Ordering:
         self.needs = needs
         self.together = together
         columns = index._columns(slots)
-        snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
+        self.snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
         # as it was when ordered (the policy order's)
         self.busy: np.ndarray | None = columns.arrays["busy"].copy() if avoid_busy else None
         self.survivors: list[int] = []
-        self.checked = 0  # candidates walked (bounds, then per-card summaries) so far
+        self.checked = 0  # candidates checked against the per-card summaries so far
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
-        self.walked: list[np.ndarray] = []  # positions in policy order, as walked
-        self._pending = walk(snapshot, self.busy)
+        self._head: list[int] = []  # positions of a walked head not checked yet
+        self._pending = walk(self.snapshot, self.busy, _possible(columns.arrays, needs))
 
     def advance(self) -> bool:
-        """Check the next chunk; False when every candidate was checked."""
-        positions = next(self._pending, None)
-        if positions is None:
-            return False
-        self.walked.append(positions)
+        """Check the next candidate of a head, or the next chunk; False when every candidate
+        was checked."""
+        if not self._head:
+            positions = next(self._pending, None)
+            if positions is None:
+                return False
+            if not isinstance(positions, list):
+                self._check_chunk(positions)
+                return True
+            self._head = positions[::-1]
+        position = self._head.pop()
+        slot = int(self.slots[position])
+        if self.together:
+            holds = bool(self.index._mask(np.array([slot]), self.needs, self.together)[0])
+        else:
+            holds = self.index.row_holds(slot, self.needs)
+        if holds:
+            self.survivors.append(slot)
+            self.passed[position] = True
+        self.checked += 1
+        return True
+
+    def _check_chunk(self, positions: np.ndarray) -> None:
         chunk = self.slots[positions]
-        mask = _possible(self.index, chunk, self.needs)
-        possible = np.flatnonzero(mask)
-        if len(possible):
-            mask[possible] = self.index._mask(chunk[possible], self.needs, self.together)
+        mask = self.index._mask(chunk, self.needs, self.together)
+        if mask.any():
             self.survivors.extend(chunk[mask].tolist())
             self.passed[positions[mask]] = True
         self.checked += len(positions)
-        return True
 
     def pruned(self) -> list[int]:
-        """Every candidate that is not a survivor, in policy order (walked in full: only a
-        refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
+        """Every candidate that is not a survivor, in policy order (ordered here, in full: only
+        a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
             pass
-        if not self.walked:
-            return []
-        order = np.concatenate(self.walked)
+        order = full_order(self.snapshot, self.busy)
         return self.slots[order[~self.passed[order]]].tolist()
 
     def views(self) -> tuple[Ordered, Pruned]:
@@ -743,6 +759,15 @@ class ClusterIndex:
         and checked a chunk at a time, best first, from the list's kept order
         (candidate_order.py), and the pruned ones are only known once every chunk was checked."""
         return _Ordering(self, slots, needs, node_policy, avoid_busy, together).views()
+
+    def row_holds(self, slot: int, needs: list[Need]) -> bool:
+        """`_mask` for one node, read in Python (cheaper than a dozen numpy calls on one row)."""
+        free = int(self.free_gpus[slot])
+        if free < 0:
+            return False
+        return row_holds(self.card_mem[slot].tolist(), self.card_pct[slot].tolist(),
+                         self.card_cores[slot].tolist(), self.card_computing[slot].tolist(),
+                         self.card_idle[slot].tolist(), needs)  # fmt: skip
 
     def _mask(
         self, slots: np.ndarray, needs: list[Need], together: tuple[Need, ...] = ()
