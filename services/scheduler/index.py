@@ -285,17 +285,13 @@ class _Ordering:
             positions = next(self._pending, None)
             if positions is None:
                 return False
-            if not isinstance(positions, list):
-                self._check_chunk(positions)
+            if not isinstance(positions, list) or self.together:  # (the joint bound: numpy)
+                self._check_chunk(np.asarray(positions, dtype=np.int64))
                 return True
             self._head = positions[::-1]
         position = self._head.pop()
         slot = int(self.slots[position])
-        if self.together:
-            holds = bool(self.index._mask(np.array([slot]), self.needs, self.together)[0])
-        else:
-            holds = self.index.row_holds(slot, self.needs)
-        if holds:
+        if self.index.row_holds(slot, self.needs):
             self.survivors.append(slot)
             self.passed[position] = True
         self.checked += 1
