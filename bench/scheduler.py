@@ -33,6 +33,7 @@ from record import record_section
 from standins import LeanAgent, LeanClient
 from tessera.scheduler.cards import Card, allocation_usage, node_score
 from tessera.scheduler.decide import decide
+from tessera.scheduler.gc_policy import GcPolicy
 from tessera.scheduler.index import ClusterIndex
 from tessera.scheduler.placement import fit_pod
 from tessera.scheduler.rules import FitContext, parse_pod_options
@@ -189,6 +190,11 @@ def run_decisions(
     del registrations, ledgers
     gc.collect()
     gc.freeze()  # as the service does once its index is synced
+    # ... and then its GC policy: the event loop collects every `interval_s` between calls
+    # (here: between two decisions, once that much time has passed), not inside them.
+    policy, thresholds = GcPolicy(), gc.get_threshold()
+    policy.install()
+    collect_at = time.perf_counter() + policy.interval_s
     cpu: list[float] = []  # placed pods (a refused pod's call also explains every node)
     wall: list[float] = []
     refused: list[float] = []
@@ -217,6 +223,10 @@ def run_decisions(
             init_count=len(request.init),
         )  # fmt: skip
         index.set_ledger(entry.name, ledger, entry.ledger_revision + 1, 0.0)
+        if time.perf_counter() >= collect_at:
+            policy.collect()
+            collect_at = time.perf_counter() + policy.interval_s
+    gc.set_threshold(*thresholds)
     return {
         "n": len(cpu), "placed": sum(p is not None for p in placements),
         "cpu_p50_ms": percentile(cpu, 0.50) * 1000, "cpu_p99_ms": percentile(cpu, 0.99) * 1000,

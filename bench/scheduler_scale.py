@@ -13,7 +13,9 @@ flight, the real NATS ledger, a fake agent releasing each claim as Allocate does
     python bench/scheduler_scale.py                       # 5,000 and 20,000 nodes, recorded
     BENCH_SIZES=5000 BENCH_REPEAT=3 python bench/scheduler_scale.py   # medians of 3
 
-`BENCH_NO_RECORD=1` prints without writing bench/RESULTS.md. `BENCH_RESTART_ONLY=1` only spawns
+`BENCH_NO_RECORD=1` prints without writing bench/RESULTS.md. `BENCH_DECISION_ONLY=1` only measures
+the placement decision at 5,000 nodes (`fit_p99`, BENCH_REPEAT runs of each trace; printed).
+`BENCH_RESTART_ONLY=1` only spawns
 the scheduler BENCH_REPEAT times over one populated KV (restart to ready, its CPU, RSS; printed).
 `BENCH_JSON=path` also writes the raw figures. The "before" columns come from
 `scheduler_scale_before.json` (the same script run on the code before the Scale work; its commit
@@ -390,6 +392,9 @@ def main() -> None:
             print(f"median {nodes}: " + json.dumps(
                 {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             ))  # fmt: skip
+        return
+    if os.environ.get("BENCH_DECISION_ONLY") == "1":  # printed, not recorded
+        print(f"fit 5000: {json.dumps(fit_p99(5000))}", flush=True)
         return
     result: dict[str, Any] = {"e2e": {}, "note": os.environ.get("BENCH_NOTE", "")}
     if os.environ.get("BENCH_E2E_FROM"):  # the decision figures of that run too

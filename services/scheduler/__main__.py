@@ -14,6 +14,7 @@ from tessera.service import ServiceContext, print_help, run_service
 from tessera.settings import settings_help
 
 from .config import SchedulerSettings
+from .gc_policy import collect_between_calls
 
 if TYPE_CHECKING:
     from .runtime import SchedulerService
@@ -45,6 +46,7 @@ async def freeze_when_ready(service: SchedulerService, quiet_s: float = 60.0) ->
         await service.wait_ready(timeout=3600)
     gc.freeze()
     gc.enable()
+    await collect_between_calls()  # then collections between calls, never inside (gc_policy)
 
 
 async def serve(ctx: ServiceContext) -> None:

@@ -92,7 +92,9 @@ def decide(
     avoid_busy: bool = True,
 ) -> Decision:
     slots, unknown = index.resolve(names)
-    ordered, pruned = index.order(slots, Need.of(request), options.node_policy, avoid_busy)
+    ordered, pruned = index.order(
+        slots, Need.of(request), options.node_policy, avoid_busy, Need.together(request)
+    )
     return Decision(index, request, options, budget or QuotaBudget(), ordered, pruned, unknown)
 
 

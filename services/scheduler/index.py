@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from tessera.hami import PodRequest
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
+from .candidate_order import PolicyOrder, full_order, policy_sign, walk
+from .card_summaries import Cards, Need, joint_mask, row_holds, summary_mask
 from .cards import (
     Card,
     add_charges,
@@ -104,24 +105,14 @@ class NodeEntry:
         self._cards = cards
 
 
-@dataclass(frozen=True)
-class Need:
-    """One container's demand: necessary conditions for a node to fit it."""
-
-    gpus: int
-    memory_mib: int
-    memory_percentage: int
-    cores: int
-
-    @classmethod
-    def of(cls, request: PodRequest) -> list[Need]:
-        """Every GPU container's demand (each must fit on its own, so each is necessary)."""
-        needs = {
-            cls(r.count, r.memory_mib if r.memory_percentage is None else 0,
-                r.memory_percentage or 0, r.cores)
-            for r in request.all if r is not None
-        }  # fmt: skip
-        return sorted(needs, key=lambda n: (n.gpus, n.memory_mib, n.cores))
+def free_percentage(free: int, memory: int) -> int:
+    """The largest `gpumem-percentage` a card with `free` of `memory` MiB can take: the largest
+    p with memory * p // 100 <= free (`ContainerRequest.memory_on`, rules.check_memory), so a
+    node whose card takes the request is never pruned (free * 100 // memory rounds down, and
+    refused 1 % = 819 MiB of an 80 GiB card with exactly 819 MiB free)."""
+    if memory <= 0:
+        return -1 if free < 0 else 32767
+    return min((100 * (free + 1) - 1) // memory, 32767)
 
 
 def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
@@ -137,41 +128,6 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
                 held[1] += cores
                 held[2] += slots
     return total
-
-
-_CHUNK = 64  # candidates ordered and checked first; each later selection is _GROWTH × larger
-_GROWTH = 4
-
-
-def _positions(groups: list[np.ndarray], keys: np.ndarray) -> Iterator[np.ndarray]:
-    """Positions into the candidates in policy order, a chunk at a time: per group, the best
-    _CHUNK keys by partial selection (those strictly better than the _CHUNK-th sorted, then its
-    ties in the caller's order, unsorted), then the best 4× as many of the rest, and so on. A
-    selection costs O(rest); only what is selected is sorted. Busy nodes or nodes the summaries
-    fill up (binpack's fullest first) thus cost a few selections, never a sort of every
-    candidate.
-
-    A plain function (not a method): the generator holds no reference to the ordering, so a
-    decision that stops early leaves no reference cycle for the cyclic GC to find."""
-    for group in groups:
-        rest, size = group, _CHUNK
-        while len(rest):
-            rest_keys = keys[rest]
-            if len(rest) <= 2 * size:
-                yield from _pieces(rest[np.argsort(rest_keys, kind="stable")], size)
-                break
-            kth = np.partition(rest_keys, size - 1)[size - 1]
-            better = rest_keys < kth
-            if better.any():
-                yield rest[better][np.argsort(rest_keys[better], kind="stable")]
-            yield from _pieces(rest[rest_keys == kth], size)  # ties: the caller's order
-            rest = rest[rest_keys > kth]
-            size *= _GROWTH
-
-
-def _pieces(positions: np.ndarray, size: int) -> Iterator[np.ndarray]:
-    for start in range(0, len(positions), size):
-        yield positions[start : start + size]
 
 
 def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
@@ -201,11 +157,12 @@ def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
 
 
 class _Columns:
-    """The per-node values a decision reads (score, busy, the bounds), gathered in one candidate
-    list's order and kept current from the index's log of written rows. kube-scheduler sends
-    the same list call after call and a call changes a few nodes: a decision then patches the
-    rows written since the last one and reads contiguous arrays, instead of gathering every
-    candidate's values again (O(changed rows), not O(candidates))."""
+    """The per-node values a decision orders by (score, busy), gathered in one candidate list's
+    order and kept current from the index's log of written rows, and the list's order under
+    each node policy (`candidate_order.PolicyOrder`), told which positions' scores changed.
+    kube-scheduler sends the same list call after call and a call changes a few nodes: a
+    decision then patches the rows written since the last one, instead of gathering and
+    sorting every candidate again (O(changed rows), not O(candidates))."""
 
     NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
              "bound_computing", "bound_idle")  # fmt: skip
@@ -216,12 +173,13 @@ class _Columns:
         # a slot listed twice, so the values are gathered again instead of patched.
         self.where: dict[int, int] | bool | None = None
         self.arrays: dict[str, np.ndarray] = {}
+        self.orders: dict[str, PolicyOrder] = {}
         self.seen = -1  # the log position these values are current at (-1: never gathered)
 
-    def current(self, index: ClusterIndex, log: list[int], base: int) -> dict[str, np.ndarray]:
+    def current(self, index: ClusterIndex, log: list[int], base: int) -> _Columns:
         fresh = base + len(log)
         if fresh == self.seen:
-            return self.arrays
+            return self
         few = self.seen >= base and (fresh - self.seen) * 16 <= len(self.slots)
         if few and self.where is None:
             self.where = {slot: position for position, slot in enumerate(self.slots.tolist())}
@@ -229,18 +187,41 @@ class _Columns:
                 self.where = False
         where = self.where
         if not few or not where:
+            before = self.arrays.get("scores")
             slots = self.slots
             self.arrays = {name: getattr(index, name)[slots] for name in self.NAMES}
+            if before is None:
+                self.orders.clear()
+            else:
+                self._changed(np.flatnonzero(before != self.arrays["scores"]).tolist())
         else:
-            arrays = self.arrays
             assert isinstance(where, dict)
+            arrays = self.arrays
+            scores, index_scores = arrays["scores"], index.scores
+            changed = []
             for slot in set(log[self.seen - base :]):
                 position = where.get(slot)
                 if position is not None:
+                    score = index_scores[slot]
+                    if score != scores[position]:
+                        changed.append(position)
                     for name, column in arrays.items():
                         column[position] = getattr(index, name)[slot]
+            self._changed(changed)
         self.seen = fresh
-        return self.arrays
+        return self
+
+    def _changed(self, positions: list[int]) -> None:
+        if positions:
+            for order in self.orders.values():
+                order.changed(positions)
+
+    def order(self, policy: str) -> PolicyOrder:
+        """The list in the node policy's order (built at its first use)."""
+        order = self.orders.get(policy)
+        if order is None:
+            order = self.orders[policy] = PolicyOrder(policy_sign(policy), self.arrays["scores"])
+        return order
 
 
 class _ColumnCache:
@@ -261,7 +242,7 @@ class _ColumnCache:
             del self.written[:drop]
             self.base += drop
 
-    def columns(self, index: ClusterIndex, slots: np.ndarray) -> dict[str, np.ndarray]:
+    def columns(self, index: ClusterIndex, slots: np.ndarray) -> _Columns:
         columns = self.kept.get(id(slots))
         if columns is None or columns.slots is not slots:
             columns = _Columns(slots)
@@ -273,54 +254,63 @@ class _ColumnCache:
 
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
-    caller's order), produced a chunk at a time; each chunk is checked against the index's
-    per-card summaries when it is reached. Candidates that the per-node bounds already rule out
-    (`ClusterIndex._possible`) are never ordered nor checked: they are pruned."""
+    caller's order), walked from the list's kept policy order (`candidate_order.walk`).
+    Candidates that the per-node bounds already rule out (`_possible`) are never walked nor
+    checked: they are pruned. The others are checked as they are reached against the per-card
+    summaries: the first few one by one in Python (`row_holds`), then a chunk at a time
+    (`ClusterIndex._mask`)."""
 
     def __init__(
         self, index: ClusterIndex, slots: np.ndarray, needs: list[Need], node_policy: str,
-        avoid_busy: bool,
+        avoid_busy: bool, together: tuple[Need, ...] = (),
     ) -> None:
         self.index = index
         self.slots = slots
         self.needs = needs
+        self.together = together
         columns = index._columns(slots)
-        scores = columns["scores"]
-        # binpack: fullest first; spread: emptiest first. Copies: the columns move on.
-        self.keys = keys = -scores if node_policy == "binpack" else scores.copy()
-        possible = _possible(columns, needs)
-        self.busy: np.ndarray | None = None  # as it was when ordered (the policy order's)
-        if avoid_busy:
-            self.busy = busy = columns["busy"].copy()
-            groups = [np.flatnonzero(possible & ~busy), np.flatnonzero(possible & busy)]
-        else:
-            groups = [np.flatnonzero(possible)]
+        self.snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
+        # as it was when ordered (the policy order's)
+        self.busy: np.ndarray | None = columns.arrays["busy"].copy() if avoid_busy else None
         self.survivors: list[int] = []
         self.checked = 0  # candidates checked against the per-card summaries so far
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
-        self._pending = _positions(groups, keys)
+        self._head: list[int] = []  # positions of a walked head not checked yet
+        self._pending = walk(self.snapshot, self.busy, _possible(columns.arrays, needs))
 
     def advance(self) -> bool:
-        """Check the next chunk; False when every candidate was checked."""
-        positions = next(self._pending, None)
-        if positions is None:
-            return False
-        chunk = self.slots[positions]
-        mask = self.index._mask(chunk, self.needs)
-        self.survivors.extend(chunk[mask].tolist())
-        self.passed[positions[mask]] = True
-        self.checked += len(positions)
+        """Check the next candidate of a head, or the next chunk; False when every candidate
+        was checked."""
+        if not self._head:
+            positions = next(self._pending, None)
+            if positions is None:
+                return False
+            if not isinstance(positions, list) or self.together:  # (the joint bound: numpy)
+                self._check_chunk(np.asarray(positions, dtype=np.int64))
+                return True
+            self._head = positions[::-1]
+        position = self._head.pop()
+        slot = int(self.slots[position])
+        if self.index.row_holds(slot, self.needs):
+            self.survivors.append(slot)
+            self.passed[position] = True
+        self.checked += 1
         return True
+
+    def _check_chunk(self, positions: np.ndarray) -> None:
+        chunk = self.slots[positions]
+        mask = self.index._mask(chunk, self.needs, self.together)
+        if mask.any():
+            self.survivors.extend(chunk[mask].tolist())
+            self.passed[positions[mask]] = True
+        self.checked += len(positions)
 
     def pruned(self) -> list[int]:
         """Every candidate that is not a survivor, in policy order (ordered here, in full: only
         a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
             pass
-        if self.busy is not None:
-            order = np.lexsort((self.keys, self.busy))
-        else:
-            order = np.argsort(self.keys, kind="stable")
+        order = full_order(self.snapshot, self.busy)
         return self.slots[order[~self.passed[order]]].tolist()
 
     def views(self) -> tuple[Ordered, Pruned]:
@@ -605,7 +595,7 @@ class ClusterIndex:
             ):
                 free = d.memory_mib - u_mem
                 mem.append(free)
-                pct.append(free * 100 // d.memory_mib if d.memory_mib else 0)
+                pct.append(free_percentage(free, d.memory_mib))
                 free_cores.append(d.cores - u_cores)
                 computing.append(d.cores == 0 or d.cores > u_cores)
                 idle.append(u_slots == 0)
@@ -633,8 +623,7 @@ class ClusterIndex:
         return (
             -1 if entry.blocked else len(usable),
             [c.memory_mib - c.used_mem for c in usable],
-            [(c.memory_mib - c.used_mem) * 100 // c.memory_mib if c.memory_mib else 0
-             for c in usable],
+            [free_percentage(c.memory_mib - c.used_mem, c.memory_mib) for c in usable],
             [c.cores - c.used_cores for c in usable],
             [c.cores == 0 or c.cores > c.used_cores for c in usable],
             [c.used_slots == 0 for c in usable],
@@ -748,35 +737,42 @@ class ClusterIndex:
         return array, unknown
 
     def order(
-        self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True
+        self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True,
+        together: tuple[Need, ...] = (),
     ) -> tuple[Ordered, Pruned]:
         """(survivors in policy order, pruned slots): cheap necessary conditions only.
 
         Per container, count the cards that could take it on memory, %, cores and exclusivity
         together (vectorised over candidates × cards); a node needs as many as the container
-        asks. Type, UUID, NUMA and quota rules are left to the per-GPU fit.
+        asks. `together` (`Need.together`): the app containers placed at once, which must also
+        fit the cards together (`card_summaries.joint_mask`). Type, UUID, NUMA and quota rules
+        are left to the per-GPU fit.
 
         With `avoid_busy`, nodes with a bind in flight go after the others (the node policy
         orders each group), so a burst is not serialised on one node's claim.
 
-        Lazy: a call usually stops at the first node that fits, so the candidates are ordered
-        and checked a chunk at a time, best first (a partial selection, not a sort of all N),
-        and the pruned ones are only known once every chunk was checked."""
-        return _Ordering(self, slots, needs, node_policy, avoid_busy).views()
+        Lazy: a call usually stops at the first node that fits, so the candidates are walked
+        and checked a chunk at a time, best first, from the list's kept order
+        (candidate_order.py), and the pruned ones are only known once every chunk was checked."""
+        return _Ordering(self, slots, needs, node_policy, avoid_busy, together).views()
 
-    def _mask(self, slots: np.ndarray, needs: list[Need]) -> np.ndarray:
-        mask = self.free_gpus[slots] >= 0
-        for need in needs:
-            ok = self.card_mem[slots] >= need.memory_mib
-            if need.memory_percentage:
-                ok &= self.card_pct[slots] >= need.memory_percentage
-            if need.cores:
-                ok &= self.card_cores[slots] >= need.cores
-            else:
-                ok &= self.card_computing[slots]
-            if need.cores >= 100:
-                ok &= self.card_idle[slots]
-            mask &= np.count_nonzero(ok, axis=1) >= need.gpus
+    def row_holds(self, slot: int, needs: list[Need]) -> bool:
+        """`_mask` for one node, read in Python (cheaper than a dozen numpy calls on one row)."""
+        free = int(self.free_gpus[slot])
+        if free < 0:
+            return False
+        return row_holds(self.card_mem[slot].tolist(), self.card_pct[slot].tolist(),
+                         self.card_cores[slot].tolist(), self.card_computing[slot].tolist(),
+                         self.card_idle[slot].tolist(), needs)  # fmt: skip
+
+    def _mask(
+        self, slots: np.ndarray, needs: list[Need], together: tuple[Need, ...] = ()
+    ) -> np.ndarray:
+        """The candidates whose per-card summaries can hold the pod (card_summaries.py)."""
+        cards = Cards(self, slots)
+        mask = summary_mask(cards, self.free_gpus[slots], needs)
+        if together and mask.any():
+            mask &= joint_mask(cards, together)
         return mask
 
     # --- per-node bounds: the decision's pre-filter ------------------------------------------
@@ -800,7 +796,7 @@ class ClusterIndex:
                 new[: len(old)] = old
                 setattr(self, name, new)
 
-    def _columns(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+    def _columns(self, slots: np.ndarray) -> _Columns:
         """The decision's values of these candidates (`_Columns`, one per recent list)."""
         self._grow_bounds()
         return self._column_cache.columns(self, slots)

@@ -8,6 +8,7 @@ name. Adding a check is adding a function and a line in FIT_CHECKS. NUMA binding
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,23 +106,46 @@ def _sidecars(pod: dict[str, Any]) -> tuple[bool, ...]:
     )
 
 
+# Every annotation `parse_pod_options` reads, in the order it reads them.
+_OPTION_ANNOTATIONS = (
+    hami.ANN_GPU_POLICY, hami.ANN_NODE_POLICY, hami.ANN_SCORING_WEIGHTS, hami.ANN_VGPU_MODE,
+    hami.ANN_USE_GPUTYPE, hami.ANN_NOUSE_GPUTYPE, hami.ANN_USE_GPUUUID, hami.ANN_NOUSE_GPUUUID,
+    hami.ANN_NUMA_BIND, hami.ANN_SCRUB_ON_FREE,
+)  # fmt: skip
+
+
 def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOptions:
-    """Read the user knobs; an invalid one is a RequestError with a sentence."""
+    """Read the user knobs; an invalid one is a RequestError with a sentence.
+
+    The options are a function of those annotations' values, the defaults and the sidecar
+    flags only; pods of one workload carry the same ones, so the result (immutable) is kept per
+    distinct set of string values (`_remembered_options`) and each filter call reads ten keys."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {} if isinstance(meta, dict) else {}
     if not isinstance(annotations, dict):
         raise RequestError("metadata.annotations must be a map")
+    values = tuple(annotations.get(key) for key in _OPTION_ANNOTATIONS)
+    args = (values, settings.gpu_scheduler_policy, settings.node_scheduler_policy, _sidecars(pod))
+    if all(value is None or type(value) is str for value in values):
+        return _remembered_options(*args)
+    return _options(*args)  # a value of another type: refused as before, never remembered
+
+
+def _options(
+    values: tuple[Any, ...], gpu_default: str, node_default: str, sidecars: tuple[bool, ...]
+) -> PodOptions:
+    given = dict(zip(_OPTION_ANNOTATIONS, values, strict=True))
 
     def text(key: str) -> str | None:
-        value = annotations.get(key)
+        value = given[key]
         if value is None:
             return None
         if not isinstance(value, str):
             raise RequestError(f"annotation {key} must be a string")
         return value
 
-    gpu_policy = text(hami.ANN_GPU_POLICY) or settings.gpu_scheduler_policy
-    node_policy = text(hami.ANN_NODE_POLICY) or settings.node_scheduler_policy
+    gpu_policy = text(hami.ANN_GPU_POLICY) or gpu_default
+    node_policy = text(hami.ANN_NODE_POLICY) or node_default
     node_chain = parse_policy_chain(node_policy, NODE_POLICIES, hami.ANN_NODE_POLICY)
     if len(node_chain) != 1:
         raise RequestError(f"{hami.ANN_NODE_POLICY}: one of binpack, spread")
@@ -138,8 +162,12 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
         node_policy=node_chain[0],
         weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
         scrub_on_free=hami.parse_scrub_on_free(text(hami.ANN_SCRUB_ON_FREE)),
-        sidecar_init=_sidecars(pod),
+        sidecar_init=sidecars,
     )
+
+
+# A refusal (RequestError) is not remembered: lru_cache keeps results only.
+_remembered_options = functools.lru_cache(maxsize=512)(_options)
 
 
 # --- the checks, in HAMi's order ----------------------------------------------------------------

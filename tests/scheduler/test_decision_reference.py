@@ -230,3 +230,128 @@ def test_a_refused_pod_retried_gets_exact_reasons_fitting_only_changed_nodes(
         place(index, target, f"other-{attempt}", [[{
             "uuid": index.entries[target].cards[0].uuid, "type": "NVIDIA-H100",
             "memory_mib": GIB, "cores": 10}]], rng)  # fmt: skip
+
+
+def two_card_node(index: ClusterIndex, name: str, free_gib: tuple[int, ...], healthy: bool = True,
+                  memory_gib: int = 80) -> None:  # fmt: skip
+    """A node whose cards have `free_gib` free (the rest held by one allocated pod each); the
+    last card unhealthy unless `healthy`."""
+    devices = [DeviceInfo(uuid=f"GPU-{name}-{i}", index=i, type="NVIDIA-H100",
+                          memory_mib=memory_gib * GIB, cores=100, split_count=10,
+                          healthy=healthy or i < len(free_gib) - 1)
+               for i in range(len(free_gib))]  # fmt: skip
+    index.set_registration(name, NodeRegistration(node=name, devices=devices), 0.0)
+    allocations = {
+        f"{d.uuid}-p": Allocation(
+            pod_uid=f"{d.uuid}-p", namespace="ns", name=f"{d.uuid}-p", node=name,
+            containers=[[{"uuid": d.uuid, "type": d.type,
+                          "memory_mib": (memory_gib - free) * GIB, "cores": 10}]],
+            state=AllocationState.ALLOCATED,
+        )
+        for d, free in zip(devices, free_gib, strict=True) if free < memory_gib
+    }  # fmt: skip
+    index.set_ledger(name, NodeLedger(node=name, allocations=allocations), 1, 0.0)
+
+
+def two_containers(first_gib: int, second_gib: int, gpu_policy: str, uid: str) -> dict[str, Any]:
+    containers = [
+        {"name": f"c{i}", "resources": {"limits": {"nvidia.com/gpu": 1,
+                                                   "nvidia.com/gpumem": gib * GIB}}}
+        for i, gib in enumerate((first_gib, second_gib))
+    ]  # fmt: skip
+    annotations = {"hami.io/gpu-scheduler-policy": gpu_policy,
+                   "hami.io/node-scheduler-policy": "binpack"}  # fmt: skip
+    return {"metadata": {"name": uid, "namespace": "ns", "uid": uid, "annotations": annotations},
+            "spec": {"containers": containers}}  # fmt: skip
+
+
+def test_two_container_pods_pruned_only_where_they_cannot_fit_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each container alone fits every node, together only some: the joint bound rules out the
+    nodes where the pod's grants cannot be held at once (a single usable card with room for one
+    container), and never a node where the fit (greedy, by GPU policy) succeeds: a node whose
+    containers fit only on particular cards (the fuller card first, binpack) or both on one
+    card. A pod that fits nowhere gets every node's exact reason."""
+    from tessera.scheduler import decide as decide_module
+
+    index = ClusterIndex()
+    names = []
+    for i in range(60):  # one usable card with 30 GiB: each container alone, never both
+        names.append(f"one-{i:02d}")
+        two_card_node(index, names[-1], (30, 70), healthy=False)
+    names.append("shared")  # one usable card with room for both containers on it
+    two_card_node(index, "shared", (50, 70), healthy=False)
+    names.append("particular")  # 25 and 60 GiB free: 20 + 50 fits only as 20 -> 25, 50 -> 60
+    two_card_node(index, "particular", (25, 60))
+    listed = NodeNames(names)
+    listed.token = 5151
+    fits = {"n": 0}
+    real_fit = decide_module.fit_pod
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fits["n"] += 1
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "fit_pod", counted)
+    for uid, spec, fitting in (
+        ("both-on-one", two_containers(20, 20, "spread", "p1"), ["shared", "particular"]),
+        ("particular-cards", two_containers(20, 50, "binpack", "p2"), ["particular"]),
+        ("greedy-misses", two_containers(20, 50, "spread", "p3"), []),  # spread takes 60 first
+        ("nowhere", two_containers(40, 40, "binpack", "p4"), []),
+    ):
+        expected, expected_failed = reference(index, spec, listed)
+        assert sorted(name for name, _grants in expected) == sorted(fitting), uid
+        request = hami.parse_pod_request(spec, SETTINGS)
+        options = parse_pod_options(spec, SETTINGS)
+        fits["n"] = 0
+        decision = decide(index, request, options, listed)
+        got = [(entry.name, fit.containers) for entry, fit in decision.fits()]
+        assert got == expected, uid
+        assert fits["n"] <= len(fitting) + 2, f"{uid}: {fits['n']} nodes fitted"  # pruned
+        if not expected:
+            decision.explain_rest()
+            assert decision.failed == expected_failed, uid
+
+
+def test_a_percentage_at_the_rounding_boundary_is_not_pruned() -> None:
+    """1 % of an 80 GiB card is 819 MiB (819.2 rounded down, as the fit charges it): a card
+    with exactly 819 MiB free takes it, and the index must not rule the node out."""
+    index = ClusterIndex()
+    device = DeviceInfo(uuid="GPU-edge-0", index=0, type="NVIDIA-H100", memory_mib=80 * GIB,
+                        cores=100, split_count=10)  # fmt: skip
+    index.set_registration("edge", NodeRegistration(node="edge", devices=[device]), 0.0)
+    held = Allocation(pod_uid="held", namespace="ns", name="held", node="edge",
+                      containers=[[{"uuid": device.uuid, "type": device.type,
+                                    "memory_mib": 80 * GIB - 819, "cores": 10}]],
+                      state=AllocationState.ALLOCATED)  # fmt: skip
+    index.set_ledger("edge", NodeLedger(node="edge", allocations={"held": held}), 1, 0.0)
+    listed = NodeNames(["edge"])
+    listed.token = 819
+    for percentage, fits in ((1, True), (2, False)):
+        spec = {"metadata": {"name": "p", "namespace": "ns", "uid": f"p{percentage}"},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": {
+                    "nvidia.com/gpu": 1, "nvidia.com/gpumem-percentage": percentage}}}]}}
+        expected, _failed = reference(index, spec, listed)
+        assert bool(expected) is fits
+        request = hami.parse_pod_request(spec, SETTINGS)
+        options = parse_pod_options(spec, SETTINGS)
+        got = [(e.name, f.containers) for e, f in decide(index, request, options, listed).fits()]
+        assert got == expected
+
+
+def test_pod_options_are_remembered_and_refusals_are_not() -> None:
+    spec = pod(random.Random(1), 0)
+    spec["metadata"]["annotations"]["hami.io/gpu-scheduler-policy"] = "binpack,numa"
+    first, again = parse_pod_options(spec, SETTINGS), parse_pod_options(spec, SETTINGS)
+    assert first == again and first.gpu_policies == ("binpack", "numa")
+    spec["metadata"]["annotations"]["hami.io/gpu-scheduler-policy"] = "fastest"
+    for _ in range(2):  # refused every time, with its sentence
+        with pytest.raises(hami.RequestError, match="unknown policy 'fastest'"):
+            parse_pod_options(spec, SETTINGS)
+    spec["metadata"]["annotations"]["hami.io/gpu-scheduler-policy"] = ["binpack"]
+    with pytest.raises(hami.RequestError, match="must be a string"):
+        parse_pod_options(spec, SETTINGS)
+    spec["metadata"]["annotations"].pop("hami.io/gpu-scheduler-policy")
+    spec["spec"]["initContainers"] = [{"name": "side", "restartPolicy": "Always"}]
+    assert parse_pod_options(spec, SETTINGS).sidecar_init == (True,)
