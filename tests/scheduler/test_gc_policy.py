@@ -116,3 +116,24 @@ def test_the_ceiling_still_collects_when_no_loop_runs() -> None:
     policy.install()
     refs = cycles(10_000)  # 20,000 objects: past the ceiling several times
     assert alive(refs) < len(refs)
+
+
+def test_frozen_cycles_that_become_garbage_are_reclaimed_after_the_thaw_interval() -> None:
+    """Objects frozen while in use (a connection's transport and protocol) and dropped later are
+    cyclic garbage the collector no longer sees; the periodic thaw reclaims them within
+    `thaw_every_s`, so memory stays bounded over days."""
+    now = [1000.0]
+    policy = GcPolicy(thaw_every_s=600.0, clock=lambda: now[0])
+    policy.install()
+    refs = cycles(1_000)
+    gc.freeze()  # as a full collection of the policy does to survivors still referenced
+    assert alive(refs) == len(refs)
+    # Dropped: unreachable, but frozen, so no ordinary collection reclaims them.
+    gc.collect()
+    assert alive(refs) == len(refs)
+    now[0] += 599.0
+    policy.collect()
+    assert alive(refs) == len(refs)
+    now[0] += 1.0
+    assert policy.collect() == 2
+    assert alive(refs) == 0
