@@ -22,7 +22,6 @@ from nats.micro.service import Service
 
 from tessera import bus
 from tessera.bus import Buckets, BusKeeper
-from tessera.clock import server_time
 from tessera.cluster.port import ClusterPort, WatchEvent
 from tessera.codec import CodecError, decode, encode
 from tessera.models import (
@@ -335,8 +334,7 @@ class SchedulerService:
                     if seen is None:
                         await self._announce_lost(key, "registration deleted")
                 else:
-                    written = server_time(entry.created)
-                    self.heard[key] = written if written is not None else now
+                    self.heard[key] = entry.created_s  # the NATS server's clock
                 self.index.set_registration(key, value, now)
         finally:
             with contextlib.suppress(Exception):
