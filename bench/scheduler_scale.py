@@ -40,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from record import record_section
+from scheduler import SERVER as BENCH_SERVER
 from scheduler import (
     LeanClient,
     build_cluster,
@@ -78,20 +79,21 @@ def memory_mib(pid: int) -> tuple[float, float]:
 
 
 # The scheduler as `python -m tessera.scheduler` runs it: the extender listens at once (/readyz
-# answers 503 until ready) and the GC is handled as its `main` (off before the service is
-# imported) and `freeze_when_ready` handle it.
+# answers 503 until ready), the GC and BLAS threads are handled as its `main` (off before the
+# service is imported) and `freeze_when_ready` handle them. `# BENCH_CLUSTER` becomes
+# bench/scheduler.py's BenchCluster (the API server stand-in) as text: the spawned scheduler
+# imports no bench module (whose own imports were part of every measured start).
 SERVER = """
 import gc
 gc.disable()
 import asyncio, sys
+from tessera.scheduler.__main__ import freeze_when_ready, one_blas_thread
+one_blas_thread()
 from tessera.bus import connect, ensure_bus
-from tessera.scheduler.__main__ import freeze_when_ready
 from tessera.scheduler.config import SchedulerSettings
 from tessera.scheduler.runtime import SchedulerService
 from tessera.settings import NatsSettings, TesseraSettings
-from scheduler import SERVER as _BENCH_SERVER
-
-exec(_BENCH_SERVER.split("async def main")[0])  # its BenchCluster (the API server stand-in)
+# BENCH_CLUSTER
 
 async def main(url, port):
     settings = TesseraSettings(quota_enabled=False, node_ttl_s=36000, reservation_ttl_s=60)
@@ -132,7 +134,8 @@ if os.environ.get("BENCH_PROFILE_START") == "1":
 async def ready_after_spawn(url: str, port: int, env: dict[str, str]) -> tuple[Any, float]:
     """Spawn a scheduler; seconds until its /readyz answers 200."""
     started = time.perf_counter()
-    code = (PROFILED + SERVER) if os.environ.get("BENCH_PROFILE") else SERVER
+    server = SERVER.replace("# BENCH_CLUSTER\n", BENCH_SERVER.split("async def main")[0])
+    code = (PROFILED + server) if os.environ.get("BENCH_PROFILE") else server
     paths = [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.Popen([sys.executable, "-c", code, url, str(port)], env=env)

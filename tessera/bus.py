@@ -6,7 +6,9 @@ DESIGN §2 in code. Nothing else in the project spells a subject, bucket or stre
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import datetime
 import logging
 import random
 import ssl
@@ -16,6 +18,8 @@ from typing import Generic, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import (
@@ -525,74 +529,274 @@ async def cas_update(
 
 # --- watching ---------------------------------------------------------------------------------
 #
-# nats-py's KV watcher puts its None "initial values done" marker first when, at creation, the
-# consumer reported nothing pending and the subscription had received nothing. Under load that
-# is also true while the server has already delivered every current value and they are still on
-# their way to the client: the marker then comes BEFORE all of them (a listing of 300 keys came
-# back empty). So the marker is never believed alone: nats-py's leading marker only when the
-# consumer has delivered nothing; otherwise ours follows the first entry the server sent with
-# nothing left pending (`delta == 0`), i.e. once every value it held at creation was yielded.
+# A KV watch is an ordered push consumer of the bucket's stream (what nats-py's `KeyValue.watch`
+# creates), read here straight off its subscription: nats-py's watcher built a metadata object
+# with two dataclasses and a datetime per message and passed each through two queues and a task
+# (15 % of the scheduler's time to ready went to delivering 10,000 values). What an ordered
+# consumer promises is kept, and checked here rather than assumed:
+#
+# - every delivery carries its consumer sequence; one that does not follow the last taken (a
+#   message lost between server and client), or an idle heartbeat naming a later one (the lost
+#   message was the last), replaces the consumer by one starting right after the last stream
+#   sequence taken, so nothing is skipped and nothing taken twice; so does a silence longer
+#   than two heartbeats (the consumer is gone: the server restarted);
+# - flow control is answered only when every message before the request has been taken (the
+#   server then never runs ahead of the reader by more than its window);
+# - "initial values done" (one None) follows the first delivery that had nothing pending behind
+#   it, i.e. every value the bucket held when the watch began has been yielded before it. Only
+#   a consumer that at creation had delivered nothing and had nothing pending is empty at once.
+#   (nats-py's watcher put its marker first whenever a consumer-info answer overtook deliveries
+#   already on their way: a listing of 300 keys came back empty under load.)
+# The JetStream API subjects are nats-py's own (CONSUMER.CREATE.<stream>, $JS.FC replies), so
+# tessera.bus_permissions' KV watch rule is unchanged.
 
-WATCH_INFO_ATTEMPTS = 5
+WATCH_HEARTBEAT_S = 5.0
+_STATUS = "Status"
+_KV_OP = "KV-Operation"
+_MARKER_REASON = "Nats-Marker-Reason"  # nats-server 2.11+: TTL/age expiry markers
+_MARKER_OPS = {"MaxAge": "PURGE", "Purge": "PURGE", "Remove": "DEL"}
 
 
 class WatchSyncError(RuntimeError):
-    """Whether a watch's initial values are complete could not be established (the watch
-    stops; callers watch again rather than act on a listing that may be incomplete)."""
+    """A watch could not be (re)started; the caller watches again from the start."""
+
+
+class KvEntry:
+    """One value (or delete) of a KV watch, with the attributes of nats-py's `KeyValue.Entry`.
+    `created` (the server's timestamp) is built only when read; `created_s` is it in epoch
+    seconds."""
+
+    __slots__ = ("_stamp_ns", "bucket", "delta", "key", "operation", "revision", "value")
+
+    def __init__(
+        self, bucket: str, key: str, value: bytes | None, revision: int, delta: int,
+        operation: str | None, stamp_ns: int,
+    ) -> None:  # fmt: skip
+        self.bucket = bucket
+        self.key = key
+        self.value = value
+        self.revision = revision
+        self.delta = delta
+        self.operation = operation
+        self._stamp_ns = stamp_ns
+
+    @property
+    def created_s(self) -> float:
+        return self._stamp_ns / 1e9
+
+    @property
+    def created(self) -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(self._stamp_ns / 1e9, datetime.UTC)
+
+    def __repr__(self) -> str:
+        return (f"KvEntry({self.bucket!r}, {self.key!r}, rev={self.revision}, "
+                f"op={self.operation}, delta={self.delta})")  # fmt: skip
+
+
+class _Inbox:
+    """Stands in for a nats-py subscription's pending queue (`asyncio.Queue`): what nats-py's
+    reader calls on it, without a queue's locking and futures per message."""
+
+    def __init__(self, arrived: asyncio.Event) -> None:
+        self.box: collections.deque[Msg] = collections.deque()
+        self.arrived = arrived
+
+    def put_nowait(self, msg: Msg) -> None:
+        self.box.append(msg)
+        self.arrived.set()
+
+    async def take(self, msg: Msg) -> None:
+        self.put_nowait(msg)
+
+    def get_nowait(self) -> Msg:
+        return self.box.popleft()
+
+    def qsize(self) -> int:
+        return len(self.box)
+
+    def empty(self) -> bool:
+        return not self.box
+
+    def full(self) -> bool:
+        return False
+
+    def task_done(self) -> None:
+        pass
+
+    async def join(self) -> None:
+        pass
+
+
+class _OrderedWatch:
+    """The consumer behind `watch_entries` (see the notes above)."""
+
+    def __init__(self, kv: KeyValue, keys: str, include_history: bool, heartbeat_s: float) -> None:
+        # nats-py keeps these on the KeyValue without public accessors.
+        self.js: JetStreamContext = kv._js  # type: ignore[attr-defined]
+        self.nc: NatsClient = self.js._nc  # type: ignore[attr-defined]
+        self.stream: str = kv._stream  # type: ignore[attr-defined]
+        self.prefix: str = kv._pre  # type: ignore[attr-defined]
+        self.bucket: str = kv._name  # type: ignore[attr-defined]
+        self.subject = f"{self.prefix}{keys}"
+        self.include_history = include_history
+        self.heartbeat_s = heartbeat_s
+        self.sub: Subscription | None = None
+        self.box: collections.deque[Msg] = collections.deque()
+        self.arrived = asyncio.Event()
+        self.dseq = 0  # consumer sequence of the last delivery taken from this consumer
+        self.sseq = 0  # stream sequence of the last delivery taken (from any consumer)
+        self.resets = 0
+
+    async def subscribe(self) -> js_api.ConsumerInfo:
+        """A consumer delivering every value (or, after a reset, everything after `sseq`)."""
+        inbox = self.nc.new_inbox()
+        box = _Inbox(self.arrived)
+        # No callback (no task per subscription, no coroutine per message) and no byte limit
+        # (flow control bounds what is outstanding): nats-py's reader puts each delivery into
+        # the subscription's pending queue, here a deque the watch reads in order.
+        sub = await self.nc.subscribe(inbox, pending_bytes_limit=0)
+        if isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue):
+            sub._pending_queue = box  # type: ignore[assignment]  # before anything is delivered
+        else:  # a nats-py without that queue: its callback path, one coroutine per message
+            await sub.unsubscribe()
+            sub = await self.nc.subscribe(inbox, cb=box.take, pending_bytes_limit=0)
+        config = js_api.ConsumerConfig(
+            deliver_subject=inbox, filter_subject=self.subject,
+            ack_policy=js_api.AckPolicy.NONE, max_deliver=1, ack_wait=22 * 3600,
+            flow_control=True, idle_heartbeat=self.heartbeat_s, num_replicas=1,
+            mem_storage=True, inactive_threshold=300.0,
+        )  # fmt: skip
+        if self.sseq:
+            config.deliver_policy = js_api.DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = self.sseq + 1
+        elif not self.include_history:
+            config.deliver_policy = js_api.DeliverPolicy.LAST_PER_SUBJECT
+        try:
+            info = await self.js.add_consumer(self.stream, config=config)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            raise
+        self.sub, self.box, self.dseq = sub, box.box, 0
+        return info
+
+    async def reset(self, why: str) -> None:
+        """Replace the consumer by one that starts after the last stream sequence taken."""
+        self.resets += 1
+        log.info("kv watch restarted", extra={"bucket": self.bucket, "why": why,
+                                              "after": self.sseq})  # fmt: skip
+        await self.close()
+        delay = 0.1
+        while True:
+            try:
+                await self.subscribe()
+                return
+            except Exception as exc:
+                if self.nc.is_closed:
+                    raise WatchSyncError(f"{self.bucket}: connection closed") from exc
+                log.warning("kv watch not restarted yet", extra={"bucket": self.bucket,
+                                                                  "err": str(exc)})  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+    async def close(self) -> None:
+        sub, self.sub = self.sub, None
+        self.box = collections.deque()
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def control(self, msg: Msg, status: str) -> None:
+        """A status message: heartbeat (a lost last delivery shows here) or flow control."""
+        headers = msg.headers or {}
+        if status != "100":  # e.g. 409 consumer deleted
+            await self.reset(f"status {status} {headers.get('Description', '')}".strip())
+            return
+        if msg.reply:  # flow control: every message sent before it has been taken
+            await self.nc.publish(msg.reply)
+            return
+        stalled = headers.get("Nats-Consumer-Stalled")
+        if stalled:
+            await self.nc.publish(stalled)
+        last = headers.get("Nats-Last-Consumer")
+        if last is not None and int(last) != self.dseq:
+            await self.reset(f"heartbeat names delivery {last}, last taken {self.dseq}")
+
+    async def entries(self) -> AsyncIterator[KvEntry | None]:
+        info = await self.subscribe()
+        synced = False
+        delivered = info.delivered.consumer_seq if info.delivered else 0
+        if not info.num_pending and not delivered:
+            synced = True
+            yield None
+        quiet_s = 2 * self.heartbeat_s + 1.0
+        prefix_len = len(self.prefix)
+        bucket = self.bucket
+        while True:
+            box = self.box
+            if not box:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), quiet_s)
+                except TimeoutError:
+                    await self.reset(f"nothing heard for {quiet_s:.0f} s")
+                continue
+            msg = box.popleft()
+            headers = msg.headers
+            operation = None
+            if headers:
+                status = headers.get(_STATUS)
+                if status is not None:
+                    await self.control(msg, status)
+                    continue
+                operation = headers.get(_KV_OP)
+                if operation is None and _MARKER_REASON in headers:
+                    operation = _MARKER_OPS.get(headers[_MARKER_REASON], "?")
+            tokens = msg.reply.split(".")
+            if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<n>.<sseq>.<dseq>.<ns>.<pending>
+                sseq, dseq, stamp, pending = tokens[5], tokens[6], tokens[7], tokens[8]
+            elif len(tokens) >= 11:  # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<n>...
+                sseq, dseq, stamp, pending = tokens[7], tokens[8], tokens[9], tokens[10]
+            else:
+                await self.reset(f"not a JetStream delivery: {msg.reply[:80]!r}")
+                continue
+            if int(dseq) != self.dseq + 1:
+                await self.reset(f"delivery {dseq} after {self.dseq}")
+                continue
+            self.dseq += 1
+            self.sseq = int(sseq)
+            delta = int(pending)
+            if operation != "?":  # an expiry marker of a kind this code does not know
+                yield KvEntry(bucket, msg.subject[prefix_len:], msg.data, self.sseq, delta,
+                              operation, int(stamp))  # fmt: skip
+            if not synced and delta == 0:
+                synced = True
+                yield None
 
 
 async def watch_entries(
-    kv: KeyValue, keys: str = ">", *, include_history: bool = False
-) -> AsyncIterator[KeyValue.Entry | None]:
+    kv: KeyValue, keys: str = ">", *, include_history: bool = False,
+    heartbeat_s: float = WATCH_HEARTBEAT_S,
+) -> AsyncIterator[KvEntry | None]:
     """The raw entries of a KV watch (deletes included): current values first, then one None
     once every one of them has been yielded, then changes. The watch stops when the generator
     is closed (use `contextlib.aclosing` or `aclose()`)."""
-    watcher = await kv.watch(keys, include_history=include_history)
-    synced = False
-    first = True
+    watch = _OrderedWatch(kv, keys, include_history, heartbeat_s)
     try:
-        async for entry in watcher:
-            leading, first = first, False
-            if entry is None:
-                # nats-py puts a marker behind the message it received with nothing pending
-                # (true), or first of all at creation (true only if nothing was delivered).
-                if not synced and (not leading or await _delivered(watcher) == 0):
-                    synced = True
-                    yield None
-                continue
-            yield entry
-            if not synced and entry.delta == 0:
-                synced = True
-                yield None
+        async with contextlib.aclosing(watch.entries()) as entries:
+            async for entry in entries:
+                yield entry
     finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()
-
-
-async def _delivered(watcher: KeyValue.KeyWatcher) -> int:
-    """How many messages the server has delivered to the watch's consumer so far."""
-    delay = 0.1
-    for attempt in range(1, WATCH_INFO_ATTEMPTS + 1):
-        try:
-            info = await watcher._sub.consumer_info()  # type: ignore[union-attr]
-            return int(info.delivered.consumer_seq or 0) if info.delivered else 0
-        except Exception as exc:
-            if attempt == WATCH_INFO_ATTEMPTS:
-                raise WatchSyncError(
-                    f"watch consumer unreadable: {type(exc).__name__}: {exc}"
-                ) from exc
-            await asyncio.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")
+        await watch.close()
 
 
 async def list_entries(
     kv: KeyValue, keys: str = ">", *, include_history: bool = False, yield_every: int = 200
-) -> list[KeyValue.Entry]:
+) -> list[KvEntry]:
     """Every entry a watch of `keys` starts with (the current values, or with `include_history`
     every revision), in stream order. Yields to the event loop every `yield_every` entries: a
     long listing is a background pass and must let requests in between."""
-    out: list[KeyValue.Entry] = []
+    out: list[KvEntry] = []
     async with contextlib.aclosing(watch_entries(kv, keys, include_history=include_history)) as it:
         async for entry in it:
             if entry is None:
@@ -603,7 +807,7 @@ async def list_entries(
     return out
 
 
-async def history(kv: KeyValue, key: str) -> list[KeyValue.Entry]:
+async def history(kv: KeyValue, key: str) -> list[KvEntry]:
     """Every stored revision of one key, oldest first; KeyNotFoundError when there is none
     (`KeyValue.history` trusts nats-py's marker and can answer "none" for a key that has)."""
     entries = await list_entries(kv, key, include_history=True)

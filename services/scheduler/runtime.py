@@ -22,7 +22,6 @@ from nats.micro.service import Service
 
 from tessera import bus
 from tessera.bus import Buckets, BusKeeper
-from tessera.clock import server_time
 from tessera.cluster.port import ClusterPort, WatchEvent
 from tessera.codec import CodecError, decode, encode
 from tessera.models import (
@@ -162,6 +161,9 @@ class SchedulerService:
 
     async def start(self) -> None:
         self.index.defer_rebuilds()  # rows built once, when both buckets are listed
+        # The listing's ledger entries share their repeated strings once the scheduler serves
+        # (memory only: no value changes), not on the way to ready (`_share_strings`).
+        self.scheduler.ledger.codec.slim_later = []
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
             loops += [self._watch_pods, self._reconcile_loop, self._watch_usage]
@@ -338,8 +340,7 @@ class SchedulerService:
                     if seen is None:
                         await self._announce_lost(key, "registration deleted")
                 else:
-                    written = server_time(entry.created)
-                    self.heard[key] = written if written is not None else now
+                    self.heard[key] = entry.created_s  # the NATS server's clock
                 self.index.set_registration(key, value, now)
         finally:
             with contextlib.suppress(Exception):
@@ -362,6 +363,8 @@ class SchedulerService:
                     self._listed.add("ledger")
                     self._flush_when_listed(self.clock())
                     self.ledger_synced.set()
+                    if self.scheduler.ledger.codec.slim_later is not None:
+                        self._tasks.append(asyncio.create_task(self._share_strings()))
                     continue
                 key = entry.key
                 if seen is not None:
@@ -393,6 +396,15 @@ class SchedulerService:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.aclose()
+
+    async def _share_strings(self, after_s: float = 1.0, entries: int = 100) -> None:
+        """Intern the strings of the ledger entries read at start-up (ledger_codec
+        `slim_deferred`): a second after ready, a hundred entries at a time between requests."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), after_s)
+        codec = self.scheduler.ledger.codec
+        while not self.stopping.is_set() and not codec.slim_deferred(entries):
+            await asyncio.sleep(0)
 
     def _flush_when_listed(self, now: float) -> None:
         """Build the index rows deferred during the start-up listing once both buckets are

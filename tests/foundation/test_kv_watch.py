@@ -1,13 +1,17 @@
-"""A KV watch's "initial values done" marker must follow every current value.
+"""A KV watch's "initial values done" marker must follow every current value, and a watch
+that misses a delivery must notice and recover it.
 
 nats-py puts that marker first when, at the watch's creation, the consumer reports nothing
 pending and the client has received nothing yet. On a loaded machine that is also the state
 while the server has already delivered every value and they are still on their way (a listing
 of 300 keys came back empty). `ReorderingProxy` reproduces that state deterministically against
 the real nats-server: a TCP proxy speaking the NATS protocol that holds the watch's deliveries
-back until the answer to the client's consumer-info request has passed them and the client has
-acted on it (what the server itself does when its API answer overtakes the consumer's send
-queue and the deliveries follow a moment later).
+back until the answer to the client's consumer-info request (nats-py's watcher) or consumer-create
+request (tessera.bus's) has passed them and the client has acted on it (what the server itself
+does when its API answer overtakes the consumer's send queue and the deliveries follow a moment
+later). It also drops a chosen delivery, as a lost message would be: tessera.bus's watch must
+see the gap in the consumer sequence (or, for the last one, in the idle heartbeat) and replace
+its consumer from the last stream sequence it took.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ class ReorderingProxy:
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self._want = 0
+        self._create = False  # hold the consumer-create answer (not the info request)
+        self._held_answer: tuple[asyncio.StreamWriter, bytes] | None = None
+        self._drop_at = 0
+        self._deliveries = 0
+        self.dropped = 0
+        self.creates = 0  # consumer-create requests the client sent
         self._held: list[bytes] = []
         self._info_request: tuple[asyncio.StreamWriter, bytes] | None = None
         self._waiting_answer = False
@@ -65,8 +75,15 @@ class ReorderingProxy:
             with contextlib.suppress(BaseException):
                 await task
 
-    def hold(self, deliveries: int) -> None:
+    def hold(self, deliveries: int, *, create: bool = False) -> None:
+        """`create`: hold the answer to the next consumer-create request with the deliveries,
+        then pass it to the client before them (tessera.bus's watch asks no consumer info)."""
         self._want = deliveries
+        self._create = create
+
+    def drop(self, nth: int) -> None:
+        """Lose the `nth` JetStream delivery from now (1 = the next one)."""
+        self._drop_at, self._deliveries = nth, 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
@@ -92,7 +109,10 @@ class ReorderingProxy:
 
     def _to_server(self, writer: asyncio.StreamWriter, frame: bytes, args: list[bytes]) -> None:
         self._send_held()
-        if self._want and args[0] in (b"PUB", b"HPUB") and b".CONSUMER.INFO." in args[1]:
+        if args[0] in (b"PUB", b"HPUB") and b".CONSUMER.CREATE." in args[1]:
+            self.creates += 1
+        if (self._want and not self._create and args[0] in (b"PUB", b"HPUB")
+                and b".CONSUMER.INFO." in args[1]):  # fmt: skip
             self._info_request = (writer, frame)
             self._release_request()
             return
@@ -100,8 +120,19 @@ class ReorderingProxy:
 
     def _to_client(self, writer: asyncio.StreamWriter, frame: bytes, args: list[bytes]) -> None:
         reply = _reply_subject(args)
-        if self._want and reply.startswith(b"$JS.ACK."):
+        delivery = reply.startswith(b"$JS.ACK.")
+        if delivery and self._drop_at:
+            self._deliveries += 1
+            if self._deliveries == self._drop_at:
+                self._drop_at = 0
+                self.dropped += 1
+                return
+        if self._want and delivery:
             self._held.append(frame)
+            self._release_request()
+            return
+        if self._want and self._create and b"consumer_create_response" in frame:
+            self._held_answer = (writer, frame)
             self._release_request()
             return
         writer.write(frame)
@@ -121,6 +152,14 @@ class ReorderingProxy:
         self._answered = None
 
     def _release_request(self) -> None:
+        if self._held_answer is not None and len(self._held) >= self._want:
+            writer, frame = self._held_answer
+            self._held_answer = None
+            self._want = 0
+            writer.write(frame)  # the answer first, the deliveries it overtook after it
+            self._answered = writer
+            asyncio.get_running_loop().call_later(self.RELEASE_AFTER_S, self._send_held)
+            return
         if self._info_request is not None and len(self._held) >= self._want:
             writer, frame = self._info_request
             self._info_request = None
@@ -210,7 +249,7 @@ async def test_watch_models_marker_follows_every_current_value(proxied) -> None:
     proxy, fresh = proxied
     kv = await fresh()
     keys = await _fill(kv, "models", QuotaState(namespace="models"))
-    proxy.hold(KEYS)
+    proxy.hold(KEYS, create=True)
     stream = watch_models(kv, QuotaState)
     try:
         listed = await _until_marker(stream)
@@ -226,7 +265,7 @@ async def test_listing_history_and_quota_charges_are_complete(proxied) -> None:
     charge = QuotaCharge(pod_uid="p", gpus=1, memory_mib=1024, cores=10, at=1.0)
     keys = await _fill(charges, "ns-list", charge)
     store = QuotaStore(await fresh(), charges, clock=lambda: 2.0)
-    proxy.hold(KEYS)
+    proxy.hold(KEYS, create=True)
     listed = await store.list_charges("ns-list")
     assert proxy.reordered == KEYS
     assert {f"ns-list.{uid}" for uid in listed} == keys
@@ -234,7 +273,7 @@ async def test_listing_history_and_quota_charges_are_complete(proxied) -> None:
     kv = await fresh()
     for i in range(5):
         await kv.put("hist", encode(QuotaState(namespace=f"v{i}")))
-    proxy.hold(5)
+    proxy.hold(5, create=True)
     revisions = await bus.history(kv, "hist")
     assert proxy.reordered == 5
     assert len(revisions) == 5
@@ -255,3 +294,118 @@ async def test_an_empty_watch_is_synced_at_once_then_follows_changes(proxied) ->
     finally:
         await entries.aclose()
     assert entry is not None and entry.key == "a"
+
+
+async def _listing(entries: AsyncIterator[object]) -> list[str]:
+    """The keys a watch yields before its "initial values done" marker, in order."""
+    keys: list[str] = []
+    async with asyncio.timeout(20):
+        async for entry in entries:
+            if entry is None:
+                return keys
+            keys.append(entry.key)  # type: ignore[attr-defined]
+    raise AssertionError("the watch ended without a marker")
+
+
+async def test_a_lost_delivery_is_detected_and_delivered_again(proxied) -> None:
+    """Delivery 150 of 300 never reaches the client: the next one's consumer sequence shows the
+    gap, the watch takes a new consumer from the last value it took, and lists each key once."""
+    proxy, fresh = proxied
+    kv = await fresh()
+    keys = await _fill(kv, "gap", QuotaState(namespace="gap"))
+    proxy.drop(150)
+    entries = watch_entries(kv)
+    try:
+        listed = await _listing(entries)
+    finally:
+        await entries.aclose()
+    assert proxy.dropped == 1
+    assert proxy.creates == 2  # the watch's consumer, and the one that replaced it
+    assert sorted(listed) == sorted(keys)  # every key, none twice
+
+
+async def test_a_lost_last_delivery_shows_in_the_heartbeat(proxied) -> None:
+    """The lost delivery is the last of the listing (the one with nothing pending behind it):
+    no later delivery shows the gap, the idle heartbeat's last consumer sequence does, and the
+    marker comes only after that value."""
+    proxy, fresh = proxied
+    kv = await fresh()
+    keys = await _fill(kv, "tail", QuotaState(namespace="tail"))
+    proxy.drop(KEYS)
+    entries = watch_entries(kv, heartbeat_s=0.5)
+    try:
+        listed = await _listing(entries)
+    finally:
+        await entries.aclose()
+    assert proxy.dropped == 1 and proxy.creates == 2
+    assert sorted(listed) == sorted(keys)
+
+
+async def test_values_written_during_a_listing_with_a_gap_are_not_lost(proxied) -> None:
+    """Puts, new keys and deletes race with the listing while a delivery is lost: the values
+    yielded (listing, then changes) end exactly as the bucket is, with one value per revision."""
+    proxy, fresh = proxied
+    kv = await fresh()
+    keys = await _fill(kv, "race", QuotaState(namespace="race"))
+    expected: dict[str, bytes] = dict.fromkeys(keys, encode(QuotaState(namespace="race")))
+    seen: dict[str, bytes | None] = {}
+    revisions: list[int] = []
+
+    async def write() -> None:  # one at a time: `expected` is the bucket after each
+        for i in range(60):
+            key = f"race.k{(i * 7) % KEYS:03d}"
+            value = encode(QuotaState(namespace=f"w{i}"))
+            for written in (key, f"race.new{i:02d}"):
+                await kv.put(written, value)
+                expected[written] = value
+            if i % 6 == 0:
+                gone = f"race.k{(i * 11 + 1) % KEYS:03d}"
+                await kv.delete(gone)
+                expected.pop(gone, None)
+
+    proxy.drop(200)
+    entries = watch_entries(kv, heartbeat_s=0.5)
+    try:
+        first = await anext(entries)
+        assert first is not None
+        writer = asyncio.create_task(write())
+        seen[first.key] = first.value
+        revisions.append(first.revision)
+        async with asyncio.timeout(30):
+            while True:
+                if writer.done() and {k: v for k, v in seen.items() if v is not None} == expected:
+                    await writer
+                    break
+                entry = await anext(entries)
+                if entry is None:
+                    continue
+                deleted = entry.operation in ("DEL", "PURGE")
+                seen[entry.key] = None if deleted else entry.value
+                revisions.append(entry.revision)
+    finally:
+        await entries.aclose()
+    assert proxy.dropped == 1 and proxy.creates == 2
+    assert len(revisions) == len(set(revisions))  # nothing yielded twice
+    assert revisions == sorted(revisions)  # in stream order
+
+
+async def test_a_watch_whose_consumer_vanished_carries_on(proxied) -> None:
+    """The consumer is deleted on the server (as a server restart loses it): no heartbeat comes,
+    the watch takes a new consumer after two heartbeats' silence, and later values arrive."""
+    _proxy, fresh = proxied
+    kv = await fresh()
+    await kv.put("before", encode(QuotaState(namespace="before")))
+    entries = watch_entries(kv, heartbeat_s=0.5)
+    js = kv._js  # type: ignore[attr-defined]
+    stream = kv._stream  # type: ignore[attr-defined]
+    try:
+        async with asyncio.timeout(20):
+            assert (await anext(entries)).key == "before"  # type: ignore[union-attr]
+            assert await anext(entries) is None
+            for consumer in await js.consumers_info(stream):
+                await js.delete_consumer(stream, consumer.name)
+            await kv.put("after", encode(QuotaState(namespace="after")))
+            entry = await anext(entries)
+    finally:
+        await entries.aclose()
+    assert entry is not None and entry.key == "after"

@@ -1,0 +1,56 @@
+"""A restarted scheduler's index holds exactly what the KV holds, and what start-up left for
+after ready (sharing the ledger entries' repeated strings) is done once it serves."""
+
+from __future__ import annotations
+
+import sys
+
+from tessera.scheduler.wire_fast import LedgerWire
+
+from tessera.bus import Buckets
+from tessera.codec import decode, encode
+from tessera.models import Allocation, AllocationState, DeviceGrant, NodeLedger, NodeRegistration
+
+from .conftest import MakeService, register, unique, wait_until
+from .factories import GIB, node
+
+
+def ledger_of(registration: NodeRegistration, pods: int) -> NodeLedger:
+    allocations = {}
+    for i in range(pods):
+        d = registration.devices[i % len(registration.devices)]
+        uid = f"{registration.node}-pod{i}"
+        grant = DeviceGrant(uuid=d.uuid, type=d.type, memory_mib=GIB, cores=5)
+        allocations[uid] = Allocation(
+            pod_uid=uid, namespace=f"team-{i % 3}", name=uid, node=registration.node,
+            containers=[[grant]], state=AllocationState.ALLOCATED,
+        )  # fmt: skip
+    return NodeLedger(node=registration.node, allocations=allocations)
+
+
+async def test_restart_index_equals_the_kv_and_strings_are_shared_after_ready(
+    make_service: MakeService, buckets: Buckets
+) -> None:
+    registrations = [node(unique("ls"), gpus=2) for _ in range(6)]
+    payloads = {}
+    for registration in registrations:
+        await register(buckets, registration)
+        payload = encode(ledger_of(registration, 5))
+        await buckets.ledger.put(registration.node, payload)
+        payloads[registration.node] = payload
+    service = await make_service()  # ready: both buckets listed
+    codec = service.scheduler.ledger.codec
+    views = {r.node: service.index.entries[r.node].view for r in registrations}
+    assert all(type(v) is LedgerWire for v in views.values())  # read unbuilt at start-up
+    for name, view in views.items():
+        assert view.materialize() == decode(payloads[name], NodeLedger)  # exactly the KV's
+        assert set(service.index.pod_nodes) >= set(view.allocations)
+
+    await wait_until(lambda: codec.slim_later is None)  # shared once serving
+    for name, view in views.items():
+        assert view.materialize() == decode(payloads[name], NodeLedger)  # no value changed
+        for allocation in view.allocations.values():
+            assert allocation.namespace is sys.intern(allocation.namespace)
+            assert allocation.node is view.node
+            grant = allocation.containers[0][0]
+            assert grant.uuid is sys.intern(grant.uuid)
