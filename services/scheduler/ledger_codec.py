@@ -112,9 +112,6 @@ class LedgerCodec:
         # node -> (claim, claims, the bytes of the fields after `allocations`) of its last write
         self._tails: dict[str, tuple[Any, Any, bytes]] = {}
         self._interned = _Interned()
-        # Start-up: entries read unbuilt (`read`) whose strings are to be shared later
-        # (`slim_deferred`), once the scheduler serves; None: shared as they are read.
-        self.slim_later: list[Any] | None = None
 
     # --- encode ---------------------------------------------------------------------------------
     def encode(self, ledger: NodeLedger) -> bytes:
@@ -190,12 +187,11 @@ class LedgerCodec:
         whole = wire_fast.whole_ledger(payload)
         if whole is not None and whole.data.allocations is not wire_fast.UNSET:
             data = whole.data
-            data.node = sys.intern(data.node)
-            if self.slim_later is not None:
-                self.slim_later.append(data)
-            else:
-                _slim_entry(data)
-            return wire_fast.LedgerWire(data, data.allocations)
+            slim, allocations = wire_fast.slim, data.allocations
+            data.node = node_name = sys.intern(data.node)
+            for uid, item in allocations.items():
+                slim(uid, item, node_name)
+            return wire_fast.LedgerWire(data, allocations)
         envelope = wire_fast.split_ledger(payload)
         if envelope is None:
             return self._full(node, payload)  # not canonical: the ordinary decode judges
@@ -212,21 +208,6 @@ class LedgerCodec:
             checked[uid] = wire_fast.slim(uid, item)
         return wire_fast.LedgerWire(data, checked)
 
-    def slim_deferred(self, entries: int) -> bool:
-        """Share the strings of up to `entries` of the entries read while `slim_later` was set
-        (interning an equal string changes no value: readers see the same entry). True, and
-        back to sharing at once, when none is left."""
-        pending = self.slim_later
-        if pending is None:
-            return True
-        for data in pending[-entries:]:
-            _slim_entry(data)
-        del pending[-entries:]
-        if pending:
-            return False
-        self.slim_later = None
-        return True
-
     def _full(self, node: str, payload: bytes) -> NodeLedger:
         self.forget(node)
         ledger = decode(payload, NodeLedger)  # raises CodecError with the reason
@@ -239,13 +220,6 @@ class LedgerCodec:
         self._decoded.pop(node, None)
         self._encoded.pop(node, None)
         self._tails.pop(node, None)
-
-
-def _slim_entry(data: Any) -> None:
-    """`wire_fast.slim` every allocation of a checked entry (its node name interned)."""
-    slim, node = wire_fast.slim, data.node
-    for uid, item in data.allocations.items():
-        slim(uid, item, node)
 
 
 __all__ = ["CodecError", "LedgerCodec"]

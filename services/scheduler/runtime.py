@@ -161,9 +161,6 @@ class SchedulerService:
 
     async def start(self) -> None:
         self.index.defer_rebuilds()  # rows built once, when both buckets are listed
-        # The listing's ledger entries share their repeated strings once the scheduler serves
-        # (memory only: no value changes), not on the way to ready (`_share_strings`).
-        self.scheduler.ledger.codec.slim_later = []
         loops: list[Callable[[], Awaitable[None]]] = [self._sweep_loop]
         if self.cluster is not None:
             loops += [self._watch_pods, self._reconcile_loop, self._watch_usage]
@@ -363,8 +360,6 @@ class SchedulerService:
                     self._listed.add("ledger")
                     self._flush_when_listed(self.clock())
                     self.ledger_synced.set()
-                    if self.scheduler.ledger.codec.slim_later is not None:
-                        self._tasks.append(asyncio.create_task(self._share_strings()))
                     continue
                 key = entry.key
                 if seen is not None:
@@ -396,15 +391,6 @@ class SchedulerService:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.aclose()
-
-    async def _share_strings(self, after_s: float = 1.0, entries: int = 100) -> None:
-        """Intern the strings of the ledger entries read at start-up (ledger_codec
-        `slim_deferred`): a second after ready, a hundred entries at a time between requests."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), after_s)
-        codec = self.scheduler.ledger.codec
-        while not self.stopping.is_set() and not codec.slim_deferred(entries):
-            await asyncio.sleep(0)
 
     def _flush_when_listed(self, now: float) -> None:
         """Build the index rows deferred during the start-up listing once both buckets are
