@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
+from tessera.node_agent.foreign import hami_held
 from tessera.node_agent.grant_check import GrantRefused, check_grant
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
@@ -767,6 +768,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         theirs: list[ContainerDir], mine: list[ContainerDir],
     ) -> bool:
         capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
+        if allocation_shape(holder) != allocation_shape(labelled):  # a trade moves room
+            left = await self._room_beside_hami(capacity)
+            if left is None:
+                return False
+            capacity = left
         try:
             result = await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,
@@ -785,6 +791,26 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         for c in theirs:
             await self._relabel(c, swapped[labelled.pod_uid])
         return True
+
+    async def _room_beside_hami(
+        self, capacity: dict[str, tuple[int, int]]
+    ) -> dict[str, tuple[int, int]] | None:
+        """`capacity` less what HAMi's pods bound to this node hold on each card (a cluster
+        migrating from HAMi: they are in no ledger, foreign.py), so that a trade is judged with
+        every consumer of its cards. None when they cannot be judged (the pods cannot be listed,
+        or a HAMi pod's grants do not read): the trade is refused, never made blind. Without a
+        cluster port there is no Kubernetes, so no HAMi pod: `capacity` as it is."""
+        if self.cluster is None:
+            return capacity
+        try:
+            pods = await self.cluster.list_pods(node_name=self.node)
+            held = hami_held(pods, self.node, self.settings)
+        except Exception as exc:  # the API away, or a HAMi pod unreadable: fail closed
+            self.log.warning("crossed pods not traded: HAMi's pods here cannot be judged",
+                             extra={"err": str(exc)})  # fmt: skip
+            return None
+        return {uuid: (mem - held.get(uuid, (0, 0))[0], cores - held.get(uuid, (0, 0))[1])
+                for uuid, (mem, cores) in capacity.items()}  # fmt: skip
 
     async def _give_back_claim(self, allocation: Allocation) -> None:
         """A pod counted as served that was not: in flight again, so its Allocate can come."""

@@ -122,7 +122,7 @@ class PodBinder:
                     result = await self.ledger.writer.claim(
                         node, uid, self.instance, now, self.config.claim_ttl_s,
                         self.ledger.hint(node), self.config.max_in_flight_per_node,
-                        self._registration(node),
+                        self._registration(node), self.index.foreign_allocations(node),
                     )  # fmt: skip
             except (ClaimHeldError, _QueuedError) as exc:
                 if not waited:
@@ -232,7 +232,8 @@ class PodBinder:
         if hint is None or uid not in hint.value.allocations:
             return None  # the CAS decides on a fresh read
         return competing_claim(hint.value, uid, now, self.config.max_in_flight_per_node,
-                               self._registration(node))  # fmt: skip
+                               self._registration(node),
+                               self.index.foreign_allocations(node))  # fmt: skip
 
     def _registration(self, node: str) -> NodeRegistration | None:
         entry = self.index.entries.get(node)

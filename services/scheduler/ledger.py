@@ -150,7 +150,8 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
     )
     reserved = _replace(ledger, others)
     ahead = req.claim_ahead
-    if ahead is not None and _may_claim_ahead(reserved, uid, req.now, ahead, req.registration):
+    if ahead is not None and _may_claim_ahead(reserved, uid, req.now, ahead, req.registration,
+                                              req.foreign):  # fmt: skip
         # The reservation keeps its own expiry: unbound, it lapses as any reservation does.
         return _claimed(reserved, uid, ahead.holder, req.now, ahead.ttl_s, extend=False)
     return reserved
@@ -158,10 +159,11 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
 
 def _may_claim_ahead(
     ledger: NodeLedger, uid: str, now: float, ahead: ClaimAhead,
-    registration: NodeRegistration | None,
+    registration: NodeRegistration | None, foreign: tuple[Allocation, ...] = (),
 ) -> bool:
     """Whether the pod just reserved may go in flight in the same write (see ClaimAhead)."""
-    if competing_claim(ledger, uid, now, ahead.max_in_flight, registration) is not None:
+    if competing_claim(ledger, uid, now, ahead.max_in_flight, registration,
+                       foreign) is not None:  # fmt: skip
         return False
     mine = ledger.allocations[uid]
     first, shape = first_request(mine), None
@@ -233,11 +235,13 @@ def competes(a: Allocation, b: Allocation, exchangeable: Callable[[], bool] | No
 
 def competing_claim(
     ledger: NodeLedger, uid: str, now: float, max_in_flight: int = 0,
-    registration: NodeRegistration | None = None,
+    registration: NodeRegistration | None = None, foreign: tuple[Allocation, ...] = (),
 ) -> InFlightClaim | None:
     """The claim `uid` must wait for, or None when it may go in flight now (see `competes`;
-    without the node's `registration` pods of other amounts are not exchanged). `max_in_flight`
-    > 0 caps the set (1 = the old one-pod-per-node claim)."""
+    without the node's `registration` pods of other amounts are not exchanged). A trade is
+    judged on the cards with every consumer Tessera knows: the ledger's allocations and
+    `foreign`, what HAMi's pods hold there (foreign.py). `max_in_flight` > 0 caps the set
+    (1 = the old one-pod-per-node claim)."""
     allocation = ledger.allocations[uid]
     others = {k: c for k, c in live_claims(ledger, now).items() if k != uid}
     if not others:
@@ -254,7 +258,7 @@ def competing_claim(
 
         def fits() -> bool:
             if not cards:  # the node's usage, built once for every pair
-                built = build_cards(registration, ledger.allocations.values(), now)
+                built = build_cards(registration, [*ledger.allocations.values(), *foreign], now)
                 cards.update((c.uuid, c) for c in built)
             return exchange_fits(cards, allocation, ledger.allocations[k])
 
@@ -268,8 +272,10 @@ def competing_claim(
 def claim_mutate(
     uid: str, holder: str, now: float, ttl_s: float, current: NodeLedger | None,
     max_in_flight: int = 0, registration: NodeRegistration | None = None,
+    foreign: tuple[Allocation, ...] = (),
 ) -> NodeLedger:
-    """Put `uid` in the node's in-flight set (see competing_claim), or ClaimHeldError."""
+    """Put `uid` in the node's in-flight set (see competing_claim; `foreign`: HAMi's pods on
+    the node), or ClaimHeldError."""
     if current is None:
         raise ReservationGoneError("no ledger entry for the node")
     allocation = current.allocations.get(uid)
@@ -277,7 +283,7 @@ def claim_mutate(
         raise ReservationGoneError("the reservation expired or was released")
     if allocation.state != AllocationState.RESERVED:
         raise AlreadyBoundError(uid)
-    held = competing_claim(current, uid, now, max_in_flight, registration)
+    held = competing_claim(current, uid, now, max_in_flight, registration, foreign)
     if held is not None:
         raise ClaimHeldError(held)
     return _claimed(current, uid, holder, now, ttl_s)
@@ -598,9 +604,10 @@ class LedgerWriter:
     async def claim(
         self, node: str, uid: str, holder: str, now: float, ttl_s: float, hint: Hint = None,
         max_in_flight: int = 0, registration: NodeRegistration | None = None,
+        foreign: tuple[Allocation, ...] = (),
     ) -> Versioned[NodeLedger]:
         mutate = partial(claim_mutate, uid, holder, now, ttl_s, max_in_flight=max_in_flight,
-                         registration=registration)  # fmt: skip
+                         registration=registration, foreign=foreign)  # fmt: skip
         return await self._cas(node, lambda current: mutate(current), hint)
 
     async def mark_bound(

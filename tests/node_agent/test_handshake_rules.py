@@ -8,10 +8,13 @@ import pytest
 from node_agent_rig import grants
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, PreparedContainer
+from tessera.node_agent.foreign import ForeignUnknownError, hami_held
 from tessera.node_agent.limits import LimitsError, apply_change, pod_usage_on
+from test_in_flight import hami_pod
 
 from tessera.bus import NoChange
 from tessera.models import Allocation, AllocationState, DeviceInfo, InFlightClaim, NodeLedger
+from tessera.settings import TesseraSettings
 
 A, B = "GPU-aaaa", "GPU-bbbb"
 DEVICES = {
@@ -213,3 +216,32 @@ def test_reuse_pool_follows_kubelet_with_native_sidecars():
     side = pod.model_copy(update={"sidecars": [1]})
     assert hs.reuse_pool(side, 1) == {A, B}
     assert hs.reuse_pool(side, 2) == {B}  # the sidecar keeps A
+
+
+def test_hami_pods_held_on_the_node_and_hostile_shapes_fail_closed():
+    """What HAMi's pods bound to the node hold per card (init peak vs app sum): Tessera's pods,
+    finished pods, pods of other nodes and pods asking no GPU hold nothing; anything unreadable
+    is ForeignUnknownError, never another exception and never a card left out."""
+    settings = TesseraSettings()
+    two = hami_pod("n1", "GPU-0,NVIDIA-A10,1000,10:;"
+                         "GPU-0,NVIDIA-A10,500,5:GPU-1,NVIDIA-A10,700,7:;")
+    two["spec"]["containers"].append({"name": "b", "resources": {"limits": {"nvidia.com/gpu": 1}}})
+    mine = hami_pod("n1", "GPU-0,NVIDIA-A10,9000,90:;")
+    mine["spec"]["schedulerName"] = settings.scheduler_name
+    done = hami_pod("n1", "GPU-0,NVIDIA-A10,9000,90:;")
+    done["status"]["phase"] = "Succeeded"
+    elsewhere = hami_pod("n2", "GPU-0,NVIDIA-A10,9000,90:;")
+    no_gpu = hami_pod("n1", "GPU-0,NVIDIA-A10,9000,90:;")
+    no_gpu["spec"]["containers"][0]["resources"] = {}
+    one = hami_pod("n1", "GPU-1,NVIDIA-A10,300,3:;")
+    held = hami_held([two, mine, done, elsewhere, no_gpu, one], "n1", settings)
+    assert held == {"GPU-0": (1500, 15), "GPU-1": (1000, 10)}
+    assert hami_held([], "n1", settings) == {}
+    for devices in ("GPU-0,broken;", ";", "GPU-0,NVIDIA-A10,99999999999,5:;"):
+        with pytest.raises(ForeignUnknownError):
+            hami_held([hami_pod("n1", devices)], "n1", settings)
+    hostile = hami_pod("n1", "GPU-0,NVIDIA-A10,1000,10:;")
+    hostile["spec"]["containers"] = "not a list"
+    with pytest.raises(ForeignUnknownError):
+        hami_held([hostile], "n1", settings)
+    assert hami_held([{"metadata": 3}, {"spec": []}, {}], "n1", settings) == {}

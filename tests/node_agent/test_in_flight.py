@@ -11,6 +11,7 @@ import subprocess
 import uuid
 from typing import Any
 
+import pytest
 from node_agent_rig import bind, grants, ledger_of, make_pod, rig_settings, running_rig
 from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
 from tessera.node_agent.devices import StaticSource
@@ -148,6 +149,54 @@ async def test_crossed_pods_of_other_amounts_trade_cards_before_sealing(short_di
         assert admission_a.ok, admission_a.error
         check_exact([admission_a, admission_b], {"a": 3000, "b": 5000}, await rig.ledger())
         assert gpu_of_replica(admission_a.containers[0].device_ids[0]) == g1
+
+
+def hami_pod(node: str, devices: str) -> dict[str, Any]:
+    """A pod HAMi's scheduler placed on this node before it switched to Tessera's agent
+    (docs/migrating-from-hami.md): in no ledger, its grants only in HAMi's annotations."""
+    spec = make_pod(f"hami-{uuid.uuid4().hex[:6]}", [("main", 1)])
+    spec["metadata"]["annotations"] = {
+        hami.ANN_DEVICES_ALLOCATED: devices, hami.ANN_DEVICES_TO_ALLOCATE: ";",
+        hami.ANN_VGPU_NODE: node, hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS,
+    }  # fmt: skip
+    spec["spec"] |= {"schedulerName": "hami-scheduler", "nodeName": node}
+    spec["status"] = {"phase": "Running"}
+    return spec
+
+
+@pytest.mark.parametrize("held_mib, readable, traded", [
+    (12000, True, False),  # a's 3000 beside it fits; b's 5000 would make 17000 of 16000 MiB
+    (2000, True, True),  # room for b's 5000 beside it: the trade is made as without HAMi
+    (12000, False, False),  # its grants do not read: nothing is moved onto any card
+])  # fmt: skip
+async def test_a_trade_counts_hami_pods_on_the_cards(
+    short_dir, nc, buckets, held_mib: int, readable: bool, traded: bool
+):
+    """The trade of test_crossed_pods_of_other_amounts_trade_cards_before_sealing, on a node
+    where a HAMi pod holds room on a's card (GPU 0): the agent judges the trade with it, and
+    refuses it (b's start fails, nothing sealed, no grant moves) when b's amounts would overfill
+    that card or the HAMi pod cannot be read."""
+    async with running_rig(short_dir, nc, buckets, lists_admitting=False) as rig:
+        g0, g1 = rig.gpus
+        devices = f"{g0},NVIDIA-A100,{held_mib},10:;" if readable else f"{g0},broken;"
+        rig.cluster.add_pod(hami_pod(rig.node, devices))
+        pod_a, pod_b = make_pod("a", [("main", 1)]), make_pod("b", [("main", 1)])
+        await rig.bind(pod_a, [grants((g0, 3000, 30))])
+        await asyncio.sleep(0.05)  # a's claim is the older one: the agent expects a first
+        await rig.bind(pod_b, [grants((g1, 5000, 50))])
+        admission_b = await rig.kubelet.admit_pod(pod_b)
+        assert gpu_of_replica(admission_b.containers[0].device_ids[0]) == g0  # a's card
+        by_name = {a.name: a for a in (await rig.ledger()).allocations.values()}
+        cards = {n: [(g.uuid, g.memory_mib) for g in by_name[n].containers[0]] for n in "ab"}
+        if traded:
+            assert admission_b.ok, admission_b.error
+            assert sealed(admission_b) == [(g0, 5000)]
+            assert cards == {"a": [(g1, 3000)], "b": [(g0, 5000)]}
+            return
+        assert not admission_b.ok, "b started on a card whose room a HAMi pod holds"
+        container = admission_b.containers[0]
+        assert read_limits(container.mount(SEALED_LIMITS_DIR).host_path) is None
+        assert cards == {"a": [(g0, 3000)], "b": [(g1, 5000)]}  # no grant moved
 
 
 async def test_kubelet_restart_with_pods_in_flight(short_dir, nc, buckets):

@@ -20,9 +20,10 @@ from tessera.hami import PodRequest, parse_pod_request
 from tessera.models import AllocationState, DeviceGrant
 from tessera.settings import TesseraSettings
 
-from .conftest import MakeService, agent_allocate, http_client
+from .conftest import MakeService, agent_allocate, http_client, wait_until
 from .factories import GIB, container, node, pod
 from .test_extender import bind_call, filter_call, ledger, setup_node, unique
+from .test_hami_migration import hami_pod
 
 
 async def place_and_bind(client: Any, spec: dict[str, Any], name: str) -> str:
@@ -94,6 +95,34 @@ async def test_other_amounts_of_one_layout_whose_cards_could_be_exchanged_go_tog
     assert errors == [""] * 4
     assert set((await ledger(buckets, name)).claims) == {s["metadata"]["uid"] for s in specs}
     assert service.metrics.claim_waits._value.get() == 0
+
+
+async def test_a_trade_onto_a_card_a_hami_pod_holds_waits(
+    make_service: MakeService, buckets: Any, cluster: Any
+) -> None:
+    """A cluster migrating from HAMi: a HAMi pod holds 6 GiB of card 1 (10 GiB cards). A (5 GiB,
+    card 0) is in flight; B (3 GiB) goes on card 1. On Tessera's ledger alone the trade that
+    repairs a cross fits (A's 5 GiB onto card 1); with the HAMi pod it would put 11 GiB on
+    card 1, so B waits for A's Allocate instead of flying beside it."""
+    service = await make_service(config={"bind_timeout_s": 5.0})
+    name = await setup_node(buckets, service, node(unique("n"), gpus=2, memory_mib=10 * GIB))
+    cluster.add_pod(hami_pod("trainer", name, f"GPU-{name}-1,NVIDIA-A10,{6 * GIB},10:;",
+                             mem=6 * GIB, cores=10))  # fmt: skip
+    await wait_until(lambda: bool(service.index.foreign_allocations(name)))
+    on = {n: {"nvidia.com/use-gpuuuid": f"GPU-{name}-{n}"} for n in (0, 1)}
+    first = cluster.add_pod(pod(container(mem=5 * GIB, cores=10), annotations=on[0]))
+    other = cluster.add_pod(pod(container(mem=3 * GIB, cores=10), annotations=on[1]))
+    async with http_client(service) as client:
+        assert await place_and_bind(client, first, name) == ""
+        assert (await filter_call(client, other, [name]))["nodenames"] == [name]
+        waiting = asyncio.create_task(bind_call(client, other, name))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # the trade would overfill the HAMi pod's card
+        assert set((await ledger(buckets, name)).claims) == {first["metadata"]["uid"]}
+        await agent_allocate(buckets, name, first["metadata"]["uid"])
+        assert await asyncio.wait_for(waiting, 5) == ""
+    assert set((await ledger(buckets, name)).claims) == {other["metadata"]["uid"]}
+    assert service.metrics.claim_waits._value.get() == 1
 
 
 async def test_shapes_kubelet_tells_apart_are_in_flight_together(
