@@ -320,7 +320,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     ) -> Allocation | None:
         """kubelet reused other init-container devices than the grant names: follow it in the
         ledger when the cards allow (the pod's allocation after the change), else None."""
-        capacity = {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
+        # HAMi's pods on the node hold room on these cards too (a trade's rule: judged with
+        # them, never blind; None: they cannot be judged, so kubelet's choice is not followed).
+        capacity = await self._room_beside_hami(
+            {d.uuid: (d.memory_mib, d.cores) for d in self.state.devices()}
+        )
+        if capacity is None:
+            return None
         try:
             result = await bus.cas_update(
                 self.ledger_kv, self.node, NodeLedger,

@@ -8,11 +8,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from node_agent_rig import running_rig
+import pytest
+from node_agent_rig import grants, running_rig
 from tessera.kube_sim.kubelet import PodAdmission
 from tessera.scheduler.cards import build_cards
 from tessera.scheduler.placement import fit_pod
 from tessera.scheduler.rules import FitContext, parse_pod_options
+from test_in_flight import hami_pod
 
 from tessera import bus
 from tessera.hami import parse_pod_request
@@ -118,3 +120,41 @@ async def test_kubelet_picking_any_of_two_init_cards_is_followed(short_dir, nc, 
             await bus.cas_update(rig.buckets.ledger, rig.node, NodeLedger,
                                  lambda led, u=f"uid-pick{seed}": drop(led, u))  # fmt: skip
         assert len(picked) == 2  # both of kubelet's choices were exercised
+
+
+class PickCard:
+    """kube-sim's kubelet chooses reusable devices with `rng.sample`: this one takes `card`'s."""
+
+    def __init__(self, card: str) -> None:
+        self.card = card
+
+    def sample(self, population: list[str], k: int) -> list[str]:
+        return sorted(population, key=lambda d: not d.startswith(self.card))[:k]
+
+
+@pytest.mark.parametrize("held_mib, followed", [(10000, False), (2000, True)])
+async def test_following_kubelets_reuse_counts_hami_pods(
+    short_dir, nc, buckets, held_mib: int, followed: bool
+):
+    """The app is granted 9000 MiB on the init's first card; kubelet hands it the other init
+    card, where a HAMi pod (in no ledger: a cluster migrating from HAMi) holds room. Following
+    kubelet there is judged with that pod: 9000 beside 10000 would overfill the 16000 MiB card,
+    so the start is refused, nothing sealed and the grant unmoved; beside 2000 it is followed."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        g0, g1 = rig.gpus
+        rig.cluster.add_pod(hami_pod(rig.node, f"{g1},NVIDIA-A100,{held_mib},10:;"))
+        rig.kubelet.rng = PickCard(g1)
+        pod = gpu_pod("hm", [gpu_container("init", 2, 5000)], [gpu_container("app", 1, 9000)])
+        await rig.bind(pod, [grants((g0, 5000, 10), (g1, 5000, 10)), grants((g0, 9000, 10))],
+                       init_count=1)  # fmt: skip
+        admission = await rig.kubelet.admit_pod(pod)
+        app_grants = (await ledger_grants(rig, "uid-hm"))["app"]
+        if followed:
+            assert admission.ok, admission.error
+            assert gpus_given(admission, "app") == {g1}
+            assert sealed(admission)["app"] == app_grants == [(g1, 9000)]
+            return
+        assert not admission.ok, "the app started on a card whose room a HAMi pod holds"
+        assert f"kubelet chose GPU(s) {g1}" in admission.error, admission.error  # refused
+        assert not admission.container("app").started
+        assert app_grants == [(g0, 9000)]  # the grant did not move
