@@ -202,11 +202,18 @@ async def test_configmap_entry_applies_at_start_and_live(short_dir, nc, buckets)
         # HAMi's node annotation carries the new capacity for HAMi's tools and scheduler.
         annotation = json.loads(rig.cluster.node_annotations[rig.node][hami.ANN_NODE_REGISTER])
         assert [(d["id"], d["count"]) for d in annotation] == [(gpu0, 3)]
-        # Said on the bus and as a Kubernetes event on the Node.
-        applied = [e for e in rig.cluster.events if e["reason"] == "NodeConfigApplied"]
-        assert applied and applied[-1]["involved"]["kind"] == "Node"
-        assert "split 3" in applied[-1]["message"]
-        assert any("split 3" in e.reason for e in await node_events(rig, "configured"))
+        # Said on the bus and as a Kubernetes event on the Node (both recorded after the new
+        # registration is written, in the background: waited for, not assumed).
+        async def applied_event():
+            applied = [e for e in rig.cluster.events if e["reason"] == "NodeConfigApplied"]
+            return applied[-1] if applied and "split 3" in applied[-1]["message"] else None
+
+        assert (await until(applied_event, timeout=30))["involved"]["kind"] == "Node"
+
+        async def configured_on_the_bus():
+            return any("split 3" in e.reason for e in await node_events(rig, "configured"))
+
+        await until(configured_on_the_bus, timeout=30)
         # Deleting the ConfigMap falls back to the chart's settings.
         rig.cluster.delete_config_map(NS, NODE_CONFIG_MAP)
         reg = await until(lambda: split(4))
