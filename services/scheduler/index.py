@@ -665,7 +665,11 @@ class ClusterIndex:
         """What the node's ledger holds per GPU (kept up to date from each change:
         node_usage.py), plus what HAMi's pods hold there; sets `entry.blocked`."""
         view = entry.view
-        entry.usage.update(view.allocations if view is not None else {}, now, remember)
+        counted = view.take_usage() if type(view) is LedgerWire else None
+        if counted is not None and not remember:  # counted as it was read (start-up)
+            entry.usage.counted_as(counted, now)
+        else:
+            entry.usage.update(view.allocations if view is not None else {}, now, remember)
         usages = [entry.usage.usage]
         foreign = self.foreign.get(entry.name)
         entry.blocked = ""
@@ -819,9 +823,17 @@ class ClusterIndex:
             self.bound_idle[slot] = sum(idle)
             return
         slots = np.asarray([row[0] for row in rows], dtype=np.int64)
-        self.bound_mem[slots] = self.card_mem[slots].max(axis=1)
-        self.bound_pct[slots] = self.card_pct[slots].max(axis=1)
-        self.bound_cores[slots] = self.card_cores[slots].max(axis=1)
+        # The largest over the row's own cards, as above (a card given more than it has is
+        # negative; the padding's -1 is not one of its cards), -1 for a row without cards.
+        lengths = np.asarray([len(row[2]) for row in rows], dtype=np.int64)
+        cards = np.arange(self.card_mem.shape[1]) < lengths[:, None]
+        empty = lengths == 0
+        for name, values in (("bound_mem", self.card_mem), ("bound_pct", self.card_pct),
+                             ("bound_cores", self.card_cores)):  # fmt: skip
+            values = values[slots]
+            bound = np.where(cards, values, np.iinfo(values.dtype).min).max(axis=1)
+            bound[empty] = -1
+            getattr(self, name)[slots] = bound
         self.bound_computing[slots] = np.count_nonzero(self.card_computing[slots], axis=1)
         self.bound_idle[slots] = np.count_nonzero(self.card_idle[slots], axis=1)
 
