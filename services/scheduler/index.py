@@ -448,9 +448,10 @@ class ClusterIndex:
         old_allocations = entry.view.allocations if entry.view is not None else {}
         entry.view = ledger
         entry.ledger_revision = revision
-        self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
-        if ledger is not None and (ledger.claims or ledger.claim is not None or any(
-            a.state == _RESERVED for a in ledger.allocations.values()
+        holding = type(ledger) is LedgerWire and ledger.holding  # all active, none reserved
+        self._map_pods(node, old_allocations, ledger.allocations if ledger else {}, holding)
+        if ledger is not None and (ledger.claims or ledger.claim is not None or (
+            not holding and any(a.state == _RESERVED for a in ledger.allocations.values())
         )):  # fmt: skip
             self.sweepable.add(node)
         else:
@@ -463,11 +464,18 @@ class ClusterIndex:
             event.set()
         return True
 
-    def _map_pods(self, node: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+    def _map_pods(
+        self, node: str, old: dict[str, Any], new: dict[str, Any], all_active: bool = False
+    ) -> None:
         """Keep pod uid -> node and (namespace, name) -> uid current. Allocations are
         copy-on-write, so one that is the same object as before changed nothing: a write that
-        changes one pod costs O(pods on the node) identity checks, not dictionary updates."""
+        changes one pod costs O(pods on the node) identity checks, not dictionary updates.
+        `all_active`: every allocation of `new` is known to be active."""
         if not old:  # a node's first value (start-up: every node): nothing to take back
+            if all_active:
+                self.pod_nodes.update(dict.fromkeys(new, node))
+                self.pod_uids.update({(a.namespace, a.name): uid for uid, a in new.items()})
+                return
             active = [(uid, a) for uid, a in new.items() if a.state in ACTIVE_STATES]
             self.pod_nodes.update(dict.fromkeys([uid for uid, _a in active], node))
             self.pod_uids.update({(a.namespace, a.name): uid for uid, a in active})

@@ -532,7 +532,7 @@ class LedgerWire:
     At start-up most nodes are never touched before their next change, so most entries are
     never built. Read-only, like every ledger value the index holds."""
 
-    __slots__ = ("_claims_given", "allocations", "claim", "claims", "node", "usage")
+    __slots__ = ("_claims_given", "allocations", "claim", "claims", "holding", "node", "usage")
     in_flight = NodeLedger.in_flight
 
     def __init__(
@@ -542,6 +542,9 @@ class LedgerWire:
         # What the allocations hold per GPU, when `slim_all` could count it without a clock
         # (taken once by the index at start-up, then dropped: `take_usage`).
         self.usage = usage
+        # Every allocation bound or allocated and unmarked (so active, none reserved): known
+        # when `slim_all` counted them.
+        self.holding = usage is not None
         self.node: str = data.node
         self.allocations = allocations  # uid -> complete allocation Struct
         self.claim: InFlightClaim | None = _claim(data.claim) if data.claim is not UNSET else None
