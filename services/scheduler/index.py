@@ -559,7 +559,10 @@ class ClusterIndex:
         usages = self._usages(entry, now, remember)
         cordon = self.cordon_of(entry)
         devices = registered.devices
-        if any(d.mig is not None and d.mig.model for d in devices):
+        # (a RegistrationWire's cards have no MIG capability: wire_fast keeps only those)
+        if type(registered) is not RegistrationWire and any(
+            d.mig is not None and d.mig.model for d in devices
+        ):
             # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
             # the amounts: counted from the models (MIG nodes are few; others skip this).
             row = self._row_of_cards(entry, self._mig_cards(entry, usages, cordon, now))
@@ -601,9 +604,13 @@ class ClusterIndex:
             if d.healthy and u_slots < d.split_count and d.mode.lower() != "mig" and (
                 not cordon or d.uuid not in cordon
             ):
-                free = d.memory_mib - u_mem
+                total = d.memory_mib
+                free = total - u_mem
                 mem.append(free)
-                pct.append(free_percentage(free, d.memory_mib))
+                if total > 0:  # free_percentage, inlined
+                    pct.append(min((100 * (free + 1) - 1) // total, 32767))
+                else:
+                    pct.append(-1 if free < 0 else 32767)
                 free_cores.append(d.cores - u_cores)
                 computing.append(d.cores == 0 or d.cores > u_cores)
                 idle.append(u_slots == 0)
