@@ -20,6 +20,7 @@ import numpy as np
 
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
+from .bulk_rows import rows_of
 from .candidate_order import PolicyOrder, full_order, policy_sign, walk
 from .card_summaries import Cards, Need, joint_mask, row_holds, summary_mask
 from .cards import (
@@ -522,15 +523,45 @@ class ClusterIndex:
 
     def flush_rebuilds(self, now: float) -> None:
         deferred, self._deferred = self._deferred, None
-        rows = []
+        rows: list[tuple] = []
+        batch: list[tuple] = []  # rows built together (bulk_rows.py)
         for name in deferred or ():
             entry = self.entries.get(name)
             if entry is not None:
-                row = self._summarise(entry, now, remember=False)
+                row = self._summarise(entry, now, remember=False, batch=batch)
                 if row is not None:
                     rows.append(row)
         if rows:
             self._write_rows(rows)  # one assignment per array for every node
+        if batch:
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: list[tuple]) -> None:
+        """The rows of (entry, devices, usage map, busy) nodes, built together."""
+        entries, devices, usages, busy = zip(*batch, strict=True)
+        built = rows_of(list(devices), list(usages))
+        widest = int(built.free_gpus.max())
+        if widest > self.card_mem.shape[1]:
+            self._grow(0, widest - self.card_mem.shape[1])
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        for name in ("card_mem", "card_pct", "card_cores"):
+            getattr(self, name)[slots] = -1
+        self.card_computing[slots] = False
+        self.card_idle[slots] = False
+        at = (slots[built.node], built.column)
+        self.card_mem[at] = built.memory
+        self.card_pct[at] = built.percentage
+        self.card_cores[at] = built.cores
+        self.card_computing[at] = built.computing
+        self.card_idle[at] = built.idle
+        self.free_gpus[slots] = built.free_gpus
+        self.scores[slots] = built.scores
+        self.busy[slots] = busy
+        for entry, score in zip(entries, built.scores.tolist(), strict=True):
+            entry.score = score
+        self._grow_bounds()
+        self._column_cache.log(slots.tolist())
+        self._bounds_of(slots, built.free_gpus)
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
         if self._deferred is not None and (entry.registered is not None or entry.view):
@@ -540,11 +571,15 @@ class ClusterIndex:
         if row is not None:
             self._write_rows([row])
 
-    def _summarise(self, entry: NodeEntry, now: float, remember: bool = True) -> tuple | None:
+    def _summarise(
+        self, entry: NodeEntry, now: float, remember: bool = True, batch: list | None = None
+    ) -> tuple | None:
         """The node's score and expiries set on the entry (its cards to be built when read),
         and its row of the arrays (slot, free GPUs, then per usable card: free memory, free %,
         free cores, computing, idle; score, busy); None when the node has no registration (its
-        row is cleared)."""
+        row is cleared). With `batch`, a node without cordoned or dynamic MIG cards nor HAMi's
+        pods is appended to it as (entry, devices, usage map, busy) instead, its row and score
+        to be built with the others' (`_write_batch`), and None is returned."""
         slot = entry.slot
         registered = entry.registered
         if registered is None:
@@ -568,11 +603,18 @@ class ClusterIndex:
             row = self._row_of_cards(entry, self._mig_cards(entry, usages, cordon, now))
         else:
             entry._cards, entry._card_usage = None, (usages, cordon)
-            row = self._row_of_devices(entry, devices, usages, cordon)
+            if batch is not None and len(usages) == 1 and not cordon:
+                row = None  # built with the batch's
+            else:
+                row = self._row_of_devices(entry, devices, usages, cordon)
         expiries = entry.usage.reservations.values()
         entry.reserved_until = min(expiries, default=None)
         claims = view.in_flight().values() if view is not None else ()
         busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
+        if row is None:
+            assert batch is not None
+            batch.append((entry, devices, usages[0], busy))
+            return None
         return (slot, *row, busy)
 
     def _row_of_devices(
@@ -838,9 +880,12 @@ class ClusterIndex:
             self.bound_idle[slot] = sum(idle)
             return
         slots = np.asarray([row[0] for row in rows], dtype=np.int64)
+        self._bounds_of(slots, np.asarray([len(row[2]) for row in rows], dtype=np.int64))
+
+    def _bounds_of(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """The bounds of rows just written, each `lengths` usable cards long."""
         # The largest over the row's own cards, as above (a card given more than it has is
         # negative; the padding's -1 is not one of its cards), -1 for a row without cards.
-        lengths = np.asarray([len(row[2]) for row in rows], dtype=np.int64)
         cards = np.arange(self.card_mem.shape[1]) < lengths[:, None]
         empty = lengths == 0
         for name, values in (("bound_mem", self.card_mem), ("bound_pct", self.card_pct),
