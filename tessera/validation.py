@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -122,15 +122,33 @@ def model_memory_ceiling(device_type: str) -> int | None:
 
 
 def device_problem(device: DeviceInfo, bounds: Bounds) -> Problem | None:
+    return _device_problem(device, bounds, _capacity_judge(bounds))
+
+
+@functools.lru_cache(maxsize=16)
+def _capacity_judge(bounds: Bounds) -> Callable[..., tuple[str, str] | None]:
+    """`_capacity_problem` under these bounds, cached on the card's values alone: a
+    registration's cards are judged without hashing the bounds (a Python-level hash) each."""
+
+    @functools.lru_cache(maxsize=4096)
+    def judge(*shape: object) -> tuple[str, str] | None:
+        return _capacity_problem(*shape, bounds)  # type: ignore[arg-type]
+
+    return judge
+
+
+def _device_problem(
+    device: DeviceInfo, bounds: Bounds, capacity: Callable[..., tuple[str, str] | None]
+) -> Problem | None:
     uuid = device.uuid
     if not uuid or len(uuid) > 128 or not _UUID_FORBIDDEN.isdisjoint(uuid):
         return Problem("device_uuid", f"{_where(device)}: a UUID must be 1-128 chars without "
                        ", : ; =")  # fmt: skip
     if device.index >= bounds.max_devices:
         return Problem("device_index", f"{_where(device)}: index {device.index} out of range")
-    problem = _capacity_problem(
+    problem = capacity(
         device.physical_memory_mib or device.memory_mib, device.memory_mib, device.type,
-        device.cores, device.split_count, device.numa, device.mode, bounds,
+        device.cores, device.split_count, device.numa, device.mode,
     )  # fmt: skip
     if problem is not None:
         return Problem(problem[0], f"{_where(device)}: {problem[1]}")
@@ -194,8 +212,9 @@ def registration_problem(
         return Problem("device_uuid", f"node {key}: a GPU UUID appears twice")
     if len({d.index for d in devices}) != len(devices):
         return Problem("device_index", f"node {key}: a GPU index appears twice")
+    capacity = _capacity_judge(bounds)
     for device in devices:
-        problem = device_problem(device, bounds)
+        problem = _device_problem(device, bounds, capacity)
         if problem is None and device.mig is not None:
             problem = mig_capability_problem(device)
         if problem is not None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
+from .bulk_rows import rows_of
 from .candidate_order import PolicyOrder, full_order, policy_sign, walk
 from .card_summaries import Cards, Need, joint_mask, row_holds, summary_mask
 from .cards import (
@@ -448,9 +449,10 @@ class ClusterIndex:
         old_allocations = entry.view.allocations if entry.view is not None else {}
         entry.view = ledger
         entry.ledger_revision = revision
-        self._map_pods(node, old_allocations, ledger.allocations if ledger else {})
-        if ledger is not None and (ledger.claims or ledger.claim is not None or any(
-            a.state == _RESERVED for a in ledger.allocations.values()
+        holding = type(ledger) is LedgerWire and ledger.holding  # all active, none reserved
+        self._map_pods(node, old_allocations, ledger.allocations if ledger else {}, holding)
+        if ledger is not None and (ledger.claims or ledger.claim is not None or (
+            not holding and any(a.state == _RESERVED for a in ledger.allocations.values())
         )):  # fmt: skip
             self.sweepable.add(node)
         else:
@@ -463,11 +465,18 @@ class ClusterIndex:
             event.set()
         return True
 
-    def _map_pods(self, node: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+    def _map_pods(
+        self, node: str, old: dict[str, Any], new: dict[str, Any], all_active: bool = False
+    ) -> None:
         """Keep pod uid -> node and (namespace, name) -> uid current. Allocations are
         copy-on-write, so one that is the same object as before changed nothing: a write that
-        changes one pod costs O(pods on the node) identity checks, not dictionary updates."""
+        changes one pod costs O(pods on the node) identity checks, not dictionary updates.
+        `all_active`: every allocation of `new` is known to be active."""
         if not old:  # a node's first value (start-up: every node): nothing to take back
+            if all_active:
+                self.pod_nodes.update(dict.fromkeys(new, node))
+                self.pod_uids.update({(a.namespace, a.name): uid for uid, a in new.items()})
+                return
             active = [(uid, a) for uid, a in new.items() if a.state in ACTIVE_STATES]
             self.pod_nodes.update(dict.fromkeys([uid for uid, _a in active], node))
             self.pod_uids.update({(a.namespace, a.name): uid for uid, a in active})
@@ -514,15 +523,45 @@ class ClusterIndex:
 
     def flush_rebuilds(self, now: float) -> None:
         deferred, self._deferred = self._deferred, None
-        rows = []
+        rows: list[tuple] = []
+        batch: list[tuple] = []  # rows built together (bulk_rows.py)
         for name in deferred or ():
             entry = self.entries.get(name)
             if entry is not None:
-                row = self._summarise(entry, now, remember=False)
+                row = self._summarise(entry, now, remember=False, batch=batch)
                 if row is not None:
                     rows.append(row)
         if rows:
             self._write_rows(rows)  # one assignment per array for every node
+        if batch:
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: list[tuple]) -> None:
+        """The rows of (entry, devices, usage map, busy) nodes, built together."""
+        entries, devices, usages, busy = zip(*batch, strict=True)
+        built = rows_of(list(devices), list(usages))
+        widest = int(built.free_gpus.max())
+        if widest > self.card_mem.shape[1]:
+            self._grow(0, widest - self.card_mem.shape[1])
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        for name in ("card_mem", "card_pct", "card_cores"):
+            getattr(self, name)[slots] = -1
+        self.card_computing[slots] = False
+        self.card_idle[slots] = False
+        at = (slots[built.node], built.column)
+        self.card_mem[at] = built.memory
+        self.card_pct[at] = built.percentage
+        self.card_cores[at] = built.cores
+        self.card_computing[at] = built.computing
+        self.card_idle[at] = built.idle
+        self.free_gpus[slots] = built.free_gpus
+        self.scores[slots] = built.scores
+        self.busy[slots] = busy
+        for entry, score in zip(entries, built.scores.tolist(), strict=True):
+            entry.score = score
+        self._grow_bounds()
+        self._column_cache.log(slots.tolist())
+        self._bounds_of(slots, built.free_gpus)
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
         if self._deferred is not None and (entry.registered is not None or entry.view):
@@ -532,11 +571,15 @@ class ClusterIndex:
         if row is not None:
             self._write_rows([row])
 
-    def _summarise(self, entry: NodeEntry, now: float, remember: bool = True) -> tuple | None:
+    def _summarise(
+        self, entry: NodeEntry, now: float, remember: bool = True, batch: list | None = None
+    ) -> tuple | None:
         """The node's score and expiries set on the entry (its cards to be built when read),
         and its row of the arrays (slot, free GPUs, then per usable card: free memory, free %,
         free cores, computing, idle; score, busy); None when the node has no registration (its
-        row is cleared)."""
+        row is cleared). With `batch`, a node without cordoned or dynamic MIG cards nor HAMi's
+        pods is appended to it as (entry, devices, usage map, busy) instead, its row and score
+        to be built with the others' (`_write_batch`), and None is returned."""
         slot = entry.slot
         registered = entry.registered
         if registered is None:
@@ -551,17 +594,27 @@ class ClusterIndex:
         usages = self._usages(entry, now, remember)
         cordon = self.cordon_of(entry)
         devices = registered.devices
-        if any(d.mig is not None and d.mig.model for d in devices):
+        # (a RegistrationWire's cards have no MIG capability: wire_fast keeps only those)
+        if type(registered) is not RegistrationWire and any(
+            d.mig is not None and d.mig.model for d in devices
+        ):
             # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
             # the amounts: counted from the models (MIG nodes are few; others skip this).
             row = self._row_of_cards(entry, self._mig_cards(entry, usages, cordon, now))
         else:
             entry._cards, entry._card_usage = None, (usages, cordon)
-            row = self._row_of_devices(entry, devices, usages, cordon)
+            if batch is not None and len(usages) == 1 and not cordon:
+                row = None  # built with the batch's
+            else:
+                row = self._row_of_devices(entry, devices, usages, cordon)
         expiries = entry.usage.reservations.values()
         entry.reserved_until = min(expiries, default=None)
         claims = view.in_flight().values() if view is not None else ()
         busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
+        if row is None:
+            assert batch is not None
+            batch.append((entry, devices, usages[0], busy))
+            return None
         return (slot, *row, busy)
 
     def _row_of_devices(
@@ -593,9 +646,13 @@ class ClusterIndex:
             if d.healthy and u_slots < d.split_count and d.mode.lower() != "mig" and (
                 not cordon or d.uuid not in cordon
             ):
-                free = d.memory_mib - u_mem
+                total = d.memory_mib
+                free = total - u_mem
                 mem.append(free)
-                pct.append(free_percentage(free, d.memory_mib))
+                if total > 0:  # free_percentage, inlined
+                    pct.append(min((100 * (free + 1) - 1) // total, 32767))
+                else:
+                    pct.append(-1 if free < 0 else 32767)
                 free_cores.append(d.cores - u_cores)
                 computing.append(d.cores == 0 or d.cores > u_cores)
                 idle.append(u_slots == 0)
@@ -665,7 +722,11 @@ class ClusterIndex:
         """What the node's ledger holds per GPU (kept up to date from each change:
         node_usage.py), plus what HAMi's pods hold there; sets `entry.blocked`."""
         view = entry.view
-        entry.usage.update(view.allocations if view is not None else {}, now, remember)
+        counted = view.take_usage() if type(view) is LedgerWire else None
+        if counted is not None and not remember:  # counted as it was read (start-up)
+            entry.usage.counted_as(counted, now)
+        else:
+            entry.usage.update(view.allocations if view is not None else {}, now, remember)
         usages = [entry.usage.usage]
         foreign = self.foreign.get(entry.name)
         entry.blocked = ""
@@ -819,9 +880,20 @@ class ClusterIndex:
             self.bound_idle[slot] = sum(idle)
             return
         slots = np.asarray([row[0] for row in rows], dtype=np.int64)
-        self.bound_mem[slots] = self.card_mem[slots].max(axis=1)
-        self.bound_pct[slots] = self.card_pct[slots].max(axis=1)
-        self.bound_cores[slots] = self.card_cores[slots].max(axis=1)
+        self._bounds_of(slots, np.asarray([len(row[2]) for row in rows], dtype=np.int64))
+
+    def _bounds_of(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """The bounds of rows just written, each `lengths` usable cards long."""
+        # The largest over the row's own cards, as above (a card given more than it has is
+        # negative; the padding's -1 is not one of its cards), -1 for a row without cards.
+        cards = np.arange(self.card_mem.shape[1]) < lengths[:, None]
+        empty = lengths == 0
+        for name, values in (("bound_mem", self.card_mem), ("bound_pct", self.card_pct),
+                             ("bound_cores", self.card_cores)):  # fmt: skip
+            values = values[slots]
+            bound = np.where(cards, values, np.iinfo(values.dtype).min).max(axis=1)
+            bound[empty] = -1
+            getattr(self, name)[slots] = bound
         self.bound_computing[slots] = np.count_nonzero(self.card_computing[slots], axis=1)
         self.bound_idle[slots] = np.count_nonzero(self.card_idle[slots], axis=1)
 

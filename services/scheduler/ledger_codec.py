@@ -187,11 +187,9 @@ class LedgerCodec:
         whole = wire_fast.whole_ledger(payload)
         if whole is not None and whole.data.allocations is not wire_fast.UNSET:
             data = whole.data
-            slim, allocations = wire_fast.slim, data.allocations
             data.node = node_name = sys.intern(data.node)
-            for uid, item in allocations.items():
-                slim(uid, item, node_name)
-            return wire_fast.LedgerWire(data, allocations)
+            usage = wire_fast.slim_all(data.allocations, node_name)
+            return wire_fast.LedgerWire(data, data.allocations, usage)
         envelope = wire_fast.split_ledger(payload)
         if envelope is None:
             return self._full(node, payload)  # not canonical: the ordinary decode judges

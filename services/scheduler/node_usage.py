@@ -58,6 +58,16 @@ class NodeUsage:
                 self._drop(uid, counted.pop(uid))
         self.counted_at = now
 
+    def counted_as(self, usage: dict[str, list[int]], now: float) -> None:
+        """`update(allocations, now, remember=False)` where `usage` is what every allocation
+        holds and each holds it whatever the time (bound or allocated, unmarked: what
+        `wire_fast.slim_all` counts as it reads an entry): taken as it is."""
+        self.usage = usage
+        self.changes = {}
+        self.reservations = {}
+        self.counted = None
+        self.counted_at = now
+
     def _recount(self, allocations: dict[str, Any], now: float, remember: bool) -> None:
         self.usage = {}
         self.changes = {}

@@ -464,6 +464,67 @@ def slim(uid: str, item: Any, node: str = "") -> Any:
     return item
 
 
+_HOLDING = frozenset({AllocationState.BOUND.value, AllocationState.ALLOCATED.value})
+
+
+def slim_all(allocations: dict[str, Any], node: str) -> dict[str, list[int]] | None:
+    """`slim` of every allocation of one entry (`node`: its node name, interned), in one pass
+    that also counts what they hold per GPU when that needs no clock.
+
+    A string equal to the one before it in the entry (the namespace, policy, GPU type, often
+    the GPU) takes that one's shared copy without being hashed again; the strings are shared
+    as `slim` shares them (interned), so the memory is the same.
+
+    Returns GPU UUID -> [memory, cores, slots] held, exactly what
+    `node_usage.NodeUsage._count_all` counts at any time, when every allocation is bound or
+    allocated, unmarked and without init containers (such an allocation always counts: the
+    common entry); None when one is not (the index then counts at its time)."""
+    intern = _intern
+    holding = _HOLDING
+    usage: dict[str, list[int]] | None = {}
+    namespace = policy = uuid = kind = None
+    for uid, item in allocations.items():
+        value = item.namespace
+        if value != namespace:
+            namespace = intern(value)
+        item.namespace = namespace
+        value = item.node
+        item.node = node if value == node else intern(value)
+        value = item.core_policy
+        if value != policy:
+            policy = intern(value)
+        item.core_policy = policy
+        if item.pod_uid == uid:
+            item.pod_uid = uid
+        if not item.container_names:
+            item.container_names = ()
+        if not item.sidecars:
+            item.sidecars = ()
+        if usage is not None and (
+            item.state not in holding or item.preempted_by or item.init_count
+        ):  # fmt: skip
+            usage = None
+        for grants in item.containers:
+            for grant in grants:
+                value = grant.uuid
+                if value != uuid:
+                    uuid = intern(value)
+                grant.uuid = uuid
+                value = grant.type
+                if value != kind:
+                    kind = intern(value)
+                grant.type = kind
+                if usage is not None:
+                    used = usage.get(uuid)
+                    if used is None:
+                        usage[uuid] = [grant.memory_mib, grant.cores, 1]
+                    else:
+                        used[0] += grant.memory_mib
+                        used[1] += grant.cores
+                        used[2] += 1
+    return usage
+
+
 class LedgerWire:
     """A checked ledger entry whose allocations are not built into pydantic objects yet: the
     index summarises it (cards, pods, claims) as it is, and `materialize()` builds the
@@ -471,11 +532,19 @@ class LedgerWire:
     At start-up most nodes are never touched before their next change, so most entries are
     never built. Read-only, like every ledger value the index holds."""
 
-    __slots__ = ("_claims_given", "allocations", "claim", "claims", "node")
+    __slots__ = ("_claims_given", "allocations", "claim", "claims", "holding", "node", "usage")
     in_flight = NodeLedger.in_flight
 
-    def __init__(self, data: Any, allocations: dict[str, Any]) -> None:
+    def __init__(
+        self, data: Any, allocations: dict[str, Any], usage: dict[str, list[int]] | None = None
+    ) -> None:
         claims = data.claims
+        # What the allocations hold per GPU, when `slim_all` could count it without a clock
+        # (taken once by the index at start-up, then dropped: `take_usage`).
+        self.usage = usage
+        # Every allocation bound or allocated and unmarked (so active, none reserved): known
+        # when `slim_all` counted them.
+        self.holding = usage is not None
         self.node: str = data.node
         self.allocations = allocations  # uid -> complete allocation Struct
         self.claim: InFlightClaim | None = _claim(data.claim) if data.claim is not UNSET else None
@@ -483,6 +552,11 @@ class LedgerWire:
             {} if claims is UNSET else {uid: _claim(c) for uid, c in claims.items()}
         )
         self._claims_given = (data.claim is not UNSET, claims is not UNSET)
+
+    def take_usage(self) -> dict[str, list[int]] | None:
+        """The usage `slim_all` counted, once (None after, or when it could not)."""
+        usage, self.usage = self.usage, None
+        return usage
 
     def materialize(self) -> NodeLedger:
         allocations = {uid: _allocation(a) for uid, a in self.allocations.items()}
