@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -32,8 +33,36 @@ def find_nats_server() -> str:
     )
 
 
+LOW_PORT = 20000  # free ports are picked from here up to the kernel's ephemeral range
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it assigns on its own (outgoing connections, bind to 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback TCP port free now, for a child process to listen on moments later.
+
+    Picked below the ephemeral range: a port the kernel hands out itself can be taken by any
+    outgoing connection between this check and the child's bind (seen on a busy 2-core machine:
+    a stack's kube-sim found its port in use). Below the range only another listener can take it.
+    """
+    low, _ = ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(LOW_PORT, max(low, LOW_PORT + 1))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # everything tried was taken: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
