@@ -283,6 +283,20 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     )
 
 
+def asks_gpu(containers: list[Any], settings: TesseraSettings) -> bool:
+    """Whether any of these containers (as read off a pod, any shape) names one of the GPU
+    resources in its limits or requests: how a HAMi-placed pod is told to hold GPU room."""
+    keys = {settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
+            settings.resource_cores}  # fmt: skip
+    for container in containers:
+        resources = container.get("resources") if isinstance(container, dict) else None
+        for section in ("limits", "requests"):
+            values = resources.get(section) if isinstance(resources, dict) else None
+            if isinstance(values, dict) and keys & values.keys():
+                return True
+    return False
+
+
 def sidecar_indices(init_containers: list[Any]) -> frozenset[int]:
     """Init containers with `restartPolicy: Always` (Kubernetes' native sidecars)."""
     return frozenset(

@@ -66,7 +66,7 @@ def _hami_allocation(
         app = spec.get("containers") or []
         if not isinstance(init, list) or not isinstance(app, list):
             raise ValueError("containers must be lists")
-        if not _asks_gpu([*init, *app], settings):
+        if not hami.asks_gpu([*init, *app], settings):
             return None  # kubelet gives it no GPU, whatever its annotations say
         grants = hami.read_pod_grants(annotations, len(init) + len(app))
         if not any(grants):
@@ -81,15 +81,3 @@ def _hami_allocation(
         )  # fmt: skip
     except (ValueError, TypeError, AttributeError, KeyError) as exc:  # hostile shapes too
         raise ForeignUnknownError(f"HAMi pod {ref[:160]}: {str(exc)[:300]}") from exc
-
-
-def _asks_gpu(containers: list[Any], settings: TesseraSettings) -> bool:
-    keys = {settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
-            settings.resource_cores}  # fmt: skip
-    for container in containers:
-        resources = container.get("resources") if isinstance(container, dict) else None
-        for section in ("limits", "requests"):
-            values = resources.get(section) if isinstance(resources, dict) else None
-            if isinstance(values, dict) and keys & values.keys():
-                return True
-    return False

@@ -218,7 +218,7 @@ class ForeignCapacity:
         if not isinstance(init, list) or not isinstance(app, list):
             raise ValueError("containers must be lists")
         # A pod that asks for no GPU is given none by kubelet, whatever its annotations say.
-        if not self._asks_gpu([*init, *app]):
+        if not hami.asks_gpu([*init, *app], self.settings):
             return None
         grants = hami.read_pod_grants(annotations, len(init) + len(app))
         if not any(grants):
@@ -234,17 +234,6 @@ class ForeignCapacity:
             created_at=now, updated_at=now, container_names=names,
             reason="placed by HAMi's scheduler (read-only to Tessera)",
         )  # fmt: skip
-
-    def _asks_gpu(self, containers: list[Any]) -> bool:
-        s = self.settings
-        keys = {s.resource_name, s.resource_mem, s.resource_mem_percentage, s.resource_cores}
-        for container in containers:
-            resources = container.get("resources") if isinstance(container, dict) else None
-            for section in ("limits", "requests"):
-                values = resources.get(section) if isinstance(resources, dict) else None
-                if isinstance(values, dict) and keys & values.keys():
-                    return True
-        return False
 
     def repairing(self, rebuild: Rebuild) -> Rebuild:
         """The ledger repair's completion from the pods (validation.cluster_rebuild), minus
