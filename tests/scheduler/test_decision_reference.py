@@ -97,6 +97,21 @@ def place(index: ClusterIndex, name: str, uid: str, grants: list, rng: random.Ra
                      entry.ledger_revision + 1, 0.0)  # fmt: skip
 
 
+def count_fits(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the decision's calls of fit_pod (one per node it fits): {"n": calls so far}."""
+    from tessera.scheduler import decide as decide_module
+
+    fits = {"n": 0}
+    real_fit = decide_module.fit_pod
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fits["n"] += 1
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "fit_pod", counted)
+    return fits
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_decision_is_the_reference_while_the_index_moves(seed: int) -> None:
     rng = random.Random(seed)
@@ -190,8 +205,6 @@ def test_a_refused_pod_retried_gets_exact_reasons_fitting_only_changed_nodes(
     """kube-scheduler retries an unschedulable pod with backoff, and each retry asks for every
     node's reason. A retry refits only the nodes whose cards changed since; the reasons are the
     reference's every time, a freed node's included."""
-    from tessera.scheduler import decide as decide_module
-
     rng = random.Random(4)
     index = ClusterIndex()
     names = [f"r{i:03d}" for i in range(60)]
@@ -203,14 +216,7 @@ def test_a_refused_pod_retried_gets_exact_reasons_fitting_only_changed_nodes(
     spec = pod(rng, 0)
     spec["spec"]["containers"] = [{"name": "big", "resources": {"limits": {
         "nvidia.com/gpu": 8, "nvidia.com/gpumem": 90 * GIB, "nvidia.com/gpucores": 100}}}]
-    fits = {"n": 0}
-    real_fit = decide_module.fit_pod
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        fits["n"] += 1
-        return real_fit(*args, **kwargs)
-
-    monkeypatch.setattr(decide_module, "fit_pod", counted)
+    fits = count_fits(monkeypatch)
     request = hami.parse_pod_request(spec, SETTINGS)
     options = parse_pod_options(spec, SETTINGS)
     for attempt in range(4):
@@ -273,8 +279,6 @@ def test_two_container_pods_pruned_only_where_they_cannot_fit_together(
     container), and never a node where the fit (greedy, by GPU policy) succeeds: a node whose
     containers fit only on particular cards (the fuller card first, binpack) or both on one
     card. A pod that fits nowhere gets every node's exact reason."""
-    from tessera.scheduler import decide as decide_module
-
     index = ClusterIndex()
     names = []
     for i in range(60):  # one usable card with 30 GiB: each container alone, never both
@@ -286,14 +290,7 @@ def test_two_container_pods_pruned_only_where_they_cannot_fit_together(
     two_card_node(index, "particular", (25, 60))
     listed = NodeNames(names)
     listed.token = 5151
-    fits = {"n": 0}
-    real_fit = decide_module.fit_pod
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        fits["n"] += 1
-        return real_fit(*args, **kwargs)
-
-    monkeypatch.setattr(decide_module, "fit_pod", counted)
+    fits = count_fits(monkeypatch)
     for uid, spec, fitting in (
         ("both-on-one", two_containers(20, 20, "spread", "p1"), ["shared", "particular"]),
         ("particular-cards", two_containers(20, 50, "binpack", "p2"), ["particular"]),
