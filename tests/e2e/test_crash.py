@@ -15,7 +15,9 @@ after the later event 5.0 / 9.2 / 10.9 / 11.1 / 13.1 / 18.6 / 24.4 / 31.5 s (med
 runs 1-2 printed only the figure after the restart: 92.5 and 83.5 s, the burst's creation
 lasting most of it). 2026-12-02, 5 runs beside one hog (load 7-11): all passed; after the later
 event 1.1 / 1.9 / 2.2 / 2.8 / 4.8 s (median 2.2 s); after the last restart alone 40-47 s, the
-burst being created 37-45 s after it.
+burst being created 37-45 s after it. 2026-12-02, 10 runs in a row on 9b6e533 beside two whole
+clean-clone suites (load 4.8-13.8): all passed; after the later event 0.6 / 0.7 / 0.9 / 1.0 / 1.0 /
+1.1 / 1.5 / 1.6 / 2.1 / 3.8 s (median 1.05 s); after the last restart alone 24.9-47.1 s.
 """
 
 from __future__ import annotations
