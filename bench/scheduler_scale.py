@@ -17,6 +17,10 @@ flight, the real NATS ledger, a fake agent releasing each claim as Allocate does
 the placement decision at 5,000 nodes (`fit_p99`, BENCH_REPEAT runs of each trace; printed).
 `BENCH_RESTART_ONLY=1` only spawns
 the scheduler BENCH_REPEAT times over one populated KV (restart to ready, its CPU, RSS; printed).
+With `BENCH_RESTART_PODS=1` the cluster it restarts in also lists the bound GPU pod behind every
+allocation of that KV (80,000 at 5,000 nodes, HAMi's annotations, as the API server would
+answer), so the rebuild from pods before ready reads them as in a real restart; without it the
+bench's cluster lists no pod.
 `BENCH_JSON=path` also writes the raw figures. The "before" columns come from
 `scheduler_scale_before.json` (the same script run on the code before the Scale work; its commit
 and load are recorded in it).
@@ -131,10 +135,43 @@ if os.environ.get("BENCH_PROFILE_START") == "1":
 """
 
 
+# `BENCH_PODS_FILE` (BENCH_RESTART_PODS=1): the spawned scheduler's cluster lists these pods (JSON,
+# parsed in the scheduler as the real cluster client parses the API server's answer).
+LISTED_PODS = """
+import os as _os
+if _os.environ.get("BENCH_PODS_FILE"):
+    class BenchCluster(BenchCluster):
+        async def list_pods(self, namespace=None, node_name=None):
+            import json
+            with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
+                return json.load(listed)
+"""
+
+
+def bound_pods(ledgers: list[Any]) -> list[dict[str, Any]]:
+    """The bound, running pod behind every allocation of `ledgers`, with HAMi's annotations."""
+    from tessera import hami
+
+    pods = []
+    for ledger in ledgers:
+        for a in ledger.allocations.values():
+            annotations = {hami.ANN_DEVICES_TO_ALLOCATE: hami.encode_pod_devices(a.containers),
+                           hami.ANN_VGPU_NODE: a.node, hami.ANN_BIND_PHASE: "success"}  # fmt: skip
+            pods.append({
+                "metadata": {"uid": a.pod_uid, "name": a.name, "namespace": a.namespace,
+                             "annotations": annotations},
+                "spec": {"nodeName": a.node,
+                         "containers": [{"name": f"c{i}"} for i in range(len(a.containers))]},
+                "status": {"phase": "Running"},
+            })  # fmt: skip
+    return pods
+
+
 async def ready_after_spawn(url: str, port: int, env: dict[str, str]) -> tuple[Any, float]:
     """Spawn a scheduler; seconds until its /readyz answers 200."""
     started = time.perf_counter()
-    server = SERVER.replace("# BENCH_CLUSTER\n", BENCH_SERVER.split("async def main")[0])
+    cluster = BENCH_SERVER.split("async def main")[0] + LISTED_PODS
+    server = SERVER.replace("# BENCH_CLUSTER\n", cluster)
     code = (PROFILED + server) if os.environ.get("BENCH_PROFILE") else server
     paths = [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
@@ -236,6 +273,10 @@ async def restarts(nodes: int) -> list[dict[str, float]]:
     registrations, ledgers = build_cluster(nodes)
     nc, _buckets = await populate(server.url, registrations, ledgers)
     env = {**os.environ, "TESSERA_LOG_LEVEL": "WARNING"}
+    if os.environ.get("BENCH_RESTART_PODS") == "1":
+        listed = Path(tempfile.mkdtemp(prefix="tessera-bench-pods-")) / "pods.json"
+        listed.write_text(json.dumps(bound_pods(ledgers)))
+        env["BENCH_PODS_FILE"] = str(listed)
     runs = []
     try:
         for _ in range(REPEAT):
@@ -249,6 +290,9 @@ async def restarts(nodes: int) -> list[dict[str, float]]:
     finally:
         await nc.close()
         server.cleanup()
+        if "BENCH_PODS_FILE" in env:
+            Path(env["BENCH_PODS_FILE"]).unlink(missing_ok=True)
+            Path(env["BENCH_PODS_FILE"]).parent.rmdir()
     return runs
 
 

@@ -83,14 +83,24 @@ class LedgerRebuilder:
         now = self.clock()
         if self.foreign is not None:
             pods = self.foreign.load(pods, now)
+        # A pod the index already places (an active allocation in the synced ledger: on its
+        # node, held; on another, not restored twice) needs nothing: its annotations are not
+        # read, and a node whose pods are all placed is neither read nor written (`restore_mutate`
+        # would leave it as it is). A restart over an intact ledger used to decode every GPU
+        # pod's annotations into models and read and decode every node's entry once more, before
+        # serving: at 5,000 nodes and 80,000 pods, seconds.
+        placed = self.index.pod_nodes
+        unplaced = [pod for pod in pods if not _placed(pod, placed)]
+        report.pods_seen += len(pods) - len(unplaced)
         by_node = allocations_from_pods(
-            pods, quota_held=self.quota_enabled, now=now, claim_ttl_s=self.claim_ttl_s,
+            unplaced, quota_held=self.quota_enabled, now=now, claim_ttl_s=self.claim_ttl_s,
             report=report,
         )  # fmt: skip
         for node, found in by_node.items():
             self._check_devices(node, found, report)
-            # A pod the index already places on another node is not restored twice.
-            missing = [f for f in found if self.index.pod_nodes.get(f[0].pod_uid) in (None, node)]
+            # Not restored twice: a uid restored on another node in this pass (two pods
+            # claiming one uid) is placed there now.
+            missing = [f for f in found if placed.get(f[0].pod_uid) in (None, node)]
             restored: list[str] = []
             try:
                 result: Versioned[NodeLedger] = await self.write(
@@ -118,15 +128,22 @@ class LedgerRebuilder:
         """Grants on devices the node's registration does not list are restored anyway (the pod
         runs on them) but reported: the node agent may have re-registered different GPUs."""
         entry = self.index.entries.get(node)
-        if entry is None or entry.registration is None:
+        if entry is None or entry.registered is None:
             return
-        known = {d.uuid for d in entry.registration.devices}
+        known = {d.uuid for d in entry.registered.devices}  # as read: no model built for this
         for allocation, _claim in found:
             for grant in (g for c in allocation.containers for g in c):
                 if grant.uuid not in known:
                     report.unknown_devices.append(
                         f"{allocation.namespace}/{allocation.name} on {node}: {grant.uuid}"
                     )
+
+
+def _placed(pod: Any, placed: dict[str, str]) -> bool:
+    """Whether the index holds an active allocation for this pod's uid."""
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    uid = meta.get("uid") if isinstance(meta, dict) else None
+    return type(uid) is str and uid in placed
 
 
 async def ledger_cas(kv: Any, node: str, mutate: Callable[[NodeLedger | None], NodeLedger]) -> Any:
