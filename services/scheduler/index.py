@@ -68,6 +68,9 @@ class NodeEntry:
     # The devices list of the RegistrationWire `registered` was built from: its heartbeats
     # (which carry that list) re-date the built model instead of replacing it.
     _built_from: list[Any] | None = field(default=None, repr=False)
+    # (devices, cordon, usage version, row) of the last row `_summarise` built from the devices
+    # and usage map: a write that changes none of them keeps the row (see `_kept_row`).
+    _row: tuple | None = field(default=None, repr=False)
 
     @property
     def schedulable(self) -> bool:
@@ -594,6 +597,9 @@ class ClusterIndex:
         usages = self._usages(entry, now, remember)
         cordon = self.cordon_of(entry)
         devices = registered.devices
+        if batch is None and self._kept_row(entry, devices, usages, cordon, now):
+            return None
+        entry._row = None
         # (a RegistrationWire's cards have no MIG capability: wire_fast keeps only those)
         if type(registered) is not RegistrationWire and any(
             d.mig is not None and d.mig.model for d in devices
@@ -607,6 +613,8 @@ class ClusterIndex:
                 row = None  # built with the batch's
             else:
                 row = self._row_of_devices(entry, devices, usages, cordon)
+                if len(usages) == 1:
+                    entry._row = (devices, cordon, entry.usage.version, row)
         expiries = entry.usage.reservations.values()
         entry.reserved_until = min(expiries, default=None)
         claims = view.in_flight().values() if view is not None else ()
@@ -616,6 +624,30 @@ class ClusterIndex:
             batch.append((entry, devices, usages[0], busy))
             return None
         return (slot, *row, busy)
+
+    def _kept_row(
+        self, entry: NodeEntry, devices: Any, usages: list[dict[str, list[int]]],
+        cordon: frozenset[str], now: float,
+    ) -> bool:
+        """Whether the node's row can stay as it is: built by `_row_of_devices` from these very
+        devices, this cordon and the usage as it still is (`NodeUsage.version`: a claim, a bind
+        or the agent's Allocate charge what they charged), and no HAMi pod on the node. Then
+        only the expiries and whether a bind is in flight are brought up to date."""
+        kept = entry._row
+        if kept is None or kept[0] is not devices or kept[1] != cordon or (
+            kept[2] != entry.usage.version or len(usages) != 1
+        ):  # fmt: skip
+            return False
+        expiries = entry.usage.reservations.values()
+        entry.reserved_until = min(expiries, default=None)
+        view = entry.view
+        claims = view.in_flight().values() if view is not None else ()
+        busy = any(c.expires_at > now for c in claims) or any(e > now for e in expiries)
+        slot = entry.slot
+        if bool(self.busy[slot]) != busy:
+            self.busy[slot] = busy
+            self._column_cache.log([slot])
+        return True
 
     def _row_of_devices(
         self, entry: NodeEntry, devices: list[Any], usages: list[dict[str, list[int]]],

@@ -14,6 +14,14 @@ reads whatever any writer wrote); what changes is the work:
   (by msgspec Structs that accept exactly the canonical subset of what the pydantic model
   accepts); the others are the previous objects. Anything not canonical falls back to
   `tessera.codec.decode` (same result, same errors).
+- splice: a payload that differs from the node's last one (written or read here) in at most
+  one allocation and the claims (a bind, the agent's Allocate) is read without decoding the
+  rest: its bytes before the first allocation that differs are compared with the last
+  payload's (a few slice comparisons), the allocation that differs is measured (msgpack's
+  Unpacker) and decoded, the allocations after it must be the same bytes, and the claims are
+  decoded on their own. msgpack is a prefix code, so payload bytes equal to those of a valid
+  payload at the same place parse to the same values; anything else (a different count, two
+  allocations changed, a key that moved) is decoded as above.
 - memory: decoded objects share one fields-set per distinct set of fields and their repeated
   strings (namespace, node, GPU type and UUID) are interned; their dicts are key-sharing.
 
@@ -25,7 +33,8 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from typing import Any
+from itertools import accumulate
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -59,6 +68,20 @@ def _map_header(n: int) -> bytes:
     if n < 1 << 16:
         return b"\xde" + n.to_bytes(2, "big")
     return b"\xdf" + n.to_bytes(4, "big")
+
+
+class _Wire(NamedTuple):
+    """A node's last payload (written or read here) and where its allocations lie in it."""
+
+    node: str  # the entry's `node` (in `head`)
+    payload: bytes
+    head: bytes  # everything before the first allocation (the allocations' count included)
+    offsets: list[int]  # where each allocation's map entry starts, then where the last ends
+    uids: list[str]  # the allocations' keys, in order
+    allocations: dict[str, Allocation]  # the value's allocations
+    claim: Any
+    claims: Any
+    digests: dict[str, tuple[Allocation, bytes, int]]  # what `_decoded` holds for this value
 
 
 class _Interned:
@@ -112,6 +135,8 @@ class LedgerCodec:
         # node -> (claim, claims, the bytes of the fields after `allocations`) of its last write
         self._tails: dict[str, tuple[Any, Any, bytes]] = {}
         self._interned = _Interned()
+        # node -> its last payload and layout, for the nodes written or spliced most recently
+        self._wire: dict[str, _Wire] = {}
 
     # --- encode ---------------------------------------------------------------------------------
     def encode(self, ledger: NodeLedger) -> bytes:
@@ -125,9 +150,10 @@ class LedgerCodec:
             tail = self._tails[node] = (ledger.claim, ledger.claims, self._pack_tail(ledger))
         # uid -> (allocation, its map entry: key and value, the hash of its value)
         kept: dict[str, tuple[Allocation, bytes, int]] = {}
-        parts = [_HEAD, _map_header(len(_FIELDS)), _KEYS["node"], _pack(node),
-                 _KEYS["allocations"], _map_header(len(ledger.allocations))]  # fmt: skip
-        append = parts.append
+        head = b"".join([_HEAD, _map_header(len(_FIELDS)), _KEYS["node"], _pack(node),
+                         _KEYS["allocations"], _map_header(len(ledger.allocations))])  # fmt: skip
+        entries: list[bytes] = []
+        append = entries.append
         for uid, allocation in ledger.allocations.items():
             cached = previous.get(uid)
             if cached is None or cached[0] is not allocation:
@@ -135,14 +161,26 @@ class LedgerCodec:
                 cached = (allocation, _pack(uid) + packed, hash(packed))
             kept[uid] = cached
             append(cached[1])
-        append(tail[2])
+        payload = b"".join([head, *entries, tail[2]])
         self._encoded[node] = kept
         while len(self._encoded) > self._encode_nodes:
             gone, _ = self._encoded.popitem(last=False)
             self._tails.pop(gone, None)
         # What this write leaves in the KV is what the next decode compares against.
         self._decoded[node] = kept
-        return b"".join(parts)
+        offsets = list(accumulate(map(len, entries), initial=len(head)))
+        self._remember(node, _Wire(
+            node, payload, head, offsets, list(ledger.allocations), ledger.allocations,
+            ledger.claim, ledger.claims, kept,
+        ))  # fmt: skip
+        return payload
+
+    def _remember(self, node: str, wire: _Wire) -> None:
+        known = self._wire
+        known.pop(node, None)
+        known[node] = wire  # (insertion order: the least recent first)
+        if len(known) > self._encode_nodes:
+            del known[next(iter(known))]
 
     @staticmethod
     def _pack_tail(ledger: NodeLedger) -> bytes:
@@ -153,6 +191,10 @@ class LedgerCodec:
     def decode(self, node: str, payload: bytes) -> NodeLedger:
         """The same value (and the same CodecError) as `tessera.codec.decode(payload,
         NodeLedger)`, decoding only the allocations whose bytes changed."""
+        spliced = self._splice(node, payload)
+        if spliced is not None:
+            return spliced
+        self._wire.pop(node, None)
         envelope = wire_fast.split_ledger(payload)
         if envelope is None:
             return self._full(node, payload)  # not canonical: the ordinary decode judges
@@ -177,6 +219,72 @@ class LedgerCodec:
             known[uid] = (allocation, b"", digest)
         self._decoded[node] = known
         return wire_fast.ledger_from(data, merged)
+
+    def _splice(self, node: str, payload: bytes) -> NodeLedger | None:
+        """The entry read against the node's last payload when it differs from it in at most
+        one allocation (same key, same place) and the claims; None: decode it otherwise."""
+        wire = self._wire.get(node)
+        if wire is None:
+            return None
+        old, offsets = wire.payload, wire.offsets
+        start, end = offsets[0], offsets[-1]
+        if not payload.startswith(wire.head):
+            return None
+        # The first allocation whose bytes differ (every one before it is the same bytes).
+        lo, hi = 0, len(wire.uids)
+        if payload[start:end] != old[start:end]:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                a, b = offsets[lo], offsets[mid + 1]
+                if payload[a:b] == old[a:b]:
+                    lo = mid + 1
+                else:
+                    hi = mid
+        else:
+            lo = len(wire.uids)
+        allocations = dict(wire.allocations)
+        digests = wire.digests
+        if lo < len(wire.uids):
+            at = offsets[lo]
+            unpacker = msgpack.Unpacker(raw=False)
+            try:
+                unpacker.feed(memoryview(payload)[at:])
+                key = unpacker.unpack()
+                value_at = at + unpacker.tell()
+                unpacker.skip()
+                value_end = at + unpacker.tell()
+            except Exception:
+                return None  # not one key and one value there: the ordinary decode judges
+            uid = wire.uids[lo]
+            rest = old[offsets[lo + 1]:end]  # the allocations after it: the same bytes
+            if key != uid or payload[value_end:value_end + len(rest)] != rest:
+                return None
+            value = payload[value_at:value_end]
+            allocation = wire_fast.decode_allocation(value)
+            if allocation is None:
+                return None  # not canonical: the ordinary decode judges
+            allocations[uid] = allocation
+            digests = dict(digests)
+            digests[uid] = (allocation, b"", hash(value))
+            shift = value_end - offsets[lo + 1]
+            if shift:
+                offsets = offsets[:lo + 1] + [o + shift for o in offsets[lo + 1:]]
+            end += shift
+        tail = payload[end:]
+        if tail == old[wire.offsets[-1]:]:
+            claim = wire.claim
+            claims = dict(wire.claims) if isinstance(wire.claims, dict) else wire.claims
+        else:
+            decoded = wire_fast.decode_tail(tail)
+            if decoded is None:
+                return None
+            claim, claims = decoded
+        ledger = wire_fast.ledger_of(wire.node, allocations, claim, claims)
+        self._decoded[node] = digests
+        self._remember(node, wire._replace(payload=payload, offsets=offsets,
+                                           allocations=allocations, claim=claim, claims=claims,
+                                           digests=digests))  # fmt: skip
+        return ledger
 
     def read(self, node: str, payload: bytes) -> NodeLedger | wire_fast.LedgerWire:
         """`decode`, except that an entry of a node this codec holds nothing of (start-up, or a
@@ -215,6 +323,7 @@ class LedgerCodec:
 
     def forget(self, node: str) -> None:
         """The node's entry is gone (or unreadable): hold nothing of it."""
+        self._wire.pop(node, None)
         self._decoded.pop(node, None)
         self._encoded.pop(node, None)
         self._tails.pop(node, None)

@@ -8,6 +8,11 @@ and counted again. Whether an allocation counts depends on the time (a reservati
 preemption victim's hand-over ends): the usage is valid until the earliest such change, and is
 recounted in full after it, or when the clock went back. The result is exactly what
 `build_cards` counts at that time (tests/scheduler/test_node_usage.py checks it).
+
+`version` changes whenever the usage may have changed; an update whose changed allocations
+charge exactly what they charged before (a claim, a bind, the agent's Allocate: states and
+expiries move, grants do not) leaves it as it was, so the index can keep the node's row
+(tests/scheduler/test_row_kept.py compares such rows with rows built afresh).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ _HOLDING = frozenset({AllocationState.BOUND.value, AllocationState.ALLOCATED.val
 
 
 class NodeUsage:
-    __slots__ = ("changes", "counted", "counted_at", "reservations", "usage")
+    __slots__ = ("changes", "counted", "counted_at", "reservations", "usage", "version")
 
     def __init__(self) -> None:
         self.usage: dict[str, list[int]] = {}  # GPU UUID -> [memory, cores, slots]
@@ -35,6 +40,7 @@ class NodeUsage:
         self.counted_at = -math.inf
         self.changes: dict[str, float] = {}  # uid -> when whether it counts next changes
         self.reservations: dict[str, float] = {}  # uid -> expiry, every RESERVED one
+        self.version = 0  # changes whenever `usage` may have changed (see the module's doc)
 
     def update(self, allocations: dict[str, Any], now: float, remember: bool = True) -> None:
         """Bring the usage to `allocations` at time `now`. `remember=False` (start-up: most
@@ -46,17 +52,26 @@ class NodeUsage:
         ):  # fmt: skip
             self._recount(allocations, now, remember)
             return
+        moved = False
         for uid, allocation in allocations.items():
             held = counted.get(uid)
             if held is not None and held[0] is allocation:
                 continue
+            before = charges(held[0]) if held is not None and held[1] else None
             if held is not None:
-                self._drop(uid, held)
-            self._count(uid, allocation, now, counted)
+                self._drop(uid, held, before)
+            after = self._count(uid, allocation, now, counted)
+            if not moved and before != after:
+                moved = True  # (equal charges: the usage is exactly what it was)
         if len(counted) != len(allocations):
             for uid in [u for u in counted if u not in allocations]:
-                self._drop(uid, counted.pop(uid))
+                held = counted.pop(uid)
+                if held[1]:
+                    moved = True
+                self._drop(uid, held)
         self.counted_at = now
+        if moved:
+            self.version += 1
 
     def counted_as(self, usage: dict[str, list[int]], now: float) -> None:
         """`update(allocations, now, remember=False)` where `usage` is what every allocation
@@ -67,8 +82,10 @@ class NodeUsage:
         self.reservations = {}
         self.counted = None
         self.counted_at = now
+        self.version += 1
 
     def _recount(self, allocations: dict[str, Any], now: float, remember: bool) -> None:
+        self.version += 1
         self.usage = {}
         self.changes = {}
         self.reservations = {}
@@ -112,20 +129,24 @@ class NodeUsage:
 
     def _count(
         self, uid: str, allocation: Any, now: float, counted: dict[str, tuple[Any, bool]]
-    ) -> None:
+    ) -> list | None:
+        """Count one allocation; what it charges (None when it does not count)."""
         counts = counts_against_capacity(allocation, now)
+        held = None
         if counts:
-            add_charges(self.usage, charges(allocation))
+            held = charges(allocation)
+            add_charges(self.usage, held)
         counted[uid] = (allocation, counts)
         when = status_changes_at(allocation, now)
         if when is not None:
             self.changes[uid] = when
         if allocation.state == AllocationState.RESERVED and allocation.expires_at is not None:
             self.reservations[uid] = allocation.expires_at
+        return held
 
-    def _drop(self, uid: str, held: tuple[Any, bool]) -> None:
+    def _drop(self, uid: str, held: tuple[Any, bool], charged: list | None = None) -> None:
         allocation, counts = held
         if counts:
-            add_charges(self.usage, charges(allocation), -1)
+            add_charges(self.usage, charged if charged is not None else charges(allocation), -1)
         self.changes.pop(uid, None)
         self.reservations.pop(uid, None)

@@ -315,6 +315,31 @@ def ledger_from(data: Any, allocations: dict[str, Allocation] | Any) -> NodeLedg
     return _LEDGER.build(values, UNSET not in values)
 
 
+# The fields of a ledger entry after its allocations, as a map of their own: what follows the
+# last allocation in every canonical entry (ledger_codec.py splices entries that changed in one
+# allocation and these; both are required, so anything else is decoded the ordinary way).
+_TAIL_DECODER = msgspec.msgpack.Decoder(msgspec.defstruct("LedgerTail", [
+    ("claim", _Claim | None), ("claims", dict[str, _Claim]),
+], kw_only=True, forbid_unknown_fields=True))  # fmt: skip
+_TAIL_HEADER = b"\x82"  # a map of those two fields
+
+
+def decode_tail(tail: bytes) -> tuple[Any, Any] | None:
+    """(claim, claims) built from the bytes of an entry's last two fields (`claim`, `claims`,
+    keys included), or None when they are not exactly those in the canonical form."""
+    try:
+        data = _TAIL_DECODER.decode(_TAIL_HEADER + tail)
+    except _ERRORS:
+        return None
+    return _claim(data.claim), {uid: _claim(c) for uid, c in data.claims.items()}
+
+
+def ledger_of(node: str, allocations: dict[str, Allocation], claim: Any, claims: Any) -> NodeLedger:
+    """A NodeLedger from values already built (every field given, as `ledger_from` builds a
+    complete entry)."""
+    return _LEDGER.build((node, allocations, claim, claims))
+
+
 def decode_allocation(raw: Any) -> Allocation | None:
     """One allocation's msgpack map as pydantic would validate it, or None (see split_ledger)."""
     item = _decode(_ALLOCATION_DECODERS, raw)
