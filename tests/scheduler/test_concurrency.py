@@ -48,8 +48,10 @@ LISTING_SLACK_S = 5.0
 LOADED_MARGIN_S = 10.0  # a reconcile pass on a starved machine (list 1000 pods, release each)
 # "On the pod watch event (at once)": the median deleted pod's allocation is gone this soon
 # (400 pods beside two CPU hogs, load 5-6: 0.4-0.6 s; when the watch awaited each release in
-# turn: 2.7 s quiet, 16-21 s beside the hogs, with 70 % of the pods refused meanwhile).
-AT_ONCE_S = 1.5
+# turn: 2.7 s quiet, 16-21 s beside the hogs, with 70 % of the pods refused meanwhile). Beside a
+# single-threaded benchmark at load ~9 one run saw 1.7 s: the bound keeps room for that and still
+# fails the old runtime.
+AT_ONCE_S = 2.5
 
 
 def random_pod(rng: random.Random, namespace: str) -> dict[str, Any]:
