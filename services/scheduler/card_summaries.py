@@ -117,6 +117,49 @@ def row_holds(
     return True
 
 
+def _takes_card(need: Need, free: int, percentage: int, cores: int, computing: bool,
+                idle: bool) -> bool:
+    """`Cards.takes` for one card."""
+    asked = need.cores
+    return (
+        free >= need.memory_mib
+        and (not need.memory_percentage or percentage >= need.memory_percentage)
+        and (cores >= asked if asked else computing)
+        and (asked < 100 or idle)
+    )  # fmt: skip
+
+
+def row_joint(
+    memory: list[int], percentage: list[int], cores: list[int], computing: list[bool],
+    idle: list[bool], together: tuple[Need, ...],
+) -> bool:
+    """`joint_mask` for one node, from its row of each array (the same sums, card by card)."""
+    held_total = 0
+    for i, free in enumerate(memory):
+        takes = [
+            _takes_card(need, free, percentage[i], cores[i], computing[i], idle[i])
+            for need in together
+        ]
+        if not any(takes):
+            continue
+        paired = 0
+        for j, later in enumerate(together):
+            if not takes[j]:
+                continue
+            for k, other in enumerate(together):
+                if k == j or not takes[k]:
+                    continue
+                first, second = (other, later) if k < j else (later, other)
+                spare = 1 if second.cores == 0 and first.cores > 0 else 0
+                if free >= first.memory_mib + second.memory_mib and (
+                    cores[i] >= first.cores + second.cores + spare
+                ):
+                    paired += 1
+                    break
+        held_total += max(1, paired)
+    return held_total >= sum(need.gpus for need in together)
+
+
 def joint_mask(cards: Cards, together: tuple[Need, ...]) -> np.ndarray:
     """Per node: its cards can hold every grant of the containers together (a necessary
     condition: memory and cores summed per pair of containers sharing a card)."""

@@ -35,14 +35,37 @@ class Decision:
         return FitContext(self.options, QuotaBudget(self.budget.memory_mib, self.budget.cores))
 
     def fits(self) -> Iterator[tuple[NodeEntry, PodFit]]:
-        """Nodes where the pod fits, best first; failures are recorded as they are met."""
+        """Nodes where the pod fits, best first; failures are recorded as they are met.
+
+        A node whose per-GPU fit refused this very request on these very cards (the same
+        `ClusterIndex.refusals` memo `explain_rest` keeps: the node's cards are a new list after
+        any change to its row) is not fitted again: the next pod of a workload skips the nodes
+        its predecessor was refused on until they change."""
+        memo, key = self.index.refusals, None
         for slot in self.slots:  # type: ignore[attr-defined]
             entry = self.index.entry_at(slot)
-            fit = fit_pod(entry.cards, self.request, self.context())
+            cards = entry.cards
+            known = memo.get(slot)
+            if known is not None and known[0] is cards:
+                if key is None:
+                    key = self.memo_key()
+                if known[1] == key:
+                    self.failed[entry.name] = known[2] + self.index.foreign_note(entry.name)
+                    self.reason_counts.update(known[3])
+                    continue
+            fit = fit_pod(cards, self.request, self.context())
             if fit.ok:
                 yield entry, fit
             else:
                 self.record(entry.name, fit)
+                if not entry.blocked:
+                    if key is None:
+                        key = self.memo_key()
+                    memo[slot] = (cards, key, fit.reason_text(), tuple(fit.reasons.keys()))
+
+    def memo_key(self) -> str:
+        """What a node's refusal depends on besides its cards (`ClusterIndex.refusals`)."""
+        return repr((self.request, self.options, self.budget.memory_mib, self.budget.cores))
 
     def record(self, node: str, fit: PodFit) -> None:
         self.failed[node] = fit.reason_text() + self.index.foreign_note(node)
@@ -58,7 +81,7 @@ class Decision:
         (`ClusterIndex.refusals`); a node whose cards were rebuilt since (any change to its
         row) is fitted again, so the reasons stay exact and cost O(changed nodes)."""
         memo = self.index.refusals
-        key = repr((self.request, self.options, self.budget.memory_mib, self.budget.cores))
+        key = self.memo_key()
         for slot in self.pruned:  # type: ignore[attr-defined]
             entry = self.index.entry_at(slot)
             if entry.blocked:  # HAMi's holdings there are unknown (foreign.py)

@@ -22,7 +22,7 @@ from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegis
 
 from .bulk_rows import rows_of
 from .candidate_order import PolicyOrder, full_order, policy_sign, walk
-from .card_summaries import Cards, Need, joint_mask, row_holds, summary_mask
+from .card_summaries import Cards, Need, joint_mask, row_holds, row_joint, summary_mask
 from .cards import (
     Card,
     add_charges,
@@ -289,13 +289,13 @@ class _Ordering:
             positions = next(self._pending, None)
             if positions is None:
                 return False
-            if not isinstance(positions, list) or self.together:  # (the joint bound: numpy)
+            if not isinstance(positions, list):
                 self._check_chunk(np.asarray(positions, dtype=np.int64))
                 return True
             self._head = positions[::-1]
         position = self._head.pop()
         slot = int(self.slots[position])
-        if self.index.row_holds(slot, self.needs):
+        if self.index.row_holds(slot, self.needs, self.together):
             self.survivors.append(slot)
             self.passed[position] = True
         self.checked += 1
@@ -849,14 +849,15 @@ class ClusterIndex:
         (candidate_order.py), and the pruned ones are only known once every chunk was checked."""
         return _Ordering(self, slots, needs, node_policy, avoid_busy, together).views()
 
-    def row_holds(self, slot: int, needs: list[Need]) -> bool:
+    def row_holds(self, slot: int, needs: list[Need], together: tuple[Need, ...] = ()) -> bool:
         """`_mask` for one node, read in Python (cheaper than a dozen numpy calls on one row)."""
         free = int(self.free_gpus[slot])
         if free < 0:
             return False
-        return row_holds(self.card_mem[slot].tolist(), self.card_pct[slot].tolist(),
-                         self.card_cores[slot].tolist(), self.card_computing[slot].tolist(),
-                         self.card_idle[slot].tolist(), needs)  # fmt: skip
+        row = (self.card_mem[slot].tolist(), self.card_pct[slot].tolist(),
+               self.card_cores[slot].tolist(), self.card_computing[slot].tolist(),
+               self.card_idle[slot].tolist())  # fmt: skip
+        return row_holds(*row, needs) and (not together or row_joint(*row, together))
 
     def _mask(
         self, slots: np.ndarray, needs: list[Need], together: tuple[Need, ...] = ()

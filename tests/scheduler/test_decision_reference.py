@@ -21,7 +21,14 @@ from tessera.scheduler.placement import fit_pod
 from tessera.scheduler.rules import FitContext, parse_pod_options
 
 from tessera import hami
-from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
+from tessera.models import (
+    Allocation,
+    AllocationState,
+    DeviceGrant,
+    DeviceInfo,
+    NodeLedger,
+    NodeRegistration,
+)
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
@@ -352,3 +359,82 @@ def test_pod_options_are_remembered_and_refusals_are_not() -> None:
     spec["metadata"]["annotations"].pop("hami.io/gpu-scheduler-policy")
     spec["spec"]["initContainers"] = [{"name": "side", "restartPolicy": "Always"}]
     assert parse_pod_options(spec, SETTINGS).sidecar_init == (True,)
+
+
+def test_refusals_of_one_workload_are_remembered_until_the_node_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pods of one shape (a workload's replicas) with two containers that the per-card bounds
+    let through on nodes where the per-GPU fit refuses them (spread puts the first container on
+    the card the second one needed): the next replica is not fitted again on the nodes the last
+    one was refused on, until such a node changes; decisions and reasons stay the reference's,
+    a node that changed into one that fits included."""
+    index = ClusterIndex()
+    traps = [f"trap{i:02d}" for i in range(30)]
+    good = [f"good{i:02d}" for i in range(10)]
+    for name in traps:  # fuller: binpack tries them first; the summaries let the pod through
+        two_card_node(index, name, (35, 20))
+    for name in good:
+        two_card_node(index, name, (60, 60))
+    listed = NodeNames([*traps, *good])
+    listed.token = 5151
+    only_traps = NodeNames(traps)
+    only_traps.token = 5152
+    fits = count_fits(monkeypatch)
+    rng = random.Random(5)
+
+    def replica(i: int) -> dict[str, Any]:
+        containers = [
+            {"name": "a", "resources": {"limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem":
+                                                   10 * GIB, "nvidia.com/gpucores": 10}}},
+            {"name": "b", "resources": {"limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem":
+                                                   30 * GIB, "nvidia.com/gpucores": 10}}},
+        ]  # fmt: skip
+        return {"metadata": {"name": f"w{i}", "namespace": "ns", "uid": f"w{i}",
+                             "annotations": {}}, "spec": {"containers": containers}}  # fmt: skip
+
+    def decide_all(spec: dict[str, Any], names: NodeNames) -> tuple[list, Any]:
+        request = hami.parse_pod_request(spec, SETTINGS)
+        options = parse_pod_options(spec, SETTINGS)
+        fits["n"] = 0
+        decision = decide(index, request, options, names)
+        got = [(entry.name, fit.containers) for entry, fit in decision.fits()]
+        expected, expected_failed = reference(index, spec, names)
+        assert got == expected
+        refused = {n: r for n, r in decision.failed.items() if n in expected_failed}
+        assert refused == {n: expected_failed[n] for n in refused}
+        return got, decision
+
+    got, _ = decide_all(replica(0), listed)
+    assert fits["n"] == len(traps) + len(good)  # every trap refused once, every good node fits
+    assert {name for name, _grants in got} == set(good)
+    place(index, got[0][0], "w0", got[0][1], rng)
+    got, _ = decide_all(replica(1), listed)
+    assert fits["n"] == len(good)  # the traps are not fitted again
+    # One trap changes (a small pod lands there): it is fitted again, and still refuses.
+    entry = index.entries[traps[3]]
+    place(index, traps[3], "small", [[{"uuid": entry.cards[1].uuid, "type": "NVIDIA-H100",
+                                       "memory_mib": GIB, "cores": 1}]], rng)  # fmt: skip
+    got, _ = decide_all(replica(2), listed)
+    assert fits["n"] == len(good) + 1
+    # Another trap is freed so that the pod fits there: found.
+    entry = index.entries[traps[7]]
+    freed = dict(entry.ledger.allocations)  # type: ignore[union-attr]
+    uuid = entry.cards[1].uuid
+    freed[f"{uuid}-p"] = freed[f"{uuid}-p"].model_copy(update={"containers": [[DeviceGrant(
+        uuid=uuid, type="NVIDIA-H100", memory_mib=45 * GIB, cores=10)]]})
+    index.set_ledger(traps[7], NodeLedger(node=traps[7], allocations=freed),
+                     entry.ledger_revision + 1, 0.0)  # fmt: skip
+    got, _ = decide_all(replica(3), listed)
+    placed = dict(got)
+    assert traps[7] in placed
+    assert fits["n"] == len(good) + 1
+    # A refused replica (only traps listed): every node's reason is the reference's, from the
+    # remembered refusals (nothing fitted again except the node that changed).
+    place(index, traps[7], "w3", placed[traps[7]], rng)
+    spec = replica(4)
+    got, decision = decide_all(spec, only_traps)
+    assert got == []
+    decision.explain_rest()
+    assert decision.failed == reference(index, spec, only_traps)[1]
+    assert fits["n"] <= 1

@@ -1,0 +1,151 @@
+"""Placement decision, two versions of the scheduler's code side by side in one process.
+
+On a shared, loaded machine two benchmark runs a minute apart see different loads, and the
+decision's p99 moves more between them than a change moves it. Here both versions decide the
+same trace in lockstep: each pod is decided by one version and then the other (which goes first
+alternates), each on its own index built from the same cluster, with the service's GC policy
+between calls (as `bench/scheduler.py`'s `run_decisions`), so both see the same load. CPU time
+of this thread per placed pod (the first 20 not counted; a refused pod's call also words every
+node's reason and is not counted), and whether both placed every pod on the same node and cards.
+
+    python bench/decision_lockstep.py REV_BEFORE [REV_AFTER] [bench|varied]
+
+A revision is a git revision (its `services/scheduler` is extracted to a temporary directory)
+or `worktree` (the checkout's own). Default: HEAD against the worktree, varied trace. The traces
+and cluster are `bench/scheduler.py`'s / `bench/scheduler_scale.py`'s (5,000 nodes × 8 GPUs).
+Printed, not recorded.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import scheduler as bench  # noqa: E402
+import scheduler_scale  # noqa: E402
+
+from tessera import hami  # noqa: E402
+from tessera.models import Allocation  # noqa: E402
+from tessera.settings import TesseraSettings  # noqa: E402
+
+MODULES = ("decide", "index", "node_names", "rules", "gc_policy")
+
+
+def source(rev: str, into: Path) -> Path:
+    if rev == "worktree":
+        return ROOT / "services" / "scheduler"
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "services/scheduler"],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "services" / "scheduler"
+
+
+def load(label: str, where: Path) -> dict[str, ModuleType]:
+    """The scheduler package at `where` as `tessera.sched_<label>` (its relative imports stay
+    inside it; what it imports of the shared package is shared)."""
+    name = f"tessera.sched_{label}"
+    spec = importlib.util.spec_from_file_location(
+        name, where / "__init__.py", submodule_search_locations=[str(where)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return {m: importlib.import_module(f"{name}.{m}") for m in MODULES}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    trace_name = args.pop() if args and args[-1] in ("bench", "varied") else "varied"
+    before_rev = args[0] if args else "HEAD"
+    after_rev = args[1] if len(args) > 1 else "worktree"
+    settings = TesseraSettings()
+    if trace_name == "bench":
+        pods: list[tuple[dict[str, Any], str | None]] = [
+            (pod, None) for pod in scheduler_scale.trace(2000)
+        ]
+    else:
+        pods = bench.decision_trace(2000)
+    with tempfile.TemporaryDirectory() as tmp:
+        versions = {}
+        for label, rev in (("before", before_rev), ("after", after_rev)):
+            into = Path(tmp) / label
+            into.mkdir()
+            versions[label] = load(label, source(rev, into))
+        registrations, ledgers = bench.build_cluster(5000)
+        every = [r.node for r in registrations]
+        state = {}
+        for label, m in versions.items():
+            index = m["index"].ClusterIndex()
+            for r, ledger in zip(registrations, ledgers, strict=True):
+                index.set_registration(r.node, r, 0.0)
+                index.set_ledger(r.node, ledger, 1, 0.0)
+            lists = {}
+            for token, pool in enumerate([None, *bench.POOLS], start=1):
+                lists[pool] = m["node_names"].NodeNames(bench.pool_members(every, pool))
+                lists[pool].token = 10**9 + token
+            state[label] = (index, lists)
+        del registrations, ledgers
+        gc.collect()
+        gc.freeze()
+        policy = versions["after"]["gc_policy"].GcPolicy()
+        thresholds = gc.get_threshold()
+        policy.install()
+        collect_at = time.perf_counter() + policy.interval_s
+        cpu: dict[str, list[float]] = {"before": [], "after": []}
+        placed: dict[str, list[Any]] = {"before": [], "after": []}
+
+        def decide_one(label: str, spec: dict[str, Any], pool: str | None, i: int) -> None:
+            m, (index, lists) = versions[label], state[label]
+            started = time.thread_time()
+            request = hami.parse_pod_request(spec, settings)
+            options = m["rules"].parse_pod_options(spec, settings)
+            decision = m["decide"].decide(index, request, options, lists[pool])
+            chosen = next(decision.fits(), None)
+            if chosen is None:
+                decision.explain_rest()
+                placed[label].append(None)
+                return
+            if i >= bench.WARMUP:
+                cpu[label].append(time.thread_time() - started)
+            entry, fit = chosen
+            placed[label].append((entry.name, [[g.uuid for g in c] for c in fit.containers]))
+            ledger = entry.ledger.model_copy(deep=False)
+            ledger.allocations = dict(ledger.allocations)
+            uid = spec["metadata"]["uid"]
+            ledger.allocations[uid] = Allocation(
+                pod_uid=uid, namespace="bench", name=uid, node=entry.name,
+                containers=fit.containers, init_count=len(request.init),
+            )  # fmt: skip
+            index.set_ledger(entry.name, ledger, entry.ledger_revision + 1, 0.0)
+
+        load_before = scheduler_scale.loadavg()
+        for i, (spec, pool) in enumerate(pods):
+            for label in ("before", "after") if i % 2 else ("after", "before"):
+                decide_one(label, spec, pool, i)
+                if time.perf_counter() >= collect_at:
+                    policy.collect()
+                    collect_at = time.perf_counter() + policy.interval_s
+        gc.set_threshold(*thresholds)
+    figures = " | ".join(
+        f"{label} ({rev}) n {len(v)} CPU p50 {bench.percentile(v, 0.5) * 1000:.3f} "
+        f"p99 {bench.percentile(v, 0.99) * 1000:.3f} ms"
+        for (label, v), rev in zip(cpu.items(), (before_rev, after_rev), strict=True)
+    )
+    print(f"{trace_name} trace, load {load_before} -> {scheduler_scale.loadavg()}, identical "
+          f"placements: {placed['before'] == placed['after']} | {figures}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
