@@ -1,6 +1,7 @@
 """A filter's reservation also takes the pod's in-flight claim when its bind could take it at
 once (ledger.ClaimAhead): one ledger write fewer per pod, and never a claim the bind would not
-have been given. Against the real NATS ledger (revisions counted) and an in-memory cluster."""
+have been given. Against the real NATS ledger (writes to the node's key counted) and an in-memory
+cluster."""
 
 from __future__ import annotations
 
@@ -8,21 +9,47 @@ import asyncio
 from typing import Any
 
 from tessera import bus
-from tessera.models import AllocationState, NodeLedger
+from tessera.models import AllocationState
 
 from .conftest import MakeService, agent_allocate, http_client
 from .factories import GIB, container, node, pod
 from .test_extender import bind_call, filter_call, ledger, setup_node, unique
 
 
-async def revision(buckets: Any, name: str) -> int:
-    entry = await bus.read(buckets.ledger, name, NodeLedger)
-    assert entry is not None
-    return entry.revision
+class KeyWrites:
+    """Every write to one node's ledger entry while open, seen on the key's own subject.
+
+    Not the entry's revision: a KV revision is the bucket's stream sequence, shared by every key
+    (and every test on the session's NATS server), so another node's write in between (a
+    reconcile releasing an earlier test's leftovers, seen in a loaded CI run) moved it by two."""
+
+    def __init__(self, nc: Any, name: str) -> None:
+        self.nc, self.subject, self.count = nc, f"$KV.{bus.LEDGER_BUCKET}.{name}", 0
+
+    async def __aenter__(self) -> KeyWrites:
+        async def seen(_msg: Any) -> None:
+            self.count += 1
+
+        self.sub = await self.nc.subscribe(self.subject, cb=seen)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.sub.unsubscribe()
+
+    async def settled(self, expected: int) -> int:
+        """The count once `expected` writes have arrived (or 5 s passed) and a round trip more."""
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while self.count < expected and asyncio.get_running_loop().time() < deadline:
+            await self.nc.flush()
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # room for an unexpected extra write to show itself
+        await self.nc.flush()
+        return self.count
 
 
 async def test_idle_node_filter_claims_and_bind_writes_only_the_bound_mark(
-    make_service: MakeService, buckets: Any, cluster: Any
+    make_service: MakeService, buckets: Any, cluster: Any, nc: Any
 ) -> None:
     service = await make_service({"reservation_ttl_s": 20}, {"claim_ttl_s": 30})
     name = await setup_node(buckets, service, node(unique("n"), gpus=2))
@@ -30,15 +57,16 @@ async def test_idle_node_filter_claims_and_bind_writes_only_the_bound_mark(
     uid = spec["metadata"]["uid"]
     async with http_client(service) as client:
         assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
-        state, after_filter = await ledger(buckets, name), await revision(buckets, name)
+        state = await ledger(buckets, name)
         # One write: reserved and in flight, its expiry the reservation's own (not extended).
         assert state.allocations[uid].state == AllocationState.RESERVED
         assert set(state.claims) == {uid} and state.claims[uid].holder == service.instance
         claim = state.claims[uid]
         assert state.allocations[uid].expires_at == claim.taken_at + 20
         assert claim.expires_at == claim.taken_at + 30
-        assert await bind_call(client, spec, name) == ""
-    assert await revision(buckets, name) == after_filter + 1  # the bound mark, no claim write
+        async with KeyWrites(nc, name) as writes:
+            assert await bind_call(client, spec, name) == ""
+            assert await writes.settled(1) == 1  # the bound mark, no claim write
     state = await ledger(buckets, name)
     assert state.allocations[uid].state == AllocationState.BOUND and set(state.claims) == {uid}
     assert cluster.pods[("default", spec["metadata"]["name"])]["spec"]["nodeName"] == name
@@ -75,7 +103,7 @@ async def test_no_claim_ahead_beside_a_competitor_in_flight_or_waiting(
 
 
 async def test_pods_of_one_shape_all_claim_ahead(
-    make_service: MakeService, buckets: Any, cluster: Any
+    make_service: MakeService, buckets: Any, cluster: Any, nc: Any
 ) -> None:
     """Interchangeable pods never compete: each filter puts its pod in flight, every bind
     then writes only its bound mark, and none waits for an Allocate."""
@@ -85,9 +113,9 @@ async def test_pods_of_one_shape_all_claim_ahead(
     async with http_client(service) as client:
         for spec in specs:
             assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
-        before = await revision(buckets, name)
-        assert await asyncio.gather(*(bind_call(client, s, name) for s in specs)) == [""] * 6
-    assert await revision(buckets, name) == before + 6
+        async with KeyWrites(nc, name) as writes:
+            assert await asyncio.gather(*(bind_call(client, s, name) for s in specs)) == [""] * 6
+            assert await writes.settled(6) == 6
     assert set((await ledger(buckets, name)).claims) == {s["metadata"]["uid"] for s in specs}
     assert service.metrics.claim_waits._value.get() == 0
 
