@@ -6,6 +6,7 @@ LIBVGPU_TEST_SAN=address runs everything against AddressSanitizer builds (own bu
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -235,6 +236,40 @@ def run_queue_wait_ns(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def thread_waits_ns(pid: int) -> dict[str, int]:
+    """Run-queue wait so far of each thread of `pid` (by thread id)."""
+    waits = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            waits[task.name] = int((task / "schedstat").read_text().split()[1])
+    return waits
+
+
+class HostDelay:
+    """How late a loaded host could make a time-bound promise between `start()` and `seconds()`:
+    the longest run-queue wait of any thread of the watched process (its poll thread, say) plus
+    this test thread's own. A promise "within T" is then judged as "within T + that", never
+    excusing more than the host really took."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._threads: dict[str, int] = {}
+        self._own = 0
+
+    @staticmethod
+    def _own_wait() -> int:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1])
+
+    def start(self) -> HostDelay:
+        self._threads, self._own = thread_waits_ns(self.pid), self._own_wait()
+        return self
+
+    def seconds(self) -> float:
+        now = thread_waits_ns(self.pid)
+        worst = max((w - self._threads.get(t, 0) for t, w in now.items()), default=0)
+        return (max(0, worst) + self._own_wait() - self._own) / 1e9
 
 
 class CpuStarvation:

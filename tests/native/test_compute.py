@@ -18,10 +18,10 @@ import pytest
 
 from tessera import region
 
+from .windows import SEC, TOL, assert_above, assert_near, shares, show, windows
+
 pytestmark = pytest.mark.timing
 
-TOL = 5.0  # percentage points
-SEC = 1_000_000_000
 UUID0 = "GPU-fa4e0000-0000-0000-0000-000000000000"
 UUID1 = "GPU-fa4e0000-0000-0000-0000-000000000001"
 
@@ -29,52 +29,6 @@ UUID1 = "GPU-fa4e0000-0000-0000-0000-000000000001"
 def start_burn(c, seconds: float, path: str = "kernel", kernel: str = "k_1000us", dev: int = 0):
     assert c(f"init {dev}")["ok"]
     c.send(f"burn {seconds} {kernel} {path}")
-
-
-class Shares(list):
-    """Achieved % per window, with the percentage points of each window the launchers spent
-    waiting for a CPU (`starved`)."""
-
-    def __init__(self, values, starved):
-        super().__init__(values)
-        self.starved = list(starved)
-        assert len(self.starved) == len(self), (values, starved)
-
-
-def shares(cluster, dev, t0, t1, window, pids) -> Shares:
-    return Shares(cluster.busy(dev, t0, t1, window, pids), cluster.starved(pids, t0, t1, window))
-
-
-def windows(cluster, dev, r, pids, window=SEC) -> Shares:
-    return shares(cluster, dev, r["t0"], r["t1"], window, pids)
-
-
-def show(values: Shares) -> str:
-    return f"windows {[round(v, 1) for v in values]}, launcher CPU waits " + str(
-        [round(w, 1) for w in values.starved]
-    )
-
-
-def assert_near(values: Shares, target, tol=TOL):
-    """Every window within target ± tol; below only by what the launcher's CPU waits excuse;
-    above only as catch-up: a window may make up what earlier ones fell short (the library
-    banks up to 30 ms after a descheduled launcher, and refunds launches first charged their
-    event time before NVML's first answer), never by more than another tol, and the run so far
-    never holds more than target per window plus tol."""
-    assert values, "no complete window"
-    bad, total = [], 0.0
-    for n, (v, w) in enumerate(zip(values, values.starved, strict=True), 1):
-        total += v
-        if v < target - tol - w or v > target + 2 * tol or total > n * target + tol:
-            bad.append(round(v, 1))
-    assert not bad, f"{show(values)} vs target {target}±{tol}"
-
-
-def assert_above(values: Shares, floor):
-    """Every window above `floor` (an unthrottled share), less the launcher's CPU waits."""
-    assert values, "no complete window"
-    bad = [round(v, 1) for v, w in zip(values, values.starved, strict=True) if v <= floor - w]
-    assert not bad, f"{show(values)}: not above {floor}"
 
 
 def test_single_tenant_30_percent(cluster):

@@ -12,7 +12,7 @@ import pytest
 
 from tessera import region
 
-from .conftest import SAN, MiB, wait_for
+from .conftest import SAN, HostDelay, MiB, wait_for
 
 LIMIT = 1000 * MiB
 CHUNK = 300 * MiB
@@ -188,6 +188,7 @@ def test_dynamic_resize_and_no_wraparound(container):
     uuid = c("nvml")["uuid"]
     # the agent lowers the limit below what is in use
     dev = region.read_limits(container.limits_dir).devices[0]
+    host = HostDelay(c.pid).start()
     region.seal_limits(
         container.limits_dir,
         region.ContainerLimits(
@@ -196,7 +197,8 @@ def test_dynamic_resize_and_no_wraparound(container):
         ),
     )
     seen, waited = wait_for(lambda: c("info")["total"] == 500 * MiB, timeout=2)
-    assert seen and waited < 0.1, f"new limit seen after {waited:.3f}s"
+    late = host.seconds()  # the poll thread's and this thread's waits for a CPU (a loaded host)
+    assert seen and waited < 0.1 + late, f"new limit seen after {waited:.3f}s ({late:.3f}s excused)"
     assert c("info")["free"] == 0
     nvml = c("nvml")
     assert (nvml["total"], nvml["used"], nvml["free"]) == (500 * MiB, 2 * CHUNK, 0)

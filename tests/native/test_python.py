@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -12,6 +13,7 @@ import pytest
 from tessera import region
 
 from .conftest import MiB
+from .windows import SEC, assert_near, shares
 
 pytest.importorskip("cuda.bindings.driver")
 pytest.importorskip("pynvml")
@@ -67,14 +69,20 @@ def test_cuda_bindings_and_pynvml_obey_the_limits(cluster, request):
     script.write_text(SCRIPT)
     seconds = "0.3" if k.native.san else "2"
     extra = {"ASAN_OPTIONS": "detect_leaks=0"} if k.native.san else {}
-    out = k.run([sys.executable, str(script), seconds], **extra)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout.splitlines()[-1])
+    # Watched for CPU waits like every launcher: on a loaded host the Python loop may wait for a
+    # CPU long enough for the fake GPU to idle, which no limiter can help.
+    proc = subprocess.Popen(
+        [sys.executable, str(script), seconds], env=k.env(**extra),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    cluster.cpu.watch(proc.pid)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    r = json.loads(stdout.splitlines()[-1])
     assert r["info"] == [1000 * MiB, 1000 * MiB]
     assert r["total_mem"] == 1000 * MiB
     assert r["alloc"] == [0, 2]  # the second 600 MiB is refused
     assert r["alloc_async"] == 2
     assert r["nvml"] == [1000 * MiB, 600 * MiB, 400 * MiB]
     if not k.native.san:
-        shares = cluster.busy(0, r["t0"], r["t1"], 500_000_000)
-        assert all(abs(s - 30) <= 5 for s in shares), shares
+        assert_near(shares(cluster, 0, r["t0"], r["t1"], SEC // 2, [proc.pid]), 30)
