@@ -1,0 +1,231 @@
+"""A pod listing that holds only what placement bookkeeping reads of a pod.
+
+The scheduler's rebuild before it serves (and HAMi's classification of the same listing) reads a
+handful of a pod's fields: its identity, node, scheduler and phase, its containers' names,
+resources and restart policy, its init containers' exit codes and HAMi's placement annotations.
+At 5,000 nodes that listing is ~80,000 pods, and a plain JSON decode builds every object of
+every pod (managedFields, env, volumes, statuses) before any of it is read, then frees them all.
+
+Here a page is read twice over its text, both in C: each pod's uid and scheduler name (`_Skim`),
+and where each pod's text lies (`msgspec.Raw`, no object built). A caller's `skip(uid,
+scheduler)` then drops the pods it need not read (the rebuild: those the synced ledger already
+places, not HAMi's) without decoding them; the others are decoded against `SlimPod`, which
+skips every other field without building it.
+
+What comes out is the API server's objects with the other keys left out: plain dicts of the
+same shapes, so every reader of a pod dict reads them unchanged, and any key it reads is there
+when the server sent it. JSON the schemas do not fit (a value of the wrong kind where they expect
+an object or a list; text msgspec refuses but the standard library takes) is decoded in full
+instead — the page when its uids or scheduler names cannot be read, else the one pod — exactly
+as a plain listing decodes it: never refused here, never read differently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypedDict
+
+import msgspec
+
+from tessera import hami
+from tessera.cluster.port import KubeObject
+
+
+class _Terminated(TypedDict, total=False):
+    exitCode: Any
+
+
+class _ContainerState(TypedDict, total=False):
+    terminated: _Terminated
+
+
+class _ContainerStatus(TypedDict, total=False):
+    state: _ContainerState
+
+
+class _Status(TypedDict, total=False):
+    phase: Any
+    initContainerStatuses: list[_ContainerStatus]
+
+
+class _Container(TypedDict, total=False):
+    name: Any
+    resources: Any  # the GPU resource names are settings: kept whole (a few keys)
+    restartPolicy: Any
+
+
+class _Spec(TypedDict, total=False):
+    nodeName: Any
+    schedulerName: Any
+    containers: list[_Container]
+    initContainers: list[_Container]
+
+
+# HAMi's placement record (tessera.restore and the scheduler's foreign.py read these only).
+ANNOTATIONS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE,
+               hami.ANN_BIND_PHASE)  # fmt: skip
+_Annotations = TypedDict("_Annotations", dict.fromkeys(ANNOTATIONS, Any), total=False)  # type: ignore[misc]
+
+
+class _Metadata(TypedDict, total=False):
+    uid: Any
+    name: Any
+    namespace: Any
+    resourceVersion: Any
+    annotations: _Annotations
+
+
+class SlimPod(TypedDict, total=False):
+    """The fields kept (TypedDict: decoded as a plain dict, keys absent when the pod has none)."""
+
+    metadata: _Metadata
+    spec: _Spec
+    status: _Status
+
+
+_ListMeta = TypedDict("_ListMeta", {"continue": Any, "resourceVersion": Any}, total=False)
+
+
+class _SkimMeta(msgspec.Struct):
+    uid: Any = None
+
+
+class _SkimSpec(msgspec.Struct):
+    schedulerName: Any = None
+
+
+class _Skim(msgspec.Struct):
+    """What a caller may skip a pod by, read before the pod itself."""
+
+    metadata: _SkimMeta | None = None
+    spec: _SkimSpec | None = None
+
+
+class _SkimPage(msgspec.Struct):
+    items: list[_Skim] = []
+    metadata: _ListMeta = {}
+
+
+class _RawPage(msgspec.Struct):
+    items: list[msgspec.Raw] = []
+
+
+_SKIM_PAGE = msgspec.json.Decoder(_SkimPage)
+_RAW_PAGE = msgspec.json.Decoder(_RawPage)
+_SKIMS = msgspec.json.Decoder(list[_Skim])
+_RAWS = msgspec.json.Decoder(list[msgspec.Raw])
+_POD = msgspec.json.Decoder(SlimPod)
+
+Key = tuple[Any, Any]  # (metadata.uid, spec.schedulerName) as listed; None where absent
+Entry = tuple[Key, Any]  # a pod's key and the pod: undecoded (msgspec.Raw) or a dict
+Skip = Callable[[Any, Any], bool]  # (uid, scheduler name) -> the caller need not read the pod
+
+
+def key_of(pod: Any) -> Key:
+    """A decoded pod's key, as `_Skim` reads it off the JSON."""
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    spec = pod.get("spec") if isinstance(pod, dict) else None
+    return (meta.get("uid") if isinstance(meta, dict) else None,
+            spec.get("schedulerName") if isinstance(spec, dict) else None)  # fmt: skip
+
+
+def entries_of(pods: Any) -> list[Entry]:
+    """Pods already decoded (a page the schema did not fit, an in-memory cluster's)."""
+    return [(key_of(pod), pod) for pod in pods]
+
+
+def _skimmed(skims: list[_Skim], raws: list[msgspec.Raw]) -> list[Entry]:
+    return [((k.metadata.uid if k.metadata is not None else None,
+              k.spec.schedulerName if k.spec is not None else None), raw)
+            for k, raw in zip(skims, raws, strict=True)]  # fmt: skip
+
+
+def decode_pod_page(data: bytes) -> Any:
+    """A PodList page as the API server sends it: its metadata, and its items as entries (each
+    pod's key read, the pod itself left undecoded until `SlimReader.take`). A page the schemas do
+    not fit is decoded in full, as a plain listing decodes it."""
+    try:
+        skim, raw = _SKIM_PAGE.decode(data), _RAW_PAGE.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        page = json.loads(data)
+        if isinstance(page, dict):
+            page["items"] = entries_of(page.get("items") or [])
+        return page
+    return {"metadata": skim.metadata, "items": _skimmed(skim.items, raw.items)}
+
+
+def decode_pods(data: bytes) -> list[Entry]:
+    """A JSON array of pods (a file, a stand-in's answer), as `decode_pod_page`'s items."""
+    try:
+        return _skimmed(_SKIMS.decode(data), _RAWS.decode(data))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return entries_of(json.loads(data))
+
+
+class Listed(NamedTuple):
+    pods: list[KubeObject]  # slim, in the listing's order
+    skipped: int  # pods left out by `skip`, never decoded
+
+
+class SlimReader:
+    """Takes a listing's entries page by page: a pod `skip(uid, scheduler name)` is true for is
+    counted and dropped undecoded; the others are decoded slim (a pod the schema does not fit: in
+    full). Pages are taken as they come, so at most one page's text is held at once."""
+
+    def __init__(self, skip: Skip | None = None) -> None:
+        self.skip = skip
+        self.skipped = 0
+
+    def take(self, entries: list[Entry]) -> list[KubeObject]:
+        skip = self.skip
+        kept = entries if skip is None else [e for e in entries if not skip(*e[0])]
+        self.skipped += len(entries) - len(kept)
+        return [_decoded(pod) if type(pod) is msgspec.Raw else pod for _key, pod in kept]
+
+
+def _decoded(raw: msgspec.Raw) -> Any:
+    try:
+        return _POD.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return json.loads(bytes(raw))
+
+
+async def list_pods_slim(cluster: Any, skip: Skip | None = None) -> Listed:
+    """The cluster's slim listing; from a stand-in without one, its full listing (a superset of
+    every slim pod), `skip` applied alike."""
+    lister = getattr(cluster, "list_pods_slim", None)
+    if lister is not None:
+        listed: Listed = await lister(skip)
+        return listed
+    reader = SlimReader(skip)
+    return Listed(reader.take(entries_of(await cluster.list_pods())), reader.skipped)
+
+
+# What `SlimPod` keeps, as nested dicts ([schema]: a list of such objects; None: the value whole).
+_KEEP: dict[str, Any] = {
+    "metadata": {"uid": None, "name": None, "namespace": None, "resourceVersion": None,
+                 "annotations": dict.fromkeys(ANNOTATIONS)},
+    "spec": {"nodeName": None, "schedulerName": None,
+             "containers": [{"name": None, "resources": None, "restartPolicy": None}],
+             "initContainers": [{"name": None, "resources": None, "restartPolicy": None}]},
+    "status": {"phase": None,
+               "initContainerStatuses": [{"state": {"terminated": {"exitCode": None}}}]},
+}  # fmt: skip
+
+
+def slim(pod: Any) -> Any:
+    """A pod already decoded (an in-memory cluster's), cut to the slim fields as the real client's
+    listing cuts it. Values are kept as they are; where the pod's shape is not the schema's
+    (not an object, not a list) the value is kept whole, as a page the schema does not fit is."""
+    return _cut(pod, _KEEP)
+
+
+def _cut(value: Any, keep: Any) -> Any:
+    if keep is None:
+        return value
+    if isinstance(keep, list):
+        return [_cut(v, keep[0]) for v in value] if isinstance(value, list) else value
+    if not isinstance(value, dict):
+        return value
+    return {k: _cut(v, keep[k]) for k, v in value.items() if k in keep}
