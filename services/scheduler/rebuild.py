@@ -144,13 +144,15 @@ class LedgerRebuilder:
                     )
 
 
-def skipped(placed: dict[str, str], ours: str | None, uid: Any, scheduler: Any) -> bool:
-    """Whether the rebuild may leave a listed pod undecoded, by its uid and scheduler name: the
-    index places it (`_placed`) and it is not HAMi's — `ForeignCapacity.classify` takes a pod
-    for HAMi's only when its scheduler is set and not ours (`ours` None: no HAMi pod is
-    classified here, any scheduler name will do)."""
-    return (type(uid) is str and uid in placed
-            and (ours is None or not scheduler or scheduler == ours))  # fmt: skip
+def skipped(placed: dict[str, str], ours: str | None, keys: list[tuple[Any, Any]]) -> list[bool]:
+    """Which listed pods the rebuild may leave undecoded, by uid and scheduler name: those the
+    index places (`_placed`) that are not HAMi's — `ForeignCapacity.classify` takes a pod for
+    HAMi's only when its scheduler is set and not ours (`ours` None: no HAMi pod is classified
+    here, any scheduler name will do)."""
+    if ours is None:
+        return [type(uid) is str and uid in placed for uid, _scheduler in keys]
+    return [type(uid) is str and uid in placed and (not scheduler or scheduler == ours)
+            for uid, scheduler in keys]  # fmt: skip
 
 
 def _placed(pod: Any, placed: dict[str, str]) -> bool:

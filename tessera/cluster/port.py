@@ -80,9 +80,10 @@ class ClusterPort(Protocol):
     async def list_pods_slim(self, skip: Skip | None = None) -> Listed:
         """Every pod, holding only the fields `tessera.cluster.slim_pods.SlimPod` keeps (what
         the ledger rebuild and HAMi's classification read; any superset will do), less those
-        `skip(metadata.uid, spec.schedulerName)` is true for, which are counted and never
-        decoded: `slim_pods.Listed`. Callers go through `slim_pods.list_pods_slim(cluster)`,
-        which takes `list_pods()` from a stand-in without this method."""
+        `skip` (given each page's `(metadata.uid, spec.schedulerName)`s) says the caller need
+        not read, which are counted and never decoded: `slim_pods.Listed`. Callers go through
+        `slim_pods.list_pods_slim(cluster)`, which takes `list_pods()` from a stand-in without
+        this method."""
         ...
 
     async def patch_pod_metadata(

@@ -7,10 +7,10 @@ At 5,000 nodes that listing is ~80,000 pods, and a plain JSON decode builds ever
 every pod (managedFields, env, volumes, statuses) before any of it is read, then frees them all.
 
 Here a page is read twice over its text, both in C: each pod's uid and scheduler name (`_Skim`),
-and where each pod's text lies (`msgspec.Raw`, no object built). A caller's `skip(uid,
-scheduler)` then drops the pods it need not read (the rebuild: those the synced ledger already
-places, not HAMi's) without decoding them; the others are decoded against `SlimPod`, which
-skips every other field without building it.
+and where each pod's text lies (`msgspec.Raw`, no object built). A caller's `skip` (given a
+page's uids and scheduler names at once) then drops the pods it need not read (the rebuild:
+those the synced ledger already places, not HAMi's) without decoding them; the others are
+decoded against `SlimPod`, which skips every other field without building it.
 
 What comes out is the API server's objects with the other keys left out: plain dicts of the
 same shapes, so every reader of a pod dict reads them unchanged, and any key it reads is there
@@ -119,7 +119,8 @@ _POD = msgspec.json.Decoder(SlimPod)
 
 Key = tuple[Any, Any]  # (metadata.uid, spec.schedulerName) as listed; None where absent
 Entry = tuple[Key, Any]  # a pod's key and the pod: undecoded (msgspec.Raw) or a dict
-Skip = Callable[[Any, Any], bool]  # (uid, scheduler name) -> the caller need not read the pod
+# The keys of a page's pods -> for each, whether the caller need not read it (one call a page).
+Skip = Callable[[list[Key]], list[bool]]
 
 
 def key_of(pod: Any) -> Key:
@@ -169,7 +170,7 @@ class Listed(NamedTuple):
 
 
 class SlimReader:
-    """Takes a listing's entries page by page: a pod `skip(uid, scheduler name)` is true for is
+    """Takes a listing's entries page by page: a pod `skip` says the caller need not read is
     counted and dropped undecoded; the others are decoded slim (a pod the schema does not fit: in
     full). Pages are taken as they come, so at most one page's text is held at once."""
 
@@ -179,7 +180,11 @@ class SlimReader:
 
     def take(self, entries: list[Entry]) -> list[KubeObject]:
         skip = self.skip
-        kept = entries if skip is None else [e for e in entries if not skip(*e[0])]
+        if skip is None:
+            kept = entries
+        else:
+            kept = [e for e, s in zip(entries, skip([k for k, _pod in entries]), strict=True)
+                    if not s]  # fmt: skip
         self.skipped += len(entries) - len(kept)
         return [_decoded(pod) if type(pod) is msgspec.Raw else pod for _key, pod in kept]
 

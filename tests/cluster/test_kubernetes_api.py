@@ -429,6 +429,38 @@ async def test_list_pods_pages_and_filters_by_node(
     assert apiserver.calls("GET", "/api/v1/namespaces/team-a/pods")
 
 
+async def test_list_pods_slim_pages_keeps_only_the_fields_read_and_skips_undecoded(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> None:
+    for index in range(5):
+        apiserver.add_pod(make_pod(f"p{index}", node="gpu-1"))
+    cluster = make_cluster(page_size=2)
+    asked: list[list[Any]] = []
+
+    def skip(keys: list[Any]) -> list[bool]:
+        asked.append(keys)
+        return [uid in ("uid-p1", "uid-p4") for uid, _scheduler in keys]
+
+    listed = await cluster.list_pods_slim(skip)
+    assert listed.skipped == 2 and [p["metadata"]["name"] for p in listed.pods] == [
+        "p0", "p2", "p3"]  # fmt: skip
+    assert [len(keys) for keys in asked] == [2, 2, 1]  # page by page
+    assert asked[0][0] == ("uid-p0", "tessera-scheduler")
+    version = listed.pods[0]["metadata"]["resourceVersion"]  # the fake server's own
+    assert listed.pods[0] == {
+        "metadata": {"name": "p0", "namespace": "team-a", "uid": "uid-p0",
+                     "resourceVersion": version, "annotations": {}},
+        "spec": {"schedulerName": "tessera-scheduler", "nodeName": "gpu-1", "containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1",
+                                                      "nvidia.com/gpumem": "4096"}}}]},
+        "status": {"phase": "Pending"},
+    }  # fmt: skip
+    assert [r.query.get("continue") for r in apiserver.calls("GET", "/api/v1/pods")] == [
+        None, "2", "4"]  # fmt: skip
+    everything = await cluster.list_pods_slim()
+    assert everything.skipped == 0 and len(everything.pods) == 5
+
+
 async def test_patch_metadata_is_a_merge_patch_and_none_removes_a_key(
     apiserver: FakeApiServer, cluster: KubernetesCluster
 ) -> None:
