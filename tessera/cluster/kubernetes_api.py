@@ -370,7 +370,7 @@ class KubernetesCluster:
         apiVersion either), those `skip` is true for left out undecoded; page by page."""
         reader = SlimReader(skip)
         items, _ = await self._list_all(
-            self._pods_path(None), None, "Pod", decode_pod_page, reader.take
+            self._pods_path(None), None, "Pod", decode_pod_page, reader
         )
         return Listed(items, reader.skipped)
 
@@ -592,14 +592,17 @@ class KubernetesCluster:
     async def _list_all(
         self, path: str, field_selector: str | None, kind: str,
         decode: Callable[[bytes], Any] | None = None,
-        take: Callable[[Any], list[KubeObject]] | None = None,
+        reader: SlimReader | None = None,
     ) -> tuple[list[KubeObject], str]:  # fmt: skip
         """Every object, page by page; returns them with the list's resourceVersion. `decode`:
         each page's decoder (default: JSON in full, each item given the list's kind and
-        apiVersion), and `take` what becomes of its items (as they are by default)."""
+        apiVersion); `reader` takes its items (as they are by default; started afresh when the
+        list is)."""
         while True:
             items: list[KubeObject] = []
             token: str | None = None
+            if reader is not None:
+                reader.skipped = 0
             try:
                 while True:
                     query = [("limit", str(self._settings.page_size))]
@@ -613,7 +616,7 @@ class KubernetesCluster:
                         # List items come without kind/apiVersion; watch events carry them.
                         item.setdefault("kind", kind)
                         item.setdefault("apiVersion", "v1")
-                    items.extend(listed if take is None else take(listed))
+                    items.extend(listed if reader is None else reader.take(listed))
                     meta = page.get("metadata", {})
                     token = meta.get("continue")
                     if not token:

@@ -553,6 +553,17 @@ async def test_list_restarts_when_its_continue_token_expires(
     assert pages == [None, "2", None, "2"]
 
 
+async def test_slim_list_restarted_after_an_expired_token_counts_each_pod_once(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> None:
+    for name in ("p0", "p1", "p2"):
+        apiserver.add_pod(make_pod(name))
+    cluster = make_cluster(page_size=2)
+    apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
+    listed = await cluster.list_pods_slim(lambda keys: [uid != "uid-p2" for uid, _s in keys])
+    assert [p["metadata"]["name"] for p in listed.pods] == ["p2"] and listed.skipped == 2
+
+
 def test_from_environment_uses_the_kubeconfig_and_its_token(
     apiserver: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
