@@ -146,10 +146,10 @@ if _os.environ.get("BENCH_PODS_FILE"):
             with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
                 return json.load(listed)
         if _os.environ.get("BENCH_PODS_SLIM", "1") == "1":  # 0: the rebuild lists in full
-            async def list_pods_slim(self, skip=None):  # as the real client reads a page
+            async def list_pods_slim(self, need=None):  # as the real client reads a page
                 from tessera.cluster.slim_pods import Listed, SlimReader, decode_pods
                 with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
-                    reader = SlimReader(skip)
+                    reader = SlimReader(need)
                     return Listed(reader.take(decode_pods(listed.read())), reader.skipped)
 """
 

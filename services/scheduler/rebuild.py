@@ -86,10 +86,10 @@ class LedgerRebuilder:
         # would leave it as it is). A restart over an intact ledger used to decode every GPU
         # pod's annotations into models and read and decode every node's entry once more, before
         # serving: at 5,000 nodes and 80,000 pods, seconds. Such a pod that is not HAMi's (see
-        # `skipped`) is not even decoded: the listing reads its uid and scheduler name first.
+        # `needed`) is not even decoded: the listing reads its uid and scheduler name first.
         placed = self.index.pod_nodes
         listed = await list_pods_slim(self.cluster, partial(
-            skipped, placed, self.foreign.scheduler_name if self.foreign else None))
+            needed, placed, self.foreign.scheduler_name if self.foreign else None))
         now = self.clock()
         report.pods_seen += listed.skipped
         pods = listed.pods  # only what the rebuild and HAMi's classification read of a pod
@@ -144,15 +144,16 @@ class LedgerRebuilder:
                     )
 
 
-def skipped(placed: dict[str, str], ours: str | None, keys: list[tuple[Any, Any]]) -> list[bool]:
-    """Which listed pods the rebuild may leave undecoded, by uid and scheduler name: those the
-    index places (`_placed`) that are not HAMi's — `ForeignCapacity.classify` takes a pod for
-    HAMi's only when its scheduler is set and not ours (`ours` None: no HAMi pod is classified
-    here, any scheduler name will do)."""
+def needed(placed: dict[str, str], ours: str | None, uids: list[Any], schedulers: list[Any]
+           ) -> list[bool]:  # fmt: skip
+    """Which listed pods the rebuild reads, by uid and scheduler name: all but those the index
+    places (`_placed`) that are not HAMi's — `ForeignCapacity.classify` takes a pod for HAMi's
+    only when its scheduler is set and not ours (`ours` None: no HAMi pod is classified here,
+    any scheduler name will do)."""
     if ours is None:
-        return [type(uid) is str and uid in placed for uid, _scheduler in keys]
-    return [type(uid) is str and uid in placed and (not scheduler or scheduler == ours)
-            for uid, scheduler in keys]  # fmt: skip
+        return [not (type(uid) is str and uid in placed) for uid in uids]
+    return [not (type(uid) is str and uid in placed and (not scheduler or scheduler == ours))
+            for uid, scheduler in zip(uids, schedulers, strict=True)]  # fmt: skip
 
 
 def _placed(pod: Any, placed: dict[str, str]) -> bool:

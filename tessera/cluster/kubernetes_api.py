@@ -46,7 +46,7 @@ from tessera.cluster.port import (
     WatchEvent,
     WebhookKind,
 )
-from tessera.cluster.slim_pods import Listed, Skip, SlimReader, decode_pod_page
+from tessera.cluster.slim_pods import Listed, Need, SlimReader, decode_pod_page
 
 log = logging.getLogger(__name__)
 
@@ -365,10 +365,10 @@ class KubernetesCluster:
         )
         return items
 
-    async def list_pods_slim(self, skip: Skip | None = None) -> Listed:
+    async def list_pods_slim(self, need: Need | None = None) -> Listed:
         """Every pod, holding only the fields `tessera.cluster.slim_pods` keeps (no kind or
-        apiVersion either), those `skip` is true for left out undecoded; page by page."""
-        reader = SlimReader(skip)
+        apiVersion either), those `need` does not want left out undecoded; page by page."""
+        reader = SlimReader(need)
         items, _ = await self._list_all(
             self._pods_path(None), None, "Pod", decode_pod_page, reader
         )

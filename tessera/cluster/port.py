@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
-    from tessera.cluster.slim_pods import Listed, Skip
+    from tessera.cluster.slim_pods import Listed, Need
 
 KubeObject = dict[str, Any]
 WatchEventType = Literal["ADDED", "MODIFIED", "DELETED"]
@@ -77,11 +77,11 @@ class ClusterPort(Protocol):
         """Pods, optionally only one namespace and/or only those bound to `node_name`."""
         ...
 
-    async def list_pods_slim(self, skip: Skip | None = None) -> Listed:
+    async def list_pods_slim(self, need: Need | None = None) -> Listed:
         """Every pod, holding only the fields `tessera.cluster.slim_pods.SlimPod` keeps (what
         the ledger rebuild and HAMi's classification read; any superset will do), less those
-        `skip` (given each page's `(metadata.uid, spec.schedulerName)`s) says the caller need
-        not read, which are counted and never decoded: `slim_pods.Listed`. Callers go through
+        `need` (given each page's `metadata.uid`s and `spec.schedulerName`s) says the caller
+        does not read, which are counted and never decoded: `slim_pods.Listed`. Callers go through
         `slim_pods.list_pods_slim(cluster)`, which takes `list_pods()` from a stand-in without
         this method."""
         ...

@@ -6,11 +6,11 @@ resources and restart policy, its init containers' exit codes and HAMi's placeme
 At 5,000 nodes that listing is ~80,000 pods, and a plain JSON decode builds every object of
 every pod (managedFields, env, volumes, statuses) before any of it is read, then frees them all.
 
-Here a page is read twice over its text, both in C: each pod's uid and scheduler name (`_Skim`),
-and where each pod's text lies (`msgspec.Raw`, no object built). A caller's `skip` (given a
-page's uids and scheduler names at once) then drops the pods it need not read (the rebuild:
-those the synced ledger already places, not HAMi's) without decoding them; the others are
-decoded against `SlimPod`, which skips every other field without building it.
+Here a page's uids and scheduler names are read first, in C (`_Skim`: nothing else of a pod is
+built). A caller's `need` (given them for a whole page at once) then leaves out the pods it does
+not read (the rebuild: those the synced ledger already places, not HAMi's), never decoded; only
+when it wants some is the page read again for where each pod's text lies (`msgspec.Raw`), and
+those pods decoded against `SlimPod`, which skips every other field without building it.
 
 What comes out is the API server's objects with the other keys left out: plain dicts of the
 same shapes, so every reader of a pod dict reads them unchanged, and any key it reads is there
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import compress
 from typing import Any, NamedTuple, TypedDict
 
 import msgspec
@@ -117,76 +119,55 @@ _SKIMS = msgspec.json.Decoder(list[_Skim])
 _RAWS = msgspec.json.Decoder(list[msgspec.Raw])
 _POD = msgspec.json.Decoder(SlimPod)
 
-Key = tuple[Any, Any]  # (metadata.uid, spec.schedulerName) as listed; None where absent
-Entry = tuple[Key, Any]  # a pod's key and the pod: undecoded (msgspec.Raw) or a dict
-# The keys of a page's pods -> for each, whether the caller need not read it (one call a page).
-Skip = Callable[[list[Key]], list[bool]]
+# (the uids, the scheduler names) of a page's pods, None where absent -> for each pod whether
+# the caller reads it; the others are counted and never decoded. Asked once a page.
+Need = Callable[[list[Any], list[Any]], list[bool]]
 
 
-def key_of(pod: Any) -> Key:
-    """A decoded pod's key, as `_Skim` reads it off the JSON."""
+def key_of(pod: Any) -> tuple[Any, Any]:
+    """A decoded pod's (uid, scheduler name), as `_Skim` reads them off the JSON."""
     meta = pod.get("metadata") if isinstance(pod, dict) else None
     spec = pod.get("spec") if isinstance(pod, dict) else None
     return (meta.get("uid") if isinstance(meta, dict) else None,
             spec.get("schedulerName") if isinstance(spec, dict) else None)  # fmt: skip
 
 
-def entries_of(pods: Any) -> list[Entry]:
-    """Pods already decoded (a page the schema did not fit, an in-memory cluster's)."""
-    return [(key_of(pod), pod) for pod in pods]
+@dataclass
+class PodPage:
+    """One page's pods: their uids and scheduler names read, the pods themselves decoded only as
+    `read` asks (from `text`, the page's JSON; or `pods`, decoded already in full)."""
 
+    uids: list[Any]
+    schedulers: list[Any]
+    text: bytes | None = None
+    array: bool = False  # `text` is a JSON array of pods (else a PodList)
+    pods: list[Any] | None = None
 
-def _skimmed(skims: list[_Skim], raws: list[msgspec.Raw]) -> list[Entry]:
-    return [((k.metadata.uid if k.metadata is not None else None,
-              k.spec.schedulerName if k.spec is not None else None), raw)
-            for k, raw in zip(skims, raws, strict=True)]  # fmt: skip
+    @classmethod
+    def of(cls, pods: Any) -> PodPage:
+        """Pods already decoded (a page the schemas did not fit, an in-memory cluster's)."""
+        pods = list(pods)
+        keys = [key_of(pod) for pod in pods]
+        return cls([k[0] for k in keys], [k[1] for k in keys], pods=pods)
 
+    @classmethod
+    def skimmed(cls, skims: list[_Skim], text: bytes, *, array: bool) -> PodPage:
+        return cls([k.metadata.uid if k.metadata is not None else None for k in skims],
+                   [k.spec.schedulerName if k.spec is not None else None for k in skims],
+                   text, array)  # fmt: skip
 
-def decode_pod_page(data: bytes) -> Any:
-    """A PodList page as the API server sends it: its metadata, and its items as entries (each
-    pod's key read, the pod itself left undecoded until `SlimReader.take`). A page the schemas do
-    not fit is decoded in full, as a plain listing decodes it."""
-    try:
-        skim, raw = _SKIM_PAGE.decode(data), _RAW_PAGE.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        page = json.loads(data)
-        if isinstance(page, dict):
-            page["items"] = entries_of(page.get("items") or [])
-        return page
-    return {"metadata": skim.metadata, "items": _skimmed(skim.items, raw.items)}
+    def __len__(self) -> int:
+        return len(self.uids)
 
-
-def decode_pods(data: bytes) -> list[Entry]:
-    """A JSON array of pods (a file, a stand-in's answer), as `decode_pod_page`'s items."""
-    try:
-        return _skimmed(_SKIMS.decode(data), _RAWS.decode(data))
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return entries_of(json.loads(data))
-
-
-class Listed(NamedTuple):
-    pods: list[KubeObject]  # slim, in the listing's order
-    skipped: int  # pods left out by `skip`, never decoded
-
-
-class SlimReader:
-    """Takes a listing's entries page by page: a pod `skip` says the caller need not read is
-    counted and dropped undecoded; the others are decoded slim (a pod the schema does not fit: in
-    full). Pages are taken as they come, so at most one page's text is held at once."""
-
-    def __init__(self, skip: Skip | None = None) -> None:
-        self.skip = skip
-        self.skipped = 0
-
-    def take(self, entries: list[Entry]) -> list[KubeObject]:
-        skip = self.skip
-        if skip is None:
-            kept = entries
-        else:
-            kept = [e for e, s in zip(entries, skip([k for k, _pod in entries]), strict=True)
-                    if not s]  # fmt: skip
-        self.skipped += len(entries) - len(kept)
-        return [_decoded(pod) if type(pod) is msgspec.Raw else pod for _key, pod in kept]
+    def read(self, wanted: list[bool] | None = None) -> list[KubeObject]:
+        """The pods `wanted` marks (all with None), slim; a pod the schema does not fit: in
+        full."""
+        if self.pods is not None:
+            return self.pods if wanted is None else list(compress(self.pods, wanted))
+        if self.text is None or (wanted is not None and not any(wanted)):
+            return []
+        raws = _RAWS.decode(self.text) if self.array else _RAW_PAGE.decode(self.text).items
+        return [_decoded(raw) for raw in (raws if wanted is None else compress(raws, wanted))]
 
 
 def _decoded(raw: msgspec.Raw) -> Any:
@@ -196,15 +177,59 @@ def _decoded(raw: msgspec.Raw) -> Any:
         return json.loads(bytes(raw))
 
 
-async def list_pods_slim(cluster: Any, skip: Skip | None = None) -> Listed:
+def decode_pod_page(data: bytes) -> Any:
+    """A PodList page as the API server sends it: its metadata, and its items as a `PodPage`.
+    A page the schemas do not fit is decoded in full, as a plain listing decodes it."""
+    try:
+        skim = _SKIM_PAGE.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        page = json.loads(data)
+        if isinstance(page, dict):
+            page["items"] = PodPage.of(page.get("items") or [])
+        return page
+    return {"metadata": skim.metadata, "items": PodPage.skimmed(skim.items, data, array=False)}
+
+
+def decode_pods(data: bytes) -> PodPage:
+    """A JSON array of pods (a file, a stand-in's answer), as `decode_pod_page`'s items."""
+    try:
+        return PodPage.skimmed(_SKIMS.decode(data), data, array=True)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return PodPage.of(json.loads(data))
+
+
+class Listed(NamedTuple):
+    pods: list[KubeObject]  # slim, in the listing's order
+    skipped: int  # pods `need` left out, never decoded
+
+
+class SlimReader:
+    """Takes a listing page by page: the pods `need` says the caller does not read are counted
+    and dropped undecoded; the others are decoded slim. Pages are taken as they come, so at most
+    one page's text is held at once."""
+
+    def __init__(self, need: Need | None = None) -> None:
+        self.need = need
+        self.skipped = 0
+
+    def take(self, items: Any) -> list[KubeObject]:
+        page = items if isinstance(items, PodPage) else PodPage.of(items or [])
+        if self.need is None:
+            return page.read()
+        wanted = self.need(page.uids, page.schedulers)
+        self.skipped += len(page) - sum(wanted)
+        return page.read(wanted)
+
+
+async def list_pods_slim(cluster: Any, need: Need | None = None) -> Listed:
     """The cluster's slim listing; from a stand-in without one, its full listing (a superset of
-    every slim pod), `skip` applied alike."""
+    every slim pod), `need` applied alike."""
     lister = getattr(cluster, "list_pods_slim", None)
     if lister is not None:
-        listed: Listed = await lister(skip)
+        listed: Listed = await lister(need)
         return listed
-    reader = SlimReader(skip)
-    return Listed(reader.take(entries_of(await cluster.list_pods())), reader.skipped)
+    reader = SlimReader(need)
+    return Listed(reader.take(await cluster.list_pods()), reader.skipped)
 
 
 # What `SlimPod` keeps, as nested dicts ([schema]: a list of such objects; None: the value whole).

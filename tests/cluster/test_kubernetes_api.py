@@ -437,11 +437,11 @@ async def test_list_pods_slim_pages_keeps_only_the_fields_read_and_skips_undecod
     cluster = make_cluster(page_size=2)
     asked: list[list[Any]] = []
 
-    def skip(keys: list[Any]) -> list[bool]:
-        asked.append(keys)
-        return [uid in ("uid-p1", "uid-p4") for uid, _scheduler in keys]
+    def need(uids: list[Any], schedulers: list[Any]) -> list[bool]:
+        asked.append(list(zip(uids, schedulers, strict=True)))
+        return [uid not in ("uid-p1", "uid-p4") for uid in uids]
 
-    listed = await cluster.list_pods_slim(skip)
+    listed = await cluster.list_pods_slim(need)
     assert listed.skipped == 2 and [p["metadata"]["name"] for p in listed.pods] == [
         "p0", "p2", "p3"]  # fmt: skip
     assert [len(keys) for keys in asked] == [2, 2, 1]  # page by page
@@ -560,7 +560,7 @@ async def test_slim_list_restarted_after_an_expired_token_counts_each_pod_once(
         apiserver.add_pod(make_pod(name))
     cluster = make_cluster(page_size=2)
     apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
-    listed = await cluster.list_pods_slim(lambda keys: [uid != "uid-p2" for uid, _s in keys])
+    listed = await cluster.list_pods_slim(lambda uids, _s: [uid == "uid-p2" for uid in uids])
     assert [p["metadata"]["name"] for p in listed.pods] == ["p2"] and listed.skipped == 2
 
 

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 from tessera.scheduler.foreign import ForeignCapacity
 from tessera.scheduler.index import ClusterIndex
-from tessera.scheduler.rebuild import LedgerRebuilder, skipped
+from tessera.scheduler.rebuild import LedgerRebuilder, needed
 
 from tessera import hami
 from tessera.cluster.memory import InMemoryCluster
 from tessera.cluster.slim_pods import (
     Listed,
+    PodPage,
     SlimReader,
     decode_pod_page,
     decode_pods,
@@ -121,12 +122,16 @@ def readings(pod: Any) -> list[Any]:
     ]
 
 
+def keys_of(page: PodPage) -> list[tuple[Any, Any]]:
+    return list(zip(page.uids, page.schedulers, strict=True))
+
+
 def decoded_slim(pods: list[Any]) -> list[Any]:
     """The pods as the real client's slim listing decodes the API server's page of them."""
     data = json.dumps({"kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": pods})
     page = decode_pod_page(data.encode())
     assert page["metadata"]["resourceVersion"] == "7"
-    assert same([key for key, _pod in page["items"]], [key_of(p) for p in pods])
+    assert same(keys_of(page["items"]), [key_of(p) for p in pods])
     return SlimReader().take(page["items"])
 
 
@@ -146,8 +151,13 @@ def test_every_reader_reads_a_slim_pod_as_the_full_one(seed: int) -> None:
     assert decoded_slim(fitting) != json.loads(json.dumps(fitting))  # the junk was left out
     assert same(decoded_slim(pods), json.loads(json.dumps(pods))) or len(fitting) == len(pods)
     entries = decode_pods(json.dumps(pods).encode())
-    assert same([key for key, _pod in entries], [key_of(p) for p in pods])
+    assert same(keys_of(entries), [key_of(p) for p in pods])
     assert same(SlimReader().take(entries), decoded_slim(pods))
+    wanted = [i % 3 == 0 for i in range(len(pods))]  # a few read, the others left out
+    reader = SlimReader(lambda uids, schedulers: wanted)
+    assert same(reader.take(decode_pods(json.dumps(pods).encode())),
+                [p for p, w in zip(decoded_slim(pods), wanted, strict=True) if w])  # fmt: skip
+    assert reader.skipped == len(pods) - sum(wanted)
     assert same(SlimReader().take(decode_pods(json.dumps(fitting).encode())),
                 decoded_slim(fitting))  # fmt: skip
 
@@ -171,7 +181,7 @@ def test_a_slim_pod_keeps_exactly_the_fields_read() -> None:
         assert same(outcome(lambda t=text: SlimReader().take(decode_pods(t))),
                     outcome(lambda t=text: [slim(p) for p in json.loads(t)])), text  # fmt: skip
         if text != b"[1,":
-            keys = [key for key, _pod in decode_pods(text)]
+            keys = keys_of(decode_pods(text))
             assert same(keys, [key_of(p) for p in json.loads(text)]), text
 
 
@@ -248,7 +258,7 @@ async def test_pods_the_index_places_are_counted_not_decoded() -> None:
     for i, spec in enumerate([*placed, hamis, other]):
         cluster.pods[("default", str(i))] = spec
     placing = {"uid-p1": "a", "uid-p2": "a"}
-    listed = await list_pods_slim(cluster, partial(skipped, placing, "tessera-scheduler"))
+    listed = await list_pods_slim(cluster, partial(needed, placing, "tessera-scheduler"))
     assert listed.skipped == 2 and listed.pods == [hamis, other]
-    listed = await list_pods_slim(cluster, partial(skipped, placing, None))  # no HAMi reading
+    listed = await list_pods_slim(cluster, partial(needed, placing, None))  # no HAMi reading
     assert listed.skipped == 3 and listed.pods == [other]
