@@ -86,7 +86,9 @@ class LedgerRebuilder:
         # would leave it as it is). A restart over an intact ledger used to decode every GPU
         # pod's annotations into models and read and decode every node's entry once more, before
         # serving: at 5,000 nodes and 80,000 pods, seconds. Such a pod that is not HAMi's (see
-        # `needed`) is not even decoded: the listing reads its uid and scheduler name first.
+        # `needed`) is not even decoded: the listing reads its uid and scheduler name first
+        # (page by page: placed as the index holds it when the page comes in, where the whole
+        # listing was tested once it was in).
         placed = self.index.pod_nodes
         listed = await list_pods_slim(self.cluster, partial(
             needed, placed, self.foreign.scheduler_name if self.foreign else None))
