@@ -19,7 +19,9 @@ the placement decision at 5,000 nodes (`fit_p99`, BENCH_REPEAT runs of each trac
 the scheduler BENCH_REPEAT times over one populated KV (restart to ready, its CPU, RSS; printed).
 With `BENCH_RESTART_PODS=1` the cluster it restarts in also lists the bound GPU pod behind every
 allocation of that KV (80,000 at 5,000 nodes, HAMi's annotations, as the API server would
-answer), so the rebuild from pods before ready reads them as in a real restart; without it the
+answer), so the rebuild from pods before ready reads them as in a real restart (through the
+slim listing, `tessera.cluster.slim_pods`, as the Kubernetes adapter reads a page;
+`BENCH_PODS_SLIM=0`: the whole file decoded with `json.load`, as before it); without it the
 bench's cluster lists no pod.
 `BENCH_JSON=path` also writes the raw figures. The "before" columns come from
 `scheduler_scale_before.json` (the same script run on the code before the Scale work; its commit
@@ -145,6 +147,12 @@ if _os.environ.get("BENCH_PODS_FILE"):
             import json
             with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
                 return json.load(listed)
+        if _os.environ.get("BENCH_PODS_SLIM", "1") == "1":  # 0: the rebuild lists in full
+            async def list_pods_slim(self, need=None):  # as the real client reads a page
+                from tessera.cluster.slim_pods import Listed, SlimReader, decode_pods
+                with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
+                    reader = SlimReader(need)
+                    return Listed(reader.take(decode_pods(listed.read())), reader.skipped)
 """
 
 

@@ -98,14 +98,15 @@ def allocations_from_pods(
     by_node: dict[str, list[tuple[Allocation, InFlightClaim | None]]] = defaultdict(list)
     for pod in pods:
         report.pods_seen += 1
-        meta = pod.get("metadata") or {}
-        if not meta.get("uid") or not meta.get("name"):
+        meta = pod.get("metadata") if isinstance(pod, dict) else None
+        if not isinstance(meta, dict) or not meta.get("uid") or not meta.get("name"):
             continue
         try:
             found = allocation_from_pod(pod, quota_held=quota_held, now=now,
                                         claim_ttl_s=claim_ttl_s)  # fmt: skip
-        except (ValueError, TypeError) as exc:
-            report.unreadable.append(f"{meta.get('namespace')}/{meta.get('name')}: {exc}"[:300])
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # hostile shapes too
+            why = exc if isinstance(exc, ValueError | TypeError) else f"malformed pod ({exc!r})"
+            report.unreadable.append(f"{meta.get('namespace')}/{meta.get('name')}: {why}"[:300])
             continue
         if found is not None:
             report.gpu_pods += 1

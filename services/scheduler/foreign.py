@@ -168,8 +168,8 @@ class ForeignCapacity:
     # --- reading one pod ----------------------------------------------------------------------
     def classify(self, pod: dict[str, Any]) -> tuple[bool, ForeignPod | None]:
         """(is it HAMi's, what it holds now: None = nothing)."""
-        meta = pod.get("metadata")
-        spec = pod.get("spec")
+        meta = pod.get("metadata") if isinstance(pod, dict) else None
+        spec = pod.get("spec") if isinstance(pod, dict) else None
         if not isinstance(meta, dict) or not isinstance(spec, dict):
             return False, None
         annotations = meta.get("annotations") or {}

@@ -21,6 +21,7 @@ from typing import Any
 
 from tessera.bus import CasConflictError, NoChange, Versioned, cas_update
 from tessera.cluster.port import ClusterPort
+from tessera.cluster.slim_pods import list_pods_slim
 from tessera.models import Allocation, InFlightClaim, NodeLedger
 from tessera.restore import RestoreReport, allocations_from_pods
 
@@ -79,17 +80,23 @@ class LedgerRebuilder:
 
     async def rebuild(self) -> RestoreReport:
         report = RestoreReport()
-        pods = await self.cluster.list_pods()
-        now = self.clock()
-        if self.foreign is not None:
-            pods = self.foreign.load(pods, now)
         # A pod the index already places (an active allocation in the synced ledger: on its
         # node, held; on another, not restored twice) needs nothing: its annotations are not
         # read, and a node whose pods are all placed is neither read nor written (`restore_mutate`
         # would leave it as it is). A restart over an intact ledger used to decode every GPU
         # pod's annotations into models and read and decode every node's entry once more, before
-        # serving: at 5,000 nodes and 80,000 pods, seconds.
+        # serving: at 5,000 nodes and 80,000 pods, seconds. Such a pod that is not HAMi's (see
+        # `needed`) is not even decoded: the listing reads its uid and scheduler name first
+        # (page by page: placed as the index holds it when the page comes in, where the whole
+        # listing was tested once it was in).
         placed = self.index.pod_nodes
+        listed = await list_pods_slim(self.cluster, partial(
+            needed, placed, self.foreign.scheduler_name if self.foreign else None))
+        now = self.clock()
+        report.pods_seen += listed.skipped
+        pods = listed.pods  # only what the rebuild and HAMi's classification read of a pod
+        if self.foreign is not None:
+            pods = self.foreign.load(pods, now)
         unplaced = [pod for pod in pods if not _placed(pod, placed)]
         report.pods_seen += len(pods) - len(unplaced)
         by_node = allocations_from_pods(
@@ -137,6 +144,18 @@ class LedgerRebuilder:
                     report.unknown_devices.append(
                         f"{allocation.namespace}/{allocation.name} on {node}: {grant.uuid}"
                     )
+
+
+def needed(placed: dict[str, str], ours: str | None, uids: list[Any], schedulers: list[Any]
+           ) -> list[bool]:  # fmt: skip
+    """Which listed pods the rebuild reads, by uid and scheduler name: all but those the index
+    places (`_placed`) that are not HAMi's — `ForeignCapacity.classify` takes a pod for HAMi's
+    only when its scheduler is set and not ours (`ours` None: no HAMi pod is classified here,
+    any scheduler name will do)."""
+    if ours is None:
+        return [not (type(uid) is str and uid in placed) for uid in uids]
+    return [not (type(uid) is str and uid in placed and (not scheduler or scheduler == ours))
+            for uid, scheduler in zip(uids, schedulers, strict=True)]  # fmt: skip
 
 
 def _placed(pod: Any, placed: dict[str, str]) -> bool:

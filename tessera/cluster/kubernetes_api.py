@@ -46,6 +46,7 @@ from tessera.cluster.port import (
     WatchEvent,
     WebhookKind,
 )
+from tessera.cluster.slim_pods import Listed, Need, SlimReader, decode_pod_page
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,7 @@ class KubernetesCluster:
         content_type: str,
         timeout: float | tuple[float, float],
         stream: bool,
+        decode: Callable[[bytes], Any] = json.loads,
     ) -> _Reply:
         """One HTTP exchange, in a worker thread (the client is blocking)."""
         # Serialised per attempt so a rotated service-account token is picked up.
@@ -267,7 +269,7 @@ class KubernetesCluster:
         reply = _Reply(response.status, reply_headers, data)
         if 200 <= response.status < 300 and data:
             # Decoded here, off the event loop: a big list is tens of megabytes.
-            reply.payload = json.loads(data)
+            reply.payload = decode(data)
         return reply
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
@@ -289,6 +291,7 @@ class KubernetesCluster:
         timeout: float | tuple[float, float] | None = None,
         on_retry: Callable[[], None] | None = None,
         final_statuses: frozenset[int] = frozenset(),
+        decode: Callable[[bytes], Any] = json.loads,
     ) -> _Reply:
         """A request with rate limiting and retries; raises ClusterError when it fails."""
         settings = self._settings
@@ -306,6 +309,7 @@ class KubernetesCluster:
                     content_type,
                     timeout or settings.request_timeout_s,
                     stream,
+                    decode,
                 )
             except ApiException as exc:  # the client's wrapper for TLS and request-shape errors
                 raise ClusterError(f"{what}: {exc.reason}", exc.status or None) from exc
@@ -331,8 +335,11 @@ class KubernetesCluster:
             await self._sleep(delay)
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    async def _get_json(self, path: str, query: list[tuple[str, str]] | None = None) -> Any:
-        return (await self._request("GET", path, query)).payload
+    async def _get_json(
+        self, path: str, query: list[tuple[str, str]] | None = None,
+        decode: Callable[[bytes], Any] = json.loads,
+    ) -> Any:  # fmt: skip
+        return (await self._request("GET", path, query, decode=decode)).payload
 
     # --- pods ---------------------------------------------------------------------------------
 
@@ -357,6 +364,15 @@ class KubernetesCluster:
             self._pods_path(namespace), self._pod_selector(node_name), "Pod"
         )
         return items
+
+    async def list_pods_slim(self, need: Need | None = None) -> Listed:
+        """Every pod, holding only the fields `tessera.cluster.slim_pods` keeps (no kind or
+        apiVersion either), those `need` does not want left out undecoded; page by page."""
+        reader = SlimReader(need)
+        items, _ = await self._list_all(
+            self._pods_path(None), None, "Pod", decode_pod_page, reader
+        )
+        return Listed(items, reader.skipped)
 
     async def patch_pod_metadata(
         self,
@@ -574,12 +590,19 @@ class KubernetesCluster:
     # --- list + watch -------------------------------------------------------------------------
 
     async def _list_all(
-        self, path: str, field_selector: str | None, kind: str
-    ) -> tuple[list[KubeObject], str]:
-        """Every object, page by page; returns them with the list's resourceVersion."""
+        self, path: str, field_selector: str | None, kind: str,
+        decode: Callable[[bytes], Any] | None = None,
+        reader: SlimReader | None = None,
+    ) -> tuple[list[KubeObject], str]:  # fmt: skip
+        """Every object, page by page; returns them with the list's resourceVersion. `decode`:
+        each page's decoder (default: JSON in full, each item given the list's kind and
+        apiVersion); `reader` takes its items (as they are by default; started afresh when the
+        list is)."""
         while True:
             items: list[KubeObject] = []
             token: str | None = None
+            if reader is not None:
+                reader.skipped = 0
             try:
                 while True:
                     query = [("limit", str(self._settings.page_size))]
@@ -587,12 +610,13 @@ class KubernetesCluster:
                         query.append(("fieldSelector", field_selector))
                     if token:
                         query.append(("continue", token))
-                    page = await self._get_json(path, query)
-                    for item in page.get("items") or []:
+                    page = await self._get_json(path, query, decode or json.loads)
+                    listed = page.get("items") or []
+                    for item in listed if decode is None else ():
                         # List items come without kind/apiVersion; watch events carry them.
                         item.setdefault("kind", kind)
                         item.setdefault("apiVersion", "v1")
-                        items.append(item)
+                    items.extend(listed if reader is None else reader.take(listed))
                     meta = page.get("metadata", {})
                     token = meta.get("continue")
                     if not token:

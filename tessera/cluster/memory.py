@@ -20,6 +20,7 @@ from tessera.cluster.port import (
     ObjectRef,
     WatchEvent,
 )
+from tessera.cluster.slim_pods import Listed, Need, SlimReader, slim
 
 
 class InMemoryCluster:
@@ -92,6 +93,11 @@ class InMemoryCluster:
         self, namespace: str | None = None, node_name: str | None = None
     ) -> list[KubeObject]:
         return [copy.deepcopy(p) for p in self.pods.values() if _matches(p, namespace, node_name)]
+
+    async def list_pods_slim(self, need: Need | None = None) -> Listed:
+        """`list_pods()` cut to `tessera.cluster.slim_pods`' fields, as the real client's is."""
+        reader = SlimReader(need)
+        return Listed(reader.take([slim(p) for p in await self.list_pods()]), reader.skipped)
 
     async def patch_pod_metadata(
         self,

@@ -8,9 +8,12 @@ Services talk to the cluster only through this interface. Objects are plain Kube
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from tessera.cluster.slim_pods import Listed, Need
 
 KubeObject = dict[str, Any]
 WatchEventType = Literal["ADDED", "MODIFIED", "DELETED"]
@@ -72,6 +75,15 @@ class ClusterPort(Protocol):
         self, namespace: str | None = None, node_name: str | None = None
     ) -> list[KubeObject]:
         """Pods, optionally only one namespace and/or only those bound to `node_name`."""
+        ...
+
+    async def list_pods_slim(self, need: Need | None = None) -> Listed:
+        """Every pod, holding only the fields `tessera.cluster.slim_pods.SlimPod` keeps (what
+        the ledger rebuild and HAMi's classification read; any superset will do), less those
+        `need` (given each page's `metadata.uid`s and `spec.schedulerName`s) says the caller
+        does not read, which are counted and never decoded: `slim_pods.Listed`. Callers go through
+        `slim_pods.list_pods_slim(cluster)`, which takes `list_pods()` from a stand-in without
+        this method."""
         ...
 
     async def patch_pod_metadata(

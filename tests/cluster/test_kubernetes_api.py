@@ -429,6 +429,38 @@ async def test_list_pods_pages_and_filters_by_node(
     assert apiserver.calls("GET", "/api/v1/namespaces/team-a/pods")
 
 
+async def test_list_pods_slim_pages_keeps_only_the_fields_read_and_skips_undecoded(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> None:
+    for index in range(5):
+        apiserver.add_pod(make_pod(f"p{index}", node="gpu-1"))
+    cluster = make_cluster(page_size=2)
+    asked: list[list[Any]] = []
+
+    def need(uids: list[Any], schedulers: list[Any]) -> list[bool]:
+        asked.append(list(zip(uids, schedulers, strict=True)))
+        return [uid not in ("uid-p1", "uid-p4") for uid in uids]
+
+    listed = await cluster.list_pods_slim(need)
+    assert listed.skipped == 2 and [p["metadata"]["name"] for p in listed.pods] == [
+        "p0", "p2", "p3"]  # fmt: skip
+    assert [len(keys) for keys in asked] == [2, 2, 1]  # page by page
+    assert asked[0][0] == ("uid-p0", "tessera-scheduler")
+    version = listed.pods[0]["metadata"]["resourceVersion"]  # the fake server's own
+    assert listed.pods[0] == {
+        "metadata": {"name": "p0", "namespace": "team-a", "uid": "uid-p0",
+                     "resourceVersion": version, "annotations": {}},
+        "spec": {"schedulerName": "tessera-scheduler", "nodeName": "gpu-1", "containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1",
+                                                      "nvidia.com/gpumem": "4096"}}}]},
+        "status": {"phase": "Pending"},
+    }  # fmt: skip
+    assert [r.query.get("continue") for r in apiserver.calls("GET", "/api/v1/pods")] == [
+        None, "2", "4"]  # fmt: skip
+    everything = await cluster.list_pods_slim()
+    assert everything.skipped == 0 and len(everything.pods) == 5
+
+
 async def test_patch_metadata_is_a_merge_patch_and_none_removes_a_key(
     apiserver: FakeApiServer, cluster: KubernetesCluster
 ) -> None:
@@ -519,6 +551,17 @@ async def test_list_restarts_when_its_continue_token_expires(
     assert sorted(p["metadata"]["name"] for p in pods) == ["p0", "p1", "p2"]  # no duplicates
     pages = [r.query.get("continue") for r in apiserver.calls("GET", "/api/v1/pods")]
     assert pages == [None, "2", None, "2"]
+
+
+async def test_slim_list_restarted_after_an_expired_token_counts_each_pod_once(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> None:
+    for name in ("p0", "p1", "p2"):
+        apiserver.add_pod(make_pod(name))
+    cluster = make_cluster(page_size=2)
+    apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
+    listed = await cluster.list_pods_slim(lambda uids, _s: [uid == "uid-p2" for uid in uids])
+    assert [p["metadata"]["name"] for p in listed.pods] == ["p2"] and listed.skipped == 2
 
 
 def test_from_environment_uses_the_kubeconfig_and_its_token(

@@ -143,3 +143,26 @@ async def test_hostile_pods_in_the_listing_are_reported_not_fatal() -> None:
     ])  # fmt: skip
     report = await rebuilder.rebuild()
     assert len(report.unreadable) == 2 and report.restored == 0 and store.calls == []
+
+
+async def test_pods_of_any_shape_are_reported_or_skipped_never_fatal() -> None:
+    """Only an API server's schema makes `spec`, `status` and `metadata` objects: a listing from
+    anything else may not, and one such pod must not stop every restart (the rebuild used to
+    raise AttributeError and the scheduler never became ready)."""
+    index, store = ClusterIndex(), Store()
+    odd_spec, odd_status = bound_pod("p9", "a", "GPU-a-0"), bound_pod("p10", "a", "GPU-a-0")
+    odd_spec["spec"] = ["a"]
+    odd_status["status"] = ["Running"]
+    odd_meta = {**bound_pod("p11", "a", "GPU-a-0"), "metadata": ["uid-p11"]}
+    rebuilder = cluster_of(index, store, {}, [odd_spec, odd_status,
+                                              bound_pod("p12", "a", "GPU-a-1")])  # fmt: skip
+    cluster = rebuilder.cluster
+    assert isinstance(cluster, InMemoryCluster)
+    cluster.pods[("default", "p11")] = odd_meta
+    cluster.pods[("default", "p13")] = ["not", "a", "pod"]  # type: ignore[assignment]
+    report = await rebuilder.rebuild()
+    assert sorted(report.unreadable) == [
+        "default/p10: malformed pod (AttributeError(\"'list' object has no attribute 'get'\"))",
+        "default/p9: malformed pod (AttributeError(\"'list' object has no attribute 'get'\"))",
+    ]
+    assert report.restored == 1 and set(store.values["a"].allocations) == {"uid-p12"}
