@@ -58,12 +58,17 @@ def rungs_of(
     next rung's."""
     most_memory, most_percentage = [-1] * _RUNGS, [-1] * _RUNGS
     for free, share, left, computes in zip(memory, percentage, cores, computing, strict=True):
-        if computes:
-            for rung in range(cores_rung(left) + 1):
-                if free > most_memory[rung]:
-                    most_memory[rung] = free
-                if share > most_percentage[rung]:
-                    most_percentage[rung] = share
+        if computes:  # on its own top rung first, then carried down to the lower ones
+            top = cores_rung(left)
+            if free > most_memory[top]:
+                most_memory[top] = free
+            if share > most_percentage[top]:
+                most_percentage[top] = share
+    for rung in range(_RUNGS - 2, -1, -1):
+        if most_memory[rung + 1] > most_memory[rung]:
+            most_memory[rung] = most_memory[rung + 1]
+        if most_percentage[rung + 1] > most_percentage[rung]:
+            most_percentage[rung] = most_percentage[rung + 1]
     return most_memory, most_percentage
 
 
