@@ -39,6 +39,37 @@ _GROW = 1024
 _RESERVED = AllocationState.RESERVED.value  # (a str compares faster with a str)
 _WIDTH = 8  # cards per row; widened when a node has more GPUs
 _CANDIDATE_CACHE = 8
+# Rungs of free cores at which a node's most free memory and % are kept (`bound_mem_at`,
+# `bound_pct_at`): rung 0 = the cards that still compute, rung r >= 1 = the cards with at
+# least 10 * r cores free.
+_RUNGS = 11
+
+
+def cores_rung(cores: int) -> int:
+    """The rung whose cards include every card with `cores` free cores (0: still computing)."""
+    return min(cores // 10, _RUNGS - 1) if cores >= 10 else 0
+
+
+def rungs_of(
+    memory: list[int], percentage: list[int], cores: list[int], computing: list[bool]
+) -> tuple[list[int], list[int]]:
+    """Per rung, the most free memory and the most free % among a row's cards on that rung
+    (-1: none). A card with c >= 1 cores free still computes, so each rung's cards include the
+    next rung's."""
+    most_memory, most_percentage = [-1] * _RUNGS, [-1] * _RUNGS
+    for free, share, left, computes in zip(memory, percentage, cores, computing, strict=True):
+        if computes:  # on its own top rung first, then carried down to the lower ones
+            top = cores_rung(left)
+            if free > most_memory[top]:
+                most_memory[top] = free
+            if share > most_percentage[top]:
+                most_percentage[top] = share
+    for rung in range(_RUNGS - 2, -1, -1):
+        if most_memory[rung + 1] > most_memory[rung]:
+            most_memory[rung] = most_memory[rung + 1]
+        if most_percentage[rung + 1] > most_percentage[rung]:
+            most_percentage[rung] = most_percentage[rung + 1]
+    return most_memory, most_percentage
 
 
 @dataclass
@@ -137,17 +168,17 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
 def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
     """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
     necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
-    the order of those `_mask` passes is unchanged. Each bound is taken at its largest over the
-    containers."""
+    the order of those `_mask` passes is unchanged. The memory bound is read per container at
+    its cores (`bound_mem_at`: the most free memory among the cards that also have those
+    cores), and so is its %; the others are taken at their largest over the containers."""
     gpus = max((n.gpus for n in needs), default=0)
     possible = columns["free_gpus"] >= max(gpus, 0)
     carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
-    memory = max((n.memory_mib for n in carded), default=0)
-    if memory > 0:
-        possible &= columns["bound_mem"] >= memory
-    percentage = max((n.memory_percentage for n in carded), default=0)
-    if percentage > 0:
-        possible &= columns["bound_pct"] >= percentage
+    for need in carded:
+        rung = cores_rung(need.cores)
+        possible &= columns["bound_mem_at"][rung] >= need.memory_mib
+        if need.memory_percentage > 0:
+            possible &= columns["bound_pct_at"][rung] >= need.memory_percentage
     cores = max((n.cores for n in carded), default=0)
     if cores > 0:
         possible &= columns["bound_cores"] >= cores
@@ -168,7 +199,7 @@ class _Columns:
     decision then patches the rows written since the last one, instead of gathering and
     sorting every candidate again (O(changed rows), not O(candidates))."""
 
-    NAMES = ("scores", "busy", "free_gpus", "bound_mem", "bound_pct", "bound_cores",
+    NAMES = ("scores", "busy", "free_gpus", "bound_mem_at", "bound_pct_at", "bound_cores",
              "bound_computing", "bound_idle")  # fmt: skip
 
     def __init__(self, slots: np.ndarray) -> None:
@@ -193,7 +224,10 @@ class _Columns:
         if not few or not where:
             before = self.arrays.get("scores")
             slots = self.slots
-            self.arrays = {name: getattr(index, name)[slots] for name in self.NAMES}
+            # (a 2-D bound is gathered node-minor, as the index keeps it: one rung's row is
+            # compared over every candidate at once)
+            self.arrays = {name: np.ascontiguousarray(getattr(index, name)[..., slots])
+                           for name in self.NAMES}  # fmt: skip
             if before is None:
                 self.orders.clear()
             else:
@@ -210,7 +244,7 @@ class _Columns:
                     if score != scores[position]:
                         changed.append(position)
                     for name, column in arrays.items():
-                        column[position] = getattr(index, name)[slot]
+                        column[..., position] = getattr(index, name)[..., slot]
             self._changed(changed)
         self.seen = fresh
         return self
@@ -876,18 +910,29 @@ class ClusterIndex:
     # implies bounds a node must reach (`_possible`): a cheap gather over every candidate
     # rules out the nodes that are full for this pod before anything is ordered or checked
     # card by card (binpack puts the fullest nodes first, and most of them are full).
-    _BOUNDS = (("bound_mem", np.int64), ("bound_pct", np.int32), ("bound_cores", np.int32),
-               ("bound_computing", np.int16), ("bound_idle", np.int16))  # fmt: skip
-    bound_mem = bound_pct = bound_cores = bound_computing = bound_idle = np.zeros(0, np.int16)
+    _BOUNDS = (("bound_cores", np.int32), ("bound_computing", np.int16),
+               ("bound_idle", np.int16))  # fmt: skip
+    bound_cores = bound_computing = bound_idle = np.zeros(0, np.int16)
+    # Per rung of free cores (`cores_rung`) and node: the most free memory (and %) among the
+    # node's usable cards on that rung. A card with much memory but no cores left and one with cores
+    # but little memory no longer make a node look like it could take a container asking both.
+    # (Rung-major: a decision compares one rung's row over every candidate.)
+    bound_mem_at = np.zeros((_RUNGS, 0), np.int64)
+    bound_pct_at = np.zeros((_RUNGS, 0), np.int16)
 
     def _grow_bounds(self) -> None:
         """As many rows as the other arrays (a row never written: -1, as its other arrays)."""
         capacity = len(self.free_gpus)
-        if len(self.bound_mem) < capacity:
+        if self.bound_mem_at.shape[1] < capacity:
             for name, dtype in self._BOUNDS:
                 old = getattr(self, name)
                 new = np.full(capacity, -1, dtype=dtype)
                 new[: len(old)] = old
+                setattr(self, name, new)
+            for name in ("bound_mem_at", "bound_pct_at"):
+                old = getattr(self, name)
+                new = np.full((_RUNGS, capacity), -1, dtype=old.dtype)
+                new[:, : old.shape[1]] = old
                 setattr(self, name, new)
 
     def _columns(self, slots: np.ndarray) -> _Columns:
@@ -906,8 +951,9 @@ class ClusterIndex:
         self._column_cache.log([row[0] for row in rows])
         if len(rows) == 1:
             slot, _free, mem, pct, cores, computing, idle, _score, _busy = rows[0]
-            self.bound_mem[slot] = max(mem, default=-1)
-            self.bound_pct[slot] = max(pct, default=-1)
+            self.bound_mem_at[:, slot], self.bound_pct_at[:, slot] = rungs_of(
+                mem, pct, cores, computing
+            )
             self.bound_cores[slot] = max(cores, default=-1)
             self.bound_computing[slot] = sum(computing)
             self.bound_idle[slot] = sum(idle)
@@ -921,14 +967,22 @@ class ClusterIndex:
         # negative; the padding's -1 is not one of its cards), -1 for a row without cards.
         cards = np.arange(self.card_mem.shape[1]) < lengths[:, None]
         empty = lengths == 0
-        for name, values in (("bound_mem", self.card_mem), ("bound_pct", self.card_pct),
-                             ("bound_cores", self.card_cores)):  # fmt: skip
+        for name, values in (("bound_cores", self.card_cores),):
             values = values[slots]
             bound = np.where(cards, values, np.iinfo(values.dtype).min).max(axis=1)
             bound[empty] = -1
             getattr(self, name)[slots] = bound
-        self.bound_computing[slots] = np.count_nonzero(self.card_computing[slots], axis=1)
+        computing = self.card_computing[slots] & cards
+        self.bound_computing[slots] = np.count_nonzero(computing, axis=1)
         self.bound_idle[slots] = np.count_nonzero(self.card_idle[slots], axis=1)
+        # rungs_of, vectorised: a card is on the rungs up to its own (none if it no
+        # longer computes); -1 where no card is.
+        memory, percentage = self.card_mem[slots], self.card_pct[slots]
+        top = np.where(computing, np.clip(self.card_cores[slots] // 10, 0, _RUNGS - 1), -1)
+        for rung in range(_RUNGS):
+            on = top >= rung
+            self.bound_mem_at[rung, slots] = np.where(on, memory, -1).max(axis=1, initial=-1)
+            self.bound_pct_at[rung, slots] = np.where(on, percentage, -1).max(axis=1, initial=-1)
 
     def pod_uid(self, namespace: str, name: str) -> str | None:
         """The uid of the pod with an active allocation under that name, if any."""

@@ -56,10 +56,10 @@ def view(index: ClusterIndex) -> tuple:
     entry = index.entries["n1"]
     slot = entry.slot
     cards = [(c.uuid, c.used_mem, c.used_cores, c.used_slots, c.cordoned) for c in entry.cards]
-    arrays = [*ClusterIndex._ARRAYS, "bound_mem", "bound_pct", "bound_cores", "bound_computing",
-              "bound_idle"]  # fmt: skip
+    arrays = [*ClusterIndex._ARRAYS, "bound_mem_at", "bound_pct_at", "bound_cores",
+              "bound_computing", "bound_idle"]  # fmt: skip
     index._grow_bounds()
-    rows = tuple(getattr(index, a)[slot].tolist() for a in arrays)
+    rows = tuple(getattr(index, a)[..., slot].tolist() for a in arrays)
     return cards, entry.score, entry.reserved_until, rows, sorted(index.sweepable)
 
 
