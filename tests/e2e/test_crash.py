@@ -218,9 +218,12 @@ def test_all_pods_running_after_the_last_restart(burst: BurstOutcome) -> None:
         waiting: dict[str, int] = defaultdict(int)
         for pod in burst.pods:
             if pod["status"].get("phase") != "Running":
-                conditions = pod["status"].get("conditions") or [{}]
-                bound = "bound" if pod["spec"].get("nodeName") else "unbound"
-                waiting[f"{bound}: {conditions[-1].get('message', '')[:90]}"] += 1
+                status = pod["status"]
+                conditions = status.get("conditions") or [{}]
+                node = pod["spec"].get("nodeName") or "unbound"
+                # A Failed pod carries kubelet's reason on the status itself, not a condition.
+                why = status.get("message") or conditions[-1].get("message", "")
+                waiting[f"{status.get('phase')} on {node}: {why[:200]}"] += 1
         pytest.fail(f"not all Running {WAIT_S:.0f} s after the last restart: {dict(waiting)}; "
                     f"ledgers: {describe_ledgers(burst.ledgers)}")
     settled = burst.converged_s - max(burst.created_s, 0.0)
