@@ -23,12 +23,15 @@ clean-clone suites (load 4.8-13.8): all passed; after the later event 0.6 / 0.7 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,6 +82,20 @@ def describe_ledgers(ledgers: dict[str, NodeLedger]) -> dict[str, Any]:
     return out
 
 
+def admission_errors(kube_sim_log: Path) -> list[str]:
+    """Why kubelets kept retrying admission (kube-sim logs each distinct error of a pod once):
+    each error with how many pods met it and over how long, so a stalled node's cause is in the
+    failure's message even when the stack's logs are gone."""
+    seen: dict[str, list[float]] = defaultdict(list)
+    for line in kube_sim_log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if entry.get("msg") == "pod admission failed, retrying":
+                seen[str(entry.get("error", ""))[:200]].append(float(entry.get("ts", 0)))
+    return [f"{len(stamps)} pods over {max(stamps) - min(stamps):.1f} s: {error}"
+            for error, stamps in sorted(seen.items(), key=lambda kv: -len(kv[1]))]
+
+
 @dataclass
 class BurstOutcome:
     namespace: str
@@ -88,6 +105,7 @@ class BurstOutcome:
     converged_s: float | None  # seconds after the last restart until all Running; None: never
     created_s: float
     create_errors: list[str]
+    admission_retries: list[str]  # when not converged: why kubelets kept retrying admission
 
     def running(self) -> list[dict[str, Any]]:
         return [p for p in self.pods if p["status"].get("phase") == "Running"]
@@ -142,15 +160,16 @@ def run_burst(sim: RunningStack, namespace: str) -> BurstOutcome:
         return len(pods) == PODS and all(p["status"].get("phase") == "Running" for p in pods)
 
     converged_s: float | None = None
+    stalled: list[str] = []
     try:
         kube.wait_for(f"all {PODS} pods Running", all_running, WAIT_S, 0.25, progress=True)
         converged_s = time.monotonic() - last_restart
     except AssertionError:
-        pass
+        stalled = admission_errors(stack.state_dir / "logs" / "kube-sim.log")
     admitted = {e["uid"]: e for node in NODES for e in kube.containers(node.name)}
     return BurstOutcome(
         namespace, kube.pods(namespace), asyncio.run(read_ledgers(stack.nats_settings())),
-        admitted, converged_s, created_s, errors,
+        admitted, converged_s, created_s, errors, stalled,
     )
 
 
@@ -225,7 +244,8 @@ def test_all_pods_running_after_the_last_restart(burst: BurstOutcome) -> None:
                 why = status.get("message") or conditions[-1].get("message", "")
                 waiting[f"{status.get('phase')} on {node}: {why[:200]}"] += 1
         pytest.fail(f"not all Running {WAIT_S:.0f} s after the last restart: {dict(waiting)}; "
-                    f"ledgers: {describe_ledgers(burst.ledgers)}")
+                    f"ledgers: {describe_ledgers(burst.ledgers)}; kubelets retried admission: "
+                    f"{burst.admission_retries}")
     settled = burst.converged_s - max(burst.created_s, 0.0)
     # First the figure the target is about: from the later of the last restart and the last
     # pod's creation (on a loaded machine the burst is still being created after the restart).
