@@ -540,13 +540,20 @@ async def test_node_annotations_and_events(
     assert apiserver.calls("POST", "/api/v1/namespaces/default/events")
 
 
+def three_pods_in_pages_of_two_whose_token_expires(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> KubernetesCluster:
+    """Three pods listed two a page; the second page's continue token answers 410 once."""
+    for name in ("p0", "p1", "p2"):
+        apiserver.add_pod(make_pod(name))
+    apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
+    return make_cluster(page_size=2)
+
+
 async def test_list_restarts_when_its_continue_token_expires(
     apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
 ) -> None:
-    for name in ("p0", "p1", "p2"):
-        apiserver.add_pod(make_pod(name))
-    cluster = make_cluster(page_size=2)
-    apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
+    cluster = three_pods_in_pages_of_two_whose_token_expires(apiserver, make_cluster)
     pods = await cluster.list_pods()
     assert sorted(p["metadata"]["name"] for p in pods) == ["p0", "p1", "p2"]  # no duplicates
     pages = [r.query.get("continue") for r in apiserver.calls("GET", "/api/v1/pods")]
@@ -556,10 +563,7 @@ async def test_list_restarts_when_its_continue_token_expires(
 async def test_slim_list_restarted_after_an_expired_token_counts_each_pod_once(
     apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
 ) -> None:
-    for name in ("p0", "p1", "p2"):
-        apiserver.add_pod(make_pod(name))
-    cluster = make_cluster(page_size=2)
-    apiserver.faults.append(Fault("GET", "/api/v1/pods", 410, with_query="continue"))
+    cluster = three_pods_in_pages_of_two_whose_token_expires(apiserver, make_cluster)
     listed = await cluster.list_pods_slim(lambda uids, _s: [uid == "uid-p2" for uid in uids])
     assert [p["metadata"]["name"] for p in listed.pods] == ["p2"] and listed.skipped == 2
 
