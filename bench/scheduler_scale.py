@@ -22,7 +22,9 @@ allocation of that KV (80,000 at 5,000 nodes, HAMi's annotations, as the API ser
 answer), so the rebuild from pods before ready reads them as in a real restart (through the
 slim listing, `tessera.cluster.slim_pods`, as the Kubernetes adapter reads a page;
 `BENCH_PODS_SLIM=0`: the whole file decoded with `json.load`, as before it); without it the
-bench's cluster lists no pod.
+bench's cluster lists no pod. `BENCH_RESTART_WATCH=1` (with it): the scheduler's pod watch also
+lists them (decoded in full and replayed as ADDED events, as the Kubernetes adapter's watch
+starts; the bench's watch otherwise lists nothing): what a real restart pays besides.
 `BENCH_JSON=path` also writes the raw figures. The "before" columns come from
 `scheduler_scale_before.json` (the same script run on the code before the Scale work; its commit
 and load are recorded in it).
@@ -153,6 +155,18 @@ if _os.environ.get("BENCH_PODS_FILE"):
                 with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
                     reader = SlimReader(need)
                     return Listed(reader.take(decode_pods(listed.read())), reader.skipped)
+        if _os.environ.get("BENCH_RESTART_WATCH") == "1":  # the pod watch lists them too
+            async def watch_pods(self, namespace=None, node_name=None):
+                import asyncio, json
+                from tessera.cluster.port import WatchEvent
+                def read():
+                    with open(_os.environ["BENCH_PODS_FILE"], "rb") as listed:
+                        return json.load(listed)
+                for item in await asyncio.to_thread(read):  # as the adapter's list replays
+                    item.setdefault("kind", "Pod")
+                    item.setdefault("apiVersion", "v1")
+                    yield WatchEvent(type="ADDED", object=item)
+                await asyncio.Event().wait()
 """
 
 

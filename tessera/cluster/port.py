@@ -7,10 +7,10 @@ Services talk to the cluster only through this interface. Objects are plain Kube
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from tessera.cluster.slim_pods import Listed, Need
@@ -19,15 +19,56 @@ KubeObject = dict[str, Any]
 WatchEventType = Literal["ADDED", "MODIFIED", "DELETED"]
 
 
-class WatchEvent(BaseModel):
-    """One change seen by a watch. A (re)list is replayed as ADDED events."""
+_WATCH_EVENT_TYPES = frozenset(("ADDED", "MODIFIED", "DELETED"))
 
-    type: WatchEventType
-    object: KubeObject
+
+class WatchEvent:
+    """One change seen by a watch. A (re)list is replayed as ADDED events.
+
+    A plain class with the checks and the copy of the pydantic model it was: `type` one of
+    `WatchEventType`, `object` a mapping with string keys (else ValueError, as pydantic's
+    ValidationError is), held as a shallow copy (a new dict, its values shared); equal when
+    type and object are. A restart's pod watch replays every pod of the cluster through one
+    (80,000 at 5,000 nodes × 8 GPUs) while the scheduler starts: ~4 µs each validated by
+    pydantic, ~2 here."""
+
+    __slots__ = ("object", "type")
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the model was
+
+    def __init__(self, *, type: WatchEventType, object: KubeObject) -> None:
+        if type not in _WATCH_EVENT_TYPES:
+            raise ValueError(f"watch event type must be one of {sorted(_WATCH_EVENT_TYPES)}, "
+                             f"not {type!r}")  # fmt: skip
+        if _type(object) is dict:
+            copied = object.copy()
+        elif isinstance(object, Mapping):
+            copied = dict(object)
+        else:
+            raise ValueError(f"watch event object must be a mapping, not {_type(object).__name__}")
+        try:
+            "".join(copied)  # every key a str, checked in C
+        except TypeError:
+            raise ValueError("watch event object keys must be strings") from None
+        self.type: WatchEventType = type
+        self.object: KubeObject = copied
+
+    def __eq__(self, other: object) -> bool:
+        if _type(other) is not WatchEvent:
+            return NotImplemented
+        return self.type == other.type and self.object == other.object  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"WatchEvent(type={self.type!r}, object={self.object!r})"
+
+
+_type = type
 
 
 class ObjectRef(BaseModel):
     """What an Event is about (core/v1 ObjectReference, the fields we use)."""
+
+    # Its validator is built when the first event is recorded, not at every service's import.
+    model_config = ConfigDict(defer_build=True)
 
     kind: str = "Pod"
     namespace: str = ""
