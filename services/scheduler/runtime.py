@@ -448,10 +448,15 @@ class SchedulerService:
             self._release_soon(node, uid, "pod deleted")
         elif phase in _FINISHED_PHASES:
             self._release_soon(node, uid, f"pod {phase.lower()}")
-        elif init_containers_succeeded(pod):
+        else:
+            # The allocation first, read as the index holds it (no model built): only one still
+            # waiting for its init containers asks the pod. A restart's watch replays every
+            # running pod through here.
             entry = self.index.entries.get(node)
-            allocation = entry.ledger.allocations.get(uid) if entry and entry.ledger else None
-            if allocation is not None and allocation.init_count and not allocation.init_done:
+            view = entry.view if entry is not None else None
+            held = view.allocations.get(uid) if view is not None else None
+            if (held is not None and held.init_count and not held.init_done
+                    and init_containers_succeeded(pod)):  # fmt: skip
                 result = await self.scheduler.ledger.set_init_done(node, uid)
                 if result is not None:
                     self.index.set_ledger(node, result.value, result.revision, self.clock())

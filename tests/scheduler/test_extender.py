@@ -230,6 +230,38 @@ async def test_init_containers_done_shrinks_usage(
     assert (await ledger(buckets, name)).allocations[spec["metadata"]["uid"]].init_done
 
 
+async def test_init_containers_done_after_a_restart(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    """A replica started after the bind holds the allocation as read at start-up (not built into
+    a model): the pod's init containers finishing still marks it and shrinks the usage."""
+    first = await make_service()
+    name = await setup_node(buckets, first, node(unique("n"), gpus=1, memory_mib=10 * GIB))
+    spec = cluster.add_pod(
+        pod(container("app", mem=3 * GIB), init=[container("init", mem=8 * GIB)])
+    )
+    async with http_client(first) as client:
+        await filter_call(client, spec, [name])
+        assert await bind_call(client, spec, name) == ""
+    uid = spec["metadata"]["uid"]
+    await agent_allocate(buckets, name, uid)
+    await first.stop()
+    second = await make_service()
+    await second.wait_ready()
+    assert second.index.node(name).cards[0].used_mem == 8 * GIB
+    assert type(second.index.entries[name].view).__name__ == "LedgerWire"  # as read
+    running = cluster.pods[("default", spec["metadata"]["name"])]
+    running["status"] = {
+        "phase": "Running",
+        "initContainerStatuses": [
+            {"name": "init", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+        ],
+    }
+    cluster.update_pod(running)
+    await wait_until(lambda: second.index.node(name).cards[0].used_mem == 3 * GIB)
+    assert (await ledger(buckets, name)).allocations[uid].init_done
+
+
 async def test_quota_refusal_and_timeout_are_clear(
     make_service: MakeService, buckets: Buckets, nc: Any, cluster: InMemoryCluster
 ) -> None:
