@@ -31,6 +31,7 @@ from .cards import (
     counts_against_capacity,
     hold_grants,
     node_score,
+    recharged,
 )
 from .node_usage import NodeUsage
 from .wire_fast import LedgerWire, RegistrationWire
@@ -96,6 +97,9 @@ class NodeEntry:
     _card_usage: tuple[Sequence[dict[str, list[int]]], frozenset[str]] = field(
         default=((), frozenset()), repr=False
     )
+    # (devices, cordon, cards) of the last cards `cards` built: the next are copied from them
+    # (`recharged`) while the devices list and the cordon are the same.
+    _built: tuple[Any, frozenset[str], list[Card]] | None = field(default=None, repr=False)
     # The devices list of the RegistrationWire `registered` was built from: its heartbeats
     # (which carry that list) re-date the built model instead of replacing it.
     _built_from: list[Any] | None = field(default=None, repr=False)
@@ -127,11 +131,17 @@ class NodeEntry:
         """The GPUs with what the ledger's pods and HAMi's pods hold (as of the row)."""
         cards = self._cards
         if cards is None:
-            if self.registered is None:
+            registered = self.registered
+            if registered is None:
                 cards = []
             else:
                 usages, cordon = self._card_usage
-                cards = cards_with_usage(self.registered, usages, cordon)  # type: ignore[arg-type]
+                devices, built = registered.devices, self._built
+                if built is not None and built[0] is devices and built[1] == cordon:
+                    cards = recharged(built[2], usages)
+                else:
+                    cards = cards_with_usage(registered, usages, cordon)  # type: ignore[arg-type]
+                self._built = (devices, cordon, cards)
             self._cards = cards
         return cards
 
