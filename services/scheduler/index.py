@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -175,29 +176,37 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return total
 
 
-def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
+def _possible(
+    columns: dict[str, np.ndarray], needs: list[Need], at: np.ndarray | None = None
+) -> np.ndarray:
     """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
     necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
     the order of those `_mask` passes is unchanged. The memory bound is read per container at
     its cores (`bound_mem_at`: the most free memory among the cards that also have those
-    cores), and so is its %; the others are taken at their largest over the containers."""
+    cores), and so is its %; the others are taken at their largest over the containers.
+    `at`: only these positions (in that order); None: every candidate."""
+
+    def column(name: str, rung: int | None = None) -> np.ndarray:
+        values = columns[name] if rung is None else columns[name][rung]
+        return values if at is None else values[at]
+
     gpus = max((n.gpus for n in needs), default=0)
-    possible = columns["free_gpus"] >= max(gpus, 0)
+    possible = column("free_gpus") >= max(gpus, 0)
     carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
     for need in carded:
         rung = cores_rung(need.cores)
-        possible &= columns["bound_mem_at"][rung] >= need.memory_mib
+        possible &= column("bound_mem_at", rung) >= need.memory_mib
         if need.memory_percentage > 0:
-            possible &= columns["bound_pct_at"][rung] >= need.memory_percentage
+            possible &= column("bound_pct_at", rung) >= need.memory_percentage
     cores = max((n.cores for n in carded), default=0)
     if cores > 0:
-        possible &= columns["bound_cores"] >= cores
+        possible &= column("bound_cores") >= cores
     computing = max((n.gpus for n in carded if not n.cores), default=0)
     if computing > 0:
-        possible &= columns["bound_computing"] >= computing
+        possible &= column("bound_computing") >= computing
     idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
     if idle > 0:
-        possible &= columns["bound_idle"] >= idle
+        possible &= column("bound_idle") >= idle
     return possible
 
 
@@ -324,7 +333,8 @@ class _Ordering:
         self.checked = 0  # candidates checked against the per-card summaries so far
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
         self._head: list[int] = []  # positions of a walked head not checked yet
-        self._pending = walk(self.snapshot, self.busy, _possible(columns.arrays, needs))
+        # (the bounds are read where the walk gets to, when it gets there: the head's first)
+        self._pending = walk(self.snapshot, self.busy, partial(_possible, columns.arrays, needs))
 
     def advance(self) -> bool:
         """Check the next candidate of a head, or the next chunk; False when every candidate
