@@ -148,7 +148,7 @@ def walk(
             if len(found) <= HEAD:
                 found = None  # too few there: every candidate is read
         if found is not None:
-            raw = found[:HEAD].tolist()
+            first = found[:HEAD]
             kept = None  # the rest: the block's after the head, then those after the block
         else:
             if every is None:
@@ -157,10 +157,10 @@ def walk(
             if busy is not None:
                 out |= busy if not group else ~busy
             kept = perm[np.flatnonzero(~(out | dirty)[perm])]  # the group's kept ones, in order
-            raw = kept[:HEAD].tolist()
-            kept = kept[len(raw) :]
+            first = kept[:HEAD]
+            kept = kept[len(first) :]
         # The head, in Python.
-        raw_keys = perm_keys[raw].tolist()
+        raw, raw_keys = first.tolist(), perm_keys[first].tolist()
         head = list(zip(raw_keys, raw, strict=True))
         last = kept is not None and not len(kept)  # the head is the group's every kept one
         taken = len(pairs) if last else bisect_right(pairs, (raw_keys[-1], raw[-1]))
