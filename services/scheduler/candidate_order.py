@@ -145,11 +145,13 @@ def walk(
             if busy is not None:
                 ok = ok & (~busy[block] if not group else busy[block])
             found = block[ok]
-            if len(found) <= HEAD:
-                found = None  # too few there: every candidate is read
         if found is not None:
             first = found[:HEAD]
             kept = None  # the rest: the block's after the head, then those after the block
+            # The moved positions before the head's last go in the head; with fewer than HEAD in
+            # the block, those before the block's end (every kept one after it sorts after it).
+            end = int(first[-1]) if len(found) > HEAD else int(block[-1])
+            taken = bisect_right(pairs, (float(perm_keys[end]), end))
         else:
             if every is None:
                 every = possible(None)
@@ -159,11 +161,13 @@ def walk(
             kept = perm[np.flatnonzero(~(out | dirty)[perm])]  # the group's kept ones, in order
             first = kept[:HEAD]
             kept = kept[len(first) :]
+            # The head: its moved positions are those before its last, or every one when it
+            # holds the group's every kept one.
+            taken = len(pairs) if not len(kept) else bisect_right(
+                pairs, (float(perm_keys[first[-1]]), int(first[-1]))
+            )  # fmt: skip
         # The head, in Python.
-        raw, raw_keys = first.tolist(), perm_keys[first].tolist()
-        head = list(zip(raw_keys, raw, strict=True))
-        last = kept is not None and not len(kept)  # the head is the group's every kept one
-        taken = len(pairs) if last else bisect_right(pairs, (raw_keys[-1], raw[-1]))
+        head = list(zip(perm_keys[first].tolist(), first.tolist(), strict=True))
         if taken:
             head = sorted(head + pairs[:taken])
         if head:
@@ -178,6 +182,8 @@ def walk(
                 out |= busy[after] if not group else ~busy[after]
             kept = np.concatenate((found[HEAD:], after[~out]))
         if not len(kept):
+            if taken < len(pairs):  # (moved positions after the block's end, none kept there)
+                yield [position for _key, position in pairs[taken:]]
             continue
         start, total, size = 0, len(kept), CHUNK
         extra = np.array([position for _key, position in pairs], dtype=np.int64)

@@ -145,3 +145,43 @@ def test_the_head_reads_the_bounds_of_the_first_block_only() -> None:
     rest = [int(p) for chunk in pending for p in chunk]
     assert first + rest == reference(scores, "binpack", np.zeros(n, dtype=bool))
     assert read == [BLOCK + 2, n]
+
+
+def test_a_block_with_few_possible_candidates_still_spares_the_rest() -> None:
+    """Fewer than `HEAD` possible candidates in the first block: they and the moved positions
+    before the block's end are the head, read without the bounds of every candidate."""
+    n = 5000
+    scores = np.linspace(0, 30, n)
+    order = PolicyOrder(policy_sign("binpack"), scores)
+    order.changed([10, 4990])
+    scores[10], scores[4990] = 29.99, 29.0  # first, and past the first block (~166th)
+    mask = np.zeros(n, dtype=bool)
+    mask[[4999 - 3, 4999 - 60, 10, 4990, 2000, 7]] = True
+    read: list[int] = []
+
+    def possible(at: np.ndarray | None) -> np.ndarray:
+        read.append(n if at is None else len(at))
+        return mask if at is None else mask[at]
+
+    pending = walk(order.snapshot(scores), None, possible)
+    first = next(pending)
+    assert first == [10, 4999 - 3, 4999 - 60] and read == [BLOCK + 2]
+    rest = [int(p) for chunk in pending for p in chunk]
+    assert first + rest == reference(scores, "binpack", None, mask)
+
+
+@pytest.mark.parametrize("with_busy", [True, False])
+def test_moved_positions_only(with_busy: bool) -> None:
+    """No kept candidate is possible, only moved ones: all of them, in order."""
+    rng = random.Random(3)
+    n = 2000
+    scores = np.array([rng.choice([0.0, 3.0, 7.25]) for _ in range(n)], dtype=np.float64)
+    order = PolicyOrder(policy_sign("spread"), scores)
+    moved = rng.sample(range(n), 20)
+    for p in moved:
+        scores[p] = rng.choice([0.0, 3.0, 7.25, 12.0])
+    order.changed(moved)
+    mask = np.zeros(n, dtype=bool)
+    mask[moved] = True
+    busy = np.array([rng.random() < 0.3 for _ in range(n)], dtype=bool) if with_busy else None
+    assert walked(order, scores, busy, mask) == reference(scores, "spread", busy, mask)
