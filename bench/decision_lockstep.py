@@ -10,9 +10,10 @@ node's reason and is not counted), and whether both placed every pod on the same
 
     python bench/decision_lockstep.py REV_BEFORE [REV_AFTER] [bench|varied]
 
-A revision is a git revision (its `services/scheduler` is extracted to a temporary directory)
-or `worktree` (the checkout's own). Default: HEAD against the worktree, varied trace. The traces
-and cluster are `bench/scheduler.py`'s / `bench/scheduler_scale.py`'s (5,000 nodes × 8 GPUs).
+A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
+the decision includes, are extracted to a temporary directory) or `worktree` (the checkout's
+own). Default: HEAD against the worktree, varied trace. The traces and cluster are
+`bench/scheduler.py`'s / `bench/scheduler_scale.py`'s (5,000 nodes × 8 GPUs).
 Printed, not recorded.
 """
 
@@ -35,7 +36,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import scheduler as bench  # noqa: E402
 import scheduler_scale  # noqa: E402
 
-from tessera import hami  # noqa: E402
 from tessera.models import Allocation  # noqa: E402
 from tessera.settings import TesseraSettings  # noqa: E402
 
@@ -43,17 +43,29 @@ MODULES = ("decide", "index", "node_names", "rules", "gc_policy")
 
 
 def source(rev: str, into: Path) -> Path:
+    """The tree holding the revision's `services/scheduler` and `tessera/hami.py`."""
     if rev == "worktree":
-        return ROOT / "services" / "scheduler"
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "services/scheduler"],
-                             check=True, capture_output=True).stdout  # fmt: skip
+        return ROOT
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "services/scheduler", "tessera/hami.py"],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "services" / "scheduler"
+    return into
 
 
-def load(label: str, where: Path) -> dict[str, ModuleType]:
-    """The scheduler package at `where` as `tessera.sched_<label>` (its relative imports stay
-    inside it; what it imports of the shared package is shared)."""
+def load(label: str, tree: Path) -> dict[str, ModuleType]:
+    """The scheduler package of `tree` as `tessera.sched_<label>` (its relative imports stay
+    inside it; what it imports of the shared package is shared), and its `tessera/hami.py` as
+    `tessera.hami_<label>` (its pod parsing, which the decision times; its requests are read by
+    either scheduler alike)."""
+    spec = importlib.util.spec_from_file_location(f"tessera.hami_{label}",
+                                                  tree / "tessera" / "hami.py")  # fmt: skip
+    assert spec is not None and spec.loader is not None
+    parsing = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = parsing
+    spec.loader.exec_module(parsing)
+    where = tree / "services" / "scheduler"
     name = f"tessera.sched_{label}"
     spec = importlib.util.spec_from_file_location(
         name, where / "__init__.py", submodule_search_locations=[str(where)]
@@ -62,7 +74,7 @@ def load(label: str, where: Path) -> dict[str, ModuleType]:
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
-    return {m: importlib.import_module(f"{name}.{m}") for m in MODULES}
+    return {"hami": parsing, **{m: importlib.import_module(f"{name}.{m}") for m in MODULES}}
 
 
 def main() -> None:
@@ -109,7 +121,7 @@ def main() -> None:
         def decide_one(label: str, spec: dict[str, Any], pool: str | None, i: int) -> None:
             m, (index, lists) = versions[label], state[label]
             started = time.thread_time()
-            request = hami.parse_pod_request(spec, settings)
+            request = m["hami"].parse_pod_request(spec, settings)
             options = m["rules"].parse_pod_options(spec, settings)
             decision = m["decide"].decide(index, request, options, lists[pool])
             chosen = next(decision.fits(), None)

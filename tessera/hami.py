@@ -12,6 +12,8 @@ from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: the CLI reads annotations without loading pydantic
+    from collections.abc import Callable
+
     from tessera.models import DeviceGrant, DeviceInfo
     from tessera.settings import TesseraSettings
 
@@ -109,6 +111,9 @@ _SUFFIXES: dict[str, Decimal] = {
 }
 
 
+_LONGEST_FIRST = sorted(_SUFFIXES, key=len, reverse=True)
+
+
 def parse_quantity(value: object, resource: str = "quantity") -> Decimal:
     """A Kubernetes quantity ("3000", "1.5", "2Gi", "500m", 7) as an exact Decimal."""
     if isinstance(value, bool) or value is None:
@@ -123,7 +128,7 @@ def parse_quantity(value: object, resource: str = "quantity") -> Decimal:
     if not text or len(text) > 64:
         raise RequestError(f"{resource}: {value!r} is not a quantity")
     number, suffix = text, ""
-    for candidate in sorted(_SUFFIXES, key=len, reverse=True):
+    for candidate in _LONGEST_FIRST:
         if candidate and text.endswith(candidate):
             number, suffix = text[: -len(candidate)], candidate
             break
@@ -200,38 +205,83 @@ def raw_percentage(container: dict[str, Any], settings: TesseraSettings) -> Deci
     return None if value is None else parse_quantity(value, settings.resource_mem_percentage)
 
 
+def _whole(value: object, resource: Callable[[], str], *, low: int, high: int) -> int:
+    """`_as_int` (the same value, the same refusal), without a Decimal for the usual values: an
+    int, or a string of ASCII digits (as the API server writes a plain quantity)."""
+    kind = type(value)
+    if kind is int:
+        number = value
+    elif kind is str and value.isdigit() and value.isascii() and len(value) <= 64:  # type: ignore[union-attr]
+        number = int(value)  # type: ignore[arg-type]
+    else:
+        return _as_int(value, resource(), low=low, high=high)
+    if low <= number <= high:  # type: ignore[operator]
+        return number  # type: ignore[return-value]
+    return _as_int(value, resource(), low=low, high=high)  # (refuses it)
+
+
+def _resources_of(container: dict[str, Any], keys: tuple[str, ...]) -> list[object | None]:
+    """`_resources(container, key)` for each key, in order (the same values, the same refusal):
+    the container's limits and requests read once when both are maps."""
+    resources = container.get("resources") or {}
+    if type(resources) is dict:
+        limits = resources.get("limits") or {}
+        requests = resources.get("requests") or {}
+        if type(limits) is dict and type(requests) is dict:
+            values: list[object | None] = []
+            for key in keys:
+                if key in limits:
+                    value = limits[key]
+                elif key in requests:
+                    value = requests[key]
+                else:
+                    values.append(None)
+                    continue
+                if value is None:
+                    return [_resources(container, key) for key in keys]  # (refuses it)
+                values.append(value)
+            return values
+    return [_resources(container, key) for key in keys]
+
+
 def parse_container_request(
     container: dict[str, Any], settings: TesseraSettings
 ) -> ContainerRequest | None:
     """HAMi's reading of a container's GPU resources; None when it asks for no GPU."""
     name = container.get("name", "?")
-    raw_count = _resources(container, settings.resource_name)
-    raw_mem = _resources(container, settings.resource_mem)
-    raw_pct = _resources(container, settings.resource_mem_percentage)
-    raw_cores = _resources(container, settings.resource_cores)
-    raw_priority = _resources(container, settings.resource_priority)
+    raw_count, raw_mem, raw_pct, raw_cores, raw_priority = _resources_of(container, (
+        settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
+        settings.resource_cores, settings.resource_priority,
+    ))  # fmt: skip
     where = f"container {name}: "
     count = 0
     if raw_count is not None:
-        count = _as_int(raw_count, where + settings.resource_name, low=0, high=MAX_GPU_COUNT)
+        count = _whole(raw_count, lambda: where + settings.resource_name, low=0,
+                       high=MAX_GPU_COUNT)  # fmt: skip
     memory = 0
     if raw_mem is not None:
-        memory = _as_int(raw_mem, where + settings.resource_mem, low=0, high=MAX_MEMORY_MIB)
+        memory = _whole(raw_mem, lambda: where + settings.resource_mem, low=0,
+                        high=MAX_MEMORY_MIB)  # fmt: skip
         memory *= settings.memory_factor
         if memory > MAX_MEMORY_MIB:
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
     percentage: int | None = None
     if raw_pct is not None:
-        pct = parse_quantity(raw_pct, where + settings.resource_mem_percentage)
+        if type(raw_pct) is int:  # (parse_quantity's Decimal of an int is exact)
+            pct: Decimal | int = raw_pct
+        else:
+            pct = parse_quantity(raw_pct, where + settings.resource_mem_percentage)
         # HAMi: > 100 clamps to 100, <= 0 is ignored (unset is not the same as 0).
         if pct > 0:
             percentage = int(min(pct, Decimal(100)))
     cores = settings.default_cores
     if raw_cores is not None:
-        cores = min(100, _as_int(raw_cores, where + settings.resource_cores, low=0, high=10**9))
+        cores = min(100, _whole(raw_cores, lambda: where + settings.resource_cores, low=0,
+                                high=10**9))  # fmt: skip
     priority: int | None = None
     if raw_priority is not None:
-        priority = _as_int(raw_priority, where + settings.resource_priority, low=0, high=1)
+        priority = _whole(raw_priority, lambda: where + settings.resource_priority, low=0,
+                          high=1)  # fmt: skip
     if count == 0:
         if raw_mem is None and raw_pct is None and raw_cores is None:
             return None

@@ -17,13 +17,14 @@ The walk is exactly the full stable sort (`tests/scheduler/test_candidate_order.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 HEAD = 8  # candidates of the kept order read first (in Python)
 CHUNK = 64  # then this many (numpy), each later chunk GROWTH × larger
 GROWTH = 4
+BLOCK = 128  # of the kept order, where a group's head is looked for first (lists above 4x)
 
 
 def policy_sign(policy: str) -> float:
@@ -104,38 +105,87 @@ class PolicyOrder:
 
 
 def walk(
-    snapshot: tuple[np.ndarray, ...], busy: np.ndarray | None, possible: np.ndarray
+    snapshot: tuple[np.ndarray, ...], busy: np.ndarray | None,
+    possible: np.ndarray | Callable[[np.ndarray | None], np.ndarray],
 ) -> Iterator[list[int] | np.ndarray]:
     """The `possible` positions in policy order, a chunk at a time: with `busy` (by position),
     the others first and then the busy ones, each group in the policy order. Each once.
+    `possible`: a mask by position, or a function giving it at the given positions (None:
+    every position), read only where and when the walk gets there.
 
     Each group's first chunk (`HEAD` of the kept order and the moved positions before its
     last) is a Python list, merged in Python: most calls fit on one of the first nodes, and a
-    dozen numpy calls on a few elements cost more than the Python. The rest are numpy arrays.
+    dozen numpy calls on a few elements cost more than the Python. It is looked for in the
+    first `BLOCK` positions of the kept order (and the moved ones) first: only when they hold
+    too few is `possible` read for every candidate, and otherwise only once the walk goes on
+    past the head. The rest are numpy arrays.
 
     A plain function (a generator holding no reference to its caller's objects), so a decision
     that stops early leaves no reference cycle for the cyclic GC."""
+    if isinstance(possible, np.ndarray):
+        possible = _given(possible)
     perm, perm_keys, dirty, moved, moved_keys = snapshot
     moved_pairs = list(zip(moved_keys.tolist(), moved.tolist(), strict=True))  # sorted
+    every: np.ndarray | None = None  # `possible` of every position, once read
+    block = perm[:BLOCK] if len(perm) > 4 * BLOCK else None
+    if block is not None:
+        both = possible(np.concatenate((block, moved)))
+        block_ok, moved_ok = both[:BLOCK] & ~dirty[block], both[BLOCK:]
+    else:
+        every = possible(None)
+        moved_ok = every[moved]
     for group in (False, True) if busy is not None else (None,):
-        out = ~possible
+        out_moved = ~moved_ok
         if busy is not None:
-            out |= busy if not group else ~busy
-        pairs = [pair for pair, o in zip(moved_pairs, out[moved].tolist(), strict=True) if not o]
-        kept = perm[np.flatnonzero(~(out | dirty)[perm])]  # the group's kept ones, in order
-        total = len(kept)
+            out_moved |= busy[moved] if not group else ~busy[moved]
+        pairs = [pair for pair, o in zip(moved_pairs, out_moved.tolist(), strict=True) if not o]
+        found = None
+        if block is not None:
+            ok = block_ok
+            if busy is not None:
+                ok = ok & (~busy[block] if not group else busy[block])
+            found = block[ok]
+        if found is not None:
+            first = found[:HEAD]
+            kept = None  # the rest: the block's after the head, then those after the block
+            # The moved positions before the head's last go in the head; with fewer than HEAD in
+            # the block, those before the block's end (every kept one after it sorts after it).
+            end = int(first[-1]) if len(found) > HEAD else int(block[-1])
+            taken = bisect_right(pairs, (float(perm_keys[end]), end))
+        else:
+            if every is None:
+                every = possible(None)
+            out = ~every
+            if busy is not None:
+                out |= busy if not group else ~busy
+            kept = perm[np.flatnonzero(~(out | dirty)[perm])]  # the group's kept ones, in order
+            first = kept[:HEAD]
+            kept = kept[len(first) :]
+            # The head: its moved positions are those before its last, or every one when it
+            # holds the group's every kept one.
+            taken = len(pairs) if not len(kept) else bisect_right(
+                pairs, (float(perm_keys[first[-1]]), int(first[-1]))
+            )  # fmt: skip
         # The head, in Python.
-        raw = kept[:HEAD].tolist()
-        raw_keys = perm_keys[raw].tolist()
-        head = list(zip(raw_keys, raw, strict=True))
-        taken = len(pairs) if len(raw) >= total else bisect_right(pairs, (raw_keys[-1], raw[-1]))
+        head = list(zip(perm_keys[first].tolist(), first.tolist(), strict=True))
         if taken:
             head = sorted(head + pairs[:taken])
         if head:
             yield [position for _key, position in head]
-        start, size = len(raw), CHUNK
-        if start >= total:
+        if kept is None:
+            assert found is not None and block is not None
+            if every is None:
+                every = possible(None)
+            after = perm[BLOCK:]
+            out = ~every[after] | dirty[after]
+            if busy is not None:
+                out |= busy[after] if not group else ~busy[after]
+            kept = np.concatenate((found[HEAD:], after[~out]))
+        if not len(kept):
+            if taken < len(pairs):  # (moved positions after the block's end, none kept there)
+                yield [position for _key, position in pairs[taken:]]
             continue
+        start, total, size = 0, len(kept), CHUNK
         extra = np.array([position for _key, position in pairs], dtype=np.int64)
         extra_keys = np.array([key for key, _position in pairs], dtype=np.float64)
         while start < total:
@@ -144,11 +194,11 @@ def walk(
             if start >= total:
                 upto = len(extra)
             else:  # the moved positions that sort before the next chunk's first
-                last = int(chunk[-1])
-                bound = perm_keys[last]
+                last_position = int(chunk[-1])
+                bound = perm_keys[last_position]
                 low = int(np.searchsorted(extra_keys, bound, side="left"))
                 high = int(np.searchsorted(extra_keys, bound, side="right"))
-                upto = low + int(np.searchsorted(extra[low:high], last, side="right"))
+                upto = low + int(np.searchsorted(extra[low:high], last_position, side="right"))
             if upto > taken:
                 merged = np.concatenate((chunk, extra[taken:upto]))
                 merged_keys = np.concatenate((perm_keys[chunk], extra_keys[taken:upto]))
@@ -157,6 +207,13 @@ def walk(
             if len(chunk):
                 yield chunk
             size *= GROWTH
+
+
+def _given(mask: np.ndarray) -> Callable[[np.ndarray | None], np.ndarray]:
+    def at(positions: np.ndarray | None) -> np.ndarray:
+        return mask if positions is None else mask[positions]
+
+    return at
 
 
 def full_order(snapshot: tuple[np.ndarray, ...], busy: np.ndarray | None) -> np.ndarray:

@@ -194,7 +194,23 @@ def cards_with_usage(
     cordoned: frozenset[str] = frozenset(),
 ) -> list[Card]:
     """The node's GPUs charged with the given usage maps (summed)."""
-    cards = [Card.from_device(d, d.uuid in cordoned) for d in registration.devices]
+    return _charged([Card.from_device(d, d.uuid in cordoned) for d in registration.devices],
+                    usages)  # fmt: skip
+
+
+def recharged(like: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[Card]:
+    """`cards_with_usage` of the registration and cordon `like` was built from (by it or by
+    this), without reading the devices again: new cards with `like`'s static facts (a fresh
+    card's MIG holdings: none) charged with the usage maps. A node's cards are built again
+    after every change to its row; reading eight pydantic devices cost 5x copying eight cards."""
+    return _charged([
+        Card(c.uuid, c.index, c.type, c.mode, c.numa, c.healthy, c.cordoned, c.memory_mib,
+             c.cores, c.split_count, c.links, 0, 0, 0, c.mig_model, c.mig_geometries, [], 0)
+        for c in like
+    ], usages)  # fmt: skip
+
+
+def _charged(cards: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[Card]:
     by_uuid = {c.uuid: c for c in cards}
     for usage in usages:
         for uuid, (memory, cores, slots) in usage.items():

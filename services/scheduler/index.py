@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from .cards import (
     counts_against_capacity,
     hold_grants,
     node_score,
+    recharged,
 )
 from .node_usage import NodeUsage
 from .wire_fast import LedgerWire, RegistrationWire
@@ -96,6 +98,9 @@ class NodeEntry:
     _card_usage: tuple[Sequence[dict[str, list[int]]], frozenset[str]] = field(
         default=((), frozenset()), repr=False
     )
+    # (devices, cordon, cards) of the last cards `cards` built: the next are copied from them
+    # (`recharged`) while the devices list and the cordon are the same.
+    _built: tuple[Any, frozenset[str], list[Card]] | None = field(default=None, repr=False)
     # The devices list of the RegistrationWire `registered` was built from: its heartbeats
     # (which carry that list) re-date the built model instead of replacing it.
     _built_from: list[Any] | None = field(default=None, repr=False)
@@ -127,11 +132,17 @@ class NodeEntry:
         """The GPUs with what the ledger's pods and HAMi's pods hold (as of the row)."""
         cards = self._cards
         if cards is None:
-            if self.registered is None:
+            registered = self.registered
+            if registered is None:
                 cards = []
             else:
                 usages, cordon = self._card_usage
-                cards = cards_with_usage(self.registered, usages, cordon)  # type: ignore[arg-type]
+                devices, built = registered.devices, self._built
+                if built is not None and built[0] is devices and built[1] == cordon:
+                    cards = recharged(built[2], usages)
+                else:
+                    cards = cards_with_usage(registered, usages, cordon)  # type: ignore[arg-type]
+                self._built = (devices, cordon, cards)
             self._cards = cards
         return cards
 
@@ -165,29 +176,37 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return total
 
 
-def _possible(columns: dict[str, np.ndarray], needs: list[Need]) -> np.ndarray:
+def _possible(
+    columns: dict[str, np.ndarray], needs: list[Need], at: np.ndarray | None = None
+) -> np.ndarray:
     """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
     necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
     the order of those `_mask` passes is unchanged. The memory bound is read per container at
     its cores (`bound_mem_at`: the most free memory among the cards that also have those
-    cores), and so is its %; the others are taken at their largest over the containers."""
+    cores), and so is its %; the others are taken at their largest over the containers.
+    `at`: only these positions (in that order); None: every candidate."""
+
+    def column(name: str, rung: int | None = None) -> np.ndarray:
+        values = columns[name] if rung is None else columns[name][rung]
+        return values if at is None else values[at]
+
     gpus = max((n.gpus for n in needs), default=0)
-    possible = columns["free_gpus"] >= max(gpus, 0)
+    possible = column("free_gpus") >= max(gpus, 0)
     carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
     for need in carded:
         rung = cores_rung(need.cores)
-        possible &= columns["bound_mem_at"][rung] >= need.memory_mib
+        possible &= column("bound_mem_at", rung) >= need.memory_mib
         if need.memory_percentage > 0:
-            possible &= columns["bound_pct_at"][rung] >= need.memory_percentage
+            possible &= column("bound_pct_at", rung) >= need.memory_percentage
     cores = max((n.cores for n in carded), default=0)
     if cores > 0:
-        possible &= columns["bound_cores"] >= cores
+        possible &= column("bound_cores") >= cores
     computing = max((n.gpus for n in carded if not n.cores), default=0)
     if computing > 0:
-        possible &= columns["bound_computing"] >= computing
+        possible &= column("bound_computing") >= computing
     idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
     if idle > 0:
-        possible &= columns["bound_idle"] >= idle
+        possible &= column("bound_idle") >= idle
     return possible
 
 
@@ -314,7 +333,8 @@ class _Ordering:
         self.checked = 0  # candidates checked against the per-card summaries so far
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
         self._head: list[int] = []  # positions of a walked head not checked yet
-        self._pending = walk(self.snapshot, self.busy, _possible(columns.arrays, needs))
+        # (the bounds are read where the walk gets to, when it gets there: the head's first)
+        self._pending = walk(self.snapshot, self.busy, partial(_possible, columns.arrays, needs))
 
     def advance(self) -> bool:
         """Check the next candidate of a head, or the next chunk; False when every candidate

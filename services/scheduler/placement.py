@@ -28,6 +28,8 @@ from .rules import (
     PodOptions,
     card_refusal,
     mig_fit,
+    plain_applies,
+    plain_card,
     relevant_checks,
     wants_mig,
 )
@@ -139,14 +141,18 @@ def pick_cards(
     """The cards for one container, or None with the reasons counted."""
     options = ctx.options
     passing: list[Card] = []
-    local: Counter[str] = Counter()
+    local: dict[str, int] = {}
     checks = relevant_checks(request, ctx)
+    plain = plain_applies(checks, options)  # `plain_card` clears a card for all of them
     for card in cards:
+        if plain and plain_card(card, request):
+            passing.append(card)
+            continue
         reason = card_refusal(card, request, ctx, checks)
         if reason is None:
             passing.append(card)
         else:
-            local[reason] += 1
+            local[reason] = local.get(reason, 0) + 1
     count = request.count
     if len(passing) < count:
         reasons.update(local)

@@ -9,7 +9,14 @@ import random
 
 import numpy as np
 import pytest
-from tessera.scheduler.candidate_order import HEAD, PolicyOrder, full_order, policy_sign, walk
+from tessera.scheduler.candidate_order import (
+    BLOCK,
+    HEAD,
+    PolicyOrder,
+    full_order,
+    policy_sign,
+    walk,
+)
 
 
 def reference(
@@ -39,7 +46,7 @@ def order_policy(order: PolicyOrder) -> str:
 
 @pytest.mark.parametrize("policy", ["binpack", "spread"])
 @pytest.mark.parametrize("with_busy", [True, False])
-@pytest.mark.parametrize("n", [0, 1, 5, 63, 64, 65, 300, 3000])
+@pytest.mark.parametrize("n", [0, 1, 5, 63, 64, 65, 300, 513, 3000])
 def test_the_walk_is_the_full_stable_sort_while_scores_move(
     policy: str, with_busy: bool, n: int
 ) -> None:
@@ -92,3 +99,89 @@ def test_a_first_fit_reads_one_chunk() -> None:
     every = np.ones(5000, dtype=bool)
     first = next(walk(order.snapshot(scores), ~every, every))
     assert first == list(range(4999, 4999 - HEAD, -1))
+
+
+@pytest.mark.parametrize("density", [0.002, 0.02, 0.06, 0.5])
+def test_sparse_candidates_beyond_the_first_block(density: float) -> None:
+    """Few possible candidates: a head found in the first `BLOCK` of the kept order, or not (the
+    walk then reads every candidate), with the busy ones apart and moved positions merged."""
+    rng = random.Random(int(density * 1000))
+    n = 3000
+    levels = [0.0, 1.5, 3.0, 7.25, 10.0]
+    scores = np.array([rng.choice(levels) for _ in range(n)], dtype=np.float64)
+    for policy in ("binpack", "spread"):
+        order = PolicyOrder(policy_sign(policy), scores)
+        for _step in range(30):
+            busy = np.array([rng.random() < 0.1 for _ in range(n)], dtype=bool)
+            possible = np.array([rng.random() < density for _ in range(n)], dtype=bool)
+            assert walked(order, scores, busy, possible) == reference(
+                scores, policy, busy, possible
+            )
+            moved = [rng.randrange(n) for _ in range(rng.choice([1, 5, 30]))]
+            for p in moved:
+                scores[p] = rng.choice(levels)
+            order.changed(moved)
+
+
+def test_the_head_reads_the_bounds_of_the_first_block_only() -> None:
+    """A call that fits on one of the first candidates reads the bounds of the first `BLOCK` of
+    the kept order and of the moved positions, not of every candidate; the rest when the walk
+    goes on past the head."""
+    n = 5000
+    scores = np.linspace(0, 30, n)
+    order = PolicyOrder(policy_sign("binpack"), scores)
+    order.changed([10, 20])
+    scores[10], scores[20] = 31.0, 0.5
+    read: list[int] = []
+
+    def possible(at: np.ndarray | None) -> np.ndarray:
+        read.append(n if at is None else len(at))
+        return np.ones(n if at is None else len(at), dtype=bool)
+
+    pending = walk(order.snapshot(scores), np.zeros(n, dtype=bool), possible)
+    first = next(pending)
+    assert first[0] == 10 and len(first) == HEAD + 1  # the moved 10 merged in
+    assert read == [BLOCK + 2]
+    rest = [int(p) for chunk in pending for p in chunk]
+    assert first + rest == reference(scores, "binpack", np.zeros(n, dtype=bool))
+    assert read == [BLOCK + 2, n]
+
+
+def test_a_block_with_few_possible_candidates_still_spares_the_rest() -> None:
+    """Fewer than `HEAD` possible candidates in the first block: they and the moved positions
+    before the block's end are the head, read without the bounds of every candidate."""
+    n = 5000
+    scores = np.linspace(0, 30, n)
+    order = PolicyOrder(policy_sign("binpack"), scores)
+    order.changed([10, 4990])
+    scores[10], scores[4990] = 29.99, 29.0  # first, and past the first block (~166th)
+    mask = np.zeros(n, dtype=bool)
+    mask[[4999 - 3, 4999 - 60, 10, 4990, 2000, 7]] = True
+    read: list[int] = []
+
+    def possible(at: np.ndarray | None) -> np.ndarray:
+        read.append(n if at is None else len(at))
+        return mask if at is None else mask[at]
+
+    pending = walk(order.snapshot(scores), None, possible)
+    first = next(pending)
+    assert first == [10, 4999 - 3, 4999 - 60] and read == [BLOCK + 2]
+    rest = [int(p) for chunk in pending for p in chunk]
+    assert first + rest == reference(scores, "binpack", None, mask)
+
+
+@pytest.mark.parametrize("with_busy", [True, False])
+def test_moved_positions_only(with_busy: bool) -> None:
+    """No kept candidate is possible, only moved ones: all of them, in order."""
+    rng = random.Random(3)
+    n = 2000
+    scores = np.array([rng.choice([0.0, 3.0, 7.25]) for _ in range(n)], dtype=np.float64)
+    order = PolicyOrder(policy_sign("spread"), scores)
+    moved = rng.sample(range(n), 20)
+    for p in moved:
+        scores[p] = rng.choice([0.0, 3.0, 7.25, 12.0])
+    order.changed(moved)
+    mask = np.zeros(n, dtype=bool)
+    mask[moved] = True
+    busy = np.array([rng.random() < 0.3 for _ in range(n)], dtype=bool) if with_busy else None
+    assert walked(order, scores, busy, mask) == reference(scores, "spread", busy, mask)
