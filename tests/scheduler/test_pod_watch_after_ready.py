@@ -138,3 +138,19 @@ async def test_no_preemption_starts_before_the_pod_watch_has_listed(
     service.scheduler.preemption.attempts.clear()
     again = await service.scheduler.filter(urgent, [name])
     assert "waiting for preemption of" in again.failed[name]
+
+
+async def test_the_listing_is_replayed_in_slices_while_the_scheduler_serves(
+    make_service: MakeService, cluster: InMemoryCluster
+) -> None:
+    held = hold_pod_watch(cluster)
+    service = await make_service()
+    for _ in range(1200):
+        cluster.add_pod(pod(container(mem=1000), name=unique("p")))
+    held.release.set()
+    partial = 0  # loop turns in which the replay had begun and not ended
+    while not service.pods_listed.is_set():
+        partial += bool(service.gate.known)
+        await asyncio.sleep(0)
+    assert partial >= 2  # other tasks ran between its slices (of 500)
+    assert len(service.gate.known) >= 1200
