@@ -156,7 +156,7 @@ if _os.environ.get("BENCH_PODS_FILE"):
                     reader = SlimReader(need)
                     return Listed(reader.take(decode_pods(listed.read())), reader.skipped)
         if _os.environ.get("BENCH_RESTART_WATCH") == "1":  # the pod watch lists them too
-            async def watch_pods(self, namespace=None, node_name=None):
+            async def watch_pods_marked(self, namespace=None, node_name=None):
                 import asyncio, json
                 from tessera.cluster.port import WatchEvent
                 def read():
@@ -166,7 +166,13 @@ if _os.environ.get("BENCH_PODS_FILE"):
                     item.setdefault("kind", "Pod")
                     item.setdefault("apiVersion", "v1")
                     yield WatchEvent(type="ADDED", object=item)
+                yield None  # the listing is replayed (the adapter's mark)
                 await asyncio.Event().wait()
+
+            async def watch_pods(self, namespace=None, node_name=None):
+                async for event in self.watch_pods_marked(namespace, node_name):
+                    if event is not None:
+                        yield event
 """
 
 

@@ -23,6 +23,7 @@ this module does the I/O around them:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -156,6 +157,7 @@ class Nomination:
     victims: list[str]
     victim_uids: list[str]
     deadline: float
+    priority_seen: bool = True  # False: adopted before the pod watch told its priority
 
 
 @dataclass
@@ -179,10 +181,19 @@ class Preemptor:
     view: tuple[tuple[int, ...], ClusterView] | None = None
     priority_map: dict[str, int] | None = None
     last_full_scan: float = 0.0
+    # Set once the pod watch has replayed its first listing (runtime.py); until then `pods` is
+    # not every pod of the cluster. None: no watch says otherwise (the pods are taken as known).
+    pods_listed: asyncio.Event | None = None
 
     @property
     def index(self) -> ClusterIndex:
         return self.ledger.index
+
+    @property
+    def listed(self) -> bool:
+        """Is `pods` the cluster's pods (a pod missing from it gone)? Not before the pod watch
+        has replayed its first listing, which a restart lets run once it serves."""
+        return self.pods_listed is None or self.pods_listed.is_set()
 
     # --- what the watches tell it -----------------------------------------------------------
 
@@ -335,9 +346,14 @@ class Preemptor:
             if marked_victims(ledger, uid, now):
                 continue
             held = ledger.allocations.get(uid) if ledger else None
+            facts = self.pods.get(uid)
+            if not nomination.priority_seen and facts is not None:
+                nomination.priority, nomination.priority_seen = facts.priority, True
             if held is not None and held.active and now < nomination.deadline:
                 await self._hand_over(nomination.node, uid, now)
                 self._done(uid, "placed", "the victims' GPU memory is free")
+            elif now < nomination.deadline and not self.listed:
+                continue  # the pod may exist, not seen yet: decided once the watch has listed
             elif now < nomination.deadline and uid not in self.pods:
                 self._done(uid, "pod-deleted", "the pod was deleted")
             else:
@@ -362,7 +378,7 @@ class Preemptor:
             self.started[uid] = Nomination(
                 node, nominee.namespace, nominee.name, facts.priority if facts else 0,
                 [f"{v.namespace}/{v.name}" for v in victims], [v.pod_uid for v in victims],
-                max(v.preempted_until or 0.0 for v in victims),
+                max(v.preempted_until or 0.0 for v in victims), priority_seen=facts is not None,
             )  # fmt: skip
 
     async def _hand_over(self, node: str, uid: str, now: float) -> None:
@@ -412,6 +428,8 @@ class Preemptor:
         """Called when the pod fits none of `names`. Returns the sentence for its refusal when a
         preemption is under way (or started now), None when preemption cannot help."""
         if not self.config.preemption or self.cluster is None:
+            return None
+        if not self.listed:  # victims and budgets are chosen among pods the watch has seen
             return None
         ident = PodIdentity.of(pod)
         if not ident.uid or not may_preempt(pod):

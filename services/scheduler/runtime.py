@@ -22,7 +22,7 @@ from nats.micro.service import Service
 
 from tessera import bus
 from tessera.bus import Buckets, BusKeeper
-from tessera.cluster.port import ClusterPort, WatchEvent
+from tessera.cluster.port import ClusterPort, WatchEvent, watch_pods_listed
 from tessera.codec import CodecError, decode, encode
 from tessera.models import (
     AllocationState,
@@ -53,6 +53,9 @@ from .registration_codec import RegistrationCodec
 from .validation import LedgerGuard, cluster_rebuild
 from .wire_fast import RegistrationWire
 
+# Pod events handled between two yields to the loop: a listing is replayed in one go otherwise
+# (80,000 pods: ~1.5 s during which no filter is answered); 500 take ~10 ms.
+_REPLAY_SLICE = 500
 log = logging.getLogger("tessera.scheduler")
 SERVICE_VERSION = "0.1.0"
 _FINISHED_PHASES = ("Succeeded", "Failed")
@@ -106,6 +109,9 @@ class SchedulerService:
         self.scheduler.pod_filter.pod_check = self.gate.check_identity
         self.nodes_synced = asyncio.Event()
         self.ledger_synced = asyncio.Event()  # set after the sync *and* the rebuild from pods
+        # The pod watch has replayed its first listing (it starts once ready: _watch_pods).
+        self.pods_listed = asyncio.Event()
+        self.scheduler.preemption.pods_listed = self.pods_listed
         self.stopping = asyncio.Event()
         self.rebuilder = (
             LedgerRebuilder(
@@ -427,9 +433,25 @@ class SchedulerService:
                 self.scheduler.quotas[key] = value
 
     async def _watch_pods(self) -> None:
+        """Started once ready: its first listing (every pod of the cluster, replayed through
+        `on_pod_event`: ~1.5 CPU s at 80,000 pods) runs while the scheduler serves instead of
+        before. Meanwhile the gate looks each pod up (`get_pod`), releases and init marks wait
+        for it, and preemption neither starts nor ends a nomination on pod facts it lacks
+        (`pods_listed`). What ready guarantees is unchanged: the ledger was listed and rebuilt
+        from the pods before (`_rebuild_from_pods`)."""
         assert self.cluster is not None
-        async for event in self.cluster.watch_pods():
-            await self.on_pod_event(event)
+        await asyncio.gather(self.nodes_synced.wait(), self.ledger_synced.wait())
+        events = watch_pods_listed(self.cluster)
+        count = 0
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if event is None:
+                    self.pods_listed.set()
+                    continue
+                await self.on_pod_event(event)
+                count += 1
+                if count % _REPLAY_SLICE == 0:  # a listing's replay lets filters in meanwhile
+                    await asyncio.sleep(0)
 
     async def on_pod_event(self, event: WatchEvent) -> None:
         self.gate.observe(event)

@@ -436,6 +436,15 @@ class KubernetesCluster:
             self._pods_path(namespace), self._pod_selector(node_name), "Pod"
         )
 
+    def watch_pods_marked(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> AsyncIterator[WatchEvent | None]:
+        """`watch_pods`, with None yielded after the ADDED events of each (re)list: from then
+        on what it replayed is the cluster's pods (port.watch_pods_listed)."""
+        return self._list_then_watch_marked(
+            self._pods_path(namespace), self._pod_selector(node_name), "Pod"
+        )
+
     # --- preemption: eviction, nomination, disruption budgets ---------------------------------
 
     async def evict_pod(
@@ -627,6 +636,16 @@ class KubernetesCluster:
     async def _list_then_watch(
         self, path: str, field_selector: str | None, kind: str
     ) -> AsyncIterator[WatchEvent]:
+        events = self._list_then_watch_marked(path, field_selector, kind)
+        async with aclosing(events):
+            async for event in events:
+                if event is not None:
+                    yield event
+
+    async def _list_then_watch_marked(
+        self, path: str, field_selector: str | None, kind: str
+    ) -> AsyncIterator[WatchEvent | None]:
+        """List then watch; None after each (re)list's events (the listing is replayed)."""
         known: dict[str, KubeObject] = {}
         resource_version: str | None = None
         failures = 0
@@ -639,6 +658,7 @@ class KubernetesCluster:
                 known = current
                 for item in items:
                     yield WatchEvent(type="ADDED", object=item)
+                yield None
             try:
                 stream = self._watch_stream(path, field_selector, resource_version)
                 async with aclosing(stream):

@@ -7,6 +7,7 @@ conflict, merge patches with None delete keys, watches list first and then strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import uuid
 from collections.abc import AsyncIterator
@@ -134,12 +135,23 @@ class InMemoryCluster:
     async def watch_pods(
         self, namespace: str | None = None, node_name: str | None = None
     ) -> AsyncIterator[WatchEvent]:
+        events = self.watch_pods_marked(namespace, node_name)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if event is not None:
+                    yield event
+
+    async def watch_pods_marked(
+        self, namespace: str | None = None, node_name: str | None = None
+    ) -> AsyncIterator[WatchEvent | None]:
+        """`watch_pods`, with None yielded once the listing is replayed (as the adapter)."""
         queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
         self._pod_watchers.append(queue)
         try:
             for pod in list(self.pods.values()):
                 if _matches(pod, namespace, node_name):
                     yield WatchEvent(type="ADDED", object=copy.deepcopy(pod))
+            yield None
             while True:
                 event = await queue.get()
                 if _matches(event.object, namespace, node_name):

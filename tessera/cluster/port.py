@@ -8,6 +8,7 @@ Services talk to the cluster only through this interface. Objects are plain Kube
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
@@ -198,6 +199,27 @@ class ClusterPort(Protocol):
     async def list_disruption_budgets(self, namespace: str | None = None) -> list[KubeObject]:
         """PodDisruptionBudgets (policy/v1), with their status (`disruptionsAllowed`)."""
         ...
+
+
+def watch_pods_listed(cluster: ClusterPort) -> AsyncIterator[WatchEvent | None]:
+    """The cluster's pod watch with the end of its listing marked: None once the ADDED events of
+    the first listing (and of each relist) have been yielded, so the caller knows its view of
+    the pods is complete, and that a pod it has not seen does not exist. The adapter and the
+    in-memory cluster mark it (`watch_pods_marked`); a stand-in with only `watch_pods` gives
+    None first (taken as listed at once, as every caller assumed before the mark existed)."""
+    marked = getattr(cluster, "watch_pods_marked", None)
+    if marked is not None:
+        events: AsyncIterator[WatchEvent | None] = marked()
+        return events
+    return _listed_at_once(cluster)
+
+
+async def _listed_at_once(cluster: ClusterPort) -> AsyncIterator[WatchEvent | None]:
+    yield None
+    events = cluster.watch_pods()
+    async with aclosing(events):
+        async for event in events:
+            yield event
 
 
 WebhookKind = Literal["mutating", "validating"]

@@ -685,6 +685,34 @@ async def test_watch_lists_then_streams_and_relists_after_410_gone(
     await events.aclose()
 
 
+async def test_marked_pod_watch_says_when_each_listing_is_replayed(
+    apiserver: FakeApiServer, cluster: KubernetesCluster
+) -> None:
+    apiserver.add_pod(make_pod("a"))
+    apiserver.add_pod(make_pod("b"))
+    modified = make_pod("a")
+    modified["metadata"]["resourceVersion"] = "150"
+    apiserver.watch_scripts.append([watch_event("MODIFIED", modified), GONE])
+    apiserver.watch_scripts.append([watch_event("MODIFIED", make_pod("c"))])
+
+    events = cluster.watch_pods_marked(namespace="team-a")
+
+    async def marked(count: int) -> list[tuple[str, str] | None]:
+        seen: list[tuple[str, str] | None] = []
+        for _ in range(count):
+            event = await asyncio.wait_for(anext(events), 5)
+            seen.append(None if event is None else (event.type, event.object["metadata"]["name"]))
+        return seen
+
+    assert await marked(4) == [("ADDED", "a"), ("ADDED", "b"), None, ("MODIFIED", "a")]
+    with apiserver.lock:
+        del apiserver.pods[("team-a", "b")]
+    apiserver.add_pod(make_pod("c"))
+    assert await marked(5) == [("DELETED", "b"), ("ADDED", "a"), ("ADDED", "c"), None,
+                               ("MODIFIED", "c")]  # fmt: skip
+    await events.aclose()
+
+
 async def test_watch_resumes_from_last_version_and_relists_on_http_410(
     apiserver: FakeApiServer, cluster: KubernetesCluster
 ) -> None:
