@@ -32,10 +32,10 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from tessera.kube_sim.podresources import (
@@ -55,6 +55,7 @@ from tessera.kubeapi import (
 )
 
 log = logging.getLogger("tessera.kube_sim.kubelet")
+T = TypeVar("T")
 RPC_TIMEOUT_S = 10.0
 # kubelet gives a freshly registered plugin this long to accept the connection.
 DIAL_TIMEOUT_S = 10.0
@@ -390,7 +391,7 @@ class SimKubelet:
             )
         chosen = reused + available[: count - len(reused)]
         if len(reused) < count and plugin.preferred_allocation:
-            reply = await plugin.stub.GetPreferredAllocation(
+            reply = await unless_channel_closed(plugin.stub.GetPreferredAllocation(
                 dp.PreferredAllocationRequest(container_requests=[
                     dp.ContainerPreferredAllocationRequest(
                         available_deviceIDs=reused + available,
@@ -399,17 +400,17 @@ class SimKubelet:
                     )
                 ]),
                 timeout=RPC_TIMEOUT_S,
-            )
+            ))
             preferred = list(reply.container_responses[0].deviceIDs)
             if (len(preferred) == count and set(reused) <= set(preferred)
                     and set(preferred) <= set(available) | set(reused)):
                 chosen = preferred
-        reply = await plugin.stub.Allocate(
+        reply = await unless_channel_closed(plugin.stub.Allocate(
             dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(
                 devices_ids=chosen
             )]),
             timeout=RPC_TIMEOUT_S,
-        )
+        ))
         response = reply.container_responses[0]
         entry.device_ids = list(chosen)
         entry.envs = dict(response.envs)
@@ -427,11 +428,11 @@ class SimKubelet:
             plugin = self.plugins.get(entry.resource) if entry.resource else None
             if plugin is not None and entry.device_ids and plugin.pre_start_required:
                 try:
-                    await plugin.stub.PreStartContainer(
+                    await unless_channel_closed(plugin.stub.PreStartContainer(
                         dp.PreStartContainerRequest(devices_ids=entry.device_ids),
                         timeout=PRE_START_TIMEOUT_S,
-                    )
-                except grpc.aio.AioRpcError as exc:
+                    ))
+                except (AdmissionError, grpc.aio.AioRpcError) as exc:
                     entry.error = _message(exc)
                     admission.error = f"container {entry.name} failed to start: {entry.error}"
                     return admission
@@ -449,6 +450,23 @@ class SimKubelet:
 
 class AdmissionError(Exception):
     """kubelet refuses the pod (UnexpectedAdmissionError in a real cluster)."""
+
+
+async def unless_channel_closed(call: Awaitable[T]) -> T:
+    """Await a plugin RPC. grpc.aio ends a call whose channel is closed under it (the plugin
+    registered again, so its old connection is closed) with CancelledError in the caller,
+    though the caller's task is not being cancelled: that is a failed RPC, which the
+    admission retries on the new connection, not a reason to stop admitting pods."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise  # this task is being cancelled (kube-sim stopping): let it end
+        raise AdmissionError(
+            "UNAVAILABLE: the device plugin's connection was closed during the call "
+            "(the plugin registered again)"
+        ) from None
 
 
 def _message(exc: Exception) -> str:

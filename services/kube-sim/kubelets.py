@@ -211,6 +211,13 @@ class NodeKubelet:
             pod = await self._queue.get()
             try:
                 await self._admit(pod)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # kube-sim stopping
+                # Something awaited inside was cancelled, not this loop: the node's admissions
+                # must go on (a dead loop leaves every later pod of the node Pending forever).
+                log.exception("pod admission cancelled", extra={"pod": pod["metadata"]["name"]})
             except Exception:
                 log.exception("pod admission crashed", extra={"pod": pod["metadata"]["name"]})
 

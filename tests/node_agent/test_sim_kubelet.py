@@ -51,11 +51,13 @@ async def serve_plugin(socket_dir: Path, plugin: FakePlugin) -> grpc.aio.Server:
     return server
 
 
-async def register(kubelet: SimKubelet) -> None:
+async def register(kubelet: SimKubelet, pre_start_required: bool = False) -> None:
     async with grpc.aio.insecure_channel(f"unix://{kubelet.socket_path}") as channel:
         await dp_grpc.RegistrationStub(channel).Register(
-            dp.RegisterRequest(version=DEVICE_PLUGIN_VERSION, endpoint="late.sock",
-                               resource_name=RESOURCE),
+            dp.RegisterRequest(
+                version=DEVICE_PLUGIN_VERSION, endpoint="late.sock", resource_name=RESOURCE,
+                options=dp.DevicePluginOptions(pre_start_required=pre_start_required),
+            ),
             timeout=5,
         )
 
@@ -125,3 +127,50 @@ async def test_plugin_that_never_serves_leaves_its_resource_unusable(short_dir):
         await asyncio.wait_for(dialling, 5)  # gave up dialling after dial_timeout_s
         refused = await kubelet.allocate_pod(pod("c", {RESOURCE: "1"}))
         assert not refused.ok and RESOURCE in refused.error
+
+
+class StallingPlugin(FakePlugin):
+    """Its first PreStartContainer never answers (an agent that dies mid-call); later ones do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre_starts = 0
+        self.first_pre_start = asyncio.Event()
+
+    async def PreStartContainer(self, request, context):
+        self.pre_starts += 1
+        if self.pre_starts == 1:
+            self.first_pre_start.set()
+            await self.stop.wait()
+        return dp.PreStartContainerResponse()
+
+
+async def test_plugin_registering_again_during_a_call_fails_the_call_not_the_kubelet(short_dir):
+    """kube-sim closes a plugin's old connection when it registers again; grpc.aio then ends a
+    call still in flight on it with CancelledError in the caller. That must be a failed RPC,
+    retried on the new connection, as kubelet's sync loop goes on: before, it escaped the
+    admission loop and left every later pod of the node Pending (tests/e2e/test_crash.py, once
+    in ~30 runs under load)."""
+    async with running_kubelet(short_dir) as kubelet:
+        plugin = StallingPlugin()
+        server = await serve_plugin(kubelet.socket_dir, plugin)
+        try:
+            await register(kubelet, pre_start_required=True)
+            await kubelet.wait_registered(RESOURCE, timeout=5)
+            admission = await kubelet.allocate_pod(pod("a", {RESOURCE: "1"}))
+            assert admission.ok, admission.error
+            starting = asyncio.create_task(kubelet.start_pod(admission))
+            await asyncio.wait_for(plugin.first_pre_start.wait(), 5)
+            await register(kubelet, pre_start_required=True)  # the old channel is closed
+            failed = await asyncio.wait_for(starting, 5)
+            assert not failed.ok and "registered again" in failed.error
+            assert not failed.containers[0].started
+            # kubelet retries the start (same device IDs) on the new connection.
+            await kubelet.wait_registered(RESOURCE, after=1, timeout=5)
+            admission.error = admission.containers[0].error = ""  # as kubelets.py retries
+            retried = await kubelet.start_pod(admission)
+            assert retried.ok, retried.error
+            assert retried.containers[0].started and plugin.pre_starts == 2
+        finally:
+            plugin.stop.set()
+            await server.stop(grace=None)
