@@ -12,11 +12,12 @@ import datetime
 import logging
 import random
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -28,6 +29,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
 
@@ -279,6 +281,47 @@ class Buckets:
     ledger: KeyValue
     quota: KeyValue
     quota_charges: KeyValue
+
+
+# NATS away for a moment (the server restarting, JetStream not serving yet): worth retrying.
+# nats.errors.TimeoutError is a TimeoutError.
+_BUS_AWAY: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+    ServiceUnavailableError,
+)
+_Result = TypeVar("_Result")
+
+
+async def while_bus_away(
+    what: str,
+    step: Callable[[], Awaitable[_Result]],
+    *,
+    attempts: int = 60,
+    max_backoff_s: float = 2.0,
+) -> _Result:
+    """Run a start-up step that needs NATS to answer, retrying with backoff while NATS is away
+    (a timeout, no responders, JetStream unavailable), for about as long as the first connect
+    is retried (`connect`); any other error (a permission, a bad config) is raised at once. A
+    service started just as NATS restarts must wait for it, not exit: nothing restarts it in
+    the local stack, and Kubernetes would only after a CrashLoopBackOff delay."""
+    backoff = 0.1
+    for attempt in range(1, attempts + 1):
+        try:
+            return await step()
+        except _BUS_AWAY as exc:
+            if attempt == attempts:
+                raise
+            log.warning("bus not answering at start, retrying", extra={
+                "step": what, "attempt": attempt, "err": f"{type(exc).__name__}: {exc}",
+            })  # fmt: skip
+            await asyncio.sleep(backoff)
+            backoff = min(max_backoff_s, backoff * 2)
+    raise RuntimeError("unreachable")
 
 
 async def ensure_bus(js: JetStreamContext, settings: TesseraSettings) -> Buckets:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from tessera.bus import Buckets, BusKeeper, connect, ensure_bus
+from tessera.bus import Buckets, BusKeeper, connect, ensure_bus, while_bus_away
 from tessera.clock import ServerClock
 from tessera.health import serve_health
 from tessera.logging import configure_logging
@@ -80,7 +80,7 @@ async def serve(
     log = logging.getLogger(f"tessera.{name}")
     nc = await connect(nats_settings, name=f"tessera-{name}")
     js = nc.jetstream()
-    buckets = await ensure_bus(js, settings)
+    buckets = await while_bus_away("ensure the bus", lambda: ensure_bus(js, settings))
     keeper = BusKeeper(js, settings)
     await keeper.check()  # remembers the streams this service starts on, so a loss shows
     skew = settings.clock_skew_s

@@ -21,6 +21,7 @@ from tessera.bus import (
     subject_token,
     token_name,
     watch_models,
+    while_bus_away,
 )
 from tessera.codec import encode
 from tessera.models import AllocationEvent, DeviceInfo, NodeLedger, NodeRegistration, QuotaState
@@ -234,3 +235,38 @@ async def test_bus_keeper_recreates_lost_buckets_and_says_so(fresh_nats: Embedde
         assert keeper.ready and keeper.generation == 1  # same store: nothing lost, no bump
     finally:
         await nc.close()
+
+
+async def test_start_up_waits_for_a_restarting_server_instead_of_failing(
+    fresh_nats: EmbeddedNats,
+) -> None:
+    """A service connected just before NATS went away creates its buckets once NATS is back
+    (before, `ensure_bus` raised its timeout and the service exited: a node agent restarted
+    beside a NATS restart stayed dead, its pods Pending)."""
+    client = await connect(NatsSettings(NATS_URL=fresh_nats.url), name="start-up")
+    try:
+        fresh_nats.kill()
+        starting = asyncio.create_task(while_bus_away(
+            "ensure the bus", lambda: ensure_bus(client.jetstream(), TesseraSettings())
+        ))
+        await asyncio.sleep(1.0)
+        assert not starting.done()  # waiting, not failed
+        fresh_nats.start()
+        buckets = await asyncio.wait_for(starting, 60)
+        await cas_update(buckets.ledger, "n1", NodeLedger, lambda _: NodeLedger(node="n1"))
+        assert (await read(buckets.ledger, "n1", NodeLedger)).value.node == "n1"
+    finally:
+        await client.close()
+
+
+async def test_start_up_step_failing_for_another_reason_is_not_retried() -> None:
+    calls = 0
+
+    async def refused() -> None:
+        nonlocal calls
+        calls += 1
+        raise PermissionError("nats: permissions violation")
+
+    with pytest.raises(PermissionError):
+        await while_bus_away("refused step", refused)
+    assert calls == 1
