@@ -7,10 +7,13 @@
     admission.ok, admission.containers[0].envs, admission.containers[0].mounts
     await kubelet.restart()                    # deletes every socket in socket_dir, like kubelet
 
-On Register it dials the plugin's endpoint at once (retrying for up to `DIAL_TIMEOUT_S`, so
-a plugin may register just before it serves) and keeps the device list its ListAndWatch stream
-reports; when that stream ends, the resource's devices turn Unhealthy until the plugin
-registers again, as in kubelet.
+Register is answered as kubelet's device-plugin server answers it: the plugin's endpoint is
+dialled before Register returns (retrying for up to `DIAL_TIMEOUT_S`, so a plugin may register
+just before it serves; an endpoint that never accepts fails the Register call); a plugin already
+connected on the same socket is left as it is (a no-op, "client already connected"), one on
+another socket is refused. Then it keeps the device list the ListAndWatch stream reports; when
+that stream ends, the connection is dropped and the resource's devices turn Unhealthy until the
+plugin registers again, as in kubelet.
 
 It follows kubelet's order: on admission, one Allocate per container that requests a
 device resource (init containers first), reusing an init container's devices for the
@@ -121,6 +124,11 @@ class PluginConnection:
     streaming: bool = False
     task: asyncio.Task[None] | None = None
 
+    @property
+    def connected(self) -> bool:
+        """kubelet still holds this client (its ListAndWatch has not ended)."""
+        return self.task is not None and not self.task.done()
+
     def healthy(self) -> list[str]:
         return [i for i, d in self.devices.items() if d.health == HEALTHY]
 
@@ -154,7 +162,11 @@ class _Registration(dp_grpc.RegistrationServicer):
             )
         if not request.resource_name or not request.endpoint or "/" in request.endpoint:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad resource name or endpoint")
-        await self.kubelet._connect(request)
+        try:
+            await self.kubelet._connect(request)
+        except RegistrationError as exc:
+            # kubelet returns a plain Go error here, which gRPC sends as UNKNOWN.
+            await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
         return dp.Empty()
 
 
@@ -171,8 +183,10 @@ class SimKubelet:
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         rng: random.Random | None = None,
         lists_admitting: bool = True,
+        node: str = "",
     ) -> None:
         self.socket_dir = Path(socket_dir)
+        self.node = node  # named in the log lines, so a stalled node's plugin history shows
         self.lists_admitting = lists_admitting
         # Resources this node expects a device plugin for (the node's extended resources):
         # a pod asking for one is refused while no plugin serves it. Any resource a plugin
@@ -186,6 +200,7 @@ class SimKubelet:
         self.registrations: list[tuple[str, str, float]] = []
         self._on_change = on_change
         self._changed = asyncio.Condition()
+        self._registering = asyncio.Lock()
         self._server: grpc.aio.Server | None = None
         self._pr_server = PodResourcesServer(
             pod_resources_socket, PodResourcesService(self.pod_resources, self._allocatable)
@@ -236,24 +251,50 @@ class SimKubelet:
     # --- plugins --------------------------------------------------------------------------------
 
     async def _connect(self, request: dp.RegisterRequest) -> None:
-        old = self.plugins.pop(request.resource_name, None)
-        if old is not None:
-            await self._close(old)
-        channel = grpc.aio.insecure_channel(
-            f"unix://{self.socket_dir / request.endpoint}", options=_CHANNEL_OPTIONS
-        )
-        plugin = PluginConnection(
-            resource=request.resource_name,
-            endpoint=request.endpoint,
-            pre_start_required=request.options.pre_start_required,
-            preferred_allocation=request.options.get_preferred_allocation_available,
-            channel=channel,
-            stub=dp_grpc.DevicePluginStub(channel),
-        )
-        plugin.task = asyncio.create_task(self._watch(plugin))
-        self.plugins[request.resource_name] = plugin
-        self.registrations.append((request.resource_name, request.endpoint, time.monotonic()))
-        log.info("plugin registered", extra={"resource": request.resource_name})
+        """kubelet's connectClient: dial before answering, keep a live client as it is."""
+        async with self._registering:
+            current = self.plugins.get(request.resource_name)
+            if current is not None and current.connected:
+                if current.endpoint != request.endpoint:
+                    raise RegistrationError(
+                        f"the device plugin {request.resource_name} already registered with a "
+                        f"different socket path {current.endpoint}"
+                    )
+                log.info("client already connected with the same socket path",
+                         extra={"node": self.node, "resource": request.resource_name,
+                                "endpoint": request.endpoint})
+                return
+            channel = grpc.aio.insecure_channel(
+                f"unix://{self.socket_dir / request.endpoint}", options=_CHANNEL_OPTIONS
+            )
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self.dial_timeout_s)
+            except TimeoutError:
+                await channel.close()
+                log.warning("device plugin never accepted the connection",
+                            extra={"node": self.node, "resource": request.resource_name,
+                                   "endpoint": request.endpoint,
+                                   "timeout_s": self.dial_timeout_s})
+                raise RegistrationError(
+                    f"failed to dial device plugin {request.resource_name} at "
+                    f"{request.endpoint}: context deadline exceeded"
+                ) from None
+            if current is not None:  # its stream had ended: replaced by the new client
+                self.plugins.pop(request.resource_name, None)
+                await self._close(current)
+            plugin = PluginConnection(
+                resource=request.resource_name,
+                endpoint=request.endpoint,
+                pre_start_required=request.options.pre_start_required,
+                preferred_allocation=request.options.get_preferred_allocation_available,
+                channel=channel,
+                stub=dp_grpc.DevicePluginStub(channel),
+            )
+            plugin.task = asyncio.create_task(self._watch(plugin))
+            self.plugins[request.resource_name] = plugin
+            self.registrations.append((request.resource_name, request.endpoint, time.monotonic()))
+            log.info("plugin registered",
+                     extra={"node": self.node, "resource": request.resource_name})
         await self._notify()
 
     async def _close(self, plugin: PluginConnection) -> None:
@@ -264,22 +305,18 @@ class SimKubelet:
         await plugin.channel.close()
 
     async def _watch(self, plugin: PluginConnection) -> None:
-        """Dial the plugin (it may register just before it serves), then follow ListAndWatch
-        until it ends; from then on its devices are Unhealthy until it registers again."""
+        """Follow ListAndWatch until it ends; from then on the client is dropped and its
+        devices are Unhealthy until the plugin registers again."""
         try:
-            await asyncio.wait_for(plugin.channel.channel_ready(), self.dial_timeout_s)
             async for response in plugin.stub.ListAndWatch(dp.Empty()):
                 plugin.devices = {d.ID: d for d in response.devices}
                 plugin.updates += 1
                 plugin.streaming = True
                 await self._notify()
-            log.info("ListAndWatch ended by the plugin", extra={"resource": plugin.resource})
-        except TimeoutError:
-            log.warning("device plugin never accepted the connection",
-                        extra={"resource": plugin.resource, "endpoint": plugin.endpoint,
-                               "timeout_s": self.dial_timeout_s})
+            log.info("ListAndWatch ended by the plugin",
+                     extra={"node": self.node, "resource": plugin.resource})
         except grpc.aio.AioRpcError as exc:
-            log.info("ListAndWatch ended", extra={"resource": plugin.resource,
+            log.info("ListAndWatch ended", extra={"node": self.node, "resource": plugin.resource,
                                                   "err": exc.details()})
         finally:
             plugin.streaming = False
@@ -452,9 +489,14 @@ class AdmissionError(Exception):
     """kubelet refuses the pod (UnexpectedAdmissionError in a real cluster)."""
 
 
+class RegistrationError(Exception):
+    """kubelet refuses a Register call (the plugin is expected to register again)."""
+
+
 async def unless_channel_closed(call: Awaitable[T]) -> T:
-    """Await a plugin RPC. grpc.aio ends a call whose channel is closed under it (the plugin
-    registered again, so its old connection is closed) with CancelledError in the caller,
+    """Await a plugin RPC. grpc.aio ends a call whose channel is closed under it (kubelet
+    restarted, or the plugin's stream ended and it registered again, so its old connection is
+    closed) with CancelledError in the caller,
     though the caller's task is not being cancelled: that is a failed RPC, which the
     admission retries on the new connection, not a reason to stop admitting pods."""
     try:
@@ -465,7 +507,7 @@ async def unless_channel_closed(call: Awaitable[T]) -> T:
             raise  # this task is being cancelled (kube-sim stopping): let it end
         raise AdmissionError(
             "UNAVAILABLE: the device plugin's connection was closed during the call "
-            "(the plugin registered again)"
+            "(kubelet restarted or the plugin registered again)"
         ) from None
 
 

@@ -122,6 +122,7 @@ class NodeKubelet:
             root / node / "pod-resources" / "kubelet.sock",
             on_change=self._plugins_changed,
             device_resources=gpu_resources,
+            node=node,
         )
         self.admissions: dict[str, PodAdmission] = {}  # by pod uid
         self._queue: asyncio.Queue[KubeObject] = asyncio.Queue()

@@ -895,8 +895,44 @@ def socket_inode(path: Path) -> int | None:
         return None
 
 
+class ListAndWatchStreams(grpc.aio.ServerInterceptor):
+    """Counts kubelet's ListAndWatch streams open on our socket: kubelet holds one for as long
+    as it holds our client, so none open well after registering means kubelet dropped us."""
+
+    METHOD = "/v1beta1.DevicePlugin/ListAndWatch"
+
+    def __init__(self) -> None:
+        self.open = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or handler_call_details.method != self.METHOD
+                or handler.unary_stream is None):
+            return handler
+        stream = handler.unary_stream
+
+        async def counted(request, context):
+            self.open += 1
+            try:
+                async for response in stream(request, context):
+                    yield response
+            finally:
+                self.open -= 1
+
+        return grpc.unary_stream_rpc_method_handler(
+            counted, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
 class PluginEndpoint:
-    """Our socket in kubelet's device-plugin directory, and the registration with kubelet."""
+    """Our socket in kubelet's device-plugin directory, and the registration with kubelet.
+
+    Registered but no ListAndWatch stream open for `stream_grace_s` means kubelet does not hold
+    our client (it dropped it after answering Register: it still held the previous agent's
+    connection, which it then saw end; or its dial of our socket failed), so we register again:
+    harmless where kubelet still holds us (a no-op), and otherwise the node's devices would stay
+    Unhealthy to kubelet until the next kubelet restart."""
 
     def __init__(
         self,
@@ -906,6 +942,7 @@ class PluginEndpoint:
         log: logging.Logger,
         socket_name: str = "tessera-gpu.sock",
         poll_s: float = 0.25,
+        stream_grace_s: float = 3.0,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.socket_path = self.plugin_dir / socket_name
@@ -913,8 +950,11 @@ class PluginEndpoint:
         self.service = service
         self.log = log
         self.poll_s = poll_s
+        self.stream_grace_s = stream_grace_s
         self.registrations = 0
+        self.streams = ListAndWatchStreams()
         self._server: grpc.aio.Server | None = None
+        self._streamless_since: float | None = None
         self._own_inode: int | None = None
         self._kubelet_inode: int | None = None
         self._registered = False
@@ -928,7 +968,7 @@ class PluginEndpoint:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(interceptors=[self.streams], options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ])  # fmt: skip
         dp_grpc.add_DevicePluginServicer_to_server(self.service, server)
@@ -958,6 +998,7 @@ class PluginEndpoint:
             self.log.warning("kubelet registration failed", extra={"err": exc.details()})
             return False
         self.registrations += 1
+        self._streamless_since = time.monotonic()
         self.log.info("registered with kubelet", extra={
             "resource": self.resource_name, "endpoint": self.socket_path.name,
         })
@@ -979,8 +1020,22 @@ class PluginEndpoint:
         if kubelet != self._kubelet_inode:
             self._kubelet_inode = kubelet
             self._registered = False
+        if self._registered and self._dropped_by_kubelet():
+            self.log.warning("kubelet holds no ListAndWatch stream of ours; registering again",
+                             extra={"resource": self.resource_name,
+                                    "after_s": self.stream_grace_s})
+            self._registered = False
         if not self._registered and kubelet is not None:
             self._registered = await self._register()
+
+    def _dropped_by_kubelet(self) -> bool:
+        if self.streams.open:
+            self._streamless_since = None
+            return False
+        now = time.monotonic()
+        if self._streamless_since is None:
+            self._streamless_since = now
+        return now - self._streamless_since >= self.stream_grace_s
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()

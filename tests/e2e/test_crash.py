@@ -96,6 +96,27 @@ def admission_errors(kube_sim_log: Path) -> list[str]:
             for error, stamps in sorted(seen.items(), key=lambda kv: -len(kv[1]))]
 
 
+PLUGIN_EVENTS = ("plugin registered", "ListAndWatch ended", "ListAndWatch ended by the plugin",
+                 "device plugin never accepted the connection",
+                 "client already connected with the same socket path")
+
+
+def plugin_history(kube_sim_log: Path) -> dict[str, list[str]]:
+    """Each node's device-plugin connections as its kubelet saw them (seconds into the log),
+    so a node whose devices stayed Unhealthy shows whether and when its agent registered."""
+    history: dict[str, list[str]] = defaultdict(list)
+    start: float | None = None
+    for line in kube_sim_log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            ts = float(entry.get("ts", 0))
+            start = ts if start is None else start
+            if entry.get("msg") in PLUGIN_EVENTS:
+                history[str(entry.get("node", "?"))].append(
+                    f"{ts - start:.1f}s {entry['msg']} {entry.get('err', '')}".rstrip())
+    return dict(history)
+
+
 @dataclass
 class BurstOutcome:
     namespace: str
@@ -106,6 +127,8 @@ class BurstOutcome:
     created_s: float
     create_errors: list[str]
     admission_retries: list[str]  # when not converged: why kubelets kept retrying admission
+    plugin_events: dict[str, list[str]]  # when not converged: each node's plugin connections
+    exited: list[str]  # services whose process had ended when the wait ended
 
     def running(self) -> list[dict[str, Any]]:
         return [p for p in self.pods if p["status"].get("phase") == "Running"]
@@ -161,15 +184,18 @@ def run_burst(sim: RunningStack, namespace: str) -> BurstOutcome:
 
     converged_s: float | None = None
     stalled: list[str] = []
+    plugins: dict[str, list[str]] = {}
     try:
         kube.wait_for(f"all {PODS} pods Running", all_running, WAIT_S, 0.25, progress=True)
         converged_s = time.monotonic() - last_restart
     except AssertionError:
         stalled = admission_errors(stack.state_dir / "logs" / "kube-sim.log")
+        plugins = plugin_history(stack.state_dir / "logs" / "kube-sim.log")
+    exited = [r.spec.name for r in stack.running if r.proc.poll() is not None]
     admitted = {e["uid"]: e for node in NODES for e in kube.containers(node.name)}
     return BurstOutcome(
         namespace, kube.pods(namespace), asyncio.run(read_ledgers(stack.nats_settings())),
-        admitted, converged_s, created_s, errors, stalled,
+        admitted, converged_s, created_s, errors, stalled, plugins, exited,
     )
 
 
@@ -245,7 +271,8 @@ def test_all_pods_running_after_the_last_restart(burst: BurstOutcome) -> None:
                 waiting[f"{status.get('phase')} on {node}: {why[:200]}"] += 1
         pytest.fail(f"not all Running {WAIT_S:.0f} s after the last restart: {dict(waiting)}; "
                     f"ledgers: {describe_ledgers(burst.ledgers)}; kubelets retried admission: "
-                    f"{burst.admission_retries}")
+                    f"{burst.admission_retries}; device plugins as kubelets saw them: "
+                    f"{burst.plugin_events}; services exited: {burst.exited}")
     settled = burst.converged_s - max(burst.created_s, 0.0)
     # First the figure the target is about: from the later of the last restart and the last
     # pod's creation (on a loaded machine the burst is still being created after the restart).

@@ -1,8 +1,10 @@
 """The kubelet stand-in behaves like kubelet towards device plugins and pods.
 
 A plugin that registers a moment before it serves still gets its devices used (kubelet dials
-on Register and retries briefly); when its stream ends the devices stop being handed out; a
-pod asking for a device resource no plugin registered gets kubelet's admission error.
+before answering Register and retries briefly; one that never serves has its Register fail);
+registering again while connected changes nothing, as kubelet's connectClient; when the stream
+ends the devices stop being handed out until the plugin registers again; a pod asking for a
+device resource no plugin registered gets kubelet's admission error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from tessera.kube_sim.kubelet import SimKubelet
 
 from tessera.kubeapi import DEVICE_PLUGIN_VERSION, HEALTHY, UNHEALTHY, dp, dp_grpc
@@ -43,19 +46,23 @@ class FakePlugin(dp_grpc.DevicePluginServicer):
         ])
 
 
-async def serve_plugin(socket_dir: Path, plugin: FakePlugin) -> grpc.aio.Server:
+async def serve_plugin(
+    socket_dir: Path, plugin: FakePlugin, socket_name: str = "late.sock"
+) -> grpc.aio.Server:
     server = grpc.aio.server()
     dp_grpc.add_DevicePluginServicer_to_server(plugin, server)
-    server.add_insecure_port(f"unix://{socket_dir / 'late.sock'}")
+    server.add_insecure_port(f"unix://{socket_dir / socket_name}")
     await server.start()
     return server
 
 
-async def register(kubelet: SimKubelet, pre_start_required: bool = False) -> None:
+async def register(
+    kubelet: SimKubelet, pre_start_required: bool = False, endpoint: str = "late.sock"
+) -> None:
     async with grpc.aio.insecure_channel(f"unix://{kubelet.socket_path}") as channel:
         await dp_grpc.RegistrationStub(channel).Register(
             dp.RegisterRequest(
-                version=DEVICE_PLUGIN_VERSION, endpoint="late.sock", resource_name=RESOURCE,
+                version=DEVICE_PLUGIN_VERSION, endpoint=endpoint, resource_name=RESOURCE,
                 options=dp.DevicePluginOptions(pre_start_required=pre_start_required),
             ),
             timeout=5,
@@ -81,11 +88,13 @@ async def running_kubelet(short_dir: Path, **kw: Any) -> AsyncIterator[SimKubele
 
 async def test_plugin_registering_before_it_serves_is_used(short_dir):
     async with running_kubelet(short_dir) as kubelet:
-        await register(kubelet)  # nothing listens on late.sock yet
+        registering = asyncio.create_task(register(kubelet))  # nothing listens on late.sock yet
         await asyncio.sleep(0.6)
+        assert not registering.done()  # kubelet answers once it has dialled the plugin
         plugin = FakePlugin()
         server = await serve_plugin(kubelet.socket_dir, plugin)
         try:
+            await registering
             connection = await kubelet.wait_registered(RESOURCE, timeout=5)
             assert sorted(connection.healthy()) == ["dev-0", "dev-1"]
             admission = await kubelet.admit_pod(pod("a", {RESOURCE: "1"}))
@@ -119,14 +128,48 @@ async def test_pod_asking_for_an_unregistered_resource_is_refused(short_dir):
         assert plain.containers[0].started
 
 
-async def test_plugin_that_never_serves_leaves_its_resource_unusable(short_dir):
-    async with running_kubelet(short_dir, dial_timeout_s=0.5) as kubelet:
-        await register(kubelet)
-        dialling = kubelet.plugins[RESOURCE].task
-        assert dialling is not None
-        await asyncio.wait_for(dialling, 5)  # gave up dialling after dial_timeout_s
+async def test_plugin_that_never_serves_has_its_registration_fail(short_dir):
+    async with running_kubelet(short_dir, dial_timeout_s=0.5, device_resources=[RESOURCE]) \
+            as kubelet:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await register(kubelet)  # kubelet gave up dialling after dial_timeout_s
+        assert failed.value.code() == grpc.StatusCode.UNKNOWN
+        assert "failed to dial device plugin" in (failed.value.details() or "")
+        assert kubelet.registration_count(RESOURCE) == 0
         refused = await kubelet.allocate_pod(pod("c", {RESOURCE: "1"}))
         assert not refused.ok and RESOURCE in refused.error
+
+
+async def test_registering_again_keeps_a_live_client_and_replaces_an_ended_one(short_dir):
+    async with running_kubelet(short_dir) as kubelet:
+        plugin = FakePlugin()
+        server = await serve_plugin(kubelet.socket_dir, plugin)
+        try:
+            await register(kubelet)
+            first = await kubelet.wait_registered(RESOURCE, timeout=5)
+            await register(kubelet)  # kubelet: "client already connected with the same path"
+            assert kubelet.plugins[RESOURCE] is first and first.connected
+            assert kubelet.registration_count(RESOURCE) == 1
+            other = await serve_plugin(kubelet.socket_dir, FakePlugin(), "other.sock")
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await register(kubelet, endpoint="other.sock")
+                assert "different socket path late.sock" in (refused.value.details() or "")
+            finally:
+                await other.stop(grace=None)
+            # The stream ends (the plugin restarts its server): the client is dropped, and
+            # the next Register connects anew.
+            plugin.stop.set()
+            await server.stop(grace=0.5)
+            await kubelet.wait_for(lambda: not first.connected, timeout=5)
+            plugin = FakePlugin()
+            server = await serve_plugin(kubelet.socket_dir, plugin)
+            await register(kubelet)
+            second = await kubelet.wait_registered(RESOURCE, after=1, timeout=5)
+            assert second is not first and sorted(second.healthy()) == ["dev-0", "dev-1"]
+        finally:
+            plugin.stop.set()
+            await server.stop(grace=None)
 
 
 class StallingPlugin(FakePlugin):
@@ -145,15 +188,16 @@ class StallingPlugin(FakePlugin):
         return dp.PreStartContainerResponse()
 
 
-async def test_plugin_registering_again_during_a_call_fails_the_call_not_the_kubelet(short_dir):
-    """kube-sim closes a plugin's old connection when it registers again; grpc.aio then ends a
-    call still in flight on it with CancelledError in the caller. That must be a failed RPC,
-    retried on the new connection, as kubelet's sync loop goes on: before, it escaped the
-    admission loop and left every later pod of the node Pending (tests/e2e/test_crash.py, once
-    in ~30 runs under load)."""
+async def test_connection_closed_during_a_call_fails_the_call_not_the_kubelet(short_dir):
+    """kubelet restarting closes every plugin connection; grpc.aio then ends a call still in
+    flight on it with CancelledError in the caller. That must be a failed RPC, retried once the
+    plugin registered again, as kubelet's sync loop goes on: before, it escaped the admission
+    loop and left every later pod of the node Pending (tests/e2e/test_crash.py, once in ~30
+    runs under load)."""
     async with running_kubelet(short_dir) as kubelet:
         plugin = StallingPlugin()
         server = await serve_plugin(kubelet.socket_dir, plugin)
+        again: grpc.aio.Server | None = None
         try:
             await register(kubelet, pre_start_required=True)
             await kubelet.wait_registered(RESOURCE, timeout=5)
@@ -161,11 +205,13 @@ async def test_plugin_registering_again_during_a_call_fails_the_call_not_the_kub
             assert admission.ok, admission.error
             starting = asyncio.create_task(kubelet.start_pod(admission))
             await asyncio.wait_for(plugin.first_pre_start.wait(), 5)
-            await register(kubelet, pre_start_required=True)  # the old channel is closed
+            await kubelet.restart()  # the old channel is closed, every socket deleted
             failed = await asyncio.wait_for(starting, 5)
-            assert not failed.ok and "registered again" in failed.error
+            assert not failed.ok and "connection was closed" in failed.error
             assert not failed.containers[0].started
-            # kubelet retries the start (same device IDs) on the new connection.
+            # The plugin serves and registers again; kubelet retries the start (same IDs).
+            again = await serve_plugin(kubelet.socket_dir, plugin)
+            await register(kubelet, pre_start_required=True)
             await kubelet.wait_registered(RESOURCE, after=1, timeout=5)
             admission.error = admission.containers[0].error = ""  # as kubelets.py retries
             retried = await kubelet.start_pod(admission)
@@ -174,3 +220,5 @@ async def test_plugin_registering_again_during_a_call_fails_the_call_not_the_kub
         finally:
             plugin.stop.set()
             await server.stop(grace=None)
+            if again is not None:
+                await again.stop(grace=None)
