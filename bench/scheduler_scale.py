@@ -301,6 +301,8 @@ async def restarts(nodes: int) -> list[dict[str, float]]:
     registrations, ledgers = build_cluster(nodes)
     nc, _buckets = await populate(server.url, registrations, ledgers)
     env = {**os.environ, "TESSERA_LOG_LEVEL": "WARNING"}
+    if os.environ.get("BENCH_PROFILE"):
+        env["BENCH_PROFILE_START"] = "1"  # each spawned scheduler profiled from its start
     if os.environ.get("BENCH_RESTART_PODS") == "1":
         listed = Path(tempfile.mkdtemp(prefix="tessera-bench-pods-")) / "pods.json"
         listed.write_text(json.dumps(bound_pods(ledgers)))
