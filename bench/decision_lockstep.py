@@ -7,6 +7,8 @@ alternates), each on its own index built from the same cluster, with the service
 between calls (as `bench/scheduler.py`'s `run_decisions`), so both see the same load. CPU time
 of this thread per placed pod (the first 20 not counted; a refused pod's call also words every
 node's reason and is not counted), and whether both placed every pod on the same node and cards.
+After each call, untimed, what the service's loop runs once a decision has answered (a version's
+`ClusterIndex.tidy_orders`, where it has one: merges of the kept candidate orders).
 
     python bench/decision_lockstep.py REV_BEFORE [REV_AFTER] [bench|varied]
 
@@ -77,6 +79,14 @@ def load(label: str, tree: Path) -> dict[str, ModuleType]:
     return {"hami": parsing, **{m: importlib.import_module(f"{name}.{m}") for m in MODULES}}
 
 
+def tidy_between_calls(index: Any) -> None:
+    """What the service's loop runs once a decision has answered (`ClusterIndex.tidy_orders`,
+    scheduled by the filter call), where the version has it: not timed, as it is not the call's."""
+    tidy = getattr(index, "tidy_orders", None)
+    if tidy is not None:
+        tidy()
+
+
 def main() -> None:
     args = sys.argv[1:]
     trace_name = args.pop() if args and args[-1] in ("bench", "varied") else "varied"
@@ -127,10 +137,12 @@ def main() -> None:
             chosen = next(decision.fits(), None)
             if chosen is None:
                 decision.explain_rest()
+            elif i >= bench.WARMUP:
+                cpu[label].append(time.thread_time() - started)
+            tidy_between_calls(index)
+            if chosen is None:
                 placed[label].append(None)
                 return
-            if i >= bench.WARMUP:
-                cpu[label].append(time.thread_time() - started)
             entry, fit = chosen
             placed[label].append((entry.name, [[g.uuid for g in c] for c in fit.containers]))
             ledger = entry.ledger.model_copy(deep=False)

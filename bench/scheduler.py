@@ -208,11 +208,14 @@ def run_decisions(
         if chosen is None:
             decision.explain_rest()
             refused.append(time.thread_time() - started_cpu)
-            placements.append(None)
-            continue
-        if i >= warmup:
+        elif i >= warmup:
             cpu.append(time.thread_time() - started_cpu)
             wall.append(time.perf_counter() - started)
+        # What the service's loop runs once the call has answered (filtering schedules it).
+        index.tidy_orders()
+        if chosen is None:
+            placements.append(None)
+            continue
         entry, fit = chosen
         placements.append((entry.name, [[g.uuid for g in c] for c in fit.containers]))
         ledger = entry.ledger.model_copy(deep=False)  # type: ignore[union-attr]

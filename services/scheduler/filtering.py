@@ -7,6 +7,7 @@ Prioritize lives here too: it scores the same way, writing nothing.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -117,6 +118,9 @@ class PodFilter:
             self.index, request, options, names, self.budget(ident.namespace, ident.uid),
             self.config.avoid_busy_nodes,
         )  # fmt: skip
+        # The kept candidate orders are merged once this decision has answered (the loop's next
+        # callback: at this call's first await, its CAS), not inside the next decision.
+        asyncio.get_running_loop().call_soon(self.index.tidy_orders)
         if dry_run:
             fitting = [entry.name for entry, _fit in decision.fits()]
             self.metrics.fit_seconds.observe(time.perf_counter() - started)

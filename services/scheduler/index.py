@@ -273,6 +273,12 @@ class _Columns:
             for order in self.orders.values():
                 order.changed(positions)
 
+    def tidy(self) -> int:
+        """Merge the policy orders that have many changed positions (`PolicyOrder.tidy`), as of
+        the values last gathered: how many were merged."""
+        scores = self.arrays.get("scores")
+        return 0 if scores is None else sum(order.tidy(scores) for order in self.orders.values())
+
     def order(self, policy: str) -> PolicyOrder:
         """The list in the node policy's order (built at its first use)."""
         order = self.orders.get(policy)
@@ -954,6 +960,14 @@ class ClusterIndex:
                 new = np.full((_RUNGS, capacity), -1, dtype=old.dtype)
                 new[:, : old.shape[1]] = old
                 setattr(self, name, new)
+
+    def tidy_orders(self) -> int:
+        """Between calls: merge the recent lists' kept policy orders that need it (more than
+        `PolicyOrder.REBUILD` changed positions), so that the next decision does not (a merge is
+        ~0.2 ms at 5,000 candidates, a decision's p99 otherwise). The service calls it once a
+        decision has answered (`filtering`); a decision still merges if these fell behind.
+        How many orders were merged."""
+        return sum(columns.tidy() for columns in self._column_cache.kept.values())
 
     def _columns(self, slots: np.ndarray) -> _Columns:
         """The decision's values of these candidates (`_Columns`, one per recent list)."""

@@ -72,6 +72,36 @@ def test_the_walk_is_the_full_stable_sort_while_scores_move(
         for p in moved:
             scores[p] = rng.choice(levels) if rng.random() < 0.7 else rng.random() * 30
         order.changed([*moved, rng.randrange(n)])  # told of one that did not change, too
+        if step % 2:  # between calls, as the service does (merged there, if many changed)
+            order.tidy(scores)
+
+
+def test_merges_happen_between_calls_unless_they_fell_behind() -> None:
+    """More than `REBUILD` changed positions: a snapshot (a decision) walks them merged in on
+    the fly, `tidy` (between calls) merges them into the kept order; only past `BEHIND` (merges
+    fell behind a flood of writes) does a snapshot merge itself. The walk is the full stable sort
+    throughout."""
+    rng = random.Random(11)
+    n = 2000
+    scores = np.array([rng.choice([0.0, 3.0, 7.25, 12.0]) for _ in range(n)], dtype=np.float64)
+    order = PolicyOrder(policy_sign("binpack"), scores)
+    kept = order.perm
+    moved = rng.sample(range(n), PolicyOrder.REBUILD + 10)
+    scores[moved] = [rng.choice([1.0, 7.25, 30.0]) for _ in moved]
+    order.changed(moved)
+    assert walked(order, scores, None) == reference(scores, "binpack", None)
+    assert order.perm is kept and len(order.dirty_list) == len(moved)  # not merged in the call
+    held = order.snapshot(scores)
+    assert order.tidy(scores) and order.perm is not kept and not order.dirty_list
+    assert not order.tidy(scores)  # nothing left to merge
+    assert full_order(held, None).tolist() == reference(scores, "binpack", None)
+    assert walked(order, scores, None) == reference(scores, "binpack", None)
+    kept = order.perm
+    flood = rng.sample(range(n), PolicyOrder.BEHIND + 1)
+    scores[flood] = [rng.choice([0.0, 12.0, 31.0]) for _ in flood]
+    order.changed(flood)
+    assert walked(order, scores, None) == reference(scores, "binpack", None)
+    assert order.perm is not kept and not order.dirty_list  # merged in the call: bounded
 
 
 def test_a_snapshot_is_unaffected_by_later_changes() -> None:

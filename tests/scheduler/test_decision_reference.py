@@ -168,6 +168,8 @@ def test_the_decision_is_the_reference_while_the_index_moves(seed: int) -> None:
             index.set_registration(target, registration(rng, target, generation), 0.0)
         elif roll < 0.4:
             index.refresh(target, 0.0)  # a sweep: the busy flag follows the ledger again
+        if i % 2:  # the service's loop after a call: kept orders merged if due (or not: later)
+            index.tidy_orders()
 
 
 def test_many_candidates_full_at_the_top() -> None:
