@@ -45,12 +45,57 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def port_reservations() -> Path:
+    """Where our processes note the ports they handed out (one file per port, naming its pid)."""
+    return Path(tempfile.gettempdir()) / "tessera-ports"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def reserve_port(port: int, directory: Path | None = None) -> bool:
+    """Note `port` as handed out by this process, unless a live process noted it first.
+
+    Between a pick and the child's bind any other process may pick the same free port: on a
+    machine running several suites and stacks at once (each picking a dozen ports) that
+    happened (a stack's scheduler found its port in use and never became ready). A reservation
+    lasts as long as the process that made it; a dead process's is taken over."""
+    directory = directory or port_reservations()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text())
+            except (OSError, ValueError):
+                return False  # being written, or unreadable: someone holds it
+            if _alive(owner):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a dead process's note; racing takers settle on O_EXCL
+            continue
+        with os.fdopen(fd, "w") as note:
+            note.write(str(os.getpid()))
+        return True
+    return False
+
+
 def free_port() -> int:
     """A loopback TCP port free now, for a child process to listen on moments later.
 
     Picked below the ephemeral range: a port the kernel hands out itself can be taken by any
     outgoing connection between this check and the child's bind (seen on a busy 2-core machine:
-    a stack's kube-sim found its port in use). Below the range only another listener can take it.
+    a stack's kube-sim found its port in use). Below the range only another listener can take
+    it, and our own processes do not pick a port another live one was handed (`reserve_port`).
     """
     low, _ = ephemeral_range()
     rng = random.SystemRandom()
@@ -61,7 +106,8 @@ def free_port() -> int:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+            if reserve_port(port):
+                return port
     with socket.socket() as sock:  # everything tried was taken: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
