@@ -74,6 +74,7 @@ from .preemption_ledger import (
 from .quota_client import QuotaClient, grants_charge
 from .release import AllocationReleaser
 from .rules import FitContext, QuotaBudget
+from .wire_fast import LedgerWire
 
 log = logging.getLogger("tessera.scheduler")
 DEFAULT_GRACE_S = 30
@@ -211,12 +212,16 @@ class Preemptor:
             self.priority_map = None
         self.pods[uid] = facts
 
-    def observe_ledger(self, node: str, ledger: NodeLedger | None) -> None:
+    def observe_ledger(self, node: str, ledger: NodeLedger | LedgerWire | None) -> None:
         """A ledger entry the watch applied: nominations in it are followed by the tick (any
-        replica, so the `done` event survives the loss of the one that started it)."""
-        if ledger is not None and node not in self.marked_nodes and any(
-            a.preempted_by for a in ledger.allocations.values()
-        ):
+        replica, so the `done` event survives the loss of the one that started it). An entry
+        read at start-up whose allocations are known to be unmarked (`LedgerWire.holding`) is
+        not scanned."""
+        if ledger is None or node in self.marked_nodes or (
+            type(ledger) is LedgerWire and ledger.holding
+        ):  # fmt: skip
+            return
+        if any(a.preempted_by for a in ledger.allocations.values()):
             self.marked_nodes.add(node)
 
     def observe_usage(self, sample: UsageSample) -> None:

@@ -41,6 +41,7 @@ from tessera.models import (
     NodeLedger,
     NodeRegistration,
 )
+from tessera.validation import MAX_CONTAINERS
 
 NonNegative = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -503,9 +504,15 @@ def slim_all(allocations: dict[str, Any], node: str) -> dict[str, list[int]] | N
     Returns GPU UUID -> [memory, cores, slots] held, exactly what
     `node_usage.NodeUsage._count_all` counts at any time, when every allocation is bound or
     allocated, unmarked and without init containers (such an allocation always counts: the
-    common entry); None when one is not (the index then counts at its time)."""
+    common entry) and passes the checks of `tessera.validation.ledger_problem` that read it
+    alone (filed under its pod uid, on this node, at most MAX_CONTAINERS containers, no GPU
+    twice in one container); None when one is not (the index then counts at its time, and
+    validation judges the entry allocation by allocation). So a count also tells validation
+    that only the sums per GPU are left to judge against the node's cards
+    (`validation.LedgerGuard`)."""
     intern = _intern
     holding = _HOLDING
+    most_containers = MAX_CONTAINERS
     usage: dict[str, list[int]] | None = {}
     namespace = policy = uuid = kind = None
     for uid, item in allocations.items():
@@ -514,22 +521,34 @@ def slim_all(allocations: dict[str, Any], node: str) -> dict[str, list[int]] | N
             namespace = intern(value)
         item.namespace = namespace
         value = item.node
-        item.node = node if value == node else intern(value)
+        if value == node:
+            item.node = node
+        else:
+            item.node = intern(value)
+            usage = None
         value = item.core_policy
         if value != policy:
             policy = intern(value)
         item.core_policy = policy
         if item.pod_uid == uid:
             item.pod_uid = uid
+        else:
+            usage = None
         if not item.container_names:
             item.container_names = ()
         if not item.sidecars:
             item.sidecars = ()
+        containers = item.containers
         if usage is not None and (
             item.state not in holding or item.preempted_by or item.init_count
+            or item.preempted_until is not None or len(containers) > most_containers
         ):  # fmt: skip
             usage = None
-        for grants in item.containers:
+        for grants in containers:
+            if usage is not None and len(grants) > 1 and (
+                len({grant.uuid for grant in grants}) != len(grants)
+            ):  # fmt: skip
+                usage = None
             for grant in grants:
                 value = grant.uuid
                 if value != uuid:
