@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,11 +96,27 @@ def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 class ContainerStore:
     """The directory tree above, nothing else (no ledger, no gRPC).
 
-    The agent is the only writer of the tree, so it is scanned once and then kept in memory."""
+    The agent is the only writer of the tree, so it is scanned once and then kept in memory.
+    Garbage collection judges a pod gone from facts read a moment earlier (the ledger, kubelet's
+    list), while kubelet may be allocating for it: every preparation is numbered (`changes`), and
+    a pod prepared since the facts were read is never removed on them (`remove_pod_unless`)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._index: dict[Path, PreparedContainer] | None = None
+        # Preparing and removing run in worker threads (asyncio.to_thread): one at a time.
+        self._lock = threading.RLock()
+        self._changes = 0
+        self._touched: dict[str, int] = {}  # pod uid -> the change that last prepared for it
+
+    @property
+    def changes(self) -> int:
+        """How many preparations and relabels this store has made (read before judging)."""
+        return self._changes
+
+    def _touch(self, pod_uid: str) -> None:
+        self._changes += 1
+        self._touched[pod_uid] = self._changes
 
     def ensure_root(self) -> Path:
         """Create the root and the ld.so.preload file every container mounts."""
@@ -120,6 +137,11 @@ class ContainerStore:
 
     def prepare(self, prepared: PreparedContainer) -> ContainerDir:
         """Create (or re-create) the container's directory, empty limits, an empty region."""
+        with self._lock:
+            self._touch(prepared.pod_uid)
+            return self._prepare(prepared)
+
+    def _prepare(self, prepared: PreparedContainer) -> ContainerDir:
         from tessera.region import prepare_region_file
 
         path = self.path_for(prepared.pod_uid, prepared.index, prepared.container)
@@ -177,9 +199,11 @@ class ContainerStore:
         """PreStart proved the directory serves another pod than the one it was prepared for
         (two interchangeable pods crossed): record its true owner. The path stays (kubelet
         already holds the mounts), so ownership is always read from `prepared.json`."""
-        _write_atomic(cdir.path / PREPARED_FILE, prepared.model_dump_json().encode())
-        self._scan()[cdir.path] = prepared
-        return ContainerDir(cdir.path, prepared)
+        with self._lock:
+            self._touch(prepared.pod_uid)
+            _write_atomic(cdir.path / PREPARED_FILE, prepared.model_dump_json().encode())
+            self._scan()[cdir.path] = prepared
+            return ContainerDir(cdir.path, prepared)
 
     def pod_uids(self) -> list[str]:
         """Every pod that owns a directory (by its label), and pod directories holding none."""
@@ -192,16 +216,28 @@ class ContainerStore:
         return sorted(owners)
 
     def remove_container(self, cdir: ContainerDir) -> None:
-        self._scan().pop(cdir.path, None)
-        shutil.rmtree(cdir.path, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            cdir.path.parent.rmdir()  # the pod's directory, when it was its only container
+        with self._lock:
+            self._scan().pop(cdir.path, None)
+            shutil.rmtree(cdir.path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                cdir.path.parent.rmdir()  # the pod's directory, when it was its only container
 
     def remove_pod(self, pod_uid: str) -> None:
         """Remove the directories the pod owns (wherever a relabel left them)."""
-        for cdir in self.for_pod(pod_uid):
-            # The limits files are read-only; rmtree needs write permission on the dirs only.
-            self.remove_container(cdir)
-        target = self.root / _safe(pod_uid, "pod uid")
-        if target.is_dir() and not any(p.parent == target for p in self._scan()):
-            shutil.rmtree(target, ignore_errors=True)
+        with self._lock:
+            for cdir in self.for_pod(pod_uid):
+                # The limits files are read-only; rmtree needs write permission on the dirs only.
+                self.remove_container(cdir)
+            target = self.root / _safe(pod_uid, "pod uid")
+            if target.is_dir() and not any(p.parent == target for p in self._scan()):
+                shutil.rmtree(target, ignore_errors=True)
+            self._touched.pop(pod_uid, None)
+
+    def remove_pod_unless(self, pod_uid: str, prepared_after: int) -> bool:
+        """`remove_pod`, unless something was prepared for the pod after change number
+        `prepared_after` (`changes` as read before the facts that judged it gone)."""
+        with self._lock:
+            if self._touched.get(pod_uid, 0) > prepared_after:
+                return False
+            self.remove_pod(pod_uid)
+            return True

@@ -181,7 +181,10 @@ class UsageSampler:
         return out
 
     async def collect_garbage(self) -> list[str]:
-        """Remove directories of pods that are gone (ledger inactive and kubelet lists none)."""
+        """Remove directories of pods that are gone (ledger inactive and kubelet lists none).
+        A pod kubelet prepared for after those facts were read is left to the next pass (the
+        facts predate its bind: removing its directory failed its Allocate)."""
+        judged_at = self.store.changes
         ledger = await self._ledger()
         active = {u for u, a in (ledger.allocations.items() if ledger else []) if a.active}
         listed = await self.pod_listing() if self.pod_listing else None
@@ -193,8 +196,8 @@ class UsageSampler:
                       for c in await asyncio.to_thread(self.store.for_pod, cdir_pod)}
             if listed is not None and owners & listed:
                 continue
-            await asyncio.to_thread(self.store.remove_pod, cdir_pod)
-            removed.append(cdir_pod)
+            if await asyncio.to_thread(self.store.remove_pod_unless, cdir_pod, judged_at):
+                removed.append(cdir_pod)
         if removed:
             self.log.info("removed container dirs of gone pods", extra={"pods": removed})
         return removed

@@ -185,3 +185,30 @@ async def test_directories_of_gone_pods_are_removed(short_dir, nc, buckets):
         rig.kubelet.remove_pod(allocation.pod_uid)
         assert await sampler.collect_garbage() == [allocation.pod_uid]
         assert not pod_dir.exists()
+
+
+async def test_a_pod_allocated_while_garbage_is_judged_keeps_its_directory(
+    short_dir, nc, buckets
+):
+    """Garbage collection reads the ledger, then kubelet's list; a pod bound and allocated in
+    between is in neither fact it read. Its directory, prepared since, must stay: removing it
+    failed the pod's Allocate (a clean-clone run: the prepared.json being renamed in vanished)
+    or would leave a started container without its limits."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        sampler = rig.agent.sampler
+        listing = sampler.pod_listing
+        arrived: dict[str, object] = {}
+
+        async def listed_after_an_allocation() -> set[tuple[str, str]] | None:
+            facts = await listing() if listing else None  # kubelet's list, as read first
+            arrived["pod"] = await admitted(rig, "between", 1000)  # then the pod arrives
+            return facts
+
+        sampler.pod_listing = listed_after_an_allocation
+        assert await sampler.collect_garbage() == []
+        _, container, _ = arrived["pod"]  # type: ignore[misc]
+        pod_dir = Path(container.mount(SEALED_LIMITS_DIR).host_path).parent.parent
+        assert pod_dir.is_dir() and (pod_dir / f"0-{container.name}" / "prepared.json").is_file()
+        sampler.pod_listing = listing
+        assert await sampler.collect_garbage() == []  # the next pass sees it bound and listed
+        assert pod_dir.is_dir()
