@@ -83,15 +83,19 @@ class Reconciler:
         every = interval_s * max(1.0, pods / self.PODS_PER_PASS)
         return now - self._listed_at.get(namespace, float("-inf")) >= every * 0.9
 
-    async def run_once(self, interval_s: float = 0.0) -> int:
-        """Reconcile every namespace; returns how many namespaces were rewritten."""
+    async def run_once(
+        self, interval_s: float = 0.0, gone: Callable[[Allocation], bool] | None = None
+    ) -> int:
+        """Reconcile every namespace; returns how many namespaces were rewritten. `gone`: an
+        allocation whose pod the cluster no longer has (stale_charges.py): not taken as backing
+        a charge, though the ledger still holds it until the scheduler releases it."""
         # Read the ledger before the quota state: a reservation made after this read is young
         # and survives the grace period, so it cannot be dropped by this pass.
         ledgers = await snapshot(self.ledger, NodeLedger, self.log)
         backed: dict[str, dict[str, Allocation]] = defaultdict(dict)
         for ledger, _revision in ledgers.values():
             for uid, alloc in ledger.allocations.items():
-                if alloc.active and alloc.quota_held:
+                if alloc.active and alloc.quota_held and not (gone and gone(alloc)):
                     backed[alloc.namespace][uid] = alloc
         states = await snapshot(self.quota, QuotaState, self.log)
         now = self.clock()

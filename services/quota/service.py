@@ -30,6 +30,7 @@ from tessera.quota import arithmetic as qa
 from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
+from tessera.quota.stale_charges import gone_allocation, live_uids, release_stale_charges
 from tessera.quota.store import JOURNAL_SOFT_MAX, QuotaStore
 
 from tessera import bus
@@ -132,8 +133,13 @@ class QuotaService:
                 stored=self._namespaces_limited_by_resource_quotas,
             )
         try:
-            await self.charges_from_pods()
-            await self.reconciler.run_once()
+            pods, listed_at = await self._list_pods()
+            await self.charges_from_pods(pods)
+            gone = None
+            if pods is not None:  # pods deleted while no scheduler watched: their charges go
+                await release_stale_charges(self.store, pods, listed_at, self.log)
+                gone = gone_allocation(live_uids(pods), listed_at)
+            await self.reconciler.run_once(gone=gone)
         except Exception as exc:  # the periodic pass will try again
             self.log.warning("start-up reconcile failed", extra={"err": str(exc)})
         self._tasks.append(asyncio.create_task(self._reconcile_loop()))
@@ -260,16 +266,22 @@ class QuotaService:
         await self.reconciler.run_once()
         self.log.warning("quota state rebuilt")
 
-    async def charges_from_pods(self) -> int:
+    async def _list_pods(self) -> tuple[list[Any] | None, float]:
+        """The cluster's pods (None without a cluster) and when the listing began."""
+        listed_at = self.clock()
+        return (await self.cluster.list_pods() if self.cluster is not None else None), listed_at
+
+    async def charges_from_pods(self, pods: list[Any] | None = None) -> int:
         """Give every bound, unfinished GPU pod its charge back where it has none (never drops
-        one); returns how many namespaces were written."""
+        one); returns how many namespaces were written. `pods`: a listing already taken."""
         if self.cluster is None:
             return 0
+        if pods is None:
+            pods = await self.cluster.list_pods()
         now = self.clock()
         report = RestoreReport()
         by_node = allocations_from_pods(
-            await self.cluster.list_pods(), quota_held=True, now=now, claim_ttl_s=0.0,
-            report=report,
+            pods, quota_held=True, now=now, claim_ttl_s=0.0, report=report,
         )  # fmt: skip
         backed: dict[str, dict[str, Any]] = defaultdict(dict)
         for found in by_node.values():

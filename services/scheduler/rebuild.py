@@ -27,6 +27,7 @@ from tessera.restore import RestoreReport, allocations_from_pods
 
 from .foreign import ForeignCapacity
 from .index import ClusterIndex
+from .stale import Listing, UidRecorder
 
 log = logging.getLogger("tessera.scheduler")
 
@@ -77,6 +78,7 @@ class LedgerRebuilder:
         self.quota_enabled = quota_enabled
         self.claim_ttl_s = claim_ttl_s
         self.clock = clock
+        self.listed: Listing | None = None  # the last rebuild's listing, by uid (stale.py)
 
     async def rebuild(self) -> RestoreReport:
         report = RestoreReport()
@@ -90,8 +92,11 @@ class LedgerRebuilder:
         # (page by page: placed as the index holds it when the page comes in, where the whole
         # listing was tested once it was in).
         placed = self.index.pod_nodes
-        listed = await list_pods_slim(self.cluster, partial(
-            needed, placed, self.foreign.scheduler_name if self.foreign else None))
+        listed_at = self.clock()
+        seen = UidRecorder(partial(needed, placed,
+                                   self.foreign.scheduler_name if self.foreign else None))
+        listed = await list_pods_slim(self.cluster, seen)
+        self.listed = Listing(frozenset(seen.uids), listed_at)
         now = self.clock()
         report.pods_seen += listed.skipped
         pods = listed.pods  # only what the rebuild and HAMi's classification read of a pod

@@ -50,6 +50,8 @@ from .metrics import SchedulerMetrics
 from .pod_gate import PodGate
 from .rebuild import LedgerRebuilder, ledger_cas
 from .registration_codec import RegistrationCodec
+from .stale import Listing
+from .stale_release import release_stale
 from .validation import LedgerGuard, cluster_rebuild
 from .wire_fast import RegistrationWire
 
@@ -418,6 +420,8 @@ class SchedulerService:
             raise
         self.rebuild_error = ""
         self.metrics.ledger_restored.inc(report.restored)
+        if self.rebuilder.listed is not None:  # pods deleted while no scheduler watched
+            await release_stale(self.index, self.rebuilder.listed, self.scheduler.release)
 
     async def _watch_quota(self) -> None:
         async for key, value, revision in bus.watch_models(
@@ -590,19 +594,8 @@ class SchedulerService:
             listed_at = self.clock()
             pods = await self.cluster.list_pods()
             self.foreign.load(pods, listed_at)
-            alive = {
-                (p.get("metadata") or {}).get("uid")
-                for p in pods
-                if (p.get("status") or {}).get("phase") not in _FINISHED_PHASES
-            }
-            for uid, node in list(self.index.pod_nodes.items()):
-                entry = self.index.entries.get(node)
-                allocation = entry.ledger.allocations.get(uid) if entry and entry.ledger else None
-                if allocation is None or uid in alive:
-                    continue
-                # Only allocations older than the listing: a pod created after it is not missing.
-                if allocation.created_at < listed_at - 5.0:
-                    await self.scheduler.release(node, uid, why="pod no longer exists")
+            await release_stale(self.index, Listing.of_pods(pods, listed_at),
+                                self.scheduler.release)  # fmt: skip
 
     # --- explain ------------------------------------------------------------------------------
     async def _on_explain(self, request: Request) -> None:

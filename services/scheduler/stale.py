@@ -1,0 +1,119 @@
+"""Which ledger allocations belong to pods the cluster no longer has (pure: no I/O).
+
+A pod deleted while no scheduler watched (the scheduler or NATS was down, or the whole stack was
+stopped and started again on the same NATS store while the cluster was replaced) leaves its
+allocation in the ledger: its cards stay held until something notices. Before a (re)started
+scheduler serves, and periodically after, the allocations are compared with a listing of the
+cluster's pods by uid (`stale_release.py` does the I/O); `stale_allocations` decides.
+
+The grace, so that nothing still being created is freed:
+- an allocation written after the listing began (less `skew_s` for clocks and a listing that is
+  served from a cache a moment old) is kept: its pod may be too new for the listing;
+- an unexpired reservation is kept even when its pod is not listed: it lapses by itself at the end
+  of its TTL (the sweeper), and a pod that is only being created is never freed under it;
+- everything else whose pod uid the listing lacks (or lists as finished, when phases were read)
+  is released, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# A listing is a consistent read, but the allocation's time comes from another clock.
+DEFAULT_SKEW_S = 5.0
+FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+GONE = "pod no longer exists (deleted while no scheduler watched it)"
+
+
+@dataclass(frozen=True)
+class StaleRelease:
+    node: str
+    pod_uid: str
+    namespace: str
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a listing of the cluster's pods tells: every uid in it, and the phase of those whose
+    phase was read (a listing that skipped decoding some pods knows only their uid)."""
+
+    uids: frozenset[str]
+    listed_at: float  # when the listing began (the scheduler's clock)
+    phases: Mapping[str, str] | None = None
+
+    @classmethod
+    def of_pods(cls, pods: Iterable[Any], listed_at: float) -> Listing:
+        uids: set[str] = set()
+        phases: dict[str, str] = {}
+        for pod in pods:
+            meta = pod.get("metadata") if isinstance(pod, dict) else None
+            uid = meta.get("uid") if isinstance(meta, dict) else None
+            if type(uid) is not str:
+                continue
+            uids.add(uid)
+            status = pod.get("status")
+            phase = status.get("phase") if isinstance(status, dict) else None
+            if type(phase) is str:
+                phases[uid] = phase
+        return cls(frozenset(uids), listed_at, phases)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def verdict(allocation: Any, listing: Listing, skew_s: float = DEFAULT_SKEW_S) -> str:
+    """Why this allocation is stale ('' when it is kept). Reads `pod_uid`, `state`, `created_at`
+    and `expires_at` (a NodeLedger's Allocation, or the index's undecoded view of one)."""
+    uid = allocation.pod_uid
+    phase = listing.phases.get(uid) if listing.phases is not None else None
+    if uid in listing.uids and phase not in FINISHED_PHASES:
+        return ""
+    created = _number(getattr(allocation, "created_at", None))
+    if created is None or created >= listing.listed_at - skew_s:
+        return ""  # written while (or after) the cluster was listed: its pod may be too new
+    if str(getattr(allocation, "state", "")) == "reserved":
+        expires = _number(getattr(allocation, "expires_at", None))
+        if expires is None or expires > listing.listed_at:
+            return ""  # a reservation still running: it lapses by itself (the sweeper)
+    if uid in listing.uids:
+        return f"pod {str(phase).lower()} while no scheduler watched it"
+    return GONE
+
+
+def stale_allocations(
+    ledgers: Mapping[str, Any], listing: Listing, skew_s: float = DEFAULT_SKEW_S
+) -> list[StaleRelease]:
+    """The active allocations, node by node (`ledgers`: node -> a ledger or its view, anything
+    with `allocations`), that belong to no live pod of the listing, with why."""
+    found: list[StaleRelease] = []
+    for node, ledger in ledgers.items():
+        allocations = getattr(ledger, "allocations", None) or {}
+        for uid, allocation in allocations.items():
+            if not allocation.active:
+                continue
+            why = verdict(allocation, listing, skew_s)
+            if why:
+                found.append(StaleRelease(
+                    node=node, pod_uid=uid, namespace=str(getattr(allocation, "namespace", "")),
+                    name=str(getattr(allocation, "name", "")), why=why,
+                ))  # fmt: skip
+    return found
+
+
+class UidRecorder:
+    """Wraps a slim listing's `need` (tessera.cluster.slim_pods) so every uid the listing passes
+    is kept, read or skipped: the rebuild's one listing serves the stale check too."""
+
+    def __init__(self, need: Any) -> None:
+        self.need = need
+        self.uids: set[str] = set()
+
+    def __call__(self, uids: list[Any], schedulers: list[Any]) -> list[bool]:
+        self.uids.update(u for u in uids if type(u) is str)
+        wanted: list[bool] = self.need(uids, schedulers)
+        return wanted
