@@ -59,6 +59,12 @@ def assert_spread_took_an_emptiest_card(pods: dict[str, dict], name: str) -> Non
 
 
 def test_every_example_does_what_it_says(sim: RunningStack, tmp_path: Path) -> None:
+    apply_examples_and_check(sim, tmp_path)
+
+
+def apply_examples_and_check(sim: RunningStack, tmp_path: Path) -> dict[str, dict]:
+    """Apply every example as `make demo` does and check what each promises; the pods that run
+    (also the second run on one state directory: test_demo_twice.py)."""
     # Spread puts each pod on the emptiest card *when it is placed*: 08 is applied once the
     # earlier examples are Running (with-init's init container finished), so the usage it saw is
     # the one the grants show.
@@ -97,3 +103,4 @@ def test_every_example_does_what_it_says(sim: RunningStack, tmp_path: Path) -> N
         return message if "CardInsufficientMemory" in message else None
 
     kube.wait_for("too-big's reason", pending_reason, 15)
+    return pods
