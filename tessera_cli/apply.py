@@ -15,7 +15,7 @@ from typing import Any
 
 from .kube import ApiError, KubeClient
 from .manifests import Manifest, ManifestError, check
-from .resources import KINDS, Kind, by_kind
+from .resources import Kind, by_kind, discover, is_kubeconfig
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 _POD_MUTABLE = re.compile(
@@ -104,20 +104,35 @@ def _with_record(doc: dict[str, Any]) -> dict[str, Any]:
     return sent
 
 
-def kind_of(manifest: Manifest) -> Kind:
+def kind_for(client: KubeClient, manifest: Manifest) -> Kind:
+    """The kind's REST paths: those tessera knows, else from the server's discovery (any kind
+    it serves: PriorityClass, ConfigMap, ...), else ManifestError."""
     check(manifest)
     kind = by_kind(manifest.kind)
-    if kind is None:
+    api_version = str(manifest.doc.get("apiVersion") or "")
+    if kind is not None and api_version in ("", kind.api_version):
+        return kind
+    found = discover(client, api_version, manifest.kind)
+    if found is None:
         raise ManifestError(
-            f"{manifest.where}: kind {manifest.kind!r} is not one tessera applies "
-            f"({', '.join(k.kind for k in KINDS)}): \"kind: {manifest.kind}\""
+            f"{manifest.where}: no matches for kind \"{manifest.kind}\" in version "
+            f"\"{api_version}\" (the server does not serve it): \"kind: {manifest.kind}\""
         )
-    return kind
+    return found
+
+
+def skipped(manifest: Manifest) -> str:
+    """Why this document is not applied ('' when it is): a kubeconfig in a directory applied."""
+    if is_kubeconfig(str(manifest.doc.get("apiVersion") or ""), manifest.kind):
+        return f"skipped {manifest.where}: a kubeconfig (kind: Config), not an object to apply"
+    return ""
 
 
 def apply_one(client: KubeClient, manifest: Manifest, namespace: str) -> str:
     """`pod/x created|configured|unchanged`; ApiError/ManifestError say why not."""
-    kind = kind_of(manifest)
+    if skipped(manifest):
+        return skipped(manifest)
+    kind = kind_for(client, manifest)
     doc = applied_form(manifest, kind, namespace)
     meta = doc["metadata"]
     ns = meta.get("namespace")

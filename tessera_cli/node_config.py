@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
 
-from tessera.bus import connect, node_config_get_subject, node_config_set_subject
+from tessera.bus import node_config_get_subject, node_config_set_subject
 from tessera.codec import CodecError, decode, encode
 from tessera.models import NodeConfigSetRequest, NodeConfigStatus
-from tessera.settings import NatsSettings, TesseraSettings
+from tessera.settings import TesseraSettings
+
+from .locate import CliError, StackLocation, connect_nats, fail
+
+STATE_DIR_HELP = "the stack's state dir (default: $TESSERA_STATE_DIR, else ./.tessera)"
 
 
 def _entry(
@@ -68,13 +73,18 @@ def register(app: typer.Typer) -> None:
         skip_index: list[int] = typer.Option([], "--skip-index",
                                              help="filterdevices.index (repeat)"),
         reset: bool = typer.Option(False, "--reset", help="drop the local entry"),
+        state_dir: Path | None = typer.Option(None, "--state-dir", help=STATE_DIR_HELP),
     ) -> None:
         """Set the node's local entry (over the ConfigMap's); applied live or refused."""
-        request = NodeConfigSetRequest(
-            config=_entry(split_count, memory_scaling, core_scaling, mode, skip_uuid,
-                          skip_index), reset=reset,
-        )  # fmt: skip
-        status = asyncio.run(_request(node_config_set_subject(node), encode(request), node))
+        try:
+            request = NodeConfigSetRequest(
+                config=_entry(split_count, memory_scaling, core_scaling, mode, skip_uuid,
+                              skip_index), reset=reset,
+            )  # fmt: skip
+        except ValueError as exc:  # pydantic's ValidationError is one
+            fail(f"invalid node configuration: {_first_error(exc)}")
+        status = _run(StackLocation.find(state_dir), node_config_set_subject(node),
+                      encode(request), node)  # fmt: skip
         console = Console(highlight=False)
         if not status.ok:
             console.print(f"refused: {status.reason}")
@@ -83,9 +93,12 @@ def register(app: typer.Typer) -> None:
         show(status, console)
 
     @group.command("get")
-    def get_command(node: str = typer.Argument(..., help="the node")) -> None:
+    def get_command(
+        node: str = typer.Argument(..., help="the node"),
+        state_dir: Path | None = typer.Option(None, "--state-dir", help=STATE_DIR_HELP),
+    ) -> None:
         """What the node applies, where it comes from, and the last refused change."""
-        status = asyncio.run(_request(node_config_get_subject(node), b"{}", node))
+        status = _run(StackLocation.find(state_dir), node_config_get_subject(node), b"{}", node)
         console = Console(highlight=False)
         if not status.ok:
             console.print(status.reason)
@@ -93,13 +106,33 @@ def register(app: typer.Typer) -> None:
         show(status, console)
 
 
-async def _request(subject: str, payload: bytes, node: str) -> NodeConfigStatus:
+def _first_error(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    return str(exc)
+
+
+def _run(location: StackLocation, subject: str, payload: bytes, node: str) -> NodeConfigStatus:
+    """One request to the node agent; a stack that cannot be reached is one line (CliError)."""
+    try:
+        return asyncio.run(_request(location, subject, payload, node))
+    except CliError as error:
+        fail(error)
+
+
+async def _request(
+    location: StackLocation, subject: str, payload: bytes, node: str
+) -> NodeConfigStatus:
     settings = TesseraSettings()
-    nc = await connect(NatsSettings(), name="tessera-cli-node-config", initial_attempts=3)
+    nc = await connect_nats(location, "tessera-cli-node-config")
     try:
         msg = await nc.request(subject, payload, timeout=max(5.0, settings.request_timeout_s))
     except Exception as exc:
-        return NodeConfigStatus(ok=False, node=node, reason=f"node {node} did not answer: {exc}")
+        reason = str(exc) or type(exc).__name__
+        return NodeConfigStatus(ok=False, node=node, reason=f"node {node} did not answer: {reason}")
     finally:
         await nc.close()
     try:

@@ -121,10 +121,14 @@ def apply_files(client: KubeClient, files: list[str], namespace: str, recursive:
 # --- get --------------------------------------------------------------------------------------
 
 
-def pods_table(pods: list[dict[str, Any]], all_namespaces: bool) -> str:
+def pods_table(pods: list[dict[str, Any]], all_namespaces: bool, wide: bool = False) -> str:
     headers = ["NAME", "STATUS", "NODE", "GPUS", "REASON"]
     rows = [[p["name"], p["phase"], p["node"] or "-", describe_gpus(p["gpus"]) or "-",
              p["reason"]] for p in pods]  # fmt: skip
+    if wide:  # kubectl's wide adds columns: here the uid and the age's source
+        headers[4:4] = ["UID", "CREATED"]
+        rows = [[*row[:4], p["uid"], p["created"] or "-", row[4]]
+                for p, row in zip(pods, rows, strict=True)]  # fmt: skip
     if all_namespaces:
         headers.insert(0, "NAMESPACE")
         rows = [[p["namespace"], *row] for p, row in zip(pods, rows, strict=True)]
@@ -195,16 +199,22 @@ def register(app: typer.Typer) -> None:
         names: list[str] = typer.Argument(None, help="only these"),
         namespace: str | None = typer.Option(None, "-n", "--namespace"),
         all_namespaces: bool = typer.Option(False, "-A", "--all-namespaces"),
-        output: str = typer.Option("table", "-o", "--output", help="table | json | name"),
+        output: str = typer.Option("table", "-o", "--output", help="table | wide | json | name"),
         state_dir: Path | None = state_option,
         kubeconfig: Path | None = kubeconfig_option,
     ) -> None:
         """List pods with their state, node, GPU slices and, when pending, why."""
+        if output not in ("table", "wide", "json", "name"):
+            fail(f'unable to match a printer suitable for the output format "{output}", '
+                 "allowed formats are: json, name, wide")
+        pods_on_nodes: list[dict[str, Any]] = []
         try:
             kind = resolve_kind(resource)
             ns = None if all_namespaces else (namespace or "default")
             with api_client(state_dir, kubeconfig) as client:
                 items = client.get(kind.collection(ns)).get("items") or []
+                if kind.kind == "Node" and items and output in ("table", "wide", "json"):
+                    pods_on_nodes = client.get("/api/v1/pods").get("items") or []
         except CliError as error:
             fail(error)
         if names:
@@ -223,9 +233,16 @@ def register(app: typer.Typer) -> None:
             if output == "json":
                 print(json.dumps(pods, indent=2))
             elif pods:
-                print(pods_table(pods, all_namespaces))
+                print(pods_table(pods, all_namespaces, wide=output == "wide"))
             else:
                 print(_nothing(kind, ns), file=sys.stderr)
+            return
+        if kind.kind == "Node" and items and output != "name":
+            from .nodes import nodes_table, summarise
+
+            summaries = summarise(items, pods_on_nodes)
+            print(json.dumps(summaries, indent=2) if output == "json"
+                  else nodes_table(summaries, wide=output == "wide"))  # fmt: skip
             return
         if output == "json":
             print(json.dumps(items, indent=2))
@@ -251,8 +268,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Delete pods (or quotas) by name, or from files."""
         try:
-            targets = _delete_targets(resource, names, filename, namespace, all_objects)
             with api_client(state_dir, kubeconfig) as client:
+                targets = _delete_targets(client, resource, names, filename, namespace,
+                                          all_objects)  # fmt: skip
                 ok = _delete(client, targets, namespace, all_objects, ignore_not_found)
         except CliError as error:
             fail(error)
@@ -260,16 +278,19 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1)
 
 
-def _delete_targets(resource: str | None, names: list[str] | None, files: list[str] | None,
-                    namespace: str, all_objects: bool) -> list[tuple[Kind, str | None, str]]:
+def _delete_targets(client: KubeClient, resource: str | None, names: list[str] | None,
+                    files: list[str] | None, namespace: str, all_objects: bool,
+                    ) -> list[tuple[Kind, str | None, str]]:  # fmt: skip
     """(kind, namespace, name) to delete; name '' means every one (--all)."""
     if files:
-        from .apply import kind_of
+        from .apply import kind_for, skipped
         from .manifests import load
 
         targets = []
         for manifest in load(files):
-            kind = kind_of(manifest)
+            if skipped(manifest):
+                continue
+            kind = kind_for(client, manifest)
             ns = (manifest.doc["metadata"].get("namespace") or namespace) if kind.namespaced \
                 else None  # fmt: skip
             targets.append((kind, ns, manifest.name))

@@ -34,6 +34,7 @@ from tessera.models import (
 from tessera.settings import TesseraSettings
 
 from .locate import CliError, StackLocation, connect_nats, fail
+from .plain_tables import show
 
 UNLIMITED_WORDS = {"", "none", "unlimited", "-", "inf"}
 MIB = Decimal(2) ** 20
@@ -195,7 +196,7 @@ def register(app: typer.Typer) -> None:
                 settings.request_timeout_s,
                 StackLocation.find(state_dir),
             )
-            console.print(states_table(reply.states, title=f"quota of {namespace}"))
+            show(console, states_table(reply.states, title=f"quota of {namespace}"))
             if reply.reason:
                 console.print(reply.reason)
 
@@ -215,10 +216,10 @@ def register(app: typer.Typer) -> None:
                 TesseraSettings().request_timeout_s,
                 StackLocation.find(state_dir),
             )
-            console.print(states_table(reply.states, title=f"quota of {namespace}"))
+            show(console, states_table(reply.states, title=f"quota of {namespace}"))
             for state in reply.states:
                 if state.charges:
-                    console.print(charges_table(state))
+                    show(console, charges_table(state))
 
         run(go)
 
@@ -234,6 +235,6 @@ def register(app: typer.Typer) -> None:
             if not reply.states:
                 console.print("no namespace has GPU limits or usage yet")
                 return
-            console.print(states_table(reply.states))
+            show(console, states_table(reply.states))
 
         run(go)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,30 @@ def by_name(resource: str) -> Kind | None:
 
 def known_names() -> str:
     return ", ".join(k.plural for k in KINDS)
+
+
+def is_kubeconfig(api_version: str, kind: str) -> bool:
+    """A kubeconfig file (`apiVersion: v1`, `kind: Config`): client configuration, not an object
+    the API serves; `apply -f DIR` skips it with a note."""
+    return api_version == "v1" and kind == "Config"
+
+
+_GROUP_VERSION = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?/v[0-9]+((alpha|beta)[0-9]+)?")
+
+
+def discover(client: Any, api_version: str, kind: str) -> Kind | None:
+    """The kind as the server's discovery lists it (`/api/v1`, `/apis/<group>/<version>`):
+    what kubectl does for any kind it applies. None when the server does not serve it."""
+    if api_version != "v1" and not _GROUP_VERSION.fullmatch(api_version):
+        return None  # also never a path of the caller's making (`../`, a query)
+    path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    try:
+        listing = client.get(path)
+    except Exception:  # the group-version is not served (404), or the server is away
+        return None
+    for resource in (listing or {}).get("resources") or []:
+        name = resource.get("name") or ""
+        if resource.get("kind") == kind and name and "/" not in name:
+            shorts = tuple(resource.get("shortNames") or ())
+            return Kind(kind, api_version, name, bool(resource.get("namespaced")), shorts)
+    return None

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.hami import ANN_NODE_REGISTER, decode_node_register
+from tessera_cli.plain_tables import show
 from tessera_cli.stack import (
     LocalStack,
     SimNode,
@@ -204,7 +205,7 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({"results": [r.summary() for r in results], "chart": str(chart)},
                              indent=2))
             return
-        console.print(results_table(results))
+        show(console, results_table(results))
         for result in results:
             for line in result.never_placed[:5]:
                 console.print(f"[dim]{result.policy}: never placed {line}[/dim]")

@@ -71,15 +71,14 @@ def wait_until_ready(stack: LocalStack, nodes: list[SimNode], timeout_s: float) 
 
 
 def apply_directory(stack: LocalStack, directory: Path, console: Any) -> None:
-    """Apply every Pod/ResourceQuota/... of the manifests in `directory` (by file name), as
-    `tessera apply -f` does; other documents (a kubeconfig, say) are skipped."""
-    from .apply import apply_one
+    """Apply every object of the manifests in `directory` (by file name), as `tessera apply -f`
+    does (a kubeconfig is skipped)."""
+    from .apply import apply_one, skipped
     from .kube import KubeClient, load_kubeconfig
-    from .resources import by_kind
 
     with KubeClient(load_kubeconfig(stack.kubeconfig)) as client:
         for manifest in load([str(directory)]):
-            if by_kind(manifest.kind) is None:
+            if skipped(manifest):
                 continue
             name = Path(manifest.source).name
             try:

@@ -126,6 +126,7 @@ def test_an_api_server_away_is_one_line_naming_it(tmp_path: Path, args: list[str
 @pytest.mark.parametrize("args", [
     ["events"], ["quota", "list"],
     ["limits", "set", "node-1", "default/p", "main", "--memory", "1"],
+    ["node-config", "get", "node-1"], ["node-config", "set", "node-1", "--split-count", "2"],
 ])
 def test_nats_away_is_one_line_naming_it(tmp_path: Path, args: list[str]) -> None:
     port = free_port()

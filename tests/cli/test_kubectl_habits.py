@@ -98,7 +98,7 @@ def test_stdin_and_errors_that_quote_the_yaml(kube_sim: KubeSim, ns: str, tmp_pa
             in result.output), \
         result.output
     assert f'{bad}:20: "containers: "not a list""' in result.output
-    assert f"{bad}:22: kind 'Frobnicator' is not one tessera applies" in result.output
+    assert f'{bad}:22: no matches for kind "Frobnicator" in version "v1"' in result.output
     assert '"kind: Frobnicator"' in result.output
 
     syntax = tmp_path / "syntax.yaml"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tessera.gpuid import short_uuid
+from tessera_cli.nats_embedded import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -85,6 +86,40 @@ def test_a_pod_applied_right_after_up_wait_is_admitted_and_placed(state: Path) -
 
     line = wait_for("the pod to run", running)
     assert ":3000MiB/30%" in line and "GPU-" in line
+
+
+def test_get_nodes_shows_the_gpus_and_what_pods_hold(state: Path) -> None:
+    def shown() -> str | None:
+        line = next((row for row in tessera(state, "get", "nodes").stdout.splitlines()
+                     if row.startswith(f"{NODE} ")), "")  # fmt: skip
+        return line if "3000/16000" in line else None
+
+    # first (3000 MiB, 30 %) runs on one of the node's two 8000 MiB cards.
+    assert wait_for("get nodes to count the pod", shown).split() == [
+        NODE, "Ready", "2", "3000/16000", "30/200%", "hami-core", "healthy"]
+    as_json = json.loads(tessera(state, "get", "nodes", "-o", "json").stdout)
+    [node] = [n for n in as_json if n["name"] == NODE]
+    assert sorted(g["memory_used_mib"] for g in node["gpus"]) == [0, 3000]
+    wide = tessera(state, "get", "nodes", "-o", "wide").stdout.splitlines()
+    assert "TYPE" in wide[0] and "GPU PODS" in wide[0]
+
+
+def test_node_config_finds_the_stack_from_the_state_dir_or_its_variable(state: Path) -> None:
+    got = tessera(state, "node-config", "get", NODE)
+    assert got.returncode == 0 and got.stdout.startswith(f"node {NODE}: "), got.stderr
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NATS_", "TESSERA_")) and k != "KUBECONFIG"}
+    by_variable = subprocess.run(
+        [sys.executable, "-m", "tessera_cli", "node-config", "get", NODE], capture_output=True,
+        text=True, timeout=60, env={**env, "TESSERA_STATE_DIR": str(state)})  # fmt: skip
+    assert by_variable.returncode == 0, by_variable.stderr
+    assert by_variable.stdout == got.stdout
+    nowhere = subprocess.run(  # a NATS URL where nothing listens
+        [sys.executable, "-m", "tessera_cli", "node-config", "get", NODE], capture_output=True,
+        text=True, timeout=60, env={**env, "NATS_URL": f"nats://127.0.0.1:{free_port()}"})
+    assert nowhere.returncode == 1 and "Traceback" not in nowhere.stderr
+    assert nowhere.stderr.startswith("error: cannot reach NATS") and \
+        len(nowhere.stderr.strip().splitlines()) == 1  # fmt: skip
 
 
 def test_get_pods_shows_what_limits_set_changed(state: Path) -> None:
