@@ -115,6 +115,12 @@ def main() -> None:
     if args == ["--help"]:  # the commonest call, answered without importing typer
         print(top_level_help())
         return
+    if args[:1] == ["get"]:  # the commonest command, read without typer when it can be
+        from .get import main_fast
+
+        code = main_fast(args[1:])
+        if code is not None:
+            sys.exit(code)
     build_app()(prog_name="tessera")
 
 

@@ -1,6 +1,10 @@
 """A small Kubernetes REST client for the CLI: the server, TLS and credentials of a kubeconfig,
 JSON over the standard library's HTTP (cheap to import; `tessera get pods` starts fast).
 
+A GET from a plain-HTTP server (kube-sim under `tessera up`) is one HTTP/1.1 exchange on a socket
+(`_plain_get`): urllib, http.client and ssl are imported only for anything else, which is most of
+what a `tessera get pods` would otherwise spend importing (bench/get_pods_vs_kubectl.py).
+
 Errors come back as `ApiError` with one readable line: the API server's own message for a
 refused request, "cannot reach ..." when nothing answers (within a few seconds).
 """
@@ -9,13 +13,13 @@ from __future__ import annotations
 
 import base64
 import json
-import ssl
 import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import ssl
 
 from .locate import CliError
 
@@ -60,12 +64,19 @@ def _data_file(entry: dict[str, Any], key: str, scratch: list[str]) -> str | Non
 
 def load_kubeconfig(path: Path) -> KubeConfig:
     """The current context's cluster and user; ApiError naming the file when it is unusable."""
-    import yaml
-
     try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise ApiError(f"{path}: unreadable kubeconfig: {exc}") from None
+    try:  # JSON is YAML: a kubeconfig in JSON (kube-sim's) needs no YAML parser
+        config = json.loads(text)
+    except ValueError:
+        import yaml
+
+        try:
+            config = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ApiError(f"{path}: unreadable kubeconfig: {exc}") from None
     if not isinstance(config, dict):
         raise ApiError(f"{path}: not a kubeconfig")
     current = config.get("current-context")
@@ -103,6 +114,8 @@ class KubeClient:
         self.timeout_s = timeout_s
         self._context: ssl.SSLContext | None = None
         if config.server.startswith("https"):
+            import ssl
+
             context = ssl.create_default_context(cafile=config.ca_file)
             if config.insecure:
                 context.check_hostname = False
@@ -121,21 +134,19 @@ class KubeClient:
     def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.config.server + path, data=data, method=method)
-        request.add_header("Accept", "application/json")
-        if data is not None:
-            request.add_header("Content-Type", content_type)
+        headers = {"Accept": "application/json"}
         if self.config.token:
-            request.add_header("Authorization", f"Bearer {self.config.token}")
+            headers["Authorization"] = f"Bearer {self.config.token}"
+        timeout = self.timeout_s if method != "GET" else min(self.timeout_s, READ_TIMEOUT_S)
         try:
-            timeout = self.timeout_s if method != "GET" else min(self.timeout_s, READ_TIMEOUT_S)
-            with urllib.request.urlopen(request, timeout=timeout, context=self._context) as reply:
-                raw = reply.read()
-        except urllib.error.HTTPError as error:
-            raise self._refusal(error) from None
-        except (urllib.error.URLError, OSError) as error:
-            reason = getattr(error, "reason", error)
+            if method == "GET" and self.config.server.startswith("http://"):
+                status, raw = _plain_get(self.config.server, path, headers, timeout)
+                if status >= 400:
+                    raise _refused(status, raw.decode("utf-8", "replace"))
+            else:
+                raw = self._urllib(method, path, body, content_type, headers, timeout)
+        except OSError as error:  # urllib's URLError is one
+            reason = getattr(error, "reason", None) or error
             raise ApiError(
                 f"cannot reach the API server at {self.config.server} ({reason}): is the stack "
                 "running (`tessera up`)?"
@@ -145,16 +156,22 @@ class KubeClient:
         except ValueError:
             raise ApiError(f"{method} {path}: the API server's reply is not JSON") from None
 
-    @staticmethod
-    def _refusal(error: urllib.error.HTTPError) -> ApiError:
-        text = error.read().decode("utf-8", "replace")
+    def _urllib(self, method: str, path: str, body: Any, content_type: str,
+                headers: dict[str, str], timeout: float) -> bytes:  # fmt: skip
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.config.server + path, data=data, method=method,
+                                         headers=headers)  # fmt: skip
+        if data is not None:
+            request.add_header("Content-Type", content_type)
         try:
-            status = json.loads(text)
-        except ValueError:
-            status = {}
-        message = status.get("message") if isinstance(status, dict) else None
-        reason = status.get("reason", "") if isinstance(status, dict) else ""
-        return ApiError(message or f"HTTP {error.code}: {text.strip()[:300]}", error.code, reason)
+            with urllib.request.urlopen(request, timeout=timeout, context=self._context) as reply:
+                raw: bytes = reply.read()
+                return raw
+        except urllib.error.HTTPError as error:
+            raise _refused(error.code, error.read().decode("utf-8", "replace")) from None
 
     def get(self, path: str) -> Any:
         return self.request("GET", path)
@@ -170,6 +187,63 @@ class KubeClient:
 
     def delete(self, path: str) -> Any:
         return self.request("DELETE", path)
+
+
+def _refused(code: int, text: str) -> ApiError:
+    """The API server's refusal: its Status message and reason, else the status line."""
+    try:
+        status = json.loads(text)
+    except ValueError:
+        status = {}
+    message = status.get("message") if isinstance(status, dict) else None
+    reason = status.get("reason", "") if isinstance(status, dict) else ""
+    return ApiError(message or f"HTTP {code}: {text.strip()[:300]}", code, reason)
+
+
+def _plain_get(server: str, path: str, headers: dict[str, str], timeout: float
+               ) -> tuple[int, bytes]:  # fmt: skip
+    """One HTTP/1.1 GET on a socket to an `http://` server: (status, body). The body is read as
+    the reply frames it (Content-Length, chunked, else until the server closes); OSError when
+    the server is away or the reply is not HTTP."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server + path)
+    target = (url.path or "/") + (f"?{url.query}" if url.query else "")
+    lines = [f"GET {target} HTTP/1.1", f"Host: {url.netloc}", "Connection: close",
+             *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
+    with socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        with sock.makefile("rb") as reply:
+            status_line = reply.readline(65537).decode("latin-1")
+            parts = status_line.split(" ", 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+                raise OSError(f"not an HTTP reply: {status_line.strip()[:80]!r}")
+            fields: dict[str, str] = {}
+            while (line := reply.readline(65537).decode("latin-1").strip()):
+                name, _, value = line.partition(":")
+                fields[name.strip().lower()] = value.strip()
+            if "chunked" in fields.get("transfer-encoding", "").lower():
+                body = _dechunked(reply)
+            elif fields.get("content-length", "").isdigit():
+                body = reply.read(int(fields["content-length"]))
+            else:
+                body = reply.read()
+    return int(parts[1]), body
+
+
+def _dechunked(reply: Any) -> bytes:
+    chunks = []
+    while True:
+        size_line = reply.readline(65537).split(b";", 1)[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            raise OSError("malformed chunked reply") from None
+        if size == 0:
+            return b"".join(chunks)
+        chunks.append(reply.read(size))
+        reply.readline(3)  # the CRLF after the chunk
 
 
 def api_client(state_dir: Path | None, kubeconfig: Path | None) -> KubeClient:

@@ -36,13 +36,18 @@ class CliError(Exception):
     """Something to tell the person at the terminal in one line (exit code 1)."""
 
 
+def error_line(error: object) -> str:
+    """`error: <the message on one line>`."""
+    text = str(error).strip().splitlines()
+    message = text[0] if len(text) == 1 else " ".join(line.strip() for line in text)
+    return f"error: {message}"
+
+
 def fail(error: object, code: int = 1) -> NoReturn:
     """One line on stderr, then exit: never a traceback for a user's mistake or a stack away."""
     import typer
 
-    text = str(error).strip().splitlines()
-    message = text[0] if len(text) == 1 else " ".join(line.strip() for line in text)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(error_line(error), file=sys.stderr, flush=True)
     raise typer.Exit(code)
 
 

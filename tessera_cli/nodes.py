@@ -22,7 +22,7 @@ _DONE = ("Succeeded", "Failed")
 def _gpu_use(pods: list[dict[str, Any]]) -> tuple[dict[str, dict[str, list[int]]], dict[str, int]]:
     """node -> GPU uuid -> [memory MiB, cores %, pods] held by the pods bound there; and node ->
     how many pods there hold a GPU."""
-    from .pods import pod_gpus
+    from .get import pod_gpus
 
     use: dict[str, dict[str, list[int]]] = {}
     gpu_pods: dict[str, int] = {}

@@ -7,87 +7,26 @@ Imports stay light (no httpx, rich or pydantic): `tessera get pods` starts fast.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from tessera.gpuid import short_uuid
-from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, parse_pod_devices
-from tessera.reasons import readable
-
+from .get import (  # noqa: F401 (re-exported: describe, screen, up and tests read them here)
+    GetArgs,
+    _nothing,
+    describe_gpus,
+    pod_gpus,
+    pod_reason,
+    pod_summary,
+    pods_table,
+    resolve_kind,
+    run_get,
+)
 from .kube import ApiError, KubeClient, api_client
 from .locate import CliError, fail
-from .resources import Kind, by_name, known_names
-from .table import render
-
-
-def pod_gpus(pod: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """The pod's slices per container, as the node agent last recorded them (it rewrites
-    `hami.io/vgpu-devices-allocated` from the ledger on `tessera limits set`), else as the
-    scheduler granted them."""
-    annotations = pod.get("metadata", {}).get("annotations") or {}
-    text = annotations.get(ANN_DEVICES_ALLOCATED) or annotations.get(ANN_DEVICES_TO_ALLOCATE)
-    if not text:
-        return []
-    try:
-        containers = parse_pod_devices(text)
-    except ValueError:
-        return []
-    return [
-        [{"uuid": u, "type": t, "memory_mib": m, "cores": c} for u, t, m, c in container]
-        for container in containers
-    ]
-
-
-def pod_reason(pod: dict[str, Any]) -> str:
-    status = pod.get("status") or {}
-    for condition in status.get("conditions") or []:
-        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-            return str(condition.get("message") or condition.get("reason") or "")
-    for container in status.get("containerStatuses") or []:
-        waiting = (container.get("state") or {}).get("waiting")
-        if waiting and waiting.get("reason") not in (None, "ContainerCreating"):
-            return f"{waiting.get('reason')}: {waiting.get('message', '')}".strip(": ")
-    return str(status.get("message") or "")
-
-
-def pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
-    meta = pod.get("metadata", {})
-    status = pod.get("status") or {}
-    reason = pod_reason(pod)
-    return {
-        "namespace": meta.get("namespace", ""),
-        "name": meta.get("name", ""),
-        "uid": meta.get("uid", ""),
-        "phase": status.get("phase", "Pending"),
-        "node": (pod.get("spec") or {}).get("nodeName") or "",
-        "gpus": pod_gpus(pod),
-        "reason": readable(reason),
-        "created": meta.get("creationTimestamp", ""),
-    }
-
-
-def describe_gpus(gpus: list[list[dict[str, Any]]]) -> str:
-    """`GPU-3fe337b5:3000MiB/30%` per device; containers separated by ` | `."""
-    parts = []
-    for container in gpus:
-        if container:
-            parts.append(" ".join(
-                f"{short_uuid(g['uuid'])}:{g['memory_mib']}MiB/{g['cores']}%" for g in container
-            ))
-    return " | ".join(parts)
-
-
-def resolve_kind(resource: str) -> Kind:
-    kind = by_name(resource)
-    if kind is None:
-        raise CliError(f'the server doesn\'t have a resource type "{resource}" '
-                       f"(tessera knows {known_names()})")
-    return kind
-
+from .resources import Kind
 
 # --- apply ------------------------------------------------------------------------------------
 
@@ -116,50 +55,6 @@ def apply_files(client: KubeClient, files: list[str], namespace: str, recursive:
             ok = False
             print(f"error: {error}", file=err, flush=True)
     return ok
-
-
-# --- get --------------------------------------------------------------------------------------
-
-
-def pods_table(pods: list[dict[str, Any]], all_namespaces: bool, wide: bool = False) -> str:
-    headers = ["NAME", "STATUS", "NODE", "GPUS", "REASON"]
-    rows = [[p["name"], p["phase"], p["node"] or "-", describe_gpus(p["gpus"]) or "-",
-             p["reason"]] for p in pods]  # fmt: skip
-    if wide:  # kubectl's wide adds columns: here the uid and the age's source
-        headers[4:4] = ["UID", "CREATED"]
-        rows = [[*row[:4], p["uid"], p["created"] or "-", row[4]]
-                for p, row in zip(pods, rows, strict=True)]  # fmt: skip
-    if all_namespaces:
-        headers.insert(0, "NAMESPACE")
-        rows = [[p["namespace"], *row] for p, row in zip(pods, rows, strict=True)]
-    return render(headers, rows)
-
-
-def quotas_table(items: list[dict[str, Any]], all_namespaces: bool) -> str:
-    rows = []
-    for quota in items:
-        hard = (quota.get("spec") or {}).get("hard") or {}
-        used = (quota.get("status") or {}).get("used") or {}
-        rows.append([quota["metadata"].get("namespace", ""), quota["metadata"]["name"],
-                     ", ".join(f"{k}={v}" for k, v in hard.items()),
-                     ", ".join(f"{k}={v}" for k, v in used.items())])  # fmt: skip
-    return render(["NAMESPACE", "NAME", "HARD", "USED"], rows)
-
-
-def generic_table(items: list[dict[str, Any]], kind: Kind, all_namespaces: bool) -> str:
-    rows = []
-    for item in items:
-        meta = item.get("metadata") or {}
-        row = [meta.get("name", ""), meta.get("creationTimestamp", "")]
-        rows.append([meta.get("namespace", ""), *row] if kind.namespaced else row)
-    headers = ["NAME", "CREATED"]
-    return render(["NAMESPACE", *headers] if kind.namespaced else headers, rows)
-
-
-def _nothing(kind: Kind, namespace: str | None) -> str:
-    if kind.namespaced and namespace:
-        return f"No resources found in {namespace} namespace."
-    return "No resources found"
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -204,54 +99,10 @@ def register(app: typer.Typer) -> None:
         kubeconfig: Path | None = kubeconfig_option,
     ) -> None:
         """List pods with their state, node, GPU slices and, when pending, why."""
-        if output not in ("table", "wide", "json", "name"):
-            fail(f'unable to match a printer suitable for the output format "{output}", '
-                 "allowed formats are: json, name, wide")
-        pods_on_nodes: list[dict[str, Any]] = []
-        try:
-            kind = resolve_kind(resource)
-            ns = None if all_namespaces else (namespace or "default")
-            with api_client(state_dir, kubeconfig) as client:
-                items = client.get(kind.collection(ns)).get("items") or []
-                if kind.kind == "Node" and items and output in ("table", "wide", "json"):
-                    pods_on_nodes = client.get("/api/v1/pods").get("items") or []
-        except CliError as error:
-            fail(error)
-        if names:
-            items = [i for i in items if (i.get("metadata") or {}).get("name") in names]
-            missing = set(names) - {(i.get("metadata") or {}).get("name") for i in items}
-            for name in sorted(missing):
-                print(f'Error from server (NotFound): {kind.plural} "{name}" not found',
-                      file=sys.stderr)
-            if missing and not items:
-                raise typer.Exit(1)
-        if output == "name":
-            print("\n".join(f"{kind.singular}/{i['metadata']['name']}" for i in items))
-            return
-        if kind.kind == "Pod":
-            pods = [pod_summary(p) for p in items]
-            if output == "json":
-                print(json.dumps(pods, indent=2))
-            elif pods:
-                print(pods_table(pods, all_namespaces, wide=output == "wide"))
-            else:
-                print(_nothing(kind, ns), file=sys.stderr)
-            return
-        if kind.kind == "Node" and items and output != "name":
-            from .nodes import nodes_table, summarise
-
-            summaries = summarise(items, pods_on_nodes)
-            print(json.dumps(summaries, indent=2) if output == "json"
-                  else nodes_table(summaries, wide=output == "wide"))  # fmt: skip
-            return
-        if output == "json":
-            print(json.dumps(items, indent=2))
-        elif not items:
-            print(_nothing(kind, ns), file=sys.stderr)
-        elif kind.kind == "ResourceQuota":
-            print(quotas_table(items, all_namespaces))
-        else:
-            print(generic_table(items, kind, all_namespaces))
+        code = run_get(GetArgs(resource, tuple(names or ()), namespace, all_namespaces, output,
+                               state_dir, kubeconfig))  # fmt: skip
+        if code:
+            raise typer.Exit(code)
 
     @app.command("delete")
     def delete_command(
