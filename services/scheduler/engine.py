@@ -87,7 +87,7 @@ class Scheduler:
         self.preemption = Preemptor(
             settings=settings, config=config, ledger=indexed, cluster=cluster,
             releaser=self.releaser, quota=quota, publisher=publisher, instance=instance,
-            clock=clock,
+            clock=clock, pod_events=self.pod_events,
         )  # fmt: skip
         self.binder = PodBinder(
             config=config, ledger=indexed, cluster=cluster, pod_filter=self.pod_filter,

@@ -1,7 +1,9 @@
 """Kubernetes Events on the pod, as HAMi's scheduler records them, through the cluster port.
 
 Reasons (HAMi's): `FilteringFailed` (Warning, with every node's refusal), `FilteringSucceed`,
-`BindingFailed` (Warning), `BindingSucceed`. `kubectl describe pod` shows them.
+`BindingFailed` (Warning), `BindingSucceed`; and kube-scheduler's `Preempted` (Normal, on each
+victim of a preemption once it is evicted: "Preempted by pod <uid> on node <node>", kube-
+scheduler's wording, then which pod that is). `kubectl describe pod` shows them.
 
 Rate-limited so a pod retried every few seconds does not flood the API server: the same reason
 and message for the same pod at most once per `repeat_s`; at most `burst` events in flight (the
@@ -25,6 +27,7 @@ FILTERING_FAILED = "FilteringFailed"
 FILTERING_SUCCEED = "FilteringSucceed"
 BINDING_FAILED = "BindingFailed"
 BINDING_SUCCEED = "BindingSucceed"
+PREEMPTED = "Preempted"  # kube-scheduler's reason on a preemption victim
 _REMEMBERED = 10_000
 
 
@@ -70,6 +73,12 @@ class PodEventRecorder:
             self._record(ref, BINDING_FAILED, "Warning", f"binding to {node} failed: {error}")
         else:
             self._record(ref, BINDING_SUCCEED, "Normal", f"bound to node {node}")
+
+    def preempted(self, victim: ObjectRef, preemptor: ObjectRef, node: str) -> None:
+        """A victim was evicted so that `preemptor` can have its GPUs on `node`."""
+        self._record(victim, PREEMPTED, "Normal",
+                     f"Preempted by pod {preemptor.uid} on node {node} "
+                     f"({preemptor.namespace}/{preemptor.name} needs its GPUs)")  # fmt: skip
 
     def _record(self, ref: ObjectRef, reason: str, kind: Literal["Normal", "Warning"],
                 message: str) -> None:

@@ -38,6 +38,7 @@ from tessera.cluster.port import (
     ClusterPort,
     DisruptionRefusedError,
     NotFoundError,
+    ObjectRef,
     WatchEvent,
 )
 from tessera.hami import RequestError
@@ -50,6 +51,7 @@ from .cards import allocation_usage
 from .config import SchedulerSettings
 from .index import ClusterIndex
 from .indexed_ledger import IndexedLedger
+from .kube_events import PodEventRecorder
 from .ledger import NodeFullError
 from .pods import PodIdentity, container_names, parse_pod
 from .preemption import (
@@ -185,6 +187,7 @@ class Preemptor:
     # Set once the pod watch has replayed its first listing (runtime.py); until then `pods` is
     # not every pod of the cluster. None: no watch says otherwise (the pods are taken as known).
     pods_listed: asyncio.Event | None = None
+    pod_events: PodEventRecorder | None = None  # the victims' `Preempted` events
 
     @property
     def index(self) -> ClusterIndex:
@@ -557,6 +560,13 @@ class Preemptor:
         for victim in choice.victims:
             try:
                 await self.cluster.evict_pod(victim.namespace, victim.name, victim.pod_uid)
+                if self.pod_events is not None:
+                    self.pod_events.preempted(
+                        ObjectRef(namespace=victim.namespace, name=victim.name,
+                                  uid=victim.pod_uid),
+                        ObjectRef(namespace=ident.namespace, name=ident.name, uid=ident.uid),
+                        choice.node,
+                    )  # fmt: skip
             except NotFoundError:
                 self.gone.setdefault(victim.pod_uid, self.clock())  # already gone
             except DisruptionRefusedError as exc:

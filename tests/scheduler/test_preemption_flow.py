@@ -118,6 +118,12 @@ async def test_a_victim_is_released_only_when_the_agent_reports_its_memory_free(
     uid = victim["metadata"]["uid"]
     # The in-memory cluster evicted (deleted) the victim at once; the watch saw it go.
     await wait_until(lambda: uid in service.scheduler.preemption.gone)
+    # Kubernetes' `Preempted` event on the victim, naming who took its place and where.
+    await wait_until(lambda: any(e["reason"] == "Preempted" for e in cluster.events))
+    [preempted] = [e for e in cluster.events if e["reason"] == "Preempted"]
+    assert preempted["type"] == "Normal" and preempted["involved"]["uid"] == uid
+    assert preempted["message"].startswith(
+        f"Preempted by pod {urgent['metadata']['uid']} on node {name} (default/urgent")
 
     async def report(used_mib: int) -> None:
         sample = UsageSample(node=name, devices=[HostDeviceUsage(
