@@ -3,42 +3,62 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The stack's own dependencies and libvgpu's headers only (`make demo`): no test toolchain.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 PYTEST_ARGS ?=
 # The suite runs on two workers by default (pytest-xdist: whole modules per worker;
 # tests/suite_run.py keeps `serial` tests alone); PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
-.PHONY: all dev native protos browser test lint format demo bench docs image clean
+.PHONY: all dev runtime native native-lib protos protos-only browser test lint format demo bench docs image clean
 
 all: dev native protos
 
 # The virtual environment with the project (editable) and its test tools.
 # pip's and setuptools' chatter goes to .venv/install.log, shown only if the install fails.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "installing the project and its test tools into $(VENV) (log: $(VENV)/install.log)"
 	@{ $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q -e ".[dev]"; } \
 		> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
-	touch $(STAMP)
+	@touch $(STAMP) $(RUNTIME_STAMP)
+
+# What the stack needs (`make demo`): the project with its runtime dependencies and libvgpu's
+# headers (the `native` extra), without the test toolchain (`make dev` adds it; a venv made
+# by `make dev` already has it all).
+$(RUNTIME_STAMP): pyproject.toml
+	@test -x $(BIN)/python || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "installing the project and what the stack needs into $(VENV) (1-3 min the first time; log: $(VENV)/install.log)"
+	@{ $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q -e ".[native]"; } \
+		> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@touch $(RUNTIME_STAMP)
 
 dev: $(STAMP)
 
+runtime: $(RUNTIME_STAMP)
+
 # libvgpu and the fakes its tests use.
-native: dev
+native: dev native-lib
+
+native-lib: runtime
 	@if [ -f native/libvgpu/Makefile ]; then \
 		$(MAKE) -C native/libvgpu PYTHON=$(abspath $(BIN)/python); \
 	else echo "native/libvgpu: not built yet"; fi
 
 # gRPC stubs for the kubelet APIs, generated from protos/ (gitignored; also generated on first
 # import of tessera.kubeapi when missing).
-protos: dev
+protos: dev protos-only
+
+protos-only: runtime
 	$(BIN)/python -m tessera.kubeapi
 
 # Headless Chromium for the dashboard's browser test (Debian package; never `playwright install`).
+# As root it is installed with apt-get, said first (SKIP_BROWSER=1 skips it; those tests skip).
 browser:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@command -v chromium >/dev/null 2>&1 || [ -n "$(SKIP_BROWSER)" ] || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "chromium missing: installing the Debian package with apt-get as root, for the dashboard's browser test (SKIP_BROWSER=1 to skip)"; \
 			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 			|| echo "could not install chromium: browser tests will be skipped"; \
 		else echo "chromium missing and not root: browser tests will be skipped"; fi; }
@@ -55,9 +75,16 @@ format: dev
 
 # The local stack (NATS, kube-sim with 2 simulated nodes x 4 GPUs, every service) with the
 # examples applied; the live view ends with the dashboard URL. Ctrl-C stops it;
-# DEMO_ARGS="--duration 60" stops by itself. Builds quietly first (errors still show).
+# DEMO_ARGS="--duration 60" stops by itself. Installs only what the stack needs (not the test
+# toolchain), a line per step; errors still show.
 demo:
-	@$(MAKE) -s --no-print-directory dev native protos
+	@echo "[1/4] Python environment ($(VENV))"
+	@$(MAKE) -s --no-print-directory runtime
+	@echo "[2/4] libvgpu (native/libvgpu/build/libvgpu.so)"
+	@$(MAKE) -s --no-print-directory native-lib >/dev/null
+	@echo "[3/4] gRPC stubs for the kubelet APIs"
+	@$(MAKE) -s --no-print-directory protos-only >/dev/null
+	@echo "[4/4] starting the stack"
 	@$(BIN)/tessera up --nodes 2 --gpus-per-node 4 --apply examples $(DEMO_ARGS)
 
 bench: dev native protos

@@ -174,7 +174,13 @@ def run_get(args: GetArgs) -> int:
                   file=sys.stderr)
         if missing and not items:
             return 1
-    print_items(items, kind, ns, args.output, args.all_namespaces, pods_on_nodes)
+    try:
+        print_items(items, kind, ns, args.output, args.all_namespaces, pods_on_nodes)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `tessera get pods | head`: the reader has all it wants
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
 
 
