@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 # by `make dev` already has it all).
 $(RUNTIME_STAMP): pyproject.toml
 	@test -x $(BIN)/python || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
-	@echo "installing the project and what the stack needs into $(VENV) (1-3 min the first time; log: $(VENV)/install.log)"
+	@echo "installing the project and what the stack needs into $(VENV) (about 40 s with a warm pip cache, more when downloading; log: $(VENV)/install.log)"
 	@{ $(BIN)/pip install -q --upgrade pip && $(BIN)/pip install -q -e ".[native]"; } \
 		> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	@touch $(RUNTIME_STAMP)
