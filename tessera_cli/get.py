@@ -19,7 +19,7 @@ from tessera.reasons import readable
 
 from .kube import api_client
 from .locate import CliError, error_line
-from .resources import Kind, by_name, known_names
+from .resources import Kind, by_name, discover_by_name, known_names
 from .table import render
 
 
@@ -90,11 +90,15 @@ def describe_gpus(gpus: list[list[dict[str, Any]]]) -> str:
     return " | ".join(parts)
 
 
-def resolve_kind(resource: str) -> Kind:
+def resolve_kind(resource: str, client: Any = None) -> Kind:
+    """A resource name as kubectl reads it: the kinds tessera knows, else (with a client) any
+    the server's discovery lists (`priorityclasses`, `cm`, ...)."""
     kind = by_name(resource)
+    if kind is None and client is not None:
+        kind = discover_by_name(client, resource)
     if kind is None:
         raise CliError(f'the server doesn\'t have a resource type "{resource}" '
-                       f"(tessera knows {known_names()})")
+                       f"(tessera knows {known_names()}, and what the server lists)")
     return kind
 
 
@@ -157,9 +161,9 @@ def run_get(args: GetArgs) -> int:
         return 1
     pods_on_nodes: list[dict[str, Any]] = []
     try:
-        kind = resolve_kind(args.resource)
-        ns = None if args.all_namespaces else (args.namespace or "default")
         with api_client(args.state_dir, args.kubeconfig) as client:
+            kind = resolve_kind(args.resource, client)
+            ns = None if args.all_namespaces else (args.namespace or "default")
             items = client.get(kind.collection(ns)).get("items") or []
             if kind.kind == "Node" and items and args.output != "name":
                 pods_on_nodes = client.get("/api/v1/pods").get("items") or []

@@ -148,7 +148,7 @@ def _delete_targets(client: KubeClient, resource: str | None, names: list[str] |
         return targets
     if not resource:
         raise CliError("say what to delete: a resource and names, --all, or -f FILE")
-    kind = resolve_kind(resource)
+    kind = resolve_kind(resource, client)
     ns = namespace if kind.namespaced else None
     if all_objects:
         return [(kind, ns, "")]

@@ -82,3 +82,36 @@ def discover(client: Any, api_version: str, kind: str) -> Kind | None:
             shorts = tuple(resource.get("shortNames") or ())
             return Kind(kind, api_version, name, bool(resource.get("namespaced")), shorts)
     return None
+
+
+def discover_by_name(client: Any, resource: str) -> Kind | None:
+    """A resource named as kubectl accepts it (plural, singular, short name; `name.group`
+    narrows the group), found in the server's discovery: the core group, then every group's
+    preferred version. None when the server lists no such resource."""
+    name, _, group = resource.lower().partition(".")
+    versions = [] if group else ["v1"]
+    try:
+        groups = (client.get("/apis") or {}).get("groups") or []
+    except Exception as exc:
+        if getattr(exc, "status", None) == 0:
+            raise  # the server is away: say that, not that it lacks the resource
+        groups = []
+    for entry in groups:
+        preferred = (entry.get("preferredVersion") or {}).get("groupVersion")
+        if preferred and (not group or entry.get("name") == group):
+            versions.append(preferred)
+    for api_version in versions:
+        path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        try:
+            listing = client.get(path) or {}
+        except Exception:
+            continue
+        for r in listing.get("resources") or []:
+            plural = r.get("name") or ""
+            if "/" in plural or not r.get("kind"):
+                continue
+            names = {plural, r.get("singularName") or "", *(r.get("shortNames") or ())}
+            if name in names or name == str(r["kind"]).lower():
+                return Kind(str(r["kind"]), api_version, plural, bool(r.get("namespaced")),
+                            tuple(r.get("shortNames") or ()))  # fmt: skip
+    return None

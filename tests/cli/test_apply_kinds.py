@@ -59,3 +59,17 @@ def test_a_kind_the_server_does_not_serve_is_refused_in_one_line(
     assert result.exit_code == 1
     assert 'no matches for kind "Widget" in version "example.com/v1"' in result.output
     assert "Traceback" not in result.output
+
+
+def test_get_and_delete_find_a_kind_through_discovery(kube_sim: KubeSim, tmp_path: Path) -> None:
+    name = f"pc-{uuid.uuid4().hex[:6]}"
+    (tmp_path / "pc.yaml").write_text(PRIORITY.format(name=name))
+    assert kube_sim.cli("apply", "-f", str(tmp_path / "pc.yaml")).exit_code == 0
+    for resource in ("priorityclasses", "pc", "priorityclass.scheduling.k8s.io"):
+        listed = kube_sim.cli("get", resource, name, "-o", "name")
+        assert listed.exit_code == 0 and listed.output.strip() == f"priorityclass/{name}", \
+            listed.output  # fmt: skip
+    unknown = kube_sim.cli("get", "widgets")
+    assert unknown.exit_code == 1 and 'resource type "widgets"' in unknown.output
+    deleted = kube_sim.cli("delete", "pc", name)
+    assert deleted.exit_code == 0 and f'priorityclass "{name}" deleted' in deleted.output
