@@ -96,7 +96,7 @@ class LedgerRebuilder:
         seen = UidRecorder(partial(needed, placed,
                                    self.foreign.scheduler_name if self.foreign else None))
         listed = await list_pods_slim(self.cluster, seen)
-        self.listed = Listing(frozenset(seen.uids), listed_at)
+        self.listed = Listing(seen.uids, listed_at)
         now = self.clock()
         report.pods_seen += listed.skipped
         pods = listed.pods  # only what the rebuild and HAMi's classification read of a pod

@@ -18,6 +18,7 @@ The grace, so that nothing still being created is freed:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +42,16 @@ class Listing:
     """What a listing of the cluster's pods tells: every uid in it, and the phase of those whose
     phase was read (a listing that skipped decoding some pods knows only their uid)."""
 
-    uids: frozenset[str]
+    uids: AbstractSet[str]
     listed_at: float  # when the listing began (the scheduler's clock)
     phases: Mapping[str, str] | None = None
+
+    @property
+    def live(self) -> AbstractSet[str]:
+        """The uids of pods not known to have finished."""
+        if not self.phases:
+            return self.uids
+        return {u for u in self.uids if self.phases.get(u) not in FINISHED_PHASES}
 
     @classmethod
     def of_pods(cls, pods: Iterable[Any], listed_at: float) -> Listing:
@@ -86,22 +94,27 @@ def verdict(allocation: Any, listing: Listing, skew_s: float = DEFAULT_SKEW_S) -
 
 
 def stale_allocations(
-    ledgers: Mapping[str, Any], listing: Listing, skew_s: float = DEFAULT_SKEW_S
+    placed: Mapping[str, str], ledgers: Mapping[str, Any], listing: Listing,
+    skew_s: float = DEFAULT_SKEW_S,
 ) -> list[StaleRelease]:
-    """The active allocations, node by node (`ledgers`: node -> a ledger or its view, anything
-    with `allocations`), that belong to no live pod of the listing, with why."""
+    """The active allocations that belong to no live pod of the listing, with why. `placed`:
+    pod uid -> node of every active allocation (the index keeps it); `ledgers`: node -> its
+    ledger or the index's view of it (anything with `allocations`)."""
     found: list[StaleRelease] = []
-    for node, ledger in ledgers.items():
-        allocations = getattr(ledger, "allocations", None) or {}
-        for uid, allocation in allocations.items():
-            if not allocation.active:
-                continue
-            why = verdict(allocation, listing, skew_s)
-            if why:
-                found.append(StaleRelease(
-                    node=node, pod_uid=uid, namespace=str(getattr(allocation, "namespace", "")),
-                    name=str(getattr(allocation, "name", "")), why=why,
-                ))  # fmt: skip
+    # The pods the listing holds alive are nearly all of them: one set difference, in C (a
+    # restart at 80,000 allocations pays milliseconds here, not a call per allocation).
+    for uid in sorted(placed.keys() - listing.live):
+        node = placed[uid]
+        allocations = getattr(ledgers.get(node), "allocations", None) or {}
+        allocation = allocations.get(uid)
+        if allocation is None or not allocation.active:
+            continue
+        why = verdict(allocation, listing, skew_s)
+        if why:
+            found.append(StaleRelease(
+                node=node, pod_uid=uid, namespace=str(getattr(allocation, "namespace", "")),
+                name=str(getattr(allocation, "name", "")), why=why,
+            ))  # fmt: skip
     return found
 
 
@@ -111,9 +124,9 @@ class UidRecorder:
 
     def __init__(self, need: Any) -> None:
         self.need = need
-        self.uids: set[str] = set()
+        self.uids: set[Any] = set()
 
     def __call__(self, uids: list[Any], schedulers: list[Any]) -> list[bool]:
-        self.uids.update(u for u in uids if type(u) is str)
+        self.uids.update(uids)  # a missing uid (None) matches no allocation
         wanted: list[bool] = self.need(uids, schedulers)
         return wanted

@@ -31,7 +31,7 @@ async def release_stale(
     entry). A release that fails is logged and left to the next pass."""
     ledgers = {name: entry.view for name, entry in index.entries.items() if entry.view is not None}
     by_node: dict[str, list[StaleRelease]] = defaultdict(list)
-    for stale in stale_allocations(ledgers, listing, skew_s):
+    for stale in stale_allocations(index.pod_nodes, ledgers, listing, skew_s):
         by_node[stale.node].append(stale)
     released: list[StaleRelease] = []
     gate = asyncio.Semaphore(parallel)

@@ -52,7 +52,8 @@ def test_stale_allocations_names_node_and_pod() -> None:
     inactive = alloc("old")
     inactive.active = False
     ledgers["n2"].allocations["old"] = inactive
-    found = stale_allocations(ledgers, Listing(frozenset({"live"}), NOW))
+    placed = {"gone": "n1", "live": "n1", "old": "n2", "lost": "n3"}  # the index's map
+    found = stale_allocations(placed, ledgers, Listing(frozenset({"live"}), NOW))
     assert [(s.node, s.pod_uid, s.namespace, s.name, s.why) for s in found] == [
         ("n1", "gone", "ns", "gone", GONE)
     ]
