@@ -127,6 +127,9 @@ class UidRecorder:
         self.uids: set[Any] = set()
 
     def __call__(self, uids: list[Any], schedulers: list[Any]) -> list[bool]:
-        self.uids.update(uids)  # a missing uid (None) matches no allocation
+        try:
+            self.uids.update(uids)  # a missing uid (None) matches no allocation
+        except TypeError:  # a hostile pod's uid that is a list or an object: not a pod of ours
+            self.uids.update(u for u in uids if type(u) is str)
         wanted: list[bool] = self.need(uids, schedulers)
         return wanted
