@@ -71,7 +71,7 @@ async def _tail(
     follow: bool,
     idle_exit_s: float,
 ) -> None:
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     nc = await connect_nats(location, "tessera-cli-events")
     stream = subscribe(
         nc, subject, start_sequence=since_seq, start_time=start_time, new_only=new

@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
             reply = asyncio.run(_send(StackLocation.find(state_dir), node, request))
         except CliError as error:
             fail(error)
-        console = Console(highlight=False)
+        console = Console(highlight=False, soft_wrap=True)
         if reply.ok:
             console.print(f"{namespace or 'default'}/{name} {container}: {reply.reason}")
             return

@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
             fail(f"invalid node configuration: {_first_error(exc)}")
         status = _run(StackLocation.find(state_dir), node_config_set_subject(node),
                       encode(request), node)  # fmt: skip
-        console = Console(highlight=False)
+        console = Console(highlight=False, soft_wrap=True)
         if not status.ok:
             console.print(f"refused: {status.reason}")
             raise typer.Exit(1)
@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """What the node applies, where it comes from, and the last refused change."""
         status = _run(StackLocation.find(state_dir), node_config_get_subject(node), b"{}", node)
-        console = Console(highlight=False)
+        console = Console(highlight=False, soft_wrap=True)
         if not status.ok:
             console.print(status.reason)
             raise typer.Exit(1)

@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
     state_option = typer.Option(None, "--state-dir", help="the stack's state dir")
 
     def run(coro_factory: object) -> None:
-        console = Console(highlight=False)
+        console = Console(highlight=False, soft_wrap=True)
         try:
             asyncio.run(coro_factory(console))  # type: ignore[operator]
         except CliError as exc:

@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
         "gpumem": 4000, "gpucores": 30} or {"t": 5, "op": "delete", "name": "p1"}; "pod" may
         hold a full pod spec instead, "annotations" HAMi's pod annotations.
         """
-        console = Console(stderr=as_json)
+        console = Console(stderr=as_json, soft_wrap=True)
         for name in policy:
             if name not in ("binpack", "spread"):
                 raise typer.BadParameter(f"unknown policy {name!r}", param_hint="--policy")

@@ -68,3 +68,4 @@ def test_a_rich_table_off_a_terminal_is_plain_columns_without_wrapping() -> None
         len("3,000 MiB / 8,000 MiB (38%)") - len("MEMORY USED / LIMIT")) + "   PODS"
     assert lines[2] == f"{long_name}   3,000 MiB / 8,000 MiB (38%)   1"
     assert len(lines) == 3
+

@@ -107,6 +107,9 @@ def test_get_nodes_shows_the_gpus_and_what_pods_hold(state: Path) -> None:
 def test_node_config_finds_the_stack_from_the_state_dir_or_its_variable(state: Path) -> None:
     got = tessera(state, "node-config", "get", NODE)
     assert got.returncode == 0 and got.stdout.startswith(f"node {NODE}: "), got.stderr
+    # Off a terminal a long line stays one line (rich wrapped it at 80 columns).
+    effective = json.loads(got.stdout.splitlines()[0].removeprefix(f"node {NODE}: "))
+    assert effective["devicesplitcount"] >= 1
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("NATS_", "TESSERA_")) and k != "KUBECONFIG"}
     by_variable = subprocess.run(
