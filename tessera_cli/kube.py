@@ -139,7 +139,7 @@ class KubeClient:
             headers["Authorization"] = f"Bearer {self.config.token}"
         timeout = self.timeout_s if method != "GET" else min(self.timeout_s, READ_TIMEOUT_S)
         try:
-            if method == "GET" and self.config.server.startswith("http://"):
+            if method == "GET" and self.config.server.startswith("http://") and not _proxied():
                 status, raw = _plain_get(self.config.server, path, headers, timeout)
                 if status >= 400:
                     raise _refused(status, raw.decode("utf-8", "replace"))
@@ -198,6 +198,14 @@ def _refused(code: int, text: str) -> ApiError:
     message = status.get("message") if isinstance(status, dict) else None
     reason = status.get("reason", "") if isinstance(status, dict) else ""
     return ApiError(message or f"HTTP {code}: {text.strip()[:300]}", code, reason)
+
+
+def _proxied() -> bool:
+    """An HTTP proxy is configured: urllib's path, which honours it (and NO_PROXY)."""
+    import os
+
+    return any(os.environ.get(name) for name in ("http_proxy", "HTTP_PROXY", "all_proxy",
+                                                  "ALL_PROXY"))  # fmt: skip
 
 
 def _plain_get(server: str, path: str, headers: dict[str, str], timeout: float

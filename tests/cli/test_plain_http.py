@@ -1,0 +1,80 @@
+"""The CLI's one-socket GET (tessera_cli.kube._plain_get) reads replies as HTTP frames them
+(Content-Length, chunked, until close), against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tessera_cli.kube import ApiError, KubeClient, KubeConfig
+
+BODY = {"kind": "PodList", "items": [{"metadata": {"name": f"p{i}"}} for i in range(300)]}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        data = json.dumps(BODY).encode()
+        assert self.headers["Authorization"] == "Bearer t0ken"
+        if self.path.startswith("/chunked"):
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(data), 1000):
+                piece = data[i:i + 1000]
+                self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        elif self.path.startswith("/missing"):
+            status = {"kind": "Status", "message": 'pods "x" not found', "reason": "NotFound"}
+            text = json.dumps(status).encode()
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("path", ["/api/v1/pods", "/chunked/pods?limit=500"])
+def test_a_get_reads_the_whole_reply(server: str, path: str) -> None:
+    client = KubeClient(KubeConfig(server=server, token="t0ken"), timeout_s=5)
+    assert client.get(path) == BODY
+
+
+def test_a_refusal_carries_the_servers_message_and_reason(server: str) -> None:
+    client = KubeClient(KubeConfig(server=server, token="t0ken"), timeout_s=5)
+    with pytest.raises(ApiError) as refused:
+        client.get("/missing")
+    assert (str(refused.value), refused.value.status, refused.value.reason) == (
+        'pods "x" not found', 404, "NotFound")
+
+
+def test_behind_a_proxy_the_standard_client_is_used(server: str, monkeypatch) -> None:
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("no_proxy", "")
+    client = KubeClient(KubeConfig(server=server, token="t0ken"), timeout_s=5)
+    with pytest.raises(ApiError, match="cannot reach the API server"):
+        client.get("/api/v1/pods")
