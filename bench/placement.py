@@ -114,7 +114,8 @@ async def main(url, port, config):
     nc = await connect(NatsSettings(NATS_URL=url), name="bench-scheduler")
     js = nc.jetstream()
     buckets = await ensure_bus(js, settings)
-    config = SchedulerSettings(reconcile_interval_s=36000, sweep_interval_s=1.0, **config)
+    config = SchedulerSettings(reconcile_interval_s=36000, release_missing_pods=False,
+                               sweep_interval_s=1.0, **config)
     service = SchedulerService(settings, config, nc, js, buckets, BenchCluster(), instance="bench")
     await service.start()
     await service.wait_ready(600)

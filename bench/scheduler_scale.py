@@ -108,7 +108,10 @@ async def main(url, port):
     nc = await connect(NatsSettings(NATS_URL=url), name="bench-scheduler")
     js = nc.jetstream()
     buckets = await ensure_bus(js, settings)
-    config = SchedulerSettings(reconcile_interval_s=36000, sweep_interval_s=1.0)
+    # The stand-in cluster lists no pod unless BENCH_PODS_FILE names them: only then is the
+    # release of allocations whose pods it does not list meaningful (and its cost measured).
+    config = SchedulerSettings(reconcile_interval_s=36000, sweep_interval_s=1.0,
+                               release_missing_pods=bool(_os.environ.get("BENCH_PODS_FILE")))
     service = SchedulerService(settings, config, nc, js, buckets, BenchCluster(), instance="bench")
     await service.start()
     freezer = asyncio.create_task(freeze_when_ready(service))

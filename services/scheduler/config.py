@@ -55,6 +55,12 @@ class SchedulerSettings(BaseSettings):
     reconcile_interval_s: float = Field(
         30.0, gt=0, description="how often allocations of pods that no longer exist are released"
     )
+    release_missing_pods: bool = Field(
+        True,
+        description="release the allocations of pods the cluster does not list (deleted while "
+        "no replica watched), before ready and every reconcile_interval_s (stale.py); off only "
+        "where the cluster is a stand-in that lists no pods (benchmarks)",
+    )
     tls_cert: str | None = Field(None, description="PEM certificate: serve the extender over TLS")
     tls_key: str | None = Field(None, description="PEM key for tls_cert")
     tls_client_ca: str | None = Field(

@@ -420,7 +420,8 @@ class SchedulerService:
             raise
         self.rebuild_error = ""
         self.metrics.ledger_restored.inc(report.restored)
-        if self.rebuilder.listed is not None:  # pods deleted while no scheduler watched
+        if self.config.release_missing_pods and self.rebuilder.listed is not None:
+            # pods deleted while no scheduler watched (stale.py)
             await release_stale(self.index, self.rebuilder.listed, self.scheduler.release)
 
     async def _watch_quota(self) -> None:
@@ -594,8 +595,9 @@ class SchedulerService:
             listed_at = self.clock()
             pods = await self.cluster.list_pods()
             self.foreign.load(pods, listed_at)
-            await release_stale(self.index, Listing.of_pods(pods, listed_at),
-                                self.scheduler.release)  # fmt: skip
+            if self.config.release_missing_pods:
+                await release_stale(self.index, Listing.of_pods(pods, listed_at),
+                                    self.scheduler.release)  # fmt: skip
 
     # --- explain ------------------------------------------------------------------------------
     async def _on_explain(self, request: Request) -> None:
