@@ -27,7 +27,7 @@ from tessera.restore import RestoreReport, allocations_from_pods
 
 from .foreign import ForeignCapacity
 from .index import ClusterIndex
-from .stale import Listing, UidRecorder
+from .stale import Listing, UnlistedRecorder
 
 log = logging.getLogger("tessera.scheduler")
 
@@ -78,7 +78,8 @@ class LedgerRebuilder:
         self.quota_enabled = quota_enabled
         self.claim_ttl_s = claim_ttl_s
         self.clock = clock
-        self.listed: Listing | None = None  # the last rebuild's listing, by uid (stale.py)
+        # What the last rebuild's listing lacked (stale.py); taken by the runtime once used.
+        self.listed: Listing | None = None
 
     async def rebuild(self) -> RestoreReport:
         report = RestoreReport()
@@ -93,10 +94,10 @@ class LedgerRebuilder:
         # listing was tested once it was in).
         placed = self.index.pod_nodes
         listed_at = self.clock()
-        seen = UidRecorder(partial(needed, placed,
-                                   self.foreign.scheduler_name if self.foreign else None))
+        seen = UnlistedRecorder(partial(
+            needed, placed, self.foreign.scheduler_name if self.foreign else None), placed)
         listed = await list_pods_slim(self.cluster, seen)
-        self.listed = Listing(seen.uids, listed_at)
+        self.listed = seen.listing(listed_at)
         now = self.clock()
         report.pods_seen += listed.skipped
         pods = listed.pods  # only what the rebuild and HAMi's classification read of a pod

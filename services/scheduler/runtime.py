@@ -420,9 +420,10 @@ class SchedulerService:
             raise
         self.rebuild_error = ""
         self.metrics.ledger_restored.inc(report.restored)
-        if self.config.release_missing_pods and self.rebuilder.listed is not None:
+        listing, self.rebuilder.listed = self.rebuilder.listed, None
+        if self.config.release_missing_pods and listing is not None:
             # pods deleted while no scheduler watched (stale.py)
-            await release_stale(self.index, self.rebuilder.listed, self.scheduler.release)
+            await release_stale(self.index, listing, self.scheduler.release)
 
     async def _watch_quota(self) -> None:
         async for key, value, revision in bus.watch_models(
@@ -596,8 +597,8 @@ class SchedulerService:
             pods = await self.cluster.list_pods()
             self.foreign.load(pods, listed_at)
             if self.config.release_missing_pods:
-                await release_stale(self.index, Listing.of_pods(pods, listed_at),
-                                    self.scheduler.release)  # fmt: skip
+                listing = Listing.of_pods(pods, listed_at, self.index.pod_nodes)
+                await release_stale(self.index, listing, self.scheduler.release)
 
     # --- explain ------------------------------------------------------------------------------
     async def _on_explain(self, request: Request) -> None:

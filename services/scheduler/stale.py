@@ -13,13 +13,17 @@ The grace, so that nothing still being created is freed:
   of its TTL (the sweeper), and a pod that is only being created is never freed under it;
 - everything else whose pod uid the listing lacks (or lists as finished, when phases were read)
   is released, with the reason.
+
+A listing of whole pods (the periodic pass) reads phases; the rebuild's slim listing skips
+decoding the pods the ledger places, so before ready only pods the cluster lacks are released
+(a finished pod goes once the pod watch replays it, right after).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # A listing is a consistent read, but the allocation's time comes from another clock.
@@ -39,35 +43,30 @@ class StaleRelease:
 
 @dataclass(frozen=True)
 class Listing:
-    """What a listing of the cluster's pods tells: every uid in it, and the phase of those whose
-    phase was read (a listing that skipped decoding some pods knows only their uid)."""
+    """What a listing of the cluster's pods says about the pods the ledger places: those it lacks
+    and those it lists as finished (kept small: never every uid of a large cluster)."""
 
-    uids: AbstractSet[str]
     listed_at: float  # when the listing began (the scheduler's clock)
-    phases: Mapping[str, str] | None = None
-
-    @property
-    def live(self) -> AbstractSet[str]:
-        """The uids of pods not known to have finished."""
-        if not self.phases:
-            return self.uids
-        return {u for u in self.uids if self.phases.get(u) not in FINISHED_PHASES}
+    unlisted: AbstractSet[str]  # uids of placed pods the listing does not hold
+    finished: Mapping[str, str] = field(default_factory=dict)  # placed uid -> Succeeded/Failed
 
     @classmethod
-    def of_pods(cls, pods: Iterable[Any], listed_at: float) -> Listing:
-        uids: set[str] = set()
-        phases: dict[str, str] = {}
+    def of_pods(cls, pods: Iterable[Any], listed_at: float, placed: Mapping[str, Any]
+                ) -> Listing:  # fmt: skip
+        """From a listing of whole pods (phases read)."""
+        listed: set[str] = set()
+        finished: dict[str, str] = {}
         for pod in pods:
             meta = pod.get("metadata") if isinstance(pod, dict) else None
             uid = meta.get("uid") if isinstance(meta, dict) else None
             if type(uid) is not str:
                 continue
-            uids.add(uid)
+            listed.add(uid)
             status = pod.get("status")
             phase = status.get("phase") if isinstance(status, dict) else None
-            if type(phase) is str:
-                phases[uid] = phase
-        return cls(frozenset(uids), listed_at, phases)
+            if phase in FINISHED_PHASES and uid in placed:
+                finished[uid] = phase
+        return cls(listed_at, placed.keys() - listed, finished)
 
 
 def _number(value: Any) -> float | None:
@@ -78,8 +77,8 @@ def verdict(allocation: Any, listing: Listing, skew_s: float = DEFAULT_SKEW_S) -
     """Why this allocation is stale ('' when it is kept). Reads `pod_uid`, `state`, `created_at`
     and `expires_at` (a NodeLedger's Allocation, or the index's undecoded view of one)."""
     uid = allocation.pod_uid
-    phase = listing.phases.get(uid) if listing.phases is not None else None
-    if uid in listing.uids and phase not in FINISHED_PHASES:
+    phase = listing.finished.get(uid)
+    if phase is None and uid not in listing.unlisted:
         return ""
     created = _number(getattr(allocation, "created_at", None))
     if created is None or created >= listing.listed_at - skew_s:
@@ -88,8 +87,8 @@ def verdict(allocation: Any, listing: Listing, skew_s: float = DEFAULT_SKEW_S) -
         expires = _number(getattr(allocation, "expires_at", None))
         if expires is None or expires > listing.listed_at:
             return ""  # a reservation still running: it lapses by itself (the sweeper)
-    if uid in listing.uids:
-        return f"pod {str(phase).lower()} while no scheduler watched it"
+    if phase is not None:
+        return f"pod {phase.lower()} while no scheduler watched it"
     return GONE
 
 
@@ -101,35 +100,38 @@ def stale_allocations(
     pod uid -> node of every active allocation (the index keeps it); `ledgers`: node -> its
     ledger or the index's view of it (anything with `allocations`)."""
     found: list[StaleRelease] = []
-    # The pods the listing holds alive are nearly all of them: one set difference, in C (a
-    # restart at 80,000 allocations pays milliseconds here, not a call per allocation).
-    for uid in sorted(placed.keys() - listing.live):
-        node = placed[uid]
-        allocations = getattr(ledgers.get(node), "allocations", None) or {}
+    for uid in sorted({*listing.unlisted, *listing.finished}):
+        node = placed.get(uid)
+        allocations = getattr(ledgers.get(node), "allocations", None) or {} if node else {}
         allocation = allocations.get(uid)
         if allocation is None or not allocation.active:
-            continue
+            continue  # released, or placed elsewhere, since the listing
         why = verdict(allocation, listing, skew_s)
         if why:
             found.append(StaleRelease(
-                node=node, pod_uid=uid, namespace=str(getattr(allocation, "namespace", "")),
+                node=str(node), pod_uid=uid, namespace=str(getattr(allocation, "namespace", "")),
                 name=str(getattr(allocation, "name", "")), why=why,
             ))  # fmt: skip
     return found
 
 
-class UidRecorder:
-    """Wraps a slim listing's `need` (tessera.cluster.slim_pods) so every uid the listing passes
-    is kept, read or skipped: the rebuild's one listing serves the stale check too."""
+class UnlistedRecorder:
+    """Wraps a slim listing's `need` (tessera.cluster.slim_pods): starts from the uids the index
+    places and strikes out each one a page lists, read or skipped, so the rebuild's one listing
+    serves the stale check too. One set operation per page, in C; what is left is small (the
+    pods that are gone), never a copy of every uid listed."""
 
-    def __init__(self, need: Any) -> None:
+    def __init__(self, need: Any, placed: Mapping[str, Any]) -> None:
         self.need = need
-        self.uids: set[Any] = set()
+        self.unlisted: set[Any] = set(placed)
 
     def __call__(self, uids: list[Any], schedulers: list[Any]) -> list[bool]:
         try:
-            self.uids.update(uids)  # a missing uid (None) matches no allocation
+            self.unlisted.difference_update(uids)
         except TypeError:  # a hostile pod's uid that is a list or an object: not a pod of ours
-            self.uids.update(u for u in uids if type(u) is str)
+            self.unlisted.difference_update(u for u in uids if type(u) is str)
         wanted: list[bool] = self.need(uids, schedulers)
         return wanted
+
+    def listing(self, listed_at: float) -> Listing:
+        return Listing(listed_at, self.unlisted)

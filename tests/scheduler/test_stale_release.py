@@ -8,7 +8,13 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from tessera.scheduler.stale import GONE, Listing, stale_allocations, verdict
+from tessera.scheduler.stale import (
+    GONE,
+    Listing,
+    UnlistedRecorder,
+    stale_allocations,
+    verdict,
+)
 
 from tessera import bus
 from tessera.bus import Buckets
@@ -29,7 +35,13 @@ def alloc(uid: str, state: str = "allocated", created: float = NOW - 600,
 
 
 def test_verdict_releases_only_pods_gone_before_the_listing() -> None:
-    listing = Listing(frozenset({"live", "done"}), NOW, {"live": "Running", "done": "Succeeded"})
+    placed = dict.fromkeys(["live", "done", "gone", "new", "r"], "n1")
+    pods = [{"metadata": {"uid": "live"}, "status": {"phase": "Running"}},
+            {"metadata": {"uid": "done"}, "status": {"phase": "Succeeded"}},
+            {"metadata": {"uid": ["hostile"]}}, "not a pod"]  # fmt: skip
+    listing = Listing.of_pods(pods, NOW, placed)
+    assert set(listing.unlisted) == {"gone", "new", "r"}
+    assert listing.finished == {"done": "Succeeded"}
     assert verdict(alloc("live"), listing) == ""
     assert verdict(alloc("gone"), listing) == GONE
     assert verdict(alloc("done"), listing) == "pod succeeded while no scheduler watched it"
@@ -42,8 +54,16 @@ def test_verdict_releases_only_pods_gone_before_the_listing() -> None:
     assert verdict(alloc("r", "reserved", expires=NOW + 20), listing) == ""
     assert verdict(alloc("r", "reserved", expires=None), listing) == ""
     assert verdict(alloc("r", "reserved", expires=NOW - 1), listing) == GONE
-    # A listing that read no phases (the rebuild skips decoding placed pods) keeps every listed pod.
-    assert verdict(alloc("done"), Listing(frozenset({"done"}), NOW)) == ""
+
+
+def test_the_rebuilds_listing_strikes_out_every_listed_uid_read_or_skipped() -> None:
+    placed = dict.fromkeys(["a", "b", "c"], "n1")
+    recorder = UnlistedRecorder(lambda uids, _s: [False] * len(uids), placed)
+    assert recorder(["a", None, "x"], [None] * 3) == [False] * 3
+    recorder([["unhashable"], "b"], [None, None])  # a hostile page: the rest still counts
+    listing = recorder.listing(NOW)
+    assert set(listing.unlisted) == {"c"} and listing.finished == {}
+    assert verdict(alloc("a"), listing) == "" and verdict(alloc("c"), listing) == GONE
 
 
 def test_stale_allocations_names_node_and_pod() -> None:
@@ -53,7 +73,8 @@ def test_stale_allocations_names_node_and_pod() -> None:
     inactive.active = False
     ledgers["n2"].allocations["old"] = inactive
     placed = {"gone": "n1", "live": "n1", "old": "n2", "lost": "n3"}  # the index's map
-    found = stale_allocations(placed, ledgers, Listing(frozenset({"live"}), NOW))
+    found = stale_allocations(placed, ledgers, Listing.of_pods(
+        [{"metadata": {"uid": "live"}}], NOW, placed))
     assert [(s.node, s.pod_uid, s.namespace, s.name, s.why) for s in found] == [
         ("n1", "gone", "ns", "gone", GONE)
     ]
