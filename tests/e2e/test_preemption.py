@@ -203,6 +203,15 @@ def test_high_priority_pod_evicts_the_minimal_lower_priority_set(
     sim.kube.wait_for("preemption.done", lambda: any(
         e.action == "done" and e.outcome == "placed" for e in asyncio.run(_events(sim, ns))), 20)
     assert ledger_problems(sim, node)[1] == []
+    # Each victim has kube-scheduler's `Preempted` event (what `kubectl get events` shows).
+    urgent_uid = placed["metadata"]["uid"]
+
+    def preempted() -> set[str]:
+        items = sim.kube.http.get(f"/api/v1/namespaces/{ns}/events").json()["items"]
+        return {e["involvedObject"]["name"] for e in items if e.get("reason") == "Preempted"
+                and f"Preempted by pod {urgent_uid} on node {node}" in e.get("message", "")}
+
+    assert sim.kube.wait_for("Preempted events", lambda: preempted() >= {"low-1", "low-2"}, 20)
 
 
 def test_equal_or_higher_priority_never_evicted_and_never_policy_pends(
