@@ -82,9 +82,10 @@ def apply_directory(stack: LocalStack, directory: Path, console: Any) -> None:
                 continue
             name = Path(manifest.source).name
             try:
-                console.print(f"{name}: {apply_one(client, manifest, 'default')}")
+                console.print(f"{name}: {apply_one(client, manifest, 'default')}",
+                              soft_wrap=True)  # one line each, also off a terminal
             except CliError as error:  # a denied example is part of the demo
-                console.print(f"{name}: [yellow]{error}[/yellow]")
+                console.print(f"{name}: [yellow]{error}[/yellow]", soft_wrap=True)
             if manifest.kind == "ResourceQuota":
                 # The quota service learns quotas from its watch; give it a moment so the
                 # examples that follow are checked against this one.
