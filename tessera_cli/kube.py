@@ -102,6 +102,8 @@ class KubeClient:
         self.config = config
         self.timeout_s = timeout_s
         self._context: ssl.SSLContext | None = None
+        # the API server's `Warning: 299 - "<text>"` headers, in order (the caller prints them)
+        self.warnings: list[str] = []
         if config.server.startswith("https"):
             context = ssl.create_default_context(cafile=config.ca_file)
             if config.insecure:
@@ -131,8 +133,10 @@ class KubeClient:
         try:
             timeout = self.timeout_s if method != "GET" else min(self.timeout_s, READ_TIMEOUT_S)
             with urllib.request.urlopen(request, timeout=timeout, context=self._context) as reply:
+                self._keep_warnings(reply.headers)
                 raw = reply.read()
         except urllib.error.HTTPError as error:
+            self._keep_warnings(error.headers)
             raise self._refusal(error) from None
         except (urllib.error.URLError, OSError) as error:
             reason = getattr(error, "reason", error)
@@ -144,6 +148,16 @@ class KubeClient:
             return json.loads(raw) if raw else {}
         except ValueError:
             raise ApiError(f"{method} {path}: the API server's reply is not JSON") from None
+
+    def _keep_warnings(self, headers: Any) -> None:
+        for value in headers.get_all("Warning") or []:
+            head, sep, rest = value.partition('"')
+            if sep and head.strip().startswith("299") and rest.endswith('"'):
+                self.warnings.append(rest[:-1].replace('\\"', '"').replace("\\\\", "\\"))
+
+    def take_warnings(self) -> list[str]:
+        taken, self.warnings = self.warnings, []
+        return taken
 
     @staticmethod
     def _refusal(error: urllib.error.HTTPError) -> ApiError:

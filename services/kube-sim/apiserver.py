@@ -27,6 +27,7 @@ from typing import Any
 import jsonpatch
 import yaml
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,6 +41,7 @@ from tessera.kube_sim.objects import (
     scale_of,
     validate_update,
 )
+from tessera.kube_sim.response_warnings import WarningHeaders, add_warning
 from tessera.kube_sim.selectors import SelectorError, parse_fields, parse_labels
 from tessera.kube_sim.store import (
     KubeObject,
@@ -47,9 +49,12 @@ from tessera.kube_sim.store import (
     Selector,
     StoreError,
     conflict,
+    decoded,
     gone,
     now_rfc3339,
 )
+
+from tessera.quantity import JsonNumber
 
 log = logging.getLogger("tessera.kube_sim.api")
 
@@ -116,20 +121,23 @@ def field_warnings(request: Request, kind: str, body: Any) -> list[str]:
     BadRequest, strict decoding error), `Warn` (the default) and `Ignore` store them, `Warn`
     with a warning per field."""
     mode = request.query_params.get("fieldValidation") or "Warn"
-    unknown = schema.unknown_fields(kind, body)
-    if not unknown or mode == "Ignore":
+    if mode not in ("Strict", "Warn", "Ignore"):
+        raise StoreError(400, "BadRequest", f"fieldValidation parameter unsupported: {mode!r}; "
+                         "supported values: Ignore, Strict, Warn")
+    if mode == "Ignore":
         return []
-    if mode == "Strict":
+    problems = schema.field_problems(kind, body, getattr(request.state, "duplicates", []))
+    if problems and mode == "Strict":
         raise StoreError(400, "BadRequest", schema.strict_error_message(
-            kind, discovery.api_version_of(kind) or "v1", unknown))
-    return [f'unknown field "{f}"' for f in unknown]
+            kind, discovery.api_version_of(kind) or "v1", problems))
+    return problems
 
 
 def with_warnings(response: Response, warnings: list[str]) -> Response:
-    """RFC 7234 Warning headers (code 299), which kubectl prints as `Warning: ...`."""
+    """RFC 7234 Warning headers (code 299), which kubectl prints as `Warning: ...` (added to
+    the request's recorder: `response_warnings`)."""
     for warning in warnings:
-        quoted = warning.replace("\\", "\\\\").replace('"', '\\"')
-        response.headers.append("Warning", f'299 - "{quoted}"')
+        add_warning(warning)
     return response
 
 
@@ -242,7 +250,8 @@ class ApiServer:
             ),
             *self._more_routes(),
         ]
-        return Starlette(routes=routes, exception_handlers={
+        return Starlette(routes=routes, middleware=[Middleware(WarningHeaders)],
+                         exception_handlers={
             404: lambda request, exc: error_response(no_such_resource()),
             405: lambda request, exc: error_response(StoreError(
                 405, "MethodNotAllowed",
@@ -336,8 +345,15 @@ class ApiServer:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise StoreError(413, "RequestEntityTooLarge", "request entity too large")
+        if not raw:
+            return None
         try:
-            return json.loads(raw) if raw else None
+            # numbers keep their text: a quantity written 1e3 stays in the exponent family
+            return json.loads(raw, parse_float=JsonNumber.of,
+                              object_pairs_hook=schema.has_duplicates)
+        except schema.DuplicateKeys:  # the last one wins; fieldValidation says what to tell
+            request.state.duplicates = schema.duplicate_fields(raw, JsonNumber.of)
+            return json.loads(raw, parse_float=JsonNumber.of)
         except ValueError as exc:
             raise StoreError(400, "BadRequest", f"invalid JSON body: {exc}") from exc
 
@@ -446,12 +462,13 @@ class ApiServer:
             meta["namespace"] = namespace or "default"
         for field in ("uid", "resourceVersion", "deletionTimestamp", "generation"):
             meta.pop(field, None)
+        decoded(kind, obj)  # canonical quantities, before admission sees the object
         if kind == "Pod":
             obj = self._pod_defaults(obj)
             for admit in self.pod_admitters:
                 obj = admit(obj)
             if self.admit_pod is not None and not dry_run:
-                obj = await self.admit_pod(obj, "CREATE")
+                obj = decoded(kind, await self.admit_pod(obj, "CREATE"))
             validation.validate_pod(obj)
         elif kind in WORKLOADS:
             validation.prepare_workload(kind, obj)
@@ -746,7 +763,7 @@ class ApiServer:
                     patched["metadata"].pop(key, None)
                 else:
                     patched["metadata"][key] = before["metadata"][key]
-            validate_update(kind, before, patched)
+            validate_update(kind, before, decoded(kind, patched))
             obj.clear()
             obj.update(patched)
 
@@ -785,7 +802,7 @@ class ApiServer:
         current = self.store.get(kind, namespace if kind not in CLUSTER_SCOPED else "", name)
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
-        validate_update(kind, current, body)
+        validate_update(kind, current, decoded(kind, body))
         replaced = self.store.replace(kind, body, str(expected) if expected else None)
         return with_warnings(JSONResponse(replaced), warnings)
 
@@ -842,7 +859,7 @@ class ApiServer:
                 else:
                     patched["metadata"][key] = value
             if not status_only:
-                validate_update(kind, obj, patched)
+                validate_update(kind, obj, decoded(kind, patched))
             obj.clear()
             obj.update(patched)
 

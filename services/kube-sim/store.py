@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tessera.kube_sim.discovery import api_version_of, qualified_resource
+from tessera.kube_sim.quantity import QuantityError, canonicalise
 from tessera.kube_sim.selectors import Requirement, fields_match, labels_match
 
 KubeObject = dict[str, Any]
@@ -65,6 +66,19 @@ def conflict(message: str) -> StoreError:
 
 def gone(version: int) -> StoreError:
     return StoreError(410, "Expired", f"too old resource version: {version}")
+
+
+def decoded(kind: str, obj: KubeObject) -> KubeObject:
+    """`obj` as kube-apiserver holds it once decoded into its Go type: every quantity in
+    canonical form (in place). A value that is no quantity is the decoding error kube-apiserver
+    answers, 400 `<Kind> in version "<v>" cannot be handled as a <Kind>: <Go's message>`."""
+    try:
+        canonicalise(kind, obj)
+    except QuantityError as exc:
+        version = api_version_of(kind) or "v1"
+        raise StoreError(400, "BadRequest", f'{kind} in version "{version.split("/")[-1]}" '
+                         f"cannot be handled as a {kind}: {exc}") from None
+    return obj
 
 
 def now_rfc3339() -> str:
@@ -182,7 +196,7 @@ class ObjectStore:
     # --- writes -----------------------------------------------------------------------------
 
     def create(self, kind: str, obj: KubeObject) -> KubeObject:
-        obj = copy.deepcopy(obj)
+        obj = decoded(kind, copy.deepcopy(obj))
         meta = obj.setdefault("metadata", {})
         if not meta.get("name"):
             prefix = meta.get("generateName")
@@ -214,7 +228,7 @@ class ObjectStore:
                 "object has been modified; please apply your changes to the latest version and "
                 "try again"
             )
-        obj = copy.deepcopy(obj)
+        obj = decoded(kind, copy.deepcopy(obj))
         obj["metadata"]["uid"] = current["metadata"]["uid"]
         obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
         obj["kind"] = kind
@@ -230,6 +244,7 @@ class ObjectStore:
             raise not_found(kind, name)
         obj = copy.deepcopy(current)
         change(obj)
+        decoded(kind, obj)
         if obj == current:
             return obj  # a no-op write keeps its resourceVersion and wakes no watcher
         return self._write(kind, (namespace, name), obj)

@@ -30,7 +30,13 @@ KEYS = qa.ResourceQuotaKeys.from_resource_names(
     ({"limits.nvidia.com/gpumem": "512Mi", "requests.nvidia.com/gpumem": "400"},
      QuotaAmount(memory_mib=400)),  # both forms: the tightest wins
     ({"requests.nvidia.com/gpu": "2", "limits.nvidia.com/gpu": "3"}, QuotaAmount(gpus=2)),
-], ids=["requests forms", "160Gi", "80G", "limits and requests", "gpu both forms"])
+    # what kube-apiserver writes back for 8000 MiB, 160000 MiB and 2000 % (canonical forms)
+    ({"limits.nvidia.com/gpumem": "8k", "limits.nvidia.com/gpucores": "2k"},
+     QuotaAmount(memory_mib=8000, cores=2000)),
+    ({"limits.nvidia.com/gpumem": "160k"}, QuotaAmount(memory_mib=160000)),
+    ({"limits.nvidia.com/gpumem": "1e3"}, QuotaAmount(memory_mib=1000)),
+], ids=["requests forms", "160Gi", "80G", "limits and requests", "gpu both forms", "8k", "160k",
+        "1e3"])
 def test_quota_values_are_read_as_users_mean_them(hard: dict, expected: QuotaAmount) -> None:
     limits, problems = qa.limits_from_hard(hard, KEYS)
     assert limits == expected and problems == []
@@ -38,7 +44,7 @@ def test_quota_values_are_read_as_users_mean_them(hard: dict, expected: QuotaAmo
 
 @pytest.mark.parametrize(("hard", "words"), [
     ({"limits.nvidia.com/gpumem-percentage": "50"}, "percentage"),
-    ({"limits.nvidia.com/gpucores": "2k"}, "unit"),
+    ({"limits.nvidia.com/gpucores": "2Ki"}, "unit"),
     ({"requests.nvidia.com/gpu": "4Gi"}, "unit"),
     ({"limits.nvidia.com/gpumem": "500m"}, "thousandths"),
     ({"limits.nvidia.com/gpumem": "2000Ei"}, "more than any cluster"),
