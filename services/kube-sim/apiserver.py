@@ -31,7 +31,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tessera.kube_sim import discovery, schema, strategic_merge, tables, validation
+from tessera.kube_sim import discovery, protobuf, schema, strategic_merge, tables, validation
 from tessera.kube_sim.objects import (
     WORKLOADS,
     job_selector,
@@ -347,6 +347,9 @@ class ApiServer:
             raise StoreError(413, "RequestEntityTooLarge", "request entity too large")
         if not raw:
             return None
+        content_type = request.headers.get("content-type", "").split(";")[0].strip()
+        if content_type == protobuf.MEDIA_TYPE:  # kubectl's typed clients (create namespace...)
+            return protobuf.read(raw)
         try:
             # numbers keep their text: a quantity written 1e3 stays in the exponent family
             return json.loads(raw, parse_float=JsonNumber.of,

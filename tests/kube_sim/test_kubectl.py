@@ -442,3 +442,42 @@ def test_cordoned_nodes_take_no_new_pods(kubectl: Kubectl) -> None:
     kubectl.wait_for("the pod placed once a node is back", lambda: kubectl.json(
         "pod", "cordoned")["spec"].get("nodeName"))
     kubectl.run("delete", "pod", "cordoned")
+
+
+def test_imperative_creates_send_protobuf_and_work(kubectl: Kubectl) -> None:
+    """kubectl's typed clients send `application/vnd.kubernetes.protobuf` (and never fall back
+    to JSON for built-in kinds): kube-sim reads it as kube-apiserver does."""
+    assert kubectl.run("create", "namespace", "proto").stdout.strip() == "namespace/proto created"
+    assert kubectl.run("create", "deployment", "web", "-n", "proto", "--image=nginx:1",
+                       "--replicas=2", "--port=80").stdout.strip() == (
+        "deployment.apps/web created")
+    assert kubectl.run("create", "job", "once", "-n", "proto", "--image=busybox", "--", "true",
+                       ).stdout.strip() == "job.batch/once created"
+    assert kubectl.run("create", "quota", "gpu", "-n", "proto",
+                       "--hard=limits.nvidia.com/gpumem=8000,pods=10").stdout.strip() == (
+        "resourcequota/gpu created")
+    assert kubectl.run("create", "priorityclass", "high", "--value=1000",
+                       "--description=batch").stdout.strip() == (
+        "priorityclass.scheduling.k8s.io/high created")
+    assert kubectl.run("create", "pdb", "keep", "-n", "proto", "--selector=app=web",
+                       "--min-available=1").stdout.strip() == (
+        "poddisruptionbudget.policy/keep created")
+    assert kubectl.run("run", "solo", "-n", "proto", "--image=busybox",
+                       "--labels=run=solo").stdout.strip() == "pod/solo created"
+    deployment = kubectl.json("deployment", "web", "-n", "proto")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["selector"] == {"matchLabels": {"app": "web"}}
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert (container["name"], container["image"], container["ports"]) == (
+        "nginx", "nginx:1", [{"containerPort": 80}])
+    kubectl.run("rollout", "status", "deployment/web", "-n", "proto", "--timeout=60s")
+    job = kubectl.json("job", "once", "-n", "proto")
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["true"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    quota = kubectl.json("quota", "gpu", "-n", "proto")
+    assert quota["spec"]["hard"] == {"limits.nvidia.com/gpumem": "8k", "pods": "10"}
+    assert kubectl.json("pc", "high")["value"] == 1000
+    assert kubectl.json("pdb", "keep", "-n", "proto")["spec"]["minAvailable"] == 1
+    assert kubectl.json("pod", "solo", "-n", "proto")["metadata"]["labels"] == {"run": "solo"}
+    kubectl.run("delete", "namespace", "proto")
+    kubectl.run("delete", "pc", "high")
