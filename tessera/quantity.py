@@ -192,8 +192,8 @@ def whole_mib(value: object, resource: str, where: str = "") -> int:
         )
     if amount.denominator != 1:
         raise QuantityError(
-            f"{where}{resource}: {value!r} is {_plain(amount)} MiB, not a whole number of MiB; write "
-            f"{resource}: {-(-amount.numerator // amount.denominator)} (MiB, rounded up)"
+            f"{where}{resource}: {value!r} is {_plain(amount)} MiB, not a whole number of MiB; "
+            f"write {resource}: {-(-amount.numerator // amount.denominator)} (MiB, rounded up)"
         )
     return amount.numerator
 

@@ -104,7 +104,7 @@ async def test_known_keys_draw_no_warning(client):
 # --- what can never fit --------------------------------------------------------------------------
 
 
-async def test_gpumem_with_a_binary_unit_is_denied_naming_mib(client):
+async def test_gpumem_with_a_unit_is_denied_naming_mib(client):
     message = await denial(client, pod(container(limits={GPU: "1", MEM: "4Gi"})))
     assert MEM in message and "MiB" in message and "4Gi" in message
     assert f"write {MEM}: 4096" in message  # what to write instead

@@ -74,7 +74,8 @@ def reference(container: dict[str, Any], settings: TesseraSettings) -> Container
 VALUES: list[Any] = [
     0, 1, 2, 8, 100, 101, 1024, 16384, 10**9, 10**9 + 1, MAX_MEMORY_MIB, MAX_MEMORY_MIB + 1, -1,
     "0", "1", "007", "16384", "100", "101", "1" * 64, "1" * 65, "", " 5", "5 ", "+5", "-3",
-    "1e3", "1.5", "2Gi", "500m", "3k", "12M", "3000000m", "١", "²", "abc", 1.0, 2.5, True, False, None, [1], {"a": 1},
+    "1e3", "1.5", "2Gi", "500m", "3k", "12M", "3000000m", "١", "²", "abc", 1.0, 2.5, True,
+    False, None, [1], {"a": 1},
     Decimal(3),
 ]  # fmt: skip
 
