@@ -31,16 +31,20 @@ _SECTIONS = ("initContainers", "containers")
 
 
 def apply_compat(pod: dict[str, Any], settings: TesseraSettings, changes: list[str],
-                 warnings: list[str]) -> None:
+                 warnings: list[str]) -> list[str]:
     """Rewrite aliases in `pod` (a writable copy: its containers' resources maps are copies;
-    the annotations map is copied here before any change) and refuse what can never fit."""
+    the annotations map is copied here before any change) and refuse what can never fit.
+    Returns why the pod, admitted as written, can never be placed (a misspelt GPU resource no
+    node offers): it pends, and is counted pending with that reason."""
     _annotations(pod, settings, changes, warnings)
     spec = pod["spec"]
+    unplaceable: list[str] = []
     for section in _SECTIONS:
         for index, container in enumerate(spec.get(section) or []):
             name = container.get("name")
             label = name if isinstance(name, str) and name else f"{section}[{index}]"
-            _container(container, label, settings, changes, warnings)
+            _container(container, label, settings, changes, warnings, unplaceable)
+    return unplaceable
 
 
 # --- annotations --------------------------------------------------------------------------------
@@ -137,7 +141,7 @@ def _requests(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def _container(container: dict[str, Any], label: str, settings: TesseraSettings,
-               changes: list[str], warnings: list[str]) -> None:
+               changes: list[str], warnings: list[str], unplaceable: list[str]) -> None:
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return
@@ -163,6 +167,9 @@ def _container(container: dict[str, Any], label: str, settings: TesseraSettings,
                     key.startswith(_PREFIXES) or misspelt_resource(key, settings)):
                 guess = misspelt_resource(key, settings)
                 hint = f"did you mean {guess}? " if guess else ""
+                if guess:
+                    unplaceable.append(f"container {label}: resource {key} (did you mean "
+                                       f"{guess}?) is offered by no node")
                 warnings.append(f"container {label}: resource {key} is not one Tessera (or "
                                 f"HAMi) manages; {hint}it is ignored by the GPU scheduler — "
                                 "check its spelling")

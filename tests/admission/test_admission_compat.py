@@ -175,3 +175,13 @@ async def test_bad_scoring_weights_are_denied(client):
     message = await denial(client, pod(container(limits={GPU: "1", MEM: "1000"}),
                                        annotations={"hami.io/device-scoring-weights": "slot=1"}))
     assert "hami.io/device-scoring-weights" in message
+
+
+async def test_a_pod_whose_only_gpu_resource_is_misspelt_goes_to_our_scheduler(client):
+    """It asks for no GPU Tessera knows, but it was meant for one: our scheduler takes it, so
+    it is counted pending (and its deletion reported) rather than pending unseen."""
+    original = pod(container(limits={"nvidia.com/gpumen": "3k"}))
+    response = await mutate(client, original)
+    assert response["allowed"] is True
+    assert patched(original, response)["spec"]["schedulerName"] == "tessera-scheduler"
+    assert any(f"did you mean {MEM}?" in w for w in response["warnings"])
