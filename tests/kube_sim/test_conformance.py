@@ -159,3 +159,34 @@ async def test_field_validation(api, mode: str | None) -> None:
     assert reply.json()["spec"]["containers"][0]["image"] == "b2"  # the last one wins
     warned = [parse_header(w) for w in warnings_of(reply)]
     assert [w for w in warned if w and "field" in w] == ([] if mode == "Ignore" else problems)
+
+
+async def test_quota_status_used_is_what_the_quota_controller_computes() -> None:
+    """kube-controller-manager's quota controller: `pods`, native resources and `requests.`
+    extended resources counted from non-terminal pods; a key it does not evaluate
+    (`limits.nvidia.com/gpumem`) keeps what Tessera's quota service wrote there."""
+    from tessera.kube_sim.controllers import WorkloadControllers
+
+    store = ObjectStore()
+    server = ApiServer(store)
+    controllers = WorkloadControllers(server)
+    hard = {"pods": "10", "requests.cpu": "4", "limits.memory": "8Gi",
+            "requests.nvidia.com/gpu": "4", f"limits.{MEM}": "8000"}
+    await server.create_object("ResourceQuota", "team", {
+        "metadata": {"name": "q"}, "spec": {"hard": hard}})
+    for name, phase in (("a", "Running"), ("b", "Pending"), ("done", "Succeeded")):
+        pod = gpu_pod(name, {"nvidia.com/gpu": "1", MEM: "3000", "cpu": "500m",
+                             "memory": "1Gi"})
+        created = await server.create_object("Pod", "team", pod)
+        store.mutate("Pod", "team", created["metadata"]["name"],
+                     lambda p, phase=phase: p["status"].update(phase=phase))
+
+    def write_gpu_usage(quota: dict[str, Any]) -> None:  # as Tessera's quota service does
+        quota["status"]["used"] = {**quota["status"].get("used", {}), f"limits.{MEM}": "6k"}
+
+    store.mutate("ResourceQuota", "team", "q", write_gpu_usage)
+    await controllers.reconcile()
+    status = store.get("ResourceQuota", "team", "q")["status"]
+    assert status["hard"] == {**hard, f"limits.{MEM}": "8k"}
+    assert status["used"] == {"pods": "2", "requests.cpu": "1", "limits.memory": "2Gi",
+                              "requests.nvidia.com/gpu": "2", f"limits.{MEM}": "6k"}
