@@ -224,3 +224,52 @@ def test_webhook_warnings_reach_kubectl_and_tessera_apply(sim: RunningStack, nam
     assert "Warning: container main: limits nvidia.com/gpumem: '4' is 4 MiB" in result.stderr
     assert "implausibly small" in result.stderr and "4096" in result.stderr
     kubectl(sim, "delete", "pod", "typo", "-n", namespace)
+
+
+QUOTA = """
+apiVersion: v1
+kind: ResourceQuota
+metadata:
+  name: gpu
+  namespace: {namespace}
+spec:
+  hard:
+    limits.nvidia.com/gpumem: "8000"
+    limits.nvidia.com/gpucores: "100"
+    requests.nvidia.com/gpu: "2"
+    pods: "5"
+"""
+
+
+def test_describe_quota_shows_what_is_used(sim: RunningStack, namespace: str) -> None:
+    """Used of the `limits.` GPU keys is Tessera's charge (the quota service writes it), of
+    `requests.nvidia.com/gpu` and `pods` the quota controller's count, as on a real cluster."""
+    kubectl(sim, "apply", "-f", "-", manifest=QUOTA.format(namespace=namespace))
+
+    def refused() -> bool:  # a pod over the quota is refused once the quota service knows it
+        probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "too-much"},
+                 "spec": {"containers": [{"name": "c", "image": "x", "resources": {"limits": {
+                     "nvidia.com/gpu": 1, "nvidia.com/gpumem": 9000}}}]}}
+        if sim.kube.create_pod(probe, namespace).status_code == 403:
+            return True
+        sim.kube.delete_pod(namespace, "too-much")
+        sim.kube.wait_for("the probe gone", lambda: all(
+            p["metadata"]["name"] != "too-much" for p in sim.kube.pods(namespace)))
+        return False
+
+    sim.kube.wait_for("the quota service to take the quota", refused, 30, every_s=0.5)
+    kubectl(sim, "apply", "-f", "-", manifest=TYPO_POD.format(namespace=namespace).replace(
+        "gpumen: 3000", "gpumem: 3000\n        nvidia.com/gpucores: 30").replace(
+        "name: typo", "name: counted"))
+    sim.kube.wait_running(namespace, "counted", 30)
+
+    def used() -> dict[str, list[str]] | None:
+        rows = {line.split()[0]: line.split()[1:] for line in kubectl(
+            sim, "describe", "quota", "gpu", "-n", namespace).splitlines() if line.strip()}
+        wanted = {"limits.nvidia.com/gpumem": ["3k", "8k"],
+                  "limits.nvidia.com/gpucores": ["30", "100"],
+                  "requests.nvidia.com/gpu": ["1", "2"], "pods": ["1", "5"]}
+        return rows if all(rows.get(k) == v for k, v in wanted.items()) else None
+
+    sim.kube.wait_for("describe quota to show the usage", used, 30)
+    kubectl(sim, "delete", "pod", "counted", "-n", namespace)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from tessera import bus
 from tessera.cluster.memory import InMemoryCluster
-from tessera.models import QuotaAmount, QuotaSetRequest, QuotaStatusRequest
+from tessera.models import QuotaAmount, QuotaRequest, QuotaSetRequest, QuotaStatusRequest
 from tessera_cli.app import build_app
 
 KEYS = qa.ResourceQuotaKeys.from_resource_names(
@@ -109,8 +109,6 @@ async def test_quota_set_refuses_to_replace_a_resource_quota_unless_override(
 async def test_quota_service_counts_requests_by_endpoint_and_result(start_quota, nc):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tessera.models import QuotaRequest
-
     service = await start_quota()
     ns = unique_namespace()
     await call(nc, bus.QUOTA_SET, QuotaSetRequest(namespace=ns, limits=QuotaAmount(gpus=1)))
@@ -158,3 +156,27 @@ def test_quota_process_serves_metrics_beside_its_probes(nats_url, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_gpu_usage_is_written_to_the_resource_quota_status(start_quota, nc):
+    """`kubectl describe quota` shows Used for the `limits.` GPU keys (kube-controller-manager
+    evaluates extended resources only in their `requests.` form): the quota service writes
+    them into status.used, in the API server's canonical form, when usage changes."""
+    cluster = InMemoryCluster()
+    ns = unique_namespace()
+    cluster.put_quota(resource_quota(ns, "gpu", {
+        "limits.nvidia.com/gpumem": "8000", "limits.nvidia.com/gpucores": "200", "pods": "10"}))
+    await start_quota(cluster=cluster)
+
+    async def applied() -> bool:
+        return await limits_of(nc, ns) == QuotaAmount(memory_mib=8000, cores=200)
+
+    await eventually(applied)
+    await call(nc, bus.QUOTA_RESERVE, QuotaRequest(namespace=ns, pod_uid="a", gpus=1,
+                                                  memory_mib=3000, cores=30))
+
+    async def written() -> bool:
+        used = (cluster.quotas[(ns, "gpu")].get("status") or {}).get("used") or {}
+        return used == {"limits.nvidia.com/gpumem": "3k", "limits.nvidia.com/gpucores": "30"}
+
+    await eventually(written)
