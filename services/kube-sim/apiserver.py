@@ -141,6 +141,11 @@ def with_warnings(response: Response, warnings: list[str]) -> Response:
     return response
 
 
+def _dry_run(request: Request) -> bool:
+    """`dryRun=All`: validated, admitted and answered as if written, and not written."""
+    return request.query_params.get("dryRun") == "All"
+
+
 def no_such_resource() -> StoreError:
     return StoreError(404, "NotFound", "the server could not find the requested resource")
 
@@ -742,19 +747,21 @@ class ApiServer:
             raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
         if not isinstance(applied, dict):
             raise StoreError(400, "BadRequest", "the body must be an object")
-        field_warnings(request, kind, applied)
+        warnings = field_warnings(request, kind, applied)
         applied.setdefault("metadata", {})["name"] = name
+        dry_run = _dry_run(request)
         try:
             self.store.get(kind, namespace, name)
         except StoreError:
-            return JSONResponse(await self.create_object(kind, namespace, applied), 201)
+            created = await self.create_object(kind, namespace, applied, dry_run)
+            return with_warnings(JSONResponse(created, 201), warnings)
         applied.pop("status", None)
-        return JSONResponse(self._update(kind, namespace, name, applied,
-                                         strategic_merge.apply))
+        return with_warnings(JSONResponse(self._update(
+            kind, namespace, name, applied, strategic_merge.apply, dry_run)), warnings)
 
     def _update(
         self, kind: str, namespace: str, name: str, patch: Any,
-        merge: Callable[[Any, Any], Any],
+        merge: Callable[[Any, Any], Any], dry_run: bool = False,
     ) -> KubeObject:
         def change(obj: KubeObject) -> None:
             before = copy.deepcopy(obj)
@@ -770,7 +777,7 @@ class ApiServer:
             obj.clear()
             obj.update(patched)
 
-        return self.store.mutate(kind, namespace, name, change)
+        return self.store.mutate(kind, namespace, name, change, persist=not dry_run)
 
     async def status(self, request: Request) -> Response:
         try:
@@ -806,7 +813,8 @@ class ApiServer:
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
         validate_update(kind, current, decoded(kind, body))
-        replaced = self.store.replace(kind, body, str(expected) if expected else None)
+        replaced = self.store.replace(kind, body, str(expected) if expected else None,
+                                      persist=not _dry_run(request))
         return with_warnings(JSONResponse(replaced), warnings)
 
     async def _patch(
@@ -866,8 +874,8 @@ class ApiServer:
             obj.clear()
             obj.update(patched)
 
-        return with_warnings(JSONResponse(self.store.mutate(kind, namespace, name, apply)),
-                             warnings)
+        changed = self.store.mutate(kind, namespace, name, apply, persist=not _dry_run(request))
+        return with_warnings(JSONResponse(changed), warnings)
 
     async def binding(self, request: Request) -> Response:
         try:

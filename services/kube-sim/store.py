@@ -216,7 +216,8 @@ class ObjectStore:
         return self._write(kind, key, obj)
 
     def replace(
-        self, kind: str, obj: KubeObject, expected_version: str | None = None
+        self, kind: str, obj: KubeObject, expected_version: str | None = None,
+        persist: bool = True,
     ) -> KubeObject:
         key = key_of(obj)
         current = self._objects.get(kind, {}).get(key)
@@ -233,19 +234,24 @@ class ObjectStore:
         obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
         obj["kind"] = kind
         obj["apiVersion"] = api_version_of(kind) or obj.get("apiVersion") or "v1"
+        if not persist:  # dryRun=All: the object as it would be, nothing written
+            obj["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            return obj
         return self._write(kind, key, obj)
 
     def mutate(
-        self, kind: str, namespace: str, name: str, change: Callable[[KubeObject], None]
+        self, kind: str, namespace: str, name: str, change: Callable[[KubeObject], None],
+        persist: bool = True,
     ) -> KubeObject:
-        """Apply `change` to a copy of the object and store it (raises what `change` raises)."""
+        """Apply `change` to a copy of the object and store it (raises what `change` raises);
+        `persist=False` (dryRun=All) returns the result without storing it."""
         current = self._objects.get(kind, {}).get((namespace, name))
         if current is None:
             raise not_found(kind, name)
         obj = copy.deepcopy(current)
         change(obj)
         decoded(kind, obj)
-        if obj == current:
+        if obj == current or not persist:
             return obj  # a no-op write keeps its resourceVersion and wakes no watcher
         return self._write(kind, (namespace, name), obj)
 

@@ -190,3 +190,22 @@ async def test_quota_status_used_is_what_the_quota_controller_computes() -> None
     assert status["hard"] == {**hard, f"limits.{MEM}": "8k"}
     assert status["used"] == {"pods": "2", "requests.cpu": "1", "limits.memory": "2Gi",
                               "requests.nvidia.com/gpu": "2", f"limits.{MEM}": "6k"}
+
+
+async def test_dry_run_writes_nothing(api) -> None:
+    """`dryRun=All` on PATCH, PUT and server-side apply answers with the object as it would be
+    (`kubectl apply --dry-run=server`, `kubectl label --dry-run=server`), and stores nothing."""
+    await api.post(PODS, json=gpu_pod("d", {"nvidia.com/gpu": "1"}))
+    before = (await api.get(f"{PODS}/d")).json()
+    patched = await api.patch(f"{PODS}/d", params={"dryRun": "All"}, headers=MERGE,
+                              json={"metadata": {"labels": {"tier": "gold"}}})
+    assert patched.status_code == 200 and patched.json()["metadata"]["labels"]["tier"] == "gold"
+    replaced = {**before, "metadata": {**before["metadata"], "labels": {"tier": "silver"}}}
+    put = await api.put(f"{PODS}/d", params={"dryRun": "All"}, json=replaced)
+    assert put.status_code == 200 and put.json()["metadata"]["labels"] == {"tier": "silver"}
+    applied = await api.patch(f"{PODS}/d", params={"dryRun": "All", "fieldManager": "k"},
+                              headers={"Content-Type": "application/apply-patch+yaml"},
+                              content=b"apiVersion: v1\nkind: Pod\nmetadata:\n  name: d\n"
+                                      b"  labels: {tier: bronze}\n")
+    assert applied.status_code == 200 and applied.json()["metadata"]["labels"]["tier"] == "bronze"
+    assert (await api.get(f"{PODS}/d")).json() == before  # resourceVersion and all

@@ -481,3 +481,17 @@ def test_imperative_creates_send_protobuf_and_work(kubectl: Kubectl) -> None:
     assert kubectl.json("pod", "solo", "-n", "proto")["metadata"]["labels"] == {"run": "solo"}
     kubectl.run("delete", "namespace", "proto")
     kubectl.run("delete", "pc", "high")
+
+
+def test_server_side_dry_run_changes_nothing(kubectl: Kubectl) -> None:
+    kubectl.apply("dry.yaml", pod_yaml("dry"))
+    kubectl.run("wait", "--for=condition=Ready", "pod/dry", "--timeout=60s")  # status settled
+    before = kubectl.json("pod", "dry")
+    labelled = kubectl.run("label", "pod", "dry", "tier=gold", "--dry-run=server")
+    assert "pod/dry labeled (server dry run)" in labelled.stdout
+    applied = kubectl.run("apply", "-f", "dry.yaml", "--dry-run=server", "--server-side")
+    assert "(server dry run)" in applied.stdout
+    after = kubectl.json("pod", "dry")
+    assert after["metadata"].get("labels") == before["metadata"].get("labels")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    kubectl.run("delete", "pod", "dry")
