@@ -59,7 +59,8 @@ def read(raw: bytes) -> dict[str, Any]:
         return decode_body(raw)
     except UnsupportedKind as exc:
         raise StoreError(415, "UnsupportedMediaType", str(exc)) from None
-    except (ProtobufError, UnicodeDecodeError, ValueError) as exc:
+    except (ProtobufError, ValueError, TypeError, AttributeError, KeyError, IndexError,
+            struct.error, RecursionError) as exc:  # hostile bytes: a 400, never a 500
         raise StoreError(400, "BadRequest", f"the protobuf body cannot be decoded: {exc}") \
             from None
 
