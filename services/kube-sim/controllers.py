@@ -237,8 +237,9 @@ class WorkloadControllers:
                 status = current.setdefault("status", {})
                 status["hard"] = dict((current.get("spec") or {}).get("hard") or {})
                 kept = status.get("used") or {}  # written meanwhile by someone else: kept
-                status["used"] = {k: (v if quota_usage.evaluated(k) else kept.get(k, v))
-                                  for k, v in used.items()}
+                status["used"] = {k: v for k, v in used.items() if quota_usage.evaluated(k)} | {
+                    k: kept[k] for k in status["hard"]
+                    if k in kept and not quota_usage.evaluated(k)}
 
             with contextlib.suppress(StoreError):
                 self.store.mutate("ResourceQuota", namespace, name, apply)

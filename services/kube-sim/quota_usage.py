@@ -9,8 +9,9 @@ pkg/quota/v1/evaluator/core/pods.go). Pure.
   resource (`nvidia.com/gpu`) only in its `requests.` form — "only quota objects specified with
   prefix 'requests.' will be charged as requests".
 - A key no evaluator computes (`limits.nvidia.com/gpumem`) keeps the value someone else wrote in
-  `status.used` (the controller starts from the current `used`), else is 0. Tessera's quota
-  service writes those: kube-sim must not overwrite them.
+  `status.used` (the controller starts from the current `used` and masks it to the hard keys),
+  else is absent (`kubectl describe` shows 0). Tessera's quota service writes those: kube-sim
+  must not overwrite them.
 """
 
 from __future__ import annotations
@@ -91,6 +92,6 @@ def usage(quota: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, str]:
         elif evaluated(key):
             fmt = Format.BINARY_SI if key in binary else Format.DECIMAL_SI
             used[key] = Quantity(sums.get(key, Fraction(0)), fmt).canonical()
-        else:
-            used[key] = str(current.get(key, "0"))
+        elif key in current:
+            used[key] = str(current[key])
     return used
