@@ -198,6 +198,30 @@ def whole_mib(value: object, resource: str, where: str = "") -> int:
     return amount.numerator
 
 
+# A namespace's GPU memory limit: `G`, `T`, `P`, `E` would be at least 10^9 MiB (no namespace's
+# memory), so with those suffixes the value is bytes as written (`80G`), as with a binary one.
+_BYTES_SUFFIXES = ("G", "T", "P", "E")
+
+
+def namespace_mib(value: object, resource: str) -> int:
+    """A namespace's GPU memory total (ResourceQuota `limits.nvidia.com/gpumem`, `tessera quota
+    set --memory`) in MiB: a number of MiB in every form the API server writes (`8000`, `8k`,
+    `160k`, `1e3`), rounded up; bytes with a binary unit (`160Gi`) or `G`/`T`/`P`/`E` (`80G`),
+    rounded down (a limit never grows by rounding). Thousandths are refused."""
+    try:
+        quantity = parse(value)
+    except QuantityError as exc:
+        raise QuantityError(f"{resource}: {value!r} is not a quantity (MiB, or bytes with a "
+                            f"unit such as 160Gi): {exc}") from None
+    amount, text = quantity.value, _text_of(value)
+    if quantity.format is Format.BINARY_SI or text.endswith(_BYTES_SUFFIXES):
+        return (amount / 2**20).__floor__()
+    if amount.denominator != 1 and text.endswith("m"):
+        raise QuantityError(f"{resource}: {value!r} is in thousandths; write MiB (e.g. 8000) or "
+                            "bytes with a unit (e.g. 160Gi)")
+    return amount.__ceil__()
+
+
 def _plain(amount: Fraction) -> str:
     mantissa, exponent = _decimal_parts(amount)
     digits = str(abs(mantissa)).rjust(-exponent + 1, "0") if exponent < 0 else str(abs(mantissa))

@@ -12,13 +12,10 @@ them, or refused with a sentence (never read as "unlimited" by accident). Pure.
 
 from __future__ import annotations
 
-from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from decimal import ROUND_CEILING
 
 from tessera import quantity
 from tessera.hami import RequestError, parse_quantity
-
-MIB = Decimal(2) ** 20
-_BYTES_SI = ("G", "T", "P", "E")  # (a decimal suffix this large is bytes: see above)
 
 
 class QuotaValueError(ValueError):
@@ -30,19 +27,11 @@ def _text(value: object) -> str:
 
 
 def memory_mib(name: str, value: object) -> int:
-    """MiB from a plain number (MiB) or a byte quantity (converted)."""
-    text = _text(value)
+    """MiB from a number (MiB) or a byte quantity (converted): `quantity.namespace_mib`."""
     try:
-        parsed = parse_quantity(value, name)
-    except RequestError as exc:
-        raise QuotaValueError(f"{name}: {value!r} is not a quantity (MiB, or bytes with a unit "
-                              "such as 160Gi)") from exc
-    if text.endswith("m") and parsed != parsed.to_integral_value():
-        raise QuotaValueError(f"{name}: {value!r} is in thousandths; write MiB (e.g. 8000) or "
-                              "bytes with a unit (e.g. 160Gi)")
-    if quantity.parse(value).format is quantity.Format.BINARY_SI or text.endswith(_BYTES_SI):
-        return int((parsed / MIB).to_integral_value(rounding=ROUND_FLOOR))
-    return int(parsed.to_integral_value(rounding=ROUND_CEILING))
+        return quantity.namespace_mib(value, name)
+    except quantity.QuantityError as exc:
+        raise QuotaValueError(str(exc)) from None
 
 
 def plain_count(name: str, value: object, what: str) -> int:

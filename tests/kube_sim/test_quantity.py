@@ -69,3 +69,15 @@ def test_binary_units_and_fractions_are_refused_saying_what_to_write(written: st
                                                                      says: str) -> None:
     with pytest.raises(QuantityError, match=says.replace("(", r"\(").replace(")", r"\)")):
         whole_mib(written, MEM)
+
+
+@pytest.mark.parametrize(("written", "mib"), [
+    ("8000", 8000), ("8k", 8000), ("160k", 160000), ("1e3", 1000), ("160Gi", 163840),
+    ("512Mi", 512), ("80G", 80 * 10**9 // 2**20), (8000, 8000),
+])
+def test_a_namespace_total_reads_the_api_servers_forms_and_bytes(written: object,
+                                                                 mib: int) -> None:
+    """ResourceQuota `limits.nvidia.com/gpumem` and `tessera quota set --memory` (one rule)."""
+    from tessera.quantity import namespace_mib
+
+    assert namespace_mib(written, MEM) == mib
