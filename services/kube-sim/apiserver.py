@@ -59,6 +59,14 @@ from tessera.quantity import JsonNumber
 log = logging.getLogger("tessera.kube_sim.api")
 
 MAX_BODY_BYTES = 3 * 1024 * 1024  # kube-apiserver's request size limit
+# Bodies read as JSON ("" too: kube-sim is lenient with a client that names none); YAML and
+# protobuf are read as well; anything else (CBOR, text) is 415 with kube-apiserver's message.
+JSON_BODIES = frozenset({"", "application/json", "application/merge-patch+json",
+                         "application/strategic-merge-patch+json",
+                         "application/json-patch+json"})
+UNKNOWN_FORMAT = ("the body of the request was in an unknown format - accepted media types "
+                  "include: application/json, application/yaml, "
+                  "application/vnd.kubernetes.protobuf")
 BOOKMARK_INTERVAL_S = 5.0
 EVENTS_KEPT = 5000
 
@@ -352,9 +360,16 @@ class ApiServer:
             raise StoreError(413, "RequestEntityTooLarge", "request entity too large")
         if not raw:
             return None
-        content_type = request.headers.get("content-type", "").split(";")[0].strip()
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type == protobuf.MEDIA_TYPE:  # kubectl's typed clients (create namespace...)
             return protobuf.read(raw)
+        if content_type == "application/yaml":
+            try:
+                return yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        if content_type not in JSON_BODIES:  # CBOR among them: client-go then falls back
+            raise StoreError(415, "UnsupportedMediaType", UNKNOWN_FORMAT)
         try:
             # numbers keep their text: a quantity written 1e3 stays in the exponent family
             return json.loads(raw, parse_float=JsonNumber.of,

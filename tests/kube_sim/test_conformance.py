@@ -209,3 +209,20 @@ async def test_dry_run_writes_nothing(api) -> None:
                                       b"  labels: {tier: bronze}\n")
     assert applied.status_code == 200 and applied.json()["metadata"]["labels"]["tier"] == "bronze"
     assert (await api.get(f"{PODS}/d")).json() == before  # resourceVersion and all
+
+
+async def test_request_media_types(api) -> None:
+    """YAML bodies are read; a body in a format the server does not read (CBOR, text) is 415
+    with kube-apiserver's message, never a misleading 400 (on 415 for CBOR, client-go falls
+    back to JSON)."""
+    yaml_pod = (b"apiVersion: v1\nkind: Pod\nmetadata: {name: y}\nspec:\n  containers:\n"
+                b"  - {name: c, image: b, resources: {limits: {nvidia.com/gpumem: 3000}}}\n")
+    created = await api.post(PODS, content=yaml_pod, headers={"Content-Type": "application/yaml"})
+    assert created.status_code == 201, created.text
+    assert limits(created.json())[MEM] == "3k"
+    for media_type in ("application/cbor", "text/plain"):
+        refused = await api.post(PODS, content=b"\xa1", headers={"Content-Type": media_type})
+        assert refused.status_code == 415 and refused.json()["reason"] == "UnsupportedMediaType"
+        assert refused.json()["message"].startswith(
+            "the body of the request was in an unknown format - accepted media types include: "
+            "application/json, application/yaml")
