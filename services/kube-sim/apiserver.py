@@ -84,7 +84,7 @@ CLUSTER_SCOPED.add("Namespace")
 # configmaps (per-node device configuration), secrets and the webhook configurations (a webhook
 # that provisions its own certificate writes its caBundle there)
 RESOURCES.update(
-    {"configmaps": "ConfigMap", "secrets": "Secret",
+    {"configmaps": "ConfigMap", "secrets": "Secret", "limitranges": "LimitRange",
      "mutatingwebhookconfigurations": "MutatingWebhookConfiguration",
      "validatingwebhookconfigurations": "ValidatingWebhookConfiguration"}
 )

@@ -226,3 +226,14 @@ async def test_request_media_types(api) -> None:
         assert refused.json()["message"].startswith(
             "the body of the request was in an unknown format - accepted media types include: "
             "application/json, application/yaml")
+
+
+async def test_limit_ranges_are_served_with_canonical_quantities(api) -> None:
+    limit_range = {"metadata": {"name": "gpu"}, "spec": {"limits": [{
+        "type": "Container", "max": {MEM: "24000"}, "default": {MEM: 1000},
+        "defaultRequest": {"memory": "0.5Gi"}}]}}
+    reply = await api.post("/api/v1/namespaces/default/limitranges", json=limit_range)
+    assert reply.status_code == 201, reply.text
+    [limit] = (await api.get("/api/v1/namespaces/default/limitranges/gpu")).json()["spec"]["limits"]
+    assert (limit["max"], limit["default"], limit["defaultRequest"]) == (
+        {MEM: "24k"}, {MEM: "1k"}, {"memory": "512Mi"})
