@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, localcontext
 from typing import TYPE_CHECKING, Any
+
+from tessera import quantity
 
 if TYPE_CHECKING:  # imported where used: the CLI reads annotations without loading pydantic
     from collections.abc import Callable
@@ -91,57 +93,35 @@ class RequestError(ValueError):
     """A GPU request that cannot be honoured as written."""
 
 
-# --- quantities -------------------------------------------------------------------------------
-
-_SUFFIXES: dict[str, Decimal] = {
-    "": Decimal(1),
-    "m": Decimal("0.001"),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
-}
-
-
-_LONGEST_FIRST = sorted(_SUFFIXES, key=len, reverse=True)
+# --- quantities ---------------------------------------------------------------------------------
+# The grammar and the canonical form are `tessera.quantity`'s (kube-apiserver's rules); this
+# module reads GPU requests from whatever form the API server writes (`3000` comes back `3k`).
 
 
 def parse_quantity(value: object, resource: str = "quantity") -> Decimal:
-    """A Kubernetes quantity ("3000", "1.5", "2Gi", "500m", 7) as an exact Decimal."""
+    """A Kubernetes quantity ("3000", "3k", "1.5", "2Gi", "500m", "1e3", 7) as an exact Decimal."""
     if isinstance(value, bool) or value is None:
         raise RequestError(f"{resource}: {value!r} is not a quantity")
-    if isinstance(value, int):
+    if type(value) is int:
         return Decimal(value)
-    if isinstance(value, float):
-        value = repr(value)
-    if not isinstance(value, str):
-        raise RequestError(f"{resource}: {value!r} is not a quantity")
-    text = value.strip()
-    if not text or len(text) > 64:
-        raise RequestError(f"{resource}: {value!r} is not a quantity")
-    number, suffix = text, ""
-    for candidate in _LONGEST_FIRST:
-        if candidate and text.endswith(candidate):
-            number, suffix = text[: -len(candidate)], candidate
-            break
-    # Only plain decimal numbers with an optional e/E exponent, as Kubernetes accepts.
-    if not number or any(ch not in "0123456789.+-eE" for ch in number):
-        raise RequestError(f"{resource}: {value!r} is not a quantity")
     try:
-        parsed = Decimal(number) * _SUFFIXES[suffix]
-    except InvalidOperation as exc:
-        raise RequestError(f"{resource}: {value!r} is not a quantity") from exc
-    if not parsed.is_finite():
-        raise RequestError(f"{resource}: {value!r} is not a finite quantity")
-    return parsed
+        amount = quantity.parse(value).value
+    except quantity.QuantityError:
+        raise RequestError(f"{resource}: {value!r} is not a quantity") from None
+    with localcontext() as exact:
+        exact.prec = 80  # a quantity has at most ~30 digits: the division is exact
+        return Decimal(amount.numerator) / Decimal(amount.denominator)
+
+
+def memory_mib(value: object, resource: str, where: str = "") -> int:
+    """A device-memory request as the whole number of MiB the user meant (`3000`, `3k`, `1e3`);
+    a binary suffix or a fraction is refused saying what to write instead."""
+    if type(value) is int:
+        return value
+    try:
+        return quantity.whole_mib(value, resource, where)
+    except quantity.QuantityError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def _as_int(value: object, resource: str, *, low: int, high: int) -> int:
@@ -205,14 +185,18 @@ def raw_percentage(container: dict[str, Any], settings: TesseraSettings) -> Deci
     return None if value is None else parse_quantity(value, settings.resource_mem_percentage)
 
 
-def _whole(value: object, resource: Callable[[], str], *, low: int, high: int) -> int:
+def _whole(value: object, resource: Callable[[], str], *, low: int, high: int,
+           read: Callable[[object, str], int] | None = None) -> int:
     """`_as_int` (the same value, the same refusal), without a Decimal for the usual values: an
-    int, or a string of ASCII digits (as the API server writes a plain quantity)."""
+    int, or a string of ASCII digits (a plain quantity). `read` reads the other forms (memory:
+    `memory_mib`, which names what to write instead of a unit that means bytes)."""
     kind = type(value)
     if kind is int:
         number = value
     elif kind is str and value.isdigit() and value.isascii() and len(value) <= 64:  # type: ignore[union-attr]
         number = int(value)  # type: ignore[arg-type]
+    elif read is not None:
+        number = read(value, resource())
     else:
         return _as_int(value, resource(), low=low, high=high)
     if low <= number <= high:  # type: ignore[operator]
@@ -261,7 +245,8 @@ def parse_container_request(
     memory = 0
     if raw_mem is not None:
         memory = _whole(raw_mem, lambda: where + settings.resource_mem, low=0,
-                        high=MAX_MEMORY_MIB)  # fmt: skip
+                        high=MAX_MEMORY_MIB,
+                        read=lambda value, _: memory_mib(value, settings.resource_mem, where))
         memory *= settings.memory_factor
         if memory > MAX_MEMORY_MIB:
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")

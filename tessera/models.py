@@ -409,6 +409,8 @@ class AdmissionEvent(Event):
     namespace: str
     name: str = ""
     pod_uid: str = ""
+    never_placed: str = Field("", description="why the admitted pod can never be placed as "
+                              "written (a misspelt GPU resource): it counts as pending")
 
 
 class QuotaEvent(Event):

@@ -4,6 +4,10 @@ same key kubectl uses), so a re-apply compares like with like and removed fields
 
 Pods are immutable apart from their labels, annotations and container images (Kubernetes'
 rule): a re-apply that changes anything else says which fields and what to do.
+
+Writes ask for `fieldValidation=Strict`, kubectl's default: a misspelt field (`resources.limit:`)
+is refused by the API server naming it, never stored without its meaning. The server's
+`Warning` headers (admission warnings among them) are kept on the client for the caller to print.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from .manifests import Manifest, ManifestError, check
 from .resources import Kind, by_kind, discover, is_kubeconfig
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+STRICT = "?fieldValidation=Strict"
 _POD_MUTABLE = re.compile(
     r"^(metadata\.(labels|annotations)\b|spec\.(init)?[cC]ontainers\[\d+\]\.image$"
     r"|spec\.activeDeadlineSeconds$|spec\.tolerations\b)"
@@ -138,10 +143,10 @@ def apply_one(client: KubeClient, manifest: Manifest, namespace: str) -> str:
     ns = meta.get("namespace")
     label = f"{kind.singular}/{meta.get('name') or meta.get('generateName')}"
     if not meta.get("name"):
-        created = client.post(kind.collection(ns), _with_record(doc))
+        created = client.post(kind.collection(ns) + STRICT, _with_record(doc))
         return f"{kind.singular}/{created['metadata']['name']} created"
     try:
-        client.post(kind.collection(ns), _with_record(doc))
+        client.post(kind.collection(ns) + STRICT, _with_record(doc))
         return f"{label} created"
     except ApiError as error:
         if error.status != 409:
@@ -173,7 +178,7 @@ def apply_one(client: KubeClient, manifest: Manifest, namespace: str) -> str:
         patch["metadata"]["annotations"] = {}
     patch["metadata"]["annotations"][LAST_APPLIED] = _with_record(doc)["metadata"][
         "annotations"][LAST_APPLIED]
-    client.patch(kind.item(ns, meta["name"]), patch)
+    client.patch(kind.item(ns, meta["name"]) + STRICT, patch)
     return f"{label} configured"
 
 

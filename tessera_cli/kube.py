@@ -113,6 +113,8 @@ class KubeClient:
         self.config = config
         self.timeout_s = timeout_s
         self._context: ssl.SSLContext | None = None
+        # the API server's `Warning: 299 - "<text>"` headers, in order (the caller prints them)
+        self.warnings: list[str] = []
         if config.server.startswith("https"):
             import ssl
 
@@ -156,6 +158,16 @@ class KubeClient:
         except ValueError:
             raise ApiError(f"{method} {path}: the API server's reply is not JSON") from None
 
+    def _keep_warnings(self, headers: Any) -> None:
+        for value in headers.get_all("Warning") or []:
+            head, sep, rest = value.partition('"')
+            if sep and head.strip().startswith("299") and rest.endswith('"'):
+                self.warnings.append(rest[:-1].replace('\\"', '"').replace("\\\\", "\\"))
+
+    def take_warnings(self) -> list[str]:
+        taken, self.warnings = self.warnings, []
+        return taken
+
     def _urllib(self, method: str, path: str, body: Any, content_type: str,
                 headers: dict[str, str], timeout: float) -> bytes:  # fmt: skip
         import urllib.error
@@ -168,9 +180,11 @@ class KubeClient:
             request.add_header("Content-Type", content_type)
         try:
             with urllib.request.urlopen(request, timeout=timeout, context=self._context) as reply:
+                self._keep_warnings(reply.headers)
                 raw: bytes = reply.read()
                 return raw
         except urllib.error.HTTPError as error:
+            self._keep_warnings(error.headers)
             raise _refused(error.code, error.read().decode("utf-8", "replace")) from None
 
     def get(self, path: str) -> Any:

@@ -42,8 +42,11 @@ def apply_files(client: KubeClient, files: list[str], namespace: str, recursive:
     ok = True
     for manifest in load(files, recursive):
         try:
-            print(apply_one(client, manifest, namespace), file=out, flush=True)
+            result = apply_one(client, manifest, namespace)
+            _print_warnings(client, err)
+            print(result, file=out, flush=True)
         except ApiError as error:
+            _print_warnings(client, err)
             if not error.status:  # the server is away: stop at the first
                 raise
             ok = False
@@ -55,6 +58,12 @@ def apply_files(client: KubeClient, files: list[str], namespace: str, recursive:
             ok = False
             print(f"error: {error}", file=err, flush=True)
     return ok
+
+
+def _print_warnings(client: KubeClient, err: Any) -> None:
+    """The API server's warnings (admission's, field validation's), as kubectl prints them."""
+    for warning in client.take_warnings():
+        print(f"Warning: {warning}", file=err, flush=True)
 
 
 # --- commands ---------------------------------------------------------------------------------

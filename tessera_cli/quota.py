@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
 
 import typer
@@ -37,7 +36,6 @@ from .locate import CliError, StackLocation, connect_nats, fail
 from .plain_tables import show
 
 UNLIMITED_WORDS = {"", "none", "unlimited", "-", "inf"}
-MIB = Decimal(2) ** 20
 
 
 class QuotaCliError(CliError):
@@ -45,19 +43,19 @@ class QuotaCliError(CliError):
 
 
 def parse_memory_limit(text: str | None) -> int | None:
-    """MiB from "8000" (MiB, as in a ResourceQuota), "16Gi"/"512Mi"/"1G" (bytes), or unlimited."""
+    """MiB from "8000" / "8k" (MiB, as in a ResourceQuota), "16Gi"/"512Mi"/"16G" (bytes), or
+    unlimited: the ResourceQuota rule (`tessera.quantity.namespace_mib`)."""
+    from tessera.quantity import QuantityError, namespace_mib
+
     if text is None or text.strip().lower() in UNLIMITED_WORDS:
         return None
-    text = text.strip()
     try:
-        value = parse_quantity(text, "memory")
-    except RequestError as exc:
-        raise QuotaCliError(f"--memory: {exc}") from None
-    if text[-1].isalpha():  # a unit was given: the quantity is bytes
-        value = value / MIB
+        value = namespace_mib(text.strip(), "--memory")
+    except QuantityError as exc:
+        raise QuotaCliError(str(exc)) from None
     if value < 0:
-        raise QuotaCliError(f"--memory {text!r} is negative")
-    return int(value.to_integral_value(rounding=ROUND_CEILING))
+        raise QuotaCliError(f"--memory {text.strip()!r} is negative")
+    return value
 
 
 def parse_count_limit(text: str | None, option: str) -> int | None:

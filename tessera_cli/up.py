@@ -86,6 +86,8 @@ def apply_directory(stack: LocalStack, directory: Path, console: Any) -> None:
                               soft_wrap=True)  # one line each, also off a terminal
             except CliError as error:  # a denied example is part of the demo
                 console.print(f"{name}: [yellow]{error}[/yellow]", soft_wrap=True)
+            for warning in client.take_warnings():  # the API server's, as kubectl prints them
+                console.print(f"{name}: [yellow]Warning: {warning}[/yellow]", soft_wrap=True)
             if manifest.kind == "ResourceQuota":
                 # The quota service learns quotas from its watch; give it a moment so the
                 # examples that follow are checked against this one.

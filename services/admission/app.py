@@ -138,6 +138,7 @@ class AdmissionApp:
                 pod_uid=_pod_uid(review.object),
                 reason=reason,
                 review_uid=review.uid,
+                never_placed=getattr(decision, "unplaceable", ""),
             ))
 
 

@@ -6,35 +6,45 @@
 - Any other `hami.io/*` or `nvidia.com/*` annotation or resource Tessera does not read gets a
   warning, never a silent ignore.
 - A request no card or node can ever satisfy is a RequestError naming the field and the unit:
-  cores above 100 per card, more GPUs than `TESSERA_MAX_GPUS_PER_NODE`, a unit on the MiB
-  memory resource (`gpumem: 4Gi`), an unknown scheduler policy or malformed scoring weights.
+  cores above 100 per card, more GPUs than `TESSERA_MAX_GPUS_PER_NODE`, a binary unit or a
+  fraction on the MiB memory resource (`gpumem: 4Gi`, `1.5`), an unknown scheduler policy or
+  malformed scoring weights. Every decimal form the API server writes (`3000` arrives as `3k`,
+  `1e3` stays `1e3`) is the number of MiB it says.
+- A memory request below `IMPLAUSIBLE_MIB` (`gpumem: 4`, someone meaning 4 GB) is admitted
+  with a warning naming the value and the MiB to write; a resource under a GPU vendor's domain
+  close to a known name (`nvidia.com/gpumen`) gets "did you mean nvidia.com/gpumem".
 """
 
 from __future__ import annotations
 
+import difflib
 from decimal import Decimal
 from typing import Any
 
 from tessera import hami
 from tessera.hami import RequestError, parse_quantity
+from tessera.quantity import IMPLAUSIBLE_MIB, implausibly_small
 from tessera.settings import TesseraSettings
 
 _PREFIXES = ("hami.io/", "nvidia.com/")
 _SECTIONS = ("initContainers", "containers")
-_SUFFIXES = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "T", "P", "E", "m")
 
 
 def apply_compat(pod: dict[str, Any], settings: TesseraSettings, changes: list[str],
-                 warnings: list[str]) -> None:
+                 warnings: list[str]) -> list[str]:
     """Rewrite aliases in `pod` (a writable copy: its containers' resources maps are copies;
-    the annotations map is copied here before any change) and refuse what can never fit."""
+    the annotations map is copied here before any change) and refuse what can never fit.
+    Returns why the pod, admitted as written, can never be placed (a misspelt GPU resource no
+    node offers): it pends, and is counted pending with that reason."""
     _annotations(pod, settings, changes, warnings)
     spec = pod["spec"]
+    unplaceable: list[str] = []
     for section in _SECTIONS:
         for index, container in enumerate(spec.get(section) or []):
             name = container.get("name")
             label = name if isinstance(name, str) and name else f"{section}[{index}]"
-            _container(container, label, settings, changes, warnings)
+            _container(container, label, settings, changes, warnings, unplaceable)
+    return unplaceable
 
 
 # --- annotations --------------------------------------------------------------------------------
@@ -131,7 +141,7 @@ def _requests(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def _container(container: dict[str, Any], label: str, settings: TesseraSettings,
-               changes: list[str], warnings: list[str]) -> None:
+               changes: list[str], warnings: list[str], unplaceable: list[str]) -> None:
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return
@@ -153,11 +163,18 @@ def _container(container: dict[str, Any], label: str, settings: TesseraSettings,
             warnings.append(f"container {label}: {alias} is read as {canonical} (the canonical "
                             f"resource); write {canonical} instead")
         for key in sorted(k for k in values if isinstance(k, str)):
-            if key.startswith(_PREFIXES) and key not in known and key != alias:
+            if key not in known and key != alias and (
+                    key.startswith(_PREFIXES) or misspelt_resource(key, settings)):
+                guess = misspelt_resource(key, settings)
+                hint = f"did you mean {guess}? " if guess else ""
+                if guess:
+                    unplaceable.append(f"container {label}: resource {key} (did you mean "
+                                       f"{guess}?) is offered by no node")
                 warnings.append(f"container {label}: resource {key} is not one Tessera (or "
-                                "HAMi) manages; it is ignored by the GPU scheduler — check its "
-                                "spelling")
+                                f"HAMi) manages; {hint}it is ignored by the GPU scheduler — "
+                                "check its spelling")
         _never_fits(values, label, section, settings)
+        _implausible_memory(values, label, section, settings, warnings)
 
 
 def _quantity(value: object) -> Decimal:
@@ -169,20 +186,40 @@ def _quantity(value: object) -> Decimal:
         return Decimal(0)
 
 
+def misspelt_resource(key: str, settings: TesseraSettings) -> str | None:
+    """The known GPU resource `key` is most likely a typo of (same vendor domain, close
+    spelling: `nvidia.com/gpumen` → `nvidia.com/gpumem`), else None."""
+    domain, slash, name = key.partition("/")
+    if not slash:
+        return None
+    known = [*settings.resource_names(), hami.RESOURCE_ALIAS_CORES]
+    same_domain = {k.partition("/")[2]: k for k in known if k.partition("/")[0] == domain}
+    close = difflib.get_close_matches(name, list(same_domain), n=1, cutoff=0.75)
+    return same_domain[close[0]] if close and same_domain[close[0]] != key else None
+
+
+def _implausible_memory(values: dict[str, Any], label: str, section: str,
+                        settings: TesseraSettings, warnings: list[str]) -> None:
+    memory = values.get(settings.resource_mem)
+    try:
+        mib = hami.memory_mib(memory, settings.resource_mem) if memory is not None else 0
+    except RequestError:
+        return  # the request parser refuses it, naming the container
+    if implausibly_small(mib):
+        warnings.append(
+            f"container {label}: {section} {settings.resource_mem}: {memory!r} is {mib} MiB of "
+            f"device memory, implausibly small (below {IMPLAUSIBLE_MIB} MiB; a CUDA context "
+            f"alone takes more); the value is MiB: for {mib} GB write {settings.resource_mem}: "
+            f"{mib * 1000}, for {mib} GiB {mib * 1024}"
+        )
+
+
 def _never_fits(values: dict[str, Any], label: str, section: str,
                 settings: TesseraSettings) -> None:
     where = f"container {label}: {section}"
     memory = values.get(settings.resource_mem)
-    if isinstance(memory, str) and memory.strip().endswith(_SUFFIXES):
-        try:
-            understood = f"{parse_quantity(memory, settings.resource_mem):f}"
-        except RequestError:
-            understood = "not a number"
-        raise RequestError(
-            f"{where} {settings.resource_mem}: {memory!r} has a unit, but the value is a whole "
-            f"number of MiB without one ({memory!r} would be read as {understood} MiB); write "
-            f"e.g. {settings.resource_mem}: 4096 for 4 GiB"
-        )
+    if memory is not None:  # a binary unit (bytes) or a fraction: say what to write instead
+        hami.memory_mib(memory, settings.resource_mem, f"{where} ")
     # Absurd values (1e400) are left to the request parser, which calls them that.
     cores = values.get(settings.resource_cores)
     if 100 < _quantity(cores) <= 10**9:

@@ -33,6 +33,7 @@ class PendingEvent:
     pod_uid: str
     reason: str
     review_uid: str
+    never_placed: str = ""
 
 
 class EventQueue:
@@ -104,6 +105,7 @@ class EventQueue:
                 namespace=pending.namespace or "_",
                 name=pending.name,
                 pod_uid=pending.pod_uid,
+                never_placed=pending.never_placed,
             )
             await publish_event(self.js, event, attempts=3)
             self.published += 1

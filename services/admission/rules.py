@@ -74,6 +74,8 @@ class Admitted:
     warnings: tuple[str, ...] = ()
     quota: QuotaAsk | None = None
     note: str = ""
+    # why the pod as written can never be placed (a misspelt GPU resource): counted pending
+    unplaceable: str = ""
 
     @property
     def summary(self) -> str:
@@ -159,7 +161,8 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
     warnings: list[str] = []
     requests: dict[str, list[ContainerRequest | None]] = {}
     try:
-        apply_compat(mutated, settings, changes, warnings)  # aliases, what can never fit
+        # aliases, what can never fit, what no node offers (a misspelt GPU resource)
+        unplaceable = "; ".join(apply_compat(mutated, settings, changes, warnings))
         for section in CONTAINER_SECTIONS:
             requests[section] = [
                 _normalise_container(
@@ -195,14 +198,15 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
                 f"{settings.scheduler_name}. Remove spec.nodeName and use a nodeSelector or node "
                 "affinity to choose nodes",
             )
-        if scheduler != settings.scheduler_name:
-            mutated["spec"]["schedulerName"] = settings.scheduler_name
-            changes.append(f"schedulerName set to {settings.scheduler_name}")
+    if (gpu_pod or unplaceable) and scheduler != settings.scheduler_name:
+        # (a pod whose GPU resource is misspelt is ours too: our scheduler reports it pending)
+        mutated["spec"]["schedulerName"] = settings.scheduler_name
+        changes.append(f"schedulerName set to {settings.scheduler_name}")
 
     patch = json_patch(pod, mutated) if changes else []
     quota = _quota_ask(pod, normalised, namespace) if gpu_pod else None
     note = "GPU request accepted as written" if gpu_pod else "no GPU requested"
-    return Admitted(patch, tuple(changes), tuple(warnings), quota, note)
+    return Admitted(patch, tuple(changes), tuple(warnings), quota, note, unplaceable)
 
 
 def apply_quota_verdict(

@@ -1,7 +1,8 @@
 """Calling a mutating admission webhook as kube-apiserver does (AdmissionReview v1 over HTTPS).
 
 The pod is sent as `request.object`; an allowed response's base64 JSON patch is applied to it;
-a denial becomes the create's error, `admission webhook "<name>" denied the request: <msg>`.
+a denial becomes the create's error, `admission webhook "<name>" denied the request: <msg>`;
+the response's `warnings` become the client's `Warning` headers (`response_warnings`).
 A webhook that cannot be reached follows the failure policy: `Fail` rejects the create with an
 internal error (clients retry), `Ignore` lets the pod through unchanged.
 """
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 import httpx
 import jsonpatch
+from tessera.kube_sim.response_warnings import add_warning
 from tessera.kube_sim.store import KubeObject, StoreError
 
 log = logging.getLogger("tessera.kube_sim.admission")
@@ -61,6 +63,8 @@ def apply_review_response(pod: KubeObject, review: Any, review_uid: str) -> Kube
             f'Internal error occurred: failed calling webhook "{WEBHOOK_NAME}": '
             "the response uid does not match the request",
         )
+    for warning in response.get("warnings") or []:  # allowed or not, as kube-apiserver
+        add_warning(str(warning))
     if not response.get("allowed"):
         result = response.get("status") or {}
         code = int(result.get("code") or 400)

@@ -27,10 +27,11 @@ from typing import Any
 import jsonpatch
 import yaml
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tessera.kube_sim import discovery, schema, strategic_merge, tables, validation
+from tessera.kube_sim import discovery, protobuf, schema, strategic_merge, tables, validation
 from tessera.kube_sim.objects import (
     WORKLOADS,
     job_selector,
@@ -40,6 +41,7 @@ from tessera.kube_sim.objects import (
     scale_of,
     validate_update,
 )
+from tessera.kube_sim.response_warnings import WarningHeaders, add_warning
 from tessera.kube_sim.selectors import SelectorError, parse_fields, parse_labels
 from tessera.kube_sim.store import (
     KubeObject,
@@ -47,13 +49,24 @@ from tessera.kube_sim.store import (
     Selector,
     StoreError,
     conflict,
+    decoded,
     gone,
     now_rfc3339,
 )
 
+from tessera.quantity import JsonNumber
+
 log = logging.getLogger("tessera.kube_sim.api")
 
 MAX_BODY_BYTES = 3 * 1024 * 1024  # kube-apiserver's request size limit
+# Bodies read as JSON ("" too: kube-sim is lenient with a client that names none); YAML and
+# protobuf are read as well; anything else (CBOR, text) is 415 with kube-apiserver's message.
+JSON_BODIES = frozenset({"", "application/json", "application/merge-patch+json",
+                         "application/strategic-merge-patch+json",
+                         "application/json-patch+json"})
+UNKNOWN_FORMAT = ("the body of the request was in an unknown format - accepted media types "
+                  "include: application/json, application/yaml, "
+                  "application/vnd.kubernetes.protobuf")
 BOOKMARK_INTERVAL_S = 5.0
 EVENTS_KEPT = 5000
 
@@ -71,7 +84,7 @@ CLUSTER_SCOPED.add("Namespace")
 # configmaps (per-node device configuration), secrets and the webhook configurations (a webhook
 # that provisions its own certificate writes its caBundle there)
 RESOURCES.update(
-    {"configmaps": "ConfigMap", "secrets": "Secret",
+    {"configmaps": "ConfigMap", "secrets": "Secret", "limitranges": "LimitRange",
      "mutatingwebhookconfigurations": "MutatingWebhookConfiguration",
      "validatingwebhookconfigurations": "ValidatingWebhookConfiguration"}
 )
@@ -116,21 +129,29 @@ def field_warnings(request: Request, kind: str, body: Any) -> list[str]:
     BadRequest, strict decoding error), `Warn` (the default) and `Ignore` store them, `Warn`
     with a warning per field."""
     mode = request.query_params.get("fieldValidation") or "Warn"
-    unknown = schema.unknown_fields(kind, body)
-    if not unknown or mode == "Ignore":
+    if mode not in ("Strict", "Warn", "Ignore"):
+        raise StoreError(400, "BadRequest", f"fieldValidation parameter unsupported: {mode!r}; "
+                         "supported values: Ignore, Strict, Warn")
+    if mode == "Ignore":
         return []
-    if mode == "Strict":
+    problems = schema.field_problems(kind, body, getattr(request.state, "duplicates", []))
+    if problems and mode == "Strict":
         raise StoreError(400, "BadRequest", schema.strict_error_message(
-            kind, discovery.api_version_of(kind) or "v1", unknown))
-    return [f'unknown field "{f}"' for f in unknown]
+            kind, discovery.api_version_of(kind) or "v1", problems))
+    return problems
 
 
 def with_warnings(response: Response, warnings: list[str]) -> Response:
-    """RFC 7234 Warning headers (code 299), which kubectl prints as `Warning: ...`."""
+    """RFC 7234 Warning headers (code 299), which kubectl prints as `Warning: ...` (added to
+    the request's recorder: `response_warnings`)."""
     for warning in warnings:
-        quoted = warning.replace("\\", "\\\\").replace('"', '\\"')
-        response.headers.append("Warning", f'299 - "{quoted}"')
+        add_warning(warning)
     return response
+
+
+def _dry_run(request: Request) -> bool:
+    """`dryRun=All`: validated, admitted and answered as if written, and not written."""
+    return request.query_params.get("dryRun") == "All"
 
 
 def no_such_resource() -> StoreError:
@@ -242,7 +263,8 @@ class ApiServer:
             ),
             *self._more_routes(),
         ]
-        return Starlette(routes=routes, exception_handlers={
+        return Starlette(routes=routes, middleware=[Middleware(WarningHeaders)],
+                         exception_handlers={
             404: lambda request, exc: error_response(no_such_resource()),
             405: lambda request, exc: error_response(StoreError(
                 405, "MethodNotAllowed",
@@ -336,8 +358,25 @@ class ApiServer:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise StoreError(413, "RequestEntityTooLarge", "request entity too large")
+        if not raw:
+            return None
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type == protobuf.MEDIA_TYPE:  # kubectl's typed clients (create namespace...)
+            return protobuf.read(raw)
+        if content_type == "application/yaml":
+            try:
+                return yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        if content_type not in JSON_BODIES:  # CBOR among them: client-go then falls back
+            raise StoreError(415, "UnsupportedMediaType", UNKNOWN_FORMAT)
         try:
-            return json.loads(raw) if raw else None
+            # numbers keep their text: a quantity written 1e3 stays in the exponent family
+            return json.loads(raw, parse_float=JsonNumber.of,
+                              object_pairs_hook=schema.has_duplicates)
+        except schema.DuplicateKeys:  # the last one wins; fieldValidation says what to tell
+            request.state.duplicates = schema.duplicate_fields(raw, JsonNumber.of)
+            return json.loads(raw, parse_float=JsonNumber.of)
         except ValueError as exc:
             raise StoreError(400, "BadRequest", f"invalid JSON body: {exc}") from exc
 
@@ -446,12 +485,13 @@ class ApiServer:
             meta["namespace"] = namespace or "default"
         for field in ("uid", "resourceVersion", "deletionTimestamp", "generation"):
             meta.pop(field, None)
+        decoded(kind, obj)  # canonical quantities, before admission sees the object
         if kind == "Pod":
             obj = self._pod_defaults(obj)
             for admit in self.pod_admitters:
                 obj = admit(obj)
             if self.admit_pod is not None and not dry_run:
-                obj = await self.admit_pod(obj, "CREATE")
+                obj = decoded(kind, await self.admit_pod(obj, "CREATE"))
             validation.validate_pod(obj)
         elif kind in WORKLOADS:
             validation.prepare_workload(kind, obj)
@@ -722,19 +762,21 @@ class ApiServer:
             raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
         if not isinstance(applied, dict):
             raise StoreError(400, "BadRequest", "the body must be an object")
-        field_warnings(request, kind, applied)
+        warnings = field_warnings(request, kind, applied)
         applied.setdefault("metadata", {})["name"] = name
+        dry_run = _dry_run(request)
         try:
             self.store.get(kind, namespace, name)
         except StoreError:
-            return JSONResponse(await self.create_object(kind, namespace, applied), 201)
+            created = await self.create_object(kind, namespace, applied, dry_run)
+            return with_warnings(JSONResponse(created, 201), warnings)
         applied.pop("status", None)
-        return JSONResponse(self._update(kind, namespace, name, applied,
-                                         strategic_merge.apply))
+        return with_warnings(JSONResponse(self._update(
+            kind, namespace, name, applied, strategic_merge.apply, dry_run)), warnings)
 
     def _update(
         self, kind: str, namespace: str, name: str, patch: Any,
-        merge: Callable[[Any, Any], Any],
+        merge: Callable[[Any, Any], Any], dry_run: bool = False,
     ) -> KubeObject:
         def change(obj: KubeObject) -> None:
             before = copy.deepcopy(obj)
@@ -746,11 +788,11 @@ class ApiServer:
                     patched["metadata"].pop(key, None)
                 else:
                     patched["metadata"][key] = before["metadata"][key]
-            validate_update(kind, before, patched)
+            validate_update(kind, before, decoded(kind, patched))
             obj.clear()
             obj.update(patched)
 
-        return self.store.mutate(kind, namespace, name, change)
+        return self.store.mutate(kind, namespace, name, change, persist=not dry_run)
 
     async def status(self, request: Request) -> Response:
         try:
@@ -785,8 +827,9 @@ class ApiServer:
         current = self.store.get(kind, namespace if kind not in CLUSTER_SCOPED else "", name)
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
-        validate_update(kind, current, body)
-        replaced = self.store.replace(kind, body, str(expected) if expected else None)
+        validate_update(kind, current, decoded(kind, body))
+        replaced = self.store.replace(kind, body, str(expected) if expected else None,
+                                      persist=not _dry_run(request))
         return with_warnings(JSONResponse(replaced), warnings)
 
     async def _patch(
@@ -842,12 +885,12 @@ class ApiServer:
                 else:
                     patched["metadata"][key] = value
             if not status_only:
-                validate_update(kind, obj, patched)
+                validate_update(kind, obj, decoded(kind, patched))
             obj.clear()
             obj.update(patched)
 
-        return with_warnings(JSONResponse(self.store.mutate(kind, namespace, name, apply)),
-                             warnings)
+        changed = self.store.mutate(kind, namespace, name, apply, persist=not _dry_run(request))
+        return with_warnings(JSONResponse(changed), warnings)
 
     async def binding(self, request: Request) -> Response:
         try:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.kube_sim import quota_usage
 from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.selectors import from_label_selector, labels_match
@@ -44,7 +45,7 @@ HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the characters Kubernetes uses 
 TERMINAL = ("Succeeded", "Failed")
 MAX_BURST = 500  # pods one owner creates or deletes per pass (the real controllers' burst)
 REVISION = "deployment.kubernetes.io/revision"
-FOLLOWED = ("Deployment", "ReplicaSet", "Job", "Pod")
+FOLLOWED = ("Deployment", "ReplicaSet", "Job", "Pod", "ResourceQuota")
 
 
 def normalized(value: Any) -> Any:
@@ -206,7 +207,8 @@ class WorkloadControllers:
                 log.exception("reconcile pass failed")
 
     async def reconcile(self) -> None:
-        """One pass over every workload (a no-op when there is none)."""
+        """One pass over every workload (a no-op when there is none), and quotas' usage."""
+        self.sync_quotas()
         deployments = self.store.list("Deployment", Selector())
         for deployment in deployments:
             await self.sync_deployment(deployment)
@@ -223,6 +225,24 @@ class WorkloadControllers:
             await self.sync_replicaset(rs, pods_by_owner.get(rs["metadata"]["uid"], []))
         for job in jobs:
             await self.sync_job(job, pods_by_owner.get(job["metadata"]["uid"], []))
+
+    def sync_quotas(self) -> None:
+        """The resource quota controller: `status.used` of every ResourceQuota (quota_usage)."""
+        for quota in self.store.list("ResourceQuota", Selector()):
+            namespace, name = quota["metadata"]["namespace"], quota["metadata"]["name"]
+            pods = self.store.list("Pod", Selector(namespace=namespace))
+            used = quota_usage.usage(quota, pods)
+
+            def apply(current: KubeObject, used: dict[str, str] = used) -> None:
+                status = current.setdefault("status", {})
+                status["hard"] = dict((current.get("spec") or {}).get("hard") or {})
+                kept = status.get("used") or {}  # written meanwhile by someone else: kept
+                status["used"] = {k: v for k, v in used.items() if quota_usage.evaluated(k)} | {
+                    k: kept[k] for k in status["hard"]
+                    if k in kept and not quota_usage.evaluated(k)}
+
+            with contextlib.suppress(StoreError):
+                self.store.mutate("ResourceQuota", namespace, name, apply)
 
     # --- pods ----------------------------------------------------------------------------------
 

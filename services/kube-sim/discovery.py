@@ -65,6 +65,8 @@ TYPES: tuple[ResourceType, ...] = (
     ResourceType("jobs", "Job", group="batch", subresources=("status",),
                  categories=("all",)),
     ResourceType("configmaps", "ConfigMap", short_names=("cm",)),
+    # stored and served (quantities canonical); LimitRanger's defaulting is not modelled
+    ResourceType("limitranges", "LimitRange", short_names=("limits",)),
     ResourceType("secrets", "Secret"),
     ResourceType("mutatingwebhookconfigurations", "MutatingWebhookConfiguration",
                  group="admissionregistration.k8s.io", namespaced=False),

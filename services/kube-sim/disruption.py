@@ -40,7 +40,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from tessera.kube_sim import tables
+from tessera.kube_sim import protobuf, tables
 from tessera.kube_sim.store import (
     KubeObject,
     ObjectStore,
@@ -178,12 +178,12 @@ class Disruption:
     @staticmethod
     async def _json(request: Request) -> dict[str, Any]:
         if "protobuf" in request.headers.get("content-type", ""):  # `kubectl create <kind>`
-            raise StoreError(415, "UnsupportedMediaType", "kube-sim reads JSON bodies only "
-                             "(application/json): use kubectl apply -f / create -f")
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise StoreError(400, "BadRequest", f"invalid JSON body: {exc}") from exc
+            body: Any = protobuf.read(await request.body())
+        else:
+            try:
+                body = await request.json()
+            except ValueError as exc:
+                raise StoreError(400, "BadRequest", f"invalid JSON body: {exc}") from exc
         if not isinstance(body, dict) or not isinstance(body.setdefault("metadata", {}), dict):
             raise StoreError(400, "BadRequest", "the body must be an object with metadata")
         return body

@@ -1,42 +1,26 @@
-"""Kubernetes resource quantities (`100m`, `1Gi`, `2`, `1e3`) as exact fractions."""
+"""Quantities in kube-sim: read as exact fractions (the grammar is the contract's,
+`tessera.quantity`), and written back in canonical form on every object kube-sim stores, as
+kube-apiserver's decoding does (a Go `resource.Quantity` field is re-serialised canonically:
+`3000` → `3k`, `1.5Gi` → `1536Mi`). Reads, watch events and the AdmissionReview's `object` all
+carry what is stored, so they are canonical too.
+
+`QUANTITY_FIELDS` names every Quantity-typed field of the kinds kube-sim serves (the Go types
+of k8s.io/api), so nothing else that looks like a number is touched.
+"""
 
 from __future__ import annotations
 
-import re
 from fractions import Fraction
+from typing import Any
 
-_SUFFIXES = {
-    "": Fraction(1), "n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000),
-    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
-    "P": Fraction(10**15), "E": Fraction(10**18),
-    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30), "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50), "Ei": Fraction(2**60),
-}
-_PATTERN = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[a-zA-Z]*)$")
+from tessera.quantity import QuantityError
+from tessera.quantity import parse as parse_quantity
 
-
-class QuantityError(ValueError):
-    pass
+__all__ = ["QuantityError", "canonicalise", "parse", "text"]
 
 
 def parse(value: object) -> Fraction:
-    text = str(value).strip()
-    match = _PATTERN.match(text)
-    if not match:
-        raise QuantityError(
-            f"quantities must match the regular expression "
-            f"'^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$': {text!r}"
-        )
-    number, suffix = match.groups()
-    try:
-        base = Fraction(number)
-    except ValueError as exc:
-        raise QuantityError(f"invalid quantity {text!r}") from exc
-    if suffix[:1] in ("e", "E"):
-        return base * Fraction(10) ** int(suffix[1:])
-    if suffix not in _SUFFIXES:
-        raise QuantityError(f"unable to parse quantity's suffix {suffix!r}")
-    return base * _SUFFIXES[suffix]
+    return parse_quantity(value).value
 
 
 def text(value: Fraction) -> str:
@@ -44,3 +28,69 @@ def text(value: Fraction) -> str:
     if value.denominator == 1:
         return str(value.numerator)
     return f"{round(value * 1000)}m"
+
+
+# Paths inside a PodSpec (`*` = every item of a list, `{}` = every value of a map).
+_CONTAINER = ("resources.limits.{}", "resources.requests.{}")
+_POD_SPEC = (
+    *(f"{section}.*.{path}" for section in ("containers", "initContainers", "ephemeralContainers")
+      for path in _CONTAINER),
+    "overhead.{}", "resources.limits.{}", "resources.requests.{}",
+    "volumes.*.emptyDir.sizeLimit",
+    "volumes.*.ephemeral.volumeClaimTemplate.spec.resources.requests.{}",
+    "volumes.*.ephemeral.volumeClaimTemplate.spec.resources.limits.{}",
+)
+_POD_STATUS = tuple(
+    f"{section}.*.{path}"
+    for section in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")
+    for path in ("allocatedResources.{}", "resources.limits.{}", "resources.requests.{}")
+)
+_LIMIT = tuple(f"spec.limits.*.{key}.{{}}" for key in (
+    "max", "min", "default", "defaultRequest", "maxLimitRequestRatio"))
+QUANTITY_FIELDS: dict[str, tuple[str, ...]] = {
+    "Pod": (*(f"spec.{p}" for p in _POD_SPEC), *(f"status.{p}" for p in _POD_STATUS)),
+    "PodTemplate": tuple(f"template.spec.{p}" for p in _POD_SPEC),
+    "ReplicaSet": tuple(f"spec.template.spec.{p}" for p in _POD_SPEC),
+    "Deployment": tuple(f"spec.template.spec.{p}" for p in _POD_SPEC),
+    "StatefulSet": tuple(f"spec.template.spec.{p}" for p in _POD_SPEC),
+    "DaemonSet": tuple(f"spec.template.spec.{p}" for p in _POD_SPEC),
+    "Job": tuple(f"spec.template.spec.{p}" for p in _POD_SPEC),
+    "CronJob": tuple(f"spec.jobTemplate.spec.template.spec.{p}" for p in _POD_SPEC),
+    "ResourceQuota": ("spec.hard.{}", "status.hard.{}", "status.used.{}"),
+    "LimitRange": _LIMIT,
+    "Node": ("status.capacity.{}", "status.allocatable.{}"),
+    "PersistentVolumeClaim": ("spec.resources.requests.{}", "spec.resources.limits.{}",
+                              "status.capacity.{}", "status.allocatedResources.{}"),
+}
+_STEPS = {kind: tuple(p.split(".") for p in paths) for kind, paths in QUANTITY_FIELDS.items()}
+
+
+def canonicalise(kind: str, obj: Any) -> None:
+    """Rewrite every quantity of `obj` (a `kind`) in canonical form, in place. A value that is
+    no quantity raises QuantityError with Go's message (the caller words the 400)."""
+    for steps in _STEPS.get(kind, ()):
+        _walk(obj, steps)
+
+
+def _walk(node: Any, steps: list[str]) -> None:
+    if not steps or node is None:
+        return
+    step, rest = steps[0], steps[1:]
+    if step == "*":
+        if isinstance(node, list):
+            for item in node:
+                _walk(item, rest)
+        return
+    if not isinstance(node, dict):
+        return
+    if step == "{}":
+        for key, value in list(node.items()):
+            if value is None:
+                continue
+            node[key] = parse_quantity(value).canonical()
+        return
+    if step in node and not rest:  # a single quantity (emptyDir.sizeLimit)
+        if node[step] is not None:
+            node[step] = parse_quantity(node[step]).canonical()
+    elif step in node:
+        _walk(node[step], rest)

@@ -197,8 +197,11 @@ class SchedulingLoop:
             next_at = min((b.ready_at for b in self._waiting.values()), default=now + 1.0)
             next_at = min(next_at, now + 1.0)
             self._wake.clear()
+            # (asyncio.timeout, not wait_for: on Python 3.11 a cancel racing wait_for's timeout
+            # could leave this task cancelling forever, and kube-sim hung at SIGTERM)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.02, next_at - now))
+                async with asyncio.timeout(max(0.02, next_at - now)):
+                    await self._wake.wait()
 
     async def _schedule_forever(self) -> None:
         while True:

@@ -104,7 +104,58 @@ def _walk(schema: Any, value: Any, path: str, found: list[str]) -> None:
             _walk(schema[key], item, where, found)
 
 
-def strict_error_message(kind: str, api_version: str, fields: list[str]) -> str:
-    unknown = ", ".join(f'unknown field "{f}"' for f in fields)
+def strict_error_message(kind: str, api_version: str, problems: list[str]) -> str:
+    """`problems`: `unknown field "x"` / `duplicate field "y"`, as `field_problems` words them."""
     return (f'{kind} in version "{api_version.rsplit("/", 1)[-1]}" cannot be handled as a '
-            f"{kind}: strict decoding error: {unknown}")
+            f"{kind}: strict decoding error: {', '.join(problems)}")
+
+
+def field_problems(kind: str, obj: Any, duplicates: list[str]) -> list[str]:
+    """What strict decoding reports: each unknown field, each field given twice in the JSON."""
+    return ([f'unknown field "{f}"' for f in unknown_fields(kind, obj)]
+            + [f'duplicate field "{f}"' for f in duplicates])
+
+
+class _Pairs(dict[str, Any]):
+    """A JSON object that remembers the keys it was given more than once."""
+
+    repeated: list[str]
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    obj = _Pairs(pairs)
+    obj.repeated = [] if len(obj) == len(pairs) else sorted(
+        {k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i])})
+    return obj
+
+
+def has_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads(object_pairs_hook=...)`: a plain dict; flags a repeated key by raising."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise DuplicateKeys
+    return obj
+
+
+class DuplicateKeys(ValueError):
+    pass
+
+
+def duplicate_fields(text: bytes | str, parse_float: Any) -> list[str]:
+    """Paths of the fields given twice in a JSON document (`spec.replicas`), in order found.
+    Only called when a first, cheap decode saw a repeated key."""
+    import json
+
+    found: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, _Pairs):
+            found.extend(f"{path}.{k}" if path else k for k in value.repeated)
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else key)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+
+    walk(json.loads(text, object_pairs_hook=_pairs, parse_float=parse_float), "")
+    return found

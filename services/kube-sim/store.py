@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tessera.kube_sim.discovery import api_version_of, qualified_resource
+from tessera.kube_sim.quantity import QuantityError, canonicalise
 from tessera.kube_sim.selectors import Requirement, fields_match, labels_match
 
 KubeObject = dict[str, Any]
@@ -65,6 +66,19 @@ def conflict(message: str) -> StoreError:
 
 def gone(version: int) -> StoreError:
     return StoreError(410, "Expired", f"too old resource version: {version}")
+
+
+def decoded(kind: str, obj: KubeObject) -> KubeObject:
+    """`obj` as kube-apiserver holds it once decoded into its Go type: every quantity in
+    canonical form (in place). A value that is no quantity is the decoding error kube-apiserver
+    answers, 400 `<Kind> in version "<v>" cannot be handled as a <Kind>: <Go's message>`."""
+    try:
+        canonicalise(kind, obj)
+    except QuantityError as exc:
+        version = api_version_of(kind) or "v1"
+        raise StoreError(400, "BadRequest", f'{kind} in version "{version.split("/")[-1]}" '
+                         f"cannot be handled as a {kind}: {exc}") from None
+    return obj
 
 
 def now_rfc3339() -> str:
@@ -182,7 +196,7 @@ class ObjectStore:
     # --- writes -----------------------------------------------------------------------------
 
     def create(self, kind: str, obj: KubeObject) -> KubeObject:
-        obj = copy.deepcopy(obj)
+        obj = decoded(kind, copy.deepcopy(obj))
         meta = obj.setdefault("metadata", {})
         if not meta.get("name"):
             prefix = meta.get("generateName")
@@ -202,7 +216,8 @@ class ObjectStore:
         return self._write(kind, key, obj)
 
     def replace(
-        self, kind: str, obj: KubeObject, expected_version: str | None = None
+        self, kind: str, obj: KubeObject, expected_version: str | None = None,
+        persist: bool = True,
     ) -> KubeObject:
         key = key_of(obj)
         current = self._objects.get(kind, {}).get(key)
@@ -214,23 +229,29 @@ class ObjectStore:
                 "object has been modified; please apply your changes to the latest version and "
                 "try again"
             )
-        obj = copy.deepcopy(obj)
+        obj = decoded(kind, copy.deepcopy(obj))
         obj["metadata"]["uid"] = current["metadata"]["uid"]
         obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
         obj["kind"] = kind
         obj["apiVersion"] = api_version_of(kind) or obj.get("apiVersion") or "v1"
+        if not persist:  # dryRun=All: the object as it would be, nothing written
+            obj["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            return obj
         return self._write(kind, key, obj)
 
     def mutate(
-        self, kind: str, namespace: str, name: str, change: Callable[[KubeObject], None]
+        self, kind: str, namespace: str, name: str, change: Callable[[KubeObject], None],
+        persist: bool = True,
     ) -> KubeObject:
-        """Apply `change` to a copy of the object and store it (raises what `change` raises)."""
+        """Apply `change` to a copy of the object and store it (raises what `change` raises);
+        `persist=False` (dryRun=All) returns the result without storing it."""
         current = self._objects.get(kind, {}).get((namespace, name))
         if current is None:
             raise not_found(kind, name)
         obj = copy.deepcopy(current)
         change(obj)
-        if obj == current:
+        decoded(kind, obj)
+        if obj == current or not persist:
             return obj  # a no-op write keeps its resourceVersion and wakes no watcher
         return self._write(kind, (namespace, name), obj)
 

@@ -73,6 +73,9 @@ class PendingPod:
     summary: str
     node_reasons: dict[str, str]
     attempts: int = 1
+    # admitted with a resource no node offers (a misspelt GPU resource): no scheduler ever
+    # refuses it again, so it stays pending until placed or deleted, never stale
+    sticky: bool = False
 
 
 @dataclass
@@ -287,6 +290,11 @@ class ClusterView:
         self.admission_events[(event.namespace, event.action)] += 1
         if event.action in ("allowed", "mutated"):
             self.latency.admitted(event.namespace, event.name, event.pod_uid, event.at)
+        if event.action != "denied" and event.never_placed and event.name:
+            self.pending[(event.namespace, event.name)] = PendingPod(
+                namespace=event.namespace, name=event.name, pod_uid=event.pod_uid,
+                since=event.at, last_at=event.at, summary=event.never_placed, node_reasons={},
+                sticky=True)
         self._remember(event, "admission", event.action, event.namespace,
                        f"{event.namespace}/{event.name or '?'} {event.action} by admission",
                        "warning" if event.action == "denied" else "muted")
@@ -379,7 +387,8 @@ class ClusterView:
             (
                 pod
                 for pod in self.pending.values()
-                if (pod.namespace, pod.name) not in placed and now - pod.last_at <= PENDING_STALE_S
+                if (pod.namespace, pod.name) not in placed
+                and (pod.sticky or now - pod.last_at <= PENDING_STALE_S)
             ),
             key=lambda pod: pod.since,
         )

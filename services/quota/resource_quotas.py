@@ -8,6 +8,12 @@ reported as an `InvalidGPUQuota` Warning event on the ResourceQuota, never read 
 Several objects in one namespace all apply (the smallest limit wins); each change is written in
 one CAS.
 
+Usage goes back to the objects: `status.used` of the GPU keys in their `limits.` form
+(`limits.nvidia.com/gpumem` in MiB, `limits.nvidia.com/gpucores`, `limits.nvidia.com/gpu`), which
+kube-controller-manager's quota controller does not evaluate for extended resources (it charges
+them only in the `requests.` form, and keeps the used values others write), so `kubectl
+describe quota` shows what Tessera charged. Written when it changes (`publish_usage`).
+
 A watch starts with a list of every object. Nothing is applied during that list: applying a
 namespace's first object before its second arrived would loosen its limit for a moment. Once
 the stream has been quiet for `settle_s`, the listed set replaces what was known, and
@@ -23,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 from tessera.quota import arithmetic as qa
 
+from tessera import quantity
 from tessera.cluster.port import ClusterPort, KubeObject, ObjectRef, WatchEvent
 from tessera.models import QuotaAmount
 from tessera.settings import TesseraSettings
@@ -58,6 +65,9 @@ class ResourceQuotaWatcher:
         self.known: dict[str, dict[str, QuotaAmount]] = {}
         # Namespaces whose last change could not be written (NATS away): retried until it is.
         self.pending: set[str] = set()
+        # (namespace, name) -> the `limits.` GPU keys its spec.hard sets; what was last written
+        self.usage_keys: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.written: dict[tuple[str, str], dict[str, str]] = {}
         self._reporting: set[asyncio.Task[None]] = set()
 
     async def reapply_all(self) -> None:
@@ -160,10 +170,16 @@ class ResourceQuotaWatcher:
         quotas = into.setdefault(namespace, {})
         if kind == "DELETED":
             quotas.pop(name, None)
+            self.usage_keys.pop((namespace, name), None)
+            self.written.pop((namespace, name), None)
         else:
             hard = (obj.get("spec") or {}).get("hard") or {}
             if not isinstance(hard, dict):
                 hard = {}
+            ours = (self.keys.memory[0], self.keys.cores[0], self.keys.gpus[0])
+            self.usage_keys[(namespace, name)] = tuple(k for k in ours if k in hard)
+            used = (obj.get("status") or {}).get("used") or {}
+            self.written[(namespace, name)] = {k: str(used[k]) for k in ours if k in used}
             limits, problems = qa.limits_from_hard(hard, self.keys)
             if problems:
                 self._report(namespace, name, meta.get("uid", ""), problems)
@@ -187,6 +203,28 @@ class ResourceQuotaWatcher:
         self.pending.discard(namespace)
         if not quotas:
             self.known.pop(namespace, None)
+
+    async def publish_usage(self, used: dict[str, QuotaAmount]) -> None:
+        """Write each object's GPU usage (`status.used`) where it changed; a namespace missing
+        from `used` charges nothing. A failed write is tried again on the next call."""
+        for (namespace, name), keys in list(self.usage_keys.items()):
+            if not keys:
+                continue
+            amount = used.get(namespace) or QuotaAmount()
+            values = {self.keys.memory[0]: amount.memory_mib or 0,
+                      self.keys.cores[0]: amount.cores or 0, self.keys.gpus[0]: amount.gpus or 0}
+            # as the API server stores a quantity (8000 → 8k): compared like with like
+            wanted = {k: quantity.canonical(values[k]) for k in keys}
+            written = {k: quantity.canonical(v) for k, v in
+                       self.written.get((namespace, name), {}).items()}
+            if wanted == written:
+                continue
+            try:
+                await self.cluster.patch_resource_quota_used(namespace, name, wanted)
+            except Exception as exc:
+                self.log.debug("quota usage not written", extra={"quota": name, "err": str(exc)})
+                continue
+            self.written[(namespace, name)] = wanted
 
     def _report(self, namespace: str, name: str, uid: str, problems: list[str]) -> None:
         message = "ignored GPU quota values: " + "; ".join(problems)

@@ -234,6 +234,9 @@ class QuotaService:
                 for namespace, (state, _revision) in states.items():
                     if state.charges or state.releasing:
                         await self.store.fold(namespace)
+                if self.rq_watcher is not None:  # kubectl describe quota: Used
+                    await self.rq_watcher.publish_usage(
+                        {ns: state.used() for ns, (state, _revision) in states.items()})
             except Exception as exc:
                 self.log.warning("fold pass failed", extra={"err": str(exc)})
 

@@ -500,6 +500,15 @@ class KubernetesCluster:
     def watch_nodes(self) -> AsyncIterator[WatchEvent]:
         return self._list_then_watch("/api/v1/nodes", None, "Node")
 
+    async def patch_resource_quota_used(self, namespace: str, name: str,
+                                        used: dict[str, str]) -> None:
+        await self._request(
+            "PATCH",
+            f"/api/v1/namespaces/{_quote(namespace)}/resourcequotas/{_quote(name)}/status",
+            body={"status": {"used": used}},
+            content_type=MERGE_PATCH,
+        )
+
     async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
         await self._request(
             "PATCH",

@@ -186,6 +186,15 @@ class InMemoryCluster:
         annotations.update(self.node_annotations.get(name, {}))
         return node
 
+    async def patch_resource_quota_used(self, namespace: str, name: str,
+                                        used: dict[str, str]) -> None:
+        quota = self.quotas.get((namespace, name))
+        if quota is None:
+            raise NotFoundError(f"resourcequotas {name!r} not found", 404)
+        status = quota.setdefault("status", {})
+        status["used"] = {**(status.get("used") or {}), **used}
+        self.put_quota(quota)
+
     async def patch_node_annotations(self, node: str, annotations: dict[str, str | None]) -> None:
         target = self.node_annotations.setdefault(node, {})
         for key, value in annotations.items():

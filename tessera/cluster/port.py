@@ -152,6 +152,12 @@ class ClusterPort(Protocol):
         """List then watch ResourceQuota objects."""
         ...
 
+    async def patch_resource_quota_used(self, namespace: str, name: str,
+                                        used: dict[str, str]) -> None:
+        """Merge `used` into a ResourceQuota's `status.used` (its status subresource): the keys
+        kube-controller-manager does not evaluate (`limits.nvidia.com/gpumem`)."""
+        ...
+
     async def get_node(self, name: str) -> KubeObject:
         """The Node as the API serves it (labels, taints). Raises NotFoundError."""
         ...

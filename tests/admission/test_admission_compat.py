@@ -107,8 +107,40 @@ async def test_known_keys_draw_no_warning(client):
 async def test_gpumem_with_a_unit_is_denied_naming_mib(client):
     message = await denial(client, pod(container(limits={GPU: "1", MEM: "4Gi"})))
     assert MEM in message and "MiB" in message and "4Gi" in message
-    assert "4294967296" in message  # what it would have been read as
-    assert "4096" in message
+    assert f"write {MEM}: 4096" in message  # what to write instead
+
+
+async def test_gpumem_fraction_is_denied_saying_what_to_write(client):
+    message = await denial(client, pod(container(limits={GPU: "1", MEM: "1500m"})))
+    assert "'1500m' is 1.5 MiB, not a whole number of MiB" in message and f"{MEM}: 2" in message
+
+
+async def test_canonical_decimal_forms_are_the_mib_they_say(client):
+    """kube-apiserver writes `3000` back as `3k` (and keeps `1e3`): the webhook admits every
+    canonical decimal form, unchanged, with no warning."""
+    for written in ("3k", "12k", "1e3", "3000", "2500"):
+        original = pod(container(limits={GPU: "1", MEM: written}))
+        response = await mutate(client, original)
+        assert response["allowed"] is True, (written, response)
+        assert limits_of(patched(original, response))[MEM] == written
+        assert not response.get("warnings"), response
+
+
+async def test_implausibly_small_gpumem_is_admitted_with_a_warning(client):
+    response = await mutate(client, pod(container(limits={GPU: "1", MEM: "4"})))
+    assert response["allowed"] is True
+    [warning] = response["warnings"]
+    assert f"{MEM}: '4' is 4 MiB" in warning and "implausibly small" in warning
+    assert f"{MEM}: 4000" in warning and "4096" in warning
+
+
+async def test_typo_of_a_gpu_resource_is_warned_with_the_right_name(client):
+    response = await mutate(client, pod(container(limits={GPU: "1", "nvidia.com/gpumen": "3000"})))
+    assert response["allowed"] is True
+    assert any("nvidia.com/gpumen" in w and f"did you mean {MEM}?" in w
+               for w in response["warnings"]), response["warnings"]
+    far = await mutate(client, pod(container(limits={GPU: "1", "nvidia.com/foo": "1"})))
+    assert not any("did you mean" in w for w in far["warnings"])
 
 
 async def test_cores_above_a_card_are_denied(client):
@@ -143,3 +175,13 @@ async def test_bad_scoring_weights_are_denied(client):
     message = await denial(client, pod(container(limits={GPU: "1", MEM: "1000"}),
                                        annotations={"hami.io/device-scoring-weights": "slot=1"}))
     assert "hami.io/device-scoring-weights" in message
+
+
+async def test_a_pod_whose_only_gpu_resource_is_misspelt_goes_to_our_scheduler(client):
+    """It asks for no GPU Tessera knows, but it was meant for one: our scheduler takes it, so
+    it is counted pending (and its deletion reported) rather than pending unseen."""
+    original = pod(container(limits={"nvidia.com/gpumen": "3k"}))
+    response = await mutate(client, original)
+    assert response["allowed"] is True
+    assert patched(original, response)["spec"]["schedulerName"] == "tessera-scheduler"
+    assert any(f"did you mean {MEM}?" in w for w in response["warnings"])

@@ -75,7 +75,7 @@ def test_apply_a_directory_then_reapply_updates_or_says_what_cannot_change(
     pod = kube_sim.get(f"/api/v1/namespaces/{ns}/pods/p1")
     assert pod["metadata"]["labels"] == {"app": "changed"}
     hard = kube_sim.get(f"/api/v1/namespaces/{ns}/resourcequotas/gpu")["spec"]["hard"]
-    assert hard == {"limits.nvidia.com/gpumem": "16000"}, "the removed key is removed"
+    assert hard == {"limits.nvidia.com/gpumem": "16k"}, "the removed key is removed"  # 16000
     assert kube_sim.get(f"/api/v1/namespaces/{ns}/pods/p2")["spec"]["containers"][0][
         "resources"]["limits"]["cpu"] == "1"
 
@@ -129,7 +129,7 @@ def test_get_and_delete_say_when_there_is_nothing(
     assert {line.split()[0] for line in listing.output.splitlines()[1:]} == {"p1", "p2"}
     as_json = json.loads(kube_sim.cli("get", "pods", "p1", "-n", ns, "-o", "json").output)
     assert [p["name"] for p in as_json] == ["p1"]
-    assert "limits.nvidia.com/gpumem=8000" in kube_sim.cli("get", "quota", "-n", ns).output
+    assert "limits.nvidia.com/gpumem=8k" in kube_sim.cli("get", "quota", "-n", ns).output  # 8000
 
     deleted = kube_sim.cli("delete", "-f", str(manifests), "-n", ns)
     assert deleted.exit_code == 0, deleted.output

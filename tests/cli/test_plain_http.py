@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -75,6 +76,9 @@ def test_a_refusal_carries_the_servers_message_and_reason(server: str) -> None:
 def test_behind_a_proxy_the_standard_client_is_used(server: str, monkeypatch) -> None:
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("no_proxy", "")
+    # urlopen keeps the opener (and the proxies it read from the environment) of its first use:
+    # start this test from a new one (monkeypatch puts the old one back).
+    monkeypatch.setattr(urllib.request, "_opener", None)
     client = KubeClient(KubeConfig(server=server, token="t0ken"), timeout_s=5)
     with pytest.raises(ApiError, match="cannot reach the API server"):
         client.get("/api/v1/pods")

@@ -141,3 +141,135 @@ def test_a_pod_placed_by_hand_on_a_node_without_the_resource_is_rejected_by_kube
                                  "nvidia.com/mig-1g.10gb, requested: 1, used: 0, capacity: 0")
     assert "OutOfnvidia.com/mig-1g.10gb" in kubectl(sim, "get", "events", "-n", namespace)
     kubectl(sim, "delete", "pod", "mig-slice", "-n", namespace)
+
+
+def kubectl_result(sim: RunningStack, *args: str,
+                   manifest: str | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [KUBECTL, "--kubeconfig", str(sim.stack.kubeconfig), *args],
+        input=manifest, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    return result
+
+
+def test_rollout_undo_of_a_gpu_deployment_keeps_admitting(sim: RunningStack,
+                                                           namespace: str) -> None:
+    """kubectl re-serialises the template it restores (`gpumem: 4000` comes back `4k`, as Go's
+    Quantity writes it): the new pods are admitted and get 4000 MiB, before and after undo."""
+    manifest = DEPLOYMENT.format(namespace=namespace, replicas=1).replace(
+        "nvidia.com/gpumem: 3000", "nvidia.com/gpumem: 4000")
+    kubectl(sim, "apply", "-f", "-", manifest=manifest)
+    kubectl(sim, "rollout", "status", "deployment/cuda-share", "-n", namespace, "--timeout=60s")
+    stored = json.loads(kubectl(sim, "get", "deployment", "cuda-share", "-n", namespace,
+                                "-o", "json"))
+    limits = stored["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpumem"] == "4k"  # as kube-apiserver stores it
+    kubectl(sim, "set", "image", "deployment/cuda-share", "-n", namespace,
+            "ubuntu-container=ubuntu:24.04")
+    kubectl(sim, "rollout", "status", "deployment/cuda-share", "-n", namespace, "--timeout=60s")
+    kubectl(sim, "rollout", "undo", "deployment/cuda-share", "-n", namespace)
+    kubectl(sim, "rollout", "status", "deployment/cuda-share", "-n", namespace, "--timeout=60s")
+
+    def undone() -> list[dict[str, Any]] | None:
+        now = [p for p in pods(sim, namespace) if p["status"].get("phase") == "Running"
+               and p["spec"]["containers"][0]["image"] == "ubuntu:22.04"]
+        return now or None
+
+    [pod] = sim.kube.wait_for("the undone template's pod Running", undone, 30)
+    [[grant]] = grants(pod)
+    assert grant.memory_mib == 4000
+    events = kubectl(sim, "get", "events", "-n", namespace)
+    assert "FailedCreate" not in events, events
+    kubectl(sim, "delete", "deployment", "cuda-share", "-n", namespace)
+    sim.kube.wait_for("the deployment's pods gone", lambda: not pods(sim, namespace), 30)
+
+
+TYPO_POD = """
+apiVersion: v1
+kind: Pod
+metadata:
+  name: typo
+  namespace: {namespace}
+spec:
+  containers:
+  - name: main
+    image: cuda:12
+    resources:
+      limits:
+        nvidia.com/gpu: 1
+        nvidia.com/gpumen: 3000
+"""
+
+
+def test_webhook_warnings_reach_kubectl_and_tessera_apply(sim: RunningStack, namespace: str,
+                                                          tmp_path: Path) -> None:
+    """The AdmissionReview's `warnings` come back as `Warning: 299` headers: kubectl prints each
+    as `Warning: <text>`, and so does `tessera apply`."""
+    created = kubectl_result(sim, "apply", "-f", "-",
+                             manifest=TYPO_POD.format(namespace=namespace))
+    assert "pod/typo created" in created.stdout
+    warning = [line for line in created.stderr.splitlines() if line.startswith("Warning: ")]
+    assert any("nvidia.com/gpumen" in w and "did you mean nvidia.com/gpumem?" in w
+               for w in warning), created.stderr
+    kubectl(sim, "delete", "pod", "typo", "-n", namespace)
+
+    small = tmp_path / "small.yaml"
+    small.write_text(TYPO_POD.format(namespace=namespace).replace("gpumen: 3000", "gpumem: 4"))
+    result = subprocess.run(
+        [sys.executable, "-m", "tessera_cli", "apply", "-f", str(small), "--kubeconfig",
+         str(sim.stack.kubeconfig)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "pod/typo created" in result.stdout
+    assert "Warning: container main: limits nvidia.com/gpumem: '4' is 4 MiB" in result.stderr
+    assert "implausibly small" in result.stderr and "4096" in result.stderr
+    kubectl(sim, "delete", "pod", "typo", "-n", namespace)
+
+
+QUOTA = """
+apiVersion: v1
+kind: ResourceQuota
+metadata:
+  name: gpu
+  namespace: {namespace}
+spec:
+  hard:
+    limits.nvidia.com/gpumem: "8000"
+    limits.nvidia.com/gpucores: "100"
+    requests.nvidia.com/gpu: "2"
+    pods: "5"
+"""
+
+
+def test_describe_quota_shows_what_is_used(sim: RunningStack, namespace: str) -> None:
+    """Used of the `limits.` GPU keys is Tessera's charge (the quota service writes it), of
+    `requests.nvidia.com/gpu` and `pods` the quota controller's count, as on a real cluster."""
+    kubectl(sim, "apply", "-f", "-", manifest=QUOTA.format(namespace=namespace))
+
+    def refused() -> bool:  # a pod over the quota is refused once the quota service knows it
+        probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "too-much"},
+                 "spec": {"containers": [{"name": "c", "image": "x", "resources": {"limits": {
+                     "nvidia.com/gpu": 1, "nvidia.com/gpumem": 9000}}}]}}
+        if sim.kube.create_pod(probe, namespace).status_code == 403:
+            return True
+        sim.kube.delete_pod(namespace, "too-much")
+        sim.kube.wait_for("the probe gone", lambda: all(
+            p["metadata"]["name"] != "too-much" for p in sim.kube.pods(namespace)))
+        return False
+
+    sim.kube.wait_for("the quota service to take the quota", refused, 30, every_s=0.5)
+    kubectl(sim, "apply", "-f", "-", manifest=TYPO_POD.format(namespace=namespace).replace(
+        "gpumen: 3000", "gpumem: 3000\n        nvidia.com/gpucores: 30").replace(
+        "name: typo", "name: counted"))
+    sim.kube.wait_running(namespace, "counted", 30)
+
+    def used() -> dict[str, list[str]] | None:
+        rows = {line.split()[0]: line.split()[1:] for line in kubectl(
+            sim, "describe", "quota", "gpu", "-n", namespace).splitlines() if line.strip()}
+        wanted = {"limits.nvidia.com/gpumem": ["3k", "8k"],
+                  "limits.nvidia.com/gpucores": ["30", "100"],
+                  "requests.nvidia.com/gpu": ["1", "2"], "pods": ["1", "5"]}
+        return rows if all(rows.get(k) == v for k, v in wanted.items()) else None
+
+    sim.kube.wait_for("describe quota to show the usage", used, 30)
+    kubectl(sim, "delete", "pod", "counted", "-n", namespace)

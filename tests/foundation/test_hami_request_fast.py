@@ -39,7 +39,10 @@ def reference(container: dict[str, Any], settings: TesseraSettings) -> Container
         count = _as_int(raw_count, where + settings.resource_name, low=0, high=MAX_GPU_COUNT)
     memory = 0
     if raw_mem is not None:
-        memory = _as_int(raw_mem, where + settings.resource_mem, low=0, high=MAX_MEMORY_MIB)
+        # memory reads every form the API server writes (`3k`), refusing units and fractions
+        memory = hami.memory_mib(raw_mem, settings.resource_mem, where)
+        if not 0 <= memory <= MAX_MEMORY_MIB:
+            _as_int(raw_mem, where + settings.resource_mem, low=0, high=MAX_MEMORY_MIB)
         memory *= settings.memory_factor
         if memory > MAX_MEMORY_MIB:
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
@@ -71,7 +74,8 @@ def reference(container: dict[str, Any], settings: TesseraSettings) -> Container
 VALUES: list[Any] = [
     0, 1, 2, 8, 100, 101, 1024, 16384, 10**9, 10**9 + 1, MAX_MEMORY_MIB, MAX_MEMORY_MIB + 1, -1,
     "0", "1", "007", "16384", "100", "101", "1" * 64, "1" * 65, "", " 5", "5 ", "+5", "-3",
-    "1e3", "1.5", "2Gi", "500m", "١", "²", "abc", 1.0, 2.5, True, False, None, [1], {"a": 1},
+    "1e3", "1.5", "2Gi", "500m", "3k", "12M", "3000000m", "١", "²", "abc", 1.0, 2.5, True,
+    False, None, [1], {"a": 1},
     Decimal(3),
 ]  # fmt: skip
 

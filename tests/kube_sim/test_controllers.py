@@ -89,7 +89,7 @@ async def test_replicaset_keeps_its_replicas_and_drops_unready_pods_first() -> N
             "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-abc",
             "uid": rs["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
         # the pod went through the API server's create path: defaults and validation applied
-        assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": 1}
+        assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "1"}
     rig.set_phase(pods[0], "Running")
     rig.api.delete_object("Pod", "default", pods[1]["metadata"]["name"])
     await rig.controllers.reconcile()

@@ -56,3 +56,24 @@ def test_gone_for_an_older_pod_of_the_same_name_keeps_the_new_one() -> None:
     view.apply_event(PodGoneEvent(event_id="old:gone", namespace="team-a", name="big",
                                   pod_uid="old", at=NOW - 1), 2)
     assert pending(view) == (1, ["big"])
+
+
+def test_a_pod_admitted_with_a_misspelt_gpu_resource_counts_pending_until_it_goes() -> None:
+    """No scheduler ever refuses it (no node offers `nvidia.com/gpumen`, so the extender is never
+    asked): the webhook's event says why it can never be placed, and it stays pending (the
+    PendingTooLong alert fires) until it is deleted."""
+    from tessera.metrics.view import PENDING_STALE_S
+
+    from tessera.models import AdmissionEvent
+
+    why = ("container c: resource nvidia.com/gpumen (did you mean nvidia.com/gpumem?) is "
+           "offered by no node")
+    view = ClusterView()
+    view.apply_event(AdmissionEvent(event_id="a", action="mutated", namespace="team-a",
+                                    name="typo", at=NOW - 2 * PENDING_STALE_S,
+                                    never_placed=why), 1)
+    assert pending(view) == (1, ["typo"])
+    assert dashboard_state(view, NOW)["pending"][0]["summary"] == why
+    view.apply_event(PodGoneEvent(event_id="typo:gone", namespace="team-a", name="typo",
+                                  at=NOW - 1), 2)
+    assert pending(view) == (None, [])

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from tessera import bus
 from tessera.cluster.memory import InMemoryCluster
-from tessera.models import QuotaAmount, QuotaSetRequest, QuotaStatusRequest
+from tessera.models import QuotaAmount, QuotaRequest, QuotaSetRequest, QuotaStatusRequest
 from tessera_cli.app import build_app
 
 KEYS = qa.ResourceQuotaKeys.from_resource_names(
@@ -30,7 +30,13 @@ KEYS = qa.ResourceQuotaKeys.from_resource_names(
     ({"limits.nvidia.com/gpumem": "512Mi", "requests.nvidia.com/gpumem": "400"},
      QuotaAmount(memory_mib=400)),  # both forms: the tightest wins
     ({"requests.nvidia.com/gpu": "2", "limits.nvidia.com/gpu": "3"}, QuotaAmount(gpus=2)),
-], ids=["requests forms", "160Gi", "80G", "limits and requests", "gpu both forms"])
+    # what kube-apiserver writes back for 8000 MiB, 160000 MiB and 2000 % (canonical forms)
+    ({"limits.nvidia.com/gpumem": "8k", "limits.nvidia.com/gpucores": "2k"},
+     QuotaAmount(memory_mib=8000, cores=2000)),
+    ({"limits.nvidia.com/gpumem": "160k"}, QuotaAmount(memory_mib=160000)),
+    ({"limits.nvidia.com/gpumem": "1e3"}, QuotaAmount(memory_mib=1000)),
+], ids=["requests forms", "160Gi", "80G", "limits and requests", "gpu both forms", "8k", "160k",
+        "1e3"])
 def test_quota_values_are_read_as_users_mean_them(hard: dict, expected: QuotaAmount) -> None:
     limits, problems = qa.limits_from_hard(hard, KEYS)
     assert limits == expected and problems == []
@@ -38,7 +44,7 @@ def test_quota_values_are_read_as_users_mean_them(hard: dict, expected: QuotaAmo
 
 @pytest.mark.parametrize(("hard", "words"), [
     ({"limits.nvidia.com/gpumem-percentage": "50"}, "percentage"),
-    ({"limits.nvidia.com/gpucores": "2k"}, "unit"),
+    ({"limits.nvidia.com/gpucores": "2Ki"}, "unit"),
     ({"requests.nvidia.com/gpu": "4Gi"}, "unit"),
     ({"limits.nvidia.com/gpumem": "500m"}, "thousandths"),
     ({"limits.nvidia.com/gpumem": "2000Ei"}, "more than any cluster"),
@@ -103,8 +109,6 @@ async def test_quota_set_refuses_to_replace_a_resource_quota_unless_override(
 async def test_quota_service_counts_requests_by_endpoint_and_result(start_quota, nc):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tessera.models import QuotaRequest
-
     service = await start_quota()
     ns = unique_namespace()
     await call(nc, bus.QUOTA_SET, QuotaSetRequest(namespace=ns, limits=QuotaAmount(gpus=1)))
@@ -152,3 +156,27 @@ def test_quota_process_serves_metrics_beside_its_probes(nats_url, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_gpu_usage_is_written_to_the_resource_quota_status(start_quota, nc):
+    """`kubectl describe quota` shows Used for the `limits.` GPU keys (kube-controller-manager
+    evaluates extended resources only in their `requests.` form): the quota service writes
+    them into status.used, in the API server's canonical form, when usage changes."""
+    cluster = InMemoryCluster()
+    ns = unique_namespace()
+    cluster.put_quota(resource_quota(ns, "gpu", {
+        "limits.nvidia.com/gpumem": "8000", "limits.nvidia.com/gpucores": "200", "pods": "10"}))
+    await start_quota(cluster=cluster)
+
+    async def applied() -> bool:
+        return await limits_of(nc, ns) == QuotaAmount(memory_mib=8000, cores=200)
+
+    await eventually(applied)
+    await call(nc, bus.QUOTA_RESERVE, QuotaRequest(namespace=ns, pod_uid="a", gpus=1,
+                                                  memory_mib=3000, cores=30))
+
+    async def written() -> bool:
+        used = (cluster.quotas[(ns, "gpu")].get("status") or {}).get("used") or {}
+        return used == {"limits.nvidia.com/gpumem": "3k", "limits.nvidia.com/gpucores": "30"}
+
+    await eventually(written)
