@@ -9,6 +9,7 @@ in native/libvgpu/include/tessera_region.h; in short:
     libvgpu -> agent   A <uuid> <need> <want>   lease need..want bytes more -> G <bytes> | N
                        R <uuid> <bytes>         give back
                        H <uuid> <bytes>         already held (after a reconnect)
+                       D                        a recall answered (after its R lines)
     agent -> libvgpu   C                        recall: give back what you hold unused
 
 Leases are counted per connection, and each connection is named by its peer's credentials
@@ -97,6 +98,7 @@ class Peer:
     uid: int
     writer: asyncio.StreamWriter
     pending: asyncio.Task[None] | None = field(default=None, repr=False)
+    recalls: int = 0  # recalls sent and not yet answered ("D")
 
 
 class ProtocolError(ValueError):
@@ -109,6 +111,8 @@ def parse_line(line: bytes) -> tuple[str, str, int, int]:
         parts = line.decode("ascii").split()
     except UnicodeDecodeError as e:
         raise ProtocolError("not ASCII") from e
+    if parts == ["D"]:
+        return "D", "", 0, 0
     if not parts or parts[0] not in ("A", "R", "H"):
         raise ProtocolError(f"unknown request {line[:32]!r}")
     want = 3 if parts[0] != "A" else 4
@@ -217,9 +221,14 @@ class ContainerLeases:
                 elif verb == "R":
                     self.book.release(peer.conn, uuid, a)
                     await self._notify()
+                elif verb == "D":
+                    peer.recalls = max(peer.recalls - 1, 0)
+                    await self._notify()
                 else:
                     self.book.declare(peer.conn, uuid, a)
-        except (ProtocolError, ValueError, ConnectionError, asyncio.LimitOverrunError) as e:
+        except ConnectionError:
+            pass  # the process went away: its leases come back below
+        except (ProtocolError, ValueError, asyncio.LimitOverrunError) as e:
             self.log.warning("lease service: closing a connection: %s", e,
                              extra={"container": self.key, "pid": pid})  # fmt: skip
         finally:
@@ -250,6 +259,7 @@ class ContainerLeases:
         if not others:
             return 0
         for p in others:
+            p.recalls += 1
             p.writer.write(b"C\n")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RECALL_WAIT_S
@@ -257,7 +267,8 @@ class ContainerLeases:
             while True:
                 granted = self.book.acquire(peer.conn, uuid, need, want, self.limit(uuid))
                 left = deadline - loop.time()
-                if granted or left <= 0:
+                answered = all(p.recalls == 0 or p.conn not in self.peers for p in others)
+                if granted or left <= 0 or answered:
                     return granted
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), left)

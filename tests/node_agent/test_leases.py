@@ -42,8 +42,8 @@ def test_book_never_grants_past_the_limit() -> None:
 
 
 @pytest.mark.parametrize("line", [
-    b"X GPU 1\n", b"A GPU 1\n", b"A GPU -1 2\n", b"R GPU 1 2\n", b"A GPU 1 99999999999999999999\n",
-    b"\xff\n", b"\n",
+    b"X GPU 1\n", b"D 1\n", b"A GPU 1\n", b"A GPU -1 2\n", b"R GPU 1 2\n",
+    b"A GPU 1 99999999999999999999\n", b"\xff\n", b"\n",
 ])  # fmt: skip
 def test_malformed_requests_are_refused(line: bytes) -> None:
     with pytest.raises(ProtocolError):
@@ -141,13 +141,25 @@ async def test_a_refused_request_recalls_unused_leases(tmp_path: Path) -> None:
         line = await asyncio.wait_for(holder.r.readline(), 10)
         assert line == b"C\n"
         await holder.give(512 * MiB)
+        holder.w.write(b"D\n")
 
     recall = asyncio.create_task(answer_recall())
     other = await Client.connect(path / LEASE_SOCKET_NAME)
     assert await other.ask(500 * MiB, 512 * MiB) == 512 * MiB
     await recall
     assert leases.leased(GPU) == LIMIT
-    # nobody gives anything back: refused after the recall's wait, never above the limit
+    # the holder answers having nothing to give: refused at once, never above the limit
+    async def answer_empty() -> None:
+        assert await asyncio.wait_for(holder.r.readline(), 10) == b"C\n"
+        holder.w.write(b"D\n")
+
+    empty = asyncio.create_task(answer_empty())
+    t0 = asyncio.get_running_loop().time()
+    assert await other.ask(1, 1) == 0
+    await empty
+    assert asyncio.get_running_loop().time() - t0 < 0.4  # not the whole recall wait
+    assert leases.leased(GPU) == LIMIT
+    # a holder that never answers: refused after the recall's wait
     assert await other.ask(1, 1) == 0
     assert leases.leased(GPU) == LIMIT
     await holder.close()

@@ -79,6 +79,7 @@ extern "C" {
  *   libvgpu -> agent   "A <uuid> <need> <want>\n"  lease at least need, at most want bytes more
  *                      "R <uuid> <bytes>\n"        give back (no answer)
  *                      "H <uuid> <bytes>\n"        already held (after a reconnect; no answer)
+ *                      "D\n"                       a recall was answered (after its "R"s)
  *   agent -> libvgpu   "G <bytes>\n"               granted (need <= bytes <= want)
  *                      "N\n"                       refused: the container's limit is leased
  *                      "C\n"                       recall: give back what you hold unused

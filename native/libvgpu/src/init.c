@@ -114,14 +114,13 @@ static void *poll_main(void *arg)
     unsigned tick = 0;
     struct tv_region_seed seed;
     for (;;) {
-        tv_sleep_ns((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull);
+        tv_lease_wait((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull); /* answers recalls at once */
         tv_limits_poll();
         pthread_mutex_lock(&tv.mu);
         tv_limits_seed(&seed);
         pthread_mutex_unlock(&tv.mu);
         tv_region_poll(&tv.rg, ++tick % (1000 / TSR_LIMITS_POLL_MS) == 0, &seed);
         tv_compute_poll(tv_mono_ns(), tv_real_ns());
-        tv_lease_poll();
     }
     return NULL;
 }

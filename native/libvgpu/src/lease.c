@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +27,6 @@ static int sock = -1;
 static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static char rbuf[512]; /* what was read and not yet parsed */
 static size_t rlen;
-static int recall_due; /* a "C" arrived: give back what is unused */
 static unsigned ticks;
 
 #define REPLY_TIMEOUT_S 5 /* the agent waits at most a few hundred ms for recalls */
@@ -68,7 +68,6 @@ static void drop_connection(void)
     if (sock >= 0) close(sock);
     sock = -1;
     rlen = 0;
-    recall_due = 0;
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         uint64_t a = atomic_exchange(&tv_lease[d].avail, 0);
         atomic_fetch_sub(&tv_lease[d].leased, a);
@@ -107,7 +106,8 @@ static int connect_locked(void)
     return 0;
 }
 
-/* Give back every unused byte of every slot (the agent asked: another process needs them). */
+/* Give back every unused byte of every slot (the agent asked: another process needs them),
+ * then say so ("D"): the agent stops waiting for this process. */
 static void give_back_unused(void)
 {
     char line[TSR_UUID_LEN + 48];
@@ -118,6 +118,7 @@ static void give_back_unused(void)
         snprintf(line, sizeof line, "R %s %llu\n", tv.rg.uuid[d], (unsigned long long)a);
         if (send_line(line) != 0) drop_connection();
     }
+    if (sock >= 0 && send_line("D\n") != 0) drop_connection();
 }
 
 /* One complete line out of rbuf into out (without the newline); 0 if none yet. */
@@ -153,11 +154,11 @@ static int64_t read_answer(void)
     char line[64];
     for (;;) {
         while (next_line(line, sizeof line)) {
-            if (line[0] == 'C') recall_due = 1;
+            if (line[0] == 'C') give_back_unused(); /* at once: the other may be waiting */
             else if (line[0] == 'N') return 0;
             else if (line[0] == 'G' && line[1] == ' ') return (int64_t)strtoull(line + 2, NULL, 10);
         }
-        if (fill(0) <= 0) return -1;
+        if (sock < 0 || fill(0) <= 0) return -1;
     }
 }
 
@@ -200,10 +201,6 @@ int tv_lease_take_slow(int d, uint64_t bytes)
         atomic_fetch_add(&tv_lease[d].leased, (uint64_t)got);
         atomic_fetch_add(&tv_lease[d].avail, (uint64_t)got);
     }
-    if (recall_due && sock >= 0) {
-        recall_due = 0;
-        give_back_unused();
-    }
     pthread_mutex_unlock(&lease_mu);
     if (ok != 0)
         TV_LOG(TV_LOG_INFO, "lease of %llu bytes on slot %d refused", (unsigned long long)bytes,
@@ -240,31 +237,52 @@ void tv_lease_attach(void)
     pthread_mutex_unlock(&lease_mu);
 }
 
-void tv_lease_poll(void)
+/* Caller holds lease_mu: read what arrived unasked (recalls), notice a closed connection. */
+static void drain_locked(void)
 {
-    if (!atomic_load_explicit(&tv_lease_on, memory_order_relaxed)) return;
-    if (pthread_mutex_trylock(&lease_mu) != 0) return; /* an allocation is talking to it */
-    ticks++;
-    if (sock < 0) {
-        if (ticks % 5 == 0) connect_locked(); /* every 100 ms */
-    } else {
-        int n;
-        while ((n = fill(MSG_DONTWAIT)) > 0) {
-        }
-        if (n == 0) {
-            TV_LOG(TV_LOG_WARN, "lease service closed the connection");
-            drop_connection();
-        } else {
-            char line[64];
-            while (next_line(line, sizeof line))
-                if (line[0] == 'C') recall_due = 1;
-            if (recall_due) {
-                recall_due = 0;
-                give_back_unused();
-            }
-        }
+    int n;
+    while ((n = fill(MSG_DONTWAIT)) > 0) {
     }
-    pthread_mutex_unlock(&lease_mu);
+    if (n == 0) {
+        TV_LOG(TV_LOG_WARN, "lease service closed the connection");
+        drop_connection();
+        return;
+    }
+    char line[64];
+    int recall = 0;
+    while (next_line(line, sizeof line))
+        if (line[0] == 'C') recall = 1;
+    if (recall) give_back_unused();
+}
+
+void tv_lease_wait(uint64_t ns)
+{
+    if (!atomic_load_explicit(&tv_lease_on, memory_order_relaxed)) {
+        tv_sleep_ns(ns);
+        return;
+    }
+    uint64_t end = tv_mono_ns() + ns;
+    if (pthread_mutex_trylock(&lease_mu) == 0) {
+        if (sock < 0 && ++ticks % 5 == 0) connect_locked(); /* every 100 ms */
+        pthread_mutex_unlock(&lease_mu);
+    }
+    /* wake at once for a recall: another process of the container is waiting on it */
+    for (uint64_t now = tv_mono_ns(); now < end; now = tv_mono_ns()) {
+        int fd = __atomic_load_n(&sock, __ATOMIC_RELAXED);
+        if (fd < 0) {
+            tv_sleep_ns(end - now);
+            return;
+        }
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int ms = (int)((end - now + 999999) / 1000000);
+        if (poll(&p, 1, ms) <= 0) continue;
+        if (pthread_mutex_trylock(&lease_mu) != 0) {
+            tv_sleep_ns(1000000); /* an allocation is reading it: it handles recalls itself */
+            continue;
+        }
+        if (sock == fd) drain_locked();
+        pthread_mutex_unlock(&lease_mu);
+    }
 }
 
 void tv_lease_after_fork_child(void)
@@ -273,7 +291,6 @@ void tv_lease_after_fork_child(void)
     if (sock >= 0) close(sock); /* the parent's connection: its leases stay the parent's */
     sock = -1;
     rlen = 0;
-    recall_due = 0;
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         atomic_store(&tv_lease[d].avail, 0);
         atomic_store(&tv_lease[d].leased, 0);

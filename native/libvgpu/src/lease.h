@@ -30,7 +30,7 @@ extern struct tv_lease_slot tv_lease[TV_MAX_SLOTS] TV_HIDDEN;
 
 void tv_lease_init(const char *limits_file, uint32_t limits_flags) TV_HIDDEN; /* at start-up */
 void tv_lease_attach(void) TV_HIDDEN;           /* at CUDA start-up: connect (the attestation) */
-void tv_lease_poll(void) TV_HIDDEN;             /* poll thread: recalls, reconnects */
+void tv_lease_wait(uint64_t ns) TV_HIDDEN; /* the poll thread's sleep: recalls, reconnects */
 void tv_lease_after_fork_child(void) TV_HIDDEN; /* the child holds nothing */
 int tv_lease_take_slow(int d, uint64_t bytes) TV_HIDDEN;
 void tv_lease_trim(int d) TV_HIDDEN;
