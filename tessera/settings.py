@@ -204,6 +204,14 @@ class TesseraSettings(BaseSettings):
         "agent writes one in the region dir",
     )
 
+    memory_leases: bool = Field(
+        True,
+        description="libvgpu leases device memory from the node agent (one socket per container): "
+        "the container's account lives outside its reach, and a process using a limited GPU "
+        "without a lease connection is caught by the watchdog at first sight; off: the usage "
+        "region alone is the account (the watchdog then acts after its grace period)",
+    )
+
     # Node agent: the watchdog on real usage (NVML), outside the tenant's reach.
     enforcement: Literal["observe", "kill"] = Field(
         "observe",

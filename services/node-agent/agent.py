@@ -201,7 +201,8 @@ class NodeAgent:
         await limits.start()
         self.watchdog = await watchdog_from_settings(
             self.settings, probe=self.process_probe, store=self.store,
-            ledger=CachedLedger(self.buckets.ledger, self.node), js=self.js, **common,
+            ledger=CachedLedger(self.buckets.ledger, self.node), js=self.js,
+            leases=self.leases, **common,
         )
         tasks = [
             asyncio.create_task(self.leases.run(stop)),

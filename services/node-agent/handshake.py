@@ -296,7 +296,7 @@ def limits_for(
         oversubscribe=settings.device_memory_scaling > 1,
         scrub_on_free=allocation.scrub_on_free or settings.scrub_on_free,
         region_path=REGION_CONTAINER_PATH,
-        lease=True,  # the agent's lease service is the container's account (leases.py)
+        lease=settings.memory_leases,  # the agent's lease service is the account (leases.py)
     )
 
 

@@ -303,6 +303,11 @@ class LeaseService:
         """host pid -> container key, for every process with a live lease connection."""
         return {pid: c.key for c in self.served.values() for pid in c.pids()}
 
+    def leased_by_pod(self, pod_uid: str, uuid: str) -> int:
+        """What the pod's containers hold on lease on `uuid`."""
+        prefix = pod_uid + "/"
+        return sum(c.leased(uuid) for c in self.served.values() if c.key.startswith(prefix))
+
     def for_key(self, key: str) -> ContainerLeases | None:
         return next((c for c in self.served.values() if c.key == key), None)
 

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -43,6 +44,8 @@ from .watchdog_rules import (
     WatchdogPolicy,
     combine,
     container_share,
+    over_lease,
+    unattested,
 )
 
 LEDGER_REFRESH_S = 2.0  # a new pod is in the ledger long before its container starts
@@ -77,6 +80,18 @@ class Poll:
     shares: dict[ShareKey, Share]
     seen: dict[ShareKey, Seen]
     containers: dict[ShareKey, list[str]]  # names of the pod's containers on that GPU
+    leased: frozenset[ShareKey] = frozenset()  # memory limited and leased from the agent
+
+
+class Attestation(Protocol):
+    """What the lease service (leases.py) tells the watchdog."""
+
+    def attested(self) -> dict[int, str]: ...  # host pid -> container key, live connections
+
+    def leased_by_pod(self, pod_uid: str, uuid: str) -> int: ...
+
+
+ACCEPT_GRACE_S = 0.02  # a lease connection made just before NVML listed its process
 
 
 class Watchdog:
@@ -96,6 +111,7 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         end: Callable[[Path, int, str], bool] = end_process,
+        leases: Attestation | None = None,
     ) -> None:
         self.node = node
         self.store = store
@@ -110,6 +126,8 @@ class Watchdog:
         self.clock = clock
         self.wall = wall
         self.end = end
+        self.leases = leases
+        self._lease_episodes: set[tuple[ShareKey, str]] = set()  # published, still going on
         self.limits = LimitsCache()
         self.pods_of = PodOfPid(self.proc_root)
         self.claims = RegionClaims()
@@ -159,6 +177,7 @@ class Watchdog:
             )
         shares: dict[ShareKey, Share] = {}
         names: dict[ShareKey, list[str]] = {}
+        leased: set[ShareKey] = set()
         self.pods_of.keep_only(set(owners))
         busy = {pod for pod, _ in seen}
         read: dict[str, tuple[ContainerLimits | None, Claims | None]] = {}
@@ -181,6 +200,8 @@ class Watchdog:
                     continue  # not sealed yet, or not on this GPU
                 parts.append(part)
                 names.setdefault(key, []).append(cdir.prepared.container)
+                if limits is not None and limits.lease and part.mem_limit_bytes:
+                    leased.add(key)
                 claim = claims.get(uuid) if claims else None
                 if claim is not None:
                     claimed = (claimed or 0) + claim[0]
@@ -191,7 +212,7 @@ class Watchdog:
                 shares[key] = share
         if len(read) != len(self._paths):  # (every container read this poll is in _paths)
             self._forget_all_but(read)  # containers went idle or away: drop their caches
-        return Poll(shares, seen, names)
+        return Poll(shares, seen, names, frozenset(leased))
 
     def _forget_all_but(self, busy: dict[str, object]) -> None:
         for path in [p for p in self._paths if p not in busy]:
@@ -232,6 +253,8 @@ class Watchdog:
         poll = await asyncio.to_thread(self._gather, allocations)
         self.stats["polls"] += 1
         breaches = self.judge.judge(self.clock(), poll.shares, poll.seen)
+        if self.leases is not None:
+            breaches.extend(await self._lease_breaches(poll))
         killed: dict[int, list[int]] = {}
         if self.enforcement == "kill" and any(b.enforceable for b in breaches):
             # every kill before any publish: a slow or absent bus never delays enforcement
@@ -245,6 +268,38 @@ class Watchdog:
                 await self._publish(breach, allocations.get(breach.key[0]),
                                     poll.containers.get(breach.key, []), killed.get(i, []))
         return breaches
+
+    async def _lease_breaches(self, poll: Poll) -> list[Breach]:
+        """At first sight, no grace: a process on a leased GPU without a lease connection
+        (`unattested`), a pod holding more than it leased (`unleased`)."""
+        assert self.leases is not None
+        keys = [k for k in poll.leased if k in poll.seen]
+        attested = self.leases.attested()
+        suspects = {k: unattested(poll.seen[k], k[0], attested) for k in keys}
+        if any(suspects.values()):
+            await asyncio.sleep(ACCEPT_GRACE_S)  # let the lease service accept what is queued
+            attested = self.leases.attested()
+            suspects = {k: unattested(poll.seen[k], k[0], attested) for k in keys}
+        now = self.clock()
+        allowance = self.judge.policy.tamper_allowance_bytes
+        out: list[Breach] = []
+        going_on: set[tuple[ShareKey, str]] = set()
+        for key in keys:
+            s = poll.seen[key]
+            share = poll.shares.get(key)
+            limit = share.mem_limit_bytes if share else 0
+            leased = self.leases.leased_by_pod(*key)
+            found: list[tuple[str, tuple[int, ...]]] = []
+            if suspects[key]:
+                found.append(("unattested", suspects[key]))
+            if over_lease(s, leased, allowance):
+                found.append(("unleased", s.pids))
+            for reason, pids in found:
+                going_on.add((key, reason))
+                out.append(Breach(key, reason, limit, s.used_bytes, leased, pids, now,  # type: ignore[arg-type]
+                                  (key, reason) not in self._lease_episodes))  # fmt: skip
+        self._lease_episodes = going_on
+        return out
 
     def _end_all(self, breach: Breach) -> list[int]:
         ended = [pid for pid in breach.pids if self.end(self.proc_root, pid, breach.key[0])]
@@ -263,6 +318,8 @@ class Watchdog:
             "memory": "holds more GPU memory than its limit",
             "compute": "used more compute than its limit, averaged over the window",
             "tampered": "its usage region claims less memory than the GPU shows",
+            "unattested": "a process uses the GPU without libvgpu's lease (libvgpu bypassed)",
+            "unleased": "holds more GPU memory than the node agent leased it",
         }[breach.reason]
         event = LimitBreachedEvent(
             event_id=f"{self.node}:{pod_uid}:{uuid}:{breach.reason}:{int(since * 1000)}",
@@ -320,6 +377,7 @@ async def watchdog_from_settings(
     ledger: Callable[[], Awaitable[NodeLedger | None]],
     js: JetStreamContext,
     log: logging.Logger,
+    leases: Attestation | None = None,
 ) -> Watchdog | None:
     """The watchdog the settings ask for, or None. `auto` runs it on real GPUs (nvml source) or
     when a probe is given; NVML that cannot be opened is logged and the agent runs without it."""
@@ -345,5 +403,5 @@ async def watchdog_from_settings(
     return Watchdog(
         node=node, store=store, ledger=ledger, probe=probe, js=js, policy=policy,
         enforcement=settings.enforcement, proc_root=settings.watchdog_proc_root, log=log,
-        poll_s=settings.watchdog_poll_s,
+        poll_s=settings.watchdog_poll_s, leases=leases,
     )
