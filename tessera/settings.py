@@ -221,7 +221,14 @@ class TesseraSettings(BaseSettings):
     watchdog: Literal["auto", "on", "off"] = Field(
         "auto", description="the usage watchdog: auto = on with the nvml device source"
     )
-    watchdog_poll_s: float = Field(0.5, gt=0, description="watchdog: NVML poll period")
+    watchdog_poll_s: float = Field(
+        0.6, gt=0, description="watchdog: NVML poll period (memory, compute, region claims)"
+    )
+    watchdog_lease_poll_s: float = Field(
+        0.3, gt=0,
+        description="watchdog, with memory leases: between full polls, NVML's processes against "
+        "the lease service alone, this often (a bypass is killed within it)",
+    )
     watchdog_memory_margin_pct: float = Field(
         5.0, ge=0, description="watchdog: memory margin, % above the sealed limit"
     )

@@ -80,7 +80,7 @@ class NodeAgent:
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
         # each container's memory account, out of the tenant's reach (libvgpu leases from it)
-        self.leases = LeaseService(self.store.all, self.log)
+        self.leases = LeaseService(self.store.all, self.log, version=lambda: self.store.version)
         self.configurator: NodeConfigurator | None = None
         self.mig_plugins: MigPlugins | None = None
         self.dynamic_mig: DynamicMig | None = None

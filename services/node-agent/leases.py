@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,8 @@ from .containers import ContainerDir
 MAX_CONNECTIONS = 1024  # per container (libvgpu's process slots)
 MAX_LINE = 256
 RECALL_WAIT_S = 0.5  # how long a request waits for other processes to give back unused lease
-SYNC_S = 0.1  # how often the service looks for new or removed container directories
+LIMITS_RECHECK_S = 1.0  # the watchdog's question "does it lease?" stats the limits this often
+SYNC_S = 0.2  # how often the service looks for new or removed container directories
 _U63 = (1 << 63) - 1
 
 
@@ -136,6 +138,7 @@ class ContainerLeases:
 
     def __init__(self, key: str, limits_dir: Path, log: logging.Logger) -> None:
         self.key = key
+        self.pod_uid = key.split("/", 1)[0]
         self.limits_dir = limits_dir
         self.path = limits_dir / LEASE_SOCKET_NAME
         self.log = log
@@ -146,6 +149,7 @@ class ContainerLeases:
         self._next = 0
         self._limits: ContainerLimits | None = None
         self._limits_stat: tuple[int, int, int] | None = None
+        self._checked_at = -1e18
 
     async def start(self) -> None:
         # Bound through the directory's descriptor: the host path may be longer than a socket
@@ -187,6 +191,16 @@ class ContainerLeases:
             self._limits, self._limits_stat = None, None
         d = self._limits.device(uuid) if self._limits else None
         return d.mem_limit_bytes if d else 0
+
+    def leasing(self, uuid: str) -> bool:
+        """Sealed with leases and a memory limit on `uuid` (the limits file re-read only when it
+        changed; its stat at most every LIMITS_RECHECK_S)."""
+        now = time.monotonic()
+        if now - self._checked_at >= LIMITS_RECHECK_S:
+            self._checked_at = now
+            self.limit(uuid)
+        d = self._limits.device(uuid) if self._limits and self._limits.lease else None
+        return bool(d and d.mem_limit_bytes)
 
     def pids(self) -> set[int]:
         return {p.pid for p in self.peers.values()}
@@ -279,12 +293,21 @@ class LeaseService:
     directories come and go (`sync`, every SYNC_S in `run`)."""
 
     def __init__(self, containers: Callable[[], Iterable[ContainerDir]],
-                 log: logging.Logger | None = None) -> None:  # fmt: skip
+                 log: logging.Logger | None = None,
+                 version: Callable[[], int] | None = None) -> None:  # fmt: skip
         self.containers = containers
         self.log = log or logging.getLogger("tessera.node_agent.leases")
+        self.version = version  # when given: sync only after it moved (ContainerStore.version)
         self.served: dict[Path, ContainerLeases] = {}
+        self._by_pod: dict[str, list[ContainerLeases]] = {}  # pod uid -> its containers'
+        self._synced: int | None = None
+        self._failed = False
 
     async def sync(self) -> None:
+        version = self.version() if self.version else None
+        if version is not None and version == self._synced and not self._failed:
+            return
+        self._synced, self._failed = version, False
         present = {c.limits_dir: c for c in self.containers()}
         for path in [p for p in self.served if p not in present]:
             await self.served.pop(path).close()
@@ -296,17 +319,27 @@ class LeaseService:
                 await leases.start()
             except OSError as e:
                 self.log.error("lease service: cannot serve %s: %s", path, e)
+                self._failed = True  # try again at the next sync
                 continue
             self.served[path] = leases
+        self._by_pod = {}
+        for c in self.served.values():
+            self._by_pod.setdefault(c.pod_uid, []).append(c)
 
     def attested(self) -> dict[int, str]:
-        """host pid -> container key, for every process with a live lease connection."""
-        return {pid: c.key for c in self.served.values() for pid in c.pids()}
+        """host pid -> pod uid, for every process with a live lease connection."""
+        return {p.pid: c.pod_uid for c in self.served.values() for p in c.peers.values()}
 
     def leased_by_pod(self, pod_uid: str, uuid: str) -> int:
         """What the pod's containers hold on lease on `uuid`."""
-        prefix = pod_uid + "/"
-        return sum(c.leased(uuid) for c in self.served.values() if c.key.startswith(prefix))
+        return sum(c.leased(uuid) for c in self._by_pod.get(pod_uid, ()))
+
+    def leases_memory(self, pod_uid: str, uuid: str) -> bool:
+        """Some container of the pod leases its memory on `uuid` (sealed with a limit there)."""
+        return any(c.leasing(uuid) for c in self._by_pod.get(pod_uid, ()))
+
+    def limit_of_pod(self, pod_uid: str, uuid: str) -> int:
+        return sum(c.limit(uuid) for c in self._by_pod.get(pod_uid, ()))
 
     def for_key(self, key: str) -> ContainerLeases | None:
         return next((c for c in self.served.values() if c.key == key), None)
@@ -327,3 +360,4 @@ class LeaseService:
         for leases in self.served.values():
             await leases.close()
         self.served.clear()
+        self._by_pod.clear()

@@ -148,10 +148,10 @@ class Breach:
 
 def unattested(seen: Seen, pod_uid: str, attested: dict[int, str]) -> tuple[int, ...]:
     """The pids of `seen` with no live lease connection from a container of `pod_uid`
-    (`attested`: host pid -> container key "<pod uid>/<index>"). On a GPU whose memory the pod
-    leases, such a process is not running libvgpu: LD_AUDIT, another link-map namespace, a
-    loader copy, a bind over /etc/ld.so.preload, or no preload at all."""
-    return tuple(p for p in seen.pids if attested.get(p, "").split("/", 1)[0] != pod_uid)
+    (`attested`: host pid -> pod uid). On a GPU whose memory the pod leases, such a process is
+    not running libvgpu: LD_AUDIT, another link-map namespace, a loader copy, a bind over
+    /etc/ld.so.preload, or no preload at all."""
+    return tuple(p for p in seen.pids if attested.get(p) != pod_uid)
 
 
 def over_lease(seen: Seen, leased: int, per_process_allowance: int) -> bool:

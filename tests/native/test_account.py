@@ -260,7 +260,7 @@ print(json.dumps(out))
     assert c("init")["ok"]
     assert c("info")["total"] == LIMIT
     assert [c(f"alloc plain {200 * MiB}")["ok"] for _ in range(3)] == [True, True, False]
-    assert pod.agent.attested() == {c.pid: pod.cdir.key}  # its connection: its attestation
+    assert pod.agent.attested() == {c.pid: POD}  # its connection: its attestation
     assert pod.agent.leased() <= LIMIT
 
 

@@ -111,7 +111,7 @@ async def test_leases_over_the_socket(tmp_path: Path) -> None:
     a = await Client.connect(link / LEASE_SOCKET_NAME)
     b = await Client.connect(link / LEASE_SOCKET_NAME)
     await until(lambda: len(leases.peers) == 2)
-    assert service.attested() == {os.getpid(): leases.key}  # SO_PEERCRED: this process
+    assert service.attested() == {os.getpid(): leases.pod_uid}  # SO_PEERCRED: this process
     assert await a.ask(600 * MiB, 640 * MiB) == 640 * MiB
     assert await b.ask(385 * MiB, 448 * MiB) == 0  # 384 MiB left; a holds no unused lease
     assert await b.ask(384 * MiB, 448 * MiB) == 384 * MiB
