@@ -329,9 +329,9 @@ class Watchdog:
             s = poll.seen[key]
             leased = self.leases.leased_by_pod(*key)
             found: list[tuple[str, tuple[int, ...]]] = []
-            if suspects[key]:
+            if suspects[key]:  # these first: what they hold is not the attested ones' doing
                 found.append(("unattested", suspects[key]))
-            if over_lease(s, leased, allowance):
+            elif over_lease(s, leased, allowance):
                 found.append(("unleased", s.pids))
             if not found:
                 continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -128,7 +129,7 @@ class Pod:
     def env(self) -> dict[str, str]:
         env = base_env()
         env.update(LD_LIBRARY_PATH=str(self.native.fake),
-                   FAKE_CUDA_STATE=str(self.base / "gpu" / "state"), LIBCUDA_LOG_LEVEL="1",
+                   FAKE_CUDA_STATE=str(fake_gpu_state(self.base)), LIBCUDA_LOG_LEVEL="1",
                    CUDA_DEVICE_MEMORY_LIMIT="100g")  # fmt: skip
         if self.native.san:
             env["ASAN_OPTIONS"] = "detect_leaks=0"
@@ -174,6 +175,12 @@ class Pod:
             self.agent.stop()
 
 
+def fake_gpu_state(base: Path) -> Path:
+    """The fake GPU: one file for the module (the watchdog's NVML, loaded into this process,
+    maps it once), emptied in place between tests."""
+    return base / "fakegpu" / "state"
+
+
 @pytest.fixture(scope="module")
 def account_base(native) -> Iterator[Path]:
     reason = _unprivileged_possible()
@@ -186,7 +193,15 @@ def account_base(native) -> Iterator[Path]:
     (etc / "ld.so.preload").unlink(missing_ok=True)
     (etc / "ld.so.preload").write_text(native.preload.replace(" ", "\n") + "\n")
     (etc / "ld.so.preload").chmod(0o444)
+    fake_gpu_state(base).parent.mkdir(mode=0o777)
+    fake_gpu_state(base).parent.chmod(0o1777)
+    saved = os.environ.get("FAKE_CUDA_STATE")
+    os.environ["FAKE_CUDA_STATE"] = str(fake_gpu_state(base))  # for the fake NVML in-process
     yield base
+    if saved is None:
+        os.environ.pop("FAKE_CUDA_STATE", None)
+    else:
+        os.environ["FAKE_CUDA_STATE"] = saved
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -197,7 +212,12 @@ def pod(account_base, native) -> Iterator[Pod]:
         (account_base / d).mkdir()
     (account_base / "gpu").chmod(0o1777)
     (account_base / "logs").chmod(0o777)
+    state = fake_gpu_state(account_base)
+    if state.exists():
+        os.truncate(state, 0)  # a fresh GPU; the next process to open it initialises it
     p = Pod(account_base, native)
+    assert p.physical() == 0  # ... this one
+    state.chmod(0o666)  # the tenant's processes share it
     yield p
     p.close()
 
@@ -380,3 +400,143 @@ def test_an_agent_restart_keeps_the_account(pod):
     assert b("init")["ok"]
     assert not b(f"alloc plain {200 * MiB}")["ok"]
     assert pod.physical() <= LIMIT
+
+
+# ---- attacks 4 and 5: libvgpu never loads; the watchdog kills at first sight -----------------
+
+AUDIT_MODULE = r"""
+#define _GNU_SOURCE
+#include <link.h>
+#include <stdint.h>
+#include <string.h>
+unsigned int la_version(unsigned int v) { (void)v; return LAV_CURRENT; }
+char *la_objsearch(const char *name, uintptr_t *cookie, unsigned int flag)
+{
+    (void)cookie; (void)flag;
+    const char *base = strrchr(name, '/');
+    return strcmp(base ? base + 1 : name, "libvgpu.so") ? (char *)name : NULL; /* the preload */
+}
+"""
+
+
+class Watched:
+    """The node agent's watchdog (kill, lease polls at the default period) on the agent's loop,
+    beside its lease service: NVML is the fake driver's (it lists the processes that really
+    hold memory on the fake GPU), /proc maps the tenant's pids to the pod (written per pid)."""
+
+    def __init__(self, pod: Pod, native) -> None:
+        from tessera.node_agent.nvml_processes import NvmlProcessProbe
+        from tessera.node_agent.watchdog import Watchdog
+        from tessera.node_agent.watchdog_rules import WatchdogPolicy
+
+        from tessera.models import AllocationState, NodeLedger
+
+        self.pod = pod
+        self.proc_root = pod.base / "proc"
+        shutil.rmtree(self.proc_root, ignore_errors=True)
+        self.proc_root.mkdir()
+        grant = DeviceGrant(uuid=GPU0, type="FAKE", memory_mib=LIMIT_MIB, cores=100)
+        ledger = NodeLedger(node="n", allocations={POD: Allocation(
+            pod_uid=POD, namespace="t", name="p", node="n", containers=[[grant]],
+            container_names=["main"], state=AllocationState.ALLOCATED)})  # fmt: skip
+
+        async def read_ledger() -> NodeLedger:
+            return ledger
+
+        settings = TesseraSettings()
+        self.lease_poll_s = settings.watchdog_lease_poll_s
+        probe = NvmlProcessProbe(str(native.fake / "libnvidia-ml.so.1"))
+        assert pod.agent is not None
+        self.watchdog = Watchdog(
+            node="n", store=pod.store, ledger=read_ledger, probe=probe, js=None,  # type: ignore[arg-type]
+            policy=WatchdogPolicy(), enforcement="kill", proc_root=self.proc_root,
+            log=__import__("logging").getLogger("test.watchdog"), poll_s=settings.watchdog_poll_s,
+            leases=pod.agent.service, lease_poll_s=self.lease_poll_s,
+        )  # fmt: skip
+
+        async def start() -> asyncio.Event:
+            stop = asyncio.Event()
+            self.task = asyncio.create_task(self.watchdog.run(stop))
+            return stop
+
+        self.stop_event = pod.agent.call(start())
+
+    def in_pod(self, pid: int) -> None:
+        entry = self.proc_root / str(pid)
+        entry.mkdir(parents=True, exist_ok=True)
+        (entry / "cgroup").write_text(f"0::/kubepods.slice/kubepods-pod{POD.replace('-', '_')}"
+                                      ".slice/cri-containerd-0123.scope\n")  # fmt: skip
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            self.stop_event.set()
+            await self.task
+
+        assert self.pod.agent is not None
+        self.pod.agent.call(stop())
+
+
+def _attack(pod: Pod, watched: Watched, prefix: tuple[str, ...], env: dict[str, str]) -> float:
+    """A cuctl that allocates past the limit at once; seconds from the allocation being sent
+    to the process's death (killed by the watchdog), asserting it really got past libvgpu."""
+    p = subprocess.Popen([*prefix, str(pod.native.bin / "cuctl")], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        watched.in_pod(p.pid)
+        time.sleep(0.2)  # the loader has run: is libvgpu mapped?
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        maps = Path(f"/proc/{p.pid}/maps").read_text()
+        assert str(pod.native.lib) not in maps, "the attack did not keep libvgpu out"
+        # its context and its allocation (past the limit) at once: whatever the watchdog sees
+        # first, the process is dead within the bound of the first byte it took
+        t0 = time.monotonic()
+        p.stdin.write(f"init\nalloc plain {2 * LIMIT}\nsleep 30\n")
+        p.stdin.flush()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"not killed: {dict(watched.watchdog.stats)}") from None
+        elapsed = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    out = p.stdout.read()
+    assert p.returncode == -9, p.stderr.read()[-2000:]
+    assert "false" not in out, out  # never refused: libvgpu was really out of the way
+    return elapsed
+
+
+@pytest.fixture
+def watched(pod, native) -> Iterator[Watched]:
+    w = Watched(pod, native)
+    yield w
+    w.stop()
+
+
+def test_attack4_ld_audit_is_killed_by_the_watchdog_within_half_a_second(pod, watched):
+    audit_c = pod.base / "gpu" / "audit.c"
+    audit_c.write_text(AUDIT_MODULE)
+    audit = pod.base / "gpu" / "audit.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(audit), str(audit_c)], check=True)
+    audit.chmod(0o755)
+    honest = pod.cuctl()
+    assert honest("init")["ok"]
+    assert honest(f"alloc plain {256 * MiB}")["ok"]
+    watched.in_pod(honest.pid)
+    elapsed = _attack(pod, watched, pod.prefix(), {**pod.env(), "LD_AUDIT": str(audit)})
+    print(f"LD_AUDIT bypass killed {elapsed:.2f}s after its allocation was sent")
+    assert elapsed <= 0.5
+    assert honest.p.poll() is None  # attested and within its lease: untouched
+
+
+def test_attack5_bind_over_the_preload_file_in_a_user_namespace_is_killed(pod, watched):
+    probe = pod.run(["unshare", "-Urm", "true"])
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces refused here: {probe.stderr.strip()}")
+    script = "mount --bind /dev/null /etc/ld.so.preload && exec \"$@\""
+    prefix = (*pod.prefix(), "unshare", "-Urm", "sh", "-c", script, "sh")
+    elapsed = _attack(pod, watched, prefix, pod.env())
+    print(f"user-namespace bypass killed {elapsed:.2f}s after its allocation was sent")
+    assert elapsed <= 0.5
