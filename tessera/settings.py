@@ -218,6 +218,12 @@ class TesseraSettings(BaseSettings):
         description="watchdog policy on a breach: observe = event + metric; kill = also end the "
         "pod's processes on that GPU (HAMi's ACTIVE_OOM_KILLER)",
     )
+    lease_enforcement: Literal["observe", "kill"] = Field(
+        "kill",
+        description="watchdog policy, with memory leases, on a process using a leased GPU without "
+        "libvgpu's lease (unattested) or a pod holding more than it leased (unleased): acted on "
+        "at first sight",
+    )
     watchdog: Literal["auto", "on", "off"] = Field(
         "auto", description="the usage watchdog: auto = on with the nvml device source"
     )

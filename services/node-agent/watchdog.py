@@ -97,6 +97,7 @@ class Attestation(Protocol):
 
 ACCEPT_GRACE_S = 0.02  # a lease connection made just before NVML listed its process
 CLAIMS_FRESH_S = 0.5
+LEASE_REASONS = ("unattested", "unleased")
 
 
 class Watchdog:
@@ -118,6 +119,7 @@ class Watchdog:
         end: Callable[[Path, int, str], bool] = end_process,
         leases: Attestation | None = None,
         lease_poll_s: float = 0.25,
+        lease_enforcement: str | None = None,  # for unattested / unleased; None: `enforcement`
     ) -> None:
         self.node = node
         self.store = store
@@ -126,6 +128,7 @@ class Watchdog:
         self.js = js
         self.judge = BreachJudge(policy)
         self.enforcement = enforcement
+        self.lease_enforcement = enforcement if lease_enforcement is None else lease_enforcement
         self.proc_root = Path(proc_root)
         self.log = log
         self.poll_s = poll_s
@@ -284,17 +287,23 @@ class Watchdog:
         self, breaches: list[Breach], poll: Poll, allocations: dict[str, Allocation]
     ) -> None:
         killed: dict[int, list[int]] = {}
-        if self.enforcement == "kill" and any(b.enforceable for b in breaches):
+        if any(self._kills(b) for b in breaches):
             # every kill before any publish: a slow or absent bus never delays enforcement
             killed = await asyncio.to_thread(
-                lambda: {i: self._end_all(b) for i, b in enumerate(breaches) if b.enforceable})
+                lambda: {i: self._end_all(b) for i, b in enumerate(breaches) if self._kills(b)})
         for i, breach in enumerate(breaches):
             if breach.new:
                 self.stats[f"breach:{breach.reason}"] += 1
-                kill = self.enforcement == "kill" and breach.enforceable
+                kill = self._kills(breach)
                 self.stats[f"action:{breach.reason}:{'killed' if kill else 'observed'}"] += 1
                 await self._publish(breach, allocations.get(breach.key[0]),
                                     poll.containers.get(breach.key, []), killed.get(i, []))
+
+    def _policy(self, breach: Breach) -> str:
+        return self.lease_enforcement if breach.reason in LEASE_REASONS else self.enforcement
+
+    def _kills(self, breach: Breach) -> bool:
+        return breach.enforceable and self._policy(breach) == "kill"
 
     async def lease_poll_once(self) -> list[Breach]:
         """Between full polls: NVML's processes against the lease service alone (no region,
@@ -355,7 +364,7 @@ class Watchdog:
     ) -> None:
         pod_uid, uuid = breach.key
         since = self.wall() - (self.clock() - breach.since)
-        kill = self.enforcement == "kill" and breach.enforceable
+        kill = self._kills(breach)
         unit = "percent" if breach.reason == "compute" else "bytes"
         what = {
             "memory": "holds more GPU memory than its limit",
@@ -371,7 +380,7 @@ class Watchdog:
             pod=allocation.name if allocation else "",
             container=",".join(containers), device_uuid=uuid, breach=breach.reason, unit=unit,
             limit=breach.limit, seen=breach.seen, region_claim=breach.claimed, since=since,
-            policy="kill" if self.enforcement == "kill" else "observe",
+            policy="kill" if self._policy(breach) == "kill" else "observe",
             action="killed" if kill else "observed", pids=list(breach.pids),
             reason=f"{what} ({_figures(breach, unit)})"
             + (f"; ended pids {killed}" if kill else ""),
@@ -450,10 +459,12 @@ async def watchdog_from_settings(
         tamper_allowance_bytes=settings.watchdog_tamper_allowance_mib << 20,
     )
     log.info("watchdog on", extra={"enforcement": settings.enforcement,
+                                   "lease_enforcement": settings.lease_enforcement,
                                    "poll_s": settings.watchdog_poll_s})
     return Watchdog(
         node=node, store=store, ledger=ledger, probe=probe, js=js, policy=policy,
         enforcement=settings.enforcement, proc_root=settings.watchdog_proc_root, log=log,
         poll_s=settings.watchdog_poll_s, leases=leases,
         lease_poll_s=settings.watchdog_lease_poll_s,
+        lease_enforcement=settings.lease_enforcement,
     )

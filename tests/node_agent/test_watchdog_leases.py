@@ -89,10 +89,11 @@ def limits_dir_of(region: str) -> str:
 
 
 async def test_unattested_and_unleased_processes_are_killed_at_first_sight(env, nc, buckets):
-    assert TesseraSettings().memory_leases
+    assert TesseraSettings().memory_leases and TesseraSettings().lease_enforcement == "kill"
     poll_s = TesseraSettings().watchdog_lease_poll_s
     breaches = Breaches(nc, env.node)
-    async with watched_rig(env, nc, buckets, enforcement="kill", memory_leases=True) as rig:
+    # enforcement stays `observe` (memory, compute): a bypass is killed by the lease policy
+    async with watched_rig(env, nc, buckets, memory_leases=True) as rig:
         pod_uid, region = await admit(rig, "tenant", 1000)
         gpu = rig.gpus[0]
         honest = await asyncio.to_thread(leaser_in_pod, env, pod_uid, limits_dir_of(region),
@@ -125,7 +126,8 @@ async def test_unattested_and_unleased_processes_are_killed_at_first_sight(env, 
 
 async def test_observe_reports_an_unattested_process_once(env, nc, buckets):
     breaches = Breaches(nc, env.node)
-    async with watched_rig(env, nc, buckets, enforcement="observe", memory_leases=True) as rig:
+    async with watched_rig(env, nc, buckets, lease_enforcement="observe",
+                           memory_leases=True) as rig:  # fmt: skip
         pod_uid, _region = await admit(rig, "tenant", 1000)
         await known(rig, pod_uid)
         bypass = env.spawn_in_pod(pod_uid)
