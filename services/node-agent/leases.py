@@ -167,7 +167,9 @@ class ContainerLeases:
             raise
         finally:
             os.close(dfd)
-        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE)
+        # a backlog for every process of the container starting at once (the default is 100)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=MAX_LINE,
+                                                       backlog=MAX_CONNECTIONS)  # fmt: skip
 
     async def close(self) -> None:
         if self._server is not None:
