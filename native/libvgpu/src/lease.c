@@ -210,7 +210,9 @@ int tv_lease_take_slow(int d, uint64_t bytes)
 
 void tv_lease_trim(int d)
 {
-    pthread_mutex_lock(&lease_mu);
+    /* never wait on a free: a request of another thread may be waiting on a recall; the next
+     * free trims instead */
+    if (pthread_mutex_trylock(&lease_mu) != 0) return;
     struct tv_lease_slot *l = &tv_lease[d];
     uint64_t a = atomic_load(&l->avail);
     while (a > TSR_LEASE_CHUNK && !atomic_compare_exchange_weak(&l->avail, &a, TSR_LEASE_CHUNK)) {
