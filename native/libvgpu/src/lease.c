@@ -197,9 +197,10 @@ int tv_lease_take_slow(int d, uint64_t bytes)
             drop_connection();
             continue; /* reconnect once more, declaring what we hold */
         }
-        if (got == 0 || (uint64_t)got < need) break; /* refused: the container's limit */
-        atomic_fetch_add(&tv_lease[d].leased, (uint64_t)got);
+        if (got == 0) break; /* refused: the container's limit is leased */
+        atomic_fetch_add(&tv_lease[d].leased, (uint64_t)got); /* whatever came: it is ours */
         atomic_fetch_add(&tv_lease[d].avail, (uint64_t)got);
+        if ((uint64_t)got < need) break;
     }
     pthread_mutex_unlock(&lease_mu);
     if (ok != 0)
