@@ -295,6 +295,7 @@ def test_attack1_rewriting_counters_every_50us_gives_nothing(pod):
     finally:
         out, err = rewriter.communicate(timeout=60)
     assert rewriter.returncode == 0, err
+    print(f"attack 1: {int(out)} rewrites, {got}")
     assert int(out) > 1000, "the rewriter must really race"
     assert got["failed_procs"] == 0
     assert got["allocs"] > 1000 and got["ooms"] > 0, got  # the limit was really met
@@ -334,7 +335,9 @@ print(n)
     finally:
         out, err = cutter.communicate(timeout=60)
     assert cutter.returncode == 0, err
-    assert int(out) > 1000, "the cutter must really race"
+    print(f"attack 2: {int(out)} truncate-rewrites, {runs} runs, {allocs} allocations, "
+          f"max {worst >> 20} MiB")  # fmt: skip
+    assert int(out) > 500, "the cutter must really race"  # ~1,400 on a loaded 2-core machine
     assert runs >= 3 and worst <= LIMIT
     assert holder("phys")["phys"] <= LIMIT
     # the holder keeps what it has; nobody got a fresh budget beside it
