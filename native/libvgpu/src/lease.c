@@ -28,6 +28,7 @@ static char sock_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static char rbuf[512]; /* what was read and not yet parsed */
 static size_t rlen;
 static unsigned ticks;
+static int connected_once; /* this process reached the service at least once */
 
 #define REPLY_TIMEOUT_S 5 /* the agent waits at most a few hundred ms for recalls */
 
@@ -91,6 +92,7 @@ static int connect_locked(void)
         return -1;
     }
     sock = fd;
+    connected_once = 1;
     /* declare what this process already holds (after the agent restarted) */
     char line[TSR_UUID_LEN + 48];
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
@@ -104,6 +106,18 @@ static int connect_locked(void)
     }
     TV_LOG(TV_LOG_INFO, "lease service %s: connected", sock_path);
     return 0;
+}
+
+/* connect_locked, but a process that never reached the service waits for it up to
+ * FIRST_CONNECT_WAIT_MS (its container may start a moment before the agent serves its socket). */
+#define FIRST_CONNECT_WAIT_MS 1000
+static int connect_first(void)
+{
+    for (int waited = 0;; waited += 50) {
+        if (connect_locked() == 0) return 0;
+        if (connected_once || waited >= FIRST_CONNECT_WAIT_MS) return -1;
+        tv_sleep_ns(50ull * 1000000ull);
+    }
 }
 
 /* Give back every unused byte of every slot (the agent asked: another process needs them),
@@ -183,7 +197,7 @@ int tv_lease_take_slow(int d, uint64_t bytes)
             ok = 0;
             break;
         }
-        if (!tv.rg.uuid[d][0] || connect_locked() != 0) break;
+        if (!tv.rg.uuid[d][0] || connect_first() != 0) break;
         uint64_t have = atomic_load(&tv_lease[d].avail);
         uint64_t need = bytes > have ? bytes - have : 0;
         uint64_t want = (need + TSR_LEASE_CHUNK - 1) / TSR_LEASE_CHUNK * TSR_LEASE_CHUNK;
@@ -294,6 +308,7 @@ void tv_lease_after_fork_child(void)
     if (sock >= 0) close(sock); /* the parent's connection: its leases stay the parent's */
     sock = -1;
     rlen = 0;
+    connected_once = 0;
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         atomic_store(&tv_lease[d].avail, 0);
         atomic_store(&tv_lease[d].leased, 0);
