@@ -483,7 +483,9 @@ class MpsEvent(Event):
 class LimitBreachedEvent(Event):
     """The node agent's watchdog saw a pod hold more of a GPU than its sealed limits, from
     outside the container (NVML's per-process memory and utilisation), for longer than the grace
-    period; or saw its usage region claim less than the GPU shows (`breach` = `tampered`).
+    period; or saw its usage region claim less than the GPU shows (`breach` = `tampered`); or,
+    at first sight, a process on a GPU the pod leases memory for with no lease connection
+    (`unattested`: libvgpu bypassed), or the pod holding more than it leased (`unleased`).
     `action` says what the enforcement policy did: `observed` (event and metric only) or
     `killed` (the pod's processes on that GPU were ended)."""
 
@@ -494,7 +496,7 @@ class LimitBreachedEvent(Event):
     pod: str = ""
     container: str = Field("", description="the pod's containers holding that GPU, comma-joined")
     device_uuid: str
-    breach: Literal["memory", "compute", "tampered"]
+    breach: Literal["memory", "compute", "tampered", "unattested", "unleased"]
     unit: Literal["bytes", "percent"] = Field(
         description="of limit / seen / region_claim: bytes (memory, tampered) or SM % (compute)"
     )

@@ -89,6 +89,9 @@ PRIORITY_HIGH, PRIORITY_LOW = 0, 1
 
 LIMITS_SCRUB_ON_FREE = 1 << 0
 LIMITS_OVERSUBSCRIBE = 1 << 1
+LIMITS_LEASE = 1 << 2  # device memory is leased from the node agent (LEASE_SOCKET_NAME)
+LEASE_SOCKET_NAME = "lease.sock"  # in the sealed limits directory, beside the limits file
+LEASE_CHUNK = 64 << 20  # what libvgpu leases at least at a time
 DEV_CONTENDED = 1 << 0
 DEV_YIELD = 1 << 1
 SM_UNKNOWN = 0xFFFFFFFF
@@ -221,6 +224,7 @@ class ContainerLimits:
     oversubscribe: bool = False
     ctx_charge_bytes: int = 0  # 0 = libvgpu's default per extra context
     region_path: str = ""  # the region the container must use (path as seen in the container)
+    lease: bool = False  # libvgpu leases memory from the agent's socket (fails closed without)
     generation: int = 0  # set by seal_limits
 
     def device(self, uuid: str) -> DeviceLimit | None:
@@ -243,7 +247,7 @@ def encode_limits(limits: ContainerLimits, generation: int | None = None) -> byt
     c.core_policy = CORE_POLICIES[limits.core_policy]
     c.flags = (LIMITS_SCRUB_ON_FREE if limits.scrub_on_free else 0) | (
         LIMITS_OVERSUBSCRIBE if limits.oversubscribe else 0
-    )
+    ) | (LIMITS_LEASE if limits.lease else 0)
     c.ctx_charge_bytes = limits.ctx_charge_bytes
     c.region_path = _cstr(limits.region_path, PATH_LEN, "region_path")
     for i, d in enumerate(limits.devices):
@@ -296,6 +300,7 @@ def decode_limits(data: bytes) -> ContainerLimits:
         core_policy=policy,
         scrub_on_free=bool(c.flags & LIMITS_SCRUB_ON_FREE),
         oversubscribe=bool(c.flags & LIMITS_OVERSUBSCRIBE),
+        lease=bool(c.flags & LIMITS_LEASE),
         ctx_charge_bytes=c.ctx_charge_bytes,
         region_path=c.region_path.decode(),
         generation=c.generation,

@@ -204,16 +204,37 @@ class TesseraSettings(BaseSettings):
         "agent writes one in the region dir",
     )
 
+    memory_leases: bool = Field(
+        True,
+        description="libvgpu leases device memory from the node agent (one socket per container): "
+        "the container's account lives outside its reach, and a process using a limited GPU "
+        "without a lease connection is caught by the watchdog at first sight; off: the usage "
+        "region alone is the account (the watchdog then acts after its grace period)",
+    )
+
     # Node agent: the watchdog on real usage (NVML), outside the tenant's reach.
     enforcement: Literal["observe", "kill"] = Field(
         "observe",
         description="watchdog policy on a breach: observe = event + metric; kill = also end the "
         "pod's processes on that GPU (HAMi's ACTIVE_OOM_KILLER)",
     )
+    lease_enforcement: Literal["observe", "kill"] = Field(
+        "kill",
+        description="watchdog policy, with memory leases, on a process using a leased GPU without "
+        "libvgpu's lease (unattested) or a pod holding more than it leased (unleased): acted on "
+        "at first sight",
+    )
     watchdog: Literal["auto", "on", "off"] = Field(
         "auto", description="the usage watchdog: auto = on with the nvml device source"
     )
-    watchdog_poll_s: float = Field(0.5, gt=0, description="watchdog: NVML poll period")
+    watchdog_poll_s: float = Field(
+        0.6, gt=0, description="watchdog: NVML poll period (memory, compute, region claims)"
+    )
+    watchdog_lease_poll_s: float = Field(
+        0.3, gt=0,
+        description="watchdog, with memory leases: between full polls, NVML's processes against "
+        "the lease service alone, this often (a bypass is killed within it)",
+    )
     watchdog_memory_margin_pct: float = Field(
         5.0, ge=0, description="watchdog: memory margin, % above the sealed limit"
     )

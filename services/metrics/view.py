@@ -42,7 +42,7 @@ USAGE_MAX_AGE_S = 30.0
 PENDING_STALE_S = 900.0
 MAX_PENDING = 10_000
 BAD_MESSAGE_SOURCES = ("nodes", "ledger", "quota", "events", "usage")
-BREACH_REASONS = ("memory", "compute", "tampered")
+BREACH_REASONS = ("memory", "compute", "tampered", "unattested", "unleased")
 
 # HAMi writes node reasons as "3/8 CardInsufficientMemory"; several may be joined by ", " or "; ".
 _REASON = re.compile(r"^\s*(?:\d+/\d+\s+)?([A-Z][A-Za-z0-9]*)(?=$|[\s:])")

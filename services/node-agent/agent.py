@@ -30,6 +30,7 @@ from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
+from .leases import LeaseService
 from .mig_dynamic import MigReconciler
 from .mig_service import DynamicMig
 from .mps import MPS_DIR, MpsDaemons
@@ -78,6 +79,8 @@ class NodeAgent:
         self.sampler: UsageSampler | None = None
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
+        # each container's memory account, out of the tenant's reach (libvgpu leases from it)
+        self.leases = LeaseService(self.store.all, self.log, version=lambda: self.store.version)
         self.configurator: NodeConfigurator | None = None
         self.mig_plugins: MigPlugins | None = None
         self.dynamic_mig: DynamicMig | None = None
@@ -198,9 +201,11 @@ class NodeAgent:
         await limits.start()
         self.watchdog = await watchdog_from_settings(
             self.settings, probe=self.process_probe, store=self.store,
-            ledger=CachedLedger(self.buckets.ledger, self.node), js=self.js, **common,
+            ledger=CachedLedger(self.buckets.ledger, self.node), js=self.js,
+            leases=self.leases, **common,
         )
         tasks = [
+            asyncio.create_task(self.leases.run(stop)),
             asyncio.create_task(registrar.run(stop)),
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),

@@ -107,6 +107,7 @@ class ContainerStore:
         # Preparing and removing run in worker threads (asyncio.to_thread): one at a time.
         self._lock = threading.RLock()
         self._changes = 0
+        self._version = 0  # every preparation, relabel and removal: the tree's contents moved
         self._touched: dict[str, int] = {}  # pod uid -> the change that last prepared for it
 
     @property
@@ -114,7 +115,13 @@ class ContainerStore:
         """How many preparations and relabels this store has made (read before judging)."""
         return self._changes
 
+    @property
+    def version(self) -> int:
+        """Moves whenever a directory is prepared, relabelled or removed (cheap to poll)."""
+        return self._version
+
     def _touch(self, pod_uid: str) -> None:
+        self._version += 1
         self._changes += 1
         self._touched[pod_uid] = self._changes
 
@@ -217,6 +224,7 @@ class ContainerStore:
 
     def remove_container(self, cdir: ContainerDir) -> None:
         with self._lock:
+            self._version += 1
             self._scan().pop(cdir.path, None)
             shutil.rmtree(cdir.path, ignore_errors=True)
             with contextlib.suppress(OSError):

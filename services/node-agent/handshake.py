@@ -264,12 +264,19 @@ def container_env(
 def container_mounts(
     cdir: ContainerDir, settings: TesseraSettings, preload_host_path: str
 ) -> list[tuple[str, str, bool]]:
-    """(container path, host path, read-only) of every mount."""
+    """(container path, host path, read-only) of every mount, parents before what they hold
+    (container runtimes mount in order of path depth)."""
     return [
         (LIBVGPU_CONTAINER_PATH, settings.libvgpu_host_path, True),
         (PRELOAD_CONTAINER_PATH, preload_host_path, True),
-        (REGION_CONTAINER_DIR, str(cdir.region_dir), False),
-        # The directory, never the file: a bind-mounted file keeps the old inode on rename.
+        # The region's directory read-only and the file itself read-write on top: the tenant can
+        # write its counters but neither rename, unlink nor replace the file (a mount point
+        # cannot be renamed over: EBUSY; the directory takes no new file: EROFS). Nothing it
+        # writes there is the account anyway: that is the agent's lease service (leases.py).
+        (REGION_CONTAINER_DIR, str(cdir.region_dir), True),
+        (REGION_CONTAINER_PATH, str(cdir.region_file), False),
+        # The directory, never the file: the agent replaces the limits file by rename (a
+        # bind-mounted file would keep the old inode); the lease socket lives there too.
         (SEALED_LIMITS_DIR, str(cdir.limits_dir), True),
     ]
 
@@ -289,6 +296,7 @@ def limits_for(
         oversubscribe=settings.device_memory_scaling > 1,
         scrub_on_free=allocation.scrub_on_free or settings.scrub_on_free,
         region_path=REGION_CONTAINER_PATH,
+        lease=settings.memory_leases,  # the agent's lease service is the account (leases.py)
     )
 
 

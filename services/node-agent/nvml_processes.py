@@ -73,7 +73,7 @@ class ProcessProbe(Protocol):
 
     errors: Counter[str]
 
-    def poll(self) -> list[GpuProcess]: ...
+    def poll(self, utilization: bool = True) -> list[GpuProcess]: ...
 
     def close(self) -> None: ...
 
@@ -167,8 +167,9 @@ class NvmlProcessProbe:
 
     # ---- the poll ------------------------------------------------------------------------------
 
-    def poll(self) -> list[GpuProcess]:
-        """Every compute process on every GPU, with its memory and SM %."""
+    def poll(self, utilization: bool = True) -> list[GpuProcess]:
+        """Every compute process on every GPU, with its memory and SM % (None without
+        `utilization`: the next poll that asks covers the time since the last that did)."""
         if not self._open:
             return []
         if not self._handles:
@@ -178,7 +179,7 @@ class NvmlProcessProbe:
             procs = self._processes(uuid, handle)
             if not procs:
                 continue  # nothing runs there (or the list failed): no utilisation to ask
-            util = self._utilization(uuid, handle)
+            util = self._utilization(uuid, handle) if utilization else None
             for pid, used in procs:
                 sm = None if util is None else float(util.get(pid, 0))
                 out.append(GpuProcess(uuid, pid, used, sm))

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -43,6 +44,8 @@ from .watchdog_rules import (
     WatchdogPolicy,
     combine,
     container_share,
+    over_lease,
+    unattested,
 )
 
 LEDGER_REFRESH_S = 2.0  # a new pod is in the ledger long before its container starts
@@ -77,6 +80,24 @@ class Poll:
     shares: dict[ShareKey, Share]
     seen: dict[ShareKey, Seen]
     containers: dict[ShareKey, list[str]]  # names of the pod's containers on that GPU
+    leased: frozenset[ShareKey] = frozenset()  # memory limited and leased from the agent
+
+
+class Attestation(Protocol):
+    """What the lease service (leases.py) tells the watchdog."""
+
+    def attested(self) -> dict[int, str]: ...  # host pid -> pod uid, live connections
+
+    def leased_by_pod(self, pod_uid: str, uuid: str) -> int: ...
+
+    def leases_memory(self, pod_uid: str, uuid: str) -> bool: ...  # the pod leases on uuid
+
+    def limit_of_pod(self, pod_uid: str, uuid: str) -> int: ...
+
+
+ACCEPT_GRACE_S = 0.02  # a lease connection made just before NVML listed its process
+CLAIMS_FRESH_S = 0.5
+LEASE_REASONS = ("unattested", "unleased")
 
 
 class Watchdog:
@@ -96,6 +117,9 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         end: Callable[[Path, int, str], bool] = end_process,
+        leases: Attestation | None = None,
+        lease_poll_s: float = 0.25,
+        lease_enforcement: str | None = None,  # for unattested / unleased; None: `enforcement`
     ) -> None:
         self.node = node
         self.store = store
@@ -104,15 +128,21 @@ class Watchdog:
         self.js = js
         self.judge = BreachJudge(policy)
         self.enforcement = enforcement
+        self.lease_enforcement = enforcement if lease_enforcement is None else lease_enforcement
         self.proc_root = Path(proc_root)
         self.log = log
         self.poll_s = poll_s
         self.clock = clock
         self.wall = wall
         self.end = end
+        self.leases = leases
+        self.lease_poll_s = lease_poll_s
+        self._lease_episodes: set[tuple[ShareKey, str]] = set()  # published, still going on
         self.limits = LimitsCache()
         self.pods_of = PodOfPid(self.proc_root)
-        self.claims = RegionClaims()
+        # What regions claim feeds only rules with a grace period (tampered: 2 s; compute: a
+        # 10 s mean): read at most every 0.5 s, however fast the poll that catches bypasses.
+        self.claims = RegionClaims(fresh_s=CLAIMS_FRESH_S)
         self._paths: dict[str, tuple[str, str]] = {}  # container dir -> limits dir, region
         self._share_memo: dict[tuple[str, str, bool], tuple[ContainerLimits,
                                                             ContainerShare | None]] = {}
@@ -133,7 +163,14 @@ class Watchdog:
     # ---- gathering (blocking: runs in a thread) -----------------------------------------------
 
     def _gather(self, allocations: dict[str, Allocation]) -> Poll:
-        procs: list[GpuProcess] = self.probe.poll()
+        seen, owners, now = self._seen(allocations)
+        return self._judged_shares(seen, owners, now)
+
+    def _seen(
+        self, allocations: dict[str, Allocation], utilization: bool = True
+    ) -> tuple[dict[ShareKey, Seen], dict[int, str | None], float]:
+        """What NVML shows per pod and GPU (the light part: the lease poll needs only this)."""
+        procs: list[GpuProcess] = self.probe.poll(utilization)
         now = self.clock()
         owners: dict[int, str | None] = {}
         seen_parts: dict[ShareKey, list[GpuProcess]] = {}
@@ -157,8 +194,15 @@ class Watchdog:
                 sm_pct=None if any(s is None for s in sms) else sum(s or 0.0 for s in sms),
                 pids=tuple(sorted({p.pid for p in parts})),
             )
+        return seen, owners, now
+
+    def _judged_shares(
+        self, seen: dict[ShareKey, Seen], owners: dict[int, str | None], now: float
+    ) -> Poll:
+        allocations = self._allocations
         shares: dict[ShareKey, Share] = {}
         names: dict[ShareKey, list[str]] = {}
+        leased: set[ShareKey] = set()
         self.pods_of.keep_only(set(owners))
         busy = {pod for pod, _ in seen}
         read: dict[str, tuple[ContainerLimits | None, Claims | None]] = {}
@@ -181,6 +225,8 @@ class Watchdog:
                     continue  # not sealed yet, or not on this GPU
                 parts.append(part)
                 names.setdefault(key, []).append(cdir.prepared.container)
+                if limits is not None and limits.lease and part.mem_limit_bytes:
+                    leased.add(key)
                 claim = claims.get(uuid) if claims else None
                 if claim is not None:
                     claimed = (claimed or 0) + claim[0]
@@ -191,7 +237,7 @@ class Watchdog:
                 shares[key] = share
         if len(read) != len(self._paths):  # (every container read this poll is in _paths)
             self._forget_all_but(read)  # containers went idle or away: drop their caches
-        return Poll(shares, seen, names)
+        return Poll(shares, seen, names, frozenset(leased))
 
     def _forget_all_but(self, busy: dict[str, object]) -> None:
         for path in [p for p in self._paths if p not in busy]:
@@ -232,19 +278,80 @@ class Watchdog:
         poll = await asyncio.to_thread(self._gather, allocations)
         self.stats["polls"] += 1
         breaches = self.judge.judge(self.clock(), poll.shares, poll.seen)
+        if self.leases is not None:
+            breaches.extend(await self._lease_breaches(poll))
+        await self._act(breaches, poll, allocations)
+        return breaches
+
+    async def _act(
+        self, breaches: list[Breach], poll: Poll, allocations: dict[str, Allocation]
+    ) -> None:
         killed: dict[int, list[int]] = {}
-        if self.enforcement == "kill" and any(b.enforceable for b in breaches):
+        if any(self._kills(b) for b in breaches):
             # every kill before any publish: a slow or absent bus never delays enforcement
             killed = await asyncio.to_thread(
-                lambda: {i: self._end_all(b) for i, b in enumerate(breaches) if b.enforceable})
+                lambda: {i: self._end_all(b) for i, b in enumerate(breaches) if self._kills(b)})
         for i, breach in enumerate(breaches):
             if breach.new:
                 self.stats[f"breach:{breach.reason}"] += 1
-                kill = self.enforcement == "kill" and breach.enforceable
+                kill = self._kills(breach)
                 self.stats[f"action:{breach.reason}:{'killed' if kill else 'observed'}"] += 1
                 await self._publish(breach, allocations.get(breach.key[0]),
                                     poll.containers.get(breach.key, []), killed.get(i, []))
+
+    def _policy(self, breach: Breach) -> str:
+        return self.lease_enforcement if breach.reason in LEASE_REASONS else self.enforcement
+
+    def _kills(self, breach: Breach) -> bool:
+        return breach.enforceable and self._policy(breach) == "kill"
+
+    async def lease_poll_once(self) -> list[Breach]:
+        """Between full polls: NVML's processes against the lease service alone (no region,
+        no limits file is read), so that a bypass is caught within `lease_poll_s`."""
+        assert self.leases is not None
+        allocations = self._allocations
+        seen, _owners, _now = await asyncio.to_thread(self._seen, allocations, False)
+        self.stats["lease_polls"] += 1
+        leases = self.leases
+        leased = frozenset(k for k in seen if leases.leases_memory(*k))
+        poll = Poll({}, seen, {}, leased)
+        breaches = await self._lease_breaches(poll)
+        await self._act(breaches, poll, allocations)
         return breaches
+
+    async def _lease_breaches(self, poll: Poll) -> list[Breach]:
+        """At first sight, no grace: a process on a leased GPU without a lease connection
+        (`unattested`), a pod holding more than it leased (`unleased`)."""
+        assert self.leases is not None
+        keys = [k for k in poll.leased if k in poll.seen]
+        attested = self.leases.attested()
+        suspects = {k: unattested(poll.seen[k], k[0], attested) for k in keys}
+        if any(suspects.values()):
+            await asyncio.sleep(ACCEPT_GRACE_S)  # let the lease service accept what is queued
+            attested = self.leases.attested()
+            suspects = {k: unattested(poll.seen[k], k[0], attested) for k in keys}
+        now = self.clock()
+        allowance = self.judge.policy.tamper_allowance_bytes
+        out: list[Breach] = []
+        going_on: set[tuple[ShareKey, str]] = set()
+        for key in keys:
+            s = poll.seen[key]
+            leased = self.leases.leased_by_pod(*key)
+            found: list[tuple[str, tuple[int, ...]]] = []
+            if suspects[key]:  # these first: what they hold is not the attested ones' doing
+                found.append(("unattested", suspects[key]))
+            elif over_lease(s, leased, allowance):
+                found.append(("unleased", s.pids))
+            if not found:
+                continue
+            share = poll.shares.get(key)
+            limit = share.mem_limit_bytes if share else self.leases.limit_of_pod(*key)
+            for reason, pids in found:
+                going_on.add((key, reason))
+                out.append(Breach(key, reason, limit, s.used_bytes, leased, pids, now,  # type: ignore[arg-type]
+                                  (key, reason) not in self._lease_episodes))  # fmt: skip
+        self._lease_episodes = going_on
+        return out
 
     def _end_all(self, breach: Breach) -> list[int]:
         ended = [pid for pid in breach.pids if self.end(self.proc_root, pid, breach.key[0])]
@@ -257,12 +364,14 @@ class Watchdog:
     ) -> None:
         pod_uid, uuid = breach.key
         since = self.wall() - (self.clock() - breach.since)
-        kill = self.enforcement == "kill" and breach.enforceable
+        kill = self._kills(breach)
         unit = "percent" if breach.reason == "compute" else "bytes"
         what = {
             "memory": "holds more GPU memory than its limit",
             "compute": "used more compute than its limit, averaged over the window",
             "tampered": "its usage region claims less memory than the GPU shows",
+            "unattested": "a process uses the GPU without libvgpu's lease (libvgpu bypassed)",
+            "unleased": "holds more GPU memory than the node agent leased it",
         }[breach.reason]
         event = LimitBreachedEvent(
             event_id=f"{self.node}:{pod_uid}:{uuid}:{breach.reason}:{int(since * 1000)}",
@@ -271,7 +380,7 @@ class Watchdog:
             pod=allocation.name if allocation else "",
             container=",".join(containers), device_uuid=uuid, breach=breach.reason, unit=unit,
             limit=breach.limit, seen=breach.seen, region_claim=breach.claimed, since=since,
-            policy="kill" if self.enforcement == "kill" else "observe",
+            policy="kill" if self._policy(breach) == "kill" else "observe",
             action="killed" if kill else "observed", pids=list(breach.pids),
             reason=f"{what} ({_figures(breach, unit)})"
             + (f"; ended pids {killed}" if kill else ""),
@@ -288,14 +397,22 @@ class Watchdog:
             self.log.warning("limit.breached not published", extra={"err": str(exc)})
 
     async def run(self, stop: asyncio.Event) -> None:
+        """A full poll every `poll_s`; with a lease service, light lease polls in between, every
+        `lease_poll_s` (a full poll checks leases too)."""
+        tick = self.poll_s if self.leases is None else min(self.poll_s, self.lease_poll_s)
+        last_full: float | None = None
         while not stop.is_set():
             started = self.clock()
             try:
-                await self.poll_once()
+                if last_full is None or started - last_full >= self.poll_s - tick / 2:
+                    last_full = started
+                    await self.poll_once()
+                else:
+                    await self.lease_poll_once()
             except Exception as exc:
                 self.stats["poll_failed"] += 1
                 self.log.warning("watchdog poll failed", extra={"err": str(exc)})
-            wait = max(0.0, self.poll_s - (self.clock() - started))
+            wait = max(0.0, tick - (self.clock() - started))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
         await asyncio.to_thread(self.probe.close)
@@ -320,6 +437,7 @@ async def watchdog_from_settings(
     ledger: Callable[[], Awaitable[NodeLedger | None]],
     js: JetStreamContext,
     log: logging.Logger,
+    leases: Attestation | None = None,
 ) -> Watchdog | None:
     """The watchdog the settings ask for, or None. `auto` runs it on real GPUs (nvml source) or
     when a probe is given; NVML that cannot be opened is logged and the agent runs without it."""
@@ -341,9 +459,12 @@ async def watchdog_from_settings(
         tamper_allowance_bytes=settings.watchdog_tamper_allowance_mib << 20,
     )
     log.info("watchdog on", extra={"enforcement": settings.enforcement,
+                                   "lease_enforcement": settings.lease_enforcement,
                                    "poll_s": settings.watchdog_poll_s})
     return Watchdog(
         node=node, store=store, ledger=ledger, probe=probe, js=js, policy=policy,
         enforcement=settings.enforcement, proc_root=settings.watchdog_proc_root, log=log,
-        poll_s=settings.watchdog_poll_s,
+        poll_s=settings.watchdog_poll_s, leases=leases,
+        lease_poll_s=settings.watchdog_lease_poll_s,
+        lease_enforcement=settings.lease_enforcement,
     )

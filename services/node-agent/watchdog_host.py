@@ -137,12 +137,18 @@ class RegionClaims:
     """What usage regions claim, through descriptors kept open (one pread per poll). A region
     replaced on disk is reopened; a truncated one reads short and claims nothing."""
 
-    def __init__(self, revalidate_s: float = 1.0) -> None:
+    def __init__(self, revalidate_s: float = 1.0, fresh_s: float = 0.0) -> None:
         self.revalidate_s = revalidate_s
+        self.fresh_s = fresh_s  # a claim read this recently is not read again
         self._fds: dict[str, tuple[int, tuple[int, int], float]] = {}  # fd, identity, checked
         self._last: dict[str, tuple[bytes, Claims | None]] = {}  # raw bytes, decoded
+        self._read_at: dict[str, float] = {}
 
     def read(self, key: str, now: float) -> Claims | None:
+        if self.fresh_s and now - self._read_at.get(key, -1e18) < self.fresh_s:
+            last = self._last.get(key)
+            if last is not None:
+                return last[1]
         entry = self._fds.get(key)
         if entry is None or now - entry[2] >= self.revalidate_s:
             try:
@@ -164,6 +170,7 @@ class RegionClaims:
             data = os.pread(entry[0], CLAIMS_SIZE, 0)
         except OSError:
             return None
+        self._read_at[key] = now
         last = self._last.get(key)
         if last is not None and last[0] == data:
             return last[1]  # unchanged since the last poll: no need to decode again
@@ -178,6 +185,7 @@ class RegionClaims:
     def _close(self, key: str) -> None:
         entry = self._fds.pop(key, None)
         self._last.pop(key, None)
+        self._read_at.pop(key, None)
         if entry is not None:
             with contextlib.suppress(OSError):
                 os.close(entry[0])

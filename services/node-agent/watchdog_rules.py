@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 
 from tessera.region import CORE_POLICIES, ContainerLimits
 
-BreachReason = Literal["memory", "compute", "tampered"]
+BreachReason = Literal["memory", "compute", "tampered", "unattested", "unleased"]
 ShareKey = tuple[str, str]  # (pod uid, GPU uuid)
 
 # `pod<uid>` in a cgroup path: cgroupfs (`/kubepods/burstable/pod1f2e…/<ctr>`) and systemd
@@ -144,6 +144,21 @@ class Breach:
     def enforceable(self) -> bool:
         """A limit was exceeded (tampered alone harms nobody else: it is reported)."""
         return self.reason != "tampered"
+
+
+def unattested(seen: Seen, pod_uid: str, attested: dict[int, str]) -> tuple[int, ...]:
+    """The pids of `seen` with no live lease connection from a container of `pod_uid`
+    (`attested`: host pid -> pod uid). On a GPU whose memory the pod leases, such a process is
+    not running libvgpu: LD_AUDIT, another link-map namespace, a loader copy, a bind over
+    /etc/ld.so.preload, or no preload at all."""
+    return tuple(p for p in seen.pids if attested.get(p) != pod_uid)
+
+
+def over_lease(seen: Seen, leased: int, per_process_allowance: int) -> bool:
+    """NVML shows the pod holding more than the agent leased it, beyond what each process's
+    own context may take uncharged: libvgpu was bypassed inside an attested process (the
+    driver called by address, libvgpu's code rewritten)."""
+    return seen.used_bytes > leased + per_process_allowance * max(len(seen.pids), 1)
 
 
 @dataclass

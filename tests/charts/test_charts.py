@@ -890,8 +890,12 @@ def test_node_agent_watchdog_gets_host_pids_and_cap_kill_only_when_asked(charts_
 
     pod, agent = agent_pod({})
     assert not pod.get("hostPID") and env_of(agent)["TESSERA_ENFORCEMENT"] == "observe"
+    assert env_of(agent)["TESSERA_LEASE_ENFORCEMENT"] == "kill"  # a bypass: at first sight
     pod, agent = agent_pod({"watchdog": {"hostPID": True}})
     assert pod["hostPID"] is True
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+    pod, agent = agent_pod({"watchdog": {"hostPID": True},
+                            "config": {"leaseEnforcement": "observe"}})  # fmt: skip
     assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # observe: no kill
     pod, agent = agent_pod({"watchdog": {"hostPID": True}, "config": {"enforcement": "kill"}})
     assert env_of(agent)["TESSERA_ENFORCEMENT"] == "kill"

@@ -112,9 +112,12 @@ async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_d
             assert f.read().strip() == "/usr/local/vgpu/libvgpu.so"
         limits_mount = main.mount(SEALED_LIMITS_DIR)
         assert limits_mount.read_only
-        assert not main.mount("/run/tessera/region").read_only
+        # the region's directory read-only, the file read-write on top: it cannot be replaced
+        assert main.mount("/run/tessera/region").read_only
+        assert not main.mount("/run/tessera/region/usage").read_only
         # PreStartContainer sealed each container's own limits.
         sealed = read_limits(limits_mount.host_path)
+        assert sealed.lease  # libvgpu leases from the agent's lease service
         assert [(d.uuid, d.mem_limit_bytes >> 20, d.sm_limit_pct) for d in sealed.devices] == [
             (gpu0, 6000, 30), (gpu1, 4000, 50)
         ]

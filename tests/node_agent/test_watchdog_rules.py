@@ -160,3 +160,21 @@ def test_compute_not_judged_without_a_limit_in_force_or_without_utilisation():
 def test_unknown_share_is_ignored():
     judge = BreachJudge(WatchdogPolicy(memory_grace_s=0))
     assert judge.judge(0.0, {}, {KEY: Seen(10**12, 100.0, (7,))}) == []
+
+
+def test_unattested_are_the_pids_without_a_lease_connection_from_their_pod():
+    from tessera.node_agent.watchdog_rules import unattested
+
+    seen = Seen(900 * MIB, None, (10, 11, 12))
+    # 10 leases for this pod, 11 for another pod (its connection proves nothing here), 12 none
+    assert unattested(seen, UID, {10: UID, 11: "another-pod"}) == (11, 12)
+    assert unattested(seen, UID, {10: UID, 11: UID, 12: UID}) == ()
+
+
+def test_over_lease_allows_each_process_its_context():
+    from tessera.node_agent.watchdog_rules import over_lease
+
+    two = Seen(1000 * MIB, None, (1, 2))
+    assert not over_lease(two, 500 * MIB, 256 * MIB)  # 500 leased + 2 x 256 of contexts
+    assert over_lease(two, 400 * MIB, 256 * MIB)
+    assert over_lease(Seen(300 * MIB, None, ()), 0, 256 * MIB)  # no pid listed: one allowance

@@ -86,7 +86,11 @@ def make_env(base: Path, lib: Path, monkeypatch: Any) -> WatchEnv:
 @contextlib.asynccontextmanager
 async def watched_rig(env: WatchEnv, nc: Any, buckets: Any, *, probe: Any = None,
                       **overrides: Any):
-    settings = {"watchdog": "on", "watchdog_proc_root": str(env.proc_root)}
+    # Processes here never run libvgpu: without leases (memory_leases=True: every one of them
+    # would be unattested and killed at first sight, test_watchdog_leases.py) the rules of the
+    # usage region and the grace period apply.
+    settings = {"watchdog": "on", "watchdog_proc_root": str(env.proc_root),
+                "memory_leases": False}
     settings.update(overrides)
     async with running_rig(env.base, nc, buckets, node=env.node,
                            process_probe=probe or env.probe(), **settings) as rig:

@@ -70,6 +70,23 @@ extern "C" {
 /* tsr_limits.flags */
 #define TSR_LIMITS_SCRUB_ON_FREE (1u << 0) /* zero device memory before it is released */
 #define TSR_LIMITS_OVERSUBSCRIBE (1u << 1) /* informational (HAMi CUDA_OVERSUBSCRIBE) */
+#define TSR_LIMITS_LEASE (1u << 2)         /* device memory is leased from the node agent's lease
+                                              socket (TSR_LEASE_SOCKET_NAME beside the limits
+                                              file); without it nothing beyond what is leased */
+
+/* The node agent's lease service for the container: a unix stream socket in the sealed limits
+ * directory (read-only in the container, so the tenant cannot replace it). One line per message:
+ *   libvgpu -> agent   "A <uuid> <need> <want>\n"  lease at least need, at most want bytes more
+ *                      "R <uuid> <bytes>\n"        give back (no answer)
+ *                      "H <uuid> <bytes>\n"        already held (after a reconnect; no answer)
+ *                      "D\n"                       a recall was answered (after its "R"s)
+ *   agent -> libvgpu   "G <bytes>\n"               granted (need <= bytes <= want)
+ *                      "N\n"                       refused: the container's limit is leased
+ *                      "C\n"                       recall: give back what you hold unused
+ * The agent counts leases per connection (SO_PEERCRED names the process); a closed connection's
+ * leases are returned. The sum of a container's leases never exceeds its limit. */
+#define TSR_LEASE_SOCKET_NAME "lease.sock"
+#define TSR_LEASE_CHUNK (64ull << 20)
 
 /* tsr_limits_device.flags: set and cleared by the node agent at run time */
 #define TSR_DEV_CONTENDED (1u << 0) /* another container is active on this GPU */

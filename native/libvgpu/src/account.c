@@ -80,7 +80,10 @@ int tv_mem_reserve_slow(int d, uint64_t bytes)
     }
     uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
     /* the inline attempt failed: pools may have given memory back since */
-    if (tv_mem_refresh_pools() > 0 && tv_region_charge(&tv.rg, d, bytes, limit) == 0) return 0;
+    if (tv_mem_refresh_pools() > 0 && tv_lease_take(d, bytes, limit) == 0) {
+        if (tv_region_charge(&tv.rg, d, bytes, limit) == 0) return 0;
+        tv_lease_give(d, bytes);
+    }
     tv_region_count_oom(&tv.rg, d);
     TV_LOG(TV_LOG_INFO, "out of memory on slot %d: %llu + %llu > %llu%s", d,
            (unsigned long long)tv_region_used(&tv.rg, d), (unsigned long long)bytes,

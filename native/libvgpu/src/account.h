@@ -16,6 +16,7 @@
 #ifndef TV_ACCOUNT_H
 #define TV_ACCOUNT_H
 
+#include "lease.h"
 #include "vgpu.h"
 
 /* ---- a small open-addressing map: 64-bit key -> record ------------------------------------ */
@@ -125,13 +126,20 @@ static inline int tv_mem_reserve(int d, uint64_t bytes)
 {
     if (tv_likely(d >= 0 && d < TV_MAX_SLOTS && bytes != 0)) {
         uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
-        if (tv_likely(tv_region_charge(&tv.rg, d, bytes, limit) == 0)) return 0;
+        /* the lease (the agent's account) first, then the region (the container's view) */
+        if (tv_likely(tv_lease_take(d, bytes, limit) == 0)) {
+            if (tv_likely(tv_region_charge(&tv.rg, d, bytes, limit) == 0)) return 0;
+            tv_lease_give(d, bytes);
+        }
     }
     return tv_mem_reserve_slow(d, bytes);
 }
 static inline void tv_mem_unreserve(int d, uint64_t bytes)
 {
-    if (d >= 0 && d < TV_MAX_SLOTS) tv_region_uncharge(&tv.rg, d, bytes);
+    if (d >= 0 && d < TV_MAX_SLOTS && bytes != 0) {
+        tv_region_uncharge(&tv.rg, d, bytes);
+        tv_lease_give(d, bytes);
+    }
 }
 
 /* The reservation, before the driver is called. */

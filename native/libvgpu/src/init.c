@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "lease.h"
 #include "vgpu.h"
 
 struct tv_state tv = {
@@ -23,6 +24,7 @@ static void after_fork_child(void)
     pthread_mutex_init(&tv.mu, NULL);
     tv_region_after_fork_child(&tv.rg);
     tv_account_after_fork_child();
+    tv_lease_after_fork_child();
     tv_compute_after_fork_child();
     atomic_store(&poll_started, 0);
     /* the next CUDA call registers the child and starts its poll thread */
@@ -52,6 +54,7 @@ void tv_core_init(void)
     if (!atomic_load_explicit(&tv.core_ready, memory_order_relaxed)) {
         tv_log_init();
         tv_limits_load();
+        tv_lease_init(tv.lm.file_mode ? tv.lm.file : "", tv.lm.lim.flags);
         struct tv_region_seed seed;
         tv_limits_seed(&seed);
         /* limits from a file: the node agent (or tessera run) prepared the region */
@@ -74,6 +77,7 @@ int tv_cuda_init(void)
             rc = -1;
         } else {
             if (!atomic_load(&tv.rg.bad)) tv_region_register(&tv.rg);
+            tv_lease_attach(); /* before the driver makes a context: the watchdog's proof */
             poll_thread_start();
             atomic_store_explicit(&tv.cuda_ready, 1, memory_order_release);
         }
@@ -110,7 +114,7 @@ static void *poll_main(void *arg)
     unsigned tick = 0;
     struct tv_region_seed seed;
     for (;;) {
-        tv_sleep_ns((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull);
+        tv_lease_wait((uint64_t)TSR_LIMITS_POLL_MS * 1000000ull); /* answers recalls at once */
         tv_limits_poll();
         pthread_mutex_lock(&tv.mu);
         tv_limits_seed(&seed);

@@ -291,6 +291,13 @@ static void guard_mapping(struct tv_region *rg, void *m)
     sigaction(SIGBUS, &sa, &old_bus);
 }
 
+static void unguard_mapping(void *m)
+{
+    for (int i = 0; i < TV_MAPS; i++)
+        if (__atomic_load_n(&mapped[i], __ATOMIC_RELAXED) == m)
+            __atomic_store_n(&mapped[i], NULL, __ATOMIC_RELAXED);
+}
+
 static void set_standin(struct tv_region *rg)
 {
     static struct tsr_region *standin;
@@ -319,6 +326,7 @@ static int attach(struct tv_region *rg, const char *path, int strict,
         close(fd);
         return -1;
     }
+    guard_mapping(rg, r); /* truncated while we read the header: a zero page, not a crash */
     flock(fd, LOCK_EX);
     int ok = header_ok(r);
     if (!ok && !strict) {
@@ -330,15 +338,30 @@ static int attach(struct tv_region *rg, const char *path, int strict,
     if (!ok) {
         TV_LOG(TV_LOG_ERROR, "region %s: bad header: refusing device memory until it is "
                "repaired", path);
+        unguard_mapping(r);
         munmap(r, REGION_SZ);
         close(fd);
         return -1;
     }
-    if (rg->fd >= 0) close(rg->fd); /* an earlier mapping stays: other threads may hold it */
+    if (rg->shared) {
+        /* Attached before: map the file again at the same address, so that other threads'
+         * pointers stay valid and re-attaching (however often a tenant truncates and rewrites
+         * the file) never adds a mapping. */
+        void *m = mmap(rg->shared, REGION_SZ, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                       fd, 0);
+        unguard_mapping(r);
+        munmap(r, REGION_SZ);
+        if (m == MAP_FAILED) {
+            close(fd);
+            return -1;
+        }
+        r = m;
+    }
+    if (rg->fd >= 0) close(rg->fd);
     rg->fd = fd;
     rg->ino = st.st_ino;
     rg->dev = st.st_dev;
-    guard_mapping(rg, r);
+    rg->shared = r;
     rg->map = r;
     if (seed && seed->nuuid) {
         tv_region_lock(rg);

@@ -33,6 +33,7 @@
 struct tv_region {
     struct tsr_region *map;   /* the shared region (a private stand-in while bad/absent) */
     struct tsr_region *priv;  /* this process's own: devices without a shared slot */
+    struct tsr_region *shared; /* the one address the shared file is mapped at (guarded) */
     int fd;
     int is_private;           /* no shared file at all (standalone without a path) */
     int strict;               /* the node agent prepared the file: never initialise it */

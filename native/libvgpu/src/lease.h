@@ -1,0 +1,67 @@
+/*
+ * lease.h — device memory leased from the node agent (the accounting layer's authority when the
+ * sealed limits carry TSR_LIMITS_LEASE). The container's account lives in the agent, on the
+ * host, out of the tenant's reach: a process may charge only what it holds on lease, and the
+ * agent never leases a container more than its limit, whatever the tenant writes into the
+ * region. The protocol is in tessera_region.h.
+ *
+ * Per device slot this process keeps `leased` (held from the agent) and `avail` (leased, not yet
+ * charged). The fast path is one compare-and-swap on `avail`: no system call, no round trip.
+ * Only when `avail` runs short does an allocation ask the agent (for at least a chunk), and only
+ * when more than two chunks lie unused does a free give some back. Without a connection nothing
+ * beyond what is already leased can be charged (fail closed).
+ */
+#ifndef TV_LEASE_H
+#define TV_LEASE_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "base.h"
+#include "region.h"
+
+struct tv_lease_slot {
+    _Atomic uint64_t leased; /* held from the agent (changed under the lease lock) */
+    _Atomic uint64_t avail;  /* leased and not charged: the fast path takes from it */
+};
+
+extern _Atomic int tv_lease_on TV_HIDDEN;
+extern struct tv_lease_slot tv_lease[TV_MAX_SLOTS] TV_HIDDEN;
+
+void tv_lease_init(const char *limits_file, uint32_t limits_flags) TV_HIDDEN; /* at start-up */
+void tv_lease_attach(void) TV_HIDDEN;           /* at CUDA start-up: connect (the attestation) */
+void tv_lease_wait(uint64_t ns) TV_HIDDEN; /* the poll thread's sleep: recalls, reconnects */
+void tv_lease_after_fork_child(void) TV_HIDDEN; /* the child holds nothing */
+int tv_lease_take_slow(int d, uint64_t bytes) TV_HIDDEN;
+void tv_lease_trim(int d) TV_HIDDEN;
+
+/* 0: `bytes` charged against this process's lease on slot d (0 <= d < TV_MAX_SLOTS); -1: the
+ * agent would not lease them. Devices without a memory limit need no lease. */
+static inline int tv_lease_take(int d, uint64_t bytes, uint64_t limit)
+{
+    if (tv_likely(!atomic_load_explicit(&tv_lease_on, memory_order_relaxed)) || !limit) return 0;
+    struct tv_lease_slot *l = &tv_lease[d];
+    uint64_t a = atomic_load_explicit(&l->avail, memory_order_relaxed);
+    while (a >= bytes)
+        if (atomic_compare_exchange_weak_explicit(&l->avail, &a, a - bytes, memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return 0;
+    return tv_lease_take_slow(d, bytes);
+}
+
+/* Bytes charged against the lease are free again (never more than is leased). */
+static inline void tv_lease_give(int d, uint64_t bytes)
+{
+    if (tv_likely(!atomic_load_explicit(&tv_lease_on, memory_order_relaxed))) return;
+    struct tv_lease_slot *l = &tv_lease[d];
+    uint64_t a = atomic_load_explicit(&l->avail, memory_order_relaxed), n;
+    do {
+        uint64_t held = atomic_load_explicit(&l->leased, memory_order_relaxed);
+        n = a + bytes;
+        if (n > held || n < a) n = held;
+    } while (!atomic_compare_exchange_weak_explicit(&l->avail, &a, n, memory_order_relaxed,
+                                                    memory_order_relaxed));
+    if (tv_unlikely(n > 2 * TSR_LEASE_CHUNK)) tv_lease_trim(d);
+}
+
+#endif

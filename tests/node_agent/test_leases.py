@@ -1,0 +1,200 @@
+"""The lease service (services/node-agent/leases.py) over its real unix socket: the container's
+account lives here, so what a process may charge is what this service leased it, never more than
+the sealed limit in total; a dead connection's leases come back; other holders are recalled."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from tessera.node_agent.containers import ContainerStore, PreparedContainer
+from tessera.node_agent.leases import (
+    ContainerLeases,
+    LeaseBook,
+    LeaseService,
+    ProtocolError,
+    parse_line,
+)
+
+from tessera.region import LEASE_SOCKET_NAME, ContainerLimits, DeviceLimit, seal_limits
+
+MiB = 1 << 20
+GPU = "GPU-aaaa"
+LIMIT = 1024 * MiB
+
+
+def test_book_never_grants_past_the_limit() -> None:
+    book = LeaseBook()
+    assert book.acquire(1, GPU, 600 * MiB, 640 * MiB, LIMIT) == 640 * MiB
+    assert book.acquire(2, GPU, 400 * MiB, 448 * MiB, LIMIT) == 0
+    # only 384 MiB are left: a want above is clipped, a need above is refused
+    assert book.acquire(2, GPU, 100 * MiB, 512 * MiB, LIMIT) == 384 * MiB
+    assert book.acquire(3, GPU, 1, 1, LIMIT) == 0
+    book.release(1, GPU, 10 * MiB)
+    assert book.total(GPU) == LIMIT - 10 * MiB
+    book.release(1, GPU, 1 << 62)  # more than held: nothing negative
+    assert book.total(GPU) == 384 * MiB
+    book.declare(4, GPU, 2048 * MiB)  # already allocated (agent restart): recorded
+    assert book.acquire(5, GPU, 1, 1, LIMIT) == 0
+    assert book.acquire(1, "GPU-other", 1, 1, 0) == 0  # not the container's GPU
+
+
+@pytest.mark.parametrize("line", [
+    b"X GPU 1\n", b"D 1\n", b"A GPU 1\n", b"A GPU -1 2\n", b"R GPU 1 2\n",
+    b"A GPU 1 99999999999999999999\n", b"\xff\n", b"\n",
+])  # fmt: skip
+def test_malformed_requests_are_refused(line: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_line(line)
+
+
+class Client:
+    """What libvgpu does on the socket, spoken by hand."""
+
+    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.r, self.w = r, w
+
+    @classmethod
+    async def connect(cls, path: Path) -> Client:
+        r, w = await asyncio.open_unix_connection(str(path))
+        return cls(r, w)
+
+    async def ask(self, need: int, want: int, uuid: str = GPU) -> int:
+        self.w.write(f"A {uuid} {need} {want}\n".encode())
+        await self.w.drain()
+        while True:
+            line = await asyncio.wait_for(self.r.readline(), 10)
+            if line.startswith(b"G "):
+                return int(line[2:])
+            if line == b"N\n":
+                return 0
+            assert line == b"C\n", line
+
+    async def give(self, n: int, uuid: str = GPU) -> None:
+        self.w.write(f"R {uuid} {n}\n".encode())
+        await self.w.drain()
+
+    async def close(self) -> None:
+        self.w.close()
+        await self.w.wait_closed()
+
+
+async def until(cond, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _served(tmp_path: Path, limit: int = LIMIT) -> tuple[ContainerStore, LeaseService, Path]:
+    store = ContainerStore(tmp_path / "regions" / ("x" * 60))  # a host path too long to bind
+    cdir = store.prepare(PreparedContainer(
+        pod_uid="0b6a7c3e-2f1d-4e5a-9b8c-7d6e5f4a3b2c", namespace="ns", pod="p",
+        container="c" * 40, index=0, device_ids=["GPU-aaaa::0"], grants=[],
+    ))  # fmt: skip
+    seal_limits(cdir.limits_dir, ContainerLimits(devices=(DeviceLimit(GPU, limit),), lease=True))
+    return store, LeaseService(store.all), cdir.limits_dir / LEASE_SOCKET_NAME
+
+
+async def test_leases_over_the_socket(tmp_path: Path) -> None:
+    _store, service, sock = _served(tmp_path)
+    await service.sync()
+    assert len(str(sock)) > 108 and sock.is_socket()
+    assert oct(sock.stat().st_mode & 0o777) == "0o666"
+    (leases,) = service.served.values()
+    # the socket cannot be reached by its long host path; a short link to its directory can
+    link = tmp_path / "l"
+    link.symlink_to(sock.parent)
+    a = await Client.connect(link / LEASE_SOCKET_NAME)
+    b = await Client.connect(link / LEASE_SOCKET_NAME)
+    await until(lambda: len(leases.peers) == 2)
+    assert service.attested() == {os.getpid(): leases.pod_uid}  # SO_PEERCRED: this process
+    assert await a.ask(600 * MiB, 640 * MiB) == 640 * MiB
+    assert await b.ask(385 * MiB, 448 * MiB) == 0  # 384 MiB left; a holds no unused lease
+    assert await b.ask(384 * MiB, 448 * MiB) == 384 * MiB
+    assert leases.leased(GPU) == LIMIT
+    assert await b.ask(1, 1, uuid="GPU-not-mine") == 0
+    # a dies: its leases come back at once
+    await a.close()
+    await until(lambda: leases.leased(GPU) == 384 * MiB)
+    c = await Client.connect(link / LEASE_SOCKET_NAME)
+    assert await c.ask(640 * MiB, 700 * MiB) == 640 * MiB
+    await b.close()
+    await c.close()
+    await service.close()
+    assert not sock.exists()
+
+
+async def test_a_refused_request_recalls_unused_leases(tmp_path: Path) -> None:
+    _store, service, sock = _served(tmp_path)
+    await service.sync()
+    (leases,) = service.served.values()
+    path = tmp_path / "l"
+    path.symlink_to(sock.parent)
+    holder = await Client.connect(path / LEASE_SOCKET_NAME)
+    assert await holder.ask(512 * MiB, LIMIT) == LIMIT  # holds all, uses half
+
+    async def answer_recall() -> None:  # libvgpu's poll thread: give back what it does not use
+        line = await asyncio.wait_for(holder.r.readline(), 10)
+        assert line == b"C\n"
+        await holder.give(512 * MiB)
+        holder.w.write(b"D\n")
+
+    recall = asyncio.create_task(answer_recall())
+    other = await Client.connect(path / LEASE_SOCKET_NAME)
+    assert await other.ask(500 * MiB, 512 * MiB) == 512 * MiB
+    await recall
+    assert leases.leased(GPU) == LIMIT
+    # the holder answers having nothing to give: refused at once, never above the limit
+    async def answer_empty() -> None:
+        assert await asyncio.wait_for(holder.r.readline(), 10) == b"C\n"
+        holder.w.write(b"D\n")
+
+    empty = asyncio.create_task(answer_empty())
+    t0 = asyncio.get_running_loop().time()
+    assert await other.ask(1, 1) == 0
+    await empty
+    assert asyncio.get_running_loop().time() - t0 < 0.4  # not the whole recall wait
+    assert leases.leased(GPU) == LIMIT
+    # a holder that never answers: refused after the recall's wait
+    assert await other.ask(1, 1) == 0
+    assert leases.leased(GPU) == LIMIT
+    await holder.close()
+    await other.close()
+    await service.close()
+
+
+async def test_bad_input_closes_only_that_connection(tmp_path: Path) -> None:
+    _store, service, sock = _served(tmp_path)
+    await service.sync()
+    (leases,) = service.served.values()
+    path = tmp_path / "l"
+    path.symlink_to(sock.parent)
+    good = await Client.connect(path / LEASE_SOCKET_NAME)
+    assert await good.ask(64 * MiB, 64 * MiB) == 64 * MiB
+    bad = await Client.connect(path / LEASE_SOCKET_NAME)
+    assert await bad.ask(64 * MiB, 64 * MiB) == 64 * MiB
+    bad.w.write(b"A " + b"x" * 4096 + b"\n")
+    await bad.w.drain()
+    assert await asyncio.wait_for(bad.r.read(), 10) == b""  # closed
+    await until(lambda: leases.leased(GPU) == 64 * MiB)
+    assert await good.ask(64 * MiB, 64 * MiB) == 64 * MiB
+    await good.close()
+    await service.close()
+
+
+async def test_limits_follow_the_sealed_file(tmp_path: Path) -> None:
+    store, service, _sock = _served(tmp_path)
+    await service.sync()
+    (cdir,) = store.all()
+    leases: ContainerLeases = service.for_key(cdir.key)
+    assert leases.limit(GPU) == LIMIT
+    seal_limits(cdir.limits_dir, ContainerLimits(devices=(DeviceLimit(GPU, 2 * LIMIT),),
+                                                 lease=True))  # fmt: skip
+    assert leases.limit(GPU) == 2 * LIMIT
+    store.remove_container(cdir)
+    await service.sync()
+    assert service.served == {}
