@@ -8,7 +8,8 @@
 #   scripts/compose.sh down    stop it and remove its containers, network and volumes
 #   scripts/compose.sh ps|logs|...   any other compose command, e.g. `logs scheduler`
 #
-# COMPOSE_PROJECT (default tessera) names the stack; COMPOSE_FILES adds override files.
+# COMPOSE_PROJECT (default tessera) names the stack; COMPOSE_FILES adds override files;
+# COMPOSE_KUBECONFIG is the kubeconfig that reaches it (default: kubeconfig-compose.yaml).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -26,7 +27,9 @@ for extra in ${COMPOSE_FILES:-}; do files+=(-f "$extra"); done
 compose() { "$COMPOSE" "${files[@]}" --project-directory "$ROOT" -p "$PROJECT" "$@"; }
 
 kubeconfig() {
-    # firsthour's move put it at the repository root; older trees keep it in examples/.
+    # COMPOSE_KUBECONFIG: a stack published elsewhere (tests/compose: a free port).
+    [ -n "${COMPOSE_KUBECONFIG:-}" ] && { echo "$COMPOSE_KUBECONFIG"; return; }
+    # The repository root's (moved there from examples/, where older trees keep it).
     for path in "$ROOT/kubeconfig-compose.yaml" "$ROOT/examples/kubeconfig-compose.yaml"; do
         [ -f "$path" ] && { echo "$path"; return; }
     done
@@ -39,8 +42,14 @@ case "${1:-}" in
         shift
         # --no-build, --pull never: the stack runs the image `make image` built; no registry.
         compose up -d --no-build --pull never "$@"
-        echo "compose: waiting for kube-sim and both nodes' GPUs"
+        echo "compose: waiting for kube-sim, both nodes' GPUs and every healthcheck"
         "$PYTHON" "$ROOT/scripts/compose_wait.py" --kubeconfig "$(kubeconfig)" --nodes 2 --timeout 180
+        for _ in $(seq 180); do
+            waiting="$(compose ps --format '{{.Service}} {{.Health}}' | grep -E ' (starting|unhealthy)$' || true)"
+            [ -z "$waiting" ] && break
+            sleep 1
+        done
+        [ -z "$waiting" ] || { echo "compose: not healthy after 180 s: $waiting" >&2; exit 1; }
         echo "compose: up. Try:"
         echo "  .venv/bin/tessera apply -f examples/01-three-pods-share-a-gpu.yaml --kubeconfig $(kubeconfig)"
         echo "  .venv/bin/tessera get pods -A --kubeconfig $(kubeconfig)"
