@@ -1,9 +1,9 @@
-"""The image, built once per session for the tests that run it (tests/compose/engine.py)."""
+"""The image, built once per session for the tests that run it (tests/compose/container_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
-from engine import IMAGE, build_image, engine_or_skip
+from container_engine import IMAGE, build_image, engine_or_skip
 
 
 @pytest.fixture(scope="session")

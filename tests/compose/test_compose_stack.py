@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from engine import ROOT, podman
+from container_engine import ROOT, podman
 
 from tessera_cli.nats_embedded import free_port
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from engine import ROOT, podman
+from container_engine import ROOT, podman
 
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 NODE_AGENT = yaml.safe_load((ROOT / "charts/tessera-node-agent/values.yaml").read_text())
