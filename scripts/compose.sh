@@ -19,6 +19,7 @@ PROJECT="${COMPOSE_PROJECT:-tessera}"
 if [ -z "${DOCKER_HOST:-}" ]; then
     "$ROOT/scripts/container-engine.sh" service
     export DOCKER_HOST=unix:///run/podman/podman.sock
+    ENGINE_STARTED=1
 fi
 # The ELF, not the `docker-compose` wrapper of the pip package (that one always exits 0).
 COMPOSE="$("$PYTHON" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')"
@@ -45,6 +46,8 @@ case "${1:-}" in
         echo "compose: waiting for kube-sim, both nodes' GPUs and every healthcheck"
         "$PYTHON" "$ROOT/scripts/compose_wait.py" --kubeconfig "$(kubeconfig)" --nodes 2 --timeout 180
         for _ in $(seq 180); do
+            # (again each time: a runner that had just gone idle may have ended meanwhile)
+            [ -n "${ENGINE_STARTED:-}" ] && "$ROOT/scripts/container-engine.sh" healthcheck-runner
             waiting="$(compose ps --format '{{.Service}} {{.Health}}' | grep -E ' (starting|unhealthy)$' || true)"
             [ -z "$waiting" ] && break
             sleep 1

@@ -134,14 +134,20 @@ start_service() {
 # runs it, the container stays "starting" and compose's `condition: service_healthy` never
 # holds. This loop is that timer: every 2 s, `podman healthcheck run` on each running container
 # that has a healthcheck (it records the result as the timer's run would).
+# It ends after a minute with no such container (`service` starts it again when needed), so it
+# costs nothing once a stack is down.
 run_healthchecks() {
-    while true; do
-        for id in $(podman ps -q --filter health=starting --filter health=healthy \
-                --filter health=unhealthy 2>/dev/null); do
+    idle=0
+    while [ "$idle" -lt 30 ]; do
+        ids=$(podman ps -q --filter health=starting --filter health=healthy \
+            --filter health=unhealthy 2>/dev/null || true)
+        if [ -z "$ids" ]; then idle=$((idle + 1)); else idle=0; fi
+        for id in $ids; do
             podman healthcheck run "$id" >/dev/null 2>&1 || true
         done
         sleep 2
     done
+    rm -f "$RUN_DIR/healthchecks.pid"
 }
 
 start_healthchecks() {
@@ -187,8 +193,9 @@ case "${1:-setup}" in
     setup) require_root_and_apt; install_packages; configure ;;
     service) require_root_and_apt; install_packages; configure; start_service; start_healthchecks ;;
     healthchecks) run_healthchecks ;;
+    healthcheck-runner) mkdir -p "$RUN_DIR"; start_healthchecks >/dev/null ;;
     stop) stop_service ;;
     check) check ;;
     ulimits) wanted_ulimits ;;
-    *) echo "usage: $0 [setup|service|stop|check|ulimits|healthchecks]" >&2; exit 2 ;;
+    *) echo "usage: $0 [setup|service|stop|check|ulimits|healthchecks|healthcheck-runner]" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""The image, built once per session for the tests that run it (tests/compose/container_engine.py)."""
+"""The image, built once per session for the tests that run it (container_engine.py)."""
 
 from __future__ import annotations
 
