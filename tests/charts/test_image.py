@@ -221,24 +221,86 @@ def test_the_image_ships_libvgpu_where_the_node_agent_chart_installs_it_from(
     assert agents and all(a["environment"]["TESSERA_LIBVGPU_HOST_PATH"] == source for a in agents)
 
 
-def test_make_image_says_when_there_is_no_builder(tmp_path: Path) -> None:
+# --- make image's choices (scripts/build-image.sh), with stand-in builders -----------------------
+
+# What the script needs on PATH besides a builder; no apt-get, so it never sets up podman here.
+TOOLS = ("make", "sh", "bash", "sed", "head", "dirname", "id", "cat", "grep", "rm", "mktemp")
+# A stand-in builder: logs its arguments; knows the images listed in $FAKE_IMAGES (a build adds
+# its tag); `info` (is the daemon there?) and `pull` answer as $FAKE_INFO / $FAKE_PULL say.
+FAKE_BUILDER = """#!/bin/sh
+echo "${0##*/} $*" >> "$FAKE_LOG"
+for last; do :; done
+case "$1" in
+    info) exit "${FAKE_INFO:-0}" ;;
+    pull) exit "${FAKE_PULL:-1}" ;;
+    image) grep -qxF "$last" "$FAKE_IMAGES" && echo 123 ;;
+    build|bud) while [ "$#" -gt 0 ]; do [ "$1" = -t ] && echo "$2" >> "$FAKE_IMAGES"; shift; done ;;
+esac
+"""
+
+
+def run_make_image(tmp_path: Path, builders: list[str], images: list[str],
+                   **env: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     make = shutil.which("make")
     if make is None:
         pytest.skip("make is not installed")
-    # A PATH with make's own directory only: no docker, podman or buildah on it.
     bare = tmp_path / "bin"
     bare.mkdir()
-    for tool in ("make", "sh", "sed", "head"):
+    for tool in TOOLS:
         found = shutil.which(tool)
         if found:
             (bare / tool).symlink_to(found)
-    result = subprocess.run([make, "-s", "image"], cwd=ROOT, capture_output=True, text=True,
-                            env={"PATH": str(bare)}, timeout=60)
+    for builder in builders:
+        (bare / builder).write_text(FAKE_BUILDER)
+        (bare / builder).chmod(0o755)
+    log, known = tmp_path / "log", tmp_path / "images"
+    log.touch()
+    known.write_text("".join(f"{image}\n" for image in images))
+    result = subprocess.run(
+        [make, "-s", "image", *(f"{k}={v}" for k, v in env.items() if k.isupper())],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={"PATH": str(bare), "FAKE_LOG": str(log), "FAKE_IMAGES": str(known),
+             **{k: v for k, v in env.items() if not k.isupper()}},
+    )
+    return result, log.read_text().splitlines()
+
+
+def test_make_image_says_when_there_is_no_builder(tmp_path: Path) -> None:
+    result, _ = run_make_image(tmp_path, [], [])
     assert result.returncode != 0
     assert "no OCI image builder found (install docker, podman or buildah" in result.stderr
-    dry = subprocess.run([make, "-n", "image", "BUILDER=podman", "IMAGE=example/tessera:t"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert "podman build -f Dockerfile -t example/tessera:t ." in dry.stdout
-    default = subprocess.run([make, "-n", "image", "BUILDER=buildah"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
-    assert f"buildah bud --layers -f Dockerfile -t {REPOSITORY}:{VERSION} ." in default.stdout
+
+
+def test_a_docker_client_without_its_daemon_is_no_builder(tmp_path: Path) -> None:
+    result, calls = run_make_image(tmp_path, ["docker"], [], FAKE_INFO="1")
+    assert result.returncode != 0
+    assert "no OCI image builder found" in result.stderr
+    assert calls == ["docker info"]
+
+
+def test_where_the_base_can_be_had_the_dockerfile_builds_on_it_unchanged(tmp_path: Path) -> None:
+    result, calls = run_make_image(tmp_path, ["docker"], [], IMAGE="example/tessera:t",
+                                   FAKE_PULL="0")
+    assert result.returncode == 0, result.stderr
+    (build,) = [c for c in calls if c.startswith("docker build")]
+    assert build == f"docker build -f Dockerfile -t example/tessera:t {ROOT}"
+    assert "docker pull -q python:3.11-slim-bookworm" in calls
+
+
+def test_where_the_base_cannot_be_pulled_the_debian_base_is_passed(tmp_path: Path) -> None:
+    base = "localhost/tessera-python-base:3.11-bookworm"
+    result, calls = run_make_image(tmp_path, ["podman"], [base], BUILDER="podman")
+    assert result.returncode == 0, result.stderr
+    assert "cannot be pulled: using localhost/tessera-python-base" in result.stdout
+    assert f"{base} present (kept from an earlier build)" in result.stdout
+    (build,) = [c for c in calls if c.startswith("podman build")]
+    assert f"--build-arg PYTHON_IMAGE={base} -f Dockerfile -t {REPOSITORY}:{VERSION}" in build
+    # podman's builder is given limits it can set without CAP_SYS_RESOURCE.
+    assert re.search(r"--ulimit nofile=\d+:\d+ --ulimit nproc=\d+:\d+", build)
+
+
+def test_buildah_builds_with_layers(tmp_path: Path) -> None:
+    result, calls = run_make_image(tmp_path, ["buildah"], [])
+    assert result.returncode == 0, result.stderr
+    assert calls[-2:] == [f"buildah bud --layers -f Dockerfile -t {REPOSITORY}:{VERSION} {ROOT}",
+                          f"buildah image inspect --format {{{{.Size}}}} {REPOSITORY}:{VERSION}"]

