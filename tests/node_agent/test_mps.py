@@ -279,8 +279,14 @@ async def test_pods_of_different_sizes_on_one_card_each_get_their_own_server_lim
                 return "set_default_device_pinned_mem_limit 0 3000M" in commands(pipe_of(big))
 
             await until(lowered)
-            clients.append(subprocess.Popen(["sleep", "60"]))
-            assert attach(pipe_of(big), clients[-1].pid) == f"{3000 << 20} 30.0"
+
+            # The fake logs a command as it receives it, before the agent's last command of the
+            # change is handled: a client that connects once the change is through gets 3000.
+            async def new_client_gets_lowered_limit():
+                clients.append(subprocess.Popen(["sleep", "60"]))
+                return attach(pipe_of(big), clients[-1].pid) == f"{3000 << 20} 30.0"
+
+            await until(new_client_gets_lowered_limit)
     finally:
         for c in clients:
             c.kill()
