@@ -322,7 +322,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _kv_watch(bus.QUOTA_CHARGES_BUCKET),
             _kv_write(bus.QUOTA_CHARGES_BUCKET),
             _kv_watch(bus.LEDGER_BUCKET),
-            _rejections(["event"]),
+            _rejections(["event", "command"]),
             _events_durable(bus.QUOTA_RELEASED_CONSUMER),
             _publish_events(
                 "quota events",
@@ -375,7 +375,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                                                                     MpsAction)],
             ),
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
-            _rejections(["ledger", "limits"]),
+            _rejections(["ledger", "limits", "command"]),
             Rule("its own usage samples", publish=(bus.usage_subject(node),)),
             _micro(bus.NODE_SERVICE, [bus.node_limits_subject(node),
                                       bus.node_config_set_subject(node),
@@ -422,7 +422,9 @@ def permissions(role: str, node: str | None = None) -> Permissions:
     user = user_name(role, node)
     rules, allow_responses = _rules(role, node)
     rules = [*rules, _inbox(user)]
-    if role in (*SERVICE_ROLES, NODE_AGENT):  # tessera.service.serve keeps a ServerClock
+    # tessera.service.serve keeps a ServerClock; the admin's CLI stamps its signed commands'
+    # expiry on the same clock (tessera_cli/signed.py).
+    if role in (*SERVICE_ROLES, NODE_AGENT, ADMIN):
         rules.append(_server_clock())
     deny = _service_durable_deny() if role in (ADMIN, EVENTS_READER) else ()
     return Permissions(

@@ -18,6 +18,8 @@ from tessera.codec import CodecError, decode, encode
 from tessera.models import NodeConfigSetRequest, NodeConfigStatus
 from tessera.settings import NatsSettings, TesseraSettings
 
+from .signed import signed_request
+
 
 def _entry(
     split_count: int | None, memory_scaling: float | None, core_scaling: float | None,
@@ -97,7 +99,7 @@ async def _request(subject: str, payload: bytes, node: str) -> NodeConfigStatus:
     settings = TesseraSettings()
     nc = await connect(NatsSettings(), name="tessera-cli-node-config", initial_attempts=3)
     try:
-        msg = await nc.request(subject, payload, timeout=max(5.0, settings.request_timeout_s))
+        msg = await signed_request(nc, subject, payload, max(5.0, settings.request_timeout_s))
     except Exception as exc:
         return NodeConfigStatus(ok=False, node=node, reason=f"node {node} did not answer: {exc}")
     finally:

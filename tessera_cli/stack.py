@@ -232,6 +232,8 @@ class LocalStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
         self._ensure_certificates()
+        if self.auth is not None:  # each identity signs its commands with its own key
+            self.auth.write_keys(self.state_dir / "command-keys")
         if self.nats_url is None and self.nats_cluster_size >= 2:
             self._start_nats_cluster()
             if self.auth is not None:
