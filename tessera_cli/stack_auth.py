@@ -68,6 +68,11 @@ class StackAuth:
         (directory / "trust.json").write_text(signing.trust_text(self.keys))
         self.keys_dir = directory
 
+    def signer(self, role: str = bp.ADMIN, node: str | None = None) -> signing.Signer:
+        """How a test signs commands as `role` (the services read their keys from files)."""
+        user = bp.user_name(role, node)
+        return signing.Signer(user, self.keys.get(user))
+
     def command_env(self, user: str) -> dict[str, str]:
         """TESSERA_COMMAND_KEY_FILE / _TRUST_FILE of an identity (empty before write_keys)."""
         if self.keys_dir is None or user not in self.keys:

@@ -42,6 +42,8 @@ from tessera.models import (
     QuotaRequest,
     QuotaSetRequest,
     QuotaStatusRequest,
+    RemoteError,
+    decode_reply,
 )
 from tessera.settings import TesseraSettings
 
@@ -345,3 +347,49 @@ async def test_relay_and_replay_change_nothing_and_are_reported(world, role, nod
         await relay(w, role, node, captured)
         await wait_for_refusal(w, "jetstream_delivery", before, captured.headers[signing.SENDER])
         assert await w.observe() == settled, f"{endpoint}: a relay by {role} changed state"
+
+
+# --- a namespace cannot be locked out (issue 34, finding 3) ----------------------------------
+
+
+def refusal_of(raw: bytes) -> str:
+    try:
+        reply = decode_reply(raw, QuotaReply)
+    except RemoteError as error:
+        return error.reason
+    return f"not refused: {reply.reason}"
+
+
+async def test_no_credential_but_the_schedulers_holds_quota_for_a_made_up_pod(world) -> None:
+    w = world
+    await _ok(w, bp.ADMIN, bus.QUOTA_SET, QuotaSetRequest(
+        namespace=w.namespace, limits=QuotaAmount(memory_mib=8000)), QuotaReply)
+    phantom = QuotaRequest(namespace=w.namespace, pod_uid=str(uuid.uuid4()), name="phantom",
+                           memory_mib=8000, cores=0, gpus=1)  # fmt: skip
+    elsewhere = _reserve(w, 8000)  # the real pod, bound to node-b
+    attempts = [
+        (bp.NODE_AGENT, "node-a", phantom, "does not exist"),
+        (bp.NODE_AGENT, "node-a", elsewhere, "not on node-a"),
+        (bp.NODE_AGENT, VICTIM_NODE, phantom, "does not exist"),
+        (bp.ADMISSION, None, phantom, "may not hold quota"),
+        (bp.SCHEDULER, None, phantom, "does not exist"),
+    ]
+    for role, node, body, why in attempts:
+        before = len(w.refusals())
+        _, raw = await w.send(role, bus.QUOTA_RESERVE, body, node)
+        assert why in refusal_of(raw), (role, node, refusal_of(raw))
+        sender = bp.user_name(role, node)
+        await wait_for_refusal(w, "not_allowed", before, sender)
+    # Unsigned, in the scheduler's name: refused too.
+    nc = await w.client(bp.SCHEDULER)
+    raw = (await nc.request(bus.QUOTA_RESERVE, encode(phantom), timeout=10)).data
+    assert "command refused (unsigned)" in refusal_of(raw)
+    status = decode((await (await w.client(bp.ADMIN)).request(
+        bus.QUOTA_STATUS, encode(QuotaStatusRequest(namespace=w.namespace)), timeout=10,
+    )).data, QuotaReply)  # fmt: skip
+    assert status.states[0].charges == {}
+    # Admission may still ask; the real pod still gets its quota (from its own node's agent too).
+    check = phantom.model_copy(update={"check_only": True})
+    assert decode((await w.send(bp.ADMISSION, bus.QUOTA_RESERVE, check))[1], QuotaReply).ok
+    await _ok(w, bp.NODE_AGENT, bus.QUOTA_RESERVE, _reserve(w, 6000), QuotaReply, VICTIM_NODE)
+    await _ok(w, bp.SCHEDULER, bus.QUOTA_RESERVE, _reserve(w, 6000), QuotaReply)
