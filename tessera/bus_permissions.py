@@ -506,6 +506,43 @@ def _conf_value(value: object, indent: int) -> str:
     return json.dumps(value)
 
 
+def consumer_streams(perms: Permissions) -> list[str]:
+    """The streams this identity may create consumers on (any kind: nats-server does not check
+    what a consumer's config asks, its deliver subject included)."""
+    out = []
+    for subject in perms.publish:
+        for prefix in (f"{JS_API}.CONSUMER.CREATE.", f"{JS_API}.CONSUMER.DURABLE.CREATE."):
+            if subject.startswith(prefix):
+                out.append(subject[len(prefix):].split(".", 1)[0])
+    return _unique(out)
+
+
+def stored_streams(perms: Permissions) -> list[str]:
+    """The streams this identity may put a message of its own into (a KV key, an event, the
+    clock): what it could have a consumer deliver somewhere."""
+    out = []
+    for subject in perms.publish:
+        if subject.startswith("$KV."):
+            out.append(kv_stream(subject.split(".")[1]))
+        elif subject.startswith(f"{bus.EVENTS_PREFIX}."):
+            out.append(bus.EVENTS_STREAM)
+        elif subject.startswith(f"{bus.CLOCK_PREFIX}."):
+            out.append(bus.CLOCK_STREAM)
+    return _unique(out)
+
+
+def relay_table() -> str:
+    """Per identity: where it may store messages and create consumers. A push consumer delivers
+    to whatever subject its creator names, so these are the parts of a relay; signed commands
+    (tessera.signing) are what refuses one."""
+    rows = ["| identity | may store messages in | may create consumers on |", "|---|---|---|"]
+    for perms in identities([_DOC_NODE]):
+        stored = "<br>".join(f"`{s}`" for s in stored_streams(perms)) or "-"
+        consumers = "<br>".join(f"`{s}`" for s in consumer_streams(perms)) or "-"
+        rows.append(f"| `{perms.user}` | {stored} | {consumers} |")
+    return ("\n".join(rows) + "\n").replace(_DOC_NODE, NODE_PLACEHOLDER)
+
+
 def markdown_table() -> str:
     """The permission table of docs/security.md: one row per role and purpose."""
     rows = [

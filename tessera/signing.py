@@ -279,3 +279,41 @@ class CommandGate:
             revision = int.from_bytes(os.urandom(6), "big")  # one event per refusal
             self.rejections.reject("command", subject, Problem(refused.code, detail[:480]),  # type: ignore[attr-defined]
                                    revision)
+
+
+# --- records a node agent signs on a pod ------------------------------------------------------
+
+# Beside `hami.io/vgpu-devices-allocated` when limits.set raised a grant above the pod's request:
+# "<node agent user>:<base64 signature over (pod uid, the annotation's value)>". Whoever may write
+# a pod's annotations or status cannot produce it; the node agent (its own key) and the scheduler
+# (the trust file) check it before a grant above the request is believed.
+RECORD_ANNOTATION = "tessera.io/grants-signature"
+_RECORD_SUBJECT = "tessera.io/vgpu-devices-allocated"
+
+
+def record_signature(signer: Signer, pod_uid: str, value: str) -> str | None:
+    """The annotation value signing `value` for pod `pod_uid` (None: the signer has no key)."""
+    if signer.key is None:
+        return None
+    signature = signer.key.sign(signed_bytes(_RECORD_SUBJECT, signer.user, pod_uid, "", value
+                                             .encode()))  # fmt: skip
+    return f"{signer.user}:{base64.b64encode(signature).decode()}"
+
+
+def record_verifies(
+    annotation: str | None, pod_uid: str, value: str, user: str,
+    keys: Mapping[str, Ed25519PublicKey],
+) -> bool:  # fmt: skip
+    """`annotation` is `user`'s signature of `value` for this pod, by a key in `keys`."""
+    if not annotation or ":" not in annotation:
+        return False
+    signer, _, text = annotation.partition(":")
+    key = keys.get(signer)
+    if signer != user or key is None:
+        return False
+    try:
+        key.verify(base64.b64decode(text, validate=True),
+                   signed_bytes(_RECORD_SUBJECT, signer, pod_uid, "", value.encode()))
+    except (InvalidSignature, ValueError):
+        return False
+    return True

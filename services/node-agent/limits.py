@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from tessera.node_agent.containers import ContainerDir, ContainerStore
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus, hami
+from tessera import bus, hami, signing
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
 from tessera.command_policy import authorize_node
@@ -236,12 +236,14 @@ class LimitsService:
         agent checks a restarted container's grant against it)."""
         if self.cluster is None:
             return
+        value = hami.encode_pod_devices(allocation.containers)
         try:
             await self.cluster.patch_pod_metadata(
                 allocation.namespace, allocation.name,
-                annotations={hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(
-                    allocation.containers
-                )},
+                annotations={hami.ANN_DEVICES_ALLOCATED: value,
+                             # the agent trusts a grant above the request only with this
+                             signing.RECORD_ANNOTATION: signing.record_signature(
+                                 self.signer, allocation.pod_uid, value)},
             )  # fmt: skip
         except ClusterError as exc:
             self.log.warning("pod annotation not updated after limits.set",
