@@ -585,6 +585,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     keys = await self._recordable(current, grant_keys)
                     devices = hami.encode_pod_devices(current.containers)
                     values |= dict.fromkeys(keys, devices)
+                    if hami.ANN_DEVICES_ALLOCATED in keys:  # what this agent allocated, signed
+                        values[signing.RECORD_ANNOTATION] = signing.record_signature(
+                            self._record_signer, current.pod_uid, devices)
                     if mig := hami.encode_mig_instances(current.containers):
                         values[hami.ANN_MIG_INSTANCES] = mig  # with the instances' UUIDs
                 await self.cluster.patch_pod_metadata(

@@ -16,7 +16,7 @@ import pytest
 from tessera import hami, signing
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "node_agent"))
-from node_agent_rig import grants, running_rig  # noqa: E402
+from node_agent_rig import grants, running_rig
 
 
 @pytest.fixture
