@@ -426,7 +426,14 @@ def test_webhook_fails_closed_and_excludes_only_system_namespaces(charts_dir: Pa
             "apiVersions": ["v1"],
             "resources": ["pods"],
             "scope": "Namespaced",
-        }
+        },
+        {  # issue 34: a pods/status writer may not forge the allocation's record either
+            "operations": ["UPDATE"],
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods/status", "pods/ephemeralcontainers", "pods/resize"],
+            "scope": "Namespaced",
+        },
     ]
     # Updates by this release's service accounts skip the webhook, and the webhook trusts the
     # same identities: a tenant's update may not touch the scheduler-owned annotations.
