@@ -437,7 +437,10 @@ def test_webhook_fails_closed_and_excludes_only_system_namespaces(charts_dir: Pa
     ]
     # Updates by this release's service accounts skip the webhook, and the webhook trusts the
     # same identities: a tenant's update may not touch the scheduler-owned annotations.
-    (condition,) = webhook["matchConditions"]
+    condition, status_updates = webhook["matchConditions"]
+    # pods/status updates (kubelet's, constant) reach the webhook only when annotations change.
+    assert status_updates["name"] == "subresource-updates-that-change-annotations"
+    assert "oldObject.metadata.annotations" in status_updates["expression"]
     prefix = f"system:serviceaccount:{NAMESPACE}:"
     assert condition["expression"] == (
         f"request.operation != 'UPDATE' || !request.userInfo.username.startsWith('{prefix}')"
