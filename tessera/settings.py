@@ -128,6 +128,10 @@ class TesseraSettings(BaseSettings):
         False, description="metrics: also publish HAMi's pre-hami_ names (GPUDeviceCoreLimit, "
         "HostCoreUtilization, ...) that older dashboards and HAMi's WebUI read",
     )
+    metrics_auth_token_file: str | None = Field(
+        None, description="metrics: a file holding a token every request but /healthz and "
+        "/readyz must present (Authorization: Bearer <token>, or Basic with it as password)",
+    )
 
     # Admission webhook.
     tls_cert: str | None = Field(None, description="webhook TLS certificate (PEM), reloaded")

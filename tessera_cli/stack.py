@@ -161,7 +161,8 @@ def default_services(
                 "TESSERA_TLS_KEY": str(certs / "tls.key"),
             },
         ),
-        ServiceSpec("metrics", "tessera.metrics", {"TESSERA_LISTEN": f"0.0.0.0:{ports.metrics}"}),
+        # Loopback: the dashboard and /metrics are for this machine (docs/security.md 4.5).
+        ServiceSpec("metrics", "tessera.metrics", {"TESSERA_LISTEN": f"127.0.0.1:{ports.metrics}"}),
     ]
     for node in nodes:
         specs.append(
