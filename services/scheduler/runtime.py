@@ -108,6 +108,7 @@ class SchedulerService:
         )  # fmt: skip
         self.gate = PodGate(cluster)
         self.scheduler.pod_filter.pod_check = self.gate.check_identity
+        self.scheduler.pod_filter.node_check = self.gate.placement_problem
         self.nodes_synced = asyncio.Event()
         self.ledger_synced = asyncio.Event()  # set after the sync *and* the rebuild from pods
         # The pod watch has replayed its first listing (it starts once ready: _watch_pods).
