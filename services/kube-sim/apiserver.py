@@ -25,12 +25,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import jsonpatch
-import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tessera.kube_sim import discovery, schema, strategic_merge, tables, validation
+from tessera.kube_sim import bodies, discovery, schema, strategic_merge, tables, validation
 from tessera.kube_sim.objects import (
     WORKLOADS,
     job_selector,
@@ -337,7 +336,7 @@ class ApiServer:
         if len(raw) > MAX_BODY_BYTES:
             raise StoreError(413, "RequestEntityTooLarge", "request entity too large")
         try:
-            return json.loads(raw) if raw else None
+            return bodies.parse_json(raw) if raw else None
         except ValueError as exc:
             raise StoreError(400, "BadRequest", f"invalid JSON body: {exc}") from exc
 
@@ -715,11 +714,7 @@ class ApiServer:
         """Server-side apply (`kubectl apply --server-side`), simplified: the applied
         configuration is created, or merged into the object as a strategic merge patch (no
         field ownership tracking)."""
-        raw = await request.body()
-        try:
-            applied = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError as exc:
-            raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        applied = await bodies.parse_yaml(await request.body())  # 413, depth, aliases, thread
         if not isinstance(applied, dict):
             raise StoreError(400, "BadRequest", "the body must be an object")
         field_warnings(request, kind, applied)
