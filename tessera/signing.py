@@ -258,7 +258,7 @@ class CommandGate:
         self.rejections = rejections  # tessera.validation.Rejections (None: log only)
         self.service = service
         # The latest refusals: (subject, code, claimed sender).
-        self.recent: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=256)
+        self.recent: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=4096)
 
     def verify(self, msg: object) -> str:
         """The sender of a nats Msg (or micro Request's `_msg`); raises CommandRefused."""

@@ -128,10 +128,17 @@ class World:
         return (state.limits.memory_mib, charge.memory_mib if charge else None,
                 grant.memory_mib, dict(config.local))  # fmt: skip
 
-    def refusals(self) -> list[tuple[str, str, str]]:
+    def gates(self) -> list:
         agent = self.rig.agent  # type: ignore[attr-defined]
-        return [*self.quota.commands.recent, *agent.limits.commands.recent,
-                *agent.configurator.commands.recent]
+        return [self.quota.commands, agent.limits.commands, agent.configurator.commands]
+
+    def mark(self) -> list[int]:
+        """How many refusals each receiver has reported so far (their lists stay short)."""
+        return [len(g.recent) for g in self.gates()]
+
+    def refusals(self, since: list[int] | None = None) -> list[tuple[str, str, str]]:
+        since = since or [0] * len(self.gates())
+        return [r for g, n in zip(self.gates(), since, strict=True) for r in list(g.recent)[n:]]
 
 
 def write_keys(auth: object, directory: Path) -> None:
@@ -319,17 +326,17 @@ async def relay(w: World, role: str, node: str | None, captured: Captured) -> No
     ))  # fmt: skip
 
 
-async def wait_for_refusal(w: World, code: str, before: int,
+async def wait_for_refusal(w: World, code: str, before: list[int],
                            sender: str) -> tuple[str, str, str]:  # fmt: skip
     """The receiver's report of a refusal of the relayed command (a relay subject may also
     carry real events, and earlier relays' consumers live a few seconds)."""
     deadline = asyncio.get_running_loop().time() + 15
     while asyncio.get_running_loop().time() < deadline:
-        found = [r for r in w.refusals()[before:] if r[1] == code and r[2] == sender]
+        found = [r for r in w.refusals(before) if r[1] == code and r[2] == sender]
         if found:
             return found[0]
         await asyncio.sleep(0.02)
-    raise AssertionError(f"no {code} refusal reported; got {w.refusals()[before:]}")
+    raise AssertionError(f"no {code} refusal reported; got {w.refusals(before)}")
 
 
 @pytest.mark.parametrize(("role", "node"), IDENTITIES,
@@ -343,7 +350,7 @@ async def test_relay_and_replay_change_nothing_and_are_reported(world, role, nod
         await replay(w, role, node, captured)
         assert await w.observe() == settled, f"{endpoint}: a replay by {role} changed state"
 
-        before = len(w.refusals())
+        before = w.mark()
         await relay(w, role, node, captured)
         await wait_for_refusal(w, "jetstream_delivery", before, captured.headers[signing.SENDER])
         assert await w.observe() == settled, f"{endpoint}: a relay by {role} changed state"
@@ -375,7 +382,7 @@ async def test_no_credential_but_the_schedulers_holds_quota_for_a_made_up_pod(wo
         (bp.SCHEDULER, None, phantom, "does not exist"),
     ]
     for role, node, body, why in attempts:
-        before = len(w.refusals())
+        before = w.mark()
         _, raw = await w.send(role, bus.QUOTA_RESERVE, body, node)
         assert why in refusal_of(raw), (role, node, refusal_of(raw))
         sender = bp.user_name(role, node)
