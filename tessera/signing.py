@@ -178,7 +178,26 @@ class Verifier:
     trust: TrustStore | None
     clock: Clock = time.time
     lifetime_s: float = LIFETIME_S
+    # Where `trust` came from: read again (at most every RELOAD_S) when an unknown sender signs,
+    # so a node added to the Secret is trusted without restarting the receiver.
+    trust_file: str | None = None
     _seen: dict[str, float] = field(default_factory=dict)
+    _reloaded: float = 0.0
+
+    RELOAD_S = 5.0
+
+    def _key_of(self, sender: str) -> Ed25519PublicKey | None:
+        assert self.trust is not None
+        key = self.trust.keys.get(sender)
+        now = time.monotonic()
+        if key is None and self.trust_file and now - self._reloaded > self.RELOAD_S:
+            self._reloaded = now
+            try:
+                self.trust = TrustStore.load(self.trust_file)
+            except (OSError, ValueError) as exc:
+                log.warning("trust file not reloaded", extra={"err": str(exc)})
+            key = self.trust.keys.get(sender)
+        return key
 
     @property
     def enforcing(self) -> bool:
@@ -201,7 +220,7 @@ class Verifier:
                                      headers.get(SIGNATURE))  # fmt: skip
         if not (sender and nonce and expires and signature):
             raise CommandRefused("unsigned", "the command is not signed", sender)
-        key = self.trust.keys.get(sender)
+        key = self._key_of(sender)
         if key is None:
             raise CommandRefused("unknown_sender", f"no key is trusted for {sender!r}", sender)
         try:
@@ -243,7 +262,7 @@ def verifier_from_file(trust_file: str | None, clock: Clock = time.time) -> Veri
         log.warning("no TESSERA_COMMAND_TRUST_FILE: commands are taken without signatures "
                     "(only JetStream deliveries are refused)")
         return Verifier(None, clock)
-    return Verifier(TrustStore.load(trust_file), clock)
+    return Verifier(TrustStore.load(trust_file), clock, trust_file=trust_file)
 
 
 # --- the receiving side's plumbing ------------------------------------------------------------

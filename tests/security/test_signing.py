@@ -84,3 +84,17 @@ def test_nonces_are_forgotten_only_once_expired() -> None:
         verifier.verify(SUBJECT, None, headers, BODY)
     assert len(verifier._seen) < 5000  # the expired ones went
     assert refused(verifier, fresh[-1]) == "replayed"
+
+
+def test_a_key_added_to_the_trust_file_is_trusted_without_a_restart(tmp_path) -> None:
+    admin = signing.new_key()
+    trust_file = tmp_path / "trust.json"
+    trust_file.write_text(signing.trust_text({"tessera-admin": admin}))
+    verifier = signing.verifier_from_file(str(trust_file))
+    newcomer = Signer("tessera-node-gpu-9", signing.new_key())
+    assert refused(verifier, newcomer.headers(SUBJECT, BODY)) == "unknown_sender"
+    trust_file.write_text(signing.trust_text({"tessera-admin": admin,
+                                              newcomer.user: newcomer.key}))  # fmt: skip
+    verifier._reloaded = 0.0  # the reload interval has passed
+    headers = newcomer.headers(SUBJECT, BODY)
+    assert verifier.verify(SUBJECT, None, headers, BODY) == newcomer.user
