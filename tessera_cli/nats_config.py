@@ -167,13 +167,18 @@ def write_password_files(directory: Path, identities: list[bp.Permissions],
         _write_private(path, passwords[perms.user] + "\n")
         path.chmod(0o400)
         targets = [user_dir, path]
-        if perms.user in keys:  # its command-signing key, beside the password
+        if perms.user in keys:  # its command-signing key and the trust file, beside the password
             key_path = user_dir / "command.key"
             if key_path.exists():
                 key_path.chmod(0o600)
             _write_private(key_path, keys[perms.user])
             key_path.chmod(0o400)
-            targets.append(key_path)
+            trust_path = user_dir / TRUST_FILE
+            if trust_path.exists():
+                trust_path.chmod(0o644)
+            trust_path.write_text(signing.trust_text(_keys(keys)))  # type: ignore[arg-type]
+            trust_path.chmod(0o444)
+            targets += [key_path, trust_path]
         if owner is not None:
             for target in targets:
                 os.chown(target, *owner)
