@@ -322,7 +322,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _kv_watch(bus.QUOTA_CHARGES_BUCKET),
             _kv_write(bus.QUOTA_CHARGES_BUCKET),
             _kv_watch(bus.LEDGER_BUCKET),
-            _rejections(["event"]),
+            _rejections(["event", "command"]),
             _events_durable(bus.QUOTA_RELEASED_CONSUMER),
             _publish_events(
                 "quota events",
@@ -375,7 +375,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                                                                     MpsAction)],
             ),
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
-            _rejections(["ledger", "limits"]),
+            _rejections(["ledger", "limits", "command"]),
             Rule("its own usage samples", publish=(bus.usage_subject(node),)),
             _micro(bus.NODE_SERVICE, [bus.node_limits_subject(node),
                                       bus.node_config_set_subject(node),
@@ -422,7 +422,9 @@ def permissions(role: str, node: str | None = None) -> Permissions:
     user = user_name(role, node)
     rules, allow_responses = _rules(role, node)
     rules = [*rules, _inbox(user)]
-    if role in (*SERVICE_ROLES, NODE_AGENT):  # tessera.service.serve keeps a ServerClock
+    # tessera.service.serve keeps a ServerClock; the admin's CLI stamps its signed commands'
+    # expiry on the same clock (tessera_cli/signed.py).
+    if role in (*SERVICE_ROLES, NODE_AGENT, ADMIN):
         rules.append(_server_clock())
     deny = _service_durable_deny() if role in (ADMIN, EVENTS_READER) else ()
     return Permissions(
@@ -502,6 +504,43 @@ def _conf_value(value: object, indent: int) -> str:
         items = [f"{pad}  {json.dumps(v)}" for v in value]
         return "[\n" + "\n".join(items) + f"\n{pad}]"
     return json.dumps(value)
+
+
+def consumer_streams(perms: Permissions) -> list[str]:
+    """The streams this identity may create consumers on (any kind: nats-server does not check
+    what a consumer's config asks, its deliver subject included)."""
+    out = []
+    for subject in perms.publish:
+        for prefix in (f"{JS_API}.CONSUMER.CREATE.", f"{JS_API}.CONSUMER.DURABLE.CREATE."):
+            if subject.startswith(prefix):
+                out.append(subject[len(prefix):].split(".", 1)[0])
+    return _unique(out)
+
+
+def stored_streams(perms: Permissions) -> list[str]:
+    """The streams this identity may put a message of its own into (a KV key, an event, the
+    clock): what it could have a consumer deliver somewhere."""
+    out = []
+    for subject in perms.publish:
+        if subject.startswith("$KV."):
+            out.append(kv_stream(subject.split(".")[1]))
+        elif subject.startswith(f"{bus.EVENTS_PREFIX}."):
+            out.append(bus.EVENTS_STREAM)
+        elif subject.startswith(f"{bus.CLOCK_PREFIX}."):
+            out.append(bus.CLOCK_STREAM)
+    return _unique(out)
+
+
+def relay_table() -> str:
+    """Per identity: where it may store messages and create consumers. A push consumer delivers
+    to whatever subject its creator names, so these are the parts of a relay; signed commands
+    (tessera.signing) are what refuses one."""
+    rows = ["| identity | may store messages in | may create consumers on |", "|---|---|---|"]
+    for perms in identities([_DOC_NODE]):
+        stored = "<br>".join(f"`{s}`" for s in stored_streams(perms)) or "-"
+        consumers = "<br>".join(f"`{s}`" for s in consumer_streams(perms)) or "-"
+        rows.append(f"| `{perms.user}` | {stored} | {consumers} |")
+    return ("\n".join(rows) + "\n").replace(_DOC_NODE, NODE_PLACEHOLDER)
 
 
 def markdown_table() -> str:

@@ -447,7 +447,7 @@ class SchedulingFailedEvent(Event):
     node_reasons: dict[str, str] = Field(default_factory=dict)
 
 
-RejectedKind = Literal["registration", "ledger", "quota", "limits", "event"]
+RejectedKind = Literal["registration", "ledger", "quota", "limits", "event", "command"]
 
 
 class ValueRejectedEvent(Event):

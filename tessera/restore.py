@@ -9,12 +9,16 @@ Pure code, no I/O.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera import hami
-from tessera.models import Allocation, AllocationState, InFlightClaim
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from tessera import bus_permissions as bp
+from tessera import hami, signing
+from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, InFlightClaim
+from tessera.settings import TesseraSettings
 
 FINISHED_PHASES = ("Succeeded", "Failed")
 
@@ -43,6 +47,10 @@ class RestoreReport:
     nodes_written: int = 0
     unreadable: list[str] = field(default_factory=list)  # "ns/name: why"
     unknown_devices: list[str] = field(default_factory=list)  # "ns/name on node: uuid"
+    # Issue 34: annotations that are not what the node's agent recorded (cut to the request
+    # or refused), and pods not restored because what they claim cannot be true.
+    forged: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
 
 
 def allocation_from_pod(
@@ -112,3 +120,160 @@ def allocations_from_pods(
             report.gpu_pods += 1
             by_node[found[0].node].append(found)
     return by_node
+
+
+# --- what is restored is checked as a live ledger value is (issue 34) -------------------------
+
+
+@dataclass
+class RestoreRules:
+    """What a restored grant is checked against. `node_keys`: the node agents' public keys
+    (the trust file): an `-allocated` record the node's agent signed is what it allocated or
+    raised with limits.set, and is believed as written; any other annotation is only a claim."""
+
+    settings: TesseraSettings
+    node_keys: Mapping[str, Ed25519PublicKey] | None = None
+
+
+def usage_on(allocation: Allocation, uuid: str) -> tuple[int, int]:
+    """(MiB, cores) a pod holds on one GPU: max(init peak, app sum), as HAMi counts it."""
+
+    def on(grants: list[list[DeviceGrant]]) -> tuple[int, int]:
+        found = [g for c in grants for g in c if g.uuid == uuid]
+        return sum(g.memory_mib for g in found), sum(g.cores for g in found)
+
+    app = on(allocation.app_grants())
+    peaks = [on([c]) for c in allocation.init_grants()] if not allocation.init_done else []
+    return max([app[0], *(p[0] for p in peaks)]), max([app[1], *(p[1] for p in peaks)])
+
+
+def _signed_record(pod: dict[str, Any], node: str, rules: RestoreRules) -> bool | None:
+    """True: the node's agent signed the pod's -allocated; False: a signature that does not
+    verify (a forgery); None: no signature to judge (or no keys)."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    signature = annotations.get(signing.RECORD_ANNOTATION)
+    value = annotations.get(hami.ANN_DEVICES_ALLOCATED)
+    if rules.node_keys is None or not signature:
+        return None
+    return bool(value) and signing.record_verifies(
+        str(signature), str(meta.get("uid") or ""), str(value),
+        bp.user_name(bp.NODE_AGENT, node), rules.node_keys,
+    )
+
+
+def within_request(
+    allocation: Allocation, pod: dict[str, Any], devices: Mapping[str, DeviceInfo] | None,
+    settings: TesseraSettings,
+) -> tuple[Allocation, list[str]]:
+    """The allocation with every grant cut to what the pod's spec asks (GPU count, memory per
+    GPU, compute %), and what was cut: what the scheduler could have granted, never more."""
+    problems: list[str] = []
+    try:
+        requests = hami.parse_pod_request(pod, settings).all
+    except hami.RequestError as exc:
+        raise ValueError(f"its GPU request cannot be read: {exc}") from exc
+    containers: list[list[DeviceGrant]] = []
+    for index, grants in enumerate(allocation.containers):
+        request = requests[index] if index < len(requests) else None
+        if request is None:
+            if grants:
+                problems.append(f"container #{index} asks no GPU but is granted {len(grants)}")
+            containers.append([])
+            continue
+        if len(grants) > request.count:
+            problems.append(f"container #{index} is granted {len(grants)} GPUs, asks "
+                            f"{request.count}")  # fmt: skip
+        cut: list[DeviceGrant] = []
+        for grant in grants[: request.count]:
+            card = devices[grant.uuid].memory_mib if devices and grant.uuid in devices else None
+            if request.memory_percentage is not None:
+                asked = request.memory_on(card) if card is not None else grant.memory_mib
+            else:
+                asked = request.memory_mib or grant.memory_mib
+            memory = min(grant.memory_mib, asked)
+            cores = min(grant.cores, request.cores) if request.cores else grant.cores
+            if (memory, cores) != (grant.memory_mib, grant.cores):
+                problems.append(f"container #{index} is granted {grant.memory_mib} MiB / "
+                                f"{grant.cores}% on {grant.uuid}, asks {asked} MiB / "
+                                f"{request.cores}%")  # fmt: skip
+            cut.append(grant.model_copy(update={"memory_mib": memory, "cores": cores}))
+        containers.append(cut)
+    return allocation.model_copy(update={"containers": containers}), problems
+
+
+def checked_restore(
+    node: str,
+    found: list[tuple[Allocation, InFlightClaim | None]],
+    pods: Mapping[str, dict[str, Any]],
+    devices: Mapping[str, DeviceInfo] | None,
+    held: Iterable[Allocation],
+    rules: RestoreRules,
+    report: RestoreReport,
+) -> list[tuple[Allocation, InFlightClaim | None]]:
+    """What of `found` (read off the pods' annotations) may go back into `node`'s ledger, as
+    live ledger values are checked: a grant no larger than the pod's own request (unless the
+    node's agent signed it: limits.set), only GPUs the node has, and no card over its capacity
+    with what the ledger already holds (`held`). Agent-signed records are restored first; a
+    claim that does not fit is not restored and is reported, never an overcommitted card (the
+    agent refuses to seal a grant it did not sign above the request either)."""
+    used: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for allocation in held:
+        if allocation.active:
+            for uuid in {g.uuid for c in allocation.containers for g in c}:
+                mem, cores = usage_on(allocation, uuid)
+                used[uuid][0] += mem
+                used[uuid][1] += cores
+    ranked = []
+    for allocation, claim in found:
+        pod = pods.get(allocation.pod_uid) or {}
+        signed = _signed_record(pod, node, rules)
+        who = f"{allocation.namespace}/{allocation.name} on {node}"
+        if signed is False:
+            report.forged.append(f"{who}: its {hami.ANN_DEVICES_ALLOCATED} is not what the "
+                                 "node's agent signed")  # fmt: skip
+        problems: list[str] = []
+        if signed is not True:
+            try:
+                allocation, problems = within_request(allocation, pod, devices, rules.settings)
+            except ValueError as exc:
+                report.refused.append(f"{who}: not restored: {exc}")
+                continue
+            if problems:
+                report.forged.append(f"{who}: cut to its request: {'; '.join(problems)}"[:400])
+        # Signed records first, then claims within the request, then the cut ones: when a card
+        # cannot hold them all, what is least believable is what is not restored.
+        ranked.append(((signed is not True, bool(problems)), allocation, claim, who))
+    ranked.sort(key=lambda item: item[0])  # stable: as listed within a rank
+    accepted: list[tuple[Allocation, InFlightClaim | None]] = []
+    for _rank, allocation, claim, who in ranked:
+        if devices is not None:
+            unknown = sorted({g.uuid for c in allocation.containers for g in c} - set(devices))
+            if unknown:
+                report.refused.append(f"{who}: not restored: GPU {unknown[0]} is not on the "
+                                      "node")  # fmt: skip
+                continue
+            over = _over_capacity(allocation, devices, used)
+            if over:
+                report.refused.append(f"{who}: not restored: {over}")
+                continue
+            for uuid in {g.uuid for c in allocation.containers for g in c}:
+                mem, cores = usage_on(allocation, uuid)
+                used[uuid][0] += mem
+                used[uuid][1] += cores
+        accepted.append((allocation, claim))
+    return accepted
+
+
+def _over_capacity(allocation: Allocation, devices: Mapping[str, DeviceInfo],
+                   used: Mapping[str, list[int]]) -> str:  # fmt: skip
+    for uuid in sorted({g.uuid for c in allocation.containers for g in c}):
+        mem, cores = usage_on(allocation, uuid)
+        held = used.get(uuid, [0, 0])
+        device = devices[uuid]
+        if held[0] + mem > device.memory_mib:
+            return (f"GPU {uuid} would hold {held[0] + mem} MiB of {device.memory_mib} MiB "
+                    "with the pods already restored")  # fmt: skip
+        if held[1] + cores > device.cores:
+            return f"GPU {uuid} would hold {held[1] + cores}% of {device.cores}% compute"
+    return ""

@@ -98,6 +98,16 @@ class TesseraSettings(BaseSettings):
         10.0, ge=0, description="quota: an unbacked charge is dropped after reservation TTL + this"
     )
 
+    # Signed commands (tessera.signing): this identity's key, and whose keys it trusts.
+    command_key_file: str | None = Field(
+        None, description="PEM Ed25519 key this process signs its commands with (quota "
+        "reserve/release/set, limits.set, config.set); provisioned with its NATS credential",
+    )
+    command_trust_file: str | None = Field(
+        None, description="JSON {\"keys\": {user: base64 public key}} of the identities whose "
+        "commands this service takes; unset: commands are not signature-checked",
+    )
+
     # Durability (the bus's own redundancy and recovery).
     bus_replicas: int = Field(
         1, ge=1, le=5, description="replicas of every bucket and stream (3 on a 3-server NATS)"
@@ -117,6 +127,10 @@ class TesseraSettings(BaseSettings):
     legacy_names: bool = Field(
         False, description="metrics: also publish HAMi's pre-hami_ names (GPUDeviceCoreLimit, "
         "HostCoreUtilization, ...) that older dashboards and HAMi's WebUI read",
+    )
+    metrics_auth_token_file: str | None = Field(
+        None, description="metrics: a file holding a token every request but /healthz and "
+        "/readyz must present (Authorization: Bearer <token>, or Basic with it as password)",
     )
 
     # Admission webhook.

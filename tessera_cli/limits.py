@@ -14,6 +14,7 @@ from tessera.models import LimitsSetReply, LimitsSetRequest
 from tessera.settings import TesseraSettings
 
 from .locate import CliError, StackLocation, connect_nats, fail
+from .signed import signed_request
 
 
 def register(app: typer.Typer) -> None:
@@ -57,8 +58,10 @@ async def _send(
     settings = TesseraSettings()
     nc = await connect_nats(location, "tessera-cli-limits")
     try:
-        msg = await nc.request(
-            node_limits_subject(node), encode(request), timeout=max(5.0, settings.request_timeout_s)
+        msg = await signed_request(
+            nc, node_limits_subject(node), encode(request),
+            max(5.0, settings.request_timeout_s), user=location.nats_settings().user,
+            admin_env=location.info.get("nats_admin_env"),
         )
     except Exception as exc:
         return LimitsSetReply(ok=False, reason=f"node {node} did not answer: {exc}")

@@ -11,7 +11,11 @@ With `--password-files DIR`, each identity's password also goes to `DIR/<user>/p
 NATS_PASSWORD_FILE), owned by `--owner` when given.
 
 With `--out`, passwords are generated once and kept in `<out>/passwords.json` (0600): running
-again with more nodes adds their identities and keeps every existing password.
+again with more nodes adds their identities and keeps every existing password. Each identity's
+command-signing key (docs/security.md 4.6) is kept the same way in `<out>/command-keys.json`;
+its Secret carries it as `command-key`, and Secret `tessera-command-trust` (`trust.json`, also
+written to `<out>/trust.json`) holds every public key. With `--password-files`, the key goes to
+`<dir>/<user>/command.key` beside the password (a node's host directory holds both).
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ import typer
 import yaml
 
 from tessera import bus_permissions as bp
+from tessera import signing
 
 PASSWORDS_FILE = "passwords.json"
+KEYS_FILE = "command-keys.json"
+TRUST_FILE = "trust.json"
+TRUST_SECRET = "tessera-command-trust"
 AUTH_FILE = "auth.conf"
 SECRETS_FILE = "secrets.yaml"
 
@@ -62,8 +70,21 @@ def _write_private(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def load_keys(path: Path) -> dict[str, str]:
+    """user -> PEM private key (command signing), as kept in command-keys.json."""
+    return load_passwords(path)
+
+
+def _keys(pems: dict[str, str]) -> dict[str, object]:
+    from cryptography.hazmat.primitives import serialization
+
+    return {u: serialization.load_pem_private_key(p.encode(), password=None)
+            for u, p in pems.items()}  # fmt: skip
+
+
 def secrets_manifest(identities: list[bp.Permissions], passwords: dict[str, str],
-                     namespace: str) -> str:
+                     namespace: str, keys: dict[str, str] | None = None) -> str:
+    keys = keys or {}
     docs = []
     for perms in identities:
         docs.append({
@@ -79,7 +100,19 @@ def secrets_manifest(identities: list[bp.Permissions], passwords: dict[str, str]
             "data": {
                 "user": base64.b64encode(perms.user.encode()).decode(),
                 "password": base64.b64encode(passwords[perms.user].encode()).decode(),
+                **({"command-key": base64.b64encode(keys[perms.user].encode()).decode()}
+                   if perms.user in keys else {}),
             },
+        })
+    if keys:
+        docs.append({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {"name": TRUST_SECRET, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/part-of": "tessera"}},
+            "data": {TRUST_FILE: base64.b64encode(
+                signing.trust_text(_keys(keys)).encode()).decode()},  # type: ignore[arg-type]
         })
     return yaml.safe_dump_all(docs, sort_keys=False)
 
@@ -94,11 +127,18 @@ def write_bundle(out: Path, nodes: list[str], namespace: str) -> list[bp.Permiss
     for perms in identities:
         passwords.setdefault(perms.user, secrets.token_urlsafe(24))
     _write_private(out / PASSWORDS_FILE, json.dumps(passwords, indent=2, sort_keys=True))
+    keys = load_keys(out / KEYS_FILE)
+    for perms in identities:
+        if perms.user not in keys:
+            keys[perms.user] = signing.private_pem(signing.new_key()).decode()
+    _write_private(out / KEYS_FILE, json.dumps(keys, indent=2, sort_keys=True))
+    (out / TRUST_FILE).write_text(signing.trust_text(_keys(keys)))  # type: ignore[arg-type]
     config = bp.ServerAuth(
         [(p, bp.Credential(password=passwords[p.user])) for p in identities]
     ).render()
     _write_private(out / AUTH_FILE, config)
-    _write_private(out / SECRETS_FILE, secrets_manifest(identities, passwords, namespace))
+    _write_private(out / SECRETS_FILE,
+                   secrets_manifest(identities, passwords, namespace, keys))
     return identities
 
 
@@ -114,8 +154,10 @@ def parse_owner(owner: str) -> tuple[int, int]:
 
 
 def write_password_files(directory: Path, identities: list[bp.Permissions],
-                         passwords: dict[str, str], owner: tuple[int, int] | None) -> None:
+                         passwords: dict[str, str], owner: tuple[int, int] | None,
+                         keys: dict[str, str] | None = None) -> None:
     """`<directory>/<user>/password` (0400) per identity: one mount per service."""
+    keys = keys or {}
     for perms in identities:
         user_dir = directory / perms.user
         user_dir.mkdir(parents=True, exist_ok=True)
@@ -124,8 +166,21 @@ def write_password_files(directory: Path, identities: list[bp.Permissions],
             path.chmod(0o600)
         _write_private(path, passwords[perms.user] + "\n")
         path.chmod(0o400)
+        targets = [user_dir, path]
+        if perms.user in keys:  # its command-signing key and the trust file, beside the password
+            key_path = user_dir / "command.key"
+            if key_path.exists():
+                key_path.chmod(0o600)
+            _write_private(key_path, keys[perms.user])
+            key_path.chmod(0o400)
+            trust_path = user_dir / TRUST_FILE
+            if trust_path.exists():
+                trust_path.chmod(0o644)
+            trust_path.write_text(signing.trust_text(_keys(keys)))  # type: ignore[arg-type]
+            trust_path.chmod(0o444)
+            targets += [key_path, trust_path]
         if owner is not None:
-            for target in (user_dir, path):
+            for target in targets:
                 os.chown(target, *owner)
 
 
@@ -166,6 +221,7 @@ def register(app: typer.Typer) -> None:
         if password_files is not None:
             passwords = load_passwords(out / PASSWORDS_FILE)
             write_password_files(password_files, identities, passwords,
-                                 parse_owner(owner) if owner else None)
+                                 parse_owner(owner) if owner else None,
+                                 load_keys(out / KEYS_FILE))
         typer.echo(f"{len(identities)} identities; wrote {out / AUTH_FILE} (include it in the "
                    f"NATS server's config) and {out / SECRETS_FILE} (kubectl apply -f it).")

@@ -20,6 +20,7 @@ from tessera.models import NodeConfigSetRequest, NodeConfigStatus
 from tessera.settings import TesseraSettings
 
 from .locate import CliError, StackLocation, connect_nats, fail
+from .signed import signed_request
 
 STATE_DIR_HELP = "the stack's state dir (default: $TESSERA_STATE_DIR, else ./.tessera)"
 
@@ -129,7 +130,7 @@ async def _request(
     settings = TesseraSettings()
     nc = await connect_nats(location, "tessera-cli-node-config")
     try:
-        msg = await nc.request(subject, payload, timeout=max(5.0, settings.request_timeout_s))
+        msg = await signed_request(nc, subject, payload, max(5.0, settings.request_timeout_s))
     except Exception as exc:
         reason = str(exc) or type(exc).__name__
         return NodeConfigStatus(ok=False, node=node, reason=f"node {node} did not answer: {reason}")

@@ -34,6 +34,7 @@ from tessera.settings import TesseraSettings
 
 from .locate import CliError, StackLocation, connect_nats, fail
 from .plain_tables import show
+from .signed import signed_request
 
 UNLIMITED_WORDS = {"", "none", "unlimited", "-", "inf"}
 
@@ -74,10 +75,14 @@ def parse_count_limit(text: str | None, option: str) -> int | None:
 async def request(
     subject: str, body: Message, timeout_s: float, location: StackLocation | None = None
 ) -> QuotaReply:
-    nc = await connect_nats(location or StackLocation.find(), "tessera-cli-quota")
+    location = location or StackLocation.find()
+    nc = await connect_nats(location, "tessera-cli-quota")
     try:
         try:
-            msg = await nc.request(subject, encode(body), timeout=timeout_s)
+            msg = await signed_request(
+                nc, subject, encode(body), timeout_s, user=location.nats_settings().user,
+                admin_env=location.info.get("nats_admin_env"),
+            )
         except Exception as exc:  # no responders, timeout
             raise QuotaCliError(
                 f"the quota service did not answer on {subject} ({type(exc).__name__}); "

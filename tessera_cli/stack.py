@@ -161,7 +161,8 @@ def default_services(
                 "TESSERA_TLS_KEY": str(certs / "tls.key"),
             },
         ),
-        ServiceSpec("metrics", "tessera.metrics", {"TESSERA_LISTEN": f"0.0.0.0:{ports.metrics}"}),
+        # Loopback: the dashboard and /metrics are for this machine (docs/security.md 4.5).
+        ServiceSpec("metrics", "tessera.metrics", {"TESSERA_LISTEN": f"127.0.0.1:{ports.metrics}"}),
     ]
     for node in nodes:
         specs.append(
@@ -232,6 +233,8 @@ class LocalStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
         self._ensure_certificates()
+        if self.auth is not None:  # each identity signs its commands with its own key
+            self.auth.write_keys(self.state_dir / "command-keys")
         if self.nats_url is None and self.nats_cluster_size >= 2:
             self._start_nats_cluster()
             if self.auth is not None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from tessera import bus_permissions as bp
+from tessera import signing
 from tessera.settings import NatsSettings
 
 ADMIN_ENV_NAME = "nats-admin.env"
@@ -42,11 +45,40 @@ class StackAuth:
 
     identities: list[bp.Permissions]
     passwords: dict[str, str]
+    # Each identity's command-signing key (tessera.signing), and where they were written.
+    keys: dict[str, Ed25519PrivateKey] = field(default_factory=dict)
+    keys_dir: Path | None = None
 
     @classmethod
     def generate(cls, nodes: Iterable[str]) -> StackAuth:
         identities = bp.identities(nodes)
-        return cls(identities, {p.user: secrets.token_urlsafe(24) for p in identities})
+        return cls(identities, {p.user: secrets.token_urlsafe(24) for p in identities},
+                   {p.user: signing.new_key() for p in identities})  # fmt: skip
+
+    def write_keys(self, directory: Path) -> None:
+        """`<dir>/<user>.pem` (0600) per identity and `<dir>/trust.json`: every service trusts
+        every identity's public key; what each may send is the receiver's rule."""
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o700)
+        for user, key in self.keys.items():
+            path = directory / f"{user}.pem"
+            path.touch(mode=0o600, exist_ok=True)
+            path.chmod(0o600)
+            path.write_bytes(signing.private_pem(key))
+        (directory / "trust.json").write_text(signing.trust_text(self.keys))
+        self.keys_dir = directory
+
+    def signer(self, role: str = bp.ADMIN, node: str | None = None) -> signing.Signer:
+        """How a test signs commands as `role` (the services read their keys from files)."""
+        user = bp.user_name(role, node)
+        return signing.Signer(user, self.keys.get(user))
+
+    def command_env(self, user: str) -> dict[str, str]:
+        """TESSERA_COMMAND_KEY_FILE / _TRUST_FILE of an identity (empty before write_keys)."""
+        if self.keys_dir is None or user not in self.keys:
+            return {}
+        return {"TESSERA_COMMAND_KEY_FILE": str(self.keys_dir / f"{user}.pem"),
+                "TESSERA_COMMAND_TRUST_FILE": str(self.keys_dir / "trust.json")}  # fmt: skip
 
     def server_config(self) -> str:
         return bp.ServerAuth(
@@ -55,7 +87,8 @@ class StackAuth:
 
     def env(self, user: str) -> dict[str, str]:
         """NATS_USER / NATS_PASSWORD for a child process."""
-        return {"NATS_USER": user, "NATS_PASSWORD": self.passwords[user]}
+        return {"NATS_USER": user, "NATS_PASSWORD": self.passwords[user],
+                **self.command_env(user)}  # fmt: skip
 
     def settings(self, url: str, role: str = bp.ADMIN, node: str | None = None) -> NatsSettings:
         user = bp.user_name(role, node)
@@ -66,6 +99,7 @@ class StackAuth:
         admin = bp.user_name(bp.ADMIN)
         path.touch(mode=0o600, exist_ok=True)
         path.chmod(0o600)
+        keys = "".join(f"{k}={v}\n" for k, v in self.command_env(admin).items())
         path.write_text(
-            f"NATS_URL={url}\nNATS_USER={admin}\nNATS_PASSWORD={self.passwords[admin]}\n"
+            f"NATS_URL={url}\nNATS_USER={admin}\nNATS_PASSWORD={self.passwords[admin]}\n{keys}"
         )

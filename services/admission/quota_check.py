@@ -10,6 +10,7 @@ from nats.aio.client import Client as NatsClient
 from tessera import bus
 from tessera.codec import CodecError, encode
 from tessera.models import QuotaReply, QuotaRequest, RemoteError, decode_reply
+from tessera.signing import Signer, process_signer
 
 from .rules import QuotaAsk, QuotaVerdict
 
@@ -19,9 +20,12 @@ log = logging.getLogger("tessera.admission")
 class QuotaChecker:
     """One request/reply per GPU pod; every failure becomes a verdict, never an exception."""
 
-    def __init__(self, nc: NatsClient, timeout_s: float) -> None:
+    def __init__(
+        self, nc: NatsClient, timeout_s: float, signer: Signer | None = None
+    ) -> None:
         self.nc = nc
         self.timeout_s = timeout_s
+        self.signer = signer or process_signer(None)
 
     async def check(self, ask: QuotaAsk, pod_uid: str = "") -> QuotaVerdict:
         request = QuotaRequest(
@@ -37,8 +41,10 @@ class QuotaChecker:
             # Reconnecting: answer at once instead of letting every review wait for the timeout.
             return QuotaVerdict(None, "the webhook is not connected to NATS")
         try:
+            payload = encode(request)
             reply = await self.nc.request(
-                bus.QUOTA_RESERVE, encode(request), timeout=self.timeout_s
+                bus.QUOTA_RESERVE, payload, timeout=self.timeout_s,
+                headers=self.signer.headers(bus.QUOTA_RESERVE, payload),
             )
         except nats.errors.NoRespondersError:
             return QuotaVerdict(None, "no quota service is running")

@@ -82,12 +82,20 @@ def parse_review(body: bytes) -> Review:
     )
 
 
+# Pod subresources whose UPDATE carries the whole pod, metadata included.
+ANNOTATING_SUBRESOURCES = ("status", "ephemeralcontainers", "resize")
+
+
 def review_decision(review: Review, settings: TesseraSettings) -> Decision:
     """Route a review to the pod rules. Creations get every rule; a pod update is checked only
     for changes to scheduler-owned annotations; anything else passes (so a webhook registered too
     widely never blocks other objects' updates or deletions). Creating anything but a pod is
     refused, which makes such a registration visible at once."""
-    if review.operation == "UPDATE" and _is_pod(review) and not review.sub_resource:
+    if review.operation == "UPDATE" and _is_pod(review) and (
+        not review.sub_resource or review.sub_resource in ANNOTATING_SUBRESOURCES
+    ):
+        # pods/status (and the other pod subresources an UPDATE reaches) can carry metadata
+        # changes too: whoever may write them may not set or change the allocation's record.
         return decide_update(review.old_object, review.object, review.username, settings)
     if review.operation != "CREATE":
         return Admitted(note=f"operation {review.operation or '?'} is not reviewed")

@@ -10,6 +10,7 @@ import socket
 from tessera.cluster.port import ClusterError
 from tessera.service import ServiceContext
 from tessera.settings import TesseraSettings
+from tessera.signing import process_signer
 
 from .app import AdmissionApp
 from .certificates import CertificateProvisioner, CertProvisionSettings
@@ -62,7 +63,10 @@ async def run_admission(ctx: ServiceContext) -> None:
     metrics = AdmissionMetrics()
     events = EventQueue(ctx.js, source=f"admission/{socket.gethostname()}",
                         on_drop=metrics.events_dropped.inc)
-    quota = QuotaChecker(ctx.nc, settings.request_timeout_s) if settings.quota_enabled else None
+    quota = None
+    if settings.quota_enabled:
+        signer = process_signer(settings.command_key_file, ctx.clock)
+        quota = QuotaChecker(ctx.nc, settings.request_timeout_s, signer)
     app = AdmissionApp(settings, metrics=metrics, quota=quota, events=events,
                        is_ready=ctx.bus_ready)
     host, port = parse_listen(settings.listen or DEFAULT_LISTEN)

@@ -25,13 +25,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 import jsonpatch
-import yaml
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tessera.kube_sim import discovery, protobuf, schema, strategic_merge, tables, validation
+from tessera.kube_sim import (
+    bodies,
+    discovery,
+    protobuf,
+    schema,
+    strategic_merge,
+    tables,
+    validation,
+)
 from tessera.kube_sim.objects import (
     WORKLOADS,
     job_selector,
@@ -364,19 +371,17 @@ class ApiServer:
         if content_type == protobuf.MEDIA_TYPE:  # kubectl's typed clients (create namespace...)
             return protobuf.read(raw)
         if content_type == "application/yaml":
-            try:
-                return yaml.safe_load(raw)
-            except yaml.YAMLError as exc:
-                raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+            return await bodies.parse_yaml(raw)  # depth, aliases, off the event loop
         if content_type not in JSON_BODIES:  # CBOR among them: client-go then falls back
             raise StoreError(415, "UnsupportedMediaType", UNKNOWN_FORMAT)
         try:
-            # numbers keep their text: a quantity written 1e3 stays in the exponent family
-            return json.loads(raw, parse_float=JsonNumber.of,
-                              object_pairs_hook=schema.has_duplicates)
+            # numbers keep their text: a quantity written 1e3 stays in the exponent family;
+            # nesting bounded as kube-apiserver's decoder bounds it (bodies.py)
+            return bodies.parse_json(raw, parse_float=JsonNumber.of,
+                                     object_pairs_hook=schema.has_duplicates)
         except schema.DuplicateKeys:  # the last one wins; fieldValidation says what to tell
             request.state.duplicates = schema.duplicate_fields(raw, JsonNumber.of)
-            return json.loads(raw, parse_float=JsonNumber.of)
+            return bodies.parse_json(raw, parse_float=JsonNumber.of)
         except ValueError as exc:
             raise StoreError(400, "BadRequest", f"invalid JSON body: {exc}") from exc
 
@@ -755,11 +760,7 @@ class ApiServer:
         """Server-side apply (`kubectl apply --server-side`), simplified: the applied
         configuration is created, or merged into the object as a strategic merge patch (no
         field ownership tracking)."""
-        raw = await request.body()
-        try:
-            applied = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError as exc:
-            raise StoreError(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        applied = await bodies.parse_yaml(await request.body())  # 413, depth, aliases, thread
         if not isinstance(applied, dict):
             raise StoreError(400, "BadRequest", "the body must be an object")
         warnings = field_warnings(request, kind, applied)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
+import hmac
 import json
 import threading
 from collections.abc import Callable
@@ -111,7 +113,7 @@ def build_app(
             return PlainTextResponse("ready")
         return PlainTextResponse("replaying the bus", status_code=503)
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/", index),
             Route("/metrics", metrics),
@@ -121,3 +123,45 @@ def build_app(
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ]
     )
+    if settings.metrics_auth_token_file:
+        token = Path(settings.metrics_auth_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"{settings.metrics_auth_token_file}: the metrics token is empty")
+        return TokenGate(app, token)  # type: ignore[return-value]
+    return app
+
+
+class TokenGate:
+    """Every request but the probes presents the token: `Authorization: Bearer <token>`
+    (Prometheus' `authorization`), or Basic with the token as password (a browser asks for
+    it on the dashboard). Anything else is 401 with a challenge, before the app sees it."""
+
+    OPEN = ("/healthz", "/readyz")
+
+    def __init__(self, app: Starlette, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    def presented(self, header: str) -> bool:
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() == "bearer":
+            return hmac.compare_digest(value.strip().encode(), self.token)
+        if scheme.lower() == "basic":
+            try:
+                decoded = base64.b64decode(value.strip(), validate=True)
+            except ValueError:
+                return False
+            return hmac.compare_digest(decoded.partition(b":")[2], self.token)
+        return False
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.OPEN:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        if self.presented(header):
+            await self.app(scope, receive, send)
+            return
+        response = PlainTextResponse("authentication required", status_code=401, headers={
+            "WWW-Authenticate": 'Basic realm="tessera", charset="UTF-8"'})
+        await response(scope, receive, send)

@@ -82,6 +82,7 @@ class NodeAgent:
         # each container's memory account, out of the tenant's reach (libvgpu leases from it)
         self.leases = LeaseService(self.store.all, self.log, version=lambda: self.store.version)
         self.configurator: NodeConfigurator | None = None
+        self.limits: LimitsService | None = None  # serves limits.set once running
         self.mig_plugins: MigPlugins | None = None
         self.dynamic_mig: DynamicMig | None = None
         self.mps = MpsDaemons(
@@ -166,7 +167,8 @@ class NodeAgent:
         # The advertised devices under the node's configuration, before anything registers.
         self.configurator = NodeConfigurator(
             settings=self.settings, state=self.state, gpus=gpus, ledger_kv=self.buckets.ledger,
-            js=self.js, nc=self.nc, cluster=self.cluster, metrics=self.metrics, **common,
+            js=self.js, nc=self.nc, cluster=self.cluster, metrics=self.metrics,
+            clock=self.clock, **common,
         )
         await self.configurator.start()
         registrar = NodeRegistrar(
@@ -196,8 +198,10 @@ class NodeAgent:
         )
         limits = LimitsService(
             nc=self.nc, store=self.store, state=self.state, ledger_kv=self.buckets.ledger,
-            settings=self.settings, cluster=self.cluster, js=self.js, **common,
+            settings=self.settings, cluster=self.cluster, js=self.js,
+            clock=self.clock or time.time, **common,
         )
+        self.limits = limits
         await limits.start()
         self.watchdog = await watchdog_from_settings(
             self.settings, probe=self.process_probe, store=self.store,

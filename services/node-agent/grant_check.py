@@ -4,21 +4,31 @@ The ledger is written over the bus; a grant in it is only sealed into a containe
 agrees: it may not exceed the pod's own request (HAMi's reading of its resources, per GPU), nor
 drop a limit the pod asked for (0 MiB or 0 % means unlimited). A grant raised since by
 `limits.set` is recorded by the agent in the pod's `hami.io/vgpu-devices-allocated`
-annotation (which tenants cannot write: admission denies user-set scheduler-owned annotations);
-a grant equal to that record is accepted. Pure: the caller fetches the pod.
+annotation, signed with the agent's own key in `tessera.io/grants-signature`; a grant equal to
+that record is accepted only when the signature verifies (`record_ok`): whoever may write a pod's
+annotations or status (admission denies tenants, but not every writer) cannot forge it. Pure: the
+caller fetches the pod and checks the signature.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tessera import hami
+from tessera import hami, signing
 from tessera.models import DeviceGrant, DeviceInfo
 from tessera.settings import TesseraSettings
 
 
 class GrantRefused(Exception):
     """The ledger's grant is not what the pod asked for (the message says how)."""
+
+
+def recorded_text(pod: dict[str, Any]) -> tuple[str, str | None, str]:
+    """(the pod's uid, its `hami.io/vgpu-devices-allocated`, the record's signature)."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    return (str(meta.get("uid") or ""), annotations.get(hami.ANN_DEVICES_ALLOCATED),
+            annotations.get(signing.RECORD_ANNOTATION))  # fmt: skip
 
 
 def recorded_grants(pod: dict[str, Any], index: int) -> list[DeviceGrant] | None:
@@ -40,13 +50,14 @@ def check_grant(
     grants: list[DeviceGrant],
     devices: dict[str, DeviceInfo],
     settings: TesseraSettings,
+    record_ok: bool = False,
 ) -> None:
     """Raise GrantRefused unless `grants` (container `index`, init containers first) stay
-    within the pod's request."""
+    within the pod's request, or equal the record limits.set signed (`record_ok`)."""
     meta = pod.get("metadata") or {}
     who = f"pod {meta.get('namespace')}/{meta.get('name')}"
-    if recorded_grants(pod, index) == grants:
-        return  # exactly what limits.set recorded on the pod
+    if record_ok and recorded_grants(pod, index) == grants:
+        return  # exactly what limits.set recorded, and signed, on the pod
     try:
         requests = hami.parse_pod_request(pod, settings).all
     except hami.RequestError as exc:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -26,9 +28,10 @@ from prometheus_client import CollectorRegistry
 from tessera.node_agent.containers import ContainerDir, ContainerStore
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus, hami
+from tessera import bus, hami, signing
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
+from tessera.command_policy import authorize_node
 from tessera.models import (
     Allocation,
     LimitsSetReply,
@@ -41,6 +44,7 @@ from tessera.models import (
 )
 from tessera.region import RegionFormatError, read_limits, read_region, set_device_flags
 from tessera.settings import TesseraSettings
+from tessera.signing import CommandGate, CommandRefused, process_signer, verifier_from_file
 from tessera.validation import Rejections, limits_problem
 
 SERVICE_VERSION = "0.1.0"
@@ -120,6 +124,7 @@ class LimitsService:
         settings: TesseraSettings | None = None,
         cluster: ClusterPort | None = None,
         js: JetStreamContext | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.node = node
         self.nc = nc
@@ -130,6 +135,10 @@ class LimitsService:
         self.settings = settings or TesseraSettings()
         self.cluster = cluster
         self.rejections = Rejections(f"node-agent/{node}", js, CollectorRegistry())
+        # limits.set is taken only signed by the admin; the agent's own quota.reserve is signed.
+        self.commands = CommandGate(verifier_from_file(self.settings.command_trust_file, clock),
+                                    self.rejections, f"node-agent/{node}")  # fmt: skip
+        self.signer = process_signer(self.settings.command_key_file, clock)
         self._micro: Service | None = None
         self._lock = asyncio.Lock()
 
@@ -152,6 +161,20 @@ class LimitsService:
             self._micro = None
 
     async def _on_set(self, request: Request) -> None:
+        try:
+            sender = self.commands.verify(request._msg)
+            if self.commands.verifier.enforcing:
+                refusal = authorize_node(request.subject, sender, self.node)
+                if refusal:
+                    raise CommandRefused("not_allowed", refusal, sender)
+        except CommandRefused as refused:
+            self.commands.report(request.subject, refused)
+            if refused.code != "jetstream_delivery":  # a stream's ack subject asked nothing
+                with contextlib.suppress(Exception):
+                    await request.respond(encode(LimitsSetReply(
+                        ok=False, reason=f"command refused ({refused.code}): {refused.detail}"
+                        [:500])))
+            return
         try:
             body = decode(request.data, LimitsSetRequest)
             async with self._lock:
@@ -193,8 +216,10 @@ class LimitsService:
             memory_mib=new[0], cores=new[1], gpus=new[2],
         )  # fmt: skip
         try:
+            payload = encode(request)
             msg = await self.nc.request(
-                bus.QUOTA_RESERVE, encode(request), timeout=self.settings.request_timeout_s
+                bus.QUOTA_RESERVE, payload, timeout=self.settings.request_timeout_s,
+                headers=self.signer.headers(bus.QUOTA_RESERVE, payload),
             )
             reply = decode_reply(msg.data, QuotaReply)
         except Exception as exc:  # timeout, ErrorReply (RemoteError), garbage, NATS away
@@ -211,12 +236,14 @@ class LimitsService:
         agent checks a restarted container's grant against it)."""
         if self.cluster is None:
             return
+        value = hami.encode_pod_devices(allocation.containers)
         try:
             await self.cluster.patch_pod_metadata(
                 allocation.namespace, allocation.name,
-                annotations={hami.ANN_DEVICES_ALLOCATED: hami.encode_pod_devices(
-                    allocation.containers
-                )},
+                annotations={hami.ANN_DEVICES_ALLOCATED: value,
+                             # the agent trusts a grant above the request only with this
+                             signing.RECORD_ANNOTATION: signing.record_signature(
+                                 self.signer, allocation.pod_uid, value)},
             )  # fmt: skip
         except ClusterError as exc:
             self.log.warning("pod annotation not updated after limits.set",

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,12 @@ from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
+from prometheus_client import CollectorRegistry
 
 from tessera import bus
 from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError, ObjectRef
 from tessera.codec import CodecError, decode, encode
+from tessera.command_policy import authorize_node
 from tessera.models import (
     NODE_CONFIG_MAP,
     DeviceInfo,
@@ -46,7 +49,8 @@ from tessera.models import (
     StaticMigInstance,
 )
 from tessera.settings import TesseraSettings
-from tessera.validation import Bounds
+from tessera.signing import CommandGate, CommandRefused, verifier_from_file
+from tessera.validation import Bounds, Rejections
 
 from .devices import DeviceConfig, PhysicalGpu, advertise
 from .metrics import NodeAgentMetrics
@@ -87,6 +91,7 @@ class NodeConfigurator:
         nc: NatsClient | None = None,
         cluster: ClusterPort | None = None,
         metrics: NodeAgentMetrics | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.node = node
         self.settings = settings
@@ -98,6 +103,11 @@ class NodeConfigurator:
         self.nc = nc
         self.cluster = cluster
         self.metrics = metrics or NodeAgentMetrics()
+        # config.set is taken only signed by the admin (tessera.signing).
+        self.commands = CommandGate(
+            verifier_from_file(settings.command_trust_file, clock or time.time),
+            Rejections(f"node-agent/{node}", js, CollectorRegistry()), f"node-agent/{node}",
+        )
         self.bounds = Bounds.of(settings)
         self.path = Path(settings.region_host_dir) / STATE_FILE
         self.config = DeviceConfig.of(settings)
@@ -424,6 +434,20 @@ class NodeConfigurator:
         )  # fmt: skip
 
     async def _on_set(self, request: Request) -> None:
+        try:
+            sender = self.commands.verify(request._msg)
+            if self.commands.verifier.enforcing:
+                refusal = authorize_node(request.subject, sender, self.node)
+                if refusal:
+                    raise CommandRefused("not_allowed", refusal, sender)
+        except CommandRefused as refused:
+            self.commands.report(request.subject, refused)
+            if refused.code != "jetstream_delivery":  # a stream's ack subject asked nothing
+                with contextlib.suppress(Exception):
+                    await request.respond(encode(self.status(
+                        ok=False, reason=f"command refused ({refused.code}): {refused.detail}"
+                        [:500])))
+            return
         try:
             reply = await self.set_local(decode(request.data, NodeConfigSetRequest))
         except CodecError as exc:

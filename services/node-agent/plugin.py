@@ -24,11 +24,11 @@ from prometheus_client import CollectorRegistry
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
 from tessera.node_agent.foreign import hami_held
-from tessera.node_agent.grant_check import GrantRefused, check_grant
+from tessera.node_agent.grant_check import GrantRefused, check_grant, recorded_text
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus, hami
+from tessera import bus, hami, signing
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.kubeapi import (
     DEVICE_PLUGIN_VERSION,
@@ -125,6 +125,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # The settings with this node's device configuration (memory scaling > 1 means
         # CUDA_OVERSUBSCRIBE and oversubscribe in the sealed limits); node_config.py.
         self.node_settings = node_settings or (lambda: settings)
+        # limits.set's records on pods are signed with this key (grant_check.record_ok).
+        self._record_signer = signing.process_signer(settings.command_key_file)
         self.clock = clock
         self.node = node
         self.metrics = metrics or NodeAgentMetrics()
@@ -583,6 +585,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     keys = await self._recordable(current, grant_keys)
                     devices = hami.encode_pod_devices(current.containers)
                     values |= dict.fromkeys(keys, devices)
+                    if hami.ANN_DEVICES_ALLOCATED in keys:  # what this agent allocated, signed
+                        values[signing.RECORD_ANNOTATION] = signing.record_signature(
+                            self._record_signer, current.pod_uid, devices)
                     if mig := hami.encode_mig_instances(current.containers):
                         values[hami.ANN_MIG_INSTANCES] = mig  # with the instances' UUIDs
                 await self.cluster.patch_pod_metadata(
@@ -661,6 +666,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         await self._maybe_finish(allocation)
         return dp.PreStartContainerResponse()
 
+    def _record_ok(self, pod: dict) -> bool:
+        """The pod's `-allocated` record is limits.set's, signed with this agent's own key."""
+        signer = self._record_signer
+        if signer.key is None:
+            return False  # no key: a grant above the request is never believed
+        uid, value, signature = recorded_text(pod)
+        return value is not None and signing.record_verifies(
+            signature, uid, value, signer.user, {signer.user: signer.key.public_key()})
+
     async def _check_grant(self, allocation: Allocation, index: int) -> None:
         """The ledger's grant must be what the pod asked for (grant_check): a grant forged on
         the bus is refused before it is sealed. Without a cluster API there is no pod to ask."""
@@ -677,7 +691,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             if (pod.get("metadata") or {}).get("uid") != allocation.pod_uid:
                 raise GrantRefused(f"{who}: the cluster's pod has another uid than the ledger's")
             check_grant(pod, index, allocation.containers[index], self.state.by_uuid(),
-                        self.settings)  # fmt: skip
+                        self.settings, self._record_ok(pod))  # fmt: skip
         except GrantRefused as exc:
             self.rejections.reject("ledger", self.node, Problem("grant_above_request", str(exc)))
             raise hs.HandshakeError(str(exc), mismatch=True) from exc

@@ -42,8 +42,9 @@ from tessera.bus import (
     Versioned,
     cas_update,
 )
-from tessera.cluster.port import ClusterPort
+from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError
 from tessera.codec import CodecError, Message, decode, encode
+from tessera.command_policy import PodCheck, authorize_quota, pod_problem
 from tessera.models import (
     AllocationEvent,
     ErrorReply,
@@ -59,6 +60,7 @@ from tessera.models import (
 )
 from tessera.restore import RestoreReport, allocations_from_pods
 from tessera.settings import TesseraSettings
+from tessera.signing import CommandGate, CommandRefused, verifier_from_file
 from tessera.validation import Problem, Rejections, quota_problem, quota_salvage
 
 SERVICE_VERSION = "0.1.0"
@@ -110,6 +112,12 @@ class QuotaService:
         )
         self.reconcile_interval_s = reconcile_interval_s or settings.quota_reconcile_interval_s
         self.rejections = Rejections(self.instance, self.js, CollectorRegistry())
+        # Every reserve/release/set is signed by its sender and authorised (tessera.signing).
+        self.commands = CommandGate(
+            verifier_from_file(settings.command_trust_file, clock), self.rejections,
+            self.instance,
+        )
+        self._pods_seen: dict[str, tuple[float, str]] = {}  # uid -> (until, node): found
         self.releases = ReleaseConsumer(
             self.js, consumer, self._release_charge, self.log, check=self._release_is_true
         )
@@ -317,13 +325,30 @@ class QuotaService:
         request: Request,
         model: type[Message],
         handler: Callable[[Any], Coroutine[Any, Any, Message]],
+        *,
+        command: bool = True,
     ) -> None:
-        """Decode, handle, reply. Whatever goes wrong, the caller gets an ErrorReply."""
+        """Verify the sender (commands), decode, authorise, handle, reply. Whatever goes wrong,
+        the caller gets an ErrorReply (a JetStream delivery gets nothing: it asked nothing)."""
         started = time.perf_counter()
         reply: Message
         try:
+            if command:
+                sender = self.commands.verify(request._msg)
             body = decode(request.data, model)
+            if command:
+                await self._authorize(request.subject, sender, body)
             reply = await handler(body)
+        except CommandRefused as refused:
+            self.commands.report(request.subject, refused)
+            self.metrics.answered(request.subject.rpartition(".")[2], "refused",
+                                  time.perf_counter() - started)
+            if refused.code == "jetstream_delivery":
+                return  # its reply subject is a stream's ack: nobody asked
+            with contextlib.suppress(Exception):
+                await request.respond(encode(ErrorReply(reason=_short(
+                    f"command refused ({refused.code}): {refused.detail}"))))
+            return
         except CodecError as exc:
             reply = ErrorReply(reason=_short(f"bad {model.__name__}: {exc}"))
         except qa.QuotaInputError as exc:
@@ -347,10 +372,50 @@ class QuotaService:
         await self._serve(request, QuotaRequest, self.release)
 
     async def _on_status(self, request: Request) -> None:
-        await self._serve(request, QuotaStatusRequest, self.status)
+        await self._serve(request, QuotaStatusRequest, self.status, command=False)
 
     async def _on_set(self, request: Request) -> None:
         await self._serve(request, QuotaSetRequest, self.set_limits)
+
+    async def _authorize(self, subject: str, sender: str, body: Message) -> None:
+        """Raise CommandRefused unless `sender` may send this command for this pod/namespace."""
+        if not self.commands.verifier.enforcing:
+            return  # no trust file: nothing proves who sent it (docs/security.md)
+        if isinstance(body, QuotaSetRequest):
+            verdict = authorize_quota(subject, sender, namespace=body.namespace, pod_uid="",
+                                      name="", check_only=False)  # fmt: skip
+        else:
+            assert isinstance(body, QuotaRequest)
+            verdict = authorize_quota(subject, sender, namespace=body.namespace,
+                                      pod_uid=body.pod_uid, name=body.name,
+                                      check_only=body.check_only)  # fmt: skip
+        if isinstance(verdict, PodCheck):
+            verdict = await self._pod_problem(verdict)
+        if verdict:
+            raise CommandRefused("not_allowed", verdict, sender)
+
+    async def _pod_problem(self, check: PodCheck) -> str | None:
+        """A reservation holds quota only for a pod the cluster has (bound to the sender's node
+        when a node agent sends it). Found pods are remembered for a reservation TTL."""
+        if self.cluster is None:
+            return None  # no cluster API (TESSERA_CLUSTER=none): nothing can be bound either
+        now = time.monotonic()
+        seen = self._pods_seen.get(check.uid)
+        if seen and seen[0] > now and (check.node is None or seen[1] == check.node):
+            return None
+        try:
+            pod = await self.cluster.get_pod(check.namespace, check.name)
+        except NotFoundError:
+            pod = None
+        except ClusterError as exc:
+            return f"the cluster could not confirm pod {check.namespace}/{check.name}: {exc}"
+        problem = pod_problem(check, pod)
+        if problem is None and pod is not None:
+            if len(self._pods_seen) > 50_000:
+                self._pods_seen.clear()
+            node = str((pod.get("spec") or {}).get("nodeName") or "")
+            self._pods_seen[check.uid] = (now + self.settings.reservation_ttl_s, node)
+        return problem
 
     # --- the operations -----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from tessera import hami
 from tessera.cluster.port import ClusterPort
 from tessera.models import QuotaState
 from tessera.settings import TesseraSettings
+from tessera.signing import process_signer
 
 from .acks import JetStreamAcks
 from .background import BackgroundTasks, EventPublisher
@@ -72,7 +73,8 @@ class Scheduler:
         ledger.acks = acks
         publisher = EventPublisher(js, self.tasks, acks=acks)
         indexed = IndexedLedger(ledger, index, clock)
-        quota = QuotaClient(nc, settings, self.tasks)
+        quota = QuotaClient(nc, settings, self.tasks,
+                            process_signer(settings.command_key_file, clock))
         self.failures = FailureLog(metrics, publisher, instance, clock)
         self.pod_events = PodEventRecorder(cluster, self.tasks, clock)
         self.releaser = AllocationReleaser(

@@ -36,6 +36,7 @@ from .pods import (
 from .quota_client import QuotaClient, grants_charge, quota_budget
 from .release import AllocationReleaser
 from .rules import (
+    NODE_CONSTRAINT,
     REQUEST_INVALID,
     RESOURCE_QUOTA_NOT_FIT,
     FitContext,
@@ -83,6 +84,9 @@ class PodFilter:
         self.clock = clock
         # Does the pod exist in the cluster? (pod_gate.PodGate, set by the runtime.)
         self.pod_check: Callable[[PodIdentity], Awaitable[str | None]] | None = None
+        # (pod, node) -> why the pod's nodeSelector/affinity/taints exclude the node: nothing
+        # is reserved there (bind would refuse it anyway).
+        self.node_check: Callable[[dict[str, Any], str], Awaitable[str | None]] | None = None
 
     def budget(self, namespace: str, uid: str) -> QuotaBudget:
         state = self.quotas.get(namespace) if self.settings.quota_enabled else None
@@ -127,7 +131,7 @@ class PodFilter:
             decision.explain_rest()
             return FilterOutcome(nodenames=fitting, failed=decision.failed)
         placed, quota_refusal = await self._place(
-            ident, request, options, decision, started, container_names(pod)
+            ident, request, options, decision, started, container_names(pod), pod
         )
         if placed is not None:
             self.failures.forget(ident.uid)
@@ -151,6 +155,7 @@ class PodFilter:
         decision: Decision,
         started: float,
         names_of_containers: list[str],
+        pod: dict[str, Any] | None = None,
     ) -> tuple[str | None, str]:
         """Reserve on the best node that still fits at CAS time: (node, quota refusal text)."""
         timed = False
@@ -160,6 +165,11 @@ class PodFilter:
             if not timed:
                 self.metrics.fit_seconds.observe(time.perf_counter() - started)
                 timed = True
+            if self.node_check is not None and pod is not None:
+                excluded = await self.node_check(pod, entry.name)
+                if excluded:  # the pod may not run there: hold nothing on it
+                    decision.failed[entry.name] = f"{NODE_CONSTRAINT}: {excluded}"
+                    continue
             charge = grants_charge(fit.containers, len(request.init), request.sidecars)
             if self.settings.quota_enabled and charge != held_charge:
                 refusal = await self.quota.reserve(ident, charge)

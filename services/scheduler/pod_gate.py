@@ -95,6 +95,15 @@ class PodGate:
         problem = await self.bind_problem(pod, node)
         return f"refusing to bind {namespace}/{name}: {problem}" if problem else None
 
+    async def placement_problem(self, pod: dict[str, Any], node: str) -> str | None:
+        """Filter's check before it holds anything on `node`: the pod's constraints (as the pod
+        watch has them, else as the request gives them) allow it, as bind will check."""
+        uid = (pod.get("metadata") or {}).get("uid")
+        constraints = self.unbound.get(uid) if isinstance(uid, str) else None
+        if constraints is not None:
+            pod = {"metadata": {"uid": uid}, "spec": constraints}
+        return await self.bind_problem(pod, node)
+
     async def bind_problem(self, pod: dict[str, Any], node: str) -> str | None:
         """None when the pod's nodeSelector, required affinity and tolerations allow `node`."""
         if self.cluster is None:

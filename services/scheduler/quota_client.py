@@ -20,6 +20,7 @@ from tessera.models import (
     decode_reply,
 )
 from tessera.settings import TesseraSettings
+from tessera.signing import Signer, process_signer
 
 from .background import BackgroundTasks
 from .pods import PodIdentity
@@ -67,10 +68,15 @@ def quota_budget(state: QuotaState | None, uid: str) -> QuotaBudget:
 class QuotaClient:
     """Requests to the quota service (tessera.quota.reserve / release)."""
 
-    def __init__(self, nc: NatsClient, settings: TesseraSettings, tasks: BackgroundTasks) -> None:
+    def __init__(
+        self, nc: NatsClient, settings: TesseraSettings, tasks: BackgroundTasks,
+        signer: Signer | None = None,
+    ) -> None:  # fmt: skip
         self.nc = nc
         self.settings = settings  # request_timeout_s, read per call
         self.tasks = tasks
+        # Every reserve/release is signed with the scheduler's key (tessera.signing).
+        self.signer = signer or process_signer(settings.command_key_file)
 
     async def reserve(self, ident: PodIdentity, charge: tuple[int, int, int]) -> str:
         """'' when held, else the refusal text (a timeout is a refusal, never a hang)."""
@@ -79,7 +85,9 @@ class QuotaClient:
                             memory_mib=memory, cores=cores, gpus=gpus)  # fmt: skip
         timeout = self.settings.request_timeout_s
         try:
-            msg = await self.nc.request(bus.QUOTA_RESERVE, encode(body), timeout=timeout)
+            payload = encode(body)
+            msg = await self.nc.request(bus.QUOTA_RESERVE, payload, timeout=timeout,
+                                        headers=self.signer.headers(bus.QUOTA_RESERVE, payload))
             reply = decode_reply(msg.data, QuotaReply)
         except (NatsTimeoutError, NoRespondersError, TimeoutError):
             return f"{RESOURCE_QUOTA_NOT_FIT}: quota service did not answer within {timeout:g} s"
@@ -98,7 +106,9 @@ class QuotaClient:
     async def release(self, namespace: str, uid: str, name: str = "") -> None:
         body = QuotaRequest(namespace=namespace, pod_uid=uid, name=name)
         try:
-            await self.nc.request(bus.QUOTA_RELEASE, encode(body),
-                                  timeout=self.settings.request_timeout_s)  # fmt: skip
+            payload = encode(body)
+            await self.nc.request(bus.QUOTA_RELEASE, payload,
+                                  timeout=self.settings.request_timeout_s,
+                                  headers=self.signer.headers(bus.QUOTA_RELEASE, payload))
         except Exception as exc:
             log.warning("quota release failed", extra={"pod_uid": uid, "err": str(exc)})

@@ -14,6 +14,7 @@ its charges from the same pods); `LedgerRebuilder` does the I/O.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -23,7 +24,9 @@ from tessera.bus import CasConflictError, NoChange, Versioned, cas_update
 from tessera.cluster.port import ClusterPort
 from tessera.cluster.slim_pods import list_pods_slim
 from tessera.models import Allocation, InFlightClaim, NodeLedger
-from tessera.restore import RestoreReport, allocations_from_pods
+from tessera.restore import RestoreReport, RestoreRules, allocations_from_pods, checked_restore
+from tessera.settings import TesseraSettings
+from tessera.signing import TrustStore
 
 from .foreign import ForeignCapacity
 from .index import ClusterIndex
@@ -32,16 +35,26 @@ from .stale import Listing, UnlistedRecorder
 log = logging.getLogger("tessera.scheduler")
 
 
+Check = Callable[
+    [list[tuple[Allocation, InFlightClaim | None]], NodeLedger | None],
+    list[tuple[Allocation, InFlightClaim | None]],
+]
+
+
 def restore_mutate(
     node: str,
     found: list[tuple[Allocation, InFlightClaim | None]],
     restored: list[str],
     current: NodeLedger | None,
+    check: Check | None = None,
 ) -> NodeLedger:
     """Add the pods the node's ledger lacks; never change or drop what it holds. The claim is
-    restored only when the node has none."""
+    restored only when the node has none. `check` (tessera.restore.checked_restore) gets what
+    would be added and the ledger it would join, and answers what may be."""
     restored.clear()
     ledger = current or NodeLedger(node=node)
+    if check is not None:
+        found = check([f for f in found if not _held(ledger, f[0].pod_uid)], current)
     allocations = dict(ledger.allocations)
     claim = ledger.claim
     for allocation, pod_claim in found:
@@ -57,6 +70,17 @@ def restore_mutate(
     return ledger.model_copy(update={"allocations": allocations, "claim": claim})
 
 
+def restore_rules(settings: TesseraSettings) -> RestoreRules:
+    """The checks of restored grants, with the node agents' keys from the trust file."""
+    trust = TrustStore.load(settings.command_trust_file) if settings.command_trust_file else None
+    return RestoreRules(settings, trust.keys if trust is not None else None)
+
+
+def _held(ledger: NodeLedger, uid: str) -> bool:
+    held = ledger.allocations.get(uid)
+    return held is not None and held.active
+
+
 class LedgerRebuilder:
     """Lists every pod and restores, node by node, the allocations the ledger lacks."""
 
@@ -70,6 +94,8 @@ class LedgerRebuilder:
         claim_ttl_s: float,
         clock: Callable[[], float],
         foreign: ForeignCapacity | None = None,
+        rules: RestoreRules | None = None,
+        registration_wait_s: float = 0.0,
     ) -> None:
         self.cluster = cluster
         self.foreign = foreign  # HAMi's pods: counted apart (foreign.py), never restored here
@@ -80,6 +106,11 @@ class LedgerRebuilder:
         self.clock = clock
         # What the last rebuild's listing lacked (stale.py); taken by the runtime once used.
         self.listed: Listing | None = None
+        # Restored grants are checked as live ledger values are (tessera.restore); a node
+        # whose registration is not back yet is waited for this long (its capacity is needed).
+        self.rules = rules
+        self.registration_wait_s = registration_wait_s
+        self.on_problem: Callable[[str], None] | None = None  # reports each (runtime: event)
 
     async def rebuild(self) -> RestoreReport:
         report = RestoreReport()
@@ -109,30 +140,77 @@ class LedgerRebuilder:
             unplaced, quota_held=self.quota_enabled, now=now, claim_ttl_s=self.claim_ttl_s,
             report=report,
         )  # fmt: skip
+        if self.rules is not None and by_node:
+            await self._await_registrations(set(by_node))
+        pods_by_uid = {str((p.get("metadata") or {}).get("uid")): p for p in unplaced
+                       if isinstance(p, dict)} if self.rules is not None else {}  # fmt: skip
         for node, found in by_node.items():
             self._check_devices(node, found, report)
             # Not restored twice: a uid restored on another node in this pass (two pods
             # claiming one uid) is placed there now.
             missing = [f for f in found if placed.get(f[0].pod_uid) in (None, node)]
             restored: list[str] = []
+            checked = RestoreReport()
+            check = None
+            if self.rules is not None:
+                check = partial(self._check, node, pods_by_uid, checked)
             try:
                 result: Versioned[NodeLedger] = await self.write(
-                    node, partial(restore_mutate, node, missing, restored)
+                    node, partial(restore_mutate, node, missing, restored, check=check)
                 )
             except NoChange:
+                self._announce(checked, report)
                 continue
             except CasConflictError as exc:
                 raise RuntimeError(f"ledger rebuild of {node} lost too many races") from exc
+            self._announce(checked, report)
             self.index.set_ledger(node, result.value, result.revision, self.clock())
             report.restored += len(restored)
             report.nodes_written += 1
-        if report.restored or report.unreadable or report.unknown_devices:
+        if report.restored or report.unreadable or report.unknown_devices or report.refused:
             log.warning("ledger rebuilt from the cluster's pods", extra={
                 "restored": report.restored, "nodes": report.nodes_written,
                 "gpu_pods": report.gpu_pods, "unreadable": report.unreadable[:10],
                 "unknown_devices": report.unknown_devices[:10],
+                "forged": report.forged[:10], "refused": report.refused[:10],
             })  # fmt: skip
         return report
+
+    def _check(
+        self, node: str, pods: dict[str, Any], checked: RestoreReport,
+        found: list[tuple[Allocation, InFlightClaim | None]], current: NodeLedger | None,
+    ) -> list[tuple[Allocation, InFlightClaim | None]]:
+        """restore_mutate's check (called again on a CAS retry: the report is rewritten)."""
+        assert self.rules is not None
+        checked.forged.clear()
+        checked.refused.clear()
+        entry = self.index.entries.get(node)
+        registration = entry.registration if entry is not None else None
+        devices = {d.uuid: d for d in registration.devices} if registration else None
+        held = current.allocations.values() if current is not None else ()
+        return checked_restore(node, found, pods, devices, held, self.rules, checked)
+
+    def _announce(self, checked: RestoreReport, report: RestoreReport) -> None:
+        """Each forged or refused restoration: in the report (logged), and as an event."""
+        report.forged += checked.forged
+        report.refused += checked.refused
+        if self.on_problem is not None:
+            for line in [*checked.forged, *checked.refused]:
+                self.on_problem(line)
+
+    async def _await_registrations(self, nodes: set[str]) -> None:
+        """After NATS lost its store the agents re-register within a heartbeat: wait (at most
+        `registration_wait_s`) for those of nodes with pods to restore, so their capacity is
+        checked. A node still unknown is restored with grants cut to the requests only (it is
+        not schedulable before it registers)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.registration_wait_s
+        while loop.time() < deadline:
+            missing = [n for n in nodes if (e := self.index.entries.get(n)) is None
+                       or e.registered is None]  # fmt: skip
+            if not missing:
+                return
+            await asyncio.sleep(0.1)
 
     def _check_devices(
         self, node: str, found: list[tuple[Allocation, InFlightClaim | None]],

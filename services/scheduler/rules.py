@@ -37,6 +37,8 @@ CARD_MIG_INFEASIBLE = "CardMigTopologyInfeasible"
 CARDS_INSUFFICIENT = "AllocatedCardsInsufficientRequest"
 # Node-level reasons of our own (HAMi has no registration outside node annotations).
 NODE_UNREGISTERED = "NodeUnregistered"
+# The pod's nodeSelector / required affinity / taints exclude the node (filter holds nothing).
+NODE_CONSTRAINT = "NodeConstraintMismatch"
 REQUEST_INVALID = "RequestInvalid"
 
 GPU_POLICIES = hami.GPU_SCHEDULER_POLICIES

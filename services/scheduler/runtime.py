@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,7 +49,7 @@ from .index import ClusterIndex
 from .ledger import LedgerWriter
 from .metrics import SchedulerMetrics
 from .pod_gate import PodGate
-from .rebuild import LedgerRebuilder, ledger_cas
+from .rebuild import LedgerRebuilder, ledger_cas, restore_rules
 from .registration_codec import RegistrationCodec
 from .stale import Listing
 from .stale_release import release_stale
@@ -109,6 +110,7 @@ class SchedulerService:
         )  # fmt: skip
         self.gate = PodGate(cluster)
         self.scheduler.pod_filter.pod_check = self.gate.check_identity
+        self.scheduler.pod_filter.node_check = self.gate.placement_problem
         self.nodes_synced = asyncio.Event()
         self.ledger_synced = asyncio.Event()  # set after the sync *and* the rebuild from pods
         # The pod watch has replayed its first listing (it starts once ready: _watch_pods).
@@ -120,10 +122,16 @@ class SchedulerService:
                 cluster=cluster, index=self.index,
                 write=lambda node, mutate: ledger_cas(buckets.ledger, node, mutate),
                 quota_enabled=settings.quota_enabled, claim_ttl_s=config.claim_ttl_s, clock=clock,
-                foreign=self.foreign,
+                foreign=self.foreign, rules=restore_rules(settings),
+                registration_wait_s=3 * settings.node_heartbeat_s,
             )
             if cluster is not None else None
         )  # fmt: skip
+        if self.rebuilder is not None:  # a forged or impossible restoration is announced
+            self.rebuilder.on_problem = lambda line: self.rejections.reject(
+                "ledger", "restore", Problem("restored_grant_refused", line[:480]),
+                zlib.crc32(line.encode()),
+            )
         self.rebuild_error = ""
         # node -> when its registration was last written, on the NATS server's clock (the KV
         # entry's own timestamp): "node lost" never compares one machine's clock to another's.

@@ -32,6 +32,7 @@ import msgspec
 
 from tessera import hami
 from tessera.cluster.port import KubeObject
+from tessera.signing import RECORD_ANNOTATION
 
 
 class _Terminated(TypedDict, total=False):
@@ -66,7 +67,7 @@ class _Spec(TypedDict, total=False):
 
 # HAMi's placement record (tessera.restore and the scheduler's foreign.py read these only).
 ANNOTATIONS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE,
-               hami.ANN_BIND_PHASE)  # fmt: skip
+               hami.ANN_BIND_PHASE, RECORD_ANNOTATION)  # fmt: skip
 _Annotations = TypedDict("_Annotations", dict.fromkeys(ANNOTATIONS, Any), total=False)  # type: ignore[misc]
 
 

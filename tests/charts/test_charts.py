@@ -426,11 +426,21 @@ def test_webhook_fails_closed_and_excludes_only_system_namespaces(charts_dir: Pa
             "apiVersions": ["v1"],
             "resources": ["pods"],
             "scope": "Namespaced",
-        }
+        },
+        {  # issue 34: a pods/status writer may not forge the allocation's record either
+            "operations": ["UPDATE"],
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods/status", "pods/ephemeralcontainers", "pods/resize"],
+            "scope": "Namespaced",
+        },
     ]
     # Updates by this release's service accounts skip the webhook, and the webhook trusts the
     # same identities: a tenant's update may not touch the scheduler-owned annotations.
-    (condition,) = webhook["matchConditions"]
+    condition, status_updates = webhook["matchConditions"]
+    # pods/status updates (kubelet's, constant) reach the webhook only when annotations change.
+    assert status_updates["name"] == "subresource-updates-that-change-annotations"
+    assert "oldObject.metadata.annotations" in status_updates["expression"]
     prefix = f"system:serviceaccount:{NAMESPACE}:"
     assert condition["expression"] == (
         f"request.operation != 'UPDATE' || !request.userInfo.username.startsWith('{prefix}')"
@@ -588,6 +598,8 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
     "tessera-quota": {
         ("", "resourcequotas"): {"get", "list", "watch"},
         ("", "events"): {"create", "patch"},
+        # a reservation only for a pod that exists; charges rebuilt from the bound pods
+        ("", "pods"): {"get", "list"},
     },
     "tessera-node-agent": {
         ("", "pods"): {"get", "list", "watch"},

@@ -43,5 +43,6 @@ def test_migration_values_render_as_the_guide_says(charts_dir: Path) -> None:  #
         spec["tolerations"])
     (webhook,) = find(manifests, "MutatingWebhookConfiguration")["webhooks"]
     names = [c["name"] for c in webhook["matchConditions"]]
-    assert names == ["skip-tessera-component-updates", "skip-hami-component-updates"]
-    assert webhook["matchConditions"][1]["expression"] == HAMI_SKIP
+    assert names == ["skip-tessera-component-updates",
+                     "subresource-updates-that-change-annotations", "skip-hami-component-updates"]
+    assert webhook["matchConditions"][2]["expression"] == HAMI_SKIP

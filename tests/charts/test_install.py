@@ -176,7 +176,8 @@ def test_production_needs_only_the_secrets_the_walkthrough_creates(charts_dir: P
     servers = nats_servers(manifests)
     assert servers is not None and servers["spec"]["replicas"] == 3
     created = {"tessera-nats-admission", "tessera-nats-scheduler", "tessera-nats-quota",
-               "tessera-nats-metrics"}  # nats-auth/secrets.yaml (`tessera nats-config --out`)
+               "tessera-nats-metrics",  # nats-auth/secrets.yaml (`tessera nats-config --out`)
+               "tessera-command-trust"}  # the command keys' trust file, in the same file
     for words in commands():
         if words[:2] == ["kubectl", "-n"] and words[3:5] == ["create", "secret"]:
             created.add(words[6])

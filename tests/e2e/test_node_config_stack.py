@@ -31,7 +31,8 @@ def sim() -> Iterator[RunningStack]:
 def cli(sim: RunningStack, *args: str):
     nats = sim.stack.nats_settings("admin")
     env = {"NATS_URL": nats.url, "NATS_USER": nats.user, "NATS_PASSWORD": nats.resolved_password(),
-           "NATS_TLS_CA": nats.tls_ca}
+           "NATS_TLS_CA": nats.tls_ca,
+           **(sim.stack.auth.command_env(nats.user or "") if sim.stack.auth else {})}
     return CliRunner().invoke(build_app(), list(args), env={k: v for k, v in env.items() if v})
 
 

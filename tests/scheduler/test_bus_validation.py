@@ -222,3 +222,26 @@ async def test_a_quota_record_with_negative_limits_is_ignored(
     await buckets.quota.put(namespace, encode(forged))
     await wait_until(lambda: ("quota", namespace) in service.rejections.seen)
     assert service.scheduler.quotas[namespace].limits.memory_mib == 4000
+
+
+async def test_filter_holds_nothing_on_a_node_the_pods_constraints_exclude(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    """Issue 34: a /filter naming a node the pod's nodeSelector excludes reserves nothing there
+    (bind would refuse it; before, the reservation held the node's capacity for its TTL)."""
+    service = await make_service()
+    other = await setup_node(buckets, service, node(unique("gpu-o"), gpus=1))
+    wanted = await setup_node(buckets, service, node(unique("gpu-w"), gpus=1))
+    cluster.add_node({"metadata": {"name": other, "labels": {"pool": "a"}}})
+    cluster.add_node({"metadata": {"name": wanted, "labels": {"pool": "b"}}})
+    wants_b = pod(container(mem=GIB))
+    wants_b["spec"]["nodeSelector"] = {"pool": "b"}
+    wants_b = cluster.add_pod(wants_b)
+    uid = wants_b["metadata"]["uid"]
+    outcome = await service.scheduler.filter(wants_b, [other])
+    assert not outcome.nodenames and "nodeSelector pool=b" in outcome.failed[other], outcome
+    ledger = await bus.read(buckets.ledger, other, NodeLedger)
+    assert ledger is None or uid not in ledger.value.allocations
+    assert uid not in service.index.pod_nodes
+    outcome = await service.scheduler.filter(wants_b, [other, wanted])
+    assert outcome.nodenames == [wanted], outcome

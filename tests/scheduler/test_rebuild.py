@@ -143,6 +143,7 @@ async def test_filter_is_refused_with_a_reason_until_the_ledger_is_rebuilt(nats_
     name = unique("rb3")
     await register(buckets, node(name, gpus=1, memory_mib=10 * GIB))
     cluster = UnreachableCluster()
+    cluster.add_node({"metadata": {"name": name}})  # filter places only on nodes that exist
     service = SchedulerService(settings, SchedulerSettings(), nc, js, buckets, cluster)
     await service.start()
     try:

@@ -129,3 +129,37 @@ def test_cli_prints_the_table() -> None:
     shown = CliRunner().invoke(build_app(), ["nats-config", "--table"])
     assert shown.exit_code == 0
     assert shown.output == bp.markdown_table()
+
+
+def test_cli_bundle_provisions_command_keys_with_the_passwords(tmp_path: Path) -> None:
+    """Issue 34: each identity's Secret carries its signing key; Secret tessera-command-trust
+    holds every public key, and a key kept across runs still verifies."""
+    import base64
+    import json
+
+    import yaml
+
+    from tessera import signing
+
+    runner = CliRunner()
+    assert runner.invoke(build_app(), ["nats-config", "--node", "gpu-1", "--out",
+                                       str(tmp_path)]).exit_code == 0  # fmt: skip
+    first = json.loads((tmp_path / "command-keys.json").read_text())
+    assert runner.invoke(build_app(), ["nats-config", "--node", "gpu-1", "--node", "gpu-2",
+                                       "--out", str(tmp_path), "--password-files",
+                                       str(tmp_path / "creds")]).exit_code == 0  # fmt: skip
+    keys = json.loads((tmp_path / "command-keys.json").read_text())
+    assert {u: keys[u] for u in first} == first and "tessera-node-gpu-2" in keys
+    docs = {d["metadata"]["name"]: d for d in
+            yaml.safe_load_all((tmp_path / "secrets.yaml").read_text())}  # fmt: skip
+    trust = signing.TrustStore.parse(
+        base64.b64decode(docs["tessera-command-trust"]["data"]["trust.json"]).decode())
+    pem = base64.b64decode(docs["tessera-nats-node-gpu-2"]["data"]["command-key"])
+    key_file = tmp_path / "k.pem"
+    key_file.write_bytes(pem)
+    signer = signing.signer_from_files("tessera-node-gpu-2", str(key_file))
+    headers = signer.headers("tessera.quota.reserve", b"{}")
+    verifier = signing.Verifier(trust)
+    assert verifier.verify("tessera.quota.reserve", None, headers, b"{}") == "tessera-node-gpu-2"
+    on_host = tmp_path / "creds" / "tessera-node-gpu-2" / "command.key"
+    assert on_host.read_bytes() == pem and oct(on_host.stat().st_mode & 0o777) == "0o400"

@@ -163,6 +163,19 @@ set before this list); the password is the node's own, from its Secret (one Daem
 - name: NATS_TLS_CA
   value: {{ printf "/etc/tessera/nats-tls/%s" ($tls.caKey | default "ca.crt") | quote }}
 {{- end }}
+{{- /* Signed commands (userPassword identities, unless nats.auth.commandSigning is false) */}}
+{{- if (and (eq ((($nats.auth | default dict).type) | default "none") "userPassword") (ne (toString ($nats.auth | default dict).commandSigning) "false")) }}
+{{- /* Signed commands (docs/security.md 4.6): whose keys to trust, and this identity's key,
+provisioned with its password (`tessera nats-config --out`). */}}
+- name: TESSERA_COMMAND_TRUST_FILE
+  value: "/etc/tessera/command-trust/trust.json"
+- name: TESSERA_COMMAND_KEY_FILE
+{{- if and .nodeIdentity (not $root.TesseraNode) }}
+  value: {{ printf "%s/command.key" ($root.Values.natsHostCredentials | default "/etc/tessera/nats") | quote }}
+{{- else }}
+  value: "/etc/tessera/command-key/command-key"
+{{- end }}
+{{- end }}
 - name: TESSERA_RESOURCE_NAME
   value: {{ $names.gpu | quote }}
 - name: TESSERA_RESOURCE_MEM
@@ -190,6 +203,16 @@ set before this list); the password is the node's own, from its Secret (one Daem
 {{- define "tessera-lib.natsVolumeMounts" -}}
 {{- $root := .root -}}
 {{- $nats := include "tessera-lib.nats" . | fromYaml -}}
+{{- if (and (eq ((($nats.auth | default dict).type) | default "none") "userPassword") (ne (toString ($nats.auth | default dict).commandSigning) "false")) }}
+- name: command-trust
+  mountPath: /etc/tessera/command-trust
+  readOnly: true
+{{- if not (and .nodeIdentity (not $root.TesseraNode)) }}
+- name: command-key
+  mountPath: /etc/tessera/command-key
+  readOnly: true
+{{- end }}
+{{- end }}
 {{- if and .nodeIdentity (eq (($nats.auth | default dict).type | default "none") "userPassword") (not $root.TesseraNode) }}
 - name: nats-node
   mountPath: {{ $root.Values.natsHostCredentials | default "/etc/tessera/nats" }}
@@ -212,6 +235,29 @@ set before this list); the password is the node's own, from its Secret (one Daem
 {{- $nats := include "tessera-lib.nats" . | fromYaml -}}
 {{- $auth := $nats.auth | default dict -}}
 {{- $tls := $nats.tls | default dict -}}
+{{- if (and (eq ((($nats.auth | default dict).type) | default "none") "userPassword") (ne (toString ($nats.auth | default dict).commandSigning) "false")) }}
+# Every identity's public command key (tessera nats-config --out: secrets.yaml).
+- name: command-trust
+  secret:
+    secretName: tessera-command-trust
+    items:
+      - key: trust.json
+        path: trust.json
+{{- if not (and .nodeIdentity (not $root.TesseraNode)) }}
+# This identity's own command key, beside its password.
+- name: command-key
+  secret:
+{{- if .nodeIdentity }}
+    secretName: {{ printf "tessera-nats-node-%s" $root.TesseraNode | quote }}
+{{- else }}
+    secretName: {{ $auth.existingSecret | default (printf "tessera-nats-%s" .component) | quote }}
+{{- end }}
+    defaultMode: 0440
+    items:
+      - key: command-key
+        path: command-key
+{{- end }}
+{{- end }}
 {{- if and .nodeIdentity (eq ($auth.type | default "none") "userPassword") (not $root.TesseraNode) }}
 # This node's own NATS password, provisioned on the host (docs/security.md, "Node agents").
 - name: nats-node
