@@ -437,16 +437,17 @@ def markdown(after: dict[str, Any], before: dict[str, Any]) -> str:
     )
     return "\n".join([
         "Issue 14's Scale targets. N nodes × 8 GPUs (80 GiB, split 10, ~50 % used by 1-3 pods "
-        f"each). **Candidate lists: `{LISTS}`** (`bench/kube_lists.py`: `window` = kube-scheduler's "
-        "rotating adaptive percentageOfNodesToScore window, `full` = a fresh full list per call, "
-        "`same` = the identical full list every call, the best case); "
+        f"each). **Candidate lists: `{LISTS}`** (`bench/kube_lists.py`: `window` = "
+        "kube-scheduler's rotating adaptive percentageOfNodesToScore window, `full` = a fresh "
+        "full list per call, `same` = the identical full list every call, the best case); "
         f"**{UNSCHEDULABLE:.0%} unschedulable pods** mixed in, retried with kube-scheduler's "
         "backoff (1 s doubling to 10 s). The end-to-end figures are `bench/scheduler.py`'s run "
-        f"(filter, then bind, 32 in flight, {PODS} pods, real NATS ledger, a fake agent releasing each "
-        "claim). Restart to ready: the scheduler terminated after the run and spawned again "
-        "over the ledger it wrote, until /readyz answers 200. RSS: VmRSS of the scheduler "
-        "process. Medians where several runs were made. The machine is 2 cores shared with "
-        "other work (1-minute load average given): figures move by tens of percent with it.",
+        f"(filter, then bind, 32 in flight, {PODS} pods, real NATS ledger, a fake agent "
+        "releasing each claim). Restart to ready: the scheduler terminated after the run and "
+        "spawned again over the ledger it wrote, until /readyz answers 200. RSS: VmRSS of the "
+        "scheduler process. Medians where several runs were made. The machine is 2 cores "
+        "shared with other work (1-minute load average given): figures move by tens of "
+        "percent with it.",
         "",
         f"Before: {before.get('note', 'not measured')}.",
         f"After: {after.get('note', '')}",
