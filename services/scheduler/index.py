@@ -42,6 +42,7 @@ from .cards import (
     recharged,
 )
 from .node_usage import NodeUsage
+from .refusal_memo import RefusalMemo, RefusalMemos
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -490,7 +491,15 @@ class ClusterIndex:
         self._column_cache = _ColumnCache()
         # slot -> (cards, request key, reason text, reason names) of the last refusal found
         # there (decide.Decision.explain_rest); valid while the node's cards are the same list
-        self.refusals: dict[int, tuple[list[Card], str, str, tuple[str, ...]]] = {}
+        # Per distinct request, the reason each node refused it for, valid while the node's row
+        # is the one it was found on (`row_version`: advanced by every write of the row).
+        self.refusal_memos = RefusalMemos()
+        self.row_version = np.zeros(capacity, dtype=np.int64)
+        self._version_clock = 0
+        # the row version at which some request's refusal was last remembered there (a slot
+        # where it is not the current version has nothing to look up: `Decision.fits`)
+        self.refused_at = np.full(capacity, -1, dtype=np.int64)
+        self.names_at = np.full(capacity, None, dtype=object)  # slot -> node name
 
     # --- updates from the watches -----------------------------------------------------------
     def _entry(self, node: str) -> NodeEntry:
@@ -504,12 +513,31 @@ class ClusterIndex:
             entry = NodeEntry(node, slot)
             self.entries[node] = entry
             self.by_slot[slot] = entry
+            self.names_at[slot] = node
         return entry
 
     _ARRAYS = ("free_gpus", "card_mem", "card_pct", "card_cores", "card_computing", "card_idle",
                "scores", "busy")  # fmt: skip
 
+    def _rows_written(self, slots: list[int]) -> None:
+        """These nodes' rows (and so their cards) were just written: the decision's kept
+        columns patch them, and what was remembered of them (`refusal_memo`) no longer holds."""
+        self._column_cache.log(slots)
+        self._version_clock += 1
+        self.row_version[slots] = self._version_clock
+
+    def refusal_memo(self, key: str) -> RefusalMemo:
+        """Reasons by slot for one request (`Decision.memo_key`), valid at `row_version`."""
+        return self.refusal_memos.of(key, len(self.row_version))
+
     def _grow(self, rows: int = _GROW, columns: int = 0) -> None:
+        if rows:
+            for name in ("row_version", "names_at", "refused_at"):
+                old = getattr(self, name)
+                new = np.full(len(old) + rows, None if old.dtype == object else -1,
+                              dtype=old.dtype)  # fmt: skip
+                new[: len(old)] = old
+                setattr(self, name, new)
         for name in self._ARRAYS:
             old = getattr(self, name)
             shape = (len(old) + rows, *(s + columns for s in old.shape[1:]))
@@ -662,7 +690,7 @@ class ClusterIndex:
         for entry, score in zip(entries, built.scores.tolist(), strict=True):
             entry.score = score
         self._grow_bounds()
-        self._column_cache.log(slots.tolist())
+        self._rows_written(slots.tolist())
         self._bounds_of(slots, built.free_gpus)
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
@@ -687,7 +715,7 @@ class ClusterIndex:
         if registered is None:
             entry.cards = []
             self.free_gpus[slot] = -1
-            self._column_cache.log([slot])  # cached candidate columns see the row go
+            self._rows_written([slot])  # cached candidate columns see the row go
             entry.reserved_until = None
             if entry.view is None:
                 self._forget(entry)
@@ -898,7 +926,8 @@ class ClusterIndex:
     def _forget(self, entry: NodeEntry) -> None:
         del self.entries[entry.name]
         self.slot_of.pop(entry.name, None)
-        self.refusals.pop(entry.slot, None)
+        self.refusal_memos.forget(entry.slot)
+        self.names_at[entry.slot] = None
         self.by_slot[entry.slot] = None
         self.free_slots.append(entry.slot)
         self.topology_version += 1
@@ -1042,7 +1071,7 @@ class ClusterIndex:
     def _write_bounds(self, rows: list[tuple]) -> None:
         """The bounds of the rows `_write_rows` just wrote (its unpadded row tuples)."""
         self._grow_bounds()
-        self._column_cache.log([row[0] for row in rows])
+        self._rows_written([row[0] for row in rows])
         if len(rows) == 1:
             slot, _free, mem, pct, cores, computing, idle, _score, _busy = rows[0]
             self.bound_mem_at[:, slot], self.bound_pct_at[:, slot] = rungs_of(
