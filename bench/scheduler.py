@@ -233,7 +233,7 @@ def run_decisions(
     members = {pool: pool_members(every, pool) for pool in POOLS}
     members_set = {pool: frozenset(m) for pool, m in members.items()}
     kube = KubeLists(every, lists)
-    names_cache = NodeNamesCache(MAX_CANDIDATES)
+    names_cache = NodeNamesCache(MAX_CANDIDATES, resolver=index.names_from_bytes)  # as api.py
     parse_cpu: list[float] = []
     listed: list[int] = []
     del registrations, ledgers

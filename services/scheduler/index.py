@@ -41,6 +41,7 @@ from .cards import (
     node_score,
     recharged,
 )
+from .node_names import NameTable
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
 from .wire_fast import LedgerWire, RegistrationWire
@@ -474,6 +475,7 @@ class ClusterIndex:
         # name -> slot of every registered node (what `resolve` looks names up in), kept as
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}
+        self._name_table: tuple[int, NameTable] | None = None  # (topology version, table)
         self._changed: dict[str, asyncio.Event] = {}
         # One row per node, one column per card: what each card can still give (-1 = a card
         # that takes no pod: unhealthy, cordoned, out of slots, MIG, or no card at all).
@@ -951,9 +953,15 @@ class ClusterIndex:
             return array, cached[2]
         slot_of = self.slot_of
         unknown: list[str] = []
+        resolved = getattr(names, "resolved", None)  # read from the body's bytes (NameTable)
+        if resolved is not None and resolved[0] == self.topology_version:
+            array = resolved[1]
+        else:
+            array = None
         try:
-            array = np.fromiter(map(slot_of.__getitem__, names), dtype=np.int64,
-                                count=len(names))  # fmt: skip
+            if array is None:
+                array = np.fromiter(map(slot_of.__getitem__, names), dtype=np.int64,
+                                    count=len(names))  # fmt: skip
         except KeyError:  # some names are not registered nodes: the slow way
             slots: list[int] = []
             for name in names:
@@ -972,6 +980,20 @@ class ClusterIndex:
         self._candidates[key] = (self.topology_version, array, unknown)
         self._resolved[id(array)] = 1
         return array, unknown
+
+    def names_from_bytes(self, array: bytes) -> tuple[list[str], tuple[int, np.ndarray]] | None:
+        """A `nodenames` JSON array resolved from its bytes (`node_names.NameTable`): the names
+        (the index's own strings) and (topology version, slots); None when it cannot be."""
+        table = self._name_table
+        if table is None or table[0] != self.topology_version:
+            names = list(self.slot_of)
+            table = self._name_table = (
+                self.topology_version, NameTable(names, [self.slot_of[n] for n in names])
+            )
+        slots = table[1].lookup(array)
+        if slots is None:
+            return None
+        return self.names_at[slots].tolist(), (table[0], slots)
 
     def repeated(self, slots: np.ndarray) -> bool:
         """Whether this candidate array was resolved for more than one call (a list
