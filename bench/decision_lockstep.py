@@ -103,7 +103,7 @@ def main() -> None:
     trace_name = args.pop() if args and args[-1] in ("bench", "varied") else "varied"
     before_rev = args[0] if args else "HEAD"
     after_rev = args[1] if len(args) > 1 else "worktree"
-    from kube_lists import KubeLists
+    from kube_lists import COMPACT, KubeLists
 
     settings = TesseraSettings()
     nodes = int(os.environ.get("BENCH_NODES", "5000"))
@@ -192,8 +192,8 @@ def main() -> None:
         for i, (spec, pool) in enumerate(pods):
             window = kube.next(None if pool is None else members[pool] if mode == "same"
                                else members_set[pool])  # fmt: skip
-            body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(),
-                                                       json.dumps(window).encode())  # fmt: skip
+            listed = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+            body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
             for label in ("before", "after") if i % 2 else ("after", "before"):
                 decide_one(label, spec, body, i)
                 if time.perf_counter() >= collect_at:

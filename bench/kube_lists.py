@@ -29,6 +29,8 @@ BASE_PERCENTAGE = 50  # basePercentageOfNodesToScore
 BACKOFF_INITIAL_S = 1.0  # podInitialBackoffSeconds
 BACKOFF_MAX_S = 10.0  # podMaxBackoffSeconds
 MODES = ("window", "same", "full")
+# kube-scheduler's JSON (Go's encoding/json): no spaces between elements
+COMPACT = (",", ":")
 
 
 def nodes_to_find(total: int, percentage: int = 0) -> int:

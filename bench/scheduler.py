@@ -219,7 +219,7 @@ def run_decisions(
     list every call), of every node or a label pool's, handed over as the extender's HTTP layer
     does: `NodeNamesCache.parse` of the call's body, timed apart (`parse_cpu_*`: the list's
     bytes are new on almost every call but in mode `same`)."""
-    from kube_lists import KubeLists
+    from kube_lists import COMPACT, KubeLists
     from tessera.scheduler.api import MAX_CANDIDATES
     from tessera.scheduler.node_names import NodeNamesCache
 
@@ -251,8 +251,8 @@ def run_decisions(
     for i, (spec, pool) in enumerate(pods):
         window = kube.next(None if pool is None else members[pool] if lists == "same"
                            else members_set[pool])  # fmt: skip
-        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(),
-                                                   json.dumps(window).encode())  # fmt: skip
+        listed = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
         started_cpu = time.thread_time()
         parsed = names_cache.parse(body)
         # (a short list is not remembered: the extender parses the whole body)
@@ -582,7 +582,7 @@ async def drive(
     half of the run, one after every ~9 of `pods`) and retried after kube-scheduler's backoff
     (1 s, doubling, at most 10 s) until every pod of `pods` is placed; pods/s and latency
     count `pods` only, the refused calls are counted apart."""
-    from kube_lists import KubeLists, backoff_s
+    from kube_lists import COMPACT, KubeLists, backoff_s
 
     latencies: list[float] = []
     splits: list[tuple[float, float, str]] = []
@@ -590,7 +590,7 @@ async def drive(
     gate = asyncio.Semaphore(E2E_CONCURRENCY)
     kube = KubeLists(names, lists)
     encoded: dict[tuple[int, int], bytes] = {}  # kube-scheduler builds the list in Go: cached
-    same = json.dumps(names).encode()
+    same = json.dumps(names, separators=COMPACT).encode()
     done = asyncio.Event()
 
     def names_json() -> bytes:
@@ -600,7 +600,7 @@ async def drive(
         window = kube.next()
         body = encoded.get(key)
         if body is None:
-            body = encoded[key] = json.dumps(window).encode()
+            body = encoded[key] = json.dumps(window, separators=COMPACT).encode()
         return body
 
     async def filter_call(spec: dict[str, Any]) -> dict[str, Any]:
