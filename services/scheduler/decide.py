@@ -19,6 +19,8 @@ from .placement import PodFit, fit_pod
 from .refusal_memo import FITS, RefusalMemo
 from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
 
+_BULK = 16  # candidates left from which remembered refusals are looked up vectorised
+
 
 @dataclass
 class Decision:
@@ -34,6 +36,7 @@ class Decision:
     failed: dict[str, str] = field(default_factory=dict)
     reason_counts: Counter[str] = field(default_factory=Counter)
     _key: str | None = None
+    _memo: RefusalMemo | None = None
 
     def context(self) -> FitContext:
         return FitContext(self.options, QuotaBudget(self.budget.memory_mib, self.budget.cores))
@@ -46,29 +49,85 @@ class Decision:
         stale) is not fitted again: the next pod of a workload skips the nodes its predecessor
         was refused on until they change."""
         index = self.index
-        memo: RefusalMemo | None = None
         row_version, refused_at = index.row_version, index.refused_at
-        for slot in self.slots:  # type: ignore[attr-defined]
+        ordering = getattr(self.slots, "_ordering", None)  # index.Ordered: its survivors
+        if ordering is None:  # (a plain sequence of slots)
+            survivors, more = list(self.slots), None  # type: ignore[call-overload]
+        else:
+            survivors, more = ordering.survivors, ordering.advance
+        i = 0
+        known: np.ndarray | None = None  # remembered refusals of survivors[known_from:]
+        known_from = 0
+        while True:
+            if i >= len(survivors):
+                if more is None or not more():
+                    return
+                continue
+            if known is None or i >= known_from + len(known):
+                known_from, known = i, self._known(survivors[i:])
+            if known is not None:
+                # A run of nodes refused on their rows as they are: worded in bulk.
+                run = known[i - known_from :]
+                stop = int(np.argmin(run)) if not run.all() else len(run)
+                if stop:
+                    self._record_known(np.asarray(survivors[i : i + stop], dtype=np.int64))
+                    i += stop
+                    continue
+            slot = survivors[i]
+            i += 1
             entry = index.entry_at(slot)
             version = int(row_version[slot])
             if refused_at[slot] == version and not entry.blocked:
-                if memo is None:
-                    memo = index.refusal_memo(self.memo_key())
-                found = memo.get(slot, version)
+                found = self.memo().get(slot, version)
                 if found:  # (FITS, 0, is never remembered by a fit that stopped there)
-                    self.failed[entry.name] = memo.texts[found] + index.foreign_note(entry.name)  # type: ignore[operator]
-                    self.reason_counts.update(memo.names[found])
+                    text = self.memo().texts[found]
+                    self.failed[entry.name] = text + index.foreign_note(entry.name)  # type: ignore[operator]
+                    self.reason_counts.update(self.memo().names[found])
                     continue
             fit = fit_pod(entry.cards, self.request, self.context())
             if fit.ok:
                 yield entry, fit
+                known = None  # (the index may have moved meanwhile)
             else:
                 self.record(entry.name, fit)
                 if not entry.blocked and entry.name not in index.foreign:
-                    if memo is None:
-                        memo = index.refusal_memo(self.memo_key())
-                    memo.put(slot, version, fit.reason_text(), tuple(fit.reasons.keys()))
+                    self.memo().put(slot, version, fit.reason_text(), tuple(fit.reasons.keys()))
                     refused_at[slot] = version
+
+    def memo(self) -> RefusalMemo:
+        """This request's refusal memo (`ClusterIndex.refusal_memo`)."""
+        if self._memo is None:
+            self._memo = self.index.refusal_memo(self.memo_key())
+        return self._memo
+
+    def _known(self, slots: list[int]) -> np.ndarray | None:
+        """Which of these candidates (more than a head's worth) have their refusal of this
+        request remembered at their current row (and no HAMi pods: worded one by one)."""
+        if len(slots) < _BULK:
+            return None
+        index = self.index
+        array = np.asarray(slots, dtype=np.int64)
+        versions = index.row_version[array]
+        known = index.refused_at[array] == versions
+        if not known.any():
+            return known
+        memo = self.memo()
+        known &= (memo.stamp[array] == versions) & (memo.reason[array] != FITS)
+        if index.foreign:
+            known &= ~np.isin(array, [index.slot_of.get(n, -1) for n in index.foreign])
+        return known
+
+    def _record_known(self, slots: np.ndarray) -> None:
+        """Word the remembered refusals of these nodes (in this order), as `record` would."""
+        memo = self.memo()
+        found = memo.reason[slots]
+        texts = memo.text_array()[found].tolist()
+        self.failed.update(zip(self.index.names_at[slots].tolist(), texts, strict=True))
+        counts = np.bincount(found)
+        for reason_id in np.flatnonzero(counts).tolist():
+            nodes = int(counts[reason_id])
+            for name in memo.names[reason_id]:
+                self.reason_counts[name] += nodes
 
     def memo_key(self) -> str:
         """What a node's refusal depends on besides its cards (`ClusterIndex.refusal_memo`)."""
@@ -96,7 +155,7 @@ class Decision:
         index = self.index
         slots = np.asarray(list(self.pruned), dtype=np.int64)  # type: ignore[call-overload]
         if len(slots):
-            memo = index.refusal_memo(self.memo_key())
+            memo = self.memo()
             versions = index.row_version[slots]
             foreign = [index.slot_of.get(name, -1) for name in index.foreign]
             special = np.isin(slots, foreign) if foreign else None

@@ -153,6 +153,9 @@ class NodeNamesCache:
         return known
 
 
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
 class NameTable:
     """Every registered node's name as bytes, for resolving a `nodenames` array straight from
     the body's bytes (kube-scheduler's lists change every cycle: a new list of 20,000 names
@@ -216,11 +219,20 @@ class NameTable:
         lengths = ends - starts
         if int(lengths.max()) > self.width:
             return None
-        offsets = np.arange(self.width, dtype=np.int64)
-        inside = offsets < lengths[:, None]
-        gathered = raw[np.where(inside, starts[:, None] + offsets, 0)]
-        gathered[~inside] = 0
-        words = gathered.view(np.uint64)
+        # Each name's words read straight from the bytes: a uint64 view at every byte offset
+        # (unaligned, stride 1; 8 zero bytes appended so the last word stays inside), the
+        # bytes past the name's end masked off (as the table's names are zero-padded).
+        padded = array + bytes(8)
+        at_byte = np.ndarray((len(padded) - 7,), dtype=np.uint64, buffer=padded, strides=(1,))
+        words = np.empty((len(starts), self.width // 8), dtype=np.uint64)
+        last = len(at_byte) - 1
+        for column in range(self.width // 8):
+            left = np.clip(lengths - 8 * column, 0, 8).astype(np.uint64)
+            mask = np.where(left >= 8, _ALL, (np.uint64(1) << (left * np.uint64(8))) - np.uint64(1))
+            where = starts + 8 * column if column else starts
+            if column:  # (a shorter name's later words are masked off whole: read anywhere)
+                np.minimum(where, last, out=where)
+            words[:, column] = at_byte[where] & mask
         hashes = self._hash(words, lengths)
         at = np.searchsorted(self.hashes, hashes)
         np.minimum(at, len(self.hashes) - 1, out=at)
