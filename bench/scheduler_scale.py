@@ -1,8 +1,12 @@
 """Scheduler at scale (issue 14, Scale): pods/s end to end, restart to ready and RSS at 5,000 to
 20,000 nodes × 8 GPUs, and the placement decision's p99 at 5,000 nodes.
 
-The end-to-end run is `bench/scheduler.py`'s (filter with every node name, then bind, 32 pods in
-flight, the real NATS ledger, a fake agent releasing each claim as Allocate does). Around it:
+The end-to-end run is `bench/scheduler.py`'s (filter, then bind, 32 pods in flight, the real NATS
+ledger, a fake agent releasing each claim as Allocate does), called as kube-scheduler calls the
+extender (`kube_lists.py`): `BENCH_LISTS=window` (default: its rotating percentageOfNodesToScore
+window), `full` (a fresh full list per call) or `same` (the identical full list every call: the
+best case, labelled so), with `BENCH_UNSCHEDULABLE` (0.1) of the pods fitting no node, retried
+with kube-scheduler's backoff (1 s doubling to 10 s). Around it:
 
 - start to ready: the scheduler process spawned against the populated KV until /readyz answers
   200 (imports, syncing the nodes and ledger buckets, the rebuild from pods);
