@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import os
@@ -587,7 +586,6 @@ async def drive(
     latencies: list[float] = []
     splits: list[tuple[float, float, str]] = []
     outcomes = {"bound": 0, "refused": 0, "bind_errors": 0, "unfit_calls": 0}
-    gate = asyncio.Semaphore(E2E_CONCURRENCY)
     kube = KubeLists(names, lists)
     encoded: dict[tuple[int, int], bytes] = {}  # kube-scheduler builds the list in Go: cached
     same = json.dumps(names, separators=COMPACT).encode()
@@ -608,47 +606,63 @@ async def drive(
         return await rng.choice(clients).post("/filter", body)
 
     async def one(spec: dict[str, Any]) -> None:
-        async with gate:
-            started = time.perf_counter()
-            result = await filter_call(spec)
-            if not result.get("nodenames"):
-                outcomes["refused"] += 1
-                return
-            meta = spec["metadata"]
-            filtered_at = time.perf_counter()
-            bound = await rng.choice(clients).post("/bind", json.dumps({
-                "PodName": meta["name"], "PodNamespace": meta["namespace"],
-                "PodUID": meta["uid"], "Node": result["nodenames"][0],
-            }).encode())  # fmt: skip
-            latencies.append(time.perf_counter() - started)
-            splits.append((filtered_at - started, time.perf_counter() - filtered_at,
-                           result["nodenames"][0]))  # fmt: skip
-            outcomes["bound" if not bound["Error"] else "bind_errors"] += 1
+        started = time.perf_counter()
+        result = await filter_call(spec)
+        if not result.get("nodenames"):
+            outcomes["refused"] += 1
+            return
+        meta = spec["metadata"]
+        filtered_at = time.perf_counter()
+        bound = await rng.choice(clients).post("/bind", json.dumps({
+            "PodName": meta["name"], "PodNamespace": meta["namespace"],
+            "PodUID": meta["uid"], "Node": result["nodenames"][0],
+        }).encode())  # fmt: skip
+        latencies.append(time.perf_counter() - started)
+        splits.append((filtered_at - started, time.perf_counter() - filtered_at,
+                       result["nodenames"][0]))  # fmt: skip
+        outcomes["bound" if not bound["Error"] else "bind_errors"] += 1
 
-    async def pending(spec: dict[str, Any], delay: float) -> None:
-        """An unschedulable pod: tried, refused, retried after its backoff until the run ends."""
-        await asyncio.sleep(delay)
-        attempts = 0
+    # kube-scheduler's queue: the pods in order, an unschedulable one after every ~9 others;
+    # a refused one goes back at the end of the queue once its backoff has passed.
+    unfit = unfit or []
+    queue: asyncio.Queue[tuple[dict[str, Any], int]] = asyncio.Queue()  # (pod, -1 or attempts)
+    every = max(1, len(pods) // max(1, len(unfit)))
+    pending = iter(unfit)
+    for i, spec in enumerate(pods):
+        queue.put_nowait((spec, -1))
+        if i % every == every - 1:
+            extra = next(pending, None)
+            if extra is not None:
+                queue.put_nowait((extra, 0))
+    for extra in pending:
+        queue.put_nowait((extra, 0))
+    left = [len(pods)]
+    loop = asyncio.get_running_loop()
+
+    async def worker() -> None:
         while not done.is_set():
-            async with gate:
-                if done.is_set():
-                    return
-                result = await filter_call(spec)
-            outcomes["unfit_calls"] += 1
-            if result.get("nodenames"):  # placed after all: counted, no longer pending
+            spec, attempts = await queue.get()
+            if attempts < 0:
+                await one(spec)
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+                continue
+            if done.is_set():
                 return
-            attempts += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), backoff_s(attempts))
+            result = await filter_call(spec)
+            outcomes["unfit_calls"] += 1
+            if not result.get("nodenames"):
+                loop.call_later(backoff_s(attempts + 1), queue.put_nowait, (spec, attempts + 1))
 
     started = time.perf_counter()
-    unfit = unfit or []
-    spacing = 0.5 * len(pods) / max(1, len(unfit)) / 400  # seconds: spread over the first half
-    waiting = [asyncio.ensure_future(pending(s, i * spacing)) for i, s in enumerate(unfit)]
-    await asyncio.gather(*(one(s) for s in pods))
+    workers = [asyncio.ensure_future(worker()) for _ in range(E2E_CONCURRENCY)]
+    await done.wait()
     elapsed = time.perf_counter() - started
-    done.set()
-    await asyncio.gather(*waiting)
+    for task in workers:  # (idle ones wait on the queue; busy ones end after their call)
+        if not task.done():
+            queue.put_nowait(({}, 0))
+    await asyncio.gather(*workers)
     if os.environ.get("BENCH_DEBUG"):
         per_node = Counter(row[2] for row in splits)
         print(f"pods on {len(per_node)} nodes, most on one: {per_node.most_common(3)}")
