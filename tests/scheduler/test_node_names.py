@@ -102,7 +102,7 @@ def test_a_list_of_registered_nodes_resolves_from_its_bytes(names: list[str]) ->
     # and a filter body with it: the same as parsing the whole body, resolved
     body = json.dumps({"pod": POD, "nodenames": names * (1 + 8192 // len(array))},
                       separators=(",", ":"), ensure_ascii=False).encode()  # fmt: skip
-    data = NodeNamesCache(100_000, resolver=index.names_from_bytes).parse(body)  # type: ignore[attr-defined]
+    data = NodeNamesCache(100_000, resolver=index.names_from_bytes, resolve_from=0).parse(body)  # type: ignore[attr-defined]
     assert data == full(body)
     assert data is not None and data["nodenames"].resolved is not None
 
