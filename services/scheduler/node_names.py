@@ -31,10 +31,11 @@ _WS = b" \t\r\n"
 _MIN_BYTES = 4096  # shorter lists are cheap to parse; not worth remembering
 _REMEMBERED = 4
 _tokens = itertools.count(1)
-# A new array this long or longer is resolved from its bytes (NameTable); a shorter one is
-# decoded and looked up name by name, which costs as little or less (measured: 500 names
-# 0.08 vs 0.28 ms, 5,000 names about even, 20,000 names the bytes ahead; bench/RESULTS.md).
-_RESOLVE_FROM = 100_000
+# A new array this long or longer is resolved from its bytes (NameTable). Every remembered
+# array is (`_MIN_BYTES` and up): its parse costs more than decoding (500 names 0.28 vs 0.08
+# ms), but the decision then looks no name up, and parse + decision is cheaper at 500, 5,000
+# and 20,000 names (bench/RESULTS.md, "scheduler as kube-scheduler calls it").
+_RESOLVE_FROM = 0
 
 
 class NodeNames(list[str]):
