@@ -12,6 +12,13 @@ After each call, untimed, what the service's loop runs once a decision has answe
 
     python bench/decision_lockstep.py REV_BEFORE [REV_AFTER] [bench|varied]
 
+The candidates are kube-scheduler's (`kube_lists.py`, `BENCH_LISTS`: `window` by default, the
+rotating `percentageOfNodesToScore` window; `full`, a fresh full list each call; `same`, the
+identical list every call, the best case), each call's body parsed by each version's
+`NodeNamesCache` (timed apart: "list parse"). `BENCH_NODES` (5000), `BENCH_PODS` (2000),
+`BENCH_UNSCHEDULABLE` (0.1: that share of the calls are retries of a backlog of 20 pods no node
+fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
+
 A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
 the decision includes, are extracted to a temporary directory) or `worktree` (the checkout's
 own). Default: HEAD against the worktree, varied trace. The traces and cluster are
@@ -22,8 +29,11 @@ Printed, not recorded.
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +52,7 @@ from tessera.models import Allocation  # noqa: E402
 from tessera.settings import TesseraSettings  # noqa: E402
 
 MODULES = ("decide", "index", "node_names", "rules", "gc_policy")
+MAX_CANDIDATES = 100_000  # api.MAX_CANDIDATES
 
 
 def source(rev: str, into: Path) -> Path:
@@ -92,32 +103,41 @@ def main() -> None:
     trace_name = args.pop() if args and args[-1] in ("bench", "varied") else "varied"
     before_rev = args[0] if args else "HEAD"
     after_rev = args[1] if len(args) > 1 else "worktree"
+    from kube_lists import COMPACT, KubeLists
+
     settings = TesseraSettings()
+    nodes = int(os.environ.get("BENCH_NODES", "5000"))
+    count = int(os.environ.get("BENCH_PODS", "2000"))
+    mode = os.environ.get("BENCH_LISTS", "window")
+    share = float(os.environ.get("BENCH_UNSCHEDULABLE", "0.1"))
     if trace_name == "bench":
         pods: list[tuple[dict[str, Any], str | None]] = [
-            (pod, None) for pod in scheduler_scale.trace(2000)
+            (pod, None) for pod in scheduler_scale.trace(count)
         ]
     else:
-        pods = bench.decision_trace(2000)
+        pods = bench.decision_trace(count)
+    pods = bench.with_backlog(pods, share)
     with tempfile.TemporaryDirectory() as tmp:
         versions = {}
         for label, rev in (("before", before_rev), ("after", after_rev)):
             into = Path(tmp) / label
             into.mkdir()
             versions[label] = load(label, source(rev, into))
-        registrations, ledgers = bench.build_cluster(5000)
+        registrations, ledgers = bench.build_cluster(nodes)
         every = [r.node for r in registrations]
+        members = {pool: bench.pool_members(every, pool) for pool in bench.POOLS}
+        members_set = {pool: frozenset(m) for pool, m in members.items()}
+        kube = KubeLists(every, mode)
         state = {}
         for label, m in versions.items():
             index = m["index"].ClusterIndex()
             for r, ledger in zip(registrations, ledgers, strict=True):
                 index.set_registration(r.node, r, 0.0)
                 index.set_ledger(r.node, ledger, 1, 0.0)
-            lists = {}
-            for token, pool in enumerate([None, *bench.POOLS], start=1):
-                lists[pool] = m["node_names"].NodeNames(bench.pool_members(every, pool))
-                lists[pool].token = 10**9 + token
-            state[label] = (index, lists)
+            resolver = getattr(index, "names_from_bytes", None)  # (as its api.py passes it)
+            names_cache = (m["node_names"].NodeNamesCache(MAX_CANDIDATES, resolver=resolver)
+                           if resolver else m["node_names"].NodeNamesCache(MAX_CANDIDATES))
+            state[label] = (index, names_cache)
         del registrations, ledgers
         gc.collect()
         gc.freeze()
@@ -126,19 +146,33 @@ def main() -> None:
         policy.install()
         collect_at = time.perf_counter() + policy.interval_s
         cpu: dict[str, list[float]] = {"before": [], "after": []}
+        refused: dict[str, list[float]] = {"before": [], "after": []}
+        parse: dict[str, list[float]] = {"before": [], "after": []}
+        both: dict[str, list[float]] = {"before": [], "after": []}  # list parse + decision
         placed: dict[str, list[Any]] = {"before": [], "after": []}
+        reasons: dict[str, list[Any]] = {"before": [], "after": []}
 
-        def decide_one(label: str, spec: dict[str, Any], pool: str | None, i: int) -> None:
-            m, (index, lists) = versions[label], state[label]
+        def decide_one(label: str, spec: dict[str, Any], body: bytes, i: int) -> None:
+            m, (index, names_cache) = versions[label], state[label]
+            started = time.thread_time()
+            parsed = names_cache.parse(body)
+            candidates = (parsed or json.loads(body))["nodenames"]
+            parsed_in = time.thread_time() - started
+            if i >= bench.WARMUP:
+                parse[label].append(parsed_in)
             started = time.thread_time()
             request = m["hami"].parse_pod_request(spec, settings)
             options = m["rules"].parse_pod_options(spec, settings)
-            decision = m["decide"].decide(index, request, options, lists[pool])
+            decision = m["decide"].decide(index, request, options, candidates)
             chosen = next(decision.fits(), None)
             if chosen is None:
                 decision.explain_rest()
+                if i >= bench.WARMUP:
+                    refused[label].append(time.thread_time() - started)
+                reasons[label].append(sorted(decision.failed.items()))
             elif i >= bench.WARMUP:
                 cpu[label].append(time.thread_time() - started)
+                both[label].append(cpu[label][-1] + parsed_in)
             tidy_between_calls(index)
             if chosen is None:
                 placed[label].append(None)
@@ -156,19 +190,32 @@ def main() -> None:
 
         load_before = scheduler_scale.loadavg()
         for i, (spec, pool) in enumerate(pods):
+            window = kube.next(None if pool is None else members[pool] if mode == "same"
+                               else members_set[pool])  # fmt: skip
+            listed = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+            body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
             for label in ("before", "after") if i % 2 else ("after", "before"):
-                decide_one(label, spec, pool, i)
+                decide_one(label, spec, body, i)
                 if time.perf_counter() >= collect_at:
                     policy.collect()
                     collect_at = time.perf_counter() + policy.interval_s
         gc.set_threshold(*thresholds)
+    def ms(values: list[float], q: float) -> str:
+        return f"{bench.percentile(values, q) * 1000:.3f}" if values else "-"
+
     figures = " | ".join(
-        f"{label} ({rev}) n {len(v)} CPU p50 {bench.percentile(v, 0.5) * 1000:.3f} "
-        f"p99 {bench.percentile(v, 0.99) * 1000:.3f} ms"
-        for (label, v), rev in zip(cpu.items(), (before_rev, after_rev), strict=True)
+        f"{label} ({rev}) n {len(cpu[label])} CPU p50 {ms(cpu[label], 0.5)} "
+        f"p99 {ms(cpu[label], 0.99)} ms; refused n {len(refused[label])} CPU p50 "
+        f"{ms(refused[label], 0.5)} p99 {ms(refused[label], 0.99)} ms; list parse p50 "
+        f"{ms(parse[label], 0.5)} p99 {ms(parse[label], 0.99)} ms; placed, list parse + "
+        f"decision p50 {ms(both[label], 0.5)} p99 {ms(both[label], 0.99)} ms"
+        for label, rev in (("before", before_rev), ("after", after_rev))
     )
-    print(f"{trace_name} trace, load {load_before} -> {scheduler_scale.loadavg()}, identical "
-          f"placements: {placed['before'] == placed['after']} | {figures}")  # fmt: skip
+    digest = hashlib.sha256(repr(placed["after"]).encode()).hexdigest()[:10]
+    print(f"{trace_name} trace, {nodes} nodes, lists {mode}, unschedulable share {share}, load "
+          f"{load_before} -> {scheduler_scale.loadavg()}, identical placements: "
+          f"{placed['before'] == placed['after']} (digest {digest}), identical reasons: "
+          f"{reasons['before'] == reasons['after']} | {figures}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -167,14 +167,60 @@ def decision_trace(count: int, seed: int = 4) -> list[tuple[dict[str, Any], str 
     return pods
 
 
+def unfit_pods(count: int, seed: int = 6) -> list[dict[str, Any]]:
+    """Pods no node of the bench cluster can take (every card is about half used, none idle):
+    48-72 GiB on one card, a whole card's cores, 9 cards, or a GPU type the cluster lacks. A
+    backlog of pending pods, as GPU clusters routinely hold."""
+    rng = random.Random(seed)
+    shapes: list[tuple[dict[str, Any], dict[str, str]]] = [
+        ({"nvidia.com/gpu": 1, "nvidia.com/gpumem": rng.choice([48, 64, 72]) * GIB}, {}),
+        ({"nvidia.com/gpu": rng.choice([1, 2]), "nvidia.com/gpucores": 100}, {}),
+        ({"nvidia.com/gpu": 9, "nvidia.com/gpumem": GIB}, {}),
+        ({"nvidia.com/gpu": 1, "nvidia.com/gpumem": 4 * GIB},
+         {"nvidia.com/use-gputype": "A100"}),
+    ]  # fmt: skip
+    pods = []
+    for i in range(count):
+        limits, annotations = shapes[i % len(shapes)]
+        pods.append({
+            "metadata": {"name": f"unfit-{seed}-{i}", "namespace": "bench",
+                         "uid": f"unfit-{seed}-{i}", "annotations": dict(annotations)},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": dict(limits)}}]},
+        })  # fmt: skip
+    return pods
+
+
+def with_backlog(
+    pods: list[tuple[dict[str, Any], str | None]], share: float, backlog: int = 20, seed: int = 7
+) -> list[tuple[dict[str, Any], str | None]]:
+    """`pods` with retries of a backlog of `backlog` unschedulable pods mixed in, `share` of
+    the calls (kube-scheduler retries each after its backoff; here as calls between others)."""
+    if share <= 0:
+        return pods
+    rng = random.Random(seed)
+    unfit = unfit_pods(backlog)
+    out: list[tuple[dict[str, Any], str | None]] = []
+    for pod in pods:
+        out.append(pod)
+        while rng.random() < share:
+            out.append((rng.choice(unfit), None))
+    return out
+
+
 def run_decisions(
-    nodes: int, pods: list[tuple[dict[str, Any], str | None]], warmup: int = WARMUP
+    nodes: int, pods: list[tuple[dict[str, Any], str | None]], warmup: int = WARMUP,
+    lists: str = "same",
 ) -> dict[str, Any]:
     """What the filter does for one pod given the index (parse the pod, prune, order, fit until a
     node fits; for a refused pod, every node's reason too), timed per pod by this thread's CPU
-    time and by the wall clock together. Candidates: every node, or a label pool's, handed over
-    as the extender's HTTP layer does (one list object with a token per distinct list)."""
-    from tessera.scheduler.node_names import NodeNames
+    time and by the wall clock together. Candidates as kube-scheduler sends them
+    (`kube_lists.KubeLists`, mode `lists`: a rotating window, a fresh full list, or the same
+    list every call), of every node or a label pool's, handed over as the extender's HTTP layer
+    does: `NodeNamesCache.parse` of the call's body, timed apart (`parse_cpu_*`: the list's
+    bytes are new on almost every call but in mode `same`)."""
+    from kube_lists import COMPACT, KubeLists
+    from tessera.scheduler.api import MAX_CANDIDATES
+    from tessera.scheduler.node_names import NodeNamesCache
 
     settings = TesseraSettings()
     registrations, ledgers = build_cluster(nodes)
@@ -183,10 +229,12 @@ def run_decisions(
         index.set_registration(r.node, r, 0.0)
         index.set_ledger(r.node, ledger, 1, 0.0)
     every = [r.node for r in registrations]
-    lists: dict[str | None, NodeNames] = {}
-    for token, pool in enumerate([None, *POOLS], start=1):
-        lists[pool] = NodeNames(pool_members(every, pool))
-        lists[pool].token = 10**9 + token
+    members = {pool: pool_members(every, pool) for pool in POOLS}
+    members_set = {pool: frozenset(m) for pool, m in members.items()}
+    kube = KubeLists(every, lists)
+    names_cache = NodeNamesCache(MAX_CANDIDATES, resolver=index.names_from_bytes)  # as api.py
+    parse_cpu: list[float] = []
+    listed: list[int] = []
     del registrations, ledgers
     gc.collect()
     gc.freeze()  # as the service does once its index is synced
@@ -200,10 +248,21 @@ def run_decisions(
     refused: list[float] = []
     placements: list[tuple[str, list[list[str]]] | None] = []
     for i, (spec, pool) in enumerate(pods):
+        window = kube.next(None if pool is None else members[pool] if lists == "same"
+                           else members_set[pool])  # fmt: skip
+        listed = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
+        started_cpu = time.thread_time()
+        parsed = names_cache.parse(body)
+        # (a short list is not remembered: the extender parses the whole body)
+        candidates = parsed["nodenames"] if parsed is not None else json.loads(body)["nodenames"]
+        if i >= warmup:
+            parse_cpu.append(time.thread_time() - started_cpu)
+            listed.append(len(candidates))
         started_cpu, started = time.thread_time(), time.perf_counter()
         request = hami.parse_pod_request(spec, settings)
         options = parse_pod_options(spec, settings)
-        decision = decide(index, request, options, lists[pool])
+        decision = decide(index, request, options, candidates)
         chosen = next(decision.fits(), None)
         if chosen is None:
             decision.explain_rest()
@@ -236,6 +295,10 @@ def run_decisions(
         "p50_ms": percentile(wall, 0.50) * 1000, "p99_ms": percentile(wall, 0.99) * 1000,
         "refused": len(refused),
         "refused_cpu_p50_ms": percentile(refused, 0.5) * 1000 if refused else 0.0,
+        "refused_cpu_p99_ms": percentile(refused, 0.99) * 1000 if refused else 0.0,
+        "parse_cpu_p50_ms": percentile(parse_cpu, 0.5) * 1000,
+        "parse_cpu_p99_ms": percentile(parse_cpu, 0.99) * 1000,
+        "listed_mean": sum(listed) / max(1, len(listed)), "lists": lists,
         "placements": placements,
     }  # fmt: skip
 
@@ -510,39 +573,97 @@ async def wait_ready(client: Any) -> None:
 
 
 async def drive(
-    clients: list[Any], pods: list[dict[str, Any]], names: list[str], rng: random.Random
+    clients: list[Any], pods: list[dict[str, Any]], names: list[str], rng: random.Random,
+    lists: str = "same", unfit: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Filter then bind every pod, E2E_CONCURRENCY at a time; each call goes to any replica, as
-    through a Service in front of them."""
+    through a Service in front of them. The candidates are kube-scheduler's for each cycle
+    (`kube_lists.KubeLists`, mode `lists`). `unfit`: pods no node takes, mixed in (in the first
+    half of the run, one after every ~9 of `pods`) and retried after kube-scheduler's backoff
+    (1 s, doubling, at most 10 s) until every pod of `pods` is placed; pods/s and latency
+    count `pods` only, the refused calls are counted apart."""
+    from kube_lists import COMPACT, KubeLists, backoff_s
+
     latencies: list[float] = []
     splits: list[tuple[float, float, str]] = []
-    outcomes = {"bound": 0, "refused": 0, "bind_errors": 0}
-    gate = asyncio.Semaphore(E2E_CONCURRENCY)
-    # kube-scheduler builds the list from its node cache; it is encoded here once, not per call
-    names_json = json.dumps(names).encode()
+    outcomes = {"bound": 0, "refused": 0, "bind_errors": 0, "unfit_calls": 0}
+    kube = KubeLists(names, lists)
+    encoded: dict[tuple[int, int], bytes] = {}  # kube-scheduler builds the list in Go: cached
+    same = json.dumps(names, separators=COMPACT).encode()
+    done = asyncio.Event()
+
+    def names_json() -> bytes:
+        if lists == "same":
+            return same
+        key = (kube.start, len(names))
+        window = kube.next()
+        body = encoded.get(key)
+        if body is None:
+            body = encoded[key] = json.dumps(window, separators=COMPACT).encode()
+        return body
+
+    async def filter_call(spec: dict[str, Any]) -> dict[str, Any]:
+        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), names_json())
+        return await rng.choice(clients).post("/filter", body)
 
     async def one(spec: dict[str, Any]) -> None:
-        async with gate:
-            started = time.perf_counter()
-            body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), names_json)
-            result = await rng.choice(clients).post("/filter", body)
-            if not result.get("nodenames"):
-                outcomes["refused"] += 1
+        started = time.perf_counter()
+        result = await filter_call(spec)
+        if not result.get("nodenames"):
+            outcomes["refused"] += 1
+            return
+        meta = spec["metadata"]
+        filtered_at = time.perf_counter()
+        bound = await rng.choice(clients).post("/bind", json.dumps({
+            "PodName": meta["name"], "PodNamespace": meta["namespace"],
+            "PodUID": meta["uid"], "Node": result["nodenames"][0],
+        }).encode())  # fmt: skip
+        latencies.append(time.perf_counter() - started)
+        splits.append((filtered_at - started, time.perf_counter() - filtered_at,
+                       result["nodenames"][0]))  # fmt: skip
+        outcomes["bound" if not bound["Error"] else "bind_errors"] += 1
+
+    # kube-scheduler's queue: the pods in order, an unschedulable one after every ~9 others;
+    # a refused one goes back at the end of the queue once its backoff has passed.
+    unfit = unfit or []
+    queue: asyncio.Queue[tuple[dict[str, Any], int]] = asyncio.Queue()  # (pod, -1 or attempts)
+    every = max(1, len(pods) // max(1, len(unfit)))
+    pending = iter(unfit)
+    for i, spec in enumerate(pods):
+        queue.put_nowait((spec, -1))
+        if i % every == every - 1:
+            extra = next(pending, None)
+            if extra is not None:
+                queue.put_nowait((extra, 0))
+    for extra in pending:
+        queue.put_nowait((extra, 0))
+    left = [len(pods)]
+    loop = asyncio.get_running_loop()
+
+    async def worker() -> None:
+        while not done.is_set():
+            spec, attempts = await queue.get()
+            if attempts < 0:
+                await one(spec)
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+                continue
+            if done.is_set():
                 return
-            meta = spec["metadata"]
-            filtered_at = time.perf_counter()
-            bound = await rng.choice(clients).post("/bind", json.dumps({
-                "PodName": meta["name"], "PodNamespace": meta["namespace"],
-                "PodUID": meta["uid"], "Node": result["nodenames"][0],
-            }).encode())  # fmt: skip
-            latencies.append(time.perf_counter() - started)
-            splits.append((filtered_at - started, time.perf_counter() - filtered_at,
-                           result["nodenames"][0]))  # fmt: skip
-            outcomes["bound" if not bound["Error"] else "bind_errors"] += 1
+            result = await filter_call(spec)
+            outcomes["unfit_calls"] += 1
+            if not result.get("nodenames"):
+                loop.call_later(backoff_s(attempts + 1), queue.put_nowait, (spec, attempts + 1))
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(s) for s in pods))
+    workers = [asyncio.ensure_future(worker()) for _ in range(E2E_CONCURRENCY)]
+    await done.wait()
     elapsed = time.perf_counter() - started
+    for task in workers:  # (idle ones wait on the queue; busy ones end after their call)
+        if not task.done():
+            queue.put_nowait(({}, 0))
+    await asyncio.gather(*workers)
     if os.environ.get("BENCH_DEBUG"):
         per_node = Counter(row[2] for row in splits)
         print(f"pods on {len(per_node)} nodes, most on one: {per_node.most_common(3)}")
@@ -552,6 +673,7 @@ async def drive(
         "n": len(pods), **outcomes, "elapsed_s": elapsed, "pods_per_s": len(pods) / elapsed,
         "p50_ms": percentile(latencies, 0.5) * 1000 if latencies else 0.0,
         "p99_ms": percentile(latencies, 0.99) * 1000 if latencies else 0.0,
+        "lists": lists, "unfit": len(unfit),
     }  # fmt: skip
 
 

@@ -138,7 +138,10 @@ class Extender:
         self.refusing = refusing
         self.guard = guard
         self.gate = gate
-        self.names_cache = NodeNamesCache(MAX_CANDIDATES)
+        # a list kube-scheduler has not sent before is resolved from its bytes where it can be
+        self.names_cache = NodeNamesCache(
+            MAX_CANDIDATES, resolver=scheduler.index.names_from_bytes
+        )
         probes: dict[str, tuple[str, Handler]] = {
             "/healthz": ("GET", self.healthz),
             "/readyz": ("GET", self.readyz),

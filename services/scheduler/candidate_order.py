@@ -221,6 +221,63 @@ def walk(
             size *= GROWTH
 
 
+def fresh_walk(
+    keys: np.ndarray, busy: np.ndarray | None,
+    possible: Callable[[np.ndarray], np.ndarray],
+) -> Iterator[list[int] | np.ndarray]:
+    """`walk` for a list seen for the first time (kube-scheduler's rotating window, a list
+    changed by feasibility): the same positions in the same order, with no kept order to
+    start from and none built (a list used once never pays for a sort of every candidate).
+    `keys`: sign × score by position; `possible(positions)`: the bounds' verdict there.
+
+    Per group (the non-busy, then the busy), rounds of the smallest keys: the `BLOCK`
+    smallest (every position tied with the largest of them included, so each round holds
+    exactly the keys up to a threshold and every later one sorts after it), then 4× more of
+    the rest, ...; each round's possible positions sorted by (key, position). A round is an
+    O(n) partition, so a call that fits among the first candidates costs O(n) numpy work
+    with a small constant; one that walks them all ~O(n log n). The first `HEAD` come as a
+    Python list (checked one by one), the rest as arrays."""
+    groups: tuple[bool | None, ...] = (None,) if busy is None else (False, True)
+    head_given = False
+    for group in groups:
+        if group is None:
+            positions = np.arange(len(keys), dtype=np.int64)
+            group_keys = keys
+        else:
+            positions = np.flatnonzero(busy == group)
+            group_keys = keys[positions]
+        size = BLOCK
+        while len(positions):
+            if len(positions) > 4 * size:
+                threshold = np.partition(group_keys, size - 1)[size - 1]
+                near = group_keys <= threshold
+                taken, taken_keys = positions[near], group_keys[near]
+                far = ~near
+                positions, group_keys = positions[far], group_keys[far]
+            else:
+                taken, taken_keys = positions, group_keys
+                positions = positions[:0]
+            ok = possible(taken)
+            taken, taken_keys = taken[ok], taken_keys[ok]
+            if len(taken):
+                taken = taken[np.lexsort((taken, taken_keys))]
+                if not head_given:
+                    head_given = True
+                    yield taken[:HEAD].tolist()
+                    taken = taken[HEAD:]
+                start, chunk = 0, CHUNK
+                while start < len(taken):
+                    yield taken[start : start + chunk]
+                    start += chunk
+                    chunk *= GROWTH
+            size *= GROWTH
+
+
+def fresh_order(keys: np.ndarray, busy: np.ndarray | None) -> np.ndarray:
+    """Every position in policy order (busy ones last), for a list walked by `fresh_walk`."""
+    return np.lexsort((keys, busy)) if busy is not None else np.argsort(keys, kind="stable")
+
+
 def _given(mask: np.ndarray) -> Callable[[np.ndarray | None], np.ndarray]:
     def at(positions: np.ndarray | None) -> np.ndarray:
         return mask if positions is None else mask[positions]

@@ -22,7 +22,14 @@ import numpy as np
 from tessera.models import ACTIVE_STATES, AllocationState, NodeLedger, NodeRegistration
 
 from .bulk_rows import rows_of
-from .candidate_order import PolicyOrder, full_order, policy_sign, walk
+from .candidate_order import (
+    PolicyOrder,
+    fresh_order,
+    fresh_walk,
+    full_order,
+    policy_sign,
+    walk,
+)
 from .card_summaries import Cards, Need, joint_mask, row_holds, row_joint, summary_mask
 from .cards import (
     Card,
@@ -34,7 +41,9 @@ from .cards import (
     node_score,
     recharged,
 )
+from .node_names import NameTable
 from .node_usage import NodeUsage
+from .refusal_memo import RefusalMemo, RefusalMemos
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -210,6 +219,14 @@ def _possible(
     return possible
 
 
+def _possible_at(
+    bounds: dict[str, np.ndarray], needs: list[Need], slots: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """`_possible` of the candidates at `positions` of a list of `slots`, read from the
+    index's own arrays (`bounds`, by slot)."""
+    return _possible(bounds, needs, slots[positions])
+
+
 class _Columns:
     """The per-node values a decision orders by (score, busy), gathered in one candidate list's
     order and kept current from the index's log of written rows, and the list's order under
@@ -331,14 +348,26 @@ class _Ordering:
         self.slots = slots
         self.needs = needs
         self.together = together
-        columns = index._columns(slots)
-        self.snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
-        # as it was when ordered (the policy order's)
-        self.busy: np.ndarray | None = columns.arrays["busy"].copy() if avoid_busy else None
         self.survivors: list[int] = []
         self.checked = 0  # candidates checked against the per-card summaries so far
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
         self._head: list[int] = []  # positions of a walked head not checked yet
+        self._keys: np.ndarray | None = None  # (a fresh list's: sign × score by position)
+        if not index.repeated(slots):
+            # A list seen for the first time (kube-scheduler's rotating window): its values
+            # read straight from the index where the walk gets to, nothing kept for it.
+            self.snapshot: tuple[np.ndarray, ...] = ()
+            index._grow_bounds()
+            self._keys = policy_sign(node_policy) * index.scores[slots]
+            self.busy: np.ndarray | None = index.busy[slots] if avoid_busy else None
+            bounds = {name: getattr(index, name) for name in _Columns.NAMES}
+            self._pending = fresh_walk(self._keys, self.busy,
+                                       partial(_possible_at, bounds, needs, slots))  # fmt: skip
+            return
+        columns = index._columns(slots)
+        self.snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
+        # as it was when ordered (the policy order's)
+        self.busy = columns.arrays["busy"].copy() if avoid_busy else None
         # (the bounds are read where the walk gets to, when it gets there: the head's first)
         self._pending = walk(self.snapshot, self.busy, partial(_possible, columns.arrays, needs))
 
@@ -374,7 +403,10 @@ class _Ordering:
         a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
             pass
-        order = full_order(self.snapshot, self.busy)
+        if self._keys is not None:
+            order = fresh_order(self._keys, self.busy)
+        else:
+            order = full_order(self.snapshot, self.busy)
         return self.slots[order[~self.passed[order]]].tolist()
 
     def views(self) -> tuple[Ordered, Pruned]:
@@ -438,6 +470,12 @@ class ClusterIndex:
         self.foreign: dict[str, Any] = {}
         self.topology_version = 0
         self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
+        # id of a cached candidate array -> how many calls resolved to it (`repeated`)
+        self._resolved: dict[int, int] = {}
+        # name -> slot of every registered node (what `resolve` looks names up in), kept as
+        # nodes register, go and are forgotten (never rebuilt per call)
+        self.slot_of: dict[str, int] = {}
+        self._name_table: tuple[int, NameTable] | None = None  # (topology version, table)
         self._changed: dict[str, asyncio.Event] = {}
         # One row per node, one column per card: what each card can still give (-1 = a card
         # that takes no pod: unhealthy, cordoned, out of slots, MIG, or no card at all).
@@ -455,7 +493,15 @@ class ClusterIndex:
         self._column_cache = _ColumnCache()
         # slot -> (cards, request key, reason text, reason names) of the last refusal found
         # there (decide.Decision.explain_rest); valid while the node's cards are the same list
-        self.refusals: dict[int, tuple[list[Card], str, str, tuple[str, ...]]] = {}
+        # Per distinct request, the reason each node refused it for, valid while the node's row
+        # is the one it was found on (`row_version`: advanced by every write of the row).
+        self.refusal_memos = RefusalMemos()
+        self.row_version = np.zeros(capacity, dtype=np.int64)
+        self._version_clock = 0
+        # the row version at which some request's refusal was last remembered there (a slot
+        # where it is not the current version has nothing to look up: `Decision.fits`)
+        self.refused_at = np.full(capacity, -1, dtype=np.int64)
+        self.names_at = np.full(capacity, None, dtype=object)  # slot -> node name
 
     # --- updates from the watches -----------------------------------------------------------
     def _entry(self, node: str) -> NodeEntry:
@@ -469,12 +515,31 @@ class ClusterIndex:
             entry = NodeEntry(node, slot)
             self.entries[node] = entry
             self.by_slot[slot] = entry
+            self.names_at[slot] = node
         return entry
 
     _ARRAYS = ("free_gpus", "card_mem", "card_pct", "card_cores", "card_computing", "card_idle",
                "scores", "busy")  # fmt: skip
 
+    def _rows_written(self, slots: list[int]) -> None:
+        """These nodes' rows (and so their cards) were just written: the decision's kept
+        columns patch them, and what was remembered of them (`refusal_memo`) no longer holds."""
+        self._column_cache.log(slots)
+        self._version_clock += 1
+        self.row_version[slots] = self._version_clock
+
+    def refusal_memo(self, key: str) -> RefusalMemo:
+        """Reasons by slot for one request (`Decision.memo_key`), valid at `row_version`."""
+        return self.refusal_memos.of(key, len(self.row_version))
+
     def _grow(self, rows: int = _GROW, columns: int = 0) -> None:
+        if rows:
+            for name in ("row_version", "names_at", "refused_at"):
+                old = getattr(self, name)
+                new = np.full(len(old) + rows, None if old.dtype == object else -1,
+                              dtype=old.dtype)  # fmt: skip
+                new[: len(old)] = old
+                setattr(self, name, new)
         for name in self._ARRAYS:
             old = getattr(self, name)
             shape = (len(old) + rows, *(s + columns for s in old.shape[1:]))
@@ -491,6 +556,10 @@ class ClusterIndex:
         before, entry.registered = entry.registered, registration
         if was != entry.schedulable:
             self.topology_version += 1
+            if entry.schedulable:
+                self.slot_of[node] = entry.slot
+            else:
+                self.slot_of.pop(node, None)
         if registration is not None and before is not None:
             if registration.devices is before.devices:
                 return  # a heartbeat of the same registration: nothing to rebuild
@@ -623,7 +692,7 @@ class ClusterIndex:
         for entry, score in zip(entries, built.scores.tolist(), strict=True):
             entry.score = score
         self._grow_bounds()
-        self._column_cache.log(slots.tolist())
+        self._rows_written(slots.tolist())
         self._bounds_of(slots, built.free_gpus)
 
     def _rebuild(self, entry: NodeEntry, now: float) -> None:
@@ -648,7 +717,7 @@ class ClusterIndex:
         if registered is None:
             entry.cards = []
             self.free_gpus[slot] = -1
-            self._column_cache.log([slot])  # cached candidate columns see the row go
+            self._rows_written([slot])  # cached candidate columns see the row go
             entry.reserved_until = None
             if entry.view is None:
                 self._forget(entry)
@@ -858,7 +927,9 @@ class ClusterIndex:
 
     def _forget(self, entry: NodeEntry) -> None:
         del self.entries[entry.name]
-        self.refusals.pop(entry.slot, None)
+        self.slot_of.pop(entry.name, None)
+        self.refusal_memos.forget(entry.slot)
+        self.names_at[entry.slot] = None
         self.by_slot[entry.slot] = None
         self.free_slots.append(entry.slot)
         self.topology_version += 1
@@ -869,25 +940,65 @@ class ClusterIndex:
         return entry if entry is not None and entry.schedulable else None
 
     def resolve(self, names: list[str]) -> tuple[np.ndarray, list[str]]:
-        """Slots of the registered candidates (cached per list) and the unknown names."""
+        """Slots of the registered candidates (cached per list) and the unknown names.
+
+        A list not seen before (kube-scheduler's windows rotate every cycle) is looked up in
+        `slot_of` name by name at C speed (`map`), O(names) with no other per-name work."""
         token = getattr(names, "token", 0)  # api.NodeNames: a list whose content is known
         key: object = ("token", token) if token else tuple(names)
         cached = self._candidates.get(key)
         if cached is not None and cached[0] == self.topology_version:
-            return cached[1], cached[2]
-        slots: list[int] = []
+            array = cached[1]
+            self._resolved[id(array)] = self._resolved.get(id(array), 0) + 1
+            return array, cached[2]
+        slot_of = self.slot_of
         unknown: list[str] = []
-        for name in names:
-            entry = self.entries.get(name)
-            if entry is None or entry.registered is None:
-                unknown.append(name)
-            else:
-                slots.append(entry.slot)
-        array = np.asarray(slots, dtype=np.int64)
+        resolved = getattr(names, "resolved", None)  # read from the body's bytes (NameTable)
+        if resolved is not None and resolved[0] == self.topology_version:
+            array = resolved[1]
+        else:
+            array = None
+        try:
+            if array is None:
+                array = np.fromiter(map(slot_of.__getitem__, names), dtype=np.int64,
+                                    count=len(names))  # fmt: skip
+        except KeyError:  # some names are not registered nodes: the slow way
+            slots: list[int] = []
+            for name in names:
+                slot = slot_of.get(name)
+                if slot is None:
+                    unknown.append(name)
+                else:
+                    slots.append(slot)
+            array = np.asarray(slots, dtype=np.int64)
+        stale = self._candidates.pop(key, None)
+        if stale is not None:
+            self._resolved.pop(id(stale[1]), None)
         if len(self._candidates) >= _CANDIDATE_CACHE:
-            self._candidates.pop(next(iter(self._candidates)))
+            evicted = self._candidates.pop(next(iter(self._candidates)))
+            self._resolved.pop(id(evicted[1]), None)
         self._candidates[key] = (self.topology_version, array, unknown)
+        self._resolved[id(array)] = 1
         return array, unknown
+
+    def names_from_bytes(self, array: bytes) -> tuple[list[str], tuple[int, np.ndarray]] | None:
+        """A `nodenames` JSON array resolved from its bytes (`node_names.NameTable`): the names
+        (the index's own strings) and (topology version, slots); None when it cannot be."""
+        table = self._name_table
+        if table is None or table[0] != self.topology_version:
+            names = list(self.slot_of)
+            table = self._name_table = (
+                self.topology_version, NameTable(names, [self.slot_of[n] for n in names])
+            )
+        slots = table[1].lookup(array)
+        if slots is None:
+            return None
+        return self.names_at[slots].tolist(), (table[0], slots)
+
+    def repeated(self, slots: np.ndarray) -> bool:
+        """Whether this candidate array was resolved for more than one call (a list
+        kube-scheduler sends again: worth keeping its order between calls, `_Columns`)."""
+        return self._resolved.get(id(slots), 0) > 1 or id(slots) in self._column_cache.kept
 
     def order(
         self, slots: np.ndarray, needs: list[Need], node_policy: str, avoid_busy: bool = True,
@@ -982,7 +1093,7 @@ class ClusterIndex:
     def _write_bounds(self, rows: list[tuple]) -> None:
         """The bounds of the rows `_write_rows` just wrote (its unpadded row tuples)."""
         self._grow_bounds()
-        self._column_cache.log([row[0] for row in rows])
+        self._rows_written([row[0] for row in rows])
         if len(rows) == 1:
             slot, _free, mem, pct, cores, computing, idle, _score, _busy = rows[0]
             self.bound_mem_at[:, slot], self.bound_pct_at[:, slot] = rungs_of(

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 _KEY = b'"nodenames"'
 _PLACEHOLDER = "\\u0000tessera-nodenames"
@@ -28,6 +31,11 @@ _WS = b" \t\r\n"
 _MIN_BYTES = 4096  # shorter lists are cheap to parse; not worth remembering
 _REMEMBERED = 4
 _tokens = itertools.count(1)
+# A new array this long or longer is resolved from its bytes (NameTable). Every remembered
+# array is (`_MIN_BYTES` and up): its parse costs more than decoding (500 names 0.28 vs 0.08
+# ms), but the decision then looks no name up, and parse + decision is cheaper at 500, 5,000
+# and 20,000 names (bench/RESULTS.md, "scheduler as kube-scheduler calls it").
+_RESOLVE_FROM = 0
 
 
 class NodeNames(list[str]):
@@ -39,6 +47,9 @@ class NodeNames(list[str]):
     copies of the calls in flight); whoever needs a changed list builds a new one."""
 
     token: int = 0
+    # (topology version, slots): resolved from the bytes by the index's `NameTable` when the
+    # list was parsed; the index uses them while its topology is that version
+    resolved: tuple[int, np.ndarray] | None = None
 
     def _read_only(self, *_args: object, **_kwargs: object) -> None:
         raise TypeError("NodeNames is shared between calls: build a new list instead")
@@ -48,10 +59,19 @@ class NodeNames(list[str]):
     clear = sort = reverse = _read_only  # type: ignore[assignment]
 
 
+# `ClusterIndex.names_from_bytes`: (the names, (topology version, their slots)) or None
+Resolver = Callable[[bytes], "tuple[list[str], tuple[int, np.ndarray]] | None"]
+
+
 class NodeNamesCache:
-    def __init__(self, max_names: int, remembered: int = _REMEMBERED) -> None:
+    def __init__(
+        self, max_names: int, remembered: int = _REMEMBERED, resolver: Resolver | None = None,
+        resolve_from: int = _RESOLVE_FROM,
+    ) -> None:
         self.max_names = max_names
         self.remembered = remembered
+        self.resolver = resolver
+        self.resolve_from = resolve_from  # arrays from this many bytes go to the resolver
         self._recent: list[tuple[bytes, NodeNames]] = []  # (array bytes, names)
 
     def parse(self, body: bytes) -> dict[str, Any] | None:
@@ -119,16 +139,115 @@ class NodeNamesCache:
         return None
 
     def _learn(self, array: bytes) -> NodeNames | None:
-        try:
-            names = json.loads(array)
-        except (ValueError, RecursionError):
-            return None  # e.g. a `]` inside a name: the cut was not the whole array
-        if not isinstance(names, list) or len(names) > self.max_names:
-            return None
-        if not all(type(name) is str for name in names):
-            return None
+        found = None
+        if self.resolver is not None and len(array) >= self.resolve_from:
+            found = self.resolver(array)
+        resolved = None
+        if found is not None and len(found[0]) <= self.max_names:
+            names, resolved = found  # every name a registered node's, read from the bytes
+        else:
+            try:
+                names = json.loads(array)
+            except (ValueError, RecursionError):
+                return None  # e.g. a `]` inside a name: the cut was not the whole array
+            if not isinstance(names, list) or len(names) > self.max_names:
+                return None
+            if not all(type(name) is str for name in names):
+                return None
         known = NodeNames(names)
+        known.resolved = resolved
         known.token = next(_tokens)
         self._recent.insert(0, (array, known))
         del self._recent[self.remembered :]
         return known
+
+
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+class NameTable:
+    """Every registered node's name as bytes, for resolving a `nodenames` array straight from
+    the body's bytes (kube-scheduler's lists change every cycle: a new list of 20,000 names
+    would otherwise be decoded into 20,000 new strings, each hashed and compared with the
+    index's in a dict lookup, ~0.2-0.4 µs a name on a large heap).
+
+    The names are padded to `width` bytes (a multiple of 8) and viewed as uint64 words; each
+    name's words and length are hashed (vectorised) and the hashes sorted. A list is looked up
+    with the same operations over all its names at once (`lookup`): a hash found must also
+    match the name's every word and its length, so a name resolves only to the node whose name
+    is byte for byte the same (the hash only finds where to compare). What the fast path cannot
+    prove it reads exactly (escapes, control characters, spacing other than kube-scheduler's
+    compact `["a","b"]`, a name longer than the widest known one, any unknown name) returns
+    None: the caller decodes the list as before. Built per topology (`ClusterIndex.name_table`);
+    tests: `tests/scheduler/test_node_names.py`."""
+
+    _MIX = np.uint64(0x9E3779B97F4A7C15)
+
+    def __init__(self, names: list[str], slots: list[int]) -> None:
+        encoded = [name.encode() for name in names]
+        longest = max((len(e) for e in encoded), default=1)
+        self.width = max(8, -(-longest // 8) * 8)
+        self.usable = bool(encoded)
+        padded = b"".join(e.ljust(self.width, b"\0") for e in encoded)
+        words = np.frombuffer(padded, dtype=np.uint64).reshape(len(encoded), self.width // 8)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        hashes = self._hash(words, lengths)
+        order = np.argsort(hashes, kind="stable")
+        self.hashes = hashes[order]
+        if len(self.hashes) > 1 and bool((self.hashes[1:] == self.hashes[:-1]).any()):
+            self.usable = False  # two names with one hash: not worth telling apart here
+        self.words = words[order]
+        self.lengths = lengths[order]
+        self.slots = np.asarray(slots, dtype=np.int64)[order]
+
+    def _hash(self, words: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        hashes = lengths.astype(np.uint64)
+        with np.errstate(over="ignore"):
+            for column in range(words.shape[1]):
+                hashes = hashes * self._MIX + words[:, column]
+                hashes ^= hashes >> np.uint64(29)
+        return hashes
+
+    def lookup(self, array: bytes) -> np.ndarray | None:
+        """The slots of the names of a JSON array (its bytes, `[` to `]`), in order; None
+        unless every name is a known node's and the array is in the compact form."""
+        if not self.usable or len(array) < 4 or b"\\" in array:
+            return None
+        raw = np.frombuffer(array, dtype=np.uint8)
+        if raw[0] != 0x5B or raw[-1] != 0x5D or int(raw.min()) < 0x20:  # `[` `]`, no controls
+            return None
+        quotes = np.flatnonzero(raw == 0x22)
+        if len(quotes) % 2 or quotes[0] != 1 or quotes[-1] != len(raw) - 2:
+            return None
+        starts, ends = quotes[0::2] + 1, quotes[1::2]
+        # between a name's closing quote and the next one's opening quote: exactly one `,`
+        if len(starts) > 1 and not (
+            bool((starts[1:] - ends[:-1] == 3).all()) and bool((raw[ends[:-1] + 1] == 0x2C).all())
+        ):
+            return None
+        lengths = ends - starts
+        if int(lengths.max()) > self.width:
+            return None
+        # Each name's words read straight from the bytes: a uint64 view at every byte offset
+        # (unaligned, stride 1; 8 zero bytes appended so the last word stays inside), the
+        # bytes past the name's end masked off (as the table's names are zero-padded).
+        padded = array + bytes(8)
+        at_byte = np.ndarray((len(padded) - 7,), dtype=np.uint64, buffer=padded, strides=(1,))
+        words = np.empty((len(starts), self.width // 8), dtype=np.uint64)
+        last = len(at_byte) - 1
+        for column in range(self.width // 8):
+            left = np.clip(lengths - 8 * column, 0, 8).astype(np.uint64)
+            mask = np.where(left >= 8, _ALL, (np.uint64(1) << (left * np.uint64(8))) - np.uint64(1))
+            where = starts + 8 * column if column else starts
+            if column:  # (a shorter name's later words are masked off whole: read anywhere)
+                np.minimum(where, last, out=where)
+            words[:, column] = at_byte[where] & mask
+        hashes = self._hash(words, lengths)
+        at = np.searchsorted(self.hashes, hashes)
+        np.minimum(at, len(self.hashes) - 1, out=at)
+        if not (
+            bool((self.hashes[at] == hashes).all()) and bool((self.lengths[at] == lengths).all())
+            and bool((self.words[at] == words).all())
+        ):  # fmt: skip
+            return None
+        return self.slots[at]

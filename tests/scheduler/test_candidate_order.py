@@ -13,6 +13,8 @@ from tessera.scheduler.candidate_order import (
     BLOCK,
     HEAD,
     PolicyOrder,
+    fresh_order,
+    fresh_walk,
     full_order,
     policy_sign,
     walk,
@@ -215,3 +217,38 @@ def test_moved_positions_only(with_busy: bool) -> None:
     mask[moved] = True
     busy = np.array([rng.random() < 0.3 for _ in range(n)], dtype=bool) if with_busy else None
     assert walked(order, scores, busy, mask) == reference(scores, "spread", busy, mask)
+
+
+@pytest.mark.parametrize("policy", ["binpack", "spread"])
+@pytest.mark.parametrize("with_busy", [True, False])
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 200, 513, 600, 3000, 20000])
+def test_a_fresh_list_is_walked_in_the_full_stable_sort(
+    policy: str, with_busy: bool, n: int
+) -> None:
+    """A list seen once (kube-scheduler's rotating window) is walked without a kept order, in
+    rounds of the smallest keys: exactly the possible positions of the full stable sort, each
+    once, the head as a Python list; few distinct scores (ties across the rounds' thresholds)
+    or all distinct, most positions impossible (binpack's full nodes first) or none."""
+    rng = random.Random(n * 3 + len(policy) + with_busy)
+    for levels in ([0.0, 1.5, 3.0, 7.25, 10.0], None):
+        scores = np.array([rng.choice(levels) if levels else rng.random() for _ in range(n)],
+                          dtype=np.float64)  # fmt: skip
+        busy = np.array([rng.random() < 0.2 for _ in range(n)], dtype=bool) if with_busy else None
+        for share in (1.0, 0.3, 0.01):
+            possible = np.array([rng.random() < share for _ in range(n)], dtype=bool)
+            keys = policy_sign(policy) * scores
+            asked: list[int] = []
+
+            def at(
+                positions: np.ndarray, possible: np.ndarray = possible, asked: list[int] = asked
+            ) -> np.ndarray:
+                asked.extend(positions.tolist())
+                return possible[positions]
+
+            chunks = list(fresh_walk(keys, busy, at))
+            assert all(len(c) for c in chunks)
+            assert all(isinstance(c, np.ndarray) for c in chunks[1:])
+            got = [int(p) for c in chunks for p in c]
+            assert got == reference(scores, policy, busy, possible)
+            assert sorted(asked) == list(range(n))  # each position's bounds read once
+            assert fresh_order(keys, busy).tolist() == reference(scores, policy, busy)

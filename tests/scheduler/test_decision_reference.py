@@ -121,9 +121,22 @@ def count_fits(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_decision_is_the_reference_while_the_index_moves(seed: int) -> None:
+    decide_against_reference(seed, fresh=False)
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_a_new_list_every_call_is_decided_as_the_reference(seed: int) -> None:
+    """kube-scheduler's lists change every cycle (its percentageOfNodesToScore window rotates;
+    feasibility changes): each call a list not seen before, of every size, walked without a
+    kept order (`candidate_order.fresh_walk`), some more than 4 × 128 long so that the
+    partition rounds run."""
+    decide_against_reference(seed, fresh=True)
+
+
+def decide_against_reference(seed: int, fresh: bool) -> None:
     rng = random.Random(seed)
     index = ClusterIndex()
-    names = [f"n{seed}-{i:03d}" for i in range(130)]
+    names = [f"n{seed}-{i:03d}" for i in range(700 if fresh else 130)]
     for name in names:
         index.set_registration(name, registration(rng, name), 0.0)
         index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
@@ -139,6 +152,13 @@ def test_the_decision_is_the_reference_while_the_index_moves(seed: int) -> None:
     for i in range(100):
         spec = pod(rng, i)
         candidates = rng.choice(lists)
+        if fresh:  # a rotating window, or the whole list from a rotating start, with ghosts
+            start, size = rng.randrange(len(names)), rng.choice([50, 100, 600, len(names)])
+            window = [names[(start + k) % len(names)] for k in range(min(size, len(names)))]
+            if rng.random() < 0.2:
+                window.insert(rng.randrange(len(window) + 1), "ghost-3")
+            candidates = NodeNames(window)
+            candidates.token = 10**6 * seed + i
         expected, expected_failed = reference(index, spec, candidates)
         request = hami.parse_pod_request(spec, SETTINGS)
         options = parse_pod_options(spec, SETTINGS)

@@ -59,3 +59,83 @@ def test_a_repeated_list_keeps_its_token_and_a_new_one_gets_another() -> None:
 
 def test_over_the_limit_is_left_to_the_plain_path() -> None:
     assert NodeNamesCache(10).parse(json.dumps({"pod": POD, "nodenames": NAMES}).encode()) is None
+
+
+# --- a new list resolved from its bytes (NameTable) ---------------------------------------------
+
+KNOWN = [f"node-{i:05d}" for i in range(800)] + ["ip-10-0-3-17.eu-west-1.compute.internal",
+                                                 "gpu-ß-über-1", "a", "x" * 70]  # fmt: skip
+
+
+def table_index() -> tuple[object, dict[str, int]]:
+    from tessera.scheduler.index import ClusterIndex
+
+    from tessera.models import DeviceInfo, NodeRegistration
+
+    index = ClusterIndex()
+    for name in KNOWN:
+        device = DeviceInfo(uuid=f"GPU-{name}", index=0, type="T", memory_mib=1024, cores=100)
+        index.set_registration(name, NodeRegistration(node=name, devices=[device]), 0.0)
+    index.set_ledger("ledger-only", None, 1, 0.0)  # known to the index, not registered
+    return index, {name: index.entries[name].slot for name in KNOWN}
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        KNOWN,
+        KNOWN[::-1],
+        KNOWN[5:300] + KNOWN[:5],
+        [KNOWN[3], KNOWN[3], KNOWN[801]],  # a name twice: two candidates, as parsed
+        KNOWN[800:],  # long, non-ASCII, one byte
+    ],
+)
+def test_a_list_of_registered_nodes_resolves_from_its_bytes(names: list[str]) -> None:
+    index, slots = table_index()
+    array = json.dumps(names, separators=(",", ":"), ensure_ascii=False).encode()
+    found = index.names_from_bytes(array)  # type: ignore[attr-defined]
+    assert found is not None
+    got_names, (version, got_slots) = found
+    assert got_names == json.loads(array) == names
+    assert got_slots.tolist() == [slots[n] for n in names]
+    assert version == index.topology_version  # type: ignore[attr-defined]
+    # and a filter body with it: the same as parsing the whole body, resolved
+    body = json.dumps({"pod": POD, "nodenames": names * (1 + 8192 // len(array))},
+                      separators=(",", ":"), ensure_ascii=False).encode()  # fmt: skip
+    data = NodeNamesCache(100_000, resolver=index.names_from_bytes, resolve_from=0).parse(body)  # type: ignore[attr-defined]
+    assert data == full(body)
+    assert data is not None and data["nodenames"].resolved is not None
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        json.dumps([*KNOWN[:10], "ghost"], separators=(",", ":")),  # an unknown name
+        json.dumps([*KNOWN[:10], "ledger-only"], separators=(",", ":")),  # not registered
+        json.dumps(KNOWN[:10]),  # Python's ", " spacing: not the compact form
+        json.dumps(KNOWN[:10], separators=(",", ":")).replace('"node-00001"', '"node-0000\\u0031"'),
+        json.dumps([*KNOWN[:10], "node-00001\\u0000"], separators=(",", ":")),
+        json.dumps([*KNOWN[:10], "node-0000"], separators=(",", ":")),  # a known name's prefix
+        json.dumps([*KNOWN[:10], "node-000011"], separators=(",", ":")),  # ... and longer
+        json.dumps([*KNOWN[:10], "x" * 80], separators=(",", ":")),  # longer than any known
+        json.dumps([*KNOWN[:10], ""], separators=(",", ":")),
+        "[]",
+        '["node-00001",5]',
+        '["node-00001","node-00002"',
+        '["node-00001"]]',
+        '["node-00001"\t]',
+    ],
+)
+def test_what_the_bytes_cannot_prove_is_left_to_the_decoder(array: str) -> None:
+    index, _slots = table_index()
+    assert index.names_from_bytes(array.encode()) is None  # type: ignore[attr-defined]
+
+
+def test_the_table_follows_registrations() -> None:
+    index, _slots = table_index()
+    array = json.dumps(KNOWN[:20], separators=(",", ":")).encode()
+    assert index.names_from_bytes(array) is not None  # type: ignore[attr-defined]
+    index.set_registration(KNOWN[7], None, 0.0)  # type: ignore[attr-defined]
+    assert index.names_from_bytes(array) is None  # type: ignore[attr-defined]
+    found = index.names_from_bytes(json.dumps(KNOWN[8:20], separators=(",", ":")).encode())  # type: ignore[attr-defined]
+    assert found is not None and found[1][0] == index.topology_version  # type: ignore[attr-defined]

@@ -1,0 +1,86 @@
+"""How kube-scheduler calls a `nodeCacheCapable` extender, for the benchmarks.
+
+kube-scheduler does not send every node: its own filters stop once they found
+`numFeasibleNodesToFind` feasible nodes (`percentageOfNodesToScore`; 0, the default, is adaptive:
+max(5, 50 - nodes / 125) % of the nodes, at least 100 nodes; every node below 100 nodes or at
+100 %), starting at `nextStartNodeIndex`, which advances by the nodes it processed each cycle
+(mod the node count). So the extender gets a different list on almost every call. The
+extender's managed GPU resources are `ignoredByScheduler`, so every node of the bench cluster is
+feasible to kube-scheduler unless a label pool (a nodeSelector) restricts it: the window is then
+the pool's members met from the start index on, and the start advances past every node visited.
+kube-scheduler checks nodes in parallel, so the feasible list's order may differ from the node
+list's within a window; here it is the node list's order.
+
+A pod the extender refuses is retried with kube-scheduler's backoff: 1 s
+(`podInitialBackoffSeconds`), doubling per attempt, at most 10 s (`podMaxBackoffSeconds`).
+
+Modes (`BENCH_LISTS`): `window` (default: the rotating adaptive window), `same` (every call
+the same full list, byte for byte: the best case the extender's caches were built for),
+`full` (every node, a fresh list each call: the start rotated by one window each cycle, as
+when feasibility changes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MIN_FEASIBLE = 100  # minFeasibleNodesToFind
+MIN_PERCENTAGE = 5  # minFeasibleNodesPercentageToFind
+BASE_PERCENTAGE = 50  # basePercentageOfNodesToScore
+BACKOFF_INITIAL_S = 1.0  # podInitialBackoffSeconds
+BACKOFF_MAX_S = 10.0  # podMaxBackoffSeconds
+MODES = ("window", "same", "full")
+# kube-scheduler's JSON (Go's encoding/json): no spaces between elements
+COMPACT = (",", ":")
+
+
+def nodes_to_find(total: int, percentage: int = 0) -> int:
+    """kube-scheduler's `numFeasibleNodesToFind` (integer arithmetic, as in Go)."""
+    if total < MIN_FEASIBLE or percentage >= 100:
+        return total
+    adaptive = percentage if percentage > 0 else max(MIN_PERCENTAGE, BASE_PERCENTAGE - total // 125)
+    return max(MIN_FEASIBLE, total * adaptive // 100)
+
+
+def backoff_s(attempts: int) -> float:
+    """Seconds a pod refused `attempts` times (>= 1) waits before its next try."""
+    return min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** (attempts - 1))
+
+
+class KubeLists:
+    """The candidate lists kube-scheduler would send, one per scheduling cycle."""
+
+    def __init__(self, names: Sequence[str], mode: str = "window", percentage: int = 0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown list mode {mode!r}: one of {', '.join(MODES)}")
+        self.names = list(names)
+        self.mode = mode
+        self.find = nodes_to_find(len(self.names), percentage)
+        self.start = 0  # nextStartNodeIndex
+
+    def next(self, members: Sequence[str] | None = None) -> list[str]:
+        """The next cycle's list. `members`: the nodes feasible to kube-scheduler (a label
+        pool, in node-list order as a set or list), None: every node."""
+        names, total = self.names, len(self.names)
+        if self.mode == "same":
+            return self.names if members is None else list(members)
+        if self.mode == "full":
+            start = self.start
+            self.start = (self.start + nodes_to_find(total)) % total
+            rotated = names[start:] + names[:start]
+            if members is None:
+                return rotated
+            wanted = set(members)
+            return [n for n in rotated if n in wanted]
+        if members is None:
+            out = [names[(self.start + i) % total] for i in range(min(self.find, total))]
+            self.start = (self.start + len(out)) % total
+            return out
+        wanted = members if isinstance(members, (set, frozenset)) else set(members)
+        out, visited = [], 0
+        while visited < total and len(out) < self.find:
+            name = names[(self.start + visited) % total]
+            visited += 1
+            if name in wanted:
+                out.append(name)
+        self.start = (self.start + visited) % total
+        return out

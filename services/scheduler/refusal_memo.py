@@ -1,0 +1,101 @@
+"""Why a request was refused on each node, remembered until the node's row changes (pure, numpy).
+
+kube-scheduler retries an unschedulable pod with backoff, and every retry asks for every
+candidate's reason (HAMi's `N/M Reason, ...` per node). Fitting every node again for that is
+O(nodes) per-GPU work (~0.1 s at 5,000 nodes), and a backlog of pending pods paid it on every
+retry. So each distinct request (`Decision.memo_key`: the request, its options and the quota
+budget) keeps, by index slot, the reason found there and the row version it was found at
+(`ClusterIndex.row_version`, advanced whenever the node's row, and so its cards, is written).
+A refusal then refits only the nodes whose rows changed since, and reads the others' reasons
+with a few vectorised gathers: the texts are interned per memo (a handful of distinct ones:
+`3/8 CardInsufficientMemory, 5/8 CardInsufficientCore`, ...), so a node costs an int.
+
+Exactness: a reason is used only at the version it was found at, and the version moves with
+every write of the node's row (over-invalidating costs a refit, never a wrong reason). Nodes
+whose refusal depends on more than their cards (HAMi's pods there: `ClusterIndex.foreign`) are
+never remembered. `tests/scheduler/test_refusal_memo.py`, `test_decision_reference.py`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+FITS = 0  # the id of "the node fits" (a summary was looser than the fit: no reason)
+_MEMOS = 64  # distinct requests remembered (least recently used forgotten)
+_TEXTS = 4096  # distinct reasons per request before its memo starts over
+
+
+class RefusalMemo:
+    """One request's reasons by slot: (row version found at, reason id)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.stamp = np.full(capacity, -1, dtype=np.int64)
+        self.reason = np.zeros(capacity, dtype=np.int32)
+        self.texts: list[str | None] = [None]  # by id; FITS has none
+        self.names: list[tuple[str, ...]] = [()]  # the reason names of each id
+        self._ids: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._array: np.ndarray | None = None  # `texts` as an object array (gathers)
+
+    def grow(self, capacity: int) -> None:
+        if len(self.stamp) < capacity:
+            stamp = np.full(capacity, -1, dtype=np.int64)
+            stamp[: len(self.stamp)] = self.stamp
+            reason = np.zeros(capacity, dtype=np.int32)
+            reason[: len(self.reason)] = self.reason
+            self.stamp, self.reason = stamp, reason
+
+    def get(self, slot: int, version: int) -> int | None:
+        """The reason id found at `slot` at this row version, or None."""
+        return int(self.reason[slot]) if self.stamp[slot] == version else None
+
+    def put(self, slot: int, version: int, text: str | None, names: tuple[str, ...]) -> int:
+        """Remember the node's refusal (`text` None: it fits); its id."""
+        if text is None:
+            found = FITS
+        else:
+            found = self._ids.get((text, names), -1)
+            if found < 0:
+                found = len(self.texts)
+                self._ids[(text, names)] = found
+                self.texts.append(text)
+                self.names.append(names)
+                self._array = None
+        self.stamp[slot] = version
+        self.reason[slot] = found
+        return found
+
+    def text_array(self) -> np.ndarray:
+        if self._array is None:
+            array = np.empty(len(self.texts), dtype=object)
+            array[:] = self.texts
+            self._array = array
+        return self._array
+
+
+class RefusalMemos:
+    """The memos of the most recent distinct requests, by `Decision.memo_key`."""
+
+    def __init__(self) -> None:
+        self._memos: OrderedDict[str, RefusalMemo] = OrderedDict()
+
+    def of(self, key: str, capacity: int) -> RefusalMemo:
+        """The request's memo (a new one once it holds more than `_TEXTS` distinct reasons: a
+        pathological variety; never replaced while a call reads it, only when one asks)."""
+        memo = self._memos.get(key)
+        if memo is None or len(memo.texts) > _TEXTS:
+            memo = self._memos[key] = RefusalMemo(capacity)
+            self._memos.move_to_end(key)
+            while len(self._memos) > _MEMOS:
+                self._memos.popitem(last=False)
+        else:
+            self._memos.move_to_end(key)
+            memo.grow(capacity)
+        return memo
+
+    def forget(self, slot: int) -> None:
+        """A node left its slot (another may take it): nothing remembered there holds."""
+        for memo in self._memos.values():
+            if slot < len(memo.stamp):
+                memo.stamp[slot] = -1
