@@ -172,6 +172,22 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(state: Path) -> None:
         assert again.returncode == 1 and "already running" in again.stderr, again.stderr
 
 
+def _stuck(state: Path, pid: int) -> str:
+    """What a stack that did not stop was doing: its process state, its log, its children's."""
+    def read(path: Path, tail: int = 1500) -> str:
+        try:
+            return path.read_text(errors="replace")[-tail:]
+        except OSError as error:
+            return str(error)
+
+    proc = Path(f"/proc/{pid}")
+    lines = [f"state: {read(proc / 'status', 4000).split('State:')[-1].splitlines()[0].strip()}",
+             f"wchan: {read(proc / 'wchan')}", f"up.log: {read(state / 'logs' / 'up.log')}"]
+    lines += [f"{log.name}: {read(log, 600)}" for log in sorted((state / "logs").glob("*.log"))
+              if log.name != "up.log"]
+    return "\n".join(lines)
+
+
 def test_ctrl_c_stops_every_child_cleanly(state: Path) -> None:
     info = json.loads((state / "stack.json").read_text())
     pid = int(info["pid"])
@@ -182,7 +198,7 @@ def test_ctrl_c_stops_every_child_cleanly(state: Path) -> None:
             os.kill(pid, 0)
         except ProcessLookupError:
             break
-        assert time.monotonic() < deadline, "tessera up did not stop"
+        assert time.monotonic() < deadline, f"tessera up did not stop: {_stuck(state, pid)}"
         time.sleep(0.2)
     log = (state / "logs" / "up.log").read_text()
     assert "tessera: stopped" in log, log[-2000:]
