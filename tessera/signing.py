@@ -37,6 +37,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from tessera.command_policy import authorize_node
+
 log = logging.getLogger("tessera.signing")
 
 SENDER = "Tessera-Sender"
@@ -60,6 +62,16 @@ class CommandRefused(Exception):
         self.code = code
         self.detail = detail
         self.sender = sender
+
+    @property
+    def answerable(self) -> bool:
+        """A stream's delivery asked nothing: its reply subject is the stream's ack."""
+        return self.code != "jetstream_delivery"
+
+    @property
+    def reason(self) -> str:
+        """The answer's text."""
+        return f"command refused ({self.code}): {self.detail}"[:500]
 
 
 def signed_bytes(subject: str, sender: str, nonce: str, expires: str, body: bytes) -> bytes:
@@ -284,6 +296,22 @@ class CommandGate:
         subject = getattr(msg, "subject", "")
         return self.verifier.verify(subject, getattr(msg, "reply", None),
                                     getattr(msg, "headers", None), getattr(msg, "data", b""))
+
+    def node_command_refused(self, msg: object, node: str) -> CommandRefused | None:
+        """A node's admin command (limits.set, config.set): None when it may be carried out,
+        else the refusal, already reported. The caller answers it unless it came from a stream
+        (`refused.answerable`)."""
+        subject = getattr(msg, "subject", "")
+        try:
+            sender = self.verify(msg)
+            if self.verifier.enforcing:
+                refusal = authorize_node(subject, sender, node)
+                if refusal:
+                    raise CommandRefused("not_allowed", refusal, sender)
+        except CommandRefused as refused:
+            self.report(subject, refused)
+            return refused
+        return None
 
     def report(self, subject: str, refused: CommandRefused) -> None:
         self.recent.append((subject, refused.code, refused.sender))

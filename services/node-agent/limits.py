@@ -31,7 +31,6 @@ from tessera.node_agent.state import DeviceState
 from tessera import bus, hami, signing
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
-from tessera.command_policy import authorize_node
 from tessera.models import (
     Allocation,
     LimitsSetReply,
@@ -44,7 +43,7 @@ from tessera.models import (
 )
 from tessera.region import RegionFormatError, read_limits, read_region, set_device_flags
 from tessera.settings import TesseraSettings
-from tessera.signing import CommandGate, CommandRefused, process_signer, verifier_from_file
+from tessera.signing import CommandGate, process_signer, verifier_from_file
 from tessera.validation import Rejections, limits_problem
 
 SERVICE_VERSION = "0.1.0"
@@ -161,19 +160,11 @@ class LimitsService:
             self._micro = None
 
     async def _on_set(self, request: Request) -> None:
-        try:
-            sender = self.commands.verify(request._msg)
-            if self.commands.verifier.enforcing:
-                refusal = authorize_node(request.subject, sender, self.node)
-                if refusal:
-                    raise CommandRefused("not_allowed", refusal, sender)
-        except CommandRefused as refused:
-            self.commands.report(request.subject, refused)
-            if refused.code != "jetstream_delivery":  # a stream's ack subject asked nothing
+        refused = self.commands.node_command_refused(request._msg, self.node)
+        if refused is not None:
+            if refused.answerable:
                 with contextlib.suppress(Exception):
-                    await request.respond(encode(LimitsSetReply(
-                        ok=False, reason=f"command refused ({refused.code}): {refused.detail}"
-                        [:500])))
+                    await request.respond(encode(LimitsSetReply(ok=False, reason=refused.reason)))
             return
         try:
             body = decode(request.data, LimitsSetRequest)

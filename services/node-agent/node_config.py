@@ -37,7 +37,6 @@ from prometheus_client import CollectorRegistry
 from tessera import bus
 from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError, ObjectRef
 from tessera.codec import CodecError, decode, encode
-from tessera.command_policy import authorize_node
 from tessera.models import (
     NODE_CONFIG_MAP,
     DeviceInfo,
@@ -49,7 +48,7 @@ from tessera.models import (
     StaticMigInstance,
 )
 from tessera.settings import TesseraSettings
-from tessera.signing import CommandGate, CommandRefused, verifier_from_file
+from tessera.signing import CommandGate, verifier_from_file
 from tessera.validation import Bounds, Rejections
 
 from .devices import DeviceConfig, PhysicalGpu, advertise
@@ -434,19 +433,11 @@ class NodeConfigurator:
         )  # fmt: skip
 
     async def _on_set(self, request: Request) -> None:
-        try:
-            sender = self.commands.verify(request._msg)
-            if self.commands.verifier.enforcing:
-                refusal = authorize_node(request.subject, sender, self.node)
-                if refusal:
-                    raise CommandRefused("not_allowed", refusal, sender)
-        except CommandRefused as refused:
-            self.commands.report(request.subject, refused)
-            if refused.code != "jetstream_delivery":  # a stream's ack subject asked nothing
+        refused = self.commands.node_command_refused(request._msg, self.node)
+        if refused is not None:
+            if refused.answerable:
                 with contextlib.suppress(Exception):
-                    await request.respond(encode(self.status(
-                        ok=False, reason=f"command refused ({refused.code}): {refused.detail}"
-                        [:500])))
+                    await request.respond(encode(self.status(ok=False, reason=refused.reason)))
             return
         try:
             reply = await self.set_local(decode(request.data, NodeConfigSetRequest))
