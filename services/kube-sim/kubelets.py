@@ -389,7 +389,7 @@ def container_runtime(
             image=settings.container_image, user=settings.container_user,
             driver_dir=settings.container_driver_dir,
             devices=tuple(d for d in settings.container_devices.split(",") if d),
-        ))
+        ), kubelet=f"{Path(settings.kubelet_root).resolve()}/{node}")
     return ContainerProcesses(log_dir) if settings.run_containers else None
 
 
@@ -400,6 +400,8 @@ async def start_kubelets(sim: Any) -> list[NodeKubelet]:
     kubelets = []
     for node in sim.nodes:
         processes = container_runtime(settings, log_dir / node.name, node.name)
+        if isinstance(processes, OciContainers):
+            await processes.remove_leftovers()
         kubelet = NodeKubelet(
             sim.store, node.name, root, [sim.tessera.resource_name], processes,
             allocate_delay_s=settings.kubelet_delay_s, allocate_jitter_s=settings.kubelet_jitter_s,

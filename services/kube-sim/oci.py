@@ -45,7 +45,7 @@ log = logging.getLogger("tessera.kube_sim.oci")
 
 DRIVER_CONTAINER_DIR = "/usr/local/nvidia/lib64"
 LABEL_UID = "io.kubernetes.pod.uid"
-LABEL_NODE = "io.tessera.kube-sim.node"
+LABEL_KUBELET = "io.tessera.kube-sim.kubelet"  # <kubelet root>/<node>: whose container it is
 PODMAN_TIMEOUT_S = 60.0
 # podman's own failures (the container never ran): 125 podman, 126 not executable, 127 not found
 ENGINE_ERRORS = {125: "StartError", 126: "ContainerCannotRun", 127: "ContainerCannotRun"}
@@ -163,9 +163,10 @@ def run_args(
 class OciContainers:
     """The container runtime of one simulated node (the interface of `ContainerProcesses`)."""
 
-    def __init__(self, log_dir: Path, node: str, settings: OciSettings) -> None:
+    def __init__(self, log_dir: Path, node: str, settings: OciSettings, kubelet: str = "") -> None:
         self.log_dir = log_dir
         self.node = node
+        self.kubelet = kubelet or node
         self.settings = settings
         self._names: dict[str, list[str]] = {}  # pod uid -> its containers
         self._runs: dict[str, list[asyncio.subprocess.Process]] = {}
@@ -196,7 +197,7 @@ class OciContainers:
                    entry: ContainerAdmission | None) -> asyncio.subprocess.Process:
         image = await self._image(str(container.get("image") or ""))
         run = run_args(pod, container, entry, self.settings, image)
-        run.args[1:1] = ["--label", f"{LABEL_NODE}={self.node}"]
+        run.args[1:1] = ["--label", f"{LABEL_KUBELET}={self.kubelet}"]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{pod['metadata'].get('name', '')}_{container.get('name')}.log"
         self._names.setdefault(uid, []).append(run.name)
@@ -261,6 +262,17 @@ class OciContainers:
             if proc.returncode is None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), PODMAN_TIMEOUT_S)
+
+    async def remove_leftovers(self) -> None:
+        """At start: containers this kubelet left when its kube-sim was killed belong to pods of
+        a cluster that is gone (kube-sim keeps no state across restarts): removed."""
+        code, out = await self._podman("ps", "--all", "--quiet", "--filter",
+                                       f"label={LABEL_KUBELET}={self.kubelet}")
+        ids = out.split() if code == 0 else []
+        if ids:
+            log.info("removing containers of an earlier kube-sim",
+                     extra={"node": self.node, "containers": len(ids)})
+            await self._podman("rm", "--force", "--ignore", "--time", "1", *ids)
 
     async def stop_all(self) -> None:
         for uid in list(self._names):
