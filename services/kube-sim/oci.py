@@ -7,6 +7,7 @@ Allocate returned for it:
 - its mounts, each a bind of the host path at the container path, read-only as Allocate says
   (`/etc/ld.so.preload` a file bind, libvgpu, the sealed limits directory, the region);
 - its env, under the container's own `env` values (as kubelet passes both to the runtime);
+- its device nodes (DeviceSpec) as `--device host:container:permissions`;
 - the driver, for a container that got GPU devices, as the NVIDIA container toolkit would bring
   it: the driver's user-space libraries (`container_driver_dir`: libcuda.so.1, libnvidia-ml.so.1
   — the fake driver in tests) read-only at `/usr/local/nvidia/lib64` on `LD_LIBRARY_PATH`, and
@@ -137,6 +138,9 @@ def run_args(
             args += ["-v", f"{mount.host_path}:{mount.container_path}:"
                      f"{'ro' if mount.read_only else 'rw'}"]
         env.update(entry.envs)
+        for device in entry.devices:
+            args += ["--device", f"{device.host_path}:{device.container_path}:"
+                     f"{device.permissions or 'rwm'}"]
     if gpu and settings.driver_dir:
         args += ["-v", f"{settings.driver_dir}:{DRIVER_CONTAINER_DIR}:ro"]
         env["LD_LIBRARY_PATH"] = DRIVER_CONTAINER_DIR

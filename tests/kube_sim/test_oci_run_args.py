@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.kube_sim.kubelet import ContainerAdmission, Mount
+from tessera.kube_sim.kubelet import ContainerAdmission, DeviceNode, Mount
 from tessera.kube_sim.oci import DRIVER_CONTAINER_DIR, OciSettings, run_args
 
 
@@ -24,6 +24,7 @@ GPU = ContainerAdmission(
     mounts=[Mount("/etc/ld.so.preload", "/host/ld.so.preload", True),
             Mount("/run/tessera/limits", "/host/limits", True),
             Mount("/run/tessera/region/usage", "/host/region/usage", False)],
+    devices=[DeviceNode("/dev/nvidia0", "/dev/nvidia3", "rw")],
 )
 
 
@@ -41,6 +42,7 @@ def test_allocate_mounts_env_and_the_driver_reach_a_gpu_container(tmp_path: Path
     assert f"/drv:{DRIVER_CONTAINER_DIR}:ro" in volumes
     assert f"{state}:{state}:rw" in volumes  # a directory "device"; a missing one is left out
     assert not any("absent" in v for v in volumes)
+    assert "/dev/nvidia3:/dev/nvidia0:rw" in pairs(run.args, "--device")
     env = pairs(run.args, "--env")
     assert f"LD_LIBRARY_PATH={DRIVER_CONTAINER_DIR}" in env
     assert "NVIDIA_VISIBLE_DEVICES=GPU-a" in env
