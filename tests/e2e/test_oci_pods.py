@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,8 @@ from .conftest import RunningStack, gpu_pod, gpu_uuid, start_stack
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGES = ("ghcr.io/tessera/tessera:0.1.0", "localhost/tessera-python-base:3.11-bookworm")
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+IMAGES = (f"ghcr.io/tessera/tessera:{VERSION}", "localhost/tessera-python-base:3.11-bookworm")
 LIBVGPU = ROOT / "native" / "libvgpu" / "build" / "libvgpu.so"
 NODE = "oci-a"
 NODES = [SimNode(name=NODE, gpus=1, gpu_memory_mib=16384, gpu_model="NVIDIA A10")]
@@ -51,6 +54,12 @@ CHUNK = 300 * MiB
 
 @pytest.fixture(scope="module")
 def engine_image() -> str:
+    """podman configured (scripts/container-engine.sh, as tests/compose and tests/native set it
+    up) and an image to run, or the module skipped saying which is missing."""
+    if os.geteuid() != 0:
+        pytest.skip("the container engine is set up and run as root (scripts/container-engine.sh)")
+    if shutil.which("apt-get") is None:
+        pytest.skip("no apt-get: scripts/container-engine.sh installs podman from Debian packages")
     setup = subprocess.run([str(ROOT / "scripts/container-engine.sh"), "setup"],
                            capture_output=True, text=True, timeout=600)
     if setup.returncode == 3:
