@@ -77,6 +77,15 @@ class Mount:
     read_only: bool
 
 
+@dataclass(frozen=True)
+class DeviceNode:
+    """A device node Allocate asked for (DeviceSpec): container path, host path, cgroup perms."""
+
+    container_path: str
+    host_path: str
+    permissions: str
+
+
 @dataclass
 class ContainerAdmission:
     name: str
@@ -85,6 +94,7 @@ class ContainerAdmission:
     device_ids: list[str] = field(default_factory=list)
     envs: dict[str, str] = field(default_factory=dict)
     mounts: list[Mount] = field(default_factory=list)
+    devices: list[DeviceNode] = field(default_factory=list)
     started: bool = False
     error: str = ""
 
@@ -452,6 +462,8 @@ class SimKubelet:
         entry.device_ids = list(chosen)
         entry.envs = dict(response.envs)
         entry.mounts = [Mount(m.container_path, m.host_path, m.read_only) for m in response.mounts]
+        entry.devices = [DeviceNode(d.container_path, d.host_path, d.permissions)
+                         for d in response.devices]
         self.pod_resources.assign(
             admission.uid, admission.namespace, admission.name, entry.name, plugin.resource,
             chosen,

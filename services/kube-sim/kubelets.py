@@ -25,6 +25,7 @@ from typing import Any
 from tessera.kube_sim import fit
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
+from tessera.kube_sim.oci import OciContainers, OciSettings
 from tessera.kube_sim.processes import ContainerProcesses
 from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError, now_rfc3339
 
@@ -100,7 +101,7 @@ class NodeKubelet:
         node: str,
         root: Path,
         gpu_resources: list[str],
-        processes: ContainerProcesses | None = None,
+        processes: ContainerProcesses | OciContainers | None = None,
         admit_deadline_s: float = 60.0,
         allocate_delay_s: float = 0.0,
         allocate_jitter_s: float = 0.0,
@@ -379,13 +380,28 @@ class NodeKubelet:
         return [asdict(a) for a in self.admissions.values()]
 
 
+def container_runtime(
+    settings: Any, log_dir: Path, node: str
+) -> ContainerProcesses | OciContainers | None:
+    """How this node runs containers: OCI containers, local processes, or not at all."""
+    if settings.container_runtime == "podman":
+        return OciContainers(log_dir, node, OciSettings(
+            image=settings.container_image, user=settings.container_user,
+            driver_dir=settings.container_driver_dir,
+            devices=tuple(d for d in settings.container_devices.split(",") if d),
+        ), kubelet=f"{Path(settings.kubelet_root).resolve()}/{node}")
+    return ContainerProcesses(log_dir) if settings.run_containers else None
+
+
 async def start_kubelets(sim: Any) -> list[NodeKubelet]:
     settings = sim.settings
     root = Path(settings.kubelet_root)
     log_dir = Path(settings.container_log_dir or root / "logs")
     kubelets = []
     for node in sim.nodes:
-        processes = ContainerProcesses(log_dir / node.name) if settings.run_containers else None
+        processes = container_runtime(settings, log_dir / node.name, node.name)
+        if isinstance(processes, OciContainers):
+            await processes.remove_leftovers()
         kubelet = NodeKubelet(
             sim.store, node.name, root, [sim.tessera.resource_name], processes,
             allocate_delay_s=settings.kubelet_delay_s, allocate_jitter_s=settings.kubelet_jitter_s,

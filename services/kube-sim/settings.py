@@ -61,6 +61,25 @@ class KubeSimSettings(BaseSettings):
         False, description="run containers that have a command as local processes"
     )
     container_log_dir: str = Field("", description="container logs (default <kubelet_root>/logs)")
+    container_runtime: Literal["", "podman"] = Field(
+        "", description="'podman': run containers that have a command as OCI containers (runc "
+        "through podman, oci.py) with what Allocate returned; '': as run_containers says"
+    )
+    container_image: str = Field(
+        "localhost/tessera-python-base:3.11-bookworm",
+        description="the image a container runs when the engine lacks the pod's (none is pulled)",
+    )
+    container_user: str = Field(
+        "65534:65534", description="uid:gid of a container whose securityContext names no user"
+    )
+    container_driver_dir: str = Field(
+        "", description="the GPU driver's user-space libraries (libcuda.so.1, ...), mounted "
+        "read-only into GPU containers at /usr/local/nvidia/lib64"
+    )
+    container_devices: str = Field(
+        "", description="comma-separated device paths for GPU containers: character devices "
+        "as devices, a directory (a fake driver's state) bound read-write"
+    )
 
     def sim_nodes(self) -> list[SimNode]:
         if self.nodes_file:
