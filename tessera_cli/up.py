@@ -115,6 +115,9 @@ def run_foreground(stack: LocalStack, nodes: list[SimNode], apply: Path | None,
     interactive = sys.stdout.isatty()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, _interrupt)  # `tessera down`: as Ctrl-C, also while starting
+    # Ctrl-C even where the shell that started us ignores SIGINT (a `&` job without job
+    # control, `nohup`): Python then leaves it ignored, and the stack would not stop.
+    signal.signal(signal.SIGINT, _interrupt)
     started = time.monotonic()
     code = 0
     try:
