@@ -233,23 +233,6 @@ MESSAGES: dict[str, dict[int, Field]] = {
         1: ("ephemeralContainerCommon", "core.EphemeralContainerCommon"),
         2: ("targetContainerName", "string"),
     },
-    "core.EphemeralContainerCommon": {
-        1: ("name", "string"), 2: ("image", "string"), 3: ("command", "string", "repeated"),
-        4: ("args", "string", "repeated"), 5: ("workingDir", "string"),
-        6: ("ports", "core.ContainerPort", "repeated"), 7: ("env", "core.EnvVar", "repeated"),
-        8: ("resources", "core.ResourceRequirements"),
-        9: ("volumeMounts", "core.VolumeMount", "repeated"), 10: ("livenessProbe", "core.Probe"),
-        11: ("readinessProbe", "core.Probe"), 12: ("lifecycle", "core.Lifecycle"),
-        13: ("terminationMessagePath", "string"), 14: ("imagePullPolicy", "string"),
-        15: ("securityContext", "core.SecurityContext"), 16: ("stdin", "bool"),
-        17: ("stdinOnce", "bool"), 18: ("tty", "bool"),
-        19: ("envFrom", "core.EnvFromSource", "repeated"),
-        20: ("terminationMessagePolicy", "string"),
-        21: ("volumeDevices", "core.VolumeDevice", "repeated"), 22: ("startupProbe", "core.Probe"),
-        23: ("resizePolicy", "core.ContainerResizePolicy", "repeated"),
-        24: ("restartPolicy", "string"),
-        25: ("restartPolicyRules", "core.ContainerRestartRule", "repeated"),
-    },
     "core.EphemeralVolumeSource": {
         1: ("volumeClaimTemplate", "core.PersistentVolumeClaimTemplate"),
     },
@@ -717,3 +700,6 @@ MESSAGES: dict[str, dict[int, Field]] = {
         4: ("description", "string"), 5: ("preemptionPolicy", "string"),
     },
 }
+
+# An ephemeral container's common part has a Container's fields, number for number.
+MESSAGES["core.EphemeralContainerCommon"] = MESSAGES["core.Container"]
