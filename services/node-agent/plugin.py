@@ -24,7 +24,14 @@ from prometheus_client import CollectorRegistry
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
 from tessera.node_agent.foreign import hami_held
-from tessera.node_agent.grant_check import GrantRefused, check_grant, recorded_text
+from tessera.node_agent.grant_check import (
+    GrantRefused,
+    check_grant,
+    check_sealed_capacity,
+    counted_sealed,
+    recorded_text,
+    sealed_disagreements,
+)
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
@@ -656,6 +663,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
             raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
         await self._check_grant(allocation, p.index)
+        await self._check_sealed(allocation, p.index, cdir)
         limits = await self._mps_limits(cdir, allocation,
                                         hs.limits_for(allocation, p.index, self.node_settings()))
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
@@ -694,6 +702,32 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                         self.settings, self._record_ok(pod))  # fmt: skip
         except GrantRefused as exc:
             self.rejections.reject("ledger", self.node, Problem("grant_above_request", str(exc)))
+            raise hs.HandshakeError(str(exc), mismatch=True) from exc
+
+    async def _check_sealed(self, allocation: Allocation, index: int, cdir: ContainerDir) -> None:
+        """What the node's containers have sealed is what they hold, whatever the ledger says
+        (it may have been restored from a forged annotation, grant_check): a grant that would
+        put a card over its capacity beside it is refused, and every sealed container the
+        ledger places on other cards is reported."""
+        ledger = await self._ledger()
+        active = {u: a for u, a in (ledger.allocations.items() if ledger else ()) if a.active}
+        others = [c for c in self.store.all()
+                  if c.path != cdir.path and c.prepared.pod_uid in active]
+
+        def read() -> dict[tuple[str, int], dict[str, int]]:
+            return {(c.prepared.pod_uid, c.prepared.index): mps.sealed_memory(c) for c in others}
+
+        sealed = counted_sealed(await asyncio.to_thread(read), active,
+                                (allocation.pod_uid, index))
+        names = {u: f"{a.namespace}/{a.name}" for u, a in active.items()}
+        for message in sealed_disagreements(sealed, {u: a.containers for u, a in active.items()},
+                                            names):
+            self.rejections.reject("ledger", self.node, Problem("sealed_grant_disagrees", message))
+        try:
+            check_sealed_capacity(hs.describe(allocation, index), allocation.containers[index],
+                                  sealed, self.state.by_uuid())
+        except GrantRefused as exc:
+            self.rejections.reject("ledger", self.node, Problem("sealed_over_capacity", str(exc)))
             raise hs.HandshakeError(str(exc), mismatch=True) from exc
 
     async def _repair_cross(
