@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera import hami, signing
-from tessera.models import Allocation, DeviceGrant, DeviceInfo
+from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo
 from tessera.settings import TesseraSettings
 
 
@@ -189,3 +189,47 @@ def counted_sealed(
             if peak:
                 counted[(uid, -1)] = peak
     return counted
+
+
+def sealed_repair(
+    allocations: dict[str, Allocation], sealed: Sealed, devices: dict[str, DeviceInfo],
+) -> tuple[dict[str, Allocation], list[str]]:
+    """The ledger's allocations put back on the cards their containers sealed, where the ledger
+    places an allocated pod's container elsewhere (one GPU per card, no MIG), when that leaves
+    no card over its memory in the ledger: (the changed allocations, what could not be put
+    back). The node is what runs; the ledger follows it, never the other way."""
+    changed: dict[str, Allocation] = {}
+    unrepaired: list[str] = []
+    for (uid, index), limits in sorted(sealed.items()):
+        allocation = changed.get(uid) or allocations.get(uid)
+        if allocation is None or index < 0 or index >= len(allocation.containers):
+            continue
+        grants = allocation.containers[index]
+        if ({g.uuid for g in grants} == set(limits) or len(grants) != len(limits)
+                or any(g.mig is not None for g in grants)
+                or allocation.state != AllocationState.ALLOCATED):
+            continue
+        put_back = [grant.model_copy(update={"uuid": uuid, "memory_mib": limits[uuid]})
+                    for grant, uuid in zip(grants, sorted(limits), strict=True)]
+        containers = [*allocation.containers]
+        containers[index] = put_back
+        candidate = allocation.model_copy(update={"containers": containers})
+        if _ledger_over_capacity({**allocations, **changed, uid: candidate}, devices):
+            unrepaired.append(f"{allocation.namespace}/{allocation.name} container #{index}")
+            continue
+        changed[uid] = candidate
+    return changed, unrepaired
+
+
+def _ledger_over_capacity(
+    allocations: dict[str, Allocation], devices: dict[str, DeviceInfo]
+) -> bool:
+    from tessera.restore import usage_on  # HAMi's max(init peak, app sum) per card
+
+    used: dict[str, int] = {}
+    for allocation in allocations.values():
+        if not allocation.active:
+            continue
+        for uuid in {g.uuid for grants in allocation.containers for g in grants}:
+            used[uuid] = used.get(uuid, 0) + usage_on(allocation, uuid)[0]
+    return any(mib > devices[u].memory_mib for u, mib in used.items() if u in devices)
