@@ -103,7 +103,8 @@ def test_a_tenant_cannot_forge_the_allocation_but_tessera_records_it(
 ) -> None:
     """kube-sim runs admission on UPDATE and pods/status with each client's identity: the
     scheduler and the node agent (their own service accounts) recorded the grant; the real
-    kubectl, as the tenant or the admin, cannot change it (issue 34)."""
+    kubectl cannot change it (over plain HTTP kubectl sends no token: it is system:anonymous;
+    the tenant's token itself: kube_sim/test_update_admission.py) (issue 34)."""
     created = sim.kube.create_pod(gpu_pod("recorded", mem=4000, cores=10, node=NODE), namespace)
     assert created.status_code == 201, created.text
     sim.kube.wait_running(namespace, "recorded")
