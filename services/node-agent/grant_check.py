@@ -155,7 +155,10 @@ def sealed_disagreements(
         containers = ledger_grants.get(uid)
         if containers is None or not limits or index < 0:
             continue
-        granted = {g.uuid for g in containers[index]} if index < len(containers) else set()
+        grants = containers[index] if index < len(containers) else []
+        if any(g.mig is not None for g in grants):
+            continue  # sealed on the MIG instance's own UUID, not the card's
+        granted = {g.uuid for g in grants}
         if granted != set(limits):
             found.append(
                 f"pod {names.get(uid, uid)} container #{index} has sealed "
