@@ -66,7 +66,11 @@ CLIENTS: dict[str, UserInfo] = {
         for component in ("scheduler", "node-agent", "admission", "quota", "metrics")
     },
 }
-LEGACY_TOKEN = "kube-sim"  # what kubeconfigs written without a token table carry (tests)
+# The well-known admin token of kubeconfigs written without a token table (tests) and of
+# kubeconfig-compose.yaml (the host's CLI against the compose stack): always the admin, who may do
+# nothing in kube-sim that an anonymous client may not (no RBAC) and whom the webhook does not
+# trust with the allocation's annotations.
+LEGACY_TOKEN = "kube-sim"
 
 
 @dataclass
@@ -108,6 +112,8 @@ class TokenTable:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
+        if secrets.compare_digest(LEGACY_TOKEN, token.strip()):
+            return CLIENTS["admin"]
         for client, issued in self.issued.items():
             if secrets.compare_digest(issued, token.strip()):
                 return CLIENTS[client]

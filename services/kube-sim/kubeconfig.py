@@ -37,11 +37,11 @@ def client_kubeconfig_path(main: Path, client: str) -> Path:
 def write_kubeconfig(
     path: Path, server: str, token: str = LEGACY_TOKEN, user: str = "kube-sim-admin"
 ) -> None:
-    """Write beside, then rename: a reader never sees half a file."""
+    """Write beside, then rename: a reader never sees half a file. Mode as the umask leaves it
+    (the compose stack's components read kube-sim's files as another user)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(kubeconfig_text(server, token=token, user=user))
-    os.chmod(temporary, 0o600)
     os.replace(temporary, path)
 
 
