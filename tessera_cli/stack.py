@@ -120,6 +120,18 @@ def extender_client_env(certs: Path, port: int) -> dict[str, str]:
     }
 
 
+# module -> the kube-sim client (its service account) it authenticates as; the webhook trusts
+# these accounts' writes of scheduler-owned annotations, as the chart configures it.
+KUBE_CLIENTS = {
+    "tessera.scheduler": "scheduler",
+    "tessera.node_agent": "node-agent",
+    "tessera.admission": "admission",
+    "tessera.quota": "quota",
+    "tessera.metrics": "metrics",
+}
+COMPONENT_ACCOUNTS = "system:serviceaccount:tessera-system:"
+
+
 def default_services(
     nodes: list[SimNode] | None = None,
     state_dir: Path = Path(".tessera"),
@@ -159,6 +171,7 @@ def default_services(
                 "TESSERA_LISTEN": f"127.0.0.1:{ports.admission}",
                 "TESSERA_TLS_CERT": str(certs / "tls.crt"),
                 "TESSERA_TLS_KEY": str(certs / "tls.key"),
+                "TESSERA_ADMISSION_TRUSTED_USER_PREFIXES": COMPONENT_ACCOUNTS,
             },
         ),
         # Loopback: the dashboard and /metrics are for this machine (docs/security.md 4.5).
@@ -387,12 +400,20 @@ class LocalStack:
             return NatsSettings(NATS_URL=str(self.nats_url))
         return self.auth.settings(str(self.nats_url), role, node)
 
+    def client_kubeconfig(self, spec: ServiceSpec) -> Path:
+        """Each component talks to kube-sim as its own service account, in the kubeconfig
+        kube-sim writes for it (`<kubeconfig>-<client>`); anything else as the admin."""
+        client = KUBE_CLIENTS.get(spec.module)
+        if client is None:
+            return self.kubeconfig
+        return self.kubeconfig.with_name(f"{KUBECONFIG_NAME}-{client}")
+
     def service_env(self, spec: ServiceSpec) -> dict[str, str]:
         env = {
             **os.environ,
             **self.extra_env,
             "NATS_URL": str(self.nats_url),
-            "TESSERA_KUBECONFIG": str(self.kubeconfig),
+            "TESSERA_KUBECONFIG": str(self.client_kubeconfig(spec)),
             **spec.env,
         }
         for key in ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE", "NATS_CREDS"):

@@ -1,8 +1,12 @@
 """Calling a mutating admission webhook as kube-apiserver does (AdmissionReview v1 over HTTPS).
 
-The pod is sent as `request.object`; an allowed response's base64 JSON patch is applied to it;
-a denial becomes the create's error, `admission webhook "<name>" denied the request: <msg>`;
-the response's `warnings` become the client's `Warning` headers (`response_warnings`).
+kube-sim registers the webhook as the chart's MutatingWebhookConfiguration does (`RULES`): pods
+on CREATE and UPDATE, and UPDATE of the pod subresources that carry the pod's metadata
+(`pods/status`, ...). The pod is sent as `request.object` (on UPDATE the stored one as
+`oldObject`, the subresource as `subResource`), the authenticated client as `userInfo`; an
+allowed response's base64 JSON patch is applied to it; a denial becomes the request's error,
+`admission webhook "<name>" denied the request: <msg>`; the response's `warnings` become the
+client's `Warning` headers (`response_warnings`).
 A webhook that cannot be reached follows the failure policy: `Fail` rejects the create with an
 internal error (clients retry), `Ignore` lets the pod through unchanged.
 """
@@ -20,37 +24,46 @@ from typing import Any, Literal
 
 import httpx
 import jsonpatch
+from tessera.kube_sim.identity import UserInfo, current_user
 from tessera.kube_sim.response_warnings import add_warning
 from tessera.kube_sim.store import KubeObject, StoreError
 
 log = logging.getLogger("tessera.kube_sim.admission")
 
 WEBHOOK_NAME = "vgpu.tessera.io"
+# (operation, pod subresource) the webhook is called for: the chart's rules.
+RULES = frozenset({
+    ("CREATE", ""), ("UPDATE", ""),
+    ("UPDATE", "status"), ("UPDATE", "ephemeralcontainers"), ("UPDATE", "resize"),
+})
+OPTIONS_KIND = {"CREATE": "CreateOptions", "UPDATE": "UpdateOptions"}
 
 
-def admission_review(pod: KubeObject, operation: str, review_uid: str) -> dict[str, Any]:
+def admission_review(
+    pod: KubeObject, operation: str, review_uid: str, old: KubeObject | None = None,
+    sub_resource: str = "", user: UserInfo | None = None,
+) -> dict[str, Any]:
     namespace = pod.get("metadata", {}).get("namespace", "")
     resource = {"group": "", "version": "v1", "resource": "pods"}
     kind = {"group": "", "version": "v1", "kind": "Pod"}
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": review_uid,
-            "kind": kind,
-            "resource": resource,
-            "requestKind": kind,
-            "requestResource": resource,
-            "name": pod.get("metadata", {}).get("name", ""),
-            "namespace": namespace,
-            "operation": operation,
-            "userInfo": {"username": "kube-sim-user", "groups": ["system:authenticated"]},
-            "object": pod,
-            "oldObject": None,
-            "dryRun": False,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
-        },
+    request: dict[str, Any] = {
+        "uid": review_uid,
+        "kind": kind,
+        "resource": resource,
+        "requestKind": kind,
+        "requestResource": resource,
+        "name": pod.get("metadata", {}).get("name", ""),
+        "namespace": namespace,
+        "operation": operation,
+        "userInfo": (user or current_user()).review(),
+        "object": pod,
+        "oldObject": old,
+        "dryRun": False,
+        "options": {"apiVersion": "meta.k8s.io/v1", "kind": OPTIONS_KIND.get(operation, "")},
     }
+    if sub_resource:
+        request["subResource"] = request["requestSubResource"] = sub_resource
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
 
 
 def apply_review_response(pod: KubeObject, review: Any, review_uid: str) -> KubeObject:
@@ -95,7 +108,7 @@ def apply_review_response(pod: KubeObject, review: Any, review_uid: str) -> Kube
 
 
 class AdmissionWebhook:
-    """The webhook configuration kube-sim calls for every pod CREATE."""
+    """The webhook configuration kube-sim calls for every pod CREATE and UPDATE (`RULES`)."""
 
     def __init__(
         self,
@@ -103,20 +116,34 @@ class AdmissionWebhook:
         ca_file: str | None,
         timeout_s: float = 10.0,
         failure_policy: Literal["Fail", "Ignore"] = "Fail",
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url = url
         self.failure_policy = failure_policy
         verify: ssl.SSLContext | bool = True
         if ca_file:
             verify = ssl.create_default_context(cafile=ca_file)
-        self._client = httpx.AsyncClient(verify=verify, timeout=timeout_s)
+        # `transport`: tests serve the webhook's own ASGI app in-process
+        self._client = httpx.AsyncClient(verify=verify, timeout=timeout_s, transport=transport)
 
     async def close(self) -> None:
         await self._client.aclose()
 
     async def __call__(self, pod: KubeObject, operation: str) -> KubeObject:
+        return await self.review(pod, operation)
+
+    async def update(self, pod: KubeObject, old: KubeObject, sub_resource: str) -> KubeObject:
+        """An UPDATE of the pod (or of its subresource): the pod as the webhook leaves it."""
+        if ("UPDATE", sub_resource) not in RULES:
+            return pod
+        return await self.review(pod, "UPDATE", old, sub_resource)
+
+    async def review(
+        self, pod: KubeObject, operation: str, old: KubeObject | None = None,
+        sub_resource: str = "",
+    ) -> KubeObject:
         review_uid = str(uuid.uuid4())
-        body = admission_review(pod, operation, review_uid)
+        body = admission_review(pod, operation, review_uid, old, sub_resource)
         try:
             reply = await self._client.post(self.url, json=body)
             if reply.status_code != 200:

@@ -39,6 +39,7 @@ from tessera.kube_sim import (
     tables,
     validation,
 )
+from tessera.kube_sim.identity import Authentication, TokenTable
 from tessera.kube_sim.objects import (
     WORKLOADS,
     job_selector,
@@ -60,6 +61,7 @@ from tessera.kube_sim.store import (
     gone,
     now_rfc3339,
 )
+from tessera.kube_sim.updates import AdmitUpdate, admitted_change, status_update
 
 from tessera.quantity import JsonNumber
 
@@ -78,6 +80,7 @@ BOOKMARK_INTERVAL_S = 5.0
 EVENTS_KEPT = 5000
 
 # Called on every pod CREATE before it is stored: returns the (mutated) pod or raises StoreError.
+# Pod UPDATEs (and pods/status) go through `updates.AdmitUpdate`.
 AdmitPod = Callable[[KubeObject, str], Awaitable[KubeObject]]
 
 RESOURCES = {"pods": "Pod", "resourcequotas": "ResourceQuota", "nodes": "Node", "events": "Event"}
@@ -226,9 +229,14 @@ class ApiServer:
         store: ObjectStore,
         admit_pod: AdmitPod | None = None,
         bookmark_interval_s: float = BOOKMARK_INTERVAL_S,
+        admit_update: AdmitUpdate | None = None,
+        tokens: TokenTable | None = None,
     ) -> None:
         self.store = store
         self.admit_pod = admit_pod
+        self.admit_update = admit_update
+        # who each bearer token is (identity.py); without a table, the legacy token is admin
+        self.tokens = tokens or TokenTable.legacy()
         self.bookmark_interval_s = bookmark_interval_s
         self.on_pod_deleted: list[Callable[[KubeObject], None]] = []
         # Added by other modules (disruption.py): routes served before the core ones, and
@@ -270,7 +278,8 @@ class ApiServer:
             ),
             *self._more_routes(),
         ]
-        return Starlette(routes=routes, middleware=[Middleware(WarningHeaders)],
+        return Starlette(routes=routes, middleware=[
+            Middleware(Authentication, tokens=self.tokens), Middleware(WarningHeaders)],
                          exception_handlers={
             404: lambda request, exc: error_response(no_such_resource()),
             405: lambda request, exc: error_response(StoreError(
@@ -772,10 +781,10 @@ class ApiServer:
             created = await self.create_object(kind, namespace, applied, dry_run)
             return with_warnings(JSONResponse(created, 201), warnings)
         applied.pop("status", None)
-        return with_warnings(JSONResponse(self._update(
+        return with_warnings(JSONResponse(await self._update(
             kind, namespace, name, applied, strategic_merge.apply, dry_run)), warnings)
 
-    def _update(
+    async def _update(
         self, kind: str, namespace: str, name: str, patch: Any,
         merge: Callable[[Any, Any], Any], dry_run: bool = False,
     ) -> KubeObject:
@@ -793,7 +802,22 @@ class ApiServer:
             obj.clear()
             obj.update(patched)
 
-        return self.store.mutate(kind, namespace, name, change, persist=not dry_run)
+        return await self._admitted(kind, namespace, name, change, "", not dry_run)
+
+    async def _admitted(
+        self, kind: str, namespace: str, name: str, change: Callable[[KubeObject], None],
+        sub_resource: str, persist: bool, precondition: str | None = None,
+    ) -> KubeObject:
+        """A change of a stored object; a pod's goes through UPDATE admission (updates.py)."""
+
+        def check(old: KubeObject, new: KubeObject) -> None:
+            if not sub_resource:
+                validate_update(kind, old, decoded(kind, new))
+
+        return await admitted_change(
+            self.store, kind, namespace, name, change, self.admit_update, sub_resource,
+            persist, check, precondition,
+        )
 
     async def status(self, request: Request) -> Response:
         try:
@@ -809,9 +833,22 @@ class ApiServer:
                 new_status = body.get("status") or {}
 
                 def set_status(obj: KubeObject) -> None:
+                    if kind == "Pod" and isinstance(body.get("metadata"), dict):
+                        # metadata but the spec too (updates.py), immutable fields kept
+                        kept = {k: obj["metadata"].get(k) for k in IMMUTABLE_META}
+                        changed = status_update(obj, {**obj, "metadata": body["metadata"]})
+                        for key, value in kept.items():
+                            if value is None:
+                                changed["metadata"].pop(key, None)
+                            else:
+                                changed["metadata"][key] = value
+                        obj["metadata"] = changed["metadata"]
                     obj["status"] = new_status
 
-                return JSONResponse(self.store.mutate(kind, namespace, name, set_status))
+                wanted = (body.get("metadata") or {}).get("resourceVersion")
+                return JSONResponse(await self._admitted(
+                    kind, namespace, name, set_status, "status", True,
+                    str(wanted) if wanted and kind == "Pod" else None))
             return await self._patch(request, kind, namespace, name, status_only=True)
         except StoreError as error:
             return error_response(error)
@@ -829,8 +866,17 @@ class ApiServer:
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
         validate_update(kind, current, decoded(kind, body))
-        replaced = self.store.replace(kind, body, str(expected) if expected else None,
-                                      persist=not _dry_run(request))
+        if kind == "Pod":
+
+            def put(obj: KubeObject) -> None:
+                obj.clear()
+                obj.update(copy.deepcopy(body))
+
+            replaced = await self._admitted(kind, namespace, name, put, "",
+                                            not _dry_run(request), str(expected or "") or None)
+        else:
+            replaced = self.store.replace(kind, body, str(expected) if expected else None,
+                                          persist=not _dry_run(request))
         return with_warnings(JSONResponse(replaced), warnings)
 
     async def _patch(
@@ -878,7 +924,9 @@ class ApiServer:
                 )
             if not isinstance(patched, dict) or not isinstance(patched.get("metadata"), dict):
                 raise StoreError(422, "Invalid", "the patch removed metadata")
-            if status_only:
+            if status_only and kind == "Pod":  # metadata but the spec too (updates.py)
+                patched = status_update(obj, patched)
+            elif status_only:
                 patched = {**obj, "status": patched.get("status", {})}
             for key, value in before.items():
                 if value is None:
@@ -890,7 +938,8 @@ class ApiServer:
             obj.clear()
             obj.update(patched)
 
-        changed = self.store.mutate(kind, namespace, name, apply, persist=not _dry_run(request))
+        changed = await self._admitted(
+            kind, namespace, name, apply, "status" if status_only else "", not _dry_run(request))
         return with_warnings(JSONResponse(changed), warnings)
 
     async def binding(self, request: Request) -> Response:

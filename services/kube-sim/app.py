@@ -13,7 +13,8 @@ from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.controllers import WorkloadControllers
 from tessera.kube_sim.disruption import Disruption
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
-from tessera.kube_sim.kubeconfig import write_kubeconfig
+from tessera.kube_sim.identity import TokenTable
+from tessera.kube_sim.kubeconfig import write_kubeconfigs
 from tessera.kube_sim.scheduler import SchedulingLoop
 from tessera.kube_sim.settings import KubeSimSettings
 from tessera.kube_sim.store import KubeObject, ObjectStore, now_rfc3339
@@ -73,7 +74,18 @@ class KubeSim:
             if settings.webhook_url
             else None
         )
-        self.api = ApiServer(self.store, self.webhook)
+        # one token per client (identity.py), kept beside the kubeconfigs across restarts
+        self.tokens = (
+            TokenTable.load_or_create(Path(f"{settings.kubeconfig}.tokens.json"))
+            if settings.kubeconfig
+            else TokenTable.legacy()
+        )
+        self.api = ApiServer(
+            self.store,
+            self.webhook,
+            admit_update=self.webhook.update if self.webhook is not None else None,
+            tokens=self.tokens,
+        )
         self.disruption = Disruption(self.store, self._stop_processes, lambda: self.api.now())
         self.api.extra_routes += self.disruption.routes()
         self.api.pod_admitters.append(self.disruption.admit_priority)
@@ -126,7 +138,9 @@ class KubeSim:
         if advertised in ("0.0.0.0", "::"):
             advertised = "127.0.0.1"
         if self.settings.kubeconfig:
-            write_kubeconfig(Path(self.settings.kubeconfig), f"http://{advertised}:{port}")
+            write_kubeconfigs(
+                Path(self.settings.kubeconfig), f"http://{advertised}:{port}", self.tokens
+            )
         kubelets = await self._start_kubelets()
         scheduler_task = asyncio.create_task(self.scheduler.run(stop))
         controllers_task = asyncio.create_task(self.controllers.run(stop))

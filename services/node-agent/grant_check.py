@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera import hami, signing
-from tessera.models import DeviceGrant, DeviceInfo
+from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo
 from tessera.settings import TesseraSettings
 
 
@@ -113,3 +113,126 @@ def check_mig_grant(
             f"{who}: ledger grants MIG {profile.name} ({grant.memory_mib} MiB / {grant.cores}%) "
             f"on {grant.uuid} for an ask of {memory} MiB / {cores}%: refusing to seal a forged "
             "grant")
+
+
+# --- what is already sealed on this node's cards (issue 34) ---------------------------------
+# The ledger can be wrong about which card a running container uses: after NATS lost its store
+# it is rebuilt from the pods' annotations, and an annotation moved to another card of the node
+# (within that card's capacity and the pod's request) is restored there. What the agent sealed
+# is what the containers really hold; a grant that would put a card over its capacity beside
+# what is sealed there is never sealed, and every sealed container the ledger places elsewhere
+# is reported.
+
+Sealed = dict[tuple[str, int], dict[str, int]]  # (pod uid, container index) -> uuid -> MiB
+
+
+def check_sealed_capacity(
+    who: str, grants: list[DeviceGrant], sealed: Sealed, devices: dict[str, DeviceInfo],
+) -> None:
+    """Raise GrantRefused when sealing `grants` would put a card over its memory beside what
+    the node's other live containers have sealed on it (`sealed`, this container excluded)."""
+    for grant in grants:
+        device = devices.get(grant.uuid)
+        if device is None or grant.mig is not None:
+            continue  # an unknown card or a MIG instance is the other checks' business
+        held = sum(limits.get(grant.uuid, 0) for limits in sealed.values())
+        if held + grant.memory_mib > device.memory_mib:
+            raise GrantRefused(
+                f"{who}: sealing {grant.memory_mib} MiB on {grant.uuid} would put it at "
+                f"{held + grant.memory_mib} MiB of {device.memory_mib} MiB beside what running "
+                "containers have sealed there: the ledger disagrees with the node"
+            )
+
+
+def sealed_disagreements(
+    sealed: Sealed, ledger_grants: dict[str, list[list[DeviceGrant]]],
+    names: dict[str, str],
+) -> list[str]:
+    """Each sealed container whose ledger grant names other cards than it sealed (the ledger
+    was restored from a forged annotation, or edited): one message each."""
+    found = []
+    for (uid, index), limits in sorted(sealed.items()):
+        containers = ledger_grants.get(uid)
+        if containers is None or not limits or index < 0:
+            continue
+        grants = containers[index] if index < len(containers) else []
+        if any(g.mig is not None for g in grants):
+            continue  # sealed on the MIG instance's own UUID, not the card's
+        granted = {g.uuid for g in grants}
+        if granted != set(limits):
+            found.append(
+                f"pod {names.get(uid, uid)} container #{index} has sealed "
+                f"{', '.join(f'{m} MiB on {u}' for u, m in sorted(limits.items()))} but the "
+                f"ledger grants it {', '.join(sorted(granted)) or 'nothing'}"
+            )
+    return found
+
+
+def counted_sealed(
+    sealed: Sealed, allocations: dict[str, Allocation], sealing: tuple[str, int]
+) -> Sealed:
+    """What of `sealed` holds memory now: init containers of a pod whose app containers have
+    started (or are being sealed, `sealing`) have finished; the rest of a pod's init containers
+    run one at a time, so they count as their largest per card (HAMi's max(init peak, app))."""
+    counted: Sealed = {}
+    for uid in {uid for uid, _ in sealed}:
+        allocation = allocations.get(uid)
+        init = set(range(allocation.init_count)) - set(allocation.sidecars) if allocation else set()
+        mine = {index: limits for (u, index), limits in sealed.items() if u == uid}
+        app_started = any(i not in init for i in mine) or (
+            sealing[0] == uid and sealing[1] not in init)
+        for index, limits in mine.items():
+            if index not in init:
+                counted[(uid, index)] = limits
+        if not app_started and not (allocation and allocation.init_done):
+            peak: dict[str, int] = {}
+            for index in init & set(mine):
+                for uuid, mib in mine[index].items():
+                    peak[uuid] = max(peak.get(uuid, 0), mib)
+            if peak:
+                counted[(uid, -1)] = peak
+    return counted
+
+
+def sealed_repair(
+    allocations: dict[str, Allocation], sealed: Sealed, devices: dict[str, DeviceInfo],
+) -> tuple[dict[str, Allocation], list[str]]:
+    """The ledger's allocations put back on the cards their containers sealed, where the ledger
+    places an allocated pod's container elsewhere (one GPU per card, no MIG), when that leaves
+    no card over its memory in the ledger: (the changed allocations, what could not be put
+    back). The node is what runs; the ledger follows it, never the other way."""
+    changed: dict[str, Allocation] = {}
+    unrepaired: list[str] = []
+    for (uid, index), limits in sorted(sealed.items()):
+        allocation = changed.get(uid) or allocations.get(uid)
+        if allocation is None or index < 0 or index >= len(allocation.containers):
+            continue
+        grants = allocation.containers[index]
+        if ({g.uuid for g in grants} == set(limits) or len(grants) != len(limits)
+                or any(g.mig is not None for g in grants)
+                or allocation.state != AllocationState.ALLOCATED):
+            continue
+        put_back = [grant.model_copy(update={"uuid": uuid, "memory_mib": limits[uuid]})
+                    for grant, uuid in zip(grants, sorted(limits), strict=True)]
+        containers = [*allocation.containers]
+        containers[index] = put_back
+        candidate = allocation.model_copy(update={"containers": containers})
+        if _ledger_over_capacity({**allocations, **changed, uid: candidate}, devices):
+            unrepaired.append(f"{allocation.namespace}/{allocation.name} container #{index}")
+            continue
+        changed[uid] = candidate
+    return changed, unrepaired
+
+
+def _ledger_over_capacity(
+    allocations: dict[str, Allocation], devices: dict[str, DeviceInfo]
+) -> bool:
+    from tessera.restore import usage_on  # HAMi's max(init peak, app sum) per card
+
+    used: dict[str, int] = {}
+    for allocation in allocations.values():
+        if not allocation.active:
+            continue
+        for uuid in {g.uuid for grants in allocation.containers for g in grants}:
+            used[uuid] = used.get(uuid, 0) + usage_on(allocation, uuid)[0]
+    return any(mib > devices[u].memory_mib for u, mib in used.items() if u in devices)

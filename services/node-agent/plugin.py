@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -24,7 +25,15 @@ from prometheus_client import CollectorRegistry
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
 from tessera.node_agent.foreign import hami_held
-from tessera.node_agent.grant_check import GrantRefused, check_grant, recorded_text
+from tessera.node_agent.grant_check import (
+    GrantRefused,
+    check_grant,
+    check_sealed_capacity,
+    counted_sealed,
+    recorded_text,
+    sealed_disagreements,
+    sealed_repair,
+)
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
@@ -144,6 +153,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # the last Allocate served: hints for attributing the next Allocate (never proof).
         self._guess: str | None = None
         self._run: str | None = None
+        self._sealed_revision = 0  # the ledger revision last compared with what is sealed
+        self._sealed_checked_at = 0.0
 
     # --- kubelet's RPCs ------------------------------------------------------------------------
 
@@ -656,6 +667,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
             raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
         await self._check_grant(allocation, p.index)
+        await self._check_sealed(allocation, p.index, cdir)
         limits = await self._mps_limits(cdir, allocation,
                                         hs.limits_for(allocation, p.index, self.node_settings()))
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
@@ -694,6 +706,82 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                         self.settings, self._record_ok(pod))  # fmt: skip
         except GrantRefused as exc:
             self.rejections.reject("ledger", self.node, Problem("grant_above_request", str(exc)))
+            raise hs.HandshakeError(str(exc), mismatch=True) from exc
+
+    async def reconcile_sealed(self, every_s: float = 2.0) -> None:
+        """When the ledger changed: every allocated container it places on other cards than
+        the ones it sealed (a rebuild from a forged annotation) is reported, and the ledger is
+        put back on the sealed cards where they hold it (grant_check.sealed_repair)."""
+        if time.monotonic() - self._sealed_checked_at < every_s:
+            return
+        self._sealed_checked_at = time.monotonic()
+        current = await bus.read(self.ledger_kv, self.node, NodeLedger)
+        if current is None or current.revision == self._sealed_revision:
+            return
+        async with self._lock:
+            self._sealed_revision = current.revision
+            active = {u: a for u, a in current.value.allocations.items() if a.active}
+
+            def read() -> dict[tuple[str, int], dict[str, int]]:
+                return {(c.prepared.pod_uid, c.prepared.index): mps.sealed_memory(c)
+                        for c in self.store.all() if c.prepared.pod_uid in active}
+
+            sealed = counted_sealed(await asyncio.to_thread(read), active, ("", -1))
+            names = {u: f"{a.namespace}/{a.name}" for u, a in active.items()}
+            found = sealed_disagreements(sealed, {u: a.containers for u, a in active.items()},
+                                         names)
+            if not found:
+                return
+            for message in found:  # each its own event (not deduplicated by problem code)
+                self.rejections.reject("ledger", self.node,
+                                       Problem("sealed_grant_disagrees", message),
+                                       zlib.crc32(message.encode()) or 1)
+            changed, unrepaired = sealed_repair(active, sealed, self.state.by_uuid())
+            for who in unrepaired:
+                self.rejections.reject("ledger", self.node, Problem(
+                    "sealed_grant_unrepaired", f"{who}: the cards it sealed cannot hold it "
+                    "in the ledger; new grants there are refused until it ends"))
+
+            def put_back(ledger: NodeLedger | None) -> NodeLedger:
+                if ledger is None:
+                    raise bus.NoChange
+                ledger = ledger.model_copy(deep=True)
+                for uid, allocation in changed.items():
+                    if ledger.allocations.get(uid) == active[uid]:  # unchanged since read
+                        ledger.allocations[uid] = allocation
+                return ledger
+
+            if changed:
+                with contextlib.suppress(bus.NoChange):
+                    await bus.cas_update(self.ledger_kv, self.node, NodeLedger, put_back)
+                self.log.warning("ledger put back on the cards the containers sealed",
+                                 extra={"pods": sorted(names[u] for u in changed)})
+
+    async def _check_sealed(self, allocation: Allocation, index: int, cdir: ContainerDir) -> None:
+        """What the node's containers have sealed is what they hold, whatever the ledger says
+        (it may have been restored from a forged annotation, grant_check): a grant that would
+        put a card over its capacity beside it is refused, and every sealed container the
+        ledger places on other cards is reported."""
+        ledger = await self._ledger()
+        active = {u: a for u, a in (ledger.allocations.items() if ledger else ()) if a.active}
+        others = [c for c in self.store.all()
+                  if c.path != cdir.path and c.prepared.pod_uid in active]
+
+        def read() -> dict[tuple[str, int], dict[str, int]]:
+            return {(c.prepared.pod_uid, c.prepared.index): mps.sealed_memory(c) for c in others}
+
+        sealed = counted_sealed(await asyncio.to_thread(read), active,
+                                (allocation.pod_uid, index))
+        names = {u: f"{a.namespace}/{a.name}" for u, a in active.items()}
+        for message in sealed_disagreements(sealed, {u: a.containers for u, a in active.items()},
+                                            names):
+            self.rejections.reject("ledger", self.node, Problem("sealed_grant_disagrees", message),
+                                   zlib.crc32(message.encode()) or 1)
+        try:
+            check_sealed_capacity(hs.describe(allocation, index), allocation.containers[index],
+                                  sealed, self.state.by_uuid())
+        except GrantRefused as exc:
+            self.rejections.reject("ledger", self.node, Problem("sealed_over_capacity", str(exc)))
             raise hs.HandshakeError(str(exc), mismatch=True) from exc
 
     async def _repair_cross(
@@ -1041,6 +1129,7 @@ class PluginEndpoint:
             self._registered = False
         if not self._registered and kubelet is not None:
             self._registered = await self._register()
+        await self.service.reconcile_sealed()
 
     def _dropped_by_kubelet(self) -> bool:
         if self.streams.open:

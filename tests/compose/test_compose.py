@@ -89,7 +89,9 @@ def test_services_reach_nats_and_kube_sim(resolved: dict) -> None:
     for name in ("admission", "scheduler", "quota", "metrics", "node-agent-0", "node-agent-1"):
         env = services[name]["environment"]
         assert env["NATS_URL"] == "nats://nats:4222", name
-        assert env["TESSERA_KUBECONFIG"] == "/shared/kubeconfig", name
+        # each component as its own service account (kube-sim's kubeconfig-<client>)
+        client = "node-agent" if name.startswith("node-agent") else name
+        assert env["TESSERA_KUBECONFIG"] == f"/shared/kubeconfig-{client}", name
         assert services[name]["depends_on"]["kube-sim"]["condition"] == "service_healthy"
     sim = services["kube-sim"]["environment"]
     assert sim["TESSERA_KUBE_SIM_WEBHOOK_URL"] == "https://admission:9443/mutate"
@@ -98,6 +100,8 @@ def test_services_reach_nats_and_kube_sim(resolved: dict) -> None:
     assert sim["TESSERA_KUBE_SIM_EXTENDER_CERT"] == "/certs/kube-scheduler.crt"
     assert services["scheduler"]["environment"]["TESSERA_TLS_CLIENT_CA"] == "/certs/ca.crt"
     assert services["admission"]["environment"]["TESSERA_LISTEN"].endswith(":9443")
+    assert services["admission"]["environment"]["TESSERA_ADMISSION_TRUSTED_USER_PREFIXES"] == (
+        "system:serviceaccount:tessera-system:")
     assert services["scheduler"]["environment"]["TESSERA_LISTEN"].endswith(":8888")
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tessera import hami, signing
 from tessera.bus import connect, ensure_bus
 from tessera.codec import decode
 from tessera.models import NodeLedger
@@ -92,3 +96,39 @@ def test_garbage_in_a_ledger_key_is_repaired_and_the_node_keeps_scheduling(
     with pytest.raises(AssertionError):
         sim.kube.wait_running(namespace, "too-big", timeout_s=5)
     sim.kube.delete_namespace_pods(namespace)
+
+
+def test_a_tenant_cannot_forge_the_allocation_but_tessera_records_it(
+    sim: RunningStack, namespace: str
+) -> None:
+    """kube-sim runs admission on UPDATE and pods/status with each client's identity: the
+    scheduler and the node agent (their own service accounts) recorded the grant; the real
+    kubectl cannot change it (over plain HTTP kubectl sends no token: it is system:anonymous;
+    the tenant's token itself: kube_sim/test_update_admission.py) (issue 34)."""
+    created = sim.kube.create_pod(gpu_pod("recorded", mem=4000, cores=10, node=NODE), namespace)
+    assert created.status_code == 201, created.text
+    sim.kube.wait_running(namespace, "recorded")
+    annotations = sim.kube.wait_for(
+        "the node agent's signed record",
+        lambda: (a := sim.kube.pod(namespace, "recorded")["metadata"]["annotations"])
+        and signing.RECORD_ANNOTATION in a and a,
+    )
+    recorded = annotations[hami.ANN_DEVICES_ALLOCATED]
+    assert hami.decode_pod_devices(recorded)[0][0].memory_mib == 4000
+    kubectl = str(Path(sys.executable).parent / "kubectl")
+    forged = recorded.replace(",4000,", ",24576,")
+    for who in ("kubeconfig-tenant", "kubeconfig"):
+        config = str(sim.stack.state_dir / who)
+        for args in (
+            ["annotate", "--overwrite", "pod", "recorded",
+             f"{hami.ANN_DEVICES_ALLOCATED}={forged}"],
+            ["patch", "pod", "recorded", "--subresource=status", "--type=merge", "-p",
+             f'{{"metadata":{{"annotations":{{"{hami.ANN_DEVICES_ALLOCATED}":"{forged}"}}}}}}'],
+        ):
+            result = subprocess.run([kubectl, "--kubeconfig", config, "-n", namespace, *args],
+                                    capture_output=True, text=True, timeout=60)
+            assert result.returncode != 0, (who, args, result.stdout)
+            assert 'admission webhook "vgpu.tessera.io" denied the request' in result.stderr
+            assert f"{hami.ANN_DEVICES_ALLOCATED} are written only by" in result.stderr
+    after = sim.kube.pod(namespace, "recorded")["metadata"]["annotations"]
+    assert after[hami.ANN_DEVICES_ALLOCATED] == recorded
