@@ -103,6 +103,13 @@ def decide_update(old: Any, new: Any, username: str, settings: TesseraSettings) 
     prefixes = [p.strip() for p in settings.admission_trusted_user_prefixes.split(",") if p.strip()]
     if username and any(username.startswith(p) for p in prefixes):
         return Admitted(note="update by a trusted Tessera component")
+    # Rule 2 as on creation: a pod routed to another scheduler (HAMi's, while a cluster
+    # migrates) is that scheduler's to annotate. The stored pod's name is judged: a pod's
+    # schedulerName cannot change once it exists, so none of ours becomes another's.
+    spec = old.get("spec") if isinstance(old, dict) else None
+    scheduler = spec.get("schedulerName") if isinstance(spec, dict) else None
+    if scheduler not in (None, "", DEFAULT_SCHEDULER, settings.scheduler_name):
+        return Admitted(note=f"routed to scheduler {scheduler!r}; left unchanged")
     before, after = _owned_annotations(old), _owned_annotations(new)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:

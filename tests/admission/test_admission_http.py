@@ -147,6 +147,23 @@ async def test_a_user_cannot_change_scheduler_owned_annotations_by_update(client
     assert answer["response"]["allowed"] is True and "patch" not in answer["response"]
 
 
+async def test_another_schedulers_pod_is_its_own_to_annotate(client):
+    """HAMi's scheduler annotates its pods while a cluster migrates (rule 2, as on creation);
+    ours stay protected whatever the update claims its scheduler is."""
+    hami_pod = pod(container(limits={GPU: "1"}))
+    hami_pod["spec"]["schedulerName"] = "hami-scheduler"
+    annotated = json.loads(json.dumps(hami_pod))
+    annotated["metadata"]["annotations"] = {
+        "hami.io/vgpu-devices-allocated": "GPU-a,NVIDIA,99,10:;"}
+    hami = "system:serviceaccount:kube-system:hami-scheduler"
+    review = update_review(hami_pod, annotated, hami)
+    assert (await client.post("/mutate", json=review)).json()["response"]["allowed"] is True
+    ours = pod(container(limits={GPU: "1"}))
+    ours["spec"]["schedulerName"] = "tessera-scheduler"
+    review = update_review(ours, annotated, "alice")
+    assert (await client.post("/mutate", json=review)).json()["response"]["allowed"] is False
+
+
 async def test_tessera_components_may_write_their_annotations():
     trusted = "system:serviceaccount:tessera-system:"
     settings = TesseraSettings(quota_enabled=False, admission_trusted_user_prefixes=trusted)
