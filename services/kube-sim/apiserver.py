@@ -513,6 +513,7 @@ class ApiServer:
             if self.admit_pod is not None and not dry_run:
                 obj = decoded(kind, await self.admit_pod(obj, "CREATE"))
             validation.validate_pod(obj)
+            dra_objects.validate_pod_claims(obj)
         elif kind in WORKLOADS:
             validation.prepare_workload(kind, obj)
             obj["status"] = {}

@@ -17,7 +17,7 @@ from typing import Any
 
 from tessera.kube_sim.dra import cel
 from tessera.kube_sim.dra.model import maybe_quantity
-from tessera.kube_sim.quantity import QUANTITY_FIELDS
+from tessera.kube_sim.quantity import register
 from tessera.kube_sim.store import KubeObject, now_rfc3339
 from tessera.kube_sim.validation import (
     DNS1123_LABEL,
@@ -47,7 +47,7 @@ _CLAIM_SPEC = (
     "devices.requests.*.exactly.capacity.requests.{}",
     "devices.requests.*.firstAvailable.*.capacity.requests.{}",
 )
-QUANTITY_FIELDS.update({
+for _kind, _paths in {
     "ResourceClaim": (*(f"spec.{p}" for p in _CLAIM_SPEC),
                       "status.allocation.devices.results.*.consumedCapacity.{}"),
     "ResourceClaimTemplate": tuple(f"spec.spec.{p}" for p in _CLAIM_SPEC),
@@ -61,7 +61,8 @@ QUANTITY_FIELDS.update({
         "spec.devices.*.consumesCounters.*.counters.{}.value",
         "spec.sharedCounters.*.counters.{}.value",
     ),
-})
+}.items():
+    register(_kind, _paths)
 
 
 def _label(value: Any, path: str, errors: list[FieldError]) -> None:
@@ -181,10 +182,10 @@ def validate_claim_spec(spec: Any, path: str) -> list[FieldError]:
             errors.append(FieldError("Duplicate", f"{where}.name", value=name))
         subs: set[str] = set()
         exactly, first = request.get("exactly"), request.get("firstAvailable")
-        if bool(exactly) == bool(first):
+        if (exactly is None) == (first is None):
             errors.append(FieldError("Required", where,
                                      "exactly one of `exactly` or `firstAvailable` is required"))
-        elif exactly:
+        elif exactly is not None:
             _exact(exactly, f"{where}.exactly", errors, subrequest=False)
         else:
             if not isinstance(first, list) or len(first) > MAX_SUBREQUESTS:
