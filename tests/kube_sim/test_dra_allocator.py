@@ -54,8 +54,11 @@ def allocate(claims: list[dict[str, Any]], slices: list[dict[str, Any]],
     from tessera.kube_sim.dra.model import device_index
     usage = usage_of(list(allocated), device_index(slices))
     counter = iter(range(1000))
-    return Allocator(claims, pools, CLASSES, usage, "node-a",
-                     new_share_id=lambda: f"share-{next(counter)}").run()
+    outcome = Allocator(claims, pools, CLASSES, usage, "node-a",
+                        new_share_id=lambda: f"share-{next(counter)}").run()
+    if outcome.ok:
+        outcome.results()
+    return outcome
 
 
 def devices_of(outcome: Outcome, index: int = 0) -> list[str]:
