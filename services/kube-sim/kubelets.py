@@ -419,6 +419,10 @@ class NodeKubelet:
         status["phase"] = phase
         status["containerStatuses"] = statuses
         self._set_status(current, status)
+        if self.dra is not None and self.dra.uses(current):  # a finished pod's claims go back
+            task = asyncio.create_task(self.dra.unprepare(current))
+            self._arrivals.add(task)
+            task.add_done_callback(self._arrivals.discard)
 
     def describe(self) -> list[dict[str, Any]]:
         """What each admitted container received (env, mounts, devices): for tests and demos."""

@@ -192,3 +192,42 @@ async def test_registration_refuses_a_plugin_without_the_v1_service() -> None:
         [(registered, error)] = plugin.statuses
         assert not registered and "v1.DRAPlugin" in error
         assert DRIVER not in cluster.sim.api.kubelets["node-a"].dra.plugins
+
+
+async def test_a_claim_named_by_two_pods_is_shared_and_deallocated_when_both_are_gone() -> None:
+    async with running_cluster(["node-a", "node-b"]) as cluster:
+        plugin = await cluster.plugin("node-b")
+        await cluster.create(f"{RESOURCE}/deviceclasses", CLASS)
+        exclusive = shared_slice("node-b")
+        for device in exclusive["spec"]["devices"]:
+            device.pop("allowMultipleAllocations")
+            device["capacity"] = {"memory": {"value": "24Gi"}}
+        await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
+        claim = {"metadata": {"name": "shared"}, "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}}
+        await cluster.create(f"{RESOURCE}/namespaces/default/resourceclaims", claim)
+        refs = [{"name": "gpu", "resourceClaimName": "shared"}]
+        for name in ("a", "b"):
+            await cluster.create("/api/v1/namespaces/default/pods", pod(name, claims=refs))
+        started = [await running(cluster, name) for name in ("a", "b")]
+        assert {p["spec"]["nodeName"] for p in started} == {"node-b"}  # where the device is
+        assert "resourceClaimStatuses" not in started[0]["status"]  # only templates are listed
+        [stored] = await cluster.claims()
+        assert sorted(r["name"] for r in stored["status"]["reservedFor"]) == ["a", "b"]
+        assert plugin.prepared == ["shared"]  # prepared once for both pods
+        await cluster.http.delete("/api/v1/namespaces/default/pods/a")
+        await cluster.wait_for("a released", lambda: _reserved_only(cluster, "b"))
+        assert plugin.unprepared == [] and (await cluster.claims())[0]["status"]["allocation"]
+        await cluster.http.delete("/api/v1/namespaces/default/pods/b")
+        await cluster.wait_for("deallocated", lambda: _deallocated(cluster))
+        assert plugin.unprepared == ["shared"]
+
+
+async def _reserved_only(cluster: Cluster, name: str) -> bool:
+    [stored] = await cluster.claims()
+    return [r["name"] for r in stored["status"].get("reservedFor") or []] == [name]
+
+
+async def _deallocated(cluster: Cluster) -> bool:
+    [stored] = await cluster.claims()
+    return not stored["status"].get("allocation") and not stored["status"].get("reservedFor")

@@ -128,7 +128,8 @@ class ClaimController:
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             return
         if terminal(pod):
-            self.release(pod)
+            if (pod.get("spec") or {}).get("nodeName") not in self.kubelet_nodes:
+                self.release(pod)  # else its kubelet releases it once it unprepared the claims
             return
         statuses = list((pod.get("status") or {}).get("resourceClaimStatuses") or [])
         recorded = {s.get("name") for s in statuses}
