@@ -69,27 +69,31 @@ class Picked:
     consumed: dict[str, Fraction] | None  # None: the whole device (not shared)
 
 
-@dataclass
 class Outcome:
-    allocations: dict[int, dict[str, Any]] | None  # claim index -> status.allocation
-    reason: str = ""
-    build: Callable[[], dict[int, dict[str, Any]]] | None = None  # made on first use
+    """An allocation attempt's result: per claim index its `status.allocation` (built on first
+    access: only the chosen node's is ever written out), or None with the reason."""
 
-    def __post_init__(self) -> None:
-        if self.allocations is None and self.build is not None:
-            self.allocations = {}  # a success whose results are written out lazily
+    def __init__(self, allocations: dict[int, dict[str, Any]] | None, reason: str = "",
+                 build: Callable[[], dict[int, dict[str, Any]]] | None = None) -> None:
+        self._allocations = allocations
+        self.reason = reason
+        self._build = build
 
     @property
     def ok(self) -> bool:
-        return self.allocations is not None
+        return self._allocations is not None or self._build is not None
+
+    @property
+    def allocations(self) -> dict[int, dict[str, Any]] | None:
+        if self._build is not None:
+            self._allocations = self._build()
+            self._build = None
+        return self._allocations
 
     def results(self) -> dict[int, dict[str, Any]]:
-        """status.allocation per claim index (built once: only the chosen node's is needed)."""
-        if self.build is not None:
-            self.allocations = self.build()
-            self.build = None
-        assert self.allocations is not None
-        return self.allocations
+        found = self.allocations
+        assert found is not None
+        return found
 
 
 class AllocationError(Exception):
