@@ -403,6 +403,8 @@ class NodeKubelet:
             for kept in ("resourceClaimStatuses", "extendedResourceClaimStatus"):
                 if kept in (obj.get("status") or {}) and kept not in status:
                     status[kept] = obj["status"][kept]  # the controller's and scheduler's
+            if self.dra is not None:  # the DRA devices' health (allocatedResourcesStatus)
+                self.dra.annotate(obj, status)
             obj["status"] = status
 
         with contextlib.suppress(StoreError):

@@ -231,3 +231,24 @@ async def _reserved_only(cluster: Cluster, name: str) -> bool:
 async def _deallocated(cluster: Cluster) -> bool:
     [stored] = await cluster.claims()
     return not stored["status"].get("allocation") and not stored["status"].get("reservedFor")
+
+
+async def test_device_health_streams_into_the_container_status() -> None:
+    async with running_cluster(["node-a"]) as cluster:
+        plugin = await cluster.plugin("node-a", health={("node-a", "gpu-0"): (1, "")})
+        await setup(cluster)
+        await cluster.create("/api/v1/namespaces/default/pods", pod("h"))
+        await running(cluster, "h")
+        healthy = [{"name": "claim:gpu", "resources": [
+            {"resourceID": f"{DRIVER}/node-a/gpu-0", "health": "Healthy"}]}]
+        await cluster.wait_for("Healthy", lambda: _resource_status(cluster, "h", healthy))
+        plugin.set_health("node-a", "gpu-0", 2, "ECC errors")  # UNHEALTHY
+        sick = [{"name": "claim:gpu", "resources": [
+            {"resourceID": f"{DRIVER}/node-a/gpu-0", "health": "Unhealthy",
+             "message": "ECC errors"}]}]
+        await cluster.wait_for("Unhealthy", lambda: _resource_status(cluster, "h", sick))
+
+
+async def _resource_status(cluster: Cluster, name: str, wanted: Any) -> bool:
+    statuses = (await cluster.pod(name))["status"].get("containerStatuses") or []
+    return bool(statuses) and statuses[0].get("allocatedResourcesStatus") == wanted
