@@ -41,6 +41,7 @@ from tessera.kube_sim import (
 )
 from tessera.kube_sim.dra import objects as dra_objects
 from tessera.kube_sim.dra import printers as _dra_printers  # noqa: F401  (Table columns)
+from tessera.kube_sim.dra import schemas as _dra_schemas  # noqa: F401  (strict decoding)
 from tessera.kube_sim.identity import Authentication, TokenTable
 from tessera.kube_sim.objects import (
     WORKLOADS,

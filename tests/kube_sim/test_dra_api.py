@@ -82,6 +82,20 @@ async def test_requests_are_defaulted_and_invalid_claims_refused(http: httpx.Asy
         "spec.devices.constraints[0].requests[0]", "spec.devices.constraints[0].matchAttribute"}
 
 
+async def test_strict_decoding_refuses_unknown_fields(http: httpx.AsyncClient) -> None:
+    typo = {"metadata": {"name": "t"}, "spec": {"devices": {"requests": [
+        {"name": "gpu", "exact": {"deviceClassName": "gpu.example.com"}}]}}}
+    refused = await http.post(CLAIMS, params={"fieldValidation": "Strict"}, json=typo)
+    assert refused.status_code == 400
+    assert refused.json()["message"] == (
+        'ResourceClaim in version "v1" cannot be handled as a ResourceClaim: strict decoding '
+        'error: unknown field "spec.devices.requests[0].exact"')
+    capacity = claim("k", capacity={"request": {"memory": "1Gi"}})
+    refused = await http.post(CLAIMS, params={"fieldValidation": "Strict"}, json=capacity)
+    assert 'unknown field "spec.devices.requests[0].exactly.capacity.request"' in (
+        refused.json()["message"])
+
+
 async def test_claim_spec_is_immutable_and_status_is_a_subresource(
         http: httpx.AsyncClient) -> None:
     assert (await http.post(CLAIMS, json=claim())).status_code == 201

@@ -173,6 +173,13 @@ def test_discovery_lists_the_dra_kinds(cluster: tuple[Kubectl, PluginThread]) ->
                                    "ResourceClaimTemplate"],
         "resourceslices": ["resourceslices", "resource.k8s.io/v1", "false", "ResourceSlice"],
     }
+    # kubectl asks for strict field validation: a typo is refused, not stored
+    typo = MANIFESTS.split("---")[2].replace("capacity:\n            requests:",
+                                             "capacity:\n            request:")
+    refused = kubectl.apply("typo.yaml", typo, ok=False)
+    assert refused.returncode != 0
+    assert 'strict decoding error: unknown field "spec.spec.devices.requests[0].exactly.' \
+        'capacity.request"' in refused.stderr
 
 
 def test_claims_from_a_template_share_a_gpu_through_kubectl(
