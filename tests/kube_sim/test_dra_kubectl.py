@@ -201,6 +201,8 @@ def test_claims_from_a_template_share_a_gpu_through_kubectl(
     [result] = claim["status"]["allocation"]["devices"]["results"]
     assert result["consumedCapacity"] == {"memory": "4Gi", "cores": "60"}
     assert plugin.double.prepared == [claim["metadata"]["name"]]
+    described = kubectl.run("describe", "resourceclaim", claim["metadata"]["name"]).stdout
+    assert "gpu-0" in described and "Reserved For" in described
 
     # 60 of 100 cores taken: a second pod asking 60 pends with the allocator's reason
     kubectl.apply("two.yaml", POD.format(name="two"))
