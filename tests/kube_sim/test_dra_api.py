@@ -160,3 +160,29 @@ async def test_device_classes_and_pod_claim_references(http: httpx.AsyncClient) 
     refused = await http.post("/api/v1/namespaces/default/pods", json=pod)
     assert refused.status_code == 422
     assert "spec.containers[0].resources.claims[0].name" in refused.json()["message"]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (CLAIMS, {"metadata": {"name": "a"}, "spec": {"devices": "x"}}),
+    (CLAIMS, {"metadata": {"name": "b"}, "spec": {"devices": {"requests": {"name": "gpu"}}}}),
+    (CLAIMS, {"metadata": {"name": "c"}, "spec": {"devices": {"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": "d", "count": "2",
+                                    "capacity": {"requests": "1Gi"}}}]}}}),
+    (CLAIMS, {"metadata": {"name": "d"}, "spec": {"devices": {"requests": [
+        {"name": ["gpu"], "firstAvailable": "x"}]}}}),
+    (f"{RESOURCE}/deviceclasses", {"metadata": {"name": "e"}, "spec": {
+        "selectors": [{"cel": [None]}], "config": 1.5}}),
+    (f"{RESOURCE}/resourceslices", {"metadata": {"name": "f"}, "spec": {
+        "driver": "d.io", "nodeName": "n", "pool": {"name": "n", "resourceSliceCount": "1"},
+        "devices": [{"name": "g", "attributes": {"a": "x"}, "capacity": {"m": 1}}]}}),
+    (f"{RESOURCE}/namespaces/default/resourceclaimtemplates", {"metadata": {"name": "g"},
+                                                              "spec": {"spec": 7}}),
+    ("/api/v1/namespaces/default/pods", {"metadata": {"name": "h"}, "spec": {
+        "resourceClaims": [{"name": {"a": 1}, "resourceClaimTemplateName": "t"}],
+        "containers": [{"name": "c", "image": "i", "resources": 1}]}}),
+])
+async def test_hostile_bodies_are_refused_never_a_500(http: httpx.AsyncClient, path: str,
+                                                      body: dict[str, Any]) -> None:
+    response = await http.post(path, json=body)
+    assert response.status_code in (400, 422), response.text
+    assert response.json()["kind"] == "Status" and response.json()["message"]

@@ -18,7 +18,7 @@ from typing import Any
 from tessera.kube_sim.dra import cel
 from tessera.kube_sim.dra.model import maybe_quantity
 from tessera.kube_sim.quantity import register
-from tessera.kube_sim.store import KubeObject, now_rfc3339
+from tessera.kube_sim.store import KubeObject, StoreError, now_rfc3339
 from tessera.kube_sim.validation import (
     DNS1123_LABEL,
     DNS1123_SUBDOMAIN,
@@ -355,8 +355,25 @@ def _policy_errors(policy: dict[str, Any], value: Any, path: str) -> list[FieldE
     return errors
 
 
+def decode_error(kind: str, detail: str) -> StoreError:
+    return StoreError(400, "BadRequest", f'{kind} in version "v1" cannot be handled as a '
+                      f"{kind}: {detail}")
+
+
 def prepare(kind: str, obj: KubeObject) -> None:
-    """Defaults and validation on create (and on update, with `check_update`)."""
+    """Decoding (JSON types), defaults and validation on create and update."""
+    from tessera.kube_sim.dra.schemas import type_problem
+
+    problem = type_problem(kind, obj)
+    if problem:
+        raise decode_error(kind, problem)
+    try:
+        _prepare(kind, obj)
+    except (TypeError, AttributeError, ValueError) as exc:  # a scalar of the wrong type
+        raise decode_error(kind, f"a field has a value of the wrong type ({exc})") from None
+
+
+def _prepare(kind: str, obj: KubeObject) -> None:
     meta = obj.get("metadata") or {}
     errors = validate_name(meta)
     if kind == "DeviceClass":
@@ -409,13 +426,17 @@ def validate_pod_claims(pod: KubeObject) -> None:
     spec = pod.get("spec") or {}
     errors: list[FieldError] = []
     names: set[str] = set()
-    for i, entry in enumerate(spec.get("resourceClaims") or []):
+    entries = spec.get("resourceClaims") or []
+    if not isinstance(entries, list):
+        raise_if("Pod", pod, [FieldError("Invalid", "spec.resourceClaims", "must be a list",
+                                         "...")])
+    for i, entry in enumerate(entries):
         where = f"spec.resourceClaims[{i}]"
         if not isinstance(entry, dict):
             errors.append(FieldError("Invalid", where, "must be an object", entry))
             continue
         _label(entry.get("name"), f"{where}.name", errors)
-        if entry.get("name") in names:
+        if isinstance(entry.get("name"), str) and entry["name"] in names:
             errors.append(FieldError("Duplicate", f"{where}.name", value=entry.get("name")))
         names.add(str(entry.get("name")))
         sources = [k for k in ("resourceClaimName", "resourceClaimTemplateName") if entry.get(k)]
@@ -424,10 +445,15 @@ def validate_pod_claims(pod: KubeObject) -> None:
                                      "`resourceClaimName`, `resourceClaimTemplateName`", "..."))
     for section in ("initContainers", "containers"):
         for i, container in enumerate(spec.get(section) or []):
-            claims = ((container or {}).get("resources") or {}).get("claims") or []
+            resources = container.get("resources") if isinstance(container, dict) else None
+            claims = (resources.get("claims") if isinstance(resources, dict) else None) or []
+            if not isinstance(claims, list):
+                errors.append(FieldError("Invalid", f"spec.{section}[{i}].resources.claims",
+                                         "must be a list", "..."))
+                continue
             for j, ref in enumerate(claims):
-                name = (ref or {}).get("name") if isinstance(ref, dict) else None
-                if name not in names:
+                name = ref.get("name") if isinstance(ref, dict) else None
+                if not isinstance(name, str) or name not in names:
                     errors.append(FieldError(
                         "Invalid", f"spec.{section}[{i}].resources.claims[{j}].name",
                         "must be the name of an entry in pod.spec.resourceClaims", name))
