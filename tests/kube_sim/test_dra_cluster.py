@@ -252,3 +252,18 @@ async def test_device_health_streams_into_the_container_status() -> None:
 async def _resource_status(cluster: Cluster, name: str, wanted: Any) -> bool:
     statuses = (await cluster.pod(name))["status"].get("containerStatuses") or []
     return bool(statuses) and statuses[0].get("allocatedResourcesStatus") == wanted
+
+
+async def test_a_restarted_plugin_registers_again() -> None:
+    async with running_cluster(["node-a"]) as cluster:
+        plugin = await cluster.plugin("node-a")
+        kubelet = cluster.sim.api.kubelets["node-a"].dra
+        await kubelet.wait_registered(DRIVER)
+        await plugin.stop()  # its registration socket goes: kubelet forgets the driver
+        await cluster.wait_for("deregistered", lambda: DRIVER not in kubelet.plugins)
+        await plugin.start()
+        await kubelet.wait_registered(DRIVER)
+        assert plugin.statuses == [(True, ""), (True, "")]
+        await setup(cluster)  # and it prepares claims as before
+        await cluster.create("/api/v1/namespaces/default/pods", pod("again"))
+        await running(cluster, "again")
