@@ -217,3 +217,19 @@ def test_only_the_newest_pool_generation_and_reachable_slices_count() -> None:
 def test_a_missing_class_is_a_reason() -> None:
     outcome = allocate([claim(exactly(cls="nope"))], [slice_([gpu("gpu-0")])])
     assert not outcome.ok and 'device class "nope" not found' in outcome.reason
+
+
+def test_an_extended_resource_maps_to_the_newest_class_then_the_first_name() -> None:
+    from tessera.kube_sim.dra.scheduling import extended_resource_classes
+
+    def device_class(name: str, created: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "creationTimestamp": created},
+                "spec": {"extendedResourceName": "example.com/gpu"}}
+
+    older = device_class("a", "2026-01-01T00:00:00Z")
+    newer = device_class("z", "2026-02-01T00:00:00Z")
+    mapping = extended_resource_classes([newer, older])
+    assert mapping["example.com/gpu"] == "z"  # the class created later
+    assert mapping["deviceclass.resource.kubernetes.io/a"] == "a"  # every class's implicit name
+    tie = [device_class("b", "2026-03-01T00:00:00Z"), device_class("c", "2026-03-01T00:00:00Z")]
+    assert extended_resource_classes(tie[::-1])["example.com/gpu"] == "b"

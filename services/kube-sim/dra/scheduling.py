@@ -57,15 +57,18 @@ def extended_resource_classes(classes: list[KubeObject]) -> dict[str, str]:
     """extended resource name → DeviceClass name: explicit `extendedResourceName` (the newest
     class wins a tie, then the first name), and every class's implicit name."""
     mapping: dict[str, str] = {}
-    ordered = sorted(classes, key=lambda c: (c["metadata"].get("creationTimestamp", ""),
-                                             "".join(chr(0x10FFFF - ord(ch))
-                                                     for ch in c["metadata"]["name"])))
-    for device_class in ordered:
+    chosen: dict[str, tuple[str, str]] = {}  # explicit name -> (created, class) of the winner
+    for device_class in classes:
         name = device_class["metadata"]["name"]
         mapping[IMPLICIT_PREFIX + name] = name
         explicit = (device_class.get("spec") or {}).get("extendedResourceName")
-        if explicit:
-            mapping[str(explicit)] = name
+        if not explicit:
+            continue
+        created = str(device_class["metadata"].get("creationTimestamp", ""))
+        best = chosen.get(str(explicit))
+        if best is None or created > best[0] or (created == best[0] and name < best[1]):
+            chosen[str(explicit)] = (created, name)
+    mapping.update({resource: name for resource, (_, name) in chosen.items()})
     return mapping
 
 
@@ -228,7 +231,7 @@ class DynamicResources:
             if allocation:
                 selector = allocation.get("nodeSelector")
                 if selector and not node_selector_matches(selector, node):
-                    return "node(s) didn't match Pod's node affinity/selector"
+                    return "resourceclaim not available on the node"
             else:
                 pending.append(claim)
         ignored = state.ignored_for(node)
