@@ -474,6 +474,13 @@ class ApiServer:
         created = await self.create_object(kind, namespace, obj, dry_run)
         return with_warnings(JSONResponse(created, 201), warnings)
 
+    def _namespace_labels(self, meta: dict[str, Any]) -> dict[str, str]:
+        try:
+            found = self.store.get("Namespace", "", str(meta.get("namespace") or "default"))
+        except StoreError:
+            return {}
+        return (found.get("metadata") or {}).get("labels") or {}
+
     def ensure_namespace(self, name: str) -> None:
         """Namespaces exist once named: kube-sim creates one on first use (kube-apiserver
         refuses objects in a namespace nobody created; kube-sim's callers never create them)."""
@@ -522,6 +529,8 @@ class ApiServer:
             quota_status(obj)
         elif kind in dra_objects.KINDS:
             dra_objects.prepare(kind, obj)
+            if kind not in CLUSTER_SCOPED:
+                dra_objects.check_admin_access(kind, obj, self._namespace_labels(meta))
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}

@@ -233,3 +233,16 @@ def test_an_extended_resource_maps_to_the_newest_class_then_the_first_name() -> 
     assert mapping["deviceclass.resource.kubernetes.io/a"] == "a"  # every class's implicit name
     tie = [device_class("b", "2026-03-01T00:00:00Z"), device_class("c", "2026-03-01T00:00:00Z")]
     assert extended_resource_classes(tie[::-1])["example.com/gpu"] == "b"
+
+
+def test_admin_access_reaches_devices_others_hold_without_taking_them() -> None:
+    slices = [slice_([gpu("gpu-0")])]
+    held = {**claim(exactly(), uid="other"), "status": {"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-0"}]}}}}
+    outcome = allocate([claim(exactly(adminAccess=True))], slices, [held])
+    assert devices_of(outcome) == ["gpu-0"]
+    assert outcome.allocations is not None
+    assert outcome.allocations[0]["devices"]["results"][0]["adminAccess"] is True
+    monitor = {**claim(exactly(adminAccess=True), uid="m"),
+               "status": {"allocation": outcome.allocations[0]}}
+    assert devices_of(allocate([claim(exactly())], slices, [monitor])) == ["gpu-0"]

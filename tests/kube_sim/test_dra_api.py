@@ -96,6 +96,22 @@ async def test_strict_decoding_refuses_unknown_fields(http: httpx.AsyncClient) -
         refused.json()["message"])
 
 
+async def test_admin_access_needs_the_namespace_label(http: httpx.AsyncClient) -> None:
+    refused = await http.post(CLAIMS, json=claim("admin", adminAccess=True))
+    assert refused.status_code == 422
+    assert refused.json()["message"] == (
+        'ResourceClaim.resource.k8s.io "admin" is invalid: '
+        "spec.devices.requests[0].exactly.adminAccess: Forbidden: admin access to devices "
+        "requires the `resource.kubernetes.io/admin-access: true` label on the containing "
+        "namespace")
+    namespace = {"metadata": {"name": "monitoring",
+                              "labels": {"resource.kubernetes.io/admin-access": "true"}}}
+    assert (await http.post("/api/v1/namespaces", json=namespace)).status_code == 201
+    allowed = await http.post(f"{RESOURCE}/namespaces/monitoring/resourceclaims",
+                              json=claim("admin", adminAccess=True))
+    assert allowed.status_code == 201, allowed.text
+
+
 async def test_claim_spec_is_immutable_and_status_is_a_subresource(
         http: httpx.AsyncClient) -> None:
     assert (await http.post(CLAIMS, json=claim())).status_code == 201

@@ -401,6 +401,29 @@ def _prepare(kind: str, obj: KubeObject) -> None:
     raise_if(kind, obj, errors)
 
 
+ADMIN_NAMESPACE_LABEL = "resource.kubernetes.io/admin-access"
+
+
+def check_admin_access(kind: str, obj: KubeObject, namespace_labels: dict[str, str]) -> None:
+    """`adminAccess: true` only in a namespace labelled `resource.kubernetes.io/admin-access:
+    "true"` (kube-apiserver's DRAAdminAccess rule, on create)."""
+    if kind not in ("ResourceClaim", "ResourceClaimTemplate"):
+        return
+    spec, path = (obj.get("spec") or {}, "spec") if kind == "ResourceClaim" else (
+        (obj.get("spec") or {}).get("spec") or {}, "spec.spec")
+    if namespace_labels.get(ADMIN_NAMESPACE_LABEL) == "true":
+        return
+    errors = [
+        FieldError("Forbidden", f"{path}.devices.requests[{i}].exactly.adminAccess",
+                   f"admin access to devices requires the `{ADMIN_NAMESPACE_LABEL}: true` "
+                   "label on the containing namespace")
+        for i, request in enumerate((spec.get("devices") or {}).get("requests") or [])
+        if isinstance(request, dict) and isinstance(request.get("exactly"), dict)
+        and request["exactly"].get("adminAccess") is True
+    ]
+    raise_if(kind, obj, errors)
+
+
 def check_update(kind: str, old: KubeObject, new: KubeObject) -> None:
     """The create rules (defaults first) on the result, then what an update may not change."""
     name = old["metadata"]["name"]
