@@ -54,9 +54,20 @@ class DeviceTaintEviction:
         self.store = store
         self.delete_pod = delete_pod  # (namespace, name, uid): the API's DELETE
         self.now = now
+        # the NoExecute taints of the slices, re-read only when a slice changed
+        self._slice_changes = 0
+        self._read_at = -1
+        self._taints: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        store.listeners.append(self._changed)
 
-    def due(self) -> list[tuple[str, str, str]]:
-        """The pods (namespace, name, uid) whose claims' devices must evict them now."""
+    def _changed(self, kind: str) -> None:
+        if kind == "ResourceSlice":
+            self._slice_changes += 1
+
+    def _no_execute_taints(self) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+        if self._read_at == self._slice_changes:
+            return self._taints
+        self._read_at = self._slice_changes
         taints: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
         for item in newest_slices(self.store.list("ResourceSlice", Selector())):
             spec = item.get("spec") or {}
@@ -67,6 +78,12 @@ class DeviceTaintEviction:
                     key = (spec.get("driver", ""), (spec.get("pool") or {}).get("name", ""),
                            device.get("name", ""))
                     taints[key] = found
+        self._taints = taints
+        return taints
+
+    def due(self) -> list[tuple[str, str, str]]:
+        """The pods (namespace, name, uid) whose claims' devices must evict them now."""
+        taints = self._no_execute_taints()
         if not taints:
             return []
         now = self.now()
