@@ -172,7 +172,7 @@ class Allocator:
                 return False
             held = self.usage.consumed.get(device.id, {})
             for name, amount in consumed.items():
-                if held.get(name, Fraction(0)) + amount > device.capacity[name].value:
+                if held.get(name, 0) + amount > device.capacity[name].value:
                     return False
         else:
             if self.usage.users.get(device.id, 0):
@@ -185,7 +185,7 @@ class Allocator:
                     return False
                 used = self.usage.counters.get((device.driver, device.pool, counter_set), {})
                 for name, value in counters.items():
-                    if used.get(name, Fraction(0)) + value > limits.get(name, Fraction(0)):
+                    if used.get(name, 0) + value > limits.get(name, 0):
                         return False
         return consumed
 

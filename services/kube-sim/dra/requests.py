@@ -131,7 +131,7 @@ def _consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fract
                 if policy.minimum is not None and amount < policy.minimum:
                     amount = policy.minimum
                 if policy.step:
-                    base = policy.minimum or Fraction(0)
+                    base = policy.minimum or 0
                     steps = -(-(amount - base) // policy.step)
                     amount = base + steps * policy.step
                 if policy.maximum is not None and amount > policy.maximum:
