@@ -210,7 +210,10 @@ static void wait_budget(int d)
             __atomic_store_n(&rd->budget_ts_ns, now, __ATOMIC_RELAXED); /* nothing accrues */
             sleep = TV_MAX_SLEEP;
         } else {
-            int catch_up = tv_owntime_shared(d) && !atomic_load(&tv.dev[d].yielding);
+            /* Not elastic devices: their catch-up is the node agent's lending; a 30 ms bank
+             * would let a container that wakes take its waking neighbours' share for 150 ms. */
+            int catch_up = tv_owntime_shared(d) && !atomic_load(&tv.dev[d].yielding) &&
+                           !atomic_load(&tv.dev[d].elastic);
             refill(rd, eff, now, catch_up ? TV_SHARED_BURST_NS : TV_BURST_NS);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
             if (tv_unlikely(b > 4 * TV_BURST_NS)) {
