@@ -133,7 +133,7 @@ class LendAndReclaim:
     """Shares 10/30/60 (each elastic up to `burst`): all busy, then only the first, then the
     others wake."""
 
-    all_busy: list[float]  # % of the device each got, all busy (after a 1 s warm-up)
+    all_busy: list[float]  # % of the device each got, all busy (after the warm-up)
     all_busy_starved: list[float]  # points of that window each launcher waited for a CPU
     alone: float  # the first one's %, alone (from 0.5 s after the others stopped)
     alone_starved: float
@@ -143,13 +143,14 @@ class LendAndReclaim:
     after_wake: list[float]  # each one's % over [wake + 100 ms, wake + 1.1 s)
     after_wake_starved: list[float]
     early_bins: dict[str, list[float]]  # % per 20 ms for 300 ms from the wake
+    late_bins: dict[str, list[float]]  # % per 100 ms for 2 s from the wake
     rewrites: int  # limits files the lender rewrote over the run
     changes: list[tuple[float, str, int]]  # (s from the first start, key, allowance x100)
 
 
 def run_lend_and_reclaim(cluster, specs=(("a", 10, 100), ("b", 30, 100), ("c", 60, 100)),
                          kernel: str = "k_2000us", depth: int = 8, busy_s: float = 3.0,
-                         alone_s: float = 3.0, wake_s: float = 2.5,
+                         alone_s: float = 3.0, wake_s: float = 2.5, warmup_s: float = 1.0,
                          tol: float = 2.0) -> LendAndReclaim:
     tenants = start_tenants(cluster, list(specs))
     first, others = tenants[0], tenants[1:]
@@ -163,7 +164,7 @@ def run_lend_and_reclaim(cluster, specs=(("a", 10, 100), ("b", 30, 100), ("c", 6
             burn(t, wake_s, kernel, depth)
         wakes = [finish(t)["t0"] for t in others]
         r_first = finish(first)
-    t_busy0, t_busy1 = r_first["t0"] + SEC, min(ends)
+    t_busy0, t_busy1 = r_first["t0"] + int(warmup_s * SEC), min(ends)
     t_wake = min(wakes)
     pids = [t.pid for t in tenants]
     alone_a, alone_b = t_busy1 + SEC // 2, t_wake
@@ -184,6 +185,8 @@ def run_lend_and_reclaim(cluster, specs=(("a", 10, 100), ("b", 30, 100), ("c", 6
         after_wake_starved=cluster.starved(pids, after_a, after_b, after_b - after_a) * len(pids),
         early_bins={t.name: bins(cluster, t, t_wake, t_wake + 300 * MS, 20 * MS)
                     for t in tenants},
+        late_bins={t.name: bins(cluster, t, t_wake, t_wake + 2 * SEC, 100 * MS)
+                   for t in tenants},
         rewrites=lt.lender.rewrites,
         changes=[((t - r_first["t0"]) / SEC, k, a) for t, k, a in lt.changes],
     )
