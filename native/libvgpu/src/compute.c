@@ -47,6 +47,11 @@ static int64_t dev_est[TV_MAX_SLOTS];
 static uint64_t last_launches;
 static int fast_devices_noted; /* poll thread: note_devices_of_fast_launches() ran */
 static int stopping; /* exit has begun: the poll thread no longer calls the driver */
+/* Elastic devices, this process: when it last waited to launch, and since when it has launched
+ * without a pause (or since the node agent last lowered its allowance). */
+static _Atomic uint64_t last_gate[TV_MAX_SLOTS], steady_since[TV_MAX_SLOTS];
+#define TV_PAUSE_NS 100000000ull  /* a gap this long between launches: it was idle */
+#define TV_STEADY_NS 500000000ull /* launching this long without a pause: steady */
 
 #define RD(d) tv_region_dev(&tv.rg, d)
 
@@ -88,6 +93,7 @@ void tv_compute_lent_less(int d)
                                                  __ATOMIC_RELAXED)) {
     }
     tv_owntime_assume_shared(d, __atomic_load_n(&dev_est[d], __ATOMIC_RELAXED));
+    atomic_store_explicit(&steady_since[d], tv_mono_ns(), memory_order_relaxed);
 }
 
 /* Owntime settles: charge the bucket `bucket_ns` more (negative: less) and count `busy_ns` more
@@ -199,6 +205,16 @@ void tv_compute_after_fork_child(void)
 
 /* ---- waiting for budget ------------------------------------------------------------------- */
 
+/* An elastic container catches up (30 ms bank) only in a steady state. One that just woke, or
+ * whose allowance just dropped, banked at a rate nobody else could use while the device was in
+ * transition: spent at once, it would take its waking neighbours' share for 100-200 ms. */
+static int elastic_steady(int d, uint64_t now)
+{
+    uint64_t last = atomic_exchange_explicit(&last_gate[d], now, memory_order_relaxed);
+    if (now - last > TV_PAUSE_NS) atomic_store_explicit(&steady_since[d], now, memory_order_relaxed);
+    return now - atomic_load_explicit(&steady_since[d], memory_order_relaxed) >= TV_STEADY_NS;
+}
+
 static void wait_budget(int d)
 {
     struct tsr_region_device *rd = RD(d);
@@ -210,10 +226,8 @@ static void wait_budget(int d)
             __atomic_store_n(&rd->budget_ts_ns, now, __ATOMIC_RELAXED); /* nothing accrues */
             sleep = TV_MAX_SLEEP;
         } else {
-            /* Not elastic devices: their catch-up is the node agent's lending; a 30 ms bank
-             * would let a container that wakes take its waking neighbours' share for 150 ms. */
             int catch_up = tv_owntime_shared(d) && !atomic_load(&tv.dev[d].yielding) &&
-                           !atomic_load(&tv.dev[d].elastic);
+                           (!atomic_load(&tv.dev[d].elastic) || elastic_steady(d, now));
             refill(rd, eff, now, catch_up ? TV_SHARED_BURST_NS : TV_BURST_NS);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
             if (tv_unlikely(b > 4 * TV_BURST_NS)) {
