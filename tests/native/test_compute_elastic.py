@@ -30,7 +30,7 @@ def test_idle_compute_is_lent_and_taken_back_when_the_others_wake(cluster):
     """Shares 10/30/60, each elastic up to the whole card. All busy: each its share. Only the
     10 % one busy: it gets at least 90 % of the card. The others wake: the borrower's allowance
     drops within a lending tick, and from 100 ms after the wake each is back at its share."""
-    r = run_lend_and_reclaim(cluster, busy_s=2.5, alone_s=2.0, wake_s=2.0)
+    r = run_lend_and_reclaim(cluster, busy_s=3.0, warmup_s=1.5, alone_s=2.0, wake_s=2.0)
     detail = repr(r)
     for got, want, starved in zip(r.all_busy, (10, 30, 60), r.all_busy_starved, strict=True):
         assert want - TOL - starved <= got <= want + TOL, detail
