@@ -11,11 +11,15 @@ bench/libvgpu_elastic.py records the figures against the issue's targets (±2 po
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
 from tessera import region
+from tessera.elastic_compute import LendingMember
 
+from .conftest import wait_for
 from .elastic import UUID0, LenderThread, run_lend_and_reclaim, run_noisy_neighbour, start_tenants
 from .test_layout import _old_limits_file
 from .windows import assert_near, show, windows
@@ -79,3 +83,41 @@ def test_a_limits_file_from_before_the_burst_fields_is_a_hard_slice(cluster, min
     r = c("burn 3.0 k_1000us kernel", timeout=60)
     assert r["rc"] == 0, r
     assert_near(windows(cluster, 0, r, [c.pid]), 30)
+
+
+@pytest.mark.valgrind
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="no valgrind")
+@pytest.mark.skipif(bool(os.environ.get("LIBVGPU_TEST_SAN")), reason="not with ASan")
+def test_elastic_paths_are_valgrind_clean(cluster, native):
+    """Lent the card, then a neighbour wakes and the allowance drops (the bank dropped, own-time
+    pricing assumed, the steady-state clock reset), under valgrind memcheck."""
+    k, neighbour = cluster.container("k"), cluster.container("neighbour")
+    k.seal(region.device_limit(UUID0, sm_guarantee_pct=10, sm_burst_pct=100))
+    neighbour.seal(region.device_limit(UUID0, sm_guarantee_pct=30, sm_burst_pct=100))
+    members = [LendingMember("k", k.limits_dir, k.region_path),
+               LendingMember("neighbour", neighbour.limits_dir, neighbour.region_path)]
+    with LenderThread(members) as lt:
+        vg = subprocess.Popen(
+            ["valgrind", "--error-exitcode=99", "--leak-check=full",
+             "--errors-for-leak-kinds=definite", "--show-leak-kinds=definite", "-q",
+             str(native.bin / "cuctl")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=k.env(LIBCUDA_LOG_LEVEL="4"),
+        )  # fmt: skip
+        vg.stdin.write("init 0\nburnq 6 k_4000us 8\nexit\n")
+        vg.stdin.flush()
+        def allowances() -> list[int]:
+            return [a for _, key, a in lt.changes if key == "k"]
+
+        lent, _ = wait_for(lambda: 10000 in allowances(), timeout=120)  # alone: the whole card
+        assert lent, lt.changes
+        n = neighbour.cuctl()
+        assert n("init 0")["ok"]
+        n.send("burnq 2 k_4000us 8")
+        assert n.recv(timeout=60)["rc"] == 0
+        _, err = vg.communicate(timeout=300)
+    assert vg.returncode == 0, err[-4000:]
+    after = allowances()
+    # taken back (10:30 of the card while both burn; the guarantee once the process is idle)
+    assert any(a < 10000 for a in after[after.index(10000):]), lt.changes
+    assert "limits reloaded" in err  # libvgpu picked the lowered allowance up
