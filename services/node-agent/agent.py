@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from tessera.node_agent import mig_static
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource
-from tessera.node_agent.lending import ComputeLending
+from tessera.node_agent.lending import ComputeLending, LendingCollector
 from tessera.node_agent.limits import LimitsService
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.mig_plugin import MigPlugins, run_static_mig
@@ -78,7 +78,6 @@ class NodeAgent:
         self.endpoint: PluginEndpoint | None = None
         self.health: HealthMonitor | None = None
         self.sampler: UsageSampler | None = None
-        self.lending: ComputeLending | None = None
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
         # each container's memory account, out of the tenant's reach (libvgpu leases from it)
@@ -92,6 +91,8 @@ class NodeAgent:
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
         )
         self.metrics.watch_watchdog(lambda: self.watchdog)
+        self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
+        self.metrics.registry.register(LendingCollector(lambda: self.lending))
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
