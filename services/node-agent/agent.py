@@ -73,6 +73,8 @@ class NodeAgent:
         self.store = ContainerStore(settings.region_host_dir)
         self.metrics = NodeAgentMetrics()
         self.metrics.watch(self.state.devices, lambda: [c.region_file for c in self.store.all()])
+        self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
+        self.metrics.registry.register(LendingCollector(lambda: self.lending))
         self.ready = asyncio.Event()
         self.plugin: DevicePluginService | None = None
         self.endpoint: PluginEndpoint | None = None
@@ -91,8 +93,6 @@ class NodeAgent:
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
         )
         self.metrics.watch_watchdog(lambda: self.watchdog)
-        self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
-        self.metrics.registry.register(LendingCollector(lambda: self.lending))
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
@@ -218,7 +218,6 @@ class NodeAgent:
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
-            asyncio.create_task(self.lending.run(stop)),
             asyncio.create_task(self.configurator.run(stop)),
             asyncio.create_task(self.mps.run(
                 stop, self.state.devices, self._ledger, self.store.all,
@@ -228,6 +227,7 @@ class NodeAgent:
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
+        tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
         if self.dynamic_mig is not None:
             tasks.append(asyncio.create_task(
                 self.dynamic_mig.run(stop, self.settings.mig_reconcile_s)))
