@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 from tessera.node_agent import mig_static
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource
+from tessera.node_agent.lending import ComputeLending, LendingCollector
 from tessera.node_agent.limits import LimitsService
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.mig_plugin import MigPlugins, run_static_mig
@@ -72,6 +73,8 @@ class NodeAgent:
         self.store = ContainerStore(settings.region_host_dir)
         self.metrics = NodeAgentMetrics()
         self.metrics.watch(self.state.devices, lambda: [c.region_file for c in self.store.all()])
+        self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
+        self.metrics.registry.register(LendingCollector(lambda: self.lending))
         self.ready = asyncio.Event()
         self.plugin: DevicePluginService | None = None
         self.endpoint: PluginEndpoint | None = None
@@ -191,10 +194,11 @@ class NodeAgent:
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log
         )
+        self.lending = ComputeLending(self.log)  # elastic compute (limits 1.2)
         self.sampler = UsageSampler(
             store=self.store, state=self.state, ledger_kv=self.buckets.ledger, nc=self.nc,
             js=self.js, source=self.source, interval_s=self.settings.usage_interval_s,
-            pod_listing=self._pods_listed, **common,
+            pod_listing=self._pods_listed, lending=self.lending, **common,
         )
         limits = LimitsService(
             nc=self.nc, store=self.store, state=self.state, ledger_kv=self.buckets.ledger,
@@ -223,6 +227,7 @@ class NodeAgent:
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
+        tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
         if self.dynamic_mig is not None:
             tasks.append(asyncio.create_task(
                 self.dynamic_mig.run(stop, self.settings.mig_reconcile_s)))
