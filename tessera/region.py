@@ -42,6 +42,7 @@ __all__ = [
     "CORE_POLICIES",
     "LIMITS_FILE_NAME",
     "LIMITS_MAGIC",
+    "LIMITS_VERSION_MINOR",
     "MAX_DEVICES",
     "MAX_PROCS",
     "REGION_MAGIC",
@@ -59,6 +60,7 @@ __all__ = [
     "activity_flags",
     "decode_device_claims",
     "decode_limits",
+    "device_limit",
     "encode_limits",
     "prepare_region_file",
     "read_device_claims",
@@ -72,7 +74,12 @@ __all__ = [
 LIMITS_MAGIC = 0x4C525354  # "TSRL"
 REGION_MAGIC = 0x52525354  # "TSRR"
 VERSION_MAJOR = 1
-VERSION_MINOR = 1
+VERSION_MINOR = 1  # the usage region's
+# The sealed limits file's minor version: 1.2 added the guaranteed/burst fields of each device
+# (`sm_burst_pct`, `mem_burst_bytes`, `sm_allow_x100`). A file of minor < 2 reads with them 0:
+# hard slices, exactly as before.
+LIMITS_VERSION_MINOR = 2
+SM_ALLOW_FULL = 10000  # sm_allow_x100 of the whole card
 MAX_DEVICES = 16
 MAX_PROCS = 1024
 UUID_LEN = 64
@@ -108,8 +115,11 @@ class LimitsDeviceC(ctypes.Structure):
         ("sm_limit_pct", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("yield_sm_pct", ctypes.c_uint32),
-        ("reserved0", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint64 * 5),
+        ("sm_burst_pct", ctypes.c_uint32),
+        ("mem_burst_bytes", ctypes.c_uint64),
+        ("sm_allow_x100", ctypes.c_uint32),
+        ("reserved1", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 3),
     ]
 
 
@@ -203,7 +213,14 @@ def fnv1a64(data: bytes) -> int:
 
 @dataclass(frozen=True)
 class DeviceLimit:
-    """One GPU of a container. ``mem_limit_bytes`` 0 = unlimited; ``sm_limit_pct`` 0/100 = none."""
+    """One GPU of a container: a guarantee and (limits 1.2) a burst limit, for memory and compute.
+
+    ``mem_limit_bytes`` / ``sm_limit_pct`` are the **guarantee** (0 = unlimited; SM 0/100 = none).
+    ``mem_burst_bytes`` / ``sm_burst_pct`` are how far the container may go beyond it while the
+    card has room; 0 (or the guarantee itself) = no burst, a hard slice as before 1.2.
+    ``sm_allow_x100`` is set by the node agent at run time: the compute lent to the container now
+    (% x 100, within guarantee..burst; 0 = the guarantee). See `device_limit` for building one.
+    """
 
     uuid: str
     mem_limit_bytes: int = 0
@@ -211,6 +228,82 @@ class DeviceLimit:
     contended: bool = False  # another container is active on this GPU (policy "default")
     yield_: bool = False  # a higher-priority container is active: SM limit := yield_sm_pct
     yield_sm_pct: int = 0
+    mem_burst_bytes: int = 0
+    sm_burst_pct: int = 0
+    sm_allow_x100: int = 0
+
+    @property
+    def mem_guarantee_bytes(self) -> int:
+        return self.mem_limit_bytes
+
+    @property
+    def sm_guarantee_pct(self) -> int:
+        return self.sm_limit_pct
+
+    @property
+    def mem_burst_limit_bytes(self) -> int:
+        """The most memory the container may ever hold on this GPU (0 = unlimited)."""
+        if not self.mem_limit_bytes:
+            return 0
+        return max(self.mem_limit_bytes, self.mem_burst_bytes)
+
+    @property
+    def sm_burst_limit_pct(self) -> int:
+        """The most compute the container may be lent on this GPU (0 = unlimited)."""
+        if not 0 < self.sm_limit_pct < 100:
+            return 0
+        return max(self.sm_limit_pct, min(self.sm_burst_pct, 100))
+
+    @property
+    def mem_elastic(self) -> bool:
+        return bool(self.mem_limit_bytes) and self.mem_burst_bytes > self.mem_limit_bytes
+
+    @property
+    def sm_elastic(self) -> bool:
+        return 0 < self.sm_limit_pct < 100 and self.sm_burst_pct > self.sm_limit_pct
+
+
+def device_limit(
+    uuid: str,
+    *,
+    mem_guarantee_bytes: int = 0,
+    mem_burst_bytes: int | None = None,
+    sm_guarantee_pct: int = 0,
+    sm_burst_pct: int | None = None,
+) -> DeviceLimit:
+    """A device's guaranteed and burst limits (None or equal to the guarantee: a hard slice).
+
+    Raises ValueError when a burst is below its guarantee or given without one (0 = unlimited
+    has nothing to burst from)."""
+    if mem_guarantee_bytes < 0 or not 0 <= sm_guarantee_pct <= 100:
+        raise ValueError(f"device {uuid}: guarantee out of range")
+    mem_burst = 0
+    if mem_burst_bytes is not None and mem_burst_bytes != mem_guarantee_bytes:
+        if not mem_guarantee_bytes:
+            raise ValueError(f"device {uuid}: a memory burst needs a memory guarantee")
+        if mem_burst_bytes < mem_guarantee_bytes:
+            raise ValueError(
+                f"device {uuid}: memory burst {mem_burst_bytes} below the guarantee "
+                f"{mem_guarantee_bytes}"
+            )
+        mem_burst = mem_burst_bytes
+    sm_burst = 0
+    if sm_burst_pct is not None and sm_burst_pct != sm_guarantee_pct:
+        if not 0 < sm_guarantee_pct < 100:
+            raise ValueError(f"device {uuid}: a compute burst needs a compute guarantee of 1-99 %")
+        if not sm_guarantee_pct <= sm_burst_pct <= 100:
+            raise ValueError(
+                f"device {uuid}: compute burst {sm_burst_pct} % outside "
+                f"{sm_guarantee_pct}..100 %"
+            )
+        sm_burst = sm_burst_pct
+    return DeviceLimit(
+        uuid,
+        mem_limit_bytes=mem_guarantee_bytes,
+        sm_limit_pct=sm_guarantee_pct,
+        mem_burst_bytes=mem_burst,
+        sm_burst_pct=sm_burst,
+    )
 
 
 @dataclass(frozen=True)
@@ -239,7 +332,7 @@ def encode_limits(limits: ContainerLimits, generation: int | None = None) -> byt
         raise ValueError(f"core_policy must be one of {sorted(CORE_POLICIES)}")
     c = LimitsC()
     c.magic = LIMITS_MAGIC
-    c.major, c.minor = VERSION_MAJOR, VERSION_MINOR
+    c.major, c.minor = VERSION_MAJOR, LIMITS_VERSION_MINOR
     c.header_size = ctypes.sizeof(LimitsC)
     c.num_devices = len(limits.devices)
     c.generation = limits.generation if generation is None else generation
@@ -255,6 +348,9 @@ def encode_limits(limits: ContainerLimits, generation: int | None = None) -> byt
             d.mem_limit_bytes < 0
             or not 0 <= d.sm_limit_pct <= 100
             or not 0 <= d.yield_sm_pct <= 100
+            or not 0 <= d.sm_burst_pct <= 100
+            or d.mem_burst_bytes < 0
+            or not 0 <= d.sm_allow_x100 <= SM_ALLOW_FULL
         ):
             raise ValueError(f"device {d.uuid}: limits out of range")
         e = c.dev[i]
@@ -263,6 +359,9 @@ def encode_limits(limits: ContainerLimits, generation: int | None = None) -> byt
         e.sm_limit_pct = d.sm_limit_pct
         e.flags = (DEV_CONTENDED if d.contended else 0) | (DEV_YIELD if d.yield_ else 0)
         e.yield_sm_pct = d.yield_sm_pct
+        e.mem_burst_bytes = d.mem_burst_bytes
+        e.sm_burst_pct = d.sm_burst_pct
+        e.sm_allow_x100 = d.sm_allow_x100
     raw = bytes(c)
     c.checksum = fnv1a64(raw[: LimitsC.checksum.offset])
     return bytes(c)
@@ -283,6 +382,7 @@ def decode_limits(data: bytes) -> ContainerLimits:
     if c.num_devices > MAX_DEVICES:
         raise RegionFormatError("limits file: too many devices")
     policy = {v: k for k, v in CORE_POLICIES.items()}.get(c.core_policy, "default")
+    elastic = c.minor >= 2  # before 1.2 these bytes were reserved: hard slices
     devices = tuple(
         DeviceLimit(
             uuid=c.dev[i].uuid.decode(),
@@ -291,6 +391,9 @@ def decode_limits(data: bytes) -> ContainerLimits:
             contended=bool(c.dev[i].flags & DEV_CONTENDED),
             yield_=bool(c.dev[i].flags & DEV_YIELD),
             yield_sm_pct=c.dev[i].yield_sm_pct,
+            mem_burst_bytes=c.dev[i].mem_burst_bytes if elastic else 0,
+            sm_burst_pct=c.dev[i].sm_burst_pct if elastic else 0,
+            sm_allow_x100=c.dev[i].sm_allow_x100 if elastic else 0,
         )
         for i in range(c.num_devices)
     )
@@ -360,6 +463,9 @@ def set_device_flags(
     yield_sm_pct: int | None = None,
     mem_limit_bytes: int | None = None,
     sm_limit_pct: int | None = None,
+    mem_burst_bytes: int | None = None,
+    sm_burst_pct: int | None = None,
+    sm_allow_x100: int | None = None,
 ) -> bool:
     """Change one device's run-time flags or limits; rewrites the file only if something changed.
 
@@ -380,6 +486,9 @@ def set_device_flags(
             "yield_sm_pct": yield_sm_pct,
             "mem_limit_bytes": mem_limit_bytes,
             "sm_limit_pct": sm_limit_pct,
+            "mem_burst_bytes": mem_burst_bytes,
+            "sm_burst_pct": sm_burst_pct,
+            "sm_allow_x100": sm_allow_x100,
         }.items()
         if v is not None
     }

@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from tessera.models import DeviceGrant, now
+from tessera.region import DeviceLimit, device_limit
 
 # Where things appear inside the container.
 LIBVGPU_CONTAINER_PATH = "/usr/local/vgpu/libvgpu.so"
@@ -76,6 +77,28 @@ class ContainerDir:
     @property
     def key(self) -> str:
         return f"{self.prepared.pod_uid}/{self.prepared.index}"
+
+
+def sealed_device_limit(
+    uuid: str,
+    *,
+    memory_mib: int,
+    cores: int,
+    memory_burst_mib: int | None = None,
+    cores_burst: int | None = None,
+) -> DeviceLimit:
+    """What the sealed limits file says for one GPU of a container: the guarantee (the grant's
+    memory and cores, HAMi's `gpumem`/`gpucores`) and the burst limits (None, or equal to the
+    guarantee: a hard slice, sealed exactly as before limits 1.2). Cores above 100 mean the whole
+    card. Raises ValueError for a burst below its guarantee or without one."""
+    mem = memory_mib << 20
+    return device_limit(
+        uuid,
+        mem_guarantee_bytes=mem,
+        mem_burst_bytes=None if memory_burst_mib is None else memory_burst_mib << 20,
+        sm_guarantee_pct=min(cores, 100),
+        sm_burst_pct=None if cores_burst is None else min(cores_burst, 100),
+    )
 
 
 def _safe(name: str, what: str) -> str:

@@ -14,10 +14,11 @@ from tessera.node_agent.containers import (
     REGION_CONTAINER_DIR,
     REGION_CONTAINER_PATH,
     ContainerDir,
+    sealed_device_limit,
 )
 
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, NodeLedger
-from tessera.region import SEALED_LIMITS_DIR, ContainerLimits, DeviceLimit
+from tessera.region import SEALED_LIMITS_DIR, ContainerLimits
 from tessera.settings import TesseraSettings
 
 
@@ -288,8 +289,7 @@ def limits_for(
     grants = allocation.containers[index]
     return ContainerLimits(
         devices=tuple(
-            DeviceLimit(g.uuid, mem_limit_bytes=g.memory_mib << 20, sm_limit_pct=min(g.cores, 100))
-            for g in grants
+            sealed_device_limit(g.uuid, memory_mib=g.memory_mib, cores=g.cores) for g in grants
         ),
         priority=allocation.priority,
         core_policy=allocation.core_policy or settings.core_policy,

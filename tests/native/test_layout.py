@@ -27,6 +27,8 @@ CONSTANTS = {
     "TSR_REGION_MAGIC": region.REGION_MAGIC,
     "TSR_VERSION_MAJOR": region.VERSION_MAJOR,
     "TSR_VERSION_MINOR": region.VERSION_MINOR,
+    "TSR_LIMITS_VERSION_MINOR": region.LIMITS_VERSION_MINOR,
+    "TSR_SM_ALLOW_FULL": region.SM_ALLOW_FULL,
     "TSR_MAX_DEVICES": region.MAX_DEVICES,
     "TSR_MAX_PROCS": region.MAX_PROCS,
     "TSR_UUID_LEN": region.UUID_LEN,
@@ -153,6 +155,68 @@ def test_limits_roundtrip_and_checksum(tmp_path):
     with pytest.raises(region.RegionFormatError):
         region.decode_limits(bytes(data))
     assert list(tmp_path.iterdir()) == [tmp_path / "limits"]  # no temp files left behind
+
+
+def _old_limits_file(lim: region.ContainerLimits, minor: int, junk: bool) -> bytes:
+    """The bytes a writer of limits 1.<minor> produced (its reserved space possibly not zero)."""
+    c = region.LimitsC.from_buffer_copy(region.encode_limits(lim))
+    c.minor = minor
+    for e in c.dev:
+        e.sm_burst_pct, e.mem_burst_bytes, e.sm_allow_x100 = (
+            (100, 1 << 40, 9000) if junk else (0, 0, 0)
+        )
+    raw = bytes(c)
+    c.checksum = region.fnv1a64(raw[: region.LimitsC.checksum.offset])
+    return bytes(c)
+
+
+@pytest.mark.parametrize("minor,junk", [(0, False), (1, False), (1, True)])
+def test_limits_before_1_2_read_as_hard_slices(minor, junk):
+    """A limits file sealed before the elastic fields existed is a hard slice: whatever an old
+    writer left in the bytes that were reserved then, no burst and no allowance."""
+    lim = region.ContainerLimits(devices=(region.DeviceLimit("GPU-a", 4000 << 20, 30),))
+    back = region.decode_limits(_old_limits_file(lim, minor, junk)).device("GPU-a")
+    assert (back.mem_limit_bytes, back.sm_limit_pct) == (4000 << 20, 30)
+    assert (back.mem_burst_bytes, back.sm_burst_pct, back.sm_allow_x100) == (0, 0, 0)
+    assert not back.sm_elastic and not back.mem_elastic
+    assert back.mem_burst_limit_bytes == 4000 << 20 and back.sm_burst_limit_pct == 30
+
+
+def test_guarantee_and_burst_roundtrip(tmp_path):
+    dev = region.device_limit(
+        "GPU-a", mem_guarantee_bytes=4 << 30, mem_burst_bytes=12 << 30,
+        sm_guarantee_pct=10, sm_burst_pct=100,
+    )
+    assert dev.mem_elastic and dev.sm_elastic
+    assert (dev.mem_guarantee_bytes, dev.mem_burst_limit_bytes) == (4 << 30, 12 << 30)
+    assert (dev.sm_guarantee_pct, dev.sm_burst_limit_pct) == (10, 100)
+    region.seal_limits(tmp_path, region.ContainerLimits(devices=(dev,)))
+    c = region.LimitsC.from_buffer_copy((tmp_path / "limits").read_bytes())
+    assert (c.major, c.minor) == (1, region.LIMITS_VERSION_MINOR)
+    assert region.set_device_flags(tmp_path, "GPU-a", sm_allow_x100=7500) is True
+    back = region.read_limits(tmp_path).device("GPU-a")
+    assert back == region.DeviceLimit(
+        "GPU-a", 4 << 30, 10, mem_burst_bytes=12 << 30, sm_burst_pct=100, sm_allow_x100=7500
+    )
+    # A burst equal to the guarantee (or none) is today's hard slice, byte for byte.
+    hard = region.device_limit("GPU-a", mem_guarantee_bytes=4 << 30, mem_burst_bytes=4 << 30,
+                               sm_guarantee_pct=30, sm_burst_pct=30)
+    assert hard == region.DeviceLimit("GPU-a", 4 << 30, 30)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mem_guarantee_bytes": 8 << 30, "mem_burst_bytes": 4 << 30},
+        {"mem_guarantee_bytes": 0, "mem_burst_bytes": 4 << 30},
+        {"sm_guarantee_pct": 30, "sm_burst_pct": 20},
+        {"sm_guarantee_pct": 30, "sm_burst_pct": 101},
+        {"sm_guarantee_pct": 0, "sm_burst_pct": 50},
+    ],
+)
+def test_burst_below_or_without_guarantee_is_refused(kwargs):
+    with pytest.raises(ValueError, match="GPU-a"):
+        region.device_limit("GPU-a", **kwargs)
 
 
 def test_activity_flags_policy():

@@ -36,7 +36,11 @@ extern "C" {
 #define TSR_LIMITS_MAGIC 0x4C525354u /* bytes "TSRL" (little-endian) */
 #define TSR_REGION_MAGIC 0x52525354u /* bytes "TSRR" (little-endian) */
 #define TSR_VERSION_MAJOR 1u
-#define TSR_VERSION_MINOR 1u
+#define TSR_VERSION_MINOR 1u /* the usage region's minor version */
+/* The sealed limits file's minor version. 1.2 added the elastic fields of tsr_limits_device
+ * (sm_burst_pct, mem_burst_bytes, sm_allow_x100): a reader treats them as 0 in a file of minor
+ * < 2, so an older file reads as hard slices (burst = guarantee), exactly as before. */
+#define TSR_LIMITS_VERSION_MINOR 2u
 
 #define TSR_MAX_DEVICES 16
 #define TSR_MAX_PROCS 1024
@@ -93,20 +97,36 @@ extern "C" {
 #define TSR_DEV_YIELD (1u << 1)     /* a higher-priority container is active on this GPU:
                                        the SM limit becomes yield_sm_pct (whatever the policy) */
 
+/* Guaranteed and burst limits (1.2). mem_limit_bytes and sm_limit_pct are the GUARANTEE: what
+ * the container always gets (a hard slice when no burst is sealed). The burst limits say how far
+ * beyond it the container may go while the card has room: 0 = no burst (burst = guarantee, the
+ * hard slice of 1.0/1.1). A burst below its guarantee reads as the guarantee.
+ *
+ * Compute beyond the guarantee is LENT by the node agent, never taken by the tenant: the agent
+ * computes each elastic container's allowance from the shares of the busy containers on the GPU
+ * (weighted fair share, capped at each burst limit) and seals it here as sm_allow_x100 (this file
+ * is read-only to the tenant). libvgpu limits an elastic device to the allowance clamped to
+ * [guarantee, burst]; 0 (nothing published yet) = the guarantee. */
+#define TSR_SM_ALLOW_FULL 10000u /* sm_allow_x100 of the whole card */
+
 struct tsr_limits_device {
     char uuid[TSR_UUID_LEN];   /* GPU UUID as NVML prints it; "" = match by CUDA ordinal */
-    uint64_t mem_limit_bytes;  /* 0 = unlimited */
-    uint32_t sm_limit_pct;     /* 1..99 limits compute; 0 or >= 100 = unlimited */
+    uint64_t mem_limit_bytes;  /* guaranteed memory; 0 = unlimited */
+    uint32_t sm_limit_pct;     /* guaranteed compute: 1..99 limits; 0 or >= 100 = unlimited */
     uint32_t flags;            /* TSR_DEV_* */
     uint32_t yield_sm_pct;     /* SM % while TSR_DEV_YIELD is set (0 = pause launches) */
-    uint32_t reserved0;
-    uint64_t reserved[5];
+    uint32_t sm_burst_pct;     /* 1.2: compute burst limit, sm_limit_pct..100; 0 = no burst */
+    uint64_t mem_burst_bytes;  /* 1.2: memory burst limit, >= mem_limit_bytes; 0 = no burst */
+    uint32_t sm_allow_x100;    /* 1.2, node agent at run time: compute lent now, % x 100
+                                  (clamped to guarantee..burst); 0 = the guarantee */
+    uint32_t reserved1;
+    uint64_t reserved[3];
 }; /* 128 bytes */
 
 struct tsr_limits {
     uint32_t magic;            /* TSR_LIMITS_MAGIC */
     uint16_t major;            /* TSR_VERSION_MAJOR */
-    uint16_t minor;            /* TSR_VERSION_MINOR */
+    uint16_t minor;            /* TSR_LIMITS_VERSION_MINOR */
     uint32_t header_size;      /* sizeof(struct tsr_limits) of the writer; the file is this long */
     uint32_t num_devices;      /* entries used in dev[] */
     uint64_t generation;       /* incremented by the agent on every write */

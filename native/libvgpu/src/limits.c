@@ -27,6 +27,28 @@ static int have_last_st;
 
 /* ---- the limits file ---------------------------------------------------------------------- */
 
+/* The elastic fields (1.2) as libvgpu uses them: absent before 1.2 (a hard slice, whatever an
+ * older writer left in its reserved space); a burst never below its guarantee; an allowance
+ * within [guarantee, burst]. Without a guarantee (unlimited) there is nothing to burst from. */
+static void normalise_elastic(struct tsr_limits_device *e, uint16_t minor)
+{
+    if (minor < 2) {
+        e->sm_burst_pct = 0;
+        e->mem_burst_bytes = 0;
+        e->sm_allow_x100 = 0;
+    }
+    int sm_limited = e->sm_limit_pct > 0 && e->sm_limit_pct < 100;
+    if (!sm_limited || e->sm_burst_pct <= e->sm_limit_pct) e->sm_burst_pct = 0;
+    if (e->sm_burst_pct > 100) e->sm_burst_pct = 100;
+    if (!e->sm_burst_pct) {
+        e->sm_allow_x100 = 0;
+    } else if (e->sm_allow_x100) {
+        if (e->sm_allow_x100 < e->sm_limit_pct * 100u) e->sm_allow_x100 = e->sm_limit_pct * 100u;
+        if (e->sm_allow_x100 > e->sm_burst_pct * 100u) e->sm_allow_x100 = e->sm_burst_pct * 100u;
+    }
+    if (!e->mem_limit_bytes || e->mem_burst_bytes <= e->mem_limit_bytes) e->mem_burst_bytes = 0;
+}
+
 static int read_limits_file(const char *path, struct tsr_limits *out, struct stat *st_out)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -60,7 +82,10 @@ static int read_limits_file(const char *path, struct tsr_limits *out, struct sta
         TV_LOG(TV_LOG_ERROR, "limits file %s: bad checksum", path);
         goto out;
     }
-    for (unsigned i = 0; i < TSR_MAX_DEVICES; i++) l.dev[i].uuid[TSR_UUID_LEN - 1] = 0;
+    for (unsigned i = 0; i < TSR_MAX_DEVICES; i++) {
+        l.dev[i].uuid[TSR_UUID_LEN - 1] = 0;
+        normalise_elastic(&l.dev[i], l.minor);
+    }
     l.region_path[TSR_PATH_LEN - 1] = 0;
     *out = l;
     if (st_out) *st_out = st;
@@ -253,7 +278,7 @@ static const struct tsr_limits_device *strictest_entry(struct tsr_limits_device 
 void tv_limits_apply_slot(int d)
 {
     if (d < 0 || d >= TV_MAX_SLOTS) return;
-    uint64_t mem = 0;
+    uint64_t mem = 0, mem_burst = 0;
     uint32_t eff = 0;
     if (L.broken) {
         mem = 1; /* nothing fits */
@@ -267,6 +292,7 @@ void tv_limits_apply_slot(int d)
             e = strictest_entry(&any);
         if (e) {
             mem = e->mem_limit_bytes;
+            mem_burst = e->mem_burst_bytes;
             eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy);
         }
         atomic_store(&tv.dev[d].yielding, e && (e->flags & TSR_DEV_YIELD));
@@ -280,6 +306,7 @@ void tv_limits_apply_slot(int d)
         }
     }
     atomic_store(&tv.dev[d].mem_limit, mem);
+    atomic_store(&tv.dev[d].mem_burst, mem_burst);
     atomic_store(&tv.dev[d].sm_eff, eff);
     update_throttle_any();
     if (L.file_mode || atomic_load(&tv.dev[d].ordinal) >= 0) {

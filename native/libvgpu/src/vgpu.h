@@ -31,7 +31,8 @@
 
 /* ---- per device slot, this process's copy of the limits in force ---- */
 struct tv_dev {
-    _Atomic uint64_t mem_limit; /* bytes, 0 = unlimited */
+    _Atomic uint64_t mem_limit; /* bytes, 0 = unlimited (the guarantee under limits 1.2) */
+    _Atomic uint64_t mem_burst; /* limits 1.2: memory burst limit, bytes; 0 = none (hard slice) */
     _Atomic uint32_t sm_eff;    /* 0 = unthrottled, 1..99 = %, TV_SM_PAUSE = wait */
     _Atomic int yielding;       /* sm_eff comes from YIELD (a higher priority is active) */
     _Atomic int ordinal;        /* CUDA ordinal in this process, -1 = not seen */
