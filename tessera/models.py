@@ -127,6 +127,13 @@ class DeviceGrant(Message):
     mig: MigInstanceGrant | None = Field(
         None, description="dynamic MIG: the instance serving this grant (None: a libvgpu slice)"
     )
+    # Elastic sharing (issue 33, docs/elastic.md): `memory_mib` / `cores` are the guarantee the
+    # scheduler packs by; these are the burst limits the container may reach while the card has
+    # room (0: none, a hard slice exactly as before).
+    memory_limit_mib: int = Field(
+        0, ge=0, description="memory burst limit, MiB (0: none; else >= memory_mib)"
+    )
+    cores_limit: int = Field(0, ge=0, le=100, description="compute burst limit, % (0: none)")
 
 
 class Allocation(Message):
@@ -165,6 +172,14 @@ class Allocation(Message):
         None,
         description="while now < this, the pod's capacity is held by the pod named in "
         "`preempted_by` (its nominated reservation), not by this one; after it, it counts again",
+    )
+    memory_reclaim: Literal["fail", "evict"] = Field(
+        "fail", description="elastic memory: what happens to memory borrowed beyond a guarantee "
+        "when a neighbour's guarantee needs it (tessera.io/gpumem-reclaim)",
+    )
+    memory_wait_s: float = Field(
+        0.0, ge=0, le=3600, description="an allocation that does not fit waits this long for "
+        "memory instead of failing at once (tessera.io/gpumem-wait-seconds; 0: never)",
     )
 
     @property

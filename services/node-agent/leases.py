@@ -165,9 +165,7 @@ def memory_bounds(d: DeviceLimit | None) -> tuple[int, int]:
     slice). (0, 0): no limit there."""
     if d is None or not d.mem_limit_bytes:
         return 0, 0
-    limit = d.mem_limit_bytes
-    guarantee = getattr(d, "mem_guarantee_bytes", 0) or limit
-    return min(guarantee, limit), limit
+    return d.mem_guarantee_bytes, d.mem_burst_limit_bytes
 
 
 class CardView(Protocol):
@@ -384,6 +382,11 @@ class ContainerLeases:
                 if now >= keepalive:
                     keepalive = now + KEEPALIVE_S
                     peer.writer.write(b"W\n")  # still waiting (libvgpu reads past it)
+                    # what was freed since may lie unused in another process (libvgpu keeps a
+                    # chunk): ask again
+                    others = self._recall(peer, uuid)
+                    if due and self.card is not None:
+                        self.card.reclaim(self, uuid, last.short)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(deadline, keepalive) - now)
         if last.refusal is Refusal.RECLAIM:
