@@ -53,7 +53,8 @@ class ElasticPod:
         env = base_env()
         env.update(LD_LIBRARY_PATH=str(self.node.native.fake), LD_PRELOAD=self.node.native.preload,
                    FAKE_CUDA_STATE=str(self.node.gpu_state), FAKE_GPU_COUNT="1",
-                   FAKE_GPU_MEM_MB=str(self.node.card_mib), LIBCUDA_LOG_LEVEL=os.environ.get("ELASTIC_LOG", "1"),
+                   FAKE_GPU_MEM_MB=str(self.node.card_mib),
+                   LIBCUDA_LOG_LEVEL=os.environ.get("ELASTIC_LOG", "1"),
                    TESSERA_LIMITS_DIR=str(self.cdir.limits_dir))  # fmt: skip
         if self.node.native.san:
             env["ASAN_OPTIONS"] = "detect_leaks=0"

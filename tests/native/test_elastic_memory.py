@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import NativeBuild
-from .elastic_rig import GiB, ElasticNode
+from .elastic_rig import ElasticNode, GiB
 
 BORROWER = "a1111111-1111-4111-8111-111111111111"
 NEIGHBOUR = "b2222222-2222-4222-8222-222222222222"

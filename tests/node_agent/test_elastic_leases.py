@@ -204,9 +204,10 @@ async def test_a_borrower_that_opted_in_is_evicted(tmp_path: Path) -> None:
     sock_n = node.pod(NEIGHBOUR, 8 * GiB, 8 * GiB)
     await node.service.sync()
     n = await node.client(NEIGHBOUR, sock_n)
-    asyncio.create_task(b.pump())
+    pump = asyncio.create_task(b.pump())
     assert await n.ask(8 * GiB) == 8 * GiB  # waited for the eviction, then granted
     assert node.evicted == [BORROWER]
+    pump.cancel()
     assert [x.action for x in node.notices] == ["evicted"]
     await node.service.close()
 
