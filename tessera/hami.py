@@ -80,7 +80,7 @@ def task_priority_to_priority(value: str) -> int:
 # Prefixes a user may never set: only the scheduler writes them.
 # tessera.io/grants-signature: the node agent's signature of -allocated (tessera.signing).
 SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-", "tessera.io/mig-instances",
-                            "tessera.io/grants-signature")
+                            "tessera.io/grants-signature", "tessera.io/vgpu-burst-allocated")
 
 BIND_PHASE_ALLOCATING = "allocating"
 BIND_PHASE_SUCCESS = "success"
