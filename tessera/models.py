@@ -576,6 +576,29 @@ class PreemptionEvent(Event):
     outcome: Literal["", "placed", "re-evaluated", "pod-deleted"] = ""
 
 
+MemoryAction = Literal["reclaimed", "evicted"]
+
+
+class MemoryReclaimEvent(Event):
+    """Elastic memory (docs/elastic.md): a guaranteed container needed memory that a borrower
+    held beyond its own guarantee on the same GPU. `reclaimed`: the borrower's unused leases were
+    recalled and its allocations beyond its guarantee are refused while the GPU is short;
+    `evicted`: the borrower opted in to eviction (tessera.io/gpumem-reclaim: evict) and the node
+    agent evicted its pod."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.memory.<node>.<action>"
+    action: MemoryAction
+    node: str
+    device_uuid: str
+    pod_uid: str = Field(description="the borrower")
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    borrowed_bytes: int = Field(0, ge=0, description="what it held beyond its guarantee")
+    short_bytes: int = Field(0, ge=0, description="what the guaranteed request lacked")
+    for_pod: str = Field("", description="namespace/name of the pod whose guarantee was due")
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -589,6 +612,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     MigEvent,
     MpsEvent,
     PreemptionEvent,
+    MemoryReclaimEvent,
 )
 
 
