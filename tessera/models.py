@@ -347,6 +347,10 @@ class DeviceUsage(Message):
     sm_util: float = Field(0.0, ge=0, description="achieved compute %, last window")
     sm_limit: int = Field(0, ge=0)
     last_kernel_at: float | None = None
+    # elastic memory (docs/elastic.md): `limit_bytes` is the guarantee; the burst limit above it
+    # (0: a hard slice) and what the container uses beyond its guarantee (borrowed)
+    burst_limit_bytes: int = Field(0, ge=0)
+    borrowed_bytes: int = Field(0, ge=0)
 
 
 class ContainerUsage(Message):
