@@ -30,7 +30,7 @@ from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
-from .elastic_memory import ReclaimReporter, card_memory
+from .elastic_memory import LeaseCollector, ReclaimReporter, card_memory
 from .leases import LeaseService
 from .mig_dynamic import MigReconciler
 from .mig_service import DynamicMig
@@ -89,6 +89,7 @@ class NodeAgent:
                                        source=f"node-agent/{node}/{self.instance}",
                                        evict_grace_s=settings.memory_evict_grace_s),
             reclaim_wait_s=settings.memory_reclaim_wait_s)  # fmt: skip
+        self.metrics.registry.register(LeaseCollector(self.leases))
         self.configurator: NodeConfigurator | None = None
         self.limits: LimitsService | None = None  # serves limits.set once running
         self.mig_plugins: MigPlugins | None = None

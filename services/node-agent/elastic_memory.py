@@ -6,15 +6,17 @@ borrower that opted in, its eviction through the cluster API)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from nats.js import JetStreamContext
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from tessera import bus
 from tessera.cluster.port import ClusterError, ClusterPort, ObjectRef
 from tessera.models import DeviceInfo, MemoryReclaimEvent
 
-from .leases import ReclaimNotice
+from .leases import LeaseService, ReclaimNotice
 
 MiB = 1 << 20
 
@@ -78,3 +80,43 @@ class ReclaimReporter:
             await self.cluster.record_event(ref, reason, message, "Warning")
         except Exception as exc:  # best effort, as every Event
             self.log.warning("pod event not recorded", extra={"err": str(exc)})
+
+
+class LeaseCollector(Collector):
+    """The lease service at scrape time: per container and GPU what is guaranteed, the burst
+    limit, what is leased and borrowed (leased beyond the guarantee), and the service's
+    counters (reclaims, borrowers evicted, requests that waited, refused beyond a guarantee)."""
+
+    def __init__(self, leases: LeaseService) -> None:
+        self.leases = leases
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["namespace", "pod", "container", "device_uuid", "kind"]
+        memory = GaugeMetricFamily(
+            "tessera_node_agent_lease_bytes", "the lease service's account per container and "
+            "GPU: guaranteed, limit (burst limit; = guaranteed for a hard slice), leased, "
+            "borrowed (leased beyond the guarantee)", labels=labels)
+        waits = refused = 0
+        for c, uuid, h in self.leases.memory_view():
+            p = c.prepared
+            who = [p.namespace, p.pod, p.container] if p else ["", c.key, ""]
+            for kind, value in (("guaranteed", h.guarantee), ("limit", h.limit),
+                                ("leased", h.leased), ("borrowed", h.borrowed)):
+                memory.add_metric([*who, uuid, kind], value)
+        for c in self.leases.served.values():
+            waits += c.waits
+            refused += c.refused_borrow
+        yield memory
+        for name, doc, value in (
+            ("tessera_node_agent_lease_reclaims", "guaranteed requests that found borrowers "
+             "holding their GPU's memory (a reclaim began)", self.leases.reclaims),
+            ("tessera_node_agent_lease_evictions", "borrowing pods evicted for a guarantee "
+             "(tessera.io/gpumem-reclaim: evict)", len(self.leases.evicted)),
+            ("tessera_node_agent_lease_waits", "lease requests that waited (a reclaim, or "
+             "tessera.io/gpumem-wait-seconds)", waits),
+            ("tessera_node_agent_lease_borrow_refusals", "requests beyond a guarantee refused: "
+             "no memory to lend on the GPU", refused),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], value)
+            yield counter

@@ -10,7 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from tessera.node_agent.containers import ContainerStore, PreparedContainer
+from tessera.node_agent.elastic_memory import LeaseCollector
 from tessera.node_agent.leases import LeaseService, ReclaimNotice
 from tessera.node_agent.lending import Holder, Refusal, offer, reclaim_victims
 
@@ -209,6 +212,16 @@ async def test_a_borrower_that_opted_in_is_evicted(tmp_path: Path) -> None:
     assert node.evicted == [BORROWER]
     pump.cancel()
     assert [x.action for x in node.notices] == ["evicted"]
+    # the node agent's metrics: what each container holds, guaranteed and borrowed
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LeaseCollector(node.service))
+    text = generate_latest(registry).decode()
+    assert 'tessera_node_agent_lease_evictions_total 1.0' in text
+    held = {(x.labels["pod"], x.labels["kind"]): x.value
+            for f in text_string_to_metric_families(text) for x in f.samples
+            if x.name == "tessera_node_agent_lease_bytes"}  # fmt: skip
+    assert held[("pod-2222", "guaranteed")] == held[("pod-2222", "leased")] == 8 * GiB
+    assert held[("pod-2222", "borrowed")] == 0
     await node.service.close()
 
 
