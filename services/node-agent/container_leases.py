@@ -34,6 +34,7 @@ from .lending import RECLAIM_FAIL, Holder, Offer, Refusal, offer
 
 RECALL_WAIT_S = 0.5  # how long a request waits for other processes to give back unused lease
 LIMITS_RECHECK_S = 1.0  # the watchdog's question "does it lease?" stats the limits this often
+NEIGHBOUR_RECHECK_S = 0.5  # how old a neighbour's limits may be in the card-wide rule
 KEEPALIVE_S = 1.0  # a waiting request hears "W" this often (libvgpu's reply timeout is 5 s)
 
 
@@ -55,6 +56,9 @@ class CardView(Protocol):
     def others(self, me: ContainerLeases, uuid: str) -> list[Holder]: ...
     def card_bytes(self, uuid: str) -> int: ...
     def reclaim(self, me: ContainerLeases, uuid: str, short: int) -> None: ...
+    def recall_freed(self, uuid: str) -> None: ...
+    def held_changed(self, c: ContainerLeases, uuid: str) -> None: ...
+    def borrowing(self, uuid: str, other_than: ContainerLeases) -> bool: ...
 
 
 class ContainerLeases:
@@ -80,6 +84,7 @@ class ContainerLeases:
         self._limits: ContainerLimits | None = None
         self._limits_stat: tuple[int, int, int] | None = None
         self._checked_at = -1e18
+        self._neighbour_checked_at = -1e18
         self.waits = 0  # requests that waited (metrics)
         self.refused_borrow = 0  # requests beyond the guarantee refused: no room on the card
 
@@ -131,8 +136,19 @@ class ContainerLeases:
     def guarantee(self, uuid: str) -> int:
         return memory_bounds(self._device(uuid))[0]
 
-    def holder(self, uuid: str) -> Holder:
-        guarantee, limit = memory_bounds(self._device(uuid))
+    def holder(self, uuid: str, fresh: bool = True) -> Holder:
+        """What this container holds on `uuid` against its guarantee and limit. `fresh`: the
+        limits file stat'ed now (its own requests); else at most every NEIGHBOUR_RECHECK_S (a
+        neighbour's, asked on every lease request of every container on the card)."""
+        if fresh:
+            d = self._device(uuid)
+        else:
+            now = time.monotonic()
+            if now - self._neighbour_checked_at >= NEIGHBOUR_RECHECK_S:
+                self._neighbour_checked_at = now
+                self._device(uuid)
+            d = self._limits.device(uuid) if self._limits else None
+        guarantee, limit = memory_bounds(d)
         return Holder(self.key, guarantee, limit, self.book.total(uuid), self.policy)
 
     def leasing(self, uuid: str) -> bool:
@@ -181,12 +197,15 @@ class ContainerLeases:
                     peer.pending = asyncio.create_task(self._acquire(peer, uuid, a, b))
                 elif verb == "R":
                     self.book.release(peer.conn, uuid, a)
+                    self._held_changed(uuid)
+                    peer.freed = peer.freed or peer.recalls == 0  # a free, not a recall's answer
                     await self._notify()
                 elif verb == "D":
                     peer.recalls = max(peer.recalls - 1, 0)
                     await self._notify()
                 else:
                     self.book.declare(peer.conn, uuid, a)
+                    self._held_changed(uuid)
         except ConnectionError:
             pass  # the process went away: its leases come back below
         except (ProtocolError, ValueError, asyncio.LimitOverrunError) as e:
@@ -196,7 +215,10 @@ class ContainerLeases:
             if peer.pending is not None:
                 peer.pending.cancel()
             self.peers.pop(peer.conn, None)
+            held = list(self.book.held.get(peer.conn, {}))
             self.book.drop(peer.conn)
+            for uuid in held:
+                self._held_changed(uuid)
             writer.close()
             await self._notify()
 
@@ -210,10 +232,16 @@ class ContainerLeases:
         with contextlib.suppress(ConnectionError):
             await peer.writer.drain()
 
+    def _held_changed(self, uuid: str) -> None:
+        if self.card is not None:
+            self.card.held_changed(self, uuid)
+
     def _offer(self, uuid: str, need: int, want: int) -> Offer:
         me = self.holder(uuid)
         if self.card is None:  # no card view: nothing is lent (a hard slice as before)
             return offer(me, (), 0, need, want)
+        if me.limit <= me.guarantee and not self.card.borrowing(uuid, self):
+            return offer(me, (), 1, need, want)  # a hard slice, nobody borrows: as before
         return offer(me, self.card.others(self, uuid), self.card.card_bytes(uuid), need, want)
 
     async def _lease(self, peer: Peer, uuid: str, need: int, want: int) -> int:
@@ -224,6 +252,7 @@ class ContainerLeases:
         first = self._offer(uuid, need, want)
         if first.grant:
             self.book.grant(peer.conn, uuid, first.grant)
+            self._held_changed(uuid)
             return first.grant
         limit = self.limit(uuid)
         if need <= 0 or need > limit:
@@ -249,10 +278,13 @@ class ContainerLeases:
                 last = self._offer(uuid, need, want)
                 if last.grant:
                     self.book.grant(peer.conn, uuid, last.grant)
+                    self._held_changed(uuid)
                     return last.grant
                 if last.refusal is Refusal.RECLAIM and not due and self.card is not None:
                     due = True  # pressure began while this request waited
                     self.card.reclaim(self, uuid, last.short)
+                if waiting:  # a free since: what the freeing process kept unused, too
+                    (self.card or self).recall_freed(uuid)
                 now = loop.time()
                 answered = all(p.recalls == 0 or p.conn not in self.peers for p in others)
                 if now >= deadline or (answered and not waiting):
@@ -274,6 +306,7 @@ class ContainerLeases:
             if need <= room:
                 granted = min(max(want, need), room)
                 self.book.grant(peer.conn, uuid, granted)
+                self._held_changed(uuid)
                 return granted
         self.refused_borrow += last.refusal is Refusal.BORROW
         return 0
@@ -285,6 +318,7 @@ class ContainerLeases:
                   if p is not peer and self.book.held.get(p.conn, {}).get(uuid)]  # fmt: skip
         for p in others:
             p.recalls += 1
+            p.freed = False
             p.writer.write(b"C\n")
         return others
 
@@ -294,6 +328,16 @@ class ContainerLeases:
         for p in self.peers.values():
             if self.book.held.get(p.conn, {}).get(uuid):
                 p.recalls += 1
+                p.freed = False
                 p.writer.write(b"C\n")
                 n += 1
         return n
+
+    def recall_freed(self, uuid: str) -> None:
+        """Recall the processes holding `uuid` that freed since their last recall (see
+        LeaseService.recall_freed)."""
+        for p in self.peers.values():
+            if p.freed and p.recalls == 0 and self.book.held.get(p.conn, {}).get(uuid):
+                p.recalls += 1
+                p.freed = False
+                p.writer.write(b"C\n")

@@ -75,6 +75,7 @@ class Peer:
     writer: asyncio.StreamWriter
     pending: asyncio.Task[None] | None = field(default=None, repr=False)
     recalls: int = 0  # recalls sent and not yet answered ("D")
+    freed: bool = False  # it gave back unasked since its last recall (libvgpu keeps a chunk)
 
 
 class ProtocolError(ValueError):

@@ -106,6 +106,7 @@ class LeaseService:
         self.evicted: set[str] = set()  # pod uids evicted for their borrowed memory
         self.reclaims = 0  # times a guarantee found borrowers in its way (metrics)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._borrowers: dict[str, set[str]] = {}  # uuid -> keys of containers borrowing there
 
     async def sync(self) -> None:
         version = self.version() if self.version else None
@@ -114,7 +115,10 @@ class LeaseService:
         self._synced, self._failed = version, False
         present = {c.limits_dir: c for c in self.containers()}
         for path in [p for p in self.served if p not in present]:
-            await self.served.pop(path).close()
+            gone = self.served.pop(path)
+            await gone.close()
+            for keys in self._borrowers.values():
+                keys.discard(gone.key)
         for path, cdir in present.items():
             if path in self.served or not path.is_dir():
                 continue
@@ -147,10 +151,28 @@ class LeaseService:
         for c in self.served.values():
             if c is me:
                 continue
-            h = c.holder(uuid)
+            h = c.holder(uuid, fresh=False)
             if h.limit:
                 out.append(h)
         return out
+
+    def held_changed(self, c: ContainerLeases, uuid: str) -> None:
+        """Keep the set of borrowers per GPU (a hard slice's request asks only that)."""
+        if c.holder(uuid, fresh=False).borrowed:
+            self._borrowers.setdefault(uuid, set()).add(c.key)
+        elif uuid in self._borrowers:
+            self._borrowers[uuid].discard(c.key)
+
+    def borrowing(self, uuid: str, other_than: ContainerLeases) -> bool:
+        """Some container other than `other_than` holds memory beyond its guarantee on `uuid`."""
+        keys = self._borrowers.get(uuid)
+        return bool(keys) and (len(keys) > 1 or other_than.key not in keys)
+
+    def recall_freed(self, uuid: str) -> None:
+        """A request on `uuid` waits: processes that freed memory since their last recall
+        probably keep a chunk of it unused (libvgpu does): ask for it once more."""
+        for c in self.served.values():
+            c.recall_freed(uuid)
 
     def reclaim(self, me: ContainerLeases, uuid: str, short: int) -> None:
         """`me`'s guarantee on `uuid` is due and borrowers hold the memory: recall their unused
