@@ -240,7 +240,11 @@ def main() -> None:
           f"{trips[(n, True)]:.0f} µs |" for n in (0, 64)],
         "",
         "(median of 5 interleaved runs of 48 allocations; cuctl's own pipe round trip included.) "
-        "Figure: `bench/elastic_memory.svg` (memory leased over time, both policies).",
+        "Figure: `bench/elastic_memory.svg` (memory leased over time, both policies). The rig "
+        "evicts as kubelet does once the grace period is over: it kills the pod's processes at "
+        "once; through a cluster the eviction's grace period (`TESSERA_MEMORY_EVICT_GRACE_S`, "
+        "5 s) comes on top. The hard-slice column is the path every pod without a burst limit "
+        "takes (the same branch as before elastic memory: the other containers are not read).",
     ]
     text = "\n".join(md)
     print(text)
