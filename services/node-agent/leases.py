@@ -11,6 +11,7 @@ in native/libvgpu/include/tessera_region.h; in short:
                        H <uuid> <bytes>         already held (after a reconnect)
                        D                        a recall answered (after its R lines)
     agent -> libvgpu   C                        recall: give back what you hold unused
+                       W                        still waiting (the answer follows)
 
 Leases are counted per connection, and each connection is named by its peer's credentials
 (SO_PEERCRED: the host pid). A closed connection — the process exited or was killed — returns
