@@ -258,3 +258,16 @@ async def test_waiting_is_bounded(tmp_path: Path) -> None:
     assert await a.ask(1) == 0  # nothing freed: it fails as before, after the bound
     assert 1.4 <= time.monotonic() - t0 < 10
     await node.service.close()
+
+
+def test_the_watchdog_holds_a_borrower_to_its_burst_limit() -> None:
+    """A borrower using 12 GiB of a 4/12 GiB slice under leases is within what it may hold (the
+    watchdog must not call it a breach, nor kill it); without leases the guarantee is the cap."""
+    from tessera.node_agent.watchdog_rules import container_share
+
+    dev = device_limit(GPU, mem_guarantee_bytes=4 * GiB, mem_burst_bytes=12 * GiB)
+    leased = ContainerLimits(devices=(dev,), lease=True)
+    share = container_share(leased, GPU, init=False)
+    assert share is not None and share.mem_limit_bytes == 12 * GiB
+    alone = container_share(ContainerLimits(devices=(dev,)), GPU, init=False)
+    assert alone is not None and alone.mem_limit_bytes == 4 * GiB
