@@ -11,7 +11,7 @@ shared by every process), the node agent's container layout and its real lease s
     (latency from the free to the grant);
   * policy `evict`: the neighbour's 8 GiB allocation granted after the borrower's eviction
     (latency from the request, eviction and the processes' exit included);
-  * the cost of the card-wide rule per lease request: lending.offer with 1..256 containers on a
+  * the cost of the card-wide rule per lease request: memory_lending.offer with 1..256 containers on a
     card, and an allocation needing a lease round trip, hard slice vs elastic, beside 64 other
     containers;
   * a figure: memory held over time, both policies (bench/elastic_memory.svg).
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from record import record_section  # noqa: E402
-from tessera.node_agent.lending import Holder, offer  # noqa: E402
+from tessera.node_agent.memory_lending import Holder, offer  # noqa: E402
 
 from tests.native.conftest import build_native  # noqa: E402
 from tests.native.elastic_rig import ElasticNode, GiB, MiB  # noqa: E402
@@ -133,7 +133,7 @@ def scenario(native, policy: str) -> tuple[dict[str, float], Sampler]:
 
 
 def offer_cost(n_holders: int, reps: int = 20000) -> float:
-    """µs per lending.offer with n containers on the card (the Python side of a lease)."""
+    """µs per memory_lending.offer with n containers on the card (the Python side of a lease)."""
     me = Holder("me/0", GiB, 4 * GiB, GiB)
     others = [Holder(f"o{i}/0", 64 * MiB, 128 * MiB, 96 * MiB) for i in range(n_holders - 1)]
     t = time.perf_counter()
@@ -230,7 +230,7 @@ def main() -> None:
         "The card-wide rule per lease request (a lease is asked once per 64 MiB chunk, never on "
         "the allocation fast path):",
         "",
-        "| containers on the card | `lending.offer` |",
+        "| containers on the card | `memory_memory_lending.offer` |",
         "|---|---|",
         *[f"| {n} | {us:.1f} µs |" for n, us in costs.items()],
         "",

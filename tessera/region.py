@@ -33,6 +33,7 @@ import ctypes
 import os
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -419,13 +420,23 @@ def read_limits(directory: str | os.PathLike[str]) -> ContainerLimits | None:
     return decode_limits(data)
 
 
+# set_device_flags reads, changes and rewrites the file: the node agent calls it from several
+# loops (contention flags, resize, compute lending, PreStart's seal), which must not lose each
+# other's changes. One lock per process (rewrites are rare and short).
+_REWRITE_LOCK = threading.RLock()
+
+
 def seal_limits(directory: str | os.PathLike[str], limits: ContainerLimits) -> ContainerLimits:
     """Atomically (re)write the limits file in ``directory``; returns what was written.
 
     The generation is the previous file's + 1. The file is made read-only (0444); the directory
     itself must be mounted read-only into the container so that the tenant cannot replace it.
     """
-    d = Path(directory)
+    with _REWRITE_LOCK:
+        return _seal_limits(Path(directory), limits)
+
+
+def _seal_limits(d: Path, limits: ContainerLimits) -> ContainerLimits:
     d.mkdir(parents=True, exist_ok=True)
     try:
         previous = read_limits(d)
@@ -472,26 +483,24 @@ def set_device_flags(
     Returns True when the file was rewritten. Raises FileNotFoundError without a limits file and
     KeyError when the container has no such device.
     """
+    with _REWRITE_LOCK:
+        return _set_device_flags(
+            directory, uuid, contended=contended, yield_=yield_, yield_sm_pct=yield_sm_pct,
+            mem_limit_bytes=mem_limit_bytes, sm_limit_pct=sm_limit_pct,
+            mem_burst_bytes=mem_burst_bytes, sm_burst_pct=sm_burst_pct,
+            sm_allow_x100=sm_allow_x100,
+        )
+
+
+def _set_device_flags(directory: str | os.PathLike[str], uuid: str, **fields: int | bool | None
+                      ) -> bool:
     current = read_limits(directory)
     if current is None:
         raise FileNotFoundError(Path(directory) / LIMITS_FILE_NAME)
     dev = current.device(uuid)
     if dev is None:
         raise KeyError(uuid)
-    changes = {
-        k: v
-        for k, v in {
-            "contended": contended,
-            "yield_": yield_,
-            "yield_sm_pct": yield_sm_pct,
-            "mem_limit_bytes": mem_limit_bytes,
-            "sm_limit_pct": sm_limit_pct,
-            "mem_burst_bytes": mem_burst_bytes,
-            "sm_burst_pct": sm_burst_pct,
-            "sm_allow_x100": sm_allow_x100,
-        }.items()
-        if v is not None
-    }
+    changes = {k: v for k, v in fields.items() if v is not None}
     new = replace(dev, **changes)
     if new == dev:
         return False

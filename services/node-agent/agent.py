@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 from tessera.node_agent import mig_static
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource
+from tessera.node_agent.lending import ComputeLending
 from tessera.node_agent.limits import LimitsService
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.mig_plugin import MigPlugins, run_static_mig
@@ -78,6 +79,7 @@ class NodeAgent:
         self.endpoint: PluginEndpoint | None = None
         self.health: HealthMonitor | None = None
         self.sampler: UsageSampler | None = None
+        self.lending: ComputeLending | None = None
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
         # each container's memory account, out of the tenant's reach (libvgpu leases from it)
@@ -200,10 +202,11 @@ class NodeAgent:
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.settings.resource_name, self.plugin, self.log
         )
+        self.lending = ComputeLending(self.log)  # elastic compute (limits 1.2)
         self.sampler = UsageSampler(
             store=self.store, state=self.state, ledger_kv=self.buckets.ledger, nc=self.nc,
             js=self.js, source=self.source, interval_s=self.settings.usage_interval_s,
-            pod_listing=self._pods_listed, **common,
+            pod_listing=self._pods_listed, lending=self.lending, **common,
         )
         limits = LimitsService(
             nc=self.nc, store=self.store, state=self.state, ledger_kv=self.buckets.ledger,
@@ -223,6 +226,7 @@ class NodeAgent:
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
+            asyncio.create_task(self.lending.run(stop)),
             asyncio.create_task(self.configurator.run(stop)),
             asyncio.create_task(self.mps.run(
                 stop, self.state.devices, self._ledger, self.store.all,

@@ -30,7 +30,7 @@ from .lease_protocol import (
     parse_line,
     peer_credentials,
 )
-from .lending import RECLAIM_FAIL, Holder, Offer, Refusal, offer
+from .memory_lending import RECLAIM_FAIL, Holder, Offer, Refusal, offer
 
 RECALL_WAIT_S = 0.5  # how long a request waits for other processes to give back unused lease
 LIMITS_RECHECK_S = 1.0  # the watchdog's question "does it lease?" stats the limits this often

@@ -1,103 +1,80 @@
-"""Memory beyond the guarantee: the card-wide rule the lease service applies (pure; no I/O).
+"""Elastic compute: the node agent lends each GPU's idle compute to its busy elastic containers.
 
-A container on a card has a *guarantee* (what the scheduler packed it by) and a *limit* (its
-burst limit, never below the guarantee; a hard slice has limit == guarantee). What it holds on
-lease (`leased`) above its guarantee is *borrowed*. The card's memory is split as
-
-    reserved(x) = max(guarantee(x), leased(x))        for every container x on the card
-    room        = card - sum(reserved)                memory nobody is guaranteed or holds
-    free        = card - sum(leased)                  memory nobody holds
-
-A request is granted
-
-* up to its own limit, as for every slice (`limit`);
-* beyond its guarantee only out of `room` — never out of a neighbour's guarantee, used or not;
-* within its guarantee, while borrowers hold memory on the card, only out of `free`: when that
-  is short the borrowers' memory is *reclaimed* (their unused leases recalled, their next
-  allocation beyond the guarantee refused, borrowers that opted in evicted) and the request
-  waits for it. With no borrower on the card the rule is exactly the hard slice's of before.
-
-`offer` answers one request; `reclaim_victims` picks which borrowers an eviction would free.
+The policy and the tick are `tessera.elastic_compute` (pure policy + reading regions, rewriting
+sealed limits). Here: the loop. The usage sampler (once a second) says which containers are on
+which GPU (`set_members`: only GPUs holding an elastic container are watched); every
+`LEND_INTERVAL_S` (20 ms) the lender reads their activity and rewrites the limits of each elastic
+container whose allowance changed. The agent, not the tenant, is the only writer of the limits
+file, so no tenant can raise its own allowance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
 
-RECLAIM_FAIL = "fail"  # default: a borrower's allocations beyond its guarantee fail under pressure
-RECLAIM_EVICT = "evict"  # opt-in: the node agent evicts the borrowing pod (an event says so)
-RECLAIM_POLICIES = (RECLAIM_FAIL, RECLAIM_EVICT)
+from tessera.elastic_compute import IDLE_AFTER_S, LEND_INTERVAL_S, ComputeLender, LendingMember
+
+IDLE_WAIT_S = 1.0  # nothing elastic on the node: how long to wait before looking again
 
 
-@dataclass(frozen=True)
-class Holder:
-    """One container on one card, as the lease service sees it."""
-
-    key: str  # "<pod uid>/<index>"
-    guarantee: int  # bytes
-    limit: int  # bytes (>= guarantee)
-    leased: int  # bytes held on lease now
-    policy: str = RECLAIM_FAIL
+class ComputeLending:
+    def __init__(
+        self,
+        log: logging.Logger,
+        *,
+        interval_s: float = LEND_INTERVAL_S,
+        idle_after_s: float = IDLE_AFTER_S,
+    ) -> None:
+        self.log = log
+        self.interval_s = interval_s
+        self.lender = ComputeLender(idle_after_s)
+        self._gpus: dict[str, tuple[LendingMember, ...]] = {}
+        self._changed = asyncio.Event()
+        self._failing = False
+        self.allowances: dict[tuple[str, str], int] = {}  # (container key, uuid) -> % x 100
 
     @property
-    def borrowed(self) -> int:
-        return max(0, self.leased - self.guarantee)
+    def gpus(self) -> Mapping[str, tuple[LendingMember, ...]]:
+        return self._gpus
 
-    @property
-    def reserved(self) -> int:
-        return max(self.guarantee, self.leased)
+    def set_members(self, gpus: Mapping[str, Sequence[LendingMember]]) -> None:
+        """The containers of every GPU that holds an elastic container (the usage sampler's
+        view, refreshed every sample). A GPU absent here is no longer watched."""
+        new = {uuid: tuple(members) for uuid, members in gpus.items() if members}
+        if new != self._gpus:
+            self._gpus = new
+            self._changed.set()
 
+    def tick(self) -> dict[tuple[str, str], int]:
+        self.allowances = self.lender.tick(self._gpus, time.time_ns())
+        return self.allowances
 
-class Refusal(StrEnum):
-    LIMIT = "limit"  # past the container's own (burst) limit
-    BORROW = "borrow"  # beyond the guarantee, and the card has no room to lend
-    RECLAIM = "reclaim"  # within the guarantee, but borrowers hold the card's free memory
-
-
-@dataclass(frozen=True)
-class Offer:
-    grant: int  # bytes (0: refused, see `refusal`)
-    refusal: Refusal | None = None
-    short: int = 0  # bytes missing on the card (RECLAIM: what borrowers must give back)
-
-
-def offer(me: Holder, others: Sequence[Holder], card: int, need: int, want: int) -> Offer:
-    """What `me` may lease now: need..want bytes, or a refusal saying why. `card` is the card's
-    physical memory in bytes (0: unknown — nothing is lent, a guarantee behaves as a hard
-    slice)."""
-    own = me.limit - me.leased
-    if need <= 0 or need > own:
-        return Offer(0, Refusal.LIMIT)
-    want = max(want, need)
-    g_left = max(0, me.guarantee - me.leased)
-    borrowers = any(o.borrowed for o in others)
-    if card <= 0 or (me.limit <= me.guarantee and not borrowers):
-        # unknown card, or a hard slice with nobody borrowing: exactly as before elastic memory
-        cap = min(own, g_left) if card <= 0 else own
-        return Offer(min(want, cap)) if need <= cap else Offer(0, Refusal.BORROW)
-    room = card - me.reserved - sum(o.reserved for o in others)
-    free = card - me.leased - sum(o.leased for o in others)
-    cap = min(own, g_left + max(0, room))
-    if borrowers:
-        cap = min(cap, max(0, free))
-    if need <= cap:
-        return Offer(min(want, cap))
-    if need <= g_left:  # the guarantee is due: only borrowers stand in the way
-        return Offer(0, Refusal.RECLAIM, short=need - max(0, free))
-    return Offer(0, Refusal.BORROW)
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self._gpus:
+                try:
+                    await asyncio.to_thread(self.tick)
+                    self._failing = False
+                except Exception as exc:  # never let lending stop the agent; say it once
+                    if not self._failing:
+                        self.log.warning("compute lending failed", extra={"err": str(exc)})
+                    self._failing = True
+            with contextlib.suppress(TimeoutError):
+                if self._gpus:
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+                else:  # nothing elastic: sleep until the sampler finds some
+                    self._changed.clear()
+                    await asyncio.wait_for(_first(stop, self._changed), IDLE_WAIT_S)
 
 
-def reclaim_victims(others: Sequence[Holder], short: int) -> list[Holder]:
-    """Borrowers that opted in to eviction, most borrowed first, until `short` bytes would come
-    back (all of them if that is not enough)."""
-    out: list[Holder] = []
-    got = 0
-    for h in sorted((o for o in others if o.borrowed and o.policy == RECLAIM_EVICT),
-                    key=lambda o: (-o.borrowed, o.key)):  # fmt: skip
-        if got >= short:
-            break
-        out.append(h)
-        got += h.leased  # evicting a pod frees all it holds, its guarantee too
-    return out
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -13,10 +13,12 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from tessera.node_agent.containers import ContainerDir, ContainerStore
 from tessera.node_agent.devices import DeviceSource
+from tessera.node_agent.lending import ComputeLending
 from tessera.node_agent.state import DeviceState
 
 from tessera import bus
 from tessera.codec import encode
+from tessera.elastic_compute import LendingMember
 from tessera.models import (
     ContainerUsage,
     DeviceUsage,
@@ -67,6 +69,7 @@ class UsageSampler:
         log: logging.Logger,
         interval_s: float = 1.0,
         pod_listing: Callable[[], Awaitable[set[tuple[str, str]] | None]] | None = None,
+        lending: ComputeLending | None = None,
     ) -> None:
         self.node = node
         self.store = store
@@ -78,6 +81,7 @@ class UsageSampler:
         self.log = log
         self.interval_s = interval_s
         self.pod_listing = pod_listing
+        self.lending = lending
         self.started_at = time.time()
         self._oom_seen: dict[tuple[str, str], int] = {}
         self._last_gc = 0.0
@@ -92,6 +96,8 @@ class UsageSampler:
         containers: list[ContainerUsage] = []
         activity: dict[str, list[tuple[ContainerDir, ContainerActivity]]] = {}
         ooms: list[OomEvent] = []
+        members: dict[str, list[LendingMember]] = {}  # per GPU, for compute lending
+        elastic: set[str] = set()  # GPUs holding an elastic container
         for cdir in await asyncio.to_thread(self.store.all):
             p = cdir.prepared
             allocation = allocations.get(p.pod_uid)
@@ -121,11 +127,17 @@ class UsageSampler:
                     activity.setdefault(g.uuid, []).append((cdir, ContainerActivity(
                         cdir.key, limits.priority, du.last_kernel_ns if du else 0
                     )))
+                    members.setdefault(g.uuid, []).append(
+                        LendingMember(cdir.key, cdir.limits_dir, cdir.region_file))
+                    if limit is not None and limit.sm_elastic:
+                        elastic.add(g.uuid)
             containers.append(ContainerUsage(
                 pod_uid=p.pod_uid, namespace=p.namespace, pod=p.pod, container=p.container,
                 devices=devices, oom_count=oom_total,
             ))
         await asyncio.to_thread(self._flag_contention, activity)
+        if self.lending is not None:
+            self.lending.set_members({u: ms for u, ms in members.items() if u in elastic})
         sample = UsageSample(node=self.node, containers=containers,
                              devices=await self._host_devices(containers))
         for event in ooms:

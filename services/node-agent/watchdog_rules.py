@@ -58,7 +58,10 @@ def container_share(limits: ContainerLimits, uuid: str, init: bool) -> Container
     device = limits.device(uuid)
     if device is None:
         return None
-    sm: int | None = device.yield_sm_pct if device.yield_ else device.sm_limit_pct
+    # Elastic compute (limits 1.2): the agent lends up to the burst limit and takes it back
+    # within ~100 ms, so over the watchdog's window the most it may legitimately average is the
+    # burst, never more.
+    sm: int | None = device.yield_sm_pct if device.yield_ else device.sm_burst_limit_pct
     policy = CORE_POLICIES.get(limits.core_policy, CORE_POLICIES["default"])
     if (
         policy == CORE_POLICIES["disable"]

@@ -1,7 +1,7 @@
 """Elastic memory in the lease service (issue 33): a container leases beyond its guarantee up to
 its burst limit while the card has memory nobody is guaranteed; a guaranteed neighbour's memory
 comes back (recall, refusal beyond the guarantee, opt-in eviction); opt-in waiting instead of an
-immediate OOM. The pure rule (lending.offer) and the real service over its unix sockets."""
+immediate OOM. The pure rule (memory_lending.offer) and the real service over its unix sockets."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tessera.node_agent.containers import ContainerStore, PreparedContainer
 from tessera.node_agent.elastic_memory import LeaseCollector
 from tessera.node_agent.leases import LeaseService, ReclaimNotice
-from tessera.node_agent.lending import Holder, Refusal, offer, reclaim_victims
+from tessera.node_agent.memory_lending import Holder, Refusal, offer, reclaim_victims
 
 from tessera.region import LEASE_SOCKET_NAME, ContainerLimits, device_limit, seal_limits
 

@@ -47,6 +47,11 @@ static int64_t dev_est[TV_MAX_SLOTS];
 static uint64_t last_launches;
 static int fast_devices_noted; /* poll thread: note_devices_of_fast_launches() ran */
 static int stopping; /* exit has begun: the poll thread no longer calls the driver */
+/* Elastic devices, this process: when it last waited to launch, and since when it has launched
+ * without a pause (or since the node agent last lowered its allowance). */
+static _Atomic uint64_t last_gate[TV_MAX_SLOTS], steady_since[TV_MAX_SLOTS];
+#define TV_PAUSE_NS 100000000ull  /* a gap this long between launches: it was idle */
+#define TV_STEADY_NS 500000000ull /* launching this long without a pause: steady */
 
 #define RD(d) tv_region_dev(&tv.rg, d)
 
@@ -59,7 +64,9 @@ static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now, int
     if (!__atomic_compare_exchange_n(&rd->budget_ts_ns, &ts, now, 0, __ATOMIC_RELAXED,
                                      __ATOMIC_RELAXED))
         return; /* another thread or process refilled this interval */
-    int64_t add = ts == 0 ? TV_BURST_NS : (int64_t)((now - ts) * pct / 100);
+    uint64_t dt = now - ts;
+    if (dt > 1000 * 1000000000ull) dt = 1000 * 1000000000ull; /* no overflow at % x 100 */
+    int64_t add = ts == 0 ? TV_BURST_NS : (int64_t)(dt * pct / TV_SM_FULL);
     int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED), nb;
     do {
         nb = b + add;
@@ -72,6 +79,21 @@ static void refill(struct tsr_region_device *rd, uint32_t pct, uint64_t now, int
 static void charge(int d, int64_t ns)
 {
     if (ns) __atomic_fetch_sub(&RD(d)->budget_ns, ns, __ATOMIC_RELAXED);
+}
+
+/* The node agent lends an elastic container less than before (a neighbour woke): nothing banked
+ * at the old rate survives (a debt stays), and launches are priced by own device time at once
+ * (owntime.c). Caller holds tv.mu. */
+void tv_compute_lent_less(int d)
+{
+    if (d < 0 || d >= TV_MAX_SLOTS || !tv.rg.map) return;
+    struct tsr_region_device *rd = RD(d);
+    int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
+    while (b > 0 && !__atomic_compare_exchange_n(&rd->budget_ns, &b, 0, 1, __ATOMIC_RELAXED,
+                                                 __ATOMIC_RELAXED)) {
+    }
+    tv_owntime_assume_shared(d, __atomic_load_n(&dev_est[d], __ATOMIC_RELAXED));
+    atomic_store_explicit(&steady_since[d], tv_mono_ns(), memory_order_relaxed);
 }
 
 /* Owntime settles: charge the bucket `bucket_ns` more (negative: less) and count `busy_ns` more
@@ -105,13 +127,24 @@ static void harvest(struct ctxq *q)
     }
 }
 
-static void harvest_all(int block)
+/* Returns the device slots with launches still in flight after the harvest (bit d), or 0 when
+ * the lock was busy (non-blocking). */
+static unsigned harvest_all(int block)
 {
     if (block) pthread_mutex_lock(&cq_mu);
-    else if (pthread_mutex_trylock(&cq_mu) != 0) return;
-    for (int i = 0; i < TV_MAX_CTX && !stopping; i++)
-        if (qs[i]) harvest(qs[i]);
+    else if (pthread_mutex_trylock(&cq_mu) != 0) return 0;
+    unsigned inflight = 0;
+    for (int i = 0; i < TV_MAX_CTX && !stopping; i++) {
+        struct ctxq *q = qs[i];
+        if (!q) continue;
+        harvest(q);
+        for (unsigned k = q->head; k != q->tail; k++) {
+            int d = q->ring[k % TV_RING].dslot;
+            if (d >= 0 && d < 32) inflight |= 1u << d;
+        }
+    }
     pthread_mutex_unlock(&cq_mu);
+    return inflight;
 }
 
 /* At exit, before the driver's own destructors: wait for a harvest in progress, stop the next. */
@@ -172,6 +205,16 @@ void tv_compute_after_fork_child(void)
 
 /* ---- waiting for budget ------------------------------------------------------------------- */
 
+/* An elastic container catches up (30 ms bank) only in a steady state. One that just woke, or
+ * whose allowance just dropped, banked at a rate nobody else could use while the device was in
+ * transition: spent at once, it would take its waking neighbours' share for 100-200 ms. */
+static int elastic_steady(int d, uint64_t now)
+{
+    uint64_t last = atomic_exchange_explicit(&last_gate[d], now, memory_order_relaxed);
+    if (now - last > TV_PAUSE_NS) atomic_store_explicit(&steady_since[d], now, memory_order_relaxed);
+    return now - atomic_load_explicit(&steady_since[d], memory_order_relaxed) >= TV_STEADY_NS;
+}
+
 static void wait_budget(int d)
 {
     struct tsr_region_device *rd = RD(d);
@@ -183,7 +226,8 @@ static void wait_budget(int d)
             __atomic_store_n(&rd->budget_ts_ns, now, __ATOMIC_RELAXED); /* nothing accrues */
             sleep = TV_MAX_SLEEP;
         } else {
-            int catch_up = tv_owntime_shared(d) && !atomic_load(&tv.dev[d].yielding);
+            int catch_up = tv_owntime_shared(d) && !atomic_load(&tv.dev[d].yielding) &&
+                           (!atomic_load(&tv.dev[d].elastic) || elastic_steady(d, now));
             refill(rd, eff, now, catch_up ? TV_SHARED_BURST_NS : TV_BURST_NS);
             int64_t b = __atomic_load_n(&rd->budget_ns, __ATOMIC_RELAXED);
             if (tv_unlikely(b > 4 * TV_BURST_NS)) {
@@ -194,10 +238,13 @@ static void wait_budget(int d)
                 continue;
             }
             if (b > 0) return;
-            sleep = (uint64_t)(-b + 1000) * 100 / eff;
+            sleep = (uint64_t)(-b + 1000) * TV_SM_FULL / eff;
         }
         if (sleep < TV_MIN_SLEEP) sleep = TV_MIN_SLEEP;
         if (sleep > TV_MAX_SLEEP) sleep = TV_MAX_SLEEP;
+        /* waiting for budget is wanting the device: the node agent reads it as busy (it lends
+         * an idle container's share to the busy ones: tessera/elastic_compute.py) */
+        __atomic_store_n(&rd->last_kernel_ns, tv_real_ns(), __ATOMIC_RELAXED);
         harvest_all(0);
         tv_sleep_ns(sleep);
     }
@@ -440,9 +487,9 @@ static void note_devices_of_fast_launches(void)
 void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
 {
     if (!tv.rg.map) return;
-    unsigned nvml_mask = 0;
+    unsigned nvml_mask = 0, inflight = 0;
     if (atomic_load(&tv.cuda_ready)) {
-        harvest_all(0);
+        inflight = harvest_all(0);
         if (!__atomic_load_n(&stopping, __ATOMIC_RELAXED)) nvml_mask = tv_owntime_poll(now_mono);
     }
     struct tsr_proc_slot *s = atomic_load(&tv.rg.slot);
@@ -453,7 +500,9 @@ void tv_compute_poll(uint64_t now_mono, uint64_t now_real)
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         if (atomic_load(&tv.dev[d].ordinal) < 0) continue;
         struct tsr_region_device *rd = RD(d);
-        if (active) __atomic_store_n(&rd->last_kernel_ns, now_real, __ATOMIC_RELAXED);
+        /* work still queued on the device counts as activity (a long kernel, a deep queue) */
+        if (active || (inflight & (1u << d)))
+            __atomic_store_n(&rd->last_kernel_ns, now_real, __ATOMIC_RELAXED);
         struct tv_dev *v = &tv.dev[d];
         /* achieved % over ~1 s; when NVML answers for this device (every 500 ms), from one
          * answer to another, so that settled windows are published as the device saw them */

@@ -189,22 +189,36 @@ const char *tv_limits_region_path(void)
 
 /* ---- the limits in force, per device slot ------------------------------------------------ */
 
-static uint32_t effective_sm(uint32_t limit, uint32_t dflags, uint32_t yield_pct, uint32_t policy)
+/* The compute rate in force (% x 100, see tv_dev.sm_eff). `allow_x100` is the elastic
+ * allowance (normalised by read_limits_file: 0 on a hard slice, else within guarantee..burst, or
+ * 0 = the guarantee); `burst` is non-zero on an elastic device. */
+static uint32_t effective_sm(uint32_t limit, uint32_t dflags, uint32_t yield_pct, uint32_t policy,
+                             uint32_t burst, uint32_t allow_x100)
 {
     int limited = limit > 0 && limit < 100;
     if (dflags & TSR_DEV_YIELD) {
         if (yield_pct == 0) return TV_SM_PAUSE;
         uint32_t y = limited && limit < yield_pct ? limit : yield_pct;
-        return y >= 100 ? 0 : y;
+        return y >= 100 ? 0 : y * 100;
     }
     if (!limited) return 0;
+    if (burst && policy != TSR_POLICY_DISABLE)
+        /* Elastic: what the node agent lends now, contended or not (the burst limit is the
+         * user's own cap, alone on the card too); never below the guarantee. */
+        return allow_x100 ? allow_x100 : limit * 100;
     switch (policy) {
-    case TSR_POLICY_FORCE: return limit;
+    case TSR_POLICY_FORCE: return limit * 100;
     case TSR_POLICY_DISABLE: return 0;
     default:
         /* Without a node agent (env mode) nothing signals contention: limit always. */
-        return (!L.file_mode || (dflags & TSR_DEV_CONTENDED)) ? limit : 0;
+        return (!L.file_mode || (dflags & TSR_DEV_CONTENDED)) ? limit * 100 : 0;
     }
+}
+
+static uint32_t entry_sm(const struct tsr_limits_device *e)
+{
+    return effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy,
+                        e->sm_burst_pct, e->sm_allow_x100);
 }
 
 /* Could the limits throttle some device, mapped in this process or not yet? */
@@ -214,13 +228,12 @@ static int limits_may_throttle(void)
     if (L.file_mode) {
         for (unsigned i = 0; i < L.lim.num_devices; i++) {
             const struct tsr_limits_device *e = &L.lim.dev[i];
-            if (effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy))
-                return 1;
+            if (entry_sm(e)) return 1;
         }
         return 0;
     }
     for (int i = 0; i < TSR_MAX_DEVICES; i++)
-        if (effective_sm(L.env_sm[i], 0, 0, L.lim.core_policy)) return 1;
+        if (effective_sm(L.env_sm[i], 0, 0, L.lim.core_policy, 0, 0)) return 1;
     return 0;
 }
 
@@ -280,6 +293,7 @@ void tv_limits_apply_slot(int d)
     if (d < 0 || d >= TV_MAX_SLOTS) return;
     uint64_t mem = 0, mem_burst = 0;
     uint32_t eff = 0;
+    int elastic = 0;
     if (L.broken) {
         mem = 1; /* nothing fits */
     } else if (L.file_mode) {
@@ -293,26 +307,32 @@ void tv_limits_apply_slot(int d)
         if (e) {
             mem = e->mem_limit_bytes;
             mem_burst = e->mem_burst_bytes;
-            eff = effective_sm(e->sm_limit_pct, e->flags, e->yield_sm_pct, L.lim.core_policy);
+            eff = entry_sm(e);
+            elastic = e->sm_burst_pct != 0 && !(e->flags & TSR_DEV_YIELD) && eff != 0;
         }
         atomic_store(&tv.dev[d].yielding, e && (e->flags & TSR_DEV_YIELD));
     } else {
         int o = atomic_load(&tv.dev[d].ordinal);
         if (o >= 0 && o < TSR_MAX_DEVICES) {
             mem = L.env_mem[o];
-            eff = effective_sm(L.env_sm[o], 0, 0, L.lim.core_policy);
+            eff = effective_sm(L.env_sm[o], 0, 0, L.lim.core_policy, 0, 0);
         } else {
             mem = L.env_mem_all; /* seen through NVML only: the all-devices limit */
         }
     }
     atomic_store(&tv.dev[d].mem_limit, mem);
     atomic_store(&tv.dev[d].mem_burst, mem_burst);
-    atomic_store(&tv.dev[d].sm_eff, eff);
+    uint32_t was = atomic_exchange(&tv.dev[d].sm_eff, eff);
+    atomic_store(&tv.dev[d].elastic, elastic);
+    /* Lent compute taken back: what the container banked at the higher rate goes too, so the
+     * neighbour that woke gets its share now, not after the borrower spent its bank. */
+    if (elastic && was && was != TV_SM_PAUSE && eff < was) tv_compute_lent_less(d);
     update_throttle_any();
     if (L.file_mode || atomic_load(&tv.dev[d].ordinal) >= 0) {
         struct tsr_region_device *rd = tv_region_dev(&tv.rg, d);
         __atomic_store_n(&rd->limit_bytes, mem, __ATOMIC_RELAXED);
-        __atomic_store_n(&rd->sm_limit_pct, eff == 0 ? 100u : eff == TV_SM_PAUSE ? 0u : eff,
+        __atomic_store_n(&rd->sm_limit_pct,
+                         eff == 0 ? 100u : eff == TV_SM_PAUSE ? 0u : (eff + 50) / 100,
                          __ATOMIC_RELAXED);
     }
 }

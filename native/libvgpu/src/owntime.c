@@ -65,6 +65,19 @@ void tv_owntime_reset(void)
     next_poll = 0;
 }
 
+/* The node agent lowered an elastic allowance: neighbours woke on the device, before NVML's next
+ * answer can say so. Price launches by own device time from now (the last per-launch figure NVML
+ * gave, else `est`, the launch's cost measured alone): charged their stretched event time, the
+ * launches still queued behind the neighbours' would put the container in debt for hundreds of
+ * milliseconds, then be refunded — a stall, then a burst. NVML's next answer confirms or undoes
+ * it, and settles the difference as always. */
+void tv_owntime_assume_shared(int d, int64_t est)
+{
+    if (d < 0 || d >= TV_MAX_SLOTS) return;
+    atomic_store(&ot[d].shared, 1);
+    if (atomic_load(&ot[d].per_launch) <= 0 && est > 0) atomic_store(&ot[d].per_launch, est);
+}
+
 int tv_owntime_shared(int d)
 {
     return d >= 0 && d < TV_MAX_SLOTS && atomic_load_explicit(&ot[d].shared, memory_order_relaxed);

@@ -26,14 +26,18 @@
 #include "region.h"
 
 #define TV_MAX_CUDA_DEVS 64
-#define TV_SM_PAUSE 1000u                   /* sm_eff: launches wait (yield with 0 %) */
+#define TV_SM_PAUSE 0xFFFFFFFFu              /* sm_eff: launches wait (yield with 0 %) */
+#define TV_SM_FULL 10000u                   /* sm_eff of the whole device (% x 100) */
 #define TV_DEFAULT_CTX_CHARGE (64ull << 20) /* per context beyond the primary */
 
 /* ---- per device slot, this process's copy of the limits in force ---- */
 struct tv_dev {
     _Atomic uint64_t mem_limit; /* bytes, 0 = unlimited (the guarantee under limits 1.2) */
     _Atomic uint64_t mem_burst; /* limits 1.2: memory burst limit, bytes; 0 = none (hard slice) */
-    _Atomic uint32_t sm_eff;    /* 0 = unthrottled, 1..99 = %, TV_SM_PAUSE = wait */
+    _Atomic uint32_t sm_eff;    /* 0 = unthrottled, 1..TV_SM_FULL = % x 100, TV_SM_PAUSE = wait
+                                   (an elastic device stays throttled even at the full device:
+                                   its queue stays short, so lent compute comes back at once) */
+    _Atomic int elastic;        /* limits 1.2: sm_eff is the allowance the node agent lends */
     _Atomic int yielding;       /* sm_eff comes from YIELD (a higher priority is active) */
     _Atomic int ordinal;        /* CUDA ordinal in this process, -1 = not seen */
     uint64_t win_busy, win_ts;  /* poll thread: achieved-% window */
@@ -115,11 +119,13 @@ void tv_compute_after_fork_child(void) TV_HIDDEN;
 void tv_compute_forget_ctx(CUcontext ctx) TV_HIDDEN; /* before the context is destroyed */
 void tv_compute_shutdown(void) TV_HIDDEN;            /* at exit */
 void tv_compute_recharge(int dslot, int64_t bucket_ns, int64_t busy_ns) TV_HIDDEN; /* owntime */
+void tv_compute_lent_less(int dslot) TV_HIDDEN; /* the allowance went down: drop what is banked */
 
 /* ---- owntime.c: own device time out of event time (NVML per-process utilisation) ---- */
 int64_t tv_owntime_charge(int dslot, int64_t raw_ns) TV_HIDDEN; /* measured -> charged ns */
 unsigned tv_owntime_poll(uint64_t now_mono) TV_HIDDEN; /* tick: bit d = NVML answered for d */
 int tv_owntime_shared(int dslot) TV_HIDDEN; /* NVML's last answer showed others busy */
+void tv_owntime_assume_shared(int dslot, int64_t est_ns) TV_HIDDEN; /* the agent says so */
 void tv_owntime_reset(void) TV_HIDDEN;                          /* after fork, in the child */
 
 /* ---- graphmem.c ---- */

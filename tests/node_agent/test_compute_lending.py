@@ -1,0 +1,81 @@
+"""The node agent lends a GPU's idle compute to its busy elastic containers (issue 33): the real
+agent (usage sampler + lending loop) against regions written in C, allowances read back from the
+sealed limits files it rewrites."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from node_agent_rig import running_rig
+from test_usage_and_limits import MIB, admitted, write_region
+
+from tessera.region import (
+    SEALED_LIMITS_DIR,
+    RegionC,
+    RegionDeviceC,
+    read_limits,
+    set_device_flags,
+)
+
+LAST_KERNEL = RegionC.dev.offset + RegionDeviceC.last_kernel_ns.offset  # device 0's
+
+
+def stamp(region: str, ns: int) -> None:
+    """What libvgpu does on every launch: device 0's last_kernel_ns (CLOCK_REALTIME)."""
+    fd = os.open(region, os.O_WRONLY)
+    try:
+        os.pwrite(fd, ns.to_bytes(8, "little"), LAST_KERNEL)
+    finally:
+        os.close(fd)
+
+
+async def wait_allowance(limits_dir: str, gpu: str, want: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    got = -1
+    while time.monotonic() < deadline:
+        got = read_limits(limits_dir).device(gpu).sm_allow_x100
+        if got == want:
+            return got
+        await asyncio.sleep(0.02)
+    return got
+
+
+async def test_idle_compute_is_lent_to_the_busy_elastic_container_and_taken_back(
+    short_dir, nc, buckets, region_writer
+):
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu = rig.gpus[0]
+        _, elastic, elastic_region = await admitted(rig, "elastic", 2000, cores=30)
+        _, hard, hard_region = await admitted(rig, "hard", 2000, cores=30)
+        elastic_dir = elastic.mount(SEALED_LIMITS_DIR).host_path
+        hard_dir = hard.mount(SEALED_LIMITS_DIR).host_path
+        # What elmemory's grant will seal: a burst beside the guarantee (here by hand).
+        assert set_device_flags(elastic_dir, gpu, sm_burst_pct=100)
+
+        async def keep_busy(region: str, stop: asyncio.Event) -> None:
+            while not stop.is_set():  # libvgpu stamps every launch; here every 20 ms
+                stamp(region, time.time_ns())
+                await asyncio.sleep(0.02)
+
+        # Only the elastic one busy: it is lent the whole card (its burst).
+        write_region(region_writer, elastic_region, gpu, MIB, 0, 0)
+        write_region(region_writer, hard_region, gpu, MIB, 0, 0)
+        stop_elastic = asyncio.Event()
+        busy_elastic = asyncio.create_task(keep_busy(elastic_region, stop_elastic))
+        assert await wait_allowance(elastic_dir, gpu, 10000) == 10000
+        # The hard slice wakes: weighted fair share, 30:30, the hard one capped at its 30 %.
+        stop_hard = asyncio.Event()
+        busy_hard = asyncio.create_task(keep_busy(hard_region, stop_hard))
+        t0 = time.monotonic()
+        assert await wait_allowance(elastic_dir, gpu, 7000) == 7000
+        taken_back = time.monotonic() - t0
+        assert taken_back < 2.0, taken_back  # within a sample or two on a loaded machine
+        assert read_limits(hard_dir).device(gpu).sm_allow_x100 == 0  # a hard slice: untouched
+        # The elastic one goes idle: back to its guarantee (held for it when it wakes).
+        stop_elastic.set()
+        await busy_elastic
+        assert await wait_allowance(elastic_dir, gpu, 3000) == 3000
+        stop_hard.set()
+        await busy_hard
