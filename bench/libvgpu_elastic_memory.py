@@ -11,9 +11,9 @@ shared by every process), the node agent's container layout and its real lease s
     (latency from the free to the grant);
   * policy `evict`: the neighbour's 8 GiB allocation granted after the borrower's eviction
     (latency from the request, eviction and the processes' exit included);
-  * the cost of the card-wide rule per lease request: memory_lending.offer with 1..256 containers on a
-    card, and an allocation needing a lease round trip, hard slice vs elastic, beside 64 other
-    containers;
+  * the cost of the card-wide rule per lease request: memory_lending.offer with 1..256
+    containers on a card, and an allocation needing a lease round trip, hard slice vs elastic,
+    beside 64 other containers;
   * a figure: memory held over time, both policies (bench/elastic_memory.svg).
 
     python bench/libvgpu_elastic_memory.py          # -> bench/RESULTS.md, bench/elastic_memory.svg
@@ -230,7 +230,7 @@ def main() -> None:
         "The card-wide rule per lease request (a lease is asked once per 64 MiB chunk, never on "
         "the allocation fast path):",
         "",
-        "| containers on the card | `memory_memory_lending.offer` |",
+        "| containers on the card | `memory_lending.offer` |",
         "|---|---|",
         *[f"| {n} | {us:.1f} µs |" for n, us in costs.items()],
         "",

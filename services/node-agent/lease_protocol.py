@@ -41,7 +41,7 @@ class LeaseBook:
         return granted
 
     def grant(self, conn: int, uuid: str, n: int) -> None:
-        """Record `n` bytes leased (the caller judged them: `memory_memory_lending.offer`)."""
+        """Record `n` bytes leased (the caller judged them: `memory_lending.offer`)."""
         if n > 0:
             mine = self.held.setdefault(conn, {})
             mine[uuid] = mine.get(uuid, 0) + n

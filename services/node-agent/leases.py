@@ -19,8 +19,9 @@ its leases. A live connection is also the process's attestation: a process using
 limited GPU with no connection here is not running libvgpu (the watchdog's business).
 
 Elastic memory (issue 33): a container sealed with a guarantee below its limit may lease beyond
-the guarantee, up to the limit, while the card has memory nobody is guaranteed (`memory_memory_lending.offer`:
-the card-wide rule, across every container the service serves on that card). When a guaranteed
+the guarantee, up to the limit, while the card has memory nobody is guaranteed
+(`memory_lending.offer`: the card-wide rule, across every container the service serves on that
+card). When a guaranteed
 request finds the card's free memory held by borrowers, the borrowers' unused leases are recalled,
 their next request beyond the guarantee is refused, borrowers that opted in are evicted (the
 agent's `evict` callback) and the request waits for the memory (`reclaim_wait_s`). A container
