@@ -132,6 +132,7 @@ class LeaseService:
                 self._failed = True  # try again at the next sync
                 continue
             self.served[path] = leases
+            self._arrived(leases)
         self._by_pod = {}
         for c in self.served.values():
             self._by_pod.setdefault(c.pod_uid, []).append(c)
@@ -139,6 +140,21 @@ class LeaseService:
             self.changed.notify_all()  # a container gone: its memory may be what one waits for
 
     # ---- the card-wide view (CardView) --------------------------------------------------------
+
+    def _arrived(self, new: ContainerLeases) -> None:
+        """A container was sealed onto cards: where its guarantee leaves borrowers holding more
+        than the card has room for, their unused leases come back now (their next allocation
+        beyond the guarantee asks, and is refused while the card is short)."""
+        new.limit("")  # read its sealed limits
+        for uuid in new.uuids():
+            card = self.card_bytes(uuid)
+            if not card or not self._borrowers.get(uuid):
+                continue
+            holders = [c.holder(uuid, fresh=False) for c in self.served.values()]
+            if card - sum(h.reserved for h in holders) < 0:
+                for c in self.served.values():
+                    if c is not new and c.holder(uuid, fresh=False).borrowed:
+                        c.recall_all(uuid)
 
     def card_bytes(self, uuid: str) -> int:
         if self.card_memory is None:

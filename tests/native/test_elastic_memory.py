@@ -86,7 +86,7 @@ def test_an_evictable_borrower_is_evicted_for_the_guarantee(node: ElasticNode) -
     assert time.monotonic() - t0 < 20
     assert [x.action for _, x in node.notices] == ["evicted"]
     assert node.notices[0][1].borrower.pod_uid == BORROWER
-    assert b.p.poll() is not None  # the borrower's process is gone
+    assert b.p.wait(timeout=30) == -9  # the borrower's process is gone (killed)
     assert n("phys")["phys"] == 8 * GiB
 
 

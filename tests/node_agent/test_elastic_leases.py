@@ -187,7 +187,7 @@ async def test_a_borrower_holds_its_limit_and_gives_back_for_a_guarantee(tmp_pat
     assert await n.ask(4 * GiB) == 4 * GiB
     pump = asyncio.create_task(b.pump())
     want = asyncio.create_task(n.ask(4 * GiB))
-    await until(lambda: b.recalls == 1)  # its unused lease is recalled at once
+    await until(lambda: b.recalls >= 1)  # its unused lease is recalled at once
     await until(lambda: node.notices)
     assert node.notices[0].action == "reclaimed" and node.notices[0].borrower.pod_uid == BORROWER
     assert not want.done()  # 64 MiB came back; the rest is the borrower's to free
