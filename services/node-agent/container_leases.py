@@ -283,6 +283,8 @@ class ContainerLeases:
                 if last.refusal is Refusal.RECLAIM and not due and self.card is not None:
                     due = True  # pressure began while this request waited
                     self.card.reclaim(self, uuid, last.short)
+                    waiting = max(waiting, self.card.reclaim_wait_s)
+                    deadline = max(deadline, loop.time() + waiting)
                 if waiting:  # a free since: what the freeing process kept unused, too
                     (self.card or self).recall_freed(uuid)
                 now = loop.time()
@@ -302,7 +304,8 @@ class ContainerLeases:
         if last.refusal is Refusal.RECLAIM:
             # the guarantee is the container's: after the bound the account grants it as a hard
             # slice's (the driver has the last word on the card's memory)
-            room = self.limit(uuid) - self.book.total(uuid)
+            guarantee, limit = memory_bounds(self._device(uuid))
+            room = min(guarantee, limit) - self.book.total(uuid)  # never beyond the guarantee
             if need <= room:
                 granted = min(max(want, need), room)
                 self.book.grant(peer.conn, uuid, granted)

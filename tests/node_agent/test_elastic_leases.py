@@ -271,3 +271,26 @@ def test_the_watchdog_holds_a_borrower_to_its_burst_limit() -> None:
     assert share is not None and share.mem_limit_bytes == 12 * GiB
     alone = container_share(ContainerLimits(devices=(dev,)), GPU, init=False)
     assert alone is not None and alone.mem_limit_bytes == 4 * GiB
+
+
+async def test_past_the_reclaim_bound_the_guarantee_is_granted_as_a_hard_slice(
+    tmp_path: Path,
+) -> None:
+    """A borrower that never frees (policy fail): after TESSERA_MEMORY_RECLAIM_WAIT_S the account
+    grants the neighbour's guarantee as it would a hard slice's (the driver then decides), and
+    never more than the guarantee."""
+    node = Node(tmp_path, reclaim_wait_s=1.0)
+    sock_b = node.pod(BORROWER, 4 * GiB, 12 * GiB)
+    await node.service.sync()
+    b = await node.client(BORROWER, sock_b)
+    assert await b.ask(12 * GiB) == 12 * GiB
+    sock_n = node.pod(NEIGHBOUR, 8 * GiB, 8 * GiB)
+    await node.service.sync()
+    n = await node.client(NEIGHBOUR, sock_n)
+    pump = asyncio.create_task(b.pump())
+    t0 = time.monotonic()
+    assert await n.ask(6 * GiB, 8 * GiB) == 8 * GiB  # want clipped to the guarantee
+    assert 0.9 <= time.monotonic() - t0 < 10
+    assert [x.action for x in node.notices] == ["reclaimed"]
+    pump.cancel()
+    await node.service.close()
