@@ -45,6 +45,16 @@ def limits_dir(sim: RunningStack, uid: str) -> Path:
     return link
 
 
+async def served(sock: Path) -> Path:
+    """The socket once the agent serves it (its lease service syncs every 0.2 s; libvgpu waits
+    for it at start-up the same way)."""
+    for _ in range(600):
+        if sock.exists():
+            return sock
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{sock} never served")
+
+
 async def ask(sock: Path, need: int, timeout: float = 120) -> int:
     """One lease request as libvgpu makes it: G <bytes>, or 0 for N; W lines are read past."""
     r, w = await asyncio.open_unix_connection(str(sock))
@@ -82,18 +92,14 @@ def test_a_burst_pod_borrows_and_is_evicted_for_a_guarantee(sim: RunningStack,
 
     async def scenario() -> int:
         # the borrower's process holds its connection (and 12 GiB) until it is evicted
-        r, w = await asyncio.open_unix_connection(str(d / region.LEASE_SOCKET_NAME))
+        r, w = await asyncio.open_unix_connection(str(await served(d / region.LEASE_SOCKET_NAME)))
         w.write(f"A {gpu_uuid(NODE, 0)} {12 * GiB} {12 * GiB}\n".encode())
         await w.drain()
         assert await asyncio.wait_for(r.readline(), 30) == f"G {12 * GiB}\n".encode()
         neighbour = gpu_pod("guaranteed", mem=8192, cores=20, node=NODE)
         assert kube.create_pod(neighbour, namespace).status_code == 201
         placed = await asyncio.to_thread(kube.wait_running, namespace, "guaranteed", 60)
-        n = limits_dir(sim, placed["metadata"]["uid"]) / region.LEASE_SOCKET_NAME
-        for _ in range(300):  # the agent serves the socket within its sync period (0.2 s)
-            if n.exists():
-                break
-            await asyncio.sleep(0.1)
+        n = await served(limits_dir(sim, placed["metadata"]["uid"]) / region.LEASE_SOCKET_NAME)
         try:
             return await ask(n, 8 * GiB)  # waits for the eviction
         finally:
