@@ -175,6 +175,9 @@ class ComputeLender:
         self.idle_after_ns = int(idle_after_s * 1e9)
         self._limits = _LimitsCache()
         self.rewrites = 0  # limits files rewritten (for tests and benchmarks)
+        self.reclaims = 0  # times an elastic container's allowance was lowered (compute taken back)
+        # (key, uuid) -> (guarantee %, burst %, allowance % x 100) of every elastic container
+        self.view: dict[tuple[str, str], tuple[int, int, int]] = {}
 
     def tick(
         self, gpus: Mapping[str, Sequence[LendingMember]], now_ns: int
@@ -182,6 +185,7 @@ class ComputeLender:
         """One pass over `gpus` (uuid -> its containers); returns (key, uuid) -> allowance of
         every elastic container (% x 100)."""
         applied: dict[tuple[str, str], int] = {}
+        view: dict[tuple[str, str], tuple[int, int, int]] = {}
         activity: dict[Path, dict[str, int]] = {}
         for uuid, members in gpus.items():
             claims, elastic = [], []
@@ -203,12 +207,15 @@ class ComputeLender:
             for m, dev in elastic:
                 want = allow[m.key]
                 applied[(m.key, uuid)] = want
+                view[(m.key, uuid)] = (dev.sm_limit_pct, dev.sm_burst_limit_pct, want)
                 if dev.sm_allow_x100 == want:
                     continue
                 try:
                     if set_device_flags(m.limits_dir, uuid, sm_allow_x100=want):
                         self.rewrites += 1
+                        self.reclaims += want < dev.sm_allow_x100
                 except (FileNotFoundError, KeyError, RegionFormatError, OSError):
                     continue  # the container went away meanwhile
         self._limits.forget_others({m.limits_dir for ms in gpus.values() for m in ms})
+        self.view = view
         return applied

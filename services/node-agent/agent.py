@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from tessera.node_agent import mig_static
 from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.devices import DeviceSource
-from tessera.node_agent.lending import ComputeLending
+from tessera.node_agent.lending import ComputeLending, LendingCollector
 from tessera.node_agent.limits import LimitsService
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.mig_plugin import MigPlugins, run_static_mig
@@ -74,12 +74,13 @@ class NodeAgent:
         self.store = ContainerStore(settings.region_host_dir)
         self.metrics = NodeAgentMetrics()
         self.metrics.watch(self.state.devices, lambda: [c.region_file for c in self.store.all()])
+        self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
+        self.metrics.registry.register(LendingCollector(lambda: self.lending))
         self.ready = asyncio.Event()
         self.plugin: DevicePluginService | None = None
         self.endpoint: PluginEndpoint | None = None
         self.health: HealthMonitor | None = None
         self.sampler: UsageSampler | None = None
-        self.lending: ComputeLending | None = None
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
         # each container's memory account, out of the tenant's reach (libvgpu leases from it)
@@ -226,7 +227,6 @@ class NodeAgent:
             asyncio.create_task(self.health.run(stop)),
             asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
-            asyncio.create_task(self.lending.run(stop)),
             asyncio.create_task(self.configurator.run(stop)),
             asyncio.create_task(self.mps.run(
                 stop, self.state.devices, self._ledger, self.store.all,
@@ -236,6 +236,7 @@ class NodeAgent:
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
+        tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
         if self.dynamic_mig is not None:
             tasks.append(asyncio.create_task(
                 self.dynamic_mig.run(stop, self.settings.mig_reconcile_s)))

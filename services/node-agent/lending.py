@@ -14,7 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from tessera.elastic_compute import IDLE_AFTER_S, LEND_INTERVAL_S, ComputeLender, LendingMember
 
@@ -36,14 +39,22 @@ class ComputeLending:
         self._changed = asyncio.Event()
         self._failing = False
         self.allowances: dict[tuple[str, str], int] = {}  # (container key, uuid) -> % x 100
+        self.names: dict[str, tuple[str, str, str]] = {}  # key -> (namespace, pod, container)
 
     @property
     def gpus(self) -> Mapping[str, tuple[LendingMember, ...]]:
         return self._gpus
 
-    def set_members(self, gpus: Mapping[str, Sequence[LendingMember]]) -> None:
+    def set_members(
+        self,
+        gpus: Mapping[str, Sequence[LendingMember]],
+        names: Mapping[str, tuple[str, str, str]] | None = None,
+    ) -> None:
         """The containers of every GPU that holds an elastic container (the usage sampler's
-        view, refreshed every sample). A GPU absent here is no longer watched."""
+        view, refreshed every sample), and who each is (metrics). A GPU absent here is no
+        longer watched."""
+        if names is not None:
+            self.names = dict(names)
         new = {uuid: tuple(members) for uuid, members in gpus.items() if members}
         if new != self._gpus:
             self._gpus = new
@@ -69,6 +80,36 @@ class ComputeLending:
                 else:  # nothing elastic: sleep until the sampler finds some
                     self._changed.clear()
                     await asyncio.wait_for(_first(stop, self._changed), IDLE_WAIT_S)
+
+
+class LendingCollector(Collector):
+    """At scrape time: per elastic container and GPU its guaranteed share, burst limit and the
+    allowance in force (what it may use now; above the guarantee = lent), and how often compute
+    was taken back."""
+
+    def __init__(self, lending: Callable[[], ComputeLending | None]) -> None:
+        self.lending = lending
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        share = GaugeMetricFamily(
+            "tessera_node_agent_compute_share_pct", "elastic compute per container and GPU, "
+            "% of the GPU: guaranteed, burst_limit, allowance (in force now), lent (allowance "
+            "beyond the guarantee)",
+            labels=["namespace", "pod", "container", "device_uuid", "kind"])
+        reclaims = CounterMetricFamily(
+            "tessera_node_agent_compute_reclaims", "times lent compute was taken back from an "
+            "elastic container (its allowance lowered: a neighbour woke)")
+        lending = self.lending()
+        if lending is not None:
+            for (key, uuid), (guarantee, burst, allow) in lending.lender.view.items():
+                who = list(lending.names.get(key, ("", key, "")))
+                for kind, value in (("guaranteed", guarantee), ("burst_limit", burst),
+                                    ("allowance", allow / 100),
+                                    ("lent", max(0.0, allow / 100 - guarantee))):
+                    share.add_metric([*who, uuid, kind], value)
+        reclaims.add_metric([], lending.lender.reclaims if lending else 0)
+        yield share
+        yield reclaims
 
 
 async def _first(*events: asyncio.Event) -> None:

@@ -98,6 +98,7 @@ class UsageSampler:
         ooms: list[OomEvent] = []
         members: dict[str, list[LendingMember]] = {}  # per GPU, for compute lending
         elastic: set[str] = set()  # GPUs holding an elastic container
+        names: dict[str, tuple[str, str, str]] = {}  # container key -> namespace, pod, container
         for cdir in await asyncio.to_thread(self.store.all):
             p = cdir.prepared
             allocation = allocations.get(p.pod_uid)
@@ -129,6 +130,7 @@ class UsageSampler:
                     )))
                     members.setdefault(g.uuid, []).append(
                         LendingMember(cdir.key, cdir.limits_dir, cdir.region_file))
+                    names[cdir.key] = (p.namespace, p.pod, p.container)
                     if limit is not None and limit.sm_elastic:
                         elastic.add(g.uuid)
             containers.append(ContainerUsage(
@@ -137,7 +139,7 @@ class UsageSampler:
             ))
         await asyncio.to_thread(self._flag_contention, activity)
         if self.lending is not None:
-            self.lending.set_members({u: ms for u, ms in members.items() if u in elastic})
+            self.lending.set_members({u: ms for u, ms in members.items() if u in elastic}, names)
         sample = UsageSample(node=self.node, containers=containers,
                              devices=await self._host_devices(containers))
         for event in ooms:

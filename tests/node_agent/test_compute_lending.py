@@ -9,6 +9,7 @@ import os
 import time
 
 from node_agent_rig import running_rig
+from test_agent_metrics import value
 from test_usage_and_limits import MIB, admitted, write_region
 
 from tessera.region import (
@@ -73,6 +74,14 @@ async def test_idle_compute_is_lent_to_the_busy_elastic_container_and_taken_back
         taken_back = time.monotonic() - t0
         assert taken_back < 2.0, taken_back  # within a sample or two on a loaded machine
         assert read_limits(hard_dir).device(gpu).sm_allow_x100 == 0  # a hard slice: untouched
+        # what the agent's metrics say: guaranteed 30, burst 100, allowance 70 (40 lent), and
+        # one reclaim (100 -> 70)
+        text = rig.agent.metrics.render()
+        who = {"namespace": "team", "pod": "elastic", "container": "main", "device_uuid": gpu}
+        figures = {k: value(text, "tessera_node_agent_compute_share_pct", kind=k, **who)
+                   for k in ("guaranteed", "burst_limit", "allowance", "lent")}
+        assert figures == {"guaranteed": 30, "burst_limit": 100, "allowance": 70, "lent": 40}
+        assert value(text, "tessera_node_agent_compute_reclaims_total") >= 1
         # The elastic one goes idle: back to its guarantee (held for it when it wakes).
         stop_elastic.set()
         await busy_elastic
