@@ -143,6 +143,11 @@ def preemption_event_subject(namespace: str, action: str) -> str:
     return f"{EVENTS_PREFIX}.preemption.{subject_token(namespace)}.{action}"
 
 
+def memory_event_subject(node: str, action: str) -> str:
+    """Elastic memory reclaimed from a borrower, or a borrower evicted, on a node."""
+    return f"{EVENTS_PREFIX}.memory.{subject_token(node)}.{subject_token(action)}"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -203,6 +208,8 @@ def event_subject(event: Event) -> str:
         return preemption_event_subject(event.namespace, event.action)
     if isinstance(event, m.MpsEvent):
         return mps_event_subject(event.node, event.action)
+    if isinstance(event, m.MemoryReclaimEvent):
+        return memory_event_subject(event.node, event.action)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

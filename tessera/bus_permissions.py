@@ -32,6 +32,7 @@ from tessera import bus
 from tessera.models import (
     AdmissionAction,
     AllocAction,
+    MemoryAction,
     MigAction,
     MpsAction,
     NodeAction,
@@ -372,7 +373,8 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 + [bus.oom_event_subject(node), bus.limit_breached_subject(node)]
                 + [bus.mig_event_subject(node, a) for a in get_args(MigAction)]
                 + [bus.mps_event_subject(node, a) for a in _checked(["started", "stopped"],
-                                                                    MpsAction)],
+                                                                    MpsAction)]
+                + [bus.memory_event_subject(node, a) for a in get_args(MemoryAction)],
             ),
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
             _rejections(["ledger", "limits", "command"]),

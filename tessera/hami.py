@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, localcontext
 from typing import TYPE_CHECKING, Any
 
-from tessera import quantity
+from tessera import elastic, quantity
 
 if TYPE_CHECKING:  # imported where used: the CLI reads annotations without loading pydantic
     from collections.abc import Callable
@@ -80,7 +80,7 @@ def task_priority_to_priority(value: str) -> int:
 # Prefixes a user may never set: only the scheduler writes them.
 # tessera.io/grants-signature: the node agent's signature of -allocated (tessera.signing).
 SCHEDULER_OWNED_PREFIXES = ("hami.io/vgpu-", "hami.io/bind-", "tessera.io/mig-instances",
-                            "tessera.io/grants-signature")
+                            "tessera.io/grants-signature", "tessera.io/vgpu-burst-allocated")
 
 BIND_PHASE_ALLOCATING = "allocating"
 BIND_PHASE_SUCCESS = "success"
@@ -152,6 +152,8 @@ class ContainerRequest:
     memory_percentage: int | None
     cores: int
     priority: int | None = None
+    # elastic sharing (tessera/elastic.py): the burst limit beyond this guarantee, or None
+    burst: elastic.BurstLimit | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -313,11 +315,46 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     for c in [*init, *app]:
         if not isinstance(c, dict):
             raise RequestError("every container must be an object")
-    return PodRequest(
+    request = PodRequest(
         init=[parse_container_request(c, settings) for c in init],
         containers=[parse_container_request(c, settings) for c in app],
         sidecars=sidecar_indices(init),
     )
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    if isinstance(annotations, dict) and (
+        elastic.ANN_GPUMEM_LIMIT in annotations or elastic.ANN_GPUCORES_LIMIT in annotations
+    ):
+        request = with_burst_limits(request, annotations, [*init, *app])
+    return request
+
+
+def with_burst_limits(
+    request: PodRequest, annotations: dict[str, Any], containers: list[dict[str, Any]]
+) -> PodRequest:
+    """The request with each container's burst limit (tessera.io/gpumem-limit,
+    tessera.io/gpucores-limit) beside its guarantee; RequestError when one is malformed, below
+    its guarantee, or set on a container that asks for no GPU."""
+    names = [str(c.get("name", "")) for c in containers]
+    try:
+        options = elastic.parse_elastic(annotations, names)
+        out: list[ContainerRequest | None] = []
+        for name, r in zip(names, request.all, strict=True):
+            burst = options.limits.get(name)
+            if burst is not None and r is None and name in options.named:
+                raise elastic.ElasticError(f"container {name}: a burst limit, but it asks for no "
+                                           "GPU")  # fmt: skip
+            if burst is None or r is None:
+                out.append(r)
+                continue
+            elastic.check_against_request(name, burst, r.memory_mib, r.memory_percentage,
+                                          r.cores)  # fmt: skip
+            out.append(ContainerRequest(r.count, r.memory_mib, r.memory_percentage, r.cores,
+                                        r.priority, burst))  # fmt: skip
+    except elastic.ElasticError as exc:
+        raise RequestError(str(exc)) from exc
+    n = len(request.init)
+    return PodRequest(init=out[:n], containers=out[n:], sidecars=request.sidecars)
 
 
 def asks_gpu(containers: list[Any], settings: TesseraSettings) -> bool:

@@ -127,6 +127,13 @@ class DeviceGrant(Message):
     mig: MigInstanceGrant | None = Field(
         None, description="dynamic MIG: the instance serving this grant (None: a libvgpu slice)"
     )
+    # Elastic sharing (issue 33, docs/elastic.md): `memory_mib` / `cores` are the guarantee the
+    # scheduler packs by; these are the burst limits the container may reach while the card has
+    # room (0: none, a hard slice exactly as before).
+    memory_limit_mib: int = Field(
+        0, ge=0, description="memory burst limit, MiB (0: none; else >= memory_mib)"
+    )
+    cores_limit: int = Field(0, ge=0, le=100, description="compute burst limit, % (0: none)")
 
 
 class Allocation(Message):
@@ -165,6 +172,14 @@ class Allocation(Message):
         None,
         description="while now < this, the pod's capacity is held by the pod named in "
         "`preempted_by` (its nominated reservation), not by this one; after it, it counts again",
+    )
+    memory_reclaim: Literal["fail", "evict"] = Field(
+        "fail", description="elastic memory: what happens to memory borrowed beyond a guarantee "
+        "when a neighbour's guarantee needs it (tessera.io/gpumem-reclaim)",
+    )
+    memory_wait_s: float = Field(
+        0.0, ge=0, le=3600, description="an allocation that does not fit waits this long for "
+        "memory instead of failing at once (tessera.io/gpumem-wait-seconds; 0: never)",
     )
 
     @property
@@ -332,6 +347,10 @@ class DeviceUsage(Message):
     sm_util: float = Field(0.0, ge=0, description="achieved compute %, last window")
     sm_limit: int = Field(0, ge=0)
     last_kernel_at: float | None = None
+    # elastic memory (docs/elastic.md): `limit_bytes` is the guarantee; the burst limit above it
+    # (0: a hard slice) and what the container uses beyond its guarantee (borrowed)
+    burst_limit_bytes: int = Field(0, ge=0)
+    borrowed_bytes: int = Field(0, ge=0)
 
 
 class ContainerUsage(Message):
@@ -561,6 +580,29 @@ class PreemptionEvent(Event):
     outcome: Literal["", "placed", "re-evaluated", "pod-deleted"] = ""
 
 
+MemoryAction = Literal["reclaimed", "evicted"]
+
+
+class MemoryReclaimEvent(Event):
+    """Elastic memory (docs/elastic.md): a guaranteed container needed memory that a borrower
+    held beyond its own guarantee on the same GPU. `reclaimed`: the borrower's unused leases were
+    recalled and its allocations beyond its guarantee are refused while the GPU is short;
+    `evicted`: the borrower opted in to eviction (tessera.io/gpumem-reclaim: evict) and the node
+    agent evicted its pod."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.memory.<node>.<action>"
+    action: MemoryAction
+    node: str
+    device_uuid: str
+    pod_uid: str = Field(description="the borrower")
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    borrowed_bytes: int = Field(0, ge=0, description="what it held beyond its guarantee")
+    short_bytes: int = Field(0, ge=0, description="what the guaranteed request lacked")
+    for_pod: str = Field("", description="namespace/name of the pod whose guarantee was due")
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -574,6 +616,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     MigEvent,
     MpsEvent,
     PreemptionEvent,
+    MemoryReclaimEvent,
 )
 
 

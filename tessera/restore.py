@@ -16,7 +16,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from tessera import bus_permissions as bp
-from tessera import hami, signing
+from tessera import elastic, hami, signing
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, InFlightClaim
 from tessera.settings import TesseraSettings
 
@@ -74,6 +74,7 @@ def allocation_from_pod(
     if granted_on and granted_on != node:
         raise ValueError(f"granted on {granted_on} but bound to {node}")
     containers = hami.decode_pod_devices(str(text))
+    containers = elastic.with_burst(containers, annotations.get(elastic.ANN_BURST_ALLOCATED))
     if not any(containers):
         return None
     init = spec.get("initContainers") or []

@@ -225,6 +225,18 @@ class TesseraSettings(BaseSettings):
         "without a lease connection is caught by the watchdog at first sight; off: the usage "
         "region alone is the account (the watchdog then acts after its grace period)",
     )
+    memory_reclaim_wait_s: float = Field(
+        15.0, ge=0, le=600,
+        description="elastic memory (docs/elastic.md): how long an allocation within a "
+        "container's guarantee waits for memory borrowers hold on its GPU to come back (their "
+        "unused leases recalled, their frees, evictions) before the account grants it anyway and "
+        "the driver answers",
+    )
+    memory_evict_grace_s: int = Field(
+        5, ge=0, le=3600,
+        description="elastic memory: the grace period of the eviction of a borrower that opted "
+        "in (tessera.io/gpumem-reclaim: evict)",
+    )
 
     # Node agent: the watchdog on real usage (NVML), outside the tenant's reach.
     enforcement: Literal["observe", "kill"] = Field(

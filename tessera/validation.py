@@ -255,6 +255,12 @@ def ledger_problem(
                 memory, cores = capacity.get(grant.uuid, default)
                 if grant.memory_mib > memory or grant.cores > cores:
                     return _allocation_problem(key, uid, allocation, grant, memory, cores)
+                if (grant.memory_limit_mib and not (
+                    grant.memory_mib < grant.memory_limit_mib <= max(memory, grant.memory_mib)
+                )) or (grant.cores_limit and not grant.cores < grant.cores_limit <= 100):
+                    who = f"node {key}: pod {allocation.namespace}/{allocation.name}"
+                    return Problem("burst_out_of_range", f"{who}: burst limit of {grant.uuid} "
+                                   "below its guarantee or above the card")  # fmt: skip
                 has_mig = has_mig or grant.mig is not None
             if len(grants) > 1 and len({g.uuid for g in grants}) != len(grants):
                 who = f"node {key}: pod {allocation.namespace}/{allocation.name}"

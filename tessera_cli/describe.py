@@ -133,11 +133,23 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
     grants = pod_gpus(pod)
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
     out.append("GPU slices:" + ("" if any(grants) else "   <none>"))
+    burst = _burst_granted(meta.get("annotations") or {})
     for i, devices in enumerate(grants):
         name = containers[i].get("name", f"#{i}") if i < len(containers) else f"#{i}"
-        for g in devices:
+        for j, g in enumerate(devices):
+            mem_limit, cores_limit = burst.get((i, j, g["uuid"]), (0, 0))
+            mem = (f"{g['memory_mib']} MiB guaranteed, up to {mem_limit} MiB" if mem_limit
+                   else f"{g['memory_mib']} MiB")
+            cores = (f"{g['cores']}% compute guaranteed, up to {cores_limit}%" if cores_limit
+                     else f"{g['cores']}% compute")
             out.append(f"  {name}: {short_uuid(g['uuid'])} ({g['type']}) "
-                       f"{g['memory_mib']} MiB, {g['cores']}% compute   [{g['uuid']}]")
+                       f"{mem}, {cores}   [{g['uuid']}]")
+    if burst:
+        annotations_ = meta.get("annotations") or {}
+        policy = annotations_.get("tessera.io/gpumem-reclaim", "fail")
+        wait = annotations_.get("tessera.io/gpumem-wait-seconds", "0")
+        out.append(f"Elastic:      memory beyond the guarantee is reclaimable (policy {policy}); "
+                   f"allocations wait up to {wait} s")
     why = explanation(pod, events, client)
     if why:
         out.append("Scheduling:")
@@ -158,6 +170,20 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
         table = render(["TYPE", "REASON", "FROM", "LAST SEEN", "MESSAGE"], rows)
         out += [f"  {line}" for line in table.splitlines()]
     return "\n".join(out)
+
+
+def _burst_granted(annotations: dict[str, Any]) -> dict[tuple[int, int, str], tuple[int, int]]:
+    """(container, device, uuid) -> (memory MiB, cores %) burst limits the scheduler granted
+    (tessera.io/vgpu-burst-allocated; docs/elastic.md)."""
+    from tessera.elastic import ANN_BURST_ALLOCATED, decode_burst
+
+    text = annotations.get(ANN_BURST_ALLOCATED)
+    try:
+        containers = decode_burst(str(text)) if text else []
+    except ValueError:
+        return {}
+    return {(i, j, uuid): (mem, cores) for i, devices in enumerate(containers)
+            for j, (uuid, mem, cores) in enumerate(devices) if mem or cores}  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

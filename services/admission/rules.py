@@ -26,6 +26,7 @@ from tessera.hami import (
 from tessera.settings import TesseraSettings
 
 from .compat import apply_compat
+from .elastic import ELASTIC_INVALID, elastic_problem
 
 ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"
 ENV_CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
@@ -183,6 +184,8 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
     normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"],
                             sidecars=sidecar_indices(init))
     gpu_pod = normalised.wants_gpu
+    if (problem := elastic_problem(mutated, normalised)) is not None:  # docs/elastic.md
+        return Denial(ELASTIC_INVALID, problem)
 
     if gpu_pod:
         # Rule 4: a privileged container sees every GPU of the node, whatever it asked for.

@@ -27,6 +27,10 @@ def _slice(piece: Slice) -> dict[str, Any]:
         "sm_util": piece.sm_util,
         "sm_limit": piece.sm_limit,
         "breach": piece.breach,
+        # elastic memory (docs/elastic.md): guaranteed = memory_mib; burst limit and borrowed
+        "memory_limit_mib": piece.memory_limit_mib or None,
+        "borrowed_mib": round(piece.borrowed_bytes / MIB, 1)
+        if piece.memory_limit_mib and piece.borrowed_bytes is not None else None,
     }
 
 

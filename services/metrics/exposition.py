@@ -78,6 +78,10 @@ def scheduler_families(nodes: list[NodeSummary], view: ClusterView) -> Iterator[
 
 def node_families(view: ClusterView, now: float) -> Iterator[Metric]:
     """Tessera's per-container compute and sample ages (HAMi's names are in hami_families)."""
+    memory = _gauge("tessera_container_memory_bytes", "container GPU memory: guaranteed (what "
+                    "it was packed by), burst_limit (elastic: the most it may hold), used, "
+                    "borrowed (used beyond the guarantee); a hard slice has no burst_limit or "
+                    "borrowed series", [*CONTAINER_LABELS, "kind"])
     compute = _gauge("tessera_container_compute_ratio", "container compute: achieved (last "
                      "window) and limit, 1 = a whole card; an uncapped container has no limit "
                      "series", [*CONTAINER_LABELS, "kind"])
@@ -89,10 +93,15 @@ def node_families(view: ClusterView, now: float) -> Iterator[Metric]:
             for vindex, device_usage in enumerate(container.devices):
                 labels = [node, container.namespace, container.pod, container.container,
                           str(vindex), device_usage.uuid]
+                memory.add_metric([*labels, "guaranteed"], device_usage.limit_bytes)
+                memory.add_metric([*labels, "used"], device_usage.used_bytes)
+                if device_usage.burst_limit_bytes:
+                    memory.add_metric([*labels, "burst_limit"], device_usage.burst_limit_bytes)
+                    memory.add_metric([*labels, "borrowed"], device_usage.borrowed_bytes)
                 compute.add_metric([*labels, "achieved"], device_usage.sm_util / 100)
                 if device_usage.sm_limit > 0:  # 0 = uncapped: no limit, not a limit of 0
                     compute.add_metric([*labels, "limit"], device_usage.sm_limit / 100)
-    yield from (compute, age)
+    yield from (memory, compute, age)
 
 
 def quota_families(view: ClusterView) -> Iterator[Metric]:
@@ -139,6 +148,10 @@ def event_families(view: ClusterView, now: float) -> Iterator[Metric]:
     yield _counter("tessera_scheduling_refusals", "node refusals by reason (one per node and "
                    "reason in each failed attempt)", ["reason"],
                    (([r], n) for r, n in sorted(view.refusals.items())))
+    yield _counter("tessera_memory_reclaim_events", "elastic memory taken back from borrowers "
+                   "for a guarantee (reclaimed) and borrowers evicted (evicted)",
+                   ["node", "action"],
+                   ((list(k), n) for k, n in sorted(view.memory_reclaims.items())))
     yield _counter("tessera_oom_events", "containers that hit their GPU memory limit",
                    ["node", "namespace", "pod", "container"],
                    ((list(k), n) for k, n in sorted(view.ooms.items())))

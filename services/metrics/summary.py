@@ -40,6 +40,8 @@ class Slice:
     sm_limit: int | None = None
     breach: str | None = None  # the watchdog's latest breach reason on this slice's GPU
     mig: MigInstanceGrant | None = None  # dynamic MIG: the instance serving this grant
+    memory_limit_mib: int = 0  # elastic: the burst limit granted (0: a hard slice)
+    borrowed_bytes: int | None = None  # elastic: used beyond the guarantee
 
 
 @dataclass
@@ -146,6 +148,8 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
                         sm_limit=device_usage.sm_limit if device_usage else None,
                         breach=_breach(view, allocation.pod_uid, grant.uuid),
                         mig=grant.mig,
+                        memory_limit_mib=grant.memory_limit_mib,
+                        borrowed_bytes=device_usage.borrowed_bytes if device_usage else None,
                     )
                     gpu = gpus.get(grant.uuid)
                     if gpu is None:

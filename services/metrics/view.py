@@ -19,6 +19,7 @@ from tessera.models import (
     AllocationEvent,
     Event,
     LimitBreachedEvent,
+    MemoryReclaimEvent,
     NodeEvent,
     NodeLedger,
     NodeRegistration,
@@ -114,6 +115,7 @@ class ClusterView:
     sched_failures: Counter[str] = field(default_factory=Counter)  # namespace
     refusals: Counter[str] = field(default_factory=Counter)  # reason code
     ooms: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)  # node, ns, pod, c
+    memory_reclaims: Counter[tuple[str, str]] = field(default_factory=Counter)  # node, action
     limit_breaches: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(
         BREACH_REASONS, 0)))  # watchdog breach reason
     # pod uid -> GPU uuid -> the latest watchdog breach reason (the dashboard marks the slice;
@@ -213,6 +215,8 @@ class ClusterView:
             self._on_sched_failed(event)
         elif isinstance(event, OomEvent):
             self._on_oom(event)
+        elif isinstance(event, MemoryReclaimEvent):
+            self._on_memory_reclaim(event)
         elif isinstance(event, LimitBreachedEvent):
             self._on_limit_breached(event)
         elif isinstance(event, AdmissionEvent):
@@ -277,6 +281,18 @@ class ClusterView:
                                                     else "")
         self._remember(event, "oom", "oom", event.node,
                        f"{where} out of GPU memory on {event.node}", "error")
+
+    def _on_memory_reclaim(self, event: MemoryReclaimEvent) -> None:
+        """Elastic memory taken back from a borrower (docs/elastic.md)."""
+        self.memory_reclaims[(event.node, event.action)] += 1
+        where = f"{event.namespace}/{event.pod}" if event.pod else event.pod_uid
+        gib = event.borrowed_bytes / (1 << 30)
+        text = (f"{where} evicted: {gib:.1f} GiB borrowed on {short_uuid(event.device_uuid)} "
+                f"needed by {event.for_pod or 'a guarantee'}" if event.action == "evicted" else
+                f"{gib:.1f} GiB borrowed by {where} on {short_uuid(event.device_uuid)} reclaimed "
+                f"for {event.for_pod or 'a guarantee'}")  # fmt: skip
+        self._remember(event, "memory", event.action, event.node, text,
+                       "error" if event.action == "evicted" else "warning")
 
     def _on_limit_breached(self, event: LimitBreachedEvent) -> None:
         self.limit_breaches[event.breach] += 1
@@ -359,6 +375,7 @@ class ClusterView:
             sched_failures=Counter(self.sched_failures),
             refusals=Counter(self.refusals),
             ooms=Counter(self.ooms),
+            memory_reclaims=Counter(self.memory_reclaims),
             limit_breaches=Counter(self.limit_breaches),
             breached={pod: dict(gpus) for pod, gpus in self.breached.items()},
             bad_messages=Counter(self.bad_messages),

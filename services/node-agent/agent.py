@@ -31,6 +31,7 @@ from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
+from .elastic_memory import LeaseCollector, ReclaimReporter, card_memory
 from .leases import LeaseService
 from .mig_dynamic import MigReconciler
 from .mig_service import DynamicMig
@@ -83,7 +84,15 @@ class NodeAgent:
         self.process_probe = process_probe
         self.watchdog: Watchdog | None = None
         # each container's memory account, out of the tenant's reach (libvgpu leases from it)
-        self.leases = LeaseService(self.store.all, self.log, version=lambda: self.store.version)
+        self.leases = LeaseService(
+            self.store.all, self.log, version=lambda: self.store.version,
+            # elastic memory: the cards' sizes, and what a reclaim does (docs/elastic.md)
+            card_memory=card_memory(self.state.devices),
+            on_reclaim=ReclaimReporter(node=node, js=js, cluster=cluster, log=self.log,
+                                       source=f"node-agent/{node}/{self.instance}",
+                                       evict_grace_s=settings.memory_evict_grace_s),
+            reclaim_wait_s=settings.memory_reclaim_wait_s)  # fmt: skip
+        self.metrics.registry.register(LeaseCollector(self.leases))
         self.configurator: NodeConfigurator | None = None
         self.limits: LimitsService | None = None  # serves limits.set once running
         self.mig_plugins: MigPlugins | None = None

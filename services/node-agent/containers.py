@@ -20,6 +20,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -49,6 +50,11 @@ class PreparedContainer(BaseModel):
     device_ids: list[str]
     grants: list[DeviceGrant]
     prepared_at: float = Field(default_factory=now)
+    # elastic memory (issue 33; the lease service reads them): what happens to this container's
+    # memory beyond its guarantee when a neighbour's guarantee needs it, and how long an
+    # allocation that does not fit waits for memory instead of failing at once (0: never)
+    memory_reclaim: Literal["fail", "evict"] = "fail"
+    memory_wait_s: float = Field(0.0, ge=0, le=3600)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera import hami, signing
+from tessera import elastic, hami, signing
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo
 from tessera.settings import TesseraSettings
 
@@ -88,6 +88,13 @@ def check_grant(
             raise GrantRefused(
                 f"{who} container #{index}: ledger grants {grant.cores}% compute on "
                 f"{grant.uuid}, the pod asks {request.cores}%: refusing to seal a forged grant"
+            )
+        burst = elastic.burst_of_grant(request.burst, grant, card) if request.burst else (0, 0)
+        if grant.memory_limit_mib > burst[0] or grant.cores_limit > burst[1]:
+            raise GrantRefused(
+                f"{who} container #{index}: ledger grants a burst limit of "
+                f"{grant.memory_limit_mib} MiB / {grant.cores_limit}% on {grant.uuid}, the pod "
+                f"asks {burst[0]} MiB / {burst[1]}%: refusing to seal a forged grant"
             )
 
 

@@ -289,7 +289,10 @@ def limits_for(
     grants = allocation.containers[index]
     return ContainerLimits(
         devices=tuple(
-            sealed_device_limit(g.uuid, memory_mib=g.memory_mib, cores=g.cores) for g in grants
+            sealed_device_limit(g.uuid, memory_mib=g.memory_mib, cores=g.cores,
+                                memory_burst_mib=g.memory_limit_mib or None,
+                                cores_burst=g.cores_limit or None)  # elastic (docs/elastic.md)
+            for g in grants
         ),
         priority=allocation.priority,
         core_policy=allocation.core_policy or settings.core_policy,

@@ -482,6 +482,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             index=index,
             device_ids=ids,
             grants=allocation.containers[index],
+            memory_reclaim=allocation.memory_reclaim,  # elastic memory (leases.py)
+            memory_wait_s=allocation.memory_wait_s,
         )
         cdir = await asyncio.to_thread(self.store.prepare, prepared)
         self._run = allocation.pod_uid

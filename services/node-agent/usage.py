@@ -29,6 +29,7 @@ from tessera.models import (
 )
 from tessera.region import (
     ContainerActivity,
+    DeviceLimit,
     RegionFormatError,
     RegionUsage,
     activity_flags,
@@ -120,6 +121,7 @@ class UsageSampler:
                     sm_util=(du.achieved_sm_pct or 0.0) if du else 0.0,
                     sm_limit=limit.sm_limit_pct if limit else min(g.cores, 100),
                     last_kernel_at=du.last_kernel_ns / 1e9 if du and du.last_kernel_ns else None,
+                    **_elastic_memory(limit, used),
                 ))
                 ooms.extend(self._oom_events(cdir, g.uuid, oom))
                 if limits is not None:
@@ -229,3 +231,11 @@ class UsageSampler:
                 self.log.warning("usage sampling failed", extra={"err": str(exc)})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
+
+
+def _elastic_memory(limit: DeviceLimit | None, used: int) -> dict[str, int]:
+    """Elastic memory (docs/elastic.md): the burst limit and what is used beyond the guarantee."""
+    if limit is None or not limit.mem_elastic:
+        return {}
+    return {"burst_limit_bytes": limit.mem_burst_limit_bytes,
+            "borrowed_bytes": max(0, used - limit.mem_limit_bytes)}

@@ -70,7 +70,10 @@ def container_share(limits: ContainerLimits, uuid: str, init: bool) -> Container
         or sm >= 100
     ):
         sm = None  # `default` limits compute only while another container is active
-    return ContainerShare(init, device.mem_limit_bytes, sm)
+    # elastic memory: under leases libvgpu's cap is the burst limit (the lease service lends up
+    # to it while the card has room; docs/elastic.md), without them the guarantee
+    mem = device.mem_burst_limit_bytes if limits.lease else device.mem_limit_bytes
+    return ContainerShare(init, mem, sm)
 
 
 class Share(NamedTuple):  # a tuple: built for every busy pod, every poll

@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from tessera import hami
+from tessera import elastic, hami
 from tessera.bus import CasConflictError, NoChange, Versioned
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
 from tessera.models import (
@@ -331,6 +331,9 @@ class PodBinder:
                     # dynamic MIG placements, for a ledger rebuilt from the cluster
                     **({hami.ANN_MIG_INSTANCES: mig}
                        if (mig := hami.encode_mig_instances(allocation.containers)) else {}),
+                    # elastic burst limits, for a ledger rebuilt from the cluster
+                    **({elastic.ANN_BURST_ALLOCATED: burst}
+                       if (burst := elastic.encode_burst(allocation.containers)) else {}),
                 },
                 labels={hami.LABEL_VGPU_NODE: node},
             )

@@ -183,6 +183,7 @@ class PodFilter:
                               1),
                 core_policy=self.settings.core_policy,
                 scrub_on_free=options.scrub_on_free,
+                memory_reclaim=options.memory_reclaim, memory_wait_s=options.memory_wait_s,
                 container_names=names_of_containers,
                 quota_held=held_charge is not None,
             )  # fmt: skip

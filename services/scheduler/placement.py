@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tessera import mig
+from tessera import elastic, mig
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant, MigInstanceGrant
 
@@ -194,6 +194,10 @@ def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant
         ctx.quota.cores -= cores
     grant = DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=cores,
                         mig=instance)
+    if request.burst is not None:  # elastic: packed by the guarantee, the limit rides along
+        mem_limit, cores_limit = elastic.burst_of_grant(request.burst, grant, card.memory_mib)
+        grant = grant.model_copy(update={"memory_limit_mib": mem_limit,
+                                         "cores_limit": cores_limit})  # fmt: skip
     card.hold(grant)
     return grant
 

@@ -520,6 +520,7 @@ class Preemptor:
             containers=[], init_count=len(request.init), sidecars=sorted(request.sidecars),
             priority=next((r.priority for r in request.all if r and r.priority is not None), 1),
             core_policy=self.settings.core_policy, scrub_on_free=options.scrub_on_free,
+            memory_reclaim=options.memory_reclaim, memory_wait_s=options.memory_wait_s,
             container_names=container_names(pod), quota_held=held_quota,
         )  # fmt: skip
         nomination = NominationRequest(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera import hami
+from tessera import elastic, hami
 from tessera.hami import ContainerRequest, RequestError
 from tessera.settings import TesseraSettings
 
@@ -59,6 +59,9 @@ class PodOptions:
     node_policy: str = "binpack"
     weights: tuple[int, int, int] = (1, 1, 1)
     scrub_on_free: bool = False  # sealed into the containers' limits by the node agent
+    # elastic memory (tessera/elastic.py): handed to the node agent's lease service
+    memory_reclaim: str = "fail"
+    memory_wait_s: float = 0.0
     # Per init container: restartPolicy Always (a sidecar keeps its devices; kubelet does not
     # hand them on to later containers).
     sidecar_init: tuple[bool, ...] = ()
@@ -112,7 +115,7 @@ def _sidecars(pod: dict[str, Any]) -> tuple[bool, ...]:
 _OPTION_ANNOTATIONS = (
     hami.ANN_GPU_POLICY, hami.ANN_NODE_POLICY, hami.ANN_SCORING_WEIGHTS, hami.ANN_VGPU_MODE,
     hami.ANN_USE_GPUTYPE, hami.ANN_NOUSE_GPUTYPE, hami.ANN_USE_GPUUUID, hami.ANN_NOUSE_GPUUUID,
-    hami.ANN_NUMA_BIND, hami.ANN_SCRUB_ON_FREE,
+    hami.ANN_NUMA_BIND, hami.ANN_SCRUB_ON_FREE, elastic.ANN_GPUMEM_RECLAIM, elastic.ANN_GPUMEM_WAIT,
 )  # fmt: skip
 
 
@@ -153,6 +156,15 @@ def _options(
         raise RequestError(f"{hami.ANN_NODE_POLICY}: one of binpack, spread")
     weights_text = text(hami.ANN_SCORING_WEIGHTS)
     mode = text(hami.ANN_VGPU_MODE)
+    reclaim, wait = text(elastic.ANN_GPUMEM_RECLAIM), text(elastic.ANN_GPUMEM_WAIT)
+    if reclaim is not None or wait is not None:
+        try:
+            el = elastic.parse_elastic({k: v for k, v in ((elastic.ANN_GPUMEM_RECLAIM, reclaim),
+                                       (elastic.ANN_GPUMEM_WAIT, wait)) if v is not None}, ())
+        except elastic.ElasticError as exc:
+            raise RequestError(str(exc)) from exc
+    else:
+        el = elastic.ElasticOptions()
     return PodOptions(
         use_types=tuple(t.lower() for t in _split(text(hami.ANN_USE_GPUTYPE) or "")),
         nouse_types=tuple(t.lower() for t in _split(text(hami.ANN_NOUSE_GPUTYPE) or "")),
@@ -164,6 +176,8 @@ def _options(
         node_policy=node_chain[0],
         weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
         scrub_on_free=hami.parse_scrub_on_free(text(hami.ANN_SCRUB_ON_FREE)),
+        memory_reclaim=el.reclaim,
+        memory_wait_s=el.wait_s,
         sidecar_init=sidecars,
     )
 

@@ -56,7 +56,9 @@ _Empty = Annotated[list[Any], Meta(max_length=0)]
 # Strict msgspec types; `ge` as the pydantic Field says. Nested models by name.
 _SPECS: dict[str, list[tuple[str, Any, bool]]] = {
     "Grant": [("uuid", str, False), ("type", str, False), ("memory_mib", NonNegative, False),
-              ("cores", NonNegative, False), ("mig", None, True)],
+              ("cores", NonNegative, False), ("mig", None, True),
+              ("memory_limit_mib", NonNegative, True),
+              ("cores_limit", Annotated[int, Meta(ge=0, le=100)], True)],
     "Allocation": [
         ("pod_uid", str, False), ("namespace", str, False), ("name", str, False),
         ("node", str, False), ("containers", "list[list[Grant]]", False),
@@ -66,6 +68,8 @@ _SPECS: dict[str, list[tuple[str, Any, bool]]] = {
         ("scrub_on_free", bool, True), ("reason", str, True), ("container_names", list[str], True),
         ("quota_held", bool, True), ("sidecars", list[int], True), ("preempted_by", str, True),
         ("preempted_until", float | None, True),
+        ("memory_reclaim", Literal["fail", "evict"], True),
+        ("memory_wait_s", Annotated[float, Meta(ge=0, le=3600)], True),
     ],
     "Claim": [("pod_uid", str, False), ("namespace", str, False), ("name", str, False),
               ("taken_at", float, True), ("expires_at", float, False), ("holder", str, True)],
@@ -236,8 +240,10 @@ def _allocation(item: Any) -> Allocation:
     values[3] = _intern(values[3])  # node
     grant = _GRANT.build
     values[4] = [
-        [grant((_intern(g.uuid), _intern(g.type), g.memory_mib, g.cores, g.mig),
-               g.mig is not UNSET) for g in grants]
+        [grant((_intern(g.uuid), _intern(g.type), g.memory_mib, g.cores, g.mig,
+                g.memory_limit_mib, g.cores_limit),
+               g.mig is not UNSET and g.memory_limit_mib is not UNSET
+               and g.cores_limit is not UNSET) for g in grants]
         for grants in values[4]
     ]  # fmt: skip
     values[7] = _STATES[values[7]]

@@ -606,6 +606,7 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("", "nodes"): {"get", "patch"},
         ("", "events"): {"create", "patch"},
         ("", "configmaps"): {"get", "list", "watch"},  # tessera-node-config, its namespace only
+        ("", "pods/eviction"): {"create"},  # elastic memory: borrowers that opted in
     },
     "tessera-scheduler": {
         ("", "pods"): {"get", "list", "watch", "patch"},

@@ -87,6 +87,8 @@ extern "C" {
  *   agent -> libvgpu   "G <bytes>\n"               granted (need <= bytes <= want)
  *                      "N\n"                       refused: the container's limit is leased
  *                      "C\n"                       recall: give back what you hold unused
+ *                      "W\n"                       still waiting (a reclaim, an opt-in wait):
+ *                                                  read past it; the answer follows
  * The agent counts leases per connection (SO_PEERCRED names the process); a closed connection's
  * leases are returned. The sum of a container's leases never exceeds its limit. */
 #define TSR_LEASE_SOCKET_NAME "lease.sock"

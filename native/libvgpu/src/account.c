@@ -78,7 +78,7 @@ int tv_mem_reserve_slow(int d, uint64_t bytes)
                (unsigned long long)bytes);
         return -1;
     }
-    uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
+    uint64_t limit = tv_mem_cap(d);
     /* the inline attempt failed: pools may have given memory back since */
     if (tv_mem_refresh_pools() > 0 && tv_lease_take(d, bytes, limit) == 0) {
         if (tv_region_charge(&tv.rg, d, bytes, limit) == 0) return 0;

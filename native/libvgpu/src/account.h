@@ -119,13 +119,25 @@ static inline int scrub(void)
     return (atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_SCRUB_ON_FREE) != 0;
 }
 
+/* The most the container may hold on slot d (0 = unlimited). An elastic slice (limits 1.2:
+ * a burst above the guarantee) may hold up to its burst limit when the node agent's lease
+ * service is its account: the service lends beyond the guarantee only what the card can spare
+ * and takes it back for a neighbour's guarantee (services/node-agent/leases.py). Without the
+ * service nobody arbitrates the card: the guarantee is the limit. */
+static inline uint64_t tv_mem_cap(int d)
+{
+    uint64_t burst = atomic_load_explicit(&tv.dev[d].mem_burst, memory_order_relaxed);
+    if (burst && atomic_load_explicit(&tv_lease_on, memory_order_relaxed)) return burst;
+    return atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
+}
+
 /* 0 ok, -1 over the limit. Inline: the common case (a known device, room left) is one call into
  * the region; everything else (host memory, an unknown device, pools to ask, OOM) is slow. */
 int tv_mem_reserve_slow(int dslot, uint64_t bytes) TV_HIDDEN;
 static inline int tv_mem_reserve(int d, uint64_t bytes)
 {
     if (tv_likely(d >= 0 && d < TV_MAX_SLOTS && bytes != 0)) {
-        uint64_t limit = atomic_load_explicit(&tv.dev[d].mem_limit, memory_order_relaxed);
+        uint64_t limit = tv_mem_cap(d);
         /* the lease (the agent's account) first, then the region (the container's view) */
         if (tv_likely(tv_lease_take(d, bytes, limit) == 0)) {
             if (tv_likely(tv_region_charge(&tv.rg, d, bytes, limit) == 0)) return 0;

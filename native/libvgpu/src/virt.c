@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include <string.h>
 
+#include "account.h"
 #include "vgpu.h"
 
 uint64_t tv_dev_used(int d)
@@ -39,7 +40,7 @@ CUresult CUDAAPI tv_cuMemGetInfo_v2(size_t *free_, size_t *total)
     CUresult r = REAL(cuMemGetInfo_v2)(&pf, &pt);
     if (r != CUDA_SUCCESS) return r;
     int d = tv_ctx_dev_slot();
-    uint64_t limit = d >= 0 ? atomic_load(&tv.dev[d].mem_limit) : 0;
+    uint64_t limit = d >= 0 ? tv_mem_cap(d) : 0;
     uint64_t t, f;
     container_view(d, limit, pt, pf, &t, &f, NULL);
     if (free_) *free_ = (size_t)f;
@@ -53,7 +54,7 @@ CUresult CUDAAPI tv_cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     CUresult r = REAL(cuDeviceTotalMem_v2)(bytes, dev);
     if (r != CUDA_SUCCESS || !bytes) return r;
     int d = tv_dev_slot(dev);
-    uint64_t limit = d >= 0 ? atomic_load(&tv.dev[d].mem_limit) : 0;
+    uint64_t limit = d >= 0 ? tv_mem_cap(d) : 0;
     if (limit && limit < *bytes) *bytes = (size_t)limit;
     return r;
 }
@@ -67,7 +68,7 @@ int tv_nvml_slot(nvmlDevice_t device, uint64_t *limit)
     uuid[TSR_UUID_LEN - 1] = 0;
     int d = tv_uuid_slot(uuid);
     if (d < 0) return -1;
-    *limit = atomic_load(&tv.dev[d].mem_limit);
+    *limit = tv_mem_cap(d);
     return d;
 }
 

@@ -138,6 +138,7 @@ function renderGpu(gpu) {
         const key = `${s.namespace}/${s.pod}`;
         const usage = [];
         if (s.used_mib != null) usage.push(`uses ${mem(s.used_mib)}`);
+        if (s.borrowed_mib) usage.push(`borrows ${mem(s.borrowed_mib)}`);
         if (s.sm_util != null) {
           usage.push(s.sm_limit ? `${Math.round(s.sm_util)}/${s.sm_limit}% SM` : `${Math.round(s.sm_util)}% SM`);
         }
@@ -145,7 +146,7 @@ function renderGpu(gpu) {
           `<span class="slice-name">${esc(key)} <span class="ctr">${esc(s.container)}` +
           `${s.state !== "allocated" ? " · " + esc(s.state) : ""}</span>` +
           `${s.breach ? ` <span class="badge err breach">breached: ${esc(s.breach)}</span>` : ""}</span>` +
-          `<span class="slice-fig">${mem(s.memory_mib)} · ${s.cores}%${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
+          `<span class="slice-fig">${mem(s.memory_mib)}${s.memory_limit_mib ? ` guaranteed, up to ${mem(s.memory_limit_mib)}` : ""} · ${s.cores}%${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
       }).join("")}</ul>`
     : (gpu.mig_instances || []).some((i) => i.pod) ? ""
     : `<div class="no-slices">idle: no pod holds this GPU</div>`;

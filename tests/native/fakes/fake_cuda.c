@@ -168,6 +168,7 @@ static CUresult phys_take(int dev, uint64_t bytes)
     if (fk_mps_take(dev, bytes)) return CUDA_ERROR_OUT_OF_MEMORY; /* the MPS server's limit */
     fk_lock(st);
     struct fk_dev *d = &st->dev[dev];
+    if (bytes > d->total - d->used) fk_reap_dead(st, dev); /* the dead hold nothing */
     if (bytes > d->total - d->used) {
         fk_unlock(st);
         fk_mps_give(dev, bytes);

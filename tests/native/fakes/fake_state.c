@@ -179,3 +179,38 @@ void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta)
     }
     if (free_p) *free_p = (struct fk_proc){.pid = pid, .used = delta > 0 ? (uint64_t)delta : 0};
 }
+
+/* Exited or exiting: no such process, a zombie, or PF_EXITING (a driver frees a process's memory
+ * as it exits). */
+static int fk_pid_gone(int pid)
+{
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *close_paren = strrchr(buf, ')');
+    if (!close_paren || close_paren[1] != ' ') return 0;
+    char state = close_paren[2];
+    unsigned flags = 0; /* field 9; PF_EXITING (0x4): the process is exiting, its files closing */
+    if (sscanf(close_paren + 2, "%*c %*d %*d %*d %*d %*d %u", &flags) != 1) flags = 0;
+    return state == 'Z' || state == 'X' || (flags & 0x4u);
+}
+
+uint64_t fk_reap_dead(struct fk_state *s, int dev)
+{
+    uint64_t back = 0;
+    for (int i = 0; i < FK_MAX_PROCS; i++) {
+        struct fk_proc *p = &s->procs[dev][i];
+        if (p->pid == 0 || !fk_pid_gone(p->pid)) continue;
+        back += p->used;
+        *p = (struct fk_proc){0};
+    }
+    struct fk_dev *d = &s->dev[dev];
+    if (back > d->used) back = d->used;
+    d->used -= back;
+    return back;
+}

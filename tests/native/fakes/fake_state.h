@@ -79,5 +79,8 @@ int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid);
 int fk_env_int(const char *name, int dflt);
 /* pid holds `delta` more bytes on dev (0: it has a context there). Caller holds the lock. */
 void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta);
+/* A real driver frees what a process held when it dies: give back the memory of dev's processes
+ * that no longer exist (reaped). Returns the bytes. Caller holds the lock. */
+uint64_t fk_reap_dead(struct fk_state *s, int dev);
 
 #endif

@@ -1,0 +1,112 @@
+"""Issue 33, memory beyond the guarantee, end to end on one node: libvgpu in driver-API programs
+on the fake GPU (16 GiB, shared physical memory), the node agent's container layout and its real
+lease service (tests/native/elastic_rig.py).
+
+A pod guaranteed 4 GiB with a 12 GiB limit holds 12 GiB on an otherwise idle card; a guaranteed
+neighbour (8 GiB, a hard slice) arrives and needs it: the borrower's next allocation beyond its
+guarantee fails, the neighbour's allocation waits, and gets its memory when the borrower frees
+(policy `fail`) or when the borrower, which opted in, is evicted (policy `evict`). The card's
+physical memory never goes past 16 GiB; nothing is taken from a guarantee."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import NativeBuild
+from .elastic_rig import ElasticNode, GiB
+
+BORROWER = "a1111111-1111-4111-8111-111111111111"
+NEIGHBOUR = "b2222222-2222-4222-8222-222222222222"
+
+
+@pytest.fixture
+def node(native: NativeBuild) -> Iterator[ElasticNode]:
+    base = Path(tempfile.mkdtemp(prefix="elm-"))  # lease socket paths stay under 108 bytes
+    n = ElasticNode(native, base)
+    try:
+        yield n
+    finally:
+        n.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def alloc_gib(c, n: int) -> list[int]:
+    ids = []
+    for _ in range(n):
+        r = c(f"alloc plain {GiB}")
+        assert r["ok"], (r, c.stderr())
+        ids.append(r["id"])
+    return ids
+
+
+def test_a_burst_pod_holds_its_limit_and_gives_it_back(node: ElasticNode) -> None:
+    pod = node.pod(BORROWER, "burst", guarantee_mib=4096, limit_mib=12288)
+    b = pod.cuctl()
+    info = b("info")
+    ids = alloc_gib(b, 12)  # an idle card: 12 GiB, 8 of them borrowed
+    assert not b(f"alloc plain {GiB}")["ok"]  # never past its limit
+    assert b("phys")["phys"] == 12 * GiB
+    assert node.held(pod) == (12 * GiB, 8 * GiB)
+    assert info["total"] == 12 * GiB  # what it reads back: its burst limit
+
+    neighbour = node.pod(NEIGHBOUR, "guaranteed", guarantee_mib=8192)
+    n = neighbour.cuctl()
+    alloc_gib(n, 4)  # what the card has free
+    n.send(f"alloc plain {GiB}")  # its guarantee is due: it waits for the reclaim
+    time.sleep(0.5)
+    assert not n._sel.select(0)  # still waiting
+    r = b(f"alloc plain {GiB // 2}")
+    assert not r["ok"] and r["rc"] == 2  # the borrower: beyond its guarantee, refused (OOM)
+    assert [x.action for _, x in node.notices] == ["reclaimed"]
+    for i in ids[:4]:  # the borrower frees (as a caching allocator trims)
+        assert b(f"free {i}")["ok"]
+    assert n.recv(30)["ok"], n.stderr()  # the neighbour gets its memory
+    alloc_gib(n, 3)
+    assert n("phys")["phys"] == 16 * GiB
+    assert node.held(neighbour) == (8 * GiB, 0)
+    # the borrower keeps its guarantee and what it still holds
+    assert alloc_gib(b, 0) == [] and node.held(pod)[0] >= 8 * GiB - 1
+
+
+def test_an_evictable_borrower_is_evicted_for_the_guarantee(node: ElasticNode) -> None:
+    pod = node.pod(BORROWER, "burst", guarantee_mib=4096, limit_mib=12288, reclaim="evict")
+    b = pod.cuctl()
+    alloc_gib(b, 12)
+    neighbour = node.pod(NEIGHBOUR, "guaranteed", guarantee_mib=8192)
+    n = neighbour.cuctl()
+    t0 = time.monotonic()
+    r = n(f"alloc plain {8 * GiB}", timeout=30)  # waits for the eviction, then fits
+    assert r["ok"], n.stderr()
+    assert time.monotonic() - t0 < 20
+    assert [x.action for _, x in node.notices] == ["evicted"]
+    assert node.notices[0][1].borrower.pod_uid == BORROWER
+    assert b.p.wait(timeout=30) == -9  # the borrower's process is gone (killed)
+    assert n("phys")["phys"] == 8 * GiB
+
+
+def test_a_hard_slice_is_as_before(node: ElasticNode) -> None:
+    pod = node.pod(BORROWER, "hard", guarantee_mib=4096)
+    c = pod.cuctl()
+    alloc_gib(c, 4)
+    t0 = time.monotonic()
+    r = c(f"alloc plain {GiB}")
+    assert not r["ok"] and time.monotonic() - t0 < 2  # OOM at once, no waiting
+    assert node.held(pod)[1] == 0 and node.notices == []
+
+
+def test_waiting_instead_of_oom(node: ElasticNode) -> None:
+    pod = node.pod(BORROWER, "patient", guarantee_mib=2048, wait_s=30)
+    a, b = pod.cuctl(), pod.cuctl()
+    ids = alloc_gib(a, 2)
+    b.send(f"alloc plain {GiB}")  # does not fit: waits instead of failing
+    time.sleep(1.5)
+    assert not b._sel.select(0)
+    assert a(f"free {ids[0]}")["ok"]
+    r = b.recv(30)
+    assert r["ok"], b.stderr()
