@@ -44,6 +44,7 @@ from .cards import (
 from .node_names import NameTable, NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
+from .refusal_shapes import UNSHAREABLE, CardClasses
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -116,6 +117,9 @@ class NodeEntry:
     # (devices, cordon, usage version, row) of the last row `_summarise` built from the devices
     # and usage map: a write that changes none of them keeps the row (see `_kept_row`).
     _row: tuple | None = field(default=None, repr=False)
+    # (classes of the cards that take pods, in row order; signature of the others) of the row
+    # last built (`refusal_shapes.CardClasses.shape`; written with the row)
+    _shape: tuple[list[int], int] | None = field(default=None, repr=False)
 
     @property
     def schedulable(self) -> bool:
@@ -496,6 +500,12 @@ class ClusterIndex:
         self.scores = np.zeros(capacity, dtype=np.float64)
         # A bind is in flight on the node (claim held or a reservation not yet bound).
         self.busy = np.zeros(capacity, dtype=bool)
+        # Per card that takes pods, its static class (`refusal_shapes`; -1 past the row's
+        # cards), and per node the signature of its cards that take none (-1: a node whose
+        # refusals are never grouped): what a refusal is grouped by.
+        self.card_classes = CardClasses()
+        self.card_class = np.full((capacity, _WIDTH), -1, dtype=np.int32)
+        self.unusable_sig = np.full(capacity, UNSHAREABLE, dtype=np.int64)
         # The decision's copies of those values per recent candidate list (index order).
         self._column_cache = _ColumnCache()
         # slot -> (cards, request key, reason text, reason names) of the last refusal found
@@ -540,6 +550,12 @@ class ClusterIndex:
         return self.refusal_memos.of(key, len(self.row_version))
 
     def _grow(self, rows: int = _GROW, columns: int = 0) -> None:
+        for name in ("card_class", "unusable_sig"):
+            old = getattr(self, name)
+            shape = (len(old) + rows, *(s + columns for s in old.shape[1:]))
+            new = np.full(shape, -1, dtype=old.dtype)
+            new[tuple(slice(0, n) for n in old.shape)] = old
+            setattr(self, name, new)
         if rows:
             for name in ("row_version", "names_at", "refused_at"):
                 old = getattr(self, name)
@@ -698,6 +714,11 @@ class ClusterIndex:
         self.busy[slots] = busy
         for entry, score in zip(entries, built.scores.tolist(), strict=True):
             entry.score = score
+        shape = self.card_classes.shape
+        no_cordon: frozenset[str] = frozenset()
+        for entry, device_list, usage in zip(entries, devices, usages, strict=True):
+            entry._shape = shape(device_list, usage, no_cordon, bool(entry.blocked))
+        self._write_shapes(slots.tolist())
         self._grow_bounds()
         self._rows_written(slots.tolist())
         self._bounds_of(slots, built.free_gpus)
@@ -724,6 +745,7 @@ class ClusterIndex:
         if registered is None:
             entry.cards = []
             self.free_gpus[slot] = -1
+            self.unusable_sig[slot] = UNSHAREABLE
             self._rows_written([slot])  # cached candidate columns see the row go
             entry.reserved_until = None
             if entry.view is None:
@@ -742,6 +764,7 @@ class ClusterIndex:
         ):
             # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
             # the amounts: counted from the models (MIG nodes are few; others skip this).
+            entry._shape = None  # (MIG cards: refusals fitted node by node)
             row = self._row_of_cards(entry, self._mig_cards(entry, usages, cordon, now))
         else:
             entry._cards, entry._card_usage = None, (usages, cordon)
@@ -834,6 +857,9 @@ class ClusterIndex:
                 score += used_mem / memory
             score *= 10.0
         entry.score = score
+        entry._shape = self.card_classes.shape(
+            devices, usage, cordon, bool(entry.blocked) or entry.name in self.foreign
+        )
         return (-1 if entry.blocked else len(mem), mem, pct, free_cores, computing, idle, score)
 
     @staticmethod
@@ -877,6 +903,7 @@ class ClusterIndex:
             self.card_idle[slot] = idle
             self.scores[slot] = score
             self.busy[slot] = busy
+            self._write_shapes([slot])
             self._write_bounds(rows)
             return
         columns = list(zip(*padded, strict=True))
@@ -884,7 +911,23 @@ class ClusterIndex:
         for name, values in zip(self._ARRAYS, columns[1:], strict=True):
             array = getattr(self, name)
             array[slots] = np.asarray(values, dtype=array.dtype)
+        self._write_shapes(columns[0])
         self._write_bounds(rows)
+
+    def _write_shapes(self, slots: Sequence[int]) -> None:
+        """The card classes and signature (`NodeEntry._shape`) of rows just written."""
+        width = self.card_class.shape[1]
+        by_slot, card_class, signature = self.by_slot, self.card_class, self.unusable_sig
+        for slot in slots:
+            entry = by_slot[slot]
+            shape = entry._shape if entry is not None else None
+            if shape is None:
+                card_class[slot] = -1
+                signature[slot] = UNSHAREABLE
+                continue
+            classes, sig = shape
+            card_class[slot] = classes + [-1] * (width - len(classes))
+            signature[slot] = sig
 
     def _usages(self, entry: NodeEntry, now: float, remember: bool) -> list[dict[str, list[int]]]:
         """What the node's ledger holds per GPU (kept up to date from each change:
