@@ -17,11 +17,12 @@ from tessera.hami import PodRequest
 from .index import ClusterIndex, Need, NodeEntry
 from .placement import PodFit, fit_pod
 from .refusal_memo import FITS, RefusalMemo
-from .refusal_shapes import group, single_step
+from .refusal_shapes import first_step, group
 from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
 
 _BULK = 16  # candidates left from which remembered refusals are looked up vectorised
 _SHAPES = 1 << 16  # shapes remembered per request before its shapes start over
+_TAKES_FIRST = -2  # a shape that takes a pod's first container: its nodes fitted one by one
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Decision:
     reason_counts: Counter[str] = field(default_factory=Counter)
     _key: str | None = None
     _memo: RefusalMemo | None = None
-    _step: object = False  # (`single_step`, once asked: False = not asked yet)
+    _step: object = False  # (`first_step`, once asked: False = not asked yet)
 
     def context(self) -> FitContext:
         return FitContext(self.options, QuotaBudget(self.budget.memory_mib, self.budget.cores))
@@ -137,11 +138,12 @@ class Decision:
         then fits its nodes in order, as it would have)."""
         step = self._step
         if step is False:
-            step = self._step = single_step(self.request, self.options, self.budget)
+            step = self._step = first_step(self.request, self.options, self.budget)
         if step is None or not len(slots):
             return None
+        container, alone = step  # type: ignore[misc]
         index = self.index
-        groups, keys, first = group(index, slots, step)  # type: ignore[arg-type]
+        groups, keys, first = group(index, slots, container)
         memo = self.memo()
         if len(memo.shapes) > _SHAPES:
             memo.shapes.clear()
@@ -155,9 +157,15 @@ class Decision:
             key = keys[g]
             found = shapes.get(key)
             if found is None:
-                fit = fit_pod(index.entry_at(int(slots[at])).cards, self.request, self.context())
-                found = shapes[key] = (FITS if fit.ok else
-                                       memo.intern(fit.reason_text(), tuple(fit.reasons.keys())))
+                fit = fit_pod(index.entry_at(int(slots[at])).cards, alone or self.request,
+                              self.context())  # fmt: skip
+                if fit.ok:
+                    found = FITS if alone is None else _TAKES_FIRST
+                else:
+                    found = memo.intern(fit.reason_text(), tuple(fit.reasons.keys()))
+                shapes[key] = found
+            if found == _TAKES_FIRST:
+                continue  # (fitted one by one: the pod may still not fit there)
             ids[g] = found
             if found == FITS and stop_at_fit:
                 break

@@ -22,9 +22,11 @@ one node per group not yet known for the request (`RefusalMemo.shapes`, keyed by
 bytes): a first refusal fits a handful of nodes, not every one. In a homogeneous cluster the
 groups are few whatever the usage, because the inputs are verdicts relative to the request.
 
-Not shared (per node, as before): nodes with MIG cards, HAMi's pods or a blocked row, pods with
-several fitted containers or naming GPU UUIDs, and a quota budget (the per-card quota check
-reads the budget as it is spent). `tests/scheduler/test_refusal_shapes.py`,
+A pod of several fitted containers (the second sees what the first took) is grouped by its
+first container: a node refusing that one refuses the pod with its reasons (`first_step`); the
+nodes that take it are fitted node by node. Not shared (per node, as before): nodes with MIG
+cards, HAMi's pods or a blocked row, pods naming GPU UUIDs, and a quota budget (the per-card
+quota check reads the budget as it is spent). `tests/scheduler/test_refusal_shapes.py`,
 `test_decision_reference.py` compare every reason with fitting each node.
 """
 
@@ -107,19 +109,25 @@ class CardClasses:
         return found
 
 
-def single_step(request: PodRequest, options: Any, budget: Any) -> ContainerRequest | None:
-    """The one container fitted for this pod when its refusals may be grouped, else None."""
+def first_step(
+    request: PodRequest, options: Any, budget: Any
+) -> tuple[ContainerRequest, PodRequest | None] | None:
+    """The first container fitted for this pod when its refusals may be grouped, and None or,
+    for a pod of several fitted containers, that container as a pod of its own: a node that
+    refuses the first container refuses the pod with exactly that container's reasons (the fit
+    stops there: `placement.fit_pod`), the others are fitted node by node. None when nothing
+    is grouped (GPU UUIDs named, or a quota budget: the per-card quota check reads the budget
+    as the pod's containers spend it)."""
     if options.use_uuids or options.nouse_uuids:
         return None
     if budget.memory_mib is not None or budget.cores is not None:
         return None
-    found = None
-    for r in request.all:
-        if r is not None:
-            if found is not None:
-                return None
-            found = r
-    return found
+    steps = [r for r in request.all if r is not None]
+    if not steps:
+        return None
+    if len(steps) == 1:
+        return steps[0], None
+    return steps[0], PodRequest(containers=[steps[0]])
 
 
 def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarray, list[bytes],
