@@ -16,6 +16,7 @@ The candidates are kube-scheduler's (`kube_lists.py`, `BENCH_LISTS`: `window` by
 rotating `percentageOfNodesToScore` window; `full`, a fresh full list each call; `same`, the
 identical list every call, the best case), each call's body parsed by each version's
 `NodeNamesCache` (timed apart: "list parse"). `BENCH_NODES` (5000), `BENCH_PODS` (2000),
+`BENCH_WINDOW` (the window's size, instead of kube-scheduler's adaptive one),
 `BENCH_UNSCHEDULABLE` (0.1: that share of the calls are retries of a backlog of 20 pods no node
 fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
 
@@ -127,7 +128,7 @@ def main() -> None:
         every = [r.node for r in registrations]
         members = {pool: bench.pool_members(every, pool) for pool in bench.POOLS}
         members_set = {pool: frozenset(m) for pool, m in members.items()}
-        kube = KubeLists(every, mode)
+        kube = KubeLists(every, mode, find=int(os.environ.get("BENCH_WINDOW", "0")) or None)
         state = {}
         for label, m in versions.items():
             index = m["index"].ClusterIndex()
