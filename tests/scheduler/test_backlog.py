@@ -6,6 +6,7 @@ latest `max_defer_s` later; with nothing else to place the backlog may take ever
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from tessera.scheduler.backlog import DEFERRED, BacklogGovernor
@@ -47,7 +48,7 @@ def run(governor: BacklogGovernor, seconds: float, placing: bool, backlog: int =
             now += placement_cpu_s
         else:
             now = due[uid]
-    gaps = [b - a for times in evaluated_at.values() for a, b in zip(times, times[1:])]
+    gaps = [b - a for times in evaluated_at.values() for a, b in itertools.pairwise(times)]
     spent["longest_gap"] = max(gaps, default=0.0)
     spent["share"] = spent["refused"] / (spent["refused"] + spent["placed"])
     return spent
