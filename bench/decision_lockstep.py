@@ -148,6 +148,7 @@ def main() -> None:
         collect_at = time.perf_counter() + policy.interval_s
         cpu: dict[str, list[float]] = {"before": [], "after": []}
         refused: dict[str, list[float]] = {"before": [], "after": []}
+        backlog: dict[str, list[float]] = {"before": [], "after": []}  # the backlog's retries
         parse: dict[str, list[float]] = {"before": [], "after": []}
         both: dict[str, list[float]] = {"before": [], "after": []}  # list parse + decision
         placed: dict[str, list[Any]] = {"before": [], "after": []}
@@ -170,6 +171,8 @@ def main() -> None:
                 decision.explain_rest()
                 if i >= bench.WARMUP:
                     refused[label].append(time.thread_time() - started)
+                    if spec["metadata"]["uid"].startswith("unfit-"):
+                        backlog[label].append(refused[label][-1])
                 reasons[label].append(sorted(decision.failed.items()))
             elif i >= bench.WARMUP:
                 cpu[label].append(time.thread_time() - started)
@@ -207,7 +210,9 @@ def main() -> None:
     figures = " | ".join(
         f"{label} ({rev}) n {len(cpu[label])} CPU p50 {ms(cpu[label], 0.5)} "
         f"p99 {ms(cpu[label], 0.99)} ms; refused n {len(refused[label])} CPU p50 "
-        f"{ms(refused[label], 0.5)} p99 {ms(refused[label], 0.99)} ms; list parse p50 "
+        f"{ms(refused[label], 0.5)} p99 {ms(refused[label], 0.99)} ms (of which the backlog's "
+        f"retries n {len(backlog[label])} p50 {ms(backlog[label], 0.5)} p99 "
+        f"{ms(backlog[label], 0.99)} ms, max {ms(backlog[label], 1.0)}); list parse p50 "
         f"{ms(parse[label], 0.5)} p99 {ms(parse[label], 0.99)} ms; placed, list parse + "
         f"decision p50 {ms(both[label], 0.5)} p99 {ms(both[label], 0.99)} ms"
         for label, rev in (("before", before_rev), ("after", after_rev))
