@@ -251,18 +251,16 @@ def fresh_walk(
             group_keys = keys[positions]
         size = BLOCK
         while len(group_keys):
+            near = None
             if len(group_keys) > 4 * size:
                 near = group_keys <= _threshold(group_keys, size)
                 taken = np.flatnonzero(near)
                 taken_keys = group_keys[taken]
-                far = np.flatnonzero(~near)
                 if positions is not None:
-                    taken, far = positions[taken], positions[far]
-                positions, group_keys = far, group_keys[~near]
+                    taken = positions[taken]
             else:
                 taken = positions if positions is not None else np.arange(len(group_keys))
                 taken_keys = group_keys
-                group_keys = group_keys[:0]
             ok = possible(taken)
             taken, taken_keys = taken[ok], taken_keys[ok]
             if len(taken):
@@ -276,6 +274,13 @@ def fresh_walk(
                     yield taken[start : start + chunk]
                     start += chunk
                     chunk *= GROWTH
+            # the rest, only once the walk goes on past this round (most calls stop in it)
+            if near is None:
+                group_keys = group_keys[:0]
+            else:
+                far = np.flatnonzero(~near)
+                positions = far if positions is None else positions[far]
+                group_keys = group_keys[far]
             size *= GROWTH
 
 
