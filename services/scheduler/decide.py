@@ -217,7 +217,9 @@ class Decision:
         pods (`ClusterIndex.foreign`: blocked, or a note about what HAMi holds there) are
         worded one by one as before."""
         index = self.index
-        slots = np.asarray(list(self.pruned), dtype=np.int64)  # type: ignore[call-overload]
+        pruned = self.pruned
+        slots = (pruned.array() if hasattr(pruned, "array")  # (index.Pruned)
+                 else np.asarray(list(pruned), dtype=np.int64))  # type: ignore[call-overload]
         if len(slots):
             memo = self.memo()
             versions = index.row_version[slots]

@@ -407,7 +407,7 @@ class _Ordering:
             self.passed[positions[mask]] = True
         self.checked += len(positions)
 
-    def pruned(self) -> list[int]:
+    def pruned(self) -> np.ndarray:
         """Every candidate that is not a survivor, in policy order (ordered here, in full: only
         a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
@@ -416,7 +416,7 @@ class _Ordering:
             order = fresh_order(self._keys, self.busy)
         else:
             order = full_order(self.snapshot, self.busy)
-        return self.slots[order[~self.passed[order]]].tolist()
+        return self.slots[order[~self.passed[order]]]
 
     def views(self) -> tuple[Ordered, Pruned]:
         return Ordered(self), Pruned(self)
@@ -449,15 +449,18 @@ class Pruned:
 
     def __init__(self, ordering: _Ordering) -> None:
         self._ordering = ordering
-        self._slots: list[int] | None = None
+        self._slots: np.ndarray | None = None
 
-    def _all(self) -> list[int]:
+    def array(self) -> np.ndarray:
+        """The slots, as an array (int64)."""
         if self._slots is None:
             self._slots = self._ordering.pruned()
         return self._slots
 
+    _all = array
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self._all())
+        return iter(self.array().tolist())
 
     def __len__(self) -> int:
         return len(self._all())
