@@ -51,10 +51,15 @@ class CardClasses:
     def __init__(self) -> None:
         self._classes: dict[tuple, int] = {}
         self._signatures: dict[tuple, int] = {(): 0}
-        self._of: dict[int, tuple[Any, list[int]]] = {}  # id(devices) -> (devices, classes)
+        self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a MIG card: its fit reads its instances)."""
+        return self._facts(devices)[0]
+
+    def _facts(self, devices: Sequence[Any]) -> tuple[list[int], list[tuple[str, int]], bool, bool]:
+        """(classes, (uuid, split count) per device, every device healthy, any unshareable),
+        kept per devices list (a registration's heartbeats keep the same list)."""
         kept = self._of.get(id(devices))
         if kept is not None and kept[0] is devices:
             return kept[1]
@@ -69,10 +74,12 @@ class CardClasses:
             if found is None:
                 found = self._classes[key] = len(self._classes)
             classes.append(found)
+        facts = (classes, [(d.uuid, d.split_count) for d in devices],
+                 all(d.healthy for d in devices), UNSHAREABLE in classes)  # fmt: skip
         if len(self._of) > 65_536:  # (registrations replaced many times over: start again)
             self._of.clear()
-        self._of[id(devices)] = (devices, classes)
-        return classes
+        self._of[id(devices)] = (devices, facts)
+        return facts
 
     def shape(
         self, devices: Sequence[Any], usage: dict[str, list[int]], cordon: frozenset[str],
@@ -80,15 +87,20 @@ class CardClasses:
     ) -> tuple[list[int], int]:
         """(the classes of the cards that take pods, in row order; the signature of those that
         take none) as `_row_of_devices` lays the row out; signature `UNSHAREABLE` for a node
-        whose refusals are not grouped."""
-        classes = self.of(devices)
+        whose refusals are not grouped (its classes then unused: none given)."""
+        classes, facts, healthy, unshareable = self._facts(devices)
+        if blocked or unshareable:
+            return [], UNSHAREABLE
+        get = usage.get
+        if healthy and not cordon:  # (the usual node: only slots can put a card out)
+            full = [i for i, (uuid, split) in enumerate(facts)
+                    if (used := get(uuid)) is not None and used[2] >= split]  # fmt: skip
+            if not full:
+                return classes, 0
         usable: list[int] = []
         others: list[tuple[int, int]] = []
-        shareable = not blocked
         for d, cls in zip(devices, classes, strict=True):
-            if cls == UNSHAREABLE:
-                shareable = False
-            used = usage.get(d.uuid)
+            used = get(d.uuid)
             slots = used[2] if used is not None else 0
             if not d.healthy:
                 others.append((cls, UNHEALTHY))
@@ -98,8 +110,6 @@ class CardClasses:
                 others.append((cls, EXHAUSTED))
             else:
                 usable.append(cls)
-        if not shareable:
-            return usable, UNSHAREABLE
         return usable, self.signature(tuple(sorted(others)))
 
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
