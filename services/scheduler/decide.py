@@ -62,10 +62,14 @@ class Decision:
         i = 0
         known: np.ndarray | None = None  # remembered refusals of survivors[known_from:]
         known_from = 0
+        bulk = False  # the last nodes were worded in bulk: likely refused everywhere
         while True:
             if i >= len(survivors):
                 if more is None or not more():
                     return
+                if bulk:  # read on until the candidates left double (O(log n) bulk reads)
+                    while len(survivors) < 2 * i and more():
+                        pass
                 continue
             if known is None or i >= known_from + len(known):
                 known_from, known = i, self._known(survivors[i:])
@@ -74,6 +78,7 @@ class Decision:
                 # their shape): worded in bulk.
                 run = known[i - known_from :] > FITS
                 stop = int(np.argmin(run)) if not run.all() else len(run)
+                bulk = stop == len(run)
                 if stop:
                     self._record_ids(np.asarray(survivors[i : i + stop], dtype=np.int64),
                                      known[i - known_from : i - known_from + stop])
@@ -81,6 +86,7 @@ class Decision:
                     continue
             slot = survivors[i]
             i += 1
+            bulk = False
             entry = index.entry_at(slot)
             version = int(row_version[slot])
             if refused_at[slot] == version and not entry.blocked:
