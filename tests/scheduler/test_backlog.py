@@ -116,3 +116,28 @@ async def test_the_service_defers_retries_over_the_share(make_service: MakeServi
     assert not retry.nodenames and not retry.failed
     another = cluster.add_pod(make_pod(container(mem=GIB)))  # type: ignore[attr-defined]
     assert (await service.scheduler.filter(another, names)).nodenames
+
+
+def test_who_could_be_evicted_is_known_without_a_scan_of_every_pod() -> None:
+    """Every refusal asks whether preemption could help (any pod of lower priority): answered
+    from counts per priority kept as the pod watch reports pods, not a scan of every pod per
+    refusal; correct as pods come, change priority and go."""
+    from tessera.scheduler.preemption_run import Preemptor
+
+    from tessera.cluster.port import WatchEvent
+
+    preemptor = Preemptor(*([None] * 7), instance="t")  # type: ignore[arg-type]
+
+    def event(kind: str, uid: str, priority: int) -> WatchEvent:
+        return WatchEvent(type=kind, object={"metadata": {"uid": uid, "name": uid},
+                                             "spec": {"priority": priority}})  # fmt: skip
+
+    assert preemptor._lowest_priority() is None
+    for i in range(50):
+        preemptor.observe_pod(event("ADDED", f"p{i}", 100 + i))
+    assert preemptor._lowest_priority() == 100
+    preemptor.observe_pod(event("MODIFIED", "p0", 500))
+    assert preemptor._lowest_priority() == 101
+    preemptor.observe_pod(event("DELETED", "p1", 101))
+    assert preemptor._lowest_priority() == 102
+    assert preemptor._lowest_priority() == min(f.priority for f in preemptor.pods.values())
