@@ -40,6 +40,11 @@ import numpy as np
 from tessera.hami import ContainerRequest, PodRequest
 
 UNSHAREABLE = -1  # a card class (or a node's unusable signature) that is never grouped
+# The sharing modes whose per-GPU checks read only what a code holds (NVIDIA's libvgpu slices
+# and MPS: memory and cores against the request's, slots, health, cordon, type and mode). A
+# card of any other mode (MIG: instances; another vendor's kind: its own capacity rules, e.g.
+# templates) is never grouped: its node is fitted node by node.
+GROUPED_MODES = frozenset({"hami-core", "mps"})
 # why a card takes no pod, in HAMi's check order (health, cordon, then slots)
 UNHEALTHY, CORDONED, EXHAUSTED = 1, 2, 3
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -54,7 +59,8 @@ class CardClasses:
         self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
 
     def of(self, devices: Sequence[Any]) -> list[int]:
-        """Each device's class (`UNSHAREABLE` for a MIG card: its fit reads its instances)."""
+        """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
+        a dynamic-MIG card: its fit reads its instances)."""
         return self._facts(devices)[0]
 
     def _facts(self, devices: Sequence[Any]) -> tuple[list[int], list[tuple[str, int]], bool, bool]:
@@ -66,7 +72,7 @@ class CardClasses:
         classes = []
         for d in devices:
             mig = getattr(d, "mig", None)
-            if d.mode.lower() == "mig" or (mig is not None and mig.model):
+            if d.mode.lower() not in GROUPED_MODES or (mig is not None and mig.model):
                 classes.append(UNSHAREABLE)
                 continue
             key = (d.type, d.mode, d.numa, d.memory_mib, d.cores, d.split_count, d.healthy)
