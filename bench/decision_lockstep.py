@@ -16,6 +16,7 @@ The candidates are kube-scheduler's (`kube_lists.py`, `BENCH_LISTS`: `window` by
 rotating `percentageOfNodesToScore` window; `full`, a fresh full list each call; `same`, the
 identical list every call, the best case), each call's body parsed by each version's
 `NodeNamesCache` (timed apart: "list parse"). `BENCH_NODES` (5000), `BENCH_PODS` (2000),
+`BENCH_WINDOW` (the window's size, instead of kube-scheduler's adaptive one),
 `BENCH_UNSCHEDULABLE` (0.1: that share of the calls are retries of a backlog of 20 pods no node
 fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
 
@@ -127,7 +128,7 @@ def main() -> None:
         every = [r.node for r in registrations]
         members = {pool: bench.pool_members(every, pool) for pool in bench.POOLS}
         members_set = {pool: frozenset(m) for pool, m in members.items()}
-        kube = KubeLists(every, mode)
+        kube = KubeLists(every, mode, find=int(os.environ.get("BENCH_WINDOW", "0")) or None)
         state = {}
         for label, m in versions.items():
             index = m["index"].ClusterIndex()
@@ -147,6 +148,7 @@ def main() -> None:
         collect_at = time.perf_counter() + policy.interval_s
         cpu: dict[str, list[float]] = {"before": [], "after": []}
         refused: dict[str, list[float]] = {"before": [], "after": []}
+        backlog: dict[str, list[float]] = {"before": [], "after": []}  # the backlog's retries
         parse: dict[str, list[float]] = {"before": [], "after": []}
         both: dict[str, list[float]] = {"before": [], "after": []}  # list parse + decision
         placed: dict[str, list[Any]] = {"before": [], "after": []}
@@ -169,6 +171,8 @@ def main() -> None:
                 decision.explain_rest()
                 if i >= bench.WARMUP:
                     refused[label].append(time.thread_time() - started)
+                    if spec["metadata"]["uid"].startswith("unfit-"):
+                        backlog[label].append(refused[label][-1])
                 reasons[label].append(sorted(decision.failed.items()))
             elif i >= bench.WARMUP:
                 cpu[label].append(time.thread_time() - started)
@@ -206,7 +210,9 @@ def main() -> None:
     figures = " | ".join(
         f"{label} ({rev}) n {len(cpu[label])} CPU p50 {ms(cpu[label], 0.5)} "
         f"p99 {ms(cpu[label], 0.99)} ms; refused n {len(refused[label])} CPU p50 "
-        f"{ms(refused[label], 0.5)} p99 {ms(refused[label], 0.99)} ms; list parse p50 "
+        f"{ms(refused[label], 0.5)} p99 {ms(refused[label], 0.99)} ms (of which the backlog's "
+        f"retries n {len(backlog[label])} p50 {ms(backlog[label], 0.5)} p99 "
+        f"{ms(backlog[label], 0.99)} ms, max {ms(backlog[label], 1.0)}); list parse p50 "
         f"{ms(parse[label], 0.5)} p99 {ms(parse[label], 0.99)} ms; placed, list parse + "
         f"decision p50 {ms(both[label], 0.5)} p99 {ms(both[label], 0.99)} ms"
         for label, rev in (("before", before_rev), ("after", after_rev))

@@ -49,12 +49,15 @@ def backoff_s(attempts: int) -> float:
 class KubeLists:
     """The candidate lists kube-scheduler would send, one per scheduling cycle."""
 
-    def __init__(self, names: Sequence[str], mode: str = "window", percentage: int = 0) -> None:
+    def __init__(self, names: Sequence[str], mode: str = "window", percentage: int = 0,
+                 find: int | None = None) -> None:
+        """`find`: the window's size instead of kube-scheduler's `numFeasibleNodesToFind`
+        (a bench of a given list size, e.g. 500 names at 20,000 nodes)."""
         if mode not in MODES:
             raise ValueError(f"unknown list mode {mode!r}: one of {', '.join(MODES)}")
         self.names = list(names)
         self.mode = mode
-        self.find = nodes_to_find(len(self.names), percentage)
+        self.find = find or nodes_to_find(len(self.names), percentage)
         self.start = 0  # nextStartNodeIndex
 
     def next(self, members: Sequence[str] | None = None) -> list[str]:

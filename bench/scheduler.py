@@ -250,8 +250,8 @@ def run_decisions(
     for i, (spec, pool) in enumerate(pods):
         window = kube.next(None if pool is None else members[pool] if lists == "same"
                            else members_set[pool])  # fmt: skip
-        listed = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
-        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
+        array = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), array)
         started_cpu = time.thread_time()
         parsed = names_cache.parse(body)
         # (a short list is not remembered: the extender parses the whole body)

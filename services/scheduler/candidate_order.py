@@ -230,33 +230,37 @@ def fresh_walk(
     start from and none built (a list used once never pays for a sort of every candidate).
     `keys`: sign × score by position; `possible(positions)`: the bounds' verdict there.
 
-    Per group (the non-busy, then the busy), rounds of the smallest keys: the `BLOCK`
-    smallest (every position tied with the largest of them included, so each round holds
-    exactly the keys up to a threshold and every later one sorts after it), then 4× more of
-    the rest, ...; each round's possible positions sorted by (key, position). A round is an
-    O(n) partition, so a call that fits among the first candidates costs O(n) numpy work
-    with a small constant; one that walks them all ~O(n log n). The first `HEAD` come as a
-    Python list (checked one by one), the rest as arrays."""
+    Per group (the non-busy, then the busy), rounds of the smallest keys: about the `BLOCK`
+    smallest (every key up to a threshold, so each round holds exactly the keys up to it and
+    every later one sorts after it), then 4× more of the rest, ...; each round's possible
+    positions sorted by (key, position). The threshold is read off a sample of the keys (a
+    partition of a sixteenth of them; `_threshold`), so a call that fits among the first
+    candidates costs a few O(n) passes with a small constant (a gather, a comparison, a
+    nonzero: ~0.1 ms at 20,000 candidates); one that walks them all ~O(n log n). No busy
+    candidate (the usual case) and the groups are one. The first `HEAD` come as a Python
+    list (checked one by one), the rest as arrays."""
+    if busy is not None and not busy.any():
+        busy = None
     groups: tuple[bool | None, ...] = (None,) if busy is None else (False, True)
     head_given = False
     for group in groups:
         if group is None:
-            positions = np.arange(len(keys), dtype=np.int64)
-            group_keys = keys
+            positions, group_keys = None, keys  # (positions: every one, made when needed)
         else:
             positions = np.flatnonzero(busy == group)
             group_keys = keys[positions]
         size = BLOCK
-        while len(positions):
-            if len(positions) > 4 * size:
-                threshold = np.partition(group_keys, size - 1)[size - 1]
-                near = group_keys <= threshold
-                taken, taken_keys = positions[near], group_keys[near]
-                far = ~near
-                positions, group_keys = positions[far], group_keys[far]
+        while len(group_keys):
+            near = None
+            if len(group_keys) > 4 * size:
+                near = group_keys <= _threshold(group_keys, size)
+                taken = np.flatnonzero(near)
+                taken_keys = group_keys[taken]
+                if positions is not None:
+                    taken = positions[taken]
             else:
-                taken, taken_keys = positions, group_keys
-                positions = positions[:0]
+                taken = positions if positions is not None else np.arange(len(group_keys))
+                taken_keys = group_keys
             ok = possible(taken)
             taken, taken_keys = taken[ok], taken_keys[ok]
             if len(taken):
@@ -270,7 +274,29 @@ def fresh_walk(
                     yield taken[start : start + chunk]
                     start += chunk
                     chunk *= GROWTH
+            # the rest, only once the walk goes on past this round (most calls stop in it)
+            if near is None:
+                group_keys = group_keys[:0]
+            else:
+                far = np.flatnonzero(~near)
+                positions = far if positions is None else positions[far]
+                group_keys = group_keys[far]
             size *= GROWTH
+
+
+_SAMPLE = 16  # `_threshold` reads every 16th key
+
+
+def _threshold(keys: np.ndarray, size: int) -> float:
+    """A key about `size` keys from the smallest: the (size / 16)-th smallest of every 16th
+    key (a partition of n / 16 keys instead of n). Any key of `keys` is a correct threshold
+    (a round holds exactly the keys up to it, at least one); the sample only keeps the rounds
+    near `size`, so the first round is O(n) with a small constant."""
+    sample = keys[:: _SAMPLE]
+    rank = max(0, size // _SAMPLE - 1)
+    if len(sample) <= rank + 1:
+        return float(np.partition(keys, size - 1)[size - 1])
+    return float(np.partition(sample, rank)[rank])
 
 
 def fresh_order(keys: np.ndarray, busy: np.ndarray | None) -> np.ndarray:

@@ -77,6 +77,21 @@ class SchedulerSettings(BaseSettings):
     instance: str = Field(
         "", description="this replica's name in claims and events (default: hostname-pid)"
     )
+    # --- the backlog of unschedulable pods (backlog.py) ---
+    backlog_share: float = Field(
+        0.25, ge=0,
+        description="the most CPU (a share of the scheduler's one thread) that calls refusing "
+        "pods may take while other pods are placed; beyond it a retry of a refused pod is "
+        "answered BacklogDeferred (kube-scheduler retries after its backoff); 1 = no bound",
+    )
+    backlog_burst_s: float = Field(
+        0.25, ge=0, description="CPU seconds of refusals allowed at once above backlog_share"
+    )
+    backlog_max_defer_s: float = Field(
+        30.0, gt=0,
+        description="a refused pod is evaluated again at the latest this long after its last "
+        "evaluation, whatever the backlog's share",
+    )
     # --- preemption (preemption_run.py) ---
     preemption: bool = Field(
         True, description="evict lower-priority pods (spec.priority) for a pod that fits no node"

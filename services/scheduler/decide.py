@@ -17,9 +17,12 @@ from tessera.hami import PodRequest
 from .index import ClusterIndex, Need, NodeEntry
 from .placement import PodFit, fit_pod
 from .refusal_memo import FITS, RefusalMemo
+from .refusal_shapes import first_step, group
 from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
 
 _BULK = 16  # candidates left from which remembered refusals are looked up vectorised
+_SHAPES = 1 << 16  # shapes remembered per request before its shapes start over
+_TAKES_FIRST = -2  # a shape that takes a pod's first container: its nodes fitted one by one
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Decision:
     reason_counts: Counter[str] = field(default_factory=Counter)
     _key: str | None = None
     _memo: RefusalMemo | None = None
+    _step: object = False  # (`first_step`, once asked: False = not asked yet)
 
     def context(self) -> FitContext:
         return FitContext(self.options, QuotaBudget(self.budget.memory_mib, self.budget.cores))
@@ -58,23 +62,31 @@ class Decision:
         i = 0
         known: np.ndarray | None = None  # remembered refusals of survivors[known_from:]
         known_from = 0
+        bulk = False  # the last nodes were worded in bulk: likely refused everywhere
         while True:
             if i >= len(survivors):
                 if more is None or not more():
                     return
+                if bulk:  # read on until the candidates left double (O(log n) bulk reads)
+                    while len(survivors) < 2 * i and more():
+                        pass
                 continue
             if known is None or i >= known_from + len(known):
                 known_from, known = i, self._known(survivors[i:])
             if known is not None:
-                # A run of nodes refused on their rows as they are: worded in bulk.
-                run = known[i - known_from :]
+                # A run of nodes whose refusal is known (on their rows as they are, or for
+                # their shape): worded in bulk.
+                run = known[i - known_from :] > FITS
                 stop = int(np.argmin(run)) if not run.all() else len(run)
+                bulk = stop == len(run)
                 if stop:
-                    self._record_known(np.asarray(survivors[i : i + stop], dtype=np.int64))
+                    self._record_ids(np.asarray(survivors[i : i + stop], dtype=np.int64),
+                                     known[i - known_from : i - known_from + stop])
                     i += stop
                     continue
             slot = survivors[i]
             i += 1
+            bulk = False
             entry = index.entry_at(slot)
             version = int(row_version[slot])
             if refused_at[slot] == version and not entry.blocked:
@@ -101,26 +113,84 @@ class Decision:
         return self._memo
 
     def _known(self, slots: list[int]) -> np.ndarray | None:
-        """Which of these candidates (more than a head's worth) have their refusal of this
-        request remembered at their current row (and no HAMi pods: worded one by one)."""
+        """The reason id of each of these candidates (more than a head's worth) whose refusal
+        of this request is known, -1 elsewhere: remembered at its current row (and no HAMi
+        pods: worded one by one), or for its shape (`_by_shape`, which fits one node of each
+        shape not known yet, in this order, until one fits)."""
         if len(slots) < _BULK:
             return None
         index = self.index
         array = np.asarray(slots, dtype=np.int64)
         versions = index.row_version[array]
         known = index.refused_at[array] == versions
-        if not known.any():
-            return known
-        memo = self.memo()
-        known &= (memo.stamp[array] == versions) & (memo.reason[array] != FITS)
-        if index.foreign:
-            known &= ~np.isin(array, [index.slot_of.get(n, -1) for n in index.foreign])
-        return known
+        ids = np.full(len(array), -1, dtype=np.int64)
+        if known.any():
+            memo = self.memo()
+            known &= (memo.stamp[array] == versions) & (memo.reason[array] != FITS)
+            if index.foreign:
+                known &= ~np.isin(array, [index.slot_of.get(n, -1) for n in index.foreign])
+            ids[known] = memo.reason[array[known]]
+        unknown = np.flatnonzero(ids < 0)
+        shaped = self._by_shape(array[unknown], stop_at_fit=True)
+        if shaped is not None:
+            ids[unknown] = shaped
+        return ids
 
-    def _record_known(self, slots: np.ndarray) -> None:
-        """Word the remembered refusals of these nodes (in this order), as `record` would."""
+    def _by_shape(self, slots: np.ndarray, stop_at_fit: bool) -> np.ndarray | None:
+        """Each candidate's reason id read from its shape (`refusal_shapes`), -1 where it is
+        not grouped; None when the request's refusals are not grouped. A shape the request's
+        memo does not know yet is fitted on its first candidate here (in the candidates'
+        order); with `stop_at_fit`, no shape after the first that fits is fitted (the walk
+        then fits its nodes in order, as it would have)."""
+        step = self._step
+        if step is False:
+            step = self._step = first_step(self.request, self.options, self.budget)
+        if step is None or not len(slots):
+            return None
+        container, alone = step  # type: ignore[misc]
+        index = self.index
+        groups, keys, first = group(index, slots, container)
         memo = self.memo()
-        found = memo.reason[slots]
+        if len(memo.shapes) > _SHAPES:
+            memo.shapes.clear()
+        shapes = memo.shapes
+        ids = np.full(len(keys), -1, dtype=np.int64)
+        firsts = first.tolist()
+        for g in np.argsort(first).tolist() if stop_at_fit else range(len(keys)):
+            at = firsts[g]
+            if groups[at] != g:
+                continue  # (not grouped: worded node by node)
+            key = keys[g]
+            found = shapes.get(key)
+            if found is None:
+                fit = fit_pod(index.entry_at(int(slots[at])).cards, alone or self.request,
+                              self.context())  # fmt: skip
+                if fit.ok:
+                    found = FITS if alone is None else _TAKES_FIRST
+                else:
+                    found = memo.intern(fit.reason_text(), tuple(fit.reasons.keys()))
+                shapes[key] = found
+            if found == _TAKES_FIRST:
+                continue  # (fitted one by one: the pod may still not fit there)
+            ids[g] = found
+            if found == FITS and stop_at_fit:
+                break
+        found = np.where(groups >= 0, ids[groups], -1)
+        # remembered per node too (at its row as it is): a node met again one by one (the
+        # walk's head) reads it there instead of being fitted
+        known = np.flatnonzero(found >= 0)
+        if len(known):
+            at = slots[known]
+            versions = index.row_version[at]
+            memo.stamp[at] = versions
+            memo.reason[at] = found[known]
+            index.refused_at[at] = versions
+        return found
+
+    def _record_ids(self, slots: np.ndarray, found: np.ndarray) -> None:
+        """Word these nodes' known refusals (their reason ids, in this order), as `record`
+        would."""
+        memo = self.memo()
         texts = memo.text_array()[found].tolist()
         self.failed.update(zip(self.index.names_at[slots].tolist(), texts, strict=True))
         counts = np.bincount(found)
@@ -153,7 +223,9 @@ class Decision:
         pods (`ClusterIndex.foreign`: blocked, or a note about what HAMi holds there) are
         worded one by one as before."""
         index = self.index
-        slots = np.asarray(list(self.pruned), dtype=np.int64)  # type: ignore[call-overload]
+        pruned = self.pruned
+        slots = (pruned.array() if hasattr(pruned, "array")  # (index.Pruned)
+                 else np.asarray(list(pruned), dtype=np.int64))  # type: ignore[call-overload]
         if len(slots):
             memo = self.memo()
             versions = index.row_version[slots]
@@ -162,6 +234,14 @@ class Decision:
             stale = memo.stamp[slots] != versions
             if special is not None:
                 stale &= ~special
+            shaped = None
+            if stale.any():  # (those remembered at their row are read as they are)
+                at = np.flatnonzero(stale)
+                by_shape = self._by_shape(slots[at], stop_at_fit=False)
+                if by_shape is not None:
+                    shaped = np.full(len(slots), -1, dtype=np.int64)
+                    shaped[at] = by_shape
+                    stale &= shaped < 0  # (read from their shape)
             for slot, version in zip(slots[stale].tolist(), versions[stale].tolist(),
                                      strict=True):  # fmt: skip
                 fit = fit_pod(index.entry_at(slot).cards, self.request, self.context())
@@ -171,6 +251,8 @@ class Decision:
                     memo.put(slot, version, fit.reason_text(), tuple(fit.reasons.keys()))
             index.refused_at[slots[stale]] = versions[stale]
             found = memo.reason[slots]
+            if shaped is not None:
+                found = np.where(shaped >= 0, shaped, found)
             texts = memo.text_array()[found].tolist()
             if special is not None:
                 for position in np.flatnonzero(special).tolist():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 
 from tessera.models import SchedulingFailedEvent
 
@@ -96,5 +97,5 @@ class FailureLog:
 
         self.publisher.publish_soon(SchedulingFailedEvent(
             namespace=ident.namespace, name=ident.name, pod_uid=ident.uid, reason=summary,
-            node_reasons=dict(list(reasons.items())[:200]), source=self.instance,
+            node_reasons=dict(islice(reasons.items(), 200)), source=self.instance,
         ), published)  # fmt: skip

@@ -19,6 +19,7 @@ from tessera.models import Allocation, AllocationEvent, QuotaState
 from tessera.settings import TesseraSettings
 
 from .background import EventPublisher
+from .backlog import BacklogGovernor
 from .config import SchedulerSettings
 from .decide import Decision, decide, prioritize_scores
 from .failures import FailureLog
@@ -87,6 +88,9 @@ class PodFilter:
         # (pod, node) -> why the pod's nodeSelector/affinity/taints exclude the node: nothing
         # is reserved there (bind would refuse it anyway).
         self.node_check: Callable[[dict[str, Any], str], Awaitable[str | None]] | None = None
+        # what the retries of refused pods may take of the scheduler (backlog.py)
+        self.backlog = BacklogGovernor(config.backlog_share, config.backlog_burst_s,
+                                       config.backlog_max_defer_s)  # fmt: skip
 
     def budget(self, namespace: str, uid: str) -> QuotaBudget:
         state = self.quotas.get(namespace) if self.settings.quota_enabled else None
@@ -104,6 +108,9 @@ class PodFilter:
             return FilterOutcome(nodenames=list(names), passed_all=True)
         if not dry_run and not ident.uid:
             raise BadRequestError("pod.metadata.uid is required")
+        if not dry_run and not self.backlog.admit(ident.uid, time.monotonic()):
+            self.metrics.backlog_deferred.inc()
+            return FilterOutcome(error=self.backlog.deferral(ident.uid, time.monotonic()))
         if not dry_run and self.pod_check is not None:
             unknown = await self.pod_check(ident)
             if unknown is not None:  # a pod the cluster does not have: hold nothing for it
@@ -118,6 +125,7 @@ class PodFilter:
                 why = "reservation lapsed" if held in names else "rescheduled to other candidates"
                 await self.releaser.release(held, ident.uid, why=why)
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         decision = decide(
             self.index, request, options, names, self.budget(ident.namespace, ident.uid),
             self.config.avoid_busy_nodes,
@@ -135,6 +143,7 @@ class PodFilter:
         )
         if placed is not None:
             self.failures.forget(ident.uid)
+            self.backlog.charge(ident.uid, 0.0, False, time.monotonic())
             return FilterOutcome(nodenames=[placed], failed=decision.failed)
         if quota_refusal:
             failed = {n: quota_refusal for n in names}
@@ -145,6 +154,9 @@ class PodFilter:
         self.failures.count_refusal(decision.reason_counts)
         summary = f"0/{len(names)} nodes fit the GPU request"
         self.failures.remember(ident, decision.failed, summary)
+        spent = time.thread_time() - cpu_started
+        self.metrics.backlog_cpu.inc(spent)
+        self.backlog.charge(ident.uid, spent, True, time.monotonic())
         return FilterOutcome(failed=decision.failed)
 
     async def _place(

@@ -41,9 +41,10 @@ from .cards import (
     node_score,
     recharged,
 )
-from .node_names import NameTable
+from .node_names import NameTable, NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
+from .refusal_shapes import UNSHAREABLE, CardClasses
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -116,6 +117,9 @@ class NodeEntry:
     # (devices, cordon, usage version, row) of the last row `_summarise` built from the devices
     # and usage map: a write that changes none of them keeps the row (see `_kept_row`).
     _row: tuple | None = field(default=None, repr=False)
+    # (classes of the cards that take pods, in row order; signature of the others) of the row
+    # last built (`refusal_shapes.CardClasses.shape`; written with the row)
+    _shape: tuple[list[int], int] | None = field(default=None, repr=False)
 
     @property
     def schedulable(self) -> bool:
@@ -353,9 +357,14 @@ class _Ordering:
         self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
         self._head: list[int] = []  # positions of a walked head not checked yet
         self._keys: np.ndarray | None = None  # (a fresh list's: sign × score by position)
-        if not index.repeated(slots):
+        kept = index._column_cache.kept.get(id(slots))
+        if kept is None or kept.slots is not slots or node_policy not in kept.orders:
             # A list seen for the first time (kube-scheduler's rotating window): its values
-            # read straight from the index where the walk gets to, nothing kept for it.
+            # read straight from the index where the walk gets to, nothing kept for it. A
+            # list seen again gets its kept order built between calls (`tidy_orders`: ~1-2 ms
+            # at 10,000 candidates, no decision's), and walked fresh until then.
+            if index.repeated(slots):
+                index.want_order(slots, node_policy)
             self.snapshot: tuple[np.ndarray, ...] = ()
             index._grow_bounds()
             self._keys = policy_sign(node_policy) * index.scores[slots]
@@ -398,7 +407,7 @@ class _Ordering:
             self.passed[positions[mask]] = True
         self.checked += len(positions)
 
-    def pruned(self) -> list[int]:
+    def pruned(self) -> np.ndarray:
         """Every candidate that is not a survivor, in policy order (ordered here, in full: only
         a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
@@ -407,7 +416,7 @@ class _Ordering:
             order = fresh_order(self._keys, self.busy)
         else:
             order = full_order(self.snapshot, self.busy)
-        return self.slots[order[~self.passed[order]]].tolist()
+        return self.slots[order[~self.passed[order]]]
 
     def views(self) -> tuple[Ordered, Pruned]:
         return Ordered(self), Pruned(self)
@@ -440,15 +449,18 @@ class Pruned:
 
     def __init__(self, ordering: _Ordering) -> None:
         self._ordering = ordering
-        self._slots: list[int] | None = None
+        self._slots: np.ndarray | None = None
 
-    def _all(self) -> list[int]:
+    def array(self) -> np.ndarray:
+        """The slots, as an array (int64)."""
         if self._slots is None:
             self._slots = self._ordering.pruned()
         return self._slots
 
+    _all = array
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self._all())
+        return iter(self.array().tolist())
 
     def __len__(self) -> int:
         return len(self._all())
@@ -476,6 +488,8 @@ class ClusterIndex:
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}
         self._name_table: tuple[int, NameTable] | None = None  # (topology version, table)
+        # (candidate slots, node policy) seen again: kept orders to build between calls
+        self._wanted: list[tuple[np.ndarray, str]] = []
         self._changed: dict[str, asyncio.Event] = {}
         # One row per node, one column per card: what each card can still give (-1 = a card
         # that takes no pod: unhealthy, cordoned, out of slots, MIG, or no card at all).
@@ -489,6 +503,12 @@ class ClusterIndex:
         self.scores = np.zeros(capacity, dtype=np.float64)
         # A bind is in flight on the node (claim held or a reservation not yet bound).
         self.busy = np.zeros(capacity, dtype=bool)
+        # Per card that takes pods, its static class (`refusal_shapes`; -1 past the row's
+        # cards), and per node the signature of its cards that take none (-1: a node whose
+        # refusals are never grouped): what a refusal is grouped by.
+        self.card_classes = CardClasses()
+        self.card_class = np.full((capacity, _WIDTH), -1, dtype=np.int32)
+        self.unusable_sig = np.full(capacity, UNSHAREABLE, dtype=np.int64)
         # The decision's copies of those values per recent candidate list (index order).
         self._column_cache = _ColumnCache()
         # slot -> (cards, request key, reason text, reason names) of the last refusal found
@@ -533,6 +553,12 @@ class ClusterIndex:
         return self.refusal_memos.of(key, len(self.row_version))
 
     def _grow(self, rows: int = _GROW, columns: int = 0) -> None:
+        for name in ("card_class", "unusable_sig"):
+            old = getattr(self, name)
+            shape = (len(old) + rows, *(s + columns for s in old.shape[1:]))
+            new = np.full(shape, -1, dtype=old.dtype)
+            new[tuple(slice(0, n) for n in old.shape)] = old
+            setattr(self, name, new)
         if rows:
             for name in ("row_version", "names_at", "refused_at"):
                 old = getattr(self, name)
@@ -691,6 +717,11 @@ class ClusterIndex:
         self.busy[slots] = busy
         for entry, score in zip(entries, built.scores.tolist(), strict=True):
             entry.score = score
+        shape = self.card_classes.shape
+        no_cordon: frozenset[str] = frozenset()
+        for entry, device_list, usage in zip(entries, devices, usages, strict=True):
+            entry._shape = shape(device_list, usage, no_cordon, bool(entry.blocked))
+        self._write_shapes(slots.tolist())
         self._grow_bounds()
         self._rows_written(slots.tolist())
         self._bounds_of(slots, built.free_gpus)
@@ -717,6 +748,7 @@ class ClusterIndex:
         if registered is None:
             entry.cards = []
             self.free_gpus[slot] = -1
+            self.unusable_sig[slot] = UNSHAREABLE
             self._rows_written([slot])  # cached candidate columns see the row go
             entry.reserved_until = None
             if entry.view is None:
@@ -735,6 +767,7 @@ class ClusterIndex:
         ):
             # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
             # the amounts: counted from the models (MIG nodes are few; others skip this).
+            entry._shape = None  # (MIG cards: refusals fitted node by node)
             row = self._row_of_cards(entry, self._mig_cards(entry, usages, cordon, now))
         else:
             entry._cards, entry._card_usage = None, (usages, cordon)
@@ -827,6 +860,9 @@ class ClusterIndex:
                 score += used_mem / memory
             score *= 10.0
         entry.score = score
+        entry._shape = self.card_classes.shape(
+            devices, usage, cordon, bool(entry.blocked) or entry.name in self.foreign
+        )
         return (-1 if entry.blocked else len(mem), mem, pct, free_cores, computing, idle, score)
 
     @staticmethod
@@ -870,6 +906,7 @@ class ClusterIndex:
             self.card_idle[slot] = idle
             self.scores[slot] = score
             self.busy[slot] = busy
+            self._write_shapes([slot])
             self._write_bounds(rows)
             return
         columns = list(zip(*padded, strict=True))
@@ -877,7 +914,23 @@ class ClusterIndex:
         for name, values in zip(self._ARRAYS, columns[1:], strict=True):
             array = getattr(self, name)
             array[slots] = np.asarray(values, dtype=array.dtype)
+        self._write_shapes(columns[0])
         self._write_bounds(rows)
+
+    def _write_shapes(self, slots: Sequence[int]) -> None:
+        """The card classes and signature (`NodeEntry._shape`) of rows just written."""
+        width = self.card_class.shape[1]
+        by_slot, card_class, signature = self.by_slot, self.card_class, self.unusable_sig
+        for slot in slots:
+            entry = by_slot[slot]
+            shape = entry._shape if entry is not None else None
+            if shape is None:
+                card_class[slot] = -1
+                signature[slot] = UNSHAREABLE
+                continue
+            classes, sig = shape
+            card_class[slot] = classes + [-1] * (width - len(classes))
+            signature[slot] = sig
 
     def _usages(self, entry: NodeEntry, now: float, remember: bool) -> list[dict[str, list[int]]]:
         """What the node's ledger holds per GPU (kept up to date from each change:
@@ -981,7 +1034,7 @@ class ClusterIndex:
         self._resolved[id(array)] = 1
         return array, unknown
 
-    def names_from_bytes(self, array: bytes) -> tuple[list[str], tuple[int, np.ndarray]] | None:
+    def names_from_bytes(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
         """A `nodenames` JSON array resolved from its bytes (`node_names.NameTable`): the names
         (the index's own strings) and (topology version, slots); None when it cannot be."""
         table = self._name_table
@@ -990,10 +1043,12 @@ class ClusterIndex:
             table = self._name_table = (
                 self.topology_version, NameTable(names, [self.slot_of[n] for n in names])
             )
-        slots = table[1].lookup(array)
-        if slots is None:
+        rows = table[1].rows(array)
+        if rows is None:
             return None
-        return self.names_at[slots].tolist(), (table[0], slots)
+        # (the names are gathered from the table's snapshot when first read: a placed pod's
+        # call reads only the slots)
+        return NodeNames.of_rows(table[1].names, rows), (table[0], table[1].slots[rows])
 
     def repeated(self, slots: np.ndarray) -> bool:
         """Whether this candidate array was resolved for more than one call (a list
@@ -1072,12 +1127,21 @@ class ClusterIndex:
                 new[:, : old.shape[1]] = old
                 setattr(self, name, new)
 
+    def want_order(self, slots: np.ndarray, policy: str) -> None:
+        """Build this list's kept order under the policy at the next `tidy_orders`."""
+        if len(self._wanted) < _CANDIDATE_CACHE:
+            self._wanted.append((slots, policy))
+
     def tidy_orders(self) -> int:
         """Between calls: merge the recent lists' kept policy orders that need it (more than
         `PolicyOrder.REBUILD` changed positions), so that the next decision does not (a merge is
         ~0.2 ms at 5,000 candidates, a decision's p99 otherwise). The service calls it once a
         decision has answered (`filtering`); a decision still merges if these fell behind.
         How many orders were merged."""
+        wanted, self._wanted = self._wanted, []
+        for slots, policy in wanted:
+            if self._resolved.get(id(slots)):  # (still a list of the candidate cache)
+                self._columns(slots).order(policy)
         return sum(columns.tidy() for columns in self._column_cache.kept.values())
 
     def _columns(self, slots: np.ndarray) -> _Columns:

@@ -41,6 +41,15 @@ class SchedulerMetrics:
         self.unschedulable = Counter(
             "tessera_scheduler_unschedulable_total", "Pods that fit no candidate node", registry=r
         )
+        self.backlog_deferred = Counter(
+            "tessera_scheduler_backlog_deferred_total",
+            "Retries of refused pods answered without an evaluation: the backlog was over its "
+            "share of the scheduler (backlog.py)", registry=r,
+        )  # fmt: skip
+        self.backlog_cpu = Counter(
+            "tessera_scheduler_backlog_cpu_seconds_total",
+            "CPU the filter spent on calls that refused the pod", registry=r,
+        )  # fmt: skip
         self.placed = Counter(
             "tessera_scheduler_reservations_total", "Reservations written to the ledger",
             registry=r,

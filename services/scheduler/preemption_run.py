@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,6 +189,11 @@ class Preemptor:
     # not every pod of the cluster. None: no watch says otherwise (the pods are taken as known).
     pods_listed: asyncio.Event | None = None
     pod_events: PodEventRecorder | None = None  # the victims' `Preempted` events
+    # how many of `pods` have each priority (kept by `observe_pod`): whether anyone could be
+    # evicted for a pod is a min over the distinct priorities, not a scan of every pod per
+    # refusal (a backlog of unschedulable pods asks on every retry)
+    priority_counts: Counter[int] = field(default_factory=Counter)
+    _counted: int = 0  # len(pods) when priority_counts was last made whole
 
     @property
     def index(self) -> ClusterIndex:
@@ -206,14 +212,34 @@ class Preemptor:
         if not isinstance(uid, str) or not uid:
             return
         if event.type == "DELETED":
-            self.pods.pop(uid, None)
+            self._count(self.pods.pop(uid, None), None)
             self.attempts.pop(uid, None)
             self.priority_map = None
             return
         facts = pod_facts(event.object)
-        if self.pods.get(uid) != facts:
+        old = self.pods.get(uid)
+        if old != facts:
             self.priority_map = None
+        self._count(old, facts)
         self.pods[uid] = facts
+
+    def _count(self, old: PodFacts | None, new: PodFacts | None) -> None:
+        counts = self.priority_counts
+        if old is not None:
+            counts[old.priority] -= 1
+            if counts[old.priority] <= 0:
+                del counts[old.priority]
+            self._counted -= 1
+        if new is not None:
+            counts[new.priority] += 1
+            self._counted += 1
+
+    def _lowest_priority(self) -> int | None:
+        """The lowest priority among `pods` (None: no pod)."""
+        if self._counted != len(self.pods):  # (pods set other than through observe_pod)
+            self.priority_counts = Counter(f.priority for f in self.pods.values())
+            self._counted = len(self.pods)
+        return min(self.priority_counts, default=None)
 
     def observe_ledger(self, node: str, ledger: NodeLedger | LedgerWire | None) -> None:
         """A ledger entry the watch applied: nominations in it are followed by the tick (any
@@ -443,7 +469,8 @@ class Preemptor:
         if not ident.uid or not may_preempt(pod):
             return None
         priority = pod_priority(pod)
-        if not any(f.priority < priority for f in self.pods.values()):
+        lowest = self._lowest_priority()
+        if lowest is None or lowest >= priority:
             return None  # nobody to evict (e.g. no PriorityClasses in use): cost nothing
         now = self.clock()
         last = self.attempts.get(ident.uid)

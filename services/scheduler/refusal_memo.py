@@ -37,6 +37,9 @@ class RefusalMemo:
         self.names: list[tuple[str, ...]] = [()]  # the reason names of each id
         self._ids: dict[tuple[str, tuple[str, ...]], int] = {}
         self._array: np.ndarray | None = None  # `texts` as an object array (gathers)
+        # the reason of every node of a shape (`refusal_shapes.group`: its exact key), valid
+        # for as long as the memo (the key holds everything the refusal depends on)
+        self.shapes: dict[bytes, int] = {}
 
     def grow(self, capacity: int) -> None:
         if len(self.stamp) < capacity:
@@ -50,18 +53,22 @@ class RefusalMemo:
         """The reason id found at `slot` at this row version, or None."""
         return int(self.reason[slot]) if self.stamp[slot] == version else None
 
+    def intern(self, text: str | None, names: tuple[str, ...]) -> int:
+        """The id of a reason (`text` None: the node fits, FITS)."""
+        if text is None:
+            return FITS
+        found = self._ids.get((text, names), -1)
+        if found < 0:
+            found = len(self.texts)
+            self._ids[(text, names)] = found
+            self.texts.append(text)
+            self.names.append(names)
+            self._array = None
+        return found
+
     def put(self, slot: int, version: int, text: str | None, names: tuple[str, ...]) -> int:
         """Remember the node's refusal (`text` None: it fits); its id."""
-        if text is None:
-            found = FITS
-        else:
-            found = self._ids.get((text, names), -1)
-            if found < 0:
-                found = len(self.texts)
-                self._ids[(text, names)] = found
-                self.texts.append(text)
-                self.names.append(names)
-                self._array = None
+        found = self.intern(text, names)
         self.stamp[slot] = version
         self.reason[slot] = found
         return found

@@ -81,11 +81,13 @@ def test_retried_refusals_are_exact_and_refit_only_changed_nodes(
         decision.explain_rest()
         assert decision.failed == want, f"call {i}"
         assert decision.reason_counts == want_counts, f"call {i}"
-        # fitted: those this request never met, and at most the nodes changed since (a write
-        # may leave a row as it was: `ClusterIndex._kept_row`)
+        # fitted: at most those this request never met and the nodes changed since (a write
+        # may leave a row as it was: `ClusterIndex._kept_row`); nodes of one shape are fitted
+        # once (`refusal_shapes`: test_refusal_shapes.py), so maybe fewer
         fresh = set(window) - seen.get(shape, set())
         refitted = fits["n"] - before
-        assert len(fresh) <= refitted <= len((changed_since[shape] & set(window)) | fresh)
+        assert refitted <= len((changed_since[shape] & set(window)) | fresh)
+
         seen[shape] = seen.get(shape, set()) | set(window)
         changed_since[shape] = changed_since.get(shape, set()) - set(window)
         # Between retries other pods are placed and nodes change.
