@@ -1,10 +1,11 @@
 """Generate the gRPC stubs of protos/ on first use, once per proto content.
 
 The .proto files are ours (``protos/deviceplugin/v1beta1/api.proto``,
-``protos/podresources/v1/api.proto``). Stubs are generated with grpcio-tools into a directory
-named by the digest of the protos and the tool versions, so a changed proto or an upgraded
-protobuf regenerates by itself, and several processes starting at once never see half a tree
-(each generates into a private temporary directory and renames it into place).
+``protos/podresources/v1/api.proto``, and for DRA ``protos/pluginregistration/v1``,
+``protos/dra/v1``, ``protos/drahealth/{v1alpha1,v1}``). Stubs are generated with grpcio-tools
+into a directory named by the digest of the protos and the tool versions, so a changed proto or
+an upgraded protobuf regenerates by itself, and several processes starting at once never see
+half a tree (each generates into a private temporary directory and renames it into place).
 
 Where the stubs go: ``tessera/kubeapi/generated/<digest>/`` when the package directory is
 writable (a source checkout, ``make protos``), else the user's cache directory (a read-only
@@ -24,7 +25,14 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-PROTO_FILES = ("deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto")
+PROTO_FILES = (
+    "deviceplugin/v1beta1/api.proto",
+    "podresources/v1/api.proto",
+    "pluginregistration/v1/api.proto",
+    "dra/v1/api.proto",
+    "drahealth/v1alpha1/api.proto",
+    "drahealth/v1/api.proto",
+)
 COMPLETE_MARKER = "COMPLETE"
 
 
