@@ -55,7 +55,8 @@ def put_mutation(node: str, allocation: Allocation):
     def mutate(current: NodeLedger | None) -> NodeLedger:
         ledger = current or NodeLedger(node=node)
         existing = ledger.allocations.get(allocation.pod_uid)
-        if existing is not None and existing.active and existing.containers == allocation.containers:
+        same = existing is not None and existing.containers == allocation.containers
+        if same and existing.active:
             raise NoChange
         if existing is not None and existing.reason != DRA_REASON and existing.active:
             raise ValueError(

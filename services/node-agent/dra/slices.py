@@ -136,7 +136,7 @@ def build_slice(
             "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
             "devices": [
                 device_entry(d, driver_version=driver_version, default_cores=default_cores,
-                             taint_time=taint_time)  # fmt: skip
+                             taint_time=taint_time)
                 for d in published(devices)
             ],
         },

@@ -1,0 +1,272 @@
+"""Tessera's DRA driver over real unix-socket gRPC, as kubelet calls it, with real NATS.
+
+The test plays kubelet: it finds the registration socket, asks GetInfo, and calls
+NodePrepareResources / NodeUnprepareResources on the endpoint it was given. The claims are
+what kube-scheduler's allocator writes (status.allocation with consumedCapacity) and live in
+the in-memory cluster behind the cluster port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from tessera.node_agent.containers import ContainerStore
+from tessera.node_agent.dra import cdi, names
+from tessera.node_agent.dra.driver import DraDriver
+from tessera.node_agent.dra.endpoint import DraEndpoint
+from tessera.node_agent.dra.settings import DraSettings
+from tessera.node_agent.state import DeviceState
+
+from tessera import bus
+from tessera.cluster.memory import InMemoryCluster
+from tessera.kubeapi import dra, dra_grpc, drahealth, drahealth_grpc, reg, reg_grpc
+from tessera.models import DeviceInfo, NodeLedger
+from tessera.region import read_limits
+from tessera.settings import TesseraSettings
+
+GPU_TYPE = "NVIDIA-A100-SXM4-80GB"
+
+
+def devices(split: int = 4) -> list[DeviceInfo]:
+    return [
+        DeviceInfo(uuid=f"GPU-{i:04d}-{uuid.uuid4().hex[:8]}", index=i, type=GPU_TYPE,
+                   memory_mib=16000, split_count=split, numa=i)
+        for i in range(2)
+    ]
+
+
+def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool = False):
+    pod_uid = str(uuid.uuid4())
+    claim_uid = str(uuid.uuid4())
+    name = f"p-{pod_uid[:6]}"
+    claim_name = f"{name}-gpu-abcde"
+    pod = {
+        "metadata": {"name": name, "namespace": "team", "uid": pod_uid},
+        "spec": {
+            "nodeName": node,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "slice"}],
+            "containers": [
+                {"name": "main", "resources": {"claims": [{"name": "gpu"}]}},
+                {"name": "side", "resources": {}},
+            ],
+        },
+        "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": claim_name}]},
+    }
+    results = [{
+        "request": "gpu", "driver": names.DRIVER_NAME, "pool": node, "device": device,
+        "consumedCapacity": {"memory": memory, "cores": cores, "slots": "1"},
+        "shareID": uuid.uuid4().hex[:8],
+    }]  # fmt: skip
+    if two:
+        results.append({"request": "gpu", "driver": "other.example.com", "pool": node,
+                         "device": "x"})  # fmt: skip
+    claim = {
+        "metadata": {"name": claim_name, "namespace": "team", "uid": claim_uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": names.DEVICE_CLASS}}]}},
+        "status": {
+            "allocation": {"devices": {"results": results}},
+            "reservedFor": [{"resource": "pods", "name": name, "uid": pod_uid}],
+        },
+    }
+    return pod, claim
+
+
+class Harness:
+    def __init__(self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster) -> None:
+        self.base = base
+        self.node = node
+        self.cluster = cluster
+        self.buckets = buckets
+        self.settings = TesseraSettings(region_host_dir=str(base / "regions"),
+                                        libvgpu_host_path="/opt/vgpu/libvgpu.so")  # fmt: skip
+        self.dra = DraSettings(kubelet_dir=str(base / "kl"), cdi_dir=str(base / "cdi"),
+                               driver_version="560.35.03")  # fmt: skip
+        self.state = DeviceState(devices())
+        self.store = ContainerStore(self.settings.region_host_dir)
+        self.store.ensure_root()
+        self.driver = DraDriver(
+            settings=self.settings, dra=self.dra, node=node, state=self.state, store=self.store,
+            ledger_kv=buckets.ledger, js=nc.jetstream(), cluster=cluster,
+            log=logging.getLogger("test.dra"),
+        )
+        self.endpoint = DraEndpoint(self.driver, poll_s=0.05)
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Harness:
+        self.task = asyncio.create_task(self.endpoint.run(self.stop))
+        await wait_for(lambda: self.endpoint.registry_socket.exists()
+                       and self.endpoint.publisher.publishes > 0)  # fmt: skip
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop.set()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 10)
+
+    async def kubelet_prepare(self, claim: dict) -> dra.NodePrepareResourcesResponse:
+        info = await self.info()
+        meta = claim["metadata"]
+        async with grpc.aio.insecure_channel(f"unix://{info.endpoint}") as channel:
+            return await dra_grpc.DRAPluginStub(channel).NodePrepareResources(
+                dra.NodePrepareResourcesRequest(claims=[dra.Claim(
+                    namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])]),
+                timeout=10)  # fmt: skip
+
+    async def kubelet_unprepare(self, claim: dict) -> dra.NodeUnprepareResourcesResponse:
+        info = await self.info()
+        meta = claim["metadata"]
+        async with grpc.aio.insecure_channel(f"unix://{info.endpoint}") as channel:
+            return await dra_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+                dra.NodeUnprepareResourcesRequest(claims=[dra.Claim(
+                    namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])]),
+                timeout=10)  # fmt: skip
+
+    async def info(self) -> reg.PluginInfo:
+        async with grpc.aio.insecure_channel(f"unix://{self.endpoint.registry_socket}") as ch:
+            return await reg_grpc.RegistrationStub(ch).GetInfo(reg.InfoRequest(), timeout=5)
+
+    async def ledger(self) -> NodeLedger | None:
+        current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
+        return current.value if current else None
+
+
+async def wait_for(condition, timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def node() -> str:
+    return f"dra-{uuid.uuid4().hex[:8]}"
+
+
+async def test_registers_as_a_dra_plugin_and_publishes_capacities(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        info = await h.info()
+        assert info.type == "DRAPlugin" and info.name == "gpu.tessera.io"
+        assert list(info.supported_versions) == ["v1.DRAPlugin"]
+        assert Path(info.endpoint).is_socket()
+        [published] = await cluster.list_resource_slices(driver=names.DRIVER_NAME, node=node)
+        spec = published["spec"]
+        assert spec["pool"] == {"name": node, "generation": 1, "resourceSliceCount": 1}
+        gpu0 = spec["devices"][0]
+        assert gpu0["name"] == "gpu-0" and gpu0["allowMultipleAllocations"] is True
+        assert gpu0["attributes"]["uuid"] == {"string": h.state.devices()[0].uuid}
+        assert gpu0["attributes"]["model"] == {"string": "A100-SXM4-80GB"}
+        assert gpu0["attributes"]["driverVersion"] == {"version": "560.35.3"}
+        assert gpu0["capacity"]["memory"]["value"] == "16000Mi"
+        assert gpu0["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Mi"
+        assert gpu0["capacity"]["cores"]["requestPolicy"]["validRange"]["max"] == "100"
+        assert gpu0["capacity"]["slots"] == {
+            "value": "4", "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}}}
+
+
+async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
+        short_dir, nc, buckets, node):  # fmt: skip
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        pod, claim = pod_and_claim(node, "gpu-1", "4Gi", "30", two=True)
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert answer.error == ""
+        [device] = answer.devices  # the other driver's device is not ours to prepare
+        assert (device.pool_name, device.device_name) == (node, "gpu-1")
+        cdi_id = f"tessera.io/gpu=claim-{claim['metadata']['uid']}"
+        assert list(device.cdi_device_ids) == [cdi_id]
+
+        # the CDI spec mounts what Allocate mounts, the limits sealed in the mounted dir
+        spec = json.loads(cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).read_text())
+        assert spec["kind"] == "tessera.io/gpu"
+        edits = spec["devices"][0]["containerEdits"]
+        mounts = {m["containerPath"]: m for m in edits["mounts"]}
+        assert mounts["/usr/local/vgpu/libvgpu.so"]["hostPath"] == "/opt/vgpu/libvgpu.so"
+        assert "ro" in mounts["/etc/ld.so.preload"]["options"]
+        limits_dir = mounts["/run/tessera/limits"]["hostPath"]
+        sealed = read_limits(limits_dir)
+        gpu1 = h.state.devices()[1].uuid
+        assert sealed is not None and [(d.uuid, d.mem_limit_bytes, d.sm_limit_pct)
+                                       for d in sealed.devices] == [(gpu1, 4096 << 20, 30)]
+        assert "CUDA_DEVICE_MEMORY_LIMIT_0=4096m" in edits["env"]
+
+        # the ledger holds the pod's allocation, as an extender allocation once allocated
+        ledger = await h.ledger()
+        assert ledger is not None
+        allocation = ledger.allocations[pod["metadata"]["uid"]]
+        assert allocation.state == "allocated"
+        assert allocation.container_names == ["main", "side"]
+        assert [[(g.uuid, g.memory_mib, g.cores) for g in c] for c in allocation.containers] == [
+            [(gpu1, 4096, 30)], []]
+
+        # kubelet retries: the same answer, nothing prepared twice
+        again = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert list(again.devices[0].cdi_device_ids) == [cdi_id]
+        assert len(h.store.for_pod(pod["metadata"]["uid"])) == 1
+
+        gone = (await h.kubelet_unprepare(claim)).claims[claim["metadata"]["uid"]]
+        assert gone.error == ""
+        assert not cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).exists()
+        assert not Path(limits_dir).exists()
+        ledger = await h.ledger()
+        assert ledger is not None and pod["metadata"]["uid"] not in ledger.allocations
+
+
+async def test_bad_claims_get_a_sentence_and_nothing_is_sealed(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        pod, claim = pod_and_claim(node, "gpu-0", "20000Mi", "30")
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert "20000 MiB of gpu-0, which offers 16000 MiB" in answer.error
+        pod2, claim2 = pod_and_claim(node, "gpu-7", "1Gi", "10")
+        cluster.add_pod(pod2)
+        cluster.put_resource_claim(claim2)
+        answer2 = (await h.kubelet_prepare(claim2)).claims[claim2["metadata"]["uid"]]
+        assert "device 'gpu-7' is not one this node offers" in answer2.error
+        missing = {"metadata": {"name": "nope", "namespace": "team", "uid": "u-1"}}
+        answer3 = (await h.kubelet_prepare(missing)).claims["u-1"]
+        assert "not found" in answer3.error
+        assert h.store.all() == [] and cdi.prepared_claims(h.dra.cdi_dir) == []
+        assert await h.ledger() is None
+
+
+async def test_an_unhealthy_gpu_is_tainted_and_streamed(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        async with grpc.aio.insecure_channel(f"unix://{h.endpoint.dra_socket}") as channel:
+            stream = drahealth_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                drahealth.NodeWatchResourcesRequest())
+            first = await stream.read()
+            assert {d.device.device_name: d.health for d in first.devices} == {
+                "gpu-0": drahealth.HEALTHY, "gpu-1": drahealth.HEALTHY}
+            sick = [d.model_copy(update={"healthy": d.index != 0}) for d in h.state.devices()]
+            await h.state.update(sick)
+            second = await stream.read()
+            assert {d.device.device_name: d.health for d in second.devices}["gpu-0"] == (
+                drahealth.UNHEALTHY)
+            stream.cancel()
+
+        async def tainted() -> list:
+            [s] = await cluster.list_resource_slices(node=node)
+            return s["spec"]["devices"][0].get("taints") or []
+
+        for _ in range(300):
+            if await tainted():
+                break
+            await asyncio.sleep(0.02)
+        [taint] = await tainted()
+        assert taint["key"] == "gpu.tessera.io/unhealthy" and taint["effect"] == "NoSchedule"
+        [s] = await cluster.list_resource_slices(node=node)
+        assert s["spec"]["pool"]["generation"] == 2
