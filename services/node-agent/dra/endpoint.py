@@ -141,7 +141,7 @@ class SlicePublisher:
         return slices.build_slice(
             self.driver.node, self.driver.state.devices(), generation=generation,
             driver_version=dra_settings.driver_version or "0.0.0",
-            default_cores=dra_settings.default_cores,
+            default_cores=self.driver.settings.default_cores,
             taint_time=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )  # fmt: skip
 

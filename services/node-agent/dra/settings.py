@@ -21,7 +21,5 @@ class DraSettings(BaseSettings):
     cdi_dir: str = Field("/var/run/cdi", description="where the CDI specs of prepared claims go")
     driver_version: str = Field("", description="the NVIDIA driver version published as the "
                                 "driverVersion attribute ('' = NVML's, else 0.0.0)")  # fmt: skip
-    default_cores: int = Field(0, ge=0, le=100, description="cores a request that names none "
-                               "consumes (HAMi's defaultCores)")  # fmt: skip
     publish_interval_s: float = Field(5.0, gt=0, description="how often the published slice is "
                                       "checked against the devices (changes go out at once)")
