@@ -29,6 +29,7 @@ def pod_allocation(
     priority: int = 1,
     core_policy: str = "default",
     at: float | None = None,
+    quota_held: bool = False,
 ) -> Allocation | None:
     """The pod's allocation from its prepared claims (None when it holds none)."""
     held = list(claims)
@@ -44,7 +45,7 @@ def pod_allocation(
         pod_uid=first.pod_uid, namespace=first.namespace, name=first.pod, node=node,
         containers=containers, init_count=min(init_count, count),
         state=AllocationState.ALLOCATED, created_at=stamp, updated_at=stamp,
-        priority=priority, core_policy=core_policy, reason=DRA_REASON,
+        priority=priority, core_policy=core_policy, reason=DRA_REASON, quota_held=quota_held,
         container_names=list(container_names) + [""] * (count - len(container_names)),
     )  # fmt: skip
 

@@ -34,6 +34,7 @@ from ..containers import ContainerStore, PreparedContainer
 from ..state import DeviceState
 from . import accounting, cdi
 from .claims import ClaimError, PreparedClaim, container_names, plan, reserved_pods
+from .quota import DraQuota, QuotaRefused
 from .settings import DraSettings
 
 RECORDS_DIR = ".dra"  # under the region dir: a dot-directory is never a pod's (ContainerStore)
@@ -102,6 +103,7 @@ class DraDriver:
         log: logging.Logger,
         node_settings: Callable[[], TesseraSettings] | None = None,
         source: str = "",
+        quota: DraQuota | None = None,
     ) -> None:
         self.settings = settings
         self.dra = dra
@@ -115,6 +117,7 @@ class DraDriver:
         self.node_settings = node_settings or (lambda: settings)
         self.source = source or f"node-agent/{node}/dra"
         self.records = ClaimRecords(Path(settings.region_host_dir))
+        self.quota = quota
         self._lock = asyncio.Lock()  # one claim at a time: the ledger body reads the records
 
     # --- prepare ---------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class DraDriver:
             except ClaimError as exc:
                 raise PrepareError(str(exc)) from exc
             self._check_one_claim_per_container(record)
+            await self._hold_quota(record, [*self.records.of_pod(record.pod_uid), record], pod)
             record = await asyncio.to_thread(self._materialise, record, pod)
             self.records.put(record)
             await self._record_in_ledger(record.pod_uid, pod)
@@ -224,6 +228,10 @@ class DraDriver:
             await asyncio.to_thread(self._scrub, record)
             self.records.drop(uid)
             await self._record_in_ledger(record.pod_uid)
+            try:
+                await self._hold_quota(record, self.records.of_pod(record.pod_uid), None)
+            except PrepareError as exc:  # freed on the node; the scheduler's release frees it
+                self.log.warning("quota charge not reduced", extra={"err": str(exc)})
             await self._publish("released", record, None)
             self.log.info("claim unprepared", extra={
                 "claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}"})
@@ -233,6 +241,19 @@ class DraDriver:
         for cdir in self.store.for_pod(record.pod_uid):
             if cdir.prepared.device_ids == [record.cdi_device]:
                 self.store.remove_container(cdir)
+
+    async def _hold_quota(self, record: PreparedClaim, held: list[PreparedClaim],
+                          pod: dict | None) -> None:  # fmt: skip
+        if self.quota is None:
+            return
+        allocation = accounting.pod_allocation(
+            self.node, held, container_names=container_names(pod) if pod else [],
+            init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
+        ) if held else None  # fmt: skip
+        try:
+            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation)
+        except QuotaRefused as exc:
+            raise PrepareError(str(exc)) from exc
 
     # --- the ledger and the event stream -----------------------------------------------------
 
@@ -250,6 +271,7 @@ class DraDriver:
             allocation = accounting.pod_allocation(
                 self.node, held, container_names=names, init_count=init,
                 core_policy=self.node_settings().core_policy,
+                quota_held=self.quota is not None and self.quota.enabled,
             )
             assert allocation is not None
             body = accounting.put_mutation(self.node, allocation)

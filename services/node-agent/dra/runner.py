@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from .driver import DraDriver
 from .endpoint import DraEndpoint
+from .quota import DraQuota
 from .settings import DraSettings
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def start_driver(agent: NodeAgent, stop: asyncio.Event,
         ledger_kv=agent.buckets.ledger, js=agent.js, cluster=agent.cluster, log=agent.log,
         node_settings=agent.configurator.node_settings,
         source=f"node-agent/{agent.node}/{agent.instance}",
+        quota=DraQuota(agent.nc, agent.settings, agent.clock),
     )
     endpoint = DraEndpoint(driver)
     agent.dra = endpoint
