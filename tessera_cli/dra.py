@@ -63,3 +63,86 @@ def slice_published(api_url: str, node: str) -> bool:
             return bool(json.loads(reply.read()).get("spec", {}).get("devices"))
     except (OSError, ValueError):
         return False
+
+
+def _mib(value: Any) -> int:
+    from tessera.quantity import QuantityError, parse
+
+    try:
+        return int(parse(value).value) >> 20
+    except QuantityError:
+        return 0
+
+
+def _whole(value: Any) -> int:
+    from tessera.quantity import QuantityError, parse
+
+    try:
+        return int(parse(value).value)
+    except QuantityError:
+        return 0
+
+
+def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, Any]]], list[str]]:
+    """A DRA pod's slices per container (as `pod_gpus` gives an extender pod's) from its
+    ResourceClaims' allocations (consumedCapacity) and the driver's ResourceSlice (the GPU's
+    UUID and type), and one line per claim for `describe`."""
+    from .locate import CliError
+
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    namespace = meta.get("namespace", "default")
+    generated = {s.get("name"): s.get("resourceClaimName")
+                 for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    local = {}
+    for entry in spec.get("resourceClaims") or []:
+        name = entry.get("resourceClaimName") or generated.get(entry.get("name"))
+        if name:
+            local[entry.get("name")] = name
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    grants: list[list[dict[str, Any]]] = [[] for _ in containers]
+    lines: list[str] = []
+    slices: dict[str, dict[str, Any]] = {}
+    counted: set[str] = set()
+    for index, container in enumerate(containers):
+        for ref in (container.get("resources") or {}).get("claims") or []:
+            claim_name = local.get(ref.get("name"))
+            if not claim_name or claim_name in counted:
+                continue
+            counted.add(claim_name)
+            try:
+                claim = client.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/"
+                                   f"resourceclaims/{claim_name}")  # fmt: skip
+            except CliError:
+                lines.append(f"{claim_name}: not found")
+                continue
+            results = (((claim.get("status") or {}).get("allocation") or {}).get("devices")
+                       or {}).get("results") or []  # fmt: skip
+            if not results:
+                lines.append(f"{claim_name}: not allocated yet")
+            for result in results:
+                if result.get("driver") != DRIVER:
+                    lines.append(f"{claim_name}: {result.get('driver')}/{result.get('device')}")
+                    continue
+                pool = str(result.get("pool", ""))
+                if pool not in slices:
+                    try:
+                        slices[pool] = client.get(f"/apis/resource.k8s.io/v1/resourceslices/"
+                                                  f"{pool}-{DRIVER}")  # fmt: skip
+                    except CliError:
+                        slices[pool] = {}
+                device = next((d for d in (slices[pool].get("spec") or {}).get("devices") or []
+                               if d.get("name") == result.get("device")), {})  # fmt: skip
+                attrs = device.get("attributes") or {}
+                consumed = result.get("consumedCapacity") or {}
+                grant = {
+                    "uuid": (attrs.get("uuid") or {}).get("string", result.get("device")),
+                    "type": (attrs.get("type") or {}).get("string", ""),
+                    "memory_mib": _mib(consumed.get("memory", "0")),
+                    "cores": _whole(consumed.get("cores", "0")),
+                }
+                grants[index].append(grant)
+                share = result.get("shareID")
+                lines.append(f"{claim_name}: {pool}/{result.get('device')}"
+                             + (f" share {share}" if share else ""))
+    return grants, lines
