@@ -238,7 +238,16 @@ class DraEndpoint:
         except ClusterError as exc:
             log.warning("ResourceSlice not published", extra={"err": str(exc)})
 
+    async def _announce_mode(self) -> None:
+        """The Node says it is in DRA mode: the extender leaves it to the allocator."""
+        try:
+            await self.driver.cluster.patch_node_annotations(
+                self.driver.node, {names.ANN_ALLOCATION_MODE: "dra"})
+        except ClusterError as exc:
+            log.warning("DRA-mode annotation not written", extra={"err": str(exc)})
+
     async def run(self, stop: asyncio.Event) -> None:
+        await self._announce_mode()
         await self._serve()
         await self.driver.reconcile()
         await self._publish()

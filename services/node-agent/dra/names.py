@@ -25,6 +25,9 @@ CAP_MEMORY = "memory"  # bytes, published in MiB steps ("81920Mi")
 CAP_CORES = "cores"  # percent of one card's compute, 100 × core scaling in all
 CAP_SLOTS = "slots"  # HAMi's split count: how many allocations a card holds; each takes one
 
+# The Node annotation a DRA-mode agent writes: the scheduler extender never places there.
+ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
+
 # The taint an unhealthy GPU carries (KEP-5055 device taints).
 TAINT_UNHEALTHY = "gpu.tessera.io/unhealthy"
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from tessera.cluster.port import ClusterError
+
 from .driver import DraDriver
 from .endpoint import DraEndpoint
+from .names import ANN_ALLOCATION_MODE
 from .quota import DraQuota
 from .settings import DraSettings
 
@@ -25,12 +28,26 @@ def driver_version(agent: NodeAgent, dra: DraSettings) -> str:
     return str(found or "0.0.0")
 
 
+async def leave_dra_mode(agent: NodeAgent) -> None:
+    """Drop the node's DRA-mode annotation if an earlier run in DRA mode left it."""
+    try:
+        node = await agent.cluster.get_node(agent.node)  # type: ignore[union-attr]
+        annotations = (node.get("metadata") or {}).get("annotations") or {}
+        if ANN_ALLOCATION_MODE in annotations:
+            await agent.cluster.patch_node_annotations(  # type: ignore[union-attr]
+                agent.node, {ANN_ALLOCATION_MODE: None})
+    except ClusterError as exc:
+        agent.log.info("allocation-mode annotation not checked", extra={"err": str(exc)})
+
+
 def start_driver(agent: NodeAgent, stop: asyncio.Event,
                  dra: DraSettings | None = None) -> DraEndpoint | None:  # fmt: skip
     """The driver and its endpoint, running until `stop`; None in extender mode. Needs the
     cluster port (claims are read from the API server)."""
     dra = dra or DraSettings()
     if not dra.enabled:
+        if agent.cluster is not None:  # back in extender mode: the scheduler may place here
+            agent.dra_task = asyncio.create_task(leave_dra_mode(agent))
         return None
     if agent.cluster is None:
         raise RuntimeError("DRA mode needs the cluster API (TESSERA_CLUSTER / a kubeconfig): "
