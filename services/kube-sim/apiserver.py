@@ -39,6 +39,8 @@ from tessera.kube_sim import (
     tables,
     validation,
 )
+from tessera.kube_sim.dra import objects as dra_objects
+from tessera.kube_sim.dra import printers as _dra_printers  # noqa: F401  (Table columns)
 from tessera.kube_sim.identity import Authentication, TokenTable
 from tessera.kube_sim.objects import (
     WORKLOADS,
@@ -111,6 +113,10 @@ FIELD_LABELS = {
     "Namespace": {"status.phase"},
     "Job": {"status.successful"},
 }
+# Dynamic Resource Allocation (dra/objects.py): the four resource.k8s.io/v1 kinds
+RESOURCES.update(dra_objects.RESOURCES)
+CLUSTER_SCOPED.update(dra_objects.CLUSTER_SCOPED)
+FIELD_LABELS.update(dra_objects.FIELD_LABELS)
 INITIAL_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 IMMUTABLE_META = ("name", "namespace", "uid", "creationTimestamp", "generateName")
 
@@ -512,6 +518,8 @@ class ApiServer:
             obj["status"] = {}
         elif kind == "ResourceQuota":
             quota_status(obj)
+        elif kind in dra_objects.KINDS:
+            dra_objects.prepare(kind, obj)
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}

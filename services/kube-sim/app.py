@@ -12,6 +12,8 @@ from tessera.kube_sim.admission import AdmissionWebhook
 from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.controllers import WorkloadControllers
 from tessera.kube_sim.disruption import Disruption
+from tessera.kube_sim.dra.claims import ClaimController
+from tessera.kube_sim.dra.scheduling import DynamicResources
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
 from tessera.kube_sim.identity import TokenTable
 from tessera.kube_sim.kubeconfig import write_kubeconfigs
@@ -113,6 +115,10 @@ class KubeSim:
         )
         self.nodes = settings.sim_nodes()
         self.controllers = WorkloadControllers(self.api)
+        # Dynamic Resource Allocation (dra/): the resourceclaim controller, the scheduler's
+        # DynamicResources plugin; each kubelet gets its DRA manager (kubelets.py)
+        self.claims = ClaimController(self.store)
+        self.scheduler.dra = DynamicResources(self.store)
 
     async def run(self, stop: asyncio.Event) -> None:
         for node in self.nodes:
@@ -144,6 +150,9 @@ class KubeSim:
         kubelets = await self._start_kubelets()
         scheduler_task = asyncio.create_task(self.scheduler.run(stop))
         controllers_task = asyncio.create_task(self.controllers.run(stop))
+        claims_task = asyncio.create_task(self.claims.run(stop))
+        dra_retry_task = asyncio.create_task(
+            self.scheduler.dra.follow(self.scheduler.move_all_to_active, stop))
         log.info(
             "kube-sim ready",
             extra={"listen": self.settings.listen, "nodes": [n.name for n in self.nodes]},
@@ -156,6 +165,8 @@ class KubeSim:
                     await kubelet.stop()
             await scheduler_task
             await controllers_task
+            await claims_task
+            await dra_retry_task
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server_task, 3.0)

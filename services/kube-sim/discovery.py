@@ -77,6 +77,12 @@ TYPES: tuple[ResourceType, ...] = (
                  namespaced=False, short_names=("pc",), verbs=("create", "delete", "get", "list")),
     ResourceType("poddisruptionbudgets", "PodDisruptionBudget", group="policy",
                  short_names=("pdb",), verbs=("create", "delete", "get", "list")),
+    # Dynamic Resource Allocation (dra/)
+    ResourceType("deviceclasses", "DeviceClass", group="resource.k8s.io", namespaced=False),
+    ResourceType("resourceclaims", "ResourceClaim", group="resource.k8s.io",
+                 subresources=("status",)),
+    ResourceType("resourceclaimtemplates", "ResourceClaimTemplate", group="resource.k8s.io"),
+    ResourceType("resourceslices", "ResourceSlice", group="resource.k8s.io", namespaced=False),
 )
 
 

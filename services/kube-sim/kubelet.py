@@ -95,6 +95,8 @@ class ContainerAdmission:
     envs: dict[str, str] = field(default_factory=dict)
     mounts: list[Mount] = field(default_factory=list)
     devices: list[DeviceNode] = field(default_factory=list)
+    # CDI device IDs of the DRA claims the container uses (dra/kubelet.py applied their edits)
+    cdi_devices: list[str] = field(default_factory=list)
     started: bool = False
     error: str = ""
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.kube_sim import fit
+from tessera.kube_sim.dra.kubelet import DraKubelet, without_dra_resources
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
 from tessera.kube_sim.oci import OciContainers, OciSettings
@@ -129,9 +130,13 @@ class NodeKubelet:
         self._queue: asyncio.Queue[KubeObject] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._capacity_dirty = asyncio.Event()
+        # kubelet's DRA manager (dra/kubelet.py): plugins_registry, NodePrepareResources
+        self.dra: DraKubelet | None = None
 
     async def start(self) -> None:
         await self.device_kubelet.start()
+        if self.dra is not None:
+            await self.dra.start()
         watcher = self.store.watch("Pod", Selector(node_name=self.node), self.store.version)
         for pod in self.store.list("Pod", Selector(node_name=self.node)):
             self._arrive(pod)
@@ -169,6 +174,8 @@ class NodeKubelet:
         if self.processes is not None:
             await self.processes.stop_all()
         await self.device_kubelet.stop()
+        if self.dra is not None:
+            await self.dra.stop()
 
     def _plugins_changed(self) -> None:
         self._capacity_dirty.set()
@@ -206,6 +213,8 @@ class NodeKubelet:
         self.device_kubelet.remove_pod(uid)
         if self.processes is not None:
             await self.processes.stop_pod(uid)
+        if self.dra is not None and self.dra.uses(pod):
+            await self.dra.unprepare(pod)  # then its claims are released
 
     async def _admit_forever(self) -> None:
         # kubelet admits pods one at a time (its sync loop), which the node agent relies on.
@@ -240,14 +249,19 @@ class NodeKubelet:
         if (refusal := self._missing_resource(pod)) is not None:
             self._reject(pod, *refusal)
             return
+        if self.dra is not None and self.dra.uses(pod) and not await self._prepare_claims(pod):
+            return
         admission: PodAdmission | None = None
+        devices_pod = without_dra_resources(pod)  # what DRA serves is not the device plugins'
         # the GPU resources, and any other a device plugin registered (MIG instances, ...)
-        if pod_uses(pod, self.gpu_resources + list(self.device_kubelet.plugins)):
-            admission = await self._admit_devices(pod)
+        if pod_uses(devices_pod, self.gpu_resources + list(self.device_kubelet.plugins)):
+            admission = await self._admit_devices(devices_pod)
             if admission is None:
                 return
         else:
             admission = PodAdmission(uid, pod["metadata"]["namespace"], pod["metadata"]["name"])
+        if self.dra is not None:
+            self.dra.apply(pod, admission)  # the CDI devices' env, mounts, device nodes
         self.admissions[uid] = admission
         started = now_rfc3339()
         if self.processes is not None:
@@ -265,6 +279,34 @@ class NodeKubelet:
             "Normal",
             component="kubelet",
         )
+
+    async def _prepare_claims(self, pod: KubeObject) -> bool:
+        """NodePrepareResources for the pod's claims (and its CDI specs resolvable); False: not
+        yet, retried in a second with a FailedPrepareDynamicResources event, as kubelet does."""
+        assert self.dra is not None
+        current = self._current(pod) or pod
+        error = await self.dra.prepare(current)
+        if error is None:
+            try:
+                self.dra.apply(current, PodAdmission("", "", ""))
+            except ValueError as exc:  # cdi.CdiError: a runtime would not create the container
+                error = str(exc)
+        if error is None:
+            return True
+        if self._current(pod) is None:
+            return False
+        record_event(self.store, current, "FailedPrepareDynamicResources",
+                     f"Failed to prepare dynamic resources: {error}", "Warning",
+                     component="kubelet")
+
+        async def later() -> None:
+            await asyncio.sleep(1.0)
+            self._queue.put_nowait(pod)
+
+        task = asyncio.create_task(later())
+        self._arrivals.add(task)
+        task.add_done_callback(self._arrivals.discard)
+        return False
 
     async def _admit_devices(self, pod: KubeObject) -> PodAdmission | None:
         """Allocate, then PreStartContainer per container; None: gave up, or the pod is gone.
@@ -358,6 +400,9 @@ class NodeKubelet:
 
     def _set_status(self, pod: KubeObject, status: dict[str, Any]) -> None:
         def apply(obj: KubeObject) -> None:
+            for kept in ("resourceClaimStatuses", "extendedResourceClaimStatus"):
+                if kept in (obj.get("status") or {}) and kept not in status:
+                    status[kept] = obj["status"][kept]  # the controller's and scheduler's
             obj["status"] = status
 
         with contextlib.suppress(StoreError):
@@ -406,6 +451,12 @@ async def start_kubelets(sim: Any) -> list[NodeKubelet]:
             sim.store, node.name, root, [sim.tessera.resource_name], processes,
             allocate_delay_s=settings.kubelet_delay_s, allocate_jitter_s=settings.kubelet_jitter_s,
         )
+        dra = getattr(sim, "claims", None)
+        if dra is not None:  # kubelet's DRA manager; it releases a deleted pod's claims
+            kubelet.dra = DraKubelet(
+                sim.store, node.name, root / node.name,
+                [Path(d) for d in settings.cdi_spec_dirs.split(":") if d], dra.release)
+            dra.kubelet_nodes.add(node.name)
         await kubelet.start()
         kubelets.append(kubelet)
     sim.api.kubelets = {k.node: k for k in kubelets}

@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 from tessera.kube_sim import validation
+from tessera.kube_sim.dra import objects as dra_objects
 from tessera.kube_sim.store import KubeObject
 
 WORKLOADS = ("Deployment", "ReplicaSet", "Job")
@@ -109,6 +110,8 @@ def validate_update(kind: str, old: KubeObject, new: KubeObject) -> None:
                 f"{POD_MUTABLE}")])
     elif kind == "ResourceQuota":
         quota_status(new)
+    elif kind in dra_objects.KINDS:
+        dra_objects.check_update(kind, old, new)
     elif kind in WORKLOADS:
         validation.prepare_workload(kind, new)
         if old_spec.get("selector") != new_spec.get("selector"):

@@ -78,8 +78,11 @@ def _walk(node: Any, steps: list[str]) -> None:
     step, rest = steps[0], steps[1:]
     if step == "*":
         if isinstance(node, list):
-            for item in node:
-                _walk(item, rest)
+            for index, item in enumerate(node):
+                if rest:
+                    _walk(item, rest)
+                elif item is not None:  # a list of quantities (DRA validValues)
+                    node[index] = parse_quantity(item).canonical()
         return
     if not isinstance(node, dict):
         return
@@ -87,7 +90,10 @@ def _walk(node: Any, steps: list[str]) -> None:
         for key, value in list(node.items()):
             if value is None:
                 continue
-            node[key] = parse_quantity(value).canonical()
+            if rest:  # a map of objects holding quantities (DRA capacities, counters)
+                _walk(value, rest)
+            else:
+                node[key] = parse_quantity(value).canonical()
         return
     if step in node and not rest:  # a single quantity (emptyDir.sizeLimit)
         if node[step] is not None:

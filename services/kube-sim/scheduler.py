@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tessera.kube_sim.apiserver import ApiServer
+from tessera.kube_sim.dra.scheduling import DynamicResources, PodState
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.extender import ExtenderClient, ExtenderError, requests_managed_resource
 from tessera.kube_sim.fit import (
@@ -88,6 +89,9 @@ class SchedulingLoop:
         self._bind_tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self.usage = NodeUsage()  # what bound pods request per node (NodeResourcesFit)
+        # kube-scheduler's DynamicResources plugin (dra/scheduling.py), when DRA is served
+        self.dra: DynamicResources | None = None
+        self._dra_states: dict[Key, PodState] = {}
 
     # --- which pods are ours ----------------------------------------------------------------
 
@@ -233,6 +237,10 @@ class SchedulingLoop:
         wanted = pod_requests(pod)
         names: list[str] = []
         failed: dict[str, list[str]] = {}
+        dra = self.dra.prefilter(pod) if self.dra is not None else None
+        key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
+        if dra is not None:
+            self._dra_states[key] = dra
         for node in self.store.list("Node", Selector()):
             name = node["metadata"]["name"]
             if not node_ready(node):
@@ -242,9 +250,13 @@ class SchedulingLoop:
             elif (refusal := node_refusal(pod, node)) is not None:
                 failed[name] = [refusal]
             else:
-                reasons = insufficient(wanted, node, self.usage.used(name), ignored)
+                left_to_dra = dra.ignored_for(node) if dra is not None else set()
+                reasons = insufficient(wanted, node, self.usage.used(name), ignored | left_to_dra)
                 if reasons:
                     failed[name] = reasons
+                elif dra is not None and self.dra is not None and (
+                        refusal := self.dra.filter(dra, pod, node)) is not None:
+                    failed[name] = [refusal]
                 else:
                     names.append(name)
         return names, failed
@@ -282,6 +294,14 @@ class SchedulingLoop:
         self._start_bind(key, pod, host, via_extender=True)
 
     def _start_bind(self, key: Key, pod: KubeObject, host: str, via_extender: bool) -> None:
+        dra = self._dra_states.pop(key, None)
+        if dra is not None and self.dra is not None:
+            try:  # Reserve + PreBind: the claims' allocation and reservedFor, before the bind
+                self.dra.reserve(dra, pod, host)
+            except StoreError as error:
+                self._unschedulable(key, pod, f"running PreBind plugin \"DynamicResources\": "
+                                    f"{error.message}", reason="SchedulerError")
+                return
         self.usage.add(key, host, pod_requests(pod))  # assumed on the node while binding
         self._binding.add(key)
         self._waiting.pop(key, None)
@@ -311,14 +331,19 @@ class SchedulingLoop:
             log.info("bind failed", extra={"pod": "/".join(key), "node": host, "error": str(error)})
             self._binding.discard(key)
             self.usage.remove(key)
+            if self.dra is not None:
+                self.dra.unreserve(pod)
             self._unschedulable(key, pod, message, reason="SchedulerError", bind_node=host)
             return
         self._binding.discard(key)
+        if self.dra is not None:
+            self.dra.bound(pod)
 
     def _unschedulable(
         self, key: Key, pod: KubeObject, message: str, reason: str = "Unschedulable",
         bind_node: str = "",
     ) -> None:
+        self._dra_states.pop(key, None)
         try:
             current = self.store.get("Pod", *key)
         except StoreError:

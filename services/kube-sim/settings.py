@@ -50,6 +50,10 @@ class KubeSimSettings(BaseSettings):
     kubelet_root: str = Field(
         "/tmp/tessera-kubelet", description="per-node kubelet sockets live in <root>/<node>/"
     )
+    cdi_spec_dirs: str = Field(
+        "", description="colon-separated CDI spec directories kubelets read for DRA devices, "
+        "besides each node's <kubelet_root>/<node>/cdi"
+    )
     kubelet_delay_s: float = Field(
         0.0, ge=0, description="each kubelet admits a bound pod (Allocate) this long after it "
         "appears, as a real kubelet does 0.1-1 s after the bind"

@@ -1,0 +1,17 @@
+"""Dynamic Resource Allocation (`resource.k8s.io/v1`) in kube-sim.
+
+What kube-apiserver, kube-controller-manager's resourceclaim controller, kube-scheduler's
+DynamicResources plugin and kubelet's DRA manager do, one module each:
+
+- `objects.py`: the four kinds' defaults, validation, immutable fields, canonical quantities;
+  `printers.py`: their `kubectl get` columns;
+- `cel.py`: CEL device selectors (cel-python) with Kubernetes' quantity and semver libraries;
+- `model.py`: ResourceSlices read into devices and pools, and what allocated claims hold;
+- `allocator.py`: the structured allocator (pure);
+- `claims.py`: the resourceclaim controller (claims from templates, pod claim statuses,
+  reservations released and claims deleted with their pod);
+- `scheduling.py`: the scheduler plugin (prefilter, filter per node, reserve before the bind,
+  extended-resource mapping);
+- `cdi.py`: CDI spec files and a container's edits; `kubelet.py`: plugin registration through
+  plugins_registry, NodePrepareResources / NodeUnprepareResources.
+"""

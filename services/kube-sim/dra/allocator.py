@@ -1,0 +1,439 @@
+"""The structured allocator, as kube-scheduler's DynamicResources plugin runs it (pure).
+
+For one pod on one node: every claim not yet allocated gets devices from the pools the node
+reaches, or none does. The rules are the `resource.k8s.io/v1` API reference's:
+
+- a request is `exactly` one (DeviceClass, selectors, `allocationMode` ExactCount with `count`
+  (default 1) or All, `capacity.requests`, `tolerations`, `adminAccess`) or `firstAvailable`: a
+  list of subrequests tried in order (the result names `<request>/<subrequest>`);
+- a device qualifies when every class selector and request selector (CEL) is true, every taint
+  is tolerated (`NoSchedule`/`NoExecute`), and each requested capacity can be met;
+- a device without `allowMultipleAllocations` goes to one request of one claim; one with it is
+  shared: each allocation consumes capacity (the request, or the policy's `default`, or all of
+  it), rounded up by the capacity's `requestPolicy` (`validValues`: the smallest valid value ≥
+  the request; `validRange`: at least `min`, up to `min + n·step`, never above `max`), and the
+  sum never exceeds the capacity; each share gets a `shareID` and its `consumedCapacity`;
+- partitionable devices consume `sharedCounters` of their pool while allocated; the sum of the
+  devices in use never exceeds a counter set;
+- `matchAttribute` constraints need the same value, `distinctAttribute` distinct values, across
+  the devices of the requests they name (all requests when none named).
+
+The search backtracks (the first solution in device order wins, as upstream: no scoring) within
+a step budget. A failure carries a reason for logs and tests; kube-scheduler's per-node message
+is `cannot allocate all claims`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from tessera.kube_sim.dra import cel
+from tessera.kube_sim.dra.model import Device, KubeObject, Pool, Usage, maybe_quantity
+
+from tessera.quantity import canonical
+
+UNSCHEDULABLE = "cannot allocate all claims"
+MAX_STEPS = 200_000
+
+
+@dataclass
+class Alternative:
+    """One way to satisfy a request: the request itself, or one subrequest of firstAvailable."""
+
+    result_name: str  # "gpu" or "gpu/small"
+    class_name: str
+    selectors: list[str]
+    mode: str = "ExactCount"
+    count: int = 1
+    capacity: dict[str, Fraction] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    admin_access: bool = False
+
+
+@dataclass
+class Request:
+    name: str
+    alternatives: list[Alternative]
+
+
+@dataclass
+class Picked:
+    claim: int
+    request: str  # the main request's name
+    alternative: Alternative
+    device: Device
+    consumed: dict[str, Fraction] | None  # None: the whole device (not shared)
+
+
+@dataclass
+class Outcome:
+    allocations: dict[int, dict[str, Any]] | None  # claim index -> status.allocation
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.allocations is not None
+
+
+class AllocationError(Exception):
+    pass
+
+
+def _quantities(raw: Any) -> dict[str, Fraction]:
+    found = {}
+    for name, value in (raw or {}).items():
+        parsed = maybe_quantity(value)
+        if parsed is not None:
+            found[str(name)] = parsed
+    return found
+
+
+def _alternative(result_name: str, raw: dict[str, Any]) -> Alternative:
+    return Alternative(
+        result_name=result_name,
+        class_name=str(raw.get("deviceClassName", "")),
+        selectors=[str((s.get("cel") or {}).get("expression", ""))
+                   for s in raw.get("selectors") or [] if isinstance(s, dict)],
+        mode=str(raw.get("allocationMode") or "ExactCount"),
+        count=int(raw.get("count") or 1),
+        capacity=_quantities((raw.get("capacity") or {}).get("requests")),
+        tolerations=[t for t in raw.get("tolerations") or [] if isinstance(t, dict)],
+        admin_access=bool(raw.get("adminAccess")),
+    )
+
+
+def requests_of(claim: KubeObject) -> list[Request]:
+    devices = ((claim.get("spec") or {}).get("devices") or {})
+    found = []
+    for raw in devices.get("requests") or []:
+        name = str(raw.get("name", ""))
+        if raw.get("exactly"):
+            found.append(Request(name, [_alternative(name, raw["exactly"])]))
+        elif raw.get("firstAvailable"):
+            found.append(Request(name, [_alternative(f"{name}/{sub.get('name', '')}", sub)
+                                        for sub in raw["firstAvailable"]]))
+    return found
+
+
+def tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
+    for toleration in tolerations:
+        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+            continue
+        operator = toleration.get("operator") or "Equal"
+        if operator == "Exists":
+            if not toleration.get("key") or toleration["key"] == taint.get("key"):
+                return True
+        elif toleration.get("key") == taint.get("key") and (
+            (toleration.get("value") or "") == (taint.get("value") or "")
+        ):
+            return True
+    return False
+
+
+def consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fraction] | None:
+    """What one share of `device` consumes for capacity requests `wanted` (by published name),
+    rounded by each capacity's request policy; None: the request violates a policy or asks
+    for a capacity the device does not have."""
+    consumed: dict[str, Fraction] = {}
+    named = {}
+    for key, amount in wanted.items():
+        name = device.capacity_named(key)
+        if name is None:
+            return None
+        named[name] = amount
+    for name, cap in device.capacity.items():
+        policy = cap.policy
+        amount = named.get(name)
+        if amount is None:
+            amount = policy.default if policy and policy.default is not None else cap.value
+        elif policy is not None:
+            if policy.valid_values:
+                fitting = [v for v in policy.valid_values if v >= amount]
+                if not fitting:
+                    return None
+                amount = fitting[0]
+            elif policy.has_range:
+                if policy.minimum is not None and amount < policy.minimum:
+                    amount = policy.minimum
+                if policy.step:
+                    base = policy.minimum or Fraction(0)
+                    steps = -(-(amount - base) // policy.step)
+                    amount = base + steps * policy.step
+                if policy.maximum is not None and amount > policy.maximum:
+                    return None
+        consumed[name] = amount
+    return consumed
+
+
+class Allocator:
+    """One allocation attempt: `claims` (those to allocate, in the pod's order) on a node."""
+
+    def __init__(
+        self,
+        claims: list[KubeObject],
+        pools: list[Pool],
+        classes: dict[str, KubeObject],
+        usage: Usage,
+        node_name: str,
+        new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+    ) -> None:
+        self.claims = claims
+        self.pools = pools
+        self.classes = classes
+        self.usage = usage
+        self.node_name = node_name
+        self.new_share_id = new_share_id
+        self.devices = [d for p in pools for d in p.devices]
+        self.counter_limits = {(p.driver, p.name, s): c for p in pools
+                               for s, c in p.counter_sets.items()}
+        self.picked: list[Picked] = []
+        self.steps = 0
+        self.reason = ""
+        self._candidates: dict[tuple[int, str], list[Device]] = {}
+
+    # --- which devices an alternative may take -----------------------------------------------
+
+    def _selects(self, expression: str, device: Device) -> bool:
+        key = (expression, device.fingerprint)
+        cached = _SELECTOR_CACHE.get(key)
+        if cached is None:
+            activation = cel.device_activation(device.driver, device.attributes,
+                                               device.capacity_qualified(),
+                                               device.allow_multiple)
+            cached = cel.evaluate(expression, activation)
+            if len(_SELECTOR_CACHE) > 200_000:
+                _SELECTOR_CACHE.clear()
+            _SELECTOR_CACHE[key] = cached
+        return cached
+
+    def candidates(self, claim_index: int, alt: Alternative) -> list[Device]:
+        key = (claim_index, alt.result_name)
+        if key in self._candidates:
+            return self._candidates[key]
+        device_class = self.classes.get(alt.class_name)
+        if device_class is None:
+            raise AllocationError(f'device class "{alt.class_name}" not found')
+        class_selectors = [
+            str((s.get("cel") or {}).get("expression", ""))
+            for s in (device_class.get("spec") or {}).get("selectors") or []
+            if isinstance(s, dict)
+        ]
+        found = []
+        for device in self.devices:
+            try:
+                if not all(self._selects(e, device) for e in (*class_selectors, *alt.selectors)):
+                    continue
+            except cel.CelError as exc:
+                raise AllocationError(f"CEL selector of class {alt.class_name!r} or request "
+                                      f"{alt.result_name!r}: {exc}") from None
+            if any(t.get("effect") in ("NoSchedule", "NoExecute")
+                   and not tolerates(alt.tolerations, t) for t in device.taints):
+                continue
+            if alt.capacity:
+                if device.allow_multiple:
+                    if consumption(device, alt.capacity) is None:
+                        continue
+                elif any((n := device.capacity_named(k)) is None or device.capacity[n].value < v
+                         for k, v in alt.capacity.items()):
+                    continue
+            found.append(device)
+        self._candidates[key] = found
+        return found
+
+    def _fits(self, device: Device, alt: Alternative) -> dict[str, Fraction] | bool | None:
+        """False: the device cannot be taken now; else what it consumes (None: all of it)."""
+        if alt.admin_access:
+            return None
+        if device.allow_multiple:
+            consumed = consumption(device, alt.capacity)
+            if consumed is None or device.id in self.usage.exclusive:
+                return False
+            held = self.usage.consumed.get(device.id, {})
+            for name, amount in consumed.items():
+                if held.get(name, Fraction(0)) + amount > device.capacity[name].value:
+                    return False
+        else:
+            if self.usage.users.get(device.id, 0):
+                return False
+            consumed = None
+        if not self.usage.users.get(device.id, 0):
+            for counter_set, counters in device.consumes:
+                limits = self.counter_limits.get((device.driver, device.pool, counter_set))
+                if limits is None:
+                    return False
+                used = self.usage.counters.get((device.driver, device.pool, counter_set), {})
+                for name, value in counters.items():
+                    if used.get(name, Fraction(0)) + value > limits.get(name, Fraction(0)):
+                        return False
+        return consumed
+
+    # --- constraints ---------------------------------------------------------------------------
+
+    def _constraints_hold(self, claim_index: int) -> bool:
+        claim = self.claims[claim_index]
+        constraints = ((claim.get("spec") or {}).get("devices") or {}).get("constraints") or []
+        mine = [p for p in self.picked if p.claim == claim_index]
+        for constraint in constraints:
+            names = set(constraint.get("requests") or [])
+            applies = [p for p in mine if not names or p.request in names
+                       or p.alternative.result_name in names]
+            for key, distinct in (("matchAttribute", False), ("distinctAttribute", True)):
+                attribute = constraint.get(key)
+                if not attribute:
+                    continue
+                values = []
+                for p in applies:
+                    value = p.device.attributes.get(attribute)
+                    if value is None:
+                        return False
+                    values.append(tuple(sorted(value.items())))
+                if distinct and len(set(values)) != len(values):
+                    return False
+                if not distinct and len(set(values)) > 1:
+                    return False
+        return True
+
+    # --- the search ---------------------------------------------------------------------------
+
+    def _take(self, pick: Picked) -> None:
+        self.picked.append(pick)
+        if not pick.alternative.admin_access:
+            self.usage.take(pick.device, pick.consumed)
+
+    def _undo(self) -> None:
+        pick = self.picked.pop()
+        if not pick.alternative.admin_access:
+            self.usage.give_back(pick.device, pick.consumed)
+
+    def _step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise AllocationError("the search for devices took too many steps")
+
+    def _claim(self, ci: int) -> bool:
+        if ci == len(self.claims):
+            return True
+        return self._request(ci, requests_of(self.claims[ci]), 0)
+
+    def _request(self, ci: int, requests: list[Request], ri: int) -> bool:
+        if ri == len(requests):
+            return self._claim(ci + 1)
+        request = requests[ri]
+        for alt in request.alternatives:
+            if alt.mode == "All":
+                if self._all(ci, requests, ri, alt):
+                    return True
+            elif alt.mode == "ExactCount" and self._devices(ci, requests, ri, alt, alt.count, 0):
+                return True
+        if not self.reason:
+            claim_meta = self.claims[ci].get("metadata") or {}
+            self.reason = (f"claim {claim_meta.get('namespace', '')}/{claim_meta.get('name', '')}"
+                           f", request {request.name}: not enough devices available on node "
+                           f"{self.node_name}")
+        return False
+
+    def _devices(self, ci: int, requests: list[Request], ri: int, alt: Alternative,
+                 remaining: int, start: int) -> bool:
+        if remaining == 0:
+            return self._request(ci, requests, ri + 1)
+        found = self.candidates(ci, alt)
+        for index in range(start, len(found)):
+            self._step()
+            device = found[index]
+            fits = self._fits(device, alt)
+            if fits is False:
+                continue
+            self._take(Picked(ci, requests[ri].name, alt, device,
+                              fits if isinstance(fits, dict) else None))
+            if self._constraints_hold(ci) and self._devices(
+                    ci, requests, ri, alt, remaining - 1, index + 1):
+                return True
+            self._undo()
+        return False
+
+    def _all(self, ci: int, requests: list[Request], ri: int, alt: Alternative) -> bool:
+        found = self.candidates(ci, alt)
+        pools = {(d.driver, d.pool) for d in found}
+        if not found or any(not p.complete for p in self.pools if (p.driver, p.name) in pools):
+            return False
+        taken = 0
+        for device in found:
+            fits = self._fits(device, alt)
+            if fits is False:
+                break
+            self._take(Picked(ci, requests[ri].name, alt, device,
+                              fits if isinstance(fits, dict) else None))
+            taken += 1
+        if taken == len(found) and self._constraints_hold(ci) and self._request(
+                ci, requests, ri + 1):
+            return True
+        for _ in range(taken):
+            self._undo()
+        return False
+
+    # --- the result ------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        try:
+            solved = self._claim(0)
+        except AllocationError as exc:
+            return Outcome(None, str(exc))
+        if not solved:
+            return Outcome(None, self.reason or "no devices")
+        return Outcome({ci: self._allocation(ci) for ci in range(len(self.claims))})
+
+    def _allocation(self, ci: int) -> dict[str, Any]:
+        results = []
+        used_classes: dict[str, list[str]] = {}
+        local = False
+        for pick in (p for p in self.picked if p.claim == ci):
+            result: dict[str, Any] = {
+                "request": pick.alternative.result_name,
+                "driver": pick.device.driver,
+                "pool": pick.device.pool,
+                "device": pick.device.name,
+            }
+            if pick.alternative.admin_access:
+                result["adminAccess"] = True
+            if pick.alternative.tolerations:
+                result["tolerations"] = pick.alternative.tolerations
+            if pick.device.allow_multiple and pick.consumed is not None:
+                result["shareID"] = self.new_share_id()
+                result["consumedCapacity"] = {n: quantity_text(v)
+                                              for n, v in pick.consumed.items()}
+            results.append(result)
+            local = local or pick.device.node_local
+            names = used_classes.setdefault(pick.alternative.class_name, [])
+            if pick.alternative.result_name not in names:
+                names.append(pick.alternative.result_name)
+        config = []
+        for class_name, names in used_classes.items():
+            for entry in (self.classes[class_name].get("spec") or {}).get("config") or []:
+                config.append({"source": "FromClass", "requests": names, **entry})
+        claim_spec = (self.claims[ci].get("spec") or {}).get("devices") or {}
+        for entry in claim_spec.get("config") or []:
+            config.append({"source": "FromClaim", **entry})
+        allocation: dict[str, Any] = {"devices": {"results": results}}
+        if config:
+            allocation["devices"]["config"] = config
+        if local:
+            allocation["nodeSelector"] = {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [self.node_name]}]}]}
+        return allocation
+
+
+def quantity_text(value: Fraction) -> str:
+    """Canonical text: bytes-like amounts (whole KiB multiples) in the binary family, the
+    rest decimal, so 4Gi stays `4Gi` and 30 stays `30`."""
+    if value.denominator == 1 and value >= 1024 and value.numerator % 1024 == 0:
+        return canonical(f"{value.numerator // 1024}Ki")
+    if value.denominator == 1:
+        return canonical(str(value.numerator))
+    return canonical(f"{round(value * 1000)}m")
+
+
+_SELECTOR_CACHE: dict[tuple[str, str], bool] = {}

@@ -1,0 +1,343 @@
+"""kube-scheduler's DynamicResources plugin for kube-sim's scheduling loop.
+
+PreFilter: the pod's claims must exist (`waiting for dynamic resource controller to create the
+resourceclaim "<pod>-<entry>"` while the controller has not made a template's claim yet;
+`resourceclaim "<name>" not found` for a named one) and not be reserved for too many pods.
+Filter, per node: an allocated claim's `nodeSelector` must match the node; the claims not yet
+allocated, plus the pod's extended-resource claim (KEP-5004: a container's request for a
+resource that a DeviceClass maps through `extendedResourceName`, or the implicit
+`deviceclass.resource.kubernetes.io/<class>`, on a node whose kubelet does not advertise that
+resource: one request `container-<i>-request-<j>` per container and resource, `count` = the
+amount), go through the structured allocator; a node where that fails gets upstream's reason
+`cannot allocate all claims`. Reserve, before the bind: each allocated claim's
+`status.allocation` and every claim's `status.reservedFor` (the pod) are written, the
+extended-resource claim is created (owned by the pod, annotated
+`resource.kubernetes.io/extended-resource-claim`) and named in the pod's
+`status.extendedResourceClaimStatus` with its `requestMappings`. A failed bind undoes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.kube_sim.dra.allocator import UNSCHEDULABLE, Allocator, Outcome
+from tessera.kube_sim.dra.claims import (
+    EXTENDED_CLAIM,
+    all_claim_names,
+    owner_reference,
+    pod_claim_names,
+)
+from tessera.kube_sim.dra.model import (
+    device_index,
+    node_selector_matches,
+    pools_for_node,
+    usage_of,
+)
+from tessera.kube_sim.fit import _container_requests, allocatable
+from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError
+
+log = logging.getLogger("tessera.kube_sim.dra.scheduling")
+
+IMPLICIT_PREFIX = "deviceclass.resource.kubernetes.io/"
+MAX_RESERVED_FOR = 256
+
+
+def extended_resource_classes(classes: list[KubeObject]) -> dict[str, str]:
+    """extended resource name → DeviceClass name: explicit `extendedResourceName` (the newest
+    class wins a tie, then the first name), and every class's implicit name."""
+    mapping: dict[str, str] = {}
+    ordered = sorted(classes, key=lambda c: (c["metadata"].get("creationTimestamp", ""),
+                                             "".join(chr(0x10FFFF - ord(ch))
+                                                     for ch in c["metadata"]["name"])))
+    for device_class in ordered:
+        name = device_class["metadata"]["name"]
+        mapping[IMPLICIT_PREFIX + name] = name
+        explicit = (device_class.get("spec") or {}).get("extendedResourceName")
+        if explicit:
+            mapping[str(explicit)] = name
+    return mapping
+
+
+@dataclass
+class ExtendedRequest:
+    container_index: int
+    container: str
+    resource: str
+    request_name: str
+    class_name: str
+    count: int
+
+
+@dataclass
+class PodState:
+    """What PreFilter found, and what Filter computed per node (reused by Reserve)."""
+
+    claims: list[KubeObject]
+    extended: list[ExtendedRequest]
+    classes: dict[str, KubeObject]
+    slices: list[KubeObject]
+    error: str = ""
+    outcomes: dict[str, tuple[Outcome, KubeObject | None]] = field(default_factory=dict)
+
+    def ignored_for(self, node: KubeObject) -> set[str]:
+        """Extended resources NodeResourcesFit leaves to DRA on this node."""
+        offered = allocatable(node)
+        return {e.resource for e in self.extended if not offered.get(e.resource)}
+
+
+class DynamicResources:
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.reserved: dict[str, list[str]] = {}  # pod uid -> claims it allocated (undo)
+
+    # --- PreFilter ---------------------------------------------------------------------------
+
+    def prefilter(self, pod: KubeObject) -> PodState | None:
+        """None: the pod uses no DRA at all."""
+        spec = pod.get("spec") or {}
+        classes = {c["metadata"]["name"]: c for c in self.store.list("DeviceClass", Selector())}
+        extended = self._extended_requests(pod, classes)
+        if not spec.get("resourceClaims") and not extended:
+            return None
+        state = PodState([], extended, classes, self.store.list("ResourceSlice", Selector()))
+        namespace = pod["metadata"].get("namespace", "")
+        for entry, claim_name in pod_claim_names(pod).items():
+            if claim_name is None:
+                state.error = ("waiting for dynamic resource controller to create the "
+                               f'resourceclaim "{pod["metadata"]["name"]}-{entry}"')
+                return state
+            try:
+                claim = self.store.get("ResourceClaim", namespace, claim_name)
+            except StoreError:
+                state.error = f'resourceclaim "{claim_name}" not found'
+                return state
+            if (claim.get("metadata") or {}).get("deletionTimestamp"):
+                state.error = f'resourceclaim "{claim_name}" is being deleted'
+                return state
+            reserved = (claim.get("status") or {}).get("reservedFor") or []
+            if len(reserved) >= MAX_RESERVED_FOR and not any(
+                    r.get("uid") == pod["metadata"].get("uid") for r in reserved):
+                state.error = f'resourceclaim "{claim_name}" is reserved for too many pods'
+                return state
+            state.claims.append(claim)
+        return state
+
+    @staticmethod
+    def _extended_requests(pod: KubeObject, classes: dict[str, KubeObject]) -> list[
+            ExtendedRequest]:
+        mapping = extended_resource_classes(list(classes.values()))
+        if not mapping:
+            return []
+        spec = pod.get("spec") or {}
+        found = []
+        containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        for index, container in enumerate(containers):
+            position = 0
+            for resource, amount in sorted(_container_requests(container).items()):
+                if resource not in mapping or amount <= 0:
+                    continue
+                found.append(ExtendedRequest(
+                    index, container.get("name", ""), resource,
+                    f"container-{index}-request-{position}", mapping[resource],
+                    int(amount) if amount == int(amount) else int(amount) + 1))
+                position += 1
+        return found
+
+    # --- Filter --------------------------------------------------------------------------------
+
+    def filter(self, state: PodState, pod: KubeObject, node: KubeObject) -> str | None:
+        """None: the pod's claims fit on `node`; else the reason for this node."""
+        if state.error:
+            return state.error
+        name = node["metadata"]["name"]
+        pending = []
+        for claim in state.claims:
+            allocation = (claim.get("status") or {}).get("allocation")
+            if allocation:
+                selector = allocation.get("nodeSelector")
+                if selector and not node_selector_matches(selector, node):
+                    return "node(s) didn't match Pod's node affinity/selector"
+            else:
+                pending.append(claim)
+        ignored = state.ignored_for(node)
+        special = self._extended_claim(pod, [e for e in state.extended if e.resource in ignored])
+        if special is not None:
+            pending.append(special)
+        if not pending:
+            state.outcomes[name] = (Outcome({}), None)
+            return None
+        all_claims = self.store.list("ResourceClaim", Selector())
+        pools = pools_for_node(state.slices, node)
+        usage = usage_of(all_claims, device_index(state.slices))
+        outcome = Allocator(pending, pools, state.classes, usage, name).run()
+        if not outcome.ok:
+            log.info("claims do not fit", extra={"pod": pod["metadata"]["name"], "node": name,
+                                                 "reason": outcome.reason})
+            return UNSCHEDULABLE
+        state.outcomes[name] = (outcome, special)
+        return None
+
+    @staticmethod
+    def _extended_claim(pod: KubeObject, extended: list[ExtendedRequest]) -> KubeObject | None:
+        if not extended:
+            return None
+        meta = pod["metadata"]
+        return {
+            "metadata": {"namespace": meta.get("namespace", ""),
+                         "name": f"{meta['name']}-extended-resources",
+                         "uid": f"extended-{meta.get('uid', '')}"},
+            "spec": {"devices": {"requests": [
+                {"name": e.request_name, "exactly": {
+                    "deviceClassName": e.class_name, "allocationMode": "ExactCount",
+                    "count": e.count}}
+                for e in extended]}},
+        }
+
+    # --- Reserve / PreBind, Unreserve --------------------------------------------------------
+
+    def reserve(self, state: PodState, pod: KubeObject, node: str) -> None:
+        """Write the allocation and reservations; raises StoreError (then nothing is kept)."""
+        if node not in state.outcomes:
+            raise StoreError(409, "Conflict", f"no allocation was computed for node {node}")
+        outcome, special = state.outcomes[node]
+        assert outcome.allocations is not None
+        uid = pod["metadata"].get("uid", "")
+        namespace = pod["metadata"].get("namespace", "")
+        consumer = {"resource": "pods", "name": pod["metadata"]["name"], "uid": uid}
+        pending = [c for c in state.claims if not (c.get("status") or {}).get("allocation")]
+        allocated_by_me: list[str] = []
+        self.reserved[uid] = allocated_by_me
+        try:
+            for claim in state.claims:
+                index = next((i for i, c in enumerate(pending) if c is claim), None)
+                allocation = outcome.allocations.get(index) if index is not None else None
+                claim_name = claim["metadata"]["name"]
+                expected = claim["metadata"].get("resourceVersion")
+
+                def write(obj: KubeObject, allocation: Any = allocation,
+                          expected: Any = expected) -> None:
+                    status = obj.setdefault("status", {})
+                    if allocation is not None:
+                        if status.get("allocation") or obj["metadata"].get(
+                                "resourceVersion") != expected:
+                            raise StoreError(409, "Conflict", "the claim changed while "
+                                             "the pod was scheduled")
+                        status["allocation"] = allocation
+                    reserved = [r for r in status.get("reservedFor") or []
+                                if r.get("uid") != uid]
+                    status["reservedFor"] = [*reserved, consumer]
+
+                self.store.mutate("ResourceClaim", namespace, claim_name, write)
+                if allocation is not None:
+                    allocated_by_me.append(claim_name)
+            if special is not None:
+                self._create_extended_claim(pod, state, special, outcome, consumer)
+        except StoreError:
+            self.unreserve(pod)
+            raise
+
+    def _create_extended_claim(self, pod: KubeObject, state: PodState, special: KubeObject,
+                               outcome: Outcome, consumer: dict[str, Any]) -> None:
+        assert outcome.allocations is not None
+        allocation = outcome.allocations[len(outcome.allocations) - 1]
+        meta = pod["metadata"]
+        created = self.store.create("ResourceClaim", {
+            "metadata": {"generateName": f"{meta['name']}-extended-resources-",
+                         "namespace": meta.get("namespace", ""),
+                         "annotations": {EXTENDED_CLAIM: "true"},
+                         "ownerReferences": [owner_reference(pod)]},
+            "spec": special["spec"],
+            "status": {"allocation": allocation, "reservedFor": [consumer]},
+        })
+        requested = {e.request_name for e in state.extended}
+        mappings = [{"containerName": e.container, "resourceName": e.resource,
+                     "requestName": e.request_name}
+                    for e in state.extended
+                    if e.request_name in {r["name"] for r in special["spec"]["devices"][
+                        "requests"]} and e.request_name in requested]
+
+        def record(obj: KubeObject) -> None:
+            if obj["metadata"].get("uid") != meta.get("uid"):
+                raise StoreError(409, "Conflict", "the pod was replaced")
+            obj.setdefault("status", {})["extendedResourceClaimStatus"] = {
+                "resourceClaimName": created["metadata"]["name"], "requestMappings": mappings}
+
+        self.store.mutate("Pod", meta.get("namespace", ""), meta["name"], record)
+
+    def unreserve(self, pod: KubeObject) -> None:
+        """Undo reserve: the pod leaves reservedFor, claims it allocated are deallocated, its
+        extended-resource claim goes."""
+        uid = pod["metadata"].get("uid", "")
+        namespace = pod["metadata"].get("namespace", "")
+        allocated = set(self.reserved.pop(uid, []))
+        current = pod
+        with contextlib.suppress(StoreError):
+            current = self.store.get("Pod", namespace, pod["metadata"]["name"])
+        for claim_name in all_claim_names(current):
+            def undo(obj: KubeObject, claim_name: str = claim_name) -> None:
+                status = obj.setdefault("status", {})
+                left = [r for r in status.get("reservedFor") or [] if r.get("uid") != uid]
+                status["reservedFor"] = left
+                if not left:
+                    status.pop("reservedFor", None)
+                    if claim_name in allocated:
+                        status.pop("allocation", None)
+
+            with contextlib.suppress(StoreError):
+                self.store.mutate("ResourceClaim", namespace, claim_name, undo)
+        for claim in self.store.list("ResourceClaim", Selector(namespace=namespace)):
+            annotations = (claim.get("metadata") or {}).get("annotations") or {}
+            if EXTENDED_CLAIM in annotations and any(
+                    r.get("uid") == uid for r in claim["metadata"].get("ownerReferences") or []):
+                with contextlib.suppress(StoreError):
+                    self.store.delete("ResourceClaim", namespace, claim["metadata"]["name"])
+
+        def forget(obj: KubeObject) -> None:
+            (obj.get("status") or {}).pop("extendedResourceClaimStatus", None)
+
+        with contextlib.suppress(StoreError):
+            self.store.mutate("Pod", namespace, pod["metadata"]["name"], forget)
+
+    def bound(self, pod: KubeObject) -> None:
+        self.reserved.pop(pod["metadata"].get("uid", ""), None)
+
+    async def follow(self, retry: Callable[[], None], stop: asyncio.Event) -> None:
+        """kube-scheduler's DRA cluster events: a slice or class added or changed, a claim
+        created, deallocated or deleted: every waiting pod is tried again."""
+        watchers = {kind: self.store.watch(kind, Selector(), self.store.version)
+                    for kind in ("ResourceSlice", "DeviceClass", "ResourceClaim")}
+        queue: asyncio.Queue[tuple[str, str, KubeObject]] = asyncio.Queue()
+
+        async def pump(kind: str, source: asyncio.Queue[tuple[str, KubeObject]]) -> None:
+            while True:
+                event_type, obj = await source.get()
+                queue.put_nowait((kind, event_type, obj))
+
+        tasks = [asyncio.create_task(pump(k, w.queue)) for k, w in watchers.items()]
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                getter = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait({getter, stopped},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                kind, event_type, obj = getter.result()
+                if kind != "ResourceClaim" or event_type in ("ADDED", "DELETED") or not (
+                        obj.get("status") or {}).get("allocation"):
+                    retry()
+        finally:
+            for watcher in watchers.values():
+                self.store.unwatch(watcher)
+            for task in [*tasks, stopped]:
+                task.cancel()
+            for task in [*tasks, stopped]:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+

@@ -1,0 +1,216 @@
+"""kube-sim's structured allocator (kube-scheduler's DynamicResources rules), pure: requests
+`exactly` and `firstAvailable`, counts and `All`, CEL selectors with the quantity/semver
+libraries, constraints, consumable capacity, shared counters, device taints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tessera.kube_sim.dra import cel
+from tessera.kube_sim.dra.allocator import Allocator, Outcome, consumption
+from tessera.kube_sim.dra.model import pools_for_node, usage_of
+
+DRIVER = "gpu.example.com"
+NODE = {"metadata": {"name": "node-a", "labels": {"zone": "z1"}}}
+CLASSES = {
+    "gpu": {"metadata": {"name": "gpu"}, "spec": {"selectors": [
+        {"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}},
+    "nic": {"metadata": {"name": "nic"}, "spec": {}},
+}
+
+
+def gpu(name: str, model: str = "A100", numa: int = 0, memory: str = "40Gi",
+        **extra: Any) -> dict[str, Any]:
+    return {"name": name,
+            "attributes": {"model": {"string": model}, "numa": {"int": numa},
+                           "driverVersion": {"version": "550.54.14"}},
+            "capacity": {"memory": {"value": memory}}, **extra}
+
+
+def slice_(devices: list[dict[str, Any]], node: str = "node-a", **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": f"{node}-{DRIVER}"}, "spec": {
+        "driver": DRIVER, "nodeName": node,
+        "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+        "devices": devices, **spec}}
+
+
+def claim(*requests: dict[str, Any], name: str = "c", constraints: Any = None,
+          uid: str = "uid-c") -> dict[str, Any]:
+    devices: dict[str, Any] = {"requests": list(requests)}
+    if constraints:
+        devices["constraints"] = constraints
+    return {"metadata": {"name": name, "namespace": "default", "uid": uid},
+            "spec": {"devices": devices}}
+
+
+def exactly(name: str = "gpu", cls: str = "gpu", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "exactly": {"deviceClassName": cls, **fields}}
+
+
+def allocate(claims: list[dict[str, Any]], slices: list[dict[str, Any]],
+             allocated: list[dict[str, Any]] = ()) -> Outcome:  # type: ignore[assignment]
+    pools = pools_for_node(slices, NODE)
+    from tessera.kube_sim.dra.model import device_index
+    usage = usage_of(list(allocated), device_index(slices))
+    counter = iter(range(1000))
+    return Allocator(claims, pools, CLASSES, usage, "node-a",
+                     new_share_id=lambda: f"share-{next(counter)}").run()
+
+
+def devices_of(outcome: Outcome, index: int = 0) -> list[str]:
+    assert outcome.ok, outcome.reason
+    assert outcome.allocations is not None
+    return [r["device"] for r in outcome.allocations[index]["devices"]["results"]]
+
+
+def test_exact_count_takes_distinct_devices_and_pins_the_node() -> None:
+    slices = [slice_([gpu("gpu-0"), gpu("gpu-1"), gpu("gpu-2")])]
+    outcome = allocate([claim(exactly(count=2))], slices)
+    assert devices_of(outcome) == ["gpu-0", "gpu-1"]
+    assert outcome.allocations is not None
+    assert outcome.allocations[0]["nodeSelector"] == {"nodeSelectorTerms": [{"matchFields": [
+        {"key": "metadata.name", "operator": "In", "values": ["node-a"]}]}]}
+    taken = {**claim(exactly(count=2)), "status": {"allocation": outcome.allocations[0]}}
+    assert devices_of(allocate([claim(exactly())], slices, [taken])) == ["gpu-2"]
+    assert not allocate([claim(exactly(count=2))], slices, [taken]).ok
+
+
+def test_all_mode_takes_every_matching_device_or_nothing() -> None:
+    slices = [slice_([gpu("gpu-0"), gpu("gpu-1"), gpu("gpu-2", model="T4")])]
+    selector = [{"cel": {"expression": f'device.attributes["{DRIVER}"].model == "A100"'}}]
+    outcome = allocate([claim(exactly(allocationMode="All", selectors=selector))], slices)
+    assert devices_of(outcome) == ["gpu-0", "gpu-1"]
+    one = {**claim(exactly(), uid="other"), "status": {"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-1"}]}}}}
+    assert not allocate([claim(exactly(allocationMode="All", selectors=selector))], slices,
+                        [one]).ok
+
+
+def test_first_available_tries_subrequests_in_order() -> None:
+    slices = [slice_([gpu("gpu-0", model="T4")])]
+    request = {"name": "gpu", "firstAvailable": [
+        {"name": "big", "deviceClassName": "gpu", "selectors": [
+            {"cel": {"expression": f'device.attributes["{DRIVER}"].model == "A100"'}}]},
+        {"name": "small", "deviceClassName": "gpu"}]}
+    outcome = allocate([claim(request)], slices)
+    assert outcome.allocations is not None
+    assert outcome.allocations[0]["devices"]["results"][0]["request"] == "gpu/small"
+
+
+@pytest.mark.parametrize(("expression", "chosen"), [
+    ('device.capacity["gpu.example.com"].memory.compareTo(quantity("64Gi")) >= 0', ["gpu-1"]),
+    ('device.attributes["gpu.example.com"].driverVersion.isGreaterThan(semver("550.0.0"))',
+     ["gpu-0"]),
+    ('cel.bind(g, device.attributes["gpu.example.com"], g.model == "H100" && g.numa == 1)',
+     ["gpu-1"]),
+    ('device.attributes["other.example.com"].size() == 0 && '
+     'isQuantity("1Gi") && quantity("1Gi").isLessThan(quantity("2Gi"))', ["gpu-0"]),
+])
+def test_cel_selectors_with_quantity_semver_and_bind(expression: str, chosen: list[str]) -> None:
+    slices = [slice_([gpu("gpu-0"), gpu("gpu-1", model="H100", numa=1, memory="80Gi")])]
+    outcome = allocate([claim(exactly(selectors=[{"cel": {"expression": expression}}]))], slices)
+    assert devices_of(outcome) == chosen
+
+
+def test_a_selector_that_is_no_bool_aborts_with_an_error() -> None:
+    slices = [slice_([gpu("gpu-0")])]
+    outcome = allocate([claim(exactly(selectors=[{"cel": {"expression": "1 + 1"}}]))], slices)
+    assert not outcome.ok and "must evaluate to a bool" in outcome.reason
+    assert cel.compile_error("device.driver ==") is not None
+
+
+def test_match_and_distinct_attribute_constraints() -> None:
+    slices = [slice_([gpu("gpu-0", numa=0), gpu("gpu-1", numa=1), gpu("gpu-2", numa=1)])]
+    same = claim(exactly("a"), exactly("b"),
+                 constraints=[{"matchAttribute": f"{DRIVER}/numa"}])
+    assert devices_of(allocate([same], slices)) == ["gpu-1", "gpu-2"]
+    apart = claim(exactly("a", count=2),
+                  constraints=[{"requests": ["a"], "distinctAttribute": f"{DRIVER}/numa"}])
+    assert sorted(devices_of(allocate([apart], slices))) == ["gpu-0", "gpu-1"]
+    impossible = claim(exactly("a", count=3),
+                       constraints=[{"distinctAttribute": f"{DRIVER}/numa"}])
+    assert not allocate([impossible], slices).ok
+
+
+def shared_gpu(name: str = "gpu-0") -> dict[str, Any]:
+    return {"name": name, "allowMultipleAllocations": True,
+            "attributes": {"model": {"string": "A100"}},
+            "capacity": {
+                "memory": {"value": "40Gi", "requestPolicy": {
+                    "default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}},
+                "cores": {"value": "100", "requestPolicy": {
+                    "default": "100", "validValues": ["10", "30", "50", "100"]}}}}
+
+
+def test_consumable_capacity_rounds_by_policy_and_never_overcommits() -> None:
+    slices = [slice_([shared_gpu()])]
+    ask = exactly(capacity={"requests": {"memory": "3500Mi", "cores": "20"}})
+    outcome = allocate([claim(ask)], slices)
+    assert outcome.allocations is not None
+    result = outcome.allocations[0]["devices"]["results"][0]
+    assert result["shareID"] == "share-0"
+    assert result["consumedCapacity"] == {"memory": "4Gi", "cores": "30"}  # rounded up
+    held = []
+    for i in range(3):  # 3 × 30 cores fit; a fourth does not (90 + 30 > 100)
+        done = allocate([claim(ask, uid=f"u{i}")], slices, held)
+        assert done.ok and done.allocations is not None
+        held.append({**claim(ask, uid=f"u{i}"), "status": {"allocation": done.allocations[0]}})
+    assert not allocate([claim(ask, uid="u4")], slices, held).ok
+    # a request the policy cannot meet (cores above every valid value) never fits
+    assert consumption(pools_for_node(slices, NODE)[0].devices[0], {"cores": 120}) is None
+
+
+def test_unrequested_capacity_takes_the_default_or_all() -> None:
+    device = pools_for_node([slice_([shared_gpu()])], NODE)[0].devices[0]
+    assert consumption(device, {}) == {"memory": 1024**3, "cores": 100}
+    plain = {"name": "gpu-0", "allowMultipleAllocations": True,
+             "capacity": {"memory": {"value": "8Gi"}}}
+    device = pools_for_node([slice_([plain])], NODE)[0].devices[0]
+    assert consumption(device, {}) == {"memory": 8 * 1024**3}  # no policy: the whole capacity
+
+
+def test_partitionable_devices_share_counters() -> None:
+    counters = [{"name": "gpu-0-counters", "counters": {"memory": {"value": "40Gi"}}}]
+    partitions = [
+        {"name": f"gpu-0-mig-{i}", "consumesCounters": [
+            {"counterSet": "gpu-0-counters", "counters": {"memory": {"value": "20Gi"}}}]}
+        for i in range(3)
+    ]
+    slices = [slice_(partitions, sharedCounters=counters)]
+    outcome = allocate([claim(exactly(count=2))], slices)
+    assert devices_of(outcome) == ["gpu-0-mig-0", "gpu-0-mig-1"]
+    assert not allocate([claim(exactly(count=3))], slices).ok  # 60Gi > 40Gi
+
+
+def test_taints_need_tolerations() -> None:
+    tainted = gpu("gpu-0", taints=[{"key": "example.com/unhealthy", "value": "ecc",
+                                    "effect": "NoSchedule"}])
+    slices = [slice_([tainted])]
+    assert not allocate([claim(exactly())], slices).ok
+    toleration = {"key": "example.com/unhealthy", "operator": "Exists", "effect": "NoSchedule"}
+    outcome = allocate([claim(exactly(tolerations=[toleration]))], slices)
+    assert devices_of(outcome) == ["gpu-0"]
+    assert outcome.allocations is not None
+    assert outcome.allocations[0]["devices"]["results"][0]["tolerations"] == [toleration]
+
+
+def test_only_the_newest_pool_generation_and_reachable_slices_count() -> None:
+    old = slice_([gpu("gpu-old")])
+    new = slice_([gpu("gpu-new")])
+    new["metadata"]["name"] = "newer"
+    new["spec"]["pool"]["generation"] = 2
+    elsewhere = slice_([gpu("gpu-b")], node="node-b")
+    assert devices_of(allocate([claim(exactly())], [old, new, elsewhere])) == ["gpu-new"]
+    everywhere = {"metadata": {"name": "net"}, "spec": {
+        "driver": DRIVER, "allNodes": True,
+        "pool": {"name": "fabric", "generation": 0, "resourceSliceCount": 1},
+        "devices": [gpu("fabric-0")]}}
+    outcome = allocate([claim(exactly())], [everywhere])
+    assert devices_of(outcome) == ["fabric-0"]
+    assert outcome.allocations is not None and "nodeSelector" not in outcome.allocations[0]
+
+
+def test_a_missing_class_is_a_reason() -> None:
+    outcome = allocate([claim(exactly(cls="nope"))], [slice_([gpu("gpu-0")])])
+    assert not outcome.ok and 'device class "nope" not found' in outcome.reason
