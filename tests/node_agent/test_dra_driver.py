@@ -19,13 +19,23 @@ from tessera.node_agent.containers import ContainerStore
 from tessera.node_agent.dra import cdi, names
 from tessera.node_agent.dra.driver import DraDriver
 from tessera.node_agent.dra.endpoint import DraEndpoint
+from tessera.node_agent.dra.quota import DraQuota
 from tessera.node_agent.dra.settings import DraSettings
 from tessera.node_agent.state import DeviceState
+from tessera.quota import QuotaService
 
 from tessera import bus
 from tessera.cluster.memory import InMemoryCluster
+from tessera.codec import decode, encode
 from tessera.kubeapi import dra, dra_grpc, drahealth, drahealth_grpc, reg, reg_grpc
-from tessera.models import DeviceInfo, NodeLedger
+from tessera.models import (
+    DeviceInfo,
+    NodeLedger,
+    QuotaAmount,
+    QuotaReply,
+    QuotaSetRequest,
+    QuotaStatusRequest,
+)
 from tessera.region import read_limits
 from tessera.settings import TesseraSettings
 
@@ -40,13 +50,14 @@ def devices(split: int = 4) -> list[DeviceInfo]:
     ]
 
 
-def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool = False):
+def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool = False,
+                  namespace: str = "team"):
     pod_uid = str(uuid.uuid4())
     claim_uid = str(uuid.uuid4())
     name = f"p-{pod_uid[:6]}"
     claim_name = f"{name}-gpu-abcde"
     pod = {
-        "metadata": {"name": name, "namespace": "team", "uid": pod_uid},
+        "metadata": {"name": name, "namespace": namespace, "uid": pod_uid},
         "spec": {
             "nodeName": node,
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "slice"}],
@@ -66,7 +77,7 @@ def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool 
         results.append({"request": "gpu", "driver": "other.example.com", "pool": node,
                          "device": "x"})  # fmt: skip
     claim = {
-        "metadata": {"name": claim_name, "namespace": "team", "uid": claim_uid},
+        "metadata": {"name": claim_name, "namespace": namespace, "uid": claim_uid},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
             "deviceClassName": names.DEVICE_CLASS}}]}},
         "status": {
@@ -78,7 +89,8 @@ def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool 
 
 
 class Harness:
-    def __init__(self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster) -> None:
+    def __init__(self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster,
+                 quota: bool = False) -> None:
         self.base = base
         self.node = node
         self.cluster = cluster
@@ -94,6 +106,7 @@ class Harness:
             settings=self.settings, dra=self.dra, node=node, state=self.state, store=self.store,
             ledger_kv=buckets.ledger, js=nc.jetstream(), cluster=cluster,
             log=logging.getLogger("test.dra"),
+            quota=DraQuota(nc, TesseraSettings()) if quota else None,
         )
         self.endpoint = DraEndpoint(self.driver, poll_s=0.05)
         self.stop = asyncio.Event()
@@ -270,3 +283,48 @@ async def test_an_unhealthy_gpu_is_tainted_and_streamed(short_dir, nc, buckets, 
         assert taint["key"] == "gpu.tessera.io/unhealthy" and taint["effect"] == "NoSchedule"
         [s] = await cluster.list_resource_slices(node=node)
         assert s["spec"]["pool"]["generation"] == 2
+
+
+async def test_the_namespace_quota_holds_dra_claims(short_dir, nc, nats_url, buckets, node):
+    """The real quota service: a claim the quota cannot hold is not prepared (the quota's
+    sentence goes to kubelet), a freed claim gives its charge back."""
+    from tessera.bus import connect
+    from tessera.settings import NatsSettings
+
+    quota_nc = await connect(NatsSettings(NATS_URL=nats_url), name="quota-under-test")
+    quota = QuotaService(quota_nc, buckets, TesseraSettings(),
+                         consumer=f"quota-test-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    await quota.start()
+    ns = f"q-{uuid.uuid4().hex[:8]}"
+    try:
+        reply = await nc.request(bus.QUOTA_SET, encode(QuotaSetRequest(
+            namespace=ns, limits=QuotaAmount(memory_mib=6000))), timeout=5)
+        assert decode(reply.data, QuotaReply).ok
+        cluster = InMemoryCluster()
+        async with Harness(short_dir, nc, buckets, node, cluster, quota=True) as h:
+            first_pod, first = pod_and_claim(node, "gpu-0", "4Gi", "10", namespace=ns)
+            second_pod, second = pod_and_claim(node, "gpu-1", "4Gi", "10", namespace=ns)
+            for pod, claim in ((first_pod, first), (second_pod, second)):
+                cluster.add_pod(pod)
+                cluster.put_resource_claim(claim)
+            assert (await h.kubelet_prepare(first)).claims[first["metadata"]["uid"]].error == ""
+            refused = (await h.kubelet_prepare(second)).claims[second["metadata"]["uid"]]
+            assert "quota" in refused.error and "6000" in refused.error, refused.error
+            assert not cdi.spec_path(h.dra.cdi_dir, second["metadata"]["uid"]).exists()
+            assert h.store.for_pod(second_pod["metadata"]["uid"]) == []
+
+            async def used() -> int:
+                msg = await nc.request(bus.QUOTA_STATUS, encode(QuotaStatusRequest(
+                    namespace=ns)), timeout=5)  # fmt: skip
+                [state] = decode(msg.data, QuotaReply).states
+                return state.used().memory_mib or 0
+
+            assert await used() == 4096
+            await h.kubelet_unprepare(first)
+            assert await used() == 0
+            again = (await h.kubelet_prepare(second)).claims[second["metadata"]["uid"]]
+            assert again.error == ""
+            assert await used() == 4096
+    finally:
+        await quota.stop()
+        await quota_nc.drain()
