@@ -55,30 +55,31 @@ def test_extender_and_dra_pods_side_by_side(sim: RunningStack, namespace: str) -
     kubectl(sim, "create", "namespace", namespace)
     sim.kube.wait_for("the DRA node's slice", lambda: json.loads(kubectl(
         sim, "get", "resourceslices", "-o", "json"))["items"], 40)
-    # Two extender pods that together need both nodes' GPUs if the DRA node counted: 20 GiB each
-    first = gpu_pod("ext-1", mem=20000, cores=10)
-    second = gpu_pod("ext-2", mem=20000, cores=10)
-    dra = gpu_pod("dra-1", mem=20000, cores=10,
-                  annotations={"tessera.io/allocation-mode": "dra"})
-    for pod in (first, dra, second):
-        sim.kube.create_pod_retrying(pod, namespace)
+    # Two extender pods of 20 GiB: the extender node holds one; the DRA node has room, but the
+    # extender never places there.
+    sim.kube.create_pod_retrying(gpu_pod("ext-1", mem=20000, cores=10), namespace)
     ext = sim.kube.wait_running(namespace, "ext-1", 60)
     assert ext["spec"]["nodeName"] == EXTENDER_NODE
     [[grant]] = grants(ext)
     assert (grant.uuid, grant.memory_mib) == (gpu_uuid(EXTENDER_NODE, 0), 20000)
+    sim.kube.create_pod_retrying(gpu_pod("ext-2", mem=20000, cores=10), namespace)
+
+    def refusal() -> str | None:
+        pod = sim.kube.pod(namespace, "ext-2")
+        return next((c.get("message", "") for c in pod["status"].get("conditions") or []
+                     if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+
+    message = sim.kube.wait_for("ext-2 refused", refusal, 30)
+    assert "CardInsufficientMemory" in message and "NodeInDRAMode" in message, message
+    assert sim.kube.pod(namespace, "ext-2")["spec"].get("nodeName") is None
+
+    # the same HAMi pod, annotated for DRA: a claim the allocator places on the DRA node
+    dra = gpu_pod("dra-1", mem=20000, cores=10,
+                  annotations={"tessera.io/allocation-mode": "dra"})
+    sim.kube.create_pod_retrying(dra, namespace)
     placed = sim.kube.wait_running(namespace, "dra-1", 60)
     assert placed["spec"]["nodeName"] == DRA_NODE
     assert placed["spec"]["resourceClaims"], "the webhook did not convert the annotated pod"
-
-    def refused_for_dra_mode() -> str | None:
-        pod = sim.kube.pod(namespace, "ext-2")
-        message = next((c.get("message", "") for c in pod["status"].get("conditions") or []
-                        if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
-        return message if "NodeInDRAMode" in message or "CardInsufficientMemory" in message \
-            else None
-
-    sim.kube.wait_for("ext-2 pending", refused_for_dra_mode, 30)
-    assert sim.kube.pod(namespace, "ext-2")["spec"].get("nodeName") is None
 
     text = describe(sim, namespace, "dra-1")
     assert "20000 MiB, 10% compute" in text, text
