@@ -33,6 +33,7 @@ from tessera.models import (
     NodeLedger,
     QuotaAmount,
     QuotaReply,
+    QuotaRequest,
     QuotaSetRequest,
     QuotaStatusRequest,
 )
@@ -231,8 +232,9 @@ async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
         assert gone.error == ""
         assert not cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).exists()
         assert not Path(limits_dir).exists()
+        # the ended pod's allocation is the scheduler's to release (ledger, quota, event)
         ledger = await h.ledger()
-        assert ledger is not None and pod["metadata"]["uid"] not in ledger.allocations
+        assert ledger is not None and pod["metadata"]["uid"] in ledger.allocations
 
 
 async def test_bad_claims_get_a_sentence_and_nothing_is_sealed(short_dir, nc, buckets, node):
@@ -321,6 +323,11 @@ async def test_the_namespace_quota_holds_dra_claims(short_dir, nc, nats_url, buc
 
             assert await used() == 4096
             await h.kubelet_unprepare(first)
+            assert await used() == 4096  # held until the ended pod is released, as any pod
+            # the scheduler's release of the ended pod (runtime.on_pod_event) frees it
+            msg = await nc.request(bus.QUOTA_RELEASE, encode(QuotaRequest(
+                namespace=ns, pod_uid=first_pod["metadata"]["uid"])), timeout=5)
+            assert decode(msg.data, QuotaReply).ok
             assert await used() == 0
             again = (await h.kubelet_prepare(second)).claims[second["metadata"]["uid"]]
             assert again.error == ""

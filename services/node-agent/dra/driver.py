@@ -12,7 +12,7 @@ Prepare (per claim, idempotent: kubelet retries):
 4. record the preparation (`<region dir>/.dra/<claim uid>.json`), put the pod's allocation in
    the ledger (CAS) and publish `alloc.<node>.allocated`.
 Unprepare: the CDI spec, the directory (limits, region) and the record go; the pod's
-allocation shrinks or leaves the ledger; `alloc.<node>.released`.
+allocation shrinks while it keeps other claims (an ended pod's release is the scheduler's).
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ class DraDriver:
         self.records = ClaimRecords(Path(settings.region_host_dir))
         self.quota = quota
         self._lock = asyncio.Lock()  # one claim at a time: the ledger body reads the records
+        self._publishing: set[asyncio.Task[None]] = set()
 
     # --- prepare ---------------------------------------------------------------------------
 
@@ -227,12 +228,18 @@ class DraDriver:
                 return  # never prepared here, or already unprepared: nothing to free
             await asyncio.to_thread(self._scrub, record)
             self.records.drop(uid)
-            await self._record_in_ledger(record.pod_uid)
-            try:
-                await self._hold_quota(record, self.records.of_pod(record.pod_uid), None)
-            except PrepareError as exc:  # freed on the node; the scheduler's release frees it
-                self.log.warning("quota charge not reduced", extra={"err": str(exc)})
-            await self._publish("released", record, None)
+            if self.records.of_pod(record.pod_uid):
+                # the pod keeps other claims: its allocation and charge shrink to them
+                await self._record_in_ledger(record.pod_uid)
+                try:
+                    await self._hold_quota(record, self.records.of_pod(record.pod_uid), None)
+                except PrepareError as exc:
+                    self.log.warning("quota charge not reduced", extra={"err": str(exc)})
+            # Its last claim: the pod has ended (kubelet unprepares a pod's claims once it is
+            # gone). The scheduler's release of an ended pod takes the allocation out of the
+            # ledger, frees its quota charge and publishes alloc.<node>.released, as for every
+            # pod: that event is the scheduler's to publish (the quota service frees charges on
+            # it), never a node's.
             self.log.info("claim unprepared", extra={
                 "claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}"})
 
@@ -285,6 +292,13 @@ class DraDriver:
             raise PrepareError(f"the ledger could not be written ({exc}); kubelet retries") from exc
 
     async def _publish(self, action: str, record: PreparedClaim, pod: dict | None) -> None:
+        """In the background: kubelet's answer never waits on the event stream (its publish
+        retries while JetStream is away; the ledger already says what happened)."""
+        task = asyncio.create_task(self._publish_now(action, record))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish_now(self, action: str, record: PreparedClaim) -> None:
         event = AllocationEvent(
             event_id=f"{record.pod_uid}:dra:{record.claim_uid}:{action}",
             action=action,  # type: ignore[arg-type]
