@@ -335,3 +335,32 @@ async def test_the_namespace_quota_holds_dra_claims(short_dir, nc, nats_url, buc
     finally:
         await quota.stop()
         await quota_nc.drain()
+
+
+async def test_a_restarted_driver_keeps_what_it_prepared(short_dir, nc, buckets, node):
+    """The agent restarts (and the ledger lost the pod meanwhile): its records put the
+    allocation back, and kubelet's retried prepare gets the same device, nothing made twice."""
+    cluster = InMemoryCluster()
+    pod, claim = pod_and_claim(node, "gpu-0", "2Gi", "20")
+    cluster.add_pod(pod)
+    cluster.put_resource_claim(claim)
+    uid = claim["metadata"]["uid"]
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        first = (await h.kubelet_prepare(claim)).claims[uid]
+        limits_dir = h.store.for_pod(pod["metadata"]["uid"])[0].limits_dir
+    await buckets.ledger.delete(node)
+    async with Harness(short_dir, nc, buckets, node, cluster) as again:
+        async def restored() -> bool:
+            ledger = await again.ledger()
+            return ledger is not None and pod["metadata"]["uid"] in ledger.allocations
+
+        for _ in range(200):
+            if await restored():
+                break
+            await asyncio.sleep(0.02)
+        assert await restored(), "the prepared claim's allocation was not put back"
+        retried = (await again.kubelet_prepare(claim)).claims[uid]
+        assert list(retried.devices[0].cdi_device_ids) == list(first.devices[0].cdi_device_ids)
+        assert [c.limits_dir for c in again.store.for_pod(pod["metadata"]["uid"])] == [limits_dir]
+        sealed = read_limits(limits_dir)
+        assert sealed is not None and sealed.devices[0].mem_limit_bytes == 2 << 30

@@ -313,9 +313,19 @@ class DraDriver:
             self.log.warning("DRA event not published", extra={"err": str(exc)})
 
     async def reconcile(self) -> None:
-        """After a restart (or a lost ledger): every prepared claim's pod in the ledger."""
-        for pod_uid in sorted({r.pod_uid for r in self.records.all()}):
+        """After a restart, or a ledger lost or rebuilt without them: every prepared claim's
+        pod, while it runs, in the ledger (a pod that ended is the scheduler's to release)."""
+        pods = {r.pod_uid: r for r in self.records.all()}
+        for pod_uid, record in sorted(pods.items()):
             try:
-                await self._record_in_ledger(pod_uid)
-            except PrepareError as exc:
-                self.log.warning("DRA allocation not restored", extra={"err": str(exc)})
+                pod = await self.cluster.get_pod(record.namespace, record.pod)
+            except ClusterError:
+                continue  # gone (kubelet unprepares it) or unreadable now: next round
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            if meta.get("uid") != pod_uid or status.get("phase") in ("Succeeded", "Failed"):
+                continue
+            async with self._lock:
+                try:
+                    await self._record_in_ledger(pod_uid, pod)
+                except PrepareError as exc:
+                    self.log.warning("DRA allocation not restored", extra={"err": str(exc)})

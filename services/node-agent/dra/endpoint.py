@@ -246,10 +246,16 @@ class DraEndpoint:
         except ClusterError as exc:
             log.warning("DRA-mode annotation not written", extra={"err": str(exc)})
 
+    async def _reconcile(self) -> None:
+        try:
+            await self.driver.reconcile()
+        except Exception as exc:  # NATS away: the next round
+            log.warning("DRA ledger reconcile failed", extra={"err": str(exc)})
+
     async def run(self, stop: asyncio.Event) -> None:
         await self._announce_mode()
         await self._serve()
-        await self.driver.reconcile()
+        await self._reconcile()
         await self._publish()
         last_check = time.monotonic()
         seen = self.driver.state.version
@@ -264,9 +270,12 @@ class DraEndpoint:
                     await self._serve()
                 interval = self.driver.dra.publish_interval_s
                 if self.driver.state.version != seen or time.monotonic() - last_check >= interval:
+                    due = time.monotonic() - last_check >= interval
                     seen = self.driver.state.version
                     last_check = time.monotonic()
                     await self._publish()
+                    if due:  # a ledger rebuilt without the DRA pods gets them back
+                        await self._reconcile()
         finally:
             await self._stop()
             for path in (self.registry_socket, self.dra_socket):
