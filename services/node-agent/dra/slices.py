@@ -1,7 +1,7 @@
 """The node's GPUs as a ResourceSlice (`resource.k8s.io/v1`): pure, from the advertised devices.
 
 One pool per node (named after it) in one slice. Each GPU the node offers for libvgpu slices
-(mode `hami-core` or `mps`) is one device `gpu-<index>`:
+(mode `hami-core`) is one device `gpu-<index>`:
 
 - attributes: `uuid`, `index`, `type` (HAMi's `NVIDIA-<name>`), `model`, `numa`, `mode`,
   `migCapable`, `driverVersion` (semver);
@@ -17,7 +17,8 @@ One pool per node (named after it) in one slice. Each GPU the node offers for li
 - an unhealthy GPU carries the taint `gpu.tessera.io/unhealthy` (NoSchedule): the allocator
   places nothing new on it, running pods keep it (as the device plugin's `Unhealthy`).
 
-MIG-mode cards are not published (their instances are not libvgpu slices; see docs/dra.md).
+MIG- and MPS-mode cards are not published yet (a MIG instance is no libvgpu slice, an MPS
+client needs its daemon's pipe directory in the container: docs/dra.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tessera.models import DeviceInfo
 
 from . import names
 
-SLICED_MODES = frozenset({"hami-core", "mps"})
+SLICED_MODES = frozenset({"hami-core"})
 _VERSION_PART = re.compile(r"\d+")
 
 
