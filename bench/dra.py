@@ -52,8 +52,10 @@ from tessera.settings import TesseraSettings
 SIZES = (500, 5000)
 PODS = {500: 300, 5000: 150}
 WARMUP = 20
-DEVICE_CLASS = {"metadata": {"name": names.DEVICE_CLASS}, "spec": {"selectors": [
-    {"cel": {"expression": f'device.driver == "{names.DRIVER_NAME}"'}}]}}
+DEVICE_CLASS = {
+    "metadata": {"name": names.DEVICE_CLASS},
+    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{names.DRIVER_NAME}"'}}]},
+}
 
 
 NOTES = """Per pod, one core, the same cluster (N × 8 H100 80 GiB, split 10, half used) and the
@@ -85,8 +87,13 @@ def window(names: list[str], start: int, size: int) -> list[str]:
 def summarise(times: list[float], placed: int, checked: list[int] | None = None
               ) -> dict[str, float]:  # fmt: skip
     counted = times[WARMUP:] if len(times) > 2 * WARMUP else times
-    out = {"n": len(counted), "placed": placed, "p50_ms": percentile(counted, 0.5) * 1000,
-           "p99_ms": percentile(counted, 0.99) * 1000, "per_s": len(counted) / sum(counted)}
+    out = {
+        "n": len(counted),
+        "placed": placed,
+        "p50_ms": percentile(counted, 0.5) * 1000,
+        "p99_ms": percentile(counted, 0.99) * 1000,
+        "per_s": len(counted) / sum(counted),
+    }
     if checked:
         out["nodes_checked"] = sum(checked) / len(checked)
     return out
@@ -122,8 +129,9 @@ def run_extender(nodes: int, pods: list[dict[str, Any]]) -> dict[str, float]:
         ledger = entry.ledger.model_copy(deep=False)  # type: ignore[union-attr]
         ledger.allocations = dict(ledger.allocations)
         uid = spec["metadata"]["uid"]
-        ledger.allocations[uid] = Allocation(pod_uid=uid, namespace="bench", name=uid,
-                                             node=entry.name, containers=fit.containers)
+        ledger.allocations[uid] = Allocation(
+            pod_uid=uid, namespace="bench", name=uid, node=entry.name, containers=fit.containers
+        )
         index.set_ledger(entry.name, ledger, entry.ledger_revision + 1, 0.0)
     gc.unfreeze()
     return summarise(times, placed)
@@ -196,8 +204,9 @@ def run_dra(nodes: int, pods: list[dict[str, Any]]) -> dict[str, float]:
             devices = {d.name: d for p in pools[node] for d in p.devices}
             assert outcome.allocations is not None
             for result in outcome.allocations[0]["devices"]["results"]:
-                consumed = {k: maybe_quantity(v)
-                            for k, v in (result.get("consumedCapacity") or {}).items()}
+                consumed = {
+                    k: maybe_quantity(v) for k, v in (result.get("consumedCapacity") or {}).items()
+                }
                 usage.take(devices[result["device"]], consumed or None)
         times.append(time.perf_counter() - started)
         checked.append(looked)
@@ -218,23 +227,36 @@ def main() -> None:
         extender = run_extender(nodes, pods)
         dra = run_dra(nodes, pods)
         rows.append((nodes, extender, dra))
-        print(f"{nodes} nodes: extender {extender['per_s']:.0f} pods/s "
-              f"(p50 {extender['p50_ms']:.2f} ms, p99 {extender['p99_ms']:.2f} ms, placed "
-              f"{extender['placed']}); DRA {dra['per_s']:.1f} pods/s (p50 {dra['p50_ms']:.1f} ms, "
-              f"p99 {dra['p99_ms']:.1f} ms, placed {dra['placed']}, "
-              f"{dra['nodes_checked']:.0f} nodes filtered per pod)", flush=True)
-    table = ["| nodes | mode | pods/s (one core) | p50 ms | p99 ms | placed "
-             "| nodes filtered per pod |", "|---|---|---|---|---|---|---|"]
+        print(
+            f"{nodes} nodes: extender {extender['per_s']:.0f} pods/s "
+            f"(p50 {extender['p50_ms']:.2f} ms, p99 {extender['p99_ms']:.2f} ms, placed "
+            f"{extender['placed']}); DRA {dra['per_s']:.1f} pods/s (p50 {dra['p50_ms']:.1f} ms, "
+            f"p99 {dra['p99_ms']:.1f} ms, placed {dra['placed']}, "
+            f"{dra['nodes_checked']:.0f} nodes filtered per pod)",
+            flush=True,
+        )
+    table = [
+        "| nodes | mode | pods/s (one core) | p50 ms | p99 ms | placed | nodes filtered per pod |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for nodes, extender, dra in rows:
-        table.append(f"| {nodes} | extender (Tessera's decision) | {extender['per_s']:.0f} | "
-                     f"{extender['p50_ms']:.2f} | {extender['p99_ms']:.2f} | "
-                     f"{extender['placed']}/{extender['n'] + WARMUP} | "
-                     f"{feasible_to_find(nodes)} offered |")
-        table.append(f"| {nodes} | DRA (structured allocator) | {dra['per_s']:.1f} | "
-                     f"{dra['p50_ms']:.1f} | {dra['p99_ms']:.1f} | "
-                     f"{dra['placed']}/{dra['n'] + WARMUP} | {dra['nodes_checked']:.0f} |")
-    text = (f"{machine()}; load average {load:.2f} at start; `python bench/dra.py --record`.\n\n"
-            + "\n".join(table) + "\n\n" + NOTES)
+        table.append(
+            f"| {nodes} | extender (Tessera's decision) | {extender['per_s']:.0f} | "
+            f"{extender['p50_ms']:.2f} | {extender['p99_ms']:.2f} | "
+            f"{extender['placed']}/{extender['n'] + WARMUP} | "
+            f"{feasible_to_find(nodes)} offered |"
+        )
+        table.append(
+            f"| {nodes} | DRA (structured allocator) | {dra['per_s']:.1f} | "
+            f"{dra['p50_ms']:.1f} | {dra['p99_ms']:.1f} | "
+            f"{dra['placed']}/{dra['n'] + WARMUP} | {dra['nodes_checked']:.0f} |"
+        )
+    text = (
+        f"{machine()}; load average {load:.2f} at start; `python bench/dra.py --record`.\n\n"
+        + "\n".join(table)
+        + "\n\n"
+        + NOTES
+    )
     print(text)
     if args.record:
         record_section("DRA mode beside extender mode (dra.py)", text)

@@ -92,8 +92,10 @@ def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, 
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     namespace = meta.get("namespace", "default")
-    generated = {s.get("name"): s.get("resourceClaimName")
-                 for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    generated = {
+        s.get("name"): s.get("resourceClaimName")
+        for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
+    }
     local = {}
     for entry in spec.get("resourceClaims") or []:
         name = entry.get("resourceClaimName") or generated.get(entry.get("name"))
@@ -143,6 +145,8 @@ def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, 
                 }
                 grants[index].append(grant)
                 share = result.get("shareID")
-                lines.append(f"{claim_name}: {pool}/{result.get('device')}"
-                             + (f" share {share}" if share else ""))
+                lines.append(
+                    f"{claim_name}: {pool}/{result.get('device')}"
+                    + (f" share {share}" if share else "")
+                )
     return grants, lines

@@ -93,6 +93,7 @@ def _cel_list(values: list[str]) -> str:
 
 def selectors(annotations: dict[str, Any]) -> list[str]:
     """CEL expressions for HAMi's selection annotations."""
+
     def text(key: str) -> str:
         value = annotations.get(key)
         return value if isinstance(value, str) else ""
@@ -172,8 +173,14 @@ def template_for(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _strip_gpu_resources(container: dict[str, Any], settings: TesseraSettings) -> None:
-    names = {settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
-             settings.resource_cores, settings.resource_priority, "nvidia.com/cores"}
+    names = {
+        settings.resource_name,
+        settings.resource_mem,
+        settings.resource_mem_percentage,
+        settings.resource_cores,
+        settings.resource_priority,
+        "nvidia.com/cores",
+    }
     resources = container.get("resources") or {}
     for part in ("limits", "requests"):
         values = resources.get(part)

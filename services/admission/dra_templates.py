@@ -50,8 +50,12 @@ class DraTemplates:
                      dry_run: bool) -> Decision:  # fmt: skip
         assert decision.dra is not None
         if self.cluster is None:
-            return Denial(DRA_UNAVAILABLE, "this pod is to be placed by DRA, but the webhook has "
-                          "no cluster API to create its ResourceClaimTemplate", 500)
+            return Denial(
+                DRA_UNAVAILABLE,
+                "this pod is to be placed by DRA, but the webhook has "
+                "no cluster API to create its ResourceClaimTemplate",
+                500,
+            )
         try:
             memories = await self.card_memories()
             conversion = convert(decision.dra, self.settings, memories)
@@ -70,6 +74,8 @@ class DraTemplates:
                     return Denial(DRA_UNAVAILABLE, "cannot create ResourceClaimTemplate "
                                   f"{key[1]} in {namespace}: {exc}", 500)  # fmt: skip
         return dataclasses.replace(
-            decision, patch=json_patch(original, conversion.pod),
-            changes=(*decision.changes, *conversion.changes), dra=None,
+            decision,
+            patch=json_patch(original, conversion.pod),
+            changes=(*decision.changes, *conversion.changes),
+            dra=None,
         )

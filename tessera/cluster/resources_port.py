@@ -98,7 +98,8 @@ class KubernetesResources:
 
     def watch_resource_claims(self, namespace: str | None = None) -> AsyncIterator[WatchEvent]:
         result: AsyncIterator[WatchEvent] = self._list_then_watch(
-            self._claims_path(namespace), None, "ResourceClaim")
+            self._claims_path(namespace), None, "ResourceClaim"
+        )
         return result
 
     async def list_resource_slices(self, *, driver: str | None = None,
@@ -106,8 +107,9 @@ class KubernetesResources:
         selectors = [f"spec.driver={driver}"] if driver else []
         if node:
             selectors.append(f"spec.nodeName={node}")
-        items, _ = await self._list_all(f"{_BASE}/resourceslices",
-                                        ",".join(selectors) or None, "ResourceSlice")
+        items, _ = await self._list_all(
+            f"{_BASE}/resourceslices", ",".join(selectors) or None, "ResourceSlice"
+        )
         return list(items)
 
     async def get_resource_slice(self, name: str) -> KubeObject:
@@ -115,14 +117,18 @@ class KubernetesResources:
         return found
 
     async def create_resource_slice(self, resource_slice: KubeObject) -> KubeObject:
-        created: KubeObject = (await self._request(
-            "POST", f"{_BASE}/resourceslices", body=resource_slice)).payload
+        created: KubeObject = (
+            await self._request("POST", f"{_BASE}/resourceslices", body=resource_slice)
+        ).payload
         return created
 
     async def replace_resource_slice(self, resource_slice: KubeObject) -> KubeObject:
         name = resource_slice["metadata"]["name"]
-        replaced: KubeObject = (await self._request(
-            "PUT", f"{_BASE}/resourceslices/{_quote(name)}", body=resource_slice)).payload
+        replaced: KubeObject = (
+            await self._request(
+                "PUT", f"{_BASE}/resourceslices/{_quote(name)}", body=resource_slice
+            )
+        ).payload
         return replaced
 
     async def delete_resource_slice(self, name: str) -> None:
@@ -142,8 +148,9 @@ class KubernetesResources:
 
     async def create_resource_claim_template(self, namespace: str, template: KubeObject
                                              ) -> KubeObject:  # fmt: skip
-        created: KubeObject = (await self._request(
-            "POST", self._templates_path(namespace), body=template)).payload
+        created: KubeObject = (
+            await self._request("POST", self._templates_path(namespace), body=template)
+        ).payload
         return created
 
     async def get_device_class(self, name: str) -> KubeObject:
@@ -151,8 +158,9 @@ class KubernetesResources:
         return found
 
     async def create_device_class(self, device_class: KubeObject) -> KubeObject:
-        created: KubeObject = (await self._request(
-            "POST", f"{_BASE}/deviceclasses", body=device_class)).payload
+        created: KubeObject = (
+            await self._request("POST", f"{_BASE}/deviceclasses", body=device_class)
+        ).payload
         return created
 
 
@@ -245,8 +253,10 @@ class InMemoryResources:
         current = self._dra()["slices"].get(name)
         if current is None:
             raise NotFoundError(f'resourceslices "{name}" not found', 404)
-        if resource_slice["metadata"].get("resourceVersion") != current["metadata"][
-                "resourceVersion"]:
+        if (
+            resource_slice["metadata"].get("resourceVersion")
+            != current["metadata"]["resourceVersion"]
+        ):
             raise ConflictError(f'resourceslices "{name}": the object has been modified', 409)
         stored = self._stamp(resource_slice)
         self._dra()["slices"][name] = stored

@@ -53,8 +53,10 @@ async def test_a_slice_request_becomes_a_claim_with_capacity_requests():
     assert exact["deviceClassName"] == "gpu.tessera.io" and exact["count"] == 1
     assert exact["capacity"]["requests"] == {"memory": "4096Mi", "cores": "30"}
     cel = [s["cel"]["expression"] for s in exact["selectors"]]
-    assert cel[0] == ('device.attributes["gpu.tessera.io"].type.matches("(?i)A100") || '
-                      'device.attributes["gpu.tessera.io"].type.matches("(?i)H100")')
+    assert cel[0] == (
+        'device.attributes["gpu.tessera.io"].type.matches("(?i)A100") || '
+        'device.attributes["gpu.tessera.io"].type.matches("(?i)H100")'
+    )
     assert cel[1] == '!(device.attributes["gpu.tessera.io"].uuid in ["GPU-bad"])'
 
 
@@ -71,7 +73,9 @@ async def test_same_asks_share_one_template_and_several_gpus_are_distinct_cards(
     assert two["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == name
     spec = template_spec(cluster, "team-a", name)
     assert spec["devices"]["requests"][0]["exactly"]["capacity"]["requests"] == {
-        "memory": "1000Mi", "cores": "0"}
+        "memory": "1000Mi",
+        "cores": "0",
+    }
     assert spec["devices"]["constraints"] == [
         {"requests": ["gpu"], "distinctAttribute": "gpu.tessera.io/uuid"},
         {"requests": ["gpu"], "matchAttribute": "gpu.tessera.io/numa"},
@@ -81,22 +85,32 @@ async def test_same_asks_share_one_template_and_several_gpus_are_distinct_cards(
 async def test_a_bare_gpu_is_a_whole_card_and_a_percentage_follows_the_published_sizes():
     cluster = InMemoryCluster()
     for node, size in (("n1", "81920Mi"), ("n2", "40Gi")):
-        await cluster.create_resource_slice({"metadata": {"name": f"{node}-gpu"}, "spec": {
-            "driver": "gpu.tessera.io", "nodeName": node,
-            "devices": [{"name": "gpu-0", "capacity": {"memory": {"value": size}}}]}})
+        await cluster.create_resource_slice(
+            {
+                "metadata": {"name": f"{node}-gpu"},
+                "spec": {
+                    "driver": "gpu.tessera.io",
+                    "nodeName": node,
+                    "devices": [{"name": "gpu-0", "capacity": {"memory": {"value": size}}}],
+                },
+            }
+        )
     async with client(cluster) as c:
         whole = patched(p := pod(container("w", {GPU: 1})), await admit(c, p))
         half = patched(q := pod(container("h", {GPU: 1, PCT: 50})), await admit(c, q))
-    spec = template_spec(cluster, "team-a",
-                         whole["spec"]["resourceClaims"][0]["resourceClaimTemplateName"])
+    spec = template_spec(
+        cluster, "team-a", whole["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    )
     # no memory asked: the request policy's default (the card); cores 100 as HAMi adds them
     assert spec["devices"]["requests"][0]["exactly"]["capacity"]["requests"] == {"cores": "100"}
-    spec = template_spec(cluster, "team-a",
-                         half["spec"]["resourceClaims"][0]["resourceClaimTemplateName"])
+    spec = template_spec(
+        cluster, "team-a", half["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    )
     options = spec["devices"]["requests"][0]["firstAvailable"]
     assert [o["capacity"]["requests"]["memory"] for o in options] == ["40960Mi", "20480Mi"]
     assert options[0]["selectors"][-1]["cel"]["expression"] == (
-        'device.capacity["gpu.tessera.io"].memory.compareTo(quantity("81920Mi")) == 0')
+        'device.capacity["gpu.tessera.io"].memory.compareTo(quantity("81920Mi")) == 0'
+    )
 
 
 async def test_percentage_without_published_gpus_is_denied_with_a_way_out():
@@ -108,8 +122,10 @@ async def test_percentage_without_published_gpus_is_denied_with_a_way_out():
 
 async def test_an_extender_pod_in_a_dra_cluster_keeps_its_resources():
     async with client(InMemoryCluster()) as c:
-        obj = pod(container("m", {GPU: 1, MEM: 2000}),
-                  annotations={"tessera.io/allocation-mode": "extender"})
+        obj = pod(
+            container("m", {GPU: 1, MEM: 2000}),
+            annotations={"tessera.io/allocation-mode": "extender"},
+        )
         out = patched(obj, await admit(c, obj))
     assert out["spec"]["schedulerName"] == "tessera-scheduler"
     assert out["spec"]["containers"][0]["resources"]["limits"][GPU] == 1

@@ -29,8 +29,18 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 KUBECTL = os.environ.get("KUBECTL") or str(Path(sys.executable).parent / "kubectl")
-RUNNING = ["share-1", "share-2", "share-3", "whole-gpu", "half-a-gpu", "four-gpus", "with-init",
-           "a10-only", "spread-1", "spread-2"]
+RUNNING = [
+    "share-1",
+    "share-2",
+    "share-3",
+    "whole-gpu",
+    "half-a-gpu",
+    "four-gpus",
+    "with-init",
+    "a10-only",
+    "spread-1",
+    "spread-2",
+]
 
 
 def kubectl(sim: RunningStack, *args: str, stdin: str | None = None,
@@ -84,8 +94,14 @@ def test_the_seed_examples_run_unchanged_in_dra_mode(sim: RunningStack) -> None:
         result = kubectl(sim, "apply", "-f", str(example), ok=False)
         outputs[example.name] = result.stdout + result.stderr
         if example.name.startswith("00-"):  # the quota service learns it from its watch
-            sim.kube.wait_for("team-a's quota known", lambda: 'namespace="team-a"' in httpx.get(
-                f"{sim.stack.dashboard_url}metrics", timeout=10).text, 30)
+            sim.kube.wait_for(
+                "team-a's quota known",
+                lambda: (
+                    'namespace="team-a"'
+                    in httpx.get(f"{sim.stack.dashboard_url}metrics", timeout=10).text
+                ),
+                30,
+            )
     denied = outputs["06-quota-denied.yaml"]
     assert "denied the request: exceeding resource quota" in denied, denied
     pods = {n: sim.kube.wait_running("default", n, 60) for n in RUNNING}
@@ -110,8 +126,14 @@ def test_the_seed_examples_run_unchanged_in_dra_mode(sim: RunningStack) -> None:
 
     def pending_reason() -> str | None:
         pod = sim.kube.pod("default", "too-big")
-        message = next((c.get("message", "") for c in pod["status"].get("conditions") or []
-                        if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
+        message = next(
+            (
+                c.get("message", "")
+                for c in pod["status"].get("conditions") or []
+                if c.get("type") == "PodScheduled" and c.get("status") == "False"
+            ),
+            "",
+        )
         return message if "cannot allocate all claims" in message else None
 
     sim.kube.wait_for("too-big's allocator reason", pending_reason, 30)

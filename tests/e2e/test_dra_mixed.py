@@ -29,8 +29,10 @@ EXTENDER_NODE, DRA_NODE = "ext-node-0", "dra-node-1"
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
-    nodes = [SimNode(name=EXTENDER_NODE, gpus=1, gpu_memory_mib=24576),
-             SimNode(name=DRA_NODE, gpus=1, gpu_memory_mib=24576, dra=True)]
+    nodes = [
+        SimNode(name=EXTENDER_NODE, gpus=1, gpu_memory_mib=24576),
+        SimNode(name=DRA_NODE, gpus=1, gpu_memory_mib=24576, dra=True),
+    ]
     yield from start_stack(nodes)
 
 
@@ -53,8 +55,11 @@ def describe(sim: RunningStack, namespace: str, name: str) -> str:
 def test_extender_and_dra_pods_side_by_side(sim: RunningStack, namespace: str) -> None:
     kubectl(sim, "apply", "-f", "-", stdin=json.dumps(device_class()))
     kubectl(sim, "create", "namespace", namespace)
-    sim.kube.wait_for("the DRA node's slice", lambda: json.loads(kubectl(
-        sim, "get", "resourceslices", "-o", "json"))["items"], 40)
+    sim.kube.wait_for(
+        "the DRA node's slice",
+        lambda: json.loads(kubectl(sim, "get", "resourceslices", "-o", "json"))["items"],
+        40,
+    )
     # Two extender pods of 20 GiB: the extender node holds one; the DRA node has room, but the
     # extender never places there.
     sim.kube.create_pod_retrying(gpu_pod("ext-1", mem=20000, cores=10), namespace)
@@ -66,16 +71,21 @@ def test_extender_and_dra_pods_side_by_side(sim: RunningStack, namespace: str) -
 
     def refusal() -> str | None:
         pod = sim.kube.pod(namespace, "ext-2")
-        return next((c.get("message", "") for c in pod["status"].get("conditions") or []
-                     if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+        return next(
+            (
+                c.get("message", "")
+                for c in pod["status"].get("conditions") or []
+                if c.get("type") == "PodScheduled" and c.get("status") == "False"
+            ),
+            None,
+        )
 
     message = sim.kube.wait_for("ext-2 refused", refusal, 30)
     assert "CardInsufficientMemory" in message and "NodeInDRAMode" in message, message
     assert sim.kube.pod(namespace, "ext-2")["spec"].get("nodeName") is None
 
     # the same HAMi pod, annotated for DRA: a claim the allocator places on the DRA node
-    dra = gpu_pod("dra-1", mem=20000, cores=10,
-                  annotations={"tessera.io/allocation-mode": "dra"})
+    dra = gpu_pod("dra-1", mem=20000, cores=10, annotations={"tessera.io/allocation-mode": "dra"})
     sim.kube.create_pod_retrying(dra, namespace)
     placed = sim.kube.wait_running(namespace, "dra-1", 60)
     assert placed["spec"]["nodeName"] == DRA_NODE
@@ -86,7 +96,12 @@ def test_extender_and_dra_pods_side_by_side(sim: RunningStack, namespace: str) -
     assert f"{DRA_NODE}/gpu-0" in text, text
 
     metrics = httpx.get(f"{sim.stack.dashboard_url}metrics", timeout=10).text
-    mine = [ln for ln in metrics.splitlines()
-            if ln.startswith("hami_vgpu_memory_allocated_bytes{") and namespace in ln]
+    mine = [
+        ln
+        for ln in metrics.splitlines()
+        if ln.startswith("hami_vgpu_memory_allocated_bytes{") and namespace in ln
+    ]
     assert {n for ln in mine for n in (EXTENDER_NODE, DRA_NODE) if f'node="{n}"' in ln} == {
-        EXTENDER_NODE, DRA_NODE}, mine
+        EXTENDER_NODE,
+        DRA_NODE,
+    }, mine

@@ -85,8 +85,11 @@ class Kubectl:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
-    nodes = [SimNode(name=NODE, gpus=1, gpu_memory_mib=CARD_MIB, gpu_model="NVIDIA A100-SXM4-80GB",
-                     dra=True)]
+    nodes = [
+        SimNode(
+            name=NODE, gpus=1, gpu_memory_mib=CARD_MIB, gpu_model="NVIDIA A100-SXM4-80GB", dra=True
+        )
+    ]
     yield from start_stack(nodes, env={"TESSERA_DEVICE_SPLIT_COUNT": "4"})
 
 
@@ -106,8 +109,14 @@ def pod_phase(kubectl: Kubectl, ns: str, name: str) -> str:
 
 def scheduled_message(kubectl: Kubectl, ns: str, name: str) -> str:
     pod = kubectl.json("pod", name, "-n", ns)
-    return next((c.get("message", "") for c in pod["status"].get("conditions") or []
-                 if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
+    return next(
+        (
+            c.get("message", "")
+            for c in pod["status"].get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "False"
+        ),
+        "",
+    )
 
 
 def sealed_limits(sim: RunningStack, ns: str, name: str) -> tuple[str, int, int]:
@@ -152,8 +161,9 @@ def test_three_slices_share_a_gpu_the_fourth_pends_and_deleting_frees(
         assert sealed_limits(sim, namespace, f"share-{i}") == (card, 4 << 30, 30)
 
     kubectl.apply(POD % {"ns": namespace, "name": "share-4"})
-    reason = sim.kube.wait_for("share-4's allocator reason",
-                               lambda: scheduled_message(kubectl, namespace, "share-4"), 30)
+    reason = sim.kube.wait_for(
+        "share-4's allocator reason", lambda: scheduled_message(kubectl, namespace, "share-4"), 30
+    )
     assert reason == "0/1 nodes are available: 1 cannot allocate all claims.", reason
     assert pod_phase(kubectl, namespace, "share-4") == "Pending"
 
@@ -164,14 +174,20 @@ def test_three_slices_share_a_gpu_the_fourth_pends_and_deleting_frees(
     for claim in allocated:
         [result] = claim["status"]["allocation"]["devices"]["results"]
         assert (result["driver"], result["pool"], result["device"]) == (
-            "gpu.tessera.io", NODE, "gpu-0")
+            "gpu.tessera.io",
+            NODE,
+            "gpu-0",
+        )
         assert result["consumedCapacity"]["memory"] == "4Gi"
         assert result["consumedCapacity"]["cores"] == "30"
 
     # Tessera sees them as any allocation: HAMi's metrics from the ledger
     def three_in_metrics() -> list[str]:
-        lines = [ln for ln in metric_lines(sim, "hami_vgpu_memory_allocated_bytes")
-                 if f'namespace="{namespace}"' in ln]
+        lines = [
+            ln
+            for ln in metric_lines(sim, "hami_vgpu_memory_allocated_bytes")
+            if f'namespace="{namespace}"' in ln
+        ]
         return lines if len(lines) == 3 else []
 
     lines = sim.kube.wait_for("the DRA slices in HAMi's metrics", three_in_metrics, 30)

@@ -45,14 +45,21 @@ GPU_TYPE = "NVIDIA-A100-SXM4-80GB"
 
 def devices(split: int = 4) -> list[DeviceInfo]:
     return [
-        DeviceInfo(uuid=f"GPU-{i:04d}-{uuid.uuid4().hex[:8]}", index=i, type=GPU_TYPE,
-                   memory_mib=16000, split_count=split, numa=i)
+        DeviceInfo(
+            uuid=f"GPU-{i:04d}-{uuid.uuid4().hex[:8]}",
+            index=i,
+            type=GPU_TYPE,
+            memory_mib=16000,
+            split_count=split,
+            numa=i,
+        )
         for i in range(2)
     ]
 
 
-def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool = False,
-                  namespace: str = "team"):
+def pod_and_claim(
+    node: str, device: str, memory: str, cores: str, *, two: bool = False, namespace: str = "team"
+):
     pod_uid = str(uuid.uuid4())
     claim_uid = str(uuid.uuid4())
     name = f"p-{pod_uid[:6]}"
@@ -79,8 +86,11 @@ def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool 
                          "device": "x"})  # fmt: skip
     claim = {
         "metadata": {"name": claim_name, "namespace": namespace, "uid": claim_uid},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": names.DEVICE_CLASS}}]}},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": names.DEVICE_CLASS}}]
+            }
+        },
         "status": {
             "allocation": {"devices": {"results": results}},
             "reservedFor": [{"resource": "pods", "name": name, "uid": pod_uid}],
@@ -90,8 +100,9 @@ def pod_and_claim(node: str, device: str, memory: str, cores: str, *, two: bool 
 
 
 class Harness:
-    def __init__(self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster,
-                 quota: bool = False) -> None:
+    def __init__(
+        self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster, quota: bool = False
+    ) -> None:
         self.base = base
         self.node = node
         self.cluster = cluster
@@ -104,8 +115,14 @@ class Harness:
         self.store = ContainerStore(self.settings.region_host_dir)
         self.store.ensure_root()
         self.driver = DraDriver(
-            settings=self.settings, dra=self.dra, node=node, state=self.state, store=self.store,
-            ledger_kv=buckets.ledger, js=nc.jetstream(), cluster=cluster,
+            settings=self.settings,
+            dra=self.dra,
+            node=node,
+            state=self.state,
+            store=self.store,
+            ledger_kv=buckets.ledger,
+            js=nc.jetstream(),
+            cluster=cluster,
             log=logging.getLogger("test.dra"),
             quota=DraQuota(nc, TesseraSettings()) if quota else None,
         )
@@ -183,7 +200,9 @@ async def test_registers_as_a_dra_plugin_and_publishes_capacities(short_dir, nc,
         assert gpu0["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Mi"
         assert gpu0["capacity"]["cores"]["requestPolicy"]["validRange"]["max"] == "100"
         assert gpu0["capacity"]["slots"] == {
-            "value": "4", "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}}}
+            "value": "4",
+            "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}},
+        }
 
 
 async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
@@ -210,8 +229,9 @@ async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
         limits_dir = mounts["/run/tessera/limits"]["hostPath"]
         sealed = read_limits(limits_dir)
         gpu1 = h.state.devices()[1].uuid
-        assert sealed is not None and [(d.uuid, d.mem_limit_bytes, d.sm_limit_pct)
-                                       for d in sealed.devices] == [(gpu1, 4096 << 20, 30)]
+        assert sealed is not None and [
+            (d.uuid, d.mem_limit_bytes, d.sm_limit_pct) for d in sealed.devices
+        ] == [(gpu1, 4096 << 20, 30)]
         assert "CUDA_DEVICE_MEMORY_LIMIT_0=4096m" in edits["env"]
 
         # the ledger holds the pod's allocation, as an extender allocation once allocated
@@ -221,7 +241,9 @@ async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
         assert allocation.state == "allocated"
         assert allocation.container_names == ["main", "side"]
         assert [[(g.uuid, g.memory_mib, g.cores) for g in c] for c in allocation.containers] == [
-            [(gpu1, 4096, 30)], []]
+            [(gpu1, 4096, 30)],
+            [],
+        ]
 
         # kubelet retries: the same answer, nothing prepared twice
         again = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
@@ -262,15 +284,19 @@ async def test_an_unhealthy_gpu_is_tainted_and_streamed(short_dir, nc, buckets, 
     async with Harness(short_dir, nc, buckets, node, cluster) as h:
         async with grpc.aio.insecure_channel(f"unix://{h.endpoint.dra_socket}") as channel:
             stream = drahealth_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
-                drahealth.NodeWatchResourcesRequest())
+                drahealth.NodeWatchResourcesRequest()
+            )
             first = await stream.read()
             assert {d.device.device_name: d.health for d in first.devices} == {
-                "gpu-0": drahealth.HEALTHY, "gpu-1": drahealth.HEALTHY}
+                "gpu-0": drahealth.HEALTHY,
+                "gpu-1": drahealth.HEALTHY,
+            }
             sick = [d.model_copy(update={"healthy": d.index != 0}) for d in h.state.devices()]
             await h.state.update(sick)
             second = await stream.read()
             assert {d.device.device_name: d.health for d in second.devices}["gpu-0"] == (
-                drahealth.UNHEALTHY)
+                drahealth.UNHEALTHY
+            )
             stream.cancel()
 
         async def tainted() -> list:
@@ -299,8 +325,11 @@ async def test_the_namespace_quota_holds_dra_claims(short_dir, nc, nats_url, buc
     await quota.start()
     ns = f"q-{uuid.uuid4().hex[:8]}"
     try:
-        reply = await nc.request(bus.QUOTA_SET, encode(QuotaSetRequest(
-            namespace=ns, limits=QuotaAmount(memory_mib=6000))), timeout=5)
+        reply = await nc.request(
+            bus.QUOTA_SET,
+            encode(QuotaSetRequest(namespace=ns, limits=QuotaAmount(memory_mib=6000))),
+            timeout=5,
+        )
         assert decode(reply.data, QuotaReply).ok
         cluster = InMemoryCluster()
         async with Harness(short_dir, nc, buckets, node, cluster, quota=True) as h:
@@ -325,8 +354,11 @@ async def test_the_namespace_quota_holds_dra_claims(short_dir, nc, nats_url, buc
             await h.kubelet_unprepare(first)
             assert await used() == 4096  # held until the ended pod is released, as any pod
             # the scheduler's release of the ended pod (runtime.on_pod_event) frees it
-            msg = await nc.request(bus.QUOTA_RELEASE, encode(QuotaRequest(
-                namespace=ns, pod_uid=first_pod["metadata"]["uid"])), timeout=5)
+            msg = await nc.request(
+                bus.QUOTA_RELEASE,
+                encode(QuotaRequest(namespace=ns, pod_uid=first_pod["metadata"]["uid"])),
+                timeout=5,
+            )
             assert decode(msg.data, QuotaReply).ok
             assert await used() == 0
             again = (await h.kubelet_prepare(second)).claims[second["metadata"]["uid"]]
@@ -350,6 +382,7 @@ async def test_a_restarted_driver_keeps_what_it_prepared(short_dir, nc, buckets,
         limits_dir = h.store.for_pod(pod["metadata"]["uid"])[0].limits_dir
     await buckets.ledger.delete(node)
     async with Harness(short_dir, nc, buckets, node, cluster) as again:
+
         async def restored() -> bool:
             ledger = await again.ledger()
             return ledger is not None and pod["metadata"]["uid"] in ledger.allocations

@@ -100,4 +100,4 @@ def prepared_claims(cdi_dir: str | os.PathLike[str]) -> list[str]:
     root = Path(cdi_dir)
     if not root.is_dir():
         return []
-    return sorted(p.name[len(prefix):-len(".json")] for p in root.glob(f"{prefix}*.json"))
+    return sorted(p.name[len(prefix) : -len(".json")] for p in root.glob(f"{prefix}*.json"))

@@ -157,8 +157,11 @@ def pod_claim_names(pod: dict[str, Any], claim_name: str) -> set[str]:
     """The pod's own names (`spec.resourceClaims[].name`) for the ResourceClaim `claim_name`."""
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
-    generated = {s.get("name"): s.get("resourceClaimName")
-                 for s in status.get("resourceClaimStatuses") or [] if isinstance(s, dict)}
+    generated = {
+        s.get("name"): s.get("resourceClaimName")
+        for s in status.get("resourceClaimStatuses") or []
+        if isinstance(s, dict)
+    }
     found: set[str] = set()
     for entry in spec.get("resourceClaims") or []:
         if not isinstance(entry, dict):

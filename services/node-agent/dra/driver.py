@@ -173,8 +173,10 @@ class DraDriver:
             if meta.get("uid") == pod_uid and (pod.get("spec") or {}).get("nodeName") == self.node:
                 return pod
         who = ", ".join(n for n, _ in reserved) or "no pod"
-        raise PrepareError(f"ResourceClaim {namespace}/{(claim.get('metadata') or {}).get('name')}"
-                           f" is reserved for {who}, none of them a pod on {self.node}")
+        raise PrepareError(
+            f"ResourceClaim {namespace}/{(claim.get('metadata') or {}).get('name')}"
+            f" is reserved for {who}, none of them a pod on {self.node}"
+        )
 
     def _check_one_claim_per_container(self, record: PreparedClaim) -> None:
         for other in self.records.of_pod(record.pod_uid):
@@ -197,7 +199,9 @@ class DraDriver:
         """Directory, sealed limits and CDI spec (a worker thread: file I/O)."""
         node_settings = self.node_settings()
         allocation = accounting.pod_allocation(
-            self.node, [record], container_names=container_names(pod),
+            self.node,
+            [record],
+            container_names=container_names(pod),
             init_count=len((pod.get("spec") or {}).get("initContainers") or []),
             core_policy=node_settings.core_policy,
         )
@@ -240,8 +244,10 @@ class DraDriver:
             # ledger, frees its quota charge and publishes alloc.<node>.released, as for every
             # pod: that event is the scheduler's to publish (the quota service frees charges on
             # it), never a node's.
-            self.log.info("claim unprepared", extra={
-                "claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}"})
+            self.log.info(
+                "claim unprepared",
+                extra={"claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}"},
+            )
 
     def _scrub(self, record: PreparedClaim) -> None:
         """The claim's directory goes (sealed limits, region, lease socket)."""
@@ -276,7 +282,10 @@ class DraDriver:
             if pod is None and before is not None:
                 names, init = before.container_names, before.init_count
             allocation = accounting.pod_allocation(
-                self.node, held, container_names=names, init_count=init,
+                self.node,
+                held,
+                container_names=names,
+                init_count=init,
                 core_policy=self.node_settings().core_policy,
                 quota_held=self.quota is not None and self.quota.enabled,
             )

@@ -170,8 +170,10 @@ class SlicePublisher:
         self._generation = desired["spec"]["pool"]["generation"]
         self._published = devices
         self.publishes += 1
-        log.info("ResourceSlice published", extra={
-            "slice": name, "devices": len(devices), "generation": self._generation})
+        log.info(
+            "ResourceSlice published",
+            extra={"slice": name, "devices": len(devices), "generation": self._generation},
+        )
         return True
 
     async def withdraw(self) -> None:
@@ -217,7 +219,8 @@ class DraEndpoint:
         service = grpc.aio.server()
         dra_grpc.add_DRAPluginServicer_to_server(DraService(self.driver), service)
         drahealth_grpc.add_DRAResourceHealthServicer_to_server(
-            HealthService(self.driver.state, self.driver.node), service)
+            HealthService(self.driver.state, self.driver.node), service
+        )
         service.add_insecure_port(f"unix://{self.dra_socket}")
         await service.start()
         registry = grpc.aio.server()
@@ -242,7 +245,8 @@ class DraEndpoint:
         """The Node says it is in DRA mode: the extender leaves it to the allocator."""
         try:
             await self.driver.cluster.patch_node_annotations(
-                self.driver.node, {names.ANN_ALLOCATION_MODE: "dra"})
+                self.driver.node, {names.ANN_ALLOCATION_MODE: "dra"}
+            )
         except ClusterError as exc:
             log.warning("DRA-mode annotation not written", extra={"err": str(exc)})
 
@@ -281,4 +285,3 @@ class DraEndpoint:
             for path in (self.registry_socket, self.dra_socket):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-

@@ -26,8 +26,11 @@ class DraQuota:
     def __init__(self, nc, settings: TesseraSettings, clock=None) -> None:
         self.nc = nc
         self.settings = settings
-        self.signer = (process_signer(settings.command_key_file, clock) if clock
-                       else process_signer(settings.command_key_file))
+        self.signer = (
+            process_signer(settings.command_key_file, clock)
+            if clock
+            else process_signer(settings.command_key_file)
+        )
 
     @property
     def enabled(self) -> bool:
@@ -46,12 +49,15 @@ class DraQuota:
         payload = encode(request)
         try:
             msg = await self.nc.request(
-                bus.QUOTA_RESERVE, payload, timeout=self.settings.request_timeout_s,
+                bus.QUOTA_RESERVE,
+                payload,
+                timeout=self.settings.request_timeout_s,
                 headers=self.signer.headers(bus.QUOTA_RESERVE, payload),
             )
             reply = decode_reply(msg.data, QuotaReply)
         except Exception as exc:
-            raise QuotaRefused(f"the quota service did not answer ({exc}); kubelet retries"
-                               ) from exc
+            raise QuotaRefused(
+                f"the quota service did not answer ({exc}); kubelet retries"
+            ) from exc
         if not reply.ok:
             raise QuotaRefused(f"quota: {reply.reason}")

@@ -35,7 +35,8 @@ async def leave_dra_mode(agent: NodeAgent) -> None:
         annotations = (node.get("metadata") or {}).get("annotations") or {}
         if ANN_ALLOCATION_MODE in annotations:
             await agent.cluster.patch_node_annotations(  # type: ignore[union-attr]
-                agent.node, {ANN_ALLOCATION_MODE: None})
+                agent.node, {ANN_ALLOCATION_MODE: None}
+            )
     except ClusterError as exc:
         agent.log.info("allocation-mode annotation not checked", extra={"err": str(exc)})
 
@@ -50,13 +51,22 @@ def start_driver(agent: NodeAgent, stop: asyncio.Event,
             agent.dra_task = asyncio.create_task(leave_dra_mode(agent))
         return None
     if agent.cluster is None:
-        raise RuntimeError("DRA mode needs the cluster API (TESSERA_CLUSTER / a kubeconfig): "
-                           "the driver reads the claims it prepares and publishes its slices")
+        raise RuntimeError(
+            "DRA mode needs the cluster API (TESSERA_CLUSTER / a kubeconfig): "
+            "the driver reads the claims it prepares and publishes its slices"
+        )
     dra = dra.model_copy(update={"driver_version": driver_version(agent, dra)})
     assert agent.configurator is not None
     driver = DraDriver(
-        settings=agent.settings, dra=dra, node=agent.node, state=agent.state, store=agent.store,
-        ledger_kv=agent.buckets.ledger, js=agent.js, cluster=agent.cluster, log=agent.log,
+        settings=agent.settings,
+        dra=dra,
+        node=agent.node,
+        state=agent.state,
+        store=agent.store,
+        ledger_kv=agent.buckets.ledger,
+        js=agent.js,
+        cluster=agent.cluster,
+        log=agent.log,
         node_settings=agent.configurator.node_settings,
         source=f"node-agent/{agent.node}/{agent.instance}",
         quota=DraQuota(agent.nc, agent.settings, agent.clock),

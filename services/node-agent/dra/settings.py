@@ -11,7 +11,8 @@ class DraSettings(BaseSettings):
                                       populate_by_name=True)  # fmt: skip
 
     enabled: bool = Field(
-        False, validation_alias="TESSERA_DRA",
+        False,
+        validation_alias="TESSERA_DRA",
         description="serve this node in DRA mode: a kubelet DRA plugin publishing "
         "ResourceSlices, instead of the device plugin (extender mode)",
     )
@@ -21,5 +22,9 @@ class DraSettings(BaseSettings):
     cdi_dir: str = Field("/var/run/cdi", description="where the CDI specs of prepared claims go")
     driver_version: str = Field("", description="the NVIDIA driver version published as the "
                                 "driverVersion attribute ('' = NVML's, else 0.0.0)")  # fmt: skip
-    publish_interval_s: float = Field(5.0, gt=0, description="how often the published slice is "
-                                      "checked against the devices (changes go out at once)")
+    publish_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="how often the published slice is "
+        "checked against the devices (changes go out at once)",
+    )

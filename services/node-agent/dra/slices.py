@@ -136,8 +136,12 @@ def build_slice(
             "nodeName": node,
             "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
             "devices": [
-                device_entry(d, driver_version=driver_version, default_cores=default_cores,
-                             taint_time=taint_time)
+                device_entry(
+                    d,
+                    driver_version=driver_version,
+                    default_cores=default_cores,
+                    taint_time=taint_time,
+                )
                 for d in published(devices)
             ],
         },
