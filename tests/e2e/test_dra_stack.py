@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,9 @@ class Kubectl:
         return json.loads(self.run("get", *args, "-o", "json"))
 
 
+FAULTS = Path(tempfile.mkdtemp(prefix="dra-faults-")) / "faults"
+
+
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
     nodes = [
@@ -90,7 +94,8 @@ def sim() -> Iterator[RunningStack]:
             name=NODE, gpus=1, gpu_memory_mib=CARD_MIB, gpu_model="NVIDIA A100-SXM4-80GB", dra=True
         )
     ]
-    yield from start_stack(nodes, env={"TESSERA_DEVICE_SPLIT_COUNT": "4"})
+    env = {"TESSERA_DEVICE_SPLIT_COUNT": "4", "TESSERA_STATIC_FAULT_FILE": str(FAULTS)}
+    yield from start_stack(nodes, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +208,25 @@ def test_three_slices_share_a_gpu_the_fourth_pends_and_deleting_frees(
               metric_lines(sim, "hami_vgpu_memory_allocated_bytes")):  # fmt: skip
         assert time.monotonic() < deadline, "share-1's slice still counted after its deletion"
         time.sleep(0.2)
+
+
+def test_an_unhealthy_gpu_is_tainted_and_gets_no_new_claim(
+    sim: RunningStack, kubectl: Kubectl, namespace: str
+) -> None:
+    """Last in the module: the node's one GPU stays unhealthy for the recovery time."""
+    kubectl.run("create", "namespace", namespace)
+    kubectl.apply(TEMPLATE % {"ns": namespace})
+    with FAULTS.open("a") as f:
+        f.write("0 79\n")  # XID 79: the GPU has fallen off the bus
+
+    def taints() -> list:
+        [published] = kubectl.json("resourceslices")["items"]
+        return published["spec"]["devices"][0].get("taints") or []
+
+    [taint] = sim.kube.wait_for("the GPU's taint", taints, 30)
+    assert (taint["key"], taint["effect"]) == ("gpu.tessera.io/unhealthy", "NoSchedule")
+    kubectl.apply(POD % {"ns": namespace, "name": "after-fault"})
+    reason = sim.kube.wait_for(
+        "the allocator's refusal", lambda: scheduled_message(kubectl, namespace, "after-fault"), 30
+    )
+    assert "cannot allocate all claims" in reason, reason
