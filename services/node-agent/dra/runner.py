@@ -18,14 +18,18 @@ if TYPE_CHECKING:
 
 
 def driver_version(agent: NodeAgent, dra: DraSettings) -> str:
+    """The setting, else NVML's (the NVML device source has initialised it), else 0.0.0."""
     if dra.driver_version:
         return dra.driver_version
-    probe = getattr(agent.source, "driver_version", None)
-    try:
-        found = probe() if callable(probe) else None
-    except Exception:
-        found = None
-    return str(found or "0.0.0")
+    if agent.settings.device_source == "nvml":
+        try:
+            import pynvml
+
+            found = pynvml.nvmlSystemGetDriverVersion()
+            return found.decode() if isinstance(found, bytes) else str(found)
+        except Exception:  # no NVML, or a driver without the call: the attribute says 0.0.0
+            pass
+    return "0.0.0"
 
 
 async def leave_dra_mode(agent: NodeAgent) -> None:
