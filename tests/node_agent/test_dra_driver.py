@@ -27,7 +27,16 @@ from tessera.quota import QuotaService
 from tessera import bus
 from tessera.cluster.memory import InMemoryCluster
 from tessera.codec import decode, encode
-from tessera.kubeapi import dra, dra_grpc, drahealth, drahealth_grpc, reg, reg_grpc
+from tessera.kubeapi import (
+    dra,
+    dra_grpc,
+    drahealth,
+    drahealth_grpc,
+    drahealth_v1,
+    drahealth_v1_grpc,
+    reg,
+    reg_grpc,
+)
 from tessera.models import (
     DeviceInfo,
     NodeLedger,
@@ -286,18 +295,26 @@ async def test_an_unhealthy_gpu_is_tainted_and_streamed(short_dir, nc, buckets, 
             stream = drahealth_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
                 drahealth.NodeWatchResourcesRequest()
             )
+            v1 = drahealth_v1_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                drahealth_v1.NodeWatchResourcesRequest()
+            )
             first = await stream.read()
             assert {d.device.device_name: d.health for d in first.devices} == {
                 "gpu-0": drahealth.HEALTHY,
                 "gpu-1": drahealth.HEALTHY,
             }
+            assert len((await v1.read()).devices) == 2
             sick = [d.model_copy(update={"healthy": d.index != 0}) for d in h.state.devices()]
             await h.state.update(sick)
             second = await stream.read()
             assert {d.device.device_name: d.health for d in second.devices}["gpu-0"] == (
                 drahealth.UNHEALTHY
             )
+            [gpu0, gpu1] = (await v1.read()).devices
+            assert (gpu0.health, gpu1.health) == (drahealth_v1.UNHEALTHY, drahealth_v1.HEALTHY)
+            assert "XID" in gpu0.message and gpu1.message == ""
             stream.cancel()
+            v1.cancel()
 
         async def tainted() -> list:
             [s] = await cluster.list_resource_slices(node=node)

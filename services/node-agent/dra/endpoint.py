@@ -7,7 +7,7 @@ the node's ResourceSlice.
   `NotifyRegistrationStatus`. Both sockets are served again when something removes them.
 - **DRAPlugin** on `<kubelet>/plugins/<driver>/dra.sock`: NodePrepareResources /
   NodeUnprepareResources, one answer per claim (an error for one claim never fails the others).
-- **DRAResourceHealth** (v1alpha1) on the same socket: NodeWatchResources streams every device's
+- **DRAResourceHealth** (v1alpha1 and v1) on the same socket: NodeWatchResources streams every device's
   health now and at each change.
 - **ResourceSlice**: published through the cluster port at start and whenever the devices
   change (health, node configuration), its pool generation moved; an unhealthy GPU is tainted.
@@ -25,7 +25,16 @@ from pathlib import Path
 import grpc
 
 from tessera.cluster.port import ClusterError, ConflictError, NotFoundError
-from tessera.kubeapi import dra, dra_grpc, drahealth, drahealth_grpc, reg, reg_grpc
+from tessera.kubeapi import (
+    dra,
+    dra_grpc,
+    drahealth,
+    drahealth_grpc,
+    drahealth_v1,
+    drahealth_v1_grpc,
+    reg,
+    reg_grpc,
+)
 
 from ..state import DeviceState
 from . import names, slices
@@ -73,28 +82,45 @@ class DraService(dra_grpc.DRAPluginServicer):
 
 
 class HealthService(drahealth_grpc.DRAResourceHealthServicer):
+    """NodeWatchResources (dra-health v1alpha1): every device's health now and at each change."""
+
+    api = drahealth
+
     def __init__(self, state: DeviceState, node: str) -> None:
         self.state = state
         self.node = node
 
-    def _snapshot(self, devices) -> drahealth.NodeWatchResourcesResponse:
-        now = int(time.time())
-        return drahealth.NodeWatchResourcesResponse(devices=[
-            drahealth.DeviceHealth(
-                device=drahealth.DeviceIdentifier(pool_name=self.node,
-                                                  device_name=slices.device_name(d)),
-                health=drahealth.HEALTHY if d.healthy else drahealth.UNHEALTHY,
-                last_updated_time=now,
-            )
-            for d in slices.published(devices)
-        ])  # fmt: skip
+    def _entry(self, device, now: int):
+        api = self.api
+        return api.DeviceHealth(
+            device=api.DeviceIdentifier(
+                pool_name=self.node, device_name=slices.device_name(device)
+            ),
+            health=api.HEALTHY if device.healthy else api.UNHEALTHY,
+            last_updated_time=now,
+        )
 
     async def NodeWatchResources(self, request, context):
         seen = self.state.version
-        yield self._snapshot(self.state.devices())
+        devices = self.state.devices()
         while True:
+            now = int(time.time())
+            yield self.api.NodeWatchResourcesResponse(
+                devices=[self._entry(d, now) for d in slices.published(devices)]
+            )
             devices, seen = await self.state.wait_change(seen)
-            yield self._snapshot(devices)
+
+
+class HealthServiceV1(HealthService, drahealth_v1_grpc.DRAResourceHealthServicer):
+    """The same stream on dra-health v1, whose entries also say why a GPU is unhealthy."""
+
+    api = drahealth_v1
+
+    def _entry(self, device, now: int):
+        entry = super()._entry(device, now)
+        if not device.healthy:
+            entry.message = "NVML reported a critical XID or ECC error on this GPU"
+        return entry
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
@@ -220,6 +246,9 @@ class DraEndpoint:
         dra_grpc.add_DRAPluginServicer_to_server(DraService(self.driver), service)
         drahealth_grpc.add_DRAResourceHealthServicer_to_server(
             HealthService(self.driver.state, self.driver.node), service
+        )
+        drahealth_v1_grpc.add_DRAResourceHealthServicer_to_server(
+            HealthServiceV1(self.driver.state, self.driver.node), service
         )
         service.add_insecure_port(f"unix://{self.dra_socket}")
         await service.start()
