@@ -7,8 +7,8 @@ the node's ResourceSlice.
   `NotifyRegistrationStatus`. Both sockets are served again when something removes them.
 - **DRAPlugin** on `<kubelet>/plugins/<driver>/dra.sock`: NodePrepareResources /
   NodeUnprepareResources, one answer per claim (an error for one claim never fails the others).
-- **DRAResourceHealth** (v1alpha1 and v1) on the same socket: NodeWatchResources streams every device's
-  health now and at each change.
+- **DRAResourceHealth** (v1alpha1 and v1) on the same socket: NodeWatchResources streams
+  every device's health now and at each change.
 - **ResourceSlice**: published through the cluster port at start and whenever the devices
   change (health, node configuration), its pool generation moved; an unhealthy GPU is tainted.
 """
