@@ -79,7 +79,12 @@ def pod_and_claim(
             "nodeName": node,
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "slice"}],
             "containers": [
-                {"name": "main", "resources": {"claims": [{"name": "gpu"}]}},
+                {
+                    "name": "main",
+                    "resources": {"claims": [{"name": "gpu"}]},
+                    # what the webhook makes of nvidia.com/priority: 0 (high)
+                    "env": [{"name": "CUDA_TASK_PRIORITY", "value": "0"}],
+                },
                 {"name": "side", "resources": {}},
             ],
         },
@@ -249,6 +254,7 @@ async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
         allocation = ledger.allocations[pod["metadata"]["uid"]]
         assert allocation.state == "allocated"
         assert allocation.container_names == ["main", "side"]
+        assert allocation.priority == 0 and sealed.priority == 0
         assert [[(g.uuid, g.memory_mib, g.cores) for g in c] for c in allocation.containers] == [
             [(gpu1, 4096, 30)],
             [],

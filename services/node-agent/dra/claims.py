@@ -215,3 +215,16 @@ def plan(claim: dict[str, Any], pod: dict[str, Any], node: str,
         pod=str(pod_meta.get("name", "")), container_index=first, container=name,
         containers=list(use.indices), devices=found,
     )  # fmt: skip
+
+
+def task_priority(pod: dict[str, Any], index: int) -> int:
+    """HAMi's task priority of container `index` (init first): the `CUDA_TASK_PRIORITY` env the
+    webhook set from `nvidia.com/priority` (0 high, 1 low: the default)."""
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    if not 0 <= index < len(containers) or not isinstance(containers[index], dict):
+        return 1
+    for entry in containers[index].get("env") or []:
+        if isinstance(entry, dict) and entry.get("name") == "CUDA_TASK_PRIORITY":
+            return 0 if str(entry.get("value", "")).strip() == "0" else 1
+    return 1

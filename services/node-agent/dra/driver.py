@@ -33,7 +33,14 @@ from .. import handshake as hs
 from ..containers import ContainerStore, PreparedContainer
 from ..state import DeviceState
 from . import accounting, cdi
-from .claims import ClaimError, PreparedClaim, container_names, plan, reserved_pods
+from .claims import (
+    ClaimError,
+    PreparedClaim,
+    container_names,
+    plan,
+    reserved_pods,
+    task_priority,
+)
 from .quota import DraQuota, QuotaRefused
 from .settings import DraSettings
 
@@ -204,6 +211,7 @@ class DraDriver:
             container_names=container_names(pod),
             init_count=len((pod.get("spec") or {}).get("initContainers") or []),
             core_policy=node_settings.core_policy,
+            priority=task_priority(pod, record.container_index),
         )
         assert allocation is not None
         grants = [d.grant for d in record.devices]
@@ -279,13 +287,16 @@ class DraDriver:
             init = len(((pod or {}).get("spec") or {}).get("initContainers") or [])
             existing = await bus.read(self.ledger_kv, self.node, NodeLedger)
             before = existing.value.allocations.get(pod_uid) if existing else None
+            first = min(r.container_index for r in held)
+            priority = task_priority(pod, first) if pod else 1
             if pod is None and before is not None:
-                names, init = before.container_names, before.init_count
+                names, init, priority = before.container_names, before.init_count, before.priority
             allocation = accounting.pod_allocation(
                 self.node,
                 held,
                 container_names=names,
                 init_count=init,
+                priority=priority,
                 core_policy=self.node_settings().core_policy,
                 quota_held=self.quota is not None and self.quota.enabled,
             )
