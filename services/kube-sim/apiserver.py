@@ -41,6 +41,7 @@ from tessera.kube_sim import (
 )
 from tessera.kube_sim.dra import objects as dra_objects
 from tessera.kube_sim.dra import printers as _dra_printers  # noqa: F401  (Table columns)
+from tessera.kube_sim.dra import schemas as _dra_schemas  # noqa: F401  (strict decoding)
 from tessera.kube_sim.identity import Authentication, TokenTable
 from tessera.kube_sim.objects import (
     WORKLOADS,
@@ -473,6 +474,13 @@ class ApiServer:
         created = await self.create_object(kind, namespace, obj, dry_run)
         return with_warnings(JSONResponse(created, 201), warnings)
 
+    def _namespace_labels(self, meta: dict[str, Any]) -> dict[str, str]:
+        try:
+            found = self.store.get("Namespace", "", str(meta.get("namespace") or "default"))
+        except StoreError:
+            return {}
+        return (found.get("metadata") or {}).get("labels") or {}
+
     def ensure_namespace(self, name: str) -> None:
         """Namespaces exist once named: kube-sim creates one on first use (kube-apiserver
         refuses objects in a namespace nobody created; kube-sim's callers never create them)."""
@@ -513,6 +521,7 @@ class ApiServer:
             if self.admit_pod is not None and not dry_run:
                 obj = decoded(kind, await self.admit_pod(obj, "CREATE"))
             validation.validate_pod(obj)
+            dra_objects.validate_pod_claims(obj)
         elif kind in WORKLOADS:
             validation.prepare_workload(kind, obj)
             obj["status"] = {}
@@ -520,6 +529,8 @@ class ApiServer:
             quota_status(obj)
         elif kind in dra_objects.KINDS:
             dra_objects.prepare(kind, obj)
+            if kind not in CLUSTER_SCOPED:
+                dra_objects.check_admin_access(kind, obj, self._namespace_labels(meta))
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}

@@ -403,6 +403,8 @@ class NodeKubelet:
             for kept in ("resourceClaimStatuses", "extendedResourceClaimStatus"):
                 if kept in (obj.get("status") or {}) and kept not in status:
                     status[kept] = obj["status"][kept]  # the controller's and scheduler's
+            if self.dra is not None:  # the DRA devices' health (allocatedResourcesStatus)
+                self.dra.annotate(obj, status)
             obj["status"] = status
 
         with contextlib.suppress(StoreError):
@@ -419,6 +421,10 @@ class NodeKubelet:
         status["phase"] = phase
         status["containerStatuses"] = statuses
         self._set_status(current, status)
+        if self.dra is not None and self.dra.uses(current):  # a finished pod's claims go back
+            task = asyncio.create_task(self.dra.unprepare(current))
+            self._arrivals.add(task)
+            task.add_done_callback(self._arrivals.discard)
 
     def describe(self) -> list[dict[str, Any]]:
         """What each admitted container received (env, mounts, devices): for tests and demos."""

@@ -47,11 +47,14 @@ def job_selector(job: KubeObject) -> None:
 def qos_class(spec: dict[str, Any]) -> str:
     containers = (spec.get("containers") or []) + (spec.get("initContainers") or [])
     resources = [c.get("resources") or {} for c in containers if isinstance(c, dict)]
+    resources = [r for r in resources if isinstance(r, dict)]  # wrong shapes: validation's
     named = [r for r in resources if r.get("requests") or r.get("limits")]
     if not named:
         return "BestEffort"
     for r in resources:
         limits, requests = r.get("limits") or {}, r.get("requests") or {}
+        if not isinstance(limits, dict) or not isinstance(requests, dict):
+            return "Burstable"
         for name in ("cpu", "memory"):
             if name not in limits or str(requests.get(name, limits[name])) != str(limits[name]):
                 return "Burstable"

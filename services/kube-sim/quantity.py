@@ -65,6 +65,12 @@ QUANTITY_FIELDS: dict[str, tuple[str, ...]] = {
 _STEPS = {kind: tuple(p.split(".") for p in paths) for kind, paths in QUANTITY_FIELDS.items()}
 
 
+def register(kind: str, paths: tuple[str, ...]) -> None:
+    """The Quantity fields of a kind served by another module (dra/objects.py)."""
+    QUANTITY_FIELDS[kind] = paths
+    _STEPS[kind] = tuple(p.split(".") for p in paths)
+
+
 def canonicalise(kind: str, obj: Any) -> None:
     """Rewrite every quantity of `obj` (a `kind`) in canonical form, in place. A value that is
     no quantity raises QuantityError with Go's message (the caller words the 400)."""

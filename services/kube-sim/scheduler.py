@@ -60,6 +60,15 @@ def node_ready(node: KubeObject) -> bool:
     return True
 
 
+def feasible_nodes_to_find(total: int) -> int:
+    """kube-scheduler's numFeasibleNodesToFind (percentageOfNodesToScore unset): all nodes
+    below 100, else an adaptive share (50 % − total/125, at least 5 %), at least 100."""
+    if total < 100:
+        return total
+    percentage = max(5, 50 - total // 125)
+    return max(100, total * percentage // 100)
+
+
 @dataclass
 class Backoff:
     attempts: int
@@ -92,6 +101,7 @@ class SchedulingLoop:
         # kube-scheduler's DynamicResources plugin (dra/scheduling.py), when DRA is served
         self.dra: DynamicResources | None = None
         self._dra_states: dict[Key, PodState] = {}
+        self._next_start = 0  # kube-scheduler's nextStartNodeIndex (DRA pods' filter order)
 
     # --- which pods are ours ----------------------------------------------------------------
 
@@ -239,9 +249,18 @@ class SchedulingLoop:
         failed: dict[str, list[str]] = {}
         dra = self.dra.prefilter(pod) if self.dra is not None else None
         key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
+        nodes = self.store.list("Node", Selector())
+        enough = len(nodes)
         if dra is not None:
+            # The DRA filter allocates per node: as kube-scheduler, stop once enough nodes
+            # fit, starting where the previous DRA pod stopped.
             self._dra_states[key] = dra
-        for node in self.store.list("Node", Selector()):
+            enough = feasible_nodes_to_find(len(nodes))
+            start = self._next_start % max(1, len(nodes))
+            nodes = nodes[start:] + nodes[:start]
+        for node in nodes:
+            if len(names) >= enough:
+                break
             name = node["metadata"]["name"]
             if not node_ready(node):
                 failed[name] = ["node(s) had untolerated taint {node.kubernetes.io/not-ready: }"]
@@ -259,6 +278,8 @@ class SchedulingLoop:
                     failed[name] = [refusal]
                 else:
                     names.append(name)
+        if dra is not None:
+            self._next_start += len(names) + len(failed)
         return names, failed
 
     async def schedule_one(self, key: Key, pod: KubeObject) -> None:

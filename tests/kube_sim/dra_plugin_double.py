@@ -6,6 +6,7 @@ It records every call so tests can see what kubelet asked."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from tessera.kubeapi import (
     DRA_PLUGIN_TYPE,
     dra,
     dra_grpc,
+    drahealth_v1,
+    drahealth_v1_grpc,
     reg,
     reg_grpc,
 )
@@ -34,6 +37,14 @@ class PluginDouble:
     statuses: list[tuple[bool, str]] = field(default_factory=list)
     fail_prepare: str = ""
     server: grpc.aio.Server | None = None
+    # (pool, device) -> (dra-health v1 HealthStatus, message); None: no health service at all
+    health: dict[tuple[str, str], tuple[int, str]] | None = None
+    health_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def set_health(self, pool: str, device: str, status: int, message: str = "") -> None:
+        assert self.health is not None
+        self.health[(pool, device)] = (status, message)
+        self.health_changed.set()
 
     @property
     def registration_socket(self) -> Path:
@@ -57,6 +68,8 @@ class PluginDouble:
         registration.add_insecure_port(f"unix:{self.registration_socket}")
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), registration)
         dra_grpc.add_DRAPluginServicer_to_server(_Driver(self), server)
+        if self.health is not None:
+            drahealth_v1_grpc.add_DRAResourceHealthServicer_to_server(_Health(self), server)
         await server.start()
         await registration.start()
         self.server = server
@@ -125,3 +138,21 @@ class _Driver(dra_grpc.DRAPluginServicer):
             (self.plugin.cdi_dir / f"{claim.uid}.json").unlink(missing_ok=True)
             response.claims[claim.uid].error = ""
         return response
+
+
+class _Health(drahealth_v1_grpc.DRAResourceHealthServicer):
+    """dra-health v1: the whole device list now, then again on every change."""
+
+    def __init__(self, plugin: PluginDouble) -> None:
+        self.plugin = plugin
+
+    async def NodeWatchResources(self, request: Any, context: Any) -> Any:
+        while True:
+            self.plugin.health_changed.clear()
+            response = drahealth_v1.NodeWatchResourcesResponse()
+            for (pool, device), (status, message) in (self.plugin.health or {}).items():
+                response.devices.add(device=drahealth_v1.DeviceIdentifier(
+                    pool_name=pool, device_name=device), health=status, message=message,
+                    last_updated_time=1)
+            yield response
+            await self.plugin.health_changed.wait()

@@ -25,7 +25,8 @@ async def test_discovery_and_openapi(http: httpx.AsyncClient) -> None:
               for g in (await http.get("/apis")).json()["groups"]}
     assert groups == {"apps": "apps/v1", "batch": "batch/v1",
                       "admissionregistration.k8s.io": "admissionregistration.k8s.io/v1",
-                      "scheduling.k8s.io": "scheduling.k8s.io/v1", "policy": "policy/v1"}
+                      "scheduling.k8s.io": "scheduling.k8s.io/v1", "policy": "policy/v1",
+                      "resource.k8s.io": "resource.k8s.io/v1"}
     apps = (await http.get("/apis/apps/v1")).json()
     assert apps["kind"] == "APIResourceList" and apps["groupVersion"] == "apps/v1"
     by_name = {r["name"]: r for r in apps["resources"]}

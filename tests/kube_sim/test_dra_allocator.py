@@ -54,8 +54,11 @@ def allocate(claims: list[dict[str, Any]], slices: list[dict[str, Any]],
     from tessera.kube_sim.dra.model import device_index
     usage = usage_of(list(allocated), device_index(slices))
     counter = iter(range(1000))
-    return Allocator(claims, pools, CLASSES, usage, "node-a",
-                     new_share_id=lambda: f"share-{next(counter)}").run()
+    outcome = Allocator(claims, pools, CLASSES, usage, "node-a",
+                        new_share_id=lambda: f"share-{next(counter)}").run()
+    if outcome.ok:
+        outcome.results()
+    return outcome
 
 
 def devices_of(outcome: Outcome, index: int = 0) -> list[str]:
@@ -214,3 +217,32 @@ def test_only_the_newest_pool_generation_and_reachable_slices_count() -> None:
 def test_a_missing_class_is_a_reason() -> None:
     outcome = allocate([claim(exactly(cls="nope"))], [slice_([gpu("gpu-0")])])
     assert not outcome.ok and 'device class "nope" not found' in outcome.reason
+
+
+def test_an_extended_resource_maps_to_the_newest_class_then_the_first_name() -> None:
+    from tessera.kube_sim.dra.scheduling import extended_resource_classes
+
+    def device_class(name: str, created: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "creationTimestamp": created},
+                "spec": {"extendedResourceName": "example.com/gpu"}}
+
+    older = device_class("a", "2026-01-01T00:00:00Z")
+    newer = device_class("z", "2026-02-01T00:00:00Z")
+    mapping = extended_resource_classes([newer, older])
+    assert mapping["example.com/gpu"] == "z"  # the class created later
+    assert mapping["deviceclass.resource.kubernetes.io/a"] == "a"  # every class's implicit name
+    tie = [device_class("b", "2026-03-01T00:00:00Z"), device_class("c", "2026-03-01T00:00:00Z")]
+    assert extended_resource_classes(tie[::-1])["example.com/gpu"] == "b"
+
+
+def test_admin_access_reaches_devices_others_hold_without_taking_them() -> None:
+    slices = [slice_([gpu("gpu-0")])]
+    held = {**claim(exactly(), uid="other"), "status": {"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": DRIVER, "pool": "node-a", "device": "gpu-0"}]}}}}
+    outcome = allocate([claim(exactly(adminAccess=True))], slices, [held])
+    assert devices_of(outcome) == ["gpu-0"]
+    assert outcome.allocations is not None
+    assert outcome.allocations[0]["devices"]["results"][0]["adminAccess"] is True
+    monitor = {**claim(exactly(adminAccess=True), uid="m"),
+               "status": {"allocation": outcome.allocations[0]}}
+    assert devices_of(allocate([claim(exactly())], slices, [monitor])) == ["gpu-0"]

@@ -69,14 +69,31 @@ class Picked:
     consumed: dict[str, Fraction] | None  # None: the whole device (not shared)
 
 
-@dataclass
 class Outcome:
-    allocations: dict[int, dict[str, Any]] | None  # claim index -> status.allocation
-    reason: str = ""
+    """An allocation attempt's result: per claim index its `status.allocation` (built on first
+    access: only the chosen node's is ever written out), or None with the reason."""
+
+    def __init__(self, allocations: dict[int, dict[str, Any]] | None, reason: str = "",
+                 build: Callable[[], dict[int, dict[str, Any]]] | None = None) -> None:
+        self._allocations = allocations
+        self.reason = reason
+        self._build = build
 
     @property
     def ok(self) -> bool:
-        return self.allocations is not None
+        return self._allocations is not None or self._build is not None
+
+    @property
+    def allocations(self) -> dict[int, dict[str, Any]] | None:
+        if self._build is not None:
+            self._allocations = self._build()
+            self._build = None
+        return self._allocations
+
+    def results(self) -> dict[int, dict[str, Any]]:
+        found = self.allocations
+        assert found is not None
+        return found
 
 
 class AllocationError(Exception):
@@ -107,6 +124,19 @@ def _alternative(result_name: str, raw: dict[str, Any]) -> Alternative:
 
 
 def requests_of(claim: KubeObject) -> list[Request]:
+    meta = claim.get("metadata") or {}
+    key = (meta.get("uid", ""), meta.get("resourceVersion", ""))
+    if all(key) and key in _REQUESTS_CACHE:
+        return _REQUESTS_CACHE[key]
+    found = _parse_requests(claim)
+    if all(key):
+        if len(_REQUESTS_CACHE) > 50_000:
+            _REQUESTS_CACHE.clear()
+        _REQUESTS_CACHE[key] = found
+    return found
+
+
+def _parse_requests(claim: KubeObject) -> list[Request]:
     devices = ((claim.get("spec") or {}).get("devices") or {})
     found = []
     for raw in devices.get("requests") or []:
@@ -138,6 +168,15 @@ def consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fracti
     """What one share of `device` consumes for capacity requests `wanted` (by published name),
     rounded by each capacity's request policy; None: the request violates a policy or asks
     for a capacity the device does not have."""
+    key = tuple(sorted(wanted.items()))
+    cache = device.consumption_cache
+    if key not in cache:
+        cache[key] = _consumption(device, wanted)
+    found = cache[key]
+    return dict(found) if found is not None else None
+
+
+def _consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fraction] | None:
     consumed: dict[str, Fraction] = {}
     named = {}
     for key, amount in wanted.items():
@@ -384,13 +423,20 @@ class Allocator:
             return Outcome(None, str(exc))
         if not solved:
             return Outcome(None, self.reason or "no devices")
-        return Outcome({ci: self._allocation(ci) for ci in range(len(self.claims))})
+        picked = list(self.picked)
+        while self.picked:  # the caller's usage is left as it was (reserve records it)
+            self._undo()
 
-    def _allocation(self, ci: int) -> dict[str, Any]:
+        def build() -> dict[int, dict[str, Any]]:
+            return {ci: self._allocation(ci, picked) for ci in range(len(self.claims))}
+
+        return Outcome(None, build=build)
+
+    def _allocation(self, ci: int, picked: list[Picked]) -> dict[str, Any]:
         results = []
         used_classes: dict[str, list[str]] = {}
         local = False
-        for pick in (p for p in self.picked if p.claim == ci):
+        for pick in (p for p in picked if p.claim == ci):
             result: dict[str, Any] = {
                 "request": pick.alternative.result_name,
                 "driver": pick.device.driver,
@@ -437,3 +483,4 @@ def quantity_text(value: Fraction) -> str:
 
 
 _SELECTOR_CACHE: dict[tuple[str, str], bool] = {}
+_REQUESTS_CACHE: dict[tuple[str, str], list[Request]] = {}

@@ -83,6 +83,7 @@ class ClaimController:
         # (kube-apiserver removes a pod only after its kubelet stopped it; kube-sim's DELETE is
         # at once, so the device must not go to another claim before the driver let go of it).
         self.kubelet_nodes: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()  # (pod uid, entry): missing template told
 
     async def run(self, stop: asyncio.Event) -> None:
         pods = self.store.watch("Pod", Selector(), self.store.version)
@@ -128,7 +129,8 @@ class ClaimController:
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             return
         if terminal(pod):
-            self.release(pod)
+            if (pod.get("spec") or {}).get("nodeName") not in self.kubelet_nodes:
+                self.release(pod)  # else its kubelet releases it once it unprepared the claims
             return
         statuses = list((pod.get("status") or {}).get("resourceClaimStatuses") or [])
         recorded = {s.get("name") for s in statuses}
@@ -160,6 +162,12 @@ class ClaimController:
         try:
             template = self.store.get("ResourceClaimTemplate", namespace, template_name)
         except StoreError:
+            warned = (pod["metadata"].get("uid", ""), entry)
+            if warned in self._warned:
+                return None
+            if len(self._warned) > 10_000:
+                self._warned.clear()
+            self._warned.add(warned)
             record_event(self.store, pod, "FailedResourceClaimCreation",
                          f'PodResourceClaim {entry}: resource claim template "{template_name}":'
                          f' resourceclaimtemplate.resource.k8s.io "{template_name}" not found',

@@ -16,6 +16,12 @@ files turn those IDs into env, mounts and device nodes. A failure is a
 `FailedPrepareDynamicResources` event and a retry (the pod stays Pending). When the pod is gone,
 `NodeUnprepareResources` for each claim no other pod on the node still uses, then the claims
 are released.
+
+Device health (KEP-4680): a driver serving `DRAResourceHealth.NodeWatchResources` (dra-health v1,
+else v1alpha1) streams its devices' health; each container's status carries
+`allocatedResourcesStatus` (`name: claim:<pod claim>[/<request>]`, `resources[]` with
+`resourceID: <driver>/<pool>/<device>`, `health: Healthy|Unhealthy|Unknown`, `message`), updated
+when the health changes; a driver whose stream ends has its devices `Unknown`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from tessera.kubeapi import (
     PLUGINS_REGISTRY_DIR,
     dra,
     dra_grpc,
+    drahealth,
+    drahealth_grpc,
+    drahealth_v1,
+    drahealth_v1_grpc,
     reg,
     reg_grpc,
 )
@@ -52,6 +62,9 @@ WATCH_INTERVAL_S = 0.2
 CDI_DIR = "cdi"  # <kubelet dir>/cdi: where this node's drivers write CDI specs
 
 
+HEALTH_NAMES = {0: "Unknown", 1: "Healthy", 2: "Unhealthy"}
+
+
 @dataclass
 class DraPlugin:
     driver: str
@@ -59,6 +72,7 @@ class DraPlugin:
     endpoint: str
     channel: grpc.aio.Channel
     stub: dra_grpc.DRAPluginStub
+    health_task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -67,7 +81,7 @@ class PreparedClaim:
     name: str
     uid: str
     drivers: list[str]
-    devices: list[Any] = field(default_factory=list)  # dra.Device
+    devices: list[tuple[str, Any]] = field(default_factory=list)  # (driver, dra.Device)
     pods: set[str] = field(default_factory=set)
 
 
@@ -124,6 +138,9 @@ class DraKubelet:
         self.pod_devices: dict[str, dict[str, list[str]]] = {}  # pod uid -> container -> CDI
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
+        # (driver, pool, device) -> (Healthy|Unhealthy|Unknown, message), from NodeWatchResources
+        self.health: dict[tuple[str, str, str], tuple[str, str]] = {}
+        self.pod_keys: dict[str, tuple[str, str]] = {}  # pod uid -> namespace, name
 
     # --- registration ----------------------------------------------------------------------------
 
@@ -138,8 +155,16 @@ class DraKubelet:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         for plugin in list(self.plugins.values()):
-            await plugin.channel.close()
+            await self._close(plugin)
         self.plugins.clear()
+
+    @staticmethod
+    async def _close(plugin: DraPlugin) -> None:
+        if plugin.health_task is not None:
+            plugin.health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await plugin.health_task
+        await plugin.channel.close()
 
     async def _watch(self) -> None:
         while True:
@@ -176,10 +201,12 @@ class DraKubelet:
             endpoint = info.endpoint or str(path)
             old = self.plugins.pop(info.name, None)
             if old is not None:
-                await old.channel.close()
+                await self._close(old)
             service = _channel(endpoint)
-            self.plugins[info.name] = DraPlugin(info.name, path, endpoint, service,
-                                                dra_grpc.DRAPluginStub(service))
+            plugin = DraPlugin(info.name, path, endpoint, service,
+                               dra_grpc.DRAPluginStub(service))
+            plugin.health_task = asyncio.create_task(self._watch_health(plugin))
+            self.plugins[info.name] = plugin
             await stub.NotifyRegistrationStatus(
                 reg.RegistrationStatus(plugin_registered=True), timeout=5.0)
             log.info("DRA plugin registered", extra={"node": self.node, "driver": info.name})
@@ -197,8 +224,101 @@ class DraKubelet:
         plugin = self.plugins.get(driver)
         if plugin is not None and plugin.registration_socket == path:
             del self.plugins[driver]
-            await plugin.channel.close()
+            await self._close(plugin)
+            self._set_health(driver, {})
             log.info("DRA plugin deregistered", extra={"node": self.node, "driver": driver})
+
+    # --- device health (KEP-4680) ---------------------------------------------------------------
+
+    async def _watch_health(self, plugin: DraPlugin) -> None:
+        """Follow NodeWatchResources (v1, else v1alpha1); a driver without it has none."""
+        for stub in (drahealth_v1_grpc.DRAResourceHealthStub(plugin.channel),
+                     drahealth_grpc.DRAResourceHealthStub(plugin.channel)):
+            request = (drahealth_v1.NodeWatchResourcesRequest()
+                       if isinstance(stub, drahealth_v1_grpc.DRAResourceHealthStub)
+                       else drahealth.NodeWatchResourcesRequest())
+            try:
+                async for response in stub.NodeWatchResources(request):
+                    self._set_health(plugin.driver, {
+                        (d.device.pool_name, d.device.device_name): (
+                            HEALTH_NAMES.get(d.health, "Unknown"),
+                            getattr(d, "message", "")[:1024])
+                        for d in response.devices})
+                self._set_health(plugin.driver, {})  # the stream ended: Unknown
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    continue
+                self._set_health(plugin.driver, {})
+                return
+
+    def _set_health(self, driver: str, devices: dict[tuple[str, str], tuple[str, str]]) -> None:
+        before = {k: v for k, v in self.health.items() if k[0] == driver}
+        for key in before:
+            self.health[key] = ("Unknown", "")
+        for (pool, device), value in devices.items():
+            self.health[(driver, pool, device)] = value
+        if {k: v for k, v in self.health.items() if k[0] == driver} != before:
+            self._publish_health()
+
+    def resource_statuses(self, pod: KubeObject) -> dict[str, list[dict[str, Any]]]:
+        """container -> allocatedResourcesStatus, from the devices prepared for its claims."""
+        found: dict[str, list[dict[str, Any]]] = {}
+        entries = pod_claim_names(pod)
+        namespace = pod["metadata"].get("namespace", "")
+        by_name = {c.name: c for c in self.prepared.values() if c.namespace == namespace}
+        extended = (pod.get("status") or {}).get("extendedResourceClaimStatus") or {}
+        spec = pod.get("spec") or {}
+        for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+            wanted = [(f"claim:{ref.get('name')}" + (f"/{ref['request']}" if ref.get("request")
+                                                      else ""),
+                       entries.get(ref.get("name", "")) or "", ref.get("request") or "")
+                      for ref in (container.get("resources") or {}).get("claims") or []]
+            wanted += [(f"claim:{extended.get('resourceClaimName')}/{m.get('requestName')}",
+                        extended.get("resourceClaimName") or "", m.get("requestName") or "")
+                       for m in extended.get("requestMappings") or []
+                       if m.get("containerName") == container.get("name")]
+            statuses = []
+            for status_name, claim_name, request in wanted:
+                prepared = by_name.get(claim_name)
+                if prepared is None:
+                    continue
+                resources = []
+                for driver, device in prepared.devices:
+                    names = list(device.request_names)
+                    if request and names and not any(n == request or n.split("/")[0] == request
+                                                      for n in names):
+                        continue
+                    health, message = self.health.get(
+                        (driver, device.pool_name, device.device_name), ("Unknown", ""))
+                    entry = {"resourceID": f"{driver}/{device.pool_name}/{device.device_name}",
+                             "health": health}
+                    if message:
+                        entry["message"] = message
+                    resources.append(entry)
+                statuses.append({"name": status_name, "resources": resources})
+            if statuses:
+                found[container.get("name", "")] = statuses
+        return found
+
+    def annotate(self, pod: KubeObject, status: dict[str, Any]) -> None:
+        """Put each container's allocatedResourcesStatus into a status being written."""
+        by_container = self.resource_statuses(pod)
+        for section in ("initContainerStatuses", "containerStatuses"):
+            for container_status in status.get(section) or []:
+                found = by_container.get(container_status.get("name", ""))
+                if found:
+                    container_status["allocatedResourcesStatus"] = found
+
+    def _publish_health(self) -> None:
+        for uid, (namespace, name) in list(self.pod_keys.items()):
+            def update(obj: KubeObject, uid: str = uid) -> None:
+                if obj["metadata"].get("uid") != uid:
+                    raise StoreError(409, "Conflict", "the pod was replaced")
+                self.annotate(obj, obj.setdefault("status", {}))
+
+            with contextlib.suppress(StoreError):
+                self.store.mutate("Pod", namespace, name, update)
 
     async def wait_registered(self, driver: str, timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
@@ -269,9 +389,10 @@ class DraKubelet:
                 entry = self.prepared.setdefault(uid, PreparedClaim(
                     claim["metadata"]["namespace"], claim["metadata"]["name"], uid, []))
                 entry.drivers.append(driver)
-                entry.devices.extend(result.devices)
+                entry.devices.extend((driver, d) for d in result.devices)
                 entry.pods.add(pod_uid)
         self.pod_devices[pod_uid] = self._container_devices(pod, claims)
+        self.pod_keys[pod_uid] = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
         return None
 
     def _container_devices(self, pod: KubeObject, claims: list[KubeObject]) -> dict[
@@ -298,7 +419,7 @@ class DraKubelet:
     def _ids(self, claim: KubeObject, request: str) -> list[str]:
         prepared = self.prepared.get(claim["metadata"]["uid"])
         ids: list[str] = []
-        for device in prepared.devices if prepared else []:
+        for _, device in prepared.devices if prepared else []:
             names = list(device.request_names)
             if request and names and not any(n == request or n.split("/")[0] == request
                                               for n in names):
@@ -325,6 +446,7 @@ class DraKubelet:
         """NodeUnprepareResources for the claims only this pod used, then release them."""
         pod_uid = pod["metadata"].get("uid", "")
         self.pod_devices.pop(pod_uid, None)
+        self.pod_keys.pop(pod_uid, None)
         done = [c for c in self.prepared.values() if pod_uid in c.pods]
         for entry in done:
             entry.pods.discard(pod_uid)

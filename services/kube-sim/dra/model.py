@@ -23,8 +23,15 @@ KubeObject = dict[str, Any]
 DeviceId = tuple[str, str, str]  # driver, pool, device
 
 
+@functools.lru_cache(maxsize=65536)
+def _parse_text(text: str) -> Fraction:
+    return parse_quantity(text).value
+
+
 def quantity(value: Any) -> Fraction:
-    return parse_quantity(value).value
+    """An exact quantity (the texts slices repeat on every device are parsed once)."""
+    return _parse_text(str(value)) if isinstance(value, str | int) else parse_quantity(
+        value).value
 
 
 def maybe_quantity(value: Any) -> Fraction | None:
@@ -68,6 +75,8 @@ class Device:
     consumes: list[tuple[str, dict[str, Fraction]]] = field(default_factory=list)
     node_local: bool = True
     generation: int = 0
+    # capacity requests -> what one share consumes (allocator.consumption), per device
+    consumption_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def id(self) -> DeviceId:

@@ -17,8 +17,8 @@ from typing import Any
 
 from tessera.kube_sim.dra import cel
 from tessera.kube_sim.dra.model import maybe_quantity
-from tessera.kube_sim.quantity import QUANTITY_FIELDS
-from tessera.kube_sim.store import KubeObject, now_rfc3339
+from tessera.kube_sim.quantity import register
+from tessera.kube_sim.store import KubeObject, StoreError, now_rfc3339
 from tessera.kube_sim.validation import (
     DNS1123_LABEL,
     DNS1123_SUBDOMAIN,
@@ -47,7 +47,7 @@ _CLAIM_SPEC = (
     "devices.requests.*.exactly.capacity.requests.{}",
     "devices.requests.*.firstAvailable.*.capacity.requests.{}",
 )
-QUANTITY_FIELDS.update({
+for _kind, _paths in {
     "ResourceClaim": (*(f"spec.{p}" for p in _CLAIM_SPEC),
                       "status.allocation.devices.results.*.consumedCapacity.{}"),
     "ResourceClaimTemplate": tuple(f"spec.spec.{p}" for p in _CLAIM_SPEC),
@@ -61,7 +61,8 @@ QUANTITY_FIELDS.update({
         "spec.devices.*.consumesCounters.*.counters.{}.value",
         "spec.sharedCounters.*.counters.{}.value",
     ),
-})
+}.items():
+    register(_kind, _paths)
 
 
 def _label(value: Any, path: str, errors: list[FieldError]) -> None:
@@ -181,10 +182,10 @@ def validate_claim_spec(spec: Any, path: str) -> list[FieldError]:
             errors.append(FieldError("Duplicate", f"{where}.name", value=name))
         subs: set[str] = set()
         exactly, first = request.get("exactly"), request.get("firstAvailable")
-        if bool(exactly) == bool(first):
+        if (exactly is None) == (first is None):
             errors.append(FieldError("Required", where,
                                      "exactly one of `exactly` or `firstAvailable` is required"))
-        elif exactly:
+        elif exactly is not None:
             _exact(exactly, f"{where}.exactly", errors, subrequest=False)
         else:
             if not isinstance(first, list) or len(first) > MAX_SUBREQUESTS:
@@ -354,8 +355,25 @@ def _policy_errors(policy: dict[str, Any], value: Any, path: str) -> list[FieldE
     return errors
 
 
+def decode_error(kind: str, detail: str) -> StoreError:
+    return StoreError(400, "BadRequest", f'{kind} in version "v1" cannot be handled as a '
+                      f"{kind}: {detail}")
+
+
 def prepare(kind: str, obj: KubeObject) -> None:
-    """Defaults and validation on create (and on update, with `check_update`)."""
+    """Decoding (JSON types), defaults and validation on create and update."""
+    from tessera.kube_sim.dra.schemas import type_problem
+
+    problem = type_problem(kind, obj)
+    if problem:
+        raise decode_error(kind, problem)
+    try:
+        _prepare(kind, obj)
+    except (TypeError, AttributeError, ValueError) as exc:  # a scalar of the wrong type
+        raise decode_error(kind, f"a field has a value of the wrong type ({exc})") from None
+
+
+def _prepare(kind: str, obj: KubeObject) -> None:
     meta = obj.get("metadata") or {}
     errors = validate_name(meta)
     if kind == "DeviceClass":
@@ -380,6 +398,29 @@ def prepare(kind: str, obj: KubeObject) -> None:
             errors += validate_claim_spec(template.get("spec"), "spec.spec")
     elif kind == "ResourceSlice":
         errors += _validate_slice(obj)
+    raise_if(kind, obj, errors)
+
+
+ADMIN_NAMESPACE_LABEL = "resource.kubernetes.io/admin-access"
+
+
+def check_admin_access(kind: str, obj: KubeObject, namespace_labels: dict[str, str]) -> None:
+    """`adminAccess: true` only in a namespace labelled `resource.kubernetes.io/admin-access:
+    "true"` (kube-apiserver's DRAAdminAccess rule, on create)."""
+    if kind not in ("ResourceClaim", "ResourceClaimTemplate"):
+        return
+    spec, path = (obj.get("spec") or {}, "spec") if kind == "ResourceClaim" else (
+        (obj.get("spec") or {}).get("spec") or {}, "spec.spec")
+    if namespace_labels.get(ADMIN_NAMESPACE_LABEL) == "true":
+        return
+    errors = [
+        FieldError("Forbidden", f"{path}.devices.requests[{i}].exactly.adminAccess",
+                   f"admin access to devices requires the `{ADMIN_NAMESPACE_LABEL}: true` "
+                   "label on the containing namespace")
+        for i, request in enumerate((spec.get("devices") or {}).get("requests") or [])
+        if isinstance(request, dict) and isinstance(request.get("exactly"), dict)
+        and request["exactly"].get("adminAccess") is True
+    ]
     raise_if(kind, obj, errors)
 
 
@@ -408,13 +449,17 @@ def validate_pod_claims(pod: KubeObject) -> None:
     spec = pod.get("spec") or {}
     errors: list[FieldError] = []
     names: set[str] = set()
-    for i, entry in enumerate(spec.get("resourceClaims") or []):
+    entries = spec.get("resourceClaims") or []
+    if not isinstance(entries, list):
+        raise_if("Pod", pod, [FieldError("Invalid", "spec.resourceClaims", "must be a list",
+                                         "...")])
+    for i, entry in enumerate(entries):
         where = f"spec.resourceClaims[{i}]"
         if not isinstance(entry, dict):
             errors.append(FieldError("Invalid", where, "must be an object", entry))
             continue
         _label(entry.get("name"), f"{where}.name", errors)
-        if entry.get("name") in names:
+        if isinstance(entry.get("name"), str) and entry["name"] in names:
             errors.append(FieldError("Duplicate", f"{where}.name", value=entry.get("name")))
         names.add(str(entry.get("name")))
         sources = [k for k in ("resourceClaimName", "resourceClaimTemplateName") if entry.get(k)]
@@ -423,10 +468,15 @@ def validate_pod_claims(pod: KubeObject) -> None:
                                      "`resourceClaimName`, `resourceClaimTemplateName`", "..."))
     for section in ("initContainers", "containers"):
         for i, container in enumerate(spec.get(section) or []):
-            claims = ((container or {}).get("resources") or {}).get("claims") or []
+            resources = container.get("resources") if isinstance(container, dict) else None
+            claims = (resources.get("claims") if isinstance(resources, dict) else None) or []
+            if not isinstance(claims, list):
+                errors.append(FieldError("Invalid", f"spec.{section}[{i}].resources.claims",
+                                         "must be a list", "..."))
+                continue
             for j, ref in enumerate(claims):
-                name = (ref or {}).get("name") if isinstance(ref, dict) else None
-                if name not in names:
+                name = ref.get("name") if isinstance(ref, dict) else None
+                if not isinstance(name, str) or name not in names:
                     errors.append(FieldError(
                         "Invalid", f"spec.{section}[{i}].resources.claims[{j}].name",
                         "must be the name of an entry in pod.spec.resourceClaims", name))

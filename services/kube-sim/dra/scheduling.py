@@ -33,7 +33,13 @@ from tessera.kube_sim.dra.claims import (
     pod_claim_names,
 )
 from tessera.kube_sim.dra.model import (
+    Device,
+    DeviceId,
+    Pool,
+    Usage,
     device_index,
+    maybe_quantity,
+    newest_slices,
     node_selector_matches,
     pools_for_node,
     usage_of,
@@ -51,15 +57,18 @@ def extended_resource_classes(classes: list[KubeObject]) -> dict[str, str]:
     """extended resource name → DeviceClass name: explicit `extendedResourceName` (the newest
     class wins a tie, then the first name), and every class's implicit name."""
     mapping: dict[str, str] = {}
-    ordered = sorted(classes, key=lambda c: (c["metadata"].get("creationTimestamp", ""),
-                                             "".join(chr(0x10FFFF - ord(ch))
-                                                     for ch in c["metadata"]["name"])))
-    for device_class in ordered:
+    chosen: dict[str, tuple[str, str]] = {}  # explicit name -> (created, class) of the winner
+    for device_class in classes:
         name = device_class["metadata"]["name"]
         mapping[IMPLICIT_PREFIX + name] = name
         explicit = (device_class.get("spec") or {}).get("extendedResourceName")
-        if explicit:
-            mapping[str(explicit)] = name
+        if not explicit:
+            continue
+        created = str(device_class["metadata"].get("creationTimestamp", ""))
+        best = chosen.get(str(explicit))
+        if best is None or created > best[0] or (created == best[0] and name < best[1]):
+            chosen[str(explicit)] = (created, name)
+    mapping.update({resource: name for resource, (_, name) in chosen.items()})
     return mapping
 
 
@@ -80,7 +89,6 @@ class PodState:
     claims: list[KubeObject]
     extended: list[ExtendedRequest]
     classes: dict[str, KubeObject]
-    slices: list[KubeObject]
     error: str = ""
     outcomes: dict[str, tuple[Outcome, KubeObject | None]] = field(default_factory=dict)
 
@@ -94,6 +102,68 @@ class DynamicResources:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.reserved: dict[str, list[str]] = {}  # pod uid -> claims it allocated (undo)
+        # What the filter reads, kept between cycles until the kind changes: the slices (by
+        # node, parsed into pools per node) and what allocated claims hold. Reserve records its
+        # own allocations in `_usage`, so a burst of pods does not re-read every claim.
+        self._changes: dict[str, int] = {}
+        store.listeners.append(self._changed)
+        self._slices_at = -1
+        self._by_node: dict[str, list[KubeObject]] = {}
+        self._shared: list[KubeObject] = []
+        self._devices: dict[DeviceId, Device] = {}
+        self._pools: dict[tuple[str, str], list[Pool]] = {}
+        self._usage_at = -1
+        self._usage = Usage()
+
+    def _changed(self, kind: str) -> None:
+        if kind in ("ResourceSlice", "ResourceClaim"):
+            self._changes[kind] = self._changes.get(kind, 0) + 1
+
+    def _refresh_slices(self) -> None:
+        at = self._changes.get("ResourceSlice", 0)
+        if at == self._slices_at:
+            return
+        self._by_node, self._shared, self._pools = {}, [], {}
+        slices = newest_slices(self.store.list("ResourceSlice", Selector()))
+        for item in slices:
+            node = (item.get("spec") or {}).get("nodeName")
+            if node:
+                self._by_node.setdefault(node, []).append(item)
+            else:
+                self._shared.append(item)
+        self._devices = device_index(slices)
+        self._slices_at = at
+        self._usage_at = -1  # which devices are shared may have changed
+
+    def pools(self, node: KubeObject) -> list[Pool]:
+        self._refresh_slices()
+        name = node["metadata"]["name"]
+        key = (name, str(node["metadata"].get("resourceVersion", "")))
+        if key not in self._pools:
+            self._pools[key] = pools_for_node(self._by_node.get(name, []) + self._shared, node)
+        return self._pools[key]
+
+    def usage(self) -> Usage:
+        self._refresh_slices()
+        at = self._changes.get("ResourceClaim", 0)
+        if at != self._usage_at:
+            self._usage = usage_of(self.store.list("ResourceClaim", Selector()), self._devices)
+            self._usage_at = at
+        return self._usage
+
+    def _record(self, allocation: dict[str, Any]) -> None:
+        """Reserve's own allocation, added to the cached usage (then still current)."""
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            if result.get("adminAccess"):
+                continue
+            device_id = (result.get("driver", ""), result.get("pool", ""),
+                         result.get("device", ""))
+            device = self._devices.get(device_id) or Device(*device_id, {}, {})
+            consumed = None
+            if result.get("consumedCapacity") is not None or device.allow_multiple:
+                consumed = {k: v for k, v in ((k, maybe_quantity(x)) for k, x in (
+                    result.get("consumedCapacity") or {}).items()) if v is not None}
+            self._usage.take(device, consumed)
 
     # --- PreFilter ---------------------------------------------------------------------------
 
@@ -104,7 +174,7 @@ class DynamicResources:
         extended = self._extended_requests(pod, classes)
         if not spec.get("resourceClaims") and not extended:
             return None
-        state = PodState([], extended, classes, self.store.list("ResourceSlice", Selector()))
+        state = PodState([], extended, classes)
         namespace = pod["metadata"].get("namespace", "")
         for entry, claim_name in pod_claim_names(pod).items():
             if claim_name is None:
@@ -161,7 +231,7 @@ class DynamicResources:
             if allocation:
                 selector = allocation.get("nodeSelector")
                 if selector and not node_selector_matches(selector, node):
-                    return "node(s) didn't match Pod's node affinity/selector"
+                    return "resourceclaim not available on the node"
             else:
                 pending.append(claim)
         ignored = state.ignored_for(node)
@@ -171,10 +241,7 @@ class DynamicResources:
         if not pending:
             state.outcomes[name] = (Outcome({}), None)
             return None
-        all_claims = self.store.list("ResourceClaim", Selector())
-        pools = pools_for_node(state.slices, node)
-        usage = usage_of(all_claims, device_index(state.slices))
-        outcome = Allocator(pending, pools, state.classes, usage, name).run()
+        outcome = Allocator(pending, self.pools(node), state.classes, self.usage(), name).run()
         if not outcome.ok:
             log.info("claims do not fit", extra={"pod": pod["metadata"]["name"], "node": name,
                                                  "reason": outcome.reason})
@@ -205,17 +272,18 @@ class DynamicResources:
         if node not in state.outcomes:
             raise StoreError(409, "Conflict", f"no allocation was computed for node {node}")
         outcome, special = state.outcomes[node]
-        assert outcome.allocations is not None
+        allocations = outcome.results()
         uid = pod["metadata"].get("uid", "")
         namespace = pod["metadata"].get("namespace", "")
         consumer = {"resource": "pods", "name": pod["metadata"]["name"], "uid": uid}
+        current = self._usage_at == self._changes.get("ResourceClaim", 0)
         pending = [c for c in state.claims if not (c.get("status") or {}).get("allocation")]
         allocated_by_me: list[str] = []
         self.reserved[uid] = allocated_by_me
         try:
             for claim in state.claims:
                 index = next((i for i, c in enumerate(pending) if c is claim), None)
-                allocation = outcome.allocations.get(index) if index is not None else None
+                allocation = allocations.get(index) if index is not None else None
                 claim_name = claim["metadata"]["name"]
                 expected = claim["metadata"].get("resourceVersion")
 
@@ -240,11 +308,15 @@ class DynamicResources:
         except StoreError:
             self.unreserve(pod)
             raise
+        if current:  # only this reserve changed claims since the usage was read
+            for allocation in allocations.values():
+                self._record(allocation)
+            self._usage_at = self._changes.get("ResourceClaim", 0)
 
     def _create_extended_claim(self, pod: KubeObject, state: PodState, special: KubeObject,
                                outcome: Outcome, consumer: dict[str, Any]) -> None:
-        assert outcome.allocations is not None
-        allocation = outcome.allocations[len(outcome.allocations) - 1]
+        allocations = outcome.results()
+        allocation = allocations[len(allocations) - 1]
         meta = pod["metadata"]
         created = self.store.create("ResourceClaim", {
             "metadata": {"generateName": f"{meta['name']}-extended-resources-",
