@@ -130,3 +130,53 @@ async def test_an_extender_pod_in_a_dra_cluster_keeps_its_resources():
     assert out["spec"]["schedulerName"] == "tessera-scheduler"
     assert out["spec"]["containers"][0]["resources"]["limits"][GPU] == 1
     assert "resourceClaims" not in out["spec"]
+
+
+def _selected(expressions: list[str], device_type: str, uuid: str = "GPU-1") -> bool:
+    """kube-sim's CEL (cel-python, as the allocator evaluates selectors) on one device."""
+    from fractions import Fraction
+
+    from tessera.kube_sim.dra import cel
+
+    activation = cel.device_activation(
+        "gpu.tessera.io",
+        {"gpu.tessera.io/type": {"string": device_type}, "gpu.tessera.io/uuid": {"string": uuid},
+         "gpu.tessera.io/mode": {"string": "hami-core"}},
+        {"gpu.tessera.io/memory": Fraction(80 << 30)}, True,
+    )  # fmt: skip
+    return all(cel.evaluate(e, activation) for e in expressions)
+
+
+async def test_hostile_annotations_stay_literals_in_the_selectors():
+    cluster = InMemoryCluster()
+    hostile = 'A100") || true || ("'
+    obj = pod(container("m", {GPU: 1, MEM: 1000}),
+              annotations={"nvidia.com/use-gputype": f"{hostile},a.*",
+                           "nvidia.com/use-gpuuuid": 'GPU-1"] || true || ["x'})  # fmt: skip
+    async with client(cluster) as c:
+        out = patched(obj, await admit(c, obj))
+    spec = template_spec(cluster, "team-a", out["spec"]["resourceClaims"][0][
+        "resourceClaimTemplateName"])  # fmt: skip
+    cel = [s["cel"]["expression"] for s in spec["devices"]["requests"][0]["exactly"]["selectors"]]
+    # neither the quote nor the regex metacharacters escape their literal: no device matches
+    assert not _selected(cel, "NVIDIA-A100-SXM4-80GB")
+    assert not _selected(cel, "NVIDIA-H100", uuid="GPU-1")
+    # HAMi's own matching still works: case-insensitive substring, exact UUIDs
+    assert _selected(selectors_for({"nvidia.com/use-gputype": "a100"}), "NVIDIA-A100-SXM4-80GB")
+    assert not _selected(selectors_for({"nvidia.com/use-gputype": "a100"}), "NVIDIA-H100")
+    assert not _selected(selectors_for({"nvidia.com/nouse-gpuuuid": "GPU-1"}), "NVIDIA-H100")
+
+
+def selectors_for(annotations: dict[str, str]) -> list[str]:
+    from tessera.admission.dra_claims import selectors
+
+    return selectors(annotations)
+
+
+async def test_a_dry_run_creates_no_template():
+    cluster = InMemoryCluster()
+    async with client(cluster) as c:
+        answer = await c.post("/mutate", json=review(pod(container("m", {GPU: 1, MEM: 1000})),
+                                                     dry_run=True))  # fmt: skip
+    assert answer.json()["response"]["allowed"] is True
+    assert cluster._dra()["templates"] == {}
