@@ -197,6 +197,7 @@ def node() -> str:
 
 async def test_registers_as_a_dra_plugin_and_publishes_capacities(short_dir, nc, buckets, node):
     cluster = InMemoryCluster()
+    cluster.add_node({"metadata": {"name": node, "uid": "node-uid-1"}})
     async with Harness(short_dir, nc, buckets, node, cluster) as h:
         info = await h.info()
         assert info.type == "DRAPlugin" and info.name == "gpu.tessera.io"
@@ -204,6 +205,8 @@ async def test_registers_as_a_dra_plugin_and_publishes_capacities(short_dir, nc,
         assert Path(info.endpoint).is_socket()
         [published] = await cluster.list_resource_slices(driver=names.DRIVER_NAME, node=node)
         spec = published["spec"]
+        [owner] = published["metadata"]["ownerReferences"]  # a deleted Node takes it along
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("Node", node, "node-uid-1")
         assert spec["pool"] == {"name": node, "generation": 1, "resourceSliceCount": 1}
         gpu0 = spec["devices"][0]
         assert gpu0["name"] == "gpu-0" and gpu0["allowMultipleAllocations"] is True

@@ -160,6 +160,8 @@ class SlicePublisher:
         self.driver = driver
         self._published: list | None = None
         self._generation = 0
+        self._node_uid = ""
+        self._published_owned = False
         self.publishes = 0
 
     def _desired(self, generation: int) -> dict:
@@ -169,14 +171,31 @@ class SlicePublisher:
             driver_version=dra_settings.driver_version or "0.0.0",
             default_cores=self.driver.settings.default_cores,
             taint_time=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            node_uid=self._node_uid,
         )  # fmt: skip
+
+    async def _owner(self) -> None:
+        """The Node's uid: the slice is the Node's (a deleted node's slice goes with it)."""
+        if self._node_uid:
+            return
+        try:
+            node = await self.driver.cluster.get_node(self.driver.node)
+        except ClusterError:
+            return  # no Node object (yet): published unowned, owned on a later write
+        self._node_uid = str((node.get("metadata") or {}).get("uid") or "")
 
     async def publish(self) -> bool:
         """Write the slice when its devices differ from what was last published."""
         cluster = self.driver.cluster
+        await self._owner()
         desired = self._desired(self._generation + 1)
         devices = desired["spec"]["devices"]
-        if self._published is not None and _same(self._published, devices):
+        owned = bool(desired["metadata"].get("ownerReferences"))
+        if (
+            self._published is not None
+            and _same(self._published, devices)
+            and (owned == self._published_owned)
+        ):
             return False
         name = desired["metadata"]["name"]
         try:
@@ -195,16 +214,13 @@ class SlicePublisher:
             await cluster.replace_resource_slice(desired)
         self._generation = desired["spec"]["pool"]["generation"]
         self._published = devices
+        self._published_owned = owned
         self.publishes += 1
         log.info(
             "ResourceSlice published",
             extra={"slice": name, "devices": len(devices), "generation": self._generation},
         )
         return True
-
-    async def withdraw(self) -> None:
-        with contextlib.suppress(ClusterError):
-            await self.driver.cluster.delete_resource_slice(slices.slice_name(self.driver.node))
 
 
 def _same(a: list, b: list) -> bool:
