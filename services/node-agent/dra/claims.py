@@ -65,6 +65,15 @@ class PodUse:
     names: list[str] = field(default_factory=list)
 
 
+def _obj(value: Any) -> dict[str, Any]:
+    """A JSON object as read, or {} for anything else (a value of the wrong type is absent)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _mib(value: object, what: str) -> int:
     try:
         amount = parse(value).value
@@ -95,10 +104,10 @@ def allocated_devices(
     Without `consumedCapacity` (a device allocated whole: no consumable capacity) the grant is
     the whole card: its memory and 100 % of its compute."""
     label = f"ResourceClaim {claim_ref(claim)}"
-    allocation = (claim.get("status") or {}).get("allocation")
+    allocation = _obj(claim.get("status")).get("allocation")
     if not isinstance(allocation, dict):
         raise ClaimError(f"{label} is not allocated")
-    results = (allocation.get("devices") or {}).get("results") or []
+    results = _obj(allocation.get("devices")).get("results") or []
     if not isinstance(results, list):
         raise ClaimError(f"{label}: status.allocation.devices.results is not a list")
     by_name = {device_name(d): d for d in devices}
@@ -139,13 +148,13 @@ def allocated_devices(
 
 
 def claim_ref(claim: dict[str, Any]) -> str:
-    meta = claim.get("metadata") or {}
+    meta = _obj(claim.get("metadata"))
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
 def reserved_pods(claim: dict[str, Any]) -> list[tuple[str, str]]:
     """(name, uid) of every pod the claim is reserved for, in order."""
-    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    reserved = _items(_obj(claim.get("status")).get("reservedFor"))
     return [
         (str(r.get("name", "")), str(r.get("uid", "")))
         for r in reserved
@@ -155,15 +164,15 @@ def reserved_pods(claim: dict[str, Any]) -> list[tuple[str, str]]:
 
 def pod_claim_names(pod: dict[str, Any], claim_name: str) -> set[str]:
     """The pod's own names (`spec.resourceClaims[].name`) for the ResourceClaim `claim_name`."""
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
+    spec = _obj(pod.get("spec"))
+    status = _obj(pod.get("status"))
     generated = {
         s.get("name"): s.get("resourceClaimName")
-        for s in status.get("resourceClaimStatuses") or []
+        for s in _items(status.get("resourceClaimStatuses"))
         if isinstance(s, dict)
     }
     found: set[str] = set()
-    for entry in spec.get("resourceClaims") or []:
+    for entry in _items(spec.get("resourceClaims")):
         if not isinstance(entry, dict):
             continue
         local = entry.get("name")
@@ -175,12 +184,12 @@ def pod_claim_names(pod: dict[str, Any], claim_name: str) -> set[str]:
 def pod_use(pod: dict[str, Any], claim_name: str) -> PodUse:
     """The containers (init first) whose `resources.claims` name the claim."""
     local = pod_claim_names(pod, claim_name)
-    spec = pod.get("spec") or {}
+    spec = _obj(pod.get("spec"))
     use = PodUse()
     index = 0
     for section in ("initContainers", "containers"):
-        for container in spec.get(section) or []:
-            refs = ((container.get("resources") or {}).get("claims") or []
+        for container in _items(spec.get(section)):
+            refs = (_items(_obj(container.get("resources")).get("claims"))
                     if isinstance(container, dict) else [])  # fmt: skip
             if any(isinstance(r, dict) and r.get("name") in local for r in refs):
                 use.indices.append(index)
@@ -190,21 +199,21 @@ def pod_use(pod: dict[str, Any], claim_name: str) -> PodUse:
 
 
 def container_count(pod: dict[str, Any]) -> int:
-    spec = pod.get("spec") or {}
-    return len(spec.get("initContainers") or []) + len(spec.get("containers") or [])
+    spec = _obj(pod.get("spec"))
+    return len(_items(spec.get("initContainers"))) + len(_items(spec.get("containers")))
 
 
 def container_names(pod: dict[str, Any]) -> list[str]:
-    spec = pod.get("spec") or {}
+    spec = _obj(pod.get("spec"))
     return [str(c.get("name", "")) for s in ("initContainers", "containers")
-            for c in spec.get(s) or [] if isinstance(c, dict)]  # fmt: skip
+            for c in _items(spec.get(s)) if isinstance(c, dict)]  # fmt: skip
 
 
 def plan(claim: dict[str, Any], pod: dict[str, Any], node: str,
          devices: list[DeviceInfo]) -> PreparedClaim:  # fmt: skip
     """The preparation of `claim` for `pod` (the first pod it is reserved for)."""
-    meta = claim.get("metadata") or {}
-    pod_meta = pod.get("metadata") or {}
+    meta = _obj(claim.get("metadata"))
+    pod_meta = _obj(pod.get("metadata"))
     found = allocated_devices(claim, node, devices)
     use = pod_use(pod, str(meta.get("name", "")))
     first = use.indices[0] if use.indices else 0
@@ -220,11 +229,11 @@ def plan(claim: dict[str, Any], pod: dict[str, Any], node: str,
 def task_priority(pod: dict[str, Any], index: int) -> int:
     """HAMi's task priority of container `index` (init first): the `CUDA_TASK_PRIORITY` env the
     webhook set from `nvidia.com/priority` (0 high, 1 low: the default)."""
-    spec = pod.get("spec") or {}
-    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    spec = _obj(pod.get("spec"))
+    containers = [*_items(spec.get("initContainers")), *_items(spec.get("containers"))]
     if not 0 <= index < len(containers) or not isinstance(containers[index], dict):
         return 1
-    for entry in containers[index].get("env") or []:
+    for entry in _items(containers[index].get("env")):
         if isinstance(entry, dict) and entry.get("name") == "CUDA_TASK_PRIORITY":
             return 0 if str(entry.get("value", "")).strip() == "0" else 1
     return 1
