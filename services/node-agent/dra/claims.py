@@ -198,11 +198,6 @@ def pod_use(pod: dict[str, Any], claim_name: str) -> PodUse:
     return use
 
 
-def container_count(pod: dict[str, Any]) -> int:
-    spec = _obj(pod.get("spec"))
-    return len(_items(spec.get("initContainers"))) + len(_items(spec.get("containers")))
-
-
 def container_names(pod: dict[str, Any]) -> list[str]:
     spec = _obj(pod.get("spec"))
     return [str(c.get("name", "")) for s in ("initContainers", "containers")
