@@ -71,7 +71,8 @@ class Conversion:
 
 def wanted(pod: dict[str, Any], settings: TesseraSettings) -> bool:
     """Whether this pod is converted to claims (the setting, or the pod's annotation)."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
     asked = annotations.get(ANN_ALLOCATION_MODE) if isinstance(annotations, dict) else None
     if asked in ("dra", "extender"):
         return asked == "dra"
@@ -195,7 +196,10 @@ def convert(plan: DraPlan, settings: TesseraSettings, card_memories: list[int]) 
     """The pod with claims instead of HAMi's resources, and the templates it names."""
     pod = copy.deepcopy(plan.mutated)
     spec = pod["spec"]
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        annotations = {}  # (HAMi's rules judged them already; a non-object holds no knob)
     out = Conversion(pod)
     asks = plan.request.all
     claims = [c for c in spec.get("resourceClaims") or [] if isinstance(c, dict)]
