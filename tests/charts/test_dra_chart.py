@@ -43,7 +43,9 @@ def test_the_node_agent_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F8
 def test_the_admission_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F811
     values = {"dra": {"enabled": True}}
     manifests = render(charts_dir, "tessera-admission", values)
-    webhook = container(find(manifests, "Deployment"), "admission")
+    deployment = find(manifests, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    webhook = container(deployment, "admission")
     assert env_of(webhook)["TESSERA_ALLOCATION_MODE"] == "dra"
     role = find(manifests, "ClusterRole", "tessera-admission-dra")
     assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
