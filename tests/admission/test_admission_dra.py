@@ -180,3 +180,4 @@ async def test_a_dry_run_creates_no_template():
                                                      dry_run=True))  # fmt: skip
     assert answer.json()["response"]["allowed"] is True
     assert cluster._dra()["templates"] == {}
+
