@@ -13,6 +13,7 @@ from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.controllers import WorkloadControllers
 from tessera.kube_sim.disruption import Disruption
 from tessera.kube_sim.dra.claims import ClaimController
+from tessera.kube_sim.dra.eviction import DeviceTaintEviction
 from tessera.kube_sim.dra.scheduling import DynamicResources
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
 from tessera.kube_sim.identity import TokenTable
@@ -119,6 +120,8 @@ class KubeSim:
         # DynamicResources plugin; each kubelet gets its DRA manager (kubelets.py)
         self.claims = ClaimController(self.store)
         self.scheduler.dra = DynamicResources(self.store)
+        self.device_taints = DeviceTaintEviction(
+            self.store, lambda ns, name, uid: self.api.delete_object("Pod", ns, name, uid))
 
     async def run(self, stop: asyncio.Event) -> None:
         for node in self.nodes:
@@ -151,6 +154,7 @@ class KubeSim:
         scheduler_task = asyncio.create_task(self.scheduler.run(stop))
         controllers_task = asyncio.create_task(self.controllers.run(stop))
         claims_task = asyncio.create_task(self.claims.run(stop))
+        taints_task = asyncio.create_task(self.device_taints.run(stop))
         dra_retry_task = asyncio.create_task(
             self.scheduler.dra.follow(self.scheduler.move_all_to_active, stop))
         log.info(
@@ -166,6 +170,7 @@ class KubeSim:
             await scheduler_task
             await controllers_task
             await claims_task
+            await taints_task
             await dra_retry_task
             server.should_exit = True
             with contextlib.suppress(Exception):

@@ -246,3 +246,19 @@ def test_admin_access_reaches_devices_others_hold_without_taking_them() -> None:
     monitor = {**claim(exactly(adminAccess=True), uid="m"),
                "status": {"allocation": outcome.allocations[0]}}
     assert devices_of(allocate([claim(exactly())], slices, [monitor])) == ["gpu-0"]
+
+
+def test_toleration_seconds_defers_a_no_execute_eviction() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from tessera.kube_sim.dra.eviction import eviction_time
+
+    now = datetime(2026, 12, 6, 12, 0, 0, tzinfo=UTC)
+    taint = {"key": "k", "value": "v", "effect": "NoExecute", "timeAdded": "2026-12-06T11:59:50Z"}
+    assert eviction_time(taint, [], now) == now  # untolerated: at once
+    forever = {"key": "k", "operator": "Exists", "effect": "NoExecute"}
+    assert eviction_time(taint, [forever], now) is None
+    thirty = {**forever, "tolerationSeconds": 30}
+    assert eviction_time(taint, [thirty], now) == now + timedelta(seconds=20)
+    other = {"key": "x", "operator": "Exists"}
+    assert eviction_time(taint, [other], now) == now

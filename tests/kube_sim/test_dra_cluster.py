@@ -267,3 +267,42 @@ async def test_a_restarted_plugin_registers_again() -> None:
         await setup(cluster)  # and it prepares claims as before
         await cluster.create("/api/v1/namespaces/default/pods", pod("again"))
         await running(cluster, "again")
+
+
+async def test_a_no_execute_device_taint_evicts_pods_that_do_not_tolerate_it() -> None:
+    async with running_cluster(["node-a"]) as cluster:
+        await cluster.plugin("node-a")
+        await cluster.create(f"{RESOURCE}/deviceclasses", CLASS)
+        exclusive = shared_slice("node-a", gpus=2)
+        for device in exclusive["spec"]["devices"]:
+            device.pop("allowMultipleAllocations")
+            device["capacity"] = {"memory": {"value": "24Gi"}}
+        await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
+        toleration = {"key": "gpu.example.com/unhealthy", "operator": "Exists",
+                      "effect": "NoExecute"}
+        for name, tolerations in (("plain", []), ("tolerant", [toleration])):
+            body = {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
+                                            "tolerations": tolerations}}]}}}}
+            await cluster.create(f"{RESOURCE}/namespaces/default/resourceclaimtemplates", body)
+            await cluster.create("/api/v1/namespaces/default/pods", pod(name, name))
+            await running(cluster, name)
+        for device in exclusive["spec"]["devices"]:
+            device["taints"] = [{"key": "gpu.example.com/unhealthy", "value": "ecc",
+                                 "effect": "NoExecute"}]
+        patched = await cluster.http.patch(
+            f"{RESOURCE}/resourceslices/{exclusive['metadata']['name']}",
+            json={"spec": {"devices": exclusive["spec"]["devices"]}},
+            headers={"Content-Type": "application/merge-patch+json"})
+        assert patched.status_code == 200, patched.text
+        await cluster.wait_for("eviction", lambda: _gone(cluster, "plain"))
+        assert "Marking for deletion" in await cluster.events("DeviceTaintManagerEviction",
+                                                              "plain")
+        assert await cluster.phase("tolerant") == "Running"
+        owners = [c["metadata"]["ownerReferences"][0]["name"] for c in await cluster.claims()]
+        assert owners == ["tolerant"]  # the evicted pod's claim went with it
+
+
+async def _gone(cluster: Cluster, name: str) -> bool:
+    response = await cluster.http.get(f"/api/v1/namespaces/default/pods/{name}")
+    return response.status_code == 404

@@ -10,6 +10,7 @@ DynamicResources plugin and kubelet's DRA manager do, one module each:
 - `allocator.py`: the structured allocator (pure);
 - `claims.py`: the resourceclaim controller (claims from templates, pod claim statuses,
   reservations released and claims deleted with their pod);
+- `eviction.py`: the device taint eviction controller (NoExecute taints);
 - `scheduling.py`: the scheduler plugin (prefilter, filter per node, reserve before the bind,
   extended-resource mapping);
 - `cdi.py`: CDI spec files and a container's edits; `kubelet.py`: plugin registration through
