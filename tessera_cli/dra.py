@@ -83,10 +83,16 @@ def _whole(value: Any) -> int:
         return 0
 
 
-def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, Any]]], list[str]]:
+def claim_grants(
+    client: Any,
+    pod: dict[str, Any],
+    claims: dict[tuple[str, str], dict[str, Any]] | None = None,
+    slices: dict[str, dict[str, Any]] | None = None,
+) -> tuple[list[list[dict[str, Any]]], list[str]]:
     """A DRA pod's slices per container (as `pod_gpus` gives an extender pod's) from its
     ResourceClaims' allocations (consumedCapacity) and the driver's ResourceSlice (the GPU's
-    UUID and type), and one line per claim for `describe`."""
+    UUID and type), and one line per claim for `describe`. `claims` ((namespace, name) →
+    claim) and `slices` (pool → slice): already listed (`tessera get`), else each is read."""
     from .locate import CliError
 
     meta = pod.get("metadata") or {}
@@ -104,7 +110,7 @@ def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, 
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
     grants: list[list[dict[str, Any]]] = [[] for _ in containers]
     lines: list[str] = []
-    slices: dict[str, dict[str, Any]] = {}
+    slices = {} if slices is None else slices
     counted: set[str] = set()
     for index, container in enumerate(containers):
         for ref in (container.get("resources") or {}).get("claims") or []:
@@ -112,10 +118,14 @@ def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, 
             if not claim_name or claim_name in counted:
                 continue
             counted.add(claim_name)
-            try:
-                claim = client.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/"
-                                   f"resourceclaims/{claim_name}")  # fmt: skip
-            except CliError:
+            claim = claims.get((namespace, claim_name)) if claims is not None else None
+            if claim is None and claims is None:
+                try:
+                    claim = client.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/"
+                                       f"resourceclaims/{claim_name}")  # fmt: skip
+                except CliError:
+                    claim = None
+            if claim is None:
                 lines.append(f"{claim_name}: not found")
                 continue
             results = (((claim.get("status") or {}).get("allocation") or {}).get("devices")
@@ -150,3 +160,31 @@ def claim_grants(client: Any, pod: dict[str, Any]) -> tuple[list[list[dict[str, 
                     + (f" share {share}" if share else "")
                 )
     return grants, lines
+
+
+def listed_claim_grants(client: Any, pods: list[dict[str, Any]]) -> dict[str, list[list[dict]]]:
+    """Pod uid → slices of every DRA pod among `pods` (two list calls, only when one is)."""
+    from .locate import CliError
+
+    wanted = [p for p in pods if (p.get("spec") or {}).get("resourceClaims")]
+    if not wanted:
+        return {}
+    try:
+        claims = {
+            (
+                (c.get("metadata") or {}).get("namespace", ""),
+                (c.get("metadata") or {}).get("name", ""),
+            ): c
+            for c in client.get("/apis/resource.k8s.io/v1/resourceclaims").get("items") or []
+        }
+        slices = {
+            ((sl.get("spec") or {}).get("pool") or {}).get("name", ""): sl
+            for sl in client.get("/apis/resource.k8s.io/v1/resourceslices").get("items") or []
+            if (sl.get("spec") or {}).get("driver") == DRIVER
+        }
+    except CliError:
+        return {}  # a server without resource.k8s.io: no DRA pods to show
+    return {
+        str((p.get("metadata") or {}).get("uid", "")): claim_grants(client, p, claims, slices)[0]
+        for p in wanted
+    }

@@ -91,6 +91,14 @@ def test_extender_and_dra_pods_side_by_side(sim: RunningStack, namespace: str) -
     assert placed["spec"]["nodeName"] == DRA_NODE
     assert placed["spec"]["resourceClaims"], "the webhook did not convert the annotated pod"
 
+    listing = subprocess.run(
+        [sys.executable, "-m", "tessera_cli", "get", "pods", "-n", namespace,
+         "--kubeconfig", str(sim.stack.kubeconfig)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("dra-1"))
+    assert "20000MiB/10%" in row, listing.stdout
+
     text = describe(sim, namespace, "dra-1")
     assert "20000 MiB, 10% compute" in text, text
     assert f"{DRA_NODE}/gpu-0" in text, text
