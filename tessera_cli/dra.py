@@ -162,8 +162,11 @@ def claim_grants(
     return grants, lines
 
 
-def listed_claim_grants(client: Any, pods: list[dict[str, Any]]) -> dict[str, list[list[dict]]]:
-    """Pod uid → slices of every DRA pod among `pods` (two list calls, only when one is)."""
+def listed_claim_grants(
+    client: Any, pods: list[dict[str, Any]], namespace: str | None = None
+) -> dict[str, list[list[dict]]]:
+    """Pod uid → slices of every DRA pod among `pods` (two list calls, only when one is; the
+    claims of `namespace` only when the pods are one namespace's)."""
     from .locate import CliError
 
     wanted = [p for p in pods if (p.get("spec") or {}).get("resourceClaims")]
@@ -175,7 +178,12 @@ def listed_claim_grants(client: Any, pods: list[dict[str, Any]]) -> dict[str, li
                 (c.get("metadata") or {}).get("namespace", ""),
                 (c.get("metadata") or {}).get("name", ""),
             ): c
-            for c in client.get("/apis/resource.k8s.io/v1/resourceclaims").get("items") or []
+            for c in client.get(
+                f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims"
+                if namespace
+                else "/apis/resource.k8s.io/v1/resourceclaims"
+            ).get("items")
+            or []
         }
         slices = {
             ((sl.get("spec") or {}).get("pool") or {}).get("name", ""): sl

@@ -169,7 +169,7 @@ def run_get(args: GetArgs) -> int:
             if kind.kind == "Pod" and args.output != "name":
                 from .dra import listed_claim_grants  # DRA pods' slices: their claims'
 
-                dra_gpus = listed_claim_grants(client, items)
+                dra_gpus = listed_claim_grants(client, items, ns)
             if kind.kind == "Node" and items and args.output != "name":
                 pods_on_nodes = client.get("/api/v1/pods").get("items") or []
     except CliError as error:
