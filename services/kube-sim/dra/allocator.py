@@ -27,37 +27,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from tessera.kube_sim.dra import cel
-from tessera.kube_sim.dra.model import Device, KubeObject, Pool, Usage, maybe_quantity
+from tessera.kube_sim.dra.model import Device, KubeObject, Pool, Usage
+from tessera.kube_sim.dra.requests import (
+    Alternative,
+    Request,
+    consumption,
+    requests_of,
+    tolerates,
+)
 
 from tessera.quantity import canonical
 
 UNSCHEDULABLE = "cannot allocate all claims"
 MAX_STEPS = 200_000
-
-
-@dataclass
-class Alternative:
-    """One way to satisfy a request: the request itself, or one subrequest of firstAvailable."""
-
-    result_name: str  # "gpu" or "gpu/small"
-    class_name: str
-    selectors: list[str]
-    mode: str = "ExactCount"
-    count: int = 1
-    capacity: dict[str, Fraction] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    admin_access: bool = False
-
-
-@dataclass
-class Request:
-    name: str
-    alternatives: list[Alternative]
 
 
 @dataclass
@@ -98,114 +85,6 @@ class Outcome:
 
 class AllocationError(Exception):
     pass
-
-
-def _quantities(raw: Any) -> dict[str, Fraction]:
-    found = {}
-    for name, value in (raw or {}).items():
-        parsed = maybe_quantity(value)
-        if parsed is not None:
-            found[str(name)] = parsed
-    return found
-
-
-def _alternative(result_name: str, raw: dict[str, Any]) -> Alternative:
-    return Alternative(
-        result_name=result_name,
-        class_name=str(raw.get("deviceClassName", "")),
-        selectors=[str((s.get("cel") or {}).get("expression", ""))
-                   for s in raw.get("selectors") or [] if isinstance(s, dict)],
-        mode=str(raw.get("allocationMode") or "ExactCount"),
-        count=int(raw.get("count") or 1),
-        capacity=_quantities((raw.get("capacity") or {}).get("requests")),
-        tolerations=[t for t in raw.get("tolerations") or [] if isinstance(t, dict)],
-        admin_access=bool(raw.get("adminAccess")),
-    )
-
-
-def requests_of(claim: KubeObject) -> list[Request]:
-    meta = claim.get("metadata") or {}
-    key = (meta.get("uid", ""), meta.get("resourceVersion", ""))
-    if all(key) and key in _REQUESTS_CACHE:
-        return _REQUESTS_CACHE[key]
-    found = _parse_requests(claim)
-    if all(key):
-        if len(_REQUESTS_CACHE) > 50_000:
-            _REQUESTS_CACHE.clear()
-        _REQUESTS_CACHE[key] = found
-    return found
-
-
-def _parse_requests(claim: KubeObject) -> list[Request]:
-    devices = ((claim.get("spec") or {}).get("devices") or {})
-    found = []
-    for raw in devices.get("requests") or []:
-        name = str(raw.get("name", ""))
-        if raw.get("exactly"):
-            found.append(Request(name, [_alternative(name, raw["exactly"])]))
-        elif raw.get("firstAvailable"):
-            found.append(Request(name, [_alternative(f"{name}/{sub.get('name', '')}", sub)
-                                        for sub in raw["firstAvailable"]]))
-    return found
-
-
-def tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
-    for toleration in tolerations:
-        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
-            continue
-        operator = toleration.get("operator") or "Equal"
-        if operator == "Exists":
-            if not toleration.get("key") or toleration["key"] == taint.get("key"):
-                return True
-        elif toleration.get("key") == taint.get("key") and (
-            (toleration.get("value") or "") == (taint.get("value") or "")
-        ):
-            return True
-    return False
-
-
-def consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fraction] | None:
-    """What one share of `device` consumes for capacity requests `wanted` (by published name),
-    rounded by each capacity's request policy; None: the request violates a policy or asks
-    for a capacity the device does not have."""
-    key = tuple(sorted(wanted.items()))
-    cache = device.consumption_cache
-    if key not in cache:
-        cache[key] = _consumption(device, wanted)
-    found = cache[key]
-    return dict(found) if found is not None else None
-
-
-def _consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fraction] | None:
-    consumed: dict[str, Fraction] = {}
-    named = {}
-    for key, amount in wanted.items():
-        name = device.capacity_named(key)
-        if name is None:
-            return None
-        named[name] = amount
-    for name, cap in device.capacity.items():
-        policy = cap.policy
-        amount = named.get(name)
-        if amount is None:
-            amount = policy.default if policy and policy.default is not None else cap.value
-        elif policy is not None:
-            if policy.valid_values:
-                fitting = [v for v in policy.valid_values if v >= amount]
-                if not fitting:
-                    return None
-                amount = fitting[0]
-            elif policy.has_range:
-                if policy.minimum is not None and amount < policy.minimum:
-                    amount = policy.minimum
-                if policy.step:
-                    base = policy.minimum or Fraction(0)
-                    steps = -(-(amount - base) // policy.step)
-                    amount = base + steps * policy.step
-                if policy.maximum is not None and amount > policy.maximum:
-                    return None
-        consumed[name] = amount
-    return consumed
 
 
 class Allocator:
@@ -293,7 +172,7 @@ class Allocator:
                 return False
             held = self.usage.consumed.get(device.id, {})
             for name, amount in consumed.items():
-                if held.get(name, Fraction(0)) + amount > device.capacity[name].value:
+                if held.get(name, 0) + amount > device.capacity[name].value:
                     return False
         else:
             if self.usage.users.get(device.id, 0):
@@ -306,7 +185,7 @@ class Allocator:
                     return False
                 used = self.usage.counters.get((device.driver, device.pool, counter_set), {})
                 for name, value in counters.items():
-                    if used.get(name, Fraction(0)) + value > limits.get(name, Fraction(0)):
+                    if used.get(name, 0) + value > limits.get(name, 0):
                         return False
         return consumed
 
@@ -483,4 +362,3 @@ def quantity_text(value: Fraction) -> str:
 
 
 _SELECTOR_CACHE: dict[tuple[str, str], bool] = {}
-_REQUESTS_CACHE: dict[tuple[str, str], list[Request]] = {}

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from tessera.kube_sim.dra import cdi
 from tessera.kube_sim.dra.claims import pod_claim_names
+from tessera.kube_sim.dra.health import resource_statuses, watch_health
 from tessera.kube_sim.kubelet import ContainerAdmission, DeviceNode, Mount, PodAdmission
 from tessera.kube_sim.store import KubeObject, ObjectStore, StoreError
 from tessera.kube_sim.validation import DNS1123_SUBDOMAIN
@@ -47,10 +48,6 @@ from tessera.kubeapi import (
     PLUGINS_REGISTRY_DIR,
     dra,
     dra_grpc,
-    drahealth,
-    drahealth_grpc,
-    drahealth_v1,
-    drahealth_v1_grpc,
     reg,
     reg_grpc,
 )
@@ -60,9 +57,6 @@ log = logging.getLogger("tessera.kube_sim.dra.kubelet")
 RPC_TIMEOUT_S = 30.0
 WATCH_INTERVAL_S = 0.2
 CDI_DIR = "cdi"  # <kubelet dir>/cdi: where this node's drivers write CDI specs
-
-
-HEALTH_NAMES = {0: "Unknown", 1: "Healthy", 2: "Unhealthy"}
 
 
 @dataclass
@@ -231,26 +225,8 @@ class DraKubelet:
     # --- device health (KEP-4680) ---------------------------------------------------------------
 
     async def _watch_health(self, plugin: DraPlugin) -> None:
-        """Follow NodeWatchResources (v1, else v1alpha1); a driver without it has none."""
-        for stub in (drahealth_v1_grpc.DRAResourceHealthStub(plugin.channel),
-                     drahealth_grpc.DRAResourceHealthStub(plugin.channel)):
-            request = (drahealth_v1.NodeWatchResourcesRequest()
-                       if isinstance(stub, drahealth_v1_grpc.DRAResourceHealthStub)
-                       else drahealth.NodeWatchResourcesRequest())
-            try:
-                async for response in stub.NodeWatchResources(request):
-                    self._set_health(plugin.driver, {
-                        (d.device.pool_name, d.device.device_name): (
-                            HEALTH_NAMES.get(d.health, "Unknown"),
-                            getattr(d, "message", "")[:1024])
-                        for d in response.devices})
-                self._set_health(plugin.driver, {})  # the stream ended: Unknown
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    continue
-                self._set_health(plugin.driver, {})
-                return
+        await watch_health(plugin.channel,
+                           lambda devices: self._set_health(plugin.driver, devices))
 
     def _set_health(self, driver: str, devices: dict[tuple[str, str], tuple[str, str]]) -> None:
         before = {k: v for k, v in self.health.items() if k[0] == driver}
@@ -262,44 +238,7 @@ class DraKubelet:
             self._publish_health()
 
     def resource_statuses(self, pod: KubeObject) -> dict[str, list[dict[str, Any]]]:
-        """container -> allocatedResourcesStatus, from the devices prepared for its claims."""
-        found: dict[str, list[dict[str, Any]]] = {}
-        entries = pod_claim_names(pod)
-        namespace = pod["metadata"].get("namespace", "")
-        by_name = {c.name: c for c in self.prepared.values() if c.namespace == namespace}
-        extended = (pod.get("status") or {}).get("extendedResourceClaimStatus") or {}
-        spec = pod.get("spec") or {}
-        for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
-            wanted = [(f"claim:{ref.get('name')}" + (f"/{ref['request']}" if ref.get("request")
-                                                      else ""),
-                       entries.get(ref.get("name", "")) or "", ref.get("request") or "")
-                      for ref in (container.get("resources") or {}).get("claims") or []]
-            wanted += [(f"claim:{extended.get('resourceClaimName')}/{m.get('requestName')}",
-                        extended.get("resourceClaimName") or "", m.get("requestName") or "")
-                       for m in extended.get("requestMappings") or []
-                       if m.get("containerName") == container.get("name")]
-            statuses = []
-            for status_name, claim_name, request in wanted:
-                prepared = by_name.get(claim_name)
-                if prepared is None:
-                    continue
-                resources = []
-                for driver, device in prepared.devices:
-                    names = list(device.request_names)
-                    if request and names and not any(n == request or n.split("/")[0] == request
-                                                      for n in names):
-                        continue
-                    health, message = self.health.get(
-                        (driver, device.pool_name, device.device_name), ("Unknown", ""))
-                    entry = {"resourceID": f"{driver}/{device.pool_name}/{device.device_name}",
-                             "health": health}
-                    if message:
-                        entry["message"] = message
-                    resources.append(entry)
-                statuses.append({"name": status_name, "resources": resources})
-            if statuses:
-                found[container.get("name", "")] = statuses
-        return found
+        return resource_statuses(pod, self.prepared.values(), self.health)
 
     def annotate(self, pod: KubeObject, status: dict[str, Any]) -> None:
         """Put each container's allocatedResourcesStatus into a status being written."""

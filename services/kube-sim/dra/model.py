@@ -25,7 +25,9 @@ DeviceId = tuple[str, str, str]  # driver, pool, device
 
 @functools.lru_cache(maxsize=65536)
 def _parse_text(text: str) -> Fraction:
-    return parse_quantity(text).value
+    value = parse_quantity(text).value
+    # whole amounts as ints: the allocator's arithmetic on them is several times faster
+    return value.numerator if value.denominator == 1 else value  # type: ignore[return-value]
 
 
 def quantity(value: Any) -> Fraction:
@@ -269,14 +271,14 @@ class Usage:
             for counter_set, counters in device.consumes:
                 used = self.counters.setdefault((device.driver, device.pool, counter_set), {})
                 for name, value in counters.items():
-                    used[name] = used.get(name, Fraction(0)) + value
+                    used[name] = used.get(name, 0) + value
         self.users[device.id] = self.users.get(device.id, 0) + 1
         if consumed is None:
             self.exclusive.add(device.id)
         else:
             held = self.consumed.setdefault(device.id, {})
             for name, value in consumed.items():
-                held[name] = held.get(name, Fraction(0)) + value
+                held[name] = held.get(name, 0) + value
 
     def give_back(self, device: Device, consumed: dict[str, Fraction] | None) -> None:
         self.users[device.id] -= 1
@@ -285,14 +287,14 @@ class Usage:
         else:
             held = self.consumed.get(device.id, {})
             for name, value in consumed.items():
-                held[name] = held.get(name, Fraction(0)) - value
+                held[name] = held.get(name, 0) - value
         if self.users[device.id] == 0:
             del self.users[device.id]
             self.consumed.pop(device.id, None)
             for counter_set, counters in device.consumes:
                 used = self.counters.get((device.driver, device.pool, counter_set), {})
                 for name, value in counters.items():
-                    used[name] = used.get(name, Fraction(0)) - value
+                    used[name] = used.get(name, 0) - value
 
 
 def usage_of(claims: list[KubeObject], devices: dict[DeviceId, Device],
