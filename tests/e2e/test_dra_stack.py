@@ -94,7 +94,8 @@ def sim() -> Iterator[RunningStack]:
             name=NODE, gpus=1, gpu_memory_mib=CARD_MIB, gpu_model="NVIDIA A100-SXM4-80GB", dra=True
         )
     ]
-    env = {"TESSERA_DEVICE_SPLIT_COUNT": "4", "TESSERA_STATIC_FAULT_FILE": str(FAULTS)}
+    env = {"TESSERA_DEVICE_SPLIT_COUNT": "4", "TESSERA_STATIC_FAULT_FILE": str(FAULTS),
+           "TESSERA_HEALTH_RECOVERY_S": "12"}  # fmt: skip
     yield from start_stack(nodes, env=env)
 
 
@@ -210,6 +211,51 @@ def test_three_slices_share_a_gpu_the_fourth_pends_and_deleting_frees(
         time.sleep(0.2)
 
 
+def test_an_unhealthy_gpu_is_tainted_and_gets_no_new_claim(
+    sim: RunningStack, kubectl: Kubectl, namespace: str
+) -> None:
+    """The pod already on the GPU keeps running and its status says the device is unhealthy
+    (KEP-4680, from the driver's NodeWatchResources); no new claim is allocated on it until the
+    GPU is healthy again (TESSERA_HEALTH_RECOVERY_S quiet seconds), then the waiting pod runs."""
+    for left in sim.kube.pods():  # the earlier tests' pods: the card's slots for this one
+        sim.kube.delete_pod(left["metadata"]["namespace"], left["metadata"]["name"])
+    kubectl.run("create", "namespace", namespace)
+    kubectl.apply(TEMPLATE % {"ns": namespace})
+    kubectl.apply(POD % {"ns": namespace, "name": "before-fault"})
+    sim.kube.wait_running(namespace, "before-fault", 60)
+    with FAULTS.open("a") as f:
+        f.write("0 79\n")  # XID 79: the GPU has fallen off the bus
+
+    def device_status() -> dict | None:
+        pod = sim.kube.pod(namespace, "before-fault")
+        for status in pod["status"].get("containerStatuses") or []:
+            for entry in status.get("allocatedResourcesStatus") or []:
+                for resource in entry.get("resources") or []:
+                    if resource.get("health") == "Unhealthy":
+                        return resource
+        return None
+
+    unhealthy = sim.kube.wait_for("the pod's device status", device_status, 30)
+    assert unhealthy["resourceID"] == f"gpu.tessera.io/{NODE}/gpu-0", unhealthy
+    assert "XID" in unhealthy.get("message", ""), unhealthy
+    assert pod_phase(kubectl, namespace, "before-fault") == "Running"
+
+    def taints() -> list:
+        [published] = kubectl.json("resourceslices")["items"]
+        return published["spec"]["devices"][0].get("taints") or []
+
+    [taint] = sim.kube.wait_for("the GPU's taint", taints, 30)
+    assert (taint["key"], taint["effect"]) == ("gpu.tessera.io/unhealthy", "NoSchedule")
+    kubectl.apply(POD % {"ns": namespace, "name": "after-fault"})
+    reason = sim.kube.wait_for(
+        "the allocator's refusal", lambda: scheduled_message(kubectl, namespace, "after-fault"), 30
+    )
+    assert "cannot allocate all claims" in reason, reason
+    # healthy again after the quiet period: the taint goes and the waiting pod is placed
+    sim.kube.wait_for("the taint gone", lambda: not taints(), 60)
+    sim.kube.wait_running(namespace, "after-fault", 60)
+
+
 SMALL = """
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate
@@ -230,7 +276,11 @@ def test_a_crashed_driver_comes_back_with_what_it_prepared(
     sim: RunningStack, kubectl: Kubectl, namespace: str
 ) -> None:
     """SIGKILL the node agent under a running DRA pod: the pod keeps its sealed slice, the
-    restarted agent registers again, unprepares the pod when it goes and prepares new ones."""
+    restarted agent unprepares the pod when it goes and prepares new ones. Last in the module
+    (kube-sim's kubelet does not notice a plugin restarted on the same socket path within its
+    poll, so the health stream is not followed again afterwards)."""
+    for left in sim.kube.pods():  # the earlier tests' pods: the card's slots for this one
+        sim.kube.delete_pod(left["metadata"]["namespace"], left["metadata"]["name"])
     kubectl.run("create", "namespace", namespace)
     kubectl.apply(SMALL % {"ns": namespace})
     pod = (POD % {"ns": namespace, "name": "%(name)s"}).replace("slice-4g-30", "slice-1g")
@@ -247,25 +297,3 @@ def test_a_crashed_driver_comes_back_with_what_it_prepared(
     kubectl.apply(pod % {"name": "after-crash"})
     sim.kube.wait_running(namespace, "after-crash", 60)
     assert sealed_limits(sim, namespace, "after-crash")[1:] == (1 << 30, 0)
-
-
-def test_an_unhealthy_gpu_is_tainted_and_gets_no_new_claim(
-    sim: RunningStack, kubectl: Kubectl, namespace: str
-) -> None:
-    """Last in the module: the node's one GPU stays unhealthy for the recovery time."""
-    kubectl.run("create", "namespace", namespace)
-    kubectl.apply(TEMPLATE % {"ns": namespace})
-    with FAULTS.open("a") as f:
-        f.write("0 79\n")  # XID 79: the GPU has fallen off the bus
-
-    def taints() -> list:
-        [published] = kubectl.json("resourceslices")["items"]
-        return published["spec"]["devices"][0].get("taints") or []
-
-    [taint] = sim.kube.wait_for("the GPU's taint", taints, 30)
-    assert (taint["key"], taint["effect"]) == ("gpu.tessera.io/unhealthy", "NoSchedule")
-    kubectl.apply(POD % {"ns": namespace, "name": "after-fault"})
-    reason = sim.kube.wait_for(
-        "the allocator's refusal", lambda: scheduled_message(kubectl, namespace, "after-fault"), 30
-    )
-    assert "cannot allocate all claims" in reason, reason
