@@ -61,6 +61,11 @@ class TesseraSettings(BaseSettings):
     resource_priority: str = "nvidia.com/priority"
 
     scheduler_name: str = "tessera-scheduler"
+    allocation_mode: Literal["extender", "dra"] = Field(
+        "extender", description="how GPU pods are placed: extender (the scheduler extender and "
+        "device plugin) or dra (the webhook converts HAMi's resources into ResourceClaims for "
+        "kube-scheduler's allocator; a pod's tessera.io/allocation-mode annotation overrides)"
+    )
     device_split_count: int = Field(10, ge=1, le=1024)
     device_memory_scaling: float = Field(1.0, gt=0, le=100)
     device_core_scaling: float = Field(1.0, gt=0, le=100)

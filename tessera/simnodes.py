@@ -26,6 +26,8 @@ class SimNode(BaseModel):
     # strategies ('<profile>@<start>,…'; default: the model's smallest profile at every start).
     mig: Literal["none", "single", "mixed", "dynamic"] = "none"
     mig_instances: str = ""
+    # DRA mode (docs/dra.md): the node's agent is a kubelet DRA plugin, not a device plugin.
+    dra: bool = False
 
 
 def make_nodes(

@@ -131,6 +131,11 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
     if nominated:  # a preemption is under way for it on that node
         out.append(f"Nominated:    {nominated}")
     grants = pod_gpus(pod)
+    claims: list[str] = []
+    if not any(grants) and spec.get("resourceClaims") and client is not None:
+        from .dra import claim_grants  # a DRA pod: its slices are its claims' allocations
+
+        grants, claims = claim_grants(client, pod)
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
     out.append("GPU slices:" + ("" if any(grants) else "   <none>"))
     burst = _burst_granted(meta.get("annotations") or {})
@@ -150,6 +155,9 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
         wait = annotations_.get("tessera.io/gpumem-wait-seconds", "0")
         out.append(f"Elastic:      memory beyond the guarantee is reclaimable (policy {policy}); "
                    f"allocations wait up to {wait} s")
+    if claims:
+        out.append("Claims:")
+        out += [f"  {line}" for line in claims]
     why = explanation(pod, events, client)
     if why:
         out.append("Scheduling:")

@@ -165,6 +165,11 @@ def run_get(args: GetArgs) -> int:
             kind = resolve_kind(args.resource, client)
             ns = None if args.all_namespaces else (args.namespace or "default")
             items = client.get(kind.collection(ns)).get("items") or []
+            dra_gpus: dict[str, Any] = {}
+            if kind.kind == "Pod" and args.output != "name":
+                from .dra import listed_claim_grants  # DRA pods' slices: their claims'
+
+                dra_gpus = listed_claim_grants(client, items, ns)
             if kind.kind == "Node" and items and args.output != "name":
                 pods_on_nodes = client.get("/api/v1/pods").get("items") or []
     except CliError as error:
@@ -179,7 +184,7 @@ def run_get(args: GetArgs) -> int:
         if missing and not items:
             return 1
     try:
-        print_items(items, kind, ns, args.output, args.all_namespaces, pods_on_nodes)
+        print_items(items, kind, ns, args.output, args.all_namespaces, pods_on_nodes, dra_gpus)
         sys.stdout.flush()
     except BrokenPipeError:  # `tessera get pods | head`: the reader has all it wants
         import os
@@ -189,12 +194,16 @@ def run_get(args: GetArgs) -> int:
 
 
 def print_items(items: list[dict[str, Any]], kind: Kind, ns: str | None, output: str,
-                all_namespaces: bool, pods_on_nodes: list[dict[str, Any]]) -> None:  # fmt: skip
+                all_namespaces: bool, pods_on_nodes: list[dict[str, Any]],
+                dra_gpus: dict[str, Any] | None = None) -> None:  # fmt: skip
     if output == "name":
         print("\n".join(f"{kind.singular}/{i['metadata']['name']}" for i in items))
         return
     if kind.kind == "Pod":
         pods = [pod_summary(p) for p in items]
+        for summary in pods:  # a DRA pod's slices are its claims' (tessera_cli/dra.py)
+            if not summary["gpus"] and (dra_gpus or {}).get(summary["uid"]):
+                summary["gpus"] = dra_gpus[summary["uid"]]  # type: ignore[index]
         if output == "json":
             print(json.dumps(pods, indent=2))
         elif pods:

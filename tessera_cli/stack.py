@@ -88,6 +88,10 @@ def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[st
         "TESSERA_REGION_HOST_DIR": str(state_dir / "regions" / node.name),
     }
     env.update(_mig_env(node))
+    if node.dra:
+        from tessera_cli.dra import node_env
+
+        env.update(node_env(node_dir))
     if node.mig == "dynamic" and env.get("TESSERA_MIG_STRATEGY") == "dynamic":
         # the simulated MIG instances outlive the agent, as real ones do
         env["TESSERA_STATIC_MIG_STATE"] = str(state_dir / "mig" / f"{node.name}.json")
@@ -172,6 +176,9 @@ def default_services(
                 "TESSERA_TLS_CERT": str(certs / "tls.crt"),
                 "TESSERA_TLS_KEY": str(certs / "tls.key"),
                 "TESSERA_ADMISSION_TRUSTED_USER_PREFIXES": COMPONENT_ACCOUNTS,
+                # every node in DRA mode: HAMi pods become ResourceClaims (docs/dra.md)
+                **({"TESSERA_ALLOCATION_MODE": "dra"}
+                   if nodes and all(n.dra for n in nodes) else {}),
             },
         ),
         # Loopback: the dashboard and /metrics are for this machine (docs/security.md 4.5).

@@ -55,6 +55,11 @@ def ready_problems(stack: LocalStack, nodes: list[SimNode]) -> list[str]:
     except (OSError, ValueError, KeyError):
         registered = set()
     problems += [f"node {name} has not registered its GPUs" for name in sorted(wanted - registered)]
+    if not problems:
+        from .dra import slice_published
+
+        problems += [f"node {n.name} has not published its ResourceSlice" for n in nodes
+                     if n.dra and n.gpus > 0 and not slice_published(stack.api_url, n.name)]
     return problems
 
 
@@ -129,6 +134,10 @@ def run_foreground(stack: LocalStack, nodes: list[SimNode], apply: Path | None,
         except (CliError, RuntimeError) as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             return 1
+        if any(n.dra for n in nodes):
+            from .dra import install_device_class
+
+            print(f"tessera: {install_device_class(stack.kubeconfig)}", flush=True)
         stack.write_stack_file(ready=True)
         print(ready_line(stack, time.monotonic() - started), flush=True)
         if apply is not None:
@@ -328,6 +337,11 @@ def register(app: typer.Typer) -> None:
         timeout: float = typer.Option(
             READY_TIMEOUT_S, "--timeout", min=1.0, help="seconds to wait for ready"
         ),
+        dra: bool = typer.Option(
+            False, "--dra", help="DRA mode: every node's agent a kubelet DRA plugin, the "
+            "webhook turning HAMi pods into ResourceClaims, Tessera's DeviceClass installed "
+            "(nodes file: `dra: true` per node, for both modes in one cluster); docs/dra.md",
+        ),
     ) -> None:
         """Start NATS, kube-sim with simulated GPU nodes, and every service; Ctrl-C stops all."""
         directory = state_dir_of(state_dir)
@@ -343,6 +357,7 @@ def register(app: typer.Typer) -> None:
             args += ["--duration", str(duration)] if duration is not None else []
             args += ["--run-containers"] if run_containers else []
             args += ["--free-ports"] if free_ports else []
+            args += ["--dra"] if dra else []
             started = time.monotonic()
             try:
                 start_detached(args, directory, timeout)
@@ -359,6 +374,8 @@ def register(app: typer.Typer) -> None:
                                      nodes_file)  # fmt: skip
             if mig != "none" and nodes_file is None:
                 sim_nodes = with_mig(sim_nodes, mig)
+            if dra:
+                sim_nodes = [n.model_copy(update={"dra": True}) for n in sim_nodes]
         except CliError as error:
             fail(error)
         except (OSError, ValueError) as error:

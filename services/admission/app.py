@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tessera.settings import TesseraSettings
 
+from .dra_templates import DraTemplates
 from .event_queue import EventQueue, PendingEvent
 from .metrics import AdmissionMetrics
 from .quota_check import QuotaChecker
@@ -41,7 +42,9 @@ class AdmissionApp:
         quota: QuotaChecker | None = None,
         events: EventQueue | None = None,
         is_ready: Callable[[], bool] = lambda: True,
+        dra: DraTemplates | None = None,
     ) -> None:
+        self.dra = dra
         self.settings = settings
         self.metrics = metrics
         self.quota = quota if settings.quota_enabled else None
@@ -86,6 +89,8 @@ class AdmissionApp:
             await _send(send, exc.status, _error(str(exc)), headers)
             return
         decision = review_decision(review, self.settings)
+        if isinstance(decision, Admitted) and decision.dra is not None:
+            decision = await self._convert_to_claims(review, decision)
         if isinstance(decision, Admitted) and decision.quota is not None and self.quota:
             verdict = await self.quota.check(decision.quota, _pod_uid(review.object))
             decision = apply_quota_verdict(decision, verdict, self.settings)
@@ -94,6 +99,12 @@ class AdmissionApp:
             self._account(review, decision, started)
         except Exception:  # the answer is out; bookkeeping must never break the connection
             log.exception("admission bookkeeping failed")
+
+    async def _convert_to_claims(self, review: Review, decision: Admitted) -> Decision:
+        """DRA mode: the pod's claims and their templates (dra_templates.py)."""
+        if self.dra is None:
+            self.dra = DraTemplates(None, self.settings)
+        return await self.dra.finish(review.namespace, review.object, decision, review.dry_run)
 
     async def _read_body(self, scope: dict[str, Any], receive: Receive) -> bytes:
         for name, value in scope["headers"]:

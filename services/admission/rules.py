@@ -25,7 +25,9 @@ from tessera.hami import (
 )
 from tessera.settings import TesseraSettings
 
+from . import dra_claims
 from .compat import apply_compat
+from .dra_claims import DraPlan
 from .elastic import ELASTIC_INVALID, elastic_problem
 
 ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"
@@ -77,6 +79,8 @@ class Admitted:
     note: str = ""
     # why the pod as written can never be placed (a misspelt GPU resource): counted pending
     unplaceable: str = ""
+    # DRA mode: the claims conversion still to do (dra_claims.py; the app creates templates)
+    dra: DraPlan | None = None
 
     @property
     def summary(self) -> str:
@@ -208,6 +212,10 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
                 f"{settings.scheduler_name}. Remove spec.nodeName and use a nodeSelector or node "
                 "affinity to choose nodes",
             )
+    if gpu_pod and dra_claims.wanted(pod, settings):  # DRA mode: claims, not the extender
+        return Admitted([], tuple(changes), tuple(warnings), _quota_ask(pod, normalised, namespace),
+                        "GPU request converted to ResourceClaims", unplaceable,
+                        dra=dra_claims.DraPlan(mutated, normalised, namespace))
     if (gpu_pod or unplaceable) and scheduler != settings.scheduler_name:
         # (a pod whose GPU resource is misspelt is ours too: our scheduler reports it pending)
         mutated["spec"]["schedulerName"] = settings.scheduler_name

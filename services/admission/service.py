@@ -7,6 +7,7 @@ import contextlib
 import logging
 import socket
 
+from tessera.cluster.factory import cluster_from_settings
 from tessera.cluster.port import ClusterError
 from tessera.service import ServiceContext
 from tessera.settings import TesseraSettings
@@ -14,6 +15,7 @@ from tessera.signing import process_signer
 
 from .app import AdmissionApp
 from .certificates import CertificateProvisioner, CertProvisionSettings
+from .dra_templates import DraTemplates
 from .event_queue import EventQueue
 from .metrics import AdmissionMetrics
 from .quota_check import QuotaChecker
@@ -68,7 +70,8 @@ async def run_admission(ctx: ServiceContext) -> None:
         signer = process_signer(settings.command_key_file, ctx.clock)
         quota = QuotaChecker(ctx.nc, settings.request_timeout_s, signer)
     app = AdmissionApp(settings, metrics=metrics, quota=quota, events=events,
-                       is_ready=ctx.bus_ready)
+                       is_ready=ctx.bus_ready, dra=DraTemplates(cluster_from_settings(settings),
+                                                                settings))  # fmt: skip
     host, port = parse_listen(settings.listen or DEFAULT_LISTEN)
     tls = tls_files(settings)
     provisioner = await provision_certificate(tls, ctx.stop)

@@ -31,6 +31,7 @@ from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
+from .dra.runner import start_driver
 from .elastic_memory import LeaseCollector, ReclaimReporter, card_memory
 from .leases import LeaseService
 from .mig_dynamic import MigReconciler
@@ -102,6 +103,8 @@ class NodeAgent:
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
         )
         self.metrics.watch_watchdog(lambda: self.watchdog)
+        self.dra = None  # the DRA driver's endpoint in DRA mode (dra/runner.py)
+        self.dra_task: asyncio.Task[None] | None = None
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
@@ -225,7 +228,6 @@ class NodeAgent:
             asyncio.create_task(self.leases.run(stop)),
             asyncio.create_task(registrar.run(stop)),
             asyncio.create_task(self.health.run(stop)),
-            asyncio.create_task(self.endpoint.run(stop)),
             asyncio.create_task(self.sampler.run(stop)),
             asyncio.create_task(self.configurator.run(stop)),
             asyncio.create_task(self.mps.run(
@@ -233,6 +235,11 @@ class NodeAgent:
                 self.settings.mps_reconcile_s,
             )),
         ]
+        # DRA mode: the node is a kubelet DRA plugin instead of a device plugin (dra/).
+        if start_driver(self, stop) is None:
+            tasks.append(asyncio.create_task(self.endpoint.run(stop)))
+        else:
+            tasks.append(self.dra_task)  # type: ignore[arg-type]
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))

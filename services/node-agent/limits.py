@@ -85,6 +85,9 @@ def apply_change(
     allocation = new.allocations[pod_uid]
     if not allocation.active:
         raise LimitsError(f"the pod's allocation is {allocation.state}")
+    if allocation.reason == "dra":  # dra/accounting.py: the allocator's accounting is the claim
+        raise LimitsError("the pod's GPUs come from a DRA ResourceClaim: its slice is the "
+                          "claim's consumed capacity; change the claim, not the limits")
     for grant in allocation.containers[index]:
         if grant.uuid not in uuids:
             continue

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tessera.scheduler.foreign")
 
 HAMI_CAPACITY_UNKNOWN = "HAMiCapacityUnknown"
+NODE_IN_DRA_MODE = "NodeInDRAMode"
+ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
 _HAMI_KEYS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE)
 _TOMBSTONE_S = 600.0
 _LISTING_SLACK_S = 5.0
@@ -87,6 +89,9 @@ class ForeignNode:
     pods: tuple[ForeignPod, ...] = ()
     devices: tuple[DeviceInfo, ...] | None = None
     register_problem: str = ""
+    # The node is in DRA mode (annotation tessera.io/allocation-mode: dra, written by its node
+    # agent): kube-scheduler's DRA allocator places GPU pods there, the extender never does.
+    dra: bool = False
     allocations: tuple[Allocation, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +101,10 @@ class ForeignNode:
     def blocking(self, registration: NodeRegistration | None) -> str:
         """Why Tessera must place nothing on this registered node ('' = it may, counting the
         allocations): a HAMi pod there whose holdings are unknown."""
+        if self.dra:
+            return (f"{NODE_IN_DRA_MODE}: this node's GPUs are allocated through DRA "
+                    "(ResourceClaims, kube-scheduler's allocator); extender pods go to nodes "
+                    "in extender mode")  # fmt: skip
         if registration is None or not self.pods:
             return ""
         known = {d.uuid for d in registration.devices}
@@ -161,6 +170,7 @@ class ForeignCapacity:
         # node -> (HAMi's devices or None, why its annotation was refused)
         self.registers: dict[str, tuple[tuple[DeviceInfo, ...] | None, str]] = {}
         self._texts: dict[str, object] = {}  # node -> the annotation text last decoded
+        self.dra_nodes: set[str] = set()  # nodes whose agent serves DRA (never placed on)
         self._gone: dict[str, float] = {}  # uid -> when it stopped holding (deleted, finished)
         if registry is not None:
             self._gauges(registry)
@@ -305,6 +315,11 @@ class ForeignCapacity:
         text = annotations.get(hami.ANN_NODE_REGISTER) if isinstance(annotations, dict) else None
         if event.type == "DELETED":
             text = None
+        dra = (event.type != "DELETED" and isinstance(annotations, dict)
+               and annotations.get(ANN_ALLOCATION_MODE) == "dra")  # fmt: skip
+        if dra != (name in self.dra_nodes):
+            (self.dra_nodes.add if dra else self.dra_nodes.discard)(name)
+            self._texts.pop(name, None)  # decode again below and publish the change
         if name in self._texts and self._texts[name] == text:
             return  # Node objects change often (status); the annotation seldom: decode it once
         if text is None:
@@ -319,7 +334,8 @@ class ForeignCapacity:
                 value = (None, str(exc)[:300])
                 log.warning("HAMi node registration quarantined",
                             extra={"node": name, "err": value[1]})  # fmt: skip
-        if self.registers.get(name) == value:
+        if self.registers.get(name) == value and (name in self.dra_nodes) == (
+                self.index.foreign.get(name, ForeignNode()).dra):
             return
         if value is None:
             self.registers.pop(name, None)
@@ -357,10 +373,11 @@ class ForeignCapacity:
     def _publish(self, node: str) -> None:
         pods = tuple(self.by_node.get(node, {}).values())
         devices, problem = self.registers.get(node, (None, ""))
-        if not pods and devices is None and not problem:
+        dra = node in self.dra_nodes
+        if not pods and devices is None and not problem and not dra:
             self.index.foreign.pop(node, None)
         else:
-            self.index.foreign[node] = ForeignNode(pods, devices, problem)
+            self.index.foreign[node] = ForeignNode(pods, devices, problem, dra)
         self.index.refresh(node, self.clock())
 
     def _expire_tombstones(self) -> None:

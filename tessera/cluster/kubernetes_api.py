@@ -46,6 +46,7 @@ from tessera.cluster.port import (
     WatchEvent,
     WebhookKind,
 )
+from tessera.cluster.resources_port import KubernetesResources
 from tessera.cluster.slim_pods import Listed, Need, SlimReader, decode_pod_page
 
 log = logging.getLogger(__name__)
@@ -192,8 +193,8 @@ def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield pending
 
 
-class KubernetesCluster:
-    """`ClusterPort` on a real API server."""
+class KubernetesCluster(KubernetesResources):
+    """`ClusterPort` (and `ResourcePort`: resources_port.py) on a real API server."""
 
     def __init__(
         self,

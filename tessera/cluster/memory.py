@@ -21,10 +21,11 @@ from tessera.cluster.port import (
     ObjectRef,
     WatchEvent,
 )
+from tessera.cluster.resources_port import InMemoryResources
 from tessera.cluster.slim_pods import Listed, Need, SlimReader, slim
 
 
-class InMemoryCluster:
+class InMemoryCluster(InMemoryResources):
     """`implicit_nodes`: every node name exists (unlabelled, untainted) unless `add_node` gave
     it an object; otherwise only added nodes exist, as on a real API server."""
 

@@ -219,3 +219,38 @@ def test_quota_charge_is_the_one_of_the_patched_pod():
 
     check()
 
+
+
+def test_fuzzed_pods_in_dra_mode_get_an_answer_and_converted_pods_are_stable():
+    """DRA mode (dra_claims.py): every fuzzed pod gets an answer, a converted pod keeps no
+    HAMi resource, and the webhook's own output needs nothing more."""
+    from tessera.admission.dra_templates import DraTemplates
+
+    from tessera.cluster.memory import InMemoryCluster
+
+    settings = TesseraSettings(quota_enabled=False, allocation_mode="dra")
+    app = AdmissionApp(settings, metrics=AdmissionMetrics(),
+                       dra=DraTemplates(InMemoryCluster(), settings, cache_s=0))  # fmt: skip
+
+    @FUZZ
+    @given(pods)
+    def check(obj: dict[str, Any]) -> None:
+        status, body = run(app, json.dumps(review(obj)).encode())
+        assert status == 200, body
+        response = json.loads(body)["response"]
+        if not response["allowed"]:
+            assert response["status"]["message"]
+            assert response["status"]["code"] in (400, 403)
+            return
+        if "patch" not in response:
+            return
+        new = jsonpatch.apply_patch(obj, json.loads(base64.b64decode(response["patch"])))
+        for c in [*(new["spec"].get("initContainers") or []), *new["spec"]["containers"]]:
+            for part in ("limits", "requests"):
+                held = ((c.get("resources") or {}).get(part)) or {}
+                assert not any(k.startswith("nvidia.com/") for k in held), c
+        _, again = run(app, json.dumps(review(new)).encode())
+        second = json.loads(again)["response"]
+        assert second["allowed"] is True and "patch" not in second, second
+
+    check()

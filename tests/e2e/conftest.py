@@ -171,7 +171,7 @@ class RunningStack:
         self.kube = Kube(stack.api_url)
 
     def wait_nodes_registered(self, timeout_s: float = 40.0) -> None:
-        wanted = {n.name for n in self.nodes if n.gpus}
+        wanted = {n.name for n in self.nodes if n.gpus and not n.dra}  # DRA: no device plugin
 
         def registered() -> bool:
             names = {

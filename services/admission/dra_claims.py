@@ -1,0 +1,235 @@
+"""A HAMi pod as DRA claims: the webhook's conversion in DRA mode (pure).
+
+In DRA mode (`TESSERA_ALLOCATION_MODE=dra`, or a pod annotated `tessera.io/allocation-mode:
+dra`; `extender` on a pod keeps it in extender mode), every container that asks for GPUs with
+HAMi's resources (`nvidia.com/gpu`, `gpumem`, `gpumem-percentage`, `gpucores`, after HAMi's
+normalisation) gets instead a claim made from a ResourceClaimTemplate, and kube-scheduler's
+structured allocator places the pod. The template says, per container:
+
+- one request `gpu` of Tessera's DeviceClass, `count` = the GPU count, with
+  `capacity.requests {memory: <MiB>Mi, cores: <percent>}` (consumable capacity, KEP-5075);
+  a memory percentage becomes a `firstAvailable` list with one sub-request per card size the
+  cluster publishes (that size's selector, that share of it): the allocator tries them in order;
+  100 % (or no memory at all) asks no memory and takes the request policy's default, the card;
+- CEL selectors for HAMi's annotations: `nvidia.com/use-gputype` / `nouse-gputype` (a
+  case-insensitive substring of the device type), `use-gpuuuid` / `nouse-gpuuuid` (exact UUIDs),
+  `nvidia.com/vgpu-mode` (the card's mode must be contained in it);
+- constraints: several GPUs are distinct cards (`distinctAttribute` uuid), and
+  `nvidia.com/numa-bind: "true"` keeps them on one NUMA node (`matchAttribute` numa).
+
+Why the webhook and not only `DeviceClass.spec.extendedResourceName` (KEP-5004): the mapping
+gives a pod asking `nvidia.com/gpu: N` a claim for N whole devices of the class, with each
+capacity's default: it cannot carry `gpumem`/`gpucores` (other extended resources, not device
+counts) nor HAMi's annotations. So the DeviceClass maps `nvidia.com/gpu` for pods the webhook
+never sees (whole cards, the request policy's defaults), and the webhook converts everything
+that carries a slice. Templates are named by a hash of their spec, so identical asks share one
+template per namespace and creating one is idempotent.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera import hami
+from tessera.hami import ContainerRequest, PodRequest
+from tessera.settings import TesseraSettings
+
+DRIVER = "gpu.tessera.io"
+DEVICE_CLASS = "gpu.tessera.io"
+ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
+CLAIM_PREFIX = "tessera-gpu"
+REQUEST = "gpu"
+_ATTR = f'device.attributes["{DRIVER}"]'
+_CAP = f'device.capacity["{DRIVER}"]'
+SECTIONS = ("initContainers", "containers")
+
+
+class ConversionError(ValueError):
+    """The pod cannot be converted; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DraPlan:
+    """What `decide` hands the I/O layer: the pod as HAMi's rules left it, and its requests."""
+
+    mutated: dict[str, Any]
+    request: PodRequest
+    namespace: str
+
+
+@dataclass
+class Conversion:
+    pod: dict[str, Any]
+    templates: list[dict[str, Any]] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)
+
+
+def wanted(pod: dict[str, Any], settings: TesseraSettings) -> bool:
+    """Whether this pod is converted to claims (the setting, or the pod's annotation)."""
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    asked = annotations.get(ANN_ALLOCATION_MODE) if isinstance(annotations, dict) else None
+    if asked in ("dra", "extender"):
+        return asked == "dra"
+    return getattr(settings, "allocation_mode", "extender") == "dra"
+
+
+def _strings(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _type_has(part: str) -> str:
+    """HAMi's type match, a case-insensitive substring, as a CEL regular expression (RE2)."""
+    return f"{_ATTR}.type.matches({json.dumps('(?i)' + re.escape(part))})"
+
+
+def _cel_list(values: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def selectors(annotations: dict[str, Any]) -> list[str]:
+    """CEL expressions for HAMi's selection annotations."""
+
+    def text(key: str) -> str:
+        value = annotations.get(key)
+        return value if isinstance(value, str) else ""
+
+    out: list[str] = []
+    use_types = _strings(text(hami.ANN_USE_GPUTYPE))
+    if use_types:
+        out.append(" || ".join(_type_has(t) for t in use_types))
+    for t in _strings(text(hami.ANN_NOUSE_GPUTYPE)):
+        out.append(f"!{_type_has(t)}")
+    use_uuids = _strings(text(hami.ANN_USE_GPUUUID))
+    if use_uuids:
+        out.append(f"{_ATTR}.uuid in {_cel_list(use_uuids)}")
+    nouse = _strings(text(hami.ANN_NOUSE_GPUUUID))
+    if nouse:
+        out.append(f"!({_ATTR}.uuid in {_cel_list(nouse)})")
+    mode = text(hami.ANN_VGPU_MODE).strip().lower()
+    if mode:
+        out.append(f"{json.dumps(mode)}.contains({_ATTR}.mode)")
+    return out
+
+
+def _exact(count: int, cel: list[str], memory_mib: int | None, cores: int) -> dict[str, Any]:
+    requests: dict[str, str] = {"cores": str(cores)}
+    if memory_mib is not None:
+        requests["memory"] = f"{memory_mib}Mi"
+    exact: dict[str, Any] = {
+        "deviceClassName": DEVICE_CLASS, "allocationMode": "ExactCount", "count": count,
+        "capacity": {"requests": requests},
+    }  # fmt: skip
+    if cel:
+        exact["selectors"] = [{"cel": {"expression": e}} for e in cel]
+    return exact
+
+
+def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
+               card_memories: list[int]) -> dict[str, Any]:  # fmt: skip
+    """The ResourceClaim spec one container's HAMi request becomes."""
+    cel = selectors(annotations)
+    pct = ask.memory_percentage
+    request: dict[str, Any] = {"name": REQUEST}
+    if pct is not None and pct < 100:
+        if not card_memories:
+            raise ConversionError(
+                f"a GPU memory percentage needs the card sizes, and no {DRIVER} ResourceSlice "
+                "is published yet: ask nvidia.com/gpumem (MiB) instead, or retry once a DRA "
+                "node is up")  # fmt: skip
+        request["firstAvailable"] = [
+            {"name": f"mem{size}", **_exact(
+                ask.count, [*cel, f'{_CAP}.memory.compareTo(quantity("{size}Mi")) == 0'],
+                size * pct // 100, ask.cores)}
+            for size in sorted(set(card_memories), reverse=True)
+        ]  # fmt: skip
+    else:
+        memory = ask.memory_mib if (pct is None and ask.memory_mib > 0) else None
+        request["exactly"] = _exact(ask.count, cel, memory, ask.cores)
+    constraints: list[dict[str, Any]] = []
+    if ask.count > 1:
+        constraints.append({"requests": [REQUEST], "distinctAttribute": f"{DRIVER}/uuid"})
+        if str(annotations.get(hami.ANN_NUMA_BIND, "")).lower() == "true":
+            constraints.append({"requests": [REQUEST], "matchAttribute": f"{DRIVER}/numa"})
+    spec: dict[str, Any] = {"devices": {"requests": [request]}}
+    if constraints:
+        spec["devices"]["constraints"] = constraints
+    return spec
+
+
+def template_for(spec: dict[str, Any]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": f"{CLAIM_PREFIX}-{digest}",
+                     "labels": {"app.kubernetes.io/managed-by": "tessera-admission"}},
+        "spec": {"spec": spec},
+    }  # fmt: skip
+
+
+def _strip_gpu_resources(container: dict[str, Any], settings: TesseraSettings) -> None:
+    names = {
+        settings.resource_name,
+        settings.resource_mem,
+        settings.resource_mem_percentage,
+        settings.resource_cores,
+        settings.resource_priority,
+        "nvidia.com/cores",
+    }
+    resources = container.get("resources") or {}
+    for part in ("limits", "requests"):
+        values = resources.get(part)
+        if isinstance(values, dict):
+            for name in names & set(values):
+                del values[name]
+            if not values:
+                del resources[part]
+
+
+def convert(plan: DraPlan, settings: TesseraSettings, card_memories: list[int]) -> Conversion:
+    """The pod with claims instead of HAMi's resources, and the templates it names."""
+    pod = copy.deepcopy(plan.mutated)
+    spec = pod["spec"]
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        annotations = {}  # (HAMi's rules judged them already; a non-object holds no knob)
+    out = Conversion(pod)
+    asks = plan.request.all
+    claims = [c for c in spec.get("resourceClaims") or [] if isinstance(c, dict)]
+    taken = {c.get("name") for c in claims}
+    position = 0
+    by_name: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        for container in spec.get(section) or []:
+            ask = asks[position]
+            position += 1
+            if ask is None:
+                continue
+            template = template_for(claim_spec(ask, annotations, card_memories))
+            name = template["metadata"]["name"]
+            by_name.setdefault(name, template)
+            local = f"{CLAIM_PREFIX}-{position - 1}"
+            while local in taken:
+                local += "x"
+            taken.add(local)
+            claims.append({"name": local, "resourceClaimTemplateName": name})
+            _strip_gpu_resources(container, settings)
+            resources = container.setdefault("resources", {})
+            resources.setdefault("claims", []).append({"name": local})
+            label = container.get("name") or f"{section}[{position - 1}]"
+            out.changes.append(f"{label}: GPU request converted to claim {local} "
+                               f"(ResourceClaimTemplate {name})")  # fmt: skip
+    spec["resourceClaims"] = claims
+    if spec.get("schedulerName") == settings.scheduler_name:
+        # kube-scheduler's DRA allocator places claims; the extender has nothing to decide
+        del spec["schedulerName"]
+        out.changes.append("schedulerName removed (DRA: kube-scheduler's allocator places it)")
+    out.templates = list(by_name.values())
+    return out

@@ -1,0 +1,351 @@
+"""Preparing and unpreparing claims: the driver's side of kubelet's NodePrepareResources.
+
+Prepare (per claim, idempotent: kubelet retries):
+1. read the claim from the API server (its uid must be the one kubelet named) and the pod it is
+   reserved for on this node; `claims.plan` reads which devices and how much of each;
+2. make the claim's directory (`containers.ContainerStore`, as Allocate does) and seal the
+   consumed capacity there as the container's limits (`tessera.region.seal_limits`, as
+   PreStartContainer does): the slice is sealed before kubelet even creates the container, and
+   only the containers naming this claim receive it (CDI), so identity is exact by construction;
+3. write the CDI spec (`cdi.py`) whose device mounts libvgpu, `/etc/ld.so.preload`, the region
+   and the limits directory exactly as Allocate's answer;
+4. record the preparation (`<region dir>/.dra/<claim uid>.json`), put the pod's allocation in
+   the ledger (CAS) and publish `alloc.<node>.allocated`.
+Unprepare: the CDI spec, the directory (limits, region) and the record go; the pod's
+allocation shrinks while it keeps other claims (an ended pod's release is the scheduler's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from tessera import bus
+from tessera.cluster.port import ClusterError, NotFoundError
+from tessera.models import AllocationEvent, NodeLedger
+from tessera.region import seal_limits
+from tessera.settings import TesseraSettings
+
+from .. import handshake as hs
+from ..containers import ContainerStore, PreparedContainer
+from ..state import DeviceState
+from . import accounting, cdi
+from .claims import (
+    ClaimError,
+    PreparedClaim,
+    container_names,
+    plan,
+    reserved_pods,
+    task_priority,
+)
+from .quota import DraQuota, QuotaRefused
+from .settings import DraSettings
+
+RECORDS_DIR = ".dra"  # under the region dir: a dot-directory is never a pod's (ContainerStore)
+
+
+class PrepareError(Exception):
+    """Preparing or unpreparing failed; the message goes back to kubelet."""
+
+
+class ClaimRecords:
+    """What the driver prepared, one JSON file per claim (survives a restart)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root / RECORDS_DIR
+
+    def _path(self, claim_uid: str) -> Path:
+        if not claim_uid or "/" in claim_uid or claim_uid.startswith("."):
+            raise PrepareError(f"claim uid {claim_uid!r} cannot name a record")
+        return self.root / f"{claim_uid}.json"
+
+    def get(self, claim_uid: str) -> PreparedClaim | None:
+        try:
+            return PreparedClaim.model_validate_json(self._path(claim_uid).read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def put(self, record: PreparedClaim) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self._path(record.claim_uid)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(record.model_dump_json())
+        tmp.replace(path)
+
+    def drop(self, claim_uid: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(claim_uid).unlink()
+
+    def all(self) -> list[PreparedClaim]:
+        out = []
+        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+            try:
+                out.append(PreparedClaim.model_validate_json(path.read_bytes()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def of_pod(self, pod_uid: str) -> list[PreparedClaim]:
+        return [r for r in self.all() if r.pod_uid == pod_uid]
+
+
+class DraDriver:
+    """Prepares claims for kubelet. Build with its dependencies; the gRPC layer
+    (`endpoint.py`) calls `prepare` / `unprepare`."""
+
+    def __init__(
+        self,
+        *,
+        settings: TesseraSettings,
+        dra: DraSettings,
+        node: str,
+        state: DeviceState,
+        store: ContainerStore,
+        ledger_kv,
+        js,
+        cluster,
+        log: logging.Logger,
+        node_settings: Callable[[], TesseraSettings] | None = None,
+        source: str = "",
+        quota: DraQuota | None = None,
+    ) -> None:
+        self.settings = settings
+        self.dra = dra
+        self.node = node
+        self.state = state
+        self.store = store
+        self.ledger_kv = ledger_kv
+        self.js = js
+        self.cluster = cluster
+        self.log = log
+        self.node_settings = node_settings or (lambda: settings)
+        self.source = source or f"node-agent/{node}/dra"
+        self.records = ClaimRecords(Path(settings.region_host_dir))
+        self.quota = quota
+        self._lock = asyncio.Lock()  # one claim at a time: the ledger body reads the records
+        self._publishing: set[asyncio.Task[None]] = set()
+
+    # --- prepare ---------------------------------------------------------------------------
+
+    async def prepare(self, namespace: str, name: str, uid: str) -> list[tuple[PreparedClaim, str]]:
+        """The claim's devices and their CDI device ID; PrepareError with kubelet's message."""
+        async with self._lock:
+            done = self.records.get(uid)
+            if done is not None and cdi.read_spec(self.dra.cdi_dir, uid) is not None:
+                await self._record_in_ledger(done.pod_uid)
+                return [(done, done.cdi_device)]
+            claim = await self._claim(namespace, name, uid)
+            pod = await self._pod_of(claim)
+            try:
+                record = plan(claim, pod, self.node, self.state.devices())
+            except ClaimError as exc:
+                raise PrepareError(str(exc)) from exc
+            self._check_one_claim_per_container(record)
+            await self._hold_quota(record, [*self.records.of_pod(record.pod_uid), record], pod)
+            record = await asyncio.to_thread(self._materialise, record, pod)
+            self.records.put(record)
+            await self._record_in_ledger(record.pod_uid, pod)
+            await self._publish("allocated", record, pod)
+            self.log.info("claim prepared", extra={
+                "claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}",
+                "devices": [d.grant.model_dump() for d in record.devices],
+            })  # fmt: skip
+            return [(record, record.cdi_device)]
+
+    async def _claim(self, namespace: str, name: str, uid: str) -> dict:
+        try:
+            claim = await self.cluster.get_resource_claim(namespace, name)
+        except NotFoundError as exc:
+            raise PrepareError(f"ResourceClaim {namespace}/{name} not found") from exc
+        except ClusterError as exc:
+            raise PrepareError(f"ResourceClaim {namespace}/{name}: {exc}") from exc
+        if (claim.get("metadata") or {}).get("uid") != uid:
+            raise PrepareError(f"ResourceClaim {namespace}/{name} has another uid than {uid} "
+                               "(deleted and made again): not prepared")  # fmt: skip
+        return claim
+
+    async def _pod_of(self, claim: dict) -> dict:
+        """The first pod the claim is reserved for that is bound to this node."""
+        namespace = (claim.get("metadata") or {}).get("namespace", "")
+        reserved = reserved_pods(claim)
+        for pod_name, pod_uid in reserved:
+            try:
+                pod = await self.cluster.get_pod(namespace, pod_name)
+            except ClusterError:
+                continue
+            meta = pod.get("metadata") or {}
+            if meta.get("uid") == pod_uid and (pod.get("spec") or {}).get("nodeName") == self.node:
+                return pod
+        who = ", ".join(n for n, _ in reserved) or "no pod"
+        raise PrepareError(
+            f"ResourceClaim {namespace}/{(claim.get('metadata') or {}).get('name')}"
+            f" is reserved for {who}, none of them a pod on {self.node}"
+        )
+
+    def _check_one_claim_per_container(self, record: PreparedClaim) -> None:
+        for other in self.records.of_pod(record.pod_uid):
+            shared = set(other.containers) & set(record.containers)
+            if other.claim_uid != record.claim_uid and shared:
+                raise PrepareError(
+                    f"container {record.container or record.container_index} of "
+                    f"{record.namespace}/{record.pod} already holds claim {other.name} of "
+                    f"{self.dra_name()}: one Tessera claim per container (ask for several "
+                    "GPUs with count in one claim)"
+                )
+
+    @staticmethod
+    def dra_name() -> str:
+        from .names import DRIVER_NAME
+
+        return DRIVER_NAME
+
+    def _materialise(self, record: PreparedClaim, pod: dict) -> PreparedClaim:
+        """Directory, sealed limits and CDI spec (a worker thread: file I/O)."""
+        node_settings = self.node_settings()
+        allocation = accounting.pod_allocation(
+            self.node,
+            [record],
+            container_names=container_names(pod),
+            init_count=len((pod.get("spec") or {}).get("initContainers") or []),
+            core_policy=node_settings.core_policy,
+            priority=task_priority(pod, record.container_index),
+        )
+        assert allocation is not None
+        grants = [d.grant for d in record.devices]
+        device_name = f"claim-{record.claim_uid}"
+        cdi_id = cdi.device_id(device_name)
+        cdir = self.store.prepare(PreparedContainer(
+            pod_uid=record.pod_uid, namespace=record.namespace, pod=record.pod,
+            container=record.container, index=record.container_index, device_ids=[cdi_id],
+            grants=grants,
+        ))  # fmt: skip
+        limits = hs.limits_for(allocation, record.container_index, node_settings)
+        seal_limits(cdir.limits_dir, limits)
+        env = hs.container_env(allocation, grants, node_settings)
+        preload = self.settings.preload_host_path or str(self.store.preload_file)
+        mounts = hs.container_mounts(cdir, self.settings, preload)
+        cdi.write_spec(self.dra.cdi_dir, record.claim_uid, cdi.build_spec(device_name, env, mounts))
+        return record.model_copy(update={"cdi_device": cdi_id})
+
+    # --- unprepare -------------------------------------------------------------------------
+
+    async def unprepare(self, namespace: str, name: str, uid: str) -> None:
+        async with self._lock:
+            record = self.records.get(uid)
+            cdi.remove_spec(self.dra.cdi_dir, uid)
+            if record is None:
+                return  # never prepared here, or already unprepared: nothing to free
+            await asyncio.to_thread(self._scrub, record)
+            self.records.drop(uid)
+            if self.records.of_pod(record.pod_uid):
+                # the pod keeps other claims: its allocation and charge shrink to them
+                await self._record_in_ledger(record.pod_uid)
+                try:
+                    await self._hold_quota(record, self.records.of_pod(record.pod_uid), None)
+                except PrepareError as exc:
+                    self.log.warning("quota charge not reduced", extra={"err": str(exc)})
+            # Its last claim: the pod has ended (kubelet unprepares a pod's claims once it is
+            # gone). The scheduler's release of an ended pod takes the allocation out of the
+            # ledger, frees its quota charge and publishes alloc.<node>.released, as for every
+            # pod: that event is the scheduler's to publish (the quota service frees charges on
+            # it), never a node's.
+            self.log.info(
+                "claim unprepared",
+                extra={"claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}"},
+            )
+
+    def _scrub(self, record: PreparedClaim) -> None:
+        """The claim's directory goes (sealed limits, region, lease socket)."""
+        for cdir in self.store.for_pod(record.pod_uid):
+            if cdir.prepared.device_ids == [record.cdi_device]:
+                self.store.remove_container(cdir)
+
+    async def _hold_quota(self, record: PreparedClaim, held: list[PreparedClaim],
+                          pod: dict | None) -> None:  # fmt: skip
+        if self.quota is None:
+            return
+        allocation = accounting.pod_allocation(
+            self.node, held, container_names=container_names(pod) if pod else [],
+            init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
+        ) if held else None  # fmt: skip
+        try:
+            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation)
+        except QuotaRefused as exc:
+            raise PrepareError(str(exc)) from exc
+
+    # --- the ledger and the event stream -----------------------------------------------------
+
+    async def _record_in_ledger(self, pod_uid: str, pod: dict | None = None) -> None:
+        held = self.records.of_pod(pod_uid)
+        if not held:
+            body = accounting.drop_mutation(pod_uid)
+        else:
+            names = container_names(pod) if pod else []
+            init = len(((pod or {}).get("spec") or {}).get("initContainers") or [])
+            existing = await bus.read(self.ledger_kv, self.node, NodeLedger)
+            before = existing.value.allocations.get(pod_uid) if existing else None
+            first = min(r.container_index for r in held)
+            priority = task_priority(pod, first) if pod else 1
+            if pod is None and before is not None:
+                names, init, priority = before.container_names, before.init_count, before.priority
+            allocation = accounting.pod_allocation(
+                self.node,
+                held,
+                container_names=names,
+                init_count=init,
+                priority=priority,
+                core_policy=self.node_settings().core_policy,
+                quota_held=self.quota is not None and self.quota.enabled,
+            )
+            assert allocation is not None
+            body = accounting.put_mutation(self.node, allocation)
+        try:
+            await bus.cas_update(self.ledger_kv, self.node, NodeLedger, body)
+        except bus.NoChange:
+            return
+        except ValueError as exc:
+            raise PrepareError(str(exc)) from exc
+        except Exception as exc:
+            raise PrepareError(f"the ledger could not be written ({exc}); kubelet retries") from exc
+
+    async def _publish(self, action: str, record: PreparedClaim, pod: dict | None) -> None:
+        """In the background: kubelet's answer never waits on the event stream (its publish
+        retries while JetStream is away; the ledger already says what happened)."""
+        task = asyncio.create_task(self._publish_now(action, record))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+
+    async def _publish_now(self, action: str, record: PreparedClaim) -> None:
+        event = AllocationEvent(
+            event_id=f"{record.pod_uid}:dra:{record.claim_uid}:{action}",
+            action=action,  # type: ignore[arg-type]
+            node=self.node, pod_uid=record.pod_uid, namespace=record.namespace, name=record.pod,
+            containers=[[d.grant for d in record.devices]], source=self.source,
+            reason=f"ResourceClaim {record.namespace}/{record.name} "
+            f"{'prepared' if action == 'allocated' else 'unprepared'} by {self.dra_name()}",
+        )  # fmt: skip
+        try:
+            await bus.publish_event(self.js, event)
+        except Exception as exc:
+            self.log.warning("DRA event not published", extra={"err": str(exc)})
+
+    async def reconcile(self) -> None:
+        """After a restart, or a ledger lost or rebuilt without them: every prepared claim's
+        pod, while it runs, in the ledger (a pod that ended is the scheduler's to release)."""
+        pods = {r.pod_uid: r for r in self.records.all()}
+        for pod_uid, record in sorted(pods.items()):
+            try:
+                pod = await self.cluster.get_pod(record.namespace, record.pod)
+            except ClusterError:
+                continue  # gone (kubelet unprepares it) or unreadable now: next round
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            if meta.get("uid") != pod_uid or status.get("phase") in ("Succeeded", "Failed"):
+                continue
+            async with self._lock:
+                try:
+                    await self._record_in_ledger(pod_uid, pod)
+                except PrepareError as exc:
+                    self.log.warning("DRA allocation not restored", extra={"err": str(exc)})

@@ -1,0 +1,57 @@
+"""DRA mode in the charts (docs/dra.md): the node agent a kubelet DRA plugin with kubelet's
+plugin directories and the CDI directory mounted and read/write access to its ResourceSlices;
+the webhook converting HAMi pods with the right to create ResourceClaimTemplates. Rendered,
+linted and validated as every chart is; nothing of it when DRA is off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.charts.test_charts import (  # noqa: F401 - charts_dir is the fixture
+    KUBE_VERSIONS,
+    charts_dir,
+    container,
+    env_of,
+    find,
+    lint_problems,
+    render,
+    validate_all,
+)
+
+
+def test_the_node_agent_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F811
+    values = {"dra": {"enabled": True, "cdiDir": "/etc/cdi"}}
+    manifests = render(charts_dir, "tessera-node-agent", values)
+    daemonset = find(manifests, "DaemonSet")
+    agent = container(daemonset, "node-agent")
+    env = env_of(agent)
+    assert (env["TESSERA_DRA"], env["TESSERA_DRA_KUBELET_DIR"], env["TESSERA_DRA_CDI_DIR"]) == (
+        "true", "/var/lib/kubelet", "/etc/cdi")  # fmt: skip
+    mounts = {m["mountPath"] for m in agent["volumeMounts"]}
+    assert {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins/gpu.tessera.io",
+            "/etc/cdi"} <= mounts  # fmt: skip
+    rules = find(manifests, "ClusterRole")["rules"]
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"],
+            "verbs": ["get"]} in rules  # fmt: skip
+    for kube_version in KUBE_VERSIONS:
+        assert lint_problems(charts_dir / "tessera-node-agent", values, kube_version) == []
+        validate_all(manifests, kube_version)
+    off = render(charts_dir, "tessera-node-agent")
+    assert "TESSERA_DRA" not in env_of(container(find(off, "DaemonSet"), "node-agent"))
+
+
+def test_the_admission_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F811
+    values = {"dra": {"enabled": True}}
+    manifests = render(charts_dir, "tessera-admission", values)
+    deployment = find(manifests, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    webhook = container(deployment, "admission")
+    assert env_of(webhook)["TESSERA_ALLOCATION_MODE"] == "dra"
+    role = find(manifests, "ClusterRole", "tessera-admission-dra")
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
+            "verbs": ["get", "create"]} in role["rules"]  # fmt: skip
+    for kube_version in KUBE_VERSIONS:
+        assert lint_problems(charts_dir / "tessera-admission", values, kube_version) == []
+        validate_all(manifests, kube_version)
+    off = render(charts_dir, "tessera-admission")
+    assert not [m for m in off if m["metadata"]["name"] == "tessera-admission-dra"]

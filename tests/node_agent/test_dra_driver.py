@@ -1,0 +1,425 @@
+"""Tessera's DRA driver over real unix-socket gRPC, as kubelet calls it, with real NATS.
+
+The test plays kubelet: it finds the registration socket, asks GetInfo, and calls
+NodePrepareResources / NodeUnprepareResources on the endpoint it was given. The claims are
+what kube-scheduler's allocator writes (status.allocation with consumedCapacity) and live in
+the in-memory cluster behind the cluster port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from tessera.node_agent.containers import ContainerStore
+from tessera.node_agent.dra import cdi, names
+from tessera.node_agent.dra.driver import DraDriver
+from tessera.node_agent.dra.endpoint import DraEndpoint
+from tessera.node_agent.dra.quota import DraQuota
+from tessera.node_agent.dra.settings import DraSettings
+from tessera.node_agent.state import DeviceState
+from tessera.quota import QuotaService
+
+from tessera import bus
+from tessera.cluster.memory import InMemoryCluster
+from tessera.codec import decode, encode
+from tessera.kubeapi import (
+    dra,
+    dra_grpc,
+    drahealth,
+    drahealth_grpc,
+    drahealth_v1,
+    drahealth_v1_grpc,
+    reg,
+    reg_grpc,
+)
+from tessera.models import (
+    DeviceInfo,
+    NodeLedger,
+    QuotaAmount,
+    QuotaReply,
+    QuotaRequest,
+    QuotaSetRequest,
+    QuotaStatusRequest,
+)
+from tessera.region import read_limits
+from tessera.settings import TesseraSettings
+
+GPU_TYPE = "NVIDIA-A100-SXM4-80GB"
+
+
+def devices(split: int = 4) -> list[DeviceInfo]:
+    return [
+        DeviceInfo(
+            uuid=f"GPU-{i:04d}-{uuid.uuid4().hex[:8]}",
+            index=i,
+            type=GPU_TYPE,
+            memory_mib=16000,
+            split_count=split,
+            numa=i,
+        )
+        for i in range(2)
+    ]
+
+
+def pod_and_claim(
+    node: str, device: str, memory: str, cores: str, *, two: bool = False, namespace: str = "team"
+):
+    pod_uid = str(uuid.uuid4())
+    claim_uid = str(uuid.uuid4())
+    name = f"p-{pod_uid[:6]}"
+    claim_name = f"{name}-gpu-abcde"
+    pod = {
+        "metadata": {"name": name, "namespace": namespace, "uid": pod_uid},
+        "spec": {
+            "nodeName": node,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "slice"}],
+            "containers": [
+                {
+                    "name": "main",
+                    "resources": {"claims": [{"name": "gpu"}]},
+                    # what the webhook makes of nvidia.com/priority: 0 (high)
+                    "env": [{"name": "CUDA_TASK_PRIORITY", "value": "0"}],
+                },
+                {"name": "side", "resources": {}},
+            ],
+        },
+        "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": claim_name}]},
+    }
+    results = [{
+        "request": "gpu", "driver": names.DRIVER_NAME, "pool": node, "device": device,
+        "consumedCapacity": {"memory": memory, "cores": cores, "slots": "1"},
+        "shareID": uuid.uuid4().hex[:8],
+    }]  # fmt: skip
+    if two:
+        results.append({"request": "gpu", "driver": "other.example.com", "pool": node,
+                         "device": "x"})  # fmt: skip
+    claim = {
+        "metadata": {"name": claim_name, "namespace": namespace, "uid": claim_uid},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": names.DEVICE_CLASS}}]
+            }
+        },
+        "status": {
+            "allocation": {"devices": {"results": results}},
+            "reservedFor": [{"resource": "pods", "name": name, "uid": pod_uid}],
+        },
+    }
+    return pod, claim
+
+
+class Harness:
+    def __init__(
+        self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster, quota: bool = False
+    ) -> None:
+        self.base = base
+        self.node = node
+        self.cluster = cluster
+        self.buckets = buckets
+        self.settings = TesseraSettings(region_host_dir=str(base / "regions"),
+                                        libvgpu_host_path="/opt/vgpu/libvgpu.so")  # fmt: skip
+        self.dra = DraSettings(kubelet_dir=str(base / "kl"), cdi_dir=str(base / "cdi"),
+                               driver_version="560.35.03")  # fmt: skip
+        self.state = DeviceState(devices())
+        self.store = ContainerStore(self.settings.region_host_dir)
+        self.store.ensure_root()
+        self.driver = DraDriver(
+            settings=self.settings,
+            dra=self.dra,
+            node=node,
+            state=self.state,
+            store=self.store,
+            ledger_kv=buckets.ledger,
+            js=nc.jetstream(),
+            cluster=cluster,
+            log=logging.getLogger("test.dra"),
+            quota=DraQuota(nc, TesseraSettings()) if quota else None,
+        )
+        self.endpoint = DraEndpoint(self.driver, poll_s=0.05)
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Harness:
+        self.task = asyncio.create_task(self.endpoint.run(self.stop))
+        await wait_for(lambda: self.endpoint.registry_socket.exists()
+                       and self.endpoint.publisher.publishes > 0)  # fmt: skip
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop.set()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 10)
+
+    async def kubelet_prepare(self, claim: dict) -> dra.NodePrepareResourcesResponse:
+        info = await self.info()
+        meta = claim["metadata"]
+        async with grpc.aio.insecure_channel(f"unix://{info.endpoint}") as channel:
+            return await dra_grpc.DRAPluginStub(channel).NodePrepareResources(
+                dra.NodePrepareResourcesRequest(claims=[dra.Claim(
+                    namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])]),
+                timeout=10)  # fmt: skip
+
+    async def kubelet_unprepare(self, claim: dict) -> dra.NodeUnprepareResourcesResponse:
+        info = await self.info()
+        meta = claim["metadata"]
+        async with grpc.aio.insecure_channel(f"unix://{info.endpoint}") as channel:
+            return await dra_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+                dra.NodeUnprepareResourcesRequest(claims=[dra.Claim(
+                    namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])]),
+                timeout=10)  # fmt: skip
+
+    async def info(self) -> reg.PluginInfo:
+        async with grpc.aio.insecure_channel(f"unix://{self.endpoint.registry_socket}") as ch:
+            return await reg_grpc.RegistrationStub(ch).GetInfo(reg.InfoRequest(), timeout=5)
+
+    async def ledger(self) -> NodeLedger | None:
+        current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
+        return current.value if current else None
+
+
+async def wait_for(condition, timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def node() -> str:
+    return f"dra-{uuid.uuid4().hex[:8]}"
+
+
+async def test_registers_as_a_dra_plugin_and_publishes_capacities(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    cluster.add_node({"metadata": {"name": node, "uid": "node-uid-1"}})
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        info = await h.info()
+        assert info.type == "DRAPlugin" and info.name == "gpu.tessera.io"
+        assert list(info.supported_versions) == ["v1.DRAPlugin"]
+        assert Path(info.endpoint).is_socket()
+        [published] = await cluster.list_resource_slices(driver=names.DRIVER_NAME, node=node)
+        spec = published["spec"]
+        [owner] = published["metadata"]["ownerReferences"]  # a deleted Node takes it along
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("Node", node, "node-uid-1")
+        assert spec["pool"] == {"name": node, "generation": 1, "resourceSliceCount": 1}
+        gpu0 = spec["devices"][0]
+        assert gpu0["name"] == "gpu-0" and gpu0["allowMultipleAllocations"] is True
+        assert gpu0["attributes"]["uuid"] == {"string": h.state.devices()[0].uuid}
+        assert gpu0["attributes"]["model"] == {"string": "A100-SXM4-80GB"}
+        assert gpu0["attributes"]["driverVersion"] == {"version": "560.35.3"}
+        assert gpu0["capacity"]["memory"]["value"] == "16000Mi"
+        assert gpu0["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == "1Mi"
+        assert gpu0["capacity"]["cores"]["requestPolicy"]["validRange"]["max"] == "100"
+        assert gpu0["capacity"]["slots"] == {
+            "value": "4",
+            "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}},
+        }
+
+
+async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
+        short_dir, nc, buckets, node):  # fmt: skip
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        pod, claim = pod_and_claim(node, "gpu-1", "4Gi", "30", two=True)
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert answer.error == ""
+        [device] = answer.devices  # the other driver's device is not ours to prepare
+        assert (device.pool_name, device.device_name) == (node, "gpu-1")
+        cdi_id = f"tessera.io/gpu=claim-{claim['metadata']['uid']}"
+        assert list(device.cdi_device_ids) == [cdi_id]
+
+        # the CDI spec mounts what Allocate mounts, the limits sealed in the mounted dir
+        spec = json.loads(cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).read_text())
+        assert spec["kind"] == "tessera.io/gpu"
+        edits = spec["devices"][0]["containerEdits"]
+        mounts = {m["containerPath"]: m for m in edits["mounts"]}
+        assert mounts["/usr/local/vgpu/libvgpu.so"]["hostPath"] == "/opt/vgpu/libvgpu.so"
+        assert "ro" in mounts["/etc/ld.so.preload"]["options"]
+        limits_dir = mounts["/run/tessera/limits"]["hostPath"]
+        sealed = read_limits(limits_dir)
+        gpu1 = h.state.devices()[1].uuid
+        assert sealed is not None and [
+            (d.uuid, d.mem_limit_bytes, d.sm_limit_pct) for d in sealed.devices
+        ] == [(gpu1, 4096 << 20, 30)]
+        assert "CUDA_DEVICE_MEMORY_LIMIT_0=4096m" in edits["env"]
+
+        # the ledger holds the pod's allocation, as an extender allocation once allocated
+        ledger = await h.ledger()
+        assert ledger is not None
+        allocation = ledger.allocations[pod["metadata"]["uid"]]
+        assert allocation.state == "allocated"
+        assert allocation.container_names == ["main", "side"]
+        assert allocation.priority == 0 and sealed.priority == 0
+        assert [[(g.uuid, g.memory_mib, g.cores) for g in c] for c in allocation.containers] == [
+            [(gpu1, 4096, 30)],
+            [],
+        ]
+
+        # kubelet retries: the same answer, nothing prepared twice
+        again = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert list(again.devices[0].cdi_device_ids) == [cdi_id]
+        assert len(h.store.for_pod(pod["metadata"]["uid"])) == 1
+
+        gone = (await h.kubelet_unprepare(claim)).claims[claim["metadata"]["uid"]]
+        assert gone.error == ""
+        assert not cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).exists()
+        assert not Path(limits_dir).exists()
+        # the ended pod's allocation is the scheduler's to release (ledger, quota, event)
+        ledger = await h.ledger()
+        assert ledger is not None and pod["metadata"]["uid"] in ledger.allocations
+
+
+async def test_bad_claims_get_a_sentence_and_nothing_is_sealed(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        pod, claim = pod_and_claim(node, "gpu-0", "20000Mi", "30")
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert "20000 MiB of gpu-0, which offers 16000 MiB" in answer.error
+        pod2, claim2 = pod_and_claim(node, "gpu-7", "1Gi", "10")
+        cluster.add_pod(pod2)
+        cluster.put_resource_claim(claim2)
+        answer2 = (await h.kubelet_prepare(claim2)).claims[claim2["metadata"]["uid"]]
+        assert "device 'gpu-7' is not one this node offers" in answer2.error
+        missing = {"metadata": {"name": "nope", "namespace": "team", "uid": "u-1"}}
+        answer3 = (await h.kubelet_prepare(missing)).claims["u-1"]
+        assert "not found" in answer3.error
+        assert h.store.all() == [] and cdi.prepared_claims(h.dra.cdi_dir) == []
+        assert await h.ledger() is None
+
+
+async def test_an_unhealthy_gpu_is_tainted_and_streamed(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        async with grpc.aio.insecure_channel(f"unix://{h.endpoint.dra_socket}") as channel:
+            stream = drahealth_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                drahealth.NodeWatchResourcesRequest()
+            )
+            v1 = drahealth_v1_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                drahealth_v1.NodeWatchResourcesRequest()
+            )
+            first = await stream.read()
+            assert {d.device.device_name: d.health for d in first.devices} == {
+                "gpu-0": drahealth.HEALTHY,
+                "gpu-1": drahealth.HEALTHY,
+            }
+            assert len((await v1.read()).devices) == 2
+            sick = [d.model_copy(update={"healthy": d.index != 0}) for d in h.state.devices()]
+            await h.state.update(sick)
+            second = await stream.read()
+            assert {d.device.device_name: d.health for d in second.devices}["gpu-0"] == (
+                drahealth.UNHEALTHY
+            )
+            [gpu0, gpu1] = (await v1.read()).devices
+            assert (gpu0.health, gpu1.health) == (drahealth_v1.UNHEALTHY, drahealth_v1.HEALTHY)
+            assert "XID" in gpu0.message and gpu1.message == ""
+            stream.cancel()
+            v1.cancel()
+
+        async def tainted() -> list:
+            [s] = await cluster.list_resource_slices(node=node)
+            return s["spec"]["devices"][0].get("taints") or []
+
+        for _ in range(300):
+            if await tainted():
+                break
+            await asyncio.sleep(0.02)
+        [taint] = await tainted()
+        assert taint["key"] == "gpu.tessera.io/unhealthy" and taint["effect"] == "NoSchedule"
+        [s] = await cluster.list_resource_slices(node=node)
+        assert s["spec"]["pool"]["generation"] == 2
+
+
+async def test_the_namespace_quota_holds_dra_claims(short_dir, nc, nats_url, buckets, node):
+    """The real quota service: a claim the quota cannot hold is not prepared (the quota's
+    sentence goes to kubelet), a freed claim gives its charge back."""
+    from tessera.bus import connect
+    from tessera.settings import NatsSettings
+
+    quota_nc = await connect(NatsSettings(NATS_URL=nats_url), name="quota-under-test")
+    quota = QuotaService(quota_nc, buckets, TesseraSettings(),
+                         consumer=f"quota-test-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    await quota.start()
+    ns = f"q-{uuid.uuid4().hex[:8]}"
+    try:
+        reply = await nc.request(
+            bus.QUOTA_SET,
+            encode(QuotaSetRequest(namespace=ns, limits=QuotaAmount(memory_mib=6000))),
+            timeout=5,
+        )
+        assert decode(reply.data, QuotaReply).ok
+        cluster = InMemoryCluster()
+        async with Harness(short_dir, nc, buckets, node, cluster, quota=True) as h:
+            first_pod, first = pod_and_claim(node, "gpu-0", "4Gi", "10", namespace=ns)
+            second_pod, second = pod_and_claim(node, "gpu-1", "4Gi", "10", namespace=ns)
+            for pod, claim in ((first_pod, first), (second_pod, second)):
+                cluster.add_pod(pod)
+                cluster.put_resource_claim(claim)
+            assert (await h.kubelet_prepare(first)).claims[first["metadata"]["uid"]].error == ""
+            refused = (await h.kubelet_prepare(second)).claims[second["metadata"]["uid"]]
+            assert "quota" in refused.error and "6000" in refused.error, refused.error
+            assert not cdi.spec_path(h.dra.cdi_dir, second["metadata"]["uid"]).exists()
+            assert h.store.for_pod(second_pod["metadata"]["uid"]) == []
+
+            async def used() -> int:
+                msg = await nc.request(bus.QUOTA_STATUS, encode(QuotaStatusRequest(
+                    namespace=ns)), timeout=5)  # fmt: skip
+                [state] = decode(msg.data, QuotaReply).states
+                return state.used().memory_mib or 0
+
+            assert await used() == 4096
+            await h.kubelet_unprepare(first)
+            assert await used() == 4096  # held until the ended pod is released, as any pod
+            # the scheduler's release of the ended pod (runtime.on_pod_event) frees it
+            msg = await nc.request(
+                bus.QUOTA_RELEASE,
+                encode(QuotaRequest(namespace=ns, pod_uid=first_pod["metadata"]["uid"])),
+                timeout=5,
+            )
+            assert decode(msg.data, QuotaReply).ok
+            assert await used() == 0
+            again = (await h.kubelet_prepare(second)).claims[second["metadata"]["uid"]]
+            assert again.error == ""
+            assert await used() == 4096
+    finally:
+        await quota.stop()
+        await quota_nc.drain()
+
+
+async def test_a_restarted_driver_keeps_what_it_prepared(short_dir, nc, buckets, node):
+    """The agent restarts (and the ledger lost the pod meanwhile): its records put the
+    allocation back, and kubelet's retried prepare gets the same device, nothing made twice."""
+    cluster = InMemoryCluster()
+    pod, claim = pod_and_claim(node, "gpu-0", "2Gi", "20")
+    cluster.add_pod(pod)
+    cluster.put_resource_claim(claim)
+    uid = claim["metadata"]["uid"]
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        first = (await h.kubelet_prepare(claim)).claims[uid]
+        limits_dir = h.store.for_pod(pod["metadata"]["uid"])[0].limits_dir
+    await buckets.ledger.delete(node)
+    async with Harness(short_dir, nc, buckets, node, cluster) as again:
+
+        async def restored() -> bool:
+            ledger = await again.ledger()
+            return ledger is not None and pod["metadata"]["uid"] in ledger.allocations
+
+        for _ in range(200):
+            if await restored():
+                break
+            await asyncio.sleep(0.02)
+        assert await restored(), "the prepared claim's allocation was not put back"
+        retried = (await again.kubelet_prepare(claim)).claims[uid]
+        assert list(retried.devices[0].cdi_device_ids) == list(first.devices[0].cdi_device_ids)
+        assert [c.limits_dir for c in again.store.for_pod(pod["metadata"]["uid"])] == [limits_dir]
+        sealed = read_limits(limits_dir)
+        assert sealed is not None and sealed.devices[0].mem_limit_bytes == 2 << 30
