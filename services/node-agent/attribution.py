@@ -94,7 +94,7 @@ class PodAttribution:
         except Exception as exc:
             ctx.log.info("pod-resources not read: guessing the pod", extra={"err": str(exc)})
             return None
-        resource = ctx.settings.resource_name
+        resource = ctx.resource_name
         listed = {
             (pod.namespace, pod.name): {
                 c.name for c in pod.containers

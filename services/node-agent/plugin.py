@@ -27,6 +27,7 @@ from tessera.node_agent.state import DeviceState
 
 from tessera import signing
 from tessera.cluster.port import ClusterPort
+from tessera.device_kinds import registry
 from tessera.device_kinds.nvidia import FAMILY as NVIDIA_FAMILY
 from tessera.kubeapi import HEALTHY, UNHEALTHY, dp, dp_grpc, pr, pr_grpc
 from tessera.region import seal_limits
@@ -95,7 +96,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         node_settings: Callable[[], TesseraSettings] | None = None,
         mps: MpsDaemons | None = None,
         mig: DynamicMig | None = None,
+        family: str | None = None,
     ) -> None:
+        """`family`: the device family this plugin serves (tessera.device_kinds; its count
+        resource is what kubelet knows the devices by, and ListAndWatch lists its devices
+        only); None: the node's devices as one NVIDIA resource (TESSERA_RESOURCE_NAME)."""
+        self.family = family
+        resource = (registry.family(family).resource_names(settings).count if family
+                    else settings.resource_name)  # fmt: skip
         self.ctx = ctx = PluginContext(
             settings=settings, node=node, state=state, store=store, ledger_kv=ledger_kv, js=js,
             cluster=cluster, log=log, pod_resources=pod_resources, clock=clock,
@@ -103,6 +111,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             node_settings=node_settings or (lambda: settings),
             rejections=Rejections(f"node-agent/{node}", js, CollectorRegistry()),
             record_signer=signing.process_signer(settings.command_key_file),
+            resource_name=resource,
         )  # fmt: skip
         self.records = PodRecords(ctx)
         self.attribution = PodAttribution(ctx, self.records)
@@ -125,6 +134,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         version = -1
         while True:
             devices, version = await self.ctx.state.wait_change(version)
+            if self.family is not None:
+                devices = [d for d in devices if registry.family_of_mode(d.mode) == self.family]
             yield dp.ListAndWatchResponse(devices=[
                 dp.Device(
                     ID=hs.replica_id(d.uuid, i),
@@ -214,7 +225,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 "matching Allocate on this node"
             )
         pods = await ctx.pod_resources(ctx.settings.pod_resources_socket)
-        holders = holders_of(pods, ctx.settings.resource_name, ids)
+        holders = holders_of(pods, ctx.resource_name, ids)
         if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
         cdir, why = hs.pick_prepared(candidates, holders, ctx.sealed)

@@ -44,6 +44,8 @@ class PluginContext:
     rejections: Rejections
     # limits.set's records on pods are signed with this key (grant_check.record_ok).
     record_signer: signing.Signer
+    # The extended resource this plugin serves to kubelet (its family's count resource).
+    resource_name: str = ""
     # One lock serialises the handshake (kubelet calls it serially anyway) and the sealed
     # reconciliation.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
