@@ -1,6 +1,6 @@
 """Dynamic MIG fitting on one card (tessera/device_kinds/nvidia/mig_fit.py), table-driven from
-profile tables (tessera/mig.py): the profile chosen, where it goes next to existing instances,
-what it charges, and the refusal sentence when it cannot go anywhere."""
+NVIDIA's profile tables (tessera/mig.py): the profile chosen, where it goes next to existing
+instances, what it charges, and the refusal sentence when it cannot go anywhere."""
 
 from __future__ import annotations
 
