@@ -220,9 +220,10 @@ def request_reader(
 ) -> Callable[[Mapping[str, Any], TesseraSettings], ContainerRequest | None]:
     """`read_request`, or the default family's own reader while it is the only family (the
     scheduler reads every pod it decides: no lookups then)."""
-    load()
-    if len(_families) == 1 and DEFAULT_FAMILY in _families:
-        return _families[DEFAULT_FAMILY].read_request
+    if not _loaded:
+        load()
+    if len(_families) == 1:
+        return _families[DEFAULT_FAMILY].reader
     return read_request
 
 
