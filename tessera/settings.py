@@ -59,6 +59,10 @@ class TesseraSettings(BaseSettings):
     resource_mem_percentage: str = "nvidia.com/gpumem-percentage"
     resource_cores: str = "nvidia.com/gpucores"
     resource_priority: str = "nvidia.com/priority"
+    # Other device families' resource names over their HAMi defaults (tessera.device_kinds), as
+    # HAMi's per-vendor resourceCountName/resourceMemoryName/resourceCoreName: a JSON map
+    # family -> {"count": ..., "memory": ..., "cores": ...}. NVIDIA's are the five above.
+    device_resource_names: dict[str, dict[str, str]] = Field(default_factory=dict)
 
     scheduler_name: str = "tessera-scheduler"
     allocation_mode: Literal["extender", "dra"] = Field(
@@ -162,6 +166,11 @@ class TesseraSettings(BaseSettings):
     # Node agent (device discovery, device plugin, container regions).
     device_source: Literal["nvml", "static"] = Field(
         "nvml", description="nvml = real GPUs; static = simulated GPUs (local stack)"
+    )
+    device_family: str = Field(
+        "", description="the device family this node serves (tessera.device_kinds): its devices "
+        "come from the family's backend (its fake on the local stack) and kubelet knows them by "
+        "its count resource; '' = NVIDIA GPUs from device_source"
     )
     static_gpu_count: int = Field(2, ge=0, le=64, description="static source: GPUs per node")
     static_gpu_model: str = Field(

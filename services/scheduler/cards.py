@@ -9,9 +9,11 @@ succeeded only the app containers count.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tessera import mig
+from tessera.device_kinds import DeviceKind, registry
+from tessera.device_kinds.nvidia import SLICES
 from tessera.models import (
     Allocation,
     AllocationState,
@@ -21,8 +23,24 @@ from tessera.models import (
     NodeRegistration,
 )
 
+_KIND_FIELDS: dict[str, tuple[DeviceKind, str, int]] = {}
+registry.on_change(_KIND_FIELDS.clear)
 
-@dataclass(slots=True)
+
+def _kind_fields(mode: str) -> tuple[DeviceKind, str, int]:
+    """(kind, family, plain) of a card in `mode` (kept per mode: the registry never changes
+    the kind serving a mode once registered)."""
+    fields = _KIND_FIELDS.get(mode)
+    if fields is None:
+        kind = registry.kind_for_mode(mode) or SLICES
+        plain = (kind.max_devices_per_container or 1 << 30) if kind.plain else 0
+        fields = (kind, kind.family.name, plain)
+        if registry.kind_for_mode(mode) is not None:
+            _KIND_FIELDS[mode] = fields
+    return fields
+
+
+@dataclass(slots=True, init=False)
 class Card:
     """One GPU: static facts from the node agent plus what is in use (memory MiB, cores, slots)."""
 
@@ -36,17 +54,58 @@ class Card:
     memory_mib: int
     cores: int
     split_count: int
-    links: dict[str, int] = field(default_factory=dict)
-    used_mem: int = 0
-    used_cores: int = 0
-    used_slots: int = 0
+    links: dict[str, int]
+    used_mem: int
+    used_cores: int
+    used_slots: int
     # Dynamic MIG (DeviceInfo.mig): the card's model ("" = not a dynamic-MIG card), its allowed
     # geometries, the instances its allocations hold and how many libvgpu slices it holds (a
-    # card never mixes the two: rules.check_mig).
-    mig_model: str = ""
-    mig_geometries: tuple[dict[str, int], ...] = ()
-    mig_instances: list[mig.Instance] = field(default_factory=list)
-    libvgpu_slices: int = 0
+    # card never mixes the two: the MIG kind's fit).
+    mig_model: str
+    mig_geometries: tuple[dict[str, int], ...]
+    mig_instances: list[mig.Instance]
+    libvgpu_slices: int
+    # The device kind serving the card (tessera.device_kinds, by its mode; a dynamic MIG card
+    # is MIG's whatever its mode says; a mode no kind serves is read as libvgpu slices, as
+    # registrations written before modes existed are), its family, and how many of its cards a
+    # container may take for `rules.plain_card` to clear one (0: its kind's fit is not the
+    # generic one: ask the kind).
+    kind: DeviceKind
+    family: str
+    plain: int
+
+    def __init__(
+        self, uuid: str, index: int, type: str, mode: str, numa: int, healthy: bool,
+        cordoned: bool, memory_mib: int, cores: int, split_count: int,
+        links: dict[str, int] | None = None, used_mem: int = 0, used_cores: int = 0,
+        used_slots: int = 0, mig_model: str = "", mig_geometries: tuple[dict[str, int], ...] = (),
+        mig_instances: list[mig.Instance] | None = None, libvgpu_slices: int = 0,
+        kind: DeviceKind | None = None, family: str = "", plain: int = 0,
+    ) -> None:  # (written out: the generated one would call a __post_init__ on every copy)
+        self.uuid = uuid
+        self.index = index
+        self.type = type
+        self.mode = mode
+        self.numa = numa
+        self.healthy = healthy
+        self.cordoned = cordoned
+        self.memory_mib = memory_mib
+        self.cores = cores
+        self.split_count = split_count
+        self.links = {} if links is None else links
+        self.used_mem = used_mem
+        self.used_cores = used_cores
+        self.used_slots = used_slots
+        self.mig_model = mig_model
+        self.mig_geometries = mig_geometries
+        self.mig_instances = [] if mig_instances is None else mig_instances
+        self.libvgpu_slices = libvgpu_slices
+        if kind is None:
+            fields = _KIND_FIELDS.get("mig" if mig_model else mode)
+            kind, family, plain = fields or _kind_fields("mig" if mig_model else mode)
+        self.kind = kind
+        self.family = family
+        self.plain = plain
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
@@ -72,6 +131,7 @@ class Card:
             self.memory_mib, self.cores, self.split_count, self.links,
             self.used_mem, self.used_cores, self.used_slots,
             self.mig_model, self.mig_geometries, list(self.mig_instances), self.libvgpu_slices,
+            self.kind, self.family, self.plain,
         )  # fmt: skip
 
     def hold(self, grant: DeviceGrant) -> None:
@@ -205,7 +265,8 @@ def recharged(like: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[
     after every change to its row; reading eight pydantic devices cost 5x copying eight cards."""
     return _charged([
         Card(c.uuid, c.index, c.type, c.mode, c.numa, c.healthy, c.cordoned, c.memory_mib,
-             c.cores, c.split_count, c.links, 0, 0, 0, c.mig_model, c.mig_geometries, [], 0)
+             c.cores, c.split_count, c.links, 0, 0, 0, c.mig_model, c.mig_geometries, [], 0,
+             c.kind, c.family, c.plain)
         for c in like
     ], usages)  # fmt: skip
 
