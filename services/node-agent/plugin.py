@@ -548,14 +548,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             return
         if self._run == allocation.pod_uid:
             self._run = None
+        finish = hs.Finish(allocation.pod_uid)
         try:
-            await bus.cas_update(
-                self.ledger_kv, self.node, NodeLedger,
-                lambda ledger: hs.finish_mutation(allocation.pod_uid, ledger),
-            )
+            await bus.cas_update(self.ledger_kv, self.node, NodeLedger, finish.mutate)
         except bus.NoChange:
             return
-        self._spawn(self._announce_allocated(allocation))
+        if finish.wrote:  # (cas_update returns the entry as it is when there was nothing to do)
+            self._spawn(self._announce_allocated(allocation))
 
     async def _announce_allocated(self, allocation: Allocation) -> None:
         event = AllocationEvent(
@@ -675,7 +674,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
         })
         # A crash between Allocate's answer and its ledger write leaves the claim held.
-        await self._maybe_finish(allocation)
+        if hs.finish_pending(allocation.pod_uid, ledger):
+            await self._maybe_finish(allocation)
         return dp.PreStartContainerResponse()
 
     def _record_ok(self, pod: dict) -> bool:
