@@ -157,7 +157,7 @@ class PodBinder:
         if error:
             await self.releaser.release(node, uid, why=f"bind failed: {error}")
             return error
-        if not await self._leave_mark(node, uid):
+        if not await self._leave_mark(ident, node):
             error = await self._mark_bound(node, uid)
             if error:
                 await self._withdraw_grant(ident, node, error)
@@ -241,28 +241,28 @@ class PodBinder:
         entry = self.index.entries.get(node)
         return entry.registration if entry is not None else None
 
-    async def _leave_mark(self, node: str, uid: str) -> bool:
+    async def _leave_mark(self, ident: PodIdentity, node: str) -> bool:
         """Whether the `bound` mark may be left out of this bind (one ledger write per pod
         fewer: reserve, then the node agent's `allocated`, which it takes from `reserved` as
-        from `bound`). Judged on the entry as the KV holds it now (a read, not the index, which
-        may not have seen a release yet: what the mark's CAS would have found), and only while
-        nothing can take the pod's room meanwhile: it is in flight (its claim is what the agent
-        serves) and its reservation and claim both have at least half a claim's time left, so
-        neither lapses before the sweeper marks it bound after `orphaned_bind_s` if the
-        Allocate has not come (`AllocationReleaser.bound_unmarked`; any replica does so, asking
-        the cluster, if this one dies). Never for a preemption nominee (giving up a nomination
-        drops a `reserved` nominee). False: the bind marks it as before (`_mark_bound`)."""
+        from `bound`), judged on the entry as this replica holds it (no read: a KV read costs
+        the NATS server about what the write did, more on a large bucket whose blocks are not
+        cached). Only while nothing can take the pod's room meanwhile: it is in flight (its
+        claim is what the agent serves) and its reservation and claim both have at least half
+        a claim's time left, so neither lapses before the sweeper marks it bound after
+        `orphaned_bind_s` if the Allocate has not come (`AllocationReleaser.bound_unmarked`; any
+        replica does so, asking the cluster, if this one dies). A release this replica has not
+        seen yet (what the mark's CAS would have found: `RoomTakenError`'s case) is found by the
+        sweeper instead, which withdraws the grant as the bind would have
+        (`AllocationReleaser._forget_marked`); until then the agent serves the pod nothing, its
+        allocation being gone. Never for a preemption nominee (giving up a nomination drops a
+        `reserved` nominee). False: the bind marks it as before (`_mark_bound`)."""
         if self.config.mark_bound_at_bind:
             return False
-        try:
-            current = await self.ledger.writer.current(node)
-        except Exception as exc:  # NATS away: the mark's own retries decide
-            log.info("bound mark check failed", extra={"pod_uid": uid, "err": str(exc)})
+        hint = self.ledger.hint(node)
+        if hint is None:
             return False
-        if current is None:
-            return False
-        self.ledger.apply(node, current)
-        ledger = current.value
+        ledger = hint.value
+        uid = ident.uid
         allocation, claim = ledger.allocations.get(uid), ledger.in_flight().get(uid)
         now = self.clock()
         spare = max(self.config.claim_ttl_s / 2, 2 * self.config.orphaned_bind_s)
@@ -272,7 +272,7 @@ class PodBinder:
             return False
         if any(a.preempted_by == uid for a in ledger.allocations.values()):
             return False
-        self.releaser.bound_unmarked[uid] = node
+        self.releaser.bound_unmarked[uid] = (node, ident.namespace, ident.name)
         return True
 
     async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> str:

@@ -596,18 +596,6 @@ class LedgerWriter:
             return Versioned(new, revision)
         raise CasConflictError(f"{key}: gave up after {attempts} conflicting writes")
 
-    async def current(self, key: str) -> Versioned[NodeLedger] | None:
-        """The entry as the KV holds it now, decoded by the incremental codec (a node's entry
-        usually differs from the last one seen here in one allocation: read without decoding
-        the rest); None when there is none."""
-        try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
-            return None
-        if entry.value is None or entry.operation in ("DEL", "PURGE"):
-            return None
-        return Versioned(self.codec.decode(key, entry.value), entry.revision)
-
     async def reserve(self, req: ReservationRequest, hint: Hint = None) -> Versioned[NodeLedger]:
         if self.claim_ahead is not None and req.claim_ahead is None:
             req = replace(req, claim_ahead=self.claim_ahead)

@@ -90,7 +90,7 @@ async def test_worked_example_two_pods_share_one_card(
     # Allocate (one ledger write fewer), and the reservation holds the room until then.
     assert allocation.state == AllocationState.RESERVED and allocation.container_names == ["main"]
     assert allocation.expires_at is not None and allocation.expires_at > time.time() + 10
-    assert service.scheduler.releaser.bound_unmarked[pod_b["metadata"]["uid"]] == name
+    assert service.scheduler.releaser.bound_unmarked[pod_b["metadata"]["uid"]][0] == name
 
 
 async def test_bound_event_is_published_once(
