@@ -390,10 +390,12 @@ def report(rows: list[dict[str, Any]], head: str, base: str) -> None:
         f"onto one node of {GPUS} GPUs (split {SPLIT}), kubelet delay {DELAY_S} s, the whole "
         "local stack; seconds from the first create until every pod is Running "
         f"(target ≤ {TARGET_S:.0f} s). Rounds alternate the codes; load = 1-minute average "
-        "before → after.",
+        "before → after; CPU = what the services' processes used during the round (user + "
+        "system), the steadier figure on a shared machine.",
         "",
-        "| code | mode | runs (s) | median s | load | crossed limits |",
-        "|---|---|---|---:|---|---:|",
+        "| code | mode | runs (s) | median s | load | stack CPU s (median) | of which kube-sim / "
+        "node agent / scheduler | crossed limits |",
+        "|---|---|---|---:|---|---:|---|---:|",
     ]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
@@ -403,7 +405,11 @@ def report(rows: list[dict[str, Any]], head: str, base: str) -> None:
         loads = ", ".join(f"{r['load_before']:.1f}→{r['load_after']:.1f}" for r in group)
         median = statistics.median(r["seconds"] for r in group)
         crossed = sum(len(r["crossed"]) for r in group)
-        lines.append(f"| {code} | {mode} | {runs} | {median:.2f} | {loads} | {crossed} |")
+        cpu = statistics.median(sum(r["cpu_s"].values()) for r in group)
+        parts = " / ".join(f"{statistics.median(r['cpu_s'].get(k, 0.0) for r in group):.2f}"
+                           for k in ("kube-sim", "node-agent", "scheduler"))  # fmt: skip
+        lines.append(f"| {code} | {mode} | {runs} | {median:.2f} | {loads} | {cpu:.2f} | {parts} "
+                     f"| {crossed} |")  # fmt: skip
     text = "\n".join(lines)
     print(text)
     for row in rows:
