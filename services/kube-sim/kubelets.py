@@ -2,8 +2,13 @@
 
 Each `NodeKubelet` follows the pods bound to its node (the same field-selector watch a kubelet
 uses), admits them one at a time through the device-plugin protocol (`SimKubelet`: Allocate per
-container, init containers first, then PreStartContainer just before each container starts),
-serves pod-resources, and writes the pod's status (Running, container states) back to the API.
+container, init containers first), serves pod-resources, and hands each admitted pod to a worker
+of its own that starts it (PreStartContainer just before each container starts) and writes its
+status (Running, container states) back to the API. That is kubelet's split: `HandlePodAdditions`
+admits the pods of an update one after the other (the device manager's Allocate runs in the
+admit handlers), then `dispatchWork` gives each pod to its pod worker, one goroutine per pod,
+whose `SyncPod` starts the containers (the device manager's PreStartContainer runs as each
+container's run options are generated), so one pod's start never waits for another's.
 
 Where a real kubelet would fail a pod whose device plugin is briefly unreachable (a node agent
 restarting), this one retries admission with backoff for `admit_deadline_s` before failing the
@@ -127,6 +132,8 @@ class NodeKubelet:
             node=node,
         )
         self.admissions: dict[str, PodAdmission] = {}  # by pod uid
+        # Pod workers: pods admitted (their devices allocated) whose containers are starting.
+        self._workers: dict[str, asyncio.Task[None]] = {}
         self._queue: asyncio.Queue[KubeObject] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._capacity_dirty = asyncio.Event()
@@ -166,9 +173,10 @@ class NodeKubelet:
         task.add_done_callback(self._arrivals.discard)
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._arrivals]:
+        tasks = [*self._tasks, *self._arrivals, *self._workers.values()]
+        for task in tasks:
             task.cancel()
-        for task in [*self._tasks, *self._arrivals]:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.processes is not None:
@@ -209,6 +217,11 @@ class NodeKubelet:
 
     async def _remove(self, pod: KubeObject) -> None:
         uid = pod["metadata"].get("uid", "")
+        worker = self._workers.pop(uid, None)
+        if worker is not None and worker is not asyncio.current_task():
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker
         self.admissions.pop(uid, None)
         self.device_kubelet.remove_pod(uid)
         if self.processes is not None:
@@ -217,7 +230,8 @@ class NodeKubelet:
             await self.dra.unprepare(pod)  # then its claims are released
 
     async def _admit_forever(self) -> None:
-        # kubelet admits pods one at a time (its sync loop), which the node agent relies on.
+        # kubelet admits pods one at a time (its sync loop: every Allocate of a pod before the
+        # next pod's), which the node agent relies on; starting them is each pod's worker's.
         while True:
             pod = await self._queue.get()
             try:
@@ -244,7 +258,8 @@ class NodeKubelet:
 
     async def _admit(self, pod: KubeObject) -> None:
         uid = pod["metadata"].get("uid", "")
-        if uid in self.admissions or (pod.get("status") or {}).get("phase") != "Pending":
+        if (uid in self.admissions or uid in self._workers
+                or (pod.get("status") or {}).get("phase") != "Pending"):
             return
         if (refusal := self._missing_resource(pod)) is not None:
             self._reject(pod, *refusal)
@@ -255,30 +270,15 @@ class NodeKubelet:
         devices_pod = without_dra_resources(pod)  # what DRA serves is not the device plugins'
         # the GPU resources, and any other a device plugin registered (MIG instances, ...)
         if pod_uses(devices_pod, self.gpu_resources + list(self.device_kubelet.plugins)):
-            admission = await self._admit_devices(devices_pod)
+            deadline = time.monotonic() + self.admit_deadline_s
+            admission = await self._allocate_devices(devices_pod, deadline)
             if admission is None:
                 return
         else:
+            deadline = time.monotonic() + self.admit_deadline_s
             admission = PodAdmission(uid, pod["metadata"]["namespace"], pod["metadata"]["name"])
-        if self.dra is not None:
-            self.dra.apply(pod, admission)  # the CDI devices' env, mounts, device nodes
-        self.admissions[uid] = admission
-        started = now_rfc3339()
-        if self.processes is not None:
-            await self.processes.start_pod(pod, admission, self._container_exited)
-        current = self._current(pod)
-        if current is None:
-            await self._remove(pod)
-            return
-        self._set_status(current, running_status(current, self.node, started))
-        record_event(
-            self.store,
-            current,
-            "Started",
-            f"Started pod on {self.node}",
-            "Normal",
-            component="kubelet",
-        )
+        worker = asyncio.create_task(self._pod_worker(pod, admission, deadline))
+        self._workers[uid] = worker
 
     async def _prepare_claims(self, pod: KubeObject) -> bool:
         """NodePrepareResources for the pod's claims (and its CDI specs resolvable); False: not
@@ -308,16 +308,39 @@ class NodeKubelet:
         task.add_done_callback(self._arrivals.discard)
         return False
 
-    async def _admit_devices(self, pod: KubeObject) -> PodAdmission | None:
-        """Allocate, then PreStartContainer per container; None: gave up, or the pod is gone.
+    async def _pod_worker(self, pod: KubeObject, admission: PodAdmission, deadline: float) -> None:
+        """Start an admitted pod (PreStartContainer per container, retried on the same device
+        IDs until `deadline`), then report it Running."""
+        uid = admission.uid
+        try:
+            started = await self._start_devices(pod, admission, deadline)
+            if started is None:
+                return
+            if self.dra is not None:
+                self.dra.apply(pod, started)  # the CDI devices' env, mounts, device nodes
+            self.admissions[uid] = started
+            at = now_rfc3339()
+            if self.processes is not None:
+                await self.processes.start_pod(pod, started, self._container_exited)
+            current = self._current(pod)
+            if current is None:
+                await self._remove(pod)
+                return
+            self._set_status(current, running_status(current, self.node, at))
+            record_event(self.store, current, "Started", f"Started pod on {self.node}", "Normal",
+                         component="kubelet")  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("pod start crashed", extra={"pod": pod["metadata"]["name"]})
+        finally:
+            if self._workers.get(uid) is asyncio.current_task():
+                del self._workers[uid]
 
-        As in kubelet, a recorded allocation is never redone: when starting fails (the plugin
-        restarting), only the start (PreStartContainer, same device IDs) is retried. A fresh
-        Allocate would be attributed by the plugin to whichever pod is in flight by then.
-        """
-        deadline = time.monotonic() + self.admit_deadline_s
+    async def _allocate_devices(self, pod: KubeObject, deadline: float) -> PodAdmission | None:
+        """Allocate for every container that asks a device (retried until `deadline` while the
+        plugin is away); None: gave up (the pod failed), or the pod is gone."""
         uid = pod["metadata"].get("uid", "")
-        admission: PodAdmission | None = None
         # A real kubelet fails the pod on an Allocate error (UnexpectedAdmissionError) and its
         # controller makes a new one; kube-sim retries the same pod instead, which is what the
         # crash tests need while a node agent restarts.
@@ -327,29 +350,52 @@ class NodeKubelet:
             if self._current(pod) is None:
                 self.device_kubelet.remove_pod(uid)
                 return None
-            if admission is None:
-                # SimKubelet refuses a pod whose device resource has no registered plugin or
-                # too few healthy devices (its stream ended), so no container starts without
-                # its devices.
-                allocated = await self.device_kubelet.allocate_pod(pod)
-                if allocated.ok:
-                    admission = allocated
-                else:
-                    self.device_kubelet.remove_pod(uid)  # a failed Allocate holds no devices
-                    error = allocated.error
-            if admission is not None:
-                admission.error = ""
-                for entry in admission.containers:
-                    entry.error = ""
-                started = await self.device_kubelet.start_pod(admission)
-                if started.ok:
-                    if last_error:
-                        log.info("pod admitted after retries",
-                                 extra={"pod": pod["metadata"]["name"]})
-                    return started
-                error = started.error
+            # SimKubelet refuses a pod whose device resource has no registered plugin or too
+            # few healthy devices (its stream ended), so no container starts without them.
+            allocated = await self.device_kubelet.allocate_pod(pod)
+            if allocated.ok:
+                if last_error:
+                    log.info("pod allocated after retries", extra={"pod": pod["metadata"]["name"]})
+                return allocated
+            self.device_kubelet.remove_pod(uid)  # a failed Allocate holds no devices
+            error = allocated.error
             if error != last_error:
                 log.warning("pod admission failed, retrying",
+                            extra={"pod": pod["metadata"]["name"], "error": error})
+                last_error = error
+            if time.monotonic() >= deadline:
+                self._fail(pod, error)
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _start_devices(
+        self, pod: KubeObject, admission: PodAdmission, deadline: float
+    ) -> PodAdmission | None:
+        """PreStartContainer per container. As in kubelet, a recorded allocation is never
+        redone: when starting fails (the plugin restarting), only the start (same device IDs)
+        is retried; a fresh Allocate would be attributed by the plugin to whichever pod is in
+        flight by then. None: gave up (the pod failed), or the pod is gone."""
+        if not admission.containers:
+            return admission
+        uid = admission.uid
+        delay = 0.02
+        last_error = ""
+        while True:
+            if self._current(pod) is None:
+                self.device_kubelet.remove_pod(uid)
+                return None
+            admission.error = ""
+            for entry in admission.containers:
+                entry.error = ""
+            started = await self.device_kubelet.start_pod(admission)
+            if started.ok:
+                if last_error:
+                    log.info("pod admitted after retries", extra={"pod": pod["metadata"]["name"]})
+                return started
+            error = started.error
+            if error != last_error:
+                log.warning("pod start failed, retrying",
                             extra={"pod": pod["metadata"]["name"], "error": error})
                 last_error = error
             if time.monotonic() >= deadline:

@@ -178,10 +178,11 @@ def admission_restarted(
     allocation: Allocation, prepared: list[ContainerDir], sealed: Callable[[ContainerDir], bool]
 ) -> bool:
     """An Allocate for a pod whose every GPU container is already prepared, none started, and
-    which is still only bound: kubelet is retrying an admission that failed before its end."""
+    which is still only bound (or reserved: the scheduler leaves the bound mark to the Allocate
+    of a pod in flight): kubelet is retrying an admission that failed before its end."""
     done = {c.prepared.index for c in prepared}
     return (
-        allocation.state == AllocationState.BOUND
+        allocation.state in (AllocationState.BOUND, AllocationState.RESERVED)
         and bool(done)
         and set(gpu_containers(allocation)) <= done
         and not any(sealed(c) for c in prepared)
@@ -348,25 +349,59 @@ def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
 
     if ledger is None:
         raise NoChange
-    changed = False
-    new = ledger.model_copy(deep=True)
-    allocation = new.allocations.get(pod_uid)
+    # Copy on write: only the pod's allocation and the claims are new objects (a deep copy of
+    # an entry of tens of allocations cost more than the rest of the Allocate together).
+    update: dict = {}
+    allocation = ledger.allocations.get(pod_uid)
     if allocation is not None and allocation.state in (
         AllocationState.RESERVED, AllocationState.BOUND
     ):
-        allocation.state = AllocationState.ALLOCATED
-        allocation.expires_at = None  # allocated: a reservation's expiry no longer applies
-        allocation.updated_at = now()
-        changed = True
-    if pod_uid in new.claims:
-        del new.claims[pod_uid]
-        changed = True
-    if new.claim is not None and new.claim.pod_uid == pod_uid:
-        new.claim = None
-        changed = True
-    if not changed:
+        allocations = dict(ledger.allocations)
+        allocations[pod_uid] = allocation.model_copy(update={
+            "state": AllocationState.ALLOCATED,
+            "expires_at": None,  # allocated: a reservation's expiry no longer applies
+            "updated_at": now(),
+        })  # fmt: skip
+        update["allocations"] = allocations
+    if pod_uid in ledger.claims:
+        update["claims"] = {k: c for k, c in ledger.claims.items() if k != pod_uid}
+    if ledger.claim is not None and ledger.claim.pod_uid == pod_uid:
+        update["claim"] = None
+    if not update:
         raise NoChange
-    return new
+    return ledger.model_copy(update=update)
+
+
+def finish_pending(pod_uid: str, ledger: NodeLedger | None) -> bool:
+    """Whether `finish_mutation` would change `ledger` (the pod not yet allocated there, or
+    still in its in-flight set): PreStart then repeats the finish an Allocate may not have
+    written (the agent crashed in between); otherwise it spares the read."""
+    if ledger is None:
+        return False
+    allocation = ledger.allocations.get(pod_uid)
+    return (
+        (allocation is not None
+         and allocation.state in (AllocationState.RESERVED, AllocationState.BOUND))
+        or pod_uid in ledger.claims
+        or (ledger.claim is not None and ledger.claim.pod_uid == pod_uid)
+    )  # fmt: skip
+
+
+class Finish:
+    """`finish_mutation` for `bus.cas_update`, remembering whether the attempt that ended the
+    update wrote (cas_update returns the entry as it is when there was nothing to do, so the
+    caller could not tell a finish from a repeat: every PreStart announced the pod allocated
+    again, one more event and pod patch each)."""
+
+    def __init__(self, pod_uid: str) -> None:
+        self.pod_uid = pod_uid
+        self.wrote = False
+
+    def mutate(self, ledger: NodeLedger | None) -> NodeLedger:
+        self.wrote = False
+        new = finish_mutation(self.pod_uid, ledger)
+        self.wrote = True
+        return new
 
 
 def reclaim_mutation(

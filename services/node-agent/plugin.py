@@ -256,7 +256,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
         })
         # A crash between Allocate's answer and its ledger write leaves the claim held.
-        await self.records.maybe_finish(allocation)
+        if hs.finish_pending(allocation.pod_uid, ledger):
+            await self.records.maybe_finish(allocation)
         return dp.PreStartContainerResponse()
 
     async def reconcile_sealed(self, every_s: float = 2.0) -> None:

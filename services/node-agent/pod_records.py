@@ -29,14 +29,13 @@ class PodRecords:
             return
         if ctx.run == allocation.pod_uid:
             ctx.run = None
+        finish = hs.Finish(allocation.pod_uid)
         try:
-            await bus.cas_update(
-                ctx.ledger_kv, ctx.node, NodeLedger,
-                lambda ledger: hs.finish_mutation(allocation.pod_uid, ledger),
-            )
+            await bus.cas_update(ctx.ledger_kv, ctx.node, NodeLedger, finish.mutate)
         except bus.NoChange:
             return
-        ctx.spawn(self.announce_allocated(allocation))
+        if finish.wrote:  # (cas_update returns the entry as it is when there was nothing to do)
+            ctx.spawn(self.announce_allocated(allocation))
 
     async def announce_allocated(self, allocation: Allocation) -> None:
         ctx = self.ctx

@@ -16,6 +16,7 @@ from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
 from tessera.models import (
     Allocation,
     AllocationEvent,
+    AllocationState,
     InFlightClaim,
     NodeLedger,
     NodeRegistration,
@@ -156,10 +157,11 @@ class PodBinder:
         if error:
             await self.releaser.release(node, uid, why=f"bind failed: {error}")
             return error
-        error = await self._mark_bound(node, uid)
-        if error:
-            await self._withdraw_grant(ident, node, error)
-            return error
+        if not await self._leave_mark(ident, node):
+            error = await self._mark_bound(node, uid)
+            if error:
+                await self._withdraw_grant(ident, node, error)
+                return error
         self.metrics.bound.inc()
         self.publisher.publish_soon(AllocationEvent(
             event_id=f"{uid}:bound", action="bound", node=node, pod_uid=uid,
@@ -238,6 +240,40 @@ class PodBinder:
     def _registration(self, node: str) -> NodeRegistration | None:
         entry = self.index.entries.get(node)
         return entry.registration if entry is not None else None
+
+    async def _leave_mark(self, ident: PodIdentity, node: str) -> bool:
+        """Whether the `bound` mark may be left out of this bind (one ledger write per pod
+        fewer: reserve, then the node agent's `allocated`, which it takes from `reserved` as
+        from `bound`), judged on the entry as this replica holds it (no read: a KV read costs
+        the NATS server about what the write did, more on a large bucket whose blocks are not
+        cached). Only while nothing can take the pod's room meanwhile: it is in flight (its
+        claim is what the agent serves) and its reservation and claim both have at least half
+        a claim's time left, so neither lapses before the sweeper marks it bound after
+        `orphaned_bind_s` if the Allocate has not come (`AllocationReleaser.bound_unmarked`; any
+        replica does so, asking the cluster, if this one dies). A release this replica has not
+        seen yet (what the mark's CAS would have found: `RoomTakenError`'s case) is found by the
+        sweeper instead, which withdraws the grant as the bind would have
+        (`AllocationReleaser._forget_marked`); until then the agent serves the pod nothing, its
+        allocation being gone. Never for a preemption nominee (giving up a nomination drops a
+        `reserved` nominee). False: the bind marks it as before (`_mark_bound`)."""
+        if self.config.mark_bound_at_bind:
+            return False
+        hint = self.ledger.hint(node)
+        if hint is None:
+            return False
+        ledger = hint.value
+        uid = ident.uid
+        allocation, claim = ledger.allocations.get(uid), ledger.in_flight().get(uid)
+        now = self.clock()
+        spare = max(self.config.claim_ttl_s / 2, 2 * self.config.orphaned_bind_s)
+        if (allocation is None or claim is None or allocation.state != AllocationState.RESERVED
+                or allocation.expires_at is None or allocation.expires_at - now < spare
+                or claim.expires_at - now < spare):  # fmt: skip
+            return False
+        if any(a.preempted_by == uid for a in ledger.allocations.values()):
+            return False
+        self.releaser.bound_unmarked[uid] = (node, ident.namespace, ident.name)
+        return True
 
     async def _mark_bound(self, node: str, uid: str, attempts: int = 3) -> str:
         """Record the cluster bind in the ledger. The pod is bound whatever happens here, so a

@@ -49,6 +49,12 @@ class SchedulerSettings(BaseSettings):
         description="a claim held this long by a pod still `reserved` but bound in the "
         "cluster means its binder died mid-bind: the sweeper marks it bound",
     )
+    mark_bound_at_bind: bool = Field(
+        False,
+        description="write the `bound` mark in the bind itself (one more ledger write per "
+        "pod); by default a bind whose pod is in flight with time to spare leaves the mark to "
+        "the node agent's Allocate (`allocated`), or to the sweeper after orphaned_bind_s",
+    )
     sweep_interval_s: float = Field(
         1.0, gt=0, description="how often expired reservations and lapsed claims are swept"
     )

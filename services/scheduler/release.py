@@ -48,9 +48,15 @@ class AllocationReleaser:
         self.config = config
         self.instance = instance
         self.clock = clock
+        # uid -> (node, namespace, name): pods this replica bound in the cluster whose `bound`
+        # mark it left to the node agent's Allocate (binding.PodBinder._leave_mark); the
+        # sweeper marks them bound without asking the cluster if the Allocate has not come
+        # after orphaned_bind_s, and withdraws the grant of one whose reservation vanished.
+        self.bound_unmarked: dict[str, tuple[str, str, str]] = {}
 
     async def release(self, node: str, uid: str, *, why: str) -> bool:
         """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""
+        self.bound_unmarked.pop(uid, None)  # released on purpose: nothing to withdraw later
         try:
             async with self.ledger.lock(node):
                 result, removed = await self.ledger.writer.release(
@@ -76,6 +82,7 @@ class AllocationReleaser:
         """Drop every expired reservation and lapsed claim; returns how many pods were dropped."""
         now = self.clock()
         dropped = 0
+        await self._forget_marked()
         for entry in self.ledger.index.sweep_candidates():  # not every node: see there
             ledger = entry.ledger
             if ledger is None:
@@ -156,22 +163,55 @@ class AllocationReleaser:
             (pod.get("spec") or {}).get("nodeName") == node
         )
 
+    async def _forget_marked(self) -> None:
+        """Drop from `bound_unmarked` the pods no longer waiting for their mark (allocated or
+        marked). One whose allocation vanished (a release this replica's bind had not seen:
+        the case the bind's mark CAS refused with ReservationGoneError) loses its grant, as the
+        bind would have withdrawn it, when the cluster still has it bound to that node: its
+        room may be another pod's now."""
+        entries = self.ledger.index.entries
+        for uid, (node, namespace, name) in list(self.bound_unmarked.items()):
+            entry = entries.get(node)
+            if entry is None or entry.ledger is None:
+                del self.bound_unmarked[uid]  # the node is gone: nothing runs there
+                continue
+            held = entry.ledger.allocations.get(uid)
+            if held is not None and held.state == AllocationState.RESERVED:
+                continue
+            del self.bound_unmarked[uid]
+            if held is None and await self._still_bound(uid, namespace, name, node):
+                await self.withdraw_grant(namespace, name, "its reservation was gone when the "
+                                          "bind was to be recorded")  # fmt: skip
+
+    async def _still_bound(self, uid: str, namespace: str, name: str, node: str) -> bool:
+        if self.cluster is None:
+            return False
+        try:
+            pod = await self.cluster.get_pod(namespace, name)
+        except ClusterError:
+            return False
+        return (pod.get("metadata") or {}).get("uid") == uid and (
+            (pod.get("spec") or {}).get("nodeName") == node
+        )
+
     async def _adopt_orphaned_bind(self, node: str, ledger: NodeLedger, now: float) -> None:
         """A claim's holder is still `reserved` long after taking the claim: its binder died
-        between the cluster bind and marking it bound. If the pod is bound to the node, mark it
-        bound now, so the agent's Allocate (which wants a bound pod) is not held up until the
-        reservation lapses. (A pod not bound is left alone: its binder may just be slow.)"""
+        between the cluster bind and marking it bound, or (`bound_unmarked`) this replica bound
+        it and left the mark to an Allocate that has not come yet. If the pod is bound to the
+        node, mark it bound now, so its reservation never lapses under it. (A pod not bound is
+        left alone: its binder may just be slow.)"""
         for claim in list(ledger.in_flight().values()):
             if claim.expires_at <= now or now - claim.taken_at < self.config.orphaned_bind_s:
                 continue
             held = ledger.allocations.get(claim.pod_uid)
             if held is None or held.state != AllocationState.RESERVED:
                 continue
-            if not await self._pod_bound_to(held, node):
+            ours = (self.bound_unmarked.get(held.pod_uid) or ("",))[0] == node
+            if not ours and not await self._pod_bound_to(held, node):
                 continue
-            await self._adopt(node, held, now)
+            await self._adopt(node, held, now, announce=not ours)
 
-    async def _adopt(self, node: str, held: Allocation, now: float) -> None:
+    async def _adopt(self, node: str, held: Allocation, now: float, announce: bool = True) -> None:
         entry = self.ledger.index.entries.get(node)
         try:
             async with self.ledger.lock(node):
@@ -187,6 +227,9 @@ class AllocationReleaser:
                 await self.withdraw_grant(held.namespace, held.name, str(exc))
             return
         self.ledger.apply(node, result)
+        self.bound_unmarked.pop(held.pod_uid, None)
+        if not announce:
+            return  # its binder announced the bind
         self.publisher.publish_soon(AllocationEvent(
             event_id=f"{held.pod_uid}:bound", action="bound", node=node, pod_uid=held.pod_uid,
             namespace=held.namespace, name=held.name, containers=held.containers,

@@ -635,6 +635,8 @@ class SchedulerService:
             entry = self.index.entries[node]
             allocation = entry.ledger.allocations[uid] if entry.ledger else None
             state = allocation.state if allocation else AllocationState.RESERVED
+            if state == AllocationState.RESERVED and uid in scheduler.releaser.bound_unmarked:
+                state = AllocationState.BOUND  # bound; the mark is left to its Allocate
             pending = state == AllocationState.RESERVED
             return ExplainReply(
                 ok=True, pending=pending, node=node,

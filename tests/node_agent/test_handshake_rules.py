@@ -105,6 +105,29 @@ def test_finish_and_reclaim_are_cas_bodies():
         hs.reclaim_mutation("p", back, "agent", 30)
 
 
+def test_finish_writes_once_and_leaves_the_read_value_alone():
+    """A finish copies on write (the entry read is not changed under its reader), says whether
+    it wrote (an Allocate finishes the pod; the PreStart after it has nothing left to write, so
+    the pod is announced allocated once), and PreStart skips it when the entry shows it done."""
+    alloc = allocation("p", [grants((A, 1, 1))])
+    other = allocation("q", [grants((B, 1, 1))])
+    claim = InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9)
+    ledger = NodeLedger(node="n", allocations={"p": alloc, "q": other}, claims={"p": claim})
+    assert hs.finish_pending("p", ledger)
+    finish = hs.Finish("p")
+    done = finish.mutate(ledger)
+    assert finish.wrote
+    assert ledger.allocations["p"].state == AllocationState.BOUND and "p" in ledger.claims
+    assert done.allocations["p"].state == AllocationState.ALLOCATED and done.claims == {}
+    assert done.allocations["q"] is other  # untouched allocations are not copied
+    assert not hs.finish_pending("p", done)
+    with pytest.raises(NoChange):
+        finish.mutate(done)
+    assert not finish.wrote  # the last attempt wrote nothing: no second announcement
+    claimed_only = done.model_copy(update={"claims": {"p": claim}})
+    assert hs.finish_pending("p", claimed_only)  # a claim left behind is still dropped
+
+
 def test_in_flight_pods_oldest_claim_first_and_the_guess_among_equals():
     claims = {u: InFlightClaim(pod_uid=u, namespace="ns", name=u, taken_at=t, expires_at=99)
               for u, t in (("late", 5.0), ("early", 1.0))}

@@ -117,7 +117,9 @@ async def agent_allocate(buckets: Buckets, node: str, uid: str) -> None:
     def mutate(current: NodeLedger | None) -> NodeLedger:
         assert current is not None
         allocation = current.allocations.get(uid)
-        if allocation is not None and allocation.state == AllocationState.BOUND:
+        if allocation is not None and allocation.state in (
+            AllocationState.RESERVED, AllocationState.BOUND  # (as handshake.finish_mutation)
+        ):
             allocation.state = AllocationState.ALLOCATED
         current.claims.pop(uid, None)
         return current

@@ -123,10 +123,11 @@ class LapsingBind:
 
 
 async def lapsing_bind(
-    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster,
+    config: dict[str, Any] | None = None,
 ) -> LapsingBind:
     skew = [0.0]
-    service = await make_service(config={"sweep_interval_s": 3600.0},
+    service = await make_service(config={"sweep_interval_s": 3600.0, **(config or {})},
                                  clock=lambda: time.time() + skew[0])  # fmt: skip
     registration = node(unique("n"), gpus=1, memory_mib=80 * GIB)
     await setup_node(buckets, service, registration)
@@ -228,9 +229,10 @@ async def test_reservation_swept_during_the_bind_fails_it_and_withdraws_the_gran
     make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
     """Pod a's reservation is swept (it lapsed, and the pod was not yet bound in the cluster)
-    while its cluster bind is on the wire: the bind reports the reservation gone instead of
-    success, and the pod loses the grant annotations (its room may be another pod's now)."""
-    setup = await lapsing_bind(make_service, buckets, cluster)
+    while its cluster bind is on the wire: a bind that writes the bound mark reports the
+    reservation gone instead of success, and the pod loses the grant annotations (its room may
+    be another pod's now)."""
+    setup = await lapsing_bind(make_service, buckets, cluster, {"mark_bound_at_bind": True})
 
     async def swept() -> None:  # what the sweep does to a lapsed reservation
         await LedgerWriter(buckets.ledger).release(setup.node, setup.a["metadata"]["uid"])
@@ -238,6 +240,31 @@ async def test_reservation_swept_during_the_bind_fails_it_and_withdraws_the_gran
     error = await filter_and_bind(setup, cluster, swept)
     assert "reservation was gone" in error, error
     assert_grant_withdrawn(cluster, setup.a)
+
+
+async def test_reservation_gone_under_a_bind_that_left_its_mark_withdraws_the_grant(
+    make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
+) -> None:
+    """The bind left the bound mark to the Allocate (the default), and before any came the
+    reservation was released by another replica (what the mark's CAS would have found, had the
+    release come during the bind): nothing in the ledger serves the pod (the agent has no
+    allocation to hand it), and the next sweep withdraws its grant, as the bind would have;
+    nothing is left waiting for a mark."""
+    setup = await lapsing_bind(make_service, buckets, cluster)
+    uid = setup.a["metadata"]["uid"]
+
+    async def nothing() -> None:
+        pass
+
+    assert await filter_and_bind(setup, cluster, nothing) == ""
+    releaser = setup.service.scheduler.releaser
+    assert uid in releaser.bound_unmarked
+    await LedgerWriter(buckets.ledger).release(setup.node, uid)  # another replica's write
+    await wait_until(lambda: uid not in (setup.service.index.entries[setup.node].ledger
+                                         or NodeLedger(node="x")).allocations)  # fmt: skip
+    await setup.service.scheduler.sweep()
+    assert_grant_withdrawn(cluster, setup.a)
+    assert releaser.bound_unmarked == {}
 
 
 @pytest.mark.parametrize("taker", TAKERS)

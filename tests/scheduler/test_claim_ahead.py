@@ -48,10 +48,14 @@ class KeyWrites:
         return self.count
 
 
-async def test_idle_node_filter_claims_and_bind_writes_only_the_bound_mark(
+async def test_idle_node_filter_claims_and_bind_writes_nothing(
     make_service: MakeService, buckets: Any, cluster: Any, nc: Any
 ) -> None:
-    service = await make_service({"reservation_ttl_s": 20}, {"claim_ttl_s": 30})
+    """The filter's one write reserves and claims; the bind writes nothing (the `bound` mark
+    is left to the agent's Allocate, binding.PodBinder._leave_mark); with no Allocate, the
+    sweeper marks it bound once the claim is `orphaned_bind_s` old."""
+    service = await make_service({"reservation_ttl_s": 20},
+                                 {"claim_ttl_s": 30, "orphaned_bind_s": 1.5})  # fmt: skip
     name = await setup_node(buckets, service, node(unique("n"), gpus=2))
     spec = cluster.add_pod(pod(container(mem=2 * GIB, cores=10)))
     uid = spec["metadata"]["uid"]
@@ -66,10 +70,20 @@ async def test_idle_node_filter_claims_and_bind_writes_only_the_bound_mark(
         assert claim.expires_at == claim.taken_at + 30
         async with KeyWrites(nc, name) as writes:
             assert await bind_call(client, spec, name) == ""
-            assert await writes.settled(1) == 1  # the bound mark, no claim write
+            bound_at = asyncio.get_running_loop().time()
+            assert await writes.settled(0) == 0  # no claim write, no bound mark
+        assert cluster.pods[("default", spec["metadata"]["name"])]["spec"]["nodeName"] == name
+        state = await ledger(buckets, name)
+        assert state.allocations[uid].state == AllocationState.RESERVED
+        assert set(state.claims) == {uid}
+        async with KeyWrites(nc, name) as writes:
+            assert await writes.settled(1) == 1  # the sweeper's mark: no Allocate came
+        assert asyncio.get_running_loop().time() - bound_at < 10
     state = await ledger(buckets, name)
-    assert state.allocations[uid].state == AllocationState.BOUND and set(state.claims) == {uid}
-    assert cluster.pods[("default", spec["metadata"]["name"])]["spec"]["nodeName"] == name
+    held = state.allocations[uid]
+    assert held.state == AllocationState.BOUND and held.expires_at is None
+    assert set(state.claims) == {uid}  # still in flight: its Allocate may come
+    assert service.scheduler.releaser.bound_unmarked == {}
 
 
 async def test_no_claim_ahead_beside_a_competitor_in_flight_or_waiting(
@@ -105,8 +119,8 @@ async def test_no_claim_ahead_beside_a_competitor_in_flight_or_waiting(
 async def test_pods_of_one_shape_all_claim_ahead(
     make_service: MakeService, buckets: Any, cluster: Any, nc: Any
 ) -> None:
-    """Interchangeable pods never compete: each filter puts its pod in flight, every bind
-    then writes only its bound mark, and none waits for an Allocate."""
+    """Interchangeable pods never compete: each filter puts its pod in flight, no bind
+    writes (the bound marks are left to the Allocates), and none waits for an Allocate."""
     service = await make_service(config={"bind_timeout_s": 3.0})
     name = await setup_node(buckets, service, node(unique("n"), gpus=4))
     specs = [cluster.add_pod(pod(container(mem=2 * GIB, cores=10))) for _ in range(6)]
@@ -115,7 +129,7 @@ async def test_pods_of_one_shape_all_claim_ahead(
             assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
         async with KeyWrites(nc, name) as writes:
             assert await asyncio.gather(*(bind_call(client, s, name) for s in specs)) == [""] * 6
-            assert await writes.settled(6) == 6
+            assert await writes.settled(0) == 0
     assert set((await ledger(buckets, name)).claims) == {s["metadata"]["uid"] for s in specs}
     assert service.metrics.claim_waits._value.get() == 0
 

@@ -86,7 +86,11 @@ async def test_worked_example_two_pods_share_one_card(
     assert annotations[hami.ANN_BIND_PHASE] == "allocating"
     assert int(annotations[hami.ANN_BIND_TIME]) > 0 and int(annotations[hami.ANN_VGPU_TIME]) > 0
     allocation = state.allocations[pod_b["metadata"]["uid"]]
-    assert allocation.state == AllocationState.BOUND and allocation.container_names == ["main"]
+    # Bound in the cluster and in flight: the bind left the `bound` mark to the agent's
+    # Allocate (one ledger write fewer), and the reservation holds the room until then.
+    assert allocation.state == AllocationState.RESERVED and allocation.container_names == ["main"]
+    assert allocation.expires_at is not None and allocation.expires_at > time.time() + 10
+    assert service.scheduler.releaser.bound_unmarked[pod_b["metadata"]["uid"]][0] == name
 
 
 async def test_bound_event_is_published_once(
@@ -131,7 +135,9 @@ async def test_full_nodes_path_has_no_side_effects_and_bind_reserves(
         assert result["failedNodes"] == {small: "1/1 CardInsufficientMemory"}
         assert await bus.read(buckets.ledger, big, NodeLedger) is None
         assert await bind_call(client, spec, big) == ""
-    assert (await ledger(buckets, big)).allocations[spec["metadata"]["uid"]].state == "bound"
+    entry = await ledger(buckets, big)  # bound, in flight: the mark is left to the Allocate
+    uid = spec["metadata"]["uid"]
+    assert entry.allocations[uid].state == "reserved" and uid in entry.claims
 
 
 async def last_event(nc: Any, subject: str, timeout: float = 20.0) -> bytes:
@@ -501,8 +507,8 @@ async def test_bind_survives_a_failed_bound_write(
     make_service: MakeService, buckets: Buckets, cluster: InMemoryCluster
 ) -> None:
     """The cluster bind happened, so a NATS hiccup while recording it is retried, never
-    reported to kube-scheduler as a failed bind."""
-    service = await make_service()
+    reported to kube-scheduler as a failed bind (a bind that writes the mark itself)."""
+    service = await make_service(config={"mark_bound_at_bind": True})
     name = await setup_node(buckets, service, node(unique("n"), gpus=1, memory_mib=80 * GIB))
     spec = cluster.add_pod(pod(container(mem=10 * GIB, cores=10)))
     real_mark_bound = service.scheduler.ledger.mark_bound
