@@ -33,6 +33,7 @@ from tessera.settings import TesseraSettings
 
 from .elastic_memory import LeaseCollector, ReclaimReporter, card_memory
 from .leases import LeaseService
+from .ledger_guarantees import LedgerGuarantees
 from .mig_dynamic import MigReconciler
 from .mig_service import DynamicMig
 from .mps import MPS_DIR, MpsDaemons
@@ -91,7 +92,10 @@ class NodeAgent:
             on_reclaim=ReclaimReporter(node=node, js=js, cluster=cluster, log=self.log,
                                        source=f"node-agent/{node}/{self.instance}",
                                        evict_grace_s=settings.memory_evict_grace_s),
-            reclaim_wait_s=settings.memory_reclaim_wait_s)  # fmt: skip
+            reclaim_wait_s=settings.memory_reclaim_wait_s,
+            # the node's say past the grace bound (docs/elastic.md, "Reclaim")
+            enforcement=settings.memory_reclaim_enforcement,
+            reclaim_grace_s=settings.memory_reclaim_grace_s)  # fmt: skip
         self.metrics.registry.register(LeaseCollector(self.leases))
         self.configurator: NodeConfigurator | None = None
         self.limits: LimitsService | None = None  # serves limits.set once running
@@ -237,6 +241,9 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
         tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
+        # elastic memory: guarantees count from the ledger, before their containers start
+        tasks.append(asyncio.create_task(LedgerGuarantees(
+            self.buckets.ledger, self.node, self.leases, self.log).run(stop)))
         if self.dynamic_mig is not None:
             tasks.append(asyncio.create_task(
                 self.dynamic_mig.run(stop, self.settings.mig_reconcile_s)))

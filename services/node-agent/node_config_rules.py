@@ -207,7 +207,7 @@ class GpuUsage:
     pods: int = 0
 
 
-def _usage_of(allocation: Allocation) -> dict[str, GpuUsage]:
+def usage_of(allocation: Allocation) -> dict[str, GpuUsage]:
     """What one pod holds per GPU: app containers and sidecars summed, init containers by max
     (while they still run), as the scheduler counts it."""
     def per(grants_list: Iterable[list]) -> dict[str, GpuUsage]:
@@ -237,7 +237,7 @@ def allocated(ledger: NodeLedger | None) -> dict[str, GpuUsage]:
     for allocation in (ledger.allocations.values() if ledger else ()):
         if not allocation.active:
             continue
-        for uuid, u in _usage_of(allocation).items():
+        for uuid, u in usage_of(allocation).items():
             t = total.setdefault(uuid, GpuUsage())
             t.memory_mib += u.memory_mib
             t.cores += u.cores
