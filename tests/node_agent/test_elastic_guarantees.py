@@ -12,8 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
-from test_elastic_leases import GPU, Node, until
 from tessera.node_agent.ledger_guarantees import LedgerGuarantees, booked_guarantees
+from test_elastic_leases import GPU, Node, until
 
 from tessera import bus
 from tessera.bus import Buckets
