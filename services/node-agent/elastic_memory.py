@@ -118,7 +118,8 @@ class LeaseCollector(Collector):
             ("tessera_node_agent_lease_reclaims", "guaranteed requests that found borrowers "
              "holding their GPU's memory (a reclaim began)", self.leases.reclaims),
             ("tessera_node_agent_lease_evictions", "borrowing pods evicted for a guarantee "
-             "(tessera.io/gpumem-reclaim: evict)", len(self.leases.evicted)),
+             "(tessera.io/gpumem-reclaim: evict, or past the grace bound under "
+             "TESSERA_MEMORY_RECLAIM_ENFORCEMENT=evict)", len(self.leases.evicted)),
             ("tessera_node_agent_lease_waits", "lease requests that waited (a reclaim, or "
              "tessera.io/gpumem-wait-seconds)", waits),
             ("tessera_node_agent_lease_borrow_refusals", "requests beyond a guarantee refused: "
