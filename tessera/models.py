@@ -785,6 +785,11 @@ class NodeDeviceConfig(BaseModel):
         None, description="none | single | mixed (static MIG instances) | dynamic (per pod)"
     )
     filterdevices: DeviceFilter | None = None
+    memoryreclaim: Literal["evict", "borrower"] | None = Field(
+        None, description="elastic memory: evict borrowers that keep a due guarantee's memory "
+        "past the grace bound whatever their policy (evict), or only those that opted in "
+        "(borrower); TESSERA_MEMORY_RECLAIM_ENFORCEMENT (docs/elastic.md)",
+    )
 
     def over(self, base: NodeDeviceConfig) -> NodeDeviceConfig:
         """This entry's fields where set, else `base`'s."""

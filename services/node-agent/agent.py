@@ -94,7 +94,7 @@ class NodeAgent:
                                        evict_grace_s=settings.memory_evict_grace_s),
             reclaim_wait_s=settings.memory_reclaim_wait_s,
             # the node's say past the grace bound (docs/elastic.md, "Reclaim")
-            enforcement=settings.memory_reclaim_enforcement,
+            enforcement=self._memory_reclaim,
             reclaim_grace_s=settings.memory_reclaim_grace_s)  # fmt: skip
         self.metrics.registry.register(LeaseCollector(self.leases))
         self.configurator: NodeConfigurator | None = None
@@ -106,6 +106,13 @@ class NodeAgent:
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
         )
         self.metrics.watch_watchdog(lambda: self.watchdog)
+
+    def _memory_reclaim(self) -> str:
+        """The node's enforcement of memory guarantees: its device configuration's
+        `memoryreclaim` (live), else the setting."""
+        if self.configurator is not None:
+            return self.configurator.config.memory_reclaim
+        return self.settings.memory_reclaim_enforcement
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)

@@ -68,7 +68,7 @@ def _explain(error: ValidationError, where: str) -> str:
 
 
 KNOWN_KEYS = ("devicesplitcount", "devicememoryscaling", "devicecorescaling", "operatingmode",
-              "migstrategy", "filterdevices")  # fmt: skip
+              "migstrategy", "filterdevices", "memoryreclaim")  # fmt: skip
 
 
 def parse_entry(raw: Any, where: str = "node config") -> NodeDeviceConfig:
@@ -118,6 +118,7 @@ def base_entry(settings: TesseraSettings) -> NodeDeviceConfig:
         devicecorescaling=settings.device_core_scaling,
         migstrategy=settings.mig_strategy,
         filterdevices=DeviceFilter(),
+        memoryreclaim=settings.memory_reclaim_enforcement,
     )
 
 
@@ -161,6 +162,7 @@ def resolve(merged: NodeDeviceConfig, settings: TesseraSettings) -> DeviceConfig
         mig_strategy=merged.migstrategy or base.mig_strategy,
         exclude_uuids=frozenset(filters.uuid),
         exclude_indices=frozenset(filters.index),
+        memory_reclaim=merged.memoryreclaim or base.memory_reclaim,
     )
 
 
@@ -276,6 +278,8 @@ def describe(config: DeviceConfig) -> str:
         parts.append(f"mode {config.mode}")
     if config.mig_strategy != "none":
         parts.append(f"migstrategy {config.mig_strategy}")
+    if config.memory_reclaim != "evict":
+        parts.append(f"memoryreclaim {config.memory_reclaim}")
     skipped = sorted(config.exclude_uuids) + [f"index {i}" for i in sorted(config.exclude_indices)]
     if skipped:
         parts.append(f"skipping {', '.join(skipped)}")
@@ -292,6 +296,7 @@ def effective_entry(config: DeviceConfig) -> dict[str, Any]:
         migstrategy=config.mig_strategy,  # type: ignore[arg-type]
         filterdevices=DeviceFilter(uuid=sorted(config.exclude_uuids),
                                    index=sorted(config.exclude_indices)),
+        memoryreclaim=config.memory_reclaim,  # type: ignore[arg-type]
     )
     return entry.model_dump(exclude_none=True)
 

@@ -7,17 +7,36 @@ its unix sockets; the ledger on a real NATS server (KV tessera-ledger)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from pathlib import Path
 
+import pytest
+from node_agent_rig import grants, make_pod, running_rig
 from tessera.node_agent.ledger_guarantees import LedgerGuarantees, booked_guarantees
+from tessera.node_agent.node_config_rules import (
+    NodeConfigError,
+    effective_entry,
+    layer,
+    parse_config_map,
+    parse_entry,
+    resolve,
+)
 from test_elastic_leases import GPU, Node, until
 
 from tessera import bus
 from tessera.bus import Buckets
-from tessera.models import Allocation, AllocationState, DeviceGrant, NodeLedger
+from tessera.models import (
+    NODE_CONFIG_KEY,
+    Allocation,
+    AllocationState,
+    DeviceGrant,
+    NodeConfigSetRequest,
+    NodeLedger,
+)
+from tessera.settings import TesseraSettings
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -179,3 +198,47 @@ async def test_the_agent_reads_guarantees_off_the_ledger(
     stop.set()
     await asyncio.wait_for(task, 10)
     await node.service.close()
+
+
+# ---- the node's enforcement, per node ---------------------------------------------------------
+
+
+def test_the_enforcement_is_a_per_node_setting_too() -> None:
+    """`memoryreclaim` in tessera-node-config: a node's entry (or `tessera node-config set`)
+    overrides the chart's TESSERA_MEMORY_RECLAIM_ENFORCEMENT; a bad value names the field."""
+    settings = TesseraSettings()
+    text = json.dumps({"defaults": {}, "nodeconfig": [{"name": "gpu-a",
+                                                       "memoryreclaim": "borrower"}]})
+    config = parse_config_map({"data": {NODE_CONFIG_KEY: text}})
+    a = resolve(layer(settings, config, "gpu-a", None).merged, settings)
+    b = resolve(layer(settings, config, "gpu-b", None).merged, settings)
+    assert (a.memory_reclaim, b.memory_reclaim) == ("borrower", "evict")
+    assert effective_entry(a)["memoryreclaim"] == "borrower"
+    local = parse_entry({"memoryreclaim": "evict"})
+    assert resolve(layer(settings, config, "gpu-a", local).merged, settings).memory_reclaim == \
+        "evict"
+    with pytest.raises(NodeConfigError, match="memoryreclaim"):
+        parse_entry({"memoryreclaim": "never"})
+    lenient = TesseraSettings(memory_reclaim_enforcement="borrower")
+    assert resolve(layer(lenient, None, "gpu-b", None).merged, lenient).memory_reclaim == \
+        "borrower"
+
+
+async def test_the_agent_books_bound_pods_and_follows_its_node_config(short_dir, nc,
+                                                                      buckets) -> None:
+    """The running agent: a pod bound to the node is booked in its lease service before any
+    container starts; `tessera node-config set --memory-reclaim`'s entry changes the node's
+    enforcement without a restart."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        agent = rig.agent
+        assert agent is not None and agent.leases.enforcement == "evict"
+        gpu = rig.gpus[0]
+        pod = make_pod("promised", [("main", 1)])
+        await rig.bind(pod, [grants((gpu, 3000, 30))])
+        uid = pod["metadata"]["uid"]
+        await until(lambda: agent.leases._booked.get(gpu, {}).get(uid) == 3000 * MiB)
+        assert agent.configurator is not None
+        status = await agent.configurator.set_local(
+            NodeConfigSetRequest(config={"memoryreclaim": "borrower"}))
+        assert status.ok, status.reason
+        assert agent.leases.enforcement == "borrower"
