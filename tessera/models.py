@@ -587,8 +587,9 @@ class MemoryReclaimEvent(Event):
     """Elastic memory (docs/elastic.md): a guaranteed container needed memory that a borrower
     held beyond its own guarantee on the same GPU. `reclaimed`: the borrower's unused leases were
     recalled and its allocations beyond its guarantee are refused while the GPU is short;
-    `evicted`: the borrower opted in to eviction (tessera.io/gpumem-reclaim: evict) and the node
-    agent evicted its pod."""
+    `evicted`: the node agent evicted the borrower's pod — it opted in to eviction
+    (tessera.io/gpumem-reclaim: evict), or kept the memory past the node's grace bound
+    (`by_node`)."""
 
     SUBJECT: ClassVar[str] = "tessera.events.memory.<node>.<action>"
     action: MemoryAction
@@ -601,6 +602,10 @@ class MemoryReclaimEvent(Event):
     borrowed_bytes: int = Field(0, ge=0, description="what it held beyond its guarantee")
     short_bytes: int = Field(0, ge=0, description="what the guaranteed request lacked")
     for_pod: str = Field("", description="namespace/name of the pod whose guarantee was due")
+    by_node: bool = Field(
+        False, description="evicted by the node's enforcement (TESSERA_MEMORY_RECLAIM_ENFORCEMENT"
+        "=evict): the borrower kept the memory past the grace bound whatever its own policy",
+    )
 
 
 EVENT_TYPES: tuple[type[Event], ...] = (
@@ -780,6 +785,11 @@ class NodeDeviceConfig(BaseModel):
         None, description="none | single | mixed (static MIG instances) | dynamic (per pod)"
     )
     filterdevices: DeviceFilter | None = None
+    memoryreclaim: Literal["evict", "borrower"] | None = Field(
+        None, description="elastic memory: evict borrowers that keep a due guarantee's memory "
+        "past the grace bound whatever their policy (evict), or only those that opted in "
+        "(borrower); TESSERA_MEMORY_RECLAIM_ENFORCEMENT (docs/elastic.md)",
+    )
 
     def over(self, base: NodeDeviceConfig) -> NodeDeviceConfig:
         """This entry's fields where set, else `base`'s."""

@@ -246,6 +246,18 @@ class TesseraSettings(BaseSettings):
         "unused leases recalled, their frees, evictions) before the account grants it anyway and "
         "the driver answers",
     )
+    memory_reclaim_enforcement: Literal["evict", "borrower"] = Field(
+        "evict",
+        description="elastic memory: when a guarantee is due and borrowers on its GPU have not "
+        "given the memory back within memory_reclaim_grace_s, evict them whatever their own "
+        "tessera.io/gpumem-reclaim (evict: a guarantee is a guarantee), or only those that "
+        "opted in (borrower: past the reclaim wait the driver decides, a CUDA OOM on a full card)",
+    )
+    memory_reclaim_grace_s: float = Field(
+        5.0, ge=0, le=600,
+        description="elastic memory: how long borrowers have to give memory back to a due "
+        "guarantee before memory_reclaim_enforcement=evict evicts them",
+    )
     memory_evict_grace_s: int = Field(
         5, ge=0, le=3600,
         description="elastic memory: the grace period of the eviction of a borrower that opted "

@@ -28,6 +28,7 @@ STATE_DIR_HELP = "the stack's state dir (default: $TESSERA_STATE_DIR, else ./.te
 def _entry(
     split_count: int | None, memory_scaling: float | None, core_scaling: float | None,
     mode: str | None, skip_uuid: list[str], skip_index: list[int],
+    memory_reclaim: str | None = None,
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {}
     if split_count is not None:
@@ -40,6 +41,8 @@ def _entry(
         entry["operatingmode"] = mode
     if skip_uuid or skip_index:
         entry["filterdevices"] = {"uuid": list(skip_uuid), "index": list(skip_index)}
+    if memory_reclaim is not None:
+        entry["memoryreclaim"] = memory_reclaim
     return entry
 
 
@@ -73,6 +76,9 @@ def register(app: typer.Typer) -> None:
                                             help="filterdevices.uuid (repeat)"),
         skip_index: list[int] = typer.Option([], "--skip-index",
                                              help="filterdevices.index (repeat)"),
+        memory_reclaim: str | None = typer.Option(
+            None, "--memory-reclaim", help="memoryreclaim: evict (borrowers that keep a "
+            "guarantee's memory past the grace bound) | borrower (only those that opted in)"),
         reset: bool = typer.Option(False, "--reset", help="drop the local entry"),
         state_dir: Path | None = typer.Option(None, "--state-dir", help=STATE_DIR_HELP),
     ) -> None:
@@ -80,7 +86,7 @@ def register(app: typer.Typer) -> None:
         try:
             request = NodeConfigSetRequest(
                 config=_entry(split_count, memory_scaling, core_scaling, mode, skip_uuid,
-                              skip_index), reset=reset,
+                              skip_index, memory_reclaim), reset=reset,
             )  # fmt: skip
         except ValueError as exc:  # pydantic's ValidationError is one
             fail(f"invalid node configuration: {_first_error(exc)}")

@@ -34,6 +34,7 @@ from tessera.settings import TesseraSettings
 from .dra.runner import start_driver
 from .elastic_memory import LeaseCollector, ReclaimReporter, card_memory
 from .leases import LeaseService
+from .ledger_guarantees import LedgerGuarantees
 from .mig_dynamic import MigReconciler
 from .mig_service import DynamicMig
 from .mps import MPS_DIR, MpsDaemons
@@ -92,7 +93,10 @@ class NodeAgent:
             on_reclaim=ReclaimReporter(node=node, js=js, cluster=cluster, log=self.log,
                                        source=f"node-agent/{node}/{self.instance}",
                                        evict_grace_s=settings.memory_evict_grace_s),
-            reclaim_wait_s=settings.memory_reclaim_wait_s)  # fmt: skip
+            reclaim_wait_s=settings.memory_reclaim_wait_s,
+            # the node's say past the grace bound (docs/elastic.md, "Reclaim")
+            enforcement=self._memory_reclaim,
+            reclaim_grace_s=settings.memory_reclaim_grace_s)  # fmt: skip
         self.metrics.registry.register(LeaseCollector(self.leases))
         self.configurator: NodeConfigurator | None = None
         self.limits: LimitsService | None = None  # serves limits.set once running
@@ -105,6 +109,13 @@ class NodeAgent:
         self.metrics.watch_watchdog(lambda: self.watchdog)
         self.dra = None  # the DRA driver's endpoint in DRA mode (dra/runner.py)
         self.dra_task: asyncio.Task[None] | None = None
+
+    def _memory_reclaim(self) -> str:
+        """The node's enforcement of memory guarantees: its device configuration's
+        `memoryreclaim` (live), else the setting."""
+        if self.configurator is not None:
+            return self.configurator.config.memory_reclaim
+        return self.settings.memory_reclaim_enforcement
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
@@ -244,6 +255,9 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
         tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
+        # elastic memory: guarantees count from the ledger, before their containers start
+        tasks.append(asyncio.create_task(LedgerGuarantees(
+            self.buckets.ledger, self.node, self.leases, self.log).run(stop)))
         if self.dynamic_mig is not None:
             tasks.append(asyncio.create_task(
                 self.dynamic_mig.run(stop, self.settings.mig_reconcile_s)))

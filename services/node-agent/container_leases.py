@@ -52,10 +52,12 @@ class CardView(Protocol):
 
     changed: asyncio.Condition
     reclaim_wait_s: float
+    reclaim_grace_s: float
 
     def others(self, me: ContainerLeases, uuid: str) -> list[Holder]: ...
     def card_bytes(self, uuid: str) -> int: ...
     def reclaim(self, me: ContainerLeases, uuid: str, short: int) -> None: ...
+    def enforce(self, me: ContainerLeases, uuid: str, short: int, waited_s: float) -> None: ...
     def recall_freed(self, uuid: str) -> None: ...
     def held_changed(self, c: ContainerLeases, uuid: str) -> None: ...
     def borrowing(self, uuid: str, other_than: ContainerLeases) -> bool: ...
@@ -272,6 +274,8 @@ class ContainerLeases:
         start = loop.time()
         deadline = start + max(RECALL_WAIT_S, waiting)
         keepalive = start + KEEPALIVE_S
+        due_at = start if due else None  # since when the guarantee waits for borrowers
+        enforced = False  # the node's enforcement asked (once per request)
         last = first
         async with self._changed:
             while True:
@@ -282,12 +286,21 @@ class ContainerLeases:
                     return last.grant
                 if last.refusal is Refusal.RECLAIM and not due and self.card is not None:
                     due = True  # pressure began while this request waited
+                    due_at = loop.time()
                     self.card.reclaim(self, uuid, last.short)
                     waiting = max(waiting, self.card.reclaim_wait_s)
                     deadline = max(deadline, loop.time() + waiting)
                 if waiting:  # a free since: what the freeing process kept unused, too
                     (self.card or self).recall_freed(uuid)
                 now = loop.time()
+                enforce_at = None
+                if due_at is not None and not enforced and self.card is not None:
+                    enforce_at = due_at + self.card.reclaim_grace_s
+                    if now >= enforce_at:
+                        enforce_at = None
+                        if last.refusal is Refusal.RECLAIM:
+                            enforced = True  # the borrowers kept it past the grace bound
+                            self.card.enforce(self, uuid, last.short, now - due_at)
                 answered = all(p.recalls == 0 or p.conn not in self.peers for p in others)
                 if now >= deadline or (answered and not waiting):
                     break
@@ -299,8 +312,13 @@ class ContainerLeases:
                     others = self._recall(peer, uuid)
                     if due and self.card is not None:
                         self.card.reclaim(self, uuid, last.short)
+                wake = min(deadline, keepalive, enforce_at or deadline)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), min(deadline, keepalive) - now)
+                    await asyncio.wait_for(self._changed.wait(), max(0.0, wake - now))
+        if (last.refusal is Refusal.RECLAIM and due_at is not None and not enforced
+                and self.card is not None):
+            # the wait ran out before the grace bound: the borrowers kept it all along
+            self.card.enforce(self, uuid, last.short, loop.time() - due_at)
         if last.refusal is Refusal.RECLAIM:
             # the guarantee is the container's: after the bound the account grants it as a hard
             # slice's (the driver has the last word on the card's memory)

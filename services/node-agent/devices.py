@@ -115,11 +115,13 @@ class DeviceConfig:
     mig_strategy: str = "none"  # tessera.mig.STRATEGIES
     exclude_uuids: frozenset[str] = frozenset()
     exclude_indices: frozenset[int] = frozenset()
+    memory_reclaim: str = "evict"  # the node's enforcement of memory guarantees (leases.py)
 
     @classmethod
     def of(cls, settings: TesseraSettings) -> DeviceConfig:
         return cls(settings.device_split_count, settings.device_memory_scaling,
-                   settings.device_core_scaling, mig_strategy=settings.mig_strategy)
+                   settings.device_core_scaling, mig_strategy=settings.mig_strategy,
+                   memory_reclaim=settings.memory_reclaim_enforcement)
 
     def offers(self, gpu: PhysicalGpu) -> bool:
         return gpu.uuid not in self.exclude_uuids and gpu.index not in self.exclude_indices

@@ -1,7 +1,8 @@
 """Elastic memory in the node agent (issue 33, docs/elastic.md): what the lease service needs
 from the rest of the agent — each card's physical memory, and what happens when borrowed memory
 is reclaimed (a MemoryReclaimEvent on the bus, a Warning event on the borrower's pod, and, for a
-borrower that opted in, its eviction through the cluster API)."""
+borrower that opted in or kept the memory past the node's grace bound, its eviction through the
+cluster API)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,13 @@ class ReclaimReporter:
         p = notice.borrower.prepared
         namespace, pod, container = (p.namespace, p.pod, p.container) if p else ("", "", "")
         gib = notice.borrowed_bytes / (1 << 30)
-        if notice.action == "evicted":
+        if notice.action == "evicted" and notice.by_node:
+            reason, message = "GpuMemoryBorrowerEvicted", (
+                f"evicted: it held {gib:.2f} GiB beyond its guarantee on {notice.device_uuid}, "
+                f"which {notice.for_pod or 'a guaranteed neighbour'} needed, and did not give "
+                f"it back within {notice.after_s:.0f} s (the node's policy: "
+                "TESSERA_MEMORY_RECLAIM_ENFORCEMENT=evict)")
+        elif notice.action == "evicted":
             reason, message = "GpuMemoryBorrowerEvicted", (
                 f"evicted: it held {gib:.2f} GiB beyond its guarantee on {notice.device_uuid}, "
                 f"which {notice.for_pod or 'a guaranteed neighbour'} needed "
@@ -62,7 +69,7 @@ class ReclaimReporter:
                     pod_uid=notice.borrower.pod_uid, namespace=namespace, pod=pod,
                     container=container, borrowed_bytes=notice.borrowed_bytes,
                     short_bytes=max(0, notice.short_bytes), for_pod=notice.for_pod,
-                    source=self.source, reason=message))  # fmt: skip
+                    by_node=notice.by_node, source=self.source, reason=message))  # fmt: skip
             except Exception as exc:
                 self.log.warning("memory event not published", extra={"err": str(exc)})
         if self.cluster is None or not pod:
@@ -111,7 +118,8 @@ class LeaseCollector(Collector):
             ("tessera_node_agent_lease_reclaims", "guaranteed requests that found borrowers "
              "holding their GPU's memory (a reclaim began)", self.leases.reclaims),
             ("tessera_node_agent_lease_evictions", "borrowing pods evicted for a guarantee "
-             "(tessera.io/gpumem-reclaim: evict)", len(self.leases.evicted)),
+             "(tessera.io/gpumem-reclaim: evict, or past the grace bound under "
+             "TESSERA_MEMORY_RECLAIM_ENFORCEMENT=evict)", len(self.leases.evicted)),
             ("tessera_node_agent_lease_waits", "lease requests that waited (a reclaim, or "
              "tessera.io/gpumem-wait-seconds)", waits),
             ("tessera_node_agent_lease_borrow_refusals", "requests beyond a guarantee refused: "

@@ -29,6 +29,15 @@ that opted in to waiting (`PreparedContainer.memory_wait_s`) has a request that 
 wait that long for memory to be freed instead of failing at once. While a request waits the
 service writes `W` lines (ignored by libvgpu) so its reply timeout does not run out.
 
+The node's say (`enforcement`, TESSERA_MEMORY_RECLAIM_ENFORCEMENT): a guaranteed request still
+short after `reclaim_grace_s` has the borrowers that did not give the memory back evicted, whatever
+their own policy (`evict`, the default), or only those that opted in (`borrower`).
+
+Guarantees are known before their containers start: `set_booked` (fed from the node's ledger,
+ledger_guarantees.py) gives every pod's guarantee per GPU from the moment it is bound to the
+node; until its containers are sealed the unsealed part counts as a neighbour's guarantee
+nobody holds yet, so nothing is lent out of it.
+
 `LeaseBook` is the pure account; `ContainerLeases` serves one socket; `LeaseService` keeps one
 per prepared container directory and is the card-wide view (`CardView`).
 """
@@ -53,7 +62,13 @@ from .container_leases import (
 )
 from .containers import ContainerDir
 from .lease_protocol import MAX_CONNECTIONS, LeaseBook, Peer, ProtocolError, parse_line
-from .memory_lending import Holder, reclaim_victims
+from .memory_lending import (
+    ENFORCE_EVICT,
+    ENFORCEMENTS,
+    RECLAIM_POLICIES,
+    Holder,
+    reclaim_victims,
+)
 
 __all__ = [
     "KEEPALIVE_S", "LIMITS_RECHECK_S", "MAX_CONNECTIONS", "RECALL_WAIT_S", "CardView",
@@ -63,6 +78,7 @@ __all__ = [
 
 SYNC_S = 0.2  # how often the service looks for new or removed container directories
 RECLAIM_WAIT_S = 15.0  # how long a guaranteed request waits for borrowed memory to come back
+RECLAIM_GRACE_S = 5.0  # how long borrowers have to give it back before the node evicts them
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,8 @@ class ReclaimNotice:
     short_bytes: int
     for_pod: str  # namespace/name of the container whose guarantee was due
     for_pod_uid: str
+    by_node: bool = False  # evicted by the node's enforcement (not its own opt-in) ...
+    after_s: float = 0.0  # ... after it kept the memory this long
 
 
 class LeaseService:
@@ -91,13 +109,17 @@ class LeaseService:
                  card_memory: Callable[[str], int] | None = None,
                  on_reclaim: Callable[[ReclaimNotice], Awaitable[None] | None] | None = None,
                  reclaim_wait_s: float = RECLAIM_WAIT_S,
-                 notice_every_s: float = 5.0) -> None:  # fmt: skip
+                 notice_every_s: float = 5.0,
+                 enforcement: str | Callable[[], str] = ENFORCE_EVICT,
+                 reclaim_grace_s: float = RECLAIM_GRACE_S) -> None:  # fmt: skip
         self.containers = containers
         self.log = log or logging.getLogger("tessera.node_agent.leases")
         self.version = version  # when given: sync only after it moved (ContainerStore.version)
         self.card_memory = card_memory  # uuid -> physical bytes (None/0: nothing is lent)
         self.on_reclaim = on_reclaim  # events, and the eviction of borrowers that opted in
         self.reclaim_wait_s = reclaim_wait_s
+        self.reclaim_grace_s = reclaim_grace_s
+        self._enforcement = enforcement  # a value, or read at each use (a live setting)
         self.notice_every_s = notice_every_s
         self.changed = asyncio.Condition()  # one for the node: a free anywhere may be awaited
         self.served: dict[Path, ContainerLeases] = {}
@@ -109,6 +131,7 @@ class LeaseService:
         self.reclaims = 0  # times a guarantee found borrowers in its way (metrics)
         self._tasks: set[asyncio.Task[None]] = set()
         self._borrowers: dict[str, set[str]] = {}  # uuid -> keys of containers borrowing there
+        self._booked: dict[str, dict[str, int]] = {}  # uuid -> pod uid -> guaranteed bytes
 
     async def sync(self) -> None:
         version = self.version() if self.version else None
@@ -141,20 +164,49 @@ class LeaseService:
 
     # ---- the card-wide view (CardView) --------------------------------------------------------
 
+    @property
+    def enforcement(self) -> str:
+        value = self._enforcement() if callable(self._enforcement) else self._enforcement
+        return value if value in ENFORCEMENTS else ENFORCE_EVICT
+
     def _arrived(self, new: ContainerLeases) -> None:
         """A container was sealed onto cards: where its guarantee leaves borrowers holding more
         than the card has room for, their unused leases come back now (their next allocation
         beyond the guarantee asks, and is refused while the card is short)."""
         new.limit("")  # read its sealed limits
         for uuid in new.uuids():
-            card = self.card_bytes(uuid)
-            if not card or not self._borrowers.get(uuid):
-                continue
-            holders = [c.holder(uuid, fresh=False) for c in self.served.values()]
-            if card - sum(h.reserved for h in holders) < 0:
-                for c in self.served.values():
-                    if c is not new and c.holder(uuid, fresh=False).borrowed:
-                        c.recall_all(uuid)
+            self._recall_if_short(uuid, new)
+
+    def _recall_if_short(self, uuid: str, new: ContainerLeases | None = None) -> None:
+        card = self.card_bytes(uuid)
+        if not card or not self._borrowers.get(uuid):
+            return
+        holders = [c.holder(uuid, fresh=False) for c in self.served.values()]
+        if card - sum(h.reserved for h in holders + self._pending(uuid)) < 0:
+            for c in self.served.values():
+                if c is not new and c.holder(uuid, fresh=False).borrowed:
+                    c.recall_all(uuid)
+
+    def set_booked(self, booked: dict[str, dict[str, int]]) -> None:
+        """The guarantees on the node's ledger: GPU uuid -> pod uid -> bytes guaranteed (every
+        active allocation: reserved, bound, allocated). A pod's guarantee counts from here on,
+        before its containers are sealed; borrowers whose loans it leaves the card short of
+        have their unused leases recalled at once."""
+        changed = {u for u in booked.keys() | self._booked.keys()
+                   if booked.get(u) != self._booked.get(u)}  # fmt: skip
+        self._booked = {u: dict(pods) for u, pods in booked.items() if pods}
+        for uuid in changed:
+            self._recall_if_short(uuid)
+
+    def _pending(self, uuid: str) -> list[Holder]:
+        """The part of each booked guarantee on `uuid` that no sealed container of its pod
+        holds yet, as a neighbour that holds nothing yet (it may not be lent)."""
+        out = []
+        for pod, booked in self._booked.get(uuid, {}).items():
+            sealed = sum(c.holder(uuid, fresh=False).guarantee for c in self._by_pod.get(pod, ()))
+            if booked > sealed:
+                out.append(Holder(f"{pod}/booked", booked - sealed, booked - sealed, 0))
+        return out
 
     def card_bytes(self, uuid: str) -> int:
         if self.card_memory is None:
@@ -172,7 +224,7 @@ class LeaseService:
             h = c.holder(uuid, fresh=False)
             if h.limit:
                 out.append(h)
-        return out
+        return out + self._pending(uuid)
 
     def held_changed(self, c: ContainerLeases, uuid: str) -> None:
         """Keep the set of borrowers per GPU (a hard slice's request asks only that)."""
@@ -215,6 +267,32 @@ class LeaseService:
             self.log.warning("lease service: borrowed memory %s", notice.action, extra={
                 "container": c.key, "device": uuid, "borrowed": notice.borrowed_bytes,
                 "short": short, "for": notice.for_pod})  # fmt: skip
+            self._emit(notice)
+
+    def enforce(self, me: ContainerLeases, uuid: str, short: int, waited_s: float) -> None:
+        """`me`'s guarantee on `uuid` has waited `waited_s` (the grace bound) and is still
+        `short`: under the node's enforcement `evict`, evict the borrowers that kept the memory,
+        whatever their own policy, most borrowed first, beyond what evictions already under way
+        will free. Under `borrower` nothing more happens (the wait runs out; the driver decides).
+        """
+        if self.enforcement != ENFORCE_EVICT or short <= 0:
+            return
+        borrowers = [c for c in self.served.values()
+                     if c is not me and c.holder(uuid).borrowed]  # fmt: skip
+        coming = sum(c.holder(uuid).leased for c in borrowers if c.pod_uid in self.evicted)
+        rest = [c.holder(uuid) for c in borrowers if c.pod_uid not in self.evicted]
+        victims = {h.key for h in reclaim_victims(rest, short - coming, RECLAIM_POLICIES)}
+        p = me.prepared
+        for c in borrowers:
+            if c.key not in victims or c.pod_uid in self.evicted:
+                continue
+            self.evicted.add(c.pod_uid)
+            notice = ReclaimNotice(
+                "evicted", uuid, c, c.holder(uuid).borrowed, short,
+                f"{p.namespace}/{p.pod}" if p else "", me.pod_uid, by_node=True, after_s=waited_s)
+            self.log.warning("lease service: borrower evicted by the node's policy", extra={
+                "container": c.key, "device": uuid, "borrowed": notice.borrowed_bytes,
+                "short": short, "for": notice.for_pod, "after_s": round(waited_s, 1)})  # fmt: skip
             self._emit(notice)
 
     def _emit(self, notice: ReclaimNotice) -> None:

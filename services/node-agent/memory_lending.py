@@ -17,6 +17,9 @@ A request is granted
   allocation beyond the guarantee refused, borrowers that opted in evicted) and the request
   waits for it. With no borrower on the card the rule is exactly the hard slice's of before.
 
+Borrowers that do not give the memory back within the node's grace bound are evicted whatever
+their own policy when the node enforces guarantees (`ENFORCE_EVICT`, the default).
+
 `offer` answers one request; `reclaim_victims` picks which borrowers an eviction would free.
 """
 
@@ -29,6 +32,12 @@ from enum import StrEnum
 RECLAIM_FAIL = "fail"  # default: a borrower's allocations beyond its guarantee fail under pressure
 RECLAIM_EVICT = "evict"  # opt-in: the node agent evicts the borrowing pod (an event says so)
 RECLAIM_POLICIES = (RECLAIM_FAIL, RECLAIM_EVICT)
+
+# The node's say (TESSERA_MEMORY_RECLAIM_ENFORCEMENT): whether a borrower that does not give the
+# memory back within the grace bound is evicted whatever its own policy.
+ENFORCE_EVICT = "evict"  # default: a guarantee is a guarantee
+ENFORCE_BORROWER = "borrower"  # only borrowers that opted in are evicted (the pod's policy alone)
+ENFORCEMENTS = (ENFORCE_EVICT, ENFORCE_BORROWER)
 
 
 @dataclass(frozen=True)
@@ -89,12 +98,14 @@ def offer(me: Holder, others: Sequence[Holder], card: int, need: int, want: int)
     return Offer(0, Refusal.BORROW)
 
 
-def reclaim_victims(others: Sequence[Holder], short: int) -> list[Holder]:
-    """Borrowers that opted in to eviction, most borrowed first, until `short` bytes would come
-    back (all of them if that is not enough)."""
+def reclaim_victims(others: Sequence[Holder], short: int,
+                    policies: Sequence[str] = (RECLAIM_EVICT,)) -> list[Holder]:  # fmt: skip
+    """Borrowers whose policy is one of `policies` (by default: those that opted in to
+    eviction), most borrowed first, until `short` bytes would come back (all of them if that is
+    not enough). The node's enforcement past the grace bound passes every policy."""
     out: list[Holder] = []
     got = 0
-    for h in sorted((o for o in others if o.borrowed and o.policy == RECLAIM_EVICT),
+    for h in sorted((o for o in others if o.borrowed and o.policy in policies),
                     key=lambda o: (-o.borrowed, o.key)):  # fmt: skip
         if got >= short:
             break

@@ -68,7 +68,7 @@ def _explain(error: ValidationError, where: str) -> str:
 
 
 KNOWN_KEYS = ("devicesplitcount", "devicememoryscaling", "devicecorescaling", "operatingmode",
-              "migstrategy", "filterdevices")  # fmt: skip
+              "migstrategy", "filterdevices", "memoryreclaim")  # fmt: skip
 
 
 def parse_entry(raw: Any, where: str = "node config") -> NodeDeviceConfig:
@@ -118,6 +118,7 @@ def base_entry(settings: TesseraSettings) -> NodeDeviceConfig:
         devicecorescaling=settings.device_core_scaling,
         migstrategy=settings.mig_strategy,
         filterdevices=DeviceFilter(),
+        memoryreclaim=settings.memory_reclaim_enforcement,
     )
 
 
@@ -161,6 +162,7 @@ def resolve(merged: NodeDeviceConfig, settings: TesseraSettings) -> DeviceConfig
         mig_strategy=merged.migstrategy or base.mig_strategy,
         exclude_uuids=frozenset(filters.uuid),
         exclude_indices=frozenset(filters.index),
+        memory_reclaim=merged.memoryreclaim or base.memory_reclaim,
     )
 
 
@@ -207,7 +209,7 @@ class GpuUsage:
     pods: int = 0
 
 
-def _usage_of(allocation: Allocation) -> dict[str, GpuUsage]:
+def usage_of(allocation: Allocation) -> dict[str, GpuUsage]:
     """What one pod holds per GPU: app containers and sidecars summed, init containers by max
     (while they still run), as the scheduler counts it."""
     def per(grants_list: Iterable[list]) -> dict[str, GpuUsage]:
@@ -237,7 +239,7 @@ def allocated(ledger: NodeLedger | None) -> dict[str, GpuUsage]:
     for allocation in (ledger.allocations.values() if ledger else ()):
         if not allocation.active:
             continue
-        for uuid, u in _usage_of(allocation).items():
+        for uuid, u in usage_of(allocation).items():
             t = total.setdefault(uuid, GpuUsage())
             t.memory_mib += u.memory_mib
             t.cores += u.cores
@@ -276,6 +278,8 @@ def describe(config: DeviceConfig) -> str:
         parts.append(f"mode {config.mode}")
     if config.mig_strategy != "none":
         parts.append(f"migstrategy {config.mig_strategy}")
+    if config.memory_reclaim != "evict":
+        parts.append(f"memoryreclaim {config.memory_reclaim}")
     skipped = sorted(config.exclude_uuids) + [f"index {i}" for i in sorted(config.exclude_indices)]
     if skipped:
         parts.append(f"skipping {', '.join(skipped)}")
@@ -292,6 +296,7 @@ def effective_entry(config: DeviceConfig) -> dict[str, Any]:
         migstrategy=config.mig_strategy,  # type: ignore[arg-type]
         filterdevices=DeviceFilter(uuid=sorted(config.exclude_uuids),
                                    index=sorted(config.exclude_indices)),
+        memoryreclaim=config.memory_reclaim,  # type: ignore[arg-type]
     )
     return entry.model_dump(exclude_none=True)
 

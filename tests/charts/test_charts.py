@@ -22,6 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tessera.settings import TesseraSettings
+
 REPO_CHARTS = Path(__file__).resolve().parents[2] / "charts"
 NATS_STANDIN = Path(__file__).resolve().parent / "standins" / "nats"
 SERVICE_CHARTS = [
@@ -606,7 +608,7 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("", "nodes"): {"get", "patch"},
         ("", "events"): {"create", "patch"},
         ("", "configmaps"): {"get", "list", "watch"},  # tessera-node-config, its namespace only
-        ("", "pods/eviction"): {"create"},  # elastic memory: borrowers that opted in
+        ("", "pods/eviction"): {"create"},  # elastic memory: borrowers past a guarantee
     },
     "tessera-scheduler": {
         ("", "pods"): {"get", "list", "watch", "patch"},
@@ -770,6 +772,24 @@ def test_node_agent_without_install_has_no_init_container(charts_dir: Path) -> N
         "tessera-node-config"]
     regions = next(v for v in pod["volumes"] if v["name"] == "regions")
     assert regions["hostPath"]["path"] == "/data/regions"
+
+
+def test_node_agent_enforces_memory_guarantees_unless_told_otherwise(charts_dir: Path) -> None:
+    """Elastic memory: by default the node evicts a borrower that keeps a due guarantee's memory
+    past the grace bound; an operator can leave it to the pods. Whatever the chart renders, the
+    agent's settings accept it."""
+    def settings_of(values: dict[str, Any] | None) -> TesseraSettings:
+        env = env_of(container(find(render(charts_dir, "tessera-node-agent", values),
+                                    "DaemonSet"), "node-agent"))  # fmt: skip
+        keys = ("TESSERA_MEMORY_RECLAIM_ENFORCEMENT", "TESSERA_MEMORY_RECLAIM_GRACE_S")
+        assert all(k in env for k in keys), env
+        return TesseraSettings(**{k.removeprefix("TESSERA_").lower(): env[k] for k in keys})
+
+    default = settings_of(None)
+    assert (default.memory_reclaim_enforcement, default.memory_reclaim_grace_s) == ("evict", 5)
+    lenient = settings_of({"config": {"memoryReclaimEnforcement": "borrower",
+                                      "memoryReclaimGraceS": 12}})  # fmt: skip
+    assert (lenient.memory_reclaim_enforcement, lenient.memory_reclaim_grace_s) == ("borrower", 12)
 
 
 def run_install(script: Path, source: Path, vgpu_dir: Path) -> str:

@@ -7,7 +7,11 @@ guarantee + burst limit, and the container's lease socket leases it 12 GiB (spok
 speaks it). A guaranteed neighbour (8 GiB) is then placed on the 12 GiB the guarantees leave, and
 asks for its memory: the agent evicts the borrower through the Eviction API with a Warning event
 on it, and the neighbour's lease is granted once the borrower is gone. A bad burst annotation is
-denied at admission."""
+denied at admission.
+
+A borrower that did not opt in (policy `fail`) and keeps the memory is evicted by the node's
+enforcement (TESSERA_MEMORY_RECLAIM_ENFORCEMENT=evict, the default) after the grace bound, with
+the same Warning and a `MemoryReclaimEvent` (`by_node`) on the bus."""
 
 from __future__ import annotations
 
@@ -18,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tessera import elastic, region
+from tessera import bus, elastic, region
+from tessera.bus import connect
+from tessera.codec import decode
+from tessera.models import MemoryReclaimEvent
 from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, gpu_pod, gpu_uuid, start_stack
@@ -32,7 +39,8 @@ GiB = 1 << 30
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
-    env = {"TESSERA_MEMORY_EVICT_GRACE_S": "0", "TESSERA_MEMORY_RECLAIM_WAIT_S": "90"}
+    env = {"TESSERA_MEMORY_EVICT_GRACE_S": "0", "TESSERA_MEMORY_RECLAIM_WAIT_S": "90",
+           "TESSERA_MEMORY_RECLAIM_GRACE_S": "2"}
     yield from start_stack(NODES, env=env)
 
 
@@ -115,6 +123,69 @@ def test_a_burst_pod_borrows_and_is_evicted_for_a_guarantee(sim: RunningStack,
     events = kube.http.get(f"/api/v1/namespaces/{namespace}/events").json()["items"]
     reasons = {e["reason"] for e in events if e["involvedObject"]["name"] == "burst"}
     assert "GpuMemoryBorrowerEvicted" in reasons, reasons
+    kube.delete_namespace_pods(namespace)  # the card free again for the next test
+
+
+async def hold(sock: Path, need: int, deadline_s: float = 90):
+    """A borrower's process: leases `need` (asking again while a previous test's pods are still
+    booked on the card) and keeps the connection; answers recalls with nothing unused."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        r, w = await asyncio.open_unix_connection(str(sock))
+        w.write(f"A {gpu_uuid(NODE, 0)} {need} {need}\n".encode())
+        await w.drain()
+        line = await asyncio.wait_for(r.readline(), 30)
+        if line == f"G {need}\n".encode():
+            return r, w
+        w.close()
+        assert loop.time() < end, f"never leased {need} bytes: {line!r}"
+        await asyncio.sleep(0.5)
+
+
+def test_a_borrower_that_keeps_the_memory_is_evicted_by_the_node(sim: RunningStack,
+                                                                namespace: str) -> None:
+    kube = sim.kube
+    borrower = gpu_pod("keeper", mem=4096, cores=20, node=NODE, annotations={
+        elastic.ANN_GPUMEM_LIMIT: "12288"})  # policy fail: it never opted in to eviction
+    assert kube.create_pod(borrower, namespace).status_code == 201
+    uid = kube.wait_running(namespace, "keeper", timeout_s=60)["metadata"]["uid"]
+    d = limits_dir(sim, uid)
+
+    async def scenario() -> tuple[int, list[MemoryReclaimEvent]]:
+        nc = await connect(sim.stack.nats_settings(), name="e2e-elastic", initial_attempts=5)
+        js = nc.jetstream()
+        subject = bus.memory_event_subject(NODE, "reclaimed").rsplit(".", 1)[0] + ".>"
+        sub = await js.subscribe(subject, ordered_consumer=True)
+        _r, w = await hold(await served(d / region.LEASE_SOCKET_NAME), 12 * GiB)
+        try:
+            neighbour = gpu_pod("promised", mem=8192, cores=20, node=NODE)
+            assert kube.create_pod(neighbour, namespace).status_code == 201
+            placed = await asyncio.to_thread(kube.wait_running, namespace, "promised", 60)
+            n = await served(limits_dir(sim, placed["metadata"]["uid"]) / region.LEASE_SOCKET_NAME)
+            granted = await ask(n, 8 * GiB)  # waits past the grace bound for the eviction
+            events = []
+            while len(events) < 2:  # this borrower's (an earlier test's are on the stream)
+                event = decode((await sub.next_msg(timeout=30)).data, MemoryReclaimEvent)
+                if event.pod_uid == uid:
+                    events.append(event)
+            return granted, events
+        finally:
+            w.close()
+            await nc.close()
+
+    granted, events = asyncio.run(scenario())
+    assert granted == 8 * GiB
+    assert [(e.action, e.by_node, e.pod_uid) for e in events] == [
+        ("reclaimed", False, uid), ("evicted", True, uid)]
+    kube.wait_for("the borrower evicted",
+                  lambda: "keeper" not in {p["metadata"]["name"] for p in kube.pods(namespace)},
+                  60)  # fmt: skip
+    events = kube.http.get(f"/api/v1/namespaces/{namespace}/events").json()["items"]
+    messages = [e["message"] for e in events if e["involvedObject"]["name"] == "keeper"
+                and e["reason"] == "GpuMemoryBorrowerEvicted"]  # fmt: skip
+    assert messages and "did not give it back" in messages[0], messages
+    kube.delete_namespace_pods(namespace)
 
 
 def test_a_bad_limit_is_denied(sim: RunningStack, namespace: str) -> None:

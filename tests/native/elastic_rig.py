@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from tessera.node_agent import handshake
 from tessera.node_agent.containers import ContainerStore, PreparedContainer
@@ -78,7 +79,9 @@ class ElasticNode:
     """The lease service on its own event loop (a thread), with a card of `card_mib`."""
 
     def __init__(self, native: NativeBuild, base: Path, card_mib: int = 16384,
-                 reclaim_wait_s: float = 20.0) -> None:  # fmt: skip
+                 reclaim_wait_s: float = 20.0, **service: Any) -> None:  # fmt: skip
+        """`service`: more of LeaseService's settings (the node's `enforcement`,
+        `reclaim_grace_s`)."""
         self.native, self.base, self.card_mib = native, base, card_mib
         self.gpu_state = base / "gpu"
         self.store = ContainerStore(base / "r")
@@ -91,7 +94,8 @@ class ElasticNode:
         self.service = LeaseService(
             self.store.all, logging.getLogger("elastic-rig"),
             card_memory=lambda u: card_mib * MiB if u == GPU0 else 0,
-            on_reclaim=self._on_reclaim, reclaim_wait_s=reclaim_wait_s)  # fmt: skip
+            on_reclaim=self._on_reclaim, reclaim_wait_s=reclaim_wait_s,
+            **service)  # fmt: skip
 
     def _on_reclaim(self, notice: ReclaimNotice) -> None:
         self.notices.append((self.loop.time(), notice))
@@ -114,6 +118,14 @@ class ElasticNode:
         self.pods[uid] = pod
         self.call(self.service.sync())
         return pod
+
+    def book(self, guarantees_mib: dict[str, int]) -> None:
+        """The node's ledger books these pods (uid -> MiB guaranteed on the card), as
+        ledger_guarantees.LedgerGuarantees hands it to the lease service."""
+        async def set_booked() -> None:
+            self.service.set_booked({GPU0: {u: m * MiB for u, m in guarantees_mib.items()}})
+
+        self.call(set_booked())
 
     def held(self, pod: ElasticPod) -> tuple[int, int]:
         """(leased, borrowed) bytes of the pod's container on the card."""

@@ -110,3 +110,51 @@ def test_waiting_instead_of_oom(node: ElasticNode) -> None:
     assert a(f"free {ids[0]}")["ok"]
     r = b.recv(30)
     assert r["ok"], b.stderr()
+
+
+@pytest.fixture
+def strict_node(native: NativeBuild) -> Iterator[ElasticNode]:
+    """The node's default enforcement (evict) with a short grace bound."""
+    base = Path(tempfile.mkdtemp(prefix="elm-"))
+    n = ElasticNode(native, base, reclaim_grace_s=1.0)
+    try:
+        yield n
+    finally:
+        n.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_borrower_that_never_frees_is_evicted_by_the_node(strict_node: ElasticNode) -> None:
+    """Policy `fail` (the pod did not opt in): it keeps its 12 GiB; past the node's grace bound
+    the node evicts it and the neighbour's guarantee is met — not left to the driver's OOM."""
+    node = strict_node
+    pod = node.pod(BORROWER, "burst", guarantee_mib=4096, limit_mib=12288)
+    b = pod.cuctl()
+    alloc_gib(b, 12)
+    neighbour = node.pod(NEIGHBOUR, "guaranteed", guarantee_mib=8192)
+    n = neighbour.cuctl()
+    t0 = time.monotonic()
+    r = n(f"alloc plain {8 * GiB}", timeout=40)
+    assert r["ok"], n.stderr()
+    assert 0.9 <= time.monotonic() - t0 < 30
+    assert [(x.action, x.by_node) for _, x in node.notices] == [("reclaimed", False),
+                                                                ("evicted", True)]  # fmt: skip
+    assert b.p.wait(timeout=30) == -9  # the borrower's process is gone (killed)
+    assert n("phys")["phys"] == 8 * GiB
+
+
+def test_a_guarantee_on_the_ledger_stops_borrowing_before_its_container_starts(
+    node: ElasticNode,
+) -> None:
+    pod = node.pod(BORROWER, "burst", guarantee_mib=4096, limit_mib=12288)
+    b = pod.cuctl()
+    node.book({NEIGHBOUR: 8192})  # bound to the node; its container not started yet
+    alloc_gib(b, 8)  # what nobody is guaranteed: 16 - 8
+    r = b(f"alloc plain {GiB}")
+    assert not r["ok"] and r["rc"] == 2  # not the neighbour's room
+    neighbour = node.pod(NEIGHBOUR, "guaranteed", guarantee_mib=8192)
+    n = neighbour.cuctl()
+    t0 = time.monotonic()
+    alloc_gib(n, 8)  # its guarantee was kept free: no reclaim, no wait
+    assert time.monotonic() - t0 < 10 and node.notices == []
+    assert n("phys")["phys"] == 16 * GiB

@@ -276,10 +276,11 @@ def test_the_watchdog_holds_a_borrower_to_its_burst_limit() -> None:
 async def test_past_the_reclaim_bound_the_guarantee_is_granted_as_a_hard_slice(
     tmp_path: Path,
 ) -> None:
-    """A borrower that never frees (policy fail): after TESSERA_MEMORY_RECLAIM_WAIT_S the account
+    """A borrower that never frees (policy fail) on a node that leaves eviction to the pods
+    (TESSERA_MEMORY_RECLAIM_ENFORCEMENT=borrower): after TESSERA_MEMORY_RECLAIM_WAIT_S the account
     grants the neighbour's guarantee as it would a hard slice's (the driver then decides), and
     never more than the guarantee."""
-    node = Node(tmp_path, reclaim_wait_s=1.0)
+    node = Node(tmp_path, reclaim_wait_s=1.0, enforcement="borrower")
     sock_b = node.pod(BORROWER, 4 * GiB, 12 * GiB)
     await node.service.sync()
     b = await node.client(BORROWER, sock_b)
