@@ -152,6 +152,9 @@ class ContainerRequest:
     memory_percentage: int | None
     cores: int
     priority: int | None = None
+    # The device family whose resources the container names (tessera.device_kinds): a request
+    # only goes on devices of a kind of this family.
+    family: str = "nvidia"
 
     @property
     def exclusive(self) -> bool:

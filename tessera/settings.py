@@ -59,6 +59,10 @@ class TesseraSettings(BaseSettings):
     resource_mem_percentage: str = "nvidia.com/gpumem-percentage"
     resource_cores: str = "nvidia.com/gpucores"
     resource_priority: str = "nvidia.com/priority"
+    # Other device families' resource names over their HAMi defaults (tessera.device_kinds), as
+    # HAMi's per-vendor resourceCountName/resourceMemoryName/resourceCoreName: a JSON map
+    # family -> {"count": ..., "memory": ..., "cores": ...}. NVIDIA's are the five above.
+    device_resource_names: dict[str, dict[str, str]] = Field(default_factory=dict)
 
     scheduler_name: str = "tessera-scheduler"
     device_split_count: int = Field(10, ge=1, le=1024)

@@ -20,7 +20,7 @@ from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant, MigInstanceGrant
 
 from .cards import Card
-from .mig_fit import MigFit
+from tessera.device_kinds.nvidia.mig_fit import MigFit
 from .rules import (
     CARDS_INSUFFICIENT,
     NUMA_NOT_FIT,

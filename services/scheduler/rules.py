@@ -18,8 +18,8 @@ from tessera.hami import ContainerRequest, RequestError
 from tessera.settings import TesseraSettings
 
 from .cards import Card
-from .mig_fit import MigFit, MigRefusal
-from .mig_fit import fit as fit_instance
+from tessera.device_kinds.nvidia.mig_fit import MigFit, MigRefusal
+from tessera.device_kinds.nvidia.mig_fit import fit as fit_instance
 
 # HAMi's reason names.
 CARD_NOT_HEALTH = "CardNotHealth"

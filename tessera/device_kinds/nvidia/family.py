@@ -1,0 +1,52 @@
+"""The `nvidia` family: HAMi's NVIDIA resources, annotations and request reading."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from tessera import hami
+
+from ..base import DeviceFamily, ResourceNames
+
+if TYPE_CHECKING:
+    from tessera.hami import ContainerRequest
+    from tessera.settings import TesseraSettings
+
+FAMILY = "nvidia"
+
+
+class NvidiaFamily(DeviceFamily):
+    """NVIDIA GPUs: `nvidia.com/gpu`, `…/gpumem`, `…/gpumem-percentage`, `…/gpucores`,
+    `…/priority` (each configurable: TESSERA_RESOURCE_NAME, _MEM, _MEM_PERCENTAGE, _CORES,
+    _PRIORITY, as HAMi's chart values)."""
+
+    name = FAMILY
+    vendor = "NVIDIA"
+    register_annotation = hami.ANN_NODE_REGISTER
+    to_allocate_annotation = hami.ANN_DEVICES_TO_ALLOCATE
+    allocated_annotation = hami.ANN_DEVICES_ALLOCATED
+    use_type_annotation = hami.ANN_USE_GPUTYPE
+    nouse_type_annotation = hami.ANN_NOUSE_GPUTYPE
+    use_uuid_annotation = hami.ANN_USE_GPUUUID
+    nouse_uuid_annotation = hami.ANN_NOUSE_GPUUUID
+    mode_annotation = hami.ANN_VGPU_MODE
+
+    def default_names(self, settings: TesseraSettings) -> ResourceNames:
+        return ResourceNames(
+            count=settings.resource_name, memory=settings.resource_mem,
+            memory_percentage=settings.resource_mem_percentage, cores=settings.resource_cores,
+            priority=settings.resource_priority,
+        )  # fmt: skip
+
+    def resource_names(self, settings: TesseraSettings) -> ResourceNames:
+        """NVIDIA's names are the five TESSERA_RESOURCE_* settings (one home for them)."""
+        return self.default_names(settings)
+
+    def read_request(
+        self, container: Mapping[str, Any], settings: TesseraSettings
+    ) -> ContainerRequest | None:
+        return hami.parse_container_request(container, settings)  # type: ignore[arg-type]
+
+
+NVIDIA = NvidiaFamily()

@@ -1,0 +1,169 @@
+"""Which family a resource name belongs to, which kind serves a device. One process-wide registry.
+
+Families and kinds register themselves when their folder is imported; `load()` imports every
+folder named in BUILTIN (a vendor is added by one line there) and is idempotent. Lookups are
+dict reads: the scheduler asks per node and per request, never per card in its inner loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from tessera.hami import RequestError
+
+from .base import DeviceFamily, DeviceKind, ResourceNames
+
+if TYPE_CHECKING:
+    from tessera.hami import ContainerRequest
+    from tessera.models import DeviceInfo
+    from tessera.settings import TesseraSettings
+
+    from .node import NodeFamily
+
+# The folders that register the built-in families and kinds (a vendor adds its line here).
+BUILTIN: tuple[str, ...] = ("tessera.device_kinds.nvidia",)
+
+_families: dict[str, DeviceFamily] = {}
+_kinds: dict[str, DeviceKind] = {}  # kind name -> kind
+_by_mode: dict[str, DeviceKind] = {}  # DeviceInfo.mode -> kind
+_nodes: dict[str, NodeFamily] = {}  # family name -> its node-agent side
+_loaded = False
+
+
+def register(family: DeviceFamily, *kinds: DeviceKind) -> None:
+    """Register a family and its kinds (at import of the family's folder). A mode served by two
+    kinds, or a family name taken by another object, is a programming error."""
+    known = _families.get(family.name)
+    if known is not None and known is not family:
+        raise ValueError(f"device family {family.name!r} is registered twice")
+    _families[family.name] = family
+    for kind in kinds:
+        if kind.family is not family:
+            raise ValueError(f"kind {kind.name!r} belongs to {kind.family.name!r}, "
+                             f"not {family.name!r}")  # fmt: skip
+        for mode in kind.modes:
+            other = _by_mode.get(mode)
+            if other is not None and other is not kind:
+                raise ValueError(f"mode {mode!r} is served by {other.name!r} and {kind.name!r}")
+            _by_mode[mode] = kind
+        _kinds[kind.name] = kind
+
+
+def register_node(node_family: NodeFamily) -> None:
+    """Register a family's node-agent side (imported by the node agent only)."""
+    _nodes[node_family.family.name] = node_family
+
+
+def load() -> None:
+    """Import every built-in folder (each registers itself)."""
+    global _loaded
+    if _loaded:
+        return
+    for module in BUILTIN:
+        importlib.import_module(module)
+    _loaded = True
+
+
+def families() -> list[DeviceFamily]:
+    load()
+    return list(_families.values())
+
+
+def family(name: str) -> DeviceFamily:
+    load()
+    found = _families.get(name)
+    if found is None:
+        raise KeyError(f"no device family {name!r} (known: {', '.join(sorted(_families))})")
+    return found
+
+
+def kinds() -> list[DeviceKind]:
+    load()
+    return list(_kinds.values())
+
+
+def kind_for_mode(mode: str) -> DeviceKind | None:
+    """The kind serving devices registered in `mode` (None: no kind knows the mode)."""
+    load()
+    return _by_mode.get(mode)
+
+
+def kind_of(device: DeviceInfo) -> DeviceKind | None:
+    return kind_for_mode(device.mode)
+
+
+def family_of_mode(mode: str) -> str:
+    """The family name of a device in `mode` ('' when no kind serves the mode)."""
+    kind = kind_for_mode(mode)
+    return kind.family.name if kind is not None else ""
+
+
+def node_family(name: str) -> NodeFamily | None:
+    load()
+    return _nodes.get(name)
+
+
+# --- resource names ---------------------------------------------------------------------------
+
+_names_cache: dict[int, tuple[Any, dict[str, DeviceFamily]]] = {}
+
+
+def resource_map(settings: TesseraSettings) -> dict[str, DeviceFamily]:
+    """Every resource name in effect -> its family (kept per settings object)."""
+    load()
+    cached = _names_cache.get(id(settings))
+    if cached is not None and cached[0] is settings:
+        return cached[1]
+    mapping: dict[str, DeviceFamily] = {}
+    for fam in _families.values():
+        for name in fam.resource_names(settings).all():
+            other = mapping.get(name)
+            if other is not None and other is not fam:
+                raise ValueError(f"resource {name} is named by families {other.name!r} and "
+                                 f"{fam.name!r}")  # fmt: skip
+            mapping[name] = fam
+    _names_cache[id(settings)] = (settings, mapping)
+    return mapping
+
+
+def family_for_resource(name: str, settings: TesseraSettings) -> DeviceFamily | None:
+    return resource_map(settings).get(name)
+
+
+def names_of(family_name: str, settings: TesseraSettings) -> ResourceNames:
+    return family(family_name).resource_names(settings)
+
+
+def families_named(container: Mapping[str, Any], settings: TesseraSettings) -> list[DeviceFamily]:
+    """The families whose resources the container names in its limits or requests (in
+    registration order)."""
+    mapping = resource_map(settings)
+    resources = container.get("resources")
+    named: list[DeviceFamily] = []
+    if isinstance(resources, dict):
+        for section in ("limits", "requests"):
+            values = resources.get(section)
+            if isinstance(values, dict):
+                for key in values:
+                    fam = mapping.get(key) if isinstance(key, str) else None
+                    if fam is not None and fam not in named:
+                        named.append(fam)
+    return named
+
+
+def read_request(
+    container: Mapping[str, Any], settings: TesseraSettings
+) -> ContainerRequest | None:
+    """The container's device request, whichever family it names (None: none). A container
+    names one family: naming two is a RequestError saying so."""
+    named = families_named(container, settings)
+    if not named:
+        return None
+    if len(named) > 1:
+        raise RequestError(
+            f"container {container.get('name', '?')}: asks devices of "
+            f"{' and '.join(f.name for f in named)}; a container takes devices of one family "
+            "(put each family's devices in its own container)")
+    return named[0].read_request(container, settings)
