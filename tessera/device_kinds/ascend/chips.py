@@ -13,6 +13,7 @@ or `{configs: [...]}`); `DEFAULT_CHIPS` is HAMi's built-in table. Pure: parsing 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,25 @@ def chip_for_type(chips: tuple[AscendChip, ...], device_type: str) -> AscendChip
 def chip_for_name(chips: tuple[AscendChip, ...], chip_name: str) -> AscendChip | None:
     """The chip the driver names (`npu-smi info`'s Name column / DCMI's chip_name: `910B3`)."""
     return next((c for c in chips if c.chip_name == chip_name), None)
+
+
+# The table in effect in this process: HAMi's, or the operator's file named by this variable
+# (each service reads it the same way, so admission, the scheduler and the node agent agree).
+CONFIG_ENV = "TESSERA_ASCEND_VNPU_CONFIG"
+_loaded: dict[str, tuple[AscendChip, ...]] = {}
+
+
+def active_chips() -> tuple[AscendChip, ...]:
+    path = os.environ.get(CONFIG_ENV, "")
+    if path not in _loaded:
+        _loaded[path] = load_chips(path)
+    return _loaded[path]
+
+
+def active_chip(common_word: str) -> AscendChip:
+    """The chip of that type in effect (the operator's entry, else HAMi's)."""
+    found = chip_for_type(active_chips(), common_word) or chip_for_type(DEFAULT_CHIPS,
+                                                                        common_word)
+    if found is None:
+        raise KeyError(f"no Ascend chip type {common_word!r}")
+    return found

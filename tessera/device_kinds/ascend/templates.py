@@ -48,7 +48,9 @@ class Cut:
 
 
 def whole_chip(chip: AscendChip) -> Cut:
-    return Cut(WHOLE, chip.memory_allocatable, chip.ai_core, chip.ai_cpu)
+    """A whole NPU (910C: a whole module of two dies)."""
+    dies = 2 if chip.module_pairs else 1
+    return Cut(WHOLE, chip.memory_allocatable * dies, chip.ai_core * dies, chip.ai_cpu * dies)
 
 
 def covering_cut(chip: AscendChip, memory_mib: int | None, ai_core: int = 0) -> Cut | None:

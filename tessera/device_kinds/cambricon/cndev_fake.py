@@ -10,7 +10,7 @@ Modelled on CNDev's documented calls (names kept, Python-cased), with CNDev's re
 | `cndevGetMemoryUsage` | `get_memory_usage(slot)` → (total MiB, used MiB) |
 | `cndevGetDeviceUtilizationInfo` | `get_utilization(slot)` → % |
 | `cndevGetCardHealthState` | `get_health(slot)` → 1 healthy, 0 not |
-| `cndevCreateSmluProfile` | `create_smlu_profile(slot, vcore %, vmemory units)` → (ret, profile id) |
+| `cndevCreateSmluProfile` | `create_smlu_profile(slot, vcore %, vmemory units)` → (ret, id) |
 | `cndevCreateSmluInstanceByProfileID` | `create_smlu_instance(profile, slot)` → (ret, handle) |
 | `cndevDestroySmlu` | `destroy_smlu(handle)` (refused while a process holds it) |
 | `cndevGetAllSmluInfo` | `smlu_infos(slot)` → instances with their device node |
@@ -50,6 +50,7 @@ class SmluInstance:
     profile: int
     vcore: int
     vmemory: int  # 256 MiB units
+    holder: str = ""  # who asked for it (the node agent: the pod's container and MLU)
 
     @property
     def device_node(self) -> str:
@@ -112,7 +113,7 @@ class SimulatedCndev:
             profiles.append({"id": pid, "slot": slot, "vcore": vcore, "vmemory": vmemory})
         return CNDEV_SUCCESS, pid
 
-    def create_smlu_instance(self, profile: int, slot: int) -> tuple[int, int]:
+    def create_smlu_instance(self, profile: int, slot: int, holder: str = "") -> tuple[int, int]:
         with self._state.change() as state:
             spec = next((p for p in state.get("profiles", [])
                          if p["id"] == profile and p["slot"] == slot), None)
@@ -127,7 +128,7 @@ class SimulatedCndev:
             handle = instance << 8 | slot
             state["instances"].append({"handle": handle, "slot": slot, "instance": instance,
                                        "profile": profile, "vcore": spec["vcore"],
-                                       "vmemory": spec["vmemory"]})
+                                       "vmemory": spec["vmemory"], "holder": holder})
         return CNDEV_SUCCESS, handle
 
     def destroy_smlu(self, handle: int) -> int:
@@ -143,7 +144,7 @@ class SimulatedCndev:
 
     def smlu_infos(self, slot: int | None = None) -> list[SmluInstance]:
         return [SmluInstance(i["handle"], i["slot"], i["instance"], i["profile"], i["vcore"],
-                             i["vmemory"])
+                             i["vmemory"], i.get("holder", ""))
                 for i in self._state.read().get("instances", [])
                 if slot is None or i["slot"] == slot]
 

@@ -3,11 +3,11 @@ library HAMi's DCU plugin links):
 
 | tool / library | here |
 |---|---|
-| `hy-smi --showid` / DCGM `DeviceInfos` | `devices()` → index, UUID, `DCU-<model>`, PCI bus id, CUs, VRAM |
+| `hy-smi --showid` / DCGM `DeviceInfos` | `devices()` → index, UUID, `DCU-<model>`, PCI, CUs |
 | `hy-smi --showmeminfo vram` | `vram(index)` → (total MiB, used MiB) |
 | `hy-smi --showuse` | `use(index)` → % |
 | `/dev/kfd` open (HAMi's health check) + driver faults | `healthy(index)` |
-| the driver's vDCU table (`/etc/vdev/vdev<id>.conf`) | `create_vdev(...)`, `destroy_vdev(id)`, `vdevs()` |
+| the driver's vDCU table (`/etc/vdev/vdev<id>.conf`) | `create_vdev`, `destroy_vdev`, `vdevs` |
 
 The driver refuses a vDCU that would give a CU twice or more memory than the DCU has.
 vDCUs and what processes hold live in the state file (they outlive the agent); faults are
@@ -86,6 +86,11 @@ class SimulatedHySmi:
     def vdevs(self) -> list[VdevConfig]:
         return [VdevConfig.parse(v["conf"]) for v in self._state.read().get("vdevs", [])]
 
+    def holders(self) -> dict[int, str]:
+        """vdev id -> who asked for it."""
+        return {VdevConfig.parse(v["conf"]).vdev_id: v.get("holder", "")
+                for v in self._state.read().get("vdevs", [])}
+
     def free_cu_mask(self, index: int) -> int:
         taken = 0
         for v in self.vdevs():
@@ -93,7 +98,8 @@ class SimulatedHySmi:
                 taken |= v.cu_mask
         return ((1 << self.compute_units) - 1) & ~taken
 
-    def create_vdev(self, index: int, cu_mask: int, memory_mib: int) -> tuple[int, VdevConfig | None]:
+    def create_vdev(self, index: int, cu_mask: int, memory_mib: int,
+                    holder: str = "") -> tuple[int, VdevConfig | None]:  # fmt: skip
         if not 0 <= index < self.count or memory_mib <= 0 or cu_mask >> self.compute_units:
             return HYSMI_ERR_INVALID, None
         with self._state.change() as state:
@@ -107,7 +113,7 @@ class SimulatedHySmi:
             dcu = self.devices()[index]
             conf = VdevConfig(dcu.pci_bus_id, cu_mask, bin(cu_mask).count("1"), memory_mib,
                               index, vdev_id, pipe_id)
-            state["vdevs"].append({"conf": conf.render()})
+            state["vdevs"].append({"conf": conf.render(), "holder": holder})
         return HYSMI_OK, conf
 
     def destroy_vdev(self, vdev_id: int) -> int:
