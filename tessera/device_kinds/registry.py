@@ -23,7 +23,12 @@ if TYPE_CHECKING:
     from .node import NodeFamily
 
 # The folders that register the built-in families and kinds (a vendor adds its line here).
-BUILTIN: tuple[str, ...] = ("tessera.device_kinds.nvidia",)
+BUILTIN: tuple[str, ...] = (
+    "tessera.device_kinds.nvidia",
+    "tessera.device_kinds.ascend",
+    "tessera.device_kinds.cambricon",
+    "tessera.device_kinds.hygon",
+)
 
 _families: dict[str, DeviceFamily] = {}
 _kinds: dict[str, DeviceKind] = {}  # kind name -> kind

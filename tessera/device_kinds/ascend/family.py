@@ -127,14 +127,15 @@ class AscendFamily(DeviceFamily):
             notes.warnings.append(f"{label}: {uncovered_reason(chip, memory, request.cores)}; "
                                   "the pod will pend until a chip type that covers it is offered")
             return request
+        per_npu = chip.memory_allocatable if cut.whole else cut.memory_mib  # HAMi: per NPU
         before = limits.get(names.memory, (requests or {}).get(names.memory))
-        if str(before) != str(cut.memory_mib):
-            limits[names.memory] = cut.memory_mib
+        if str(before) != str(per_npu):
+            limits[names.memory] = per_npu
             if isinstance(requests, dict):
-                requests[names.memory] = cut.memory_mib
+                requests[names.memory] = per_npu
             what = f"template {cut.template}" if cut.template else "a whole NPU"
             notes.changes.append(f"{label}: {names.memory} {before or 'unset'} → "
-                                 f"{cut.memory_mib} ({what})")
+                                 f"{per_npu} ({what})")
         return self.read_request(container, settings)
 
     def selection(self, annotations: Mapping[str, Any]) -> Selection:
