@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tessera import mig
+from tessera.device_kinds import DeviceKind, registry
+from tessera.device_kinds.nvidia import SLICES
 from tessera.models import (
     Allocation,
     AllocationState,
@@ -47,6 +49,19 @@ class Card:
     mig_geometries: tuple[dict[str, int], ...] = ()
     mig_instances: list[mig.Instance] = field(default_factory=list)
     libvgpu_slices: int = 0
+    # The device kind serving the card (tessera.device_kinds, by its mode; a dynamic MIG card
+    # is MIG's whatever its mode says; a mode no kind serves is read as libvgpu slices, as
+    # registrations written before modes existed are), its family, and how many of its cards a
+    # container may take for `rules.plain_card` to clear one (0: ask the kind).
+    kind: DeviceKind = None  # type: ignore[assignment]
+    family: str = ""
+    plain: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind is None:
+            kind = registry.kind_for_mode("mig" if self.mig_model else self.mode) or SLICES
+            self.kind, self.family = kind, kind.family.name
+            self.plain = (kind.max_devices_per_container or 1 << 30) if kind.plain else 0
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
@@ -72,6 +87,7 @@ class Card:
             self.memory_mib, self.cores, self.split_count, self.links,
             self.used_mem, self.used_cores, self.used_slots,
             self.mig_model, self.mig_geometries, list(self.mig_instances), self.libvgpu_slices,
+            self.kind, self.family, self.plain,
         )  # fmt: skip
 
     def hold(self, grant: DeviceGrant) -> None:
@@ -205,7 +221,8 @@ def recharged(like: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[
     after every change to its row; reading eight pydantic devices cost 5x copying eight cards."""
     return _charged([
         Card(c.uuid, c.index, c.type, c.mode, c.numa, c.healthy, c.cordoned, c.memory_mib,
-             c.cores, c.split_count, c.links, 0, 0, 0, c.mig_model, c.mig_geometries, [], 0)
+             c.cores, c.split_count, c.links, 0, 0, 0, c.mig_model, c.mig_geometries, [], 0,
+             c.kind, c.family, c.plain)
         for c in like
     ], usages)  # fmt: skip
 

@@ -15,23 +15,19 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tessera import mig
 from tessera.hami import ContainerRequest, PodRequest
-from tessera.models import DeviceGrant, MigInstanceGrant
+from tessera.models import DeviceGrant
 
 from .cards import Card
-from tessera.device_kinds.nvidia.mig_fit import MigFit
 from .rules import (
     CARDS_INSUFFICIENT,
     NUMA_NOT_FIT,
     FitContext,
     PodOptions,
     card_refusal,
-    mig_fit,
     plain_applies,
     plain_card,
     relevant_checks,
-    wants_mig,
 )
 
 # Exhaustive search of the best-linked card set is bounded; beyond it a greedy pick is used.
@@ -175,16 +171,10 @@ def pick_cards(
 
 
 def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
-    memory, cores, instance = request.memory_on(card.memory_mib), request.cores, None
-    if wants_mig(card, ctx.options):
-        # The charge is the profile's, not the request's (check_mig passed, so it fits).
-        fit = mig_fit(card, request)
-        if not isinstance(fit, MigFit):
-            raise AssertionError(f"check_mig passed but the MIG fit refuses: {fit}")
-        profile = mig.model_for(card.mig_model).profile(fit.profile)  # type: ignore[union-attr]
-        memory, cores = fit.memory_mib, fit.cores
-        instance = MigInstanceGrant(profile=fit.profile, start=fit.start,
-                                    size=profile.memory_slices)
+    """The card's kind's grant (the charge is the kind's: a MIG instance charges its
+    profile's), charged on the card and the quota budget."""
+    grant = card.kind.grant(card, request, ctx.options.selection_for(request.family))
+    memory, cores = grant.memory_mib, grant.cores
     card.used_mem += memory
     card.used_cores += cores
     card.used_slots += 1
@@ -192,8 +182,6 @@ def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant
         ctx.quota.memory_mib -= memory
     if ctx.quota.cores is not None:
         ctx.quota.cores -= cores
-    grant = DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=cores,
-                        mig=instance)
     card.hold(grant)
     return grant
 

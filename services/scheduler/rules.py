@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera import hami
+from tessera.device_kinds import Selection, registry
+from tessera.device_kinds.base import NO_SELECTION
 from tessera.hami import ContainerRequest, RequestError
 from tessera.settings import TesseraSettings
 
 from .cards import Card
-from tessera.device_kinds.nvidia.mig_fit import MigFit, MigRefusal
-from tessera.device_kinds.nvidia.mig_fit import fit as fit_instance
 
 # HAMi's reason names.
 CARD_NOT_HEALTH = "CardNotHealth"
@@ -33,7 +33,7 @@ RESOURCE_QUOTA_NOT_FIT = "ResourceQuotaNotFit"
 CARD_INSUFFICIENT_MEMORY = "CardInsufficientMemory"
 CARD_INSUFFICIENT_CORE = "CardInsufficientCore"
 CARD_COMPUTE_UNITS_EXHAUSTED = "CardComputeUnitsExhausted"
-CARD_MIG_INFEASIBLE = "CardMigTopologyInfeasible"
+CARD_MIG_INFEASIBLE = "CardMigTopologyInfeasible"  # NVIDIA's MIG kind's
 CARDS_INSUFFICIENT = "AllocatedCardsInsufficientRequest"
 # Node-level reasons of our own (HAMi has no registration outside node annotations).
 NODE_UNREGISTERED = "NodeUnregistered"
@@ -41,6 +41,8 @@ NODE_UNREGISTERED = "NodeUnregistered"
 NODE_CONSTRAINT = "NodeConstraintMismatch"
 REQUEST_INVALID = "RequestInvalid"
 
+# The family whose selection annotations are hami.ANN_USE_GPUTYPE & co (PodOptions' fields).
+DEFAULT_FAMILY = ContainerRequest.__dataclass_fields__["family"].default
 GPU_POLICIES = hami.GPU_SCHEDULER_POLICIES
 NODE_POLICIES = hami.NODE_SCHEDULER_POLICIES
 
@@ -62,10 +64,29 @@ class PodOptions:
     # Per init container: restartPolicy Always (a sidecar keeps its devices; kubelet does not
     # hand them on to later containers).
     sidecar_init: tuple[bool, ...] = ()
+    # family -> the pod's device selection for it (tessera.device_kinds); the fields above are
+    # the default family's (NVIDIA's annotations) and are folded in here.
+    selections: tuple[tuple[str, Selection], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids or (
+            self.vgpu_mode is not None
+        ):
+            own = Selection(self.use_types, self.nouse_types, self.use_uuids, self.nouse_uuids,
+                            self.vgpu_mode or "")  # fmt: skip
+            others = tuple(pair for pair in self.selections if pair[0] != DEFAULT_FAMILY)
+            object.__setattr__(self, "selections", ((DEFAULT_FAMILY, own), *others))
 
     @property
     def mutex(self) -> bool:
         return "mutex" in self.gpu_policies
+
+    def selection_for(self, family: str) -> Selection:
+        """The pod's selection of devices of `family` (NO_SELECTION: any device)."""
+        for name, selection in self.selections:
+            if name == family:
+                return selection
+        return NO_SELECTION
 
 
 @dataclass
@@ -114,6 +135,13 @@ _OPTION_ANNOTATIONS = (
     hami.ANN_USE_GPUTYPE, hami.ANN_NOUSE_GPUTYPE, hami.ANN_USE_GPUUUID, hami.ANN_NOUSE_GPUUUID,
     hami.ANN_NUMA_BIND, hami.ANN_SCRUB_ON_FREE,
 )  # fmt: skip
+# The other families' selection annotations (tessera.device_kinds), read after those.
+_FAMILY_ANNOTATIONS = tuple(
+    (family, family.selection_annotations())
+    for family in registry.families() if family.name != DEFAULT_FAMILY
+)
+_OPTION_ANNOTATIONS = (*_OPTION_ANNOTATIONS,
+                       *(key for _, keys in _FAMILY_ANNOTATIONS for key in keys))
 
 
 def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOptions:
@@ -165,6 +193,10 @@ def _options(
         weights=hami.parse_scoring_weights(weights_text) if weights_text else (1, 1, 1),
         scrub_on_free=hami.parse_scrub_on_free(text(hami.ANN_SCRUB_ON_FREE)),
         sidecar_init=sidecars,
+        selections=tuple(
+            (family.name, family.selection({k: given[k] for k in keys}))
+            for family, keys in _FAMILY_ANNOTATIONS if any(given[k] is not None for k in keys)
+        ),
     )
 
 
@@ -192,6 +224,11 @@ def only_when(applies: Applies) -> Callable[[FitCheck], FitCheck]:
     return register
 
 
+def check_family(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    """A request goes only on devices of its family (tessera.device_kinds)."""
+    return None if card.family == request.family else CARD_TYPE_MISMATCH
+
+
 def check_health(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     return None if card.healthy else CARD_NOT_HEALTH
 
@@ -200,32 +237,21 @@ def check_cordon(card: Card, request: ContainerRequest, ctx: FitContext) -> str 
     return CARD_CORDONED if card.cordoned else None
 
 
-@only_when(lambda request, ctx: bool(
-    ctx.options.use_types or ctx.options.nouse_types or ctx.options.vgpu_mode is not None
-    or request.count > 1
-))  # fmt: skip
+@only_when(lambda request, ctx: request.count > 1 or ctx.options.selection_for(request.family).any)
 def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    options = ctx.options
-    kind = card.type.lower()
-    if options.use_types and not any(t in kind for t in options.use_types):
-        return CARD_TYPE_MISMATCH
-    if options.nouse_types and any(t in kind for t in options.nouse_types):
-        return CARD_TYPE_MISMATCH
-    if options.vgpu_mode is not None and not any(m in options.vgpu_mode for m in card_modes(card)):
-        return CARD_TYPE_MISMATCH
-    if card.mode.lower() == "mps" and request.count > 1:
-        return CARD_TYPE_MISMATCH  # an MPS client reaches one card's daemon: one card each
-    return None
+    """The card's type and mode against the pod's selection, the kind's limit on cards per
+    container (MPS: one)."""
+    return card.kind.selection_refusal(card, request, ctx.options.selection_for(request.family))
 
 
-@only_when(lambda request, ctx: bool(ctx.options.use_uuids or ctx.options.nouse_uuids))
+def _selects_uuids(request: ContainerRequest, ctx: FitContext) -> bool:
+    selection = ctx.options.selection_for(request.family)
+    return bool(selection.use_uuids or selection.nouse_uuids)
+
+
+@only_when(_selects_uuids)
 def check_uuid_lists(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    options = ctx.options
-    if options.use_uuids and card.uuid not in options.use_uuids:
-        return CARD_UUID_MISMATCH
-    if card.uuid in options.nouse_uuids:
-        return CARD_UUID_MISMATCH
-    return None
+    return ctx.options.selection_for(request.family).uuid_refusal(card)
 
 
 def check_slots(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
@@ -247,64 +273,21 @@ def check_quota(card: Card, request: ContainerRequest, ctx: FitContext) -> str |
     return None
 
 
-def check_memory(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    return CARD_INSUFFICIENT_MEMORY if request.memory_on(card.memory_mib) > card.free_mem else None
-
-
-def check_cores(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    return CARD_INSUFFICIENT_CORE if request.cores > card.free_cores else None
-
-
-@only_when(lambda request, ctx: request.cores >= 100)
-def check_exclusive(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    return EXCLUSIVE_CONFLICT if request.cores >= 100 and not card.idle else None
-
-
-@only_when(lambda request, ctx: request.cores == 0)
-def check_compute_units(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    exhausted = card.cores > 0 and card.used_cores >= card.cores
-    return CARD_COMPUTE_UNITS_EXHAUSTED if request.cores == 0 and exhausted else None
-
-
-def card_modes(card: Card) -> tuple[str, ...]:
-    """The `nvidia.com/vgpu-mode` values a card serves: its mode; a dynamic-MIG card serves
-    MIG instances and, while it holds none, libvgpu slices (HAMi's `mig` mode)."""
-    if card.mig_model:
-        return ("mig", "hami-core")
-    return (card.mode.lower(),)
-
-
-def wants_mig(card: Card, options: PodOptions) -> bool:
-    """Whether the request becomes a MIG instance on this card: a dynamic-MIG card, and the pod
-    asks `mig` or no mode at all (a pod asking `hami-core` gets a libvgpu slice)."""
-    return bool(card.mig_model) and (options.vgpu_mode is None or "mig" in options.vgpu_mode)
-
-
-def mig_fit(card: Card, request: ContainerRequest) -> MigFit | MigRefusal:
-    """The instance this request becomes on a dynamic-MIG card (mig_fit.py)."""
-    return fit_instance(
-        card.mig_model, card.mig_instances, request.memory_on(card.memory_mib), request.cores,
-        libvgpu_slices=card.libvgpu_slices, geometries=card.mig_geometries,
-    )
-
-
-def check_mig(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    if wants_mig(card, ctx.options):
-        fit = mig_fit(card, request)
-        if isinstance(fit, MigRefusal):
-            ctx.details[fit.reason] = fit.detail
-            return fit.reason
-        return None
-    if card.mig_model and card.mig_instances:
-        ctx.details[CARD_MIG_INFEASIBLE] = (
-            f"the card holds {len(card.mig_instances)} MIG instance(s); it takes libvgpu slices "
-            "only when it is empty (modes are never mixed on one card)")
-        return CARD_MIG_INFEASIBLE
-    # A card in MIG mode without dynamic MIG holds static instances (kubelet's resources).
-    return CARD_MIG_INFEASIBLE if card.mode.lower() == "mig" and not card.mig_model else None
+def check_capacity(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    """HAMi's checks 11-15, the card's kind's: memory, cores, exclusive use, compute left, and
+    what the kind adds (MIG: the instance, with a sentence saying why it does not fit)."""
+    kind = card.kind
+    selection = ctx.options.selection_for(request.family)
+    reason = kind.capacity_refusal(card, request, selection)
+    if reason is not None and kind.explains:
+        detail = kind.explain(card, request, selection)
+        if detail:
+            ctx.details[reason] = detail
+    return reason
 
 
 FIT_CHECKS: list[FitCheck] = [
+    check_family,  # (ours: a request's family)
     check_health,  # 1
     check_cordon,  # 2
     check_type_and_mode,  # 3 (4, NUMA, is in placement.py)
@@ -312,47 +295,41 @@ FIT_CHECKS: list[FitCheck] = [
     check_slots,  # 6
     check_mutex,  # 7 (8, clamping cores, and 9, memory from %, are in the request)
     check_quota,  # 10
-    check_memory,  # 11
-    check_cores,  # 12
-    check_exclusive,  # 13
-    check_compute_units,  # 14
-    check_mig,  # 15
+    check_capacity,  # 11-15: memory, cores, exclusive, compute units, MIG (the kind's)
 ]
 
 
-# The checks `plain_card` answers for at once (check_type_and_mode only for a pod that names
-# no GPU type nor mode: `plain_applies`).
+# The checks `plain_card` answers for at once (check_type_and_mode only for a pod that selects
+# no device type nor mode: `plain_applies`).
 PLAIN_CHECKS = frozenset({
-    check_health, check_cordon, check_type_and_mode, check_slots, check_memory, check_cores,
-    check_exclusive, check_compute_units, check_mig,
+    check_family, check_health, check_cordon, check_type_and_mode, check_slots, check_capacity,
 })  # fmt: skip
 
 
 def plain_applies(checks: list[FitCheck], options: PodOptions) -> bool:
     """Whether `plain_card` may clear cards for these checks (`relevant_checks`)."""
     return PLAIN_CHECKS.issuperset(checks) and not (
-        check_type_and_mode in checks
-        and (options.use_types or options.nouse_types or options.vgpu_mode is not None)
+        check_type_and_mode in checks and any(s.any for _, s in options.selections)
     )
 
 
 def plain_card(card: Card, request: ContainerRequest) -> bool:
-    """True only when every check of PLAIN_CHECKS passes the card, for a pod that names no GPU
-    type nor mode (one call instead of six to nine: most cards of a fit pass them all); False:
-    ask the checks themselves (the reason). Cleared: a healthy, uncordoned card with a slot, the
-    memory and cores, no dynamic MIG and not in MIG mode (nor MPS for several GPUs), idle if the
-    request takes the whole card, still computing if it asks no cores.
-    (`tests/scheduler/test_plain_card.py` compares it with the checks.)"""
+    """True only when every check of PLAIN_CHECKS passes the card, for a pod that selects no
+    device type nor mode (one call instead of six: most cards of a fit pass them all); False:
+    ask the checks themselves (the reason). Cleared: a card of the request's family whose kind's
+    fit is HAMi's generic one (`DeviceKind.plain`; `Card.plain` cards per container at most),
+    healthy, uncordoned, with a slot, the memory and cores, idle if the request takes the whole
+    card, still computing if it asks no cores. (`tests/scheduler/test_plain_card.py` compares it
+    with the checks.)"""
     cores = request.cores
     used_cores = card.used_cores
-    mode = card.mode.lower()
     return (
-        card.healthy and not card.cordoned and card.used_slots < card.split_count
+        request.count <= card.plain and card.family == request.family
+        and card.healthy and not card.cordoned and card.used_slots < card.split_count
         and request.memory_on(card.memory_mib) <= card.memory_mib - card.used_mem
         and cores <= card.cores - used_cores
         and (cores < 100 or card.used_slots == 0)
         and (cores > 0 or not (card.cores > 0 and used_cores >= card.cores))
-        and not card.mig_model and mode != "mig" and (request.count == 1 or mode != "mps")
     )  # fmt: skip
 
 

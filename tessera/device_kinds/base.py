@@ -41,6 +41,7 @@ CARD_TIME_SLICING_EXHAUSTED = "CardTimeSlicingExhausted"
 CARD_INSUFFICIENT_MEMORY = "CardInsufficientMemory"
 CARD_INSUFFICIENT_CORE = "CardInsufficientCore"
 EXCLUSIVE_CONFLICT = "ExclusiveDeviceAllocateConflict"
+CARD_COMPUTE_UNITS_EXHAUSTED = "CardComputeUnitsExhausted"
 
 
 # --- names ---------------------------------------------------------------------------------------
@@ -113,13 +114,22 @@ class Selection:
     # the device's modes, `DeviceKind.served_modes`); empty = any
     modes: str = ""
 
-    def refusal(self, device: DeviceView) -> str | None:
+    @property
+    def any(self) -> bool:
+        """Whether the pod selects anything at all (else every device passes)."""
+        return bool(self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids
+                    or self.modes)  # fmt: skip
+
+    def type_refusal(self, device: DeviceView) -> str | None:
         if self.use_types or self.nouse_types:
             kind = device.type.lower()
             if self.use_types and not any(t in kind for t in self.use_types):
                 return CARD_TYPE_MISMATCH
             if any(t in kind for t in self.nouse_types):
                 return CARD_TYPE_MISMATCH
+        return None
+
+    def uuid_refusal(self, device: DeviceView) -> str | None:
         if self.use_uuids and device.uuid not in self.use_uuids:
             return CARD_UUID_MISMATCH
         if device.uuid in self.nouse_uuids:
@@ -139,6 +149,20 @@ class Take:
     memory_mib: int
     cores: int
     partition: str = ""
+
+
+def capacity_reason(device: DeviceView, memory_mib: int, cores: int) -> str | None:
+    """HAMi's checks 11-14 for `memory_mib` and `cores` on the device: memory, cores, a whole
+    device (100 cores) only when idle, a request of no cores only while the device computes."""
+    if memory_mib > device.memory_mib - device.used_mem:
+        return CARD_INSUFFICIENT_MEMORY
+    if cores > device.cores - device.used_cores:
+        return CARD_INSUFFICIENT_CORE
+    if cores >= 100 and device.used_slots:
+        return EXCLUSIVE_CONFLICT
+    if cores == 0 and device.cores > 0 and device.used_cores >= device.cores:
+        return CARD_COMPUTE_UNITS_EXHAUSTED
+    return None
 
 
 # --- what a container gets ------------------------------------------------------------------------
@@ -254,6 +278,12 @@ class DeviceFamily(ABC):
         RequestError denies the pod with its sentence. Default: read only, change nothing."""
         return self.read_request(container, settings)
 
+    def selection_annotations(self) -> tuple[str, ...]:
+        """The annotation keys `selection` reads."""
+        return tuple(k for k in (self.use_type_annotation, self.nouse_type_annotation,
+                                 self.use_uuid_annotation, self.nouse_uuid_annotation,
+                                 self.mode_annotation) if k)  # fmt: skip
+
     def selection(self, annotations: Mapping[str, Any]) -> Selection:
         """The pod's selection annotations of this family (RequestError when malformed)."""
         def items(key: str) -> list[str]:
@@ -300,12 +330,20 @@ class DeviceFamily(ABC):
 
 class DeviceKind(ABC):
     """One way a family's devices are shared. The default fit is HAMi's generic per-device one
-    (health, cordon, selection, slots, memory, cores, exclusive use); override `capacity_refusal`
-    and `take` for partitioned devices (templates, instances)."""
+    (health, cordon, selection, mode, slots, then memory, cores, exclusive use and compute left);
+    override `capacity_refusal` and `take` (and `grant`) for partitioned devices (templates,
+    instances)."""
 
     name: ClassVar[str]  # "nvidia.hami-core", "nvidia.mig", "ascend910b3.vnpu"...
     family: ClassVar[DeviceFamily]
-    modes: ClassVar[tuple[str, ...]]  # the DeviceInfo.mode values this kind serves
+    modes: ClassVar[tuple[str, ...]]  # the DeviceInfo.mode values this kind serves (lower case)
+    # At most this many of the kind's devices per container (0 = no limit; MPS: 1).
+    max_devices_per_container: ClassVar[int] = 0
+    # True when `capacity_refusal` and `take` are the generic ones on the request's own amounts:
+    # the scheduler then clears such devices with its inlined copy of these checks.
+    plain: ClassVar[bool] = False
+    # True when `explain` has a sentence for a refusal (shown after the reason counts).
+    explains: ClassVar[bool] = False
 
     # --- scheduler ---
     def refusal(
@@ -313,19 +351,36 @@ class DeviceKind(ABC):
     ) -> str | None:
         """HAMi's reason the request may not go on this device, or None: it fits. The checks
         that depend on the set of devices picked (NUMA, too few) and the scheduler's own (quota,
-        the `mutex` policy) are the scheduler's."""
+        the `mutex` policy) are the scheduler's; it runs the same steps in HAMi's order with its
+        own between them (services/scheduler/rules.py). The device is one of this kind's."""
         if not device.healthy:
             return CARD_NOT_HEALTH
         if device.cordoned:
             return CARD_CORDONED
-        chosen = selection.refusal(device)
+        chosen = self.selection_refusal(device, request, selection)
+        if chosen is not None:
+            return chosen
+        chosen = selection.uuid_refusal(device)
+        if chosen is not None:
+            return chosen
+        if device.used_slots >= device.split_count:
+            return CARD_TIME_SLICING_EXHAUSTED
+        return self.capacity_refusal(device, request, selection)
+
+    def selection_refusal(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection
+    ) -> str | None:
+        """HAMi's check 3: the device's type and mode against the pod's selection, and the
+        kind's limit on devices per container."""
+        chosen = selection.type_refusal(device)
         if chosen is not None:
             return chosen
         if selection.modes and not any(m in selection.modes for m in self.served_modes(device)):
             return CARD_TYPE_MISMATCH
-        if device.used_slots >= device.split_count:
-            return CARD_TIME_SLICING_EXHAUSTED
-        return self.capacity_refusal(device, request, selection)
+        limit = self.max_devices_per_container
+        if limit and request.count > limit:
+            return CARD_TYPE_MISMATCH
+        return None
 
     def served_modes(self, device: DeviceView) -> tuple[str, ...]:
         """The modes a pod may ask for to get this device (`Selection.modes`)."""
@@ -334,22 +389,34 @@ class DeviceKind(ABC):
     def capacity_refusal(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> str | None:
-        """Whether the device has the room (memory, cores, exclusivity) for what `take` would
-        charge. Default: the request's own amounts."""
+        """Whether the device has the room for what `take` would charge (HAMi's checks 11-14):
+        memory, cores, a whole device (100 cores) only when idle, a request of no cores only
+        while the device still computes."""
         take = self.take(device, request, selection)
-        if take.memory_mib > device.memory_mib - device.used_mem:
-            return CARD_INSUFFICIENT_MEMORY
-        if take.cores > device.cores - device.used_cores:
-            return CARD_INSUFFICIENT_CORE
-        if device.cores and take.cores >= device.cores and device.used_slots:
-            return EXCLUSIVE_CONFLICT
-        return None
+        return capacity_reason(device, take.memory_mib, take.cores)
+
+    def explain(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
+    ) -> str:
+        """A sentence saying why `capacity_refusal` refused ('' = the reason says it all)."""
+        return ""
 
     def take(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> Take:
         """What the container's grant charges on the device (only asked once it fits)."""
         return Take(request.memory_on(device.memory_mib), request.cores)
+
+    def grant(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
+    ) -> DeviceGrant:
+        """The grant the container gets on the device (only asked once it fits): `take`'s
+        amounts on the device; a kind with partitions adds its own (MIG: the instance)."""
+        from tessera.models import DeviceGrant
+
+        take = self.take(device, request, selection)
+        return DeviceGrant(uuid=device.uuid, type=device.type, memory_mib=take.memory_mib,
+                           cores=take.cores)  # fmt: skip
 
     def score(
         self, device: DeviceView, request: ContainerRequest, weights: tuple[int, int, int],

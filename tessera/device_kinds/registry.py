@@ -49,6 +49,7 @@ def register(family: DeviceFamily, *kinds: DeviceKind) -> None:
             raise ValueError(f"kind {kind.name!r} belongs to {kind.family.name!r}, "
                              f"not {family.name!r}")  # fmt: skip
         for mode in kind.modes:
+            mode = mode.lower()
             other = _by_mode.get(mode)
             if other is not None and other is not kind:
                 raise ValueError(f"mode {mode!r} is served by {other.name!r} and {kind.name!r}")
@@ -92,7 +93,8 @@ def kinds() -> list[DeviceKind]:
 def kind_for_mode(mode: str) -> DeviceKind | None:
     """The kind serving devices registered in `mode` (None: no kind knows the mode)."""
     load()
-    return _by_mode.get(mode)
+    kind = _by_mode.get(mode)
+    return kind if kind is not None else _by_mode.get(mode.lower())
 
 
 def kind_of(device: DeviceInfo) -> DeviceKind | None:

@@ -19,10 +19,11 @@ from ..base import (
     GrantContext,
     Selection,
     Take,
+    capacity_reason,
 )
 from .family import NVIDIA
 from .mig_fit import CARD_MIG_INFEASIBLE, MigFit, MigRefusal, fit
-from .slices import slice_capacity, slice_env
+from .slices import slice_env
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
@@ -62,6 +63,7 @@ class NvidiaMig(DeviceKind):
     name = "nvidia.mig"
     family = NVIDIA
     modes = (MODE,)
+    explains = True
 
     def served_modes(self, device: DeviceView) -> tuple[str, ...]:
         """A dynamic-MIG card serves MIG instances and, while it holds none, libvgpu slices."""
@@ -79,27 +81,63 @@ class NvidiaMig(DeviceKind):
                 f"the card holds {len(device.mig_instances)} MIG instance(s); it takes libvgpu "
                 "slices only when it is empty (modes are never mixed on one card)")
         if not device.mig_model:
-            return CARD_MIG_INFEASIBLE, "static MIG instances are kubelet's (nvidia.com/mig-*)"
+            return CARD_MIG_INFEASIBLE, ""  # static instances: kubelet's (nvidia.com/mig-*)
         return None
 
     def capacity_refusal(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> str | None:
-        refused = self.mig_refusal(device, request, selection.modes)  # type: ignore[arg-type]
+        """HAMi's checks 11-14 on the request's amounts, then 15: the instance (or, on an empty
+        dynamic card asked for `hami-core`, the slice)."""
+        refused = capacity_reason(device, request.memory_on(device.memory_mib), request.cores)
         if refused is not None:
-            return refused[0]
-        if wants_instance(device, selection.modes):  # type: ignore[arg-type]
-            return None  # the profile covers it
-        return slice_capacity(device, request)
+            return refused
+        mig_refused = self.mig_refusal(device, request, selection.modes)  # type: ignore[arg-type]
+        return mig_refused[0] if mig_refused is not None else None
+
+    def explain(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
+    ) -> str:
+        if capacity_reason(device, request.memory_on(device.memory_mib), request.cores):
+            return ""  # refused before the instance was looked at
+        refused = self.mig_refusal(device, request, selection.modes)  # type: ignore[arg-type]
+        return refused[1] if refused is not None else ""
 
     def take(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> Take:
+        """The profile's amounts when the request becomes an instance (checks 11-14 run on the
+        request's own amounts, as HAMi's do; the charge is the profile's)."""
+        placed = self._placed(device, request, selection)
+        if placed is not None:
+            return Take(placed.memory_mib, placed.cores, placed.profile)
+        return Take(request.memory_on(device.memory_mib), request.cores)
+
+    def _placed(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection
+    ) -> MigFit | None:
         if wants_instance(device, selection.modes):  # type: ignore[arg-type]
             placed = instance_fit(device, request)  # type: ignore[arg-type]
             if isinstance(placed, MigFit):
-                return Take(placed.memory_mib, placed.cores, placed.profile)
-        return Take(request.memory_on(device.memory_mib), request.cores)
+                return placed
+        return None
+
+    def grant(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
+    ) -> DeviceGrant:
+        from tessera.models import DeviceGrant, MigInstanceGrant
+
+        placed = self._placed(device, request, selection)
+        if placed is None:
+            return DeviceGrant(uuid=device.uuid, type=device.type,
+                               memory_mib=request.memory_on(device.memory_mib),
+                               cores=request.cores)  # fmt: skip
+        model = mig_tables.model_for(device.mig_model)  # type: ignore[attr-defined]
+        size = model.profile(placed.profile).memory_slices  # type: ignore[union-attr]
+        return DeviceGrant(uuid=device.uuid, type=device.type, memory_mib=placed.memory_mib,
+                           cores=placed.cores,
+                           mig=MigInstanceGrant(profile=placed.profile, start=placed.start,
+                                                size=size))  # fmt: skip
 
     def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
         """A MIG instance reaches the container as its MIG UUID (as NVIDIA's device plugin hands

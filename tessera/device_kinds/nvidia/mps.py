@@ -7,20 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..base import (
-    CARD_TYPE_MISMATCH,
-    NO_SELECTION,
-    ContainerEdits,
-    DeviceKind,
-    DeviceView,
-    GrantContext,
-    Selection,
-)
+from ..base import ContainerEdits, GrantContext
 from .family import NVIDIA
-from .slices import slice_capacity, slice_env
+from .slices import NvidiaSlices, slice_env
 
 if TYPE_CHECKING:
-    from tessera.hami import ContainerRequest
     from tessera.models import DeviceGrant
 
 MODE = "mps"
@@ -40,17 +31,14 @@ def mps_env(grants: Sequence[DeviceGrant], mps_cards: set[str]) -> dict[str, str
     return env
 
 
-class NvidiaMps(DeviceKind):
+class NvidiaMps(NvidiaSlices):
+    """A slice as far as fitting goes; one card per container (an MPS client reaches one
+    card's daemon)."""
+
     name = "nvidia.mps"
     family = NVIDIA
     modes = (MODE,)
-
-    def capacity_refusal(
-        self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
-    ) -> str | None:
-        if request.count > 1:
-            return CARD_TYPE_MISMATCH  # an MPS client reaches one card's daemon: one card each
-        return slice_capacity(device, request)
+    max_devices_per_container = 1
 
     def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
         """The slice's env with MPS's on top; the pipe directory's mount is the node agent's

@@ -1,29 +1,19 @@
 """NVIDIA libvgpu slices (HAMi's `hami-core` mode): memory and compute shares of a whole GPU,
-enforced inside the container by libvgpu (the sealed limits; the env is HAMi's fallback)."""
+enforced inside the container by libvgpu (the sealed limits; the env is HAMi's fallback). The
+fit is HAMi's generic one (`DeviceKind`), which the scheduler also runs inlined (`plain`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..base import (
-    CARD_INSUFFICIENT_CORE,
-    CARD_INSUFFICIENT_MEMORY,
-    EXCLUSIVE_CONFLICT,
-    NO_SELECTION,
-    ContainerEdits,
-    DeviceKind,
-    DeviceView,
-    GrantContext,
-    Selection,
-)
+from ..base import NO_SELECTION, ContainerEdits, DeviceKind, DeviceView, GrantContext, Selection
 from .family import NVIDIA
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
     from tessera.models import DeviceGrant
 
-CARD_COMPUTE_UNITS_EXHAUSTED = "CardComputeUnitsExhausted"
 # Where libvgpu's shared region appears in the container (services/node-agent/containers.py
 # mounts it there).
 REGION_CONTAINER_PATH = "/run/tessera/region/vgpu.cache"
@@ -49,30 +39,19 @@ def slice_env(grants: Sequence[DeviceGrant], ctx: GrantContext) -> dict[str, str
     return env
 
 
-def slice_capacity(device: DeviceView, request: ContainerRequest) -> str | None:
-    """HAMi's checks 11-14 for a libvgpu slice: memory, cores, a whole card only when idle, a
-    request of no cores only while the card still computes."""
-    if request.memory_on(device.memory_mib) > device.memory_mib - device.used_mem:
-        return CARD_INSUFFICIENT_MEMORY
-    cores = request.cores
-    if cores > device.cores - device.used_cores:
-        return CARD_INSUFFICIENT_CORE
-    if cores >= 100 and device.used_slots:
-        return EXCLUSIVE_CONFLICT
-    if cores == 0 and device.cores > 0 and device.used_cores >= device.cores:
-        return CARD_COMPUTE_UNITS_EXHAUSTED
-    return None
-
-
 class NvidiaSlices(DeviceKind):
     name = "nvidia.hami-core"
     family = NVIDIA
     modes = (MODE,)
+    plain = True
 
-    def capacity_refusal(
+    def grant(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
-    ) -> str | None:
-        return slice_capacity(device, request)
+    ) -> DeviceGrant:
+        from tessera.models import DeviceGrant
+
+        return DeviceGrant(uuid=device.uuid, type=device.type,
+                           memory_mib=request.memory_on(device.memory_mib), cores=request.cores)
 
     def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
         return ContainerEdits(env=slice_env(grants, ctx))
