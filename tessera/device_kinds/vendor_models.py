@@ -1,0 +1,31 @@
+"""Which family a simulated node's model belongs to (`tessera up --nodes-file`, the node agent's
+static source): an Ascend chip type or chip name (`Ascend910B3`, `910B3`), a Cambricon card
+(`MLU370-X4`, `MLU590`), a Hygon DCU (`Z100L`, `K100_AI`, `DCU-Z100`); anything else is an
+NVIDIA GPU. Pure."""
+
+from __future__ import annotations
+
+from .ascend.chips import active_chips, chip_for_name, chip_for_type
+from .ascend.family import family_name
+
+NVIDIA = "nvidia"
+MLU = "mlu"
+DCU = "dcu"
+DCU_MODELS = ("Z100", "Z100L", "K100", "K100_AI")
+
+
+def family_for_model(model: str) -> str:
+    text = model.strip()
+    chips = active_chips()
+    chip = chip_for_type(chips, text) or chip_for_name(chips, text)
+    if chip is not None:
+        return family_name(chip.common_word)
+    if text.upper().startswith("MLU"):
+        return MLU
+    if text.upper().startswith("DCU-") or text.upper() in DCU_MODELS:
+        return DCU
+    return NVIDIA
+
+
+def is_vendor_model(model: str) -> bool:
+    return family_for_model(model) != NVIDIA
