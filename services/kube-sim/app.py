@@ -19,6 +19,7 @@ from tessera.kube_sim.scheduler import SchedulingLoop
 from tessera.kube_sim.settings import KubeSimSettings
 from tessera.kube_sim.store import KubeObject, ObjectStore, now_rfc3339
 
+from tessera.device_kinds.vendor_models import node_labels
 from tessera.settings import TesseraSettings
 from tessera.simnodes import SimNode
 
@@ -29,7 +30,7 @@ def node_object(node: SimNode) -> KubeObject:
     labels = {
         "kubernetes.io/hostname": node.name,
         "kubernetes.io/os": "linux",
-        "gpu": "on",
+        **node_labels(node.gpu_model),  # gpu=on, or the vendor's (docs/vendors.md)
         "tessera.io/gpu-model": node.gpu_model.replace(" ", "-")[:63],
         **node.labels,
     }

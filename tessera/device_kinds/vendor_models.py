@@ -29,3 +29,18 @@ def family_for_model(model: str) -> str:
 
 def is_vendor_model(model: str) -> bool:
     return family_for_model(model) != NVIDIA
+
+
+def node_labels(model: str) -> dict[str, str]:
+    """The labels HAMi's docs have an operator put on a vendor's nodes (Ascend:
+    `accelerator=huawei-Ascend910` / `huawei-Ascend310P`; MLU: `mlu=on`; DCU: `dcu=on`);
+    NVIDIA's `gpu=on`."""
+    family = family_for_model(model)
+    if family == MLU:
+        return {"mlu": "on"}
+    if family == DCU:
+        return {"dcu": "on"}
+    if family != NVIDIA:
+        return {"accelerator": "huawei-Ascend310P" if "310" in family else "huawei-Ascend910",
+                "ascend": "on"}
+    return {"gpu": "on"}
