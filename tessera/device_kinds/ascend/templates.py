@@ -77,12 +77,12 @@ def cut_of_grant(chip: AscendChip, memory_mib: int, ai_core: int) -> Cut:
 
 
 def uncovered_reason(chip: AscendChip, memory_mib: int | None, ai_core: int) -> str:
-    """The sentence behind NoVnpuTemplateCovers."""
+    """The sentence behind NoVnpuTemplateCovers (no parentheses: it is shown inside some)."""
     largest = chip.templates[-1] if chip.templates else None
-    biggest = (f"largest template {largest.name}: {largest.memory} MiB, {largest.ai_core} AI "
-               "cores; " if largest else "")
-    return (f"no vNPU template of {chip.common_word} covers {memory_mib} MiB / {ai_core} AI cores "
-            f"({biggest}whole chip: {chip.memory_capacity} MiB, {chip.ai_core} AI cores)")
+    biggest = (f"largest template {largest.name} holds {largest.memory} MiB / {largest.ai_core} "
+               "AI cores, " if largest else "")
+    return (f"no vNPU template of {chip.common_word} covers {memory_mib} MiB / {ai_core} AI cores: "
+            f"{biggest}a whole chip {chip.memory_capacity} MiB / {chip.ai_core} AI cores")
 
 
 @dataclass(frozen=True)
