@@ -289,7 +289,7 @@ def test_mlu_and_dcu_fit_is_hamis_generic_one() -> None:
                                            "hygon.com/dcumem": 30000}), SETTINGS)
     dcu.hold(VDCU.take(dcu, big))
     assert VDCU.refusal(dcu, big) == "CardInsufficientMemory"
-    assert MLU.selection({"cambricon.com/use-mlutype": "MLU590"}).refusal(mlu) == \
+    assert MLU.selection({"cambricon.com/use-mlutype": "MLU590"}).type_refusal(mlu) == \
         "CardTypeMismatch"
-    assert DCU.selection({"hygon.com/nouse-gpuuuid": "dev-0"}).refusal(dcu) == \
+    assert DCU.selection({"hygon.com/nouse-gpuuuid": "dev-0"}).uuid_refusal(dcu) == \
         "CardUuidMismatch"
