@@ -12,7 +12,8 @@
   `1e3` stays `1e3`) is the number of MiB it says.
 - A memory request below `IMPLAUSIBLE_MIB` (`gpumem: 4`, someone meaning 4 GB) is admitted
   with a warning naming the value and the MiB to write; a resource under a GPU vendor's domain
-  close to a known name (`nvidia.com/gpumen`) gets "did you mean nvidia.com/gpumem".
+  close to a known name of any device family (`nvidia.com/gpumen`) gets "did you mean
+  nvidia.com/gpumem".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from decimal import Decimal
 from typing import Any
 
 from tessera import hami
+from tessera.device_kinds import registry
 from tessera.hami import RequestError, parse_quantity
 from tessera.quantity import IMPLAUSIBLE_MIB, implausibly_small
 from tessera.settings import TesseraSettings
@@ -145,7 +147,7 @@ def _container(container: dict[str, Any], label: str, settings: TesseraSettings,
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return
-    known = set(settings.resource_names())
+    known = set(registry.resource_map(settings))  # every family's names
     for section in ("limits", "requests"):
         values = resources.get(section)
         if not isinstance(values, dict):
@@ -192,7 +194,7 @@ def misspelt_resource(key: str, settings: TesseraSettings) -> str | None:
     domain, slash, name = key.partition("/")
     if not slash:
         return None
-    known = [*settings.resource_names(), hami.RESOURCE_ALIAS_CORES]
+    known = [*registry.resource_map(settings), hami.RESOURCE_ALIAS_CORES]
     same_domain = {k.partition("/")[2]: k for k in known if k.partition("/")[0] == domain}
     close = difflib.get_close_matches(name, list(same_domain), n=1, cutoff=0.75)
     return same_domain[close[0]] if close and same_domain[close[0]] != key else None

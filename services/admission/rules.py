@@ -7,19 +7,16 @@ the quota verdict is asked for by the caller and folded in with `apply_quota_ver
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from typing import Any
 
 import jsonpatch
 
+from tessera.device_kinds import AdmissionNotes, registry
 from tessera.hami import (
     ContainerRequest,
     PodRequest,
     RequestError,
-    parse_container_request,
-    parse_quantity,
     quota_charge,
-    raw_percentage,
     scheduler_owned,
     sidecar_indices,
 )
@@ -27,9 +24,6 @@ from tessera.settings import TesseraSettings
 
 from .compat import apply_compat
 
-ENV_TASK_PRIORITY = "CUDA_TASK_PRIORITY"
-ENV_CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
-ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 DEFAULT_SCHEDULER = "default-scheduler"
 CONTAINER_SECTIONS = ("initContainers", "containers")
 _MISSING = object()
@@ -292,113 +286,21 @@ def _normalise_container(
     changes: list[str],
     warnings: list[str],
 ) -> ContainerRequest | None:
-    """HAMi's per-container rules, applied in place; the request as normalised (None = asks no
-    GPU), equal to what parse_container_request reads from the changed container."""
-    where = f"container {label}: "
-    try:
-        percentage = raw_percentage(container, settings)
-    except RequestError as exc:
-        message = str(exc)
-        named = message if message.startswith("container ") else where + message
-        raise RequestError(named) from exc
-    if percentage is not None and not Decimal(0) <= percentage <= Decimal(100):
+    """The per-container rules of the family whose resources the container names (the default
+    family's, NVIDIA's, for a container naming none: it hides its GPUs from it), applied in
+    place; the request as normalised (None = asks no device). A container names one family."""
+    named = registry.families_named(container, settings)
+    if len(named) > 1:
         raise RequestError(
-            f"{where}{settings.resource_mem_percentage} must be between 0 and 100, "
-            f"got {_raw(container, settings.resource_mem_percentage)!r}"
-        )
-    # Validates every GPU quantity (malformed, negative, absurd → RequestError with a sentence).
-    request = parse_container_request(container, settings)
-    raw_count = _raw(container, settings.resource_name)
-    raw_mem = _raw(container, settings.resource_mem)
-    raw_pct = _raw(container, settings.resource_mem_percentage)
-    raw_cores = _raw(container, settings.resource_cores)
-    raw_priority = _raw(container, settings.resource_priority)
-
-    if raw_priority is not None:
-        priority = str(int(parse_quantity(raw_priority, settings.resource_priority)))
-        if _ensure_env(container, ENV_TASK_PRIORITY, priority):
-            changes.append(f"{label}: env {ENV_TASK_PRIORITY}={priority}")
-    if request is None:
-        if settings.env_overwrite and _ensure_env(container, ENV_VISIBLE_DEVICES, "none"):
-            changes.append(f"{label}: env {ENV_VISIBLE_DEVICES}=none (asks no GPU)")
-        return None
-
-    others = [r for r, raw in (
-        (settings.resource_mem, raw_mem),
-        (settings.resource_mem_percentage, raw_pct),
-        (settings.resource_cores, raw_cores),
-    ) if raw is not None]
-    if raw_count is not None and parse_quantity(raw_count, settings.resource_name) == 0:
-        raise RequestError(
-            f"{where}{settings.resource_name} is 0 but {', '.join(others)} is set; ask for at "
-            f"least 1 GPU or remove the GPU memory/cores request"
-        )
-    if settings.core_policy != "default" and _ensure_env(
-        container, ENV_CORE_POLICY, settings.core_policy
-    ):
-        changes.append(f"{label}: env {ENV_CORE_POLICY}={settings.core_policy}")
-    if raw_count is None:
-        _set_resource(container, settings, settings.resource_name, str(settings.default_gpu_num))
-        changes.append(f"{label}: {settings.resource_name}={settings.default_gpu_num} added")
-    asks_no_memory = raw_mem is None and raw_pct is None
-    if raw_cores is None and (percentage == 100 or asks_no_memory):
-        _set_resource(container, settings, settings.resource_cores, "100")
-        changes.append(f"{label}: {settings.resource_cores}=100 added (whole card, exclusive)")
-        request = replace(request, cores=100)
-    return request
+            f"container {label}: asks devices of {' and '.join(f.name for f in named)}; a "
+            "container takes devices of one family (put each family's in its own container)")
+    family = named[0] if named else registry.family(registry.DEFAULT_FAMILY)
+    return family.admit_container(container, label, settings, AdmissionNotes(changes, warnings))
 
 
 def _container_label(container: dict[str, Any], section: str, index: int) -> str:
     name = container.get("name")
     return name if isinstance(name, str) and name else f"{section}[{index}]"
-
-
-def _raw(container: dict[str, Any], key: str) -> object | None:
-    """The value as written, limits before requests (shapes were checked by the parser)."""
-    resources = container.get("resources") or {}
-    for section in ("limits", "requests"):
-        values = resources.get(section) or {}
-        if key in values:
-            return values[key]
-    return None
-
-
-def _set_resource(
-    container: dict[str, Any], settings: TesseraSettings, key: str, value: str
-) -> None:
-    """Add a GPU resource to limits (where extended resources live), and to requests too when
-    the container lists its GPU resources there, so that the two stay equal."""
-    resources = container.get("resources")
-    if not isinstance(resources, dict):
-        resources = container["resources"] = {}
-    if not isinstance(resources.get("limits"), dict):
-        resources["limits"] = {}
-    resources["limits"][key] = value
-    requests = resources.get("requests")
-    if isinstance(requests, dict) and any(name in requests for name in settings.resource_names()):
-        requests[key] = value
-
-
-def _ensure_env(container: dict[str, Any], name: str, value: str) -> bool:
-    """Make `name` appear exactly once with `value`; False when it already did (reinvocation)."""
-    env = container.get("env")
-    if env is None:
-        env = container["env"] = []
-    if not isinstance(env, list):
-        raise RequestError(f"container {container.get('name', '?')}: env must be a list")
-    positions = [i for i, e in enumerate(env) if isinstance(e, dict) and e.get("name") == name]
-    wanted = {"name": name, "value": value}
-    if len(positions) == 1 and env[positions[0]] == wanted:
-        return False
-    if not positions:
-        env.append(wanted)
-        return True
-    # The resource is the source of truth: the first entry takes our value, later ones go (in
-    # Kubernetes the last duplicate would win).
-    env[positions[0]] = wanted
-    for i in reversed(positions[1:]):
-        del env[i]
-    return True
 
 
 def _privileged(container: Any) -> bool:

@@ -9,7 +9,7 @@ succeeded only the app containers count.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tessera import mig
 from tessera.device_kinds import DeviceKind, registry
@@ -24,7 +24,7 @@ from tessera.models import (
 )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Card:
     """One GPU: static facts from the node agent plus what is in use (memory MiB, cores, slots)."""
 
@@ -38,30 +38,59 @@ class Card:
     memory_mib: int
     cores: int
     split_count: int
-    links: dict[str, int] = field(default_factory=dict)
-    used_mem: int = 0
-    used_cores: int = 0
-    used_slots: int = 0
+    links: dict[str, int]
+    used_mem: int
+    used_cores: int
+    used_slots: int
     # Dynamic MIG (DeviceInfo.mig): the card's model ("" = not a dynamic-MIG card), its allowed
     # geometries, the instances its allocations hold and how many libvgpu slices it holds (a
-    # card never mixes the two: rules.check_mig).
-    mig_model: str = ""
-    mig_geometries: tuple[dict[str, int], ...] = ()
-    mig_instances: list[mig.Instance] = field(default_factory=list)
-    libvgpu_slices: int = 0
+    # card never mixes the two: the MIG kind's fit).
+    mig_model: str
+    mig_geometries: tuple[dict[str, int], ...]
+    mig_instances: list[mig.Instance]
+    libvgpu_slices: int
     # The device kind serving the card (tessera.device_kinds, by its mode; a dynamic MIG card
     # is MIG's whatever its mode says; a mode no kind serves is read as libvgpu slices, as
     # registrations written before modes existed are), its family, and how many of its cards a
-    # container may take for `rules.plain_card` to clear one (0: ask the kind).
-    kind: DeviceKind = None  # type: ignore[assignment]
-    family: str = ""
-    plain: int = 0
+    # container may take for `rules.plain_card` to clear one (0: its kind's fit is not the
+    # generic one: ask the kind).
+    kind: DeviceKind
+    family: str
+    plain: int
 
-    def __post_init__(self) -> None:
-        if self.kind is None:
-            kind = registry.kind_for_mode("mig" if self.mig_model else self.mode) or SLICES
-            self.kind, self.family = kind, kind.family.name
-            self.plain = (kind.max_devices_per_container or 1 << 30) if kind.plain else 0
+    def __init__(
+        self, uuid: str, index: int, type: str, mode: str, numa: int, healthy: bool,
+        cordoned: bool, memory_mib: int, cores: int, split_count: int,
+        links: dict[str, int] | None = None, used_mem: int = 0, used_cores: int = 0,
+        used_slots: int = 0, mig_model: str = "", mig_geometries: tuple[dict[str, int], ...] = (),
+        mig_instances: list[mig.Instance] | None = None, libvgpu_slices: int = 0,
+        kind: DeviceKind | None = None, family: str = "", plain: int = 0,
+    ) -> None:  # (written out: the generated one would call a __post_init__ on every copy)
+        self.uuid = uuid
+        self.index = index
+        self.type = type
+        self.mode = mode
+        self.numa = numa
+        self.healthy = healthy
+        self.cordoned = cordoned
+        self.memory_mib = memory_mib
+        self.cores = cores
+        self.split_count = split_count
+        self.links = {} if links is None else links
+        self.used_mem = used_mem
+        self.used_cores = used_cores
+        self.used_slots = used_slots
+        self.mig_model = mig_model
+        self.mig_geometries = mig_geometries
+        self.mig_instances = [] if mig_instances is None else mig_instances
+        self.libvgpu_slices = libvgpu_slices
+        if kind is None:
+            kind = registry.kind_for_mode("mig" if mig_model else mode) or SLICES
+            family = kind.family.name
+            plain = (kind.max_devices_per_container or 1 << 30) if kind.plain else 0
+        self.kind = kind
+        self.family = family
+        self.plain = plain
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:

@@ -224,12 +224,11 @@ def only_when(applies: Applies) -> Callable[[FitCheck], FitCheck]:
     return register
 
 
-def check_family(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
-    """A request goes only on devices of its family (tessera.device_kinds)."""
-    return None if card.family == request.family else CARD_TYPE_MISMATCH
-
-
 def check_health(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
+    """A card of the request's family (tessera.device_kinds; ours, before HAMi's check 1: any
+    other is CardTypeMismatch), and healthy."""
+    if card.family != request.family:
+        return CARD_TYPE_MISMATCH
     return None if card.healthy else CARD_NOT_HEALTH
 
 
@@ -275,9 +274,23 @@ def check_quota(card: Card, request: ContainerRequest, ctx: FitContext) -> str |
 
 def check_capacity(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     """HAMi's checks 11-15, the card's kind's: memory, cores, exclusive use, compute left, and
-    what the kind adds (MIG: the instance, with a sentence saying why it does not fit)."""
+    what the kind adds (MIG: the instance, with a sentence saying why it does not fit). A kind
+    whose fit is the generic one (`Card.plain`) is answered here inlined (the same checks as
+    `DeviceKind.capacity_refusal`)."""
+    if card.plain:
+        if request.memory_on(card.memory_mib) > card.memory_mib - card.used_mem:
+            return CARD_INSUFFICIENT_MEMORY
+        cores = request.cores
+        if cores > card.cores - card.used_cores:
+            return CARD_INSUFFICIENT_CORE
+        if cores >= 100 and card.used_slots:
+            return EXCLUSIVE_CONFLICT
+        if cores == 0 and card.cores > 0 and card.used_cores >= card.cores:
+            return CARD_COMPUTE_UNITS_EXHAUSTED
+        return None
     kind = card.kind
-    selection = ctx.options.selection_for(request.family)
+    options = ctx.options
+    selection = options.selection_for(request.family) if options.selections else NO_SELECTION
     reason = kind.capacity_refusal(card, request, selection)
     if reason is not None and kind.explains:
         detail = kind.explain(card, request, selection)
@@ -287,8 +300,7 @@ def check_capacity(card: Card, request: ContainerRequest, ctx: FitContext) -> st
 
 
 FIT_CHECKS: list[FitCheck] = [
-    check_family,  # (ours: a request's family)
-    check_health,  # 1
+    check_health,  # (the family, ours, then) 1
     check_cordon,  # 2
     check_type_and_mode,  # 3 (4, NUMA, is in placement.py)
     check_uuid_lists,  # 5
@@ -302,7 +314,7 @@ FIT_CHECKS: list[FitCheck] = [
 # The checks `plain_card` answers for at once (check_type_and_mode only for a pod that selects
 # no device type nor mode: `plain_applies`).
 PLAIN_CHECKS = frozenset({
-    check_family, check_health, check_cordon, check_type_and_mode, check_slots, check_capacity,
+    check_health, check_cordon, check_type_and_mode, check_slots, check_capacity,
 })  # fmt: skip
 
 

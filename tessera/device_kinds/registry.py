@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
     from .node import NodeFamily
 
+# The family of a request that names none explicitly (ContainerRequest.family's default); its
+# admission also sees containers naming no family's resources.
+DEFAULT_FAMILY = "nvidia"
 # The folders that register the built-in families and kinds (a vendor adds its line here).
 BUILTIN: tuple[str, ...] = (
     "tessera.device_kinds.nvidia",

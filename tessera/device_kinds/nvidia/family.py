@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera import hami
 
-from ..base import DeviceFamily, ResourceNames
+from ..base import AdmissionNotes, DeviceFamily, ResourceNames
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
@@ -47,6 +47,16 @@ class NvidiaFamily(DeviceFamily):
         self, container: Mapping[str, Any], settings: TesseraSettings
     ) -> ContainerRequest | None:
         return hami.parse_container_request(container, settings)  # type: ignore[arg-type]
+
+    def admit_container(
+        self, container: dict[str, Any], label: str, settings: TesseraSettings,
+        notes: AdmissionNotes,
+    ) -> ContainerRequest | None:
+        """HAMi's webhook rules for the container (admission.py); also run on containers that
+        name no family's resources (NVIDIA_VISIBLE_DEVICES=none hides the node's GPUs)."""
+        from .admission import admit_container
+
+        return admit_container(container, label, settings, notes.changes, notes.warnings)
 
 
 NVIDIA = NvidiaFamily()

@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..base import NO_SELECTION, ContainerEdits, DeviceKind, DeviceView, GrantContext, Selection
+from ..base import (
+    NO_SELECTION,
+    ContainerEdits,
+    DeviceKind,
+    DeviceView,
+    GrantContext,
+    Selection,
+    capacity_reason,
+)
 from .family import NVIDIA
 
 if TYPE_CHECKING:
@@ -44,6 +52,11 @@ class NvidiaSlices(DeviceKind):
     family = NVIDIA
     modes = (MODE,)
     plain = True
+
+    def capacity_refusal(
+        self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
+    ) -> str | None:
+        return capacity_reason(device, request.memory_on(device.memory_mib), request.cores)
 
     def grant(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
