@@ -51,6 +51,7 @@ class AscendFamily(DeviceFamily):
         self.nouse_uuid_annotation = ann.no_use_uuid_key(cw)  # type: ignore[misc]
         self.handshake_annotation = ann.handshake_key(cw)
         self.runtime_info_annotation = ann.runtime_info_key(cw)
+        self.extra_annotations = (ann.runtime_info_key(cw), ann.VNPU_MODE)
 
     @property
     def chip(self) -> AscendChip:
