@@ -316,9 +316,12 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     for c in [*init, *app]:
         if not isinstance(c, dict):
             raise RequestError("every container must be an object")
+    from tessera.device_kinds import registry
+
+    read = registry.request_reader(settings)  # whichever device family a container names
     return PodRequest(
-        init=[parse_container_request(c, settings) for c in init],
-        containers=[parse_container_request(c, settings) for c in app],
+        init=[read(c, settings) for c in init],
+        containers=[read(c, settings) for c in app],
         sidecars=sidecar_indices(init),
     )
 
@@ -350,9 +353,11 @@ def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tup
     summed over every GPU, other init containers by max. Percentage requests count only when the
     card size is known."""
 
+    from tessera.device_kinds import registry
+
     def charge(r: ContainerRequest | None) -> tuple[int, int, int]:
-        if r is None:
-            return 0, 0, 0
+        if r is None or not registry.counts_in_quota(r.family):
+            return 0, 0, 0  # (another family's devices: Kubernetes' ResourceQuota counts them)
         mem = (
             r.memory_mib
             if r.memory_percentage is None
@@ -368,11 +373,23 @@ def quota_charge(request: PodRequest, card_memory_mib: int | None = None) -> tup
     return tuple(max(t, p) for t, p in zip(totals, peaks, strict=True))  # type: ignore[return-value]
 
 
+def quota_grants(containers: list[list[DeviceGrant]]) -> list[list[DeviceGrant]]:
+    """`containers` with only the grants whose device family counts in the namespace quota
+    (tessera.device_kinds: by the grant's type); the same list when every grant does."""
+    from tessera.device_kinds import registry
+
+    if all(registry.family_of_type(g.type).counts_in_quota for c in containers for g in c):
+        return containers
+    return [[g for g in c if registry.family_of_type(g.type).counts_in_quota] for c in containers]
+
+
 def grants_quota_charge(
     containers: list[list[DeviceGrant]], init_count: int
 ) -> tuple[int, int, int]:
     """(memory MiB, cores, GPUs) that granted containers hold against the namespace quota,
-    counted as `quota_charge` counts a request: app containers summed, init containers by max."""
+    counted as `quota_charge` counts a request: app containers summed, init containers by max
+    (only grants of families that count in the quota: `quota_grants`)."""
+    containers = quota_grants(containers)
 
     def total(grants: list[list[DeviceGrant]]) -> tuple[int, int, int]:
         return (

@@ -9,7 +9,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from tessera import bus
+from tessera import bus, hami
 from tessera.codec import CodecError, encode
 from tessera.models import (
     DeviceGrant,
@@ -33,7 +33,9 @@ def grants_charge(
     containers: list[list[DeviceGrant]], init_count: int, sidecars: frozenset[int] = frozenset()
 ) -> tuple[int, int, int]:
     """(memory, cores, gpus) for quota as HAMi counts it: app summed, init by max; native
-    sidecars (init containers that keep running) are summed with the app."""
+    sidecars (init containers that keep running) are summed with the app; only the grants of
+    device families that count in the quota (hami.quota_grants)."""
+    containers = hami.quota_grants(containers)
 
     def total(grants: list[list[DeviceGrant]]) -> tuple[int, int, int]:
         return (

@@ -262,7 +262,9 @@ def check_mutex(card: Card, request: ContainerRequest, ctx: FitContext) -> str |
     return EXCLUSIVE_CONFLICT if ctx.options.mutex and not card.idle else None
 
 
-@only_when(lambda request, ctx: ctx.quota.memory_mib is not None or ctx.quota.cores is not None)
+@only_when(lambda request, ctx: (
+    ctx.quota.memory_mib is not None or ctx.quota.cores is not None
+) and registry.counts_in_quota(request.family))  # (other families: Kubernetes' ResourceQuota)
 def check_quota(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     quota = ctx.quota
     if quota.memory_mib is not None and request.memory_on(card.memory_mib) > quota.memory_mib:

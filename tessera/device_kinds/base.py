@@ -250,6 +250,13 @@ class DeviceFamily(ABC):
     use_uuid_annotation: ClassVar[str] = ""
     nouse_uuid_annotation: ClassVar[str] = ""
     mode_annotation: ClassVar[str] = ""  # the sharing mode the pod asks for ('' = not offered)
+    # DeviceInfo.type / DeviceGrant.type of the family's devices start with one of these (HAMi
+    # routes a device by its type the same way): how a grant's family is told.
+    type_prefixes: ClassVar[tuple[str, ...]] = ()
+    # Whether the family's grants count against Tessera's namespace quota (memory/cores/GPUs,
+    # HAMi's quota on nvidia.com/gpumem and gpucores). Other families' counts are quota'd by
+    # Kubernetes' own ResourceQuota on their extended resources.
+    counts_in_quota: ClassVar[bool] = False
 
     @abstractmethod
     def default_names(self, settings: TesseraSettings) -> ResourceNames:
@@ -320,7 +327,10 @@ class DeviceFamily(ABC):
         return encode_pod_devices([list(c) for c in containers])
 
     def quota_charge(self, grants: Sequence[DeviceGrant]) -> QuotaCharge:
-        """What these grants (one container's) hold against the namespace quota."""
+        """What these grants (one container's) hold against the namespace quota (nothing when
+        the family does not count in it)."""
+        if not self.counts_in_quota:
+            return QuotaCharge()
         return QuotaCharge(sum(g.memory_mib for g in grants), sum(g.cores for g in grants),
                            len(grants))  # fmt: skip
 

@@ -8,7 +8,7 @@ dict reads: the scheduler asks per node and per request, never per card in its i
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from tessera.hami import RequestError
@@ -110,6 +110,30 @@ def family_of_mode(mode: str) -> str:
     return kind.family.name if kind is not None else ""
 
 
+_type_families: dict[str, DeviceFamily] = {}
+
+
+def family_of_type(device_type: str) -> DeviceFamily:
+    """The family of a device or grant by its type (`type_prefixes`); a type no family claims
+    is the default family's (HAMi's NVIDIA registrations name any model)."""
+    found = _type_families.get(device_type)
+    if found is None:
+        load()
+        found = next((f for f in _families.values()
+                      if device_type.startswith(f.type_prefixes) and f.type_prefixes),
+                     _families[DEFAULT_FAMILY])  # fmt: skip
+        if len(_type_families) < 4096:
+            _type_families[device_type] = found
+    return found
+
+
+def counts_in_quota(family_name: str) -> bool:
+    """Whether requests of the family count against Tessera's namespace quota."""
+    load()
+    found = _families.get(family_name)
+    return found is not None and found.counts_in_quota
+
+
 def node_family(name: str) -> NodeFamily | None:
     load()
     return _nodes.get(name)
@@ -161,6 +185,17 @@ def families_named(container: Mapping[str, Any], settings: TesseraSettings) -> l
                     if fam is not None and fam not in named:
                         named.append(fam)
     return named
+
+
+def request_reader(
+    settings: TesseraSettings,
+) -> Callable[[Mapping[str, Any], TesseraSettings], ContainerRequest | None]:
+    """`read_request`, or the default family's own reader while it is the only family (the
+    scheduler reads every pod it decides: no lookups then)."""
+    load()
+    if len(_families) == 1 and DEFAULT_FAMILY in _families:
+        return _families[DEFAULT_FAMILY].read_request
+    return read_request
 
 
 def read_request(

@@ -31,6 +31,8 @@ class NvidiaFamily(DeviceFamily):
     use_uuid_annotation = hami.ANN_USE_GPUUUID
     nouse_uuid_annotation = hami.ANN_NOUSE_GPUUUID
     mode_annotation = hami.ANN_VGPU_MODE
+    type_prefixes = ("NVIDIA",)
+    counts_in_quota = True
 
     def default_names(self, settings: TesseraSettings) -> ResourceNames:
         return ResourceNames(
