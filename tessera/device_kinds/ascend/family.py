@@ -52,6 +52,7 @@ class AscendFamily(DeviceFamily):
         self.handshake_annotation = ann.handshake_key(cw)
         self.runtime_info_annotation = ann.runtime_info_key(cw)
         self.extra_annotations = (ann.runtime_info_key(cw), ann.VNPU_MODE)
+        self.type_prefixes = (cw,)  # type: ignore[misc]  # an NPU's type is its commonWord
 
     @property
     def chip(self) -> AscendChip:

@@ -35,6 +35,7 @@ class CambriconFamily(DeviceFamily):
     nouse_type_annotation = ann.NOUSE_TYPE
     use_uuid_annotation = ann.USE_UUID
     nouse_uuid_annotation = ann.NOUSE_UUID
+    type_prefixes = ("MLU",)  # the card's name: MLU370-X4, MLU590...
     extra_annotations = (*ann.SCHEDULER_OWNED, *ann.AGENT_OWNED)
 
     def default_names(self, settings: TesseraSettings) -> ResourceNames:

@@ -37,6 +37,7 @@ class HygonFamily(DeviceFamily):
     use_uuid_annotation = ann.USE_UUID
     nouse_uuid_annotation = ann.NOUSE_UUID
     handshake_annotation = ann.NODE_HANDSHAKE
+    type_prefixes = (ann.TYPE_PREFIX,)  # DCU-<model>
 
     def default_names(self, settings: TesseraSettings) -> ResourceNames:
         return ResourceNames(count=ann.DEFAULT_COUNT, memory=ann.DEFAULT_MEMORY,
