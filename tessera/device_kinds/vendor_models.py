@@ -44,3 +44,26 @@ def node_labels(model: str) -> dict[str, str]:
         return {"accelerator": "huawei-Ascend310P" if "310" in family else "huawei-Ascend910",
                 "ascend": "on"}
     return {"gpu": "on"}
+
+
+NVIDIA_REGISTER = "hami.io/node-nvidia-register"
+
+
+def node_registered(node: dict, model: str) -> bool:
+    """Whether a Node object shows its node agent registered the devices of `model`: NVIDIA's
+    register annotation, else kubelet's allocatable of the vendor family's count resource
+    (a Cambricon node has no HAMi register annotation)."""
+    meta = node.get("metadata") or {}
+    family = family_for_model(model)
+    if family == NVIDIA:
+        return NVIDIA_REGISTER in (meta.get("annotations") or {})
+    from tessera.settings import TesseraSettings
+
+    from . import registry
+
+    count = registry.names_of(family, TesseraSettings()).count
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    try:
+        return int(str(allocatable.get(count, "0"))) > 0
+    except ValueError:
+        return False
