@@ -91,6 +91,7 @@ class RegisteredNpu:
     healthy: bool
     numa: int = 0
     network: int | None = None
+    mode: str = ""
 
 
 def encode_register(npus: list[RegisteredNpu]) -> str:
@@ -99,6 +100,8 @@ def encode_register(npus: list[RegisteredNpu]) -> str:
         item: dict[str, Any] = {"id": n.uuid, "index": n.index, "count": n.count,
                                 "devmem": n.memory_mib, "devcore": n.ai_core, "type": n.type,
                                 "numa": n.numa, "health": n.healthy}
+        if n.mode:
+            item["mode"] = n.mode
         if n.network is not None:
             item["customInfo"] = {NETWORK_ID: n.network}
         items.append(item)
@@ -123,7 +126,7 @@ def decode_register(text: str) -> list[RegisteredNpu]:
                 uuid=item["id"], index=int(item.get("index", i)), count=int(item.get("count", 0)),
                 memory_mib=int(item.get("devmem", 0)), ai_core=int(item.get("devcore", 0)),
                 type=str(item.get("type", "")), healthy=bool(item.get("health", False)),
-                numa=int(item.get("numa", 0)),
+                numa=int(item.get("numa", 0)), mode=str(item.get("mode") or ""),
                 network=int(custom[NETWORK_ID]) if NETWORK_ID in custom else None,
             ))
         except (TypeError, ValueError) as exc:

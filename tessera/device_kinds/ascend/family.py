@@ -164,5 +164,5 @@ class AscendFamily(DeviceFamily):
                 npus.append(ann.RegisteredNpu(
                     uuid=uuid, index=index, count=d.split_count, memory_mib=d.memory_mib,
                     ai_core=d.cores, type=chip.common_word, healthy=d.healthy, numa=d.numa,
-                    network=ann.network_id(chip, index)))
+                    network=ann.network_id(chip, index), mode=d.mode))
         return ann.encode_register(npus)
