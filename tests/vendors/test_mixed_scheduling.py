@@ -139,3 +139,33 @@ def test_selection_annotations_of_each_vendor(tmp_path) -> None:
     node, _, _ = schedule(index, pod("not-z100", {"hygon.com/dcunum": 1},
                                      {"hygon.com/nouse-dcutype": "K100"}))
     assert node == "dcu-z100"
+
+
+def test_910c_pods_take_whole_modules(tmp_path) -> None:
+    index = ClusterIndex()
+    modules = vendor_devices(AscendNode(FAMILIES["ascend910c"]), "Ascend910C", 4, 1,
+                             str(tmp_path))
+    index.set_registration("npu-910c", NodeRegistration(node="npu-910c", devices=modules), 0.0)
+    index.set_ledger("npu-910c", NodeLedger(node="npu-910c"), 1, 0.0)
+
+    def place(name: str, npus: int):
+        spec = pod(name, {"huawei.com/Ascend910C": npus})
+        request = PodRequest(containers=[registry.read_request(c, SETTINGS)
+                                         for c in spec["spec"]["containers"]])
+        decision = decide(index, request, parse_pod_options(spec, SETTINGS), ["npu-910c"])
+        for entry, fit in decision.fits():
+            ledger = index.entries[entry.name].ledger
+            allocations = {**ledger.allocations, name: Allocation(
+                pod_uid=name, namespace="ns", name=name, node=entry.name,
+                containers=fit.containers, state=AllocationState.ALLOCATED)}
+            index.set_ledger(entry.name, NodeLedger(node=entry.name, allocations=allocations),
+                             index.entries[entry.name].ledger_revision + 1, 0.0)
+            return fit.containers
+        decision.explain_rest()
+        return decision.failed
+
+    one = place("one-npu", 1)  # rounded up to a module of two dies
+    assert [(g.memory_mib, g.cores) for g in one[0]] == [(131072, 40)]
+    assert isinstance(place("two-modules", 4), dict)  # only one module left
+    other = place("second-module", 2)
+    assert other[0][0].uuid != one[0][0].uuid
