@@ -21,14 +21,18 @@ from .table import render
 _DONE = ("Succeeded", "Failed")
 # The other vendors' register annotations, in HAMi's two forms (docs/vendors.md): Ascend's
 # `hami.io/node-register-<chip>` (JSON) and Hygon's `hami.io/node-dcu-register` (list form).
-_VENDOR_REGISTER = re.compile(r"^hami\.io/node-(?:dcu-register|register-[A-Za-z0-9._-]+)$")
+_VENDOR_REGISTER = re.compile(
+    r"^(?:hami\.io/node-(?:dcu-register|register-[A-Za-z0-9._-]+)|tessera\.io/node-register-mlu)$")
 
 
 def register_annotation(annotations: dict[str, Any]) -> str | None:
-    """The node's register annotation: NVIDIA's, else a vendor's (a node has one vendor)."""
-    if ANN_NODE_REGISTER in annotations:
-        return annotations[ANN_NODE_REGISTER]
-    return next((v for k, v in sorted(annotations.items()) if _VENDOR_REGISTER.match(k)), None)
+    """The node's register annotation: NVIDIA's when it lists a device, else a vendor's (a node
+    has one vendor; its NVIDIA annotation is then an empty list)."""
+    nvidia = annotations.get(ANN_NODE_REGISTER)
+    if nvidia is not None and nvidia.strip() not in ("", "[]"):
+        return nvidia
+    vendor = next((v for k, v in sorted(annotations.items()) if _VENDOR_REGISTER.match(k)), None)
+    return vendor if vendor is not None else nvidia
 
 
 def _gpu_use(pods: list[dict[str, Any]]) -> tuple[dict[str, dict[str, list[int]]], dict[str, int]]:

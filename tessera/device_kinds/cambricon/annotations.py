@@ -14,6 +14,8 @@ mode); the code is ours:
   creates), `CAMBRICON_DSMLU_ASSIGNED` = `false` until the plugin made it, then `true`.
 - Device-plugin-owned: `CAMBRICON_DSMLU_PROFILE_INSTANCE` = `<profile>_<handle>_<slot>_<instance>`.
 - HAMi's node lock `cambricon.com/dsmlu.lock` is not used: Tessera has no node-wide lock.
+- Node: HAMi reads an MLU node's capacity; Tessera also writes its own
+  `tessera.io/node-register-mlu` (HAMi's JSON device list) for `tessera get nodes`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ DSMLU_PROFILE = "CAMBRICON_DSMLU_PROFILE"
 DSMLU_ASSIGNED = "CAMBRICON_DSMLU_ASSIGNED"
 DSMLU_PROFILE_INSTANCE = "CAMBRICON_DSMLU_PROFILE_INSTANCE"
 NODE_LOCK = "cambricon.com/dsmlu.lock"
+NODE_REGISTER = "tessera.io/node-register-mlu"  # Tessera's own (HAMi reads node capacity)
 
 USER_KEYS = (USE_TYPE, NOUSE_TYPE, USE_UUID, NOUSE_UUID)
 SCHEDULER_OWNED = (TO_ALLOCATE, ALLOCATED, DSMLU_PROFILE, DSMLU_ASSIGNED)

@@ -28,7 +28,9 @@ FAMILY = "mlu"
 class CambriconFamily(DeviceFamily):
     name = FAMILY
     vendor = "Cambricon"
-    register_annotation = ""  # HAMi reads an MLU node's capacity, not an annotation
+    # HAMi reads an MLU node's capacity, not an annotation: this one is Tessera's own (the
+    # node's MLUs for `tessera get nodes`, in HAMi's JSON device list form)
+    register_annotation = ann.NODE_REGISTER
     to_allocate_annotation = ann.TO_ALLOCATE
     allocated_annotation = ann.ALLOCATED
     use_type_annotation = ann.USE_TYPE
