@@ -162,6 +162,11 @@ class TesseraSettings(BaseSettings):
     device_source: Literal["nvml", "static"] = Field(
         "nvml", description="nvml = real GPUs; static = simulated GPUs (local stack)"
     )
+    device_family: str = Field(
+        "", description="the device family this node serves (tessera.device_kinds): its devices "
+        "come from the family's backend (its fake on the local stack) and kubelet knows them by "
+        "its count resource; '' = NVIDIA GPUs from device_source"
+    )
     static_gpu_count: int = Field(2, ge=0, le=64, description="static source: GPUs per node")
     static_gpu_model: str = Field(
         "NVIDIA A100-SXM4-80GB", description="static source: NVML name (type = NVIDIA-<name>)"

@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from tessera.device_kinds import registry
 from tessera.models import DeviceInfo
 from tessera.settings import TesseraSettings
 
@@ -25,7 +26,9 @@ from .latency import STAGES
 from .summary import MIB, GpuSummary, NodeSummary, summarise
 from .view import ClusterView
 
-GPU_LABELS = ["node", "device_uuid", "device_index", "device_type"]
+# vendor / device_kind: the device kind serving the card (tessera.device_kinds, its
+# `metric_labels`), so that every family shows every kind apart.
+GPU_LABELS = ["node", "device_uuid", "device_index", "device_type", "vendor", "device_kind"]
 CONTAINER_LABELS = ["node", "namespace", "pod", "container", "vdevice_index", "device_uuid"]
 
 
@@ -34,7 +37,10 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 
 
 def _gpu_labels(node: str, device: DeviceInfo) -> list[str]:
-    return [node, device.uuid, str(device.index), device.type]
+    kind = registry.kind_of(device)
+    labels = kind.metric_labels(device) if kind is not None else {}
+    return [node, device.uuid, str(device.index), device.type, labels.get("vendor", ""),
+            labels.get("kind", device.mode)]
 
 
 def scheduler_families(nodes: list[NodeSummary], view: ClusterView) -> Iterator[Metric]:

@@ -61,10 +61,16 @@ class PhysicalGpu:
     numa: int = 0
     mig: bool = False
     links: dict[str, int] = field(default_factory=dict)  # peer uuid -> link score
+    # Another device family's device (family_source.py): its type and mode as its family
+    # names them, and its compute in the family's units. '' = an NVIDIA GPU.
+    family: str = ""
+    family_type: str = ""
+    family_mode: str = ""
+    cores: int = 100
 
     @property
     def type(self) -> str:
-        return f"NVIDIA-{self.name}"
+        return self.family_type or f"NVIDIA-{self.name}"
 
 
 @dataclass(frozen=True)
@@ -135,11 +141,11 @@ def advertise(
             type=g.type,
             memory_mib=int(g.memory_mib * config.memory_scaling),
             physical_memory_mib=g.memory_mib,
-            cores=int(100 * config.core_scaling),
+            cores=int(g.cores * config.core_scaling),
             split_count=config.split_count,
             numa=g.numa,
             healthy=g.uuid not in unhealthy,
-            mode=config.mode or ("mig" if g.mig else "hami-core"),
+            mode=config.mode or g.family_mode or ("mig" if g.mig else "hami-core"),
             links={peer: score for peer, score in g.links.items()},
             mig=dynamic_mig(g, config, settings),
         )
@@ -284,6 +290,10 @@ class StaticSource:
 
 
 def source_from_settings(settings: TesseraSettings, node: str) -> DeviceSource:
+    if settings.device_family:  # another vendor's devices, from its family's backend
+        from tessera.node_agent.family_source import FamilySource
+
+        return FamilySource.of(settings, node)
     if settings.device_source == "static":
         return StaticSource(settings, node)
     from tessera.node_agent.nvml import NvmlSource

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from tessera.node_agent import mig_static
 from tessera.node_agent.mig_static import MigOffer
-from tessera.node_agent.plugin import PluginEndpoint
+from tessera.node_agent.plugin_endpoint import PluginEndpoint
 
 from tessera.kubeapi import HEALTHY, UNHEALTHY, dp, dp_grpc
 

@@ -156,11 +156,6 @@ def failed_mutation(pod_uid: str, reason: str) -> Callable[[NodeLedger | None], 
     return mutate
 
 
-def visible_devices(grants: list[DeviceGrant]) -> list[str]:
-    """What the container sees, in grant order: a MIG instance's UUID, else the GPU's."""
-    return [g.mig.mig_uuid if g.mig is not None and g.mig.mig_uuid else g.uuid for g in grants]
-
-
 # --- the service ------------------------------------------------------------------------------
 
 

@@ -48,15 +48,15 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from tessera import bus
+from tessera.device_kinds.nvidia.mps import MODE as MPS_MODE
+from tessera.device_kinds.nvidia.mps import PIPE_CONTAINER_DIR as PIPE_CONTAINER_DIR
 from tessera.models import Allocation, DeviceGrant, DeviceInfo, MpsEvent, NodeLedger
 from tessera.region import ContainerLimits, read_limits
 
 from .containers import ContainerDir
 
-MPS_MODE = "mps"
 MPS_DIR = ".mps"  # under the region dir; a dot-directory is never taken for a pod's
 PID_FILE = "nvidia-cuda-mps-control.pid"
-PIPE_CONTAINER_DIR = "/run/tessera/mps"
 COMMAND_TIMEOUT_S = 20.0
 # How the control daemon's answers start when it refuses a command.
 REFUSALS = ("invalid", "unknown", "server ", "error", "cannot")
@@ -424,16 +424,3 @@ class MpsDaemons:
                 self.log.error("mps reconcile", extra={"err": str(exc)})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
-
-
-def container_extras(cards: set[str], grants_uuids: list[str], pipe_dir: Path
-                     ) -> tuple[dict[str, str], list[tuple[str, str, bool]]]:
-    """Env and mounts added to an Allocate answer whose container holds an MPS card: its own
-    daemon's pipe directory, and libvgpu's compute limiter off (the sealed file says the same)."""
-    if not any(u in cards for u in grants_uuids):
-        return {}, []
-    env = {"CUDA_MPS_PIPE_DIRECTORY": PIPE_CONTAINER_DIR, "CUDA_DEVICE_SM_LIMIT": "100"}
-    for i, u in enumerate(grants_uuids):
-        if u in cards:
-            env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = "100"
-    return env, [(PIPE_CONTAINER_DIR, str(pipe_dir), False)]

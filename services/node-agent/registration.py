@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,9 +21,10 @@ from tessera.node_agent.devices import (
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus, hami
+from tessera import bus
 from tessera.cluster.port import ClusterPort
 from tessera.codec import encode
+from tessera.device_kinds import registry
 from tessera.models import NodeAction, NodeEvent, NodeRegistration
 from tessera.settings import TesseraSettings
 
@@ -59,15 +61,17 @@ class NodeRegistrar:
         await self.nodes_kv.put(self.node, encode(registration))
 
     async def annotate(self) -> None:
-        """HAMi's hami.io/node-nvidia-register, on change and every 30 s."""
+        """HAMi's hami.io/node-nvidia-register (and each other device family's register
+        annotation, tessera.device_kinds), on change and every 30 s."""
         if self.cluster is None:
             return
-        text = hami.encode_node_register(self.state.devices())
+        annotations = registry.register_annotations(self.state.devices())
+        text = json.dumps(annotations, sort_keys=True)
         fresh = self._annotated and time.monotonic() - self._annotated[1] < ANNOTATION_REFRESH_S
         if fresh and self._annotated[0] == text:
             return
         try:
-            await self.cluster.patch_node_annotations(self.node, {hami.ANN_NODE_REGISTER: text})
+            await self.cluster.patch_node_annotations(self.node, annotations)
             self._annotated = (text, time.monotonic())
         except Exception as exc:
             self.log.warning("node annotation not written", extra={"err": str(exc)})

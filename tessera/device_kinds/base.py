@@ -326,6 +326,23 @@ class DeviceFamily(ABC):
 
         return encode_pod_devices([list(c) for c in containers])
 
+    def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
+        """What a container holding `grants` (devices of this family) gets: the edits of each
+        kind among its devices, in order of first appearance (a family whose kinds mix in one
+        container composes them itself: NVIDIA's)."""
+        from .registry import kind_of
+
+        edits = ContainerEdits()
+        seen: list[DeviceKind] = []
+        for g in grants:
+            device = ctx.devices.get(g.uuid)
+            kind = kind_of(device) if device is not None else None
+            if kind is not None and kind not in seen:
+                seen.append(kind)
+        for kind in seen:
+            edits = edits.merge(kind.container_edits(grants, ctx))
+        return edits
+
     def quota_charge(self, grants: Sequence[DeviceGrant]) -> QuotaCharge:
         """What these grants (one container's) hold against the namespace quota (nothing when
         the family does not count in it)."""

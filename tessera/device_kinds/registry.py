@@ -8,7 +8,7 @@ dict reads: the scheduler asks per node and per request, never per card in its i
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tessera.hami import RequestError
@@ -132,6 +132,21 @@ def counts_in_quota(family_name: str) -> bool:
     load()
     found = _families.get(family_name)
     return found is not None and found.counts_in_quota
+
+
+def register_annotations(devices: Sequence[DeviceInfo]) -> dict[str, str]:
+    """Each family's node annotation (HAMi's hami.io/node-…-register) for the node's devices,
+    grouped by the kind serving each; the default family's always (empty: none of its devices).
+    A mode no kind serves is the default family's (as the scheduler reads it)."""
+    load()
+    default = _families[DEFAULT_FAMILY]
+    grouped: dict[str, tuple[DeviceFamily, list[DeviceInfo]]] = {default.name: (default, [])}
+    for device in devices:
+        kind = kind_for_mode(device.mode)
+        fam = kind.family if kind is not None else default
+        grouped.setdefault(fam.name, (fam, []))[1].append(device)
+    return {fam.register_annotation: fam.encode_register(members)
+            for fam, members in grouped.values()}
 
 
 def node_family(name: str) -> NodeFamily | None:

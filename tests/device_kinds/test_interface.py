@@ -158,3 +158,13 @@ def test_metric_labels_name_the_vendor_and_kind():
     labels = registry.kind_of(device).metric_labels(device)
     assert labels == {"deviceuuid": "GPU-0", "deviceidx": "3", "devicetype": "NVIDIA-H200",
                       "vendor": "NVIDIA", "kind": "nvidia.mig"}
+
+
+def test_the_kinds_container_paths_are_where_the_node_agent_mounts():
+    from tessera.node_agent import containers, mps
+
+    from tessera.device_kinds.nvidia import mps as mps_kind
+    from tessera.device_kinds.nvidia import slices
+
+    assert slices.REGION_CONTAINER_PATH == containers.REGION_CONTAINER_PATH
+    assert mps_kind.PIPE_CONTAINER_DIR == mps.PIPE_CONTAINER_DIR

@@ -18,11 +18,12 @@ import pytest
 from fake_nvml_mig import instance_line
 from tessera.node_agent import nvml_mig
 from tessera.node_agent.mig_dynamic import MigReconciler
-from tessera.node_agent.mig_service import DynamicMig, MigCreateFailed, visible_devices, wanted
+from tessera.node_agent.mig_service import DynamicMig, MigCreateFailed, wanted
 from test_nvml_mig import A100, U, nvml  # noqa: F401 (the fixture)
 
 from tessera import bus
 from tessera.codec import decode
+from tessera.device_kinds.nvidia.mig import visible_devices
 from tessera.models import (
     Allocation,
     AllocationEvent,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tessera.kube_sim.kubelet import SimKubelet
-from tessera.node_agent.plugin import PluginEndpoint
+from tessera.node_agent.plugin_endpoint import PluginEndpoint
 from test_sim_kubelet import RESOURCE, FakePlugin, pod
 
 from tessera.kubeapi import dp

@@ -1,14 +1,14 @@
-"""Dynamic MIG fitting on one card (tessera/device_kinds/nvidia/mig_fit.py), table-driven from NVIDIA's
-profile tables (tessera/mig.py): the profile chosen, where it goes next to existing instances,
-what it charges, and the refusal sentence when it cannot go anywhere."""
+"""Dynamic MIG fitting on one card (tessera/device_kinds/nvidia/mig_fit.py), table-driven from
+NVIDIA's profile tables (tessera/mig.py): the profile chosen, where it goes next to existing
+instances, what it charges, and the refusal sentence when it cannot go anywhere."""
 
 from __future__ import annotations
 
 import pytest
-from tessera.device_kinds.nvidia import mig_fit
-from tessera.device_kinds.nvidia.mig_fit import MigFit, MigRefusal
 
 from tessera import mig
+from tessera.device_kinds.nvidia import mig_fit
+from tessera.device_kinds.nvidia.mig_fit import MigFit, MigRefusal
 from tessera.mig import Instance
 
 A100 = "NVIDIA-A100-SXM4-80GB"

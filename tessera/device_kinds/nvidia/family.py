@@ -7,10 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from tessera import hami
 
-from ..base import AdmissionNotes, DeviceFamily, ResourceNames
+from ..base import AdmissionNotes, ContainerEdits, DeviceFamily, GrantContext, ResourceNames
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from tessera.hami import ContainerRequest
+    from tessera.models import DeviceGrant
     from tessera.settings import TesseraSettings
 
 FAMILY = "nvidia"
@@ -49,6 +52,26 @@ class NvidiaFamily(DeviceFamily):
         self, container: Mapping[str, Any], settings: TesseraSettings
     ) -> ContainerRequest | None:
         return hami.parse_container_request(container, settings)  # type: ignore[arg-type]
+
+    def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
+        """One container may hold slices, MPS cards and MIG instances together: the slice env
+        (MIG's when it holds an instance: the instances visible by their MIG UUIDs, and no
+        libvgpu env when it holds instances only), with MPS's on top for its MPS cards."""
+        from .mig import MIG
+        from .mps import MODE as MPS_MODE
+        from .mps import mps_env
+        from .slices import SLICES
+
+        if any(g.mig is not None for g in grants):
+            edits = MIG.container_edits(grants, ctx)
+            if all(g.mig is not None for g in grants):
+                return edits
+        else:
+            edits = SLICES.container_edits(grants, ctx)
+        cards = {g.uuid for g in grants
+                 if (d := ctx.devices.get(g.uuid)) is not None and d.mode.lower() == MPS_MODE}
+        edits.env.update(mps_env(grants, cards))
+        return edits
 
     def admit_container(
         self, container: dict[str, Any], label: str, settings: TesseraSettings,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Where libvgpu's shared region appears in the container (services/node-agent/containers.py
 # mounts it there).
-REGION_CONTAINER_PATH = "/run/tessera/region/vgpu.cache"
+REGION_CONTAINER_PATH = "/run/tessera/region/usage"
 MODE = "hami-core"
 
 

@@ -1,0 +1,254 @@
+"""Which pod and container a kubelet call serves (the README's handshake), for every device
+kind: GetPreferredAllocation's pick, Allocate's attribution of kubelet's devices to one of the
+pods in flight (kubelet's own view where it can be asked, the hints otherwise), kubelet's reuse
+of init containers' devices followed in the ledger, and the container's directory prepared.
+The pure rules are handshake.py's; this reads the ledger, the store and kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tessera.node_agent import handshake as hs
+from tessera.node_agent.containers import ContainerDir, PreparedContainer
+
+from tessera import bus, hami
+from tessera.kubeapi import dp
+from tessera.models import Allocation, NodeLedger
+
+from .plugin_context import PluginContext
+from .pod_records import PodRecords
+
+# GetPreferredAllocation and Allocate ask kubelet which pod it is admitting; past this, guess.
+ADMITTING_TIMEOUT_S = 1.0
+
+
+def check_id_count(device_ids: list[str], replicas: int) -> None:
+    """More IDs than the node has replicas cannot be a real request."""
+    if len(device_ids) > replicas:
+        raise hs.HandshakeError(
+            f"{len(device_ids)} device IDs in one request, but this node advertises only "
+            f"{replicas} replicas", invalid=True,
+        )  # fmt: skip
+
+
+class PodAttribution:
+    def __init__(self, ctx: PluginContext, records: PodRecords) -> None:
+        self.ctx = ctx
+        self.records = records
+
+    async def preferred(self, request: dp.PreferredAllocationRequest):
+        ctx = self.ctx
+        devices = ctx.state.by_uuid()
+        replicas = sum(d.split_count for d in devices.values())
+        for req in request.container_requests:
+            check_id_count(list(req.available_deviceIDs), replicas)
+            check_id_count(list(req.must_include_deviceIDs), replicas)
+        ledger = await ctx.ledger()
+        only = await self.kubelet_admitting(ledger)
+        response = dp.PreferredAllocationResponse()
+        run = self.open_run(ledger, only)
+        for req in request.container_requests:
+            size, available = req.allocation_size, list(req.available_deviceIDs)
+            must = list(req.must_include_deviceIDs)
+            if run is not None and len(run[0].containers[run[1]]) == size:
+                targets = [run]  # kubelet is in the middle of this pod's admission
+            else:
+                targets = [(a, hs.gpu_containers(a)[0])
+                           for a in self.unserved(ledger, only) if hs.first_size(a) == size]
+                if not targets and only:  # kubelet's view did not settle it: every pod
+                    targets = [(a, hs.gpu_containers(a)[0])
+                               for a in self.unserved(ledger) if hs.first_size(a) == size]
+            if not targets:
+                raise self.no_pod_of_size("asks for", size, ledger)
+            ids, error = None, None
+            for allocation, index in targets:  # the oldest pod whose GPUs kubelet still offers
+                try:
+                    ids = hs.preferred_replicas(allocation.containers[index], available, must,
+                                                size, devices, hs.describe(allocation, index))
+                except hs.HandshakeError as exc:
+                    error = error or exc
+                    continue
+                ctx.guess = allocation.pod_uid
+                later = [j for j in hs.gpu_containers(allocation) if j > index]
+                run = (allocation, later[0]) if later else None
+                break
+            if ids is None:
+                assert error is not None
+                raise error
+            response.container_responses.append(dp.ContainerPreferredAllocationResponse(
+                deviceIDs=ids
+            ))
+        return response
+
+    async def kubelet_admitting(self, ledger: NodeLedger | None) -> set[str] | None:
+        """The in-flight pods kubelet's pod-resources List shows under admission (normally
+        one: see hs.kubelet_admitting); None when kubelet could not be asked in time."""
+        ctx = self.ctx
+        flying = hs.in_flight(ledger)
+        if len(flying) < 2:
+            return None  # nothing to tell apart
+        try:
+            pods = await asyncio.wait_for(
+                ctx.pod_resources(ctx.settings.pod_resources_socket), ADMITTING_TIMEOUT_S
+            )
+        except Exception as exc:
+            ctx.log.info("pod-resources not read: guessing the pod", extra={"err": str(exc)})
+            return None
+        resource = ctx.resource_name
+        listed = {
+            (pod.namespace, pod.name): {
+                c.name for c in pod.containers
+                if any(d.resource_name == resource and d.device_ids for d in c.devices)
+            }
+            for pod in pods
+        }  # fmt: skip
+        return hs.kubelet_admitting(flying, listed)
+
+    def unserved(
+        self, ledger: NodeLedger | None, only: set[str] | None = None
+    ) -> list[Allocation]:
+        """In-flight pods kubelet has not begun to admit (or is admitting anew after a failure
+        before the end: every container prepared, none started, still only bound); with
+        `only` (kubelet's view, when it names any), just those."""
+        out = []
+        for allocation in hs.in_flight(ledger):
+            if only and allocation.pod_uid not in only:
+                continue
+            if not hs.gpu_containers(allocation):
+                continue
+            existing = self.ctx.served(allocation)
+            if not existing or hs.admission_restarted(allocation, existing, self.ctx.sealed):
+                out.append(allocation)
+        return out
+
+    def open_run(
+        self, ledger: NodeLedger | None, only: set[str] | None = None
+    ) -> tuple[Allocation, int] | None:
+        """The pod kubelet is in the middle of admitting (some GPU containers served, not all)
+        and its next GPU container. Read from disk, so it survives an agent restart."""
+        runs = []
+        for allocation in hs.in_flight(ledger):
+            if only and allocation.pod_uid not in only:
+                continue
+            existing = self.ctx.served(allocation)
+            done = {c.prepared.index for c in existing}
+            remaining = [i for i in hs.gpu_containers(allocation) if i not in done]
+            if existing and remaining:
+                latest = max(c.prepared.prepared_at for c in existing)
+                runs.append((allocation.pod_uid != self.ctx.run, -latest, allocation,
+                             remaining[0]))  # fmt: skip
+        if not runs:
+            return None
+        _, _, allocation, index = min(runs, key=lambda r: r[:2])
+        return allocation, index
+
+    async def follow_reuse(
+        self, allocation: Allocation, index: int, gpus: list[str]
+    ) -> Allocation | None:
+        """kubelet reused other init-container devices than the grant names: follow it in the
+        ledger when the cards allow (the pod's allocation after the change), else None."""
+        ctx = self.ctx
+        # HAMi's pods on the node hold room on these cards too (a trade's rule: judged with
+        # them, never blind; None: they cannot be judged, so kubelet's choice is not followed).
+        capacity = await ctx.room_beside_hami(
+            {d.uuid: (d.memory_mib, d.cores) for d in ctx.state.devices()}
+        )
+        if capacity is None:
+            return None
+        try:
+            result = await bus.cas_update(
+                ctx.ledger_kv, ctx.node, NodeLedger,
+                lambda current: hs.follow_reuse_mutation(
+                    allocation.pod_uid, index, gpus, capacity, current
+                ),
+            )
+        except hs.HandshakeError as exc:
+            ctx.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
+            return None
+        followed = result.value.allocations[allocation.pod_uid]
+        ctx.spawn(self.records.annotate(followed, {}, (hami.ANN_DEVICES_TO_ALLOCATE,)))
+        return followed
+
+    async def attribute(
+        self, ledger: NodeLedger | None, ids: list[str], gpus: list[str],
+        only: set[str] | None = None,
+    ) -> tuple[Allocation, int]:
+        """Which pod and container an Allocate serves (see the README's handshake); `only`:
+        the pods kubelet's view says it is admitting."""
+        ctx = self.ctx
+        run = self.open_run(ledger, only)
+        if run is not None and len(run[0].containers[run[1]]) == len(ids):
+            allocation, index = run
+            who = hs.describe(allocation, index)
+            try:
+                hs.check_devices(allocation.containers[index], gpus, who)
+            except hs.HandshakeError as exc:
+                followed = await self.follow_reuse(allocation, index, gpus)
+                if followed is None:
+                    self.records.publish_mismatch(allocation, ids, str(exc))
+                    raise
+                allocation = followed
+            return allocation, index
+        chosen = hs.choose_new_pod(self.unserved(ledger, only), len(ids), set(gpus), ctx.guess)
+        unserved = self.unserved(ledger)
+        if chosen is None and only:  # kubelet's view did not settle it: every pod
+            chosen = hs.choose_new_pod(unserved, len(ids), set(gpus), ctx.guess)
+        if chosen is not None:
+            return chosen, hs.gpu_containers(chosen)[0]
+        nearest = hs.choose_new_pod(unserved, len(ids), None, ctx.guess)
+        if nearest is None:
+            raise self.no_pod_of_size("allocated", len(ids), ledger)
+        index = hs.gpu_containers(nearest)[0]
+        wanted = ", ".join(g.uuid for g in nearest.containers[index])
+        exc = hs.HandshakeError(
+            f"kubelet chose GPU(s) {', '.join(sorted(gpus))} but no pod in flight on "
+            f"{ctx.node} was granted them ({hs.describe(nearest, index)} was granted {wanted})",
+            mismatch=True,
+        )
+        self.records.publish_mismatch(nearest, ids, str(exc))
+        raise exc
+
+    def no_pod_of_size(
+        self, verb: str, size: int, ledger: NodeLedger | None
+    ) -> hs.HandshakeError:
+        node = self.ctx.node
+        flying = hs.in_flight(ledger)
+        if not flying:
+            return hs.no_pod_in_flight(node)
+        pods = "; ".join(
+            f"{hs.describe(a, hs.gpu_containers(a)[0])} was granted {hs.first_size(a)} GPU(s)"
+            for a in flying[:3] if hs.gpu_containers(a)
+        )  # fmt: skip
+        return hs.HandshakeError(
+            f"kubelet {verb} {size} devices but no pod in flight on {node} takes "
+            f"{size}: {pods}",
+            mismatch=True,
+        )
+
+    async def prepare(self, allocation: Allocation, index: int, ids: list[str]) -> ContainerDir:
+        """The container's directory (region, limits dir), for the pod attributed."""
+        ctx = self.ctx
+        existing = ctx.served(allocation)
+        if hs.admission_restarted(allocation, existing, ctx.sealed):
+            # Every container was prepared, none started, the pod still in flight: the last
+            # admission failed before its end (agent crash, ledger error) and kubelet retries.
+            ctx.log.warning("kubelet retries the admission of a pod: preparing it anew",
+                            extra={"pod": f"{allocation.namespace}/{allocation.name}"})
+            for cdir in existing:
+                await asyncio.to_thread(ctx.store.remove_container, cdir)
+        prepared = PreparedContainer(
+            pod_uid=allocation.pod_uid,
+            namespace=allocation.namespace,
+            pod=allocation.name,
+            container=hs.container_name(allocation, index),
+            index=index,
+            device_ids=ids,
+            grants=allocation.containers[index],
+        )
+        cdir = await asyncio.to_thread(ctx.store.prepare, prepared)
+        ctx.run = allocation.pod_uid
+        ctx.log.info("allocated", extra={
+            "pod": f"{allocation.namespace}/{allocation.name}", "container": prepared.container,
+            "devices": ids,
+        })
+        return cdir

@@ -1,0 +1,161 @@
+"""What the device plugin records of a pod: the ledger's progress (allocated, a claim given
+back), its events (allocated, mismatch) and its annotations (bind-phase, the grants, signed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+
+from tessera.node_agent import handshake as hs
+from tessera.node_agent.grant_check import GrantRefused, check_grant
+
+from tessera import bus, hami, signing
+from tessera.models import Allocation, AllocationEvent, NodeLedger
+from tessera.validation import Problem
+
+from .plugin_context import PluginContext
+
+
+class PodRecords:
+    def __init__(self, ctx: PluginContext) -> None:
+        self.ctx = ctx
+
+    async def maybe_finish(self, allocation: Allocation) -> None:
+        """Once every GPU container is served: allocated, claim released, event, bind-phase."""
+        ctx = self.ctx
+        prepared = {c.prepared.index for c in ctx.store.for_pod(allocation.pod_uid)}
+        if not set(hs.gpu_containers(allocation)) <= prepared:
+            return
+        if ctx.run == allocation.pod_uid:
+            ctx.run = None
+        try:
+            await bus.cas_update(
+                ctx.ledger_kv, ctx.node, NodeLedger,
+                lambda ledger: hs.finish_mutation(allocation.pod_uid, ledger),
+            )
+        except bus.NoChange:
+            return
+        ctx.spawn(self.announce_allocated(allocation))
+
+    async def announce_allocated(self, allocation: Allocation) -> None:
+        ctx = self.ctx
+        event = AllocationEvent(
+            event_id=f"{allocation.pod_uid}:allocated",
+            action="allocated",
+            node=ctx.node,
+            pod_uid=allocation.pod_uid,
+            namespace=allocation.namespace,
+            name=allocation.name,
+            containers=allocation.containers,
+            source=f"node-agent/{ctx.node}",
+        )
+        try:
+            await bus.publish_event(ctx.js, event)
+        except Exception as exc:
+            ctx.log.warning("allocated event not published", extra={"err": str(exc)})
+        # HAMi's record of what the pod was given (the grants kubelet's devices carry).
+        await self.annotate(allocation, {hami.ANN_BIND_PHASE: hami.BIND_PHASE_SUCCESS},
+                            (hami.ANN_DEVICES_ALLOCATED,))  # fmt: skip
+
+    async def give_back_claim(self, allocation: Allocation) -> None:
+        """A pod counted as served that was not: in flight again, so its Allocate can come."""
+        ctx = self.ctx
+        with contextlib.suppress(bus.NoChange):
+            await bus.cas_update(
+                ctx.ledger_kv, ctx.node, NodeLedger,
+                lambda ledger: hs.reclaim_mutation(
+                    allocation.pod_uid, ledger, f"node-agent/{ctx.node}",
+                    ctx.settings.reservation_ttl_s, ctx.clock,
+                ),
+            )
+
+    async def annotate(
+        self, allocation: Allocation, annotations: dict[str, str],
+        grant_keys: tuple[str, ...] = (), attempts: int = 5,
+    ) -> None:
+        """Patch the pod's annotations (the cluster is the durable record of grants), retried.
+        `grant_keys` get the pod's grants as the ledger holds them when the patch is sent, so a
+        late patch never writes grants a repair has since replaced."""
+        ctx = self.ctx
+        if ctx.cluster is None:
+            return
+        for attempt in range(1, attempts + 1):
+            try:
+                values = dict(annotations)
+                if grant_keys:
+                    ledger = await ctx.ledger()
+                    current = ledger.allocations.get(allocation.pod_uid) if ledger else None
+                    if current is None:
+                        return  # released meanwhile: nothing to record
+                    keys = await self._recordable(current, grant_keys)
+                    devices = hami.encode_pod_devices(current.containers)
+                    values |= dict.fromkeys(keys, devices)
+                    if hami.ANN_DEVICES_ALLOCATED in keys:  # what this agent allocated, signed
+                        values[signing.RECORD_ANNOTATION] = signing.record_signature(
+                            ctx.record_signer, current.pod_uid, devices)
+                    if mig := hami.encode_mig_instances(current.containers):
+                        values[hami.ANN_MIG_INSTANCES] = mig  # with the instances' UUIDs
+                await ctx.cluster.patch_pod_metadata(
+                    allocation.namespace, allocation.name, annotations=values
+                )
+                return
+            except Exception as exc:
+                if attempt == attempts:
+                    ctx.log.warning("pod annotations not written", extra={
+                        "pod": f"{allocation.namespace}/{allocation.name}", "err": str(exc),
+                    })  # fmt: skip
+                    return
+                await asyncio.sleep(0.2 * attempt)
+
+    async def _recordable(
+        self, allocation: Allocation, grant_keys: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """`grant_keys` without `hami.io/vgpu-devices-allocated` when the ledger's grants are
+        not what the pod asked for: grant_check trusts that annotation as limits.set's record,
+        so a grant forged on the bus must never be copied into it."""
+        ctx = self.ctx
+        if hami.ANN_DEVICES_ALLOCATED not in grant_keys or ctx.cluster is None:
+            return grant_keys
+        try:
+            pod = await ctx.cluster.get_pod(allocation.namespace, allocation.name)
+            if (pod.get("metadata") or {}).get("uid") != allocation.pod_uid:
+                raise GrantRefused("the cluster's pod has another uid than the ledger's")
+            devices = ctx.state.by_uuid()
+            for index, grants in enumerate(allocation.containers):
+                if grants:
+                    check_grant(pod, index, grants, devices, ctx.settings)
+        except GrantRefused as exc:
+            ctx.rejections.reject("ledger", ctx.node, Problem("grant_above_request", str(exc)))
+            return tuple(k for k in grant_keys if k != hami.ANN_DEVICES_ALLOCATED)
+        return grant_keys
+
+    # --- events ----------------------------------------------------------------------------
+
+    def publish_mismatch(self, allocation: Allocation, ids: list[str], reason: str) -> None:
+        self.publish_mismatch_raw(
+            allocation.pod_uid, allocation.namespace, allocation.name, ids, reason
+        )
+
+    def publish_mismatch_raw(
+        self, pod_uid: str, namespace: str, name: str, ids: list[str], reason: str
+    ) -> None:
+        ctx = self.ctx
+        digest = hashlib.sha256(",".join(sorted(ids)).encode()).hexdigest()[:12]
+        event = AllocationEvent(
+            event_id=f"{pod_uid}:mismatch:{digest}",
+            action="mismatch",
+            node=ctx.node,
+            pod_uid=pod_uid,
+            namespace=namespace,
+            name=name,
+            reason=reason,
+            source=f"node-agent/{ctx.node}",
+        )
+        ctx.spawn(self._publish_quietly(event))
+
+    async def _publish_quietly(self, event: AllocationEvent) -> None:
+        try:
+            await bus.publish_event(self.ctx.js, event)
+        except Exception as exc:
+            self.ctx.log.warning("event not published", extra={"err": str(exc)})
