@@ -16,3 +16,4 @@ for _chip in DEFAULT_CHIPS:
     register(_family, KINDS[_family.name])
 
 __all__ = ["FAMILIES", "KINDS", "AscendFamily", "AscendVnpu", "family_name", "mode_of"]
+from . import node as _node  # noqa: E402,F401  (the node agent's side registers itself)

@@ -9,3 +9,4 @@ from .smlu import SMLU, CambriconSmlu
 register(MLU, SMLU)
 
 __all__ = ["FAMILY", "MLU", "SMLU", "CambriconFamily", "CambriconSmlu"]
+from . import node as _node  # noqa: E402,F401  (the node agent's side registers itself)

@@ -8,3 +8,4 @@ from .vdcu import VDCU, HygonVdcu
 register(DCU, VDCU)
 
 __all__ = ["DCU", "FAMILY", "VDCU", "HygonFamily", "HygonVdcu"]
+from . import node as _node  # noqa: E402,F401  (the node agent's side registers itself)
