@@ -23,10 +23,10 @@ from ..base import AdmissionNotes, DeviceFamily, ResourceNames, Selection
 from ..vendor_request import read_raw
 from . import annotations as ann
 from .chips import AscendChip, active_chip
-from .templates import covering_cut, uncovered_reason
+from .templates import covering_cut, cut_of_grant, uncovered_reason
 
 if TYPE_CHECKING:
-    from tessera.models import DeviceInfo
+    from tessera.models import DeviceGrant, DeviceInfo
     from tessera.settings import TesseraSettings
 
 VENDOR = "Huawei"
@@ -151,6 +151,15 @@ class AscendFamily(DeviceFamily):
         return base
 
     # --- annotations ---------------------------------------------------------------------------
+    def pod_annotations(
+        self, containers: Sequence[Sequence[DeviceGrant]], devices: Mapping[str, DeviceInfo]
+    ) -> dict[str, str]:
+        """HAMi's `huawei.com/<cw>`: each granted NPU with its template ("" = whole)."""
+        chip = self.chip
+        pairs = [(g.uuid, cut_of_grant(chip, g.memory_mib, g.cores).template)
+                 for grants in containers for g in grants]
+        return {self.runtime_info_annotation: ann.encode_runtime_info(pairs)} if pairs else {}
+
     def encode_register(self, devices: Sequence[DeviceInfo]) -> str:
         """HAMi's `hami.io/node-register-<cw>`: one entry per NPU (a 910C module lists its two
         dies), `customInfo.NetworkID` on 910 chips."""

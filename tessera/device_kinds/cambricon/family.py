@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tessera.hami import ContainerRequest, RequestError
@@ -20,6 +20,7 @@ from ..vendor_request import read_raw
 from . import annotations as ann
 
 if TYPE_CHECKING:
+    from tessera.models import DeviceGrant, DeviceInfo
     from tessera.settings import TesseraSettings
 
 FAMILY = "mlu"
@@ -69,6 +70,21 @@ class CambriconFamily(DeviceFamily):
         return ContainerRequest(count=count, memory_mib=memory,
                                 memory_percentage=100 if raw.memory is None else None,
                                 cores=vcore, family=self.name)
+
+
+    def pod_annotations(
+        self, containers: Sequence[Sequence[DeviceGrant]], devices: Mapping[str, DeviceInfo]
+    ) -> dict[str, str]:
+        """HAMi's `CAMBRICON_DSMLU_PROFILE` of the pod's sMLU (`<slot>_<vcore>_<vmemory>`), and
+        `CAMBRICON_DSMLU_ASSIGNED`: true once written here (the node agent made it)."""
+        for grants in containers:
+            for g in grants:
+                device = devices.get(g.uuid)
+                if device is not None and (g.cores < 100 or g.memory_mib < device.memory_mib):
+                    profile = ann.DsmluProfile(device.index, min(g.cores, 100),
+                                               ann.vmemory_units(g.memory_mib))
+                    return {ann.DSMLU_PROFILE: profile.encode(), ann.DSMLU_ASSIGNED: "true"}
+        return {}
 
 
 MLU = CambriconFamily()
