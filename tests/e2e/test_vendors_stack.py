@@ -132,7 +132,7 @@ def test_every_vendor_end_to_end(sim: RunningStack) -> None:
 
     # metrics: HAMi's names for every kind
     metrics = httpx.get(f"http://127.0.0.1:{sim.stack.ports.metrics}/metrics", timeout=10).text
-    for device_type in ("Ascend910B3", "MLU370-X4", "DCU-Z100L", "NVIDIA-A10"):
+    for device_type in ("Ascend910B3", "MLU370-X4", "DCU-Z100L", "NVIDIA-NVIDIA A10"):
         assert f'device_type="{device_type}"' in metrics, device_type
 
     # released on delete: the sMLU and the vDCU are gone, the room is free again
