@@ -293,3 +293,13 @@ def test_mlu_and_dcu_fit_is_hamis_generic_one() -> None:
         "CardTypeMismatch"
     assert DCU.selection({"hygon.com/nouse-gpuuuid": "dev-0"}).uuid_refusal(dcu) == \
         "CardUuidMismatch"
+
+
+def test_an_ascend_chip_is_never_overcommitted_whatever_the_nodes_scaling() -> None:
+    kind = KINDS["ascend910b3"]
+    scaled = View(memory_mib=131072, cores=40)  # a node configured with scaling 2
+    big = registry.read_request(container({"huawei.com/Ascend910B3": 1,
+                                           "huawei.com/Ascend910B3-memory": 20000}), SETTINGS)
+    scaled.hold(kind.take(scaled, big))
+    scaled.hold(kind.take(scaled, big))
+    assert kind.refusal(scaled, big) == "CardInsufficientMemory"  # the chip's 64 GiB are cut

@@ -28,7 +28,14 @@ from ..base import (
 )
 from . import annotations as ann
 from .family import AscendFamily
-from .templates import NO_TEMPLATE_COVERS, Cut, covering_cut, cut_of_grant, uncovered_reason
+from .templates import (
+    NO_TEMPLATE_COVERS,
+    Cut,
+    covering_cut,
+    cut_of_grant,
+    uncovered_reason,
+    whole_chip,
+)
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
@@ -65,9 +72,12 @@ class AscendVnpu(DeviceKind):
             return NO_TEMPLATE_COVERS
         if cut.whole and device.used_slots:
             return EXCLUSIVE_CONFLICT
-        if cut.memory_mib > device.memory_mib - device.used_mem:
+        # The chip's own capacity, whatever scaling the node's configuration applied: vNPUs are
+        # hard partitions, never overcommitted.
+        chip = whole_chip(self.family.chip)  # type: ignore[attr-defined]
+        if cut.memory_mib > min(device.memory_mib, chip.memory_mib) - device.used_mem:
             return CARD_INSUFFICIENT_MEMORY
-        if cut.ai_core > device.cores - device.used_cores:
+        if cut.ai_core > min(device.cores, chip.ai_core) - device.used_cores:
             return CARD_INSUFFICIENT_CORE
         return None
 
