@@ -57,12 +57,17 @@ class RegisteredDcu:
     type: str
     numa: int
     healthy: bool
+    index: int | None = None
+    mode: str = ""
 
 
 def encode_register(dcus: list[RegisteredDcu]) -> str:
-    """HAMi's legacy node-device encoding, one `…:` item per DCU."""
+    """HAMi's legacy node-device encoding, one `…:` item per DCU (its seven fields, then the
+    index and mode as the longer form carries them)."""
     return "".join(f"{d.uuid},{d.count},{d.memory_mib},{d.cores},{d.type},{d.numa},"
-                   f"{'true' if d.healthy else 'false'}:" for d in dcus)
+                   f"{'true' if d.healthy else 'false'}"
+                   + (f",{d.index},{d.mode}" if d.index is not None else "") + ":"
+                   for d in dcus)
 
 
 def decode_register(text: str) -> list[RegisteredDcu]:
@@ -72,8 +77,11 @@ def decode_register(text: str) -> list[RegisteredDcu]:
         if len(fields) < 7:
             raise ValueError(f"{NODE_REGISTER}: item needs 7 fields: {item[:80]!r}")
         try:
-            out.append(RegisteredDcu(fields[0], int(fields[1]), int(fields[2]), int(fields[3]),
-                                     fields[4], int(fields[5]), fields[6].lower() == "true"))
+            out.append(RegisteredDcu(
+                fields[0], int(fields[1]), int(fields[2]), int(fields[3]), fields[4],
+                int(fields[5]), fields[6].lower() == "true",
+                int(fields[7]) if len(fields) > 7 and fields[7] else None,
+                fields[8] if len(fields) > 8 else ""))
         except ValueError as exc:
             raise ValueError(f"{NODE_REGISTER}: bad number in {item[:80]!r}") from exc
     return out

@@ -70,7 +70,8 @@ class HygonFamily(DeviceFamily):
     def encode_register(self, devices: Sequence[DeviceInfo]) -> str:
         """HAMi's `hami.io/node-dcu-register` (its legacy list form)."""
         return ann.encode_register([ann.RegisteredDcu(d.uuid, d.split_count, d.memory_mib,
-                                                      d.cores, d.type, d.numa, d.healthy)
+                                                      d.cores, d.type, d.numa, d.healthy,
+                                                      d.index, d.mode)
                                     for d in devices])
 
 
