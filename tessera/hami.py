@@ -305,6 +305,21 @@ class PodRequest:
         return any(r is not None for r in self.all)
 
 
+_kinds_registry: Any = None
+
+
+def _request_reader(
+    settings: TesseraSettings,
+) -> Callable[[dict[str, Any], TesseraSettings], ContainerRequest | None]:
+    """tessera.device_kinds.registry.request_reader (imported once: this runs per pod)."""
+    global _kinds_registry
+    if _kinds_registry is None:
+        from tessera.device_kinds import registry
+
+        _kinds_registry = registry
+    return _kinds_registry.request_reader(settings)
+
+
 def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequest:
     spec = pod.get("spec") or {}
     if not isinstance(spec, dict):
@@ -316,9 +331,7 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     for c in [*init, *app]:
         if not isinstance(c, dict):
             raise RequestError("every container must be an object")
-    from tessera.device_kinds import registry
-
-    read = registry.request_reader(settings)  # whichever device family a container names
+    read = _request_reader(settings)  # whichever device family a container names
     return PodRequest(
         init=[read(c, settings) for c in init],
         containers=[read(c, settings) for c in app],

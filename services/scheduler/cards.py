@@ -23,6 +23,25 @@ from tessera.models import (
     NodeRegistration,
 )
 
+_KIND_FIELDS: dict[str, tuple[DeviceKind, str, int]] = {}
+_KIND_VERSION = [-1]  # the registry's version _KIND_FIELDS was filled under
+
+
+def _kind_fields(mode: str) -> tuple[DeviceKind, str, int]:
+    """(kind, family, plain) of a card in `mode` (kept per mode: the registry never changes
+    the kind serving a mode once registered)."""
+    if _KIND_VERSION[0] != registry.version:
+        _KIND_FIELDS.clear()
+        _KIND_VERSION[0] = registry.version
+    fields = _KIND_FIELDS.get(mode)
+    if fields is None:
+        kind = registry.kind_for_mode(mode) or SLICES
+        plain = (kind.max_devices_per_container or 1 << 30) if kind.plain else 0
+        fields = (kind, kind.family.name, plain)
+        if registry.kind_for_mode(mode) is not None:
+            _KIND_FIELDS[mode] = fields
+    return fields
+
 
 @dataclass(slots=True, init=False)
 class Card:
@@ -85,9 +104,7 @@ class Card:
         self.mig_instances = [] if mig_instances is None else mig_instances
         self.libvgpu_slices = libvgpu_slices
         if kind is None:
-            kind = registry.kind_for_mode("mig" if mig_model else mode) or SLICES
-            family = kind.family.name
-            plain = (kind.max_devices_per_container or 1 << 30) if kind.plain else 0
+            kind, family, plain = _kind_fields("mig" if mig_model else mode)
         self.kind = kind
         self.family = family
         self.plain = plain

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from tessera.device_kinds.base import NO_SELECTION
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant
 
@@ -173,7 +174,9 @@ def pick_cards(
 def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
     """The card's kind's grant (the charge is the kind's: a MIG instance charges its
     profile's), charged on the card and the quota budget."""
-    grant = card.kind.grant(card, request, ctx.options.selection_for(request.family))
+    options = ctx.options
+    selection = options.selection_for(request.family) if options.selections else NO_SELECTION
+    grant = card.kind.grant(card, request, selection)
     memory, cores = grant.memory_mib, grant.cores
     card.used_mem += memory
     card.used_cores += cores

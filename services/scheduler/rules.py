@@ -236,14 +236,20 @@ def check_cordon(card: Card, request: ContainerRequest, ctx: FitContext) -> str 
     return CARD_CORDONED if card.cordoned else None
 
 
-@only_when(lambda request, ctx: request.count > 1 or ctx.options.selection_for(request.family).any)
+@only_when(lambda request, ctx: request.count > 1 or bool(ctx.options.selections))
 def check_type_and_mode(card: Card, request: ContainerRequest, ctx: FitContext) -> str | None:
     """The card's type and mode against the pod's selection, the kind's limit on cards per
-    container (MPS: one)."""
-    return card.kind.selection_refusal(card, request, ctx.options.selection_for(request.family))
+    container (MPS: one). Without any selection only the limit is left (inlined)."""
+    options = ctx.options
+    if options.selections:
+        return card.kind.selection_refusal(card, request, options.selection_for(request.family))
+    limit = card.kind.max_devices_per_container
+    return CARD_TYPE_MISMATCH if limit and request.count > limit else None
 
 
 def _selects_uuids(request: ContainerRequest, ctx: FitContext) -> bool:
+    if not ctx.options.selections:
+        return False
     selection = ctx.options.selection_for(request.family)
     return bool(selection.use_uuids or selection.nouse_uuids)
 
@@ -323,7 +329,7 @@ PLAIN_CHECKS = frozenset({
 def plain_applies(checks: list[FitCheck], options: PodOptions) -> bool:
     """Whether `plain_card` may clear cards for these checks (`relevant_checks`)."""
     return PLAIN_CHECKS.issuperset(checks) and not (
-        check_type_and_mode in checks and any(s.any for _, s in options.selections)
+        check_type_and_mode in checks and options.selections
     )
 
 

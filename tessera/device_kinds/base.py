@@ -275,6 +275,12 @@ class DeviceFamily(ABC):
         of the family's resources. RequestError with a sentence for a malformed or impossible
         one (the webhook denies it; the scheduler refuses it)."""
 
+    @property
+    def reader(self) -> Any:
+        """`read_request` as a plain function where the family has one (the scheduler reads
+        every pod it decides with it while the family is the only one)."""
+        return self.read_request
+
     def admit_container(
         self, container: dict[str, Any], label: str, settings: TesseraSettings,
         notes: AdmissionNotes,

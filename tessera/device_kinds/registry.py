@@ -37,15 +37,23 @@ _families: dict[str, DeviceFamily] = {}
 _kinds: dict[str, DeviceKind] = {}  # kind name -> kind
 _by_mode: dict[str, DeviceKind] = {}  # DeviceInfo.mode -> kind
 _nodes: dict[str, NodeFamily] = {}  # family name -> its node-agent side
+_type_families: dict[str, DeviceFamily] = {}  # device type -> family (family_of_type)
+_names_cache: dict[int, tuple[Any, dict[str, DeviceFamily]]] = {}  # id(settings) -> names
 _loaded = False
+# Bumped by every register/unregister: callers that keep what a mode maps to start again.
+version = 0
 
 
 def register(family: DeviceFamily, *kinds: DeviceKind) -> None:
     """Register a family and its kinds (at import of the family's folder). A mode served by two
     kinds, or a family name taken by another object, is a programming error."""
+    global version
     known = _families.get(family.name)
     if known is not None and known is not family:
         raise ValueError(f"device family {family.name!r} is registered twice")
+    version += 1
+    _names_cache.clear()
+    _type_families.clear()
     _families[family.name] = family
     for kind in kinds:
         if kind.family is not family:
@@ -58,6 +66,22 @@ def register(family: DeviceFamily, *kinds: DeviceKind) -> None:
                 raise ValueError(f"mode {mode!r} is served by {other.name!r} and {kind.name!r}")
             _by_mode[mode] = kind
         _kinds[kind.name] = kind
+
+
+def unregister(name: str) -> None:
+    """Forget a family, its kinds and its node side (tests register families of their own)."""
+    global version
+    family_ = _families.pop(name, None)
+    for kind_name, kind in list(_kinds.items()):
+        if kind.family is family_:
+            del _kinds[kind_name]
+    for mode, kind in list(_by_mode.items()):
+        if kind.family is family_:
+            del _by_mode[mode]
+    _nodes.pop(name, None)
+    _names_cache.clear()
+    _type_families.clear()
+    version += 1
 
 
 def register_node(node_family: NodeFamily) -> None:
@@ -110,9 +134,6 @@ def family_of_mode(mode: str) -> str:
     return kind.family.name if kind is not None else ""
 
 
-_type_families: dict[str, DeviceFamily] = {}
-
-
 def family_of_type(device_type: str) -> DeviceFamily:
     """The family of a device or grant by its type (`type_prefixes`); a type no family claims
     is the default family's (HAMi's NVIDIA registrations name any model)."""
@@ -155,9 +176,6 @@ def node_family(name: str) -> NodeFamily | None:
 
 
 # --- resource names ---------------------------------------------------------------------------
-
-_names_cache: dict[int, tuple[Any, dict[str, DeviceFamily]]] = {}
-
 
 def resource_map(settings: TesseraSettings) -> dict[str, DeviceFamily]:
     """Every resource name in effect -> its family (kept per settings object)."""
@@ -207,9 +225,10 @@ def request_reader(
 ) -> Callable[[Mapping[str, Any], TesseraSettings], ContainerRequest | None]:
     """`read_request`, or the default family's own reader while it is the only family (the
     scheduler reads every pod it decides: no lookups then)."""
-    load()
-    if len(_families) == 1 and DEFAULT_FAMILY in _families:
-        return _families[DEFAULT_FAMILY].read_request
+    if not _loaded:
+        load()
+    if len(_families) == 1:
+        return _families[DEFAULT_FAMILY].reader
     return read_request
 
 

@@ -86,8 +86,7 @@ def test_a_container_naming_two_families_is_refused_with_a_sentence():
         with pytest.raises(RequestError, match="one family"):
             registry.read_request(container, TesseraSettings())
     finally:
-        registry._families.pop("other-test")
-        registry._names_cache.clear()
+        registry.unregister("other-test")
 
 
 def test_selection_annotations_refuse_devices_by_type_uuid_and_mode():

@@ -56,12 +56,7 @@ def npu_node() -> Iterator[None]:
     registry.register(NPU, TEMPLATED)
     registry.register_node(NpuNode())
     yield
-    registry._families.pop(NPU.name)
-    registry._kinds.pop(TEMPLATED.name)
-    registry._by_mode.pop("test-npu")
-    registry._nodes.pop(NPU.name)
-    registry._names_cache.clear()
-    registry._type_families.clear()
+    registry.unregister(NPU.name)
 
 
 def test_the_node_agent_reads_a_familys_devices_through_its_backend():

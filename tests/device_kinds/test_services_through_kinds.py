@@ -91,13 +91,8 @@ SETTINGS = TesseraSettings()
 @pytest.fixture(autouse=True)
 def npu_family() -> Iterator[None]:
     registry.register(NPU, TEMPLATED)
-    registry._names_cache.clear()
     yield
-    registry._families.pop(NPU.name)
-    registry._kinds.pop(TEMPLATED.name)
-    registry._by_mode.pop("test-npu")
-    registry._names_cache.clear()
-    registry._type_families.clear()
+    registry.unregister(NPU.name)
 
 
 def npu(uuid: str, memory: int = 16384, used: int = 0) -> DeviceInfo:

@@ -53,6 +53,10 @@ class NvidiaFamily(DeviceFamily):
     ) -> ContainerRequest | None:
         return hami.parse_container_request(container, settings)  # type: ignore[arg-type]
 
+    @property
+    def reader(self) -> Any:
+        return hami.parse_container_request
+
     def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
         """One container may hold slices, MPS cards and MIG instances together: the slice env
         (MIG's when it holds an instance: the instances visible by their MIG UUIDs, and no
