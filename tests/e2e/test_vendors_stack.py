@@ -5,7 +5,9 @@ Hygon Z100L node, each served by a node agent over its vendor's simulated manage
 The issue's "Done when", per vendor: the pod written as HAMi's docs write it is admitted,
 placed on a fitting device of its own vendor, prepared with the env/devices its vendor runtime
 expects, and released on delete; the Ascend request is granted the smallest covering template,
-and a request no template covers pends with the reason. Metrics show every kind.
+and a request no template covers pends with the reason. Kubernetes' ResourceQuota counts each
+vendor's devices, the simulated DCMI's usage reaches HAMi's host metrics, and the metrics show
+every kind.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.device_kinds.ascend import annotations as asc_ann
+from tessera.device_kinds.ascend.chips import active_chip
+from tessera.device_kinds.ascend.dcmi_fake import SimulatedDcmi
 from tessera.device_kinds.hygon import annotations as dcu_ann
 from tessera.simnodes import load_nodes
 
@@ -79,6 +84,13 @@ def test_every_vendor_end_to_end(sim: RunningStack) -> None:
     dcus = dcu_ann.decode_register(node_annotations[DCU][dcu_ann.NODE_REGISTER])
     assert [d.type for d in dcus] == ["DCU-Z100L"] * 2
 
+    # Kubernetes' own ResourceQuota counts each vendor's devices (Tessera's counts NVIDIA's)
+    hard = {f"requests.{r}": "4" for r in VENDOR_RESOURCES.values()}
+    created = kube.http.post("/api/v1/namespaces/default/resourcequotas", json={
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "devices"},
+        "spec": {"hard": hard}})
+    assert created.status_code == 201, created.text
+
     for file in ("ascend-910b3-vnpu.yaml", "cambricon-mlu-smlu.yaml", "hygon-dcu-vdcu.yaml",
                  "nvidia-slice.yaml", "ascend-too-big.yaml"):
         kube.create_pod_retrying(example(file), "default")
@@ -89,6 +101,7 @@ def test_every_vendor_end_to_end(sim: RunningStack) -> None:
     limits = npu["spec"]["containers"][0]["resources"]["limits"]
     assert str(limits["huawei.com/Ascend910B3-memory"]) == "16384"  # rewritten at admission
     [[grant]] = grants(npu)
+    grant_npu = grant
     assert (grant.type, grant.memory_mib, grant.cores) == ("Ascend910B3", 16384, 5)
     main = container_of(sim, NPU, "ascend910b3-pod")
     assert main["envs"]["ASCEND_VNPU_SPECS"] == "vir05_1c_16g"
@@ -130,8 +143,32 @@ def test_every_vendor_end_to_end(sim: RunningStack) -> None:
     assert "no vNPU template of Ascend910B3 covers 90000" in message
     assert "CardTypeMismatch" in message  # the other vendors' devices are never considered
 
+    def quota_used() -> dict[str, str] | None:
+        quota = kube.http.get("/api/v1/namespaces/default/resourcequotas/devices").json()
+        used = (quota.get("status") or {}).get("used") or {}
+        return used if used.get("requests.huawei.com/Ascend910B3") == "2" else None
+
+    # the NPU pods (one running, one pending: pods count) and one each of the others
+    used = kube.wait_for("each vendor's devices in the ResourceQuota", quota_used, timeout_s=30)
+    assert (used["requests.cambricon.com/vmlu"], used["requests.hygon.com/dcunum"]) == ("1", "1")
+
+    # usage through the simulated DCMI: what a workload holds on the vNPU's chip, under
+    # HAMi's host metric names (its Ascend monitor's too)
+    SimulatedDcmi(NPU, active_chip("Ascend910B3"), 2, state_path=str(
+        sim.stack.state_dir / "regions" / NPU / "dcmi-Ascend910B3.json")).set_usage(
+        next(n.index for n in npus if n.uuid == grant_npu.uuid), 6000, 42)
+    metrics_url = f"http://127.0.0.1:{sim.stack.ports.metrics}/metrics"
+
+    def host_usage() -> dict[str, float] | None:
+        samples = {s.labels.get("device_uuid"): s.value
+                   for f in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text)
+                   if f.name == "hami_host_gpu_memory_used_bytes" for s in f.samples}
+        return samples if samples.get(grant_npu.uuid) == 6000 << 20 else None
+
+    kube.wait_for("the NPU's used memory in the metrics", host_usage, timeout_s=30)
+
     # metrics: HAMi's names for every kind
-    metrics = httpx.get(f"http://127.0.0.1:{sim.stack.ports.metrics}/metrics", timeout=10).text
+    metrics = httpx.get(metrics_url, timeout=10).text
     for device_type in ("Ascend910B3", "MLU370-X4", "DCU-Z100L", "NVIDIA-NVIDIA A10"):
         assert f'device_type="{device_type}"' in metrics, device_type
 
