@@ -11,7 +11,7 @@ import pytest
 from tessera.device_kinds import AdmissionNotes, GrantContext, registry
 from tessera.device_kinds.ascend import FAMILIES, KINDS
 from tessera.device_kinds.ascend import annotations as asc_ann
-from tessera.device_kinds.ascend.node import AscendNode, max_vnpus
+from tessera.device_kinds.ascend.node import AscendNode
 from tessera.device_kinds.ascend.templates import NO_TEMPLATE_COVERS
 from tessera.device_kinds.cambricon import MLU, SMLU
 from tessera.device_kinds.cambricon import annotations as mlu_ann
@@ -174,24 +174,23 @@ def node_devices(node, model: str, count: int, tmp: str = ""):
 def test_ascend_node_discovers_npus_and_910c_modules(tmp_path) -> None:
     node = AscendNode(B3)
     found = node_devices(node, "Ascend910B3", 8, str(tmp_path))
-    devices = node.advertise(found, NodeDeviceConfig(memory_scaling=2.0))
+    devices = node.advertise(found, NodeDeviceConfig())
     assert [d.index for d in devices] == list(range(8))
-    assert {(d.memory_mib, d.cores, d.split_count, d.mode) for d in devices} == {
-        (65536, 20, 4, "ascend910b3-vnpu")}  # the chip's own: no scaling on hard partitions
+    assert {(d.type, d.memory_mib, d.cores, d.mode) for d in devices} == {
+        ("Ascend910B3", 65536, 20, "ascend910b3-vnpu")}  # the chip's own memory and AI cores
     register = asc_ann.decode_register(B3.encode_register(devices))
     assert [r.network for r in register] == [0, 0, 0, 0, 1, 1, 1, 1]
 
     module = AscendNode(C910)
     modules = module.advertise(node_devices(module, "Ascend910C", 4, str(tmp_path)),
                                NodeDeviceConfig())
-    assert [(d.index, d.memory_mib, d.split_count) for d in modules] == [(0, 131072, 2),
-                                                                          (1, 131072, 2)]
+    assert [(d.index, d.memory_mib, d.cores) for d in modules] == [(0, 131072, 40),
+                                                                    (1, 131072, 40)]
     assert len(asc_ann.decode_register(C910.encode_register(modules))) == 4  # dies
     grant = DeviceGrant(uuid=modules[1].uuid, type="Ascend910C", memory_mib=131072, cores=40)
     edits = KINDS["ascend910c"].container_edits([grant], GrantContext(
         {d.uuid: d for d in modules}, SETTINGS))
     assert edits.env == {"ASCEND_VISIBLE_DEVICES": "2,3"}
-    assert max_vnpus(FAMILIES["ascend910a"].chip) == 15
 
 
 def test_ascend_health_follows_dcmi(tmp_path) -> None:

@@ -3,9 +3,10 @@ hardware cannot run on this machine), registered with HAMi's annotation, health 
 
 - A device is one NPU (its die id is its UUID, its logic id its index); on 910C one **module**
   (two dies; its index the module's, its memory and AI cores both dies'), allocated whole.
-- What it advertises is the chip's own: memory (`memoryAllocatable`), AI cores, and as many
-  slots as vNPUs the chip can hold at most (the templates never overlap its capacity); the
-  node's memory/core scaling does not apply (the driver's vNPUs are hard partitions).
+- What it advertises is the chip's own memory (`memoryAllocatable`) and AI cores, with the
+  node's configuration (split count) as for any device; the Ascend kind checks every vNPU
+  against the chip's own figures, so a scaling the configuration applies never overcommits a
+  chip (the driver's vNPUs are hard partitions).
 - Health: DCMI's health code, major (2) or critical (3) = unhealthy, back at 0 or 1.
 """
 
@@ -13,31 +14,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..node import HealthChange, NodeDeviceConfig, NodeFamily, PhysicalDevice
+from ..node import HealthChange, NodeFamily, PhysicalDevice
 from .chips import AscendChip, active_chip, active_chips, chip_for_name, chip_for_type
 from .dcmi_fake import HEALTH_MAJOR, SimulatedDcmi
 from .family import AscendFamily
 from .vnpu import mode_of
 
 if TYPE_CHECKING:
-    from tessera.models import DeviceInfo
     from tessera.settings import TesseraSettings
-
-
-def max_vnpus(chip: AscendChip) -> int:
-    """How many vNPUs one chip holds at most (its smallest template, packed)."""
-    if chip.module_pairs or not chip.templates:
-        return 2 if chip.module_pairs else 1
-    smallest_core = min(t.ai_core for t in chip.templates) or 1
-    smallest_mem = min(t.memory for t in chip.templates)
-    bounds = [chip.ai_core // smallest_core, chip.memory_allocatable // smallest_mem]
-    smallest_cpu = min(t.ai_cpu for t in chip.templates)
-    if chip.ai_cpu and smallest_cpu:
-        bounds.append(chip.ai_cpu // smallest_cpu)
-    return max(1, min(bounds))
 
 
 def chip_for_model(model: str) -> AscendChip | None:
@@ -127,25 +113,6 @@ class AscendNode(NodeFamily):
 
     def default_mode(self, device: PhysicalDevice) -> str:
         return mode_of(self.family.common_word)  # type: ignore[attr-defined]
-
-    def advertise(
-        self, found: Sequence[PhysicalDevice], config: NodeDeviceConfig,
-        unhealthy: frozenset[str] = frozenset(),
-    ) -> list[DeviceInfo]:
-        """The chip's own memory and AI cores (no scaling), as many slots as vNPUs fit."""
-        from tessera.models import DeviceInfo
-
-        chip = active_chip(self.family.common_word)  # type: ignore[attr-defined]
-        return [
-            DeviceInfo(
-                uuid=d.uuid, index=d.index, type=chip.common_word, memory_mib=d.memory_mib,
-                physical_memory_mib=d.memory_mib, cores=d.cores, split_count=max_vnpus(chip),
-                numa=d.numa, healthy=d.healthy and d.uuid not in unhealthy,
-                mode=self.default_mode(d),
-            )
-            for d in found
-            if config.offers(d)
-        ]
 
 
 def _register_nodes() -> None:
