@@ -24,15 +24,12 @@ from tessera.models import (
 )
 
 _KIND_FIELDS: dict[str, tuple[DeviceKind, str, int]] = {}
-_KIND_VERSION = [-1]  # the registry's version _KIND_FIELDS was filled under
+registry.on_change(_KIND_FIELDS.clear)
 
 
 def _kind_fields(mode: str) -> tuple[DeviceKind, str, int]:
     """(kind, family, plain) of a card in `mode` (kept per mode: the registry never changes
     the kind serving a mode once registered)."""
-    if _KIND_VERSION[0] != registry.version:
-        _KIND_FIELDS.clear()
-        _KIND_VERSION[0] = registry.version
     fields = _KIND_FIELDS.get(mode)
     if fields is None:
         kind = registry.kind_for_mode(mode) or SLICES
@@ -104,7 +101,8 @@ class Card:
         self.mig_instances = [] if mig_instances is None else mig_instances
         self.libvgpu_slices = libvgpu_slices
         if kind is None:
-            kind, family, plain = _kind_fields("mig" if mig_model else mode)
+            fields = _KIND_FIELDS.get("mig" if mig_model else mode)
+            kind, family, plain = fields or _kind_fields("mig" if mig_model else mode)
         self.kind = kind
         self.family = family
         self.plain = plain

@@ -42,18 +42,30 @@ _names_cache: dict[int, tuple[Any, dict[str, DeviceFamily]]] = {}  # id(settings
 _loaded = False
 # Bumped by every register/unregister: callers that keep what a mode maps to start again.
 version = 0
+_on_change: list[Callable[[], None]] = []
+
+
+def on_change(forget: Callable[[], None]) -> None:
+    """Call `forget` whenever a family or kind is registered or unregistered (a caller that
+    keeps what a mode maps to, per device, drops it then)."""
+    _on_change.append(forget)
+
+
+def _changed() -> None:
+    global version
+    version += 1
+    _names_cache.clear()
+    _type_families.clear()
+    for forget in _on_change:
+        forget()
 
 
 def register(family: DeviceFamily, *kinds: DeviceKind) -> None:
     """Register a family and its kinds (at import of the family's folder). A mode served by two
     kinds, or a family name taken by another object, is a programming error."""
-    global version
     known = _families.get(family.name)
     if known is not None and known is not family:
         raise ValueError(f"device family {family.name!r} is registered twice")
-    version += 1
-    _names_cache.clear()
-    _type_families.clear()
     _families[family.name] = family
     for kind in kinds:
         if kind.family is not family:
@@ -66,11 +78,11 @@ def register(family: DeviceFamily, *kinds: DeviceKind) -> None:
                 raise ValueError(f"mode {mode!r} is served by {other.name!r} and {kind.name!r}")
             _by_mode[mode] = kind
         _kinds[kind.name] = kind
+    _changed()
 
 
 def unregister(name: str) -> None:
     """Forget a family, its kinds and its node side (tests register families of their own)."""
-    global version
     family_ = _families.pop(name, None)
     for kind_name, kind in list(_kinds.items()):
         if kind.family is family_:
@@ -79,9 +91,7 @@ def unregister(name: str) -> None:
         if kind.family is family_:
             del _by_mode[mode]
     _nodes.pop(name, None)
-    _names_cache.clear()
-    _type_families.clear()
-    version += 1
+    _changed()
 
 
 def register_node(node_family: NodeFamily) -> None:
