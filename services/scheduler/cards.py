@@ -73,6 +73,9 @@ class Card:
     kind: DeviceKind
     family: str
     plain: int
+    # The partitions its grants hold, for kinds whose fit needs them (`holds_partitions`: an
+    # Ascend chip's vNPU templates, for its AI CPUs); () for every other card.
+    partitions: tuple[str, ...]
 
     def __init__(
         self, uuid: str, index: int, type: str, mode: str, numa: int, healthy: bool,
@@ -81,6 +84,7 @@ class Card:
         used_slots: int = 0, mig_model: str = "", mig_geometries: tuple[dict[str, int], ...] = (),
         mig_instances: list[mig.Instance] | None = None, libvgpu_slices: int = 0,
         kind: DeviceKind | None = None, family: str = "", plain: int = 0,
+        partitions: tuple[str, ...] = (),
     ) -> None:  # (written out: the generated one would call a __post_init__ on every copy)
         self.uuid = uuid
         self.index = index
@@ -106,6 +110,7 @@ class Card:
         self.kind = kind
         self.family = family
         self.plain = plain
+        self.partitions = partitions
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
@@ -131,7 +136,7 @@ class Card:
             self.memory_mib, self.cores, self.split_count, self.links,
             self.used_mem, self.used_cores, self.used_slots,
             self.mig_model, self.mig_geometries, list(self.mig_instances), self.libvgpu_slices,
-            self.kind, self.family, self.plain,
+            self.kind, self.family, self.plain, self.partitions,
         )  # fmt: skip
 
     def hold(self, grant: DeviceGrant) -> None:
@@ -139,6 +144,8 @@ class Card:
         libvgpu slice. Only a dynamic MIG card keeps count: nothing else reads it, and the index
         (which keeps usage incrementally) then need not walk the allocations of other nodes."""
         if not self.mig_model:
+            if not self.plain and self.kind.holds_partitions:
+                self.partitions += (self.kind.partition_of(self, grant),)
             return
         if grant.mig is not None:
             self.mig_instances.append(mig.Instance(grant.mig.profile, grant.mig.start))
@@ -281,6 +288,12 @@ def _charged(cards: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[
                 card.used_cores += cores
                 card.used_slots += slots
     return cards
+
+
+def holds_partitions(mode: str) -> bool:
+    """Whether cards in `mode` keep their grants' partitions (the index then counts them as it
+    does dynamic MIG cards' instances)."""
+    return _kind_fields(mode)[0].holds_partitions
 
 
 def hold_grants(cards: list[Card], allocations: Iterable[Allocation], now: float) -> None:

@@ -53,6 +53,8 @@ class AscendFamily(DeviceFamily):
         self.runtime_info_annotation = ann.runtime_info_key(cw)
         self.extra_annotations = (ann.runtime_info_key(cw), ann.VNPU_MODE)
         self.type_prefixes = (cw,)  # type: ignore[misc]  # an NPU's type is its commonWord
+        # 910C: kubelet counts NPUs (dies), a device here is a module of two
+        self.ids_per_device = 2 if chip.module_pairs else 1  # type: ignore[misc]
 
     @property
     def chip(self) -> AscendChip:

@@ -14,16 +14,26 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..node import HealthChange, NodeFamily, PhysicalDevice
+from ..node import HealthChange, NodeDeviceConfig, NodeFamily, PhysicalDevice
 from .chips import AscendChip, active_chip, active_chips, chip_for_name, chip_for_type
 from .dcmi_fake import HEALTH_MAJOR, SimulatedDcmi
 from .family import AscendFamily
 from .vnpu import mode_of
 
 if TYPE_CHECKING:
+    from tessera.models import DeviceInfo
     from tessera.settings import TesseraSettings
+
+
+def vnpu_count(chip: AscendChip) -> int:
+    """HAMi's `VDeviceCount`: how many vNPUs of the smallest template a chip holds (1 without
+    templates; a 910C module is given whole: 1)."""
+    if chip.module_pairs or not chip.templates:
+        return 1
+    return max(1, chip.memory_allocatable // chip.templates[0].memory)
 
 
 def chip_for_model(model: str) -> AscendChip | None:
@@ -113,6 +123,18 @@ class AscendNode(NodeFamily):
 
     def default_mode(self, device: PhysicalDevice) -> str:
         return mode_of(self.family.common_word)  # type: ignore[attr-defined]
+
+    def advertise(
+        self, found: Sequence[PhysicalDevice], config: NodeDeviceConfig,
+        unhealthy: frozenset[str] = frozenset(),
+    ) -> list[DeviceInfo]:
+        """As the interface's default, but a chip's slots are its vNPU count as HAMi's Ascend
+        device plugin registers it (`Count`): `memoryAllocatable` over the smallest template's
+        memory (1 without templates); a 910C module 1 (given whole). Not the node's NVIDIA
+        split count: the vNPUs a chip can hold are the driver's, not a setting."""
+        slots = vnpu_count(active_chip(self.family.common_word))  # type: ignore[attr-defined]
+        return [d.model_copy(update={"split_count": slots})
+                for d in super().advertise(found, config, unhealthy)]
 
 
 def _register_nodes() -> None:

@@ -27,10 +27,13 @@ from ..base import (
     Take,
 )
 from . import annotations as ann
+from .chips import AscendChip
 from .family import AscendFamily
 from .templates import (
     NO_TEMPLATE_COVERS,
+    ChipUse,
     Cut,
+    chip_use,
     covering_cut,
     cut_of_grant,
     uncovered_reason,
@@ -50,8 +53,20 @@ def mode_of(common_word: str) -> str:
     return f"{common_word.lower()}-vnpu"
 
 
+def chip_partitions_use(chip: AscendChip, device: DeviceView) -> ChipUse:
+    """What the vNPUs on the device hold together, by their templates (the scheduler keeps
+    them on the card: `holds_partitions`), AI CPUs included."""
+    cuts = []
+    for name in getattr(device, "partitions", ()):
+        template = chip.template(name) if name else None
+        cuts.append(Cut(template.name, template.memory, template.ai_core, template.ai_cpu)
+                    if template is not None else whole_chip(chip))
+    return chip_use(cuts)
+
+
 class AscendVnpu(DeviceKind):
     explains = True
+    holds_partitions = True
 
     def __init__(self, family: AscendFamily) -> None:
         self.family = family  # type: ignore[misc]
@@ -79,13 +94,35 @@ class AscendVnpu(DeviceKind):
             return CARD_INSUFFICIENT_MEMORY
         if cut.ai_core > min(device.cores, chip.ai_core) - device.used_cores:
             return CARD_INSUFFICIENT_CORE
+        if not cut.whole and self._ai_cpus_short(device, cut):
+            return CARD_INSUFFICIENT_CORE  # HAMi has no reason of its own: explain() says
         return None
+
+    def _ai_cpus_short(self, device: DeviceView, cut: Cut) -> bool:
+        """The chip's AI CPUs (the driver refuses a vNPU beyond them) would not hold the cut
+        beside the vNPUs' templates already there."""
+        chip = self.family.chip  # type: ignore[attr-defined]
+        if not chip.ai_cpu or not cut.ai_cpu:
+            return False
+        return chip_partitions_use(chip, device).ai_cpu + cut.ai_cpu > chip.ai_cpu
+
+    def partition_of(self, device: DeviceView, grant: DeviceGrant) -> str:
+        """The template a grant holds (the whole chip: '')."""
+        return cut_of_grant(self.family.chip, grant.memory_mib,  # type: ignore[attr-defined]
+                            grant.cores).template
 
     def explain(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> str:
-        if self._cut(request) is not None:
-            return ""
+        cut = self._cut(request)
+        if cut is not None:
+            if cut.whole or not self._ai_cpus_short(device, cut):
+                return ""
+            chip = self.family.chip  # type: ignore[attr-defined]
+            used = chip_partitions_use(chip, device).ai_cpu
+            return (f"{cut.template} needs {cut.ai_cpu} AI CPU(s) but {chip.common_word} NPU "
+                    f"{device.index} has {chip.ai_cpu - used} of {chip.ai_cpu} left beside its "
+                    f"vNPUs ({', '.join(t for t in getattr(device, 'partitions', ()) if t)})")
         memory = None if request.memory_percentage == 100 else request.memory_mib
         return uncovered_reason(self.family.chip, memory, request.cores)  # type: ignore[attr-defined]
 
