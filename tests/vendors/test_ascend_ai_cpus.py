@@ -46,7 +46,7 @@ def schedule(index: ClusterIndex, spec: dict[str, Any]) -> tuple[bool, str]:
     request = PodRequest(containers=[registry.read_request(c, SETTINGS)
                                      for c in spec["spec"]["containers"]])
     decision = decide(index, request, parse_pod_options(spec, SETTINGS), [NODE])
-    for entry, fit in decision.fits():
+    for _entry, fit in decision.fits():
         uid = spec["metadata"]["uid"]
         ledger = index.entries[NODE].ledger
         allocations = {**ledger.allocations, uid: Allocation(

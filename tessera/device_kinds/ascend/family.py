@@ -94,7 +94,11 @@ class AscendFamily(DeviceFamily):
                     f"{where}{names.count}: {count} with {names.memory}: vNPU templates serve "
                     "one NPU per container; ask for 1 NPU with a memory size, or for whole NPUs "
                     "(leave the memory out)")
-        whole = raw.memory is None
+        # A memory above every template takes the whole NPU (a 910C: the whole module): the
+        # request is then for whole devices, so what is granted (the device's memory) is what
+        # it asks, wherever it is checked (the node agent's grant check).
+        whole = raw.memory is None or (
+            (cut := covering_cut(chip, raw.memory, ai_core)) is not None and cut.whole)
         return ContainerRequest(
             count=count // 2 if chip.module_pairs else count,
             memory_mib=0 if whole else raw.memory,  # type: ignore[arg-type]
