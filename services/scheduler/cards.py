@@ -40,8 +40,18 @@ def _kind_fields(mode: str) -> tuple[DeviceKind, str, int]:
     return fields
 
 
+class _HeldPartitions:
+    """A card's `partitions`: what its grants hold, for kinds whose fit needs it
+    (`DeviceKind.holds_partitions`: an Ascend chip's vNPU templates, for its AI CPUs). Set by
+    `Card.hold` on those cards only and unset on every other (read it with
+    `getattr(card, "partitions", ())`): building and copying NVIDIA's cards do nothing more."""
+
+    __slots__ = ("partitions",)
+    partitions: tuple[str, ...]
+
+
 @dataclass(slots=True, init=False)
-class Card:
+class Card(_HeldPartitions):
     """One GPU: static facts from the node agent plus what is in use (memory MiB, cores, slots)."""
 
     uuid: str
@@ -73,9 +83,6 @@ class Card:
     kind: DeviceKind
     family: str
     plain: int
-    # The partitions its grants hold, for kinds whose fit needs them (`holds_partitions`: an
-    # Ascend chip's vNPU templates, for its AI CPUs); () for every other card.
-    partitions: tuple[str, ...]
 
     def __init__(
         self, uuid: str, index: int, type: str, mode: str, numa: int, healthy: bool,
@@ -84,7 +91,6 @@ class Card:
         used_slots: int = 0, mig_model: str = "", mig_geometries: tuple[dict[str, int], ...] = (),
         mig_instances: list[mig.Instance] | None = None, libvgpu_slices: int = 0,
         kind: DeviceKind | None = None, family: str = "", plain: int = 0,
-        partitions: tuple[str, ...] = (),
     ) -> None:  # (written out: the generated one would call a __post_init__ on every copy)
         self.uuid = uuid
         self.index = index
@@ -110,7 +116,6 @@ class Card:
         self.kind = kind
         self.family = family
         self.plain = plain
-        self.partitions = partitions
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
@@ -131,13 +136,16 @@ class Card:
         )
 
     def clone(self) -> Card:
-        return Card(
+        copy = Card(
             self.uuid, self.index, self.type, self.mode, self.numa, self.healthy, self.cordoned,
             self.memory_mib, self.cores, self.split_count, self.links,
             self.used_mem, self.used_cores, self.used_slots,
             self.mig_model, self.mig_geometries, list(self.mig_instances), self.libvgpu_slices,
-            self.kind, self.family, self.plain, self.partitions,
+            self.kind, self.family, self.plain,
         )  # fmt: skip
+        if not self.plain:
+            copy.partitions = getattr(self, "partitions", ())
+        return copy
 
     def hold(self, grant: DeviceGrant) -> None:
         """Count what `grant` occupies besides memory/cores/slots: its MIG instance, or one
@@ -145,7 +153,8 @@ class Card:
         (which keeps usage incrementally) then need not walk the allocations of other nodes."""
         if not self.mig_model:
             if not self.plain and self.kind.holds_partitions:
-                self.partitions += (self.kind.partition_of(self, grant),)
+                self.partitions = (*getattr(self, "partitions", ()),
+                                   self.kind.partition_of(self, grant))
             return
         if grant.mig is not None:
             self.mig_instances.append(mig.Instance(grant.mig.profile, grant.mig.start))
