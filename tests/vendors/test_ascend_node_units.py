@@ -11,6 +11,7 @@ from tessera.node_agent.family_source import FamilySource
 from tessera.node_agent.handshake import HandshakeError
 
 from tessera.device_kinds import registry
+from tessera.device_kinds.node import NodeDeviceConfig
 from tessera.settings import TesseraSettings
 
 
@@ -54,3 +55,24 @@ def test_one_id_per_device_changes_nothing() -> None:
     ids = ["GPU-a-3", "GPU-b-0"]
     assert units.collapse(ids) == ids and units.expand(ids) == ids and units.size(2) == 2
     assert units.listed("GPU-a", 3) == ["GPU-a-0", "GPU-a-1", "GPU-a-2"]
+
+
+def test_hamis_handshake_annotations_for_the_families_present(tmp_path) -> None:
+    """`hami.io/node-handshake-<chip>` / `-dcu` = `Reported_<time>` (HAMi's protocol), only
+    for families with devices on the node and one of their own (none for NVIDIA here)."""
+    from tessera.device_kinds.hygon.node import HygonNode
+    from tessera.models import DeviceInfo
+
+    npus = node_devices("Ascend910B3", 1, str(tmp_path))
+    settings = TesseraSettings(device_source="static", static_gpu_count=1,
+                               static_gpu_model="Z100L", static_gpu_memory_mib=32768,
+                               region_host_dir=str(tmp_path))
+    node = HygonNode()
+    dcus = node.advertise(node.backend(settings, "n").discover(), NodeDeviceConfig())
+    gpu = DeviceInfo(uuid="GPU-0", index=0, type="NVIDIA-A10", memory_mib=24576)
+    now = 1_700_000_000.0
+    written = registry.handshake_annotations([*npus, *dcus, gpu], now)
+    assert set(written) == {"hami.io/node-handshake-Ascend910B3", "hami.io/node-handshake-dcu"}
+    assert all(v.startswith("Reported_") and len(v) == len("Reported_2006.01.02 15:04:05")
+               for v in written.values())
+    assert registry.handshake_annotations([gpu], now) == {}
