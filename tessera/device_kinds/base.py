@@ -269,6 +269,11 @@ class DeviceKind(ABC):
         """The partition a grant on the device holds (`holds_partitions` kinds)."""
         return ""
 
+    def partitions_problem(self, device: DeviceView) -> str | None:
+        """What the partitions held on the device (`partitions`) overrun, or None (the ledger's
+        capacity checks ask it beside memory, cores and slots)."""
+        return None
+
     def take(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> Take:

@@ -89,3 +89,24 @@ def test_templates_without_ai_cpus_to_spare_still_fill_the_chip(tmp_path) -> Non
     assert schedule(index, vnpu_pod("b", 32768)) == (True, "")
     placed, why = schedule(index, vnpu_pod("c", 8192))
     assert not placed and "CardInsufficientMemory" in why, why
+
+
+def test_a_lapsed_reservation_is_not_regranted_beyond_the_ai_cpus(tmp_path) -> None:
+    """The ledger's regrant check (a reservation that lapsed before its bind was recorded)
+    counts AI CPUs too: while it lapsed, others took the chip's AI CPUs."""
+    from tessera.scheduler.ledger import regrant_problems
+
+    index = index_with_one_chip(str(tmp_path))
+    assert schedule(index, vnpu_pod("lapsed", 8192)) == (True, "")
+    assert schedule(index, vnpu_pod("big", 32768)) == (True, "")
+    for i in range(2):
+        assert schedule(index, vnpu_pod(f"small-{i}", 8192)) == (True, "")
+    entry = index.entries[NODE]
+    assert regrant_problems(entry.registered, entry.ledger, "lapsed", 0.0) == []  # 6 of 6
+    ledger = entry.ledger
+    # meanwhile a third vir03 took the lapsed one's AI CPU
+    third = ledger.allocations["small-0"].model_copy(update={"pod_uid": "small-2",
+                                                               "name": "small-2"})
+    crowded = NodeLedger(node=NODE, allocations={**ledger.allocations, "small-2": third})
+    problems = regrant_problems(entry.registered, crowded, "lapsed", 0.0)
+    assert any("AI CPUs 7 > 6" in p for p in problems), problems

@@ -106,6 +106,13 @@ class AscendVnpu(DeviceKind):
             return False
         return chip_partitions_use(chip, device).ai_cpu + cut.ai_cpu > chip.ai_cpu
 
+    def partitions_problem(self, device: DeviceView) -> str | None:
+        chip = self.family.chip  # type: ignore[attr-defined]
+        used = chip_partitions_use(chip, device).ai_cpu
+        if chip.ai_cpu and used > chip.ai_cpu:
+            return f"vNPUs' AI CPUs {used} > {chip.ai_cpu}"
+        return None
+
     def partition_of(self, device: DeviceView, grant: DeviceGrant) -> str:
         """The template a grant holds (the whole chip: '')."""
         return cut_of_grant(self.family.chip, grant.memory_mib,  # type: ignore[attr-defined]
