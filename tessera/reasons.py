@@ -24,6 +24,7 @@ PHRASES = {
     "CardInsufficientCore": "not enough compute",
     "CardComputeUnitsExhausted": "compute fully allocated",
     "CardMigTopologyInfeasible": "no MIG layout fits",
+    "NoVnpuTemplateCovers": "no Ascend vNPU template covers the request",
     "AllocatedCardsInsufficientRequest": "fit, but too few of them",
     "NodeUnregistered": "the node has registered no GPUs",
     "RequestInvalid": "the request is invalid",

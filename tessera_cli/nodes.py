@@ -1,8 +1,9 @@
 """`tessera get nodes`: each node's GPUs, what the pods on it hold, their mode and health.
 
 The GPUs come from the node's `hami.io/node-nvidia-register` (what the node agent, or HAMi's
-device plugin, advertises); what is used from the grants of the pods bound to the node
-(`hami.io/vgpu-devices-allocated`, else `-to-allocate`), as the scheduler counts them: a pod's
+device plugin, advertises; another vendor's node: its register annotation, docs/vendors.md);
+what is used from the grants of the pods bound to the node (`hami.io/vgpu-devices-allocated`,
+else `-to-allocate`), as the scheduler counts them: a pod's
 init containers run one after another before its app containers, so a card holds the larger of
 the init containers' largest grant and the app containers' sum; once the pod runs, only the app
 containers. Pure: `summarise` takes the listed nodes and pods.
@@ -10,6 +11,7 @@ containers. Pure: `summarise` takes the listed nodes and pods.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tessera.hami import ANN_NODE_REGISTER, read_node_register
@@ -17,6 +19,20 @@ from tessera.hami import ANN_NODE_REGISTER, read_node_register
 from .table import render
 
 _DONE = ("Succeeded", "Failed")
+# The other vendors' register annotations, in HAMi's two forms (docs/vendors.md): Ascend's
+# `hami.io/node-register-<chip>` (JSON) and Hygon's `hami.io/node-dcu-register` (list form).
+_VENDOR_REGISTER = re.compile(
+    r"^(?:hami\.io/node-(?:dcu-register|register-[A-Za-z0-9._-]+)|tessera\.io/node-register-mlu)$")
+
+
+def register_annotation(annotations: dict[str, Any]) -> str | None:
+    """The node's register annotation: NVIDIA's when it lists a device, else a vendor's (a node
+    has one vendor; its NVIDIA annotation is then an empty list)."""
+    nvidia = annotations.get(ANN_NODE_REGISTER)
+    if nvidia is not None and nvidia.strip() not in ("", "[]"):
+        return nvidia
+    vendor = next((v for k, v in sorted(annotations.items()) if _VENDOR_REGISTER.match(k)), None)
+    return vendor if vendor is not None else nvidia
 
 
 def _gpu_use(pods: list[dict[str, Any]]) -> tuple[dict[str, dict[str, list[int]]], dict[str, int]]:
@@ -70,7 +86,7 @@ def summarise(nodes: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[d
     for node in nodes:
         meta = node.get("metadata") or {}
         name = str(meta.get("name", ""))
-        register = (meta.get("annotations") or {}).get(ANN_NODE_REGISTER)
+        register = register_annotation(meta.get("annotations") or {})
         problem = ""
         devices = []
         if register is not None:

@@ -74,6 +74,16 @@ def _mig_env(node: SimNode) -> dict[str, str]:
     return env
 
 
+def _family_env(node: SimNode) -> dict[str, str]:
+    """Another vendor's node (its model names it, docs/vendors.md): the node agent serves that
+    device family, from the family's simulated management library."""
+    from tessera.device_kinds.vendor_models import family_for_model, is_vendor_model
+
+    if not is_vendor_model(node.gpu_model):
+        return {}
+    return {"TESSERA_DEVICE_FAMILY": family_for_model(node.gpu_model)}
+
+
 def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[str, str]:
     node_dir = socket_root / node.name
     env = {
@@ -88,6 +98,7 @@ def node_agent_env(node: SimNode, socket_root: Path, state_dir: Path) -> dict[st
         "TESSERA_REGION_HOST_DIR": str(state_dir / "regions" / node.name),
     }
     env.update(_mig_env(node))
+    env.update(_family_env(node))
     if node.dra:
         from tessera_cli.dra import node_env
 

@@ -38,6 +38,8 @@ def ready_problems(stack: LocalStack, nodes: list[SimNode]) -> list[str]:
     import json
     import urllib.request
 
+    from tessera.device_kinds.vendor_models import node_registered
+
     problems = []
     for running in stack.running:
         if running.proc.poll() is not None:
@@ -49,9 +51,9 @@ def ready_problems(stack: LocalStack, nodes: list[SimNode]) -> list[str]:
     try:
         with urllib.request.urlopen(f"{stack.api_url}/api/v1/nodes", timeout=2) as reply:
             items = json.loads(reply.read())["items"]
-        registered = {n["metadata"]["name"] for n in items
-                      if "hami.io/node-nvidia-register" in (n["metadata"].get("annotations")
-                                                            or {})}  # fmt: skip
+        models = {n.name: n.gpu_model for n in nodes}
+        registered = {n["metadata"]["name"] for n in items  # (a vendor's node: its resource)
+                      if node_registered(n, models.get(n["metadata"]["name"], ""))}
     except (OSError, ValueError, KeyError):
         registered = set()
     problems += [f"node {name} has not registered its GPUs" for name in sorted(wanted - registered)]

@@ -24,6 +24,7 @@ from typing import Any
 
 from tessera import hami
 from tessera.device_kinds import registry
+from tessera.device_kinds.annotation_keys import family_annotation_keys
 from tessera.hami import RequestError, parse_quantity
 from tessera.quantity import IMPLAUSIBLE_MIB, implausibly_small
 from tessera.settings import TesseraSettings
@@ -76,7 +77,8 @@ def _annotations(pod: dict[str, Any], settings: TesseraSettings, changes: list[s
     _check_policies(annotations)
     for key in sorted(annotations):
         if (isinstance(key, str) and key.startswith(_PREFIXES)
-                and key not in hami.KNOWN_ANNOTATIONS and not hami.scheduler_owned(key)):
+                and key not in hami.KNOWN_ANNOTATIONS and not hami.scheduler_owned(key)
+                and key not in family_annotation_keys()):
             warnings.append(f"annotation {key} is not a key Tessera (or HAMi) reads; it is "
                             "ignored — check its spelling")
     metadata = pod["metadata"] = dict(metadata)

@@ -177,6 +177,7 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
                 )
                 for index, container in enumerate(mutated["spec"].get(section) or [])
             ]
+        _check_selections(mutated, requests)
     except RequestError as exc:
         return Denial(INVALID_REQUEST, str(exc), 400)
     normalised = PodRequest(init=requests["initContainers"], containers=requests["containers"],
@@ -307,6 +308,17 @@ def _normalise_container(
             "container takes devices of one family (put each family's in its own container)")
     family = named[0] if named else registry.family(registry.DEFAULT_FAMILY)
     return family.admit_container(container, label, settings, AdmissionNotes(changes, warnings))
+
+
+def _check_selections(
+    pod: dict[str, Any], requests: dict[str, list[ContainerRequest | None]]
+) -> None:
+    """The pod's selection annotations of every other family it asks devices of (an Ascend
+    pod's sharing mode...): RequestError with the family's sentence when one cannot be served."""
+    named = {r.family for section in requests.values() for r in section if r is not None}
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    for name in sorted(named - {registry.DEFAULT_FAMILY}):
+        registry.family(name).selection(annotations)
 
 
 def _container_label(container: dict[str, Any], section: str, index: int) -> str:

@@ -22,6 +22,8 @@ from tessera.kube_sim.scheduler import SchedulingLoop
 from tessera.kube_sim.settings import KubeSimSettings
 from tessera.kube_sim.store import KubeObject, ObjectStore, now_rfc3339
 
+from tessera.device_kinds import registry
+from tessera.device_kinds.vendor_models import node_labels
 from tessera.settings import TesseraSettings
 from tessera.simnodes import SimNode
 
@@ -32,7 +34,7 @@ def node_object(node: SimNode) -> KubeObject:
     labels = {
         "kubernetes.io/hostname": node.name,
         "kubernetes.io/os": "linux",
-        "gpu": "on",
+        **node_labels(node.gpu_model),  # gpu=on, or the vendor's (docs/vendors.md)
         "tessera.io/gpu-model": node.gpu_model.replace(" ", "-")[:63],
         **node.labels,
     }
@@ -98,7 +100,9 @@ class KubeSim:
                     url_prefix=settings.extender_url,
                     weight=settings.extender_weight,
                     http_timeout_s=settings.extender_timeout_s,
-                    managed_resources=tuple(tessera.resource_names()),
+                    # every device family's names (NVIDIA's and the other vendors')
+                    managed_resources=tuple(dict.fromkeys(
+                        [*tessera.resource_names(), *registry.resource_map(tessera)])),
                     ca_file=settings.extender_ca,
                     cert_file=settings.extender_cert,
                     key_file=settings.extender_key,

@@ -27,6 +27,7 @@ from tessera.node_agent.usage import UsageSampler
 from tessera import bus, mig
 from tessera.bus import Buckets
 from tessera.cluster.port import ClusterPort
+from tessera.device_kinds import registry
 from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
@@ -179,6 +180,23 @@ class NodeAgent:
         await self.configurator.set_mig_instances(
             mig_static.instances_by_gpu(offers, holders, models))
 
+    async def _reconcile_family(self, stop: asyncio.Event) -> None:
+        """What the family's node side made for containers (an sMLU, a vDCU's file) is undone
+        once their pod's directories are gone (usage.py removes them when the pod's allocation
+        ended and kubelet no longer lists it), every usage interval."""
+        node_family = registry.node_family(self.settings.device_family)
+        if node_family is None:
+            return
+        while not stop.is_set():
+            try:
+                live = await asyncio.to_thread(
+                    lambda: {c.prepared.pod_uid for c in self.store.all()})
+                await asyncio.to_thread(node_family.reconcile, live)
+            except Exception as exc:
+                self.log.warning("device instances not reconciled", extra={"err": str(exc)})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.usage_interval_s)
+
     async def _pods_listed(self) -> set[tuple[str, str]] | None:
         try:
             pods = await self.pod_resources(self.settings.pod_resources_socket)
@@ -253,6 +271,8 @@ class NodeAgent:
             tasks.append(self.dra_task)  # type: ignore[arg-type]
         if self.watchdog is not None:
             tasks.append(asyncio.create_task(self.watchdog.run(stop)))
+        if self.settings.device_family:  # another vendor's node: its instances of gone pods
+            tasks.append(asyncio.create_task(self._reconcile_family(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
         tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
         # elastic memory: guarantees count from the ledger, before their containers start

@@ -15,6 +15,7 @@ from tessera import bus, hami
 from tessera.kubeapi import dp
 from tessera.models import Allocation, NodeLedger
 
+from .device_units import DeviceUnits
 from .plugin_context import PluginContext
 from .pod_records import PodRecords
 
@@ -32,24 +33,29 @@ def check_id_count(device_ids: list[str], replicas: int) -> None:
 
 
 class PodAttribution:
-    def __init__(self, ctx: PluginContext, records: PodRecords) -> None:
+    def __init__(
+        self, ctx: PluginContext, records: PodRecords, units: DeviceUnits | None = None
+    ) -> None:
         self.ctx = ctx
         self.records = records
+        self.units = units or DeviceUnits()
 
     async def preferred(self, request: dp.PreferredAllocationRequest):
         ctx = self.ctx
         devices = ctx.state.by_uuid()
         replicas = sum(d.split_count for d in devices.values())
+        units = self.units
         for req in request.container_requests:
-            check_id_count(list(req.available_deviceIDs), replicas)
-            check_id_count(list(req.must_include_deviceIDs), replicas)
+            check_id_count(units.whole(req.available_deviceIDs), replicas)
+            check_id_count(units.touched(req.must_include_deviceIDs), replicas)
         ledger = await ctx.ledger()
         only = await self.kubelet_admitting(ledger)
         response = dp.PreferredAllocationResponse()
         run = self.open_run(ledger, only)
         for req in request.container_requests:
-            size, available = req.allocation_size, list(req.available_deviceIDs)
-            must = list(req.must_include_deviceIDs)
+            # in grant units: a device spanning k of kubelet's IDs is one (device_units.py)
+            size, available = units.size(req.allocation_size), units.whole(req.available_deviceIDs)
+            must = units.touched(req.must_include_deviceIDs)
             if run is not None and len(run[0].containers[run[1]]) == size:
                 targets = [run]  # kubelet is in the middle of this pod's admission
             else:
@@ -76,7 +82,7 @@ class PodAttribution:
                 assert error is not None
                 raise error
             response.container_responses.append(dp.ContainerPreferredAllocationResponse(
-                deviceIDs=ids
+                deviceIDs=units.expand(ids)
             ))
         return response
 

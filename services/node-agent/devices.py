@@ -136,6 +136,8 @@ def advertise(
     """What the node registers: the GPUs it offers, memory × memory scaling, cores = 100 ×
     core scaling, `split_count` slots each (`config`, else the settings)."""
     config = config or DeviceConfig.of(settings)
+    if any(g.family for g in gpus):
+        return _advertise_families(gpus, settings, unhealthy, config)
     return [
         DeviceInfo(
             uuid=g.uuid,
@@ -301,3 +303,32 @@ def source_from_settings(settings: TesseraSettings, node: str) -> DeviceSource:
     from tessera.node_agent.nvml import NvmlSource
 
     return NvmlSource(settings)
+
+
+def _advertise_families(
+    gpus: list[PhysicalGpu], settings: TesseraSettings, unhealthy: frozenset[str],
+    config: DeviceConfig,
+) -> list[DeviceInfo]:
+    """Another family's devices are advertised by the family (`NodeFamily.advertise`: an
+    Ascend chip's slots are its vNPU count, as HAMi's Ascend device plugin registers); NVIDIA's
+    GPUs on the same node (none in practice) as above."""
+    from tessera.device_kinds import registry
+    from tessera.device_kinds.node import NodeDeviceConfig, PhysicalDevice
+
+    node_config = NodeDeviceConfig(
+        split_count=config.split_count, memory_scaling=config.memory_scaling,
+        core_scaling=config.core_scaling, mode=config.mode,
+        exclude_uuids=config.exclude_uuids, exclude_indices=config.exclude_indices)
+    out: list[DeviceInfo] = advertise([g for g in gpus if not g.family], settings, unhealthy,
+                                      config)
+    for name in dict.fromkeys(g.family for g in gpus if g.family):
+        node_family = registry.node_family(name)
+        if node_family is None:
+            raise ValueError(f"device family {name!r} registers no node side")
+        found = [
+            PhysicalDevice(uuid=g.uuid, index=g.index, model=g.name, memory_mib=g.memory_mib,
+                           cores=g.cores, numa=g.numa, links=dict(g.links))
+            for g in gpus if g.family == name
+        ]
+        out.extend(node_family.advertise(found, node_config, unhealthy))
+    return out

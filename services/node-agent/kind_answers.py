@@ -7,6 +7,7 @@ adds (`NodeFamily.node_edits`), for the vendor's runtime to enforce."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -70,7 +71,9 @@ class FamilyAnswers:
         edits = family.container_edits(grants, ctx)
         node_family = registry.node_family(family.name)
         if node_family is not None:
-            edits = edits.merge(node_family.node_edits(grants, ctx.devices))
+            owner = f"{allocation.pod_uid}/{cdir.prepared.container}"
+            edits = edits.merge(await asyncio.to_thread(
+                node_family.node_edits, grants, ctx.devices, owner))
         return response_of(edits)
 
     async def limits(self, cdir: ContainerDir, allocation: Allocation, limits: ContainerLimits

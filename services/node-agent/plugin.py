@@ -36,6 +36,7 @@ from tessera.validation import Rejections
 
 from .attribution import PodAttribution, check_id_count
 from .crossed import CrossRepair
+from .device_units import DeviceUnits
 from .kind_answers import AnswersByFamily
 from .mig_service import DynamicMig
 from .mps import MpsDaemons
@@ -114,7 +115,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             resource_name=resource,
         )  # fmt: skip
         self.records = PodRecords(ctx)
-        self.attribution = PodAttribution(ctx, self.records)
+        # kubelet's IDs per device (a 910C module is two NPUs to kubelet): device_units.py
+        self.units = DeviceUnits(registry.family(family).ids_per_device if family else 1)
+        self.attribution = PodAttribution(ctx, self.records, self.units)
         self.crossed = CrossRepair(ctx, self.records)
         self.checks = SealedChecks(ctx)
         self.answers = AnswersByFamily(ctx, {NVIDIA_FAMILY: NvidiaAnswers(ctx, mps, mig)})
@@ -138,12 +141,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 devices = [d for d in devices if registry.family_of_mode(d.mode) == self.family]
             yield dp.ListAndWatchResponse(devices=[
                 dp.Device(
-                    ID=hs.replica_id(d.uuid, i),
+                    ID=device_id,
                     health=HEALTHY if d.healthy else UNHEALTHY,
                     topology=dp.TopologyInfo(nodes=[dp.NUMANode(ID=d.numa)]),
                 )
                 for d in devices
-                for i in range(d.split_count)
+                for device_id in self.units.listed(d.uuid, d.split_count)
             ])
 
     async def GetPreferredAllocation(self, request, context):
@@ -196,10 +199,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             raise hs.HandshakeError("Allocate with no container requests")
         replicas = sum(d.split_count for d in devices.values())
         check_id_count([i for r in request.container_requests for i in r.devices_ids], replicas)
-        checked = [
-            (list(req.devices_ids), hs.gpus_of(list(req.devices_ids), devices))
-            for req in request.container_requests
-        ]
+        requested = [self.units.collapse(req.devices_ids) for req in request.container_requests]
+        checked = [(ids, hs.gpus_of(ids, devices)) for ids in requested]
         ledger = await ctx.ledger()
         only = await self.attribution.kubelet_admitting(ledger)
         response = dp.AllocateResponse()
@@ -214,7 +215,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
         ctx = self.ctx
-        ids = list(request.devices_ids)
+        kubelet_ids = list(request.devices_ids)  # what pod-resources reports the holder by
+        ids = self.units.collapse(kubelet_ids)
         devices = ctx.state.by_uuid()
         check_id_count(ids, sum(d.split_count for d in devices.values()))
         hs.gpus_of(ids, devices)
@@ -225,7 +227,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 "matching Allocate on this node"
             )
         pods = await ctx.pod_resources(ctx.settings.pod_resources_socket)
-        holders = holders_of(pods, ctx.resource_name, ids)
+        holders = holders_of(pods, ctx.resource_name, kubelet_ids)
         if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
         cdir, why = hs.pick_prepared(candidates, holders, ctx.sealed)

@@ -11,6 +11,7 @@ from tessera.node_agent import handshake as hs
 from tessera.node_agent.grant_check import GrantRefused, check_grant
 
 from tessera import bus, hami, signing
+from tessera.device_kinds.vendor_records import vendor_pod_annotations
 from tessera.models import Allocation, AllocationEvent, NodeLedger
 from tessera.validation import Problem
 
@@ -93,6 +94,8 @@ class PodRecords:
                     if hami.ANN_DEVICES_ALLOCATED in keys:  # what this agent allocated, signed
                         values[signing.RECORD_ANNOTATION] = signing.record_signature(
                             ctx.record_signer, current.pod_uid, devices)
+                    if hami.ANN_DEVICES_ALLOCATED in keys:  # HAMi's per-vendor records
+                        values |= vendor_pod_annotations(current.containers, ctx.state.by_uuid())
                     if mig := hami.encode_mig_instances(current.containers):
                         values[hami.ANN_MIG_INSTANCES] = mig  # with the instances' UUIDs
                 await ctx.cluster.patch_pod_metadata(

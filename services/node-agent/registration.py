@@ -71,7 +71,10 @@ class NodeRegistrar:
         if fresh and self._annotated[0] == text:
             return
         try:
-            await self.cluster.patch_node_annotations(self.node, annotations)
+            # HAMi's handshake (`Reported_<time>`), for the families that have one, with each
+            # write: the register annotation's freshness as HAMi's device plugins show it
+            await self.cluster.patch_node_annotations(self.node, {
+                **annotations, **registry.handshake_annotations(self.state.devices())})
             self._annotated = (text, time.monotonic())
         except Exception as exc:
             self.log.warning("node annotation not written", extra={"err": str(exc)})

@@ -40,8 +40,18 @@ def _kind_fields(mode: str) -> tuple[DeviceKind, str, int]:
     return fields
 
 
+class _HeldPartitions:
+    """A card's `partitions`: what its grants hold, for kinds whose fit needs it
+    (`DeviceKind.holds_partitions`: an Ascend chip's vNPU templates, for its AI CPUs). Set by
+    `Card.hold` on those cards only and unset on every other (read it with
+    `getattr(card, "partitions", ())`): building and copying NVIDIA's cards do nothing more."""
+
+    __slots__ = ("partitions",)
+    partitions: tuple[str, ...]
+
+
 @dataclass(slots=True, init=False)
-class Card:
+class Card(_HeldPartitions):
     """One GPU: static facts from the node agent plus what is in use (memory MiB, cores, slots)."""
 
     uuid: str
@@ -126,19 +136,25 @@ class Card:
         )
 
     def clone(self) -> Card:
-        return Card(
+        copy = Card(
             self.uuid, self.index, self.type, self.mode, self.numa, self.healthy, self.cordoned,
             self.memory_mib, self.cores, self.split_count, self.links,
             self.used_mem, self.used_cores, self.used_slots,
             self.mig_model, self.mig_geometries, list(self.mig_instances), self.libvgpu_slices,
             self.kind, self.family, self.plain,
         )  # fmt: skip
+        if not self.plain:
+            copy.partitions = getattr(self, "partitions", ())
+        return copy
 
     def hold(self, grant: DeviceGrant) -> None:
         """Count what `grant` occupies besides memory/cores/slots: its MIG instance, or one
         libvgpu slice. Only a dynamic MIG card keeps count: nothing else reads it, and the index
         (which keeps usage incrementally) then need not walk the allocations of other nodes."""
         if not self.mig_model:
+            if not self.plain and self.kind.holds_partitions:
+                self.partitions = (*getattr(self, "partitions", ()),
+                                   self.kind.partition_of(self, grant))
             return
         if grant.mig is not None:
             self.mig_instances.append(mig.Instance(grant.mig.profile, grant.mig.start))
@@ -281,6 +297,12 @@ def _charged(cards: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[
                 card.used_cores += cores
                 card.used_slots += slots
     return cards
+
+
+def holds_partitions(mode: str) -> bool:
+    """Whether cards in `mode` keep their grants' partitions (the index then counts them as it
+    does dynamic MIG cards' instances)."""
+    return _kind_fields(mode)[0].holds_partitions
 
 
 def hold_grants(cards: list[Card], allocations: Iterable[Allocation], now: float) -> None:

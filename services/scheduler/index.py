@@ -38,6 +38,7 @@ from .cards import (
     charges,
     counts_against_capacity,
     hold_grants,
+    holds_partitions,
     node_score,
     recharged,
 )
@@ -762,9 +763,9 @@ class ClusterIndex:
             return None
         entry._row = None
         # (a RegistrationWire's cards have no MIG capability: wire_fast keeps only those)
-        if type(registered) is not RegistrationWire and any(
+        if (type(registered) is not RegistrationWire and any(
             d.mig is not None and d.mig.model for d in devices
-        ):
+        )) or (devices and holds_partitions(devices[0].mode)):  # a node's devices share a kind
             # Dynamic MIG fits need the instances and libvgpu slices each card holds, not only
             # the amounts: counted from the models (MIG nodes are few; others skip this).
             entry._shape = None  # (MIG cards: refusals fitted node by node)

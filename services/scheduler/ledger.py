@@ -377,6 +377,9 @@ def regrant_problems(
         for g in grants:
             if (card := cards.get(g.uuid)) is not None:
                 card.hold(g)
+    for card in (cards[u] for u in sorted(touched) if u in cards):  # e.g. an NPU's AI CPUs
+        if getattr(card, "partitions", ()) and (why := card.kind.partitions_problem(card)):
+            problems.append(f"{card.uuid}: {why}")
     for card in (cards[u] for u in sorted(touched) if u in cards and cards[u].mig_model):
         if card.mig_instances and card.libvgpu_slices:
             problems.append(f"{card.uuid}: MIG instances and libvgpu slices on one card")

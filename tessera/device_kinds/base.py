@@ -81,6 +81,9 @@ class DeviceFamily(ABC):
     # HAMi's quota on nvidia.com/gpumem and gpucores). Other families' counts are quota'd by
     # Kubernetes' own ResourceQuota on their extended resources.
     counts_in_quota: ClassVar[bool] = False
+    # How many of kubelet's device IDs one device of the family (one grant unit) spans: the
+    # count resource counts these (a 910C module is two NPUs to kubelet, one device here).
+    ids_per_device: ClassVar[int] = 1
 
     @abstractmethod
     def default_names(self, settings: TesseraSettings) -> ResourceNames:
@@ -201,6 +204,10 @@ class DeviceKind(ABC):
     plain: ClassVar[bool] = False
     # True when `explain` has a sentence for a refusal (shown after the reason counts).
     explains: ClassVar[bool] = False
+    # True when the kind's fit needs which partitions the grants on a device hold, not only
+    # their amounts (an Ascend chip's AI CPUs, by template): the scheduler then keeps on each
+    # of its cards the `partition_of` every grant there (`partitions`, a tuple of names).
+    holds_partitions: ClassVar[bool] = False
 
     # --- scheduler ---
     def refusal(
@@ -257,6 +264,15 @@ class DeviceKind(ABC):
     ) -> str:
         """A sentence saying why `capacity_refusal` refused ('' = the reason says it all)."""
         return ""
+
+    def partition_of(self, device: DeviceView, grant: DeviceGrant) -> str:
+        """The partition a grant on the device holds (`holds_partitions` kinds)."""
+        return ""
+
+    def partitions_problem(self, device: DeviceView) -> str | None:
+        """What the partitions held on the device (`partitions`) overrun, or None (the ledger's
+        capacity checks ask it beside memory, cores and slots)."""
+        return None
 
     def take(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION

@@ -11,7 +11,7 @@ edits (`DeviceKind.container_edits`) plus what only the node knows (`node_edits`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -116,8 +116,16 @@ class NodeFamily(ABC):
         """The DeviceInfo.mode (so the kind) a device is offered in without configuration."""
 
     def node_edits(
-        self, grants: Sequence[DeviceGrant], devices: Mapping[str, DeviceInfo]
+        self, grants: Sequence[DeviceGrant], devices: Mapping[str, DeviceInfo], owner: str = "",
     ) -> ContainerEdits:
         """What only the node adds to a container's Allocate answer besides the kind's edits
-        (host paths of device nodes, a daemon's pipe...). Default: nothing."""
+        (host paths of device nodes, a daemon's pipe, a vendor instance made for it...).
+        `owner` is `<pod uid>/<container>`: what the node makes is made once per owner and
+        held in its name. Default: nothing."""
         return ContainerEdits()
+
+    def reconcile(self, live_pods: Iterable[str]) -> None:
+        """Undo what `node_edits` made for pods no longer on the node (`live_pods`: the uids of
+        the pods the node still holds containers of). Called every usage interval; blocking
+        (run in a thread). Default: nothing was made."""
+        return None

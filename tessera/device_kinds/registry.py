@@ -8,6 +8,7 @@ dict reads: the scheduler asks per node and per request, never per card in its i
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,12 @@ if TYPE_CHECKING:
 # admission also sees containers naming no family's resources.
 DEFAULT_FAMILY = "nvidia"
 # The folders that register the built-in families and kinds (a vendor adds its line here).
-BUILTIN: tuple[str, ...] = ("tessera.device_kinds.nvidia",)
+BUILTIN: tuple[str, ...] = (
+    "tessera.device_kinds.nvidia",
+    "tessera.device_kinds.ascend",
+    "tessera.device_kinds.cambricon",
+    "tessera.device_kinds.hygon",
+)
 
 _families: dict[str, DeviceFamily] = {}
 _kinds: dict[str, DeviceKind] = {}  # kind name -> kind
@@ -173,6 +179,26 @@ def register_annotations(devices: Sequence[DeviceInfo]) -> dict[str, str]:
         grouped.setdefault(fam.name, (fam, []))[1].append(device)
     return {fam.register_annotation: fam.encode_register(members)
             for fam, members in grouped.values()}
+
+
+HANDSHAKE_TIME_FORMAT = "%Y.%m.%d %H:%M:%S"  # HAMi's device plugins' (Go's 2006.01.02 15:04:05)
+
+
+def handshake_annotations(devices: Sequence[DeviceInfo], now: float | None = None,
+                          ) -> dict[str, str]:  # fmt: skip
+    """HAMi's `hami.io/node-handshake-<device>` = `Reported_<time>` of each family with
+    devices here that has one (Ascend's per chip type, Hygon's `-dcu`): what HAMi's device
+    plugins patch with the register annotation every 30 s (HAMi's protocol: the scheduler
+    reads a stale or `Requesting_` one as a node whose plugin is gone)."""
+    load()
+    value = "Reported_" + time.strftime(HANDSHAKE_TIME_FORMAT, time.localtime(now))
+    out: dict[str, str] = {}
+    for device in devices:
+        kind = kind_for_mode(device.mode)
+        key = getattr(kind.family, "handshake_annotation", "") if kind is not None else ""
+        if key:
+            out[key] = value
+    return out
 
 
 def node_family(name: str) -> NodeFamily | None:

@@ -331,6 +331,13 @@ def managed_resources(config: Manifest) -> set[str]:
     return {r["name"] for r in extender["managedResources"]}
 
 
+def test_the_extender_manages_the_other_vendors_resources_listed(charts_dir: Path) -> None:
+    vendors = ["huawei.com/Ascend910B3", "huawei.com/Ascend910B3-memory", "cambricon.com/vmlu",
+               "hygon.com/dcunum"]
+    config = extender_config(render(charts_dir, "tessera-scheduler", {"vendorResources": vendors}))
+    assert managed_resources(config) == set(HAMI_NAMES.values()) | set(vendors)
+
+
 @pytest.mark.parametrize("names", [HAMI_NAMES, CUSTOM_NAMES], ids=["hami", "custom"])
 def test_extender_config_follows_the_resource_names(
     charts_dir: Path, names: dict[str, str]

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from suite_run import RUN
 
+from tessera.device_kinds.vendor_models import family_for_model, node_registered
 from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
 from tessera.models import DeviceGrant
 from tessera_cli.stack import LocalStack, SimNode, StackPorts, default_services, short_socket_root
@@ -172,13 +173,19 @@ class RunningStack:
 
     def wait_nodes_registered(self, timeout_s: float = 40.0) -> None:
         wanted = {n.name for n in self.nodes if n.gpus and not n.dra}  # DRA: no device plugin
+        models = {n.name: n.gpu_model for n in self.nodes}
 
         def registered() -> bool:
-            names = {
-                n["metadata"]["name"] for n in self.kube.nodes()
-                if "hami.io/node-nvidia-register" in (n["metadata"].get("annotations") or {})
-                and int((n["status"].get("allocatable") or {}).get("nvidia.com/gpu", "0")) > 0
-            }
+            names = set()
+            for n in self.kube.nodes():
+                name = n["metadata"]["name"]
+                if family_for_model(models.get(name, "")) != "nvidia":  # a vendor's node
+                    if node_registered(n, models[name]):
+                        names.add(name)
+                elif ("hami.io/node-nvidia-register" in (n["metadata"].get("annotations") or {})
+                      and int((n["status"].get("allocatable") or {}).get("nvidia.com/gpu",
+                                                                          "0")) > 0):
+                    names.add(name)
             return wanted <= names
 
         self.kube.wait_for("every node agent registered", registered, timeout_s, 0.25)

@@ -1,0 +1,78 @@
+"""The webhook's rules for the vendors' pods (in process): each pod as HAMi's docs write it is
+admitted and routed to Tessera's scheduler, Ascend memory rewritten to its template, the
+vendors' selection annotations read without a warning, impossible requests denied with a
+sentence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonpatch
+import pytest
+from tessera.admission.rules import Admitted, Denial, decide
+
+from tessera.settings import TesseraSettings
+
+SETTINGS = TesseraSettings()
+
+
+def pod(limits: dict[str, Any], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "default", "annotations": annotations or {}},
+            "spec": {"containers": [{"name": "main", "image": "x",
+                                     "resources": {"limits": limits}}]}}
+
+
+def admitted(spec: dict[str, Any]) -> tuple[Admitted, dict[str, Any]]:
+    decision = decide(spec, "default", SETTINGS)
+    assert isinstance(decision, Admitted), decision
+    return decision, jsonpatch.apply_patch(spec, decision.patch)
+
+
+@pytest.mark.parametrize("limits", [
+    {"huawei.com/Ascend910B3": 1, "huawei.com/Ascend910B3-memory": 2000},
+    {"huawei.com/Ascend310P": 1, "huawei.com/Ascend310P-memory": 4096},
+    {"cambricon.com/vmlu": 1, "cambricon.com/mlu.smlu.vmemory": 16,
+     "cambricon.com/mlu.smlu.vcore": 50},
+    {"hygon.com/dcunum": 1, "hygon.com/dcumem": 2000, "hygon.com/dcucores": 60},
+])
+def test_each_vendors_pod_is_ours_to_schedule(limits: dict[str, Any]) -> None:
+    decision, after = admitted(pod(limits))
+    assert after["spec"]["schedulerName"] == SETTINGS.scheduler_name
+    assert decision.quota is not None
+
+
+def test_ascend_memory_is_rewritten_to_the_template_and_910c_to_a_module() -> None:
+    decision, after = admitted(pod({"huawei.com/Ascend910B3": 1,
+                                    "huawei.com/Ascend910B3-memory": 2000}))
+    limits = after["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["huawei.com/Ascend910B3-memory"] == 16384
+    assert any("vir05_1c_16g" in c for c in decision.changes)
+    _, after = admitted(pod({"huawei.com/Ascend910C": 1}))
+    assert after["spec"]["containers"][0]["resources"]["limits"]["huawei.com/Ascend910C"] == 2
+    decision, _ = admitted(pod({"huawei.com/Ascend910B3": 1,
+                                "huawei.com/Ascend910B3-memory": 90000}))
+    assert any("no vNPU template of Ascend910B3 covers 90000" in w for w in decision.warnings)
+
+
+def test_vendor_selection_annotations_are_known() -> None:
+    for limits, knobs in [
+        ({"huawei.com/Ascend910B3": 1}, {"hami.io/use-Ascend910B3-uuid": "x"}),
+        ({"cambricon.com/vmlu": 1}, {"cambricon.com/use-mlutype": "MLU370"}),
+        ({"hygon.com/dcunum": 1}, {"hygon.com/nouse-dcutype": "K100"}),
+    ]:
+        decision, _ = admitted(pod(limits, knobs))
+        assert not any("not a key" in w for w in decision.warnings), decision.warnings
+
+
+@pytest.mark.parametrize(("limits", "annotations", "words"), [
+    ({"huawei.com/Ascend910B3": 2, "huawei.com/Ascend910B3-memory": 4000}, {}, "one NPU per"),
+    ({"huawei.com/Ascend910C": 3}, {}, "modules of two"),
+    ({"cambricon.com/vmlu": 1, "cambricon.com/mlu.smlu.vcore": 101}, {}, "at most 100"),
+    ({"hygon.com/dcunum": 2, "hygon.com/dcucores": 50}, {}, "one DCU per container"),
+    ({"huawei.com/Ascend910B3": 1}, {"huawei.com/vnpu-mode": "hami-core"}, "templates only"),
+])
+def test_what_no_vendor_can_serve_is_denied_with_a_sentence(limits, annotations, words) -> None:
+    decision = decide(pod(limits, annotations), "default", SETTINGS)
+    assert isinstance(decision, Denial), decision
+    assert words in decision.message
