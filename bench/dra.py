@@ -169,7 +169,7 @@ def claim_of(spec: dict[str, Any], settings: TesseraSettings, memories: list[int
     [ask] = [r for r in request.all if r is not None]
     meta = spec["metadata"]
     return {"metadata": {"name": f"{meta['name']}-gpu", "namespace": "bench",
-                         "uid": meta["uid"]},
+                         "uid": meta["uid"], "resourceVersion": "1"},
             "spec": claim_spec(ask, meta.get("annotations") or {}, memories)}  # fmt: skip
 
 
