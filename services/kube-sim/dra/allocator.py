@@ -120,7 +120,12 @@ class Allocator:
     # --- which devices an alternative may take -----------------------------------------------
 
     def _selects(self, expression: str, device: Device) -> bool:
-        key = (expression, device.fingerprint)
+        """The selector's result for the device, cached per expression and what of the device it
+        reads (a selector reading only the driver and the model is evaluated once per model,
+        not once per GPU), or the whole device when that cannot be told from its text."""
+        reads = cel.selector_reads(expression)
+        key: tuple[Any, ...] = (expression, device.fingerprint if reads is None
+                                else _projection(device, reads))
         cached = _SELECTOR_CACHE.get(key)
         if cached is None:
             activation = cel.device_activation(device.driver, device.attributes,
@@ -382,4 +387,18 @@ def quantity_text(value: Fraction) -> str:
     return canonical(f"{round(value * 1000)}m")
 
 
-_SELECTOR_CACHE: dict[tuple[str, str], bool] = {}
+def _projection(device: Device, reads: tuple[tuple[str, str], ...]) -> tuple[Any, ...]:
+    """The parts of the device a selector reads (cel.selector_reads), as a hashable key."""
+    values: list[Any] = [device.driver, device.allow_multiple]
+    for section, qualified in reads:
+        if section == "attributes":
+            attribute = device.attributes.get(qualified)
+            values.append(None if attribute is None else tuple(sorted(
+                (k, repr(v)) for k, v in attribute.items())))
+        else:
+            name = device.capacity_named(qualified)
+            values.append(None if name is None else str(device.capacity[name].value))
+    return tuple(values)
+
+
+_SELECTOR_CACHE: dict[tuple[Any, ...], bool] = {}
