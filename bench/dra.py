@@ -61,14 +61,16 @@ DEVICE_CLASS = {
 NOTES = """Per pod, one core, the same cluster (N × 8 H100 80 GiB, split 10, half used) and the
 same HAMi pods in both modes. Extender: Tessera's decision on the node names kube-scheduler
 offers (its `numFeasibleNodesToFind` window), the ledger entry applied. DRA: the webhook's claim
-for the same pod, kube-sim's structured allocator (Python, cel-python; selector results cached
-per device) run as kube-scheduler's Filter on nodes in its order until that many feasible nodes
-are found, the first taken (no device scoring), its devices reserved. The DRA figure is the
-stand-in's allocator, not upstream's Go one (published scheduler_perf: about 250-275 pods/s at
-500 nodes on 6 cores); what it shows is the shape: both grow with the nodes kube-scheduler
-offers (230 at 500 nodes, 500 at 5,000), the allocator by a full search per node, the extender's
-decision by well under a millisecond. The DRA p99
-at 5,000 nodes is the first pass over nodes whose CEL results are not cached yet. Queueing,
+for the same pod, kube-sim's structured allocator (Python, cel-python) run as kube-scheduler's
+Filter on nodes in its order until that many feasible nodes are found, the first taken (no
+device scoring), its devices reserved. As upstream's, the allocator works out once what needs no
+search: per pool and request shape the devices its selectors and tolerations admit, per capacity
+shape a share's consumption, per selector and what of a device its text reads the CEL result (a
+model selector is evaluated once per model, not per GPU); the allocated capacity is kept
+incrementally (the assume cache). Upstream's Go allocator (published scheduler_perf: about
+250-275 pods/s at 500 nodes on 6 cores) is not this one; both modes grow with the nodes
+kube-scheduler offers (230 at 500 nodes, 500 at 5,000). The DRA p99 at 5,000 nodes is a pod
+whose selectors (HAMi's type/UUID annotations) meet nodes not yet evaluated for them. Queueing,
 binding and the API writes around either decision are in neither figure.
 """
 
