@@ -318,18 +318,28 @@ def usage_of(claims: list[KubeObject], devices: dict[DeviceId, Device],
     for claim in claims:
         if (claim.get("metadata") or {}).get("uid") in skip_uids:
             continue
-        allocation = (claim.get("status") or {}).get("allocation") or {}
-        for result in (allocation.get("devices") or {}).get("results") or []:
-            if result.get("adminAccess"):
-                continue
-            device_id = (result.get("driver", ""), result.get("pool", ""),
-                         result.get("device", ""))
-            device = devices.get(device_id) or Device(*device_id, {}, {})
-            if device.allow_multiple or result.get("shareID") or result.get("consumedCapacity"):
-                consumed = {str(k): v for k, v in (
-                    (k, maybe_quantity(x)) for k, x in (result.get("consumedCapacity")
-                                                       or {}).items()) if v is not None}
-                usage.take(device, consumed)
-            else:
-                usage.take(device, None)
+        for device, consumed in holdings(claim, devices):
+            usage.take(device, consumed)
     return usage
+
+
+def holdings(claim: KubeObject | None, devices: dict[DeviceId, Device]
+             ) -> list[tuple[Device, dict[str, Fraction] | None]]:
+    """What one claim's allocation holds: each device, with what its share consumes (None: the
+    whole device); admin access holds nothing."""
+    if not claim:
+        return []
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    held: list[tuple[Device, dict[str, Fraction] | None]] = []
+    for result in (allocation.get("devices") or {}).get("results") or []:
+        if result.get("adminAccess"):
+            continue
+        device_id = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
+        device = devices.get(device_id) or Device(*device_id, {}, {})
+        if device.allow_multiple or result.get("shareID") or result.get("consumedCapacity"):
+            held.append((device, {str(k): v for k, v in (
+                (k, maybe_quantity(x)) for k, x in (result.get("consumedCapacity")
+                                                   or {}).items()) if v is not None}))
+        else:
+            held.append((device, None))
+    return held
