@@ -188,6 +188,8 @@ class ObjectStore:
         self._watchers: list[Watcher] = []
         # called with the kind of every write, without a copy (in-process controllers)
         self.listeners: list[Callable[[str], None]] = []
+        # told each write itself (after `listeners`), for caches kept up to date incrementally
+        self.change_listeners: list[Callable[[Change], None]] = []
         self._version = 0
         self._clock = clock
         self.first_version = 1  # the API server was born at version 1
@@ -314,6 +316,8 @@ class ObjectStore:
         self._history.append(change)
         for listener in self.listeners:
             listener(change.kind)
+        for change_listener in self.change_listeners:
+            change_listener(change)
         for watcher in self._watchers:
             if watcher.kind != change.kind:
                 continue

@@ -25,6 +25,7 @@ restart rebuilds all of it from the cluster) and the periodic reconcile. No KV, 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,6 +172,7 @@ class ForeignCapacity:
         self.registers: dict[str, tuple[tuple[DeviceInfo, ...] | None, str]] = {}
         self._texts: dict[str, object] = {}  # node -> the annotation text last decoded
         self.dra_nodes: set[str] = set()  # nodes whose agent serves DRA (never placed on)
+        self.nodes_listed = asyncio.Event()  # the Node watch's first listing applied
         self._gone: dict[str, float] = {}  # uid -> when it stopped holding (deleted, finished)
         if registry is not None:
             self._gauges(registry)
@@ -302,9 +304,17 @@ class ForeignCapacity:
         return rest
 
     async def watch_nodes(self) -> None:
-        """List then watch Node objects for HAMi's registration annotation."""
-        async for event in self.cluster.watch_nodes():
-            self.on_node_event(event)
+        """List then watch Node objects for HAMi's registration annotation and the DRA mode.
+        `nodes_listed` is set once the first listing is applied: until then a node whose GPUs
+        DRA allocates (a lost ledger holds nothing of its claims) may look free."""
+        marked = getattr(self.cluster, "watch_nodes_marked", None)
+        if marked is None:
+            self.nodes_listed.set()  # a stand-in without the mark: taken as listed at once
+        async for event in marked() if marked is not None else self.cluster.watch_nodes():
+            if event is None:
+                self.nodes_listed.set()
+            else:
+                self.on_node_event(event)
 
     def on_node_event(self, event: WatchEvent) -> None:
         meta = event.object.get("metadata") if isinstance(event.object, dict) else None

@@ -159,6 +159,8 @@ class SchedulerService:
             return "scheduler not ready: the NATS server's clock is not measured yet"
         if not self.nodes_synced.is_set():
             return "scheduler not ready: node registrations not synced yet"
+        if not self.foreign.nodes_listed.is_set():
+            return "scheduler not ready: the cluster's nodes (DRA or extender mode) not listed yet"
         if not self.ledger_synced.is_set():
             why = f" ({self.rebuild_error})" if self.rebuild_error else ""
             return f"scheduler not ready: the ledger is being synced and rebuilt from pods{why}"
@@ -182,6 +184,10 @@ class SchedulerService:
             loops += [self._watch_pods, self._reconcile_loop, self._watch_usage]
             if hasattr(self.cluster, "watch_nodes"):
                 loops.append(self.foreign.watch_nodes)  # HAMi's node registrations
+            else:
+                self.foreign.nodes_listed.set()
+        else:
+            self.foreign.nodes_listed.set()
         if self.keeper is not None:
             loops.append(self._follow_bus)
         for loop in loops:
@@ -216,7 +222,8 @@ class SchedulerService:
                 await asyncio.wait_for(self.stopping.wait(), 0.5)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        waits = [self.nodes_synced.wait(), self.ledger_synced.wait()]
+        waits = [self.nodes_synced.wait(), self.ledger_synced.wait(),
+                 self.foreign.nodes_listed.wait()]
         synced = getattr(self.clock, "synced", None)
         if synced is not None:
             waits.append(synced.wait())

@@ -501,6 +501,10 @@ class KubernetesCluster(KubernetesResources):
     def watch_nodes(self) -> AsyncIterator[WatchEvent]:
         return self._list_then_watch("/api/v1/nodes", None, "Node")
 
+    def watch_nodes_marked(self) -> AsyncIterator[WatchEvent | None]:
+        """`watch_nodes` with None after each (re)list's ADDED events."""
+        return self._list_then_watch_marked("/api/v1/nodes", None, "Node")
+
     async def patch_resource_quota_used(self, namespace: str, name: str,
                                         used: dict[str, str]) -> None:
         await self._request(

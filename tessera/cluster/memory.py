@@ -214,11 +214,18 @@ class InMemoryCluster(InMemoryResources):
 
     async def watch_nodes(self) -> AsyncIterator[WatchEvent]:
         """Nodes given objects by `add_node` (implicit nodes have nothing to watch)."""
+        async for event in self.watch_nodes_marked():
+            if event is not None:
+                yield event
+
+    async def watch_nodes_marked(self) -> AsyncIterator[WatchEvent | None]:
+        """`watch_nodes` with None after the listing's ADDED events (as the adapter's)."""
         queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
         self._node_watchers.append(queue)
         try:
             for name in list(self.nodes):
                 yield WatchEvent(type="ADDED", object=self._node_view(name))
+            yield None
             while True:
                 yield await queue.get()
         finally:

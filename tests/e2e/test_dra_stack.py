@@ -211,6 +211,48 @@ def test_three_slices_share_a_gpu_the_fourth_pends_and_deleting_frees(
         time.sleep(0.2)
 
 
+SMALL = """
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: slice-1g, namespace: %(ns)s}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.tessera.io
+          capacity:
+            requests: {memory: 1Gi, cores: "0"}
+"""
+
+
+def test_a_crashed_driver_comes_back_with_what_it_prepared(
+    sim: RunningStack, kubectl: Kubectl, namespace: str
+) -> None:
+    """SIGKILL the node agent under a running DRA pod: the pod keeps its sealed slice, the
+    restarted agent (registered again on the same socket path) unprepares the pod when it goes
+    and prepares new ones; the health test after this one needs its health stream followed."""
+    for left in sim.kube.pods():  # the earlier tests' pods: the card's slots for this one
+        sim.kube.delete_pod(left["metadata"]["namespace"], left["metadata"]["name"])
+    kubectl.run("create", "namespace", namespace)
+    kubectl.apply(SMALL % {"ns": namespace})
+    pod = (POD % {"ns": namespace, "name": "%(name)s"}).replace("slice-4g-30", "slice-1g")
+    kubectl.apply(pod % {"name": "before-crash"})
+    sim.kube.wait_running(namespace, "before-crash", 60)
+    sealed = sealed_dir(sim, namespace, "before-crash")
+    limits = read_limits(sealed)
+    agent = f"node-agent/{NODE}"
+    sim.stack.kill_service(agent)
+    sim.stack.start_service(sim.stack.find(agent).spec)
+    assert read_limits(sealed) == limits  # nothing was unsealed under the running pod
+    kubectl.run("delete", "pod", "before-crash", "-n", namespace, "--wait=true")
+    sim.kube.wait_for("unprepared by the restarted agent", lambda: not sealed.exists(), 60)
+    kubectl.apply(pod % {"name": "after-crash"})
+    sim.kube.wait_running(namespace, "after-crash", 60)
+    assert sealed_limits(sim, namespace, "after-crash")[1:] == (1 << 30, 0)
+
+
 def test_an_unhealthy_gpu_is_tainted_and_gets_no_new_claim(
     sim: RunningStack, kubectl: Kubectl, namespace: str
 ) -> None:
@@ -254,46 +296,3 @@ def test_an_unhealthy_gpu_is_tainted_and_gets_no_new_claim(
     # healthy again after the quiet period: the taint goes and the waiting pod is placed
     sim.kube.wait_for("the taint gone", lambda: not taints(), 60)
     sim.kube.wait_running(namespace, "after-fault", 60)
-
-
-SMALL = """
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {name: slice-1g, namespace: %(ns)s}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: gpu.tessera.io
-          capacity:
-            requests: {memory: 1Gi, cores: "0"}
-"""
-
-
-def test_a_crashed_driver_comes_back_with_what_it_prepared(
-    sim: RunningStack, kubectl: Kubectl, namespace: str
-) -> None:
-    """SIGKILL the node agent under a running DRA pod: the pod keeps its sealed slice, the
-    restarted agent unprepares the pod when it goes and prepares new ones. Last in the module
-    (kube-sim's kubelet does not notice a plugin restarted on the same socket path within its
-    poll, so the health stream is not followed again afterwards)."""
-    for left in sim.kube.pods():  # the earlier tests' pods: the card's slots for this one
-        sim.kube.delete_pod(left["metadata"]["namespace"], left["metadata"]["name"])
-    kubectl.run("create", "namespace", namespace)
-    kubectl.apply(SMALL % {"ns": namespace})
-    pod = (POD % {"ns": namespace, "name": "%(name)s"}).replace("slice-4g-30", "slice-1g")
-    kubectl.apply(pod % {"name": "before-crash"})
-    sim.kube.wait_running(namespace, "before-crash", 60)
-    sealed = sealed_dir(sim, namespace, "before-crash")
-    limits = read_limits(sealed)
-    agent = f"node-agent/{NODE}"
-    sim.stack.kill_service(agent)
-    sim.stack.start_service(sim.stack.find(agent).spec)
-    assert read_limits(sealed) == limits  # nothing was unsealed under the running pod
-    kubectl.run("delete", "pod", "before-crash", "-n", namespace, "--wait=true")
-    sim.kube.wait_for("unprepared by the restarted agent", lambda: not sealed.exists(), 60)
-    kubectl.apply(pod % {"name": "after-crash"})
-    sim.kube.wait_running(namespace, "after-crash", 60)
-    assert sealed_limits(sim, namespace, "after-crash")[1:] == (1 << 30, 0)

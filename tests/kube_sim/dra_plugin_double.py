@@ -81,6 +81,16 @@ class PluginDouble:
                 await server.stop(None)
         self.registration_socket.unlink(missing_ok=True)
 
+    async def crash(self) -> None:
+        """Stop serving as a SIGKILLed plugin does: its registration socket file stays behind
+        (gRPC removes the file on a clean stop, so it is moved aside and back around the stop)."""
+        aside = self.registration_socket.with_name(f".{self.registration_socket.name}.crashed")
+        self.registration_socket.rename(aside)
+        for server in (self._registration, self.server):
+            if server is not None:
+                await server.stop(None)
+        aside.rename(self.registration_socket)
+
     def cdi_id(self, claim_uid: str, device: str) -> str:
         return f"{self.driver}/claim={claim_uid}-{device}"
 

@@ -262,3 +262,24 @@ def test_toleration_seconds_defers_a_no_execute_eviction() -> None:
     assert eviction_time(taint, [thirty], now) == now + timedelta(seconds=20)
     other = {"key": "x", "operator": "Exists"}
     assert eviction_time(taint, [other], now) == now
+
+
+def test_selector_results_are_shared_only_by_devices_alike_in_what_they_read() -> None:
+    """Selector results are cached per what of a device the expression reads: GPUs of one model
+    on two nodes share `model` results but never `uuid` or a whole-map macro's."""
+    assert cel.selector_reads(f'device.attributes["{DRIVER}"].model == "A100"') == (
+        ("attributes", f"{DRIVER}/model"),)
+    assert cel.selector_reads(f'device.attributes["{DRIVER}"].exists(k, k == "uuid")') is None
+    for node, wanted in (("node-a", "gpu-1"), ("node-b", "gpu-0")):
+        devices = [gpu(f"gpu-{i}", attributes={
+            "model": {"string": "A100"}, "uuid": {"string": f"GPU-{node}-{i}"}})
+            for i in range(2)]
+        pools = pools_for_node([slice_(devices, node=node)], {"metadata": {"name": node}})
+        uuid = f"GPU-{node}-{wanted[-1]}"
+        for expression in (f'device.attributes["{DRIVER}"].uuid == "{uuid}"',
+                           f'device.attributes["{DRIVER}"].exists(k, k == "uuid") && '
+                           f'device.attributes["{DRIVER}"].uuid == "{uuid}"'):
+            request = exactly(selectors=[{"cel": {"expression": expression}}])
+            outcome = Allocator([claim(request)], pools, CLASSES, usage_of([], {}), node).run()
+            [result] = outcome.results()[0]["devices"]["results"]
+            assert result["device"] == wanted, (node, expression)

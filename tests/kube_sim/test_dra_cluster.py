@@ -269,6 +269,36 @@ async def test_a_restarted_plugin_registers_again() -> None:
         await running(cluster, "again")
 
 
+async def test_a_plugin_restarted_on_its_old_socket_path_registers_again() -> None:
+    """A plugin killed without removing its registration socket, then restarted on the same path:
+    kubelet registers it again and follows its health stream (the pod's status says what the
+    new process reports)."""
+    async with running_cluster(["node-a"]) as cluster:
+        plugin = await cluster.plugin("node-a", health={("node-a", "gpu-0"): (1, "")})
+        kubelet = cluster.sim.api.kubelets["node-a"].dra
+        await setup(cluster)
+        await cluster.create("/api/v1/namespaces/default/pods", pod("h"))
+        await running(cluster, "h")
+        await plugin.crash()
+        assert plugin.registration_socket.exists()  # what a SIGKILL leaves behind
+        unknown = [{"name": "claim:gpu", "resources": [
+            {"resourceID": f"{DRIVER}/node-a/gpu-0", "health": "Unknown"}]}]
+        await cluster.wait_for("Unknown", lambda: _resource_status(cluster, "h", unknown))
+        plugin.statuses.clear()
+        plugin.set_health("node-a", "gpu-0", 2, "Xid 79")  # what the restarted process reports
+        await plugin.start()
+        await kubelet.wait_registered(DRIVER)
+        await cluster.wait_for("registered again", lambda: _statuses(plugin))
+        sick = [{"name": "claim:gpu", "resources": [
+            {"resourceID": f"{DRIVER}/node-a/gpu-0", "health": "Unhealthy",
+             "message": "Xid 79"}]}]
+        await cluster.wait_for("Unhealthy", lambda: _resource_status(cluster, "h", sick))
+
+
+async def _statuses(plugin: Any) -> bool:
+    return plugin.statuses == [(True, "")]
+
+
 async def test_a_no_execute_device_taint_evicts_pods_that_do_not_tolerate_it() -> None:
     async with running_cluster(["node-a"]) as cluster:
         await cluster.plugin("node-a")

@@ -105,18 +105,27 @@ class Allocator:
         self.usage = usage
         self.node_name = node_name
         self.new_share_id = new_share_id
-        self.devices = [d for p in pools for d in p.devices]
-        self.counter_limits = {(p.driver, p.name, s): c for p in pools
-                               for s, c in p.counter_sets.items()}
+        self._counter_limits: dict[tuple[str, str, str], dict[str, Fraction]] | None = None
         self.picked: list[Picked] = []
         self.steps = 0
         self.reason = ""
         self._candidates: dict[tuple[int, str], list[Device]] = {}
 
+    def counter_limits(self) -> dict[tuple[str, str, str], dict[str, Fraction]]:
+        if self._counter_limits is None:
+            self._counter_limits = {(p.driver, p.name, s): c for p in self.pools
+                                    for s, c in p.counter_sets.items()}
+        return self._counter_limits
+
     # --- which devices an alternative may take -----------------------------------------------
 
     def _selects(self, expression: str, device: Device) -> bool:
-        key = (expression, device.fingerprint)
+        """The selector's result for the device, cached per expression and what of the device it
+        reads (a selector reading only the driver and the model is evaluated once per model,
+        not once per GPU), or the whole device when that cannot be told from its text."""
+        reads = cel.selector_reads(expression)
+        key: tuple[Any, ...] = (expression, device.fingerprint if reads is None
+                                else _projection(device, reads))
         cached = _SELECTOR_CACHE.get(key)
         if cached is None:
             activation = cel.device_activation(device.driver, device.attributes,
@@ -135,13 +144,35 @@ class Allocator:
         device_class = self.classes.get(alt.class_name)
         if device_class is None:
             raise AllocationError(f'device class "{alt.class_name}" not found')
-        class_selectors = [
+        class_selectors = tuple(
             str((s.get("cel") or {}).get("expression", ""))
             for s in (device_class.get("spec") or {}).get("selectors") or []
             if isinstance(s, dict)
-        ]
+        )
         found = []
-        for device in self.devices:
+        for pool in self.pools:
+            for device in self._admitted(pool, class_selectors, alt):
+                if alt.capacity:
+                    if device.allow_multiple:
+                        if consumption(device, alt.capacity, alt.capacity_key) is None:
+                            continue
+                    elif any((n := device.capacity_named(k)) is None
+                             or device.capacity[n].value < v for k, v in alt.capacity.items()):
+                        continue
+                found.append(device)
+        self._candidates[key] = found
+        return found
+
+    def _admitted(self, pool: Pool, class_selectors: tuple[str, ...],
+                  alt: Alternative) -> list[Device]:
+        """The pool's devices every selector selects and whose taints the request tolerates:
+        the same for every pod asking alike, so worked out once per pool."""
+        key = (class_selectors, tuple(alt.selectors), alt.tolerations_key)
+        cached = pool.candidate_cache.get(key)
+        if cached is not None:
+            return cached
+        found = []
+        for device in pool.devices:
             try:
                 if not all(self._selects(e, device) for e in (*class_selectors, *alt.selectors)):
                     continue
@@ -151,15 +182,10 @@ class Allocator:
             if any(t.get("effect") in ("NoSchedule", "NoExecute")
                    and not tolerates(alt.tolerations, t) for t in device.taints):
                 continue
-            if alt.capacity:
-                if device.allow_multiple:
-                    if consumption(device, alt.capacity) is None:
-                        continue
-                elif any((n := device.capacity_named(k)) is None or device.capacity[n].value < v
-                         for k, v in alt.capacity.items()):
-                    continue
             found.append(device)
-        self._candidates[key] = found
+        if len(pool.candidate_cache) > 1_000:
+            pool.candidate_cache.clear()
+        pool.candidate_cache[key] = found
         return found
 
     def _fits(self, device: Device, alt: Alternative) -> dict[str, Fraction] | bool | None:
@@ -167,7 +193,7 @@ class Allocator:
         if alt.admin_access:
             return None
         if device.allow_multiple:
-            consumed = consumption(device, alt.capacity)
+            consumed = consumption(device, alt.capacity, alt.capacity_key)
             if consumed is None or device.id in self.usage.exclusive:
                 return False
             held = self.usage.consumed.get(device.id, {})
@@ -180,7 +206,7 @@ class Allocator:
             consumed = None
         if not self.usage.users.get(device.id, 0):
             for counter_set, counters in device.consumes:
-                limits = self.counter_limits.get((device.driver, device.pool, counter_set))
+                limits = self.counter_limits().get((device.driver, device.pool, counter_set))
                 if limits is None:
                     return False
                 used = self.usage.counters.get((device.driver, device.pool, counter_set), {})
@@ -361,4 +387,18 @@ def quantity_text(value: Fraction) -> str:
     return canonical(f"{round(value * 1000)}m")
 
 
-_SELECTOR_CACHE: dict[tuple[str, str], bool] = {}
+def _projection(device: Device, reads: tuple[tuple[str, str], ...]) -> tuple[Any, ...]:
+    """The parts of the device a selector reads (cel.selector_reads), as a hashable key."""
+    values: list[Any] = [device.driver, device.allow_multiple]
+    for section, qualified in reads:
+        if section == "attributes":
+            attribute = device.attributes.get(qualified)
+            values.append(None if attribute is None else tuple(sorted(
+                (k, repr(v)) for k, v in attribute.items())))
+        else:
+            name = device.capacity_named(qualified)
+            values.append(None if name is None else str(device.capacity[name].value))
+    return tuple(values)
+
+
+_SELECTOR_CACHE: dict[tuple[Any, ...], bool] = {}

@@ -288,3 +288,24 @@ def evaluate(expression: str, activation: dict[str, Any]) -> bool:
     if not isinstance(result, ct.BoolType):
         raise CelError(f"expression must evaluate to a bool, not {type(result).__name__}")
     return bool(result)
+
+
+_DEVICE_USE = re.compile(r"\bdevice\b")
+_FIELD_PATH = re.compile(
+    r"\bdevice\s*\.\s*(?:(?:driver|allowMultipleAllocations)\b(?!\s*\()"
+    r"|(attributes|capacity)\s*\[\s*\"([^\"\\\\]*)\"\s*\]\s*\.\s*([A-Za-z_]\w*)\b(?!\s*\())")
+
+
+@functools.lru_cache(maxsize=4096)
+def selector_reads(expression: str) -> tuple[tuple[str, str], ...] | None:
+    """What of `device` a selector can read, when every use of `device` in its text is a plain
+    field path (`device.driver`, `device.allowMultipleAllocations`,
+    `device.attributes["<domain>"].<name>`, `device.capacity["<domain>"].<name>`): the
+    (attributes|capacity, qualified name) pairs; its result is then the same for every device
+    alike in those (and in driver and allowMultipleAllocations). None: any other use (a macro
+    over a map, an index by an expression, `device` in a string): the whole device counts."""
+    paths = list(_FIELD_PATH.finditer(expression))
+    if len(paths) != len(_DEVICE_USE.findall(expression)):
+        return None
+    return tuple(sorted({(m.group(1), f"{m.group(2)}/{m.group(3)}") for m in paths
+                         if m.group(1)}))

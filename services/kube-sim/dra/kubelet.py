@@ -5,7 +5,11 @@ Plugin registration as kubelet's plugin watcher does it: a plugin places a socke
 `Registration.GetInfo`, accepts a `DRAPlugin` whose name is a DNS subdomain and whose
 `supported_versions` list `v1.DRAPlugin`, then answers `NotifyRegistrationStatus` (registered,
 or not with the error). The DRA service is served on `PluginInfo.endpoint` (the registration
-socket when empty). A socket that disappears deregisters the driver; a new one replaces it.
+socket when empty). A socket that disappears deregisters the driver; a new one replaces it. A
+socket recreated on the same path (a plugin killed without removing its socket, then restarted:
+upstream's watcher sees fsnotify's create event) is a new registration: the file's identity
+(inode, ctime) is kept, and a change deregisters the old plugin and registers the new one, whose
+health stream is followed from then on.
 
 Before a pod's containers start: every claim the pod uses must be allocated and reserved for
 the pod; the claims are prepared with one `NodePrepareResources` per driver (a claim already
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +133,7 @@ class DraKubelet:
         self.release = release
         self.plugins: dict[str, DraPlugin] = {}
         self._sockets: dict[Path, str] = {}  # registration socket -> driver ("" refused)
+        self._identities: dict[Path, tuple[int, int]] = {}  # socket -> (inode, ctime ns)
         self.prepared: dict[str, PreparedClaim] = {}  # claim uid
         self.pod_devices: dict[str, dict[str, list[str]]] = {}  # pod uid -> container -> CDI
         self._task: asyncio.Task[None] | None = None
@@ -162,16 +168,32 @@ class DraKubelet:
 
     async def _watch(self) -> None:
         while True:
-            try:
-                present = {p for p in self.registry_dir.iterdir()
-                           if not p.name.startswith(".") and p.is_socket()}
-            except OSError:
-                present = set()
-            for gone in [p for p in self._sockets if p not in present]:
-                await self._deregister(gone)
-            for path in sorted(present - set(self._sockets)):
+            present = self._present_sockets()
+            for path in [p for p in self._sockets
+                         if present.get(p) != self._identities.get(p)]:
+                await self._deregister(path)  # gone, or recreated: registered again below
+            for path in sorted(set(present) - set(self._sockets)):
+                self._identities[path] = present[path]
                 self._sockets[path] = await self._register(path)
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def _present_sockets(self) -> dict[Path, tuple[int, int]]:
+        """The registry's sockets with their file identity (what a create event would tell)."""
+        found: dict[Path, tuple[int, int]] = {}
+        try:
+            entries = list(self.registry_dir.iterdir())
+        except OSError:
+            return found
+        for path in entries:
+            if path.name.startswith("."):
+                continue
+            try:
+                info = path.stat()
+            except OSError:
+                continue
+            if stat.S_ISSOCK(info.st_mode):
+                found[path] = (info.st_ino, info.st_ctime_ns)
+        return found
 
     async def _register(self, path: Path) -> str:
         channel = _channel(str(path))
@@ -215,6 +237,7 @@ class DraKubelet:
 
     async def _deregister(self, path: Path) -> None:
         driver = self._sockets.pop(path, "")
+        self._identities.pop(path, None)
         plugin = self.plugins.get(driver)
         if plugin is not None and plugin.registration_socket == path:
             del self.plugins[driver]

@@ -80,6 +80,13 @@ class Device:
     # capacity requests -> what one share consumes (allocator.consumption), per device
     consumption_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    @functools.cached_property
+    def capacity_key(self) -> int:
+        """What a share's consumption depends on, as a small number (devices publishing the
+        same capacities and request policies share one, and so their consumption results)."""
+        shape = (self.driver, tuple(sorted(self.capacity.items())))
+        return _CAPACITY_SHAPES.setdefault(shape, len(_CAPACITY_SHAPES))
+
     @property
     def id(self) -> DeviceId:
         return (self.driver, self.pool, self.name)
@@ -100,6 +107,9 @@ class Device:
         return next((n for n in self.capacity if qualify(self.driver, n) == wanted), None)
 
 
+_CAPACITY_SHAPES: dict[tuple[Any, ...], int] = {}
+
+
 @dataclass
 class Pool:
     driver: str
@@ -109,6 +119,10 @@ class Pool:
     slices_seen: int = 0
     devices: list[Device] = field(default_factory=list)
     counter_sets: dict[str, dict[str, Fraction]] = field(default_factory=dict)
+    # (class selectors, request selectors, tolerations) -> the devices they admit: what needs
+    # no search is worked out once per pool (a pool is rebuilt when its slices change)
+    candidate_cache: dict[Any, list[Device]] = field(default_factory=dict, repr=False,
+                                                     compare=False)
 
     @property
     def complete(self) -> bool:
@@ -304,18 +318,28 @@ def usage_of(claims: list[KubeObject], devices: dict[DeviceId, Device],
     for claim in claims:
         if (claim.get("metadata") or {}).get("uid") in skip_uids:
             continue
-        allocation = (claim.get("status") or {}).get("allocation") or {}
-        for result in (allocation.get("devices") or {}).get("results") or []:
-            if result.get("adminAccess"):
-                continue
-            device_id = (result.get("driver", ""), result.get("pool", ""),
-                         result.get("device", ""))
-            device = devices.get(device_id) or Device(*device_id, {}, {})
-            if device.allow_multiple or result.get("shareID") or result.get("consumedCapacity"):
-                consumed = {str(k): v for k, v in (
-                    (k, maybe_quantity(x)) for k, x in (result.get("consumedCapacity")
-                                                       or {}).items()) if v is not None}
-                usage.take(device, consumed)
-            else:
-                usage.take(device, None)
+        for device, consumed in holdings(claim, devices):
+            usage.take(device, consumed)
     return usage
+
+
+def holdings(claim: KubeObject | None, devices: dict[DeviceId, Device]
+             ) -> list[tuple[Device, dict[str, Fraction] | None]]:
+    """What one claim's allocation holds: each device, with what its share consumes (None: the
+    whole device); admin access holds nothing."""
+    if not claim:
+        return []
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    held: list[tuple[Device, dict[str, Fraction] | None]] = []
+    for result in (allocation.get("devices") or {}).get("results") or []:
+        if result.get("adminAccess"):
+            continue
+        device_id = (result.get("driver", ""), result.get("pool", ""), result.get("device", ""))
+        device = devices.get(device_id) or Device(*device_id, {}, {})
+        if device.allow_multiple or result.get("shareID") or result.get("consumedCapacity"):
+            held.append((device, {str(k): v for k, v in (
+                (k, maybe_quantity(x)) for k, x in (result.get("consumedCapacity")
+                                                   or {}).items()) if v is not None}))
+        else:
+            held.append((device, None))
+    return held

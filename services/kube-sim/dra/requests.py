@@ -5,6 +5,8 @@ under its capacities' request policies (KEP-5075). Pure code."""
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -24,6 +26,14 @@ class Alternative:
     capacity: dict[str, Fraction] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     admin_access: bool = False
+
+    @functools.cached_property
+    def capacity_key(self) -> tuple[tuple[str, Fraction], ...]:
+        return tuple(sorted(self.capacity.items()))
+
+    @functools.cached_property
+    def tolerations_key(self) -> str:
+        return json.dumps(self.tolerations, sort_keys=True)
 
 
 @dataclass
@@ -96,16 +106,23 @@ def tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
     return False
 
 
-def consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fraction] | None:
+def consumption(device: Device, wanted: dict[str, Fraction],
+                wanted_key: tuple[Any, ...] | None = None) -> dict[str, Fraction] | None:
     """What one share of `device` consumes for capacity requests `wanted` (by published name),
     rounded by each capacity's request policy; None: the request violates a policy or asks
-    for a capacity the device does not have."""
-    key = tuple(sorted(wanted.items()))
-    cache = device.consumption_cache
-    if key not in cache:
-        cache[key] = _consumption(device, wanted)
-    found = cache[key]
-    return dict(found) if found is not None else None
+    for a capacity the device does not have. Cached per (capacities and policies, request):
+    the devices of one model compute it once."""
+    key = wanted_key if wanted_key is not None else tuple(sorted(wanted.items()))
+    cache = _CONSUMPTION_CACHE.get(device.capacity_key)
+    if cache is None:
+        cache = _CONSUMPTION_CACHE[device.capacity_key] = {}
+    found = cache.get(key, _MISSING)
+    if found is _MISSING:
+        found = _consumption(device, wanted)
+        if len(cache) > 100_000:
+            cache.clear()
+        cache[key] = found
+    return dict(found) if found is not None else None  # type: ignore[arg-type]
 
 
 def _consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fraction] | None:
@@ -141,3 +158,5 @@ def _consumption(device: Device, wanted: dict[str, Fraction]) -> dict[str, Fract
 
 
 _REQUESTS_CACHE: dict[tuple[str, str], list[Request]] = {}
+_CONSUMPTION_CACHE: dict[int, dict[tuple[Any, ...], dict[str, Fraction] | None]] = {}
+_MISSING = object()

@@ -38,14 +38,14 @@ from tessera.kube_sim.dra.model import (
     Pool,
     Usage,
     device_index,
-    maybe_quantity,
+    holdings,
     newest_slices,
     node_selector_matches,
     pools_for_node,
     usage_of,
 )
 from tessera.kube_sim.fit import _container_requests, allocatable
-from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError
+from tessera.kube_sim.store import Change, KubeObject, ObjectStore, Selector, StoreError
 
 log = logging.getLogger("tessera.kube_sim.dra.scheduling")
 
@@ -107,6 +107,7 @@ class DynamicResources:
         # own allocations in `_usage`, so a burst of pods does not re-read every claim.
         self._changes: dict[str, int] = {}
         store.listeners.append(self._changed)
+        store.change_listeners.append(self._claim_changed)
         self._slices_at = -1
         self._by_node: dict[str, list[KubeObject]] = {}
         self._shared: list[KubeObject] = []
@@ -151,19 +152,20 @@ class DynamicResources:
             self._usage_at = at
         return self._usage
 
-    def _record(self, allocation: dict[str, Any]) -> None:
-        """Reserve's own allocation, added to the cached usage (then still current)."""
-        for result in (allocation.get("devices") or {}).get("results") or []:
-            if result.get("adminAccess"):
-                continue
-            device_id = (result.get("driver", ""), result.get("pool", ""),
-                         result.get("device", ""))
-            device = self._devices.get(device_id) or Device(*device_id, {}, {})
-            consumed = None
-            if result.get("consumedCapacity") is not None or device.allow_multiple:
-                consumed = {k: v for k, v in ((k, maybe_quantity(x)) for k, x in (
-                    result.get("consumedCapacity") or {}).items()) if v is not None}
-            self._usage.take(device, consumed)
+    def _claim_changed(self, change: Change) -> None:
+        """The allocated-devices state kept incrementally (upstream's assume cache): a claim's
+        allocation that changed is given back and the new one taken, instead of every claim
+        read again on the next pod."""
+        if change.kind != "ResourceClaim" or self._usage_at < 0:
+            return
+        before = ((change.old or {}).get("status") or {}).get("allocation")
+        after = ((change.new or {}).get("status") or {}).get("allocation")
+        if before != after:
+            for device, consumed in holdings(change.old, self._devices):
+                self._usage.give_back(device, consumed)
+            for device, consumed in holdings(change.new, self._devices):
+                self._usage.take(device, consumed)
+        self._usage_at = self._changes.get("ResourceClaim", 0)
 
     # --- PreFilter ---------------------------------------------------------------------------
 
@@ -276,7 +278,6 @@ class DynamicResources:
         uid = pod["metadata"].get("uid", "")
         namespace = pod["metadata"].get("namespace", "")
         consumer = {"resource": "pods", "name": pod["metadata"]["name"], "uid": uid}
-        current = self._usage_at == self._changes.get("ResourceClaim", 0)
         pending = [c for c in state.claims if not (c.get("status") or {}).get("allocation")]
         allocated_by_me: list[str] = []
         self.reserved[uid] = allocated_by_me
@@ -308,10 +309,6 @@ class DynamicResources:
         except StoreError:
             self.unreserve(pod)
             raise
-        if current:  # only this reserve changed claims since the usage was read
-            for allocation in allocations.values():
-                self._record(allocation)
-            self._usage_at = self._changes.get("ResourceClaim", 0)
 
     def _create_extended_claim(self, pod: KubeObject, state: PodState, special: KubeObject,
                                outcome: Outcome, consumer: dict[str, Any]) -> None:
