@@ -78,7 +78,8 @@ async def test_idle_node_filter_claims_and_bind_writes_nothing(
         assert state.allocations[uid].state == AllocationState.RESERVED
         assert set(state.claims) == {uid}
         async with KeyWrites(nc, name) as writes:
-            assert await writes.settled(1, within_s=15.0) == 1  # the sweeper's mark: no Allocate came
+            # the sweeper's mark: no Allocate came
+            assert await writes.settled(1, within_s=15.0) == 1
         assert asyncio.get_running_loop().time() - bound_at < 15
     state = await ledger(buckets, name)
     held = state.allocations[uid]
