@@ -1,0 +1,272 @@
+"""Why each node refused a pod, as kube-scheduler's `failedNodes` map, built only when read.
+
+A refusal at 5,000 nodes words 5,000 reasons, but they are a handful of distinct texts
+(`refusal_memo.py`: a reason id per node). Building the name → text dict for every refused
+call cost about as much as the rest of the refusal, and serialising it with `json.dumps` more
+(~2 ms at 5,000 nodes). `NodeReasons` keeps what the decision found as it found it: runs of
+nodes worded one by one (a small dict) and bulk runs (the nodes' names gathered from the index
+at the time, their reason ids, the request's texts by id; id 0 / text None: the node fits,
+no entry). It is a read-only `Mapping[str, str]` equal to the dict the decision used to build
+(same keys, texts, order); the dict is built once, on first generic read (`explain`, a bind's
+single-node filter), and the HTTP reply is encoded from it with msgspec (byte for byte what
+`json.dumps(..., ensure_ascii=False, separators=(",", ":"))` wrote: `test_node_reasons.py`).
+What every refused call reads is answered without the dict: the distinct texts, the counts
+and example nodes per HAMi reason (the `FilteringFailed` event), the first entries (the bus
+event), equality with the last refusal (the failure log's repeat check).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from itertools import islice
+from typing import Any
+
+import msgspec
+import numpy as np
+
+_ENCODER = msgspec.json.Encoder()
+
+
+class _Bulk:
+    """Nodes worded in bulk: names (object array), reason ids, texts by id (None: fits)."""
+
+    __slots__ = ("ids", "names", "reasons", "texts")
+
+    def __init__(self, names: np.ndarray, ids: np.ndarray, texts: np.ndarray,
+                 reasons: list[tuple[str, ...]]) -> None:
+        self.names, self.ids, self.texts, self.reasons = names, ids, texts, reasons
+
+    def refused(self) -> tuple[np.ndarray, np.ndarray]:
+        """(names, ids) of the nodes with a reason (the ones that fit dropped)."""
+        ids = self.ids
+        keep = self.texts[ids] != None  # noqa: E711 (elementwise on an object array)
+        if keep.all():
+            return self.names, ids
+        return self.names[keep], ids[keep]
+
+
+class NodeReasons(Mapping[str, str]):
+    """kube-scheduler's `failedNodes` (node name → HAMi's `N/M Reason, ...`), lazily built.
+
+    Written by the decision in the order it words nodes (`add`: one node not worded before;
+    `add_bulk`: a run of them); any other write (`__setitem__`, `update`) builds the dict
+    first, so every read after it is the dict's."""
+
+    __slots__ = ("_dict", "_segments", "_tail")
+
+    def __init__(self, items: Mapping[str, str] | None = None) -> None:
+        self._segments: list[dict[str, str] | _Bulk] = []
+        self._tail: dict[str, str] | None = None
+        self._dict: dict[str, str] | None = dict(items) if items else None
+
+    @classmethod
+    def uniform(cls, names: list[str], text: str) -> NodeReasons:
+        """Every one of `names` refused for the same reason."""
+        reasons = cls()
+        if names:
+            array = np.empty(len(names), dtype=object)
+            array[:] = names
+            texts = np.array([None, text], dtype=object)
+            reasons.add_bulk(array, np.ones(len(names), dtype=np.int64), texts, [(), ()])
+        return reasons
+
+    # --- written by the decision --------------------------------------------------------------
+    def add(self, name: str, text: str) -> None:
+        """A node not worded before in this refusal."""
+        if self._dict is not None:
+            self._dict[name] = text
+            return
+        if self._tail is None:
+            self._tail = {}
+            self._segments.append(self._tail)
+        self._tail[name] = text
+
+    def add_bulk(self, names: np.ndarray, ids: np.ndarray, texts: np.ndarray,
+                 reasons: list[tuple[str, ...]]) -> None:
+        """Nodes not worded before: `names[i]` refused with `texts[ids[i]]` (None: it fits, no
+        entry); `reasons[id]` the HAMi reason names of text `id`. The arrays are kept as given
+        (the caller passes fresh gathers; `texts` and `reasons` only ever grow)."""
+        if not len(names):
+            return
+        if self._dict is not None:
+            self._dict.update((n, t) for n, t in zip(names.tolist(), texts[ids].tolist(),
+                                                     strict=True) if t is not None)
+            return
+        self._segments.append(_Bulk(names, ids, texts, reasons))
+        self._tail = None
+
+    # --- the dict -----------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, str]:
+        """The name → text dict (built once; the same dict afterwards)."""
+        if self._dict is None:
+            built: dict[str, str] = {}
+            for segment in self._segments:
+                if isinstance(segment, dict):
+                    built.update(segment)
+                else:
+                    names, ids = segment.refused()
+                    built.update(zip(names.tolist(), segment.texts[ids].tolist(), strict=True))
+            self._dict = built
+            self._segments, self._tail = [], None
+        return self._dict
+
+    def __getitem__(self, name: str) -> str:
+        return self.as_dict()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+    def __bool__(self) -> bool:
+        if self._dict is not None:
+            return bool(self._dict)
+        return any(bool(s) if isinstance(s, dict) else len(s.refused()[0]) > 0
+                   for s in self._segments)  # fmt: skip
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.as_dict()
+
+    def __setitem__(self, name: str, text: str) -> None:
+        self.as_dict()[name] = text
+
+    def update(self, other: Mapping[str, str]) -> None:
+        if other:
+            self.as_dict().update(other)
+
+    def __repr__(self) -> str:
+        return f"NodeReasons({self.as_dict()!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, NodeReasons) and self._dict is None and other._dict is None:
+            same = _same_segments(self._segments, other._segments)
+            if same is not None:
+                return same
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        mine = self.as_dict()
+        return mine == (other.as_dict() if isinstance(other, NodeReasons) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # --- what every refused call reads, without the dict --------------------------------------
+    def to_json(self) -> bytes:
+        """The JSON object, as `json.dumps(dict, ensure_ascii=False, separators=(",", ":"))`
+        encoded it."""
+        return encode_compact(self.as_dict())
+
+    def count(self) -> int:
+        """How many nodes refused, without building the dict (a name the caller listed twice
+        and worded in bulk counts twice; kube-scheduler lists each node once)."""
+        if self._dict is not None:
+            return len(self._dict)
+        return sum(len(s) if isinstance(s, dict) else len(s.refused()[0])
+                   for s in self._segments)  # fmt: skip
+
+    def texts(self) -> set[str]:
+        """The distinct reason texts."""
+        if self._dict is not None:
+            return set(self._dict.values())
+        found: set[str] = set()
+        for segment in self._segments:
+            if isinstance(segment, dict):
+                found.update(segment.values())
+            else:
+                _names, ids = segment.refused()
+                found.update(segment.texts[np.unique(ids)].tolist())
+        return found
+
+    def head(self, count: int) -> dict[str, str]:
+        """The first `count` entries, in order."""
+        if self._dict is not None:
+            return dict(islice(self._dict.items(), count))
+        out: dict[str, str] = {}
+        for segment in self._segments:
+            left = count - len(out)
+            if left <= 0:
+                break
+            if isinstance(segment, dict):
+                out.update(islice(segment.items(), left))
+            else:
+                names, ids = segment.refused()
+                out.update(zip(names[:left].tolist(), segment.texts[ids[:left]].tolist(),
+                               strict=True))  # fmt: skip
+        return out
+
+    def by_reason(self, examples: int) -> dict[str, tuple[int, list[str]]]:
+        """Per HAMi reason name (`CardInsufficientMemory`, ...; what precedes `:` for other
+        texts), how many nodes give it and the first `examples` of them, in order."""
+        tally: dict[str, list[Any]] = {}
+
+        def count(reason: str, nodes: int, names: list[str]) -> None:
+            entry = tally.setdefault(reason, [0, []])
+            entry[0] += nodes
+            if len(entry[1]) < examples:
+                entry[1].extend(names[: examples - len(entry[1])])
+
+        if self._dict is not None:
+            for name, text in self._dict.items():
+                for reason in reason_names(text):
+                    count(reason, 1, [name])
+        for segment in self._segments:
+            if isinstance(segment, dict):
+                for name, text in segment.items():
+                    for reason in reason_names(text):
+                        count(reason, 1, [name])
+                continue
+            names, ids = segment.refused()
+            totals = np.bincount(ids)
+            for reason_id in np.flatnonzero(totals).tolist():
+                first = names[np.flatnonzero(ids == reason_id)[:examples]].tolist()
+                named = segment.reasons[reason_id] if reason_id < len(segment.reasons) else ()
+                for reason in named or reason_names(segment.texts[reason_id]):
+                    count(reason, int(totals[reason_id]), first)
+        return {reason: (nodes, names) for reason, (nodes, names) in tally.items()}
+
+
+def encode_compact(value: Any) -> bytes:
+    """`json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))`'s UTF-8
+    bytes for a value of dicts, lists, strings, ints, bools and None (msgspec: the same bytes
+    for those, `test_node_reasons.py`; anything it cannot write goes through `json.dumps`)."""
+    try:
+        return _ENCODER.encode(value)
+    except (msgspec.EncodeError, TypeError, UnicodeEncodeError):  # (e.g. a lone surrogate)
+        return json.dumps(value, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()
+
+
+def reason_names(text: str) -> list[str]:
+    """HAMi's reason names in a node's text: `3/8 CardInsufficientMemory, 5/8 X` → both names;
+    any other text (`NodeUnregistered: ...`, `RequestInvalid: ...`) → what precedes its `:`."""
+    head = text.split(" [", 1)[0]  # (a note about HAMi's pods follows in brackets)
+    names = []
+    for part in head.split(", "):
+        count, _, name = part.strip().partition(" ")
+        if name and "/" in count and count.replace("/", "").isdigit():
+            names.append(name.split(":", 1)[0])
+    return names or [text.split(":", 1)[0].strip() or text]
+
+
+def _same_segments(mine: list[Any], theirs: list[Any]) -> bool | None:
+    """Whether two unbuilt refusals hold the same entries in the same order, read segment by
+    segment (vectorised); None when the layouts differ (then the dicts are compared)."""
+    if len(mine) != len(theirs):
+        return None
+    for a, b in zip(mine, theirs, strict=True):
+        if isinstance(a, dict) or isinstance(b, dict):
+            if not (isinstance(a, dict) and isinstance(b, dict)):
+                return None
+            if a != b or list(a) != list(b):
+                return False if a != b else None
+            continue
+        names_a, ids_a = a.refused()
+        names_b, ids_b = b.refused()
+        if len(names_a) != len(names_b):
+            return None
+        if not (names_a == names_b).all():
+            return None
+        if not (a.texts[ids_a] == b.texts[ids_b]).all():
+            return False
+    return True
