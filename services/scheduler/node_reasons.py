@@ -53,12 +53,15 @@ class NodeReasons(Mapping[str, str]):
     `add_bulk`: a run of them); any other write (`__setitem__`, `update`) builds the dict
     first, so every read after it is the dict's."""
 
-    __slots__ = ("_dict", "_segments", "_tail")
+    __slots__ = ("_dict", "_owned", "_segments", "_tail")
 
     def __init__(self, items: Mapping[str, str] | None = None) -> None:
         self._segments: list[dict[str, str] | _Bulk] = []
         self._tail: dict[str, str] | None = None
+        # the dict, once built; `_owned`: written from outside since (then it alone holds the
+        # entries: the segments are dropped), else a cache beside the segments
         self._dict: dict[str, str] | None = dict(items) if items else None
+        self._owned = self._dict is not None
 
     @classmethod
     def uniform(cls, names: list[str], text: str) -> NodeReasons:
@@ -74,9 +77,10 @@ class NodeReasons(Mapping[str, str]):
     # --- written by the decision --------------------------------------------------------------
     def add(self, name: str, text: str) -> None:
         """A node not worded before in this refusal."""
-        if self._dict is not None:
-            self._dict[name] = text
+        if self._owned:
+            self._dict[name] = text  # type: ignore[index]
             return
+        self._dict = None  # (a cache no longer whole)
         if self._tail is None:
             self._tail = {}
             self._segments.append(self._tail)
@@ -89,16 +93,18 @@ class NodeReasons(Mapping[str, str]):
         (the caller passes fresh gathers; `texts` and `reasons` only ever grow)."""
         if not len(names):
             return
-        if self._dict is not None:
-            self._dict.update((n, t) for n, t in zip(names.tolist(), texts[ids].tolist(),
+        if self._owned:
+            self._dict.update((n, t) for n, t in zip(names.tolist(), texts[ids].tolist(),  # type: ignore[union-attr]
                                                      strict=True) if t is not None)
             return
+        self._dict = None
         self._segments.append(_Bulk(names, ids, texts, reasons))
         self._tail = None
 
     # --- the dict -----------------------------------------------------------------------------
     def as_dict(self) -> dict[str, str]:
-        """The name → text dict (built once; the same dict afterwards)."""
+        """The name → text dict (built once and kept; the segments stay for the reads below
+        until something writes it)."""
         if self._dict is None:
             built: dict[str, str] = {}
             for segment in self._segments:
@@ -108,8 +114,13 @@ class NodeReasons(Mapping[str, str]):
                     names, ids = segment.refused()
                     built.update(zip(names.tolist(), segment.texts[ids].tolist(), strict=True))
             self._dict = built
-            self._segments, self._tail = [], None
         return self._dict
+
+    def _own(self) -> dict[str, str]:
+        """The dict, to be written: it alone holds the entries from now on."""
+        mapping = self.as_dict()
+        self._owned, self._segments, self._tail = True, [], None
+        return mapping
 
     def __getitem__(self, name: str) -> str:
         return self.as_dict()[name]
@@ -121,7 +132,7 @@ class NodeReasons(Mapping[str, str]):
         return len(self.as_dict())
 
     def __bool__(self) -> bool:
-        if self._dict is not None:
+        if self._owned or self._dict is not None:
             return bool(self._dict)
         return any(bool(s) if isinstance(s, dict) else len(s.refused()[0]) > 0
                    for s in self._segments)  # fmt: skip
@@ -130,17 +141,17 @@ class NodeReasons(Mapping[str, str]):
         return name in self.as_dict()
 
     def __setitem__(self, name: str, text: str) -> None:
-        self.as_dict()[name] = text
+        self._own()[name] = text
 
     def update(self, other: Mapping[str, str]) -> None:
         if other:
-            self.as_dict().update(other)
+            self._own().update(other)
 
     def __repr__(self) -> str:
         return f"NodeReasons({self.as_dict()!r})"
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, NodeReasons) and self._dict is None and other._dict is None:
+        if isinstance(other, NodeReasons) and not self._owned and not other._owned:
             same = _same_segments(self._segments, other._segments)
             if same is not None:
                 return same
@@ -160,14 +171,14 @@ class NodeReasons(Mapping[str, str]):
     def count(self) -> int:
         """How many nodes refused, without building the dict (a name the caller listed twice
         and worded in bulk counts twice; kube-scheduler lists each node once)."""
-        if self._dict is not None:
+        if self._owned:
             return len(self._dict)
         return sum(len(s) if isinstance(s, dict) else len(s.refused()[0])
                    for s in self._segments)  # fmt: skip
 
     def texts(self) -> set[str]:
         """The distinct reason texts."""
-        if self._dict is not None:
+        if self._owned:
             return set(self._dict.values())
         found: set[str] = set()
         for segment in self._segments:
@@ -180,7 +191,7 @@ class NodeReasons(Mapping[str, str]):
 
     def head(self, count: int) -> dict[str, str]:
         """The first `count` entries, in order."""
-        if self._dict is not None:
+        if self._owned or self._dict is not None:
             return dict(islice(self._dict.items(), count))
         out: dict[str, str] = {}
         for segment in self._segments:
@@ -206,8 +217,8 @@ class NodeReasons(Mapping[str, str]):
             if len(entry[1]) < examples:
                 entry[1].extend(names[: examples - len(entry[1])])
 
-        if self._dict is not None:
-            for name, text in self._dict.items():
+        if self._owned:
+            for name, text in self._dict.items():  # type: ignore[union-attr]
                 for reason in reason_names(text):
                     count(reason, 1, [name])
         for segment in self._segments:
