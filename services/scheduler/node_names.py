@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -292,6 +293,7 @@ class NodeNamesCache:
         return known
 
 
+_PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
@@ -337,6 +339,19 @@ class NameTable:
         self.slots = np.asarray(slots, dtype=np.int64)
         self.names = np.empty(len(names), dtype=object)  # by row (never changed)
         self.names[:] = names
+        # by slot: the row (-1: none); by row: the name as a JSON object key, `"name":` (what
+        # json.dumps writes for it, ensure_ascii=False), allocated together here so that a
+        # refusal's reply joins them without touching the index's scattered strings
+        self.row_of_slot = np.full(max(slots, default=-1) + 1, -1, dtype=np.int64)
+        self.row_of_slot[self.slots] = np.arange(len(names), dtype=np.int64)
+        self._row_of: dict[str, int] | None = None
+        self.keys: np.ndarray | None = np.empty(len(names), dtype=object)
+        try:
+            self.keys[:] = [b'"' + e + b'":' if _PLAIN.match(e)
+                            else json.dumps(n, ensure_ascii=False).encode() + b":"
+                            for n, e in zip(names, encoded, strict=True)]  # fmt: skip
+        except UnicodeEncodeError:  # (a lone surrogate: the reply encodes it the slow way)
+            self.keys = None
         hashes = self._hash(self.words, lengths)
         self.hashes = hashes
         if len(hashes) > 1 and len(np.unique(hashes)) != len(hashes):
@@ -356,6 +371,12 @@ class NameTable:
             left = np.ones(len(pending), dtype=bool)
             left[placed] = False
             pending, buckets = pending[left], (buckets[left] + 1) & (size - 1)
+
+    def row_of(self, name: str) -> int:
+        """A name's row, -1 when the table has none (a dict built on first use)."""
+        if self._row_of is None:
+            self._row_of = {n: i for i, n in enumerate(self.names.tolist())}
+        return self._row_of.get(name, -1)
 
     def _words(self, array: bytes, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Each name's words (see the class), one array per column, read straight from the

@@ -29,21 +29,39 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class _Bulk:
-    """Nodes worded in bulk: names (object array), reason ids, texts by id (None: fits)."""
+    """Nodes worded in bulk: names (object array), reason ids, texts by id (None: fits), and
+    where known the names' rows in a name table (`node_names.NameTable`: their JSON keys)."""
 
-    __slots__ = ("ids", "names", "reasons", "texts")
+    __slots__ = ("ids", "keep", "names", "reasons", "rows", "table", "texts")
 
     def __init__(self, names: np.ndarray, ids: np.ndarray, texts: np.ndarray,
-                 reasons: list[tuple[str, ...]]) -> None:
+                 reasons: list[tuple[str, ...]], rows: tuple[Any, np.ndarray] | None) -> None:
         self.names, self.ids, self.texts, self.reasons = names, ids, texts, reasons
+        self.table, self.rows = rows if rows is not None else (None, None)
+        self.keep: np.ndarray | None = None
+
+    def _kept(self) -> np.ndarray | None:
+        """Which nodes have a reason (None: all of them)."""
+        if self.keep is None:
+            texts = self.texts
+            fits = np.fromiter((t is None for t in texts), dtype=bool, count=len(texts))
+            self.keep = ~fits[self.ids] if fits.any() else np.ones(0, dtype=bool)
+        return None if not len(self.keep) else self.keep
 
     def refused(self) -> tuple[np.ndarray, np.ndarray]:
         """(names, ids) of the nodes with a reason (the ones that fit dropped)."""
-        ids = self.ids
-        keep = self.texts[ids] != None  # noqa: E711 (elementwise on an object array)
-        if keep.all():
-            return self.names, ids
-        return self.names[keep], ids[keep]
+        keep = self._kept()
+        if keep is None:
+            return self.names, self.ids
+        return self.names[keep], self.ids[keep]
+
+    def refused_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(name table rows, ids) of the nodes with a reason."""
+        keep = self._kept()
+        assert self.rows is not None
+        if keep is None:
+            return self.rows, self.ids
+        return self.rows[keep], self.ids[keep]
 
 
 class NodeReasons(Mapping[str, str]):
@@ -87,7 +105,8 @@ class NodeReasons(Mapping[str, str]):
         self._tail[name] = text
 
     def add_bulk(self, names: np.ndarray, ids: np.ndarray, texts: np.ndarray,
-                 reasons: list[tuple[str, ...]]) -> None:
+                 reasons: list[tuple[str, ...]],
+                 rows: tuple[Any, np.ndarray] | None = None) -> None:
         """Nodes not worded before: `names[i]` refused with `texts[ids[i]]` (None: it fits, no
         entry); `reasons[id]` the HAMi reason names of text `id`. The arrays are kept as given
         (the caller passes fresh gathers; `texts` and `reasons` only ever grow)."""
@@ -98,7 +117,7 @@ class NodeReasons(Mapping[str, str]):
                                                      strict=True) if t is not None)
             return
         self._dict = None
-        self._segments.append(_Bulk(names, ids, texts, reasons))
+        self._segments.append(_Bulk(names, ids, texts, reasons, rows))
         self._tail = None
 
     # --- the dict -----------------------------------------------------------------------------
@@ -153,6 +172,8 @@ class NodeReasons(Mapping[str, str]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, NodeReasons) and not self._owned and not other._owned:
             same = _same_segments(self._segments, other._segments)
+            if same is None:  # (another order, e.g. kube-scheduler's list rotated)
+                same = _same_by_rows(self._by_rows(), other._by_rows())
             if same is not None:
                 return same
         if not isinstance(other, Mapping):
@@ -162,11 +183,65 @@ class NodeReasons(Mapping[str, str]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def _by_rows(self) -> tuple[Any, np.ndarray, np.ndarray] | None:
+        """(name table, the entries' rows sorted, their texts in that order), when every
+        entry's row is known (unbuilt, one table) and no name is there twice; else None."""
+        tables = {id(s.table): s.table for s in self._segments if not isinstance(s, dict)}
+        if self._owned or len(tables) != 1 or None in tables.values():
+            return None
+        table = next(iter(tables.values()))
+        rows: list[np.ndarray] = []
+        texts: list[np.ndarray] = []
+        for segment in self._segments:
+            if isinstance(segment, dict):
+                found = [table.row_of(name) for name in segment]
+                if -1 in found:
+                    return None
+                rows.append(np.asarray(found, dtype=np.int64))
+                values = np.empty(len(segment), dtype=object)
+                values[:] = list(segment.values())
+                texts.append(values)
+            else:
+                at, ids = segment.refused_rows()
+                rows.append(at)
+                texts.append(segment.texts[ids])
+        every = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        order = np.argsort(every, kind="stable")
+        every = every[order]
+        if len(every) > 1 and not bool((every[1:] != every[:-1]).all()):
+            return None  # (a name twice: the dict's rules)
+        return table, every, (np.concatenate(texts) if texts else np.zeros(0, dtype=object))[order]
+
     # --- what every refused call reads, without the dict --------------------------------------
     def to_json(self) -> bytes:
         """The JSON object, as `json.dumps(dict, ensure_ascii=False, separators=(",", ":"))`
-        encoded it."""
-        return encode_compact(self.as_dict())
+        encoded it. Unbuilt, with every bulk run's rows known: joined from the name table's
+        key bytes (allocated together when the table was built) and each distinct text's
+        bytes, without the dict or the index's scattered strings (a name listed twice by the
+        caller then appears twice, with the same text: the same map once decoded)."""
+        segments = self._segments
+        if self._owned or self._dict is not None or any(
+            not isinstance(s, dict) and s.table is None for s in segments
+        ):
+            return encode_compact(self.as_dict())
+        parts: list[bytes] = []
+        for segment in segments:
+            if isinstance(segment, dict):
+                if segment:
+                    parts.append(encode_compact(segment)[1:-1] + b",")
+                continue
+            rows, ids = segment.refused_rows()
+            if not len(rows):
+                continue
+            values = np.empty(len(segment.texts), dtype=object)
+            for reason_id in np.unique(ids).tolist():
+                values[reason_id] = encode_compact(segment.texts[reason_id]) + b","
+            pairs = np.empty(2 * len(rows), dtype=object)
+            pairs[0::2] = segment.table.keys[rows]
+            pairs[1::2] = values[ids]
+            parts.append(b"".join(pairs.tolist()))
+        body = b"".join(parts)
+        return b"{" + body[:-1] + b"}" if body else b"{}"
 
     def count(self) -> int:
         """How many nodes refused, without building the dict (a name the caller listed twice
@@ -260,6 +335,16 @@ def reason_names(text: str) -> list[str]:
     return names or [text.split(":", 1)[0].strip() or text]
 
 
+def _same_by_rows(mine: Any, theirs: Any) -> bool | None:
+    """Whether two refusals' entries (`NodeReasons._by_rows`) are the same; None when either
+    could not be read by rows."""
+    if mine is None or theirs is None or mine[0] is not theirs[0]:
+        return None
+    if len(mine[1]) != len(theirs[1]):
+        return False
+    return bool((mine[1] == theirs[1]).all()) and bool((mine[2] == theirs[2]).all())
+
+
 def _same_segments(mine: list[Any], theirs: list[Any]) -> bool | None:
     """Whether two unbuilt refusals hold the same entries in the same order, read segment by
     segment (vectorised); None when the layouts differ (then the dicts are compared)."""
@@ -269,8 +354,10 @@ def _same_segments(mine: list[Any], theirs: list[Any]) -> bool | None:
         if isinstance(a, dict) or isinstance(b, dict):
             if not (isinstance(a, dict) and isinstance(b, dict)):
                 return None
-            if a != b or list(a) != list(b):
-                return False if a != b else None
+            if list(a) != list(b):
+                return None
+            if a != b:
+                return False  # (the same names in the same places, another text)
             continue
         names_a, ids_a = a.refused()
         names_b, ids_b = b.refused()

@@ -81,6 +81,53 @@ def test_equality_sees_a_different_reason_or_node() -> None:
     assert first == shuffled  # (a dict's equality: order aside)
 
 
+def table_rows(names: list[str]) -> tuple[object, dict[str, int]]:
+    from tessera.scheduler.node_names import NameTable
+
+    table = NameTable(names, list(range(len(names))))
+    return table, {n: i for i, n in enumerate(names)}
+
+
+def with_rows(plan: list[tuple[str, list[tuple[str, int]]]], table: object,
+              row: dict[str, int]) -> NodeReasons:
+    """`built`, the bulk runs carrying their names' rows in a name table (as the decision's
+    do when the index's table is current)."""
+    lazy = NodeReasons()
+    for kind, entries in plan:
+        if kind == "one":
+            for name, reason in entries:
+                lazy.add(name, str(TEXTS[reason or 1]))
+        else:
+            names = np.empty(len(entries), dtype=object)
+            names[:] = [n for n, _ in entries]
+            ids = np.array([r for _, r in entries], dtype=np.int64)
+            rows = np.array([row[n] for n, _ in entries], dtype=np.int64)
+            lazy.add_bulk(names, ids, TEXTS, REASONS, (table, rows))
+    return lazy
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.randoms())
+def test_runs_read_by_rows_answer_as_the_dict(plan: list, rng: random.Random) -> None:
+    every = [name for _kind, entries in plan for name, _ in entries] + ["spare", 'q"uote']
+    table, row = table_rows(every)
+    lazy = with_rows(plan, table, row)
+    _plain, eager = built(plan)
+    # the reply's bytes: json.dumps' of the dict, joined from the table's keys
+    assert lazy.to_json() == json.dumps(eager, ensure_ascii=False,
+                                        separators=(",", ":")).encode()  # fmt: skip
+    # the same entries worded in another order and grouping (a rotated list): equal
+    entries = [(n, r or 1) if kind == "one" else (n, r) for kind, run in plan for n, r in run]
+    entries = [(n, r) for n, r in entries if r]  # (a node that fits has no entry)
+    rng.shuffle(entries)
+    cut = rng.randint(0, len(entries))
+    other = with_rows([("one", entries[:cut]), ("bulk", entries[cut:])], table, row)
+    assert (lazy == other) is True
+    if entries and any(r for _n, r in entries):
+        changed = [(n, 2 if r == 1 else 1) if r else (n, r) for n, r in entries]
+        assert lazy != with_rows([("bulk", changed)], table, row)
+
+
 def test_writes_from_outside_the_decision_go_through_the_dict() -> None:
     lazy, eager = built([("bulk", [("a", 1), ("b", 2)])])
     lazy["a"] = "NodeConstraint: x"
