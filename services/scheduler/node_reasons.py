@@ -55,6 +55,17 @@ class _Bulk:
             return self.names, self.ids
         return self.names[keep], self.ids[keep]
 
+    def refused_count(self) -> int:
+        keep = self._kept()
+        return len(self.ids) if keep is None else int(np.count_nonzero(keep))
+
+    def refused_ids(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(ids of the nodes with a reason, their positions in `names`; None: all of them)."""
+        keep = self._kept()
+        if keep is None:
+            return self.ids, None
+        return self.ids[keep], np.flatnonzero(keep)
+
     def refused_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(name table rows, ids) of the nodes with a reason."""
         keep = self._kept()
@@ -153,7 +164,7 @@ class NodeReasons(Mapping[str, str]):
     def __bool__(self) -> bool:
         if self._owned or self._dict is not None:
             return bool(self._dict)
-        return any(bool(s) if isinstance(s, dict) else len(s.refused()[0]) > 0
+        return any(bool(s) if isinstance(s, dict) else s.refused_count() > 0
                    for s in self._segments)  # fmt: skip
 
     def __contains__(self, name: object) -> bool:
@@ -248,8 +259,7 @@ class NodeReasons(Mapping[str, str]):
         and worded in bulk counts twice; kube-scheduler lists each node once)."""
         if self._owned:
             return len(self._dict)
-        return sum(len(s) if isinstance(s, dict) else len(s.refused()[0])
-                   for s in self._segments)  # fmt: skip
+        return sum(len(s) if isinstance(s, dict) else s.refused_count() for s in self._segments)
 
     def texts(self) -> set[str]:
         """The distinct reason texts."""
@@ -260,7 +270,7 @@ class NodeReasons(Mapping[str, str]):
             if isinstance(segment, dict):
                 found.update(segment.values())
             else:
-                _names, ids = segment.refused()
+                ids, _where = segment.refused_ids()
                 found.update(segment.texts[np.unique(ids)].tolist())
         return found
 
@@ -302,10 +312,11 @@ class NodeReasons(Mapping[str, str]):
                     for reason in reason_names(text):
                         count(reason, 1, [name])
                 continue
-            names, ids = segment.refused()
+            ids, where = segment.refused_ids()  # (only the examples' names gathered)
             totals = np.bincount(ids)
             for reason_id in np.flatnonzero(totals).tolist():
-                first = names[np.flatnonzero(ids == reason_id)[:examples]].tolist()
+                at = np.flatnonzero(ids == reason_id)[:examples]
+                first = segment.names[at if where is None else where[at]].tolist()
                 named = segment.reasons[reason_id] if reason_id < len(segment.reasons) else ()
                 for reason in named or reason_names(segment.texts[reason_id]):
                     count(reason, int(totals[reason_id]), first)
