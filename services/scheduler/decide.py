@@ -15,6 +15,7 @@ import numpy as np
 from tessera.hami import PodRequest
 
 from .index import ClusterIndex, Need, NodeEntry
+from .node_reasons import NodeReasons
 from .placement import PodFit, fit_pod
 from .refusal_memo import FITS, RefusalMemo
 from .refusal_shapes import first_step, group
@@ -36,7 +37,7 @@ class Decision:
     slots: object  # numpy array of candidate slots in policy order
     pruned: object  # numpy array of slots refused by the cheap summaries
     unknown: list[str]
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: NodeReasons = field(default_factory=NodeReasons)  # kube-scheduler's failedNodes
     reason_counts: Counter[str] = field(default_factory=Counter)
     _key: str | None = None
     _memo: RefusalMemo | None = None
@@ -93,7 +94,7 @@ class Decision:
                 found = self.memo().get(slot, version)
                 if found:  # (FITS, 0, is never remembered by a fit that stopped there)
                     text = self.memo().texts[found]
-                    self.failed[entry.name] = text + index.foreign_note(entry.name)  # type: ignore[operator]
+                    self.failed.add(entry.name, text + index.foreign_note(entry.name))  # type: ignore[operator]
                     self.reason_counts.update(self.memo().names[found])
                     continue
             fit = fit_pod(entry.cards, self.request, self.context())
@@ -191,8 +192,8 @@ class Decision:
         """Word these nodes' known refusals (their reason ids, in this order), as `record`
         would."""
         memo = self.memo()
-        texts = memo.text_array()[found].tolist()
-        self.failed.update(zip(self.index.names_at[slots].tolist(), texts, strict=True))
+        self.failed.add_bulk(self.index.names_at[slots], found, memo.text_array(), memo.names,
+                             self.index.name_rows(slots))
         counts = np.bincount(found)
         for reason_id in np.flatnonzero(counts).tolist():
             nodes = int(counts[reason_id])
@@ -207,7 +208,8 @@ class Decision:
         return self._key
 
     def record(self, node: str, fit: PodFit) -> None:
-        self.failed[node] = fit.reason_text() + self.index.foreign_note(node)
+        """A node the pod does not fit (not worded before in this call)."""
+        self.failed.add(node, fit.reason_text() + self.index.foreign_note(node))
         self.reason_counts.update(fit.reasons.keys())
 
     def explain_rest(self) -> None:
@@ -253,17 +255,17 @@ class Decision:
             found = memo.reason[slots]
             if shaped is not None:
                 found = np.where(shaped >= 0, shaped, found)
-            texts = memo.text_array()[found].tolist()
-            if special is not None:
+            if special is None:  # (the names gathered now: a slot may hold another node later)
+                self.failed.add_bulk(index.names_at[slots], found, memo.text_array(), memo.names,
+                                     index.name_rows(slots))
+            else:  # HAMi's pods on some: worded one by one, in order
+                texts = memo.text_array()[found].tolist()
                 for position in np.flatnonzero(special).tolist():
                     texts[position] = self._special(int(slots[position]), memo)
                     found[position] = FITS  # (counted by `_special`)
-            names = index.names_at[slots].tolist()
-            if FITS in found or None in texts:
-                self.failed.update((n, t) for n, t in zip(names, texts, strict=True)
-                                   if t is not None)  # fmt: skip
-            else:
-                self.failed.update(zip(names, texts, strict=True))
+                for name, text in zip(index.names_at[slots].tolist(), texts, strict=True):
+                    if text is not None:
+                        self.failed.add(name, text)
             counts = np.bincount(found)
             reason_counts = self.reason_counts
             for reason_id in np.flatnonzero(counts).tolist():
@@ -272,8 +274,8 @@ class Decision:
                     for name in memo.names[reason_id]:
                         reason_counts[name] += nodes
         for name in self.unknown:
-            self.failed[name] = (f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
-                                 + index.foreign_note(name))
+            self.failed.add(name, f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
+                            + index.foreign_note(name))
             self.reason_counts[NODE_UNREGISTERED] += 1
 
     def _special(self, slot: int, memo: RefusalMemo) -> str | None:

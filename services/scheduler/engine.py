@@ -35,6 +35,7 @@ from .indexed_ledger import IndexedLedger
 from .kube_events import PodEventRecorder
 from .ledger import ClaimAhead, LedgerWriter
 from .metrics import SchedulerMetrics
+from .node_reasons import NodeReasons
 from .pods import PodIdentity
 from .preemption_run import Preemptor
 from .quota_client import QuotaClient
@@ -108,8 +109,8 @@ class Scheduler:
         if not dry_run and not (outcome.passed_all or outcome.nodenames or outcome.error):
             await self._preempt(pod, names, outcome)
         if not dry_run and not outcome.passed_all:
-            refused = {**outcome.failed, **outcome.unresolvable}
-            self.pod_events.filtered(pod, outcome.nodenames or [], refused, outcome.error)
+            self.pod_events.filtered(pod, outcome.nodenames or [], outcome.failed, outcome.error,
+                                     outcome.unresolvable)
         return outcome
 
     def _waiting_for_preemption(
@@ -122,16 +123,16 @@ class Scheduler:
         if waiting is None:
             return None
         _node, sentence = waiting
-        failed = {n: sentence for n in names}
+        failed = NodeReasons.uniform(names, sentence)
         self.failures.remember(PodIdentity.of(pod), failed, sentence)
         self.pod_events.filtered(pod, [], failed, "")
         return FilterOutcome(failed=failed)
 
     async def _preempt(self, pod: dict[str, Any], names: list[str], outcome: FilterOutcome) -> None:
         """The pod fit no node: try preemption (not when quota or the request itself refused)."""
-        if outcome.unresolvable or any(
-            r.startswith(RESOURCE_QUOTA_NOT_FIT) for r in outcome.failed.values()
-        ):
+        failed = outcome.failed
+        texts = failed.texts() if isinstance(failed, NodeReasons) else failed.values()
+        if outcome.unresolvable or any(r.startswith(RESOURCE_QUOTA_NOT_FIT) for r in texts):
             return
         sentence = await self.preemption.preempt(pod, names)
         if sentence is None:

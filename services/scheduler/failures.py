@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
@@ -11,6 +11,7 @@ from tessera.models import SchedulingFailedEvent
 
 from .background import EventPublisher
 from .metrics import SchedulerMetrics
+from .node_reasons import NodeReasons
 from .pods import PodIdentity
 
 _FAILURE_MEMORY = 10_000
@@ -19,7 +20,7 @@ _REPUBLISH_SAME_FAILURE_S = 30.0
 
 @dataclass
 class FailureRecord:
-    node_reasons: dict[str, str]
+    node_reasons: Mapping[str, str]  # (a NodeReasons builds its dict when explain reads it)
     summary: str
     at: float
     published: bool = False  # its event reached the stream
@@ -67,7 +68,7 @@ class FailureLog:
             self.metrics.refusals.labels(reason=reason).inc(nodes)
             self.metrics.hami_allocation_failures.labels(reason=reason).inc()
 
-    def remember(self, ident: PodIdentity, reasons: dict[str, str], summary: str) -> None:
+    def remember(self, ident: PodIdentity, reasons: Mapping[str, str], summary: str) -> None:
         now = self.clock()
         key = ident.uid or f"{ident.namespace}/{ident.name}"
         previous = self.records.pop(key, None)
@@ -97,5 +98,6 @@ class FailureLog:
 
         self.publisher.publish_soon(SchedulingFailedEvent(
             namespace=ident.namespace, name=ident.name, pod_uid=ident.uid, reason=summary,
-            node_reasons=dict(islice(reasons.items(), 200)), source=self.instance,
+            node_reasons=(reasons.head(200) if isinstance(reasons, NodeReasons)
+                          else dict(islice(reasons.items(), 200))), source=self.instance,
         ), published)  # fmt: skip

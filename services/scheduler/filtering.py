@@ -27,6 +27,7 @@ from .index import ClusterIndex
 from .indexed_ledger import IndexedLedger
 from .ledger import LedgerLostError, NodeFullError, ReservationRequest
 from .metrics import SchedulerMetrics
+from .node_reasons import NodeReasons
 from .pods import (
     BadRequestError,
     PodIdentity,
@@ -50,8 +51,10 @@ from .rules import (
 class FilterOutcome:
     nodenames: list[str] | None = None
     passed_all: bool = False  # the pod asks for no GPU: every node passes untouched
-    failed: dict[str, str] = field(default_factory=dict)
-    unresolvable: dict[str, str] = field(default_factory=dict)
+    # node -> why it refused (kube-scheduler's failedNodes; a NodeReasons builds its dict only
+    # when read: the reply encodes it with `to_json`)
+    failed: dict[str, str] | NodeReasons = field(default_factory=dict)
+    unresolvable: dict[str, str] | NodeReasons = field(default_factory=dict)
     error: str = ""
 
 
@@ -114,7 +117,7 @@ class PodFilter:
         if not dry_run and self.pod_check is not None:
             unknown = await self.pod_check(ident)
             if unknown is not None:  # a pod the cluster does not have: hold nothing for it
-                return FilterOutcome(unresolvable={n: unknown for n in names})
+                return FilterOutcome(unresolvable=NodeReasons.uniform(names, unknown))
         if not dry_run:
             held = self.index.pod_nodes.get(ident.uid)
             if held is not None:
@@ -146,7 +149,7 @@ class PodFilter:
             self.backlog.charge(ident.uid, 0.0, False, time.monotonic())
             return FilterOutcome(nodenames=[placed], failed=decision.failed)
         if quota_refusal:
-            failed = {n: quota_refusal for n in names}
+            failed = NodeReasons.uniform(names, quota_refusal)
             self.failures.count_refusal({RESOURCE_QUOTA_NOT_FIT: len(names)})
             self.failures.remember(ident, failed, quota_refusal)
             return FilterOutcome(failed=failed)
@@ -245,7 +248,7 @@ class PodFilter:
 
     def _refuse_invalid(self, ident: PodIdentity, names: list[str], message: str) -> FilterOutcome:
         reason = f"{REQUEST_INVALID}: {message}"
-        unresolvable = {n: reason for n in names}
+        unresolvable = NodeReasons.uniform(names, reason)
         self.failures.count_refusal({REQUEST_INVALID: len(names)})
         self.failures.remember(ident, unresolvable, reason)
         return FilterOutcome(unresolvable=unresolvable)

@@ -1051,6 +1051,21 @@ class ClusterIndex:
         # call reads only the slots)
         return NodeNames.of_rows(table[1].names, rows), (table[0], table[1].slots[rows])
 
+    def name_rows(self, slots: np.ndarray) -> tuple[NameTable, np.ndarray] | None:
+        """These slots' rows in the current topology's name table (its names as JSON object
+        keys, `NameTable.keys`, for a refusal's reply); None when the table is not that
+        topology's (never built here: a refusal does not pay for it)."""
+        table = self._name_table
+        if table is None or table[0] != self.topology_version or table[1].keys is None:
+            return None
+        of_slot = table[1].row_of_slot
+        if len(slots) and int(slots.max()) >= len(of_slot):
+            return None
+        rows = of_slot[slots]
+        if len(rows) and int(rows.min()) < 0:
+            return None
+        return table[1], rows
+
     def repeated(self, slots: np.ndarray) -> bool:
         """Whether this candidate array was resolved for more than one call (a list
         kube-scheduler sends again: worth keeping its order between calls, `_Columns`)."""

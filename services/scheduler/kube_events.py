@@ -1,9 +1,16 @@
 """Kubernetes Events on the pod, as HAMi's scheduler records them, through the cluster port.
 
-Reasons (HAMi's): `FilteringFailed` (Warning, with every node's refusal), `FilteringSucceed`,
+Reasons (HAMi's): `FilteringFailed` (Warning, why the nodes refused), `FilteringSucceed`,
 `BindingFailed` (Warning), `BindingSucceed`; and kube-scheduler's `Preempted` (Normal, on each
 victim of a preemption once it is evicted: "Preempted by pod <uid> on node <node>", kube-
 scheduler's wording, then which pod that is). `kubectl describe pod` shows them.
+
+`FilteringFailed` says every node's refusal (`node: 1/8 CardInsufficientMemory; ...`, what
+`tessera describe pod` lists node by node) while that fits an event's message (`EVENT_NOTE_LIMIT`:
+events.k8s.io/v1 allows a note of 1 kB, and the cluster port cuts core/v1 messages there too);
+beyond it, HAMi's aggregate (its scheduler records `<N> nodes <Reason>(<nodes>)` per reason):
+per reason the count and the first few nodes, read off the decision's reason ids without
+building or sorting a per-node list (a refusal at 5,000 nodes was a 200 kB, ~1 ms message).
 
 Rate-limited so a pod retried every few seconds does not flood the API server: the same reason
 and message for the same pod at most once per `repeat_s`; at most `burst` events in flight (the
@@ -14,12 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from tessera.cluster.port import ClusterPort, ObjectRef
 
 from .background import BackgroundTasks
+from .node_reasons import NodeReasons, reason_names
 
 log = logging.getLogger("tessera.scheduler")
 
@@ -29,6 +37,9 @@ BINDING_FAILED = "BindingFailed"
 BINDING_SUCCEED = "BindingSucceed"
 PREEMPTED = "Preempted"  # kube-scheduler's reason on a preemption victim
 _REMEMBERED = 10_000
+EVENT_NOTE_LIMIT = 1024  # events.k8s.io/v1 `note`: at most 1 kB
+_LISTED = 40  # refusals listed node by node up to this many (more never fit the limit)
+_EXAMPLES = 3  # nodes named per reason in the aggregate
 
 
 class PodEventRecorder:
@@ -50,9 +61,9 @@ class PodEventRecorder:
         self.dropped = 0
         self._last: OrderedDict[tuple[str, str, str], float] = OrderedDict()
 
-    def filtered(self, pod: dict[str, Any], passed: list[str], failed: dict[str, str],
-                 error: str = "") -> None:
-        """After a filter call: which nodes passed, or why each node refused."""
+    def filtered(self, pod: dict[str, Any], passed: list[str], failed: Mapping[str, str],
+                 error: str = "", unresolvable: Mapping[str, str] | None = None) -> None:
+        """After a filter call: which nodes passed, or why the nodes refused."""
         meta = pod.get("metadata") if isinstance(pod, dict) else None
         if not isinstance(meta, dict) or not meta.get("name"):
             return
@@ -62,9 +73,8 @@ class PodEventRecorder:
             self._record(ref, FILTERING_SUCCEED, "Normal",
                          f"{len(passed)} node(s) fit the GPU request: "
                          f"{', '.join(sorted(passed)[:10])}")
-        elif failed or error:
-            reasons = "; ".join(f"{node}: {why}" for node, why in sorted(failed.items()))
-            text = error or f"no node fits the GPU request ({len(failed)} refused): {reasons}"
+        elif failed or unresolvable or error:
+            text = error or refusal_message(failed, unresolvable or {})
             self._record(ref, FILTERING_FAILED, "Warning", text)
 
     def bound(self, namespace: str, name: str, uid: str, node: str, error: str) -> None:
@@ -107,3 +117,42 @@ class PodEventRecorder:
             log.warning("pod event not recorded", extra={"reason": reason, "err": str(exc)})
         finally:
             self.in_flight -= 1
+
+
+def _count(reasons: Mapping[str, str]) -> int:
+    return reasons.count() if isinstance(reasons, NodeReasons) else len(reasons)
+
+
+def refusal_message(failed: Mapping[str, str], unresolvable: Mapping[str, str]) -> str:
+    """`FilteringFailed`'s message: every node's reason while that fits `EVENT_NOTE_LIMIT`,
+    else per HAMi reason how many nodes and which first (most nodes first), within the limit.
+    Its cost is bounded by the distinct reasons, not the nodes."""
+    total = _count(failed) + _count(unresolvable)
+    head = f"no node fits the GPU request ({total} refused): "
+    if total <= _LISTED:
+        merged = {**failed, **unresolvable}
+        listed = head + "; ".join(f"{node}: {why}" for node, why in sorted(merged.items()))
+        if len(listed) <= EVENT_NOTE_LIMIT:
+            return listed
+    tally: dict[str, tuple[int, list[str]]] = {}
+    for reasons in (failed, unresolvable):
+        if isinstance(reasons, NodeReasons):
+            found = reasons.by_reason(_EXAMPLES)
+        else:
+            found = {}
+            for node, why in reasons.items():
+                for reason in reason_names(why):
+                    nodes, names = found.get(reason, (0, []))
+                    found[reason] = (nodes + 1, names if len(names) >= _EXAMPLES
+                                     else [*names, node])  # fmt: skip
+        for reason, (nodes, names) in found.items():
+            before, kept = tally.get(reason, (0, []))
+            tally[reason] = (before + nodes, (kept + names)[:_EXAMPLES])
+    parts = []
+    for reason, (nodes, names) in sorted(tally.items(), key=lambda item: (-item[1][0], item[0])):
+        more = ", ..." if nodes > len(names) else ""
+        parts.append(f"{nodes} nodes {reason}({', '.join(names)}{more})")
+    message = head + "; ".join(parts)
+    if len(message) > EVENT_NOTE_LIMIT:
+        message = message[: EVENT_NOTE_LIMIT - 3] + "..."
+    return message

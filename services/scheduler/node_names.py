@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,12 +59,27 @@ class NodeNames(list[str]):
     # list was parsed; the index uses them while its topology is that version
     resolved: tuple[int, np.ndarray] | None = None
     _source: tuple[np.ndarray, np.ndarray] | None = None  # (names by table row, rows): unfilled
+    compact: bool = False  # its array was read as `["a","b"]` with no escape (`_rotated`)
 
     @classmethod
     def of_rows(cls, names: np.ndarray, rows: np.ndarray) -> NodeNames:
         """The names `names[rows]`, gathered when first read."""
         made = cls()
         made._source = (names, rows)
+        return made
+
+    def rotated(self, shift: int) -> NodeNames:
+        """The same names from the `shift`-th on, then those before it (its slots rolled too,
+        at the same topology version)."""
+        if self._source is not None:
+            names, rows = self._source
+            made = NodeNames.of_rows(names, np.roll(rows, -shift))
+        else:
+            made = NodeNames(list.__getitem__(self, slice(shift, None))
+                             + list.__getitem__(self, slice(None, shift)))  # fmt: skip
+        if self.resolved is not None:
+            made.resolved = (self.resolved[0], np.roll(self.resolved[1], -shift))
+        made.compact = self.compact
         return made
 
     def _filled(self) -> NodeNames:
@@ -157,7 +173,10 @@ class NodeNamesCache:
             if end < 0 or end + 1 - start < _MIN_BYTES:
                 return None
             end += 1
-            known = self._learn(body[start:end])
+            array = body[start:end]
+            known = self._rotated(array)
+            if known is None:
+                known = self._learn(array)
             if known is None:
                 return None
         else:
@@ -209,6 +228,42 @@ class NodeNamesCache:
                 return names, start + len(known)
         return None
 
+    def _rotated(self, array: bytes) -> NodeNames | None:
+        """The list when its array is a rotation of a remembered one (kube-scheduler with every
+        node feasible and scored walks its node list from a start index that advances every
+        cycle: the same names, another first one), read with a few memchr/memcmp passes and an
+        np.roll instead of resolving every name again (20,000 names: ~0.1 ms instead of ~0.8).
+
+        Exact: a remembered array is a compact JSON array (`["a","b"]`, what `NameTable` reads;
+        no backslash, so every `"` bounds a name) with no `]` before its end. The new array's
+        first name is found in it as `,"name",` (or `,"name"]`: the last), which can only be a
+        whole name there; the new array must then be byte for byte the remembered one's names
+        from there to the end, a comma, and those before it."""
+        first_end = array.find(b'"', 2)
+        if len(array) < 4 or array[1] != 0x22 or first_end < 0:
+            return None
+        name = array[1 : first_end + 1]  # `"name"`
+        for known, names in self._recent:
+            if len(known) != len(array) or not names.compact:
+                continue
+            comma = known.find(b"," + name + b",")
+            if comma < 0:
+                comma = len(known) - len(name) - 2
+                if comma < 0 or not known.endswith(b"," + name + b"]"):
+                    continue
+            tail = len(known) - 1 - (comma + 1)  # bytes of the names from `name` on
+            if not (array.startswith(known[comma + 1 : -1], 1)
+                    and array[1 + tail] == 0x2C
+                    and array.startswith(known[1:comma], 2 + tail)):  # fmt: skip
+                continue
+            shift = known.count(b'","', 0, comma + 2)  # names before `name`
+            rotated = names.rotated(shift)
+            rotated.token = next(_tokens)
+            self._recent.insert(0, (array, rotated))
+            del self._recent[self.remembered :]
+            return rotated
+        return None
+
     def _learn(self, array: bytes) -> NodeNames | None:
         found = None
         if self.resolver is not None and len(array) >= self.resolve_from:
@@ -231,12 +286,14 @@ class NodeNamesCache:
         if known is None:
             known = NodeNames(names)
         known.resolved = resolved
+        known.compact = resolved is not None and b"\\" not in array
         known.token = next(_tokens)
         self._recent.insert(0, (array, known))
         del self._recent[self.remembered :]
         return known
 
 
+_PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
@@ -282,6 +339,19 @@ class NameTable:
         self.slots = np.asarray(slots, dtype=np.int64)
         self.names = np.empty(len(names), dtype=object)  # by row (never changed)
         self.names[:] = names
+        # by slot: the row (-1: none); by row: the name as a JSON object key, `"name":` (what
+        # json.dumps writes for it, ensure_ascii=False), allocated together here so that a
+        # refusal's reply joins them without touching the index's scattered strings
+        self.row_of_slot = np.full(max(slots, default=-1) + 1, -1, dtype=np.int64)
+        self.row_of_slot[self.slots] = np.arange(len(names), dtype=np.int64)
+        self._row_of: dict[str, int] | None = None
+        self.keys: np.ndarray | None = np.empty(len(names), dtype=object)
+        try:
+            self.keys[:] = [b'"' + e + b'":' if _PLAIN.match(e)
+                            else json.dumps(n, ensure_ascii=False).encode() + b":"
+                            for n, e in zip(names, encoded, strict=True)]  # fmt: skip
+        except UnicodeEncodeError:  # (a lone surrogate: the reply encodes it the slow way)
+            self.keys = None
         hashes = self._hash(self.words, lengths)
         self.hashes = hashes
         if len(hashes) > 1 and len(np.unique(hashes)) != len(hashes):
@@ -301,6 +371,12 @@ class NameTable:
             left = np.ones(len(pending), dtype=bool)
             left[placed] = False
             pending, buckets = pending[left], (buckets[left] + 1) & (size - 1)
+
+    def row_of(self, name: str) -> int:
+        """A name's row, -1 when the table has none (a dict built on first use)."""
+        if self._row_of is None:
+            self._row_of = {n: i for i, n in enumerate(self.names.tolist())}
+        return self._row_of.get(name, -1)
 
     def _words(self, array: bytes, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Each name's words (see the class), one array per column, read straight from the

@@ -139,3 +139,39 @@ def test_the_table_follows_registrations() -> None:
     assert index.names_from_bytes(array) is None  # type: ignore[attr-defined]
     found = index.names_from_bytes(json.dumps(KNOWN[8:20], separators=(",", ":")).encode())  # type: ignore[attr-defined]
     assert found is not None and found[1][0] == index.topology_version  # type: ignore[attr-defined]
+
+
+def test_a_rotated_list_is_read_as_the_rotation_it_is() -> None:
+    """kube-scheduler scoring every node walks its list from a start that advances each cycle:
+    a rotation of the last array is recognised (same names, same slots rolled), and anything
+    that is not exactly one (a name gone, two swapped, another name first) is read as before."""
+    index, slots = table_index()
+    resolved: list[bytes] = []  # the arrays resolved name by name (NameTable)
+
+    def resolver(array: bytes) -> object:
+        resolved.append(array)
+        return index.names_from_bytes(array)  # type: ignore[attr-defined]
+
+    cache = NodeNamesCache(100_000, resolver=resolver, resolve_from=0)  # type: ignore[arg-type]
+
+    def parsed(names: list[str]) -> dict:
+        body = json.dumps({"pod": POD, "nodenames": names}, separators=(",", ":"),
+                          ensure_ascii=False).encode()  # fmt: skip
+        data = cache.parse(body)
+        assert data == full(body)
+        assert data is not None and data["nodenames"].resolved is not None
+        assert data["nodenames"].resolved[1].tolist() == [slots[n] for n in names]
+        return data
+
+    tokens = {parsed(KNOWN)["nodenames"].token}
+    for shift in (1, 17, 400, 801, len(KNOWN) - 1):  # (801 on: the long, non-ASCII ones first)
+        rotated = KNOWN[shift:] + KNOWN[:shift]
+        names = parsed(rotated)["nodenames"]
+        assert list(names) == rotated and names.token not in tokens
+        tokens.add(names.token)
+    assert len(resolved) == 1  # (only the first: the rotations were read as rotations)
+    swapped = KNOWN[1:]
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    for other in (KNOWN[5:] + KNOWN[:4], swapped + KNOWN[:1], ["node-00000", *KNOWN[1:]][::-1]):
+        assert list(parsed(other)["nodenames"]) == other
+    assert len(resolved) == 4  # (each resolved name by name)
