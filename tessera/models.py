@@ -351,6 +351,10 @@ class DeviceUsage(Message):
     # (0: a hard slice) and what the container uses beyond its guarantee (borrowed)
     burst_limit_bytes: int = Field(0, ge=0)
     borrowed_bytes: int = Field(0, ge=0)
+    # elastic compute: `sm_limit` is the guarantee; the burst limit (0: a hard slice) and the
+    # allowance the node agent's lender has in force (% of the GPU; above sm_limit = lent)
+    sm_burst_limit: int = Field(0, ge=0, le=100)
+    sm_allowance: float = Field(0.0, ge=0, le=100)
 
 
 class ContainerUsage(Message):
