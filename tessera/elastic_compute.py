@@ -196,6 +196,7 @@ class ComputeLender:
         self.reclaims = 0
         self.reclaims_of: dict[tuple[str, str], int] = {}
         self.taken: list[ComputeTaken] = []
+        self._busy: dict[str, set[str]] = {}  # uuid -> who was busy at the last tick
         # (key, uuid) -> (guarantee %, burst %, allowance % x 100) of every elastic container
         self.view: dict[tuple[str, str], tuple[int, int, int]] = {}
 
@@ -225,6 +226,8 @@ class ComputeLender:
             if not elastic:
                 continue
             allow = lend_compute(claims)
+            was_busy = self._busy.get(uuid, set())
+            busy_now = self._busy[uuid] = {c.key for c in claims if c.busy}
             for m, dev in elastic:
                 want = allow[m.key]
                 applied[(m.key, uuid)] = want
@@ -238,17 +241,22 @@ class ComputeLender:
                     continue  # the container went away meanwhile
                 self.rewrites += 1
                 if want < dev.sm_allow_x100 and any(c.key == m.key and c.busy for c in claims):
-                    self._taken(m.key, uuid, dev, want, claims)
+                    self._taken(m.key, uuid, dev, want, busy_now - was_busy - {m.key}
+                                or busy_now - {m.key})
         self._limits.forget_others({m.limits_dir for ms in gpus.values() for m in ms})
         for gone in [k for k in self.reclaims_of if k not in view]:
             del self.reclaims_of[gone]
         self.view = view
+        for gone in [u for u in self._busy if u not in gpus]:
+            del self._busy[gone]
         return applied
 
     def _taken(self, key: str, uuid: str, dev: DeviceLimit, want: int,
-               claims: Sequence[ComputeClaim]) -> None:  # fmt: skip
+               for_keys: set[str]) -> None:  # fmt: skip
+        """Compute taken back from `key` for `for_keys`: the neighbours that woke (or arrived)
+        since the last tick, else every busy one."""
         self.reclaims += 1
         self.reclaims_of[(key, uuid)] = self.reclaims_of.get((key, uuid), 0) + 1
         self.taken.append(ComputeTaken(
             key, uuid, dev.sm_allow_x100, want, dev.sm_limit_pct, dev.sm_burst_limit_pct,
-            tuple(c.key for c in claims if c.busy and c.key != key)))
+            tuple(sorted(for_keys))))
