@@ -92,7 +92,11 @@ class ComputeReclaimReporter:
         )  # fmt: skip
 
     async def report(self, summary: ReclaimSummary) -> None:
-        event = self.event(summary)
+        try:
+            event = self.event(summary)
+        except ValueError as exc:  # a figure out of range (a damaged limits file): say, go on
+            self.log.warning("compute reclaim event not made", extra={"err": str(exc)})
+            return
         if self.js is not None:
             try:
                 await bus.publish_event(self.js, event)
