@@ -364,7 +364,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
         return [
             _bus_setup(),
             _kv_read(bus.NODES_BUCKET),
-            _kv_read(bus.LEDGER_BUCKET),
+            _kv_watch(bus.LEDGER_BUCKET),  # elastic memory: guarantees from its ledger entry
             _kv_write(bus.NODES_BUCKET, node),
             _kv_write(bus.LEDGER_BUCKET, node),
             _publish_events(

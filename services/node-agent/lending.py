@@ -122,7 +122,8 @@ class LendingCollector(Collector):
                                     ("lent", max(0.0, allow / 100 - guarantee))):
                     share.add_metric([*who, uuid, kind], value)
         if lending is not None:
-            for (key, uuid), count in lending.lender.reclaims_of.items():
+            # a copy: the tick (in a thread) may be adding to it meanwhile
+            for (key, uuid), count in dict(lending.lender.reclaims_of).items():
                 who = list(lending.names.get(key, ("", key, "")))
                 reclaims.add_metric([*who, uuid], count)
         yield share
