@@ -148,6 +148,11 @@ def memory_event_subject(node: str, action: str) -> str:
     return f"{EVENTS_PREFIX}.memory.{subject_token(node)}.{subject_token(action)}"
 
 
+def compute_event_subject(node: str, action: str) -> str:
+    """Elastic compute lent beyond a guarantee taken back (coalesced), on a node."""
+    return f"{EVENTS_PREFIX}.compute.{subject_token(node)}.{subject_token(action)}"
+
+
 def usage_subject(node: str) -> str:
     return f"tessera.usage.{subject_token(node)}"
 
@@ -210,6 +215,8 @@ def event_subject(event: Event) -> str:
         return mps_event_subject(event.node, event.action)
     if isinstance(event, m.MemoryReclaimEvent):
         return memory_event_subject(event.node, event.action)
+    if isinstance(event, m.ComputeReclaimEvent):
+        return compute_event_subject(event.node, event.action)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

@@ -32,6 +32,7 @@ from tessera import bus
 from tessera.models import (
     AdmissionAction,
     AllocAction,
+    ComputeAction,
     MemoryAction,
     MigAction,
     MpsAction,
@@ -363,7 +364,7 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
         return [
             _bus_setup(),
             _kv_read(bus.NODES_BUCKET),
-            _kv_read(bus.LEDGER_BUCKET),
+            _kv_watch(bus.LEDGER_BUCKET),  # elastic memory: guarantees from its ledger entry
             _kv_write(bus.NODES_BUCKET, node),
             _kv_write(bus.LEDGER_BUCKET, node),
             _publish_events(
@@ -374,7 +375,8 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
                 + [bus.mig_event_subject(node, a) for a in get_args(MigAction)]
                 + [bus.mps_event_subject(node, a) for a in _checked(["started", "stopped"],
                                                                     MpsAction)]
-                + [bus.memory_event_subject(node, a) for a in get_args(MemoryAction)],
+                + [bus.memory_event_subject(node, a) for a in get_args(MemoryAction)]
+                + [bus.compute_event_subject(node, a) for a in get_args(ComputeAction)],
             ),
             _requests("resize a pod's quota charge with its limits", bus.QUOTA_RESERVE),
             _rejections(["ledger", "limits", "command"]),

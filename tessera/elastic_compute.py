@@ -43,6 +43,7 @@ from tessera.region import (
     UUID_LEN,
     VERSION_MAJOR,
     ContainerLimits,
+    DeviceLimit,
     RegionC,
     RegionDeviceC,
     RegionFormatError,
@@ -137,6 +138,20 @@ class LendingMember:
     region_path: Path
 
 
+@dataclass(frozen=True)
+class ComputeTaken:
+    """One reclaim: a busy elastic container's allowance lowered because neighbours on its GPU
+    woke (or arrived), the compute it had been lent going to them."""
+
+    key: str
+    uuid: str
+    before_x100: int  # its allowance before (% x 100)
+    after_x100: int  # and now
+    guarantee_pct: int
+    burst_pct: int
+    for_keys: tuple[str, ...]  # the busy neighbours on that GPU
+
+
 class _LimitsCache:
     """Each container's sealed limits, decoded again only when the file changed (stat)."""
 
@@ -175,7 +190,13 @@ class ComputeLender:
         self.idle_after_ns = int(idle_after_s * 1e9)
         self._limits = _LimitsCache()
         self.rewrites = 0  # limits files rewritten (for tests and benchmarks)
-        self.reclaims = 0  # times an elastic container's allowance was lowered (compute taken back)
+        # times a busy elastic container's allowance was lowered (compute taken back for a
+        # neighbour; an idle container falling back to its guarantee is not a reclaim), in all
+        # and per (key, uuid) of the containers still watched; `taken`: the last tick's reclaims
+        self.reclaims = 0
+        self.reclaims_of: dict[tuple[str, str], int] = {}
+        self.taken: list[ComputeTaken] = []
+        self._busy: dict[str, set[str]] = {}  # uuid -> who was busy at the last tick
         # (key, uuid) -> (guarantee %, burst %, allowance % x 100) of every elastic container
         self.view: dict[tuple[str, str], tuple[int, int, int]] = {}
 
@@ -187,6 +208,7 @@ class ComputeLender:
         applied: dict[tuple[str, str], int] = {}
         view: dict[tuple[str, str], tuple[int, int, int]] = {}
         activity: dict[Path, dict[str, int]] = {}
+        self.taken = []
         for uuid, members in gpus.items():
             claims, elastic = [], []
             for m in members:
@@ -204,6 +226,8 @@ class ComputeLender:
             if not elastic:
                 continue
             allow = lend_compute(claims)
+            was_busy = self._busy.get(uuid, set())
+            busy_now = self._busy[uuid] = {c.key for c in claims if c.busy}
             for m, dev in elastic:
                 want = allow[m.key]
                 applied[(m.key, uuid)] = want
@@ -211,11 +235,28 @@ class ComputeLender:
                 if dev.sm_allow_x100 == want:
                     continue
                 try:
-                    if set_device_flags(m.limits_dir, uuid, sm_allow_x100=want):
-                        self.rewrites += 1
-                        self.reclaims += want < dev.sm_allow_x100
+                    if not set_device_flags(m.limits_dir, uuid, sm_allow_x100=want):
+                        continue
                 except (FileNotFoundError, KeyError, RegionFormatError, OSError):
                     continue  # the container went away meanwhile
+                self.rewrites += 1
+                if want < dev.sm_allow_x100 and any(c.key == m.key and c.busy for c in claims):
+                    self._taken(m.key, uuid, dev, want, busy_now - was_busy - {m.key}
+                                or busy_now - {m.key})
         self._limits.forget_others({m.limits_dir for ms in gpus.values() for m in ms})
+        for gone in [k for k in self.reclaims_of if k not in view]:
+            del self.reclaims_of[gone]
         self.view = view
+        for gone in [u for u in self._busy if u not in gpus]:
+            del self._busy[gone]
         return applied
+
+    def _taken(self, key: str, uuid: str, dev: DeviceLimit, want: int,
+               for_keys: set[str]) -> None:  # fmt: skip
+        """Compute taken back from `key` for `for_keys`: the neighbours that woke (or arrived)
+        since the last tick, else every busy one."""
+        self.reclaims += 1
+        self.reclaims_of[(key, uuid)] = self.reclaims_of.get((key, uuid), 0) + 1
+        self.taken.append(ComputeTaken(
+            key, uuid, dev.sm_allow_x100, want, dev.sm_limit_pct, dev.sm_burst_limit_pct,
+            tuple(sorted(for_keys))))

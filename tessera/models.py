@@ -351,6 +351,10 @@ class DeviceUsage(Message):
     # (0: a hard slice) and what the container uses beyond its guarantee (borrowed)
     burst_limit_bytes: int = Field(0, ge=0)
     borrowed_bytes: int = Field(0, ge=0)
+    # elastic compute: `sm_limit` is the guarantee; the burst limit (0: a hard slice) and the
+    # allowance the node agent's lender has in force (% of the GPU; above sm_limit = lent)
+    sm_burst_limit: int = Field(0, ge=0, le=100)
+    sm_allowance: float = Field(0.0, ge=0, le=100)
 
 
 class ContainerUsage(Message):
@@ -608,6 +612,39 @@ class MemoryReclaimEvent(Event):
     )
 
 
+ComputeAction = Literal["reclaimed"]
+
+
+class ComputeReclaimEvent(Event):
+    """Elastic compute (docs/elastic.md): compute lent to a busy container beyond its guarantee
+    was taken back because neighbours on the same GPU woke (the node agent lowered its
+    allowance). Lending follows who is busy every 20 ms, so reclaims are coalesced: at most one
+    event per container and GPU per window (`TESSERA_COMPUTE_RECLAIM_EVENT_WINDOW_S`, 60 s):
+    the first reclaim at once, those that follow within the window in one summary at its end."""
+
+    SUBJECT: ClassVar[str] = "tessera.events.compute.<node>.<action>"
+    action: ComputeAction = "reclaimed"
+    node: str
+    device_uuid: str
+    pod_uid: str = Field(description="the container that had been lent compute")
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    reclaims: int = Field(1, ge=1, description="how many times its allowance was lowered in "
+                          "this event's window")
+    max_taken_pct: float = Field(0, ge=0, le=100, description="the most lent compute taken "
+                                 "back at once in the window, % of the GPU")
+    allowance_pct: float = Field(0, ge=0, le=100, description="its allowance after the last "
+                                 "reclaim of the window, % of the GPU")
+    guarantee_pct: int = Field(0, ge=0, le=100, description="its guaranteed compute share")
+    burst_limit_pct: int = Field(0, ge=0, le=100, description="its compute burst limit")
+    for_pods: list[str] = Field(default_factory=list, description="namespace/name of the busy "
+                                "neighbours the compute was taken back for")
+    first_at: float = Field(0, description="unix seconds of the window's first reclaim")
+    last_at: float = Field(0, description="unix seconds of the window's last reclaim")
+    window_s: float = Field(0, ge=0, description="the coalescing window")
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     AllocationEvent,
     NodeEvent,
@@ -622,6 +659,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     MpsEvent,
     PreemptionEvent,
     MemoryReclaimEvent,
+    ComputeReclaimEvent,
 )
 
 

@@ -263,6 +263,12 @@ class TesseraSettings(BaseSettings):
         description="elastic memory: the grace period of the eviction of a borrower that opted "
         "in (tessera.io/gpumem-reclaim: evict)",
     )
+    compute_reclaim_event_window_s: float = Field(
+        60.0, ge=0, le=86400,
+        description="elastic compute: at most one ComputeReclaimEvent (and one ComputeReclaimed "
+        "pod Event) per container and GPU per this many seconds; the first reclaim at once, "
+        "the rest of the window summed at its end (0: every reclaim its own event)",
+    )
 
     # Node agent: the watchdog on real usage (NVML), outside the tenant's reach.
     enforcement: Literal["observe", "kill"] = Field(

@@ -149,12 +149,18 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
                      else f"{g['cores']}% compute")
             out.append(f"  {name}: {short_uuid(g['uuid'])} ({g['type']}) "
                        f"{mem}, {cores}   [{g['uuid']}]")
-    if burst:
+    if any(mem for mem, _ in burst.values()):
         annotations_ = meta.get("annotations") or {}
         policy = annotations_.get("tessera.io/gpumem-reclaim", "fail")
         wait = annotations_.get("tessera.io/gpumem-wait-seconds", "0")
         out.append(f"Elastic:      memory beyond the guarantee is reclaimable (policy {policy}); "
                    f"allocations wait up to {wait} s")
+    if any(cores for _, cores in burst.values()):
+        reclaims = sum(int(e.get("count") or 1) for e in events
+                       if e.get("reason") == "ComputeReclaimed")
+        out.append("Elastic:      compute beyond the guarantee is lent while the GPU has idle "
+                   "compute and taken back when a neighbour wakes"
+                   + (f" ({reclaims} ComputeReclaimed events)" if reclaims else ""))
     if claims:
         out.append("Claims:")
         out += [f"  {line}" for line in claims]

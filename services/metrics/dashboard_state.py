@@ -31,6 +31,10 @@ def _slice(piece: Slice) -> dict[str, Any]:
         "memory_limit_mib": piece.memory_limit_mib or None,
         "borrowed_mib": round(piece.borrowed_bytes / MIB, 1)
         if piece.memory_limit_mib and piece.borrowed_bytes is not None else None,
+        # elastic compute: guaranteed = cores; burst limit and what is lent now beyond it
+        "cores_limit": piece.cores_limit or None,
+        "lent_pct": round(max(0.0, piece.sm_allowance - piece.cores), 1)
+        if piece.cores_limit and piece.sm_allowance is not None else None,
     }
 
 

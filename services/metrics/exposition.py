@@ -158,6 +158,10 @@ def event_families(view: ClusterView, now: float) -> Iterator[Metric]:
                    "for a guarantee (reclaimed) and borrowers evicted (evicted)",
                    ["node", "action"],
                    ((list(k), n) for k, n in sorted(view.memory_reclaims.items())))
+    yield _counter("tessera_compute_reclaims", "elastic compute lent beyond a guarantee "
+                   "taken back because neighbours woke (summed from the coalesced "
+                   "ComputeReclaimEvents)", ["node"],
+                   (([node], n) for node, n in sorted(view.compute_reclaims.items())))
     yield _counter("tessera_oom_events", "containers that hit their GPU memory limit",
                    ["node", "namespace", "pod", "container"],
                    ((list(k), n) for k, n in sorted(view.ooms.items())))

@@ -42,6 +42,8 @@ class Slice:
     mig: MigInstanceGrant | None = None  # dynamic MIG: the instance serving this grant
     memory_limit_mib: int = 0  # elastic: the burst limit granted (0: a hard slice)
     borrowed_bytes: int | None = None  # elastic: used beyond the guarantee
+    cores_limit: int = 0  # elastic compute: the burst limit granted (0: a hard slice)
+    sm_allowance: float | None = None  # elastic compute: the allowance in force now (% of GPU)
 
 
 @dataclass
@@ -150,6 +152,9 @@ def summarise(view: ClusterView, now: float) -> list[NodeSummary]:
                         mig=grant.mig,
                         memory_limit_mib=grant.memory_limit_mib,
                         borrowed_bytes=device_usage.borrowed_bytes if device_usage else None,
+                        cores_limit=grant.cores_limit,
+                        sm_allowance=(device_usage.sm_allowance or None) if device_usage
+                        else None,
                     )
                     gpu = gpus.get(grant.uuid)
                     if gpu is None:

@@ -17,6 +17,7 @@ from tessera.models import (
     AdmissionEvent,
     Allocation,
     AllocationEvent,
+    ComputeReclaimEvent,
     Event,
     LimitBreachedEvent,
     MemoryReclaimEvent,
@@ -116,6 +117,7 @@ class ClusterView:
     refusals: Counter[str] = field(default_factory=Counter)  # reason code
     ooms: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)  # node, ns, pod, c
     memory_reclaims: Counter[tuple[str, str]] = field(default_factory=Counter)  # node, action
+    compute_reclaims: Counter[str] = field(default_factory=Counter)  # node: reclaims reported
     limit_breaches: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(
         BREACH_REASONS, 0)))  # watchdog breach reason
     # pod uid -> GPU uuid -> the latest watchdog breach reason (the dashboard marks the slice;
@@ -217,6 +219,8 @@ class ClusterView:
             self._on_oom(event)
         elif isinstance(event, MemoryReclaimEvent):
             self._on_memory_reclaim(event)
+        elif isinstance(event, ComputeReclaimEvent):
+            self._on_compute_reclaim(event)
         elif isinstance(event, LimitBreachedEvent):
             self._on_limit_breached(event)
         elif isinstance(event, AdmissionEvent):
@@ -293,6 +297,16 @@ class ClusterView:
                 f"for {event.for_pod or 'a guarantee'}")  # fmt: skip
         self._remember(event, "memory", event.action, event.node, text,
                        "error" if event.action == "evicted" else "warning")
+
+    def _on_compute_reclaim(self, event: ComputeReclaimEvent) -> None:
+        """Lent compute taken back (docs/elastic.md); one event may sum several reclaims."""
+        self.compute_reclaims[event.node] += event.reclaims
+        where = f"{event.namespace}/{event.pod}" if event.pod else event.pod_uid
+        times = "" if event.reclaims == 1 else f" ({event.reclaims} times)"
+        self._remember(event, "compute", event.action, event.node,
+                       f"compute lent to {where} on {short_uuid(event.device_uuid)} taken back "
+                       f"for {', '.join(event.for_pods) or 'busy neighbours'}{times}: up to "
+                       f"{event.max_taken_pct:g}% at once", "info")
 
     def _on_limit_breached(self, event: LimitBreachedEvent) -> None:
         self.limit_breaches[event.breach] += 1
@@ -376,6 +390,7 @@ class ClusterView:
             refusals=Counter(self.refusals),
             ooms=Counter(self.ooms),
             memory_reclaims=Counter(self.memory_reclaims),
+            compute_reclaims=Counter(self.compute_reclaims),
             limit_breaches=Counter(self.limit_breaches),
             breached={pod: dict(gpus) for pod, gpus in self.breached.items()},
             bad_messages=Counter(self.bad_messages),

@@ -32,6 +32,7 @@ from tessera.kubeapi import pr
 from tessera.models import NodeLedger
 from tessera.settings import TesseraSettings
 
+from .compute_reclaims import ComputeReclaimReporter
 from .dra.runner import start_driver
 from .elastic_memory import LeaseCollector, ReclaimReporter, card_memory
 from .leases import LeaseService
@@ -108,6 +109,7 @@ class NodeAgent:
             node=node, log=self.log, js=js, source=f"node-agent/{node}/{self.instance}",
         )
         self.metrics.watch_watchdog(lambda: self.watchdog)
+        self.compute_reclaims: ComputeReclaimReporter | None = None  # started with lending
         self.dra = None  # the DRA driver's endpoint in DRA mode (dra/runner.py)
         self.dra_task: asyncio.Task[None] | None = None
 
@@ -235,7 +237,13 @@ class NodeAgent:
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.plugin.ctx.resource_name, self.plugin, self.log
         )
-        self.lending = ComputeLending(self.log)  # elastic compute (limits 1.2)
+        # elastic compute (limits 1.2); its reclaims coalesced into events (docs/elastic.md)
+        self.compute_reclaims = ComputeReclaimReporter(
+            node=self.node, js=self.js, cluster=self.cluster, log=self.log,
+            source=f"node-agent/{self.node}/{self.instance}",
+            window_s=self.settings.compute_reclaim_event_window_s,
+            names=lambda: self.lending.names if self.lending else {})
+        self.lending = ComputeLending(self.log, on_reclaims=self.compute_reclaims.offer)
         self.sampler = UsageSampler(
             store=self.store, state=self.state, ledger_kv=self.buckets.ledger, nc=self.nc,
             js=self.js, source=self.source, interval_s=self.settings.usage_interval_s,
@@ -275,6 +283,7 @@ class NodeAgent:
             tasks.append(asyncio.create_task(self._reconcile_family(stop)))
         tasks.append(asyncio.create_task(self._static_mig(stop)))
         tasks.append(asyncio.create_task(self.lending.run(stop)))  # elastic compute
+        tasks.append(asyncio.create_task(self.compute_reclaims.run(stop)))
         # elastic memory: guarantees count from the ledger, before their containers start
         tasks.append(asyncio.create_task(LedgerGuarantees(
             self.buckets.ledger, self.node, self.leases, self.log).run(stop)))

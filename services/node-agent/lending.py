@@ -14,12 +14,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tessera.elastic_compute import IDLE_AFTER_S, LEND_INTERVAL_S, ComputeLender, LendingMember
+from tessera.elastic_compute import (
+    IDLE_AFTER_S,
+    LEND_INTERVAL_S,
+    ComputeLender,
+    ComputeTaken,
+    LendingMember,
+)
 
 IDLE_WAIT_S = 1.0  # nothing elastic on the node: how long to wait before looking again
 
@@ -31,8 +37,12 @@ class ComputeLending:
         *,
         interval_s: float = LEND_INTERVAL_S,
         idle_after_s: float = IDLE_AFTER_S,
+        on_reclaims: Callable[[Iterable[ComputeTaken]], None] | None = None,
     ) -> None:
         self.log = log
+        # each tick's reclaims, handed over on the event loop (compute_reclaims.py: coalesced,
+        # published by its own task; it must not block)
+        self.on_reclaims = on_reclaims
         self.interval_s = interval_s
         self.lender = ComputeLender(idle_after_s)
         self._gpus: dict[str, tuple[LendingMember, ...]] = {}
@@ -74,6 +84,9 @@ class ComputeLending:
                     if not self._failing:
                         self.log.warning("compute lending failed", extra={"err": str(exc)})
                     self._failing = True
+            if self.on_reclaims is not None:  # also with nothing taken: windows end
+                self.on_reclaims(self.lender.taken)
+                self.lender.taken = []
             with contextlib.suppress(TimeoutError):
                 if self._gpus:
                     await asyncio.wait_for(stop.wait(), self.interval_s)
@@ -97,8 +110,9 @@ class LendingCollector(Collector):
             "beyond the guarantee)",
             labels=["namespace", "pod", "container", "device_uuid", "kind"])
         reclaims = CounterMetricFamily(
-            "tessera_node_agent_compute_reclaims", "times lent compute was taken back from an "
-            "elastic container (its allowance lowered: a neighbour woke)")
+            "tessera_node_agent_compute_reclaims", "times lent compute was taken back from a "
+            "busy elastic container (its allowance lowered: a neighbour woke), per container "
+            "and GPU still lent on", labels=["namespace", "pod", "container", "device_uuid"])
         lending = self.lending()
         if lending is not None:
             for (key, uuid), (guarantee, burst, allow) in lending.lender.view.items():
@@ -107,7 +121,11 @@ class LendingCollector(Collector):
                                     ("allowance", allow / 100),
                                     ("lent", max(0.0, allow / 100 - guarantee))):
                     share.add_metric([*who, uuid, kind], value)
-        reclaims.add_metric([], lending.lender.reclaims if lending else 0)
+        if lending is not None:
+            # a copy: the tick (in a thread) may be adding to it meanwhile
+            for (key, uuid), count in dict(lending.lender.reclaims_of).items():
+                who = list(lending.names.get(key, ("", key, "")))
+                reclaims.add_metric([*who, uuid], count)
         yield share
         yield reclaims
 

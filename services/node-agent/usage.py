@@ -122,6 +122,7 @@ class UsageSampler:
                     sm_limit=limit.sm_limit_pct if limit else min(g.cores, 100),
                     last_kernel_at=du.last_kernel_ns / 1e9 if du and du.last_kernel_ns else None,
                     **_elastic_memory(limit, used),
+                    **_elastic_compute(limit),
                 ))
                 ooms.extend(self._oom_events(cdir, g.uuid, oom))
                 if limits is not None:
@@ -231,6 +232,15 @@ class UsageSampler:
                 self.log.warning("usage sampling failed", extra={"err": str(exc)})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
+
+
+def _elastic_compute(limit: DeviceLimit | None) -> dict[str, float]:
+    """Elastic compute (docs/elastic.md): the burst limit and the allowance in force (what the
+    lender lets it use now; above the guarantee = lent)."""
+    if limit is None or not limit.sm_elastic:
+        return {}
+    allowance = limit.sm_allow_x100 / 100 if limit.sm_allow_x100 else limit.sm_limit_pct
+    return {"sm_burst_limit": limit.sm_burst_limit_pct, "sm_allowance": min(allowance, 100.0)}
 
 
 def _elastic_memory(limit: DeviceLimit | None, used: int) -> dict[str, int]:

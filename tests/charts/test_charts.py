@@ -788,7 +788,8 @@ def test_node_agent_enforces_memory_guarantees_unless_told_otherwise(charts_dir:
     def settings_of(values: dict[str, Any] | None) -> TesseraSettings:
         env = env_of(container(find(render(charts_dir, "tessera-node-agent", values),
                                     "DaemonSet"), "node-agent"))  # fmt: skip
-        keys = ("TESSERA_MEMORY_RECLAIM_ENFORCEMENT", "TESSERA_MEMORY_RECLAIM_GRACE_S")
+        keys = ("TESSERA_MEMORY_RECLAIM_ENFORCEMENT", "TESSERA_MEMORY_RECLAIM_GRACE_S",
+                "TESSERA_COMPUTE_RECLAIM_EVENT_WINDOW_S")
         assert all(k in env for k in keys), env
         return TesseraSettings(**{k.removeprefix("TESSERA_").lower(): env[k] for k in keys})
 
@@ -797,6 +798,7 @@ def test_node_agent_enforces_memory_guarantees_unless_told_otherwise(charts_dir:
     lenient = settings_of({"config": {"memoryReclaimEnforcement": "borrower",
                                       "memoryReclaimGraceS": 12}})  # fmt: skip
     assert (lenient.memory_reclaim_enforcement, lenient.memory_reclaim_grace_s) == ("borrower", 12)
+    assert default.compute_reclaim_event_window_s == 60
 
 
 def run_install(script: Path, source: Path, vgpu_dir: Path) -> str:

@@ -98,9 +98,15 @@ def test_the_lender_seals_allowances_and_rewrites_only_on_change(tmp_path):
     set_activity(b, now)  # b wakes
     lender.tick(gpus, now + 1_000_000)
     assert (allowance(a), allowance(b)) == (2000, 6000)  # 80 % split 10:30
-    # everyone idle: guarantees
+    # b's wake took lent compute back from a, which was busy: one reclaim, for b (the one that
+    # woke; the hard slice was busy all along)
+    assert [(t.key, t.before_x100, t.after_x100, t.for_keys) for t in lender.taken] == [
+        ("a", 8000, 2000, ("b",))]
+    assert lender.reclaims_of == {("a", GPU): 1} and lender.reclaims == 1
+    # everyone idle: guarantees; falling back while idle takes nothing from anyone busy
     lender.tick(gpus, now + 10_000_000_000)
     assert (allowance(a), allowance(b)) == (1000, 3000)
+    assert lender.taken == [] and lender.reclaims == 1
 
 
 def test_a_tenant_that_forges_activity_gets_no_more_than_its_fair_share(tmp_path):

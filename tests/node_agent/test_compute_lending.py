@@ -12,6 +12,9 @@ from node_agent_rig import running_rig
 from test_agent_metrics import value
 from test_usage_and_limits import MIB, admitted, write_region
 
+from tessera import bus
+from tessera.codec import decode
+from tessera.models import ComputeReclaimEvent
 from tessera.region import (
     SEALED_LIMITS_DIR,
     RegionC,
@@ -81,10 +84,81 @@ async def test_idle_compute_is_lent_to_the_busy_elastic_container_and_taken_back
         figures = {k: value(text, "tessera_node_agent_compute_share_pct", kind=k, **who)
                    for k in ("guaranteed", "burst_limit", "allowance", "lent")}
         assert figures == {"guaranteed": 30, "burst_limit": 100, "allowance": 70, "lent": 40}
-        assert value(text, "tessera_node_agent_compute_reclaims_total") >= 1
+        assert value(text, "tessera_node_agent_compute_reclaims_total", **who) == 1
         # The elastic one goes idle: back to its guarantee (held for it when it wakes).
         stop_elastic.set()
         await busy_elastic
         assert await wait_allowance(elastic_dir, gpu, 3000) == 3000
         stop_hard.set()
         await busy_hard
+
+
+async def test_a_hard_slice_waking_publishes_coalesced_compute_reclaim_events(
+    short_dir, nc, buckets, region_writer
+):
+    """What an operator sees when lent compute is taken back: a ComputeReclaimEvent on the bus
+    and a Normal ComputeReclaimed Event on the pod at the first reclaim, then at most one summary
+    per window (here 3 s) however often the neighbour wakes."""
+    window_s = 3.0
+    async with running_rig(short_dir, nc, buckets,
+                           compute_reclaim_event_window_s=window_s) as rig:  # fmt: skip
+        gpu = rig.gpus[0]
+        js = nc.jetstream()
+        sub = await js.subscribe(bus.compute_event_subject(rig.node, "reclaimed"),
+                                 ordered_consumer=True)  # fmt: skip
+        allocation, elastic, elastic_region = await admitted(rig, "elastic", 2000, cores=30)
+        _, _, hard_region = await admitted(rig, "hard", 2000, cores=30)
+        elastic_dir = elastic.mount(SEALED_LIMITS_DIR).host_path
+        assert set_device_flags(elastic_dir, gpu, sm_burst_pct=100)
+        write_region(region_writer, elastic_region, gpu, MIB, 0, 0)
+        write_region(region_writer, hard_region, gpu, MIB, 0, 0)
+        busy: dict[str, tuple[asyncio.Event, asyncio.Task]] = {}
+
+        async def keep_busy(region: str, stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                stamp(region, time.time_ns())
+                await asyncio.sleep(0.02)
+
+        def wake(region: str) -> None:
+            stop = asyncio.Event()
+            busy[region] = (stop, asyncio.create_task(keep_busy(region, stop)))
+
+        async def sleep(region: str) -> None:
+            stop, task = busy.pop(region)
+            stop.set()
+            await task
+
+        wake(elastic_region)
+        assert await wait_allowance(elastic_dir, gpu, 10000) == 10000
+        wake(hard_region)  # the first reclaim: 100 -> 70 %, for the hard slice
+        first = decode((await sub.next_msg(timeout=15)).data, ComputeReclaimEvent)
+        assert (first.node, first.device_uuid, first.namespace, first.pod, first.container) == (
+            rig.node, gpu, "team", "elastic", "main")
+        assert first.pod_uid == allocation.pod_uid
+        assert (first.reclaims, first.max_taken_pct, first.allowance_pct) == (1, 30, 70)
+        assert (first.guarantee_pct, first.burst_limit_pct) == (30, 100)
+        assert first.for_pods == ["team/hard"]
+        assert first.window_s == window_s
+        pod_events = [e for e in rig.cluster.events if e["reason"] == "ComputeReclaimed"]
+        assert len(pod_events) == 1
+        assert pod_events[0]["type"] == "Normal"
+        assert pod_events[0]["involved"]["name"] == "elastic"
+        assert "team/hard" in pod_events[0]["message"]
+        # The neighbour naps and wakes again within the window: a second reclaim, held.
+        await sleep(hard_region)
+        assert await wait_allowance(elastic_dir, gpu, 10000) == 10000
+        wake(hard_region)
+        assert await wait_allowance(elastic_dir, gpu, 7000) == 7000
+        # ... reported once the window has ended, as one summary, not before
+        second = decode((await sub.next_msg(timeout=15)).data, ComputeReclaimEvent)
+        assert second.at >= first.first_at + window_s  # not before the window ended
+        assert second.reclaims >= 1 and second.first_at > first.last_at
+        assert second.for_pods == ["team/hard"]
+        assert len([e for e in rig.cluster.events if e["reason"] == "ComputeReclaimed"]) == 2
+        text = rig.agent.metrics.render()
+        who = {"namespace": "team", "pod": "elastic", "container": "main", "device_uuid": gpu}
+        assert value(text, "tessera_node_agent_compute_reclaims_total", **who) >= (
+            first.reclaims + second.reclaims)
+        await sleep(hard_region)
+        await sleep(elastic_region)
+        await sub.unsubscribe()

@@ -19,7 +19,13 @@ from tessera import bus_permissions as bp
 from tessera.bus import connect, ensure_bus, publish_event
 from tessera.codec import encode
 from tessera.events import decode_event, subscribe
-from tessera.models import AllocationEvent, NodeLedger, NodeRegistration, QuotaState
+from tessera.models import (
+    AllocationEvent,
+    ComputeReclaimEvent,
+    NodeLedger,
+    NodeRegistration,
+    QuotaState,
+)
 from tessera.settings import TesseraSettings
 
 NODE_A, NODE_B = "node-a", "node-b"
@@ -188,6 +194,21 @@ async def test_node_agent_cannot_publish_other_nodes_or_release_events(as_identi
         with pytest.raises(Exception):  # noqa: B017 - no ack
             await publish_event(js, forged, attempts=1)
         await agent_a.violation(bus.event_subject(forged))
+
+
+async def test_only_a_node_agent_reports_compute_reclaimed_on_its_own_node(as_identity) -> None:
+    agent_a = await as_identity(bp.NODE_AGENT, NODE_A)
+    scheduler = await as_identity(bp.SCHEDULER)
+
+    def reclaimed(node: str) -> ComputeReclaimEvent:
+        return ComputeReclaimEvent(node=node, device_uuid="GPU-1", pod_uid="u", namespace="n",
+                                   pod="p", reclaims=3, max_taken_pct=40)  # fmt: skip
+
+    await publish_event(agent_a.nc.jetstream(), reclaimed(NODE_A))  # its own node: accepted
+    for client, forged in ((agent_a, reclaimed(NODE_B)), (scheduler, reclaimed(NODE_A))):
+        with pytest.raises(Exception):  # noqa: B017 - no ack
+            await publish_event(client.nc.jetstream(), forged, attempts=1)
+        await client.violation(bus.event_subject(forged))
 
 
 async def test_replies_are_private_to_each_identity(as_identity) -> None:

@@ -82,6 +82,7 @@ def test_only_the_rightful_identities_may_write() -> None:
     assert writers_of(bus.QUOTA_SET) == {bp.user_name(bp.ADMIN)}
     assert writers_of(bus.alloc_event_subject("gpu-1", "released")) == {scheduler}
     assert writers_of(bus.node_limits_subject("gpu-1")) == {bp.user_name(bp.ADMIN)}
+    assert writers_of(bus.compute_event_subject("gpu-1", "reclaimed")) == {gpu1}
     assert writers_of(bus.usage_subject("gpu.zone-b.2")) == {
         bp.user_name(bp.NODE_AGENT, "gpu.zone-b.2")
     }

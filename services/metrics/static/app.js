@@ -139,6 +139,7 @@ function renderGpu(gpu) {
         const usage = [];
         if (s.used_mib != null) usage.push(`uses ${mem(s.used_mib)}`);
         if (s.borrowed_mib) usage.push(`borrows ${mem(s.borrowed_mib)}`);
+        if (s.lent_pct) usage.push(`lent ${s.lent_pct}% SM`);
         if (s.sm_util != null) {
           usage.push(s.sm_limit ? `${Math.round(s.sm_util)}/${s.sm_limit}% SM` : `${Math.round(s.sm_util)}% SM`);
         }
@@ -146,7 +147,7 @@ function renderGpu(gpu) {
           `<span class="slice-name">${esc(key)} <span class="ctr">${esc(s.container)}` +
           `${s.state !== "allocated" ? " · " + esc(s.state) : ""}</span>` +
           `${s.breach ? ` <span class="badge err breach">breached: ${esc(s.breach)}</span>` : ""}</span>` +
-          `<span class="slice-fig">${mem(s.memory_mib)}${s.memory_limit_mib ? ` guaranteed, up to ${mem(s.memory_limit_mib)}` : ""} · ${s.cores}%${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
+          `<span class="slice-fig">${mem(s.memory_mib)}${s.memory_limit_mib ? ` guaranteed, up to ${mem(s.memory_limit_mib)}` : ""} · ${s.cores}%${s.cores_limit ? ` guaranteed, up to ${s.cores_limit}%` : ""}${usage.length ? " · " + usage.join(" · ") : ""}</span></li>`;
       }).join("")}</ul>`
     : (gpu.mig_instances || []).some((i) => i.pod) ? ""
     : `<div class="no-slices">idle: no pod holds this GPU</div>`;
