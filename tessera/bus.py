@@ -490,7 +490,8 @@ class BusKeeper:
         while not stop.is_set():
             await self.check()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
+                async with asyncio.timeout(interval_s):  # (not wait_for: see entries())
+                    await stop.wait()
 
 
 # --- publishing -------------------------------------------------------------------------------
@@ -794,7 +795,11 @@ class _OrderedWatch:
             if not box:
                 self.arrived.clear()
                 try:
-                    await asyncio.wait_for(self.arrived.wait(), quiet_s)
+                    # asyncio.timeout, not wait_for: on Python 3.11 a cancel that races an
+                    # arrival is swallowed by wait_for, and this loop (and its consumer) then
+                    # outlives the task.cancel() meant to stop it
+                    async with asyncio.timeout(quiet_s):
+                        await self.arrived.wait()
                 except TimeoutError:
                     await self.reset(f"nothing heard for {quiet_s:.0f} s")
                 continue

@@ -409,3 +409,38 @@ async def test_a_watch_whose_consumer_vanished_carries_on(proxied) -> None:
     finally:
         await entries.aclose()
     assert entry is not None and entry.key == "after"
+
+
+
+async def test_a_watch_cancelled_as_an_entry_arrives_stops(proxied) -> None:
+    """A task consuming a watch stops when cancelled, even when an entry arrives in the same
+    turn of the loop: Python 3.11's `asyncio.wait_for` returns the arrival and swallows such a
+    cancel, and the watch (with the checker or service loop on top of it) ran on forever."""
+    _proxy, fresh = proxied
+    kv = await fresh()
+    watch = bus._OrderedWatch(kv, ">", False, bus.WATCH_HEARTBEAT_S)
+    entries = watch.entries()
+    synced = asyncio.Event()
+
+    async def consume() -> None:
+        async for entry in entries:
+            if entry is None:
+                synced.set()
+
+    task = asyncio.create_task(consume())
+    try:
+        async with asyncio.timeout(20):
+            await synced.wait()
+        for _ in range(20):  # let it settle into waiting for the next arrival
+            await asyncio.sleep(0.01)
+        assert not watch.box
+        watch.arrived.set()  # an arrival and the cancel in one turn of the loop
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done, "the cancelled watch kept running"
+        assert task.cancelled()
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await watch.close()
