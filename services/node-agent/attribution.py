@@ -166,6 +166,7 @@ class PodAttribution:
             ctx.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
             return None
         followed = result.value.allocations[allocation.pod_uid]
+        ctx.moves += 1
         ctx.spawn(self.records.annotate(followed, {}, (hami.ANN_DEVICES_TO_ALLOCATE,)))
         return followed
 

@@ -52,6 +52,10 @@ class PluginContext:
     # The pod the last GetPreferredAllocation answered for, and the pod whose containers the
     # last Allocate served: hints for attributing the next Allocate (never proof).
     guess: str | None = None
+    # Bumped whenever the plugin moves a grant or relabels/undoes a prepared directory (a
+    # crossed repair, a followed reuse, the sealed reconciliation): PreStartContainer proves
+    # identity outside the lock and seals only if nothing moved meanwhile (plugin.py).
+    moves: int = 0
     run: str | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
 

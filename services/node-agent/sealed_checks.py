@@ -113,18 +113,26 @@ class SealedChecks:
                 return ledger
 
             if changed:
+                ctx.moves += 1  # grants moved: a PreStart checked before this checks again
                 with contextlib.suppress(bus.NoChange):
                     await bus.cas_update(ctx.ledger_kv, ctx.node, NodeLedger, put_back)
                 ctx.log.warning("ledger put back on the cards the containers sealed",
                                 extra={"pods": sorted(names[u] for u in changed)})
 
-    async def check_sealed(self, allocation: Allocation, index: int, cdir: ContainerDir) -> None:
+    async def check_sealed(
+        self, allocation: Allocation, index: int, cdir: ContainerDir,
+        ledger: NodeLedger | None = None,
+    ) -> None:
         """What the node's containers have sealed is what they hold, whatever the ledger says
         (it may have been restored from a forged annotation, grant_check): a grant that would
         put a card over its capacity beside it is refused, and every sealed container the
         ledger places on other cards is reported."""
         ctx = self.ctx
-        ledger = await ctx.ledger()
+        # `ledger`: the caller's read (PreStart's). A read before others' seals is as good:
+        # the ledger only says which pods are active (what they sealed is read from disk), and
+        # a pod that became active since has sealed nothing yet.
+        if ledger is None:
+            ledger = await ctx.ledger()
         active = {u: a for u, a in (ledger.allocations.items() if ledger else ()) if a.active}
         others = [c for c in ctx.store.all()
                   if c.path != cdir.path and c.prepared.pod_uid in active]
