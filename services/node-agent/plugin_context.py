@@ -16,13 +16,15 @@ from tessera.node_agent.foreign import hami_held
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus, signing
+from tessera import signing
 from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
 from tessera.models import Allocation, NodeLedger
 from tessera.region import LIMITS_FILE_NAME
 from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
+
+from .watchdog import CachedLedger
 
 
 @dataclass
@@ -58,10 +60,15 @@ class PluginContext:
     moves: int = 0
     run: str | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    _ledger_read: CachedLedger | None = field(default=None, repr=False)
 
     async def ledger(self) -> NodeLedger | None:
-        current = await bus.read(self.ledger_kv, self.node, NodeLedger)
-        return current.value if current else None
+        """The node's ledger as KV holds it now (read every time: exact), decoded again only
+        when its revision moved. Shared between calls: treat it as read-only (every mutation
+        in the plugin copies first, as a CAS body must)."""
+        if self._ledger_read is None:
+            self._ledger_read = CachedLedger(self.ledger_kv, self.node)
+        return await self._ledger_read()
 
     def served(self, allocation: Allocation) -> list[ContainerDir]:
         """The pod's containers prepared on this node (by Allocate)."""
