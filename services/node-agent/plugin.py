@@ -202,7 +202,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             for req in request.container_requests
         ]
         ledger = await ctx.ledger()
-        only = await self.attribution.kubelet_admitting(ledger)
+        only = await self.attribution.admitting_for_allocate(ledger)
         response = dp.AllocateResponse()
         for ids, gpus in checked:
             allocation, index = await self.attribution.attribute(ledger, ids, gpus, only)
