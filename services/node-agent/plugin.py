@@ -69,7 +69,8 @@ def holders_of(
 
 
 class DevicePluginService(dp_grpc.DevicePluginServicer):
-    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway).
+    """kubelet's peer. One lock serialises GetPreferredAllocation and Allocate (kubelet calls
+    them one pod at a time) and PreStartContainer's seal (its proof runs outside: pre_start).
 
     Several pods may be in flight on the node (one shape at a time, see the README): Allocate
     attributes kubelet's devices to one of them, PreStartContainer proves which pod holds them

@@ -48,7 +48,8 @@ class PluginContext:
     record_signer: signing.Signer
     # The extended resource this plugin serves to kubelet (its family's count resource).
     resource_name: str = ""
-    # One lock serialises the handshake (kubelet calls it serially anyway) and the sealed
+    # One lock serialises GetPreferredAllocation, Allocate, PreStartContainer's seal (its
+    # proof is taken outside and checked again under it: plugin.py) and the sealed
     # reconciliation.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The pod the last GetPreferredAllocation answered for, and the pod whose containers the
