@@ -7,6 +7,7 @@ The pure rules are handshake.py's; this reads the ledger, the store and kubelet.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, PreparedContainer
@@ -21,6 +22,9 @@ from .pod_records import PodRecords
 
 # GetPreferredAllocation and Allocate ask kubelet which pod it is admitting; past this, guess.
 ADMITTING_TIMEOUT_S = 1.0
+# kubelet calls Allocate right after the GetPreferredAllocation of the same container: the view
+# that call took serves that Allocate (once, within this age) instead of a second List.
+VIEW_REUSE_S = 1.0
 
 
 def check_id_count(device_ids: list[str], replicas: int) -> None:
@@ -39,6 +43,8 @@ class PodAttribution:
         self.ctx = ctx
         self.records = records
         self.units = units or DeviceUnits()
+        # kubelet's view the last GetPreferredAllocation took: (when, pods it names).
+        self._preferred_view: tuple[float, set[str]] | None = None
 
     async def preferred(self, request: dp.PreferredAllocationRequest):
         ctx = self.ctx
@@ -50,6 +56,7 @@ class PodAttribution:
             check_id_count(units.touched(req.must_include_deviceIDs), replicas)
         ledger = await ctx.ledger()
         only = await self.kubelet_admitting(ledger)
+        self._preferred_view = (time.monotonic(), only) if only else None
         response = dp.PreferredAllocationResponse()
         run = self.open_run(ledger, only)
         for req in request.container_requests:
@@ -85,6 +92,17 @@ class PodAttribution:
                 deviceIDs=units.expand(ids)
             ))
         return response
+
+    async def admitting_for_allocate(self, ledger: NodeLedger | None) -> set[str] | None:
+        """kubelet's view for an Allocate: the one the GetPreferredAllocation just before it
+        took (kubelet calls the two back to back for one container; used once, and only while
+        fresh), else asked now. Either way a hint: PreStartContainer proves the pod."""
+        view, self._preferred_view = self._preferred_view, None
+        if view is not None and time.monotonic() - view[0] <= VIEW_REUSE_S:
+            in_flight = {a.pod_uid for a in hs.in_flight(ledger)}
+            if view[1] & in_flight:
+                return view[1] & in_flight
+        return await self.kubelet_admitting(ledger)
 
     async def kubelet_admitting(self, ledger: NodeLedger | None) -> set[str] | None:
         """The in-flight pods kubelet's pod-resources List shows under admission (normally
@@ -172,6 +190,7 @@ class PodAttribution:
             ctx.log.warning("cannot follow kubelet's device reuse", extra={"err": str(exc)})
             return None
         followed = result.value.allocations[allocation.pod_uid]
+        ctx.moves += 1
         ctx.spawn(self.records.annotate(followed, {}, (hami.ANN_DEVICES_TO_ALLOCATE,)))
         return followed
 

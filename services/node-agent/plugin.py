@@ -29,7 +29,8 @@ from tessera import signing
 from tessera.cluster.port import ClusterPort
 from tessera.device_kinds import registry
 from tessera.device_kinds.nvidia import FAMILY as NVIDIA_FAMILY
-from tessera.kubeapi import HEALTHY, UNHEALTHY, dp, dp_grpc, pr, pr_grpc
+from tessera.kubeapi import HEALTHY, UNHEALTHY, dp, dp_grpc, pr
+from tessera.models import Allocation
 from tessera.region import seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
@@ -44,19 +45,14 @@ from .nvidia_answers import NvidiaAnswers
 from .plugin_context import PluginContext
 from .plugin_endpoint import PluginEndpoint
 from .pod_records import PodRecords
+from .pod_resources_client import PodResourcesLister
 from .sealed_checks import SealedChecks
 
 __all__ = ["DevicePluginService", "PluginEndpoint", "holders_of", "list_pod_resources"]
 
-POD_RESOURCES_TIMEOUT_S = 5.0
-
-
-async def list_pod_resources(socket_path: str) -> list[pr.PodResources]:
-    """kubelet's pod-resources List (a fresh channel: kubelet may have restarted)."""
-    async with grpc.aio.insecure_channel(f"unix://{socket_path}") as channel:
-        stub = pr_grpc.PodResourcesListerStub(channel)
-        reply = await stub.List(pr.ListPodResourcesRequest(), timeout=POD_RESOURCES_TIMEOUT_S)
-        return list(reply.pod_resources)
+# kubelet's pod-resources List on a kept channel (one per socket; made anew when kubelet
+# recreates its socket): pod_resources_client.py.
+list_pod_resources = PodResourcesLister()
 
 
 def holders_of(
@@ -74,7 +70,8 @@ def holders_of(
 
 
 class DevicePluginService(dp_grpc.DevicePluginServicer):
-    """kubelet's peer. One lock serialises the handshake (kubelet calls it serially anyway).
+    """kubelet's peer. One lock serialises GetPreferredAllocation and Allocate (kubelet calls
+    them one pod at a time) and PreStartContainer's seal (its proof runs outside: pre_start).
 
     Several pods may be in flight on the node (one shape at a time, see the README): Allocate
     attributes kubelet's devices to one of them, PreStartContainer proves which pod holds them
@@ -157,9 +154,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         return await self._guarded(context, "Allocate", self.allocate, request)
 
     async def PreStartContainer(self, request, context):
-        return await self._guarded(context, "PreStartContainer", self.pre_start, request)
+        # (takes the lock itself, for the parts that need it: pre_start)
+        return await self._guarded(context, "PreStartContainer", self.pre_start, request,
+                                   locked=False)
 
-    async def _guarded(self, context, rpc: str, handler, request):
+    async def _guarded(self, context, rpc: str, handler, request, locked: bool = True):
         """Run a handshake step; any refusal or failure is a gRPC error with a message. Each
         call is timed and counted (ok / refused / error) in /metrics."""
         started = time.perf_counter()
@@ -173,7 +172,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 self.ctx.metrics.handshake(rpc, time.perf_counter() - started, result)
 
         try:
-            async with self.ctx.lock:
+            if locked:
+                async with self.ctx.lock:
+                    reply = await handler(request)
+            else:
                 reply = await handler(request)
             count("ok")
             return reply
@@ -202,7 +204,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         requested = [self.units.collapse(req.devices_ids) for req in request.container_requests]
         checked = [(ids, hs.gpus_of(ids, devices)) for ids in requested]
         ledger = await ctx.ledger()
-        only = await self.attribution.kubelet_admitting(ledger)
+        only = await self.attribution.admitting_for_allocate(ledger)
         response = dp.AllocateResponse()
         for ids, gpus in checked:
             allocation, index = await self.attribution.attribute(ledger, ids, gpus, only)
@@ -214,14 +216,21 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         return response
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
+        """Prove which pod holds the devices (kubelet's pod-resources), check its grant, seal.
+
+        Out of the lock (kubelet's pod workers call it while the next pod's Allocate runs):
+        kubelet's List, the ledger read and the pod read for the grant check. Under the lock:
+        the proof is taken again from the store (the same preparation must still be the one
+        picked for the holders, and no grant or directory moved meanwhile: ctx.moves), then
+        the sealed-capacity check and the seal. Anything else (no match: a crossed attribution
+        to repair, or a refusal) runs wholly under the lock, as every step did before."""
         ctx = self.ctx
         kubelet_ids = list(request.devices_ids)  # what pod-resources reports the holder by
         ids = self.units.collapse(kubelet_ids)
         devices = ctx.state.by_uuid()
         check_id_count(ids, sum(d.split_count for d in devices.values()))
         hs.gpus_of(ids, devices)
-        candidates = ctx.store.by_devices(ids)
-        if not candidates:
+        if not ctx.store.by_devices(ids):
             raise hs.HandshakeError(
                 f"no container was prepared for devices {ids}: PreStartContainer without a "
                 "matching Allocate on this node"
@@ -230,8 +239,45 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         holders = holders_of(pods, ctx.resource_name, kubelet_ids)
         if not holders:
             raise hs.HandshakeError(f"kubelet's pod-resources reports no container holding {ids}")
+        moves = ctx.moves
+        cdir, _ = hs.pick_prepared(ctx.store.by_devices(ids), holders, ctx.sealed)
+        if cdir is not None:
+            ledger = await ctx.ledger()
+            allocation = self._granted(ledger, cdir)
+            await self.checks.check_grant(allocation, cdir.prepared.index)
+            async with ctx.lock:
+                again, _ = hs.pick_prepared(ctx.store.by_devices(ids), holders, ctx.sealed)
+                if (ctx.moves == moves and again is not None and again.path == cdir.path
+                        and again.prepared == cdir.prepared):
+                    await self._seal(cdir, allocation, ledger, ids)
+                    return dp.PreStartContainerResponse()
+        async with ctx.lock:  # no match, or something moved meanwhile: all of it, locked
+            await self._prove_and_seal(ids, holders)
+        return dp.PreStartContainerResponse()
+
+    def _granted(self, ledger, cdir) -> Allocation:
+        """The active allocation a prepared container belongs to, with a grant at its index."""
+        p = cdir.prepared
+        allocation = ledger.allocations.get(p.pod_uid) if ledger else None
+        if allocation is None or not allocation.active:
+            raise hs.HandshakeError(f"pod {p.namespace}/{p.pod} has no active allocation here")
+        if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
+            raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
+        return allocation
+
+    async def _prove_and_seal(self, ids: list[str], holders: list[tuple[str, str, str]]) -> None:
+        """PreStart's proof under the lock: the preparation for the holders (a crossed one
+        repaired first, a stray one undone and refused), its grant checked, its limits sealed."""
+        ctx = self.ctx
+        candidates = ctx.store.by_devices(ids)
+        if not candidates:
+            raise hs.HandshakeError(
+                f"no container was prepared for devices {ids}: PreStartContainer without a "
+                "matching Allocate on this node"
+            )
         cdir, why = hs.pick_prepared(candidates, holders, ctx.sealed)
         if cdir is None and await self.crossed.repair(candidates, holders):
+            ctx.moves += 1
             cdir, why = hs.pick_prepared(ctx.store.by_devices(ids), holders, ctx.sealed)
         if cdir is None:
             stray = candidates[0].prepared
@@ -239,17 +285,20 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             self.records.publish_mismatch_raw(stray.pod_uid, stray.namespace, stray.pod, ids,
                                               reason)  # fmt: skip
             if (stray.namespace, stray.pod) not in {(ns, pod) for ns, pod, _ in holders}:
+                ctx.moves += 1
                 await self.crossed.undo_misattributed(candidates[0])
             raise hs.HandshakeError(reason, mismatch=True)
-        p = cdir.prepared
         ledger = await ctx.ledger()
-        allocation = ledger.allocations.get(p.pod_uid) if ledger else None
-        if allocation is None or not allocation.active:
-            raise hs.HandshakeError(f"pod {p.namespace}/{p.pod} has no active allocation here")
-        if p.index >= len(allocation.containers) or not allocation.containers[p.index]:
-            raise hs.HandshakeError(f"{hs.describe(allocation, p.index)} has no GPU grant")
-        await self.checks.check_grant(allocation, p.index)
-        await self.checks.check_sealed(allocation, p.index, cdir)
+        allocation = self._granted(ledger, cdir)
+        await self.checks.check_grant(allocation, cdir.prepared.index)
+        await self._seal(cdir, allocation, ledger, ids)
+
+    async def _seal(self, cdir, allocation: Allocation, ledger, ids: list[str]) -> None:
+        """Under the lock: the sealed-capacity check beside the node's sealed containers, then
+        the container's limits sealed (and a finish a crash left pending written)."""
+        ctx = self.ctx
+        p = cdir.prepared
+        await self.checks.check_sealed(allocation, p.index, cdir, ledger)
         answers = self.answers.of(allocation.containers[p.index])
         limits = await answers.limits(cdir, allocation,
                                       hs.limits_for(allocation, p.index, ctx.node_settings()))
@@ -260,7 +309,6 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # A crash between Allocate's answer and its ledger write leaves the claim held.
         if hs.finish_pending(allocation.pod_uid, ledger):
             await self.records.maybe_finish(allocation)
-        return dp.PreStartContainerResponse()
 
     async def reconcile_sealed(self, every_s: float = 2.0) -> None:
         """Between watch steps: sealed containers the ledger misplaces (sealed_checks.py)."""

@@ -16,13 +16,15 @@ from tessera.node_agent.foreign import hami_held
 from tessera.node_agent.metrics import NodeAgentMetrics
 from tessera.node_agent.state import DeviceState
 
-from tessera import bus, signing
+from tessera import signing
 from tessera.cluster.port import ClusterPort
 from tessera.kubeapi import pr
 from tessera.models import Allocation, NodeLedger
 from tessera.region import LIMITS_FILE_NAME
 from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
+
+from .watchdog import CachedLedger
 
 
 @dataclass
@@ -46,18 +48,28 @@ class PluginContext:
     record_signer: signing.Signer
     # The extended resource this plugin serves to kubelet (its family's count resource).
     resource_name: str = ""
-    # One lock serialises the handshake (kubelet calls it serially anyway) and the sealed
+    # One lock serialises GetPreferredAllocation, Allocate, PreStartContainer's seal (its
+    # proof is taken outside and checked again under it: plugin.py) and the sealed
     # reconciliation.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The pod the last GetPreferredAllocation answered for, and the pod whose containers the
     # last Allocate served: hints for attributing the next Allocate (never proof).
     guess: str | None = None
+    # Bumped whenever the plugin moves a grant or relabels/undoes a prepared directory (a
+    # crossed repair, a followed reuse, the sealed reconciliation): PreStartContainer proves
+    # identity outside the lock and seals only if nothing moved meanwhile (plugin.py).
+    moves: int = 0
     run: str | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    _ledger_read: CachedLedger | None = field(default=None, repr=False)
 
     async def ledger(self) -> NodeLedger | None:
-        current = await bus.read(self.ledger_kv, self.node, NodeLedger)
-        return current.value if current else None
+        """The node's ledger as KV holds it now (read every time: exact), decoded again only
+        when its revision moved. Shared between calls: treat it as read-only (every mutation
+        in the plugin copies first, as a CAS body must)."""
+        if self._ledger_read is None:
+            self._ledger_read = CachedLedger(self.ledger_kv, self.node)
+        return await self._ledger_read()
 
     def served(self, allocation: Allocation) -> list[ContainerDir]:
         """The pod's containers prepared on this node (by Allocate)."""

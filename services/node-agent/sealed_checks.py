@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import zlib
 
@@ -25,6 +26,7 @@ from tessera.node_agent.grant_check import (
 from tessera import bus, signing
 from tessera.cluster.port import ClusterError
 from tessera.models import Allocation, NodeLedger
+from tessera.region import LIMITS_FILE_NAME
 from tessera.validation import Problem
 
 from . import mps
@@ -34,6 +36,10 @@ from .plugin_context import PluginContext
 class SealedChecks:
     def __init__(self, ctx: PluginContext) -> None:
         self.ctx = ctx
+        # limits file -> ((inode, mtime ns, size), what it seals): every PreStartContainer
+        # compares with every sealed container of the node, so each file is decoded once and
+        # then only stat'ed (seal_limits writes by rename: a rewrite is a new inode).
+        self._sealed_read: dict[str, tuple[tuple[int, int, int], dict[str, int]]] = {}
         self._sealed_revision = 0  # the ledger revision last compared with what is sealed
         self._sealed_checked_at = 0.0
 
@@ -45,6 +51,24 @@ class SealedChecks:
         uid, value, signature = recorded_text(pod)
         return value is not None and signing.record_verifies(
             signature, uid, value, signer.user, {signer.user: signer.key.public_key()})
+
+    def _sealed_memory(self, cdir: ContainerDir) -> dict[str, int]:
+        """mps.sealed_memory, decoded again only when the limits file changed (in a thread)."""
+        path = cdir.limits_dir / LIMITS_FILE_NAME
+        try:
+            st = os.stat(path)
+        except OSError:
+            self._sealed_read.pop(str(path), None)
+            return mps.sealed_memory(cdir)  # (none sealed: as it says)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        known = self._sealed_read.get(str(path))
+        if known is not None and known[0] == key:
+            return dict(known[1])
+        memory = mps.sealed_memory(cdir)
+        self._sealed_read[str(path)] = (key, memory)
+        if len(self._sealed_read) > 4 * (len(self.ctx.store.all()) + 16):  # forget the gone
+            self._sealed_read.clear()
+        return dict(memory)
 
     async def check_grant(self, allocation: Allocation, index: int) -> None:
         """The ledger's grant must be what the pod asked for (grant_check): a grant forged on
@@ -84,7 +108,7 @@ class SealedChecks:
             active = {u: a for u, a in current.value.allocations.items() if a.active}
 
             def read() -> dict[tuple[str, int], dict[str, int]]:
-                return {(c.prepared.pod_uid, c.prepared.index): mps.sealed_memory(c)
+                return {(c.prepared.pod_uid, c.prepared.index): self._sealed_memory(c)
                         for c in ctx.store.all() if c.prepared.pod_uid in active}
 
             sealed = counted_sealed(await asyncio.to_thread(read), active, ("", -1))
@@ -113,24 +137,32 @@ class SealedChecks:
                 return ledger
 
             if changed:
+                ctx.moves += 1  # grants moved: a PreStart checked before this checks again
                 with contextlib.suppress(bus.NoChange):
                     await bus.cas_update(ctx.ledger_kv, ctx.node, NodeLedger, put_back)
                 ctx.log.warning("ledger put back on the cards the containers sealed",
                                 extra={"pods": sorted(names[u] for u in changed)})
 
-    async def check_sealed(self, allocation: Allocation, index: int, cdir: ContainerDir) -> None:
+    async def check_sealed(
+        self, allocation: Allocation, index: int, cdir: ContainerDir,
+        ledger: NodeLedger | None = None,
+    ) -> None:
         """What the node's containers have sealed is what they hold, whatever the ledger says
         (it may have been restored from a forged annotation, grant_check): a grant that would
         put a card over its capacity beside it is refused, and every sealed container the
         ledger places on other cards is reported."""
         ctx = self.ctx
-        ledger = await ctx.ledger()
+        # `ledger`: the caller's read (PreStart's). A read before others' seals is as good:
+        # the ledger only says which pods are active (what they sealed is read from disk), and
+        # a pod that became active since has sealed nothing yet.
+        if ledger is None:
+            ledger = await ctx.ledger()
         active = {u: a for u, a in (ledger.allocations.items() if ledger else ()) if a.active}
         others = [c for c in ctx.store.all()
                   if c.path != cdir.path and c.prepared.pod_uid in active]
 
         def read() -> dict[tuple[str, int], dict[str, int]]:
-            return {(c.prepared.pod_uid, c.prepared.index): mps.sealed_memory(c) for c in others}
+            return {(c.prepared.pod_uid, c.prepared.index): self._sealed_memory(c) for c in others}
 
         sealed = counted_sealed(await asyncio.to_thread(read), active,
                                 (allocation.pod_uid, index))
