@@ -17,6 +17,8 @@ from tessera.node_agent.containers import (
     sealed_device_limit,
 )
 
+from tessera.device_kinds.nvidia.slices import slice_env
+from tessera.device_kinds.types import GrantContext
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, NodeLedger
 from tessera.region import SEALED_LIMITS_DIR, ContainerLimits
 from tessera.settings import TesseraSettings
@@ -246,21 +248,11 @@ def check_devices(grants: list[DeviceGrant], gpus: list[str], who: str) -> None:
 def container_env(
     allocation: Allocation, grants: list[DeviceGrant], settings: TesseraSettings
 ) -> dict[str, str]:
-    """HAMi's env (a fallback: libvgpu obeys the sealed limits file when there is one)."""
-    env = {
-        "NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in grants),
-        "CUDA_DEVICE_MEMORY_SHARED_CACHE": REGION_CONTAINER_PATH,
-        "GPU_CORE_UTILIZATION_POLICY": allocation.core_policy or settings.core_policy,
-        "CUDA_TASK_PRIORITY": str(allocation.priority),
-    }
-    for i, g in enumerate(grants):
-        env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{g.memory_mib}m"
-        env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(min(g.cores, 100))
-    if grants:
-        env["CUDA_DEVICE_SM_LIMIT"] = str(min(grants[0].cores, 100))
-    if settings.device_memory_scaling > 1:
-        env["CUDA_OVERSUBSCRIBE"] = "true"
-    return env
+    """HAMi's env for libvgpu slices (a fallback: libvgpu obeys the sealed limits file when
+    there is one): the slices kind's, for callers holding an allocation (the DRA driver)."""
+    ctx = GrantContext(devices={}, settings=settings, priority=allocation.priority,
+                       core_policy=allocation.core_policy or settings.core_policy)
+    return slice_env(grants, ctx)
 
 
 def container_mounts(
