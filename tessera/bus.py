@@ -490,8 +490,7 @@ class BusKeeper:
         while not stop.is_set():
             await self.check()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval_s):  # (not wait_for: see entries())
-                    await stop.wait()
+                await asyncio.wait_for(stop.wait(), interval_s)
 
 
 # --- publishing -------------------------------------------------------------------------------
@@ -794,14 +793,17 @@ class _OrderedWatch:
             box = self.box
             if not box:
                 self.arrived.clear()
+                task = asyncio.current_task()
+                cancels = task.cancelling() if task is not None else 0
                 try:
-                    # asyncio.timeout, not wait_for: on Python 3.11 a cancel that races an
-                    # arrival is swallowed by wait_for, and this loop (and its consumer) then
-                    # outlives the task.cancel() meant to stop it
-                    async with asyncio.timeout(quiet_s):
-                        await self.arrived.wait()
+                    await asyncio.wait_for(self.arrived.wait(), quiet_s)
                 except TimeoutError:
                     await self.reset(f"nothing heard for {quiet_s:.0f} s")
+                if task is not None and task.cancelling() > cancels:
+                    # Python 3.11's wait_for returns an arrival that raced a cancel and drops
+                    # the cancel: this loop (and its consumer) would outlive the task.cancel()
+                    # meant to stop it
+                    raise asyncio.CancelledError
                 continue
             msg = box.popleft()
             headers = msg.headers
