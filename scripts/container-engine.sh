@@ -107,7 +107,24 @@ service_answers() {
     [ -S "$SOCKET_PATH" ] && podman --url "$PODMAN_SOCKET" version >/dev/null 2>&1
 }
 
+# A process we left running whose working directory is gone (started from a checkout or CI
+# clone since deleted): podman's conmon then fails every container with "Failed to get working
+# directory" ("write child: broken pipe" to the client), so it is replaced, not reused.
+cwd_gone() {
+    case "$(readlink "/proc/$1/cwd" 2>/dev/null)" in
+        *" (deleted)") return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
 start_service() {
+    pidfile="$RUN_DIR/service.pid"
+    if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null && cwd_gone "$(cat "$pidfile")"; then
+        kill "$(cat "$pidfile")" 2>/dev/null || true
+        say "replaced the podman system service (pid $(cat "$pidfile")): its working directory is gone"
+        rm -f "$pidfile"
+        sleep 1
+    fi
     if service_answers; then
         say "Docker API already served on $PODMAN_SOCKET"
         return
@@ -115,8 +132,10 @@ start_service() {
     mkdir -p "$RUN_DIR"
     rm -f "$SOCKET_PATH"
     say "starting podman system service on $PODMAN_SOCKET (log: $RUN_DIR/service.log)"
-    # --time=0: it serves until stopped; setsid: it outlives the make or test that started it.
-    setsid podman system service --time=0 "$PODMAN_SOCKET" >"$RUN_DIR/service.log" 2>&1 </dev/null &
+    # --time=0: it serves until stopped; setsid: it outlives the make or test that started it;
+    # from /: it outlives the checkout too (see cwd_gone).
+    (cd / && exec setsid podman system service --time=0 "$PODMAN_SOCKET" \
+        >"$RUN_DIR/service.log" 2>&1 </dev/null) &
     echo $! >"$RUN_DIR/service.pid"
     waited=0
     until service_answers; do
@@ -157,10 +176,15 @@ start_healthchecks() {
     fi
     pidfile="$RUN_DIR/healthchecks.pid"
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
-        say "healthcheck runner already running (pid $(cat "$pidfile"))"
-        return
+        if ! cwd_gone "$(cat "$pidfile")"; then
+            say "healthcheck runner already running (pid $(cat "$pidfile"))"
+            return
+        fi
+        kill "$(cat "$pidfile")" 2>/dev/null || true
+        say "replaced the healthcheck runner (pid $(cat "$pidfile")): its working directory is gone"
     fi
-    setsid "$0" healthchecks >"$RUN_DIR/healthchecks.log" 2>&1 </dev/null &
+    script="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+    (cd / && exec setsid "$script" healthchecks >"$RUN_DIR/healthchecks.log" 2>&1 </dev/null) &
     echo $! >"$pidfile"
     say "started the healthcheck runner (no systemd to run podman's healthchecks; pid $!)"
 }
