@@ -192,6 +192,29 @@ def _strip_gpu_resources(container: dict[str, Any], settings: TesseraSettings) -
                 del resources[part]
 
 
+def strip_stray_resources(pod: dict[str, Any], settings: TesseraSettings,
+                          changes: list[str]) -> None:
+    """A container that asks no GPU but carries one of HAMi's resources (`nvidia.com/priority`
+    alone): in DRA mode no device plugin serves that name, so kubelet would never admit the pod.
+    The env HAMi's rules derived from it stays; the resource goes."""
+    names = set(settings.resource_names())
+    for section in SECTIONS:
+        for index, container in enumerate(pod["spec"].get(section) or []):
+            if not isinstance(container, dict):
+                continue
+            resources = container.get("resources")
+            if not isinstance(resources, dict):
+                continue
+            held = [n for part in ("limits", "requests")
+                    if isinstance(values := resources.get(part), dict)
+                    for n in values if n in names]  # fmt: skip
+            if held:
+                _strip_gpu_resources(container, settings)
+                label = container.get("name") or f"{section}[{index}]"
+                changes.append(f"{label}: {', '.join(sorted(set(held)))} removed (asks no GPU; "
+                               "nothing serves it in DRA mode)")  # fmt: skip
+
+
 def convert(plan: DraPlan, settings: TesseraSettings, card_memories: list[int]) -> Conversion:
     """The pod with claims instead of HAMi's resources, and the templates it names."""
     pod = copy.deepcopy(plan.mutated)

@@ -211,6 +211,8 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
         return Admitted([], tuple(changes), tuple(warnings), _quota_ask(pod, normalised, namespace),
                         "GPU request converted to ResourceClaims", unplaceable,
                         dra=dra_claims.DraPlan(mutated, normalised, namespace))
+    if not gpu_pod and dra_claims.wanted(pod, settings):
+        dra_claims.strip_stray_resources(mutated, settings, changes)
     if (gpu_pod or unplaceable) and scheduler != settings.scheduler_name:
         # (a pod whose GPU resource is misspelt is ours too: our scheduler reports it pending)
         mutated["spec"]["schedulerName"] = settings.scheduler_name

@@ -181,3 +181,17 @@ async def test_a_dry_run_creates_no_template():
     assert answer.json()["response"]["allowed"] is True
     assert cluster._dra()["templates"] == {}
 
+
+
+async def test_a_priority_without_a_gpu_keeps_its_env_and_loses_the_resource_nothing_serves():
+    """`nvidia.com/priority` alone asks no GPU; in DRA mode no device plugin serves that name, so
+    kubelet would refuse the pod for good. The webhook keeps HAMi's env and drops the resource."""
+    obj = pod(container("main", {"nvidia.com/priority": 1}))
+    async with client(InMemoryCluster()) as c:
+        response = await admit(c, obj)
+    assert response["allowed"]
+    main = patched(obj, response)["spec"]["containers"][0]
+    assert not any(k.startswith("nvidia.com/") for k in (main.get("resources") or {}).get(
+        "limits", {}))
+    assert {"name": "CUDA_TASK_PRIORITY", "value": "1"} in main["env"]
+    assert "resourceClaims" not in patched(obj, response)["spec"]
