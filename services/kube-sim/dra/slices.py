@@ -1,6 +1,9 @@
 """ResourceSlice validation as kube-apiserver words it: the pool, exactly one way to reach
 nodes, devices (names, typed attributes, capacities with request policies only on devices that
-allow multiple allocations, taints, counter consumption of the slice's counter sets)."""
+allow multiple allocations, taints, counter consumption) or shared counter sets, never both in
+one slice (KEP-4815 as in `resource.k8s.io/v1`: a device consumes a counter set of its *pool*,
+published in another slice of it; a set no slice of the pool defines leaves the device
+unallocatable, which the allocator judges, not the API server)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,10 @@ from tessera.kube_sim.store import KubeObject, now_rfc3339
 from tessera.kube_sim.validation import DNS1123_LABEL, DNS1123_SUBDOMAIN, FieldError
 
 MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_WITH_TAINTS_OR_COUNTERS = 64
+MAX_COUNTER_SETS = 8
+MAX_COUNTERS_PER_SET = 32
+MAX_CONSUMPTIONS_PER_DEVICE = 2
 MAX_TAINTS = 4
 TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 
@@ -57,8 +64,17 @@ def validate_slice(obj: KubeObject) -> list[FieldError]:
     if not isinstance(devices, list) or len(devices) > MAX_DEVICES_PER_SLICE:
         return [*errors, FieldError("Invalid", "spec.devices",
                                     f"must have at most {MAX_DEVICES_PER_SLICE} items", "...")]
-    counter_sets = {str(c.get("name")) for c in spec.get("sharedCounters") or []
-                    if isinstance(c, dict)}
+    if devices and spec.get("sharedCounters"):
+        errors.append(FieldError("Invalid", "spec", "exactly one of `devices`, "
+                                 "`sharedCounters` is required, but multiple fields are set",
+                                 "{devices, sharedCounters}"))
+    limited = [d for d in devices if isinstance(d, dict)
+               and (d.get("taints") or d.get("consumesCounters"))]
+    if limited and len(devices) > MAX_DEVICES_WITH_TAINTS_OR_COUNTERS:
+        errors.append(FieldError("Invalid", "spec.devices",
+                                 f"must have at most {MAX_DEVICES_WITH_TAINTS_OR_COUNTERS} items "
+                                 "when any device uses taints or consumes counters", "..."))
+    errors += _counter_set_errors(spec.get("sharedCounters"))
     seen: set[str] = set()
     for i, device in enumerate(devices):
         where = f"spec.devices[{i}]"
@@ -105,12 +121,63 @@ def validate_slice(obj: KubeObject) -> list[FieldError]:
                                          'supported values: "NoExecute", "NoSchedule"',
                                          taint.get("effect")))
             taint.setdefault("timeAdded", now_rfc3339())
-        for j, consumption in enumerate(device.get("consumesCounters") or []):
-            counter_set = (consumption or {}).get("counterSet")
-            if counter_set not in counter_sets:
-                errors.append(FieldError("Invalid", f"{where}.consumesCounters[{j}].counterSet",
-                                         "must reference a counter set defined in the "
-                                         "ResourceSlice sharedCounters", counter_set))
+        consumptions = device.get("consumesCounters") or []
+        if len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
+            errors.append(FieldError("TooMany", f"{where}.consumesCounters",
+                                     f"must have at most {MAX_CONSUMPTIONS_PER_DEVICE} items",
+                                     len(consumptions)))
+        sets_named: set[str] = set()
+        for j, consumption in enumerate(consumptions):
+            path = f"{where}.consumesCounters[{j}]"
+            counter_set = (consumption or {}).get("counterSet") if isinstance(
+                consumption, dict) else None
+            if not counter_set:
+                errors.append(FieldError("Required", f"{path}.counterSet"))
+                continue
+            if counter_set in sets_named:
+                errors.append(FieldError("Duplicate", f"{path}.counterSet", value=counter_set))
+            sets_named.add(str(counter_set))
+            errors += _counters_errors(consumption.get("counters"), f"{path}.counters")
+    return errors
+
+
+def _counters_errors(counters: Any, path: str) -> list[FieldError]:
+    if not isinstance(counters, dict) or not counters:
+        return [FieldError("Required", path)]
+    errors: list[FieldError] = []
+    if len(counters) > MAX_COUNTERS_PER_SET:
+        errors.append(FieldError("TooMany", path, f"must have at most {MAX_COUNTERS_PER_SET} "
+                                 "items", len(counters)))
+    for name, counter in counters.items():
+        dns_label(name, f"{path}[{name}]", errors)
+        if maybe_quantity((counter or {}).get("value") if isinstance(counter, dict)
+                          else None) is None:
+            errors.append(FieldError("Required", f"{path}[{name}].value"))
+    return errors
+
+
+def _counter_set_errors(counter_sets: Any) -> list[FieldError]:
+    if counter_sets is None:
+        return []
+    if not isinstance(counter_sets, list):
+        return [FieldError("Invalid", "spec.sharedCounters", "must be a list", "...")]
+    errors: list[FieldError] = []
+    if len(counter_sets) > MAX_COUNTER_SETS:
+        errors.append(FieldError("TooMany", "spec.sharedCounters",
+                                 f"must have at most {MAX_COUNTER_SETS} items",
+                                 len(counter_sets)))
+    names: set[str] = set()
+    for i, counter_set in enumerate(counter_sets):
+        path = f"spec.sharedCounters[{i}]"
+        if not isinstance(counter_set, dict):
+            errors.append(FieldError("Invalid", path, "must be an object", counter_set))
+            continue
+        name = counter_set.get("name")
+        dns_label(name, f"{path}.name", errors)
+        if isinstance(name, str) and name in names:
+            errors.append(FieldError("Duplicate", f"{path}.name", value=name))
+        names.add(str(name))
+        errors += _counters_errors(counter_set.get("counters"), f"{path}.counters")
     return errors
 
 

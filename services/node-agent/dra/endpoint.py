@@ -90,12 +90,10 @@ class HealthService(drahealth_grpc.DRAResourceHealthServicer):
         self.state = state
         self.node = node
 
-    def _entry(self, device, now: int):
+    def _entry(self, device, name: str, now: int):
         api = self.api
         return api.DeviceHealth(
-            device=api.DeviceIdentifier(
-                pool_name=self.node, device_name=slices.device_name(device)
-            ),
+            device=api.DeviceIdentifier(pool_name=self.node, device_name=name),
             health=api.HEALTHY if device.healthy else api.UNHEALTHY,
             last_updated_time=now,
         )
@@ -105,9 +103,10 @@ class HealthService(drahealth_grpc.DRAResourceHealthServicer):
         devices = self.state.devices()
         while True:
             now = int(time.time())
-            yield self.api.NodeWatchResourcesResponse(
-                devices=[self._entry(d, now) for d in slices.published(devices)]
-            )
+            yield self.api.NodeWatchResourcesResponse(  # a MIG card: each of its partitions
+                devices=[self._entry(d, name, now) for d in slices.published(devices)
+                         for name in slices.device_names(d)]
+            )  # fmt: skip
             devices, seen = await self.state.wait_change(seen)
 
 
@@ -116,8 +115,8 @@ class HealthServiceV1(HealthService, drahealth_v1_grpc.DRAResourceHealthServicer
 
     api = drahealth_v1
 
-    def _entry(self, device, now: int):
-        entry = super()._entry(device, now)
+    def _entry(self, device, name: str, now: int):
+        entry = super()._entry(device, name, now)
         if not device.healthy:
             entry.message = "NVML reported a critical XID or ECC error on this GPU"
         return entry
@@ -154,7 +153,7 @@ def _inode(path: Path) -> int | None:
 
 
 class SlicePublisher:
-    """Keeps the node's ResourceSlice saying what the devices are."""
+    """Keeps the node's pool (its ResourceSlices) saying what the devices are."""
 
     def __init__(self, driver: DraDriver) -> None:
         self.driver = driver
@@ -164,9 +163,9 @@ class SlicePublisher:
         self._published_owned = False
         self.publishes = 0
 
-    def _desired(self, generation: int) -> dict:
+    def _desired(self, generation: int) -> list[dict]:
         dra_settings = self.driver.dra
-        return slices.build_slice(
+        return slices.build_slices(
             self.driver.node, self.driver.state.devices(), generation=generation,
             driver_version=dra_settings.driver_version or "0.0.0",
             default_cores=self.driver.settings.default_cores,
@@ -175,7 +174,7 @@ class SlicePublisher:
         )  # fmt: skip
 
     async def _owner(self) -> None:
-        """The Node's uid: the slice is the Node's (a deleted node's slice goes with it)."""
+        """The Node's uid: the slices are the Node's (a deleted node's slices go with it)."""
         if self._node_uid:
             return
         try:
@@ -185,54 +184,77 @@ class SlicePublisher:
         self._node_uid = str((node.get("metadata") or {}).get("uid") or "")
 
     async def publish(self) -> bool:
-        """Write the slice when its devices differ from what was last published."""
+        """Write the pool's slices when what they say differs from what was last published
+        (every slice at one new generation), and delete the node's slices the pool no longer
+        has (fewer MIG partitions, fewer counter sets)."""
         cluster = self.driver.cluster
         await self._owner()
         desired = self._desired(self._generation + 1)
-        devices = desired["spec"]["devices"]
-        owned = bool(desired["metadata"].get("ownerReferences"))
+        contents = [_content(s) for s in desired]
+        owned = bool(desired[0]["metadata"].get("ownerReferences"))
         if (
             self._published is not None
-            and _same(self._published, devices)
+            and _same(self._published, contents)
             and (owned == self._published_owned)
         ):
             return False
-        name = desired["metadata"]["name"]
-        try:
-            current = await cluster.get_resource_slice(name)
-        except NotFoundError:
-            current = None
-        if current is None:
-            try:
-                await cluster.create_resource_slice(desired)
-            except ConflictError:
-                return False  # made meanwhile: the next round replaces it
-        else:
-            generation = int(((current.get("spec") or {}).get("pool") or {}).get("generation", 0))
-            desired = self._desired(max(generation, self._generation) + 1)
-            desired["metadata"]["resourceVersion"] = current["metadata"].get("resourceVersion")
-            await cluster.replace_resource_slice(desired)
-        self._generation = desired["spec"]["pool"]["generation"]
-        self._published = devices
+        existing = {
+            str((s.get("metadata") or {}).get("name")): s
+            for s in await cluster.list_resource_slices(driver=names.DRIVER_NAME,
+                                                        node=self.driver.node)
+        }  # fmt: skip
+        for name in {s["metadata"]["name"] for s in desired} - set(existing):
+            with contextlib.suppress(NotFoundError):  # listed late: the write below tells
+                existing[name] = await cluster.get_resource_slice(name)
+        generation = max([self._generation, *(
+            int(((s.get("spec") or {}).get("pool") or {}).get("generation", 0))
+            for s in existing.values())]) + 1  # fmt: skip
+        desired = self._desired(generation)
+        for wanted in desired:
+            current = existing.get(wanted["metadata"]["name"])
+            if current is None:
+                try:
+                    await cluster.create_resource_slice(wanted)
+                except ConflictError:
+                    return False  # made meanwhile: the next round replaces it
+            else:
+                wanted["metadata"]["resourceVersion"] = current["metadata"].get("resourceVersion")
+                await cluster.replace_resource_slice(wanted)
+        for name in sorted(set(existing) - {s["metadata"]["name"] for s in desired}):
+            labels = (existing[name].get("metadata") or {}).get("labels") or {}
+            if labels.get("app.kubernetes.io/managed-by") == "tessera-node-agent":
+                with contextlib.suppress(NotFoundError):
+                    await cluster.delete_resource_slice(name)
+        self._generation = generation
+        self._published = contents
         self._published_owned = owned
         self.publishes += 1
-        log.info(
-            "ResourceSlice published",
-            extra={"slice": name, "devices": len(devices), "generation": self._generation},
-        )
+        log.info("ResourceSlices published", extra={
+            "slices": len(desired), "generation": generation,
+            "devices": sum(len(s["spec"].get("devices") or []) for s in desired),
+        })  # fmt: skip
         return True
 
 
-def _same(a: list, b: list) -> bool:
-    """Devices equal but for the taints' timeAdded (set when written)."""
+def _content(resource_slice: dict) -> dict:
+    spec = resource_slice["spec"]
+    return {"devices": spec.get("devices"), "sharedCounters": spec.get("sharedCounters"),
+            "count": spec["pool"]["resourceSliceCount"]}  # fmt: skip
 
-    def key(devices: list) -> list:
+
+def _same(a: list, b: list) -> bool:
+    """Slices equal but for the taints' timeAdded (set when written)."""
+
+    def key(contents: list) -> list:
         out = []
-        for d in devices:
-            d = dict(d)
-            d["taints"] = [{k: v for k, v in t.items() if k != "timeAdded"}
-                           for t in d.get("taints") or []]  # fmt: skip
-            out.append(d)
+        for c in contents:
+            devices = []
+            for d in c.get("devices") or []:
+                d = dict(d)
+                d["taints"] = [{k: v for k, v in t.items() if k != "timeAdded"}
+                               for t in d.get("taints") or []]  # fmt: skip
+                devices.append(d)
+            out.append({**c, "devices": devices})
         return out
 
     return key(a) == key(b)
