@@ -86,3 +86,23 @@ def drop_mutation(pod_uid: str):
         return current.model_copy(update={"allocations": allocations})
 
     return mutate
+
+
+def emptied_mutation(pod_uid: str):
+    """CAS body: the pod's DRA allocation holds nothing any more (its last claim, of MIG
+    instances, was unprepared and the instances are destroyed) but stays, for the scheduler's
+    release of the ended pod (its quota charge and `released` event)."""
+
+    def mutate(current: NodeLedger | None) -> NodeLedger:
+        existing = current.allocations.get(pod_uid) if current else None
+        if current is None or existing is None or existing.reason != DRA_REASON:
+            raise NoChange
+        if not any(existing.containers):
+            raise NoChange
+        allocations = dict(current.allocations)
+        allocations[pod_uid] = existing.model_copy(update={
+            "containers": [[] for _ in existing.containers], "updated_at": now(),
+        })  # fmt: skip
+        return current.model_copy(update={"allocations": allocations})
+
+    return mutate

@@ -9,7 +9,9 @@ names the pod(s) it is reserved for. The pod's `spec.resourceClaims` (with
 
 Everything read here comes from the API server and is validated as any value from the network:
 a result naming a device this node does not offer, more memory than the card has or more than
-100 % of its compute is refused with a sentence, never sealed.
+100 % of its compute, or a configuration the driver cannot apply (`config.py`) is refused with a
+sentence, never sealed. A MIG partition (`partitions.py`) becomes a grant of its profile's
+memory and compute with the instance to make (`mig`, planned until the driver made it).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tessera.models import DeviceGrant, DeviceInfo
+from tessera.models import DeviceGrant, DeviceInfo, MigInstanceGrant
 from tessera.quantity import QuantityError, parse
 
-from . import names
+from . import config, names, partitions
 from .slices import device_name
 
 MIB = 1 << 20
@@ -39,6 +41,7 @@ class ClaimDevice(BaseModel):
     request: str
     device: str = Field(description="the device's name in the ResourceSlice, e.g. gpu-0")
     share_id: str = ""
+    sharing: str = Field(config.TIME_SLICING, description="TimeSlicing (libvgpu) or MPS")
     grant: DeviceGrant
 
 
@@ -119,9 +122,22 @@ def allocated_devices(
         if result.get("pool") != node:
             raise ClaimError(f"{where}: pool {result.get('pool')!r} is not this node's ({node})")
         name = result.get("device")
+        request = str(result.get("request") or "")
         card = by_name.get(name) if isinstance(name, str) else None
-        if card is None:
+        placed = None if card is not None or not isinstance(name, str) else _partition(
+            devices, name)  # fmt: skip
+        if card is None and placed is None:
             raise ClaimError(f"{where}: device {name!r} is not one this node offers")
+        try:
+            strategy = config.strategy_for(allocation, request, label)
+            if placed is not None:
+                config.check(strategy, "mig", str(name), label)
+                out.append(ClaimDevice(request=request, device=str(name), grant=placed))
+                continue
+            assert card is not None
+            sharing = config.check(strategy, card.mode, str(name), label)
+        except config.ConfigError as exc:
+            raise ClaimError(str(exc)) from exc
         consumed = result.get("consumedCapacity")
         if consumed is None:
             memory, cores = card.memory_mib, min(card.cores, 100)
@@ -139,12 +155,49 @@ def allocated_devices(
                              "most 100")  # fmt: skip
         share = result.get("shareID") or ""
         out.append(ClaimDevice(
-            request=str(result.get("request") or ""), device=name, share_id=str(share),
+            request=request, device=name, share_id=str(share), sharing=sharing,
             grant=DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=cores),
         ))  # fmt: skip
     if not out:
         raise ClaimError(f"{label} holds no device of {names.DRIVER_NAME} on {node}")
     return out
+
+
+def _partition(devices: list[DeviceInfo], name: str) -> DeviceGrant | None:
+    """The grant of MIG partition `name` (its card, the profile's memory and cores, the
+    instance to make: planned), None when no card of this node publishes it."""
+    for card in devices:
+        placement = partitions.placement_of(card, name)
+        model = partitions.model_of(card)
+        if placement is None or model is None:
+            continue
+        profile = model.profile(placement[0])
+        return DeviceGrant(
+            uuid=card.uuid, type=card.type, memory_mib=model.profile_memory_mib(profile),
+            cores=model.profile_cores(profile),
+            mig=MigInstanceGrant(profile=profile.name, start=placement[1],
+                                 size=profile.memory_slices),
+        )  # fmt: skip
+    return None
+
+
+def mig_devices(record: PreparedClaim) -> list[ClaimDevice]:
+    return [d for d in record.devices if d.grant.mig is not None]
+
+
+def mps_cards(record: PreparedClaim) -> set[str]:
+    return {d.grant.uuid for d in record.devices if d.sharing == config.MPS}
+
+
+def with_instances(record: PreparedClaim, grants: list[DeviceGrant]) -> PreparedClaim:
+    """The record's MIG grants as the ledger holds them once made (MIG UUID, state)."""
+    made = {(g.uuid, g.mig.profile, g.mig.start): g for g in grants if g.mig is not None}
+    devices = []
+    for d in record.devices:
+        mig = d.grant.mig
+        found = made.get((d.grant.uuid, mig.profile, mig.start)) if mig is not None else None
+        devices.append(d.model_copy(update={"grant": found}) if found is not None else d)
+    return record.model_copy(update={"devices": devices})
 
 
 def claim_ref(claim: dict[str, Any]) -> str:

@@ -13,6 +13,16 @@ Prepare (per claim, idempotent: kubelet retries):
    the ledger (CAS) and publish `alloc.<node>.allocated`.
 Unprepare: the CDI spec, the directory (limits, region) and the record go; the pod's
 allocation shrinks while it keeps other claims (an ended pod's release is the scheduler's).
+
+MIG partitions (dynamic MIG, `partitions.py`): the pod's allocation goes into the ledger first
+with its instances planned, then `DynamicMig.allocate` makes them (NVML, as Allocate does in
+extender mode) and records their MIG UUIDs; the CDI device hands the container the instance's
+UUID and no libvgpu (the hardware isolates it). Unprepare takes the claim's instances out of
+the ledger entry and destroys them at once (IN_USE: the MIG reconcile retries), so the
+allocator may give the placement to the next claim.
+MPS (`config.py`): the container's own control daemon holds the claim's share before the CDI
+spec exists (`MpsDaemons.limit_now`, as Allocate in extender mode), its pipe directory is
+mounted and libvgpu's compute limiter is off (the sealed limits keep memory).
 """
 
 from __future__ import annotations
@@ -25,21 +35,30 @@ from pathlib import Path
 
 from tessera import bus
 from tessera.cluster.port import ClusterError, NotFoundError
+from tessera.device_kinds.base import GrantContext
+from tessera.device_kinds.nvidia.mig import MIG as MIG_KIND
+from tessera.device_kinds.nvidia.mps import PIPE_CONTAINER_DIR, mps_env
 from tessera.models import AllocationEvent, NodeLedger
 from tessera.region import seal_limits
 from tessera.settings import TesseraSettings
 
 from .. import handshake as hs
+from .. import mps as mps_node
 from ..containers import ContainerStore, PreparedContainer
+from ..mig_service import DynamicMig, MigCreateFailed
+from ..mps import MpsDaemons
 from ..state import DeviceState
 from . import accounting, cdi
 from .claims import (
     ClaimError,
     PreparedClaim,
     container_names,
+    mig_devices,
+    mps_cards,
     plan,
     reserved_pods,
     task_priority,
+    with_instances,
 )
 from .quota import DraQuota, QuotaRefused
 from .settings import DraSettings
@@ -111,6 +130,8 @@ class DraDriver:
         node_settings: Callable[[], TesseraSettings] | None = None,
         source: str = "",
         quota: DraQuota | None = None,
+        mig: DynamicMig | None = None,
+        mps: MpsDaemons | None = None,
     ) -> None:
         self.settings = settings
         self.dra = dra
@@ -125,6 +146,8 @@ class DraDriver:
         self.source = source or f"node-agent/{node}/dra"
         self.records = ClaimRecords(Path(settings.region_host_dir))
         self.quota = quota
+        self.mig = mig  # dynamic MIG (mig_service.py): None when the node does not run it
+        self.mps = mps  # MPS cards' control daemons (mps.py)
         self._lock = asyncio.Lock()  # one claim at a time: the ledger body reads the records
         self._publishing: set[asyncio.Task[None]] = set()
 
@@ -145,7 +168,9 @@ class DraDriver:
                 raise PrepareError(str(exc)) from exc
             self._check_one_claim_per_container(record)
             await self._hold_quota(record, [*self.records.of_pod(record.pod_uid), record], pod)
-            record = await asyncio.to_thread(self._materialise, record, pod)
+            if mig_devices(record):
+                record = await self._make_instances(record, pod)
+            record = await self._materialise(record, pod)
             self.records.put(record)
             await self._record_in_ledger(record.pod_uid, pod)
             await self._publish("allocated", record, pod)
@@ -202,8 +227,31 @@ class DraDriver:
 
         return DRIVER_NAME
 
-    def _materialise(self, record: PreparedClaim, pod: dict) -> PreparedClaim:
-        """Directory, sealed limits and CDI spec (a worker thread: file I/O)."""
+    async def _make_instances(self, record: PreparedClaim, pod: dict) -> PreparedClaim:
+        """The claim's MIG instances, made through dynamic MIG with the pod's allocation in the
+        ledger (planned, then created: the reconcile keeps what the ledger wants)."""
+        if self.mig is None:
+            raise PrepareError(
+                f"ResourceClaim {record.namespace}/{record.name} was allocated MIG partitions, "
+                "but this node agent does not run dynamic MIG (migstrategy dynamic takes "
+                "effect at its start)")  # fmt: skip
+        self.records.put(record)
+        try:
+            await self._record_in_ledger(record.pod_uid, pod)
+            ledger = await bus.read(self.ledger_kv, self.node, NodeLedger)
+            allocation = ledger.value.allocations.get(record.pod_uid) if ledger else None
+            if allocation is None:
+                raise PrepareError(f"pod {record.namespace}/{record.pod}: its allocation is "
+                                   "not in the ledger")  # fmt: skip
+            made = await self.mig.allocate(allocation)
+        except (MigCreateFailed, PrepareError) as exc:
+            self.records.drop(record.claim_uid)
+            raise PrepareError(str(exc)) from exc
+        return with_instances(record, [g for row in made.containers for g in row])
+
+    async def _materialise(self, record: PreparedClaim, pod: dict) -> PreparedClaim:
+        """Directory, sealed limits, the MPS daemon when the claim shares by MPS, and the CDI
+        spec (file I/O in a worker thread)."""
         node_settings = self.node_settings()
         allocation = accounting.pod_allocation(
             self.node,
@@ -217,18 +265,52 @@ class DraDriver:
         grants = [d.grant for d in record.devices]
         device_name = f"claim-{record.claim_uid}"
         cdi_id = cdi.device_id(device_name)
-        cdir = self.store.prepare(PreparedContainer(
-            pod_uid=record.pod_uid, namespace=record.namespace, pod=record.pod,
-            container=record.container, index=record.container_index, device_ids=[cdi_id],
-            grants=grants,
-        ))  # fmt: skip
+        mps = mps_cards(record)
         limits = hs.limits_for(allocation, record.container_index, node_settings)
-        seal_limits(cdir.limits_dir, limits)
-        env = hs.container_env(allocation, grants, node_settings)
-        preload = self.settings.preload_host_path or str(self.store.preload_file)
-        mounts = hs.container_mounts(cdir, self.settings, preload)
-        cdi.write_spec(self.dra.cdi_dir, record.claim_uid, cdi.build_spec(device_name, env, mounts))
+        if mps:
+            limits = mps_node.accounting_only(limits, mps)
+
+        def make_dir():
+            cdir = self.store.prepare(PreparedContainer(
+                pod_uid=record.pod_uid, namespace=record.namespace, pod=record.pod,
+                container=record.container, index=record.container_index, device_ids=[cdi_id],
+                grants=grants,
+            ))  # fmt: skip
+            seal_limits(cdir.limits_dir, limits)
+            return cdir
+
+        cdir = await asyncio.to_thread(make_dir)
+        if all(g.mig is not None for g in grants):  # MIG instances only: no libvgpu
+            ctx = GrantContext(devices={}, settings=node_settings, priority=allocation.priority,
+                               core_policy=allocation.core_policy)  # fmt: skip
+            env, mounts = MIG_KIND.container_edits(grants, ctx).env, []
+        else:
+            env = hs.container_env(allocation, grants, node_settings)
+            preload = self.settings.preload_host_path or str(self.store.preload_file)
+            mounts = hs.container_mounts(cdir, self.settings, preload)
+        if mps:
+            env = {**env, **mps_env(grants, mps)}
+            mounts = [*mounts, (PIPE_CONTAINER_DIR, str(await self._mps_daemon(
+                record, cdir, allocation, mps)), False)]  # fmt: skip
+        spec = cdi.build_spec(device_name, env, mounts)
+        await asyncio.to_thread(cdi.write_spec, self.dra.cdi_dir, record.claim_uid, spec)
         return record.model_copy(update={"cdi_device": cdi_id})
+
+    async def _mps_daemon(self, record: PreparedClaim, cdir, allocation, cards: set[str]):
+        """The container's own control daemon, limited to the claim's share before the
+        container can exist; its pipe directory."""
+        if self.mps is None:
+            raise PrepareError("MPS sharing is configured, but this node agent runs no MPS "
+                               "control daemons")  # fmt: skip
+        pipes = []
+        for uuid in sorted(cards):
+            try:
+                pipes.append(await self.mps.limit_now(cdir, allocation, uuid))
+            except mps_node.MpsError as exc:
+                await asyncio.to_thread(self.store.remove_container, cdir)
+                raise PrepareError(f"ResourceClaim {record.namespace}/{record.name}: MPS "
+                                   f"limits not set on {uuid}: {exc}") from exc
+        return pipes[0]
 
     # --- unprepare -------------------------------------------------------------------------
 
@@ -240,7 +322,9 @@ class DraDriver:
                 return  # never prepared here, or already unprepared: nothing to free
             await asyncio.to_thread(self._scrub, record)
             self.records.drop(uid)
-            if self.records.of_pod(record.pod_uid):
+            if mig_devices(record):
+                await self._free_instances(record)
+            elif self.records.of_pod(record.pod_uid):
                 # the pod keeps other claims: its allocation and charge shrink to them
                 await self._record_in_ledger(record.pod_uid)
                 try:
@@ -256,6 +340,33 @@ class DraDriver:
                 "claim unprepared",
                 extra={"claim": f"{namespace}/{name}", "pod": f"{record.namespace}/{record.pod}"},
             )
+
+    async def _free_instances(self, record: PreparedClaim) -> None:
+        """The claim's MIG instances leave the pod's ledger entry (the pod's other claims stay;
+        none left: the entry stays, holding nothing, for the scheduler's release) and are
+        destroyed now: the allocator may give the placement to the next claim at once."""
+        held = self.records.of_pod(record.pod_uid)
+        if held:
+            await self._record_in_ledger(record.pod_uid)
+        else:
+            try:
+                await bus.cas_update(self.ledger_kv, self.node, NodeLedger,
+                                     accounting.emptied_mutation(record.pod_uid))
+            except bus.NoChange:
+                pass
+            except Exception as exc:
+                raise PrepareError(f"the ledger could not be written ({exc}); kubelet "
+                                   "retries") from exc
+        if held:
+            try:
+                await self._hold_quota(record, held, None)
+            except PrepareError as exc:
+                self.log.warning("quota charge not reduced", extra={"err": str(exc)})
+        if self.mig is not None:
+            try:
+                await self.mig.reconcile_once()
+            except Exception as exc:  # its periodic pass retries
+                self.log.warning("MIG instances not destroyed yet", extra={"err": str(exc)})
 
     def _scrub(self, record: PreparedClaim) -> None:
         """The claim's directory goes (sealed limits, region, lease socket)."""

@@ -74,6 +74,8 @@ def start_driver(agent: NodeAgent, stop: asyncio.Event,
         node_settings=agent.configurator.node_settings,
         source=f"node-agent/{agent.node}/{agent.instance}",
         quota=DraQuota(agent.nc, agent.settings, agent.clock),
+        mig=agent.dynamic_mig,
+        mps=agent.mps,
     )
     endpoint = DraEndpoint(driver)
     agent.dra = endpoint
