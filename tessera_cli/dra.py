@@ -16,18 +16,56 @@ DRIVER = "gpu.tessera.io"
 DEVICE_CLASS_PATH = "/apis/resource.k8s.io/v1/deviceclasses"
 
 
+MIG_CLASS = f"mig.{DRIVER}"
+MPS_CLASS = f"mps.{DRIVER}"
+
+
+def _mode_is(mode: str) -> str:
+    return f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].mode == "{mode}"'
+
+
 def device_class() -> dict[str, Any]:
-    """Tessera's DeviceClass: the driver's devices; `nvidia.com/gpu` mapped to it (KEP-5004),
-    so a pod the webhook never converted still gets a whole card through DRA."""
+    """Tessera's DeviceClass: libvgpu slices of the driver's cards in mode hami-core;
+    `nvidia.com/gpu` mapped to it (KEP-5004), so a pod the webhook never converted still gets a
+    whole card through DRA."""
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
         "metadata": {"name": DRIVER},
         "spec": {
-            "selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}],
+            "selectors": [{"cel": {"expression": _mode_is("hami-core")}}],
             "extendedResourceName": "nvidia.com/gpu",
         },
     }
+
+
+def mig_device_class() -> dict[str, Any]:
+    """MIG partitions of cards in dynamic MIG (KEP-4815: one device per profile placement)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": MIG_CLASS},
+        "spec": {"selectors": [{"cel": {"expression": _mode_is("mig")}}]},
+    }
+
+
+def mps_device_class() -> dict[str, Any]:
+    """Slices of cards in MPS mode, prepared with MPS sharing (the class's opaque config)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": MPS_CLASS},
+        "spec": {
+            "selectors": [{"cel": {"expression": _mode_is("mps")}}],
+            "config": [{"opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS"}}}}],
+        },
+    }  # fmt: skip
+
+
+def device_classes() -> list[dict[str, Any]]:
+    return [device_class(), mig_device_class(), mps_device_class()]
 
 
 def node_env(node_dir: Path) -> dict[str, str]:
@@ -40,17 +78,22 @@ def node_env(node_dir: Path) -> dict[str, str]:
 
 
 def install_device_class(kubeconfig: Path) -> str:
-    """Create the DeviceClass (kept when it exists); a line saying what happened."""
+    """Create the DeviceClasses (each kept when it exists); a line saying what happened."""
     from .kube import ApiError, KubeClient, load_kubeconfig
 
+    made, kept = [], []
     with KubeClient(load_kubeconfig(kubeconfig)) as client:
-        try:
-            client.post(DEVICE_CLASS_PATH, device_class())
-        except ApiError as error:
-            if error.status == 409:
-                return f"DeviceClass {DRIVER} already installed"
-            raise
-    return f"DeviceClass {DRIVER} installed"
+        for cls in device_classes():
+            try:
+                client.post(DEVICE_CLASS_PATH, cls)
+                made.append(cls["metadata"]["name"])
+            except ApiError as error:
+                if error.status != 409:
+                    raise
+                kept.append(cls["metadata"]["name"])
+    parts = ([f"DeviceClass {', '.join(made)} installed"] if made else []) + (
+        [f"{', '.join(kept)} already installed"] if kept else [])
+    return "; ".join(parts)
 
 
 def slice_published(api_url: str, node: str) -> bool:
@@ -146,7 +189,9 @@ def claim_grants(
                 device = next((d for d in (slices[pool].get("spec") or {}).get("devices") or []
                                if d.get("name") == result.get("device")), {})  # fmt: skip
                 attrs = device.get("attributes") or {}
-                consumed = result.get("consumedCapacity") or {}
+                capacity = device.get("capacity") or {}
+                consumed = result.get("consumedCapacity") or {
+                    k: (capacity.get(k) or {}).get("value", "0") for k in ("memory", "cores")}
                 grant = {
                     "uuid": (attrs.get("uuid") or {}).get("string", result.get("device")),
                     "type": (attrs.get("type") or {}).get("string", ""),
@@ -185,11 +230,14 @@ def listed_claim_grants(
             ).get("items")
             or []
         }
-        slices = {
-            ((sl.get("spec") or {}).get("pool") or {}).get("name", ""): sl
-            for sl in client.get("/apis/resource.k8s.io/v1/resourceslices").get("items") or []
-            if (sl.get("spec") or {}).get("driver") == DRIVER
-        }
+        slices: dict[str, dict[str, Any]] = {}
+        for sl in client.get("/apis/resource.k8s.io/v1/resourceslices").get("items") or []:
+            spec = sl.get("spec") or {}
+            if spec.get("driver") != DRIVER:
+                continue
+            pool = (spec.get("pool") or {}).get("name", "")
+            held = slices.setdefault(pool, {"spec": {"devices": []}})  # a pool's slices, merged
+            held["spec"]["devices"] += spec.get("devices") or []
     except CliError:
         return {}  # a server without resource.k8s.io: no DRA pods to show
     return {

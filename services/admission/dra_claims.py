@@ -12,8 +12,13 @@ structured allocator places the pod. The template says, per container:
   cluster publishes (that size's selector, that share of it): the allocator tries them in order;
   100 % (or no memory at all) asks no memory and takes the request policy's default, the card;
 - CEL selectors for HAMi's annotations: `nvidia.com/use-gputype` / `nouse-gputype` (a
-  case-insensitive substring of the device type), `use-gpuuuid` / `nouse-gpuuuid` (exact UUIDs),
-  `nvidia.com/vgpu-mode` (the card's mode must be contained in it);
+  case-insensitive substring of the device type), `use-gpuuuid` / `nouse-gpuuuid` (exact UUIDs);
+- `nvidia.com/vgpu-mode` picks the DeviceClass: `hami-core` (or none) Tessera's slices,
+  `mps` the MPS cards' class (`mps.gpu.tessera.io`, whose configuration selects MPS sharing),
+  `mig` the MIG partitions' class (`mig.gpu.tessera.io`): HAMi's MIG mode gives a container the
+  smallest instance profile covering its memory and compute, so the request is a
+  `firstAvailable` list of the covering profiles the cluster publishes, smallest first, each
+  selecting that profile (the allocator takes the first that fits anywhere);
 - constraints: several GPUs are distinct cards (`distinctAttribute` uuid), and
   `nvidia.com/numa-bind: "true"` keeps them on one NUMA node (`matchAttribute` numa).
 
@@ -41,6 +46,8 @@ from tessera.settings import TesseraSettings
 
 DRIVER = "gpu.tessera.io"
 DEVICE_CLASS = "gpu.tessera.io"
+MIG_DEVICE_CLASS = "mig.gpu.tessera.io"
+MPS_DEVICE_CLASS = "mps.gpu.tessera.io"
 ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
 CLAIM_PREFIX = "tessera-gpu"
 REQUEST = "gpu"
@@ -51,6 +58,38 @@ SECTIONS = ("initContainers", "containers")
 
 class ConversionError(ValueError):
     """The pod cannot be converted; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class MigProfileOffer:
+    """A MIG profile some DRA node publishes partitions of (its memory and compute share)."""
+
+    name: str
+    memory_mib: int
+    cores: int
+
+
+@dataclass(frozen=True)
+class Published:
+    """What Tessera's driver publishes, as the conversion needs it: card sizes (MiB) per mode
+    (`hami-core`, `mps`) and the MIG profiles offered."""
+
+    card_memories: dict[str, list[int]] = field(default_factory=dict)
+    mig_profiles: tuple[MigProfileOffer, ...] = ()
+
+
+def class_for(annotations: dict[str, Any]) -> str:
+    """The DeviceClass HAMi's `nvidia.com/vgpu-mode` asks (HAMi's own mode first)."""
+    value = annotations.get(hami.ANN_VGPU_MODE)
+    modes = set(_strings(value.lower())) if isinstance(value, str) else set()
+    if not modes or "hami-core" in modes:
+        return DEVICE_CLASS
+    if "mps" in modes:
+        return MPS_DEVICE_CLASS
+    if "mig" in modes:
+        return MIG_DEVICE_CLASS
+    raise ConversionError(f"{hami.ANN_VGPU_MODE}: {value!r} names no mode DRA mode serves "
+                          "(hami-core, mps, mig)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -111,33 +150,67 @@ def selectors(annotations: dict[str, Any]) -> list[str]:
     nouse = _strings(text(hami.ANN_NOUSE_GPUUUID))
     if nouse:
         out.append(f"!({_ATTR}.uuid in {_cel_list(nouse)})")
-    mode = text(hami.ANN_VGPU_MODE).strip().lower()
-    if mode:
-        out.append(f"{json.dumps(mode)}.contains({_ATTR}.mode)")
     return out
 
 
-def _exact(count: int, cel: list[str], memory_mib: int | None, cores: int) -> dict[str, Any]:
-    requests: dict[str, str] = {"cores": str(cores)}
-    if memory_mib is not None:
-        requests["memory"] = f"{memory_mib}Mi"
+def _exact(count: int, cel: list[str], memory_mib: int | None, cores: int | None,
+           device_class: str = DEVICE_CLASS) -> dict[str, Any]:  # fmt: skip
     exact: dict[str, Any] = {
-        "deviceClassName": DEVICE_CLASS, "allocationMode": "ExactCount", "count": count,
-        "capacity": {"requests": requests},
+        "deviceClassName": device_class, "allocationMode": "ExactCount", "count": count,
     }  # fmt: skip
+    if cores is not None:  # a MIG partition is not shared: no capacity requests
+        requests: dict[str, str] = {"cores": str(cores)}
+        if memory_mib is not None:
+            requests["memory"] = f"{memory_mib}Mi"
+        exact["capacity"] = {"requests": requests}
     if cel:
         exact["selectors"] = [{"cel": {"expression": e}} for e in cel]
     return exact
 
 
+def _mig_request(ask: ContainerRequest, cel: list[str],
+                 profiles: tuple[MigProfileOffer, ...]) -> dict[str, Any]:  # fmt: skip
+    """HAMi's MIG mode: the smallest published profile covering the ask, tried in order."""
+    covering = sorted(
+        {p for p in profiles
+         if p.memory_mib >= (ask.memory_mib if ask.memory_percentage is None else 0)
+         and p.cores >= ask.cores},
+        key=lambda p: (p.memory_mib, p.cores, p.name),
+    )  # fmt: skip
+    if ask.memory_percentage is not None and ask.memory_percentage < 100:
+        raise ConversionError(
+            "a MIG instance is asked by size: nvidia.com/gpumem (MiB) and gpucores, not a "
+            "memory percentage (vgpu-mode mig)")  # fmt: skip
+    if not covering:
+        offered = ", ".join(sorted({p.name for p in profiles})) or "none"
+        raise ConversionError(
+            f"no MIG profile published in DRA mode covers {ask.memory_mib} MiB and {ask.cores} "
+            f"% of compute (profiles offered: {offered}): ask less, or run the pod in extender "
+            "mode")  # fmt: skip
+    names = list(dict.fromkeys(p.name for p in covering))
+    return {"name": REQUEST, "firstAvailable": [
+        {"name": "mig-" + name.replace(".", "-"),
+         **_exact(ask.count, [*cel, f"{_ATTR}.profile == {json.dumps(name)}"], None, None,
+                  MIG_DEVICE_CLASS)}
+        for name in names
+    ]}  # fmt: skip
+
+
 def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
-               card_memories: list[int]) -> dict[str, Any]:  # fmt: skip
+               card_memories: list[int] | Published) -> dict[str, Any]:  # fmt: skip
     """The ResourceClaim spec one container's HAMi request becomes."""
+    published = (card_memories if isinstance(card_memories, Published) else
+                 Published({"hami-core": list(card_memories), "mps": list(card_memories)}))
+    device_class = class_for(annotations)
     cel = selectors(annotations)
     pct = ask.memory_percentage
     request: dict[str, Any] = {"name": REQUEST}
-    if pct is not None and pct < 100:
-        if not card_memories:
+    sizes = published.card_memories.get("mps" if device_class == MPS_DEVICE_CLASS
+                                         else "hami-core", [])  # fmt: skip
+    if device_class == MIG_DEVICE_CLASS:
+        request = _mig_request(ask, cel, published.mig_profiles)
+    elif pct is not None and pct < 100:
+        if not sizes:
             raise ConversionError(
                 f"a GPU memory percentage needs the card sizes, and no {DRIVER} ResourceSlice "
                 "is published yet: ask nvidia.com/gpumem (MiB) instead, or retry once a DRA "
@@ -145,12 +218,12 @@ def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
         request["firstAvailable"] = [
             {"name": f"mem{size}", **_exact(
                 ask.count, [*cel, f'{_CAP}.memory.compareTo(quantity("{size}Mi")) == 0'],
-                size * pct // 100, ask.cores)}
-            for size in sorted(set(card_memories), reverse=True)
+                size * pct // 100, ask.cores, device_class)}
+            for size in sorted(set(sizes), reverse=True)
         ]  # fmt: skip
     else:
         memory = ask.memory_mib if (pct is None and ask.memory_mib > 0) else None
-        request["exactly"] = _exact(ask.count, cel, memory, ask.cores)
+        request["exactly"] = _exact(ask.count, cel, memory, ask.cores, device_class)
     constraints: list[dict[str, Any]] = []
     if ask.count > 1:
         constraints.append({"requests": [REQUEST], "distinctAttribute": f"{DRIVER}/uuid"})
@@ -215,7 +288,8 @@ def strip_stray_resources(pod: dict[str, Any], settings: TesseraSettings,
                                "nothing serves it in DRA mode)")  # fmt: skip
 
 
-def convert(plan: DraPlan, settings: TesseraSettings, card_memories: list[int]) -> Conversion:
+def convert(plan: DraPlan, settings: TesseraSettings,
+            card_memories: list[int] | Published) -> Conversion:  # fmt: skip
     """The pod with claims instead of HAMi's resources, and the templates it names."""
     pod = copy.deepcopy(plan.mutated)
     spec = pod["spec"]

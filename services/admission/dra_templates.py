@@ -12,7 +12,7 @@ from tessera.cluster.port import ClusterError, ConflictError
 from tessera.quantity import QuantityError, parse
 from tessera.settings import TesseraSettings
 
-from .dra_claims import DRIVER, ConversionError, convert
+from .dra_claims import DRIVER, ConversionError, MigProfileOffer, Published, convert
 from .rules import INVALID_REQUEST, Admitted, Decision, Denial, json_patch
 
 log = logging.getLogger("tessera.admission.dra")
@@ -27,22 +27,36 @@ class DraTemplates:
         self.cluster = cluster
         self.settings = settings
         self.cache_s = cache_s
-        self._sizes: tuple[float, list[int]] | None = None
+        self._sizes: tuple[float, Published] | None = None
 
-    async def card_memories(self) -> list[int]:
-        """The memory (MiB) of every card size Tessera's driver publishes (cached a while)."""
+    async def published(self) -> Published:
+        """Every card size (MiB) Tessera's driver publishes per mode, and its MIG profiles
+        (cached a while)."""
         now = time.monotonic()
         if self._sizes is not None and now - self._sizes[0] < self.cache_s:
             return self._sizes[1]
-        sizes: set[int] = set()
+        sizes: dict[str, set[int]] = {}
+        profiles: set[MigProfileOffer] = set()
         for item in await self.cluster.list_resource_slices(driver=DRIVER):
             for device in (item.get("spec") or {}).get("devices") or []:
-                value = ((device.get("capacity") or {}).get("memory") or {}).get("value")
+                attributes = device.get("attributes") or {}
+                capacity = device.get("capacity") or {}
+                mode = str((attributes.get("mode") or {}).get("string") or "hami-core")
                 try:
-                    sizes.add(int(parse(value).value) >> 20)
+                    memory = int(parse((capacity.get("memory") or {}).get("value")).value) >> 20
                 except QuantityError:
                     continue
-        found = sorted(sizes)
+                profile = (attributes.get("profile") or {}).get("string")
+                if mode == "mig" and isinstance(profile, str):
+                    try:
+                        cores = int(parse((capacity.get("cores") or {}).get("value")).value)
+                    except QuantityError:
+                        continue
+                    profiles.add(MigProfileOffer(profile, memory, cores))
+                elif mode != "mig":
+                    sizes.setdefault(mode, set()).add(memory)
+        found = Published({m: sorted(v) for m, v in sizes.items()},
+                          tuple(sorted(profiles, key=lambda p: (p.memory_mib, p.name))))
         self._sizes = (now, found)
         return found
 
@@ -57,8 +71,7 @@ class DraTemplates:
                 500,
             )
         try:
-            memories = await self.card_memories()
-            conversion = convert(decision.dra, self.settings, memories)
+            conversion = convert(decision.dra, self.settings, await self.published())
         except ConversionError as exc:
             return Denial(INVALID_REQUEST, str(exc), 400)
         except ClusterError as exc:
