@@ -186,6 +186,53 @@ def test_partitionable_devices_share_counters() -> None:
     assert not allocate([claim(exactly(count=3))], slices).ok  # 60Gi > 40Gi
 
 
+def test_mig_partitions_never_overlap_on_the_card() -> None:
+    """Tessera's driver's pool of one A100 in dynamic MIG (a devices slice and a counters slice):
+    the allocator, knowing nothing of MIG, keeps NVIDIA's placement rules through the counters."""
+    from tessera.node_agent.dra.slices import build_slices
+
+    from tessera.models import DeviceInfo, MigCapability
+
+    card = DeviceInfo(uuid="GPU-0", index=0, type="NVIDIA-A100-SXM4-80GB", memory_mib=81920,
+                      mode="mig", mig=MigCapability(model="A100-SXM4-80GB"))
+    slices = build_slices("node-a", [card], generation=1, driver_version="560.35.03")
+    classes = {"mig": {"metadata": {"name": "mig"}, "spec": {"selectors": [{"cel": {
+        "expression": 'device.attributes["gpu.tessera.io"].mode == "mig"'}}]}}}
+
+    def profile(name: str, uid: str) -> dict[str, Any]:
+        return claim({"name": "gpu", "exactly": {"deviceClassName": "mig", "selectors": [
+            {"cel": {"expression": f'device.attributes["gpu.tessera.io"].profile == "{name}"'}}]}},
+            name=uid, uid=uid)  # fmt: skip
+
+    from tessera.kube_sim.dra.model import device_index
+
+    held: list[dict[str, Any]] = []
+
+    def place(name: str) -> str | None:
+        wanted = profile(name, f"c{len(held)}")
+        outcome = Allocator([wanted], pools_for_node(slices, NODE), classes,
+                            usage_of(held, device_index(slices)), "node-a").run()
+        if not outcome.ok:
+            return None
+        wanted["status"] = {"allocation": outcome.results()[0]}
+        held.append(wanted)
+        return outcome.results()[0]["devices"]["results"][0]["device"]
+
+    assert place("3g.40gb") == "gpu-0-mig-3g-40gb-0"
+    assert place("3g.40gb") == "gpu-0-mig-3g-40gb-4"
+    assert place("3g.40gb") is None  # no third placement: every memory slice is taken
+    assert place("1g.10gb") is None  # 6 of 7 compute slices used, but no memory slice free
+    held.pop(0)  # the first 3g.40gb is released: slices 0-3 free again
+    assert place("4g.40gb") == "gpu-0-mig-4g-40gb-0"  # 4 + 3 of 7 compute slices
+    assert place("1g.10gb") is None
+    held.clear()
+    assert place("4g.40gb") == "gpu-0-mig-4g-40gb-0"
+    assert place("2g.20gb") == "gpu-0-mig-2g-20gb-4"
+    assert place("1g.10gb") == "gpu-0-mig-1g-10gb-6"
+    # memory slice 7 is free, but the 7 compute slices are used (and 1g cannot start at 7)
+    assert place("1g.10gb") is None
+
+
 def test_taints_need_tolerations() -> None:
     tainted = gpu("gpu-0", taints=[{"key": "example.com/unhealthy", "value": "ecc",
                                     "effect": "NoSchedule"}])

@@ -163,6 +163,37 @@ async def test_slices_are_validated_canonical_and_selectable(http: httpx.AsyncCl
         "Name", "Node", "Driver", "Pool", "Age"]
 
 
+async def test_counter_sets_live_in_their_own_slices_of_the_pool(http: httpx.AsyncClient) -> None:
+    """KEP-4815 as `resource.k8s.io/v1` has it: a slice holds devices or shared counters, never
+    both; a device consumes a counter set another slice of its pool defines."""
+    slices = f"{RESOURCE}/resourceslices"
+    sets = [{"name": "gpu-0-counters", "counters": {"memory-slice-0": {"value": "1"}}}]
+    partition = {"consumesCounters": [{"counterSet": "gpu-0-counters",
+                                       "counters": {"memory-slice-0": {"value": "1"}}}]}
+    both = slice_("both", **partition)
+    both["spec"]["sharedCounters"] = sets
+    refused = await http.post(slices, json=both)
+    assert refused.status_code == 422
+    assert "exactly one of `devices`, `sharedCounters`" in refused.json()["message"]
+    two = {"generation": 0, "resourceSliceCount": 2}
+    devices = slice_("pool-devices", **partition)
+    devices["spec"]["pool"].update(two)
+    counters = {"metadata": {"name": "pool-counters"}, "spec": {
+        "driver": "gpu.example.com", "nodeName": "node-a", "pool": {"name": "node-a", **two},
+        "sharedCounters": sets}}
+    assert (await http.post(slices, json=devices)).status_code == 201
+    assert (await http.post(slices, json=counters)).status_code == 201
+    many = {"metadata": {"name": "many-sets"}, "spec": {
+        **counters["spec"], "sharedCounters": [
+            {"name": f"set-{i}", "counters": {"c": {"value": "1"}}} for i in range(9)]}}
+    too_many = await http.post(slices, json=many)
+    assert too_many.status_code == 422 and "at most 8" in too_many.json()["message"]
+    crowded = slice_("crowded")
+    crowded["spec"]["devices"] = [{"name": f"p-{i}", **partition} for i in range(65)]
+    over = await http.post(slices, json=crowded)
+    assert over.status_code == 422 and "at most 64" in over.json()["message"]
+
+
 async def test_device_classes_and_pod_claim_references(http: httpx.AsyncClient) -> None:
     classes = f"{RESOURCE}/deviceclasses"
     bad = {"metadata": {"name": "x"}, "spec": {"selectors": [{"cel": {"expression": "1 +"}}]}}

@@ -123,7 +123,7 @@ def validate_slice(obj: KubeObject) -> list[FieldError]:
             taint.setdefault("timeAdded", now_rfc3339())
         consumptions = device.get("consumesCounters") or []
         if len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
-            errors.append(FieldError("TooMany", f"{where}.consumesCounters",
+            errors.append(FieldError("Invalid", f"{where}.consumesCounters",
                                      f"must have at most {MAX_CONSUMPTIONS_PER_DEVICE} items",
                                      len(consumptions)))
         sets_named: set[str] = set()
@@ -146,7 +146,7 @@ def _counters_errors(counters: Any, path: str) -> list[FieldError]:
         return [FieldError("Required", path)]
     errors: list[FieldError] = []
     if len(counters) > MAX_COUNTERS_PER_SET:
-        errors.append(FieldError("TooMany", path, f"must have at most {MAX_COUNTERS_PER_SET} "
+        errors.append(FieldError("Invalid", path, f"must have at most {MAX_COUNTERS_PER_SET} "
                                  "items", len(counters)))
     for name, counter in counters.items():
         dns_label(name, f"{path}[{name}]", errors)
@@ -163,7 +163,7 @@ def _counter_set_errors(counter_sets: Any) -> list[FieldError]:
         return [FieldError("Invalid", "spec.sharedCounters", "must be a list", "...")]
     errors: list[FieldError] = []
     if len(counter_sets) > MAX_COUNTER_SETS:
-        errors.append(FieldError("TooMany", "spec.sharedCounters",
+        errors.append(FieldError("Invalid", "spec.sharedCounters",
                                  f"must have at most {MAX_COUNTER_SETS} items",
                                  len(counter_sets)))
     names: set[str] = set()
