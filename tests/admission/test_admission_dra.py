@@ -195,3 +195,58 @@ async def test_a_priority_without_a_gpu_keeps_its_env_and_loses_the_resource_not
         "limits", {}))
     assert {"name": "CUDA_TASK_PRIORITY", "value": "1"} in main["env"]
     assert "resourceClaims" not in patched(obj, response)["spec"]
+
+
+async def publish_mig_and_mps_cards(cluster: InMemoryCluster) -> None:
+    """What a DRA node agent publishes for an A100 in dynamic MIG and a 16 GiB card in MPS
+    mode."""
+    from tessera.node_agent.dra.slices import build_slices
+
+    from tessera.models import DeviceInfo, MigCapability
+
+    cards = [
+        DeviceInfo(uuid="GPU-mig", index=0, type="NVIDIA-A100-SXM4-80GB", memory_mib=81920,
+                   mode="mig", mig=MigCapability(model="A100-SXM4-80GB")),
+        DeviceInfo(uuid="GPU-mps", index=1, type="NVIDIA-A100-SXM4-80GB", memory_mib=16384,
+                   mode="mps"),
+    ]  # fmt: skip
+    for published in build_slices("node-a", cards, generation=1, driver_version="560.35.03"):
+        await cluster.create_resource_slice(published)
+
+
+async def test_hami_mig_mode_asks_the_smallest_covering_mig_profile():
+    cluster = InMemoryCluster()
+    await publish_mig_and_mps_cards(cluster)
+    obj = pod(container("main", {GPU: 1, MEM: 15000, CORES: 20}),
+              annotations={"nvidia.com/vgpu-mode": "mig"})  # fmt: skip
+    async with client(cluster) as c:
+        out = patched(obj, await admit(c, obj))
+    name = out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    [request] = template_spec(cluster, "team-a", name)["devices"]["requests"]
+    choices = request["firstAvailable"]
+    # 1g.10gb and 1g.20gb give 14 % of the compute: too little; the others by size
+    assert [c["name"] for c in choices] == ["mig-2g-20gb", "mig-3g-40gb", "mig-4g-40gb",
+                                            "mig-7g-80gb"]  # fmt: skip
+    first = choices[0]
+    assert first["deviceClassName"] == "mig.gpu.tessera.io" and "capacity" not in first
+    assert first["selectors"][-1]["cel"]["expression"] == (
+        'device.attributes["gpu.tessera.io"].profile == "2g.20gb"')
+
+
+async def test_hami_mps_mode_asks_the_mps_class_and_no_profile_too_big_is_a_denial():
+    cluster = InMemoryCluster()
+    await publish_mig_and_mps_cards(cluster)
+    mps = pod(container("main", {GPU: 1, MEM: 4096, CORES: 30}),
+              annotations={"nvidia.com/vgpu-mode": "mps"})  # fmt: skip
+    huge = pod(container("main", {GPU: 1, MEM: 100000, CORES: 20}),
+               annotations={"nvidia.com/vgpu-mode": "mig"})  # fmt: skip
+    async with client(cluster) as c:
+        out = patched(mps, await admit(c, mps))
+        refused = await admit(c, huge)
+    name = out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    [request] = template_spec(cluster, "team-a", name)["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == "mps.gpu.tessera.io"
+    assert request["exactly"]["capacity"]["requests"] == {"memory": "4096Mi", "cores": "30"}
+    assert refused["allowed"] is False
+    assert "no MIG profile published in DRA mode covers 100000 MiB" in (
+        refused["status"]["message"])
