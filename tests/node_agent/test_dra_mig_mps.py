@@ -213,3 +213,19 @@ async def test_a_configuration_the_driver_cannot_apply_is_refused_with_a_sentenc
         assert not cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).exists()
         assert (await h.ledger()) is None or pod["metadata"]["uid"] not in (
             await h.ledger()).allocations
+
+
+async def test_a_claim_naming_the_mig_card_whole_or_an_unknown_partition_is_refused(
+        short_dir, nc, buckets, node):  # fmt: skip
+    """The card in dynamic MIG is offered only as its partitions: an allocation naming it whole
+    (or a placement it does not have) is refused, never sealed as a slice of it."""
+    cluster = InMemoryCluster()
+    async with harness(short_dir, nc, buckets, node, cluster) as h:
+        for device in ("gpu-0", "gpu-0-mig-4g-40gb-4"):
+            pod, claim = partition_claim(node, device)
+            cluster.add_pod(pod)
+            cluster.put_resource_claim(claim)
+            answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+            assert f"device '{device}' is not one this node offers" in answer.error
+            assert not cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).exists()
+        assert h.nvml.list_devices(h.nvml.handles[h.state.devices()[0].uuid][0], 0) == []

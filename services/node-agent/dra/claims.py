@@ -26,7 +26,7 @@ from tessera.models import DeviceGrant, DeviceInfo, MigInstanceGrant
 from tessera.quantity import QuantityError, parse
 
 from . import config, names, partitions
-from .slices import device_name
+from .slices import SLICED_MODES, device_name
 
 MIB = 1 << 20
 
@@ -113,7 +113,8 @@ def allocated_devices(
     results = _obj(allocation.get("devices")).get("results") or []
     if not isinstance(results, list):
         raise ClaimError(f"{label}: status.allocation.devices.results is not a list")
-    by_name = {device_name(d): d for d in devices}
+    by_name = {device_name(d): d for d in devices  # whole cards the pool offers
+               if d.mode in SLICED_MODES and partitions.model_of(d) is None}  # fmt: skip
     out: list[ClaimDevice] = []
     for i, result in enumerate(results):
         if not isinstance(result, dict) or result.get("driver") != names.DRIVER_NAME:
