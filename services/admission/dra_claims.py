@@ -19,6 +19,9 @@ structured allocator places the pod. The template says, per container:
   smallest instance profile covering its memory and compute, so the request is a
   `firstAvailable` list of the covering profiles the cluster publishes, smallest first, each
   selecting that profile (the allocator takes the first that fits anywhere);
+- a container asking NVIDIA's MIG resources (`nvidia.com/mig-<profile>: N`, the device plugin's
+  mixed strategy, which HAMi serves too) gets a claim with one request per profile: N devices of
+  `mig.gpu.tessera.io` selecting that profile (the dynamic-MIG partitions);
 - constraints: several GPUs are distinct cards (`distinctAttribute` uuid), and
   `nvidia.com/numa-bind: "true"` keeps them on one NUMA node (`matchAttribute` numa).
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera import hami
+from tessera import mig as mig_tables
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.settings import TesseraSettings
 
@@ -235,6 +239,65 @@ def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
     return spec
 
 
+def mig_asks(container: Any) -> dict[str, int]:
+    """`nvidia.com/mig-<profile>: N` of a container (limits, else requests): profile → N;
+    ConversionError for a malformed profile or count."""
+    if not isinstance(container, dict) or not isinstance(container.get("resources"), dict):
+        return {}
+    out: dict[str, int] = {}
+    for part in ("requests", "limits"):  # limits win, as kubelet takes them for extended ones
+        values = container["resources"].get(part)
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if not isinstance(key, str) or not key.startswith(mig_tables.MIG_RESOURCE_PREFIX):
+                continue
+            profile = key[len(mig_tables.MIG_RESOURCE_PREFIX):]
+            try:
+                mig_tables.parse_profile_name(profile)
+            except mig_tables.MigError as exc:
+                raise ConversionError(f"{key}: {exc}") from None
+            count = value if isinstance(value, int) else (
+                int(value) if isinstance(value, str) and value.isdigit() else -1)
+            if isinstance(value, bool) or count < 1:
+                raise ConversionError(f"{key}: {value!r} is not a whole number of instances ≥ 1")
+            out[profile] = count
+    return out
+
+
+def asks_mig_resources(pod: dict[str, Any]) -> bool:
+    """Whether a container asks `nvidia.com/mig-*` (a malformed ask too: the conversion denies
+    it with the reason)."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    try:
+        return any(mig_asks(c) for section in SECTIONS for c in spec.get(section) or [])
+    except ConversionError:
+        return True
+
+
+def mig_claim_spec(asks: dict[str, int], annotations: dict[str, Any]) -> dict[str, Any]:
+    """One request per MIG profile a container asks (NVIDIA's `nvidia.com/mig-<profile>`)."""
+    cel = selectors(annotations)
+    return {"devices": {"requests": [
+        {"name": "mig-" + profile.replace(".", "-"), "exactly": _exact(
+            count, [*cel, f"{_ATTR}.profile == {json.dumps(profile)}"], None, None,
+            MIG_DEVICE_CLASS)}
+        for profile, count in sorted(asks.items())
+    ]}}  # fmt: skip
+
+
+def _strip_mig_resources(container: dict[str, Any]) -> None:
+    resources = container.get("resources") or {}
+    for part in ("limits", "requests"):
+        values = resources.get(part)
+        if isinstance(values, dict):
+            for key in [k for k in values if isinstance(k, str)
+                        and k.startswith(mig_tables.MIG_RESOURCE_PREFIX)]:  # fmt: skip
+                del values[key]
+            if not values:
+                del resources[part]
+
+
 def template_for(spec: dict[str, Any]) -> dict[str, Any]:
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     return {
@@ -305,11 +368,20 @@ def convert(plan: DraPlan, settings: TesseraSettings,
     by_name: dict[str, dict[str, Any]] = {}
     for section in SECTIONS:
         for container in spec.get(section) or []:
-            ask = asks[position]
+            ask = asks[position] if position < len(asks) else None
             position += 1
-            if ask is None:
+            migs = mig_asks(container)
+            if ask is None and not migs:
                 continue
-            template = template_for(claim_spec(ask, annotations, card_memories))
+            if ask is not None and migs:
+                raise ConversionError(
+                    f"container {container.get('name') or position - 1} asks GPU slices and "
+                    f"MIG instances ({', '.join(sorted(migs))}): one Tessera claim per "
+                    "container in DRA mode; ask one or the other")  # fmt: skip
+            spec_of = (claim_spec(ask, annotations, card_memories) if ask is not None
+                       else mig_claim_spec(migs, annotations))  # fmt: skip
+            template = template_for(spec_of)
+            _strip_mig_resources(container)
             name = template["metadata"]["name"]
             by_name.setdefault(name, template)
             local = f"{CLAIM_PREFIX}-{position - 1}"

@@ -207,7 +207,8 @@ def decide(pod: Any, namespace: str, settings: TesseraSettings) -> Decision:
                 f"{settings.scheduler_name}. Remove spec.nodeName and use a nodeSelector or node "
                 "affinity to choose nodes",
             )
-    if gpu_pod and dra_claims.wanted(pod, settings):  # DRA mode: claims, not the extender
+    mig_resources = dra_claims.wanted(pod, settings) and dra_claims.asks_mig_resources(mutated)
+    if (gpu_pod or mig_resources) and dra_claims.wanted(pod, settings):  # DRA: claims
         return Admitted([], tuple(changes), tuple(warnings), _quota_ask(pod, normalised, namespace),
                         "GPU request converted to ResourceClaims", unplaceable,
                         dra=dra_claims.DraPlan(mutated, normalised, namespace))

@@ -250,3 +250,32 @@ async def test_hami_mps_mode_asks_the_mps_class_and_no_profile_too_big_is_a_deni
     assert refused["allowed"] is False
     assert "no MIG profile published in DRA mode covers 100000 MiB" in (
         refused["status"]["message"])
+
+
+async def test_nvidia_mig_resources_become_a_claim_per_profile_and_bad_ones_a_denial():
+    cluster = InMemoryCluster()
+    await publish_mig_and_mps_cards(cluster)
+    obj = pod(container("vllm", {"nvidia.com/mig-1g.10gb": 2, "nvidia.com/mig-3g.40gb": "1"}),
+              container("side"))  # fmt: skip
+    bad = pod(container("vllm", {"nvidia.com/mig-huge": 1}))
+    both = pod(container("vllm", {GPU: 1, MEM: 1000, "nvidia.com/mig-1g.10gb": 1}))
+    async with client(cluster) as c:
+        out = patched(obj, await admit(c, obj))
+        refused = await admit(c, bad)
+        mixed = await admit(c, both)
+    vllm = out["spec"]["containers"][0]
+    assert "limits" not in vllm["resources"]  # nothing left for a device plugin that is not there
+    [entry] = out["spec"]["resourceClaims"]
+    assert vllm["resources"]["claims"] == [{"name": entry["name"]}]
+    requests = template_spec(cluster, "team-a", entry["resourceClaimTemplateName"])[
+        "devices"]["requests"]
+    assert [(r["name"], r["exactly"]["deviceClassName"], r["exactly"]["count"],
+             r["exactly"]["selectors"][-1]["cel"]["expression"]) for r in requests] == [
+        ("mig-1g-10gb", "mig.gpu.tessera.io", 2,
+         'device.attributes["gpu.tessera.io"].profile == "1g.10gb"'),
+        ("mig-3g-40gb", "mig.gpu.tessera.io", 1,
+         'device.attributes["gpu.tessera.io"].profile == "3g.40gb"')]  # fmt: skip
+    assert refused["allowed"] is False and "is not a MIG profile name" in (
+        refused["status"]["message"])
+    assert mixed["allowed"] is False and "one Tessera claim per container" in (
+        mixed["status"]["message"])

@@ -7,9 +7,10 @@ partitions sharing its counters, two claims for `3g.40gb` get the two placements
 (their instances made in the simulated NVML, each container given only its own), a third pends
 with the allocator's reason and runs once one is deleted (its instance destroyed, a new one
 made). HAMi's MIG-mode pod (`nvidia.com/vgpu-mode: mig`), converted by the webhook, gets the
-smallest covering profile. The other node's card is put in MPS mode by the node configuration:
-a claim of the MPS DeviceClass runs with its own control daemon (the fake
-nvidia-cuda-mps-control) holding exactly its share."""
+smallest covering profile; the seed example asking `nvidia.com/mig-1g.10gb` runs unchanged.
+The other node's card is put in MPS mode by the node configuration: a claim of the MPS
+DeviceClass runs with its own control daemon (the fake nvidia-cuda-mps-control) holding exactly
+its share."""
 
 from __future__ import annotations
 
@@ -168,6 +169,14 @@ def test_mig_partitions_are_allocated_without_overlap_and_made_per_claim(
     [only] = sim.kube.wait_for("the 3g instances destroyed",
                                lambda: instances(sim) if len(instances(sim)) == 1 else None, 30)
     assert only["profile"] == "1g.10gb"
+
+    # NVIDIA's MIG resource, as the seed example asks it, unchanged: a claim for that profile
+    example = (ROOT / "examples" / "mig" / "vllm-mig-1g.10gb.yaml").read_text()
+    kubectl.run("apply", "-n", namespace, "-f", "-", stdin=example)
+    sim.kube.wait_running(namespace, "vllm-mig", 60)
+    assert claim_device(kubectl, namespace, "vllm-mig").startswith("gpu-0-mig-1g-10gb-")
+    visible = container_of(sim, MIG_NODE, namespace, "vllm-mig")["envs"]["NVIDIA_VISIBLE_DEVICES"]
+    assert {i["uuid"]: i["profile"] for i in instances(sim)}[visible] == "1g.10gb"
 
 
 def test_an_mps_class_claim_runs_with_its_own_daemon_holding_its_share(
