@@ -11,6 +11,7 @@ a configuration the driver cannot apply is refused with a sentence and nothing i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -229,3 +230,46 @@ async def test_a_claim_naming_the_mig_card_whole_or_an_unknown_partition_is_refu
             assert f"device '{device}' is not one this node offers" in answer.error
             assert not cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).exists()
         assert h.nvml.list_devices(h.nvml.handles[h.state.devices()[0].uuid][0], 0) == []
+
+
+def test_a_node_of_eight_mig_cards_spreads_its_pool_over_valid_slices() -> None:
+    """144 partitions (at most 64 a slice when they consume counters) and 8 counter sets (at
+    most 8 a slice): three device slices and one counter slice, each valid for the API."""
+    from tessera.node_agent.dra.slices import build_slices
+
+    eight = [DeviceInfo(uuid=f"GPU-{i}", index=i, type=f"NVIDIA-{A100}", memory_mib=81920,
+                        mode="mig", mig=MigCapability(model=A100)) for i in range(8)]
+    pool = build_slices("n", eight, generation=3, driver_version="560.35.03")
+    assert [len(s["spec"].get("devices") or []) for s in pool] == [64, 64, 16, 0]
+    assert [len(s["spec"].get("sharedCounters") or []) for s in pool] == [0, 0, 0, 8]
+    assert [s["metadata"]["name"] for s in pool] == [
+        "n-gpu.tessera.io", "n-gpu.tessera.io-1", "n-gpu.tessera.io-2", "n-gpu.tessera.io-3"]
+    assert {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"])
+            for s in pool} == {(3, 4)}  # fmt: skip
+    for published in pool:
+        assert validate_slice(published) == []
+
+
+async def test_a_pool_that_shrinks_drops_the_slices_it_no_longer_has(short_dir, nc, buckets, node):
+    """The card leaves dynamic MIG (node configuration): one slice is left, at a new generation;
+    the counter slice is deleted."""
+    cluster = InMemoryCluster()
+    async with harness(short_dir, nc, buckets, node, cluster) as h:
+        before = await cluster.list_resource_slices(driver=names.DRIVER_NAME, node=node)
+        assert len(before) == 2
+        plain = [d.model_copy(update={"mode": "hami-core", "mig": None})
+                 if d.mode == "mig" else d for d in h.state.devices()]  # fmt: skip
+        await h.state.update(plain)
+
+        async def one_slice() -> list[dict]:
+            found = await cluster.list_resource_slices(driver=names.DRIVER_NAME, node=node)
+            return found if len(found) == 1 else []
+
+        deadline = asyncio.get_running_loop().time() + 15
+        while not (after := await one_slice()):
+            assert asyncio.get_running_loop().time() < deadline, "the counter slice stayed"
+            await asyncio.sleep(0.05)
+        [published] = after
+        assert published["spec"]["pool"]["resourceSliceCount"] == 1
+        assert published["spec"]["pool"]["generation"] > before[0]["spec"]["pool"]["generation"]
+        assert [d["name"] for d in published["spec"]["devices"]] == ["gpu-0", "gpu-1", "gpu-2"]
