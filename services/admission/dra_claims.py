@@ -206,6 +206,10 @@ def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
     published = (card_memories if isinstance(card_memories, Published) else
                  Published({"hami-core": list(card_memories), "mps": list(card_memories)}))
     device_class = class_for(annotations)
+    if device_class == MPS_DEVICE_CLASS and ask.count > 1:
+        raise ConversionError(
+            f"nvidia.com/gpu: {ask.count} in MPS mode: an MPS client reaches one card's daemon, "
+            "so an MPS container holds one GPU (as in extender mode)")  # fmt: skip
     cel = selectors(annotations)
     pct = ask.memory_percentage
     request: dict[str, Any] = {"name": REQUEST}

@@ -247,6 +247,11 @@ async def test_hami_mps_mode_asks_the_mps_class_and_no_profile_too_big_is_a_deni
     [request] = template_spec(cluster, "team-a", name)["devices"]["requests"]
     assert request["exactly"]["deviceClassName"] == "mps.gpu.tessera.io"
     assert request["exactly"]["capacity"]["requests"] == {"memory": "4096Mi", "cores": "30"}
+    two = pod(container("main", {GPU: 2, MEM: 4096}), annotations={"nvidia.com/vgpu-mode": "mps"})
+    async with client(cluster) as c:
+        two_cards = await admit(c, two)
+    assert two_cards["allowed"] is False and "an MPS container holds one GPU" in (
+        two_cards["status"]["message"])
     assert refused["allowed"] is False
     assert "no MIG profile published in DRA mode covers 100000 MiB" in (
         refused["status"]["message"])

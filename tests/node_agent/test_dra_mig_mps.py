@@ -187,6 +187,22 @@ async def test_an_mps_claim_gets_its_own_daemon_holding_its_share(short_dir, nc,
         assert [(d.mem_limit_bytes, d.sm_limit_pct) for d in sealed.devices] == [(4096 << 20, 100)]
 
 
+async def test_an_mps_claim_on_two_cards_is_refused(short_dir, nc, buckets, node):
+    cluster = InMemoryCluster()
+    async with harness(short_dir, nc, buckets, node, cluster) as h:
+        await h.state.update([*h.state.devices(), h.state.devices()[2].model_copy(
+            update={"uuid": "GPU-mps-2", "index": 3})])
+        pod, claim = pod_and_claim(node, "gpu-2", "4Gi", "30")
+        results = claim["status"]["allocation"]["devices"]["results"]
+        results.append({**results[0], "device": "gpu-3", "shareID": "other"})
+        claim["status"]["allocation"]["devices"]["config"] = [MPS_CONFIG]
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert "an MPS claim holds one card" in answer.error, answer.error
+        assert not h.driver.mps.daemons  # no daemon started for it
+
+
 @pytest.mark.parametrize(("device", "parameters", "expected"), [
     ("gpu-1", {"apiVersion": "gpu.tessera.io/v1alpha1", "kind": "GpuConfig",
                "sharing": {"strategy": "MPS"}}, "not in MPS mode"),

@@ -159,6 +159,9 @@ def allocated_devices(
             request=request, device=name, share_id=str(share), sharing=sharing,
             grant=DeviceGrant(uuid=card.uuid, type=card.type, memory_mib=memory, cores=cores),
         ))  # fmt: skip
+    if sum(1 for d in out if d.sharing == config.MPS) > 1:
+        raise ClaimError(f"{label}: MPS sharing on {len(out)} cards; an MPS client reaches one "
+                         "card's daemon, so an MPS claim holds one card (count: 1)")  # fmt: skip
     if not out:
         raise ClaimError(f"{label} holds no device of {names.DRIVER_NAME} on {node}")
     return out
