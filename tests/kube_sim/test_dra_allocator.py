@@ -233,6 +233,25 @@ def test_mig_partitions_never_overlap_on_the_card() -> None:
     assert place("1g.10gb") is None
 
 
+def test_class_then_claim_configuration_is_copied_into_the_allocation() -> None:
+    """The driver reads its opaque configuration from the allocation: the class's entries first
+    (`FromClass`, naming the requests that used the class), then the claim's (`FromClaim`, as
+    written), so the claim's can override the class's."""
+    opaque = {"driver": DRIVER, "parameters": {"sharing": "a"}}
+    classes = {**CLASSES, "gpu": {**CLASSES["gpu"], "spec": {
+        **CLASSES["gpu"]["spec"], "config": [{"opaque": opaque}]}}}
+    own = {"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {"sharing": "b"}}}
+    wanted = claim(exactly())
+    wanted["spec"]["devices"]["config"] = [own]
+    outcome = Allocator([wanted], pools_for_node([slice_([gpu("gpu-0")])], NODE), classes,
+                        usage_of([], {}), "node-a").run()
+    assert outcome.ok, outcome.reason
+    assert outcome.results()[0]["devices"]["config"] == [
+        {"source": "FromClass", "requests": ["gpu"], "opaque": opaque},
+        {"source": "FromClaim", **own},
+    ]
+
+
 def test_taints_need_tolerations() -> None:
     tainted = gpu("gpu-0", taints=[{"key": "example.com/unhealthy", "value": "ecc",
                                     "effect": "NoSchedule"}])
