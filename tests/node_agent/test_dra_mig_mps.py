@@ -289,3 +289,30 @@ async def test_a_pool_that_shrinks_drops_the_slices_it_no_longer_has(short_dir, 
         assert published["spec"]["pool"]["resourceSliceCount"] == 1
         assert published["spec"]["pool"]["generation"] > before[0]["spec"]["pool"]["generation"]
         assert [d["name"] for d in published["spec"]["devices"]] == ["gpu-0", "gpu-1", "gpu-2"]
+
+
+async def test_a_restarted_agent_keeps_the_instance_of_a_prepared_claim(
+        short_dir, nc, buckets, node):  # fmt: skip
+    """After a restart (a new reconciler that made nothing itself), the instance the ledger
+    records for the prepared claim is adopted, never destroyed as an orphan; unpreparing the
+    claim still destroys it."""
+    cluster = InMemoryCluster()
+    async with harness(short_dir, nc, buckets, node, cluster) as h:
+        pod, claim = partition_claim(node, "gpu-0-mig-1g-10gb-6")
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        assert (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]].error == ""
+        handle = h.nvml.handles[h.state.devices()[0].uuid][0]
+        [made] = h.nvml.list_devices(handle, 0)
+        log = logging.getLogger("test.dra.mig.restarted")
+        fresh = MigReconciler(node=node, handles=h.nvml.handles, list_devices=h.nvml.list_devices,
+                              create=h.nvml.create, destroy=h.nvml.destroy, js=nc.jetstream(),
+                              log=log, clock=lambda: 1e9, grace_s=0.0)  # fmt: skip
+        h.driver.mig = DynamicMig(node=node, reconciler=fresh, ledger_kv=buckets.ledger,
+                                  js=nc.jetstream(), cluster=None, log=log)  # fmt: skip
+        await h.driver.reconcile()  # what a restarted driver does first
+        outcome = await h.driver.mig.reconcile_once()
+        assert not outcome.destroyed and not outcome.vanished
+        assert [d.uuid for d in h.nvml.list_devices(handle, 0)] == [made.uuid]
+        assert (await h.kubelet_unprepare(claim)).claims[claim["metadata"]["uid"]].error == ""
+        assert h.nvml.list_devices(handle, 0) == []
