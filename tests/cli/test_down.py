@@ -20,7 +20,9 @@ def leave(*_):
     (state / "left").write_text("SIGTERM")
     sys.exit(0)
 signal.signal(signal.SIGTERM, leave)
-(state / "stack.json").write_text(json.dumps({"pid": __import__("os").getpid(), "ready": True}))
+# written as `tessera up` writes it (a scratch file renamed): a reader never sees half of it
+(state / "stack.tmp").write_text(json.dumps({"pid": __import__("os").getpid(), "ready": True}))
+(state / "stack.tmp").replace(state / "stack.json")
 while True:
     time.sleep(0.1)
 """
