@@ -63,6 +63,17 @@ def all_keys() -> tuple[str, ...]:
     return (*role_keys(TO_ALLOCATE), *role_keys(ALLOCATED))
 
 
+def is_grant_key(key: str) -> bool:
+    """Whether `key` is a family's grant record (only the scheduler and node agents write
+    one: admission denies it from anyone else, as NVIDIA's)."""
+    return key in _key_set(registry.version)
+
+
+@cache
+def _key_set(_version: int) -> frozenset[str]:
+    return frozenset(all_keys())
+
+
 def by_family(
     containers: Sequence[Sequence[DeviceGrant]],
 ) -> list[tuple[DeviceFamily, list[list[DeviceGrant]]]]:

@@ -86,3 +86,12 @@ def test_a_vendor_pods_signed_record_restores_and_verifies() -> None:
     read = pod_grants.pod_grants_text(annotations, pod_grants.ALLOCATED)
     assert read == text
     assert signing.record_verifies(signature, "u1", read, "who", {"who": key.public_key()})
+
+
+def test_every_familys_record_is_scheduler_owned() -> None:
+    """Restore and the grant check read a vendor's record as NVIDIA's: nobody else may write it
+    (the webhook denies a pod or an update setting one)."""
+    for key in ("hami.io/cambricon-mlu-devices-allocated", "hami.io/dcu-devices-to-allocate",
+                "hami.io/Ascend910B3-devices-allocated", hami.ANN_DEVICES_ALLOCATED):
+        assert hami.scheduler_owned(key), key
+    assert not hami.scheduler_owned("cambricon.com/use-mlutype")
