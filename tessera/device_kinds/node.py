@@ -84,6 +84,23 @@ class NodeDeviceConfig:
         return device.uuid not in self.exclude_uuids and device.index not in self.exclude_indices
 
 
+def holder_name(owner: str, uuid: str) -> str:
+    """The name a node side makes a container's instance under: its owner (`<pod uid>/
+    <container>`) and the device."""
+    return f"{owner}@{uuid}"
+
+
+def held_by(holder: str, owner: str) -> bool:
+    """Whether an instance held as `holder` is `owner`'s (a pod uid owns its containers')."""
+    return holder.startswith((f"{owner}@", f"{owner}/"))
+
+
+def owner_gone(holder: str, live_owners: set[str]) -> bool:
+    """Whether an instance's owner is none of `live_owners` (pod uids, or their containers)."""
+    owner = holder.partition("@")[0]
+    return bool(owner) and not any(owner == o or owner.startswith(f"{o}/") for o in live_owners)
+
+
 class NodeFamily(ABC):
     """A family's node-agent side. Subclass per family; register with `registry.register_node`."""
 
