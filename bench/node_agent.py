@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from record import record_section
 from tessera.kube_sim.kubelet import SimKubelet
 from tessera.node_agent.agent import NodeAgent
-from tessera.node_agent.devices import StaticSource
+from tessera.node_agent.nvidia_source import StaticSource
 
 from tessera import bus
 from tessera.bus import connect, ensure_bus

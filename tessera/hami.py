@@ -677,7 +677,14 @@ def parse_scrub_on_free(value: str | None) -> bool:
 
 
 def scheduler_owned(annotation: str) -> bool:
-    return annotation.startswith(SCHEDULER_OWNED_PREFIXES)
+    """Written only by the scheduler and node agents: NVIDIA's and Tessera's keys above, and
+    every device family's HAMi grant record (`hami.io/<vendor>-devices-…`, read back as NVIDIA's
+    is: tessera.device_kinds.pod_grants)."""
+    if annotation.startswith(SCHEDULER_OWNED_PREFIXES):
+        return True
+    from tessera.device_kinds.pod_grants import is_grant_key
+
+    return is_grant_key(annotation)
 
 
 # --- HAMi's own records, read (never written) while a cluster migrates from HAMi ----------------

@@ -1,7 +1,8 @@
 """What bound pods say they hold: allocations read back from HAMi's pod annotations.
 
 The cluster is the durable record (DESIGN §4): every GPU pod the scheduler binds carries its grants
-in `hami.io/vgpu-devices-to-allocate` (and `hami.io/vgpu-node`, `hami.io/bind-phase`). When NATS
+in its device family's `hami.io/…-devices-to-allocate` (NVIDIA's `hami.io/vgpu-devices-to-allocate`;
+tessera.device_kinds.pod_grants) and `hami.io/vgpu-node`, `hami.io/bind-phase`. When NATS
 lost its store, the scheduler rebuilds the ledger and quota rebuilds its charges from these.
 Pure code, no I/O.
 """
@@ -17,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from tessera import bus_permissions as bp
 from tessera import elastic, hami, signing
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, InFlightClaim
 from tessera.settings import TesseraSettings
 
@@ -65,9 +67,7 @@ def allocation_from_pod(
     annotations = meta.get("annotations") or {}
     if not node or status.get("phase") in FINISHED_PHASES or not isinstance(annotations, dict):
         return None
-    text = annotations.get(hami.ANN_DEVICES_ALLOCATED) or annotations.get(
-        hami.ANN_DEVICES_TO_ALLOCATE
-    )
+    text = pod_grants.pod_grants_text(annotations)  # each family's record (HAMi's keys)
     if not text:
         return None
     granted_on = annotations.get(hami.ANN_VGPU_NODE)
@@ -154,7 +154,7 @@ def _signed_record(pod: dict[str, Any], node: str, rules: RestoreRules) -> bool 
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     signature = annotations.get(signing.RECORD_ANNOTATION)
-    value = annotations.get(hami.ANN_DEVICES_ALLOCATED)
+    value = pod_grants.pod_grants_text(annotations, pod_grants.ALLOCATED)
     if rules.node_keys is None or not signature:
         return None
     return bool(value) and signing.record_verifies(

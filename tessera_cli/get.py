@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tessera.device_kinds.pod_grants import pod_grants_text
 from tessera.gpuid import short_uuid
-from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, parse_pod_devices
+from tessera.hami import parse_pod_devices
 from tessera.reasons import readable
 
 from .kube import api_client
@@ -35,10 +36,13 @@ class GetArgs(NamedTuple):
 
 def pod_gpus(pod: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """The pod's slices per container, as the node agent last recorded them (it rewrites
-    `hami.io/vgpu-devices-allocated` from the ledger on `tessera limits set`), else as the
-    scheduler granted them."""
+    `hami.io/…-devices-allocated` from the ledger on `tessera limits set`), else as the
+    scheduler granted them (each device family's keys: tessera.device_kinds.pod_grants)."""
     annotations = pod.get("metadata", {}).get("annotations") or {}
-    text = annotations.get(ANN_DEVICES_ALLOCATED) or annotations.get(ANN_DEVICES_TO_ALLOCATE)
+    try:
+        text = pod_grants_text(annotations)  # each device family's record
+    except ValueError:
+        return []
     if not text:
         return []
     try:

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
+from tessera.device_kinds.pod_grants import pod_grants_text
+from tessera.hami import decode_pod_devices
 
 
 class TraceEvent(BaseModel):
@@ -116,7 +117,10 @@ def _mean(values: list[float]) -> float:
 def pod_grants(pod: dict[str, Any]) -> list[tuple[str, int, int]]:
     """(uuid, MiB, cores) of every GPU slice a pod holds, from the scheduler's annotation."""
     annotations = pod.get("metadata", {}).get("annotations") or {}
-    text = annotations.get(ANN_DEVICES_ALLOCATED) or annotations.get(ANN_DEVICES_TO_ALLOCATE)
+    try:
+        text = pod_grants_text(annotations)  # each device family's record
+    except ValueError:
+        return []
     if not text or not (pod.get("spec") or {}).get("nodeName"):
         return []
     try:

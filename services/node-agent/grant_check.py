@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera import elastic, hami, signing
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo
 from tessera.settings import TesseraSettings
 
@@ -24,20 +25,25 @@ class GrantRefused(Exception):
 
 
 def recorded_text(pod: dict[str, Any]) -> tuple[str, str | None, str]:
-    """(the pod's uid, its `hami.io/vgpu-devices-allocated`, the record's signature)."""
+    """(the pod's uid, its `hami.io/…-devices-allocated` (each family's, as one text), the
+    record's signature)."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
-    return (str(meta.get("uid") or ""), annotations.get(hami.ANN_DEVICES_ALLOCATED),
+    try:
+        text = pod_grants.pod_grants_text(annotations, pod_grants.ALLOCATED)
+    except ValueError:
+        text = None  # a malformed record is no record
+    return (str(meta.get("uid") or ""), text,
             annotations.get(signing.RECORD_ANNOTATION))  # fmt: skip
 
 
 def recorded_grants(pod: dict[str, Any], index: int) -> list[DeviceGrant] | None:
     """The container's grants as `limits.set` last recorded them on the pod, if it did."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    text = annotations.get(hami.ANN_DEVICES_ALLOCATED)
-    if not text:
-        return None
     try:
+        text = pod_grants.pod_grants_text(annotations, pod_grants.ALLOCATED)
+        if not text:
+            return None
         containers = hami.decode_pod_devices(text)
     except ValueError:
         return None

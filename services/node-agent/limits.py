@@ -31,6 +31,7 @@ from tessera.node_agent.state import DeviceState
 from tessera import bus, hami, signing
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
+from tessera.device_kinds import pod_grants
 from tessera.models import (
     Allocation,
     LimitsSetReply,
@@ -234,7 +235,8 @@ class LimitsService:
         try:
             await self.cluster.patch_pod_metadata(
                 allocation.namespace, allocation.name,
-                annotations={hami.ANN_DEVICES_ALLOCATED: value,
+                annotations={**pod_grants.grant_annotations(allocation.containers,
+                                                            (pod_grants.ALLOCATED,)),
                              # the agent trusts a grant above the request only with this
                              signing.RECORD_ANNOTATION: signing.record_signature(
                                  self.signer, allocation.pod_uid, value)},

@@ -11,11 +11,15 @@ from tessera.node_agent import handshake as hs
 from tessera.node_agent.grant_check import GrantRefused, check_grant
 
 from tessera import bus, hami, signing
-from tessera.device_kinds.vendor_records import vendor_pod_annotations
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationEvent, NodeLedger
 from tessera.validation import Problem
 
 from .plugin_context import PluginContext
+
+# `annotate`'s grant keys name a role by NVIDIA's key; each family's own key of it is written
+_ROLE_OF_KEY = {hami.ANN_DEVICES_TO_ALLOCATE: pod_grants.TO_ALLOCATE,
+                hami.ANN_DEVICES_ALLOCATED: pod_grants.ALLOCATED}
 
 
 class PodRecords:
@@ -75,8 +79,9 @@ class PodRecords:
         grant_keys: tuple[str, ...] = (), attempts: int = 5,
     ) -> None:
         """Patch the pod's annotations (the cluster is the durable record of grants), retried.
-        `grant_keys` get the pod's grants as the ledger holds them when the patch is sent, so a
-        late patch never writes grants a repair has since replaced."""
+        `grant_keys` (NVIDIA's keys, naming a role: tessera.device_kinds.pod_grants) get the
+        pod's grants as the ledger holds them when the patch is sent, each held family's under
+        its own key, so a late patch never writes grants a repair has since replaced."""
         ctx = self.ctx
         if ctx.cluster is None:
             return
@@ -89,13 +94,15 @@ class PodRecords:
                     if current is None:
                         return  # released meanwhile: nothing to record
                     keys = await self._recordable(current, grant_keys)
-                    devices = hami.encode_pod_devices(current.containers)
-                    values |= dict.fromkeys(keys, devices)
+                    # each held family's own key of the role (HAMi's per-vendor records)
+                    values |= pod_grants.grant_annotations(
+                        current.containers, [_ROLE_OF_KEY[k] for k in keys])
                     if hami.ANN_DEVICES_ALLOCATED in keys:  # what this agent allocated, signed
+                        devices = hami.encode_pod_devices(current.containers)
                         values[signing.RECORD_ANNOTATION] = signing.record_signature(
                             ctx.record_signer, current.pod_uid, devices)
-                    if hami.ANN_DEVICES_ALLOCATED in keys:  # HAMi's per-vendor records
-                        values |= vendor_pod_annotations(current.containers, ctx.state.by_uuid())
+                        values |= pod_grants.family_extras(current.containers,
+                                                           ctx.state.by_uuid())
                     if mig := hami.encode_mig_instances(current.containers):
                         values[hami.ANN_MIG_INSTANCES] = mig  # with the instances' UUIDs
                 await ctx.cluster.patch_pod_metadata(

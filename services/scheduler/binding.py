@@ -13,6 +13,7 @@ from collections.abc import Callable
 from tessera import elastic, hami
 from tessera.bus import CasConflictError, NoChange, Versioned
 from tessera.cluster.port import ClusterError, ClusterPort, ConflictError
+from tessera.device_kinds import pod_grants
 from tessera.models import (
     Allocation,
     AllocationEvent,
@@ -359,7 +360,9 @@ class PodBinder:
                 ident.namespace,
                 ident.name,
                 annotations={
-                    hami.ANN_DEVICES_TO_ALLOCATE: hami.encode_pod_devices(allocation.containers),
+                    # each held family's -devices-to-allocate, as HAMi's PatchAnnotations
+                    **pod_grants.grant_annotations(allocation.containers,
+                                                   (pod_grants.TO_ALLOCATE,)),
                     hami.ANN_VGPU_NODE: node,
                     hami.ANN_VGPU_TIME: now,
                     hami.ANN_BIND_TIME: now,

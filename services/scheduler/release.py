@@ -14,6 +14,7 @@ from collections.abc import Callable
 from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationEvent, AllocationState, NodeLedger
 
 from .background import EventPublisher
@@ -144,7 +145,8 @@ class AllocationReleaser:
         try:
             await self.cluster.patch_pod_metadata(namespace, name, annotations={
                 hami.ANN_BIND_PHASE: hami.BIND_PHASE_FAILED,
-                hami.ANN_DEVICES_TO_ALLOCATE: None, hami.ANN_MIG_INSTANCES: None,
+                **dict.fromkeys(pod_grants.role_keys(pod_grants.TO_ALLOCATE)),  # every family's
+                hami.ANN_MIG_INSTANCES: None,
             })  # fmt: skip
         except ClusterError as exc:  # the ledger no longer holds it: the agent refuses it anyway
             log.warning("withdrawn grant left on the pod", extra={

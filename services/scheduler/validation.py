@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 from tessera import bus, hami
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.codec import CodecError, decode, encode
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationState, NodeLedger, NodeRegistration, QuotaState
 from tessera.validation import (
     Bounds,
@@ -312,12 +313,10 @@ def allocation_from_pod(pod: dict[str, Any], node: str) -> Allocation | None:
         return None
     if (pod.get("spec") or {}).get("nodeName") != node or not meta.get("uid"):
         return None
-    text = annotations.get(hami.ANN_DEVICES_ALLOCATED) or annotations.get(
-        hami.ANN_DEVICES_TO_ALLOCATE
-    )
-    if not text:
-        return None
     try:
+        text = pod_grants.pod_grants_text(annotations)  # each family's record
+        if not text:
+            return None
         containers = hami.decode_pod_devices(text)
     except ValueError:
         return None

@@ -32,6 +32,7 @@ import msgspec
 
 from tessera import hami
 from tessera.cluster.port import KubeObject
+from tessera.device_kinds import pod_grants
 from tessera.signing import RECORD_ANNOTATION
 
 
@@ -65,9 +66,11 @@ class _Spec(TypedDict, total=False):
     initContainers: list[_Container]
 
 
-# HAMi's placement record (tessera.restore and the scheduler's foreign.py read these only).
-ANNOTATIONS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE,
-               hami.ANN_BIND_PHASE, RECORD_ANNOTATION)  # fmt: skip
+# HAMi's placement record (tessera.restore and the scheduler's foreign.py read these only):
+# every device family's grant keys (NVIDIA's hami.io/vgpu-devices-… among them).
+ANNOTATIONS = (*dict.fromkeys((hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE,
+                               *pod_grants.all_keys())),
+               hami.ANN_VGPU_NODE, hami.ANN_BIND_PHASE, RECORD_ANNOTATION)  # fmt: skip
 _Annotations = TypedDict("_Annotations", dict.fromkeys(ANNOTATIONS, Any), total=False)  # type: ignore[misc]
 
 

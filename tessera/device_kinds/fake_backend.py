@@ -16,9 +16,13 @@ import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from .node import HealthChange
 
 
 class StateFile:
@@ -83,3 +87,23 @@ class FaultFeed:
             return int(fields[0]), int(fields[1])
         except (IndexError, ValueError):
             return self.next()  # a malformed line is skipped, as a driver skips noise
+
+
+class HealthPoller:
+    """A simulated library's health changes, waited for: `poll` (the fake's own call, e.g.
+    CNDev's fault poll, turned into HealthChanges) is asked every 50 ms until `timeout_s`; the
+    changes one poll returns beyond the first are kept for the next waits (a fault feed hands
+    each line once: none is lost)."""
+
+    def __init__(self, poll: Callable[[], list[HealthChange]]) -> None:
+        self._poll = poll
+        self._pending: deque[HealthChange] = deque()
+
+    def wait(self, timeout_s: float) -> HealthChange | None:
+        deadline = time.monotonic() + timeout_s
+        while not self._pending:
+            self._pending.extend(self._poll())
+            if self._pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self._pending.popleft() if self._pending else None

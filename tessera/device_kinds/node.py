@@ -39,11 +39,15 @@ class PhysicalDevice:
 
 @dataclass(frozen=True, slots=True)
 class HealthChange:
-    """A device turned unhealthy (or healthy again); `uuid` None = every device of the node."""
+    """A device turned unhealthy (or healthy again); `uuid` None = every device of the node.
+    `cause` and `code` class the fault where the vendor's library does (NVML: `xid` with the
+    XID, `ecc`; '' = the device fell off the bus or the library says no more)."""
 
     uuid: str | None
     healthy: bool
     why: str
+    cause: str = ""
+    code: int = 0
 
 
 class DeviceBackend(Protocol):
@@ -71,9 +75,30 @@ class NodeDeviceConfig:
     mode: str | None = None  # None: the family's default for the hardware
     exclude_uuids: frozenset[str] = frozenset()
     exclude_indices: frozenset[int] = frozenset()
+    # HAMi's `migstrategy` and the operator's MIG geometries (families with partitions the
+    # node can remake: NVIDIA's dynamic MIG); ignored by the others
+    mig_strategy: str = "none"
+    mig_geometries: str = ""
 
     def offers(self, device: PhysicalDevice) -> bool:
         return device.uuid not in self.exclude_uuids and device.index not in self.exclude_indices
+
+
+def holder_name(owner: str, uuid: str) -> str:
+    """The name a node side makes a container's instance under: its owner (`<pod uid>/
+    <container>`) and the device."""
+    return f"{owner}@{uuid}"
+
+
+def held_by(holder: str, owner: str) -> bool:
+    """Whether an instance held as `holder` is `owner`'s (a pod uid owns its containers')."""
+    return holder.startswith((f"{owner}@", f"{owner}/"))
+
+
+def owner_gone(holder: str, live_owners: set[str]) -> bool:
+    """Whether an instance's owner is none of `live_owners` (pod uids, or their containers)."""
+    owner = holder.partition("@")[0]
+    return bool(owner) and not any(owner == o or owner.startswith(f"{o}/") for o in live_owners)
 
 
 class NodeFamily(ABC):

@@ -21,8 +21,9 @@ import httpx
 import pytest
 from suite_run import RUN
 
+from tessera.device_kinds.pod_grants import pod_grants_text
 from tessera.device_kinds.vendor_models import family_for_model, node_registered
-from tessera.hami import ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE, decode_pod_devices
+from tessera.hami import decode_pod_devices
 from tessera.models import DeviceGrant
 from tessera_cli.stack import LocalStack, SimNode, StackPorts, default_services, short_socket_root
 
@@ -155,8 +156,8 @@ def gpu_pod(
 
 
 def grants(pod: dict[str, Any]) -> list[list[DeviceGrant]]:
-    annotations = pod["metadata"].get("annotations") or {}
-    text = annotations.get(ANN_DEVICES_ALLOCATED) or annotations.get(ANN_DEVICES_TO_ALLOCATE)
+    """The pod's grants from its device families' HAMi records (NVIDIA's hami.io/vgpu-…)."""
+    text = pod_grants_text(pod["metadata"].get("annotations") or {})
     return decode_pod_devices(text) if text else []
 
 

@@ -136,6 +136,22 @@ def test_every_vendor_end_to_end(sim: RunningStack) -> None:
     cuda = kube.wait_running("default", "cuda-slice", timeout_s=40)
     assert cuda["spec"]["nodeName"] == GPU
 
+    # each pod's grants under its own vendor's HAMi keys only (HAMi writes NVIDIA's
+    # hami.io/vgpu-… for NVIDIA devices only): what HAMi's per-vendor tools read
+    keys = {"ascend910b3-pod": "hami.io/Ascend910B3", "mlu-inference": "hami.io/cambricon-mlu",
+            "alexnet-tf-gpu-pod-mem": "hami.io/dcu", "cuda-slice": "hami.io/vgpu"}
+    for name, prefix in keys.items():
+        def recorded(name: str = name, prefix: str = prefix) -> dict[str, str] | None:
+            annotations = kube.pod("default", name)["metadata"].get("annotations") or {}
+            return annotations if f"{prefix}-devices-allocated" in annotations else None
+
+        annotations = kube.wait_for(f"{name}'s {prefix}-devices-allocated", recorded, 20)
+        held = {k for k in annotations if k.endswith(("-devices-to-allocate",
+                                                      "-devices-allocated"))}
+        assert held == {f"{prefix}-devices-to-allocate", f"{prefix}-devices-allocated"}, held
+        assert (annotations[f"{prefix}-devices-allocated"]
+                == annotations[f"{prefix}-devices-to-allocate"])
+
     # no vNPU template covers 90000 MiB: it pends, saying so
     message = kube.wait_for("the uncovered request's reason", lambda: (
         pending_message(sim, "ascend910b3-too-big") if "NoVnpuTemplateCovers" in

@@ -12,7 +12,8 @@ from typing import Any
 
 from tessera.kube_sim.kubelet import SimKubelet
 from tessera.node_agent.agent import NodeAgent
-from tessera.node_agent.devices import HealthEvent, StaticSource
+from tessera.node_agent.devices import HealthEvent
+from tessera.node_agent.nvidia_source import StaticSource
 
 from tessera import bus
 from tessera.bus import Buckets

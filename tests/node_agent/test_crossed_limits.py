@@ -14,7 +14,7 @@ import uuid
 
 from node_agent_rig import bind, grants, ledger_of, make_pod, rig_settings
 from tessera.kube_sim.kubelet import SimKubelet
-from tessera.node_agent.devices import StaticSource
+from tessera.node_agent.nvidia_source import StaticSource
 
 from tessera.region import SEALED_LIMITS_DIR, read_limits
 

@@ -11,9 +11,9 @@ from tessera.node_agent.devices import (
     EVENT_XID_CRITICAL,
     HealthEvent,
     HealthTracker,
-    StaticSource,
     advertise,
 )
+from tessera.node_agent.nvidia_source import StaticSource
 
 from tessera.settings import TesseraSettings
 

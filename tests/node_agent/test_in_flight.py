@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from node_agent_rig import bind, grants, ledger_of, make_pod, rig_settings, running_rig
 from tessera.kube_sim.kubelet import PodAdmission, SimKubelet
-from tessera.node_agent.devices import StaticSource
+from tessera.node_agent.nvidia_source import StaticSource
 from test_crossed_limits import start_agent_process
 
 from tessera import hami

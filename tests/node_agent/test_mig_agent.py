@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from node_agent_rig import running_rig
-from tessera.node_agent.devices import StaticSource
 from tessera.node_agent.mig_sim import SimulatedMig
+from tessera.node_agent.nvidia_source import StaticSource
 
 from tessera import bus, mig
 from tessera.models import (

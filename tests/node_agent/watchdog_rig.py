@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from node_agent_rig import grants, make_pod, rig_settings, running_rig
-from tessera.node_agent.devices import StaticSource
+from tessera.node_agent.nvidia_source import StaticSource
 from tessera.node_agent.nvml_processes import NvmlProcessProbe
 
 from tessera.events import subscribe

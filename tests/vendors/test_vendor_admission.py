@@ -76,3 +76,16 @@ def test_what_no_vendor_can_serve_is_denied_with_a_sentence(limits, annotations,
     decision = decide(pod(limits, annotations), "default", SETTINGS)
     assert isinstance(decision, Denial), decision
     assert words in decision.message
+
+
+@pytest.mark.parametrize(("limits", "key"), [
+    ({"cambricon.com/vmlu": 1}, "hami.io/cambricon-mlu-devices-allocated"),
+    ({"hygon.com/dcunum": 1}, "hami.io/dcu-devices-to-allocate"),
+    ({"huawei.com/Ascend910B3": 1}, "hami.io/Ascend910B3-devices-allocated"),
+])
+def test_a_user_cannot_write_a_vendors_grant_record(limits, key) -> None:
+    """A vendor's record is what a rebuilt ledger reads back: the user's pod may not carry one
+    (as NVIDIA's hami.io/vgpu-devices-allocated)."""
+    decision = decide(pod(limits, {key: "MLU-x,MLU370-X4,24576,100:;"}), "default", SETTINGS)
+    assert isinstance(decision, Denial), decision
+    assert key in decision.message

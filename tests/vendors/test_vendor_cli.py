@@ -18,7 +18,7 @@ def test_vendor_nodes_show_their_devices_and_use() -> None:
                               mode="ascend910b3-vnpu") for i in range(2)]
     dcus = [dcu.RegisteredDcu("DCU-a", 10, 32768, 100, "DCU-Z100L", 0, False)]
     pod = {"metadata": {"annotations": {
-        "hami.io/vgpu-devices-allocated": "npu-1,Ascend910B3,16384,5:;"}},
+        asc.allocated_key("Ascend910B3"): "npu-1,Ascend910B3,16384,5:;"}},
         "spec": {"nodeName": "npu", "containers": [{"name": "c"}]},
         "status": {"phase": "Running"}}
     summaries = summarise([

@@ -302,3 +302,20 @@ def test_an_ascend_chip_is_never_overcommitted_whatever_the_nodes_scaling() -> N
     scaled.hold(kind.take(scaled, big))
     scaled.hold(kind.take(scaled, big))
     assert kind.refusal(scaled, big) == "CardInsufficientMemory"  # the chip's 64 GiB are cut
+
+
+@pytest.mark.parametrize(("node_side", "model"), [
+    (CambriconNode(), "MLU370-X4"), (HygonNode(), "Z100L")])
+def test_a_fault_on_every_card_reports_every_card(tmp_path, node_side, model) -> None:
+    """A fault line for every device (`-1`) turns each one unhealthy: the health monitor hears
+    of each (one wait each), none dropped because one poll found them together."""
+    faults = tmp_path / "faults"
+    settings = TesseraSettings(device_source="static", static_gpu_count=2, static_gpu_model=model,
+                               static_gpu_memory_mib=24576, region_host_dir=str(tmp_path),
+                               static_fault_file=str(faults))
+    backend = node_side.backend(settings, "n1")
+    faults.write_text("-1 0\n")
+    changes = [backend.wait_health(2.0), backend.wait_health(2.0)]
+    assert all(c is not None and not c.healthy for c in changes)
+    assert {c.uuid for c in changes} == {d.uuid for d in backend.discover()}
+    assert backend.wait_health(0.1) is None

@@ -13,10 +13,10 @@ hardware cannot run on this machine), registered with HAMi's annotation, health 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..fake_backend import HealthPoller
 from ..node import HealthChange, NodeDeviceConfig, NodeFamily, PhysicalDevice
 from .chips import AscendChip, active_chip, active_chips, chip_for_name, chip_for_type
 from .dcmi_fake import HEALTH_MAJOR, SimulatedDcmi
@@ -48,6 +48,7 @@ class DcmiBackend:
     def __init__(self, dcmi: SimulatedDcmi) -> None:
         self.dcmi = dcmi
         self.chip = dcmi.chip
+        self._health = HealthPoller(self._changes)
 
     def _npus(self) -> list[tuple[int, int, int]]:
         """(card, device, logic id) of every NPU."""
@@ -76,19 +77,20 @@ class DcmiBackend:
         return found
 
     def wait_health(self, timeout_s: float) -> HealthChange | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            changes = self.dcmi.poll_faults()
-            if changes:
-                by_logic = {logic: (card, dev) for card, dev, logic in self._npus()}
-                logic, code = changes[0]
-                card, dev = by_logic[logic]
-                uuid = self.dcmi.get_device_die(card, 0 if self.chip.module_pairs else dev)
-                return HealthChange(uuid, code < HEALTH_MAJOR,
-                                    f"DCMI health {code} on NPU {logic}")
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self._health.wait(timeout_s)
+
+    def _changes(self) -> list[HealthChange]:
+        changes = self.dcmi.poll_faults()
+        if not changes:
+            return []
+        by_logic = {logic: (card, dev) for card, dev, logic in self._npus()}
+        out = []
+        for logic, code in changes:
+            card, dev = by_logic[logic]
+            uuid = self.dcmi.get_device_die(card, 0 if self.chip.module_pairs else dev)
+            out.append(HealthChange(uuid, code < HEALTH_MAJOR,
+                                    f"DCMI health {code} on NPU {logic}"))
+        return out
 
     def usage(self) -> dict[str, tuple[int, int, float]]:
         out: dict[str, tuple[int, int, float]] = {}

@@ -11,12 +11,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tessera.hami import ContainerRequest, RequestError
-
-from ..base import DeviceFamily, ResourceNames
-from ..vendor_request import read_raw
+from ..base import ResourceNames
+from ..shared_card import SharedCardFamily
 from . import annotations as ann
 
 if TYPE_CHECKING:
@@ -26,9 +24,14 @@ if TYPE_CHECKING:
 FAMILY = "mlu"
 
 
-class CambriconFamily(DeviceFamily):
+class CambriconFamily(SharedCardFamily):
+    """The request is read as HAMi reads it (`SharedCardFamily`): vmemory in 256 MiB units,
+    vcore 100 when missing."""
+
     name = FAMILY
     vendor = "Cambricon"
+    card, share, memory_unit_mib, default_cores = "MLU", "sMLU", ann.MEMORY_UNIT_MIB, 100
+    memory_hint = "× 256 MiB"
     # HAMi reads an MLU node's capacity, not an annotation: this one is Tessera's own (the
     # node's MLUs for `tessera get nodes`, in HAMi's JSON device list form)
     register_annotation = ann.NODE_REGISTER
@@ -44,33 +47,6 @@ class CambriconFamily(DeviceFamily):
     def default_names(self, settings: TesseraSettings) -> ResourceNames:
         return ResourceNames(count=ann.DEFAULT_COUNT, memory=ann.DEFAULT_MEMORY,
                              cores=ann.DEFAULT_CORES)
-
-    def read_request(
-        self, container: Mapping[str, Any], settings: TesseraSettings
-    ) -> ContainerRequest | None:
-        names = self.resource_names(settings)
-        raw = read_raw(container, names, memory_unit="units", max_cores=10**6)
-        if raw is None:
-            return None
-        where = f"container {container.get('name', '?')}: "
-        count = raw.count or 1
-        vcore = 100 if raw.cores is None else raw.cores
-        if vcore > 100:
-            raise RequestError(f"{where}{names.cores}: {vcore}: a share of one MLU's compute is "
-                               "at most 100 (%)")
-        if raw.memory is not None and raw.memory < 1:
-            raise RequestError(f"{where}{names.memory}: must be at least 1 (× 256 MiB); leave "
-                               "it out for the whole memory")
-        shared = raw.memory is not None or vcore < 100
-        if count > 1 and shared:
-            raise RequestError(f"{where}{names.count}: {count} with a share: an sMLU serves one "
-                               f"MLU per container; ask {names.count}: 1 with {names.memory}/"
-                               f"{names.cores}, or whole MLUs without them")
-        memory = 0 if raw.memory is None else raw.memory * ann.MEMORY_UNIT_MIB
-        return ContainerRequest(count=count, memory_mib=memory,
-                                memory_percentage=100 if raw.memory is None else None,
-                                cores=vcore, family=self.name)
-
 
     def pod_annotations(
         self, containers: Sequence[Sequence[DeviceGrant]], devices: Mapping[str, DeviceInfo]

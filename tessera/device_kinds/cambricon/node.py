@@ -11,12 +11,12 @@ pod's allocation ends and `reconcile(live owners)` destroys any an owner no long
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..base import ContainerEdits, DeviceNode
-from ..node import HealthChange, NodeFamily, PhysicalDevice
+from ..fake_backend import HealthPoller
+from ..node import HealthChange, NodeFamily, PhysicalDevice, held_by, holder_name, owner_gone
 from . import annotations as ann
 from .cndev_fake import CNDEV_SUCCESS, HEALTHY, SimulatedCndev, smlu_device_node
 from .family import MLU
@@ -32,6 +32,7 @@ class CndevBackend:
 
     def __init__(self, cndev: SimulatedCndev) -> None:
         self.cndev = cndev
+        self._health = HealthPoller(self._changes)
 
     def discover(self) -> list[PhysicalDevice]:
         c = self.cndev
@@ -41,16 +42,12 @@ class CndevBackend:
                 for s in range(c.get_device_count())]
 
     def wait_health(self, timeout_s: float) -> HealthChange | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            changes = self.cndev.poll_faults()
-            if changes:
-                slot, state = changes[0]
-                return HealthChange(self.cndev.get_uuid(slot), state == HEALTHY,
-                                    f"CNDev health state {state} on MLU {slot}")
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self._health.wait(timeout_s)
+
+    def _changes(self) -> list[HealthChange]:
+        return [HealthChange(self.cndev.get_uuid(slot), state == HEALTHY,
+                             f"CNDev health state {state} on MLU {slot}")
+                for slot, state in self.cndev.poll_faults()]  # fmt: skip
 
     def usage(self) -> dict[str, tuple[int, int, float]]:
         c = self.cndev
@@ -101,7 +98,7 @@ class CambriconNode(NodeFamily):
             device = devices[g.uuid]
             if not is_share(g, device):
                 continue
-            holder = f"{owner}@{g.uuid}"
+            holder = holder_name(owner, g.uuid)
             held = [i for i in cndev.smlu_infos(device.index) if i.holder == holder]
             if held:
                 instance = held[0]
@@ -128,7 +125,7 @@ class CambriconNode(NodeFamily):
         """Destroys the owner's sMLUs (its pod's allocation ended)."""
         cndev = self._cndev()
         for i in cndev.smlu_infos():
-            if i.holder.startswith(f"{owner}@") or i.holder.startswith(f"{owner}/"):
+            if held_by(i.holder, owner):
                 cndev.destroy_smlu(i.handle)
 
     def reconcile(self, live_owners: Iterable[str]) -> None:
@@ -137,8 +134,7 @@ class CambriconNode(NodeFamily):
         live = set(live_owners)
         cndev = self._cndev()
         for i in cndev.smlu_infos():
-            owner = i.holder.partition("@")[0]
-            if owner and not any(owner == o or owner.startswith(f"{o}/") for o in live):
+            if owner_gone(i.holder, live):
                 cndev.destroy_smlu(i.handle)
 
 

@@ -12,7 +12,8 @@ plugin; the code is ours:
 - Node: `hami.io/node-dcu-register` (HAMi's legacy device list: `UUID,count,devmem,devcore,
   type,numa,health:` per device), `hami.io/node-handshake-dcu` (`Reported_<time>`).
 - Pod, scheduler-owned: `hami.io/dcu-devices-to-allocate` / `-allocated` (HAMi's device list).
-- HAMi's node lock `hami.io/dcumutex.lock` is not used: Tessera has no node-wide lock.
+- HAMi's node lock (`hami.io/mutex.lock` in v2.7-v2.10, shared with its NVIDIA lock) is not
+  used: Tessera has no node-wide lock.
 - What a vDCU container gets (the device plugin's Allocate): `/dev/kfd`, `/dev/mkfd`,
   `/dev/dri/card<N>`, `/dev/dri/renderD<128+N>`, and a `vdev<id>.conf` mounted at
   `/etc/vdev/docker/` that the DCU driver in the container (`source /opt/hygondriver/env.sh`)
@@ -38,7 +39,7 @@ NODE_REGISTER = "hami.io/node-dcu-register"
 NODE_HANDSHAKE = "hami.io/node-handshake-dcu"
 TO_ALLOCATE = "hami.io/dcu-devices-to-allocate"
 ALLOCATED = "hami.io/dcu-devices-allocated"
-NODE_LOCK = "hami.io/dcumutex.lock"
+NODE_LOCK = "hami.io/mutex.lock"
 
 USER_KEYS = (USE_TYPE, NOUSE_TYPE, USE_UUID, NOUSE_UUID)
 SCHEDULER_OWNED = (TO_ALLOCATE, ALLOCATED)

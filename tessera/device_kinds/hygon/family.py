@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from tessera.hami import ContainerRequest, RequestError
-
-from ..base import DeviceFamily, ResourceNames
-from ..vendor_request import read_raw
+from ..base import ResourceNames
+from ..shared_card import SharedCardFamily
+from ..vendor_request import RawRequest
 from . import annotations as ann
 
 if TYPE_CHECKING:
@@ -26,9 +25,13 @@ if TYPE_CHECKING:
 FAMILY = "dcu"
 
 
-class HygonFamily(DeviceFamily):
+class HygonFamily(SharedCardFamily):
+    """The request is read as HAMi reads it (`SharedCardFamily`): dcumem in MiB, dcucores 0
+    when missing."""
+
     name = FAMILY
     vendor = "Hygon"
+    card, share, compute, default_cores = "DCU", "vDCU", "compute units", 0
     register_annotation = ann.NODE_REGISTER
     to_allocate_annotation = ann.TO_ALLOCATE
     allocated_annotation = ann.ALLOCATED
@@ -43,29 +46,9 @@ class HygonFamily(DeviceFamily):
         return ResourceNames(count=ann.DEFAULT_COUNT, memory=ann.DEFAULT_MEMORY,
                              cores=ann.DEFAULT_CORES)
 
-    def read_request(
-        self, container: Mapping[str, Any], settings: TesseraSettings
-    ) -> ContainerRequest | None:
-        names = self.resource_names(settings)
-        raw = read_raw(container, names, max_cores=10**6)
-        if raw is None:
-            return None
-        where = f"container {container.get('name', '?')}: "
-        count = raw.count or 1
-        cores = raw.cores or 0
-        if cores > 100:
-            raise RequestError(f"{where}{names.cores}: {cores}: a share of one DCU's compute "
-                               "units is at most 100 (%)")
-        if raw.memory is not None and raw.memory < 1:
-            raise RequestError(f"{where}{names.memory}: must be at least 1 MiB (leave it out "
-                               "for the whole memory)")
-        if count > 1 and (raw.memory is not None or raw.cores is not None):
-            raise RequestError(f"{where}{names.count}: {count} with {names.memory}/"
-                               f"{names.cores}: a vDCU serves one DCU per container; ask "
-                               f"{names.count}: 1 with a share, or whole DCUs without one")
-        return ContainerRequest(count=count, memory_mib=raw.memory or 0,
-                                memory_percentage=100 if raw.memory is None else None,
-                                cores=cores, family=self.name)
+    def is_share(self, raw: RawRequest, cores: int) -> bool:
+        """HAMi's DCU: naming memory or cores at all makes a vDCU (0 % is a share too)."""
+        return raw.memory is not None or raw.cores is not None
 
     def encode_register(self, devices: Sequence[DeviceInfo]) -> str:
         """HAMi's `hami.io/node-dcu-register` (its legacy list form)."""

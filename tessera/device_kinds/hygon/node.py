@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..base import ContainerEdits, Mount
-from ..node import HealthChange, NodeFamily, PhysicalDevice
+from ..fake_backend import HealthPoller
+from ..node import HealthChange, NodeFamily, PhysicalDevice, held_by, holder_name, owner_gone
 from . import annotations as ann
 from .family import DCU
 from .hysmi_fake import HYSMI_OK, SimulatedHySmi
@@ -40,6 +40,7 @@ class HySmiBackend:
 
     def __init__(self, smi: SimulatedHySmi) -> None:
         self.smi = smi
+        self._health = HealthPoller(self._changes)
 
     def discover(self) -> list[PhysicalDevice]:
         return [PhysicalDevice(uuid=d.uuid, index=d.index, model=d.type, memory_mib=d.memory_mib,
@@ -48,16 +49,12 @@ class HySmiBackend:
                 for d in self.smi.devices()]
 
     def wait_health(self, timeout_s: float) -> HealthChange | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            changes = self.smi.poll_faults()
-            if changes:
-                index, healthy = changes[0]
-                return HealthChange(self.smi.devices()[index].uuid, healthy,
-                                    f"DCU {index} {'is back' if healthy else 'fell off the bus'}")
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self._health.wait(timeout_s)
+
+    def _changes(self) -> list[HealthChange]:
+        return [HealthChange(self.smi.devices()[index].uuid, healthy,
+                             f"DCU {index} {'is back' if healthy else 'fell off the bus'}")
+                for index, healthy in self.smi.poll_faults()]  # fmt: skip
 
     def usage(self) -> dict[str, tuple[int, int, float]]:
         out = {}
@@ -114,7 +111,7 @@ class HygonNode(NodeFamily):
             device = devices[g.uuid]
             if not is_vdcu(g, device):
                 continue
-            holder = f"{owner}@{g.uuid}"
+            holder = holder_name(owner, g.uuid)
             existing = [vid for vid, h in smi.holders().items() if h == holder]
             conf = next((v for v in smi.vdevs() if v.vdev_id in existing), None)
             if conf is None:
@@ -139,7 +136,7 @@ class HygonNode(NodeFamily):
     def release(self, owner: str) -> None:
         smi = self._smi()
         for vid, holder in smi.holders().items():
-            if holder.startswith(f"{owner}@") or holder.startswith(f"{owner}/"):
+            if held_by(holder, owner):
                 smi.destroy_vdev(vid)
                 shutil.rmtree(self._owner_dir(holder.partition("@")[0]), ignore_errors=True)
 
@@ -147,10 +144,9 @@ class HygonNode(NodeFamily):
         live = set(live_owners)
         smi = self._smi()
         for vid, holder in smi.holders().items():
-            owner = holder.partition("@")[0]
-            if owner and not any(owner == o or owner.startswith(f"{o}/") for o in live):
+            if owner_gone(holder, live):
                 smi.destroy_vdev(vid)
-                shutil.rmtree(self._owner_dir(owner), ignore_errors=True)
+                shutil.rmtree(self._owner_dir(holder.partition("@")[0]), ignore_errors=True)
 
 
 NODE = HygonNode()

@@ -10,3 +10,4 @@ register(NVIDIA, SLICES, MIG, MPS)
 
 __all__ = ["FAMILY", "MIG", "MPS", "NVIDIA", "SLICES", "NvidiaFamily", "NvidiaMig", "NvidiaMps",
            "NvidiaSlices"]
+from . import node as _node  # noqa: E402,F401  (the node agent's side registers itself)
