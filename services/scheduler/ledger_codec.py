@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from tessera.codec import CodecError, decode
-from tessera.models import Allocation, DeviceGrant, NodeLedger
+from tessera.models import Allocation, DeviceGrant, InFlightClaim, NodeLedger
 
 from . import wire_fast
 
@@ -60,6 +60,8 @@ _KEYS = {name: _pack(name) for name in _FIELDS}
 # The encode below writes `node`, `allocations`, then these, as `tessera.codec.encode` does.
 _TAIL = _FIELDS[2:]
 assert _FIELDS[:2] == ("node", "allocations"), "NodeLedger's field order changed: see encode"
+assert _TAIL == ("claim", "claims"), "NodeLedger's fields changed: see _pack_tail"
+_NIL = _pack(None)
 
 
 def _map_header(n: int) -> bytes:
@@ -134,6 +136,8 @@ class LedgerCodec:
         self._encode_nodes = encode_nodes
         # node -> (claim, claims, the bytes of the fields after `allocations`) of its last write
         self._tails: dict[str, tuple[Any, Any, bytes]] = {}
+        # pod uid -> (its claim, the claim's map entry: key and value), claims packed lately
+        self._claim_bytes: dict[str, tuple[InFlightClaim, bytes]] = {}
         self._interned = _Interned()
         # node -> its last payload and layout, for the nodes written or spliced most recently
         self._wire: dict[str, _Wire] = {}
@@ -182,10 +186,29 @@ class LedgerCodec:
         if len(known) > self._encode_nodes:
             del known[next(iter(known))]
 
-    @staticmethod
-    def _pack_tail(ledger: NodeLedger) -> bytes:
-        rest = ledger.model_dump(mode="json", include=set(_TAIL))
-        return b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
+    def _pack_tail(self, ledger: NodeLedger) -> bytes:
+        """`claim` and `claims` as `model_dump` then msgpack write them, each claim packed once
+        (claims are immutable: a claim in this write that was in the node's last one is the
+        same object, and its bytes are reused; dumping the ledger with `include` cost more
+        than the rest of a write's encode)."""
+        claim, claims = ledger.claim, ledger.claims
+        if type(claims) is not dict or (claim is not None and type(claim) is not InFlightClaim):
+            rest = ledger.model_dump(mode="json", include=set(_TAIL))
+            return b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
+        known = self._claim_bytes
+        fresh: dict[str, tuple[InFlightClaim, bytes]] = {}
+        parts = [_KEYS["claims"], _map_header(len(claims))]
+        for uid, one in claims.items():
+            packed = known.get(uid)
+            if packed is None or packed[0] is not one:
+                packed = (one, _pack(uid) + _pack(one.model_dump(mode="json")))
+            fresh[uid] = packed
+            parts.append(packed[1])
+        known.update(fresh)
+        while len(known) > 4 * self._encode_nodes:  # (the oldest first: insertion order)
+            del known[next(iter(known))]
+        head = _KEYS["claim"] + (_NIL if claim is None else _pack(claim.model_dump(mode="json")))
+        return head + b"".join(parts)
 
     # --- decode ---------------------------------------------------------------------------------
     def decode(self, node: str, payload: bytes) -> NodeLedger:
