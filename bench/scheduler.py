@@ -590,8 +590,8 @@ async def drive(
     kube = KubeLists(names, lists)
     # kube-scheduler builds the list in Go, on its own machine: here each start index's list
     # (every node feasible: the same list and the same next start every time) is built and
-    # encoded once, then replayed (building a 500-name window in Python was ~0.2 ms a call,
-    # a quarter of this process's CPU, taken from the cores the scheduler is measured on).
+    # encoded once, then replayed (building the window in Python cost 26 µs a call at 5,000
+    # nodes and 54 µs at 20,000, CPU taken from the cores the scheduler is measured on).
     encoded: dict[int, tuple[bytes, int]] = {}  # start index -> (the list's JSON, next start)
     same = json.dumps(names, separators=COMPACT).encode()
     done = asyncio.Event()
