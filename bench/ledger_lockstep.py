@@ -13,11 +13,17 @@ same value) and read the agent's write to the same value.
     python bench/ledger_lockstep.py REV_BEFORE [REV_AFTER]     # e.g. 111b9b3 worktree
 
 `BENCH_NODES` (5000), `BENCH_PODS` (3000). CPU time of this thread per pod (µs), per stage and
-in all, the cyclic GC off as between the scheduler's calls. Printed, not recorded.
+in all, the cyclic GC off as between the scheduler's calls. Then the JetStream acks the
+scheduler awaits (three per pod: the reservation's CAS and two events), through each version's
+`acks.JetStreamAcks` against one real nats-server: rounds of 32 event publishes awaited
+together (the bench's 32 pods in flight), the versions alternating round by round; CPU of this
+process per publish (nats-py's reader included). `BENCH_ACK_ROUNDS` (300). Printed, not
+recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
 import os
@@ -58,7 +64,7 @@ def load(label: str, tree: Path) -> dict[str, ModuleType]:
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
-    return {m: importlib.import_module(f"{name}.{m}") for m in ("ledger", "ledger_codec")}
+    return {m: importlib.import_module(f"{name}.{m}") for m in ("ledger", "ledger_codec", "acks")}
 
 
 def main() -> None:
@@ -141,6 +147,48 @@ def main() -> None:
             f"{statistics.mean(total) * 1e6:.1f}"
         )
     print("every write byte for byte the same in both versions, every read the same value")
+    import uvloop
+
+    uvloop.install()
+    asyncio.run(acks_lockstep(versions))
+
+
+async def acks_lockstep(versions: list[tuple[str, dict[str, ModuleType]]]) -> None:
+    from tessera.bus import alloc_event_subject, connect, ensure_bus
+    from tessera.codec import encode
+    from tessera.models import AllocationEvent, DeviceGrant
+    from tessera.settings import NatsSettings
+    from tessera_cli.nats_embedded import EmbeddedNats
+
+    server = EmbeddedNats().start()
+    try:
+        nc = await connect(NatsSettings(NATS_URL=server.url), name="bench-acks")
+        await ensure_bus(nc.jetstream(), TesseraSettings())
+        acks = [m["acks"].JetStreamAcks(nc) for _rev, m in versions]
+        grant = DeviceGrant(uuid="GPU-00001-3", type="NVIDIA-H100", memory_mib=8192, cores=20)
+        spent: list[list[float]] = [[] for _ in versions]
+        for n in range(int(os.environ.get("BENCH_ACK_ROUNDS", "300"))):
+            order = list(range(len(versions)))[:: 1 if n % 2 == 0 else -1]
+            for v in order:
+                events = [AllocationEvent(
+                    event_id=f"{v}-{n}-{i}:bound", action="bound", node="node-00001",
+                    pod_uid=f"{v}-{n}-{i}", namespace="bench", name=f"p-{v}-{n}-{i}",
+                    containers=[[grant]], source="bench",
+                ) for i in range(32)]  # fmt: skip
+                payloads = [(alloc_event_subject(e.node, e.action), encode(e), e.event_id)
+                            for e in events]  # fmt: skip
+                started = time.process_time()
+                await asyncio.gather(*(acks[v].publish(subject, payload, {"Nats-Msg-Id": key})
+                                       for subject, payload, key in payloads))  # fmt: skip
+                spent[v].append((time.process_time() - started) / 32)
+        await nc.close()
+    finally:
+        server.cleanup()
+    print(f"JetStream acks, load {os.getloadavg()[0]:.1f}; CPU µs per publish awaited, "
+          "median / mean of rounds of 32:")
+    for (rev, _m), rounds in zip(versions, spent, strict=True):
+        median, mean = statistics.median(rounds), statistics.mean(rounds)
+        print(f"  {rev}: {median * 1e6:.1f} / {mean * 1e6:.1f}")
 
 
 if __name__ == "__main__":
