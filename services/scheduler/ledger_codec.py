@@ -134,10 +134,9 @@ class LedgerCodec:
         # most recently
         self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes, int]]] = OrderedDict()
         self._encode_nodes = encode_nodes
-        # node -> (claim, claims, the bytes of the fields after `allocations`) of its last write
-        self._tails: dict[str, tuple[Any, Any, bytes]] = {}
-        # pod uid -> (its claim, the claim's map entry: key and value), claims packed lately
-        self._claim_bytes: dict[str, tuple[InFlightClaim, bytes]] = {}
+        # node -> (claim, claims, the bytes of the fields after `allocations`, uid -> (a claim,
+        # its map entry's bytes)) of its last write
+        self._tails: dict[str, tuple[Any, Any, bytes, dict[str, tuple[Any, bytes]]]] = {}
         self._interned = _Interned()
         # node -> its last payload and layout, for the nodes written or spliced most recently
         self._wire: dict[str, _Wire] = {}
@@ -151,7 +150,7 @@ class LedgerCodec:
         if tail is None or tail[0] is not ledger.claim or tail[1] is not ledger.claims:
             # The fields after `allocations`: claims change on a claim or an Allocate, not on a
             # reservation's or a bind's write (the same objects: mutate functions copy on write).
-            tail = self._tails[node] = (ledger.claim, ledger.claims, self._pack_tail(ledger))
+            tail = self._tails[node] = self._pack_tail(ledger, tail[3] if tail else {})
         # uid -> (allocation, its map entry: key and value, the hash of its value)
         kept: dict[str, tuple[Allocation, bytes, int]] = {}
         head = b"".join([_HEAD, _map_header(len(_FIELDS)), _KEYS["node"], _pack(node),
@@ -186,29 +185,29 @@ class LedgerCodec:
         if len(known) > self._encode_nodes:
             del known[next(iter(known))]
 
-    def _pack_tail(self, ledger: NodeLedger) -> bytes:
-        """`claim` and `claims` as `model_dump` then msgpack write them, each claim packed once
-        (claims are immutable: a claim in this write that was in the node's last one is the
-        same object, and its bytes are reused; dumping the ledger with `include` cost more
-        than the rest of a write's encode)."""
+    @staticmethod
+    def _pack_tail(
+        ledger: NodeLedger, before: dict[str, tuple[Any, bytes]]
+    ) -> tuple[Any, Any, bytes, dict[str, tuple[Any, bytes]]]:
+        """(claim, claims, their bytes as `model_dump` then msgpack write them, each claim's map
+        entry). A claim that was in the node's last write is the same object (claims are
+        immutable, mutate functions copy on write): its bytes (`before`) are reused, so a
+        reservation claiming ahead dumps its own claim only, not the ledger with `include`."""
         claim, claims = ledger.claim, ledger.claims
         if type(claims) is not dict or (claim is not None and type(claim) is not InFlightClaim):
             rest = ledger.model_dump(mode="json", include=set(_TAIL))
-            return b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
-        known = self._claim_bytes
-        fresh: dict[str, tuple[InFlightClaim, bytes]] = {}
-        parts = [_KEYS["claims"], _map_header(len(claims))]
+            packed = b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
+            return claim, claims, packed, {}
+        entries: dict[str, tuple[Any, bytes]] = {}
+        parts = [_KEYS["claim"], _NIL if claim is None else _pack(claim.model_dump(mode="json")),
+                 _KEYS["claims"], _map_header(len(claims))]  # fmt: skip
         for uid, one in claims.items():
-            packed = known.get(uid)
-            if packed is None or packed[0] is not one:
-                packed = (one, _pack(uid) + _pack(one.model_dump(mode="json")))
-            fresh[uid] = packed
-            parts.append(packed[1])
-        known.update(fresh)
-        while len(known) > 4 * self._encode_nodes:  # (the oldest first: insertion order)
-            del known[next(iter(known))]
-        head = _KEYS["claim"] + (_NIL if claim is None else _pack(claim.model_dump(mode="json")))
-        return head + b"".join(parts)
+            entry = before.get(uid)
+            if entry is None or entry[0] is not one:
+                entry = (one, _pack(uid) + _pack(one.model_dump(mode="json")))
+            entries[uid] = entry
+            parts.append(entry[1])
+        return claim, claims, b"".join(parts), entries
 
     # --- decode ---------------------------------------------------------------------------------
     def decode(self, node: str, payload: bytes) -> NodeLedger:

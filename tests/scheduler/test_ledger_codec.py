@@ -76,7 +76,7 @@ def test_claims_are_written_as_the_shared_codec_writes_them_write_after_write() 
     for update in steps:
         value = value.model_copy(update=update)
         assert codec.encode(value) == encode(value), update
-    other = LedgerCodec(encode_nodes=1)  # claims kept for more nodes than are remembered
+    other = LedgerCodec(encode_nodes=1)  # a node forgotten between its writes: packed afresh
     for node in ("n1", "n2", "n1"):
         entry = NodeLedger(node=node, claims={"u1": a})
         assert other.encode(entry) == encode(entry)
