@@ -588,19 +588,24 @@ async def drive(
     splits: list[tuple[float, float, str]] = []
     outcomes = {"bound": 0, "refused": 0, "bind_errors": 0, "unfit_calls": 0}
     kube = KubeLists(names, lists)
-    encoded: dict[tuple[int, int], bytes] = {}  # kube-scheduler builds the list in Go: cached
+    # kube-scheduler builds the list in Go, on its own machine: here each start index's list
+    # (every node feasible: the same list and the same next start every time) is built and
+    # encoded once, then replayed (building the window in Python cost 26 µs a call at 5,000
+    # nodes and 54 µs at 20,000, CPU taken from the cores the scheduler is measured on).
+    encoded: dict[int, tuple[bytes, int]] = {}  # start index -> (the list's JSON, next start)
     same = json.dumps(names, separators=COMPACT).encode()
     done = asyncio.Event()
 
     def names_json() -> bytes:
         if lists == "same":
             return same
-        key = (kube.start, len(names))
-        window = kube.next()
-        body = encoded.get(key)
-        if body is None:
-            body = encoded[key] = json.dumps(window, separators=COMPACT).encode()
-        return body
+        start = kube.start
+        known = encoded.get(start)
+        if known is None:
+            window = kube.next()
+            known = encoded[start] = (json.dumps(window, separators=COMPACT).encode(), kube.start)
+        kube.start = known[1]
+        return known[0]
 
     async def filter_call(spec: dict[str, Any]) -> dict[str, Any]:
         body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), names_json())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -39,10 +40,21 @@ class JetStreamAcks:
         async with self._starting:
             if not self._prefix:
                 prefix = self.nc.new_inbox() + "."
-                await self.nc.subscribe(prefix + "*", cb=self._on_ack)
+                # No callback: nats-py's reader hands each ack to the subscription's pending
+                # queue, here `_AckBox`, which settles the publish's future at once (no queue,
+                # no task woken and no coroutine per ack: three acks per pod placed).
+                sub = await self.nc.subscribe(prefix + "*", pending_bytes_limit=0)
+                if isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue):
+                    sub._pending_queue = _AckBox(self._settle)  # type: ignore[assignment]
+                else:  # a nats-py without that queue: its callback path
+                    await sub.unsubscribe()
+                    await self.nc.subscribe(prefix + "*", cb=self._on_ack)
                 self._prefix = prefix
 
     async def _on_ack(self, msg: Msg) -> None:
+        self._settle(msg)
+
+    def _settle(self, msg: Msg) -> None:
         future = self._pending.get(msg.subject[len(self._prefix):])
         if future is None or future.done():
             return
@@ -94,3 +106,33 @@ class JetStreamAcks:
 def _expire(future: asyncio.Future[dict[str, Any]]) -> None:
     if not future.done():
         future.set_exception(nats.errors.TimeoutError())
+
+
+class _AckBox:
+    """Stands in for the ack subscription's pending queue (`asyncio.Queue`): what nats-py's
+    reader calls on it. Each ack is settled as it is put (`settle` never raises: a publish's
+    future is resolved or failed), so nothing is ever pending."""
+
+    def __init__(self, settle: Callable[[Msg], None]) -> None:
+        self.settle = settle
+
+    def put_nowait(self, msg: Msg) -> None:
+        self.settle(msg)
+
+    def qsize(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def full(self) -> bool:
+        return False
+
+    def get_nowait(self) -> Msg:
+        raise asyncio.QueueEmpty
+
+    def task_done(self) -> None:
+        pass
+
+    async def join(self) -> None:
+        return None

@@ -271,8 +271,9 @@ class PodBinder:
                 or allocation.expires_at is None or allocation.expires_at - now < spare
                 or claim.expires_at - now < spare):  # fmt: skip
             return False
-        if any(a.preempted_by == uid for a in ledger.allocations.values()):
-            return False
+        for other in ledger.allocations.values():  # (a plain loop: no generator per bind)
+            if other.preempted_by == uid:
+                return False
         self.releaser.bound_unmarked[uid] = (node, ident.namespace, ident.name)
         return True
 

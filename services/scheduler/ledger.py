@@ -21,6 +21,7 @@ from tessera import mig
 from tessera.bus import LEDGER_BUCKET, CasConflictError, NoChange, Versioned, cas_update
 from tessera.hami import PodRequest
 from tessera.models import (
+    ACTIVE_STATES,
     Allocation,
     AllocationState,
     InFlightClaim,
@@ -95,6 +96,9 @@ class ReservationRequest:
     claim_ahead: ClaimAhead | None = None
 
 
+_RESERVED = AllocationState.RESERVED
+
+
 class LedgerLostError(Exception):
     """The node's ledger entry vanished under us; wait for the rebuild from pods."""
 
@@ -112,12 +116,15 @@ def _replace(
     return ledger.model_copy(update=update)
 
 
-def _decided_fit(req: ReservationRequest, current: NodeLedger | None) -> PodFit | None:
+def _decided_fit(
+    req: ReservationRequest, current: NodeLedger | None, time_sensitive_held: bool
+) -> PodFit | None:
+    """The decision's fit, when the write starts from the very ledger value it was made on and
+    nothing the clock changes is held there (`time_sensitive_held`: by the entry's allocations,
+    judged in `reserve_mutate`'s one pass over them)."""
     if req.decided is None or current is None or current is not req.decided[0]:
         return None
-    if any(time_sensitive(a, req.now) for a in current.allocations.values()) or any(
-        time_sensitive(a, req.now) for a in req.foreign
-    ):
+    if time_sensitive_held or any(time_sensitive(a, req.now) for a in req.foreign):
         return None
     return req.decided[1]
 
@@ -127,15 +134,32 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
         raise LedgerLostError(req.template.node)
     ledger = current or NodeLedger(node=req.template.node)
     uid = req.template.pod_uid
+    now = req.now
     existing = ledger.allocations.get(uid)
-    if existing is not None and counts_against_capacity(existing, req.now):
+    if existing is not None and counts_against_capacity(existing, now):
         raise NoChange  # already reserved here (a retried filter): keep it
-    # Drop finished entries while writing anyway: the ledger never keeps dead pods.
-    others = {k: a for k, a in ledger.allocations.items() if k != uid and a.active}
-    fit = _decided_fit(req, current)
+    # One pass over the node's allocations (tens of them; this runs for every pod placed):
+    # drop finished entries while writing anyway (the ledger never keeps dead pods), note
+    # whether any holds what the clock changes (`time_sensitive`) and which others are
+    # reservations (what a claim ahead must look at).
+    others: dict[str, Allocation] = {}
+    reserved_others: list[tuple[str, Allocation]] = []
+    sensitive = False
+    for key, a in ledger.allocations.items():
+        state = a.state
+        if state == _RESERVED:
+            if a.expires_at is not None and a.expires_at <= now:
+                sensitive = True
+            if key != uid:
+                reserved_others.append((key, a))
+        if a.preempted_by:
+            sensitive = True
+        if key != uid and state in ACTIVE_STATES:
+            others[key] = a
+    fit = _decided_fit(req, current, sensitive)
     if fit is None:
         held = [*others.values(), *req.foreign]
-        cards = build_cards(req.registration, held, req.now, req.cordoned)
+        cards = build_cards(req.registration, held, now, req.cordoned)
         fit = fit_pod(cards, req.request, req.ctx_factory())
     if not fit.ok:
         raise NodeFullError(fit)
@@ -143,34 +167,42 @@ def reserve_mutate(req: ReservationRequest, current: NodeLedger | None) -> NodeL
         update={
             "containers": fit.containers,
             "state": AllocationState.RESERVED,
-            "created_at": req.now,
-            "updated_at": req.now,
-            "expires_at": req.now + req.ttl_s,
+            "created_at": now,
+            "updated_at": now,
+            "expires_at": now + req.ttl_s,
         }
     )
     reserved = _replace(ledger, others)
     ahead = req.claim_ahead
-    if ahead is not None and _may_claim_ahead(reserved, uid, req.now, ahead, req.registration,
-                                              req.foreign):  # fmt: skip
+    if ahead is not None and _may_claim_ahead(reserved, uid, now, ahead, req.registration,
+                                              req.foreign, reserved_others):  # fmt: skip
         # The reservation keeps its own expiry: unbound, it lapses as any reservation does.
-        return _claimed(reserved, uid, ahead.holder, req.now, ahead.ttl_s, extend=False)
+        return _claimed(reserved, uid, ahead.holder, now, ahead.ttl_s, extend=False)
     return reserved
 
 
 def _may_claim_ahead(
     ledger: NodeLedger, uid: str, now: float, ahead: ClaimAhead,
     registration: NodeRegistration | None, foreign: tuple[Allocation, ...] = (),
+    reserved_others: list[tuple[str, Allocation]] | None = None,
 ) -> bool:
-    """Whether the pod just reserved may go in flight in the same write (see ClaimAhead)."""
+    """Whether the pod just reserved may go in flight in the same write (see ClaimAhead).
+    `reserved_others`: (key, allocation) of `ledger`'s reservations but `uid`'s, when the
+    caller has them (else they are looked for)."""
     if competing_claim(ledger, uid, now, ahead.max_in_flight, registration,
                        foreign) is not None:  # fmt: skip
         return False
+    if reserved_others is None:
+        reserved_others = [(k, a) for k, a in ledger.allocations.items()
+                           if k != uid and a.state == _RESERVED]  # fmt: skip
+    if not reserved_others:
+        return True
     mine = ledger.allocations[uid]
     first, shape = first_request(mine), None
     claims = live_claims(ledger, now)
-    for key, other in ledger.allocations.items():
-        if (key == uid or key in claims or other.state != AllocationState.RESERVED
-                or not counts_against_capacity(other, now) or first_request(other) != first):
+    for key, other in reserved_others:
+        if (key in claims or not counts_against_capacity(other, now)
+                or first_request(other) != first):
             continue
         shape = allocation_shape(mine) if shape is None else shape
         if allocation_shape(other) != shape:

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from tessera.codec import CodecError, decode
-from tessera.models import Allocation, DeviceGrant, NodeLedger
+from tessera.models import Allocation, DeviceGrant, InFlightClaim, NodeLedger
 
 from . import wire_fast
 
@@ -60,6 +60,8 @@ _KEYS = {name: _pack(name) for name in _FIELDS}
 # The encode below writes `node`, `allocations`, then these, as `tessera.codec.encode` does.
 _TAIL = _FIELDS[2:]
 assert _FIELDS[:2] == ("node", "allocations"), "NodeLedger's field order changed: see encode"
+assert _TAIL == ("claim", "claims"), "NodeLedger's fields changed: see _pack_tail"
+_NIL = _pack(None)
 
 
 def _map_header(n: int) -> bytes:
@@ -132,8 +134,9 @@ class LedgerCodec:
         # most recently
         self._encoded: OrderedDict[str, dict[str, tuple[Allocation, bytes, int]]] = OrderedDict()
         self._encode_nodes = encode_nodes
-        # node -> (claim, claims, the bytes of the fields after `allocations`) of its last write
-        self._tails: dict[str, tuple[Any, Any, bytes]] = {}
+        # node -> (claim, claims, the bytes of the fields after `allocations`, uid -> (a claim,
+        # its map entry's bytes)) of its last write
+        self._tails: dict[str, tuple[Any, Any, bytes, dict[str, tuple[Any, bytes]]]] = {}
         self._interned = _Interned()
         # node -> its last payload and layout, for the nodes written or spliced most recently
         self._wire: dict[str, _Wire] = {}
@@ -147,7 +150,7 @@ class LedgerCodec:
         if tail is None or tail[0] is not ledger.claim or tail[1] is not ledger.claims:
             # The fields after `allocations`: claims change on a claim or an Allocate, not on a
             # reservation's or a bind's write (the same objects: mutate functions copy on write).
-            tail = self._tails[node] = (ledger.claim, ledger.claims, self._pack_tail(ledger))
+            tail = self._tails[node] = self._pack_tail(ledger, tail[3] if tail else {})
         # uid -> (allocation, its map entry: key and value, the hash of its value)
         kept: dict[str, tuple[Allocation, bytes, int]] = {}
         head = b"".join([_HEAD, _map_header(len(_FIELDS)), _KEYS["node"], _pack(node),
@@ -183,9 +186,28 @@ class LedgerCodec:
             del known[next(iter(known))]
 
     @staticmethod
-    def _pack_tail(ledger: NodeLedger) -> bytes:
-        rest = ledger.model_dump(mode="json", include=set(_TAIL))
-        return b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
+    def _pack_tail(
+        ledger: NodeLedger, before: dict[str, tuple[Any, bytes]]
+    ) -> tuple[Any, Any, bytes, dict[str, tuple[Any, bytes]]]:
+        """(claim, claims, their bytes as `model_dump` then msgpack write them, each claim's map
+        entry). A claim that was in the node's last write is the same object (claims are
+        immutable, mutate functions copy on write): its bytes (`before`) are reused, so a
+        reservation claiming ahead dumps its own claim only, not the ledger with `include`."""
+        claim, claims = ledger.claim, ledger.claims
+        if type(claims) is not dict or (claim is not None and type(claim) is not InFlightClaim):
+            rest = ledger.model_dump(mode="json", include=set(_TAIL))
+            packed = b"".join(_KEYS[name] + _pack(rest[name]) for name in _TAIL)
+            return claim, claims, packed, {}
+        entries: dict[str, tuple[Any, bytes]] = {}
+        parts = [_KEYS["claim"], _NIL if claim is None else _pack(claim.model_dump(mode="json")),
+                 _KEYS["claims"], _map_header(len(claims))]  # fmt: skip
+        for uid, one in claims.items():
+            entry = before.get(uid)
+            if entry is None or entry[0] is not one:
+                entry = (one, _pack(uid) + _pack(one.model_dump(mode="json")))
+            entries[uid] = entry
+            parts.append(entry[1])
+        return claim, claims, b"".join(parts), entries
 
     # --- decode ---------------------------------------------------------------------------------
     def decode(self, node: str, payload: bytes) -> NodeLedger:

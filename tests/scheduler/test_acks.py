@@ -5,6 +5,7 @@ a silent success."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -44,3 +45,20 @@ async def test_a_subject_no_stream_takes_is_an_error(nc: Any) -> None:
     acks = JetStreamAcks(nc)
     with pytest.raises(nats.js.errors.NoStreamResponseError):
         await acks.publish(f"nowhere.{uuid.uuid4().hex}", b"x", {}, timeout=5)
+
+
+async def test_concurrent_publishes_each_get_their_own_ack(nc: Any, buckets: Buckets) -> None:
+    """Acks are settled as nats-py's reader hands them over (no queue): 64 publishes in flight
+    together each return the sequence the stream gave that very message."""
+    acks = JetStreamAcks(nc)
+    node = f"n-{uuid.uuid4().hex[:8]}"
+    subject = bus.alloc_event_subject(node, "reserved")
+    ids = [f"{uuid.uuid4().hex}:reserved" for _ in range(64)]
+    answers = await asyncio.gather(*(acks.publish(subject, key.encode(), {"Nats-Msg-Id": key})
+                                     for key in ids))  # fmt: skip
+    seqs = [int(a["seq"]) for a in answers]
+    assert len(set(seqs)) == 64
+    js = nc.jetstream()
+    for key, seq in zip(ids, seqs, strict=True):
+        stored = await js.get_msg(bus.EVENTS_STREAM, seq)
+        assert stored.data == key.encode()

@@ -51,6 +51,37 @@ def test_encode_is_byte_for_byte_the_shared_codec() -> None:
     assert codec.encode(big) == encode(big)
 
 
+def test_claims_are_written_as_the_shared_codec_writes_them_write_after_write() -> None:
+    """Each claim's bytes are kept for the next write of the node: a claim that came, went, was
+    replaced by another of the same pod or stands as the legacy single claim is written exactly
+    as `tessera.codec.encode` writes the entry, every time."""
+    codec = LedgerCodec()
+    value = ledger()
+
+    def claim(uid: str, expires_at: float) -> InFlightClaim:
+        return InFlightClaim(pod_uid=uid, namespace="ns", name=f"pod-{uid}", taken_at=2.0,
+                             expires_at=expires_at, holder="a")  # fmt: skip
+
+    a, b = claim("u1", 9.0), claim("u2", 9.5)
+    steps = [
+        {"claims": {"u1": a}},
+        {"claims": {"u1": a, "u2": b}},
+        {"claims": {"u1": claim("u1", 12.0), "u2": b}},  # u1 claimed afresh: new bytes
+        {"claims": {"u2": b}},
+        {"claims": {}, "claim": claim("u3", 4.0)},  # an older scheduler's single claim
+        {"claims": {"u2": b}, "claim": claim("u3", 4.0)},
+        {"claims": {}, "claim": None},
+        {"claims": {f"u{i}": claim(f"u{i}", 20.0 + i) for i in range(20)}},  # beyond fixmap
+    ]
+    for update in steps:
+        value = value.model_copy(update=update)
+        assert codec.encode(value) == encode(value), update
+    other = LedgerCodec(encode_nodes=1)  # a node forgotten between its writes: packed afresh
+    for node in ("n1", "n2", "n1"):
+        entry = NodeLedger(node=node, claims={"u1": a})
+        assert other.encode(entry) == encode(entry)
+
+
 def test_decode_reuses_unchanged_allocations_and_reads_changes() -> None:
     codec = LedgerCodec()
     first = ledger()

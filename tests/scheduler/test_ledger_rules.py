@@ -202,3 +202,15 @@ def test_reserve_reuses_the_decisions_fit_only_on_the_value_it_was_made_on() -> 
                     allocation("old", AllocationState.RESERVED, expires_at=NOW - 1))  # fmt: skip
     assert reserve_mutate(replace(base, decided=(lapsed, marked)), lapsed).allocations[
         "new"].containers == real  # fmt: skip
+    # A pod marked for a nominee: what it holds depends on the nomination's deadline.
+    victim = allocation("a", AllocationState.ALLOCATED).model_copy(
+        update={"preempted_by": "other", "preempted_until": NOW + 5})
+    marked_node = ledger(victim)
+    assert reserve_mutate(replace(base, decided=(marked_node, marked)), marked_node).allocations[
+        "new"].containers == real  # fmt: skip
+    # Finished pods are dropped by the write; the decided fit still stands beside them.
+    done = ledger(allocation("a", AllocationState.ALLOCATED),
+                  allocation("gone", AllocationState.RELEASED))  # fmt: skip
+    written = reserve_mutate(replace(base, decided=(done, marked)), done)
+    assert set(written.allocations) == {"a", "new"}
+    assert written.allocations["new"].containers == marked.containers
