@@ -9,6 +9,12 @@ allowed response's base64 JSON patch is applied to it; a denial becomes the requ
 client's `Warning` headers (`response_warnings`).
 A webhook that cannot be reached follows the failure policy: `Fail` rejects the create with an
 internal error (clients retry), `Ignore` lets the pod through unchanged.
+
+The chart's `matchConditions` are kept too (`sent_to_webhook`): kube-apiserver sends a request
+to a webhook only when every match condition holds (KEP-3716, GA in 1.30), and the chart's two
+skip an UPDATE by the release's own service accounts (the scheduler's and the node agent's
+annotation patches) and a subresource UPDATE that leaves the annotations as they were (a
+status write). Those reach the store without a review, as on a cluster the chart installed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any, Literal
 
 import httpx
 import jsonpatch
-from tessera.kube_sim.identity import UserInfo, current_user
+from tessera.kube_sim.identity import COMPONENT_NAMESPACE, UserInfo, current_user
 from tessera.kube_sim.response_warnings import add_warning
 from tessera.kube_sim.store import KubeObject, StoreError
 
@@ -37,6 +43,28 @@ RULES = frozenset({
     ("UPDATE", "status"), ("UPDATE", "ephemeralcontainers"), ("UPDATE", "resize"),
 })
 OPTIONS_KIND = {"CREATE": "CreateOptions", "UPDATE": "UpdateOptions"}
+# The chart installs Tessera in this namespace; its components' service accounts live there.
+RELEASE_ACCOUNTS = f"system:serviceaccount:{COMPONENT_NAMESPACE}:"
+
+
+def _annotations(pod: KubeObject | None) -> dict[str, Any]:
+    metadata = (pod or {}).get("metadata") or {}
+    return metadata.get("annotations") or {}
+
+
+def sent_to_webhook(
+    operation: str, sub_resource: str, user: UserInfo, pod: KubeObject, old: KubeObject | None
+) -> bool:
+    """The chart's matchConditions (charts/tessera-admission, MutatingWebhookConfiguration):
+    every one must hold for kube-apiserver to call the webhook.
+
+    - skip-tessera-component-updates: `request.operation != 'UPDATE' ||
+      !request.userInfo.username.startsWith('system:serviceaccount:<release namespace>:')`
+    - subresource-updates-that-change-annotations: `!has(request.subResource) ||
+      request.subResource == '' || object's annotations != oldObject's annotations`"""
+    if operation == "UPDATE" and user.username.startswith(RELEASE_ACCOUNTS):
+        return False
+    return not sub_resource or _annotations(pod) != _annotations(old)
 
 
 def admission_review(
@@ -108,7 +136,8 @@ def apply_review_response(pod: KubeObject, review: Any, review_uid: str) -> Kube
 
 
 class AdmissionWebhook:
-    """The webhook configuration kube-sim calls for every pod CREATE and UPDATE (`RULES`)."""
+    """The webhook configuration kube-sim calls for pod CREATEs and UPDATEs (`RULES`, under
+    the chart's match conditions: `sent_to_webhook`)."""
 
     def __init__(
         self,
@@ -134,7 +163,9 @@ class AdmissionWebhook:
 
     async def update(self, pod: KubeObject, old: KubeObject, sub_resource: str) -> KubeObject:
         """An UPDATE of the pod (or of its subresource): the pod as the webhook leaves it."""
-        if ("UPDATE", sub_resource) not in RULES:
+        if ("UPDATE", sub_resource) not in RULES or not sent_to_webhook(
+            "UPDATE", sub_resource, current_user(), pod, old
+        ):
             return pod
         return await self.review(pod, "UPDATE", old, sub_resource)
 
