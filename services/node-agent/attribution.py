@@ -16,6 +16,7 @@ from tessera import bus, hami
 from tessera.kubeapi import dp
 from tessera.models import Allocation, NodeLedger
 
+from . import ledger_mutations as lm
 from .device_units import DeviceUnits
 from .plugin_context import PluginContext
 from .pod_records import PodRecords
@@ -182,7 +183,7 @@ class PodAttribution:
         try:
             result = await bus.cas_update(
                 ctx.ledger_kv, ctx.node, NodeLedger,
-                lambda current: hs.follow_reuse_mutation(
+                lambda current: lm.follow_reuse_mutation(
                     allocation.pod_uid, index, gpus, capacity, current
                 ),
             )

@@ -35,6 +35,7 @@ from tessera.region import seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
 
+from . import ledger_mutations as lm
 from .attribution import PodAttribution, check_id_count
 from .crossed import CrossRepair
 from .device_units import DeviceUnits
@@ -307,7 +308,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
         })
         # A crash between Allocate's answer and its ledger write leaves the claim held.
-        if hs.finish_pending(allocation.pod_uid, ledger):
+        if lm.finish_pending(allocation.pod_uid, ledger):
             await self.records.maybe_finish(allocation)
 
     async def reconcile_sealed(self, every_s: float = 2.0) -> None:

@@ -15,6 +15,7 @@ from tessera.device_kinds.vendor_records import vendor_pod_annotations
 from tessera.models import Allocation, AllocationEvent, NodeLedger
 from tessera.validation import Problem
 
+from . import ledger_mutations as lm
 from .plugin_context import PluginContext
 
 
@@ -30,7 +31,7 @@ class PodRecords:
             return
         if ctx.run == allocation.pod_uid:
             ctx.run = None
-        finish = hs.Finish(allocation.pod_uid)
+        finish = lm.Finish(allocation.pod_uid)
         try:
             await bus.cas_update(ctx.ledger_kv, ctx.node, NodeLedger, finish.mutate)
         except bus.NoChange:
@@ -64,7 +65,7 @@ class PodRecords:
         with contextlib.suppress(bus.NoChange):
             await bus.cas_update(
                 ctx.ledger_kv, ctx.node, NodeLedger,
-                lambda ledger: hs.reclaim_mutation(
+                lambda ledger: lm.reclaim_mutation(
                     allocation.pod_uid, ledger, f"node-agent/{ctx.node}",
                     ctx.settings.reservation_ttl_s, ctx.clock,
                 ),
