@@ -55,7 +55,7 @@ class PodAttribution:
         for req in request.container_requests:
             check_id_count(units.whole(req.available_deviceIDs), replicas)
             check_id_count(units.touched(req.must_include_deviceIDs), replicas)
-        ledger = await ctx.ledger()
+        ledger = await ctx.ledger()  # exact: which pod kubelet admits is decided from here
         only = await self.kubelet_admitting(ledger)
         self._preferred_view = (time.monotonic(), only) if only else None
         response = dp.PreferredAllocationResponse()

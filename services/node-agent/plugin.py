@@ -36,7 +36,7 @@ from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
 
 from . import ledger_mutations as lm
-from .attribution import PodAttribution, check_id_count
+from .attribution import VIEW_REUSE_S, PodAttribution, check_id_count
 from .crossed import CrossRepair
 from .device_units import DeviceUnits
 from .kind_answers import AnswersByFamily
@@ -204,7 +204,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         check_id_count([i for r in request.container_requests for i in r.devices_ids], replicas)
         requested = [self.units.collapse(req.devices_ids) for req in request.container_requests]
         checked = [(ids, hs.gpus_of(ids, devices)) for ids in requested]
-        ledger = await ctx.ledger()
+        # kubelet calls Allocate right after the GetPreferredAllocation that read the ledger:
+        # the entry known since (watched, at least as new) serves it (attribution.py)
+        ledger = await ctx.ledger(fresh_within=VIEW_REUSE_S)
         only = await self.attribution.admitting_for_allocate(ledger)
         response = dp.AllocateResponse()
         for ids, gpus in checked:
@@ -310,6 +312,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # A crash between Allocate's answer and its ledger write leaves the claim held.
         if lm.finish_pending(allocation.pod_uid, ledger):
             await self.records.maybe_finish(allocation)
+
+    async def watch_ledger(self, stop: asyncio.Event) -> None:
+        """Follow the node's ledger entry until `stop` (kubelet's calls read it from there:
+        watched_ledger.py); without it every call reads KV."""
+        await self.ctx.run_ledger_watch(stop)
 
     async def reconcile_sealed(self, every_s: float = 2.0) -> None:
         """Between watch steps: sealed containers the ledger misplaces (sealed_checks.py)."""

@@ -33,7 +33,7 @@ class PodRecords:
             ctx.run = None
         finish = lm.Finish(allocation.pod_uid)
         try:
-            await bus.cas_update(ctx.ledger_kv, ctx.node, NodeLedger, finish.mutate)
+            await ctx.watched.cas(finish.mutate)  # from the entry known: one round trip
         except bus.NoChange:
             return
         if finish.wrote:  # (cas_update returns the entry as it is when there was nothing to do)
