@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import httpx
 import jsonpatch
+from tessera.kube_sim.http_client import HttpError, JsonPoster
 from tessera.kube_sim.identity import COMPONENT_NAMESPACE, UserInfo, current_user
 from tessera.kube_sim.response_warnings import add_warning
 from tessera.kube_sim.store import KubeObject, StoreError
@@ -149,14 +150,32 @@ class AdmissionWebhook:
     ) -> None:
         self.url = url
         self.failure_policy = failure_policy
-        verify: ssl.SSLContext | bool = True
-        if ca_file:
-            verify = ssl.create_default_context(cafile=ca_file)
-        # `transport`: tests serve the webhook's own ASGI app in-process
-        self._client = httpx.AsyncClient(verify=verify, timeout=timeout_s, transport=transport)
+        tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        # `transport`: tests serve the webhook's own ASGI app in-process (through httpx); else
+        # kube-sim's own client (http_client.py)
+        self._client = (httpx.AsyncClient(timeout=timeout_s, transport=transport)
+                        if transport is not None else None)  # fmt: skip
+        self._poster = JsonPoster(url, tls, timeout_s) if transport is None else None
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+        if self._poster is not None:
+            await self._poster.close()
+
+    async def _send(self, body: dict[str, Any]) -> Any:
+        """POST the review; the decoded answer (HttpError/ValueError when there is none)."""
+        if self._client is not None:
+            answer = await self._client.post(self.url, json=body)
+            status, text, content = answer.status_code, answer.text, answer.content
+        else:
+            assert self._poster is not None
+            reply = await self._poster.post("", body)
+            status, content = reply.status, reply.body
+            text = reply.text if status != 200 else ""
+        if status != 200:
+            raise HttpError(f"HTTP {status}: {text[:200]}")
+        return json.loads(content)
 
     async def __call__(self, pod: KubeObject, operation: str) -> KubeObject:
         return await self.review(pod, operation)
@@ -176,15 +195,8 @@ class AdmissionWebhook:
         review_uid = str(uuid.uuid4())
         body = admission_review(pod, operation, review_uid, old, sub_resource)
         try:
-            reply = await self._client.post(self.url, json=body)
-            if reply.status_code != 200:
-                raise httpx.HTTPStatusError(
-                    f"HTTP {reply.status_code}: {reply.text[:200]}",
-                    request=reply.request,
-                    response=reply,
-                )
-            review = reply.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            review = await self._send(body)
+        except (HttpError, httpx.HTTPError, ValueError) as exc:
             if self.failure_policy == "Ignore":
                 log.warning("webhook failed, ignored by policy", extra={"error": str(exc)})
                 return pod
