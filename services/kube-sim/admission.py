@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import copy
 import json
 import logging
 import ssl
@@ -33,7 +32,7 @@ import jsonpatch
 from tessera.kube_sim.http_client import HttpError, JsonPoster
 from tessera.kube_sim.identity import COMPONENT_NAMESPACE, UserInfo, current_user
 from tessera.kube_sim.response_warnings import add_warning
-from tessera.kube_sim.store import KubeObject, StoreError
+from tessera.kube_sim.store import KubeObject, StoreError, clone
 
 log = logging.getLogger("tessera.kube_sim.admission")
 
@@ -123,7 +122,7 @@ def apply_review_response(pod: KubeObject, review: Any, review_uid: str) -> Kube
         raise StoreError(500, "InternalError", "webhook returned a patch of an unknown type")
     try:
         operations = json.loads(base64.b64decode(patch_text))
-        return jsonpatch.apply_patch(copy.deepcopy(pod), operations)
+        return jsonpatch.apply_patch(clone(pod), operations, in_place=True)  # one copy, not two
     except (
         ValueError,
         binascii.Error,

@@ -21,6 +21,13 @@ __all__ = ["QuantityError", "canonicalise", "parse", "text"]
 
 
 def parse(value: object) -> Fraction:
+    if type(value) is str:
+        return _parsed_text(value)
+    return parse_quantity(value).value
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_text(value: str) -> Fraction:  # (Fractions are immutable: safe to share)
     return parse_quantity(value).value
 
 
