@@ -215,7 +215,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             allocation = await answers.before_answer(allocation, index)
             cdir = await self.attribution.prepare(allocation, index, ids)
             response.container_responses.append(await answers.answer(allocation, cdir))
-            await self.records.maybe_finish(allocation)
+            self.records.finish_soon(allocation)  # written while kubelet goes on
         return response
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
@@ -309,7 +309,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         ctx.log.info("limits sealed", extra={
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
         })
-        # A crash between Allocate's answer and its ledger write leaves the claim held.
+        # Allocate's finish is written after its answer (finish_soon): wait for it; a crash
+        # between that answer and its write leaves the claim held: written here then.
+        if allocation.pod_uid in self.records.finishing:
+            await self.records.settle(allocation.pod_uid)
+            known = ctx.watched.known()  # holds that write when it was made
+            ledger = known.value if known is not None else ledger
         if lm.finish_pending(allocation.pod_uid, ledger):
             await self.records.maybe_finish(allocation)
 

@@ -22,15 +22,51 @@ from .plugin_context import PluginContext
 class PodRecords:
     def __init__(self, ctx: PluginContext) -> None:
         self.ctx = ctx
+        # pod uid -> its finish, written after Allocate answered (finish_soon)
+        self.finishing: dict[str, asyncio.Task[None]] = {}
+
+    def _served(self, allocation: Allocation) -> bool:
+        """Every GPU container of the pod is served (the pod may be finished)."""
+        prepared = {c.prepared.index for c in self.ctx.store.for_pod(allocation.pod_uid)}
+        if not set(hs.gpu_containers(allocation)) <= prepared:
+            return False
+        if self.ctx.run == allocation.pod_uid:
+            self.ctx.run = None
+        return True
+
+    def finish_soon(self, allocation: Allocation) -> None:
+        """`maybe_finish` written after Allocate has answered: kubelet's next admission does
+        not wait for this pod's ledger write. PreStartContainer waits for it (`settle`), and
+        writes it itself when it finds it still undone (an agent killed in between)."""
+        if not self._served(allocation) or allocation.pod_uid in self.finishing:
+            return
+        uid = allocation.pod_uid
+
+        async def finish() -> None:
+            try:
+                await self.maybe_finish(allocation)
+            except Exception as exc:  # PreStartContainer repeats it (finish_pending)
+                self.ctx.log.warning("pod not recorded allocated yet", extra={
+                    "pod": f"{allocation.namespace}/{allocation.name}", "err": str(exc)})
+            finally:
+                self.finishing.pop(uid, None)
+
+        task = asyncio.create_task(finish())
+        self.finishing[uid] = task
+        self.ctx.background.add(task)
+        task.add_done_callback(self.ctx.background.discard)
+
+    async def settle(self, pod_uid: str) -> None:
+        """Wait for the pod's finish in flight (finish_soon), if any."""
+        task = self.finishing.get(pod_uid)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def maybe_finish(self, allocation: Allocation) -> None:
         """Once every GPU container is served: allocated, claim released, event, bind-phase."""
         ctx = self.ctx
-        prepared = {c.prepared.index for c in ctx.store.for_pod(allocation.pod_uid)}
-        if not set(hs.gpu_containers(allocation)) <= prepared:
+        if not self._served(allocation):
             return
-        if ctx.run == allocation.pod_uid:
-            ctx.run = None
         finish = lm.Finish(allocation.pod_uid)
         try:
             await ctx.watched.cas(finish.mutate)  # from the entry known: one round trip
