@@ -142,9 +142,15 @@ class PodAttribution:
             if not hs.gpu_containers(allocation):
                 continue
             existing = self.ctx.served(allocation)
-            if not existing or hs.admission_restarted(allocation, existing, self.ctx.sealed):
+            if not existing or self.restarted(allocation, existing):
                 out.append(allocation)
         return out
+
+    def restarted(self, allocation: Allocation, existing: list[ContainerDir]) -> bool:
+        """kubelet admits the pod anew (hs.admission_restarted), unless Allocate has just
+        answered for it and its finish is on its way (the ledger still shows it bound)."""
+        return (hs.admission_restarted(allocation, existing, self.ctx.sealed)
+                and not self.records.answered(allocation.pod_uid))  # fmt: skip
 
     def open_run(
         self, ledger: NodeLedger | None, only: set[str] | None = None
@@ -255,7 +261,7 @@ class PodAttribution:
         """The container's directory (region, limits dir), for the pod attributed."""
         ctx = self.ctx
         existing = ctx.served(allocation)
-        if hs.admission_restarted(allocation, existing, ctx.sealed):
+        if self.restarted(allocation, existing):
             # Every container was prepared, none started, the pod still in flight: the last
             # admission failed before its end (agent crash, ledger error) and kubelet retries.
             ctx.log.warning("kubelet retries the admission of a pod: preparing it anew",

@@ -311,7 +311,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         })
         # Allocate's finish is written after its answer (finish_soon): wait for it; a crash
         # between that answer and its write leaves the claim held: written here then.
-        if allocation.pod_uid in self.records.finishing:
+        if self.records.answered(allocation.pod_uid):
             await self.records.settle(allocation.pod_uid)
             known = ctx.watched.known()  # holds that write when it was made
             ledger = known.value if known is not None else ledger

@@ -45,10 +45,10 @@ class PodRecords:
         async def finish() -> None:
             try:
                 await self.maybe_finish(allocation)
-            except Exception as exc:  # PreStartContainer repeats it (finish_pending)
+            except Exception as exc:  # kept in `finishing`: PreStartContainer writes it
                 self.ctx.log.warning("pod not recorded allocated yet", extra={
                     "pod": f"{allocation.namespace}/{allocation.name}", "err": str(exc)})
-            finally:
+            else:
                 self.finishing.pop(uid, None)
 
         task = asyncio.create_task(finish())
@@ -56,11 +56,18 @@ class PodRecords:
         self.ctx.background.add(task)
         task.add_done_callback(self.ctx.background.discard)
 
+    def answered(self, pod_uid: str) -> bool:
+        """Allocate answered for every GPU container of the pod and its finish is still on
+        its way (or failed: PreStartContainer writes it): not a pod kubelet is admitting
+        anew, though the ledger may still show it only bound."""
+        return pod_uid in self.finishing
+
     async def settle(self, pod_uid: str) -> None:
-        """Wait for the pod's finish in flight (finish_soon), if any."""
+        """Wait for the pod's finish in flight (finish_soon), if any; forget it then."""
         task = self.finishing.get(pod_uid)
         if task is not None:
             await asyncio.shield(task)
+            self.finishing.pop(pod_uid, None)
 
     async def maybe_finish(self, allocation: Allocation) -> None:
         """Once every GPU container is served: allocated, claim released, event, bind-phase."""

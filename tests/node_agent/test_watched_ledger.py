@@ -165,3 +165,45 @@ async def test_a_pod_booked_after_the_watch_stalled_is_admitted_with_its_own_gra
         finally:
             stop.set()
             await task
+
+
+async def test_a_pod_answered_but_not_yet_recorded_is_not_taken_for_a_retry(
+    short_dir, nc, buckets
+):
+    """Allocate answers before its pod's finish is written. Until it is, the ledger shows the
+    pod bound with every container prepared, which is also what a retried admission looks
+    like: the next pod's Allocate (kubelet's List not telling which pod it admits) must go to
+    the next pod, and the first pod's directory must survive."""
+    async with running_rig(short_dir, nc, buckets, lists_admitting=False) as rig:
+        g0 = rig.gpus[0]
+        first, second = make_pod("first", [("main", 1)]), make_pod("second", [("main", 1)])
+        for pod in (first, second):
+            await rig.bind(pod, [grants((g0, 2000, 20))])
+            await asyncio.sleep(0.01)  # claims in a known order: first is the older
+        watched = rig.agent.plugin.ctx.watched
+        real_cas, gate = watched.cas, asyncio.Event()
+
+        async def held_cas(mutate):  # the finish's write, held back
+            await gate.wait()
+            return await real_cas(mutate)
+
+        watched.cas = held_cas
+        try:
+            a = await rig.kubelet.allocate_pod(first)
+            b = await rig.kubelet.allocate_pod(second)  # first's finish not written yet
+            assert a.ok and b.ok, (a.error, b.error)
+            assert (await rig.ledger()).allocations[a.uid].state == "bound"  # held back
+        finally:
+            gate.set()
+            watched.cas = real_cas
+        admissions = [await rig.kubelet.start_pod(x) for x in (a, b)]
+        for admission in admissions:
+            assert admission.ok, admission.error
+            limits = read_limits(admission.containers[0].mount(SEALED_LIMITS_DIR).host_path)
+            assert [(d.uuid, d.mem_limit_bytes >> 20) for d in limits.devices] == [(g0, 2000)]
+        ledger = await rig.ledger()
+        assert {a.name: a.state for a in ledger.allocations.values()} == {
+            "first": "allocated", "second": "allocated"}
+        assert ledger.in_flight() == {}
+        served = {c.prepared.pod for c in rig.agent.store.all()}
+        assert served == {"first", "second"}  # neither directory was prepared anew
