@@ -13,7 +13,7 @@ from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, PreparedContainer
 
 from tessera import bus, hami
-from tessera.kubeapi import dp
+from tessera.kubeapi import dp, pr
 from tessera.models import Allocation, NodeLedger
 
 from . import ledger_mutations as lm
@@ -55,8 +55,12 @@ class PodAttribution:
         for req in request.container_requests:
             check_id_count(units.whole(req.available_deviceIDs), replicas)
             check_id_count(units.touched(req.must_include_deviceIDs), replicas)
+        # kubelet's List asked beside the exact ledger read, not after it, when the entry the
+        # watch knows already holds several pods in flight (kubelet admits one pod at a time:
+        # its List is the same during the whole call)
+        listing = self.list_early()
         ledger = await ctx.ledger()  # exact: which pod kubelet admits is decided from here
-        only = await self.kubelet_admitting(ledger)
+        only = await self.kubelet_admitting(ledger, listing)
         self._preferred_view = (time.monotonic(), only) if only else None
         response = dp.PreferredAllocationResponse()
         run = self.open_run(ledger, only)
@@ -105,17 +109,36 @@ class PodAttribution:
                 return view[1] & in_flight
         return await self.kubelet_admitting(ledger)
 
-    async def kubelet_admitting(self, ledger: NodeLedger | None) -> set[str] | None:
+    def list_early(self) -> asyncio.Future[list[pr.PodResources]] | None:
+        """kubelet's List started now, when the entry the watch knows has several pods in
+        flight (kubelet_admitting will want it); None otherwise."""
+        ctx = self.ctx
+        known = ctx.watched.known() if ctx.watched.live else None
+        if known is None or len(hs.in_flight(known.value)) < 2:
+            return None
+        listing = asyncio.ensure_future(ctx.pod_resources(ctx.settings.pod_resources_socket))
+        listing.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
+        return listing
+
+    async def kubelet_admitting(
+        self, ledger: NodeLedger | None,
+        listing: asyncio.Future[list[pr.PodResources]] | None = None,
+    ) -> set[str] | None:
         """The in-flight pods kubelet's pod-resources List shows under admission (normally
-        one: see hs.kubelet_admitting); None when kubelet could not be asked in time."""
+        one: see hs.kubelet_admitting); None when kubelet could not be asked in time.
+        `listing`: that List already asked (list_early)."""
         ctx = self.ctx
         flying = hs.in_flight(ledger)
         if len(flying) < 2:
+            if listing is not None:
+                listing.cancel()
             return None  # nothing to tell apart
         try:
             pods = await asyncio.wait_for(
-                ctx.pod_resources(ctx.settings.pod_resources_socket), ADMITTING_TIMEOUT_S
-            )
+                listing if listing is not None
+                else ctx.pod_resources(ctx.settings.pod_resources_socket),
+                ADMITTING_TIMEOUT_S,
+            )  # fmt: skip
         except Exception as exc:
             ctx.log.info("pod-resources not read: guessing the pod", extra={"err": str(exc)})
             return None
