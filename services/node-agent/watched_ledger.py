@@ -15,6 +15,12 @@ and back, in the serialised path of every pod kubelet admits).
   so the CAS guarantees are the bus's.
 
 The entry handed out is shared: read-only (every mutation copies first, as a CAS body must).
+
+A store that went back (NATS lost its store and the bucket was made anew: revisions start
+again at 1) shows as an exact read, or this agent's own write, older than an entry known before
+it was asked: everything known had been committed by then. The entry known is then replaced by
+the exact one and the watch started again from the new store's start (a watch resumes after the
+last sequence it took, which the new store has not reached).
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class WatchedLedger:
         self._raw: bytes | None = None  # its encoded value (None: deleted or absent)
         self._value: NodeLedger | None = None
         self._decoded = True  # _value is _raw decoded
+        self._watcher: asyncio.Task[None] | None = None
+        self._stopped = False
+        self.restarts = 0  # watches started again after the store went back (tests)
 
     # --- the entry known ---------------------------------------------------------------------
 
@@ -72,9 +81,24 @@ class WatchedLedger:
         value = self._decoded_value()
         return bus.Versioned(value, self._revision) if value is not None else None
 
-    def wrote(self, result: bus.Versioned[NodeLedger]) -> None:
-        """This agent's own write (a CAS result): known at once, before its echo comes back."""
+    def wrote(self, result: bus.Versioned[NodeLedger], known: int = 0) -> None:
+        """This agent's own write (a CAS result): known at once, before its echo comes back.
+        `known`: the revision known when the write was asked (committed before it)."""
+        if result.revision < known:
+            self._went_back(result.revision, b"", result.value)
+            return
         self._take(result.revision, b"", result.value, decoded=True)
+
+    def _went_back(self, revision: int, raw: bytes | None, value: NodeLedger | None) -> None:
+        """The store is not the one the entry known came from: start over from `revision`."""
+        self.log.warning("ledger store went back: following it anew",
+                         extra={"revision": revision, "known": self._revision})  # fmt: skip
+        self._take(revision, raw, value, decoded=True, replace=True)
+        self.live = False
+        if self._watcher is not None and not self._stopped:
+            self.restarts += 1
+            self._watcher.cancel()
+            self._watcher = asyncio.create_task(self._watch())
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -90,17 +114,24 @@ class WatchedLedger:
         """The entry as KV holds it now."""
         self.exact_reads += 1
         self.exact_at = time.monotonic()
+        known = self._revision  # committed before this read is asked
         try:
             entry = await self.kv.get(self.node)
         except KeyNotFoundError:
+            entry = None
+        deleted = entry is None or entry.value is None or entry.operation in ("DEL", "PURGE")
+        revision = entry.revision if entry is not None and entry.revision else 0
+        if revision < known:  # (a key not found at all after one was known: the same)
+            value = None if deleted else decode(entry.value, NodeLedger)
+            self._went_back(revision, None if deleted else entry.value, value)
+            return value
+        if deleted:
+            self._take(revision, None, None, decoded=True)
             return None
-        if entry.value is None or entry.operation in ("DEL", "PURGE"):
-            self._take(entry.revision, None, None, decoded=True)
-            return None
-        if entry.revision == self._revision and self._raw is not None:
+        if revision == self._revision and self._raw is not None:
             return self._decoded_value()  # known already: not decoded again
         value = decode(entry.value, NodeLedger)
-        self._take(entry.revision, entry.value, value, decoded=True)
+        self._take(revision, entry.value, value, decoded=True)
         return value
 
     # --- writes --------------------------------------------------------------------------------
@@ -108,6 +139,7 @@ class WatchedLedger:
     async def cas(self, mutate: Callable[[NodeLedger | None], NodeLedger]
                   ) -> bus.Versioned[NodeLedger]:  # fmt: skip
         """`bus.cas_update` of this node's entry, its first attempt made on the entry known."""
+        known = self._revision  # committed before this write is asked
         start = self.known() if self.live else None
         if start is not None:
             try:
@@ -121,22 +153,26 @@ class WatchedLedger:
                     pass  # someone wrote since: the bus's loop, from a fresh read
                 else:
                     result = bus.Versioned(new, revision)
-                    self.wrote(result)
+                    self.wrote(result, known)
                     return result
         result = await bus.cas_update(self.kv, self.node, NodeLedger, mutate)
-        self.wrote(result)
+        self.wrote(result, known)
         return result
 
     # --- the watch -----------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        watcher = asyncio.create_task(self._watch())
+        self._stopped = False
+        self._watcher = asyncio.create_task(self._watch())
         try:
             await stop.wait()
         finally:
-            watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await watcher
+            self._stopped = True
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(BaseException):
+                    await watcher
             self.live = False
 
     async def _watch(self) -> None:

@@ -207,3 +207,36 @@ async def test_a_pod_answered_but_not_yet_recorded_is_not_taken_for_a_retry(
         assert ledger.in_flight() == {}
         served = {c.prepared.pod for c in rig.agent.store.all()}
         assert served == {"first", "second"}  # neither directory was prepared anew
+
+
+async def test_a_store_made_anew_is_followed_from_its_start(nc):
+    """NATS lost its store and the bucket was made anew (revisions start again at 1): the watch
+    alone would resume after the last sequence it took, which the new store has not reached.
+    The first exact read older than what was known replaces it and restarts the watch."""
+    from nats.js.api import KeyValueConfig
+
+    js = nc.jetstream()
+    bucket = f"wipe-{uuid.uuid4().hex[:8]}"
+    node = "node-a"
+    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=5))
+    for i in range(6):
+        await write(kv, node, f"old-{i}")
+    watched = WatchedLedger(kv, node, LOG)
+    stop = asyncio.Event()
+    task = asyncio.create_task(watched.run(stop))
+    try:
+        await until(lambda: watched.live)
+        assert mark(await watched.read()) == "old-5"
+        await js.delete_key_value(bucket)  # the store is lost ...
+        kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=5))
+        await write(kv, node, "rebuilt")  # ... and the ledger rebuilt: revision 1
+        assert mark(await watched.exact()) == "rebuilt"
+        assert watched.restarts == 1
+        await until(lambda: watched.live)
+        assert mark(await watched.read()) == "rebuilt"
+        await write(kv, node, "after")
+        await until(lambda: mark(watched.known().value) == "after")  # followed again
+    finally:
+        stop.set()
+        await task
+        await js.delete_key_value(bucket)
