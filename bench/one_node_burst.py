@@ -349,8 +349,16 @@ def run_child(code: str, pythonpath: str | None, rounds: int) -> list[dict[str, 
         paths.append(str(hook))
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    # From a folder holding no `tessera`: from the repository's root, `python -m` (every
+    # service) put the root first on sys.path and imported this tree's `tessera`, whose
+    # services the editable install maps in, whatever PYTHONPATH said (the base's rounds ran
+    # this tree's code).
+    neutral = tempfile.mkdtemp(prefix="tessera-burst-cwd-")
+    try:
+        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=neutral)  # fmt: skip
+    finally:
+        shutil.rmtree(neutral, ignore_errors=True)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     for line in proc.stderr.splitlines():
         if line.startswith(("TRACE", "kept")):

@@ -12,7 +12,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from tessera.kube_sim.http_client import HttpError, JsonPoster
 from tessera.kube_sim.store import KubeObject
 
 
@@ -69,24 +69,19 @@ def requests_managed_resource(pod: KubeObject, managed: tuple[str, ...]) -> bool
 class ExtenderClient:
     def __init__(self, config: ExtenderConfig) -> None:
         self.config = config
-        context = config.ssl_context()
-        self._client = httpx.AsyncClient(
-            base_url=config.url_prefix.rstrip("/"), timeout=config.http_timeout_s,
-            verify=context if context is not None else True,
-        )  # fmt: skip
+        self._client = JsonPoster(config.url_prefix, config.ssl_context(),
+                                  config.http_timeout_s)  # fmt: skip
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._client.close()
 
     async def _post(self, verb: str, body: Any) -> Any:
         try:
-            reply = await self._client.post(f"/{verb}", json=body)
-        except httpx.HTTPError as exc:
-            raise ExtenderError(
-                f'Post "{self.config.url_prefix}/{verb}": {exc or type(exc).__name__}'
-            ) from exc
-        if reply.status_code != 200:
-            raise ExtenderError(f"extender {verb}: HTTP {reply.status_code}: {reply.text[:300]}")
+            reply = await self._client.post(f"/{verb}", body)
+        except HttpError as exc:
+            raise ExtenderError(f'Post "{self.config.url_prefix}/{verb}": {exc}') from exc
+        if reply.status != 200:
+            raise ExtenderError(f"extender {verb}: HTTP {reply.status}: {reply.text[:300]}")
         try:
             return reply.json()
         except ValueError as exc:

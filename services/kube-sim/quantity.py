@@ -10,6 +10,7 @@ of k8s.io/api), so nothing else that looks like a number is touched.
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 from typing import Any
 
@@ -20,6 +21,13 @@ __all__ = ["QuantityError", "canonicalise", "parse", "text"]
 
 
 def parse(value: object) -> Fraction:
+    if type(value) is str:
+        return _parsed_text(value)
+    return parse_quantity(value).value
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_text(value: str) -> Fraction:  # (Fractions are immutable: safe to share)
     return parse_quantity(value).value
 
 
@@ -78,6 +86,19 @@ def canonicalise(kind: str, obj: Any) -> None:
         _walk(obj, steps)
 
 
+@functools.lru_cache(maxsize=4096)
+def _canonical_text(value: str) -> str:
+    return parse_quantity(value).canonical()
+
+
+def _canonical(value: object) -> str:
+    """`value`'s canonical form; a text seen before is not parsed again (every write of a pod
+    re-canonicalises its quantities, and a burst of pods repeats the same few amounts)."""
+    if type(value) is str:
+        return _canonical_text(value)
+    return parse_quantity(value).canonical()
+
+
 def _walk(node: Any, steps: list[str]) -> None:
     if not steps or node is None:
         return
@@ -88,7 +109,7 @@ def _walk(node: Any, steps: list[str]) -> None:
                 if rest:
                     _walk(item, rest)
                 elif item is not None:  # a list of quantities (DRA validValues)
-                    node[index] = parse_quantity(item).canonical()
+                    node[index] = _canonical(item)
         return
     if not isinstance(node, dict):
         return
@@ -99,10 +120,10 @@ def _walk(node: Any, steps: list[str]) -> None:
             if rest:  # a map of objects holding quantities (DRA capacities, counters)
                 _walk(value, rest)
             else:
-                node[key] = parse_quantity(value).canonical()
+                node[key] = _canonical(value)
         return
     if step in node and not rest:  # a single quantity (emptyDir.sizeLimit)
         if node[step] is not None:
-            node[step] = parse_quantity(node[step]).canonical()
+            node[step] = _canonical(node[step])
     elif step in node:
         _walk(node[step], rest)

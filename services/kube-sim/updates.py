@@ -13,10 +13,9 @@ kube-apiserver's pod status strategy does. That is why the webhook reviews pods/
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Awaitable, Callable
 
-from tessera.kube_sim.store import KubeObject, ObjectStore, StoreError
+from tessera.kube_sim.store import KubeObject, ObjectStore, StoreError, clone
 
 # (new pod, stored pod, subresource) -> the pod as admission leaves it, or StoreError
 AdmitUpdate = Callable[[KubeObject, KubeObject, str], Awaitable[KubeObject]]
@@ -26,12 +25,12 @@ ATTEMPTS = 5
 
 def status_update(stored: KubeObject, requested: KubeObject) -> KubeObject:
     """What a pods/status write stores: the request's status and metadata, the stored spec."""
-    result = copy.deepcopy(requested)
-    result["spec"] = copy.deepcopy(stored.get("spec", {}))
+    result = clone(requested)
+    result["spec"] = clone(stored.get("spec", {}))
     metadata = result.setdefault("metadata", {})
     for key in ("deletionTimestamp", "ownerReferences"):
         if key in stored.get("metadata", {}):
-            metadata[key] = copy.deepcopy(stored["metadata"][key])
+            metadata[key] = clone(stored["metadata"][key])
         else:
             metadata.pop(key, None)
     return result
@@ -52,7 +51,7 @@ async def admitted_change(
         version = stored["metadata"].get("resourceVersion")
         if precondition and precondition != version:
             break  # the store's replace answers with kube-apiserver's conflict message
-        updated = copy.deepcopy(stored)
+        updated = clone(stored)
         change(updated)
         admitted = await admit(updated, stored, sub_resource)
         if check is not None and admitted is not updated:

@@ -275,6 +275,8 @@ class NodeAgent:
         # DRA mode: the node is a kubelet DRA plugin instead of a device plugin (dra/).
         if start_driver(self, stop) is None:
             tasks.append(asyncio.create_task(self.endpoint.run(stop)))
+            # kubelet's calls read the node's ledger from a watch (watched_ledger.py)
+            tasks.append(asyncio.create_task(self.plugin.watch_ledger(stop)))
         else:
             tasks.append(self.dra_task)  # type: ignore[arg-type]
         if self.watchdog is not None:

@@ -13,9 +13,10 @@ from tessera.node_agent import handshake as hs
 from tessera.node_agent.containers import ContainerDir, PreparedContainer
 
 from tessera import bus, hami
-from tessera.kubeapi import dp
+from tessera.kubeapi import dp, pr
 from tessera.models import Allocation, NodeLedger
 
+from . import ledger_mutations as lm
 from .device_units import DeviceUnits
 from .plugin_context import PluginContext
 from .pod_records import PodRecords
@@ -54,8 +55,12 @@ class PodAttribution:
         for req in request.container_requests:
             check_id_count(units.whole(req.available_deviceIDs), replicas)
             check_id_count(units.touched(req.must_include_deviceIDs), replicas)
-        ledger = await ctx.ledger()
-        only = await self.kubelet_admitting(ledger)
+        # kubelet's List asked beside the exact ledger read, not after it, when the entry the
+        # watch knows already holds several pods in flight (kubelet admits one pod at a time:
+        # its List is the same during the whole call)
+        listing = self.list_early()
+        ledger = await ctx.ledger()  # exact: which pod kubelet admits is decided from here
+        only = await self.kubelet_admitting(ledger, listing)
         self._preferred_view = (time.monotonic(), only) if only else None
         response = dp.PreferredAllocationResponse()
         run = self.open_run(ledger, only)
@@ -104,17 +109,36 @@ class PodAttribution:
                 return view[1] & in_flight
         return await self.kubelet_admitting(ledger)
 
-    async def kubelet_admitting(self, ledger: NodeLedger | None) -> set[str] | None:
+    def list_early(self) -> asyncio.Future[list[pr.PodResources]] | None:
+        """kubelet's List started now, when the entry the watch knows has several pods in
+        flight (kubelet_admitting will want it); None otherwise."""
+        ctx = self.ctx
+        known = ctx.watched.known() if ctx.watched.live else None
+        if known is None or len(hs.in_flight(known.value)) < 2:
+            return None
+        listing = asyncio.ensure_future(ctx.pod_resources(ctx.settings.pod_resources_socket))
+        listing.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
+        return listing
+
+    async def kubelet_admitting(
+        self, ledger: NodeLedger | None,
+        listing: asyncio.Future[list[pr.PodResources]] | None = None,
+    ) -> set[str] | None:
         """The in-flight pods kubelet's pod-resources List shows under admission (normally
-        one: see hs.kubelet_admitting); None when kubelet could not be asked in time."""
+        one: see hs.kubelet_admitting); None when kubelet could not be asked in time.
+        `listing`: that List already asked (list_early)."""
         ctx = self.ctx
         flying = hs.in_flight(ledger)
         if len(flying) < 2:
+            if listing is not None:
+                listing.cancel()
             return None  # nothing to tell apart
         try:
             pods = await asyncio.wait_for(
-                ctx.pod_resources(ctx.settings.pod_resources_socket), ADMITTING_TIMEOUT_S
-            )
+                listing if listing is not None
+                else ctx.pod_resources(ctx.settings.pod_resources_socket),
+                ADMITTING_TIMEOUT_S,
+            )  # fmt: skip
         except Exception as exc:
             ctx.log.info("pod-resources not read: guessing the pod", extra={"err": str(exc)})
             return None
@@ -141,9 +165,15 @@ class PodAttribution:
             if not hs.gpu_containers(allocation):
                 continue
             existing = self.ctx.served(allocation)
-            if not existing or hs.admission_restarted(allocation, existing, self.ctx.sealed):
+            if not existing or self.restarted(allocation, existing):
                 out.append(allocation)
         return out
+
+    def restarted(self, allocation: Allocation, existing: list[ContainerDir]) -> bool:
+        """kubelet admits the pod anew (hs.admission_restarted), unless Allocate has just
+        answered for it and its finish is on its way (the ledger still shows it bound)."""
+        return (hs.admission_restarted(allocation, existing, self.ctx.sealed)
+                and not self.records.answered(allocation.pod_uid))  # fmt: skip
 
     def open_run(
         self, ledger: NodeLedger | None, only: set[str] | None = None
@@ -182,7 +212,7 @@ class PodAttribution:
         try:
             result = await bus.cas_update(
                 ctx.ledger_kv, ctx.node, NodeLedger,
-                lambda current: hs.follow_reuse_mutation(
+                lambda current: lm.follow_reuse_mutation(
                     allocation.pod_uid, index, gpus, capacity, current
                 ),
             )
@@ -254,7 +284,7 @@ class PodAttribution:
         """The container's directory (region, limits dir), for the pod attributed."""
         ctx = self.ctx
         existing = ctx.served(allocation)
-        if hs.admission_restarted(allocation, existing, ctx.sealed):
+        if self.restarted(allocation, existing):
             # Every container was prepared, none started, the pod still in flight: the last
             # admission failed before its end (agent crash, ledger error) and kubelet retries.
             ctx.log.warning("kubelet retries the admission of a pod: preparing it anew",

@@ -14,6 +14,7 @@ from tessera.node_agent.containers import ContainerDir
 from tessera import bus, hami
 from tessera.models import Allocation, NodeLedger, allocation_layout, allocation_shape
 
+from . import ledger_mutations as lm
 from .plugin_context import PluginContext
 from .pod_records import PodRecords
 
@@ -125,7 +126,7 @@ class CrossRepair:
         try:
             result = await bus.cas_update(
                 ctx.ledger_kv, ctx.node, NodeLedger,
-                lambda current: hs.swap_mutation(
+                lambda current: lm.swap_mutation(
                     labelled.pod_uid, holder.pod_uid, current, capacity
                 ),
             )

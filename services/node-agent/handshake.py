@@ -1,27 +1,29 @@
-"""Pure decisions of the kubelet handshake: which replicas, which container, which env.
+"""Pure rules of the kubelet handshake: which replicas, which pod and container a call serves.
 
-No I/O here: the plugin server (plugin.py) reads the ledger and the container store and calls
-these. Every refusal is a `HandshakeError` with a sentence an operator can act on.
+No I/O here: the plugin server (plugin.py, attribution.py) reads the ledger, kubelet's
+pod-resources and the container store and calls these. Every refusal is a `HandshakeError`
+with a sentence an operator can act on. Beside them: what a served container gets (env, mounts,
+sealed limits: container_setup.py, re-exported here for the plugin and the DRA driver) and the
+ledger's CAS bodies the handshake writes (ledger_mutations.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from tessera.node_agent.containers import (
-    LIBVGPU_CONTAINER_PATH,
-    PRELOAD_CONTAINER_PATH,
-    REGION_CONTAINER_DIR,
-    REGION_CONTAINER_PATH,
-    ContainerDir,
-    sealed_device_limit,
-)
+from tessera.node_agent.containers import ContainerDir
 
-from tessera.device_kinds.nvidia.slices import slice_env
-from tessera.device_kinds.types import GrantContext
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, NodeLedger
-from tessera.region import SEALED_LIMITS_DIR, ContainerLimits
-from tessera.settings import TesseraSettings
+
+from .container_setup import container_env, container_mounts, limits_for
+
+__all__ = [
+    "HandshakeError", "admission_restarted", "check_devices", "choose_new_pod", "container_env",
+    "container_mounts", "container_name", "describe", "first_size", "gpu_containers", "gpu_of",
+    "gpus_of", "in_flight", "kubelet_admitting", "limits_for", "next_container",
+    "no_pod_in_flight", "pick_prepared", "preferred_replicas", "replica_id", "replica_ids",
+    "reported_containers",
+]
 
 
 class HandshakeError(Exception):
@@ -245,56 +247,6 @@ def check_devices(grants: list[DeviceGrant], gpus: list[str], who: str) -> None:
         )
 
 
-def container_env(
-    allocation: Allocation, grants: list[DeviceGrant], settings: TesseraSettings
-) -> dict[str, str]:
-    """HAMi's env for libvgpu slices (a fallback: libvgpu obeys the sealed limits file when
-    there is one): the slices kind's, for callers holding an allocation (the DRA driver)."""
-    ctx = GrantContext(devices={}, settings=settings, priority=allocation.priority,
-                       core_policy=allocation.core_policy or settings.core_policy)
-    return slice_env(grants, ctx)
-
-
-def container_mounts(
-    cdir: ContainerDir, settings: TesseraSettings, preload_host_path: str
-) -> list[tuple[str, str, bool]]:
-    """(container path, host path, read-only) of every mount, parents before what they hold
-    (container runtimes mount in order of path depth)."""
-    return [
-        (LIBVGPU_CONTAINER_PATH, settings.libvgpu_host_path, True),
-        (PRELOAD_CONTAINER_PATH, preload_host_path, True),
-        # The region's directory read-only and the file itself read-write on top: the tenant can
-        # write its counters but neither rename, unlink nor replace the file (a mount point
-        # cannot be renamed over: EBUSY; the directory takes no new file: EROFS). Nothing it
-        # writes there is the account anyway: that is the agent's lease service (leases.py).
-        (REGION_CONTAINER_DIR, str(cdir.region_dir), True),
-        (REGION_CONTAINER_PATH, str(cdir.region_file), False),
-        # The directory, never the file: the agent replaces the limits file by rename (a
-        # bind-mounted file would keep the old inode); the lease socket lives there too.
-        (SEALED_LIMITS_DIR, str(cdir.limits_dir), True),
-    ]
-
-
-def limits_for(
-    allocation: Allocation, index: int, settings: TesseraSettings
-) -> ContainerLimits:
-    """What PreStartContainer seals for container `index` of `allocation`."""
-    grants = allocation.containers[index]
-    return ContainerLimits(
-        devices=tuple(
-            sealed_device_limit(g.uuid, memory_mib=g.memory_mib, cores=g.cores,
-                                memory_burst_mib=g.memory_limit_mib or None,
-                                cores_burst=g.cores_limit or None)  # elastic (docs/elastic.md)
-            for g in grants
-        ),
-        priority=allocation.priority,
-        core_policy=allocation.core_policy or settings.core_policy,
-        oversubscribe=settings.device_memory_scaling > 1,
-        scrub_on_free=allocation.scrub_on_free or settings.scrub_on_free,
-        region_path=REGION_CONTAINER_PATH,
-        lease=settings.memory_leases,  # the agent's lease service is the account (leases.py)
-    )
-
 
 def pick_prepared(
     candidates: list[ContainerDir],
@@ -330,201 +282,3 @@ def pick_prepared(
             f"they were prepared for container {p.container}: refusing to cross limits"
         )
     return chosen, ""
-
-
-def finish_mutation(pod_uid: str, ledger: NodeLedger | None) -> NodeLedger:
-    """Ledger CAS body once every GPU container of the pod is served: allocated, claim dropped.
-
-    Raises bus.NoChange when there is nothing to do (a retry, or the claim moved on)."""
-    from tessera.bus import NoChange
-    from tessera.models import now
-
-    if ledger is None:
-        raise NoChange
-    # Copy on write: only the pod's allocation and the claims are new objects (a deep copy of
-    # an entry of tens of allocations cost more than the rest of the Allocate together).
-    update: dict = {}
-    allocation = ledger.allocations.get(pod_uid)
-    if allocation is not None and allocation.state in (
-        AllocationState.RESERVED, AllocationState.BOUND
-    ):
-        allocations = dict(ledger.allocations)
-        allocations[pod_uid] = allocation.model_copy(update={
-            "state": AllocationState.ALLOCATED,
-            "expires_at": None,  # allocated: a reservation's expiry no longer applies
-            "updated_at": now(),
-        })  # fmt: skip
-        update["allocations"] = allocations
-    if pod_uid in ledger.claims:
-        update["claims"] = {k: c for k, c in ledger.claims.items() if k != pod_uid}
-    if ledger.claim is not None and ledger.claim.pod_uid == pod_uid:
-        update["claim"] = None
-    if not update:
-        raise NoChange
-    return ledger.model_copy(update=update)
-
-
-def finish_pending(pod_uid: str, ledger: NodeLedger | None) -> bool:
-    """Whether `finish_mutation` would change `ledger` (the pod not yet allocated there, or
-    still in its in-flight set): PreStart then repeats the finish an Allocate may not have
-    written (the agent crashed in between); otherwise it spares the read."""
-    if ledger is None:
-        return False
-    allocation = ledger.allocations.get(pod_uid)
-    return (
-        (allocation is not None
-         and allocation.state in (AllocationState.RESERVED, AllocationState.BOUND))
-        or pod_uid in ledger.claims
-        or (ledger.claim is not None and ledger.claim.pod_uid == pod_uid)
-    )  # fmt: skip
-
-
-class Finish:
-    """`finish_mutation` for `bus.cas_update`, remembering whether the attempt that ended the
-    update wrote (cas_update returns the entry as it is when there was nothing to do, so the
-    caller could not tell a finish from a repeat: every PreStart announced the pod allocated
-    again, one more event and pod patch each)."""
-
-    def __init__(self, pod_uid: str) -> None:
-        self.pod_uid = pod_uid
-        self.wrote = False
-
-    def mutate(self, ledger: NodeLedger | None) -> NodeLedger:
-        self.wrote = False
-        new = finish_mutation(self.pod_uid, ledger)
-        self.wrote = True
-        return new
-
-
-def reclaim_mutation(
-    pod_uid: str, ledger: NodeLedger | None, holder: str, ttl_s: float,
-    clock: Callable[[], float] | None = None,
-) -> NodeLedger:
-    """Ledger CAS body after a mis-attributed Allocate: the pod it was wrongly counted for is
-    in flight again, so its own Allocate can still come.
-
-    Raises bus.NoChange when the pod is not in the wrongly-finished state.
-    """
-    from tessera.bus import NoChange
-    from tessera.models import InFlightClaim, now
-
-    allocation = ledger.allocations.get(pod_uid) if ledger else None
-    if ledger is None or allocation is None or allocation.state != AllocationState.ALLOCATED:
-        raise NoChange
-    at = (clock or now)()  # the scheduler judges this claim's expiry on the server's clock
-    new = ledger.model_copy(deep=True)
-    new.allocations[pod_uid].state = AllocationState.BOUND
-    new.allocations[pod_uid].updated_at = at
-    new.claims[pod_uid] = InFlightClaim(
-        pod_uid=pod_uid, namespace=allocation.namespace, name=allocation.name,
-        taken_at=at, expires_at=at + ttl_s, holder=holder,
-    )
-    return new
-
-
-def swap_mutation(
-    a_uid: str, b_uid: str, ledger: NodeLedger | None,
-    capacity: dict[str, tuple[int, int]] | None = None,
-) -> NodeLedger:
-    """Ledger CAS body of a crossed-guess repair: pods `a` and `b` exchange their cards and
-    their progress (state, expiry, in-flight claim), so each pod's grants are the GPUs kubelet
-    really gave it. One shape: they swap grants and every card holds the same amounts as before.
-    One layout, other amounts: each keeps its amounts on the other's cards, refused unless every
-    card still fits (`capacity`: uuid -> (MiB, cores)). HandshakeError when they cannot."""
-    from tessera.models import allocation_layout, allocation_shape, exchange_grants
-
-    a = ledger.allocations.get(a_uid) if ledger else None
-    b = ledger.allocations.get(b_uid) if ledger else None
-    if ledger is None or a is None or b is None or not (a.active and b.active):
-        raise HandshakeError("a crossed pod's allocation is gone: cannot repair", mismatch=True)
-    same_shape = allocation_shape(a) == allocation_shape(b)
-    if not same_shape and (allocation_layout(a) != allocation_layout(b) or capacity is None):
-        raise HandshakeError(
-            f"{describe(a)} and {describe(b)} differ in layout: their cards cannot be exchanged",
-            mismatch=True,
-        )
-    new = ledger.model_copy(deep=True)
-    a_grants, b_grants = (b.containers, a.containers) if same_shape else exchange_grants(a, b)
-
-    def progress(x: Allocation, grants: list[list[DeviceGrant]]) -> dict:
-        return {"containers": grants, "state": x.state, "expires_at": x.expires_at}
-
-    new.allocations[a_uid] = a.model_copy(update=progress(b, a_grants))
-    new.allocations[b_uid] = b.model_copy(update=progress(a, b_grants))
-    if not same_shape:
-        check_capacity(new, {g.uuid for c in (*a_grants, *b_grants) for g in c}, capacity or {})
-    claims = ledger.in_flight()
-    new.claim = None
-    new.claims = {k: c for k, c in claims.items() if k not in (a_uid, b_uid)}
-    for old, pod in ((a_uid, b), (b_uid, a)):
-        if old in claims:
-            new.claims[pod.pod_uid] = claims[old].model_copy(
-                update={"pod_uid": pod.pod_uid, "namespace": pod.namespace, "name": pod.name}
-            )
-    return new
-
-
-def check_capacity(
-    ledger: NodeLedger, uuids: set[str], capacity: dict[str, tuple[int, int]]
-) -> None:
-    """HandshakeError when any of these cards holds more than its (MiB, cores) capacity."""
-    from tessera.node_agent.limits import pod_usage_on
-
-    for uuid in sorted(uuids):
-        used = [pod_usage_on(x, uuid) for x in ledger.allocations.values() if x.active]
-        cap_mem, cap_cores = capacity.get(uuid, (0, 0))
-        if sum(m for m, _ in used) > cap_mem or sum(c for _, c in used) > cap_cores:
-            raise HandshakeError(
-                f"exchanging the crossed pods' cards would overfill GPU {uuid}", mismatch=True
-            )
-
-
-def reuse_pool(allocation: Allocation, index: int) -> set[str]:
-    """GPUs kubelet may hand container `index` from the pod's init containers before it (its
-    device reuse, container by container in order): a plain init container's GPUs join the
-    pool; a native sidecar (restartable init container) and every app container keep theirs,
-    so those leave it."""
-    pool: set[str] = set()
-    sidecars = set(allocation.sidecars)
-    for i in range(min(index, len(allocation.containers))):
-        cards = {g.uuid for g in allocation.containers[i]}
-        if i < allocation.init_count and i not in sidecars:
-            pool |= cards
-        else:
-            pool -= cards
-    return pool
-
-
-def follow_reuse_mutation(
-    pod_uid: str, index: int, gpus: list[str], capacity: dict[str, tuple[int, int]],
-    ledger: NodeLedger | None,
-) -> NodeLedger:
-    """Ledger CAS body: kubelet gave container `index` other devices of the pod's reuse pool
-    than the grant names (it picks any of them when the pool holds more than asked): move those
-    grants onto kubelet's GPUs, same amounts, if every card still fits. HandshakeError if not."""
-    from tessera.node_agent.limits import pod_usage_on
-
-    allocation = ledger.allocations.get(pod_uid) if ledger else None
-    if ledger is None or allocation is None or index >= len(allocation.containers):
-        raise HandshakeError("the pod's allocation is gone", mismatch=True)
-    grants = allocation.containers[index]
-    wanted = {g.uuid for g in grants}
-    extra = [g for g in gpus if g not in wanted]
-    if len(gpus) != len(grants) or not set(extra) <= reuse_pool(allocation, index):
-        raise HandshakeError("kubelet's devices are not the pod's reusable ones", mismatch=True)
-    moving = iter(extra)
-    new_grants = [
-        g if g.uuid in gpus else g.model_copy(update={"uuid": next(moving)}) for g in grants
-    ]
-    new = ledger.model_copy(deep=True)
-    new.allocations[pod_uid].containers[index] = new_grants
-    for uuid in extra:
-        used = [pod_usage_on(a, uuid) for a in new.allocations.values() if a.active]
-        cap_mem, cap_cores = capacity.get(uuid, (0, 0))
-        if sum(m for m, _ in used) > cap_mem or sum(c for _, c in used) > cap_cores:
-            raise HandshakeError(
-                f"kubelet gave {describe(allocation, index)} GPU {uuid} (its init container's), "
-                "which has no room left for it",
-                mismatch=True,
-            )
-    return new

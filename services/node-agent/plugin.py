@@ -35,7 +35,8 @@ from tessera.region import seal_limits
 from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
 
-from .attribution import PodAttribution, check_id_count
+from . import ledger_mutations as lm
+from .attribution import VIEW_REUSE_S, PodAttribution, check_id_count
 from .crossed import CrossRepair
 from .device_units import DeviceUnits
 from .kind_answers import AnswersByFamily
@@ -203,7 +204,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         check_id_count([i for r in request.container_requests for i in r.devices_ids], replicas)
         requested = [self.units.collapse(req.devices_ids) for req in request.container_requests]
         checked = [(ids, hs.gpus_of(ids, devices)) for ids in requested]
-        ledger = await ctx.ledger()
+        # kubelet calls Allocate right after the GetPreferredAllocation that read the ledger:
+        # the entry known since (watched, at least as new) serves it (attribution.py)
+        ledger = await ctx.ledger(fresh_within=VIEW_REUSE_S)
         only = await self.attribution.admitting_for_allocate(ledger)
         response = dp.AllocateResponse()
         for ids, gpus in checked:
@@ -212,7 +215,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             allocation = await answers.before_answer(allocation, index)
             cdir = await self.attribution.prepare(allocation, index, ids)
             response.container_responses.append(await answers.answer(allocation, cdir))
-            await self.records.maybe_finish(allocation)
+            self.records.finish_soon(allocation)  # written while kubelet goes on
         return response
 
     async def pre_start(self, request: dp.PreStartContainerRequest):
@@ -306,9 +309,19 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         ctx.log.info("limits sealed", extra={
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
         })
-        # A crash between Allocate's answer and its ledger write leaves the claim held.
-        if hs.finish_pending(allocation.pod_uid, ledger):
+        # Allocate's finish is written after its answer (finish_soon): wait for it; a crash
+        # between that answer and its write leaves the claim held: written here then.
+        if self.records.answered(allocation.pod_uid):
+            await self.records.settle(allocation.pod_uid)
+            known = ctx.watched.known()  # holds that write when it was made
+            ledger = known.value if known is not None else ledger
+        if lm.finish_pending(allocation.pod_uid, ledger):
             await self.records.maybe_finish(allocation)
+
+    async def watch_ledger(self, stop: asyncio.Event) -> None:
+        """Follow the node's ledger entry until `stop` (kubelet's calls read it from there:
+        watched_ledger.py); without it every call reads KV."""
+        await self.ctx.run_ledger_watch(stop)
 
     async def reconcile_sealed(self, every_s: float = 2.0) -> None:
         """Between watch steps: sealed containers the ledger misplaces (sealed_checks.py)."""

@@ -24,7 +24,7 @@ from tessera.region import LIMITS_FILE_NAME
 from tessera.settings import TesseraSettings
 from tessera.validation import Rejections
 
-from .watchdog import CachedLedger
+from .watched_ledger import WatchedLedger
 
 
 @dataclass
@@ -61,15 +61,26 @@ class PluginContext:
     moves: int = 0
     run: str | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
-    _ledger_read: CachedLedger | None = field(default=None, repr=False)
+    _watched: WatchedLedger | None = field(default=None, repr=False)
 
-    async def ledger(self) -> NodeLedger | None:
-        """The node's ledger as KV holds it now (read every time: exact), decoded again only
-        when its revision moved. Shared between calls: treat it as read-only (every mutation
-        in the plugin copies first, as a CAS body must)."""
-        if self._ledger_read is None:
-            self._ledger_read = CachedLedger(self.ledger_kv, self.node)
-        return await self._ledger_read()
+    @property
+    def watched(self) -> WatchedLedger:
+        """The node's ledger entry, followed by a watch while `run_ledger_watch` runs."""
+        if self._watched is None:
+            self._watched = WatchedLedger(self.ledger_kv, self.node, self.log)
+        return self._watched
+
+    async def ledger(self, fresh_within: float | None = None) -> NodeLedger | None:
+        """The node's ledger as KV holds it now (exact); with `fresh_within`, the entry known
+        (watched_ledger.py) when an exact read was made that recently, at least as new as it.
+        Shared between calls: treat it as read-only (every mutation in the plugin copies
+        first, as a CAS body must)."""
+        if fresh_within is None:
+            return await self.watched.exact()
+        return await self.watched.read(fresh_within)
+
+    async def run_ledger_watch(self, stop: asyncio.Event) -> None:
+        await self.watched.run(stop)
 
     def served(self, allocation: Allocation) -> list[ContainerDir]:
         """The pod's containers prepared on this node (by Allocate)."""

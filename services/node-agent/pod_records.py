@@ -15,6 +15,7 @@ from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationEvent, NodeLedger
 from tessera.validation import Problem
 
+from . import ledger_mutations as lm
 from .plugin_context import PluginContext
 
 # `annotate`'s grant keys name a role by NVIDIA's key; each family's own key of it is written
@@ -25,18 +26,61 @@ _ROLE_OF_KEY = {hami.ANN_DEVICES_TO_ALLOCATE: pod_grants.TO_ALLOCATE,
 class PodRecords:
     def __init__(self, ctx: PluginContext) -> None:
         self.ctx = ctx
+        # pod uid -> its finish, written after Allocate answered (finish_soon)
+        self.finishing: dict[str, asyncio.Task[None]] = {}
+
+    def _served(self, allocation: Allocation) -> bool:
+        """Every GPU container of the pod is served (the pod may be finished)."""
+        prepared = {c.prepared.index for c in self.ctx.store.for_pod(allocation.pod_uid)}
+        if not set(hs.gpu_containers(allocation)) <= prepared:
+            return False
+        if self.ctx.run == allocation.pod_uid:
+            self.ctx.run = None
+        return True
+
+    def finish_soon(self, allocation: Allocation) -> None:
+        """`maybe_finish` written after Allocate has answered: kubelet's next admission does
+        not wait for this pod's ledger write. PreStartContainer waits for it (`settle`), and
+        writes it itself when it finds it still undone (an agent killed in between)."""
+        if not self._served(allocation) or allocation.pod_uid in self.finishing:
+            return
+        uid = allocation.pod_uid
+
+        async def finish() -> None:
+            try:
+                await self.maybe_finish(allocation)
+            except Exception as exc:  # kept in `finishing`: PreStartContainer writes it
+                self.ctx.log.warning("pod not recorded allocated yet", extra={
+                    "pod": f"{allocation.namespace}/{allocation.name}", "err": str(exc)})
+            else:
+                self.finishing.pop(uid, None)
+
+        task = asyncio.create_task(finish())
+        self.finishing[uid] = task
+        self.ctx.background.add(task)
+        task.add_done_callback(self.ctx.background.discard)
+
+    def answered(self, pod_uid: str) -> bool:
+        """Allocate answered for every GPU container of the pod and its finish is still on
+        its way (or failed: PreStartContainer writes it): not a pod kubelet is admitting
+        anew, though the ledger may still show it only bound."""
+        return pod_uid in self.finishing
+
+    async def settle(self, pod_uid: str) -> None:
+        """Wait for the pod's finish in flight (finish_soon), if any; forget it then."""
+        task = self.finishing.get(pod_uid)
+        if task is not None:
+            await asyncio.shield(task)
+            self.finishing.pop(pod_uid, None)
 
     async def maybe_finish(self, allocation: Allocation) -> None:
         """Once every GPU container is served: allocated, claim released, event, bind-phase."""
         ctx = self.ctx
-        prepared = {c.prepared.index for c in ctx.store.for_pod(allocation.pod_uid)}
-        if not set(hs.gpu_containers(allocation)) <= prepared:
+        if not self._served(allocation):
             return
-        if ctx.run == allocation.pod_uid:
-            ctx.run = None
-        finish = hs.Finish(allocation.pod_uid)
+        finish = lm.Finish(allocation.pod_uid)
         try:
-            await bus.cas_update(ctx.ledger_kv, ctx.node, NodeLedger, finish.mutate)
+            await ctx.watched.cas(finish.mutate)  # from the entry known: one round trip
         except bus.NoChange:
             return
         if finish.wrote:  # (cas_update returns the entry as it is when there was nothing to do)
@@ -68,7 +112,7 @@ class PodRecords:
         with contextlib.suppress(bus.NoChange):
             await bus.cas_update(
                 ctx.ledger_kv, ctx.node, NodeLedger,
-                lambda ledger: hs.reclaim_mutation(
+                lambda ledger: lm.reclaim_mutation(
                     allocation.pod_uid, ledger, f"node-agent/{ctx.node}",
                     ctx.settings.reservation_ttl_s, ctx.clock,
                 ),

@@ -57,10 +57,8 @@ class FakeWebhook:
 async def api() -> Any:
     webhook = FakeWebhook(['resource nvidia.com/gpumen: did you mean "nvidia.com/gpumem"?',
                            "second warning"])
-    admit = AdmissionWebhook("http://webhook/mutate", None)
-    await admit.close()
-    admit._client = httpx.AsyncClient(  # the webhook over HTTP, served in process
-        transport=httpx.ASGITransport(Starlette(routes=[
+    admit = AdmissionWebhook(  # the webhook over HTTP, served in process
+        "http://webhook/mutate", None, transport=httpx.ASGITransport(Starlette(routes=[
             Route("/mutate", webhook.mutate, methods=["POST"])])))
     server = ApiServer(ObjectStore(), admit_pod=admit)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(server.app()),

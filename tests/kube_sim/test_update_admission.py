@@ -140,15 +140,36 @@ async def test_a_tenant_still_labels_and_annotates_its_pod(cluster: Cluster):
 
 @pytest.mark.parametrize("component", ["scheduler", "node-agent"])
 async def test_tessera_components_write_the_allocation(cluster: Cluster, component: str):
+    """The chart's match condition skips the webhook for the release's own service accounts
+    (kube-apiserver never sends it their updates); the webhook trusts them too where it is
+    asked (a cluster without match conditions): tests/security/test_webhook_subresources.py."""
+    reviewed = len(cluster.reviews)
     async with cluster.client(component) as client:
         reply = await client.patch(f"{PODS}/train/status", headers=MERGE, json={
             "metadata": {"annotations": {hami.ANN_DEVICES_ALLOCATED: FORGED}}})
         assert reply.status_code == 200, reply.text
-    assert await allocated(cluster) == FORGED
-    info = cluster.reviews[-1]["request"]["userInfo"]
-    assert info["username"] == f"system:serviceaccount:tessera-system:tessera-{component}"
-    assert info["groups"] == ["system:serviceaccounts", "system:serviceaccounts:tessera-system",
-                              "system:authenticated"]
+        reply = await client.patch(f"{PODS}/train", headers=MERGE, json={
+            "metadata": {"annotations": {hami.ANN_DEVICES_ALLOCATED: GRANT}}})
+        assert reply.status_code == 200, reply.text
+    assert await allocated(cluster) == GRANT
+    assert len(cluster.reviews) == reviewed  # neither update was sent to the webhook
+
+
+async def test_a_status_write_that_keeps_the_annotations_is_not_reviewed(cluster: Cluster):
+    """The chart's other match condition: a subresource update is reviewed only when it
+    changes the pod's annotations (kubelet-style status writes never wait on the webhook)."""
+    reviewed = len(cluster.reviews)
+    async with cluster.client("tenant") as tenant:
+        reply = await tenant.patch(f"{PODS}/train/status", headers=MERGE,
+                                   json={"status": {"message": "warming up"}})
+        assert reply.status_code == 200, reply.text
+        assert len(cluster.reviews) == reviewed
+        reply = await tenant.patch(f"{PODS}/train/status", headers=MERGE,
+                                   json={"metadata": {"annotations": {"owner": "alice"}}})
+        assert reply.status_code == 200, reply.text
+    assert len(cluster.reviews) == reviewed + 1
+    review = cluster.reviews[-1]["request"]
+    assert review["subResource"] == "status" and review["userInfo"]["username"] == "tenant"
 
 
 async def test_an_unknown_token_is_unauthorized(cluster: Cluster):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from node_agent_rig import grants
 from tessera.node_agent import handshake as hs
+from tessera.node_agent import ledger_mutations as lm
 from tessera.node_agent.containers import ContainerDir, PreparedContainer
 from tessera.node_agent.foreign import ForeignUnknownError, hami_held
 from tessera.node_agent.limits import LimitsError, apply_change, pod_usage_on
@@ -95,14 +96,14 @@ def test_finish_and_reclaim_are_cas_bodies():
     alloc = allocation("p", [grants((A, 1, 1))])
     ledger = NodeLedger(node="n", allocations={"p": alloc},
                         claim=InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9))
-    done = hs.finish_mutation("p", ledger)
+    done = lm.finish_mutation("p", ledger)
     assert done.in_flight() == {} and done.allocations["p"].state == AllocationState.ALLOCATED
     with pytest.raises(NoChange):
-        hs.finish_mutation("p", done)
-    back = hs.reclaim_mutation("p", done, "agent", 30)
+        lm.finish_mutation("p", done)
+    back = lm.reclaim_mutation("p", done, "agent", 30)
     assert set(back.claims) == {"p"} and back.allocations["p"].state == AllocationState.BOUND
     with pytest.raises(NoChange):  # in flight already: nothing to give back
-        hs.reclaim_mutation("p", back, "agent", 30)
+        lm.reclaim_mutation("p", back, "agent", 30)
 
 
 def test_finish_writes_once_and_leaves_the_read_value_alone():
@@ -113,19 +114,19 @@ def test_finish_writes_once_and_leaves_the_read_value_alone():
     other = allocation("q", [grants((B, 1, 1))])
     claim = InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9)
     ledger = NodeLedger(node="n", allocations={"p": alloc, "q": other}, claims={"p": claim})
-    assert hs.finish_pending("p", ledger)
-    finish = hs.Finish("p")
+    assert lm.finish_pending("p", ledger)
+    finish = lm.Finish("p")
     done = finish.mutate(ledger)
     assert finish.wrote
     assert ledger.allocations["p"].state == AllocationState.BOUND and "p" in ledger.claims
     assert done.allocations["p"].state == AllocationState.ALLOCATED and done.claims == {}
     assert done.allocations["q"] is other  # untouched allocations are not copied
-    assert not hs.finish_pending("p", done)
+    assert not lm.finish_pending("p", done)
     with pytest.raises(NoChange):
         finish.mutate(done)
     assert not finish.wrote  # the last attempt wrote nothing: no second announcement
     claimed_only = done.model_copy(update={"claims": {"p": claim}})
-    assert hs.finish_pending("p", claimed_only)  # a claim left behind is still dropped
+    assert lm.finish_pending("p", claimed_only)  # a claim left behind is still dropped
 
 
 def test_in_flight_pods_oldest_claim_first_and_the_guess_among_equals():
@@ -153,7 +154,7 @@ def test_swap_exchanges_grants_and_progress_of_one_shape_or_layout():
     c = allocation("c", [grants((B, 3000, 10))])
     claim = InFlightClaim(pod_uid="b", namespace="ns", name="b", expires_at=99)
     ledger = NodeLedger(node="n", allocations={"a": a, "b": b, "c": c}, claims={"b": claim})
-    swapped = hs.swap_mutation("a", "b", ledger)
+    swapped = lm.swap_mutation("a", "b", ledger)
     assert swapped.allocations["b"].containers[0][0].uuid == A
     assert swapped.allocations["b"].state == AllocationState.ALLOCATED
     assert swapped.allocations["a"].containers[0][0].uuid == B
@@ -161,17 +162,17 @@ def test_swap_exchanges_grants_and_progress_of_one_shape_or_layout():
     assert set(swapped.claims) == {"a"} and swapped.claims["a"].name == "a"
     # Without the cards' capacity, pods of other amounts are not exchanged.
     with pytest.raises(hs.HandshakeError, match="differ in layout"):
-        hs.swap_mutation("a", "c", ledger)
+        lm.swap_mutation("a", "c", ledger)
     # Other amounts, one layout: each keeps its amounts on the other's card, if that fits.
-    traded = hs.swap_mutation("a", "c", ledger, {A: (4000, 100), B: (4000, 100)})
+    traded = lm.swap_mutation("a", "c", ledger, {A: (4000, 100), B: (4000, 100)})
     assert [(g.uuid, g.memory_mib) for g in traded.allocations["c"].containers[0]] == [(A, 3000)]
     assert [(g.uuid, g.memory_mib) for g in traded.allocations["a"].containers[0]] == [(B, 1000)]
     assert traded.allocations["c"].state == AllocationState.ALLOCATED
     with pytest.raises(hs.HandshakeError, match="overfill GPU"):
-        hs.swap_mutation("a", "c", ledger, {A: (2000, 100), B: (8000, 100)})
+        lm.swap_mutation("a", "c", ledger, {A: (2000, 100), B: (8000, 100)})
     two = allocation("d", [grants((A, 1000, 10)), grants((B, 1000, 10))])
     with pytest.raises(hs.HandshakeError, match="differ in layout"):
-        hs.swap_mutation("a", "d", ledger.model_copy(update={
+        lm.swap_mutation("a", "d", ledger.model_copy(update={
             "allocations": {**ledger.allocations, "d": two}}), {A: (9000, 100), B: (9000, 100)})
 
 
@@ -207,7 +208,7 @@ def test_allocate_serves_a_claimed_pod_the_scheduler_has_not_yet_marked_bound():
     claim = InFlightClaim(pod_uid="p", namespace="ns", name="p", expires_at=9)
     ledger = NodeLedger(node="n", allocations={"p": alloc}, claims={"p": claim})
     assert hs.in_flight(ledger) == [ledger.allocations["p"]]
-    done = hs.finish_mutation("p", ledger)
+    done = lm.finish_mutation("p", ledger)
     assert done.allocations["p"].state == AllocationState.ALLOCATED
     assert done.allocations["p"].expires_at is None and done.in_flight() == {}
     released = allocation("p", [grants((A, 1, 1))], state=AllocationState.RELEASED)
@@ -235,10 +236,10 @@ def test_the_pod_under_admission_is_read_off_kubelets_list():
 def test_reuse_pool_follows_kubelet_with_native_sidecars():
     pod = allocation("p", [grants((A, 500, 5), (B, 500, 5)), grants((A, 300, 5)),
                            grants((B, 400, 5))], init_count=2)
-    assert hs.reuse_pool(pod, 2) == {A, B}  # a plain init container hands both on
+    assert lm.reuse_pool(pod, 2) == {A, B}  # a plain init container hands both on
     side = pod.model_copy(update={"sidecars": [1]})
-    assert hs.reuse_pool(side, 1) == {A, B}
-    assert hs.reuse_pool(side, 2) == {B}  # the sidecar keeps A
+    assert lm.reuse_pool(side, 1) == {A, B}
+    assert lm.reuse_pool(side, 2) == {B}  # the sidecar keeps A
 
 
 def test_hami_pods_held_on_the_node_and_hostile_shapes_fail_closed():

@@ -282,6 +282,10 @@ async def test_kubelet_retrying_an_unfinished_admission_is_served_again(short_di
         allocation = await rig.bind(pod, [grants((gpu0, 1500, 15))])
         first = await rig.kubelet.allocate_pod(pod)
         assert first.ok, first.error
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await rig.ledger()).allocations[allocation.pod_uid].state != "allocated":
+            assert asyncio.get_running_loop().time() < deadline  # written after the answer
+            await asyncio.sleep(0.02)
 
         def restore(ledger: NodeLedger | None) -> NodeLedger:
             ledger = ledger.model_copy(deep=True)
