@@ -40,6 +40,9 @@ class RefusalMemo:
         # the reason of every node of a shape (`refusal_shapes.group`: its exact key), valid
         # for as long as the memo (the key holds everything the refusal depends on)
         self.shapes: dict[bytes, int] = {}
+        # the request was refused everywhere on its last call (`Decision.explain_rest`): its
+        # next is first checked at once (`refusal_fast.py`); cleared when a node fits it
+        self.refused = False
 
     def grow(self, capacity: int) -> None:
         if len(self.stamp) < capacity:
@@ -86,6 +89,15 @@ class RefusalMemos:
 
     def __init__(self) -> None:
         self._memos: OrderedDict[str, RefusalMemo] = OrderedDict()
+        self.refused = False  # some request's memo is `refused` (or was: a hint)
+
+    def peek(self, key: str) -> RefusalMemo | None:
+        """The request's memo if there is one (nothing created, the recency unchanged)."""
+        return self._memos.get(key)
+
+    def mark_refused(self, memo: RefusalMemo) -> None:
+        """The memo's request was just refused everywhere."""
+        memo.refused = self.refused = True
 
     def of(self, key: str, capacity: int) -> RefusalMemo:
         """The request's memo (a new one once it holds more than `_TEXTS` distinct reasons: a
