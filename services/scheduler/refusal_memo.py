@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 FITS = 0  # the id of "the node fits" (a summary was looser than the fit: no reason)
-_MEMOS = 64  # distinct requests remembered (least recently used forgotten)
+_MEMOS = 96  # distinct requests remembered (least recently used forgotten, refused ones last)
 _TEXTS = 4096  # distinct reasons per request before its memo starts over
 
 
@@ -107,11 +107,22 @@ class RefusalMemos:
             memo = self._memos[key] = RefusalMemo(capacity)
             self._memos.move_to_end(key)
             while len(self._memos) > _MEMOS:
-                self._memos.popitem(last=False)
+                self._evict()
         else:
             self._memos.move_to_end(key)
             memo.grow(capacity)
         return memo
+
+    def _evict(self) -> None:
+        """The least recent memo of a request not refused on its last call goes first: the
+        requests of a backlog are retried seconds apart (kube-scheduler's backoff) while many
+        placed pods' requests come and go, and a refused request's memo is what answers its
+        retries at once (`refusal_fast`). Only refused memos left: the least recent."""
+        for key, memo in self._memos.items():
+            if not memo.refused:
+                del self._memos[key]
+                return
+        self._memos.popitem(last=False)
 
     def forget(self, slot: int) -> None:
         """A node left its slot (another may take it): nothing remembered there holds."""
