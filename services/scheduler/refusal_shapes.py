@@ -33,11 +33,16 @@ quota check reads the budget as it is spent). `tests/scheduler/test_refusal_shap
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
+from tessera.device_kinds.nvidia.slices import SLICES
 from tessera.hami import ContainerRequest, PodRequest
+
+from .cards import Card
+from .rules import FitContext, card_refusal, check_health, check_type_and_mode, relevant_checks
 
 UNSHAREABLE = -1  # a card class (or a node's unusable signature) that is never grouped
 # The sharing modes whose per-GPU checks read only what a code holds (NVIDIA's libvgpu slices
@@ -57,6 +62,8 @@ class CardClasses:
         self._classes: dict[tuple, int] = {}
         self._signatures: dict[tuple, int] = {(): 0}
         self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
+        self._rep: list[Any] = []  # by class: its first device (static checks of a pod's steps)
+        self._statics: tuple[np.ndarray, ...] | None = None
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
@@ -79,9 +86,13 @@ class CardClasses:
             found = self._classes.get(key)
             if found is None:
                 found = self._classes[key] = len(self._classes)
+                self._rep.append(d)
+                self._statics = None
             classes.append(found)
+        # (cards out of index order: a pod's steps pick by index on ties, the row by position)
+        ordered = all(a.index < b.index for a, b in pairwise(devices))
         facts = (classes, [(d.uuid, d.split_count) for d in devices],
-                 all(d.healthy for d in devices), UNSHAREABLE in classes)  # fmt: skip
+                 all(d.healthy for d in devices), UNSHAREABLE in classes or not ordered)
         if len(self._of) > 65_536:  # (registrations replaced many times over: start again)
             self._of.clear()
         self._of[id(devices)] = (devices, facts)
@@ -90,24 +101,25 @@ class CardClasses:
     def shape(
         self, devices: Sequence[Any], usage: dict[str, list[int]], cordon: frozenset[str],
         blocked: bool,
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], int, list[int]]:
         """(the classes of the cards that take pods, in row order; the signature of those that
-        take none) as `_row_of_devices` lays the row out; signature `UNSHAREABLE` for a node
-        whose refusals are not grouped (its classes then unused: none given)."""
+        take none; the used slots of the first, in the same order) as `_row_of_devices` lays
+        the row out; signature `UNSHAREABLE` for a node whose refusals are not grouped (its
+        classes then unused: none given)."""
         classes, facts, healthy, unshareable = self._facts(devices)
         if blocked or unshareable:
-            return [], UNSHAREABLE
+            return [], UNSHAREABLE, []
         get = usage.get
         if healthy and not cordon:  # (the usual node: only slots can put a card out)
-            full = [i for i, (uuid, split) in enumerate(facts)
-                    if (used := get(uuid)) is not None and used[2] >= split]  # fmt: skip
-            if not full:
-                return classes, 0
+            used = [u[2] if (u := get(uuid)) is not None else 0 for uuid, _split in facts]
+            if all(n < split for n, (_uuid, split) in zip(used, facts, strict=True)):
+                return classes, 0, used
         usable: list[int] = []
+        slots_used: list[int] = []
         others: list[tuple[int, int]] = []
         for d, cls in zip(devices, classes, strict=True):
-            used = get(d.uuid)
-            slots = used[2] if used is not None else 0
+            found = get(d.uuid)
+            slots = found[2] if found is not None else 0
             if not d.healthy:
                 others.append((cls, UNHEALTHY))
             elif cordon and d.uuid in cordon:
@@ -116,7 +128,30 @@ class CardClasses:
                 others.append((cls, EXHAUSTED))
             else:
                 usable.append(cls)
-        return usable, self.signature(tuple(sorted(others)))
+                slots_used.append(slots)
+        return usable, self.signature(tuple(sorted(others))), slots_used
+
+    def statics(self) -> tuple[np.ndarray, ...]:
+        """By class: (memory MiB, cores, split count, libvgpu slices: a pod's steps grouped)."""
+        if self._statics is None:
+            rep = self._rep
+            self._statics = (
+                np.asarray([d.memory_mib for d in rep] or [0], dtype=np.int64),
+                np.asarray([d.cores for d in rep] or [0], dtype=np.int64),
+                np.asarray([d.split_count for d in rep] or [1], dtype=np.int64),
+                np.asarray([d.mode.lower() == "hami-core" and Card.from_device(d).kind is SLICES
+                            for d in rep] or [False], dtype=bool),
+            )  # fmt: skip
+        return self._statics
+
+    def static_ok(self, request: ContainerRequest, options: Any) -> np.ndarray:
+        """By class: whether a card of it passes the checks that read only what it is (family,
+        type and mode against the pod's selection, the kind's cards per container)."""
+        ctx = FitContext(options)
+        checks = [c for c in relevant_checks(request, ctx)
+                  if c in (check_health, check_type_and_mode)]  # fmt: skip
+        return np.asarray([card_refusal(Card.from_device(d), request, ctx, checks) is None
+                           for d in self._rep] or [False], dtype=bool)  # fmt: skip
 
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
         found = self._signatures.get(others)
@@ -143,13 +178,31 @@ def first_step(
         return None
     if len(steps) == 1:
         return steps[0], None
+    if all(r is None for r in request.init) and not (
+        options.numa_bind or "numa" in options.gpu_policies
+        or "topology-aware" in options.gpu_policies
+    ):  # fmt: skip
+        return PodSteps(steps, options), None  # type: ignore[return-value]
     return steps[0], PodRequest(containers=[steps[0]])
+
+
+class PodSteps:
+    """A pod of several app containers (no GPU init container), each picking its cards by the
+    GPU policy's order among those that pass, after the ones before it took theirs: grouped by
+    the container it fails at and how the cards stand against that one then (`_group_steps`)."""
+
+    __slots__ = ("containers", "options")
+
+    def __init__(self, containers: list[ContainerRequest], options: Any) -> None:
+        self.containers, self.options = containers, options
 
 
 def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarray, list[bytes],
                                                                            np.ndarray]:
     """The candidates grouped by what their refusal of `r` depends on: (group by candidate,
     -1 where not grouped; each group's exact key; each group's first candidate)."""
+    if isinstance(r, PodSteps):
+        return _group_steps(index, slots, r)
     signature = index.unusable_sig[slots]
     classes = index.card_class[slots]
     carded = classes >= 0
@@ -176,3 +229,115 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarra
     groups = np.where(exact, which, -1)
     keys = [codes[i].tobytes() for i in first.tolist()]
     return groups, keys, first
+
+
+def _grouped(codes: np.ndarray, where: np.ndarray) -> tuple[np.ndarray, list[bytes], np.ndarray]:
+    """Rows of `codes` (one per candidate) grouped where `where`: equal rows, one group."""
+    hashes = np.zeros(len(codes), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for column in codes.T:
+            hashes = hashes * _MIX + column.astype(np.uint64)
+            hashes ^= hashes >> np.uint64(29)
+    hashes[~where] = np.uint64(0)
+    _unique, first, which = np.unique(hashes, return_index=True, return_inverse=True)
+    exact = (codes == codes[first[which]]).all(axis=1) & where
+    groups = np.where(exact, which, -1)
+    keys = [codes[i].tobytes() for i in first.tolist()]
+    return groups, keys, first
+
+
+def _group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndarray, list[bytes],
+                                                                             np.ndarray]:
+    """`group` for a pod of several app containers. `placement.fit_pod` fits them in order;
+    the first that finds too few cards refuses the node with its reasons counted on the
+    cards as the containers before it left them (`pick_cards` takes the first `count` of
+    those that pass, by the policy's device score, ties by index). Each step's verdicts and
+    pick are computed here for every candidate at once from the index's per-card arrays
+    (libvgpu slices only: memory, cores, slots, idle, still computing; a class's static
+    checks asked of its first device), the cards taken charged as `_take` charges them; a
+    node refusing at step j is grouped by (j, its cards' classes and verdict inputs against
+    that container then), whose text one fit of the whole pod finds. Nodes that take every
+    container are not grouped (the walk fits them)."""
+    classes = index.card_class[slots]
+    carded = classes >= 0
+    signature = index.unusable_sig[slots]
+    memory, cores_of, split, sliced = index.card_classes.statics()
+    cls = np.where(carded, classes, 0)
+    total_mem, total_cores, total_split = memory[cls], cores_of[cls], split[cls]
+    alive = (signature >= 0) & (sliced[cls] | ~carded).all(axis=1)
+    free_mem = index.card_mem[slots]
+    free_cores = index.card_cores[slots]
+    used_slots = index.card_slots[slots]
+    computing = index.card_computing[slots]
+    idle = index.card_idle[slots]
+    pct = index.card_pct[slots]
+    exhausted = np.zeros(classes.shape, dtype=bool)
+    options = steps.options
+    signs = [-1.0 if p == "binpack" else 1.0 for p in options.gpu_policies
+             if p in ("binpack", "spread")]  # fmt: skip
+    w_slot, w_core, w_mem = options.weights
+    codes = np.full((len(slots), classes.shape[1] + 2), -1, dtype=np.int64)
+    refused = np.zeros(len(slots), dtype=bool)
+    last = len(steps.containers) - 1
+    for j, r in enumerate(steps.containers):
+        usable = carded & ~exhausted
+        if r.memory_percentage is not None:
+            memory_ok = pct >= r.memory_percentage
+        else:
+            memory_ok = free_mem >= r.memory_mib
+        cores_ok = free_cores >= r.cores
+        passes = usable & index.card_classes.static_ok(r, options)[cls] & memory_ok & cores_ok
+        if r.cores >= 100:
+            passes &= idle
+        if r.cores == 0:
+            passes &= (total_cores == 0) | computing
+        if options.mutex:
+            passes &= idle
+        count = passes.sum(axis=1)
+        fails = alive & (count < r.count)
+        if fails.any():
+            step = cls.astype(np.int64) * 32
+            step += np.where(exhausted, 16, memory_ok * 8 + cores_ok * 4 + computing * 2 + idle)
+            step[~carded] = -1
+            step.sort(axis=1)
+            codes[fails, 0] = j
+            codes[fails, 1] = signature[fails]
+            codes[fails, 2:] = step[fails]
+            refused |= fails
+            alive &= ~fails
+        if j == last or not alive.any():
+            break
+        # the cards this container takes where it fits: the first `count` that pass in the
+        # policy's order (HAMi's device score, `placement.device_score`, term by term)
+        if signs:
+            on_card = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
+                       else np.full(total_mem.shape, r.memory_mib, dtype=np.int64))
+            score = np.zeros(classes.shape, dtype=np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                score += np.where(total_split > 0, w_slot * (1 + used_slots) / total_split, 0.0)
+                score += np.where(total_cores > 0,
+                                  w_core * (r.cores + (total_cores - free_cores)) / total_cores,
+                                  0.0)  # fmt: skip
+                score += np.where(total_mem > 0,
+                                  w_mem * (on_card + (total_mem - free_mem)) / total_mem, 0.0)
+            key = signs[0] * (10.0 * score)
+        else:
+            key = np.zeros(classes.shape, dtype=np.float64)
+        key[~passes] = np.inf
+        order = np.argsort(key, axis=1, kind="stable")[:, : r.count]
+        taken = np.zeros(classes.shape, dtype=bool)
+        np.put_along_axis(taken, order, True, axis=1)
+        taken &= alive[:, None]
+        charge = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
+                  else r.memory_mib)  # fmt: skip
+        free_mem = np.where(taken, free_mem - charge, free_mem)
+        free_cores = np.where(taken, free_cores - r.cores, free_cores)
+        used_slots = np.where(taken, used_slots + 1, used_slots)
+        idle = idle & ~taken
+        computing = np.where(taken, (total_cores == 0) | (free_cores > 0), computing)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pct = np.where(taken & (total_mem > 0),
+                           np.minimum((100 * (free_mem + 1) - 1) // np.maximum(total_mem, 1),
+                                      32767), pct)  # fmt: skip
+        exhausted |= taken & (used_slots >= total_split)
+    return _grouped(codes, refused)

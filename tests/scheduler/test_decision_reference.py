@@ -428,9 +428,9 @@ def test_refusals_of_one_workload_are_remembered_until_the_node_changes(
         return got, decision
 
     got, _ = decide_all(replica(0), listed)
-    # every trap refused once, every good node fits (and the first container fitted alone on
-    # one node of its one shape: `refusal_shapes.first_step`; it takes it, so no shortcut)
-    assert fits["n"] == len(traps) + len(good) + 1
+    # every good node fits; the traps refused at most once each (fewer: nodes that refuse
+    # the second container alike are read by their shape, `refusal_shapes.PodSteps`)
+    assert len(good) < fits["n"] <= len(traps) + len(good)
     assert {name for name, _grants in got} == set(good)
     place(index, got[0][0], "w0", got[0][1], rng)
     got, _ = decide_all(replica(1), listed)

@@ -139,3 +139,62 @@ def reference_counts(index: ClusterIndex, spec: dict[str, Any], names: list[str]
         fit = fit_pod(entry.cards, request, FitContext(options))
         counts.update(fit.reasons.keys())
     return counts
+
+
+def several(rng: random.Random, i: int) -> dict[str, Any]:
+    """A pod of 2-3 GPU containers, often too much for one node together."""
+    containers = []
+    for c in range(rng.choice([2, 2, 3])):
+        limits: dict[str, Any] = {"nvidia.com/gpu": rng.choice([1, 2, 4, 8])}
+        if rng.random() < 0.3:
+            limits["nvidia.com/gpumem-percentage"] = rng.choice([10, 25, 50, 60])
+        else:
+            limits["nvidia.com/gpumem"] = rng.choice([4, 8, 16, 30, 38]) * GIB
+        limits["nvidia.com/gpucores"] = rng.choice([0, 0, 10, 30, 60, 100])
+        containers.append({"name": f"c{c}", "resources": {"limits": limits}})
+    annotations: dict[str, str] = {}
+    if rng.random() < 0.7:
+        annotations["hami.io/gpu-scheduler-policy"] = rng.choice(["binpack", "spread", "mutex"])
+    if rng.random() < 0.3:
+        annotations["hami.io/device-scoring-weights"] = rng.choice(
+            ["slot=1,core=2,memory=3", "slot=3,core=0,memory=1", "slot=0,core=0,memory=1"])
+    if rng.random() < 0.1:
+        annotations["nvidia.com/use-gputype"] = "A10"
+    uid = f"several-{i}"
+    return {"metadata": {"name": uid, "namespace": "ns", "uid": uid, "annotations": annotations},
+            "spec": {"containers": containers}}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_pods_of_several_containers_are_refused_as_fitting_each_node(seed: int) -> None:
+    """Every node's reason for pods of several containers (read per container they fail at,
+    `refusal_shapes.PodSteps`) is the one fitting that node gives, and a node they fit is
+    placed as the reference places it, under GPU policies, weights, mutex and percentages."""
+    rng = random.Random(seed)
+    index = ClusterIndex()
+    names = [f"s{seed}-{i:03d}" for i in range(120)]
+    for name in names:
+        index.set_registration(name, registration(rng, name), 0.0)
+        index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
+    refused = 0
+    for i in range(120):
+        for j in range(rng.randint(0, 5)):  # the cluster fills up
+            other = pod(rng, 1000 * i + j)
+            target = rng.choice(names)
+            request = hami.parse_pod_request(other, SETTINGS)
+            found = next(decide(index, request, parse_pod_options(other, SETTINGS),
+                                [target]).fits(), None)  # fmt: skip
+            if found is not None:
+                place(index, target, other["metadata"]["uid"], found[1].containers, rng)
+        spec = several(rng, i)
+        window = rng.sample(names, rng.choice([30, 120]))
+        want_fitting, want_failed = reference(index, spec, window)
+        request = hami.parse_pod_request(spec, SETTINGS)
+        decision = decide(index, request, parse_pod_options(spec, SETTINGS), window)
+        got = [(entry.name, fit.containers) for entry, fit in decision.fits()]
+        assert got == want_fitting, f"call {i}"
+        decision.explain_rest()
+        assert dict(decision.failed) == want_failed, f"call {i}"
+        assert decision.reason_counts == reference_counts(index, spec, window), f"call {i}"
+        refused += not got
+    assert refused > 10, refused
