@@ -177,7 +177,7 @@ def first_step(
     if not steps:
         return None
     if len(steps) == 1:
-        return steps[0], None
+        return PodSteps(steps, options), None  # type: ignore[return-value]
     if all(r is None for r in request.init) and not (
         options.numa_bind or "numa" in options.gpu_policies
         or "topology-aware" in options.gpu_policies
@@ -197,12 +197,16 @@ class PodSteps:
         self.containers, self.options = containers, options
 
 
-def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarray, list[bytes],
-                                                                           np.ndarray]:
-    """The candidates grouped by what their refusal of `r` depends on: (group by candidate,
-    -1 where not grouped; each group's exact key; each group's first candidate)."""
+def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
+          ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
+    """The candidates grouped by what their refusal of `r` (a container, or a pod's steps
+    with its options: `first_step`) depends on: (group by candidate, -1 where not grouped;
+    each group's exact key; each group's first candidate)."""
+    options = None
     if isinstance(r, PodSteps):
-        return _group_steps(index, slots, r)
+        if len(r.containers) > 1:
+            return _group_steps(index, slots, r)
+        options, r = r.options, r.containers[0]
     signature = index.unusable_sig[slots]
     classes = index.card_class[slots]
     carded = classes >= 0
@@ -210,25 +214,55 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarra
         memory_ok = index.card_pct[slots] >= r.memory_percentage
     else:
         memory_ok = index.card_mem[slots] >= r.memory_mib
-    codes = classes.astype(np.int64) * 16
-    codes += memory_ok * 8
-    codes += (index.card_cores[slots] >= r.cores) * 4
-    codes += index.card_computing[slots] * 2
-    codes += index.card_idle[slots]
-    codes[~carded] = -1
+    cores_ok = index.card_cores[slots] >= r.cores
+    computing, idle = index.card_computing[slots], index.card_idle[slots]
+    if options is not None:
+        codes, _passes = _card_codes(index, np.where(carded, classes, 0), carded, r, options,
+                                     memory_ok, cores_ok, computing, idle)  # fmt: skip
+    else:
+        codes = classes.astype(np.int64) * 16
+        codes += memory_ok * 8
+        codes += cores_ok * 4
+        codes += computing * 2
+        codes += idle
+        codes[~carded] = -1
     codes.sort(axis=1)
     codes = np.concatenate((signature[:, None].astype(np.int64), codes), axis=1)
-    hashes = np.zeros(len(slots), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for column in codes.T:
-            hashes = hashes * _MIX + column.astype(np.uint64)
-            hashes ^= hashes >> np.uint64(29)
-    shareable = signature >= 0
-    _unique, first, which = np.unique(hashes, return_index=True, return_inverse=True)
-    exact = (codes == codes[first[which]]).all(axis=1) & shareable
-    groups = np.where(exact, which, -1)
-    keys = [codes[i].tobytes() for i in first.tolist()]
-    return groups, keys, first
+    return _grouped(codes, signature >= 0)
+
+
+# a card's verdict against a container, in HAMi's check order (`rules.FIT_CHECKS`): 0 takes it
+_STATIC, _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE = range(1, 8)
+
+
+def _card_codes(
+    index: Any, cls: np.ndarray, carded: np.ndarray, r: ContainerRequest, options: Any,
+    memory_ok: np.ndarray, cores_ok: np.ndarray, computing: np.ndarray, idle: np.ndarray,
+    exhausted: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(each card's code: what its verdict on `r` depends on, -1 for no card; whether it takes
+    `r`). A libvgpu-slices card's code is its class and its verdict: the first of HAMi's
+    checks it fails (what `rules.card_refusal` reads of it: its class's static checks, slots,
+    mutex on a used card, memory, cores, 100 % cores on a used card, a card with no compute
+    left for a container asking none), so cards failing at the same check for the same
+    reason are alike whatever else differs; any other card's code is its class and the raw
+    inputs (as `CardClasses` groups them)."""
+    _memory, cores_of, _split, sliced = index.card_classes.statics()
+    static_fail = ~index.card_classes.static_ok(r, options)[cls]
+    used = ~idle
+    no = np.zeros(cls.shape, dtype=bool)
+    verdict = np.select(
+        [static_fail, no if exhausted is None else exhausted, used if options.mutex else no,
+         ~memory_ok, ~cores_ok, used if r.cores >= 100 else no,
+         (cores_of[cls] > 0) & ~computing if r.cores == 0 else no],
+        [_STATIC, _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE], 0,
+    )  # fmt: skip
+    raw = memory_ok * 8 + cores_ok * 4 + computing * 2 + idle
+    if exhausted is not None:
+        raw = np.where(exhausted, 16, raw)
+    codes = cls.astype(np.int64) * 64 + np.where(sliced[cls], 32 + verdict, raw)
+    codes[~carded] = -1
+    return codes, carded & (verdict == 0)
 
 
 def _grouped(codes: np.ndarray, where: np.ndarray) -> tuple[np.ndarray, list[bytes], np.ndarray]:
@@ -286,19 +320,12 @@ def _group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.nda
         else:
             memory_ok = free_mem >= r.memory_mib
         cores_ok = free_cores >= r.cores
-        passes = usable & index.card_classes.static_ok(r, options)[cls] & memory_ok & cores_ok
-        if r.cores >= 100:
-            passes &= idle
-        if r.cores == 0:
-            passes &= (total_cores == 0) | computing
-        if options.mutex:
-            passes &= idle
+        step, passes = _card_codes(index, cls, carded, r, options, memory_ok, cores_ok,
+                                   computing, idle, exhausted)  # fmt: skip
+        passes &= usable
         count = passes.sum(axis=1)
         fails = alive & (count < r.count)
         if fails.any():
-            step = cls.astype(np.int64) * 32
-            step += np.where(exhausted, 16, memory_ok * 8 + cores_ok * 4 + computing * 2 + idle)
-            step[~carded] = -1
             step.sort(axis=1)
             codes[fails, 0] = j
             codes[fails, 1] = signature[fails]
