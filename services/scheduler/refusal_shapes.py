@@ -64,6 +64,7 @@ class CardClasses:
         self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
         self._rep: list[Any] = []  # by class: its first device (static checks of a pod's steps)
         self._statics: tuple[np.ndarray, ...] | None = None
+        self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
@@ -144,14 +145,24 @@ class CardClasses:
             )  # fmt: skip
         return self._statics
 
-    def static_ok(self, request: ContainerRequest, options: Any) -> np.ndarray:
-        """By class: whether a card of it passes the checks that read only what it is (family,
-        type and mode against the pod's selection, the kind's cards per container)."""
+    def static_refusal(self, request: ContainerRequest, options: Any) -> np.ndarray:
+        """By class: 0 when a card of it passes the checks that read only what it is (family,
+        type and mode against the pod's selection, the kind's cards per container), else 1 +
+        the id of the reason it fails with (`static_reasons`)."""
         ctx = FitContext(options)
         checks = [c for c in relevant_checks(request, ctx)
                   if c in (check_health, check_type_and_mode)]  # fmt: skip
-        return np.asarray([card_refusal(Card.from_device(d), request, ctx, checks) is None
-                           for d in self._rep] or [False], dtype=bool)  # fmt: skip
+        found = []
+        for d in self._rep:
+            reason = card_refusal(Card.from_device(d), request, ctx, checks)
+            if reason is None:
+                found.append(0)
+                continue
+            known = self._reason_ids.get(reason)
+            if known is None:
+                known = self._reason_ids[reason] = len(self._reason_ids)
+            found.append(1 + known)
+        return np.asarray(found or [0], dtype=np.int64)
 
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
         found = self._signatures.get(others)
@@ -232,7 +243,7 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
 
 
 # a card's verdict against a container, in HAMi's check order (`rules.FIT_CHECKS`): 0 takes it
-_STATIC, _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE = range(1, 8)
+_SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE, _STATIC = range(1, 8)  # (+ reason id)
 
 
 def _card_codes(
@@ -241,26 +252,29 @@ def _card_codes(
     exhausted: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(each card's code: what its verdict on `r` depends on, -1 for no card; whether it takes
-    `r`). A libvgpu-slices card's code is its class and its verdict: the first of HAMi's
-    checks it fails (what `rules.card_refusal` reads of it: its class's static checks, slots,
-    mutex on a used card, memory, cores, 100 % cores on a used card, a card with no compute
-    left for a container asking none), so cards failing at the same check for the same
-    reason are alike whatever else differs; any other card's code is its class and the raw
-    inputs (as `CardClasses` groups them)."""
+    `r`). A libvgpu-slices card's code is its verdict: the first of HAMi's checks it fails
+    (what `rules.card_refusal` reads of it: its class's static checks, by their reason; slots;
+    mutex on a used card; memory; cores; 100 % cores on a used card; no compute left for a
+    container asking none), so cards failing at the same check are alike whatever else
+    differs (the text counts reasons, and the cards that pass); its class too where the pod
+    binds to one NUMA node (the passing cards' NUMA nodes decide). Any other card's code is
+    its class and the raw inputs (as `CardClasses` groups them), negative."""
     _memory, cores_of, _split, sliced = index.card_classes.statics()
-    static_fail = ~index.card_classes.static_ok(r, options)[cls]
+    static = index.card_classes.static_refusal(r, options)[cls]
     used = ~idle
     no = np.zeros(cls.shape, dtype=bool)
     verdict = np.select(
-        [static_fail, no if exhausted is None else exhausted, used if options.mutex else no,
+        [static > 0, no if exhausted is None else exhausted, used if options.mutex else no,
          ~memory_ok, ~cores_ok, used if r.cores >= 100 else no,
          (cores_of[cls] > 0) & ~computing if r.cores == 0 else no],
-        [_STATIC, _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE], 0,
+        [_STATIC + static, _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE], 0,
     )  # fmt: skip
     raw = memory_ok * 8 + cores_ok * 4 + computing * 2 + idle
     if exhausted is not None:
         raw = np.where(exhausted, 16, raw)
-    codes = cls.astype(np.int64) * 64 + np.where(sliced[cls], 32 + verdict, raw)
+    if options.numa_bind:
+        verdict += cls.astype(np.int64) * 4096
+    codes = np.where(sliced[cls], verdict, -2 - (cls.astype(np.int64) * 64 + raw))
     codes[~carded] = -1
     return codes, carded & (verdict == 0)
 
