@@ -238,8 +238,7 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
         codes += idle
         codes[~carded] = -1
     codes.sort(axis=1)
-    codes = np.concatenate((signature[:, None].astype(np.int64), codes), axis=1)
-    return _grouped(codes, signature >= 0)
+    return _grouped(signature[:, None].astype(np.int64), codes, signature >= 0)
 
 
 # a card's verdict against a container, in HAMi's check order (`rules.FIT_CHECKS`): 0 takes it
@@ -260,37 +259,55 @@ def _card_codes(
     binds to one NUMA node (the passing cards' NUMA nodes decide). Any other card's code is
     its class and the raw inputs (as `CardClasses` groups them), negative."""
     _memory, cores_of, _split, sliced = index.card_classes.statics()
-    static = index.card_classes.static_refusal(r, options)[cls]
+    # (later checks first, each overwritten by the earlier ones: int16 masks, no select)
+    verdict = np.zeros(cls.shape, dtype=np.int16)
     used = ~idle
-    no = np.zeros(cls.shape, dtype=bool)
-    verdict = np.select(
-        [static > 0, no if exhausted is None else exhausted, used if options.mutex else no,
-         ~memory_ok, ~cores_ok, used if r.cores >= 100 else no,
-         (cores_of[cls] > 0) & ~computing if r.cores == 0 else no],
-        [_STATIC + static, _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE], 0,
-    )  # fmt: skip
-    raw = memory_ok * 8 + cores_ok * 4 + computing * 2 + idle
+    if r.cores == 0:
+        np.putmask(verdict, (cores_of > 0)[cls] & ~computing, _COMPUTE)
+    if r.cores >= 100:
+        np.putmask(verdict, used, _EXCLUSIVE)
+    np.putmask(verdict, ~cores_ok, _CORES)
+    np.putmask(verdict, ~memory_ok, _MEMORY)
+    if options.mutex:
+        np.putmask(verdict, used, _MUTEX)
     if exhausted is not None:
-        raw = np.where(exhausted, 16, raw)
+        np.putmask(verdict, exhausted, _SLOTS)
+    static = index.card_classes.static_refusal(r, options)
+    if static.any():
+        at = static[cls]
+        verdict = np.where(at > 0, (_STATIC + at).astype(np.int16), verdict)
+    takes = carded & (verdict == 0)
     if options.numa_bind:
-        verdict += cls.astype(np.int64) * 4096
-    codes = np.where(sliced[cls], verdict, -2 - (cls.astype(np.int64) * 64 + raw))
-    codes[~carded] = -1
+        verdict = verdict + cls.astype(np.int64) * 4096
+    if not sliced.all():
+        raw = memory_ok * 8 + cores_ok * 4 + computing * 2 + idle
+        if exhausted is not None:
+            raw = np.where(exhausted, 16, raw)
+        verdict = np.where(sliced[cls], verdict, -2 - (cls.astype(np.int64) * 64 + raw))
+    codes = verdict
+    np.putmask(codes, ~carded, -1)
+    return codes, takes
     return codes, carded & (verdict == 0)
 
 
-def _grouped(codes: np.ndarray, where: np.ndarray) -> tuple[np.ndarray, list[bytes], np.ndarray]:
-    """Rows of `codes` (one per candidate) grouped where `where`: equal rows, one group."""
+def _grouped(head: np.ndarray, codes: np.ndarray, where: np.ndarray
+             ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
+    """Candidates grouped where `where` by their row of `head` (int64) and of `codes`: equal
+    rows, one group (a hash of the rows' words; every row then compared with its group's
+    first, so no collision merges two groups)."""
+    codes = np.ascontiguousarray(codes)
+    words = codes.view(np.uint64) if codes.shape[1] * codes.itemsize % 8 == 0 else codes
     hashes = np.zeros(len(codes), dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for column in codes.T:
+        for column in (*head.T, *words.T):
             hashes = hashes * _MIX + column.astype(np.uint64)
             hashes ^= hashes >> np.uint64(29)
     hashes[~where] = np.uint64(0)
     _unique, first, which = np.unique(hashes, return_index=True, return_inverse=True)
-    exact = (codes == codes[first[which]]).all(axis=1) & where
+    at = first[which]
+    exact = (words == words[at]).all(axis=1) & (head == head[at]).all(axis=1) & where
     groups = np.where(exact, which, -1)
-    keys = [codes[i].tobytes() for i in first.tolist()]
+    keys = [head[i].tobytes() + codes[i].tobytes() for i in first.tolist()]
     return groups, keys, first
 
 
@@ -324,7 +341,8 @@ def _group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.nda
     signs = [-1.0 if p == "binpack" else 1.0 for p in options.gpu_policies
              if p in ("binpack", "spread")]  # fmt: skip
     w_slot, w_core, w_mem = options.weights
-    codes = np.full((len(slots), classes.shape[1] + 2), -1, dtype=np.int64)
+    head = np.full((len(slots), 2), -1, dtype=np.int64)  # (the step failed at, signature)
+    codes = np.full(classes.shape, -1, dtype=np.int64)
     refused = np.zeros(len(slots), dtype=bool)
     last = len(steps.containers) - 1
     for j, r in enumerate(steps.containers):
@@ -341,9 +359,9 @@ def _group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.nda
         fails = alive & (count < r.count)
         if fails.any():
             step.sort(axis=1)
-            codes[fails, 0] = j
-            codes[fails, 1] = signature[fails]
-            codes[fails, 2:] = step[fails]
+            head[fails, 0] = j
+            head[fails, 1] = signature[fails]
+            codes[fails] = step[fails]
             refused |= fails
             alive &= ~fails
         if j == last or not alive.any():
@@ -381,4 +399,4 @@ def _group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.nda
                            np.minimum((100 * (free_mem + 1) - 1) // np.maximum(total_mem, 1),
                                       32767), pct)  # fmt: skip
         exhausted |= taken & (used_slots >= total_split)
-    return _grouped(codes, refused)
+    return _grouped(head, codes, refused)
