@@ -275,7 +275,7 @@ class Decision:
                     for name in memo.names[reason_id]:
                         reason_counts[name] += nodes
         # (its next call is first checked at once: `refusal_fast`; a hint, proven there)
-        self.index.refusal_memos.mark_refused(self.memo())
+        self.index.refusal_memos.mark_refused(self.memo(), self.request)
         for name in self.unknown:
             self.failed.add(name, f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
                             + index.foreign_note(name))
@@ -305,7 +305,7 @@ def decide(
 ) -> Decision:
     slots, unknown = index.resolve(names)
     budget = budget or QuotaBudget()
-    if index.refusal_memos.refused:  # (a request refused everywhere last time: refusal_fast)
+    if index.refusal_memos.maybe_refused(request):  # (refused everywhere last time?)
         at_once = Decision(index, request, options, budget, (), (), [])
         if refused_at_once(at_once, slots, unknown):
             return at_once

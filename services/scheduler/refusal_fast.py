@@ -42,7 +42,7 @@ def refused_at_once(decision: Any, slots: np.ndarray, unknown: list[str]) -> boo
     worded them (another order: the caller's), and there is nothing left to walk."""
     index = decision.index
     memos = index.refusal_memos
-    if not memos.refused or not len(slots):
+    if not len(slots):
         return False
     key = decision.memo_key()
     memo = memos.peek(key)

@@ -19,6 +19,7 @@ never remembered. `tests/scheduler/test_refusal_memo.py`, `test_decision_referen
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -84,20 +85,36 @@ class RefusalMemo:
         return self._array
 
 
+def sketch(request: Any) -> tuple:
+    """What a pod asks, lightly (`PodRequest`: its containers' counts, memory and cores):
+    equal for equal requests (the memo key decides)."""
+    return (len(request.init), *((r.count, r.memory_mib, r.memory_percentage, r.cores)
+                                 if r is not None else None for r in request.all))
+
+
 class RefusalMemos:
     """The memos of the most recent distinct requests, by `Decision.memo_key`."""
 
     def __init__(self) -> None:
         self._memos: OrderedDict[str, RefusalMemo] = OrderedDict()
-        self.refused = False  # some request's memo is `refused` (or was: a hint)
+        # a light print (`sketch`) of every request marked refused (or that was: a hint), so
+        # that a placed pod's decision pays no `memo_key` for `refusal_fast`'s check
+        self.refused: set[tuple] = set()
 
     def peek(self, key: str) -> RefusalMemo | None:
         """The request's memo if there is one (nothing created, the recency unchanged)."""
         return self._memos.get(key)
 
-    def mark_refused(self, memo: RefusalMemo) -> None:
+    def mark_refused(self, memo: RefusalMemo, request: Any) -> None:
         """The memo's request was just refused everywhere."""
-        memo.refused = self.refused = True
+        memo.refused = True
+        if len(self.refused) > 4 * _MEMOS:
+            self.refused.clear()
+        self.refused.add(sketch(request))
+
+    def maybe_refused(self, request: Any) -> bool:
+        """Whether a request like this one was refused everywhere (False: it was not)."""
+        return bool(self.refused) and sketch(request) in self.refused
 
     def of(self, key: str, capacity: int) -> RefusalMemo:
         """The request's memo (a new one once it holds more than `_TEXTS` distinct reasons: a
