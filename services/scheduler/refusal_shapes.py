@@ -73,6 +73,11 @@ class CardClasses:
         self._rep: list[Any] = []  # by class: its first device (static checks of a pod's steps)
         self._statics: tuple[np.ndarray, ...] | None = None
         self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
+        self._rep_cards: list[Card] = []  # `_rep` as cards (static checks only read them)
+        # (request, id(options)) -> (options, `static_refusal`): the checks read only the
+        # request's family and count and the options' selections (`rules.check_health`,
+        # `check_type_and_mode`); a new class makes it longer, so asked again
+        self._static: dict[tuple, tuple[Any, np.ndarray]] = {}
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
@@ -157,12 +162,18 @@ class CardClasses:
         """By class: 0 when a card of it passes the checks that read only what it is (family,
         type and mode against the pod's selection, the kind's cards per container), else 1 +
         the id of the reason it fails with (`static_reasons`)."""
+        key = (request, id(options))
+        kept = self._static.get(key)
+        if kept is not None and kept[0] is options and len(kept[1]) == max(1, len(self._rep)):
+            return kept[1]
         ctx = FitContext(options)
         checks = [c for c in relevant_checks(request, ctx)
                   if c in (check_health, check_type_and_mode)]  # fmt: skip
+        if len(self._rep_cards) < len(self._rep):
+            self._rep_cards += [Card.from_device(d) for d in self._rep[len(self._rep_cards):]]
         found = []
-        for d in self._rep:
-            reason = card_refusal(Card.from_device(d), request, ctx, checks)
+        for card in self._rep_cards:
+            reason = card_refusal(card, request, ctx, checks)
             if reason is None:
                 found.append(0)
                 continue
@@ -170,7 +181,11 @@ class CardClasses:
             if known is None:
                 known = self._reason_ids[reason] = len(self._reason_ids)
             found.append(1 + known)
-        return np.asarray(found or [0], dtype=np.int64)
+        array = np.asarray(found or [0], dtype=np.int64)
+        if len(self._static) > 256:
+            self._static.clear()
+        self._static[key] = (options, array)  # (the options object kept: its id stays its own)
+        return array
 
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
         found = self._signatures.get(others)
