@@ -176,7 +176,10 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         else:
             key = np.zeros(classes.shape, dtype=np.float64)
         key[~passes] = np.inf
-        order = np.argsort(key, axis=1, kind="stable")[:, : r.count]
+        if r.count == 1:  # (the first smallest: argmin's first occurrence, ties by index)
+            order = np.argmin(key, axis=1)[:, None]
+        else:
+            order = np.argsort(key, axis=1, kind="stable")[:, : r.count]
         taken = np.zeros(classes.shape, dtype=bool)
         np.put_along_axis(taken, order, True, axis=1)
         taken &= alive[:, None]
