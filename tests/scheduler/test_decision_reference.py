@@ -256,8 +256,8 @@ def test_a_refused_pod_retried_gets_exact_reasons_fitting_only_changed_nodes(
         assert list(decision.fits()) == []
         decision.explain_rest()
         assert decision.failed == expected_failed, f"attempt {attempt}"
-        if attempt == 0:
-            assert fits["n"] >= len(names) - 5
+        if attempt == 0:  # nodes whose cards fail alike share one fit (`refusal_shapes`)
+            assert 0 < fits["n"] <= len(names) // 2
         else:
             assert fits["n"] <= 2, f"attempt {attempt}: {fits['n']} nodes refitted"
         # Between retries one node changes: its reason must be found anew.
