@@ -198,3 +198,22 @@ def test_pods_of_several_containers_are_refused_as_fitting_each_node(seed: int) 
         assert decision.reason_counts == reference_counts(index, spec, window), f"call {i}"
         refused += not got
     assert refused > 10, refused
+
+
+def test_a_backlogs_memos_outlive_the_requests_of_placed_pods() -> None:
+    """Between two retries of a pending pod (seconds of backoff) many placed pods' requests
+    come and go; the pending request's memo, which answers its retry at once, is forgotten
+    only after every memo of a request that was not refused."""
+    from tessera.scheduler.refusal_memo import RefusalMemos
+
+    memos = RefusalMemos()
+    kept = [memos.of(f"pending-{i}", 10) for i in range(3)]
+    request = hami.parse_pod_request(pending(0, "x"), SETTINGS)
+    for memo in kept:
+        memos.mark_refused(memo, request)
+    for i in range(500):  # placed pods' lookups
+        memos.of(f"placed-{i}", 10)
+    assert all(memos.peek(f"pending-{i}") is kept[i] for i in range(3))
+    assert memos.maybe_refused(request)
+    assert not memos.maybe_refused(hami.parse_pod_request(pending(1, "y"), SETTINGS))
+    assert memos.peek("placed-0") is None  # (the others are forgotten as before)
