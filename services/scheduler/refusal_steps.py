@@ -121,8 +121,10 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
     signature = index.unusable_sig[slots]
     memory, cores_of, split, sliced = index.card_classes.statics()
     cls = np.where(carded, classes, 0)
-    total_mem, total_cores, total_split = memory[cls], cores_of[cls], split[cls]
-    alive = (signature >= 0) & (sliced[cls] | ~carded).all(axis=1)
+    total_mem, total_cores, total_split = memory.take(cls), cores_of.take(cls), split.take(cls)
+    alive = signature >= 0
+    if not sliced.all():
+        alive &= (sliced.take(cls) | ~carded).all(axis=1)
     free_mem = index.card_mem[slots]
     free_cores = index.card_cores[slots]
     used_slots = index.card_slots[slots]
@@ -161,18 +163,24 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
             break
         # the cards this container takes where it fits: the first `count` that pass in the
         # policy's order (HAMi's device score, `placement.device_score`, term by term)
+        later = steps.containers[j + 1 :]
         if signs:
-            on_card = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
-                       else np.full(total_mem.shape, r.memory_mib, dtype=np.int64))
-            score = np.zeros(classes.shape, dtype=np.float64)
             with np.errstate(divide="ignore", invalid="ignore"):
-                score += np.where(total_split > 0, w_slot * (1 + used_slots) / total_split, 0.0)
-                score += np.where(total_cores > 0,
-                                  w_core * (r.cores + (total_cores - free_cores)) / total_cores,
-                                  0.0)  # fmt: skip
-                score += np.where(total_mem > 0,
-                                  w_mem * (on_card + (total_mem - free_mem)) / total_mem, 0.0)
-            key = signs[0] * (10.0 * score)
+                score = w_slot * (1 + used_slots) / total_split
+                if not (split > 0).all():
+                    score[total_split == 0] = 0.0
+                term = w_core * (r.cores + (total_cores - free_cores)) / total_cores
+                if not (cores_of > 0).all():
+                    term[total_cores == 0] = 0.0
+                score += term
+                on_card = (total_mem * r.memory_percentage // 100
+                           if r.memory_percentage is not None else r.memory_mib)  # fmt: skip
+                term = w_mem * (on_card + (total_mem - free_mem)) / total_mem
+                if not (memory > 0).all():
+                    term[total_mem == 0] = 0.0
+                score += term
+            score *= 10.0 * signs[0]  # (sign · (10 · score): the same double either way)
+            key = score
         else:
             key = np.zeros(classes.shape, dtype=np.float64)
         key[~passes] = np.inf
@@ -183,16 +191,17 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         taken = np.zeros(classes.shape, dtype=bool)
         np.put_along_axis(taken, order, True, axis=1)
         taken &= alive[:, None]
+        # charged as `placement._take` charges them (the gathers are this call's copies)
         charge = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
                   else r.memory_mib)  # fmt: skip
-        free_mem = np.where(taken, free_mem - charge, free_mem)
-        free_cores = np.where(taken, free_cores - r.cores, free_cores)
-        used_slots = np.where(taken, used_slots + 1, used_slots)
-        idle = idle & ~taken
-        computing = np.where(taken, (total_cores == 0) | (free_cores > 0), computing)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            pct = np.where(taken & (total_mem > 0),
-                           np.minimum((100 * (free_mem + 1) - 1) // np.maximum(total_mem, 1),
-                                      32767), pct)  # fmt: skip
+        np.subtract(free_mem, charge, out=free_mem, where=taken)
+        np.subtract(free_cores, r.cores, out=free_cores, where=taken)
+        np.add(used_slots, 1, out=used_slots, where=taken)
+        idle &= ~taken
+        if any(x.cores == 0 for x in later):  # (read only by the compute check)
+            np.copyto(computing, (total_cores == 0) | (free_cores > 0), where=taken)
+        if any(x.memory_percentage is not None for x in later):
+            np.copyto(pct, np.minimum((100 * (free_mem + 1) - 1) // np.maximum(total_mem, 1),
+                                      32767), where=taken & (total_mem > 0))  # fmt: skip
         exhausted |= taken & (used_slots >= total_split)
     return grouped(head, codes, refused)
