@@ -120,7 +120,7 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
     carded = classes >= 0
     signature = index.unusable_sig[slots]
     memory, cores_of, split, sliced = index.card_classes.statics()
-    cls = np.where(carded, classes, 0)
+    cls = np.maximum(classes, 0)
     total_mem, total_cores, total_split = memory.take(cls), cores_of.take(cls), split.take(cls)
     alive = signature >= 0
     if not sliced.all():
@@ -150,7 +150,7 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         step, passes = card_codes(index, cls, carded, r, options, memory_ok, cores_ok,
                                    computing, idle, exhausted)  # fmt: skip
         passes &= usable
-        count = passes.sum(axis=1)
+        count = np.count_nonzero(passes, axis=1)
         fails = alive & (count < r.count)
         if fails.any():
             step.sort(axis=1)
@@ -166,7 +166,8 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         later = steps.containers[j + 1 :]
         if signs:
             with np.errstate(divide="ignore", invalid="ignore"):
-                score = w_slot * (1 + used_slots) / total_split
+                # (ints as doubles, exact: the same correctly rounded quotients as Python's)
+                score = (used_slots + 1.0) * w_slot / total_split
                 if not (split > 0).all():
                     score[total_split == 0] = 0.0
                 term = w_core * (r.cores + (total_cores - free_cores)) / total_cores
@@ -194,9 +195,9 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         # charged as `placement._take` charges them (the gathers are this call's copies)
         charge = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
                   else r.memory_mib)  # fmt: skip
-        np.subtract(free_mem, charge, out=free_mem, where=taken)
-        np.subtract(free_cores, r.cores, out=free_cores, where=taken)
-        np.add(used_slots, 1, out=used_slots, where=taken)
+        free_mem -= taken * charge
+        free_cores -= taken * r.cores
+        used_slots += taken
         idle &= ~taken
         if any(x.cores == 0 for x in later):  # (read only by the compute check)
             np.copyto(computing, (total_cores == 0) | (free_cores > 0), where=taken)
