@@ -17,6 +17,7 @@ from tessera.hami import PodRequest
 from .index import ClusterIndex, Need, NodeEntry
 from .node_reasons import NodeReasons
 from .placement import PodFit, fit_pod
+from .refusal_fast import refused_at_once
 from .refusal_memo import FITS, RefusalMemo
 from .refusal_shapes import first_step, group
 from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
@@ -273,6 +274,8 @@ class Decision:
                     nodes = int(counts[reason_id])
                     for name in memo.names[reason_id]:
                         reason_counts[name] += nodes
+        # (its next call is first checked at once: `refusal_fast`; a hint, proven there)
+        self.index.refusal_memos.mark_refused(self.memo(), self.request)
         for name in self.unknown:
             self.failed.add(name, f"{NODE_UNREGISTERED}: no Tessera node agent registered this node"
                             + index.foreign_note(name))
@@ -301,10 +304,18 @@ def decide(
     avoid_busy: bool = True,
 ) -> Decision:
     slots, unknown = index.resolve(names)
+    budget = budget or QuotaBudget()
+    if index.refusal_memos.maybe_refused(request):  # (refused everywhere last time?)
+        at_once = Decision(index, request, options, budget, (), (), [])
+        if refused_at_once(at_once, slots, unknown):
+            return at_once
+        key = at_once._key
+    else:
+        key = None
     ordered, pruned = index.order(
         slots, Need.of(request), options.node_policy, avoid_busy, Need.together(request)
     )
-    return Decision(index, request, options, budget or QuotaBudget(), ordered, pruned, unknown)
+    return Decision(index, request, options, budget, ordered, pruned, unknown, _key=key)
 
 
 def prioritize_scores(index: ClusterIndex, options: PodOptions, names: list[str]) -> list[int]:

@@ -120,7 +120,7 @@ class NodeEntry:
     _row: tuple | None = field(default=None, repr=False)
     # (classes of the cards that take pods, in row order; signature of the others) of the row
     # last built (`refusal_shapes.CardClasses.shape`; written with the row)
-    _shape: tuple[list[int], int] | None = field(default=None, repr=False)
+    _shape: tuple[list[int], int, list[int]] | None = field(default=None, repr=False)
 
     @property
     def schedulable(self) -> bool:
@@ -510,6 +510,8 @@ class ClusterIndex:
         self.card_classes = CardClasses()
         self.card_class = np.full((capacity, _WIDTH), -1, dtype=np.int32)
         self.unusable_sig = np.full(capacity, UNSHAREABLE, dtype=np.int64)
+        # and its used slots (a pod of several containers: the first's pick, `refusal_shapes`)
+        self.card_slots = np.full((capacity, _WIDTH), -1, dtype=np.int32)
         # The decision's copies of those values per recent candidate list (index order).
         self._column_cache = _ColumnCache()
         # slot -> (cards, request key, reason text, reason names) of the last refusal found
@@ -554,7 +556,7 @@ class ClusterIndex:
         return self.refusal_memos.of(key, len(self.row_version))
 
     def _grow(self, rows: int = _GROW, columns: int = 0) -> None:
-        for name in ("card_class", "unusable_sig"):
+        for name in ("card_class", "unusable_sig", "card_slots"):
             old = getattr(self, name)
             shape = (len(old) + rows, *(s + columns for s in old.shape[1:]))
             new = np.full(shape, -1, dtype=old.dtype)
@@ -922,6 +924,7 @@ class ClusterIndex:
         """The card classes and signature (`NodeEntry._shape`) of rows just written."""
         width = self.card_class.shape[1]
         by_slot, card_class, signature = self.by_slot, self.card_class, self.unusable_sig
+        card_slots = self.card_slots
         for slot in slots:
             entry = by_slot[slot]
             shape = entry._shape if entry is not None else None
@@ -929,8 +932,10 @@ class ClusterIndex:
                 card_class[slot] = -1
                 signature[slot] = UNSHAREABLE
                 continue
-            classes, sig = shape
-            card_class[slot] = classes + [-1] * (width - len(classes))
+            classes, sig, used = shape
+            pad = [-1] * (width - len(classes))
+            card_class[slot] = classes + pad
+            card_slots[slot] = used + pad
             signature[slot] = sig
 
     def _usages(self, entry: NodeEntry, now: float, remember: bool) -> list[dict[str, list[int]]]:

@@ -19,11 +19,12 @@ never remembered. `tests/scheduler/test_refusal_memo.py`, `test_decision_referen
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
 FITS = 0  # the id of "the node fits" (a summary was looser than the fit: no reason)
-_MEMOS = 64  # distinct requests remembered (least recently used forgotten)
+_MEMOS = 96  # distinct requests remembered (least recently used forgotten, refused ones last)
 _TEXTS = 4096  # distinct reasons per request before its memo starts over
 
 
@@ -40,6 +41,9 @@ class RefusalMemo:
         # the reason of every node of a shape (`refusal_shapes.group`: its exact key), valid
         # for as long as the memo (the key holds everything the refusal depends on)
         self.shapes: dict[bytes, int] = {}
+        # the request was refused everywhere on its last call (`Decision.explain_rest`): its
+        # next is first checked at once (`refusal_fast.py`); cleared when a node fits it
+        self.refused = False
 
     def grow(self, capacity: int) -> None:
         if len(self.stamp) < capacity:
@@ -81,11 +85,36 @@ class RefusalMemo:
         return self._array
 
 
+def sketch(request: Any) -> tuple:
+    """What a pod asks, lightly (`PodRequest`: its containers' counts, memory and cores):
+    equal for equal requests (the memo key decides)."""
+    return (len(request.init), *((r.count, r.memory_mib, r.memory_percentage, r.cores)
+                                 if r is not None else None for r in request.all))
+
+
 class RefusalMemos:
     """The memos of the most recent distinct requests, by `Decision.memo_key`."""
 
     def __init__(self) -> None:
         self._memos: OrderedDict[str, RefusalMemo] = OrderedDict()
+        # a light print (`sketch`) of every request marked refused (or that was: a hint), so
+        # that a placed pod's decision pays no `memo_key` for `refusal_fast`'s check
+        self.refused: set[tuple] = set()
+
+    def peek(self, key: str) -> RefusalMemo | None:
+        """The request's memo if there is one (nothing created, the recency unchanged)."""
+        return self._memos.get(key)
+
+    def mark_refused(self, memo: RefusalMemo, request: Any) -> None:
+        """The memo's request was just refused everywhere."""
+        memo.refused = True
+        if len(self.refused) > 4 * _MEMOS:
+            self.refused.clear()
+        self.refused.add(sketch(request))
+
+    def maybe_refused(self, request: Any) -> bool:
+        """Whether a request like this one was refused everywhere (False: it was not)."""
+        return bool(self.refused) and sketch(request) in self.refused
 
     def of(self, key: str, capacity: int) -> RefusalMemo:
         """The request's memo (a new one once it holds more than `_TEXTS` distinct reasons: a
@@ -95,11 +124,22 @@ class RefusalMemos:
             memo = self._memos[key] = RefusalMemo(capacity)
             self._memos.move_to_end(key)
             while len(self._memos) > _MEMOS:
-                self._memos.popitem(last=False)
+                self._evict()
         else:
             self._memos.move_to_end(key)
             memo.grow(capacity)
         return memo
+
+    def _evict(self) -> None:
+        """The least recent memo of a request not refused on its last call goes first: the
+        requests of a backlog are retried seconds apart (kube-scheduler's backoff) while many
+        placed pods' requests come and go, and a refused request's memo is what answers its
+        retries at once (`refusal_fast`). Only refused memos left: the least recent."""
+        for key, memo in self._memos.items():
+            if not memo.refused:
+                del self._memos[key]
+                return
+        self._memos.popitem(last=False)
 
     def forget(self, slot: int) -> None:
         """A node left its slot (another may take it): nothing remembered there holds."""

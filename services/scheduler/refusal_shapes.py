@@ -13,31 +13,45 @@ health: `CardClasses`) and how the card stands against that container: for a car
 takes pods, whether its free memory (or %) holds the container's, whether its free cores do,
 whether it still computes and whether it is idle (the index's per-card arrays, exact:
 `index.free_percentage`); for a card that takes none, why (unhealthy, cordoned, out of slots).
-HAMi's per-GPU checks read nothing else of a card for such a request, the count of cards that
-pass decides "too few cards", and NUMA binding groups by the class's NUMA node: so nodes with
-the same multiset of (class, verdict inputs) get the same text. Each call groups its
-candidates by that multiset (vectorised: a code per card, sorted per node, hashed, and every
-node compared with its group's first so no hash collision can merge two groups), and fits
-one node per group not yet known for the request (`RefusalMemo.shapes`, keyed by the exact
-bytes): a first refusal fits a handful of nodes, not every one. In a homogeneous cluster the
-groups are few whatever the usage, because the inputs are verdicts relative to the request.
+For a libvgpu-slices card what counts is only the first of HAMi's checks it fails (its
+class's static checks by their reason, slots, mutex, memory, cores, exclusive use, compute
+left: `card_codes`), plus its class where the pod binds to one NUMA node: the text counts
+reasons and the cards that pass. So nodes with the same multiset of card codes get the same
+text. Each call groups its candidates by that multiset (vectorised: a code per card, sorted
+per node, hashed, and every node compared with its group's first so no hash collision can
+merge two groups), and fits one node per group not yet known for the request
+(`RefusalMemo.shapes`, keyed by the exact bytes): a first refusal fits a handful of nodes,
+not every one. In a homogeneous cluster the groups are few whatever the usage, because the
+codes are verdicts relative to the request.
 
-A pod of several fitted containers (the second sees what the first took) is grouped by its
-first container: a node refusing that one refuses the pod with its reasons (`first_step`); the
-nodes that take it are fitted node by node. Not shared (per node, as before): nodes with MIG
-cards, HAMi's pods or a blocked row, pods naming GPU UUIDs, and a quota budget (the per-card
-quota check reads the budget as it is spent). `tests/scheduler/test_refusal_shapes.py`,
+A pod of several app containers (`PodSteps`: no GPU init container, no NUMA or topology
+policy) is fitted container after container, each taking the first `count` of the cards that
+pass by HAMi's device score (ties by index) on what the ones before it left: `group_steps`
+computes, for every candidate at once, each step's verdicts and pick from the index's arrays
+(its used slots per card included) and charges the cards taken as `placement._take` does; a
+node is grouped by the step it fails at and its cards' codes against that container then.
+Other pods of several containers are grouped by their first container (a node refusing it
+refuses the pod with its reasons; the nodes that take it are fitted node by node). Not
+shared (per node, as before): nodes with MIG cards, HAMi's pods, a blocked row or cards out
+of index order, pods naming GPU UUIDs, and a quota budget (the per-card quota check reads the
+budget as it is spent). `tests/scheduler/test_refusal_shapes.py`, `test_refusal_fast.py`,
 `test_decision_reference.py` compare every reason with fitting each node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
+from tessera.device_kinds.nvidia.slices import SLICES
 from tessera.hami import ContainerRequest, PodRequest
+
+from .cards import Card
+from .refusal_steps import PodSteps, card_codes, group_steps, grouped
+from .rules import FitContext, card_refusal, check_health, check_type_and_mode, relevant_checks
 
 UNSHAREABLE = -1  # a card class (or a node's unusable signature) that is never grouped
 # The sharing modes whose per-GPU checks read only what a code holds (NVIDIA's libvgpu slices
@@ -47,7 +61,6 @@ UNSHAREABLE = -1  # a card class (or a node's unusable signature) that is never 
 GROUPED_MODES = frozenset({"hami-core", "mps"})
 # why a card takes no pod, in HAMi's check order (health, cordon, then slots)
 UNHEALTHY, CORDONED, EXHAUSTED = 1, 2, 3
-_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 class CardClasses:
@@ -57,6 +70,14 @@ class CardClasses:
         self._classes: dict[tuple, int] = {}
         self._signatures: dict[tuple, int] = {(): 0}
         self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
+        self._rep: list[Any] = []  # by class: its first device (static checks of a pod's steps)
+        self._statics: tuple[np.ndarray, ...] | None = None
+        self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
+        self._rep_cards: list[Card] = []  # `_rep` as cards (static checks only read them)
+        # (request, id(options)) -> (options, `static_refusal`): the checks read only the
+        # request's family and count and the options' selections (`rules.check_health`,
+        # `check_type_and_mode`); a new class makes it longer, so asked again
+        self._static: dict[tuple, tuple[Any, np.ndarray]] = {}
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
@@ -79,9 +100,13 @@ class CardClasses:
             found = self._classes.get(key)
             if found is None:
                 found = self._classes[key] = len(self._classes)
+                self._rep.append(d)
+                self._statics = None
             classes.append(found)
+        # (cards out of index order: a pod's steps pick by index on ties, the row by position)
+        ordered = all(a.index < b.index for a, b in pairwise(devices))
         facts = (classes, [(d.uuid, d.split_count) for d in devices],
-                 all(d.healthy for d in devices), UNSHAREABLE in classes)  # fmt: skip
+                 all(d.healthy for d in devices), UNSHAREABLE in classes or not ordered)
         if len(self._of) > 65_536:  # (registrations replaced many times over: start again)
             self._of.clear()
         self._of[id(devices)] = (devices, facts)
@@ -90,24 +115,25 @@ class CardClasses:
     def shape(
         self, devices: Sequence[Any], usage: dict[str, list[int]], cordon: frozenset[str],
         blocked: bool,
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], int, list[int]]:
         """(the classes of the cards that take pods, in row order; the signature of those that
-        take none) as `_row_of_devices` lays the row out; signature `UNSHAREABLE` for a node
-        whose refusals are not grouped (its classes then unused: none given)."""
+        take none; the used slots of the first, in the same order) as `_row_of_devices` lays
+        the row out; signature `UNSHAREABLE` for a node whose refusals are not grouped (its
+        classes then unused: none given)."""
         classes, facts, healthy, unshareable = self._facts(devices)
         if blocked or unshareable:
-            return [], UNSHAREABLE
+            return [], UNSHAREABLE, []
         get = usage.get
         if healthy and not cordon:  # (the usual node: only slots can put a card out)
-            full = [i for i, (uuid, split) in enumerate(facts)
-                    if (used := get(uuid)) is not None and used[2] >= split]  # fmt: skip
-            if not full:
-                return classes, 0
+            used = [u[2] if (u := get(uuid)) is not None else 0 for uuid, _split in facts]
+            if all(n < split for n, (_uuid, split) in zip(used, facts, strict=True)):
+                return classes, 0, used
         usable: list[int] = []
+        slots_used: list[int] = []
         others: list[tuple[int, int]] = []
         for d, cls in zip(devices, classes, strict=True):
-            used = get(d.uuid)
-            slots = used[2] if used is not None else 0
+            found = get(d.uuid)
+            slots = found[2] if found is not None else 0
             if not d.healthy:
                 others.append((cls, UNHEALTHY))
             elif cordon and d.uuid in cordon:
@@ -116,7 +142,50 @@ class CardClasses:
                 others.append((cls, EXHAUSTED))
             else:
                 usable.append(cls)
-        return usable, self.signature(tuple(sorted(others)))
+                slots_used.append(slots)
+        return usable, self.signature(tuple(sorted(others))), slots_used
+
+    def statics(self) -> tuple[np.ndarray, ...]:
+        """By class: (memory MiB, cores, split count, libvgpu slices: a pod's steps grouped)."""
+        if self._statics is None:
+            rep = self._rep
+            self._statics = (
+                np.asarray([d.memory_mib for d in rep] or [0], dtype=np.int64),
+                np.asarray([d.cores for d in rep] or [0], dtype=np.int64),
+                np.asarray([d.split_count for d in rep] or [1], dtype=np.int64),
+                np.asarray([d.mode.lower() == "hami-core" and Card.from_device(d).kind is SLICES
+                            for d in rep] or [False], dtype=bool),
+            )  # fmt: skip
+        return self._statics
+
+    def static_refusal(self, request: ContainerRequest, options: Any) -> np.ndarray:
+        """By class: 0 when a card of it passes the checks that read only what it is (family,
+        type and mode against the pod's selection, the kind's cards per container), else 1 +
+        the id of the reason it fails with (`static_reasons`)."""
+        key = (request, id(options))
+        kept = self._static.get(key)
+        if kept is not None and kept[0] is options and len(kept[1]) == max(1, len(self._rep)):
+            return kept[1]
+        ctx = FitContext(options)
+        checks = [c for c in relevant_checks(request, ctx)
+                  if c in (check_health, check_type_and_mode)]  # fmt: skip
+        if len(self._rep_cards) < len(self._rep):
+            self._rep_cards += [Card.from_device(d) for d in self._rep[len(self._rep_cards):]]
+        found = []
+        for card in self._rep_cards:
+            reason = card_refusal(card, request, ctx, checks)
+            if reason is None:
+                found.append(0)
+                continue
+            known = self._reason_ids.get(reason)
+            if known is None:
+                known = self._reason_ids[reason] = len(self._reason_ids)
+            found.append(1 + known)
+        array = np.asarray(found or [0], dtype=np.int64)
+        if len(self._static) > 256:
+            self._static.clear()
+        self._static[key] = (options, array)  # (the options object kept: its id stays its own)
+        return array
 
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
         found = self._signatures.get(others)
@@ -142,14 +211,25 @@ def first_step(
     if not steps:
         return None
     if len(steps) == 1:
-        return steps[0], None
+        return PodSteps(steps, options), None  # type: ignore[return-value]
+    if all(r is None for r in request.init) and not (
+        options.numa_bind or "numa" in options.gpu_policies
+        or "topology-aware" in options.gpu_policies
+    ):  # fmt: skip
+        return PodSteps(steps, options), None  # type: ignore[return-value]
     return steps[0], PodRequest(containers=[steps[0]])
 
 
-def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarray, list[bytes],
-                                                                           np.ndarray]:
-    """The candidates grouped by what their refusal of `r` depends on: (group by candidate,
-    -1 where not grouped; each group's exact key; each group's first candidate)."""
+def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
+          ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
+    """The candidates grouped by what their refusal of `r` (a container, or a pod's steps
+    with its options: `first_step`) depends on: (group by candidate, -1 where not grouped;
+    each group's exact key; each group's first candidate)."""
+    options = None
+    if isinstance(r, PodSteps):
+        if len(r.containers) > 1:
+            return group_steps(index, slots, r)
+        options, r = r.options, r.containers[0]
     signature = index.unusable_sig[slots]
     classes = index.card_class[slots]
     carded = classes >= 0
@@ -157,22 +237,17 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest) -> tuple[np.ndarra
         memory_ok = index.card_pct[slots] >= r.memory_percentage
     else:
         memory_ok = index.card_mem[slots] >= r.memory_mib
-    codes = classes.astype(np.int64) * 16
-    codes += memory_ok * 8
-    codes += (index.card_cores[slots] >= r.cores) * 4
-    codes += index.card_computing[slots] * 2
-    codes += index.card_idle[slots]
-    codes[~carded] = -1
+    cores_ok = index.card_cores[slots] >= r.cores
+    computing, idle = index.card_computing[slots], index.card_idle[slots]
+    if options is not None:
+        codes, _passes = card_codes(index, np.where(carded, classes, 0), carded, r, options,
+                                     memory_ok, cores_ok, computing, idle)  # fmt: skip
+    else:
+        codes = classes.astype(np.int64) * 16
+        codes += memory_ok * 8
+        codes += cores_ok * 4
+        codes += computing * 2
+        codes += idle
+        codes[~carded] = -1
     codes.sort(axis=1)
-    codes = np.concatenate((signature[:, None].astype(np.int64), codes), axis=1)
-    hashes = np.zeros(len(slots), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for column in codes.T:
-            hashes = hashes * _MIX + column.astype(np.uint64)
-            hashes ^= hashes >> np.uint64(29)
-    shareable = signature >= 0
-    _unique, first, which = np.unique(hashes, return_index=True, return_inverse=True)
-    exact = (codes == codes[first[which]]).all(axis=1) & shareable
-    groups = np.where(exact, which, -1)
-    keys = [codes[i].tobytes() for i in first.tolist()]
-    return groups, keys, first
+    return grouped(signature[:, None].astype(np.int64), codes, signature >= 0)

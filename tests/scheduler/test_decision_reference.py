@@ -256,8 +256,8 @@ def test_a_refused_pod_retried_gets_exact_reasons_fitting_only_changed_nodes(
         assert list(decision.fits()) == []
         decision.explain_rest()
         assert decision.failed == expected_failed, f"attempt {attempt}"
-        if attempt == 0:
-            assert fits["n"] >= len(names) - 5
+        if attempt == 0:  # nodes whose cards fail alike share one fit (`refusal_shapes`)
+            assert 0 < fits["n"] <= len(names) // 2
         else:
             assert fits["n"] <= 2, f"attempt {attempt}: {fits['n']} nodes refitted"
         # Between retries one node changes: its reason must be found anew.
@@ -428,9 +428,9 @@ def test_refusals_of_one_workload_are_remembered_until_the_node_changes(
         return got, decision
 
     got, _ = decide_all(replica(0), listed)
-    # every trap refused once, every good node fits (and the first container fitted alone on
-    # one node of its one shape: `refusal_shapes.first_step`; it takes it, so no shortcut)
-    assert fits["n"] == len(traps) + len(good) + 1
+    # every good node fits; the traps refused at most once each (fewer: nodes that refuse
+    # the second container alike are read by their shape, `refusal_shapes.PodSteps`)
+    assert len(good) < fits["n"] <= len(traps) + len(good)
     assert {name for name, _grants in got} == set(good)
     place(index, got[0][0], "w0", got[0][1], rng)
     got, _ = decide_all(replica(1), listed)

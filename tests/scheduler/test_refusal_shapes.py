@@ -145,12 +145,13 @@ def two(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def test_several_containers_group_by_the_first_and_fit_the_rest_node_by_node(
+def test_several_containers_group_by_the_container_they_fail_at(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two fitted containers (the second sees what the first took): nodes refusing the first
-    are read by its shape, those taking it are fitted one by one; a GPU UUID named: every
-    node fitted. The same reasons as fitting each node in every case."""
+    are read by its shape, and so are those refusing the second on the cards the first left
+    (`refusal_shapes.PodSteps`); a GPU UUID named: every node fitted. The same reasons as
+    fitting each node in every case."""
     rng = random.Random(9)
     index = ClusterIndex()
     names = [f"u-{i:03d}" for i in range(60)]
@@ -166,7 +167,7 @@ def test_several_containers_group_by_the_first_and_fit_the_rest_node_by_node(
     uuid = pending(3)
     uuid["metadata"]["annotations"]["nvidia.com/use-gpuuuid"] = "GPU-u-000-0"
     fits = count_fits(monkeypatch)
-    for spec, most in ((first_refused, 20), (first_taken, None), (uuid, None)):
+    for spec, most in ((first_refused, 20), (first_taken, 20), (uuid, None)):
         want, want_counts = expected(index, spec, names)
         before = fits["n"]
         request = hami.parse_pod_request(spec, SETTINGS)

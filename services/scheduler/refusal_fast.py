@@ -1,0 +1,98 @@
+"""A retry of a request refused everywhere, answered without walking the candidates (pure).
+
+kube-scheduler retries a pod it could not place after its backoff, with a new list (a
+rotating window, or every node from another start). The walk (`decide.Decision.fits`) looks
+for the best node that fits: it orders the candidates, reads their bounds round by round and
+only then, for a refused pod, words every node's reason (`Decision.explain_rest`). For a
+request refused on its last call that work is wasted when every candidate still refuses it,
+and on a full 5,000-node list it is most of a retry (ordering rounds, bounds chunks, the
+pruned set's order: 1-5 ms on a loaded machine).
+
+So a request whose last call refused it (`RefusalMemo.refused`, set by `explain_rest`) is
+first checked at once, in the caller's order: every candidate's reason read from the
+request's memo where it was found at the node's row as it is, else from its shape
+(`Decision._by_shape`, fitting one node per shape not known yet), else, for the few left
+(nodes where a pod of several containers takes the first: `refusal_shapes.first_step`),
+fitted node by node and remembered. If any candidate fits (or is a node with HAMi's pods,
+worded apart), nothing is worded and the decision walks as before: the reasons and the
+placement are always the walk's (`tests/scheduler/test_refusal_fast.py`). Otherwise every
+candidate is worded in bulk and the decision walks nothing: a retry costs a few gathers over
+the list plus the shapes and nodes that changed since the last call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .placement import fit_pod
+from .refusal_memo import FITS
+from .rules import NODE_UNREGISTERED
+
+# nodes fitted one by one at most before the check gives up (the walk then decides): a pod of
+# several containers whose first fits many nodes, all changed since its last call
+_ONE_BY_ONE = 256
+
+
+def refused_at_once(decision: Any, slots: np.ndarray, unknown: list[str]) -> bool:
+    """Whether `decision` (a `decide.Decision` not walked yet, for candidates `slots` and the
+    unregistered `unknown`) was refused everywhere at once: then its `failed` and
+    `reason_counts` hold every candidate's reason, as the walk and `explain_rest` would have
+    worded them (another order: the caller's), and there is nothing left to walk."""
+    index = decision.index
+    memos = index.refusal_memos
+    if not len(slots):
+        return False
+    key = decision.memo_key()
+    memo = memos.peek(key)
+    if memo is None or not memo.refused:
+        return False
+    memo = decision._memo = index.refusal_memo(key)  # (the same memo, now the most recent)
+    if index.foreign and np.isin(
+        slots, [index.slot_of.get(name, -1) for name in index.foreign]
+    ).any():  # (HAMi's pods there: worded one by one by the walk)
+        return False
+    versions = index.row_version[slots]
+    ids = np.where(memo.stamp[slots] == versions, memo.reason[slots], -1).astype(np.int64)
+    if (ids == FITS).any():
+        memo.refused = False
+        return False
+    left = np.flatnonzero(ids < 0)
+    if len(left):
+        shaped = decision._by_shape(slots[left], stop_at_fit=False)
+        if shaped is not None:
+            if (shaped == FITS).any():
+                memo.refused = False
+                return False
+            ids[left] = shaped
+            left = left[shaped < 0]
+        if len(left) > _ONE_BY_ONE:
+            return False
+        context = decision.context
+        for position in left.tolist():
+            slot = int(slots[position])
+            entry = index.entry_at(slot)
+            if entry.blocked:
+                return False
+            fit = fit_pod(entry.cards, decision.request, context())
+            found = memo.put(slot, int(versions[position]),
+                             None if fit.ok else fit.reason_text(), tuple(fit.reasons.keys()))
+            index.refused_at[slot] = int(versions[position])
+            if fit.ok:
+                memo.refused = False
+                return False
+            ids[position] = found
+    decision.failed.add_bulk(index.names_at[slots], ids, memo.text_array(), memo.names,
+                             index.name_rows(slots))
+    counts = np.bincount(ids)
+    reason_counts = decision.reason_counts
+    for reason_id in np.flatnonzero(counts).tolist():
+        nodes = int(counts[reason_id])
+        for name in memo.names[reason_id]:
+            reason_counts[name] += nodes
+    for name in unknown:
+        decision.failed.add(name, f"{NODE_UNREGISTERED}: no Tessera node agent registered this "
+                                  "node" + index.foreign_note(name))  # fmt: skip
+        reason_counts[NODE_UNREGISTERED] += 1
+    return True
