@@ -159,8 +159,11 @@ def main() -> None:
                 index.set_registration(r.node, r, 0.0)
                 index.set_ledger(r.node, ledger, 1, 0.0)
             resolver = getattr(index, "names_from_bytes", None)  # (as its api.py passes it)
+            runs = getattr(index, "names_of_run", None)
             names_cache = (m["node_names"].NodeNamesCache(MAX_CANDIDATES, resolver=resolver)
                            if resolver else m["node_names"].NodeNamesCache(MAX_CANDIDATES))
+            if runs is not None:
+                names_cache.runs = runs
             state[label] = (index, names_cache)
         del registrations, ledgers
         gc.collect()

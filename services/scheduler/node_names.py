@@ -153,11 +153,15 @@ Resolver = Callable[[bytes], "tuple[list[str], tuple[int, np.ndarray]] | None"]
 class NodeNamesCache:
     def __init__(
         self, max_names: int, remembered: int = _REMEMBERED, resolver: Resolver | None = None,
-        resolve_from: int = _RESOLVE_FROM,
+        resolve_from: int = _RESOLVE_FROM, runs: Resolver | None = None,
     ) -> None:
+        """`resolver` (`ClusterIndex.names_from_bytes`): any new array it can read; `runs`
+        (`ClusterIndex.names_of_run`): a new array that is a run of the node order, tried
+        first (cheaper than `_rotated`, which looks for the array in the remembered ones)."""
         self.max_names = max_names
         self.remembered = remembered
         self.resolver = resolver
+        self.runs = runs
         self.resolve_from = resolve_from  # arrays from this many bytes go to the resolver
         self._recent: list[tuple[bytes, NodeNames]] = []  # (array bytes, names)
 
@@ -174,7 +178,9 @@ class NodeNamesCache:
                 return None
             end += 1
             array = body[start:end]
-            known = self._rotated(array)
+            known = self._run(array) if self.runs is not None else None
+            if known is None:
+                known = self._rotated(array)
             if known is None:
                 known = self._learn(array)
             if known is None:
@@ -264,6 +270,21 @@ class NodeNamesCache:
             return rotated
         return None
 
+    def _run(self, array: bytes) -> NodeNames | None:
+        """The list when its array is a run of the node order (`runs`), remembered."""
+        found = self.runs(array) if self.runs is not None else None
+        if found is None or len(found[0]) > self.max_names:
+            return None
+        known = found[0]
+        if not isinstance(known, NodeNames):
+            known = NodeNames(known)
+        known.resolved = found[1]
+        known.compact = True  # (a run of a compact text: no backslash)
+        known.token = next(_tokens)
+        self._recent.insert(0, (array, known))
+        del self._recent[self.remembered :]
+        return known
+
     def _learn(self, array: bytes) -> NodeNames | None:
         found = None
         if self.resolver is not None and len(array) >= self.resolve_from:
@@ -352,6 +373,8 @@ class NameTable:
                             for n, e in zip(names, encoded, strict=True)]  # fmt: skip
         except UnicodeEncodeError:  # (a lone surrogate: the reply encodes it the slow way)
             self.keys = None
+        self.order = NameOrder(encoded, self.slots) if self.keys is not None and all(
+            _PLAIN.match(e) for e in encoded) else None  # fmt: skip
         hashes = self._hash(self.words, lengths)
         self.hashes = hashes
         if len(hashes) > 1 and len(np.unique(hashes)) != len(hashes):
@@ -453,3 +476,64 @@ class NameTable:
         ):  # fmt: skip
             return None
         return rows
+
+
+class NameOrder:
+    """kube-scheduler's node order as this table guesses it, for reading a list that is a
+    contiguous run of it (issue 35) with one memcmp instead of resolving every name.
+
+    kube-scheduler walks its nodes from `nextStartNodeIndex`, which advances every cycle, and
+    stops at `numFeasibleNodesToFind`: when its own filters pass every node (the GPU resources
+    are the extender's, `ignoredByScheduler`) and it checks them in order, its list is the run
+    of its node order that starts there, wrapping at the end (a window; with every node scored,
+    the whole order rotated). Its node order is its node tree's: in one zone, the nodes as its
+    informer listed them, by name, then those added since. So the registered names, sorted, are
+    serialised here as a compact JSON list twice over (`"a","b",...,"z","a",...,"z"`): every
+    run of up to all the names, wrapped or not, is a slice of that text. A list whose first name
+    is found (a dict of the names' bytes), whose bytes from its first `"` to its last are byte
+    for byte the text from that name's opening quote on, and which ends where a name of the text
+    ends, is exactly those names in that order (the text is valid compact JSON of plain names:
+    no quote, backslash or control character in any, so every `"` of it bounds a name): its
+    rows and slots are slices of arrays kept here, O(1) beside the memcmp. Anything else (a
+    list in another order, e.g. kube-scheduler's parallel filters finishing out of order, a
+    node its filters refused, a name not registered) returns None and is resolved name by name
+    (`NameTable.rows`). Built with the table, per topology; only when every name is plain."""
+
+    def __init__(self, encoded: list[bytes], slots: np.ndarray) -> None:
+        order = sorted(range(len(encoded)), key=encoded.__getitem__)
+        count = len(order)
+        ordered = [encoded[i] for i in order]
+        once = b'","'.join(ordered)
+        self.text = b'"' + once + b'","' + once + b'"' if count else b""
+        lengths = np.fromiter(map(len, ordered), dtype=np.int64, count=count)
+        lengths = np.concatenate([lengths, lengths])
+        self.starts = np.zeros(2 * count, dtype=np.int64)  # each name's opening quote
+        np.cumsum(lengths[:-1] + 3, out=self.starts[1:])
+        self.ends = self.starts + lengths + 2  # just past each name's closing quote
+        rows = np.asarray(order, dtype=np.int64)
+        self.rows = np.concatenate([rows, rows])
+        self.slots = slots[self.rows]
+        self.rows.setflags(write=False)  # (a run's arrays are views of these)
+        self.slots.setflags(write=False)
+        self.position = {name: i for i, name in enumerate(ordered)}  # by the name's bytes
+        self.count = count
+
+    def run(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, slots) of the names of a JSON array (`[` to `]`) that is a run of the order,
+        else None."""
+        if len(array) < 4 or array[0] != 0x5B or array[1] != 0x22 or array[-1] != 0x5D:
+            return None
+        first_end = array.find(b'"', 2)
+        if first_end < 0:
+            return None
+        at = self.position.get(array[2:first_end])
+        if at is None:
+            return None
+        start = int(self.starts[at])
+        end = start + len(array) - 2
+        if not self.text.startswith(memoryview(array)[1:-1], start):
+            return None
+        last = int(np.searchsorted(self.ends, end))
+        if last >= len(self.ends) or int(self.ends[last]) != end or last - at >= self.count:
+            return None
+        return self.rows[at : last + 1], self.slots[at : last + 1]
