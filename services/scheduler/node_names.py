@@ -316,6 +316,10 @@ class NodeNamesCache:
 
 _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
+_PROBES = 16  # buckets read at once for a name not in its own
+_TAG = np.uint64(33)  # a name's tag in the table: its hash's top 31 bits
+_ROW = np.uint64(0xFFFF_FFFF)
+_EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # (a tag part of 32 ones: no tag has it)
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
 
@@ -376,24 +380,30 @@ class NameTable:
         self.order = NameOrder(encoded, self.slots) if self.keys is not None and all(
             _PLAIN.match(e) for e in encoded) else None  # fmt: skip
         hashes = self._hash(self.words, lengths)
-        self.hashes = hashes
-        if len(hashes) > 1 and len(np.unique(hashes)) != len(hashes):
-            self.usable = False  # two names with one hash: not worth telling apart here
         size = 16
-        while size < 4 * len(hashes):
+        while size < 6 * len(hashes):
             size *= 2
         self.shift = np.uint64(64 - (size.bit_length() - 1))  # the bucket: the top bits
-        self.table = np.full(size, -1, dtype=np.int64)  # bucket -> row of the names, -1: empty
+        # bucket -> the name there: its tag (the hash's top 31 bits) << 32 | its row; _EMPTY
+        # (whose tag part no name has) where none
+        self.table = np.full(size, _EMPTY, dtype=np.uint64)
         pending = np.arange(len(hashes), dtype=np.int64)
         buckets = self._bucket(hashes)
         while len(pending):  # linear probing, vectorised: one name per free bucket per round
-            free = self.table[buckets] < 0
+            free = self.table[buckets] == _EMPTY
             first = np.unique(buckets[free], return_index=True)[1]
             placed = np.flatnonzero(free)[first]
-            self.table[buckets[placed]] = pending[placed]
+            self.table[buckets[placed]] = ((hashes[pending[placed]] >> _TAG) << np.uint64(32)
+                                           | pending[placed].astype(np.uint64))  # fmt: skip
             left = np.ones(len(pending), dtype=bool)
             left[placed] = False
             pending, buckets = pending[left], (buckets[left] + 1) & (size - 1)
+        # two names whose tags meet on one's probe path would find the wrong row (and step
+        # aside to the decoder) every time: not worth telling apart here (rare: 31-bit tags)
+        if self.usable and len(names) > 1:
+            found = self._found(self.words, lengths)
+            if found is None or not bool((found == np.arange(len(names))).all()):
+                self.usable = False
 
     def row_of(self, name: str) -> int:
         """A name's row, -1 when the table has none (a dict built on first use)."""
@@ -445,6 +455,44 @@ class NameTable:
         raw = np.frombuffer(array, dtype=np.uint8)
         if raw[0] != 0x5B or raw[-1] != 0x5D or int(raw.min()) < 0x20:  # `[` `]`, no controls
             return None
+        read = self._even(array, raw)
+        if read is None:
+            read = self._uneven(array, raw)
+        if read is None:
+            return None
+        words, lengths = read
+        return self._found(words, lengths)
+
+    def _even(self, array: bytes, raw: np.ndarray) -> tuple[list[np.ndarray], Any] | None:
+        """The names' words and length when every name of the array has the first one's length
+        (generated node names usually do): the array is then a grid of `"name",` rows (the last
+        `"name"]`), and each column of words a strided view of its bytes, read with no gather.
+        None when it is not such a grid (`_uneven` reads it)."""
+        first_end = array.find(b'"', 2)
+        length = first_end - 2
+        step = length + 3
+        if raw[1] != 0x22 or length < 1 or length > self.width or (len(array) - 1) % step:
+            return None
+        count = (len(array) - 1) // step
+        grid = np.ndarray((count, step), dtype=np.uint8, buffer=array, offset=1)
+        # each row `"name",` (the last `"name"]`: its `]` is the array's, checked) and no other
+        # quote anywhere: every name is `length` bytes with no quote (nor backslash, control)
+        if not (bool((grid[:, 0] == 0x22).all()) and bool((grid[:, length + 1] == 0x22).all())
+                and bool((grid[:-1, length + 2] == 0x2C).all())
+                and int(np.count_nonzero(raw == 0x22)) == 2 * count):  # fmt: skip
+            return None
+        source = array if length >= 8 else array + bytes(8)
+        words = []
+        for column in range(self.columns):
+            at = 2 + min(8 * column, length - 8) if length >= 8 else 2
+            word = np.ndarray((count,), dtype=np.uint64, buffer=source, offset=at,
+                              strides=(step,))  # fmt: skip
+            # (a contiguous copy: the strided view is slower to compute with, and read twice)
+            words.append(word & _MASKS[length] if length < 8 else np.ascontiguousarray(word))
+        return words, np.int64(length)
+
+    def _uneven(self, array: bytes, raw: np.ndarray) -> tuple[list[np.ndarray], Any] | None:
+        """The names' words and lengths, each name found by its quotes."""
         quotes = np.flatnonzero(raw == 0x22)
         if len(quotes) % 2 or quotes[0] != 1 or quotes[-1] != len(raw) - 2:
             return None
@@ -457,26 +505,42 @@ class NameTable:
         lengths = ends - starts
         if int(lengths.max()) > self.width or int(lengths.min()) < 1:
             return None
-        words = self._words(array, starts, lengths)
-        hashes = self._hash(words, lengths)
-        size_mask = len(self.table) - 1
-        buckets = self._bucket(hashes)
-        rows = self.table[buckets]
-        # probe on where the bucket holds another name's hash (rare at a quarter full)
-        wrong = (rows >= 0) & (self.hashes[rows] != hashes)
-        while wrong.any():
-            at = np.flatnonzero(wrong)
-            buckets[at] = (buckets[at] + 1) & size_mask
-            rows[at] = self.table[buckets[at]]
-            wrong[at] = (rows[at] >= 0) & (self.hashes[rows[at]] != hashes[at])
-        if not (
-            bool((rows >= 0).all()) and bool((self.lengths[rows] == lengths).all())
-            and all(bool((known[rows] == word).all())
-                    for known, word in zip(self.words, words, strict=True))
-        ):  # fmt: skip
-            return None
-        return rows
+        return self._words(array, starts, lengths), lengths
 
+    def _found(self, words: list[np.ndarray], lengths: Any) -> np.ndarray | None:
+        """The rows of the names with these words and lengths (one length for all, or one
+        each), None unless every one is a known name's, byte for byte: a name's tag is looked
+        for from its bucket on (linear probing) and the row it leads to must hold its length
+        and every word."""
+        hashes = self._hash(words, lengths)
+        buckets = self._bucket(hashes)
+        tags = hashes >> _TAG
+        table = self.table
+        held = np.take(table, buckets)
+        at = np.flatnonzero((held >> np.uint64(32)) != tags)  # (a sixth at a third full)
+        if len(at):  # probed on, these only, the next `_PROBES` buckets of each at once
+            if bool((np.take(held, at) == _EMPTY).any()):
+                return None  # an empty bucket met: a name the table lacks
+            size_mask = len(table) - 1
+            home, wanted = buckets[at][:, None], tags[at][:, None]
+            for first in range(1, len(table), _PROBES):
+                seen = np.take(table, (home + np.arange(first, first + _PROBES)) & size_mask)
+                hit = (seen >> np.uint64(32)) == wanted
+                found = hit.any(axis=1)
+                held[at[found]] = seen[found, hit[found].argmax(axis=1)]
+                if bool(found.all()):
+                    break
+                missed = ~found
+                if bool((seen[missed] == _EMPTY).any()):
+                    return None  # (a name in the table is met before any empty bucket)
+                at, home, wanted = at[missed], home[missed], wanted[missed]
+        rows = (held & _ROW).astype(np.int64)
+        if not bool((np.take(self.lengths, rows) == lengths).all()):
+            return None
+        for known, word in zip(self.words, words, strict=True):
+            if not bool((np.take(known, rows) == word).all()):
+                return None
+        return rows
 
 class NameOrder:
     """kube-scheduler's node order as this table guesses it, for reading a list that is a
