@@ -317,7 +317,7 @@ class NodeNamesCache:
 _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
 _PROBES = 16  # buckets read at once for a name not in its own
-_TAG = np.uint64(33)  # a name's tag in the table: its hash's top 31 bits
+_TAG = np.uint64(33)  # a name's tag in the table: 31 bits (`NameTable._tag`)
 _ROW = np.uint64(0xFFFF_FFFF)
 _EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # (a tag part of 32 ones: no tag has it)
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
@@ -344,6 +344,7 @@ class NameTable:
     binary-searched them, and masked every word: 1.3 ms for 20,000 names; this 0.5.)"""
 
     _MIX = np.uint64(0x9E3779B97F4A7C15)
+    _TAG_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
 
     def __init__(self, names: list[str], slots: list[int]) -> None:
         encoded = [name.encode() for name in names]
@@ -393,7 +394,7 @@ class NameTable:
             free = self.table[buckets] == _EMPTY
             first = np.unique(buckets[free], return_index=True)[1]
             placed = np.flatnonzero(free)[first]
-            self.table[buckets[placed]] = ((hashes[pending[placed]] >> _TAG) << np.uint64(32)
+            self.table[buckets[placed]] = (self._tag(hashes[pending[placed]]) << np.uint64(32)
                                            | pending[placed].astype(np.uint64))  # fmt: skip
             left = np.ones(len(pending), dtype=bool)
             left[placed] = False
@@ -433,6 +434,11 @@ class NameTable:
     def _bucket(self, hashes: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
             return ((hashes * self._MIX) >> self.shift).astype(np.int64)
+
+    def _tag(self, hashes: np.ndarray) -> np.ndarray:
+        """31 bits of the hash for the table's entries, mixed apart from the bucket's."""
+        with np.errstate(over="ignore"):
+            return (hashes * self._TAG_MIX) >> _TAG
 
     def _hash(self, words: list[np.ndarray], lengths: np.ndarray) -> np.ndarray:
         hashes = lengths.astype(np.uint64)
@@ -514,7 +520,7 @@ class NameTable:
         and every word."""
         hashes = self._hash(words, lengths)
         buckets = self._bucket(hashes)
-        tags = hashes >> _TAG
+        tags = self._tag(hashes)
         table = self.table
         held = np.take(table, buckets)
         at = np.flatnonzero((held >> np.uint64(32)) != tags)  # (a sixth at a third full)
