@@ -252,16 +252,19 @@ class NodeNamesCache:
         for known, names in self._recent:
             if len(known) != len(array) or not names.compact:
                 continue
+            # (only the latest such array: each look costs a search through it, and a list
+            # in another order every call, kube-scheduler's parallel filters', matches none)
             comma = known.find(b"," + name + b",")
             if comma < 0:
                 comma = len(known) - len(name) - 2
                 if comma < 0 or not known.endswith(b"," + name + b"]"):
-                    continue
+                    return None
             tail = len(known) - 1 - (comma + 1)  # bytes of the names from `name` on
-            if not (array.startswith(known[comma + 1 : -1], 1)
+            view = memoryview(known)  # (compared in place, not copied)
+            if not (array.startswith(view[comma + 1 : -1], 1)
                     and array[1 + tail] == 0x2C
-                    and array.startswith(known[1:comma], 2 + tail)):  # fmt: skip
-                continue
+                    and array.startswith(view[1:comma], 2 + tail)):  # fmt: skip
+                return None
             shift = known.count(b'","', 0, comma + 2)  # names before `name`
             rotated = names.rotated(shift)
             rotated.token = next(_tokens)
