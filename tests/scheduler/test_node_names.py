@@ -286,3 +286,27 @@ def test_lists_of_equal_length_names_resolve_exactly_or_step_aside(width: int) -
         assert list(found[0]) == decoded
         assert found[1][1].tolist() == [slots[n] for n in decoded]
     assert resolved  # (some damage leaves valid lists of known names: e.g. a dropped name)
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        '{"a":1,"a":2}',  # a repeated key: the last, as json
+        '{"big":123456789012345678901234567890,"neg":-12345678901234567890123}',
+        '{"inf":1e400}', '{"nan":NaN}', '{"x":"\\ud800"}',  # json's own extensions
+        '{"f":[1.5e3,-0.0,1E2,0.1,5e-324],"s":"\\u00e9\\n\\"","t":true,"n":null}',
+        "[" * 5000 + "]" * 5000,  # too deep for either: the whole body's parse decides
+    ],
+)
+def test_the_rest_of_the_body_reads_as_json_reads_it(pod: str) -> None:
+    body = ('{"pod": ' + pod + ', "nodenames": ' + json.dumps(NAMES) + "}").encode()
+    cache = NodeNamesCache(100_000)
+    try:
+        expected = full(body)
+    except RecursionError:
+        assert cache.parse(body) is None
+        return
+    data = cache.parse(body)
+    assert data is not None
+    assert repr(data["pod"]) == repr(expected["pod"])  # (repr: nan, -0.0 and types compared)
+    assert data == {**expected, "pod": data["pod"]}
