@@ -42,7 +42,8 @@ from .cards import (
     node_score,
     recharged,
 )
-from .node_names import NameTable, NodeNames
+from .name_table import NameTable
+from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
 from .refusal_shapes import UNSHAREABLE, CardClasses
@@ -1036,7 +1037,7 @@ class ClusterIndex:
         return array, unknown
 
     def names_from_bytes(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
-        """A `nodenames` JSON array resolved from its bytes (`node_names.NameTable`): the names
+        """A `nodenames` JSON array resolved from its bytes (`name_table.NameTable`): the names
         (the index's own strings) and (topology version, slots); None when it cannot be."""
         found = self.names_of_run(array)
         if found is not None:
@@ -1051,7 +1052,7 @@ class ClusterIndex:
 
     def names_of_run(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
         """`names_from_bytes` for an array that is a run of kube-scheduler's node order as the
-        name table guesses it (`node_names.NameOrder`: one memcmp); None for any other."""
+        name table guesses it (`name_table.NameOrder`: one memcmp); None for any other."""
         version, table = self.name_table()
         run = table.order.run(array) if table.order is not None else None
         if run is None:
