@@ -16,7 +16,8 @@ After each call, untimed, what the service's loop runs once a decision has answe
 
 The candidates are kube-scheduler's (`kube_lists.py`, `BENCH_LISTS`: `window` by default, the
 rotating `percentageOfNodesToScore` window; `full`, a fresh full list each call; `same`, the
-identical list every call, the best case), each call's body parsed by each version's
+identical list every call, the best case; `BENCH_ORDER=parallel`: in the order kube-scheduler's
+parallel filters append the nodes, `kube_lists.py`), each call's body parsed by each version's
 `NodeNamesCache` (timed apart: "list parse"). `BENCH_NODES` (5000), `BENCH_PODS` (2000),
 `BENCH_WINDOW` (the window's size, instead of kube-scheduler's adaptive one),
 `BENCH_UNSCHEDULABLE` (0.1: that share of the calls are retries of a backlog of 20 pods no node
@@ -151,7 +152,9 @@ def main() -> None:
         every = [r.node for r in registrations]
         members = {pool: bench.pool_members(every, pool) for pool in bench.POOLS}
         members_set = {pool: frozenset(m) for pool, m in members.items()}
-        kube = KubeLists(every, mode, find=int(os.environ.get("BENCH_WINDOW", "0")) or None)
+        order = os.environ.get("BENCH_ORDER", "sequential")
+        kube = KubeLists(every, mode, find=int(os.environ.get("BENCH_WINDOW", "0")) or None,
+                         order=order)  # fmt: skip
         state = {}
         for label, m in versions.items():
             index = m["index"].ClusterIndex()
@@ -159,8 +162,11 @@ def main() -> None:
                 index.set_registration(r.node, r, 0.0)
                 index.set_ledger(r.node, ledger, 1, 0.0)
             resolver = getattr(index, "names_from_bytes", None)  # (as its api.py passes it)
+            runs = getattr(index, "names_of_run", None)
             names_cache = (m["node_names"].NodeNamesCache(MAX_CANDIDATES, resolver=resolver)
                            if resolver else m["node_names"].NodeNamesCache(MAX_CANDIDATES))
+            if runs is not None:
+                names_cache.runs = runs
             state[label] = (index, names_cache)
         del registrations, ledgers
         gc.collect()
@@ -249,7 +255,8 @@ def main() -> None:
         for label, rev in (("before", before_rev), ("after", after_rev))
     )
     digest = hashlib.sha256(repr(placed["after"]).encode()).hexdigest()[:10]
-    print(f"{trace_name} trace, {nodes} nodes, lists {mode}, unschedulable share {share}, load "
+    print(f"{trace_name} trace, {nodes} nodes, lists {mode} ({order} order), unschedulable "
+          f"share {share}, load "
           f"{load_before} -> {scheduler_scale.loadavg()}, identical placements: "
           f"{placed['before'] == placed['after']} (digest {digest}), identical reasons: "
           f"{reasons['before'] == reasons['after']} | {figures}")  # fmt: skip

@@ -8,8 +8,12 @@ max(5, 50 - nodes / 125) % of the nodes, at least 100 nodes; every node below 10
 extender's managed GPU resources are `ignoredByScheduler`, so every node of the bench cluster is
 feasible to kube-scheduler unless a label pool (a nodeSelector) restricts it: the window is then
 the pool's members met from the start index on, and the start advances past every node visited.
-kube-scheduler checks nodes in parallel, so the feasible list's order may differ from the node
-list's within a window; here it is the node list's order.
+kube-scheduler checks nodes in parallel (`Parallelizer().Until`: 16 workers, each taking the next
+chunk of min(sqrt(n), n/16 + 1) consecutive nodes), and each node that passes is appended as it
+finishes, so the list's order is the workers' interleaving, not the node list's. `order`
+(`BENCH_ORDER`): `sequential` (default: the node list's order, as kube-scheduler with one worker
+or a single CPU writes it) or `parallel` (16 workers at one speed, one node each in turn: the
+finest interleaving, the order kube-scheduler's parallel filters give on a many-core host).
 
 A pod the extender refuses is retried with kube-scheduler's backoff: 1 s
 (`podInitialBackoffSeconds`), doubling per attempt, at most 10 s (`podMaxBackoffSeconds`).
@@ -21,6 +25,7 @@ when feasibility changes)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 MIN_FEASIBLE = 100  # minFeasibleNodesToFind
@@ -29,6 +34,8 @@ BASE_PERCENTAGE = 50  # basePercentageOfNodesToScore
 BACKOFF_INITIAL_S = 1.0  # podInitialBackoffSeconds
 BACKOFF_MAX_S = 10.0  # podMaxBackoffSeconds
 MODES = ("window", "same", "full")
+ORDERS = ("sequential", "parallel")
+WORKERS = 16  # kube-scheduler's default parallelism
 # kube-scheduler's JSON (Go's encoding/json): no spaces between elements
 COMPACT = (",", ":")
 
@@ -50,19 +57,24 @@ class KubeLists:
     """The candidate lists kube-scheduler would send, one per scheduling cycle."""
 
     def __init__(self, names: Sequence[str], mode: str = "window", percentage: int = 0,
-                 find: int | None = None) -> None:
+                 find: int | None = None, order: str = "sequential") -> None:
         """`find`: the window's size instead of kube-scheduler's `numFeasibleNodesToFind`
         (a bench of a given list size, e.g. 500 names at 20,000 nodes)."""
         if mode not in MODES:
             raise ValueError(f"unknown list mode {mode!r}: one of {', '.join(MODES)}")
+        if order not in ORDERS:
+            raise ValueError(f"unknown list order {order!r}: one of {', '.join(ORDERS)}")
         self.names = list(names)
         self.mode = mode
+        self.order = order
         self.find = find or nodes_to_find(len(self.names), percentage)
         self.start = 0  # nextStartNodeIndex
 
     def next(self, members: Sequence[str] | None = None) -> list[str]:
         """The next cycle's list. `members`: the nodes feasible to kube-scheduler (a label
         pool, in node-list order as a set or list), None: every node."""
+        if self.order == "parallel" and self.mode != "same":
+            return self._parallel(members)
         names, total = self.names, len(self.names)
         if self.mode == "same":
             return self.names if members is None else list(members)
@@ -86,4 +98,40 @@ class KubeLists:
             if name in wanted:
                 out.append(name)
         self.start = (self.start + visited) % total
+        return out
+
+    def _parallel(self, members: Sequence[str] | None) -> list[str]:
+        """`next` as kube-scheduler's parallel filters write it: the nodes from the start index
+        on, in the order `WORKERS` workers of one speed finish them (each takes the next chunk
+        of consecutive nodes when done with its own; in turn, one node each), stopping at the
+        number to find (a full list: every node); the start advances by the nodes checked."""
+        names, total = self.names, len(self.names)
+        find = total if self.mode == "full" else min(self.find, total)
+        wanted = (None if members is None
+                  else members if isinstance(members, (set, frozenset)) else set(members))
+        chunk = max(1, min(math.isqrt(total), total // WORKERS + 1))  # chunkSizeFor
+        chunks = -(-total // chunk)
+        working = [[k * chunk, min(total, (k + 1) * chunk)] for k in range(min(WORKERS, chunks))]
+        taken = len(working)
+        out: list[str] = []
+        checked = 0
+        while working and len(out) < find:
+            for span in list(working):
+                if len(out) >= find:
+                    break
+                name = names[(self.start + span[0]) % total]
+                checked += 1
+                if wanted is None or name in wanted:
+                    out.append(name)
+                span[0] += 1
+                if span[0] >= span[1]:
+                    if taken < chunks:
+                        span[:] = [taken * chunk, min(total, (taken + 1) * chunk)]
+                        taken += 1
+                    else:
+                        working.remove(span)
+        if self.mode == "full":
+            self.start = (self.start + nodes_to_find(total)) % total
+        else:
+            self.start = (self.start + checked) % total
         return out

@@ -156,7 +156,8 @@ class Extender:
         self.gate = gate
         # a list kube-scheduler has not sent before is resolved from its bytes where it can be
         self.names_cache = NodeNamesCache(
-            MAX_CANDIDATES, resolver=scheduler.index.names_from_bytes
+            MAX_CANDIDATES, resolver=scheduler.index.names_from_bytes,
+            runs=scheduler.index.names_of_run,
         )
         probes: dict[str, tuple[str, Handler]] = {
             "/healthz": ("GET", self.healthz),

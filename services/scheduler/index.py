@@ -42,7 +42,8 @@ from .cards import (
     node_score,
     recharged,
 )
-from .node_names import NameTable, NodeNames
+from .name_table import NameTable
+from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
 from .refusal_shapes import UNSHAREABLE, CardClasses
@@ -1041,20 +1042,38 @@ class ClusterIndex:
         return array, unknown
 
     def names_from_bytes(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
-        """A `nodenames` JSON array resolved from its bytes (`node_names.NameTable`): the names
+        """A `nodenames` JSON array resolved from its bytes (`name_table.NameTable`): the names
         (the index's own strings) and (topology version, slots); None when it cannot be."""
+        found = self.names_of_run(array)
+        if found is not None:
+            return found
+        version, table = self.name_table()
+        rows = table.rows(array)
+        if rows is None:
+            return None
+        # (the names are gathered from the table's snapshot when first read: a placed pod's
+        # call reads only the slots)
+        return NodeNames.of_rows(table.names, rows), (version, table.slots[rows])
+
+    def names_of_run(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
+        """`names_from_bytes` for an array that is a run of kube-scheduler's node order as the
+        name table guesses it (`name_table.NameOrder`: one memcmp); None for any other."""
+        version, table = self.name_table()
+        run = table.order.run(array) if table.order is not None else None
+        if run is None:
+            return None
+        return NodeNames.of_rows(table.names, run[0]), (version, run[1])
+
+    def name_table(self) -> tuple[int, NameTable]:
+        """The current topology's name table (topology version, table), built when first
+        needed after a change."""
         table = self._name_table
         if table is None or table[0] != self.topology_version:
             names = list(self.slot_of)
             table = self._name_table = (
                 self.topology_version, NameTable(names, [self.slot_of[n] for n in names])
             )
-        rows = table[1].rows(array)
-        if rows is None:
-            return None
-        # (the names are gathered from the table's snapshot when first read: a placed pod's
-        # call reads only the slots)
-        return NodeNames.of_rows(table[1].names, rows), (table[0], table[1].slots[rows])
+        return table
 
     def name_rows(self, slots: np.ndarray) -> tuple[NameTable, np.ndarray] | None:
         """These slots' rows in the current topology's name table (its names as JSON object

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
+
+# (its home is name_table.py; named here for the callers that import it from here)
+from .name_table import NameTable as NameTable
 
 _KEY = b'"nodenames"'
 _PLACEHOLDER = "\\u0000tessera-nodenames"
@@ -32,6 +35,9 @@ _WS = b" \t\r\n"
 _MIN_BYTES = 4096  # shorter lists are cheap to parse; not worth remembering
 _REMEMBERED = 4
 _tokens = itertools.count(1)
+# The rest of the body (the pod): msgspec's JSON decoder gives the values `json.loads` gives for
+# whatever it accepts (tests/scheduler/test_node_names.py); what it refuses goes to json.loads.
+_decode = msgspec.json.Decoder().decode
 # A new array this long or longer is resolved from its bytes (NameTable). Every remembered
 # array is (`_MIN_BYTES` and up): its parse costs more than decoding (500 names 0.28 vs 0.08
 # ms), but the decision then looks no name up, and parse + decision is cheaper at 500, 5,000
@@ -153,11 +159,15 @@ Resolver = Callable[[bytes], "tuple[list[str], tuple[int, np.ndarray]] | None"]
 class NodeNamesCache:
     def __init__(
         self, max_names: int, remembered: int = _REMEMBERED, resolver: Resolver | None = None,
-        resolve_from: int = _RESOLVE_FROM,
+        resolve_from: int = _RESOLVE_FROM, runs: Resolver | None = None,
     ) -> None:
+        """`resolver` (`ClusterIndex.names_from_bytes`): any new array it can read; `runs`
+        (`ClusterIndex.names_of_run`): a new array that is a run of the node order, tried
+        first (cheaper than `_rotated`, which looks for the array in the remembered ones)."""
         self.max_names = max_names
         self.remembered = remembered
         self.resolver = resolver
+        self.runs = runs
         self.resolve_from = resolve_from  # arrays from this many bytes go to the resolver
         self._recent: list[tuple[bytes, NodeNames]] = []  # (array bytes, names)
 
@@ -174,7 +184,9 @@ class NodeNamesCache:
                 return None
             end += 1
             array = body[start:end]
-            known = self._rotated(array)
+            known = self._run(array) if self.runs is not None else None
+            if known is None:
+                known = self._rotated(array)
             if known is None:
                 known = self._learn(array)
             if known is None:
@@ -185,9 +197,12 @@ class NodeNamesCache:
         if rest.count(_PLACEHOLDER_JSON) != 1:
             return None
         try:
-            data = json.loads(rest)
-        except (ValueError, RecursionError):
-            return None
+            data = _decode(rest)  # (a real pod's JSON is a few kB: ~4x faster than json)
+        except (msgspec.MsgspecError, RecursionError):  # NaN, 1e400, lone surrogates, depth
+            try:
+                data = json.loads(rest)  # is json's to read, as the whole body would be
+            except (ValueError, RecursionError):
+                return None
         if not isinstance(data, dict):
             return None
         lowered = {str(k).lower(): v for k, v in data.items()}
@@ -246,16 +261,19 @@ class NodeNamesCache:
         for known, names in self._recent:
             if len(known) != len(array) or not names.compact:
                 continue
+            # (only the latest such array: each look costs a search through it, and a list
+            # in another order every call, kube-scheduler's parallel filters', matches none)
             comma = known.find(b"," + name + b",")
             if comma < 0:
                 comma = len(known) - len(name) - 2
                 if comma < 0 or not known.endswith(b"," + name + b"]"):
-                    continue
+                    return None
             tail = len(known) - 1 - (comma + 1)  # bytes of the names from `name` on
-            if not (array.startswith(known[comma + 1 : -1], 1)
+            view = memoryview(known)  # (compared in place, not copied)
+            if not (array.startswith(view[comma + 1 : -1], 1)
                     and array[1 + tail] == 0x2C
-                    and array.startswith(known[1:comma], 2 + tail)):  # fmt: skip
-                continue
+                    and array.startswith(view[1:comma], 2 + tail)):  # fmt: skip
+                return None
             shift = known.count(b'","', 0, comma + 2)  # names before `name`
             rotated = names.rotated(shift)
             rotated.token = next(_tokens)
@@ -263,6 +281,21 @@ class NodeNamesCache:
             del self._recent[self.remembered :]
             return rotated
         return None
+
+    def _run(self, array: bytes) -> NodeNames | None:
+        """The list when its array is a run of the node order (`runs`), remembered."""
+        found = self.runs(array) if self.runs is not None else None
+        if found is None or len(found[0]) > self.max_names:
+            return None
+        known = found[0]
+        if not isinstance(known, NodeNames):
+            known = NodeNames(known)
+        known.resolved = found[1]
+        known.compact = True  # (a run of a compact text: no backslash)
+        known.token = next(_tokens)
+        self._recent.insert(0, (array, known))
+        del self._recent[self.remembered :]
+        return known
 
     def _learn(self, array: bytes) -> NodeNames | None:
         found = None
@@ -291,165 +324,3 @@ class NodeNamesCache:
         self._recent.insert(0, (array, known))
         del self._recent[self.remembered :]
         return known
-
-
-_PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
-# _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
-_MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
-
-
-class NameTable:
-    """Every registered node's name as bytes, for resolving a `nodenames` array straight from
-    the body's bytes (kube-scheduler's lists change every cycle: a new list of 20,000 names
-    would otherwise be decoded into 20,000 new strings, each hashed and compared with the
-    index's in a dict lookup, ~0.2-0.4 µs a name on a large heap).
-
-    A name is read as `columns` little-endian uint64 words taken inside it: word k starts at
-    byte min(8k, length - 8), so a name of 8 bytes or more is covered, last word overlapping,
-    with no masking at all (one unaligned gather per column); a shorter one is its bytes
-    zero-padded. Each name's words and length are hashed (vectorised) into an open-addressing
-    table (a power of two at least 4× the names, linear probing). A list is looked up with the
-    same operations over all its names at once (`lookup`): a slot found must also match the
-    name's every word and its length, so a name resolves only to the node whose name is byte
-    for byte the same (the hash only finds where to compare). What the fast path cannot prove
-    it reads exactly (escapes, control characters, spacing other than kube-scheduler's compact
-    `["a","b"]`, a name longer than the widest known one, any unknown name) returns None: the
-    caller decodes the list as before. Built per topology (`ClusterIndex.name_table`); tests:
-    `tests/scheduler/test_node_names.py`. (The previous table sorted the hashes and
-    binary-searched them, and masked every word: 1.3 ms for 20,000 names; this 0.5.)"""
-
-    _MIX = np.uint64(0x9E3779B97F4A7C15)
-
-    def __init__(self, names: list[str], slots: list[int]) -> None:
-        encoded = [name.encode() for name in names]
-        longest = max((len(e) for e in encoded), default=1)
-        self.width = max(8, -(-longest // 8) * 8)
-        self.columns = self.width // 8
-        self.usable = bool(encoded)
-        # the same words `lookup` reads, from the names laid out as in a compact list
-        array = b'["' + b'","'.join(encoded) + b'"]'
-        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        starts = np.empty(len(encoded), dtype=np.int64)
-        if len(encoded):
-            starts[0] = 2
-            np.cumsum(lengths[:-1] + 3, out=starts[1:])
-            starts[1:] += 2
-        self.words = self._words(array, starts, lengths)
-        self.lengths = lengths
-        self.slots = np.asarray(slots, dtype=np.int64)
-        self.names = np.empty(len(names), dtype=object)  # by row (never changed)
-        self.names[:] = names
-        # by slot: the row (-1: none); by row: the name as a JSON object key, `"name":` (what
-        # json.dumps writes for it, ensure_ascii=False), allocated together here so that a
-        # refusal's reply joins them without touching the index's scattered strings
-        self.row_of_slot = np.full(max(slots, default=-1) + 1, -1, dtype=np.int64)
-        self.row_of_slot[self.slots] = np.arange(len(names), dtype=np.int64)
-        self._row_of: dict[str, int] | None = None
-        self.keys: np.ndarray | None = np.empty(len(names), dtype=object)
-        try:
-            self.keys[:] = [b'"' + e + b'":' if _PLAIN.match(e)
-                            else json.dumps(n, ensure_ascii=False).encode() + b":"
-                            for n, e in zip(names, encoded, strict=True)]  # fmt: skip
-        except UnicodeEncodeError:  # (a lone surrogate: the reply encodes it the slow way)
-            self.keys = None
-        hashes = self._hash(self.words, lengths)
-        self.hashes = hashes
-        if len(hashes) > 1 and len(np.unique(hashes)) != len(hashes):
-            self.usable = False  # two names with one hash: not worth telling apart here
-        size = 16
-        while size < 4 * len(hashes):
-            size *= 2
-        self.shift = np.uint64(64 - (size.bit_length() - 1))  # the bucket: the top bits
-        self.table = np.full(size, -1, dtype=np.int64)  # bucket -> row of the names, -1: empty
-        pending = np.arange(len(hashes), dtype=np.int64)
-        buckets = self._bucket(hashes)
-        while len(pending):  # linear probing, vectorised: one name per free bucket per round
-            free = self.table[buckets] < 0
-            first = np.unique(buckets[free], return_index=True)[1]
-            placed = np.flatnonzero(free)[first]
-            self.table[buckets[placed]] = pending[placed]
-            left = np.ones(len(pending), dtype=bool)
-            left[placed] = False
-            pending, buckets = pending[left], (buckets[left] + 1) & (size - 1)
-
-    def row_of(self, name: str) -> int:
-        """A name's row, -1 when the table has none (a dict built on first use)."""
-        if self._row_of is None:
-            self._row_of = {n: i for i, n in enumerate(self.names.tolist())}
-        return self._row_of.get(name, -1)
-
-    def _words(self, array: bytes, starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-        """Each name's words (see the class), one array per column, read straight from the
-        array's bytes: a uint64 view at every byte offset (unaligned, stride 1; 8 zero bytes
-        appended so a short last name's word stays inside)."""
-        padded = array + bytes(8)
-        at_byte = np.ndarray((len(padded) - 7,), dtype=np.uint64, buffer=padded, strides=(1,))
-        first = at_byte[starts]
-        short = np.flatnonzero(lengths < 8)
-        if len(short):  # shorter than a word: its bytes only, every column alike
-            first[short] &= _MASKS[lengths[short]]
-        words = [first]
-        back = lengths - 8
-        for column in range(1, self.columns):
-            word = at_byte[starts + np.minimum(8 * column, back)]
-            if len(short):
-                word[short] = first[short]
-            words.append(word)
-        return words
-
-    def _bucket(self, hashes: np.ndarray) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            return ((hashes * self._MIX) >> self.shift).astype(np.int64)
-
-    def _hash(self, words: list[np.ndarray], lengths: np.ndarray) -> np.ndarray:
-        hashes = lengths.astype(np.uint64)
-        with np.errstate(over="ignore"):
-            for column in words:
-                hashes = hashes * self._MIX + column
-                hashes ^= hashes >> np.uint64(29)
-        return hashes
-
-    def lookup(self, array: bytes) -> np.ndarray | None:
-        """The slots of the names of a JSON array (its bytes, `[` to `]`), in order; None
-        unless every name is a known node's and the array is in the compact form."""
-        rows = self.rows(array)
-        return None if rows is None else self.slots[rows]
-
-    def rows(self, array: bytes) -> np.ndarray | None:
-        """`lookup`, as the table's rows (`names`, `slots` by row)."""
-        if not self.usable or len(array) < 4 or b"\\" in array:
-            return None
-        raw = np.frombuffer(array, dtype=np.uint8)
-        if raw[0] != 0x5B or raw[-1] != 0x5D or int(raw.min()) < 0x20:  # `[` `]`, no controls
-            return None
-        quotes = np.flatnonzero(raw == 0x22)
-        if len(quotes) % 2 or quotes[0] != 1 or quotes[-1] != len(raw) - 2:
-            return None
-        starts, ends = quotes[0::2] + 1, quotes[1::2]
-        # between a name's closing quote and the next one's opening quote: exactly one `,`
-        if len(starts) > 1 and not (
-            bool((starts[1:] - ends[:-1] == 3).all()) and bool((raw[ends[:-1] + 1] == 0x2C).all())
-        ):
-            return None
-        lengths = ends - starts
-        if int(lengths.max()) > self.width or int(lengths.min()) < 1:
-            return None
-        words = self._words(array, starts, lengths)
-        hashes = self._hash(words, lengths)
-        size_mask = len(self.table) - 1
-        buckets = self._bucket(hashes)
-        rows = self.table[buckets]
-        # probe on where the bucket holds another name's hash (rare at a quarter full)
-        wrong = (rows >= 0) & (self.hashes[rows] != hashes)
-        while wrong.any():
-            at = np.flatnonzero(wrong)
-            buckets[at] = (buckets[at] + 1) & size_mask
-            rows[at] = self.table[buckets[at]]
-            wrong[at] = (rows[at] >= 0) & (self.hashes[rows[at]] != hashes[at])
-        if not (
-            bool((rows >= 0).all()) and bool((self.lengths[rows] == lengths).all())
-            and all(bool((known[rows] == word).all())
-                    for known, word in zip(self.words, words, strict=True))
-        ):  # fmt: skip
-            return None
-        return rows

@@ -175,3 +175,138 @@ def test_a_rotated_list_is_read_as_the_rotation_it_is() -> None:
     for other in (KNOWN[5:] + KNOWN[:4], swapped + KNOWN[:1], ["node-00000", *KNOWN[1:]][::-1]):
         assert list(parsed(other)["nodenames"]) == other
     assert len(resolved) == 4  # (each resolved name by name)
+
+
+# --- a run of kube-scheduler's node order, and lists of equal-length names ------------------------
+
+def order_index(names: list[str]) -> tuple[object, dict[str, int]]:
+    from tessera.scheduler.index import ClusterIndex
+
+    from tessera.models import DeviceInfo, NodeRegistration
+
+    index = ClusterIndex()
+    for name in names:
+        device = DeviceInfo(uuid=f"GPU-{name}", index=0, type="T", memory_mib=1024, cores=100)
+        index.set_registration(name, NodeRegistration(node=name, devices=[device]), 0.0)
+    return index, {name: index.entries[name].slot for name in names}
+
+
+def compact(names: list[str]) -> bytes:
+    return json.dumps(names, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_a_window_of_the_node_order_is_read_as_a_run_of_it() -> None:
+    """kube-scheduler's window (its node order from a start that advances each cycle, wrapping)
+    is a run of the names in order: read without resolving a name, the same names and slots as
+    decoding it; what is not exactly a run (a name skipped, two swapped, a name twice, more
+    names than nodes) is resolved name by name, still exactly."""
+    ordered = sorted(KNOWN)
+    registered = ordered[::-1]  # (the index's own order does not matter)
+    index, slots = order_index(registered)
+    count = len(ordered)
+    starts, sizes = (0, 1, 400, count - 3, count - 1), (1, 2, 100, count)
+    runs = [ordered[start : start + size] + ordered[: max(0, start + size - count)]
+            for start in starts for size in sizes]  # fmt: skip
+    for names in runs:
+        found = index.names_of_run(compact(names))  # type: ignore[attr-defined]
+        assert found is not None, names[:3]
+        assert list(found[0]) == names and found[1][1].tolist() == [slots[n] for n in names]
+    skipped = ordered[10:20] + ordered[21:30]
+    swapped = ordered[10:30]
+    swapped[3], swapped[4] = swapped[4], swapped[3]
+    for names in (skipped, swapped, ordered[5:9] + ordered[8:12], ordered + ordered[:2],
+                  ordered[::-1][:50], [*ordered[3:5], "ghost"]):  # fmt: skip
+        array = compact(names)
+        assert index.names_of_run(array) is None  # type: ignore[attr-defined]
+        found = index.names_from_bytes(array)  # type: ignore[attr-defined]
+        if "ghost" in names:
+            assert found is None
+            continue
+        assert found is not None
+        assert list(found[0]) == json.loads(array) and found[1][1].tolist() == [
+            slots[n] for n in names]  # fmt: skip
+
+
+def test_a_run_through_the_filter_body_parses_as_the_whole_body() -> None:
+    ordered = sorted(KNOWN)
+    index, slots = order_index(ordered)
+    cache = NodeNamesCache(100_000, resolver=index.names_from_bytes,  # type: ignore[attr-defined]
+                           runs=index.names_of_run, resolve_from=0)  # type: ignore[attr-defined]
+    for start in (0, 300, 790):
+        names = ordered[start:] + ordered[:start]
+        body = json.dumps({"pod": POD, "nodenames": names}, separators=(",", ":"),
+                          ensure_ascii=False).encode()  # fmt: skip
+        data = cache.parse(body)
+        assert data == full(body)
+        assert data is not None and data["nodenames"].resolved[1].tolist() == [
+            slots[n] for n in names]  # fmt: skip
+    index.set_registration(ordered[4], None, 0.0)  # type: ignore[attr-defined]
+    gone = ordered[2:9]  # a name no longer registered: no run, and not resolved from the bytes
+    assert index.names_of_run(compact(gone)) is None  # type: ignore[attr-defined]
+    assert index.names_from_bytes(compact(gone)) is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("width", [1, 5, 8, 10, 17])
+def test_lists_of_equal_length_names_resolve_exactly_or_step_aside(width: int) -> None:
+    """Names of one length are read as a grid of the array's bytes. Random damage to such an
+    array (a byte changed, added or dropped: quotes, commas, brackets, backslashes, controls,
+    other bytes) is either resolved to exactly what decoding the array gives, or left to the
+    decoder (None); never another list."""
+    import random
+
+    rng = random.Random(width)
+    alphabet = "abcdefghij0123456789-."
+    names = sorted({"".join(rng.choice(alphabet) for _ in range(width)) for _ in range(300)})
+    index, slots = order_index(names)
+    shuffled = names[:]
+    rng.shuffle(shuffled)
+    array = compact(shuffled)
+    found = index.names_from_bytes(array)  # type: ignore[attr-defined]
+    assert found is not None and list(found[0]) == shuffled
+    assert found[1][1].tolist() == [slots[n] for n in shuffled]
+    damage = [b'"', b",", b"]", b"[", b"\\", b"\x00", b" ", b"a", b"0", "é".encode()]
+    resolved = 0
+    for _ in range(400):
+        size = min(len(names), rng.choice([1, 2, 3, 40]))
+        sample = compact(rng.sample(names, size) if rng.random() < 0.5 else shuffled[:size])
+        at = rng.randrange(len(sample))
+        change = rng.choice(damage)
+        how = rng.randrange(3)
+        if how == 0:
+            hurt = sample[:at] + change + sample[at + 1 :]
+        elif how == 1:
+            hurt = sample[:at] + change + sample[at:]
+        else:
+            hurt = sample[:at] + sample[at + 1 :]
+        found = index.names_from_bytes(hurt)  # type: ignore[attr-defined]
+        if found is None:
+            continue
+        resolved += 1
+        decoded = json.loads(hurt)
+        assert list(found[0]) == decoded
+        assert found[1][1].tolist() == [slots[n] for n in decoded]
+    assert resolved  # (some damage leaves valid lists of known names: e.g. a dropped name)
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        '{"a":1,"a":2}',  # a repeated key: the last, as json
+        '{"big":123456789012345678901234567890,"neg":-12345678901234567890123}',
+        '{"inf":1e400}', '{"nan":NaN}', '{"x":"\\ud800"}',  # json's own extensions
+        '{"f":[1.5e3,-0.0,1E2,0.1,5e-324],"s":"\\u00e9\\n\\"","t":true,"n":null}',
+        "[" * 5000 + "]" * 5000,  # too deep for either: the whole body's parse decides
+    ],
+)
+def test_the_rest_of_the_body_reads_as_json_reads_it(pod: str) -> None:
+    body = ('{"pod": ' + pod + ', "nodenames": ' + json.dumps(NAMES) + "}").encode()
+    cache = NodeNamesCache(100_000)
+    try:
+        expected = full(body)
+    except RecursionError:
+        assert cache.parse(body) is None
+        return
+    data = cache.parse(body)
+    assert data is not None
+    assert repr(data["pod"]) == repr(expected["pod"])  # (repr: nan, -0.0 and types compared)
+    assert data == {**expected, "pod": data["pod"]}
