@@ -287,6 +287,8 @@ async def test_quota_refusal_and_timeout_are_clear(
 
         sub = await nc.subscribe(bus.QUOTA_RESERVE, cb=deny)
         await nc.flush()
+        # An answer is due now: give it a busy host's time (the timeout is read per call).
+        service.settings.request_timeout_s = 10.0
         try:
             spec = cluster.add_pod(pod(container(mem=1000), namespace=namespace))
             result = await filter_call(client, spec, [name])
