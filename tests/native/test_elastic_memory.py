@@ -159,3 +159,18 @@ def test_a_guarantee_on_the_ledger_stops_borrowing_before_its_container_starts(
     alloc_gib(n, 8)  # its guarantee was kept free: no reclaim, no wait
     assert time.monotonic() - t0 < 10 and node.notices == []
     assert n("phys")["phys"] == 16 * GiB
+
+
+def test_the_fake_card_frees_a_killed_process_memory_when_another_takes_its_place(cluster):
+    """The fake driver's physical memory (every elastic test's truth): a killed process's memory
+    comes back even when a new process takes its slot in the driver's process table first (it
+    was lost for good, and the card stayed short of it)."""
+    c = cluster.container()
+    a = c.cuctl(preload=False)
+    assert a("init")["ok"] and a(f"alloc plain {12 * GiB}")["ok"]
+    a.p.kill()
+    assert a.p.wait(timeout=30) == -9
+    b = c.cuctl(preload=False)
+    assert b("init")["ok"]  # its context takes the gone process's slot
+    assert b(f"alloc plain {8 * GiB}")["ok"]
+    assert b("phys")["phys"] == 8 * GiB
