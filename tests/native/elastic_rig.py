@@ -12,6 +12,7 @@ held."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -55,7 +56,8 @@ class ElasticPod:
         env.update(LD_LIBRARY_PATH=str(self.node.native.fake), LD_PRELOAD=self.node.native.preload,
                    FAKE_CUDA_STATE=str(self.node.gpu_state), FAKE_GPU_COUNT="1",
                    FAKE_GPU_MEM_MB=str(self.node.card_mib),
-                   LIBCUDA_LOG_LEVEL=os.environ.get("ELASTIC_LOG", "1"),
+                   # INFO: a failure's log tells a lease refused from the driver's OOM
+                   LIBCUDA_LOG_LEVEL=os.environ.get("ELASTIC_LOG", "2"),
                    TESSERA_LIMITS_DIR=str(self.cdir.limits_dir))  # fmt: skip
         if self.node.native.san:
             env["ASAN_OPTIONS"] = "detect_leaks=0"
@@ -135,6 +137,21 @@ class ElasticNode:
             return (h.leased, h.borrowed) if h else (0, 0)
 
         return self.call(get())
+
+    def diagnosis(self, *procs: Cuctl) -> str:
+        """For a failed expectation: the notices (s since the first), what each pod's container
+        holds on lease, the card's physical use (the fake driver's), and each process's exit
+        status and libvgpu log."""
+        t0 = self.notices[0][0] if self.notices else 0.0
+        out = [f"notices: {[(round(t - t0, 2), x.action, x.by_node) for t, x in self.notices]}"]
+        out += [f"{p.name}: (leased, borrowed) {self.held(p)}" for p in self.pods.values()]
+        live = next((c for p in self.pods.values() for c in p.procs if c.p.poll() is None), None)
+        if live is not None:
+            with contextlib.suppress(Exception):
+                out.append(f"card physical use {live('phys', timeout=5)['phys']}")
+        for c in procs:
+            out.append(f"pid {c.pid} exit {c.p.poll()}, log:\n{c.stderr()[-3000:]}")
+        return "\n".join(out)
 
     def stop(self) -> None:
         for pod in self.pods.values():

@@ -23,6 +23,7 @@ class Share:
     got: float  # % of the device over the measured interval (fake timeline)
     windows: list[float]  # % per 1 s window
     published: list[tuple[float, float]] = field(default_factory=list)  # (achieved, truth)
+    starved: float = 0.0  # points of the interval its launcher waited for a CPU (a loaded host)
 
     @property
     def worst_published_error(self) -> float:
@@ -80,6 +81,7 @@ def run_sharing(
         whole = cluster.busy(dev, t0, t1, t1 - t0, [c.pid])[0]
         s = Share(lim, c.pid, whole, cluster.busy(dev, t0, t1, SEC, [c.pid]))
         s.published = published_vs_truth(cluster, dev, c.pid, seen[i], t0, t1)
+        s.starved = cluster.starved([c.pid], t0, t1, t1 - t0)[0]
         shares.append(s)
     return shares
 
@@ -114,6 +116,7 @@ def summary(shares: list[Share]) -> str:
     return ", ".join(
         f"{s.limit}%->{s.got:.1f} (windows {min(s.windows):.1f}..{max(s.windows):.1f}, "
         f"published err {s.worst_published_error:.2f}, mean pub "
-        f"{statistics.fmean(a for a, _ in s.published) if s.published else float('nan'):.2f})"
+        f"{statistics.fmean(a for a, _ in s.published) if s.published else float('nan'):.2f}, "
+        f"launcher starved {s.starved:.1f})"
         for s in shares
     )

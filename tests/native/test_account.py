@@ -16,6 +16,7 @@ and the lease service itself: no service → fail closed; an agent restart loses
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -479,6 +480,21 @@ class Watched:
         self.pod.agent.call(stop())
 
 
+def _maps_once_loaded(p: subprocess.Popen, exe_name: str, timeout: float = 30.0) -> str:
+    """/proc/<pid>/maps once the process (after its prefix's mounts and execs: slow on a loaded
+    host) runs `exe_name` and the loader has mapped libc (preloads are mapped before it)."""
+    end = time.monotonic() + timeout
+    while True:
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        with contextlib.suppress(OSError):
+            if Path(os.readlink(f"/proc/{p.pid}/exe")).name == exe_name:
+                maps = Path(f"/proc/{p.pid}/maps").read_text()
+                if "/libc.so" in maps or "/libc-" in maps:
+                    return maps
+        assert time.monotonic() < end, f"{exe_name} not started in {timeout}s"
+        time.sleep(0.01)
+
+
 def _attack(pod: Pod, watched: Watched, prefix: tuple[str, ...], env: dict[str, str]) -> float:
     """A cuctl that allocates past the limit at once; seconds from the allocation being sent
     to the process's death (killed by the watchdog), asserting it really got past libvgpu."""
@@ -487,9 +503,7 @@ def _attack(pod: Pod, watched: Watched, prefix: tuple[str, ...], env: dict[str, 
                          stderr=subprocess.PIPE)  # fmt: skip
     try:
         watched.in_pod(p.pid)
-        time.sleep(0.2)  # the loader has run: is libvgpu mapped?
-        assert p.poll() is None, p.stderr.read()[-2000:]
-        maps = Path(f"/proc/{p.pid}/maps").read_text()
+        maps = _maps_once_loaded(p, "cuctl")  # the loader has run: is libvgpu mapped?
         assert str(pod.native.lib) not in maps, "the attack did not keep libvgpu out"
         # its context and its allocation (past the limit) at once: whatever the watchdog sees
         # first, the process is dead within the bound of the first byte it took

@@ -22,6 +22,13 @@ from .sharing import run_sharing, summary
 pytestmark = pytest.mark.timing
 
 SHARE_TOL = 2.0  # points of the device, per container
+
+
+def assert_share(s, shares) -> None:
+    """Its limit within ±SHARE_TOL; on a loaded host the lower bound is lowered by the points of
+    the interval its launcher waited for a CPU (conftest.CpuStarvation: a launcher that cannot
+    run cannot feed the GPU, which no limiter helps); the upper bound never is."""
+    assert s.limit - SHARE_TOL - s.starved <= s.got <= s.limit + SHARE_TOL, summary(shares)
 PUBLISHED_TOL = 1.0  # points between what a container publishes and what the device gave it
 
 
@@ -49,7 +56,7 @@ def test_each_container_gets_its_limit_on_a_shared_gpu(cluster, limits):
     descheduled catch up; bench/libvgpu_sharing.py also runs mixes that fill the GPU."""
     shares = run_sharing(cluster, limits)
     for s in shares:
-        assert abs(s.got - s.limit) <= SHARE_TOL, summary(shares)
+        assert_share(s, shares)
         check_published(s)
 
 
@@ -58,7 +65,7 @@ def test_processes_in_a_pid_namespace_are_matched_by_their_host_pid(cluster):
     slot, and that is what libvgpu looks for."""
     shares = run_sharing(cluster, [10, 80], seconds=4.0, pid_offset=100000, map_host_pids=True)
     for s in shares:
-        assert abs(s.got - s.limit) <= SHARE_TOL, summary(shares)
+        assert_share(s, shares)
 
 
 def test_without_a_matching_nvml_pid_no_container_exceeds_its_limit(cluster):

@@ -82,7 +82,7 @@ def test_an_evictable_borrower_is_evicted_for_the_guarantee(node: ElasticNode) -
     n = neighbour.cuctl()
     t0 = time.monotonic()
     r = n(f"alloc plain {8 * GiB}", timeout=30)  # waits for the eviction, then fits
-    assert r["ok"], n.stderr()
+    assert r["ok"], (r, node.diagnosis(n, b))
     assert time.monotonic() - t0 < 20
     assert [x.action for _, x in node.notices] == ["evicted"]
     assert node.notices[0][1].borrower.pod_uid == BORROWER
@@ -135,8 +135,9 @@ def test_a_borrower_that_never_frees_is_evicted_by_the_node(strict_node: Elastic
     n = neighbour.cuctl()
     t0 = time.monotonic()
     r = n(f"alloc plain {8 * GiB}", timeout=40)
-    assert r["ok"], n.stderr()
-    assert 0.9 <= time.monotonic() - t0 < 30
+    waited = time.monotonic() - t0
+    assert r["ok"], (r, round(waited, 2), node.diagnosis(n, b))
+    assert 0.9 <= waited < 30, node.diagnosis(n, b)
     assert [(x.action, x.by_node) for _, x in node.notices] == [("reclaimed", False),
                                                                 ("evicted", True)]  # fmt: skip
     assert b.p.wait(timeout=30) == -9  # the borrower's process is gone (killed)
@@ -158,3 +159,18 @@ def test_a_guarantee_on_the_ledger_stops_borrowing_before_its_container_starts(
     alloc_gib(n, 8)  # its guarantee was kept free: no reclaim, no wait
     assert time.monotonic() - t0 < 10 and node.notices == []
     assert n("phys")["phys"] == 16 * GiB
+
+
+def test_the_fake_card_frees_a_killed_process_memory_when_another_takes_its_place(cluster):
+    """The fake driver's physical memory (every elastic test's truth): a killed process's memory
+    comes back even when a new process takes its slot in the driver's process table first (it
+    was lost for good, and the card stayed short of it)."""
+    c = cluster.container()
+    a = c.cuctl(preload=False)
+    assert a("init")["ok"] and a(f"alloc plain {12 * GiB}")["ok"]
+    a.p.kill()
+    assert a.p.wait(timeout=30) == -9
+    b = c.cuctl(preload=False)
+    assert b("init")["ok"]  # its context takes the gone process's slot
+    assert b(f"alloc plain {8 * GiB}")["ok"]
+    assert b("phys")["phys"] == 8 * GiB

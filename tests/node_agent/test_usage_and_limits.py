@@ -183,7 +183,9 @@ async def test_directories_of_gone_pods_are_removed(short_dir, nc, buckets):
         assert await sampler.collect_garbage() == []  # kubelet still lists the pod
         assert pod_dir.is_dir()
         rig.kubelet.remove_pod(allocation.pod_uid)
-        assert await sampler.collect_garbage() == [allocation.pod_uid]
+        # this pass removes it, or the agent's own (its sampler collects every GC_EVERY_S, the
+        # first one late on a loaded host) did a moment before: gone either way
+        assert await sampler.collect_garbage() in ([allocation.pod_uid], [])
         assert not pod_dir.exists()
 
 
@@ -198,10 +200,15 @@ async def test_a_pod_allocated_while_garbage_is_judged_keeps_its_directory(
         sampler = rig.agent.sampler
         listing = sampler.pod_listing
         arrived: dict[str, object] = {}
+        this_pass = asyncio.current_task()
 
         async def listed_after_an_allocation() -> set[tuple[str, str]] | None:
             facts = await listing() if listing else None  # kubelet's list, as read first
-            arrived["pod"] = await admitted(rig, "between", 1000)  # then the pod arrives
+            # then the pod arrives — in this test's pass only: the agent's sampler collects too
+            # (at its start, late on a loaded host, and every GC_EVERY_S), and its pass reads
+            # the same listing
+            if asyncio.current_task() is this_pass and "pod" not in arrived:
+                arrived["pod"] = await admitted(rig, "between", 1000)
             return facts
 
         sampler.pod_listing = listed_after_an_allocation

@@ -177,7 +177,11 @@ void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta)
         }
         if (!free_p && (p->pid == 0 || (kill(p->pid, 0) != 0 && errno == ESRCH))) free_p = p;
     }
-    if (free_p) *free_p = (struct fk_proc){.pid = pid, .used = delta > 0 ? (uint64_t)delta : 0};
+    if (!free_p) return;
+    /* a gone process's slot: what it held is the device's again (as fk_reap_dead), not lost */
+    struct fk_dev *d = &s->dev[dev];
+    d->used -= free_p->used < d->used ? free_p->used : d->used;
+    *free_p = (struct fk_proc){.pid = pid, .used = delta > 0 ? (uint64_t)delta : 0};
 }
 
 /* Exited or exiting: no such process, a zombie, or PF_EXITING (a driver frees a process's memory
