@@ -230,15 +230,15 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
         if len(r.containers) > 1:
             return group_steps(index, slots, r)
         options, r = r.options, r.containers[0]
-    signature = index.unusable_sig[slots]
-    classes = index.card_class[slots]
+    signature = index.unusable_sig.take(slots, axis=0)
+    classes = index.card_class.take(slots, axis=0)
     carded = classes >= 0
     if r.memory_percentage is not None:
-        memory_ok = index.card_pct[slots] >= r.memory_percentage
+        memory_ok = index.card_pct.take(slots, axis=0) >= r.memory_percentage
     else:
-        memory_ok = index.card_mem[slots] >= r.memory_mib
-    cores_ok = index.card_cores[slots] >= r.cores
-    computing, idle = index.card_computing[slots], index.card_idle[slots]
+        memory_ok = index.card_mem.take(slots, axis=0) >= r.memory_mib
+    cores_ok = index.card_cores.take(slots, axis=0) >= r.cores
+    computing, idle = index.card_computing.take(slots, axis=0), index.card_idle.take(slots, axis=0)
     if options is not None:
         codes, _passes = card_codes(index, np.where(carded, classes, 0), carded, r, options,
                                      memory_ok, cores_ok, computing, idle)  # fmt: skip
@@ -249,5 +249,4 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
         codes += computing * 2
         codes += idle
         codes[~carded] = -1
-    codes.sort(axis=1)
     return grouped(signature[:, None].astype(np.int64), codes, signature >= 0)
