@@ -197,6 +197,7 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
     failed_sig = np.full(len(slots), -1, dtype=np.int64)  # and its signature
     codes = np.full(classes.shape, -1, dtype=np.int64)
     refused = np.zeros(len(slots), dtype=bool)
+    rows: np.ndarray | None = None  # the candidates the arrays below hold (None: all)
     last = len(steps.containers) - 1
     for j, r in enumerate(steps.containers):
         usable = carded & ~exhausted
@@ -210,13 +211,29 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         passes &= usable
         fails = alive & (row_counts(passes) < r.count)
         if fails.any():
-            np.putmask(failed_at, fails, j)
-            np.copyto(failed_sig, signature, where=fails)
-            np.copyto(codes, step, where=fails[:, None])
-            refused |= fails
+            if rows is None:
+                np.putmask(failed_at, fails, j)
+                np.copyto(failed_sig, signature, where=fails)
+                np.copyto(codes, step, where=fails[:, None])
+                refused |= fails
+            else:  # (rows kept: their places among the candidates)
+                at = rows[fails]
+                failed_at[at] = j
+                failed_sig[at] = signature[fails]
+                codes[at] = step[fails]
+                refused[at] = True
             alive &= ~fails
         if j == last or not alive.any():
             break
+        left = np.flatnonzero(alive)
+        if 2 * len(left) < len(alive):  # the later steps read only the nodes still fitting
+            rows = left if rows is None else rows[left]
+            (cls, carded, total_mem, total_cores, total_split, free_mem, free_cores, used_slots,
+             computing, idle, pct, exhausted, signature, passes) = (
+                a.take(left, axis=0) for a in (
+                    cls, carded, total_mem, total_cores, total_split, free_mem, free_cores,
+                    used_slots, computing, idle, pct, exhausted, signature, passes))  # fmt: skip
+            alive = np.ones(len(left), dtype=bool)
         # the cards this container takes where it fits: the first `count` that pass in the
         # policy's order (HAMi's device score, `placement.device_score`, term by term)
         later = steps.containers[j + 1 :]
@@ -239,14 +256,9 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
             score *= 10.0 * signs[0]  # (sign · (10 · score): the same double either way)
             key = score
         else:
-            key = np.zeros(classes.shape, dtype=np.float64)
+            key = np.zeros(cls.shape, dtype=np.float64)
         key[~passes] = np.inf
-        if r.count == 1:  # (the first smallest: argmin's first occurrence, ties by index)
-            order = np.argmin(key, axis=1)[:, None]
-        else:
-            order = np.argsort(key, axis=1, kind="stable")[:, : r.count]
-        taken = np.zeros(classes.shape, dtype=bool)
-        np.put_along_axis(taken, order, True, axis=1)
+        taken = first_smallest(key, r.count)
         taken &= alive[:, None]
         # charged as `placement._take` charges them (the gathers are this call's copies)
         charge = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
@@ -262,6 +274,34 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
                                       32767), where=taken & (total_mem > 0))  # fmt: skip
         exhausted |= taken & (used_slots >= total_split)
     return grouped(np.stack([failed_at, failed_sig], axis=1), codes, refused)
+
+
+def first_smallest(key: np.ndarray, count: int) -> np.ndarray:
+    """Each row's `count` smallest keys (doubles, +inf allowed), ties by index: a stable
+    sort's first `count`, as a mask. One or two: argmin's first occurrence, the first taken
+    key then put past every other (a sort of each row is slower for those: 0.45 ms at 5,000
+    rows of 8 against 0.06 / 0.36); more: the sort's."""
+    taken = np.zeros(key.shape, dtype=bool)
+    if count >= key.shape[1]:
+        taken[:] = True
+        return taken
+    if count > 2:
+        order = np.argsort(key, axis=1, kind="stable")[:, :count]
+        np.put_along_axis(taken, order, True, axis=1)
+        return taken
+    left = np.where(np.isinf(key), _PAST, key) if count > 1 else key
+    starts = np.arange(0, key.size, key.shape[1])  # (each row's first place, flat)
+    flat_taken, flat_left = taken.reshape(-1), left.reshape(-1)  # (views)
+    for _ in range(count):
+        at = np.argmin(left, axis=1)
+        at += starts
+        flat_taken[at] = True
+        if count > 1:
+            flat_left[at] = np.inf
+    return taken
+
+
+_PAST = np.finfo(np.float64).max  # (an infinite key: after every finite one, before taken)
 
 
 _BYTES_SUM = np.uint64(0x0101010101010101)
