@@ -158,6 +158,7 @@ class Decision:
         shapes = memo.shapes
         ids = np.full(len(keys), -1, dtype=np.int64)
         firsts = first.tolist()
+        classes = index.card_classes
         for g in np.argsort(first).tolist() if stop_at_fit else range(len(keys)):
             at = firsts[g]
             if groups[at] != g:
@@ -165,12 +166,21 @@ class Decision:
             key = keys[g]
             found = shapes.get(key)
             if found is None:
-                fit = fit_pod(index.entry_at(int(slots[at])).cards, alone or self.request,
-                              self.context())  # fmt: skip
-                if fit.ok:
-                    found = FITS if alone is None else _TAKES_FIRST
+                # (a shape another request was refused by alike: its text, not fitted again)
+                shared = None if alone is not None else classes.shared_key(container, key)
+                if shared is not None and shared in classes.texts:
+                    text = classes.texts[shared]
+                    found = FITS if text is None else memo.intern(*text)
                 else:
-                    found = memo.intern(fit.reason_text(), tuple(fit.reasons.keys()))
+                    fit = fit_pod(index.entry_at(int(slots[at])).cards, alone or self.request,
+                                  self.context())  # fmt: skip
+                    worded = None if fit.ok else (fit.reason_text(), tuple(fit.reasons.keys()))
+                    if worded is None:
+                        found = FITS if alone is None else _TAKES_FIRST
+                    else:
+                        found = memo.intern(*worded)
+                    if shared is not None:
+                        classes.texts[shared] = worded
                 shapes[key] = found
             if found == _TAKES_FIRST:
                 continue  # (fitted one by one: the pod may still not fit there)

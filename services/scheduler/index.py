@@ -414,10 +414,11 @@ class _Ordering:
         a refusal or the side-effect-free path asks, and they fit every one of them anyway)."""
         while self.advance():
             pass
-        if self._keys is not None:
-            order = fresh_order(self._keys, self.busy)
+        busy = self.busy if self.busy is not None and self.busy.any() else None
+        if self._keys is not None:  # (no busy candidate: one stable sort, not a lexsort)
+            order = fresh_order(self._keys, busy)
         else:
-            order = full_order(self.snapshot, self.busy)
+            order = full_order(self.snapshot, busy)
         return self.slots[order[~self.passed[order]]]
 
     def views(self) -> tuple[Ordered, Pruned]:

@@ -17,15 +17,13 @@ event), equality with the last refusal (the failure log's repeat check).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-import msgspec
 import numpy as np
 
-_ENCODER = msgspec.json.Encoder()
+from .failed_nodes_json import bulk_json, encode_compact
 
 
 class _Bulk:
@@ -235,22 +233,17 @@ class NodeReasons(Mapping[str, str]):
             not isinstance(s, dict) and s.table is None for s in segments
         ):
             return encode_compact(self.as_dict())
+        if len(segments) == 1 and not isinstance(segments[0], dict):
+            return bulk_json(segments[0])
         parts: list[bytes] = []
         for segment in segments:
             if isinstance(segment, dict):
                 if segment:
                     parts.append(encode_compact(segment)[1:-1] + b",")
                 continue
-            rows, ids = segment.refused_rows()
-            if not len(rows):
-                continue
-            values = np.empty(len(segment.texts), dtype=object)
-            for reason_id in np.unique(ids).tolist():
-                values[reason_id] = encode_compact(segment.texts[reason_id]) + b","
-            pairs = np.empty(2 * len(rows), dtype=object)
-            pairs[0::2] = segment.table.keys[rows]
-            pairs[1::2] = values[ids]
-            parts.append(b"".join(pairs.tolist()))
+            parts.append(bulk_json(segment)[1:-1])
+            if len(parts[-1]):
+                parts[-1] += b","
         body = b"".join(parts)
         return b"{" + body[:-1] + b"}" if body else b"{}"
 
@@ -321,17 +314,6 @@ class NodeReasons(Mapping[str, str]):
                 for reason in named or reason_names(segment.texts[reason_id]):
                     count(reason, int(totals[reason_id]), first)
         return {reason: (nodes, names) for reason, (nodes, names) in tally.items()}
-
-
-def encode_compact(value: Any) -> bytes:
-    """`json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))`'s UTF-8
-    bytes for a value of dicts, lists, strings, ints, bools and None (msgspec: the same bytes
-    for those, `test_node_reasons.py`; anything it cannot write goes through `json.dumps`)."""
-    try:
-        return _ENCODER.encode(value)
-    except (msgspec.EncodeError, TypeError, UnicodeEncodeError):  # (e.g. a lone surrogate)
-        return json.dumps(value, ensure_ascii=False, allow_nan=False,
-                          separators=(",", ":")).encode()
 
 
 def reason_names(text: str) -> list[str]:

@@ -72,12 +72,16 @@ class CardClasses:
         self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
         self._rep: list[Any] = []  # by class: its first device (static checks of a pod's steps)
         self._statics: tuple[np.ndarray, ...] | None = None
+        self._texts_for: list[bool] = []  # by class: libvgpu slices (`shared_key`)
         self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
         self._rep_cards: list[Card] = []  # `_rep` as cards (static checks only read them)
         # (request, id(options)) -> (options, `static_refusal`): the checks read only the
         # request's family and count and the options' selections (`rules.check_health`,
         # `check_type_and_mode`); a new class makes it longer, so asked again
         self._static: dict[tuple, tuple[Any, np.ndarray]] = {}
+        # a shape's text whatever the request (`shared_key`): (text, reason names), or None
+        # where the shape takes the container
+        self.texts: dict[tuple, tuple[str, tuple[str, ...]] | None] = {}
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
@@ -187,6 +191,29 @@ class CardClasses:
         self._static[key] = (options, array)  # (the options object kept: its id stays its own)
         return array
 
+    def shared_key(self, steps: PodSteps, key: bytes) -> tuple | None:
+        """What a shape's text depends on besides its key (`group`'s, of a pod's steps), when
+        it is the same for every request: every class the index knows is libvgpu slices, so
+        each card's code is its verdict (the first of HAMi's checks it fails: the same check,
+        the same reason, whatever the request) and the text is HAMi's count of those reasons
+        over the node's cards, with the cards that pass counted as too few against the
+        failing container's `count`. Its family, count and the pod's selections decide the
+        static checks (of the cards in the key and of those in its signature); mutex and NUMA
+        binding are in it too. None where codes are raw inputs (another card kind)."""
+        if len(self._texts_for) != len(self._rep):
+            self._texts_for = [bool(x) for x in self.statics()[3]]
+        if not all(self._texts_for):
+            return None
+        containers, options = steps.containers, steps.options
+        step = 0 if len(containers) == 1 else int.from_bytes(key[:8], "little", signed=True)
+        if not 0 <= step < len(containers):
+            return None
+        r = containers[step]
+        if len(self.texts) > 65_536:
+            self.texts.clear()
+        return (r.family, r.count, options.selections, options.mutex, options.numa_bind,
+                len(containers) > 1, key)  # fmt: skip
+
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
         found = self._signatures.get(others)
         if found is None:
@@ -230,15 +257,15 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
         if len(r.containers) > 1:
             return group_steps(index, slots, r)
         options, r = r.options, r.containers[0]
-    signature = index.unusable_sig[slots]
-    classes = index.card_class[slots]
+    signature = index.unusable_sig.take(slots, axis=0)
+    classes = index.card_class.take(slots, axis=0)
     carded = classes >= 0
     if r.memory_percentage is not None:
-        memory_ok = index.card_pct[slots] >= r.memory_percentage
+        memory_ok = index.card_pct.take(slots, axis=0) >= r.memory_percentage
     else:
-        memory_ok = index.card_mem[slots] >= r.memory_mib
-    cores_ok = index.card_cores[slots] >= r.cores
-    computing, idle = index.card_computing[slots], index.card_idle[slots]
+        memory_ok = index.card_mem.take(slots, axis=0) >= r.memory_mib
+    cores_ok = index.card_cores.take(slots, axis=0) >= r.cores
+    computing, idle = index.card_computing.take(slots, axis=0), index.card_idle.take(slots, axis=0)
     if options is not None:
         codes, _passes = card_codes(index, np.where(carded, classes, 0), carded, r, options,
                                      memory_ok, cores_ok, computing, idle)  # fmt: skip
@@ -249,5 +276,4 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
         codes += computing * 2
         codes += idle
         codes[~carded] = -1
-    codes.sort(axis=1)
     return grouped(signature[:, None].astype(np.int64), codes, signature >= 0)

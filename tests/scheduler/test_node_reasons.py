@@ -176,3 +176,44 @@ def test_many_nodes_give_hamis_counts_per_reason_within_an_events_note() -> None
     assert len(plain) <= EVENT_NOTE_LIMIT
     assert "5000 nodes CardInsufficientMemory(" in plain
     assert "1000 nodes CardInsufficientCore(" in plain
+
+
+def test_a_rotated_list_refused_alike_is_answered_as_json_dumps_would() -> None:
+    """kube-scheduler lists the same nodes rotated from call to call: the reply reuses the
+    request's last one's bytes, only where the same nodes refuse for the same texts."""
+    rng = random.Random(11)
+    every = [f"node-{i}" for i in range(60)] + ['q"uote', "ünï"]
+    table, row = table_rows(every)
+    reasons = [(), ("CardInsufficientMemory",), ("CardInsufficientCore",)]  # (this request's)
+    texts = np.array([None, "8/8 CardInsufficientMemory", "8/8 CardInsufficientCore"],
+                     dtype=object)  # fmt: skip
+    ids = [rng.choice([0, 1, 1, 2]) for _ in every]
+
+    def reply(order: list[int], ids: list[int], texts: np.ndarray) -> tuple[bytes, bytes]:
+        names = np.empty(len(order), dtype=object)
+        names[:] = [every[i] for i in order]
+        lazy = NodeReasons()
+        lazy.add_bulk(names, np.array([ids[i] for i in order], dtype=np.int64), texts,
+                      reasons, (table, np.array([row[every[i]] for i in order])))  # fmt: skip
+        eager = {every[i]: texts[ids[i]] for i in order if ids[i]}
+        return lazy.to_json(), json.dumps(eager, ensure_ascii=False,
+                                          separators=(",", ":")).encode()  # fmt: skip
+
+    start = list(range(len(every)))
+    for k in [0, 1, 5, 31, 61, 0, 17]:  # rotations of the same list, the same reasons
+        got, want = reply(start[k:] + start[:k], ids, texts)
+        assert got == want
+    changed = list(ids)
+    changed[3] = 2 if ids[3] != 2 else 1  # one node's reason changed since
+    got, want = reply(start[7:] + start[:7], changed, texts)
+    assert got == want and got != reply(start[7:] + start[:7], ids, texts)[1]
+    reworded = np.array([None, "7/8 CardInsufficientMemory", texts[2]], dtype=object)
+    got, want = reply(start[9:] + start[:9], changed, reworded)  # another text, same ids
+    assert got == want and b"7/8" in got
+    shuffled = list(start)
+    rng.shuffle(shuffled)  # (not a rotation)
+    got, want = reply(shuffled, changed, reworded)
+    assert got == want
+    fewer = start[4:40]  # (a window of the list)
+    got, want = reply(fewer, changed, reworded)
+    assert got == want

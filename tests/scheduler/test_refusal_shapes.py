@@ -180,3 +180,22 @@ def test_several_containers_group_by_the_container_they_fail_at(
             assert fits["n"] - before <= most
         else:
             assert fits["n"] - before >= len(names)  # every node fitted
+
+
+def test_a_containers_pick_is_a_stable_sorts_first_cards() -> None:
+    """The cards a container takes on every candidate at once (`first_smallest`: argmin's
+    for one or two cards) are the first `count` of a stable sort of the cards' keys: ties by
+    index, cards that do not pass (+inf) last, whatever the count."""
+    import numpy as np
+    from tessera.scheduler.refusal_steps import first_smallest
+
+    rng = np.random.default_rng(3)
+    for _trial in range(100):
+        width = int(rng.choice([4, 8, 16]))
+        key = rng.integers(-2, 3, size=(40, width)).astype(float)  # (many ties)
+        key[rng.random((40, width)) < 0.3] = np.inf
+        for count in range(1, width + 1):
+            want = np.zeros(key.shape, dtype=bool)
+            order = np.argsort(key, axis=1, kind="stable")[:, :count]
+            np.put_along_axis(want, order, True, axis=1)
+            assert (first_smallest(key, count) == want).all(), count
