@@ -206,6 +206,10 @@ class KubernetesCluster(KubernetesResources):
         self._settings = settings or KubeClientSettings()
         self._sleep = sleep
         self._bucket = TokenBucket(self._settings.qps, self._settings.burst, sleep=sleep)
+        # Events have a bucket of their own, as kube-scheduler records them through a client
+        # of their own (same qps/burst, its own limiter): a burst of events never queues the
+        # writes that bind pods behind it.
+        self._event_bucket = TokenBucket(self._settings.qps, self._settings.burst, sleep=sleep)
 
     @classmethod
     def from_environment(cls, settings: KubeClientSettings | None = None) -> KubernetesCluster:
@@ -293,12 +297,14 @@ class KubernetesCluster(KubernetesResources):
         on_retry: Callable[[], None] | None = None,
         final_statuses: frozenset[int] = frozenset(),
         decode: Callable[[bytes], Any] = json.loads,
+        bucket: TokenBucket | None = None,
     ) -> _Reply:
-        """A request with rate limiting and retries; raises ClusterError when it fails."""
+        """A request with rate limiting (`bucket`, else the client's) and retries; raises
+        ClusterError when it fails."""
         settings = self._settings
         what = f"{method} {path}"
         for attempt in range(1, settings.max_attempts + 1):
-            await self._bucket.acquire()
+            await (bucket or self._bucket).acquire()
             retry_after: float | None = None
             try:
                 reply = await asyncio.to_thread(
@@ -556,7 +562,8 @@ class KubernetesCluster(KubernetesResources):
         }
         try:
             await self._request(
-                "POST", f"/api/v1/namespaces/{_quote(namespace)}/events", body=event
+                "POST", f"/api/v1/namespaces/{_quote(namespace)}/events", body=event,
+                bucket=self._event_bucket,
             )
         except ConflictError:
             return  # a retry whose first attempt landed: the event exists
