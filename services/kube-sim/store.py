@@ -213,6 +213,14 @@ class ObjectStore:
             raise not_found(kind, name)
         return clone(obj)
 
+    def peek(self, kind: str, namespace: str, name: str) -> KubeObject:
+        """The stored object itself, for a caller that only reads it (never changes it): the
+        store never changes a stored object in place, so it stays what was read."""
+        obj = self._objects.get(kind, {}).get((namespace, name))
+        if obj is None:
+            raise not_found(kind, name)
+        return obj
+
     def kinds(self) -> list[str]:
         return list(self._objects)
 
@@ -244,8 +252,10 @@ class ObjectStore:
 
     def replace(
         self, kind: str, obj: KubeObject, expected_version: str | None = None,
-        persist: bool = True,
+        persist: bool = True, owned: bool = False,
     ) -> KubeObject:
+        """`owned`: the caller hands `obj` over (made for this write, used no more), so the
+        store keeps it without a copy."""
         key = key_of(obj)
         current = self._objects.get(kind, {}).get(key)
         if current is None:
@@ -256,7 +266,7 @@ class ObjectStore:
                 "object has been modified; please apply your changes to the latest version and "
                 "try again"
             )
-        obj = decoded(kind, clone(obj))
+        obj = decoded(kind, obj if owned else clone(obj))
         obj["metadata"]["uid"] = current["metadata"]["uid"]
         obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
         obj["kind"] = kind
