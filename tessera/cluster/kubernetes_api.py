@@ -4,8 +4,9 @@ It speaks the API server's REST paths directly through the client's `ApiClient` 
 TLS, in-cluster token rotation and kubeconfig handling are the client's) and hands back the
 JSON exactly as the server sent it: no generated models, which would drop fields they do not
 know. Blocking client calls run in worker threads. Every request first takes a token from a
-QPS/burst bucket (client-go's defaults are far too low for a scheduler, so ours are 50/100),
-and 429, 5xx and connection failures are retried with jittered exponential backoff, honouring
+QPS/burst bucket (client-go's defaults are far too low for a scheduler, so ours are 50/100;
+events take theirs from a bucket of their own, as kube-scheduler's event client does), and
+429, 5xx and connection failures are retried with jittered exponential backoff, honouring
 `Retry-After`.
 
 Watches behave like an informer's reflector: list (paginated) and replay it as ADDED, then
