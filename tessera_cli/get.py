@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tessera.device_kinds.pod_grants import pod_grants_text
 from tessera.gpuid import short_uuid
-from tessera.hami import parse_pod_devices
 from tessera.reasons import readable
 
 from .kube import api_client
@@ -38,6 +36,11 @@ def pod_gpus(pod: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """The pod's slices per container, as the node agent last recorded them (it rewrites
     `hami.io/…-devices-allocated` from the ledger on `tessera limits set`), else as the
     scheduler granted them (each device family's keys: tessera.device_kinds.pod_grants)."""
+    # (imported here: the device families' registry is most of what `tessera apply`, which
+    # imports this module through pods.py, would otherwise spend starting)
+    from tessera.device_kinds.pod_grants import pod_grants_text
+    from tessera.hami import parse_pod_devices
+
     annotations = pod.get("metadata", {}).get("annotations") or {}
     try:
         text = pod_grants_text(annotations)  # each device family's record

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,9 @@ from .locate import CliError
 
 # A read that takes longer than this means the server is not there (or stuck): say so.
 READ_TIMEOUT_S = 6.0
+# A kept-alive connection idle this long is opened anew (servers close idle ones: uvicorn
+# after 5 s) rather than risk a request on one the server is closing.
+IDLE_REOPEN_S = 2.0
 
 
 class ApiError(CliError):
@@ -115,6 +119,9 @@ class KubeClient:
         self._context: ssl.SSLContext | None = None
         # the API server's `Warning: 299 - "<text>"` headers, in order (the caller prints them)
         self.warnings: list[str] = []
+        self._connection: Any = None  # http.client's, kept alive between requests
+        self._used_at = 0.0
+        self._prefix = ""
         if config.server.startswith("https"):
             import ssl
 
@@ -130,6 +137,7 @@ class KubeClient:
         return self
 
     def __exit__(self, *_: object) -> None:
+        self._close_connection()
         for name in self.config._temporary:
             Path(name).unlink(missing_ok=True)
 
@@ -145,8 +153,10 @@ class KubeClient:
                 status, raw = _plain_get(self.config.server, path, headers, timeout)
                 if status >= 400:
                     raise _refused(status, raw.decode("utf-8", "replace"))
-            else:
+            elif _proxied():
                 raw = self._urllib(method, path, body, content_type, headers, timeout)
+            else:
+                raw = self._kept_alive(method, path, body, content_type, headers, timeout)
         except OSError as error:  # urllib's URLError is one
             reason = getattr(error, "reason", None) or error
             raise ApiError(
@@ -167,6 +177,70 @@ class KubeClient:
     def take_warnings(self) -> list[str]:
         taken, self.warnings = self.warnings, []
         return taken
+
+    def _kept_alive(self, method: str, path: str, body: Any, content_type: str,
+                    headers: dict[str, str], timeout: float) -> bytes:  # fmt: skip
+        """A write (or an https GET) on the client's one kept-alive connection, as kubectl's
+        transport reuses its connection: `tessera apply` of many objects makes one connection,
+        not one per object. A connection idle for `IDLE_REOPEN_S` is opened anew (the server
+        may be closing it); an idempotent request on a reused connection the server had closed
+        is sent once more on a new one, never a POST (it may have been done)."""
+        import http.client
+
+        data = json.dumps(body).encode() if body is not None else None
+        sent = {**headers, "Content-Type": content_type} if data is not None else headers
+        for attempt in (0, 1):
+            reused = self._connection is not None
+            connection = self._connection_for(timeout)
+            try:
+                connection.request(method, self._prefix + path, body=data, headers=sent)
+                reply = connection.getresponse()
+                raw: bytes = reply.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._close_connection()
+                if attempt or not reused or method == "POST":
+                    raise
+                continue
+            except http.client.HTTPException as exc:  # a reply that is not HTTP
+                self._close_connection()
+                raise OSError(f"not an HTTP reply: {exc!r}"[:200]) from None
+            except BaseException:
+                self._close_connection()
+                raise
+            self._used_at = time.monotonic()
+            if reply.will_close:
+                self._close_connection()
+            self._keep_warnings(reply.headers)
+            if reply.status >= 400:
+                raise _refused(reply.status, raw.decode("utf-8", "replace"))
+            return raw
+        raise AssertionError("unreachable")
+
+    def _connection_for(self, timeout: float) -> Any:
+        import http.client
+        from urllib.parse import urlsplit
+
+        if self._connection is not None and time.monotonic() - self._used_at > IDLE_REOPEN_S:
+            self._close_connection()
+        if self._connection is None:
+            url = urlsplit(self.config.server)
+            if url.scheme == "https":
+                self._connection = http.client.HTTPSConnection(
+                    url.hostname or "127.0.0.1", url.port or 443, timeout=timeout,
+                    context=self._context)  # fmt: skip
+            else:
+                self._connection = http.client.HTTPConnection(
+                    url.hostname or "127.0.0.1", url.port or 80, timeout=timeout)  # fmt: skip
+            self._prefix = url.path.rstrip("/")
+        self._connection.timeout = timeout
+        if self._connection.sock is not None:
+            self._connection.sock.settimeout(timeout)
+        return self._connection
+
+    def _close_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
     def _urllib(self, method: str, path: str, body: Any, content_type: str,
                 headers: dict[str, str], timeout: float) -> bytes:  # fmt: skip

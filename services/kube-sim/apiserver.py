@@ -65,6 +65,7 @@ from tessera.kube_sim.store import (
     now_rfc3339,
 )
 from tessera.kube_sim.updates import AdmitUpdate, admitted_change, status_update
+from tessera.kube_sim.watch_lines import EncodedEvents
 
 from tessera.quantity import JsonNumber
 
@@ -245,6 +246,7 @@ class ApiServer:
         # who each bearer token is (identity.py); without a table, the legacy token is admin
         self.tokens = tokens or TokenTable.legacy()
         self.bookmark_interval_s = bookmark_interval_s
+        self.encoded_events = EncodedEvents()  # watch lines encoded once for every stream
         self.on_pod_deleted: list[Callable[[KubeObject], None]] = []
         # Added by other modules (disruption.py): routes served before the core ones, and
         # built-in admission steps run on every pod CREATE before the webhook (Priority).
@@ -572,13 +574,13 @@ class ApiServer:
         if raw_version in ("", "0") or initial_end:
             # "Most recent": the current objects as ADDED, then every change after.
             initial = self.store.list(kind, selector)
-            watcher = self.store.watch(kind, selector, self.store.version)
+            watcher = self.store.watch(kind, selector, self.store.version, copies=False)
         else:
             try:
                 since = int(raw_version)
                 if since > self.store.version:
                     raise gone(since)  # from another incarnation of the server: relist
-                watcher = self.store.watch(kind, selector, since)
+                watcher = self.store.watch(kind, selector, since, copies=False)
             except ValueError:
                 error = StoreError(400, "BadRequest", f"invalid resourceVersion {raw_version!r}")
             except StoreError as exc:
@@ -588,6 +590,7 @@ class ApiServer:
         as_table = tables.wants_table(request.headers.get("accept", ""))
         include = query.get("includeObject", "Metadata")
         now = self.now
+        encoded = self.encoded_events
 
         def line(event_type: str, obj: KubeObject) -> bytes:
             if as_table and event_type in ("ADDED", "MODIFIED", "DELETED"):
@@ -630,7 +633,9 @@ class ApiServer:
                             }
                             yield line("BOOKMARK", mark)
                         continue
-                    yield line(event_type, obj)
+                    # (the stored object itself: read, never changed, and encoded once for
+                    # every stream that sends it)
+                    yield line(event_type, obj) if as_table else encoded.line(event_type, obj)
             finally:
                 store.unwatch(watcher)
 

@@ -159,6 +159,13 @@ class Watcher:
     selector: Selector
     queue: asyncio.Queue[tuple[str, KubeObject]]
     since: int = 0  # the resourceVersion it started after
+    # False: the watcher only reads what it is handed (an HTTP watch stream serialises it), so
+    # it gets the stored object itself, which the store never changes in place (every write
+    # stores a new object): no copy per watcher and event
+    copies: bool = True
+
+    def hand(self, event_type: str, obj: KubeObject) -> None:
+        self.queue.put_nowait((event_type, clone(obj) if self.copies else obj))
 
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -206,6 +213,14 @@ class ObjectStore:
             raise not_found(kind, name)
         return clone(obj)
 
+    def peek(self, kind: str, namespace: str, name: str) -> KubeObject:
+        """The stored object itself, for a caller that only reads it (never changes it): the
+        store never changes a stored object in place, so it stays what was read."""
+        obj = self._objects.get(kind, {}).get((namespace, name))
+        if obj is None:
+            raise not_found(kind, name)
+        return obj
+
     def kinds(self) -> list[str]:
         return list(self._objects)
 
@@ -237,8 +252,10 @@ class ObjectStore:
 
     def replace(
         self, kind: str, obj: KubeObject, expected_version: str | None = None,
-        persist: bool = True,
+        persist: bool = True, owned: bool = False,
     ) -> KubeObject:
+        """`owned`: the caller hands `obj` over (made for this write, used no more), so the
+        store keeps it without a copy."""
         key = key_of(obj)
         current = self._objects.get(kind, {}).get(key)
         if current is None:
@@ -249,7 +266,7 @@ class ObjectStore:
                 "object has been modified; please apply your changes to the latest version and "
                 "try again"
             )
-        obj = decoded(kind, clone(obj))
+        obj = decoded(kind, obj if owned else clone(obj))
         obj["metadata"]["uid"] = current["metadata"]["uid"]
         obj["metadata"]["creationTimestamp"] = current["metadata"].get("creationTimestamp")
         obj["kind"] = kind
@@ -323,24 +340,25 @@ class ObjectStore:
                 continue
             seen = event_for(change, watcher.selector)
             if seen is not None:
-                watcher.queue.put_nowait((seen[0], clone(seen[1])))
+                watcher.hand(*seen)
 
     # --- watches ----------------------------------------------------------------------------
 
-    def watch(self, kind: str, selector: Selector, since: int) -> Watcher:
+    def watch(self, kind: str, selector: Selector, since: int, copies: bool = True) -> Watcher:
         """A watcher that gets every change after version `since` (410 if no longer known).
+        `copies=False`: a read-only watcher, handed the stored objects themselves (`Watcher`).
 
         Replay and registration happen without yielding to the loop, so nothing falls between.
         """
         oldest_known = self._history[0].version - 1 if self._history else self._version
         if since < oldest_known and since < self._version:
             raise gone(since)
-        watcher = Watcher(kind, selector, asyncio.Queue(), since)
+        watcher = Watcher(kind, selector, asyncio.Queue(), since, copies)
         for change in self._history:
             if change.version > since and change.kind == kind:
                 seen = event_for(change, selector)
                 if seen is not None:
-                    watcher.queue.put_nowait((seen[0], clone(seen[1])))
+                    watcher.hand(*seen)
         self._watchers.append(watcher)
         return watcher
 

@@ -47,7 +47,9 @@ async def admitted_change(
     if kind != "Pod" or admit is None or not persist:
         return store.mutate(kind, namespace, name, change, persist=persist)
     for attempt in range(ATTEMPTS):
-        stored = store.get(kind, namespace, name)
+        # the stored pod itself, only read (the webhook's oldObject, the checks): the store
+        # never changes it in place, so it stays what was read across the webhook's await
+        stored = store.peek(kind, namespace, name)
         version = stored["metadata"].get("resourceVersion")
         if precondition and precondition != version:
             break  # the store's replace answers with kube-apiserver's conflict message
@@ -56,8 +58,9 @@ async def admitted_change(
         admitted = await admit(updated, stored, sub_resource)
         if check is not None and admitted is not updated:
             check(stored, admitted)
-        try:
-            return store.replace(kind, admitted, precondition or version, persist=persist)
+        try:  # `admitted` is this attempt's own copy (or the webhook's patched one)
+            return store.replace(kind, admitted, precondition or version, persist=persist,
+                                 owned=True)
         except StoreError as error:
             if error.status != 409 or precondition or attempt == ATTEMPTS - 1:
                 raise

@@ -4,8 +4,9 @@ It speaks the API server's REST paths directly through the client's `ApiClient` 
 TLS, in-cluster token rotation and kubeconfig handling are the client's) and hands back the
 JSON exactly as the server sent it: no generated models, which would drop fields they do not
 know. Blocking client calls run in worker threads. Every request first takes a token from a
-QPS/burst bucket (client-go's defaults are far too low for a scheduler, so ours are 50/100),
-and 429, 5xx and connection failures are retried with jittered exponential backoff, honouring
+QPS/burst bucket (client-go's defaults are far too low for a scheduler, so ours are 50/100;
+events take theirs from a bucket of their own, as kube-scheduler's event client does), and
+429, 5xx and connection failures are retried with jittered exponential backoff, honouring
 `Retry-After`.
 
 Watches behave like an informer's reflector: list (paginated) and replay it as ADDED, then
@@ -206,6 +207,10 @@ class KubernetesCluster(KubernetesResources):
         self._settings = settings or KubeClientSettings()
         self._sleep = sleep
         self._bucket = TokenBucket(self._settings.qps, self._settings.burst, sleep=sleep)
+        # Events have a bucket of their own, as kube-scheduler records them through a client
+        # of their own (same qps/burst, its own limiter): a burst of events never queues the
+        # writes that bind pods behind it.
+        self._event_bucket = TokenBucket(self._settings.qps, self._settings.burst, sleep=sleep)
 
     @classmethod
     def from_environment(cls, settings: KubeClientSettings | None = None) -> KubernetesCluster:
@@ -293,12 +298,14 @@ class KubernetesCluster(KubernetesResources):
         on_retry: Callable[[], None] | None = None,
         final_statuses: frozenset[int] = frozenset(),
         decode: Callable[[bytes], Any] = json.loads,
+        bucket: TokenBucket | None = None,
     ) -> _Reply:
-        """A request with rate limiting and retries; raises ClusterError when it fails."""
+        """A request with rate limiting (`bucket`, else the client's) and retries; raises
+        ClusterError when it fails."""
         settings = self._settings
         what = f"{method} {path}"
         for attempt in range(1, settings.max_attempts + 1):
-            await self._bucket.acquire()
+            await (bucket or self._bucket).acquire()
             retry_after: float | None = None
             try:
                 reply = await asyncio.to_thread(
@@ -556,7 +563,8 @@ class KubernetesCluster(KubernetesResources):
         }
         try:
             await self._request(
-                "POST", f"/api/v1/namespaces/{_quote(namespace)}/events", body=event
+                "POST", f"/api/v1/namespaces/{_quote(namespace)}/events", body=event,
+                bucket=self._event_bucket,
             )
         except ConflictError:
             return  # a retry whose first attempt landed: the event exists

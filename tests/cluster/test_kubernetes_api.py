@@ -8,6 +8,7 @@ request so the tests can check what went over the wire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import socket
@@ -538,6 +539,27 @@ async def test_node_annotations_and_events(
     assert pod_event["count"] == 1 and pod_event["source"] == {"component": "tessera"}
     assert node_event["metadata"]["namespace"] == "default"
     assert apiserver.calls("POST", "/api/v1/namespaces/default/events")
+
+
+async def test_events_never_hold_up_a_bind(
+    apiserver: FakeApiServer, make_cluster: Callable[..., KubernetesCluster]
+) -> None:
+    """Events take tokens from a bucket of their own (kube-scheduler records events through a
+    client of its own): a pod's bind goes through while events wait for theirs."""
+    cluster = make_cluster(qps=0.001, burst=1)
+    apiserver.add_pod(make_pod("trainer"))
+    pod = ObjectRef(namespace="team-a", name="trainer", uid="uid-trainer")
+    await cluster.record_event(pod, "FilteringSucceed", "1 node(s) fit the GPU request")
+    waiting = asyncio.create_task(cluster.record_event(pod, "BindingSucceed", "bound"))
+    try:
+        await asyncio.wait_for(cluster.bind_pod("team-a", "trainer", "uid-trainer", "gpu-1"), 10)
+        assert apiserver.pods[("team-a", "trainer")]["spec"]["nodeName"] == "gpu-1"
+        assert not waiting.done()  # the second event still waits for its bucket
+    finally:
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    assert len(apiserver.events) == 1
 
 
 def three_pods_in_pages_of_two_whose_token_expires(
