@@ -136,7 +136,7 @@ def test_a_new_list_every_call_is_decided_as_the_reference(seed: int) -> None:
 def decide_against_reference(seed: int, fresh: bool) -> None:
     rng = random.Random(seed)
     index = ClusterIndex()
-    names = [f"n{seed}-{i:03d}" for i in range(700 if fresh else 130)]
+    names = [f"n{seed}-{i:03d}" for i in range(520 if fresh else 130)]
     for name in names:
         index.set_registration(name, registration(rng, name), 0.0)
         index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
