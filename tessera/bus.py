@@ -746,8 +746,11 @@ class _OrderedWatch:
         delay = 0.1
         while True:
             try:
+                await self._check_not_made_anew()
                 await self.subscribe()
                 return
+            except WatchSyncError:
+                raise
             except Exception as exc:
                 if self.nc.is_closed:
                     raise WatchSyncError(f"{self.bucket}: connection closed") from exc
@@ -755,6 +758,19 @@ class _OrderedWatch:
                                                                   "err": str(exc)})  # fmt: skip
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)
+
+    async def _check_not_made_anew(self) -> None:
+        """A stream that holds less than was taken from it was made anew (NATS lost its store):
+        resuming after `sseq` would skip every value the new store has until it grows past
+        it. The caller watches again from the start (current values, then the sync marker)."""
+        if not self.sseq:
+            return
+        info = await self.js.stream_info(self.stream)
+        if info.state.last_seq < self.sseq:
+            raise WatchSyncError(
+                f"{self.bucket}: the stream ends at {info.state.last_seq}, before the "
+                f"{self.sseq} already taken (made anew): watch again from the start"
+            )
 
     async def close(self) -> None:
         sub, self.sub = self.sub, None

@@ -412,6 +412,38 @@ async def test_a_watch_whose_consumer_vanished_carries_on(proxied) -> None:
 
 
 
+async def test_a_watch_of_a_bucket_made_anew_says_so_and_misses_nothing_after(proxied) -> None:
+    """NATS lost its store and the bucket was made anew (its sequences start again at 1): the
+    watch must not resume after the sequence it had taken from the old one (that would skip
+    every value of the new store until it grew past it). It ends with WatchSyncError, and the
+    watch taken again, as every consumer of watch_entries does, lists the new store's values."""
+    _proxy, fresh = proxied
+    kv = await fresh()
+    for i in range(6):  # the old store went further than the new one will
+        await kv.put("ledger", encode(QuotaState(namespace=f"old-{i}")))
+    js = kv._js  # type: ignore[attr-defined]
+    name = kv._name  # type: ignore[attr-defined]
+    entries = watch_entries(kv, heartbeat_s=0.5)
+    try:
+        async with asyncio.timeout(30):
+            assert (await anext(entries)).revision == 6  # type: ignore[union-attr]
+            assert await anext(entries) is None
+            await js.delete_key_value(name)
+            kv = await js.create_key_value(bucket=name, history=8)
+            await kv.put("ledger", encode(QuotaState(namespace="new")))
+            with pytest.raises(bus.WatchSyncError, match="made anew"):
+                while True:
+                    await anext(entries)
+    finally:
+        await entries.aclose()
+    again = watch_entries(kv, heartbeat_s=0.5)
+    try:
+        async with asyncio.timeout(20):
+            entry = await anext(again)
+    finally:
+        await again.aclose()
+    assert entry is not None and entry.revision == 1 and b"new" in (entry.value or b"")
+
 async def test_a_watch_cancelled_as_an_entry_arrives_stops(proxied) -> None:
     """A task consuming a watch stops when cancelled, even when an entry arrives in the same
     turn of the loop: Python 3.11's `asyncio.wait_for` returns the arrival and swallows such a
