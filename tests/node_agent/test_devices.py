@@ -69,6 +69,49 @@ def test_nvml_discovery_reads_every_property(nvml_env):
     assert gpus[0].links[U[2]] == 400 and gpus[2].links[U[0]] == 400
 
 
+DECOY_NVML = """\
+/* Another library with NVML's soname: it says the host has no GPUs. */
+int nvmlInit_v2(void) { return 0; }
+int nvmlInitWithFlags(unsigned int flags) { (void)flags; return 0; }
+int nvmlShutdown(void) { return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *count) { *count = 0; return 0; }
+"""
+
+DISCOVER_AFTER_DECOY = """\
+import ctypes, sys
+from tessera.node_agent.nvml import NvmlSource
+from tessera.settings import TesseraSettings
+ctypes.CDLL(sys.argv[1])  # loaded first, by path, as another component of the process might
+source = NvmlSource(TesseraSettings(nvml_library=sys.argv[2]))
+try:
+    print(",".join(g.uuid for g in source.discover()))
+finally:
+    source.close()
+"""
+
+
+def test_the_configured_nvml_library_is_used_when_another_of_its_soname_is_loaded(
+    nvml_env, fake_nvml_lib: Path, tmp_path: Path
+):
+    # The dynamic loader answers pynvml's dlopen("libnvidia-ml.so.1") with whichever library of
+    # that soname the process loaded first; the node agent must still read the one configured.
+    import subprocess
+    import sys
+
+    source = tmp_path / "decoy.c"
+    source.write_text(DECOY_NVML)
+    decoy = tmp_path / "decoy" / "libnvidia-ml.so.1"
+    decoy.parent.mkdir()
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", str(decoy),
+                    str(source)], check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", DISCOVER_AFTER_DECOY, str(decoy), str(fake_nvml_lib)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().split(",") == U
+
+
 def test_advertised_devices_apply_scaling_and_mode(nvml_env):
     from tessera.node_agent.nvml import NvmlSource
 

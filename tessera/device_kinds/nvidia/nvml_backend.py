@@ -41,15 +41,31 @@ def normalise_bus_id(bus_id: str | bytes) -> tuple[int, int, int, int]:
     return int(domain or "0", 16), int(bus or "0", 16), int(device or "0", 16), int(function or "0")
 
 
+def bind_nvml_library(path: str) -> None:
+    """Make pynvml call the NVML library at `path`, whatever else the process has loaded.
+
+    pynvml opens NVML by its soname, libnvidia-ml.so.1, and the dynamic loader answers that
+    with the first library of that soname already in the process, which need not be this file
+    (another component may have loaded a different one by path). So pynvml's handle is set to
+    this file's, and its cache of entry points is dropped when the handle changes.
+    """
+    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    current = getattr(pynvml, "nvmlLib", None)
+    if current is not None and getattr(current, "_handle", None) == lib._handle:
+        return
+    pynvml.nvmlLib = lib
+    cache = getattr(pynvml, "_nvmlGetFunctionPointer_cache", None)
+    if isinstance(cache, dict):
+        cache.clear()
+
+
 class NvmlBackend:
     """DeviceBackend over NVML (`settings.nvml_library` loaded first when set)."""
 
     def __init__(self, settings: TesseraSettings) -> None:
         self._ignored = settings.ignored_xid_set()
         if settings.nvml_library:
-            # Load the named library first; its soname (libnvidia-ml.so.1) then satisfies
-            # pynvml's own dlopen, and pynvml uses it.
-            ctypes.CDLL(settings.nvml_library, mode=ctypes.RTLD_GLOBAL)
+            bind_nvml_library(settings.nvml_library)
         pynvml.nvmlInit()
         self.lock = threading.Lock()
         self.handles: dict[str, object] = {}
