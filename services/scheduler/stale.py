@@ -92,6 +92,26 @@ def verdict(allocation: Any, listing: Listing, skew_s: float = DEFAULT_SKEW_S) -
     return GONE
 
 
+def awaiting_grace(
+    placed: Mapping[str, str], ledgers: Mapping[str, Any], listing: Listing,
+    skew_s: float = DEFAULT_SKEW_S,
+) -> bool:
+    """Whether an active allocation whose pod the listing lacks was kept only because it was
+    written too close to the listing (`verdict`'s grace). Such an allocation can be judged by a
+    listing taken `skew_s` later; waiting for the periodic pass would hold its cards for
+    minutes after a quick restart (a stack stopped and started again on the same store)."""
+    for uid in listing.unlisted:
+        node = placed.get(uid)
+        allocations = getattr(ledgers.get(node), "allocations", None) or {} if node else {}
+        allocation = allocations.get(uid)
+        if allocation is None or not allocation.active:
+            continue
+        created = _number(getattr(allocation, "created_at", None))
+        if created is not None and created >= listing.listed_at - skew_s:
+            return True
+    return False
+
+
 def stale_allocations(
     placed: Mapping[str, str], ledgers: Mapping[str, Any], listing: Listing,
     skew_s: float = DEFAULT_SKEW_S,
