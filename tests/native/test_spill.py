@@ -40,6 +40,7 @@ def test_an_allocation_past_the_limit_spills_to_host_memory(container):
     usage = container.usage()
     assert (usage.spilled_bytes, usage.spill_limit_bytes) == (60 * MiB, SPILL)
     assert [p.spilled_bytes for p in usage.processes] == [60 * MiB]
+    assert usage.devices[0].oom_count == 0  # the program got its memory: no OOM to report
     assert c("info")["free"] == LIMIT - 80 * MiB  # what programs read: the card only
     assert c("phys")["phys"] == 80 * MiB
     assert c(f"where {on_card['id']}")["on_dev"] == -1  # plain device memory
@@ -62,6 +63,7 @@ def test_spill_is_off_by_default_and_bounded(container):
     assert c(f"alloc plain {80 * MiB}")["ok"]
     assert c(f"alloc plain {60 * MiB}")["rc"] == OOM
     assert container.usage().spilled_bytes == 0
+    assert container.usage().devices[0].oom_count == 1
     c.close()
     seal(container)  # a new generation: 150 MiB may spill
     a, b = container.cuctl(), container.cuctl()

@@ -161,9 +161,11 @@ static inline CUresult charged_alloc(int ds, uint64_t bytes)
     return tv_mem_reserve(ds, bytes) == 0 ? CUDA_SUCCESS : OOM;
 }
 
-/* spill.c: a cuMemAlloc the device could not hold (`why`: the error it got), served from host
- * memory when the container may spill — or `why` unchanged. Frees of spilled pointers. */
-CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int dslot, CUresult why) TV_HIDDEN;
+/* spill.c: a cuMemAlloc the device could not hold (`why`: the error it got; `counted`: the
+ * refusal was counted in the region's oom_count), served from host memory when the container
+ * may spill — or `why` unchanged. Frees of spilled pointers. */
+CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int dslot, CUresult why,
+                        int counted) TV_HIDDEN;
 int tv_spill_release(const struct ent *e) TV_HIDDEN; /* 1: it was spilled (now uncharged) */
 CUresult tv_spill_free_async(const struct ent *e, CUstream s, int ptsz) TV_HIDDEN;
 

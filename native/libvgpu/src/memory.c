@@ -10,11 +10,11 @@ CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     TV_CUDA_ENTER();
     int ds = tv_ctx_dev_slot();
-    if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) return tv_spill_alloc(dptr, bytesize, ds, OOM);
+    if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, bytesize);
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, bytesize);
-        return tv_spill_alloc(dptr, bytesize, ds, r); /* the card itself is full */
+        return tv_spill_alloc(dptr, bytesize, ds, r, 0); /* the card itself is full */
     }
     if (ds >= 0) track(&ptrs, *dptr, bytesize, ds, K_PLAIN, 0);
     return r;

@@ -47,7 +47,7 @@ static CUresult advise(CUdeviceptr p, size_t n, CUmem_advise advice, CUdevice de
     return r;
 }
 
-CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why)
+CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why, int counted)
 {
     uint64_t limit = atomic_load_explicit(&tv.spill_limit, memory_order_relaxed);
     if (why != CUDA_ERROR_OUT_OF_MEMORY || !limit || !dptr || !bytes || ds < 0) return why;
@@ -75,6 +75,8 @@ CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why)
     advise(p, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, dev, 0); /* a hint: mapped, not faulted */
     track(&ptrs, p, bytes, ds, K_SPILLED, 0);
     atomic_fetch_add_explicit(&spilled_live, 1, memory_order_relaxed);
+    if (counted) /* the device's refusal was counted as an OOM: the program got its memory */
+        __atomic_fetch_sub(&tv_region_dev(&tv.rg, ds)->oom_count, 1, __ATOMIC_RELAXED);
     *dptr = p;
     TV_LOG(TV_LOG_DEBUG, "spilled %llu bytes to host memory", (unsigned long long)bytes);
     return CUDA_SUCCESS;
