@@ -7,7 +7,10 @@ host; cuMemPrefetchAsync migrates)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
+import subprocess
 
 import pytest
 
@@ -180,3 +183,23 @@ def test_an_older_limits_file_never_spills(container, tmp_path):
     assert c(f"alloc plain {LIMIT}")["ok"]
     assert c(f"alloc plain {10 * MiB}")["rc"] == OOM
     c.close()
+
+
+@pytest.mark.valgrind
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="no valgrind")
+@pytest.mark.skipif(bool(SAN), reason="not with ASan")
+def test_the_spill_path_is_valgrind_clean(container, native):
+    """A spill, its use, a refused prefetch and the frees under valgrind memcheck."""
+    seal(container, spill=8 * MiB, limit=8 * MiB)
+    script = (f"init\nalloc plain {6 * MiB}\nalloc plain {4 * MiB}\nwrite 1 7\ncheck 1 7\n"
+              "prefetch 1 dev\nfree 1\nfree 0\n")
+    out = subprocess.run(
+        ["valgrind", "--error-exitcode=99", "--leak-check=full",
+         "--errors-for-leak-kinds=definite", "--show-leak-kinds=definite", "-q",
+         str(native.bin / "cuctl")],
+        input=script, env=container.env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-5000:]
+    answers = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True, True]
+    assert answers[5]["rc"] == INVALID_VALUE
