@@ -195,7 +195,8 @@ class RegionC(ctypes.Structure):
         ("reclaim_ns", ctypes.c_uint64),
         ("spilled_bytes", ctypes.c_uint64),
         ("spill_limit_bytes", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint64 * 4),
+        ("spilled_peak_bytes", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 3),
         ("dev", RegionDeviceC * MAX_DEVICES),
         ("procs", ProcSlotC * MAX_PROCS),
     ]
@@ -562,6 +563,7 @@ class RegionUsage:
     # spill limit libvgpu has in force (0: none)
     spilled_bytes: int = 0
     spill_limit_bytes: int = 0
+    spilled_peak_bytes: int = 0
 
     def device(self, uuid: str) -> DeviceUsage | None:
         return next((d for d in self.devices if d.uuid == uuid), None)
@@ -668,6 +670,7 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
         processes=procs,
         spilled_bytes=r.spilled_bytes if r.minor >= 2 else 0,
         spill_limit_bytes=r.spill_limit_bytes if r.minor >= 2 else 0,
+        spilled_peak_bytes=r.spilled_peak_bytes if r.minor >= 2 else 0,
     )
 
 

@@ -42,6 +42,7 @@ def test_an_allocation_past_the_limit_spills_to_host_memory(container):
     assert container.used() == 80 * MiB  # the device's account: only what is on the card
     usage = container.usage()
     assert (usage.spilled_bytes, usage.spill_limit_bytes) == (60 * MiB, SPILL)
+    assert usage.spilled_peak_bytes == 60 * MiB
     assert [p.spilled_bytes for p in usage.processes] == [60 * MiB]
     assert usage.devices[0].oom_count == 0  # the program got its memory: no OOM to report
     assert c("info")["free"] == LIMIT - 80 * MiB  # what programs read: the card only
@@ -203,3 +204,20 @@ def test_the_spill_path_is_valgrind_clean(container, native):
     answers = [json.loads(line) for line in out.stdout.splitlines()]
     assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True, True]
     assert answers[5]["rc"] == INVALID_VALUE
+
+
+def test_tessera_run_spills_when_asked(native, tmp_path):
+    """`tessera run --spill` (no Kubernetes): the same spill, and the summary says it."""
+    from .test_run import run
+
+    script = f"init\nalloc plain {LIMIT}\nalloc plain {50 * MiB}\n"
+    out = run(native, tmp_path, ["--gpumem", str(LIMIT >> 20), "--spill", "64", "--",
+                                 str(native.bin / "cuctl")], stdin=script)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    answers = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [a["ok"] for a in answers] == [True, True, True]
+    assert "0 refused" in out.stderr
+    assert "peak 50 MiB spilled to host memory of 64 MiB" in out.stderr, out.stderr
+    plain = run(native, tmp_path, ["--gpumem", str(LIMIT >> 20), "--",
+                                   str(native.bin / "cuctl")], stdin=script)  # fmt: skip
+    assert [json.loads(line)["ok"] for line in plain.stdout.splitlines()] == [True, True, False]

@@ -37,7 +37,8 @@ extern "C" {
 #define TSR_REGION_MAGIC 0x52525354u /* bytes "TSRR" (little-endian) */
 #define TSR_VERSION_MAJOR 1u
 /* The usage region's minor version. 1.2 added the spill counters (tsr_region.spilled_bytes,
- * spill_limit_bytes, tsr_proc_slot.spilled_bytes) in reserved space: 0 in an older region. */
+ * spill_limit_bytes, spilled_peak_bytes, tsr_proc_slot.spilled_bytes) in reserved space: 0 in
+ * an older region. */
 #define TSR_VERSION_MINOR 2u
 /* The sealed limits file's minor version. 1.2 added the elastic fields of tsr_limits_device
  * (sm_burst_pct, mem_burst_bytes, sm_allow_x100): a reader treats them as 0 in a file of minor
@@ -201,7 +202,8 @@ struct tsr_region {
     uint64_t spilled_bytes;       /* 1.2: host memory the container's device allocations spilled
                                      to (= sum of procs[].spilled_bytes); under the lock */
     uint64_t spill_limit_bytes;   /* 1.2: the spill limit in force (informational) */
-    uint64_t reserved[4];
+    uint64_t spilled_peak_bytes;  /* 1.2: high-water mark of spilled_bytes */
+    uint64_t reserved[3];
     struct tsr_region_device dev[TSR_MAX_DEVICES];
     struct tsr_proc_slot procs[TSR_MAX_PROCS];
 };

@@ -777,6 +777,8 @@ int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit)
     if (ok) {
         rg->mine_spill += bytes;
         STORE(rg->map->spilled_bytes, used + bytes);
+        if (used + bytes > LOAD(rg->map->spilled_peak_bytes))
+            STORE(rg->map->spilled_peak_bytes, used + bytes);
         STORE(s->spilled_bytes, rg->mine_spill);
     }
     tv_region_unlock(rg);
