@@ -58,6 +58,21 @@ def test_an_allocation_past_the_limit_spills_to_host_memory(container):
     c.close()
 
 
+def test_a_stream_ordered_free_of_spilled_memory(container):
+    """cuMemFreeAsync of a pointer that was spilled: freed once the stream's work is done, and
+    given back to the spill account."""
+    seal(container)
+    c = container.cuctl()
+    c("init")
+    assert c(f"alloc plain {LIMIT}")["ok"]
+    spilled = c(f"alloc plain {SPILL}")
+    assert spilled["ok"] and container.usage().spilled_bytes == SPILL
+    assert c(f"freeasync {spilled['id']}")["ok"]
+    assert container.usage().spilled_bytes == 0
+    assert c(f"alloc plain {SPILL}")["ok"]  # the whole bound again
+    c.close()
+
+
 def test_spill_is_off_by_default_and_bounded(container):
     """Without a spill limit an allocation past the limit is an OOM as before; with one, the
     spills of all the container's processes together stay within it."""

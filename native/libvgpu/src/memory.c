@@ -10,7 +10,8 @@ CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     TV_CUDA_ENTER();
     int ds = tv_ctx_dev_slot();
-    if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
+    if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) /* past the limit: spill, if it may */
+        return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, bytesize);
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, bytesize);

@@ -26,6 +26,7 @@
  *                                    -> {"on_dev"} (-1: not managed memory)
  *   prefetch ID dev|cpu              cuMemPrefetchAsync(_v2) of ID -> {"ok","rc"}
  *   advise ID prefer|accessed dev|cpu  cuMemAdvise(_v2) SET_PREFERRED_LOCATION / SET_ACCESSED_BY
+ *   freeasync ID                     cuMemFreeAsync of ID on the stream, then synchronise
  */
 #define _GNU_SOURCE
 #include <nvml.h>
@@ -595,6 +596,12 @@ int main(void)
             for (uint64_t i = 0; !r && i < o->size; i++)
                 if (buf[i] != (unsigned char)atoi(a2)) r = CUDA_ERROR_INVALID_VALUE;
             free(buf);
+            reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "freeasync")) {
+            struct obj *o = &objs[atoi(a1)];
+            CUresult r = A.cuMemFreeAsync(o->v, stream);
+            if (!r) r = A.cuStreamSynchronize(stream);
+            if (!r) o->used = 0;
             reply_rc(r, atoi(a1));
         } else if (!strcmp(cmd, "where")) {
             int64_t (*f)(CUdeviceptr);
