@@ -120,6 +120,15 @@ static int touches_spill(CUdeviceptr p, size_t n)
     return hit;
 }
 
+/* Does any range of a batch touch a spilled allocation? */
+static int batch_touches_spill(const CUdeviceptr *dptrs, const size_t *sizes, size_t count)
+{
+    if (!atomic_load_explicit(&spilled_live, memory_order_relaxed) || !dptrs || !sizes) return 0;
+    for (size_t i = 0; i < count; i++)
+        if (touches_spill(dptrs[i], sizes[i])) return 1;
+    return 0;
+}
+
 #define REFUSE_ON_SPILL(p, n)                                                                  \
     do {                                                                                       \
         TV_CUDA_ENTER();                                                                       \
@@ -158,4 +167,38 @@ CUresult CUDAAPI tv_cuMemPrefetchAsync_v2_ptsz(CUdeviceptr p, size_t n, CUmemLoc
 {
     REFUSE_ON_SPILL(p, n);
     return REAL(cuMemPrefetchAsync_v2_ptsz)(p, n, loc, flags, s);
+}
+
+/* The batches of CUDA 13 (prefetch; discard and prefetch): refused when any range is spilled. */
+#define BATCH_PARAMS                                                                           \
+    CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *loc_idxs,    \
+        size_t nlocs, unsigned long long flags, CUstream s
+#define REFUSE_BATCH_ON_SPILL()                                                                \
+    do {                                                                                       \
+        TV_CUDA_ENTER();                                                                       \
+        if (batch_touches_spill(dptrs, sizes, count)) return CUDA_ERROR_INVALID_VALUE;         \
+    } while (0)
+
+CUresult CUDAAPI tv_cuMemPrefetchBatchAsync(BATCH_PARAMS)
+{
+    REFUSE_BATCH_ON_SPILL();
+    return REAL(cuMemPrefetchBatchAsync)(dptrs, sizes, count, locs, loc_idxs, nlocs, flags, s);
+}
+CUresult CUDAAPI tv_cuMemPrefetchBatchAsync_ptsz(BATCH_PARAMS)
+{
+    REFUSE_BATCH_ON_SPILL();
+    return REAL(cuMemPrefetchBatchAsync_ptsz)(dptrs, sizes, count, locs, loc_idxs, nlocs, flags,
+                                              s);
+}
+CUresult CUDAAPI tv_cuMemDiscardAndPrefetchBatchAsync(BATCH_PARAMS)
+{
+    REFUSE_BATCH_ON_SPILL();
+    return REAL(cuMemDiscardAndPrefetchBatchAsync)(dptrs, sizes, count, locs, loc_idxs, nlocs,
+                                                   flags, s);
+}
+CUresult CUDAAPI tv_cuMemDiscardAndPrefetchBatchAsync_ptsz(BATCH_PARAMS)
+{
+    REFUSE_BATCH_ON_SPILL();
+    return REAL(cuMemDiscardAndPrefetchBatchAsync_ptsz)(dptrs, sizes, count, locs, loc_idxs,
+                                                        nlocs, flags, s);
 }

@@ -27,6 +27,7 @@
  *   prefetch ID dev|cpu              cuMemPrefetchAsync(_v2) of ID -> {"ok","rc"}
  *   advise ID prefer|accessed dev|cpu  cuMemAdvise(_v2) SET_PREFERRED_LOCATION / SET_ACCESSED_BY
  *   freeasync ID                     cuMemFreeAsync of ID on the stream, then synchronise
+ *   prefetchbatch ID                 cuMemPrefetchBatchAsync (CUDA 13) of ID to the device
  */
 #define _GNU_SOURCE
 #include <nvml.h>
@@ -597,6 +598,11 @@ int main(void)
                 if (buf[i] != (unsigned char)atoi(a2)) r = CUDA_ERROR_INVALID_VALUE;
             free(buf);
             reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "prefetchbatch")) {
+            CUdeviceptr p = objs[atoi(a1)].v;
+            size_t n = objs[atoi(a1)].size, at = 0;
+            CUmemLocation loc = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev};
+            reply_rc(A.cuMemPrefetchBatchAsync(&p, &n, 1, &loc, &at, 1, 0, stream), atoi(a1));
         } else if (!strcmp(cmd, "freeasync")) {
             struct obj *o = &objs[atoi(a1)];
             CUresult r = A.cuMemFreeAsync(o->v, stream);
