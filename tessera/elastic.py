@@ -11,6 +11,9 @@ webhook sees the pod), so the Kubernetes way of writing "request < limit" is not
     tessera.io/gpucores-limit: "80"             % of each card's compute
     tessera.io/gpumem-reclaim: "evict"          fail (default) | evict
     tessera.io/gpumem-wait-seconds: "30"        an allocation that does not fit waits (0-300 s)
+    tessera.io/gpumem-spill: "16384"            MiB of host memory the container may take for
+                                                allocations the GPU cannot hold (managed memory
+                                                preferring the CPU; off by default)
 
 A limit applies to every GPU container of the pod, or per container: "train=12288,side=4096"
 (containers not named keep hard slices). Scheduler-owned: the limits granted, recorded on the
@@ -33,13 +36,16 @@ ANN_GPUMEM_LIMIT = "tessera.io/gpumem-limit"
 ANN_GPUCORES_LIMIT = "tessera.io/gpucores-limit"
 ANN_GPUMEM_RECLAIM = "tessera.io/gpumem-reclaim"
 ANN_GPUMEM_WAIT = "tessera.io/gpumem-wait-seconds"
+ANN_GPUMEM_SPILL = "tessera.io/gpumem-spill"
 ANN_BURST_ALLOCATED = "tessera.io/vgpu-burst-allocated"  # scheduler-owned
-USER_ANNOTATIONS = (ANN_GPUMEM_LIMIT, ANN_GPUCORES_LIMIT, ANN_GPUMEM_RECLAIM, ANN_GPUMEM_WAIT)
+USER_ANNOTATIONS = (ANN_GPUMEM_LIMIT, ANN_GPUCORES_LIMIT, ANN_GPUMEM_RECLAIM, ANN_GPUMEM_WAIT,
+                    ANN_GPUMEM_SPILL)
 SCHEDULER_ANNOTATIONS = (ANN_BURST_ALLOCATED,)
 
 RECLAIM_POLICIES = ("fail", "evict")
 MAX_WAIT_S = 300.0
 MAX_MEMORY_MIB = 1 << 30  # 1 PiB in MiB: anything above is a typo, not a card
+MAX_SPILL_MIB = 16 << 20  # 16 TiB of host memory in MiB: above it is a typo, not a node
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a container name (DNS label)
 
 
@@ -70,10 +76,13 @@ class ElasticOptions:
     reclaim: str = "fail"
     wait_s: float = 0.0
     named: frozenset[str] = frozenset()  # containers named explicitly ("name=value")
+    spill_mib: Mapping[str, int] = field(default_factory=dict)  # container -> host MiB
+    spill_named: frozenset[str] = frozenset()  # containers the spill annotation names
 
     @property
     def any(self) -> bool:
-        return bool(self.limits) or self.reclaim != "fail" or self.wait_s > 0
+        return (bool(self.limits) or self.reclaim != "fail" or self.wait_s > 0
+                or bool(self.spill_mib))  # fmt: skip
 
 
 def _memory(text: str, where: str) -> tuple[int, int | None]:
@@ -146,7 +155,37 @@ def parse_elastic(annotations: Mapping[str, Any], names: Sequence[str]) -> Elast
         wait_s = math.nan
     if not 0 <= wait_s <= MAX_WAIT_S:  # NaN fails too
         raise ElasticError(f"{ANN_GPUMEM_WAIT}: seconds, 0..{MAX_WAIT_S:g}, not {wait!r}")
-    return ElasticOptions(limits, reclaim.strip().lower(), wait_s, named)
+    spill_mib, spill_named = parse_spill(annotations, names)
+    return ElasticOptions(limits, reclaim.strip().lower(), wait_s, named, spill_mib, spill_named)
+
+
+def parse_spill(annotations: Mapping[str, Any], names: Sequence[str]
+                ) -> tuple[dict[str, int], frozenset[str]]:  # fmt: skip
+    """`tessera.io/gpumem-spill`: container name -> MiB of host memory it may spill to (all its
+    GPUs together), and the names it lists explicitly; ElasticError when malformed."""
+    value = annotations.get(ANN_GPUMEM_SPILL)
+    if value is None:
+        return {}, frozenset()
+    texts, named = _per_container(value, ANN_GPUMEM_SPILL, names)
+    out: dict[str, int] = {}
+    for name, text in texts.items():
+        t = text.strip()
+        if not t.isdigit() or not 1 <= int(t) <= MAX_SPILL_MIB:
+            raise ElasticError(f"{ANN_GPUMEM_SPILL} ({name}): MiB of host memory as a positive "
+                               f"integer up to {MAX_SPILL_MIB}, not {text!r}")  # fmt: skip
+        out[name] = int(t)
+    return out, frozenset(out) if named else frozenset()
+
+
+def spill_bytes_of(annotations: Mapping[str, Any], names: Sequence[str], container: str) -> int:
+    """The host memory (bytes) container `container` of a pod may spill to; 0 when it may not
+    or the annotation is unreadable (a pod whose annotation changed after admission spills
+    nothing rather than something nobody validated)."""
+    try:
+        spill, _ = parse_spill(annotations, names)
+    except ElasticError:
+        return 0
+    return spill.get(container, 0) << 20
 
 
 def check_against_request(name: str, burst: BurstLimit, memory_mib: int,

@@ -364,6 +364,10 @@ class ContainerUsage(Message):
     container: str
     devices: list[DeviceUsage]
     oom_count: int = 0
+    # spill to host memory (docs/elastic.md): what the container's device allocations took of
+    # host memory (all its GPUs; not in any device's used_bytes) and its bound (0: no spill)
+    spilled_bytes: int = Field(0, ge=0)
+    spill_limit_bytes: int = Field(0, ge=0)
 
 
 class HostDeviceUsage(Message):

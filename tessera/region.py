@@ -75,11 +75,11 @@ __all__ = [
 LIMITS_MAGIC = 0x4C525354  # "TSRL"
 REGION_MAGIC = 0x52525354  # "TSRR"
 VERSION_MAJOR = 1
-VERSION_MINOR = 1  # the usage region's
+VERSION_MINOR = 2  # the usage region's (1.2: the spill counters)
 # The sealed limits file's minor version: 1.2 added the guaranteed/burst fields of each device
 # (`sm_burst_pct`, `mem_burst_bytes`, `sm_allow_x100`). A file of minor < 2 reads with them 0:
-# hard slices, exactly as before.
-LIMITS_VERSION_MINOR = 2
+# hard slices, exactly as before. 1.3 added `spill_bytes` (0 before: no spill).
+LIMITS_VERSION_MINOR = 3
 SM_ALLOW_FULL = 10000  # sm_allow_x100 of the whole card
 MAX_DEVICES = 16
 MAX_PROCS = 1024
@@ -138,7 +138,8 @@ class LimitsC(ctypes.Structure):
         ("reserved0", ctypes.c_uint32),
         ("ctx_charge_bytes", ctypes.c_uint64),
         ("region_path", ctypes.c_char * PATH_LEN),
-        ("reserved", ctypes.c_uint64 * 8),
+        ("spill_bytes", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 7),
         ("dev", LimitsDeviceC * MAX_DEVICES),
         ("checksum", ctypes.c_uint64),
     ]
@@ -169,7 +170,8 @@ class ProcSlotC(ctypes.Structure):
         ("start_time", ctypes.c_uint64),
         ("launches", ctypes.c_uint64),
         ("used", ctypes.c_uint64 * MAX_DEVICES),
-        ("reserved", ctypes.c_uint64 * 4),
+        ("spilled_bytes", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 3),
     ]
 
 
@@ -191,7 +193,10 @@ class RegionC(ctypes.Structure):
         ("lock", RegionLockC),
         ("created_ns", ctypes.c_uint64),
         ("reclaim_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint64 * 6),
+        ("spilled_bytes", ctypes.c_uint64),
+        ("spill_limit_bytes", ctypes.c_uint64),
+        ("spilled_peak_bytes", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 3),
         ("dev", RegionDeviceC * MAX_DEVICES),
         ("procs", ProcSlotC * MAX_PROCS),
     ]
@@ -319,6 +324,9 @@ class ContainerLimits:
     ctx_charge_bytes: int = 0  # 0 = libvgpu's default per extra context
     region_path: str = ""  # the region the container must use (path as seen in the container)
     lease: bool = False  # libvgpu leases memory from the agent's socket (fails closed without)
+    # 1.3: host memory (bytes, all GPUs together) that device allocations which do not fit may
+    # spill to through managed memory preferring the CPU (tessera.io/gpumem-spill); 0 = none
+    spill_bytes: int = 0
     generation: int = 0  # set by seal_limits
 
     def device(self, uuid: str) -> DeviceLimit | None:
@@ -343,6 +351,9 @@ def encode_limits(limits: ContainerLimits, generation: int | None = None) -> byt
         LIMITS_OVERSUBSCRIBE if limits.oversubscribe else 0
     ) | (LIMITS_LEASE if limits.lease else 0)
     c.ctx_charge_bytes = limits.ctx_charge_bytes
+    if limits.spill_bytes < 0:
+        raise ValueError("spill_bytes must not be negative")
+    c.spill_bytes = limits.spill_bytes
     c.region_path = _cstr(limits.region_path, PATH_LEN, "region_path")
     for i, d in enumerate(limits.devices):
         if (
@@ -407,6 +418,7 @@ def decode_limits(data: bytes) -> ContainerLimits:
         lease=bool(c.flags & LIMITS_LEASE),
         ctx_charge_bytes=c.ctx_charge_bytes,
         region_path=c.region_path.decode(),
+        spill_bytes=c.spill_bytes if c.minor >= 3 else 0,  # reserved before 1.3
         generation=c.generation,
     )
 
@@ -535,6 +547,7 @@ class ProcessUsage:
     start_time: int
     launches: int
     used: tuple[int, ...]  # bytes per device slot (same indexes as RegionUsage.devices)
+    spilled_bytes: int = 0  # region 1.2: host memory this process spilled
 
 
 @dataclass(frozen=True)
@@ -546,6 +559,11 @@ class RegionUsage:
     created_ns: int
     devices: tuple[DeviceUsage, ...]
     processes: tuple[ProcessUsage, ...] = field(default_factory=tuple)
+    # region 1.2: host memory the container's device allocations spilled to (all GPUs), and the
+    # spill limit libvgpu has in force (0: none)
+    spilled_bytes: int = 0
+    spill_limit_bytes: int = 0
+    spilled_peak_bytes: int = 0
 
     def device(self, uuid: str) -> DeviceUsage | None:
         return next((d for d in self.devices if d.uuid == uuid), None)
@@ -637,6 +655,7 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
             start_time=s.start_time,
             launches=s.launches,
             used=tuple(s.used[: len(devices)]),
+            spilled_bytes=s.spilled_bytes if r.minor >= 2 else 0,
         )
         for i, s in enumerate(r.procs)
         if s.pid != 0
@@ -649,6 +668,9 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage | None:
         created_ns=r.created_ns,
         devices=devices,
         processes=procs,
+        spilled_bytes=r.spilled_bytes if r.minor >= 2 else 0,
+        spill_limit_bytes=r.spill_limit_bytes if r.minor >= 2 else 0,
+        spilled_peak_bytes=r.spilled_peak_bytes if r.minor >= 2 else 0,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 
+from tessera import elastic
 from tessera.gpuid import short_uuid
 from tessera.reasons import readable
 
@@ -155,6 +156,14 @@ def render_pod(pod: dict[str, Any], events: list[dict[str, Any]],
         wait = annotations_.get("tessera.io/gpumem-wait-seconds", "0")
         out.append(f"Elastic:      memory beyond the guarantee is reclaimable (policy {policy}); "
                    f"allocations wait up to {wait} s")
+    spill = (meta.get("annotations") or {}).get(elastic.ANN_GPUMEM_SPILL)
+    if spill is not None and any(grants):  # docs/elastic.md "Spilling to host memory"
+        names = [str(c.get("name", "")) for c in containers]
+        per = {n: elastic.spill_bytes_of(meta.get("annotations") or {}, names, n) >> 20
+               for n in names}  # fmt: skip
+        shown = ", ".join(f"{n} {mib} MiB" for n, mib in per.items() if mib) or "none (malformed)"
+        out.append(f"Spill:        allocations the GPU cannot hold go to host memory (much "
+                   f"slower), at most: {shown}")
     if any(cores for _, cores in burst.values()):
         reclaims = sum(int(e.get("count") or 1) for e in events
                        if e.get("reason") == "ComputeReclaimed")

@@ -46,8 +46,10 @@ def container_limits(
     policy: str = "force",
     priority: int = region.PRIORITY_LOW,
     scrub: bool = False,
+    spill_mib: int = 0,
 ) -> region.ContainerLimits:
-    """The same limit on every GPU, matched by CUDA ordinal (no NVML needed)."""
+    """The same limit on every GPU, matched by CUDA ordinal (no NVML needed); `spill_mib`: host
+    memory allocations the GPU cannot hold may take (docs/elastic.md, spill)."""
     dev = region.DeviceLimit("", mem_limit_bytes=gpumem_mib << 20, sm_limit_pct=gpucores)
     return region.ContainerLimits(
         devices=(dev,) * devices,
@@ -55,6 +57,7 @@ def container_limits(
         core_policy=policy,
         scrub_on_free=scrub,
         region_path=str(state_dir / "region"),
+        spill_bytes=spill_mib << 20,
     )
 
 
@@ -84,6 +87,9 @@ def summary(state_dir: Path, limits: region.ContainerLimits | None = None) -> st
         parts.append(
             f"GPU {d.index}: peak {d.peak_bytes >> 20} MiB of {limit}, {d.oom_count} refused"
         )
+    if usage.spill_limit_bytes:
+        parts.append(f"peak {usage.spilled_peak_bytes >> 20} MiB spilled to host memory of "
+                     f"{usage.spill_limit_bytes >> 20} MiB")  # fmt: skip
     return "tessera run: " + "; ".join(parts)
 
 
@@ -101,6 +107,9 @@ def register(app: typer.Typer) -> None:
         policy: str = typer.Option("force", help="compute policy: force, default, disable"),
         priority: int = typer.Option(1, help="0 high, 1 low"),
         scrub: bool = typer.Option(False, "--scrub", help="zero device memory before it is freed"),
+        spill: int = typer.Option(
+            0, "--spill", help="MiB of host memory that allocations the GPU cannot hold may "
+            "take instead of failing (much slower; 0: off)"),
         state_dir: Path | None = typer.Option(
             None, help="share limits and usage with other runs (default: a fresh temporary one)"
         ),
@@ -111,8 +120,9 @@ def register(app: typer.Typer) -> None:
         cmd = list(ctx.args)
         if not cmd:
             raise typer.BadParameter("give the command after --", param_hint="CMD")
-        if gpumem < 0 or not 0 <= gpucores <= 100:
-            raise typer.BadParameter("--gpumem must be >= 0 and --gpucores within 0..100")
+        if gpumem < 0 or not 0 <= gpucores <= 100 or spill < 0:
+            raise typer.BadParameter("--gpumem and --spill must be >= 0 and --gpucores within "
+                                     "0..100")
         if policy not in region.CORE_POLICIES:
             raise typer.BadParameter(f"--policy must be one of {', '.join(region.CORE_POLICIES)}")
         try:
@@ -125,7 +135,8 @@ def register(app: typer.Typer) -> None:
         sdir.mkdir(parents=True, exist_ok=True)
         try:
             limits = container_limits(
-                sdir, gpumem, gpucores, policy=policy, priority=priority, scrub=scrub
+                sdir, gpumem, gpucores, policy=policy, priority=priority, scrub=scrub,
+                spill_mib=spill,
             )
             env = prepare(sdir, limits, libvgpu)
             try:

@@ -31,6 +31,9 @@
 #      pods), each with its own limits (1024 MiB / 30 %, 2048 MiB / 60 %); a client of each
 #      (cuctl, no libvgpu, env asking 64 GiB / 100 %) is stopped at its own server's limit and
 #      listed by its daemon's get_client_list (tests/node_agent/gpu_mps_check.py); then `quit`
+#  12. spill to host memory (sealed spill_bytes): cudaMalloc past the limit served from host
+#      memory, cudaMemGetInfo unchanged, a prefetch onto the GPU refused; the bandwidth a kernel
+#      gets from the spilled buffer against device memory (the slowdown docs/elastic.md states)
 # Prints a summary and writes $RESULTS_DIR/gpu-check.json (default: a temp dir; $OUT if set).
 set -uo pipefail
 
@@ -409,6 +412,98 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
     else fail mps_server_limits "${mps_out:-$(tail -3 "$WORK/mps.err" | tr '\n' ' ')}"; fi
 else
     skip mps_server_limits "no nvidia-cuda-mps-control"
+fi
+
+# ---- 12. spill to host memory: past the limit, cudaMalloc is served from host memory --------------
+# (sealed limits 1.3 spill_bytes; docs/elastic.md "Spilling to host memory"). Measures what a
+# kernel reading a spilled buffer gets against one in device memory: the slowdown the docs state.
+# Its own program and build: a compile error here fails this check only.
+cat >"$WORK/spill.cu" <<'EOF'
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+__global__ void readall(const float *p, size_t n, int reps, float *out) {
+    float acc = 0;
+    for (int r = 0; r < reps; r++)
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+             i += (size_t)gridDim.x * blockDim.x)
+            acc += p[i];
+    if (acc == 12345.0f) *out = acc;  // never: keeps the reads
+}
+static double gbps(const void *p, size_t bytes, float *out) {
+    cudaEvent_t a, b;
+    cudaEventCreate(&a); cudaEventCreate(&b);
+    size_t n = bytes / sizeof(float);
+    readall<<<528, 256>>>((const float *)p, n, 1, out);  // warm: mappings, caches
+    cudaDeviceSynchronize();
+    cudaEventRecord(a);
+    readall<<<528, 256>>>((const float *)p, n, 3, out);
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    return ms > 0 ? 3.0 * bytes / (ms / 1e3) / 1e9 : 0;
+}
+int main(int argc, char **argv) {
+    size_t limit = strtoull(argv[1], 0, 10) << 20, buf = 256ull << 20, f = 0, t = 0;
+    float *out = 0;
+    void *dev = 0, *fill = 0, *spilled = 0;
+    cudaError_t e1 = cudaMalloc(&dev, buf), e2 = cudaMalloc(&fill, limit - buf - (16 << 20));
+    cudaError_t e3 = cudaMalloc(&out, sizeof(float));
+    cudaError_t es = cudaMalloc(&spilled, buf);  // past the limit: spilled
+    cudaMemGetInfo(&f, &t);
+    if (e1 || e2 || e3 || es) {
+        printf("{\"error\": \"%s %s %s %s\", \"ok\": false}\n", cudaGetErrorName(e1),
+               cudaGetErrorName(e2), cudaGetErrorName(e3), cudaGetErrorName(es));
+        return 0;
+    }
+    cudaMemset(dev, 1, buf);
+    cudaMemset(spilled, 1, buf);  // a device write into it: stays on the host
+    cudaDeviceSynchronize();
+    double on_card = gbps(dev, buf, out), on_host = gbps(spilled, buf, out);
+#if CUDART_VERSION >= 13000
+    cudaMemLocation loc = {};
+    loc.type = cudaMemLocationTypeDevice;
+    loc.id = 0;
+    cudaError_t pf = cudaMemPrefetchAsync(spilled, buf, loc, 0, 0);
+#else
+    cudaError_t pf = cudaMemPrefetchAsync(spilled, buf, 0, 0);
+#endif
+    cudaGetLastError();
+    bool ok = t == limit && f < buf && on_card > 0 && on_host > 0 && on_card > on_host &&
+              pf == cudaErrorInvalidValue;
+    printf("{\"device_gbps\": %.1f, \"spilled_gbps\": %.1f, \"slowdown\": %.1f, "
+           "\"memgetinfo_total\": %zu, \"memgetinfo_free\": %zu, \"prefetch\": \"%s\", "
+           "\"ok\": %s}\n", on_card, on_host, on_host > 0 ? on_card / on_host : 0.0, t, f,
+           cudaGetErrorName(pf), ok ? "true" : "false");
+    return 0;
+}
+EOF
+if "$NVCC" -O2 -arch="$ARCH" -o "$WORK/spill" "$WORK/spill.cu" 2>"$WORK/spill-nvcc.err"; then
+    SPILL_DIR="$WORK/spill-state"
+    if (cd "$ROOT" && "$PY" - "$SPILL_DIR" "$LIMIT_MIB" <<'EOF'
+import sys
+from pathlib import Path
+
+from tessera import region
+
+d, limit = Path(sys.argv[1]), int(sys.argv[2]) << 20
+region.prepare_region_file(d / "region")
+region.seal_limits(d / "limits", region.ContainerLimits(
+    devices=(region.DeviceLimit("", mem_limit_bytes=limit),), core_policy="disable",
+    region_path=str(d / "region"), spill_bytes=1 << 30))
+EOF
+    ); then
+        out=$(env LD_PRELOAD="$LIB" TESSERA_LIMITS_DIR="$SPILL_DIR/limits" LIBCUDA_LOG_LEVEL=0 \
+            timeout 120 "$WORK/spill" "$LIMIT_MIB" 2>&1 | tail -1)
+        echo "$out" >"$RESULTS/spill.json"
+        if echo "$out" | grep -q '"ok": true'; then pass spill_to_host "$out"
+        else fail spill_to_host "$out"; fi
+    else
+        fail spill_to_host "could not seal the limits with tessera.region ($PY)"
+    fi
+else
+    fail spill_to_host "nvcc: $(tail -3 "$WORK/spill-nvcc.err" | tr '\n' ' ')"
 fi
 
 # ---- summary ---------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Elastic sharing at admission (issue 33; docs/elastic.md): a pod's burst annotations
 (`tessera.io/gpumem-limit`, `tessera.io/gpucores-limit`, `tessera.io/gpumem-reclaim`,
-`tessera.io/gpumem-wait-seconds`) are validated against its guarantees (HAMi's resources, after
-HAMi's defaults): a limit below its guarantee, a limit without a guarantee to burst from, a
-container name the pod does not have, a malformed value — each a denial with the sentence to
-act on. The burst limit granted (`tessera.io/vgpu-burst-allocated`) is the scheduler's:
-hami.scheduler_owned denies it like the other scheduler-owned keys. Pure."""
+`tessera.io/gpumem-wait-seconds`, `tessera.io/gpumem-spill`) are validated against its
+guarantees (HAMi's resources, after HAMi's defaults): a limit below its guarantee, a limit
+without a guarantee to burst from, a container name the pod does not have or that asks for no
+GPU, a malformed value — each a denial with the sentence to act on. The burst limit granted
+(`tessera.io/vgpu-burst-allocated`) is the scheduler's: hami.scheduler_owned denies it like the
+other scheduler-owned keys. Pure."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def elastic_problem(pod: dict[str, Any], request: PodRequest) -> str | None:
     names = [str(c.get("name", "")) for c in containers]
     try:
         options = elastic.parse_elastic(annotations, names)
+        gpu_names = {n for n, r in zip(names, request.all, strict=False) if r is not None}
+        no_gpu = sorted(options.spill_named - gpu_names)
+        if no_gpu:
+            return (f"{elastic.ANN_GPUMEM_SPILL}: container {no_gpu[0]} asks for no GPU: only "
+                    "a GPU container's device memory can spill (see docs/elastic.md)")
+        if options.spill_mib and not gpu_names & set(options.spill_mib):
+            return (f"{elastic.ANN_GPUMEM_SPILL} is set but no container asks for a GPU "
+                    "(see docs/elastic.md)")
         if options.limits:
             burst = with_burst_limits(request, annotations, containers)
             if not any(r is not None and r.burst is not None for r in burst.all):

@@ -91,11 +91,19 @@ def node_families(view: ClusterView, now: float) -> Iterator[Metric]:
     compute = _gauge("tessera_container_compute_ratio", "container compute: achieved (last "
                      "window) and limit, 1 = a whole card; an uncapped container has no limit "
                      "series", [*CONTAINER_LABELS, "kind"])
+    spill = _gauge("tessera_container_spill_bytes", "host memory a container's GPU allocations "
+                   "spilled to (tessera.io/gpumem-spill; all its GPUs, in no device's used): "
+                   "spilled, and limit; a container that may not spill has no series",
+                   [*CONTAINER_LABELS[:4], "kind"])
     age = _gauge("tessera_usage_sample_age_seconds", "age of the node's latest usage sample",
                  ["node"])
     for node, sample in sorted(view.fresh_usage(now).items()):
         age.add_metric([node], max(0.0, now - view.usage[node].received_at))
         for container in sample.containers:
+            if container.spill_limit_bytes:
+                who = [node, container.namespace, container.pod, container.container]
+                spill.add_metric([*who, "spilled"], container.spilled_bytes)
+                spill.add_metric([*who, "limit"], container.spill_limit_bytes)
             for vindex, device_usage in enumerate(container.devices):
                 labels = [node, container.namespace, container.pod, container.container,
                           str(vindex), device_usage.uuid]
@@ -107,7 +115,7 @@ def node_families(view: ClusterView, now: float) -> Iterator[Metric]:
                 compute.add_metric([*labels, "achieved"], device_usage.sm_util / 100)
                 if device_usage.sm_limit > 0:  # 0 = uncapped: no limit, not a limit of 0
                     compute.add_metric([*labels, "limit"], device_usage.sm_limit / 100)
-    yield from (memory, compute, age)
+    yield from (memory, compute, spill, age)
 
 
 def quota_families(view: ClusterView) -> Iterator[Metric]:

@@ -3,6 +3,8 @@ it libvgpu, its region and its sealed limits, and the limits PreStartContainer s
 
 from __future__ import annotations
 
+from typing import Any
+
 from tessera.node_agent.containers import (
     LIBVGPU_CONTAINER_PATH,
     PRELOAD_CONTAINER_PATH,
@@ -12,6 +14,7 @@ from tessera.node_agent.containers import (
     sealed_device_limit,
 )
 
+from tessera import elastic
 from tessera.device_kinds.nvidia.slices import slice_env
 from tessera.device_kinds.types import GrantContext
 from tessera.models import Allocation, DeviceGrant
@@ -49,10 +52,26 @@ def container_mounts(
     ]
 
 
+def spill_of(pod: dict[str, Any] | None, container: str) -> int:
+    """Host memory (bytes) the pod lets `container` spill to (`tessera.io/gpumem-spill`, read
+    from the cluster's pod as the grant check read it; admission validated it); 0 without a
+    pod, an opt-in, or a readable one."""
+    if not isinstance(pod, dict):
+        return 0
+    annotations = (pod.get("metadata") or {}).get("annotations")
+    if not isinstance(annotations, dict) or elastic.ANN_GPUMEM_SPILL not in annotations:
+        return 0
+    spec = pod.get("spec") or {}
+    names = [str(c.get("name", "")) for c in
+             [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]]  # fmt: skip
+    return elastic.spill_bytes_of(annotations, names, container)
+
+
 def limits_for(
-    allocation: Allocation, index: int, settings: TesseraSettings
+    allocation: Allocation, index: int, settings: TesseraSettings, spill_bytes: int = 0
 ) -> ContainerLimits:
-    """What PreStartContainer seals for container `index` of `allocation`."""
+    """What PreStartContainer seals for container `index` of `allocation` (`spill_bytes`: the
+    host memory the pod lets it spill to, tessera.io/gpumem-spill, read from the pod)."""
     grants = allocation.containers[index]
     return ContainerLimits(
         devices=tuple(
@@ -67,4 +86,5 @@ def limits_for(
         scrub_on_free=allocation.scrub_on_free or settings.scrub_on_free,
         region_path=REGION_CONTAINER_PATH,
         lease=settings.memory_leases,  # the agent's lease service is the account (leases.py)
+        spill_bytes=spill_bytes,  # docs/elastic.md "Spilling to host memory" (libvgpu spill.c)
     )

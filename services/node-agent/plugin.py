@@ -37,6 +37,7 @@ from tessera.validation import Rejections
 
 from . import ledger_mutations as lm
 from .attribution import VIEW_REUSE_S, PodAttribution, check_id_count
+from .container_setup import spill_of
 from .crossed import CrossRepair
 from .device_units import DeviceUnits
 from .kind_answers import AnswersByFamily
@@ -247,12 +248,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if cdir is not None:
             ledger = await ctx.ledger()
             allocation = self._granted(ledger, cdir)
-            await self.checks.check_grant(allocation, cdir.prepared.index)
+            pod = await self.checks.check_grant(allocation, cdir.prepared.index)
             async with ctx.lock:
                 again, _ = hs.pick_prepared(ctx.store.by_devices(ids), holders, ctx.sealed)
                 if (ctx.moves == moves and again is not None and again.path == cdir.path
                         and again.prepared == cdir.prepared):
-                    await self._seal(cdir, allocation, ledger, ids)
+                    await self._seal(cdir, allocation, ledger, ids, pod)
                     return dp.PreStartContainerResponse()
         async with ctx.lock:  # no match, or something moved meanwhile: all of it, locked
             await self._prove_and_seal(ids, holders)
@@ -293,18 +294,20 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             raise hs.HandshakeError(reason, mismatch=True)
         ledger = await ctx.ledger()
         allocation = self._granted(ledger, cdir)
-        await self.checks.check_grant(allocation, cdir.prepared.index)
-        await self._seal(cdir, allocation, ledger, ids)
+        pod = await self.checks.check_grant(allocation, cdir.prepared.index)
+        await self._seal(cdir, allocation, ledger, ids, pod)
 
-    async def _seal(self, cdir, allocation: Allocation, ledger, ids: list[str]) -> None:
+    async def _seal(self, cdir, allocation: Allocation, ledger, ids: list[str],
+                    pod: dict | None = None) -> None:
         """Under the lock: the sealed-capacity check beside the node's sealed containers, then
-        the container's limits sealed (and a finish a crash left pending written)."""
+        the container's limits sealed (and a finish a crash left pending written). `pod`: the
+        cluster's pod, read by the grant check (its spill opt-in; None: no spill)."""
         ctx = self.ctx
         p = cdir.prepared
         await self.checks.check_sealed(allocation, p.index, cdir, ledger)
         answers = self.answers.of(allocation.containers[p.index])
-        limits = await answers.limits(cdir, allocation,
-                                      hs.limits_for(allocation, p.index, ctx.node_settings()))
+        limits = await answers.limits(cdir, allocation, hs.limits_for(
+            allocation, p.index, ctx.node_settings(), spill_of(pod, p.container)))
         await asyncio.to_thread(seal_limits, cdir.limits_dir, limits)
         ctx.log.info("limits sealed", extra={
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,

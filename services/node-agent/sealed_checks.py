@@ -70,12 +70,13 @@ class SealedChecks:
             self._sealed_read.clear()
         return dict(memory)
 
-    async def check_grant(self, allocation: Allocation, index: int) -> None:
+    async def check_grant(self, allocation: Allocation, index: int) -> dict | None:
         """The ledger's grant must be what the pod asked for (grant_check): a grant forged on
-        the bus is refused before it is sealed. Without a cluster API there is no pod to ask."""
+        the bus is refused before it is sealed. Without a cluster API there is no pod to ask.
+        Returns the pod read (what else the seal takes from it: its spill), or None."""
         ctx = self.ctx
         if ctx.cluster is None:
-            return
+            return None
         who = hs.describe(allocation, index)
         try:
             pod = await ctx.cluster.get_pod(allocation.namespace, allocation.name)
@@ -91,6 +92,7 @@ class SealedChecks:
         except GrantRefused as exc:
             ctx.rejections.reject("ledger", ctx.node, Problem("grant_above_request", str(exc)))
             raise hs.HandshakeError(str(exc), mismatch=True) from exc
+        return pod
 
     async def reconcile(self, every_s: float = 2.0) -> None:
         """When the ledger changed: every allocated container it places on other cards than

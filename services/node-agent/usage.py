@@ -137,6 +137,8 @@ class UsageSampler:
             containers.append(ContainerUsage(
                 pod_uid=p.pod_uid, namespace=p.namespace, pod=p.pod, container=p.container,
                 devices=devices, oom_count=oom_total,
+                spilled_bytes=usage.spilled_bytes if usage else 0,  # docs/elastic.md, spill
+                spill_limit_bytes=limits.spill_bytes if limits else 0,
             ))
         await asyncio.to_thread(self._flag_contention, activity)
         if self.lending is not None:

@@ -36,11 +36,15 @@ extern "C" {
 #define TSR_LIMITS_MAGIC 0x4C525354u /* bytes "TSRL" (little-endian) */
 #define TSR_REGION_MAGIC 0x52525354u /* bytes "TSRR" (little-endian) */
 #define TSR_VERSION_MAJOR 1u
-#define TSR_VERSION_MINOR 1u /* the usage region's minor version */
+/* The usage region's minor version. 1.2 added the spill counters (tsr_region.spilled_bytes,
+ * spill_limit_bytes, spilled_peak_bytes, tsr_proc_slot.spilled_bytes) in reserved space: 0 in
+ * an older region. */
+#define TSR_VERSION_MINOR 2u
 /* The sealed limits file's minor version. 1.2 added the elastic fields of tsr_limits_device
  * (sm_burst_pct, mem_burst_bytes, sm_allow_x100): a reader treats them as 0 in a file of minor
- * < 2, so an older file reads as hard slices (burst = guarantee), exactly as before. */
-#define TSR_LIMITS_VERSION_MINOR 2u
+ * < 2, so an older file reads as hard slices (burst = guarantee), exactly as before. 1.3 added
+ * tsr_limits.spill_bytes (0 in a file of minor < 3: no spill). */
+#define TSR_LIMITS_VERSION_MINOR 3u
 
 #define TSR_MAX_DEVICES 16
 #define TSR_MAX_PROCS 1024
@@ -138,7 +142,10 @@ struct tsr_limits {
     uint32_t reserved0;
     uint64_t ctx_charge_bytes; /* charged per context beyond the primary; 0 = libvgpu default */
     char region_path[TSR_PATH_LEN]; /* the usage region the container must use ("" = env/default) */
-    uint64_t reserved[8];
+    uint64_t spill_bytes;      /* 1.3: host memory the container may take, in all, for device
+                                  allocations that do not fit (managed memory preferring the
+                                  CPU, spill.c); 0 = no spill (an OOM, as before) */
+    uint64_t reserved[7];
     struct tsr_limits_device dev[TSR_MAX_DEVICES];
     uint64_t checksum;         /* FNV-1a 64 of every byte before this field */
 };
@@ -172,7 +179,8 @@ struct tsr_proc_slot {
     uint64_t start_time;          /* /proc/<pid>/stat starttime: a reused pid is a new process */
     uint64_t launches;            /* launches of this process (all paths) */
     uint64_t used[TSR_MAX_DEVICES]; /* bytes charged to this process, per device slot */
-    uint64_t reserved[4];
+    uint64_t spilled_bytes;       /* 1.2: host memory this process spilled (all its GPUs) */
+    uint64_t reserved[3];
 }; /* 184 bytes */
 
 struct tsr_region {
@@ -191,7 +199,11 @@ struct tsr_region {
     } lock;
     uint64_t created_ns;          /* CLOCK_REALTIME at initialisation */
     uint64_t reclaim_ns;          /* CLOCK_MONOTONIC of the last dead-slot sweep */
-    uint64_t reserved[6];
+    uint64_t spilled_bytes;       /* 1.2: host memory the container's device allocations spilled
+                                     to (= sum of procs[].spilled_bytes); under the lock */
+    uint64_t spill_limit_bytes;   /* 1.2: the spill limit in force (informational) */
+    uint64_t spilled_peak_bytes;  /* 1.2: high-water mark of spilled_bytes */
+    uint64_t reserved[3];
     struct tsr_region_device dev[TSR_MAX_DEVICES];
     struct tsr_proc_slot procs[TSR_MAX_PROCS];
 };

@@ -21,7 +21,8 @@
 
 /* ---- a small open-addressing map: 64-bit key -> record ------------------------------------ */
 
-enum kind { K_PLAIN = 1, K_PITCH, K_MANAGED, K_ASYNC, K_CREATED, K_IMPORTED };
+enum kind { K_PLAIN = 1, K_PITCH, K_MANAGED, K_ASYNC, K_CREATED, K_IMPORTED,
+            K_SPILLED /* spill.c: a cuMemAlloc served from host memory */ };
 
 /* A device slot that is deliberately no device (host pools, host VMM): never charged. Any other
  * negative slot is a device libvgpu could not identify: refused while a memory limit exists. */
@@ -159,6 +160,14 @@ static inline CUresult charged_alloc(int ds, uint64_t bytes)
 {
     return tv_mem_reserve(ds, bytes) == 0 ? CUDA_SUCCESS : OOM;
 }
+
+/* spill.c: a cuMemAlloc the device could not hold (`why`: the error it got; `counted`: the
+ * refusal was counted in the region's oom_count), served from host memory when the container
+ * may spill — or `why` unchanged. Frees of spilled pointers. */
+CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int dslot, CUresult why,
+                        int counted) TV_HIDDEN;
+int tv_spill_release(const struct ent *e) TV_HIDDEN; /* 1: it was spilled (now uncharged) */
+CUresult tv_spill_free_async(const struct ent *e, CUstream s, int ptsz) TV_HIDDEN;
 
 /* account.c: the bytes of a freed allocation, back to its pool (still charged) or uncharged. */
 void release_ptr(const struct ent *e) TV_HIDDEN;

@@ -87,6 +87,7 @@ static int read_limits_file(const char *path, struct tsr_limits *out, struct sta
         normalise_elastic(&l.dev[i], l.minor);
     }
     l.region_path[TSR_PATH_LEN - 1] = 0;
+    if (l.minor < 3) l.spill_bytes = 0; /* reserved before 1.3: no spill */
     *out = l;
     if (st_out) *st_out = st;
     rc = 0;
@@ -173,6 +174,7 @@ void tv_limits_load(void)
         load_env();
     }
     atomic_store(&tv.flags, L.lim.flags);
+    atomic_store(&tv.spill_limit, L.lim.spill_bytes);
     tv.ctx_charge = L.lim.ctx_charge_bytes ? L.lim.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
     update_throttle_any();
 }
@@ -389,6 +391,7 @@ int tv_limits_poll(void)
     last_st = rst;
     have_last_st = 1;
     atomic_store(&tv.flags, l.flags);
+    atomic_store(&tv.spill_limit, l.spill_bytes);
     tv.ctx_charge = l.ctx_charge_bytes ? l.ctx_charge_bytes : TV_DEFAULT_CTX_CHARGE;
     if (tv.rg.map) {
         __atomic_store_n(&tv.rg.map->priority, l.priority, __ATOMIC_RELAXED);

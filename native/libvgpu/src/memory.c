@@ -10,10 +10,14 @@ CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     TV_CUDA_ENTER();
     int ds = tv_ctx_dev_slot();
-    if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) return OOM;
+    if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) /* past the limit: spill, if it may */
+        return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, bytesize);
-    if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, bytesize);
-    else if (ds >= 0) track(&ptrs, *dptr, bytesize, ds, K_PLAIN, 0);
+    if (r != CUDA_SUCCESS) {
+        tv_mem_unreserve(ds, bytesize);
+        return tv_spill_alloc(dptr, bytesize, ds, r, 0); /* the card itself is full */
+    }
+    if (ds >= 0) track(&ptrs, *dptr, bytesize, ds, K_PLAIN, 0);
     return r;
 }
 
@@ -63,8 +67,11 @@ CUresult CUDAAPI tv_cuMemFree_v2(CUdeviceptr dptr)
     }
     CUresult r = REAL(cuMemFree_v2)(dptr); /* untracked pointers go to the driver as they are */
     if (found) {
-        if (r == CUDA_SUCCESS) release_ptr(&e);
-        else track(&ptrs, e.key, e.size, e.dslot, e.kind, e.aux);
+        if (r == CUDA_SUCCESS) {
+            if (!tv_spill_release(&e)) release_ptr(&e);
+        } else {
+            track(&ptrs, e.key, e.size, e.dslot, e.kind, e.aux);
+        }
     } else if (r == CUDA_SUCCESS && atomic_load_explicit(&tv_graphmem_nodes, memory_order_relaxed)) {
         tv_graphmem_freed(dptr); /* a graph allocation: no graph holds it any more? */
     }

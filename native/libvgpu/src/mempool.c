@@ -97,6 +97,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
     TV_CUDA_ENTER();
     struct ent e;
     int found = dptr && untrack(&ptrs, dptr, &e);
+    if (found && e.kind == K_SPILLED) return tv_spill_free_async(&e, s, ptsz);
     if (found && scrub())
         REAL(cuMemsetD8Async)(dptr, 0, e.size, ptsz && !s ? CU_STREAM_PER_THREAD : s);
     CUresult r = ptsz ? REAL(cuMemFreeAsync_ptsz)(dptr, s) : REAL(cuMemFreeAsync)(dptr, s);

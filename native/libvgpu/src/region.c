@@ -81,6 +81,8 @@ static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
         uint64_t u = LOAD(s->used[d]), total = LOAD(R->dev[d].used_bytes);
         if (u) STORE(R->dev[d].used_bytes, total > u ? total - u : 0);
     }
+    uint64_t sp = LOAD(s->spilled_bytes), spt = LOAD(R->spilled_bytes);
+    if (sp) STORE(R->spilled_bytes, spt > sp ? spt - sp : 0);
     memset(s, 0, sizeof *s);
 }
 
@@ -110,12 +112,23 @@ static uint64_t live_sum(struct tv_region *rg, int d)
     return sum + rg->mine[d];
 }
 
+/* Caller holds the lock. The container's spilled total from the live slots (never below ours). */
+static uint64_t spill_live_sum(struct tv_region *rg)
+{
+    uint64_t sum = 0;
+    for (int i = 0; i < TSR_MAX_PROCS; i++)
+        if (LOAD(rg->map->procs[i].pid) && i != rg->slot_idx)
+            sum += LOAD(rg->map->procs[i].spilled_bytes);
+    return sum + rg->mine_spill;
+}
+
 /* After a lock owner died: free dead slots, then rebuild every total from the live slots (the
  * dead owner may have stopped between updating a total and its slot). */
 static void recover(struct tv_region *rg)
 {
     tv_region_reclaim_dead(rg);
     for (int d = 0; d < TSR_MAX_DEVICES; d++) STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
+    STORE(rg->map->spilled_bytes, spill_live_sum(rg));
 }
 
 static void init_mutex(struct tsr_region *r)
@@ -409,6 +422,11 @@ static void assert_mine(struct tv_region *rg, struct tsr_proc_slot *s)
         uint64_t t = LOAD(rg->map->dev[d].used_bytes) - had + m;
         STORE(rg->map->dev[d].used_bytes, t);
     }
+    uint64_t had = LOAD(s->spilled_bytes);
+    if (had != rg->mine_spill) {
+        STORE(s->spilled_bytes, rg->mine_spill);
+        STORE(rg->map->spilled_bytes, LOAD(rg->map->spilled_bytes) - had + rg->mine_spill);
+    }
 }
 
 struct tsr_proc_slot *tv_region_register(struct tv_region *rg)
@@ -461,6 +479,8 @@ void tv_region_release(struct tv_region *rg)
             uint64_t u = s->used[d], total = LOAD(rg->map->dev[d].used_bytes);
             STORE(rg->map->dev[d].used_bytes, total > u ? total - u : 0);
         }
+        uint64_t sp = s->spilled_bytes, spt = LOAD(rg->map->spilled_bytes);
+        STORE(rg->map->spilled_bytes, spt > sp ? spt - sp : 0);
         memset(s, 0, sizeof *s);
     } else if (LOAD(s->pid) == (int32_t)rg->pid) {
         reclaim_slot(rg->map, s);
@@ -476,6 +496,7 @@ void tv_region_after_fork_child(struct tv_region *rg)
     rg->start_time = 0;
     rg->pid = getpid();
     memset(rg->mine, 0, sizeof rg->mine); /* the child holds none of its parent's memory */
+    rg->mine_spill = 0;
     pthread_mutex_init(&rg->priv_mu, NULL);
 }
 
@@ -522,7 +543,7 @@ static int tampered(struct tv_region *rg, struct tsr_proc_slot *s)
     for (int d = 0; d < TSR_MAX_DEVICES; d++)
         if (LOAD(s->used[d]) != rg->mine[d] || LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
             return 1;
-    return 0;
+    return LOAD(s->spilled_bytes) != rg->mine_spill || LOAD(rg->map->spilled_bytes) < rg->mine_spill;
 }
 
 /* The same, for the one device a charge is about (the hot path: three loads). */
@@ -552,6 +573,9 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
         if (LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
             STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
     }
+    if (LOAD(s->spilled_bytes) != rg->mine_spill) STORE(s->spilled_bytes, rg->mine_spill);
+    if (LOAD(rg->map->spilled_bytes) < rg->mine_spill)
+        STORE(rg->map->spilled_bytes, spill_live_sum(rg));
 }
 
 /* Bad: is the file usable again? Then map it, take a slot, put back our devices and charges. */
@@ -726,4 +750,55 @@ void tv_region_count_oom(struct tv_region *rg, int d)
 {
     if (d >= 0 && d < TV_MAX_SLOTS)
         __atomic_fetch_add(&tv_region_dev(rg, d)->oom_count, 1, __ATOMIC_RELAXED);
+}
+
+/* ---- spill: host memory through managed memory (spill.c) ------------------------------------ */
+
+int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit)
+{
+    if (atomic_load_explicit(&rg->bad, memory_order_relaxed) || !limit) return -1;
+    struct tsr_proc_slot *s = tv_region_slot(rg);
+    tv_region_lock(rg);
+    if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
+        tv_region_unlock(rg);
+        return -1;
+    }
+    if (tampered(rg, s)) {
+        repair(rg, s);
+        s = atomic_load(&rg->slot);
+    }
+    STORE(rg->map->spill_limit_bytes, limit);
+    uint64_t used = LOAD(rg->map->spilled_bytes);
+    if (!fits(used, limit, bytes)) {
+        tv_region_reclaim_dead(rg);
+        used = LOAD(rg->map->spilled_bytes);
+    }
+    int ok = fits(used, limit, bytes);
+    if (ok) {
+        rg->mine_spill += bytes;
+        STORE(rg->map->spilled_bytes, used + bytes);
+        if (used + bytes > LOAD(rg->map->spilled_peak_bytes))
+            STORE(rg->map->spilled_peak_bytes, used + bytes);
+        STORE(s->spilled_bytes, rg->mine_spill);
+    }
+    tv_region_unlock(rg);
+    return ok ? 0 : -1;
+}
+
+void tv_region_spill_uncharge(struct tv_region *rg, uint64_t bytes)
+{
+    if (!bytes) return;
+    if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
+        pthread_mutex_lock(&rg->priv_mu);
+        rg->mine_spill = rg->mine_spill > bytes ? rg->mine_spill - bytes : 0;
+        pthread_mutex_unlock(&rg->priv_mu);
+        return;
+    }
+    struct tsr_proc_slot *s = tv_region_slot(rg);
+    tv_region_lock(rg);
+    uint64_t used = LOAD(rg->map->spilled_bytes);
+    rg->mine_spill = rg->mine_spill > bytes ? rg->mine_spill - bytes : 0;
+    STORE(rg->map->spilled_bytes, used > bytes ? used - bytes : 0);
+    STORE(s->spilled_bytes, rg->mine_spill);
+    tv_region_unlock(rg);
 }

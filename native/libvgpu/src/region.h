@@ -43,6 +43,7 @@ struct tv_region {
     pid_t pid;
     uint64_t start_time;
     uint64_t mine[TV_MAX_SLOTS];          /* bytes this process charged, per slot */
+    uint64_t mine_spill;                  /* host memory this process spilled (spill.c) */
     char uuid[TV_MAX_SLOTS][TSR_UUID_LEN]; /* what each slot we use is (for re-attaching) */
     char path[TSR_PATH_LEN];
     uint64_t ino, dev;        /* of the file mapped */
@@ -86,6 +87,11 @@ int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
 int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit) TV_HIDDEN;
 void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes) TV_HIDDEN;
 void tv_region_count_oom(struct tv_region *rg, int d) TV_HIDDEN;
+/* Spill (spill.c): host memory the container's device allocations took through managed memory,
+ * one account for the container (tsr_region.spilled_bytes, each process's in its slot). 0
+ * charged, -1 over `limit` (0 = no spill allowed) or refused (bad region). */
+int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit) TV_HIDDEN;
+void tv_region_spill_uncharge(struct tv_region *rg, uint64_t bytes) TV_HIDDEN;
 
 /* This process's slot, registering on first use. */
 static inline struct tsr_proc_slot *tv_region_slot(struct tv_region *rg)

@@ -65,6 +65,7 @@ struct tv_state {
 
     struct tv_limits lm;        /* limits.c */
     _Atomic uint32_t flags;     /* TSR_LIMITS_* in force */
+    _Atomic uint64_t spill_limit; /* limits 1.3: host memory allocations may spill to (spill.c) */
     uint64_t ctx_charge;
 
     struct tv_region rg;        /* region.c */

@@ -66,6 +66,10 @@ struct fk_alloc {
     uint64_t ptr, size;
     int dev;
     int graph, live; /* a graph allocation; live: launched and not freed */
+    int managed;     /* cuMemAllocManaged (see "managed memory" below) */
+    int pref;        /* managed: preferred location, FK_PREF_NONE, CU_DEVICE_CPU or a device */
+    uint64_t on_dev; /* managed: bytes resident on device `dev` (the rest: not populated, or
+                        on the host); only these take the device's physical memory */
     struct fk_pool *pool;
     struct fk_alloc *next;
 };
@@ -299,7 +303,7 @@ static CUresult free_alloc(CUdeviceptr ptr)
         a->pool->used -= a->size;
         fk_unlock(S);
     } else {
-        phys_give(a->dev, a->size);
+        phys_give(a->dev, a->managed ? a->on_dev : a->size);
     }
     free(a);
     return CUDA_SUCCESS;
@@ -411,6 +415,7 @@ API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     *bytes = S->dev[d].total;
     return CUDA_SUCCESS;
 }
+static int concurrent_managed(void); /* managed memory, below */
 API CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d)
 {
     (void)d;
@@ -419,6 +424,7 @@ API CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d)
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
     case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: *v = concurrent_managed(); break;
     default: *v = 1; break;
     }
     return CUDA_SUCCESS;
@@ -586,10 +592,150 @@ API CUresult fake_raw_alloc(CUdeviceptr *dptr, size_t size)
     NEED_CTX();
     return new_alloc(dptr, size, cur()->dev, NULL);
 }
+/* ---- managed memory, as CUDA documents it for a GPU with concurrent managed access (Linux,
+ * Pascal and later; FAKE_CONCURRENT_MANAGED=0 models one without, where the storage is made on
+ * the device at allocation). Pages are populated on first access, not at cuMemAllocManaged: a
+ * device access (memset, a copy to it) populates them on that device unless their preferred
+ * location is the CPU (then the device maps host memory: no migration); cuMemPrefetchAsync
+ * migrates to where it is asked (the device only while it has room: the real driver may evict
+ * other managed pages, the fake leaves them on the host). Kernels are not seen touching memory.
+ * Granularity: a whole allocation. */
+#define FK_PREF_NONE (-3)
+static int concurrent_managed(void)
+{
+    return fk_env_int("FAKE_CONCURRENT_MANAGED", 1) != 0;
+}
 API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags)
 {
-    (void)flags;
-    return cuMemAlloc_v2(dptr, size);
+    NEED_CTX();
+    if (!size || !dptr || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev = cur()->dev, eager = !concurrent_managed();
+    if (eager && phys_take(dev, size) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
+    void *p = va_reserve(size, PROT_READ | PROT_WRITE);
+    if (!p) {
+        if (eager) phys_give(dev, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    struct fk_alloc *a = calloc(1, sizeof *a);
+    a->ptr = (uint64_t)(uintptr_t)p;
+    a->size = size;
+    a->dev = dev;
+    a->managed = 1;
+    a->pref = FK_PREF_NONE;
+    a->on_dev = eager ? size : 0;
+    pthread_mutex_lock(&mu);
+    unsigned b = bucket(a->ptr);
+    a->next = allocs[b];
+    allocs[b] = a;
+    stats.allocs++;
+    pthread_mutex_unlock(&mu);
+    *dptr = a->ptr;
+    return CUDA_SUCCESS;
+}
+/* Move managed allocation `a` onto its device (to_dev) or off it. */
+static void managed_move(struct fk_alloc *a, int to_dev)
+{
+    if (to_dev && !a->on_dev && phys_take(a->dev, a->size) == CUDA_SUCCESS) a->on_dev = a->size;
+    if (!to_dev && a->on_dev && concurrent_managed()) {
+        phys_give(a->dev, a->on_dev);
+        a->on_dev = 0;
+    }
+}
+/* A device accessed [p, p+n): a managed allocation is populated on the device unless it
+ * prefers the CPU (mapped there instead). */
+static void device_touch(uint64_t p, uint64_t n)
+{
+    pthread_mutex_lock(&mu);
+    struct fk_alloc *a = alloc_containing(p, n);
+    int move = a && a->managed && !a->on_dev && a->pref != CU_DEVICE_CPU;
+    pthread_mutex_unlock(&mu);
+    if (move) managed_move(a, 1);
+}
+/* The managed allocation holding [p, p+n) (rounded to pages), or NULL. */
+static struct fk_alloc *managed_range(uint64_t p, uint64_t n)
+{
+    uint64_t lo = p & ~4095ull;
+    pthread_mutex_lock(&mu);
+    struct fk_alloc *a = n ? alloc_containing(p, n) : NULL;
+    if (!a || !a->managed) a = alloc_containing(lo, n + (p - lo));
+    pthread_mutex_unlock(&mu);
+    return a && a->managed ? a : NULL;
+}
+static int location_device(CUmemLocation loc, int *dev)
+{
+    switch (loc.type) {
+    case CU_MEM_LOCATION_TYPE_HOST:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: *dev = CU_DEVICE_CPU; return 0;
+    case CU_MEM_LOCATION_TYPE_DEVICE: *dev = loc.id; return loc.id >= 0 && loc.id < S->ndev ? 0 : -1;
+    default: return -1;
+    }
+}
+#undef cuMemAdvise
+#undef cuMemPrefetchAsync
+#undef cuMemPrefetchAsync_ptsz
+API CUresult cuMemAdvise_v2(CUdeviceptr p, size_t n, CUmem_advise advice, CUmemLocation loc)
+{
+    struct fk_alloc *a = managed_range(p, n);
+    if (!a) return CUDA_ERROR_INVALID_VALUE; /* "must refer to managed memory" */
+    int dev = CU_DEVICE_CPU;
+    int needs_loc = advice == CU_MEM_ADVISE_SET_PREFERRED_LOCATION ||
+                    advice == CU_MEM_ADVISE_SET_ACCESSED_BY || advice == CU_MEM_ADVISE_UNSET_ACCESSED_BY;
+    if (needs_loc && location_device(loc, &dev) != 0) return CUDA_ERROR_INVALID_DEVICE;
+    switch (advice) {
+    case CU_MEM_ADVISE_SET_PREFERRED_LOCATION: a->pref = dev; return CUDA_SUCCESS;
+    case CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION: a->pref = FK_PREF_NONE; return CUDA_SUCCESS;
+    case CU_MEM_ADVISE_SET_READ_MOSTLY:
+    case CU_MEM_ADVISE_UNSET_READ_MOSTLY:
+    case CU_MEM_ADVISE_SET_ACCESSED_BY:
+    case CU_MEM_ADVISE_UNSET_ACCESSED_BY: return CUDA_SUCCESS; /* mappings: no residency change */
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+API CUresult cuMemAdvise(CUdeviceptr p, size_t n, CUmem_advise advice, CUdevice dev)
+{
+    CUmemLocation loc = {.type = dev == CU_DEVICE_CPU ? CU_MEM_LOCATION_TYPE_HOST
+                                                      : CU_MEM_LOCATION_TYPE_DEVICE,
+                         .id = dev};
+    return cuMemAdvise_v2(p, n, advice, loc);
+}
+API CUresult cuMemPrefetchAsync_v2(CUdeviceptr p, size_t n, CUmemLocation loc, unsigned flags,
+                                   CUstream s)
+{
+    (void)s;
+    struct fk_alloc *a = managed_range(p, n);
+    int dev;
+    if (!a || flags) return CUDA_ERROR_INVALID_VALUE;
+    if (location_device(loc, &dev) != 0) return CUDA_ERROR_INVALID_DEVICE;
+    if (dev != CU_DEVICE_CPU && dev != a->dev) return CUDA_ERROR_INVALID_DEVICE; /* one GPU each */
+    managed_move(a, dev != CU_DEVICE_CPU);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr p, size_t n, CUmemLocation loc,
+                                        unsigned flags, CUstream s)
+{
+    return cuMemPrefetchAsync_v2(p, n, loc, flags, s);
+}
+API CUresult cuMemPrefetchAsync(CUdeviceptr p, size_t n, CUdevice dev, CUstream s)
+{
+    CUmemLocation loc = {.type = dev == CU_DEVICE_CPU ? CU_MEM_LOCATION_TYPE_HOST
+                                                      : CU_MEM_LOCATION_TYPE_DEVICE,
+                         .id = dev};
+    return cuMemPrefetchAsync_v2(p, n, loc, 0, s);
+}
+API CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr p, size_t n, CUdevice dev, CUstream s)
+{
+    return cuMemPrefetchAsync(p, n, dev, s);
+}
+/* Tests: where a managed allocation lives now (bytes on its device, -1 when not managed). */
+API int64_t fake_managed_on_device(CUdeviceptr p)
+{
+    pthread_mutex_lock(&mu);
+    struct fk_alloc *a = alloc_find(p, 0);
+    int64_t v = a && a->managed ? (int64_t)a->on_dev : -1;
+    pthread_mutex_unlock(&mu);
+    return v;
 }
 API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w, size_t h,
                                 unsigned int elem)
@@ -616,8 +762,10 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
     pthread_mutex_unlock(&mu);
     return a ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }
+static void device_touch(uint64_t p, uint64_t n);
 static CUresult memset8(CUdeviceptr p, unsigned char v, size_t n)
 {
+    device_touch(p, n);
     pthread_mutex_lock(&mu);
     struct fk_alloc *a = alloc_containing(p, n);
     pthread_mutex_unlock(&mu);
@@ -651,6 +799,7 @@ API CUresult cuMemsetD8Async_ptsz(CUdeviceptr p, unsigned char v, size_t n, CUst
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 {
+    device_touch(dst, n);
     pthread_mutex_lock(&mu);
     struct fk_alloc *a = alloc_containing(dst, n);
     pthread_mutex_unlock(&mu);
@@ -1357,7 +1506,8 @@ static const struct {
     E(cuCtxDestroy_v2), E(cuCtxSetCurrent), E(cuCtxGetCurrent), E(cuCtxPushCurrent_v2),
     E(cuCtxPopCurrent_v2), E(cuCtxGetDevice), E(cuCtxGetDevice_v2), E(cuCtxSynchronize),
     E(cuMemGetInfo_v2), E(cuMemAlloc_v2), E(cuMemAllocManaged), E(cuMemAllocPitch_v2),
-    E(cuMemFree_v2), E(cuMemAlloc), E(cuMemGetAddressRange_v2), E(cuMemsetD8_v2), E(cuMemsetD8Async),
+    E(cuMemFree_v2), E(cuMemAlloc), E(cuMemAdvise), E(cuMemAdvise_v2), E(cuMemPrefetchAsync),
+    E(cuMemPrefetchAsync_ptsz), E(cuMemPrefetchAsync_v2), E(cuMemPrefetchAsync_v2_ptsz), E(cuMemGetAddressRange_v2), E(cuMemsetD8_v2), E(cuMemsetD8Async),
     E(cuMemsetD8Async_ptsz), E(cuMemcpyHtoD_v2), E(cuMemcpyDtoH_v2), E(cuDeviceGetDefaultMemPool),
     E(cuDeviceGetMemPool), E(cuMemPoolCreate), E(cuMemPoolDestroy), E(cuMemPoolTrimTo),
     E(cuMemPoolGetAttribute), E(cuMemPoolSetAttribute), E(cuMemAllocAsync), E(cuMemAllocAsync_ptsz),

@@ -92,7 +92,14 @@ CUresult CUDAAPI cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, u
     X(cuStreamCreate, cuStreamCreate, (CUstream *, unsigned))                                  \
     X(cuStreamSynchronize, cuStreamSynchronize, (CUstream))                                    \
     X(cuMemsetD8, cuMemsetD8_v2, (CUdeviceptr, unsigned char, size_t))                         \
-    X(cuMemcpyHtoD, cuMemcpyHtoD_v2, (CUdeviceptr, const void *, size_t))
+    X(cuMemcpyHtoD, cuMemcpyHtoD_v2, (CUdeviceptr, const void *, size_t))                     \
+    X(cuMemcpyDtoH, cuMemcpyDtoH_v2, (void *, CUdeviceptr, size_t))                           \
+    X(cuMemAdvise, cuMemAdvise_v2, (CUdeviceptr, size_t, CUmem_advise, CUmemLocation))         \
+    X(cuMemPrefetchAsync, cuMemPrefetchAsync_v2,                                               \
+      (CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream))                                \
+    X(cuMemPrefetchBatchAsync, cuMemPrefetchBatchAsync,                                        \
+      (CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t, unsigned long long, \
+       CUstream))
 
 /* Weak references: a driver that lacks one of them still loads the program (the tests run
  * drivers lacking optional entry points); a missing one is NULL, then api_missing. */

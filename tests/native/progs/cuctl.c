@@ -21,6 +21,13 @@
  *   graphfree ID                     a graph with a free node for graph allocation ID, launched
  *   route HOW BYTES                  find cuMemAlloc through HOW and allocate BYTES with it ->
  *                                    {"ok","rc","ours"} (ours: the function is libvgpu's)
+ *   check ID BYTE                    copy ID back (cuMemcpyDtoH): every byte BYTE? -> {"ok"}
+ *   where ID                         the fake: bytes of managed allocation ID on the device
+ *                                    -> {"on_dev"} (-1: not managed memory)
+ *   prefetch ID dev|cpu              cuMemPrefetchAsync(_v2) of ID -> {"ok","rc"}
+ *   advise ID prefer|accessed dev|cpu  cuMemAdvise(_v2) SET_PREFERRED_LOCATION / SET_ACCESSED_BY
+ *   freeasync ID                     cuMemFreeAsync of ID on the stream, then synchronise
+ *   prefetchbatch ID                 cuMemPrefetchBatchAsync (CUDA 13) of ID to the device
  */
 #define _GNU_SOURCE
 #include <nvml.h>
@@ -583,6 +590,41 @@ int main(void)
             route(a1, strtoull(a2, NULL, 10));
         } else if (!strcmp(cmd, "burn")) {
             burn(atof(a1), a2, a3[0] ? a3 : "kernel");
+        } else if (!strcmp(cmd, "check")) {
+            struct obj *o = &objs[atoi(a1)];
+            unsigned char *buf = malloc(o->size);
+            CUresult r = A.cuMemcpyDtoH(buf, o->v, o->size);
+            for (uint64_t i = 0; !r && i < o->size; i++)
+                if (buf[i] != (unsigned char)atoi(a2)) r = CUDA_ERROR_INVALID_VALUE;
+            free(buf);
+            reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "prefetchbatch")) {
+            CUdeviceptr p = objs[atoi(a1)].v;
+            size_t n = objs[atoi(a1)].size, at = 0;
+            CUmemLocation loc = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev};
+            reply_rc(A.cuMemPrefetchBatchAsync(&p, &n, 1, &loc, &at, 1, 0, stream), atoi(a1));
+        } else if (!strcmp(cmd, "freeasync")) {
+            struct obj *o = &objs[atoi(a1)];
+            CUresult r = A.cuMemFreeAsync(o->v, stream);
+            if (!r) r = A.cuStreamSynchronize(stream);
+            if (!r) o->used = 0;
+            reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "where")) {
+            int64_t (*f)(CUdeviceptr);
+            *(void **)&f = dlsym(RTLD_DEFAULT, "fake_managed_on_device");
+            printf("{\"on_dev\": %lld}\n", f ? (long long)f(objs[atoi(a1)].v) : -2ll);
+        } else if (!strcmp(cmd, "prefetch") || !strcmp(cmd, "advise")) {
+            struct obj *o = &objs[atoi(a1)];
+            const char *where = !strcmp(cmd, "prefetch") ? a2 : a3;
+            CUmemLocation loc = {.type = !strcmp(where, "cpu") ? CU_MEM_LOCATION_TYPE_HOST
+                                                               : CU_MEM_LOCATION_TYPE_DEVICE,
+                                 .id = dev};
+            CUresult r = !strcmp(cmd, "prefetch")
+                ? A.cuMemPrefetchAsync(o->v, o->size, loc, 0, stream)
+                : A.cuMemAdvise(o->v, o->size, !strcmp(a2, "prefer")
+                                ? CU_MEM_ADVISE_SET_PREFERRED_LOCATION
+                                : CU_MEM_ADVISE_SET_ACCESSED_BY, loc);
+            reply_rc(r, atoi(a1));
         } else if (!strcmp(cmd, "exit")) {
             break;
         } else {

@@ -1,0 +1,68 @@
+"""Spill beside elastic memory (docs/elastic.md, "Spilling to host memory"): with the node
+agent's real lease service as the container's account, a borrow the card cannot lend (a
+neighbour's guarantee is booked) spills to host memory instead of failing, and nothing of it is
+leased, borrowed or on the fake card; without the opt-in the same allocation is an OOM."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tessera import region
+
+from .conftest import NativeBuild
+from .elastic_rig import ElasticNode, GiB
+
+BORROWER = "c3333333-3333-4333-8333-333333333333"
+NEIGHBOUR = "d4444444-4444-4444-8444-444444444444"
+
+
+@pytest.fixture
+def node(native: NativeBuild) -> Iterator[ElasticNode]:
+    base = Path(tempfile.mkdtemp(prefix="spl-"))  # lease socket paths stay under 108 bytes
+    n = ElasticNode(native, base)
+    try:
+        yield n
+    finally:
+        n.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def with_spill(pod, spill_bytes: int) -> None:
+    """Seal the pod's limits again with a spill bound (what the agent seals from the pod's
+    tessera.io/gpumem-spill)."""
+    sealed = region.read_limits(pod.cdir.limits_dir)
+    region.seal_limits(pod.cdir.limits_dir, dataclasses.replace(sealed, spill_bytes=spill_bytes))
+
+
+@pytest.mark.parametrize("spill", [True, False], ids=["spill", "no-spill"])
+def test_a_borrow_the_card_cannot_lend_spills(node: ElasticNode, spill: bool) -> None:
+    pod = node.pod(BORROWER, "burst", guarantee_mib=4096, limit_mib=12288)
+    if spill:
+        with_spill(pod, 2 * GiB)
+    node.book({NEIGHBOUR: 8192})  # a neighbour's 8 GiB guarantee is due on the 16 GiB card
+    b = pod.cuctl()
+    for _ in range(8):  # its guarantee and the 4 GiB nobody is guaranteed
+        r = b(f"alloc plain {GiB}")
+        assert r["ok"], (r, node.diagnosis(b))
+    assert node.held(pod) == (8 * GiB, 4 * GiB)
+    r = b(f"alloc plain {GiB}")  # beyond: the lease service refuses the borrow
+    if not spill:
+        assert r["rc"] == 2, r
+        assert region.read_region(pod.cdir.region_file).spilled_bytes == 0
+        return
+    assert r["ok"], (r, node.diagnosis(b))
+    usage = region.read_region(pod.cdir.region_file)
+    assert usage.spilled_bytes == GiB
+    assert usage.devices[0].used_bytes == 8 * GiB
+    assert node.held(pod) == (8 * GiB, 4 * GiB)  # no lease, nothing more borrowed
+    assert b("phys")["phys"] == 8 * GiB  # the card: only what was leased
+    assert b(f"alloc plain {GiB}")["ok"]  # the bound: 2 GiB
+    assert b(f"alloc plain {GiB}")["rc"] == 2
+    assert b(f"free {r['id']}")["ok"]
+    assert region.read_region(pod.cdir.region_file).spilled_bytes == GiB
