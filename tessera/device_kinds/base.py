@@ -280,6 +280,13 @@ class DeviceKind(ABC):
         """What the container's grant charges on the device (only asked once it fits)."""
         return Take(request.memory_on(device.memory_mib), request.cores)
 
+    def rounded_take(self, request: ContainerRequest) -> Take | None:
+        """What a grant of `request` holds on any of the kind's devices when the kind rounds a
+        request up to a fixed cut whatever the device's use (an Ascend vNPU template); None:
+        the grant holds the request's own amounts. A grant checked against its pod's request
+        (the ledger's rebuild, the node agent before it seals) may hold up to this."""
+        return None
+
     def grant(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION
     ) -> DeviceGrant:

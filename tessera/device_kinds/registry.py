@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera.hami import RequestError
 
-from .base import DeviceFamily, DeviceKind, ResourceNames
+from .base import DeviceFamily, DeviceKind, ResourceNames, Take
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
@@ -137,6 +137,20 @@ def kind_for_mode(mode: str) -> DeviceKind | None:
 
 def kind_of(device: DeviceInfo) -> DeviceKind | None:
     return kind_for_mode(device.mode)
+
+
+def rounded_take(device: DeviceInfo | None, request: ContainerRequest,
+                 grant_type: str = "") -> Take | None:  # fmt: skip
+    """What a grant of `request` may hold on `device` when its kind rounds requests up
+    (`DeviceKind.rounded_take`: an Ascend template); None: the request's own amounts. A device
+    not known (its node not registered yet) is told by the grant's type when its family has
+    one kind."""
+    kind = kind_of(device) if device is not None else None
+    if kind is None and grant_type:
+        family = family_of_type(grant_type)
+        own = [k for k in _kinds.values() if k.family is family]
+        kind = own[0] if len(own) == 1 else None
+    return kind.rounded_take(request) if kind is not None else None
 
 
 def family_of_mode(mode: str) -> str:
