@@ -81,6 +81,8 @@ class DeviceFamily(ABC):
     # HAMi's quota on nvidia.com/gpumem and gpucores). Other families' counts are quota'd by
     # Kubernetes' own ResourceQuota on their extended resources.
     counts_in_quota: ClassVar[bool] = False
+    # What people call one device of the family (the dashboard's label: "NPU 0 · Ascend910B3").
+    device_word: ClassVar[str] = "GPU"
     # How many of kubelet's device IDs one device of the family (one grant unit) spans: the
     # count resource counts these (a 910C module is two NPUs to kubelet, one device here).
     ids_per_device: ClassVar[int] = 1
