@@ -383,12 +383,7 @@ def asks_gpu(containers: list[Any], settings: TesseraSettings) -> bool:
     pod is told to hold device room."""
     from tessera.device_kinds import registry
 
-    keys = {settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
-            settings.resource_cores}  # fmt: skip
-    for family in registry.families():
-        names = family.resource_names(settings)
-        keys.update(n for n in (names.count, names.memory, names.memory_percentage, names.cores)
-                    if n)  # fmt: skip
+    keys = registry.device_resources(settings)
     for container in containers:
         resources = container.get("resources") if isinstance(container, dict) else None
         for section in ("limits", "requests"):

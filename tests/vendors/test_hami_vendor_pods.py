@@ -71,3 +71,17 @@ def test_a_pod_holding_two_families_merges_their_containers() -> None:
     only_to = {"hami.io/dcu-devices-to-allocate": "DCU-1,DCU-Z100L,2000,30:;"}
     assert pod_grants.placed_grants(only_to, 1)[0][0].uuid == "DCU-1"
     assert pod_grants.placed_grants({}, 1) == []
+
+
+def test_any_familys_resources_ask_for_devices_a_priority_alone_does_not() -> None:
+    def asks(limits: dict[str, Any]) -> bool:
+        return hami.asks_gpu([{"name": "m", "resources": {"limits": limits}}], SETTINGS)
+
+    for _key, limits, _record in VENDORS.values():
+        assert asks(limits)
+    assert asks({"huawei.com/Ascend910B3-memory": 2000})  # any one of the family's names
+    assert asks({"nvidia.com/gpumem": 1000})
+    assert not asks({"nvidia.com/priority": 0})
+    assert not asks({"cpu": 1})
+    renamed = TesseraSettings(device_resource_names={"mlu": {"count": "example.com/mlu"}})
+    assert hami.asks_gpu([{"resources": {"requests": {"example.com/mlu": 1}}}], renamed)
