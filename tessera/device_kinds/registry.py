@@ -146,13 +146,16 @@ def rounded_take(device: DeviceInfo | None, request: ContainerRequest,
     """What a grant of `request` may hold on `device` when its kind rounds requests up
     (`DeviceKind.rounded_take`: an Ascend template); None: the request's own amounts. A device
     not known (its node not registered yet) is told by the grant's type when its family has
-    one kind."""
+    one kind. Only for a request of the kind's own family (a grant on another family's device
+    is never rounded up)."""
     kind = kind_of(device) if device is not None else None
     if kind is None and grant_type:
         family = family_of_type(grant_type)
         own = [k for k in _kinds.values() if k.family is family]
         kind = own[0] if len(own) == 1 else None
-    return kind.rounded_take(request) if kind is not None else None
+    if kind is None or kind.family.name != request.family:
+        return None
+    return kind.rounded_take(request)
 
 
 def family_of_mode(mode: str) -> str:

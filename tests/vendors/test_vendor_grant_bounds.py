@@ -69,3 +69,16 @@ def test_kinds_that_grant_the_request_round_nothing() -> None:
                      mode="smlu")  # fmt: skip
     assert registry.rounded_take(mlu, request) is None
     assert registry.rounded_take(None, request, "MLU370-X4") is None
+
+
+def test_a_request_of_another_family_is_never_rounded_up_on_an_npu() -> None:
+    """A forged ledger putting an NVIDIA container on an NPU gets no template's room."""
+    request = registry.read_request({"name": "m", "resources": {"limits": {
+        "nvidia.com/gpu": 1, "nvidia.com/gpumem": 1000, "nvidia.com/gpucores": 5}}}, SETTINGS)
+    assert request is not None and request.family == "nvidia"
+    assert registry.rounded_take(CHIP, request) is None
+    assert registry.rounded_take(None, request, CHIP.type) is None
+    npu = registry.read_request({"name": "m", "resources": {"limits": ONE_CORE}}, SETTINGS)
+    assert npu is not None
+    rounded = registry.rounded_take(CHIP, npu)
+    assert rounded is not None and (rounded.memory_mib, rounded.cores) == (16384, 5)
