@@ -377,10 +377,13 @@ def with_burst_limits(
 
 
 def asks_gpu(containers: list[Any], settings: TesseraSettings) -> bool:
-    """Whether any of these containers (as read off a pod, any shape) names one of the GPU
-    resources in its limits or requests: how a HAMi-placed pod is told to hold GPU room."""
-    keys = {settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
-            settings.resource_cores}  # fmt: skip
+    """Whether any of these containers (as read off a pod, any shape) names one of the device
+    resources in its limits or requests, of any device family (NVIDIA's GPU, memory and cores;
+    an Ascend, Cambricon or Hygon pod's own; a priority alone holds nothing): how a HAMi-placed
+    pod is told to hold device room."""
+    from tessera.device_kinds import registry
+
+    keys = registry.device_resources(settings)
     for container in containers:
         resources = container.get("resources") if isinstance(container, dict) else None
         for section in ("limits", "requests"):
@@ -735,14 +738,19 @@ def read_node_register(text: object) -> list[DeviceInfo]:
     return devices
 
 
-def read_pod_grants(annotations: dict[str, Any], containers: int) -> list[list[DeviceGrant]]:
+def read_pod_grants(
+    annotations: dict[str, Any], containers: int,
+    keys: tuple[str, str] = (ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE),
+) -> list[list[DeviceGrant]]:
     """The grants a pod placed by HAMi's scheduler holds: `hami.io/vgpu-devices-allocated`, or
     `-to-allocate` while that one lists no device (HAMi's device plugin empties `-to-allocate`
-    as it serves the containers; `-allocated` keeps the whole record). Checked: at most one list
-    per container, every device with a UUID, memory ≤ 16 TiB, cores ≤ 10000. ValueError says
-    what is wrong; a pod annotated with neither key holds nothing ([])."""
+    as it serves the containers; `-allocated` keeps the whole record). `keys`: another device
+    family's (allocated, to-allocate) pair (tessera.device_kinds.pod_grants.placed_grants reads
+    every family's). Checked: at most one list per container, every device with a UUID,
+    memory ≤ 16 TiB, cores ≤ 10000. ValueError says what is wrong; a pod annotated with neither
+    key holds nothing ([])."""
     chosen: list[list[DeviceGrant]] = []
-    for key in (ANN_DEVICES_ALLOCATED, ANN_DEVICES_TO_ALLOCATE):
+    for key in keys:
         text = annotations.get(key)
         if text is None:
             continue

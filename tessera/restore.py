@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from tessera import bus_permissions as bp
 from tessera import elastic, hami, signing
-from tessera.device_kinds import pod_grants
+from tessera.device_kinds import pod_grants, registry
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, InFlightClaim
 from tessera.settings import TesseraSettings
 
@@ -187,17 +187,23 @@ def within_request(
                             f"{request.count}")  # fmt: skip
         cut: list[DeviceGrant] = []
         for grant in grants[: request.count]:
-            card = devices[grant.uuid].memory_mib if devices and grant.uuid in devices else None
-            if request.memory_percentage is not None:
+            device = devices.get(grant.uuid) if devices else None
+            card = device.memory_mib if device is not None else None
+            # A kind that rounds a request up (an Ascend template) grants the rounded amounts.
+            rounded = registry.rounded_take(device, request, grant.type)
+            asked_cores = rounded.cores if rounded is not None else request.cores
+            if rounded is not None:
+                asked = rounded.memory_mib
+            elif request.memory_percentage is not None:
                 asked = request.memory_on(card) if card is not None else grant.memory_mib
             else:
                 asked = request.memory_mib or grant.memory_mib
             memory = min(grant.memory_mib, asked)
-            cores = min(grant.cores, request.cores) if request.cores else grant.cores
+            cores = min(grant.cores, asked_cores) if asked_cores else grant.cores
             if (memory, cores) != (grant.memory_mib, grant.cores):
                 problems.append(f"container #{index} is granted {grant.memory_mib} MiB / "
                                 f"{grant.cores}% on {grant.uuid}, asks {asked} MiB / "
-                                f"{request.cores}%")  # fmt: skip
+                                f"{asked_cores}%")  # fmt: skip
             cut.append(grant.model_copy(update={"memory_mib": memory, "cores": cores}))
         containers.append(cut)
     return allocation.model_copy(update={"containers": containers}), problems

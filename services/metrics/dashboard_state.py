@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera import mig
+from tessera.device_kinds import registry
 from tessera.gpuid import short_uuid
 
 from .summary import MIB, GpuSummary, Slice, summarise
@@ -69,7 +70,10 @@ def _mig_slices(gpu: GpuSummary) -> int:
 
 def _gpu(gpu: GpuSummary) -> dict[str, Any]:
     device = gpu.device
+    family = registry.family_of_type(device.type)
     return {
+        "device_word": family.device_word,  # "GPU", "NPU", "MLU", "DCU"
+        "vendor": family.vendor,
         "uuid": device.uuid,
         "short_uuid": short_uuid(device.uuid),  # the CLI shows the same (tessera.gpuid)
         "index": device.index,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera import hami
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationState
 from tessera.restore import FINISHED_PHASES, init_containers_succeeded
 from tessera.settings import TesseraSettings
@@ -68,9 +69,10 @@ def _hami_allocation(
             raise ValueError("containers must be lists")
         if not hami.asks_gpu([*init, *app], settings):
             return None  # kubelet gives it no GPU, whatever its annotations say
-        grants = hami.read_pod_grants(annotations, len(init) + len(app))
+        grants = pod_grants.placed_grants(annotations, len(init) + len(app))
         if not any(grants):
-            raise ValueError(f"it lists no device in {hami.ANN_DEVICES_ALLOCATED}")
+            raise ValueError(f"it lists no device in {hami.ANN_DEVICES_ALLOCATED} or another "
+                             "device family's hami.io/…-devices-allocated")
         grants = grants + [[] for _ in range(len(init) + len(app) - len(grants))]
         return Allocation(
             pod_uid=str(meta.get("uid") or ref), namespace=str(meta.get("namespace") or ""),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera import elastic, hami, signing
-from tessera.device_kinds import pod_grants
+from tessera.device_kinds import pod_grants, registry
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo
 from tessera.settings import TesseraSettings
 
@@ -85,15 +85,20 @@ def check_grant(
         if grant.mig is not None:
             check_mig_grant(grant, device, asked, request.cores, f"{who} container #{index}")
             continue
+        # A kind that rounds a request up (an Ascend vNPU template) grants the rounded amounts.
+        rounded = registry.rounded_take(device, request, grant.type)
+        cores = request.cores
+        if rounded is not None:
+            asked, cores = rounded.memory_mib, rounded.cores
         if grant.memory_mib > asked or grant.memory_mib <= 0:
             raise GrantRefused(
                 f"{who} container #{index}: ledger grants {grant.memory_mib} MiB on "
                 f"{grant.uuid}, the pod asks {asked} MiB: refusing to seal a forged grant"
             )
-        if request.cores and not 0 < grant.cores <= request.cores:
+        if cores and not 0 < grant.cores <= cores:
             raise GrantRefused(
                 f"{who} container #{index}: ledger grants {grant.cores}% compute on "
-                f"{grant.uuid}, the pod asks {request.cores}%: refusing to seal a forged grant"
+                f"{grant.uuid}, the pod asks {cores}%: refusing to seal a forged grant"
             )
         burst = elastic.burst_of_grant(request.burst, grant, card) if request.burst else (0, 0)
         if grant.memory_limit_mib > burst[0] or grant.cores_limit > burst[1]:

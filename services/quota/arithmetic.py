@@ -19,7 +19,7 @@ from decimal import ROUND_CEILING
 from tessera.quota import quota_units
 
 from tessera.bus import NoChange
-from tessera.hami import parse_quantity
+from tessera.hami import parse_quantity, quota_grants
 from tessera.models import (
     Allocation,
     DeviceGrant,
@@ -428,7 +428,13 @@ def has_any_limit(amount: QuotaAmount) -> bool:
 
 def charge_from_allocation(alloc: Allocation) -> QuotaCharge:
     """What an allocation's grants add up to, counted as HAMi counts a pod: app containers summed
-    over every GPU, init containers by max (they run one after the other, before the app)."""
+    over every GPU, init containers by max (they run one after the other, before the app). Only
+    the grants of device families that count in the namespace quota (hami.quota_grants), as
+    the scheduler charges them: an Ascend, MLU or DCU pod's devices are Kubernetes'
+    ResourceQuota's to count, never NVIDIA memory and cores here."""
+    counted = quota_grants(alloc.containers)
+    if counted is not alloc.containers:
+        alloc = alloc.model_copy(update={"containers": counted})
 
     def totals(containers: list[list[DeviceGrant]]) -> tuple[int, int, int]:
         return (

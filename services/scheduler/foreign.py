@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from tessera import hami
 from tessera.cluster.port import WatchEvent
+from tessera.device_kinds import pod_grants
 from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.restore import FINISHED_PHASES, init_containers_succeeded
 from tessera.settings import TesseraSettings
@@ -50,6 +51,8 @@ log = logging.getLogger("tessera.scheduler.foreign")
 HAMI_CAPACITY_UNKNOWN = "HAMiCapacityUnknown"
 NODE_IN_DRA_MODE = "NodeInDRAMode"
 ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
+# HAMi's scheduler writes `hami.io/vgpu-node` for a pod of any device type, and each family's
+# own record (tessera.device_kinds.pod_grants): an Ascend, MLU or DCU pod HAMi placed holds too.
 _HAMI_KEYS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE)
 _TOMBSTONE_S = 600.0
 _LISTING_SLACK_S = 5.0
@@ -229,13 +232,15 @@ class ForeignCapacity:
         app = spec.get("containers") or []
         if not isinstance(init, list) or not isinstance(app, list):
             raise ValueError("containers must be lists")
-        # A pod that asks for no GPU is given none by kubelet, whatever its annotations say.
+        # A pod that asks for no device (of any family) is given none by kubelet, whatever its
+        # annotations say.
         if not hami.asks_gpu([*init, *app], self.settings):
             return None
-        grants = hami.read_pod_grants(annotations, len(init) + len(app))
+        grants = pod_grants.placed_grants(annotations, len(init) + len(app))
         if not any(grants):
             raise ValueError("HAMi's scheduler named its node but it lists no device in "
-                             f"{hami.ANN_DEVICES_ALLOCATED}")  # fmt: skip
+                             f"{hami.ANN_DEVICES_ALLOCATED} or another device family's "
+                             "hami.io/…-devices-allocated")  # fmt: skip
         grants = grants + [[] for _ in range(len(init) + len(app) - len(grants))]
         names = [str((c or {}).get("name", "")) if isinstance(c, dict) else ""
                  for c in [*init, *app]]  # fmt: skip

@@ -81,6 +81,8 @@ class DeviceFamily(ABC):
     # HAMi's quota on nvidia.com/gpumem and gpucores). Other families' counts are quota'd by
     # Kubernetes' own ResourceQuota on their extended resources.
     counts_in_quota: ClassVar[bool] = False
+    # What people call one device of the family (the dashboard's label: "NPU 0 · Ascend910B3").
+    device_word: ClassVar[str] = "GPU"
     # How many of kubelet's device IDs one device of the family (one grant unit) spans: the
     # count resource counts these (a 910C module is two NPUs to kubelet, one device here).
     ids_per_device: ClassVar[int] = 1
@@ -279,6 +281,13 @@ class DeviceKind(ABC):
     ) -> Take:
         """What the container's grant charges on the device (only asked once it fits)."""
         return Take(request.memory_on(device.memory_mib), request.cores)
+
+    def rounded_take(self, request: ContainerRequest) -> Take | None:
+        """What a grant of `request` holds on any of the kind's devices when the kind rounds a
+        request up to a fixed cut whatever the device's use (an Ascend vNPU template); None:
+        the grant holds the request's own amounts. A grant checked against its pod's request
+        (the ledger's rebuild, the node agent before it seals) may hold up to this."""
+        return None
 
     def grant(
         self, device: DeviceView, request: ContainerRequest, selection: Selection = NO_SELECTION

@@ -154,3 +154,22 @@ def _merge(texts: list[str]) -> str:
                 merged.append([])
             merged[index].extend(f"{u},{t},{m},{c}:" for u, t, m, c in devices)
     return "".join("".join(items) + ";" for items in merged)
+
+
+def placed_grants(annotations: dict[str, Any], containers: int) -> list[list[DeviceGrant]]:
+    """What a pod placed by HAMi's own scheduler holds (a cluster migrating from HAMi), from
+    every family's record as HAMi writes it: each family's `-allocated`, or its `-to-allocate`
+    while that lists no device (`hami.read_pod_grants`, checked the same way), the families'
+    containers merged in registry order. An Ascend, Cambricon or Hygon pod's devices count as
+    an NVIDIA pod's do. ValueError naming the key when a record is malformed; [] when the pod
+    carries no family's record."""
+    from tessera import hami
+
+    merged: list[list[DeviceGrant]] = []
+    for allocated, to_allocate in _pairs(registry.version):
+        grants = hami.read_pod_grants(annotations, containers, (allocated, to_allocate))
+        for index, devices in enumerate(grants):
+            while len(merged) <= index:
+                merged.append([])
+            merged[index].extend(devices)
+    return merged

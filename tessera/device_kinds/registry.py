@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera.hami import RequestError
 
-from .base import DeviceFamily, DeviceKind, ResourceNames
+from .base import DeviceFamily, DeviceKind, ResourceNames, Take
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
@@ -40,6 +40,7 @@ _by_mode: dict[str, DeviceKind] = {}  # DeviceInfo.mode -> kind
 _nodes: dict[str, NodeFamily] = {}  # family name -> its node-agent side
 _type_families: dict[str, DeviceFamily] = {}  # device type -> family (family_of_type)
 _names_cache: dict[int, tuple[Any, dict[str, DeviceFamily]]] = {}  # id(settings) -> names
+_asking_cache: dict[int, tuple[Any, frozenset[str]]] = {}  # id(settings) -> device_resources
 _loaded = False
 # Bumped by every register/unregister: callers that keep what a mode maps to start again.
 version = 0
@@ -56,6 +57,7 @@ def _changed() -> None:
     global version
     version += 1
     _names_cache.clear()
+    _asking_cache.clear()
     _type_families.clear()
     for forget in _on_change:
         forget()
@@ -137,6 +139,23 @@ def kind_for_mode(mode: str) -> DeviceKind | None:
 
 def kind_of(device: DeviceInfo) -> DeviceKind | None:
     return kind_for_mode(device.mode)
+
+
+def rounded_take(device: DeviceInfo | None, request: ContainerRequest,
+                 grant_type: str = "") -> Take | None:  # fmt: skip
+    """What a grant of `request` may hold on `device` when its kind rounds requests up
+    (`DeviceKind.rounded_take`: an Ascend template); None: the request's own amounts. A device
+    not known (its node not registered yet) is told by the grant's type when its family has
+    one kind. Only for a request of the kind's own family (a grant on another family's device
+    is never rounded up)."""
+    kind = kind_of(device) if device is not None else None
+    if kind is None and grant_type:
+        family = family_of_type(grant_type)
+        own = [k for k in _kinds.values() if k.family is family]
+        kind = own[0] if len(own) == 1 else None
+    if kind is None or kind.family.name != request.family:
+        return None
+    return kind.rounded_take(request)
 
 
 def family_of_mode(mode: str) -> str:
@@ -224,6 +243,23 @@ def resource_map(settings: TesseraSettings) -> dict[str, DeviceFamily]:
             mapping[name] = fam
     _names_cache[id(settings)] = (settings, mapping)
     return mapping
+
+
+def device_resources(settings: TesseraSettings) -> frozenset[str]:
+    """Every resource name in effect that asks for devices, of any family: count, memory
+    (percentage) and cores (not NVIDIA's priority: it asks for nothing by itself). Kept per
+    settings object."""
+    cached = _asking_cache.get(id(settings))
+    if cached is not None and cached[0] is settings:
+        return cached[1]
+    load()
+    names: set[str] = set()
+    for fam in _families.values():
+        n = fam.resource_names(settings)
+        names.update(x for x in (n.count, n.memory, n.memory_percentage, n.cores) if x)
+    found = frozenset(names)
+    _asking_cache[id(settings)] = (settings, found)
+    return found
 
 
 def family_for_resource(name: str, settings: TesseraSettings) -> DeviceFamily | None:

@@ -50,3 +50,8 @@ def test_the_dashboard_shows_every_vendors_devices() -> None:
     state = dashboard_state(view(), NOW)
     types = {n["name"]: [g["type"] for g in n["gpus"]] for n in state["nodes"]}
     assert types == {node: [spec[0]] for node, spec in DEVICES.items()}
+    # each labelled as its vendor calls it ("NPU 0 · Ascend910B3", not "GPU 0")
+    words = {n["name"]: [(g["device_word"], g["vendor"]) for g in n["gpus"]]
+             for n in state["nodes"]}  # fmt: skip
+    assert words == {"gpu": [("GPU", "NVIDIA")], "npu": [("NPU", "Huawei")],
+                     "mlu": [("MLU", "Cambricon")], "dcu": [("DCU", "Hygon")]}

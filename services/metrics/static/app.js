@@ -152,7 +152,7 @@ function renderGpu(gpu) {
     : (gpu.mig_instances || []).some((i) => i.pod) ? ""
     : `<div class="no-slices">idle: no pod holds this GPU</div>`;
   return `<article class="gpu ${gpu.healthy ? "" : "unhealthy"}" data-uuid="${esc(gpu.uuid)}">
-    <div class="gpu-head"><span class="gpu-title">GPU ${gpu.index} · ${esc(model(gpu.type))}</span>${health}
+    <div class="gpu-head"><span class="gpu-title">${esc(gpu.device_word || "GPU")} ${gpu.index} · ${esc(model(gpu.type))}</span>${health}
       <span class="badge">${gpu.shared}/${gpu.split_count} slots</span>
       ${gpu.mode && gpu.mode !== "hami-core" ? `<span class="badge mode">${esc(gpu.mode.toUpperCase())}</span>` : ""}
       <span class="gpu-uuid mono" title="${esc(gpu.uuid)}">${esc(gpu.short_uuid || gpu.uuid)}</span></div>

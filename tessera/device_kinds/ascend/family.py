@@ -38,6 +38,7 @@ def family_name(common_word: str) -> str:
 
 class AscendFamily(DeviceFamily):
     vendor = VENDOR
+    device_word = "NPU"
     mode_annotation = ann.VNPU_MODE
 
     def __init__(self, chip: AscendChip) -> None:

@@ -142,6 +142,12 @@ class AscendVnpu(DeviceKind):
                                               request.cores))
         return Take(cut.memory_mib, cut.ai_core, cut.template)
 
+    def rounded_take(self, request: ContainerRequest) -> Take | None:
+        """The smallest covering template (or the whole chip), as `take` charges it: a request
+        for 1 AI core is granted vir05_1c_16g's 5."""
+        cut = self._cut(request)
+        return Take(cut.memory_mib, cut.ai_core, cut.template) if cut is not None else None
+
     def container_edits(self, grants: Sequence[DeviceGrant], ctx: GrantContext) -> ContainerEdits:
         chip = self.family.chip  # type: ignore[attr-defined]
         ids: list[int] = []

@@ -30,6 +30,7 @@ class CambriconFamily(SharedCardFamily):
 
     name = FAMILY
     vendor = "Cambricon"
+    device_word = "MLU"
     card, share, memory_unit_mib, default_cores = "MLU", "sMLU", ann.MEMORY_UNIT_MIB, 100
     memory_hint = "× 256 MiB"
     # HAMi reads an MLU node's capacity, not an annotation: this one is Tessera's own (the

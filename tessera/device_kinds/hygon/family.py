@@ -31,6 +31,7 @@ class HygonFamily(SharedCardFamily):
 
     name = FAMILY
     vendor = "Hygon"
+    device_word = "DCU"
     card, share, compute, default_cores = "DCU", "vDCU", "compute units", 0
     register_annotation = ann.NODE_REGISTER
     to_allocate_annotation = ann.TO_ALLOCATE
