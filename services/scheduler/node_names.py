@@ -24,9 +24,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-# (its home is name_table.py; named here for the callers that import it from here)
-from .name_table import NameTable as NameTable
-
 _KEY = b'"nodenames"'
 _PLACEHOLDER = "\\u0000tessera-nodenames"
 _PLACEHOLDER_JSON = b'"' + _PLACEHOLDER.encode() + b'"'
