@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,8 @@ _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, betw
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
 _TAG = np.uint64(33)  # a name's tag in the table: 31 bits (`NameTable._tag`)
 _ROW = np.uint64(0xFFFF_FFFF)
+# an entry's row and tag as the halves of its uint64 read as two uint32s
+_ROW_HALF, _TAG_HALF = (0, 1) if sys.byteorder == "little" else (1, 0)
 _EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # (a tag part of 32 ones: no tag has it)
 # each level's bucket multiplier (odd 64-bit constants, told apart from `_TAG_MIX`'s bits)
 _LEVEL_MIXES = tuple(np.uint64(m) for m in (
@@ -75,6 +78,10 @@ class NameTable:
         self.words = self._words(array, starts, lengths)
         # (by row, for the check of a found row: 2 bytes each, a quarter of the cache lines)
         self.lengths = lengths.astype(np.uint16) if longest < 1 << 16 else lengths
+        # every name's length when they all have one (`_found` then checks no row's length for
+        # a list read as a grid of that length), else -1
+        self.one_length = (int(lengths[0]) if len(encoded)
+                           and bool((lengths == lengths[0]).all()) else -1)  # fmt: skip
         self.slots = np.asarray(slots, dtype=np.int64)
         self.names = np.empty(len(names), dtype=object)  # by row (never changed)
         self.names[:] = names
@@ -243,11 +250,12 @@ class NameTable:
         A name whose bucket is empty at some level is no registered name (each registered name
         met a taken bucket at every level before its own)."""
         hashes = self._hash(words, lengths)
-        tags = self._tag(hashes)
+        tags = self._tag(hashes).astype(np.uint32)
         table, mix, shift = self.levels[0]
         held = np.take(table, self._bucket(hashes, mix, shift))
-        rows = (held & _ROW).astype(np.int64)
-        at = np.flatnonzero((held >> np.uint64(32)) != tags)  # (~1/12 of registered names)
+        halves = held.view(np.uint32)  # (an entry's row and tag read in place, no shift)
+        rows = halves[_ROW_HALF::2].astype(np.int64)
+        at = np.flatnonzero(halves[_TAG_HALF::2] != tags)  # (~1/12 of registered names)
         held = held[at]
         for table, mix, shift in self.levels[1:]:
             if not len(at):
@@ -260,8 +268,9 @@ class NameTable:
             at, held = at[~hit], held[~hit]
         if len(at):
             return None  # not in its bucket at any level
-        if not bool((np.take(self.lengths, rows) == lengths).all()):
-            return None
+        one_length = isinstance(lengths, np.integer) and int(lengths) == self.one_length
+        if not one_length and not bool((np.take(self.lengths, rows) == lengths).all()):
+            return None  # (one_length: every known name has the grid's, so every row found)
         for known, word in zip(self.words, words, strict=True):
             if not bool((np.take(known, rows) == word).all()):
                 return None
