@@ -352,3 +352,41 @@ def test_a_list_in_the_parallel_filters_order_resolves_exactly_and_no_stranger_d
         at = rng.randrange(40)
         listed = [*interleaved[:at], stranger, *interleaved[at:40]]
         assert index.names_from_bytes(compact(listed)) is None  # type: ignore[attr-defined]
+
+
+def test_rotations_are_found_again_after_lists_in_other_orders() -> None:
+    """Lists in a new order every call (kube-scheduler's parallel filters) are not searched for
+    as rotations every time; once lists are rotations again (its filters one at a time), they
+    are read as rotations again within a few lists, every list exactly what decoding gives."""
+    import random
+
+    index, slots = table_index()
+    resolved: list[bytes] = []
+
+    def resolver(array: bytes) -> object:
+        resolved.append(array)
+        return index.names_from_bytes(array)  # type: ignore[attr-defined]
+
+    cache = NodeNamesCache(100_000, resolver=resolver, resolve_from=0)  # type: ignore[arg-type]
+    rng = random.Random(8)
+
+    def parsed(names: list[str]) -> None:
+        body = json.dumps({"pod": POD, "nodenames": names}, separators=(",", ":"),
+                          ensure_ascii=False).encode()  # fmt: skip
+        data = cache.parse(body)
+        assert data == full(body)
+        assert data is not None and data["nodenames"].resolved[1].tolist() == [
+            slots[n] for n in names]  # fmt: skip
+
+    names = KNOWN[:]
+    for _ in range(21):
+        rng.shuffle(names)
+        parsed(names)
+    assert len(resolved) == 21
+    for shift in range(1, 13):
+        parsed(names[shift:] + names[:shift])
+    assert len(resolved) - 21 < 8  # (some read name by name before a rotation is looked for)
+    before = len(resolved)
+    for shift in range(13, 17):
+        parsed(names[shift:] + names[:shift])
+    assert len(resolved) == before  # (read as rotations again)
