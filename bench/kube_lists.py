@@ -8,12 +8,16 @@ max(5, 50 - nodes / 125) % of the nodes, at least 100 nodes; every node below 10
 extender's managed GPU resources are `ignoredByScheduler`, so every node of the bench cluster is
 feasible to kube-scheduler unless a label pool (a nodeSelector) restricts it: the window is then
 the pool's members met from the start index on, and the start advances past every node visited.
-kube-scheduler checks nodes in parallel (`Parallelizer().Until`: 16 workers, each taking the next
-chunk of min(sqrt(n), n/16 + 1) consecutive nodes), and each node that passes is appended as it
-finishes, so the list's order is the workers' interleaving, not the node list's. `order`
-(`BENCH_ORDER`): `sequential` (default: the node list's order, as kube-scheduler with one worker
-or a single CPU writes it) or `parallel` (16 workers at one speed, one node each in turn: the
-finest interleaving, the order kube-scheduler's parallel filters give on a many-core host).
+kube-scheduler checks nodes in parallel (`findNodesThatPassFilters`: `Parallelizer().Until`, 16
+workers by default, each taking the next chunk of min(sqrt(n), n/16 + 1) consecutive nodes from a
+channel when done with its own, `workqueue.ParallelizeUntil`), and each node that passes is
+appended (an atomic counter) as its worker finishes it, so the list's order is the workers'
+interleaving, not the node list's: each chunk's nodes in order, the chunks merged in whatever
+order the goroutines' timing gives (no fixed stride: it differs every cycle). `order`
+(`BENCH_ORDER`): `sequential` (default: the node list's order, as kube-scheduler writes it when
+one worker at a time runs, e.g. on one CPU) or `parallel` (16 workers whose every node check
+takes a random time, 0.5-1.5 units, seeded: the goroutines' nondeterministic merge on a
+many-core host).
 
 A pod the extender refuses is retried with kube-scheduler's backoff: 1 s
 (`podInitialBackoffSeconds`), doubling per attempt, at most 10 s (`podMaxBackoffSeconds`).
@@ -25,7 +29,9 @@ when feasibility changes)."""
 
 from __future__ import annotations
 
+import heapq
 import math
+import random
 from collections.abc import Sequence
 
 MIN_FEASIBLE = 100  # minFeasibleNodesToFind
@@ -57,7 +63,7 @@ class KubeLists:
     """The candidate lists kube-scheduler would send, one per scheduling cycle."""
 
     def __init__(self, names: Sequence[str], mode: str = "window", percentage: int = 0,
-                 find: int | None = None, order: str = "sequential") -> None:
+                 find: int | None = None, order: str = "sequential", seed: int = 35) -> None:
         """`find`: the window's size instead of kube-scheduler's `numFeasibleNodesToFind`
         (a bench of a given list size, e.g. 500 names at 20,000 nodes)."""
         if mode not in MODES:
@@ -69,6 +75,7 @@ class KubeLists:
         self.order = order
         self.find = find or nodes_to_find(len(self.names), percentage)
         self.start = 0  # nextStartNodeIndex
+        self.rng = random.Random(seed)  # the parallel workers' timing
 
     def next(self, members: Sequence[str] | None = None) -> list[str]:
         """The next cycle's list. `members`: the nodes feasible to kube-scheduler (a label
@@ -102,34 +109,36 @@ class KubeLists:
 
     def _parallel(self, members: Sequence[str] | None) -> list[str]:
         """`next` as kube-scheduler's parallel filters write it: the nodes from the start index
-        on, in the order `WORKERS` workers of one speed finish them (each takes the next chunk
-        of consecutive nodes when done with its own; in turn, one node each), stopping at the
-        number to find (a full list: every node); the start advances by the nodes checked."""
+        on, in the order `WORKERS` workers finish them (each checks its chunk of consecutive
+        nodes in order, a random time per node, and takes the next chunk when done), stopping
+        at the number to find (a full list: every node); the start advances by the nodes
+        checked."""
         names, total = self.names, len(self.names)
         find = total if self.mode == "full" else min(self.find, total)
         wanted = (None if members is None
                   else members if isinstance(members, (set, frozenset)) else set(members))
         chunk = max(1, min(math.isqrt(total), total // WORKERS + 1))  # chunkSizeFor
         chunks = -(-total // chunk)
-        working = [[k * chunk, min(total, (k + 1) * chunk)] for k in range(min(WORKERS, chunks))]
+        uniform = self.rng.uniform
+        # (time its current node is done, worker, next node, end of its chunk)
+        working = [(uniform(0.5, 1.5), k, k * chunk, min(total, (k + 1) * chunk))
+                   for k in range(min(WORKERS, chunks))]  # fmt: skip
+        heapq.heapify(working)
         taken = len(working)
         out: list[str] = []
         checked = 0
         while working and len(out) < find:
-            for span in list(working):
-                if len(out) >= find:
-                    break
-                name = names[(self.start + span[0]) % total]
-                checked += 1
-                if wanted is None or name in wanted:
-                    out.append(name)
-                span[0] += 1
-                if span[0] >= span[1]:
-                    if taken < chunks:
-                        span[:] = [taken * chunk, min(total, (taken + 1) * chunk)]
-                        taken += 1
-                    else:
-                        working.remove(span)
+            done, worker, at, end = heapq.heappop(working)
+            name = names[(self.start + at) % total]
+            checked += 1
+            if wanted is None or name in wanted:
+                out.append(name)
+            at += 1
+            if at >= end and taken < chunks:
+                at, end = taken * chunk, min(total, (taken + 1) * chunk)
+                taken += 1
+            if at < end:
+                heapq.heappush(working, (done + uniform(0.5, 1.5), worker, at, end))
         if self.mode == "full":
             self.start = (self.start + nodes_to_find(total)) % total
         else:

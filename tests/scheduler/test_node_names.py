@@ -310,3 +310,83 @@ def test_the_rest_of_the_body_reads_as_json_reads_it(pod: str) -> None:
     assert data is not None
     assert repr(data["pod"]) == repr(expected["pod"])  # (repr: nan, -0.0 and types compared)
     assert data == {**expected, "pod": data["pod"]}
+
+
+def test_a_list_in_the_parallel_filters_order_resolves_exactly_and_no_stranger_does() -> None:
+    """kube-scheduler's 16 filter workers each take chunks of consecutive nodes and append the
+    nodes that pass as they finish, so a list is the node order's chunks interleaved in no
+    fixed pattern. Such a list (and every permutation) is resolved name by name to exactly the
+    slots of its names, whichever level of the name table holds each name; a name that is not
+    registered, next to them, is never resolved to a node (the whole list steps aside)."""
+    import random
+
+    rng = random.Random(35)
+    names = [f"node-{i:05d}" for i in range(3000)] + [
+        f"ip-10-{i // 250}-{i % 250}-{i % 7}.eu-west-1.compute.internal" for i in range(2000)]
+    index, slots = order_index(names)
+    table = index.name_table()[1]  # type: ignore[attr-defined]
+    assert len(table.levels) > 1  # (names that met a taken bucket live in later levels)
+    chunk = 70  # kube-scheduler's chunk at 5,000 nodes: min(sqrt(n), n / 16 + 1)
+    start = 1234
+    rotated = names[start:] + names[:start]
+    streams = [rotated[k : k + chunk] for k in range(0, len(rotated), chunk)]
+    working: list[list[str]] = [streams.pop(0) for _ in range(16)]
+    interleaved: list[str] = []
+    while working:  # workers finish in a random order; a worker done takes the next chunk
+        worker = rng.randrange(len(working))
+        interleaved.append(working[worker].pop(0))
+        if not working[worker]:
+            if streams:
+                working[worker] = streams.pop(0)
+            else:
+                working.pop(worker)
+    assert sorted(interleaved) == sorted(names) and interleaved != rotated
+    for listed in (interleaved, interleaved[:250], rng.sample(names, 1000)):
+        found = index.names_from_bytes(compact(listed))  # type: ignore[attr-defined]
+        assert found is not None
+        assert list(found[0]) == listed
+        assert found[1][1].tolist() == [slots[n] for n in listed]
+    strangers = [f"node-{i:05d}" for i in range(3000, 4500)] + [
+        f"ip-10-{i}-0-0.eu-west-1.compute.internal" for i in range(100, 600)]
+    for stranger in strangers:  # (many meet a taken bucket in the first level or later ones)
+        at = rng.randrange(40)
+        listed = [*interleaved[:at], stranger, *interleaved[at:40]]
+        assert index.names_from_bytes(compact(listed)) is None  # type: ignore[attr-defined]
+
+
+def test_rotations_are_found_again_after_lists_in_other_orders() -> None:
+    """Lists in a new order every call (kube-scheduler's parallel filters) are not searched for
+    as rotations every time; once lists are rotations again (its filters one at a time), they
+    are read as rotations again within a few lists, every list exactly what decoding gives."""
+    import random
+
+    index, slots = table_index()
+    resolved: list[bytes] = []
+
+    def resolver(array: bytes) -> object:
+        resolved.append(array)
+        return index.names_from_bytes(array)  # type: ignore[attr-defined]
+
+    cache = NodeNamesCache(100_000, resolver=resolver, resolve_from=0)  # type: ignore[arg-type]
+    rng = random.Random(8)
+
+    def parsed(names: list[str]) -> None:
+        body = json.dumps({"pod": POD, "nodenames": names}, separators=(",", ":"),
+                          ensure_ascii=False).encode()  # fmt: skip
+        data = cache.parse(body)
+        assert data == full(body)
+        assert data is not None and data["nodenames"].resolved[1].tolist() == [
+            slots[n] for n in names]  # fmt: skip
+
+    names = KNOWN[:]
+    for _ in range(21):
+        rng.shuffle(names)
+        parsed(names)
+    assert len(resolved) == 21
+    for shift in range(1, 13):
+        parsed(names[shift:] + names[:shift])
+    assert len(resolved) - 21 < 8  # (some read name by name before a rotation is looked for)
+    before = len(resolved)
+    for shift in range(13, 17):
+        parsed(names[shift:] + names[:shift])
+    assert len(resolved) == before  # (read as rotations again)

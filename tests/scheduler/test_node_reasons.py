@@ -82,7 +82,7 @@ def test_equality_sees_a_different_reason_or_node() -> None:
 
 
 def table_rows(names: list[str]) -> tuple[object, dict[str, int]]:
-    from tessera.scheduler.node_names import NameTable
+    from tessera.scheduler.name_table import NameTable
 
     table = NameTable(names, list(range(len(names))))
     return table, {n: i for i, n in enumerate(names)}
