@@ -178,7 +178,7 @@ class DraDriver:
 
     @staticmethod
     def dra_name() -> str:
-        from .names import DRIVER_NAME
+        from tessera.dra_names import DRIVER_NAME
 
         return DRIVER_NAME
 
