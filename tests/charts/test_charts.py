@@ -625,6 +625,8 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("policy", "poddisruptionbudgets"): {"list"},  # preemption: honour PDBs
         ("", "events"): {"create", "patch"},
         ("coordination.k8s.io", "leases"): {"create", "get", "update"},
+        # the ledger's rebuild: running DRA pods' slices from their claims
+        ("resource.k8s.io", "resourceclaims"): {"list"},
     },
 }
 # Roles Kubernetes itself defines for a second scheduler; nothing else is borrowed.
