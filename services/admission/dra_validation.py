@@ -21,8 +21,10 @@ from typing import Any
 from tessera import dra_config
 from tessera.dra_names import DRIVER_NAME
 
+from .review import Review
 from .rules import Admitted, Decision, Denial
 
+PATH = "/validate"  # the validating webhook's path (the chart's ValidatingWebhookConfiguration)
 INVALID_CONFIG = "InvalidGpuConfig"
 KINDS = {  # kind -> where its configuration entries are
     "ResourceClaim": ("spec", "devices", "config"),
@@ -69,3 +71,14 @@ def decide_config(kind: str, obj: Any) -> Decision:
     name = _at(obj, ("metadata", "name"))
     return Denial(INVALID_CONFIG, f"{kind} {name or ''}: invalid configuration for "
                   f"{DRIVER_NAME}: {'; '.join(problems)}"[:2000])  # fmt: skip
+
+
+def validate_decision(review: Review) -> Decision:
+    """POST /validate: what kube-apiserver's validating webhook call gets. Only DRA objects'
+    CREATE and UPDATE are judged; anything else passes (a webhook registered too widely never
+    blocks other objects)."""
+    if review.operation not in ("CREATE", "UPDATE") or review.sub_resource:
+        return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
+    if not reviews(review.group, review.kind):
+        return Admitted(note=f"{review.group}/{review.kind} is not reviewed here")
+    return decide_config(review.kind, review.object)

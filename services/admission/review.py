@@ -9,7 +9,6 @@ from typing import Any
 
 from tessera.settings import TesseraSettings
 
-from . import dra_validation
 from .rules import Admitted, Decision, Denial, decide, decide_update
 
 API_VERSIONS = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
@@ -98,11 +97,6 @@ def review_decision(review: Review, settings: TesseraSettings) -> Decision:
         # pods/status (and the other pod subresources an UPDATE reaches) can carry metadata
         # changes too: whoever may write them may not set or change the allocation's record.
         return decide_update(review.old_object, review.object, review.username, settings)
-    if review.operation in ("CREATE", "UPDATE") and dra_validation.reviews(
-        review.group, review.kind
-    ) and not review.sub_resource:
-        # DRA: the driver's opaque configuration, checked when written (dra_validation.py)
-        return dra_validation.decide_config(review.kind, review.object)
     if review.operation != "CREATE":
         return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
     if review.group != "" or review.kind != "Pod" or review.resource not in ("", "pods"):

@@ -1,5 +1,6 @@
 """A claim whose configuration for gpu.tessera.io is not a valid GpuConfig is refused when it is
-written (issue 31), through POST /mutate as kube-apiserver sends it: the API server never checks
+written (issue 31), through POST /validate as kube-apiserver sends it (the validating webhook
+the chart registers in DRA mode): the API server never checks
 a driver's opaque parameters (its reference leaves that to an admission policy of the driver,
 as NVIDIA's DRA driver does with a webhook), and before this the mistake surfaced only at
 prepare, after the allocator had placed the pod. Other drivers' configuration passes."""
@@ -36,7 +37,7 @@ async def send(obj: dict, operation: str = "CREATE") -> dict:
     resource = "resourceclaimtemplates" if obj["kind"] == "ResourceClaimTemplate" else (
         "resourceclaims")  # fmt: skip
     async with client() as c:
-        answer = await c.post("/mutate", json=review(obj, kind=kind, resource=resource,
+        answer = await c.post("/validate", json=review(obj, kind=kind, resource=resource,
                                                      operation=operation))  # fmt: skip
     assert answer.status_code == 200, answer.text
     response: dict = answer.json()["response"]
@@ -82,8 +83,23 @@ async def test_a_deviceclass_with_an_invalid_gpu_config_is_refused() -> None:
                                            "parameters": {"kind": "GpuConfig"}}}]}}  # fmt: skip
     kind = {"group": "resource.k8s.io", "version": "v1", "kind": "DeviceClass"}
     async with client() as c:
-        answer = await c.post("/mutate", json=review(cls, kind=kind, resource="deviceclasses",
+        answer = await c.post("/validate", json=review(cls, kind=kind, resource="deviceclasses",
                                                      namespace=""))  # fmt: skip
     response = answer.json()["response"]
     assert response["allowed"] is False
     assert "apiVersion" in response["status"]["message"]
+
+
+async def test_the_validating_webhook_judges_only_dra_objects() -> None:
+    """A pod (the mutating webhook's) or a DELETE reaching /validate passes untouched."""
+    pod = {"metadata": {"name": "p", "namespace": "team-a"}, "spec": {"containers": []}}
+    async with client() as c:
+        answer = await c.post("/validate", json=review(pod))
+        assert answer.json()["response"]["allowed"] is True
+        bad = claim([opaque("MPS")])
+        kind = {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"}
+        answer = await c.post("/validate", json=review(bad, kind=kind, operation="DELETE",
+                                                       resource="resourceclaims"))  # fmt: skip
+        assert answer.json()["response"]["allowed"] is True
+        assert (await c.get("/validate")).status_code == 405
+        assert (await c.post("/validate", content=b"{")).status_code == 400
