@@ -23,6 +23,7 @@ from typing import Any
 
 from tessera.bus import CasConflictError, NoChange, Versioned, cas_update
 from tessera.cluster.port import ClusterPort
+from tessera.cluster.resources_port import list_claims_if_served
 from tessera.cluster.slim_pods import list_pods_slim
 from tessera.dra_restore import claim_nodes
 from tessera.models import Allocation, DeviceInfo, InFlightClaim, NodeLedger
@@ -32,7 +33,7 @@ from tessera.signing import TrustStore
 
 from .foreign import ForeignCapacity
 from .index import ClusterIndex
-from .rebuild_dra import list_claims, merge_dra
+from .rebuild_dra import merge_dra
 from .stale import Listing, UnlistedRecorder
 
 log = logging.getLogger("tessera.scheduler")
@@ -144,7 +145,9 @@ class LedgerRebuilder:
             report=report,
         )  # fmt: skip
         # DRA pods: their slices are in their ResourceClaims, not in annotations (rebuild_dra).
-        claims = await list_claims(self.cluster) if any(_has_claims(p) for p in unplaced) else []
+        claims = []
+        if any(_has_claims(p) for p in unplaced):
+            claims = await list_claims_if_served(self.cluster)
         dra_nodes = _dra_pod_nodes(unplaced, claim_nodes(claims)) if claims else set()
         if self.rules is not None and (by_node or dra_nodes):
             await self._await_registrations(set(by_node) | dra_nodes)

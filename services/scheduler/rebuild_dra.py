@@ -9,39 +9,14 @@ over its capacity, a disagreement reported, never resolved by overcommitting.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
-from tessera.cluster.port import ClusterError, NotFoundError
 from tessera.dra_restore import DevicesOf, allocations_from_claims
 from tessera.models import Allocation, InFlightClaim
 from tessera.restore import RestoreReport
 
-log = logging.getLogger("tessera.scheduler")
-
 Found = dict[str, list[tuple[Allocation, InFlightClaim | None]]]
-
-
-async def list_claims(cluster: Any) -> list[Any]:
-    """Every ResourceClaim of the cluster; [] where the API serves no `resource.k8s.io/v1`
-    (a cluster without DRA: nothing to restore). Any other failure is raised: the rebuild is
-    tried again and nothing is placed meanwhile."""
-    lister = getattr(cluster, "list_resource_claims", None)
-    if lister is None:
-        return []
-    try:
-        claims: list[Any] = await lister()
-    except NotFoundError:
-        return []
-    except ClusterError as exc:
-        if exc.status == 403:
-            raise ClusterError(
-                "the scheduler may not list ResourceClaims (resource.k8s.io): a DRA pod's card "
-                "cannot be restored; grant it `list` on resourceclaims (its chart's ClusterRole "
-                "does)", 403) from exc  # fmt: skip
-        raise
-    return claims
 
 
 def merge_dra(

@@ -609,6 +609,7 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("", "events"): {"create", "patch"},
         # a reservation only for a pod that exists; charges rebuilt from the bound pods
         ("", "pods"): {"get", "list"},
+        ("resource.k8s.io", "resourceclaims"): {"list"},  # DRA pods' charges from their claims
     },
     "tessera-node-agent": {
         ("", "pods"): {"get", "list", "watch"},
