@@ -18,7 +18,8 @@ One pool per node (named after it) in one slice. Each GPU the node offers for li
   places nothing new on it, running pods keep it (as the device plugin's `Unhealthy`).
 
 A card in mode `mps` is published as the same device with `mode: mps` (the DeviceClass
-`mps.gpu.tessera.io` selects those; a claim on one is prepared with MPS sharing, `tessera/dra_config.py`).
+`mps.gpu.tessera.io` selects those; a claim on one is prepared with MPS sharing,
+`tessera/dra_config.py`).
 A card in dynamic MIG is published as its MIG partitions instead (`partitions.py`): devices
 consuming the card's counter set. The API keeps devices and counter sets in different slices
 of the pool (`Only one of Devices and SharedCounters can be set in a ResourceSlice`, at most 8
