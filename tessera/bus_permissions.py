@@ -324,6 +324,8 @@ def _rules(role: str, node: str | None) -> tuple[list[Rule], bool]:
             _kv_watch(bus.QUOTA_CHARGES_BUCKET),
             _kv_write(bus.QUOTA_CHARGES_BUCKET),
             _kv_watch(bus.LEDGER_BUCKET),
+            # a running DRA pod's charge, rebuilt from its claims, needs its node's GPUs
+            _kv_read(bus.NODES_BUCKET),
             _rejections(["event", "command"]),
             _events_durable(bus.QUOTA_RELEASED_CONSUMER),
             _publish_events(

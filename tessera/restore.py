@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from tessera import bus_permissions as bp
 from tessera import elastic, hami, signing
 from tessera.device_kinds import pod_grants, registry
+from tessera.dra_names import DRA_REASON
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, InFlightClaim
 from tessera.settings import TesseraSettings
 
@@ -240,7 +241,11 @@ def checked_restore(
             report.forged.append(f"{who}: its {hami.ANN_DEVICES_ALLOCATED} is not what the "
                                  "node's agent signed")  # fmt: skip
         problems: list[str] = []
-        if signed is not True:
+        # A DRA pod's grant was read from its ResourceClaim's allocation (tessera.dra_restore):
+        # the allocator's own accounting of the claim, already checked against the node's
+        # devices; the pod's spec asks nothing HAMi's request reader could cut it to.
+        believed = signed is True or allocation.reason == DRA_REASON
+        if not believed:
             try:
                 allocation, problems = within_request(allocation, pod, devices, rules.settings)
             except ValueError as exc:
@@ -250,7 +255,7 @@ def checked_restore(
                 report.forged.append(f"{who}: cut to its request: {'; '.join(problems)}"[:400])
         # Signed records first, then claims within the request, then the cut ones: when a card
         # cannot hold them all, what is least believable is what is not restored.
-        ranked.append(((signed is not True, bool(problems)), allocation, claim, who))
+        ranked.append(((not believed, bool(problems)), allocation, claim, who))
     ranked.sort(key=lambda item: item[0])  # stable: as listed within a rank
     accepted: list[tuple[Allocation, InFlightClaim | None]] = []
     for _rank, allocation, claim, who in ranked:

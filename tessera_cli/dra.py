@@ -78,22 +78,49 @@ def node_env(node_dir: Path) -> dict[str, str]:
 
 
 def install_device_class(kubeconfig: Path) -> str:
-    """Create the DeviceClasses (each kept when it exists); a line saying what happened."""
-    from .kube import ApiError, KubeClient, load_kubeconfig
+    """Create the DeviceClasses, and update each one that exists with another spec (an older
+    release's: a selector, a mapping or a configuration this release changed), as `kubectl
+    apply` would; a line saying what happened."""
+    from .kube import KubeClient, load_kubeconfig
 
-    made, kept = [], []
+    done: dict[str, list[str]] = {"installed": [], "updated": [], "already installed": []}
     with KubeClient(load_kubeconfig(kubeconfig)) as client:
         for cls in device_classes():
-            try:
-                client.post(DEVICE_CLASS_PATH, cls)
-                made.append(cls["metadata"]["name"])
-            except ApiError as error:
-                if error.status != 409:
-                    raise
-                kept.append(cls["metadata"]["name"])
-    parts = ([f"DeviceClass {', '.join(made)} installed"] if made else []) + (
-        [f"{', '.join(kept)} already installed"] if kept else [])
+            done[apply_device_class(client, cls)].append(cls["metadata"]["name"])
+    parts = [f"DeviceClass {', '.join(names)} {what}" for what, names in done.items() if names]
     return "; ".join(parts)
+
+
+def apply_device_class(client: Any, wanted: dict[str, Any], attempts: int = 5) -> str:
+    """Create `wanted`, or replace the spec of the DeviceClass of its name when it differs
+    (a PUT at the resourceVersion read: a concurrent writer makes it read again). Returns
+    `installed`, `updated` or `already installed`. Labels and annotations others set stay."""
+    from .kube import ApiError
+
+    name = wanted["metadata"]["name"]
+    for _ in range(attempts):
+        try:
+            client.post(DEVICE_CLASS_PATH, wanted)
+            return "installed"
+        except ApiError as error:
+            if error.status != 409:
+                raise
+        try:
+            current = client.get(f"{DEVICE_CLASS_PATH}/{name}")
+        except ApiError as error:
+            if error.status == 404:
+                continue  # deleted meanwhile: create it again
+            raise
+        if current.get("spec") == wanted["spec"]:
+            return "already installed"
+        replaced = {**current, "spec": wanted["spec"]}
+        try:
+            client.put(f"{DEVICE_CLASS_PATH}/{name}", replaced)
+            return "updated"
+        except ApiError as error:
+            if error.status not in (404, 409):
+                raise  # 409: changed since it was read; 404: deleted: both read again
+    raise RuntimeError(f"DeviceClass {name} kept changing while it was applied")
 
 
 def slice_published(api_url: str, node: str) -> bool:

@@ -1,7 +1,8 @@
 """The webhook's HTTP face: a small ASGI app (no framework on the hot path).
 
-POST /mutate answers AdmissionReviews; /healthz, /readyz and /metrics are for the kubelet and
-Prometheus. The decisions themselves are the pure functions of rules.py and review.py.
+POST /mutate answers AdmissionReviews of pods, POST /validate those of DRA objects (DRA mode);
+/healthz, /readyz and /metrics are for the kubelet and Prometheus. The decisions themselves are
+the pure functions of rules.py, review.py and dra_validation.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tessera.settings import TesseraSettings
 
+from . import dra_validation
 from .dra_templates import DraTemplates
 from .event_queue import EventQueue, PendingEvent
 from .metrics import AdmissionMetrics
@@ -29,6 +31,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+VALIDATE_PATH = dra_validation.PATH
 
 
 class AdmissionApp:
@@ -61,6 +64,11 @@ class AdmissionApp:
                 await _send(send, 405, _error("use POST /mutate with an AdmissionReview"))
                 return
             await self._mutate(scope, receive, send)
+        elif path == VALIDATE_PATH:
+            if method != "POST":
+                await _send(send, 405, _error(f"use POST {VALIDATE_PATH} with an AdmissionReview"))
+                return
+            await self._validate(scope, receive, send)
         elif path in ("/healthz", "/readyz", "/metrics") and method in ("GET", "HEAD"):
             if path == "/healthz":
                 await _send(send, 200, b'{"ok":true}')
@@ -99,6 +107,23 @@ class AdmissionApp:
             self._account(review, decision, started)
         except Exception:  # the answer is out; bookkeeping must never break the connection
             log.exception("admission bookkeeping failed")
+
+    async def _validate(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """The validating webhook (DRA mode): a DRA object's configuration for Tessera's driver
+        (dra_validation.py). Never patches; pods are /mutate's."""
+        try:
+            review = parse_review(await self._read_body(scope, receive))
+        except ReviewError as exc:
+            self.metrics.result["rejected"].inc()
+            headers = [*JSON_HEADERS, (b"connection", b"close")] if exc.status == 413 else None
+            await _send(send, exc.status, _error(str(exc)), headers)
+            return
+        decision = dra_validation.validate_decision(review)
+        await _send(send, 200, response_body(review, decision))
+        if isinstance(decision, Denial):
+            log.info("DRA object denied", extra={
+                "kind": review.kind, "namespace": review.namespace, "name": review.name,
+                "reason": decision.message[:300]})  # fmt: skip
 
     async def _convert_to_claims(self, review: Review, decision: Admitted) -> Decision:
         """DRA mode: the pod's claims and their templates (dra_templates.py)."""

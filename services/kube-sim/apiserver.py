@@ -252,6 +252,8 @@ class ApiServer:
         # built-in admission steps run on every pod CREATE before the webhook (Priority).
         self.extra_routes: list[Route] = []
         self.pod_admitters: list[Callable[[KubeObject], KubeObject]] = []
+        # The validating webhook of DRA objects (dra/validating_webhook.py), after validation.
+        self.validate_dra: Callable[[str, KubeObject], Awaitable[None]] | None = None
         # node name -> its kubelet (anything with describe()), for the debug endpoint
         self.kubelets: dict[str, Any] = {}
         self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -533,6 +535,8 @@ class ApiServer:
             dra_objects.prepare(kind, obj)
             if kind not in CLUSTER_SCOPED:
                 dra_objects.check_admin_access(kind, obj, self._namespace_labels(meta))
+            if self.validate_dra is not None and not dry_run:
+                await self.validate_dra(kind, obj)
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}

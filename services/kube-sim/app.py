@@ -15,6 +15,7 @@ from tessera.kube_sim.disruption import Disruption
 from tessera.kube_sim.dra.claims import ClaimController
 from tessera.kube_sim.dra.eviction import DeviceTaintEviction
 from tessera.kube_sim.dra.scheduling import DynamicResources
+from tessera.kube_sim.dra.validating_webhook import DraValidatingWebhook, validate_url
 from tessera.kube_sim.extender import ExtenderClient, ExtenderConfig
 from tessera.kube_sim.identity import TokenTable
 from tessera.kube_sim.kubeconfig import write_kubeconfigs
@@ -91,6 +92,14 @@ class KubeSim:
             admit_update=self.webhook.update if self.webhook is not None else None,
             tokens=self.tokens,
         )
+        if self.webhook is not None:  # in DRA mode the chart registers /validate too
+            self.dra_webhook: AdmissionWebhook | None = AdmissionWebhook(
+                validate_url(settings.webhook_url), settings.webhook_ca or None,
+                settings.webhook_timeout_s, settings.webhook_failure_policy,
+            )  # fmt: skip
+            self.api.validate_dra = DraValidatingWebhook(self.dra_webhook)
+        else:
+            self.dra_webhook = None
         self.disruption = Disruption(self.store, self._stop_processes, lambda: self.api.now())
         self.api.extra_routes += self.disruption.routes()
         self.api.pod_admitters.append(self.disruption.admit_priority)
@@ -182,6 +191,8 @@ class KubeSim:
             await self.disruption.close()
             if self.webhook is not None:
                 await self.webhook.close()
+            if self.dra_webhook is not None:
+                await self.dra_webhook.close()
             if self.extender is not None:
                 await self.extender.close()
 

@@ -1,7 +1,8 @@
 """Rebuilding the ledger from the cluster: the cluster is the durable record.
 
 Every pod the scheduler binds carries its grants in HAMi's annotations
-(`hami.io/vgpu-devices-to-allocate`, `hami.io/vgpu-node`, `hami.io/bind-phase`). When the ledger
+(`hami.io/vgpu-devices-to-allocate`, `hami.io/vgpu-node`, `hami.io/bind-phase`); a pod the DRA
+allocator placed, in its ResourceClaims' allocation (rebuild_dra.py). When the ledger
 is empty or lost (NATS lost its store, a bucket was deleted), the bound pods still run on those
 grants, so before any new placement the scheduler lists every pod and writes back, per node, the
 allocations the ledger is missing. Each node is one compare-and-set that only ever *adds* missing
@@ -22,14 +23,17 @@ from typing import Any
 
 from tessera.bus import CasConflictError, NoChange, Versioned, cas_update
 from tessera.cluster.port import ClusterPort
+from tessera.cluster.resources_port import list_claims_if_served
 from tessera.cluster.slim_pods import list_pods_slim
-from tessera.models import Allocation, InFlightClaim, NodeLedger
+from tessera.dra_restore import claim_nodes
+from tessera.models import Allocation, DeviceInfo, InFlightClaim, NodeLedger
 from tessera.restore import RestoreReport, RestoreRules, allocations_from_pods, checked_restore
 from tessera.settings import TesseraSettings
 from tessera.signing import TrustStore
 
 from .foreign import ForeignCapacity
 from .index import ClusterIndex
+from .rebuild_dra import merge_dra
 from .stale import Listing, UnlistedRecorder
 
 log = logging.getLogger("tessera.scheduler")
@@ -140,8 +144,16 @@ class LedgerRebuilder:
             unplaced, quota_held=self.quota_enabled, now=now, claim_ttl_s=self.claim_ttl_s,
             report=report,
         )  # fmt: skip
-        if self.rules is not None and by_node:
-            await self._await_registrations(set(by_node))
+        # DRA pods: their slices are in their ResourceClaims, not in annotations (rebuild_dra).
+        claims = []
+        if any(_has_claims(p) for p in unplaced):
+            claims = await list_claims_if_served(self.cluster)
+        dra_nodes = _dra_pod_nodes(unplaced, claim_nodes(claims)) if claims else set()
+        if self.rules is not None and (by_node or dra_nodes):
+            await self._await_registrations(set(by_node) | dra_nodes)
+        if claims:
+            merge_dra(by_node, claims, unplaced, self._devices_of,
+                      quota_held=self.quota_enabled, now=now, report=report)  # fmt: skip
         pods_by_uid = {str((p.get("metadata") or {}).get("uid")): p for p in unplaced
                        if isinstance(p, dict)} if self.rules is not None else {}  # fmt: skip
         for node, found in by_node.items():
@@ -175,6 +187,12 @@ class LedgerRebuilder:
                 "forged": report.forged[:10], "refused": report.refused[:10],
             })  # fmt: skip
         return report
+
+    def _devices_of(self, node: str) -> list[DeviceInfo] | None:
+        """The node's registered GPUs (None: it has not registered)."""
+        entry = self.index.entries.get(node)
+        registration = entry.registration if entry is not None else None
+        return list(registration.devices) if registration is not None else None
 
     def _check(
         self, node: str, pods: dict[str, Any], checked: RestoreReport,
@@ -240,6 +258,17 @@ def needed(placed: dict[str, str], ours: str | None, uids: list[Any], schedulers
         return [not (type(uid) is str and uid in placed) for uid in uids]
     return [not (type(uid) is str and uid in placed and (not scheduler or scheduler == ours))
             for uid, scheduler in zip(uids, schedulers, strict=True)]  # fmt: skip
+
+
+def _has_claims(pod: Any) -> bool:
+    spec = pod.get("spec") if isinstance(pod, dict) else None
+    return isinstance(spec, dict) and bool(spec.get("resourceClaims"))
+
+
+def _dra_pod_nodes(pods: list[Any], pools: set[str]) -> set[str]:
+    """The nodes of pods with ResourceClaims that this driver allocated devices on."""
+    return {str(p["spec"].get("nodeName")) for p in pods
+            if _has_claims(p) and p["spec"].get("nodeName") in pools}  # fmt: skip
 
 
 def _placed(pod: Any, placed: dict[str, str]) -> bool:

@@ -17,7 +17,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from tessera.cluster.port import ConflictError, KubeObject, NotFoundError, WatchEvent
+from tessera.cluster.port import (
+    ClusterError,
+    ConflictError,
+    KubeObject,
+    NotFoundError,
+    WatchEvent,
+)
 
 GROUP_VERSION = "resource.k8s.io/v1"
 _BASE = f"/apis/{GROUP_VERSION}"
@@ -64,6 +70,27 @@ class ResourcePort(Protocol):
     async def create_device_class(self, device_class: KubeObject) -> KubeObject:
         """ConflictError when it exists."""
         ...
+
+
+async def list_claims_if_served(cluster: Any) -> list[KubeObject]:
+    """Every ResourceClaim of the cluster; [] where the API serves no `resource.k8s.io/v1` (a
+    cluster without DRA) or the port has no such call. A 403 says which permission is missing;
+    any other failure is raised (the caller tries again)."""
+    lister = getattr(cluster, "list_resource_claims", None)
+    if lister is None:
+        return []
+    try:
+        claims: list[KubeObject] = await lister()
+    except NotFoundError:
+        return []
+    except ClusterError as exc:
+        if exc.status == 403:
+            raise ClusterError(
+                "ResourceClaims (resource.k8s.io) may not be listed: running DRA pods' slices "
+                "cannot be read back; grant `list` on resourceclaims (the chart's ClusterRole "
+                "does)", 403) from exc  # fmt: skip
+        raise
+    return claims
 
 
 def _quote(segment: str) -> str:

@@ -51,6 +51,7 @@ class _ContainerStatus(TypedDict, total=False):
 class _Status(TypedDict, total=False):
     phase: Any
     initContainerStatuses: list[_ContainerStatus]
+    resourceClaimStatuses: Any  # a DRA pod's generated claims (tessera.dra_restore)
 
 
 class _Container(TypedDict, total=False):
@@ -64,6 +65,7 @@ class _Spec(TypedDict, total=False):
     schedulerName: Any
     containers: list[_Container]
     initContainers: list[_Container]
+    resourceClaims: Any  # a DRA pod's claims (tessera.dra_restore)
 
 
 # HAMi's placement record (tessera.restore and the scheduler's foreign.py read these only):
@@ -242,9 +244,11 @@ _KEEP: dict[str, Any] = {
                  "annotations": dict.fromkeys(ANNOTATIONS)},
     "spec": {"nodeName": None, "schedulerName": None,
              "containers": [{"name": None, "resources": None, "restartPolicy": None}],
-             "initContainers": [{"name": None, "resources": None, "restartPolicy": None}]},
+             "initContainers": [{"name": None, "resources": None, "restartPolicy": None}],
+             "resourceClaims": None},
     "status": {"phase": None,
-               "initContainerStatuses": [{"state": {"terminated": {"exitCode": None}}}]},
+               "initContainerStatuses": [{"state": {"terminated": {"exitCode": None}}}],
+               "resourceClaimStatuses": None},
 }  # fmt: skip
 
 

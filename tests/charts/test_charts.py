@@ -609,6 +609,7 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("", "events"): {"create", "patch"},
         # a reservation only for a pod that exists; charges rebuilt from the bound pods
         ("", "pods"): {"get", "list"},
+        ("resource.k8s.io", "resourceclaims"): {"list"},  # DRA pods' charges from their claims
     },
     "tessera-node-agent": {
         ("", "pods"): {"get", "list", "watch"},
@@ -625,6 +626,8 @@ EXPECTED_RULES: dict[str, dict[tuple[str, str], set[str]]] = {
         ("policy", "poddisruptionbudgets"): {"list"},  # preemption: honour PDBs
         ("", "events"): {"create", "patch"},
         ("coordination.k8s.io", "leases"): {"create", "get", "update"},
+        # the ledger's rebuild: running DRA pods' slices from their claims
+        ("resource.k8s.io", "resourceclaims"): {"list"},
     },
 }
 # Roles Kubernetes itself defines for a second scheduler; nothing else is borrowed.

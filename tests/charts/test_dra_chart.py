@@ -35,7 +35,10 @@ def test_the_node_agent_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F8
             "verbs": ["get"]} in rules  # fmt: skip
     for kube_version in KUBE_VERSIONS:
         assert lint_problems(charts_dir / "tessera-node-agent", values, kube_version) == []
-        validate_all(manifests, kube_version)
+        # resource.k8s.io/v1 (the DeviceClasses) is served from 1.34, which DRA mode needs
+        served = int(kube_version.split(".")[1]) >= 34
+        validate_all([m for m in manifests if served or m["kind"] != "DeviceClass"],
+                     kube_version)  # fmt: skip
     off = render(charts_dir, "tessera-node-agent")
     assert "TESSERA_DRA" not in env_of(container(find(off, "DaemonSet"), "node-agent"))
 
@@ -53,5 +56,45 @@ def test_the_admission_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F81
     for kube_version in KUBE_VERSIONS:
         assert lint_problems(charts_dir / "tessera-admission", values, kube_version) == []
         validate_all(manifests, kube_version)
+    # DRA objects' configuration for the driver is checked when written (/validate)
+    validating = find(manifests, "ValidatingWebhookConfiguration")
+    hooks = validating["webhooks"]
+    assert {h["clientConfig"]["service"]["path"] for h in hooks} == {"/validate"}
+    assert [r for hook in hooks for rule in hook["rules"] for r in rule["resources"]] == [
+        "resourceclaims", "resourceclaimtemplates", "deviceclasses"]
+    # the match conditions are the ones kube-sim applies (its conformance test runs them in CEL)
+    from tessera.kube_sim.dra.validating_webhook import MATCH_CONDITIONS
+
+    assert {h["rules"][0]["resources"][0]: h["matchConditions"][0]["expression"]
+            for h in hooks} == MATCH_CONDITIONS  # fmt: skip
+    assert env_of(webhook)["TESSERA_WEBHOOK_CERT_CONFIGURATIONS"] == (
+        f'["mutating/{validating["metadata"]["name"]}",'
+        f'"validating/{validating["metadata"]["name"]}"]')  # its caBundle set as the other's
+    certs = [m for m in manifests if m["kind"] == "ClusterRole"
+             and m["metadata"]["name"].endswith("-certs")]  # fmt: skip
+    assert {"apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["validatingwebhookconfigurations"],
+            "resourceNames": [validating["metadata"]["name"]],
+            "verbs": ["get", "update"]} in certs[0]["rules"]  # fmt: skip
     off = render(charts_dir, "tessera-admission")
     assert not [m for m in off if m["metadata"]["name"] == "tessera-admission-dra"]
+    assert not [m for m in off if m["kind"] == "ValidatingWebhookConfiguration"]
+
+
+def test_the_node_agent_chart_ships_the_deviceclasses_tessera_up_installs(
+    charts_dir: Path,  # noqa: F811
+) -> None:
+    """With DRA on, the chart carries the DeviceClasses, so `helm upgrade` updates the classes
+    an older release installed; they are exactly `tessera up --dra`'s (and the examples')."""
+    from tessera_cli.dra import device_classes
+
+    manifests = render(charts_dir, "tessera-node-agent", {"dra": {"enabled": True}})
+    shipped = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "DeviceClass"}
+    wanted = {c["metadata"]["name"]: c for c in device_classes()}
+    assert set(shipped) == set(wanted)
+    for name, cls in wanted.items():
+        assert shipped[name]["apiVersion"] == cls["apiVersion"]
+        assert shipped[name]["spec"] == cls["spec"], name
+    validate_all(list(shipped.values()), KUBE_VERSIONS[-1])
+    off = render(charts_dir, "tessera-node-agent")
+    assert not [m for m in off if m["kind"] == "DeviceClass"]

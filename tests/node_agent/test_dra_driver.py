@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from tessera.node_agent.containers import ContainerStore
-from tessera.node_agent.dra import cdi, names
+from tessera.node_agent.dra import cdi
 from tessera.node_agent.dra.driver import DraDriver
 from tessera.node_agent.dra.endpoint import DraEndpoint
 from tessera.node_agent.dra.quota import DraQuota
@@ -25,6 +25,7 @@ from tessera.node_agent.state import DeviceState
 from tessera.quota import QuotaService
 
 from tessera import bus
+from tessera import dra_names as names
 from tessera.cluster.memory import InMemoryCluster
 from tessera.codec import decode, encode
 from tessera.kubeapi import (

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from tessera.kube_sim.dra.slices import validate_slice
 from tessera.node_agent.devices import PhysicalGpu
-from tessera.node_agent.dra import cdi, names
+from tessera.node_agent.dra import cdi
 from tessera.node_agent.mig_dynamic import MigReconciler
 from tessera.node_agent.mig_service import DynamicMig
 from tessera.node_agent.mig_sim import SimulatedMig
@@ -29,6 +29,7 @@ from tessera.node_agent.mps import MpsDaemons
 from tessera.node_agent.state import DeviceState
 from test_dra_driver import Harness, pod_and_claim
 
+from tessera import dra_names as names
 from tessera.cluster.memory import InMemoryCluster
 from tessera.models import DeviceInfo, MigCapability, MigState
 from tessera.region import read_limits

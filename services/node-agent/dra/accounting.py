@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tessera.bus import NoChange
+from tessera.dra_names import DRA_REASON
 from tessera.models import Allocation, AllocationState, DeviceGrant, NodeLedger, now
 
 from .claims import PreparedClaim
-
-DRA_REASON = "dra"  # Allocation.reason of an allocation a DRA claim made
 
 
 def pod_allocation(

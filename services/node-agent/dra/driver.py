@@ -20,9 +20,9 @@ extender mode) and records their MIG UUIDs; the CDI device hands the container t
 UUID and no libvgpu (the hardware isolates it). Unprepare takes the claim's instances out of
 the ledger entry and destroys them at once (IN_USE: the MIG reconcile retries), so the
 allocator may give the placement to the next claim.
-MPS (`config.py`): the container's own control daemon holds the claim's share before the CDI
-spec exists (`MpsDaemons.limit_now`, as Allocate in extender mode), its pipe directory is
-mounted and libvgpu's compute limiter is off (the sealed limits keep memory).
+MPS (`tessera/dra_config.py`): the container's own control daemon holds the claim's share
+before the CDI spec exists (`MpsDaemons.limit_now`, as Allocate in extender mode), its pipe
+directory is mounted and libvgpu's compute limiter is off (the sealed limits keep memory).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class DraDriver:
 
     @staticmethod
     def dra_name() -> str:
-        from .names import DRIVER_NAME
+        from tessera.dra_names import DRIVER_NAME
 
         return DRIVER_NAME
 

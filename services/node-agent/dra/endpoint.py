@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from tessera import dra_names as names
 from tessera.cluster.port import ClusterError, ConflictError, NotFoundError
 from tessera.kubeapi import (
     dra,
@@ -37,7 +38,7 @@ from tessera.kubeapi import (
 )
 
 from ..state import DeviceState
-from . import names, slices
+from . import slices
 from .driver import DraDriver, PrepareError
 
 log = logging.getLogger("tessera.node_agent.dra")

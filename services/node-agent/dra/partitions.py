@@ -22,32 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from tessera import dra_names as names
 from tessera import mig as mig_tables
+from tessera.dra_grants import offered_profiles, partition_name
 from tessera.models import DeviceInfo
-
-from . import names
 
 
 def counter_set_name(device: DeviceInfo) -> str:
     return f"gpu-{device.index}-counters"
-
-
-def partition_name(device: DeviceInfo, profile: str, start: int) -> str:
-    """A DNS label: the profile's dot becomes a dash (`1g.10gb` → `1g-10gb`)."""
-    return f"gpu-{device.index}-mig-{profile.replace('.', '-')}-{start}"
-
-
-def model_of(device: DeviceInfo) -> mig_tables.MigModel | None:
-    """The card's MIG model when it serves dynamic MIG (mode `mig`, capability set)."""
-    if device.mode != "mig" or device.mig is None:
-        return None
-    return mig_tables.model_for(device.mig.model) or mig_tables.model_for(device.type)
-
-
-def offered_profiles(model: mig_tables.MigModel, device: DeviceInfo
-                     ) -> list[mig_tables.MigProfile]:  # fmt: skip
-    allowed = {p for g in (device.mig.geometries if device.mig else []) for p in g}
-    return [p for p in model.profiles if not allowed or p.name in allowed]
 
 
 def counter_set(device: DeviceInfo, model: mig_tables.MigModel) -> dict[str, Any]:
@@ -85,16 +67,3 @@ def partition_entries(device: DeviceInfo, model: mig_tables.MigModel,
                 ],
             })  # fmt: skip
     return out
-
-
-def placement_of(device: DeviceInfo, name: str) -> tuple[str, int] | None:
-    """(profile, start) of the partition `name` of this card, None when it names none (or one
-    the card does not offer now)."""
-    model = model_of(device)
-    if model is None:
-        return None
-    for profile in offered_profiles(model, device):
-        for start in profile.starts:
-            if partition_name(device, profile.name, start) == name:
-                return profile.name, start
-    return None

@@ -6,10 +6,10 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from tessera.cluster.port import ClusterError
+from tessera.dra_names import ANN_ALLOCATION_MODE
 
 from .driver import DraDriver
 from .endpoint import DraEndpoint
-from .names import ANN_ALLOCATION_MODE
 from .quota import DraQuota
 from .settings import DraSettings
 

@@ -18,7 +18,8 @@ One pool per node (named after it) in one slice. Each GPU the node offers for li
   places nothing new on it, running pods keep it (as the device plugin's `Unhealthy`).
 
 A card in mode `mps` is published as the same device with `mode: mps` (the DeviceClass
-`mps.gpu.tessera.io` selects those; a claim on one is prepared with MPS sharing, `config.py`).
+`mps.gpu.tessera.io` selects those; a claim on one is prepared with MPS sharing,
+`tessera/dra_config.py`).
 A card in dynamic MIG is published as its MIG partitions instead (`partitions.py`): devices
 consuming the card's counter set. The API keeps devices and counter sets in different slices
 of the pool (`Only one of Devices and SharedCounters can be set in a ResourceSlice`, at most 8
@@ -32,19 +33,17 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from tessera import dra_names as names
+from tessera.dra_grants import SLICED_MODES, device_name, offered_profiles, partition_name
+from tessera.dra_grants import model_of as mig_model_of
 from tessera.models import DeviceInfo
 
-from . import names, partitions
+from . import partitions
 
-SLICED_MODES = frozenset({"hami-core", "mps"})
 MAX_DEVICES = 128
 MAX_DEVICES_WITH_COUNTERS_OR_TAINTS = 64
 MAX_COUNTER_SETS = 8
 _VERSION_PART = re.compile(r"\d+")
-
-
-def device_name(device: DeviceInfo) -> str:
-    return f"gpu-{device.index}"
 
 
 def semver(version: str) -> str:
@@ -119,16 +118,16 @@ def published(devices: Iterable[DeviceInfo]) -> list[DeviceInfo]:
     """The cards the pool offers, by index: libvgpu-sliced and MPS cards whole, cards in
     dynamic MIG as their partitions."""
     return sorted((d for d in devices if d.mode in SLICED_MODES
-                   or partitions.model_of(d) is not None), key=lambda d: d.index)  # fmt: skip
+                   or mig_model_of(d) is not None), key=lambda d: d.index)  # fmt: skip
 
 
 def device_names(device: DeviceInfo) -> list[str]:
     """The names the card is published under (one, or each of its MIG partitions)."""
-    model = partitions.model_of(device)
+    model = mig_model_of(device)
     if model is None:
         return [device_name(device)]
-    return [partitions.partition_name(device, p.name, s)
-            for p in partitions.offered_profiles(model, device) for s in p.starts]  # fmt: skip
+    return [partition_name(device, p.name, s)
+            for p in offered_profiles(model, device) for s in p.starts]  # fmt: skip
 
 
 def pool_entries(devices: Iterable[DeviceInfo], *, driver_version: str, default_cores: int,
@@ -137,7 +136,7 @@ def pool_entries(devices: Iterable[DeviceInfo], *, driver_version: str, default_
     entries: list[dict[str, Any]] = []
     counter_sets: list[dict[str, Any]] = []
     for d in published(devices):
-        model = partitions.model_of(d)
+        model = mig_model_of(d)
         if model is None:
             entries.append(device_entry(d, driver_version=driver_version,
                                         default_cores=default_cores, taint_time=taint_time))

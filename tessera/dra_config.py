@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import names
+from tessera import dra_names as names
 
 TIME_SLICING = "TimeSlicing"
 MPS = "MPS"

@@ -39,6 +39,10 @@ COUNTER_COMPUTE_SLICES = "compute-slices"
 CONFIG_API_VERSION = "gpu.tessera.io/v1alpha1"
 CONFIG_KIND = "GpuConfig"
 
+# Allocation.reason of a ledger entry a DRA claim made (the driver's prepare, or the ledger's
+# rebuild from the claim: tessera.dra_restore).
+DRA_REASON = "dra"
+
 # The Node annotation a DRA-mode agent writes: the scheduler extender never places there.
 ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
 
