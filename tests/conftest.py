@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from process_state import ProcessState
 from suite_run import RUN, RunLock
 
 from tessera.bus import Buckets, connect, ensure_bus
@@ -30,6 +31,20 @@ settings.load_profile("tessera")
 
 # The GPU nodes the authenticated server has identities for (a dotted name included).
 AUTH_NODES = ("node-a", "node-b", "gpu.node-c")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_the_process_as_it_found_it(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Modules share a worker process in any order: one that leaves an environment variable, a
+    signal handler, a logger's level or a driver library behind fails here, at its own
+    teardown, instead of a later module failing for it (tests/process_state.py)."""
+    before = ProcessState.now()
+    yield
+    allowed = request.node.get_closest_marker("driver_library_in_process") is not None
+    problems = before.left_behind(ProcessState.now(), drivers_allowed=allowed)
+    if problems:
+        pytest.fail(f"{request.node.nodeid} left process-wide state behind:\n  "
+                    + "\n  ".join(problems), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +128,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "serial: runs while no other test of the run does (real-time shares, convergence bounds"
         " under a crash): with several workers, the others wait",
+    )
+    config.addinivalue_line(
+        "markers",
+        "driver_library_in_process: the module maps a driver library (libnvidia-ml, libcuda) into"
+        " the test process; it, and every test after it, reaches drivers by path only"
+        " (tests/process_state.py)",
     )
 
 

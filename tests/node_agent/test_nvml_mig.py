@@ -17,6 +17,9 @@ from fake_nvml_mig import gpu_lines, instance_line, profile_id
 from tessera import mig
 from tessera.device_kinds.nvidia.nvml_backend import bind_nvml_library
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 A100 = mig.MODELS["A100-SXM4-80GB"]
 A30 = mig.MODELS["A30"]
 U = [f"GPU-0000000{i}-aaaa-bbbb-cccc-00000000000{i}" for i in range(3)]
