@@ -6,7 +6,7 @@ Checked, because each has broken the suite or nearly so:
 - environment variables (change them with `monkeypatch`, or `pytest.MonkeyPatch.context()` in a
   module-scoped fixture);
 - the current directory, signal handlers, the cyclic GC's state, the event loop policy, the root
-  logger's handlers and any existing logger's level;
+  logger's handlers and level, and the levels of our loggers (`tessera.*`) and nats-py's;
 - driver libraries mapped into the process (libnvidia-ml, libcuda). Such a library cannot be
   unloaded, and the dynamic loader answers a later dlopen by soname ("libnvidia-ml.so.1", as
   pynvml does) with the first library of that soname the process holds, whichever test loaded
@@ -33,6 +33,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.
 # pytest itself names the running test in the environment, and adds its log capture handlers to
 # the root logger around every phase of a test.
 _PYTEST_ENV_PREFIX = "PYTEST_"
+_OWN_LOGGERS = frozenset({"tessera", "test", "nats"})
 
 
 def driver_libraries() -> frozenset[str]:
@@ -51,9 +52,12 @@ def _own_root_handlers() -> tuple[logging.Handler, ...]:
 
 
 def _logger_levels() -> dict[str, int]:
+    """The root logger's level and our own loggers' (and nats-py's, which we quiet). Third-party
+    servers started in-process set their own loggers' levels (uvicorn's configuration does, the
+    same values every time): those are left out."""
     levels = {"": logging.getLogger().level}
     for name, logger in logging.Logger.manager.loggerDict.items():
-        if isinstance(logger, logging.Logger):
+        if isinstance(logger, logging.Logger) and name.split(".")[0] in _OWN_LOGGERS:
             levels[name] = logger.level
     return levels
 
