@@ -28,12 +28,14 @@ def test_an_environment_variable_a_handler_and_a_logger_level_are_named(
     before = ProcessState.now()
     monkeypatch.setenv("TESSERA_LEFT_BEHIND", "1")
     monkeypatch.delenv("PATH")
-    monkeypatch.setattr(bus_logger, "level", logging.ERROR)
+    level = bus_logger.level
+    bus_logger.setLevel(logging.ERROR)  # (setLevel: it also drops the loggers' cached levels)
     previous = signal.signal(signal.SIGUSR1, lambda *_: None)
     try:
         problems = before.left_behind(ProcessState.now(), drivers_allowed=False)
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        bus_logger.setLevel(level)
     assert any(p.startswith("environment variable TESSERA_LEFT_BEHIND: None -> '1'")
                for p in problems), problems  # fmt: skip
     assert any(p.startswith("environment variable PATH:") for p in problems), problems
