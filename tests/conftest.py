@@ -3,6 +3,10 @@
 The suite also runs on several workers (pytest-xdist, `make test`: `-n 2 --dist loadscope`); the
 hooks at the end keep that safe: a module's tests stay on one worker (its module-scoped stack
 starts once), and a test marked `serial` runs while no other test does.
+
+Modules share a worker process in whatever order they are handed out, so each must leave the
+process as it found it: an autouse check fails a module at its teardown when it did not
+(tests/process_state.py says what is checked and why).
 """
 
 from __future__ import annotations
