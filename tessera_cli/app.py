@@ -121,6 +121,9 @@ def main() -> None:
         code = main_fast(args[1:])
         if code is not None:
             sys.exit(code)
+    from .locate import quiet_connection_logs  # (the commands that reach NATS run from here)
+
+    quiet_connection_logs()
     build_app()(prog_name="tessera")
 
 

@@ -130,13 +130,23 @@ def _refused(url: str, timeout_s: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
+def quiet_connection_logs() -> None:
+    """nats-py logs every failed attempt to connect with a traceback, and the bus a warning per
+    retry; a command says it once (connect_nats's CliError). Process-wide: called by the
+    program's entry point only, never by a command's code, which also runs inside other
+    processes (tests, `CliRunner`) whose logs it must leave alone."""
+    import logging
+
+    logging.getLogger("nats").setLevel(logging.CRITICAL)
+    logging.getLogger("tessera.bus").setLevel(logging.ERROR)
+
+
 async def connect_nats(
     location: StackLocation, name: str, timeout_s: float = CONNECT_TIMEOUT_S
 ) -> NatsClient:
     """A NATS connection for one command, or CliError within `timeout_s` (nats-py itself would
     retry a server that is not there forever, printing a traceback each time)."""
     import asyncio
-    import logging
 
     from tessera import bus
 
@@ -147,9 +157,6 @@ async def connect_nats(
     refusals = [_refused(u, timeout_s / 2) for u in urls]
     if urls and all(refusals):
         raise CliError(f"cannot reach NATS at {settings.url} ({refusals[0]}): {hint}")
-    # nats-py logs every failed attempt with a traceback; the command says it once.
-    logging.getLogger("nats").setLevel(logging.CRITICAL)
-    logging.getLogger("tessera.bus").setLevel(logging.ERROR)
     try:
         return await asyncio.wait_for(
             bus.connect(settings, name=name, initial_attempts=1), timeout_s

@@ -3,6 +3,10 @@
 The suite also runs on several workers (pytest-xdist, `make test`: `-n 2 --dist loadscope`); the
 hooks at the end keep that safe: a module's tests stay on one worker (its module-scoped stack
 starts once), and a test marked `serial` runs while no other test does.
+
+Modules share a worker process in whatever order they are handed out, so each must leave the
+process as it found it: an autouse check fails a module at its teardown when it did not
+(tests/process_state.py says what is checked and why).
 """
 
 from __future__ import annotations
@@ -10,11 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from process_state import ProcessState
 from suite_run import RUN, RunLock
 
 from tessera.bus import Buckets, connect, ensure_bus
@@ -30,6 +36,24 @@ settings.load_profile("tessera")
 
 # The GPU nodes the authenticated server has identities for (a dotted name included).
 AUTH_NODES = ("node-a", "node-b", "gpu.node-c")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_the_process_as_it_found_it(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Modules share a worker process in any order: one that leaves an environment variable, a
+    signal handler, a logger's level or a driver library behind fails here, at its own
+    teardown, instead of a later module failing for it (tests/process_state.py)."""
+    before = ProcessState.now()
+    yield
+    allowed = request.node.get_closest_marker("driver_library_in_process") is not None
+    problems = before.left_behind(ProcessState.now(), drivers_allowed=allowed)
+    settle = time.monotonic() + 5  # a thread still finishing (a render pausing the GC) may undo
+    while problems and time.monotonic() < settle:  # its change: only what stays is reported
+        time.sleep(0.1)
+        problems = before.left_behind(ProcessState.now(), drivers_allowed=allowed)
+    if problems:
+        pytest.fail(f"{request.node.nodeid} left process-wide state behind:\n  "
+                    + "\n  ".join(problems), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +137,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "serial: runs while no other test of the run does (real-time shares, convergence bounds"
         " under a crash): with several workers, the others wait",
+    )
+    config.addinivalue_line(
+        "markers",
+        "driver_library_in_process: the module maps a driver library (libnvidia-ml, libcuda) into"
+        " the test process; it, and every test after it, reaches drivers by path only"
+        " (tests/process_state.py)",
     )
 
 

@@ -3,13 +3,19 @@ and the extras its vendor's tools read), so admission does not call them misspel
 
 from __future__ import annotations
 
-from functools import cache
+from functools import lru_cache
 
 from . import registry
 
 
-@cache
 def family_annotation_keys() -> frozenset[str]:
+    """The keys of the families registered now (a family registered or unregistered later, as
+    tests and plugins do, changes them)."""
+    return _keys(registry.version)
+
+
+@lru_cache(maxsize=4)
+def _keys(_version: int) -> frozenset[str]:
     keys: set[str] = set()
     for family in registry.families():
         keys.update(family.selection_annotations())

@@ -40,6 +40,9 @@ from tessera.settings import TesseraSettings
 from .conftest import Cuctl, MiB, base_env, wait_for
 from .test_tenant import GPU0, _unprivileged_possible
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 LIMIT_MIB = 512
 LIMIT = LIMIT_MIB * MiB
 POD = "5d1c9e2a-7b3f-4a6d-8e0c-1f2a3b4c5d6e"
@@ -196,13 +199,9 @@ def account_base(native) -> Iterator[Path]:
     (etc / "ld.so.preload").chmod(0o444)
     fake_gpu_state(base).parent.mkdir(mode=0o777)
     fake_gpu_state(base).parent.chmod(0o1777)
-    saved = os.environ.get("FAKE_CUDA_STATE")
-    os.environ["FAKE_CUDA_STATE"] = str(fake_gpu_state(base))  # for the fake NVML in-process
-    yield base
-    if saved is None:
-        os.environ.pop("FAKE_CUDA_STATE", None)
-    else:
-        os.environ["FAKE_CUDA_STATE"] = saved
+    with pytest.MonkeyPatch.context() as env:  # for the fake NVML in-process
+        env.setenv("FAKE_CUDA_STATE", str(fake_gpu_state(base)))
+        yield base
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -253,11 +252,12 @@ def test_layout_is_the_agents_and_the_region_cannot_be_moved(pod):
     """The tenant sees the agent's mounts: the region writable, but neither renamable nor
     removable, and no file can be created beside it or beside the limits."""
     probe = pod.run([sys.executable, "-c", """
-import errno, json, os
+import errno, json, os, sys
 out = {}
-open('/tmp/tessera-account-zero', 'wb').close()
+zero = sys.argv[1]  # the test's own file (nothing under a fixed name in /tmp)
+open(zero, 'wb').close()
 for name, op in [
-    ('rename_over', lambda: os.replace('/tmp/tessera-account-zero', '/run/tessera/region/usage')),
+    ('rename_over', lambda: os.replace(zero, '/run/tessera/region/usage')),
     ('unlink', lambda: os.unlink('/run/tessera/region/usage')),
     ('create_beside', lambda: open('/run/tessera/region/new', 'wb')),
     ('rename_away', lambda: os.rename('/run/tessera/region/usage', '/run/tessera/region/x')),
@@ -271,7 +271,7 @@ for name, op in [
 out['region_writable'] = os.access('/run/tessera/region/usage', os.W_OK)
 out['uid'] = os.getuid()
 print(json.dumps(out))
-"""])
+""", str(pod.base / "gpu" / "zero")])
     assert probe.returncode == 0, probe.stderr
     got = json.loads(probe.stdout)
     assert got["uid"] == 65534 and got["region_writable"]
@@ -356,8 +356,8 @@ def test_attack3_container_root_cannot_replace_the_region(pod):
     attack = pod.run([sys.executable, "-c", f"""
 import errno, os, shutil
 out = []
-shutil.copy('{zero}', '/tmp/tessera-account-zero-root')
-for op in (lambda: os.replace('/tmp/tessera-account-zero-root', '/run/tessera/region/usage'),
+shutil.copy('{zero}', '{zero}-root')
+for op in (lambda: os.replace('{zero}-root', '/run/tessera/region/usage'),
            lambda: os.rename('/run/tessera/region/usage', '/run/tessera/region/old'),
            lambda: os.unlink('/run/tessera/region/usage')):
     try:

@@ -17,6 +17,9 @@ from tessera.node_agent.nvidia_source import StaticSource
 
 from tessera.settings import TesseraSettings
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 U = [f"GPU-0000000{i}-aaaa-bbbb-cccc-00000000000{i}" for i in range(4)]
 
 CONFIG = f"""\

@@ -20,6 +20,9 @@ from test_nvml_mig import A100, U, nvml  # noqa: F401 (the fixture)
 from tessera.codec import decode
 from tessera.models import MigEvent
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 
 def _dev(uuid: str, profile: str, start: int, gpu: str = "GPU-a") -> MigDevice:
     return MigDevice(gpu, 0, uuid, profile, gi_id=start + 1, ci_id=0, start=start, memory_mib=1)

@@ -35,6 +35,9 @@ from tessera.models import (
     NodeLedger,
 )
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 
 def grant(profile: str, start: int, state: MigState = MigState.PLANNED,
           mig_uuid: str = "") -> DeviceGrant:

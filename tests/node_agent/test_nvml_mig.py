@@ -15,6 +15,10 @@ import pytest
 from fake_nvml_mig import gpu_lines, instance_line, profile_id
 
 from tessera import mig
+from tessera.device_kinds.nvidia.nvml_backend import bind_nvml_library
+
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
 
 A100 = mig.MODELS["A100-SXM4-80GB"]
 A30 = mig.MODELS["A30"]
@@ -33,8 +37,15 @@ def _config(extra: str = "") -> str:
 
 @pytest.fixture
 def nvml(fake_nvml_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """pynvml on the fake; returns a function (re)starting NVML with extra config lines."""
-    ctypes.CDLL(str(fake_nvml_lib), mode=ctypes.RTLD_GLOBAL)
+    """pynvml on the fake; returns a function (re)starting NVML with extra config lines.
+
+    pynvml is bound to the fake by path, as the node agent binds it: left to its own
+    dlopen("libnvidia-ml.so.1"), it gets whichever library of that soname this process loaded
+    first (an earlier test's fake driver, e.g. the native suite's watchdog probe). Its binding
+    is restored afterwards, so no later test inherits this one."""
+    monkeypatch.setattr(pynvml, "nvmlLib", None)
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    bind_nvml_library(str(fake_nvml_lib))
     config = tmp_path / "nvml.conf"
     monkeypatch.setenv("FAKE_NVML_CONFIG", str(config))
     monkeypatch.setenv("FAKE_NVML_MIG_STATE", str(tmp_path / "mig.state"))

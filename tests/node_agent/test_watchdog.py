@@ -18,6 +18,9 @@ from watchdog_rig import MIB, Breaches, WatchEnv, admit, make_env, wait_exit, wa
 
 from tessera.settings import TesseraSettings
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 GRACE_S = 2.0  # the default memory grace period
 
 

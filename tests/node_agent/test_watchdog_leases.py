@@ -26,6 +26,9 @@ from watchdog_rig import MIB, Breaches, WatchEnv, admit, make_env, wait_exit, wa
 
 from tessera.settings import TesseraSettings
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 BOUND_S = 0.5
 
 LEASER = """

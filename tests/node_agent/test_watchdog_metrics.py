@@ -13,6 +13,9 @@ from test_agent_metrics import value
 from test_watchdog_nvml import build_variant
 from watchdog_rig import Breaches, WatchEnv, admit, make_env, wait_exit, watched_rig
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 
 @pytest.fixture
 def env(

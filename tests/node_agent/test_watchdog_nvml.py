@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from watchdog_rig import MIB, Breaches, WatchEnv, admit, make_env, wait_exit, watched_rig
 
+# It maps a driver library into the test process (tests/process_state.py): by path only.
+pytestmark = pytest.mark.driver_library_in_process
+
 HERE = Path(__file__).parent
 
 
