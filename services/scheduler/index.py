@@ -47,6 +47,7 @@ from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
 from .refusal_shapes import UNSHAREABLE, CardClasses
+from .refusal_states import RowStates
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -512,6 +513,9 @@ class ClusterIndex:
         self.card_classes = CardClasses()
         self.card_class = np.full((capacity, _WIDTH), -1, dtype=np.int32)
         self.unusable_sig = np.full(capacity, UNSHAREABLE, dtype=np.int64)
+        # each row's cards and signature numbered (equal rows, one number): a refusal reads
+        # each distinct row once (`refusal_states`)
+        self.row_states = RowStates()
         # and its used slots (a pod of several containers: the first's pick, `refusal_shapes`)
         self.card_slots = np.full((capacity, _WIDTH), -1, dtype=np.int32)
         # The decision's copies of those values per recent candidate list (index order).
@@ -990,6 +994,7 @@ class ClusterIndex:
         del self.entries[entry.name]
         self.slot_of.pop(entry.name, None)
         self.refusal_memos.forget(entry.slot)
+        self.row_states.forget(entry.slot)
         self.names_at[entry.slot] = None
         self.by_slot[entry.slot] = None
         self.free_slots.append(entry.slot)
