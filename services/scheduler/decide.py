@@ -237,7 +237,7 @@ class Decision:
         worded one by one as before."""
         index = self.index
         pruned = self.pruned
-        slots = (pruned.array() if hasattr(pruned, "array")  # (index.Pruned)
+        slots = (pruned.unordered() if hasattr(pruned, "unordered")  # (index.Pruned)
                  else np.asarray(list(pruned), dtype=np.int64))  # type: ignore[call-overload]
         if len(slots):
             memo = self.memo()

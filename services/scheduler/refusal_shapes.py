@@ -272,15 +272,10 @@ def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
     by index on a row (`group_steps`' ties) read that row's other candidates one by one."""
     if len(slots) < _DISTINCT_FROM:
         return _group(index, slots, r)
-    numbers = index.row_states.of(index, slots)
-    _unique, firsts, inverse = np.unique(numbers, return_index=True, return_inverse=True)
-    if 4 * len(firsts) > 3 * len(slots):  # (few alike: read as they are)
+    distinct = index.row_states.distinct(index, slots)
+    if distinct is None:  # (few alike: read as they are)
         return _group(index, slots, r)
-    order = np.argsort(firsts)  # the distinct rows in the candidates' order
-    reps = firsts[order]
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    of_rep = rank[inverse.reshape(-1)]  # each candidate's distinct row, by its place in `reps`
+    reps, of_rep = distinct  # (each candidate's distinct row, by its place in `reps`)
     steps = isinstance(r, PodSteps) and len(r.containers) > 1
     ties = np.zeros(len(reps), dtype=bool) if steps else None
     rep_groups, keys, rep_first = _group(index, slots[reps], r, ties)

@@ -19,7 +19,11 @@ number only when they are equal). A number is valid at the row version it was ta
 (`ClusterIndex.row_version`, advanced with every write of the row); a call renumbers only the
 rows written since (a refusal usually finds a handful: the placements since the last one).
 The free percentage is not in the key: it is a function of the free memory and the class's
-memory (`index.free_percentage`). `tests/scheduler/test_refusal_states.py`.
+memory (`index.free_percentage`), nor the node's free GPUs (its cards with a class). A row
+whose refusals are not grouped (signature `UNSHAREABLE`: MIG or another kind's cards, HAMi's
+pods, a blocked row) is numbered alone. The per-card summaries a walk checks a large chunk of
+candidates against (`ClusterIndex._mask`) are read the same way: they read only these values
+as a multiset. `tests/scheduler/test_refusal_states.py`.
 """
 
 from __future__ import annotations
@@ -70,6 +74,18 @@ class RowStates:
             self._number(index, slots[stale] if not stale.all() else slots)
         return self.ids.take(slots)
 
+    def distinct(self, index: Any, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the candidates' distinct rows, each by its first candidate, in the candidates'
+        order; each candidate's place among them), or None when most rows are distinct."""
+        numbers = self.of(index, slots)
+        _unique, firsts, inverse = np.unique(numbers, return_index=True, return_inverse=True)
+        if 4 * len(firsts) > 3 * len(slots):
+            return None
+        order = np.argsort(firsts)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        return firsts[order], rank[inverse.reshape(-1)]
+
     def _number(self, index: Any, rows: np.ndarray) -> None:
         classes = index.card_class.take(rows, axis=0).astype(np.int64) + 1
         memory = index.card_mem.take(rows, axis=0) + _MEM_OFFSET
@@ -94,9 +110,13 @@ class RowStates:
         size = keyed.shape[1] * 8
         table = self._table
         numbers = []
+        shared = (signature.astype(np.int64) >= 0).tolist()
+        versions = index.row_version.take(rows).tolist()
         for i, ok in enumerate(fits.tolist()):
             key: Any = data[i * size : (i + 1) * size]
-            if not ok:  # (a field out of its bits: the row's plain values)
+            if not shared[i]:  # (a row whose refusals are not grouped: numbered alone)
+                key = ("alone", int(rows[i]), versions[i])
+            elif not ok:  # (a field out of its bits: the row's plain values)
                 row = int(rows[i])
                 key = ("plain", int(index.unusable_sig[row]), tuple(sorted(zip(
                     index.card_class[row].tolist(), index.card_mem[row].tolist(),
