@@ -272,9 +272,11 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray
                     np.where(used_slots + (last - j + 1) >= total_split, used_slots, -1))
             # (a class's NUMA node is read only under NUMA binding, never grouped in steps:
             # libvgpu slices' codes are verdicts, so classes apart from it pick alike)
+            # (the free % is the free memory's on the class's memory: not compared)
             kind = index.card_classes.sans_numa().take(cls) if sliced.all() else cls
-            _mark_ties(ties, rows, key, taken, passes, (
-                kind, free_mem, free_cores, used, computing, idle, pct))
+            state = (free_mem, free_cores, used, computing, idle)
+            _mark_ties(ties, rows, key, taken, passes,
+                       state if int(kind.min()) == int(kind.max()) else (kind, *state))
         # charged as `placement._take` charges them (the gathers are this call's copies)
         charge = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
                   else r.memory_mib)  # fmt: skip
@@ -303,11 +305,12 @@ def _mark_ties(ties: np.ndarray, rows: np.ndarray | None, key: np.ndarray, taken
         return
     at = np.flatnonzero(left_out)
     edge = boundary[at]
+    pick = np.argmax(edge, axis=1)
+    rows_at = np.arange(len(at))
     differ = np.zeros(len(at), dtype=bool)
     for values in state:
-        values = values[at]
-        first = values[np.arange(len(at)), np.argmax(edge, axis=1)]
-        differ |= (edge & (values != first[:, None])).any(axis=1)
+        values = values.take(at, axis=0)
+        differ |= (edge & (values != values[rows_at, pick][:, None])).any(axis=1)
     if differ.any():
         ties[at[differ] if rows is None else rows[at[differ]]] = True
 
