@@ -36,7 +36,9 @@ import numpy as np
 # free cores + 1024, free memory MiB + 2^25, class + 1): 1 + 1 + 10 + 12 + 28 + 12 = 64
 _SLOT_BITS, _CORE_BITS, _MEM_BITS, _CLASS_BITS = 10, 12, 28, 12
 _CORE_OFFSET, _MEM_OFFSET = 1 << 10, 1 << 25
-_TABLE = 1 << 18  # distinct row states numbered before the table starts over
+# distinct row states numbered before the table starts over (every row then renumbered as
+# calls read it): 4 per row the index can hold, at least 65,536 (~13 MB of keys)
+_TABLE_PER_ROW, _TABLE_MIN = 4, 1 << 16
 
 
 class RowStates:
@@ -65,7 +67,8 @@ class RowStates:
             ids = np.zeros(len(versions), dtype=np.int64)
             ids[: len(self.ids)] = self.ids
             self.ids = ids
-        if width != self._width or len(self._table) > _TABLE:
+        if width != self._width or len(self._table) > max(_TABLE_MIN,
+                                                           _TABLE_PER_ROW * len(versions)):
             self._table.clear()
             self.at[:] = -1
             self._width = width

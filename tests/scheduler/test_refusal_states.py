@@ -163,3 +163,31 @@ def test_refusals_of_many_alike_nodes_are_worded_as_fitting_each() -> None:
             entry, fit = chosen
             place(index, entry.name, f"placed-{call}", fit.containers, rng)
     assert refused > 10, refused
+
+
+def test_a_full_table_starts_over_and_numbers_rows_alike(monkeypatch) -> None:
+    """Past its size the table of row states starts over: every row is numbered again as it
+    is read, alike rows still share a number and unlike ones do not."""
+    from tessera.scheduler import refusal_states
+
+    monkeypatch.setattr(refusal_states, "_TABLE_MIN", 4)
+    monkeypatch.setattr(refusal_states, "_TABLE_PER_ROW", 0)
+    rng = random.Random(4)
+    index = ClusterIndex()
+    usages = [[(20, 60), (10, 10)], [(10, 10), (20, 60)], [(30, 0), (10, 10)]]
+    for i in range(30):
+        node(index, f"t{i:02d}", usages[i % 3], rng, (0, 0))
+    slots = np.asarray([index.slot_of[f"t{i:02d}"] for i in range(30)], dtype=np.int64)
+    for round_ in range(6):  # (each write a new state: the table fills and starts over)
+        name = f"t{round_ * 3 + 2:02d}"
+        place(index, name, f"extra-{round_}", [[DeviceGrant(
+            uuid=f"GPU-{name}-1", type="NVIDIA-H100", memory_mib=GIB, cores=1)]], rng)
+        numbers = index.row_states.of(index, slots).tolist()
+        for i in range(30):
+            for j in range(30):
+                same = sorted(zip(index.card_mem[slots[i]].tolist(),
+                                  index.card_cores[slots[i]].tolist(),
+                                  index.card_slots[slots[i]].tolist(), strict=True)) == sorted(
+                    zip(index.card_mem[slots[j]].tolist(), index.card_cores[slots[j]].tolist(),
+                        index.card_slots[slots[j]].tolist(), strict=True))  # fmt: skip
+                assert (numbers[i] == numbers[j]) == same, (round_, i, j)
