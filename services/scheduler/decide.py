@@ -17,7 +17,7 @@ from tessera.hami import PodRequest
 from .index import ClusterIndex, Need, NodeEntry
 from .node_reasons import NodeReasons
 from .placement import PodFit, fit_pod
-from .refusal_fast import refused_at_once
+from .refusal_fast import refused_at_once, refused_rest_at_once
 from .refusal_memo import FITS, RefusalMemo
 from .refusal_shapes import first_step, group
 from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
@@ -25,6 +25,11 @@ from .rules import NODE_UNREGISTERED, FitContext, PodOptions, QuotaBudget
 _BULK = 16  # candidates left from which remembered refusals are looked up vectorised
 _SHAPES = 1 << 16  # shapes remembered per request before its shapes start over
 _TAKES_FIRST = -2  # a shape that takes a pod's first container: its nodes fitted one by one
+# A walk of a list of at least `_AT_ONCE` candidates that checked `_AT_ONCE_CHECKED` against
+# the summaries (a placed pod of bench/decision_lockstep.py's trace checks at most ~80), or
+# worded a run of known refusals to its end, without a fit, checks every candidate at once
+# (`refusal_fast.refused_rest_at_once`)
+_AT_ONCE, _AT_ONCE_CHECKED = 1024, 256
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Decision:
     _key: str | None = None
     _memo: RefusalMemo | None = None
     _step: object = False  # (`first_step`, once asked: False = not asked yet)
+    # every candidate worded at once (`refusal_fast.refused_rest_at_once`): None = not tried
+    _at_once: bool | None = None
 
     def context(self) -> FitContext:
         return FitContext(self.options, QuotaBudget(self.budget.memory_mib, self.budget.cores))
@@ -67,6 +74,13 @@ class Decision:
         bulk = False  # the last nodes were worded in bulk: likely refused everywhere
         while True:
             if i >= len(survivors):
+                if more is not None and self._at_once is None and (
+                    bulk or ordering.checked >= _AT_ONCE_CHECKED
+                ) and len(ordering.slots) >= _AT_ONCE:  # fmt: skip
+                    # (far without a fit: refused everywhere? then nothing left to walk)
+                    self._at_once = refused_rest_at_once(self)
+                    if self._at_once:
+                        return
                 if more is None or not more():
                     return
                 if bulk:  # read on until the candidates left double (O(log n) bulk reads)
@@ -236,8 +250,11 @@ class Decision:
         pods (`ClusterIndex.foreign`: blocked, or a note about what HAMi holds there) are
         worded one by one as before."""
         index = self.index
+        if self._at_once:  # (every candidate and unknown name worded: `fits`)
+            index.refusal_memos.mark_refused(self.memo(), self.request)
+            return
         pruned = self.pruned
-        slots = (pruned.array() if hasattr(pruned, "array")  # (index.Pruned)
+        slots = (pruned.unordered() if hasattr(pruned, "unordered")  # (index.Pruned)
                  else np.asarray(list(pruned), dtype=np.int64))  # type: ignore[call-overload]
         if len(slots):
             memo = self.memo()

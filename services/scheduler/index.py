@@ -47,6 +47,7 @@ from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
 from .refusal_shapes import UNSHAREABLE, CardClasses
+from .refusal_states import RowStates
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -338,6 +339,9 @@ class _ColumnCache:
         return columns.current(index, self.written, self.base)
 
 
+_DISTINCT_CHUNK = 1024  # candidates of a chunk from which each distinct row is checked once
+
+
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
     caller's order), walked from the list's kept policy order (`candidate_order.walk`).
@@ -460,6 +464,16 @@ class Pruned:
             self._slots = self._ordering.pruned()
         return self._slots
 
+    def unordered(self) -> np.ndarray:
+        """The same slots in the caller's order (no policy sort: a refusal words them all and
+        kube-scheduler reads failedNodes as a map)."""
+        if self._slots is not None:
+            return self._slots
+        ordering = self._ordering
+        while ordering.advance():
+            pass
+        return ordering.slots[~ordering.passed]
+
     _all = array
 
     def __iter__(self) -> Iterator[int]:
@@ -512,6 +526,9 @@ class ClusterIndex:
         self.card_classes = CardClasses()
         self.card_class = np.full((capacity, _WIDTH), -1, dtype=np.int32)
         self.unusable_sig = np.full(capacity, UNSHAREABLE, dtype=np.int64)
+        # each row's cards and signature numbered (equal rows, one number): a refusal reads
+        # each distinct row once (`refusal_states`)
+        self.row_states = RowStates()
         # and its used slots (a pod of several containers: the first's pick, `refusal_shapes`)
         self.card_slots = np.full((capacity, _WIDTH), -1, dtype=np.int32)
         # The decision's copies of those values per recent candidate list (index order).
@@ -990,6 +1007,7 @@ class ClusterIndex:
         del self.entries[entry.name]
         self.slot_of.pop(entry.name, None)
         self.refusal_memos.forget(entry.slot)
+        self.row_states.forget(entry.slot)
         self.names_at[entry.slot] = None
         self.by_slot[entry.slot] = None
         self.free_slots.append(entry.slot)
@@ -1127,9 +1145,17 @@ class ClusterIndex:
         return row_holds(*row, needs) and (not together or row_joint(*row, together))
 
     def _mask(
-        self, slots: np.ndarray, needs: list[Need], together: tuple[Need, ...] = ()
+        self, slots: np.ndarray, needs: list[Need], together: tuple[Need, ...] = (),
+        distinct: bool = True,
     ) -> np.ndarray:
-        """The candidates whose per-card summaries can hold the pod (card_summaries.py)."""
+        """The candidates whose per-card summaries can hold the pod (card_summaries.py); a
+        large chunk reads each distinct row once (`refusal_states`: a refusal's walk checks
+        every candidate)."""
+        if distinct and len(slots) >= _DISTINCT_CHUNK:
+            found = self.row_states.distinct(self, slots)
+            if found is not None:
+                rows, of_row = found
+                return self._mask(slots[rows], needs, together, False)[of_row]
         cards = Cards(self, slots)
         mask = summary_mask(cards, self.free_gpus[slots], needs)
         if together and mask.any():

@@ -48,7 +48,35 @@ def refused_at_once(decision: Any, slots: np.ndarray, unknown: list[str]) -> boo
     memo = memos.peek(key)
     if memo is None or not memo.refused:
         return False
-    memo = decision._memo = index.refusal_memo(key)  # (the same memo, now the most recent)
+    decision._memo = index.refusal_memo(key)  # (the same memo, now the most recent)
+    return _word_all(decision, slots, unknown)
+
+
+def refused_rest_at_once(decision: Any) -> bool:
+    """Whether a decision whose walk went far without a fit (hundreds of a long list checked,
+    or a run of known refusals reaching its end: `Decision.fits`) is refused by every
+    candidate: then, as for a retry (`refused_at_once`), every candidate is worded from its
+    row's memo, its shape or a fit, in the caller's order, into a new `failed` and
+    `reason_counts` (what the walk worded so far is worded again there, alike), and nothing is
+    left to walk or explain. Otherwise nothing changes and the walk goes on (the shapes found
+    now are remembered at the nodes' rows: the walk reads them). A first refusal on a full
+    list then pays one pass over its candidates' distinct rows instead of the rest of the
+    walk (its summaries chunk by chunk, its doubling rounds) and then the pruned set's."""
+    ordering = getattr(decision.slots, "_ordering", None)
+    if ordering is None:
+        return False
+    failed, counts = decision.failed, decision.reason_counts
+    decision.failed, decision.reason_counts = type(failed)(), type(counts)()
+    if _word_all(decision, ordering.slots, decision.unknown):
+        return True
+    decision.failed, decision.reason_counts = failed, counts
+    return False
+
+
+def _word_all(decision: Any, slots: np.ndarray, unknown: list[str]) -> bool:
+    """Word every candidate and the unregistered names if none fits (True), else False."""
+    index = decision.index
+    memo = decision.memo()
     if index.foreign and np.isin(
         slots, [index.slot_of.get(name, -1) for name in index.foreign]
     ).any():  # (HAMi's pods there: worded one by one by the walk)

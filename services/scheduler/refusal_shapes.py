@@ -72,6 +72,7 @@ class CardClasses:
         self._of: dict[int, tuple[Any, Any]] = {}  # id(devices) -> (devices, `_facts`)
         self._rep: list[Any] = []  # by class: its first device (static checks of a pod's steps)
         self._statics: tuple[np.ndarray, ...] | None = None
+        self._sans_numa: np.ndarray | None = None  # (`sans_numa`)
         self._texts_for: list[bool] = []  # by class: libvgpu slices (`shared_key`)
         self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
         self._rep_cards: list[Card] = []  # `_rep` as cards (static checks only read them)
@@ -162,6 +163,16 @@ class CardClasses:
             )  # fmt: skip
         return self._statics
 
+    def sans_numa(self) -> np.ndarray:
+        """By class: a number equal for classes that differ only in their NUMA node."""
+        if self._sans_numa is None or len(self._sans_numa) != max(1, len(self._rep)):
+            found: dict[tuple, int] = {}
+            self._sans_numa = np.asarray(
+                [found.setdefault((d.type, d.mode, d.memory_mib, d.cores, d.split_count,
+                                   d.healthy), len(found)) for d in self._rep] or [0],
+                dtype=np.int64)  # fmt: skip
+        return self._sans_numa
+
     def static_refusal(self, request: ContainerRequest, options: Any) -> np.ndarray:
         """By class: 0 when a card of it passes the checks that read only what it is (family,
         type and mode against the pod's selection, the kind's cards per container), else 1 +
@@ -247,15 +258,61 @@ def first_step(
     return steps[0], PodRequest(containers=[steps[0]])
 
 
+_DISTINCT_FROM = 64  # candidates from which each distinct row (`RowStates`) is read once
+
+
 def group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps
           ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
     """The candidates grouped by what their refusal of `r` (a container, or a pod's steps
     with its options: `first_step`) depends on: (group by candidate, -1 where not grouped;
-    each group's exact key; each group's first candidate)."""
+    each group's exact key; each group's first candidate).
+
+    Each distinct row (`refusal_states.RowStates`: the same card states and signature) is
+    read once, its candidates given its group; a pod's steps that chose between unlike cards
+    by index on a row (`group_steps`' ties) read that row's other candidates one by one."""
+    if len(slots) < _DISTINCT_FROM:
+        return _group(index, slots, r)
+    distinct = index.row_states.distinct(index, slots)
+    if distinct is None:  # (few alike: read as they are)
+        return _group(index, slots, r)
+    reps, of_rep = distinct  # (each candidate's distinct row, by its place in `reps`)
+    steps = isinstance(r, PodSteps) and len(r.containers) > 1
+    ties = np.zeros(len(reps), dtype=bool) if steps else None
+    rep_groups, keys, rep_first = _group(index, slots[reps], r, ties)
+    groups = rep_groups[of_rep]
+    first = reps[rep_first]
+    if ties is None or not ties.any():
+        return groups, keys, first
+    apart = ties[of_rep]
+    apart[reps] = False  # (the distinct rows themselves were read as they are)
+    at = np.flatnonzero(apart)
+    if not len(at):
+        return groups, keys, first
+    more_groups, more_keys, more_first = _group(index, slots[at], r)
+    known = {key: g for g, key in enumerate(keys)}
+    first = first.tolist()
+    renumber = np.full(len(more_keys) + 1, -1, dtype=np.int64)  # (the last: not grouped)
+    for g, key in enumerate(more_keys):
+        found = known.get(key)
+        position = int(at[more_first[g]])
+        if found is None:
+            found = known[key] = len(keys)
+            keys.append(key)
+            first.append(position)
+        elif position < first[found]:
+            first[found] = position
+        renumber[g] = found
+    groups[at] = renumber[more_groups]  # (-1 indexes the last entry: not grouped)
+    return groups, keys, np.asarray(first, dtype=np.int64)
+
+
+def _group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps,
+           ties: np.ndarray | None = None) -> tuple[np.ndarray, list[bytes], np.ndarray]:
+    """`group` of every candidate as it is (`ties`: `group_steps`')."""
     options = None
     if isinstance(r, PodSteps):
         if len(r.containers) > 1:
-            return group_steps(index, slots, r)
+            return group_steps(index, slots, r, ties)
         options, r = r.options, r.containers[0]
     signature = index.unusable_sig.take(slots, axis=0)
     classes = index.card_class.take(slots, axis=0)

@@ -80,7 +80,6 @@ def card_codes(
     codes = verdict
     np.putmask(codes, ~carded, -1)
     return codes, takes
-    return codes, carded & (verdict == 0)
 
 
 def grouped(head: np.ndarray, codes: np.ndarray, where: np.ndarray
@@ -161,8 +160,8 @@ def _packed(head: np.ndarray, codes: np.ndarray, where: np.ndarray) -> np.ndarra
     return packed
 
 
-def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndarray, list[bytes],
-                                                                             np.ndarray]:
+def group_steps(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray | None = None
+                ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
     """`group` for a pod of several app containers. `placement.fit_pod` fits them in order;
     the first that finds too few cards refuses the node with its reasons counted on the
     cards as the containers before it left them (`pick_cards` takes the first `count` of
@@ -172,7 +171,13 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
     checks asked of its first device), the cards taken charged as `_take` charges them; a
     node refusing at step j is grouped by (j, its cards' classes and verdict inputs against
     that container then), whose text one fit of the whole pod finds. Nodes that take every
-    container are not grouped (the walk fits them)."""
+    container are not grouped (the walk fits them).
+
+    `ties` (bool by candidate, set here): where a container's pick had to choose by card
+    index between cards that stand differently (a passing card left out with the same key as
+    the last card taken, and the cards of that key not all alike), the only place the order
+    of a node's cards matters: a node whose cards are the same multiset in another order may
+    then be grouped otherwise (`refusal_states.py`)."""
     classes = index.card_class.take(slots, axis=0)
     carded = classes >= 0
     signature = index.unusable_sig.take(slots, axis=0)
@@ -260,6 +265,18 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
         key[~passes] = np.inf
         taken = first_smallest(key, r.count)
         taken &= alive[:, None]
+        if ties is not None:
+            # (used slots matter to the pick's key where the slot term weighs, else only
+            # where this pod's containers could still run a card out of slots)
+            used = (used_slots if w_slot and signs else
+                    np.where(used_slots + (last - j + 1) >= total_split, used_slots, -1))
+            # (a class's NUMA node is read only under NUMA binding, never grouped in steps:
+            # libvgpu slices' codes are verdicts, so classes apart from it pick alike)
+            # (the free % is the free memory's on the class's memory: not compared)
+            kind = index.card_classes.sans_numa().take(cls) if sliced.all() else cls
+            state = (free_mem, free_cores, used, computing, idle)
+            _mark_ties(ties, rows, key, taken, passes,
+                       state if int(kind.min()) == int(kind.max()) else (kind, *state))
         # charged as `placement._take` charges them (the gathers are this call's copies)
         charge = (total_mem * r.memory_percentage // 100 if r.memory_percentage is not None
                   else r.memory_mib)  # fmt: skip
@@ -274,6 +291,28 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps) -> tuple[np.ndar
                                       32767), where=taken & (total_mem > 0))  # fmt: skip
         exhausted |= taken & (used_slots >= total_split)
     return grouped(np.stack([failed_at, failed_sig], axis=1), codes, refused)
+
+
+def _mark_ties(ties: np.ndarray, rows: np.ndarray | None, key: np.ndarray, taken: np.ndarray,
+               passes: np.ndarray, state: tuple[np.ndarray, ...]) -> None:
+    """Set `ties` (by candidate) where this pick chose by index among cards that differ: a
+    passing card not taken whose key equals the largest key taken, while the cards of that
+    key are not all alike (on every per-card value a later step or the codes read)."""
+    last = np.where(taken, key, -np.inf).max(axis=1)
+    boundary = key == last[:, None]
+    left_out = (boundary & passes & ~taken).any(axis=1)
+    if not left_out.any():
+        return
+    at = np.flatnonzero(left_out)
+    edge = boundary[at]
+    pick = np.argmax(edge, axis=1)
+    rows_at = np.arange(len(at))
+    differ = np.zeros(len(at), dtype=bool)
+    for values in state:
+        values = values.take(at, axis=0)
+        differ |= (edge & (values != values[rows_at, pick][:, None])).any(axis=1)
+    if differ.any():
+        ties[at[differ] if rows is None else rows[at[differ]]] = True
 
 
 def first_smallest(key: np.ndarray, count: int) -> np.ndarray:

@@ -17,7 +17,7 @@ from tessera.scheduler.index import ClusterIndex
 from tessera.scheduler.rules import parse_pod_options
 
 from tessera import hami
-from tessera.models import NodeLedger
+from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
@@ -217,3 +217,57 @@ def test_a_backlogs_memos_outlive_the_requests_of_placed_pods() -> None:
     assert memos.maybe_refused(request)
     assert not memos.maybe_refused(hami.parse_pod_request(pending(1, "y"), SETTINGS))
     assert memos.peek("placed-0") is None  # (the others are forgotten as before)
+
+
+def h100(spec: dict[str, Any]) -> dict[str, Any]:
+    """The pod asking for H100s only."""
+    spec["metadata"]["annotations"]["nvidia.com/use-gputype"] = "H100"
+    return spec
+
+
+def test_a_first_refusal_on_a_long_list_is_worded_at_once_and_exactly() -> None:
+    """A walk of a long list that checked hundreds of candidates, or words a run of known
+    refusals to its end, without a fit asks whether every candidate refuses
+    (`refused_rest_at_once`): a pod refused everywhere on its first call is then worded at
+    once, every node as fitting it says; one that a late node fits (a type the summaries
+    cannot see) is still placed where fitting every node places it."""
+    rng = random.Random(7)
+    index = ClusterIndex()
+    names = [f"l-{i:04d}" for i in range(1100)]
+    usages = [(9, 10), (10, 5), (12, 10), (20, 60)]
+    for n, name in enumerate(names):
+        card_type = "NVIDIA-A10" if n == 1000 else "NVIDIA-H100"
+        devices = [DeviceInfo(uuid=f"GPU-{name}-{i}", index=i, type=card_type,
+                              memory_mib=40 * GIB, cores=100, split_count=4, numa=i // 2)
+                   for i in range(4)]  # fmt: skip
+        index.set_registration(name, NodeRegistration(node=name, devices=devices), 0.0)
+        index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
+        grants = [[DeviceGrant(uuid=f"GPU-{name}-{i}", type=card_type, memory_mib=gib * GIB,
+                               cores=cores)]
+                  for i, (gib, cores) in enumerate(rng.sample(usages, 4))]  # fmt: skip
+        if card_type == "NVIDIA-H100":  # (the A10 node idle: the last under binpack)
+            place(index, name, f"base-{name}", grants, rng)
+    cases = [
+        (h100({"metadata": {"name": "four", "namespace": "ns", "uid": "four", "annotations": {}},
+               "spec": {"containers": [{"name": "c", "resources": {"limits": {
+                   "nvidia.com/gpu": 4, "nvidia.com/gpumem": 25 * GIB}}}]}}),
+         False),  # (three cards of an H100 node hold 25 GiB)
+        (h100(pending(4, "together")), False),  # 2 × 30 GiB on 40 GiB cards, 9-20 GiB used
+        (pending(2, "b200"), False),  # (the summaries pass every node: the walk fits some)
+        ({**pending(2, "a10"), "metadata": {"name": "a10", "namespace": "ns", "uid": "a10",
+          "annotations": {"nvidia.com/use-gputype": "A10"}}}, True),  # one node has A10s
+    ]  # fmt: skip
+    for spec, fits_late in cases:
+        window = names[300:] + names[:300]  # (from another start)
+        want_fitting, want_failed = reference(index, spec, window)
+        assert bool(want_fitting) == fits_late
+        request = hami.parse_pod_request(spec, SETTINGS)
+        options = parse_pod_options(spec, SETTINGS)
+        decision = decide(index, request, options, window)
+        got = [(entry.name, fit.containers) for entry, fit in decision.fits()]
+        assert got == want_fitting
+        assert decision._at_once is (not fits_late)  # (asked, and the answer)
+        if not fits_late:
+            decision.explain_rest()
+            assert dict(decision.failed) == want_failed
+            assert decision.reason_counts == reference_counts(index, spec, window)
