@@ -10,9 +10,12 @@ bench/libvgpu_elastic.py records the figures against the issue's targets (±2 po
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -76,6 +79,41 @@ def test_a_burst_limit_caps_an_elastic_container_alone(cluster):
     values = windows(cluster, 0, r, [t.pid])
     assert_near(values, 50)
     assert max(values) <= 50 + TOL, show(values)
+
+
+def test_a_lowered_allowance_is_priced_at_nvmls_figure_once_it_answers(cluster):
+    """A container that starts beside a busy neighbour measures its first launches stretched by
+    the neighbour's queued kernels (its first, synchronous launch waits behind the whole queue).
+    When the agent lowers its allowance, libvgpu prices its launches by a guess from those event
+    times until NVML answers; NVML's first figure (own device time per launch: the kernel's 2 ms)
+    replaces the guess. Averaged with it 1:2, the launches stayed overpriced for seconds: the
+    container was held below its share, then refunded above it (CI's elastic test, the 30 %
+    container at 33.1 % while all were busy)."""
+    noisy = cluster.container("noisy")  # no limit: a deep queue of 2 ms kernels
+    n = noisy.cuctl(preload=False)
+    assert n("init 0")["ok"]
+    n.send("burnq 3 k_2000us 8")
+    k = cluster.container("k")
+    k.seal(dataclasses.replace(region.device_limit(UUID0, sm_guarantee_pct=30, sm_burst_pct=100),
+                               sm_allow_x100=10000))  # fmt: skip
+    c = k.cuctl(LIBCUDA_LOG_LEVEL="4")  # DEBUG: owntime's per-launch figure at each answer
+    assert c("init 0")["ok"]
+    t0 = time.monotonic_ns()
+    c.send("burnq 1.5 k_2000us 8")
+    def ran() -> float:  # % of the device its kernels held since it began
+        t1 = time.monotonic_ns()
+        return cluster.busy(0, t0, t1, t1 - t0, [c.pid])[0]
+
+    launched, _ = wait_for(ran, timeout=30)
+    assert launched  # its first launches are measured: now the agent lends it less
+    assert region.set_device_flags(k.limits_dir, UUID0, sm_allow_x100=3000)
+    assert c.recv(timeout=60)["rc"] == 0
+    assert n.recv(timeout=60)["rc"] == 0
+    log = c.stderr()
+    after = log[log.rindex("limits reloaded"):]
+    prices = [int(x) for x in re.findall(r"owntime dev 0: .* (\d+)/launch", after)]
+    assert prices, log[-3000:]
+    assert 1_400_000 <= prices[0] <= 2_600_000, (prices, log[-3000:])
 
 
 @pytest.mark.parametrize("minor", [0, 1])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import NativeBuild
+from .conftest import NativeBuild, wait_for
 from .elastic_rig import ElasticNode, GiB
 
 BORROWER = "a1111111-1111-4111-8111-111111111111"
@@ -173,4 +173,27 @@ def test_the_fake_card_frees_a_killed_process_memory_when_another_takes_its_plac
     b = c.cuctl(preload=False)
     assert b("init")["ok"]  # its context takes the gone process's slot
     assert b(f"alloc plain {8 * GiB}")["ok"]
+    assert b("phys")["phys"] == 8 * GiB
+
+
+def test_the_fake_card_frees_a_killed_process_memory_reaped_while_it_is_checked(cluster):
+    """The fake driver's check "is this holder gone?" (CI's failure of the eviction test above:
+    the neighbour's allocation found the evicted borrower still there, the borrower was reaped
+    before its /proc state was read, and the fake took it for alive: its 12 GiB stayed held and
+    the neighbour got the driver's OOM though its lease was granted). The hook pauses the check
+    between the two reads, and the killed process is reaped right there."""
+    c = cluster.container()
+    a = c.cuctl(preload=False)
+    assert a("init")["ok"] and a(f"alloc plain {12 * GiB}")["ok"]
+    gate = cluster.tmp / "reaped"
+    b = c.cuctl(preload=False, FAKE_PIDCHECK_GATE=str(gate))
+    assert b("init")["ok"]
+    a.p.kill()
+    b.send(f"alloc plain {8 * GiB}")  # does not fit beside a's 12 GiB: is a gone?
+    checked, _ = wait_for(lambda: f"pid {a.pid} checked" in b.stderr(), timeout=30)
+    assert checked, b.stderr()
+    assert a.p.wait(timeout=30) == -9  # reaped between the check's two reads
+    gate.touch()
+    r = b.recv(30)
+    assert r["ok"], (r, b.stderr())
     assert b("phys")["phys"] == 8 * GiB

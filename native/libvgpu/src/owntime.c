@@ -36,6 +36,7 @@
 struct owntime {
     _Atomic int shared;          /* NVML's last answer showed other processes busy */
     _Atomic int64_t per_launch;  /* own device ns per launch while shared, 0 = not known yet */
+    _Atomic int assumed;         /* per_launch is assume_shared's guess, not NVML's figure */
     _Atomic int64_t launches;    /* launches measured since the last NVML answer */
     _Atomic int64_t charged_ns;  /* ... and what they were charged */
     nvmlDevice_t handle;
@@ -54,6 +55,7 @@ void tv_owntime_reset(void)
     for (int d = 0; d < TV_MAX_SLOTS; d++) {
         atomic_store(&ot[d].shared, 0);
         atomic_store(&ot[d].per_launch, 0);
+        atomic_store(&ot[d].assumed, 0);
         atomic_store(&ot[d].launches, 0);
         atomic_store(&ot[d].charged_ns, 0);
         ot[d].have_handle = 0;
@@ -75,7 +77,10 @@ void tv_owntime_assume_shared(int d, int64_t est)
 {
     if (d < 0 || d >= TV_MAX_SLOTS) return;
     atomic_store(&ot[d].shared, 1);
-    if (atomic_load(&ot[d].per_launch) <= 0 && est > 0) atomic_store(&ot[d].per_launch, est);
+    if (atomic_load(&ot[d].per_launch) <= 0 && est > 0) {
+        atomic_store(&ot[d].per_launch, est);
+        atomic_store(&ot[d].assumed, 1);
+    }
 }
 
 int tv_owntime_shared(int d)
@@ -223,8 +228,13 @@ unsigned tv_owntime_poll(uint64_t now_mono)
         atomic_store(&ot[d].shared, others);
         if (!others) continue;
         if (n > 0) {
+            /* smoothed; but NVML's first figure replaces a guess (assume_shared's `est` is an
+             * event time, stretched by the neighbours' kernels when the container started among
+             * them: weighed 2:1 against NVML it kept launches overpriced for seconds — the
+             * container held below its share, then refunded above it) */
             int64_t pl = atomic_load(&ot[d].per_launch), now_pl = own / n;
-            atomic_store(&ot[d].per_launch, pl > 0 ? (2 * pl + now_pl) / 3 : now_pl);
+            int guess = atomic_exchange(&ot[d].assumed, 0);
+            atomic_store(&ot[d].per_launch, pl > 0 && !guess ? (2 * pl + now_pl) / 3 : now_pl);
         }
         tv_compute_recharge(d, 0, own - charged);
         ot[d].debt += own - charged;

@@ -184,20 +184,34 @@ void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta)
     *free_p = (struct fk_proc){.pid = pid, .used = delta > 0 ? (uint64_t)delta : 0};
 }
 
+/* A test's hook between fk_pid_gone's two checks (FAKE_PIDCHECK_GATE=<file>): say so on stderr,
+ * then wait (up to 30 s) until the file exists — so a test can reap the process right there. */
+static void pidcheck_gate(int pid)
+{
+    const char *gate = getenv("FAKE_PIDCHECK_GATE");
+    if (!gate || !*gate) return;
+    fprintf(stderr, "fake: pid %d checked, waiting for %s\n", pid, gate);
+    fflush(stderr);
+    for (int64_t end = fk_now() + 30000000000LL; access(gate, F_OK) != 0 && fk_now() < end;)
+        fk_sleep_until(fk_now() + 1000000);
+}
+
 /* Exited or exiting: no such process, a zombie, or PF_EXITING (a driver frees a process's memory
- * as it exits). */
+ * as it exits). Only a /proc/<pid>/stat read that shows a live state says "not gone": a read that
+ * fails because the process was reaped after kill() found it (by its parent, right after it
+ * closed its files) asks kill() again — it was taken for alive, and its memory stayed held. */
 static int fk_pid_gone(int pid)
 {
     if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    pidcheck_gate(pid);
     char path[64], buf[256];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
     buf[n] = 0;
-    const char *close_paren = strrchr(buf, ')');
-    if (!close_paren || close_paren[1] != ' ') return 0;
+    const char *close_paren = n ? strrchr(buf, ')') : NULL;
+    if (!close_paren || close_paren[1] != ' ') return kill(pid, 0) != 0 && errno == ESRCH;
     char state = close_paren[2];
     unsigned flags = 0; /* field 9; PF_EXITING (0x4): the process is exiting, its files closing */
     if (sscanf(close_paren + 2, "%*c %*d %*d %*d %*d %*d %u", &flags) != 1) flags = 0;

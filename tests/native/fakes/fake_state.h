@@ -10,7 +10,8 @@
  * _<N>us), FAKE_CTX_BYTES (0: physical memory of a non-primary context), FAKE_NVML_REVERSE (1:
  * NVML enumerates devices in the reverse CUDA order), FAKE_CHECK_SCRUB (1: count frees of
  * memory that was not all zeros, for the scrub-on-free tests), FAKE_NVML_PID_OFFSET (0: added
- * to the pids NVML reports, as seen from outside a pid namespace).
+ * to the pids NVML reports, as seen from outside a pid namespace), FAKE_PIDCHECK_GATE (a test's
+ * hook: a file whose creation the "is this holder gone?" check waits for, see fake_state.c).
  *
  * The timeline: every process's kernels on a device go into one queue, in submission order, and
  * run one at a time for their duration (a GPU time-slicing between contexts at kernel
