@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 from tessera.scheduler.name_table import NameTable
 
 from .test_node_names import compact, order_index
@@ -102,3 +103,33 @@ def test_the_index_reads_the_order_with_gaps_as_decoding_would() -> None:
     assert found is not None
     assert list(found[0]) == json.loads(compact(names))
     assert found[1][1].tolist() == [slots[n] for n in names]
+
+
+def test_names_past_the_first_level_resolve_exactly_by_overflow_or_levels(monkeypatch) -> None:
+    """The names the first level does not hold are found by their hash in the sorted overflow;
+    when two of them share a hash the table builds more levels instead: either way every list
+    resolves exactly, and a name that only shares a registered name's hash is no node."""
+    known = MIXED + [f"node-{i:05d}" for i in range(2000)]
+    rng = random.Random(3)
+
+    def resolves_exactly(table: NameTable) -> None:
+        shuffled = rng.sample(known, len(known))
+        assert table.rows(compact(shuffled)).tolist() == truth(table, shuffled)
+        some = known[:40] + known[-40:]
+        assert table.rows(compact(some)).tolist() == truth(table, some)
+        for stranger in ("node-99999", "n9999", "node-0000", "node-000000"):
+            assert table.rows(compact([*known[:10], stranger])) is None
+
+    plain = NameTable(known, list(range(len(known))))
+    assert plain.overflow is not None and len(plain.levels) == 2
+    resolves_exactly(plain)
+    real = NameTable._hash
+    for bits in range(20, 13, -1):  # a hash of `bits` bits: overflow names share one
+        top = np.uint64(64 - bits)
+        monkeypatch.setattr(NameTable, "_hash", lambda self, w, n, t=top: real(self, w, n) >> t)
+        weak = NameTable(known, list(range(len(known))))
+        if weak.overflow is None and weak.usable:
+            assert len(weak.levels) > 2
+            resolves_exactly(weak)  # (looked up with the same weak hash)
+            return
+    raise AssertionError("no hash width gave overflow names a shared hash")
