@@ -395,9 +395,9 @@ class NameOrder:
         `NameTable.rows` resolves them. A run costs ~10 µs (a lookup, ~2 log2(its names)
         memcmps), `NameTable.rows` ~20-40 ns a name: more runs than 8 + one per 16 KB of the
         array (20,000 names: 24) return None, and so do, from the third run on, runs that at
-        their rate over the array's bytes would make twice that. So a list in kube-scheduler's
-        parallel order (its workers' nodes appended one by one as each passes: runs of ~1
-        name) is given up after 3 runs, a few µs."""
+        their rate over the array's bytes would make 1.5 times that. So a list in
+        kube-scheduler's parallel order (its workers' nodes appended one by one as each passes:
+        runs of ~1 name) is given up after 3 runs, a few µs."""
         close = len(array) - 1  # the `]`
         count = self.count
         if close < 3 or not count or array[0] != 0x5B or array[1] != 0x22 or array[close] != 0x5D:
@@ -441,8 +441,8 @@ class NameOrder:
             if array[end] != 0x2C:
                 return None  # not `,` between two names
             runs = len(found)
-            if runs > most_runs or (runs > 2 and runs * close > 2 * end * most_runs):
-                return None  # too many runs (or twice too many ahead at this rate): docstring
+            if runs > most_runs or (runs > 2 and 2 * runs * close > 3 * end * most_runs):
+                return None  # too many runs (or 1.5x too many ahead at this rate): docstring
             off = end + 1
             if array[off] != 0x22:
                 return None
