@@ -330,10 +330,12 @@ class NameOrder:
     for byte the text from that name's opening quote on, and which ends where a name of the text
     ends, is exactly those names in that order (the text is valid compact JSON of plain names:
     no quote, backslash or control character in any, so every `"` of it bounds a name): its
-    rows and slots are slices of arrays kept here, O(1) beside the memcmp. Anything else (a
-    list in another order, e.g. kube-scheduler's parallel filters finishing out of order, a
-    node its filters refused, a name not registered) returns None and is resolved name by name
-    (`NameTable.rows`). Built with the table, per topology; only when every name is plain."""
+    rows and slots are slices of arrays kept here, O(1) beside the memcmp. A list of a few
+    such runs (the order with nodes its filters refused left out) is read run by run (`runs`).
+    Anything else (a list in another order, e.g. kube-scheduler's parallel filters appending
+    their workers' nodes one by one, a name not registered) returns None and is resolved name
+    by name (`NameTable.rows`). Built with the table, per topology; only when every name is
+    plain."""
 
     def __init__(self, encoded: list[bytes], slots: np.ndarray) -> None:
         order = sorted(range(len(encoded)), key=encoded.__getitem__)
