@@ -19,7 +19,8 @@ rotating `percentageOfNodesToScore` window; `full`, a fresh full list each call;
 identical list every call, the best case; `BENCH_ORDER=parallel`: in the order kube-scheduler's
 parallel filters append the nodes, `kube_lists.py`), each call's body parsed by each version's
 `NodeNamesCache` (timed apart: "list parse"). `BENCH_NODES` (5000), `BENCH_PODS` (2000),
-`BENCH_WINDOW` (the window's size, instead of kube-scheduler's adaptive one),
+`BENCH_WINDOW` (the window's size, instead of kube-scheduler's adaptive one), `BENCH_REFUSED`
+(nodes kube-scheduler's own filters refuse each cycle, left out of its list),
 `BENCH_UNSCHEDULABLE` (0.1: that share of the calls are retries of a backlog of 20 pods no node
 fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
 
@@ -154,7 +155,7 @@ def main() -> None:
         members_set = {pool: frozenset(m) for pool, m in members.items()}
         order = os.environ.get("BENCH_ORDER", "sequential")
         kube = KubeLists(every, mode, find=int(os.environ.get("BENCH_WINDOW", "0")) or None,
-                         order=order)  # fmt: skip
+                         order=order, refused=int(os.environ.get("BENCH_REFUSED", "0")))
         state = {}
         for label, m in versions.items():
             index = m["index"].ClusterIndex()
@@ -255,7 +256,8 @@ def main() -> None:
         for label, rev in (("before", before_rev), ("after", after_rev))
     )
     digest = hashlib.sha256(repr(placed["after"]).encode()).hexdigest()[:10]
-    print(f"{trace_name} trace, {nodes} nodes, lists {mode} ({order} order), unschedulable "
+    print(f"{trace_name} trace, {nodes} nodes, lists {mode} ({order} order, "
+          f"{os.environ.get('BENCH_REFUSED', '0')} refused by its filters), unschedulable "
           f"share {share}, load "
           f"{load_before} -> {scheduler_scale.loadavg()}, identical placements: "
           f"{placed['before'] == placed['after']} (digest {digest}), identical reasons: "

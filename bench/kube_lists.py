@@ -25,7 +25,8 @@ A pod the extender refuses is retried with kube-scheduler's backoff: 1 s
 Modes (`BENCH_LISTS`): `window` (default: the rotating adaptive window), `same` (every call
 the same full list, byte for byte: the best case the extender's caches were built for),
 `full` (every node, a fresh list each call: the start rotated by one window each cycle, as
-when feasibility changes)."""
+when feasibility changes). `refused` (`BENCH_REFUSED`, 0): nodes kube-scheduler's own filters
+refuse each cycle, drawn at random."""
 
 from __future__ import annotations
 
@@ -63,9 +64,12 @@ class KubeLists:
     """The candidate lists kube-scheduler would send, one per scheduling cycle."""
 
     def __init__(self, names: Sequence[str], mode: str = "window", percentage: int = 0,
-                 find: int | None = None, order: str = "sequential", seed: int = 35) -> None:
+                 find: int | None = None, order: str = "sequential", seed: int = 35,
+                 refused: int = 0) -> None:
         """`find`: the window's size instead of kube-scheduler's `numFeasibleNodesToFind`
-        (a bench of a given list size, e.g. 500 names at 20,000 nodes)."""
+        (a bench of a given list size, e.g. 500 names at 20,000 nodes). `refused`: that many
+        nodes, drawn anew each cycle, fail kube-scheduler's own filters (cordoned, not enough
+        CPU for the pod, a taint): left out of the list wherever they fall."""
         if mode not in MODES:
             raise ValueError(f"unknown list mode {mode!r}: one of {', '.join(MODES)}")
         if order not in ORDERS:
@@ -76,10 +80,16 @@ class KubeLists:
         self.find = find or nodes_to_find(len(self.names), percentage)
         self.start = 0  # nextStartNodeIndex
         self.rng = random.Random(seed)  # the parallel workers' timing
+        self.refused = refused
+        self.refusals = random.Random(seed + 1)  # (apart: the workers' timing stays the same)
 
     def next(self, members: Sequence[str] | None = None) -> list[str]:
         """The next cycle's list. `members`: the nodes feasible to kube-scheduler (a label
         pool, in node-list order as a set or list), None: every node."""
+        if self.refused:
+            refused = set(self.refusals.sample(self.names, min(self.refused, len(self.names))))
+            members = frozenset(n for n in (self.names if members is None else members)
+                                if n not in refused)  # fmt: skip
         if self.order == "parallel" and self.mode != "same":
             return self._parallel(members)
         names, total = self.names, len(self.names)

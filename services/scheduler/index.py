@@ -1063,10 +1063,11 @@ class ClusterIndex:
     def names_from_bytes(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
         """A `nodenames` JSON array resolved from its bytes (`name_table.NameTable`): the names
         (the index's own strings) and (topology version, slots); None when it cannot be."""
-        found = self.names_of_run(array)
-        if found is not None:
-            return found
         version, table = self.name_table()
+        # (a run of the node order, or a few runs: its order with some nodes left out)
+        run = table.order.runs(array) if table.order is not None else None
+        if run is not None:
+            return NodeNames.of_rows(table.names, run[0]), (version, run[1])
         rows = table.rows(array)
         if rows is None:
             return None

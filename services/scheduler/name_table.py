@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_right
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
 _ROOM = 2  # a level's table: a power of two at least this many times its names
+_ROOM_SECOND = 16  # the second level's (given ~1/7 of the names: a sixteenth of the first's)
 # each level's bucket multiplier (odd 64-bit constants)
 _LEVEL_MIXES = tuple(np.uint64(m) for m in (
     0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB,
@@ -41,8 +43,10 @@ class NameTable:
     free, so a lookup never probes on): a list is looked up with the same operations over all
     its names at once (`_found`: the row in the name's bucket of the first level, which must
     hold the name's length and every word; the names it does not hold, about a seventh, looked
-    for in the next level, ...), so a name resolves only to the node whose name is byte for
-    byte the same (the hash only finds where to compare). What the fast path cannot
+    for in the second level, a table 16-32× the names it is given, which holds all but ~1/40
+    of them; those few found by their 64-bit hash in a sorted array, one searchsorted, when no
+    two share a hash, else in more levels), so a name resolves only to the node whose name is
+    byte for byte the same (the hash only finds where to compare). What the fast path cannot
     prove it reads exactly (escapes, control characters, spacing other than kube-scheduler's
     compact `["a","b"]`, a name longer than the widest known one, any unknown name) returns
     None: the caller decodes the list as before. Built per topology
@@ -52,7 +56,9 @@ class NameTable:
     ms for 20,000 equal-length names in a new order at load 15; one table of tags and rows 6×
     the names, probed on 16 buckets at once, ~0.9, 1,000 names ~0.1; levels of it, ~0.1 ms
     less at 20,000; these levels of rows, checked as they are read, ~0.05 less again, the
-    tables a quarter the size: a lookup between decisions, its cache lines evicted, ~0.6.)"""
+    tables a quarter the size: a lookup between decisions, its cache lines evicted, ~0.6; two
+    levels and the sorted overflow instead of 5-6 levels of the same room: ~0.04 less, the
+    fixed cost of the levels that held a few names each.)"""
 
     _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -103,25 +109,46 @@ class NameTable:
         # cache lines of it, not ~16,000 (a decision between two calls evicts them all)
         self.levels: list[tuple[np.ndarray, np.uint64, np.uint64]] = []  # (table, mix, shift)
         pending = np.arange(len(hashes), dtype=np.int64)
-        for mix in _LEVEL_MIXES:
-            if not len(pending):
-                break
-            size = 16
-            while size < _ROOM * len(pending):
-                size *= 2
-            shift = np.uint64(64 - (size.bit_length() - 1))  # the bucket: the top bits
-            table = np.full(size, -1, dtype=np.int32)
-            buckets = self._bucket(hashes[pending], mix, shift)
-            taken, first = np.unique(buckets, return_index=True)
-            table[taken] = pending[first]
-            self.levels.append((table, mix, shift))
-            left = np.ones(len(pending), dtype=bool)
-            left[first] = False
-            pending = pending[left]
+        if len(pending):
+            pending = self._level(hashes, pending, _LEVEL_MIXES[0], _ROOM)
+        if len(pending):  # (a second level far emptier: all but ~1/40 of what it is given)
+            pending = self._level(hashes, pending, _LEVEL_MIXES[1], _ROOM_SECOND)
+        # the names neither level holds (~1/300 of them), by their 64-bit hash, sorted: found
+        # with one searchsorted instead of 3-4 more levels (each ~10 numpy calls, ~25 µs of
+        # overhead at any size). Only when no two of them share a hash (else: more levels)
+        self.overflow: tuple[np.ndarray, np.ndarray] | None = None
+        if len(pending):
+            by_hash = pending[np.argsort(hashes[pending], kind="stable")]
+            sorted_hashes = hashes[by_hash]
+            if bool((sorted_hashes[1:] != sorted_hashes[:-1]).all()):
+                self.overflow = (sorted_hashes, by_hash)
+                pending = pending[:0]
+            else:
+                for mix in _LEVEL_MIXES[2:]:
+                    if not len(pending):
+                        break
+                    pending = self._level(hashes, pending, mix, _ROOM)
         # names left over after every level (each level takes all but ~1/7 of what it is
         # given: 20,000 names need 5-6) would never be found: the table is not used
         if len(pending) or len(names) >= 1 << 31:
             self.usable = False
+
+    def _level(self, hashes: np.ndarray, pending: np.ndarray, mix: np.uint64,
+               room: int) -> np.ndarray:
+        """A new level holding one name of `pending` per bucket (the first in row order);
+        the names it could not take."""
+        size = 16
+        while size < room * len(pending):
+            size *= 2
+        shift = np.uint64(64 - (size.bit_length() - 1))  # the bucket: the top bits
+        table = np.full(size, -1, dtype=np.int32)
+        buckets = self._bucket(hashes[pending], mix, shift)
+        taken, first = np.unique(buckets, return_index=True)
+        table[taken] = pending[first]
+        self.levels.append((table, mix, shift))
+        left = np.ones(len(pending), dtype=bool)
+        left[first] = False
+        return pending[left]
 
     def row_of(self, name: str) -> int:
         """A name's row, -1 when the table has none (a dict built on first use)."""
@@ -257,7 +284,34 @@ class NameTable:
             if not len(missed):
                 return rows
             at = missed
+        if self.overflow is not None and at is not None:  # (in no level: the overflow's?)
+            return self._overflowed(words, lengths, hashes, rows, at)
         return None  # not in its bucket at any level
+
+
+    def _overflowed(self, words: list[np.ndarray], lengths: Any, hashes: np.ndarray,
+                    rows: np.ndarray, at: np.ndarray) -> np.ndarray | None:
+        """`_found` for the names at `at`, which the first level does not hold: each is a
+        registered name only if it is the overflow's name with its hash (no two overflow names
+        share one: a registered name not in the first level is the only one with its hash
+        there), byte for byte."""
+        assert self.overflow is not None
+        sorted_hashes, by_hash = self.overflow
+        wanted = hashes[at]
+        place = np.searchsorted(sorted_hashes, wanted)
+        np.minimum(place, len(sorted_hashes) - 1, out=place)
+        if not bool((np.take(sorted_hashes, place) == wanted).all()):
+            return None  # a hash no registered name has
+        found = np.take(by_hash, place)
+        if not (isinstance(lengths, np.integer) and int(lengths) == self.one_length):
+            wanted_lengths = lengths[at] if isinstance(lengths, np.ndarray) else lengths
+            if not bool((np.take(self.lengths, found) == wanted_lengths).all()):
+                return None
+        for known, word in zip(self.words, words, strict=True):
+            if not bool((np.take(known, found) == word[at]).all()):
+                return None
+        rows[at] = found
+        return rows
 
 
 class NameOrder:
@@ -276,10 +330,12 @@ class NameOrder:
     for byte the text from that name's opening quote on, and which ends where a name of the text
     ends, is exactly those names in that order (the text is valid compact JSON of plain names:
     no quote, backslash or control character in any, so every `"` of it bounds a name): its
-    rows and slots are slices of arrays kept here, O(1) beside the memcmp. Anything else (a
-    list in another order, e.g. kube-scheduler's parallel filters finishing out of order, a
-    node its filters refused, a name not registered) returns None and is resolved name by name
-    (`NameTable.rows`). Built with the table, per topology; only when every name is plain."""
+    rows and slots are slices of arrays kept here, O(1) beside the memcmp. A list of a few
+    such runs (the order with nodes its filters refused left out) is read run by run (`runs`).
+    Anything else (a list in another order, e.g. kube-scheduler's parallel filters appending
+    their workers' nodes one by one, a name not registered) returns None and is resolved name
+    by name (`NameTable.rows`). Built with the table, per topology; only when every name is
+    plain."""
 
     def __init__(self, encoded: list[bytes], slots: np.ndarray) -> None:
         order = sorted(range(len(encoded)), key=encoded.__getitem__)
@@ -299,6 +355,9 @@ class NameOrder:
         self.slots.setflags(write=False)
         self.position = {name: i for i, name in enumerate(ordered)}  # by the name's bytes
         self.count = count
+        # (`runs`: read one run at a time, so Python ints and a view, not numpy scalars/copies)
+        self._ends = self.ends.tolist()
+        self._text = memoryview(self.text)
 
     def run(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, slots) of the names of a JSON array (`[` to `]`) that is a run of the order,
@@ -319,3 +378,78 @@ class NameOrder:
         if last >= len(self.ends) or int(self.ends[last]) != end or last - at >= self.count:
             return None
         return self.rows[at : last + 1], self.slots[at : last + 1]
+
+    def runs(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, slots) of the names of a JSON array (`[` to `]`) that is a few runs of the
+        order one after another (a run: consecutive names of the order, wrapping at its end),
+        else None. kube-scheduler's list in its node order with the nodes its own filters
+        refused left out (a cordoned node, one without the CPU the pod asks: `run` fails on
+        the first) is such: each gap starts a new run. A run is read with one lookup (its first
+        name's bytes in `position`) and a few memcmps (the longest prefix of the array from
+        there that is the order's text from that name on: the whole rest tried first, then
+        galloping), so a 20,000-name list with a few gaps costs a few dozen operations, not a
+        lookup per name (`NameTable.rows`).
+
+        Exact as `run` is: every byte of the array is `[`, `]`, a `,` checked between two runs,
+        or inside a run compared equal to the text, which is compact JSON of plain names (every
+        `"` of it bounds a whole name), so the array is those runs' names in that order, each
+        name byte for byte a registered one; duplicates (a name in two runs) resolve as
+        `NameTable.rows` resolves them. A run costs ~10 µs (a lookup, ~2 log2(its names)
+        memcmps), `NameTable.rows` ~20-40 ns a name: more runs than 8 + one per 16 KB of the
+        array (20,000 names: 24) return None, and so do, from the third run on, runs that at
+        their rate over the array's bytes would make 1.5 times that. So a list in
+        kube-scheduler's parallel order (its workers' nodes appended one by one as each passes:
+        runs of ~1 name) is given up after 3 runs, a few µs."""
+        close = len(array) - 1  # the `]`
+        count = self.count
+        if close < 3 or not count or array[0] != 0x5B or array[1] != 0x22 or array[close] != 0x5D:
+            return None
+        ends, text, position = self._ends, self._text, self.position
+        found: list[tuple[int, int]] = []  # (the run's first position, its names)
+        most_runs = 8 + close // 16384  # (~1,000 names of 10-13 bytes a run above 8)
+        names = 0
+        off = 1  # the run's opening quote
+        while True:
+            quote = array.find(b'"', off + 1)
+            at = position.get(array[off + 1 : quote]) if quote > 0 else None
+            if at is None:
+                return None
+            start = ends[at] - (quote + 1 - off)  # its opening quote in the text
+            # the most names from `at` whose bytes fit before the `]` (at most every name)
+            most = bisect_right(ends, start + close - off, at, at + count) - at
+            good = most  # names from `at` equal to the array from `off` (the first: looked up)
+            if most > 1 and not array.startswith(text[start : ends[at + most - 1]], off):
+                # galloping, then halving: `good` names equal, `bad` names not; each memcmp
+                # compares only the names between the two (a run's bytes about thrice in all)
+                good, bad, k = 1, most, 2
+                while k < bad:
+                    if array.startswith(text[ends[at + good - 1] : ends[at + k - 1]],
+                                        off + ends[at + good - 1] - start):  # fmt: skip
+                        good, k = k, 2 * k
+                    else:
+                        bad = k
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    if array.startswith(text[ends[at + good - 1] : ends[at + mid - 1]],
+                                        off + ends[at + good - 1] - start):  # fmt: skip
+                        good = mid
+                    else:
+                        bad = mid
+            found.append((at, good))
+            names += good
+            end = off + ends[at + good - 1] - start  # just past the run's last name
+            if end == close:
+                break
+            if array[end] != 0x2C:
+                return None  # not `,` between two names
+            runs = len(found)
+            if runs > most_runs or (runs > 2 and 2 * runs * close > 3 * end * most_runs):
+                return None  # too many runs (or 1.5x too many ahead at this rate): docstring
+            off = end + 1
+            if array[off] != 0x22:
+                return None
+        if len(found) == 1:
+            at, good = found[0]
+            return self.rows[at : at + good], self.slots[at : at + good]
+        return (np.concatenate([self.rows[at : at + good] for at, good in found]),
+                np.concatenate([self.slots[at : at + good] for at, good in found]))  # fmt: skip

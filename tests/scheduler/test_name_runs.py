@@ -1,0 +1,135 @@
+"""A candidate list that is kube-scheduler's node order with some nodes left out (its own filters
+refused them) is read run by run (`NameOrder.runs`: a lookup and a few memcmps a run); whatever
+the list, the result is exactly what resolving every name gives, or the fast path steps aside."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+from tessera.scheduler.name_table import NameTable
+
+from .test_node_names import compact, order_index
+
+NAMES = [f"node-{i:05d}" for i in range(3000)]
+# names that are prefixes of others, of mixed lengths, non-ASCII
+MIXED = sorted({*(f"n{i}" for i in range(300)), *(f"n{i}0" for i in range(300)),
+                "n", "gpu-ß-über-1", "ip-10-0-3-17.eu-west-1.compute.internal"})  # fmt: skip
+
+
+def truth(table: NameTable, names: list[str]) -> list[int] | None:
+    rows = [table.row_of(name) for name in names]
+    return None if -1 in rows else rows
+
+
+def check(table: NameTable, names: list[str]) -> tuple | None:
+    """`runs` of the names' compact array: None, or exactly their rows and slots."""
+    assert table.order is not None
+    found = table.order.runs(compact(names))
+    if found is not None:
+        assert found[0].tolist() == truth(table, names)
+        assert found[1].tolist() == table.slots[found[0]].tolist()
+    return found
+
+
+def test_the_order_with_nodes_left_out_is_read_run_by_run() -> None:
+    table = NameTable(NAMES[::-1], list(range(5, 5 + len(NAMES))))  # (registered in any order)
+    rng = random.Random(35)
+    for start in (0, 1, 1499, 2999):
+        rotated = NAMES[start:] + NAMES[:start]
+        for dropped in (0, 1, 3, 5):  # (3,000 names: up to 10 runs are read run by run)
+            edges = {0, len(NAMES) - 1} if dropped == 5 else set()
+            gone = set(rng.sample(range(len(NAMES)), dropped)) | edges
+            names = [n for i, n in enumerate(rotated) if i not in gone]
+            assert check(table, names) is not None, (start, dropped)
+    # a window: part of the order, wrapping, a node left out
+    assert check(table, NAMES[2900:] + NAMES[:40] + NAMES[41:100]) is not None
+    assert check(table, NAMES[7:8]) is not None
+    # kube-scheduler's parallel order (runs of ~1 name): left to `NameTable.rows`, which reads it
+    interleaved = [NAMES[k * 55 + i] for i in range(55) for k in range(16)]
+    assert check(table, interleaved) is None
+    assert table.rows(compact(interleaved)).tolist() == truth(table, interleaved)
+
+
+def test_adversarial_lists_resolve_exactly_or_step_aside() -> None:
+    for known in (NAMES, MIXED):
+        table = NameTable(known, list(range(len(known))))
+        rng = random.Random(7)
+        n = len(known)
+        cases = [
+            known[10:200] + known[150:400],  # a duplicate run
+            known[10:200] + known[10:200],  # the same run twice
+            known[5:60] + known[60:61] * 3 + known[61:300],  # a name three times
+            known[::-1][:100],  # reversed: runs of one name
+            [*known[:n // 2], "ghost", *known[n // 2:]],  # an unknown name
+            [*known[:50], known[50] + "x", *known[51:]],  # a known name's prefix + more
+            [*known[:50], known[50][:-1], *known[51:]],  # a known name cut short
+            [*known[:100], "", *known[100:]],  # an empty name
+            known + known[:5],  # more names than the order
+            [known[i] for i in rng.sample(range(n), 200)],  # no order at all
+        ]
+        for names in cases:
+            found = check(table, names)
+            if truth(table, names) is None:
+                assert found is None, names[:3]
+        # a run that stops mid-chunk at the array's end, and every prefix length of one
+        for size in (1, 2, 3, 63, 64, 65, 141):
+            assert check(table, known[17 : 17 + size]) is not None
+
+
+def test_malformed_arrays_step_aside() -> None:
+    table = NameTable(NAMES, list(range(len(NAMES))))
+    assert table.order is not None
+    good = compact(NAMES[:300] + NAMES[301:600])
+    assert table.order.runs(good) is not None
+    for bad in (
+        good[:-1] + b",]",  # a trailing comma
+        good.replace(b'","', b'", "', 1),  # a space (not compact: the general path reads it)
+        good.replace(b'","', b'";"', 1),
+        good.replace(b'"node-00299","node-00301"', b'"node-00299",,"node-00301"'),
+        good.replace(b'"node-00299","node-00301"', b'"node-00299""node-00301"'),
+        good.replace(b"node-00400", b"node-0\\u0030400"),  # an escape of the same name
+        b'["node-00001"', b"[]", b'[""]', b'["node-00001","node-00002"',
+    ):
+        assert table.order.runs(bad) is None, bad[:40]
+
+
+def test_the_index_reads_the_order_with_gaps_as_decoding_would() -> None:
+    ordered = sorted(MIXED)
+    index, slots = order_index(ordered[::-1])
+    names = [n for i, n in enumerate(ordered[200:] + ordered[:200]) if i % 97]
+    found = index.names_from_bytes(compact(names))  # type: ignore[attr-defined]
+    assert found is not None
+    assert list(found[0]) == json.loads(compact(names))
+    assert found[1][1].tolist() == [slots[n] for n in names]
+
+
+def test_names_past_the_first_level_resolve_exactly_by_overflow_or_levels(monkeypatch) -> None:
+    """The names the first level does not hold are found by their hash in the sorted overflow;
+    when two of them share a hash the table builds more levels instead: either way every list
+    resolves exactly, and a name that only shares a registered name's hash is no node."""
+    known = MIXED + [f"node-{i:05d}" for i in range(2000)]
+    rng = random.Random(3)
+
+    def resolves_exactly(table: NameTable) -> None:
+        shuffled = rng.sample(known, len(known))
+        assert table.rows(compact(shuffled)).tolist() == truth(table, shuffled)
+        some = known[:40] + known[-40:]
+        assert table.rows(compact(some)).tolist() == truth(table, some)
+        for stranger in ("node-99999", "n9999", "node-0000", "node-000000"):
+            assert table.rows(compact([*known[:10], stranger])) is None
+
+    plain = NameTable(known, list(range(len(known))))
+    assert plain.overflow is not None and len(plain.levels) == 2
+    resolves_exactly(plain)
+    real = NameTable._hash
+    for bits in range(20, 13, -1):  # a hash of `bits` bits: overflow names share one
+        top = np.uint64(64 - bits)
+        monkeypatch.setattr(NameTable, "_hash", lambda self, w, n, t=top: real(self, w, n) >> t)
+        weak = NameTable(known, list(range(len(known))))
+        if weak.overflow is None and weak.usable:
+            assert len(weak.levels) > 2
+            resolves_exactly(weak)  # (looked up with the same weak hash)
+            return
+    raise AssertionError("no hash width gave overflow names a shared hash")
