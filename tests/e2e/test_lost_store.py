@@ -41,20 +41,21 @@ def sim() -> Iterator[RunningStack]:
     yield from start_stack(NODES)
 
 
-async def read_ledgers(nats: NatsSettings) -> dict[str, NodeLedger | None]:
+async def read_ledgers(nats: NatsSettings, nodes: set[str]) -> dict[str, NodeLedger | None]:
     nc = await connect(nats, name="e2e-wipe-check", initial_attempts=5)
     try:
         kv = await nc.jetstream().key_value("tessera-ledger")
-        return {n.name: (v.value if (v := await read(kv, n.name, NodeLedger)) else None)
-                for n in NODES}  # fmt: skip
+        return {name: (v.value if (v := await read(kv, name, NodeLedger)) else None)
+                for name in nodes}  # fmt: skip
     finally:
         await nc.close()
 
 
 def ledger_holds(nats: NatsSettings, pods: list[dict]) -> bool:
-    """Every pod's allocation is in the ledger of its node, with the grants it runs on."""
+    """Every pod's allocation is in the ledger of its node, with the grants it runs on (also the
+    vendor pods' check: test_vendors_lost_store.py)."""
     try:
-        ledgers = asyncio.run(read_ledgers(nats))
+        ledgers = asyncio.run(read_ledgers(nats, {p["spec"]["nodeName"] for p in pods}))
     except Exception:
         return False
     for pod in pods:

@@ -10,7 +10,6 @@ pends because its vendor's only device is full, never placed on what a running p
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -18,13 +17,10 @@ from typing import Any
 
 import pytest
 
-from tessera.bus import connect, read
-from tessera.models import NodeLedger
-from tessera.settings import NatsSettings
 from tessera_cli.stack import SimNode
 
 from .conftest import RunningStack, grants, start_stack
-from .test_lost_store import scheduler_ready
+from .test_lost_store import ledger_holds, scheduler_ready
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -53,30 +49,6 @@ FILL: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def sim() -> Iterator[RunningStack]:
     yield from start_stack(NODES)
-
-
-async def read_ledgers(nats: NatsSettings) -> dict[str, NodeLedger | None]:
-    nc = await connect(nats, name="e2e-vendor-wipe-check", initial_attempts=5)
-    try:
-        kv = await nc.jetstream().key_value("tessera-ledger")
-        return {n.name: (v.value if (v := await read(kv, n.name, NodeLedger)) else None)
-                for n in NODES}  # fmt: skip
-    finally:
-        await nc.close()
-
-
-def ledger_holds(nats: NatsSettings, pods: list[dict]) -> bool:
-    """Every pod's allocation is in its node's ledger, with the grants it runs on."""
-    try:
-        ledgers = asyncio.run(read_ledgers(nats))
-    except Exception:
-        return False
-    for pod in pods:
-        ledger = ledgers.get(pod["spec"]["nodeName"])
-        allocation = ledger.allocations.get(pod["metadata"]["uid"]) if ledger else None
-        if allocation is None or not allocation.active or allocation.containers != grants(pod):
-            return False
-    return True
 
 
 def vendor_pod(name: str, limits: dict[str, Any]) -> dict[str, Any]:
