@@ -42,6 +42,17 @@ def _obj(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def pods_with_claims(pods: Iterable[Any]) -> dict[str, Any]:
+    """uid -> pod of the pods that name ResourceClaims (anything else in `pods` is skipped)."""
+    found = {}
+    for pod in pods:
+        meta = pod.get("metadata") if isinstance(pod, dict) else None
+        spec = pod.get("spec") if isinstance(pod, dict) else None
+        if isinstance(meta, dict) and isinstance(spec, dict) and spec.get("resourceClaims"):
+            found[str(meta.get("uid"))] = pod
+    return found
+
+
 def claim_nodes(claims: Iterable[Any]) -> set[str]:
     """The nodes whose GPUs these claims were allocated (this driver's pools)."""
     return {pool for c in claims if isinstance(c, dict) for pool in result_pools(c)}

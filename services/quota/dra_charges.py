@@ -15,26 +15,15 @@ from nats.js.kv import KeyValue
 
 from tessera import bus
 from tessera.cluster.resources_port import list_claims_if_served
-from tessera.dra_restore import allocations_from_claims, claim_nodes
+from tessera.dra_restore import allocations_from_claims, claim_nodes, pods_with_claims
 from tessera.models import Allocation, DeviceInfo, NodeRegistration
 from tessera.restore import RestoreReport
-
-
-def _with_claims(pods: Iterable[Any]) -> dict[str, Any]:
-    """uid -> pod of the pods that name ResourceClaims."""
-    found = {}
-    for pod in pods:
-        meta = pod.get("metadata") if isinstance(pod, dict) else None
-        spec = pod.get("spec") if isinstance(pod, dict) else None
-        if isinstance(meta, dict) and isinstance(spec, dict) and spec.get("resourceClaims"):
-            found[str(meta.get("uid"))] = pod
-    return found
 
 
 async def dra_allocations(cluster: Any, nodes: KeyValue, pods: Iterable[Any], now: float,
                           report: RestoreReport) -> list[Allocation]:  # fmt: skip
     """The allocations of the running DRA pods among `pods` (none without such pods)."""
-    wanted = _with_claims(pods)
+    wanted = pods_with_claims(pods)
     if not wanted:
         return []
     claims = await list_claims_if_served(cluster)

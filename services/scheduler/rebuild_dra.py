@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from tessera.dra_restore import DevicesOf, allocations_from_claims
+from tessera.dra_restore import DevicesOf, allocations_from_claims, pods_with_claims
 from tessera.models import Allocation, InFlightClaim
 from tessera.restore import RestoreReport
 
@@ -26,12 +26,7 @@ def merge_dra(
     """Add to `by_node` the DRA pods among `pods` (the listing less what the ledger places) that
     hold this driver's claims. A pod already restored from HAMi's annotations keeps that (a pod
     is placed by one allocator only) and the disagreement is reported."""
-    by_uid = {}
-    for pod in pods:
-        meta = pod.get("metadata") if isinstance(pod, dict) else None
-        spec = pod.get("spec") if isinstance(pod, dict) else None
-        if isinstance(meta, dict) and isinstance(spec, dict) and spec.get("resourceClaims"):
-            by_uid[str(meta.get("uid"))] = pod
+    by_uid = pods_with_claims(pods)
     if not by_uid:
         return
     annotated = {a.pod_uid for found in by_node.values() for a, _claim in found}
