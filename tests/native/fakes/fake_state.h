@@ -55,6 +55,7 @@ struct fk_export {
 struct fk_proc {
     int32_t pid, pad;
     uint64_t used;
+    int64_t gone_at; /* when a check first found it gone (FAKE_EXIT_FREE_DELAY_MS), 0 before */
 };
 #define FK_MAX_PROCS 64
 
