@@ -77,14 +77,14 @@ def test_without_the_retry_the_late_free_is_the_drivers_oom(node: ElasticNode) -
     assert "retrying" not in n.stderr()
 
 
-def hog_and_limited(cluster: Cluster, guarantee: int, **env: str):
+def hog_and_limited(cluster: Cluster, guarantee: int, oversubscribe: bool = False, **env: str):
     """A process outside libvgpu holds 12 GiB of device 0 (16 GiB) for good; a container
     guaranteed `guarantee` bytes there (a hard slice, no lease service) starts beside it.
     Returns the container and its process."""
     hog = cluster.container("hog").cuctl(preload=False)
     assert hog("init")["ok"] and hog(f"alloc plain {12 * GiB}")["ok"], hog.stderr()
     k = cluster.container("k")
-    k.seal(region.DeviceLimit("", guarantee, 0))
+    k.seal(region.DeviceLimit("", guarantee, 0), oversubscribe=oversubscribe)
     c = k.cuctl(LIBCUDA_LOG_LEVEL="3", **env)
     assert c("init")["ok"], c.stderr()
     return k, c
@@ -105,9 +105,15 @@ def test_an_owed_allocation_the_driver_keeps_refusing_fails_after_the_bound(
     assert c(f"alloc plain {GiB}")["ok"]  # what the card has: at once
 
 
-def test_an_allocation_nobody_promised_fails_at_once(cluster: Cluster) -> None:
-    """No memory limit: nothing is owed, the driver's OOM is final at once (as before)."""
-    _, c = hog_and_limited(cluster, 0, TESSERA_RECLAIM_RETRY_MS="5000")
+@pytest.mark.parametrize(
+    ("guarantee", "oversubscribe"), [(0, False), (8 * GiB, True)], ids=["unlimited", "scaled"]
+)
+def test_an_allocation_nobody_promised_fails_at_once(
+    cluster: Cluster, guarantee: int, oversubscribe: bool
+) -> None:
+    """No memory limit, or a limit of an oversubscribed card (memory scaling above 1): nothing
+    is owed, the driver's OOM is final at once (as before)."""
+    _, c = hog_and_limited(cluster, guarantee, oversubscribe, TESSERA_RECLAIM_RETRY_MS="5000")
     t0 = time.monotonic()
     r = c(f"alloc plain {8 * GiB}", timeout=30)
     assert not r["ok"] and r["rc"] == 2, (r, c.stderr())

@@ -8,10 +8,12 @@
 
 /* The driver's OOM for bytes charged on a limited slot is for memory the container is owed (its
  * guarantee, or a granted lease): worth retrying a moment (lease.h). Unlimited slots, host
- * memory and unknown devices were promised nothing: their OOM is final at once. */
+ * memory, unknown devices and oversubscribed limits (memory scaling above 1: the limits add up
+ * to more than the card) were promised nothing: their OOM is final at once. */
 static inline int owed(int ds)
 {
-    return ds >= 0 && ds < TV_MAX_SLOTS && tv_mem_cap(ds) != 0;
+    return ds >= 0 && ds < TV_MAX_SLOTS && tv_mem_cap(ds) != 0 &&
+           !(atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_OVERSUBSCRIBE);
 }
 
 CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
