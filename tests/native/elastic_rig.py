@@ -63,8 +63,9 @@ class ElasticPod:
             env["ASAN_OPTIONS"] = "detect_leaks=0"
         return env
 
-    def cuctl(self) -> Cuctl:
-        c = Cuctl(self.node.native.bin / "cuctl", self.env(),
+    def cuctl(self, **extra: str) -> Cuctl:
+        """A process of the pod; `extra`: more environment (e.g. the fake driver's knobs)."""
+        c = Cuctl(self.node.native.bin / "cuctl", self.env() | extra,
                   self.node.base / f"{self.name}-{len(self.procs)}.stderr")  # fmt: skip
         self.procs.append(c)
         assert c("init")["ok"], c.stderr()

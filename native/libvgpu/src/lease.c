@@ -314,3 +314,59 @@ void tv_lease_after_fork_child(void)
         atomic_store(&tv_lease[d].leased, 0);
     }
 }
+
+/* ---- the driver's out-of-memory for memory the container is owed (lease.h) ----------------- */
+
+#define OWED_RETRY_MS_DEFAULT 1000
+#define OWED_RETRY_MS_MAX 10000
+static int owed_retry_ms = -1; /* TESSERA_RECLAIM_RETRY_MS, read at the first failure */
+
+static uint64_t owed_retry_bound_ns(void)
+{
+    int ms = __atomic_load_n(&owed_retry_ms, __ATOMIC_RELAXED);
+    if (ms < 0) {
+        const char *v = getenv("TESSERA_RECLAIM_RETRY_MS");
+        char *end = NULL;
+        long x = v && *v ? strtol(v, &end, 10) : OWED_RETRY_MS_DEFAULT;
+        if (v && *v && (*end || x < 0)) {
+            TV_LOG(TV_LOG_WARN, "TESSERA_RECLAIM_RETRY_MS=%s is not a number of ms: using %d", v,
+                   OWED_RETRY_MS_DEFAULT);
+            x = OWED_RETRY_MS_DEFAULT;
+        }
+        ms = (int)(x > OWED_RETRY_MS_MAX ? OWED_RETRY_MS_MAX : x);
+        __atomic_store_n(&owed_retry_ms, ms, __ATOMIC_RELAXED);
+    }
+    return (uint64_t)ms * 1000000ull;
+}
+
+int tv_owed_oom_wait(struct tv_oom_retry *t, int d, uint64_t bytes)
+{
+    uint64_t bound = owed_retry_bound_ns(), now = tv_mono_ns();
+    if (!t->tries) {
+        if (!bound) return 0;
+        t->start_ns = now;
+        t->step_ns = 2000000;
+        TV_LOG(TV_LOG_INFO, "driver out of memory for %llu bytes owed on slot %d (a reclaimed "
+               "process's memory not freed yet?): retrying for up to %llu ms",
+               (unsigned long long)bytes, d, (unsigned long long)(bound / 1000000));
+    }
+    uint64_t spent = now - t->start_ns;
+    if (spent >= bound) return 0;
+    uint64_t step = t->step_ns < bound - spent ? t->step_ns : bound - spent;
+    tv_sleep_ns(step);
+    if (t->step_ns < 64000000) t->step_ns *= 2;
+    t->tries++;
+    return 1;
+}
+
+void tv_owed_oom_done(const struct tv_oom_retry *t, int d, uint64_t bytes, int ok)
+{
+    if (!t->tries) return;
+    unsigned long long ms = (tv_mono_ns() - t->start_ns) / 1000000;
+    if (ok)
+        TV_LOG(TV_LOG_INFO, "%llu bytes on slot %d allocated after %llu ms (%u retries)",
+               (unsigned long long)bytes, d, ms, t->tries);
+    else
+        TV_LOG(TV_LOG_WARN, "driver still out of memory for %llu bytes owed on slot %d after "
+               "%llu ms: failing", (unsigned long long)bytes, d, ms);
+}

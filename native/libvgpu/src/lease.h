@@ -64,4 +64,18 @@ static inline void tv_lease_give(int d, uint64_t bytes)
     if (tv_unlikely(n > 2 * TSR_LEASE_CHUNK)) tv_lease_trim(d);
 }
 
+/* The driver's out-of-memory for memory the container is owed (charged within its guarantee or
+ * under a granted lease): a reclaimed process's memory may still be held by the driver for a
+ * moment after its lease socket closed (a dying process's files close in fd order; its device
+ * memory goes when the driver's files close). The caller retries while tv_owed_oom_wait says so:
+ * it logs, sleeps the next backoff step (2 ms doubling to 64 ms) and returns 1 until
+ * TESSERA_RECLAIM_RETRY_MS (default 1000, at most 10000, 0 = no retry) have passed; then 0.
+ * Only ever called after a failure: the allocation fast path makes no system call for it. */
+struct tv_oom_retry {
+    uint64_t start_ns, step_ns;
+    unsigned tries;
+};
+int tv_owed_oom_wait(struct tv_oom_retry *t, int d, uint64_t bytes) TV_HIDDEN;
+void tv_owed_oom_done(const struct tv_oom_retry *t, int d, uint64_t bytes, int ok) TV_HIDDEN;
+
 #endif

@@ -6,6 +6,16 @@
 #define _GNU_SOURCE
 #include "account.h"
 
+/* The driver's OOM for bytes charged on a limited slot is for memory the container is owed (its
+ * guarantee, or a granted lease): worth retrying a moment (lease.h). Unlimited slots, host
+ * memory, unknown devices and oversubscribed limits (memory scaling above 1: the limits add up
+ * to more than the card) were promised nothing: their OOM is final at once. */
+static inline int owed(int ds)
+{
+    return ds >= 0 && ds < TV_MAX_SLOTS && tv_mem_cap(ds) != 0 &&
+           !(atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_OVERSUBSCRIBE);
+}
+
 CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     TV_CUDA_ENTER();
@@ -13,6 +23,12 @@ CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) /* past the limit: spill, if it may */
         return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, bytesize);
+    if (tv_unlikely(r == OOM) && owed(ds)) {
+        struct tv_oom_retry t = {0};
+        while (r == OOM && tv_owed_oom_wait(&t, ds, bytesize))
+            r = REAL(cuMemAlloc_v2)(dptr, bytesize);
+        tv_owed_oom_done(&t, ds, bytesize, r == CUDA_SUCCESS);
+    }
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, bytesize);
         return tv_spill_alloc(dptr, bytesize, ds, r, 0); /* the card itself is full */
@@ -41,6 +57,12 @@ CUresult CUDAAPI tv_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
     if (Height && est / Height < WidthInBytes) return OOM; /* overflow */
     if (charged_alloc(ds, est) != CUDA_SUCCESS) return OOM;
     CUresult r = REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (tv_unlikely(r == OOM) && owed(ds)) {
+        struct tv_oom_retry t = {0};
+        while (r == OOM && tv_owed_oom_wait(&t, ds, est))
+            r = REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+        tv_owed_oom_done(&t, ds, est, r == CUDA_SUCCESS);
+    }
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, est);
         return r;

@@ -166,6 +166,18 @@ int64_t fk_busy(struct fk_state *s, int dev, int64_t t0, int64_t t1, int pid)
     return busy;
 }
 
+/* A real driver frees a dead process's memory when its device files close, which may be a
+ * moment after its other files (its lease socket) closed. FAKE_EXIT_FREE_DELAY_MS=<n> models
+ * that: a gone process's memory is the card's again only n ms after a check first found it gone
+ * (0, the default: at once). */
+static int freed(struct fk_proc *p)
+{
+    int64_t delay = (int64_t)fk_env_int("FAKE_EXIT_FREE_DELAY_MS", 0) * 1000000;
+    if (delay <= 0) return 1;
+    if (!p->gone_at) p->gone_at = fk_now();
+    return fk_now() - p->gone_at >= delay;
+}
+
 void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta)
 {
     struct fk_proc *free_p = NULL;
@@ -175,7 +187,8 @@ void fk_proc_note(struct fk_state *s, int dev, int pid, int64_t delta)
             p->used = delta < 0 && (uint64_t)-delta > p->used ? 0 : p->used + (uint64_t)delta;
             return;
         }
-        if (!free_p && (p->pid == 0 || (kill(p->pid, 0) != 0 && errno == ESRCH))) free_p = p;
+        if (!free_p && (p->pid == 0 || (kill(p->pid, 0) != 0 && errno == ESRCH && freed(p))))
+            free_p = p;
     }
     if (!free_p) return;
     /* a gone process's slot: what it held is the device's again (as fk_reap_dead), not lost */
@@ -223,7 +236,7 @@ uint64_t fk_reap_dead(struct fk_state *s, int dev)
     uint64_t back = 0;
     for (int i = 0; i < FK_MAX_PROCS; i++) {
         struct fk_proc *p = &s->procs[dev][i];
-        if (p->pid == 0 || !fk_pid_gone(p->pid)) continue;
+        if (p->pid == 0 || !fk_pid_gone(p->pid) || !freed(p)) continue;
         back += p->used;
         *p = (struct fk_proc){0};
     }

@@ -11,7 +11,9 @@
  * NVML enumerates devices in the reverse CUDA order), FAKE_CHECK_SCRUB (1: count frees of
  * memory that was not all zeros, for the scrub-on-free tests), FAKE_NVML_PID_OFFSET (0: added
  * to the pids NVML reports, as seen from outside a pid namespace), FAKE_PIDCHECK_GATE (a test's
- * hook: a file whose creation the "is this holder gone?" check waits for, see fake_state.c).
+ * hook: a file whose creation the "is this holder gone?" check waits for, see fake_state.c),
+ * FAKE_EXIT_FREE_DELAY_MS (0: a gone process's memory is the card's again only this long after a
+ * check first found it gone — a driver that frees a dying process's memory late).
  *
  * The timeline: every process's kernels on a device go into one queue, in submission order, and
  * run one at a time for their duration (a GPU time-slicing between contexts at kernel
@@ -55,6 +57,7 @@ struct fk_export {
 struct fk_proc {
     int32_t pid, pad;
     uint64_t used;
+    int64_t gone_at; /* when a check first found it gone (FAKE_EXIT_FREE_DELAY_MS), 0 before */
 };
 #define FK_MAX_PROCS 64
 
