@@ -52,7 +52,7 @@ from .pod_gate import PodGate
 from .rebuild import LedgerRebuilder, ledger_cas, restore_rules
 from .registration_codec import RegistrationCodec
 from .stale import Listing
-from .stale_release import grace_ends, release_stale
+from .stale_release import release_stale
 from .validation import LedgerGuard, cluster_rebuild
 from .wire_fast import RegistrationWire
 
@@ -437,19 +437,13 @@ class SchedulerService:
         self.metrics.ledger_restored.inc(report.restored)
         listing, self.rebuilder.listed = self.rebuilder.listed, None
         if self.config.release_missing_pods and listing is not None:
-            # pods deleted while no scheduler watched (stale.py)
-            await release_stale(self.index, listing, self.scheduler.release)
-            due = grace_ends(self.index, listing)
-            if due is not None and self.cluster is not None:
-                # Some were written too close to the listing to judge (a stack stopped and
-                # started again within seconds): list once more when the grace ends, still
-                # before ready, rather than hold their cards until the periodic pass.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), max(0.0, due - self.clock()))
-                listed_at = self.clock()
-                pods = await self.cluster.list_pods()
-                again = Listing.of_pods(pods, listed_at, self.index.pod_nodes)
-                await release_stale(self.index, again, self.scheduler.release)
+            # Pods deleted while no scheduler watched (stale.py). No grace for allocations
+            # written near the listing: the ledger watch waits for this rebuild, so every
+            # allocation the index holds was read before the listing began, and the pod of one
+            # that was bound existed before it too; a consistent listing that lacks the pod
+            # means it is gone. (A grace of seconds kept a quickly restarted stack's previous
+            # allocations until the periodic pass, whole cards Pending meanwhile.)
+            await release_stale(self.index, listing, self.scheduler.release, skew_s=0.0)
 
     async def _watch_quota(self) -> None:
         async for key, value, revision in bus.watch_models(

@@ -14,6 +14,9 @@ The grace, so that nothing still being created is freed:
 - everything else whose pod uid the listing lacks (or lists as finished, when phases were read)
   is released, with the reason.
 
+The pass before ready uses no skew (`skew_s=0`): the ledger it judges was read before its listing
+began (runtime.py says why), so only the periodic pass, whose ledger moves while it lists, needs it.
+
 A listing of whole pods (the periodic pass) reads phases; the rebuild's slim listing skips
 decoding the pods the ledger places, so before ready only pods the cluster lacks are released
 (a finished pod goes once the pod watch replays it, right after).
@@ -90,26 +93,6 @@ def verdict(allocation: Any, listing: Listing, skew_s: float = DEFAULT_SKEW_S) -
     if phase is not None:
         return f"pod {phase.lower()} while no scheduler watched it"
     return GONE
-
-
-def awaiting_grace(
-    placed: Mapping[str, str], ledgers: Mapping[str, Any], listing: Listing,
-    skew_s: float = DEFAULT_SKEW_S,
-) -> bool:
-    """Whether an active allocation whose pod the listing lacks was kept only because it was
-    written too close to the listing (`verdict`'s grace). Such an allocation can be judged by a
-    listing taken `skew_s` later; waiting for the periodic pass would hold its cards for
-    minutes after a quick restart (a stack stopped and started again on the same store)."""
-    for uid in listing.unlisted:
-        node = placed.get(uid)
-        allocations = getattr(ledgers.get(node), "allocations", None) or {} if node else {}
-        allocation = allocations.get(uid)
-        if allocation is None or not allocation.active:
-            continue
-        created = _number(getattr(allocation, "created_at", None))
-        if created is not None and created >= listing.listed_at - skew_s:
-            return True
-    return False
 
 
 def stale_allocations(

@@ -15,21 +15,11 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 from .index import ClusterIndex
-from .stale import DEFAULT_SKEW_S, Listing, StaleRelease, awaiting_grace, stale_allocations
+from .stale import DEFAULT_SKEW_S, Listing, StaleRelease, stale_allocations
 
 log = logging.getLogger("tessera.scheduler")
 
 Release = Callable[..., Awaitable[bool]]  # Scheduler.release(node, uid, *, why=...)
-
-
-def grace_ends(index: ClusterIndex, listing: Listing, *, skew_s: float = DEFAULT_SKEW_S
-               ) -> float | None:  # fmt: skip
-    """When a second pass can judge what this listing had to keep for its grace (`listed_at +
-    skew_s`, on the scheduler's clock), or None when it kept nothing for that reason."""
-    ledgers = {name: entry.view for name, entry in index.entries.items() if entry.view is not None}
-    if awaiting_grace(index.pod_nodes, ledgers, listing, skew_s):
-        return listing.listed_at + skew_s
-    return None
 
 
 async def release_stale(
