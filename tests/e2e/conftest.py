@@ -172,6 +172,13 @@ class RunningStack:
         self.nodes = nodes
         self.kube = Kube(stack.api_url)
 
+    def print_logs(self, chars: int = 4000) -> None:
+        """Each service's log tail, for a test that failed on the stack's behaviour (pytest shows
+        a test's output only when it fails)."""
+        for service in self.stack.running:
+            tail = service.log_path.read_text(errors="replace")[-chars:]
+            print(f"==== {service.spec.name} ({service.status})\n{tail}")
+
     def wait_nodes_registered(self, timeout_s: float = 40.0) -> None:
         wanted = {n.name for n in self.nodes if n.gpus and not n.dra}  # DRA: no device plugin
         models = {n.name: n.gpu_model for n in self.nodes}
@@ -209,9 +216,7 @@ def start_stack(
         running.wait_nodes_registered()
         yield running
     except Exception:  # a stack that failed to start: show why
-        for service in stack.running:
-            tail = service.log_path.read_text(errors="replace")[-3000:]
-            print(f"==== {service.spec.name} ({service.status})\n{tail}")
+        running.print_logs(3000)
         raise
     finally:
         running.kube.close()
