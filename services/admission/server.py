@@ -14,11 +14,12 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+
+from tessera.embedded_http import EmbeddedUvicorn
 
 log = logging.getLogger("tessera.admission")
 
@@ -50,14 +51,6 @@ def server_tls_context(files: TlsFiles) -> ssl.SSLContext:
     context.set_alpn_protocols(["http/1.1"])
     context.load_cert_chain(files.cert, files.key)
     return context
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the service's stop event decides."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class WebhookServer:
@@ -97,7 +90,7 @@ class WebhookServer:
             limit_concurrency=1000,
             ssl_context_factory=(lambda _config, _default: context) if context else None,
         )
-        self.server = _EmbeddedUvicorn(self.config)
+        self.server = EmbeddedUvicorn(self.config)
         self._serving: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None
         self.reloads = 0

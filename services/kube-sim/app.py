@@ -25,6 +25,7 @@ from tessera.kube_sim.store import KubeObject, ObjectStore, now_rfc3339
 
 from tessera.device_kinds import registry
 from tessera.device_kinds.vendor_models import node_labels
+from tessera.embedded_http import EmbeddedUvicorn
 from tessera.settings import TesseraSettings
 from tessera.simnodes import SimNode
 
@@ -149,7 +150,7 @@ class KubeSim:
             lifespan="off",
             timeout_graceful_shutdown=1,
         )
-        server = uvicorn.Server(config)
+        server = EmbeddedUvicorn(config)
         server_task = asyncio.create_task(server.serve())
         while not server.started:
             if server_task.done():

@@ -17,6 +17,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from tessera.bus import Buckets
+from tessera.embedded_http import EmbeddedUvicorn
 from tessera.service import ServiceContext
 from tessera.settings import TesseraSettings
 from tessera.validation import Bounds
@@ -32,16 +33,6 @@ log = logging.getLogger("tessera.metrics")
 def parse_listen(listen: str | None) -> tuple[str, int]:
     host, _, port = (listen or DEFAULT_LISTEN).rpartition(":")
     return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the service's stop event rules shutdown."""
-
-    def capture_signals(self):  # type: ignore[no-untyped-def]
-        return contextlib.nullcontext()
-
-    def install_signal_handlers(self) -> None:
-        return None
 
 
 class MetricsService:
@@ -63,7 +54,7 @@ class MetricsService:
         self.feeds = Feeds(nc, js, buckets, self.view, clock)
         self.app = build_app(self.view, settings, clock, bus_ready)
         self.host, self.port = parse_listen(listen or settings.listen)
-        self._server: _Server | None = None
+        self._server: EmbeddedUvicorn | None = None
         self._serve_task: asyncio.Task[None] | None = None
 
     @property
@@ -77,7 +68,7 @@ class MetricsService:
             self.app, host=self.host, port=self.port, log_config=None, access_log=False,
             lifespan="off",
         )
-        self._server = _Server(config)
+        self._server = EmbeddedUvicorn(config)
         self._serve_task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._serve_task.done():

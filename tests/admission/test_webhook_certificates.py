@@ -29,6 +29,7 @@ from tessera.kube_sim.kubeconfig import write_kubeconfig
 from tessera.kube_sim.store import ObjectStore
 
 from tessera.cluster.kubernetes_api import KubeClientSettings, KubernetesCluster
+from tessera.embedded_http import EmbeddedUvicorn
 from tessera_cli.nats_embedded import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,7 +92,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     store = ObjectStore(history_size=50)
     api = ApiServer(store)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(api.app(), host="127.0.0.1", port=port,
+    server = EmbeddedUvicorn(uvicorn.Config(api.app(), host="127.0.0.1", port=port,
                                            lifespan="off", log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:

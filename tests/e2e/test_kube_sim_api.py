@@ -21,6 +21,7 @@ from tessera.kube_sim.store import ObjectStore, StoreError
 
 from tessera.cluster.kubernetes_api import KubeClientSettings, KubernetesCluster
 from tessera.cluster.port import ConflictError, NotFoundError, ObjectRef
+from tessera.embedded_http import EmbeddedUvicorn
 from tessera_cli.nats_embedded import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,7 +51,7 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
         store.create("Node", {"metadata": {"name": node, "annotations": {}}})
     api = ApiServer(store, bookmark_interval_s=0.2)
     port = free_port()
-    uv = uvicorn.Server(
+    uv = EmbeddedUvicorn(
         uvicorn.Config(api.app(), host="127.0.0.1", port=port, lifespan="off", log_level="warning")
     )
     task = asyncio.create_task(uv.serve())
