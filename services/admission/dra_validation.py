@@ -11,7 +11,10 @@ webhook does the same: a claim, a claim template or a DeviceClass whose configur
 driver applies at prepare) is denied with the sentence the driver would have given at prepare,
 so the person who wrote it reads it at once instead of a pod that never starts
 (`FailedPrepareDynamicResources`, after the allocator placed it). Configuration for other
-drivers passes untouched. Pure: no I/O.
+drivers passes untouched. On UPDATE only a change of this driver's configuration is judged: an
+object stored before the webhook was installed (or while `failurePolicy: Ignore` let it
+through) must still take a metadata change, above all the removal of its finalizers, or it
+could never be deleted. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ def _at(obj: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         obj = obj.get(key) if isinstance(obj, dict) else None
     return obj
+
+
+def driver_entries(kind: str, obj: Any) -> list[Any]:
+    """This driver's opaque configuration entries of `obj` (for comparing two versions)."""
+    entries = _at(obj, KINDS[kind])
+    if not isinstance(entries, list):
+        return [entries] if entries is not None else []
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("opaque"), dict)
+            and e["opaque"].get("driver") == DRIVER_NAME]  # fmt: skip
 
 
 def config_problems(kind: str, obj: Any) -> list[str]:
@@ -81,4 +93,8 @@ def validate_decision(review: Review) -> Decision:
         return Admitted(note=f"operation {review.operation or '?'} is not reviewed")
     if not reviews(review.group, review.kind):
         return Admitted(note=f"{review.group}/{review.kind} is not reviewed here")
+    if review.operation == "UPDATE" and (
+        driver_entries(review.kind, review.object) == driver_entries(review.kind,
+                                                                     review.old_object)):
+        return Admitted(note=f"{review.kind}: configuration for {DRIVER_NAME} unchanged")
     return decide_config(review.kind, review.object)

@@ -252,8 +252,10 @@ class ApiServer:
         # built-in admission steps run on every pod CREATE before the webhook (Priority).
         self.extra_routes: list[Route] = []
         self.pod_admitters: list[Callable[[KubeObject], KubeObject]] = []
-        # The validating webhook of DRA objects (dra/validating_webhook.py), after validation.
-        self.validate_dra: Callable[[str, KubeObject], Awaitable[None]] | None = None
+        # The validating webhook of DRA objects (dra/validating_webhook.py), after validation:
+        # (kind, object, operation, the stored object on UPDATE)
+        self.validate_dra: (
+            Callable[[str, KubeObject, str, KubeObject | None], Awaitable[None]] | None) = None
         # node name -> its kubelet (anything with describe()), for the debug endpoint
         self.kubelets: dict[str, Any] = {}
         self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -536,7 +538,7 @@ class ApiServer:
             if kind not in CLUSTER_SCOPED:
                 dra_objects.check_admin_access(kind, obj, self._namespace_labels(meta))
             if self.validate_dra is not None and not dry_run:
-                await self.validate_dra(kind, obj)
+                await self.validate_dra(kind, obj, "CREATE", None)
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}
@@ -843,9 +845,26 @@ class ApiServer:
                 validate_update(kind, old, decoded(kind, new))
 
         return await admitted_change(
-            self.store, kind, namespace, name, change, self.admit_update, sub_resource,
-            persist, check, precondition,
+            self.store, kind, namespace, name, change, self._update_admission(kind),
+            sub_resource, persist, check, precondition,
         )
+
+    def _update_admission(self, kind: str) -> AdmitUpdate | None:
+        """What reviews an UPDATE of `kind`: a pod's admission chain; for a DRA object, the
+        validating webhook (`operation: UPDATE`, the stored object as `oldObject`), on the
+        object itself only: the chart's rules name no subresource, so `/status` is not sent."""
+        if kind == "Pod":
+            return self.admit_update
+        validate = self.validate_dra
+        if kind not in dra_objects.KINDS or validate is None:
+            return None
+
+        async def reviewed(new: KubeObject, old: KubeObject, sub_resource: str) -> KubeObject:
+            if not sub_resource:
+                await validate(kind, new, "UPDATE", old)
+            return new
+
+        return reviewed
 
     async def status(self, request: Request) -> Response:
         try:
@@ -894,7 +913,7 @@ class ApiServer:
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
         validate_update(kind, current, decoded(kind, body))
-        if kind == "Pod":
+        if kind == "Pod" or kind in dra_objects.KINDS:  # through UPDATE admission
 
             def put(obj: KubeObject) -> None:
                 obj.clear()

@@ -42,9 +42,10 @@ async def admitted_change(
     check: Callable[[KubeObject, KubeObject], None] | None = None,
     precondition: str | None = None,
 ) -> KubeObject:
-    """Apply `change` to the stored object; for a pod, through `admit` first. `check(old, new)`
-    validates the admitted result; `precondition` is a resourceVersion the client named."""
-    if kind != "Pod" or admit is None or not persist:
+    """Apply `change` to the stored object, through `admit` first (a pod's admission chain, a
+    DRA object's validating webhook). `check(old, new)` validates the admitted result;
+    `precondition` is a resourceVersion the client named."""
+    if admit is None or not persist:
         return store.mutate(kind, namespace, name, change, persist=persist)
     for attempt in range(ATTEMPTS):
         # the stored pod itself, only read (the webhook's oldObject, the checks): the store

@@ -115,3 +115,78 @@ async def test_objects_without_configuration_for_the_driver_are_not_sent(
                "spec": {"selectors": [{"cel": {"expression": "true"}}]}}  # fmt: skip
         assert (await c.post(f"{BASE}/deviceclasses", json=cls)).status_code == 201
     assert cluster.sent == []
+
+
+def device_class(config: list) -> dict:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": "gpu.tessera.io"},
+            "spec": {"selectors": [{"cel": {"expression": "true"}}], "config": config}}  # fmt: skip
+
+
+async def test_a_deviceclass_update_is_reviewed_and_an_invalid_config_change_refused(
+    cluster: Cluster,
+) -> None:
+    """kube-apiserver sends UPDATE as the rules name it (PUT, merge patch, JSON patch), with
+    the stored object as oldObject; a denied update stores nothing."""
+    mps = {"opaque": {"driver": "gpu.tessera.io",
+                      "parameters": {**GPU_CONFIG, "sharing": {"strategy": "MPS"}}}}  # fmt: skip
+    bad = {"opaque": {"driver": "gpu.tessera.io",
+                      "parameters": {**GPU_CONFIG, "sharing": {"strategy": "Exclusive"}}}}
+    async with cluster.client() as c:
+        url = f"{BASE}/deviceclasses/gpu.tessera.io"
+        assert (await c.post(f"{BASE}/deviceclasses", json=device_class([mps]))
+                ).status_code == 201  # fmt: skip
+        stored = (await c.get(url)).json()
+        merge = {"content-type": "application/merge-patch+json"}
+        reply = await c.patch(url, json={"spec": {"config": [bad]}}, headers=merge)
+        assert reply.status_code == 403, reply.text
+        assert reply.json()["message"].startswith(
+            'admission webhook "deviceclasses.dra.admission.tessera.io" denied the request: '
+            "DeviceClass gpu.tessera.io: invalid configuration for gpu.tessera.io: ")
+        json_patch = {"content-type": "application/json-patch+json"}
+        reply = await c.patch(url, headers=json_patch, content=json.dumps([
+            {"op": "replace", "path": "/spec/config/0", "value": bad}]))
+        assert reply.status_code == 403, reply.text
+        put = {**stored, "spec": {**stored["spec"], "config": [bad]}}
+        assert (await c.put(url, json=put)).status_code == 403
+        assert (await c.get(url)).json() == stored  # nothing of the three stored
+
+        time_slicing = {"opaque": {"driver": "gpu.tessera.io", "parameters": {
+            **GPU_CONFIG, "sharing": {"strategy": "TimeSlicing"}}}}  # fmt: skip
+        reply = await c.put(url, json={**stored, "spec": {**stored["spec"],
+                                                          "config": [time_slicing]}})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["spec"]["config"] == [time_slicing]
+    creates = [s["request"] for s in cluster.sent if s["request"]["operation"] == "CREATE"]
+    updates = [s["request"] for s in cluster.sent if s["request"]["operation"] == "UPDATE"]
+    assert len(creates) == 1 and creates[0]["oldObject"] is None
+    assert len(updates) == 4
+    assert all(u["oldObject"] == stored for u in updates)  # the stored class, unchanged
+    assert [u["object"]["spec"]["config"] for u in updates] == [[bad]] * 3 + [[time_slicing]]
+    assert {u["options"]["kind"] for u in updates} == {"UpdateOptions"}
+
+
+async def test_a_metadata_update_passes_even_when_the_stored_config_is_invalid(
+    cluster: Cluster,
+) -> None:
+    """A claim stored while the webhook let it through (failurePolicy Ignore, or before the
+    chart was installed) can still take a label or lose its finalizer: only a change of the
+    driver's configuration is judged. A status write is a subresource the rules do not name."""
+    bad = claim("old", [opaque({**GPU_CONFIG, "sharing": {"strategy": "Exclusive"}})])
+    bad["metadata"].update(namespace="team", finalizers=["example.com/keep"])
+    cluster.api.store.create("ResourceClaim", bad)  # as if written while nobody reviewed
+    async with cluster.client() as c:
+        url = f"{BASE}/namespaces/team/resourceclaims/old"
+        merge = {"content-type": "application/merge-patch+json"}
+        reply = await c.patch(url, json={"metadata": {"labels": {"team": "a"}}}, headers=merge)
+        assert reply.status_code == 200, reply.text
+        reply = await c.patch(url + "/status", headers=merge,
+                              json={"status": {"devices": []}})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        reply = await c.patch(url, json={"metadata": {"finalizers": None}}, headers=merge)
+        assert reply.status_code == 200, reply.text
+        assert "finalizers" not in reply.json()["metadata"]
+        assert reply.json()["metadata"]["labels"] == {"team": "a"}
+    sent = [s["request"] for s in cluster.sent]
+    assert [r["operation"] for r in sent] == ["UPDATE", "UPDATE"]  # label, finalizer; no status
+    assert all(r["oldObject"]["metadata"]["name"] == "old" for r in sent)

@@ -6,8 +6,12 @@ CREATE and UPDATE), path `/validate`, each with a match condition: only an objec
 opaque configuration for `gpu.tessera.io` is sent (`MATCH_CONDITIONS`, evaluated here in CEL as
 kube-apiserver does, KEP-3716). kube-apiserver calls validating webhooks after mutating
 admission and the object's own validation, and a denial is the request's error:
-`admission webhook "<name>" denied the request: <message>`. kube-sim calls it on CREATE (the
-claim and template specs are immutable; a DeviceClass update is not sent here yet).
+`admission webhook "<name>" denied the request: <message>`; nothing is stored. kube-sim calls it
+as the rules name it: on CREATE, and on UPDATE (PUT, PATCH, server-side apply) of the object
+itself with the stored object as `oldObject` (a DeviceClass's `config` may change; a claim's or
+template's spec is immutable, but an update of their metadata is sent all the same, as
+kube-apiserver sends it). `/status` is a subresource the rules do not name: not sent. kube-sim's
+own controllers write through the store, not the HTTP API, so their writes are not reviewed.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ class DraValidatingWebhook:
         except Exception:  # celpy raises its own error types for a missing field
             return True
 
-    async def __call__(self, kind: str, obj: KubeObject, operation: str = "CREATE") -> None:
+    async def __call__(self, kind: str, obj: KubeObject, operation: str = "CREATE",
+                       old: KubeObject | None = None) -> None:
         resource = PLURALS.get(kind)
         if resource is None or not self.sent(resource, obj):
             return
@@ -71,7 +76,7 @@ class DraValidatingWebhook:
             "requestKind": group_kind, "requestResource": group_resource,
             "name": meta.get("name", ""), "namespace": meta.get("namespace", ""),
             "operation": operation, "userInfo": current_user().review(), "object": obj,
-            "oldObject": None, "dryRun": False,
+            "oldObject": old if operation == "UPDATE" else None, "dryRun": False,
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": OPTIONS_KIND.get(operation, "")},
         }}  # fmt: skip
         try:
