@@ -17,6 +17,11 @@ from tessera.hami import PodRequest, RequestError, with_burst_limits
 ELASTIC_INVALID = "ElasticLimitInvalid"
 
 
+def _claims(container: Any) -> bool:
+    resources = container.get("resources") if isinstance(container, dict) else None
+    return isinstance(resources, dict) and bool(resources.get("claims"))
+
+
 def elastic_problem(pod: dict[str, Any], request: PodRequest) -> str | None:
     """Why the pod's elastic annotations are refused (None: none set, or all valid)."""
     meta = pod.get("metadata")
@@ -30,6 +35,8 @@ def elastic_problem(pod: dict[str, Any], request: PodRequest) -> str | None:
     try:
         options = elastic.parse_elastic(annotations, names)
         gpu_names = {n for n, r in zip(names, request.all, strict=False) if r is not None}
+        # a container holding a DRA claim may spill too: the driver seals it (docs/dra.md)
+        gpu_names |= {n for n, c in zip(names, containers, strict=False) if _claims(c)}
         no_gpu = sorted(options.spill_named - gpu_names)
         if no_gpu:
             return (f"{elastic.ANN_GPUMEM_SPILL}: container {no_gpu[0]} asks for no GPU: only "

@@ -424,3 +424,28 @@ async def test_a_restarted_driver_keeps_what_it_prepared(short_dir, nc, buckets,
         assert [c.limits_dir for c in again.store.for_pod(pod["metadata"]["uid"])] == [limits_dir]
         sealed = read_limits(limits_dir)
         assert sealed is not None and sealed.devices[0].mem_limit_bytes == 2 << 30
+
+
+async def test_a_pod_that_opts_in_spills_its_claim_to_host_memory(short_dir, nc, buckets, node):
+    """tessera.io/gpumem-spill reaches the claim's sealed limits as it reaches Allocate's; a
+    claim two containers share spills only if both opted in (one limits file serves both)."""
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        spilling, claim = pod_and_claim(node, "gpu-0", "4Gi", "30")
+        spilling["metadata"]["annotations"] = {"tessera.io/gpumem-spill": "main=2048"}
+        shared, shared_claim = pod_and_claim(node, "gpu-1", "2Gi", "20")
+        shared["metadata"]["annotations"] = {"tessera.io/gpumem-spill": "main=1024"}
+        shared["spec"]["containers"][1]["resources"] = {"claims": [{"name": "gpu"}]}
+        plain, plain_claim = pod_and_claim(node, "gpu-1", "2Gi", "20")
+        sealed = {}
+        for pod, c in ((spilling, claim), (shared, shared_claim), (plain, plain_claim)):
+            cluster.add_pod(pod)
+            cluster.put_resource_claim(c)
+            answer = (await h.kubelet_prepare(c)).claims[c["metadata"]["uid"]]
+            assert answer.error == "", answer.error
+            [prepared] = h.store.for_pod(pod["metadata"]["uid"])
+            limits = read_limits(prepared.limits_dir)
+            assert limits is not None
+            sealed[pod["metadata"]["name"]] = limits.spill_bytes
+        assert sealed == {spilling["metadata"]["name"]: 2048 << 20,
+                          shared["metadata"]["name"]: 0, plain["metadata"]["name"]: 0}

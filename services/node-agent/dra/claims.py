@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tessera import dra_config as config
+from tessera import elastic
 from tessera.dra_grants import (
     ClaimError,
     PodUse,
@@ -38,7 +39,7 @@ from tessera.models import DeviceGrant, DeviceInfo
 __all__ = [
     "ClaimDevice", "ClaimError", "PodUse", "PreparedClaim", "allocated_devices", "claim_ref",
     "container_names", "mig_devices", "mps_cards", "plan", "pod_claim_names", "pod_use",
-    "reserved_pods", "task_priority", "with_instances",
+    "reserved_pods", "spill_bytes", "task_priority", "with_instances",
 ]
 
 
@@ -148,3 +149,16 @@ def task_priority(pod: dict[str, Any], index: int) -> int:
         if isinstance(entry, dict) and entry.get("name") == "CUDA_TASK_PRIORITY":
             return 0 if str(entry.get("value", "")).strip() == "0" else 1
     return 1
+
+
+def spill_bytes(pod: dict[str, Any], record: PreparedClaim) -> int:
+    """Host memory (bytes) the claim's containers may spill to: the pod's opt-in
+    (`tessera.io/gpumem-spill`, read from the cluster's pod as the extender path reads it;
+    admission validated it). One sealed limits file serves every container using the claim, so
+    the smallest of theirs: 0 when one of them did not opt in (none gets what it did not ask)."""
+    annotations = _obj(pod.get("metadata")).get("annotations")
+    if not isinstance(annotations, dict) or elastic.ANN_GPUMEM_SPILL not in annotations:
+        return 0
+    names = container_names(pod)
+    users = [names[i] for i in record.containers if 0 <= i < len(names)] or [record.container]
+    return min(elastic.spill_bytes_of(annotations, names, name) for name in users)

@@ -56,6 +56,7 @@ from .claims import (
     mps_cards,
     plan,
     reserved_pods,
+    spill_bytes,
     task_priority,
     with_instances,
 )
@@ -221,7 +222,9 @@ class DraDriver:
         device_name = f"claim-{record.claim_uid}"
         cdi_id = cdi.device_id(device_name)
         mps = mps_cards(record)
-        limits = hs.limits_for(allocation, record.container_index, node_settings)
+        # the pod's spill opt-in (tessera.io/gpumem-spill) as in extender mode (docs/dra.md)
+        limits = hs.limits_for(allocation, record.container_index, node_settings,
+                               spill_bytes(pod, record))
         if mps:
             limits = mps_node.accounting_only(limits, mps)
 
