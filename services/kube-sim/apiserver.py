@@ -41,6 +41,7 @@ from tessera.kube_sim import (
 )
 from tessera.kube_sim.dra import objects as dra_objects
 from tessera.kube_sim.dra import printers as _dra_printers  # noqa: F401  (Table columns)
+from tessera.kube_sim.dra import quota as dra_quota
 from tessera.kube_sim.dra import schemas as _dra_schemas  # noqa: F401  (strict decoding)
 from tessera.kube_sim.identity import Authentication, TokenTable
 from tessera.kube_sim.objects import (
@@ -539,6 +540,8 @@ class ApiServer:
                 dra_objects.check_admin_access(kind, obj, self._namespace_labels(meta))
             if self.validate_dra is not None and not dry_run:
                 await self.validate_dra(kind, obj, "CREATE", None)
+            if kind == "ResourceClaim":  # the ResourceQuota admission plugin, last
+                dra_quota.admit_claim(self.store, obj)
         elif kind == "Namespace":
             obj = {**namespace_object(meta.get("name", "")), **obj,
                    "status": {"phase": "Active"}}

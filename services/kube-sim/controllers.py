@@ -45,7 +45,7 @@ HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the characters Kubernetes uses 
 TERMINAL = ("Succeeded", "Failed")
 MAX_BURST = 500  # pods one owner creates or deletes per pass (the real controllers' burst)
 REVISION = "deployment.kubernetes.io/revision"
-FOLLOWED = ("Deployment", "ReplicaSet", "Job", "Pod", "ResourceQuota")
+FOLLOWED = ("Deployment", "ReplicaSet", "Job", "Pod", "ResourceQuota", "ResourceClaim")
 
 
 def normalized(value: Any) -> Any:
@@ -231,7 +231,9 @@ class WorkloadControllers:
         for quota in self.store.list("ResourceQuota", Selector()):
             namespace, name = quota["metadata"]["namespace"], quota["metadata"]["name"]
             pods = self.store.list("Pod", Selector(namespace=namespace))
-            used = quota_usage.usage(quota, pods)
+            claims = self.store.list("ResourceClaim", Selector(namespace=namespace))
+            classes = self.store.list("DeviceClass", Selector()) if claims else []
+            used = quota_usage.usage(quota, pods, claims, classes)
 
             def apply(current: KubeObject, used: dict[str, str] = used) -> None:
                 status = current.setdefault("status", {})

@@ -8,6 +8,9 @@ pkg/quota/v1/evaluator/core/pods.go). Pure.
   their `limits.` forms from limits (init containers maxed, app containers summed); an extended
   resource (`nvidia.com/gpu`) only in its `requests.` form — "only quota objects specified with
   prefix 'requests.' will be charged as requests".
+- The claim evaluator (dra/quota.py) charges every ResourceClaim of the namespace:
+  `count/resourceclaims.resource.k8s.io`, `<class>.deviceclass.resource.k8s.io/devices` and the
+  class's extended resource names in their `requests.` form (added to the pods' for those).
 - A key no evaluator computes (`limits.nvidia.com/gpumem`) keeps the value someone else wrote in
   `status.used` (the controller starts from the current `used` and masks it to the hard keys),
   else is absent (`kubectl describe` shows 0). Tessera's quota service writes those: kube-sim
@@ -16,9 +19,11 @@ pkg/quota/v1/evaluator/core/pods.go). Pure.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
+from tessera.kube_sim.dra import quota as dra_quota
 from tessera.kube_sim.fit import pod_requests
 
 from tessera.quantity import Format, Quantity, QuantityError
@@ -57,8 +62,9 @@ def _pod_limits(pod: dict[str, Any]) -> dict[str, Fraction]:
 
 
 def evaluated(key: str) -> bool:
-    """Whether the pod evaluator computes `key` (else its used value is left as written)."""
-    if key in ("pods", "count/pods", *NATIVE):
+    """Whether the pod or claim evaluator computes `key` (else its used value is left as
+    written)."""
+    if key in ("pods", "count/pods", *NATIVE) or dra_quota.counted(key):
         return True
     prefix, _, name = key.partition(".")
     if prefix == "requests" and (name in NATIVE or _extended(name)):
@@ -66,8 +72,11 @@ def evaluated(key: str) -> bool:
     return prefix == "limits" and name in NATIVE
 
 
-def usage(quota: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, str]:
-    """The `status.used` the controller writes for `quota` given the namespace's pods."""
+def usage(quota: dict[str, Any], pods: list[dict[str, Any]],
+          claims: Iterable[dict[str, Any]] = (),
+          classes: Iterable[dict[str, Any]] = ()) -> dict[str, str]:
+    """The `status.used` the controller writes for `quota` given the namespace's pods and
+    ResourceClaims (and the cluster's DeviceClasses, for their extended resource names)."""
     hard = (quota.get("spec") or {}).get("hard") or {}
     current = (quota.get("status") or {}).get("used") or {}
     live = [p for p in pods if (p.get("status") or {}).get("phase") not in TERMINAL]
@@ -85,6 +94,10 @@ def usage(quota: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, str]:
                 for name, raw in (values or {}).items() if isinstance(values, dict) else ():
                     if isinstance(raw, str) and raw.endswith("i"):
                         binary.update({name, f"requests.{name}", f"limits.{name}"})
+    by_uid = {str((p.get("metadata") or {}).get("uid")): p for p in pods}
+    for key, value in dra_quota.claims_usage(
+            claims, dra_quota.extended_names(classes), by_uid).items():
+        sums[key] = sums.get(key, Fraction(0)) + value
     used: dict[str, str] = {}
     for key in hard:
         if key in ("pods", "count/pods"):

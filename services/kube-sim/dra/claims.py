@@ -5,7 +5,10 @@
   labels and annotations, the annotation `resource.kubernetes.io/pod-claim-name: <entry>`, a
   controller ownerReference to the pod) and recorded in `pod.status.resourceClaimStatuses`
   (`{name: <entry>, resourceClaimName: <claim>}`); a missing template is retried and reported
-  as a warning event on the pod.
+  as a warning event on the pod. The claim is created as through the API: a create that the
+  namespace's ResourceQuota refuses (dra/quota.py) is reported as a `FailedResourceClaimCreation`
+  warning with the quota's sentence and retried when a claim of the namespace goes or a quota
+  changes (the real controller retries with backoff); the pod pends meanwhile.
 - When a pod is deleted or finishes, it leaves the `status.reservedFor` of every claim it used;
   a claim reserved for nobody is deallocated (`status.allocation` removed), and the claims the
   pod owns (generated from templates, or the scheduler's extended-resource claim) are deleted
@@ -84,19 +87,26 @@ class ClaimController:
         # at once, so the device must not go to another claim before the driver let go of it).
         self.kubelet_nodes: set[str] = set()
         self._warned: set[tuple[str, str]] = set()  # (pod uid, entry): missing template told
+        self._refused: dict[tuple[str, str], str] = {}  # (pod uid, entry) -> the quota's words
 
     async def run(self, stop: asyncio.Event) -> None:
         pods = self.store.watch("Pod", Selector(), self.store.version)
         templates = self.store.watch("ResourceClaimTemplate", Selector(), self.store.version)
+        quota = [self.store.watch(kind, Selector(), self.store.version)
+                 for kind in ("ResourceQuota", "ResourceClaim")]  # fmt: skip
         for pod in self.store.list("Pod", Selector()):
             self.sync_pod(pod)
         tasks = [asyncio.create_task(self._follow_pods(pods.queue)),
-                 asyncio.create_task(self._follow_templates(templates.queue))]
+                 asyncio.create_task(self._follow_templates(templates.queue)),
+                 asyncio.create_task(self._retry_refused(quota[0].queue, every=True)),
+                 asyncio.create_task(self._retry_refused(quota[1].queue, every=False))]
         try:
             await stop.wait()
         finally:
             self.store.unwatch(pods)
             self.store.unwatch(templates)
+            for watcher in quota:
+                self.store.unwatch(watcher)
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -122,6 +132,23 @@ class ClaimController:
             namespace = template["metadata"].get("namespace", "")
             for pod in self.store.list("Pod", Selector(namespace=namespace)):
                 self.sync_pod(pod)
+
+    async def _retry_refused(self, queue: asyncio.Queue[tuple[str, KubeObject]],
+                             every: bool) -> None:
+        """A quota changed (`every` event) or a claim went (DELETED): the pods whose claim the
+        quota refused, again."""
+        while True:
+            event_type, obj = await queue.get()
+            if not self._refused or not (every or event_type == "DELETED"):
+                continue
+            namespace = obj["metadata"].get("namespace", "")
+            waiting = {uid for uid, _ in self._refused}
+            for pod in self.store.list("Pod", Selector(namespace=namespace)):
+                if pod["metadata"].get("uid") in waiting:
+                    try:
+                        self.sync_pod(pod)
+                    except Exception:  # one bad pod must not stop the retries
+                        log.exception("claim retry failed")
 
     # --- a pod that lives ------------------------------------------------------------------------
 
@@ -186,6 +213,22 @@ class ClaimController:
             "spec": (template.get("spec") or {}).get("spec") or {},
             "status": {},
         }
+        from tessera.kube_sim.dra.quota import admit_claim  # (it reads EXTENDED_CLAIM here)
+
+        refused = (pod["metadata"].get("uid", ""), entry)
+        try:
+            admit_claim(self.store, claim)  # through the API upstream: quota admission applies
+        except StoreError as error:
+            if self._refused.get(refused) != error.message:  # told once per sentence
+                record_event(self.store, pod, "FailedResourceClaimCreation",
+                             f"PodResourceClaim {entry}: create ResourceClaim "
+                             f"{claim['metadata']['generateName']}: {error.message}",
+                             "Warning", component="resource_claim")
+            if len(self._refused) > 10_000:
+                self._refused.clear()
+            self._refused[refused] = error.message
+            return None
+        self._refused.pop(refused, None)
         created = self.store.create("ResourceClaim", claim)
         log.info("claim created", extra={"pod": pod["metadata"]["name"],
                                          "claim": created["metadata"]["name"]})
@@ -209,6 +252,9 @@ class ClaimController:
     # --- a pod that is gone or done --------------------------------------------------------------
 
     def pod_gone(self, pod: KubeObject) -> None:
+        uid = pod["metadata"].get("uid", "")
+        for key in [k for k in self._refused if k[0] == uid]:
+            del self._refused[key]
         if (pod.get("spec") or {}).get("nodeName") not in self.kubelet_nodes:
             self.release(pod)
 

@@ -315,14 +315,19 @@ class DynamicResources:
         allocations = outcome.results()
         allocation = allocations[len(allocations) - 1]
         meta = pod["metadata"]
-        created = self.store.create("ResourceClaim", {
+        claim = {
             "metadata": {"generateName": f"{meta['name']}-extended-resources-",
                          "namespace": meta.get("namespace", ""),
                          "annotations": {EXTENDED_CLAIM: "true"},
                          "ownerReferences": [owner_reference(pod)]},
             "spec": special["spec"],
             "status": {"allocation": allocation, "reservedFor": [consumer]},
-        })
+        }
+        # created through the API upstream: ResourceQuota admission (dra/quota.py) applies
+        from tessera.kube_sim.dra.quota import admit_claim
+
+        admit_claim(self.store, claim)
+        created = self.store.create("ResourceClaim", claim)
         requested = {e.request_name for e in state.extended}
         mappings = [{"containerName": e.container, "resourceName": e.resource,
                      "requestName": e.request_name}
