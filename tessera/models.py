@@ -705,12 +705,26 @@ class QuotaSetRequest(Message):
     )
 
 
+class DeviceQuota(Message):
+    """One DRA device key of a Kubernetes ResourceQuota (`<class>.deviceclass.resource.k8s.io/
+    devices` and kin, tessera/dra_quota.py): counted and enforced by kube-apiserver, not by
+    Tessera; shown beside Tessera's limits. `used` as the quota controller wrote it."""
+
+    namespace: str
+    quota: str = Field(description="the ResourceQuota's name")
+    key: str
+    hard: str
+    used: str = ""
+
+
 class QuotaReply(Message):
     """Reply of every quota endpoint. `ok` false carries a reason a person can act on."""
 
     ok: bool
     reason: str = ""
     states: list[QuotaState] = Field(default_factory=list)
+    # status: the namespace's DRA device quotas, as the ResourceQuota objects say (DRA mode)
+    device_quotas: list[DeviceQuota] = Field(default_factory=list)
 
 
 class ExplainRequest(Message):

@@ -22,6 +22,7 @@ from tessera import bus
 from tessera.codec import CodecError, Message, encode
 from tessera.hami import RequestError, parse_quantity
 from tessera.models import (
+    DeviceQuota,
     QuotaAmount,
     QuotaReply,
     QuotaSetRequest,
@@ -133,6 +134,19 @@ def states_table(states: list[QuotaState], title: str = "GPU quotas") -> Table:
     return table
 
 
+def device_quotas_table(quotas: list[DeviceQuota]) -> Table:
+    """kube-apiserver's DRA device quotas (it counts and enforces them; the ResourceQuota's
+    `status.used` as its quota controller wrote it)."""
+    table = Table(title="DRA device quotas (ResourceQuota, enforced by Kubernetes)",
+                  title_justify="left")  # fmt: skip
+    for column in ("namespace", "ResourceQuota", "key", "used / hard"):
+        table.add_column(column)
+    for quota in quotas:
+        table.add_row(quota.namespace, quota.quota, quota.key,
+                      f"{quota.used or '?'} / {quota.hard}")  # fmt: skip
+    return table
+
+
 def charges_table(state: QuotaState) -> Table:
     table = Table(title=f"pods holding quota in {state.namespace}", title_justify="left")
     numeric = ("memory", "cores", "GPUs")
@@ -219,10 +233,13 @@ def register(app: typer.Typer) -> None:
                 TesseraSettings().request_timeout_s,
                 StackLocation.find(state_dir),
             )
-            show(console, states_table(reply.states, title=f"quota of {namespace}"))
+            if reply.states or not reply.device_quotas:
+                show(console, states_table(reply.states, title=f"quota of {namespace}"))
             for state in reply.states:
                 if state.charges:
                     show(console, charges_table(state))
+            if reply.device_quotas:
+                show(console, device_quotas_table(reply.device_quotas))
 
         run(go)
 
@@ -235,9 +252,12 @@ def register(app: typer.Typer) -> None:
                 bus.QUOTA_STATUS, QuotaStatusRequest(), TesseraSettings().request_timeout_s,
                 StackLocation.find(state_dir),
             )
-            if not reply.states:
+            if not reply.states and not reply.device_quotas:
                 console.print("no namespace has GPU limits or usage yet")
                 return
-            show(console, states_table(reply.states))
+            if reply.states:
+                show(console, states_table(reply.states))
+            if reply.device_quotas:
+                show(console, device_quotas_table(reply.device_quotas))
 
         run(go)

@@ -14,6 +14,10 @@ kube-controller-manager's quota controller does not evaluate for extended resour
 them only in the `requests.` form, and keeps the used values others write), so `kubectl
 describe quota` shows what Tessera charged. Written when it changes (`publish_usage`).
 
+DRA device keys (`<class>.deviceclass.resource.k8s.io/devices` and kin, tessera/dra_quota.py)
+are kube-apiserver's to count and enforce: they are kept as the objects say (hard, and used as
+the quota controller wrote it) and shown by `status` beside Tessera's limits (`device_quotas`).
+
 A watch starts with a list of every object. Nothing is applied during that list: applying a
 namespace's first object before its second arrived would loosen its limit for a moment. Once
 the stream has been quiet for `settle_s`, the listed set replaces what was known, and
@@ -29,9 +33,9 @@ from collections.abc import Awaitable, Callable
 
 from tessera.quota import arithmetic as qa
 
-from tessera import quantity
+from tessera import dra_quota, quantity
 from tessera.cluster.port import ClusterPort, KubeObject, ObjectRef, WatchEvent
-from tessera.models import QuotaAmount
+from tessera.models import DeviceQuota, QuotaAmount
 from tessera.settings import TesseraSettings
 
 ApplyQuotas = Callable[[str, dict[str, QuotaAmount]], Awaitable[None]]
@@ -69,6 +73,14 @@ class ResourceQuotaWatcher:
         self.usage_keys: dict[tuple[str, str], tuple[str, ...]] = {}
         self.written: dict[tuple[str, str], dict[str, str]] = {}
         self._reporting: set[asyncio.Task[None]] = set()
+        # (namespace, name) -> the object's DRA device keys; those seen by the current list
+        self.devices: dict[tuple[str, str], list[DeviceQuota]] = {}
+        self._listing: set[tuple[str, str]] | None = None
+
+    def device_quotas(self, namespace: str = "") -> list[DeviceQuota]:
+        """The DRA device keys of the namespace's ResourceQuotas (every namespace: "")."""
+        return [q for (ns, _name), quotas in sorted(self.devices.items())
+                if not namespace or ns == namespace for q in quotas]  # fmt: skip
 
     async def reapply_all(self) -> None:
         """Write every namespace's known limits again (the quota bucket was lost and re-created:
@@ -119,6 +131,7 @@ class ResourceQuotaWatcher:
 
     async def _consume(self, queue: asyncio.Queue[object]) -> None:
         listed: dict[str, dict[str, QuotaAmount]] | None = {}
+        self._listing = set()
         while True:
             try:
                 if listed is None:
@@ -143,6 +156,8 @@ class ResourceQuotaWatcher:
     async def _settle(self, listed: dict[str, dict[str, QuotaAmount]]) -> None:
         """The list is complete: it replaces what was known, changed namespaces are applied."""
         previous, self.known = self.known, listed
+        seen, self._listing = self._listing or set(), None
+        self.devices = {k: v for k, v in self.devices.items() if k in seen}
         touched = set(previous) | set(listed)
         if self.stored is not None:
             try:
@@ -168,6 +183,13 @@ class ResourceQuotaWatcher:
         except qa.QuotaInputError:
             return None
         quotas = into.setdefault(namespace, {})
+        devices = dra_quota.device_quotas(obj) if kind != "DELETED" else []
+        if devices:
+            self.devices[(namespace, name)] = devices
+        else:
+            self.devices.pop((namespace, name), None)
+        if self._listing is not None:
+            self._listing.add((namespace, name))
         if kind == "DELETED":
             quotas.pop(name, None)
             self.usage_keys.pop((namespace, name), None)

@@ -487,17 +487,24 @@ class QuotaService:
         )
 
     async def status(self, req: QuotaStatusRequest) -> Message:
+        # kube-apiserver's DRA device quotas of the namespace(s), as the objects say
+        devices = self.rq_watcher.device_quotas(req.namespace) if self.rq_watcher else []
         if req.namespace:
             qa.check_namespace(req.namespace)
             full = await self.store.full_state(req.namespace)
+            if full is None and devices:
+                return QuotaReply(ok=True, reason=f"no GPU limits or charges by Tessera in "
+                                  f"{req.namespace}; Kubernetes counts its DRA devices",
+                                  device_quotas=devices)  # fmt: skip
             if full is None:
                 return ErrorReply(
                     reason=f"unknown namespace {req.namespace!r}: no quota limits or charges "
                     "are recorded for it (its GPU use is unlimited)"
                 )
-            return QuotaReply(ok=True, states=[full])
+            return QuotaReply(ok=True, states=[full], device_quotas=devices)
         states = await snapshot(self.kv, QuotaState, self.log)
-        return QuotaReply(ok=True, states=[v for _k, (v, _r) in sorted(states.items())])
+        return QuotaReply(ok=True, states=[v for _k, (v, _r) in sorted(states.items())],
+                          device_quotas=devices)
 
     async def set_limits(self, req: QuotaSetRequest) -> QuotaReply:
         qa.check_namespace(req.namespace)

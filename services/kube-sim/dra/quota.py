@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.kube_sim.dra.claims import EXTENDED_CLAIM
-from tessera.kube_sim.dra.scheduling import IMPLICIT_PREFIX
 from tessera.kube_sim.store import ObjectStore, Selector, StoreError
 
-CLAIM_COUNT = "count/resourceclaims.resource.k8s.io"
-PER_CLASS = ".deviceclass.resource.k8s.io/devices"
+from tessera.dra_quota import CLAIM_COUNT, IMPLICIT_PREFIX, PER_CLASS
+
 REQUESTS = "requests."
 ALLOCATION_RESULTS_MAX_SIZE = 32  # resource.k8s.io/v1: the most devices one allocation holds
 NATIVE = ("cpu", "memory", "ephemeral-storage", "storage")

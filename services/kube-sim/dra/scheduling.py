@@ -47,9 +47,10 @@ from tessera.kube_sim.dra.model import (
 from tessera.kube_sim.fit import _container_requests, allocatable
 from tessera.kube_sim.store import Change, KubeObject, ObjectStore, Selector, StoreError
 
+from tessera.dra_quota import IMPLICIT_PREFIX
+
 log = logging.getLogger("tessera.kube_sim.dra.scheduling")
 
-IMPLICIT_PREFIX = "deviceclass.resource.kubernetes.io/"
 MAX_RESERVED_FOR = 256
 
 
