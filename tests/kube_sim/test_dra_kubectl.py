@@ -216,3 +216,52 @@ def test_claims_from_a_template_share_a_gpu_through_kubectl(
     assert claim["metadata"]["name"] in plugin.double.unprepared
     names = [c["metadata"]["name"] for c in kubectl.json("resourceclaims")["items"]]
     assert claim["metadata"]["name"] not in names and len(names) == 1
+
+
+QUOTA = f"""
+apiVersion: v1
+kind: ResourceQuota
+metadata:
+  name: gpus
+  namespace: dq
+spec:
+  hard:
+    {DRIVER}.deviceclass.resource.k8s.io/devices: "1"
+"""
+
+CLAIM = f"""
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata:
+  name: {{name}}
+  namespace: dq
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: {DRIVER}
+"""
+
+
+def test_a_resource_quota_caps_the_devices_a_namespace_claims(
+        cluster: tuple[Kubectl, PluginThread]) -> None:
+    """`kubectl apply` of a claim over the namespace's device quota is refused with
+    kube-apiserver's sentence; `kubectl describe quota` shows what is used."""
+    kubectl, _ = cluster
+    kubectl.apply("quota.yaml", QUOTA)
+    kubectl.apply("held.yaml", CLAIM.format(name="held"))
+    refused = kubectl.apply("extra.yaml", CLAIM.format(name="extra"), ok=False)
+    key = f"{DRIVER}.deviceclass.resource.k8s.io/devices"
+    assert refused.returncode != 0
+    assert ('resourceclaims.resource.k8s.io "extra" is forbidden: exceeded quota: gpus, '
+            f"requested: {key}=1, used: {key}=1, limited: {key}=1") in refused.stderr
+
+    def used() -> list[str] | None:
+        rows = [line.split() for line in kubectl.run(
+            "describe", "quota", "gpus", "-n", "dq").stdout.splitlines()]
+        return next((r for r in rows if r and r[0] == key and r[1:] == ["1", "1"]), None)
+
+    kubectl.wait_for("quota used", used)
+    kubectl.run("delete", "resourceclaim", "held", "-n", "dq")
+    kubectl.apply("extra.yaml", CLAIM.format(name="extra"))  # room again
