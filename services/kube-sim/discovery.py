@@ -83,6 +83,8 @@ TYPES: tuple[ResourceType, ...] = (
                  subresources=("status",)),
     ResourceType("resourceclaimtemplates", "ResourceClaimTemplate", group="resource.k8s.io"),
     ResourceType("resourceslices", "ResourceSlice", group="resource.k8s.io", namespaced=False),
+    ResourceType("devicetaintrules", "DeviceTaintRule", group="resource.k8s.io",
+                 version="v1beta2", namespaced=False),  # beta (dra/taint_rules.py)
 )
 
 

@@ -172,6 +172,8 @@ def test_discovery_lists_the_dra_kinds(cluster: tuple[Kubectl, PluginThread]) ->
         "resourceclaimtemplates": ["resourceclaimtemplates", "resource.k8s.io/v1", "true",
                                    "ResourceClaimTemplate"],
         "resourceslices": ["resourceslices", "resource.k8s.io/v1", "false", "ResourceSlice"],
+        "devicetaintrules": ["devicetaintrules", "resource.k8s.io/v1beta2", "false",
+                             "DeviceTaintRule"],  # beta
     }
     # kubectl asks for strict field validation: a typo is refused, not stored
     typo = MANIFESTS.split("---")[2].replace("capacity:\n            requests:",
@@ -265,3 +267,29 @@ def test_a_resource_quota_caps_the_devices_a_namespace_claims(
     kubectl.wait_for("quota used", used)
     kubectl.run("delete", "resourceclaim", "held", "-n", "dq")
     kubectl.apply("extra.yaml", CLAIM.format(name="extra"))  # room again
+
+
+def test_an_admin_applies_a_device_taint_rule(cluster: tuple[Kubectl, PluginThread]) -> None:
+    """The beta kind through kubectl (its own group version, resource.k8s.io/v1beta2)."""
+    kubectl, _ = cluster
+    rule = f"""
+apiVersion: resource.k8s.io/v1beta2
+kind: DeviceTaintRule
+metadata:
+  name: dry-run
+spec:
+  deviceSelector:
+    driver: {DRIVER}
+    pool: {NODE}
+  taint:
+    key: example.com/maintenance
+    effect: None
+"""
+    out = kubectl.apply("rule.yaml", rule).stdout
+    assert "devicetaintrule.resource.k8s.io/dry-run created" in out
+    stored = kubectl.json("devicetaintrule", "dry-run")
+    assert stored["spec"]["taint"]["timeAdded"]
+    refused = kubectl.apply("bad.yaml", rule.replace("effect: None", "effect: Sometimes"),
+                            ok=False)
+    assert refused.returncode != 0 and "spec.taint.effect" in refused.stderr
+    kubectl.run("delete", "devicetaintrule", "dry-run")

@@ -20,6 +20,7 @@ from typing import Any
 
 from tessera.kube_sim.dra.allocator import tolerates
 from tessera.kube_sim.dra.model import newest_slices
+from tessera.kube_sim.dra.taint_rules import taints_for
 from tessera.kube_sim.events import record_event
 from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError, now_rfc3339
 
@@ -61,7 +62,7 @@ class DeviceTaintEviction:
         store.listeners.append(self._changed)
 
     def _changed(self, kind: str) -> None:
-        if kind == "ResourceSlice":
+        if kind in ("ResourceSlice", "DeviceTaintRule"):
             self._slice_changes += 1
 
     def _no_execute_taints(self) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
@@ -69,14 +70,16 @@ class DeviceTaintEviction:
             return self._taints
         self._read_at = self._slice_changes
         taints: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        rules = self.store.list("DeviceTaintRule", Selector())  # an admin's (taint_rules.py)
         for item in newest_slices(self.store.list("ResourceSlice", Selector())):
             spec = item.get("spec") or {}
             for device in spec.get("devices") or []:
-                found = [t for t in device.get("taints") or []
+                key = (spec.get("driver", ""), (spec.get("pool") or {}).get("name", ""),
+                       device.get("name", ""))
+                added = taints_for(rules, *key) if rules else []
+                found = [t for t in [*(device.get("taints") or []), *added]
                          if isinstance(t, dict) and t.get("effect") == "NoExecute"]
                 if found:
-                    key = (spec.get("driver", ""), (spec.get("pool") or {}).get("name", ""),
-                           device.get("name", ""))
                     taints[key] = found
         self._taints = taints
         return taints

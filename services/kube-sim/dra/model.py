@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from tessera.kube_sim.dra.taint_rules import taints_for
+
 from tessera.quantity import QuantityError
 from tessera.quantity import parse as parse_quantity
 
@@ -235,8 +237,10 @@ def newest_slices(slices: list[KubeObject]) -> list[KubeObject]:
                                        ((s.get("spec") or {}).get("pool") or {}).get("name", ""))]]
 
 
-def pools_for_node(slices: list[KubeObject], node: KubeObject | None) -> list[Pool]:
-    """The pools (newest generation) with the devices `node` reaches (all devices: None)."""
+def pools_for_node(slices: list[KubeObject], node: KubeObject | None,
+                   rules: list[KubeObject] | None = None) -> list[Pool]:
+    """The pools (newest generation) with the devices `node` reaches (all devices: None);
+    each device with the taints DeviceTaintRules add to it (`rules`, taint_rules.py)."""
     pools: dict[tuple[str, str], Pool] = {}
     for s in newest_slices(slices):
         spec = s.get("spec") or {}
@@ -262,7 +266,11 @@ def pools_for_node(slices: list[KubeObject], node: KubeObject | None) -> list[Po
             if per_device and node is not None and not _reaches(raw, node):
                 continue
             local = bool(spec.get("nodeName")) or bool(raw.get("nodeName"))
-            pool.devices.append(device_of(driver, key[1], raw, local, generation))
+            device = device_of(driver, key[1], raw, local, generation)
+            if rules:
+                device.taints = [*device.taints,
+                                 *taints_for(rules, driver, key[1], device.name)]
+            pool.devices.append(device)
     return list(pools.values())
 
 

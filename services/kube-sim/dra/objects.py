@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tessera.kube_sim.dra import cel
+from tessera.kube_sim.dra import cel, taint_rules
 from tessera.kube_sim.dra.model import maybe_quantity
 from tessera.kube_sim.dra.slices import TAINT_EFFECTS, validate_slice
 from tessera.kube_sim.dra.slices import dns_label as _label
@@ -28,10 +28,12 @@ from tessera.kube_sim.validation import (
     validate_name,
 )
 
-KINDS = ("DeviceClass", "ResourceClaim", "ResourceClaimTemplate", "ResourceSlice")
+KINDS = ("DeviceClass", "ResourceClaim", "ResourceClaimTemplate", "ResourceSlice",
+         "DeviceTaintRule")
 RESOURCES = {"deviceclasses": "DeviceClass", "resourceclaims": "ResourceClaim",
-             "resourceclaimtemplates": "ResourceClaimTemplate", "resourceslices": "ResourceSlice"}
-CLUSTER_SCOPED = {"DeviceClass", "ResourceSlice"}
+             "resourceclaimtemplates": "ResourceClaimTemplate", "resourceslices": "ResourceSlice",
+             "devicetaintrules": "DeviceTaintRule"}  # (v1beta2: taint_rules.py)
+CLUSTER_SCOPED = {"DeviceClass", "ResourceSlice", "DeviceTaintRule"}
 # the field selectors kube-apiserver supports for ResourceSlices
 FIELD_LABELS = {"ResourceSlice": {"spec.nodeName", "spec.driver"}}
 MAX_REQUESTS = 32
@@ -260,6 +262,8 @@ def _prepare(kind: str, obj: KubeObject) -> None:
             errors += validate_claim_spec(template.get("spec"), "spec.spec")
     elif kind == "ResourceSlice":
         errors += validate_slice(obj)
+    elif kind == taint_rules.KIND:
+        errors += taint_rules.validate(obj)
     raise_if(kind, obj, errors)
 
 
@@ -291,6 +295,8 @@ def check_update(kind: str, old: KubeObject, new: KubeObject) -> None:
     name = old["metadata"]["name"]
     prepare(kind, new)
     errors: list[FieldError] = []
+    if kind == taint_rules.KIND:
+        errors += taint_rules.validate(new, old)  # timeAdded follows a changed effect
     if kind in ("ResourceClaim", "ResourceClaimTemplate") and old.get("spec") != new.get("spec"):
         errors.append(FieldError("Invalid", "spec", "field is immutable", "..."))
     if kind == "ResourceSlice":

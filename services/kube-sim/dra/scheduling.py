@@ -113,12 +113,14 @@ class DynamicResources:
         self._by_node: dict[str, list[KubeObject]] = {}
         self._shared: list[KubeObject] = []
         self._devices: dict[DeviceId, Device] = {}
+        self._rules: list[KubeObject] = []  # DeviceTaintRules, read with the slices
         self._pools: dict[tuple[str, str], list[Pool]] = {}
         self._usage_at = -1
         self._usage = Usage()
 
     def _changed(self, kind: str) -> None:
-        if kind in ("ResourceSlice", "ResourceClaim"):
+        if kind in ("ResourceSlice", "ResourceClaim", "DeviceTaintRule"):
+            kind = "ResourceSlice" if kind == "DeviceTaintRule" else kind  # devices' taints
             self._changes[kind] = self._changes.get(kind, 0) + 1
 
     def _refresh_slices(self) -> None:
@@ -134,6 +136,7 @@ class DynamicResources:
             else:
                 self._shared.append(item)
         self._devices = device_index(slices)
+        self._rules = self.store.list("DeviceTaintRule", Selector())
         self._slices_at = at
         self._usage_at = -1  # which devices are shared may have changed
 
@@ -142,7 +145,8 @@ class DynamicResources:
         name = node["metadata"]["name"]
         key = (name, str(node["metadata"].get("resourceVersion", "")))
         if key not in self._pools:
-            self._pools[key] = pools_for_node(self._by_node.get(name, []) + self._shared, node)
+            self._pools[key] = pools_for_node(self._by_node.get(name, []) + self._shared, node,
+                                              self._rules)
         return self._pools[key]
 
     def usage(self) -> Usage:
