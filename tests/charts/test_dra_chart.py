@@ -62,6 +62,9 @@ def test_the_admission_chart_in_dra_mode(charts_dir: Path) -> None:  # noqa: F81
     assert {h["clientConfig"]["service"]["path"] for h in hooks} == {"/validate"}
     assert [r for hook in hooks for rule in hook["rules"] for r in rule["resources"]] == [
         "resourceclaims", "resourceclaimtemplates", "deviceclasses"]
+    # UPDATE too: a DeviceClass's config may change (kube-sim sends it as kube-apiserver does)
+    assert {tuple(rule["operations"]) for hook in hooks for rule in hook["rules"]} == {
+        ("CREATE", "UPDATE")}
     # the match conditions are the ones kube-sim applies (its conformance test runs them in CEL)
     from tessera.kube_sim.dra.validating_webhook import MATCH_CONDITIONS
 
