@@ -92,8 +92,8 @@ class ClaimController:
     async def run(self, stop: asyncio.Event) -> None:
         pods = self.store.watch("Pod", Selector(), self.store.version)
         templates = self.store.watch("ResourceClaimTemplate", Selector(), self.store.version)
-        quota = [self.store.watch(kind, Selector(), self.store.version)
-                 for kind in ("ResourceQuota", "ResourceClaim")]  # fmt: skip
+        quota = [self.store.watch(kind, Selector(), self.store.version, copies=False)
+                 for kind in ("ResourceQuota", "ResourceClaim")]  # read only: no copies
         for pod in self.store.list("Pod", Selector()):
             self.sync_pod(pod)
         tasks = [asyncio.create_task(self._follow_pods(pods.queue)),
