@@ -916,7 +916,8 @@ class ApiServer:
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
         validate_update(kind, current, decoded(kind, body))
-        if kind == "Pod" or kind in dra_objects.KINDS:  # through UPDATE admission
+        reviewed = kind in dra_objects.KINDS and self._update_admission(kind) is not None
+        if kind == "Pod" or reviewed:  # through UPDATE admission (the precondition kept)
 
             def put(obj: KubeObject) -> None:
                 obj.clear()

@@ -157,6 +157,8 @@ async def test_a_deviceclass_update_is_reviewed_and_an_invalid_config_change_ref
                                                           "config": [time_slicing]}})
         assert reply.status_code == 200, reply.text
         assert reply.json()["spec"]["config"] == [time_slicing]
+        stale = await c.put(url, json=stored)  # the resourceVersion read before: a conflict
+        assert stale.status_code == 409, stale.text
     creates = [s["request"] for s in cluster.sent if s["request"]["operation"] == "CREATE"]
     updates = [s["request"] for s in cluster.sent if s["request"]["operation"] == "UPDATE"]
     assert len(creates) == 1 and creates[0]["oldObject"] is None
