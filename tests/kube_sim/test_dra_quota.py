@@ -19,6 +19,9 @@ from tessera.kube_sim.dra.claims import ClaimController
 from tessera.kube_sim.dra.quota import claim_usage
 from tessera.kube_sim.store import ObjectStore, Selector
 
+from kube_sim.dra_cluster import running_cluster
+from kube_sim.test_dra_cluster import CLASS, running, shared_slice
+
 RESOURCE = "/apis/resource.k8s.io/v1"
 NS = "team"
 CLAIMS = f"{RESOURCE}/namespaces/{NS}/resourceclaims"
@@ -180,3 +183,50 @@ async def test_a_claim_from_a_template_waits_for_room_in_the_quota(cluster) -> N
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_the_claim_for_an_extended_resource_is_held_to_the_quota() -> None:
+    """The scheduler creates a pod's extended-resource claim through the API upstream, so quota
+    admission judges it: a pod whose devices would exceed the class's quota is not bound (the
+    sentence in its FailedScheduling event) and runs once the quota has room; the quota counts
+    its devices once, though the pod's own `requests.example.com/gpu` counts it too."""
+    cls = CLASS["metadata"]["name"]
+    async with running_cluster(["node-a"]) as cluster:
+        await cluster.plugin("node-a")
+        mapped = {**CLASS, "spec": {**CLASS["spec"], "extendedResourceName": "example.com/gpu"}}
+        await cluster.create(f"{RESOURCE}/deviceclasses", mapped)
+        exclusive = shared_slice("node-a", gpus=2)
+        for device in exclusive["spec"]["devices"]:
+            device.pop("allowMultipleAllocations")
+            device["capacity"] = {"memory": {"value": "24Gi"}}
+        await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
+        key = f"{cls}.deviceclass.resource.k8s.io/devices"
+        await cluster.create("/api/v1/namespaces/default/resourcequotas", {
+            "metadata": {"name": "gpus"},
+            "spec": {"hard": {key: "1", "requests.example.com/gpu": "2"}}})
+        body = {"metadata": {"name": "first"}, "spec": {"containers": [
+            {"name": "main", "image": "cuda:12",
+             "resources": {"limits": {"example.com/gpu": "1"}}}]}}
+        await cluster.create("/api/v1/namespaces/default/pods", body)
+        await running(cluster, "first")
+        await cluster.create("/api/v1/namespaces/default/pods",
+                             {**body, "metadata": {"name": "second"}})
+        sentence = (f"exceeded quota: gpus, requested: {key}=1, used: {key}=1, "
+                    f"limited: {key}=1")
+
+        async def refused() -> bool:
+            return any(sentence in m for m in await cluster.events("FailedScheduling",
+                                                                   "second"))
+
+        await cluster.wait_for("second refused by the quota", refused)
+
+        async def used() -> dict | None:
+            quota = await cluster.get("/api/v1/namespaces/default/resourcequotas/gpus")
+            return (quota.get("status") or {}).get("used") or {}
+
+        async def counted() -> bool:  # both pods' requests (2), the one claim's device once
+            return await used() == {key: "1", "requests.example.com/gpu": "2"}
+
+        await cluster.wait_for("the quota controller's count", counted)
+        await cluster.http.delete("/api/v1/namespaces/default/pods/first")
+        await running(cluster, "second")
