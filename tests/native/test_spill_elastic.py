@@ -6,31 +6,15 @@ leased, borrowed or on the fake card; without the opt-in the same allocation is 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tessera import region
 
-from .conftest import NativeBuild
 from .elastic_rig import ElasticNode, GiB
 
 BORROWER = "c3333333-3333-4333-8333-333333333333"
 NEIGHBOUR = "d4444444-4444-4444-8444-444444444444"
-
-
-@pytest.fixture
-def node(native: NativeBuild) -> Iterator[ElasticNode]:
-    base = Path(tempfile.mkdtemp(prefix="spl-"))  # lease socket paths stay under 108 bytes
-    n = ElasticNode(native, base)
-    try:
-        yield n
-    finally:
-        n.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def with_spill(pod, spill_bytes: int) -> None:
