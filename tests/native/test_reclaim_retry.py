@@ -4,7 +4,8 @@ neighbour) a moment before the driver has freed that process's device memory. Th
 allocation then gets the driver's out-of-memory although it was owed the memory. libvgpu retries
 an allocation the container is owed (within its guarantee, or under a granted lease) with a short
 backoff, up to TESSERA_RECLAIM_RETRY_MS (1 s by default), then fails as before — on every path
-that allocates it (cuMemAlloc, cuMemAllocPitch, cuMemAllocAsync, cuMemAllocFromPoolAsync). The
+that allocates it (cuMemAlloc, cuMemAllocPitch, cuMemAllocAsync, cuMemAllocFromPoolAsync,
+cuMemCreate, cuArrayCreate). The
 whole bound is waited only while memory is known to be coming back (a lease the service held for
 a reclaim, a dead process of the container, free memory rising on the card); a card full of
 memory nobody gives back fails within TV_OWED_QUIET_MS (50 ms), not the bound.
@@ -57,7 +58,7 @@ def evict_for_the_neighbour(
     return r, waited, node.diagnosis(n, b)
 
 
-@pytest.mark.parametrize("kind", ["plain", "pitch", "async", "pool"])
+@pytest.mark.parametrize("kind", ["plain", "pitch", "async", "pool", "vmm", "array"])
 def test_an_evicted_borrowers_memory_freed_late_still_goes_to_the_neighbour(
     node: ElasticNode, kind: str
 ) -> None:
