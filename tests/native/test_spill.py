@@ -258,10 +258,13 @@ def test_an_older_limits_file_never_spills(container, tmp_path):
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="no valgrind")
 @pytest.mark.skipif(bool(SAN), reason="not with ASan")
 def test_the_spill_path_is_valgrind_clean(container, native):
-    """A spill, its use, a refused prefetch and the frees under valgrind memcheck."""
+    """A spill, its use, a refused prefetch and the frees under valgrind memcheck; then a
+    pitched and a stream-ordered spill and their frees."""
     seal(container, spill=8 * MiB, limit=8 * MiB)
     script = (f"init\nalloc plain {6 * MiB}\nalloc plain {4 * MiB}\nwrite 1 7\ncheck 1 7\n"
-              "prefetch 1 dev\nfree 1\nfree 0\n")
+              "prefetch 1 dev\nfree 1\nfree 0\n"
+              f"alloc plain {6 * MiB}\nalloc pitch {4 * MiB}\nalloc async {3 * MiB}\n"
+              "write 3 5\ncheck 3 5\nfreeasync 4\nfree 3\nfree 2\n")
     out = subprocess.run(
         ["valgrind", "--error-exitcode=99", "--leak-check=full",
          "--errors-for-leak-kinds=definite", "--show-leak-kinds=definite", "-q",
@@ -270,8 +273,10 @@ def test_the_spill_path_is_valgrind_clean(container, native):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-5000:]
     answers = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True, True]
+    assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True, True,
+                                          True, True, True, True, True, True, True, True]
     assert answers[5]["rc"] == INVALID_VALUE
+    assert container.usage().spilled_peak_bytes >= 4 * MiB + 3 * MiB - PITCH_WIDTH
 
 
 def test_tessera_run_spills_when_asked(native, tmp_path):
