@@ -42,6 +42,7 @@ from .mig_service import DynamicMig
 from .mps import MPS_DIR, MpsDaemons
 from .node_config import NodeConfigurator
 from .nvml_processes import ProcessProbe
+from .spill_metrics import SpillCollector
 from .watchdog import CachedLedger, Watchdog, watchdog_from_settings
 
 
@@ -80,6 +81,7 @@ class NodeAgent:
         self.metrics.watch(self.state.devices, lambda: [c.region_file for c in self.store.all()])
         self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
         self.metrics.registry.register(LendingCollector(lambda: self.lending))
+        self.metrics.registry.register(SpillCollector(self.store.all))  # host memory promised
         self.ready = asyncio.Event()
         self.plugin: DevicePluginService | None = None
         self.endpoint: PluginEndpoint | None = None

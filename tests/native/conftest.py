@@ -382,6 +382,16 @@ def container(cluster: Cluster) -> Container:
     return cluster.container()
 
 
+@pytest.fixture
+def node(native: NativeBuild):
+    """A node with one 16 GiB fake GPU, the node agent's real lease service and container layout
+    (tests/native/elastic_rig.py): the elastic memory, spill and reclaim tests."""
+    from .elastic_rig import running_node  # it imports this module
+
+    with running_node(native) as n:
+        yield n
+
+
 def wait_for(pred, timeout: float = 2.0, step: float = 0.005):
     """Poll pred() until truthy; returns (value, seconds waited)."""
     t0 = time.monotonic()

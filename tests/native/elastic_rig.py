@@ -16,8 +16,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +164,16 @@ class ElasticNode:
         self.call(self.service.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def running_node(native: NativeBuild, **settings: Any) -> Iterator[ElasticNode]:
+    """An ElasticNode (`settings`: ElasticNode's) in a fresh short directory, stopped and removed
+    after: the `node` fixture of tests/native/conftest.py, and tests that need other settings."""
+    base = Path(tempfile.mkdtemp(prefix="eln-"))  # lease socket paths stay under 108 bytes
+    n = ElasticNode(native, base, **settings)
+    try:
+        yield n
+    finally:
+        n.stop()
+        shutil.rmtree(base, ignore_errors=True)

@@ -10,30 +10,16 @@ physical memory never goes past 16 GiB; nothing is taken from a guarantee."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from .conftest import NativeBuild, wait_for
-from .elastic_rig import ElasticNode, GiB
+from .elastic_rig import ElasticNode, GiB, running_node
 
 BORROWER = "a1111111-1111-4111-8111-111111111111"
 NEIGHBOUR = "b2222222-2222-4222-8222-222222222222"
-
-
-@pytest.fixture
-def node(native: NativeBuild) -> Iterator[ElasticNode]:
-    base = Path(tempfile.mkdtemp(prefix="elm-"))  # lease socket paths stay under 108 bytes
-    n = ElasticNode(native, base)
-    try:
-        yield n
-    finally:
-        n.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def alloc_gib(c, n: int) -> list[int]:
@@ -115,13 +101,8 @@ def test_waiting_instead_of_oom(node: ElasticNode) -> None:
 @pytest.fixture
 def strict_node(native: NativeBuild) -> Iterator[ElasticNode]:
     """The node's default enforcement (evict) with a short grace bound."""
-    base = Path(tempfile.mkdtemp(prefix="elm-"))
-    n = ElasticNode(native, base, reclaim_grace_s=1.0)
-    try:
+    with running_node(native, reclaim_grace_s=1.0) as n:
         yield n
-    finally:
-        n.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_borrower_that_never_frees_is_evicted_by_the_node(strict_node: ElasticNode) -> None:

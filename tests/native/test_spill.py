@@ -58,6 +58,53 @@ def test_an_allocation_past_the_limit_spills_to_host_memory(container):
     c.close()
 
 
+PITCH_WIDTH = 300 * 1024  # cuctl's `alloc pitch`: rows of 300 KiB (a multiple of 512)
+
+
+@pytest.mark.parametrize("kind", ["pitch", "async", "pool"])
+def test_the_other_linear_allocations_spill_too(container, kind):
+    """cuMemAllocPitch, cuMemAllocAsync and cuMemAllocFromPoolAsync (a pool the program made)
+    past the limit spill as cuMemAlloc does: counted apart, off the card, usable, and given
+    back by either free (cuMemFree; cuMemFreeAsync after the stream's work)."""
+    seal(container)
+    c = container.cuctl()
+    assert c("init")["ok"]
+    if kind == "pool":
+        assert c("pool_create")["ok"]
+    assert c(f"alloc {kind} {80 * MiB}")["ok"]
+    spilled = c(f"alloc {kind} {60 * MiB}")  # 80 + 60 > 100: beyond the limit
+    assert spilled["ok"], (spilled, c.stderr())
+    size = 60 * MiB // PITCH_WIDTH * PITCH_WIDTH if kind == "pitch" else 60 * MiB
+    assert container.used() <= 81 * MiB  # the device's account: what is on the card
+    usage = container.usage()
+    assert usage.spilled_bytes == size  # a pitched one: its rows at a 512-byte pitch
+    assert usage.devices[0].oom_count == 0
+    assert c(f"where {spilled['id']}")["on_dev"] == 0  # managed memory, on the host
+    assert c(f"write {spilled['id']} 7")["ok"] and c(f"check {spilled['id']} 7")["ok"]
+    assert c(f"where {spilled['id']}")["on_dev"] == 0
+    assert c("phys")["phys"] <= 81 * MiB  # the fake card holds only what is on it
+    assert c(f"{'free' if kind == 'pitch' else 'freeasync'} {spilled['id']}")["ok"]
+    assert container.usage().spilled_bytes == 0
+    c.close()
+
+
+@pytest.mark.parametrize("pool", ["export", f"max {120 * MiB}"], ids=["exportable", "bounded"])
+def test_a_pool_the_program_exports_or_bounds_never_spills(container, pool):
+    """An exportable pool's pointers must be the pool's (cuMemPoolExportPointer), and a pool
+    the program bounded (maxSize) says itself how much it may hold: past the limit, an OOM as
+    before, nothing spilled."""
+    seal(container)
+    c = container.cuctl()
+    assert c("init")["ok"]
+    assert c(f"pool_create {pool}")["ok"]
+    assert c(f"alloc pool {80 * MiB}")["ok"]
+    assert c(f"alloc pool {60 * MiB}")["rc"] == OOM
+    assert container.usage().spilled_bytes == 0
+    assert c(f"alloc async {60 * MiB}")["ok"]  # the device's own pool still spills
+    assert container.usage().spilled_bytes == 60 * MiB
+    c.close()
+
+
 def test_a_stream_ordered_free_of_spilled_memory(container):
     """cuMemFreeAsync of a pointer that was spilled: freed once the stream's work is done, and
     given back to the spill account."""
@@ -102,7 +149,8 @@ def test_spill_is_off_by_default_and_bounded(container):
     b.close()
 
 
-def test_a_full_card_spills(cluster):
+@pytest.mark.parametrize("kind", ["plain", "pitch", "async"])
+def test_a_full_card_spills(cluster, kind):
     """The driver's own OOM (a neighbour fills the physical card) spills too."""
     neighbour, spiller = cluster.container("neighbour"), cluster.container("spiller")
     n = neighbour.cuctl(FAKE_GPU_MEM_MB="512")
@@ -111,11 +159,13 @@ def test_a_full_card_spills(cluster):
     spiller.seal(region.DeviceLimit("", 0), spill_bytes=SPILL)  # no device limit at all
     s = spiller.cuctl(FAKE_GPU_MEM_MB="512")
     s("init")
-    r = s(f"alloc plain {100 * MiB}")  # 450 + 100 > 512: the driver says no, host memory yes
+    r = s(f"alloc {kind} {100 * MiB}")  # 450 + 100 > 512: the driver says no, host memory yes
     assert r["ok"], r
     assert s("phys")["phys"] == 450 * MiB
-    assert spiller.usage().spilled_bytes == 100 * MiB
-    assert s(f"alloc plain {60 * MiB}")["ok"]  # still fits the card
+    size = 100 * MiB // PITCH_WIDTH * PITCH_WIDTH if kind == "pitch" else 100 * MiB
+    assert spiller.usage().spilled_bytes == size
+    assert s(f"alloc {kind} {60 * MiB}")["ok"]  # still fits the card
+    assert s("phys")["phys"] > 500 * MiB
     n.close()
     s.close()
 
@@ -208,10 +258,13 @@ def test_an_older_limits_file_never_spills(container, tmp_path):
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="no valgrind")
 @pytest.mark.skipif(bool(SAN), reason="not with ASan")
 def test_the_spill_path_is_valgrind_clean(container, native):
-    """A spill, its use, a refused prefetch and the frees under valgrind memcheck."""
+    """A spill, its use, a refused prefetch and the frees under valgrind memcheck; then a
+    pitched and a stream-ordered spill and their frees."""
     seal(container, spill=8 * MiB, limit=8 * MiB)
     script = (f"init\nalloc plain {6 * MiB}\nalloc plain {4 * MiB}\nwrite 1 7\ncheck 1 7\n"
-              "prefetch 1 dev\nfree 1\nfree 0\n")
+              "prefetch 1 dev\nfree 1\nfree 0\n"
+              f"alloc plain {6 * MiB}\nalloc pitch {4 * MiB}\nalloc async {3 * MiB}\n"
+              "write 3 5\ncheck 3 5\nfreeasync 4\nfree 3\nfree 2\n")
     out = subprocess.run(
         ["valgrind", "--error-exitcode=99", "--leak-check=full",
          "--errors-for-leak-kinds=definite", "--show-leak-kinds=definite", "-q",
@@ -220,8 +273,10 @@ def test_the_spill_path_is_valgrind_clean(container, native):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-5000:]
     answers = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True, True]
+    assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True, True,
+                                          True, True, True, True, True, True, True, True]
     assert answers[5]["rc"] == INVALID_VALUE
+    assert container.usage().spilled_peak_bytes >= 4 * MiB + 3 * MiB - PITCH_WIDTH
 
 
 def test_tessera_run_spills_when_asked(native, tmp_path):

@@ -6,31 +6,16 @@ leased, borrowed or on the fake card; without the opt-in the same allocation is 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from tessera.node_agent.spill_metrics import spill_totals
 
 from tessera import region
 
-from .conftest import NativeBuild
 from .elastic_rig import ElasticNode, GiB
 
 BORROWER = "c3333333-3333-4333-8333-333333333333"
 NEIGHBOUR = "d4444444-4444-4444-8444-444444444444"
-
-
-@pytest.fixture
-def node(native: NativeBuild) -> Iterator[ElasticNode]:
-    base = Path(tempfile.mkdtemp(prefix="spl-"))  # lease socket paths stay under 108 bytes
-    n = ElasticNode(native, base)
-    try:
-        yield n
-    finally:
-        n.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def with_spill(pod, spill_bytes: int) -> None:
@@ -55,6 +40,7 @@ def test_a_borrow_the_card_cannot_lend_spills(node: ElasticNode, spill: bool) ->
     if not spill:
         assert r["rc"] == 2, r
         assert region.read_region(pod.cdir.region_file).spilled_bytes == 0
+        assert spill_totals(node.store.all()) == (0, 0, 0)  # the node: nothing promised
         return
     assert r["ok"], (r, node.diagnosis(b))
     usage = region.read_region(pod.cdir.region_file)
@@ -63,6 +49,8 @@ def test_a_borrow_the_card_cannot_lend_spills(node: ElasticNode, spill: bool) ->
     assert node.held(pod) == (8 * GiB, 4 * GiB)  # no lease, nothing more borrowed
     assert b("phys")["phys"] == 8 * GiB  # the card: only what was leased
     assert b(f"alloc plain {GiB}")["ok"]  # the bound: 2 GiB
+    # what the node agent's /metrics says of the node: 2 GiB promised, all of it spilled
+    assert spill_totals(node.store.all()) == (2 * GiB, 2 * GiB, 1)
     assert b(f"alloc plain {GiB}")["rc"] == 2
     assert b(f"free {r['id']}")["ok"]
     assert region.read_region(pod.cdir.region_file).spilled_bytes == GiB

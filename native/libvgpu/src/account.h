@@ -8,6 +8,7 @@
  *   account.c   the tables (below), their lock, reserve / unreserve, pool refresh, fork
  *   memory.c    cuMemAlloc, cuMemAllocManaged, cuMemAllocPitch, cuMemFree
  *   mempool.c   stream-ordered allocations and pools (retained bytes)
+ *   spill.c     opt-in spill to host memory (cuMemAlloc, cuMemAllocPitch, stream-ordered)
  *   vmm.c       cuMemCreate / Import / Map / Unmap / Release
  *   arrays.c    CUDA arrays and mipmapped arrays
  *   graphmem.c  graph memory nodes, graphs and their instantiations
@@ -161,11 +162,23 @@ static inline CUresult charged_alloc(int ds, uint64_t bytes)
     return tv_mem_reserve(ds, bytes) == 0 ? CUDA_SUCCESS : OOM;
 }
 
+/* The driver's OOM for bytes charged on a limited slot is for memory the container is owed (its
+ * guarantee, or a granted lease): worth retrying a moment (lease.h). Unlimited slots, host
+ * memory, unknown devices and oversubscribed limits (memory scaling above 1: the limits add up
+ * to more than the card) were promised nothing: their OOM is final at once. */
+static inline int tv_mem_owed(int ds)
+{
+    return ds >= 0 && ds < TV_MAX_SLOTS && tv_mem_cap(ds) != 0 &&
+           !(atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_OVERSUBSCRIBE);
+}
+
 /* spill.c: a cuMemAlloc the device could not hold (`why`: the error it got; `counted`: the
  * refusal was counted in the region's oom_count), served from host memory when the container
  * may spill — or `why` unchanged. Frees of spilled pointers. */
 CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int dslot, CUresult why,
                         int counted) TV_HIDDEN;
+CUresult tv_spill_alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                              unsigned elem, int dslot, CUresult why, int counted) TV_HIDDEN;
 int tv_spill_release(const struct ent *e) TV_HIDDEN; /* 1: it was spilled (now uncharged) */
 CUresult tv_spill_free_async(const struct ent *e, CUstream s, int ptsz) TV_HIDDEN;
 

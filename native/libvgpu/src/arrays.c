@@ -30,6 +30,14 @@ static uint64_t array_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
     return total;
 }
 
+static CUresult driver_array_create(void *out, unsigned levels, int which, const void *orig)
+{
+    if (which == 1) return REAL(cuArrayCreate_v2)((CUarray *)out, orig);
+    if (which == 3) return REAL(cuArray3DCreate_v2)((CUarray *)out, orig);
+    return REAL(cuMipmappedArrayCreate)((CUmipmappedArray *)out, orig, levels);
+}
+
+/* An array's layout is the driver's own (tiled for texture reads): no spill can stand in. */
 static CUresult array_create(void *out, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels,
                              int which, const void *orig)
 {
@@ -37,10 +45,13 @@ static CUresult array_create(void *out, const CUDA_ARRAY3D_DESCRIPTOR *d, unsign
     int ds = tv_ctx_dev_slot();
     uint64_t bytes = array_bytes(d, levels);
     if (charged_alloc(ds, bytes) != CUDA_SUCCESS) return OOM;
-    CUresult r;
-    if (which == 1) r = REAL(cuArrayCreate_v2)((CUarray *)out, orig);
-    else if (which == 3) r = REAL(cuArray3DCreate_v2)((CUarray *)out, orig);
-    else r = REAL(cuMipmappedArrayCreate)((CUmipmappedArray *)out, orig, levels);
+    CUresult r = driver_array_create(out, levels, which, orig);
+    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) { /* owed: retried (lease.h) */
+        struct tv_oom_retry t = {0};
+        while (r == OOM && tv_owed_oom_wait(&t, ds, bytes))
+            r = driver_array_create(out, levels, which, orig);
+        tv_owed_oom_done(&t, ds, bytes, r == CUDA_SUCCESS);
+    }
     if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, bytes);
     else if (ds >= 0) track(&arrays, (uint64_t)(uintptr_t)*(void **)out, bytes, ds, K_PLAIN, 0);
     return r;

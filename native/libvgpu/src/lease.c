@@ -31,6 +31,10 @@ static unsigned ticks;
 static int connected_once; /* this process reached the service at least once */
 
 #define REPLY_TIMEOUT_S 5 /* the agent waits at most a few hundred ms for recalls */
+/* A grant that took this long was held by the service (a reclaim or an opt-in wait on the card:
+ * memory was being given back for it); an answer at once takes ~0.1 ms. A slow answer on a busy
+ * node counts too: that only keeps the owed-OOM retry's whole bound, as before (lease.h). */
+#define LEASE_HELD_NS 1000000ull
 
 void tv_lease_init(const char *limits_file, uint32_t limits_flags)
 {
@@ -205,7 +209,10 @@ int tv_lease_take_slow(int d, uint64_t bytes)
         char line[TSR_UUID_LEN + 64];
         snprintf(line, sizeof line, "A %s %llu %llu\n", tv.rg.uuid[d], (unsigned long long)need,
                  (unsigned long long)want);
+        uint64_t asked = tv_mono_ns();
         int64_t got = send_line(line) == 0 ? read_answer() : -1;
+        if (got > 0 && tv_mono_ns() - asked >= LEASE_HELD_NS) /* held: memory was freed for it */
+            atomic_store_explicit(&tv_memory_back_ns, tv_mono_ns(), memory_order_relaxed);
         if (got < 0) {
             TV_LOG(TV_LOG_WARN, "lease service: connection lost");
             drop_connection();
@@ -339,19 +346,56 @@ static uint64_t owed_retry_bound_ns(void)
     return (uint64_t)ms * 1000000ull;
 }
 
+/* The card's free memory as the driver sees it, if the current context is on slot d. */
+static int card_free(int d, uint64_t *out)
+{
+    size_t f = 0, total = 0;
+    if (tv_ctx_dev_slot() != d || REAL(cuMemGetInfo_v2)(&f, &total) != CUDA_SUCCESS) return -1;
+    *out = f;
+    return 0;
+}
+
+enum { WHY_NONE, WHY_BACK, WHY_BLIND };
+static const char *const why_text[] = {
+    [WHY_BACK] = "memory is being given back for it (a reclaim, or a dead process of the "
+                 "container)",
+    [WHY_BLIND] = "the card's free memory cannot be read here",
+};
+
 int tv_owed_oom_wait(struct tv_oom_retry *t, int d, uint64_t bytes)
 {
     uint64_t bound = owed_retry_bound_ns(), now = tv_mono_ns();
     if (!t->tries) {
         if (!bound) return 0;
-        t->start_ns = now;
+        t->start_ns = t->quiet_from_ns = now;
         t->step_ns = 2000000;
-        TV_LOG(TV_LOG_INFO, "driver out of memory for %llu bytes owed on slot %d (a reclaimed "
-               "process's memory not freed yet?): retrying for up to %llu ms",
-               (unsigned long long)bytes, d, (unsigned long long)(bound / 1000000));
+        t->reason = card_free(d, &t->free_seen) == 0 ? WHY_NONE : WHY_BLIND;
     }
+    uint64_t back = atomic_load_explicit(&tv_memory_back_ns, memory_order_relaxed);
+    if (t->reason == WHY_NONE && back && back + bound >= t->start_ns) t->reason = WHY_BACK;
+    uint64_t free_now;
+    if (t->reason == WHY_NONE && t->tries && card_free(d, &free_now) == 0 &&
+        free_now > t->free_seen) {
+        t->free_seen = free_now; /* memory is being freed on the card: keep looking */
+        t->quiet_from_ns = now;
+    }
+    if (!t->tries)
+        TV_LOG(TV_LOG_INFO, "driver out of memory for %llu bytes owed on slot %d (a reclaimed "
+               "process's memory not freed yet?): retrying for up to %llu ms%s%s",
+               (unsigned long long)bytes, d, (unsigned long long)(bound / 1000000),
+               t->reason ? ": " : " while memory is given back or freed on the card",
+               t->reason ? why_text[t->reason] : "");
     uint64_t spent = now - t->start_ns;
     if (spent >= bound) return 0;
+    if (t->reason == WHY_NONE && now - t->quiet_from_ns >= TV_OWED_QUIET_MS * 1000000ull) {
+        TV_LOG(TV_LOG_WARN, "driver out of memory for %llu bytes owed on slot %d: the card is "
+               "full and nothing is given back (no reclaim, no dead process of the container, "
+               "no memory freed on the card for %d ms): failing after %llu ms, not %llu",
+               (unsigned long long)bytes, d, TV_OWED_QUIET_MS,
+               (unsigned long long)(spent / 1000000), (unsigned long long)(bound / 1000000));
+        t->reason = -1; /* said: tv_owed_oom_done stays quiet */
+        return 0;
+    }
     uint64_t step = t->step_ns < bound - spent ? t->step_ns : bound - spent;
     tv_sleep_ns(step);
     if (t->step_ns < 64000000) t->step_ns *= 2;
@@ -361,7 +405,7 @@ int tv_owed_oom_wait(struct tv_oom_retry *t, int d, uint64_t bytes)
 
 void tv_owed_oom_done(const struct tv_oom_retry *t, int d, uint64_t bytes, int ok)
 {
-    if (!t->tries) return;
+    if (!t->tries || t->reason < 0) return;
     unsigned long long ms = (tv_mono_ns() - t->start_ns) / 1000000;
     if (ok)
         TV_LOG(TV_LOG_INFO, "%llu bytes on slot %d allocated after %llu ms (%u retries)",

@@ -70,10 +70,23 @@ static inline void tv_lease_give(int d, uint64_t bytes)
  * memory goes when the driver's files close). The caller retries while tv_owed_oom_wait says so:
  * it logs, sleeps the next backoff step (2 ms doubling to 64 ms) and returns 1 until
  * TESSERA_RECLAIM_RETRY_MS (default 1000, at most 10000, 0 = no retry) have passed; then 0.
+ *
+ * The whole bound is waited only when memory is known to be on its way back (a reason, below).
+ * Without one the card is full with memory nobody is giving back (a process outside Tessera, a
+ * neighbour's live allocations): the retry stops once the card's free memory (the driver's
+ * cuMemGetInfo) has not risen for TV_OWED_QUIET_MS, instead of holding the program the whole
+ * bound. The reasons, all known in this process for nothing (stamped in tv_memory_back_ns):
+ *  - its lease was held by the node agent's lease service before the grant (a reclaim or an
+ *    opt-in wait on the card: a borrower was made to give memory back for it) — lease.c;
+ *  - it reclaimed the device charge of a dead process of the container (region.c) — the
+ *    driver frees that process's memory when its files close, maybe a moment later;
+ *  - the card's free memory rose since the last look (memory is being freed).
  * Only ever called after a failure: the allocation fast path makes no system call for it. */
+#define TV_OWED_QUIET_MS 50
 struct tv_oom_retry {
-    uint64_t start_ns, step_ns;
+    uint64_t start_ns, step_ns, quiet_from_ns, free_seen;
     unsigned tries;
+    int reason; /* 0 none seen yet; else why the whole bound is waited (lease.c) */
 };
 int tv_owed_oom_wait(struct tv_oom_retry *t, int d, uint64_t bytes) TV_HIDDEN;
 void tv_owed_oom_done(const struct tv_oom_retry *t, int d, uint64_t bytes, int ok) TV_HIDDEN;

@@ -1,20 +1,11 @@
 /*
  * memory.c — linear allocations: cuMemAlloc, cuMemAllocManaged, cuMemAllocPitch, and cuMemFree
  * (of these and of stream-ordered allocations). Reserve first, roll back if the driver fails;
- * the other allocation paths are listed in memtrack.h.
+ * the other allocation paths are listed in account.h. cuMemAlloc and cuMemAllocPitch retry the
+ * driver's OOM for memory the container is owed (lease.h) and spill when it may (spill.c).
  */
 #define _GNU_SOURCE
 #include "account.h"
-
-/* The driver's OOM for bytes charged on a limited slot is for memory the container is owed (its
- * guarantee, or a granted lease): worth retrying a moment (lease.h). Unlimited slots, host
- * memory, unknown devices and oversubscribed limits (memory scaling above 1: the limits add up
- * to more than the card) were promised nothing: their OOM is final at once. */
-static inline int owed(int ds)
-{
-    return ds >= 0 && ds < TV_MAX_SLOTS && tv_mem_cap(ds) != 0 &&
-           !(atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_OVERSUBSCRIBE);
-}
 
 CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
@@ -23,7 +14,7 @@ CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) /* past the limit: spill, if it may */
         return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, bytesize);
-    if (tv_unlikely(r == OOM) && owed(ds)) {
+    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) {
         struct tv_oom_retry t = {0};
         while (r == OOM && tv_owed_oom_wait(&t, ds, bytesize))
             r = REAL(cuMemAlloc_v2)(dptr, bytesize);
@@ -55,9 +46,11 @@ CUresult CUDAAPI tv_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
     int ds = tv_ctx_dev_slot();
     uint64_t est = ((uint64_t)WidthInBytes + 511) / 512 * 512 * (uint64_t)Height;
     if (Height && est / Height < WidthInBytes) return OOM; /* overflow */
-    if (charged_alloc(ds, est) != CUDA_SUCCESS) return OOM;
+    if (charged_alloc(ds, est) != CUDA_SUCCESS) /* past the limit: spill, if it may */
+        return tv_spill_alloc_pitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, ds, OOM,
+                                    1);
     CUresult r = REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (tv_unlikely(r == OOM) && owed(ds)) {
+    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) {
         struct tv_oom_retry t = {0};
         while (r == OOM && tv_owed_oom_wait(&t, ds, est))
             r = REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
@@ -65,7 +58,8 @@ CUresult CUDAAPI tv_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
     }
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, est);
-        return r;
+        return tv_spill_alloc_pitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, ds, r,
+                                    0); /* the card itself is full */
     }
     uint64_t actual = (uint64_t)*pPitch * Height;
     if (actual > est && tv_mem_reserve(ds, actual - est) != 0) {

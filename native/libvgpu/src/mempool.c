@@ -1,6 +1,15 @@
-/* mempool.c — stream-ordered allocations and pools: what a pool retains stays charged. */
+/* mempool.c — stream-ordered allocations and pools: what a pool retains stays charged. The
+ * driver's OOM for memory the container is owed is retried (lease.h); an allocation the device
+ * cannot hold spills to host memory when the container may (spill.c) — from the device's
+ * current pool, or from a pool the program made that it may not export nor bounded itself
+ * (POOL_NO_SPILL below): a spilled pointer is managed memory, no pool's. */
 #define _GNU_SOURCE
 #include "account.h"
+
+/* A pool record's kind: its pointers must be the pool's (it is exportable to other processes:
+ * cuMemPoolExportPointer), or the program bounded the pool (maxSize: its OOM is the program's
+ * own cap) — never spilled. */
+#define POOL_NO_SPILL 1u
 
 /* Caller holds mem_mu. */
 static struct ent *pool_rec(CUmemoryPool pool, int ds)
@@ -12,6 +21,15 @@ static struct ent *pool_rec(CUmemoryPool pool, int ds)
         p = map_find(&pools, (uint64_t)(uintptr_t)pool);
     }
     return p;
+}
+
+static CUresult driver_alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,
+                                   CUstream s, int from_pool, int ptsz)
+{
+    if (from_pool)
+        return ptsz ? REAL(cuMemAllocFromPoolAsync_ptsz)(dptr, bytes, pool, s)
+                    : REAL(cuMemAllocFromPoolAsync)(dptr, bytes, pool, s);
+    return ptsz ? REAL(cuMemAllocAsync_ptsz)(dptr, bytes, s) : REAL(cuMemAllocAsync)(dptr, bytes, s);
 }
 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s,
@@ -33,12 +51,14 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, 
         if (ord >= 0 && REAL(cuDeviceGetMemPool)(&pool, ord) != CUDA_SUCCESS) pool = NULL;
     }
     uint64_t reuse = 0;
+    int may_spill = 1;
     if (pool && ds >= 0) {
         LOCK();
         struct ent *p = pool_rec(pool, ds);
         if (p) {
             reuse = p->aux2 < bytes ? p->aux2 : bytes;
             p->aux2 -= reuse;
+            may_spill = !(p->kind & POOL_NO_SPILL);
         }
         UNLOCK();
     }
@@ -50,14 +70,15 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, 
             if (p) p->aux2 += reuse;
             UNLOCK();
         }
-        return OOM;
+        return may_spill ? tv_spill_alloc(dptr, bytes, ds, OOM, 1) : OOM; /* past the limit */
     }
-    CUresult r;
-    if (from_pool)
-        r = ptsz ? REAL(cuMemAllocFromPoolAsync_ptsz)(dptr, bytes, pool, s)
-                 : REAL(cuMemAllocFromPoolAsync)(dptr, bytes, pool, s);
-    else
-        r = ptsz ? REAL(cuMemAllocAsync_ptsz)(dptr, bytes, s) : REAL(cuMemAllocAsync)(dptr, bytes, s);
+    CUresult r = driver_alloc_async(dptr, bytes, pool, s, from_pool, ptsz);
+    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) {
+        struct tv_oom_retry t = {0};
+        while (r == OOM && tv_owed_oom_wait(&t, ds, bytes))
+            r = driver_alloc_async(dptr, bytes, pool, s, from_pool, ptsz);
+        tv_owed_oom_done(&t, ds, bytes, r == CUDA_SUCCESS);
+    }
     LOCK();
     struct ent *p = pool && ds >= 0 ? pool_rec(pool, ds) : NULL;
     if (r != CUDA_SUCCESS) {
@@ -69,7 +90,10 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, 
         map_put(&ptrs, &e);
     }
     UNLOCK();
-    if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, need);
+    if (r != CUDA_SUCCESS) {
+        tv_mem_unreserve(ds, need);
+        if (may_spill) return tv_spill_alloc(dptr, bytes, ds, r, 0); /* the card itself is full */
+    }
     return r;
 }
 
@@ -128,7 +152,10 @@ CUresult CUDAAPI tv_cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr
                      ? tv_dev_slot(props->location.id)
                      : TV_SLOT_HOST; /* host pools take no device memory */
         LOCK();
-        struct ent e = {.key = (uint64_t)(uintptr_t)*pool, .dslot = ds};
+        struct ent e = {.key = (uint64_t)(uintptr_t)*pool, .dslot = ds,
+                        .kind = props->handleTypes != CU_MEM_HANDLE_TYPE_NONE || props->maxSize
+                                    ? POOL_NO_SPILL
+                                    : 0};
         map_put(&pools, &e);
         UNLOCK();
     }

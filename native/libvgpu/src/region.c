@@ -21,6 +21,8 @@
 #define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
 #define REGION_SZ sizeof(struct tsr_region)
 
+_Atomic uint64_t tv_memory_back_ns;
+
 static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS slots are live */
 
 /* ---- processes ---------------------------------------------------------------------------- */
@@ -77,10 +79,14 @@ static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
 /* Caller holds the lock. Uncharge a slot's bytes and free it. */
 static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
 {
+    int device_charge = 0;
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         uint64_t u = LOAD(s->used[d]), total = LOAD(R->dev[d].used_bytes);
         if (u) STORE(R->dev[d].used_bytes, total > u ? total - u : 0);
+        device_charge |= u != 0;
     }
+    /* the driver frees the dead process's memory when its files close: maybe not yet */
+    if (device_charge) atomic_store_explicit(&tv_memory_back_ns, tv_mono_ns(), memory_order_relaxed);
     uint64_t sp = LOAD(s->spilled_bytes), spt = LOAD(R->spilled_bytes);
     if (sp) STORE(R->spilled_bytes, spt > sp ? spt - sp : 0);
     memset(s, 0, sizeof *s);

@@ -112,4 +112,9 @@ static inline uint64_t tv_region_used(struct tv_region *rg, int d)
     return u < rg->mine[d] ? rg->mine[d] : u;
 }
 
+/* When this process last saw device memory given back for it (tv_mono_ns; 0 never): a dead
+ * process's device charge reclaimed here (region.c), a lease the node agent's service held
+ * before granting (lease.c). The owed-OOM retry reads it (lease.h). */
+extern _Atomic uint64_t tv_memory_back_ns TV_HIDDEN;
+
 #endif

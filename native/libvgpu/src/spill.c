@@ -2,7 +2,7 @@
  * spill.c — opt-in spill to host memory (tessera.io/gpumem-spill; sealed limits 1.3
  * `spill_bytes`; docs/elastic.md "Spilling to host memory").
  *
- * A cuMemAlloc the device cannot hold — past the limit in force, refused by the node agent's
+ * An allocation the device cannot hold — past the limit in force, refused by the node agent's
  * lease service while the card is short, or refused by the driver itself (the card is full) —
  * is served from host memory instead, when the container's limits allow a spill: managed memory
  * (cuMemAllocManaged) whose preferred location is the CPU, as CUDA documents it for data that
@@ -21,7 +21,9 @@
  * device (cuMemPrefetchAsync, cuMemAdvise on the range) gets CUDA_ERROR_INVALID_VALUE — what
  * the driver answers for memory cuMemAlloc returned, which is all the program knows it has. A
  * GPU without concurrent managed access (where managed memory is created on the device) never
- * spills. Only cuMemAlloc spills; every other path is refused as before (README "Spill").
+ * spills. cuMemAlloc, cuMemAllocPitch and the stream-ordered allocations (cuMemAllocAsync, and
+ * cuMemAllocFromPoolAsync from a pool that is neither exportable nor bounded by the program:
+ * mempool.c) spill; VMM, arrays and graph memory nodes cannot (docs/elastic.md says why).
  */
 #define _GNU_SOURCE
 #include "account.h"
@@ -51,8 +53,9 @@ CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why, i
 {
     uint64_t limit = atomic_load_explicit(&tv.spill_limit, memory_order_relaxed);
     if (why != CUDA_ERROR_OUT_OF_MEMORY || !limit || !dptr || !bytes || ds < 0) return why;
-    CUdevice dev;
-    if (REAL(cuCtxGetDevice)(&dev) != CUDA_SUCCESS || !host_residency_possible(dev)) return why;
+    CUdevice dev = ds < TV_MAX_SLOTS ? atomic_load(&tv.dev[ds].ordinal) : -1; /* the slot's card */
+    if (dev < 0 && REAL(cuCtxGetDevice)(&dev) != CUDA_SUCCESS) return why;
+    if (!host_residency_possible(dev)) return why;
     if (tv_region_spill_charge(&tv.rg, bytes, limit) != 0) {
         TV_LOG(TV_LOG_INFO, "spill of %llu bytes refused: the container's spill limit (%llu)",
                (unsigned long long)bytes, (unsigned long long)limit);
@@ -80,6 +83,30 @@ CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why, i
     *dptr = p;
     TV_LOG(TV_LOG_DEBUG, "spilled %llu bytes to host memory", (unsigned long long)bytes);
     return CUDA_SUCCESS;
+}
+
+/* cuMemAllocPitch past the limit: the same spill, `height` rows of a pitch the program can bind
+ * a texture with — the width rounded up to 512 bytes, and to the device's texture pitch
+ * alignment where that is coarser (the driver's pitch "is guaranteed to match or exceed the
+ * alignment requirement for texture binding", CUDA driver API). The driver validates the
+ * arguments of the call it serves; a spill serves only a call it could have served. */
+CUresult tv_spill_alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                              unsigned elem, int ds, CUresult why, int counted)
+{
+    if (why != CUDA_ERROR_OUT_OF_MEMORY || !pitch || !width || !height ||
+        (elem != 4 && elem != 8 && elem != 16))
+        return why;
+    CUdevice dev = ds >= 0 && ds < TV_MAX_SLOTS ? atomic_load(&tv.dev[ds].ordinal) : -1;
+    int align = 0;
+    if (dev < 0 || REAL(cuDeviceGetAttribute)(&align, CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT,
+                                              dev) != CUDA_SUCCESS || align < 512)
+        align = 512;
+    if (align & (align - 1)) return why; /* never seen: alignments are powers of two */
+    uint64_t p = ((uint64_t)width + (uint64_t)align - 1) / (uint64_t)align * (uint64_t)align;
+    if (p < width || p * height / height != p) return why; /* overflow */
+    CUresult r = tv_spill_alloc(dptr, p * height, ds, why, counted);
+    if (r == CUDA_SUCCESS) *pitch = p;
+    return r;
 }
 
 int tv_spill_release(const struct ent *e)

@@ -57,6 +57,7 @@ struct fk_func {
 struct fk_pool {
     int dev;
     uint64_t reserved, used, threshold;
+    uint64_t max; /* CUmemPoolProps.maxSize: the pool never reserves more (0: the device) */
 };
 struct fk_handle {
     int dev, export_id, refs;
@@ -229,15 +230,21 @@ static struct fk_alloc *alloc_containing(uint64_t p, uint64_t n)
 static CUresult new_alloc(CUdeviceptr *dptr, uint64_t size, int dev, struct fk_pool *pool)
 {
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    if (pool) {
+    if (pool) { /* the pool grows by physical memory of the device, as any allocation */
         fk_lock(S);
         uint64_t need = pool->used + size > pool->reserved ? pool->used + size - pool->reserved : 0;
         struct fk_dev *d = &S->dev[dev];
+        if (pool->max && pool->reserved + need > pool->max) {
+            fk_unlock(S);
+            return CUDA_ERROR_OUT_OF_MEMORY; /* the pool's own bound */
+        }
+        if (need > d->total - d->used) fk_reap_dead(S, dev); /* the dead hold nothing */
         if (need > d->total - d->used) {
             fk_unlock(S);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         d->used += need;
+        if (need) fk_proc_note(S, dev, getpid(), (int64_t)need);
         pool->reserved += need;
         pool->used += size;
         fk_unlock(S);
@@ -319,6 +326,7 @@ static void pools_release(void)
         uint64_t keep = p->used > p->threshold ? p->used : p->threshold;
         if (p->reserved > keep) {
             S->dev[p->dev].used -= p->reserved - keep;
+            fk_proc_note(S, p->dev, getpid(), -(int64_t)(p->reserved - keep));
             p->reserved = keep;
         }
     }
@@ -425,6 +433,8 @@ API CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice d)
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
     case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: *v = concurrent_managed(); break;
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT: *v = 32; break; /* an H100's */
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: *v = 512; break;
     default: *v = 1; break;
     }
     return CUDA_SUCCESS;
@@ -861,7 +871,9 @@ API CUresult cuDeviceGetMemPool(CUmemoryPool *out, CUdevice d)
 API CUresult cuMemPoolCreate(CUmemoryPool *out, const CUmemPoolProps *props)
 {
     if (!props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_NOT_SUPPORTED;
-    *out = (CUmemoryPool)pool_new(props->location.id);
+    struct fk_pool *p = pool_new(props->location.id);
+    p->max = props->maxSize;
+    *out = (CUmemoryPool)p;
     return CUDA_SUCCESS;
 }
 API CUresult cuMemPoolDestroy(CUmemoryPool pool)
@@ -873,6 +885,7 @@ API CUresult cuMemPoolDestroy(CUmemoryPool pool)
     pthread_mutex_unlock(&mu);
     fk_lock(S);
     S->dev[p->dev].used -= p->reserved - p->used;
+    fk_proc_note(S, p->dev, getpid(), -(int64_t)(p->reserved - p->used));
     p->reserved = p->used;
     fk_unlock(S);
     return CUDA_SUCCESS; /* outstanding allocations keep p alive (leaked in this fake) */
@@ -884,6 +897,7 @@ API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     uint64_t target = p->reserved < keep ? p->reserved : keep;
     if (target < p->used) target = p->used;
     S->dev[p->dev].used -= p->reserved - target;
+    fk_proc_note(S, p->dev, getpid(), -(int64_t)(p->reserved - target));
     p->reserved = target;
     fk_unlock(S);
     return CUDA_SUCCESS;

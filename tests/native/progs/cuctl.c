@@ -8,7 +8,7 @@
  *                                    mipmap graphnode graphnode2 ctx raw -> {"ok","rc","id"}
  *   free ID                          the matching free/destroy/release
  *   info | total | nvml [IDX] | nvml2 [IDX] | procs [IDX] [VER]  (NVML, no CUDA needed)
- *   pool_create | pool_threshold BYTES | pool_trim BYTES | pool_destroy
+ *   pool_create [export | max BYTES] | pool_threshold BYTES | pool_trim BYTES | pool_destroy
  *   export ID -> {"fd"} | import FD -> {"id"} | map ID BYTES -> {"id"} | unmap ID | release ID
  *   write ID BYTE | stats | sync | sleep MS | lockhold REGION | exit
  *   burn SECONDS KERNEL PATH         PATH: kernel ptsz ex coop graph -> {"launches","t0","t1"}
@@ -505,8 +505,10 @@ int main(void)
             do_procs(a1[0] ? atoi(a1) : 0, a2[0] ? atoi(a2) : 3);
         } else if (!strcmp(cmd, "nvml") || !strcmp(cmd, "nvml2")) {
             do_nvml(a1[0] ? atoi(a1) : 0, !strcmp(cmd, "nvml2"));
-        } else if (!strcmp(cmd, "pool_create")) {
+        } else if (!strcmp(cmd, "pool_create")) { /* [export | max BYTES] */
             CUmemPoolProps p = pool_props();
+            if (!strcmp(a1, "export")) p.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            if (!strcmp(a1, "max")) p.maxSize = strtoull(a2, NULL, 10);
             reply_rc(A.cuMemPoolCreate(&pool, &p), 0);
         } else if (!strcmp(cmd, "pool_threshold")) {
             cuuint64_t v = strtoull(a1, NULL, 10);
