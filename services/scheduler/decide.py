@@ -217,8 +217,9 @@ class Decision:
         """Word these nodes' known refusals (their reason ids, in this order), as `record`
         would."""
         memo = self.memo()
-        self.failed.add_bulk(self.index.names_at[slots], found, memo.text_array(), memo.names,
-                             self.index.name_rows(slots))
+        rows = self.index.name_rows(slots)  # (the names then read from its table if asked)
+        self.failed.add_bulk(None if rows else self.index.names_at[slots], found,
+                             memo.text_array(), memo.names, rows)
         counts = np.bincount(found)
         for reason_id in np.flatnonzero(counts).tolist():
             nodes = int(counts[reason_id])
@@ -284,8 +285,9 @@ class Decision:
             if shaped is not None:
                 found = np.where(shaped >= 0, shaped, found)
             if special is None:  # (the names gathered now: a slot may hold another node later)
-                self.failed.add_bulk(index.names_at[slots], found, memo.text_array(), memo.names,
-                                     index.name_rows(slots))
+                rows = index.name_rows(slots)  # (the names then read from its table if asked)
+                self.failed.add_bulk(None if rows else index.names_at[slots], found,
+                                     memo.text_array(), memo.names, rows)
             else:  # HAMi's pods on some: worded one by one, in order
                 texts = memo.text_array()[found].tolist()
                 for position in np.flatnonzero(special).tolist():
