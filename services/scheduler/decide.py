@@ -173,6 +173,8 @@ class Decision:
         ids = np.full(len(keys), -1, dtype=np.int64)
         firsts = first.tolist()
         classes = index.card_classes
+        # (shapes another request was refused by alike: their texts, not fitted again)
+        shared_texts = None if alone is not None else classes.shared_texts(container)
         for g in np.argsort(first).tolist() if stop_at_fit else range(len(keys)):
             at = firsts[g]
             if groups[at] != g:
@@ -180,10 +182,9 @@ class Decision:
             key = keys[g]
             found = shapes.get(key)
             if found is None:
-                # (a shape another request was refused by alike: its text, not fitted again)
-                shared = None if alone is not None else classes.shared_key(container, key)
-                if shared is not None and shared in classes.texts:
-                    text = classes.texts[shared]
+                shared = None if shared_texts is None else classes.shared_key(container, key)
+                if shared is not None and shared in shared_texts:  # type: ignore[operator]
+                    text = shared_texts[shared]  # type: ignore[index]
                     found = FITS if text is None else memo.intern(*text)
                 else:
                     fit = fit_pod(index.entry_at(int(slots[at])).cards, alone or self.request,
@@ -194,7 +195,7 @@ class Decision:
                     else:
                         found = memo.intern(*worded)
                     if shared is not None:
-                        classes.texts[shared] = worded
+                        shared_texts[shared] = worded  # type: ignore[index]
                 shapes[key] = found
             if found == _TAKES_FIRST:
                 continue  # (fitted one by one: the pod may still not fit there)
