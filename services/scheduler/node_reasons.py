@@ -6,8 +6,9 @@ call cost about as much as the rest of the refusal, and serialising it with `jso
 (~2 ms at 5,000 nodes). `NodeReasons` keeps what the decision found as it found it: runs of
 nodes worded one by one (a small dict) and bulk runs (the nodes' names gathered from the index
 at the time, or their rows in the current name table, read from it only when asked; their
-reason ids, the request's texts by id; id 0 / text None: the node fits, no entry). It is a read-only `Mapping[str, str]` equal to the dict the decision used to build
-(same keys, texts, order); the dict is built once, on first generic read (`explain`, a bind's
+reason ids, the request's texts by id; id 0 / text None: the node fits, no entry). It is a
+read-only `Mapping[str, str]` equal to the dict the decision used to build (same keys, texts,
+order); the dict is built once, on first generic read (`explain`, a bind's
 single-node filter), and the HTTP reply is encoded from it with msgspec (byte for byte what
 `json.dumps(..., ensure_ascii=False, separators=(",", ":"))` wrote: `test_node_reasons.py`).
 What every refused call reads is answered without the dict: the distinct texts, the counts
