@@ -173,6 +173,8 @@ class Decision:
         ids = np.full(len(keys), -1, dtype=np.int64)
         firsts = first.tolist()
         classes = index.card_classes
+        # (shapes another request was refused by alike: their texts, not fitted again)
+        shared_texts = None if alone is not None else classes.shared_texts(container)
         for g in np.argsort(first).tolist() if stop_at_fit else range(len(keys)):
             at = firsts[g]
             if groups[at] != g:
@@ -180,10 +182,9 @@ class Decision:
             key = keys[g]
             found = shapes.get(key)
             if found is None:
-                # (a shape another request was refused by alike: its text, not fitted again)
-                shared = None if alone is not None else classes.shared_key(container, key)
-                if shared is not None and shared in classes.texts:
-                    text = classes.texts[shared]
+                shared = None if shared_texts is None else classes.shared_key(container, key)
+                if shared is not None and shared in shared_texts:  # type: ignore[operator]
+                    text = shared_texts[shared]  # type: ignore[index]
                     found = FITS if text is None else memo.intern(*text)
                 else:
                     fit = fit_pod(index.entry_at(int(slots[at])).cards, alone or self.request,
@@ -194,7 +195,7 @@ class Decision:
                     else:
                         found = memo.intern(*worded)
                     if shared is not None:
-                        classes.texts[shared] = worded
+                        shared_texts[shared] = worded  # type: ignore[index]
                 shapes[key] = found
             if found == _TAKES_FIRST:
                 continue  # (fitted one by one: the pod may still not fit there)
@@ -217,8 +218,9 @@ class Decision:
         """Word these nodes' known refusals (their reason ids, in this order), as `record`
         would."""
         memo = self.memo()
-        self.failed.add_bulk(self.index.names_at[slots], found, memo.text_array(), memo.names,
-                             self.index.name_rows(slots))
+        rows = self.index.name_rows(slots)  # (the names then read from its table if asked)
+        self.failed.add_bulk(None if rows else self.index.names_at[slots], found,
+                             memo.text_array(), memo.names, rows)
         counts = np.bincount(found)
         for reason_id in np.flatnonzero(counts).tolist():
             nodes = int(counts[reason_id])
@@ -284,8 +286,9 @@ class Decision:
             if shaped is not None:
                 found = np.where(shaped >= 0, shaped, found)
             if special is None:  # (the names gathered now: a slot may hold another node later)
-                self.failed.add_bulk(index.names_at[slots], found, memo.text_array(), memo.names,
-                                     index.name_rows(slots))
+                rows = index.name_rows(slots)  # (the names then read from its table if asked)
+                self.failed.add_bulk(None if rows else index.names_at[slots], found,
+                                     memo.text_array(), memo.names, rows)
             else:  # HAMi's pods on some: worded one by one, in order
                 texts = memo.text_array()[found].tolist()
                 for position in np.flatnonzero(special).tolist():

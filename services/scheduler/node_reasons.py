@@ -5,9 +5,10 @@ A refusal at 5,000 nodes words 5,000 reasons, but they are a handful of distinct
 call cost about as much as the rest of the refusal, and serialising it with `json.dumps` more
 (~2 ms at 5,000 nodes). `NodeReasons` keeps what the decision found as it found it: runs of
 nodes worded one by one (a small dict) and bulk runs (the nodes' names gathered from the index
-at the time, their reason ids, the request's texts by id; id 0 / text None: the node fits,
-no entry). It is a read-only `Mapping[str, str]` equal to the dict the decision used to build
-(same keys, texts, order); the dict is built once, on first generic read (`explain`, a bind's
+at the time, or their rows in the current name table, read from it only when asked; their
+reason ids, the request's texts by id; id 0 / text None: the node fits, no entry). It is a
+read-only `Mapping[str, str]` equal to the dict the decision used to build (same keys, texts,
+order); the dict is built once, on first generic read (`explain`, a bind's
 single-node filter), and the HTTP reply is encoded from it with msgspec (byte for byte what
 `json.dumps(..., ensure_ascii=False, separators=(",", ":"))` wrote: `test_node_reasons.py`).
 What every refused call reads is answered without the dict: the distinct texts, the counts
@@ -28,15 +29,43 @@ from .failed_nodes_json import bulk_json, encode_compact
 
 class _Bulk:
     """Nodes worded in bulk: names (object array), reason ids, texts by id (None: fits), and
-    where known the names' rows in a name table (`node_names.NameTable`: their JSON keys)."""
+    where known the names' rows in a name table (`node_names.NameTable`: their JSON keys and
+    names, by row, never changed). With rows, the names are gathered from the table only when
+    read (`names`, `names_at`): a gather of 20,000 of the index's scattered strings touches
+    each one (~1.3 ms at 20,000 nodes on a loaded machine), and what every refused call reads
+    (the reply's JSON, the event's examples, the repeat check) needs the rows, or a few names."""
 
-    __slots__ = ("ids", "keep", "names", "reasons", "rows", "table", "texts")
+    __slots__ = ("_names", "ids", "keep", "reasons", "rows", "table", "texts")
 
-    def __init__(self, names: np.ndarray, ids: np.ndarray, texts: np.ndarray,
+    def __init__(self, names: np.ndarray | None, ids: np.ndarray, texts: np.ndarray,
                  reasons: list[tuple[str, ...]], rows: tuple[Any, np.ndarray] | None) -> None:
-        self.names, self.ids, self.texts, self.reasons = names, ids, texts, reasons
+        self._names, self.ids, self.texts, self.reasons = names, ids, texts, reasons
         self.table, self.rows = rows if rows is not None else (None, None)
+        if names is None and self.rows is None:
+            raise ValueError("a bulk run needs its names or their rows in a name table")
         self.keep: np.ndarray | None = None
+
+    @property
+    def names(self) -> np.ndarray:
+        """Every node's name, in order (gathered from the name table once, where not given)."""
+        if self._names is None:
+            self._names = self.table.names[self.rows]
+        return self._names
+
+    def names_at(self, positions: np.ndarray) -> np.ndarray:
+        """The names of the nodes at these positions (only those gathered)."""
+        if self._names is not None:
+            return self._names[positions]
+        return self.table.names[self.rows[positions]]
+
+    def same_names(self, other: _Bulk) -> bool | None:
+        """Whether both runs name the same nodes in the same order, read from their rows when
+        both have them in one table (no name gathered); None when the lengths differ."""
+        if len(self.ids) != len(other.ids):
+            return None
+        if self.table is not None and self.table is other.table:
+            return bool((self.rows == other.rows).all())
+        return bool((self.names == other.names).all())
 
     def _kept(self) -> np.ndarray | None:
         """Which nodes have a reason (None: all of them)."""
@@ -52,6 +81,12 @@ class _Bulk:
         if keep is None:
             return self.names, self.ids
         return self.names[keep], self.ids[keep]
+
+    def refused_names(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(names, ids) of the first `count` nodes with a reason (only those names gathered)."""
+        ids, where = self.refused_ids()
+        at = np.arange(min(count, len(ids))) if where is None else where[:count]
+        return self.names_at(at), self.ids[at]
 
     def refused_count(self) -> int:
         keep = self._kept()
@@ -113,15 +148,19 @@ class NodeReasons(Mapping[str, str]):
             self._segments.append(self._tail)
         self._tail[name] = text
 
-    def add_bulk(self, names: np.ndarray, ids: np.ndarray, texts: np.ndarray,
+    def add_bulk(self, names: np.ndarray | None, ids: np.ndarray, texts: np.ndarray,
                  reasons: list[tuple[str, ...]],
                  rows: tuple[Any, np.ndarray] | None = None) -> None:
         """Nodes not worded before: `names[i]` refused with `texts[ids[i]]` (None: it fits, no
         entry); `reasons[id]` the HAMi reason names of text `id`. The arrays are kept as given
-        (the caller passes fresh gathers; `texts` and `reasons` only ever grow)."""
-        if not len(names):
+        (the caller passes fresh gathers; `texts` and `reasons` only ever grow). `names` None:
+        the names are the rows' in `rows`' table, gathered only when read."""
+        if not len(ids):
             return
         if self._owned:
+            if names is None:
+                assert rows is not None
+                names = rows[0].names[rows[1]]
             self._dict.update((n, t) for n, t in zip(names.tolist(), texts[ids].tolist(),  # type: ignore[union-attr]
                                                      strict=True) if t is not None)
             return
@@ -279,9 +318,8 @@ class NodeReasons(Mapping[str, str]):
             if isinstance(segment, dict):
                 out.update(islice(segment.items(), left))
             else:
-                names, ids = segment.refused()
-                out.update(zip(names[:left].tolist(), segment.texts[ids[:left]].tolist(),
-                               strict=True))  # fmt: skip
+                names, ids = segment.refused_names(left)
+                out.update(zip(names.tolist(), segment.texts[ids].tolist(), strict=True))
         return out
 
     def by_reason(self, examples: int) -> dict[str, tuple[int, list[str]]]:
@@ -309,7 +347,7 @@ class NodeReasons(Mapping[str, str]):
             totals = np.bincount(ids)
             for reason_id in np.flatnonzero(totals).tolist():
                 at = np.flatnonzero(ids == reason_id)[:examples]
-                first = segment.names[at if where is None else where[at]].tolist()
+                first = segment.names_at(at if where is None else where[at]).tolist()
                 named = segment.reasons[reason_id] if reason_id < len(segment.reasons) else ()
                 for reason in named or reason_names(segment.texts[reason_id]):
                     count(reason, int(totals[reason_id]), first)
@@ -352,12 +390,13 @@ def _same_segments(mine: list[Any], theirs: list[Any]) -> bool | None:
             if a != b:
                 return False  # (the same names in the same places, another text)
             continue
-        names_a, ids_a = a.refused()
-        names_b, ids_b = b.refused()
-        if len(names_a) != len(names_b):
+        if not a.same_names(b):  # (the same nodes in the same order, those that fit too)
             return None
-        if not (names_a == names_b).all():
+        keep_a, keep_b = a._kept(), b._kept()
+        if (keep_a is None) != (keep_b is None) or (
+            keep_a is not None and not (keep_a == keep_b).all()
+        ):  # fmt: skip
             return None
-        if not (a.texts[ids_a] == b.texts[ids_b]).all():
+        if not (a.texts[a.ids] == b.texts[b.ids]).all():
             return False
     return True

@@ -111,8 +111,9 @@ def _word_all(decision: Any, slots: np.ndarray, unknown: list[str]) -> bool:
                 memo.refused = False
                 return False
             ids[position] = found
-    decision.failed.add_bulk(index.names_at[slots], ids, memo.text_array(), memo.names,
-                             index.name_rows(slots))
+    rows = index.name_rows(slots)  # (the names then read from its table if asked)
+    decision.failed.add_bulk(None if rows else index.names_at[slots], ids, memo.text_array(),
+                             memo.names, rows)
     counts = np.bincount(ids)
     reason_counts = decision.reason_counts
     for reason_id in np.flatnonzero(counts).tolist():

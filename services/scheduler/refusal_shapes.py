@@ -80,9 +80,9 @@ class CardClasses:
         # request's family and count and the options' selections (`rules.check_health`,
         # `check_type_and_mode`); a new class makes it longer, so asked again
         self._static: dict[tuple, tuple[Any, np.ndarray]] = {}
-        # a shape's text whatever the request (`shared_key`): (text, reason names), or None
-        # where the shape takes the container
-        self.texts: dict[tuple, tuple[str, tuple[str, ...]] | None] = {}
+        # a shape's text whatever the request (`shared_texts`, `shared_key`): (text, reason
+        # names), or None where the shape takes the container
+        self.texts: dict[tuple, dict[tuple, tuple[str, tuple[str, ...]] | None]] = {}
 
     def of(self, devices: Sequence[Any]) -> list[int]:
         """Each device's class (`UNSHAREABLE` for a card of a mode not in `GROUPED_MODES`, or
@@ -202,28 +202,42 @@ class CardClasses:
         self._static[key] = (options, array)  # (the options object kept: its id stays its own)
         return array
 
-    def shared_key(self, steps: PodSteps, key: bytes) -> tuple | None:
-        """What a shape's text depends on besides its key (`group`'s, of a pod's steps), when
-        it is the same for every request: every class the index knows is libvgpu slices, so
-        each card's code is its verdict (the first of HAMi's checks it fails: the same check,
-        the same reason, whatever the request) and the text is HAMi's count of those reasons
-        over the node's cards, with the cards that pass counted as too few against the
-        failing container's `count`. Its family, count and the pod's selections decide the
-        static checks (of the cards in the key and of those in its signature); mutex and NUMA
-        binding are in it too. None where codes are raw inputs (another card kind)."""
+    def shared_texts(
+        self, steps: PodSteps
+    ) -> dict[tuple, tuple[str, tuple[str, ...]] | None] | None:
+        """The shapes' texts shared by every request whose pod reads them alike (`shared_key`
+        within), for this pod's steps: a shape's text is the same for every request when every
+        class the index knows is libvgpu slices, so each card's code is its verdict (the first
+        of HAMi's checks it fails: the same check, the same reason, whatever the request) and
+        the text is HAMi's count of those reasons over the node's cards, with the cards that
+        pass counted as too few against the failing container's `count`. The pod's
+        selections, mutex, NUMA binding and whether it has several containers decide the
+        static checks and the wording: one table each (hashed once a call, not once a shape).
+        None where codes are raw inputs (another card kind)."""
         if len(self._texts_for) != len(self._rep):
             self._texts_for = [bool(x) for x in self.statics()[3]]
         if not all(self._texts_for):
             return None
-        containers, options = steps.containers, steps.options
+        options = steps.options
+        alike = (options.selections, options.mutex, options.numa_bind, len(steps.containers) > 1)
+        found = self.texts.get(alike)
+        if found is None or len(found) > 65_536:
+            if len(self.texts) > 256:
+                self.texts.clear()
+            found = self.texts[alike] = {}
+        return found
+
+    @staticmethod
+    def shared_key(steps: PodSteps, key: bytes) -> tuple | None:
+        """A shape's key (`group`'s, of a pod's steps) in its `shared_texts` table: the failing
+        container's family and count (its static checks and the count the text compares
+        with), and the key; None where the key names no step of this pod."""
+        containers = steps.containers
         step = 0 if len(containers) == 1 else int.from_bytes(key[:8], "little", signed=True)
         if not 0 <= step < len(containers):
             return None
         r = containers[step]
-        if len(self.texts) > 65_536:
-            self.texts.clear()
-        return (r.family, r.count, options.selections, options.mutex, options.numa_bind,
-                len(containers) > 1, key)  # fmt: skip
+        return (r.family, r.count, key)
 
     def signature(self, others: tuple[tuple[int, int], ...]) -> int:
         found = self._signatures.get(others)

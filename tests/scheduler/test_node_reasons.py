@@ -89,9 +89,10 @@ def table_rows(names: list[str]) -> tuple[object, dict[str, int]]:
 
 
 def with_rows(plan: list[tuple[str, list[tuple[str, int]]]], table: object,
-              row: dict[str, int]) -> NodeReasons:
+              row: dict[str, int], named: bool = True) -> NodeReasons:
     """`built`, the bulk runs carrying their names' rows in a name table (as the decision's
-    do when the index's table is current)."""
+    do when the index's table is current); not `named`: the rows alone (the names read from
+    the table when asked, as the decision gives them)."""
     lazy = NodeReasons()
     for kind, entries in plan:
         if kind == "one":
@@ -102,8 +103,33 @@ def with_rows(plan: list[tuple[str, list[tuple[str, int]]]], table: object,
             names[:] = [n for n, _ in entries]
             ids = np.array([r for _, r in entries], dtype=np.int64)
             rows = np.array([row[n] for n, _ in entries], dtype=np.int64)
-            lazy.add_bulk(names, ids, TEXTS, REASONS, (table, rows))
+            lazy.add_bulk(names if named else None, ids, TEXTS, REASONS, (table, rows))
     return lazy
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans())
+def test_runs_given_by_rows_alone_read_as_the_dict(plan: list) -> None:
+    """A run given by its names' rows alone (the names never gathered by the decision) reads
+    as the dict: every entry in order, the first ones, the texts, HAMi's counts and example
+    nodes per reason, the reply's bytes, and equality with the same run given by names."""
+    every = [name for _kind, entries in plan for name, _ in entries] + ["spare"]
+    table, row = table_rows(every)
+    rows_only = with_rows(plan, table, row, named=False)
+    named = with_rows(plan, table, row)
+    _plain, eager = built(plan)
+    assert rows_only.head(3) == dict(list(eager.items())[:3])
+    assert rows_only.texts() == set(eager.values())
+    assert rows_only.by_reason(3) == named.by_reason(3)
+    assert rows_only.to_json() == json.dumps(eager, ensure_ascii=False,
+                                             separators=(",", ":")).encode()  # fmt: skip
+    assert rows_only == with_rows(plan, table, row, named=False)  # (read by rows, unbuilt)
+    assert rows_only == named and named == rows_only
+    assert list(rows_only.items()) == list(eager.items())  # (the dict: names gathered)
+    if eager:
+        first = next(iter(eager))
+        other = {**eager, first: "1/8 CardInsufficientCore"}
+        assert rows_only != other
 
 
 @settings(max_examples=100, deadline=None)

@@ -191,3 +191,27 @@ def test_a_full_table_starts_over_and_numbers_rows_alike(monkeypatch) -> None:
                     zip(index.card_mem[slots[j]].tolist(), index.card_cores[slots[j]].tolist(),
                         index.card_slots[slots[j]].tolist(), strict=True))  # fmt: skip
                 assert (numbers[i] == numbers[j]) == same, (round_, i, j)
+
+
+def test_distinct_rows_are_each_numbers_first_candidate_in_order(monkeypatch) -> None:
+    """`RowStates.distinct` (a scatter of first places, no sort) finds what sorting the numbers
+    finds: each distinct number's first candidate in the candidates' order and each
+    candidate's place among them, or None when most rows are distinct."""
+    from tessera.scheduler.refusal_states import RowStates
+
+    rng = np.random.default_rng(5)
+    states = RowStates()
+    for _ in range(200):
+        count = int(rng.integers(1, 3000))
+        numbers = rng.integers(0, int(rng.integers(1, count + 5)), count).astype(np.int64)
+        monkeypatch.setattr(states, "of", lambda _index, _slots, numbers=numbers: numbers)
+        found = states.distinct(None, np.arange(count))
+        _unique, firsts = np.unique(numbers, return_index=True)
+        if 4 * len(firsts) > 3 * count:
+            assert found is None
+            continue
+        assert found is not None
+        reps, place = found
+        assert reps.tolist() == sorted(firsts.tolist())
+        assert (numbers[reps[place]] == numbers).all()  # (each candidate's own number)
+        assert (reps[place] <= np.arange(count)).all()  # (and its first candidate)
