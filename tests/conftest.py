@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from process_state import ProcessState
 from suite_run import RUN, RunLock
+from suite_timeline import TimelineWriter
 
 from tessera.bus import Buckets, connect, ensure_bus
 from tessera.settings import NatsSettings, TesseraSettings
@@ -173,10 +174,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--suite-timeline", metavar="FILE", default=None,
+                     help="append one JSON line per test (worker, lock wait, start, end) to FILE;"
+                          " `python tests/suite_timeline.py FILE` summarises it")  # fmt: skip
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     # Outermost wrapper: the wait for the lock is not part of the test's own timeout.
-    with RUN.test(serial=item.get_closest_marker("serial") is not None):
+    serial = item.get_closest_marker("serial") is not None
+    timeline = item.config.getoption("suite_timeline")
+    if timeline is None:
+        with RUN.test(serial=serial):
+            yield
+        return
+    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
+    writer = TimelineWriter(Path(timeline).resolve(), worker)
+    with writer.test(item.nodeid, serial, RUN.test(serial=serial)):
         yield
 
 
