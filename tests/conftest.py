@@ -184,18 +184,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     # Outermost wrapper: the wait for the lock is not part of the test's own timeout.
     serial = item.get_closest_marker("serial") is not None
+    next_serial = nextitem is not None and nextitem.get_closest_marker("serial") is not None
+    held = RUN.test(serial=serial, next_serial=next_serial)
     timeline = item.config.getoption("suite_timeline")
     if timeline is None:
-        with RUN.test(serial=serial):
+        with held:
             yield
         return
     worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
     writer = TimelineWriter(Path(timeline).resolve(), worker)
-    with writer.test(item.nodeid, serial, RUN.test(serial=serial)):
+    with writer.test(item.nodeid, serial, held):
         yield
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    RUN.release_kept()
     RUN.finish_teardowns()
 
 

@@ -3,7 +3,8 @@ one another. Used by tests/conftest.py's hooks and by the stack fixtures.
 
 - A readers-writer lock over files shared by the run's workers: every test holds it shared while
   it runs (setup and teardown included), a test marked `serial` exclusive, so a real-time
-  measurement or a convergence bound under crashes runs with nothing else beside it.
+  measurement or a convergence bound under crashes runs with nothing else beside it (a worker's
+  consecutive serial tests keep the exclusive hold from one to the next).
 - Teardowns that only wait (a local stack stopping: SIGTERM, then waiting seconds for each
   process) run in a thread beside the next tests. Each holds the lock shared until it is done, and
   all are done before a `serial` test starts and before the worker's session ends.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import fcntl
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,25 +61,47 @@ class RunLock:
 @dataclass
 class SuiteRun:
     """This process's part of the run: its lock (None in a single-process run), whether the
-    test now running holds it exclusively, and the teardowns still running."""
+    test now running holds it exclusively, and the teardowns still running.
+
+    Consecutive `serial` tests of this process keep the exclusive hold from one to the next:
+    taking it waits for the test another worker is running to end, and between two serial
+    tests that worker would start another (a stack's test of tens of seconds, say), which the
+    next serial test would wait for again with this worker idle."""
 
     lock: RunLock | None = None
     exclusive: bool = False
     teardowns: list[threading.Thread] = field(default_factory=list)
+    kept: ExitStack | None = None  # the exclusive hold the last serial test left for the next
 
     @contextmanager
-    def test(self, serial: bool) -> Iterator[None]:
+    def test(self, serial: bool, next_serial: bool = False) -> Iterator[None]:
+        """Around one test; `next_serial`: this process runs a `serial` test next."""
         if serial:
             self.finish_teardowns()
         if self.lock is None:
             yield
             return
-        with self.lock.hold(exclusive=serial):
-            self.exclusive = serial
-            try:
-                yield
-            finally:
-                self.exclusive = False
+        hold, self.kept = self.kept, None
+        if hold is not None and not serial:  # (not expected: kept only for a serial test)
+            hold.close()
+            hold = None
+        if hold is None:
+            hold = ExitStack()
+            hold.enter_context(self.lock.hold(exclusive=serial))
+        self.exclusive = serial
+        try:
+            yield
+        finally:
+            self.exclusive = False
+            if serial and next_serial:
+                self.kept = hold
+            else:
+                hold.close()
+
+    def release_kept(self) -> None:
+        hold, self.kept = self.kept, None
+        if hold is not None:
+            hold.close()
 
     def teardown_in_background(self, name: str, teardown: Callable[[], None]) -> None:
         """Run `teardown` beside the next tests (inline when a `serial` test is running)."""
