@@ -9,7 +9,7 @@ import fcntl
 import json
 from pathlib import Path
 
-from suite_run import RunLock, SuiteRun
+from suite_run import RunLock, SuiteRun, module_order_key
 from suite_timeline import TimelineWriter, summary
 
 
@@ -72,3 +72,18 @@ def test_the_timeline_names_each_workers_busy_time_and_lock_waits(tmp_path: Path
     assert "run: 10.0 s" in text
     assert "gw1: 1 tests, busy 3.0 s, waited for the lock 3.0 s, done 6.0 s in (idle 4.0 s" in text
     assert "serial tests: 1, 10.0 s" in text
+
+
+def test_modules_are_handed_out_longest_first_and_serial_ones_last() -> None:
+    queue = {  # module: its count of tests
+        "tests/foundation/test_codec.py": 60,  # 15 s estimated from its tests
+        "tests/e2e/test_roundtrip.py": 1,  # a stack: 15.25 s
+        "tests/native/test_build.py": 4,  # listed: 120 s
+        "tests/e2e/test_crash.py": 5,  # serial tests
+        "tests/native/test_compute.py": 14,  # serial tests
+        "tests/foundation/test_small.py": 3,
+    }
+    order = sorted(queue, key=lambda module: module_order_key(module, queue[module]))
+    assert order == ["tests/native/test_build.py", "tests/e2e/test_roundtrip.py",
+                     "tests/foundation/test_codec.py", "tests/foundation/test_small.py",
+                     "tests/e2e/test_crash.py", "tests/native/test_compute.py"]  # fmt: skip
