@@ -11,6 +11,7 @@ process as it found it: an autouse check fails a module at its teardown when it 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, settings
 from process_state import ProcessState
 from suite_run import RUN, SERIAL_MODULES, RunLock, module_order_key
 from suite_timeline import TimelineWriter
+from suite_timeline import summary as timeline_summary
 
 from tessera.bus import Buckets, connect, ensure_bus
 from tessera.settings import NatsSettings, TesseraSettings
@@ -131,6 +133,9 @@ async def buckets(nc: object, settings: TesseraSettings) -> Buckets:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    timeline = config.getoption("suite_timeline", None)
+    if timeline and not hasattr(config, "workerinput"):  # the run's one process, or xdist's
+        Path(timeline).write_text("")  # controller, before any worker starts: this run's lines
     # Services read settings from the environment; keep a developer's shell out of the tests.
     for key in list(os.environ):
         if key.startswith("TESSERA_") or key.startswith("NATS_"):
@@ -196,6 +201,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     writer = TimelineWriter(Path(timeline).resolve(), worker)
     with writer.test(item.nodeid, serial, held):
         yield
+
+
+def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
+    timeline = config.getoption("suite_timeline", None)
+    if timeline and not hasattr(config, "workerinput"):
+        lines = [json.loads(line) for line in Path(timeline).read_text().splitlines() if line]
+        terminalreporter.write_sep("=", "where the time went (--suite-timeline)")  # type: ignore[attr-defined]
+        terminalreporter.write_line(timeline_summary(lines))  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
