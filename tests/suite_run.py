@@ -141,7 +141,7 @@ RUN = SuiteRun()
 MODULE_SECONDS: dict[str, float] = {
     "tests/native/test_build.py": 120,  # the whole native suite again under ASan
     "tests/compose/test_compose_stack.py": 110,  # the image, then the stack in containers
-    "tests/scheduler/test_concurrency.py": 110,
+    "tests/scheduler/test_concurrency.py": 15,
     "tests/admission/test_admission_fuzz.py": 85,
     "tests/cli/test_stack_commands.py": 80,
     "tests/e2e/test_nats_cluster.py": 60,
