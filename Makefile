@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The stack's own dependencies and libvgpu's headers only (`make demo`): no test toolchain.
 RUNTIME_STAMP := $(VENV)/.installed-runtime
+# PYTEST_ARGS=--suite-timeline=FILE: the run also says where its time went (each worker's busy
+# time, its waits behind `serial` tests, its idle end, the slowest modules; tests/suite_timeline.py).
 PYTEST_ARGS ?=
 # The suite runs on two workers by default (pytest-xdist: whole modules per worker;
 # tests/suite_run.py keeps `serial` tests alone); PYTEST_WORKERS=0 runs it in one process.
