@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The stack's own dependencies and libvgpu's headers only (`make demo`): no test toolchain.
 RUNTIME_STAMP := $(VENV)/.installed-runtime
+# PYTEST_ARGS=--suite-timeline=FILE: the run also says where its time went (each worker's busy
+# time, its waits behind `serial` tests, its idle end, the slowest modules; tests/suite_timeline.py).
 PYTEST_ARGS ?=
 # The suite runs on two workers by default (pytest-xdist: whole modules per worker;
 # tests/suite_run.py keeps `serial` tests alone); PYTEST_WORKERS=0 runs it in one process.
@@ -63,8 +65,12 @@ browser:
 			|| echo "could not install chromium: browser tests will be skipped"; \
 		else echo "chromium missing and not root: browser tests will be skipped"; fi; }
 
+# The project's modules are compiled once before the suite: with PYTHONDONTWRITEBYTECODE=1 (CI's
+# environment) no .pyc is ever written, so every Python process the suite starts (each stack's
+# services, kube-sim, every CLI run) compiled them from source again (~15 % of such a test's CPU).
 test: dev native protos browser
 	$(BIN)/ruff check .
+	$(BIN)/python -m compileall -q -j 2 tessera services tessera_cli tests
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: dev

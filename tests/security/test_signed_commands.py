@@ -268,23 +268,39 @@ STEPS: dict[str, Step] = {
 
 
 async def replay(w: World, role: str, node: str | None, captured: Captured) -> str:
-    """Resend the captured command as `role`; how it was refused."""
+    """Resend the captured command as `role`; how it was refused: by the receiver (its reply) or
+    by nats-server (a permissions violation for the subject, reported to this client since it
+    sent). A publish nats-server refused reaches no one, so no reply can follow: the violation
+    answers at once instead of the request's timeout."""
     nc = await w.client(role, node)
     user = bp.user_name(role, node)
+    seen = len(w.errors[user])
+    request = asyncio.ensure_future(nc.request(
+        captured.subject, captured.payload, timeout=10, headers=dict(captured.headers)))
+    reported = asyncio.ensure_future(violation(w, user, captured.subject, seen))
     try:
-        msg = await nc.request(captured.subject, captured.payload, timeout=3,
-                               headers=dict(captured.headers))  # fmt: skip
-    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-        return await violation(w, user, captured.subject)
+        await asyncio.wait({request, reported}, return_when=asyncio.FIRST_COMPLETED)
+        if reported.done():
+            return reported.result()
+        try:
+            msg = request.result()
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return await reported
+    finally:
+        for task in (request, reported):
+            task.cancel()
+        await asyncio.gather(request, reported, return_exceptions=True)
     text = msg.data.decode(errors="replace")
     assert "command refused (replayed)" in text or "command refused" in text, text
     return text
 
 
-async def violation(w: World, user: str, fragment: str) -> str:
-    deadline = asyncio.get_running_loop().time() + 10
+async def violation(w: World, user: str, fragment: str, seen: int = 0) -> str:
+    """nats-server's permissions violation for `fragment`, among the errors reported to
+    `user`'s client after the first `seen`."""
+    deadline = asyncio.get_running_loop().time() + 12
     while asyncio.get_running_loop().time() < deadline:
-        for err in w.errors[user]:
+        for err in w.errors[user][seen:]:
             if "permissions violation" in str(err).lower() and fragment in str(err):
                 return str(err)
         await asyncio.sleep(0.02)
