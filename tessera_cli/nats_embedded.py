@@ -170,7 +170,7 @@ class EmbeddedNats(ServerProcess):
         return f"nats://127.0.0.1:{self.port}"
 
 
-    def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
+    def start(self, timeout_s: float = 30.0) -> EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_nats_server(), "-js", "-a", "127.0.0.1", "-p", str(self.port),
@@ -212,7 +212,7 @@ class EmbeddedNats(ServerProcess):
         self.stop()
         raise TimeoutError(f"nats-server did not accept connections on {self.port} in {timeout_s}s")
 
-    def restart(self, timeout_s: float = 15.0) -> None:
+    def restart(self, timeout_s: float = 30.0) -> None:
         self.stop()
         self.start(timeout_s)
 
