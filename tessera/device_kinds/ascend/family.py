@@ -137,14 +137,27 @@ class AscendFamily(DeviceFamily):
                                   "the pod will pend until a chip type that covers it is offered")
             return request
         per_npu = chip.memory_allocatable if cut.whole else cut.memory_mib  # HAMi: per NPU
+        what = f"template {cut.template}" if cut.template else "a whole NPU"
         before = limits.get(names.memory, (requests or {}).get(names.memory))
         if str(before) != str(per_npu):
             limits[names.memory] = per_npu
             if isinstance(requests, dict):
                 requests[names.memory] = per_npu
-            what = f"template {cut.template}" if cut.template else "a whole NPU"
             notes.changes.append(f"{label}: {names.memory} {before or 'unset'} → "
                                  f"{per_npu} ({what})")
+        # `-core` as written is the AI cores the template must hold; the grant holds the
+        # template's. Rewritten to those (per NPU, as the memory), so Kubernetes' ResourceQuota
+        # on `requests.<-core>` counts what the pod holds, as it counts the rewritten memory.
+        # Not added where the pod does not name it: HAMi reads a `-core` as its soft split.
+        cores_before = limits.get(names.cores, (requests or {}).get(names.cores)) \
+            if names.cores else None
+        per_npu_cores = chip.ai_core if cut.whole else cut.ai_core
+        if cores_before is not None and str(cores_before) != str(per_npu_cores):
+            limits[names.cores] = per_npu_cores
+            if isinstance(requests, dict):
+                requests[names.cores] = per_npu_cores
+            notes.changes.append(f"{label}: {names.cores} {cores_before} → {per_npu_cores} "
+                                 f"({what}'s AI cores)")
         return self.read_request(container, settings)
 
     def selection(self, annotations: Mapping[str, Any]) -> Selection:
