@@ -9,11 +9,15 @@ refusals, and never placed on. So are the other families' registrations HAMi's s
 (`hami.io/node-register-<commonWord>` of HAMi's Ascend plugin, `hami.io/node-dcu-register`, the
 MLU capacity Cambricon's plugin advertises: `DeviceFamily.hami_registration`): named in a refusal
 of a node no Tessera agent registered, and of a node whose Tessera agent serves another family
-(the annotation of a family it serves is its own). Pods HAMi's scheduler placed (their `hami.io/vgpu-devices-allocated`
-or `-to-allocate`, `hami.io/vgpu-node` and `hami.io/bind-phase` annotations) hold GPUs wherever
-they run, also on a node that has since switched to Tessera's node agent: what they hold counts as
-used, in the index and in the reservation's compare-and-set, and is never written to the ledger
-(the ledger is Tessera's record; the cluster is HAMi's pods' record).
+(the annotation of a family it serves is its own).
+
+Pods HAMi's scheduler placed (their `hami.io/vgpu-devices-allocated` or `-to-allocate`,
+`hami.io/vgpu-node` and `hami.io/bind-phase` annotations; another family's own record) hold
+devices wherever they run, also on a node that has since switched to Tessera's node agent: what
+they hold counts as used, in the index and in the reservation's compare-and-set, and is never
+written to the ledger (the ledger is Tessera's record; the cluster is HAMi's pods' record). A
+910C pod's record lists each NPU, as HAMi's Ascend plugin registers them; Tessera's registration
+lists the module (`ForeignNode.held`).
 
 A pod is HAMi's when its `spec.schedulerName` is set and is not Tessera's and it carries HAMi's
 placement annotations. It holds its grants from the moment HAMi's scheduler names its node until

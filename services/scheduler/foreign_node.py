@@ -7,9 +7,10 @@ nothing there (`ForeignNode.blocking`) and what a refusal of the node says about
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessera import hami
-from tessera.device_kinds import registry
+from tessera.device_kinds import pod_grants, registry
 from tessera.device_kinds.types import HamiRegistration
 from tessera.models import Allocation, DeviceInfo, NodeRegistration
 
@@ -61,10 +62,29 @@ class ForeignNode:
     # (`hami.io/node-register-<commonWord>`, `hami.io/node-dcu-register`, an MLU capacity).
     vendors: tuple[HamiRegistration, ...] = ()
     allocations: tuple[Allocation, ...] = field(default=(), init=False)
+    # (the registration's devices list, `allocations` as those devices hold them): `held`
+    _held: list[Any] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         held = tuple(p.allocation for p in self.pods if p.allocation is not None)
         object.__setattr__(self, "allocations", held)
+
+    def held(self, registration: Any) -> tuple[Allocation, ...]:
+        """`allocations` as the node's registered devices hold them: HAMi lists each NPU of a
+        910C module, Tessera's registration the module (`pod_grants.onto_devices`). Kept per
+        devices list (a heartbeat keeps it)."""
+        if registration is None or not self.allocations:
+            return self.allocations
+        devices = registration.devices
+        memo = self._held
+        if memo and memo[0] is devices:
+            return memo[1]  # type: ignore[no-any-return]
+        parts = pod_grants.part_map(devices)
+        held = self.allocations if not parts else tuple(
+            a.model_copy(update={"containers": pod_grants.onto_devices(a.containers, parts)})
+            for a in self.allocations)  # fmt: skip
+        memo[:] = [devices, held]
+        return held
 
     def blocking(self, registration: NodeRegistration | None) -> str:
         """Why Tessera must place nothing on this registered node ('' = it may, counting the
@@ -76,12 +96,14 @@ class ForeignNode:
         if registration is None or not self.pods:
             return ""
         known = {d.uuid for d in registration.devices}
+        parts = pod_grants.part_map(registration.devices)  # (a 910C module's NPUs)
         problems: list[str] = []
         for pod in self.pods:
             if pod.allocation is None:
                 problems.append(f"HAMi pod {pod.ref}: {pod.problem}")
                 continue
-            unknown = sorted({g.uuid for c in pod.allocation.containers for g in c} - known)
+            unknown = sorted({parts.get(g.uuid, g.uuid) for c in pod.allocation.containers
+                              for g in c} - known)  # fmt: skip
             if unknown:
                 problems.append(f"HAMi pod {pod.ref} holds {', '.join(unknown[:3])}, which this "
                                 "node's Tessera registration does not list")  # fmt: skip

@@ -971,7 +971,7 @@ class ClusterIndex:
         entry.blocked = ""
         if foreign is not None:
             held: dict[str, list[int]] = {}
-            for allocation in foreign.allocations:
+            for allocation in foreign.held(entry.registered):
                 if counts_against_capacity(allocation, now):
                     add_charges(held, charges(allocation))
             usages.append(held)
@@ -987,13 +987,16 @@ class ClusterIndex:
         held = list(entry.ledger.allocations.values()) if entry.ledger is not None else []
         foreign = self.foreign.get(entry.name)
         if foreign is not None:
-            held.extend(foreign.allocations)
+            held.extend(foreign.held(entry.registered))
         hold_grants(cards, held, now)
         return cards
 
     def foreign_allocations(self, node: str) -> tuple[Any, ...]:
         foreign = self.foreign.get(node)
-        return foreign.allocations if foreign is not None else ()
+        if foreign is None:
+            return ()
+        entry = self.entries.get(node)
+        return foreign.held(entry.registered if entry is not None else None)
 
     def foreign_note(self, node: str) -> str:
         """What a refusal of `node` adds about HAMi's registration and pods there."""

@@ -181,17 +181,28 @@ class AscendFamily(DeviceFamily):
         return {self.runtime_info_annotation: ann.encode_runtime_info(pairs)} if pairs else {}
 
     def encode_register(self, devices: Sequence[DeviceInfo]) -> str:
-        """HAMi's `hami.io/node-register-<cw>`: one entry per NPU (a 910C module lists its two
-        dies), `customInfo.NetworkID` on 910 chips."""
+        """HAMi's `hami.io/node-register-<cw>` as HAMi's Ascend device plugin writes it: one
+        entry per NPU, `id` its die ID, `devmem`/`devcore` one NPU's, `customInfo.NetworkID`
+        on 910 chips. A 910C module lists its two NPUs (`part_ids`), each with half the
+        module's memory and AI cores, at indices 2m and 2m+1 (HAMi's scheduler pairs a module's
+        NPUs by index / 2)."""
         chip = self.chip
         npus: list[ann.RegisteredNpu] = []
         for d in devices:
-            dies = [(d.uuid if not chip.module_pairs else f"{d.uuid}-die{j}",
-                     2 * d.index + j if chip.module_pairs else d.index)
-                    for j in range(2 if chip.module_pairs else 1)]
-            for uuid, index in dies:
+            ids = die_ids(d) if chip.module_pairs else [d.uuid]
+            for j, uuid in enumerate(ids):
+                index = 2 * d.index + j if chip.module_pairs else d.index
                 npus.append(ann.RegisteredNpu(
-                    uuid=uuid, index=index, count=d.split_count, memory_mib=d.memory_mib,
-                    ai_core=d.cores, type=chip.common_word, healthy=d.healthy, numa=d.numa,
+                    uuid=uuid, index=index, count=d.split_count,
+                    memory_mib=d.memory_mib // len(ids), ai_core=d.cores // len(ids),
+                    type=chip.common_word, healthy=d.healthy, numa=d.numa,
                     network=ann.network_id(chip, index), mode=d.mode))
         return ann.encode_register(npus)
+
+
+def die_ids(module: DeviceInfo) -> list[str]:
+    """A 910C module's two NPUs' IDs: the die IDs its node agent read (`part_ids`), else (a
+    registration from before they were kept) Tessera's own names for them."""
+    if len(module.part_ids) == 2:
+        return list(module.part_ids)
+    return [f"{module.uuid}-die{j}" for j in range(2)]
