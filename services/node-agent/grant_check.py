@@ -122,10 +122,10 @@ def check_mig_grant(
         raise GrantRefused(f"{who}: ledger grants a MIG instance on {grant.uuid}, which does "
                            "not serve dynamic MIG")  # fmt: skip
     try:
-        profile, *held = instance_charge(grant, device)
+        profile, memory_mib, percent = instance_charge(grant, device)
     except mig.MigError as exc:
         raise GrantRefused(f"{who}: {exc}") from exc
-    charge = (held[0], held[1])
+    charge = (memory_mib, percent)
     if (grant.memory_mib, grant.cores) != charge or charge[0] < memory or charge[1] < cores:
         raise GrantRefused(
             f"{who}: ledger grants MIG {profile.name} ({grant.memory_mib} MiB / {grant.cores}%) "
