@@ -269,7 +269,7 @@ class ForeignCapacity:
                 log.warning("HAMi node registration quarantined",
                             extra={"node": name, "err": value[1]})  # fmt: skip
         if self.registers.get(name) == value and (name in self.dra_nodes) == (
-                self.index.foreign.get(name, ForeignNode()).dra):
+                (self.index.foreign.get(name) or ForeignNode()).dra):
             if vendors_changed:
                 self._publish(name)
             return
@@ -343,10 +343,17 @@ class ForeignCapacity:
         devices, problem = self.registers.get(node, (None, ""))
         dra = node in self.dra_nodes
         vendors = self.vendor_registers.get(node, ())
+        said = ForeignNode(pods, devices, problem, dra, vendors)
+        entry = self.index.node(node)
         if not pods and devices is None and not problem and not dra and not vendors:
             self.index.foreign.pop(node, None)
-        else:
-            self.index.foreign[node] = ForeignNode(pods, devices, problem, dra, vendors)
+            self.index.hami_registered.pop(node, None)
+        elif said.special(entry.registered if entry is not None else None):
+            self.index.foreign[node] = said
+            self.index.hami_registered.pop(node, None)
+        else:  # only registrations to note (ForeignNode.special)
+            self.index.hami_registered[node] = said
+            self.index.foreign.pop(node, None)
         self.index.refresh(node, self.clock())
 
     def _expire_tombstones(self) -> None:

@@ -153,18 +153,38 @@ class ForeignNode:
                      for v in self.vendors if v.devices is None)  # fmt: skip
         return parts
 
-    def _beside(self, registration: NodeRegistration) -> list[str]:
-        """A node Tessera's agent registered: the devices of families it does not serve here
-        that HAMi's (or the vendor's) device plugin registered (Tessera's agent writes the
-        register annotation of the families it serves itself)."""
+    def special(self, registration: Any) -> bool:
+        """Whether the decision must word this node on its own (`ClusterIndex.foreign`): HAMi's
+        pods there, DRA, an unreadable registration, or another family's devices HAMi's plugin
+        registered beside Tessera's agent (a note). A node with nothing but a register
+        annotation Tessera's own agent wrote (every node: it writes HAMi's
+        `hami.io/node-nvidia-register`) says nothing and blocks nothing: it is not special,
+        and its refusals are remembered like any node's (bench/hami_register_nodes.py); while
+        no Tessera agent registered it, it is an unknown name, noted through
+        `ClusterIndex.hami_registered`."""
+        if self.pods or self.dra or self.register_problem:
+            return True
+        if registration is None:
+            return False
+        return any(v.devices != 0 for v in self._not_served(registration))
+
+    def _not_served(self, registration: Any) -> list[HamiRegistration]:
+        """The vendor registrations of families Tessera's agent does not serve here (it writes
+        the register annotation of those it serves itself)."""
         if not self.vendors:
             return []
-        served = {registry.family_of_mode(d.mode) or registry.DEFAULT_FAMILY
-                  for d in registration.devices}  # fmt: skip
+        served = set()
+        for d in registration.devices:
+            mode = getattr(d, "mode", "")
+            served.add((registry.family_of_mode(mode) if isinstance(mode, str) else "")
+                       or registry.DEFAULT_FAMILY)  # fmt: skip
+        return [v for v in self.vendors if v.family not in served]
+
+    def _beside(self, registration: NodeRegistration) -> list[str]:
+        """A node Tessera's agent registered: the devices of families it does not serve here
+        that HAMi's (or the vendor's) device plugin registered."""
         parts = []
-        for v in self.vendors:
-            if v.family in served:
-                continue
+        for v in self._not_served(registration):
             if v.devices:
                 parts.append(f"it also carries {v.shown()} from {v.plugin}: read-only to "
                              "Tessera, whose node agent here does not serve them")  # fmt: skip

@@ -497,6 +497,9 @@ class ClusterIndex:
         self.global_cordon = global_cordon
         # node -> foreign.ForeignNode: what HAMi's pods hold there (kept by foreign.py).
         self.foreign: dict[str, Any] = {}
+        # node -> foreign.ForeignNode with only HAMi's registrations to say (nothing held or
+        # blocked, not worded on its own: ForeignNode.special), for `foreign_note`
+        self.hami_registered: dict[str, Any] = {}
         self.topology_version = 0
         self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
@@ -1000,7 +1003,7 @@ class ClusterIndex:
 
     def foreign_note(self, node: str) -> str:
         """What a refusal of `node` adds about HAMi's registration and pods there."""
-        foreign = self.foreign.get(node)
+        foreign = self.foreign.get(node) or self.hami_registered.get(node)
         if foreign is None:
             return ""
         entry = self.entries.get(node)

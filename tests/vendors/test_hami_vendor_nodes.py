@@ -121,3 +121,30 @@ def test_npus_hami_registered_beside_tesseras_gpus_are_named_in_the_npu_pods_ref
         "read-only to Tessera, whose node agent here does not serve them]")
     assert "NoVnpuTemplateCovers" in failed["npu-own"]
     assert "HAMi" not in failed["npu-own"] and "read-only" not in failed["npu-own"]
+
+
+def test_a_register_annotation_tesseras_own_agent_wrote_makes_no_node_special() -> None:
+    """Tessera's node agent writes HAMi's `hami.io/node-nvidia-register` on every node it
+    serves: such a node says nothing and blocks nothing, so the decision treats it as any node
+    (it is not in `index.foreign`, which words a node on its own and never remembers its
+    refusal: bench/hami_register_nodes.py). Its refusals are the same as without the Node
+    watch; once no Tessera agent registers it, the annotation is named again."""
+    watched, plain = ClusterIndex(), ClusterIndex()
+    foreign = ForeignCapacity(settings=SETTINGS, index=watched, clock=lambda: 0.0)
+    names = [f"gpu-{i}" for i in range(3)]
+    for name in names:
+        gpus = [DeviceInfo(uuid=f"GPU-{name}-{j}", index=j, type="NVIDIA-A10",
+                           memory_mib=24576) for j in range(2)]  # fmt: skip
+        for index in (watched, plain):
+            index.set_registration(name, NodeRegistration(node=name, devices=gpus), 0.0)
+            index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
+        foreign.on_node_event(node(name, registry.register_annotations(gpus)))
+    assert watched.foreign == {} and sorted(watched.hami_registered) == names
+    too_big = {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 30000}
+    assert refusals(watched, too_big, names) == refusals(plain, too_big, names)
+    assert "read-only" not in refusals(watched, too_big, names)["gpu-0"]
+    # its agent gone (its registration expired): an unknown name, with what it carries
+    watched.set_registration("gpu-0", None, 0.0)
+    assert refusals(watched, too_big, names)["gpu-0"] == (
+        "NodeUnregistered: no Tessera node agent registered this node [it carries "
+        f"hami.io/node-nvidia-register (2 GPUs){READ_ONLY}]")
