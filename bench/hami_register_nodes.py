@@ -1,9 +1,10 @@
 """What the scheduler's Node watch costs a decision: every node carries HAMi's
 `hami.io/node-nvidia-register`, which Tessera's own node agent writes too (so HAMi's tools read
-Tessera's nodes), and the scheduler's `ForeignCapacity` keeps a `ClusterIndex.foreign` entry for
-every node whose annotation it read. A node in `index.foreign` is worded one by one and never
+Tessera's nodes). The scheduler's `ForeignCapacity` used to keep a `ClusterIndex.foreign` entry
+for every node whose annotation it read; a node in `index.foreign` is worded one by one and never
 remembered in the refusal memo (decide.py), so on a real cluster (Node objects watched) a pod
-refused everywhere costs a fit per node on every retry, as if the memo did not exist.
+refused everywhere cost a fit per node on every retry (5,000 nodes: 76 ms CPU p50 instead of
+0.4). Now only a node with something to say is (`ForeignNode.special`): this checks it stays so.
 
 Side by side in one process, alternating: the same index with the Node watch's events applied
 ("watched", as on a cluster) and without ("unwatched", as the decision benchmarks run). CPU ms
