@@ -71,6 +71,11 @@ class DeviceInfo(Message):
         description="static MIG (migstrategy mixed): the instances on this card the node offers "
         "as nvidia.com/mig-<profile>, with the pod kubelet gave each (for the dashboard)",
     )
+    part_ids: list[str] = Field(
+        default_factory=list, max_length=8,
+        description="the vendor's IDs of the devices HAMi and kubelet count that this one device "
+        "spans, in order (a 910C module: its two NPUs' die IDs, the first = uuid); empty: one",
+    )
 
 
 class NodeRegistration(Message):

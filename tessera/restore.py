@@ -19,7 +19,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from tessera import bus_permissions as bp
 from tessera import elastic, hami, signing
 from tessera.device_kinds import pod_grants, registry
+from tessera.device_kinds.nvidia.mig import instance_charge
 from tessera.dra_names import DRA_REASON
+from tessera.mig import MigError
 from tessera.models import Allocation, AllocationState, DeviceGrant, DeviceInfo, InFlightClaim
 from tessera.settings import TesseraSettings
 
@@ -169,7 +171,9 @@ def within_request(
     settings: TesseraSettings,
 ) -> tuple[Allocation, list[str]]:
     """The allocation with every grant cut to what the pod's spec asks (GPU count, memory per
-    GPU, compute %), and what was cut: what the scheduler could have granted, never more."""
+    GPU, compute %), and what was cut: what the scheduler could have granted, never more. A
+    grant rounded up by its kind holds the rounded amounts (an Ascend template), a dynamic MIG
+    grant its profile's (`_as_instance`)."""
     problems: list[str] = []
     try:
         requests = hami.parse_pod_request(pod, settings).all
@@ -189,6 +193,11 @@ def within_request(
         cut: list[DeviceGrant] = []
         for grant in grants[: request.count]:
             device = devices.get(grant.uuid) if devices else None
+            if grant.mig is not None:
+                grant = _as_instance(grant, device, request, index, problems)
+                if grant.mig is not None:
+                    cut.append(grant)
+                    continue
             card = device.memory_mib if device is not None else None
             # A kind that rounds a request up (an Ascend template) grants the rounded amounts.
             rounded = registry.rounded_take(device, request, grant.type)
@@ -208,6 +217,37 @@ def within_request(
             cut.append(grant.model_copy(update={"memory_mib": memory, "cores": cores}))
         containers.append(cut)
     return allocation.model_copy(update={"containers": containers}), problems
+
+
+def _as_instance(
+    grant: DeviceGrant, device: DeviceInfo | None, request: hami.ContainerRequest, index: int,
+    problems: list[str],
+) -> DeviceGrant:
+    """A dynamic-MIG grant holds its profile's size, not the request's: the instance the card
+    really holds (the scheduler charges the profile's amounts, any profile that covers the
+    request: the smallest may have had no free placement). Its figures are set to the
+    profile's (and reported when the record said otherwise, or the profile does not cover the
+    request); a profile the card cannot hold loses its instance and is cut as a slice."""
+    try:
+        profile, memory, cores = instance_charge(grant, device)
+    except MigError as exc:
+        problems.append(f"container #{index} names MIG {grant.mig.profile if grant.mig else '?'}"
+                        f" on {grant.uuid}: {exc}")  # fmt: skip
+        return grant.model_copy(update={"mig": None})
+    assert grant.mig is not None
+    card = device.memory_mib if device is not None else 0
+    asked = request.memory_on(card) if request.memory_percentage is not None else (
+        request.memory_mib)
+    if memory < asked or (request.cores and cores < request.cores):
+        problems.append(f"container #{index}: MIG {profile.name} on {grant.uuid} "
+                        f"({memory} MiB / {cores}%) does not cover its ask of {asked} MiB / "
+                        f"{request.cores}%")  # fmt: skip
+    if (grant.memory_mib, grant.cores, grant.mig.size) != (memory, cores, profile.memory_slices):
+        problems.append(f"container #{index} is granted {grant.memory_mib} MiB / {grant.cores}% "
+                        f"on {grant.uuid} as MIG {profile.name}, which holds {memory} MiB / "
+                        f"{cores}%")  # fmt: skip
+    instance = grant.mig.model_copy(update={"size": profile.memory_slices})
+    return grant.model_copy(update={"memory_mib": memory, "cores": cores, "mig": instance})
 
 
 def checked_restore(

@@ -115,17 +115,17 @@ def check_mig_grant(
     """A dynamic MIG grant is charged its profile's size, more than asked: it must be a profile
     of the card's model that covers the request, charged exactly the profile's amounts."""
     from tessera import mig
+    from tessera.device_kinds.nvidia.mig import instance_charge
 
     assert grant.mig is not None
-    model = mig.MODELS.get(device.mig.model) if device is not None and device.mig else None
-    if model is None:
+    if device is None or device.mig is None:
         raise GrantRefused(f"{who}: ledger grants a MIG instance on {grant.uuid}, which does "
                            "not serve dynamic MIG")  # fmt: skip
     try:
-        profile = model.profile(grant.mig.profile)
+        profile, memory_mib, percent = instance_charge(grant, device)
     except mig.MigError as exc:
         raise GrantRefused(f"{who}: {exc}") from exc
-    charge = (model.profile_memory_mib(profile), model.profile_cores(profile))
+    charge = (memory_mib, percent)
     if (grant.memory_mib, grant.cores) != charge or charge[0] < memory or charge[1] < cores:
         raise GrantRefused(
             f"{who}: ledger grants MIG {profile.name} ({grant.memory_mib} MiB / {grant.cores}%) "

@@ -5,11 +5,19 @@ The procedure: docs/migrating-from-hami.md.
 During a migration both systems run. Tessera places pods only on nodes its own node agent
 registered (only there is a slice enforced and its identity proven), so a node registered by
 HAMi's device plugin is **read-only**: its `hami.io/node-nvidia-register` is read, shown in
-refusals, and never placed on. Pods HAMi's scheduler placed (their `hami.io/vgpu-devices-allocated`
-or `-to-allocate`, `hami.io/vgpu-node` and `hami.io/bind-phase` annotations) hold GPUs wherever
-they run, also on a node that has since switched to Tessera's node agent: what they hold counts as
-used, in the index and in the reservation's compare-and-set, and is never written to the ledger
-(the ledger is Tessera's record; the cluster is HAMi's pods' record).
+refusals, and never placed on. So are the other families' registrations HAMi's scheduler reads
+(`hami.io/node-register-<commonWord>` of HAMi's Ascend plugin, `hami.io/node-dcu-register`, the
+MLU capacity Cambricon's plugin advertises: `DeviceFamily.hami_registration`): named in a refusal
+of a node no Tessera agent registered, and of a node whose Tessera agent serves another family
+(the annotation of a family it serves is its own).
+
+Pods HAMi's scheduler placed (their `hami.io/vgpu-devices-allocated` or `-to-allocate`,
+`hami.io/vgpu-node` and `hami.io/bind-phase` annotations; another family's own record) hold
+devices wherever they run, also on a node that has since switched to Tessera's node agent: what
+they hold counts as used, in the index and in the reservation's compare-and-set, and is never
+written to the ledger (the ledger is Tessera's record; the cluster is HAMi's pods' record). A
+910C pod's record lists each NPU, as HAMi's Ascend plugin registers them; Tessera's registration
+lists the module (`ForeignNode.held`).
 
 A pod is HAMi's when its `spec.schedulerName` is set and is not Tessera's and it carries HAMi's
 placement annotations. It holds its grants from the moment HAMi's scheduler names its node until
@@ -28,19 +36,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from tessera import hami
 from tessera.cluster.port import WatchEvent
-from tessera.device_kinds import pod_grants
-from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger, NodeRegistration
+from tessera.device_kinds import pod_grants, registry
+from tessera.device_kinds.types import HamiRegistration
+from tessera.models import Allocation, AllocationState, DeviceInfo, NodeLedger
 from tessera.restore import FINISHED_PHASES, init_containers_succeeded
 from tessera.settings import TesseraSettings
 
-from .cards import allocation_usage
+from .foreign_node import ForeignNode, ForeignPod
 from .validation import Rebuild
 
 if TYPE_CHECKING:
@@ -48,108 +56,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tessera.scheduler.foreign")
 
-HAMI_CAPACITY_UNKNOWN = "HAMiCapacityUnknown"
-NODE_IN_DRA_MODE = "NodeInDRAMode"
 ANN_ALLOCATION_MODE = "tessera.io/allocation-mode"
 # HAMi's scheduler writes `hami.io/vgpu-node` for a pod of any device type, and each family's
 # own record (tessera.device_kinds.pod_grants): an Ascend, MLU or DCU pod HAMi placed holds too.
 _HAMI_KEYS = (hami.ANN_DEVICES_ALLOCATED, hami.ANN_DEVICES_TO_ALLOCATE, hami.ANN_VGPU_NODE)
 _TOMBSTONE_S = 600.0
 _LISTING_SLACK_S = 5.0
-_SHOWN = 4  # items listed in a refusal before "and N more"
-
-
-@dataclass(frozen=True)
-class ForeignPod:
-    """One pod HAMi placed: what it holds on `node` (None when its annotations are unreadable:
-    `problem` says why)."""
-
-    uid: str
-    namespace: str
-    name: str
-    node: str
-    allocation: Allocation | None
-    problem: str = ""
-    resource_version: str = ""
-    seen_at: float = 0.0
-
-    @property
-    def ref(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-    def same_as(self, other: ForeignPod | None) -> bool:
-        if other is None or (self.node, self.problem) != (other.node, other.problem):
-            return False
-        mine, theirs = self.allocation, other.allocation
-        if mine is None or theirs is None:
-            return mine is theirs
-        return (mine.containers, mine.init_done) == (theirs.containers, theirs.init_done)
-
-
-@dataclass(frozen=True)
-class ForeignNode:
-    """What the index needs to know of one node: HAMi's pods there and HAMi's registration."""
-
-    pods: tuple[ForeignPod, ...] = ()
-    devices: tuple[DeviceInfo, ...] | None = None
-    register_problem: str = ""
-    # The node is in DRA mode (annotation tessera.io/allocation-mode: dra, written by its node
-    # agent): kube-scheduler's DRA allocator places GPU pods there, the extender never does.
-    dra: bool = False
-    allocations: tuple[Allocation, ...] = field(default=(), init=False)
-
-    def __post_init__(self) -> None:
-        held = tuple(p.allocation for p in self.pods if p.allocation is not None)
-        object.__setattr__(self, "allocations", held)
-
-    def blocking(self, registration: NodeRegistration | None) -> str:
-        """Why Tessera must place nothing on this registered node ('' = it may, counting the
-        allocations): a HAMi pod there whose holdings are unknown."""
-        if self.dra:
-            return (f"{NODE_IN_DRA_MODE}: this node's GPUs are allocated through DRA "
-                    "(ResourceClaims, kube-scheduler's allocator); extender pods go to nodes "
-                    "in extender mode")  # fmt: skip
-        if registration is None or not self.pods:
-            return ""
-        known = {d.uuid for d in registration.devices}
-        problems: list[str] = []
-        for pod in self.pods:
-            if pod.allocation is None:
-                problems.append(f"HAMi pod {pod.ref}: {pod.problem}")
-                continue
-            unknown = sorted({g.uuid for c in pod.allocation.containers for g in c} - known)
-            if unknown:
-                problems.append(f"HAMi pod {pod.ref} holds {', '.join(unknown[:3])}, which this "
-                                "node's Tessera registration does not list")  # fmt: skip
-        if not problems:
-            return ""
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return (f"{HAMI_CAPACITY_UNKNOWN}: {problems[0]}{more}; Tessera cannot tell which GPUs "
-                "HAMi's pods hold here, so it places nothing on this node until they are fixed "
-                "or gone")  # fmt: skip
-
-    def note(self, registration: NodeRegistration | None) -> str:
-        """What a refusal adds about this node: HAMi's registration (when Tessera's agent has
-        none) and every GPU a HAMi pod holds ('' when there is nothing to say)."""
-        parts: list[str] = []
-        if registration is None and self.devices is not None:
-            parts.append(f"it carries {hami.ANN_NODE_REGISTER} ({len(self.devices)} GPUs): "
-                         "read-only to Tessera, which places pods only where its own node agent "
-                         "enforces them")  # fmt: skip
-        elif registration is None and self.register_problem:
-            parts.append(f"its {hami.ANN_NODE_REGISTER} is unreadable and quarantined: "
-                         f"{self.register_problem}")  # fmt: skip
-        for pod in self.pods:
-            if pod.allocation is None:
-                parts.append(f"HAMi pod {pod.ref} is quarantined: {pod.problem}")
-                continue
-            for uuid, used in sorted(allocation_usage(pod.allocation).items()):
-                parts.append(f"{uuid}: {used.memory_mib} MiB and {used.cores} cores used by "
-                             f"HAMi pod {pod.ref}")  # fmt: skip
-        if not parts:
-            return ""
-        more = f" | and {len(parts) - _SHOWN} more" if len(parts) > _SHOWN else ""
-        return " [" + " | ".join(parts[:_SHOWN]) + more + "]"
 
 
 class ForeignCapacity:
@@ -174,6 +86,10 @@ class ForeignCapacity:
         # node -> (HAMi's devices or None, why its annotation was refused)
         self.registers: dict[str, tuple[tuple[DeviceInfo, ...] | None, str]] = {}
         self._texts: dict[str, object] = {}  # node -> the annotation text last decoded
+        # node -> other families' HAMi registrations (`_read_vendors`), and what they were read
+        # from
+        self.vendor_registers: dict[str, tuple[HamiRegistration, ...]] = {}
+        self._vendor_inputs: dict[str, tuple[Any, ...]] = {}
         self.dra_nodes: set[str] = set()  # nodes whose agent serves DRA (never placed on)
         self.nodes_listed = asyncio.Event()  # the Node watch's first listing applied
         self._gone: dict[str, float] = {}  # uid -> when it stopped holding (deleted, finished)
@@ -330,12 +246,15 @@ class ForeignCapacity:
         text = annotations.get(hami.ANN_NODE_REGISTER) if isinstance(annotations, dict) else None
         if event.type == "DELETED":
             text = None
+        vendors_changed = self._read_vendors(name, event)
         dra = (event.type != "DELETED" and isinstance(annotations, dict)
                and annotations.get(ANN_ALLOCATION_MODE) == "dra")  # fmt: skip
         if dra != (name in self.dra_nodes):
             (self.dra_nodes.add if dra else self.dra_nodes.discard)(name)
             self._texts.pop(name, None)  # decode again below and publish the change
         if name in self._texts and self._texts[name] == text:
+            if vendors_changed:
+                self._publish(name)
             return  # Node objects change often (status); the annotation seldom: decode it once
         if text is None:
             self._texts.pop(name, None)
@@ -350,13 +269,47 @@ class ForeignCapacity:
                 log.warning("HAMi node registration quarantined",
                             extra={"node": name, "err": value[1]})  # fmt: skip
         if self.registers.get(name) == value and (name in self.dra_nodes) == (
-                self.index.foreign.get(name, ForeignNode()).dra):
+                (self.index.foreign.get(name) or ForeignNode()).dra):
+            if vendors_changed:
+                self._publish(name)
             return
         if value is None:
             self.registers.pop(name, None)
         else:
             self.registers[name] = value
         self._publish(name)
+
+    def _read_vendors(self, name: str, event: WatchEvent) -> bool:
+        """Take in the other families' HAMi registrations of a Node (decoded only when their
+        inputs changed: its `…register…` annotations and its capacity); True when they
+        changed."""
+        inputs: tuple[Any, ...] = ()
+        node = event.object
+        if event.type != "DELETED":
+            annotations = node["metadata"].get("annotations") or {}
+            status = node.get("status") if isinstance(node.get("status"), dict) else {}
+            capacity = status.get("capacity") if isinstance(status.get("capacity"), dict) else {}
+            if not isinstance(annotations, dict):
+                annotations = {}
+            registers = tuple(sorted(
+                (k, v) for k, v in annotations.items()
+                if isinstance(k, str) and "register" in k and k != hami.ANN_NODE_REGISTER))
+            inputs = (registers, tuple(sorted((str(k), str(v)) for k, v in capacity.items())))
+        if self._vendor_inputs.get(name) == inputs:
+            return False
+        if inputs:
+            self._vendor_inputs[name] = inputs
+        else:
+            self._vendor_inputs.pop(name, None)
+        found = registry.hami_registrations(dict(inputs[0]), dict(inputs[1]), self.settings) \
+            if inputs else ()
+        if found == self.vendor_registers.get(name, ()):
+            return False
+        if found:
+            self.vendor_registers[name] = found
+        else:
+            self.vendor_registers.pop(name, None)
+        return True
 
     # --- state --------------------------------------------------------------------------------
     def _put(self, record: ForeignPod) -> None:
@@ -389,10 +342,18 @@ class ForeignCapacity:
         pods = tuple(self.by_node.get(node, {}).values())
         devices, problem = self.registers.get(node, (None, ""))
         dra = node in self.dra_nodes
-        if not pods and devices is None and not problem and not dra:
+        vendors = self.vendor_registers.get(node, ())
+        said = ForeignNode(pods, devices, problem, dra, vendors)
+        entry = self.index.node(node)
+        if not pods and devices is None and not problem and not dra and not vendors:
             self.index.foreign.pop(node, None)
-        else:
-            self.index.foreign[node] = ForeignNode(pods, devices, problem, dra)
+            self.index.hami_registered.pop(node, None)
+        elif said.special(entry.registered if entry is not None else None):
+            self.index.foreign[node] = said
+            self.index.hami_registered.pop(node, None)
+        else:  # only registrations to note (ForeignNode.special)
+            self.index.hami_registered[node] = said
+            self.index.foreign.pop(node, None)
         self.index.refresh(node, self.clock())
 
     def _expire_tombstones(self) -> None:
@@ -410,8 +371,10 @@ class ForeignCapacity:
                       "Nodes registered by HAMi's device plugin and not by Tessera's node agent "
                       "(read-only to Tessera)", registry=registry)  # fmt: skip
         nodes.set_function(lambda: sum(
-            1 for n, (devices, _p) in self.registers.items()
-            if devices is not None and self.index.node(n) is None))  # fmt: skip
+            1 for n in set(self.registers) | set(self.vendor_registers)
+            if self.index.node(n) is None and (
+                self.registers.get(n, (None, ""))[0] is not None
+                or any(v.devices for v in self.vendor_registers.get(n, ())))))  # fmt: skip
         quarantined = Gauge("tessera_scheduler_hami_quarantined",
                             "HAMi records Tessera could not read (kind: pod, node)", ["kind"],
                             registry=registry)  # fmt: skip

@@ -497,6 +497,9 @@ class ClusterIndex:
         self.global_cordon = global_cordon
         # node -> foreign.ForeignNode: what HAMi's pods hold there (kept by foreign.py).
         self.foreign: dict[str, Any] = {}
+        # node -> foreign.ForeignNode with only HAMi's registrations to say (nothing held or
+        # blocked, not worded on its own: ForeignNode.special), for `foreign_note`
+        self.hami_registered: dict[str, Any] = {}
         self.topology_version = 0
         self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
@@ -971,7 +974,7 @@ class ClusterIndex:
         entry.blocked = ""
         if foreign is not None:
             held: dict[str, list[int]] = {}
-            for allocation in foreign.allocations:
+            for allocation in foreign.held(entry.registered):
                 if counts_against_capacity(allocation, now):
                     add_charges(held, charges(allocation))
             usages.append(held)
@@ -987,17 +990,20 @@ class ClusterIndex:
         held = list(entry.ledger.allocations.values()) if entry.ledger is not None else []
         foreign = self.foreign.get(entry.name)
         if foreign is not None:
-            held.extend(foreign.allocations)
+            held.extend(foreign.held(entry.registered))
         hold_grants(cards, held, now)
         return cards
 
     def foreign_allocations(self, node: str) -> tuple[Any, ...]:
         foreign = self.foreign.get(node)
-        return foreign.allocations if foreign is not None else ()
+        if foreign is None:
+            return ()
+        entry = self.entries.get(node)
+        return foreign.held(entry.registered if entry is not None else None)
 
     def foreign_note(self, node: str) -> str:
         """What a refusal of `node` adds about HAMi's registration and pods there."""
-        foreign = self.foreign.get(node)
+        foreign = self.foreign.get(node) or self.hami_registered.get(node)
         if foreign is None:
             return ""
         entry = self.entries.get(node)

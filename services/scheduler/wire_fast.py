@@ -81,6 +81,7 @@ _SPECS: dict[str, list[tuple[str, Any, bool]]] = {
         ("cores", NonNegative, True), ("split_count", Positive, True), ("numa", int, True),
         ("healthy", bool, True), ("mode", str, True), ("links", dict[str, int], True),
         ("mig", None, True), ("mig_instances", _Empty, True),
+        ("part_ids", Annotated[list[str], Meta(max_length=8)], True),
     ],
     "Registration": [("node", str, False), ("devices", "list[Device]", False),
                      ("heartbeat_at", float, True), ("agent_version", str, True)],

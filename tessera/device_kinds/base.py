@@ -42,6 +42,7 @@ from .types import (  # noqa: F401  (re-exported: the interface in one import)
     DeviceNode,
     DeviceView,
     GrantContext,
+    HamiRegistration,
     Mount,
     QuotaCharge,
     ResourceNames,
@@ -153,6 +154,31 @@ class DeviceFamily(ABC):
              "health": d.healthy}
             for d in devices
         ], separators=(",", ":"))  # fmt: skip
+
+    def hami_registration(
+        self, annotations: Mapping[str, Any], capacity: Mapping[str, Any],
+        settings: TesseraSettings,
+    ) -> HamiRegistration | None:
+        """The family's devices on a node as HAMi's scheduler reads them (None: none
+        registered): its `register_annotation` as HAMi's device plugin writes it (HAMi's JSON
+        list or the legacy `:`-joined form, checked as NVIDIA's). Tessera's own node agent
+        writes the same annotation: whose it is, is the caller's question (the node's Tessera
+        registration). A family HAMi reads elsewhere (Cambricon: the node's capacity)
+        overrides this."""
+        from tessera import hami
+
+        key = self.register_annotation
+        text = annotations.get(key) if key.startswith("hami.io/") else None
+        if text is None:
+            return None
+        try:
+            devices = len(hami.read_node_register(text))
+        except ValueError as exc:
+            why = str(exc)
+            if why.startswith(hami.ANN_NODE_REGISTER):  # (its checks name NVIDIA's key)
+                why = key + why[len(hami.ANN_NODE_REGISTER):]
+            return HamiRegistration(self.name, key, self.device_word, None, why[:300])
+        return HamiRegistration(self.name, key, self.device_word, devices)
 
     def encode_grants(self, containers: Sequence[Sequence[DeviceGrant]]) -> str:
         """The pod annotation's value (`to_allocate_annotation`): containers in order, each

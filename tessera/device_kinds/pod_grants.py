@@ -173,3 +173,40 @@ def placed_grants(annotations: dict[str, Any], containers: int) -> list[list[Dev
                 merged.append([])
             merged[index].extend(devices)
     return merged
+
+
+def part_map(devices: Sequence[Any]) -> dict[str, str]:
+    """ID of one of the devices HAMi counts -> the registered device spanning it, for devices
+    that span several (`DeviceInfo.part_ids`: a 910C module's NPUs); empty when none does.
+    `devices` are a registration's (models or their checked wire form)."""
+    parts: dict[str, str] = {}
+    for device in devices:
+        ids = getattr(device, "part_ids", None)
+        if isinstance(ids, list) and len(ids) > 1:
+            for part in ids:
+                parts[part] = device.uuid
+    return parts
+
+
+def onto_devices(containers: list[list[DeviceGrant]], parts: Mapping[str, str],
+                 ) -> list[list[DeviceGrant]]:  # fmt: skip
+    """A record HAMi wrote, as the registered devices hold it: HAMi lists each NPU of a 910C
+    module (HAMi's Ascend plugin registers NPUs), Tessera's registration the module, so each
+    container's grants on one module's NPUs become one grant on the module, their memory and
+    cores summed (`parts`: `part_map`). Grants on other devices are kept as they are."""
+    if not parts:
+        return containers
+    out: list[list[DeviceGrant]] = []
+    for grants in containers:
+        merged: dict[str, DeviceGrant] = {}
+        for grant in grants:
+            uuid = parts.get(grant.uuid, grant.uuid)
+            held = merged.get(uuid)
+            if held is None:
+                merged[uuid] = grant.model_copy(update={"uuid": uuid})
+            else:
+                merged[uuid] = held.model_copy(update={
+                    "memory_mib": held.memory_mib + grant.memory_mib,
+                    "cores": held.cores + grant.cores})  # fmt: skip
+        out.append(list(merged.values()))
+    return out

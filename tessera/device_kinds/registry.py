@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera.hami import RequestError
 
-from .base import DeviceFamily, DeviceKind, ResourceNames, Take
+from .base import DeviceFamily, DeviceKind, HamiRegistration, ResourceNames, Take
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
@@ -198,6 +198,18 @@ def register_annotations(devices: Sequence[DeviceInfo]) -> dict[str, str]:
         grouped.setdefault(fam.name, (fam, []))[1].append(device)
     return {fam.register_annotation: fam.encode_register(members)
             for fam, members in grouped.values()}
+
+
+def hami_registrations(
+    annotations: Mapping[str, Any], capacity: Mapping[str, Any], settings: TesseraSettings,
+) -> tuple[HamiRegistration, ...]:
+    """Every family's devices on a node as HAMi's scheduler would read them
+    (`DeviceFamily.hami_registration`), the default family's excepted (NVIDIA's register
+    annotation is read with its devices: services/scheduler/foreign.py)."""
+    load()
+    found = (f.hami_registration(annotations, capacity, settings)
+             for name, f in _families.items() if name != DEFAULT_FAMILY)
+    return tuple(r for r in found if r is not None)
 
 
 HANDSHAKE_TIME_FORMAT = "%Y.%m.%d %H:%M:%S"  # HAMi's device plugins' (Go's 2006.01.02 15:04:05)

@@ -209,3 +209,25 @@ class QuotaCharge:
     memory_mib: int = 0
     cores: int = 0
     devices: int = 0
+
+
+# --- a node HAMi's device plugin registered ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HamiRegistration:
+    """A family's devices on a node as HAMi's scheduler reads them there, written by HAMi's (or
+    the vendor's) device plugin: `source` names where (`hami.io/node-register-Ascend910B3`, a
+    capacity), `devices` how many (None: unreadable, `problem` says why)."""
+
+    family: str
+    source: str
+    word: str  # what one device is called: "NPU", "MLU", "DCU"
+    devices: int | None
+    problem: str = ""
+    plugin: str = "HAMi's device plugin"  # who writes it
+
+    def shown(self) -> str:
+        """`hami.io/node-register-Ascend910B3 (4 NPUs)`."""
+        n = self.devices or 0
+        return f"{self.source} ({n} {self.word}{'' if n == 1 else 's'})"

@@ -89,3 +89,44 @@ def test_a_user_cannot_write_a_vendors_grant_record(limits, key) -> None:
     decision = decide(pod(limits, {key: "MLU-x,MLU370-X4,24576,100:;"}), "default", SETTINGS)
     assert isinstance(decision, Denial), decision
     assert key in decision.message
+
+
+def quota_used(hard: dict[str, str], pods: list[dict[str, Any]]) -> dict[str, str]:
+    """`status.used` as kube-controller-manager's quota controller computes it (kube-sim's copy:
+    an extended resource is charged in its `requests.` form only)."""
+    from tessera.kube_sim.quota_usage import usage
+
+    return usage({"spec": {"hard": hard}}, pods)
+
+
+def test_ascend_core_is_rewritten_to_the_templates_so_resource_quota_counts_what_is_held(
+) -> None:  # fmt: skip
+    """A pod asking 1 AI core holds vir05_1c_16g's 5: admission rewrites `-core` to 5 (limits
+    and requests), as it rewrites `-memory` to the template's, so a ResourceQuota on
+    `requests.huawei.com/Ascend910B3-core` counts 5 per pod, not the 1 asked."""
+    npu = "huawei.com/Ascend910B3"
+    asked = {npu: 1, f"{npu}-memory": 2000, f"{npu}-core": 1}
+    written = pod(asked)
+    written["spec"]["containers"][0]["resources"]["requests"] = dict(asked)
+    decision, after = admitted(written)
+    resources = after["spec"]["containers"][0]["resources"]
+    assert resources["limits"][f"{npu}-core"] == resources["requests"][f"{npu}-core"] == 5
+    assert f"main: {npu}-core 1 → 5 (template vir05_1c_16g's AI cores)" in decision.changes
+    hard = {f"requests.{npu}-core": "10", f"requests.{npu}-memory": "65536"}
+    assert quota_used(hard, [after, after]) == {f"requests.{npu}-core": "10",
+                                                f"requests.{npu}-memory": "32768"}
+    # a whole NPU holds the chip's 20 AI cores; a 910C module's count is two NPUs of 20 each
+    _, whole = admitted(pod({npu: 1, f"{npu}-core": 3}))
+    assert whole["spec"]["containers"][0]["resources"]["limits"][f"{npu}-core"] == 20
+    _, module = admitted(pod({"huawei.com/Ascend910C": 1, "huawei.com/Ascend910C-core": 2}))
+    assert module["spec"]["containers"][0]["resources"]["limits"]["huawei.com/Ascend910C-core"] \
+        == 20
+    # admitted again (a re-review, an UPDATE): nothing more to change
+    again = decide(after, "default", SETTINGS)
+    assert isinstance(again, Admitted) and not any("-core" in c for c in again.changes)
+    # no `-core` named: none added (HAMi reads a `-core` as its soft split)
+    _, plain = admitted(pod({npu: 1, f"{npu}-memory": 2000}))
+    assert f"{npu}-core" not in plain["spec"]["containers"][0]["resources"]["limits"]
+    # a request no template covers is left as written (it pends with the reason)
+    _, uncovered = admitted(pod({npu: 1, f"{npu}-memory": 90000, f"{npu}-core": 1}))
+    assert uncovered["spec"]["containers"][0]["resources"]["limits"][f"{npu}-core"] == 1

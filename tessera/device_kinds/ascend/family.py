@@ -137,14 +137,27 @@ class AscendFamily(DeviceFamily):
                                   "the pod will pend until a chip type that covers it is offered")
             return request
         per_npu = chip.memory_allocatable if cut.whole else cut.memory_mib  # HAMi: per NPU
+        what = f"template {cut.template}" if cut.template else "a whole NPU"
         before = limits.get(names.memory, (requests or {}).get(names.memory))
         if str(before) != str(per_npu):
             limits[names.memory] = per_npu
             if isinstance(requests, dict):
                 requests[names.memory] = per_npu
-            what = f"template {cut.template}" if cut.template else "a whole NPU"
             notes.changes.append(f"{label}: {names.memory} {before or 'unset'} → "
                                  f"{per_npu} ({what})")
+        # `-core` as written is the AI cores the template must hold; the grant holds the
+        # template's. Rewritten to those (per NPU, as the memory), so Kubernetes' ResourceQuota
+        # on `requests.<-core>` counts what the pod holds, as it counts the rewritten memory.
+        # Not added where the pod does not name it: HAMi reads a `-core` as its soft split.
+        cores_before = limits.get(names.cores, (requests or {}).get(names.cores)) \
+            if names.cores else None
+        per_npu_cores = chip.ai_core if cut.whole else cut.ai_core
+        if cores_before is not None and str(cores_before) != str(per_npu_cores):
+            limits[names.cores] = per_npu_cores
+            if isinstance(requests, dict):
+                requests[names.cores] = per_npu_cores
+            notes.changes.append(f"{label}: {names.cores} {cores_before} → {per_npu_cores} "
+                                 f"({what}'s AI cores)")
         return self.read_request(container, settings)
 
     def selection(self, annotations: Mapping[str, Any]) -> Selection:
@@ -168,17 +181,28 @@ class AscendFamily(DeviceFamily):
         return {self.runtime_info_annotation: ann.encode_runtime_info(pairs)} if pairs else {}
 
     def encode_register(self, devices: Sequence[DeviceInfo]) -> str:
-        """HAMi's `hami.io/node-register-<cw>`: one entry per NPU (a 910C module lists its two
-        dies), `customInfo.NetworkID` on 910 chips."""
+        """HAMi's `hami.io/node-register-<cw>` as HAMi's Ascend device plugin writes it: one
+        entry per NPU, `id` its die ID, `devmem`/`devcore` one NPU's, `customInfo.NetworkID`
+        on 910 chips. A 910C module lists its two NPUs (`part_ids`), each with half the
+        module's memory and AI cores, at indices 2m and 2m+1 (HAMi's scheduler pairs a module's
+        NPUs by index / 2)."""
         chip = self.chip
         npus: list[ann.RegisteredNpu] = []
         for d in devices:
-            dies = [(d.uuid if not chip.module_pairs else f"{d.uuid}-die{j}",
-                     2 * d.index + j if chip.module_pairs else d.index)
-                    for j in range(2 if chip.module_pairs else 1)]
-            for uuid, index in dies:
+            ids = die_ids(d) if chip.module_pairs else [d.uuid]
+            for j, uuid in enumerate(ids):
+                index = 2 * d.index + j if chip.module_pairs else d.index
                 npus.append(ann.RegisteredNpu(
-                    uuid=uuid, index=index, count=d.split_count, memory_mib=d.memory_mib,
-                    ai_core=d.cores, type=chip.common_word, healthy=d.healthy, numa=d.numa,
+                    uuid=uuid, index=index, count=d.split_count,
+                    memory_mib=d.memory_mib // len(ids), ai_core=d.cores // len(ids),
+                    type=chip.common_word, healthy=d.healthy, numa=d.numa,
                     network=ann.network_id(chip, index), mode=d.mode))
         return ann.encode_register(npus)
+
+
+def die_ids(module: DeviceInfo) -> list[str]:
+    """A 910C module's two NPUs' IDs: the die IDs its node agent read (`part_ids`), else (a
+    registration from before they were kept) Tessera's own names for them."""
+    if len(module.part_ids) == 2:
+        return list(module.part_ids)
+    return [f"{module.uuid}-die{j}" for j in range(2)]

@@ -2,7 +2,8 @@
 hardware cannot run on this machine), registered with HAMi's annotation, health from DCMI.
 
 - A device is one NPU (its die id is its UUID, its logic id its index); on 910C one **module**
-  (two dies; its index the module's, its memory and AI cores both dies'), allocated whole.
+  (two dies; its index the module's, its memory and AI cores both dies', its UUID die 0's ID
+  and `part_ids` both dies' IDs, as HAMi's Ascend plugin registers each NPU), allocated whole.
 - What it advertises is the chip's own memory (`memoryAllocatable`) and AI cores, with the
   node's configuration (split count) as for any device; the Ascend kind checks every vNPU
   against the chip's own figures, so a scaling the configuration applies never overcommits a
@@ -26,6 +27,9 @@ from .vnpu import mode_of
 if TYPE_CHECKING:
     from tessera.models import DeviceInfo
     from tessera.settings import TesseraSettings
+
+
+PART_IDS = "part_ids"  # PhysicalDevice.attributes: a 910C module's NPUs' die IDs, in order
 
 
 def vnpu_count(chip: AscendChip) -> int:
@@ -65,14 +69,16 @@ class DcmiBackend:
             dies = d.get_device_num_in_card(card) if chip.module_pairs else 1
             healthy = all(d.get_device_health(card, j) < HEALTH_MAJOR for j in range(dies)) \
                 if chip.module_pairs else d.get_device_health(card, dev) < HEALTH_MAJOR
+            attributes = {"chip": d.get_device_chip_info(card, dev)["chip_name"],
+                          "card": str(card), "dies": str(dies)}
+            if chip.module_pairs:  # each NPU's own die ID, as HAMi's plugin registers them
+                attributes[PART_IDS] = ",".join(d.get_device_die(card, j) for j in range(dies))
             found.append(PhysicalDevice(
                 uuid=d.get_device_die(card, dev),
                 index=card if chip.module_pairs else logic,
                 model=chip.common_word,
                 memory_mib=chip.memory_allocatable * dies,
-                cores=chip.ai_core * dies, healthy=healthy,
-                attributes={"chip": d.get_device_chip_info(card, dev)["chip_name"],
-                            "card": str(card), "dies": str(dies)},
+                cores=chip.ai_core * dies, healthy=healthy, attributes=attributes,
             ))
         return found
 
@@ -135,7 +141,9 @@ class AscendNode(NodeFamily):
         memory (1 without templates); a 910C module 1 (given whole). Not the node's NVIDIA
         split count: the vNPUs a chip can hold are the driver's, not a setting."""
         slots = vnpu_count(active_chip(self.family.common_word))  # type: ignore[attr-defined]
-        return [d.model_copy(update={"split_count": slots})
+        parts = {d.uuid: [p for p in d.attributes.get(PART_IDS, "").split(",") if p]
+                 for d in found}  # fmt: skip
+        return [d.model_copy(update={"split_count": slots, "part_ids": parts.get(d.uuid, [])})
                 for d in super().advertise(found, config, unhealthy)]
 
 

@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..base import ResourceNames
+from ..base import HamiRegistration, ResourceNames
 from ..shared_card import SharedCardFamily
 from . import annotations as ann
 
@@ -48,6 +48,28 @@ class CambriconFamily(SharedCardFamily):
     def default_names(self, settings: TesseraSettings) -> ResourceNames:
         return ResourceNames(count=ann.DEFAULT_COUNT, memory=ann.DEFAULT_MEMORY,
                              cores=ann.DEFAULT_CORES)
+
+    def hami_registration(
+        self, annotations: Mapping[str, Any], capacity: Mapping[str, Any],
+        settings: TesseraSettings,
+    ) -> HamiRegistration | None:
+        """HAMi reads an MLU node from its capacity as Cambricon's device plugin advertises
+        it: one MLU per 100 of the `vcore` resource (Tessera's node agent advertises only the
+        count resource to kubelet, so this capacity is never Tessera's)."""
+        cores = self.resource_names(settings).cores
+        value = capacity.get(cores) if cores else None
+        if value is None:
+            return None
+        source = f"capacity {cores}={str(value)[:20]}"
+        try:
+            total = int(str(value))
+        except ValueError:
+            return HamiRegistration(self.name, source, self.device_word, None,
+                                    "not a whole number")  # fmt: skip
+        if total <= 0:
+            return None
+        return HamiRegistration(self.name, source, self.device_word, -(-total // 100),
+                                plugin="Cambricon's device plugin")  # fmt: skip
 
     def pod_annotations(
         self, containers: Sequence[Sequence[DeviceGrant]], devices: Mapping[str, DeviceInfo]

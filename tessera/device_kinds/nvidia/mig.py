@@ -27,7 +27,7 @@ from .slices import slice_env
 
 if TYPE_CHECKING:
     from tessera.hami import ContainerRequest
-    from tessera.models import DeviceGrant
+    from tessera.models import DeviceGrant, DeviceInfo
 
 MODE = "mig"
 
@@ -52,6 +52,25 @@ def wants_instance(device: MigDeviceView, modes: str | None) -> bool:
     """Whether the request becomes a MIG instance on this card: a dynamic-MIG card, and the pod
     asks `mig` or no mode at all (a pod asking `hami-core` gets a libvgpu slice)."""
     return bool(device.mig_model) and (not modes or MODE in modes)
+
+
+def instance_charge(
+    grant: DeviceGrant, device: DeviceInfo | None
+) -> tuple[mig_tables.MigProfile, int, int]:
+    """(profile, MiB, cores) an instance of the profile a dynamic-MIG grant names holds on its
+    card, whatever the grant's own figures say: what the card really holds for it. The card's
+    model is its registration's (`DeviceInfo.mig`); while the node has not registered, the
+    grant's device type's. MigError when the card serves no dynamic MIG or its model has no
+    such profile."""
+    assert grant.mig is not None
+    if device is not None:
+        model = mig_tables.MODELS.get(device.mig.model) if device.mig is not None else None
+    else:
+        model = mig_tables.model_for(grant.type)
+    if model is None:
+        raise mig_tables.MigError(f"{grant.uuid} does not serve dynamic MIG")
+    profile = model.profile(grant.mig.profile)
+    return profile, model.profile_memory_mib(profile), model.profile_cores(profile)
 
 
 def visible_devices(grants: Sequence[DeviceGrant]) -> list[str]:
