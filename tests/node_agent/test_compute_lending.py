@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 from node_agent_rig import running_rig
@@ -35,6 +36,26 @@ def stamp(region: str, ns: int) -> None:
         os.close(fd)
 
 
+class Busy:
+    """A container's launches, stamped every 20 ms from a thread of its own, as libvgpu stamps
+    them from the tenant's process: a busy test process or a stalled event loop (the agent's, in
+    this process) must not make the container look idle for the lender's 0.2 s."""
+
+    def __init__(self, region: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(region,), daemon=True)
+        self._thread.start()
+
+    def _run(self, region: str) -> None:
+        while not self._stop.is_set():
+            stamp(region, time.time_ns())
+            self._stop.wait(0.02)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join)
+
+
 async def wait_allowance(limits_dir: str, gpu: str, want: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     got = -1
@@ -58,20 +79,13 @@ async def test_idle_compute_is_lent_to_the_busy_elastic_container_and_taken_back
         # What elmemory's grant will seal: a burst beside the guarantee (here by hand).
         assert set_device_flags(elastic_dir, gpu, sm_burst_pct=100)
 
-        async def keep_busy(region: str, stop: asyncio.Event) -> None:
-            while not stop.is_set():  # libvgpu stamps every launch; here every 20 ms
-                stamp(region, time.time_ns())
-                await asyncio.sleep(0.02)
-
         # Only the elastic one busy: it is lent the whole card (its burst).
         write_region(region_writer, elastic_region, gpu, MIB, 0, 0)
         write_region(region_writer, hard_region, gpu, MIB, 0, 0)
-        stop_elastic = asyncio.Event()
-        busy_elastic = asyncio.create_task(keep_busy(elastic_region, stop_elastic))
+        busy_elastic = Busy(elastic_region)
         assert await wait_allowance(elastic_dir, gpu, 10000) == 10000
         # The hard slice wakes: weighted fair share, 30:30, the hard one capped at its 30 %.
-        stop_hard = asyncio.Event()
-        busy_hard = asyncio.create_task(keep_busy(hard_region, stop_hard))
+        busy_hard = Busy(hard_region)
         t0 = time.monotonic()
         assert await wait_allowance(elastic_dir, gpu, 7000) == 7000
         taken_back = time.monotonic() - t0
@@ -86,11 +100,9 @@ async def test_idle_compute_is_lent_to_the_busy_elastic_container_and_taken_back
         assert figures == {"guaranteed": 30, "burst_limit": 100, "allowance": 70, "lent": 40}
         assert value(text, "tessera_node_agent_compute_reclaims_total", **who) == 1
         # The elastic one goes idle: back to its guarantee (held for it when it wakes).
-        stop_elastic.set()
-        await busy_elastic
+        await busy_elastic.stop()
         assert await wait_allowance(elastic_dir, gpu, 3000) == 3000
-        stop_hard.set()
-        await busy_hard
+        await busy_hard.stop()
 
 
 async def test_a_hard_slice_waking_publishes_coalesced_compute_reclaim_events(
@@ -112,21 +124,13 @@ async def test_a_hard_slice_waking_publishes_coalesced_compute_reclaim_events(
         assert set_device_flags(elastic_dir, gpu, sm_burst_pct=100)
         write_region(region_writer, elastic_region, gpu, MIB, 0, 0)
         write_region(region_writer, hard_region, gpu, MIB, 0, 0)
-        busy: dict[str, tuple[asyncio.Event, asyncio.Task]] = {}
-
-        async def keep_busy(region: str, stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                stamp(region, time.time_ns())
-                await asyncio.sleep(0.02)
+        busy: dict[str, Busy] = {}
 
         def wake(region: str) -> None:
-            stop = asyncio.Event()
-            busy[region] = (stop, asyncio.create_task(keep_busy(region, stop)))
+            busy[region] = Busy(region)
 
         async def sleep(region: str) -> None:
-            stop, task = busy.pop(region)
-            stop.set()
-            await task
+            await busy.pop(region).stop()
 
         wake(elastic_region)
         assert await wait_allowance(elastic_dir, gpu, 10000) == 10000
