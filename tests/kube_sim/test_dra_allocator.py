@@ -264,6 +264,21 @@ def test_taints_need_tolerations() -> None:
     assert outcome.allocations[0]["devices"]["results"][0]["tolerations"] == [toleration]
 
 
+
+def test_a_none_taint_is_stored_and_reported_but_keeps_no_claim_off() -> None:
+    """KEP-5055's `None` effect (a driver's informational health taint, as NVIDIA's DRA driver
+    publishes non-critical XIDs): the API server accepts it, the allocator ignores it; an effect
+    it does not know is refused with the API server's list."""
+    from tessera.kube_sim.dra.slices import validate_slice
+
+    noted = gpu("gpu-0", taints=[{"key": "example.com/xid", "value": "48", "effect": "None"}])
+    assert validate_slice(slice_([noted])) == []
+    assert devices_of(allocate([claim(exactly())], [slice_([noted])])) == ["gpu-0"]
+    odd = gpu("gpu-0", taints=[{"key": "example.com/xid", "effect": "Sometimes"}])
+    (error,) = validate_slice(slice_([odd]))
+    assert (error.type, error.field) == ("NotSupported", "spec.devices[0].taints[0].effect")
+    assert 'supported values: "NoExecute", "NoSchedule", "None"' in error.body()
+
 def test_only_the_newest_pool_generation_and_reachable_slices_count() -> None:
     old = slice_([gpu("gpu-old")])
     new = slice_([gpu("gpu-new")])

@@ -40,6 +40,7 @@ from tessera.kube_sim.dra.requests import (
     requests_of,
     tolerates,
 )
+from tessera.kube_sim.dra.taint_rules import BLOCKING
 
 from tessera.quantity import canonical
 
@@ -179,7 +180,7 @@ class Allocator:
             except cel.CelError as exc:
                 raise AllocationError(f"CEL selector of class {alt.class_name!r} or request "
                                       f"{alt.result_name!r}: {exc}") from None
-            if any(t.get("effect") in ("NoSchedule", "NoExecute")
+            if any(t.get("effect") in BLOCKING
                    and not tolerates(alt.tolerations, t) for t in device.taints):
                 continue
             found.append(device)

@@ -17,8 +17,9 @@ from typing import Any
 
 from tessera.kube_sim.dra import cel, taint_rules
 from tessera.kube_sim.dra.model import maybe_quantity
-from tessera.kube_sim.dra.slices import TAINT_EFFECTS, validate_slice
 from tessera.kube_sim.dra.slices import dns_label as _label
+from tessera.kube_sim.dra.slices import validate_slice
+from tessera.kube_sim.dra.taint_rules import BLOCKING
 from tessera.kube_sim.quantity import register
 from tessera.kube_sim.store import KubeObject, StoreError
 from tessera.kube_sim.validation import (
@@ -109,7 +110,7 @@ def _tolerations(raw: Any, path: str, errors: list[FieldError]) -> None:
                                      "operator must be Exists when `key` is empty, which means "
                                      '"match all values and all keys"', operator))
         effect = toleration.get("effect")
-        if effect and effect not in TAINT_EFFECTS:
+        if effect and effect not in BLOCKING:
             errors.append(FieldError("NotSupported", f"{where}.effect",
                                      'supported values: "NoExecute", "NoSchedule"', effect))
 

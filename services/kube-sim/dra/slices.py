@@ -11,6 +11,7 @@ from typing import Any
 
 from tessera.kube_sim.dra import cel
 from tessera.kube_sim.dra.model import maybe_quantity
+from tessera.kube_sim.dra.taint_rules import TAINT_EFFECTS
 from tessera.kube_sim.store import KubeObject, now_rfc3339
 from tessera.kube_sim.validation import DNS1123_LABEL, DNS1123_SUBDOMAIN, FieldError
 
@@ -20,7 +21,6 @@ MAX_COUNTER_SETS = 8
 MAX_COUNTERS_PER_SET = 32
 MAX_CONSUMPTIONS_PER_DEVICE = 2
 MAX_TAINTS = 4
-TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 
 
 def dns_label(value: Any, path: str, errors: list[FieldError]) -> None:
@@ -118,7 +118,7 @@ def validate_slice(obj: KubeObject) -> list[FieldError]:
                 continue
             if taint.get("effect") not in TAINT_EFFECTS:
                 errors.append(FieldError("NotSupported", f"{where}.taints[{j}].effect",
-                                         'supported values: "NoExecute", "NoSchedule"',
+                                         'supported values: "NoExecute", "NoSchedule", "None"',
                                          taint.get("effect")))
             taint.setdefault("timeAdded", now_rfc3339())
         consumptions = device.get("consumesCounters") or []

@@ -28,7 +28,10 @@ from tessera.kube_sim.store import KubeObject, now_rfc3339
 from tessera.kube_sim.validation import FieldError
 
 KIND = "DeviceTaintRule"
-EFFECTS = ("None", "NoSchedule", "NoExecute")
+# A device taint's effects (KEP-5055), on slices and rules alike: `None` only reports (NVIDIA's
+# DRA driver publishes non-critical health events so); the other two act, and only they are
+# named by tolerations.
+TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 BLOCKING = ("NoSchedule", "NoExecute")  # what keeps a device from new claims
 SELECTOR_FIELDS = ("driver", "pool", "device")
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
@@ -54,7 +57,7 @@ def validate(obj: KubeObject, old: KubeObject | None = None) -> list[FieldError]
     if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
         errors.append(FieldError("Invalid", "spec.taint.value", "must be a valid label value",
                                  value))  # fmt: skip
-    if taint.get("effect") not in EFFECTS:
+    if taint.get("effect") not in TAINT_EFFECTS:
         errors.append(FieldError("NotSupported", "spec.taint.effect",
                                  'supported values: "NoExecute", "NoSchedule", "None"',
                                  taint.get("effect")))  # fmt: skip
