@@ -196,6 +196,10 @@ def test_a_table_the_library_cannot_hold_is_refused() -> None:
     assert NativeNames.load([b"a", b"b", b"a"], slots) is None  # a name twice
     assert NativeNames.load([b"a", b"b", b"c"], slots, np.array([0, 0, 2])) is None  # no order
     assert NativeNames.load([b"a", b"b", b"c"], slots, np.array([0, 1, 5])) is None
+    assert NativeNames.load([b"a", b"b", b"c"], np.array([0, 1, 1 << 31])) is None
+    assert NativeNames.load([b"a", b"b", b"x" * 65536], slots) is None
+    huge = NameTable(["a", "b", "x" * 65536], [0, 1, 2])  # (the numpy path holds it)
+    assert huge.native is None and huge.rows(b'["b","a"]').tolist() == [1, 0]
     made = NativeNames.load([b"a", b"b", b"c"], slots, np.array([2, 0, 1]))
     assert made is not None
     found = made.resolve(b'["c","a","a","b"]')

@@ -13,7 +13,8 @@ typedef struct tn_table tn_table;
  * `lengths[i]` bytes each, `slots[i]` the caller's value for row i, `order` every row once,
  * in the order lists are expected to follow (runs of it are resolved fastest). Copies what
  * it needs. NULL on failure (out of memory, a name given twice, `order` not a permutation,
- * too many names or bytes). `seed` varies the hash. */
+ * a name over 65,535 bytes, a slot outside 0..2^31-1, too many names or bytes). `seed`
+ * varies the hash. */
 TN_EXPORT tn_table *tn_build(const unsigned char *names, const uint64_t *lengths,
 			     const int64_t *slots, const int64_t *order, uint64_t count,
 			     uint64_t seed);

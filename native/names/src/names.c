@@ -25,15 +25,21 @@ typedef struct {
 	uint32_t length;   /* its length in bytes */
 } tn_entry;
 
+typedef struct {
+	uint32_t offset; /* where its bytes start in `blob` */
+	uint16_t length; /* its length in bytes */
+	uint16_t key;    /* its cursor key (`tn_key`) */
+	int32_t row;     /* the caller's row */
+	int32_t slot;    /* the index slot the caller gave */
+} tn_name;           /* a name, by its position in the order: one 16-byte record, read in
+		      * a forward stream per run of the order a list holds */
+
 struct tn_table {
 	tn_entry *entries;
 	uint64_t mask; /* buckets - 1 (a power of two at least twice the names) */
 	uint64_t seed;
 	unsigned char *blob; /* every name's bytes, back to back, in the order */
-	uint32_t *offset;    /* by position (and one past the last): where its bytes start */
-	int64_t *row;        /* by position: the caller's row */
-	int64_t *slot;       /* by position: the index slot the caller gave */
-	uint16_t *key;       /* by position: its cursor key (`tn_key`) */
+	tn_name *at;         /* by position */
 	uint32_t count;
 	uint32_t longest;
 };
@@ -91,10 +97,7 @@ void tn_free(tn_table *t)
 		return;
 	free(t->entries);
 	free(t->blob);
-	free(t->offset);
-	free(t->row);
-	free(t->slot);
-	free(t->key);
+	free(t->at);
 	free(t);
 }
 
@@ -108,6 +111,9 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		total += lengths[i];
 	if (total >= (1ULL << 32))
 		return NULL;
+	for (uint64_t i = 0; i < count; i++)
+		if (lengths[i] > UINT16_MAX || slots[i] < 0 || slots[i] > INT32_MAX)
+			return NULL;
 	tn_table *t = calloc(1, sizeof *t);
 	if (t == NULL)
 		return NULL;
@@ -118,12 +124,9 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 	uint8_t *placed = calloc(count ? count : 1, 1);
 	t->entries = calloc(buckets, sizeof *t->entries);
 	t->blob = malloc(total ? total : 1);
-	t->offset = malloc((count + 1) * sizeof *t->offset);
-	t->row = malloc((count ? count : 1) * sizeof *t->row);
-	t->slot = malloc((count ? count : 1) * sizeof *t->slot);
-	t->key = malloc((count ? count : 1) * sizeof *t->key);
+	t->at = malloc((count ? count : 1) * sizeof *t->at);
 	if (start == NULL || placed == NULL || t->entries == NULL || t->blob == NULL
-	    || t->offset == NULL || t->row == NULL || t->slot == NULL || t->key == NULL)
+	    || t->at == NULL)
 		goto fail;
 	for (uint64_t i = 0, at = 0; i < count; at += lengths[i], i++)
 		start[i] = at;
@@ -139,10 +142,10 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		uint64_t n = lengths[row];
 		unsigned char *name = t->blob + offset;
 		memcpy(name, names + start[row], n);
-		t->offset[position] = (uint32_t)offset;
-		t->row[position] = row;
-		t->slot[position] = slots[row];
-		t->key[position] = tn_key(name, n);
+		t->at[position] = (tn_name){
+			.offset = (uint32_t)offset, .length = (uint16_t)n,
+			.key = tn_key(name, n), .row = (int32_t)row, .slot = (int32_t)slots[row],
+		};
 		uint64_t h = tn_hash(seed, name, n);
 		uint32_t tag = (uint32_t)(h >> 32);
 		for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
@@ -162,7 +165,6 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 			t->longest = (uint32_t)n;
 		offset += n;
 	}
-	t->offset[count] = (uint32_t)offset;
 	free(start);
 	free(placed);
 	return t;
@@ -239,8 +241,7 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 	const unsigned char *p = a + 1;       /* a name's opening quote */
 	const unsigned char *end = a + n - 1; /* the `]` */
 	const unsigned char *blob = t->blob;
-	const uint32_t *offset = t->offset;
-	const uint16_t *key = t->key;
+	const tn_name *at = t->at;
 	const uint64_t longest = t->longest, count = t->count;
 	uint32_t cursor[1 << TN_CURSOR_BITS]; /* by key: the position of a name expected next in some run */
 	memset(cursor, 0xff, sizeof cursor);
@@ -259,17 +260,16 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 			return -2; /* more names than room for them */
 		int64_t position;
 		uint32_t c = cursor[tn_key(s, len)];
-		if (c != TN_NO_CURSOR && offset[c + 1] - offset[c] == len
-		    && tn_same(blob + offset[c], s, len))
+		if (c != TN_NO_CURSOR && at[c].length == len && tn_same(blob + at[c].offset, s, len))
 			position = c; /* the name after one already read */
 		else if ((position = tn_find(t, s, len)) < 0)
 			return -1;
-		rows[k] = t->row[position];
+		rows[k] = at[position].row;
 		if (slots != NULL)
-			slots[k] = t->slot[position];
+			slots[k] = at[position].slot;
 		k++;
 		uint64_t next = (uint64_t)position + 1 == count ? 0 : (uint64_t)position + 1;
-		cursor[key[next]] = (uint32_t)next; /* (the order wraps: a window may) */
+		cursor[at[next].key] = (uint32_t)next; /* (the order wraps: a window may) */
 		p = q + 1;
 		if (p == end)
 			return (int64_t)k;
