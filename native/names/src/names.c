@@ -228,6 +228,7 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
 }
 
 #define TN_NO_CURSOR UINT32_MAX
+#define TN_AHEAD 8 /* records: two cache lines */
 
 int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
 		   int64_t *slots, uint64_t capacity)
@@ -270,6 +271,12 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 		k++;
 		uint64_t next = (uint64_t)position + 1 == count ? 0 : (uint64_t)position + 1;
 		cursor[at[next].key] = (uint32_t)next; /* (the order wraps: a window may) */
+		/* this run's records and bytes a few names on, on their way (16 runs interleaved
+		 * are more forward streams than the hardware follows) */
+		if (next + TN_AHEAD < count) {
+			__builtin_prefetch(&at[next + TN_AHEAD]);
+			__builtin_prefetch(blob + at[next].offset + 64);
+		}
 		p = q + 1;
 		if (p == end)
 			return (int64_t)k;
