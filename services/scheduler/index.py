@@ -373,15 +373,8 @@ class _Ordering:
                 index.want_order(slots, node_policy)
             self.snapshot: tuple[np.ndarray, ...] = ()
             index._grow_bounds()
-            # (sign × score, the gather negated in place: the same floats as the product)
-            self._keys = index.scores.take(slots)
-            if policy_sign(node_policy) < 0:
-                np.negative(self._keys, out=self._keys)
-            # (no node busy anywhere, the usual case: no gather; `fresh_walk` would drop an
-            # all-False one too)
-            self.busy: np.ndarray | None = (
-                index.busy[slots] if avoid_busy and index.busy.any() else None
-            )
+            self._keys = policy_sign(node_policy) * index.scores[slots]
+            self.busy: np.ndarray | None = index.busy[slots] if avoid_busy else None
             bounds = {name: getattr(index, name) for name in _Columns.NAMES}
             self._pending = fresh_walk(self._keys, self.busy,
                                        partial(_possible_at, bounds, needs, slots))  # fmt: skip
