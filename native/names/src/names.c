@@ -79,15 +79,22 @@ static inline uint64_t tn_hash(uint64_t seed, const unsigned char *p, size_t n)
 
 #define TN_CURSOR_BITS 10 /* 1,024 cursors: 16 runs interleaved rarely share one */
 
-/* A name's cursor key: TN_CURSOR_BITS of a hash of its last 8 bytes (zero-padded when
- * shorter) and its length. */
+/* A name's cursor key: TN_CURSOR_BITS of a mix of its length and its last 8 bytes (up to 16
+ * bytes: generated names, `node-00042`, differ at the end) or of all its 8-byte words, xored
+ * (longer ones: `ip-10-0-3-17.eu-west-1.compute.internal` differs in the middle); zero-padded
+ * when shorter than 8. (Two names with one key only cost a lookup in the hash table.) */
 static inline uint16_t tn_key(const unsigned char *p, uint64_t n)
 {
 	uint64_t w = 0;
-	if (n >= 8)
+	if (n > 16) {
+		for (uint64_t i = 0; i + 8 < n; i += 8)
+			w ^= tn_word(p + i);
+		w = (w * TN_FIN) ^ tn_word(p + n - 8);
+	} else if (n >= 8) {
 		w = tn_word(p + n - 8);
-	else
+	} else {
 		memcpy(&w, p, n);
+	}
 	return (uint16_t)(((w ^ n) * TN_MUL) >> (64 - TN_CURSOR_BITS));
 }
 
@@ -142,11 +149,11 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		uint64_t n = lengths[row];
 		unsigned char *name = t->blob + offset;
 		memcpy(name, names + start[row], n);
+		uint64_t h = tn_hash(seed, name, n);
 		t->at[position] = (tn_name){
 			.offset = (uint32_t)offset, .length = (uint16_t)n,
 			.key = tn_key(name, n), .row = (int32_t)row, .slot = (int32_t)slots[row],
 		};
-		uint64_t h = tn_hash(seed, name, n);
 		uint32_t tag = (uint32_t)(h >> 32);
 		for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
 			tn_entry *e = &t->entries[i];
@@ -201,22 +208,26 @@ static inline int tn_has_quote(uint64_t w)
 	return ((v - 0x0101010101010101ULL) & ~v & 0x8080808080808080ULL) != 0;
 }
 
-/* The first `"` at or after s, before end; NULL if none. A name as long as the last one (8-16
- * bytes) is checked in place: its closing quote where expected and none in its bytes (two
- * overlapping words); otherwise memchr. */
+/* The first `"` at or after s, before end; NULL if none. A name as long as the last one (8-64
+ * bytes) is checked in place: its closing quote where expected and none in its bytes (words,
+ * the last overlapping); otherwise memchr. */
 static inline const unsigned char *tn_closing(const unsigned char *s, const unsigned char *end,
 					      uint64_t guess)
 {
-	if (guess >= 8 && guess <= 16 && guess < (uint64_t)(end - s) && s[guess] == '"'
-	    && !tn_has_quote(tn_word(s)) && !tn_has_quote(tn_word(s + guess - 8)))
-		return s + guess;
+	if (guess >= 8 && guess <= 64 && guess < (uint64_t)(end - s) && s[guess] == '"') {
+		int quoted = tn_has_quote(tn_word(s + guess - 8));
+		for (uint64_t i = 0; i + 8 < guess && !quoted; i += 8)
+			quoted = tn_has_quote(tn_word(s + i));
+		if (!quoted)
+			return s + guess;
+	}
 	return memchr(s, '"', (size_t)(end - s));
 }
 
-/* The position of the name of n bytes at s in the table's order; -1 if it has none. */
-static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_t n)
+/* The position of the name of n bytes at s (its hash h) in the table's order; -1 if none. */
+static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_t n,
+			      uint64_t h)
 {
-	uint64_t h = tn_hash(t->seed, s, n);
 	uint32_t tag = (uint32_t)(h >> 32);
 	for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
 		const tn_entry *e = &t->entries[i];
@@ -243,7 +254,7 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 	const unsigned char *end = a + n - 1; /* the `]` */
 	const unsigned char *blob = t->blob;
 	const tn_name *at = t->at;
-	const uint64_t longest = t->longest, count = t->count;
+	const uint64_t longest = t->longest, count = t->count, seed = t->seed;
 	uint32_t cursor[1 << TN_CURSOR_BITS]; /* by key: the position of a name expected next in some run */
 	memset(cursor, 0xff, sizeof cursor);
 	uint64_t guess = 0; /* the last name's length: names are often all as long */
@@ -263,7 +274,7 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 		uint32_t c = cursor[tn_key(s, len)];
 		if (c != TN_NO_CURSOR && at[c].length == len && tn_same(blob + at[c].offset, s, len))
 			position = c; /* the name after one already read */
-		else if ((position = tn_find(t, s, len)) < 0)
+		else if ((position = tn_find(t, s, len, tn_hash(seed, s, len))) < 0)
 			return -1;
 		rows[k] = at[position].row;
 		if (slots != NULL)
