@@ -9,9 +9,10 @@
  * name), back to back. kube-scheduler's lists are that order's runs: the whole order from a
  * start index, with the nodes its filters refused left out, or (its parallel filters) up to 16
  * such runs interleaved name by name. So each name resolved sets a cursor on the name after it
- * (a small table of cursors keyed by a byte of that name's hash), and a name is first compared
- * with the cursor its own key finds: when equal, it is that name, with no lookup in the large
- * table; the order's bytes are read in a few forward streams, not at random. Used by
+ * (1,024 cursors keyed by 10 bits of a mix of that name's bytes, `tn_key`), and a name is
+ * first compared with the cursor its own key finds: when equal, it is that name, with no lookup
+ * in the large table; the order's records and bytes are read in a few forward streams (each
+ * prefetched a few names ahead), not at random. Used by
  * services/scheduler/native_names.py (ctypes); the contract is name_table.NameTable.rows'. */
 #include "tessera_names.h"
 
