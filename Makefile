@@ -40,13 +40,15 @@ dev: $(STAMP)
 
 runtime: $(RUNTIME_STAMP)
 
-# libvgpu and the fakes its tests use.
+# libvgpu and the fakes its tests use; the scheduler's name resolver (native/names).
 native: dev native-lib
 
 native-lib: runtime
 	@if [ -f native/libvgpu/Makefile ]; then \
 		$(MAKE) -C native/libvgpu PYTHON=$(abspath $(BIN)/python); \
 	else echo "native/libvgpu: not built yet"; fi
+	@# the scheduler's native name resolver (without it the scheduler resolves in numpy)
+	@$(MAKE) -C native/names
 
 # gRPC stubs for the kubelet APIs, generated from protos/ (gitignored; also generated on first
 # import of tessera.kubeapi when missing).
@@ -131,4 +133,4 @@ compose-down: dev
 	@scripts/compose.sh down
 
 clean:
-	rm -rf $(VENV) build *.egg-info native/libvgpu/build .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info native/libvgpu/build native/names/build .pytest_cache .ruff_cache

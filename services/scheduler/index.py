@@ -1074,12 +1074,12 @@ class ClusterIndex:
         run = table.order.runs(array) if table.order is not None else None
         if run is not None:
             return NodeNames.of_rows(table.names, run[0]), (version, run[1])
-        rows = table.rows(array)
-        if rows is None:
+        found = table.rows_and_slots(array)  # (native where built: one pass in C)
+        if found is None:
             return None
         # (the names are gathered from the table's snapshot when first read: a placed pod's
         # call reads only the slots)
-        return NodeNames.of_rows(table.names, rows), (version, table.slots[rows])
+        return NodeNames.of_rows(table.names, found[0]), (version, found[1])
 
     def names_of_run(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
         """`names_from_bytes` for an array that is a run of kube-scheduler's node order as the

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .native_names import NativeNames
+
 _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
 _ROOM = 2  # a level's table: a power of two at least this many times its names
@@ -101,6 +103,11 @@ class NameTable:
             self.keys = None
         self.order = NameOrder(encoded, self.slots) if self.keys is not None and all(
             _PLAIN.match(e) for e in encoded) else None  # fmt: skip
+        # the same table in C (`native_names`: one pass over a list's bytes, fastest on runs
+        # of the node order as `NameOrder` guesses it), where built
+        self.native = NativeNames.load(
+            encoded, self.slots, self.order.rows[: self.order.count] if self.order else None
+        ) if encoded else None  # fmt: skip
         hashes = self._hash(self.words, lengths)
         # levels of tables, each entry a name's row (-1 where none): every name sits in its own
         # bucket of the first level whose bucket for it was free (the first name in row order
@@ -194,8 +201,21 @@ class NameTable:
         rows = self.rows(array)
         return None if rows is None else self.slots[rows]
 
+    def rows_and_slots(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, slots) of the names of a JSON array, as `rows` and `lookup` give them: by the
+        native resolver where it is built (one pass in C), else in numpy."""
+        if self.native is not None:
+            return self.native.resolve(array)
+        rows = self.numpy_rows(array)
+        return None if rows is None else (rows, self.slots[rows])
+
     def rows(self, array: bytes) -> np.ndarray | None:
         """`lookup`, as the table's rows (`names`, `slots` by row)."""
+        found = self.rows_and_slots(array)
+        return None if found is None else found[0]
+
+    def numpy_rows(self, array: bytes) -> np.ndarray | None:
+        """`rows`, always in numpy (the fallback without the native library)."""
         if not self.usable or len(array) < 4 or b"\\" in array:
             return None
         raw = np.frombuffer(array, dtype=np.uint8)

@@ -108,17 +108,18 @@ def test_the_index_reads_the_order_with_gaps_as_decoding_would() -> None:
 def test_names_past_the_first_level_resolve_exactly_by_overflow_or_levels(monkeypatch) -> None:
     """The names the first level does not hold are found by their hash in the sorted overflow;
     when two of them share a hash the table builds more levels instead: either way every list
-    resolves exactly, and a name that only shares a registered name's hash is no node."""
+    resolves exactly, and a name that only shares a registered name's hash is no node. (The
+    numpy path, `numpy_rows`: the native resolver has its own table, test_native_names.py.)"""
     known = MIXED + [f"node-{i:05d}" for i in range(2000)]
     rng = random.Random(3)
 
     def resolves_exactly(table: NameTable) -> None:
         shuffled = rng.sample(known, len(known))
-        assert table.rows(compact(shuffled)).tolist() == truth(table, shuffled)
+        assert table.numpy_rows(compact(shuffled)).tolist() == truth(table, shuffled)
         some = known[:40] + known[-40:]
-        assert table.rows(compact(some)).tolist() == truth(table, some)
+        assert table.numpy_rows(compact(some)).tolist() == truth(table, some)
         for stranger in ("node-99999", "n9999", "node-0000", "node-000000"):
-            assert table.rows(compact([*known[:10], stranger])) is None
+            assert table.numpy_rows(compact([*known[:10], stranger])) is None
 
     plain = NameTable(known, list(range(len(known))))
     assert plain.overflow is not None and len(plain.levels) == 2

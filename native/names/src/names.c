@@ -1,0 +1,299 @@
+/* Resolving kube-scheduler's `nodenames` array from the body's bytes in one pass: each name's
+ * row in a table of the registered nodes' names (an open-addressing hash table, built once per
+ * topology). Exact: a hash only says where to look; a name resolves to a row only when its
+ * bytes equal that row's name byte for byte. Anything this cannot prove (not the compact form
+ * `["a","b"]`, a backslash or control character in a name, an empty name, an unknown name)
+ * returns -1 and the caller reads the array the slow way.
+ *
+ * The names are kept in an order (kube-scheduler's node order as the caller guesses it: by
+ * name), back to back. kube-scheduler's lists are that order's runs: the whole order from a
+ * start index, with the nodes its filters refused left out, or (its parallel filters) up to 16
+ * such runs interleaved name by name. So each name resolved sets a cursor on the name after it
+ * (1,024 cursors keyed by 10 bits of a mix of that name's bytes, `tn_key`), and a name is
+ * first compared with the cursor its own key finds: when equal, it is that name, with no lookup
+ * in the large table; the order's records and bytes are read in a few forward streams (each
+ * prefetched a few names ahead), not at random. Used by
+ * services/scheduler/native_names.py (ctypes); the contract is name_table.NameTable.rows'. */
+#include "tessera_names.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+	uint32_t tag;      /* the high 32 bits of the name's hash */
+	uint32_t position; /* the name's position in the order + 1; 0: an empty bucket */
+	uint32_t offset;   /* where the name's bytes start in `blob` */
+	uint32_t length;   /* its length in bytes */
+} tn_entry;
+
+typedef struct {
+	uint32_t offset; /* where its bytes start in `blob` */
+	uint16_t length; /* its length in bytes */
+	uint16_t key;    /* its cursor key (`tn_key`) */
+	int32_t row;     /* the caller's row */
+	int32_t slot;    /* the index slot the caller gave */
+} tn_name;           /* a name, by its position in the order: one 16-byte record, read in
+		      * a forward stream per run of the order a list holds */
+
+struct tn_table {
+	tn_entry *entries;
+	uint64_t mask; /* buckets - 1 (a power of two at least twice the names) */
+	uint64_t seed;
+	unsigned char *blob; /* every name's bytes, back to back, in the order */
+	tn_name *at;         /* by position */
+	uint32_t count;
+	uint32_t longest;
+};
+
+#define TN_MUL 0x9E3779B97F4A7C15ULL
+#define TN_FIN 0xD6E8FEB86659FD93ULL
+
+static inline uint64_t tn_word(const unsigned char *p)
+{
+	uint64_t v;
+	memcpy(&v, p, sizeof v);
+	return v;
+}
+
+/* The name's length and bytes, read as 8-byte words (the last one overlapping the one before
+ * it when the length is not a multiple of 8; a name shorter than 8 bytes zero-padded), mixed. */
+static inline uint64_t tn_hash(uint64_t seed, const unsigned char *p, size_t n)
+{
+	uint64_t h = seed ^ ((uint64_t)n * TN_FIN);
+	if (n >= 8) {
+		size_t i = 0;
+		for (; i + 8 < n; i += 8) {
+			h = (h ^ tn_word(p + i)) * TN_MUL;
+			h ^= h >> 29;
+		}
+		h = (h ^ tn_word(p + n - 8)) * TN_MUL;
+	} else {
+		uint64_t v = 0;
+		memcpy(&v, p, n);
+		h = (h ^ v) * TN_MUL;
+	}
+	h ^= h >> 32;
+	h *= TN_FIN;
+	h ^= h >> 29;
+	return h;
+}
+
+#define TN_CURSOR_BITS 10 /* 1,024 cursors: 16 runs interleaved rarely share one */
+
+/* A name's cursor key: TN_CURSOR_BITS of a mix of its length and its last 8 bytes (up to 16
+ * bytes: generated names, `node-00042`, differ at the end) or of all its 8-byte words, xored
+ * (longer ones: `ip-10-0-3-17.eu-west-1.compute.internal` differs in the middle); zero-padded
+ * when shorter than 8. (Two names with one key only cost a lookup in the hash table.) */
+static inline uint16_t tn_key(const unsigned char *p, uint64_t n)
+{
+	uint64_t w = 0;
+	if (n > 16) {
+		for (uint64_t i = 0; i + 8 < n; i += 8)
+			w ^= tn_word(p + i);
+		w = (w * TN_FIN) ^ tn_word(p + n - 8);
+	} else if (n >= 8) {
+		w = tn_word(p + n - 8);
+	} else {
+		memcpy(&w, p, n);
+	}
+	return (uint16_t)(((w ^ n) * TN_MUL) >> (64 - TN_CURSOR_BITS));
+}
+
+void tn_free(tn_table *t)
+{
+	if (t == NULL)
+		return;
+	free(t->entries);
+	free(t->blob);
+	free(t->at);
+	free(t);
+}
+
+tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const int64_t *slots,
+		   const int64_t *order, uint64_t count, uint64_t seed)
+{
+	if (count >= (1ULL << 31))
+		return NULL;
+	uint64_t total = 0;
+	for (uint64_t i = 0; i < count; i++)
+		total += lengths[i];
+	if (total >= (1ULL << 32))
+		return NULL;
+	for (uint64_t i = 0; i < count; i++)
+		if (lengths[i] > UINT16_MAX || slots[i] < 0 || slots[i] > INT32_MAX)
+			return NULL;
+	tn_table *t = calloc(1, sizeof *t);
+	if (t == NULL)
+		return NULL;
+	uint64_t buckets = 16;
+	while (buckets < 2 * count)
+		buckets *= 2;
+	uint64_t *start = malloc((count ? count : 1) * sizeof *start); /* by row, in `names` */
+	uint8_t *placed = calloc(count ? count : 1, 1);
+	t->entries = calloc(buckets, sizeof *t->entries);
+	t->blob = malloc(total ? total : 1);
+	t->at = malloc((count ? count : 1) * sizeof *t->at);
+	if (start == NULL || placed == NULL || t->entries == NULL || t->blob == NULL
+	    || t->at == NULL)
+		goto fail;
+	for (uint64_t i = 0, at = 0; i < count; at += lengths[i], i++)
+		start[i] = at;
+	t->mask = buckets - 1;
+	t->seed = seed;
+	t->count = (uint32_t)count;
+	uint64_t offset = 0;
+	for (uint64_t position = 0; position < count; position++) {
+		int64_t row = order[position];
+		if (row < 0 || (uint64_t)row >= count || placed[row])
+			goto fail; /* not an order of the rows */
+		placed[row] = 1;
+		uint64_t n = lengths[row];
+		unsigned char *name = t->blob + offset;
+		memcpy(name, names + start[row], n);
+		uint64_t h = tn_hash(seed, name, n);
+		t->at[position] = (tn_name){
+			.offset = (uint32_t)offset, .length = (uint16_t)n,
+			.key = tn_key(name, n), .row = (int32_t)row, .slot = (int32_t)slots[row],
+		};
+		uint32_t tag = (uint32_t)(h >> 32);
+		for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
+			tn_entry *e = &t->entries[i];
+			if (e->position == 0) {
+				e->tag = tag;
+				e->position = (uint32_t)position + 1;
+				e->offset = (uint32_t)offset;
+				e->length = (uint32_t)n;
+				break;
+			}
+			if (e->tag == tag && e->length == n
+			    && memcmp(t->blob + e->offset, name, n) == 0)
+				goto fail; /* two rows with one name: not a table of distinct names */
+		}
+		if (n > t->longest)
+			t->longest = (uint32_t)n;
+		offset += n;
+	}
+	free(start);
+	free(placed);
+	return t;
+fail:
+	free(start);
+	free(placed);
+	tn_free(t);
+	return NULL;
+}
+
+/* Whether the n bytes at p equal the n bytes at q (n >= 1): two overlapping words up to 16
+ * bytes (node names usually are), memcmp beyond. */
+static inline int tn_same(const unsigned char *p, const unsigned char *q, uint64_t n)
+{
+	if (n >= 8 && n <= 16)
+		return tn_word(p) == tn_word(q) && tn_word(p + n - 8) == tn_word(q + n - 8);
+	return memcmp(p, q, n) == 0;
+}
+
+/* Whether any byte of the n at p is a backslash or a control character (one pass the compiler
+ * vectorises). */
+static int tn_any_escape(const unsigned char *p, uint64_t n)
+{
+	unsigned bad = 0;
+	for (uint64_t i = 0; i < n; i++)
+		bad |= (p[i] < 0x20) | (p[i] == '\\');
+	return bad != 0;
+}
+
+/* Whether any byte of the word is a `"`. */
+static inline int tn_has_quote(uint64_t w)
+{
+	uint64_t v = w ^ 0x2222222222222222ULL;
+	return ((v - 0x0101010101010101ULL) & ~v & 0x8080808080808080ULL) != 0;
+}
+
+/* The first `"` at or after s, before end; NULL if none. A name as long as the last one (8-64
+ * bytes) is checked in place: its closing quote where expected and none in its bytes (words,
+ * the last overlapping); otherwise memchr. */
+static inline const unsigned char *tn_closing(const unsigned char *s, const unsigned char *end,
+					      uint64_t guess)
+{
+	if (guess >= 8 && guess <= 64 && guess < (uint64_t)(end - s) && s[guess] == '"') {
+		int quoted = tn_has_quote(tn_word(s + guess - 8));
+		for (uint64_t i = 0; i + 8 < guess && !quoted; i += 8)
+			quoted = tn_has_quote(tn_word(s + i));
+		if (!quoted)
+			return s + guess;
+	}
+	return memchr(s, '"', (size_t)(end - s));
+}
+
+/* The position of the name of n bytes at s (its hash h) in the table's order; -1 if none. */
+static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_t n,
+			      uint64_t h)
+{
+	uint32_t tag = (uint32_t)(h >> 32);
+	for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
+		const tn_entry *e = &t->entries[i];
+		if (e->position == 0)
+			return -1; /* an empty bucket before the name: unknown */
+		if (e->tag == tag && e->length == n && tn_same(t->blob + e->offset, s, n))
+			return (int64_t)e->position - 1;
+	}
+}
+
+#define TN_NO_CURSOR UINT32_MAX
+#define TN_AHEAD 8 /* records: two cache lines */
+
+int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
+		   int64_t *slots, uint64_t capacity)
+{
+	if (t == NULL || t->count == 0 || n < 4 || a[0] != '[' || a[1] != '"' || a[n - 1] != ']')
+		return -1;
+	/* no escape, no control character anywhere: every `"` bounds a name, and a name's bytes
+	 * are its text */
+	if (tn_any_escape(a, n))
+		return -1;
+	const unsigned char *p = a + 1;       /* a name's opening quote */
+	const unsigned char *end = a + n - 1; /* the `]` */
+	const unsigned char *blob = t->blob;
+	const tn_name *at = t->at;
+	const uint64_t longest = t->longest, count = t->count, seed = t->seed;
+	uint32_t cursor[1 << TN_CURSOR_BITS]; /* by key: the position of a name expected next in some run */
+	memset(cursor, 0xff, sizeof cursor);
+	uint64_t guess = 0; /* the last name's length: names are often all as long */
+	uint64_t k = 0;
+	for (;;) {
+		const unsigned char *s = p + 1;
+		const unsigned char *q = tn_closing(s, end, guess);
+		if (q == NULL)
+			return -1; /* no closing quote before the `]` */
+		uint64_t len = (uint64_t)(q - s);
+		guess = len;
+		if (len == 0 || len > longest)
+			return -1;
+		if (k == capacity)
+			return -2; /* more names than room for them */
+		int64_t position;
+		uint32_t c = cursor[tn_key(s, len)];
+		if (c != TN_NO_CURSOR && at[c].length == len && tn_same(blob + at[c].offset, s, len))
+			position = c; /* the name after one already read */
+		else if ((position = tn_find(t, s, len, tn_hash(seed, s, len))) < 0)
+			return -1;
+		rows[k] = at[position].row;
+		if (slots != NULL)
+			slots[k] = at[position].slot;
+		k++;
+		uint64_t next = (uint64_t)position + 1 == count ? 0 : (uint64_t)position + 1;
+		cursor[at[next].key] = (uint32_t)next; /* (the order wraps: a window may) */
+		/* this run's records and bytes a few names on, on their way (16 runs interleaved
+		 * are more forward streams than the hardware follows) */
+		if (next + TN_AHEAD < count) {
+			__builtin_prefetch(&at[next + TN_AHEAD]);
+			__builtin_prefetch(blob + at[next].offset + 64);
+		}
+		p = q + 1;
+		if (p == end)
+			return (int64_t)k;
+		if (*p != ',' || p + 1 >= end || p[1] != '"')
+			return -1; /* not `,"` between two names */
+		p++;
+	}
+}

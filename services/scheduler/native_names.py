@@ -1,0 +1,119 @@
+"""The native name resolver (`native/names`, built by `make native`): kube-scheduler's
+`nodenames` array resolved to the name table's rows and the index's slots in one pass over the
+body's bytes in C, instead of `NameTable.rows`' ~15 numpy passes over every name (each a
+temporary array; ~0.3 ms warm, ~0.8 cold at 20,000 names in kube-scheduler's parallel order).
+
+Same contract as `NameTable.rows`: the rows of a compact `["a","b"]` array whose every name is
+a registered one byte for byte (a hash finds where to look; the name's bytes are compared
+there), None for anything else (an escape, a control character, spacing, an empty or unknown
+name), which the caller then reads the slow way. Both paths are checked equal on adversarial
+lists in `tests/scheduler/test_native_names.py`. Without the library (not built, another
+platform) `NativeNames.load` gives None and `NameTable` resolves in numpy, as exactly.
+
+The library is `native/names/build/libtessera_names.so` beside this checkout, or the file
+`TESSERA_NAMES_LIBRARY` names (the image's copy). Its soname is its own: loading it affects
+no other library's lookup."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+LIBRARY_ENV = "TESSERA_NAMES_LIBRARY"
+_BUILT = Path(__file__).resolve().parents[2] / "native" / "names" / "build" / "libtessera_names.so"
+_library: ctypes.CDLL | None = None
+
+
+def library_path() -> Path:
+    """Where the library is looked for."""
+    named = os.environ.get(LIBRARY_ENV)
+    return Path(named) if named else _BUILT
+
+
+def library() -> ctypes.CDLL | None:
+    """The library, loaded once per process; None while there is none (looked for again at
+    the next name table: a stat)."""
+    global _library
+    if _library is not None:
+        return _library
+    path = library_path()
+    try:
+        lib = ctypes.CDLL(str(path)) if path.is_file() else None
+    except OSError:
+        return None
+    if lib is None:
+        return None
+    lib.tn_build.restype = ctypes.c_void_p
+    lib.tn_build.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]  # fmt: skip
+    lib.tn_resolve.restype = ctypes.c_int64
+    lib.tn_resolve.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]  # fmt: skip
+    lib.tn_free.restype = None
+    lib.tn_free.argtypes = [ctypes.c_void_p]
+    _library = lib
+    return lib
+
+
+class NativeNames:
+    """A native table of the registered names (rows as `NameTable`'s, with their slots); freed
+    with this object."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: int) -> None:
+        self._resolve = lib.tn_resolve
+        self._handle = handle
+        self._free = weakref.finalize(self, lib.tn_free, handle)
+
+    @classmethod
+    def load(cls, encoded: list[bytes], slots: np.ndarray, order: np.ndarray | None = None,
+             lib: ctypes.CDLL | None = None) -> NativeNames | None:  # fmt: skip
+        """A table of these names (UTF-8, distinct) with their slots by row; `order`: the rows
+        in kube-scheduler's node order as guessed (default: by name), which lists made of runs
+        of it are resolved fastest in (any list is resolved exactly). None without the library
+        or when it refuses them."""
+        lib = lib if lib is not None else library()
+        if lib is None:
+            return None
+        if order is None:
+            order = np.asarray(sorted(range(len(encoded)), key=encoded.__getitem__),
+                               dtype=np.int64)  # fmt: skip
+        lengths = np.fromiter(map(len, encoded), dtype=np.uint64, count=len(encoded))
+        by_row = np.ascontiguousarray(slots, dtype=np.int64)
+        ordered = np.ascontiguousarray(order, dtype=np.int64)
+        if len(by_row) != len(encoded) or len(ordered) != len(encoded):
+            return None
+        seed = random.getrandbits(64)  # (a hash no list can be built against in advance)
+        handle = lib.tn_build(b"".join(encoded), lengths.ctypes.data, by_row.ctypes.data,
+                              ordered.ctypes.data, len(encoded), seed)  # fmt: skip
+        return cls(lib, handle) if handle else None
+
+    def resolve(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, slots) of the names of a JSON array (its bytes, `[` to `]`), in order; None
+        unless every name is a registered node's and the array is in the compact form."""
+        # room for as many names as names 2 bytes shorter than the first would make (names
+        # are often all as long: 15 % spare at 10 bytes, the pages past them never touched);
+        # if the array holds more, room for every name it could hold, then cut to size
+        first = array.find(b'"', 2) - 2
+        if first < 1 or len(array) < 4:
+            return None
+        capacity = (len(array) - 1) // max(4, first + 1) + 1
+        rows = np.empty(capacity, dtype=np.int64)
+        slots = np.empty(capacity, dtype=np.int64)
+        count = self._resolve(self._handle, array, len(array), rows.ctypes.data,
+                              slots.ctypes.data, capacity)  # fmt: skip
+        if count == -2:
+            capacity = (len(array) - 1) // 4 + 1  # (a name takes at least `"x",`)
+            rows = np.empty(capacity, dtype=np.int64)
+            slots = np.empty(capacity, dtype=np.int64)
+            count = self._resolve(self._handle, array, len(array), rows.ctypes.data,
+                                  slots.ctypes.data, capacity)  # fmt: skip
+            if count >= 0:
+                return rows[:count].copy(), slots[:count].copy()
+        if count < 0:
+            return None
+        return (rows, slots) if count == capacity else (rows[:count], slots[:count])

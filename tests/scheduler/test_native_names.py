@@ -1,0 +1,215 @@
+"""The native name resolver (`native/names`, `native_names.NativeNames`) reads a `nodenames`
+array exactly as the numpy path (`NameTable.numpy_rows`) and decoding it do: on every list,
+adversarial ones included, it gives the names' rows and slots, or steps aside (None) where the
+numpy path does; never another list. Without the library the scheduler resolves in numpy."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tessera.scheduler import native_names
+from tessera.scheduler.name_table import NameTable
+from tessera.scheduler.native_names import NativeNames
+
+from .test_node_names import compact, order_index
+
+NAMES_DIR = Path(__file__).resolve().parents[2] / "native" / "names"
+UNIFORM = [f"node-{i:05d}" for i in range(3000)]
+# prefixes of others, 1 byte to longer than 16, non-ASCII, a DEL, a `]` inside a name
+MIXED = sorted({*(f"n{i}" for i in range(300)), *(f"n{i}0" for i in range(300)),
+                "n", "x", "gpu-ß-über-1", "ip-10-0-3-17.eu-west-1.compute.internal",
+                "ip-10-0-3-170.eu-west-1.compute.internal", "a\x7fb", "a]b", "0123456789abcdef",
+                "0123456789abcdef0", "節點-1"})  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    """The library as `make native` builds it (built here when missing: one cc call)."""
+    build = NAMES_DIR / "build"
+    build.mkdir(exist_ok=True)
+    with (build / ".lock").open("a") as lock:  # (the suite's workers share the build)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            made = subprocess.run(["make", "-s", "-C", str(NAMES_DIR)], capture_output=True,
+                                  text=True)  # fmt: skip
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert native_names.library() is not None, native_names.library_path()
+
+
+def table_of(names: list[str]) -> NameTable:
+    rng = random.Random(len(names))
+    registered = rng.sample(names, len(names))  # (the index's own order does not matter)
+    table = NameTable(registered, [7 + 3 * i for i in range(len(registered))])
+    assert table.native is not None and table.usable
+    return table
+
+
+def same_as_numpy(table: NameTable, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    """The native result of the array, checked against the numpy path's and (when it resolves)
+    against decoding it."""
+    assert table.native is not None
+    native = table.native.resolve(array)
+    rows = table.numpy_rows(array)
+    if rows is None:
+        assert native is None, array[:200]
+        return None
+    assert native is not None, array[:200]
+    assert native[0].tolist() == rows.tolist()
+    assert native[1].tolist() == table.slots[rows].tolist()
+    assert table.names[native[0]].tolist() == json.loads(array)
+    return native
+
+
+def lists_of(names: list[str], rng: random.Random) -> list[list[str]]:
+    """kube-scheduler's orders and some it never sends."""
+    ordered = sorted(names, key=str.encode)
+    count = len(ordered)
+    start = rng.randrange(count)
+    rotated = ordered[start:] + ordered[:start]
+    chunk = max(1, int(count**0.5))
+    chunks = [rotated[i : i + chunk] for i in range(0, count, chunk)]
+    interleaved: list[str] = []  # (16 workers, each walking its chunks, one name at a time)
+    workers = [list(c) for c in chunks[:16]]
+    pending = chunks[16:]
+    while any(workers):
+        w = rng.randrange(len(workers))
+        if not workers[w]:
+            if pending:
+                workers[w] = list(pending.pop(0))
+            continue
+        interleaved.append(workers[w].pop(0))
+    shuffled = rng.sample(names, count)
+    return [
+        ordered, rotated, interleaved, shuffled,
+        [n for i, n in enumerate(rotated) if i % 37],  # refused by its own filters
+        rotated[: count // 10],  # a window, wrapping when the start is near the end
+        ordered[-5:] + ordered[:5],
+        [rotated[0]] * 5 + rotated[:50] + rotated[:50],  # duplicates
+        [ordered[0]], [ordered[-1]],
+        rotated[::-1],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
+def test_kube_schedulers_lists_resolve_as_the_numpy_path_and_decoding_do(names: list[str]) -> None:
+    table = table_of(names)
+    rng = random.Random(35)
+    for listed in lists_of(names, rng):
+        assert same_as_numpy(table, compact(listed)) is not None
+
+
+@pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
+def test_what_cannot_be_proven_steps_aside_in_both_paths(names: list[str]) -> None:
+    table = table_of(names)
+    known = sorted(names)[:20]
+    strangers = ("ghost", "node-99999", "n9999", "node-0000", "node-000000", "", "x" * 90,
+                 known[0][:-1], known[0] + "0", known[3] + "\u00e9", known[5] + "~")  # fmt: skip
+    for stranger in set(strangers) - set(names):  # (prefixes and extensions of known names)
+        for listed in ([*known, stranger], [stranger, *known], [stranger]):
+            assert same_as_numpy(table, compact(listed)) is None
+    plain = compact(known).decode()
+    for array in (
+        json.dumps(known),  # Python's ", " spacing
+        plain.replace(f'"{known[1]}"', '"' + known[1][:-1] + "\\u00" + f'{ord(known[1][-1]):02x}"'),
+        plain.replace(f'"{known[1]}"', f'"{known[1]}\\n"'),
+        plain[:-1] + ',"a\tb"]', plain[:-1] + ',"a\x00"]', plain[:-1] + ",]",
+        plain[:-1], plain[1:], plain + "]", "[]", '[""]', '["', "[,]", '[""', plain + " ",
+        plain.replace(",", ", ", 1), plain.replace('","', '"",', 1), plain.replace('","', '"', 1),
+        plain[:-1] + ",5]", "[" + plain + "]", plain.replace("[", "[ ", 1),
+    ):  # fmt: skip
+        assert same_as_numpy(table, array.encode()) is None, array[:80]
+
+
+@pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
+def test_damaged_lists_resolve_exactly_or_step_aside_in_both_paths(names: list[str]) -> None:
+    """Random damage (a byte changed, added or dropped: quotes, commas, brackets, backslashes,
+    controls, other bytes) to kube-scheduler's lists: both paths agree, and a list either
+    path resolves is exactly what decoding it gives."""
+    table = table_of(names)
+    rng = random.Random(len(names) + 1)
+    damage = [b'"', b",", b"]", b"[", b"\\", b"\x00", b"\x1f", b" ", b"a", b"0", b"9",
+              "é".encode(), b"\xff"]  # fmt: skip
+    resolved = 0
+    sources = [compact(listed) for listed in lists_of(names, rng)]
+    for _ in range(600):
+        source = rng.choice(sources)
+        size = rng.choice([1, 2, 3, 40, 400])
+        cut = source[: source.find(b",", rng.randrange(len(source) // 2))] + b"]"
+        sample = cut if rng.random() < 0.5 else compact(json.loads(source)[:size])
+        at = rng.randrange(len(sample))
+        change = rng.choice(damage)
+        how = rng.randrange(3)
+        if how == 0:
+            hurt = sample[:at] + change + sample[at + 1 :]
+        elif how == 1:
+            hurt = sample[:at] + change + sample[at:]
+        else:
+            hurt = sample[:at] + sample[at + 1 :]
+        resolved += same_as_numpy(table, hurt) is not None
+    assert resolved  # (some damage leaves valid lists of known names: e.g. a dropped name)
+
+
+def test_a_first_name_longer_than_the_rest_still_fits_every_name() -> None:
+    """The result's room is sized from the first name's length (names are usually all as
+    long); a list of shorter names after a long one gets room for every name."""
+    table = table_of(MIXED)
+    long_first = ["ip-10-0-3-17.eu-west-1.compute.internal", *["n"] * 500, *["x"] * 500]
+    found = same_as_numpy(table, compact(long_first))
+    assert found is not None and len(found[0]) == len(long_first)
+    assert found[0].flags.c_contiguous and found[1].flags.c_contiguous
+
+
+def test_the_index_resolves_through_the_native_table_as_decoding_does() -> None:
+    index, slots = order_index(UNIFORM)
+    rng = random.Random(7)
+    listed = lists_of(UNIFORM, rng)[2]  # the parallel filters' order
+    _version, table = index.name_table()  # type: ignore[attr-defined]
+    assert table.native is not None
+    found = index.names_from_bytes(compact(listed))  # type: ignore[attr-defined]
+    assert found is not None
+    assert list(found[0]) == listed
+    assert found[1][1].tolist() == [slots[n] for n in listed]
+
+
+def test_without_the_library_the_numpy_path_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_names, "library", lambda: None)
+    index, slots = order_index(UNIFORM)
+    _version, table = index.name_table()  # type: ignore[attr-defined]
+    assert table.native is None
+    listed = lists_of(UNIFORM, random.Random(8))[2]
+    found = index.names_from_bytes(compact(listed))  # type: ignore[attr-defined]
+    assert found is not None and list(found[0]) == listed
+    assert found[1][1].tolist() == [slots[n] for n in listed]
+    assert index.names_from_bytes(compact([*listed[:5], "ghost"])) is None  # type: ignore[attr-defined]
+
+
+def test_a_table_the_library_cannot_hold_is_refused() -> None:
+    slots = np.arange(3, dtype=np.int64)
+    assert NativeNames.load([b"a", b"b", b"a"], slots) is None  # a name twice
+    assert NativeNames.load([b"a", b"b", b"c"], slots, np.array([0, 0, 2])) is None  # no order
+    assert NativeNames.load([b"a", b"b", b"c"], slots, np.array([0, 1, 5])) is None
+    assert NativeNames.load([b"a", b"b", b"c"], np.array([0, 1, 1 << 31])) is None
+    assert NativeNames.load([b"a", b"b", b"x" * 65536], slots) is None
+    huge = NameTable(["a", "b", "x" * 65536], [0, 1, 2])  # (the numpy path holds it)
+    assert huge.native is None and huge.rows(b'["b","a"]').tolist() == [1, 0]
+    made = NativeNames.load([b"a", b"b", b"c"], slots, np.array([2, 0, 1]))
+    assert made is not None
+    found = made.resolve(b'["c","a","a","b"]')
+    assert found is not None and found[0].tolist() == [2, 0, 0, 1]
+
+
+def test_the_library_is_looked_for_where_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(native_names.LIBRARY_ENV, str(tmp_path / "lib.so"))
+    assert native_names.library_path() == tmp_path / "lib.so"
+    monkeypatch.delenv(native_names.LIBRARY_ENV)
+    assert native_names.library_path() == NAMES_DIR / "build" / "libtessera_names.so"
