@@ -38,7 +38,6 @@ from tessera.quantity import parse as parse_quantity
 
 REQUESTS = "requests."
 ALLOCATION_RESULTS_MAX_SIZE = 32  # resource.k8s.io/v1: the most devices one allocation holds
-NATIVE = ("cpu", "memory", "ephemeral-storage", "storage")
 
 
 def devices_key(device_class: str) -> str:
@@ -54,7 +53,8 @@ def counted(key: str) -> bool:
     if key == CLAIM_COUNT or key.endswith(PER_CLASS):
         return True
     name = key.removeprefix(REQUESTS)
-    return name != key and "/" in name and name not in NATIVE and not name.startswith(
+    # an extended resource name (cpu, memory, storage have no "/"), as the pod evaluator's
+    return name != key and "/" in name and not name.startswith(
         ("kubernetes.io/", "requests.", "limits.", "count/"))
 
 
