@@ -41,6 +41,13 @@ def exclusive_slice(node: str, gpus: int = 1) -> dict[str, Any]:
     return exclusive
 
 
+def exclusive_template(name: str, tolerations: list[dict[str, Any]]) -> dict[str, Any]:
+    """A claim template asking one whole device of the class, with `tolerations`."""
+    return {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
+                                    "tolerations": tolerations}}]}}}}  # fmt: skip
+
+
 def template(name: str = "slice", memory: str = "4Gi", cores: str = "30") -> dict[str, Any]:
     return {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
         {"name": "gpu", "exactly": {"deviceClassName": DRIVER, "capacity": {
@@ -311,10 +318,8 @@ async def test_a_no_execute_device_taint_evicts_pods_that_do_not_tolerate_it() -
         toleration = {"key": "gpu.example.com/unhealthy", "operator": "Exists",
                       "effect": "NoExecute"}
         for name, tolerations in (("plain", []), ("tolerant", [toleration])):
-            body = {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
-                {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
-                                            "tolerations": tolerations}}]}}}}
-            await cluster.create(f"{RESOURCE}/namespaces/default/resourceclaimtemplates", body)
+            await cluster.create(f"{RESOURCE}/namespaces/default/resourceclaimtemplates",
+                                 exclusive_template(name, tolerations))
             await cluster.create("/api/v1/namespaces/default/pods", pod(name, name))
             await running(cluster, name)
         for device in exclusive["spec"]["devices"]:
