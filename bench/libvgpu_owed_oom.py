@@ -19,12 +19,15 @@ answer's latency is what a program sees), with the load average before and after
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,42 +42,44 @@ GiB = 1 << 30
 LATE_FREE_MS = 300
 
 
-def full_card(native: NativeBuild) -> tuple[float, bool]:
+@contextlib.contextmanager
+def hard_slice(native: NativeBuild, held_gib: int) -> Iterator[Any]:
+    """A container sealed to a hard 8 GiB slice of the card, beside a process outside Tessera
+    (no libvgpu) holding `held_gib` of it; the cluster closed after."""
     with tempfile.TemporaryDirectory() as d:
         cluster = Cluster(native, Path(d))
         try:
             hog = cluster.container("hog").cuctl(preload=False)
-            assert hog("init")["ok"] and hog(f"alloc plain {12 * GiB}")["ok"], hog.stderr()
+            assert hog("init")["ok"] and hog(f"alloc plain {held_gib * GiB}")["ok"], hog.stderr()
             k = cluster.container("k")
             k.seal(region.DeviceLimit("", 8 * GiB, 0))
-            c = k.cuctl()
-            assert c("init")["ok"], c.stderr()
-            t0 = time.monotonic()
-            r = c(f"alloc plain {8 * GiB}", timeout=30)
-            return (time.monotonic() - t0) * 1000, r["ok"]
+            yield k
         finally:
             cluster.close()
+
+
+def timed_alloc(c: Any) -> tuple[float, bool]:
+    t0 = time.monotonic()
+    r = c(f"alloc plain {8 * GiB}", timeout=30)
+    return (time.monotonic() - t0) * 1000, r["ok"]
+
+
+def full_card(native: NativeBuild) -> tuple[float, bool]:
+    with hard_slice(native, 12) as k:
+        c = k.cuctl()
+        assert c("init")["ok"], c.stderr()
+        return timed_alloc(c)
 
 
 def late_free(native: NativeBuild) -> tuple[float, bool]:
-    with tempfile.TemporaryDirectory() as d:
-        cluster = Cluster(native, Path(d))
-        try:
-            hog = cluster.container("hog").cuctl(preload=False)
-            assert hog("init")["ok"] and hog(f"alloc plain {8 * GiB}")["ok"], hog.stderr()
-            k = cluster.container("k")
-            k.seal(region.DeviceLimit("", 8 * GiB, 0))
-            a = k.cuctl()
-            assert a("init")["ok"] and a(f"alloc plain {8 * GiB}")["ok"], a.stderr()
-            a.p.kill()
-            a.p.wait(timeout=10)
-            b = k.cuctl(FAKE_EXIT_FREE_DELAY_MS=str(LATE_FREE_MS))
-            assert b("init")["ok"], b.stderr()
-            t0 = time.monotonic()
-            r = b(f"alloc plain {8 * GiB}", timeout=30)
-            return (time.monotonic() - t0) * 1000, r["ok"]
-        finally:
-            cluster.close()
+    with hard_slice(native, 8) as k:
+        a = k.cuctl()
+        assert a("init")["ok"] and a(f"alloc plain {8 * GiB}")["ok"], a.stderr()
+        a.p.kill()
+        a.p.wait(timeout=10)
+        b = k.cuctl(FAKE_EXIT_FREE_DELAY_MS=str(LATE_FREE_MS))
+        assert b("init")["ok"], b.stderr()
+        return timed_alloc(b)
 
 
 def main() -> None:

@@ -598,9 +598,9 @@ def encode_node_register(devices: list[DeviceInfo]) -> str:
     )
 
 
-def decode_node_register(text: str) -> list[DeviceInfo]:
+def decode_node_register(text: str, key: str = ANN_NODE_REGISTER) -> list[DeviceInfo]:
     """Either form: the JSON array, or the legacy `UUID,count,devmem,devcore,type,numa,health
-    [,index,mode]` items joined by ':'."""
+    [,index,mode]` items joined by ':' (`key`: the annotation it came from, for the errors)."""
     from tessera.models import DeviceInfo
 
     text = text.strip()
@@ -608,13 +608,13 @@ def decode_node_register(text: str) -> list[DeviceInfo]:
         try:
             items = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{ANN_NODE_REGISTER}: invalid JSON: {exc}") from exc
+            raise ValueError(f"{key}: invalid JSON: {exc}") from exc
         devices = []
         for i, item in enumerate(items):
             if not isinstance(item, dict):
-                raise ValueError(f"{ANN_NODE_REGISTER}: item {i} is not an object")
+                raise ValueError(f"{key}: item {i} is not an object")
             if not isinstance(item.get("id"), str):
-                raise ValueError(f"{ANN_NODE_REGISTER}: item {i} has no string \"id\"")
+                raise ValueError(f"{key}: item {i} has no string \"id\"")
             devices.append(
                 DeviceInfo(
                     uuid=item["id"],
@@ -633,7 +633,7 @@ def decode_node_register(text: str) -> list[DeviceInfo]:
     for i, item in enumerate(p for p in text.split(":") if p):
         fields = item.split(",")
         if len(fields) < 7:
-            raise ValueError(f"{ANN_NODE_REGISTER}: legacy item needs 7 fields: {item[:80]!r}")
+            raise ValueError(f"{key}: legacy item needs 7 fields: {item[:80]!r}")
         try:
             devices.append(
                 DeviceInfo(
@@ -649,7 +649,7 @@ def decode_node_register(text: str) -> list[DeviceInfo]:
                 )
             )
         except ValueError as exc:
-            raise ValueError(f"{ANN_NODE_REGISTER}: bad number in {item[:80]!r}") from exc
+            raise ValueError(f"{key}: bad number in {item[:80]!r}") from exc
     return devices
 
 
@@ -703,29 +703,30 @@ MAX_CARD_CORES = 100 * 100  # 100 × deviceCoreScaling, generously
 MAX_GRANTS_CHARS = 64 * 1024
 
 
-def read_node_register(text: object) -> list[DeviceInfo]:
-    """`hami.io/node-nvidia-register` as HAMi's device plugin writes it (either form), checked:
+def read_node_register(text: object, key: str = ANN_NODE_REGISTER) -> list[DeviceInfo]:
+    """`hami.io/node-nvidia-register` (or the family's `key`: HAMi's Ascend and DCU plugins
+    write the same form) as HAMi's device plugin writes it (either form), checked:
     string ids without separators and unique, 0 < memory ≤ 16 TiB, 1 ≤ count ≤ 1024,
     0 ≤ cores ≤ 10000, at most 128 GPUs. ValueError says what is wrong."""
     if not isinstance(text, str):
-        raise ValueError(f"{ANN_NODE_REGISTER}: not a string")
+        raise ValueError(f"{key}: not a string")
     if len(text) > MAX_REGISTER_CHARS:
-        raise ValueError(f"{ANN_NODE_REGISTER}: {len(text)} characters (at most "
+        raise ValueError(f"{key}: {len(text)} characters (at most "
                          f"{MAX_REGISTER_CHARS})")  # fmt: skip
     try:
-        devices = decode_node_register(text)
+        devices = decode_node_register(text, key)
     except ValueError as exc:  # pydantic's ValidationError is one too
-        if str(exc).startswith(ANN_NODE_REGISTER):
+        if str(exc).startswith(key):
             raise
-        raise ValueError(f"{ANN_NODE_REGISTER}: {' '.join(str(exc).split())[:300]}") from exc
+        raise ValueError(f"{key}: {' '.join(str(exc).split())[:300]}") from exc
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{ANN_NODE_REGISTER}: malformed item ({type(exc).__name__}: {exc})"
+        raise ValueError(f"{key}: malformed item ({type(exc).__name__}: {exc})"
                          ) from exc  # fmt: skip
     if len(devices) > MAX_NODE_GPUS:
-        raise ValueError(f"{ANN_NODE_REGISTER}: {len(devices)} GPUs (at most {MAX_NODE_GPUS})")
+        raise ValueError(f"{key}: {len(devices)} GPUs (at most {MAX_NODE_GPUS})")
     seen: set[str] = set()
     for d in devices:
-        where = f"{ANN_NODE_REGISTER}: GPU {d.uuid[:80]!r}"
+        where = f"{key}: GPU {d.uuid[:80]!r}"
         if not d.uuid or _FORBIDDEN_IN_FIELDS & set(d.uuid) or d.uuid in seen:
             raise ValueError(f"{where}: empty, duplicated or containing ',', ':' or ';'")
         seen.add(d.uuid)

@@ -916,8 +916,7 @@ class ApiServer:
         if kind in WORKLOADS or kind == "Pod":
             body.setdefault("status", current.get("status", {}))
         validate_update(kind, current, decoded(kind, body))
-        reviewed = kind in dra_objects.KINDS and self._update_admission(kind) is not None
-        if kind == "Pod" or reviewed:  # through UPDATE admission (the precondition kept)
+        if self._update_admission(kind) is not None:  # UPDATE admission (precondition kept)
 
             def put(obj: KubeObject) -> None:
                 obj.clear()

@@ -172,12 +172,9 @@ class DeviceFamily(ABC):
         if text is None:
             return None
         try:
-            devices = len(hami.read_node_register(text))
+            devices = len(hami.read_node_register(text, key))
         except ValueError as exc:
-            why = str(exc)
-            if why.startswith(hami.ANN_NODE_REGISTER):  # (its checks name NVIDIA's key)
-                why = key + why[len(hami.ANN_NODE_REGISTER):]
-            return HamiRegistration(self.name, key, self.device_word, None, why[:300])
+            return HamiRegistration(self.name, key, self.device_word, None, str(exc)[:300])
         return HamiRegistration(self.name, key, self.device_word, devices)
 
     def encode_grants(self, containers: Sequence[Sequence[DeviceGrant]]) -> str:

@@ -32,6 +32,22 @@ def shared_slice(node: str, gpus: int = 1) -> dict[str, Any]:
             for i in range(gpus)]}}
 
 
+def exclusive_slice(node: str, gpus: int = 1) -> dict[str, Any]:
+    """`shared_slice` with whole devices: no multiple allocations, memory as a plain figure."""
+    exclusive = shared_slice(node, gpus)
+    for device in exclusive["spec"]["devices"]:
+        device.pop("allowMultipleAllocations")
+        device["capacity"] = {"memory": {"value": "24Gi"}}
+    return exclusive
+
+
+def exclusive_template(name: str, tolerations: list[dict[str, Any]]) -> dict[str, Any]:
+    """A claim template asking one whole device of the class, with `tolerations`."""
+    return {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
+                                    "tolerations": tolerations}}]}}}}  # fmt: skip
+
+
 def template(name: str = "slice", memory: str = "4Gi", cores: str = "30") -> dict[str, Any]:
     return {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
         {"name": "gpu", "exactly": {"deviceClassName": DRIVER, "capacity": {
@@ -150,10 +166,7 @@ async def test_an_extended_resource_maps_to_a_generated_claim() -> None:
         plugin = await cluster.plugin("node-a")
         mapped = {**CLASS, "spec": {**CLASS["spec"], "extendedResourceName": "example.com/gpu"}}
         await cluster.create(f"{RESOURCE}/deviceclasses", mapped)
-        exclusive = shared_slice("node-a", gpus=2)
-        for device in exclusive["spec"]["devices"]:
-            device.pop("allowMultipleAllocations")
-            device["capacity"] = {"memory": {"value": "24Gi"}}
+        exclusive = exclusive_slice("node-a", gpus=2)
         await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
         body = {"metadata": {"name": "legacy"}, "spec": {"containers": [
             {"name": "main", "image": "cuda:12",
@@ -198,10 +211,7 @@ async def test_a_claim_named_by_two_pods_is_shared_and_deallocated_when_both_are
     async with running_cluster(["node-a", "node-b"]) as cluster:
         plugin = await cluster.plugin("node-b")
         await cluster.create(f"{RESOURCE}/deviceclasses", CLASS)
-        exclusive = shared_slice("node-b")
-        for device in exclusive["spec"]["devices"]:
-            device.pop("allowMultipleAllocations")
-            device["capacity"] = {"memory": {"value": "24Gi"}}
+        exclusive = exclusive_slice("node-b")
         await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
         claim = {"metadata": {"name": "shared"}, "spec": {"devices": {"requests": [
             {"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}}
@@ -303,18 +313,13 @@ async def test_a_no_execute_device_taint_evicts_pods_that_do_not_tolerate_it() -
     async with running_cluster(["node-a"]) as cluster:
         await cluster.plugin("node-a")
         await cluster.create(f"{RESOURCE}/deviceclasses", CLASS)
-        exclusive = shared_slice("node-a", gpus=2)
-        for device in exclusive["spec"]["devices"]:
-            device.pop("allowMultipleAllocations")
-            device["capacity"] = {"memory": {"value": "24Gi"}}
+        exclusive = exclusive_slice("node-a", gpus=2)
         await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
         toleration = {"key": "gpu.example.com/unhealthy", "operator": "Exists",
                       "effect": "NoExecute"}
         for name, tolerations in (("plain", []), ("tolerant", [toleration])):
-            body = {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
-                {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
-                                            "tolerations": tolerations}}]}}}}
-            await cluster.create(f"{RESOURCE}/namespaces/default/resourceclaimtemplates", body)
+            await cluster.create(f"{RESOURCE}/namespaces/default/resourceclaimtemplates",
+                                 exclusive_template(name, tolerations))
             await cluster.create("/api/v1/namespaces/default/pods", pod(name, name))
             await running(cluster, name)
         for device in exclusive["spec"]["devices"]:

@@ -20,7 +20,7 @@ from tessera.kube_sim.dra.quota import claim_usage
 from tessera.kube_sim.store import ObjectStore, Selector
 
 from kube_sim.dra_cluster import running_cluster
-from kube_sim.test_dra_cluster import CLASS, running, shared_slice
+from kube_sim.test_dra_cluster import CLASS, exclusive_slice, running
 
 RESOURCE = "/apis/resource.k8s.io/v1"
 NS = "team"
@@ -195,10 +195,7 @@ async def test_the_claim_for_an_extended_resource_is_held_to_the_quota() -> None
         await cluster.plugin("node-a")
         mapped = {**CLASS, "spec": {**CLASS["spec"], "extendedResourceName": "example.com/gpu"}}
         await cluster.create(f"{RESOURCE}/deviceclasses", mapped)
-        exclusive = shared_slice("node-a", gpus=2)
-        for device in exclusive["spec"]["devices"]:
-            device.pop("allowMultipleAllocations")
-            device["capacity"] = {"memory": {"value": "24Gi"}}
+        exclusive = exclusive_slice("node-a", gpus=2)
         await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
         key = f"{cls}.deviceclass.resource.k8s.io/devices"
         await cluster.create("/api/v1/namespaces/default/resourcequotas", {

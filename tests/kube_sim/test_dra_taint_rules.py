@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kube_sim.dra_cluster import DRIVER, RESOURCE, Cluster, running_cluster
-from kube_sim.test_dra_cluster import CLASS, pod, running, shared_slice
+from kube_sim.test_dra_cluster import CLASS, exclusive_slice, exclusive_template, pod, running
 
 pytestmark = pytest.mark.timeout(120)
 RULES = "/apis/resource.k8s.io/v1beta2/devicetaintrules"
@@ -25,12 +25,6 @@ def rule(name: str, effect: str, selector: dict[str, str] | None) -> dict[str, A
         spec["deviceSelector"] = selector
     return {"apiVersion": "resource.k8s.io/v1beta2", "kind": "DeviceTaintRule",
             "metadata": {"name": name}, "spec": spec}
-
-
-def exclusive_template(name: str, tolerations: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [
-        {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
-                                    "tolerations": tolerations}}]}}}}  # fmt: skip
 
 
 async def device_of(cluster: Cluster, pod_name: str) -> str:
@@ -70,10 +64,7 @@ async def test_rules_keep_new_claims_off_and_evict_what_does_not_tolerate_them()
     async with running_cluster(["node-a"]) as cluster:
         await cluster.plugin("node-a")
         await cluster.create(f"{RESOURCE}/deviceclasses", CLASS)
-        exclusive = shared_slice("node-a", gpus=2)
-        for device in exclusive["spec"]["devices"]:
-            device.pop("allowMultipleAllocations")
-            device["capacity"] = {"memory": {"value": "24Gi"}}
+        exclusive = exclusive_slice("node-a", gpus=2)
         await cluster.create(f"{RESOURCE}/resourceslices", exclusive)
         toleration = {"key": KEY, "operator": "Exists", "effect": "NoExecute"}
         templates = f"{RESOURCE}/namespaces/default/resourceclaimtemplates"

@@ -172,6 +172,18 @@ static inline int tv_mem_owed(int ds)
            !(atomic_load_explicit(&tv.flags, memory_order_relaxed) & TSR_LIMITS_OVERSUBSCRIBE);
 }
 
+/* After `r = call` failed: while the driver's OOM is for memory the container is owed, wait and
+ * call again (tv_owed_oom_wait: the backoff and its bound, lease.h), then log how it ended.
+ * `call` is evaluated again on each retry. Every allocation path that retries uses this. */
+#define TV_RETRY_OWED_OOM(r, ds, bytes, call)                                                  \
+    do {                                                                                       \
+        if (tv_unlikely((r) == OOM) && tv_mem_owed(ds)) {                                      \
+            struct tv_oom_retry tv_retry_ = {0};                                               \
+            while ((r) == OOM && tv_owed_oom_wait(&tv_retry_, (ds), (bytes))) (r) = (call);    \
+            tv_owed_oom_done(&tv_retry_, (ds), (bytes), (r) == CUDA_SUCCESS);                  \
+        }                                                                                      \
+    } while (0)
+
 /* spill.c: a cuMemAlloc the device could not hold (`why`: the error it got; `counted`: the
  * refusal was counted in the region's oom_count), served from host memory when the container
  * may spill — or `why` unchanged. Frees of spilled pointers. */

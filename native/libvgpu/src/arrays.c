@@ -46,12 +46,7 @@ static CUresult array_create(void *out, const CUDA_ARRAY3D_DESCRIPTOR *d, unsign
     uint64_t bytes = array_bytes(d, levels);
     if (charged_alloc(ds, bytes) != CUDA_SUCCESS) return OOM;
     CUresult r = driver_array_create(out, levels, which, orig);
-    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) { /* owed: retried (lease.h) */
-        struct tv_oom_retry t = {0};
-        while (r == OOM && tv_owed_oom_wait(&t, ds, bytes))
-            r = driver_array_create(out, levels, which, orig);
-        tv_owed_oom_done(&t, ds, bytes, r == CUDA_SUCCESS);
-    }
+    TV_RETRY_OWED_OOM(r, ds, bytes, driver_array_create(out, levels, which, orig));
     if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, bytes);
     else if (ds >= 0) track(&arrays, (uint64_t)(uintptr_t)*(void **)out, bytes, ds, K_PLAIN, 0);
     return r;

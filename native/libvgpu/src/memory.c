@@ -14,12 +14,7 @@ CUresult CUDAAPI tv_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     if (charged_alloc(ds, bytesize) != CUDA_SUCCESS) /* past the limit: spill, if it may */
         return tv_spill_alloc(dptr, bytesize, ds, OOM, 1);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, bytesize);
-    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) {
-        struct tv_oom_retry t = {0};
-        while (r == OOM && tv_owed_oom_wait(&t, ds, bytesize))
-            r = REAL(cuMemAlloc_v2)(dptr, bytesize);
-        tv_owed_oom_done(&t, ds, bytesize, r == CUDA_SUCCESS);
-    }
+    TV_RETRY_OWED_OOM(r, ds, bytesize, REAL(cuMemAlloc_v2)(dptr, bytesize));
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, bytesize);
         return tv_spill_alloc(dptr, bytesize, ds, r, 0); /* the card itself is full */
@@ -50,12 +45,8 @@ CUresult CUDAAPI tv_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
         return tv_spill_alloc_pitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, ds, OOM,
                                     1);
     CUresult r = REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) {
-        struct tv_oom_retry t = {0};
-        while (r == OOM && tv_owed_oom_wait(&t, ds, est))
-            r = REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-        tv_owed_oom_done(&t, ds, est, r == CUDA_SUCCESS);
-    }
+    TV_RETRY_OWED_OOM(r, ds, est, REAL(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height,
+                                                           ElementSizeBytes));
     if (r != CUDA_SUCCESS) {
         tv_mem_unreserve(ds, est);
         return tv_spill_alloc_pitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, ds, r,

@@ -73,12 +73,7 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, 
         return may_spill ? tv_spill_alloc(dptr, bytes, ds, OOM, 1) : OOM; /* past the limit */
     }
     CUresult r = driver_alloc_async(dptr, bytes, pool, s, from_pool, ptsz);
-    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) {
-        struct tv_oom_retry t = {0};
-        while (r == OOM && tv_owed_oom_wait(&t, ds, bytes))
-            r = driver_alloc_async(dptr, bytes, pool, s, from_pool, ptsz);
-        tv_owed_oom_done(&t, ds, bytes, r == CUDA_SUCCESS);
-    }
+    TV_RETRY_OWED_OOM(r, ds, bytes, driver_alloc_async(dptr, bytes, pool, s, from_pool, ptsz));
     LOCK();
     struct ent *p = pool && ds >= 0 ? pool_rec(pool, ds) : NULL;
     if (r != CUDA_SUCCESS) {

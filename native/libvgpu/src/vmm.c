@@ -15,13 +15,8 @@ CUresult CUDAAPI tv_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
                  : TV_SLOT_HOST;
     if (charged_alloc(ds, size) != CUDA_SUCCESS) return OOM;
     CUresult r = REAL(cuMemCreate)(handle, size, prop, flags);
-    if (tv_unlikely(r == OOM) && tv_mem_owed(ds)) { /* owed: retried (lease.h); no spill: a
-                                                       handle is physical memory of its place */
-        struct tv_oom_retry t = {0};
-        while (r == OOM && tv_owed_oom_wait(&t, ds, size))
-            r = REAL(cuMemCreate)(handle, size, prop, flags);
-        tv_owed_oom_done(&t, ds, size, r == CUDA_SUCCESS);
-    }
+    /* owed: retried (lease.h); no spill: a handle is physical memory of its place */
+    TV_RETRY_OWED_OOM(r, ds, size, REAL(cuMemCreate)(handle, size, prop, flags));
     if (r != CUDA_SUCCESS) tv_mem_unreserve(ds, size);
     else track(&handles, *handle, ds >= 0 ? size : 0, ds, K_CREATED, 1);
     return r;

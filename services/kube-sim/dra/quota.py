@@ -32,11 +32,12 @@ from typing import Any
 from tessera.kube_sim.dra.claims import EXTENDED_CLAIM
 from tessera.kube_sim.store import ObjectStore, Selector, StoreError
 
-from tessera.dra_quota import CLAIM_COUNT, IMPLICIT_PREFIX, PER_CLASS
+from tessera.dra_quota import CLAIM_COUNT, IMPLICIT_REQUESTS, PER_CLASS
+from tessera.quantity import QuantityError
+from tessera.quantity import parse as parse_quantity
 
 REQUESTS = "requests."
 ALLOCATION_RESULTS_MAX_SIZE = 32  # resource.k8s.io/v1: the most devices one allocation holds
-NATIVE = ("cpu", "memory", "ephemeral-storage", "storage")
 
 
 def devices_key(device_class: str) -> str:
@@ -44,7 +45,7 @@ def devices_key(device_class: str) -> str:
 
 
 def implicit_key(device_class: str) -> str:
-    return f"{REQUESTS}{IMPLICIT_PREFIX}{device_class}"
+    return f"{IMPLICIT_REQUESTS}{device_class}"
 
 
 def counted(key: str) -> bool:
@@ -52,7 +53,8 @@ def counted(key: str) -> bool:
     if key == CLAIM_COUNT or key.endswith(PER_CLASS):
         return True
     name = key.removeprefix(REQUESTS)
-    return name != key and "/" in name and name not in NATIVE and not name.startswith(
+    # an extended resource name (cpu, memory, storage have no "/"), as the pod evaluator's
+    return name != key and "/" in name and not name.startswith(
         ("kubernetes.io/", "requests.", "limits.", "count/"))
 
 
@@ -165,9 +167,6 @@ def exceeded(quota: dict[str, Any], requested: Mapping[str, int],
              used: Mapping[str, Any]) -> str | None:
     """kube-apiserver's sentence when `requested` on top of `used` goes over `quota`'s hard
     limits for a key it names (None: it fits). `used` values: numbers (Fraction/int)."""
-    from tessera.quantity import QuantityError
-    from tessera.quantity import parse as parse_quantity
-
     hard = (quota.get("spec") or {}).get("hard") or {}
     over = {}
     for key, amount in requested.items():
@@ -194,9 +193,7 @@ def exceeded(quota: dict[str, Any], requested: Mapping[str, int],
 def admit_claim(store: ObjectStore, claim: dict[str, Any]) -> None:
     """The ResourceQuota admission of a ResourceClaim CREATE: StoreError 403 when it would
     exceed a quota of its namespace (every quota is checked; the first, by name, is told)."""
-    from tessera.kube_sim import quota_usage
-
-    from tessera.quantity import parse as parse_quantity
+    from tessera.kube_sim import quota_usage  # (it imports this module)
 
     meta = claim.get("metadata") or {}
     namespace = str(meta.get("namespace") or "default")

@@ -44,6 +44,7 @@ from tessera.kube_sim.dra.model import (
     pools_for_node,
     usage_of,
 )
+from tessera.kube_sim.dra.quota import admit_claim
 from tessera.kube_sim.fit import _container_requests, allocatable
 from tessera.kube_sim.store import Change, KubeObject, ObjectStore, Selector, StoreError
 
@@ -329,8 +330,6 @@ class DynamicResources:
             "status": {"allocation": allocation, "reservedFor": [consumer]},
         }
         # created through the API upstream: ResourceQuota admission (dra/quota.py) applies
-        from tessera.kube_sim.dra.quota import admit_claim
-
         admit_claim(self.store, claim)
         created = self.store.create("ResourceClaim", claim)
         requested = {e.request_name for e in state.extended}
