@@ -3,7 +3,6 @@ reduces on every shape the index's per-card arrays take (any card width, views, 
 
 import numpy as np
 import pytest
-
 from tessera.scheduler.row_reduce import row_any, row_counts, row_max
 
 
