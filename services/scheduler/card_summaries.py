@@ -24,6 +24,8 @@ import numpy as np
 
 from tessera.hami import PodRequest
 
+from .row_reduce import row_counts
+
 
 class Need(NamedTuple):
     """One container's demand: necessary conditions for a node to fit it. (A named tuple: a
@@ -92,7 +94,7 @@ class Cards:
 def summary_mask(cards: Cards, free_gpus: np.ndarray, needs: list[Need]) -> np.ndarray:
     mask = free_gpus >= 0
     for need in needs:
-        mask &= np.count_nonzero(cards.takes(need), axis=1) >= need.gpus
+        mask &= row_counts(cards.takes(need)) >= need.gpus
     return mask
 
 

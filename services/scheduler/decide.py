@@ -28,8 +28,10 @@ _TAKES_FIRST = -2  # a shape that takes a pod's first container: its nodes fitte
 # A walk of a list of at least `_AT_ONCE` candidates that checked `_AT_ONCE_CHECKED` against
 # the summaries (a placed pod of bench/decision_lockstep.py's trace checks at most ~80), or
 # worded a run of known refusals to its end, without a fit, checks every candidate at once
-# (`refusal_fast.refused_rest_at_once`)
-_AT_ONCE, _AT_ONCE_CHECKED = 1024, 256
+# (`refusal_fast.refused_rest_at_once`); 128, not 256: a first refusal stops its walk a
+# doubling round earlier (bench/RESULTS.md "refuse5": the 5,000-node full list's refused p99
+# 2.40 -> 2.11 ms, placed pods alike)
+_AT_ONCE, _AT_ONCE_CHECKED = 1024, 128
 
 
 @dataclass

@@ -20,6 +20,8 @@ import numpy as np
 
 from tessera.hami import ContainerRequest
 
+from .row_reduce import row_any, row_counts, row_max
+
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -298,9 +300,9 @@ def _mark_ties(ties: np.ndarray, rows: np.ndarray | None, key: np.ndarray, taken
     """Set `ties` (by candidate) where this pick chose by index among cards that differ: a
     passing card not taken whose key equals the largest key taken, while the cards of that
     key are not all alike (on every per-card value a later step or the codes read)."""
-    last = np.where(taken, key, -np.inf).max(axis=1)
+    last = row_max(np.where(taken, key, -np.inf))
     boundary = key == last[:, None]
-    left_out = (boundary & passes & ~taken).any(axis=1)
+    left_out = row_any(boundary & passes & ~taken)
     if not left_out.any():
         return
     at = np.flatnonzero(left_out)
@@ -310,7 +312,7 @@ def _mark_ties(ties: np.ndarray, rows: np.ndarray | None, key: np.ndarray, taken
     differ = np.zeros(len(at), dtype=bool)
     for values in state:
         values = values.take(at, axis=0)
-        differ |= (edge & (values != values[rows_at, pick][:, None])).any(axis=1)
+        differ |= row_any(edge & (values != values[rows_at, pick][:, None]))
     if differ.any():
         ties[at[differ] if rows is None else rows[at[differ]]] = True
 
@@ -342,18 +344,3 @@ def first_smallest(key: np.ndarray, count: int) -> np.ndarray:
 
 _PAST = np.finfo(np.float64).max  # (an infinite key: after every finite one, before taken)
 
-
-_BYTES_SUM = np.uint64(0x0101010101010101)
-
-
-def row_counts(mask: np.ndarray) -> np.ndarray:
-    """How many of each row's entries are True (`np.count_nonzero(mask, axis=1)`, faster
-    for short rows: eight booleans a word, their bytes summed by one multiplication)."""
-    width = mask.shape[1]
-    if width % 8 or not mask.flags.c_contiguous:
-        return np.count_nonzero(mask, axis=1)
-    words = mask.view(np.uint64)
-    total = (words[:, 0] * _BYTES_SUM) >> np.uint64(56)
-    for column in range(1, width // 8):
-        total += (words[:, column] * _BYTES_SUM) >> np.uint64(56)
-    return total.astype(np.int64)
