@@ -17,7 +17,7 @@ from tessera.scheduler import native_names
 from tessera.scheduler.name_table import NameTable
 from tessera.scheduler.native_names import NativeNames
 
-from .test_node_names import compact, order_index
+from .test_node_names import compact, damaged, order_index
 
 NAMES_DIR = Path(__file__).resolve().parents[2] / "native" / "names"
 UNIFORM = [f"node-{i:05d}" for i in range(3000)]
@@ -144,16 +144,7 @@ def test_damaged_lists_resolve_exactly_or_step_aside_in_both_paths(names: list[s
         size = rng.choice([1, 2, 3, 40, 400])
         cut = source[: source.find(b",", rng.randrange(len(source) // 2))] + b"]"
         sample = cut if rng.random() < 0.5 else compact(json.loads(source)[:size])
-        at = rng.randrange(len(sample))
-        change = rng.choice(damage)
-        how = rng.randrange(3)
-        if how == 0:
-            hurt = sample[:at] + change + sample[at + 1 :]
-        elif how == 1:
-            hurt = sample[:at] + change + sample[at:]
-        else:
-            hurt = sample[:at] + sample[at + 1 :]
-        resolved += same_as_numpy(table, hurt) is not None
+        resolved += same_as_numpy(table, damaged(sample, rng, damage)) is not None
     assert resolved  # (some damage leaves valid lists of known names: e.g. a dropped name)
 
 

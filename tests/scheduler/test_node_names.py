@@ -4,6 +4,7 @@ result is what parsing the whole body gives (or the fast path steps aside)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from tessera.scheduler.node_names import NodeNames, NodeNamesCache
@@ -191,6 +192,18 @@ def order_index(names: list[str]) -> tuple[object, dict[str, int]]:
     return index, {name: index.entries[name].slot for name in names}
 
 
+def damaged(sample: bytes, rng: random.Random, damage: list[bytes]) -> bytes:
+    """`sample` with one byte replaced by, one inserted from, or one deleted (rng's choice)."""
+    at = rng.randrange(len(sample))
+    change = rng.choice(damage)
+    how = rng.randrange(3)
+    if how == 0:
+        return sample[:at] + change + sample[at + 1 :]
+    if how == 1:
+        return sample[:at] + change + sample[at:]
+    return sample[:at] + sample[at + 1 :]
+
+
 def compact(names: list[str]) -> bytes:
     return json.dumps(names, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -269,15 +282,7 @@ def test_lists_of_equal_length_names_resolve_exactly_or_step_aside(width: int) -
     for _ in range(400):
         size = min(len(names), rng.choice([1, 2, 3, 40]))
         sample = compact(rng.sample(names, size) if rng.random() < 0.5 else shuffled[:size])
-        at = rng.randrange(len(sample))
-        change = rng.choice(damage)
-        how = rng.randrange(3)
-        if how == 0:
-            hurt = sample[:at] + change + sample[at + 1 :]
-        elif how == 1:
-            hurt = sample[:at] + change + sample[at:]
-        else:
-            hurt = sample[:at] + sample[at + 1 :]
+        hurt = damaged(sample, rng, damage)
         found = index.names_from_bytes(hurt)  # type: ignore[attr-defined]
         if found is None:
             continue
