@@ -10,7 +10,7 @@
 # slim Python base: no compiler, no source tree, a non-root user by default.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# --- libvgpu.so and libtessera_names.so ------------------------------------------------------
+# --- libvgpu.so -------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS libvgpu
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -19,8 +19,15 @@ RUN apt-get update \
 RUN pip install --no-cache-dir nvidia-cuda-runtime==13.5.37 nvidia-nvml-dev==13.5.37
 COPY native/libvgpu /src/native/libvgpu
 RUN make -C /src/native/libvgpu PYTHON=python3 build/libvgpu.so
-# The scheduler's native name resolver (services/scheduler/native_names.py; without it the
-# scheduler resolves kube-scheduler's node lists in numpy, as exactly, more slowly).
+
+# --- libtessera_names.so: the scheduler's native name resolver ---------------------------------
+# (services/scheduler/native_names.py; without it the scheduler resolves kube-scheduler's node
+# lists in numpy, as exactly, more slowly). The same toolchain layer as libvgpu's stage (cached).
+FROM ${PYTHON_IMAGE} AS names
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev make \
+    && rm -rf /var/lib/apt/lists/*
 COPY native/names /src/native/names
 RUN make -C /src/native/names build/libtessera_names.so
 
@@ -49,7 +56,7 @@ RUN pip install --no-cache-dir /tmp/wheels/*.whl \
 # Where the node agent chart's init container finds the library (libvgpu.sourcePath). Not under
 # /usr/local/vgpu: the chart mounts the host's directory over that path.
 COPY --from=libvgpu /src/native/libvgpu/build/libvgpu.so /usr/local/lib/tessera/libvgpu.so
-COPY --from=libvgpu /src/native/names/build/libtessera_names.so /usr/local/lib/tessera/libtessera_names.so
+COPY --from=names /src/native/names/build/libtessera_names.so /usr/local/lib/tessera/libtessera_names.so
 ENV TESSERA_NAMES_LIBRARY=/usr/local/lib/tessera/libtessera_names.so
 # Non-root by default (the restricted profile's 65532, "nonroot"). The node agent alone runs as
 # root, set by its chart: kubelet's sockets are root-only.
