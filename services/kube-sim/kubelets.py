@@ -205,13 +205,20 @@ class NodeKubelet:
             await asyncio.sleep(0.5)  # coalesce bursts of ListAndWatch updates
 
     async def _follow(self, watcher: Any) -> None:
+        """The node's pods, for as long as the kubelet runs: one event that fails to apply is
+        logged, and never ends the watch (every later pod of the node would wait forever)."""
         try:
             while True:
                 event_type, pod = await watcher.queue.get()
-                if event_type == "ADDED":
-                    self._arrive(pod)
-                elif event_type == "DELETED":
-                    await self._remove(pod)
+                try:
+                    if event_type == "ADDED":
+                        self._arrive(pod)
+                    elif event_type == "DELETED":
+                        await self._remove(pod)
+                except Exception:
+                    log.exception("pod event not applied", extra={
+                        "node": self.node, "event": event_type,
+                        "pod": (pod.get("metadata") or {}).get("name")})
         finally:
             self.store.unwatch(watcher)
 

@@ -76,8 +76,8 @@ static inline void tv_lease_give(int d, uint64_t bytes)
  * neighbour's live allocations): the retry stops once the card's free memory (the driver's
  * cuMemGetInfo) has not risen for TV_OWED_QUIET_MS, instead of holding the program the whole
  * bound. The reasons, all known in this process for nothing (stamped in tv_memory_back_ns):
- *  - its lease was held by the node agent's lease service before the grant (a reclaim or an
- *    opt-in wait on the card: a borrower was made to give memory back for it) — lease.c;
+ *  - the node agent's lease service granted it a lease (memory the service counts as the
+ *    container's: a borrower reclaimed for it may still be freeing it) — lease.c;
  *  - it reclaimed the device charge of a dead process of the container (region.c) — the
  *    driver frees that process's memory when its files close, maybe a moment later;
  *  - the card's free memory rose since the last look (memory is being freed).

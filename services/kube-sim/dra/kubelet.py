@@ -60,6 +60,7 @@ from tessera.kubeapi import (
 log = logging.getLogger("tessera.kube_sim.dra.kubelet")
 
 RPC_TIMEOUT_S = 30.0
+UNPREPARE_ATTEMPTS = 8  # ~6 s of backoff
 WATCH_INTERVAL_S = 0.2
 CDI_DIR = "cdi"  # <kubelet dir>/cdi: where this node's drivers write CDI specs
 
@@ -404,6 +405,37 @@ class DraKubelet:
             entry.mounts.extend(Mount(c, h, ro) for c, h, ro in edits.mounts)
             entry.devices.extend(DeviceNode(p, h, perms) for p, h, perms in edits.device_nodes)
 
+    async def _unprepare_claim(self, driver: str, entry: PreparedClaim) -> None:
+        """NodeUnprepareResources for one claim, retried as kubelet retries it: the plugin is
+        looked up again each try (a driver that crashed registers a new one on its socket), and
+        a call cut off because its plugin's channel closed under it (deregistration) is a failed
+        try, not a cancellation of the pod's worker. Given up after ~6 s, logged."""
+        request = dra.NodeUnprepareResourcesRequest(claims=[dra.Claim(
+            namespace=entry.namespace, uid=entry.uid, name=entry.name)])
+        for attempt in range(UNPREPARE_ATTEMPTS):
+            plugin = self.plugins.get(driver)
+            if plugin is None:
+                error = f"DRA driver {driver} is not registered"
+            else:
+                try:
+                    response = await plugin.stub.NodeUnprepareResources(
+                        request, timeout=RPC_TIMEOUT_S)
+                    error = response.claims[entry.uid].error if (
+                        entry.uid in response.claims) else "claim missing in the response"
+                except grpc.aio.AioRpcError as exc:
+                    error = exc.details() or str(exc.code())
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # our own cancellation
+                    error = "the plugin's connection closed during the call"
+            if not error:
+                return
+            log.warning("NodeUnprepareResources failed", extra={
+                "node": self.node, "claim": entry.name, "error": error,
+                "attempt": attempt + 1})
+            await asyncio.sleep(min(1.0, 0.2 * (attempt + 1)))
+
     async def unprepare(self, pod: KubeObject) -> None:
         """NodeUnprepareResources for the claims only this pod used, then release them."""
         pod_uid = pod["metadata"].get("uid", "")
@@ -415,27 +447,7 @@ class DraKubelet:
             if entry.pods:
                 continue
             for driver in entry.drivers:
-                plugin = self.plugins.get(driver)
-                if plugin is None:
-                    log.warning("cannot unprepare: DRA driver not registered",
-                                extra={"node": self.node, "driver": driver})
-                    continue
-                request = dra.NodeUnprepareResourcesRequest(claims=[dra.Claim(
-                    namespace=entry.namespace, uid=entry.uid, name=entry.name)])
-                for attempt in range(3):
-                    try:
-                        response = await plugin.stub.NodeUnprepareResources(
-                            request, timeout=RPC_TIMEOUT_S)
-                        error = response.claims[entry.uid].error if (
-                            entry.uid in response.claims) else "claim missing in the response"
-                    except grpc.aio.AioRpcError as exc:
-                        error = exc.details() or str(exc.code())
-                    if not error:
-                        break
-                    log.warning("NodeUnprepareResources failed", extra={
-                        "node": self.node, "claim": entry.name, "error": error,
-                        "attempt": attempt + 1})
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                await self._unprepare_claim(driver, entry)
             del self.prepared[entry.uid]
         if self.release is not None:
             self.release(pod)
