@@ -5,6 +5,7 @@ gives the container its CDI devices, and deleting the pod unprepares and frees t
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -304,6 +305,29 @@ async def test_a_plugin_restarted_on_its_old_socket_path_registers_again() -> No
              "message": "Xid 79"}]}]
         await cluster.wait_for("Unhealthy", lambda: _resource_status(cluster, "h", sick))
 
+
+
+async def test_a_pod_deleted_while_its_plugin_is_down_is_unprepared_by_the_restarted_one() -> None:
+    """The driver crashes (its socket left behind) and a pod using its claim is deleted before it
+    is back, as after a node agent's SIGKILL: kubelet keeps retrying NodeUnprepareResources, the
+    plugin restarted on the same path gets the call, and the node's next pod runs (once, the
+    first failed retry cut off by the old channel's closing ended the node's pod watch)."""
+    async with running_cluster(["node-a"]) as cluster:
+        plugin = await cluster.plugin("node-a")
+        kubelet = cluster.sim.api.kubelets["node-a"].dra
+        await setup(cluster)
+        await cluster.create("/api/v1/namespaces/default/pods", pod("before"))
+        await running(cluster, "before")
+        [claim] = await cluster.claims()
+        await plugin.crash()
+        await cluster.http.delete("/api/v1/namespaces/default/pods/before")
+        await asyncio.sleep(1.5)  # a restart that takes a while: several retries fail meanwhile
+        await plugin.start()
+        await kubelet.wait_registered(DRIVER)
+        await cluster.wait_for("unprepared by the restarted plugin",
+                               lambda: plugin.unprepared == [claim["metadata"]["name"]])
+        await cluster.create("/api/v1/namespaces/default/pods", pod("after"))
+        await running(cluster, "after")
 
 async def _statuses(plugin: Any) -> bool:
     return plugin.statuses == [(True, "")]
