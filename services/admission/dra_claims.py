@@ -46,6 +46,7 @@ from typing import Any
 from tessera import hami
 from tessera import mig as mig_tables
 from tessera.hami import ContainerRequest, PodRequest
+from tessera.quantity import is_plain_digits
 from tessera.settings import TesseraSettings
 
 DRIVER = "gpu.tessera.io"
@@ -262,7 +263,7 @@ def mig_asks(container: Any) -> dict[str, int]:
             except mig_tables.MigError as exc:
                 raise ConversionError(f"{key}: {exc}") from None
             count = value if isinstance(value, int) else (
-                int(value) if isinstance(value, str) and value.isdigit() else -1)
+                int(value) if isinstance(value, str) and is_plain_digits(value) else -1)
             if isinstance(value, bool) or count < 1:
                 raise ConversionError(f"{key}: {value!r} is not a whole number of instances ≥ 1")
             out[profile] = count
