@@ -38,8 +38,8 @@ from tessera.models import DeviceGrant, DeviceInfo
 
 __all__ = [
     "ClaimDevice", "ClaimError", "PodUse", "PreparedClaim", "allocated_devices", "claim_ref",
-    "container_names", "mig_devices", "mps_cards", "plan", "pod_claim_names", "pod_use",
-    "reserved_pods", "spill_bytes", "task_priority", "with_instances",
+    "container_names", "handed_on", "mig_devices", "mps_cards", "plan", "pod_claim_names",
+    "pod_use", "reserved_pods", "spill_bytes", "task_priority", "with_instances",
 ]
 
 
@@ -136,6 +136,28 @@ def plan(claim: dict[str, Any], pod: dict[str, Any], node: str,
         pod=str(pod_meta.get("name", "")), container_index=first, container=name,
         containers=list(use.indices), devices=found,
     )  # fmt: skip
+
+
+def handed_on(record: PreparedClaim, claim: dict[str, Any], pod: dict[str, Any],
+              node: str) -> PreparedClaim | None:  # fmt: skip
+    """The prepared claim booked under `pod`, another pod the claim is reserved for (a shared
+    claim), when its recorded pod has ended: None unless `pod` is that very pod (uid as
+    reserved), runs on `node` and has not finished."""
+    meta, pod_meta = _obj(claim.get("metadata")), _obj(pod.get("metadata"))
+    if meta.get("uid") != record.claim_uid:
+        return None  # deleted and made again: not the claim prepared here
+    reserved = dict((uid, name) for name, uid in reserved_pods(claim))
+    uid = str(pod_meta.get("uid", ""))
+    if (uid == record.pod_uid or reserved.get(uid) != pod_meta.get("name")
+            or _obj(pod.get("spec")).get("nodeName") != node
+            or _obj(pod.get("status")).get("phase") in ("Succeeded", "Failed")):
+        return None
+    use = pod_use(pod, record.name)
+    return record.model_copy(update={
+        "pod_uid": uid, "pod": str(pod_meta.get("name", "")),
+        "container_index": use.indices[0] if use.indices else 0,
+        "container": use.names[0] if use.names else "", "containers": list(use.indices),
+    })  # fmt: skip
 
 
 def task_priority(pod: dict[str, Any], index: int) -> int:
