@@ -143,3 +143,25 @@ async def test_a_mig_count_in_other_digits_is_denied_not_a_crash() -> None:
         response = await admit(cluster, pod(container("main", {"nvidia.com/mig-1g.10gb": value})))
         assert response["allowed"] is False
         assert "nvidia.com/mig-1g.10gb" in response["status"]["message"]
+
+
+async def test_a_review_nested_too_deep_is_a_400_not_a_crash() -> None:
+    """A free-form field (managedFields' fieldsV1, a claim's opaque parameters) can nest deeper
+    than the DRA conversion's copies and diffs recurse: refused whole, before any rule runs."""
+    import json
+    import sys
+
+    cluster = InMemoryCluster()
+    body = json.dumps(review(pod(container("main", {GPU: 1, MEM: 1000}))))
+    depth = sys.getrecursionlimit() - 100  # JSON decodes it; a copy (two frames a level) not
+    deep = "[" * depth + "]" * depth
+    body = body.replace('"name": "main"', f'"name": "main", "args": {deep}', 1)
+    async with client(cluster) as c:
+        try:
+            answer = await c.post("/mutate", content=body,
+                                  headers={"content-type": "application/json"})  # fmt: skip
+        except RecursionError:
+            pytest.fail("the webhook crashed (RecursionError): a 500 for kube-apiserver")
+    assert answer.status_code == 400, answer.text[:300]
+    assert "nested deeper than" in answer.json()["error"]
+    assert not cluster._dra()["templates"]
