@@ -522,3 +522,43 @@ async def test_a_claim_shared_by_two_pods_stays_held_when_its_first_pod_goes(
     finally:
         await quota.stop()
         await quota_nc.drain()
+
+
+async def test_an_admin_access_claim_reaches_the_card_and_books_no_slice(
+        short_dir, nc, buckets, node):  # fmt: skip
+    """`adminAccess: true` (a namespace the cluster admin labelled `resource.kubernetes.io/
+    admin-access`: monitoring, management) "ignores all ordinary claims to the device with
+    respect to access modes and any resource allocations" (resource.k8s.io/v1): the allocator
+    gives it a card others hold slices of, consuming nothing. The driver gives the container
+    the card, and books nothing: it used to record a whole card in the ledger beside the
+    tenants' slices (16000 + 12288 MiB on a 16000 MiB card) and charge it to the quota."""
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        tenant, claim = pod_and_claim(node, "gpu-1", "12Gi", "50")
+        cluster.add_pod(tenant)
+        cluster.put_resource_claim(claim)
+        assert (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]].error == ""
+        monitor, admin = pod_and_claim(node, "gpu-1", "0", "0", namespace="monitoring")
+        [result] = admin["status"]["allocation"]["devices"]["results"]
+        for key in ("consumedCapacity", "shareID"):
+            del result[key]
+        result["adminAccess"] = True
+        cluster.add_pod(monitor)
+        cluster.put_resource_claim(admin)
+        answer = (await h.kubelet_prepare(admin)).claims[admin["metadata"]["uid"]]
+        assert answer.error == ""
+        [cdir] = h.store.for_pod(monitor["metadata"]["uid"])
+        sealed = read_limits(cdir.limits_dir)
+        gpu1 = h.state.devices()[1].uuid
+        assert sealed is not None and [(d.uuid, d.mem_limit_bytes >> 20, d.sm_limit_pct)
+                                       for d in sealed.devices] == [(gpu1, 16000, 100)]
+        ledger = await h.ledger()
+        assert ledger is not None and monitor["metadata"]["uid"] not in ledger.allocations
+        [booked] = ledger.allocations.values()
+        assert [(g.uuid, g.memory_mib) for row in booked.containers for g in row] == [
+            (gpu1, 12288)]
+        await h.driver.reconcile()  # the periodic pass books nothing either
+        ledger = await h.ledger()
+        assert ledger is not None and monitor["metadata"]["uid"] not in ledger.allocations
+        await h.kubelet_unprepare(admin)
+        assert h.store.for_pod(monitor["metadata"]["uid"]) == []

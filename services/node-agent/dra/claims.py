@@ -37,7 +37,8 @@ from tessera.dra_grants import (
 from tessera.models import DeviceGrant, DeviceInfo
 
 __all__ = [
-    "ClaimDevice", "ClaimError", "PodUse", "PreparedClaim", "allocated_devices", "claim_ref",
+    "ClaimDevice", "ClaimError", "PodUse", "PreparedClaim", "allocated_devices", "booked",
+    "claim_ref",
     "container_names", "handed_on", "mig_devices", "mps_cards", "plan", "pod_claim_names",
     "pod_use", "reserved_pods", "spill_bytes", "task_priority", "with_instances",
 ]
@@ -51,6 +52,7 @@ class ClaimDevice(BaseModel):
     share_id: str = ""
     sharing: str = Field(config.TIME_SLICING, description="TimeSlicing (libvgpu) or MPS")
     grant: DeviceGrant
+    admin_access: bool = Field(False, description="adminAccess: reached, never booked")
 
 
 class PreparedClaim(BaseModel):
@@ -95,10 +97,22 @@ def allocated_devices(
             raise ClaimError(str(exc)) from exc
         out.append(ClaimDevice(request=found.request, device=found.device,
                                share_id=found.share_id, sharing=sharing,
-                               grant=found.grant))  # fmt: skip
+                               grant=found.grant, admin_access=found.admin_access))  # fmt: skip
     if sum(1 for d in out if d.sharing == config.MPS) > 1:
         raise ClaimError(f"{label}: MPS sharing on {len(out)} cards; an MPS client reaches one "
                          "card's daemon, so an MPS claim holds one card (count: 1)")  # fmt: skip
+    return out
+
+
+def booked(records: list[PreparedClaim]) -> list[PreparedClaim]:
+    """What the ledger and the quota hold of these prepared claims: every device but those
+    reached by admin access (they consume nothing); a claim left with none is not booked."""
+    out = []
+    for record in records:
+        devices = [d for d in record.devices if not d.admin_access]
+        if devices:
+            out.append(record if len(devices) == len(record.devices)
+                       else record.model_copy(update={"devices": devices}))  # fmt: skip
     return out
 
 

@@ -51,6 +51,7 @@ from . import accounting, cdi
 from .claims import (
     ClaimError,
     PreparedClaim,
+    booked,
     container_names,
     handed_on,
     mig_devices,
@@ -337,6 +338,7 @@ class DraDriver:
                           pod: dict | None) -> None:  # fmt: skip
         if self.quota is None:
             return
+        held = booked(held)
         allocation = accounting.pod_allocation(
             self.node, held, container_names=container_names(pod) if pod else [],
             init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
@@ -349,7 +351,7 @@ class DraDriver:
     # --- the ledger and the event stream -----------------------------------------------------
 
     async def _record_in_ledger(self, pod_uid: str, pod: dict | None = None) -> None:
-        held = self.records.of_pod(pod_uid)
+        held = booked(self.records.of_pod(pod_uid))
         if not held:
             body = accounting.drop_mutation(pod_uid)
         else:
