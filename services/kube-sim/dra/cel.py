@@ -225,9 +225,11 @@ def compile_selector(expression: str) -> celpy.Runner:
         raise CelError("expression is longer than 10Ki")
     try:
         tree = _expand_bind(_ENV.compile(expression))
+        return _ENV.program(tree, functions=FUNCTIONS)
     except celpy.CELParseError as exc:
         raise CelError(f"compilation failed: {exc}") from None
-    return _ENV.program(tree, functions=FUNCTIONS)
+    except RecursionError:  # cel-go's parser has a recursion limit too ("max recursion depth")
+        raise CelError("compilation failed: the expression nests too deeply") from None
 
 
 def compile_error(expression: str) -> str | None:
