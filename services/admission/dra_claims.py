@@ -62,6 +62,7 @@ SECTIONS = ("initContainers", "containers")
 # resource.k8s.io/v1's limits on a claim spec (kube-apiserver refuses a template beyond them)
 MAX_ALTERNATIVES = 8  # firstAvailable sub-requests of one request
 MAX_CEL_BYTES = 10 * 1024  # one selector's CEL expression
+FULL_CARD_CORES = 100  # a MIG profile holding every compute slice of its card (7g)
 
 
 class ConversionError(ValueError):
@@ -190,9 +191,10 @@ def _mig_request(ask: ContainerRequest, cel: list[str], profiles: tuple[MigProfi
                  warnings: list[str]) -> dict[str, Any]:  # fmt: skip
     """HAMi's MIG mode: the smallest published profile covering the ask, tried in order (the
     smallest 8: a request lists at most 8 alternatives)."""
+    whole_card = ask.memory_percentage is not None  # 100 %: only a full-card profile covers it
     covering = sorted(
         {p for p in profiles
-         if p.memory_mib >= (ask.memory_mib if ask.memory_percentage is None else 0)
+         if (p.cores >= FULL_CARD_CORES if whole_card else p.memory_mib >= ask.memory_mib)
          and p.cores >= ask.cores},
         key=lambda p: (p.memory_mib, p.cores, p.name),
     )  # fmt: skip

@@ -165,3 +165,19 @@ async def test_a_review_nested_too_deep_is_a_400_not_a_crash() -> None:
     assert answer.status_code == 400, answer.text[:300]
     assert "nested deeper than" in answer.json()["error"]
     assert not cluster._dra()["templates"]
+
+
+async def test_hamis_mig_mode_at_100_percent_of_memory_asks_a_whole_card_instance() -> None:
+    """`gpumem-percentage: 100` in HAMi's MIG mode is the card's whole memory (the extender
+    fits it after taking the percentage of the card, as HAMi does): only a full-card profile
+    covers it. The conversion used to read it as no memory at all and try 1g.5gb first."""
+    cluster = InMemoryCluster()
+    await publish(cluster, [partition(i, *p) for i, p in enumerate(PROFILES)])
+    obj = pod(container("main", {GPU: 1, PCT: 100, CORES: 10}),
+              annotations={"nvidia.com/vgpu-mode": "mig"})  # fmt: skip
+    response = await admit(cluster, obj)
+    assert response["allowed"], response.get("status")
+    spec = the_template(cluster, obj, response)
+    tried = [o["selectors"][-1]["cel"]["expression"].rsplit('"', 2)[1]
+             for o in spec["devices"]["requests"][0]["firstAvailable"]]  # fmt: skip
+    assert tried == ["7g.80gb"]
