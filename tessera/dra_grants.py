@@ -106,6 +106,10 @@ class ResultGrant:
     card: DeviceInfo | None  # the whole card; None for a MIG partition
     grant: DeviceGrant
     share_id: str = ""
+    # `adminAccess: true` (monitoring, management): the device is reached, nothing is consumed
+    # ("ignore all ordinary claims to the device ... and any resource allocations"), so it is
+    # never booked as a slice (ledger, quota)
+    admin_access: bool = False
 
 
 def _obj(value: Any) -> dict[str, Any]:
@@ -183,11 +187,13 @@ def claim_results(claim: dict[str, Any], node: str, devices: list[DeviceInfo]
             placed = partition_grant(devices, name) if isinstance(name, str) else None
             if placed is None:
                 raise ClaimError(f"{where}: device {name!r} is not one this node offers")
-            out.append(ResultGrant(request=request, device=str(name), card=None, grant=placed))
+            out.append(ResultGrant(request=request, device=str(name), card=None, grant=placed,
+                                   admin_access=result.get("adminAccess") is True))
             continue
         out.append(ResultGrant(
             request=request, device=str(name), card=card, share_id=str(result.get("shareID") or ""),
             grant=_card_grant(card, result.get("consumedCapacity"), where),
+            admin_access=result.get("adminAccess") is True,
         ))  # fmt: skip
     if not out:
         raise ClaimError(f"{label} holds no device of {names.DRIVER_NAME} on {node}")

@@ -107,10 +107,12 @@ def allocations_from_claims(
                                   "node has not registered its GPUs (its agent restores it)")
             continue
         try:
-            found = claim_results(claim, node, devices)
+            found = [f for f in claim_results(claim, node, devices) if not f.admin_access]
         except ClaimError as exc:
             report.refused.append(f"{who}: not restored: {exc}"[:400])
             continue
+        if not found:
+            continue  # admin access only: it holds no slice
         use = pod_use(pod, str(_obj(claim.get("metadata")).get("name", "")))
         index = use.indices[0] if use.indices else 0
         uid = str(meta.get("uid"))

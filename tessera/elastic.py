@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tessera.quantity import is_plain_digits
+
 if TYPE_CHECKING:  # the CLI reads annotations without loading pydantic
     from tessera.models import DeviceGrant
 
@@ -45,6 +47,7 @@ SCHEDULER_ANNOTATIONS = (ANN_BURST_ALLOCATED,)
 RECLAIM_POLICIES = ("fail", "evict")
 MAX_WAIT_S = 300.0
 MAX_MEMORY_MIB = 1 << 30  # 1 PiB in MiB: anything above is a typo, not a card
+_SECONDS = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,9})?")
 MAX_SPILL_MIB = 16 << 20  # 16 TiB of host memory in MiB: above it is a typo, not a node
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a container name (DNS label)
 
@@ -89,17 +92,17 @@ def _memory(text: str, where: str) -> tuple[int, int | None]:
     t = text.strip()
     if t.endswith("%"):
         pct = t[:-1].strip()
-        if not pct.isdigit() or not 1 <= int(pct) <= 100:
+        if not is_plain_digits(pct) or not 1 <= int(pct) <= 100:
             raise ElasticError(f"{where}: a percentage of the card is 1%..100%, not {text!r}")
         return 0, int(pct)
-    if not t.isdigit() or not 1 <= int(t) <= MAX_MEMORY_MIB:
+    if not is_plain_digits(t) or not 1 <= int(t) <= MAX_MEMORY_MIB:
         raise ElasticError(f"{where}: MiB per GPU as a positive integer (or N%), not {text!r}")
     return int(t), None
 
 
 def _cores(text: str, where: str) -> int:
     t = text.strip()
-    if not t.isdigit() or not 1 <= int(t) <= 100:
+    if not is_plain_digits(t) or not 1 <= int(t) <= 100:
         raise ElasticError(f"{where}: % of each GPU's compute, 1..100, not {text!r}")
     return int(t)
 
@@ -149,10 +152,9 @@ def parse_elastic(annotations: Mapping[str, Any], names: Sequence[str]) -> Elast
         raise ElasticError(f"{ANN_GPUMEM_RECLAIM}: one of {', '.join(RECLAIM_POLICIES)}, "
                            f"not {reclaim!r}")  # fmt: skip
     wait = annotations.get(ANN_GPUMEM_WAIT, "0")
-    try:
-        wait_s = float(wait) if isinstance(wait, str) else math.nan
-    except ValueError:
-        wait_s = math.nan
+    # ASCII decimals only: float() also reads other scripts' digits, "1_0" and "1e2"
+    wait_s = (float(wait) if isinstance(wait, str) and _SECONDS.fullmatch(wait.strip())
+              else math.nan)  # fmt: skip
     if not 0 <= wait_s <= MAX_WAIT_S:  # NaN fails too
         raise ElasticError(f"{ANN_GPUMEM_WAIT}: seconds, 0..{MAX_WAIT_S:g}, not {wait!r}")
     spill_mib, spill_named = parse_spill(annotations, names)
@@ -170,7 +172,7 @@ def parse_spill(annotations: Mapping[str, Any], names: Sequence[str]
     out: dict[str, int] = {}
     for name, text in texts.items():
         t = text.strip()
-        if not t.isdigit() or not 1 <= int(t) <= MAX_SPILL_MIB:
+        if not is_plain_digits(t) or not 1 <= int(t) <= MAX_SPILL_MIB:
             raise ElasticError(f"{ANN_GPUMEM_SPILL} ({name}): MiB of host memory as a positive "
                                f"integer up to {MAX_SPILL_MIB}, not {text!r}")  # fmt: skip
         out[name] = int(t)
@@ -255,7 +257,7 @@ def decode_burst(text: str) -> list[list[tuple[str, int, int]]]:
         devices: list[tuple[str, int, int]] = []
         for dev in filter(None, container.split(":")):
             parts = dev.split(",")
-            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            if len(parts) != 3 or not is_plain_digits(parts[1]) or not is_plain_digits(parts[2]):
                 raise ValueError(f"{ANN_BURST_ALLOCATED}: malformed device {dev[:80]!r}")
             if int(parts[1]) > MAX_MEMORY_MIB or int(parts[2]) > 100:
                 raise ValueError(f"{ANN_BURST_ALLOCATED}: value out of range")

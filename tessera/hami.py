@@ -661,7 +661,7 @@ def parse_scoring_weights(text: str) -> tuple[int, int, int]:
         key = key.strip().lower()
         if not sep or key not in ("slot", "core", "memory") or key in weights:
             raise RequestError(f"{ANN_SCORING_WEIGHTS}: expected slot=N,core=N,memory=N: {text!r}")
-        if not value.strip().isdigit():
+        if not quantity.is_plain_digits(value.strip()):
             raise RequestError(f"{ANN_SCORING_WEIGHTS}: {key} must be an integer >= 0")
         weights[key] = int(value)
     if len(weights) != 3 or not any(weights.values()):

@@ -36,6 +36,17 @@ _MAX_BINARY = Fraction(2**63 - 1)
 MAX_TEXT = 64  # longer texts are refused before any arithmetic (no quantity needs more)
 
 
+PLAIN_DIGITS_MAX = 18  # a whole number that fits int64 whatever reads it next
+
+
+def is_plain_digits(text: str) -> bool:
+    """Whether `text` is a plain whole number: 1-18 ASCII digits, as kube-apiserver and Go's
+    strconv (HAMi) read one. Not `str.isdigit`: that says yes to `²`, which `int()` refuses,
+    to other scripts' digits (`١٦`), which `int()` reads as 16, and to more digits than `int()`
+    converts (4300)."""
+    return 0 < len(text) <= PLAIN_DIGITS_MAX and text.isascii() and text.isdigit()
+
+
 class QuantityError(ValueError):
     """Not a quantity, or not one the reader can take; the message is a sentence."""
 

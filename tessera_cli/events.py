@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tessera.bus import EVENTS_ALL
 from tessera.events import subscribe
@@ -98,8 +99,10 @@ async def _tail(
             else:
                 when = dt.datetime.fromtimestamp(event.at).strftime("%H:%M:%S.%f")[:-3]
                 kind = received.subject.removeprefix("tessera.events.")
-                reason = f"  [dim]{event.reason}[/dim]" if event.reason else ""
-                console.print(f"{when} [bold]{kind}[/bold] {describe(event)}{reason}")
+                # what the bus carries is text, never markup: reasons quote what tenants wrote
+                reason = f"  [dim]{escape(event.reason)}[/dim]" if event.reason else ""
+                console.print(f"{when} [bold]{escape(kind)}[/bold] "
+                              f"{escape(describe(event))}{reason}")  # fmt: skip
     finally:
         with contextlib.suppress(Exception):
             await stream.aclose()

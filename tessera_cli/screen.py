@@ -44,9 +44,10 @@ def pods_table(stack: LocalStack) -> Table | Text:
     table = Table(title="pods (tessera get pods -A)", box=None)
     for column in ("NAMESPACE", "NAME", "STATUS", "NODE", "GPUS", "REASON"):
         table.add_column(column, overflow="fold")
-    for pod in pods[:40]:
-        table.add_row(pod["namespace"], pod["name"], pod["phase"], pod["node"] or "-",
-                      describe_gpus(pod["gpus"]) or "-", pod["reason"][:160])  # fmt: skip
+    for pod in pods[:40]:  # Text: what the cluster says is shown as written, never as markup
+        table.add_row(*(Text(str(cell)) for cell in (
+            pod["namespace"], pod["name"], pod["phase"], pod["node"] or "-",
+            describe_gpus(pod["gpus"]) or "-", pod["reason"][:160])))  # fmt: skip
     return table
 
 

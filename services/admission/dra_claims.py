@@ -46,6 +46,7 @@ from typing import Any
 from tessera import hami
 from tessera import mig as mig_tables
 from tessera.hami import ContainerRequest, PodRequest
+from tessera.quantity import is_plain_digits
 from tessera.settings import TesseraSettings
 
 DRIVER = "gpu.tessera.io"
@@ -58,6 +59,10 @@ REQUEST = "gpu"
 _ATTR = f'device.attributes["{DRIVER}"]'
 _CAP = f'device.capacity["{DRIVER}"]'
 SECTIONS = ("initContainers", "containers")
+# resource.k8s.io/v1's limits on a claim spec (kube-apiserver refuses a template beyond them)
+MAX_ALTERNATIVES = 8  # firstAvailable sub-requests of one request
+MAX_CEL_BYTES = 10 * 1024  # one selector's CEL expression
+FULL_CARD_CORES = 100  # a MIG profile holding every compute slice of its card (7g)
 
 
 class ConversionError(ValueError):
@@ -110,6 +115,7 @@ class Conversion:
     pod: dict[str, Any]
     templates: list[dict[str, Any]] = field(default_factory=list)
     changes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def wanted(pod: dict[str, Any], settings: TesseraSettings) -> bool:
@@ -142,18 +148,27 @@ def selectors(annotations: dict[str, Any]) -> list[str]:
         value = annotations.get(key)
         return value if isinstance(value, str) else ""
 
+    def add(key: str, expression: str) -> None:
+        size = len(expression.encode())
+        if size > MAX_CEL_BYTES:
+            raise ConversionError(
+                f"{key} lists too much for a DRA device selector: its CEL expression would be "
+                f"{size} bytes, and Kubernetes takes at most {MAX_CEL_BYTES}: list fewer")
+        out.append(expression)
+
     out: list[str] = []
     use_types = _strings(text(hami.ANN_USE_GPUTYPE))
     if use_types:
-        out.append(" || ".join(_type_has(t) for t in use_types))
-    for t in _strings(text(hami.ANN_NOUSE_GPUTYPE)):
-        out.append(f"!{_type_has(t)}")
+        add(hami.ANN_USE_GPUTYPE, " || ".join(_type_has(t) for t in use_types))
+    nouse_types = _strings(text(hami.ANN_NOUSE_GPUTYPE))
+    if nouse_types:  # one selector, however many types (a request takes at most 32)
+        add(hami.ANN_NOUSE_GPUTYPE, f"!({' || '.join(_type_has(t) for t in nouse_types)})")
     use_uuids = _strings(text(hami.ANN_USE_GPUUUID))
     if use_uuids:
-        out.append(f"{_ATTR}.uuid in {_cel_list(use_uuids)}")
+        add(hami.ANN_USE_GPUUUID, f"{_ATTR}.uuid in {_cel_list(use_uuids)}")
     nouse = _strings(text(hami.ANN_NOUSE_GPUUUID))
     if nouse:
-        out.append(f"!({_ATTR}.uuid in {_cel_list(nouse)})")
+        add(hami.ANN_NOUSE_GPUUUID, f"!({_ATTR}.uuid in {_cel_list(nouse)})")
     return out
 
 
@@ -172,12 +187,14 @@ def _exact(count: int, cel: list[str], memory_mib: int | None, cores: int | None
     return exact
 
 
-def _mig_request(ask: ContainerRequest, cel: list[str],
-                 profiles: tuple[MigProfileOffer, ...]) -> dict[str, Any]:  # fmt: skip
-    """HAMi's MIG mode: the smallest published profile covering the ask, tried in order."""
+def _mig_request(ask: ContainerRequest, cel: list[str], profiles: tuple[MigProfileOffer, ...],
+                 warnings: list[str]) -> dict[str, Any]:  # fmt: skip
+    """HAMi's MIG mode: the smallest published profile covering the ask, tried in order (the
+    smallest 8: a request lists at most 8 alternatives)."""
+    whole_card = ask.memory_percentage is not None  # 100 %: only a full-card profile covers it
     covering = sorted(
         {p for p in profiles
-         if p.memory_mib >= (ask.memory_mib if ask.memory_percentage is None else 0)
+         if (p.cores >= FULL_CARD_CORES if whole_card else p.memory_mib >= ask.memory_mib)
          and p.cores >= ask.cores},
         key=lambda p: (p.memory_mib, p.cores, p.name),
     )  # fmt: skip
@@ -192,6 +209,12 @@ def _mig_request(ask: ContainerRequest, cel: list[str],
             f"% of compute (profiles offered: {offered}): ask less, or run the pod in extender "
             "mode")  # fmt: skip
     names = list(dict.fromkeys(p.name for p in covering))
+    if len(names) > MAX_ALTERNATIVES:
+        warnings.append(
+            f"MIG profiles {', '.join(names[MAX_ALTERNATIVES:])} left out: a DRA request lists "
+            f"at most {MAX_ALTERNATIVES} alternatives, so the {MAX_ALTERNATIVES} smallest that "
+            "cover the ask are tried")  # fmt: skip
+        names = names[:MAX_ALTERNATIVES]
     return {"name": REQUEST, "firstAvailable": [
         {"name": "mig-" + name.replace(".", "-"),
          **_exact(ask.count, [*cel, f"{_ATTR}.profile == {json.dumps(name)}"], None, None,
@@ -201,8 +224,11 @@ def _mig_request(ask: ContainerRequest, cel: list[str],
 
 
 def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
-               card_memories: list[int] | Published) -> dict[str, Any]:  # fmt: skip
-    """The ResourceClaim spec one container's HAMi request becomes."""
+               card_memories: list[int] | Published,
+               warnings: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The ResourceClaim spec one container's HAMi request becomes (`warnings`: what the user
+    should know about it, e.g. card sizes left out)."""
+    warnings = [] if warnings is None else warnings
     published = (card_memories if isinstance(card_memories, Published) else
                  Published({"hami-core": list(card_memories), "mps": list(card_memories)}))
     device_class = class_for(annotations)
@@ -216,18 +242,26 @@ def claim_spec(ask: ContainerRequest, annotations: dict[str, Any],
     sizes = published.card_memories.get("mps" if device_class == MPS_DEVICE_CLASS
                                          else "hami-core", [])  # fmt: skip
     if device_class == MIG_DEVICE_CLASS:
-        request = _mig_request(ask, cel, published.mig_profiles)
+        request = _mig_request(ask, cel, published.mig_profiles, warnings)
     elif pct is not None and pct < 100:
         if not sizes:
             raise ConversionError(
                 f"a GPU memory percentage needs the card sizes, and no {DRIVER} ResourceSlice "
                 "is published yet: ask nvidia.com/gpumem (MiB) instead, or retry once a DRA "
                 "node is up")  # fmt: skip
+        tried = sorted(set(sizes), reverse=True)  # the largest card first
+        if len(tried) > MAX_ALTERNATIVES:
+            left = ", ".join(f"{m} MiB" for m in tried[MAX_ALTERNATIVES:])
+            warnings.append(
+                f"{pct} % of a card: cards of {left} left out (a DRA request lists at most "
+                f"{MAX_ALTERNATIVES} alternatives; the {MAX_ALTERNATIVES} largest card sizes are "
+                "tried): ask nvidia.com/gpumem (MiB) to fit any card")  # fmt: skip
+            tried = tried[:MAX_ALTERNATIVES]
         request["firstAvailable"] = [
             {"name": f"mem{size}", **_exact(
                 ask.count, [*cel, f'{_CAP}.memory.compareTo(quantity("{size}Mi")) == 0'],
                 size * pct // 100, ask.cores, device_class)}
-            for size in sorted(set(sizes), reverse=True)
+            for size in tried
         ]  # fmt: skip
     else:
         memory = ask.memory_mib if (pct is None and ask.memory_mib > 0) else None
@@ -262,7 +296,7 @@ def mig_asks(container: Any) -> dict[str, int]:
             except mig_tables.MigError as exc:
                 raise ConversionError(f"{key}: {exc}") from None
             count = value if isinstance(value, int) else (
-                int(value) if isinstance(value, str) and value.isdigit() else -1)
+                int(value) if isinstance(value, str) and is_plain_digits(value) else -1)
             if isinstance(value, bool) or count < 1:
                 raise ConversionError(f"{key}: {value!r} is not a whole number of instances ≥ 1")
             out[profile] = count
@@ -382,7 +416,8 @@ def convert(plan: DraPlan, settings: TesseraSettings,
                     f"container {container.get('name') or position - 1} asks GPU slices and "
                     f"MIG instances ({', '.join(sorted(migs))}): one Tessera claim per "
                     "container in DRA mode; ask one or the other")  # fmt: skip
-            spec_of = (claim_spec(ask, annotations, card_memories) if ask is not None
+            notes: list[str] = []
+            spec_of = (claim_spec(ask, annotations, card_memories, notes) if ask is not None
                        else mig_claim_spec(migs, annotations))  # fmt: skip
             template = template_for(spec_of)
             _strip_mig_resources(container)
@@ -397,6 +432,7 @@ def convert(plan: DraPlan, settings: TesseraSettings,
             resources = container.setdefault("resources", {})
             resources.setdefault("claims", []).append({"name": local})
             label = container.get("name") or f"{section}[{position - 1}]"
+            out.warnings.extend(f"container {label}: {note}" for note in notes)
             out.changes.append(f"{label}: GPU request converted to claim {local} "
                                f"(ResourceClaimTemplate {name})")  # fmt: skip
     spec["resourceClaims"] = claims

@@ -90,5 +90,6 @@ class DraTemplates:
             decision,
             patch=json_patch(original, conversion.pod),
             changes=(*decision.changes, *conversion.changes),
+            warnings=(*decision.warnings, *conversion.warnings),
             dra=None,
         )

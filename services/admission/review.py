@@ -42,6 +42,23 @@ class Review:
     username: str = ""
 
 
+# A pod's or DRA object's deepest path (managedFields' fieldsV1, opaque parameters) is a few
+# dozen levels; the rules and the DRA conversion copy and diff recursively (Python's stack).
+MAX_DEPTH = 100
+
+
+def _nested_deeper(document: Any, limit: int) -> bool:
+    """Whether `document` nests lists and objects more than `limit` levels (no recursion)."""
+    level: list[Any] = [document]
+    for _ in range(limit):
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, dict | list)]  # fmt: skip
+        if not level:
+            return False
+    return True
+
+
 def parse_review(body: bytes) -> Review:
     try:
         document = json.loads(body)
@@ -49,6 +66,9 @@ def parse_review(body: bytes) -> Review:
         raise ReviewError(f"body is not JSON: {str(exc)[:200]}") from exc
     if not isinstance(document, dict):
         raise ReviewError("body must be a JSON object (an AdmissionReview)")
+    if _nested_deeper(document, MAX_DEPTH):
+        raise ReviewError(f"AdmissionReview nested deeper than {MAX_DEPTH} levels: no pod or "
+                          "DRA object is; refused before the rules copy it")  # fmt: skip
     if document.get("kind") != "AdmissionReview":
         raise ReviewError(f"expected kind AdmissionReview, got {_short(document.get('kind'))}")
     api_version = document.get("apiVersion")

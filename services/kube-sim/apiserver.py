@@ -20,6 +20,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -134,6 +135,19 @@ def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
         "reason": reason,
         "code": code,
     }
+
+
+_INT64 = re.compile(r"-?[0-9]{1,19}")
+
+
+def int64_param(name: str, text: str | None) -> int | None:
+    """A numeric query parameter as kube-apiserver decodes it (int64; absent: None); anything
+    else a 400 (`str.isdigit` would take '²', which int() refuses)."""
+    if text is None or text == "":
+        return None
+    if not _INT64.fullmatch(text) or not -(2**63) <= int(text) < 2**63:
+        raise StoreError(400, "BadRequest", f"invalid {name}: {text[:40]!r} is not an integer")
+    return int(text)
 
 
 def error_response(error: StoreError) -> JSONResponse:
@@ -461,8 +475,9 @@ class ApiServer:
                 if (i["metadata"].get("namespace", ""), i["metadata"]["name"]) > after
             ]
         meta: dict[str, Any] = {"resourceVersion": version}
-        if limit and limit.isdigit() and int(limit) > 0 and len(items) > int(limit):
-            items = items[: int(limit)]
+        count = int64_param("limit", limit)
+        if count is not None and count > 0 and len(items) > count:
+            items = items[:count]
             last = items[-1]["metadata"]
             meta["continue"] = encode_continue(version, (last.get("namespace", ""), last["name"]))
             meta["remainingItemCount"] = 0
@@ -704,9 +719,9 @@ class ApiServer:
                 path = processes.log_dir / f"{name}_{container}.log"
                 if path.is_file():
                     text = path.read_text(errors="replace")
-            tail = request.query_params.get("tailLines")
-            if tail and tail.isdigit():
-                text = "".join(text.splitlines(keepends=True)[-int(tail):]) if int(tail) else ""
+            tail = int64_param("tailLines", request.query_params.get("tailLines"))
+            if tail is not None and tail >= 0:
+                text = "".join(text.splitlines(keepends=True)[-tail:]) if tail else ""
             return Response(text, media_type="text/plain")
         except StoreError as error:
             return error_response(error)

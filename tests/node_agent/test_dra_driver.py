@@ -449,3 +449,116 @@ async def test_a_pod_that_opts_in_spills_its_claim_to_host_memory(short_dir, nc,
             sealed[pod["metadata"]["name"]] = limits.spill_bytes
         assert sealed == {spilling["metadata"]["name"]: 2048 << 20,
                           shared["metadata"]["name"]: 0, plain["metadata"]["name"]: 0}
+
+
+async def test_a_claim_shared_by_two_pods_stays_held_when_its_first_pod_goes(
+        short_dir, nc, nats_url, buckets, node):  # fmt: skip
+    """A ResourceClaim may be reserved for several pods of one node (they share its devices).
+    kubelet prepares it once, for the first pod, and unprepares it when the last one is gone.
+    When the first pod is deleted, the scheduler releases that pod's allocation and quota
+    charge, as for any ended pod; the claim's slice is still held by the second pod, so the
+    driver books it under that pod: the ledger keeps the card's slice, the namespace's quota
+    keeps the charge (a tenant could otherwise share a claim, delete its first pod and hold
+    the slice outside quota), and the last unprepare still scrubs the claim's directory."""
+    from tessera.node_agent.dra import accounting
+
+    from tessera.bus import connect
+    from tessera.settings import NatsSettings
+
+    quota_nc = await connect(NatsSettings(NATS_URL=nats_url), name="quota-under-test")
+    quota = QuotaService(quota_nc, buckets, TesseraSettings(),
+                         consumer=f"quota-test-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    await quota.start()
+    ns = f"q-{uuid.uuid4().hex[:8]}"
+
+    async def used() -> tuple[int, list[str]]:
+        msg = await nc.request(bus.QUOTA_STATUS, encode(QuotaStatusRequest(namespace=ns)),
+                               timeout=5)  # fmt: skip
+        [state] = decode(msg.data, QuotaReply).states
+        return state.used().memory_mib or 0, sorted(state.charges)
+
+    try:
+        reply = await nc.request(bus.QUOTA_SET, encode(QuotaSetRequest(
+            namespace=ns, limits=QuotaAmount(memory_mib=6000))), timeout=5)  # fmt: skip
+        assert decode(reply.data, QuotaReply).ok
+        cluster = InMemoryCluster()
+        async with Harness(short_dir, nc, buckets, node, cluster, quota=True) as h:
+            first, claim = pod_and_claim(node, "gpu-1", "4Gi", "30", namespace=ns)
+            second = json.loads(json.dumps(first))
+            second["metadata"].update(name="p-second", uid=str(uuid.uuid4()))
+            claim["status"]["reservedFor"].append(
+                {"resource": "pods", "name": "p-second", "uid": second["metadata"]["uid"]})
+            for p in (first, second):
+                cluster.add_pod(p)
+            cluster.put_resource_claim(claim)
+            claim_uid = claim["metadata"]["uid"]
+            assert (await h.kubelet_prepare(claim)).claims[claim_uid].error == ""
+            assert await used() == (4096, [first["metadata"]["uid"]])
+
+            # the first pod is deleted; the scheduler releases it (runtime.on_pod_event)
+            cluster.delete_pod(ns, first["metadata"]["name"])
+            await bus.cas_update(buckets.ledger, node, NodeLedger,
+                                 accounting.drop_mutation(first["metadata"]["uid"]))  # fmt: skip
+            msg = await nc.request(bus.QUOTA_RELEASE, encode(QuotaRequest(
+                namespace=ns, pod_uid=first["metadata"]["uid"])), timeout=5)  # fmt: skip
+            assert decode(msg.data, QuotaReply).ok
+
+            await h.driver.reconcile()  # (the endpoint runs it every publish interval)
+            ledger = await h.ledger()
+            assert ledger is not None
+            held = ledger.allocations.get(second["metadata"]["uid"])
+            assert held is not None, "the shared claim's slice left the ledger"
+            gpu1 = h.state.devices()[1].uuid
+            assert [(g.uuid, g.memory_mib, g.cores) for row in held.containers for g in row] == [
+                (gpu1, 4096, 30)]
+            assert (held.namespace, held.name) == (ns, "p-second")
+            assert await used() == (4096, [second["metadata"]["uid"]])
+
+            # the last pod goes: kubelet unprepares, the claim's directory is scrubbed
+            await h.kubelet_unprepare(claim)
+            assert h.store.for_pod(first["metadata"]["uid"]) == []
+            assert h.store.for_pod(second["metadata"]["uid"]) == []
+            assert not cdi.spec_path(h.dra.cdi_dir, claim_uid).exists()
+    finally:
+        await quota.stop()
+        await quota_nc.drain()
+
+
+async def test_an_admin_access_claim_reaches_the_card_and_books_no_slice(
+        short_dir, nc, buckets, node):  # fmt: skip
+    """`adminAccess: true` (a namespace the cluster admin labelled `resource.kubernetes.io/
+    admin-access`: monitoring, management) "ignores all ordinary claims to the device with
+    respect to access modes and any resource allocations" (resource.k8s.io/v1): the allocator
+    gives it a card others hold slices of, consuming nothing. The driver gives the container
+    the card, and books nothing: it used to record a whole card in the ledger beside the
+    tenants' slices (16000 + 12288 MiB on a 16000 MiB card) and charge it to the quota."""
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster) as h:
+        tenant, claim = pod_and_claim(node, "gpu-1", "12Gi", "50")
+        cluster.add_pod(tenant)
+        cluster.put_resource_claim(claim)
+        assert (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]].error == ""
+        monitor, admin = pod_and_claim(node, "gpu-1", "0", "0", namespace="monitoring")
+        [result] = admin["status"]["allocation"]["devices"]["results"]
+        for key in ("consumedCapacity", "shareID"):
+            del result[key]
+        result["adminAccess"] = True
+        cluster.add_pod(monitor)
+        cluster.put_resource_claim(admin)
+        answer = (await h.kubelet_prepare(admin)).claims[admin["metadata"]["uid"]]
+        assert answer.error == ""
+        [cdir] = h.store.for_pod(monitor["metadata"]["uid"])
+        sealed = read_limits(cdir.limits_dir)
+        gpu1 = h.state.devices()[1].uuid
+        assert sealed is not None and [(d.uuid, d.mem_limit_bytes >> 20, d.sm_limit_pct)
+                                       for d in sealed.devices] == [(gpu1, 16000, 100)]
+        ledger = await h.ledger()
+        assert ledger is not None and monitor["metadata"]["uid"] not in ledger.allocations
+        [booked] = ledger.allocations.values()
+        assert [(g.uuid, g.memory_mib) for row in booked.containers for g in row] == [
+            (gpu1, 12288)]
+        await h.driver.reconcile()  # the periodic pass books nothing either
+        ledger = await h.ledger()
+        assert ledger is not None and monitor["metadata"]["uid"] not in ledger.allocations
+        await h.kubelet_unprepare(admin)
+        assert h.store.for_pod(monitor["metadata"]["uid"]) == []

@@ -27,6 +27,13 @@ from tessera.quantity import QuantityError
 from tessera.quantity import parse as parse_quantity
 
 MAX_EXPRESSION_BYTES = 10 * 1024
+# cel-go aborts an evaluation past its runtime cost limit (the allocation fails with the error).
+# cel-python is far slower per step (~10 us), so kube-sim's bound is in evaluation steps (AST
+# nodes visited): a selector built to be slow costs about a second of CPU per device, and what
+# people write stays far below it (the webhook's 150-type use-gputype selector: ~5,000 steps;
+# a 40 x 40 comprehension: ~38,000). A selector past it is refused as cel-go refuses one past
+# its cost limit, though cel-go would have finished some of them.
+MAX_EVALUATION_STEPS = 100_000
 
 
 class CelError(ValueError):
@@ -215,7 +222,36 @@ def _expand_bind(tree: Any) -> Any:
     return Tree(tree.data, children)
 
 
-_ENV = celpy.Environment()
+class _CostLimitExceeded(BaseException):
+    """Raised out of cel-python's evaluator, which turns any Exception inside `||`, `&&` and
+    `?:` into a value; caught in `evaluate` only."""
+
+
+class _CountingEvaluator(celpy.evaluation.Evaluator):
+    """cel-python's evaluator, every node visited charged to one budget (macros included)."""
+
+    budget: list[int]
+
+    def sub_evaluator(self, ast: Any) -> celpy.evaluation.Evaluator:
+        sub = _CountingEvaluator(ast, activation=self.activation)
+        sub.budget = self.budget
+        return sub
+
+    def visit_children(self, tree: Any) -> Any:
+        self.budget[0] -= 1
+        if self.budget[0] < 0:
+            raise _CostLimitExceeded
+        return super().visit_children(tree)
+
+
+class _CountingRunner(celpy.InterpretedRunner):
+    def evaluate(self, context: Any) -> Any:
+        evaluator = _CountingEvaluator(ast=self.ast, activation=self.new_activation())
+        evaluator.budget = [MAX_EVALUATION_STEPS]
+        return evaluator.evaluate(context)
+
+
+_ENV = celpy.Environment(runner_class=_CountingRunner)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -225,9 +261,11 @@ def compile_selector(expression: str) -> celpy.Runner:
         raise CelError("expression is longer than 10Ki")
     try:
         tree = _expand_bind(_ENV.compile(expression))
+        return _ENV.program(tree, functions=FUNCTIONS)
     except celpy.CELParseError as exc:
         raise CelError(f"compilation failed: {exc}") from None
-    return _ENV.program(tree, functions=FUNCTIONS)
+    except RecursionError:  # cel-go's parser has a recursion limit too ("max recursion depth")
+        raise CelError("compilation failed: the expression nests too deeply") from None
 
 
 def compile_error(expression: str) -> str | None:
@@ -279,6 +317,9 @@ def evaluate(expression: str, activation: dict[str, Any]) -> bool:
     program = compile_selector(expression)
     try:
         result = program.evaluate(activation)
+    except _CostLimitExceeded:
+        raise CelError(f"evaluation failed: actual cost limit exceeded ({MAX_EVALUATION_STEPS} "
+                       "steps)") from None
     except (celpy.CELEvalError, CelError) as exc:
         raise CelError(f"evaluation failed: {exc.args[0] if exc.args else exc}") from None
     except Exception as exc:  # cel-python raises plain errors from inside functions

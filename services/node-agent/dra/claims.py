@@ -37,9 +37,10 @@ from tessera.dra_grants import (
 from tessera.models import DeviceGrant, DeviceInfo
 
 __all__ = [
-    "ClaimDevice", "ClaimError", "PodUse", "PreparedClaim", "allocated_devices", "claim_ref",
-    "container_names", "mig_devices", "mps_cards", "plan", "pod_claim_names", "pod_use",
-    "reserved_pods", "spill_bytes", "task_priority", "with_instances",
+    "ClaimDevice", "ClaimError", "PodUse", "PreparedClaim", "allocated_devices", "booked",
+    "claim_ref",
+    "container_names", "handed_on", "mig_devices", "mps_cards", "plan", "pod_claim_names",
+    "pod_use", "reserved_pods", "spill_bytes", "task_priority", "with_instances",
 ]
 
 
@@ -51,6 +52,7 @@ class ClaimDevice(BaseModel):
     share_id: str = ""
     sharing: str = Field(config.TIME_SLICING, description="TimeSlicing (libvgpu) or MPS")
     grant: DeviceGrant
+    admin_access: bool = Field(False, description="adminAccess: reached, never booked")
 
 
 class PreparedClaim(BaseModel):
@@ -95,10 +97,22 @@ def allocated_devices(
             raise ClaimError(str(exc)) from exc
         out.append(ClaimDevice(request=found.request, device=found.device,
                                share_id=found.share_id, sharing=sharing,
-                               grant=found.grant))  # fmt: skip
+                               grant=found.grant, admin_access=found.admin_access))  # fmt: skip
     if sum(1 for d in out if d.sharing == config.MPS) > 1:
         raise ClaimError(f"{label}: MPS sharing on {len(out)} cards; an MPS client reaches one "
                          "card's daemon, so an MPS claim holds one card (count: 1)")  # fmt: skip
+    return out
+
+
+def booked(records: list[PreparedClaim]) -> list[PreparedClaim]:
+    """What the ledger and the quota hold of these prepared claims: every device but those
+    reached by admin access (they consume nothing); a claim left with none is not booked."""
+    out = []
+    for record in records:
+        devices = [d for d in record.devices if not d.admin_access]
+        if devices:
+            out.append(record if len(devices) == len(record.devices)
+                       else record.model_copy(update={"devices": devices}))  # fmt: skip
     return out
 
 
@@ -136,6 +150,28 @@ def plan(claim: dict[str, Any], pod: dict[str, Any], node: str,
         pod=str(pod_meta.get("name", "")), container_index=first, container=name,
         containers=list(use.indices), devices=found,
     )  # fmt: skip
+
+
+def handed_on(record: PreparedClaim, claim: dict[str, Any], pod: dict[str, Any],
+              node: str) -> PreparedClaim | None:  # fmt: skip
+    """The prepared claim booked under `pod`, another pod the claim is reserved for (a shared
+    claim), when its recorded pod has ended: None unless `pod` is that very pod (uid as
+    reserved), runs on `node` and has not finished."""
+    meta, pod_meta = _obj(claim.get("metadata")), _obj(pod.get("metadata"))
+    if meta.get("uid") != record.claim_uid:
+        return None  # deleted and made again: not the claim prepared here
+    reserved = dict((uid, name) for name, uid in reserved_pods(claim))
+    uid = str(pod_meta.get("uid", ""))
+    if (uid == record.pod_uid or reserved.get(uid) != pod_meta.get("name")
+            or _obj(pod.get("spec")).get("nodeName") != node
+            or _obj(pod.get("status")).get("phase") in ("Succeeded", "Failed")):
+        return None
+    use = pod_use(pod, record.name)
+    return record.model_copy(update={
+        "pod_uid": uid, "pod": str(pod_meta.get("name", "")),
+        "container_index": use.indices[0] if use.indices else 0,
+        "container": use.names[0] if use.names else "", "containers": list(use.indices),
+    })  # fmt: skip
 
 
 def task_priority(pod: dict[str, Any], index: int) -> int:

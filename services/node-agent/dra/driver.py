@@ -51,7 +51,9 @@ from . import accounting, cdi
 from .claims import (
     ClaimError,
     PreparedClaim,
+    booked,
     container_names,
+    handed_on,
     mig_devices,
     mps_cards,
     plan,
@@ -336,6 +338,7 @@ class DraDriver:
                           pod: dict | None) -> None:  # fmt: skip
         if self.quota is None:
             return
+        held = booked(held)
         allocation = accounting.pod_allocation(
             self.node, held, container_names=container_names(pod) if pod else [],
             init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
@@ -348,7 +351,7 @@ class DraDriver:
     # --- the ledger and the event stream -----------------------------------------------------
 
     async def _record_in_ledger(self, pod_uid: str, pod: dict | None = None) -> None:
-        held = self.records.of_pod(pod_uid)
+        held = booked(self.records.of_pod(pod_uid))
         if not held:
             body = accounting.drop_mutation(pod_uid)
         else:
@@ -403,18 +406,66 @@ class DraDriver:
 
     async def reconcile(self) -> None:
         """After a restart, or a ledger lost or rebuilt without them: every prepared claim's
-        pod, while it runs, in the ledger (a pod that ended is the scheduler's to release)."""
+        pod, while it runs, in the ledger (a pod that ended is the scheduler's to release; a
+        claim it shared with another pod of this node is handed on to that pod)."""
         pods = {r.pod_uid: r for r in self.records.all()}
         for pod_uid, record in sorted(pods.items()):
             try:
                 pod = await self.cluster.get_pod(record.namespace, record.pod)
+            except NotFoundError:
+                pod = None
             except ClusterError:
-                continue  # gone (kubelet unprepares it) or unreadable now: next round
-            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-            if meta.get("uid") != pod_uid or status.get("phase") in ("Succeeded", "Failed"):
+                continue  # unreadable now: next round
+            meta, status = (pod or {}).get("metadata") or {}, (pod or {}).get("status") or {}
+            if pod is None or meta.get("uid") != pod_uid or status.get("phase") in (
+                    "Succeeded", "Failed"):  # fmt: skip
+                for claim in self.records.of_pod(pod_uid):
+                    await self._hand_on(claim)
                 continue
             async with self._lock:
                 try:
                     await self._record_in_ledger(pod_uid, pod)
                 except PrepareError as exc:
                     self.log.warning("DRA allocation not restored", extra={"err": str(exc)})
+
+    async def _hand_on(self, record: PreparedClaim) -> None:
+        """The claim's pod has ended, but kubelet keeps a claim prepared while any pod of the
+        node still uses it (a claim reserved for several pods is prepared once, for the first):
+        book it under the next pod it is reserved for that runs here. The scheduler releases
+        the ended pod's allocation and quota charge as for any pod; without this the slice a
+        running pod holds would be in neither (and its directory, the ended pod's, would be
+        collected as a gone pod's). Unprepare, when the last pod goes, scrubs it as ever."""
+        try:
+            claim = await self.cluster.get_resource_claim(record.namespace, record.name)
+        except ClusterError:
+            return  # gone: kubelet unprepares it; unreadable: next round
+        for name, _uid in reserved_pods(claim):
+            try:
+                pod = await self.cluster.get_pod(record.namespace, name)
+            except ClusterError:
+                continue
+            moved = handed_on(record, claim, pod, self.node)
+            if moved is not None:
+                break
+        else:
+            return  # no other pod of this node holds it: the ended pod's, released as ever
+        async with self._lock:
+            if self.records.get(record.claim_uid) != record:
+                return  # unprepared or handed on meanwhile
+            for cdir in self.store.for_pod(record.pod_uid):
+                if cdir.prepared.device_ids == [record.cdi_device]:
+                    await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(
+                        update={"pod_uid": moved.pod_uid, "pod": moved.pod,
+                                "container": moved.container,
+                                "index": moved.container_index}))  # fmt: skip
+            self.records.put(moved)
+            try:
+                await self._hold_quota(moved, self.records.of_pod(moved.pod_uid), pod)
+            except PrepareError as exc:  # held on the node whatever the quota says now
+                self.log.warning("shared claim's quota charge not moved", extra={
+                    "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
+            await self._record_in_ledger(moved.pod_uid, pod)
+            await self._publish("allocated", moved, pod)
+            self.log.info("shared claim handed on", extra={
+                "claim": f"{record.namespace}/{record.name}", "from": record.pod,
+                "to": moved.pod})  # fmt: skip
