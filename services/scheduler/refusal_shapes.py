@@ -52,6 +52,7 @@ from tessera.hami import ContainerRequest, PodRequest
 from .cards import Card
 from .refusal_steps import PodSteps, card_codes, group_steps, grouped
 from .rules import FitContext, card_refusal, check_health, check_type_and_mode, relevant_checks
+from .shape_texts import ShapeTexts
 
 UNSHAREABLE = -1  # a card class (or a node's unusable signature) that is never grouped
 # The sharing modes whose per-GPU checks read only what a code holds (NVIDIA's libvgpu slices
@@ -75,6 +76,7 @@ class CardClasses:
         self._sans_numa: np.ndarray | None = None  # (`sans_numa`)
         self._texts_for: list[bool] = []  # by class: libvgpu slices (`shared_key`)
         self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
+        self._reason_names: list[str] = []  # (by id)
         self._rep_cards: list[Card] = []  # `_rep` as cards (static checks only read them)
         # (request, id(options)) -> (options, `static_refusal`): the checks read only the
         # request's family and count and the options' selections (`rules.check_health`,
@@ -195,12 +197,18 @@ class CardClasses:
             known = self._reason_ids.get(reason)
             if known is None:
                 known = self._reason_ids[reason] = len(self._reason_ids)
+                self._reason_names.append(reason)
             found.append(1 + known)
         array = np.asarray(found or [0], dtype=np.int64)
         if len(self._static) > 256:
             self._static.clear()
         self._static[key] = (options, array)  # (the options object kept: its id stays its own)
         return array
+
+    def static_reason(self, reason_id: int) -> str | None:
+        """The reason of a static check by its id (`static_refusal`), None for no such id."""
+        names = self._reason_names
+        return names[reason_id] if 0 <= reason_id < len(names) else None
 
     def shared_texts(
         self, steps: PodSteps
@@ -213,7 +221,9 @@ class CardClasses:
         pass counted as too few against the failing container's `count`. The pod's
         selections, mutex, NUMA binding and whether it has several containers decide the
         static checks and the wording: one table each (hashed once a call, not once a shape).
-        None where codes are raw inputs (another card kind)."""
+        A shape the table does not hold yet is worded from its key where the key says it all
+        (`shape_texts.ShapeTexts`: its `in` words it), else fitted by the caller. None where
+        codes are raw inputs (another card kind)."""
         if len(self._texts_for) != len(self._rep):
             self._texts_for = [bool(x) for x in self.statics()[3]]
         if not all(self._texts_for):
@@ -224,7 +234,7 @@ class CardClasses:
         if found is None or len(found) > 65_536:
             if len(self.texts) > 256:
                 self.texts.clear()
-            found = self.texts[alike] = {}
+            found = self.texts[alike] = ShapeTexts(self.static_reason, alike[3], alike[2])
         return found
 
     @staticmethod

@@ -22,6 +22,13 @@ from tessera.hami import ContainerRequest
 
 from .native_steps import NativeSteps
 from .row_reduce import row_any, row_counts, row_max
+from .rules import (
+    CARD_COMPUTE_UNITS_EXHAUSTED,
+    CARD_INSUFFICIENT_CORE,
+    CARD_INSUFFICIENT_MEMORY,
+    CARD_TIME_SLICING_EXHAUSTED,
+    EXCLUSIVE_CONFLICT,
+)
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -39,6 +46,12 @@ class PodSteps:
 
 # a card's verdict against a container, in HAMi's check order (`rules.FIT_CHECKS`): 0 takes it
 _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE, _STATIC = range(1, 8)  # (+ reason id)
+# the reason of each verdict (the check that fails: `rules.card_refusal`'s), and the verdict of
+# a class's static check with reason id 0 (`CardClasses.static_refusal`: id i is this + i)
+VERDICT_REASONS = {_SLOTS: CARD_TIME_SLICING_EXHAUSTED, _MUTEX: EXCLUSIVE_CONFLICT,
+                   _MEMORY: CARD_INSUFFICIENT_MEMORY, _CORES: CARD_INSUFFICIENT_CORE,
+                   _EXCLUSIVE: EXCLUSIVE_CONFLICT, _COMPUTE: CARD_COMPUTE_UNITS_EXHAUSTED}
+STATIC_BASE = _STATIC + 1
 
 
 def card_codes(
