@@ -277,9 +277,16 @@ def first_step(
     if all(r is None for r in request.init) and not (
         options.numa_bind or "numa" in options.gpu_policies
         or "topology-aware" in options.gpu_policies
-    ):  # fmt: skip
+    ) and max(options.weights) <= _EXACT_WEIGHT:  # fmt: skip
         return PodSteps(steps, options), None  # type: ignore[return-value]
     return steps[0], PodRequest(containers=[steps[0]])
+
+
+# The largest scoring weight whose device scores a pod's steps compute exactly as Python's
+# (`group_steps`: int64 products, doubles; `placement.device_score`: Python's ints, a correctly
+# rounded quotient): a weight times a card's memory in MiB stays below 2^53 for cards of up to
+# 2^32 MiB. A pod weighing more (HAMi takes any integer) is grouped by its first container.
+_EXACT_WEIGHT = 1 << 20
 
 
 _DISTINCT_FROM = 64  # candidates from which each distinct row (`RowStates`) is read once
