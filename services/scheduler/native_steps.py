@@ -69,6 +69,10 @@ class NativeSteps:
         steps.restype = ctypes.c_int64
         steps.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _P, _P]
         self._steps = steps
+        group = lib.tr_group
+        group.restype = ctypes.c_int64
+        group.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P]
+        self._group = group
 
     @classmethod
     def load(cls) -> NativeSteps | None:
@@ -154,3 +158,35 @@ class NativeSteps:
         if done != 0:
             return None
         return failed_at, failed_sig, codes, refused
+
+    def group(self, head: np.ndarray, codes: np.ndarray, where: np.ndarray
+              ) -> tuple[np.ndarray, list[bytes], np.ndarray] | None:
+        """`refusal_steps.grouped` of int64 `head` and `codes` rows: (group by row, -1 where
+        not `where`; each group's key, its first row's head and sorted codes as bytes; each
+        group's first row), the groups numbered by their first row (`grouped` numbers them
+        by their packed value: the same groups and keys). None where it does not apply."""
+        if (head.dtype != np.int64 or codes.dtype != np.int64 or where.dtype != np.bool_
+                or head.ndim != 2 or codes.ndim != 2 or len(head) != len(codes)
+                or len(where) != len(codes)):  # fmt: skip
+            return None
+        head = np.ascontiguousarray(head)
+        codes = np.ascontiguousarray(codes)
+        where = np.ascontiguousarray(where)
+        count = len(codes)
+        size = 1 << max(1, (2 * count - 1).bit_length())
+        groups = np.empty(count, dtype=np.int64)
+        first = np.empty(count, dtype=np.int64)
+        table = np.empty(size, dtype=np.int64)
+        ordered = np.empty(codes.shape, dtype=np.int64)
+        found = self._group(head.ctypes.data, head.shape[1], codes.ctypes.data, codes.shape[1],
+                            where.ctypes.data, count, groups.ctypes.data, first.ctypes.data,
+                            table.ctypes.data, size, ordered.ctypes.data)  # fmt: skip
+        if found < 0:
+            return None
+        firsts = first[:found].tolist()
+        keys = [head[i].tobytes() + ordered[i].tobytes() for i in firsts]
+        if found < count and not where.all():  # the rows not grouped, keyed as `grouped`
+            rest = int(np.argmin(where))  # keys them: a group no row is given (its first's)
+            keys.append(head[rest].tobytes() + np.sort(codes[rest]).tobytes())
+            firsts.append(rest)
+        return groups, keys, np.asarray(firsts, dtype=np.int64)

@@ -180,13 +180,16 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray
                 ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
     """`group` for a pod of several app containers: the candidates grouped by the step each
     fails at and its cards' codes then (`step_arrays`; in C where `native_steps` applies,
-    the same arrays), `ties` set as `step_arrays` says."""
+    the same arrays; grouped there too, the same groups and keys), `ties` set as
+    `step_arrays` says."""
     native = NativeSteps.load()
     found = native.steps(index, slots, steps, ties) if native is not None else None
     if found is None:
         found = step_arrays(index, slots, steps, ties)
     failed_at, failed_sig, codes, refused = found
-    return grouped(np.stack([failed_at, failed_sig], axis=1), codes, refused)
+    head = np.stack([failed_at, failed_sig], axis=1)
+    done = native.group(head, codes, refused) if native is not None else None
+    return done if done is not None else grouped(head, codes, refused)
 
 
 def step_arrays(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray | None = None

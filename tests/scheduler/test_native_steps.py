@@ -21,9 +21,8 @@ import pytest
 from tessera.scheduler.decide import decide
 from tessera.scheduler.index import ClusterIndex
 from tessera.scheduler.native_steps import LIBRARY_ENV, NativeSteps
-from tessera.scheduler.refusal_shapes import first_step
-from tessera.scheduler.refusal_steps import PodSteps, step_arrays
-from tessera.scheduler.rules import QuotaBudget, parse_pod_options
+from tessera.scheduler.refusal_steps import PodSteps, grouped, step_arrays
+from tessera.scheduler.rules import parse_pod_options
 
 from tessera import hami
 from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
@@ -117,12 +116,11 @@ def cluster(seed: int, nodes: int, wide: bool) -> tuple[ClusterIndex, list[str],
     return index, names, rng
 
 
-def steps_of(spec: dict[str, Any]) -> PodSteps | None:
+def steps_of(spec: dict[str, Any]) -> PodSteps:
+    """The pod's containers as steps (whether `first_step` groups its refusals by them or,
+    for weights over `_EXACT_WEIGHT`, not: both paths compute them alike either way)."""
     request = hami.parse_pod_request(spec, SETTINGS)
-    step = first_step(request, parse_pod_options(spec, SETTINGS), QuotaBudget())
-    if step is None or step[1] is not None:
-        return None
-    return step[0]  # type: ignore[return-value]
+    return PodSteps([r for r in request.all if r is not None], parse_pod_options(spec, SETTINGS))
 
 
 def assert_same(index: ClusterIndex, slots: np.ndarray, steps: PodSteps, label: str) -> bool:
@@ -139,7 +137,47 @@ def assert_same(index: ClusterIndex, slots: np.ndarray, steps: PodSteps, label: 
         assert got_array.dtype == want_array.dtype, (label, what)
         assert np.array_equal(got_array, want_array), (label, what)
     assert np.array_equal(native_ties, numpy_ties), (label, "ties")
+    assert_same_groups(np.stack(want[:2], axis=1), want[2], want[3], label)
     return bool(numpy_ties.any())
+
+
+def assert_same_groups(head: np.ndarray, codes: np.ndarray, where: np.ndarray,
+                       label: str) -> None:
+    """The library's grouping is `grouped`'s: the same key for every row grouped, the same
+    rows not grouped, each group's first row the same (the numbering may differ)."""
+    native = NativeSteps.load()
+    assert native is not None
+    found = native.group(head, codes, where)
+    assert found is not None, label
+    groups, keys, first = found
+    want_groups, want_keys, want_first = grouped(head, codes, where)
+    assert np.array_equal(groups < 0, want_groups < 0), (label, "grouped")
+    assert len(keys) == len(want_keys), (label, "groups")  # (the rows not grouped: one)
+    at = np.flatnonzero(groups >= 0)
+    got = [keys[g] for g in groups[at].tolist()]
+    assert got == [want_keys[g] for g in want_groups[at].tolist()], (label, "keys")
+    assert np.array_equal(first[groups[at]], want_first[want_groups[at]]), (label, "first")
+    real = set(groups[at].tolist())
+    assert len(real) == len(set(want_groups[at].tolist())), (label, "groups")
+    rest = [g for g in range(len(keys)) if g not in real]  # (the rows not grouped: `grouped`
+    want_rest = [g for g in range(len(want_keys))  # keys them as a group no row is given)
+                 if g not in set(want_groups[at].tolist())]  # fmt: skip
+    assert [(keys[g], int(first[g])) for g in rest] == [
+        (want_keys[g], int(want_first[g])) for g in want_rest], (label, "not grouped")
+
+
+def test_the_native_grouping_is_numpys_on_collisions_and_wide_codes() -> None:
+    """Rows alike but for their codes' order, codes spanning past what `grouped` packs
+    exactly (its hashed path), many rows of few groups, and rows not grouped."""
+    rng = np.random.default_rng(5)
+    for width, span, rows in ((8, 4, 3000), (16, 40_000, 500), (3, 2, 50), (1, 3, 10),
+                              (12, 70_000, 200)):  # fmt: skip
+        base = rng.integers(-1, span, size=(rows // 10 + 1, width))
+        codes = base[rng.integers(0, len(base), size=rows)]
+        codes = np.ascontiguousarray(rng.permuted(codes, axis=1), dtype=np.int64)
+        head = np.ascontiguousarray(rng.integers(-1, 3, size=(rows, 2)), dtype=np.int64)
+        where = rng.random(rows) < 0.8
+        assert_same_groups(head, codes, where, f"width {width} span {span}")
 
 
 @pytest.mark.parametrize(("seed", "wide"), [(11, False), (12, False), (13, True)])
@@ -150,8 +188,6 @@ def test_the_native_steps_equal_numpy_on_adversarial_clusters_and_pods(seed: int
     compared = refused = tied = 0
     for i in range(160):
         steps = steps_of(several(rng, i))
-        if steps is None:
-            continue
         # candidates in any order, some twice; every node, a window, a handful
         slots = rng.choice([every, every[::-1], np.asarray(rng.sample(list(every), 20)),
                             np.concatenate([every[:30], every[:30]]), every[:1]])  # fmt: skip
@@ -205,7 +241,6 @@ def test_cards_alike_but_for_their_pods_tie_alike() -> None:
                             {"name": "a", "resources": {"limits": limits}},
                             {"name": "b", "resources": {"limits": limits}}]}}  # fmt: skip
                 steps = steps_of(spec)
-                assert steps is not None
                 tied += assert_same(index, slots, steps, f"{policy} {weights} {count}")
     assert tied > 3, tied
 
@@ -217,7 +252,6 @@ def test_the_library_steps_aside_where_it_does_not_apply() -> None:
     slots = np.asarray([index.slot_of[name] for name in names], dtype=np.int64)
     spec = several(rng, 0)
     steps = steps_of(spec)
-    assert steps is not None
     native = NativeSteps.load()
     assert native is not None
     numa = PodSteps(steps.containers, replace(steps.options, numa_bind=True))

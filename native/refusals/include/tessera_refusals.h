@@ -49,4 +49,13 @@ TR_EXPORT int64_t tr_steps(const tr_cards *cards, const tr_classes *classes, con
 			   const int64_t *slots, int64_t n, int64_t *failed_at,
 			   int64_t *failed_sig, int64_t *codes, uint8_t *refused, uint8_t *ties);
 
+/* The `n` rows where `where[i]` grouped by their `hw` head values and the multiset of their
+ * `w` codes (int64, row-major): `groups[i]` the group of row i (-1 where not `where`),
+ * numbered by first row, `first[g]` group g's first row. `table` is scratch of `table_size`
+ * entries (a power of two, at least 2n) and `sorted` of n * w. The number of groups, or -1
+ * when an argument is out of range. */
+TR_EXPORT int64_t tr_group(const int64_t *head, int64_t hw, const int64_t *codes, int64_t w,
+			   const uint8_t *where, int64_t n, int64_t *groups, int64_t *first,
+			   int64_t *table, int64_t table_size, int64_t *sorted);
+
 #endif

@@ -257,10 +257,16 @@ int64_t tr_steps(const tr_cards *cards, const tr_classes *classes, const tr_pod 
 			}
 			if (j == steps - 1)
 				break;
-			keys(&s, w, r, pod);
-			pick(&s, w, r[0]);
-			if (ties != NULL && !ties[i] && tied(&s, w, j, steps - 1, pod))
-				ties[i] = 1;
+			if (passing == r[0]) { /* every passing card taken: no pick, no tie */
+				for (int64_t c = 0; c < w; c++)
+					s.taken[c] = s.carded[c] && s.verdict[c] == 0 &&
+						     !s.exhausted[c];
+			} else {
+				keys(&s, w, r, pod);
+				pick(&s, w, r[0]);
+				if (ties != NULL && !ties[i] && tied(&s, w, j, steps - 1, pod))
+					ties[i] = 1;
+			}
 			int compute_later = 0, percent_later = 0;
 			for (int64_t k = j + 1; k < steps; k++) {
 				compute_later |= pod->requests[4 * k + 3] == 0;
