@@ -73,6 +73,10 @@ class NativeSteps:
         group.restype = ctypes.c_int64
         group.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P]
         self._group = group
+        distinct = lib.tr_distinct
+        distinct.restype = ctypes.c_int64
+        distinct.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _P, _P]
+        self._distinct = distinct
 
     @classmethod
     def load(cls) -> NativeSteps | None:
@@ -190,3 +194,30 @@ class NativeSteps:
             keys.append(head[rest].tobytes() + np.sort(codes[rest]).tobytes())
             firsts.append(rest)
         return groups, keys, np.asarray(firsts, dtype=np.int64)
+
+    def distinct(self, numbers: np.ndarray, at: np.ndarray, versions: np.ndarray,
+                 slots: np.ndarray, first_of: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray] | bool | None:
+        """`refusal_states.RowStates.distinct`'s reading of the candidates' row numbers
+        (`numbers`, valid where `at` is the row's version): (the candidates that are their
+        number's first, in order; each candidate's place among them), False when a
+        candidate's number is stale (the caller renumbers), None where it does not apply.
+        `first_of`: scratch, every entry -1 (left so), more entries than any number."""
+        rows = len(versions)
+        if (numbers.dtype != np.int64 or at.dtype != np.int64 or versions.dtype != np.int64
+                or first_of.dtype != np.int64 or len(numbers) < rows or len(at) < rows
+                or not (numbers.flags.c_contiguous and at.flags.c_contiguous
+                        and versions.flags.c_contiguous and first_of.flags.c_contiguous)):
+            return None  # fmt: skip
+        candidates = np.ascontiguousarray(slots, dtype=np.int64)
+        count = len(candidates)
+        reps = np.empty(count, dtype=np.int64)
+        rank = np.empty(count, dtype=np.int64)
+        found = self._distinct(numbers.ctypes.data, at.ctypes.data, versions.ctypes.data, rows,
+                               candidates.ctypes.data, count, first_of.ctypes.data,
+                               len(first_of), reps.ctypes.data, rank.ctypes.data)  # fmt: skip
+        if found == -2:
+            return False
+        if found < 0:
+            return None
+        return reps[:found], rank
