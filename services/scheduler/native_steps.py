@@ -43,7 +43,8 @@ class _Classes(ctypes.Structure):
 
 class _Pod(ctypes.Structure):
     _fields_ = [("containers", _I), ("requests", _P), ("statics", _P), ("mutex", _I),
-                ("sign", _I), ("w_slot", _I), ("w_core", _I), ("w_mem", _I)]  # fmt: skip
+                ("sign", _I), ("w_slot", _I), ("w_core", _I), ("w_mem", _I),
+                ("all_codes", _I)]  # fmt: skip
 
 
 # (array, dtype) of the index's per-card arrays the library reads, in `_Cards` order
@@ -93,13 +94,16 @@ class NativeSteps:
         cls._loaded[path] = found
         return found
 
-    def steps(self, index: Any, slots: np.ndarray, steps: Any, ties: np.ndarray | None
+    def steps(self, index: Any, slots: np.ndarray, steps: Any, ties: np.ndarray | None,
+              every_row: bool = False
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(the step each candidate fails at, -1 for none; its signature there, -1; its cards'
         codes then, -1 elsewhere; whether it is refused), `ties` (bool by candidate) set where
         a pick chose by index between unlike cards: `refusal_steps.step_arrays`' results. None
         where the library does not apply (another card kind, NUMA binding, a value out of
-        its range): the caller computes them in numpy."""
+        its range): the caller computes them in numpy. `every_row` (a pod of one container):
+        every candidate's codes against it, refused or not, grouped or not (as
+        `refusal_steps.card_codes` gives them to `refusal_shapes._group`)."""
         options = steps.options
         if options.numa_bind:
             return None
@@ -142,8 +146,11 @@ class NativeSteps:
         static_array = np.ascontiguousarray(statics, dtype=np.int64)
         cards = _Cards(rows, width, *(a.ctypes.data for a in arrays), signature.ctypes.data)
         klass = _Classes(classes, *(a.ctypes.data for a in by_class))
+        if every_row and len(requests) != 1:
+            return None
         pod = _Pod(len(requests), request_array.ctypes.data, static_array.ctypes.data,
-                   int(options.mutex), signs[0] if signs else 0, *weights)  # fmt: skip
+                   int(options.mutex), signs[0] if signs else 0, *weights,
+                   int(every_row))  # fmt: skip
         candidates = np.ascontiguousarray(slots, dtype=np.int64)
         count = len(candidates)
         failed_at = np.empty(count, dtype=np.int64)
@@ -163,12 +170,13 @@ class NativeSteps:
             return None
         return failed_at, failed_sig, codes, refused
 
-    def group(self, head: np.ndarray, codes: np.ndarray, where: np.ndarray
-              ) -> tuple[np.ndarray, list[bytes], np.ndarray] | None:
+    def group(self, head: np.ndarray, codes: np.ndarray, where: np.ndarray,
+              key_dtype: Any = np.int64) -> tuple[np.ndarray, list[bytes], np.ndarray] | None:
         """`refusal_steps.grouped` of int64 `head` and `codes` rows: (group by row, -1 where
         not `where`; each group's key, its first row's head and sorted codes as bytes; each
         group's first row), the groups numbered by their first row (`grouped` numbers them
-        by their packed value: the same groups and keys). None where it does not apply."""
+        by their packed value: the same groups and keys; the codes in a key as `key_dtype`,
+        the dtype the numpy path groups them in). None where it does not apply."""
         if (head.dtype != np.int64 or codes.dtype != np.int64 or where.dtype != np.bool_
                 or head.ndim != 2 or codes.ndim != 2 or len(head) != len(codes)
                 or len(where) != len(codes)):  # fmt: skip
@@ -188,10 +196,12 @@ class NativeSteps:
         if found < 0:
             return None
         firsts = first[:found].tolist()
+        if key_dtype != np.int64:
+            ordered = ordered.astype(key_dtype)
         keys = [head[i].tobytes() + ordered[i].tobytes() for i in firsts]
         if found < count and not where.all():  # the rows not grouped, keyed as `grouped`
             rest = int(np.argmin(where))  # keys them: a group no row is given (its first's)
-            keys.append(head[rest].tobytes() + np.sort(codes[rest]).tobytes())
+            keys.append(head[rest].tobytes() + np.sort(codes[rest]).astype(key_dtype).tobytes())
             firsts.append(rest)
         return groups, keys, np.asarray(firsts, dtype=np.int64)
 

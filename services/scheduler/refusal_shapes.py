@@ -50,6 +50,7 @@ from tessera.device_kinds.nvidia.slices import SLICES
 from tessera.hami import ContainerRequest, PodRequest
 
 from .cards import Card
+from .native_steps import NativeSteps
 from .refusal_steps import PodSteps, card_codes, group_steps, grouped
 from .rules import FitContext, card_refusal, check_health, check_type_and_mode, relevant_checks
 from .shape_texts import ShapeTexts
@@ -344,6 +345,14 @@ def _group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps,
     if isinstance(r, PodSteps):
         if len(r.containers) > 1:
             return group_steps(index, slots, r, ties)
+        native = NativeSteps.load()  # (the codes and groups in C: the same, see below)
+        found = native.steps(index, slots, r, None, every_row=True) if native else None
+        if found is not None:
+            signature = index.unusable_sig.take(slots, axis=0)
+            done = native.group(signature[:, None].astype(np.int64), found[2],  # type: ignore[union-attr]
+                                signature >= 0, np.int16)  # fmt: skip
+            if done is not None:
+                return done
         options, r = r.options, r.containers[0]
     signature = index.unusable_sig.take(slots, axis=0)
     classes = index.card_class.take(slots, axis=0)

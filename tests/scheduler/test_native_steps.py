@@ -149,8 +149,14 @@ def assert_same_groups(head: np.ndarray, codes: np.ndarray, where: np.ndarray,
     assert native is not None
     found = native.group(head, codes, where)
     assert found is not None, label
+    same_grouping(found, grouped(head, codes, where), label)
+
+
+def same_grouping(found: tuple, want: tuple, label: str) -> None:
+    """Two (group by row, keys, firsts): the same key for every row grouped, the same rows
+    not grouped, each group's first row the same, the same key for the rows not grouped."""
     groups, keys, first = found
-    want_groups, want_keys, want_first = grouped(head, codes, where)
+    want_groups, want_keys, want_first = want
     assert np.array_equal(groups < 0, want_groups < 0), (label, "grouped")
     assert len(keys) == len(want_keys), (label, "groups")  # (the rows not grouped: one)
     at = np.flatnonzero(groups >= 0)
@@ -283,3 +289,25 @@ def test_without_the_library_a_refusal_says_the_same(seed: int,
         assert dict(decision.failed) == want_failed, f"pod {i}"
         refused += not got
     assert refused > 5, refused
+
+
+@pytest.mark.parametrize("seed", [71, 72])
+def test_one_containers_codes_and_groups_in_c_are_numpys(seed: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod of one container is grouped by every candidate's codes against it
+    (`refusal_shapes._group`): in C (the codes of every row, grouped rows or not, keyed as
+    numpy keys them) as in numpy."""
+    from tessera.scheduler import refusal_shapes
+
+    index, names, rng = cluster(seed, 120, seed % 2 == 0)
+    every = np.asarray([index.slot_of[name] for name in names], dtype=np.int64)
+    for i in range(60):
+        spec = several(rng, i)
+        spec["spec"]["containers"] = spec["spec"]["containers"][:1]
+        steps = steps_of(spec)
+        slots = rng.choice([every, every[::-1], np.concatenate([every[:30]] * 2)])
+        found = refusal_shapes._group(index, slots, steps)
+        with monkeypatch.context() as patched:
+            patched.setattr(NativeSteps, "load", classmethod(lambda cls: None))
+            want = refusal_shapes._group(index, slots, steps)
+        same_grouping(found, want, f"pod {i}")

@@ -38,6 +38,9 @@ typedef struct {
 	int64_t mutex;
 	int64_t sign; /* the first binpack (-1) or spread (1) GPU policy, 0 if none */
 	int64_t w_slot, w_core, w_mem;
+	/* 1: one container, its codes written for every row, refused or not, grouped or not
+	 * (`refusal_shapes._group`'s of a single container) */
+	int64_t all_codes;
 } tr_pod;
 
 /* For each of the `n` candidate rows `slots`: the step it fails at (-1: it takes every

@@ -223,7 +223,8 @@ int64_t tr_steps(const tr_cards *cards, const tr_classes *classes, const tr_pod 
 		 int64_t *codes, uint8_t *refused, uint8_t *ties)
 {
 	int64_t w = cards->width, steps = pod->containers;
-	if (w < 1 || w > MAX_WIDTH || n < 0 || steps < 1 || classes->classes < 1)
+	if (w < 1 || w > MAX_WIDTH || n < 0 || steps < 1 || classes->classes < 1 ||
+	    (pod->all_codes && steps != 1))
 		return -1;
 	for (int64_t i = 0; i < n; i++) { /* (checked before anything is written) */
 		if (slots[i] < 0 || slots[i] >= cards->rows)
@@ -241,6 +242,18 @@ int64_t tr_steps(const tr_cards *cards, const tr_classes *classes, const tr_pod 
 		for (int64_t c = 0; c < w; c++)
 			out[c] = -1;
 		int64_t sig = cards->unusable_sig[row];
+		if (pod->all_codes) { /* (one container: every row's codes, refused or not) */
+			load_row(&s, cards, classes, row);
+			int64_t passing = verdicts(&s, w, pod->requests, pod->statics, pod);
+			for (int64_t c = 0; c < w; c++)
+				out[c] = s.carded[c] ? s.verdict[c] : -1;
+			if (sig >= 0 && passing < pod->requests[0]) {
+				failed_at[i] = 0;
+				failed_sig[i] = sig;
+				refused[i] = 1;
+			}
+			continue;
+		}
 		if (sig < 0)
 			continue; /* (its refusals are not grouped) */
 		load_row(&s, cards, classes, row);
