@@ -76,7 +76,7 @@ class NativeSteps:
         self._group = group
         distinct = lib.tr_distinct
         distinct.restype = ctypes.c_int64
-        distinct.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _P, _P]
+        distinct.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P]
         self._distinct = distinct
 
     @classmethod
@@ -207,11 +207,12 @@ class NativeSteps:
 
     def distinct(self, numbers: np.ndarray, at: np.ndarray, versions: np.ndarray,
                  slots: np.ndarray, first_of: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray] | bool | None:
+                 ) -> tuple[np.ndarray, np.ndarray] | np.ndarray | None:
         """`refusal_states.RowStates.distinct`'s reading of the candidates' row numbers
         (`numbers`, valid where `at` is the row's version): (the candidates that are their
-        number's first, in order; each candidate's place among them), False when a
-        candidate's number is stale (the caller renumbers), None where it does not apply.
+        number's first, in order; each candidate's place among them); where some candidates'
+        numbers are stale, those candidates (the caller renumbers their rows); None where it
+        does not apply.
         `first_of`: scratch, every entry -1 (left so), more entries than any number."""
         rows = len(versions)
         if (numbers.dtype != np.int64 or at.dtype != np.int64 or versions.dtype != np.int64
@@ -223,11 +224,13 @@ class NativeSteps:
         count = len(candidates)
         reps = np.empty(count, dtype=np.int64)
         rank = np.empty(count, dtype=np.int64)
+        stale = ctypes.c_int64(0)
         found = self._distinct(numbers.ctypes.data, at.ctypes.data, versions.ctypes.data, rows,
                                candidates.ctypes.data, count, first_of.ctypes.data,
-                               len(first_of), reps.ctypes.data, rank.ctypes.data)  # fmt: skip
+                               len(first_of), reps.ctypes.data, rank.ctypes.data,
+                               ctypes.byref(stale))  # fmt: skip
         if found == -2:
-            return False
+            return reps[: stale.value]
         if found < 0:
             return None
         return reps[:found], rank

@@ -137,9 +137,9 @@ class RowStates:
                 self._native_first_of = np.full(max(1024, 2 * len(self._table)), -1,
                                                 dtype=np.int64)  # fmt: skip
             found = native.distinct(self.ids, self.at, versions, slots, self._native_first_of)
-            if found is not False:
-                return found  # type: ignore[return-value]
-            self.of(index, slots)  # (rows written since they were numbered)
+            if not isinstance(found, np.ndarray):
+                return found
+            self._number(index, slots[found])  # (the rows written since they were numbered)
         return None
 
     @staticmethod

@@ -65,9 +65,10 @@ TR_EXPORT int64_t tr_group(const int64_t *head, int64_t hw, const int64_t *codes
  * `versions[slots[i]]`) read once: `reps` the candidates whose number's first candidate they
  * are, in order, `rank[i]` the place of candidate i's number among them. `first_of` is scratch
  * of `top` entries, every one -1 (left so), numbers below `top`. The number of reps; -2 when
- * a row's number is stale (nothing written), -1 when an argument is out of range. */
+ * some rows' numbers are stale: `reps` then holds those candidates (`*stale_count` of them),
+ * nothing else written; -1 when an argument is out of range. */
 TR_EXPORT int64_t tr_distinct(const int64_t *numbers, const int64_t *at, const int64_t *versions,
 			      int64_t rows, const int64_t *slots, int64_t n, int64_t *first_of,
-			      int64_t top, int64_t *reps, int64_t *rank);
+			      int64_t top, int64_t *reps, int64_t *rank, int64_t *stale_count);
 
 #endif
