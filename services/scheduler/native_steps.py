@@ -63,7 +63,7 @@ def library_path() -> Path:
 class NativeSteps:
     """The library's `tr_steps`, loaded once per process (`load`)."""
 
-    _loaded: ClassVar[dict[str, NativeSteps | None]] = {}
+    _loaded: ClassVar[dict[str | None, NativeSteps | None]] = {}  # (by TESSERA_REFUSALS_LIBRARY)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         steps = lib.tr_steps
@@ -82,16 +82,17 @@ class NativeSteps:
     @classmethod
     def load(cls) -> NativeSteps | None:
         """The library at `library_path()`, once per path; None without it."""
+        named = os.environ.get(LIBRARY_ENV)  # (per call: a dict lookup, no path built)
+        if named in cls._loaded:
+            return cls._loaded[named]
         path = str(library_path())
-        if path in cls._loaded:
-            return cls._loaded[path]
         found = None
         if Path(path).is_file():
             try:
                 found = cls(ctypes.CDLL(path))
             except (OSError, AttributeError):
                 found = None
-        cls._loaded[path] = found
+        cls._loaded[named] = found
         return found
 
     def steps(self, index: Any, slots: np.ndarray, steps: Any, ties: np.ndarray | None,
