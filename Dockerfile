@@ -31,6 +31,17 @@ RUN apt-get update \
 COPY native/names /src/native/names
 RUN make -C /src/native/names build/libtessera_names.so
 
+# --- libtessera_refusals.so: the scheduler's native refusal steps --------------------------------
+# (services/scheduler/native_steps.py; without it a refused pod's steps and groups are computed
+# in numpy, as exactly, more slowly). The same toolchain layer as the stages above (cached).
+FROM ${PYTHON_IMAGE} AS refusals
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev make \
+    && rm -rf /var/lib/apt/lists/*
+COPY native/refusals /src/native/refusals
+RUN make -C /src/native/refusals build/libtessera_refusals.so
+
 # --- the wheel --------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
@@ -58,6 +69,8 @@ RUN pip install --no-cache-dir /tmp/wheels/*.whl \
 COPY --from=libvgpu /src/native/libvgpu/build/libvgpu.so /usr/local/lib/tessera/libvgpu.so
 COPY --from=names /src/native/names/build/libtessera_names.so /usr/local/lib/tessera/libtessera_names.so
 ENV TESSERA_NAMES_LIBRARY=/usr/local/lib/tessera/libtessera_names.so
+COPY --from=refusals /src/native/refusals/build/libtessera_refusals.so /usr/local/lib/tessera/libtessera_refusals.so
+ENV TESSERA_REFUSALS_LIBRARY=/usr/local/lib/tessera/libtessera_refusals.so
 # Non-root by default (the restricted profile's 65532, "nonroot"). The node agent alone runs as
 # root, set by its chart: kubelet's sockets are root-only.
 USER 65532:65532

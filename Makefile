@@ -40,7 +40,8 @@ dev: $(STAMP)
 
 runtime: $(RUNTIME_STAMP)
 
-# libvgpu and the fakes its tests use; the scheduler's name resolver (native/names).
+# libvgpu and the fakes its tests use; the scheduler's name resolver (native/names) and refusal
+# steps (native/refusals).
 native: dev native-lib
 
 native-lib: runtime
@@ -49,6 +50,8 @@ native-lib: runtime
 	else echo "native/libvgpu: not built yet"; fi
 	@# the scheduler's native name resolver (without it the scheduler resolves in numpy)
 	@$(MAKE) -C native/names
+	@# the scheduler's native refusal steps (without it a refusal computes them in numpy)
+	@$(MAKE) -C native/refusals
 
 # gRPC stubs for the kubelet APIs, generated from protos/ (gitignored; also generated on first
 # import of tessera.kubeapi when missing).
@@ -133,4 +136,4 @@ compose-down: dev
 	@scripts/compose.sh down
 
 clean:
-	rm -rf $(VENV) build *.egg-info native/libvgpu/build native/names/build .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info native/libvgpu/build native/names/build native/refusals/build .pytest_cache .ruff_cache

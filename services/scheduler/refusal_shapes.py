@@ -50,8 +50,10 @@ from tessera.device_kinds.nvidia.slices import SLICES
 from tessera.hami import ContainerRequest, PodRequest
 
 from .cards import Card
+from .native_steps import NativeSteps
 from .refusal_steps import PodSteps, card_codes, group_steps, grouped
 from .rules import FitContext, card_refusal, check_health, check_type_and_mode, relevant_checks
+from .shape_texts import ShapeTexts
 
 UNSHAREABLE = -1  # a card class (or a node's unusable signature) that is never grouped
 # The sharing modes whose per-GPU checks read only what a code holds (NVIDIA's libvgpu slices
@@ -75,6 +77,7 @@ class CardClasses:
         self._sans_numa: np.ndarray | None = None  # (`sans_numa`)
         self._texts_for: list[bool] = []  # by class: libvgpu slices (`shared_key`)
         self._reason_ids: dict[str, int] = {}  # a static check's reason -> its id
+        self._reason_names: list[str] = []  # (by id)
         self._rep_cards: list[Card] = []  # `_rep` as cards (static checks only read them)
         # (request, id(options)) -> (options, `static_refusal`): the checks read only the
         # request's family and count and the options' selections (`rules.check_health`,
@@ -195,12 +198,18 @@ class CardClasses:
             known = self._reason_ids.get(reason)
             if known is None:
                 known = self._reason_ids[reason] = len(self._reason_ids)
+                self._reason_names.append(reason)
             found.append(1 + known)
         array = np.asarray(found or [0], dtype=np.int64)
         if len(self._static) > 256:
             self._static.clear()
         self._static[key] = (options, array)  # (the options object kept: its id stays its own)
         return array
+
+    def static_reason(self, reason_id: int) -> str | None:
+        """The reason of a static check by its id (`static_refusal`), None for no such id."""
+        names = self._reason_names
+        return names[reason_id] if 0 <= reason_id < len(names) else None
 
     def shared_texts(
         self, steps: PodSteps
@@ -213,7 +222,9 @@ class CardClasses:
         pass counted as too few against the failing container's `count`. The pod's
         selections, mutex, NUMA binding and whether it has several containers decide the
         static checks and the wording: one table each (hashed once a call, not once a shape).
-        None where codes are raw inputs (another card kind)."""
+        A shape the table does not hold yet is worded from its key where the key says it all
+        (`shape_texts.ShapeTexts`: its `in` words it), else fitted by the caller. None where
+        codes are raw inputs (another card kind)."""
         if len(self._texts_for) != len(self._rep):
             self._texts_for = [bool(x) for x in self.statics()[3]]
         if not all(self._texts_for):
@@ -224,7 +235,7 @@ class CardClasses:
         if found is None or len(found) > 65_536:
             if len(self.texts) > 256:
                 self.texts.clear()
-            found = self.texts[alike] = {}
+            found = self.texts[alike] = ShapeTexts(self.static_reason, alike[3], alike[2])
         return found
 
     @staticmethod
@@ -267,9 +278,16 @@ def first_step(
     if all(r is None for r in request.init) and not (
         options.numa_bind or "numa" in options.gpu_policies
         or "topology-aware" in options.gpu_policies
-    ):  # fmt: skip
+    ) and max(options.weights) <= _EXACT_WEIGHT:  # fmt: skip
         return PodSteps(steps, options), None  # type: ignore[return-value]
     return steps[0], PodRequest(containers=[steps[0]])
+
+
+# The largest scoring weight whose device scores a pod's steps compute exactly as Python's
+# (`group_steps`: int64 products, doubles; `placement.device_score`: Python's ints, a correctly
+# rounded quotient): a weight times a card's memory in MiB stays below 2^53 for cards of up to
+# 2^32 MiB. A pod weighing more (HAMi takes any integer) is grouped by its first container.
+_EXACT_WEIGHT = 1 << 20
 
 
 _DISTINCT_FROM = 64  # candidates from which each distinct row (`RowStates`) is read once
@@ -327,6 +345,14 @@ def _group(index: Any, slots: np.ndarray, r: ContainerRequest | PodSteps,
     if isinstance(r, PodSteps):
         if len(r.containers) > 1:
             return group_steps(index, slots, r, ties)
+        native = NativeSteps.load()  # (the codes and groups in C: the same, see below)
+        found = native.steps(index, slots, r, None, every_row=True) if native else None
+        if found is not None:
+            signature = index.unusable_sig.take(slots, axis=0)
+            done = native.group(signature[:, None].astype(np.int64), found[2],  # type: ignore[union-attr]
+                                signature >= 0, np.int16)  # fmt: skip
+            if done is not None:
+                return done
         options, r = r.options, r.containers[0]
     signature = index.unusable_sig.take(slots, axis=0)
     classes = index.card_class.take(slots, axis=0)

@@ -20,7 +20,15 @@ import numpy as np
 
 from tessera.hami import ContainerRequest
 
+from .native_steps import NativeSteps
 from .row_reduce import row_any, row_counts, row_max
+from .rules import (
+    CARD_COMPUTE_UNITS_EXHAUSTED,
+    CARD_INSUFFICIENT_CORE,
+    CARD_INSUFFICIENT_MEMORY,
+    CARD_TIME_SLICING_EXHAUSTED,
+    EXCLUSIVE_CONFLICT,
+)
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -38,6 +46,12 @@ class PodSteps:
 
 # a card's verdict against a container, in HAMi's check order (`rules.FIT_CHECKS`): 0 takes it
 _SLOTS, _MUTEX, _MEMORY, _CORES, _EXCLUSIVE, _COMPUTE, _STATIC = range(1, 8)  # (+ reason id)
+# the reason of each verdict (the check that fails: `rules.card_refusal`'s), and the verdict of
+# a class's static check with reason id 0 (`CardClasses.static_refusal`: id i is this + i)
+VERDICT_REASONS = {_SLOTS: CARD_TIME_SLICING_EXHAUSTED, _MUTEX: EXCLUSIVE_CONFLICT,
+                   _MEMORY: CARD_INSUFFICIENT_MEMORY, _CORES: CARD_INSUFFICIENT_CORE,
+                   _EXCLUSIVE: EXCLUSIVE_CONFLICT, _COMPUTE: CARD_COMPUTE_UNITS_EXHAUSTED}
+STATIC_BASE = _STATIC + 1
 
 
 def card_codes(
@@ -164,7 +178,25 @@ def _packed(head: np.ndarray, codes: np.ndarray, where: np.ndarray) -> np.ndarra
 
 def group_steps(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray | None = None
                 ) -> tuple[np.ndarray, list[bytes], np.ndarray]:
-    """`group` for a pod of several app containers. `placement.fit_pod` fits them in order;
+    """`group` for a pod of several app containers: the candidates grouped by the step each
+    fails at and its cards' codes then (`step_arrays`; in C where `native_steps` applies,
+    the same arrays; grouped there too, the same groups and keys), `ties` set as
+    `step_arrays` says."""
+    native = NativeSteps.load()
+    found = native.steps(index, slots, steps, ties) if native is not None else None
+    if found is None:
+        found = step_arrays(index, slots, steps, ties)
+    failed_at, failed_sig, codes, refused = found
+    head = np.stack([failed_at, failed_sig], axis=1)
+    done = native.group(head, codes, refused) if native is not None else None
+    return done if done is not None else grouped(head, codes, refused)
+
+
+def step_arrays(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(the step each candidate fails at, -1 for none; its signature there, -1; its cards'
+    codes then, -1 elsewhere; whether it is refused), in numpy. `placement.fit_pod` fits a
+    pod's containers in order;
     the first that finds too few cards refuses the node with its reasons counted on the
     cards as the containers before it left them (`pick_cards` takes the first `count` of
     those that pass, by the policy's device score, ties by index). Each step's verdicts and
@@ -292,7 +324,7 @@ def group_steps(index: Any, slots: np.ndarray, steps: PodSteps, ties: np.ndarray
             np.copyto(pct, np.minimum((100 * (free_mem + 1) - 1) // np.maximum(total_mem, 1),
                                       32767), where=taken & (total_mem > 0))  # fmt: skip
         exhausted |= taken & (used_slots >= total_split)
-    return grouped(np.stack([failed_at, failed_sig], axis=1), codes, refused)
+    return failed_at, failed_sig, codes, refused
 
 
 def _mark_ties(ties: np.ndarray, rows: np.ndarray | None, key: np.ndarray, taken: np.ndarray,

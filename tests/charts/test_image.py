@@ -118,18 +118,20 @@ def test_multi_stage_slim_non_root_no_compilers_in_the_final_stage() -> None:
     text = DOCKERFILE.read_text()
     assert final_stage_problems(text) == []
     named = {s.name for s in stages(text)}
-    assert {"libvgpu", "names", "wheel"} <= named
+    assert {"libvgpu", "names", "refusals", "wheel"} <= named
     final = stages(text)[-1]
-    # What the final stage takes from the others: the wheel and the two native libraries
-    # (libvgpu, the scheduler's name resolver), nothing else.
+    # What the final stage takes from the others: the wheel and the three native libraries
+    # (libvgpu, the scheduler's name resolver and refusal steps), nothing else.
     sources = {v.split()[0] for v in final.values("COPY")}
-    assert sources == {"--from=wheel", "--from=libvgpu", "--from=names"}
-    # The resolver the scheduler is told to load is the one the names stage builds.
-    names = next(s for s in stages(text) if s.name == "names")
-    (make,) = [v.split() for v in names.values("RUN") if v.startswith("make -C")]
-    (copied,) = [v.split() for v in final.values("COPY") if v.startswith("--from=names")]
-    assert copied[1] == f"{make[2]}/{make[-1]}"
-    assert f"TESSERA_NAMES_LIBRARY={copied[2]}" in final.values("ENV")
+    assert sources == {"--from=wheel", "--from=libvgpu", "--from=names", "--from=refusals"}
+    # The libraries the scheduler is told to load are the ones their stages build.
+    for stage, variable in (("names", "TESSERA_NAMES_LIBRARY"),
+                            ("refusals", "TESSERA_REFUSALS_LIBRARY")):  # fmt: skip
+        built = next(s for s in stages(text) if s.name == stage)
+        (make,) = [v.split() for v in built.values("RUN") if v.startswith("make -C")]
+        (copied,) = [v.split() for v in final.values("COPY") if v.startswith(f"--from={stage}")]
+        assert copied[1] == f"{make[2]}/{make[-1]}"
+        assert f"{variable}={copied[2]}" in final.values("ENV")
     assert any("pip install" in run and "/wheels/" in run and ".whl" in run
                for run in final.values("RUN"))
     # The service is the command: no ENTRYPOINT fixes one service on the image.

@@ -76,3 +76,13 @@ def test_the_scheduler_in_the_image_resolves_names_natively(image: str) -> None:
     result = podman("run", "--rm", image, "python", "-c", probe, timeout=120)
     assert result.stdout.split() == ["/usr/local/lib/tessera/libtessera_names.so", "True"], (
         result.stdout + result.stderr)
+
+
+def test_the_scheduler_in_the_image_has_its_native_refusal_steps(image: str) -> None:
+    """The image's scheduler loads its native refusal steps (without them a refused pod's
+    steps and groups are computed in numpy: exact, but more CPU per first refusal)."""
+    probe = ("from tessera.scheduler.native_steps import NativeSteps, library_path; "
+             "print(library_path(), NativeSteps.load() is not None)")
+    result = podman("run", "--rm", image, "python", "-c", probe, timeout=120)
+    assert result.stdout.split() == ["/usr/local/lib/tessera/libtessera_refusals.so", "True"], (
+        result.stdout + result.stderr)

@@ -23,6 +23,7 @@ from tessera.settings import TesseraSettings
 
 from .factories import GIB
 from .test_decision_reference import place
+from .test_native_steps import built, cluster  # noqa: F401  (`built`: the library, made)
 from .test_refusal_fast import reference_counts
 
 SETTINGS = TesseraSettings()
@@ -201,6 +202,7 @@ def test_distinct_rows_are_each_numbers_first_candidate_in_order(monkeypatch) ->
 
     rng = np.random.default_rng(5)
     states = RowStates()
+    monkeypatch.setattr(states, "_native", lambda _index, _slots: None)  # (numpy's; C: below)
     for _ in range(200):
         count = int(rng.integers(1, 3000))
         numbers = rng.integers(0, int(rng.integers(1, count + 5)), count).astype(np.int64)
@@ -215,3 +217,39 @@ def test_distinct_rows_are_each_numbers_first_candidate_in_order(monkeypatch) ->
         assert reps.tolist() == sorted(firsts.tolist())
         assert (numbers[reps[place]] == numbers).all()  # (each candidate's own number)
         assert (reps[place] <= np.arange(count)).all()  # (and its first candidate)
+
+
+def test_the_native_distinct_rows_are_numpys(monkeypatch) -> None:
+    """The library's reading of the candidates' distinct rows (`RowStates._native`) is the
+    numpy path's, on candidates in any order, repeated, and after rows were written (their
+    numbers stale: renumbered first)."""
+    from tessera.scheduler.native_steps import NativeSteps
+
+    from .test_decision_reference import pod
+
+    assert NativeSteps.load() is not None  # (built: `built`)
+    index, names, rng = cluster(61, 150, False)
+    every = np.asarray([index.slot_of[name] for name in names], dtype=np.int64)
+    numpy_states = index.row_states
+    compared = 0
+    for i in range(60):
+        slots = rng.choice([every, np.concatenate([every[:40]] * 3), np.repeat(every[:50], 3),
+                            np.asarray(rng.choices(list(every[:60]), k=200))])  # fmt: skip
+        native = numpy_states.distinct(index, slots)
+        with monkeypatch.context() as patched:
+            patched.setattr(numpy_states, "_native", lambda _index, _slots: None)
+            want = numpy_states.distinct(index, slots)
+        assert (native is None) == (want is None), i
+        if want is not None:
+            assert np.array_equal(native[0], want[0]) and np.array_equal(native[1], want[1]), i
+            compared += 1
+        for j in range(rng.randint(0, 6)):  # rows written: their numbers stale
+            spec = pod(rng, 70_000 + 10 * i + j)
+            target = rng.choice(names)
+            request = hami.parse_pod_request(spec, SETTINGS)
+            chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS),
+                                 [target]).fits(), None)  # fmt: skip
+            if chosen is not None:
+                place(index, target, spec["metadata"]["uid"], chosen[1].containers,
+                      random.Random(j))  # fmt: skip
+    assert compared > 25, compared
