@@ -84,7 +84,7 @@ def several(rng: random.Random, i: int) -> dict[str, Any]:
     if rng.random() < 0.5:
         annotations["hami.io/device-scoring-weights"] = rng.choice(
             ["slot=1,core=2,memory=3", "slot=3,core=0,memory=1", "slot=0,core=0,memory=1",
-             "slot=0,core=7,memory=0", f"slot={2**62},core={2**61},memory={2**60}",
+             "slot=0,core=7,memory=0", "slot=999999999999999989,core=576460752303423487,memory=288230376151711743",
              "slot=999999937,core=3,memory=999999929"])  # fmt: skip
     if rng.random() < 0.2:
         annotations["nvidia.com/use-gputype"] = rng.choice(["A10", "H100"])

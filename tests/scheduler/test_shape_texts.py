@@ -96,10 +96,11 @@ def test_a_shape_with_cards_that_take_no_pod_is_left_to_the_fit() -> None:
 
 
 def test_huge_scoring_weights_are_refused_as_fitting_each_node_says() -> None:
-    """HAMi takes any integer weight; a pod's steps compute device scores in int64 and
-    doubles, exact only for weights up to `refusal_shapes._EXACT_WEIGHT` (here 2^60-2^62
-    overflowed and picked other cards than the fit). Such a pod is grouped by its first
-    container, so every node's reason is the fit's."""
+    """HAMi takes any integer weight (Tessera's admission up to 18 digits); a pod's steps
+    compute device scores in int64 and doubles, exact only for weights up to
+    `refusal_shapes._EXACT_WEIGHT` (18-digit weights lost precision and picked other cards than
+    the fit). Such a pod is grouped by its first container, so every node's reason is the
+    fit's."""
     from tessera.scheduler.decide import decide
 
     from .test_decision_reference import reference
@@ -108,7 +109,7 @@ def test_huge_scoring_weights_are_refused_as_fitting_each_node_says() -> None:
     for i in range(104):  # (the cluster's random stream as the pod below found it)
         spec = one(rng, i) if i % 3 == 0 else several(rng, i)
     weights = spec["metadata"]["annotations"]["hami.io/device-scoring-weights"]
-    assert weights == f"slot={2**62},core={2**61},memory={2**60}", weights
+    assert weights == "slot=999999999999999989,core=576460752303423487,memory=288230376151711743", weights
     want_fitting, want_failed = reference(index, spec, names)
     assert not want_fitting
     request = hami.parse_pod_request(spec, SETTINGS)
