@@ -65,6 +65,10 @@ def registration(rng: random.Random, name: str, wide: bool) -> NodeRegistration:
     return NodeRegistration(node=name, devices=devices)
 
 
+# 18 digits, the most admission takes; not exact in doubles (scores lose precision).
+HUGE_WEIGHTS = "slot=999999999999999989,core=576460752303423487,memory=288230376151711743"
+
+
 def several(rng: random.Random, i: int) -> dict[str, Any]:
     """A pod of 2-3 GPU containers, with the options that change how each picks its cards."""
     containers = []
@@ -84,7 +88,7 @@ def several(rng: random.Random, i: int) -> dict[str, Any]:
     if rng.random() < 0.5:
         annotations["hami.io/device-scoring-weights"] = rng.choice(
             ["slot=1,core=2,memory=3", "slot=3,core=0,memory=1", "slot=0,core=0,memory=1",
-             "slot=0,core=7,memory=0", "slot=999999999999999989,core=576460752303423487,memory=288230376151711743",
+             "slot=0,core=7,memory=0", HUGE_WEIGHTS,
              "slot=999999937,core=3,memory=999999929"])  # fmt: skip
     if rng.random() < 0.2:
         annotations["nvidia.com/use-gputype"] = rng.choice(["A10", "H100"])

@@ -19,7 +19,7 @@ from tessera.scheduler.shape_texts import UNWORDED
 from tessera import hami
 from tessera.settings import TesseraSettings
 
-from .test_native_steps import cluster, several
+from .test_native_steps import HUGE_WEIGHTS, cluster, several
 
 SETTINGS = TesseraSettings()
 
@@ -109,7 +109,7 @@ def test_huge_scoring_weights_are_refused_as_fitting_each_node_says() -> None:
     for i in range(104):  # (the cluster's random stream as the pod below found it)
         spec = one(rng, i) if i % 3 == 0 else several(rng, i)
     weights = spec["metadata"]["annotations"]["hami.io/device-scoring-weights"]
-    assert weights == "slot=999999999999999989,core=576460752303423487,memory=288230376151711743", weights
+    assert weights == HUGE_WEIGHTS, weights
     want_fitting, want_failed = reference(index, spec, names)
     assert not want_fitting
     request = hami.parse_pod_request(spec, SETTINGS)
