@@ -1,0 +1,165 @@
+/* A candidate list seen for the first time, walked in the node policy's order a round at a
+ * time (services/scheduler/native_walk.py; the numpy walk it stands in for is
+ * candidate_order.fresh_walk, which stays the fallback and the reference).
+ *
+ * The order: the positions of the list by (group, key, position), ascending, where key =
+ * sign x score of the position's slot and group = whether the node has a bind in flight (the
+ * non-busy first); only the positions whose per-node bounds reach the request's
+ * (`column[slot] >= minimum` for every bound given) are walked. A round returns the `cap`
+ * first positions strictly after the previous round's last (key, position), found in one pass
+ * over the list with a max-heap of `cap` entries: a position is read further (its bounds) only
+ * when its key would enter the heap. So a decision that fits on one of the first nodes costs
+ * one pass over the list, no sort and no array per candidate. */
+#include "tessera_names.h"
+
+#include <stdlib.h>
+
+#define TN_AHEAD 16 /* positions ahead whose key is prefetched in the first round */
+
+typedef struct {
+	double key;
+	int64_t position;
+} tn_pick;
+
+/* (a.key, a.position) < (b.key, b.position) */
+static inline int tn_before(double key, int64_t position, const tn_pick *b)
+{
+	return key < b->key || (key == b->key && position < b->position);
+}
+
+static inline int tn_reaches(int64_t slot, const uint64_t *columns, const int32_t *widths,
+			     const int64_t *minimums, uint32_t bounds)
+{
+	for (uint32_t b = 0; b < bounds; b++) {
+		const void *column = (const void *)(uintptr_t)columns[b];
+		int64_t value;
+		switch (widths[b]) {
+		case 1:
+			value = ((const int8_t *)column)[slot];
+			break;
+		case 2:
+			value = ((const int16_t *)column)[slot];
+			break;
+		case 4:
+			value = ((const int32_t *)column)[slot];
+			break;
+		default:
+			value = ((const int64_t *)column)[slot];
+			break;
+		}
+		if (value < minimums[b])
+			return 0;
+	}
+	return 1;
+}
+
+/* The heap's entry at `at` moved down to where it belongs (the largest at 0). */
+static void tn_sift_down(tn_pick *heap, uint64_t count, uint64_t at)
+{
+	tn_pick moving = heap[at];
+	for (;;) {
+		uint64_t child = 2 * at + 1;
+		if (child >= count)
+			break;
+		if (child + 1 < count && tn_before(heap[child].key, heap[child].position,
+						   &heap[child + 1]))
+			child++;
+		if (!tn_before(moving.key, moving.position, &heap[child]))
+			break;
+		heap[at] = heap[child];
+		at = child;
+	}
+	heap[at] = moving;
+}
+
+static void tn_sift_up(tn_pick *heap, uint64_t at)
+{
+	tn_pick moving = heap[at];
+	while (at) {
+		uint64_t parent = (at - 1) / 2;
+		if (!tn_before(heap[parent].key, heap[parent].position, &moving))
+			break;
+		heap[at] = heap[parent];
+		at = parent;
+	}
+	heap[at] = moving;
+}
+
+TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit,
+				const double *scores, double sign, const uint8_t *busy,
+				double *keys, uint8_t *busy_at, int32_t group,
+				const uint64_t *columns, const int32_t *widths,
+				const int64_t *minimums, uint32_t bounds, int32_t resume,
+				double after_key, int64_t after_position, int64_t *out,
+				double *out_keys, uint64_t cap, uint64_t *busy_count)
+{
+	if (!slots || !keys || !out || !out_keys || (bounds && (!columns || !widths || !minimums)))
+		return -1;
+	for (uint32_t b = 0; b < bounds; b++)
+		if (widths[b] != 1 && widths[b] != 2 && widths[b] != 4 && widths[b] != 8)
+			return -1;
+	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
+	if (cap && !heap)
+		return -1;
+	tn_pick after = {after_key, after_position};
+	uint64_t count = 0, busy_seen = 0;
+	for (uint64_t i = 0; i < n; i++) {
+		double key;
+		int in_group;
+		int64_t slot = slots[i];
+		if (slot < 0 || (uint64_t)slot >= limit) {
+			free(heap);
+			return -1;
+		}
+		if (scores) { /* the first round: the keys and groups read from the index, kept */
+			if (i + TN_AHEAD < n) { /* (a gather: its cache lines asked for ahead) */
+				uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
+				if (ahead < limit) {
+					__builtin_prefetch(&scores[ahead]);
+					if (busy_at)
+						__builtin_prefetch(&busy[ahead]);
+				}
+			}
+			key = sign * scores[slot];
+			keys[i] = key;
+			if (key != key) { /* NaN: no order to give (the caller walks in numpy) */
+				free(heap);
+				return -1;
+			}
+			if (busy_at) {
+				busy_at[i] = busy[slot] ? 1 : 0;
+				busy_seen += busy_at[i];
+			}
+		} else {
+			key = keys[i];
+		}
+		in_group = !busy_at || busy_at[i] == (uint8_t)group;
+		if (!in_group || cap == 0)
+			continue;
+		if (resume && !tn_before(after.key, after.position, &(tn_pick){key, (int64_t)i}))
+			continue;
+		if (count == cap && !tn_before(key, (int64_t)i, &heap[0]))
+			continue;
+		if (!tn_reaches(slot, columns, widths, minimums, bounds))
+			continue;
+		if (count < cap) {
+			heap[count] = (tn_pick){key, (int64_t)i};
+			tn_sift_up(heap, count++);
+		} else {
+			heap[0] = (tn_pick){key, (int64_t)i};
+			tn_sift_down(heap, count, 0);
+		}
+	}
+	/* ascending: the largest taken off the heap into the end, one at a time */
+	for (uint64_t left = count; left > 0; left--) {
+		tn_pick largest = heap[0];
+		heap[0] = heap[left - 1];
+		tn_sift_down(heap, left - 1, 0);
+		out[left - 1] = largest.position;
+		out_keys[left - 1] = largest.key;
+	}
+	free(heap);
+	if (busy_count && scores)
+		*busy_count = busy_seen;
+	return (int64_t)count;
+}
