@@ -1093,7 +1093,10 @@ class ClusterIndex:
         (the index's own strings) and (topology version, slots); None when it cannot be."""
         version, table = self.name_table()
         # (a run of the node order, or a few runs: its order with some nodes left out)
-        run = table.order.runs(array) if table.order is not None else None
+        order = table.order
+        run = order.runs(array) if order is not None and not order.resting() else None
+        if order is not None:
+            order.looked(run is not None)
         if run is not None:
             return NodeNames.of_rows(table.names, run[0]), (version, run[1])
         found = table.rows_and_slots(array)  # (native where built: one pass in C)
@@ -1107,9 +1110,11 @@ class ClusterIndex:
         """`names_from_bytes` for an array that is a run of kube-scheduler's node order as the
         name table guesses it (`name_table.NameOrder`: one memcmp); None for any other."""
         version, table = self.name_table()
-        run = table.order.run(array) if table.order is not None else None
-        if run is None:
+        order = table.order
+        run = order.run(array) if order is not None and not order.resting() else None
+        if run is None:  # (`names_from_bytes` then counts the look)
             return None
+        order.looked(True)  # type: ignore[union-attr]
         return NodeNames.of_rows(table.names, run[0]), (version, run[1])
 
     def name_table(self) -> tuple[int, NameTable]:
