@@ -43,7 +43,7 @@ from .cards import (
     recharged,
 )
 from .name_table import NameTable
-from .native_walk import native_walk
+from .native_walk import Addresses, native_walk
 from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
@@ -390,9 +390,9 @@ class _Ordering:
             sign = policy_sign(node_policy)
             # (in C where built: one pass over the list for the first candidates)
             native = native_walk(slots, index.scores, sign, index.busy if avoid_busy else None,
-                                 [(bounds[name] if rung is None else bounds[name][rung], least)
+                                 [(bounds[name], rung, least)
                                   for name, rung, least in bound_conditions(needs)],
-                                 possible)  # fmt: skip
+                                 possible, index.native_addresses)  # fmt: skip
             if native is not None:
                 self._keys, self.busy = native.keys, native.busy
                 self._pending = native
@@ -526,6 +526,7 @@ class ClusterIndex:
         self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
         self._resolved: dict[int, int] = {}
+        self.native_addresses = Addresses()  # (of the arrays a walk in C reads: native_walk.py)
         # name -> slot of every registered node (what `resolve` looks names up in), kept as
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}

@@ -36,9 +36,9 @@ _ARGUMENTS = [
     _POINTER, ctypes.c_uint64, ctypes.c_uint64,  # slots, n, limit
     _POINTER, ctypes.c_double, _POINTER,  # scores, sign, busy
     _POINTER, _POINTER, ctypes.c_int32,  # keys, busy_at, group
-    _POINTER, _POINTER, _POINTER, ctypes.c_uint32,  # columns, widths, minimums, bounds
+    _POINTER, ctypes.c_uint32,  # spec (address, width, minimum per bound), bounds
     ctypes.c_int32, ctypes.c_double, ctypes.c_int64,  # resume, after key and position
-    _POINTER, _POINTER, ctypes.c_uint64, _POINTER,  # out, out_keys, cap, busy_count
+    _POINTER, ctypes.c_uint64, _POINTER,  # out, cap, busy_count
 ]
 
 
@@ -53,42 +53,65 @@ def walk_function() -> Callable[..., int] | None:
     return function
 
 
+class Addresses:
+    """The data address of long-lived arrays (the index's columns), read once per array:
+    numpy's `.ctypes.data` costs ~1-2 µs a call, a dozen per walk. Each array is kept with
+    its address (so the address stays its), at most `KEEP` of them."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[np.ndarray, int]] = {}
+
+    def of(self, array: np.ndarray) -> int:
+        found = self._known.get(id(array))
+        if found is not None and found[0] is array:
+            return found[1]
+        if len(self._known) >= self.KEEP:
+            self._known.clear()
+        address = int(array.ctypes.data)
+        self._known[id(array)] = (array, address)
+        return address
+
+
 class NativeWalk:
     """One fresh list's walk (an iterator of what `fresh_walk` yields: the head as a list,
     then arrays of positions). `keys` and `busy` (None: not avoiding busy nodes) by position,
     as read when the walk started, as `fresh_walk` is given them."""
 
     def __init__(self, function: Callable[..., int], slots: np.ndarray, limit: int,
-                 scores: np.ndarray, sign: float, busy: np.ndarray | None,
-                 bounds: list[tuple[np.ndarray, int]],
+                 scores: int, sign: float, busy: int | None, spec: np.ndarray,
                  possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
+        """`scores`, `busy`: the addresses of the index's arrays by slot (float64, bool);
+        `spec`: (column address, width, minimum) per bound, as `tn_walk_round` reads it."""
         self._function = function
         self._possible = possible  # (numpy's, for the rounds after C's)
-        columns = np.array([column.ctypes.data for column, _ in bounds], dtype=np.uint64)
-        widths = np.array([column.itemsize for column, _ in bounds], dtype=np.int32)
-        minimums = np.array([minimum for _, minimum in bounds], dtype=np.int64)
-        self.keys = np.empty(len(slots), dtype=np.float64)
-        self.busy = np.empty(len(slots), dtype=bool) if busy is not None else None
-        # (what every round passes, addresses read once; the arrays kept alive with them)
-        self._kept = (slots, scores, busy, bounds, columns, widths, minimums)
-        self._list = (slots.ctypes.data, len(slots), limit)
-        self._first = (scores.ctypes.data, sign, busy.ctypes.data if busy is not None else None)
-        self._keys_at = self.keys.ctypes.data
-        self._busy_at = self.busy.ctypes.data if self.busy is not None else None
-        self._bounds = (columns.ctypes.data, widths.ctypes.data, minimums.ctypes.data,
-                        len(minimums))  # fmt: skip
+        n = len(slots)
+        # One block for what C writes: the keys, the positions of its rounds (each round
+        # after the last one's: a round given as an array is never written over), the busy
+        # count, the busy flags.
+        room = _NATIVE_CHECKED + 1
+        block = np.empty(8 * (n + room) + (n if busy is not None else 0), dtype=np.uint8)
+        self.keys = block[: 8 * n].view(np.float64)
+        self._out = block[8 * n : 8 * (n + room)].view(np.int64)
+        self.busy = block[8 * (n + room) :].view(np.bool_) if busy is not None else None
+        base = int(block.ctypes.data)
+        self._keys_at, self._out_at = base, base + 8 * n
+        self._busy_at = base + 8 * (n + room) if busy is not None else None
+        self._kept = (slots, spec)  # (their addresses are used below)
+        self._list = (int(slots.ctypes.data), n, limit)
+        self._first = (scores, sign, busy)
+        self._spec = (int(spec.ctypes.data), len(spec) // 3)
         self._sign = sign
         self._rounds: Iterator[list[int] | np.ndarray] | None = None
 
     def start(self) -> bool:
         """The first round (reads every key): False when C does not take this list."""
-        busy_count = ctypes.c_uint64(0)
-        first = self._round(False if self.busy is not None else None, None, HEAD,
-                            ctypes.byref(busy_count))  # fmt: skip
+        first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
         if first is None:
             return False
         # (none busy: one group; `busy` as C wrote it, every flag False)
-        busy = self.busy if self.busy is not None and busy_count.value else None
+        busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
         self._rounds = self._walk(first, busy)
         return True
 
@@ -100,74 +123,91 @@ class NativeWalk:
         return next(self._rounds)
 
     def _round(self, group: bool | None, after: tuple[float, int] | None, cap: int,
-               busy_count: object = None) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
-        """(positions, their keys): the `cap` first of the group after `after`."""
-        out = np.empty(cap, dtype=np.int64)
-        out_keys = np.empty(cap, dtype=np.float64)
-        first = busy_count is not None
+               walked: int, first: bool = False) -> np.ndarray | None:  # fmt: skip
+        """The positions of the `cap` first of the group after `after`, written after the
+        `walked` ones before them."""
         by_group = group is not None
         scores, sign, busy = self._first if first else (None, self._sign, None)
         count = self._function(
             *self._list, scores, sign, busy if by_group else None, self._keys_at,
-            self._busy_at if by_group else None, 1 if group else 0, *self._bounds,
+            self._busy_at if by_group else None, 1 if group else 0, *self._spec,
             after is not None, after[0] if after is not None else 0.0,
-            after[1] if after is not None else 0, out.ctypes.data, out_keys.ctypes.data, cap,
-            busy_count,
+            after[1] if after is not None else 0, self._out_at + 8 * walked, cap,
+            self._out_at + 8 * _NATIVE_CHECKED if first else None,
         )  # fmt: skip
         if count < 0:
             return None
-        return out[:count], out_keys[:count]
+        return self._out[walked : walked + count]
 
-    def _walk(self, first: tuple[np.ndarray, np.ndarray],
+    def _walk(self, first: np.ndarray,
               busy: np.ndarray | None) -> Iterator[list[int] | np.ndarray]:  # fmt: skip
         """The rounds: `first` (the first group's head), then C's second round, then numpy
         from where C stopped."""
         groups: tuple[bool | None, ...] = (None,) if busy is None else (False, True)
         walked = 0
-        found: tuple[np.ndarray, np.ndarray] | None = first
+        found: np.ndarray | None = first
         cap = HEAD
         for group in groups:
             after: tuple[float, int] | None = None  # the last position given of the group
             while True:
                 if found is None:
-                    found = self._round(group, after, cap) if walked < _NATIVE_CHECKED else None
+                    found = (self._round(group, after, cap, walked)
+                             if walked < _NATIVE_CHECKED else None)  # fmt: skip
                     if found is None:  # numpy goes on from there (or C ran out of memory)
                         yield from fresh_walk(self.keys, busy, self._possible,
                                               resume=(group, after))  # fmt: skip
                         return
-                positions, keys = found
+                positions = found
                 found = None
                 if len(positions):
                     yield positions.tolist() if not walked else positions
                     walked += len(positions)
-                    after = (float(keys[-1]), int(positions[-1]))
+                    last = int(positions[-1])
+                    after = (float(self.keys[last]), last)
                 exhausted = len(positions) < cap
-                cap = max(_NATIVE_CHECKED - walked, 1)
+                cap = _NATIVE_CHECKED - walked
                 if exhausted:
                     break
 
 
 def native_walk(
     slots: np.ndarray, scores: np.ndarray, sign: float, busy: np.ndarray | None,
-    bounds: list[tuple[np.ndarray, int]], possible: Callable[[np.ndarray], np.ndarray],
+    bounds: list[tuple[np.ndarray, int | None, int]], possible: Callable[[np.ndarray], np.ndarray],
+    addresses: Addresses, shortest: int = NATIVE_FROM,
 ) -> NativeWalk | None:
     """A started `NativeWalk` of `slots` (their `scores` and `busy` flags by slot; `busy`
-    None: not avoiding busy nodes; `bounds`: (column by slot, minimum) the candidates must
-    reach; `possible`: numpy's verdict on the same bounds, for the rounds after C's), or None
-    where C does not walk it (no library, a short list, a bound it does not take)."""
-    if len(slots) < NATIVE_FROM:
+    None: not avoiding busy nodes; `bounds`: (column by slot, or its rung's row of a 2-D
+    column, rung or None, minimum) the candidates must reach; `possible`: numpy's verdict on
+    the same bounds, for the rounds after C's; `addresses`: the index's `Addresses`), or None
+    where C does not walk it (no library, a list shorter than `shortest`, a bound or key it
+    does not take)."""
+    if len(slots) < shortest:
         return None
     function = walk_function()
     if function is None:
         return None
-    limit = len(scores) if busy is None else min(len(scores), len(busy))
-    for column, minimum in bounds:
-        if (column.ndim != 1 or not column.flags.c_contiguous or column.dtype.kind != "i"
+    if scores.dtype != np.float64 or not scores.flags.c_contiguous:
+        return None
+    limit = len(scores)
+    if busy is not None:
+        if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
+            return None
+        limit = min(limit, len(busy))
+    spec: list[int] = []
+    for column, rung, minimum in bounds:
+        if (column.dtype.kind != "i" or not column.flags.c_contiguous
+                or column.ndim != (1 if rung is None else 2)
                 or not _INT64[0] <= minimum <= _INT64[1]):  # fmt: skip
             return None
-        limit = min(limit, len(column))
-    if scores.dtype != np.float64 or (busy is not None and busy.dtype != np.bool_):
-        return None
+        address = addresses.of(column)
+        if rung is not None:
+            if not 0 <= rung < column.shape[0]:
+                return None
+            address += rung * column.strides[0]
+        limit = min(limit, column.shape[-1])
+        spec += (address, column.itemsize, minimum)
     slots = np.ascontiguousarray(slots, dtype=np.int64)
-    walk = NativeWalk(function, slots, limit, scores, sign, busy, bounds, possible)
+    walk = NativeWalk(function, slots, limit, addresses.of(scores), sign,
+                      addresses.of(busy) if busy is not None else None,
+                      np.array(spec, dtype=np.int64), possible)  # fmt: skip
     return walk if walk.start() else None

@@ -15,7 +15,7 @@ from tessera.scheduler import native_walk
 from tessera.scheduler.candidate_order import fresh_walk
 from tessera.scheduler.decide import decide
 from tessera.scheduler.index import Need
-from tessera.scheduler.native_walk import NATIVE_FROM, NativeWalk
+from tessera.scheduler.native_walk import NATIVE_FROM, Addresses, NativeWalk
 from tessera.scheduler.rules import parse_pod_options
 
 from tessera.hami import parse_pod_request
@@ -56,6 +56,10 @@ def case(rng: random.Random, n: int, slots_total: int) -> dict:
             "sign": rng.choice([1.0, -1.0])}  # fmt: skip
 
 
+def bounds_of(c: dict) -> list:
+    return [(column, None, minimum) for column, minimum in c["bounds"]]
+
+
 def numpy_possible(c: dict):  # type: ignore[no-untyped-def]
     def possible(positions: np.ndarray) -> np.ndarray:
         at = c["slots"][positions]
@@ -72,11 +76,9 @@ def walked_both(c: dict, avoid_busy: bool) -> tuple[list[int], list[int], Native
     keys = c["sign"] * c["scores"][c["slots"]]
     expected = flat(fresh_walk(keys, None if busy is None else busy[c["slots"]],
                                numpy_possible(c)))  # fmt: skip
-    function = native_walk.walk_function()
-    assert function is not None
-    walk = NativeWalk(function, c["slots"], len(c["scores"]), c["scores"], c["sign"], busy,
-                      c["bounds"], numpy_possible(c))  # fmt: skip
-    assert walk.start()
+    walk = native_walk.native_walk(c["slots"], c["scores"], c["sign"], busy, bounds_of(c),
+                                   numpy_possible(c), Addresses(), shortest=0)  # fmt: skip
+    assert walk is not None
     np.testing.assert_array_equal(walk.keys, keys)
     if busy is not None:
         np.testing.assert_array_equal(walk.busy, busy[c["slots"]])
@@ -99,10 +101,10 @@ def test_a_walk_stopped_early_reads_one_pass_and_its_head_first() -> None:
     rng = random.Random(7)
     c = case(rng, 5000, 5000)
     c["bounds"] = [(np.zeros(5000, dtype=np.int32), 0)]  # every candidate possible
-    function = native_walk.walk_function()
-    walk = NativeWalk(function, c["slots"], 5000, c["scores"], c["sign"], None, c["bounds"],
-                      lambda positions: pytest.fail("numpy asked"))  # type: ignore[arg-type]
-    assert walk.start()
+    walk = native_walk.native_walk(c["slots"], c["scores"], c["sign"], None, bounds_of(c),
+                                   lambda positions: pytest.fail("numpy asked"),  # type: ignore[arg-type]
+                                   Addresses())  # fmt: skip
+    assert walk is not None
     head = next(walk)
     assert isinstance(head, list) and len(head) == native_walk.HEAD
     keys = c["sign"] * c["scores"][c["slots"]]
@@ -112,7 +114,7 @@ def test_a_walk_stopped_early_reads_one_pass_and_its_head_first() -> None:
 def test_what_c_cannot_order_is_left_to_numpy() -> None:
     rng = random.Random(3)
     c = case(rng, NATIVE_FROM, 2000)
-    args = (c["scores"], c["sign"], c["busy"], c["bounds"], numpy_possible(c))
+    args = (c["scores"], c["sign"], c["busy"], bounds_of(c), numpy_possible(c), Addresses())
     assert native_walk.native_walk(c["slots"], *args) is not None
     assert native_walk.native_walk(c["slots"][: NATIVE_FROM - 1], *args) is None  # short
     nan = c["scores"].copy()
@@ -121,9 +123,12 @@ def test_what_c_cannot_order_is_left_to_numpy() -> None:
     beyond = c["slots"].copy()
     beyond[-1] = 2000  # past every array
     assert native_walk.native_walk(beyond, *args) is None
-    huge = [(c["bounds"][0][0], 1 << 63)]
+    huge = [(c["bounds"][0][0], None, 1 << 63)]
     assert native_walk.native_walk(c["slots"], c["scores"], c["sign"], c["busy"], huge,
-                                   numpy_possible(c)) is None  # fmt: skip
+                                   *args[4:]) is None  # fmt: skip
+    wide = np.zeros((3, 2000), dtype=np.int64)
+    assert native_walk.native_walk(c["slots"], *args[:3], [(wide, 3, 0)], *args[4:]) is None
+    assert native_walk.native_walk(c["slots"], *args[:3], [(wide, 2, 0)], *args[4:]) is not None
 
 
 @pytest.mark.parametrize("policy", ["binpack", "spread"])

@@ -27,13 +27,13 @@ static inline int tn_before(double key, int64_t position, const tn_pick *b)
 	return key < b->key || (key == b->key && position < b->position);
 }
 
-static inline int tn_reaches(int64_t slot, const uint64_t *columns, const int32_t *widths,
-			     const int64_t *minimums, uint32_t bounds)
+/* `spec`: (column address, width in bytes, minimum) per bound */
+static inline int tn_reaches(int64_t slot, const int64_t *spec, uint32_t bounds)
 {
 	for (uint32_t b = 0; b < bounds; b++) {
-		const void *column = (const void *)(uintptr_t)columns[b];
+		const void *column = (const void *)(uintptr_t)spec[3 * b];
 		int64_t value;
-		switch (widths[b]) {
+		switch (spec[3 * b + 1]) {
 		case 1:
 			value = ((const int8_t *)column)[slot];
 			break;
@@ -47,7 +47,7 @@ static inline int tn_reaches(int64_t slot, const uint64_t *columns, const int32_
 			value = ((const int64_t *)column)[slot];
 			break;
 		}
-		if (value < minimums[b])
+		if (value < spec[3 * b + 2])
 			return 0;
 	}
 	return 1;
@@ -87,17 +87,18 @@ static void tn_sift_up(tn_pick *heap, uint64_t at)
 
 TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit,
 				const double *scores, double sign, const uint8_t *busy,
-				double *keys, uint8_t *busy_at, int32_t group,
-				const uint64_t *columns, const int32_t *widths,
-				const int64_t *minimums, uint32_t bounds, int32_t resume,
-				double after_key, int64_t after_position, int64_t *out,
-				double *out_keys, uint64_t cap, uint64_t *busy_count)
+				double *keys, uint8_t *busy_at, int32_t group, const int64_t *spec,
+				uint32_t bounds, int32_t resume, double after_key,
+				int64_t after_position, int64_t *out, uint64_t cap,
+				uint64_t *busy_count)
 {
-	if (!slots || !keys || !out || !out_keys || (bounds && (!columns || !widths || !minimums)))
+	if (!slots || !keys || !out || (bounds && !spec))
 		return -1;
-	for (uint32_t b = 0; b < bounds; b++)
-		if (widths[b] != 1 && widths[b] != 2 && widths[b] != 4 && widths[b] != 8)
+	for (uint32_t b = 0; b < bounds; b++) {
+		int64_t width = spec[3 * b + 1];
+		if (!spec[3 * b] || (width != 1 && width != 2 && width != 4 && width != 8))
 			return -1;
+	}
 	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
 	if (cap && !heap)
 		return -1;
@@ -140,7 +141,7 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 			continue;
 		if (count == cap && !tn_before(key, (int64_t)i, &heap[0]))
 			continue;
-		if (!tn_reaches(slot, columns, widths, minimums, bounds))
+		if (!tn_reaches(slot, spec, bounds))
 			continue;
 		if (count < cap) {
 			heap[count] = (tn_pick){key, (int64_t)i};
@@ -156,7 +157,6 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 		heap[0] = heap[left - 1];
 		tn_sift_down(heap, left - 1, 0);
 		out[left - 1] = largest.position;
-		out_keys[left - 1] = largest.key;
 	}
 	free(heap);
 	if (busy_count && scores)
