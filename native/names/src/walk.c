@@ -102,45 +102,53 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
 	if (cap && !heap)
 		return -1;
-	tn_pick after = {after_key, after_position};
-	uint64_t count = 0, busy_seen = 0;
-	for (uint64_t i = 0; i < n; i++) {
-		double key;
-		int in_group;
-		int64_t slot = slots[i];
-		if (slot < 0 || (uint64_t)slot >= limit) {
-			free(heap);
-			return -1;
-		}
-		if (scores) { /* the first round: the keys and groups read from the index, kept */
+	if (scores) { /* the first round: every key and group read from the index, kept */
+		uint64_t busy_seen = 0;
+		for (uint64_t i = 0; i < n; i++) {
+			int64_t slot = slots[i];
+			if (slot < 0 || (uint64_t)slot >= limit) {
+				free(heap);
+				return -1;
+			}
 			if (i + TN_AHEAD < n) { /* (a gather: its cache lines asked for ahead) */
 				uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
-				if (ahead < limit) {
+				if (ahead < limit)
 					__builtin_prefetch(&scores[ahead]);
-					if (busy_at)
-						__builtin_prefetch(&busy[ahead]);
-				}
 			}
-			key = sign * scores[slot];
-			keys[i] = key;
+			double key = sign * scores[slot];
 			if (key != key) { /* NaN: no order to give (the caller walks in numpy) */
 				free(heap);
 				return -1;
 			}
+			keys[i] = key;
 			if (busy_at) {
-				busy_at[i] = busy[slot] ? 1 : 0;
-				busy_seen += busy_at[i];
+				uint8_t flag = busy[slot] ? 1 : 0;
+				busy_at[i] = flag;
+				busy_seen += flag;
 			}
-		} else {
-			key = keys[i];
 		}
-		in_group = !busy_at || busy_at[i] == (uint8_t)group;
-		if (!in_group || cap == 0)
+		if (busy_count)
+			*busy_count = busy_seen;
+	}
+	/* The selection: a heap of the `cap` first, its largest (`top`) kept in registers; a
+	 * position is read further only when it would enter. */
+	uint64_t count = 0;
+	double top_key = 0.0;
+	int64_t top_position = 0;
+	const uint8_t wanted = (uint8_t)(group != 0);
+	for (uint64_t i = 0; i < n && cap; i++) {
+		double key = keys[i];
+		if (busy_at && busy_at[i] != wanted)
 			continue;
-		if (resume && !tn_before(after.key, after.position, &(tn_pick){key, (int64_t)i}))
+		if (count == cap && !(key < top_key || (key == top_key && (int64_t)i < top_position)))
 			continue;
-		if (count == cap && !tn_before(key, (int64_t)i, &heap[0]))
+		if (resume && !(after_key < key || (after_key == key && after_position < (int64_t)i)))
 			continue;
+		int64_t slot = slots[i];
+		if (!scores && (slot < 0 || (uint64_t)slot >= limit)) {
+			free(heap);
+			return -1;
+		}
 		if (!tn_reaches(slot, spec, bounds))
 			continue;
 		if (count < cap) {
@@ -149,6 +157,10 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 		} else {
 			heap[0] = (tn_pick){key, (int64_t)i};
 			tn_sift_down(heap, count, 0);
+		}
+		if (count == cap) {
+			top_key = heap[0].key;
+			top_position = heap[0].position;
 		}
 	}
 	/* ascending: the largest taken off the heap into the end, one at a time */
@@ -159,7 +171,5 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 		out[left - 1] = largest.position;
 	}
 	free(heap);
-	if (busy_count && scores)
-		*busy_count = busy_seen;
 	return (int64_t)count;
 }
