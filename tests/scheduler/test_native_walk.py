@@ -8,6 +8,7 @@ decision over the index is the same with the library and without it."""
 from __future__ import annotations
 
 import random
+from itertools import islice
 
 import numpy as np
 import pytest
@@ -131,14 +132,21 @@ def test_what_c_cannot_order_is_left_to_numpy() -> None:
     assert native_walk.native_walk(c["slots"], *args[:3], [(wide, 2, 0)], *args[4:]) is not None
 
 
+@pytest.fixture(scope="module")
+def fresh_cluster() -> tuple:
+    """An index just over `NATIVE_FROM` nodes (a fifth busy, few distinct scores: many ties),
+    built once: the order test only reads it."""
+    return cluster(random.Random(9), NATIVE_FROM + 76)
+
+
 @pytest.mark.parametrize("policy", ["binpack", "spread"])
 @pytest.mark.parametrize("avoid_busy", [True, False])
-def test_the_index_order_walked_in_c_is_the_full_stable_sort(policy: str, avoid_busy: bool) -> None:
-    """`ClusterIndex.order` on a fresh list of 1,500 candidates (a fifth of them busy, few
-    distinct scores: many ties), walked in C, is the plain algorithm's order."""
-    rng = random.Random(9)
-    index, names = cluster(rng, 1500)
-    rng.shuffle(names)
+def test_the_index_order_walked_in_c_is_the_full_stable_sort(
+    policy: str, avoid_busy: bool, fresh_cluster: tuple
+) -> None:
+    """`ClusterIndex.order` on a fresh list, walked in C, is the plain algorithm's order."""
+    index, names = fresh_cluster
+    names = random.Random(policy + str(avoid_busy)).sample(names, len(names))
     slots, _unknown = index.resolve(names)
     for needs in ([Need(1, 10 * GIB, 0, 10)], [Need(1, 0, 50, 100)], [Need(4, 70 * GIB, 0, 0)],
                   [Need(1, 0, 0, 0), Need(3, 1, 0, 5)]):  # fmt: skip
@@ -149,38 +157,37 @@ def test_the_index_order_walked_in_c_is_the_full_stable_sort(policy: str, avoid_
         assert sorted(pruned) == expected_pruned
 
 
-@pytest.mark.parametrize("policy", ["binpack", "spread"])
 def test_a_decision_is_the_same_with_the_library_and_without(
-    policy: str, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Over an index of 1,500 nodes, fresh lists: the same fitting nodes in the same order
-    with the same cards, and the same reasons for a refused pod, walked in C or in numpy."""
+    """Over an index just over `NATIVE_FROM` nodes, fresh lists: the same fitting nodes in
+    the same order with the same cards, and the same reasons for a refused pod, walked in C
+    or in numpy (each on an index of its own, built alike)."""
     settings = TesseraSettings()
-    rng = random.Random(5)
-    annotations = {"hami.io/node-scheduler-policy": policy}
-    pods = [pod(container(gpus=g, mem=m, cores=k), annotations=annotations)
+    pods = [pod(container(gpus=g, mem=m, cores=k),
+                annotations={"hami.io/node-scheduler-policy": policy})
+            for policy in ("binpack", "spread")
             for g, m, k in ((1, 4 * GIB, None), (2, 20 * GIB, 30), (1, 70 * GIB, None),
                             (4, GIB, 10), (1, 200 * GIB, None))]  # fmt: skip
 
     def walked() -> list:
-        index, names = cluster(random.Random(13), 1500)
-        lists = [rng.sample(names, len(names)) for _ in range(2)]
+        index, names = cluster(random.Random(13), NATIVE_FROM + 76)
+        rng = random.Random(5)
         out = []
-        for names_list in lists:
+        for names_list in [rng.sample(names, len(names)) for _ in range(2)]:
             for spec in pods:
                 request = parse_pod_request(spec, settings)
                 decision = decide(index, request, parse_pod_options(spec, settings), names_list)
+                # (the first 150: past C's rounds, into numpy's)
                 fitting = [(entry.name, [[g.uuid for g in c] for c in fit.containers])
-                           for entry, fit in decision.fits()]  # fmt: skip
+                           for entry, fit in islice(decision.fits(), 150)]  # fmt: skip
                 if not fitting:
                     decision.explain_rest()
                 out.append((fitting, sorted(decision.failed.items())))
         return out
 
-    rng.seed(5)
     with_library = walked()
     monkeypatch.setattr(native_walk, "walk_function", lambda: None)
-    rng.seed(5)
     assert walked() == with_library
-    assert any(fitting for fitting, _ in with_library)
+    assert any(len(fitting) == 150 for fitting, _ in with_library)
     assert any(not fitting for fitting, _ in with_library)
