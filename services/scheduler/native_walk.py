@@ -165,7 +165,7 @@ class NativeWalk:
                     last = int(positions[-1])
                     after = (float(self.keys[last]), last)
                 exhausted = len(positions) < cap
-                cap = _NATIVE_CHECKED - walked
+                cap = HEAD if not walked else _NATIVE_CHECKED - walked  # (a head first)
                 if exhausted:
                     break
 
