@@ -25,8 +25,9 @@ parallel filters append the nodes, `kube_lists.py`), each call's body parsed by 
 fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
 
 A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
-the decision includes, are extracted to a temporary directory) or `worktree` (the checkout's
-own). Default: HEAD against the worktree, varied trace. The traces and cluster are
+the decision includes, are extracted to a temporary directory, and its `native/names` built
+there, as `make native` builds it) or `worktree` (the checkout's own; its library as built).
+Default: HEAD against the worktree, varied trace. The traces and cluster are
 `bench/scheduler.py`'s / `bench/scheduler_scale.py`'s (5,000 nodes × 8 GPUs).
 Printed, not recorded.
 """
@@ -69,6 +70,15 @@ def source(rev: str, into: Path) -> Path:
         check=True, capture_output=True,
     ).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    # The revision's native library (the name resolver, the walk), built beside its scheduler
+    # where its `native_names.py` looks for it: without it the revision would resolve names in
+    # numpy, and a side by side would compare C with numpy.
+    native = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native/names"],
+                            capture_output=True)  # fmt: skip
+    if native.returncode == 0:
+        subprocess.run(["tar", "-x", "-C", str(into)], input=native.stdout, check=True)
+        subprocess.run(["make", "-s", "-C", str(into / "native" / "names")], check=True,
+                       capture_output=True)  # fmt: skip
     # An older scheduler checks at import that its msgspec wire Structs mirror the shared
     # models (`wire_fast._check_specs`); the models have gained fields since (elastic grants),
     # and the bench never decodes wire bytes (it hands the index model objects): skipped there.

@@ -224,6 +224,7 @@ def walk(
 def fresh_walk(
     keys: np.ndarray, busy: np.ndarray | None,
     possible: Callable[[np.ndarray], np.ndarray],
+    resume: tuple[bool | None, tuple[float, int] | None] | None = None,
 ) -> Iterator[list[int] | np.ndarray]:
     """`walk` for a list seen for the first time (kube-scheduler's rotating window, a list
     changed by feasibility): the same positions in the same order, with no kept order to
@@ -238,17 +239,28 @@ def fresh_walk(
     candidates costs a few O(n) passes with a small constant (a gather, a comparison, a
     nonzero: ~0.1 ms at 20,000 candidates); one that walks them all ~O(n log n). No busy
     candidate (the usual case) and the groups are one. The first `HEAD` come as a Python
-    list (checked one by one), the rest as arrays."""
+    list (checked one by one), the rest as arrays.
+
+    `resume` (group, (key, position) or None): the walk from there on, as arrays (the rest of
+    a walk begun in C, `native_walk.py`): that group's positions after that one (None: from
+    the group's start; group None: no busy candidate), then the groups after it."""
     if busy is not None and not busy.any():
         busy = None
     groups: tuple[bool | None, ...] = (None,) if busy is None else (False, True)
-    head_given = False
+    head_given = resume is not None
+    if resume is not None:
+        groups = groups[groups.index(resume[0]) :]
     for group in groups:
         if group is None:
             positions, group_keys = None, keys  # (positions: every one, made when needed)
         else:
             positions = np.flatnonzero(busy == group)
             group_keys = keys[positions]
+        if resume is not None and resume[1] is not None and group is resume[0]:
+            key, position = resume[1]
+            at = np.arange(len(keys)) if positions is None else positions
+            later = np.flatnonzero((group_keys > key) | ((group_keys == key) & (at > position)))
+            positions, group_keys = at[later], group_keys[later]
         size = BLOCK
         while len(group_keys):
             near = None

@@ -108,11 +108,15 @@ class Decision:
             entry = index.entry_at(slot)
             version = int(row_version[slot])
             if refused_at[slot] == version and not entry.blocked:
-                found = self.memo().get(slot, version)
+                # (refused at this row for some request: this one's memo, if it has one yet,
+                # is asked; none is made to ask it)
+                memo = self._memo or index.refusal_memos.peek(self.memo_key())
+                found = memo.get(slot, version) if memo is not None else None
                 if found:  # (FITS, 0, is never remembered by a fit that stopped there)
-                    text = self.memo().texts[found]
-                    self.failed.add(entry.name, text + index.foreign_note(entry.name))  # type: ignore[operator]
-                    self.reason_counts.update(self.memo().names[found])
+                    assert memo is not None
+                    self.memo()  # (its recency, as when it was asked)
+                    self.failed.add(entry.name, memo.texts[found] + index.foreign_note(entry.name))  # type: ignore[operator]
+                    self.reason_counts.update(memo.names[found])
                     continue
             fit = fit_pod(entry.cards, self.request, self.context())
             if fit.ok:

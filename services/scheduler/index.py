@@ -43,6 +43,7 @@ from .cards import (
     recharged,
 )
 from .name_table import NameTable
+from .native_walk import Addresses, native_walk
 from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
@@ -192,37 +193,48 @@ def _summed(usages: list[dict[str, list[int]]]) -> dict[str, list[int]]:
     return total
 
 
-def _possible(
-    columns: dict[str, np.ndarray], needs: list[Need], at: np.ndarray | None = None
-) -> np.ndarray:
-    """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand: a
-    necessary condition of `ClusterIndex._mask` (a node it refuses, `_mask` refuses too), so
-    the order of those `_mask` passes is unchanged. The memory bound is read per container at
-    its cores (`bound_mem_at`: the most free memory among the cards that also have those
-    cores), and so is its %; the others are taken at their largest over the containers.
-    `at`: only these positions (in that order); None: every candidate."""
-
-    def column(name: str, rung: int | None = None) -> np.ndarray:
-        values = columns[name] if rung is None else columns[name][rung]
-        return values if at is None else values[at]
-
+def bound_conditions(needs: list[Need]) -> list[tuple[str, int | None, int]]:
+    """What `_possible` asks of a candidate, as (bound, rung or None, minimum): its bound (at
+    that rung of free cores) must be at least the minimum. The memory bound is read per
+    container at its cores (`bound_mem_at`: the most free memory among the cards that also
+    have those cores), and so is its %; the others are taken at their largest over the
+    containers. (Also read in C: `native_walk.py`.)"""
     gpus = max((n.gpus for n in needs), default=0)
-    possible = column("free_gpus") >= max(gpus, 0)
+    conditions: list[tuple[str, int | None, int]] = [("free_gpus", None, max(gpus, 0))]
     carded = [n for n in needs if n.gpus >= 1]  # a card must pass all of the need at once
     for need in carded:
         rung = cores_rung(need.cores)
-        possible &= column("bound_mem_at", rung) >= need.memory_mib
+        conditions.append(("bound_mem_at", rung, need.memory_mib))
         if need.memory_percentage > 0:
-            possible &= column("bound_pct_at", rung) >= need.memory_percentage
+            conditions.append(("bound_pct_at", rung, need.memory_percentage))
     cores = max((n.cores for n in carded), default=0)
     if cores > 0:
-        possible &= column("bound_cores") >= cores
+        conditions.append(("bound_cores", None, cores))
     computing = max((n.gpus for n in carded if not n.cores), default=0)
     if computing > 0:
-        possible &= column("bound_computing") >= computing
+        conditions.append(("bound_computing", None, computing))
     idle = max((n.gpus for n in carded if n.cores >= 100), default=0)
     if idle > 0:
-        possible &= column("bound_idle") >= idle
+        conditions.append(("bound_idle", None, idle))
+    return conditions
+
+
+def _possible(
+    columns: dict[str, np.ndarray], needs: list[Need], at: np.ndarray | None = None
+) -> np.ndarray:
+    """Candidates whose bounds (`ClusterIndex._write_bounds`) reach every container's demand
+    (`bound_conditions`): a necessary condition of `ClusterIndex._mask` (a node it refuses,
+    `_mask` refuses too), so the order of those `_mask` passes is unchanged. `at`: only these
+    positions (in that order); None: every candidate."""
+    possible: np.ndarray | None = None
+    for name, rung, minimum in bound_conditions(needs):
+        values = columns[name] if rung is None else columns[name][rung]
+        reaches = (values if at is None else values[at]) >= minimum
+        if possible is None:
+            possible = reaches
+        else:
+            possible &= reaches
+    assert possible is not None  # (free_gpus is always asked)
     return possible
 
 
@@ -373,11 +385,21 @@ class _Ordering:
                 index.want_order(slots, node_policy)
             self.snapshot: tuple[np.ndarray, ...] = ()
             index._grow_bounds()
-            self._keys = policy_sign(node_policy) * index.scores[slots]
-            self.busy: np.ndarray | None = index.busy[slots] if avoid_busy else None
             bounds = {name: getattr(index, name) for name in _Columns.NAMES}
-            self._pending = fresh_walk(self._keys, self.busy,
-                                       partial(_possible_at, bounds, needs, slots))  # fmt: skip
+            possible = partial(_possible_at, bounds, needs, slots)
+            sign = policy_sign(node_policy)
+            # (in C where built: one pass over the list for the first candidates)
+            native = native_walk(slots, index.scores, sign, index.busy if avoid_busy else None,
+                                 [(bounds[name], rung, least)
+                                  for name, rung, least in bound_conditions(needs)],
+                                 possible, index.native_addresses)  # fmt: skip
+            if native is not None:
+                self._keys, self.busy = native.keys, native.busy
+                self._pending = native
+                return
+            self._keys = sign * index.scores[slots]
+            self.busy: np.ndarray | None = index.busy[slots] if avoid_busy else None
+            self._pending = fresh_walk(self._keys, self.busy, possible)
             return
         columns = index._columns(slots)
         self.snapshot = columns.order(node_policy).snapshot(columns.arrays["scores"])
@@ -504,6 +526,7 @@ class ClusterIndex:
         self._candidates: dict[object, tuple[int, np.ndarray, list[str]]] = {}
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
         self._resolved: dict[int, int] = {}
+        self.native_addresses = Addresses()  # (of the arrays a walk in C reads: native_walk.py)
         # name -> slot of every registered node (what `resolve` looks names up in), kept as
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}
@@ -1071,7 +1094,10 @@ class ClusterIndex:
         (the index's own strings) and (topology version, slots); None when it cannot be."""
         version, table = self.name_table()
         # (a run of the node order, or a few runs: its order with some nodes left out)
-        run = table.order.runs(array) if table.order is not None else None
+        order = table.order
+        run = order.runs(array) if order is not None and not order.resting() else None
+        if order is not None:
+            order.looked(run is not None)
         if run is not None:
             return NodeNames.of_rows(table.names, run[0]), (version, run[1])
         found = table.rows_and_slots(array)  # (native where built: one pass in C)
@@ -1085,9 +1111,11 @@ class ClusterIndex:
         """`names_from_bytes` for an array that is a run of kube-scheduler's node order as the
         name table guesses it (`name_table.NameOrder`: one memcmp); None for any other."""
         version, table = self.name_table()
-        run = table.order.run(array) if table.order is not None else None
-        if run is None:
+        order = table.order
+        run = order.run(array) if order is not None and not order.resting() else None
+        if run is None:  # (`names_from_bytes` then counts the look)
             return None
+        order.looked(True)  # type: ignore[union-attr]
         return NodeNames.of_rows(table.names, run[0]), (version, run[1])
 
     def name_table(self) -> tuple[int, NameTable]:

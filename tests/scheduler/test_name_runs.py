@@ -134,3 +134,42 @@ def test_names_past_the_first_level_resolve_exactly_by_overflow_or_levels(monkey
             resolves_exactly(weak)  # (looked up with the same weak hash)
             return
     raise AssertionError("no hash width gave overflow names a shared hash")
+
+
+def test_lists_in_a_new_order_each_time_rest_the_run_looks_and_runs_are_found_again() -> None:
+    """kube-scheduler's parallel filters send every list in a new interleaved order: after
+    `RUN_TRIES` such lists in a row only one in `RUN_TRIES` is looked at as runs (the looks
+    cost more than they find), and a list in the node order is read as a run again within
+    that many lists. Every list resolves to the same names and slots, whichever path reads it."""
+    from tessera.scheduler.index import ClusterIndex
+    from tessera.scheduler.name_table import RUN_TRIES
+
+    from .factories import node
+
+    index = ClusterIndex()
+    names = [f"node-{i:05d}" for i in range(1200)]
+    for name in names:
+        index.set_registration(name, node(name, gpus=1), 0.0)
+    rng = random.Random(4)
+    order = index.name_table()[1].order
+    assert order is not None
+
+    def resolved(listed: list[str]) -> list[int]:
+        found = index.names_from_bytes(compact(listed))
+        assert found is not None and list(found[0]) == listed
+        return found[1][1].tolist()
+
+    for _ in range(RUN_TRIES + 1):
+        shuffled = rng.sample(names, len(names))
+        assert index.names_of_run(compact(shuffled)) is None
+        assert resolved(shuffled) == [index.slot_of[n] for n in shuffled]
+    assert order.resting()
+    in_order = names[300:] + names[:300]
+    looked = []
+    for _ in range(RUN_TRIES):
+        looked.append(index.names_of_run(compact(in_order)) is not None)
+        assert resolved(in_order) == [index.slot_of[n] for n in in_order]
+        if looked[-1]:
+            break
+    assert looked[-1] and not looked[0]  # (rested first, found again within RUN_TRIES lists)
+    assert not order.resting()

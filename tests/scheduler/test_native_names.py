@@ -106,6 +106,41 @@ def test_kube_schedulers_lists_resolve_as_the_numpy_path_and_decoding_do(names: 
         assert same_as_numpy(table, compact(listed)) is not None
 
 
+def interleave(runs: list[list[str]], rng: random.Random) -> list[str]:
+    """The runs merged one name at a time in a random order of the runs (parallel workers)."""
+    runs = [list(r) for r in runs if r]
+    out: list[str] = []
+    while runs:
+        run = runs[rng.randrange(len(runs))]
+        out.append(run.pop(0))
+        if not run:
+            runs.remove(run)
+    return out
+
+
+@pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
+def test_a_labels_nodes_every_few_of_the_order_resolve_exactly(names: list[str]) -> None:
+    """The resolver learns a list's stride in the order (a label's nodes dealt out every s-th
+    node: `tn_resolve`'s stride): lists of every s-th name, in order or in 16 interleaved
+    runs, strides that change midway, gaps and repeats, lists that propose a stride and then
+    break it: each name resolves to its own row, as the numpy path and decoding say."""
+    table = table_of(names)
+    ordered = sorted(names, key=str.encode)
+    rng = random.Random(4)
+    for stride in (2, 3, 4, 7, 16, 31, 32, 33, 40):
+        for offset in (0, 1, stride - 1):
+            members = ordered[offset::stride]
+            chunk = max(1, int(len(members) ** 0.5))
+            runs = [members[i : i + chunk] for i in range(0, len(members), chunk)]
+            other = ordered[(offset + 1) % stride :: stride + 1]
+            for listed in (members, interleave(runs, rng), members[::-1],
+                           members[: len(members) // 2] + other,  # the stride changes
+                           interleave([members[:300], other[:300], ordered[:300]], rng),
+                           [n for i, n in enumerate(members) if i % 5] + members[:40],
+                           members[:8] + rng.sample(ordered, 200)):  # fmt: skip
+                assert same_as_numpy(table, compact(listed)) is not None, (stride, offset)
+
+
 @pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
 def test_what_cannot_be_proven_steps_aside_in_both_paths(names: list[str]) -> None:
     table = table_of(names)

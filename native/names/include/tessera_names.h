@@ -29,4 +29,23 @@ TN_EXPORT int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t
 
 TN_EXPORT void tn_free(tn_table *t);
 
+/* One round of a candidate list's walk in the node policy's order (src/walk.c): the positions
+ * 0..n-1 of `slots` ordered by (group, key, position), keeping those whose slot has
+ * `column[slot] >= minimum` for every bound (`spec`: `bounds` triples of the address of a
+ * signed integer column by slot, its width in bytes, 1, 2, 4 or 8, and the minimum); written
+ * to `out`: the `cap` first positions of group `group` (busy or not; every position when
+ * `busy_at` is NULL) after (`after_key`, `after_position`) when `resume`, ascending.
+ * The first round gives `scores` (by slot; key = sign x score): every position's key is
+ * written to `keys` and, unless `busy_at` is NULL, its group (`busy[slot]` != 0) to
+ * `busy_at`, and the number of busy positions to `*busy_count`; later rounds give `scores`
+ * NULL and read `keys` and `busy_at` as written. Every slot must be below `limit` (the
+ * length of `scores`, `busy` and every column). The number of positions written, or -1 (a
+ * slot out of range, a NaN key, a width not 1/2/4/8, no memory). */
+TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit,
+				const double *scores, double sign, const uint8_t *busy,
+				double *keys, uint8_t *busy_at, int32_t group, const int64_t *spec,
+				uint32_t bounds, int32_t resume, double after_key,
+				int64_t after_position, int64_t *out, uint64_t cap,
+				uint64_t *busy_count);
+
 #endif

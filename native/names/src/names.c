@@ -225,6 +225,23 @@ static inline const unsigned char *tn_closing(const unsigned char *s, const unsi
 	return memchr(s, '"', (size_t)(end - s));
 }
 
+/* The name after the one whose closing quote is at q (its first byte, and its length in
+ * `*length`), when `,"name"` follows with a name of 1 to `longest` bytes before `end`; NULL
+ * otherwise (the main loop then reads it, and refuses what it must). */
+static inline const unsigned char *tn_next_name(const unsigned char *q, const unsigned char *end,
+						uint64_t guess, uint64_t longest,
+						uint64_t *length)
+{
+	if (end - q < 4 || q[1] != ',' || q[2] != '"')
+		return NULL;
+	const unsigned char *s = q + 3;
+	const unsigned char *close = tn_closing(s, end, guess);
+	if (close == NULL || close == s || (uint64_t)(close - s) > longest)
+		return NULL;
+	*length = (uint64_t)(close - s);
+	return s;
+}
+
 /* The position of the name of n bytes at s (its hash h) in the table's order; -1 if none. */
 static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_t n,
 			      uint64_t h)
@@ -241,6 +258,9 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
 
 #define TN_NO_CURSOR UINT32_MAX
 #define TN_AHEAD 8 /* records: two cache lines */
+#define TN_RECENT 32 /* positions read last, for learning a list's stride */
+#define TN_LEARN 512 /* names of a list among which a stride is learnt */
+#define TN_AGREE 4   /* names in a row proposing a stride before it is taken */
 
 int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
 		   int64_t *slots, uint64_t capacity)
@@ -260,6 +280,15 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 	memset(cursor, 0xff, sizeof cursor);
 	uint64_t guess = 0; /* the last name's length: names are often all as long */
 	uint64_t k = 0;
+	const unsigned char *ahead = NULL; /* the next name, when its hash was computed ahead */
+	uint64_t ahead_hash = 0, ahead_length = 0;
+	/* The list's stride in the order, learnt: a label's nodes are often every s-th node of
+	 * the order (zones, racks, pools dealt out in turn); a name found in the table whose
+	 * position is a few past one read recently sets it, and each name read then also sets a
+	 * cursor that far on (`TN_RECENT` positions remembered). */
+	uint64_t stride = 1, proposed = 1, agreed = 0;
+	uint64_t missed = 0; /* names in a row not found by a cursor */
+	uint32_t recent[TN_RECENT];
 	for (;;) {
 		const unsigned char *s = p + 1;
 		const unsigned char *q = tn_closing(s, end, guess);
@@ -273,16 +302,54 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 			return -2; /* more names than room for them */
 		int64_t position;
 		uint32_t c = cursor[tn_key(s, len)];
-		if (c != TN_NO_CURSOR && at[c].length == len && tn_same(blob + at[c].offset, s, len))
+		if (c != TN_NO_CURSOR && at[c].length == len && tn_same(blob + at[c].offset, s, len)) {
 			position = c; /* the name after one already read */
-		else if ((position = tn_find(t, s, len, tn_hash(seed, s, len))) < 0)
-			return -1;
+		} else {
+			uint64_t h = ahead == s && ahead_length == len ? ahead_hash : tn_hash(seed, s, len);
+			/* A list the cursors do not follow (a label's nodes, a few of the order's
+			 * each, or another order) looks every name up at random in the table: the
+			 * next name's bucket asked for now, so its cache miss overlaps this one's. */
+			ahead = tn_next_name(q, end, guess, longest, &ahead_length);
+			if (ahead != NULL) {
+				ahead_hash = tn_hash(seed, ahead, ahead_length);
+				__builtin_prefetch(&t->entries[ahead_hash & t->mask]);
+			}
+			if ((position = tn_find(t, s, len, h)) < 0)
+				return -1;
+			/* Two in a row: the cursors do not follow this list. Among its first
+			 * TN_LEARN names, a stride proposed by TN_AGREE such names in a row is taken
+			 * (a list in another order proposes one at random); more than TN_RECENT in a
+			 * row even with a stride: it is dropped. */
+			if (missed++ > TN_RECENT) {
+				stride = 1;
+			} else if (missed > 1 && k < TN_LEARN) {
+				uint64_t best = TN_RECENT + 1, known = k < TN_RECENT ? k : TN_RECENT;
+				for (uint64_t j = 0; j < known; j++) {
+					/* (a position below wraps high) */
+					uint64_t d = (uint64_t)position - recent[j];
+					if (d > 0 && d < best)
+						best = d;
+				}
+				/* (1: its run was read, the cursor overwritten) */
+				agreed = best == proposed ? agreed + 1 : 1;
+				proposed = best;
+				if (best > 1 && best <= TN_RECENT && agreed >= TN_AGREE)
+					stride = best;
+			}
+		}
+		if (c == (uint32_t)position)
+			missed = 0;
+		recent[k % TN_RECENT] = (uint32_t)position;
 		rows[k] = at[position].row;
 		if (slots != NULL)
 			slots[k] = at[position].slot;
 		k++;
 		uint64_t next = (uint64_t)position + 1 == count ? 0 : (uint64_t)position + 1;
 		cursor[at[next].key] = (uint32_t)next; /* (the order wraps: a window may) */
+		if (stride > 1) {
+			uint64_t far = ((uint64_t)position + stride) % count;
+			cursor[at[far].key] = (uint32_t)far;
+		}
 		/* this run's records and bytes a few names on, on their way (16 runs interleaved
 		 * are more forward streams than the hardware follows) */
 		if (next + TN_AHEAD < count) {

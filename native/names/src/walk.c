@@ -1,0 +1,175 @@
+/* A candidate list seen for the first time, walked in the node policy's order a round at a
+ * time (services/scheduler/native_walk.py; the numpy walk it stands in for is
+ * candidate_order.fresh_walk, which stays the fallback and the reference).
+ *
+ * The order: the positions of the list by (group, key, position), ascending, where key =
+ * sign x score of the position's slot and group = whether the node has a bind in flight (the
+ * non-busy first); only the positions whose per-node bounds reach the request's
+ * (`column[slot] >= minimum` for every bound given) are walked. A round returns the `cap`
+ * first positions strictly after the previous round's last (key, position), found in one pass
+ * over the list with a max-heap of `cap` entries: a position is read further (its bounds) only
+ * when its key would enter the heap. So a decision that fits on one of the first nodes costs
+ * one pass over the list, no sort and no array per candidate. */
+#include "tessera_names.h"
+
+#include <stdlib.h>
+
+#define TN_AHEAD 16 /* positions ahead whose key is prefetched in the first round */
+
+typedef struct {
+	double key;
+	int64_t position;
+} tn_pick;
+
+/* (a.key, a.position) < (b.key, b.position) */
+static inline int tn_before(double key, int64_t position, const tn_pick *b)
+{
+	return key < b->key || (key == b->key && position < b->position);
+}
+
+/* `spec`: (column address, width in bytes, minimum) per bound */
+static inline int tn_reaches(int64_t slot, const int64_t *spec, uint32_t bounds)
+{
+	for (uint32_t b = 0; b < bounds; b++) {
+		const void *column = (const void *)(uintptr_t)spec[3 * b];
+		int64_t value;
+		switch (spec[3 * b + 1]) {
+		case 1:
+			value = ((const int8_t *)column)[slot];
+			break;
+		case 2:
+			value = ((const int16_t *)column)[slot];
+			break;
+		case 4:
+			value = ((const int32_t *)column)[slot];
+			break;
+		default:
+			value = ((const int64_t *)column)[slot];
+			break;
+		}
+		if (value < spec[3 * b + 2])
+			return 0;
+	}
+	return 1;
+}
+
+/* The heap's entry at `at` moved down to where it belongs (the largest at 0). */
+static void tn_sift_down(tn_pick *heap, uint64_t count, uint64_t at)
+{
+	tn_pick moving = heap[at];
+	for (;;) {
+		uint64_t child = 2 * at + 1;
+		if (child >= count)
+			break;
+		if (child + 1 < count && tn_before(heap[child].key, heap[child].position,
+						   &heap[child + 1]))
+			child++;
+		if (!tn_before(moving.key, moving.position, &heap[child]))
+			break;
+		heap[at] = heap[child];
+		at = child;
+	}
+	heap[at] = moving;
+}
+
+static void tn_sift_up(tn_pick *heap, uint64_t at)
+{
+	tn_pick moving = heap[at];
+	while (at) {
+		uint64_t parent = (at - 1) / 2;
+		if (!tn_before(heap[parent].key, heap[parent].position, &moving))
+			break;
+		heap[at] = heap[parent];
+		at = parent;
+	}
+	heap[at] = moving;
+}
+
+TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit,
+				const double *scores, double sign, const uint8_t *busy,
+				double *keys, uint8_t *busy_at, int32_t group, const int64_t *spec,
+				uint32_t bounds, int32_t resume, double after_key,
+				int64_t after_position, int64_t *out, uint64_t cap,
+				uint64_t *busy_count)
+{
+	if (!slots || !keys || !out || (bounds && !spec))
+		return -1;
+	for (uint32_t b = 0; b < bounds; b++) {
+		int64_t width = spec[3 * b + 1];
+		if (!spec[3 * b] || (width != 1 && width != 2 && width != 4 && width != 8))
+			return -1;
+	}
+	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
+	if (cap && !heap)
+		return -1;
+	if (scores) { /* the first round: every key and group read from the index, kept */
+		uint64_t busy_seen = 0;
+		for (uint64_t i = 0; i < n; i++) {
+			int64_t slot = slots[i];
+			if (slot < 0 || (uint64_t)slot >= limit) {
+				free(heap);
+				return -1;
+			}
+			if (i + TN_AHEAD < n) { /* (a gather: its cache lines asked for ahead) */
+				uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
+				if (ahead < limit)
+					__builtin_prefetch(&scores[ahead]);
+			}
+			double key = sign * scores[slot];
+			if (key != key) { /* NaN: no order to give (the caller walks in numpy) */
+				free(heap);
+				return -1;
+			}
+			keys[i] = key;
+			if (busy_at) {
+				uint8_t flag = busy[slot] ? 1 : 0;
+				busy_at[i] = flag;
+				busy_seen += flag;
+			}
+		}
+		if (busy_count)
+			*busy_count = busy_seen;
+	}
+	/* The selection: a heap of the `cap` first, its largest (`top`) kept in registers; a
+	 * position is read further only when it would enter. */
+	uint64_t count = 0;
+	double top_key = 0.0;
+	int64_t top_position = 0;
+	const uint8_t wanted = (uint8_t)(group != 0);
+	for (uint64_t i = 0; i < n && cap; i++) {
+		double key = keys[i];
+		if (busy_at && busy_at[i] != wanted)
+			continue;
+		if (count == cap && !(key < top_key || (key == top_key && (int64_t)i < top_position)))
+			continue;
+		if (resume && !(after_key < key || (after_key == key && after_position < (int64_t)i)))
+			continue;
+		int64_t slot = slots[i];
+		if (!scores && (slot < 0 || (uint64_t)slot >= limit)) {
+			free(heap);
+			return -1;
+		}
+		if (!tn_reaches(slot, spec, bounds))
+			continue;
+		if (count < cap) {
+			heap[count] = (tn_pick){key, (int64_t)i};
+			tn_sift_up(heap, count++);
+		} else {
+			heap[0] = (tn_pick){key, (int64_t)i};
+			tn_sift_down(heap, count, 0);
+		}
+		if (count == cap) {
+			top_key = heap[0].key;
+			top_position = heap[0].position;
+		}
+	}
+	/* ascending: the largest taken off the heap into the end, one at a time */
+	for (uint64_t left = count; left > 0; left--) {
+		tn_pick largest = heap[0];
+		heap[0] = heap[left - 1];
+		tn_sift_down(heap, left - 1, 0);
+		out[left - 1] = largest.position;
+	}
+	free(heap);
+	return (int64_t)count;
+}

@@ -1,0 +1,213 @@
+"""A candidate list seen for the first time, walked in the node policy's order in C
+(`native/names/src/walk.c`, in the scheduler's native library, built by `make native`).
+
+`candidate_order.fresh_walk` walks such a list (kube-scheduler's lists change every cycle) in
+numpy: per round a gather and a multiply of every candidate's key, a sample partition, a
+comparison, a nonzero, a gather of the round's bounds and a lexsort; ~0.3-0.4 ms at 20,000
+candidates for a pod that fits on the first node it checks, most of a fresh full list's
+decision. Here one pass over the list in C reads each candidate's key (kept, for the rounds
+after it and for a refusal's full order), keeps the `HEAD` first in the order in a small heap,
+and reads a candidate's bounds only when its key would enter the heap: a few dozen µs.
+
+The same positions in the same order (`(busy, key, position)` ascending, only those whose
+bounds reach the request's: `ClusterIndex.bound_conditions`), with the keys and busy flags read
+once, when the walk starts, as the numpy walk reads them, and each round's bounds read when the
+walk gets there. Two rounds in C (the head, then up to `_NATIVE_CHECKED` candidates: a pod
+that has not fitted by then is likely refused everywhere, `decide._AT_ONCE_CHECKED`); the rest,
+if a walk goes on, in numpy from where C stopped (`fresh_walk`'s `resume`). Without the
+library, or for anything it does not take (a NaN key, a bound outside int64), None: the caller
+walks in numpy. Both are checked equal in `tests/scheduler/test_native_walk.py`."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from .candidate_order import HEAD, fresh_walk
+from .native_names import library
+
+NATIVE_FROM = 1024  # candidates from which a fresh list is walked in C
+_NATIVE_CHECKED = 128  # candidates walked in C before numpy goes on
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_POINTER = ctypes.c_void_p
+_ARGUMENTS = [
+    _POINTER, ctypes.c_uint64, ctypes.c_uint64,  # slots, n, limit
+    _POINTER, ctypes.c_double, _POINTER,  # scores, sign, busy
+    _POINTER, _POINTER, ctypes.c_int32,  # keys, busy_at, group
+    _POINTER, ctypes.c_uint32,  # spec (address, width, minimum per bound), bounds
+    ctypes.c_int32, ctypes.c_double, ctypes.c_int64,  # resume, after key and position
+    _POINTER, ctypes.c_uint64, _POINTER,  # out, cap, busy_count
+]
+
+
+def walk_function() -> Callable[..., int] | None:
+    """`tn_walk_round` of the scheduler's native library, or None (not built, or a build
+    older than it)."""
+    lib = library()
+    function = getattr(lib, "tn_walk_round", None) if lib is not None else None
+    if function is not None and function.argtypes is None:
+        function.restype = ctypes.c_int64
+        function.argtypes = _ARGUMENTS
+    return function
+
+
+class Addresses:
+    """The data address of long-lived arrays (the index's columns), read once per array:
+    numpy's `.ctypes.data` costs ~1-2 µs a call, a dozen per walk. Each array is kept with
+    its address (so the address stays its), at most `KEEP` of them."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[np.ndarray, int]] = {}
+
+    def of(self, array: np.ndarray) -> int:
+        found = self._known.get(id(array))
+        if found is not None and found[0] is array:
+            return found[1]
+        if len(self._known) >= self.KEEP:
+            self._known.clear()
+        address = int(array.ctypes.data)
+        self._known[id(array)] = (array, address)
+        return address
+
+
+class NativeWalk:
+    """One fresh list's walk (an iterator of what `fresh_walk` yields: the head as a list,
+    then arrays of positions). `keys` and `busy` (None: not avoiding busy nodes) by position,
+    as read when the walk started, as `fresh_walk` is given them."""
+
+    def __init__(self, function: Callable[..., int], slots: np.ndarray, limit: int,
+                 scores: int, sign: float, busy: int | None, spec: np.ndarray,
+                 possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
+        """`scores`, `busy`: the addresses of the index's arrays by slot (float64, bool);
+        `spec`: (column address, width, minimum) per bound, as `tn_walk_round` reads it."""
+        self._function = function
+        self._possible = possible  # (numpy's, for the rounds after C's)
+        n = len(slots)
+        # One block for what C writes: the keys, the positions of its rounds (each round
+        # after the last one's: a round given as an array is never written over), the busy
+        # count, the busy flags.
+        room = _NATIVE_CHECKED + 1
+        block = np.empty(8 * (n + room) + (n if busy is not None else 0), dtype=np.uint8)
+        self.keys = block[: 8 * n].view(np.float64)
+        self._out = block[8 * n : 8 * (n + room)].view(np.int64)
+        self.busy = block[8 * (n + room) :].view(np.bool_) if busy is not None else None
+        base = int(block.ctypes.data)
+        self._keys_at, self._out_at = base, base + 8 * n
+        self._busy_at = base + 8 * (n + room) if busy is not None else None
+        self._kept = (slots, spec)  # (their addresses are used below)
+        self._list = (int(slots.ctypes.data), n, limit)
+        self._first = (scores, sign, busy)
+        self._spec = (int(spec.ctypes.data), len(spec) // 3)
+        self._sign = sign
+        self._rounds: Iterator[list[int] | np.ndarray] | None = None
+
+    def start(self) -> bool:
+        """The first round (reads every key): False when C does not take this list."""
+        first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
+        if first is None:
+            return False
+        # (none busy: one group; `busy` as C wrote it, every flag False)
+        busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
+        self._rounds = self._walk(first, busy)
+        return True
+
+    def __iter__(self) -> Iterator[list[int] | np.ndarray]:
+        return self
+
+    def __next__(self) -> list[int] | np.ndarray:
+        assert self._rounds is not None, "start() first"
+        return next(self._rounds)
+
+    def _round(self, group: bool | None, after: tuple[float, int] | None, cap: int,
+               walked: int, first: bool = False) -> np.ndarray | None:  # fmt: skip
+        """The positions of the `cap` first of the group after `after`, written after the
+        `walked` ones before them."""
+        by_group = group is not None
+        scores, sign, busy = self._first if first else (None, self._sign, None)
+        count = self._function(
+            *self._list, scores, sign, busy if by_group else None, self._keys_at,
+            self._busy_at if by_group else None, 1 if group else 0, *self._spec,
+            after is not None, after[0] if after is not None else 0.0,
+            after[1] if after is not None else 0, self._out_at + 8 * walked, cap,
+            self._out_at + 8 * _NATIVE_CHECKED if first else None,
+        )  # fmt: skip
+        if count < 0:
+            return None
+        return self._out[walked : walked + count]
+
+    def _walk(self, first: np.ndarray,
+              busy: np.ndarray | None) -> Iterator[list[int] | np.ndarray]:  # fmt: skip
+        """The rounds: `first` (the first group's head), then C's second round, then numpy
+        from where C stopped."""
+        groups: tuple[bool | None, ...] = (None,) if busy is None else (False, True)
+        walked = 0
+        found: np.ndarray | None = first
+        cap = HEAD
+        for group in groups:
+            after: tuple[float, int] | None = None  # the last position given of the group
+            while True:
+                if found is None:
+                    found = (self._round(group, after, cap, walked)
+                             if walked < _NATIVE_CHECKED else None)  # fmt: skip
+                    if found is None:  # numpy goes on from there (or C ran out of memory)
+                        yield from fresh_walk(self.keys, busy, self._possible,
+                                              resume=(group, after))  # fmt: skip
+                        return
+                positions = found
+                found = None
+                if len(positions):
+                    yield positions.tolist() if not walked else positions
+                    walked += len(positions)
+                    last = int(positions[-1])
+                    after = (float(self.keys[last]), last)
+                exhausted = len(positions) < cap
+                cap = HEAD if not walked else _NATIVE_CHECKED - walked  # (a head first)
+                if exhausted:
+                    break
+
+
+def native_walk(
+    slots: np.ndarray, scores: np.ndarray, sign: float, busy: np.ndarray | None,
+    bounds: list[tuple[np.ndarray, int | None, int]], possible: Callable[[np.ndarray], np.ndarray],
+    addresses: Addresses, shortest: int = NATIVE_FROM,
+) -> NativeWalk | None:
+    """A started `NativeWalk` of `slots` (their `scores` and `busy` flags by slot; `busy`
+    None: not avoiding busy nodes; `bounds`: (column by slot, or its rung's row of a 2-D
+    column, rung or None, minimum) the candidates must reach; `possible`: numpy's verdict on
+    the same bounds, for the rounds after C's; `addresses`: the index's `Addresses`), or None
+    where C does not walk it (no library, a list shorter than `shortest`, a bound or key it
+    does not take)."""
+    if len(slots) < shortest:
+        return None
+    function = walk_function()
+    if function is None:
+        return None
+    if scores.dtype != np.float64 or not scores.flags.c_contiguous:
+        return None
+    limit = len(scores)
+    if busy is not None:
+        if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
+            return None
+        limit = min(limit, len(busy))
+    spec: list[int] = []
+    for column, rung, minimum in bounds:
+        if (column.dtype.kind != "i" or not column.flags.c_contiguous
+                or column.ndim != (1 if rung is None else 2)
+                or not _INT64[0] <= minimum <= _INT64[1]):  # fmt: skip
+            return None
+        address = addresses.of(column)
+        if rung is not None:
+            if not 0 <= rung < column.shape[0]:
+                return None
+            address += rung * column.strides[0]
+        limit = min(limit, column.shape[-1])
+        spec += (address, column.itemsize, minimum)
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    walk = NativeWalk(function, slots, limit, addresses.of(scores), sign,
+                      addresses.of(busy) if busy is not None else None,
+                      np.array(spec, dtype=np.int64), possible)  # fmt: skip
+    return walk if walk.start() else None

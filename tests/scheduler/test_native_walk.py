@@ -1,0 +1,193 @@
+"""The fresh list's walk in C (`native_walk.NativeWalk`, `native/names/src/walk.c`) gives the
+positions numpy's `candidate_order.fresh_walk` gives, in the same order, on every list:
+adversarial keys (ties, -0.0, infinities), busy nodes or none, bounds of every width and at
+every edge, the walk handed on to numpy after C's rounds; where C cannot order a list (a NaN
+key, a slot past the arrays, a bound outside int64) it steps aside (None) and numpy walks. A
+decision over the index is the same with the library and without it."""
+
+from __future__ import annotations
+
+import random
+from itertools import islice
+
+import numpy as np
+import pytest
+from tessera.scheduler import native_walk
+from tessera.scheduler.candidate_order import fresh_walk
+from tessera.scheduler.decide import decide
+from tessera.scheduler.index import Need
+from tessera.scheduler.native_walk import NATIVE_FROM, Addresses, NativeWalk
+from tessera.scheduler.rules import parse_pod_options
+
+from tessera.hami import parse_pod_request
+from tessera.settings import TesseraSettings
+
+from .factories import GIB, container, pod
+from .test_index_order import cluster, reference
+from .test_native_names import built  # noqa: F401  (the library, built once per module)
+
+WIDTHS = (np.int8, np.int16, np.int32, np.int64)
+
+
+def flat(walk) -> list[int]:  # type: ignore[no-untyped-def]
+    out: list[int] = []
+    for chunk in walk:
+        out.extend(int(p) for p in (chunk if isinstance(chunk, list) else chunk.tolist()))
+    return out
+
+
+def case(rng: random.Random, n: int, slots_total: int) -> dict:
+    """A list of `n` positions over `slots_total` slots: scores drawn from a few values (many
+    ties), -0.0 and 0.0 both, infinities; some busy; 1-6 bounds of any width."""
+    values = [0.0, -0.0, 1.5, 3.0, -2.25, float("inf"), float("-inf"), 7.0, 1e300]
+    pool = rng.sample(values, rng.randint(1, len(values)))
+    scores = np.array([rng.choice(pool) for _ in range(slots_total)], dtype=np.float64)
+    slots = np.array([rng.randrange(slots_total) for _ in range(n)], dtype=np.int64)
+    busy_share = rng.choice([0.0, 0.0, 0.1, 0.5, 1.0])
+    busy = np.array([rng.random() < busy_share for _ in range(slots_total)], dtype=bool)
+    bounds = []
+    for _ in range(rng.randint(1, 6)):
+        dtype = rng.choice(WIDTHS)
+        info = np.iinfo(dtype)
+        column = np.array([rng.choice([info.min, -1, 0, 1, 2, 5, info.max])
+                           for _ in range(slots_total)], dtype=dtype)  # fmt: skip
+        minimum = rng.choice([info.min, -1, 0, 1, 2, 5, info.max, 1 << 62, -(1 << 62)])
+        bounds.append((column, int(minimum)))
+    return {"slots": slots, "scores": scores, "busy": busy, "bounds": bounds,
+            "sign": rng.choice([1.0, -1.0])}  # fmt: skip
+
+
+def bounds_of(c: dict) -> list:
+    return [(column, None, minimum) for column, minimum in c["bounds"]]
+
+
+def numpy_possible(c: dict):  # type: ignore[no-untyped-def]
+    def possible(positions: np.ndarray) -> np.ndarray:
+        at = c["slots"][positions]
+        ok = np.ones(len(positions), dtype=bool)
+        for column, minimum in c["bounds"]:
+            ok &= column[at].astype(np.int64) >= minimum
+        return ok
+
+    return possible
+
+
+def walked_both(c: dict, avoid_busy: bool) -> tuple[list[int], list[int], NativeWalk]:
+    busy = c["busy"] if avoid_busy else None
+    keys = c["sign"] * c["scores"][c["slots"]]
+    expected = flat(fresh_walk(keys, None if busy is None else busy[c["slots"]],
+                               numpy_possible(c)))  # fmt: skip
+    walk = native_walk.native_walk(c["slots"], c["scores"], c["sign"], busy, bounds_of(c),
+                                   numpy_possible(c), Addresses(), shortest=0)  # fmt: skip
+    assert walk is not None
+    np.testing.assert_array_equal(walk.keys, keys)
+    if busy is not None:
+        np.testing.assert_array_equal(walk.busy, busy[c["slots"]])
+    return flat(walk), expected, walk
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_position_in_numpys_order_on_adversarial_lists(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.choice([0, 1, 2, 7, 8, 9, 127, 128, 129, 300, 2500])
+    c = case(rng, n, rng.choice([1, 3, 50, 4000]))
+    for avoid_busy in (True, False):
+        native, expected, _walk = walked_both(c, avoid_busy)
+        assert native == expected, (seed, avoid_busy)
+
+
+def test_a_walk_stopped_early_reads_one_pass_and_its_head_first() -> None:
+    """The head comes as a list (checked one by one), the rest as arrays; a walk that stops
+    at its head never reaches numpy."""
+    rng = random.Random(7)
+    c = case(rng, 5000, 5000)
+    c["bounds"] = [(np.zeros(5000, dtype=np.int32), 0)]  # every candidate possible
+    walk = native_walk.native_walk(c["slots"], c["scores"], c["sign"], None, bounds_of(c),
+                                   lambda positions: pytest.fail("numpy asked"),  # type: ignore[arg-type]
+                                   Addresses())  # fmt: skip
+    assert walk is not None
+    head = next(walk)
+    assert isinstance(head, list) and len(head) == native_walk.HEAD
+    keys = c["sign"] * c["scores"][c["slots"]]
+    assert head == np.lexsort((np.arange(5000), keys))[: native_walk.HEAD].tolist()
+
+
+def test_what_c_cannot_order_is_left_to_numpy() -> None:
+    rng = random.Random(3)
+    c = case(rng, NATIVE_FROM, 2000)
+    args = (c["scores"], c["sign"], c["busy"], bounds_of(c), numpy_possible(c), Addresses())
+    assert native_walk.native_walk(c["slots"], *args) is not None
+    assert native_walk.native_walk(c["slots"][: NATIVE_FROM - 1], *args) is None  # short
+    nan = c["scores"].copy()
+    nan[c["slots"][NATIVE_FROM // 2]] = np.nan
+    assert native_walk.native_walk(c["slots"], nan, *args[1:]) is None
+    beyond = c["slots"].copy()
+    beyond[-1] = 2000  # past every array
+    assert native_walk.native_walk(beyond, *args) is None
+    huge = [(c["bounds"][0][0], None, 1 << 63)]
+    assert native_walk.native_walk(c["slots"], c["scores"], c["sign"], c["busy"], huge,
+                                   *args[4:]) is None  # fmt: skip
+    wide = np.zeros((3, 2000), dtype=np.int64)
+    assert native_walk.native_walk(c["slots"], *args[:3], [(wide, 3, 0)], *args[4:]) is None
+    assert native_walk.native_walk(c["slots"], *args[:3], [(wide, 2, 0)], *args[4:]) is not None
+
+
+@pytest.fixture(scope="module")
+def fresh_cluster() -> tuple:
+    """An index just over `NATIVE_FROM` nodes (a fifth busy, few distinct scores: many ties),
+    built once: the order test only reads it."""
+    return cluster(random.Random(9), NATIVE_FROM + 76)
+
+
+@pytest.mark.parametrize("policy", ["binpack", "spread"])
+@pytest.mark.parametrize("avoid_busy", [True, False])
+def test_the_index_order_walked_in_c_is_the_full_stable_sort(
+    policy: str, avoid_busy: bool, fresh_cluster: tuple
+) -> None:
+    """`ClusterIndex.order` on a fresh list, walked in C, is the plain algorithm's order."""
+    index, names = fresh_cluster
+    names = random.Random(policy + str(avoid_busy)).sample(names, len(names))
+    slots, _unknown = index.resolve(names)
+    for needs in ([Need(1, 10 * GIB, 0, 10)], [Need(1, 0, 50, 100)], [Need(4, 70 * GIB, 0, 0)],
+                  [Need(1, 0, 0, 0), Need(3, 1, 0, 5)]):  # fmt: skip
+        ordered, pruned = index.order(slots, needs, policy, avoid_busy)
+        assert isinstance(ordered._ordering._pending, NativeWalk)
+        expected_order, expected_pruned = reference(index, slots, needs, policy, avoid_busy)
+        assert list(ordered) == expected_order
+        assert sorted(pruned) == expected_pruned
+
+
+def test_a_decision_is_the_same_with_the_library_and_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over an index just over `NATIVE_FROM` nodes, fresh lists: the same fitting nodes in
+    the same order with the same cards, and the same reasons for a refused pod, walked in C
+    or in numpy (each on an index of its own, built alike)."""
+    settings = TesseraSettings()
+    pods = [pod(container(gpus=g, mem=m, cores=k),
+                annotations={"hami.io/node-scheduler-policy": policy})
+            for policy in ("binpack", "spread")
+            for g, m, k in ((1, 4 * GIB, None), (2, 20 * GIB, 30), (1, 70 * GIB, None),
+                            (4, GIB, 10), (1, 200 * GIB, None))]  # fmt: skip
+
+    def walked() -> list:
+        index, names = cluster(random.Random(13), NATIVE_FROM + 76)
+        rng = random.Random(5)
+        out = []
+        for names_list in [rng.sample(names, len(names)) for _ in range(2)]:
+            for spec in pods:
+                request = parse_pod_request(spec, settings)
+                decision = decide(index, request, parse_pod_options(spec, settings), names_list)
+                # (the first 150: past C's rounds, into numpy's)
+                fitting = [(entry.name, [[g.uuid for g in c] for c in fit.containers])
+                           for entry, fit in islice(decision.fits(), 150)]  # fmt: skip
+                if not fitting:
+                    decision.explain_rest()
+                out.append((fitting, sorted(decision.failed.items())))
+        return out
+
+    with_library = walked()
+    monkeypatch.setattr(native_walk, "walk_function", lambda: None)
+    assert walked() == with_library
+    assert any(len(fitting) == 150 for fitting, _ in with_library)
+    assert any(not fitting for fitting, _ in with_library)
