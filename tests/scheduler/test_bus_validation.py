@@ -158,7 +158,7 @@ async def test_filter_of_a_pod_the_cluster_lacks_reserves_nothing(
         await msg.respond(encode(QuotaReply(ok=True)))
 
     sub = await nc.subscribe(bus.QUOTA_RESERVE, cb=quota)
-    await nc.flush()
+    await bus.flush(nc)
     try:
         async with http_client(service) as client:
             made_up = [pod(container(mem=GIB)) for _ in range(20)]
