@@ -100,6 +100,7 @@ async def test_bound_event_is_published_once(
     name = await setup_node(buckets, service, node(unique("n"), gpus=1))
     spec = cluster.add_pod(pod(container(mem=1000)))
     sub = await nc.subscribe(bus.alloc_event_subject(name, "bound"))
+    await bus.flush(nc)  # in place before another connection publishes
     async with http_client(service) as client:
         await filter_call(client, spec, [name])
         assert await bind_call(client, spec, name) == ""
@@ -183,6 +184,7 @@ async def test_unbound_reservation_expires_and_is_released(
     name = await setup_node(buckets, service, node(unique("n"), gpus=1))
     spec = cluster.add_pod(pod(container(mem=1000)))
     sub = await nc.subscribe(bus.alloc_event_subject(name, "released"))
+    await bus.flush(nc)  # in place before another connection publishes
     async with http_client(service) as client:
         assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
     assert spec["metadata"]["uid"] in (await ledger(buckets, name)).allocations
