@@ -274,6 +274,18 @@ async def connect(
     raise RuntimeError("unreachable")
 
 
+async def flush(nc: NatsClient) -> None:
+    """Return once the server has processed everything this connection sent before the call (a
+    subscription just made included), so that what another connection publishes next reaches
+    it. `nc.flush()` alone does not promise that: nats-py (2.16) writes its PING straight to the
+    socket, ahead of the commands still queued for the client's flusher task (a SUB just made),
+    so its PONG may come back before the server has read the SUB, and a request another
+    connection makes at once gets "no responders" (seen on a busy host). While the first round
+    trip is under way the flusher writes what was queued; the second PING follows it."""
+    await nc.flush()
+    await nc.flush()
+
+
 def _bind_websocket_transport() -> None:
     """nats-py's websocket transport needs aiohttp, which `tessera/__init__.py` keeps out of
     nats-py's import (it is a tenth of a service's start and only websockets use it): bind it

@@ -46,6 +46,8 @@ class PodAttribution:
         self.units = units or DeviceUnits()
         # kubelet's view the last GetPreferredAllocation took: (when, pods it names).
         self._preferred_view: tuple[float, set[str]] | None = None
+        # When the last GetPreferredAllocation read the ledger exactly (follows_preferred).
+        self._preferred_at = float("-inf")
 
     async def preferred(self, request: dp.PreferredAllocationRequest):
         ctx = self.ctx
@@ -60,6 +62,7 @@ class PodAttribution:
         # its List is the same during the whole call)
         listing = self.list_early()
         ledger = await ctx.ledger()  # exact: which pod kubelet admits is decided from here
+        self._preferred_at = time.monotonic()
         only = await self.kubelet_admitting(ledger, listing)
         self._preferred_view = (time.monotonic(), only) if only else None
         response = dp.PreferredAllocationResponse()
@@ -97,6 +100,16 @@ class PodAttribution:
                 deviceIDs=units.expand(ids)
             ))
         return response
+
+    def follows_preferred(self) -> bool:
+        """Whether this Allocate is the one kubelet makes right after a GetPreferredAllocation
+        (back to back, for one container), which read the ledger exactly: then the entry known
+        since (watched, at least as new) serves it. Used once. kubelet also calls Allocate with
+        no GetPreferredAllocation before it (its topology manager aligned exactly the devices
+        asked, or an init container's devices are reused): that one reads exactly, since a pod
+        bound after the last read may not have reached the watch yet."""
+        at, self._preferred_at = self._preferred_at, float("-inf")
+        return time.monotonic() - at <= VIEW_REUSE_S
 
     async def admitting_for_allocate(self, ledger: NodeLedger | None) -> set[str] | None:
         """kubelet's view for an Allocate: the one the GetPreferredAllocation just before it

@@ -205,9 +205,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         check_id_count([i for r in request.container_requests for i in r.devices_ids], replicas)
         requested = [self.units.collapse(req.devices_ids) for req in request.container_requests]
         checked = [(ids, hs.gpus_of(ids, devices)) for ids in requested]
-        # kubelet calls Allocate right after the GetPreferredAllocation that read the ledger:
-        # the entry known since (watched, at least as new) serves it (attribution.py)
-        ledger = await ctx.ledger(fresh_within=VIEW_REUSE_S)
+        # right after the GetPreferredAllocation that read the ledger exactly, the entry known
+        # since (watched, at least as new) serves it; any other Allocate reads exactly
+        # (attribution.py, follows_preferred)
+        fresh = VIEW_REUSE_S if self.attribution.follows_preferred() else None
+        ledger = await ctx.ledger(fresh_within=fresh)
         only = await self.attribution.admitting_for_allocate(ledger)
         response = dp.AllocateResponse()
         for ids, gpus in checked:

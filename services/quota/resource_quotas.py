@@ -45,6 +45,12 @@ ListQuotaNamespaces = Callable[[], Awaitable[set[str]]]
 _END = object()
 
 
+async def _end_once(stop: asyncio.Event, queue: asyncio.Queue[object]) -> None:
+    """End the watch's queue once `stop` is set."""
+    await stop.wait()
+    queue.put_nowait(_END)
+
+
 class ResourceQuotaWatcher:
     def __init__(
         self,
@@ -106,6 +112,10 @@ class ResourceQuotaWatcher:
         while not stop.is_set():
             queue: asyncio.Queue[object] = asyncio.Queue()
             pump = asyncio.create_task(self._pump(queue))
+            # Stopping ends the watch by itself: the stop's cancel can be lost (Python 3.11's
+            # asyncio.wait_for swallows one landing as a bus reply arrives, and applying limits
+            # makes bus requests), and a watch waiting for its next event never ended.
+            ender = asyncio.create_task(_end_once(stop, queue))
             try:
                 await self._consume(queue)
                 backoff = 0.5
@@ -115,6 +125,9 @@ class ResourceQuotaWatcher:
                 self.log.warning("ResourceQuota watch failed", extra={"err": str(exc)})
             finally:
                 pump.cancel()
+                ender.cancel()
+            if stop.is_set():
+                return
             await asyncio.sleep(backoff)
             backoff = min(10.0, backoff * 2)
 

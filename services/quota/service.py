@@ -173,17 +173,18 @@ class QuotaService:
         ]
         for name, subject, handler in endpoints:
             await self._micro.add_endpoint(name=name, subject=subject, handler=handler)
-        await self.nc.flush()
+        await bus.flush(self.nc)
         await self._wait_until_routed()
         self.log.info("quota service serving", extra={"instance": self.instance})
 
     async def _wait_until_routed(self, timeout_s: float = 5.0) -> None:
         """Ask our own status endpoint until the broker routes requests to it.
 
-        Right after one replica replaced another, we saw nats-server (2.15) answer a client's
-        first request with "no responders" for a few milliseconds although our subscriptions
-        were in place; callers take that for a missing quota service. A round trip through our
-        own endpoint before start() returns made it disappear in our tests.
+        Right after one replica replaced another, we saw a client's first request answered
+        "no responders" for a few milliseconds; callers take that for a missing quota service.
+        The likely cause: nats-py's flush lets its PING overtake the SUBs still queued
+        (`bus.flush`), so the server had not read them yet. A round trip through our own
+        endpoint before start() returns made it disappear in our tests.
         """
         probe = encode(QuotaStatusRequest())
         deadline = time.monotonic() + timeout_s

@@ -32,7 +32,12 @@ async def test_registers_and_advertises_replicas_with_numa(short_dir, nc, bucket
         registration = decode(entry.value, NodeRegistration)
         assert [d.uuid for d in registration.devices] == gpus
         assert registration.devices[0].split_count == 4
-        await asyncio.sleep(0.1)
+        # written after the registration and its event (a JetStream round trip more)
+
+        async def annotated() -> bool:
+            return hami.ANN_NODE_REGISTER in rig.cluster.node_annotations.get(rig.node, {})
+
+        await eventually(annotated, timeout=10)
         annotation = rig.cluster.node_annotations[rig.node][hami.ANN_NODE_REGISTER]
         assert [d.uuid for d in hami.decode_node_register(annotation)] == gpus
 
@@ -132,9 +137,12 @@ async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_d
         await events.aclose()
         assert received.event.pod_uid == allocation.pod_uid
         assert received.event.containers[1][0].memory_mib == 6000
-        await asyncio.sleep(0.2)
-        pod_now = await rig.cluster.get_pod("team", "train")
-        assert pod_now["metadata"]["annotations"][hami.ANN_BIND_PHASE] == "success"
+
+        async def bind_phase_success() -> bool:  # patched after the pod's finish is written
+            pod_now = await rig.cluster.get_pod("team", "train")
+            return pod_now["metadata"]["annotations"].get(hami.ANN_BIND_PHASE) == "success"
+
+        await eventually(bind_phase_success, timeout=10)
 
 
 async def test_reused_init_replica_still_gets_each_containers_own_limits(short_dir, nc, buckets):

@@ -61,6 +61,22 @@ async def until(check, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def stalled_watch(rig, buckets):
+    """The plugin reads the node's ledger from a watch that delivers nothing after the current
+    value (LaggingWatch never flowing); yields that watched entry."""
+    stalled = WatchedLedger(buckets.ledger, rig.node, LOG, entries=LaggingWatch())
+    stop = asyncio.Event()
+    task = asyncio.create_task(stalled.run(stop))
+    try:
+        await until(lambda: stalled.live)
+        rig.agent.plugin.ctx._watched = stalled  # the plugin reads this one from now on
+        yield stalled
+    finally:
+        stop.set()
+        await task
+
+
 async def test_reads_follow_the_watch_and_own_writes_are_known_at_once(nc, buckets):
     node = f"node-{uuid.uuid4().hex[:8]}"
     await write(buckets.ledger, node, "first")
@@ -138,13 +154,7 @@ async def test_a_pod_booked_after_the_watch_stalled_is_admitted_with_its_own_gra
         early = make_pod("early", [("main", 1)])
         early_grant = [grants((g0, 3000, 30))]
         await rig.bind(early, early_grant)
-        lagging = LaggingWatch()
-        stalled = WatchedLedger(buckets.ledger, rig.node, LOG, entries=lagging)
-        stop = asyncio.Event()
-        task = asyncio.create_task(stalled.run(stop))
-        try:
-            await until(lambda: stalled.live)
-            rig.agent.plugin.ctx._watched = stalled  # the plugin reads this one from now on
+        async with stalled_watch(rig, buckets) as stalled:
             late = make_pod("late", [("main", 1)])
             late_grant = [grants((g1, 5000, 50))]
             await rig.bind(late, late_grant)  # not delivered to the watch
@@ -162,9 +172,35 @@ async def test_a_pod_booked_after_the_watch_stalled_is_admitted_with_its_own_gra
             assert by_name["late"].containers == late_grant  # its own GPU: nothing moved
             assert by_name["early"].containers == early_grant
             assert {a.state for a in by_name.values()} == {"allocated"}
-        finally:
-            stop.set()
-            await task
+
+
+async def test_an_allocate_with_no_preferred_allocation_before_it_reads_exactly(
+    short_dir, nc, buckets
+):
+    """kubelet calls Allocate with no GetPreferredAllocation first when its topology manager
+    aligned exactly the devices asked (or it reuses an init container's): the pod may have been
+    bound after the agent's last exact read (here a moment ago, by the admission before it)
+    and not have reached a lagging watch. It is still admitted, never refused as not in flight
+    (before, any exact read in the last second let the watched entry answer: under load such a
+    pod was refused, FAILED_PRECONDITION 'no pod is in flight')."""
+    async with running_rig(short_dir, nc, buckets) as rig:
+        g0, g1 = rig.gpus
+        early = make_pod("early", [("main", 1)])
+        await rig.bind(early, [grants((g1, 3000, 30))])
+        async with stalled_watch(rig, buckets):
+            admission = await rig.kubelet.admit_pod(early)  # its calls read KV exactly
+            assert admission.ok, admission.error
+            late = make_pod("late", [("main", 1)])
+            await rig.bind(late, [grants((g0, 5000, 50))])  # not delivered to the watch
+            # kubelet takes the devices it aligned itself, without asking the plugin: the
+            # first free one, a replica of the late pod's GPU
+            plugin = rig.kubelet.plugins["nvidia.com/gpu"]
+            plugin.preferred_allocation = False
+            assert plugin.healthy()[0].startswith(g0)
+            admission = await rig.kubelet.admit_pod(late)
+            assert admission.ok, admission.error
+            limits = read_limits(admission.containers[0].mount(SEALED_LIMITS_DIR).host_path)
+            assert [(d.uuid, d.mem_limit_bytes >> 20) for d in limits.devices] == [(g0, 5000)]
 
 
 async def test_a_pod_answered_but_not_yet_recorded_is_not_taken_for_a_retry(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,6 +18,16 @@ from tessera.bus import connect, ensure_bus
 from tessera.settings import NatsSettings, TesseraSettings
 
 StartQuota = Callable[..., Awaitable[QuotaService]]
+STOP_S = 20.0
+
+
+def waiting_tasks() -> str:
+    """Where every other task of the loop waits (a stop that hung says why)."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            task.print_stack(limit=4, file=out)
+    return out.getvalue()
 
 
 @pytest.fixture
@@ -39,9 +51,16 @@ async def start_quota(nats_url: str) -> AsyncIterator[StartQuota]:
         return service
 
     yield start
+    hung: list[str] = []
     for service, client in started:
-        await service.stop()
+        # Bounded: a task that lost its cancellation held the run for pytest-timeout's 300 s;
+        # now the test fails at once, saying where the tasks wait.
+        stopping = asyncio.ensure_future(service.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=STOP_S)
+        if not done:
+            hung.append(waiting_tasks())
         if not client.is_closed:
             with contextlib.suppress(Exception):
                 await client.jetstream().delete_consumer(bus.EVENTS_STREAM, consumer)
             await client.drain()
+    assert not hung, f"quota service did not stop within {STOP_S:g} s:\n" + "\n".join(hung)

@@ -41,6 +41,7 @@ async def test_a_contradicted_release_keeps_the_charge(start_quota, nc, buckets)
     )  # fmt: skip
     await buckets.ledger.put(node, encode(NodeLedger(node=node, allocations={uid: running})))
     sub = await nc.subscribe(bus.rejected_event_subject("event"))
+    await bus.flush(nc)  # in place before another connection publishes
     await bus.publish_event(nc.jetstream(), AllocationEvent(
         action="released", node=node, pod_uid=uid, namespace=ns, name="train"))
     rejected = decode((await sub.next_msg(timeout=10)).data, ValueRejectedEvent)
@@ -66,6 +67,7 @@ async def test_an_invalid_quota_record_refuses_reservations_until_limits_are_set
     await buckets.quota.put(ns, encode(QuotaState(
         namespace=ns, limits=QuotaAmount(memory_mib=-1000))))  # fmt: skip
     sub = await nc.subscribe(bus.rejected_event_subject("quota"))
+    await bus.flush(nc)  # in place before another connection publishes
     ask = QuotaRequest(namespace=ns, pod_uid="p1", name="p1", memory_mib=100, cores=1, gpus=1)
     refused = await call(nc, bus.QUOTA_RESERVE, ask)
     assert not refused.ok and "quota record of namespace" in refused.reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from quota_testkit import call, eventually, unique_namespace
@@ -114,3 +115,29 @@ async def test_limits_of_resource_quotas_deleted_while_the_service_was_down_are_
 
     await eventually(lifted)
     assert await limits_of(nc, by_hand) == QuotaAmount(gpus=1)  # set by hand: left alone
+
+
+async def test_the_watch_ends_once_stopped_even_if_its_cancellation_is_lost():
+    """The quota service's stop sets the stop event, then cancels and awaits its tasks. A cancel
+    landing just as a bus reply arrives is swallowed by `asyncio.wait_for` (Python 3.11, inside
+    nats-py's request, which applying limits makes), so the watch must end on the stop event
+    alone. Before, it waited for its next cluster event forever and the service's stop hung
+    (seen as a 300 s teardown timeout of this module beside busy CPUs)."""
+    applied: list[str] = []
+
+    async def apply(namespace: str, quotas: dict) -> None:
+        applied.append(namespace)
+
+    cluster = InMemoryCluster()
+    cluster.put_quota(resource_quota("team-a", "gpu", {"limits.nvidia.com/gpumem": "100"}))
+    watcher = ResourceQuotaWatcher(cluster, TesseraSettings(), apply, logging.getLogger("test"),
+                                   settle_s=0.05)  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(watcher.run(stop))
+
+    async def listed() -> bool:
+        return "team-a" in applied
+
+    await eventually(listed, timeout=10)  # past the listing: waiting for the next event
+    stop.set()  # no cancel
+    await asyncio.wait_for(task, 10)

@@ -38,6 +38,7 @@ async def test_registration_with_ten_times_the_memory_is_not_applied(
     real = node(unique("n"), gpus=2, memory_mib=24 * GIB, type="NVIDIA-A10")
     name = await setup_node(buckets, service, real)
     sub = await nc.subscribe(bus.rejected_event_subject("registration"))
+    await bus.flush(nc)  # in place before another connection publishes
     forged = real.model_copy(deep=True)
     for device in forged.devices:
         device.memory_mib = device.physical_memory_mib = 240 * GIB  # an "A10" with 240 GiB
@@ -79,6 +80,7 @@ async def test_garbage_in_a_ledger_key_is_repaired_without_losing_allocations(
         await agent_allocate(buckets, name, running["metadata"]["uid"])
         await wait_until(lambda: service.index.entries[name].ledger.claim is None)
         sub = await nc.subscribe(bus.rejected_event_subject("ledger"))
+        await bus.flush(nc)  # in place before another connection publishes
         bad = await buckets.ledger.put(name, b"\x00\xffgarbage\x93")
         event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
         assert event.key == name and event.problem == "undecodable"
@@ -158,7 +160,7 @@ async def test_filter_of_a_pod_the_cluster_lacks_reserves_nothing(
         await msg.respond(encode(QuotaReply(ok=True)))
 
     sub = await nc.subscribe(bus.QUOTA_RESERVE, cb=quota)
-    await nc.flush()
+    await bus.flush(nc)
     try:
         async with http_client(service) as client:
             made_up = [pod(container(mem=GIB)) for _ in range(20)]

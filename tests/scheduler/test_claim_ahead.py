@@ -31,7 +31,7 @@ class KeyWrites:
             self.count += 1
 
         self.sub = await self.nc.subscribe(self.subject, cb=seen)
-        await self.nc.flush()
+        await bus.flush(self.nc)
         return self
 
     async def __aexit__(self, *_exc: object) -> None:

@@ -126,6 +126,7 @@ async def test_a_deleted_dra_pod_releases_its_entry_quota_and_announces_it(
         await wait_until(lambda: service.index.pod_nodes.get(uid) == name, 10)
         assert await used() == 4096
         released = await nc.subscribe(bus.alloc_event_subject(name, "released"))
+        await bus.flush(nc)  # in place before another connection publishes
 
         cluster.delete_pod(namespace, spec["metadata"]["name"])  # kubelet unprepares later
         event = decode((await released.next_msg(timeout=10)).data, AllocationEvent)

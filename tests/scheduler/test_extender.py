@@ -100,6 +100,7 @@ async def test_bound_event_is_published_once(
     name = await setup_node(buckets, service, node(unique("n"), gpus=1))
     spec = cluster.add_pod(pod(container(mem=1000)))
     sub = await nc.subscribe(bus.alloc_event_subject(name, "bound"))
+    await bus.flush(nc)  # in place before another connection publishes
     async with http_client(service) as client:
         await filter_call(client, spec, [name])
         assert await bind_call(client, spec, name) == ""
@@ -183,6 +184,7 @@ async def test_unbound_reservation_expires_and_is_released(
     name = await setup_node(buckets, service, node(unique("n"), gpus=1))
     spec = cluster.add_pod(pod(container(mem=1000)))
     sub = await nc.subscribe(bus.alloc_event_subject(name, "released"))
+    await bus.flush(nc)  # in place before another connection publishes
     async with http_client(service) as client:
         assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
     assert spec["metadata"]["uid"] in (await ledger(buckets, name)).allocations
@@ -286,7 +288,7 @@ async def test_quota_refusal_and_timeout_are_clear(
                 await msg.respond(encode(QuotaReply(ok=False, reason="limits.gpumem 500 exceeded")))
 
         sub = await nc.subscribe(bus.QUOTA_RESERVE, cb=deny)
-        await nc.flush()
+        await bus.flush(nc)
         # An answer is due now: give it a busy host's time (the timeout is read per call).
         service.settings.request_timeout_s = 10.0
         try:
@@ -442,7 +444,7 @@ async def test_quota_is_held_with_the_reservation_and_released_with_the_pod(
 
     subs = [await nc.subscribe(bus.QUOTA_RESERVE, cb=responder("reserve")),
             await nc.subscribe(bus.QUOTA_RELEASE, cb=responder("release"))]  # fmt: skip
-    await nc.flush()
+    await bus.flush(nc)
     spec = cluster.add_pod(pod(container(gpus=2, mem=3000, cores=20), namespace=namespace))
     try:
         async with http_client(service) as client:

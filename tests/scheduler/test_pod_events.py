@@ -95,6 +95,7 @@ async def test_deleted_pending_pod_leaves_explain_and_is_announced(
     namespace = unique("ns")
     spec = cluster.add_pod(pod(container(mem=20 * GIB), namespace=namespace))
     sub = await nc.subscribe(bus.sched_gone_subject(namespace))
+    await bus.flush(nc)  # in place before another connection publishes
     async with http_client(service) as client:
         await filter_call(client, spec, [full])
     ask = ExplainRequest(namespace=namespace, name=spec["metadata"]["name"])

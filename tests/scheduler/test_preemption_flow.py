@@ -129,7 +129,7 @@ async def test_a_victim_is_released_only_when_the_agent_reports_its_memory_free(
         sample = UsageSample(node=name, devices=[HostDeviceUsage(
             uuid=uuid, used_bytes=used_mib * MIB, total_bytes=24000 * MIB)])  # fmt: skip
         await service.nc.publish(bus.usage_subject(name), encode(sample))
-        await service.nc.flush()
+        await bus.flush(service.nc)
 
     def victim_held() -> bool:
         ledger = service.index.entries[name].ledger

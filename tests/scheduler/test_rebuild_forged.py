@@ -57,6 +57,7 @@ async def test_forged_annotations_restore_no_card_over_capacity_and_are_reported
     edited["metadata"]["annotations"] |= {hami.ANN_DEVICES_ALLOCATED: forged,
                                           hami.ANN_DEVICES_TO_ALLOCATE: forged}
     events = await nc.subscribe(bus.rejected_event_subject("ledger"))
+    await bus.flush(nc)  # in place before another connection publishes
     await buckets.ledger.purge(name)  # NATS lost the node's ledger
     second = await make_service()
     after = (await bus.read(buckets.ledger, name, NodeLedger)).value

@@ -138,6 +138,7 @@ async def test_restarted_scheduler_releases_stale_allocations_before_ready(
         released.append(decode(msg.data, AllocationEvent))
 
     sub = await nc.subscribe(bus.alloc_event_subject(name, "released"), cb=on_released)
+    await bus.flush(nc)  # in place before another connection publishes
     try:
         service = await make_service()  # returns once ready
         # Already gone from the ledger when ready is reported: nothing waits for a periodic pass.

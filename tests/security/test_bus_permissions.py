@@ -163,9 +163,9 @@ async def test_node_agent_cannot_set_limits_on_another_node(as_identity) -> None
         await msg.respond(b"ok")
 
     await agent_b.nc.subscribe(bus.node_limits_subject(NODE_B), cb=on_request)
-    await agent_b.nc.flush()
+    await bus.flush(agent_b.nc)
     await agent_a.nc.publish(bus.node_limits_subject(NODE_B), b"raise my neighbour")
-    await agent_a.nc.flush()
+    await bus.flush(agent_a.nc)
     await agent_a.violation(bus.node_limits_subject(NODE_B))
 
     admin_cli = await as_identity(bp.ADMIN)  # the CLI's admin role may
@@ -178,7 +178,7 @@ async def test_node_agent_cannot_serve_another_nodes_limits(as_identity) -> None
     """Nor hijack them: subscribing to node B's endpoint is refused too."""
     agent_a = await as_identity(bp.NODE_AGENT, NODE_A)
     await agent_a.nc.subscribe(bus.node_limits_subject(NODE_B), queue="q")
-    await agent_a.nc.flush()
+    await bus.flush(agent_a.nc)
     await agent_a.violation(bus.node_limits_subject(NODE_B))
 
 
@@ -214,7 +214,7 @@ async def test_only_a_node_agent_reports_compute_reclaimed_on_its_own_node(as_id
 async def test_replies_are_private_to_each_identity(as_identity) -> None:
     agent_a = await as_identity(bp.NODE_AGENT, NODE_A)
     await agent_a.nc.subscribe("_INBOX.>")
-    await agent_a.nc.flush()
+    await bus.flush(agent_a.nc)
     await agent_a.violation("_INBOX.>")
 
 
@@ -235,11 +235,11 @@ async def test_only_the_admin_may_set_quota(as_identity, role: str, node: str | 
         await msg.respond(b"done")
 
     await quota.nc.subscribe(bus.QUOTA_SET, queue="q", cb=on_set)
-    await quota.nc.flush()
+    await bus.flush(quota.nc)
 
     client = await as_identity(role, node)
     await client.nc.publish(bus.QUOTA_SET, b"lift victim's quota")
-    await client.nc.flush()
+    await bus.flush(client.nc)
     await client.violation(bus.QUOTA_SET)
 
     admin_cli = await as_identity(bp.ADMIN)

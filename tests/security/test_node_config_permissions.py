@@ -30,11 +30,11 @@ async def test_only_the_admin_may_set_a_nodes_config(as_identity, role, node) ->
 
     for subject in (bus.node_config_set_subject(NODE_B), bus.node_config_get_subject(NODE_B)):
         await agent_b.nc.subscribe(subject, cb=on_request)
-    await agent_b.nc.flush()
+    await bus.flush(agent_b.nc)
 
     client = await as_identity(role, node)
     await client.nc.publish(bus.node_config_set_subject(NODE_B), b"split 1000")
-    await client.nc.flush()
+    await bus.flush(client.nc)
     await client.violation(bus.node_config_set_subject(NODE_B))
 
     admin = await as_identity(bp.ADMIN)
@@ -46,5 +46,5 @@ async def test_only_the_admin_may_set_a_nodes_config(as_identity, role, node) ->
 async def test_an_agent_cannot_serve_another_nodes_config(as_identity) -> None:  # noqa: F811
     agent_a = await as_identity(bp.NODE_AGENT, NODE_A)
     await agent_a.nc.subscribe(bus.node_config_set_subject(NODE_B), queue="q")
-    await agent_a.nc.flush()
+    await bus.flush(agent_a.nc)
     await agent_a.violation(bus.node_config_set_subject(NODE_B))
