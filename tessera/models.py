@@ -690,6 +690,10 @@ class QuotaRequest(Message):
     cores: int = Field(0, ge=0)
     gpus: int = Field(0, ge=0)
     check_only: bool = False
+    handed_from: str = Field(
+        "", description="reserve: the pod uid whose charge this pod takes over in the same write "
+        "(a DRA claim shared by two pods of a node, handed on when the first ends)",
+    )
 
 
 class QuotaStatusRequest(Message):

@@ -457,8 +457,20 @@ class QuotaService:
                 raise qa.QuotaRefused(invalid)
             return qa.reserve(state, req, stamp, own)
 
+        def hold_handed_on(state: QuotaState | None, own: QuotaCharge | None,
+                           handed: QuotaCharge | None) -> QuotaState:  # fmt: skip
+            seen[0] = state
+            invalid = self._invalid(req.namespace, state)
+            if invalid:
+                raise qa.QuotaRefused(invalid)
+            return qa.hand_on(state, req, stamp, own, handed)
+
         try:
-            result, wrote = await self.store.update(req.namespace, req.pod_uid, hold)
+            if req.handed_from:
+                result, wrote = await self.store.update_pair(
+                    req.namespace, req.pod_uid, req.handed_from, hold_handed_on)
+            else:
+                result, wrote = await self.store.update(req.namespace, req.pod_uid, hold)
         except qa.QuotaRefused as refused:
             self._exceeded(seen[0], req, refused.reason)
             return QuotaReply(ok=False, reason=refused.reason, states=_summary(seen[0], req))

@@ -105,3 +105,22 @@ def emptied_mutation(pod_uid: str):
         return current.model_copy(update={"allocations": allocations})
 
     return mutate
+
+
+def in_turn(*bodies):
+    """CAS body: each body applied in turn, in one write (one that changes nothing is skipped;
+    NoChange only when none changes anything)."""
+
+    def mutate(current: NodeLedger | None) -> NodeLedger:
+        changed = False
+        for body in bodies:
+            try:
+                current = body(current)
+            except NoChange:
+                continue
+            changed = True
+        if not changed or current is None:
+            raise NoChange
+        return current
+
+    return mutate
