@@ -27,6 +27,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from prometheus_client import CollectorRegistry
 from tessera.quota import arithmetic as qa
+from tessera.quota import status_pages
 from tessera.quota.dra_charges import dra_allocations
 from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
@@ -88,8 +89,11 @@ class QuotaService:
         consumer: str = bus.QUOTA_RELEASED_CONSUMER,
         log: logging.Logger | None = None,
         keeper: BusKeeper | None = None,
+        status_budget: int | None = None,
     ) -> None:
         self.nc = nc
+        # bytes a status reply's states may take (status_pages.py): the server's max_payload
+        self.status_budget = status_budget
         self.js = nc.jetstream()
         self.kv = buckets.quota
         self.buckets = buckets
@@ -185,7 +189,7 @@ class QuotaService:
         were in place; callers take that for a missing quota service. A round trip through our
         own endpoint before start() returns made it disappear in our tests.
         """
-        probe = encode(QuotaStatusRequest())
+        probe = encode(QuotaStatusRequest(limit=1))
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -501,6 +505,7 @@ class QuotaService:
     async def status(self, req: QuotaStatusRequest) -> Message:
         # kube-apiserver's DRA device quotas of the namespace(s), as the objects say
         devices = self.rq_watcher.device_quotas(req.namespace) if self.rq_watcher else []
+        budget = self.status_budget or status_pages.budget_for(self.nc.max_payload)
         if req.namespace:
             qa.check_namespace(req.namespace)
             full = await self.store.full_state(req.namespace)
@@ -513,10 +518,19 @@ class QuotaService:
                     reason=f"unknown namespace {req.namespace!r}: no quota limits or charges "
                     "are recorded for it (its GPU use is unlimited)"
                 )
-            return QuotaReply(ok=True, states=[full], device_quotas=devices)
+            full, cut = status_pages.bounded(full, budget)
+            reason = (f"{len(full.charges)} of {len(full.charges) + cut} charges listed (the "
+                      f"newest; a reply is bounded at {budget} bytes); the totals count them "
+                      "all") if cut else ""  # fmt: skip
+            return QuotaReply(ok=True, reason=reason, states=[full], device_quotas=devices)
         states = await snapshot(self.kv, QuotaState, self.log)
-        return QuotaReply(ok=True, states=[v for _k, (v, _r) in sorted(states.items())],
-                          device_quotas=devices)
+        shown, quotas, more, left = status_pages.page(
+            (v for v, _r in states.values()), devices, after=req.after, limit=req.limit,
+            budget=budget)  # fmt: skip
+        reason = (f"{left} more namespace(s) after {more!r}: ask again with after={more!r} (a "
+                  f"reply is bounded at {budget} bytes)") if more else ""  # fmt: skip
+        return QuotaReply(ok=True, reason=reason, states=shown, device_quotas=quotas,
+                          continue_after=more)  # fmt: skip
 
     async def set_limits(self, req: QuotaSetRequest) -> QuotaReply:
         qa.check_namespace(req.namespace)
