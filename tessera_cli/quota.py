@@ -260,6 +260,8 @@ def register(app: typer.Typer) -> None:
             for state in reply.states:
                 if state.charges:
                     show(console, charges_table(state))
+            if reply.states and reply.reason:  # e.g. only the newest charges fit one reply
+                console.print(reply.reason, markup=False, highlight=False)
             if reply.device_quotas:
                 show(console, device_quotas_table(reply.device_quotas))
 

@@ -113,6 +113,9 @@ async def test_status_pages_over_the_wire_and_quota_list_follows_them(
     assert one.ok and "charges listed" in one.reason, one.reason
     assert 0 < len(one.states[0].charges) < 60 and one.states[0].used().gpus == 60
 
+    code, out = await run_cli("quota", "get", busy)
+    assert code == 0 and "charges listed" in out and "60" in out, out
+
     code, out = await run_cli("quota", "list")
     assert code == 0, out
     assert all(ns in out for ns in mine), out
