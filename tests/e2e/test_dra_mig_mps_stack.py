@@ -299,27 +299,29 @@ def test_a_shared_mig_claim_outlives_its_first_pod_in_ledger_quota_and_hardware(
     for name in ("shared-a", "shared-b"):
         assert sim.kube.wait_running(namespace, name, 60)["spec"]["nodeName"] == MIG_NODE
     visible = container_of(sim, MIG_NODE, namespace, "shared-b")["envs"]["NVIDIA_VISIBLE_DEVICES"]
+    assert visible in {i["uuid"] for i in instances(sim)}
     assert container_of(sim, MIG_NODE, namespace, "shared-a")["envs"][
         "NVIDIA_VISIBLE_DEVICES"] == visible  # one instance, shared
     booked = sim.kube.wait_for("the shared slice booked and charged", lambda: (
         lambda b: b if b[0] and b[1] else None)(asyncio.run(_booked(sim, namespace))), 30)
-    [(first_holder, mib)] = booked[0].items()
-    assert first_holder == "shared-a" and list(booked[1].values()) == [mib]
-    b_uid = sim.kube.pod(namespace, "shared-b")["metadata"]["uid"]
+    [(first, mib)] = booked[0].items()  # booked under the pod kubelet prepared it for
+    assert list(booked[1].values()) == [mib]
+    second = "shared-b" if first == "shared-a" else "shared-a"
+    b_uid = sim.kube.pod(namespace, second)["metadata"]["uid"]
 
-    kubectl.run("delete", "pod", "shared-a", "-n", namespace, "--wait=true")
+    kubectl.run("delete", "pod", first, "-n", namespace, "--wait=true")
     deadline = time.monotonic() + 40
     while True:  # every moment until the hand-on: booked once, charged once, instance kept
         held, charged = asyncio.run(_booked(sim, namespace))
         assert list(held.values()) == [mib], f"the ledger lost the shared slice: {held}"
         assert sum(charged.values()) == mib, f"the quota lost the shared slice: {charged}"
         assert visible in {i["uuid"] for i in instances(sim)}, "the shared instance destroyed"
-        if held == {"shared-b": mib} and charged == {b_uid: mib}:
+        if held == {second: mib} and charged == {b_uid: mib}:
             break
         assert time.monotonic() < deadline, f"never handed on: {held} {charged}"
         time.sleep(0.1)
 
-    kubectl.run("delete", "pod", "shared-b", "-n", namespace, "--wait=true")
+    kubectl.run("delete", "pod", second, "-n", namespace, "--wait=true")
     sim.kube.wait_for("the instance destroyed after the last pod", lambda: visible not in {
         i["uuid"] for i in instances(sim)}, 40)  # fmt: skip
     sim.kube.wait_for("nothing booked or charged after the last pod", lambda: asyncio.run(

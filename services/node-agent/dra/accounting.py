@@ -89,8 +89,9 @@ def drop_mutation(pod_uid: str):
 
 def emptied_mutation(pod_uid: str):
     """CAS body: the pod's DRA allocation holds nothing any more (its last claim, of MIG
-    instances, was unprepared and the instances are destroyed) but stays, for the scheduler's
-    release of the ended pod (its quota charge and `released` event)."""
+    instances, was unprepared and the instances are destroyed; or its last claim was handed on
+    to another pod sharing it) but stays, for the scheduler's release of the ended pod (its
+    quota charge and `released` event)."""
 
     def mutate(current: NodeLedger | None) -> NodeLedger:
         existing = current.allocations.get(pod_uid) if current else None
