@@ -46,7 +46,8 @@ from tessera.bus import (
 )
 from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError
 from tessera.codec import CodecError, Message, decode, encode
-from tessera.command_policy import PodCheck, authorize_quota, pod_problem
+from tessera.command_policy import PodCheck, authorize_quota, node_of, pod_problem
+from tessera.dra_names import DRA_REASON
 from tessera.models import (
     AllocationEvent,
     ErrorReply,
@@ -408,8 +409,28 @@ class QuotaService:
                                       check_only=body.check_only)  # fmt: skip
         if isinstance(verdict, PodCheck):
             verdict = await self._pod_problem(verdict)
+        if not verdict and isinstance(body, QuotaRequest) and body.handed_from:
+            verdict = await self._hand_on_problem(sender, body)
         if verdict:
             raise CommandRefused("not_allowed", verdict, sender)
+
+    async def _hand_on_problem(self, sender: str, req: QuotaRequest) -> str | None:
+        """A charge is handed on only by the node agent of the node where the pod it comes from
+        has its DRA booking (a shared claim's first pod, kept by the scheduler's release until
+        the hand-on): nobody frees another node's, or an extender pod's, charge this way."""
+        node = node_of(sender)
+        if not node:
+            return (f"{sender or 'an unnamed sender'} may not hand quota charges on (a node "
+                    "agent hands on its node's shared DRA claims)")  # fmt: skip
+        try:
+            entry = await bus.read(self.buckets.ledger, node, NodeLedger)
+        except Exception as exc:
+            return f"the ledger of {node} could not be read to check the hand-on: {exc}"
+        held = entry.value.allocations.get(req.handed_from) if entry is not None else None
+        if held is None or held.reason != DRA_REASON or held.namespace != req.namespace:
+            return (f"pod {req.handed_from} has no DRA booking of namespace {req.namespace} on "
+                    f"{node} to hand on")  # fmt: skip
+        return None
 
     async def _pod_problem(self, check: PodCheck) -> str | None:
         """A reservation holds quota only for a pod the cluster has (bound to the sender's node

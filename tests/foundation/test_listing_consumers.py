@@ -1,0 +1,40 @@
+"""A KV listing (`bus.list_entries`) leaves no consumer behind for long. nats-server 2.15 allows
+1,000 consumers per stream by default, and clients may not delete consumers (bus_permissions):
+with the watches' 300 s inactivity, more than 1,000 listings of one bucket in five minutes (the
+quota service lists a namespace's charges at each status and reconcile) were refused with
+"maximum consumers limit reached" (seen: tests/quota then a DRA test on one server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+from tessera import bus
+from tessera.bus import connect
+from tessera.settings import NatsSettings
+
+
+async def test_a_listings_consumer_is_gone_seconds_after_it(nats_url: str) -> None:
+    nc = await connect(NatsSettings(NATS_URL=nats_url), name="listing-consumers")
+    js = nc.jetstream()
+    name = f"listing-{uuid.uuid4().hex[:12]}"
+    kv = await js.create_key_value(bucket=name, history=1)
+    try:
+        await kv.put("ns.a", b"1")
+        for _ in range(3):
+            assert [e.key for e in await bus.list_entries(kv, "ns.*")] == ["ns.a"]
+        deadline = time.monotonic() + 30  # the server sweeps inactive consumers every few s
+        while (await js.stream_info(f"KV_{name}")).state.consumer_count:
+            assert time.monotonic() < deadline, "a listing's consumer outlived it by 30 s"
+            await asyncio.sleep(0.2)
+        # a watch that is still open keeps its consumer (its inactivity counts only once it
+        # stops: a long watch rides out a reconnect)
+        async with contextlib.aclosing(bus.watch_entries(kv, "ns.*")) as watch:
+            assert (await anext(watch)).key == "ns.a"
+            await asyncio.sleep(3 * bus.LISTING_INACTIVE_S)
+            assert (await js.stream_info(f"KV_{name}")).state.consumer_count == 1
+    finally:
+        await js.delete_key_value(name)
+        await nc.close()
