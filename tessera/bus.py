@@ -731,13 +731,29 @@ class _OrderedWatch:
         elif not self.include_history:
             config.deliver_policy = js_api.DeliverPolicy.LAST_PER_SUBJECT
         try:
-            info = await self.js.add_consumer(self.stream, config=config)
+            info = await self._add_consumer(config)
         except BaseException:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             raise
         self.sub, self.box, self.dseq = sub, box.box, 0
         return info
+
+    async def _add_consumer(self, config: js_api.ConsumerConfig) -> js_api.ConsumerInfo:
+        """The consumer, waiting while the stream is at its consumer limit (nats-server 2.15:
+        1,000 a stream by default; a burst of listings fills it until the older ones lapse,
+        `LISTING_INACTIVE_S` after each): a listing is slower then, never refused."""
+        deadline = asyncio.get_running_loop().time() + CONSUMER_ROOM_WAIT_S
+        delay = 0.05
+        while True:
+            try:
+                return await self.js.add_consumer(self.stream, config=config)
+            except BadRequestError as exc:
+                if (getattr(exc, "err_code", None) != _MAX_CONSUMERS_ERR
+                        or asyncio.get_running_loop().time() + delay > deadline):  # fmt: skip
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     async def reset(self, why: str) -> None:
         """Replace the consumer by one that starts after the last stream sequence taken."""
@@ -874,6 +890,8 @@ async def watch_entries(
 
 
 LISTING_INACTIVE_S = 2.0  # a listing's consumer, once the listing is done (list_entries)
+CONSUMER_ROOM_WAIT_S = 30.0  # how long a watch or listing waits for room under the limit
+_MAX_CONSUMERS_ERR = 10026  # JetStream: "maximum consumers limit reached"
 
 
 async def list_entries(
