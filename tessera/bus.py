@@ -699,7 +699,9 @@ class _Inbox:
 class _OrderedWatch:
     """The consumer behind `watch_entries` (see the notes above)."""
 
-    def __init__(self, kv: KeyValue, keys: str, include_history: bool, heartbeat_s: float) -> None:
+    def __init__(self, kv: KeyValue, keys: str, include_history: bool, heartbeat_s: float,
+                 inactive_s: float = 300.0) -> None:  # fmt: skip
+        self.inactive_s = inactive_s  # how long the server keeps the consumer once unwatched
         # nats-py keeps these on the KeyValue without public accessors.
         self.js: JetStreamContext = kv._js  # type: ignore[attr-defined]
         self.nc: NatsClient = self.js._nc  # type: ignore[attr-defined]
@@ -733,7 +735,7 @@ class _OrderedWatch:
             deliver_subject=inbox, filter_subject=self.subject,
             ack_policy=js_api.AckPolicy.NONE, max_deliver=1, ack_wait=22 * 3600,
             flow_control=True, idle_heartbeat=self.heartbeat_s, num_replicas=1,
-            mem_storage=True, inactive_threshold=300.0,
+            mem_storage=True, inactive_threshold=self.inactive_s,
         )  # fmt: skip
         if self.sseq:
             config.deliver_policy = js_api.DeliverPolicy.BY_START_SEQUENCE
@@ -741,13 +743,29 @@ class _OrderedWatch:
         elif not self.include_history:
             config.deliver_policy = js_api.DeliverPolicy.LAST_PER_SUBJECT
         try:
-            info = await self.js.add_consumer(self.stream, config=config)
+            info = await self._add_consumer(config)
         except BaseException:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             raise
         self.sub, self.box, self.dseq = sub, box.box, 0
         return info
+
+    async def _add_consumer(self, config: js_api.ConsumerConfig) -> js_api.ConsumerInfo:
+        """The consumer, waiting while the stream is at its consumer limit (nats-server 2.15:
+        1,000 a stream by default; a burst of listings fills it until the older ones lapse,
+        `LISTING_INACTIVE_S` after each): a listing is slower then, never refused."""
+        deadline = asyncio.get_running_loop().time() + CONSUMER_ROOM_WAIT_S
+        delay = 0.05
+        while True:
+            try:
+                return await self.js.add_consumer(self.stream, config=config)
+            except BadRequestError as exc:
+                if (getattr(exc, "err_code", None) != _MAX_CONSUMERS_ERR
+                        or asyncio.get_running_loop().time() + delay > deadline):  # fmt: skip
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     async def reset(self, why: str) -> None:
         """Replace the consumer by one that starts after the last stream sequence taken."""
@@ -868,12 +886,13 @@ class _OrderedWatch:
 
 async def watch_entries(
     kv: KeyValue, keys: str = ">", *, include_history: bool = False,
-    heartbeat_s: float = WATCH_HEARTBEAT_S,
+    heartbeat_s: float = WATCH_HEARTBEAT_S, inactive_s: float = 300.0,
 ) -> AsyncIterator[KvEntry | None]:
     """The raw entries of a KV watch (deletes included): current values first, then one None
     once every one of them has been yielded, then changes. The watch stops when the generator
-    is closed (use `contextlib.aclosing` or `aclose()`)."""
-    watch = _OrderedWatch(kv, keys, include_history, heartbeat_s)
+    is closed (use `contextlib.aclosing` or `aclose()`). `inactive_s`: how long the server keeps
+    the consumer after the watch stops (a long watch rides out a reconnect on it)."""
+    watch = _OrderedWatch(kv, keys, include_history, heartbeat_s, inactive_s)
     try:
         async with contextlib.aclosing(watch.entries()) as entries:
             async for entry in entries:
@@ -882,14 +901,26 @@ async def watch_entries(
         await watch.close()
 
 
+LISTING_INACTIVE_S = 2.0  # a listing's consumer, once the listing is done (list_entries)
+CONSUMER_ROOM_WAIT_S = 30.0  # how long a watch or listing waits for room under the limit
+_MAX_CONSUMERS_ERR = 10026  # JetStream: "maximum consumers limit reached"
+
+
 async def list_entries(
     kv: KeyValue, keys: str = ">", *, include_history: bool = False, yield_every: int = 200
 ) -> list[KvEntry]:
     """Every entry a watch of `keys` starts with (the current values, or with `include_history`
     every revision), in stream order. Yields to the event loop every `yield_every` entries: a
-    long listing is a background pass and must let requests in between."""
+    long listing is a background pass and must let requests in between.
+
+    Its consumer goes `LISTING_INACTIVE_S` after the listing (clients may not delete consumers:
+    bus_permissions). nats-server 2.15 allows 1,000 consumers per stream by default; at the
+    watches' 300 s, more than 1,000 listings of one bucket in five minutes (the quota service
+    lists a namespace's charges for each status and reconcile) were refused ("maximum consumers
+    limit reached") until the oldest lapsed."""
     out: list[KvEntry] = []
-    async with contextlib.aclosing(watch_entries(kv, keys, include_history=include_history)) as it:
+    async with contextlib.aclosing(watch_entries(kv, keys, include_history=include_history,
+                                                 inactive_s=LISTING_INACTIVE_S)) as it:
         async for entry in it:
             if entry is None:
                 break

@@ -690,12 +690,20 @@ class QuotaRequest(Message):
     cores: int = Field(0, ge=0)
     gpus: int = Field(0, ge=0)
     check_only: bool = False
+    handed_from: str = Field(
+        "", description="reserve: the pod uid whose charge this pod takes over in the same write "
+        "(a DRA claim shared by two pods of a node, handed on when the first ends)",
+    )
 
 
 class QuotaStatusRequest(Message):
-    """Body of tessera.quota.status: one namespace, or every namespace when empty."""
+    """Body of tessera.quota.status: one namespace, or every namespace when empty (in pages
+    that fit one NATS message: services/quota/status_pages.py)."""
 
     namespace: str = ""
+    after: str = Field("", max_length=253, description="every namespace: those after this one "
+                       "(a reply's continue_after)")
+    limit: int = Field(0, ge=0, description="every namespace: at most this many (0: as fit)")
 
 
 class QuotaSetRequest(Message):
@@ -730,6 +738,8 @@ class QuotaReply(Message):
     states: list[QuotaState] = Field(default_factory=list)
     # status: the namespace's DRA device quotas, as the ResourceQuota objects say (DRA mode)
     device_quotas: list[DeviceQuota] = Field(default_factory=list)
+    continue_after: str = Field("", description="status of every namespace: more follow; ask "
+                                "again with `after` set to this")
 
 
 class ExplainRequest(Message):

@@ -99,6 +99,28 @@ async def request(
         raise QuotaCliError(f"unreadable reply from the quota service: {exc}") from None
 
 
+async def every_namespace(timeout_s: float, location: StackLocation | None = None,
+                          max_pages: int = 10_000) -> QuotaReply:  # fmt: skip
+    """The status of every namespace, following the service's pages (one reply is bounded by
+    NATS's max_payload: services/quota/status_pages.py)."""
+    location = location or StackLocation.find()
+    states: list[QuotaState] = []
+    quotas: list[DeviceQuota] = []
+    after = ""
+    for _ in range(max_pages):
+        reply = await request(bus.QUOTA_STATUS, QuotaStatusRequest(after=after), timeout_s,
+                              location)  # fmt: skip
+        states.extend(reply.states)
+        quotas.extend(reply.device_quotas)
+        if not reply.continue_after:
+            return QuotaReply(ok=True, states=states, device_quotas=quotas)
+        if reply.continue_after <= after:
+            raise QuotaCliError(f"the quota service's pages went back to "
+                                f"{reply.continue_after!r} after {after!r}")  # fmt: skip
+        after = reply.continue_after
+    raise QuotaCliError(f"more than {max_pages} pages of quota status")
+
+
 # --- rendering --------------------------------------------------------------------------------
 
 
@@ -238,6 +260,8 @@ def register(app: typer.Typer) -> None:
             for state in reply.states:
                 if state.charges:
                     show(console, charges_table(state))
+            if reply.states and reply.reason:  # e.g. only the newest charges fit one reply
+                console.print(reply.reason, markup=False, highlight=False)
             if reply.device_quotas:
                 show(console, device_quotas_table(reply.device_quotas))
 
@@ -248,10 +272,8 @@ def register(app: typer.Typer) -> None:
         """Every namespace with limits or usage."""
 
         async def go(console: Console) -> None:
-            reply = await request(
-                bus.QUOTA_STATUS, QuotaStatusRequest(), TesseraSettings().request_timeout_s,
-                StackLocation.find(state_dir),
-            )
+            reply = await every_namespace(TesseraSettings().request_timeout_s,
+                                          StackLocation.find(state_dir))  # fmt: skip
             if not reply.states and not reply.device_quotas:
                 console.print("no namespace has GPU limits or usage yet")
                 return

@@ -125,6 +125,11 @@ def check_request(request: QuotaRequest) -> None:
         )
     if len(request.name) > 253:
         raise QuotaInputError("name is longer than 253 characters (not a Kubernetes pod name)")
+    if request.handed_from and (len(request.handed_from) > 128
+                                or not _POD_UID.match(request.handed_from)):  # fmt: skip
+        raise QuotaInputError("handed_from must be a Kubernetes pod uid")
+    if request.handed_from and (request.check_only or request.handed_from == request.pod_uid):
+        raise QuotaInputError("handed_from names another pod, in a reservation (not check_only)")
 
 
 def check_limits(limits: QuotaAmount) -> None:
@@ -225,6 +230,25 @@ def reserve(
         if settled:
             new_state.releasing[uid] = current  # type: ignore[assignment]
     return new_state
+
+
+def hand_on(
+    state: QuotaState | None, request: QuotaRequest, at: float,
+    own_settled: QuotaCharge | None, from_settled: QuotaCharge | None,
+) -> QuotaState:  # fmt: skip
+    """`request.handed_from`'s charge freed and `request`'s held, in one state: the fit is
+    judged without the charge handed on, so a namespace at its limit can hand a slice on
+    (never counted twice, never lost). QuotaRefused: nothing written."""
+    try:
+        freed = release(state, request.handed_from, own_settled=from_settled)
+    except NoChange:
+        freed = state
+    try:
+        return reserve(freed, request, at, own_settled)
+    except NoChange:
+        if freed is state:
+            raise
+        return freed  # type: ignore[return-value]
 
 
 def release(

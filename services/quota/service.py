@@ -27,6 +27,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from prometheus_client import CollectorRegistry
 from tessera.quota import arithmetic as qa
+from tessera.quota import status_pages
 from tessera.quota.dra_charges import dra_allocations
 from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
@@ -45,7 +46,8 @@ from tessera.bus import (
 )
 from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError
 from tessera.codec import CodecError, Message, decode, encode
-from tessera.command_policy import PodCheck, authorize_quota, pod_problem
+from tessera.command_policy import PodCheck, authorize_quota, node_of, pod_problem
+from tessera.dra_names import DRA_REASON
 from tessera.models import (
     AllocationEvent,
     ErrorReply,
@@ -88,8 +90,11 @@ class QuotaService:
         consumer: str = bus.QUOTA_RELEASED_CONSUMER,
         log: logging.Logger | None = None,
         keeper: BusKeeper | None = None,
+        status_budget: int | None = None,
     ) -> None:
         self.nc = nc
+        # bytes a status reply's states may take (status_pages.py): the server's max_payload
+        self.status_budget = status_budget
         self.js = nc.jetstream()
         self.kv = buckets.quota
         self.buckets = buckets
@@ -186,7 +191,7 @@ class QuotaService:
         (`bus.flush`), so the server had not read them yet. A round trip through our own
         endpoint before start() returns made it disappear in our tests.
         """
-        probe = encode(QuotaStatusRequest())
+        probe = encode(QuotaStatusRequest(limit=1))
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -405,8 +410,28 @@ class QuotaService:
                                       check_only=body.check_only)  # fmt: skip
         if isinstance(verdict, PodCheck):
             verdict = await self._pod_problem(verdict)
+        if not verdict and isinstance(body, QuotaRequest) and body.handed_from:
+            verdict = await self._hand_on_problem(sender, body)
         if verdict:
             raise CommandRefused("not_allowed", verdict, sender)
+
+    async def _hand_on_problem(self, sender: str, req: QuotaRequest) -> str | None:
+        """A charge is handed on only by the node agent of the node where the pod it comes from
+        has its DRA booking (a shared claim's first pod, kept by the scheduler's release until
+        the hand-on): nobody frees another node's, or an extender pod's, charge this way."""
+        node = node_of(sender)
+        if not node:
+            return (f"{sender or 'an unnamed sender'} may not hand quota charges on (a node "
+                    "agent hands on its node's shared DRA claims)")  # fmt: skip
+        try:
+            entry = await bus.read(self.buckets.ledger, node, NodeLedger)
+        except Exception as exc:
+            return f"the ledger of {node} could not be read to check the hand-on: {exc}"
+        held = entry.value.allocations.get(req.handed_from) if entry is not None else None
+        if held is None or held.reason != DRA_REASON or held.namespace != req.namespace:
+            return (f"pod {req.handed_from} has no DRA booking of namespace {req.namespace} on "
+                    f"{node} to hand on")  # fmt: skip
+        return None
 
     async def _pod_problem(self, check: PodCheck) -> str | None:
         """A reservation holds quota only for a pod the cluster has (bound to the sender's node
@@ -458,8 +483,20 @@ class QuotaService:
                 raise qa.QuotaRefused(invalid)
             return qa.reserve(state, req, stamp, own)
 
+        def hold_handed_on(state: QuotaState | None, own: QuotaCharge | None,
+                           handed: QuotaCharge | None) -> QuotaState:  # fmt: skip
+            seen[0] = state
+            invalid = self._invalid(req.namespace, state)
+            if invalid:
+                raise qa.QuotaRefused(invalid)
+            return qa.hand_on(state, req, stamp, own, handed)
+
         try:
-            result, wrote = await self.store.update(req.namespace, req.pod_uid, hold)
+            if req.handed_from:
+                result, wrote = await self.store.update_pair(
+                    req.namespace, req.pod_uid, req.handed_from, hold_handed_on)
+            else:
+                result, wrote = await self.store.update(req.namespace, req.pod_uid, hold)
         except qa.QuotaRefused as refused:
             self._exceeded(seen[0], req, refused.reason)
             return QuotaReply(ok=False, reason=refused.reason, states=_summary(seen[0], req))
@@ -490,6 +527,7 @@ class QuotaService:
     async def status(self, req: QuotaStatusRequest) -> Message:
         # kube-apiserver's DRA device quotas of the namespace(s), as the objects say
         devices = self.rq_watcher.device_quotas(req.namespace) if self.rq_watcher else []
+        budget = self.status_budget or status_pages.budget_for(self.nc.max_payload)
         if req.namespace:
             qa.check_namespace(req.namespace)
             full = await self.store.full_state(req.namespace)
@@ -502,10 +540,19 @@ class QuotaService:
                     reason=f"unknown namespace {req.namespace!r}: no quota limits or charges "
                     "are recorded for it (its GPU use is unlimited)"
                 )
-            return QuotaReply(ok=True, states=[full], device_quotas=devices)
+            full, cut = status_pages.bounded(full, budget)
+            reason = (f"{len(full.charges)} of {len(full.charges) + cut} charges listed (the "
+                      f"newest; a reply is bounded at {budget} bytes); the totals count them "
+                      "all") if cut else ""  # fmt: skip
+            return QuotaReply(ok=True, reason=reason, states=[full], device_quotas=devices)
         states = await snapshot(self.kv, QuotaState, self.log)
-        return QuotaReply(ok=True, states=[v for _k, (v, _r) in sorted(states.items())],
-                          device_quotas=devices)
+        shown, quotas, more, left = status_pages.page(
+            (v for v, _r in states.values()), devices, after=req.after, limit=req.limit,
+            budget=budget)  # fmt: skip
+        reason = (f"{left} more namespace(s) after {more!r}: ask again with after={more!r} (a "
+                  f"reply is bounded at {budget} bytes)") if more else ""  # fmt: skip
+        return QuotaReply(ok=True, reason=reason, states=shown, device_quotas=quotas,
+                          continue_after=more)  # fmt: skip
 
     async def set_limits(self, req: QuotaSetRequest) -> QuotaReply:
         qa.check_namespace(req.namespace)

@@ -127,6 +127,36 @@ class QuotaStore:
             return Versioned(new, revision), True
         raise CasConflictError(f"{namespace}: gave up after {CAS_ATTEMPTS} conflicting writes")
 
+    async def update_pair(
+        self, namespace: str, pod_uid: str, other_uid: str,
+        mutate: Callable[[QuotaState | None, QuotaCharge | None, QuotaCharge | None], QuotaState],
+    ) -> tuple[Versioned[QuotaState] | None, bool]:  # fmt: skip
+        """`update` for a write that touches two pods' charges (a hand-on): `mutate(state, the
+        pod's settled charge, the other's)`. Either released settled key is deleted after."""
+        for _ in range(CAS_ATTEMPTS):
+            (current, own), other = await asyncio.gather(
+                self.read_with_own(namespace, pod_uid), self.settled_charge(namespace, other_uid)
+            )
+            try:
+                new = mutate(current.value if current else None, own, other)
+            except NoChange:
+                return current, False
+            payload = encode(new)
+            try:
+                if current is None:
+                    revision = await self.counters.create(namespace, payload)
+                else:
+                    revision = await self.counters.update(namespace, payload,
+                                                          last=current.revision)  # fmt: skip
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(0.001)
+                continue
+            for uid, settled in ((pod_uid, own), (other_uid, other)):
+                if uid in new.releasing and settled is not None:
+                    await self._delete_key(namespace, uid)
+            return Versioned(new, revision), True
+        raise CasConflictError(f"{namespace}: gave up after {CAS_ATTEMPTS} conflicting writes")
+
     async def _delete_key(self, namespace: str, pod_uid: str) -> None:
         try:
             await self.charges.delete(bus.quota_charge_key(namespace, pod_uid))

@@ -15,10 +15,12 @@ from tessera import hami
 from tessera.bus import CasConflictError, NoChange
 from tessera.cluster.port import ClusterError, ClusterPort
 from tessera.device_kinds import pod_grants
+from tessera.dra_names import DRA_REASON
 from tessera.models import Allocation, AllocationEvent, AllocationState, NodeLedger
 
 from .background import EventPublisher
 from .config import SchedulerSettings
+from .dra_shared import shared_in_use
 from .indexed_ledger import IndexedLedger
 from .ledger import ReservationGoneError, RoomTakenError
 from .metrics import SchedulerMetrics
@@ -56,8 +58,12 @@ class AllocationReleaser:
         self.bound_unmarked: dict[str, tuple[str, str, str]] = {}
 
     async def release(self, node: str, uid: str, *, why: str) -> bool:
-        """Remove the pod's allocation (ledger, quota, event). True when this call removed it."""
+        """Remove the pod's allocation (ledger, quota, event). True when this call removed it.
+        A DRA booking another pod of the node still uses through a shared claim is kept
+        (`dra_shared`): the node's DRA driver hands it on; a later release frees the rest."""
         self.bound_unmarked.pop(uid, None)  # released on purpose: nothing to withdraw later
+        if await self._still_shared(node, uid):
+            return False
         try:
             async with self.ledger.lock(node):
                 result, removed = await self.ledger.writer.release(
@@ -78,6 +84,26 @@ class AllocationReleaser:
             reason=why, source=self.instance,
         ))  # fmt: skip
         return True
+
+    async def _still_shared(self, node: str, uid: str) -> bool:
+        entry = self.ledger.index.entries.get(node)
+        view = entry.view if entry is not None else None
+        raw = view.allocations.get(uid) if view is not None else None  # model or wire Struct
+        if raw is None or getattr(raw, "reason", "") != DRA_REASON or self.cluster is None:
+            return False  # (any other pod: no read, no model built)
+        assert entry is not None
+        ledger = entry.ledger
+        held = ledger.allocations.get(uid) if ledger is not None else None
+        if held is None:
+            return False
+        registration = entry.registration
+        devices = registration.devices if registration is not None else []
+        claims = await shared_in_use(self.cluster, node, held, ledger, devices)
+        if claims:
+            log.info("DRA booking kept: a shared claim is still in use on its node", extra={
+                "pod": f"{held.namespace}/{held.name}", "node": node, "claims": claims,
+            })  # fmt: skip
+        return bool(claims)
 
     async def sweep(self) -> int:
         """Drop every expired reservation and lapsed claim; returns how many pods were dropped."""

@@ -14,16 +14,22 @@ its share."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tessera import bus
+from tessera.bus import connect
+from tessera.codec import decode, encode
+from tessera.models import NodeLedger, QuotaReply, QuotaStatusRequest
 from tessera_cli.dra import device_classes
 from tessera_cli.stack import SimNode
 
@@ -225,3 +231,98 @@ def test_an_mps_class_claim_runs_with_its_own_daemon_holding_its_share(
     assert "sharing.strategy" in message and "TimeSlicing or MPS" in message, message
     templates = kubectl.json("resourceclaimtemplates", "-n", namespace)["items"]
     assert "mps-bad" not in [t["metadata"]["name"] for t in templates]
+
+
+SHARED_CLAIM = """
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: shared-1g, namespace: %(ns)s}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: mig.gpu.tessera.io
+        selectors:
+        - cel: {expression: 'device.attributes["gpu.tessera.io"].profile == "1g.10gb"'}
+"""
+
+SHARED_POD = """
+apiVersion: v1
+kind: Pod
+metadata: {name: %(name)s, namespace: %(ns)s}
+spec:
+  resourceClaims:
+  - {name: gpu, resourceClaimName: shared-1g}
+  containers:
+  - name: cuda
+    image: nvidia/cuda:12.4.1-base-ubuntu22.04
+    command: ["sleep", "infinity"]
+    resources:
+      claims: [{name: gpu}]
+"""
+
+
+async def _booked(sim: RunningStack, ns: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(pod name -> MiB the MIG node's ledger books for it, pod uid -> MiB the quota charges)."""
+    nc = await connect(sim.stack.nats_settings("admin"), name="e2e-dra-shared",
+                       initial_attempts=5)  # fmt: skip
+    try:
+        js = nc.jetstream()
+        ledger = await bus.read(await js.key_value(bus.LEDGER_BUCKET), MIG_NODE, NodeLedger)
+        payload = encode(QuotaStatusRequest(namespace=ns))
+        headers = sim.stack.auth.signer("admin").headers(bus.QUOTA_STATUS, payload) if (
+            sim.stack.auth) else {}  # fmt: skip
+        msg = await nc.request(bus.QUOTA_STATUS, payload, timeout=5.0, headers=headers)
+    finally:
+        await nc.close()
+    held = {a.name: sum(g.memory_mib for row in a.containers for g in row)
+            for a in (ledger.value.allocations.values() if ledger else ()) if a.namespace == ns}
+    states = decode(msg.data, QuotaReply).states
+    charged = {uid: c.memory_mib for s in states for uid, c in s.charges.items()}
+    return {k: v for k, v in held.items() if v}, charged
+
+
+def test_a_shared_mig_claim_outlives_its_first_pod_in_ledger_quota_and_hardware(
+    sim: RunningStack, kubectl: Kubectl, namespace: str
+) -> None:
+    """A ResourceClaim of a MIG partition reserved for two pods of the node: deleting the first
+    pod neither destroys the instance the second runs in nor, at any moment until the DRA
+    driver has handed the booking on, takes the slice out of the ledger or the quota; after,
+    it is booked and charged once, under the second pod. (Before: the scheduler's release
+    freed it at once, the MIG reconcile destroyed the instance, and the driver re-booked the
+    slice up to a publish interval later.)"""
+    kubectl.run("create", "namespace", namespace)
+    kubectl.apply(SHARED_CLAIM % {"ns": namespace})
+    for name in ("shared-a", "shared-b"):
+        kubectl.apply(SHARED_POD % {"ns": namespace, "name": name})
+    for name in ("shared-a", "shared-b"):
+        assert sim.kube.wait_running(namespace, name, 60)["spec"]["nodeName"] == MIG_NODE
+    visible = container_of(sim, MIG_NODE, namespace, "shared-b")["envs"]["NVIDIA_VISIBLE_DEVICES"]
+    assert visible in {i["uuid"] for i in instances(sim)}
+    assert container_of(sim, MIG_NODE, namespace, "shared-a")["envs"][
+        "NVIDIA_VISIBLE_DEVICES"] == visible  # one instance, shared
+    booked = sim.kube.wait_for("the shared slice booked and charged", lambda: (
+        lambda b: b if b[0] and b[1] else None)(asyncio.run(_booked(sim, namespace))), 30)
+    [(first, mib)] = booked[0].items()  # booked under the pod kubelet prepared it for
+    assert list(booked[1].values()) == [mib]
+    second = "shared-b" if first == "shared-a" else "shared-a"
+    b_uid = sim.kube.pod(namespace, second)["metadata"]["uid"]
+
+    kubectl.run("delete", "pod", first, "-n", namespace, "--wait=true")
+    deadline = time.monotonic() + 40
+    while True:  # every moment until the hand-on: booked once, charged once, instance kept
+        held, charged = asyncio.run(_booked(sim, namespace))
+        assert list(held.values()) == [mib], f"the ledger lost the shared slice: {held}"
+        assert sum(charged.values()) == mib, f"the quota lost the shared slice: {charged}"
+        assert visible in {i["uuid"] for i in instances(sim)}, "the shared instance destroyed"
+        if held == {second: mib} and charged == {b_uid: mib}:
+            break
+        assert time.monotonic() < deadline, f"never handed on: {held} {charged}"
+        time.sleep(0.1)
+
+    kubectl.run("delete", "pod", second, "-n", namespace, "--wait=true")
+    sim.kube.wait_for("the instance destroyed after the last pod", lambda: visible not in {
+        i["uuid"] for i in instances(sim)}, 40)  # fmt: skip
+    sim.kube.wait_for("nothing booked or charged after the last pod", lambda: asyncio.run(
+        _booked(sim, namespace)) == ({}, {}), 40)  # fmt: skip

@@ -455,12 +455,13 @@ async def test_a_claim_shared_by_two_pods_stays_held_when_its_first_pod_goes(
         short_dir, nc, nats_url, buckets, node):  # fmt: skip
     """A ResourceClaim may be reserved for several pods of one node (they share its devices).
     kubelet prepares it once, for the first pod, and unprepares it when the last one is gone.
-    When the first pod is deleted, the scheduler releases that pod's allocation and quota
-    charge, as for any ended pod; the claim's slice is still held by the second pod, so the
-    driver books it under that pod: the ledger keeps the card's slice, the namespace's quota
-    keeps the charge (a tenant could otherwise share a claim, delete its first pod and hold
-    the slice outside quota), and the last unprepare still scrubs the claim's directory."""
-    from tessera.node_agent.dra import accounting
+    When the first pod is deleted, the scheduler's release keeps that pod's booking while the
+    claim is still reserved for a pod running here (scheduler/dra_shared.py), and the driver
+    hands it on: at no moment between the deletion and the hand-on do the ledger or the
+    namespace's quota lose the slice (a tenant could otherwise share a claim, delete the first
+    pod and hold the slice outside quota), it is charged once after, and the last unprepare
+    still scrubs the claim's directory."""
+    from tessera.scheduler.dra_shared import shared_in_use
 
     from tessera.bus import connect
     from tessera.settings import NatsSettings
@@ -477,6 +478,9 @@ async def test_a_claim_shared_by_two_pods_stays_held_when_its_first_pod_goes(
         [state] = decode(msg.data, QuotaReply).states
         return state.used().memory_mib or 0, sorted(state.charges)
 
+    def slices(allocation) -> list[tuple[str, int, int]]:
+        return [(g.uuid, g.memory_mib, g.cores) for row in allocation.containers for g in row]
+
     try:
         reply = await nc.request(bus.QUOTA_SET, encode(QuotaSetRequest(
             namespace=ns, limits=QuotaAmount(memory_mib=6000))), timeout=5)  # fmt: skip
@@ -486,38 +490,50 @@ async def test_a_claim_shared_by_two_pods_stays_held_when_its_first_pod_goes(
             first, claim = pod_and_claim(node, "gpu-1", "4Gi", "30", namespace=ns)
             second = json.loads(json.dumps(first))
             second["metadata"].update(name="p-second", uid=str(uuid.uuid4()))
+            first_uid, second_uid = first["metadata"]["uid"], second["metadata"]["uid"]
             claim["status"]["reservedFor"].append(
-                {"resource": "pods", "name": "p-second", "uid": second["metadata"]["uid"]})
+                {"resource": "pods", "name": "p-second", "uid": second_uid})
             for p in (first, second):
                 cluster.add_pod(p)
             cluster.put_resource_claim(claim)
             claim_uid = claim["metadata"]["uid"]
             assert (await h.kubelet_prepare(claim)).claims[claim_uid].error == ""
-            assert await used() == (4096, [first["metadata"]["uid"]])
+            assert await used() == (4096, [first_uid])
+            gpu1 = h.state.devices()[1].uuid
 
-            # the first pod is deleted; the scheduler releases it (runtime.on_pod_event)
+            # the first pod is deleted; the claim controller takes it out of reservedFor
             cluster.delete_pod(ns, first["metadata"]["name"])
-            await bus.cas_update(buckets.ledger, node, NodeLedger,
-                                 accounting.drop_mutation(first["metadata"]["uid"]))  # fmt: skip
-            msg = await nc.request(bus.QUOTA_RELEASE, encode(QuotaRequest(
-                namespace=ns, pod_uid=first["metadata"]["uid"])), timeout=5)  # fmt: skip
-            assert decode(msg.data, QuotaReply).ok
+            claim["status"]["reservedFor"] = claim["status"]["reservedFor"][1:]
+            cluster.put_resource_claim(claim)
+            # the scheduler's release (runtime.on_pod_event) asks first: kept
+            ledger = await h.ledger()
+            assert ledger is not None
+            devices = h.state.devices()
+            kept = await shared_in_use(cluster, node, ledger.allocations[first_uid], ledger,
+                                       devices)  # fmt: skip
+            assert kept == [f"{ns}/{claim['metadata']['name']}"]
+            assert slices(ledger.allocations[first_uid]) == [(gpu1, 4096, 30)]
+            assert await used() == (4096, [first_uid])
 
             await h.driver.reconcile()  # (the endpoint runs it every publish interval)
             ledger = await h.ledger()
             assert ledger is not None
-            held = ledger.allocations.get(second["metadata"]["uid"])
-            assert held is not None, "the shared claim's slice left the ledger"
-            gpu1 = h.state.devices()[1].uuid
-            assert [(g.uuid, g.memory_mib, g.cores) for row in held.containers for g in row] == [
-                (gpu1, 4096, 30)]
+            held = ledger.allocations.get(second_uid)
+            assert held is not None, "the shared claim's slice was not handed on"
+            assert slices(held) == [(gpu1, 4096, 30)]
             assert (held.namespace, held.name) == (ns, "p-second")
-            assert await used() == (4096, [second["metadata"]["uid"]])
+            # in the same write the ended pod's booking was emptied (a slice booked once)
+            assert slices(ledger.allocations[first_uid]) == []
+            assert await used() == (4096, [second_uid])
+            # now the scheduler's release of the ended pod goes ahead: nothing shared left
+            assert await shared_in_use(cluster, node, ledger.allocations[first_uid], ledger,
+                                       devices) == []  # fmt: skip
+            assert await shared_in_use(cluster, node, held, ledger, devices) == []
 
             # the last pod goes: kubelet unprepares, the claim's directory is scrubbed
             await h.kubelet_unprepare(claim)
-            assert h.store.for_pod(first["metadata"]["uid"]) == []
-            assert h.store.for_pod(second["metadata"]["uid"]) == []
+            assert h.store.for_pod(first_uid) == []
+            assert h.store.for_pod(second_uid) == []
             assert not cdi.spec_path(h.dra.cdi_dir, claim_uid).exists()
     finally:
         await quota.stop()

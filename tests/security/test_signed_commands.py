@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import shutil
 import sys
 import tempfile
@@ -31,7 +32,10 @@ from tessera import bus, signing
 from tessera import bus_permissions as bp
 from tessera.bus import connect, ensure_bus
 from tessera.codec import decode, encode
+from tessera.dra_names import DRA_REASON
 from tessera.models import (
+    Allocation,
+    AllocationState,
     LimitsSetReply,
     LimitsSetRequest,
     NodeConfigSetRequest,
@@ -416,3 +420,54 @@ async def test_no_credential_but_the_schedulers_holds_quota_for_a_made_up_pod(wo
     assert decode((await w.send(bp.ADMISSION, bus.QUOTA_RESERVE, check))[1], QuotaReply).ok
     await _ok(w, bp.NODE_AGENT, bus.QUOTA_RESERVE, _reserve(w, 6000), QuotaReply, VICTIM_NODE)
     await _ok(w, bp.SCHEDULER, bus.QUOTA_RESERVE, _reserve(w, 6000), QuotaReply)
+
+
+async def test_only_the_node_agent_holding_a_dra_booking_hands_its_charge_on(world) -> None:
+    """`handed_from` frees a charge: only the agent of the node where that pod has its DRA
+    booking (a shared claim's first pod) may send it. Another node's agent, the scheduler, or a
+    hand-on from an extender pod is refused; nothing is freed."""
+    w = world
+    first_uid = f"first-{w.namespace}"
+    booked = Allocation(pod_uid=first_uid, namespace=w.namespace, name="shared-first",
+                        node=VICTIM_NODE, reason=DRA_REASON, state=AllocationState.ALLOCATED,
+                        containers=[grants((w.gpu, 2000, 30))])  # fmt: skip
+    ledger = await w.rig.ledger()  # type: ignore[attr-defined]
+    ledger.allocations[first_uid] = booked
+    await w.rig.buckets.ledger.put(VICTIM_NODE, encode(ledger))  # type: ignore[attr-defined]
+    nxt, there = (copy.deepcopy(w.pod) for _ in range(2))
+    nxt["metadata"].update(name="shared-next", uid=f"next-{w.namespace}")
+    there["metadata"].update(name="on-a", uid=f"on-a-{w.namespace}")
+    there["spec"]["nodeName"] = "node-a"
+    w.rig.cluster.add_pod(nxt)  # type: ignore[attr-defined]
+    w.rig.cluster.add_pod(there)  # type: ignore[attr-defined]
+    first = QuotaRequest(namespace=w.namespace, pod_uid=first_uid, name="shared-first",
+                         memory_mib=2000, cores=30, gpus=1)  # fmt: skip
+    assert (await w.quota.reserve(first)).ok  # (its pod is gone: charged when it was there)
+    await _ok(w, bp.SCHEDULER, bus.QUOTA_RESERVE, _reserve(w), QuotaReply)
+
+    def hand_on(pod: dict, source: str) -> QuotaRequest:
+        return QuotaRequest(namespace=w.namespace, pod_uid=pod["metadata"]["uid"],
+                            name=pod["metadata"]["name"], memory_mib=2000, cores=30, gpus=1,
+                            handed_from=source)  # fmt: skip
+
+    attempts = [
+        (bp.NODE_AGENT, "node-a", hand_on(there, first_uid), "no DRA booking"),
+        (bp.SCHEDULER, None, hand_on(nxt, first_uid), "may not hand quota charges on"),
+        (bp.NODE_AGENT, VICTIM_NODE, hand_on(nxt, w.uid), "no DRA booking"),  # extender pod
+    ]
+    for role, node, body, why in attempts:
+        before = w.mark()
+        _, raw = await w.send(role, bus.QUOTA_RESERVE, body, node)
+        assert why in refusal_of(raw), (role, node, refusal_of(raw))
+        await wait_for_refusal(w, "not_allowed", before, bp.user_name(role, node))
+
+    async def charged() -> dict[str, int]:
+        status = decode((await (await w.client(bp.ADMIN)).request(
+            bus.QUOTA_STATUS, encode(QuotaStatusRequest(namespace=w.namespace)), timeout=10,
+        )).data, QuotaReply)  # fmt: skip
+        return {u: c.memory_mib for u, c in status.states[0].charges.items()}
+
+    assert await charged() == {first_uid: 2000, w.uid: 2000}
+    await _ok(w, bp.NODE_AGENT, bus.QUOTA_RESERVE, hand_on(nxt, first_uid), QuotaReply,
+              VICTIM_NODE)  # fmt: skip
+    assert await charged() == {nxt["metadata"]["uid"]: 2000, w.uid: 2000}

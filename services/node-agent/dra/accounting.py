@@ -89,8 +89,9 @@ def drop_mutation(pod_uid: str):
 
 def emptied_mutation(pod_uid: str):
     """CAS body: the pod's DRA allocation holds nothing any more (its last claim, of MIG
-    instances, was unprepared and the instances are destroyed) but stays, for the scheduler's
-    release of the ended pod (its quota charge and `released` event)."""
+    instances, was unprepared and the instances are destroyed; or its last claim was handed on
+    to another pod sharing it) but stays, for the scheduler's release of the ended pod (its
+    quota charge and `released` event)."""
 
     def mutate(current: NodeLedger | None) -> NodeLedger:
         existing = current.allocations.get(pod_uid) if current else None
@@ -103,5 +104,24 @@ def emptied_mutation(pod_uid: str):
             "containers": [[] for _ in existing.containers], "updated_at": now(),
         })  # fmt: skip
         return current.model_copy(update={"allocations": allocations})
+
+    return mutate
+
+
+def in_turn(*bodies):
+    """CAS body: each body applied in turn, in one write (one that changes nothing is skipped;
+    NoChange only when none changes anything)."""
+
+    def mutate(current: NodeLedger | None) -> NodeLedger:
+        changed = False
+        for body in bodies:
+            try:
+                current = body(current)
+            except NoChange:
+                continue
+            changed = True
+        if not changed or current is None:
+            raise NoChange
+        return current
 
     return mutate

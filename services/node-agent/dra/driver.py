@@ -335,7 +335,7 @@ class DraDriver:
                 self.store.remove_container(cdir)
 
     async def _hold_quota(self, record: PreparedClaim, held: list[PreparedClaim],
-                          pod: dict | None) -> None:  # fmt: skip
+                          pod: dict | None, handed_from: str = "") -> None:  # fmt: skip
         if self.quota is None:
             return
         held = booked(held)
@@ -344,36 +344,42 @@ class DraDriver:
             init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
         ) if held else None  # fmt: skip
         try:
-            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation)
+            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation,
+                                  handed_from)  # fmt: skip
         except QuotaRefused as exc:
             raise PrepareError(str(exc)) from exc
 
     # --- the ledger and the event stream -----------------------------------------------------
 
     async def _record_in_ledger(self, pod_uid: str, pod: dict | None = None) -> None:
+        await self._write_ledger(await self._ledger_body(pod_uid, pod))
+
+    async def _ledger_body(self, pod_uid: str, pod: dict | None = None):
+        """CAS body: the pod's allocation as its booked claims here make it (gone: none)."""
         held = booked(self.records.of_pod(pod_uid))
         if not held:
-            body = accounting.drop_mutation(pod_uid)
-        else:
-            names = container_names(pod) if pod else []
-            init = len(((pod or {}).get("spec") or {}).get("initContainers") or [])
-            existing = await bus.read(self.ledger_kv, self.node, NodeLedger)
-            before = existing.value.allocations.get(pod_uid) if existing else None
-            first = min(r.container_index for r in held)
-            priority = task_priority(pod, first) if pod else 1
-            if pod is None and before is not None:
-                names, init, priority = before.container_names, before.init_count, before.priority
-            allocation = accounting.pod_allocation(
-                self.node,
-                held,
-                container_names=names,
-                init_count=init,
-                priority=priority,
-                core_policy=self.node_settings().core_policy,
-                quota_held=self.quota is not None and self.quota.enabled,
-            )
-            assert allocation is not None
-            body = accounting.put_mutation(self.node, allocation)
+            return accounting.drop_mutation(pod_uid)
+        names = container_names(pod) if pod else []
+        init = len(((pod or {}).get("spec") or {}).get("initContainers") or [])
+        existing = await bus.read(self.ledger_kv, self.node, NodeLedger)
+        before = existing.value.allocations.get(pod_uid) if existing else None
+        first = min(r.container_index for r in held)
+        priority = task_priority(pod, first) if pod else 1
+        if pod is None and before is not None:
+            names, init, priority = before.container_names, before.init_count, before.priority
+        allocation = accounting.pod_allocation(
+            self.node,
+            held,
+            container_names=names,
+            init_count=init,
+            priority=priority,
+            core_policy=self.node_settings().core_policy,
+            quota_held=self.quota is not None and self.quota.enabled,
+        )
+        assert allocation is not None
+        return accounting.put_mutation(self.node, allocation)
+
+    async def _write_ledger(self, body) -> None:
         try:
             await bus.cas_update(self.ledger_kv, self.node, NodeLedger, body)
         except bus.NoChange:
@@ -431,10 +437,11 @@ class DraDriver:
     async def _hand_on(self, record: PreparedClaim) -> None:
         """The claim's pod has ended, but kubelet keeps a claim prepared while any pod of the
         node still uses it (a claim reserved for several pods is prepared once, for the first):
-        book it under the next pod it is reserved for that runs here. The scheduler releases
-        the ended pod's allocation and quota charge as for any pod; without this the slice a
-        running pod holds would be in neither (and its directory, the ended pod's, would be
-        collected as a gone pod's). Unprepare, when the last pod goes, scrubs it as ever."""
+        book it under the next pod it is reserved for that runs here. The scheduler keeps the
+        ended pod's booking until then (a MIG instance stays wanted), and releases what is left
+        of it as for any pod after; without this the slice a running pod holds would stay the
+        ended pod's (and its directory would be collected as a gone pod's). Unprepare, when
+        the last pod goes, scrubs it as ever."""
         try:
             claim = await self.cluster.get_resource_claim(record.namespace, record.name)
         except ClusterError:
@@ -452,6 +459,24 @@ class DraDriver:
         async with self._lock:
             if self.records.get(record.claim_uid) != record:
                 return  # unprepared or handed on meanwhile
+            # The scheduler keeps the ended pod's booking while the claim is reserved for a pod
+            # running here (scheduler/dra_shared.py), so the slice never leaves the ledger or the
+            # quota. The quota first: when the ended pod books nothing else, one write frees its
+            # charge and holds the next pod's (counted once throughout); else the next pod is
+            # charged first (counted twice a moment, never lost) and the ended pod's shrinks
+            # after. Then one CAS moves the grants in the ledger.
+            after = [r for r in self.records.of_pod(moved.pod_uid)
+                     if r.claim_uid != moved.claim_uid] + [moved]  # fmt: skip
+            rest = [r for r in self.records.of_pod(record.pod_uid)
+                    if r.claim_uid != record.claim_uid]  # fmt: skip
+            try:
+                await self._hold_quota(moved, after, pod,
+                                       "" if booked(rest) else record.pod_uid)  # fmt: skip
+            except PrepareError as exc:  # kept under the ended pod, counted once: next round
+                self.log.warning("shared claim not handed on: its quota charge did not move",
+                                 extra={"claim": f"{record.namespace}/{record.name}",
+                                        "err": str(exc)})  # fmt: skip
+                return
             for cdir in self.store.for_pod(record.pod_uid):
                 if cdir.prepared.device_ids == [record.cdi_device]:
                     await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(
@@ -459,12 +484,21 @@ class DraDriver:
                                 "container": moved.container,
                                 "index": moved.container_index}))  # fmt: skip
             self.records.put(moved)
+            left = self.records.of_pod(record.pod_uid)
+            to_body = await self._ledger_body(moved.pod_uid, pod)
+            from_body = (await self._ledger_body(record.pod_uid) if booked(left)
+                         else accounting.emptied_mutation(record.pod_uid))  # fmt: skip
             try:
-                await self._hold_quota(moved, self.records.of_pod(moved.pod_uid), pod)
-            except PrepareError as exc:  # held on the node whatever the quota says now
-                self.log.warning("shared claim's quota charge not moved", extra={
+                await self._write_ledger(accounting.in_turn(to_body, from_body))
+            except PrepareError as exc:  # the next round books the claim under its new pod
+                self.log.warning("shared claim's ledger entry not moved yet", extra={
                     "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
-            await self._record_in_ledger(moved.pod_uid, pod)
+            if booked(left):
+                try:
+                    await self._hold_quota(record, left, None)
+                except PrepareError as exc:  # counted twice until the scheduler's release
+                    self.log.warning("ended pod's quota charge not shrunk", extra={
+                        "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
             await self._publish("allocated", moved, pod)
             self.log.info("shared claim handed on", extra={
                 "claim": f"{record.namespace}/{record.name}", "from": record.pod,

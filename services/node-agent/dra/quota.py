@@ -37,15 +37,17 @@ class DraQuota:
         return bool(self.settings.quota_enabled and self.nc is not None)
 
     async def hold(self, namespace: str, pod_uid: str, name: str,
-                   allocation: Allocation | None) -> None:  # fmt: skip
-        """Charge the pod what `allocation` holds (None: nothing)."""
+                   allocation: Allocation | None, handed_from: str = "") -> None:  # fmt: skip
+        """Charge the pod what `allocation` holds (None: nothing); `handed_from`: in the same
+        write, the charge of that (ended) pod is freed (a shared claim handed on)."""
         if not self.enabled:
             return
         memory, cores, gpus = (hami.grants_quota_charge(allocation.containers,
                                                         allocation.init_count)
                                if allocation is not None else (0, 0, 0))  # fmt: skip
         request = QuotaRequest(namespace=namespace, pod_uid=pod_uid, name=name,
-                               memory_mib=memory, cores=cores, gpus=gpus)  # fmt: skip
+                               memory_mib=memory, cores=cores, gpus=gpus,
+                               handed_from=handed_from)  # fmt: skip
         payload = encode(request)
         try:
             msg = await self.nc.request(
