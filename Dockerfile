@@ -10,35 +10,31 @@
 # slim Python base: no compiler, no source tree, a non-root user by default.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# --- libvgpu.so -------------------------------------------------------------------------------
-FROM ${PYTHON_IMAGE} AS libvgpu
+# --- the C toolchain every native stage below builds with ---------------------------------------
+FROM ${PYTHON_IMAGE} AS toolchain
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev make \
     && rm -rf /var/lib/apt/lists/*
+COPY native/library.mk /src/native/library.mk
+
+# --- libvgpu.so -------------------------------------------------------------------------------
+FROM toolchain AS libvgpu
 RUN pip install --no-cache-dir nvidia-cuda-runtime==13.5.37 nvidia-nvml-dev==13.5.37
 COPY native/libvgpu /src/native/libvgpu
 RUN make -C /src/native/libvgpu PYTHON=python3 build/libvgpu.so
 
 # --- libtessera_names.so: the scheduler's native name resolver ---------------------------------
 # (services/scheduler/native_names.py; without it the scheduler resolves kube-scheduler's node
-# lists in numpy, as exactly, more slowly). The same toolchain layer as libvgpu's stage (cached).
-FROM ${PYTHON_IMAGE} AS names
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev make \
-    && rm -rf /var/lib/apt/lists/*
+# lists in numpy, as exactly, more slowly).
+FROM toolchain AS names
 COPY native/names /src/native/names
 RUN make -C /src/native/names build/libtessera_names.so
 
 # --- libtessera_refusals.so: the scheduler's native refusal steps --------------------------------
 # (services/scheduler/native_steps.py; without it a refused pod's steps and groups are computed
-# in numpy, as exactly, more slowly). The same toolchain layer as the stages above (cached).
-FROM ${PYTHON_IMAGE} AS refusals
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev make \
-    && rm -rf /var/lib/apt/lists/*
+# in numpy, as exactly, more slowly).
+FROM toolchain AS refusals
 COPY native/refusals /src/native/refusals
 RUN make -C /src/native/refusals build/libtessera_refusals.so
 

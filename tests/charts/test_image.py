@@ -44,7 +44,8 @@ class Stage:
 
 
 def stages(text: str) -> list[Stage]:
-    """The Dockerfile's stages, base images resolved with the ARG defaults before FROM."""
+    """The Dockerfile's stages, base images resolved with the ARG defaults before FROM (a stage
+built FROM an earlier stage has that stage's base)."""
     parser = DockerfileParser(fileobj=io.BytesIO(text.encode()))
     args: dict[str, str] = {}
     found: list[Stage] = []
@@ -57,7 +58,8 @@ def stages(text: str) -> list[Stage]:
             words = value.split()
             base = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), words[0])
             name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
-            found.append(Stage(base, name))
+            earlier = next((s for s in found if s.name == base), None)
+            found.append(Stage(earlier.base if earlier else base, name))
         elif found and kind != "COMMENT":
             found[-1].instructions.append((kind, value))
     return found
