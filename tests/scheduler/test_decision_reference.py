@@ -104,6 +104,15 @@ def place(index: ClusterIndex, name: str, uid: str, grants: list, rng: random.Ra
                      entry.ledger_revision + 1, 0.0)  # fmt: skip
 
 
+def place_if_it_fits(index: ClusterIndex, spec: dict[str, Any], target: str,
+                     rng: random.Random) -> None:
+    """Place `spec` on `target` where the decision finds it a fit there (a cluster made busy)."""
+    request = hami.parse_pod_request(spec, SETTINGS)
+    chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS), [target]).fits(), None)
+    if chosen is not None:
+        place(index, target, spec["metadata"]["uid"], chosen[1].containers, rng)
+
+
 def count_fits(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Count the decision's calls of fit_pod (one per node it fits): {"n": calls so far}."""
     from tessera.scheduler import decide as decide_module

@@ -29,7 +29,7 @@ from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
-from .test_decision_reference import place, pod, reference
+from .test_decision_reference import place, place_if_it_fits, pod, reference
 
 SETTINGS = TesseraSettings()
 REFUSALS_DIR = Path(__file__).resolve().parents[2] / "native" / "refusals"
@@ -106,13 +106,7 @@ def cluster(seed: int, nodes: int, wide: bool) -> tuple[ClusterIndex, list[str],
         index.set_registration(name, registration(rng, name, wide), 0.0)
         index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
     for i in range(3 * nodes):
-        spec = pod(rng, 50_000 + i)
-        target = rng.choice(names)
-        request = hami.parse_pod_request(spec, SETTINGS)
-        chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS),
-                             [target]).fits(), None)  # fmt: skip
-        if chosen is not None:
-            place(index, target, spec["metadata"]["uid"], chosen[1].containers, rng)
+        place_if_it_fits(index, pod(rng, 50_000 + i), rng.choice(names), rng)
     for name in rng.sample(names, nodes // 10):
         cards = index.entries[name].cards
         index.set_cordon(name, frozenset(c.uuid for c in cards[: rng.randint(1, len(cards))]),
@@ -206,13 +200,7 @@ def test_the_native_steps_equal_numpy_on_adversarial_clusters_and_pods(seed: int
         compared += 1
         if i % 20 == 19:  # the cluster moves on: more placements
             for j in range(30):
-                spec = pod(rng, 90_000 + 100 * i + j)
-                target = rng.choice(names)
-                request = hami.parse_pod_request(spec, SETTINGS)
-                chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS),
-                                     [target]).fits(), None)  # fmt: skip
-                if chosen is not None:
-                    place(index, target, spec["metadata"]["uid"], chosen[1].containers, rng)
+                place_if_it_fits(index, pod(rng, 90_000 + 100 * i + j), rng.choice(names), rng)
     assert compared > 100 and refused > 50 and tied > 0, (compared, refused, tied)
 
 

@@ -21,7 +21,7 @@ from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
-from .test_decision_reference import place, pod, reference, registration
+from .test_decision_reference import place, place_if_it_fits, pod, reference, registration
 
 SETTINGS = TesseraSettings()
 
@@ -62,13 +62,7 @@ def test_a_retried_refusal_is_answered_at_once_and_exactly(seed: int) -> None:
         index.set_registration(name, registration(rng, name), 0.0)
         index.set_ledger(name, NodeLedger(node=name), 1, 0.0)
     for i in range(250):  # a busy cluster: most cards partly used
-        spec = pod(rng, 10_000 + i)
-        target = rng.choice(names)
-        request = hami.parse_pod_request(spec, SETTINGS)
-        chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS),
-                             [target]).fits(), None)  # fmt: skip
-        if chosen is not None:
-            place(index, target, spec["metadata"]["uid"], chosen[1].containers, rng)
+        place_if_it_fits(index, pod(rng, 10_000 + i), rng.choice(names), rng)
     at_once = refused = placed = 0
     start = 0
     for i in range(150):

@@ -23,7 +23,7 @@ from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
-from .test_decision_reference import count_fits, place
+from .test_decision_reference import count_fits, place, place_if_it_fits
 
 SETTINGS = TesseraSettings()
 
@@ -94,13 +94,7 @@ def seed_usage(index: ClusterIndex, names: list[str], rng: random.Random) -> Non
 
 def fill(index: ClusterIndex, names: list[str], rng: random.Random, pods: int, start: int) -> None:
     for i in range(pods):
-        spec = filler(rng, start + i)
-        target = rng.choice(names)
-        request = hami.parse_pod_request(spec, SETTINGS)
-        chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS), [target]).fits(),
-                      None)  # fmt: skip
-        if chosen is not None:
-            place(index, target, spec["metadata"]["uid"], chosen[1].containers, rng)
+        place_if_it_fits(index, filler(rng, start + i), rng.choice(names), rng)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

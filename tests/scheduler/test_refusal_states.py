@@ -22,7 +22,7 @@ from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
-from .test_decision_reference import place
+from .test_decision_reference import place, place_if_it_fits
 from .test_native_steps import built, cluster  # noqa: F401  (`built`: the library, made)
 from .test_refusal_fast import reference_counts
 
@@ -244,12 +244,6 @@ def test_the_native_distinct_rows_are_numpys(monkeypatch) -> None:
             assert np.array_equal(native[0], want[0]) and np.array_equal(native[1], want[1]), i
             compared += 1
         for j in range(rng.randint(0, 6)):  # rows written: their numbers stale
-            spec = pod(rng, 70_000 + 10 * i + j)
-            target = rng.choice(names)
-            request = hami.parse_pod_request(spec, SETTINGS)
-            chosen = next(decide(index, request, parse_pod_options(spec, SETTINGS),
-                                 [target]).fits(), None)  # fmt: skip
-            if chosen is not None:
-                place(index, target, spec["metadata"]["uid"], chosen[1].containers,
-                      random.Random(j))  # fmt: skip
+            place_if_it_fits(index, pod(rng, 70_000 + 10 * i + j), rng.choice(names),
+                             random.Random(j))
     assert compared > 25, compared
