@@ -4,19 +4,9 @@ errors for unknown paths and methods, the scale subresource."""
 from __future__ import annotations
 
 import httpx
-import pytest
-from tessera.kube_sim.apiserver import ApiServer
-from tessera.kube_sim.store import ObjectStore
 
 TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
 
-
-@pytest.fixture
-async def http() -> httpx.AsyncClient:
-    api = ApiServer(ObjectStore())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(api.app()),
-                                 base_url="http://kube-sim") as client:
-        yield client
 
 
 async def test_discovery_and_openapi(http: httpx.AsyncClient) -> None:

@@ -8,20 +8,11 @@ from typing import Any
 
 import httpx
 import pytest
-from tessera.kube_sim.apiserver import ApiServer
-from tessera.kube_sim.store import ObjectStore
 
 RESOURCE = "/apis/resource.k8s.io/v1"
 CLAIMS = f"{RESOURCE}/namespaces/default/resourceclaims"
 TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
 
-
-@pytest.fixture
-async def http() -> httpx.AsyncClient:
-    api = ApiServer(ObjectStore())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(api.app()),
-                                 base_url="http://kube-sim") as client:
-        yield client
 
 
 def claim(name: str = "c", **exactly: Any) -> dict[str, Any]:

@@ -10,9 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.dra import cel
-from tessera.kube_sim.store import ObjectStore
 
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
 DEEP = [
@@ -23,13 +21,6 @@ DEEP = [
     "device.driver" + ".size()" * 1000 + " > 0",
 ]
 
-
-@pytest.fixture
-async def http() -> httpx.AsyncClient:
-    api = ApiServer(ObjectStore())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(api.app()),
-                                 base_url="http://kube-sim") as client:
-        yield client
 
 
 def claim(expression: str) -> dict[str, Any]:

@@ -7,10 +7,7 @@ from __future__ import annotations
 import random
 
 import httpx
-import pytest
-from tessera.kube_sim.apiserver import ApiServer
 from tessera.kube_sim.protobuf import decode_body
-from tessera.kube_sim.store import ObjectStore
 
 PROTOBUF = {"Content-Type": "application/vnd.kubernetes.protobuf"}
 
@@ -59,12 +56,6 @@ def test_a_deployment_keeps_a_zero_replicas_and_drops_other_zeros() -> None:
     assert body["spec"] == {"replicas": 0, "template": {
         "spec": {"containers": [{"name": "c", "image": "nginx"}]}}}
 
-
-@pytest.fixture
-async def http() -> httpx.AsyncClient:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(ApiServer(ObjectStore()).app()),
-                                 base_url="http://kube-sim") as client:
-        yield client
 
 
 async def test_created_through_http_in_canonical_form(http: httpx.AsyncClient) -> None:
