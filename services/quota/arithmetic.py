@@ -72,7 +72,8 @@ def _copy(state: QuotaState) -> QuotaState:
     })  # fmt: skip
 
 
-def _add(usage: QuotaUsage, charge: QuotaCharge, sign: int) -> None:
+def add_usage(usage: QuotaUsage, charge: QuotaCharge, sign: int) -> None:
+    """`usage` (in place) with `charge` added (sign +1) or taken out (-1), never below 0."""
     usage.memory_mib = max(0, usage.memory_mib + sign * charge.memory_mib)
     usage.cores = max(0, usage.cores + sign * charge.cores)
     usage.gpus = max(0, usage.gpus + sign * charge.gpus)
@@ -222,7 +223,7 @@ def reserve(
     settled = current is not None and uid not in new_state.charges
     if settled:  # a resize of a folded charge: out of the totals, back into the journal
         assert current is not None
-        _add(new_state.settled, current, -1)
+        add_usage(new_state.settled, current, -1)
     if asks_gpu(request):
         new_state.charges[uid] = new_charge
     else:
@@ -272,7 +273,7 @@ def release(
         if own_settled is not None:
             new_state.releasing[pod_uid] = own_settled  # a stale key from a resize
     else:
-        _add(new_state.settled, current, -1)
+        add_usage(new_state.settled, current, -1)
         new_state.releasing[pod_uid] = current
     return new_state
 
@@ -301,7 +302,7 @@ def fold(state: QuotaState, folded: set[str], gone: set[str]) -> QuotaState:
     for uid in folded:
         charge = new_state.charges.pop(uid, None)
         if charge is not None:
-            _add(new_state.settled, charge, +1)
+            add_usage(new_state.settled, charge, +1)
             new_state.releasing.pop(uid, None)
     for uid in gone:
         if uid not in new_state.charges:
@@ -315,7 +316,7 @@ def recompute(state: QuotaState, keys: Mapping[str, QuotaCharge]) -> QuotaState:
     usage = QuotaUsage()
     for uid, charge in keys.items():
         if uid not in state.charges and uid not in state.releasing:
-            _add(usage, charge, +1)
+            add_usage(usage, charge, +1)
     if usage == state.settled:
         raise NoChange
     new_state = _copy(state)

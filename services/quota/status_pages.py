@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tessera.quota.arithmetic import add_usage
+
 from tessera.codec import encode
-from tessera.models import DeviceQuota, QuotaState, QuotaUsage
+from tessera.models import DeviceQuota, QuotaState
 
 ENVELOPE_BYTES = 16 << 10  # the reply's own fields and the reason, with room to spare
 _ITEM_OVERHEAD = 8  # a list item's framing in msgpack, generously
@@ -82,8 +84,6 @@ def bounded(state: QuotaState, budget: int) -> tuple[QuotaState, int]:
             room -= size
             continue
         room = -1  # keep newest-first contiguous: once one is out, the older are out too
-        settled = QuotaUsage(memory_mib=settled.memory_mib + charge.memory_mib,
-                             cores=settled.cores + charge.cores, gpus=settled.gpus + charge.gpus,
-                             pods=settled.pods + 1)  # fmt: skip
+        add_usage(settled, charge, +1)
     left = len(state.charges) - len(kept)
     return state.model_copy(update={"charges": kept, "settled": settled}), left
