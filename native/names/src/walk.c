@@ -56,7 +56,8 @@ static inline int tn_reaches(int64_t slot, const int64_t *spec, uint32_t bounds)
 static inline void tn_prefetch_bounds(uint64_t slot, const int64_t *spec, uint32_t bounds)
 {
 	for (uint32_t b = 0; b < bounds; b++)
-		__builtin_prefetch((const char *)(uintptr_t)spec[3 * b] + (uint64_t)spec[3 * b + 1] * slot);
+		__builtin_prefetch((const char *)(uintptr_t)spec[3 * b] +
+				   (uint64_t)spec[3 * b + 1] * slot);
 }
 
 /* The heap's entry at `at` moved down to where it belongs (the largest at 0). */
@@ -108,19 +109,10 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
 	if (cap && !heap)
 		return -1;
-	/* The selection: a heap of the `cap` first, its largest (`top`) kept in registers; a
-	 * position is read further only when it would enter. In the first round (`scores`
-	 * given) every key and group is read from the index and kept in the same pass (one pass
-	 * over the list, not a gather and then a second pass over the keys). */
-	uint64_t count = 0, busy_seen = 0;
-	double top_key = 0.0;
-	int64_t top_position = 0;
-	const uint8_t wanted = (uint8_t)(group != 0);
-	for (uint64_t i = 0; i < n; i++) {
-		int64_t slot = slots[i];
-		double key;
-		uint8_t flag = 0;
-		if (scores) {
+	if (scores) { /* the first round: every key and group read from the index, kept */
+		uint64_t busy_seen = 0;
+		for (uint64_t i = 0; i < n; i++) {
+			int64_t slot = slots[i];
 			if (slot < 0 || (uint64_t)slot >= limit) {
 				free(heap);
 				return -1;
@@ -130,39 +122,43 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 				if (ahead < limit)
 					__builtin_prefetch(&scores[ahead]);
 			}
-			key = sign * scores[slot];
+			double key = sign * scores[slot];
 			if (key != key) { /* NaN: no order to give (the caller walks in numpy) */
 				free(heap);
 				return -1;
 			}
 			keys[i] = key;
 			if (busy_at) {
-				flag = busy[slot] ? 1 : 0;
+				uint8_t flag = busy[slot] ? 1 : 0;
 				busy_at[i] = flag;
 				busy_seen += flag;
 			}
-		} else {
-			if (!cap)
-				break;
-			key = keys[i];
-			if (busy_at)
-				flag = busy_at[i];
 		}
-		if (!cap)
-			continue;
+		if (busy_count)
+			*busy_count = busy_seen;
+	}
+	/* The selection: a heap of the `cap` first, its largest (`top`) kept in registers; a
+	 * position is read further only when it would enter. */
+	uint64_t count = 0;
+	double top_key = 0.0;
+	int64_t top_position = 0;
+	const uint8_t wanted = (uint8_t)(group != 0);
+	for (uint64_t i = 0; i < n && cap; i++) {
+		double key = keys[i];
 		if (count < cap && i + TN_AHEAD < n) {
-			/* (a heap not full yet reads the bounds of every position of its group: their
-			 * cache lines asked for ahead, as the keys' are) */
+			/* (a heap not full yet reads the bounds of every position of its group, a
+			 * random gather: their cache lines asked for ahead, as the first round's keys) */
 			uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
 			if (ahead < limit)
 				tn_prefetch_bounds(ahead, spec, bounds);
 		}
-		if (busy_at && flag != wanted)
+		if (busy_at && busy_at[i] != wanted)
 			continue;
 		if (count == cap && !(key < top_key || (key == top_key && (int64_t)i < top_position)))
 			continue;
 		if (resume && !(after_key < key || (after_key == key && after_position < (int64_t)i)))
 			continue;
+		int64_t slot = slots[i];
 		if (!scores && (slot < 0 || (uint64_t)slot >= limit)) {
 			free(heap);
 			return -1;
@@ -181,8 +177,6 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 			top_position = heap[0].position;
 		}
 	}
-	if (scores && busy_count)
-		*busy_count = busy_seen;
 	/* ascending: the largest taken off the heap into the end, one at a time */
 	for (uint64_t left = count; left > 0; left--) {
 		tn_pick largest = heap[0];
