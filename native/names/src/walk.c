@@ -53,6 +53,13 @@ static inline int tn_reaches(int64_t slot, const int64_t *spec, uint32_t bounds)
 	return 1;
 }
 
+static inline void tn_prefetch_bounds(uint64_t slot, const int64_t *spec, uint32_t bounds)
+{
+	for (uint32_t b = 0; b < bounds; b++)
+		__builtin_prefetch((const char *)(uintptr_t)spec[3 * b] +
+				   (uint64_t)spec[3 * b + 1] * slot);
+}
+
 /* The heap's entry at `at` moved down to where it belongs (the largest at 0). */
 static void tn_sift_down(tn_pick *heap, uint64_t count, uint64_t at)
 {
@@ -138,6 +145,13 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 	const uint8_t wanted = (uint8_t)(group != 0);
 	for (uint64_t i = 0; i < n && cap; i++) {
 		double key = keys[i];
+		if (count < cap && i + TN_AHEAD < n) {
+			/* (a heap not full yet reads the bounds of every position of its group, a
+			 * random gather: their cache lines asked for ahead, as the first round's keys) */
+			uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
+			if (ahead < limit)
+				tn_prefetch_bounds(ahead, spec, bounds);
+		}
 		if (busy_at && busy_at[i] != wanted)
 			continue;
 		if (count == cap && !(key < top_key || (key == top_key && (int64_t)i < top_position)))
