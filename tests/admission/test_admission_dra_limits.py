@@ -89,6 +89,13 @@ async def test_a_percentage_on_a_fleet_of_nine_card_sizes_tries_the_eight_larges
     assert "16384 MiB" in warning and "at most 8" in warning and "nvidia.com/gpumem" in warning
 
 
+def tried_profiles(spec: dict) -> list[str]:
+    """The MIG profiles a template's firstAvailable tries, in order (each alternative's last
+    selector names its profile)."""
+    return [o["selectors"][-1]["cel"]["expression"].rsplit('"', 2)[1]
+            for o in spec["devices"]["requests"][0]["firstAvailable"]]  # fmt: skip
+
+
 async def test_hamis_mig_mode_over_many_covering_profiles_tries_the_eight_smallest() -> None:
     cluster = InMemoryCluster()
     await publish(cluster, [partition(i, *p) for i, p in enumerate(PROFILES)])
@@ -97,8 +104,7 @@ async def test_hamis_mig_mode_over_many_covering_profiles_tries_the_eight_smalle
     response = await admit(cluster, obj)
     assert response["allowed"], response.get("status")
     spec = the_template(cluster, obj, response)
-    tried = [o["selectors"][-1]["cel"]["expression"].rsplit('"', 2)[1]
-             for o in spec["devices"]["requests"][0]["firstAvailable"]]  # fmt: skip
+    tried = tried_profiles(spec)
     assert tried == ["1g.5gb", "1g.10gb", "2g.10gb", "1g.12gb", "1g.18gb", "1g.20gb",
                      "2g.20gb", "3g.20gb"]  # fmt: skip
     [warning] = response["warnings"]
@@ -178,6 +184,5 @@ async def test_hamis_mig_mode_at_100_percent_of_memory_asks_a_whole_card_instanc
     response = await admit(cluster, obj)
     assert response["allowed"], response.get("status")
     spec = the_template(cluster, obj, response)
-    tried = [o["selectors"][-1]["cel"]["expression"].rsplit('"', 2)[1]
-             for o in spec["devices"]["requests"][0]["firstAvailable"]]  # fmt: skip
+    tried = tried_profiles(spec)
     assert tried == ["7g.80gb"]
