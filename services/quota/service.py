@@ -33,7 +33,7 @@ from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
 from tessera.quota.stale_charges import gone_allocation, live_uids, release_stale_charges
-from tessera.quota.store import JOURNAL_SOFT_MAX, QuotaStore
+from tessera.quota.store import JOURNAL_HARD_MAX, JOURNAL_SOFT_MAX, QuotaStore
 
 from tessera import bus
 from tessera.bus import (
@@ -130,7 +130,10 @@ class QuotaService:
         self._micro: Service | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
-        self._folding: set[str] = set()  # namespaces with an early fold in flight
+        # Namespaces with an early fold in flight, and each busy namespace's journal length as the
+        # last reserve left it (only namespaces past JOURNAL_SOFT_MAX are kept).
+        self._folding: dict[str, asyncio.Task[None]] = {}
+        self._journal_length: dict[str, int] = {}
         self._stopping = asyncio.Event()
         self.keeper = keeper
         self.rq_watcher: ResourceQuotaWatcher | None = None
@@ -473,6 +476,7 @@ class QuotaService:
             return QuotaReply(ok=True, reason="fits", states=_summary(state, req))
         if not req.pod_uid:
             raise qa.QuotaInputError("a reservation needs pod_uid (or check_only for a dry run)")
+        await self._journal_room(req.namespace)
         stamp = self.clock()
         seen: list[QuotaState | None] = [None]
 
@@ -501,8 +505,7 @@ class QuotaService:
             self._exceeded(seen[0], req, refused.reason)
             return QuotaReply(ok=False, reason=refused.reason, states=_summary(seen[0], req))
         state = result.value if result else None
-        if state is not None and len(state.charges) > JOURNAL_SOFT_MAX:
-            self._fold_soon(req.namespace)
+        self._journal_grew(req.namespace, state)
         if not qa.asks_gpu(req):
             outcome = "nothing to hold: the pod asks no GPU"
         elif wrote:
@@ -687,6 +690,25 @@ class QuotaService:
         )
         self._publish(event)
 
+    def _journal_grew(self, namespace: str, state: QuotaState | None) -> None:
+        """Note the journal's length after a write; past JOURNAL_SOFT_MAX, fold it early."""
+        length = len(state.charges) if state is not None else 0
+        if length <= JOURNAL_SOFT_MAX:
+            self._journal_length.pop(namespace, None)
+            return
+        self._journal_length[namespace] = length
+        self._fold_soon(namespace)
+
+    async def _journal_room(self, namespace: str) -> None:
+        """Before a reserve writes: when the journal is at JOURNAL_HARD_MAX and a fold is in flight
+        (reserves outran it), wait for that fold, so the journal cannot grow without bound on a
+        busy host. A fold that fails or takes over a few seconds is not waited on further: the
+        reserve goes ahead (the bound is for speed; no charge depends on it)."""
+        fold = self._folding.get(namespace)
+        if fold is None or self._journal_length.get(namespace, 0) < JOURNAL_HARD_MAX:
+            return
+        await asyncio.wait({fold}, timeout=5.0)
+
     def _fold_soon(self, namespace: str) -> None:
         """Fold a namespace whose journal grew past JOURNAL_SOFT_MAX now, in the background (at
         most one at a time per namespace), so reserves keep decoding a short value."""
@@ -700,10 +722,10 @@ class QuotaService:
                 self.log.warning("early fold failed", extra={"namespace": namespace,
                                                              "err": str(exc)})  # fmt: skip
             finally:
-                self._folding.discard(namespace)
+                self._folding.pop(namespace, None)
 
-        self._folding.add(namespace)
         task = asyncio.create_task(fold())
+        self._folding[namespace] = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

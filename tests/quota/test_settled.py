@@ -161,19 +161,8 @@ async def test_totals_off_after_a_crash_are_re_derived_from_the_keys(
     assert counter.settled == QuotaUsage(memory_mib=500, gpus=5, pods=5)
 
 
-async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc) -> None:
-    """Every reserve decodes the namespace's journal; reservations arriving faster than the
-    journal ages (a frozen clock: nothing is ever old enough for the periodic fold) must not
-    grow it: past JOURNAL_SOFT_MAX entries the service folds early. Nothing is lost doing so."""
-    from tessera.quota.store import JOURNAL_SOFT_MAX
-
-    # The journal alone is under test: no reconcile pass runs meanwhile (its charges have no
-    # ledger allocation behind them).
-    quiet = TesseraSettings(quota_reconcile_interval_s=3600, quota_grace_margin_s=3600)
-    service = await start_quota(quiet, clock=lambda: 1_000_000.0)
-    ns = unique_namespace("fast")
-    pods = max(100, 6 * JOURNAL_SOFT_MAX)
-    await set_limits(nc, ns, memory_mib=pods * 10)
+async def journal_lengths_over(nc, service, ns: str, pods: int) -> int:  # type: ignore[no-untyped-def]
+    """Reserve `pods` pods one after another in `ns`; the longest journal seen after any of them."""
     longest = 0
     for i in range(pods):
         reply = await call(nc, bus.QUOTA_RESERVE, reserve(ns, f"p{i}", mem=10), timeout=20)
@@ -181,9 +170,51 @@ async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc)
         current = await read(service.kv, ns, QuotaState)
         assert current is not None
         longest = max(longest, len(current.value.charges))
-    assert longest <= 3 * JOURNAL_SOFT_MAX, f"journal grew to {longest} entries"
+    return longest
+
+
+async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc) -> None:
+    """Every reserve decodes the namespace's journal; reservations arriving faster than the
+    journal ages (a frozen clock: nothing is ever old enough for the periodic fold) must not
+    grow it: past JOURNAL_SOFT_MAX entries the service folds early. Nothing is lost doing so."""
+    from tessera.quota.store import JOURNAL_HARD_MAX
+
+    # The journal alone is under test: no reconcile pass runs meanwhile (its charges have no
+    # ledger allocation behind them).
+    quiet = TesseraSettings(quota_reconcile_interval_s=3600, quota_grace_margin_s=3600)
+    service = await start_quota(quiet, clock=lambda: 1_000_000.0)
+    ns = unique_namespace("fast")
+    pods = max(100, 3 * JOURNAL_HARD_MAX)
+    await set_limits(nc, ns, memory_mib=pods * 10)
+    longest = await journal_lengths_over(nc, service, ns, pods)
+    assert longest <= JOURNAL_HARD_MAX, f"journal grew to {longest} entries"
     full = await service.store.full_state(ns)
     assert full is not None and len(full.charges) == pods
     assert full.used().memory_mib == pods * 10
     # Folded or not, the limit holds: the namespace is full.
     assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "one-more", mem=10))).ok is False
+
+
+async def test_the_journal_stays_bounded_when_reserves_outrun_the_fold(start_quota, nc) -> None:
+    """On a busy host the early fold (in the background) can be slower than the reserves behind
+    it (CI saw 27 entries where the bound was 24). A reserve that finds the journal at
+    JOURNAL_HARD_MAX waits for the fold in flight, so the bound holds however slow the fold."""
+    from tessera.quota.store import JOURNAL_HARD_MAX
+
+    quiet = TesseraSettings(quota_reconcile_interval_s=3600, quota_grace_margin_s=3600)
+    service = await start_quota(quiet, clock=lambda: 1_000_000.0)
+    fold = service.store.fold
+
+    async def slow_fold(namespace: str, min_age_s: float = 2.0) -> int:
+        await asyncio.sleep(0.5)  # as long as ~100 reserves take on a quiet machine
+        return await fold(namespace, min_age_s)
+
+    service.store.fold = slow_fold
+    ns = unique_namespace("slowfold")
+    pods = 2 * JOURNAL_HARD_MAX
+    await set_limits(nc, ns, memory_mib=pods * 10)
+    longest = await journal_lengths_over(nc, service, ns, pods)
+    assert longest <= JOURNAL_HARD_MAX, f"journal grew to {longest} entries"
+    full = await service.store.full_state(ns)
+    assert full is not None and len(full.charges) == pods
+    assert full.used().memory_mib == pods * 10
