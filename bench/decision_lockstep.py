@@ -23,6 +23,9 @@ parallel filters append the nodes, `kube_lists.py`), each call's body parsed by 
 (nodes kube-scheduler's own filters refuse each cycle, left out of its list),
 `BENCH_UNSCHEDULABLE` (0.1: that share of the calls are retries of a backlog of 20 pods no node
 fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
+`BENCH_BODY`: `made` (default: every call's list serialised before the timed loop, as
+kube-scheduler does in its own process) or `dumps` (serialised between the calls, as before
+session 17: the freed objects cost the next call page faults, bench/RESULTS.md "fresh").
 
 A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
 the decision includes, are extracted to a temporary directory, and its `native/names` built
@@ -40,6 +43,7 @@ import importlib
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -238,11 +242,26 @@ def main() -> None:
             )  # fmt: skip
             index.set_ledger(entry.name, ledger, entry.ledger_revision + 1, 0.0)
 
-        load_before = scheduler_scale.loadavg()
-        for i, (spec, pool) in enumerate(pods):
+        def listed_of(pool: str | None) -> bytes:
             window = kube.next(None if pool is None else members[pool] if mode == "same"
                                else members_set[pool])  # fmt: skip
-            listed = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+            return json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+
+        # kube-scheduler's lists are made in its own process: made here before the timed loop
+        # (`BENCH_BODY=made`, the default), not between two timed calls, where making one
+        # (20,000 names: ~60,000 small objects, the parallel order's simulation included)
+        # and freeing it emptied CPython's arenas, which it hands back to the OS, so the
+        # next call paid page faults (~40 a call) for memory the extender never churned.
+        # `BENCH_BODY=dumps`: made in the loop, as before. The same lists either way.
+        body_mode = os.environ.get("BENCH_BODY", "made")
+        if body_mode not in ("made", "dumps"):
+            raise SystemExit(f"BENCH_BODY={body_mode!r}: made or dumps")
+        made = [listed_of(pool) for _spec, pool in pods] if body_mode == "made" else None
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        load_before = scheduler_scale.loadavg()
+        for i, (spec, pool) in enumerate(pods):
+            listed = made[i] if made is not None else listed_of(pool)
+            # (the body as the server reads it off the socket: a new buffer each call)
             body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
             for label in ("before", "after") if i % 2 else ("after", "before"):
                 decide_one(label, spec, body, i)
@@ -250,6 +269,7 @@ def main() -> None:
                     policy.collect()
                     collect_at = time.perf_counter() + policy.interval_s
         gc.set_threshold(*thresholds)
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / len(pods)
     def ms(values: list[float], q: float) -> str:
         return f"{bench.percentile(values, q) * 1000:.3f}" if values else "-"
 
@@ -268,7 +288,8 @@ def main() -> None:
     digest = hashlib.sha256(repr(placed["after"]).encode()).hexdigest()[:10]
     print(f"{trace_name} trace, {nodes} nodes, lists {mode} ({order} order, "
           f"{os.environ.get('BENCH_REFUSED', '0')} refused by its filters), unschedulable "
-          f"share {share}, load "
+          f"share {share}, lists made {body_mode} ({faults:.1f} minor faults per pod, both "
+          f"versions' calls and the loop), load "
           f"{load_before} -> {scheduler_scale.loadavg()}, identical placements: "
           f"{placed['before'] == placed['after']} (digest {digest}), identical reasons: "
           f"{reasons['before'] == reasons['after']} | {figures}")  # fmt: skip
