@@ -25,7 +25,7 @@ parallel filters append the nodes, `kube_lists.py`), each call's body parsed by 
 fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refused").
 `BENCH_BODY`: `made` (default: every call's list serialised before the timed loop, as
 kube-scheduler does in its own process) or `dumps` (serialised between the calls, as before
-session 17: the freed objects cost the next call page faults, bench/RESULTS.md "fresh").
+session 17: that work evicted the next call's caches, bench/RESULTS.md "fresh").
 
 A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
 the decision includes, are extracted to a temporary directory, and its `native/names` built
@@ -248,11 +248,12 @@ def main() -> None:
             return json.dumps(window, separators=COMPACT).encode()  # as Go writes it
 
         # kube-scheduler's lists are made in its own process: made here before the timed loop
-        # (`BENCH_BODY=made`, the default), not between two timed calls, where making one
-        # (20,000 names: ~60,000 small objects, the parallel order's simulation included)
-        # and freeing it emptied CPython's arenas, which it hands back to the OS, so the
-        # next call paid page faults (~40 a call) for memory the extender never churned.
-        # `BENCH_BODY=dumps`: made in the loop, as before. The same lists either way.
+        # (`BENCH_BODY=made`, the default), not between two timed calls. Making one there
+        # (20,000 names: the parallel order's simulation, then json.dumps reading 20,000
+        # strings scattered over the heap and making as many) evicted the next call's
+        # caches: it ran ~1.5x slower (p50 0.81 vs 0.52 ms at 20,000 nodes), though it
+        # page-faulted no more (0-1 faults per timed call either way). `BENCH_BODY=dumps`:
+        # made in the loop, as before. The same lists either way (same digests).
         body_mode = os.environ.get("BENCH_BODY", "made")
         if body_mode not in ("made", "dumps"):
             raise SystemExit(f"BENCH_BODY={body_mode!r}: made or dumps")
