@@ -81,6 +81,11 @@ def source(rev: str, into: Path) -> Path:
                             capture_output=True)  # fmt: skip
     if native.returncode == 0:
         subprocess.run(["tar", "-x", "-C", str(into)], input=native.stdout, check=True)
+        # (its Makefile includes the native libraries' shared rules where the revision has them)
+        shared = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native/library.mk"],
+                                capture_output=True)  # fmt: skip
+        if shared.returncode == 0:
+            subprocess.run(["tar", "-x", "-C", str(into)], input=shared.stdout, check=True)
         subprocess.run(["make", "-s", "-C", str(into / "native" / "names")], check=True,
                        capture_output=True)  # fmt: skip
     # An older scheduler checks at import that its msgspec wire Structs mirror the shared
