@@ -26,6 +26,7 @@ from tessera.node_agent.usage import UsageSampler
 
 from tessera import bus, mig
 from tessera.bus import Buckets
+from tessera.cancelling import cancel_and_wait
 from tessera.cluster.port import ClusterPort
 from tessera.device_kinds import registry
 from tessera.kubeapi import pr
@@ -302,11 +303,13 @@ class NodeAgent:
             await stop.wait()
         finally:
             await limits.stop()
-            _done, pending = await asyncio.wait(tasks, timeout=3.0)
-            for task in pending:
-                task.cancel()
-            for task in tasks:
+            done, pending = await asyncio.wait(tasks, timeout=3.0)
+            for task in done:
                 with contextlib.suppress(BaseException):
-                    await task
+                    task.result()
+            # (a cancel Python 3.11's wait_for drops is sent again)
+            stuck = await cancel_and_wait(pending) if pending else []
+            if stuck:
+                self.log.error("tasks did not stop", extra={"tasks": [t.get_name() for t in stuck]})
             await self.plugin.drain()
             await asyncio.to_thread(self.source.close)

@@ -44,6 +44,7 @@ from tessera.bus import (
     Versioned,
     cas_update,
 )
+from tessera.cancelling import cancel_and_wait
 from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError
 from tessera.codec import CodecError, Message, decode, encode
 from tessera.command_policy import PodCheck, authorize_quota, node_of, pod_problem
@@ -218,10 +219,8 @@ class QuotaService:
         # service must stop within seconds even with NATS gone.
         if self._background:
             await asyncio.wait(set(self._background), timeout=1.0)
-        for task in [*self._tasks, *self._background]:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        # (a cancel Python 3.11's wait_for drops is sent again)
+        await cancel_and_wait([*self._tasks, *self._background])
         self._tasks.clear()
 
     async def run(self, stop: asyncio.Event) -> None:
