@@ -32,7 +32,12 @@ from tessera.quota.dra_charges import dra_allocations
 from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
-from tessera.quota.stale_charges import gone_allocation, live_uids, release_stale_charges
+from tessera.quota.stale_charges import (
+    dra_booked,
+    gone_allocation,
+    live_uids,
+    release_stale_charges,
+)
 from tessera.quota.store import JOURNAL_HARD_MAX, JOURNAL_SOFT_MAX, QuotaStore
 
 from tessera import bus
@@ -155,7 +160,10 @@ class QuotaService:
             await self.charges_from_pods(pods)
             gone = None
             if pods is not None:  # pods deleted while no scheduler watched: their charges go
-                await release_stale_charges(self.store, pods, listed_at, self.log)
+                ledgers = await snapshot(self.buckets.ledger, NodeLedger, self.log)
+                booked = dra_booked(ledger for ledger, _revision in ledgers.values())
+                await release_stale_charges(self.store, pods, listed_at, self.log,
+                                            booked=booked)  # fmt: skip
                 gone = gone_allocation(live_uids(pods), listed_at)
             await self.reconciler.run_once(gone=gone)
         except Exception as exc:  # the periodic pass will try again
