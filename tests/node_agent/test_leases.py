@@ -237,3 +237,24 @@ async def test_spill_is_leased_up_to_the_sealed_bound_and_never_lent(tmp_path: P
         assert await b.ask(1, 1, uuid=LEASE_SPILL_NAME) == 0
     await b.close()
     await service.close()
+
+
+def test_the_spilled_figure_counts_what_the_lease_service_leased(tmp_path: Path) -> None:
+    """/metrics' spilled host memory of a container: the larger of its spill lease (the account
+    a tenant cannot write) and its region's counter (which a tenant may zero)."""
+    from dataclasses import dataclass
+
+    from tessera.node_agent.spill_metrics import spill_totals
+
+    @dataclass
+    class Sealed:  # what is read of a prepared container
+        limits_dir: Path
+        region_file: Path
+        key: str
+
+    c = Sealed(tmp_path, tmp_path / "usage", "pod/main")  # no region file: the tenant's zeroed
+    seal_limits(tmp_path, ContainerLimits(devices=(DeviceLimit(GPU, LIMIT),), lease=True,
+                                          spill_bytes=100 * MiB))  # fmt: skip
+    assert spill_totals([c]) == (100 * MiB, 0, 1)  # the region alone: nothing to see
+    leased = {"pod/main": 60 * MiB}
+    assert spill_totals([c], lambda key: leased.get(key, 0)) == (100 * MiB, 60 * MiB, 1)
