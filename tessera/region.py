@@ -100,6 +100,7 @@ LIMITS_OVERSUBSCRIBE = 1 << 1
 LIMITS_LEASE = 1 << 2  # device memory is leased from the node agent (LEASE_SOCKET_NAME)
 LEASE_SOCKET_NAME = "lease.sock"  # in the sealed limits directory, beside the limits file
 LEASE_CHUNK = 64 << 20  # what libvgpu leases at least at a time
+LEASE_SPILL_NAME = "host-spill"  # the lease name of spill (limits 1.3), in place of a GPU uuid
 DEV_CONTENDED = 1 << 0
 DEV_YIELD = 1 << 1
 SM_UNKNOWN = 0xFFFFFFFF

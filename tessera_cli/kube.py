@@ -304,6 +304,8 @@ def _plain_get(server: str, path: str, headers: dict[str, str], timeout: float
     import socket
     from urllib.parse import urlsplit
 
+    from tessera.quantity import is_plain_digits
+
     url = urlsplit(server + path)
     target = (url.path or "/") + (f"?{url.query}" if url.query else "")
     lines = [f"GET {target} HTTP/1.1", f"Host: {url.netloc}", "Connection: close",
@@ -313,7 +315,9 @@ def _plain_get(server: str, path: str, headers: dict[str, str], timeout: float
         with sock.makefile("rb") as reply:
             status_line = reply.readline(65537).decode("latin-1")
             parts = status_line.split(" ", 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            # ASCII digits only: str.isdigit takes '²' (int() refuses it) and '١٢' (int() reads it)
+            if (len(parts) < 2 or not parts[0].startswith("HTTP/") or len(parts[1].strip()) != 3
+                    or not is_plain_digits(parts[1].strip())):
                 raise OSError(f"not an HTTP reply: {status_line.strip()[:80]!r}")
             fields: dict[str, str] = {}
             while (line := reply.readline(65537).decode("latin-1").strip()):
@@ -321,7 +325,9 @@ def _plain_get(server: str, path: str, headers: dict[str, str], timeout: float
                 fields[name.strip().lower()] = value.strip()
             if "chunked" in fields.get("transfer-encoding", "").lower():
                 body = _dechunked(reply)
-            elif fields.get("content-length", "").isdigit():
+            elif "content-length" in fields:
+                if not is_plain_digits(fields["content-length"]):
+                    raise OSError(f"bad Content-Length {fields['content-length'][:40]!r}")
                 body = reply.read(int(fields["content-length"]))
             else:
                 body = reply.read()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 
 from tessera.bus import publish_event
+from tessera.cancelling import cancel_and_wait
 from tessera.models import AdmissionAction, AdmissionEvent
 
 log = logging.getLogger("tessera.admission")
@@ -75,11 +76,8 @@ class EventQueue:
         """Publish what is queued for up to `drain_timeout_s`, then stop the workers."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.queue.join(), drain_timeout_s)
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # (a cancel Python 3.11's wait_for drops, inside a publish, is sent again)
+        await cancel_and_wait(self.tasks)
         self.tasks = []
 
     async def _work(self) -> None:

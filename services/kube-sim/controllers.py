@@ -39,6 +39,8 @@ from tessera.kube_sim.events import record_event
 from tessera.kube_sim.selectors import from_label_selector, labels_match
 from tessera.kube_sim.store import KubeObject, Selector, StoreError, now_rfc3339
 
+from tessera.cancelling import cancel_and_wait
+
 log = logging.getLogger("tessera.kube_sim.controllers")
 
 HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the characters Kubernetes uses in names
@@ -179,11 +181,7 @@ class WorkloadControllers:
             await stop.wait()
         finally:
             self.store.listeners.remove(self._changed)
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_and_wait(tasks)  # (a cancel Python 3.11's wait_for drops is sent again)
 
     def _changed(self, kind: str) -> None:
         if kind in FOLLOWED:

@@ -19,6 +19,8 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from tessera.quantity import is_plain_digits
+
 IDLE_S = 4.0  # an idle connection older than this is closed rather than reused
 MAX_IDLE = 32  # idle connections kept per client
 MAX_HEAD = 64 * 1024
@@ -131,8 +133,9 @@ async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
         raise EOFError("the connection closed before a reply") from exc
     lines = head[:-4].decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
-    code = rest[:3]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
+    code = rest.partition(" ")[0]
+    # three ASCII digits (str.isdigit takes '²', which int() refuses, and '١٢٣', which it reads)
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not is_plain_digits(code):
         raise ValueError(f"not an HTTP/1 reply: {lines[0][:80]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -143,6 +146,8 @@ async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
     if "chunked" in headers.get("transfer-encoding", "").lower():
         return int(code), await _read_chunked(reader), keep
     if "content-length" in headers:
+        if not is_plain_digits(headers["content-length"]):
+            raise ValueError(f"bad Content-Length {headers['content-length'][:40]!r}")
         length = int(headers["content-length"])
         try:
             return int(code), await reader.readexactly(length), keep

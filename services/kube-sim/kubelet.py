@@ -47,6 +47,7 @@ from tessera.kube_sim.podresources import (
     PodResourcesStore,
 )
 
+from tessera.cancelling import cancel_and_wait
 from tessera.kubeapi import (
     DEVICE_PLUGIN_VERSION,
     HEALTHY,
@@ -311,9 +312,7 @@ class SimKubelet:
 
     async def _close(self, plugin: PluginConnection) -> None:
         if plugin.task is not None:
-            plugin.task.cancel()
-            with contextlib.suppress(BaseException):
-                await plugin.task
+            await cancel_and_wait(plugin.task)
         await plugin.channel.close()
 
     async def _watch(self, plugin: PluginConnection) -> None:

@@ -35,6 +35,8 @@ from tessera.kube_sim.oci import OciContainers, OciSettings
 from tessera.kube_sim.processes import ContainerProcesses
 from tessera.kube_sim.store import KubeObject, ObjectStore, Selector, StoreError, now_rfc3339
 
+from tessera.cancelling import cancel_and_wait
+
 log = logging.getLogger("tessera.kube_sim.kubelets")
 
 
@@ -173,12 +175,8 @@ class NodeKubelet:
         task.add_done_callback(self._arrivals.discard)
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._arrivals, *self._workers.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # (a cancel Python 3.11's wait_for drops is sent again)
+        await cancel_and_wait([*self._tasks, *self._arrivals, *self._workers.values()])
         if self.processes is not None:
             await self.processes.stop_all()
         await self.device_kubelet.stop()
@@ -226,9 +224,7 @@ class NodeKubelet:
         uid = pod["metadata"].get("uid", "")
         worker = self._workers.pop(uid, None)
         if worker is not None and worker is not asyncio.current_task():
-            worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await worker
+            await cancel_and_wait(worker)
         self.admissions.pop(uid, None)
         self.device_kubelet.remove_pod(uid)
         if self.processes is not None:

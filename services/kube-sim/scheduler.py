@@ -32,6 +32,8 @@ from tessera.kube_sim.fit import (
 )
 from tessera.kube_sim.store import Key, KubeObject, Selector, StoreError, now_rfc3339
 
+from tessera.cancelling import cancel_and_wait
+
 log = logging.getLogger("tessera.kube_sim.scheduler")
 
 DEFAULT_SCHEDULER = "default-scheduler"
@@ -167,11 +169,8 @@ class SchedulingLoop:
         finally:
             self.store.unwatch(watcher)
             self.store.unwatch(node_watcher)
-            for task in tasks + list(self._bind_tasks):
-                task.cancel()
-            for task in tasks + list(self._bind_tasks):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # (a cancel Python 3.11's wait_for drops is sent again)
+            await cancel_and_wait(tasks + list(self._bind_tasks))
 
     async def _follow_pods(self, queue: asyncio.Queue[tuple[str, KubeObject]]) -> None:
         while True:

@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 
 from tessera.bus import EVENTS_ALL, EVENTS_STREAM, USAGE_ALL, Buckets, watch_models
+from tessera.cancelling import cancel_and_wait
 from tessera.codec import CodecError, decode
 from tessera.events import decode_event
 from tessera.models import NodeLedger, NodeRegistration, QuotaState, UsageSample
@@ -73,11 +74,8 @@ class Feeds:
         self._tasks.append(asyncio.create_task(self._follow_events()))
 
     async def _stop_streams(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # (a cancel Python 3.11's wait_for drops, inside a bus request, is sent again)
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
 
     async def _restart_after_reconnect(self) -> None:
@@ -95,9 +93,7 @@ class Feeds:
 
     async def stop(self) -> None:
         if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watchdog
+            await cancel_and_wait(self._watchdog)
             self._watchdog = None
         await self._stop_streams()
         if self._usage_sub is not None:

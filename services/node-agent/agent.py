@@ -26,10 +26,12 @@ from tessera.node_agent.usage import UsageSampler
 
 from tessera import bus, mig
 from tessera.bus import Buckets
+from tessera.cancelling import cancel_and_wait
 from tessera.cluster.port import ClusterPort
 from tessera.device_kinds import registry
 from tessera.kubeapi import pr
 from tessera.models import NodeLedger
+from tessera.region import LEASE_SPILL_NAME
 from tessera.settings import TesseraSettings
 
 from .compute_reclaims import ComputeReclaimReporter
@@ -81,7 +83,8 @@ class NodeAgent:
         self.metrics.watch(self.state.devices, lambda: [c.region_file for c in self.store.all()])
         self.lending: ComputeLending | None = None  # elastic compute, started with the sampler
         self.metrics.registry.register(LendingCollector(lambda: self.lending))
-        self.metrics.registry.register(SpillCollector(self.store.all))  # host memory promised
+        self.metrics.registry.register(SpillCollector(  # host memory promised, and spilled
+            self.store.all, leased=lambda key: self._spill_leased(key)))
         self.ready = asyncio.Event()
         self.plugin: DevicePluginService | None = None
         self.endpoint: PluginEndpoint | None = None
@@ -121,6 +124,11 @@ class NodeAgent:
         if self.configurator is not None:
             return self.configurator.config.memory_reclaim
         return self.settings.memory_reclaim_enforcement
+
+    def _spill_leased(self, key: str) -> int:
+        """The host memory a container holds leased for spill (`host-spill`; 0: none)."""
+        served = self.leases.for_key(key)
+        return served.leased(LEASE_SPILL_NAME) if served is not None else 0
 
     async def _ledger(self) -> NodeLedger | None:
         current = await bus.read(self.buckets.ledger, self.node, NodeLedger)
@@ -302,11 +310,13 @@ class NodeAgent:
             await stop.wait()
         finally:
             await limits.stop()
-            _done, pending = await asyncio.wait(tasks, timeout=3.0)
-            for task in pending:
-                task.cancel()
-            for task in tasks:
+            done, pending = await asyncio.wait(tasks, timeout=3.0)
+            for task in done:
                 with contextlib.suppress(BaseException):
-                    await task
+                    task.result()
+            # (a cancel Python 3.11's wait_for drops is sent again)
+            stuck = await cancel_and_wait(pending) if pending else []
+            if stuck:
+                self.log.error("tasks did not stop", extra={"tasks": [t.get_name() for t in stuck]})
             await self.plugin.drain()
             await asyncio.to_thread(self.source.close)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from tessera.region import (
     LEASE_SOCKET_NAME,
+    LEASE_SPILL_NAME,
     ContainerLimits,
     DeviceLimit,
     RegionFormatError,
@@ -129,7 +130,17 @@ class ContainerLeases:
                 self._limits, self._limits_stat = read_limits(self.limits_dir), stamp
         except (OSError, RegionFormatError):
             self._limits, self._limits_stat = None, None
-        return self._limits.device(uuid) if self._limits else None
+        return self._sealed(uuid)
+
+    def _sealed(self, uuid: str) -> DeviceLimit | None:
+        """The last limits read for `uuid`; LEASE_SPILL_NAME: the container's spill (sealed
+        `spill_bytes`, host memory, leased as a hard slice of its own: never lent, no card)."""
+        if self._limits is None:
+            return None
+        if uuid == LEASE_SPILL_NAME:
+            spill = self._limits.spill_bytes if self._limits.lease else 0
+            return DeviceLimit(LEASE_SPILL_NAME, spill) if spill > 0 else None
+        return self._limits.device(uuid)
 
     def limit(self, uuid: str) -> int:
         """The sealed memory limit of `uuid` (0: not this container's GPU, or no limits)."""
@@ -149,7 +160,7 @@ class ContainerLeases:
             if now - self._neighbour_checked_at >= NEIGHBOUR_RECHECK_S:
                 self._neighbour_checked_at = now
                 self._device(uuid)
-            d = self._limits.device(uuid) if self._limits else None
+            d = self._sealed(uuid)
         guarantee, limit = memory_bounds(d)
         return Holder(self.key, guarantee, limit, self.book.total(uuid), self.policy)
 
@@ -240,7 +251,7 @@ class ContainerLeases:
 
     def _offer(self, uuid: str, need: int, want: int) -> Offer:
         me = self.holder(uuid)
-        if self.card is None:  # no card view: nothing is lent (a hard slice as before)
+        if self.card is None or uuid == LEASE_SPILL_NAME:  # nothing is lent (a hard slice)
             return offer(me, (), 0, need, want)
         if me.limit <= me.guarantee and not self.card.borrowing(uuid, self):
             return offer(me, (), 1, need, want)  # a hard slice, nobody borrows: as before
@@ -266,7 +277,7 @@ class ContainerLeases:
         waiting = (self.card.reclaim_wait_s if due and self.card is not None else 0.0)
         waiting = max(waiting, self.wait_s)
         if not others and not waiting:
-            self.refused_borrow += first.refusal is Refusal.BORROW
+            self.refused_borrow += first.refusal is Refusal.BORROW and uuid != LEASE_SPILL_NAME
             return 0
         if waiting:
             self.waits += 1
@@ -329,7 +340,7 @@ class ContainerLeases:
                 self.book.grant(peer.conn, uuid, granted)
                 self._held_changed(uuid)
                 return granted
-        self.refused_borrow += last.refusal is Refusal.BORROW
+        self.refused_borrow += last.refusal is Refusal.BORROW and uuid != LEASE_SPILL_NAME
         return 0
 
     def _recall(self, peer: Peer, uuid: str) -> list[Peer]:

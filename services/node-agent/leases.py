@@ -13,6 +13,10 @@ in native/libvgpu/include/tessera_region.h; in short:
     agent -> libvgpu   C                        recall: give back what you hold unused
                        W                        still waiting (the answer follows)
 
+Spill (limits 1.3, `spill_bytes`, docs/elastic.md) is leased the same way under the name
+`host-spill` (region.LEASE_SPILL_NAME) in place of a GPU uuid: a hard slice of the sealed
+`spill_bytes` for the container's processes together, never lent, on no card.
+
 Leases are counted per connection, and each connection is named by its peer's credentials
 (SO_PEERCRED: the host pid). A closed connection — the process exited or was killed — returns
 its leases. A live connection is also the process's attestation: a process using memory on a

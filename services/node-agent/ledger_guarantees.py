@@ -18,6 +18,7 @@ from typing import Protocol
 from nats.js.kv import KeyValue
 
 from tessera import bus
+from tessera.cancelling import cancel_and_wait
 from tessera.codec import decode
 from tessera.models import NodeLedger
 
@@ -57,9 +58,9 @@ class LedgerGuarantees:
         self.leases.set_booked(booked_guarantees(ledger))
         self.revision = revision
 
-    async def _watch(self) -> None:
+    async def _watch(self, stop: asyncio.Event) -> None:
         failing = False
-        while True:
+        while not stop.is_set():
             try:
                 watch = bus.watch_entries(self.kv, self.node)
                 async with contextlib.aclosing(watch) as entries:
@@ -86,10 +87,8 @@ class LedgerGuarantees:
             await asyncio.sleep(RETRY_S)
 
     async def run(self, stop: asyncio.Event) -> None:
-        watcher = asyncio.create_task(self._watch())
+        watcher = asyncio.create_task(self._watch(stop))
         try:
             await stop.wait()
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await watcher
+        finally:  # (a cancel Python 3.11's wait_for drops is sent again)
+            await cancel_and_wait(watcher)

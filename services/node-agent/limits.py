@@ -156,6 +156,7 @@ class LimitsService:
         await self._micro.add_endpoint(
             name="limits-set", subject=bus.node_limits_subject(self.node), handler=self._on_set
         )
+        await bus.flush(self.nc)  # registered: a request from another connection now is answered
 
     async def stop(self) -> None:
         if self._micro is not None:

@@ -431,6 +431,7 @@ class NodeConfigurator:
             name="config-get", subject=bus.node_config_get_subject(self.node),
             handler=self._on_get,
         )  # fmt: skip
+        await bus.flush(self.nc)  # registered: a request from another connection now is answered
 
     async def _on_set(self, request: Request) -> None:
         refused = self.commands.node_command_refused(request._msg, self.node)

@@ -5,8 +5,10 @@ the node agent's /metrics at scrape time, so an operator sees it beside the node
   the node's prepared containers (`tessera.io/gpumem-spill`, limits 1.3), summed — host memory
   libvgpu may take for spills on this node. Nothing reserves it: the scheduler does not place
   by it and kubelet does not know it.
-- `tessera_node_agent_spill_bytes{kind="spilled"}`: what those containers hold spilled now
-  (their regions' `spilled_bytes`), summed.
+- `tessera_node_agent_spill_bytes{kind="spilled"}`: what those containers hold spilled now,
+  summed: per container the larger of what the lease service leased it for spill (`host-spill`,
+  the account a tenant cannot write) and its region's `spilled_bytes` (without leases, the only
+  figure; a tenant that zeroes it hides nothing the lease service holds).
 - `tessera_node_agent_spill_containers`: containers that may spill.
 - `tessera_node_agent_host_memory_bytes{kind="total"|"available"}`: the node's MemTotal and
   MemAvailable (/proc/meminfo), to compare the promise with.
@@ -35,6 +37,9 @@ class SpillingContainer(Protocol):
     @property
     def region_file(self) -> Path: ...
 
+    @property
+    def key(self) -> str: ...
+
 
 def host_memory(meminfo: Path = Path("/proc/meminfo")) -> dict[str, int]:
     """MemTotal and MemAvailable in bytes ({} where the file is unreadable)."""
@@ -51,10 +56,12 @@ def host_memory(meminfo: Path = Path("/proc/meminfo")) -> dict[str, int]:
     return found
 
 
-def spill_totals(containers: list[SpillingContainer]) -> tuple[int, int, int]:
+def spill_totals(containers: list[SpillingContainer],
+                 leased: Callable[[str], int] | None = None) -> tuple[int, int, int]:  # fmt: skip
     """(promised, spilled, containers that may spill) over `containers`; a container whose
     limits or region cannot be read counts what could be read (its promise without a region:
-    nothing spilled yet)."""
+    nothing spilled yet). `leased`: a container's spill leased from the lease service, by its
+    key (0: none)."""
     promised = spilled = count = 0
     for c in containers:
         try:
@@ -69,19 +76,21 @@ def spill_totals(containers: list[SpillingContainer]) -> tuple[int, int, int]:
             usage = read_region(c.region_file)
         except (RegionFormatError, OSError, ValueError):
             usage = None
-        if usage is not None:
-            spilled += usage.spilled_bytes
+        held = leased(c.key) if leased is not None else 0
+        spilled += max(held, usage.spilled_bytes if usage is not None else 0)
     return promised, spilled, count
 
 
 class SpillCollector(Collector):
     def __init__(self, containers: Callable[[], list[SpillingContainer]],
-                 meminfo: Path = Path("/proc/meminfo")) -> None:  # fmt: skip
+                 meminfo: Path = Path("/proc/meminfo"),
+                 leased: Callable[[str], int] | None = None) -> None:  # fmt: skip
         self.containers = containers
         self.meminfo = meminfo
+        self.leased = leased
 
     def collect(self) -> Iterator[Metric]:
-        promised, spilled, count = spill_totals(self.containers())
+        promised, spilled, count = spill_totals(self.containers(), self.leased)
         spill = GaugeMetricFamily(
             "tessera_node_agent_spill_bytes", "host memory of this node for GPU allocations "
             "spilled to it (tessera.io/gpumem-spill): promised (the containers' spill bounds, "

@@ -35,6 +35,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from tessera import bus
+from tessera.cancelling import cancel_and_wait
 from tessera.codec import decode, encode
 from tessera.models import NodeLedger
 
@@ -169,15 +170,13 @@ class WatchedLedger:
         finally:
             self._stopped = True
             watcher, self._watcher = self._watcher, None
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(BaseException):
-                    await watcher
+            if watcher is not None:  # (a cancel Python 3.11's wait_for drops is sent again)
+                await cancel_and_wait(watcher)
             self.live = False
 
     async def _watch(self) -> None:
         failing = False
-        while True:
+        while not self._stopped:
             first = True
             try:
                 async with contextlib.aclosing(self._entries(self.kv, self.node)) as entries:

@@ -32,7 +32,12 @@ from tessera.quota.dra_charges import dra_allocations
 from tessera.quota.metrics import QuotaMetrics
 from tessera.quota.recovery import Reconciler, ReleaseConsumer, snapshot
 from tessera.quota.resource_quotas import ResourceQuotaWatcher
-from tessera.quota.stale_charges import gone_allocation, live_uids, release_stale_charges
+from tessera.quota.stale_charges import (
+    dra_booked,
+    gone_allocation,
+    live_uids,
+    release_stale_charges,
+)
 from tessera.quota.store import JOURNAL_HARD_MAX, JOURNAL_SOFT_MAX, QuotaStore
 
 from tessera import bus
@@ -44,6 +49,7 @@ from tessera.bus import (
     Versioned,
     cas_update,
 )
+from tessera.cancelling import cancel_and_wait
 from tessera.cluster.port import ClusterError, ClusterPort, NotFoundError
 from tessera.codec import CodecError, Message, decode, encode
 from tessera.command_policy import PodCheck, authorize_quota, node_of, pod_problem
@@ -154,7 +160,10 @@ class QuotaService:
             await self.charges_from_pods(pods)
             gone = None
             if pods is not None:  # pods deleted while no scheduler watched: their charges go
-                await release_stale_charges(self.store, pods, listed_at, self.log)
+                ledgers = await snapshot(self.buckets.ledger, NodeLedger, self.log)
+                booked = dra_booked(ledger for ledger, _revision in ledgers.values())
+                await release_stale_charges(self.store, pods, listed_at, self.log,
+                                            booked=booked)  # fmt: skip
                 gone = gone_allocation(live_uids(pods), listed_at)
             await self.reconciler.run_once(gone=gone)
         except Exception as exc:  # the periodic pass will try again
@@ -218,10 +227,8 @@ class QuotaService:
         # service must stop within seconds even with NATS gone.
         if self._background:
             await asyncio.wait(set(self._background), timeout=1.0)
-        for task in [*self._tasks, *self._background]:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        # (a cancel Python 3.11's wait_for drops is sent again)
+        await cancel_and_wait([*self._tasks, *self._background])
         self._tasks.clear()
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -214,6 +214,7 @@ class SchedulerService:
                 await micro.add_endpoint(
                     name="explain", subject=bus.SCHEDULER_EXPLAIN, handler=self._on_explain
                 )
+                await bus.flush(self.nc)  # registered before it counts as served
                 self._micro = micro
                 return
             except Exception as exc:

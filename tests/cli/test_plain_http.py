@@ -82,3 +82,52 @@ def test_behind_a_proxy_the_standard_client_is_used(server: str, monkeypatch) ->
     client = KubeClient(KubeConfig(server=server, token="t0ken"), timeout_s=5)
     with pytest.raises(ApiError, match="cannot reach the API server"):
         client.get("/api/v1/pods")
+
+
+class HostileServer:
+    """Answers every request with one fixed status line and headers (and a body of 2 bytes)."""
+
+    def __init__(self, head: bytes) -> None:
+        import socket
+
+        self.head = head
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                data += chunk
+            conn.sendall(self.head + b"\r\n\r\n{}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.sock.close()
+
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 2\xb20 OK\r\nContent-Length: 2",  # read as latin-1: '2²0' (isdigit: yes)
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xb2",  # '²': isdigit yes, int() refuses it
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xb9\xb2",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -2",
+    b"HTTP/1.1 2000 OK\r\nContent-Length: 2",
+])
+def test_a_reply_with_hostile_digits_is_a_clear_error_not_a_crash(head: bytes) -> None:
+    server = HostileServer(head)
+    try:
+        client = KubeClient(KubeConfig(server=server.url, token="t0ken"), timeout_s=5)
+        with pytest.raises(ApiError, match=r"not an HTTP reply|bad Content-Length"):
+            client.get("/api/v1/pods")
+    finally:
+        server.close()

@@ -119,3 +119,31 @@ async def test_a_silent_server_or_none_at_all_is_an_error_not_a_hang():
     client = JsonPoster(url, None, 2.0)  # the server is gone: connection refused
     with pytest.raises(HttpError, match=r"ConnectionRefusedError|OSError"):
         await client.post("", {})
+
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 2\xb20 OK\r\ncontent-length: 2",  # read as latin-1: '2²0' (isdigit: yes)
+    b"HTTP/1.1 200 OK\r\ncontent-length: \xb2",  # '²': isdigit yes, int() refuses it
+    b"HTTP/1.1 200 OK\r\ncontent-length: \xb9\xb2",
+    b"HTTP/1.1 200 OK\r\ncontent-length: -2",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 1_0",  # int() reads 10
+    b"HTTP/1.1 2000 OK\r\ncontent-length: 2",
+])
+async def test_a_reply_with_hostile_digits_is_an_error_not_a_crash(head: bytes):
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head + b"\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        client = JsonPoster(f"http://127.0.0.1:{port}/hook", None, 5.0)
+        with pytest.raises(HttpError, match=r"not an HTTP/1 reply|bad Content-Length"):
+            await client.post("", {})
+        await client.close()
+    finally:
+        server.close()
+        await server.wait_closed()

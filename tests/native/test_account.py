@@ -62,9 +62,9 @@ class AgentLoop:
     def call(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def leased(self) -> int:
+    def leased(self, name: str = GPU0) -> int:
         async def total() -> int:
-            return sum(c.leased(GPU0) for c in self.service.served.values())
+            return sum(c.leased(name) for c in self.service.served.values())
 
         return self.call(total())
 
@@ -92,6 +92,7 @@ class Pod:
         alloc = Allocation(pod_uid=POD, namespace="t", name="p", node="n",
                            containers=[[grant]], container_names=["main"])  # fmt: skip
         settings = TesseraSettings()
+        self.alloc, self.settings = alloc, settings
         self.cdir = self.store.prepare(PreparedContainer(
             pod_uid=POD, namespace="t", pod="p", container="main", index=0,
             device_ids=[f"{GPU0}::0"], grants=alloc.containers[0],
@@ -101,6 +102,12 @@ class Pod:
         self.agent: AgentLoop | None = AgentLoop(self.store)
         self.n = 0
         self.procs: list[Cuctl] = []
+
+    def seal_spill(self, spill_bytes: int) -> None:
+        """Seal the container's limits again with a spill bound (tessera.io/gpumem-spill), as
+        PreStartContainer does for a pod that opted in."""
+        region.seal_limits(self.cdir.limits_dir, handshake.limits_for(
+            self.alloc, 0, self.settings, spill_bytes=spill_bytes))  # fmt: skip
 
     def restart_agent(self, down_s: float = 0.0) -> None:
         if self.agent:
@@ -405,6 +412,93 @@ def test_an_agent_restart_keeps_the_account(pod):
     assert not b(f"alloc plain {200 * MiB}")["ok"]
     assert pod.physical() <= LIMIT
 
+
+
+# ---- attack 6: spill (host memory) beyond the sealed bound by rewriting the region ------------
+
+SPILL = 128 * MiB
+SPILL_STEP = 16 * MiB
+
+SPILL_REWRITER = """
+import mmap, sys, time
+f = open('/run/tessera/region/usage', 'r+b')
+m = mmap.mmap(f.fileno(), 0)
+offs, end = {offs}, time.monotonic() + {seconds}
+zero, n = bytes(8), 0
+print('racing', flush=True)
+while time.monotonic() < end:
+    for o in offs:
+        m[o:o + 8] = zero
+    n += 1
+    time.sleep(0.00005)
+print(n)
+"""
+
+
+def _spill_offsets() -> list[int]:
+    """The region's spill counters a tenant can write: the container's total and each slot's."""
+    slot = region.ctypes.sizeof(region.ProcSlotC)
+    return [region.RegionC.spilled_bytes.offset] + [
+        region.RegionC.procs.offset + i * slot + region.ProcSlotC.spilled_bytes.offset
+        for i in range(32)]  # fmt: skip
+
+
+def _spill_until_refused(c: Cuctl, limit: int) -> int:
+    got = 0
+    while got <= limit and c(f"alloc plain {SPILL_STEP}")["ok"]:
+        got += SPILL_STEP
+    return got
+
+
+def test_attack6_zeroing_the_spill_counters_gives_no_host_memory_past_the_bound(pod):
+    """A container sealed with a 128 MiB spill bound fills its card, then three processes spill
+    (allocations past the device limit served from host memory) while the tenant zeroes the
+    region's spill total and every process's spill counter every ~50 µs: together they never
+    get more than the bound (the node agent leases it; the region only reports it), and what a
+    process frees can be spilled again."""
+    pod.seal_spill(SPILL)
+    card = pod.cuctl()
+    assert card("init")["ok"]
+    assert card(f"alloc plain {LIMIT}")["ok"]  # the card is full: every next byte spills
+    spillers = [pod.cuctl() for _ in range(3)]
+    for c in spillers:
+        assert c("init")["ok"]
+    rewriter = pod.spawn([sys.executable, "-c", SPILL_REWRITER.format(
+        offs=_spill_offsets(), seconds=3.0)])  # fmt: skip
+    try:
+        assert rewriter.stdout.readline() == "racing\n"  # it writes from now on
+        got = [_spill_until_refused(c, SPILL) for c in spillers]
+        got.append(_spill_until_refused(spillers[0], SPILL))  # after the others: once more
+    finally:
+        out, err = rewriter.communicate(timeout=60)
+    assert rewriter.returncode == 0, err
+    assert int(out) > 100, "the rewriter must really race"
+    print(f"attack 6: {int(out)} rewrites, spilled {[g // MiB for g in got]} MiB")
+    assert sum(got) == SPILL, got  # all of the bound, none past it
+    assert pod.agent.leased(region.LEASE_SPILL_NAME) == SPILL
+    assert pod.physical() <= LIMIT  # nothing of it went onto the card
+    spillers[0].close(check=False)  # a process that goes gives its spill back ...
+    back, _ = wait_for(lambda: pod.agent.leased(region.LEASE_SPILL_NAME) < SPILL, timeout=10,
+                       step=0.05)  # fmt: skip
+    assert back
+    freed = SPILL - pod.agent.leased(region.LEASE_SPILL_NAME)
+    assert _spill_until_refused(spillers[1], SPILL) == freed  # ... to be spilled again
+    assert pod.agent.leased(region.LEASE_SPILL_NAME) == SPILL
+
+
+def test_spill_without_the_agents_lease_is_refused(pod):
+    """Sealed with leases, a spill the lease service does not grant is refused (fail closed):
+    no lease service, no host memory past the limit."""
+    pod.seal_spill(SPILL)
+    c = pod.cuctl()
+    assert c("init")["ok"]
+    assert c(f"alloc plain {LIMIT}")["ok"]
+    pod.agent.stop()
+    pod.agent = None
+    assert not c(f"alloc plain {SPILL_STEP}")["ok"]
+    pod.agent = AgentLoop(pod.store)
+    ok, _ = wait_for(lambda: c(f"alloc plain {SPILL_STEP}")["ok"], timeout=10, step=0.05)
+    assert ok
 
 # ---- attacks 4 and 5: libvgpu never loads; the watchdog kills at first sight -----------------
 

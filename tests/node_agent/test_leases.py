@@ -18,7 +18,13 @@ from tessera.node_agent.leases import (
     parse_line,
 )
 
-from tessera.region import LEASE_SOCKET_NAME, ContainerLimits, DeviceLimit, seal_limits
+from tessera.region import (
+    LEASE_SOCKET_NAME,
+    LEASE_SPILL_NAME,
+    ContainerLimits,
+    DeviceLimit,
+    seal_limits,
+)
 
 MiB = 1 << 20
 GPU = "GPU-aaaa"
@@ -198,3 +204,57 @@ async def test_limits_follow_the_sealed_file(tmp_path: Path) -> None:
     store.remove_container(cdir)
     await service.sync()
     assert service.served == {}
+
+
+async def test_spill_is_leased_up_to_the_sealed_bound_and_never_lent(tmp_path: Path) -> None:
+    """Spill (host memory, `spill_bytes`) is leased under its own name, exactly, up to the
+    sealed bound for the container's processes together; none without a sealed bound; a dead
+    process's spill comes back; the GPU's account is untouched."""
+    store, service, _sock = _served(tmp_path)
+    (cdir,) = store.all()
+    seal_limits(cdir.limits_dir, ContainerLimits(devices=(DeviceLimit(GPU, LIMIT),), lease=True,
+                                                 spill_bytes=100 * MiB))  # fmt: skip
+    await service.sync()
+    (leases,) = service.served.values()
+    link = tmp_path / "l"
+    link.symlink_to(cdir.limits_dir)
+    a = await Client.connect(link / LEASE_SOCKET_NAME)
+    b = await Client.connect(link / LEASE_SOCKET_NAME)
+    assert await a.ask(60 * MiB, 60 * MiB, uuid=LEASE_SPILL_NAME) == 60 * MiB
+    assert await b.ask(41 * MiB, 41 * MiB, uuid=LEASE_SPILL_NAME) == 0  # 40 MiB left
+    assert await b.ask(40 * MiB, 64 * MiB, uuid=LEASE_SPILL_NAME) == 40 * MiB
+    assert leases.leased(LEASE_SPILL_NAME) == 100 * MiB and leases.leased(GPU) == 0
+    assert await b.ask(1, 1, uuid=LEASE_SPILL_NAME) == 0
+    assert leases.refused_borrow == 0  # not a borrow beyond a GPU guarantee
+    await a.close()  # its process died: its spill comes back
+    await until(lambda: leases.leased(LEASE_SPILL_NAME) == 40 * MiB)
+    await b.give(40 * MiB, uuid=LEASE_SPILL_NAME)
+    await until(lambda: leases.leased(LEASE_SPILL_NAME) == 0)
+    # sealed without a spill bound (or without leases): no spill at all
+    for limits in (ContainerLimits(devices=(DeviceLimit(GPU, LIMIT),), lease=True),
+                   ContainerLimits(devices=(DeviceLimit(GPU, LIMIT),), spill_bytes=100 * MiB)):
+        seal_limits(cdir.limits_dir, limits)
+        assert await b.ask(1, 1, uuid=LEASE_SPILL_NAME) == 0
+    await b.close()
+    await service.close()
+
+
+def test_the_spilled_figure_counts_what_the_lease_service_leased(tmp_path: Path) -> None:
+    """/metrics' spilled host memory of a container: the larger of its spill lease (the account
+    a tenant cannot write) and its region's counter (which a tenant may zero)."""
+    from dataclasses import dataclass
+
+    from tessera.node_agent.spill_metrics import spill_totals
+
+    @dataclass
+    class Sealed:  # what is read of a prepared container
+        limits_dir: Path
+        region_file: Path
+        key: str
+
+    c = Sealed(tmp_path, tmp_path / "usage", "pod/main")  # no region file: the tenant's zeroed
+    seal_limits(tmp_path, ContainerLimits(devices=(DeviceLimit(GPU, LIMIT),), lease=True,
+                                          spill_bytes=100 * MiB))  # fmt: skip
+    assert spill_totals([c]) == (100 * MiB, 0, 1)  # the region alone: nothing to see
+    leased = {"pod/main": 60 * MiB}
+    assert spill_totals([c], lambda key: leased.get(key, 0)) == (100 * MiB, 60 * MiB, 1)

@@ -7,11 +7,12 @@ import time
 import uuid
 
 from quota_testkit import call, unique_namespace
-from tessera.quota.stale_charges import gone_allocation, live_uids, stale_charges
+from tessera.quota.stale_charges import dra_booked, gone_allocation, live_uids, stale_charges
 
 from tessera import bus
 from tessera.bus import Buckets
 from tessera.cluster.memory import InMemoryCluster
+from tessera.dra_names import DRA_REASON
 from tessera.models import (
     Allocation,
     AllocationState,
@@ -76,3 +77,46 @@ async def test_restart_frees_charges_of_pods_gone_before_it_serves(start_quota, 
     assert isinstance(reply, QuotaReply), reply
     assert set(reply.states[0].charges) == {live_uid, "placing"}
     assert reply.states[0].used().memory_mib == 2000
+
+
+def test_a_gone_pods_dra_booking_keeps_its_charge() -> None:
+    """The scheduler keeps a deleted pod's DRA booking while the claim is shared with a pod
+    still running on that node, until the node's driver hands it on with its charge: neither
+    path frees that charge meanwhile (a restart used to leave the slice outside the quota)."""
+    old = Allocation(pod_uid="first", namespace="n", name="p", node="x", containers=[],
+                     state=AllocationState.ALLOCATED, quota_held=True, created_at=NOW - 600,
+                     reason=DRA_REASON)  # fmt: skip
+    plain = old.model_copy(update={"pod_uid": "other", "reason": ""})
+    booked = dra_booked([NodeLedger(node="x", allocations={"first": old, "other": plain})])
+    assert booked == frozenset({"first"})
+    charges = {"first": charge("first", NOW - 600), "other": charge("other", NOW - 600)}
+    assert stale_charges(charges, frozenset(), NOW, booked=booked) == ["other"]
+    assert not gone_allocation(frozenset(), NOW)(old)
+    assert gone_allocation(frozenset(), NOW)(plain)
+
+
+async def test_restart_keeps_the_charge_of_a_shared_claims_ended_pod(start_quota, nc,
+                                                                     buckets: Buckets) -> None:
+    """The quota service restarts between a shared claim's first pod's deletion and the
+    hand-on: the charge the ledger's DRA booking stands for is kept; a gone pod's without a
+    DRA booking still goes."""
+    ns, node = unique_namespace(), f"node-{uuid.uuid4().hex[:8]}"
+    cluster = InMemoryCluster(implicit_nodes=True)
+    long_ago = time.time() - 600
+    grant = DeviceGrant(uuid=f"GPU-{node}", type="NVIDIA-A100", memory_mib=1000, cores=10)
+    ledger = NodeLedger(node=node, allocations={
+        uid: Allocation(pod_uid=uid, namespace=ns, name=f"pod-{uid}", node=node,
+                        containers=[[grant]], state=AllocationState.ALLOCATED, quota_held=True,
+                        created_at=long_ago, updated_at=long_ago, reason=reason)
+        for uid, reason in (("first", DRA_REASON), ("gone", ""))
+    })  # fmt: skip
+    await bus.cas_update(buckets.ledger, node, NodeLedger, lambda _c: ledger)
+    state = QuotaState(namespace=ns, charges={
+        "first": charge("first", long_ago), "gone": charge("gone", long_ago)})  # fmt: skip
+    await bus.cas_update(buckets.quota, ns, QuotaState, lambda _c: state)
+
+    await start_quota(cluster=cluster)  # neither pod is in the cluster
+    reply = await call(nc, bus.QUOTA_STATUS, QuotaStatusRequest(namespace=ns))
+    assert isinstance(reply, QuotaReply), reply
+    assert set(reply.states[0].charges) == {"first"}
+    assert reply.states[0].used().memory_mib == 1000

@@ -94,8 +94,13 @@ extern "C" {
  *                      "W\n"                       still waiting (a reclaim, an opt-in wait):
  *                                                  read past it; the answer follows
  * The agent counts leases per connection (SO_PEERCRED names the process); a closed connection's
- * leases are returned. The sum of a container's leases never exceeds its limit. */
+ * leases are returned. The sum of a container's leases never exceeds its limit.
+ * Spill (limits 1.3, spill_bytes) is leased the same way under the name TSR_LEASE_SPILL_NAME in
+ * place of a GPU uuid: host memory the container's device allocations spill to, at most the
+ * sealed spill_bytes for the container (its processes together), asked for exactly (no chunk)
+ * and given back on free. An agent that does not know the name answers "N": no spill. */
 #define TSR_LEASE_SOCKET_NAME "lease.sock"
+#define TSR_LEASE_SPILL_NAME "host-spill"
 #define TSR_LEASE_CHUNK (64ull << 20)
 
 /* tsr_limits_device.flags: set and cleared by the node agent at run time */

@@ -20,7 +20,7 @@
 #include "vgpu.h"
 
 _Atomic int tv_lease_on;
-struct tv_lease_slot tv_lease[TV_MAX_SLOTS];
+struct tv_lease_slot tv_lease[TV_LEASE_SLOTS];
 
 static pthread_mutex_t lease_mu = PTHREAD_MUTEX_INITIALIZER; /* the socket and `leased` */
 static int sock = -1;
@@ -31,6 +31,12 @@ static unsigned ticks;
 static int connected_once; /* this process reached the service at least once */
 
 #define REPLY_TIMEOUT_S 5 /* the agent waits at most a few hundred ms for recalls */
+
+/* The name a slot is leased under: its GPU's uuid, or the spill account's; "" = none. */
+static const char *lease_name(int d)
+{
+    return d == TV_LEASE_SPILL ? TSR_LEASE_SPILL_NAME : tv.rg.uuid[d];
+}
 
 void tv_lease_init(const char *limits_file, uint32_t limits_flags)
 {
@@ -69,7 +75,7 @@ static void drop_connection(void)
     if (sock >= 0) close(sock);
     sock = -1;
     rlen = 0;
-    for (int d = 0; d < TV_MAX_SLOTS; d++) {
+    for (int d = 0; d < TV_LEASE_SLOTS; d++) {
         uint64_t a = atomic_exchange(&tv_lease[d].avail, 0);
         atomic_fetch_sub(&tv_lease[d].leased, a);
     }
@@ -95,10 +101,10 @@ static int connect_locked(void)
     connected_once = 1;
     /* declare what this process already holds (after the agent restarted) */
     char line[TSR_UUID_LEN + 48];
-    for (int d = 0; d < TV_MAX_SLOTS; d++) {
+    for (int d = 0; d < TV_LEASE_SLOTS; d++) {
         uint64_t held = atomic_load(&tv_lease[d].leased);
-        if (!held || !tv.rg.uuid[d][0]) continue;
-        snprintf(line, sizeof line, "H %s %llu\n", tv.rg.uuid[d], (unsigned long long)held);
+        if (!held || !lease_name(d)[0]) continue;
+        snprintf(line, sizeof line, "H %s %llu\n", lease_name(d), (unsigned long long)held);
         if (send_line(line) != 0) {
             drop_connection();
             return -1;
@@ -125,11 +131,11 @@ static int connect_first(void)
 static void give_back_unused(void)
 {
     char line[TSR_UUID_LEN + 48];
-    for (int d = 0; d < TV_MAX_SLOTS && sock >= 0; d++) {
+    for (int d = 0; d < TV_LEASE_SLOTS && sock >= 0; d++) {
         uint64_t a = atomic_exchange(&tv_lease[d].avail, 0);
         if (!a) continue;
         atomic_fetch_sub(&tv_lease[d].leased, a);
-        snprintf(line, sizeof line, "R %s %llu\n", tv.rg.uuid[d], (unsigned long long)a);
+        snprintf(line, sizeof line, "R %s %llu\n", lease_name(d), (unsigned long long)a);
         if (send_line(line) != 0) drop_connection();
     }
     if (sock >= 0 && send_line("D\n") != 0) drop_connection();
@@ -189,7 +195,7 @@ static int take_local(int d, uint64_t bytes)
 
 int tv_lease_take_slow(int d, uint64_t bytes)
 {
-    if (d < 0 || d >= TV_MAX_SLOTS) return -1;
+    if (d < 0 || d >= TV_LEASE_SLOTS) return -1;
     int ok = -1;
     pthread_mutex_lock(&lease_mu);
     for (int tries = 0; tries < 4 && ok != 0; tries++) {
@@ -197,20 +203,21 @@ int tv_lease_take_slow(int d, uint64_t bytes)
             ok = 0;
             break;
         }
-        if (!tv.rg.uuid[d][0] || connect_first() != 0) break;
+        if (!lease_name(d)[0] || connect_first() != 0) break;
         uint64_t have = atomic_load(&tv_lease[d].avail);
         uint64_t need = bytes > have ? bytes - have : 0;
         uint64_t want = (need + TSR_LEASE_CHUNK - 1) / TSR_LEASE_CHUNK * TSR_LEASE_CHUNK;
-        if (want < need) want = need; /* overflow: ask for exactly what is needed */
+        if (want < need || d == TV_LEASE_SPILL) want = need; /* overflow; spill: exactly */
         char line[TSR_UUID_LEN + 64];
-        snprintf(line, sizeof line, "A %s %llu %llu\n", tv.rg.uuid[d], (unsigned long long)need,
+        snprintf(line, sizeof line, "A %s %llu %llu\n", lease_name(d), (unsigned long long)need,
                  (unsigned long long)want);
         int64_t got = send_line(line) == 0 ? read_answer() : -1;
         /* A grant is memory the lease service counts as ours: if the driver still says the card
          * is full, a borrower it reclaimed is still giving it back (killed, its memory freed as
          * its files close). Not judged by how long the answer took: a reclaim on a quiet node
          * can be answered in well under a millisecond. */
-        if (got > 0) atomic_store_explicit(&tv_memory_back_ns, tv_mono_ns(), memory_order_relaxed);
+        if (got > 0 && d != TV_LEASE_SPILL)
+            atomic_store_explicit(&tv_memory_back_ns, tv_mono_ns(), memory_order_relaxed);
         if (got < 0) {
             TV_LOG(TV_LOG_WARN, "lease service: connection lost");
             drop_connection();
@@ -234,17 +241,39 @@ void tv_lease_trim(int d)
      * free trims instead */
     if (pthread_mutex_trylock(&lease_mu) != 0) return;
     struct tv_lease_slot *l = &tv_lease[d];
+    uint64_t keep = d == TV_LEASE_SPILL ? 0 : TSR_LEASE_CHUNK; /* spill keeps nothing unused */
     uint64_t a = atomic_load(&l->avail);
-    while (a > TSR_LEASE_CHUNK && !atomic_compare_exchange_weak(&l->avail, &a, TSR_LEASE_CHUNK)) {
+    while (a > keep && !atomic_compare_exchange_weak(&l->avail, &a, keep)) {
     }
-    if (a > TSR_LEASE_CHUNK) {
-        uint64_t back = a - TSR_LEASE_CHUNK;
+    if (a > keep) {
+        uint64_t back = a - keep;
         atomic_fetch_sub(&l->leased, back);
         char line[TSR_UUID_LEN + 48];
-        snprintf(line, sizeof line, "R %s %llu\n", tv.rg.uuid[d], (unsigned long long)back);
+        snprintf(line, sizeof line, "R %s %llu\n", lease_name(d), (unsigned long long)back);
         if (sock >= 0 && send_line(line) != 0) drop_connection();
     }
     pthread_mutex_unlock(&lease_mu);
+}
+
+/* ---- spill (spill.c): host memory leased exactly, given back at once ---------------------- */
+
+int tv_lease_spill_take(uint64_t bytes)
+{
+    if (!atomic_load_explicit(&tv_lease_on, memory_order_relaxed)) return 0;
+    return tv_lease_take_slow(TV_LEASE_SPILL, bytes);
+}
+
+void tv_lease_spill_give(uint64_t bytes)
+{
+    if (!atomic_load_explicit(&tv_lease_on, memory_order_relaxed)) return;
+    struct tv_lease_slot *l = &tv_lease[TV_LEASE_SPILL];
+    uint64_t a = atomic_load(&l->avail), n;
+    do {
+        uint64_t held = atomic_load(&l->leased);
+        n = a + bytes;
+        if (n > held || n < a) n = held;
+    } while (!atomic_compare_exchange_weak(&l->avail, &a, n));
+    tv_lease_trim(TV_LEASE_SPILL); /* (a request in flight: the next take uses it, or a recall) */
 }
 
 /* ---- start-up, the poll thread, fork -------------------------------------------------------- */
@@ -314,7 +343,7 @@ void tv_lease_after_fork_child(void)
     sock = -1;
     rlen = 0;
     connected_once = 0;
-    for (int d = 0; d < TV_MAX_SLOTS; d++) {
+    for (int d = 0; d < TV_LEASE_SLOTS; d++) {
         atomic_store(&tv_lease[d].avail, 0);
         atomic_store(&tv_lease[d].leased, 0);
     }

@@ -25,8 +25,13 @@ struct tv_lease_slot {
     _Atomic uint64_t avail;  /* leased and not charged: the fast path takes from it */
 };
 
+/* tv_lease[0 .. TV_MAX_SLOTS-1]: device slots; tv_lease[TV_LEASE_SPILL]: the container's spill
+ * (host memory, sealed spill_bytes), leased under TSR_LEASE_SPILL_NAME, exactly, never chunked. */
+#define TV_LEASE_SPILL TV_MAX_SLOTS
+#define TV_LEASE_SLOTS (TV_MAX_SLOTS + 1)
+
 extern _Atomic int tv_lease_on TV_HIDDEN;
-extern struct tv_lease_slot tv_lease[TV_MAX_SLOTS] TV_HIDDEN;
+extern struct tv_lease_slot tv_lease[TV_LEASE_SLOTS] TV_HIDDEN;
 
 void tv_lease_init(const char *limits_file, uint32_t limits_flags) TV_HIDDEN; /* at start-up */
 void tv_lease_attach(void) TV_HIDDEN;           /* at CUDA start-up: connect (the attestation) */
@@ -34,6 +39,12 @@ void tv_lease_wait(uint64_t ns) TV_HIDDEN; /* the poll thread's sleep: recalls, 
 void tv_lease_after_fork_child(void) TV_HIDDEN; /* the child holds nothing */
 int tv_lease_take_slow(int d, uint64_t bytes) TV_HIDDEN;
 void tv_lease_trim(int d) TV_HIDDEN;
+
+/* Spill (spill.c): 0 when `bytes` of host memory are leased to this process's spill (or no
+ * lease service is sealed: the region is the account), -1 refused. Given back on free, at once
+ * (the agent's account is what bounds the container's spill, whatever the region says). */
+int tv_lease_spill_take(uint64_t bytes) TV_HIDDEN;
+void tv_lease_spill_give(uint64_t bytes) TV_HIDDEN;
 
 /* 0: `bytes` charged against this process's lease on slot d (0 <= d < TV_MAX_SLOTS); -1: the
  * agent would not lease them. Devices without a memory limit need no lease. */

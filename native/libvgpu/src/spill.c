@@ -14,8 +14,12 @@
  *  - not the device: a spilled allocation is charged neither to the guarantee nor to the burst
  *    limit, takes no lease, and is not in the region's used_bytes (what cuMemGetInfo and NVML
  *    report): it does not sit on the card;
- *  - the container's spill account: tsr_region.spilled_bytes (each process's in its slot),
- *    at most `spill_bytes` in all, for all the container's GPUs together (host memory is one).
+ *  - the container's spill account: leased from the node agent's lease service under
+ *    TSR_LEASE_SPILL_NAME when the limits are sealed with leases (the agent never leases the
+ *    container more than its sealed `spill_bytes`, whatever the tenant writes into the region);
+ *    and tsr_region.spilled_bytes (each process's in its slot), at most `spill_bytes` in all,
+ *    for all the container's GPUs together (host memory is one) — the only account without a
+ *    lease service (limits from env vars, `tessera run`), a report with one.
  *
  * The spilled pages must stay on the host: a program that asks the driver to move them to a
  * device (cuMemPrefetchAsync, cuMemAdvise on the range) gets CUDA_ERROR_INVALID_VALUE — what
@@ -56,7 +60,13 @@ CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why, i
     CUdevice dev = ds < TV_MAX_SLOTS ? atomic_load(&tv.dev[ds].ordinal) : -1; /* the slot's card */
     if (dev < 0 && REAL(cuCtxGetDevice)(&dev) != CUDA_SUCCESS) return why;
     if (!host_residency_possible(dev)) return why;
+    if (tv_lease_spill_take(bytes) != 0) {
+        TV_LOG(TV_LOG_INFO, "spill of %llu bytes refused: the container's spill limit (%llu) "
+               "is leased", (unsigned long long)bytes, (unsigned long long)limit);
+        return why;
+    }
     if (tv_region_spill_charge(&tv.rg, bytes, limit) != 0) {
+        tv_lease_spill_give(bytes);
         TV_LOG(TV_LOG_INFO, "spill of %llu bytes refused: the container's spill limit (%llu)",
                (unsigned long long)bytes, (unsigned long long)limit);
         return why;
@@ -72,6 +82,7 @@ CUresult tv_spill_alloc(CUdeviceptr *dptr, size_t bytes, int ds, CUresult why, i
     }
     if (r != CUDA_SUCCESS) {
         tv_region_spill_uncharge(&tv.rg, bytes);
+        tv_lease_spill_give(bytes);
         TV_LOG(TV_LOG_WARN, "spill of %llu bytes failed (%d)", (unsigned long long)bytes, r);
         return why;
     }
@@ -113,6 +124,7 @@ int tv_spill_release(const struct ent *e)
 {
     if (e->kind != K_SPILLED) return 0;
     tv_region_spill_uncharge(&tv.rg, e->size);
+    tv_lease_spill_give(e->size);
     atomic_fetch_sub_explicit(&spilled_live, 1, memory_order_relaxed);
     return 1;
 }
