@@ -71,7 +71,7 @@ async def test_unhealthy_gpu_reaches_kubelet_registration_and_events(short_dir, 
         async def registered_unhealthy() -> bool:
             return await registered_health(buckets, rig.node) == [False, True]
 
-        await eventually(registered_unhealthy, timeout=2)
+        await eventually(registered_unhealthy, timeout=15)  # a KV write after the health change
         event = (await asyncio.wait_for(anext(unhealthy_events), 5)).event
         await unhealthy_events.aclose()
         assert event.device_uuids == [bad] and "XID 79" in event.reason
@@ -81,7 +81,7 @@ async def test_unhealthy_gpu_reaches_kubelet_registration_and_events(short_dir, 
         async def registered_healthy() -> bool:
             return await registered_health(buckets, rig.node) == [True, True]
 
-        await eventually(registered_healthy, timeout=3)
+        await eventually(registered_healthy, timeout=15)
 
 
 async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_dir, nc, buckets):
