@@ -32,10 +32,13 @@ async def test_a_listings_consumer_is_gone_seconds_after_it(nats_url: str) -> No
             assert (await anext(watch)).key == "ns.a"
             for _ in range(3):
                 assert [e.key for e in await bus.list_entries(kv, "ns.*")] == ["ns.a"]
-            deadline = time.monotonic() + 30  # the server sweeps inactive consumers every few s
+            listed_at = time.monotonic()
+            deadline = listed_at + 30  # the server sweeps inactive consumers every few s
             while (await js.stream_info(f"KV_{name}")).state.consumer_count > 1:
                 assert time.monotonic() < deadline, "a listing's consumer outlived it by 30 s"
                 await asyncio.sleep(0.2)
+            # the watch has outlived a listing's inactivity by half again, whenever the sweep ran
+            await asyncio.sleep(listed_at + 1.5 * bus.LISTING_INACTIVE_S - time.monotonic())
             assert (await js.stream_info(f"KV_{name}")).state.consumer_count == 1  # the watch's
             await kv.put("ns.a", b"2")  # and it still delivers
             update = await asyncio.wait_for(anext(watch), 10)
