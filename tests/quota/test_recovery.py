@@ -148,7 +148,10 @@ async def test_kill_between_reserve_and_release_neither_leaks_nor_double_counts(
             return set(await charges(nc, ns)) == {"live", "orphan"}
 
         await eventually(converged, timeout=10)
-        assert time.monotonic() - started < 15
+        # Before the first periodic pass could run (60 s after the start): the start-up pass
+        # converged. (It was `< 15` from before the process start, which a busy host's imports
+        # alone can take most of, while wait_serving allows 20 s.)
+        assert time.monotonic() - started < 60
         held = await charges(nc, ns)
         assert sum(c.memory_mib for c in held.values()) == 1500
         assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "new", 1500))).ok
