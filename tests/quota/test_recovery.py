@@ -77,7 +77,7 @@ async def test_periodic_reconcile_drops_leaked_charges_and_restores_lost_ones(
     async def settled() -> bool:
         return set(await charges(nc, ns)) == {"live", "lost"}
 
-    await eventually(settled, timeout=5)
+    await eventually(settled)
     held = await charges(nc, ns)
     assert held["lost"].memory_mib == 700 and held["live"].memory_mib == 1000
     # 1000 + 700 held: 1300 more fits exactly, 1 MiB beyond does not.
