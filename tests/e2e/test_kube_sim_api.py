@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,8 @@ async def test_bind_once_and_list_by_node(server: Server) -> None:
 
 
 async def test_watch_by_node_sees_pods_arrive_and_leave(server: Server) -> None:
+    probe = await server.create_pod("probe")
+    await server.cluster.bind_pod("default", "probe", probe["metadata"]["uid"], "n2")
     pod = await server.create_pod("w1")
     seen: list[tuple[str, str]] = []
     watch = server.cluster.watch_pods(node_name="n2")
@@ -103,17 +105,23 @@ async def test_watch_by_node_sees_pods_arrive_and_leave(server: Server) -> None:
         async for event in watch:
             seen.append((event.type, event.object["metadata"]["name"]))
 
+    async def until(condition: Callable[[], bool], what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 20
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, f"{what}: {seen}"
+            await asyncio.sleep(0.02)
+
     task = asyncio.create_task(follow())
-    await asyncio.sleep(0.3)
+    # The watch is live once it has listed the node's pod (was: a 0.3 s sleep and hope; a
+    # watch that listed after the bind and patch showed w1 ADDED, then DELETED only).
+    await until(lambda: ("ADDED", "probe") in seen, "the watch never listed the node's pod")
     await server.cluster.bind_pod("default", "w1", pod["metadata"]["uid"], "n2")
     await server.cluster.patch_pod_metadata("default", "w1", annotations={"a": "1"})
     await server.http.delete("/api/v1/namespaces/default/pods/w1")
-    for _ in range(50):
-        if len(seen) >= 3:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: ("DELETED", "w1") in seen, "w1's deletion never seen")
     task.cancel()
-    assert seen == [("ADDED", "w1"), ("MODIFIED", "w1"), ("DELETED", "w1")]
+    assert [e for e in seen if e[1] == "w1"] == [("ADDED", "w1"), ("MODIFIED", "w1"),
+                                                ("DELETED", "w1")]  # fmt: skip
 
 
 async def test_merge_patch_removes_null_keys_and_keeps_identity(server: Server) -> None:

@@ -24,18 +24,27 @@ async def test_a_listings_consumer_is_gone_seconds_after_it(nats_url: str) -> No
     kv = await js.create_key_value(bucket=name, history=1)
     try:
         await kv.put("ns.a", b"1")
-        for _ in range(3):
-            assert [e.key for e in await bus.list_entries(kv, "ns.*")] == ["ns.a"]
-        deadline = time.monotonic() + 30  # the server sweeps inactive consumers every few s
-        while (await js.stream_info(f"KV_{name}")).state.consumer_count:
-            assert time.monotonic() < deadline, "a listing's consumer outlived it by 30 s"
-            await asyncio.sleep(0.2)
-        # a watch that is still open keeps its consumer (its inactivity counts only once it
-        # stops: a long watch rides out a reconnect)
-        async with contextlib.aclosing(bus.watch_entries(kv, "ns.*")) as watch:
+        # A watch that is still open keeps its consumer: its inactivity counts only once it
+        # stops (a long watch rides out a reconnect). Opened first, with a listing's short
+        # inactivity: had its time counted while open, it would go before the listings' do.
+        async with contextlib.aclosing(bus.watch_entries(
+                kv, "ns.*", inactive_s=bus.LISTING_INACTIVE_S)) as watch:  # fmt: skip
             assert (await anext(watch)).key == "ns.a"
-            await asyncio.sleep(3 * bus.LISTING_INACTIVE_S)
-            assert (await js.stream_info(f"KV_{name}")).state.consumer_count == 1
+            for _ in range(3):
+                assert [e.key for e in await bus.list_entries(kv, "ns.*")] == ["ns.a"]
+            listed_at = time.monotonic()
+            deadline = listed_at + 30  # the server sweeps inactive consumers every few s
+            while (await js.stream_info(f"KV_{name}")).state.consumer_count > 1:
+                assert time.monotonic() < deadline, "a listing's consumer outlived it by 30 s"
+                await asyncio.sleep(0.2)
+            # the watch has outlived a listing's inactivity by half again, whenever the sweep ran
+            await asyncio.sleep(listed_at + 1.5 * bus.LISTING_INACTIVE_S - time.monotonic())
+            assert (await js.stream_info(f"KV_{name}")).state.consumer_count == 1  # the watch's
+            await kv.put("ns.a", b"2")  # and it still delivers
+            update = await asyncio.wait_for(anext(watch), 10)
+            while update is None:  # the marker after the current values
+                update = await asyncio.wait_for(anext(watch), 10)
+            assert (update.key, update.value) == ("ns.a", b"2")
     finally:
         await js.delete_key_value(name)
         await nc.close()

@@ -14,7 +14,7 @@ from tessera.codec import encode
 from tessera.models import NodeEvent
 
 
-async def wait_for(service, check, timeout: float = 5.0):  # type: ignore[no-untyped-def]
+async def wait_for(service, check, timeout: float = 20.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while True:
         exposition = await scrape(service)

@@ -209,7 +209,7 @@ def test_zeroed_counters_do_not_double_the_budget(tenant):
     )
     assert zero.returncode == 0, zero.stderr
     assert not a(f"alloc plain {CHUNK}")["ok"]  # its own charges are put back first
-    restored, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=3)
+    restored, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=15)
     assert restored
     b = tenant.cuctl()
     assert b("init")["ok"]

@@ -23,7 +23,7 @@ def value(text: bytes, name: str, **labels: str) -> float | None:
     return values(text).get((name, tuple(sorted(labels.items()))))
 
 
-async def until(check, timeout: float = 5.0):
+async def until(check, timeout: float = 20.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while not (result := check()):
         assert asyncio.get_running_loop().time() < deadline, "timed out"

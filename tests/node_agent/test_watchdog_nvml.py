@@ -113,5 +113,7 @@ async def test_agent_on_an_old_driver_still_kills_a_memory_breach(env, nc, bucke
         assert event.action == "killed" and event.pids == [tenant.pid]
         watchdog = rig.agent.watchdog
         assert watchdog.probe.errors["missing:process_utilization"] == 1
-        assert watchdog.stats["poll_failed"] == 0 and watchdog.stats["polls"] > 3
+        # a kill after the grace period takes two polls at least (the first sighting, one the
+        # grace later); more at 0.6 s a poll, fewer than 4 when a busy host holds polls up
+        assert watchdog.stats["poll_failed"] == 0 and watchdog.stats["polls"] >= 2
     await breaches.close()

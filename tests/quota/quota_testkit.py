@@ -37,8 +37,9 @@ async def next_event(nc: NatsClient, subject: str, timeout: float = 5.0) -> Any:
         await stream.aclose()
 
 
-async def eventually(check: Any, timeout: float = 5.0, interval: float = 0.05) -> Any:
-    """Await `check()` until it returns something truthy; fail after `timeout`."""
+async def eventually(check: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
+    """Await `check()` until it returns something truthy; fail after `timeout` (generous: the
+    checks wait on the service's background work, which a busy host holds up)."""
 
     deadline = time.monotonic() + timeout
     while True:

@@ -22,6 +22,7 @@ from tessera.events import decode_event, subscribe
 from tessera.models import (
     AllocationEvent,
     ComputeReclaimEvent,
+    Event,
     NodeLedger,
     NodeRegistration,
     QuotaState,
@@ -90,12 +91,27 @@ async def kv_value(admin: Client_, bucket: str, key: str) -> bytes | None:
     return entry.value
 
 
+# A refused publish never gets an ack: the server's permissions violation naming its subject is
+# the proof (and an accepted one that answers later than this still fails on the violation).
+REFUSED_ACK_WAIT_S = 0.25
+
+
 async def forged_put(client: Client_, bucket: str, key: str, value: bytes) -> None:
     """A KV put the server must refuse: no ack comes back, only the violation."""
     # What KeyValue.put does, with a short wait for the ack that never comes.
     with pytest.raises(Exception):  # noqa: B017 - a timeout
-        await client.nc.jetstream().publish(bp.kv_subject(bucket, key), value, timeout=1.0)
+        await client.nc.jetstream().publish(bp.kv_subject(bucket, key), value,
+                                            timeout=REFUSED_ACK_WAIT_S)  # fmt: skip
     await client.violation(bp.kv_subject(bucket, key))
+
+
+async def forged_event(client: Client_, event: Event) -> None:
+    """An event publish (the services' own publish_event) the server must refuse: no ack within
+    REFUSED_ACK_WAIT_S (publish_event would wait 2 s for it), and the violation."""
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(publish_event(client.nc.jetstream(), event, attempts=1),
+                               REFUSED_ACK_WAIT_S)  # fmt: skip
+    await client.violation(bus.event_subject(event))
 
 
 # --- who may connect at all ----------------------------------------------------------------------
@@ -184,16 +200,13 @@ async def test_node_agent_cannot_serve_another_nodes_limits(as_identity) -> None
 
 async def test_node_agent_cannot_publish_other_nodes_or_release_events(as_identity) -> None:
     agent_a = await as_identity(bp.NODE_AGENT, NODE_A)
-    js = agent_a.nc.jetstream()
     mine = AllocationEvent(action="allocated", node=NODE_A, pod_uid="u", namespace="n", name="p")
-    await publish_event(js, mine)  # its own allocation: accepted
+    await publish_event(agent_a.nc.jetstream(), mine)  # its own allocation: accepted
     for forged in (
         AllocationEvent(action="allocated", node=NODE_B, pod_uid="u", namespace="n", name="p"),
         AllocationEvent(action="released", node=NODE_A, pod_uid="u", namespace="n", name="p"),
     ):
-        with pytest.raises(Exception):  # noqa: B017 - no ack
-            await publish_event(js, forged, attempts=1)
-        await agent_a.violation(bus.event_subject(forged))
+        await forged_event(agent_a, forged)
 
 
 async def test_only_a_node_agent_reports_compute_reclaimed_on_its_own_node(as_identity) -> None:
@@ -206,9 +219,7 @@ async def test_only_a_node_agent_reports_compute_reclaimed_on_its_own_node(as_id
 
     await publish_event(agent_a.nc.jetstream(), reclaimed(NODE_A))  # its own node: accepted
     for client, forged in ((agent_a, reclaimed(NODE_B)), (scheduler, reclaimed(NODE_A))):
-        with pytest.raises(Exception):  # noqa: B017 - no ack
-            await publish_event(client.nc.jetstream(), forged, attempts=1)
-        await client.violation(bus.event_subject(forged))
+        await forged_event(client, forged)
 
 
 async def test_replies_are_private_to_each_identity(as_identity) -> None:
@@ -304,9 +315,7 @@ async def test_event_subscriber_reads_but_cannot_forge_a_release(as_identity) ->
     await stream.aclose()
 
     forged = AllocationEvent(action="released", node=node, pod_uid="u1", namespace="n", name="p")
-    with pytest.raises(Exception):  # noqa: B017 - no ack
-        await publish_event(reader.nc.jetstream(), forged, attempts=1)
-    await reader.violation(bus.event_subject(forged))
+    await forged_event(reader, forged)
 
 
 async def test_event_subscriber_cannot_take_over_the_quota_services_consumer(
@@ -334,7 +343,7 @@ async def test_event_subscriber_cannot_take_over_the_quota_services_consumer(
                                      durable=bus.QUOTA_RELEASED_CONSUMER,
                                      stream=bus.EVENTS_STREAM)
     with pytest.raises(Exception):  # noqa: B017 - a timeout: the pull request never got through
-        await stolen.fetch(1, timeout=1)
+        await stolen.fetch(1, timeout=REFUSED_ACK_WAIT_S)
     await reader.violation(f"CONSUMER.MSG.NEXT.{bus.EVENTS_STREAM}.{bus.QUOTA_RELEASED_CONSUMER}")
     got = await quota_sub.fetch(10, timeout=5)
     assert released.event_id in [decode_event(m.data).event_id for m in got]
@@ -343,7 +352,7 @@ async def test_event_subscriber_cannot_take_over_the_quota_services_consumer(
                                    durable_name=bus.QUOTA_RELEASED_CONSUMER,
                                    filter_subject="tessera.events.nothing")
     with pytest.raises(Exception):  # noqa: B017 - a timeout
-        await js.add_consumer(bus.EVENTS_STREAM, config, timeout=1)
+        await js.add_consumer(bus.EVENTS_STREAM, config, timeout=REFUSED_ACK_WAIT_S)
     await reader.violation(f"CONSUMER.CREATE.{bus.EVENTS_STREAM}.{bus.QUOTA_RELEASED_CONSUMER}")
     # ... nor through the unnamed create subject with the name in the body: the server
     # refuses a durable there.
