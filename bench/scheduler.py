@@ -247,10 +247,21 @@ def run_decisions(
     wall: list[float] = []
     refused: list[float] = []
     placements: list[tuple[str, list[list[str]]] | None] = []
-    for i, (spec, pool) in enumerate(pods):
+    def listed_of(pool: str | None) -> bytes:
         window = kube.next(None if pool is None else members[pool] if lists == "same"
                            else members_set[pool])  # fmt: skip
-        array = json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+        return json.dumps(window, separators=COMPACT).encode()  # as Go writes it
+
+    # kube-scheduler makes its lists in its own process: made here before the timed loop
+    # (`BENCH_BODY=made`, the default), not between two timed calls, where making one (20,000
+    # names) evicted the next call's caches (bench/RESULTS.md "fresh"). `BENCH_BODY=dumps`:
+    # made in the loop, as before session 17. The same lists either way.
+    body_mode = os.environ.get("BENCH_BODY", "made")
+    if body_mode not in ("made", "dumps"):
+        raise SystemExit(f"BENCH_BODY={body_mode!r}: made or dumps")
+    made = [listed_of(pool) for _spec, pool in pods] if body_mode == "made" else None
+    for i, (spec, pool) in enumerate(pods):
+        array = made[i] if made is not None else listed_of(pool)
         body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), array)
         started_cpu = time.thread_time()
         parsed = names_cache.parse(body)

@@ -89,7 +89,11 @@ class Decision:
                     while len(survivors) < 2 * i and more():
                         pass
                 continue
-            if known is None or i >= known_from + len(known):
+            if i and (known is None or i >= known_from + len(known)):
+                # (not before the first survivor was fitted on its own: a placed pod fits
+                # there most often, and grouping the candidates (`refusal_shapes.group`) then
+                # cost an 8-GPU binpack pod that ~100 survivors of its first chunk reached it
+                # 0.15-0.35 ms of its call, bench/RESULTS.md "fresh2")
                 known_from, known = i, self._known(survivors[i:])
             if known is not None:
                 # A run of nodes whose refusal is known (on their rows as they are, or for
