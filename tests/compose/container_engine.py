@@ -55,3 +55,33 @@ def podman(*args: str, timeout: float = 120,
     if check:
         assert result.returncode == 0, f"podman {' '.join(args)}: {result.stderr}"
     return result
+
+
+def remove_projects_of_dead_runs(prefix: str) -> list[str]:
+    """Compose projects named `<prefix><pid>` whose test process is gone: a run killed before its
+    `compose down` (a timeout, a SIGKILL) leaves a whole stack running, which then takes CPU from
+    every later test and benchmark on the machine. Removes their containers, networks and volumes;
+    returns the projects removed. A live run's project (its pid exists) is left alone."""
+    project_of = '{{ index .Labels "com.docker.compose.project" }}'
+    listed = [*podman("ps", "-a", "--format", project_of, check=False).stdout.split(),
+              *podman("volume", "ls", "--format", project_of, check=False).stdout.split()]
+    removed = []
+    for project in sorted(set(listed)):
+        pid = project.removeprefix(prefix)
+        if not project.startswith(prefix) or not pid.isascii() or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running (or the pid was reused: leave it, never guess)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        label = f"label=com.docker.compose.project={project}"
+        for kind, every in (("container", ["-a"]), ("network", []), ("volume", [])):
+            ids = podman(kind, "ls", *every, "-q", "--filter", label, check=False).stdout.split()
+            if ids:
+                podman(kind, "rm", "-f", *ids, check=False)
+        removed.append(project)
+    return removed
+

@@ -20,13 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from container_engine import ROOT, podman
+from container_engine import ROOT, podman, remove_projects_of_dead_runs
 
 from tessera_cli.nats_embedded import free_port
 
 pytestmark = pytest.mark.timeout(1500)
 
-PROJECT = f"tessera-smoke-{os.getpid()}"
+PROJECT_PREFIX = "tessera-smoke-"
+PROJECT = f"{PROJECT_PREFIX}{os.getpid()}"
 LABEL = f"label=com.docker.compose.project={PROJECT}"
 SERVICES = ["nats", "kube-sim", "admission", "scheduler", "quota", "metrics",
             "node-agent-0", "node-agent-1"]
@@ -100,6 +101,9 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    left = remove_projects_of_dead_runs(PROJECT_PREFIX)
+    if left:
+        print(f"removed stacks left running by killed runs: {', '.join(left)}")
     stack = Stack(tmp_path_factory.mktemp("compose"))
     started = time.monotonic()
     try:
