@@ -37,7 +37,7 @@ class KeyWrites:
     async def __aexit__(self, *_exc: object) -> None:
         await self.sub.unsubscribe()
 
-    async def settled(self, expected: int, within_s: float = 5.0) -> int:
+    async def settled(self, expected: int, within_s: float = 20.0) -> int:
         """The count once `expected` writes have arrived (or `within_s` passed) and a round trip
         more."""
         deadline = asyncio.get_running_loop().time() + within_s
