@@ -253,7 +253,7 @@ async def test_a_forged_preemption_mark_frees_nothing(
     forged.allocations[uid].preempted_until = time.time() + 600
     sub = await service.nc.subscribe(bus.rejected_event_subject("ledger"))
     await service.buckets.ledger.update(name, encode(forged), last=current.revision)
-    event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+    event = decode((await sub.next_msg(timeout=20)).data, ValueRejectedEvent)
     assert event.key == name and event.problem == "preemption_mark_unbacked"
 
     async def repaired() -> bool:
@@ -283,7 +283,7 @@ async def done_events(service, uid: str) -> list[PreemptionEvent]:
     out = []
     try:
         for _ in range(stored):
-            event = decode((await sub.next_msg(timeout=5)).data, PreemptionEvent)
+            event = decode((await sub.next_msg(timeout=20)).data, PreemptionEvent)
             if event.pod_uid == uid:
                 out.append(event)
     finally:
