@@ -68,7 +68,7 @@ async def make_service(nats_url: str, cluster: InMemoryCluster) -> AsyncIterator
         if bus_keeper is not None:
             upkeep.append(asyncio.create_task(bus_keeper.run(stop, 0.2)))
         await service.start()
-        await service.wait_ready(10)
+        await service.wait_ready(30)
         started.append((service, nc))
         return service
 
