@@ -199,6 +199,25 @@ class RunningStack:
         self.kube.wait_for("every node agent registered", registered, timeout_s, 0.25)
 
 
+async def stored_events(js: Any, subject: str, timeout_s: float = 30.0) -> list[bytes]:
+    """Every message the event stream holds on `subject` (wildcards allowed), as stored now.
+
+    Reads as many as the stream says it stores, each with a generous deadline: reading until
+    a second of silence ends early on a busy host, where an ordered consumer's first delivery
+    can take longer than that."""
+    from tessera.bus import EVENTS_STREAM
+
+    info = await js.stream_info(EVENTS_STREAM, subjects_filter=subject)
+    stored = sum((info.state.subjects or {}).values())
+    if not stored:
+        return []
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    try:
+        return [(await sub.next_msg(timeout=timeout_s)).data for _ in range(stored)]
+    finally:
+        await sub.unsubscribe()
+
+
 def start_stack(
     nodes: list[SimNode], env: dict[str, str] | None = None, run_containers: bool = False,
     nats_cluster: int = 0,

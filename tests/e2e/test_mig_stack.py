@@ -30,7 +30,7 @@ from tessera.models import MigEvent, NodeLedger
 from tessera_cli.app import build_app
 from tessera_cli.stack import SimNode
 
-from .conftest import RunningStack, gpu_pod, gpu_uuid, grants, start_stack
+from .conftest import RunningStack, gpu_pod, gpu_uuid, grants, start_stack, stored_events
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -148,14 +148,8 @@ async def _ledger_and_events(sim: RunningStack) -> tuple[NodeLedger | None, list
     try:
         js = nc.jetstream()
         ledger = await bus.read(await js.key_value(bus.LEDGER_BUCKET), DYNAMIC_NODE, NodeLedger)
-        sub = await js.subscribe(f"tessera.events.mig.{DYNAMIC_NODE}.>", ordered_consumer=True)
-        events = []
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except Exception:
-                break
-            events.append(decode(msg.data, MigEvent))
+        stored = await stored_events(js, f"tessera.events.mig.{DYNAMIC_NODE}.>")
+        events = [decode(data, MigEvent) for data in stored]
         return (ledger.value if ledger else None), events
     finally:
         await nc.close()
@@ -279,5 +273,10 @@ def test_a_creation_nvml_refuses_fails_the_allocation_with_the_reason(sim: Runni
     busy.write_text("")  # the process ended: the orphan goes after its grace period
     kube.wait_for("the operator's instance destroyed", lambda: _instances(sim) == [],
                   timeout_s=30)
-    _, events = asyncio.run(_ledger_and_events(sim))
-    assert "MIG-operator" in {e.mig_uuid for e in events if e.action == "destroyed"}
+
+    def operator_destroyed() -> bool:  # the event follows the instance's destruction
+        _, events = asyncio.run(_ledger_and_events(sim))
+        return "MIG-operator" in {e.mig_uuid for e in events if e.action == "destroyed"}
+
+    kube.wait_for("mig.destroyed for the operator's instance", operator_destroyed,
+                  timeout_s=30, every_s=0.5)

@@ -29,7 +29,7 @@ from tessera.region import MAX_PROCS, REGION_MAGIC, VERSION_MAJOR, VERSION_MINOR
 from tessera_cli.app import build_app
 from tessera_cli.stack import SimNode
 
-from .conftest import RunningStack, gpu_pod, grants, start_stack
+from .conftest import RunningStack, gpu_pod, grants, start_stack, stored_events
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.serial]
 
@@ -126,14 +126,7 @@ async def _events(sim: RunningStack, namespace: str) -> list[PreemptionEvent]:
     try:
         js = nc.jetstream()
         subject = bus.preemption_event_subject(namespace, "*")
-        sub = await js.subscribe(subject, ordered_consumer=True)
-        out = []
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except Exception:
-                return out
-            out.append(decode(msg.data, PreemptionEvent))
+        return [decode(data, PreemptionEvent) for data in await stored_events(js, subject)]
     finally:
         await nc.close()
 

@@ -68,7 +68,7 @@ async def make_service(nats_url: str, cluster: InMemoryCluster) -> AsyncIterator
         if bus_keeper is not None:
             upkeep.append(asyncio.create_task(bus_keeper.run(stop, 0.2)))
         await service.start()
-        await service.wait_ready(10)
+        await service.wait_ready(30)
         started.append((service, nc))
         return service
 
@@ -100,15 +100,32 @@ async def register(buckets: Buckets, registration: NodeRegistration) -> None:
     await buckets.nodes.put(registration.node, encode(registration))
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    import asyncio
+# Background effects (watch events, sweeps, KV writes) on a busy 2-core CI host can take
+# seconds; the waits below return as soon as their condition holds, so a generous deadline
+# costs nothing when the code is right.
+WAIT_S = 20.0
 
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"condition not reached in {timeout:.0f} s")
         await asyncio.sleep(0.01)
+
+
+async def until_async(
+    check: Callable[[], Awaitable[bool]], what: str, timeout: float = WAIT_S,
+    interval: float = 0.05,
+) -> None:
+    """Await `check` until it holds, failing with `what` after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not reached in {timeout:.0f} s")
+        await asyncio.sleep(interval)
 
 
 async def agent_allocate(buckets: Buckets, node: str, uid: str) -> None:

@@ -43,7 +43,7 @@ async def test_registration_with_ten_times_the_memory_is_not_applied(
     for device in forged.devices:
         device.memory_mib = device.physical_memory_mib = 240 * GIB  # an "A10" with 240 GiB
     await register(buckets, forged)
-    event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+    event = decode((await sub.next_msg(timeout=20)).data, ValueRejectedEvent)
     assert event.key == name and event.problem == "memory_out_of_range"
     assert "NVIDIA-A10" in event.reason
     # The index keeps the real capacity: a 100 GiB slice fits nowhere.
@@ -82,7 +82,7 @@ async def test_garbage_in_a_ledger_key_is_repaired_without_losing_allocations(
         sub = await nc.subscribe(bus.rejected_event_subject("ledger"))
         await bus.flush(nc)  # in place before another connection publishes
         bad = await buckets.ledger.put(name, b"\x00\xffgarbage\x93")
-        event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+        event = decode((await sub.next_msg(timeout=20)).data, ValueRejectedEvent)
         assert event.key == name and event.problem == "undecodable"
 
         async def repaired() -> NodeLedger | None:

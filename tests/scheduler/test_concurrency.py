@@ -52,6 +52,12 @@ LOADED_MARGIN_S = 10.0  # a reconcile pass on a starved machine (list 1000 pods,
 # single-threaded benchmark at load ~9 one run saw 1.7 s: the bound keeps room for that and still
 # fails the old runtime.
 AT_ONCE_S = 2.5
+# A wall-clock bound on background work stretches with the host's load, and so does the burst
+# itself: the median lag may also be a tenth of the burst's placing time (a quiet burst takes
+# ~15 s, so the bound stays 2.5 s there; a starved one up to PLACE_BUDGET_S plus its last
+# pods). The old runtime still fails it: 2.7 s on a quiet 15 s burst, 16-21 s beside two hogs,
+# where no burst can stretch the bound past ~7 s (no pod starts after PLACE_BUDGET_S).
+AT_ONCE_SHARE = 0.1
 
 
 def random_pod(rng: random.Random, namespace: str) -> dict[str, Any]:
@@ -238,9 +244,10 @@ async def test_two_replicas_never_overfill_a_gpu(
     lags = sorted(seen.release_lags) or [0.0]
     # Released on the watch event, during the burst too (a deleted pod's GPUs held until the
     # burst ends refuse new pods meanwhile), never later than the README's worst case.
-    assert lags[len(lags) // 2] <= AT_ONCE_S and lags[-1] <= bound_s, (
+    at_once_s = max(AT_ONCE_S, AT_ONCE_SHARE * placed_s)
+    assert lags[len(lags) // 2] <= at_once_s and lags[-1] <= bound_s, (
         f"release after deletion: median {lags[len(lags) // 2]:.1f} s, max {lags[-1]:.1f} s "
-        f"(bounds {AT_ONCE_S} s, {bound_s:.0f} s)"
+        f"(bounds {at_once_s:.1f} s for a {placed_s:.0f} s burst, {bound_s:.0f} s)"
     )
     print(f"{PODS} pods, {placed_s:.1f} s placing, {settle_s:.1f} s until every deleted pod's "
           f"allocation was gone ({polls} polls); release after deletion (as the checker saw "

@@ -123,7 +123,7 @@ async def test_a_deleted_dra_pod_releases_its_entry_quota_and_announces_it(
         await DraQuota(nc, TesseraSettings()).hold(namespace, uid, spec["metadata"]["name"],
                                                    allocation)  # fmt: skip
         await bus.cas_update(buckets.ledger, name, NodeLedger, put_mutation(name, allocation))
-        await wait_until(lambda: service.index.pod_nodes.get(uid) == name, 10)
+        await wait_until(lambda: service.index.pod_nodes.get(uid) == name)
         assert await used() == 4096
         released = await nc.subscribe(bus.alloc_event_subject(name, "released"))
         await bus.flush(nc)  # in place before another connection publishes
@@ -175,7 +175,7 @@ async def test_a_restarted_scheduler_over_a_lost_ledger_gives_no_dra_card_away(
     service = await make_service()  # starts (and rebuilds) over the lost ledger
     assert cluster.listing.is_set()  # not ready before the nodes' modes were known
     await later
-    await wait_until(lambda: service.index.node(name) is not None, 10)
+    await wait_until(lambda: service.index.node(name) is not None)
     wanted = cluster.add_pod(pod(container(mem=12 * GIB)))
     async with http_client(service) as client:
         response = await client.post("/filter", json={"pod": wanted, "nodenames": [name]})

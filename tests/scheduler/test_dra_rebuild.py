@@ -171,7 +171,7 @@ async def test_a_wiped_store_under_a_running_dra_pod_gives_its_card_to_no_one(
         fresh_nats.start()
         keeper = service.keeper
         assert keeper is not None
-        await wait_until(lambda: keeper.generation >= 1, 10)
+        await wait_until(lambda: keeper.generation >= 1)
         for _ in range(100):  # the node agent's next heartbeat, once the bucket is back
             try:
                 await register(buckets, registration)

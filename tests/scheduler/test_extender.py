@@ -66,7 +66,7 @@ async def test_worked_example_two_pods_share_one_card(
         assert (await filter_call(client, pod_b, [name]))["nodenames"] == [name]
         # A is in flight (no Allocate yet); B, of other amounts on the same card, goes in
         # flight beside it: a crossed guess between them trades a card for itself.
-        assert await asyncio.wait_for(bind_call(client, pod_b, name), 5) == ""
+        assert await asyncio.wait_for(bind_call(client, pod_b, name), 15) == ""
         await agent_allocate(buckets, name, pod_a["metadata"]["uid"])
     state = await ledger(buckets, name)
     grants = [g for a in state.allocations.values() for c in a.containers for g in c]
@@ -105,7 +105,7 @@ async def test_bound_event_is_published_once(
         await filter_call(client, spec, [name])
         assert await bind_call(client, spec, name) == ""
         assert await bind_call(client, spec, name) == ""  # a retried bind succeeds quietly
-    event = decode((await sub.next_msg(timeout=3)).data, AllocationEvent)
+    event = decode((await sub.next_msg(timeout=20)).data, AllocationEvent)
     assert event.pod_uid == spec["metadata"]["uid"] and event.event_id.endswith(":bound")
 
 
@@ -172,7 +172,7 @@ async def test_refusal_reports_reasons_event_and_explain(
                    SchedulingFailedEvent)  # fmt: skip
     assert event.node_reasons[full] == "2/2 CardInsufficientMemory"
     ask = ExplainRequest(namespace=spec["metadata"]["namespace"], name=spec["metadata"]["name"])
-    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=3)).data,
+    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=10)).data,
                    ExplainReply)  # fmt: skip
     assert reply.pending and reply.node_reasons[full] == "2/2 CardInsufficientMemory"
 
@@ -188,7 +188,7 @@ async def test_unbound_reservation_expires_and_is_released(
     async with http_client(service) as client:
         assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
     assert spec["metadata"]["uid"] in (await ledger(buckets, name)).allocations
-    event = decode((await sub.next_msg(timeout=5)).data, AllocationEvent)
+    event = decode((await sub.next_msg(timeout=20)).data, AllocationEvent)
     assert event.pod_uid == spec["metadata"]["uid"]
     assert (await ledger(buckets, name)).allocations == {}
 
@@ -545,11 +545,11 @@ async def test_explain_by_name_finds_a_placed_pod(
         assert (await filter_call(client, spec, [name]))["nodenames"] == [name]
         assert await bind_call(client, spec, name) == ""
     ask = ExplainRequest(namespace=spec["metadata"]["namespace"], name=spec["metadata"]["name"])
-    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=3)).data,
+    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=10)).data,
                    ExplainReply)  # fmt: skip
     assert reply.ok and not reply.pending and reply.node == name
     # Another pod's name in the same namespace is not mistaken for it.
     other = ExplainRequest(namespace=spec["metadata"]["namespace"], name="someone-else")
-    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(other), timeout=3)).data,
+    reply = decode((await nc.request(bus.SCHEDULER_EXPLAIN, encode(other), timeout=10)).data,
                    ExplainReply)  # fmt: skip
     assert reply.node != name

@@ -101,12 +101,12 @@ async def test_deleted_pending_pod_leaves_explain_and_is_announced(
     ask = ExplainRequest(namespace=namespace, name=spec["metadata"]["name"])
 
     async def explain() -> ExplainReply:
-        reply = await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=3)
+        reply = await nc.request(bus.SCHEDULER_EXPLAIN, encode(ask), timeout=10)
         return decode(reply.data, ExplainReply)
 
     assert (await explain()).pending
     cluster.delete_pod(namespace, spec["metadata"]["name"])
-    gone = decode((await sub.next_msg(timeout=5)).data, PodGoneEvent)
+    gone = decode((await sub.next_msg(timeout=20)).data, PodGoneEvent)
     assert (gone.namespace, gone.name, gone.pod_uid) == (
         namespace, spec["metadata"]["name"], spec["metadata"]["uid"])
     assert not (await explain()).pending

@@ -25,7 +25,7 @@ from tessera.models import (
     ValueRejectedEvent,
 )
 
-from .conftest import MakeService, register, unique, wait_until
+from .conftest import MakeService, register, unique, until_async, wait_until
 from .factories import container, node, pod
 
 MIB = 1 << 20
@@ -150,7 +150,7 @@ async def test_a_victim_is_released_only_when_the_agent_reports_its_memory_free(
     await asyncio.sleep(0.3)
     assert victim_held()
     await report(0)  # the memory is back
-    await wait_until(lambda: not victim_held(), timeout=5)
+    await wait_until(lambda: not victim_held())
     placed = await service.scheduler.filter(urgent, [name])
     assert placed.nodenames == [name]
 
@@ -182,8 +182,8 @@ async def test_a_nomination_whose_victims_never_go_is_re_evaluated(
         ledger = service.index.entries[name].ledger
         return ledger is not None and uid not in ledger.allocations
 
-    await wait_until(nominee_gone, timeout=5)  # the deadline passed: the reservation lapsed
-    await wait_until(lambda: uid not in service.scheduler.preemption.started, timeout=5)
+    await wait_until(nominee_gone)  # the deadline passed: the reservation lapsed
+    await wait_until(lambda: uid not in service.scheduler.preemption.started)
     await service.scheduler.drain()
     done = await service.js.get_last_msg(
         bus.EVENTS_STREAM, bus.preemption_event_subject("default", "done"))
@@ -224,7 +224,7 @@ async def test_a_deleted_nominee_leaves_nothing_reserved(
         ledger = service.index.entries[name].ledger
         return ledger is not None and uid not in ledger.allocations \
             and victim_uid not in ledger.allocations
-    await wait_until(clean, timeout=5)  # no reservation kept, the gone victim released
+    await wait_until(clean)  # no reservation kept, the gone victim released
     await service.scheduler.drain()
     done = await service.js.get_last_msg(
         bus.EVENTS_STREAM, bus.preemption_event_subject("default", "done"))
@@ -253,7 +253,7 @@ async def test_a_forged_preemption_mark_frees_nothing(
     forged.allocations[uid].preempted_until = time.time() + 600
     sub = await service.nc.subscribe(bus.rejected_event_subject("ledger"))
     await service.buckets.ledger.update(name, encode(forged), last=current.revision)
-    event = decode((await sub.next_msg(timeout=5)).data, ValueRejectedEvent)
+    event = decode((await sub.next_msg(timeout=20)).data, ValueRejectedEvent)
     assert event.key == name and event.problem == "preemption_mark_unbacked"
 
     async def repaired() -> bool:
@@ -261,11 +261,10 @@ async def test_a_forged_preemption_mark_frees_nothing(
         return now is not None and now.revision > current.revision + 1 \
             and not now.value.allocations[uid].preempted_by
 
-    for _ in range(100):
-        if await repaired() and service.guard.refusal(name) is None:
-            break
-        await asyncio.sleep(0.05)
-    assert await repaired()
+    async def repaired_and_trusted() -> bool:
+        return await repaired() and service.guard.refusal(name) is None
+
+    await until_async(repaired_and_trusted, "the forged preemption mark repaired")
     other = prioritised("other", 20000, 10)  # no lower priority to evict: no preemption
     cluster.add_pod(other)
     result = await service.scheduler.filter(other, [name])
@@ -284,7 +283,7 @@ async def done_events(service, uid: str) -> list[PreemptionEvent]:
     out = []
     try:
         for _ in range(stored):
-            event = decode((await sub.next_msg(timeout=5)).data, PreemptionEvent)
+            event = decode((await sub.next_msg(timeout=20)).data, PreemptionEvent)
             if event.pod_uid == uid:
                 out.append(event)
     finally:
@@ -315,18 +314,18 @@ async def _preempt_on_one_finish_on_two(make_service, cluster, *, kill_first: bo
         ledger = two.index.entries[name].ledger
         return ledger is not None and victim["metadata"]["uid"] not in ledger.allocations
 
-    for _ in range(100):  # reports until the victim's pod is seen gone and its memory free
+    async def released_after_report() -> bool:  # reports until the victim's memory is free
         await two.nc.publish(bus.usage_subject(name), encode(sample))
-        if victim_released():
-            break
-        await asyncio.sleep(0.05)
-    assert victim_released()
-    for _ in range(100):
-        if await done_events(two, uid):
-            break
-        await asyncio.sleep(0.05)
+        return victim_released()
+
+    await until_async(released_after_report, "the victim released on the usage reports")
+
+    async def done_published() -> bool:
+        return bool(await done_events(two, uid))
+
+    await until_async(done_published, "preemption.done published")
     for replica in (two,) if kill_first else (one, two):
-        await wait_until(lambda r=replica: uid not in r.scheduler.preemption.started, timeout=5)
+        await wait_until(lambda r=replica: uid not in r.scheduler.preemption.started)
     return two, uid
 
 

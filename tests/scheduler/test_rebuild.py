@@ -150,7 +150,7 @@ async def test_filter_is_refused_with_a_reason_until_the_ledger_is_rebuilt(nats_
         spec = cluster.add_pod(pod(container(mem=GIB)))
         args = {"Pod": spec, "NodeNames": [name]}
         async with http_client(service) as http:
-            await wait_until(lambda: service.nodes_synced.is_set(), 10)
+            await wait_until(lambda: service.nodes_synced.is_set())
             await asyncio.sleep(1.0)  # several rebuild attempts failed meanwhile
             assert (await http.get("/readyz")).status_code == 503
             refused = (await http.post("/filter", json=args)).json()
@@ -158,7 +158,7 @@ async def test_filter_is_refused_with_a_reason_until_the_ledger_is_rebuilt(nats_
             assert "apiserver unreachable" in refused["error"]
             assert not refused.get("nodenames")
             cluster.reachable = True
-            await service.wait_ready(10)
+            await service.wait_ready(30)
             assert (await http.get("/readyz")).status_code == 200
             placed = (await http.post("/filter", json=args)).json()
             assert placed["nodenames"] == [name], placed
@@ -192,7 +192,7 @@ async def test_wiped_store_under_a_running_scheduler_is_recreated_and_rebuilt(
         assert keeper is not None
         # The re-creation itself, not the not-ready window it opens: with an in-memory cluster
         # the rebuild can finish between two polls of `ready()` (it did in a loaded CI run).
-        await wait_until(lambda: keeper.generation >= 1, 10)
+        await wait_until(lambda: keeper.generation >= 1)
         for _ in range(100):  # the node agent's next heartbeat, once the bucket is back
             try:
                 await register(buckets, node(name, gpus=2, memory_mib=10 * GIB))

@@ -16,7 +16,7 @@ from tessera.bus import Buckets
 from tessera.cluster.memory import InMemoryCluster
 from tessera.models import AllocationState, NodeLedger
 
-from .conftest import MakeService, agent_allocate, register, unique, wait_until
+from .conftest import MakeService, agent_allocate, register, unique, until_async, wait_until
 from .factories import GIB, container, node, pod
 
 TTL = 1.0
@@ -120,11 +120,7 @@ async def test_restart_rebuilds_index_and_expires_stale_reservations(
                 return False
         return True
 
-    for _ in range(50):
-        if await settled():
-            break
-        await asyncio.sleep(0.1)
-    assert await settled()
+    await until_async(settled, "every lapsed reservation and claim dropped", interval=0.1)
     bound_in_cluster = {
         p["metadata"]["uid"]: p["spec"].get("nodeName") for p in cluster.pods.values()
     }

@@ -92,7 +92,7 @@ async def test_a_wiped_ledger_keeps_every_vendor_pods_device(
     registration = vendor_node(name, vendor, str(tmp_path))
     await register(buckets, registration)
     first = await make_service()
-    await wait_until(lambda: first.index.node(name) is not None, 10)
+    await wait_until(lambda: first.index.node(name) is not None)
     async with http_client(first) as client:
         placed = [await place(first, client, cluster, buckets, name, limits) for limits in fill]
         refused = await filter_call(client, cluster.add_pod(pod(vendor_container(small))),
@@ -149,7 +149,7 @@ async def test_a_vendor_pod_hami_placed_holds_its_device_after_a_restart(
     held = cluster.add_pod(hami_placed(pod(vendor_container(small), namespace="team-hami"),
                                        name, device))  # fmt: skip
     service = await make_service()  # ready = the ledger synced and HAMi's pods read back
-    await wait_until(lambda: service.index.node(name) is not None, 10)
+    await wait_until(lambda: service.index.node(name) is not None)
     assert len(service.index.foreign_allocations(name)) == 1
     async with http_client(service) as client:
         outcome = await filter_call(client, cluster.add_pod(pod(vendor_container(small))),
@@ -161,7 +161,7 @@ async def test_a_vendor_pod_hami_placed_holds_its_device_after_a_restart(
         assert ledger is None or held["metadata"]["uid"] not in ledger.value.allocations
 
         cluster.delete_pod("team-hami", held["metadata"]["name"])  # HAMi's pod ends
-        await wait_until(lambda: not service.index.foreign_allocations(name), 10)
+        await wait_until(lambda: not service.index.foreign_allocations(name))
         outcome = await filter_call(client, cluster.add_pod(pod(vendor_container(small))),
                                     [name])  # fmt: skip
         assert outcome["nodenames"] == [name], outcome
