@@ -239,3 +239,51 @@ def test_the_library_is_looked_for_where_the_environment_says(
     assert native_names.library_path() == tmp_path / "lib.so"
     monkeypatch.delenv(native_names.LIBRARY_ENV)
     assert native_names.library_path() == NAMES_DIR / "build" / "libtessera_names.so"
+
+
+def chunked(names: list[str], chunk: int, rng: random.Random, workers: int = 16,
+            skipped: float = 0.0, taken_late: bool = False) -> list[str]:
+    """kube-scheduler's parallel filters' list: its node order from a start index, in chunks of
+    `chunk` names handed out in order to `workers` workers that each append their chunk's
+    nodes one by one as they pass (`skipped`: the share its filters refused; `taken_late`: now
+    and then a worker takes the chunk after next, so a chunk starts where none was expected)."""
+    ordered = sorted(names, key=str.encode)
+    start = rng.randrange(len(ordered))
+    rotated = ordered[start:] + ordered[:start]
+    pending = [rotated[i : i + chunk] for i in range(0, len(rotated), chunk)]
+    running: list[list[str]] = []
+    out: list[str] = []
+    while pending or running:
+        while pending and len(running) < workers:
+            at = 1 if taken_late and len(pending) > 1 and rng.random() < 0.2 else 0
+            running.append(list(pending.pop(at)))
+        run = running[rng.randrange(len(running))]
+        name = run.pop(0)
+        if rng.random() >= skipped:
+            out.append(name)
+        if not run:
+            running.remove(run)
+    return out
+
+
+@pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
+def test_the_parallel_filters_chunks_resolve_exactly_however_they_are_dealt(
+    names: list[str],
+) -> None:
+    """The resolver expects each next chunk of kube-scheduler's parallel filters where the
+    furthest one started plus the chunk size (`tn_resolve`'s chunk): chunks of every size (1,
+    a few, ~sqrt, most of the list), the last one short and the order wrapping, nodes its filters
+    refused (a chunk's first name missing), chunks taken out of turn, one worker, repeats and
+    another list appended: each name resolves to its own row, as the numpy path and decoding
+    say."""
+    table = table_of(names)
+    rng = random.Random(17)
+    count = len(names)
+    for chunk in (1, 2, 3, 7, int(count**0.5), int(count**0.5) + 1, count // 3, count - 1):
+        for skipped, late, workers in ((0.0, False, 16), (0.05, False, 16), (0.0, True, 16),
+                                       (0.3, True, 4), (0.0, False, 1)):  # fmt: skip
+            listed = chunked(names, chunk, rng, workers, skipped, late)
+            for array in (listed, listed + listed[:50], listed[: len(listed) // 2] + rng.sample(
+                    names, 100)):  # fmt: skip
+                if array:
+                    assert same_as_numpy(table, compact(array)) is not None, (chunk, skipped)
