@@ -288,13 +288,6 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 	 * cursor that far on (`TN_RECENT` positions remembered). */
 	uint64_t stride = 1, proposed = 1, agreed = 0;
 	uint64_t missed = 0; /* names in a row not found by a cursor */
-	/* kube-scheduler's parallel filters hand its node order out in chunks of equal size
-	 * (~sqrt(nodes)), in order, to 16 workers: each chunk is a run of the list, and a run
-	 * starts where the furthest chunk started plus the chunk size. The start of each run
-	 * found in the table sets a cursor (and fetches its records and bytes) that far on, so
-	 * the next chunk's first name is found by it, not in the table (a cache miss there and
-	 * on the chunk's first records). */
-	uint64_t furthest = UINT64_MAX, chunk = 0, predicted = UINT64_MAX;
 	uint32_t recent[TN_RECENT];
 	for (;;) {
 		const unsigned char *s = p + 1;
@@ -346,23 +339,6 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 		}
 		if (c == (uint32_t)position)
 			missed = 0;
-		if (c != (uint32_t)position || (uint64_t)position == predicted) {
-			/* a run's start (found in the table, or where predicted): the next chunk's */
-			if (c != (uint32_t)position && furthest != UINT64_MAX) {
-				uint64_t d = ((uint64_t)position + count - furthest) % count;
-				if (d > 1 && d < count / 2)
-					chunk = d; /* (a name behind the furthest start: not a chunk's) */
-			}
-			if (furthest == UINT64_MAX || chunk == 0
-			    || ((uint64_t)position + count - furthest) % count < count / 2)
-				furthest = (uint64_t)position;
-			if (chunk != 0) {
-				predicted = (furthest + chunk) % count;
-				cursor[at[predicted].key] = (uint32_t)predicted;
-				__builtin_prefetch(&at[predicted + 4 < count ? predicted + 4 : predicted]);
-				__builtin_prefetch(blob + at[predicted].offset);
-			}
-		}
 		recent[k % TN_RECENT] = (uint32_t)position;
 		rows[k] = at[position].row;
 		if (slots != NULL)
