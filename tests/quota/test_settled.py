@@ -162,7 +162,9 @@ async def test_totals_off_after_a_crash_are_re_derived_from_the_keys(
 
 
 async def journal_lengths_over(nc, service, ns: str, pods: int) -> int:  # type: ignore[no-untyped-def]
-    """Reserve `pods` pods one after another in `ns`; the longest journal seen after any of them."""
+    """Reserve `pods` pods one after another in `ns` (limit: exactly those pods); the longest
+    journal seen after any of them. Checks that every charge was kept however it was folded."""
+    await set_limits(nc, ns, memory_mib=pods * 10)
     longest = 0
     for i in range(pods):
         reply = await call(nc, bus.QUOTA_RESERVE, reserve(ns, f"p{i}", mem=10), timeout=20)
@@ -170,6 +172,9 @@ async def journal_lengths_over(nc, service, ns: str, pods: int) -> int:  # type:
         current = await read(service.kv, ns, QuotaState)
         assert current is not None
         longest = max(longest, len(current.value.charges))
+    full = await service.store.full_state(ns)
+    assert full is not None and len(full.charges) == pods
+    assert full.used().memory_mib == pods * 10
     return longest
 
 
@@ -185,12 +190,8 @@ async def test_the_journal_stays_short_however_fast_pods_arrive(start_quota, nc)
     service = await start_quota(quiet, clock=lambda: 1_000_000.0)
     ns = unique_namespace("fast")
     pods = max(100, 3 * JOURNAL_HARD_MAX)
-    await set_limits(nc, ns, memory_mib=pods * 10)
     longest = await journal_lengths_over(nc, service, ns, pods)
     assert longest <= JOURNAL_HARD_MAX, f"journal grew to {longest} entries"
-    full = await service.store.full_state(ns)
-    assert full is not None and len(full.charges) == pods
-    assert full.used().memory_mib == pods * 10
     # Folded or not, the limit holds: the namespace is full.
     assert (await call(nc, bus.QUOTA_RESERVE, reserve(ns, "one-more", mem=10))).ok is False
 
@@ -211,10 +212,5 @@ async def test_the_journal_stays_bounded_when_reserves_outrun_the_fold(start_quo
 
     service.store.fold = slow_fold
     ns = unique_namespace("slowfold")
-    pods = 2 * JOURNAL_HARD_MAX
-    await set_limits(nc, ns, memory_mib=pods * 10)
-    longest = await journal_lengths_over(nc, service, ns, pods)
+    longest = await journal_lengths_over(nc, service, ns, 2 * JOURNAL_HARD_MAX)
     assert longest <= JOURNAL_HARD_MAX, f"journal grew to {longest} entries"
-    full = await service.store.full_state(ns)
-    assert full is not None and len(full.charges) == pods
-    assert full.used().memory_mib == pods * 10

@@ -113,19 +113,24 @@ def place_if_it_fits(index: ClusterIndex, spec: dict[str, Any], target: str,
         place(index, target, spec["metadata"]["uid"], chosen[1].containers, rng)
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> dict[str, int]:
+    """Count the calls of `module.name` from here on (it still runs): {"n": calls so far}."""
+    calls = {"n": 0}
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def count_fits(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Count the decision's calls of fit_pod (one per node it fits): {"n": calls so far}."""
     from tessera.scheduler import decide as decide_module
 
-    fits = {"n": 0}
-    real_fit = decide_module.fit_pod
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        fits["n"] += 1
-        return real_fit(*args, **kwargs)
-
-    monkeypatch.setattr(decide_module, "fit_pod", counted)
-    return fits
+    return count_calls(monkeypatch, decide_module, "fit_pod")
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -22,7 +22,7 @@ from tessera.models import DeviceGrant, DeviceInfo, NodeLedger, NodeRegistration
 from tessera.settings import TesseraSettings
 
 from .factories import GIB
-from .test_decision_reference import count_fits, place, reference
+from .test_decision_reference import count_calls, count_fits, place, reference
 
 SETTINGS = TesseraSettings()
 
@@ -59,15 +59,7 @@ def walk_key(index: ClusterIndex, listed: list[str], name: str) -> tuple[bool, i
 
 
 def count_groupings(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls = {"n": 0}
-    real = decide_module.group
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decide_module, "group", counted)
-    return calls
+    return count_calls(monkeypatch, decide_module, "group")
 
 
 @pytest.mark.parametrize("listed", [200, 1500])  # (numpy's walk; C's from 1,024 candidates)
