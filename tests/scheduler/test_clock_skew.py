@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from tessera import bus
 from tessera.bus import Buckets
+from tessera.cancelling import cancel_and_wait
 from tessera.clock import ServerClock
 from tessera.cluster.memory import InMemoryCluster
 from tessera.events import subscribe
@@ -81,9 +82,7 @@ async def run_with_skewed_replica(
     finally:
         stop.set()
         await beating
-        collector.cancel()
-        with contextlib.suppress(BaseException):
-            await collector
+        await cancel_and_wait(collector)  # (a cancel landing with a bus reply may be dropped)
         await lost.aclose()
 
 

@@ -4,7 +4,6 @@ consistent, and no stale reservation or claim survives its expiry."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from typing import Any
@@ -13,6 +12,7 @@ from tessera.scheduler.cards import build_cards, over_capacity
 
 from tessera import bus
 from tessera.bus import Buckets
+from tessera.cancelling import cancel_and_wait
 from tessera.cluster.memory import InMemoryCluster
 from tessera.models import AllocationState, NodeLedger
 
@@ -75,11 +75,7 @@ async def test_restart_rebuilds_index_and_expires_stale_reservations(
     await wait_until(dangling_reservation_with_time_left, 30)
     # The crash: the replica's loops and every request in flight die where they stand.
     first.kill()
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(BaseException):
-            await task
+    await cancel_and_wait(tasks)  # (a cancel landing with a bus reply may be dropped: re-sent)
     await first.nc.close()
     left_reserved = 0
     for name in names:
