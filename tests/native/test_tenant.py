@@ -11,12 +11,15 @@ libvgpu (no LD_PRELOAD limiter can stop it): the node agent's watchdog is what c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +247,107 @@ def test_truncated_region_gives_no_fresh_budget(tenant):
     assert not b(f"alloc plain {CHUNK}")["ok"]
     assert a("phys")["phys"] <= LIMIT
     assert "bad header" in b.stderr() or "unusable" in b.stderr()
+
+
+class HeldStderr:
+    """A process's stderr as a one-page pipe the test can keep full: the process's next log line
+    then blocks inside the very call that writes it, until the test drains the pipe. This holds
+    a thread of libvgpu at a chosen point, so an interleaving with the poll thread is exact."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        fcntl.fcntl(self.w, fcntl.F_SETPIPE_SZ, 4096)
+        self.size = fcntl.fcntl(self.w, fcntl.F_GETPIPE_SZ)
+        os.set_blocking(self.r, False)
+        self.text = b""
+        self._drainer: threading.Thread | None = None
+
+    @property
+    def path(self) -> Path:  # a new open of the pipe's write end: blocking, whatever ours is
+        return Path(f"/proc/{os.getpid()}/fd/{self.w}")
+
+    def fill(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(self.r, 65536):
+                self.text += chunk
+        os.write(self.w, b"\n" * self.size)  # an empty pipe of this size takes it whole
+
+    def drain(self) -> None:
+        def run() -> None:
+            os.set_blocking(self.r, True)
+            while chunk := os.read(self.r, 65536):
+                self.text += chunk
+
+        self._drainer = threading.Thread(target=run, daemon=True)
+        self._drainer.start()
+
+    def close(self) -> None:
+        os.close(self.w)
+        if self._drainer:
+            self._drainer.join(timeout=5)
+        os.close(self.r)
+
+
+def threads_waiting(pid: int, kernel_wait: str) -> int:
+    """How many of pid's threads are blocked in the kernel function named (from their wchan)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            n += kernel_wait in Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
+    return n
+
+
+def test_a_slot_taken_while_the_region_was_bad_is_never_kept(tenant):
+    """CI caught this once: a process resolved its device while the region was bad and got a
+    private stand-in slot; its poll thread repaired the region before the resolver re-checked,
+    so the stand-in was kept and every later charge was held to that process's own allocations:
+    a fresh budget beside the container's. Here that interleaving is made exact: the poll
+    thread is held re-attaching (on the region file's lock) while the allocating thread takes
+    its stand-in slot, and the allocating thread is held (on its log line) while the poll
+    thread finishes the repair."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {3 * CHUNK}")["ok"]
+    cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
+    assert cut.returncode == 0, cut.stderr
+    held = HeldStderr()
+    b = Cuctl(tenant.native.bin / "cuctl", tenant.env(), held.path, tenant.prefix)
+    file_lock = tenant.region_path.open("rb")
+    try:
+        assert b("init")["ok"]
+        assert not b(f"alloc plain {50 * MiB}")["ok"]  # bad: refused
+        fcntl.flock(file_lock, fcntl.LOCK_EX)
+        fresh = tenant.base / "gpu" / "fresh"
+        region.prepare_region_file(fresh)
+        rewrite = tenant.python(
+            f"data = open('{fresh}', 'rb').read()\n"
+            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
+        )
+        assert rewrite.returncode == 0, rewrite.stderr
+        attaching, _ = wait_for(lambda: threads_waiting(b.pid, "lock_inode_wait") == 1, 10)
+        assert attaching, "b's poll thread never tried to re-attach"
+        held.fill()
+        b.send(f"alloc plain {50 * MiB}")  # resolves its device: the region is still bad
+        resolving, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
+        assert resolving, "the allocating thread never logged its stand-in slot"
+        fcntl.flock(file_lock, fcntl.LOCK_UN)
+        repaired, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 2, 10)
+        assert repaired, "b's poll thread never logged the repair"
+        held.drain()
+        if not b.recv()["ok"]:  # begun while bad: refusing it is fine, a private charge is not
+            ok, _ = wait_for(lambda: b(f"alloc plain {50 * MiB}")["ok"], timeout=5, step=0.05)
+            assert ok
+        back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK + 50 * MiB, timeout=5)
+        assert back, f"b's charge is not in the container's region: {tenant.used()}"
+        assert not b(f"alloc plain {CHUNK}")["ok"]  # 950 + 300 > 1000 MiB: the container's
+        assert a("phys")["phys"] <= LIMIT
+    finally:
+        file_lock.close()
+        if b.p.poll() is None:
+            b.p.kill()
+            b.p.wait()
+        b.close(check=False)
+        held.close()
 
 
 def bogus_table(tenant, claim_pid: int | None) -> str:

@@ -49,7 +49,7 @@ int tv_dev_slot(CUdevice dev)
     s = atomic_load(&tv.cuda_slot[dev]);
     if (s < 0) {
         s = slot_for_uuid_locked(uuid, (int)dev);
-        if (s >= 0 && !atomic_load(&tv.rg.bad)) { /* a stand-in slot while bad: not kept */
+        if (s >= 0 && !tv_region_standin(&tv.rg, s)) { /* a stand-in (region bad): not kept */
             atomic_store_explicit(&tv.cuda_slot[dev], s, memory_order_release);
             TV_LOG(TV_LOG_INFO, "device %d = %s -> slot %d, limit %llu bytes, sm %u", (int)dev,
                    uuid, s, (unsigned long long)atomic_load(&tv.dev[s].mem_limit),
@@ -87,7 +87,7 @@ int tv_uuid_slot(const char *uuid)
     int d = tv_region_find_dev(&tv.rg, uuid);
     pthread_mutex_lock(&tv.mu);
     /* a device no CUDA process of the container has touched yet: add it, take its limit */
-    if (d < 0) d = slot_for_uuid_locked(uuid, -1);
+    if (d < 0 || tv_region_standin(&tv.rg, d)) d = slot_for_uuid_locked(uuid, -1);
     else if (atomic_load(&tv.dev[d].ordinal) < 0) tv_limits_apply_slot(d);
     pthread_mutex_unlock(&tv.mu);
     return d;

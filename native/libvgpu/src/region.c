@@ -653,28 +653,42 @@ int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
 {
     if (!uuid[0]) return -1;
     int k = -1;
-    if (!atomic_load(&rg->bad)) {
+    /* read once: a repair between two reads would let a stand-in pass for a real slot */
+    int bad = atomic_load(&rg->bad);
+    if (!bad) {
         tv_region_lock(rg);
         k = shared_slot_locked(rg, uuid, seed);
         tv_region_unlock(rg);
     }
-    if (k < 0) { /* no room we may take: this process alone is held to the limit */
-        pthread_mutex_lock(&rg->priv_mu);
-        struct tsr_region *P = rg->priv;
-        uint32_t n = P->num_devices;
-        for (uint32_t j = 0; j < n && k < 0; j++)
-            if (!strncmp(P->dev[j].uuid, uuid, TSR_UUID_LEN)) k = TSR_MAX_DEVICES + (int)j;
-        if (k < 0 && n < TSR_MAX_DEVICES) {
-            snprintf(P->dev[n].uuid, TSR_UUID_LEN, "%s", uuid);
-            __atomic_store_n(&P->num_devices, n + 1, __ATOMIC_RELEASE);
-            k = TSR_MAX_DEVICES + (int)n;
-        }
-        pthread_mutex_unlock(&rg->priv_mu);
-        if (k >= 0)
-            TV_LOG(TV_LOG_ERROR, "region: no device slot for %s: held to its limit by this "
-                   "process's own allocations", uuid);
+    if (k >= 0) {
+        snprintf(rg->uuid[k], TSR_UUID_LEN, "%s", uuid);
+        return k;
     }
-    if (k >= 0) snprintf(rg->uuid[k], TSR_UUID_LEN, "%s", uuid);
+    /* no room we may take (this process alone is held to the limit), or a stand-in while bad */
+    pthread_mutex_lock(&rg->priv_mu);
+    struct tsr_region *P = rg->priv;
+    uint32_t n = P->num_devices;
+    int j = -1;
+    for (uint32_t i = 0; i < n && j < 0; i++)
+        if (!strncmp(P->dev[i].uuid, uuid, TSR_UUID_LEN)) j = (int)i;
+    if (j < 0 && n < TSR_MAX_DEVICES) {
+        snprintf(P->dev[n].uuid, TSR_UUID_LEN, "%s", uuid);
+        __atomic_store_n(&P->num_devices, n + 1, __ATOMIC_RELEASE);
+        j = (int)n;
+        if (bad) atomic_fetch_or(&rg->standin, 1u << j);
+    } else if (j >= 0 && !bad) {
+        atomic_fetch_and(&rg->standin, ~(1u << j)); /* the shared table had no room: a real one */
+    }
+    pthread_mutex_unlock(&rg->priv_mu);
+    if (j < 0) return -1;
+    k = TSR_MAX_DEVICES + j;
+    snprintf(rg->uuid[k], TSR_UUID_LEN, "%s", uuid);
+    if (tv_region_standin(rg, k))
+        TV_LOG(TV_LOG_ERROR, "region unusable: %s has a stand-in slot; its memory is refused "
+               "until the region is repaired", uuid);
+    else
+        TV_LOG(TV_LOG_ERROR, "region: no device slot for %s: held to its limit by this "
+               "process's own allocations", uuid);
     return k;
 }
 
@@ -687,6 +701,7 @@ static int fits(uint64_t used, uint64_t limit, uint64_t bytes)
 
 static int charge_private(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
 {
+    if (tv_region_standin(rg, d)) return -1; /* resolved while bad, charged after the repair */
     struct tsr_region_device *rd = tv_region_dev(rg, d);
     pthread_mutex_lock(&rg->priv_mu);
     int ok = fits(rg->mine[d], limit, bytes);

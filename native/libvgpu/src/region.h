@@ -48,6 +48,9 @@ struct tv_region {
     char path[TSR_PATH_LEN];
     uint64_t ino, dev;        /* of the file mapped */
     pthread_mutex_t priv_mu;  /* private slots' charges */
+    /* bit j: private slot TSR_MAX_DEVICES + j was handed out while the shared file was bad, as a
+     * stand-in (its limit applies, its charges are refused): never kept, never charged */
+    _Atomic uint32_t standin;
 };
 
 /* What the region needs to know of the limits, passed in (the region never reads them). */
@@ -77,10 +80,17 @@ int tv_region_reclaim_dead(struct tv_region *rg) TV_HIDDEN; /* caller holds the 
 void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_seed *seed) TV_HIDDEN;
 void tv_region_after_fork_child(struct tv_region *rg) TV_HIDDEN;
 
-/* Devices: find, or find-or-add (falling back to a private slot); -1 when impossible. */
+/* Devices: find, or find-or-add (falling back to a private slot); -1 when impossible. While the
+ * shared file is bad, find-or-add gives a stand-in (tv_region_standin): the caller must not keep
+ * it, and charges to it are refused, even after the file is repaired. */
 int tv_region_find_dev(struct tv_region *rg, const char *uuid) TV_HIDDEN;
 int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
                        const struct tv_region_seed *seed) TV_HIDDEN;
+static inline int tv_region_standin(struct tv_region *rg, int d)
+{
+    return d >= TSR_MAX_DEVICES && d < TV_MAX_SLOTS &&
+           (atomic_load_explicit(&rg->standin, memory_order_acquire) >> (d - TSR_MAX_DEVICES) & 1u);
+}
 
 /* Memory: 0 charged, -1 over `limit` (0 = none) or refused (bad region). Charge: 0 <= d <
  * TV_MAX_SLOTS and bytes > 0 (the caller checked). */
