@@ -48,8 +48,12 @@ int tv_dev_slot(CUdevice dev)
     pthread_mutex_lock(&tv.mu);
     s = atomic_load(&tv.cuda_slot[dev]);
     if (s < 0) {
+        uint32_t epoch = tv_region_epoch(&tv.rg);
         s = slot_for_uuid_locked(uuid, (int)dev);
-        if (s >= 0 && !tv_region_standin(&tv.rg, s)) { /* a stand-in (region bad): not kept */
+        /* not kept: a stand-in (the region was bad), or a slot resolved while the region went
+         * bad or was repaired (region.h, tv_region_epoch) */
+        if (s >= 0 && !tv_region_standin(&tv.rg, s) && !atomic_load(&tv.rg.bad) &&
+            tv_region_epoch(&tv.rg) == epoch) {
             atomic_store_explicit(&tv.cuda_slot[dev], s, memory_order_release);
             TV_LOG(TV_LOG_INFO, "device %d = %s -> slot %d, limit %llu bytes, sm %u", (int)dev,
                    uuid, s, (unsigned long long)atomic_load(&tv.dev[s].mem_limit),

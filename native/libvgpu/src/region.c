@@ -601,6 +601,7 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
     }
     tv_region_unlock(rg);
     tv_region_register(rg); /* writes mine[] into the slot and the totals */
+    atomic_fetch_add(&rg->reattached, 1);
     atomic_store(&rg->bad, 0);
     TV_LOG(TV_LOG_WARN, "region %s valid again: charges resume", rg->path);
 }

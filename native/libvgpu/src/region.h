@@ -51,6 +51,7 @@ struct tv_region {
     /* bit j: private slot TSR_MAX_DEVICES + j was handed out while the shared file was bad, as a
      * stand-in (its limit applies, its charges are refused): never kept, never charged */
     _Atomic uint32_t standin;
+    _Atomic uint32_t reattached; /* times the file was made valid again after being bad */
 };
 
 /* What the region needs to know of the limits, passed in (the region never reads them). */
@@ -86,6 +87,12 @@ void tv_region_after_fork_child(struct tv_region *rg) TV_HIDDEN;
 int tv_region_find_dev(struct tv_region *rg, const char *uuid) TV_HIDDEN;
 int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
                        const struct tv_region_seed *seed) TV_HIDDEN;
+/* A slot resolved while this did not change, with the region good before and after, may be kept:
+ * one resolved across a truncation or a repair is resolved again next time. */
+static inline uint32_t tv_region_epoch(struct tv_region *rg)
+{
+    return atomic_load_explicit(&rg->reattached, memory_order_acquire);
+}
 static inline int tv_region_standin(struct tv_region *rg, int d)
 {
     return d >= TSR_MAX_DEVICES && d < TV_MAX_SLOTS &&
