@@ -5,8 +5,8 @@ sealed limits files it rewrites."""
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
+import subprocess
+import sys
 import time
 
 from node_agent_rig import running_rig
@@ -27,33 +27,34 @@ from tessera.region import (
 LAST_KERNEL = RegionC.dev.offset + RegionDeviceC.last_kernel_ns.offset  # device 0's
 
 
-def stamp(region: str, ns: int) -> None:
-    """What libvgpu does on every launch: device 0's last_kernel_ns (CLOCK_REALTIME)."""
-    fd = os.open(region, os.O_WRONLY)
-    try:
-        os.pwrite(fd, ns.to_bytes(8, "little"), LAST_KERNEL)
-    finally:
-        os.close(fd)
-
-
 class Busy:
-    """A container's launches, stamped every 20 ms from a thread of its own, as libvgpu stamps
-    them from the tenant's process: a busy test process or a stalled event loop (the agent's, in
-    this process) must not make the container look idle for the lender's 0.2 s."""
+    """A container's launches, stamped every 20 ms, as libvgpu stamps them from the tenant's
+    process: from a process of its own, so that neither this busy test process (its GIL, the
+    agent's event loop in it) nor a loaded CPU makes the container look idle for the lender's
+    0.2 s (CI once saw a thread here starved that long, and the lender rightly lent again)."""
+
+    SCRIPT = (
+        "import os, sys, time\n"
+        "region, offset = sys.argv[1], int(sys.argv[2])\n"
+        "while True:\n"
+        "    try:\n"
+        "        fd = os.open(region, os.O_WRONLY)\n"
+        "    except FileNotFoundError:\n"
+        "        break  # the container is gone\n"
+        "    os.pwrite(fd, time.time_ns().to_bytes(8, 'little'), offset)\n"
+        "    os.close(fd)\n"
+        "    time.sleep(0.02)\n"
+    )
 
     def __init__(self, region: str) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(region,), daemon=True)
-        self._thread.start()
-
-    def _run(self, region: str) -> None:
-        while not self._stop.is_set():
-            stamp(region, time.time_ns())
-            self._stop.wait(0.02)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", self.SCRIPT, region, str(LAST_KERNEL)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
 
     async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.to_thread(self._thread.join)
+        self._proc.kill()
+        await asyncio.to_thread(self._proc.wait)
 
 
 async def wait_allowance(limits_dir: str, gpu: str, want: int, timeout: float = 10.0) -> int:
