@@ -335,28 +335,38 @@ class DraDriver:
                 self.store.remove_container(cdir)
 
     async def _hold_quota(self, record: PreparedClaim, held: list[PreparedClaim],
-                          pod: dict | None, handed_from: str = "") -> None:  # fmt: skip
+                          pod: dict | None, handed_from: str = "",
+                          handed_from_keeps: list[PreparedClaim] | None = None
+                          ) -> None:  # fmt: skip
+        """The pod's charge made what `held` books; `handed_from`: in the same write that pod's
+        charge shrinks to what `handed_from_keeps` books (nothing: freed)."""
         if self.quota is None:
             return
+        allocation = self._charged(held, pod)
+        keeps = self._charged(handed_from_keeps or [], None) if handed_from else None
+        try:
+            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation,
+                                  handed_from, keeps)  # fmt: skip
+        except QuotaRefused as exc:
+            raise PrepareError(str(exc)) from exc
+
+    def _charged(self, held: list[PreparedClaim], pod: dict | None):
         held = booked(held)
-        allocation = accounting.pod_allocation(
+        return accounting.pod_allocation(
             self.node, held, container_names=container_names(pod) if pod else [],
             init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
         ) if held else None  # fmt: skip
-        try:
-            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation,
-                                  handed_from)  # fmt: skip
-        except QuotaRefused as exc:
-            raise PrepareError(str(exc)) from exc
 
     # --- the ledger and the event stream -----------------------------------------------------
 
     async def _record_in_ledger(self, pod_uid: str, pod: dict | None = None) -> None:
         await self._write_ledger(await self._ledger_body(pod_uid, pod))
 
-    async def _ledger_body(self, pod_uid: str, pod: dict | None = None):
-        """CAS body: the pod's allocation as its booked claims here make it (gone: none)."""
-        held = booked(self.records.of_pod(pod_uid))
+    async def _ledger_body(self, pod_uid: str, pod: dict | None = None,
+                           claims: list[PreparedClaim] | None = None):  # fmt: skip
+        """CAS body: the pod's allocation as its booked claims here make it (gone: none);
+        `claims`: those instead of the records' (a hand-on, before its record is written)."""
+        held = booked(self.records.of_pod(pod_uid) if claims is None else claims)
         if not held:
             return accounting.drop_mutation(pod_uid)
         names = container_names(pod) if pod else []
@@ -434,6 +444,16 @@ class DraDriver:
                 except PrepareError as exc:
                     self.log.warning("DRA allocation not restored", extra={"err": str(exc)})
 
+    async def pod_ended(self, pod_uid: str) -> None:
+        """A pod of this node was deleted or finished (the driver's pod watch: `endpoint.py`):
+        the claims it shared with another pod of the node are handed on now, not at the next
+        reconcile (which stays the fallback: a watch event missed or a hand-on that failed)."""
+        for claim in self.records.of_pod(pod_uid):
+            await self._hand_on(claim)
+
+    def prepared_pods(self) -> set[str]:
+        return {r.pod_uid for r in self.records.all()}
+
     async def _hand_on(self, record: PreparedClaim) -> None:
         """The claim's pod has ended, but kubelet keeps a claim prepared while any pod of the
         node still uses it (a claim reserved for several pods is prepared once, for the first):
@@ -459,47 +479,60 @@ class DraDriver:
         async with self._lock:
             if self.records.get(record.claim_uid) != record:
                 return  # unprepared or handed on meanwhile
-            # The scheduler keeps the ended pod's booking while the claim is reserved for a pod
-            # running here (scheduler/dra_shared.py), so the slice never leaves the ledger or the
-            # quota. The quota first: when the ended pod books nothing else, one write frees its
-            # charge and holds the next pod's (counted once throughout); else the next pod is
-            # charged first (counted twice a moment, never lost) and the ended pod's shrinks
-            # after. Then one CAS moves the grants in the ledger.
-            after = [r for r in self.records.of_pod(moved.pod_uid)
-                     if r.claim_uid != moved.claim_uid] + [moved]  # fmt: skip
-            rest = [r for r in self.records.of_pod(record.pod_uid)
-                    if r.claim_uid != record.claim_uid]  # fmt: skip
-            try:
-                await self._hold_quota(moved, after, pod,
-                                       "" if booked(rest) else record.pod_uid)  # fmt: skip
-            except PrepareError as exc:  # kept under the ended pod, counted once: next round
-                self.log.warning("shared claim not handed on: its quota charge did not move",
-                                 extra={"claim": f"{record.namespace}/{record.name}",
-                                        "err": str(exc)})  # fmt: skip
-                return
-            for cdir in self.store.for_pod(record.pod_uid):
-                if cdir.prepared.device_ids == [record.cdi_device]:
-                    await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(
-                        update={"pod_uid": moved.pod_uid, "pod": moved.pod,
-                                "container": moved.container,
-                                "index": moved.container_index}))  # fmt: skip
-            self.records.put(moved)
-            left = self.records.of_pod(record.pod_uid)
-            to_body = await self._ledger_body(moved.pod_uid, pod)
-            from_body = (await self._ledger_body(record.pod_uid) if booked(left)
-                         else accounting.emptied_mutation(record.pod_uid))  # fmt: skip
-            try:
-                await self._write_ledger(accounting.in_turn(to_body, from_body))
-            except PrepareError as exc:  # the next round books the claim under its new pod
-                self.log.warning("shared claim's ledger entry not moved yet", extra={
-                    "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
-            if booked(left):
-                try:
-                    await self._hold_quota(record, left, None)
-                except PrepareError as exc:  # counted twice until the scheduler's release
-                    self.log.warning("ended pod's quota charge not shrunk", extra={
-                        "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
-            await self._publish("allocated", moved, pod)
-            self.log.info("shared claim handed on", extra={
-                "claim": f"{record.namespace}/{record.name}", "from": record.pod,
-                "to": moved.pod})  # fmt: skip
+            await self._move(record, moved, pod)
+
+    async def _move(self, record: PreparedClaim, moved: PreparedClaim, pod: dict) -> None:
+        """The scheduler keeps the ended pod's booking while the claim is reserved for a pod
+        running here (scheduler/dra_shared.py), so the slice never leaves the ledger or the
+        quota. Each step is one write and idempotent, in an order a restart anywhere between
+        them repeats from the start (the record, last, says whose the claim is):
+        1. the quota: one write holds the next pod's charge and frees exactly the handed
+           claim's part of the ended pod's (shrunk to its other claims, if any): counted once at
+           every moment, and a namespace at its limit hands on too;
+        2. the claim's directory relabelled to the next pod;
+        3. the ledger: one CAS moves the grants;
+        4. the record."""
+        after = [r for r in self.records.of_pod(moved.pod_uid)
+                 if r.claim_uid != moved.claim_uid] + [moved]  # fmt: skip
+        rest = [r for r in self.records.of_pod(record.pod_uid)
+                if r.claim_uid != record.claim_uid]  # fmt: skip
+        try:
+            await self._hold_quota(moved, after, pod, await self._handing_from(record),
+                                   rest)  # fmt: skip
+        except PrepareError as exc:  # kept under the ended pod, counted once: next round
+            self.log.warning("shared claim not handed on: its quota charge did not move",
+                             extra={"claim": f"{record.namespace}/{record.name}",
+                                    "err": str(exc)})  # fmt: skip
+            return
+        for cdir in self.store.for_pod(record.pod_uid):
+            if cdir.prepared.device_ids == [record.cdi_device]:
+                await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(
+                    update={"pod_uid": moved.pod_uid, "pod": moved.pod,
+                            "container": moved.container,
+                            "index": moved.container_index}))  # fmt: skip
+        to_body = await self._ledger_body(moved.pod_uid, pod, after)
+        from_body = (await self._ledger_body(record.pod_uid, None, rest) if booked(rest)
+                     else accounting.emptied_mutation(record.pod_uid))  # fmt: skip
+        try:
+            await self._write_ledger(accounting.in_turn(to_body, from_body))
+        except PrepareError as exc:  # the next round moves it (the quota write is done: NoChange)
+            self.log.warning("shared claim's ledger entry not moved yet", extra={
+                "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
+            return
+        self.records.put(moved)
+        await self._publish("allocated", moved, pod)
+        self.log.info("shared claim handed on", extra={
+            "claim": f"{record.namespace}/{record.name}", "from": record.pod,
+            "to": moved.pod})  # fmt: skip
+
+    async def _handing_from(self, record: PreparedClaim) -> str:
+        """The ended pod whose charge the hand-on frees in its quota write: while the ledger
+        still books it (the scheduler keeps it for the shared claim; the quota service checks
+        it). Released already (a hand-on repeated after the scheduler saw it done): its charge
+        went with its `released` event, and the next pod's is held alone (idempotent)."""
+        try:
+            current = await bus.read(self.ledger_kv, self.node, NodeLedger)
+        except Exception as exc:
+            raise PrepareError(f"the ledger could not be read ({exc})") from exc
+        held = current.value.allocations.get(record.pod_uid) if current else None
+        return record.pod_uid if held is not None else ""
