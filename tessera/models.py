@@ -302,6 +302,9 @@ class QuotaCharge(Message):
     cores: int = Field(0, ge=0)
     gpus: int = Field(0, ge=0)
     at: float = Field(default_factory=now)
+    handed_from: str = Field("", description="the pod whose DRA booking this charge was handed "
+                             "on from (a shared claim): while the node's ledger books the claim "
+                             "under that pod still, the charge is backed")  # fmt: skip
 
 
 class QuotaUsage(Message):

@@ -199,6 +199,7 @@ def charge_of(request: QuotaRequest, at: float) -> QuotaCharge:
         cores=request.cores,
         gpus=request.gpus,
         at=at,
+        handed_from=request.handed_from,
     )
 
 
@@ -534,7 +535,8 @@ def reconcile(
     `backed`: this namespace's active allocations that hold quota (quota_held), by pod uid.
     - a charge without a backing allocation is dropped once it is older than `grace_s` (the
       scheduler reserves quota before it writes the ledger; a reservation never followed by an
-      allocation, or whose allocation ended without a release reaching us, must not leak);
+      allocation, or whose allocation ended without a release reaching us, must not leak); a
+      charge handed on (`handed_from`) is backed by the allocation it came from too;
     - a backed allocation without a charge gets one back (quota state lost or wiped), dated
       like the allocation so that it goes again at the next pass if the allocation ends.
     NoChange when nothing differs.
@@ -542,7 +544,10 @@ def reconcile(
     new_state = _copy(state) if state else QuotaState(namespace=namespace)
     changed = False
     for uid, charge in list(new_state.charges.items()):
-        if uid not in backed and now - charge.at > grace_s:
+        # a charge handed on from a DRA booking is backed by it until the node's driver moves
+        # the booking in the ledger (a driver stopped between its two writes: at its start)
+        handed = charge.handed_from and charge.handed_from in backed
+        if uid not in backed and not handed and now - charge.at > grace_s:
             del new_state.charges[uid]
             changed = True
     for uid, alloc in backed.items():

@@ -209,3 +209,21 @@ def test_reconcile_drops_old_unbacked_charges_keeps_young_ones_and_restores_miss
     assert out.used().memory_mib == 1000 + 500 + 700
     with pytest.raises(NoChange):
         qa.reconcile(out, NS, backed, now=100.0, grace_s=30.0)
+
+
+def test_a_charge_handed_on_is_backed_by_the_dra_booking_it_came_from() -> None:
+    """A shared DRA claim handed on: its charge moved in one quota write, the ledger entry moves
+    after it. A node agent stopped between the two for longer than the grace leaves the next
+    pod's charge without an entry of its own; the booking it came from backs it (dropping it
+    would leave the slice the ended pod's ledger entry books outside the quota)."""
+    first = alloc("first", [[grant(1000)]])
+    handed = charge("next", mem=3000, at=10.0).model_copy(update={"handed_from": "first"})
+    s = state(QuotaAmount(memory_mib=4000), charge("first", mem=1000, at=10.0), handed)
+    with pytest.raises(NoChange):
+        qa.reconcile(s, NS, {"first": first}, now=100.0, grace_s=30.0)
+    # with neither pod booked (both gone), both go as any unbacked charge
+    out = qa.reconcile(s, NS, {}, now=100.0, grace_s=30.0)
+    assert out.charges == {}
+    # the hand-on's write records where the charge came from
+    moved = qa.hand_on(s, req("other", mem=1000, handed_from="first"), 50.0, None, None)
+    assert moved.charges["other"].handed_from == "first" and "first" not in moved.charges
