@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from tessera.node_agent.dra.quota import QuotaRefused
 from tessera.quota import QuotaService
 from test_dra_driver import Harness, pod_and_claim, wait_for
 
@@ -135,10 +136,11 @@ async def start_quota_on():
     started: list[tuple[QuotaService, object]] = []
     consumer = f"quota-test-{uuid.uuid4().hex[:8]}"
 
-    async def start(url: str) -> QuotaService:
+    async def start(url: str, cluster: InMemoryCluster | None = None) -> QuotaService:
         client = await connect(NatsSettings(NATS_URL=url), name="quota-under-test")
         buckets = await ensure_bus(client.jetstream(), TesseraSettings())
-        service = QuotaService(client, buckets, TesseraSettings(), consumer=consumer)
+        service = QuotaService(client, buckets, TesseraSettings(), consumer=consumer,
+                               cluster=cluster)  # fmt: skip
         await service.start()
         started.append((service, client))
         return service
@@ -259,6 +261,43 @@ async def test_a_quota_service_away_during_a_hand_on_leaves_it_to_the_reconcile(
         assert state is not None
         assert (state.value.used().memory_mib, state.value.used().gpus) == HELD
         await start_quota_on(nats_url)  # back: the next reconcile hands it on
+        await wait_for_booked(rig, HANDED)
+        assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
+
+
+async def test_a_quota_service_restarting_after_the_hand_on_write_before_its_reply(
+        short_dir, nc, nats_url, buckets, node, start_quota_on):  # fmt: skip
+    """The quota write is made, the reply is lost (the service stops): the charge has moved
+    while the ledger still books the first pod. The service starts again (its stale-charge pass
+    over the cluster's pods keeps the deleted pod's charge: the ledger books it as a DRA claim's);
+    the reconcile repeats the hand-on, which finds the quota done, and moves the ledger."""
+    quota = await start_quota_on(nats_url)
+    rig = await new_rig(nc, buckets, node)
+    async with harness(short_dir, rig, node, interval_s=0.3) as h:
+        await rig.prepare_all(h)
+        assert h.driver.quota is not None
+        real_hold = h.driver.quota.hold
+        lost = asyncio.Event()
+
+        async def hold_then_lose_the_reply(*args, **kwargs):
+            await real_hold(*args, **kwargs)
+            if not lost.is_set():
+                lost.set()
+                await quota.stop()
+                raise QuotaRefused("the quota service did not answer (test: reply lost)")
+
+        h.driver.quota.hold = hold_then_lose_the_reply  # type: ignore[method-assign]
+        rig.s.end_first(rig.cluster)
+        await asyncio.wait_for(lost.wait(), 15)
+        seen = h.endpoint.reconciles
+        await wait_for(lambda: h.endpoint.reconciles >= seen + 2)  # tried again: no service
+        assert await rig.booked() == BEFORE
+        state = await bus.read(buckets.quota, rig.ns, QuotaState)
+        assert state is not None
+        assert {u: c.memory_mib for u, c in state.value.charges.items()} == {
+            rig.s.uids["first"]: OWN_MIB, rig.s.uids["second"]: SHARED_MIB}
+        assert (state.value.used().memory_mib, state.value.used().gpus) == HELD
+        await start_quota_on(nats_url, cluster=rig.cluster)
         await wait_for_booked(rig, HANDED)
         assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
 
