@@ -27,6 +27,7 @@ from test_dra_driver import Harness, pod_and_claim, wait_for
 from tessera import bus
 from tessera.bus import connect, ensure_bus
 from tessera.cluster.memory import InMemoryCluster
+from tessera.cluster.port import ClusterError
 from tessera.codec import decode, encode
 from tessera.models import (
     NodeLedger,
@@ -330,3 +331,37 @@ async def test_nats_restarting_between_the_quota_and_ledger_writes_loses_nothing
             assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
     finally:
         await nc.drain()
+
+
+class ApiServerAwayAtFirst(InMemoryCluster):
+    """The in-memory cluster whose first pod watches fail as an API server that is away."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def watch_pods(self, namespace=None, node_name=None):
+        if self.failures > 0:
+            self.failures -= 1
+            return self._away()
+        return super().watch_pods(namespace, node_name)
+
+    async def _away(self):
+        raise ClusterError("connection refused (test: API server away)")
+        yield  # an async generator, as a watch is
+
+
+async def test_a_pod_watch_that_fails_is_opened_again(
+        short_dir, nc, nats_url, buckets, node, start_quota_on):  # fmt: skip
+    """The API server is away when the driver starts (its first two watches fail): the watch
+    is opened again (after 1 s, then 2 s), and the hand-on still comes from it."""
+    await start_quota_on(nats_url)
+    rig = await new_rig(nc, buckets, node)
+    cluster = rig.cluster = ApiServerAwayAtFirst(failures=2)
+    async with harness(short_dir, rig, node, interval_s=3600) as h:
+        await rig.prepare_all(h)
+        # the third watch is open (it registers before it lists): a deletion now reaches it
+        await wait_for(lambda: cluster.failures == 0 and bool(cluster._pod_watchers))
+        rig.s.end_first(cluster)
+        await wait_for_booked(rig, HANDED)  # no reconcile ran: the reopened watch did it
+        assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from .driver import DraDriver
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
-RETRY_S = 1.0
+RETRY_S = 1.0  # a failed watch is opened again after this, doubled while it keeps failing
+RETRY_MAX_S = 30.0
 
 
 def ended_uid(event: WatchEvent) -> str:
@@ -39,12 +40,15 @@ def ended_uid(event: WatchEvent) -> str:
 async def watch_ended_pods(driver: DraDriver, stop: asyncio.Event, log: logging.Logger,
                            retry_s: float = RETRY_S) -> None:  # fmt: skip
     """Until `stop`: every ended pod of the node that holds a prepared claim has its shared
-    claims handed on. A watch that fails is opened again after `retry_s`."""
+    claims handed on. A watch that fails is opened again after `retry_s` (doubled, up to
+    RETRY_MAX_S, while it fails before its first event: an API server that is away)."""
+    wait_s = retry_s
     while not stop.is_set():
         events = driver.cluster.watch_pods(node_name=driver.node)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
+                    wait_s = retry_s
                     uid = ended_uid(event)
                     if uid and uid in driver.prepared_pods():
                         try:
@@ -56,4 +60,5 @@ async def watch_ended_pods(driver: DraDriver, stop: asyncio.Event, log: logging.
             log.warning("pod watch of the DRA driver failed; opening it again",
                         extra={"err": str(exc)})  # fmt: skip
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), retry_s)
+            await asyncio.wait_for(stop.wait(), wait_s)
+        wait_s = min(wait_s * 2, RETRY_MAX_S)
