@@ -226,7 +226,11 @@ def reserve(
         raise NoChange
     if not asks_gpu(request) and current is None:
         raise NoChange
-    reason = refusal(state, request, own_settled)
+    # a charge that only shrinks gives back and is never refused (a namespace whose limit was
+    # lowered below its use still sees a pod's freed claim leave its charge)
+    shrinks = current is not None and all(
+        getattr(new_charge, field) <= getattr(current, field) for field, _w, _u in DIMENSIONS)
+    reason = None if shrinks else refusal(state, request, own_settled)
     if reason:
         raise QuotaRefused(reason)
     new_state = _copy(state) if state else QuotaState(namespace=request.namespace)
