@@ -302,6 +302,9 @@ class QuotaCharge(Message):
     cores: int = Field(0, ge=0)
     gpus: int = Field(0, ge=0)
     at: float = Field(default_factory=now)
+    handed_from: str = Field("", description="the pod whose DRA booking this charge was handed "
+                             "on from (a shared claim): while the node's ledger books the claim "
+                             "under that pod still, the charge is backed")  # fmt: skip
 
 
 class QuotaUsage(Message):
@@ -676,6 +679,14 @@ EVENT_TYPES: tuple[type[Event], ...] = (
 # Request/reply bodies (NATS micro endpoints)
 
 
+class QuotaShare(Message):
+    """An amount a pod holds against its namespace quota (no limit: see QuotaAmount)."""
+
+    memory_mib: int = Field(0, ge=0)
+    cores: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0)
+
+
 class QuotaRequest(Message):
     """Body of tessera.quota.reserve / release. Charges as HAMi counts them (hami.quota_charge).
 
@@ -693,6 +704,11 @@ class QuotaRequest(Message):
     handed_from: str = Field(
         "", description="reserve: the pod uid whose charge this pod takes over in the same write "
         "(a DRA claim shared by two pods of a node, handed on when the first ends)",
+    )
+    handed_from_keeps: QuotaShare | None = Field(
+        None, description="reserve with handed_from: what that pod still holds after the "
+        "hand-on (its other claims), its charge shrunk to it in the same write; None: it keeps "
+        "nothing (its whole charge is freed)",
     )
 
 

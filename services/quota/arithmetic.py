@@ -26,6 +26,7 @@ from tessera.models import (
     QuotaAmount,
     QuotaCharge,
     QuotaRequest,
+    QuotaShare,
     QuotaState,
     QuotaUsage,
 )
@@ -131,6 +132,14 @@ def check_request(request: QuotaRequest) -> None:
         raise QuotaInputError("handed_from must be a Kubernetes pod uid")
     if request.handed_from and (request.check_only or request.handed_from == request.pod_uid):
         raise QuotaInputError("handed_from names another pod, in a reservation (not check_only)")
+    keeps = request.handed_from_keeps
+    if keeps is not None and not request.handed_from:
+        raise QuotaInputError("handed_from_keeps says what the pod named by handed_from keeps: "
+                              "it needs handed_from")  # fmt: skip
+    for field, word, unit in DIMENSIONS if keeps is not None else ():
+        if getattr(keeps, field) > _MAXIMA[field]:
+            raise QuotaInputError(f"handed_from_keeps: {word} {getattr(keeps, field)} {unit} is "
+                                  f"absurdly large (at most {_MAXIMA[field]})")  # fmt: skip
 
 
 def check_limits(limits: QuotaAmount) -> None:
@@ -190,6 +199,7 @@ def charge_of(request: QuotaRequest, at: float) -> QuotaCharge:
         cores=request.cores,
         gpus=request.gpus,
         at=at,
+        handed_from=request.handed_from,
     )
 
 
@@ -216,7 +226,11 @@ def reserve(
         raise NoChange
     if not asks_gpu(request) and current is None:
         raise NoChange
-    reason = refusal(state, request, own_settled)
+    # a charge that only shrinks gives back and is never refused (a namespace whose limit was
+    # lowered below its use still sees a pod's freed claim leave its charge)
+    shrinks = current is not None and all(
+        getattr(new_charge, field) <= getattr(current, field) for field, _w, _u in DIMENSIONS)
+    reason = None if shrinks else refusal(state, request, own_settled)
     if reason:
         raise QuotaRefused(reason)
     new_state = _copy(state) if state else QuotaState(namespace=request.namespace)
@@ -237,11 +251,17 @@ def hand_on(
     state: QuotaState | None, request: QuotaRequest, at: float,
     own_settled: QuotaCharge | None, from_settled: QuotaCharge | None,
 ) -> QuotaState:  # fmt: skip
-    """`request.handed_from`'s charge freed and `request`'s held, in one state: the fit is
-    judged without the charge handed on, so a namespace at its limit can hand a slice on
-    (never counted twice, never lost). QuotaRefused: nothing written."""
+    """`request.handed_from`'s charge freed (shrunk to `request.handed_from_keeps` when that pod
+    keeps other claims) and `request`'s held, in one state: the fit is judged without the part
+    handed on, so a namespace at its limit can hand a slice on (never counted twice, never
+    lost). QuotaRefused: nothing written; QuotaInputError: the pod would keep more than it
+    holds. A retry finds both done: NoChange."""
+    keeps = request.handed_from_keeps
     try:
-        freed = release(state, request.handed_from, own_settled=from_settled)
+        if keeps is not None and asks_gpu(keeps):
+            freed = shrink(state, request.handed_from, keeps, at, from_settled)
+        else:
+            freed = release(state, request.handed_from, own_settled=from_settled)
     except NoChange:
         freed = state
     try:
@@ -250,6 +270,35 @@ def hand_on(
         if freed is state:
             raise
         return freed  # type: ignore[return-value]
+
+
+def shrink(
+    state: QuotaState | None, pod_uid: str, keeps: QuotaShare, at: float,
+    own_settled: QuotaCharge | None,
+) -> QuotaState:  # fmt: skip
+    """`pod_uid`'s charge made `keeps`, with no limit check (it only gives back: a namespace
+    over its limit, after the limit was lowered, still lets a pod's charge shrink). A settled
+    charge moves back into the journal, as a resize does in `reserve`. NoChange when the pod
+    holds nothing or exactly `keeps`; QuotaInputError when `keeps` is more than it holds in
+    any dimension (a shrink never grows a charge past the limit check)."""
+    current = held_charge(state, pod_uid, own_settled)
+    if state is None or current is None:
+        raise NoChange
+    more = [f"{word} {getattr(keeps, field)} > {getattr(current, field)} {unit}"
+            for field, word, unit in DIMENSIONS
+            if getattr(keeps, field) > getattr(current, field)]  # fmt: skip
+    if more:
+        raise QuotaInputError(f"handed_from_keeps: pod {pod_uid} would keep more than it holds "
+                              f"({'; '.join(more)})")  # fmt: skip
+    kept = current.model_copy(update={"memory_mib": keeps.memory_mib, "cores": keeps.cores,
+                                      "gpus": keeps.gpus, "at": at})  # fmt: skip
+    if same_amounts(current, kept):
+        raise NoChange
+    new_state = _copy(state)
+    if pod_uid not in new_state.charges:  # settled: out of the totals, back into the journal
+        add_usage(new_state.settled, current, -1)
+    new_state.charges[pod_uid] = kept
+    return new_state
 
 
 def release(
@@ -490,7 +539,8 @@ def reconcile(
     `backed`: this namespace's active allocations that hold quota (quota_held), by pod uid.
     - a charge without a backing allocation is dropped once it is older than `grace_s` (the
       scheduler reserves quota before it writes the ledger; a reservation never followed by an
-      allocation, or whose allocation ended without a release reaching us, must not leak);
+      allocation, or whose allocation ended without a release reaching us, must not leak); a
+      charge handed on (`handed_from`) is backed by the allocation it came from too;
     - a backed allocation without a charge gets one back (quota state lost or wiped), dated
       like the allocation so that it goes again at the next pass if the allocation ends.
     NoChange when nothing differs.
@@ -498,7 +548,10 @@ def reconcile(
     new_state = _copy(state) if state else QuotaState(namespace=namespace)
     changed = False
     for uid, charge in list(new_state.charges.items()):
-        if uid not in backed and now - charge.at > grace_s:
+        # a charge handed on from a DRA booking is backed by it until the node's driver moves
+        # the booking in the ledger (a driver stopped between its two writes: at its start)
+        handed = charge.handed_from and charge.handed_from in backed
+        if uid not in backed and not handed and now - charge.at > grace_s:
             del new_state.charges[uid]
             changed = True
     for uid, alloc in backed.items():

@@ -209,3 +209,32 @@ def test_reconcile_drops_old_unbacked_charges_keeps_young_ones_and_restores_miss
     assert out.used().memory_mib == 1000 + 500 + 700
     with pytest.raises(NoChange):
         qa.reconcile(out, NS, backed, now=100.0, grace_s=30.0)
+
+
+def test_a_charge_that_only_shrinks_is_never_refused() -> None:
+    """A DRA pod's claim unprepared while it keeps others: its charge shrinks, even in a
+    namespace whose limit was lowered below its use (it gives back; refusing it left the freed
+    claim charged until the pod's release). Growing any dimension is still judged."""
+    s = state(QuotaAmount(memory_mib=1000, gpus=2), charge("p1", mem=3000, gpus=2))
+    shrunk = qa.reserve(s, req("p1", mem=2000, gpus=1), at=5.0)
+    assert shrunk.used().memory_mib == 2000 and shrunk.used().gpus == 1
+    with pytest.raises(qa.QuotaRefused):
+        qa.reserve(s, req("p1", mem=1000, gpus=3), at=5.0)  # fewer MiB, one GPU more
+
+
+def test_a_charge_handed_on_is_backed_by_the_dra_booking_it_came_from() -> None:
+    """A shared DRA claim handed on: its charge moved in one quota write, the ledger entry moves
+    after it. A node agent stopped between the two for longer than the grace leaves the next
+    pod's charge without an entry of its own; the booking it came from backs it (dropping it
+    would leave the slice the ended pod's ledger entry books outside the quota)."""
+    first = alloc("first", [[grant(1000)]])
+    handed = charge("next", mem=3000, at=10.0).model_copy(update={"handed_from": "first"})
+    s = state(QuotaAmount(memory_mib=4000), charge("first", mem=1000, at=10.0), handed)
+    with pytest.raises(NoChange):
+        qa.reconcile(s, NS, {"first": first}, now=100.0, grace_s=30.0)
+    # with neither pod booked (both gone), both go as any unbacked charge
+    out = qa.reconcile(s, NS, {}, now=100.0, grace_s=30.0)
+    assert out.charges == {}
+    # the hand-on's write records where the charge came from
+    moved = qa.hand_on(s, req("other", mem=1000, handed_from="first"), 50.0, None, None)
+    assert moved.charges["other"].handed_from == "first" and "first" not in moved.charges

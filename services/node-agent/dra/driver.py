@@ -23,6 +23,7 @@ allocator may give the placement to the next claim.
 MPS (`tessera/dra_config.py`): the container's own control daemon holds the claim's share
 before the CDI spec exists (`MpsDaemons.limit_now`, as Allocate in extender mode), its pipe
 directory is mounted and libvgpu's compute limiter is off (the sealed limits keep memory).
+A claim shared by several pods of the node is handed on when its first pod ends: hand_on.py.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from .claims import (
     PreparedClaim,
     booked,
     container_names,
-    handed_on,
     mig_devices,
     mps_cards,
     plan,
@@ -62,12 +62,13 @@ from .claims import (
     task_priority,
     with_instances,
 )
+from .hand_on import HandOn
 from .quota import DraQuota, QuotaRefused
 from .records import ClaimRecords, PrepareError
 from .settings import DraSettings
 
 
-class DraDriver:
+class DraDriver(HandOn):
     """Prepares claims for kubelet. Build with its dependencies; the gRPC layer
     (`endpoint.py`) calls `prepare` / `unprepare`."""
 
@@ -335,28 +336,38 @@ class DraDriver:
                 self.store.remove_container(cdir)
 
     async def _hold_quota(self, record: PreparedClaim, held: list[PreparedClaim],
-                          pod: dict | None, handed_from: str = "") -> None:  # fmt: skip
+                          pod: dict | None, handed_from: str = "",
+                          handed_from_keeps: list[PreparedClaim] | None = None
+                          ) -> None:  # fmt: skip
+        """The pod's charge made what `held` books; `handed_from`: in the same write that pod's
+        charge shrinks to what `handed_from_keeps` books (nothing: freed)."""
         if self.quota is None:
             return
+        allocation = self._charged(held, pod)
+        keeps = self._charged(handed_from_keeps or [], None) if handed_from else None
+        try:
+            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation,
+                                  handed_from, keeps)  # fmt: skip
+        except QuotaRefused as exc:
+            raise PrepareError(str(exc)) from exc
+
+    def _charged(self, held: list[PreparedClaim], pod: dict | None):
         held = booked(held)
-        allocation = accounting.pod_allocation(
+        return accounting.pod_allocation(
             self.node, held, container_names=container_names(pod) if pod else [],
             init_count=len(((pod or {}).get("spec") or {}).get("initContainers") or []),
         ) if held else None  # fmt: skip
-        try:
-            await self.quota.hold(record.namespace, record.pod_uid, record.pod, allocation,
-                                  handed_from)  # fmt: skip
-        except QuotaRefused as exc:
-            raise PrepareError(str(exc)) from exc
 
     # --- the ledger and the event stream -----------------------------------------------------
 
     async def _record_in_ledger(self, pod_uid: str, pod: dict | None = None) -> None:
         await self._write_ledger(await self._ledger_body(pod_uid, pod))
 
-    async def _ledger_body(self, pod_uid: str, pod: dict | None = None):
-        """CAS body: the pod's allocation as its booked claims here make it (gone: none)."""
-        held = booked(self.records.of_pod(pod_uid))
+    async def _ledger_body(self, pod_uid: str, pod: dict | None = None,
+                           claims: list[PreparedClaim] | None = None):  # fmt: skip
+        """CAS body: the pod's allocation as its booked claims here make it (gone: none);
+        `claims`: those instead of the records' (a hand-on, before its record is written)."""
+        held = booked(self.records.of_pod(pod_uid) if claims is None else claims)
         if not held:
             return accounting.drop_mutation(pod_uid)
         names = container_names(pod) if pod else []
@@ -433,73 +444,3 @@ class DraDriver:
                     await self._record_in_ledger(pod_uid, pod)
                 except PrepareError as exc:
                     self.log.warning("DRA allocation not restored", extra={"err": str(exc)})
-
-    async def _hand_on(self, record: PreparedClaim) -> None:
-        """The claim's pod has ended, but kubelet keeps a claim prepared while any pod of the
-        node still uses it (a claim reserved for several pods is prepared once, for the first):
-        book it under the next pod it is reserved for that runs here. The scheduler keeps the
-        ended pod's booking until then (a MIG instance stays wanted), and releases what is left
-        of it as for any pod after; without this the slice a running pod holds would stay the
-        ended pod's (and its directory would be collected as a gone pod's). Unprepare, when
-        the last pod goes, scrubs it as ever."""
-        try:
-            claim = await self.cluster.get_resource_claim(record.namespace, record.name)
-        except ClusterError:
-            return  # gone: kubelet unprepares it; unreadable: next round
-        for name, _uid in reserved_pods(claim):
-            try:
-                pod = await self.cluster.get_pod(record.namespace, name)
-            except ClusterError:
-                continue
-            moved = handed_on(record, claim, pod, self.node)
-            if moved is not None:
-                break
-        else:
-            return  # no other pod of this node holds it: the ended pod's, released as ever
-        async with self._lock:
-            if self.records.get(record.claim_uid) != record:
-                return  # unprepared or handed on meanwhile
-            # The scheduler keeps the ended pod's booking while the claim is reserved for a pod
-            # running here (scheduler/dra_shared.py), so the slice never leaves the ledger or the
-            # quota. The quota first: when the ended pod books nothing else, one write frees its
-            # charge and holds the next pod's (counted once throughout); else the next pod is
-            # charged first (counted twice a moment, never lost) and the ended pod's shrinks
-            # after. Then one CAS moves the grants in the ledger.
-            after = [r for r in self.records.of_pod(moved.pod_uid)
-                     if r.claim_uid != moved.claim_uid] + [moved]  # fmt: skip
-            rest = [r for r in self.records.of_pod(record.pod_uid)
-                    if r.claim_uid != record.claim_uid]  # fmt: skip
-            try:
-                await self._hold_quota(moved, after, pod,
-                                       "" if booked(rest) else record.pod_uid)  # fmt: skip
-            except PrepareError as exc:  # kept under the ended pod, counted once: next round
-                self.log.warning("shared claim not handed on: its quota charge did not move",
-                                 extra={"claim": f"{record.namespace}/{record.name}",
-                                        "err": str(exc)})  # fmt: skip
-                return
-            for cdir in self.store.for_pod(record.pod_uid):
-                if cdir.prepared.device_ids == [record.cdi_device]:
-                    await asyncio.to_thread(self.store.relabel, cdir, cdir.prepared.model_copy(
-                        update={"pod_uid": moved.pod_uid, "pod": moved.pod,
-                                "container": moved.container,
-                                "index": moved.container_index}))  # fmt: skip
-            self.records.put(moved)
-            left = self.records.of_pod(record.pod_uid)
-            to_body = await self._ledger_body(moved.pod_uid, pod)
-            from_body = (await self._ledger_body(record.pod_uid) if booked(left)
-                         else accounting.emptied_mutation(record.pod_uid))  # fmt: skip
-            try:
-                await self._write_ledger(accounting.in_turn(to_body, from_body))
-            except PrepareError as exc:  # the next round books the claim under its new pod
-                self.log.warning("shared claim's ledger entry not moved yet", extra={
-                    "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
-            if booked(left):
-                try:
-                    await self._hold_quota(record, left, None)
-                except PrepareError as exc:  # counted twice until the scheduler's release
-                    self.log.warning("ended pod's quota charge not shrunk", extra={
-                        "claim": f"{record.namespace}/{record.name}", "err": str(exc)})  # fmt: skip
-            await self._publish("allocated", moved, pod)
-            self.log.info("shared claim handed on", extra={
-                "claim": f"{record.namespace}/{record.name}", "from": record.pod,
-                "to": moved.pod})  # fmt: skip

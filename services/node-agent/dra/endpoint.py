@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from tessera import dra_names as names
+from tessera.cancelling import cancel_and_wait
 from tessera.cluster.port import ClusterError, ConflictError, NotFoundError
 from tessera.kubeapi import (
     dra,
@@ -40,6 +41,7 @@ from tessera.kubeapi import (
 from ..state import DeviceState
 from . import slices
 from .driver import DraDriver, PrepareError
+from .pod_watch import watch_ended_pods
 
 log = logging.getLogger("tessera.node_agent.dra")
 
@@ -274,6 +276,7 @@ class DraEndpoint:
         self.publisher = SlicePublisher(driver)
         self._servers: list[grpc.aio.Server] = []
         self._inodes: tuple[int | None, int | None] = (None, None)
+        self.reconciles = 0  # reconcile passes run (each also hands on what the watch missed)
 
     async def _serve(self) -> None:
         await self._stop()
@@ -323,6 +326,7 @@ class DraEndpoint:
             await self.driver.reconcile()
         except Exception as exc:  # NATS away: the next round
             log.warning("DRA ledger reconcile failed", extra={"err": str(exc)})
+        self.reconciles += 1
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._announce_mode()
@@ -331,6 +335,9 @@ class DraEndpoint:
         await self._publish()
         last_check = time.monotonic()
         seen = self.driver.state.version
+        # an ended pod's shared claims handed on at once (pod_watch.py); the reconcile below
+        # every publish interval stays the fallback
+        watch = asyncio.create_task(watch_ended_pods(self.driver, stop, log))
         try:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -349,6 +356,7 @@ class DraEndpoint:
                     if due:  # a ledger rebuilt without the DRA pods gets them back
                         await self._reconcile()
         finally:
+            await cancel_and_wait(watch)  # blocked on the next event: stop cannot end it
             await self._stop()
             for path in (self.registry_socket, self.dra_socket):
                 with contextlib.suppress(FileNotFoundError):

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from tessera import bus, hami
 from tessera.codec import encode
-from tessera.models import Allocation, QuotaReply, QuotaRequest, decode_reply
+from tessera.models import Allocation, QuotaReply, QuotaRequest, QuotaShare, decode_reply
 from tessera.settings import TesseraSettings
 from tessera.signing import process_signer
+
+
+def charge_of(allocation: Allocation | None) -> tuple[int, int, int]:
+    """(memory MiB, cores, GPUs) as HAMi counts the allocation's grants (None: nothing)."""
+    if allocation is None:
+        return 0, 0, 0
+    return hami.grants_quota_charge(allocation.containers, allocation.init_count)
 
 
 class QuotaRefused(Exception):
@@ -37,17 +44,21 @@ class DraQuota:
         return bool(self.settings.quota_enabled and self.nc is not None)
 
     async def hold(self, namespace: str, pod_uid: str, name: str,
-                   allocation: Allocation | None, handed_from: str = "") -> None:  # fmt: skip
+                   allocation: Allocation | None, handed_from: str = "",
+                   handed_from_keeps: Allocation | None = None) -> None:  # fmt: skip
         """Charge the pod what `allocation` holds (None: nothing); `handed_from`: in the same
-        write, the charge of that (ended) pod is freed (a shared claim handed on)."""
+        write, the charge of that (ended) pod is freed (a shared claim handed on), or shrunk to
+        what `handed_from_keeps` holds (its other claims)."""
         if not self.enabled:
             return
-        memory, cores, gpus = (hami.grants_quota_charge(allocation.containers,
-                                                        allocation.init_count)
-                               if allocation is not None else (0, 0, 0))  # fmt: skip
+        memory, cores, gpus = charge_of(allocation)
+        keeps = None
+        if handed_from and handed_from_keeps is not None:
+            kept = charge_of(handed_from_keeps)
+            keeps = QuotaShare(memory_mib=kept[0], cores=kept[1], gpus=kept[2])
         request = QuotaRequest(namespace=namespace, pod_uid=pod_uid, name=name,
                                memory_mib=memory, cores=cores, gpus=gpus,
-                               handed_from=handed_from)  # fmt: skip
+                               handed_from=handed_from, handed_from_keeps=keeps)  # fmt: skip
         payload = encode(request)
         try:
             msg = await self.nc.request(
