@@ -473,3 +473,87 @@ def test_loader_copy_without_the_preload_file_bypasses_libvgpu(tenant):
     assert [c(f"alloc plain {3 * CHUNK}")["ok"] for _ in range(2)] == [True, True]
     assert c("phys")["phys"] == 6 * CHUNK > LIMIT  # beyond the limit: only the watchdog sees it
     assert tenant.used() == 0  # nothing in the region: "region claims less than NVML shows"
+
+
+class HeldLimitsFile:
+    """The sealed limits file swapped for a FIFO with nobody writing: every poll thread of the
+    container blocks opening it (a limits file served late) and does nothing else meanwhile: no
+    repair, no sweep of dead slots, no re-attach. `release` puts the file back and lets them go
+    (their read of the FIFO fails; the next poll reads the real file again, unchanged)."""
+
+    def __init__(self, sealed: Path) -> None:
+        self.limits = sealed / region.LIMITS_FILE_NAME
+        self.saved = sealed / "limits.saved"
+        self.fifo = sealed / "limits.fifo"
+        os.link(self.limits, self.saved)
+        os.mkfifo(self.fifo)
+        os.link(self.fifo, sealed / "limits.fifo-new")
+        os.rename(sealed / "limits.fifo-new", self.limits)
+
+    def release(self) -> None:
+        os.rename(self.saved, self.limits)
+        with contextlib.suppress(OSError):  # no reader left: nothing to release
+            os.close(os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK))
+        self.fifo.unlink(missing_ok=True)
+
+
+def dead_slot(tenant, i: int) -> None:
+    """Process slot i "held" by a dead process that holds nothing: the test's own pid with a
+    start time it never had (a reused pid), the first thing a reclaim finds and logs."""
+    with open(tenant.region_path, "r+b") as f:
+        f.seek(slot_off(i, "start_time"))
+        f.write((1).to_bytes(8, "little"))
+        f.seek(slot_off(i, "pid"))
+        f.write(os.getpid().to_bytes(4, "little"))
+
+
+def test_a_charge_never_fits_against_a_region_truncated_under_it(tenant):
+    """A charge that does not fit looks for dead processes' slots, under the region's lock, and
+    reads the device's usage again. If the file is truncated in between, that read faults onto
+    the zero page libvgpu maps in its place: it used to read 0 and charge, past the container's
+    limit. Made exact: every poll thread held (the limits file served late), the charging thread
+    held on its "reclaiming" log line (a full stderr pipe) while the tenant truncates."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {3 * CHUNK}")["ok"]
+    held = HeldStderr()
+    b = Cuctl(tenant.native.bin / "cuctl", tenant.env(LIBCUDA_LOG_LEVEL="2"), held.path,
+              tenant.prefix)  # fmt: skip
+    limits = None
+    try:
+        assert b("init")["ok"]
+        assert b(f"alloc plain {50 * MiB}")["ok"]  # 950 of 1000 MiB in the container
+        limits = HeldLimitsFile(tenant.base / "sealed")
+        polls, _ = wait_for(
+            lambda: all(threads_waiting(p, "wait_for_partner") == 1 for p in (a.pid, b.pid)), 10
+        )
+        assert polls, "the poll threads never reached the limits file"
+        dead_slot(tenant, region.MAX_PROCS - 1)
+        held.fill()
+        b.send(f"alloc plain {CHUNK}")  # 950 + 300 > 1000: looks for dead slots, logs one
+        reclaiming, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
+        assert reclaiming, "the charging thread never logged the dead slot"
+        cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
+        assert cut.returncode == 0, cut.stderr
+        held.drain()
+        assert not b.recv()["ok"], "charged against a truncated region"
+        limits.release()
+        limits = None
+        fresh = tenant.base / "gpu" / "fresh"
+        region.prepare_region_file(fresh)
+        rewrite = tenant.python(
+            f"data = open('{fresh}', 'rb').read()\n"
+            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
+        )
+        assert rewrite.returncode == 0, rewrite.stderr
+        back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK + 50 * MiB, timeout=5)
+        assert back, f"the container's usage after the repair: {tenant.used()}"
+        assert a("phys")["phys"] <= LIMIT
+    finally:
+        if limits:
+            limits.release()
+        if b.p.poll() is None:
+            b.p.kill()
+            b.p.wait()
+        b.close(check=False)
+        held.close()

@@ -276,9 +276,10 @@ static void on_sigbus(int sig, siginfo_t *si, void *ctx)
     for (int i = 0; i < TV_MAPS; i++) {
         uintptr_t m = (uintptr_t)__atomic_load_n(&mapped[i], __ATOMIC_RELAXED);
         if (m && a >= m && a < m + REGION_SZ) {
+            /* bad before the zero page: whoever reads the page can know what it read */
+            if (bad_flag) atomic_store(bad_flag, 1);
             mmap((void *)m, REGION_SZ, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-            if (bad_flag) atomic_store(bad_flag, 1);
             return; /* the access is retried on the zero page */
         }
     }
@@ -694,6 +695,14 @@ int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
 
 /* ---- memory ------------------------------------------------------------------------------- */
 
+/* Caller holds the lock and has read what it decides on. The file was truncated since the
+ * caller checked `bad` (on_sigbus sets it before it maps the zero page in the file's place): what
+ * was read may be zeros, so nothing may be decided on it. */
+static inline int faulted(struct tv_region *rg)
+{
+    return tv_unlikely(atomic_load_explicit(&rg->bad, memory_order_acquire) != 0);
+}
+
 static int fits(uint64_t used, uint64_t limit, uint64_t bytes)
 {
     return !limit || (bytes <= limit && used <= limit - bytes);
@@ -735,7 +744,8 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
         tv_region_reclaim_dead(rg);
         used = LOAD(rd->used_bytes);
     }
-    int ok = fits(used, limit, bytes);
+    /* truncated since the check above: what was read may be the zero page (on_sigbus) */
+    int ok = !faulted(rg) && fits(used, limit, bytes);
     if (ok) {
         used += bytes;
         rg->mine[d] = mine + bytes;
@@ -794,7 +804,7 @@ int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit)
         tv_region_reclaim_dead(rg);
         used = LOAD(rg->map->spilled_bytes);
     }
-    int ok = fits(used, limit, bytes);
+    int ok = !faulted(rg) && fits(used, limit, bytes); /* as in tv_region_charge */
     if (ok) {
         rg->mine_spill += bytes;
         STORE(rg->map->spilled_bytes, used + bytes);
