@@ -557,3 +557,61 @@ def test_a_charge_never_fits_against_a_region_truncated_under_it(tenant):
             b.p.wait()
         b.close(check=False)
         held.close()
+
+
+def test_a_process_whose_main_thread_ended_keeps_its_charges(tenant):
+    """A program may end its main thread (pthread_exit) and go on in others: /proc then shows
+    its thread group leader as a zombie (state Z, PF_EXITING) although the process lives and
+    holds its memory. Another process's charge that did not fit took it for dead, reclaimed its
+    slot, and fitted in the memory the live process still holds: the container past its limit.
+    No timing involved: the charge looks for dead slots itself, at once."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {CHUNK}")["ok"]
+    assert a("mainexit")["ok"]
+    zombie, _ = wait_for(
+        lambda: Path(f"/proc/{a.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 10
+    )
+    assert zombie, "the main thread did not end"
+    assert a(f"alloc plain {CHUNK}")["ok"]  # alive, and served by its other thread
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert b(f"alloc plain {CHUNK}")["ok"]  # 900 of 1000 MiB
+    assert not b(f"alloc plain {CHUNK}")["ok"]  # 1200 > 1000, however a's leader looks
+    assert tenant.used() == 3 * CHUNK
+    assert a("phys")["phys"] <= LIMIT
+
+
+def test_a_live_process_reclaimed_puts_its_charges_back(tenant):
+    """A live process's slot freed by a sibling's sweep (here its start time rewritten, so its
+    pid looks reused) is taken back by the process; its charges used to come back into its slot
+    only, not into the device's total while that total was still above the process's own share:
+    the container's total then missed them for good."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {CHUNK}")["ok"]
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert b(f"alloc plain {2 * CHUNK}")["ok"]
+    slots = [s for s in region.read_region(tenant.region_path).processes if s.pid == a.pid]
+    assert len(slots) == 1
+    i, real_start = slots[0].slot, slots[0].start_time
+    with open(tenant.region_path, "r+b") as f:
+        f.seek(slot_off(i, "start_time"))
+        f.write((1).to_bytes(8, "little"))
+        f.flush()
+
+        def swept_and_taken_back() -> bool:
+            # the once-a-second sweep is due now (a's own sweeps pass a by; b's must come)
+            f.seek(region.RegionC.reclaim_ns.offset)
+            f.write(bytes(8))
+            f.seek(slot_off(i, "start_time"))
+            f.flush()
+            return int.from_bytes(os.pread(f.fileno(), 8, f.tell()), "little") == real_start
+
+        taken_back, _ = wait_for(swept_and_taken_back, timeout=10)
+    assert taken_back, "b never swept a's slot, or a never took it back"
+    back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=5)
+    assert back, f"the container's total misses a's charges: {tenant.used()}"
+    assert not b(f"alloc plain {CHUNK}")["ok"]
+    assert a("phys")["phys"] <= LIMIT

@@ -4,6 +4,7 @@
  * limit the caller passes, and repairing what a tenant may have written into it.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -29,11 +30,12 @@ static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS s
 
 #define TV_PF_EXITING 0x4u /* linux/sched.h: the task is exiting (robust futexes released) */
 
-/* state (a dying process reads 'X'), and starttime from /proc/<pid>/stat; 0 ok, -1 unreadable */
-static int proc_stat(pid_t pid, char *state, uint64_t *start)
+/* state (an exiting task reads 'X'), and starttime from /proc/<what>/stat (what: "<pid>" or
+ * "<pid>/task/<tid>"); 0 ok, -1 unreadable */
+static int proc_stat_at(const char *what, char *state, uint64_t *start)
 {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    char path[96], buf[1024];
+    snprintf(path, sizeof path, "/proc/%s/stat", what);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     ssize_t n = read(fd, buf, sizeof buf - 1);
@@ -55,12 +57,42 @@ static int proc_stat(pid_t pid, char *state, uint64_t *start)
     return 0;
 }
 
+static int proc_stat(pid_t pid, char *state, uint64_t *start)
+{
+    char what[16];
+    snprintf(what, sizeof what, "%d", (int)pid);
+    return proc_stat_at(what, state, start);
+}
+
 static uint64_t self_start_time(void)
 {
     char st;
     uint64_t t = 0;
     if (proc_stat(getpid(), &st, &t) != 0) return 0;
     return t;
+}
+
+/* The leader of pid's thread group has ended or is ending: does another of its threads live
+ * on? A program may end its main thread (pthread_exit) and go on in others; its leader then
+ * reads as a zombie, exiting, until the last thread ends, while the process holds its memory. */
+static int other_thread_alive(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *dir = opendir(path);
+    if (!dir) return 0;
+    int alive = 0;
+    for (struct dirent *e; !alive && (e = readdir(dir));) {
+        pid_t tid = (pid_t)strtol(e->d_name, NULL, 10);
+        if (tid <= 0 || tid == pid) continue;
+        char state;
+        uint64_t st;
+        snprintf(path, sizeof path, "%d/task/%d", (int)pid, (int)tid);
+        alive = proc_stat_at(path, &state, &st) == 0 && state != 'Z' && state != 'X' &&
+                state != 'x';
+    }
+    closedir(dir);
+    return alive;
 }
 
 static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
@@ -71,8 +103,8 @@ static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
     char state;
     uint64_t st;
     if (proc_stat(pid, &state, &st) != 0) return kill(pid, 0) == 0 || errno != ESRCH;
-    if (state == 'Z' || state == 'X' || state == 'x') return 0;
     if (start && st != start) return 0; /* the pid was reused */
+    if (state == 'Z' || state == 'X' || state == 'x') return other_thread_alive(pid);
     return 1;
 }
 
@@ -565,8 +597,11 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
 {
     if (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) {
         if (LOAD(s->pid) == 0) {
+            /* freed: maybe reclaimed (its charges taken off the totals): what is not in the
+             * slot any more goes back into the totals, as when a slot is taken */
             STORE(s->start_time, rg->start_time);
             STORE(s->pid, (int32_t)rg->pid);
+            assert_mine(rg, s);
         } else { /* someone else holds it now: take a new one */
             atomic_store(&rg->slot, NULL);
             tv_region_unlock(rg);

@@ -474,10 +474,11 @@ static void burnq(double seconds, const char *kernel, int depth)
            (long long)now_ns());
 }
 
-int main(void)
+/* The command loop: the main thread's, or after "mainexit" another thread's (arg: non-NULL,
+ * the context is made current in it first). */
+static void *serve(void *arg)
 {
-    if (api_load(&A) != 0) return 3;
-    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (arg && primary) A.cuCtxSetCurrent(primary);
     char line[512], cmd[64], a1[256], a2[256], a3[256];
     while (fgets(line, sizeof line, stdin)) {
         a1[0] = a2[0] = a3[0] = 0;
@@ -627,11 +628,25 @@ int main(void)
                                 ? CU_MEM_ADVISE_SET_PREFERRED_LOCATION
                                 : CU_MEM_ADVISE_SET_ACCESSED_BY, loc);
             reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "mainexit")) {
+            /* The main thread ends (pthread_exit), another goes on serving: the process lives
+             * on, its thread group leader a zombie in /proc (state Z) until it exits. */
+            pthread_t t;
+            int r = pthread_create(&t, NULL, serve, &primary);
+            reply_rc(r ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_SUCCESS, 0);
+            if (!r) pthread_exit(NULL);
         } else if (!strcmp(cmd, "exit")) {
             break;
         } else {
             printf("{\"error\": \"unknown command %s\"}\n", cmd);
         }
     }
-    return 0;
+    exit(0);
+}
+
+int main(void)
+{
+    if (api_load(&A) != 0) return 3;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    serve(NULL);
 }
