@@ -30,9 +30,10 @@ static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS s
 
 #define TV_PF_EXITING 0x4u /* linux/sched.h: the task is exiting (robust futexes released) */
 
-/* state (an exiting task reads 'X'), and starttime from /proc/<what>/stat (what: "<pid>" or
+/* state (an exiting task reads 'X'), starttime and, where exit_code is not NULL, the exit code
+ * (0 where the kernel does not show it) from /proc/<what>/stat (what: "<pid>" or
  * "<pid>/task/<tid>"); 0 ok, -1 unreadable */
-static int proc_stat_at(const char *what, char *state, uint64_t *start)
+static int proc_stat_at(const char *what, char *state, uint64_t *start, int *exit_code)
 {
     char path[96], buf[1024];
     snprintf(path, sizeof path, "/proc/%s/stat", what);
@@ -46,7 +47,7 @@ static int proc_stat_at(const char *what, char *state, uint64_t *start)
     if (!p || p[1] != ' ') return -1;
     p += 2;
     *state = *p;
-    /* p points at field 3 (state); flags is field 9, starttime field 22 */
+    /* p points at field 3 (state); flags is field 9, starttime field 22, exit_code field 52 */
     for (int field = 3; field < 22 && p; field++) {
         p = strchr(p, ' ');
         if (p) p++;
@@ -54,21 +55,29 @@ static int proc_stat_at(const char *what, char *state, uint64_t *start)
     }
     if (!p) return -1;
     *start = strtoull(p, NULL, 10);
+    if (exit_code) {
+        *exit_code = 0;
+        for (int field = 22; field < 52 && p; field++) {
+            p = strchr(p, ' ');
+            if (p) p++;
+        }
+        if (p) *exit_code = (int)strtol(p, NULL, 10);
+    }
     return 0;
 }
 
-static int proc_stat(pid_t pid, char *state, uint64_t *start)
+static int proc_stat(pid_t pid, char *state, uint64_t *start, int *exit_code)
 {
     char what[16];
     snprintf(what, sizeof what, "%d", (int)pid);
-    return proc_stat_at(what, state, start);
+    return proc_stat_at(what, state, start, exit_code);
 }
 
 static uint64_t self_start_time(void)
 {
     char st;
     uint64_t t = 0;
-    if (proc_stat(getpid(), &st, &t) != 0) return 0;
+    if (proc_stat(getpid(), &st, &t, NULL) != 0) return 0;
     return t;
 }
 
@@ -88,7 +97,7 @@ static int other_thread_alive(pid_t pid)
         char state;
         uint64_t st;
         snprintf(path, sizeof path, "%d/task/%d", (int)pid, (int)tid);
-        alive = proc_stat_at(path, &state, &st) == 0 && state != 'Z' && state != 'X' &&
+        alive = proc_stat_at(path, &state, &st, NULL) == 0 && state != 'Z' && state != 'X' &&
                 state != 'x';
     }
     closedir(dir);
@@ -102,10 +111,14 @@ static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
     if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
     uint64_t st;
-    if (proc_stat(pid, &state, &st) != 0) return kill(pid, 0) == 0 || errno != ESRCH;
+    int code;
+    if (proc_stat(pid, &state, &st, &code) != 0) return kill(pid, 0) == 0 || errno != ESRCH;
     if (start && st != start) return 0; /* the pid was reused */
-    if (state == 'Z' || state == 'X' || state == 'x') return other_thread_alive(pid);
-    return 1;
+    if (state != 'Z' && state != 'X' && state != 'x') return 1;
+    /* The leader ended or is ending. Killed, or the process exited with a code (exit_group
+     * sets the leader's code before its robust futexes are released): dying, whatever its
+     * other threads are doing this instant. Code 0: its main thread may have ended alone. */
+    return code == 0 && other_thread_alive(pid);
 }
 
 /* Caller holds the lock. Uncharge a slot's bytes and free it. */
