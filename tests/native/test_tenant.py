@@ -272,6 +272,13 @@ class HeldStderr:
                 self.text += chunk
         os.write(self.w, b"\n" * self.size)  # an empty pipe of this size takes it whole
 
+    def seen(self, text: str) -> bool:
+        """Has the process written `text` yet? (reads what is there, never waits)"""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(self.r, 65536):
+                self.text += chunk
+        return text.encode() in self.text
+
     def drain(self) -> None:
         def run() -> None:
             os.set_blocking(self.r, True)
@@ -615,3 +622,73 @@ def test_a_live_process_reclaimed_puts_its_charges_back(tenant):
     assert back, f"the container's total misses a's charges: {tenant.used()}"
     assert not b(f"alloc plain {CHUNK}")["ok"]
     assert a("phys")["phys"] <= LIMIT
+
+
+def start_time_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def test_a_region_truncated_while_it_is_reattached_stays_refused(tenant):
+    """The poll thread re-attaches a repaired region: maps it, takes a slot, writes this
+    process's charges back, then lets charges resume. A truncation in between faulted onto the
+    zero page libvgpu maps in the file's place, and charges then resumed against that page: a
+    budget of the whole limit while the file was truncated. Made exact: every process slot of
+    the repaired file held by a live process, so the re-attach logs "region full" and is held
+    there (a full stderr pipe) while the tenant truncates; then every poll thread is held (the
+    limits file served late) while the process asks for memory."""
+    held = HeldStderr()
+    b = Cuctl(tenant.native.bin / "cuctl", tenant.env(), held.path, tenant.prefix)
+    holder = subprocess.Popen([*tenant.prefix, "sleep", "60"], env=tenant.env())
+    limits = None
+    try:
+        assert b("init")["ok"]
+        assert b(f"alloc plain {50 * MiB}")["ok"]
+        cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
+        assert cut.returncode == 0, cut.stderr
+        bad, _ = wait_for(lambda: held.seen("was truncated"), 10)
+        assert bad, "b never noticed the truncation"
+        full = tenant.base / "gpu" / "full"
+        region.prepare_region_file(full)
+        with open(full, "r+b") as f:
+            for i in range(region.MAX_PROCS):  # every slot: a live process holding nothing
+                f.seek(slot_off(i, "pid"))
+                f.write(holder.pid.to_bytes(4, "little"))
+                f.seek(slot_off(i, "start_time"))
+                f.write(start_time_of(holder.pid).to_bytes(8, "little"))
+        held.fill()
+        rewrite = tenant.python(
+            f"data = open('{full}', 'rb').read()\n"
+            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
+        )
+        assert rewrite.returncode == 0, rewrite.stderr
+        full_log, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
+        assert full_log, "b's poll thread never logged the full region"
+        cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
+        assert cut.returncode == 0, cut.stderr
+        limits = HeldLimitsFile(tenant.base / "sealed")
+        held.drain()
+        polls, _ = wait_for(lambda: threads_waiting(b.pid, "wait_for_partner") == 1, 10)
+        assert polls, "b's poll thread never reached the limits file"
+        assert not b(f"alloc plain {CHUNK}")["ok"], "charged while the region is truncated"
+        limits.release()
+        limits = None
+        fresh = tenant.base / "gpu" / "fresh"
+        region.prepare_region_file(fresh)
+        rewrite = tenant.python(
+            f"data = open('{fresh}', 'rb').read()\n"
+            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
+        )
+        assert rewrite.returncode == 0, rewrite.stderr
+        ok, _ = wait_for(lambda: b(f"alloc plain {CHUNK}")["ok"], timeout=5, step=0.05)
+        assert ok, "charges never resumed after the repair"
+        assert tenant.used() == 50 * MiB + CHUNK
+    finally:
+        holder.kill()
+        holder.wait()
+        if limits:
+            limits.release()
+        if b.p.poll() is None:
+            b.p.kill()
+            b.p.wait()
+        b.close(check=False)
+        held.close()

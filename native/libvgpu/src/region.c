@@ -322,7 +322,7 @@ static void on_sigbus(int sig, siginfo_t *si, void *ctx)
         uintptr_t m = (uintptr_t)__atomic_load_n(&mapped[i], __ATOMIC_RELAXED);
         if (m && a >= m && a < m + REGION_SZ) {
             /* bad before the zero page: whoever reads the page can know what it read */
-            if (bad_flag) atomic_store(bad_flag, 1);
+            if (bad_flag) atomic_store(bad_flag, TV_BAD_FAULTED);
             mmap((void *)m, REGION_SZ, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
             return; /* the access is retried on the zero page */
@@ -452,7 +452,7 @@ void tv_region_open(struct tv_region *rg, const char *path, int strict,
         TV_LOG(TV_LOG_ERROR, "region %s unusable: refusing device memory until it is repaired",
                rg->path);
         set_standin(rg);
-        atomic_store(&rg->bad, 1);
+        atomic_store(&rg->bad, TV_BAD_FILE);
     } else {
         TV_LOG(TV_LOG_WARN, "region %s unusable (%s): accounting is per process", rg->path,
                strerror(errno));
@@ -636,6 +636,10 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
 /* Bad: is the file usable again? Then map it, take a slot, put back our devices and charges. */
 static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed)
 {
+    /* a fault from here on (truncated again while we map it, take a slot, put our charges
+     * back) sets TV_BAD_FAULTED: the zero page is then mapped where the file was, and charges
+     * must not resume on it */
+    atomic_store(&rg->bad, TV_BAD_FILE);
     if (attach(rg, rg->path, rg->strict, seed) != 0) return;
     atomic_store(&rg->slot, NULL);
     rg->slot_idx = -1;
@@ -650,7 +654,12 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
     }
     tv_region_unlock(rg);
     tv_region_register(rg); /* writes mine[] into the slot and the totals */
-    atomic_store(&rg->bad, 0);
+    int was = TV_BAD_FILE;
+    if (!atomic_compare_exchange_strong(&rg->bad, &was, 0)) {
+        TV_LOG(TV_LOG_ERROR, "region %s truncated again while it was re-attached: refusing "
+               "device memory until it is valid again", rg->path);
+        return;
+    }
     TV_LOG(TV_LOG_WARN, "region %s valid again: charges resume", rg->path);
 }
 
@@ -667,7 +676,7 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
     if (gone || !header_ok(rg->map)) {
         TV_LOG(TV_LOG_ERROR, "region %s was truncated, replaced or overwritten: refusing device "
                "memory until it is valid again", rg->path);
-        atomic_store(&rg->bad, 1);
+        atomic_store(&rg->bad, TV_BAD_FILE);
         set_standin(rg); /* never touch a truncated mapping again (SIGBUS) */
         return;
     }

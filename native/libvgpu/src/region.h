@@ -37,7 +37,8 @@ struct tv_region {
     int fd;
     int is_private;           /* no shared file at all (standalone without a path) */
     int strict;               /* the node agent prepared the file: never initialise it */
-    _Atomic int bad;          /* the shared file failed validation: refuse charges */
+    _Atomic int bad;          /* the shared file failed validation: refuse charges (a
+                               * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
     int slot_idx;
     pid_t pid;
@@ -52,6 +53,10 @@ struct tv_region {
      * stand-in (its limit applies, its charges are refused): never kept, never charged */
     _Atomic uint32_t standin;
 };
+
+/* Why the region is bad: the file failed validation (or is being re-attached), or an access
+ * faulted (truncated under us: on_sigbus mapped the zero page in its place). */
+enum { TV_BAD_FILE = 1, TV_BAD_FAULTED = 2 };
 
 /* What the region needs to know of the limits, passed in (the region never reads them). */
 struct tv_region_seed {
