@@ -692,3 +692,43 @@ def test_a_region_truncated_while_it_is_reattached_stays_refused(tenant):
             b.p.wait()
         b.close(check=False)
         held.close()
+
+
+def test_a_process_exiting_while_its_poll_thread_repairs_does_not_crash(tenant):
+    """The poll thread saw this process's slot tampered with and went to repair it; meanwhile the
+    process began to exit and gave its slot up (libvgpu's exit handler). The repair then took
+    the slot that was no more (NULL): a crash at exit (SIGSEGV) while the program's own work at
+    exit (a runtime's teardown) ran. Made exact: the poll thread held on its "restored" log line
+    (a full stderr pipe) until the slot is given up, the program held in its exit handler."""
+    held = HeldStderr()
+    b = Cuctl(tenant.native.bin / "cuctl", tenant.env(), held.path, tenant.prefix)
+    try:
+        assert b("exitwait")["ok"]
+        assert b("init")["ok"]
+        assert b(f"alloc plain {50 * MiB}")["ok"]
+        slots = [s for s in region.read_region(tenant.region_path).processes if s.pid == b.pid]
+        assert len(slots) == 1
+        held.fill()
+        with open(tenant.region_path, "r+b") as f:  # the tenant zeroes b's own count
+            f.seek(slot_off(slots[0].slot, "used"))
+            f.write(bytes(8))
+        repairing, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
+        assert repairing, "b's poll thread never logged the tampered slot"
+        b.send("exit")
+        assert b.recv()["exiting"]  # libvgpu's exit handler has given the slot up
+        held.drain()
+        done, _ = wait_for(
+            lambda: b.p.poll() is not None or threads_waiting(b.pid, "nanosleep") == 1, 10
+        )
+        assert done, "b's poll thread never went back to sleep"
+        if b.p.poll() is None:
+            b.send("go")
+        rc = b.p.wait(timeout=10)
+        assert rc == 0, f"b died at exit: {rc}"
+        assert all(s.pid != b.pid for s in region.read_region(tenant.region_path).processes)
+    finally:
+        if b.p.poll() is None:
+            b.p.kill()
+            b.p.wait()
+        b.close(check=False)
+        held.close()

@@ -684,7 +684,10 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
     if (s && tampered(rg, s)) {
         TV_LOG(TV_LOG_WARN, "region %s: this process's charges were changed: restored", rg->path);
         tv_region_lock(rg);
-        repair(rg, atomic_load(&rg->slot));
+        /* read again under the lock: the process may have given its slot up meanwhile (its
+         * exit handler, tv_region_release): then there is nothing of ours to repair */
+        s = atomic_load(&rg->slot);
+        if (s) repair(rg, s);
         tv_region_unlock(rg);
     }
     if (reclaim) reclaim_periodic(rg);

@@ -474,6 +474,16 @@ static void burnq(double seconds, const char *kernel, int depth)
            (long long)now_ns());
 }
 
+/* "exitwait": work done at exit after libvgpu's own exit handler (as a runtime's teardown):
+ * says so on stdout, then waits for a line on stdin before the process exits. */
+static void exit_wait(void)
+{
+    char line[64];
+    printf("{\"exiting\": true}\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return;
+}
+
 /* The command loop: the main thread's, or after "mainexit" another thread's (arg: non-NULL,
  * the context is made current in it first). */
 static void *serve(void *arg)
@@ -628,6 +638,8 @@ static void *serve(void *arg)
                                 ? CU_MEM_ADVISE_SET_PREFERRED_LOCATION
                                 : CU_MEM_ADVISE_SET_ACCESSED_BY, loc);
             reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "exitwait")) { /* before "init": runs after libvgpu's */
+            reply_rc(atexit(exit_wait) ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_SUCCESS, 0);
         } else if (!strcmp(cmd, "mainexit")) {
             /* The main thread ends (pthread_exit), another goes on serving: the process lives
              * on, its thread group leader a zombie in /proc (state Z) until it exits. */
