@@ -768,6 +768,25 @@ static int fits(uint64_t used, uint64_t limit, uint64_t bytes)
     return !limit || (bytes <= limit && used <= limit - bytes);
 }
 
+/* What this process holds on a slot changes under the region's lock (charges and frees on
+ * shared slots) or under priv_mu (private slots, and frees while the region is bad): the region
+ * can go bad between two of them, so each change is one atomic read-modify-write and neither
+ * lock's change is lost to the other (a charge used to store what it read before looking for
+ * dead slots or repairing, where a repair drops the lock a moment). */
+static inline uint64_t mine_add(struct tv_region *rg, int d, uint64_t bytes)
+{
+    return __atomic_add_fetch(&rg->mine[d], bytes, __ATOMIC_RELAXED);
+}
+
+static inline uint64_t mine_sub(struct tv_region *rg, int d, uint64_t bytes)
+{
+    uint64_t m = __atomic_load_n(&rg->mine[d], __ATOMIC_RELAXED), n;
+    do n = m > bytes ? m - bytes : 0;
+    while (!__atomic_compare_exchange_n(&rg->mine[d], &m, n, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED));
+    return n;
+}
+
 static int charge_private(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
 {
     if (tv_region_standin(rg, d)) return -1; /* resolved while bad, charged after the repair */
@@ -794,7 +813,7 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
         tv_region_unlock(rg); /* truncated under us: the lock itself faulted (on_sigbus) */
         return -1;
     }
-    uint64_t mine = rg->mine[d], used = LOAD(rd->used_bytes);
+    uint64_t used = LOAD(rd->used_bytes);
     if (tv_unlikely(tampered_dev(rg, s, d))) {
         repair(rg, s);
         s = atomic_load(&rg->slot);
@@ -808,9 +827,8 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
     int ok = !faulted(rg) && fits(used, limit, bytes);
     if (ok) {
         used += bytes;
-        rg->mine[d] = mine + bytes;
         STORE(rd->used_bytes, used);
-        STORE(s->used[d], mine + bytes);
+        STORE(s->used[d], mine_add(rg, d, bytes));
         if (used > LOAD(rd->peak_bytes)) STORE(rd->peak_bytes, used);
     }
     tv_region_unlock(rg);
@@ -822,8 +840,8 @@ void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
     if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return;
     if (d >= TSR_MAX_DEVICES || atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
         pthread_mutex_lock(&rg->priv_mu);
-        rg->mine[d] = rg->mine[d] > bytes ? rg->mine[d] - bytes : 0;
-        if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, rg->mine[d]);
+        uint64_t m = mine_sub(rg, d, bytes);
+        if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, m);
         pthread_mutex_unlock(&rg->priv_mu);
         return;
     }
@@ -831,9 +849,8 @@ void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
     tv_region_lock(rg);
     struct tsr_region_device *rd = &rg->map->dev[d];
     uint64_t used = LOAD(rd->used_bytes);
-    rg->mine[d] = rg->mine[d] > bytes ? rg->mine[d] - bytes : 0;
     STORE(rd->used_bytes, used > bytes ? used - bytes : 0);
-    STORE(s->used[d], rg->mine[d]);
+    STORE(s->used[d], mine_sub(rg, d, bytes));
     tv_region_unlock(rg);
 }
 
