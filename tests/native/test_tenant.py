@@ -70,6 +70,31 @@ def test_zeroed_counters_do_not_double_the_budget(tenant):
     assert a("phys")["phys"] <= LIMIT
 
 
+def test_a_lowered_total_is_put_back_by_the_processes(tenant):
+    """Without leases the region is the account. Lowering a device's total by one process's
+    share, no lower than any process's own (and that process's own count with it), was never
+    repaired: each process checked only its own slot and that the total covered its own share,
+    and the container went past its limit for good. Each process now also raises the total to
+    what the live slots hold, within a poll tick."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {CHUNK}")["ok"]
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert b(f"alloc plain {2 * CHUNK}")["ok"]
+    (mine,) = [s for s in region.read_region(tenant.region_path).processes if s.pid == a.pid]
+    lower = tenant.python(
+        f"f = open('{tenant.region_path}', 'r+b')\n"
+        f"f.seek({dev_off('used_bytes')}); f.write(({2 * CHUNK}).to_bytes(8, 'little'))\n"
+        f"f.seek({slot_off(mine.slot, 'used')}); f.write(bytes(8))\n"
+    )
+    assert lower.returncode == 0, lower.stderr
+    back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=5)
+    assert back, f"the container's total after the tenant lowered it: {tenant.used()}"
+    assert not b(f"alloc plain {CHUNK}")["ok"]
+    assert a("phys")["phys"] <= LIMIT
+
+
 def test_truncated_region_gives_no_fresh_budget(tenant):
     a = tenant.cuctl()
     assert a("init")["ok"]

@@ -598,6 +598,25 @@ static int tampered(struct tv_region *rg, struct tsr_proc_slot *s)
     return LOAD(s->spilled_bytes) != rg->mine_spill || LOAD(rg->map->spilled_bytes) < rg->mine_spill;
 }
 
+/* Is a device's total below what the live slots hold? A tenant lowered it by another process's
+ * share (no lower than any process's own): that process puts its own slot back, and this puts
+ * the total back. Read without the lock: a charge of another process in flight may look like
+ * it; repair() decides under the lock. */
+static int total_below_slots(struct tv_region *rg)
+{
+    uint32_t n = LOAD(rg->map->num_devices);
+    if (n > TSR_MAX_DEVICES) n = TSR_MAX_DEVICES;
+    uint64_t sum[TSR_MAX_DEVICES] = {0};
+    for (int i = 0; i < TSR_MAX_PROCS; i++) {
+        const struct tsr_proc_slot *p = &rg->map->procs[i];
+        if (!LOAD(p->pid)) continue;
+        for (uint32_t d = 0; d < n; d++) sum[d] += LOAD(p->used[d]);
+    }
+    for (uint32_t d = 0; d < n; d++)
+        if (LOAD(rg->map->dev[d].used_bytes) < sum[d]) return 1;
+    return 0;
+}
+
 /* The same, for the one device a charge is about (the hot path: three loads). */
 static inline int tampered_dev(struct tv_region *rg, struct tsr_proc_slot *s, int d)
 {
@@ -625,8 +644,8 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
     }
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         if (LOAD(s->used[d]) != rg->mine[d]) STORE(s->used[d], rg->mine[d]);
-        if (LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
-            STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
+        uint64_t live = live_sum(rg, d); /* never below what the live slots hold */
+        if (LOAD(rg->map->dev[d].used_bytes) < live) STORE(rg->map->dev[d].used_bytes, live);
     }
     if (LOAD(s->spilled_bytes) != rg->mine_spill) STORE(s->spilled_bytes, rg->mine_spill);
     if (LOAD(rg->map->spilled_bytes) < rg->mine_spill)
@@ -689,6 +708,23 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
         s = atomic_load(&rg->slot);
         if (s) repair(rg, s);
         tv_region_unlock(rg);
+    } else if (s && seed && seed->region_is_account && total_below_slots(rg)) {
+        /* the region is the account (no lease service): every device total, not only ours. A
+         * free in flight looks like a lowered total without the lock: decided under it. */
+        tv_region_lock(rg);
+        int raised = 0;
+        uint32_t n = LOAD(rg->map->num_devices);
+        for (uint32_t d = 0; d < n && d < TSR_MAX_DEVICES; d++) {
+            uint64_t live = live_sum(rg, (int)d);
+            if (LOAD(rg->map->dev[d].used_bytes) < live) {
+                STORE(rg->map->dev[d].used_bytes, live);
+                raised = 1;
+            }
+        }
+        tv_region_unlock(rg);
+        if (raised)
+            TV_LOG(TV_LOG_WARN, "region %s: a device total was below what the processes hold: "
+                   "restored", rg->path);
     }
     if (reclaim) reclaim_periodic(rg);
 }

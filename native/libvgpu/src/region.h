@@ -14,7 +14,8 @@
  *  - each process keeps what it charged itself (mine[]); a charge that finds its own slot or the
  *    device total below that repairs them first (zeroed counters cannot hide our own charges),
  *    and the poll thread re-asserts them every tick (other processes' zeroing is undone within
- *    TSR_LIMITS_POLL_MS);
+ *    TSR_LIMITS_POLL_MS); without a lease service it also raises each device total to what the
+ *    live slots hold;
  *  - device-table entries for UUIDs that no sealed limit names and that hold nothing are
  *    reclaimed when a sealed device needs a slot.
  */
@@ -64,6 +65,7 @@ struct tv_region_seed {
     uint32_t core_policy;
     unsigned nuuid;
     char uuids[TSR_MAX_DEVICES][TSR_UUID_LEN]; /* sealed devices: always get a slot */
+    int region_is_account; /* no lease service: the region is the container's account */
 };
 
 void tv_region_open(struct tv_region *rg, const char *path, int strict,
