@@ -293,3 +293,44 @@ def test_a_process_exiting_while_its_poll_thread_repairs_does_not_crash(tenant):
             b.p.wait()
         b.close(check=False)
         held.close()
+
+
+def test_a_forked_child_never_takes_its_parents_charges_off(tenant):
+    """Every process slot held (here by the tenant's live bogus entries): a process is counted
+    in a slot of its own memory (the overflow slot), its charges in the device total. A child
+    it forked copied that slot with the parent's charges in it; the child's first CUDA call
+    registered it there and "corrected" the copy to the child's own (nothing), taking the
+    parent's charges off the total until the parent's poll thread put them back. Made exact:
+    every poll thread held (the limits file served late) while the child registers and a
+    sibling allocates."""
+    holder = subprocess.Popen([*tenant.prefix, "sleep", "60"], env=tenant.env())
+    limits = None
+    try:
+        start = start_time_of(holder.pid)
+        with open(tenant.region_path, "r+b") as f:
+            for i in range(region.MAX_PROCS):
+                f.seek(slot_off(i, "pid"))
+                f.write(holder.pid.to_bytes(4, "little"))
+                f.seek(slot_off(i, "start_time"))
+                f.write(start.to_bytes(8, "little"))
+        a = tenant.cuctl()
+        assert a("init")["ok"]
+        assert a(f"alloc plain {3 * CHUNK}")["ok"]
+        assert tenant.used() == 3 * CHUNK
+        b = tenant.cuctl()
+        assert b("init")["ok"]
+        assert b("info")["rc"] == 0  # libvgpu started in b: its limits read, its poll thread
+        limits = HeldLimitsFile(tenant.base / "sealed")
+        polls, _ = wait_for(
+            lambda: all(threads_waiting(p, "wait_for_partner") == 1 for p in (a.pid, b.pid)), 10
+        )
+        assert polls, "the poll threads never reached the limits file"
+        assert a("forkinfo")["ok"]
+        assert tenant.used() == 3 * CHUNK, "the child took its parent's charges off the total"
+        assert not b(f"alloc plain {CHUNK}")["ok"]
+        assert a("phys")["phys"] <= LIMIT
+    finally:
+        if limits:
+            limits.release()
+        holder.kill()
+        holder.wait()

@@ -549,6 +549,9 @@ void tv_region_after_fork_child(struct tv_region *rg)
     rg->pid = getpid();
     memset(rg->mine, 0, sizeof rg->mine); /* the child holds none of its parent's memory */
     rg->mine_spill = 0;
+    /* nor its parent's overflow slot: registering there, the child would "correct" the copy of
+     * its parent's charges to its own, taking them off the totals */
+    memset(&overflow_slot, 0, sizeof overflow_slot);
     pthread_mutex_init(&rg->priv_mu, NULL);
 }
 

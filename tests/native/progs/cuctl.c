@@ -34,6 +34,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -638,6 +639,18 @@ static void *serve(void *arg)
                                 ? CU_MEM_ADVISE_SET_PREFERRED_LOCATION
                                 : CU_MEM_ADVISE_SET_ACCESSED_BY, loc);
             reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "forkinfo")) {
+            /* A child asks the driver how much memory there is (a worker process of a data
+             * loader, say) and exits: libvgpu registers it in the region at that first call. */
+            pid_t child = fork();
+            if (child == 0) {
+                size_t f = 0, t = 0;
+                A.cuMemGetInfo(&f, &t);
+                _exit(0);
+            }
+            int status = 0;
+            int ok = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status);
+            reply_rc(ok ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM, 0);
         } else if (!strcmp(cmd, "exitwait")) { /* before "init": runs after libvgpu's */
             reply_rc(atexit(exit_wait) ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_SUCCESS, 0);
         } else if (!strcmp(cmd, "mainexit")) {
