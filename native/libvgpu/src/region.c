@@ -4,7 +4,6 @@
  * limit the caller passes, and repairing what a tenant may have written into it.
  */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -27,99 +26,6 @@ _Atomic uint64_t tv_memory_back_ns;
 static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS slots are live */
 
 /* ---- processes ---------------------------------------------------------------------------- */
-
-#define TV_PF_EXITING 0x4u /* linux/sched.h: the task is exiting (robust futexes released) */
-
-/* state (an exiting task reads 'X'), starttime and, where exit_code is not NULL, the exit code
- * (0 where the kernel does not show it) from /proc/<what>/stat (what: "<pid>" or
- * "<pid>/task/<tid>"); 0 ok, -1 unreadable */
-static int proc_stat_at(const char *what, char *state, uint64_t *start, int *exit_code)
-{
-    char path[96], buf[1024];
-    snprintf(path, sizeof path, "/proc/%s/stat", what);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ') return -1;
-    p += 2;
-    *state = *p;
-    /* p points at field 3 (state); flags is field 9, starttime field 22, exit_code field 52 */
-    for (int field = 3; field < 22 && p; field++) {
-        p = strchr(p, ' ');
-        if (p) p++;
-        if (p && field + 1 == 9 && (strtoul(p, NULL, 10) & TV_PF_EXITING)) *state = 'X';
-    }
-    if (!p) return -1;
-    *start = strtoull(p, NULL, 10);
-    if (exit_code) {
-        *exit_code = 0;
-        for (int field = 22; field < 52 && p; field++) {
-            p = strchr(p, ' ');
-            if (p) p++;
-        }
-        if (p) *exit_code = (int)strtol(p, NULL, 10);
-    }
-    return 0;
-}
-
-static int proc_stat(pid_t pid, char *state, uint64_t *start, int *exit_code)
-{
-    char what[16];
-    snprintf(what, sizeof what, "%d", (int)pid);
-    return proc_stat_at(what, state, start, exit_code);
-}
-
-static uint64_t self_start_time(void)
-{
-    char st;
-    uint64_t t = 0;
-    if (proc_stat(getpid(), &st, &t, NULL) != 0) return 0;
-    return t;
-}
-
-/* The leader of pid's thread group has ended or is ending: does another of its threads live
- * on? A program may end its main thread (pthread_exit) and go on in others; its leader then
- * reads as a zombie, exiting, until the last thread ends, while the process holds its memory. */
-static int other_thread_alive(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
-    DIR *dir = opendir(path);
-    if (!dir) return 0;
-    int alive = 0;
-    for (struct dirent *e; !alive && (e = readdir(dir));) {
-        pid_t tid = (pid_t)strtol(e->d_name, NULL, 10);
-        if (tid <= 0 || tid == pid) continue;
-        char state;
-        uint64_t st;
-        snprintf(path, sizeof path, "%d/task/%d", (int)pid, (int)tid);
-        alive = proc_stat_at(path, &state, &st, NULL) == 0 && state != 'Z' && state != 'X' &&
-                state != 'x';
-    }
-    closedir(dir);
-    return alive;
-}
-
-static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
-{
-    if (pid <= 0) return 0;
-    if (pid == rg->pid) return 1;
-    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
-    char state;
-    uint64_t st;
-    int code;
-    if (proc_stat(pid, &state, &st, &code) != 0) return kill(pid, 0) == 0 || errno != ESRCH;
-    if (start && st != start) return 0; /* the pid was reused */
-    if (state != 'Z' && state != 'X' && state != 'x') return 1;
-    /* The leader ended or is ending. Killed, or the process exited with a code (exit_group
-     * sets the leader's code before its robust futexes are released): dying, whatever its
-     * other threads are doing this instant. Code 0: its main thread may have ended alone. */
-    return code == 0 && other_thread_alive(pid);
-}
 
 /* Caller holds the lock. Uncharge a slot's bytes and free it. */
 static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
@@ -144,7 +50,7 @@ int tv_region_reclaim_dead(struct tv_region *rg)
         struct tsr_proc_slot *s = &rg->map->procs[i];
         pid_t pid = LOAD(s->pid);
         if (pid == 0 || pid == rg->pid) continue;
-        if (!proc_alive(rg, pid, LOAD(s->start_time))) {
+        if (!tv_proc_alive(rg->pid, pid, LOAD(s->start_time))) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", i, (int)pid);
             reclaim_slot(rg->map, s);
             n++;
@@ -459,7 +365,7 @@ void tv_region_open(struct tv_region *rg, const char *path, int strict,
         rg->map = map_anon();
         rg->is_private = 1;
     }
-    rg->start_time = self_start_time();
+    rg->start_time = tv_self_start_time();
 }
 
 /* ---- process slots ------------------------------------------------------------------------ */
@@ -485,7 +391,7 @@ struct tsr_proc_slot *tv_region_register(struct tv_region *rg)
 {
     struct tsr_proc_slot *s = atomic_load_explicit(&rg->slot, memory_order_acquire);
     if (tv_likely(s != NULL)) return s;
-    if (!rg->start_time) rg->start_time = self_start_time();
+    if (!rg->start_time) rg->start_time = tv_self_start_time();
     struct tsr_region *R = rg->map;
     tv_region_lock(rg);
     s = atomic_load(&rg->slot);
@@ -573,7 +479,7 @@ static void reclaim_periodic(struct tv_region *rg)
     for (int i = 0; i < TSR_MAX_PROCS; i++) { /* liveness checked outside the lock */
         int32_t pid = LOAD(R->procs[i].pid);
         uint64_t st = LOAD(R->procs[i].start_time);
-        if (pid && pid != rg->pid && !proc_alive(rg, pid, st)) {
+        if (pid && pid != rg->pid && !tv_proc_alive(rg->pid, pid, st)) {
             idx[n] = i;
             pids[n] = pid;
             starts[n++] = st;

@@ -129,6 +129,11 @@ static inline uint64_t tv_region_used(struct tv_region *rg, int d)
     return u < rg->mine[d] ? rg->mine[d] : u;
 }
 
+/* liveness.c: is the process in a slot (pid, start time from /proc/<pid>/stat, 0 = unknown)
+ * alive, as seen from process `self`? This process's own start time (0 if unreadable). */
+int tv_proc_alive(pid_t self, pid_t pid, uint64_t start) TV_HIDDEN;
+uint64_t tv_self_start_time(void) TV_HIDDEN;
+
 /* When this process last saw device memory given back for it (tv_mono_ns; 0 never): a dead
  * process's device charge reclaimed here (region.c), a lease the node agent's service held
  * before granting (lease.c). The owed-OOM retry reads it (lease.h). */
