@@ -158,6 +158,7 @@ MODULE_SECONDS: dict[str, float] = {
     "tests/native/test_driver_variants.py": 25,
     "tests/kube_sim/test_shutdown.py": 20,
     "tests/native/test_real_container.py": 20,
+    "tests/native/test_tenant_races.py": 15,  # the tenant's libvgpu built, then 7 tests
 }
 STACK_FOLDERS = ("tests/e2e/", "tests/compose/", "tests/cli/")
 STACK_MODULE_S, SECONDS_PER_TEST = 15.0, 0.25

@@ -402,3 +402,19 @@ def wait_for(pred, timeout: float = 2.0, step: float = 0.005):
         if time.monotonic() - t0 > timeout:
             return v, time.monotonic() - t0
         time.sleep(step)
+
+
+@pytest.fixture(scope="session")
+def tenant_build(native):
+    """The hostile tenant's libvgpu and /etc (tenant_rig.py); skips where none can be made."""
+    from .tenant_rig import tenant_build_dir
+
+    yield from tenant_build_dir(native)
+
+
+@pytest.fixture
+def tenant(tenant_build, native):
+    """A fresh container of the hostile tenant (tenant_rig.py)."""
+    from .tenant_rig import tenant_in
+
+    yield from tenant_in(tenant_build, native)

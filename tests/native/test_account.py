@@ -38,7 +38,7 @@ from tessera.models import Allocation, DeviceGrant
 from tessera.settings import TesseraSettings
 
 from .conftest import Cuctl, MiB, base_env, wait_for
-from .test_tenant import GPU0, _unprivileged_possible
+from .tenant_rig import GPU0, unprivileged_unavailable
 
 # It maps a driver library into the test process (tests/process_state.py): by path only.
 pytestmark = pytest.mark.driver_library_in_process
@@ -194,7 +194,7 @@ def fake_gpu_state(base: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def account_base(native) -> Iterator[Path]:
-    reason = _unprivileged_possible()
+    reason = unprivileged_unavailable()
     if reason:
         pytest.skip(f"account suite: {reason}")
     base = Path(tempfile.mkdtemp(prefix="tessera-account-", dir="/tmp"))

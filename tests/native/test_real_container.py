@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT, SAN
-from .test_tenant import CHUNK, LIMIT, Tenant, tenant, tenant_build  # noqa: F401 - fixtures
+from .tenant_rig import CHUNK, LIMIT, Tenant
 
 # Decided before the fixtures: under ASan, the tenant's build and the engine's setup were made
 # (~20 s on a busy host) for two tests that then skipped.
@@ -64,7 +64,7 @@ def container(t: Tenant, image: str, tmp: Path) -> tuple[str, ...]:
             image)
 
 
-def test_the_slice_is_enforced_in_a_real_container(tenant, engine_image, tmp_path):  # noqa: F811
+def test_the_slice_is_enforced_in_a_real_container(tenant, engine_image, tmp_path):
     c = tenant.cuctl(prefix=container(tenant, engine_image, tmp_path))
     assert c("init", timeout=60)["ok"]
     assert c("info")["total"] == LIMIT  # the sealed limit, not CUDA_DEVICE_MEMORY_LIMIT=100g
@@ -74,7 +74,7 @@ def test_the_slice_is_enforced_in_a_real_container(tenant, engine_image, tmp_pat
 
 
 def test_a_process_in_the_container_cannot_see_past_or_raise_its_limits(
-    tenant, engine_image, tmp_path,  # noqa: F811
+    tenant, engine_image, tmp_path,
 ) -> None:
     code = (
         "import os\n"

@@ -7,175 +7,24 @@ It tries: zeroing, truncating and overfilling the region, a huge compute budget,
 dlsym through dlvsym, graph memory nodes, and a copy of the dynamic loader that ignores the
 preload file. Everything but the last is blocked in-process; the last is shown to bypass
 libvgpu (no LD_PRELOAD limiter can stop it): the node agent's watchdog is what catches it
-(services/node-agent, tests/node_agent: kill or observe within its grace period)."""
+(services/node-agent, tests/node_agent: kill or observe within its grace period). The rig is
+tenant_rig.py; races between libvgpu's threads and the tenant are test_tenant_races.py."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tessera import region
 
-from .conftest import LIBVGPU_DIR, Cuctl, MiB, base_env, wait_for
-
-LIMIT = 1000 * MiB
-CHUNK = 300 * MiB
-UID = 65534
-GPU0 = "GPU-fa4e0000-0000-0000-0000-000000000000"  # the fake driver's device 0
-
-
-def _unprivileged_possible() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create the unprivileged tenant and its mount namespace"
-    for tool in ("unshare", "setpriv", "mount"):
-        if shutil.which(tool) is None:
-            return f"{tool} not installed"
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create a mount namespace here: {probe.stderr.strip()}"
-    return None
-
-
-@dataclass
-class Tenant:
-    base: Path
-    lib: Path
-    native: object
-    n: int = 0
-
-    @property
-    def region_path(self) -> Path:
-        return self.base / "region" / "usage"
-
-    @property
-    def prefix(self) -> tuple[str, ...]:
-        """Run argv as the tenant: own mount namespace, /etc with the preload file, uid 65534."""
-        script = 'mount --bind "$0" /etc && exec setpriv --reuid=65534 --regid=65534 '
-        script += '--clear-groups --no-new-privs "$@"'
-        return ("unshare", "-m", "--propagation", "private", "sh", "-c", script,
-                str(self.base / "etc"))  # fmt: skip
-
-    def env(self, mode: str = "direct", **extra: str) -> dict[str, str]:
-        env = base_env()
-        env.update(
-            LD_LIBRARY_PATH=str(self.native.fake),
-            FAKE_CUDA_STATE=str(self.base / "gpu" / "state"),
-            TV_TEST_MODE=mode,
-            LIBCUDA_LOG_LEVEL="1",
-            # what a tenant would try: none of it may count
-            CUDA_DEVICE_MEMORY_LIMIT="100g",
-            TESSERA_LIMITS_DIR=str(self.base / "mine"),
-            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.base / "gpu" / "my-region"),
-        )
-        if self.native.san:
-            env["ASAN_OPTIONS"] = "detect_leaks=0"
-        env.update(extra)
-        return env
-
-    def cuctl(self, mode: str = "direct", exe: Path | None = None, prefix=None) -> Cuctl:
-        self.n += 1
-        return Cuctl(
-            exe or self.native.bin / "cuctl",
-            self.env(mode),
-            self.base / "logs" / f"cuctl-{self.n}.stderr",
-            self.prefix if prefix is None else prefix,
-        )
-
-    def python(self, code: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        """Run Python code as the tenant (the region is the tenant's to write)."""
-        return subprocess.run(
-            [*self.prefix, sys.executable, "-c", code],
-            env=self.env(), capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-
-    def used(self) -> int:
-        u = region.read_region(self.region_path)
-        dev = u.device(GPU0) if u else None
-        return dev.used_bytes if dev else 0
-
-    def seal(self, sm: int = 0) -> None:
-        region.prepare_region_file(self.region_path)
-        region.seal_limits(
-            self.base / "sealed",
-            region.ContainerLimits(
-                devices=(region.DeviceLimit(GPU0, LIMIT, sm),),
-                core_policy="force",
-                region_path=str(self.region_path),
-            ),
-        )
-
-
-@pytest.fixture(scope="module")
-def tenant_build(native):
-    reason = _unprivileged_possible()
-    if reason:
-        pytest.skip(f"tenant suite: {reason}")
-    base = Path(tempfile.mkdtemp(prefix="tessera-tenant-", dir="/tmp"))
-    base.chmod(0o755)
-    build = base / "build"
-    # a libvgpu whose sealed directory is this suite's (the real one is /run/tessera/limits)
-    out = subprocess.run(
-        ["make", "-s", "-j2", "-C", str(LIBVGPU_DIR), f"BUILD={build}", f"SAN={native.san}",
-         f"PYTHON={sys.executable}", f'CFLAGS=-O2 -DTSR_SEALED_LIMITS_DIR=\\"{base}/sealed\\"'],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    etc = base / "etc"
-    subprocess.run(["cp", "-a", "/etc", str(etc)], check=True)
-    preload = native.preload.replace(str(native.lib), str(build / "libvgpu.so"))
-    (etc / "ld.so.preload").write_text(preload.replace(" ", "\n") + "\n")
-    (etc / "ld.so.preload").chmod(0o444)
-    yield base, build / "libvgpu.so"
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def tenant(tenant_build, native):
-    base, lib = tenant_build
-    for d in ("sealed", "region", "gpu", "logs", "mine"):
-        shutil.rmtree(base / d, ignore_errors=True)
-        (base / d).mkdir()
-    (base / "gpu").chmod(0o1777)  # the fake GPU's shared state: any process of the machine
-    (base / "logs").chmod(0o777)
-    t = Tenant(base, lib, native)
-    t.seal()
-    procs: list[Cuctl] = []
-    real_cuctl = t.cuctl
-
-    def tracked(*a, **kw):
-        c = real_cuctl(*a, **kw)
-        procs.append(c)
-        return c
-
-    t.cuctl = tracked
-    yield t
-    for c in procs:
-        if c.p.poll() is None:
-            c.p.kill()
-            c.p.wait()
-        c.close(check=False)
-
-
-def dev_off(field: str, d: int = 0) -> int:
-    return (region.RegionC.dev.offset + d * ctypes.sizeof(region.RegionDeviceC)
-            + getattr(region.RegionDeviceC, field).offset)  # fmt: skip
-
-
-def slot_off(i: int, field: str) -> int:
-    return (region.RegionC.procs.offset + i * ctypes.sizeof(region.ProcSlotC)
-            + getattr(region.ProcSlotC, field).offset)  # fmt: skip
+from .conftest import MiB, wait_for
+from .tenant_rig import CHUNK, LIMIT, UID, dev_off, slot_off
 
 
 def test_tenant_is_unprivileged_and_cannot_touch_its_limits(tenant):
@@ -221,6 +70,31 @@ def test_zeroed_counters_do_not_double_the_budget(tenant):
     assert a("phys")["phys"] <= LIMIT
 
 
+def test_a_lowered_total_is_put_back_by_the_processes(tenant):
+    """Without leases the region is the account. Lowering a device's total by one process's
+    share, no lower than any process's own (and that process's own count with it), was never
+    repaired: each process checked only its own slot and that the total covered its own share,
+    and the container went past its limit for good. Each process now also raises the total to
+    what the live slots hold, within a poll tick."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {CHUNK}")["ok"]
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert b(f"alloc plain {2 * CHUNK}")["ok"]
+    (mine,) = [s for s in region.read_region(tenant.region_path).processes if s.pid == a.pid]
+    lower = tenant.python(
+        f"f = open('{tenant.region_path}', 'r+b')\n"
+        f"f.seek({dev_off('used_bytes')}); f.write(({2 * CHUNK}).to_bytes(8, 'little'))\n"
+        f"f.seek({slot_off(mine.slot, 'used')}); f.write(bytes(8))\n"
+    )
+    assert lower.returncode == 0, lower.stderr
+    back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=5)
+    assert back, f"the container's total after the tenant lowered it: {tenant.used()}"
+    assert not b(f"alloc plain {CHUNK}")["ok"]
+    assert a("phys")["phys"] <= LIMIT
+
+
 def test_truncated_region_gives_no_fresh_budget(tenant):
     a = tenant.cuctl()
     assert a("init")["ok"]
@@ -247,107 +121,6 @@ def test_truncated_region_gives_no_fresh_budget(tenant):
     assert not b(f"alloc plain {CHUNK}")["ok"]
     assert a("phys")["phys"] <= LIMIT
     assert "bad header" in b.stderr() or "unusable" in b.stderr()
-
-
-class HeldStderr:
-    """A process's stderr as a one-page pipe the test can keep full: the process's next log line
-    then blocks inside the very call that writes it, until the test drains the pipe. This holds
-    a thread of libvgpu at a chosen point, so an interleaving with the poll thread is exact."""
-
-    def __init__(self) -> None:
-        self.r, self.w = os.pipe()
-        fcntl.fcntl(self.w, fcntl.F_SETPIPE_SZ, 4096)
-        self.size = fcntl.fcntl(self.w, fcntl.F_GETPIPE_SZ)
-        os.set_blocking(self.r, False)
-        self.text = b""
-        self._drainer: threading.Thread | None = None
-
-    @property
-    def path(self) -> Path:  # a new open of the pipe's write end: blocking, whatever ours is
-        return Path(f"/proc/{os.getpid()}/fd/{self.w}")
-
-    def fill(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(self.r, 65536):
-                self.text += chunk
-        os.write(self.w, b"\n" * self.size)  # an empty pipe of this size takes it whole
-
-    def drain(self) -> None:
-        def run() -> None:
-            os.set_blocking(self.r, True)
-            while chunk := os.read(self.r, 65536):
-                self.text += chunk
-
-        self._drainer = threading.Thread(target=run, daemon=True)
-        self._drainer.start()
-
-    def close(self) -> None:
-        os.close(self.w)
-        if self._drainer:
-            self._drainer.join(timeout=5)
-        os.close(self.r)
-
-
-def threads_waiting(pid: int, kernel_wait: str) -> int:
-    """How many of pid's threads are blocked in the kernel function named (from their wchan)."""
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            n += kernel_wait in Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
-    return n
-
-
-def test_a_slot_taken_while_the_region_was_bad_is_never_kept(tenant):
-    """CI caught this once: a process resolved its device while the region was bad and got a
-    private stand-in slot; its poll thread repaired the region before the resolver re-checked,
-    so the stand-in was kept and every later charge was held to that process's own allocations:
-    a fresh budget beside the container's. Here that interleaving is made exact: the poll
-    thread is held re-attaching (on the region file's lock) while the allocating thread takes
-    its stand-in slot, and the allocating thread is held (on its log line) while the poll
-    thread finishes the repair."""
-    a = tenant.cuctl()
-    assert a("init")["ok"]
-    assert a(f"alloc plain {3 * CHUNK}")["ok"]
-    cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
-    assert cut.returncode == 0, cut.stderr
-    held = HeldStderr()
-    b = Cuctl(tenant.native.bin / "cuctl", tenant.env(), held.path, tenant.prefix)
-    file_lock = tenant.region_path.open("rb")
-    try:
-        assert b("init")["ok"]
-        assert not b(f"alloc plain {50 * MiB}")["ok"]  # bad: refused
-        fcntl.flock(file_lock, fcntl.LOCK_EX)
-        fresh = tenant.base / "gpu" / "fresh"
-        region.prepare_region_file(fresh)
-        rewrite = tenant.python(
-            f"data = open('{fresh}', 'rb').read()\n"
-            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
-        )
-        assert rewrite.returncode == 0, rewrite.stderr
-        attaching, _ = wait_for(lambda: threads_waiting(b.pid, "lock_inode_wait") == 1, 10)
-        assert attaching, "b's poll thread never tried to re-attach"
-        held.fill()
-        b.send(f"alloc plain {50 * MiB}")  # resolves its device: the region is still bad
-        resolving, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
-        assert resolving, "the allocating thread never logged its stand-in slot"
-        fcntl.flock(file_lock, fcntl.LOCK_UN)
-        repaired, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 2, 10)
-        assert repaired, "b's poll thread never logged the repair"
-        held.drain()
-        if not b.recv()["ok"]:  # begun while bad: refusing it is fine, a private charge is not
-            ok, _ = wait_for(lambda: b(f"alloc plain {50 * MiB}")["ok"], timeout=5, step=0.05)
-            assert ok
-        back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK + 50 * MiB, timeout=5)
-        assert back, f"b's charge is not in the container's region: {tenant.used()}"
-        assert not b(f"alloc plain {CHUNK}")["ok"]  # 950 + 300 > 1000 MiB: the container's
-        assert a("phys")["phys"] <= LIMIT
-    finally:
-        file_lock.close()
-        if b.p.poll() is None:
-            b.p.kill()
-            b.p.wait()
-        b.close(check=False)
-        held.close()
 
 
 def bogus_table(tenant, claim_pid: int | None) -> str:

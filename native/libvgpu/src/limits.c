@@ -344,6 +344,7 @@ void tv_limits_seed(struct tv_region_seed *out)
     memset(out, 0, sizeof *out);
     out->priority = L.lim.priority;
     out->core_policy = L.lim.core_policy;
+    out->region_is_account = !(L.lim.flags & TSR_LIMITS_LEASE);
     for (unsigned i = 0; i < L.lim.num_devices && i < TSR_MAX_DEVICES; i++)
         if (L.lim.dev[i].uuid[0])
             memcpy(out->uuids[out->nuuid++], L.lim.dev[i].uuid, TSR_UUID_LEN);

@@ -27,55 +27,6 @@ static struct tsr_proc_slot overflow_slot; /* used only when all TSR_MAX_PROCS s
 
 /* ---- processes ---------------------------------------------------------------------------- */
 
-#define TV_PF_EXITING 0x4u /* linux/sched.h: the task is exiting (robust futexes released) */
-
-/* state (a dying process reads 'X'), and starttime from /proc/<pid>/stat; 0 ok, -1 unreadable */
-static int proc_stat(pid_t pid, char *state, uint64_t *start)
-{
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ') return -1;
-    p += 2;
-    *state = *p;
-    /* p points at field 3 (state); flags is field 9, starttime field 22 */
-    for (int field = 3; field < 22 && p; field++) {
-        p = strchr(p, ' ');
-        if (p) p++;
-        if (p && field + 1 == 9 && (strtoul(p, NULL, 10) & TV_PF_EXITING)) *state = 'X';
-    }
-    if (!p) return -1;
-    *start = strtoull(p, NULL, 10);
-    return 0;
-}
-
-static uint64_t self_start_time(void)
-{
-    char st;
-    uint64_t t = 0;
-    if (proc_stat(getpid(), &st, &t) != 0) return 0;
-    return t;
-}
-
-static int proc_alive(const struct tv_region *rg, pid_t pid, uint64_t start)
-{
-    if (pid <= 0) return 0;
-    if (pid == rg->pid) return 1;
-    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
-    char state;
-    uint64_t st;
-    if (proc_stat(pid, &state, &st) != 0) return kill(pid, 0) == 0 || errno != ESRCH;
-    if (state == 'Z' || state == 'X' || state == 'x') return 0;
-    if (start && st != start) return 0; /* the pid was reused */
-    return 1;
-}
-
 /* Caller holds the lock. Uncharge a slot's bytes and free it. */
 static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
 {
@@ -99,7 +50,7 @@ int tv_region_reclaim_dead(struct tv_region *rg)
         struct tsr_proc_slot *s = &rg->map->procs[i];
         pid_t pid = LOAD(s->pid);
         if (pid == 0 || pid == rg->pid) continue;
-        if (!proc_alive(rg, pid, LOAD(s->start_time))) {
+        if (!tv_proc_alive(rg->pid, pid, LOAD(s->start_time))) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", i, (int)pid);
             reclaim_slot(rg->map, s);
             n++;
@@ -276,9 +227,10 @@ static void on_sigbus(int sig, siginfo_t *si, void *ctx)
     for (int i = 0; i < TV_MAPS; i++) {
         uintptr_t m = (uintptr_t)__atomic_load_n(&mapped[i], __ATOMIC_RELAXED);
         if (m && a >= m && a < m + REGION_SZ) {
+            /* bad before the zero page: whoever reads the page can know what it read */
+            if (bad_flag) atomic_store(bad_flag, TV_BAD_FAULTED);
             mmap((void *)m, REGION_SZ, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-            if (bad_flag) atomic_store(bad_flag, 1);
             return; /* the access is retried on the zero page */
         }
     }
@@ -406,14 +358,14 @@ void tv_region_open(struct tv_region *rg, const char *path, int strict,
         TV_LOG(TV_LOG_ERROR, "region %s unusable: refusing device memory until it is repaired",
                rg->path);
         set_standin(rg);
-        atomic_store(&rg->bad, 1);
+        atomic_store(&rg->bad, TV_BAD_FILE);
     } else {
         TV_LOG(TV_LOG_WARN, "region %s unusable (%s): accounting is per process", rg->path,
                strerror(errno));
         rg->map = map_anon();
         rg->is_private = 1;
     }
-    rg->start_time = self_start_time();
+    rg->start_time = tv_self_start_time();
 }
 
 /* ---- process slots ------------------------------------------------------------------------ */
@@ -439,7 +391,7 @@ struct tsr_proc_slot *tv_region_register(struct tv_region *rg)
 {
     struct tsr_proc_slot *s = atomic_load_explicit(&rg->slot, memory_order_acquire);
     if (tv_likely(s != NULL)) return s;
-    if (!rg->start_time) rg->start_time = self_start_time();
+    if (!rg->start_time) rg->start_time = tv_self_start_time();
     struct tsr_region *R = rg->map;
     tv_region_lock(rg);
     s = atomic_load(&rg->slot);
@@ -503,6 +455,9 @@ void tv_region_after_fork_child(struct tv_region *rg)
     rg->pid = getpid();
     memset(rg->mine, 0, sizeof rg->mine); /* the child holds none of its parent's memory */
     rg->mine_spill = 0;
+    /* nor its parent's overflow slot: registering there, the child would "correct" the copy of
+     * its parent's charges to its own, taking them off the totals */
+    memset(&overflow_slot, 0, sizeof overflow_slot);
     pthread_mutex_init(&rg->priv_mu, NULL);
 }
 
@@ -524,7 +479,7 @@ static void reclaim_periodic(struct tv_region *rg)
     for (int i = 0; i < TSR_MAX_PROCS; i++) { /* liveness checked outside the lock */
         int32_t pid = LOAD(R->procs[i].pid);
         uint64_t st = LOAD(R->procs[i].start_time);
-        if (pid && pid != rg->pid && !proc_alive(rg, pid, st)) {
+        if (pid && pid != rg->pid && !tv_proc_alive(rg->pid, pid, st)) {
             idx[n] = i;
             pids[n] = pid;
             starts[n++] = st;
@@ -552,6 +507,25 @@ static int tampered(struct tv_region *rg, struct tsr_proc_slot *s)
     return LOAD(s->spilled_bytes) != rg->mine_spill || LOAD(rg->map->spilled_bytes) < rg->mine_spill;
 }
 
+/* Is a device's total below what the live slots hold? A tenant lowered it by another process's
+ * share (no lower than any process's own): that process puts its own slot back, and this puts
+ * the total back. Read without the lock: a charge of another process in flight may look like
+ * it; repair() decides under the lock. */
+static int total_below_slots(struct tv_region *rg)
+{
+    uint32_t n = LOAD(rg->map->num_devices);
+    if (n > TSR_MAX_DEVICES) n = TSR_MAX_DEVICES;
+    uint64_t sum[TSR_MAX_DEVICES] = {0};
+    for (int i = 0; i < TSR_MAX_PROCS; i++) {
+        const struct tsr_proc_slot *p = &rg->map->procs[i];
+        if (!LOAD(p->pid)) continue;
+        for (uint32_t d = 0; d < n; d++) sum[d] += LOAD(p->used[d]);
+    }
+    for (uint32_t d = 0; d < n; d++)
+        if (LOAD(rg->map->dev[d].used_bytes) < sum[d]) return 1;
+    return 0;
+}
+
 /* The same, for the one device a charge is about (the hot path: three loads). */
 static inline int tampered_dev(struct tv_region *rg, struct tsr_proc_slot *s, int d)
 {
@@ -564,8 +538,11 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
 {
     if (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) {
         if (LOAD(s->pid) == 0) {
+            /* freed: maybe reclaimed (its charges taken off the totals): what is not in the
+             * slot any more goes back into the totals, as when a slot is taken */
             STORE(s->start_time, rg->start_time);
             STORE(s->pid, (int32_t)rg->pid);
+            assert_mine(rg, s);
         } else { /* someone else holds it now: take a new one */
             atomic_store(&rg->slot, NULL);
             tv_region_unlock(rg);
@@ -576,8 +553,8 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
     }
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         if (LOAD(s->used[d]) != rg->mine[d]) STORE(s->used[d], rg->mine[d]);
-        if (LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
-            STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
+        uint64_t live = live_sum(rg, d); /* never below what the live slots hold */
+        if (LOAD(rg->map->dev[d].used_bytes) < live) STORE(rg->map->dev[d].used_bytes, live);
     }
     if (LOAD(s->spilled_bytes) != rg->mine_spill) STORE(s->spilled_bytes, rg->mine_spill);
     if (LOAD(rg->map->spilled_bytes) < rg->mine_spill)
@@ -587,6 +564,10 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
 /* Bad: is the file usable again? Then map it, take a slot, put back our devices and charges. */
 static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed)
 {
+    /* a fault from here on (truncated again while we map it, take a slot, put our charges
+     * back) sets TV_BAD_FAULTED: the zero page is then mapped where the file was, and charges
+     * must not resume on it */
+    atomic_store(&rg->bad, TV_BAD_FILE);
     if (attach(rg, rg->path, rg->strict, seed) != 0) return;
     atomic_store(&rg->slot, NULL);
     rg->slot_idx = -1;
@@ -602,7 +583,12 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
     tv_region_unlock(rg);
     tv_region_register(rg); /* writes mine[] into the slot and the totals */
     atomic_fetch_add(&rg->reattached, 1);
-    atomic_store(&rg->bad, 0);
+    int was = TV_BAD_FILE;
+    if (!atomic_compare_exchange_strong(&rg->bad, &was, 0)) {
+        TV_LOG(TV_LOG_ERROR, "region %s truncated again while it was re-attached: refusing "
+               "device memory until it is valid again", rg->path);
+        return;
+    }
     TV_LOG(TV_LOG_WARN, "region %s valid again: charges resume", rg->path);
 }
 
@@ -619,7 +605,7 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
     if (gone || !header_ok(rg->map)) {
         TV_LOG(TV_LOG_ERROR, "region %s was truncated, replaced or overwritten: refusing device "
                "memory until it is valid again", rg->path);
-        atomic_store(&rg->bad, 1);
+        atomic_store(&rg->bad, TV_BAD_FILE);
         set_standin(rg); /* never touch a truncated mapping again (SIGBUS) */
         return;
     }
@@ -627,8 +613,28 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
     if (s && tampered(rg, s)) {
         TV_LOG(TV_LOG_WARN, "region %s: this process's charges were changed: restored", rg->path);
         tv_region_lock(rg);
-        repair(rg, atomic_load(&rg->slot));
+        /* read again under the lock: the process may have given its slot up meanwhile (its
+         * exit handler, tv_region_release): then there is nothing of ours to repair */
+        s = atomic_load(&rg->slot);
+        if (s) repair(rg, s);
         tv_region_unlock(rg);
+    } else if (s && seed && seed->region_is_account && total_below_slots(rg)) {
+        /* the region is the account (no lease service): every device total, not only ours. A
+         * free in flight looks like a lowered total without the lock: decided under it. */
+        tv_region_lock(rg);
+        int raised = 0;
+        uint32_t n = LOAD(rg->map->num_devices);
+        for (uint32_t d = 0; d < n && d < TSR_MAX_DEVICES; d++) {
+            uint64_t live = live_sum(rg, (int)d);
+            if (LOAD(rg->map->dev[d].used_bytes) < live) {
+                STORE(rg->map->dev[d].used_bytes, live);
+                raised = 1;
+            }
+        }
+        tv_region_unlock(rg);
+        if (raised)
+            TV_LOG(TV_LOG_WARN, "region %s: a device total was below what the processes hold: "
+                   "restored", rg->path);
     }
     if (reclaim) reclaim_periodic(rg);
 }
@@ -695,9 +701,36 @@ int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
 
 /* ---- memory ------------------------------------------------------------------------------- */
 
+/* Caller holds the lock and has read what it decides on. The file was truncated since the
+ * caller checked `bad` (on_sigbus sets it before it maps the zero page in the file's place): what
+ * was read may be zeros, so nothing may be decided on it. */
+static inline int faulted(struct tv_region *rg)
+{
+    return tv_unlikely(atomic_load_explicit(&rg->bad, memory_order_acquire) != 0);
+}
+
 static int fits(uint64_t used, uint64_t limit, uint64_t bytes)
 {
     return !limit || (bytes <= limit && used <= limit - bytes);
+}
+
+/* What this process holds on a slot changes under the region's lock (charges and frees on
+ * shared slots) or under priv_mu (private slots, and frees while the region is bad): the region
+ * can go bad between two of them, so each change is one atomic read-modify-write and neither
+ * lock's change is lost to the other (a charge used to store what it read before looking for
+ * dead slots or repairing, where a repair drops the lock a moment). */
+static inline uint64_t mine_add(struct tv_region *rg, int d, uint64_t bytes)
+{
+    return __atomic_add_fetch(&rg->mine[d], bytes, __ATOMIC_RELAXED);
+}
+
+static inline uint64_t mine_sub(struct tv_region *rg, int d, uint64_t bytes)
+{
+    uint64_t m = __atomic_load_n(&rg->mine[d], __ATOMIC_RELAXED), n;
+    do n = m > bytes ? m - bytes : 0;
+    while (!__atomic_compare_exchange_n(&rg->mine[d], &m, n, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED));
+    return n;
 }
 
 static int charge_private(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
@@ -726,7 +759,7 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
         tv_region_unlock(rg); /* truncated under us: the lock itself faulted (on_sigbus) */
         return -1;
     }
-    uint64_t mine = rg->mine[d], used = LOAD(rd->used_bytes);
+    uint64_t used = LOAD(rd->used_bytes);
     if (tv_unlikely(tampered_dev(rg, s, d))) {
         repair(rg, s);
         s = atomic_load(&rg->slot);
@@ -736,12 +769,12 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
         tv_region_reclaim_dead(rg);
         used = LOAD(rd->used_bytes);
     }
-    int ok = fits(used, limit, bytes);
+    /* truncated since the check above: what was read may be the zero page (on_sigbus) */
+    int ok = !faulted(rg) && fits(used, limit, bytes);
     if (ok) {
         used += bytes;
-        rg->mine[d] = mine + bytes;
         STORE(rd->used_bytes, used);
-        STORE(s->used[d], mine + bytes);
+        STORE(s->used[d], mine_add(rg, d, bytes));
         if (used > LOAD(rd->peak_bytes)) STORE(rd->peak_bytes, used);
     }
     tv_region_unlock(rg);
@@ -753,8 +786,8 @@ void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
     if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return;
     if (d >= TSR_MAX_DEVICES || atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
         pthread_mutex_lock(&rg->priv_mu);
-        rg->mine[d] = rg->mine[d] > bytes ? rg->mine[d] - bytes : 0;
-        if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, rg->mine[d]);
+        uint64_t m = mine_sub(rg, d, bytes);
+        if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, m);
         pthread_mutex_unlock(&rg->priv_mu);
         return;
     }
@@ -762,9 +795,8 @@ void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
     tv_region_lock(rg);
     struct tsr_region_device *rd = &rg->map->dev[d];
     uint64_t used = LOAD(rd->used_bytes);
-    rg->mine[d] = rg->mine[d] > bytes ? rg->mine[d] - bytes : 0;
     STORE(rd->used_bytes, used > bytes ? used - bytes : 0);
-    STORE(s->used[d], rg->mine[d]);
+    STORE(s->used[d], mine_sub(rg, d, bytes));
     tv_region_unlock(rg);
 }
 
@@ -795,7 +827,7 @@ int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit)
         tv_region_reclaim_dead(rg);
         used = LOAD(rg->map->spilled_bytes);
     }
-    int ok = fits(used, limit, bytes);
+    int ok = !faulted(rg) && fits(used, limit, bytes); /* as in tv_region_charge */
     if (ok) {
         rg->mine_spill += bytes;
         STORE(rg->map->spilled_bytes, used + bytes);

@@ -14,7 +14,8 @@
  *  - each process keeps what it charged itself (mine[]); a charge that finds its own slot or the
  *    device total below that repairs them first (zeroed counters cannot hide our own charges),
  *    and the poll thread re-asserts them every tick (other processes' zeroing is undone within
- *    TSR_LIMITS_POLL_MS);
+ *    TSR_LIMITS_POLL_MS); without a lease service it also raises each device total to what the
+ *    live slots hold;
  *  - device-table entries for UUIDs that no sealed limit names and that hold nothing are
  *    reclaimed when a sealed device needs a slot.
  */
@@ -37,7 +38,8 @@ struct tv_region {
     int fd;
     int is_private;           /* no shared file at all (standalone without a path) */
     int strict;               /* the node agent prepared the file: never initialise it */
-    _Atomic int bad;          /* the shared file failed validation: refuse charges */
+    _Atomic int bad;          /* the shared file failed validation: refuse charges (a
+                               * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
     int slot_idx;
     pid_t pid;
@@ -54,12 +56,17 @@ struct tv_region {
     _Atomic uint32_t reattached; /* times the file was made valid again after being bad */
 };
 
+/* Why the region is bad: the file failed validation (or is being re-attached), or an access
+ * faulted (truncated under us: on_sigbus mapped the zero page in its place). */
+enum { TV_BAD_FILE = 1, TV_BAD_FAULTED = 2 };
+
 /* What the region needs to know of the limits, passed in (the region never reads them). */
 struct tv_region_seed {
     int32_t priority;
     uint32_t core_policy;
     unsigned nuuid;
     char uuids[TSR_MAX_DEVICES][TSR_UUID_LEN]; /* sealed devices: always get a slot */
+    int region_is_account; /* no lease service: the region is the container's account */
 };
 
 void tv_region_open(struct tv_region *rg, const char *path, int strict,
@@ -128,6 +135,11 @@ static inline uint64_t tv_region_used(struct tv_region *rg, int d)
     uint64_t u = __atomic_load_n(&tv_region_dev(rg, d)->used_bytes, __ATOMIC_RELAXED);
     return u < rg->mine[d] ? rg->mine[d] : u;
 }
+
+/* liveness.c: is the process in a slot (pid, start time from /proc/<pid>/stat, 0 = unknown)
+ * alive, as seen from process `self`? This process's own start time (0 if unreadable). */
+int tv_proc_alive(pid_t self, pid_t pid, uint64_t start) TV_HIDDEN;
+uint64_t tv_self_start_time(void) TV_HIDDEN;
 
 /* When this process last saw device memory given back for it (tv_mono_ns; 0 never): a dead
  * process's device charge reclaimed here (region.c), a lease the node agent's service held

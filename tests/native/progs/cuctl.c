@@ -34,6 +34,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -474,10 +475,21 @@ static void burnq(double seconds, const char *kernel, int depth)
            (long long)now_ns());
 }
 
-int main(void)
+/* "exitwait": work done at exit after libvgpu's own exit handler (as a runtime's teardown):
+ * says so on stdout, then waits for a line on stdin before the process exits. */
+static void exit_wait(void)
 {
-    if (api_load(&A) != 0) return 3;
-    setvbuf(stdout, NULL, _IOLBF, 0);
+    char line[64];
+    printf("{\"exiting\": true}\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin)) return;
+}
+
+/* The command loop: the main thread's, or after "mainexit" another thread's (arg: non-NULL,
+ * the context is made current in it first). */
+static void *serve(void *arg)
+{
+    if (arg && primary) A.cuCtxSetCurrent(primary);
     char line[512], cmd[64], a1[256], a2[256], a3[256];
     while (fgets(line, sizeof line, stdin)) {
         a1[0] = a2[0] = a3[0] = 0;
@@ -627,11 +639,39 @@ int main(void)
                                 ? CU_MEM_ADVISE_SET_PREFERRED_LOCATION
                                 : CU_MEM_ADVISE_SET_ACCESSED_BY, loc);
             reply_rc(r, atoi(a1));
+        } else if (!strcmp(cmd, "forkinfo")) {
+            /* A child asks the driver how much memory there is (a worker process of a data
+             * loader, say) and exits: libvgpu registers it in the region at that first call. */
+            pid_t child = fork();
+            if (child == 0) {
+                size_t f = 0, t = 0;
+                A.cuMemGetInfo(&f, &t);
+                _exit(0);
+            }
+            int status = 0;
+            int ok = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status);
+            reply_rc(ok ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM, 0);
+        } else if (!strcmp(cmd, "exitwait")) { /* before "init": runs after libvgpu's */
+            reply_rc(atexit(exit_wait) ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_SUCCESS, 0);
+        } else if (!strcmp(cmd, "mainexit")) {
+            /* The main thread ends (pthread_exit), another goes on serving: the process lives
+             * on, its thread group leader a zombie in /proc (state Z) until it exits. */
+            pthread_t t;
+            int r = pthread_create(&t, NULL, serve, &primary);
+            reply_rc(r ? CUDA_ERROR_OPERATING_SYSTEM : CUDA_SUCCESS, 0);
+            if (!r) pthread_exit(NULL);
         } else if (!strcmp(cmd, "exit")) {
             break;
         } else {
             printf("{\"error\": \"unknown command %s\"}\n", cmd);
         }
     }
-    return 0;
+    exit(0);
+}
+
+int main(void)
+{
+    if (api_load(&A) != 0) return 3;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    serve(NULL);
 }
