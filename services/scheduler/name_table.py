@@ -210,6 +210,13 @@ class NameTable:
         rows = self.numpy_rows(array)
         return None if rows is None else (rows, self.slots[rows])
 
+    def slots_in(self, body: bytes, start: int) -> tuple[np.ndarray, int] | None:
+        """(slots, end) of the names of the JSON array at `body[start]`, read in place by the
+        native resolver (`NativeNames.slots_in`: no copy of the array, no search for its end;
+        `end` just past its `]`); None without the library or when it cannot read it there (the
+        caller cuts the array out and calls `rows_and_slots`)."""
+        return None if self.native is None else self.native.slots_in(body, start)
+
     def rows(self, array: bytes) -> np.ndarray | None:
         """`lookup`, as the table's rows (`names`, `slots` by row)."""
         found = self.rows_and_slots(array)
