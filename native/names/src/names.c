@@ -12,7 +12,9 @@
  * (1,024 cursors keyed by 10 bits of a mix of that name's bytes, `tn_key`), and a name is
  * first compared with the cursor its own key finds: when equal, it is that name, with no lookup
  * in the large table; the order's records and bytes are read in a few forward streams (each
- * prefetched a few names ahead), not at random. Used by
+ * prefetched a few names ahead), not at random. A cursor holds a copy of what its name is
+ * compared with and resolves to (`tn_cursor`), so the loop waits on no record. `tn_resolve_in`
+ * reads the array where it lies in a request body and finds its end itself. Used by
  * services/scheduler/native_names.py (ctypes); the contract is name_table.NameTable.rows'. */
 #include "tessera_names.h"
 
