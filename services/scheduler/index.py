@@ -1112,18 +1112,20 @@ class ClusterIndex:
         """`names_from_bytes` for the array at `body[start]`, read in place by the native
         resolver (`NameTable.slots_in`: no copy, no search for its end; its slots only, the
         names gathered when first read): (names, (topology version, slots), where the array
-        ends). None while the node order's runs are looked for in every list (`NameOrder`:
-        `names_from_bytes` then looks) and where the resolver cannot read it."""
+        ends). None while every list is looked at as runs of the node order (`NameOrder.eager`:
+        `names_from_bytes` then looks first) and where the resolver cannot read it. A list due
+        a look (one in `RUN_TRIES`, `NameOrder.resting`) is looked at once read: found a run, the
+        next lists are looked at first again (the cheap path of lists in the node order)."""
         version, table = self.name_table()
         order = table.order
-        if order is not None and not order.resting():
+        if order is not None and order.eager():
             return None
         found = table.slots_in(body, start)
         if found is None:
             return None
-        if order is not None:
-            order.looked(False)  # (a list the resolver read: no run was looked for)
         slots, end = found
+        if order is not None:
+            order.looked(not order.resting() and order.runs(body[start:end]) is not None)
         return NodeNames.of_slots(table.names, table.row_of_slot, slots), (version, slots), end
 
     def names_of_run(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:

@@ -397,6 +397,11 @@ class NameOrder:
         name, as exactly. (As `NodeNamesCache` does for rotations.)"""
         return self._missed > RUN_TRIES and self._missed % RUN_TRIES != 0
 
+    def eager(self) -> bool:
+        """Whether every list is looked at as runs (fewer than `RUN_TRIES` lists in a row were
+        none): the lists after one that was, or the first ones."""
+        return self._missed <= RUN_TRIES
+
     def looked(self, found: bool) -> None:
         """A list was looked at (or would have been, `resting`) as runs: found or not."""
         self._missed = 0 if found else self._missed + 1

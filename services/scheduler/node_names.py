@@ -188,8 +188,8 @@ class NodeNamesCache:
         """`resolver` (`ClusterIndex.names_from_bytes`): any new array it can read; `runs`
         (`ClusterIndex.names_of_run`): a new array that is a run of the node order, tried
         first (cheaper than `_rotated`, which looks for the array in the remembered ones);
-        `in_place` (`ClusterIndex.names_in_body`): a new array read where it lies in the body,
-        while neither runs nor rotations are looked for (`_in_place`)."""
+        `in_place` (`ClusterIndex.names_in_body`): a new array read where it lies in the body
+        once lists are no longer looked at first as runs or rotations (`_in_place`)."""
         self.max_names = max_names
         self.remembered = remembered
         self.resolver = resolver
@@ -278,13 +278,16 @@ class NodeNamesCache:
     def _in_place(self, body: bytes, start: int) -> tuple[NodeNames, int] | None:
         """A new array read where it lies in the body (`in_place`: the native resolver, no
         copy of the array, no search for its end: kube-scheduler's parallel filters send every
-        list in a new order), and where it ends; None while runs or rotations are looked for
-        in every list or in this one (`_rotation`, `NameOrder.resting`), for an array under
-        `_MIN_BYTES`, and where the resolver cannot read it: the array is then cut out and read
-        as before. Exact: the resolver proves the bytes from `start` to `end` a compact JSON
-        array (`["a","b"]`, every name byte for byte a registered one, which holds no `"` or
-        backslash): that array is the `nodenames` value there, whatever follows it."""
-        if len(body) - start < _MIN_BYTES or self._rotation_looks():
+        list in a new order), and where it ends; None while every list is looked at as a
+        rotation (the first `_ROTATION_TRIES` after one was, `_rotation`) or as runs of the node
+        order (`NameOrder.eager`), for an array under `_MIN_BYTES`, and where the resolver
+        cannot read it: the array is then cut out and read as before. A list due a rotation
+        look (one in `_ROTATION_TRIES`) is looked at once read (a rotation found: that one is
+        used, the same names, and the next lists are looked at first again). Exact: the
+        resolver proves the bytes from `start` to `end` a compact JSON array (`["a","b"]`,
+        every name byte for byte a registered one, which holds no `"` or backslash): that
+        array is the `nodenames` value there, whatever follows it."""
+        if len(body) - start < _MIN_BYTES or self._not_rotated < _ROTATION_TRIES:
             return None
         found = self.in_place(body, start) if self.in_place is not None else None
         if found is None:
@@ -292,7 +295,12 @@ class NodeNamesCache:
         known, resolved, end = found
         if end - start < _MIN_BYTES or len(known) > self.max_names:
             return None
-        self._not_rotated += 1  # (`_rotation` skipped it)
+        if self._rotation_looks():
+            rotated = self._rotated(body[start:end])  # (remembered when found)
+            if rotated is not None:
+                self._not_rotated = 0
+                return rotated, end
+        self._not_rotated += 1
         known.resolved = resolved
         known.compact = True
         known.token = next(_tokens)
