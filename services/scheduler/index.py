@@ -1114,8 +1114,9 @@ class ClusterIndex:
         names gathered when first read): (names, (topology version, slots), where the array
         ends). None while every list is looked at as runs of the node order (`NameOrder.eager`:
         `names_from_bytes` then looks first) and where the resolver cannot read it. A list due
-        a look (one in `RUN_TRIES`, `NameOrder.resting`) is looked at once read: found a run, the
-        next lists are looked at first again (the cheap path of lists in the node order)."""
+        a look (one in `RUN_TRIES`, `NameOrder.resting`) is looked at once read (its first names,
+        `NameOrder.starts_with_runs`): runs, the next lists are looked at first again (the cheap
+        path of lists in the node order)."""
         version, table = self.name_table()
         order = table.order
         if order is not None and order.eager():
@@ -1125,7 +1126,7 @@ class ClusterIndex:
             return None
         slots, end = found
         if order is not None:
-            order.looked(not order.resting() and order.runs(body[start:end]) is not None)
+            order.looked(not order.resting() and order.starts_with_runs(body, start, end))
         return NodeNames.of_slots(table.names, table.row_of_slot, slots), (version, slots), end
 
     def names_of_run(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
