@@ -187,6 +187,9 @@ def main() -> None:
                            if resolver else m["node_names"].NodeNamesCache(MAX_CANDIDATES))
             if runs is not None:
                 names_cache.runs = runs
+            in_place = getattr(index, "names_in_body", None)  # (as its api.py passes it)
+            if in_place is not None:
+                names_cache.in_place = in_place
             state[label] = (index, names_cache)
         del registrations, ledgers
         gc.collect()

@@ -157,7 +157,7 @@ class Extender:
         # a list kube-scheduler has not sent before is resolved from its bytes where it can be
         self.names_cache = NodeNamesCache(
             MAX_CANDIDATES, resolver=scheduler.index.names_from_bytes,
-            runs=scheduler.index.names_of_run,
+            runs=scheduler.index.names_of_run, in_place=scheduler.index.names_in_body,
         )
         probes: dict[str, tuple[str, Handler]] = {
             "/healthz": ("GET", self.healthz),

@@ -1107,6 +1107,28 @@ class ClusterIndex:
         # call reads only the slots)
         return NodeNames.of_rows(table.names, found[0]), (version, found[1])
 
+    def names_in_body(self, body: bytes, start: int
+                      ) -> tuple[NodeNames, tuple[int, np.ndarray], int] | None:  # fmt: skip
+        """`names_from_bytes` for the array at `body[start]`, read in place by the native
+        resolver (`NameTable.slots_in`: no copy, no search for its end; its slots only, the
+        names gathered when first read): (names, (topology version, slots), where the array
+        ends). None while every list is looked at as runs of the node order (`NameOrder.eager`:
+        `names_from_bytes` then looks first) and where the resolver cannot read it. A list due
+        a look (one in `RUN_TRIES`, `NameOrder.resting`) is looked at once read (its first names,
+        `NameOrder.starts_with_runs`): runs, the next lists are looked at first again (the cheap
+        path of lists in the node order)."""
+        version, table = self.name_table()
+        order = table.order
+        if order is not None and order.eager():
+            return None
+        found = table.slots_in(body, start)
+        if found is None:
+            return None
+        slots, end = found
+        if order is not None:
+            order.looked(not order.resting() and order.starts_with_runs(body, start, end))
+        return NodeNames.of_slots(table.names, table.row_of_slot, slots), (version, slots), end
+
     def names_of_run(self, array: bytes) -> tuple[NodeNames, tuple[int, np.ndarray]] | None:
         """`names_from_bytes` for an array that is a run of kube-scheduler's node order as the
         name table guesses it (`name_table.NameOrder`: one memcmp); None for any other."""

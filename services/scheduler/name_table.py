@@ -24,6 +24,7 @@ _LEVEL_MIXES = tuple(np.uint64(m) for m in (
     0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB,
     0x8EBC6AF09C88C6E3, 0x589965CC75374CC3, 0x1D8E4E27C47D124F, 0xF1357AEA2E62A9C5,
 ))  # fmt: skip
+_HEAD_BYTES = 4096  # of a list read in place, looked at as runs (`NameOrder.starts_with_runs`)
 RUN_TRIES = 8  # lists in a row that were no runs before one in 8 is looked at (`NameOrder`)
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
@@ -210,6 +211,13 @@ class NameTable:
         rows = self.numpy_rows(array)
         return None if rows is None else (rows, self.slots[rows])
 
+    def slots_in(self, body: bytes, start: int) -> tuple[np.ndarray, int] | None:
+        """(slots, end) of the names of the JSON array at `body[start]`, read in place by the
+        native resolver (`NativeNames.slots_in`: no copy of the array, no search for its end;
+        `end` just past its `]`); None without the library or when it cannot read it there (the
+        caller cuts the array out and calls `rows_and_slots`)."""
+        return None if self.native is None else self.native.slots_in(body, start)
+
     def rows(self, array: bytes) -> np.ndarray | None:
         """`lookup`, as the table's rows (`names`, `slots` by row)."""
         found = self.rows_and_slots(array)
@@ -390,9 +398,24 @@ class NameOrder:
         name, as exactly. (As `NodeNamesCache` does for rotations.)"""
         return self._missed > RUN_TRIES and self._missed % RUN_TRIES != 0
 
+    def eager(self) -> bool:
+        """Whether every list is looked at as runs (fewer than `RUN_TRIES` lists in a row were
+        none): the lists after one that was, or the first ones."""
+        return self._missed <= RUN_TRIES
+
     def looked(self, found: bool) -> None:
         """A list was looked at (or would have been, `resting`) as runs: found or not."""
         self._missed = 0 if found else self._missed + 1
+
+    def starts_with_runs(self, body: bytes, start: int, end: int) -> bool:
+        """Whether the compact array `body[start:end]` (one the native resolver proved compact)
+        starts as a few runs of the order (`runs` of its names in its first ~4 KB): whether
+        lists are runs again, to look at the next ones first (`looked`). Only that decision
+        rests on it: a list is read as runs only by `run` / `runs` over all its bytes."""
+        cut = body.rfind(b'","', start, min(end, start + _HEAD_BYTES))
+        head = body[start:end] if end - start <= _HEAD_BYTES or cut < 0 else (
+            body[start : cut + 1] + b"]")  # fmt: skip
+        return self.runs(head) is not None
 
     def run(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, slots) of the names of a JSON array (`[` to `]`) that is a run of the order,

@@ -54,6 +54,10 @@ def library() -> ctypes.CDLL | None:
     lib.tn_resolve.restype = ctypes.c_int64
     lib.tn_resolve.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]  # fmt: skip
+    lib.tn_resolve_in.restype = ctypes.c_int64
+    lib.tn_resolve_in.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
+                                  ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_uint64, ctypes.c_void_p]  # fmt: skip
     lib.tn_free.restype = None
     lib.tn_free.argtypes = [ctypes.c_void_p]
     _library = lib
@@ -66,6 +70,7 @@ class NativeNames:
 
     def __init__(self, lib: ctypes.CDLL, handle: int) -> None:
         self._resolve = lib.tn_resolve
+        self._resolve_in = lib.tn_resolve_in
         self._handle = handle
         self._free = weakref.finalize(self, lib.tn_free, handle)
 
@@ -117,3 +122,29 @@ class NativeNames:
         if count < 0:
             return None
         return (rows, slots) if count == capacity else (rows[:count], slots[:count])
+
+    def slots_in(self, body: bytes, start: int) -> tuple[np.ndarray, int] | None:
+        """(slots, end) of the names of the JSON array that starts at `body[start]` (its `[`),
+        read in place: no copy of the array and no search for its end first (it ends at the
+        first `]` after a name's closing quote; `end` is just past it). None as `resolve`
+        gives it, and also when a registered name holds a `"`, a backslash or a control
+        character (the array's end is then not known before a pass over it: the caller cuts
+        it out and calls `resolve`). The rows are not written (a placed pod's call reads only
+        the slots; `NameTable.row_of_slot` gives them)."""
+        first = body.find(b'"', start + 2) - start - 2
+        size = len(body) - start
+        if first < 1 or size < 4:
+            return None
+        capacity = (size - 1) // max(4, first + 1) + 1  # (as `resolve`)
+        for _ in range(2):
+            # (one more element: where the array ends, written by the call itself)
+            slots = np.empty(capacity + 1, dtype=np.int64)
+            at = slots.ctypes.data
+            count = self._resolve_in(self._handle, body, len(body), start, None, at, capacity,
+                                     at + 8 * capacity)  # fmt: skip
+            if count != -2:
+                break
+            capacity = (size - 1) // 4 + 1  # (room for every name the bytes could hold)
+        if count < 0:
+            return None
+        return slots[:count], int(slots[capacity])

@@ -9,7 +9,9 @@ caches its slots under (`ClusterIndex.resolve`).
 
 Exactness: the array is cut out of the body up to its first `]`. A previously parsed array is a
 complete JSON array, so when those bytes start at the `nodenames` value they are that whole
-value. The rest of the body, with a placeholder string in place of the array, must parse as a
+value. (A new array read in place by the native resolver, `NodeNamesCache._in_place`, is not
+cut: the resolver proves where its compact form ends.) The rest of the body, with a placeholder
+string in place of the array, must parse as a
 JSON object whose `nodenames` key holds the placeholder, and the placeholder must occur in it
 exactly once; anything else falls back to parsing the whole body, as before.
 """
@@ -63,6 +65,8 @@ class NodeNames(list[str]):
     # list was parsed; the index uses them while its topology is that version
     resolved: tuple[int, np.ndarray] | None = None
     _source: tuple[np.ndarray, np.ndarray] | None = None  # (names by table row, rows): unfilled
+    # (names by table row, table row by slot, slots): unfilled, its rows not gathered either
+    _by_slot: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     compact: bool = False  # its array was read as `["a","b"]` with no escape (`_rotated`)
 
     @classmethod
@@ -72,10 +76,21 @@ class NodeNames(list[str]):
         made._source = (names, rows)
         return made
 
+    @classmethod
+    def of_slots(cls, names: np.ndarray, row_of_slot: np.ndarray, slots: np.ndarray) -> NodeNames:
+        """The names `names[row_of_slot[slots]]`, gathered when first read (a list read from
+        its bytes by slot only: `NameTable.slots_in`)."""
+        made = cls()
+        made._by_slot = (names, row_of_slot, slots)
+        return made
+
     def rotated(self, shift: int) -> NodeNames:
         """The same names from the `shift`-th on, then those before it (its slots rolled too,
         at the same topology version)."""
-        if self._source is not None:
+        if self._by_slot is not None:
+            names, of_slot, slots = self._by_slot
+            made = NodeNames.of_slots(names, of_slot, np.roll(slots, -shift))
+        elif self._source is not None:
             names, rows = self._source
             made = NodeNames.of_rows(names, np.roll(rows, -shift))
         else:
@@ -91,11 +106,18 @@ class NodeNames(list[str]):
         if source is not None:
             self._source = None
             list.extend(self, source[0][source[1]].tolist())
+        by_slot = self._by_slot
+        if by_slot is not None:
+            self._by_slot = None
+            list.extend(self, by_slot[0][by_slot[1][by_slot[2]]].tolist())
         return self
 
     def __len__(self) -> int:
         source = self._source
-        return len(source[1]) if source is not None else list.__len__(self)
+        if source is not None:
+            return len(source[1])
+        by_slot = self._by_slot
+        return len(by_slot[2]) if by_slot is not None else list.__len__(self)
 
     def __iter__(self) -> Iterator[str]:
         return list.__iter__(self._filled())
@@ -152,22 +174,31 @@ class NodeNames(list[str]):
 
 # `ClusterIndex.names_from_bytes`: (the names, (topology version, their slots)) or None
 Resolver = Callable[[bytes], "tuple[list[str], tuple[int, np.ndarray]] | None"]
+# `ClusterIndex.names_in_body`: the array at the body's offset read in place: (the names,
+# (topology version, their slots), where the array ends) or None
+InPlace = Callable[[bytes, int], "tuple[NodeNames, tuple[int, np.ndarray], int] | None"]
 
 
 class NodeNamesCache:
     def __init__(
         self, max_names: int, remembered: int = _REMEMBERED, resolver: Resolver | None = None,
         resolve_from: int = _RESOLVE_FROM, runs: Resolver | None = None,
+        in_place: InPlace | None = None,
     ) -> None:
         """`resolver` (`ClusterIndex.names_from_bytes`): any new array it can read; `runs`
         (`ClusterIndex.names_of_run`): a new array that is a run of the node order, tried
-        first (cheaper than `_rotated`, which looks for the array in the remembered ones)."""
+        first (cheaper than `_rotated`, which looks for the array in the remembered ones);
+        `in_place` (`ClusterIndex.names_in_body`): a new array read where it lies in the body
+        once lists are no longer looked at first as runs or rotations (`_in_place`)."""
         self.max_names = max_names
         self.remembered = remembered
         self.resolver = resolver
         self.runs = runs
+        self.in_place = in_place
         self.resolve_from = resolve_from  # arrays from this many bytes go to the resolver
-        self._recent: list[tuple[bytes, NodeNames]] = []  # (array bytes, names)
+        # (bytes, start, end, names): remembered arrays, each `bytes[start:end]` (a body's
+        # array read in place is kept as the body and its bounds: never copied)
+        self._recent: list[tuple[bytes, int, int, NodeNames]] = []
         self._not_rotated = 0  # new arrays since the last one read as a rotation
 
     def parse(self, body: bytes) -> dict[str, Any] | None:
@@ -177,6 +208,8 @@ class NodeNamesCache:
         if start is None:
             return None
         found = self._lookup(body, start)
+        if found is None and self.in_place is not None:
+            found = self._in_place(body, start)
         if found is None:
             end = body.find(b"]", start)
             if end < 0 or end + 1 - start < _MIN_BYTES:
@@ -233,14 +266,52 @@ class NodeNamesCache:
 
     def _lookup(self, body: bytes, start: int) -> tuple[NodeNames, int] | None:
         """A remembered array whose bytes the body holds at `start` (compared in place), and
-        where it ends. A remembered array is a whole JSON array holding no `]` but its last
-        byte, so a match is exactly the cut up to the first `]`."""
-        for i, (known, names) in enumerate(self._recent):
-            if body.startswith(known, start):
+        where it ends. A remembered array is a whole JSON array (cut up to the first `]` and
+        parsed, or proven compact by the resolver in place), so a match is that whole value."""
+        for i, (buffer, at, end, names) in enumerate(self._recent):
+            if body.startswith(memoryview(buffer)[at:end], start):
                 if i:
                     self._recent.insert(0, self._recent.pop(i))
-                return names, start + len(known)
+                return names, start + end - at
         return None
+
+    def _in_place(self, body: bytes, start: int) -> tuple[NodeNames, int] | None:
+        """A new array read where it lies in the body (`in_place`: the native resolver, no
+        copy of the array, no search for its end: kube-scheduler's parallel filters send every
+        list in a new order), and where it ends; None while every list is looked at as a
+        rotation (the first `_ROTATION_TRIES` after one was, `_rotation`) or as runs of the node
+        order (`NameOrder.eager`), for an array under `_MIN_BYTES`, and where the resolver
+        cannot read it: the array is then cut out and read as before. A list due a rotation
+        look (one in `_ROTATION_TRIES`) is looked at once read (a rotation found: that one is
+        used, the same names, and the next lists are looked at first again). Exact: the
+        resolver proves the bytes from `start` to `end` a compact JSON array (`["a","b"]`,
+        every name byte for byte a registered one, which holds no `"` or backslash): that
+        array is the `nodenames` value there, whatever follows it."""
+        if len(body) - start < _MIN_BYTES or self._not_rotated < _ROTATION_TRIES:
+            return None
+        found = self.in_place(body, start) if self.in_place is not None else None
+        if found is None:
+            return None
+        known, resolved, end = found
+        if end - start < _MIN_BYTES or len(known) > self.max_names:
+            return None
+        if self._rotation_looks():
+            rotated = self._rotated(body[start:end])  # (remembered when found)
+            if rotated is not None:
+                self._not_rotated = 0
+                return rotated, end
+        self._not_rotated += 1
+        known.resolved = resolved
+        known.compact = True
+        known.token = next(_tokens)
+        self._recent.insert(0, (body, start, end, known))
+        del self._recent[self.remembered :]
+        return known, end
+
+    def _rotation_looks(self) -> bool:
+        """Whether `_rotation` looks at the next new array."""
+        tried = self._not_rotated + 1
+        return tried <= _ROTATION_TRIES or tried % _ROTATION_TRIES == 0
 
     def _rotation(self, array: bytes) -> NodeNames | None:
         """`_rotated`, looked for in every new array until `_ROTATION_TRIES` in a row were no
@@ -249,9 +320,9 @@ class NodeNamesCache:
         a look costs a search through the remembered array (~0.06 ms at 20,000 names); lists
         that are rotations (its filters run one at a time) are found again within that many
         lists, the ones in between resolved name by name (`_learn`), as exactly."""
+        looks = self._rotation_looks()
         self._not_rotated += 1
-        tries = _ROTATION_TRIES
-        if self._not_rotated > tries and self._not_rotated % tries:
+        if not looks:
             return None
         found = self._rotated(array)
         if found is not None:
@@ -273,26 +344,27 @@ class NodeNamesCache:
         if len(array) < 4 or array[1] != 0x22 or first_end < 0:
             return None
         name = array[1 : first_end + 1]  # `"name"`
-        for known, names in self._recent:
-            if len(known) != len(array) or not names.compact:
+        for buffer, at, end, names in self._recent:
+            size = end - at  # (the remembered array: `buffer[at:end]`)
+            if size != len(array) or not names.compact:
                 continue
             # (only the latest such array: each look costs a search through it, and a list
             # in another order every call, kube-scheduler's parallel filters', matches none)
-            comma = known.find(b"," + name + b",")
+            comma = buffer.find(b"," + name + b",", at, end) - at
             if comma < 0:
-                comma = len(known) - len(name) - 2
-                if comma < 0 or not known.endswith(b"," + name + b"]"):
+                comma = size - len(name) - 2
+                if comma < 0 or not buffer.endswith(b"," + name + b"]", at, end):
                     return None
-            tail = len(known) - 1 - (comma + 1)  # bytes of the names from `name` on
-            view = memoryview(known)  # (compared in place, not copied)
+            tail = size - 1 - (comma + 1)  # bytes of the names from `name` on
+            view = memoryview(buffer)[at:end]  # (compared in place, not copied)
             if not (array.startswith(view[comma + 1 : -1], 1)
                     and array[1 + tail] == 0x2C
                     and array.startswith(view[1:comma], 2 + tail)):  # fmt: skip
                 return None
-            shift = known.count(b'","', 0, comma + 2)  # names before `name`
+            shift = buffer.count(b'","', at, at + comma + 2)  # names before `name`
             rotated = names.rotated(shift)
             rotated.token = next(_tokens)
-            self._recent.insert(0, (array, rotated))
+            self._recent.insert(0, (array, 0, len(array), rotated))
             del self._recent[self.remembered :]
             return rotated
         return None
@@ -308,7 +380,7 @@ class NodeNamesCache:
         known.resolved = found[1]
         known.compact = True  # (a run of a compact text: no backslash)
         known.token = next(_tokens)
-        self._recent.insert(0, (array, known))
+        self._recent.insert(0, (array, 0, len(array), known))
         del self._recent[self.remembered :]
         return known
 
@@ -336,6 +408,6 @@ class NodeNamesCache:
         known.resolved = resolved
         known.compact = resolved is not None and b"\\" not in array
         known.token = next(_tokens)
-        self._recent.insert(0, (array, known))
+        self._recent.insert(0, (array, 0, len(array), known))
         del self._recent[self.remembered :]
         return known

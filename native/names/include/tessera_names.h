@@ -19,13 +19,22 @@ TN_EXPORT tn_table *tn_build(const unsigned char *names, const uint64_t *lengths
 			     const int64_t *slots, const int64_t *order, uint64_t count,
 			     uint64_t seed);
 
-/* The rows (and, when `slots` is not NULL, the slots) of the names of the JSON array `a` of
+/* The rows (when `rows` is not NULL) and the slots (when `slots` is not NULL) of the names of the JSON array `a` of
  * `n` bytes (`[` to `]`), in order, at most `capacity`; the number of names, or -1 unless the
  * array is `["a","b",...]` with no space, every name non-empty, free of `\` and control
  * characters, and byte for byte a name of the table; -2 when it holds more than `capacity`
  * names (and what it has read of them is a prefix of such an array). */
 TN_EXPORT int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n,
 			     int64_t *rows, int64_t *slots, uint64_t capacity);
+
+/* tn_resolve for the array that starts at `body[start]` (its `[`) among the `n` bytes of
+ * `body` (a request body: what follows the array is not read): it ends at the first `]` after
+ * a name's closing quote, and where it ends (just past that `]`) is written to `*end`. -1
+ * also when a name of the table holds a `"`, a backslash or a control character (the array's
+ * end is then not known before a pass over it: tn_resolve reads it). */
+TN_EXPORT int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n,
+				uint64_t start, int64_t *rows, int64_t *slots, uint64_t capacity,
+				uint64_t *end);
 
 TN_EXPORT void tn_free(tn_table *t);
 

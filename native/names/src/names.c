@@ -12,7 +12,9 @@
  * (1,024 cursors keyed by 10 bits of a mix of that name's bytes, `tn_key`), and a name is
  * first compared with the cursor its own key finds: when equal, it is that name, with no lookup
  * in the large table; the order's records and bytes are read in a few forward streams (each
- * prefetched a few names ahead), not at random. Used by
+ * prefetched a few names ahead), not at random. A cursor holds a copy of what its name is
+ * compared with and resolves to (`tn_cursor`), so the loop waits on no record. `tn_resolve_in`
+ * reads the array where it lies in a request body and finds its end itself. Used by
  * services/scheduler/native_names.py (ctypes); the contract is name_table.NameTable.rows'. */
 #include "tessera_names.h"
 
@@ -28,8 +30,8 @@ typedef struct {
 
 typedef struct {
 	uint32_t offset; /* where its bytes start in `blob` */
-	uint16_t length; /* its length in bytes */
-	uint16_t key;    /* its cursor key (`tn_key`) */
+	uint16_t length;   /* its length in bytes */
+	uint16_t next_key; /* the cursor key (`tn_key`) of the name after it in the order */
 	int32_t row;     /* the caller's row */
 	int32_t slot;    /* the index slot the caller gave */
 } tn_name;           /* a name, by its position in the order: one 16-byte record, read in
@@ -43,6 +45,7 @@ struct tn_table {
 	tn_name *at;         /* by position */
 	uint32_t count;
 	uint32_t longest;
+	int plain; /* no name holds a `"`, a backslash or a control character */
 };
 
 #define TN_MUL 0x9E3779B97F4A7C15ULL
@@ -99,6 +102,16 @@ static inline uint16_t tn_key(const unsigned char *p, uint64_t n)
 	return (uint16_t)(((w ^ n) * TN_MUL) >> (64 - TN_CURSOR_BITS));
 }
 
+/* Whether any byte of the n at p is a backslash or a control character (one pass the compiler
+ * vectorises). */
+static int tn_any_escape(const unsigned char *p, uint64_t n)
+{
+	unsigned bad = 0;
+	for (uint64_t i = 0; i < n; i++)
+		bad |= (p[i] < 0x20) | (p[i] == '\\');
+	return bad != 0;
+}
+
 void tn_free(tn_table *t)
 {
 	if (t == NULL)
@@ -141,6 +154,7 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 	t->mask = buckets - 1;
 	t->seed = seed;
 	t->count = (uint32_t)count;
+	t->plain = 1;
 	uint64_t offset = 0;
 	for (uint64_t position = 0; position < count; position++) {
 		int64_t row = order[position];
@@ -153,7 +167,7 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		uint64_t h = tn_hash(seed, name, n);
 		t->at[position] = (tn_name){
 			.offset = (uint32_t)offset, .length = (uint16_t)n,
-			.key = tn_key(name, n), .row = (int32_t)row, .slot = (int32_t)slots[row],
+			.row = (int32_t)row, .slot = (int32_t)slots[row],
 		};
 		uint32_t tag = (uint32_t)(h >> 32);
 		for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
@@ -171,7 +185,13 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		}
 		if (n > t->longest)
 			t->longest = (uint32_t)n;
+		if (tn_any_escape(name, n) || memchr(name, '"', n) != NULL)
+			t->plain = 0;
 		offset += n;
+	}
+	for (uint64_t position = 0; position < count; position++) {
+		const tn_name *next = &t->at[position + 1 == count ? 0 : position + 1];
+		t->at[position].next_key = tn_key(t->blob + next->offset, next->length);
 	}
 	free(start);
 	free(placed);
@@ -190,16 +210,6 @@ static inline int tn_same(const unsigned char *p, const unsigned char *q, uint64
 	if (n >= 8 && n <= 16)
 		return tn_word(p) == tn_word(q) && tn_word(p + n - 8) == tn_word(q + n - 8);
 	return memcmp(p, q, n) == 0;
-}
-
-/* Whether any byte of the n at p is a backslash or a control character (one pass the compiler
- * vectorises). */
-static int tn_any_escape(const unsigned char *p, uint64_t n)
-{
-	unsigned bad = 0;
-	for (uint64_t i = 0; i < n; i++)
-		bad |= (p[i] < 0x20) | (p[i] == '\\');
-	return bad != 0;
 }
 
 /* Whether any byte of the word is a `"`. */
@@ -262,22 +272,77 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
 #define TN_LEARN 512 /* names of a list among which a stride is learnt */
 #define TN_AGREE 4   /* names in a row proposing a stride before it is taken */
 
-int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
-		   int64_t *slots, uint64_t capacity)
+/* A name expected next in some run of the list: its position in the order and, copied from
+ * its record and bytes when the cursor is set (`tn_aim`, off the path a list's next name
+ * waits on), what a name of the list is compared with and what it resolves to. A name of 8 to
+ * 16 bytes is compared with `head` and `tail` alone (its first and last 8 bytes: together
+ * every byte of it), so a name a cursor expects costs no load of its record or its bytes in
+ * the order (two dependent cache misses in a cold table); others are compared with the
+ * order's bytes. 32 bytes. */
+typedef struct {
+	uint64_t head;     /* the name's first 8 bytes (8 to 16 bytes long) */
+	uint64_t tail;     /* its last 8 bytes */
+	uint32_t position; /* in the order; TN_NO_CURSOR: none expected here */
+	int32_t row;
+	int32_t slot;
+	uint16_t length;
+	uint16_t next_key; /* the key of the name after it in the order: where the cursor set once
+			    * it is read goes, known without a load that waits on its record */
+} tn_cursor;
+
+/* Expect the name at `position` of the order next, in the cursor of its key, `key`. */
+static inline void tn_aim(const tn_table *t, tn_cursor *cursor, uint64_t position, uint16_t key)
 {
-	if (t == NULL || t->count == 0 || n < 4 || a[0] != '[' || a[1] != '"' || a[n - 1] != ']')
+	const tn_name *r = &t->at[position];
+	tn_cursor *c = &cursor[key];
+	c->position = (uint32_t)position;
+	c->row = r->row;
+	c->slot = r->slot;
+	c->length = r->length;
+	c->next_key = r->next_key;
+	if (r->length >= 8 && r->length <= 16) {
+		const unsigned char *name = t->blob + r->offset;
+		c->head = tn_word(name);
+		c->tail = tn_word(name + r->length - 8);
+	}
+}
+
+/* Whether the cursor expects the name of `len` bytes at s (`w0`, `w1`: its first and last 8
+ * bytes when it has 8 or more). */
+static inline int tn_expects(const tn_table *t, const tn_cursor *c, const unsigned char *s,
+			     uint64_t len, uint64_t w0, uint64_t w1)
+{
+	if (c->position == TN_NO_CURSOR || c->length != len)
+		return 0;
+	if (len >= 8 && len <= 16)
+		return c->head == w0 && c->tail == w1;
+	return tn_same(t->blob + t->at[c->position].offset, s, len);
+}
+
+/* tn_resolve (`prefix` 0) and tn_resolve_prefix (`prefix` 1: the array ends at the first `]`
+ * after a name's closing quote; its length to `*length`). */
+static inline __attribute__((always_inline)) int64_t
+tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, int64_t *slots,
+	uint64_t capacity, const int prefix, uint64_t *length)
+{
+	if (t == NULL || t->count == 0 || n < 4 || a[0] != '[' || a[1] != '"'
+	    || (!prefix && a[n - 1] != ']'))
 		return -1;
-	/* no escape, no control character anywhere: every `"` bounds a name, and a name's bytes
-	 * are its text */
-	if (tn_any_escape(a, n))
+	/* No escape, no control character anywhere: every `"` bounds a name, and a name's bytes
+	 * are its text. When no name of the table holds a `"`, a backslash or a control character,
+	 * a name that matches one byte for byte holds none, and every byte between two names is
+	 * checked to be `,"` (or the closing `]`): no pass over the array is needed first. (A
+	 * prefix's end is not known before it is read: only such a table reads one.) */
+	if (!t->plain && (prefix || tn_any_escape(a, n)))
 		return -1;
 	const unsigned char *p = a + 1;       /* a name's opening quote */
-	const unsigned char *end = a + n - 1; /* the `]` */
-	const unsigned char *blob = t->blob;
+	/* the `]` (a prefix: the end of the bytes; the `]` is found after a name) */
+	const unsigned char *end = prefix ? a + n : a + n - 1;
 	const tn_name *at = t->at;
 	const uint64_t longest = t->longest, count = t->count, seed = t->seed;
-	uint32_t cursor[1 << TN_CURSOR_BITS]; /* by key: the position of a name expected next in some run */
-	memset(cursor, 0xff, sizeof cursor);
+	tn_cursor cursor[1 << TN_CURSOR_BITS]; /* by key: names expected next in some run */
+	for (unsigned i = 0; i < (1u << TN_CURSOR_BITS); i++)
+		cursor[i].position = TN_NO_CURSOR;
 	uint64_t guess = 0; /* the last name's length: names are often all as long */
 	uint64_t k = 0;
 	const unsigned char *ahead = NULL; /* the next name, when its hash was computed ahead */
@@ -289,21 +354,53 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 	uint64_t stride = 1, proposed = 1, agreed = 0;
 	uint64_t missed = 0; /* names in a row not found by a cursor */
 	uint32_t recent[TN_RECENT];
+	const int plain = t->plain;
 	for (;;) {
 		const unsigned char *s = p + 1;
-		const unsigned char *q = tn_closing(s, end, guess);
-		if (q == NULL)
-			return -1; /* no closing quote before the `]` */
-		uint64_t len = (uint64_t)(q - s);
-		guess = len;
-		if (len == 0 || len > longest)
-			return -1;
+		const unsigned char *q = s + guess;
+		uint64_t len = guess;
+		uint64_t w0 = 0, w1 = 0;
+		tn_cursor *c = NULL;
+		/* A name as long as the last one (8 to 16 bytes), where a `"` follows it, that the
+		 * cursor of its key expects: that name, with no search for its closing quote (a name
+		 * of the table holds no `"`, so neither do bytes equal to it). */
+		if (plain && guess >= 8 && guess <= 16 && guess < (uint64_t)(end - s) && *q == '"') {
+			w0 = tn_word(s);
+			w1 = tn_word(q - 8);
+			c = &cursor[tn_key(s, len)];
+			if (c->position == TN_NO_CURSOR || c->length != len || c->head != w0
+			    || c->tail != w1)
+				c = NULL;
+		}
+		if (c == NULL) {
+			q = tn_closing(s, end, guess);
+			if (q == NULL)
+				return -1; /* no closing quote before the `]` */
+			len = (uint64_t)(q - s);
+			guess = len;
+			if (len == 0 || len > longest)
+				return -1;
+			if (len >= 8) {
+				w0 = tn_word(s);
+				w1 = tn_word(s + len - 8);
+			}
+			c = &cursor[tn_key(s, len)];
+			if (!tn_expects(t, c, s, len, w0, w1))
+				c = NULL;
+		}
 		if (k == capacity)
 			return -2; /* more names than room for them */
-		int64_t position;
-		uint32_t c = cursor[tn_key(s, len)];
-		if (c != TN_NO_CURSOR && at[c].length == len && tn_same(blob + at[c].offset, s, len)) {
-			position = c; /* the name after one already read */
+		uint64_t position;
+		uint16_t next_key;
+		if (c != NULL) {
+			next_key = c->next_key;
+			/* the name after one already read */
+			position = c->position;
+			if (rows != NULL)
+				rows[k] = c->row;
+			if (slots != NULL)
+				slots[k] = c->slot;
+			missed = 0;
 		} else {
 			uint64_t h = ahead == s && ahead_length == len ? ahead_hash : tn_hash(seed, s, len);
 			/* A list the cursors do not follow (a label's nodes, a few of the order's
@@ -314,8 +411,15 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 				ahead_hash = tn_hash(seed, ahead, ahead_length);
 				__builtin_prefetch(&t->entries[ahead_hash & t->mask]);
 			}
-			if ((position = tn_find(t, s, len, h)) < 0)
+			int64_t found = tn_find(t, s, len, h);
+			if (found < 0)
 				return -1;
+			position = (uint64_t)found;
+			next_key = at[position].next_key;
+			if (rows != NULL)
+				rows[k] = at[position].row;
+			if (slots != NULL)
+				slots[k] = at[position].slot;
 			/* Two in a row: the cursors do not follow this list. Among its first
 			 * TN_LEARN names, a stride proposed by TN_AGREE such names in a row is taken
 			 * (a list in another order proposes one at random); more than TN_RECENT in a
@@ -326,7 +430,7 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 				uint64_t best = TN_RECENT + 1, known = k < TN_RECENT ? k : TN_RECENT;
 				for (uint64_t j = 0; j < known; j++) {
 					/* (a position below wraps high) */
-					uint64_t d = (uint64_t)position - recent[j];
+					uint64_t d = position - recent[j];
 					if (d > 0 && d < best)
 						best = d;
 				}
@@ -337,30 +441,47 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 					stride = best;
 			}
 		}
-		if (c == (uint32_t)position)
-			missed = 0;
-		recent[k % TN_RECENT] = (uint32_t)position;
-		rows[k] = at[position].row;
-		if (slots != NULL)
-			slots[k] = at[position].slot;
+		if (k < TN_LEARN)
+			recent[k % TN_RECENT] = (uint32_t)position;
 		k++;
-		uint64_t next = (uint64_t)position + 1 == count ? 0 : (uint64_t)position + 1;
-		cursor[at[next].key] = (uint32_t)next; /* (the order wraps: a window may) */
+		uint64_t next = position + 1 == count ? 0 : position + 1;
+		tn_aim(t, cursor, next, next_key); /* (the order wraps: a window may) */
 		if (stride > 1) {
-			uint64_t far = ((uint64_t)position + stride) % count;
-			cursor[at[far].key] = (uint32_t)far;
+			uint64_t far = (position + stride) % count;
+			tn_aim(t, cursor, far, at[far == 0 ? count - 1 : far - 1].next_key);
 		}
 		/* this run's records and bytes a few names on, on their way (16 runs interleaved
 		 * are more forward streams than the hardware follows) */
 		if (next + TN_AHEAD < count) {
 			__builtin_prefetch(&at[next + TN_AHEAD]);
-			__builtin_prefetch(blob + at[next].offset + 64);
+			__builtin_prefetch(t->blob + at[next].offset + 64);
 		}
 		p = q + 1;
-		if (p == end)
+		if (prefix ? p < end && *p == ']' : p == end) {
+			if (prefix)
+				*length = (uint64_t)(p + 1 - a);
 			return (int64_t)k;
-		if (*p != ',' || p + 1 >= end || p[1] != '"')
+		}
+		if (p + 1 >= end || *p != ',' || p[1] != '"')
 			return -1; /* not `,"` between two names */
 		p++;
 	}
+}
+
+int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
+		   int64_t *slots, uint64_t capacity)
+{
+	return tn_read(t, a, n, rows, slots, capacity, 0, NULL);
+}
+
+int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n, uint64_t start,
+		      int64_t *rows, int64_t *slots, uint64_t capacity, uint64_t *end)
+{
+	uint64_t length = 0;
+	if (end == NULL || start >= n)
+		return -1;
+	int64_t k = tn_read(t, body + start, n - start, rows, slots, capacity, 1, &length);
+	if (k >= 0)
+		*end = start + length;
+	return k;
 }
