@@ -206,6 +206,9 @@ def main() -> None:
         both: dict[str, list[float]] = {"before": [], "after": []}  # list parse + decision
         placed: dict[str, list[Any]] = {"before": [], "after": []}
         reasons: dict[str, list[Any]] = {"before": [], "after": []}
+        # `BENCH_SLOWEST=N`: the N slowest placed calls of each version, stage by stage
+        slowest = int(os.environ.get("BENCH_SLOWEST", "0"))
+        stages: dict[str, list[tuple[Any, ...]]] = {"before": [], "after": []}
 
         def decide_one(label: str, spec: dict[str, Any], body: bytes, i: int) -> None:
             m, (index, names_cache) = versions[label], state[label]
@@ -218,8 +221,20 @@ def main() -> None:
             started = time.thread_time()
             request = m["hami"].parse_pod_request(spec, settings)
             options = m["rules"].parse_pod_options(spec, settings)
+            if slowest:
+                read_in = time.thread_time()
             decision = m["decide"].decide(index, request, options, candidates)
+            if slowest:
+                decided_in = time.thread_time()
             chosen = next(decision.fits(), None)
+            if slowest and chosen is not None and i >= bench.WARMUP:
+                ended = time.thread_time()
+                ordering = getattr(decision.slots, "_ordering", None)
+                stages[label].append((
+                    parsed_in + ended - started, parsed_in, read_in - started,
+                    decided_in - read_in, ended - decided_in,
+                    getattr(ordering, "checked", -1), len(decision.failed), i, spec, pool,
+                ))  # fmt: skip
             if chosen is None:
                 decision.explain_rest()
                 spent = time.thread_time() - started
@@ -294,6 +309,20 @@ def main() -> None:
         f"decision p50 {ms(both[label], 0.5)} p99 {ms(both[label], 0.99)} ms"
         for label, rev in (("before", before_rev), ("after", after_rev))
     )
+    for label in ("before", "after") if slowest else ():
+        print(f"{label}: the {slowest} slowest placed calls (ms: total = list parse + request "
+              "+ decide() + walk to the first fit; checked, worded, call, pod)")
+        buckets: dict[int, list[float]] = {}
+        for record in stages[label]:
+            buckets.setdefault(record[-3] // 100, []).append(record[0])
+        print("  p50 / p90 by 100 calls: " + ", ".join(
+            f"#{b * 100}- {ms(v, 0.5)} / {ms(v, 0.9)}" for b, v in sorted(buckets.items())))
+        for total, *times, checked, worded, i, spec, pool in sorted(stages[label])[-slowest:]:
+            shape = "+".join(str(c["resources"]["limits"].get("nvidia.com/gpu"))
+                             for c in spec["spec"]["containers"])
+            policies = ",".join(v for k, v in spec["metadata"]["annotations"].items())
+            print(f"  {total * 1000:.3f} = " + " + ".join(f"{t * 1000:.3f}" for t in times)
+                  + f"; {checked} {worded} #{i} {shape} GPUs {policies} pool {pool}")
     digest = hashlib.sha256(repr(placed["after"]).encode()).hexdigest()[:10]
     print(f"{trace_name} trace, {nodes} nodes, lists {mode} ({order} order, "
           f"{os.environ.get('BENCH_REFUSED', '0')} refused by its filters), unschedulable "

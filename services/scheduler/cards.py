@@ -119,21 +119,13 @@ class Card(_HeldPartitions):
 
     @classmethod
     def from_device(cls, device: DeviceInfo, cordoned: bool = False) -> Card:
-        return cls(
-            uuid=device.uuid,
-            index=device.index,
-            type=device.type,
-            mode=device.mode,
-            numa=device.numa,
-            healthy=device.healthy,
-            cordoned=cordoned,
-            memory_mib=device.memory_mib,
-            cores=device.cores,
-            split_count=device.split_count,
-            links=device.links,
-            mig_model=device.mig.model if device.mig else "",
-            mig_geometries=tuple(device.mig.geometries) if device.mig else (),
-        )
+        # (positional: a node's cards are built on its first fit, eight keyword calls cost
+        # twice as much)
+        mig = device.mig
+        return cls(device.uuid, device.index, device.type, device.mode, device.numa,
+                   device.healthy, cordoned, device.memory_mib, device.cores, device.split_count,
+                   device.links, 0, 0, 0, mig.model if mig else "",
+                   tuple(mig.geometries) if mig else ())  # fmt: skip
 
     def clone(self) -> Card:
         copy = Card(

@@ -59,11 +59,23 @@ _CANDIDATE_CACHE = 8
 # `bound_pct_at`): rung 0 = the cards that still compute, rung r >= 1 = the cards with at
 # least 10 * r cores free.
 _RUNGS = 11
+# How many cards the k-th most free memory among a node's computing cards is kept for
+# (`bound_mem_kth`, a row per k): a container asking for n >= k cards needs k of them with its
+# memory, which the most free memory of any one card (`bound_mem_at`) does not rule out.
+_KTH = (2, 4, 8)
 
 
 def cores_rung(cores: int) -> int:
     """The rung whose cards include every card with `cores` free cores (0: still computing)."""
     return min(cores // 10, _RUNGS - 1) if cores >= 10 else 0
+
+
+def kth_most_memory(memory: list[int], computing: list[bool]) -> list[int]:
+    """Per k of `_KTH`, the k-th most free memory among a row's computing cards (-1: fewer
+    cards, and any value below -1: no request's memory is negative)."""
+    ranked = sorted((free for free, computes in zip(memory, computing, strict=True)
+                     if computes), reverse=True)  # fmt: skip
+    return [max(ranked[k - 1], -1) if len(ranked) >= k else -1 for k in _KTH]
 
 
 def rungs_of(
@@ -205,6 +217,9 @@ def bound_conditions(needs: list[Need]) -> list[tuple[str, int | None, int]]:
     for need in carded:
         rung = cores_rung(need.cores)
         conditions.append(("bound_mem_at", rung, need.memory_mib))
+        if need.gpus >= _KTH[0] and need.memory_mib > 0:  # (k of its cards with the memory)
+            kth = max(at for at, k in enumerate(_KTH) if k <= need.gpus)
+            conditions.append(("bound_mem_kth", kth, need.memory_mib))
         if need.memory_percentage > 0:
             conditions.append(("bound_pct_at", rung, need.memory_percentage))
     cores = max((n.cores for n in carded), default=0)
@@ -255,7 +270,7 @@ class _Columns:
     sorting every candidate again (O(changed rows), not O(candidates))."""
 
     NAMES = ("scores", "busy", "free_gpus", "bound_mem_at", "bound_pct_at", "bound_cores",
-             "bound_computing", "bound_idle")  # fmt: skip
+             "bound_computing", "bound_idle", "bound_mem_kth")  # fmt: skip
 
     def __init__(self, slots: np.ndarray) -> None:
         self.slots = slots
@@ -1235,19 +1250,21 @@ class ClusterIndex:
     # (Rung-major: a decision compares one rung's row over every candidate.)
     bound_mem_at = np.zeros((_RUNGS, 0), np.int64)
     bound_pct_at = np.zeros((_RUNGS, 0), np.int16)
+    # Per k of `_KTH` and node: the k-th most free memory among its computing cards (rung 0's).
+    bound_mem_kth = np.zeros((len(_KTH), 0), np.int64)
 
     def _grow_bounds(self) -> None:
         """As many rows as the other arrays (a row never written: -1, as its other arrays)."""
         capacity = len(self.free_gpus)
-        if self.bound_mem_at.shape[1] < capacity:
+        if self.bound_mem_at.shape[1] < capacity or self.bound_mem_kth.shape[1] < capacity:
             for name, dtype in self._BOUNDS:
                 old = getattr(self, name)
                 new = np.full(capacity, -1, dtype=dtype)
                 new[: len(old)] = old
                 setattr(self, name, new)
-            for name in ("bound_mem_at", "bound_pct_at"):
+            for name in ("bound_mem_at", "bound_pct_at", "bound_mem_kth"):
                 old = getattr(self, name)
-                new = np.full((_RUNGS, capacity), -1, dtype=old.dtype)
+                new = np.full((old.shape[0], capacity), -1, dtype=old.dtype)
                 new[:, : old.shape[1]] = old
                 setattr(self, name, new)
 
@@ -1287,6 +1304,7 @@ class ClusterIndex:
             self.bound_mem_at[:, slot], self.bound_pct_at[:, slot] = rungs_of(
                 mem, pct, cores, computing
             )
+            self.bound_mem_kth[:, slot] = kth_most_memory(mem, computing)
             self.bound_cores[slot] = max(cores, default=-1)
             self.bound_computing[slot] = sum(computing)
             self.bound_idle[slot] = sum(idle)
@@ -1311,6 +1329,11 @@ class ClusterIndex:
         # rungs_of, vectorised: a card is on the rungs up to its own (none if it no
         # longer computes); -1 where no card is.
         memory, percentage = self.card_mem[slots], self.card_pct[slots]
+        # kth_most_memory, vectorised (the padding's -1 sorts below every computing card's
+        # value clamped at -1)
+        ranked = -np.sort(-np.where(computing, np.maximum(memory, -1), -1), axis=1)
+        for at, k in enumerate(_KTH):
+            self.bound_mem_kth[at, slots] = ranked[:, k - 1] if k <= ranked.shape[1] else -1
         top = np.where(computing, np.clip(self.card_cores[slots] // 10, 0, _RUNGS - 1), -1)
         for rung in range(_RUNGS):
             on = top >= rung

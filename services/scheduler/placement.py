@@ -158,6 +158,11 @@ def pick_cards(
             reasons[CARDS_INSUFFICIENT] += len(passing)
         return None
     key = _sort_key(request, options)
+    policies = options.gpu_policies
+    if count == 1 and not options.numa_bind and "numa" not in policies and (
+        "topology-aware" not in policies
+    ):
+        return [min(passing, key=key)]  # (sorted's first: the keys end with the card index)
     ordered = sorted(passing, key=key)
     if options.numa_bind or "numa" in options.gpu_policies:
         groups = [g for g in _numa_groups(ordered) if len(g) >= count]
@@ -170,6 +175,18 @@ def pick_cards(
     if "topology-aware" in options.gpu_policies:
         return _topology_pick(ordered, count)
     return ordered[:count]
+
+
+def _grant(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
+    """The card's kind's grant for the request, on the card as it is (read, not charged)."""
+    options = ctx.options
+    selection = options.selection_for(request.family) if options.selections else NO_SELECTION
+    grant = card.kind.grant(card, request, selection)
+    if request.burst is not None:  # elastic: packed by the guarantee, the limit rides along
+        mem_limit, cores_limit = elastic.burst_of_grant(request.burst, grant, card.memory_mib)
+        grant = grant.model_copy(update={"memory_limit_mib": mem_limit,
+                                         "cores_limit": cores_limit})  # fmt: skip
+    return grant
 
 
 def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
@@ -270,15 +287,22 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
             return fit
         grants.append([_take(_own(init_cards, init_owned, c), r, init_ctx) for c in picked])
         pool += [c.uuid for c in picked if c.uuid not in pool]
-    for r in request.containers:
+    # (the last container that asks for GPUs: nothing is fitted after it, so its cards are
+    # read for its grants, not copied and charged: what it takes is never looked at again)
+    last = max((i for i, r in enumerate(request.containers) if r is not None), default=-1)
+    for i, r in enumerate(request.containers):
         if r is None:
             grants.append([])
             continue
         picked = _pick_with_reuse(scratch, r, app_ctx, fit.reasons, pool)
         if picked is None:
             return fit
+        if i == last:
+            grants.append([_grant(c, r, app_ctx) for c in picked])
+            break
         grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
         pool = [u for u in pool if u not in {c.uuid for c in picked}]
+    grants += [[] for _ in range(len(request.init) + len(request.containers) - len(grants))]
     fit.ok = True
     fit.containers = grants
     return fit

@@ -29,6 +29,7 @@ from .factories import GIB, device
 
 NOW = 10_000.0
 _BOUNDS = [name for name, _dtype in ClusterIndex._BOUNDS]
+_BOUNDS_2D = ["bound_mem_at", "bound_pct_at", "bound_mem_kth"]  # (a row per rung or per k)
 
 
 def _registration(rng: random.Random, name: str) -> NodeRegistration:
@@ -87,7 +88,8 @@ def _node_view(index: ClusterIndex, name: str) -> tuple:
     entry = index.entries[name]
     slot = entry.slot
     rows = tuple(getattr(index, a)[slot].tolist() for a in ClusterIndex._ARRAYS)
-    bounds = tuple(int(getattr(index, b)[slot]) for b in _BOUNDS)
+    bounds = (*(int(getattr(index, b)[slot]) for b in _BOUNDS),
+              *(getattr(index, b)[:, slot].tolist() for b in _BOUNDS_2D))  # fmt: skip
     cards = [(c.uuid, c.used_mem, c.used_cores, c.used_slots, c.cordoned, c.healthy)
              for c in entry.cards]  # fmt: skip
     return rows, bounds, entry.score, entry.reserved_until, cards

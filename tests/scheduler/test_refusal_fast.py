@@ -244,9 +244,16 @@ def test_a_first_refusal_on_a_long_list_is_worded_at_once_and_exactly() -> None:
     cases = [
         (h100({"metadata": {"name": "four", "namespace": "ns", "uid": "four", "annotations": {}},
                "spec": {"containers": [{"name": "c", "resources": {"limits": {
-                   "nvidia.com/gpu": 4, "nvidia.com/gpumem": 25 * GIB}}}]}}),
-         False),  # (three cards of an H100 node hold 25 GiB)
-        (h100(pending(4, "together")), False),  # 2 × 30 GiB on 40 GiB cards, 9-20 GiB used
+                   "nvidia.com/gpu": 4, "nvidia.com/gpumem-percentage": 62}}}]}}),
+         False),  # (three cards of an H100 node hold 62 % of 40 GiB)
+        # 2 × 75 % (30 GiB) on 40 GiB cards, 9-20 GiB used (in %: no node's 4th most free
+        # MiB rules it out unchecked, as 4 × 30 GiB would be, below)
+        (h100({**pending(4, "together"), "spec": {"containers": [
+            {"name": f"c{i}", "resources": {"limits": {
+                "nvidia.com/gpu": 4, "nvidia.com/gpumem-percentage": 75}}} for i in range(2)]},
+               "metadata": {"name": "together", "namespace": "ns", "uid": "together",
+                            "annotations": {"hami.io/gpu-scheduler-policy": "binpack"}}}),
+         False),
         (pending(2, "b200"), False),  # (the summaries pass every node: the walk fits some)
         ({**pending(2, "a10"), "metadata": {"name": "a10", "namespace": "ns", "uid": "a10",
           "annotations": {"nvidia.com/use-gputype": "A10"}}}, True),  # one node has A10s
@@ -265,3 +272,18 @@ def test_a_first_refusal_on_a_long_list_is_worded_at_once_and_exactly() -> None:
             decision.explain_rest()
             assert dict(decision.failed) == want_failed
             assert decision.reason_counts == reference_counts(index, spec, window)
+    # 4 x 25 GiB: the node's 4th most free memory (`bound_mem_kth`) rules out every H100 node
+    # before it is checked: nothing walked, every node worded as fitting it says
+    spec = h100({"metadata": {"name": "mib", "namespace": "ns", "uid": "mib", "annotations": {}},
+                 "spec": {"containers": [{"name": "c", "resources": {"limits": {
+                     "nvidia.com/gpu": 4, "nvidia.com/gpumem": 25 * GIB}}}]}})  # fmt: skip
+    window = names[300:] + names[:300]
+    want_fitting, want_failed = reference(index, spec, window)
+    decision = decide(index, hami.parse_pod_request(spec, SETTINGS),
+                      parse_pod_options(spec, SETTINGS), window)  # fmt: skip
+    assert list(decision.fits()) == want_fitting == []
+    # (only the idle A10 node reaches them; its type refuses it)
+    assert decision.slots._ordering.checked == 1  # type: ignore[attr-defined]
+    decision.explain_rest()
+    assert dict(decision.failed) == want_failed
+    assert decision.reason_counts == reference_counts(index, spec, window)
