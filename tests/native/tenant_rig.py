@@ -97,6 +97,21 @@ class Tenant:
             env=self.env(), capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
 
+    def truncate_region(self) -> None:
+        """What a tenant may do to the region file: cut it to nothing under every mapping."""
+        cut = self.python(f"open('{self.region_path}', 'r+b').truncate(0)")
+        assert cut.returncode == 0, cut.stderr
+
+    def write_fresh_region(self) -> None:
+        """The tenant writes a fresh, valid, empty region over the file (in place, same inode)."""
+        fresh = self.base / "gpu" / "fresh"
+        region.prepare_region_file(fresh)
+        rewrite = self.python(
+            f"data = open('{fresh}', 'rb').read()\n"
+            f"f = open('{self.region_path}', 'r+b'); f.write(data)\n"
+        )
+        assert rewrite.returncode == 0, rewrite.stderr
+
     def used(self) -> int:
         u = region.read_region(self.region_path)
         dev = u.device(GPU0) if u else None
@@ -161,10 +176,7 @@ def tenant_in(tenant_build: tuple[Path, Path], native) -> Iterator[Tenant]:
     t.cuctl = tracked
     yield t
     for c in procs:
-        if c.p.poll() is None:
-            c.p.kill()
-            c.p.wait()
-        c.close(check=False)
+        c.kill()
 
 
 def dev_off(field: str, d: int = 0) -> int:

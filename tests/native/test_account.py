@@ -178,10 +178,7 @@ class Pod:
 
     def close(self) -> None:
         for c in self.procs:
-            if c.p.poll() is None:
-                c.p.kill()
-                c.p.wait()
-            c.close(check=False)
+            c.kill()
         if self.agent:
             self.agent.stop()
 

@@ -99,21 +99,14 @@ def test_truncated_region_gives_no_fresh_budget(tenant):
     a = tenant.cuctl()
     assert a("init")["ok"]
     assert a(f"alloc plain {3 * CHUNK}")["ok"]
-    cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
-    assert cut.returncode == 0, cut.stderr
+    tenant.truncate_region()
     b = tenant.cuctl()
     assert b("init")["ok"]
     assert not b(f"alloc plain {CHUNK}")["ok"]  # refused until the region is repaired
     refused, _ = wait_for(lambda: not a(f"alloc plain {10 * MiB}")["ok"], timeout=3)
     assert refused, a.stderr()
     # the tenant writes a fresh, valid header: the live processes put their charges back
-    fresh = tenant.base / "gpu" / "fresh"
-    region.prepare_region_file(fresh)
-    rewrite = tenant.python(
-        f"data = open('{fresh}', 'rb').read()\n"
-        f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
-    )
-    assert rewrite.returncode == 0, rewrite.stderr
+    tenant.write_fresh_region()
     back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK, timeout=5)
     assert back, tenant.used()
     ok, _ = wait_for(lambda: b(f"alloc plain {50 * MiB}")["ok"], timeout=5, step=0.05)

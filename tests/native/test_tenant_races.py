@@ -37,8 +37,7 @@ def test_a_slot_taken_while_the_region_was_bad_is_never_kept(tenant):
     a = tenant.cuctl()
     assert a("init")["ok"]
     assert a(f"alloc plain {3 * CHUNK}")["ok"]
-    cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
-    assert cut.returncode == 0, cut.stderr
+    tenant.truncate_region()
     held = HeldStderr()
     b = Cuctl(tenant.native.bin / "cuctl", tenant.env(), held.path, tenant.prefix)
     file_lock = tenant.region_path.open("rb")
@@ -46,13 +45,7 @@ def test_a_slot_taken_while_the_region_was_bad_is_never_kept(tenant):
         assert b("init")["ok"]
         assert not b(f"alloc plain {50 * MiB}")["ok"]  # bad: refused
         fcntl.flock(file_lock, fcntl.LOCK_EX)
-        fresh = tenant.base / "gpu" / "fresh"
-        region.prepare_region_file(fresh)
-        rewrite = tenant.python(
-            f"data = open('{fresh}', 'rb').read()\n"
-            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
-        )
-        assert rewrite.returncode == 0, rewrite.stderr
+        tenant.write_fresh_region()
         attaching, _ = wait_for(lambda: threads_waiting(b.pid, "lock_inode_wait") == 1, 10)
         assert attaching, "b's poll thread never tried to re-attach"
         held.fill()
@@ -72,10 +65,7 @@ def test_a_slot_taken_while_the_region_was_bad_is_never_kept(tenant):
         assert a("phys")["phys"] <= LIMIT
     finally:
         file_lock.close()
-        if b.p.poll() is None:
-            b.p.kill()
-            b.p.wait()
-        b.close(check=False)
+        b.kill()
         held.close()
 
 
@@ -105,29 +95,19 @@ def test_a_charge_never_fits_against_a_region_truncated_under_it(tenant):
         b.send(f"alloc plain {CHUNK}")  # 950 + 300 > 1000: looks for dead slots, logs one
         reclaiming, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
         assert reclaiming, "the charging thread never logged the dead slot"
-        cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
-        assert cut.returncode == 0, cut.stderr
+        tenant.truncate_region()
         held.drain()
         assert not b.recv()["ok"], "charged against a truncated region"
         limits.release()
         limits = None
-        fresh = tenant.base / "gpu" / "fresh"
-        region.prepare_region_file(fresh)
-        rewrite = tenant.python(
-            f"data = open('{fresh}', 'rb').read()\n"
-            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
-        )
-        assert rewrite.returncode == 0, rewrite.stderr
+        tenant.write_fresh_region()
         back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK + 50 * MiB, timeout=5)
         assert back, f"the container's usage after the repair: {tenant.used()}"
         assert a("phys")["phys"] <= LIMIT
     finally:
         if limits:
             limits.release()
-        if b.p.poll() is None:
-            b.p.kill()
-            b.p.wait()
-        b.close(check=False)
+        b.kill()
         held.close()
 
 
@@ -204,8 +184,7 @@ def test_a_region_truncated_while_it_is_reattached_stays_refused(tenant):
     try:
         assert b("init")["ok"]
         assert b(f"alloc plain {50 * MiB}")["ok"]
-        cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
-        assert cut.returncode == 0, cut.stderr
+        tenant.truncate_region()
         bad, _ = wait_for(lambda: held.seen("was truncated"), 10)
         assert bad, "b never noticed the truncation"
         full = tenant.base / "gpu" / "full"
@@ -224,8 +203,7 @@ def test_a_region_truncated_while_it_is_reattached_stays_refused(tenant):
         assert rewrite.returncode == 0, rewrite.stderr
         full_log, _ = wait_for(lambda: threads_waiting(b.pid, "pipe_write") == 1, 10)
         assert full_log, "b's poll thread never logged the full region"
-        cut = tenant.python(f"open('{tenant.region_path}', 'r+b').truncate(0)")
-        assert cut.returncode == 0, cut.stderr
+        tenant.truncate_region()
         limits = HeldLimitsFile(tenant.base / "sealed")
         held.drain()
         polls, _ = wait_for(lambda: threads_waiting(b.pid, "wait_for_partner") == 1, 10)
@@ -233,13 +211,7 @@ def test_a_region_truncated_while_it_is_reattached_stays_refused(tenant):
         assert not b(f"alloc plain {CHUNK}")["ok"], "charged while the region is truncated"
         limits.release()
         limits = None
-        fresh = tenant.base / "gpu" / "fresh"
-        region.prepare_region_file(fresh)
-        rewrite = tenant.python(
-            f"data = open('{fresh}', 'rb').read()\n"
-            f"f = open('{tenant.region_path}', 'r+b'); f.write(data)\n"
-        )
-        assert rewrite.returncode == 0, rewrite.stderr
+        tenant.write_fresh_region()
         ok, _ = wait_for(lambda: b(f"alloc plain {CHUNK}")["ok"], timeout=5, step=0.05)
         assert ok, "charges never resumed after the repair"
         assert tenant.used() == 50 * MiB + CHUNK
@@ -248,10 +220,7 @@ def test_a_region_truncated_while_it_is_reattached_stays_refused(tenant):
         holder.wait()
         if limits:
             limits.release()
-        if b.p.poll() is None:
-            b.p.kill()
-            b.p.wait()
-        b.close(check=False)
+        b.kill()
         held.close()
 
 
@@ -288,10 +257,7 @@ def test_a_process_exiting_while_its_poll_thread_repairs_does_not_crash(tenant):
         assert rc == 0, f"b died at exit: {rc}"
         assert all(s.pid != b.pid for s in region.read_region(tenant.region_path).processes)
     finally:
-        if b.p.poll() is None:
-            b.p.kill()
-            b.p.wait()
-        b.close(check=False)
+        b.kill()
         held.close()
 
 
