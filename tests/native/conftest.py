@@ -147,7 +147,10 @@ class Cuctl:
 
     def kill(self) -> None:
         """Stop it at once (it may be held mid-call by a test), keeping nothing to check."""
-        self.kill()
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.close(check=False)
 
     def close(self, check: bool = True) -> None:
         if self.p.poll() is None:
