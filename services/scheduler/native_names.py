@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .native_address import address_of
+
 LIBRARY_ENV = "TESSERA_NAMES_LIBRARY"
 _BUILT = Path(__file__).resolve().parents[2] / "native" / "names" / "build" / "libtessera_names.so"
 _library: ctypes.CDLL | None = None
@@ -109,8 +111,8 @@ class NativeNames:
         capacity = (len(array) - 1) // max(4, first + 1) + 1
         rows = np.empty(capacity, dtype=np.int64)
         slots = np.empty(capacity, dtype=np.int64)
-        count = self._resolve(self._handle, array, len(array), rows.ctypes.data,
-                              slots.ctypes.data, capacity)  # fmt: skip
+        count = self._resolve(self._handle, array, len(array), address_of(rows),
+                              address_of(slots), capacity)  # fmt: skip
         if count == -2:
             capacity = (len(array) - 1) // 4 + 1  # (a name takes at least `"x",`)
             rows = np.empty(capacity, dtype=np.int64)
@@ -139,7 +141,7 @@ class NativeNames:
         for _ in range(2):
             # (one more element: where the array ends, written by the call itself)
             slots = np.empty(capacity + 1, dtype=np.int64)
-            at = slots.ctypes.data
+            at = address_of(slots)
             count = self._resolve_in(self._handle, body, len(body), start, None, at, capacity,
                                      at + 8 * capacity)  # fmt: skip
             if count != -2:

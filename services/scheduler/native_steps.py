@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .native_address import address_of
+
 LIBRARY_ENV = "TESSERA_REFUSALS_LIBRARY"
 _BUILT = (Path(__file__).resolve().parents[2] / "native" / "refusals" / "build"
           / "libtessera_refusals.so")  # fmt: skip
@@ -145,11 +147,11 @@ class NativeSteps:
                                                                        kind)]  # fmt: skip
         request_array = np.ascontiguousarray(requests, dtype=np.int64)
         static_array = np.ascontiguousarray(statics, dtype=np.int64)
-        cards = _Cards(rows, width, *(a.ctypes.data for a in arrays), signature.ctypes.data)
-        klass = _Classes(classes, *(a.ctypes.data for a in by_class))
+        cards = _Cards(rows, width, *(address_of(a) for a in arrays), address_of(signature))
+        klass = _Classes(classes, *(address_of(a) for a in by_class))
         if every_row and len(requests) != 1:
             return None
-        pod = _Pod(len(requests), request_array.ctypes.data, static_array.ctypes.data,
+        pod = _Pod(len(requests), address_of(request_array), address_of(static_array),
                    int(options.mutex), signs[0] if signs else 0, *weights,
                    int(every_row))  # fmt: skip
         candidates = np.ascontiguousarray(slots, dtype=np.int64)
@@ -162,10 +164,10 @@ class NativeSteps:
         if ties is not None:
             if ties.dtype != np.bool_ or not ties.flags.c_contiguous or len(ties) != count:
                 return None
-            tied = ties.ctypes.data
+            tied = address_of(ties)
         done = self._steps(ctypes.byref(cards), ctypes.byref(klass), ctypes.byref(pod),
-                           candidates.ctypes.data, count, failed_at.ctypes.data,
-                           failed_sig.ctypes.data, codes.ctypes.data, refused.ctypes.data,
+                           address_of(candidates), count, address_of(failed_at),
+                           address_of(failed_sig), address_of(codes), address_of(refused),
                            tied)  # fmt: skip
         if done != 0:
             return None
@@ -191,9 +193,9 @@ class NativeSteps:
         first = np.empty(count, dtype=np.int64)
         table = np.empty(size, dtype=np.int64)
         ordered = np.empty(codes.shape, dtype=np.int64)
-        found = self._group(head.ctypes.data, head.shape[1], codes.ctypes.data, codes.shape[1],
-                            where.ctypes.data, count, groups.ctypes.data, first.ctypes.data,
-                            table.ctypes.data, size, ordered.ctypes.data)  # fmt: skip
+        found = self._group(address_of(head), head.shape[1], address_of(codes), codes.shape[1],
+                            address_of(where), count, address_of(groups), address_of(first),
+                            address_of(table), size, address_of(ordered))  # fmt: skip
         if found < 0:
             return None
         firsts = first[:found].tolist()
@@ -226,9 +228,9 @@ class NativeSteps:
         reps = np.empty(count, dtype=np.int64)
         rank = np.empty(count, dtype=np.int64)
         stale = ctypes.c_int64(0)
-        found = self._distinct(numbers.ctypes.data, at.ctypes.data, versions.ctypes.data, rows,
-                               candidates.ctypes.data, count, first_of.ctypes.data,
-                               len(first_of), reps.ctypes.data, rank.ctypes.data,
+        found = self._distinct(address_of(numbers), address_of(at), address_of(versions), rows,
+                               address_of(candidates), count, address_of(first_of),
+                               len(first_of), address_of(reps), address_of(rank),
                                ctypes.byref(stale))  # fmt: skip
         if found == -2:
             return reps[: stale.value]

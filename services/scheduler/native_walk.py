@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from .candidate_order import HEAD, fresh_walk
+from .native_address import address_of
 from .native_names import library
 
 NATIVE_FROM = 1024  # candidates from which a fresh list is walked in C
@@ -69,7 +70,7 @@ class Addresses:
             return found[1]
         if len(self._known) >= self.KEEP:
             self._known.clear()
-        address = int(array.ctypes.data)
+        address = address_of(array)
         self._known[id(array)] = (array, address)
         return address
 
@@ -95,13 +96,13 @@ class NativeWalk:
         self.keys = block[: 8 * n].view(np.float64)
         self._out = block[8 * n : 8 * (n + room)].view(np.int64)
         self.busy = block[8 * (n + room) :].view(np.bool_) if busy is not None else None
-        base = int(block.ctypes.data)
+        base = address_of(block)
         self._keys_at, self._out_at = base, base + 8 * n
         self._busy_at = base + 8 * (n + room) if busy is not None else None
         self._kept = (slots, spec)  # (their addresses are used below)
-        self._list = (int(slots.ctypes.data), n, limit)
+        self._list = (address_of(slots), n, limit)
         self._first = (scores, sign, busy)
-        self._spec = (int(spec.ctypes.data), len(spec) // 3)
+        self._spec = (address_of(spec), len(spec) // 3)
         self._sign = sign
         self._rounds: Iterator[list[int] | np.ndarray] | None = None
 

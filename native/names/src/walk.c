@@ -92,6 +92,55 @@ static void tn_sift_up(tn_pick *heap, uint64_t at)
 	heap[at] = moving;
 }
 
+/* One round's selection: a heap of the `cap` first, its largest (`top`) kept in registers; a
+ * position is read further (its bounds) only when its key would enter. */
+typedef struct {
+	tn_pick *heap;
+	uint64_t cap, count;
+	double top_key;
+	int64_t top_position;
+} tn_round;
+
+/* Position `i` (its `key`, in the group `flag` when the round is by group) offered to the
+ * round: 0, or -1 for a slot past the arrays (`check`: the first round checked it already). */
+static inline int tn_offer(tn_round *r, uint64_t i, double key, int by_group, uint8_t flag,
+			   uint8_t wanted, const int64_t *slots, uint64_t n, uint64_t limit,
+			   int check, const int64_t *spec, uint32_t bounds, int32_t resume,
+			   double after_key, int64_t after_position)
+{
+	if (r->count < r->cap && i + TN_AHEAD < n) {
+		/* (a heap not full yet reads the bounds of every position of its group, a random
+		 * gather: their cache lines asked for ahead, as the first round's keys) */
+		uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
+		if (ahead < limit)
+			tn_prefetch_bounds(ahead, spec, bounds);
+	}
+	if (by_group && flag != wanted)
+		return 0;
+	if (r->count == r->cap &&
+	    !(key < r->top_key || (key == r->top_key && (int64_t)i < r->top_position)))
+		return 0;
+	if (resume && !(after_key < key || (after_key == key && after_position < (int64_t)i)))
+		return 0;
+	int64_t slot = slots[i];
+	if (check && (slot < 0 || (uint64_t)slot >= limit))
+		return -1;
+	if (!tn_reaches(slot, spec, bounds))
+		return 0;
+	if (r->count < r->cap) {
+		r->heap[r->count] = (tn_pick){key, (int64_t)i};
+		tn_sift_up(r->heap, r->count++);
+	} else {
+		r->heap[0] = (tn_pick){key, (int64_t)i};
+		tn_sift_down(r->heap, r->count, 0);
+	}
+	if (r->count == r->cap) {
+		r->top_key = r->heap[0].key;
+		r->top_position = r->heap[0].position;
+	}
+	return 0;
+}
+
 TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit,
 				const double *scores, double sign, const uint8_t *busy,
 				double *keys, uint8_t *busy_at, int32_t group, const int64_t *spec,
@@ -109,7 +158,12 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
 	if (cap && !heap)
 		return -1;
-	if (scores) { /* the first round: every key and group read from the index, kept */
+	tn_round r = {heap, cap, 0, 0.0, 0};
+	const uint8_t wanted = (uint8_t)(group != 0);
+	const int by_group = busy_at != NULL;
+	if (scores) {
+		/* The first round: every key and group read from the index (kept), each position
+		 * offered to the round as it is read (one pass over the list). */
 		uint64_t busy_seen = 0;
 		for (uint64_t i = 0; i < n; i++) {
 			int64_t slot = slots[i];
@@ -128,62 +182,35 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 				return -1;
 			}
 			keys[i] = key;
+			uint8_t flag = 0;
 			if (busy_at) {
-				uint8_t flag = busy[slot] ? 1 : 0;
+				flag = busy[slot] ? 1 : 0;
 				busy_at[i] = flag;
 				busy_seen += flag;
 			}
+			if (cap)
+				(void)tn_offer(&r, i, key, by_group, flag, wanted, slots, n, limit, 0,
+					       spec, bounds, resume, after_key, after_position);
 		}
 		if (busy_count)
 			*busy_count = busy_seen;
-	}
-	/* The selection: a heap of the `cap` first, its largest (`top`) kept in registers; a
-	 * position is read further only when it would enter. */
-	uint64_t count = 0;
-	double top_key = 0.0;
-	int64_t top_position = 0;
-	const uint8_t wanted = (uint8_t)(group != 0);
-	for (uint64_t i = 0; i < n && cap; i++) {
-		double key = keys[i];
-		if (count < cap && i + TN_AHEAD < n) {
-			/* (a heap not full yet reads the bounds of every position of its group, a
-			 * random gather: their cache lines asked for ahead, as the first round's keys) */
-			uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
-			if (ahead < limit)
-				tn_prefetch_bounds(ahead, spec, bounds);
-		}
-		if (busy_at && busy_at[i] != wanted)
-			continue;
-		if (count == cap && !(key < top_key || (key == top_key && (int64_t)i < top_position)))
-			continue;
-		if (resume && !(after_key < key || (after_key == key && after_position < (int64_t)i)))
-			continue;
-		int64_t slot = slots[i];
-		if (!scores && (slot < 0 || (uint64_t)slot >= limit)) {
-			free(heap);
-			return -1;
-		}
-		if (!tn_reaches(slot, spec, bounds))
-			continue;
-		if (count < cap) {
-			heap[count] = (tn_pick){key, (int64_t)i};
-			tn_sift_up(heap, count++);
-		} else {
-			heap[0] = (tn_pick){key, (int64_t)i};
-			tn_sift_down(heap, count, 0);
-		}
-		if (count == cap) {
-			top_key = heap[0].key;
-			top_position = heap[0].position;
+	} else {
+		for (uint64_t i = 0; i < n && cap; i++) {
+			if (tn_offer(&r, i, keys[i], by_group, by_group ? busy_at[i] : 0, wanted,
+				     slots, n, limit, 1, spec, bounds, resume, after_key,
+				     after_position) < 0) {
+				free(heap);
+				return -1;
+			}
 		}
 	}
 	/* ascending: the largest taken off the heap into the end, one at a time */
-	for (uint64_t left = count; left > 0; left--) {
+	for (uint64_t left = r.count; left > 0; left--) {
 		tn_pick largest = heap[0];
 		heap[0] = heap[left - 1];
 		tn_sift_down(heap, left - 1, 0);
 		out[left - 1] = largest.position;
 	}
 	free(heap);
-	return (int64_t)count;
+	return (int64_t)r.count;
 }
