@@ -102,6 +102,17 @@ def parallel_lists(names: list[str], rng: random.Random, count: int) -> list[lis
     return [lists_of(names, rng)[2] for _ in range(count)]
 
 
+def counting_cache(index: object, calls: dict[str, int]) -> NodeNamesCache:
+    """A `NodeNamesCache` as the service builds it, counting its resolver's and its in-place
+    reader's calls into `calls`."""
+    counted = partial(counting, calls)
+    return NodeNamesCache(
+        100_000, resolver=counted("resolver", index.names_from_bytes),  # type: ignore[attr-defined]
+        runs=index.names_of_run,  # type: ignore[attr-defined]
+        in_place=counted("in_place", index.names_in_body),  # type: ignore[attr-defined]
+    )  # fmt: skip
+
+
 def test_the_cache_reads_new_lists_in_place_and_finds_them_and_their_rotations_again() -> None:
     """Through `NodeNamesCache` as the service builds it: lists in a new order every call are
     read in place once runs and rotations rest (the first ones cut out and looked at), each
@@ -110,13 +121,7 @@ def test_the_cache_reads_new_lists_in_place_and_finds_them_and_their_rotations_a
     names = UNIFORM
     index, slots = order_index(names)
     calls = {"in_place": 0, "resolver": 0}
-    counted = partial(counting, calls)
-
-    cache = NodeNamesCache(
-        100_000, resolver=counted("resolver", index.names_from_bytes),  # type: ignore[attr-defined]
-        runs=index.names_of_run,  # type: ignore[attr-defined]
-        in_place=counted("in_place", index.names_in_body),  # type: ignore[attr-defined]
-    )  # fmt: skip
+    cache = counting_cache(index, calls)
     pod = {"metadata": {"name": "p", "uid": "u1"}, "spec": {"containers": []}}
 
     def parsed(listed: list[str]) -> object:
@@ -156,13 +161,7 @@ def test_lists_in_the_node_order_are_read_as_runs_again_after_lists_read_in_plac
     names = UNIFORM
     index, slots = order_index(names)
     calls = {"in_place": 0, "resolver": 0}
-    counted = partial(counting, calls)
-
-    cache = NodeNamesCache(
-        100_000, resolver=counted("resolver", index.names_from_bytes),  # type: ignore[attr-defined]
-        runs=index.names_of_run,  # type: ignore[attr-defined]
-        in_place=counted("in_place", index.names_in_body),  # type: ignore[attr-defined]
-    )  # fmt: skip
+    cache = counting_cache(index, calls)
     pod = {"metadata": {"name": "p", "uid": "u2"}}
 
     def parsed(listed: list[str]) -> None:
