@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +169,22 @@ def harness(base: Path, rig: Rig, node: str, interval_s: float) -> Harness:
     return h
 
 
+def after_the_first_quota_write(h: Harness, then: Callable[[], Awaitable[None]]) -> None:
+    """The driver's quota writes go through; right after the first one, `then()` runs inside the
+    hand-on (a fault at that exact point: the agent stopped, the reply lost, NATS away)."""
+    assert h.driver.quota is not None
+    real_hold = h.driver.quota.hold
+    first = [True]
+
+    async def hold(*args, **kwargs):
+        await real_hold(*args, **kwargs)
+        if first[0]:
+            first[0] = False
+            await then()
+
+    h.driver.quota.hold = hold  # type: ignore[method-assign]
+
+
 async def test_a_shared_claim_is_handed_on_when_its_pod_ends_in_one_quota_write(
         short_dir, nc, nats_url, buckets, node, start_quota_on):  # fmt: skip
     quota = await start_quota_on(nats_url)
@@ -225,15 +242,12 @@ async def test_a_node_agent_stopped_in_the_middle_of_a_hand_on_finishes_it_at_it
     written = asyncio.Event()
     async with harness(short_dir, rig, node, interval_s=3600) as h:
         await rig.prepare_all(h)
-        assert h.driver.quota is not None
-        real_hold = h.driver.quota.hold
 
-        async def hold_then_hang(*args, **kwargs):
-            await real_hold(*args, **kwargs)
+        async def hang() -> None:
             written.set()
             await asyncio.Event().wait()  # the agent is stopped here
 
-        h.driver.quota.hold = hold_then_hang  # type: ignore[method-assign]
+        after_the_first_quota_write(h, hang)
         rig.s.end_first(rig.cluster)
         await asyncio.wait_for(written.wait(), 15)
         assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
@@ -276,18 +290,14 @@ async def test_a_quota_service_restarting_after_the_hand_on_write_before_its_rep
     rig = await new_rig(nc, buckets, node)
     async with harness(short_dir, rig, node, interval_s=0.3) as h:
         await rig.prepare_all(h)
-        assert h.driver.quota is not None
-        real_hold = h.driver.quota.hold
         lost = asyncio.Event()
 
-        async def hold_then_lose_the_reply(*args, **kwargs):
-            await real_hold(*args, **kwargs)
-            if not lost.is_set():
-                lost.set()
-                await quota.stop()
-                raise QuotaRefused("the quota service did not answer (test: reply lost)")
+        async def lose_the_reply() -> None:
+            lost.set()
+            await quota.stop()
+            raise QuotaRefused("the quota service did not answer (test: reply lost)")
 
-        h.driver.quota.hold = hold_then_lose_the_reply  # type: ignore[method-assign]
+        after_the_first_quota_write(h, lose_the_reply)
         rig.s.end_first(rig.cluster)
         await asyncio.wait_for(lost.wait(), 15)
         seen = h.endpoint.reconciles
@@ -312,17 +322,13 @@ async def test_nats_restarting_between_the_quota_and_ledger_writes_loses_nothing
         rig = await new_rig(nc, buckets, node)
         async with harness(short_dir, rig, node, interval_s=0.3) as h:
             await rig.prepare_all(h)
-            assert h.driver.quota is not None
-            real_hold = h.driver.quota.hold
             stopped = asyncio.Event()
 
-            async def hold_then_restart_nats(*args, **kwargs):
-                await real_hold(*args, **kwargs)
-                if not stopped.is_set():  # the first hand-on's quota write is done: NATS goes
-                    await asyncio.to_thread(fresh_nats.stop)
-                    stopped.set()
+            async def stop_nats() -> None:  # the first hand-on's quota write is done: NATS goes
+                await asyncio.to_thread(fresh_nats.stop)
+                stopped.set()
 
-            h.driver.quota.hold = hold_then_restart_nats  # type: ignore[method-assign]
+            after_the_first_quota_write(h, stop_nats)
             rig.s.end_first(rig.cluster)
             await asyncio.wait_for(stopped.wait(), 15)
             await asyncio.to_thread(fresh_nats.start)  # same port, same data: a broker restart
