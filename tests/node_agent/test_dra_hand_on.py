@@ -259,6 +259,38 @@ async def test_a_node_agent_stopped_in_the_middle_of_a_hand_on_finishes_it_at_it
         assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
 
 
+async def test_a_claim_relabelled_by_a_stopped_hand_on_is_scrubbed_at_unprepare(
+        short_dir, nc, nats_url, buckets, node, start_quota_on):  # fmt: skip
+    """Stopped after the hand-on relabelled the claim's directory for the second pod and before
+    its record said so; the second pod ends too, and kubelet unprepares both claims before
+    anything finishes the hand-on: no directory of either claim is left behind (its sealed
+    limits, region and lease socket), though the record still names the first pod."""
+    await start_quota_on(nats_url)
+    rig = await new_rig(nc, buckets, node)
+    relabelled = asyncio.Event()
+    async with harness(short_dir, rig, node, interval_s=3600) as h:
+        await rig.prepare_all(h)
+
+        async def hang(*_args, **_kwargs) -> None:  # the hand-on's ledger write, after step 2
+            relabelled.set()
+            await asyncio.Event().wait()  # the agent is stopped here
+
+        h.driver._write_ledger = hang  # type: ignore[method-assign]
+        rig.s.end_first(rig.cluster)
+        await asyncio.wait_for(relabelled.wait(), 15)
+        second = rig.s.uids["second"]
+        assert [c.prepared.pod_uid for c in h.store.all()].count(second) == 1  # relabelled
+    # the second pod ends as well; the restarted agent finds no pod to hand the claim on to
+    rig.cluster.delete_pod(rig.ns, rig.s.second["metadata"]["name"])
+    rig.s.shared["status"]["reservedFor"] = []
+    rig.cluster.put_resource_claim(rig.s.shared)
+    async with harness(short_dir, rig, node, interval_s=3600) as h:
+        for claim in (rig.s.shared, rig.s.own):
+            answer = (await h.kubelet_unprepare(claim)).claims[claim["metadata"]["uid"]]
+            assert answer.error == "", answer.error
+        assert h.store.all() == []
+
+
 async def test_a_quota_service_away_during_a_hand_on_leaves_it_to_the_reconcile(
         short_dir, nc, nats_url, buckets, node, start_quota_on):  # fmt: skip
     quota = await start_quota_on(nats_url)

@@ -330,10 +330,13 @@ class DraDriver(HandOn):
                 self.log.warning("MIG instances not destroyed yet", extra={"err": str(exc)})
 
     def _scrub(self, record: PreparedClaim) -> None:
-        """The claim's directory goes (sealed limits, region, lease socket)."""
-        for cdir in self.store.for_pod(record.pod_uid):
-            if cdir.prepared.device_ids == [record.cdi_device]:
-                self.store.remove_container(cdir)
+        """The claim's directory goes (sealed limits, region, lease socket), whichever pod it is
+        labelled for: a hand-on relabels it before it writes the record, so an agent stopped
+        between the two leaves it labelled for the next pod while the record names the ended
+        one (kubelet unpreparing before the agent's first reconcile must still scrub it). The
+        CDI device names the claim (`claim-<uid>`), so it finds only this claim's."""
+        for cdir in self.store.by_devices([record.cdi_device]):
+            self.store.remove_container(cdir)
 
     async def _hold_quota(self, record: PreparedClaim, held: list[PreparedClaim],
                           pod: dict | None, handed_from: str = "",
