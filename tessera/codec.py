@@ -26,6 +26,11 @@ class Message(BaseModel):
     # Older versions this build can still read (fields added since then have defaults).
     READABLE_VERSIONS: ClassVar[frozenset[int]] = frozenset({1})
 
+    def wire_version(self) -> int:
+        """The version this message is written with: SCHEMA_VERSION, unless a model writes one
+        its older readers can read when the message uses nothing they would misread."""
+        return type(self).SCHEMA_VERSION
+
 
 M = TypeVar("M", bound=Message)
 
@@ -34,7 +39,7 @@ def encode(message: Message) -> bytes:
     """Serialise a message with its schema name and version."""
     envelope = {
         "schema": type(message).__name__,
-        "version": type(message).SCHEMA_VERSION,
+        "version": message.wire_version(),
         "data": message.model_dump(mode="json"),
     }
     return msgpack.packb(envelope, use_bin_type=True)

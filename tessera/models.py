@@ -692,7 +692,17 @@ class QuotaRequest(Message):
 
     reserve: `check_only` asks "would it fit?" without holding anything (admission); otherwise
     the charge is held under `pod_uid`, idempotently (the scheduler). release: frees `pod_uid`.
+
+    Version 2 is a hand-on (`handed_from`): a quota service older than `handed_from_keeps` would
+    read it as something else (the ended pod's charge freed whole, or not at all: the slice
+    uncounted or counted twice) and so refuses version 2 (`CodecError`); the node agent's
+    hand-on then waits, the slice counted once under the ended pod, until the quota service is
+    upgraded (a mixed-version rollout). Every other request is written as version 1, which
+    every quota service reads.
     """
+
+    SCHEMA_VERSION: ClassVar[int] = 2
+    READABLE_VERSIONS: ClassVar[frozenset[int]] = frozenset({1})
 
     namespace: str
     pod_uid: str = ""
@@ -710,6 +720,9 @@ class QuotaRequest(Message):
         "hand-on (its other claims), its charge shrunk to it in the same write; None: it keeps "
         "nothing (its whole charge is freed)",
     )
+
+    def wire_version(self) -> int:
+        return 2 if self.handed_from or self.handed_from_keeps is not None else 1
 
 
 class QuotaStatusRequest(Message):

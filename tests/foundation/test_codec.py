@@ -105,6 +105,20 @@ def test_unknown_version_is_refused_with_a_clear_error() -> None:
         decode(payload, models.NodeLedger)
 
 
+def test_a_quota_hand_on_is_written_so_that_only_a_service_that_knows_it_reads_it() -> None:
+    """A plain reserve stays version 1 (every quota service reads it); a hand-on is version 2,
+    which a service built before `handed_from_keeps` refuses instead of misreading."""
+    plain = models.QuotaRequest(namespace="ns", pod_uid="p", memory_mib=10)
+    handed = models.QuotaRequest(namespace="ns", pod_uid="p", memory_mib=10, handed_from="q",
+                                 handed_from_keeps=models.QuotaShare(memory_mib=5))  # fmt: skip
+    assert msgpack.unpackb(encode(plain))["version"] == 1
+    assert msgpack.unpackb(encode(handed))["version"] == 2
+    assert decode(encode(handed), models.QuotaRequest) == handed
+    older = msgpack.packb({**msgpack.unpackb(encode(handed)), "version": 3})
+    with pytest.raises(CodecError, match="QuotaRequest schema version 3 is not supported"):
+        decode(older, models.QuotaRequest)
+
+
 def test_wrong_schema_and_garbage_are_refused() -> None:
     ledger_bytes = encode(models.NodeLedger(node="n1"))
     with pytest.raises(CodecError, match="expected a QuotaState message"):

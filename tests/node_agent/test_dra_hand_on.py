@@ -34,6 +34,7 @@ from tessera.models import (
     NodeLedger,
     QuotaAmount,
     QuotaReply,
+    QuotaRequest,
     QuotaSetRequest,
     QuotaState,
     QuotaStatusRequest,
@@ -308,6 +309,44 @@ async def test_a_quota_service_away_during_a_hand_on_leaves_it_to_the_reconcile(
         assert state is not None
         assert (state.value.used().memory_mib, state.value.used().gpus) == HELD
         await start_quota_on(nats_url)  # back: the next reconcile hands it on
+        await wait_for_booked(rig, HANDED)
+        assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
+
+
+async def test_a_quota_service_older_than_the_hand_on_refuses_it_and_the_slice_waits(
+        short_dir, nc, nats_url, buckets, node, start_quota_on, monkeypatch):  # fmt: skip
+    """A mixed-version rollout: the node agent is new, the quota service one that reads only
+    version 1 of QuotaRequest (built before `handed_from_keeps`: it would have freed the first
+    pod's whole charge, its own claim's part included). The hand-on is written as version 2, so
+    that service refuses it: nothing moves, the slice stays counted once under the first pod;
+    once the quota service is upgraded the reconcile hands it on."""
+    monkeypatch.setattr(QuotaRequest, "SCHEMA_VERSION", 1)  # what the older build reads
+    older = await start_quota_on(nats_url)
+    rig = await new_rig(nc, buckets, node)
+    async with harness(short_dir, rig, node, interval_s=0.3) as h:
+        await rig.prepare_all(h)  # (prepares reserve as version 1: the older service holds them)
+        assert await rig.quota() == ({"first": SHARED_MIB + OWN_MIB}, HELD)
+        refused = asyncio.Event()
+        real_hold = h.driver.quota.hold  # type: ignore[union-attr]
+
+        async def hold(*args, **kwargs):
+            try:
+                return await real_hold(*args, **kwargs)
+            except QuotaRefused as exc:
+                if "schema version 2 is not supported" in str(exc):
+                    refused.set()
+                raise
+
+        h.driver.quota.hold = hold  # type: ignore[union-attr,method-assign]
+        rig.s.end_first(rig.cluster)
+        await asyncio.wait_for(refused.wait(), 15)
+        seen = h.endpoint.reconciles
+        await wait_for(lambda: h.endpoint.reconciles >= seen + 2)  # refused again, each round
+        assert await rig.booked() == BEFORE
+        assert await rig.quota() == ({"first": SHARED_MIB + OWN_MIB}, HELD)
+        await older.stop()
+        monkeypatch.undo()  # the upgraded quota service reads version 2
+        await start_quota_on(nats_url)
         await wait_for_booked(rig, HANDED)
         assert await rig.quota() == ({"first": OWN_MIB, "second": SHARED_MIB}, HELD)
 
