@@ -27,6 +27,14 @@ fits, `scheduler.with_backlog`; their CPU, reasons included, reported as "refuse
 kube-scheduler does in its own process) or `dumps` (serialised between the calls, as before
 session 17: that work evicted the next call's caches, bench/RESULTS.md "fresh").
 
+`BENCH_POD`: `trace` (default: the trace's pods as they are, ~300 bytes, quantities as JSON
+numbers, each call's request read from the trace's dict) or `informer` (each pod dressed as
+kube-scheduler's informer holds a Deployment's pod and sends it: ~3 KB, `extender_body.pod`'s
+metadata, managed fields, last-applied annotation, probes, env, volumes and status around the
+trace's own name, uid, policy annotations and GPU limits, every quantity a string as the API
+server writes it; each call's request read from the pod the list parse decoded from the body,
+as the service reads it). The same decisions either way (same digests).
+
 A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
 the decision includes, are extracted to a temporary directory, and its `native/names` built
 there, as `make native` builds it) or `worktree` (the checkout's own; its library as built).
@@ -143,6 +151,30 @@ def tidy_between_calls(index: Any) -> None:
         tidy()
 
 
+def informer_pod(spec: dict[str, Any], i: int) -> dict[str, Any]:
+    """The trace's pod as kube-scheduler sends it (`BENCH_POD=informer`): `extender_body.pod`'s
+    dress around the trace's name, uid, namespace, policy annotations and GPU limits (strings,
+    as the API server writes quantities); no container or field the decision reads is added."""
+    import extender_body
+
+    dressed = extender_body.pod(i)
+    template = dressed["spec"]["containers"][0]
+    meta = spec["metadata"]
+    dressed["metadata"].update(name=meta["name"], uid=meta["uid"], namespace=meta["namespace"])
+    annotations = dressed["metadata"]["annotations"]
+    for key in [k for k in annotations if k.startswith("hami.io/")]:
+        del annotations[key]
+    annotations.update(meta.get("annotations") or {})
+    containers = []
+    for container in spec["spec"]["containers"]:
+        limits = {k: str(v) for k, v in container["resources"]["limits"].items()}
+        containers.append({**template, "name": container["name"],
+                           "resources": {"limits": {**limits, "cpu": "8", "memory": "32Gi"},
+                                         "requests": {"cpu": "4", "memory": "16Gi"}}})  # fmt: skip
+    dressed["spec"]["containers"] = containers
+    return dressed
+
+
 def main() -> None:
     args = sys.argv[1:]
     trace_name = args.pop() if args and args[-1] in ("bench", "varied") else "varied"
@@ -219,6 +251,8 @@ def main() -> None:
             if i >= bench.WARMUP:
                 parse[label].append(parsed_in)
             started = time.thread_time()
+            if informer:  # (the service reads the pod it decoded from the body)
+                spec = (parsed or json.loads(body))["pod"]
             request = m["hami"].parse_pod_request(spec, settings)
             options = m["rules"].parse_pod_options(spec, settings)
             if slowest:
@@ -281,12 +315,19 @@ def main() -> None:
         if body_mode not in ("made", "dumps"):
             raise SystemExit(f"BENCH_BODY={body_mode!r}: made or dumps")
         made = [listed_of(pool) for _spec, pool in pods] if body_mode == "made" else None
+        pod_mode = os.environ.get("BENCH_POD", "trace")
+        if pod_mode not in ("trace", "informer"):
+            raise SystemExit(f"BENCH_POD={pod_mode!r}: trace or informer")
+        informer = pod_mode == "informer"
+        sent = [json.dumps(informer_pod(spec, i) if informer else spec, separators=COMPACT
+                           if informer else (", ", ": ")).encode()
+                for i, (spec, _pool) in enumerate(pods)]  # fmt: skip
         faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         load_before = scheduler_scale.loadavg()
         for i, (spec, pool) in enumerate(pods):
             listed = made[i] if made is not None else listed_of(pool)
             # (the body as the server reads it off the socket: a new buffer each call)
-            body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), listed)
+            body = b'{"pod": %s, "nodenames": %s}' % (sent[i], listed)
             for label in ("before", "after") if i % 2 else ("after", "before"):
                 decide_one(label, spec, body, i)
                 if time.perf_counter() >= collect_at:
@@ -326,8 +367,8 @@ def main() -> None:
     digest = hashlib.sha256(repr(placed["after"]).encode()).hexdigest()[:10]
     print(f"{trace_name} trace, {nodes} nodes, lists {mode} ({order} order, "
           f"{os.environ.get('BENCH_REFUSED', '0')} refused by its filters), unschedulable "
-          f"share {share}, lists made {body_mode} ({faults:.1f} minor faults per pod, both "
-          f"versions' calls and the loop), load "
+          f"share {share}, lists made {body_mode}, pods {pod_mode} ({faults:.1f} minor faults "
+          f"per pod, both versions' calls and the loop), load "
           f"{load_before} -> {scheduler_scale.loadavg()}, identical placements: "
           f"{placed['before'] == placed['after']} (digest {digest}), identical reasons: "
           f"{reasons['before'] == reasons['after']} | {figures}")  # fmt: skip
