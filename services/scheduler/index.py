@@ -43,7 +43,7 @@ from .cards import (
     recharged,
 )
 from .name_table import NameTable
-from .native_walk import Addresses, native_walk
+from .native_walk import Addresses, NativePlan, native_plan
 from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
@@ -369,6 +369,39 @@ class _ColumnCache:
 _DISTINCT_CHUNK = 1024  # candidates of a chunk from which each distinct row is checked once
 
 
+_FRESH_PLANS = 64  # request shapes whose `_fresh_plan` an index keeps
+
+
+def _fresh_plan(
+    index: ClusterIndex, needs: list[Need], avoid_busy: bool
+) -> tuple[dict[str, np.ndarray], NativePlan | None]:
+    """The index's bound columns by name (`_possible`'s) and the walk's `NativePlan` for these
+    needs (None: C does not take them), built once per request shape and kept while the
+    index's arrays they were made of are its arrays (a node added replaces them)."""
+    index._grow_bounds()
+    key = (tuple(needs), avoid_busy)
+    plans = index.fresh_plans
+    kept = plans.get(key)
+    if kept is not None:
+        arrays, bounds, plan = kept
+        for name, array in arrays:
+            if getattr(index, name) is not array:
+                break
+        else:
+            return bounds, plan
+    bounds = {name: getattr(index, name) for name in _Columns.NAMES}
+    conditions = bound_conditions(needs)
+    busy = index.busy if avoid_busy else None
+    plan = native_plan(index.scores, busy, [(bounds[name], rung, least)
+                                            for name, rung, least in conditions],
+                       index.native_addresses)  # fmt: skip
+    used = {name for name, _rung, _least in conditions} | {"scores", "busy"}
+    if len(plans) >= _FRESH_PLANS:
+        plans.clear()
+    plans[key] = (tuple((name, bounds[name]) for name in sorted(used)), bounds, plan)
+    return bounds, plan
+
+
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
     caller's order), walked from the list's kept policy order (`candidate_order.walk`).
@@ -399,15 +432,11 @@ class _Ordering:
             if index.repeated(slots):
                 index.want_order(slots, node_policy)
             self.snapshot: tuple[np.ndarray, ...] = ()
-            index._grow_bounds()
-            bounds = {name: getattr(index, name) for name in _Columns.NAMES}
+            bounds, plan = _fresh_plan(index, needs, avoid_busy)
             possible = partial(_possible_at, bounds, needs, slots)
             sign = policy_sign(node_policy)
             # (in C where built: one pass over the list for the first candidates)
-            native = native_walk(slots, index.scores, sign, index.busy if avoid_busy else None,
-                                 [(bounds[name], rung, least)
-                                  for name, rung, least in bound_conditions(needs)],
-                                 possible, index.native_addresses)  # fmt: skip
+            native = plan.walk(slots, sign, possible) if plan is not None else None
             if native is not None:
                 self._keys, self.busy = native.keys, native.busy
                 self._pending = native
@@ -542,6 +571,8 @@ class ClusterIndex:
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
         self._resolved: dict[int, int] = {}
         self.native_addresses = Addresses()  # (of the arrays a walk in C reads: native_walk.py)
+        # (what a fresh list's walk is given per request shape: `_fresh_plan`)
+        self.fresh_plans: dict[tuple, tuple] = {}
         # name -> slot of every registered node (what `resolve` looks names up in), kept as
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}

@@ -75,34 +75,96 @@ class Addresses:
         return address
 
 
+class NativePlan:
+    """What a walk in C is given that depends on the request's bounds and the index's arrays
+    only, not on the list: the bound spec (column address, width, minimum per bound) and the
+    arrays' addresses, checked and built once. A decision on a fresh list asks for one (kept
+    by the index per request shape, `index._fresh_plan`), then walks its list with it (`walk`):
+    a few µs of checks and conversions per call less."""
+
+    __slots__ = ("_busy_at", "_kept", "_limit", "_scores_at", "_spec")
+
+    def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray) -> None:
+        self._kept = spec  # (its address is used below)
+        self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
+        self._spec = (address_of(spec), len(spec) // 3)
+
+    def walk(self, slots: np.ndarray, sign: float, possible: Callable[[np.ndarray], np.ndarray],
+             shortest: int = NATIVE_FROM) -> NativeWalk | None:  # fmt: skip
+        """A started `NativeWalk` of `slots` in the order of `sign` × score, or None where C
+        does not walk it (no library, a list shorter than `shortest`, a key it does not
+        take)."""
+        if len(slots) < shortest:
+            return None
+        function = walk_function()
+        if function is None:
+            return None
+        walk = NativeWalk(function, np.ascontiguousarray(slots, dtype=np.int64), self, sign,
+                          possible)  # fmt: skip
+        return walk if walk.start() else None
+
+
+def native_plan(
+    scores: np.ndarray, busy: np.ndarray | None, bounds: list[tuple[np.ndarray, int | None, int]],
+    addresses: Addresses,
+) -> NativePlan | None:
+    """The `NativePlan` of these arrays (`scores` and `busy` flags by slot; `busy` None: not
+    avoiding busy nodes; `bounds`: (column by slot, or its rung's row of a 2-D column, rung or
+    None, minimum) the candidates must reach; `addresses`: the index's `Addresses`), or None
+    where C does not take them (a key or bound column of a kind it does not read, a bound
+    outside int64)."""
+    if scores.dtype != np.float64 or not scores.flags.c_contiguous:
+        return None
+    limit = len(scores)
+    if busy is not None:
+        if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
+            return None
+        limit = min(limit, len(busy))
+    spec: list[int] = []
+    for column, rung, minimum in bounds:
+        if (column.dtype.kind != "i" or not column.flags.c_contiguous
+                or column.ndim != (1 if rung is None else 2)
+                or not _INT64[0] <= minimum <= _INT64[1]):  # fmt: skip
+            return None
+        address = addresses.of(column)
+        if rung is not None:
+            if not 0 <= rung < column.shape[0]:
+                return None
+            address += rung * column.strides[0]
+        limit = min(limit, column.shape[-1])
+        spec += (address, column.itemsize, minimum)
+    return NativePlan(addresses.of(scores), addresses.of(busy) if busy is not None else None,
+                      limit, np.array(spec, dtype=np.int64))  # fmt: skip
+
+
 class NativeWalk:
     """One fresh list's walk (an iterator of what `fresh_walk` yields: the head as a list,
     then arrays of positions). `keys` and `busy` (None: not avoiding busy nodes) by position,
     as read when the walk started, as `fresh_walk` is given them."""
 
-    def __init__(self, function: Callable[..., int], slots: np.ndarray, limit: int,
-                 scores: int, sign: float, busy: int | None, spec: np.ndarray,
-                 possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
-        """`scores`, `busy`: the addresses of the index's arrays by slot (float64, bool);
-        `spec`: (column address, width, minimum) per bound, as `tn_walk_round` reads it."""
+    def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
+                 sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
+        """`slots`: int64, contiguous; `plan`: the index's arrays and the bounds
+        (`native_plan`)."""
         self._function = function
         self._possible = possible  # (numpy's, for the rounds after C's)
         n = len(slots)
+        by_busy = plan._busy_at is not None
         # One block for what C writes: the keys, the positions of its rounds (each round
         # after the last one's: a round given as an array is never written over), the busy
         # count, the busy flags.
         room = _NATIVE_CHECKED + 1
-        block = np.empty(8 * (n + room) + (n if busy is not None else 0), dtype=np.uint8)
+        block = np.empty(8 * (n + room) + (n if by_busy else 0), dtype=np.uint8)
         self.keys = block[: 8 * n].view(np.float64)
         self._out = block[8 * n : 8 * (n + room)].view(np.int64)
-        self.busy = block[8 * (n + room) :].view(np.bool_) if busy is not None else None
+        self.busy = block[8 * (n + room) :].view(np.bool_) if by_busy else None
         base = address_of(block)
         self._keys_at, self._out_at = base, base + 8 * n
-        self._busy_at = base + 8 * (n + room) if busy is not None else None
-        self._kept = (slots, spec)  # (their addresses are used below)
-        self._list = (address_of(slots), n, limit)
-        self._first = (scores, sign, busy)
-        self._spec = (address_of(spec), len(spec) // 3)
+        self._busy_at = base + 8 * (n + room) if by_busy else None
+        self._kept = (slots, plan)  # (their addresses are used below)
+        self._list = (address_of(slots), n, plan._limit)
+        self._first = (plan._scores_at, sign, plan._busy_at)
+        self._spec = plan._spec
         self._sign = sign
         self._rounds: Iterator[list[int] | np.ndarray] | None = None
 
@@ -176,39 +238,10 @@ def native_walk(
     bounds: list[tuple[np.ndarray, int | None, int]], possible: Callable[[np.ndarray], np.ndarray],
     addresses: Addresses, shortest: int = NATIVE_FROM,
 ) -> NativeWalk | None:
-    """A started `NativeWalk` of `slots` (their `scores` and `busy` flags by slot; `busy`
-    None: not avoiding busy nodes; `bounds`: (column by slot, or its rung's row of a 2-D
-    column, rung or None, minimum) the candidates must reach; `possible`: numpy's verdict on
-    the same bounds, for the rounds after C's; `addresses`: the index's `Addresses`), or None
-    where C does not walk it (no library, a list shorter than `shortest`, a bound or key it
-    does not take)."""
+    """A started `NativeWalk` of `slots` (their `scores` and `busy` flags by slot, `bounds`:
+    as `native_plan` takes them; `possible`: numpy's verdict on the same bounds, for the
+    rounds after C's), or None where C does not walk it (`native_plan`, `NativePlan.walk`)."""
     if len(slots) < shortest:
         return None
-    function = walk_function()
-    if function is None:
-        return None
-    if scores.dtype != np.float64 or not scores.flags.c_contiguous:
-        return None
-    limit = len(scores)
-    if busy is not None:
-        if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
-            return None
-        limit = min(limit, len(busy))
-    spec: list[int] = []
-    for column, rung, minimum in bounds:
-        if (column.dtype.kind != "i" or not column.flags.c_contiguous
-                or column.ndim != (1 if rung is None else 2)
-                or not _INT64[0] <= minimum <= _INT64[1]):  # fmt: skip
-            return None
-        address = addresses.of(column)
-        if rung is not None:
-            if not 0 <= rung < column.shape[0]:
-                return None
-            address += rung * column.strides[0]
-        limit = min(limit, column.shape[-1])
-        spec += (address, column.itemsize, minimum)
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    walk = NativeWalk(function, slots, limit, addresses.of(scores), sign,
-                      addresses.of(busy) if busy is not None else None,
-                      np.array(spec, dtype=np.int64), possible)  # fmt: skip
-    return walk if walk.start() else None
+    plan = native_plan(scores, busy, bounds, addresses)
+    return plan.walk(slots, sign, possible, shortest) if plan is not None else None
