@@ -21,6 +21,7 @@ walks in numpy. Both are checked equal in `tests/scheduler/test_native_walk.py`.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -54,6 +55,43 @@ def walk_function() -> Callable[..., int] | None:
     return function
 
 
+class Blocks:
+    """The memory a walk in C writes (its keys, rounds and busy flags: ~180 KB at 20,000
+    candidates), handed out again once no walk reads it. A fresh block each call was given back
+    to the system by the allocator now and then (the heap's top trimmed) and faulted in again
+    page by page: about one fresh-list decision in seven took 44 page faults, ~80 µs more of
+    its CPU (bench/RESULTS.md "walkpy"). A block is reused only when nothing but this keeper
+    refers to it (every view of it, a walk's keys, rounds and flags, holds a reference): a
+    decision still walked (a filter's CAS in flight) keeps its own."""
+
+    KEEP = 2  # blocks kept (a decision in flight and the next one)
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[np.ndarray, int]] = []
+        # references to a kept block that nothing else refers to, as `take` counts them (the
+        # list's, the loop's, the call's: counted here on a probe, not assumed)
+        self._unread = self._references([(np.empty(0, dtype=np.uint8), 0)])
+
+    @staticmethod
+    def _references(kept: list[tuple[np.ndarray, int]]) -> int:
+        for block, _address in kept:
+            return sys.getrefcount(block)
+        return 0
+
+    def take(self, size: int) -> tuple[np.ndarray, int]:
+        """A block of at least `size` bytes no walk reads (its contents undefined), and its
+        address."""
+        for block, address in self._kept:
+            if len(block) >= size and sys.getrefcount(block) == self._unread:
+                return block, address
+        block = np.empty(size, dtype=np.uint8)
+        address = address_of(block)
+        if len(self._kept) >= self.KEEP:
+            self._kept.pop(0)  # (a walk that still reads it holds it)
+        self._kept.append((block, address))
+        return block, address
+
+
 class Addresses:
     """The data address of long-lived arrays (the index's columns), read once per array:
     numpy's `.ctypes.data` costs ~1-2 µs a call, a dozen per walk. Each array is kept with
@@ -63,6 +101,7 @@ class Addresses:
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[np.ndarray, int]] = {}
+        self.blocks = Blocks()  # (the walks' blocks, kept beside the arrays they read)
 
     def of(self, array: np.ndarray) -> int:
         found = self._known.get(id(array))
@@ -82,10 +121,12 @@ class NativePlan:
     by the index per request shape, `index._fresh_plan`), then walks its list with it (`walk`):
     a few µs of checks and conversions per call less."""
 
-    __slots__ = ("_busy_at", "_kept", "_limit", "_scores_at", "_spec")
+    __slots__ = ("_blocks", "_busy_at", "_kept", "_limit", "_scores_at", "_spec")
 
-    def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray) -> None:
+    def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray,
+                 blocks: Blocks) -> None:  # fmt: skip
         self._kept = spec  # (its address is used below)
+        self._blocks = blocks
         self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
         self._spec = (address_of(spec), len(spec) // 3)
 
@@ -134,13 +175,42 @@ def native_plan(
         limit = min(limit, column.shape[-1])
         spec += (address, column.itemsize, minimum)
     return NativePlan(addresses.of(scores), addresses.of(busy) if busy is not None else None,
-                      limit, np.array(spec, dtype=np.int64))  # fmt: skip
+                      limit, np.array(spec, dtype=np.int64), addresses.blocks)  # fmt: skip
 
 
 class NativeWalk:
     """One fresh list's walk (an iterator of what `fresh_walk` yields: the head as a list,
     then arrays of positions). `keys` and `busy` (None: not avoiding busy nodes) by position,
-    as read when the walk started, as `fresh_walk` is given them."""
+    as read when the walk started, as `fresh_walk` is given them.
+
+    Its rounds (`_Rounds`) do not refer back to it: a walk no decision holds any more is freed
+    at once, its block handed out again (`Blocks`), not left to the cyclic collector (a walk
+    and the generator of its rounds referring to each other kept every walk's ~180 KB until
+    the next collection: the next walk's block was fresh memory, faulted in page by page)."""
+
+    def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
+                 sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
+        """`slots`: int64, contiguous; `plan`: the index's arrays and the bounds
+        (`native_plan`)."""
+        self._core = _Rounds(function, slots, plan, sign, possible)
+        self.keys, self.busy = self._core.keys, self._core.busy
+        self._rounds: Iterator[list[int] | np.ndarray] | None = None
+
+    def start(self) -> bool:
+        """The first round (reads every key): False when C does not take this list."""
+        self._rounds = self._core.start()
+        return self._rounds is not None
+
+    def __iter__(self) -> Iterator[list[int] | np.ndarray]:
+        return self
+
+    def __next__(self) -> list[int] | np.ndarray:
+        assert self._rounds is not None, "start() first"
+        return next(self._rounds)
+
+
+class _Rounds:
+    """A walk's calls into C and the generator of its rounds (`NativeWalk`'s)."""
 
     def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
                  sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
@@ -154,11 +224,10 @@ class NativeWalk:
         # after the last one's: a round given as an array is never written over), the busy
         # count, the busy flags.
         room = _NATIVE_CHECKED + 1
-        block = np.empty(8 * (n + room) + (n if by_busy else 0), dtype=np.uint8)
+        block, base = plan._blocks.take(8 * (n + room) + (n if by_busy else 0))
         self.keys = block[: 8 * n].view(np.float64)
         self._out = block[8 * n : 8 * (n + room)].view(np.int64)
-        self.busy = block[8 * (n + room) :].view(np.bool_) if by_busy else None
-        base = address_of(block)
+        self.busy = block[8 * (n + room) : 8 * (n + room) + n].view(np.bool_) if by_busy else None
         self._keys_at, self._out_at = base, base + 8 * n
         self._busy_at = base + 8 * (n + room) if by_busy else None
         self._kept = (slots, plan)  # (their addresses are used below)
@@ -166,24 +235,16 @@ class NativeWalk:
         self._first = (plan._scores_at, sign, plan._busy_at)
         self._spec = plan._spec
         self._sign = sign
-        self._rounds: Iterator[list[int] | np.ndarray] | None = None
 
-    def start(self) -> bool:
-        """The first round (reads every key): False when C does not take this list."""
+    def start(self) -> Iterator[list[int] | np.ndarray] | None:
+        """The first round (reads every key), and the rounds from it; None when C does not
+        take this list."""
         first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
         if first is None:
-            return False
+            return None
         # (none busy: one group; `busy` as C wrote it, every flag False)
         busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
-        self._rounds = self._walk(first, busy)
-        return True
-
-    def __iter__(self) -> Iterator[list[int] | np.ndarray]:
-        return self
-
-    def __next__(self) -> list[int] | np.ndarray:
-        assert self._rounds is not None, "start() first"
-        return next(self._rounds)
+        return self._walk(first, busy)
 
     def _round(self, group: bool | None, after: tuple[float, int] | None, cap: int,
                walked: int, first: bool = False) -> np.ndarray | None:  # fmt: skip
