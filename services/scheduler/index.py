@@ -420,7 +420,9 @@ class _Ordering:
         self.together = together
         self.survivors: list[int] = []
         self.checked = 0  # candidates checked against the per-card summaries so far
-        self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
+        # positions of the survivors (ints and arrays, as checked): a mask only when the pruned
+        # are asked for (`_passed`), not 20,000 flags zeroed per call
+        self._passed: list[int | np.ndarray] = []
         self._head: list[int] = []  # positions of a walked head not checked yet
         self._keys: np.ndarray | None = None  # (a fresh list's: sign × score by position)
         kept = index._column_cache.kept.get(id(slots))
@@ -467,7 +469,7 @@ class _Ordering:
         slot = int(self.slots[position])
         if self.index.row_holds(slot, self.needs, self.together):
             self.survivors.append(slot)
-            self.passed[position] = True
+            self._passed.append(position)
         self.checked += 1
         return True
 
@@ -476,7 +478,7 @@ class _Ordering:
         mask = self.index._mask(chunk, self.needs, self.together)
         if mask.any():
             self.survivors.extend(chunk[mask].tolist())
-            self.passed[positions[mask]] = True
+            self._passed.append(positions[mask])
         self.checked += len(positions)
 
     def pruned(self) -> np.ndarray:
@@ -489,7 +491,14 @@ class _Ordering:
             order = fresh_order(self._keys, busy)
         else:
             order = full_order(self.snapshot, busy)
-        return self.slots[order[~self.passed[order]]]
+        return self.slots[order[~self._passed_mask()[order]]]
+
+    def _passed_mask(self) -> np.ndarray:
+        """By position: whether it is a survivor."""
+        passed = np.zeros(len(self.slots), dtype=bool)
+        for positions in self._passed:
+            passed[positions] = True
+        return passed
 
     def views(self) -> tuple[Ordered, Pruned]:
         return Ordered(self), Pruned(self)
@@ -538,7 +547,7 @@ class Pruned:
         ordering = self._ordering
         while ordering.advance():
             pass
-        return ordering.slots[~ordering.passed]
+        return ordering.slots[~ordering._passed_mask()]
 
     _all = array
 
