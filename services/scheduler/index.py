@@ -43,7 +43,7 @@ from .cards import (
     recharged,
 )
 from .name_table import NameTable
-from .native_walk import Addresses, NativePlan, native_plan
+from .native_walk import Addresses, NativePlan, native_layout
 from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
@@ -369,37 +369,53 @@ class _ColumnCache:
 _DISTINCT_CHUNK = 1024  # candidates of a chunk from which each distinct row is checked once
 
 
-_FRESH_PLANS = 64  # request shapes whose `_fresh_plan` an index keeps
+class _FreshPlans:
+    """What a fresh list's walk is given, kept by the index: per set of bound columns read
+    (`bound_conditions` without its minimums; a handful) the bound columns by name
+    (`_possible`'s) and the arrays' `NativeLayout`, checked and addressed once; per request
+    shape (needs, busy avoided) the bound conditions and the `NativePlan` with its minimums.
+    Either is used only while the index's arrays it was made of are its arrays (a node added
+    replaces them). A varied stream of shapes (every pod its own memory) builds a plan from its
+    layout per call: a list of minimums, not the checks and addresses."""
+
+    SHAPES = 1024  # request shapes kept (then started over)
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple, tuple] = {}
+        self._shapes: dict[tuple, tuple] = {}
+
+    def of(
+        self, index: ClusterIndex, needs: list[Need], avoid_busy: bool
+    ) -> tuple[dict[str, np.ndarray], NativePlan | None]:
+        """(the bound columns by name, the walk's plan or None: C does not take it)."""
+        index._grow_bounds()
+        key = (tuple(needs), avoid_busy)
+        kept = self._shapes.get(key)
+        if kept is not None and _current(index, kept[0]):
+            return kept[1], kept[2]
+        conditions = bound_conditions(needs)
+        read = tuple((name, rung) for name, rung, _least in conditions)
+        layout = self._layouts.get((read, avoid_busy))
+        if layout is None or not _current(index, layout[0]):
+            bounds = {name: getattr(index, name) for name in _Columns.NAMES}
+            busy = index.busy if avoid_busy else None
+            native = native_layout(index.scores, busy,
+                                   [(bounds[name], rung) for name, rung in read],
+                                   index.native_addresses)  # fmt: skip
+            used = {name for name, _rung in read} | {"scores", "busy"}
+            layout = ((tuple((name, bounds[name]) for name in sorted(used))), bounds, native)
+            self._layouts[(read, avoid_busy)] = layout
+        arrays, bounds, native = layout
+        plan = native.plan([least for _name, _rung, least in conditions]) if native else None
+        if len(self._shapes) >= self.SHAPES:
+            self._shapes.clear()
+        self._shapes[key] = (arrays, bounds, plan)
+        return bounds, plan
 
 
-def _fresh_plan(
-    index: ClusterIndex, needs: list[Need], avoid_busy: bool
-) -> tuple[dict[str, np.ndarray], NativePlan | None]:
-    """The index's bound columns by name (`_possible`'s) and the walk's `NativePlan` for these
-    needs (None: C does not take them), built once per request shape and kept while the
-    index's arrays they were made of are its arrays (a node added replaces them)."""
-    index._grow_bounds()
-    key = (tuple(needs), avoid_busy)
-    plans = index.fresh_plans
-    kept = plans.get(key)
-    if kept is not None:
-        arrays, bounds, plan = kept
-        for name, array in arrays:
-            if getattr(index, name) is not array:
-                break
-        else:
-            return bounds, plan
-    bounds = {name: getattr(index, name) for name in _Columns.NAMES}
-    conditions = bound_conditions(needs)
-    busy = index.busy if avoid_busy else None
-    plan = native_plan(index.scores, busy, [(bounds[name], rung, least)
-                                            for name, rung, least in conditions],
-                       index.native_addresses)  # fmt: skip
-    used = {name for name, _rung, _least in conditions} | {"scores", "busy"}
-    if len(plans) >= _FRESH_PLANS:
-        plans.clear()
-    plans[key] = (tuple((name, bounds[name]) for name in sorted(used)), bounds, plan)
-    return bounds, plan
+def _current(index: ClusterIndex, arrays: tuple[tuple[str, np.ndarray], ...]) -> bool:
+    """Whether these (name, array) are still the index's arrays."""
+    return all(getattr(index, name) is array for name, array in arrays)
 
 
 class _Ordering:
@@ -434,7 +450,7 @@ class _Ordering:
             if index.repeated(slots):
                 index.want_order(slots, node_policy)
             self.snapshot: tuple[np.ndarray, ...] = ()
-            bounds, plan = _fresh_plan(index, needs, avoid_busy)
+            bounds, plan = index.fresh_plans.of(index, needs, avoid_busy)
             possible = partial(_possible_at, bounds, needs, slots)
             sign = policy_sign(node_policy)
             # (in C where built: one pass over the list for the first candidates)
@@ -580,8 +596,7 @@ class ClusterIndex:
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
         self._resolved: dict[int, int] = {}
         self.native_addresses = Addresses()  # (of the arrays a walk in C reads: native_walk.py)
-        # (what a fresh list's walk is given per request shape: `_fresh_plan`)
-        self.fresh_plans: dict[tuple, tuple] = {}
+        self.fresh_plans = _FreshPlans()  # (what a fresh list's walk is given, per shape)
         # name -> slot of every registered node (what `resolve` looks names up in), kept as
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}

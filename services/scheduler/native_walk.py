@@ -118,7 +118,7 @@ class NativePlan:
     """What a walk in C is given that depends on the request's bounds and the index's arrays
     only, not on the list: the bound spec (column address, width, minimum per bound) and the
     arrays' addresses, checked and built once. A decision on a fresh list asks for one (kept
-    by the index per request shape, `index._fresh_plan`), then walks its list with it (`walk`):
+    by the index per request shape, `index._FreshPlans`), then walks its list with it (`walk`):
     a few µs of checks and conversions per call less."""
 
     __slots__ = ("_blocks", "_busy_at", "_kept", "_limit", "_scores_at", "_spec")
@@ -145,15 +145,38 @@ class NativePlan:
         return walk if walk.start() else None
 
 
-def native_plan(
-    scores: np.ndarray, busy: np.ndarray | None, bounds: list[tuple[np.ndarray, int | None, int]],
+class NativeLayout:
+    """The arrays a walk in C reads for one set of bound columns (their addresses, widths and
+    the slots they all hold), checked once: a request's `NativePlan` adds its minimums."""
+
+    __slots__ = ("_blocks", "_busy_at", "_columns", "_limit", "_scores_at")
+
+    def __init__(self, scores_at: int, busy_at: int | None, limit: int,
+                 columns: list[tuple[int, int]], blocks: Blocks) -> None:  # fmt: skip
+        self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
+        self._columns = columns  # (address, width) per bound
+        self._blocks = blocks
+
+    def plan(self, minimums: list[int]) -> NativePlan | None:
+        """The plan of these minimums (one per bound, in order), or None for one outside
+        int64."""
+        spec: list[int] = []
+        for (address, width), minimum in zip(self._columns, minimums, strict=True):
+            if not _INT64[0] <= minimum <= _INT64[1]:
+                return None
+            spec += (address, width, minimum)
+        return NativePlan(self._scores_at, self._busy_at, self._limit,
+                          np.array(spec, dtype=np.int64), self._blocks)  # fmt: skip
+
+
+def native_layout(
+    scores: np.ndarray, busy: np.ndarray | None, columns: list[tuple[np.ndarray, int | None]],
     addresses: Addresses,
-) -> NativePlan | None:
-    """The `NativePlan` of these arrays (`scores` and `busy` flags by slot; `busy` None: not
-    avoiding busy nodes; `bounds`: (column by slot, or its rung's row of a 2-D column, rung or
-    None, minimum) the candidates must reach; `addresses`: the index's `Addresses`), or None
-    where C does not take them (a key or bound column of a kind it does not read, a bound
-    outside int64)."""
+) -> NativeLayout | None:
+    """The `NativeLayout` of these arrays (`scores` and `busy` flags by slot; `busy` None: not
+    avoiding busy nodes; `columns`: (column by slot, or its rung's row of a 2-D column, rung
+    or None) per bound; `addresses`: the index's `Addresses`, which keeps them alive), or
+    None where C does not read them (a key or bound column of a kind it does not read)."""
     if scores.dtype != np.float64 or not scores.flags.c_contiguous:
         return None
     limit = len(scores)
@@ -161,11 +184,10 @@ def native_plan(
         if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
             return None
         limit = min(limit, len(busy))
-    spec: list[int] = []
-    for column, rung, minimum in bounds:
+    read: list[tuple[int, int]] = []
+    for column, rung in columns:
         if (column.dtype.kind != "i" or not column.flags.c_contiguous
-                or column.ndim != (1 if rung is None else 2)
-                or not _INT64[0] <= minimum <= _INT64[1]):  # fmt: skip
+                or column.ndim != (1 if rung is None else 2)):  # fmt: skip
             return None
         address = addresses.of(column)
         if rung is not None:
@@ -173,9 +195,20 @@ def native_plan(
                 return None
             address += rung * column.strides[0]
         limit = min(limit, column.shape[-1])
-        spec += (address, column.itemsize, minimum)
-    return NativePlan(addresses.of(scores), addresses.of(busy) if busy is not None else None,
-                      limit, np.array(spec, dtype=np.int64), addresses.blocks)  # fmt: skip
+        read.append((address, column.itemsize))
+    return NativeLayout(addresses.of(scores), addresses.of(busy) if busy is not None else None,
+                        limit, read, addresses.blocks)  # fmt: skip
+
+
+def native_plan(
+    scores: np.ndarray, busy: np.ndarray | None, bounds: list[tuple[np.ndarray, int | None, int]],
+    addresses: Addresses,
+) -> NativePlan | None:
+    """The `NativePlan` of these arrays (`native_layout`'s) and minimums (`bounds`: (column,
+    rung or None, minimum) the candidates must reach), or None where C does not take them."""
+    layout = native_layout(scores, busy, [(column, rung) for column, rung, _ in bounds],
+                           addresses)  # fmt: skip
+    return layout.plan([minimum for _, _, minimum in bounds]) if layout is not None else None
 
 
 class NativeWalk:

@@ -1,6 +1,6 @@
 """A fresh list's walk in C and its memory: the walk is freed the moment no decision holds it
 (no reference cycle waits for the collector), its block is handed to the next walk only when
-no walk reads it, and the walk's plan (`index._fresh_plan`, kept per request shape) follows the
+no walk reads it, and the walk's plan (`index._FreshPlans`, kept per request shape) follows the
 index's arrays when nodes are added. Each ordering is checked against the plain algorithm
 (`test_index_order.reference`)."""
 
