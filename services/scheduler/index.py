@@ -437,7 +437,7 @@ class _Ordering:
         self.survivors: list[int] = []
         self.checked = 0  # candidates checked against the per-card summaries so far
         # positions of the survivors (ints and arrays, as checked): a mask only when the pruned
-        # are asked for (`_passed`), not 20,000 flags zeroed per call
+        # are asked for (`_passed_mask`), not 20,000 flags zeroed per call
         self._passed: list[int | np.ndarray] = []
         self._head: list[int] = []  # positions of a walked head not checked yet
         self._keys: np.ndarray | None = None  # (a fresh list's: sign × score by position)
