@@ -43,7 +43,7 @@ from .cards import (
     recharged,
 )
 from .name_table import NameTable
-from .native_walk import Addresses, native_walk
+from .native_walk import Addresses, NativePlan, native_layout
 from .node_names import NodeNames
 from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
@@ -369,6 +369,55 @@ class _ColumnCache:
 _DISTINCT_CHUNK = 1024  # candidates of a chunk from which each distinct row is checked once
 
 
+class _FreshPlans:
+    """What a fresh list's walk is given, kept by the index: per set of bound columns read
+    (`bound_conditions` without its minimums; a handful) the bound columns by name
+    (`_possible`'s) and the arrays' `NativeLayout`, checked and addressed once; per request
+    shape (needs, busy avoided) the bound conditions and the `NativePlan` with its minimums.
+    Either is used only while the index's arrays it was made of are its arrays (a node added
+    replaces them). A varied stream of shapes (every pod its own memory) builds a plan from its
+    layout per call: a list of minimums, not the checks and addresses."""
+
+    SHAPES = 1024  # request shapes kept (then started over)
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple, tuple] = {}
+        self._shapes: dict[tuple, tuple] = {}
+
+    def of(
+        self, index: ClusterIndex, needs: list[Need], avoid_busy: bool
+    ) -> tuple[dict[str, np.ndarray], NativePlan | None]:
+        """(the bound columns by name, the walk's plan or None: C does not take it)."""
+        index._grow_bounds()
+        key = (tuple(needs), avoid_busy)
+        kept = self._shapes.get(key)
+        if kept is not None and _current(index, kept[0]):
+            return kept[1], kept[2]
+        conditions = bound_conditions(needs)
+        read = tuple((name, rung) for name, rung, _least in conditions)
+        layout = self._layouts.get((read, avoid_busy))
+        if layout is None or not _current(index, layout[0]):
+            bounds = {name: getattr(index, name) for name in _Columns.NAMES}
+            busy = index.busy if avoid_busy else None
+            native = native_layout(index.scores, busy,
+                                   [(bounds[name], rung) for name, rung in read],
+                                   index.native_addresses)  # fmt: skip
+            used = {name for name, _rung in read} | {"scores", "busy"}
+            layout = ((tuple((name, bounds[name]) for name in sorted(used))), bounds, native)
+            self._layouts[(read, avoid_busy)] = layout
+        arrays, bounds, native = layout
+        plan = native.plan([least for _name, _rung, least in conditions]) if native else None
+        if len(self._shapes) >= self.SHAPES:
+            self._shapes.clear()
+        self._shapes[key] = (arrays, bounds, plan)
+        return bounds, plan
+
+
+def _current(index: ClusterIndex, arrays: tuple[tuple[str, np.ndarray], ...]) -> bool:
+    """Whether these (name, array) are still the index's arrays."""
+    return all(getattr(index, name) is array for name, array in arrays)
+
+
 class _Ordering:
     """The candidates in policy order (non-busy first, then the policy's key, ties in the
     caller's order), walked from the list's kept policy order (`candidate_order.walk`).
@@ -387,7 +436,9 @@ class _Ordering:
         self.together = together
         self.survivors: list[int] = []
         self.checked = 0  # candidates checked against the per-card summaries so far
-        self.passed = np.zeros(len(slots), dtype=bool)  # by position: survivors
+        # positions of the survivors (ints and arrays, as checked): a mask only when the pruned
+        # are asked for (`_passed_mask`), not 20,000 flags zeroed per call
+        self._passed: list[int | np.ndarray] = []
         self._head: list[int] = []  # positions of a walked head not checked yet
         self._keys: np.ndarray | None = None  # (a fresh list's: sign × score by position)
         kept = index._column_cache.kept.get(id(slots))
@@ -399,15 +450,11 @@ class _Ordering:
             if index.repeated(slots):
                 index.want_order(slots, node_policy)
             self.snapshot: tuple[np.ndarray, ...] = ()
-            index._grow_bounds()
-            bounds = {name: getattr(index, name) for name in _Columns.NAMES}
+            bounds, plan = index.fresh_plans.of(index, needs, avoid_busy)
             possible = partial(_possible_at, bounds, needs, slots)
             sign = policy_sign(node_policy)
             # (in C where built: one pass over the list for the first candidates)
-            native = native_walk(slots, index.scores, sign, index.busy if avoid_busy else None,
-                                 [(bounds[name], rung, least)
-                                  for name, rung, least in bound_conditions(needs)],
-                                 possible, index.native_addresses)  # fmt: skip
+            native = plan.walk(slots, sign, possible) if plan is not None else None
             if native is not None:
                 self._keys, self.busy = native.keys, native.busy
                 self._pending = native
@@ -438,7 +485,7 @@ class _Ordering:
         slot = int(self.slots[position])
         if self.index.row_holds(slot, self.needs, self.together):
             self.survivors.append(slot)
-            self.passed[position] = True
+            self._passed.append(position)
         self.checked += 1
         return True
 
@@ -447,7 +494,7 @@ class _Ordering:
         mask = self.index._mask(chunk, self.needs, self.together)
         if mask.any():
             self.survivors.extend(chunk[mask].tolist())
-            self.passed[positions[mask]] = True
+            self._passed.append(positions[mask])
         self.checked += len(positions)
 
     def pruned(self) -> np.ndarray:
@@ -460,7 +507,14 @@ class _Ordering:
             order = fresh_order(self._keys, busy)
         else:
             order = full_order(self.snapshot, busy)
-        return self.slots[order[~self.passed[order]]]
+        return self.slots[order[~self._passed_mask()[order]]]
+
+    def _passed_mask(self) -> np.ndarray:
+        """By position: whether it is a survivor."""
+        passed = np.zeros(len(self.slots), dtype=bool)
+        for positions in self._passed:
+            passed[positions] = True
+        return passed
 
     def views(self) -> tuple[Ordered, Pruned]:
         return Ordered(self), Pruned(self)
@@ -509,7 +563,7 @@ class Pruned:
         ordering = self._ordering
         while ordering.advance():
             pass
-        return ordering.slots[~ordering.passed]
+        return ordering.slots[~ordering._passed_mask()]
 
     _all = array
 
@@ -542,6 +596,7 @@ class ClusterIndex:
         # id of a cached candidate array -> how many calls resolved to it (`repeated`)
         self._resolved: dict[int, int] = {}
         self.native_addresses = Addresses()  # (of the arrays a walk in C reads: native_walk.py)
+        self.fresh_plans = _FreshPlans()  # (what a fresh list's walk is given, per shape)
         # name -> slot of every registered node (what `resolve` looks names up in), kept as
         # nodes register, go and are forgotten (never rebuilt per call)
         self.slot_of: dict[str, int] = {}

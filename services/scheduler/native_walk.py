@@ -21,6 +21,7 @@ walks in numpy. Both are checked equal in `tests/scheduler/test_native_walk.py`.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -54,6 +55,43 @@ def walk_function() -> Callable[..., int] | None:
     return function
 
 
+class Blocks:
+    """The memory a walk in C writes (its keys, rounds and busy flags: ~180 KB at 20,000
+    candidates), handed out again once no walk reads it. A fresh block each call was given back
+    to the system by the allocator now and then (the heap's top trimmed) and faulted in again
+    page by page: about one fresh-list decision in seven took 44 page faults, ~80 µs more of
+    its CPU (bench/RESULTS.md "walkpy"). A block is reused only when nothing but this keeper
+    refers to it (every view of it, a walk's keys, rounds and flags, holds a reference): a
+    decision still walked (a filter's CAS in flight) keeps its own."""
+
+    KEEP = 2  # blocks kept (a decision in flight and the next one)
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[np.ndarray, int]] = []
+        # references to a kept block that nothing else refers to, as `take` counts them (the
+        # list's, the loop's, the call's: counted here on a probe, not assumed)
+        self._unread = self._references([(np.empty(0, dtype=np.uint8), 0)])
+
+    @staticmethod
+    def _references(kept: list[tuple[np.ndarray, int]]) -> int:
+        for block, _address in kept:
+            return sys.getrefcount(block)
+        return 0
+
+    def take(self, size: int) -> tuple[np.ndarray, int]:
+        """A block of at least `size` bytes no walk reads (its contents undefined), and its
+        address."""
+        for block, address in self._kept:
+            if len(block) >= size and sys.getrefcount(block) == self._unread:
+                return block, address
+        block = np.empty(size, dtype=np.uint8)
+        address = address_of(block)
+        if len(self._kept) >= self.KEEP:
+            self._kept.pop(0)  # (a walk that still reads it holds it)
+        self._kept.append((block, address))
+        return block, address
+
+
 class Addresses:
     """The data address of long-lived arrays (the index's columns), read once per array:
     numpy's `.ctypes.data` costs ~1-2 µs a call, a dozen per walk. Each array is kept with
@@ -63,6 +101,7 @@ class Addresses:
 
     def __init__(self) -> None:
         self._known: dict[int, tuple[np.ndarray, int]] = {}
+        self.blocks = Blocks()  # (the walks' blocks, kept beside the arrays they read)
 
     def of(self, array: np.ndarray) -> int:
         found = self._known.get(id(array))
@@ -75,46 +114,125 @@ class Addresses:
         return address
 
 
+class NativePlan:
+    """What a walk in C is given that depends on the request's bounds and the index's arrays
+    only, not on the list: the bound spec (column address, width, minimum per bound) and the
+    arrays' addresses, checked and built once. A decision on a fresh list asks for one (kept
+    by the index per request shape, `index._FreshPlans`), then walks its list with it (`walk`):
+    a few µs of checks and conversions per call less."""
+
+    __slots__ = ("_blocks", "_busy_at", "_kept", "_limit", "_scores_at", "_spec")
+
+    def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray,
+                 blocks: Blocks) -> None:  # fmt: skip
+        self._kept = spec  # (its address is used below)
+        self._blocks = blocks
+        self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
+        self._spec = (address_of(spec), len(spec) // 3)
+
+    def walk(self, slots: np.ndarray, sign: float, possible: Callable[[np.ndarray], np.ndarray],
+             shortest: int = NATIVE_FROM) -> NativeWalk | None:  # fmt: skip
+        """A started `NativeWalk` of `slots` in the order of `sign` × score, or None where C
+        does not walk it (no library, a list shorter than `shortest`, a key it does not
+        take)."""
+        if len(slots) < shortest:
+            return None
+        function = walk_function()
+        if function is None:
+            return None
+        walk = NativeWalk(function, np.ascontiguousarray(slots, dtype=np.int64), self, sign,
+                          possible)  # fmt: skip
+        return walk if walk.start() else None
+
+
+class NativeLayout:
+    """The arrays a walk in C reads for one set of bound columns (their addresses, widths and
+    the slots they all hold), checked once: a request's `NativePlan` adds its minimums."""
+
+    __slots__ = ("_blocks", "_busy_at", "_columns", "_limit", "_scores_at")
+
+    def __init__(self, scores_at: int, busy_at: int | None, limit: int,
+                 columns: list[tuple[int, int]], blocks: Blocks) -> None:  # fmt: skip
+        self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
+        self._columns = columns  # (address, width) per bound
+        self._blocks = blocks
+
+    def plan(self, minimums: list[int]) -> NativePlan | None:
+        """The plan of these minimums (one per bound, in order), or None for one outside
+        int64."""
+        spec: list[int] = []
+        for (address, width), minimum in zip(self._columns, minimums, strict=True):
+            if not _INT64[0] <= minimum <= _INT64[1]:
+                return None
+            spec += (address, width, minimum)
+        return NativePlan(self._scores_at, self._busy_at, self._limit,
+                          np.array(spec, dtype=np.int64), self._blocks)  # fmt: skip
+
+
+def native_layout(
+    scores: np.ndarray, busy: np.ndarray | None, columns: list[tuple[np.ndarray, int | None]],
+    addresses: Addresses,
+) -> NativeLayout | None:
+    """The `NativeLayout` of these arrays (`scores` and `busy` flags by slot; `busy` None: not
+    avoiding busy nodes; `columns`: (column by slot, or its rung's row of a 2-D column, rung
+    or None) per bound; `addresses`: the index's `Addresses`, which keeps them alive), or
+    None where C does not read them (a key or bound column of a kind it does not read)."""
+    if scores.dtype != np.float64 or not scores.flags.c_contiguous:
+        return None
+    limit = len(scores)
+    if busy is not None:
+        if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
+            return None
+        limit = min(limit, len(busy))
+    read: list[tuple[int, int]] = []
+    for column, rung in columns:
+        if (column.dtype.kind != "i" or not column.flags.c_contiguous
+                or column.ndim != (1 if rung is None else 2)):  # fmt: skip
+            return None
+        address = addresses.of(column)
+        if rung is not None:
+            if not 0 <= rung < column.shape[0]:
+                return None
+            address += rung * column.strides[0]
+        limit = min(limit, column.shape[-1])
+        read.append((address, column.itemsize))
+    return NativeLayout(addresses.of(scores), addresses.of(busy) if busy is not None else None,
+                        limit, read, addresses.blocks)  # fmt: skip
+
+
+def native_plan(
+    scores: np.ndarray, busy: np.ndarray | None, bounds: list[tuple[np.ndarray, int | None, int]],
+    addresses: Addresses,
+) -> NativePlan | None:
+    """The `NativePlan` of these arrays (`native_layout`'s) and minimums (`bounds`: (column,
+    rung or None, minimum) the candidates must reach), or None where C does not take them."""
+    layout = native_layout(scores, busy, [(column, rung) for column, rung, _ in bounds],
+                           addresses)  # fmt: skip
+    return layout.plan([minimum for _, _, minimum in bounds]) if layout is not None else None
+
+
 class NativeWalk:
     """One fresh list's walk (an iterator of what `fresh_walk` yields: the head as a list,
     then arrays of positions). `keys` and `busy` (None: not avoiding busy nodes) by position,
-    as read when the walk started, as `fresh_walk` is given them."""
+    as read when the walk started, as `fresh_walk` is given them.
 
-    def __init__(self, function: Callable[..., int], slots: np.ndarray, limit: int,
-                 scores: int, sign: float, busy: int | None, spec: np.ndarray,
-                 possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
-        """`scores`, `busy`: the addresses of the index's arrays by slot (float64, bool);
-        `spec`: (column address, width, minimum) per bound, as `tn_walk_round` reads it."""
-        self._function = function
-        self._possible = possible  # (numpy's, for the rounds after C's)
-        n = len(slots)
-        # One block for what C writes: the keys, the positions of its rounds (each round
-        # after the last one's: a round given as an array is never written over), the busy
-        # count, the busy flags.
-        room = _NATIVE_CHECKED + 1
-        block = np.empty(8 * (n + room) + (n if busy is not None else 0), dtype=np.uint8)
-        self.keys = block[: 8 * n].view(np.float64)
-        self._out = block[8 * n : 8 * (n + room)].view(np.int64)
-        self.busy = block[8 * (n + room) :].view(np.bool_) if busy is not None else None
-        base = address_of(block)
-        self._keys_at, self._out_at = base, base + 8 * n
-        self._busy_at = base + 8 * (n + room) if busy is not None else None
-        self._kept = (slots, spec)  # (their addresses are used below)
-        self._list = (address_of(slots), n, limit)
-        self._first = (scores, sign, busy)
-        self._spec = (address_of(spec), len(spec) // 3)
-        self._sign = sign
+    Its rounds (`_Rounds`) do not refer back to it: a walk no decision holds any more is freed
+    at once, its block handed out again (`Blocks`), not left to the cyclic collector (a walk
+    and the generator of its rounds referring to each other kept every walk's ~180 KB until
+    the next collection: the next walk's block was fresh memory, faulted in page by page)."""
+
+    def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
+                 sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
+        """`slots`: int64, contiguous; `plan`: the index's arrays and the bounds
+        (`native_plan`)."""
+        self._core = _Rounds(function, slots, plan, sign, possible)
+        self.keys, self.busy = self._core.keys, self._core.busy
         self._rounds: Iterator[list[int] | np.ndarray] | None = None
 
     def start(self) -> bool:
         """The first round (reads every key): False when C does not take this list."""
-        first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
-        if first is None:
-            return False
-        # (none busy: one group; `busy` as C wrote it, every flag False)
-        busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
-        self._rounds = self._walk(first, busy)
-        return True
+        self._rounds = self._core.start()
+        return self._rounds is not None
 
     def __iter__(self) -> Iterator[list[int] | np.ndarray]:
         return self
@@ -122,6 +240,44 @@ class NativeWalk:
     def __next__(self) -> list[int] | np.ndarray:
         assert self._rounds is not None, "start() first"
         return next(self._rounds)
+
+
+class _Rounds:
+    """A walk's calls into C and the generator of its rounds (`NativeWalk`'s)."""
+
+    def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
+                 sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
+        """`slots`: int64, contiguous; `plan`: the index's arrays and the bounds
+        (`native_plan`)."""
+        self._function = function
+        self._possible = possible  # (numpy's, for the rounds after C's)
+        n = len(slots)
+        by_busy = plan._busy_at is not None
+        # One block for what C writes: the keys, the positions of its rounds (each round
+        # after the last one's: a round given as an array is never written over), the busy
+        # count, the busy flags.
+        room = _NATIVE_CHECKED + 1
+        block, base = plan._blocks.take(8 * (n + room) + (n if by_busy else 0))
+        self.keys = block[: 8 * n].view(np.float64)
+        self._out = block[8 * n : 8 * (n + room)].view(np.int64)
+        self.busy = block[8 * (n + room) : 8 * (n + room) + n].view(np.bool_) if by_busy else None
+        self._keys_at, self._out_at = base, base + 8 * n
+        self._busy_at = base + 8 * (n + room) if by_busy else None
+        self._kept = (slots, plan)  # (their addresses are used below)
+        self._list = (address_of(slots), n, plan._limit)
+        self._first = (plan._scores_at, sign, plan._busy_at)
+        self._spec = plan._spec
+        self._sign = sign
+
+    def start(self) -> Iterator[list[int] | np.ndarray] | None:
+        """The first round (reads every key), and the rounds from it; None when C does not
+        take this list."""
+        first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
+        if first is None:
+            return None
+        # (none busy: one group; `busy` as C wrote it, every flag False)
+        busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
+        return self._walk(first, busy)
 
     def _round(self, group: bool | None, after: tuple[float, int] | None, cap: int,
                walked: int, first: bool = False) -> np.ndarray | None:  # fmt: skip
@@ -176,39 +332,10 @@ def native_walk(
     bounds: list[tuple[np.ndarray, int | None, int]], possible: Callable[[np.ndarray], np.ndarray],
     addresses: Addresses, shortest: int = NATIVE_FROM,
 ) -> NativeWalk | None:
-    """A started `NativeWalk` of `slots` (their `scores` and `busy` flags by slot; `busy`
-    None: not avoiding busy nodes; `bounds`: (column by slot, or its rung's row of a 2-D
-    column, rung or None, minimum) the candidates must reach; `possible`: numpy's verdict on
-    the same bounds, for the rounds after C's; `addresses`: the index's `Addresses`), or None
-    where C does not walk it (no library, a list shorter than `shortest`, a bound or key it
-    does not take)."""
+    """A started `NativeWalk` of `slots` (their `scores` and `busy` flags by slot, `bounds`:
+    as `native_plan` takes them; `possible`: numpy's verdict on the same bounds, for the
+    rounds after C's), or None where C does not walk it (`native_plan`, `NativePlan.walk`)."""
     if len(slots) < shortest:
         return None
-    function = walk_function()
-    if function is None:
-        return None
-    if scores.dtype != np.float64 or not scores.flags.c_contiguous:
-        return None
-    limit = len(scores)
-    if busy is not None:
-        if busy.dtype != np.bool_ or not busy.flags.c_contiguous:
-            return None
-        limit = min(limit, len(busy))
-    spec: list[int] = []
-    for column, rung, minimum in bounds:
-        if (column.dtype.kind != "i" or not column.flags.c_contiguous
-                or column.ndim != (1 if rung is None else 2)
-                or not _INT64[0] <= minimum <= _INT64[1]):  # fmt: skip
-            return None
-        address = addresses.of(column)
-        if rung is not None:
-            if not 0 <= rung < column.shape[0]:
-                return None
-            address += rung * column.strides[0]
-        limit = min(limit, column.shape[-1])
-        spec += (address, column.itemsize, minimum)
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    walk = NativeWalk(function, slots, limit, addresses.of(scores), sign,
-                      addresses.of(busy) if busy is not None else None,
-                      np.array(spec, dtype=np.int64), possible)  # fmt: skip
-    return walk if walk.start() else None
+    plan = native_plan(scores, busy, bounds, addresses)
+    return plan.walk(slots, sign, possible, shortest) if plan is not None else None

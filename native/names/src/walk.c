@@ -14,7 +14,9 @@
 
 #include <stdlib.h>
 
+#ifndef TN_AHEAD
 #define TN_AHEAD 16 /* positions ahead whose key is prefetched in the first round */
+#endif
 
 typedef struct {
 	double key;
