@@ -339,7 +339,11 @@ static inline uint16_t tn_pair(const unsigned char *p)
 	return v;
 }
 
-#define TN_COMMA_QUOTE ((uint16_t)(',' | '"' << 8)) /* (little-endian) */
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define TN_COMMA_QUOTE ((uint16_t)(',' << 8 | '"'))
+#else
+#define TN_COMMA_QUOTE ((uint16_t)(',' | '"' << 8))
+#endif
 
 /* tn_resolve (`prefix` 0) and tn_resolve_prefix (`prefix` 1: the array ends at the first `]`
  * after a name's closing quote; its length to `*length`). */
