@@ -411,11 +411,48 @@ class NameOrder:
         """Whether the compact array `body[start:end]` (one the native resolver proved compact)
         starts as a few runs of the order (`runs` of its names in its first ~4 KB): whether
         lists are runs again, to look at the next ones first (`looked`). Only that decision
-        rests on it: a list is read as runs only by `run` / `runs` over all its bytes."""
-        cut = body.rfind(b'","', start, min(end, start + _HEAD_BYTES))
-        head = body[start:end] if end - start <= _HEAD_BYTES or cut < 0 else (
-            body[start : cut + 1] + b"]")  # fmt: skip
+        rests on it: a list is read as runs only by `run` / `runs` over all its bytes.
+
+        A head whose first three names are three runs of one name each, ending before a
+        quarter of it (kube-scheduler's parallel order: every list), is answered from those
+        three names alone, as `runs` answers it (its third run's rate check; the
+        `_three_single_runs` test), without a copy of the head or a look at its runs: 7 lists
+        in 8 of that order rest (`resting`), and the eighth paid ~5 us warm, ~20 cold here."""
+        whole = end - start <= _HEAD_BYTES
+        cut = -1 if whole else body.rfind(b'","', start, start + _HEAD_BYTES)
+        close = end - 1 - start if whole or cut < 0 else cut + 1 - start  # the head's `]`
+        if self._three_single_runs(body, start, close):
+            return False
+        head = body[start:end] if whole or cut < 0 else body[start : cut + 1] + b"]"
         return self.runs(head) is not None
+
+    def _three_single_runs(self, body: bytes, start: int, close: int) -> bool:
+        """Whether `runs` gives None for the head (`body[start:]` with its `]` at `close`, a
+        compact array proven by the native resolver) at its third run: its first three names
+        registered, none the order's next after the one before it (three runs of one name;
+        `runs` compares each name with the order's next, and in a compact array of plain
+        names bytes equal a name's exactly when it is that name), a `,` after the third (not
+        the `]`), and the rate check `runs` makes there (three runs ending before about a
+        quarter of the array). False whenever that is not shown: `runs` then decides."""
+        position, count = self.position, self.count
+        last = -1  # the last name's position in the order
+        off = start + 1  # a name's opening quote
+        for _ in range(3):
+            quote = body.find(b'"', off + 1, start + close)
+            found = position.get(body[off + 1 : quote]) if quote > 0 else None
+            if found is None or (last >= 0 and found == (last + 1) % count):
+                return False
+            last = found
+            off = quote + 2  # (past the `,`)
+        third_end = off - 1 - start  # just past the third name's closing quote, in the head
+        if third_end >= close or body[off - 1] != 0x2C:
+            return False  # (the head's `]` after the third name, or not compact)
+        # the fourth name (in the head: a `,` precedes it) must not continue the third's run
+        # (unregistered: `runs` gives None at the latest when it looks it up)
+        quote = body.find(b'"', off + 1, start + close)
+        if quote < 0 or position.get(body[off + 1 : quote], -1) == (last + 1) % count:
+            return False
+        return 2 * 3 * close > 3 * third_end * (8 + close // 16384)  # (`runs`' rate check)
 
     def run(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, slots) of the names of a JSON array (`[` to `]`) that is a run of the order,

@@ -296,7 +296,7 @@ class NodeNamesCache:
         if end - start < _MIN_BYTES or len(known) > self.max_names:
             return None
         if self._rotation_looks():
-            rotated = self._rotated(body[start:end])  # (remembered when found)
+            rotated = self._rotated(body, start, end)  # (remembered when found; in place)
             if rotated is not None:
                 self._not_rotated = 0
                 return rotated, end
@@ -329,7 +329,7 @@ class NodeNamesCache:
             self._not_rotated = 0
         return found
 
-    def _rotated(self, array: bytes) -> NodeNames | None:
+    def _rotated(self, data: bytes, start: int = 0, end: int | None = None) -> NodeNames | None:
         """The list when its array is a rotation of a remembered one (kube-scheduler with every
         node feasible and scored walks its node list from a start index that advances every
         cycle: the same names, another first one), read with a few memchr/memcmp passes and an
@@ -339,32 +339,36 @@ class NodeNamesCache:
         no backslash, so every `"` bounds a name) with no `]` before its end. The new array's
         first name is found in it as `,"name",` (or `,"name"]`: the last), which can only be a
         whole name there; the new array must then be byte for byte the remembered one's names
-        from there to the end, a comma, and those before it."""
-        first_end = array.find(b'"', 2)
-        if len(array) < 4 or array[1] != 0x22 or first_end < 0:
+        from there to the end, a comma, and those before it.
+
+        The new array is `data[start:end]` (a body's, compared where it lies: no copy)."""
+        stop = len(data) if end is None else end
+        length = stop - start
+        first_end = data.find(b'"', start + 2, stop)
+        if length < 4 or data[start + 1] != 0x22 or first_end < 0:
             return None
-        name = array[1 : first_end + 1]  # `"name"`
-        for buffer, at, end, names in self._recent:
-            size = end - at  # (the remembered array: `buffer[at:end]`)
-            if size != len(array) or not names.compact:
+        name = data[start + 1 : first_end + 1]  # `"name"`
+        for buffer, at, until, names in self._recent:
+            size = until - at  # (the remembered array: `buffer[at:until]`)
+            if size != length or not names.compact:
                 continue
             # (only the latest such array: each look costs a search through it, and a list
             # in another order every call, kube-scheduler's parallel filters', matches none)
-            comma = buffer.find(b"," + name + b",", at, end) - at
+            comma = buffer.find(b"," + name + b",", at, until) - at
             if comma < 0:
                 comma = size - len(name) - 2
-                if comma < 0 or not buffer.endswith(b"," + name + b"]", at, end):
+                if comma < 0 or not buffer.endswith(b"," + name + b"]", at, until):
                     return None
             tail = size - 1 - (comma + 1)  # bytes of the names from `name` on
-            view = memoryview(buffer)[at:end]  # (compared in place, not copied)
-            if not (array.startswith(view[comma + 1 : -1], 1)
-                    and array[1 + tail] == 0x2C
-                    and array.startswith(view[1:comma], 2 + tail)):  # fmt: skip
+            view = memoryview(buffer)[at:until]  # (compared in place, not copied)
+            if not (data.startswith(view[comma + 1 : -1], start + 1)
+                    and data[start + 1 + tail] == 0x2C
+                    and data.startswith(view[1:comma], start + 2 + tail)):  # fmt: skip
                 return None
             shift = buffer.count(b'","', at, at + comma + 2)  # names before `name`
             rotated = names.rotated(shift)
             rotated.token = next(_tokens)
-            self._recent.insert(0, (array, 0, len(array), rotated))
+            self._recent.insert(0, (data, start, stop, rotated))
             del self._recent[self.remembered :]
             return rotated
         return None

@@ -173,3 +173,50 @@ def test_lists_in_a_new_order_each_time_rest_the_run_looks_and_runs_are_found_ag
             break
     assert looked[-1] and not looked[0]  # (rested first, found again within RUN_TRIES lists)
     assert not order.resting()
+
+
+def test_a_head_of_three_single_runs_is_answered_as_its_runs_would_answer_it() -> None:
+    """`NameOrder.starts_with_runs` answers a head whose first three names are three runs of
+    one name from those names alone: the answer is `runs`' on the head, whatever the list
+    (kube-scheduler's parallel order, runs with gaps near the front, the order's wrap, a name
+    twice, names too long for the rate check, unknown names)."""
+    from tessera.scheduler.name_table import _HEAD_BYTES
+
+    long_names = sorted(f"{'x' * 300}-{i:04d}" for i in range(400))
+    shortcut = 0
+    for known in (NAMES, MIXED, long_names):
+        table = NameTable(known, list(range(len(known))))
+        order = table.order
+        assert order is not None
+        rng = random.Random(len(known))
+        n = len(known)
+        lists = []
+        for _ in range(60):
+            chunk = rng.randrange(1, 60)
+            starts = rng.sample(range(0, n, chunk), min(16, len(range(0, n, chunk))))
+            runs = [[known[(s + i) % n] for i in range(chunk)] for s in starts]
+            lists.append([run[i] for i in range(chunk) for run in runs])  # (interleaved)
+            s = rng.randrange(n)
+            ordered = known[s:] + known[:s]
+            lists.append(ordered)
+            gaps = sorted(rng.sample(range(40), rng.randrange(1, 6)))
+            lists.append([name for i, name in enumerate(ordered) if i not in gaps])
+            front = rng.sample(known, 3)
+            lists.append(front + ordered[: rng.randrange(1, 400)])
+            lists.append([*front[:2], front[1], *ordered[:300]])  # (a name twice)
+            lists.append(known[-2:] + known[:300])  # (the order's wrap)
+            lists.append([*front, "unregistered", *ordered[:300]])
+        for listed in lists:
+            array = compact(listed)
+            body = b'{"pod":{},"nodenames":' + array + b"}"
+            start = body.index(b"[")
+            end = start + len(array)
+            cut = body.rfind(b'","', start, min(end, start + _HEAD_BYTES))
+            whole = end - start <= _HEAD_BYTES or cut < 0
+            head = body[start:end] if whole else body[start : cut + 1] + b"]"
+            expected = order.runs(head) is not None
+            if order._three_single_runs(body, start, len(head) - 1):
+                shortcut += 1
+                assert not expected, listed[:4]
+            assert order.starts_with_runs(body, start, end) == expected, listed[:4]
+    assert shortcut > 100  # (the parallel order's lists, among others, take the shortcut)

@@ -239,3 +239,41 @@ def test_the_library_is_looked_for_where_the_environment_says(
     assert native_names.library_path() == tmp_path / "lib.so"
     monkeypatch.delenv(native_names.LIBRARY_ENV)
     assert native_names.library_path() == NAMES_DIR / "build" / "libtessera_names.so"
+
+
+@pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
+def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[str]) -> None:
+    """`tn_resolve` writes the rows and the slots only where asked (each may be NULL: its
+    loop is built once per combination): each alone is what both give, and asking for neither
+    counts the same names or refuses the same arrays; so does `tn_resolve_in` in a body."""
+    table = table_of(names)
+    native = table.native
+    assert native is not None
+    rng = random.Random(12)
+    arrays = [compact(listed) for listed in lists_of(names, rng)]
+    damage = [b'"', b",", b"]", b"\\", b"\x00", b" ", b"0"]
+    arrays += [damaged(array, rng, damage) for array in arrays for _ in range(3)]
+    for array in arrays:
+        both = native.resolve(array)
+        capacity = len(array) // 4 + 1
+        rows = np.full(capacity, -1, dtype=np.int64)
+        slots = np.full(capacity, -1, dtype=np.int64)
+        resolve = native._resolve
+        counts = [
+            resolve(native._handle, array, len(array), rows.ctypes.data, None, capacity),
+            resolve(native._handle, array, len(array), None, slots.ctypes.data, capacity),
+            resolve(native._handle, array, len(array), None, None, capacity),
+        ]
+        if both is None:
+            assert counts == [-1, -1, -1], array[:80]
+            continue
+        assert counts == [len(both[0])] * 3
+        assert rows[: counts[0]].tolist() == both[0].tolist()
+        assert slots[: counts[1]].tolist() == both[1].tolist()
+        body = b'{"nodenames":' + array + b"}"
+        end = np.zeros(1, dtype=np.uint64)
+        rows[:] = -1
+        assert native._resolve_in(native._handle, body, len(body), 13, rows.ctypes.data, None,
+                                  capacity, end.ctypes.data) == counts[0]  # fmt: skip
+        assert rows[: counts[0]].tolist() == both[0].tolist()
+        assert int(end[0]) == len(body) - 1

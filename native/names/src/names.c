@@ -41,13 +41,16 @@ struct tn_table {
 	tn_entry *entries;
 	uint64_t mask; /* buckets - 1 (a power of two at least twice the names) */
 	uint64_t seed;
-	unsigned char *blob; /* every name's bytes, back to back, in the order */
+	unsigned char *blob; /* every name's bytes, back to back, in the order (`TN_PAD` zero
+			      * bytes before and after them: any name's first and last 8 bytes
+			      * can be loaded as words) */
 	tn_name *at;         /* by position */
 	uint32_t count;
 	uint32_t longest;
 	int plain; /* no name holds a `"`, a backslash or a control character */
 };
 
+#define TN_PAD 8
 #define TN_MUL 0x9E3779B97F4A7C15ULL
 #define TN_FIN 0xD6E8FEB86659FD93ULL
 
@@ -102,6 +105,12 @@ static inline uint16_t tn_key(const unsigned char *p, uint64_t n)
 	return (uint16_t)(((w ^ n) * TN_MUL) >> (64 - TN_CURSOR_BITS));
 }
 
+/* tn_key of a name of 8 to 16 bytes whose last 8 bytes are `tail`. */
+static inline uint16_t tn_key_of_tail(uint64_t tail, uint64_t n)
+{
+	return (uint16_t)(((tail ^ n) * TN_MUL) >> (64 - TN_CURSOR_BITS));
+}
+
 /* Whether any byte of the n at p is a backslash or a control character (one pass the compiler
  * vectorises). */
 static int tn_any_escape(const unsigned char *p, uint64_t n)
@@ -117,7 +126,8 @@ void tn_free(tn_table *t)
 	if (t == NULL)
 		return;
 	free(t->entries);
-	free(t->blob);
+	if (t->blob != NULL)
+		free(t->blob - TN_PAD);
 	free(t->at);
 	free(t);
 }
@@ -144,7 +154,8 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 	uint64_t *start = malloc((count ? count : 1) * sizeof *start); /* by row, in `names` */
 	uint8_t *placed = calloc(count ? count : 1, 1);
 	t->entries = calloc(buckets, sizeof *t->entries);
-	t->blob = malloc(total ? total : 1);
+	unsigned char *bytes = calloc(total + 2 * TN_PAD, 1);
+	t->blob = bytes != NULL ? bytes + TN_PAD : NULL;
 	t->at = malloc((count ? count : 1) * sizeof *t->at);
 	if (start == NULL || placed == NULL || t->entries == NULL || t->blob == NULL
 	    || t->at == NULL)
@@ -266,7 +277,6 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
 	}
 }
 
-#define TN_NO_CURSOR UINT32_MAX
 #define TN_AHEAD 8 /* records: two cache lines */
 #define TN_RECENT 32 /* positions read last, for learning a list's stride */
 #define TN_LEARN 512 /* names of a list among which a stride is learnt */
@@ -278,14 +288,15 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
  * 16 bytes is compared with `head` and `tail` alone (its first and last 8 bytes: together
  * every byte of it), so a name a cursor expects costs no load of its record or its bytes in
  * the order (two dependent cache misses in a cold table); others are compared with the
- * order's bytes. 32 bytes. */
+ * order's bytes. 32 bytes; `head` and `tail` are loaded whatever the name's length (the
+ * blob's pads) and compared only when it is 8 to 16 bytes long. */
 typedef struct {
 	uint64_t head;     /* the name's first 8 bytes (8 to 16 bytes long) */
 	uint64_t tail;     /* its last 8 bytes */
-	uint32_t position; /* in the order; TN_NO_CURSOR: none expected here */
+	uint32_t position; /* in the order */
 	int32_t row;
 	int32_t slot;
-	uint16_t length;
+	uint16_t length;   /* 0: none expected here (no name is empty) */
 	uint16_t next_key; /* the key of the name after it in the order: where the cursor set once
 			    * it is read goes, known without a load that waits on its record */
 } tn_cursor;
@@ -300,11 +311,9 @@ static inline void tn_aim(const tn_table *t, tn_cursor *cursor, uint64_t positio
 	c->slot = r->slot;
 	c->length = r->length;
 	c->next_key = r->next_key;
-	if (r->length >= 8 && r->length <= 16) {
-		const unsigned char *name = t->blob + r->offset;
-		c->head = tn_word(name);
-		c->tail = tn_word(name + r->length - 8);
-	}
+	const unsigned char *name = t->blob + r->offset;
+	c->head = tn_word(name);
+	c->tail = tn_word(name + r->length - 8);
 }
 
 /* Whether the cursor expects the name of `len` bytes at s (`w0`, `w1`: its first and last 8
@@ -312,18 +321,35 @@ static inline void tn_aim(const tn_table *t, tn_cursor *cursor, uint64_t positio
 static inline int tn_expects(const tn_table *t, const tn_cursor *c, const unsigned char *s,
 			     uint64_t len, uint64_t w0, uint64_t w1)
 {
-	if (c->position == TN_NO_CURSOR || c->length != len)
+	if (c->length != len)
 		return 0;
 	if (len >= 8 && len <= 16)
 		return c->head == w0 && c->tail == w1;
 	return tn_same(t->blob + t->at[c->position].offset, s, len);
 }
 
+#define TN_ROWS 1
+#define TN_SLOTS 2
+
+/* The two bytes at p, as one 16-bit value (`TN_COMMA_QUOTE`: `,"`). */
+static inline uint16_t tn_pair(const unsigned char *p)
+{
+	uint16_t v;
+	memcpy(&v, p, sizeof v);
+	return v;
+}
+
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define TN_COMMA_QUOTE ((uint16_t)(',' << 8 | '"'))
+#else
+#define TN_COMMA_QUOTE ((uint16_t)(',' | '"' << 8))
+#endif
+
 /* tn_resolve (`prefix` 0) and tn_resolve_prefix (`prefix` 1: the array ends at the first `]`
  * after a name's closing quote; its length to `*length`). */
 static inline __attribute__((always_inline)) int64_t
 tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, int64_t *slots,
-	uint64_t capacity, const int prefix, uint64_t *length)
+	uint64_t capacity, const int prefix, uint64_t *length, const int outputs)
 {
 	if (t == NULL || t->count == 0 || n < 4 || a[0] != '[' || a[1] != '"'
 	    || (!prefix && a[n - 1] != ']'))
@@ -339,11 +365,15 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 	/* the `]` (a prefix: the end of the bytes; the `]` is found after a name) */
 	const unsigned char *end = prefix ? a + n : a + n - 1;
 	const tn_name *at = t->at;
+	const unsigned char *blob = t->blob;
 	const uint64_t longest = t->longest, count = t->count, seed = t->seed;
 	tn_cursor cursor[1 << TN_CURSOR_BITS]; /* by key: names expected next in some run */
 	for (unsigned i = 0; i < (1u << TN_CURSOR_BITS); i++)
-		cursor[i].position = TN_NO_CURSOR;
+		cursor[i].length = 0; /* (no name is empty: expects none) */
 	uint64_t guess = 0; /* the last name's length: names are often all as long */
+	/* `end` while the table is plain and the last name 8 to 16 bytes long (a name as long
+	 * is then read before any search for its closing quote), else the array's start */
+	const unsigned char *quick_end = a;
 	uint64_t k = 0;
 	const unsigned char *ahead = NULL; /* the next name, when its hash was computed ahead */
 	uint64_t ahead_hash = 0, ahead_length = 0;
@@ -352,7 +382,8 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 	 * position is a few past one read recently sets it, and each name read then also sets a
 	 * cursor that far on (`TN_RECENT` positions remembered). */
 	uint64_t stride = 1, proposed = 1, agreed = 0;
-	uint64_t missed = 0; /* names in a row not found by a cursor */
+	uint64_t missed = 0; /* names in a row not found by a cursor (up to the last such) */
+	uint64_t last_miss = UINT64_MAX; /* k of the last name no cursor found */
 	uint32_t recent[TN_RECENT];
 	const int plain = t->plain;
 	for (;;) {
@@ -364,12 +395,11 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 		/* A name as long as the last one (8 to 16 bytes), where a `"` follows it, that the
 		 * cursor of its key expects: that name, with no search for its closing quote (a name
 		 * of the table holds no `"`, so neither do bytes equal to it). */
-		if (plain && guess >= 8 && guess <= 16 && guess < (uint64_t)(end - s) && *q == '"') {
+		if (q < quick_end && *q == '"') {
 			w0 = tn_word(s);
 			w1 = tn_word(q - 8);
-			c = &cursor[tn_key(s, len)];
-			if (c->position == TN_NO_CURSOR || c->length != len || c->head != w0
-			    || c->tail != w1)
+			c = &cursor[tn_key_of_tail(w1, len)];
+			if (((c->head ^ w0) | (c->tail ^ w1) | (c->length ^ len)) != 0)
 				c = NULL;
 		}
 		if (c == NULL) {
@@ -378,6 +408,7 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 				return -1; /* no closing quote before the `]` */
 			len = (uint64_t)(q - s);
 			guess = len;
+			quick_end = plain && len >= 8 && len <= 16 ? end : a;
 			if (len == 0 || len > longest)
 				return -1;
 			if (len >= 8) {
@@ -396,11 +427,10 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 			next_key = c->next_key;
 			/* the name after one already read */
 			position = c->position;
-			if (rows != NULL)
+			if (outputs & TN_ROWS)
 				rows[k] = c->row;
-			if (slots != NULL)
+			if (outputs & TN_SLOTS)
 				slots[k] = c->slot;
-			missed = 0;
 		} else {
 			uint64_t h = ahead == s && ahead_length == len ? ahead_hash : tn_hash(seed, s, len);
 			/* A list the cursors do not follow (a label's nodes, a few of the order's
@@ -416,15 +446,17 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 				return -1;
 			position = (uint64_t)found;
 			next_key = at[position].next_key;
-			if (rows != NULL)
+			if (outputs & TN_ROWS)
 				rows[k] = at[position].row;
-			if (slots != NULL)
+			if (outputs & TN_SLOTS)
 				slots[k] = at[position].slot;
 			/* Two in a row: the cursors do not follow this list. Among its first
 			 * TN_LEARN names, a stride proposed by TN_AGREE such names in a row is taken
 			 * (a list in another order proposes one at random); more than TN_RECENT in a
 			 * row even with a stride: it is dropped. */
-			if (missed++ > TN_RECENT) {
+			missed = last_miss + 1 == k ? missed + 1 : 1;
+			last_miss = k;
+			if (missed > TN_RECENT + 1) {
 				stride = 1;
 			} else if (missed > 1 && k < TN_LEARN) {
 				uint64_t best = TN_RECENT + 1, known = k < TN_RECENT ? k : TN_RECENT;
@@ -452,26 +484,33 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 		}
 		/* this run's records and bytes a few names on, on their way (16 runs interleaved
 		 * are more forward streams than the hardware follows) */
-		if (next + TN_AHEAD < count) {
-			__builtin_prefetch(&at[next + TN_AHEAD]);
-			__builtin_prefetch(t->blob + at[next].offset + 64);
-		}
+		/* (a prefetch past the records' end faults on nothing: not bounded) */
+		__builtin_prefetch((const void *)((uintptr_t)at + (next + TN_AHEAD) * sizeof *at));
+		__builtin_prefetch(blob + at[next].offset + 64);
 		p = q + 1;
+		if (p + 1 < end && tn_pair(p) == TN_COMMA_QUOTE) {
+			p++; /* `,"`: the next name's opening quote */
+			continue;
+		}
 		if (prefix ? p < end && *p == ']' : p == end) {
 			if (prefix)
 				*length = (uint64_t)(p + 1 - a);
 			return (int64_t)k;
 		}
-		if (p + 1 >= end || *p != ',' || p[1] != '"')
-			return -1; /* not `,"` between two names */
-		p++;
+		return -1; /* not `,"` between two names */
 	}
 }
 
 int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
 		   int64_t *slots, uint64_t capacity)
 {
-	return tn_read(t, a, n, rows, slots, capacity, 0, NULL);
+	if (rows != NULL && slots != NULL)
+		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS | TN_SLOTS);
+	if (rows != NULL)
+		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS);
+	if (slots != NULL)
+		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_SLOTS);
+	return tn_read(t, a, n, rows, slots, capacity, 0, NULL, 0);
 }
 
 int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n, uint64_t start,
@@ -480,7 +519,10 @@ int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n, 
 	uint64_t length = 0;
 	if (end == NULL || start >= n)
 		return -1;
-	int64_t k = tn_read(t, body + start, n - start, rows, slots, capacity, 1, &length);
+	int64_t k = rows == NULL && slots != NULL
+		? tn_read(t, body + start, n - start, rows, slots, capacity, 1, &length, TN_SLOTS)
+		: tn_read(t, body + start, n - start, rows, slots, capacity, 1, &length,
+			  (rows != NULL ? TN_ROWS : 0) | (slots != NULL ? TN_SLOTS : 0));
 	if (k >= 0)
 		*end = start + length;
 	return k;
