@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tessera import elastic
+from tessera.device_kinds import registry
 from tessera.device_kinds.base import NO_SELECTION
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant
@@ -85,10 +86,35 @@ def _sort_key(
         for policy in options.gpu_policies
         if policy in ("binpack", "spread")
     ]
+    if len(signs) == 1:
+        return _one_policy_key(request, options.weights, signs[0])
 
     def key(card: Card) -> tuple[float, ...]:
         score = device_score(card, request, options.weights) if signs else 0.0
         return (*(sign * score for sign in signs), card.index)
+
+    return key
+
+
+def _one_policy_key(
+    request: ContainerRequest, weights: tuple[int, int, int], sign: float
+) -> Callable[[Card], tuple[float, ...]]:
+    """`_sort_key` of a chain with one ordering policy: `device_score` inlined, the same
+    operations in the same order (so the same floats), read once per request, not per card."""
+    w_slot, w_core, w_mem = weights
+    cores, memory, percentage = request.cores, request.memory_mib, request.memory_percentage
+
+    def key(card: Card) -> tuple[float, ...]:
+        score = 0.0
+        if card.split_count:
+            score += w_slot * (1 + card.used_slots) / card.split_count
+        if card.cores:
+            score += w_core * (cores + card.used_cores) / card.cores
+        total = card.memory_mib
+        if total:
+            asked = memory if percentage is None else total * percentage // 100
+            score += w_mem * (asked + card.used_mem) / total
+        return (sign * (10.0 * score), card.index)
 
     return key
 
@@ -133,15 +159,50 @@ def _topology_pick(cards: list[Card], count: int) -> list[Card]:
     return picked
 
 
+class _Plan:
+    """What `pick_cards` works out from the request and the options alone (and whether the
+    budget limits memory, cores): the same for every node a decision fits the pod on."""
+
+    __slots__ = ("checks", "key", "min_only", "options", "plain", "quota_kinds", "request")
+
+    def __init__(self, request: ContainerRequest, ctx: FitContext, quota_kinds: int) -> None:
+        options = ctx.options
+        self.request, self.options, self.quota_kinds = request, options, quota_kinds
+        self.checks = relevant_checks(request, ctx)
+        self.plain = plain_applies(self.checks, options)  # `plain_card` clears a card for all
+        self.key = _sort_key(request, options)
+        policies = options.gpu_policies
+        self.min_only = request.count == 1 and not options.numa_bind and (
+            "numa" not in policies and "topology-aware" not in policies
+        )
+
+
+# The last request's plan (a decision asks for one request's on node after node); forgotten
+# when the device kinds change (`relevant_checks` reads which families count in the quota).
+_last_plan: list[_Plan | None] = [None]
+registry.on_change(lambda: _last_plan.__setitem__(0, None))
+
+
+def _plan(request: ContainerRequest, ctx: FitContext) -> _Plan:
+    quota = ctx.quota
+    quota_kinds = (quota.memory_mib is None) + 2 * (quota.cores is None)
+    plan = _last_plan[0]
+    if plan is None or plan.request is not request or plan.options is not ctx.options or (
+        plan.quota_kinds != quota_kinds
+    ):
+        plan = _last_plan[0] = _Plan(request, ctx, quota_kinds)
+    return plan
+
+
 def pick_cards(
     cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str]
 ) -> list[Card] | None:
     """The cards for one container, or None with the reasons counted."""
-    options = ctx.options
+    plan = _plan(request, ctx)
     passing: list[Card] = []
     local: dict[str, int] = {}
-    checks = relevant_checks(request, ctx)
-    plain = plain_applies(checks, options)  # `plain_card` clears a card for all of them
+    checks = plan.checks
+    plain = plan.plain
     for card in cards:
         if plain and plain_card(card, request):
             passing.append(card)
@@ -157,12 +218,10 @@ def pick_cards(
         if passing:
             reasons[CARDS_INSUFFICIENT] += len(passing)
         return None
-    key = _sort_key(request, options)
-    policies = options.gpu_policies
-    if count == 1 and not options.numa_bind and "numa" not in policies and (
-        "topology-aware" not in policies
-    ):
+    key = plan.key
+    if plan.min_only:
         return [min(passing, key=key)]  # (sorted's first: the keys end with the card index)
+    options = ctx.options
     ordered = sorted(passing, key=key)
     if options.numa_bind or "numa" in options.gpu_policies:
         groups = [g for g in _numa_groups(ordered) if len(g) >= count]
@@ -254,6 +313,8 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
 
     Init containers run one at a time, so each is fitted against the node as it is; app
     containers together. Both follow kubelet's device reuse (`_pick_with_reuse`)."""
+    if not request.init:
+        return _fit_app(cards, request.containers, ctx)
     fit = PodFit(ok=False, total_cards=len(cards), details=ctx.details)
     grants: list[list[DeviceGrant]] = []
     budget = ctx.quota
@@ -303,6 +364,41 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
         grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
         pool = [u for u in pool if u not in {c.uuid for c in picked}]
     grants += [[] for _ in range(len(request.init) + len(request.containers) - len(grants))]
+    fit.ok = True
+    fit.containers = grants
+    return fit
+
+
+def _fit_app(
+    cards: list[Card], containers: list[ContainerRequest | None], ctx: FitContext
+) -> PodFit:
+    """`fit_pod` of a pod without init containers (the common pod): no device reuse to follow
+    (nothing hands GPUs on), and the cards and the budget are copied only when a container that
+    is not the last to ask for GPUs takes some (a one-GPU-container pod's fit copies nothing)."""
+    fit = PodFit(ok=False, total_cards=len(cards), details=ctx.details)
+    last = len(containers) - 1
+    while last >= 0 and containers[last] is None:
+        last -= 1
+    grants: list[list[DeviceGrant]] = []
+    scratch, owned, app_ctx = cards, None, ctx
+    for i in range(last + 1):
+        r = containers[i]
+        if r is None:
+            grants.append([])
+            continue
+        picked = pick_cards(scratch, r, app_ctx, fit.reasons)
+        if picked is None:
+            return fit
+        if i == last:
+            grants.append([_grant(c, r, app_ctx) for c in picked])
+            break
+        if owned is None:  # (the first take: this fit's own cards and budget from here on)
+            scratch, owned = list(cards), set()
+            budget = ctx.quota
+            app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores),
+                                 ctx.details)  # fmt: skip
+        grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
+    grants += [[] for _ in range(len(containers) - len(grants))]
     fit.ok = True
     fit.containers = grants
     return fit
