@@ -163,7 +163,8 @@ class _Plan:
     """What `pick_cards` works out from the request and the options alone (and whether the
     budget limits memory, cores): the same for every node a decision fits the pod on."""
 
-    __slots__ = ("checks", "key", "min_only", "options", "plain", "quota_kinds", "request")
+    __slots__ = ("checks", "key", "min_only", "one_pass", "options", "plain", "quota_kinds",
+                 "request")
 
     def __init__(self, request: ContainerRequest, ctx: FitContext, quota_kinds: int) -> None:
         options = ctx.options
@@ -175,6 +176,11 @@ class _Plan:
         self.min_only = request.count == 1 and not options.numa_bind and (
             "numa" not in policies and "topology-aware" not in policies
         )
+        ordering = [p for p in policies if p in ("binpack", "spread")]
+        # (`_pick_one`: the sign of the one ordering policy; None: not that case)
+        self.one_pass = (-1.0 if ordering[0] == "binpack" else 1.0) if (
+            self.min_only and self.plain and len(ordering) == 1
+        ) else None  # fmt: skip
 
 
 # The last request's plan (a decision asks for one request's on node after node); forgotten
@@ -199,6 +205,8 @@ def pick_cards(
 ) -> list[Card] | None:
     """The cards for one container, or None with the reasons counted."""
     plan = _plan(request, ctx)
+    if plan.one_pass is not None:
+        return _pick_one(cards, request, ctx, reasons, plan)
     passing: list[Card] = []
     local: dict[str, int] = {}
     checks = plan.checks
@@ -234,6 +242,58 @@ def pick_cards(
     if "topology-aware" in options.gpu_policies:
         return _topology_pick(ordered, count)
     return ordered[:count]
+
+
+def _pick_one(
+    cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str],
+    plan: _Plan,
+) -> list[Card] | None:
+    """`pick_cards` of a one-card container under one ordering policy (binpack or spread) whose
+    checks `plain_card` answers (the common pod): `plain_card` and the sort key
+    (`_one_policy_key`) inlined in one pass over the cards, the best kept as it goes (the same
+    card: the first with the least key, as `min`), the refused counted as `pick_cards` counts
+    them (in card order)."""
+    count, family, cores = request.count, request.family, request.cores
+    memory, percentage = request.memory_mib, request.memory_percentage
+    w_slot, w_core, w_mem = plan.options.weights
+    sign = plan.one_pass
+    checks = plan.checks
+    best: Card | None = None
+    best_key = 0.0
+    best_index = 0
+    local: dict[str, int] | None = None
+    for card in cards:
+        total = card.memory_mib
+        asked = memory if percentage is None else total * percentage // 100
+        used_slots, split = card.used_slots, card.split_count
+        card_cores, used_cores = card.cores, card.used_cores
+        if not (
+            count <= card.plain and card.family == family and card.healthy
+            and not card.cordoned and used_slots < split and asked <= total - card.used_mem
+            and cores <= card_cores - used_cores and (cores < 100 or used_slots == 0)
+            and (cores > 0 or not (card_cores > 0 and used_cores >= card_cores))
+        ):  # (`plain_card`, inlined; when it does not clear the card, the checks decide)
+            reason = card_refusal(card, request, ctx, checks)
+            if reason is not None:
+                if local is None:
+                    local = {}
+                local[reason] = local.get(reason, 0) + 1
+                continue
+        score = 0.0  # (`device_score`, as `_one_policy_key` computes it)
+        if split:
+            score += w_slot * (1 + used_slots) / split
+        if card_cores:
+            score += w_core * (cores + used_cores) / card_cores
+        if total:
+            score += w_mem * (asked + card.used_mem) / total
+        key = sign * (10.0 * score)  # type: ignore[operator]
+        if best is None or key < best_key or (key == best_key and card.index < best_index):
+            best, best_key, best_index = card, key, card.index
+    if best is None:
+        if local:
+            reasons.update(local)
+        return None
+    return [best]
 
 
 def _grant(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
