@@ -183,20 +183,26 @@ class _Plan:
         ) else None  # fmt: skip
 
 
-# The last request's plan (a decision asks for one request's on node after node); forgotten
-# when the device kinds change (`relevant_checks` reads which families count in the quota).
-_last_plan: list[_Plan | None] = [None]
-registry.on_change(lambda: _last_plan.__setitem__(0, None))
+# Plans of the requests fitted lately, by the identity of the request and options objects (held
+# by the plan, so never mistaken for others): a decision asks for one request's on node after
+# node, and pods of one workload share their request and options objects (`hami`'s remembered
+# requests, `rules`' remembered options). Forgotten when full and when the device kinds change
+# (`relevant_checks` reads which families count in the quota).
+_plans: dict[tuple[int, int, int], _Plan] = {}
+_PLANS = 1024
+registry.on_change(_plans.clear)
 
 
 def _plan(request: ContainerRequest, ctx: FitContext) -> _Plan:
     quota = ctx.quota
-    quota_kinds = (quota.memory_mib is None) + 2 * (quota.cores is None)
-    plan = _last_plan[0]
-    if plan is None or plan.request is not request or plan.options is not ctx.options or (
-        plan.quota_kinds != quota_kinds
-    ):
-        plan = _last_plan[0] = _Plan(request, ctx, quota_kinds)
+    options = ctx.options
+    key = (id(request), id(options),
+           (quota.memory_mib is None) + 2 * (quota.cores is None))  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None or plan.request is not request or plan.options is not options:
+        if len(_plans) >= _PLANS:
+            _plans.clear()
+        plan = _plans[key] = _Plan(request, ctx, key[2])
     return plan
 
 
