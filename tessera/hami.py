@@ -334,11 +334,24 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
         if not isinstance(c, dict):
             raise RequestError("every container must be an object")
     read = _request_reader(settings)  # whichever device family a container names
-    request = PodRequest(
-        init=[read(c, settings) for c in init],
-        containers=[read(c, settings) for c in app],
-        sidecars=sidecar_indices(init),
-    )
+    shape = _request_shape(init, app, settings)
+    remembered = _remembered_requests
+    mapping = _kinds_registry.resource_map(settings)  # (which family each resource names)
+    if remembered[0] is not mapping:
+        remembered[:] = [mapping, {}]
+    request = None if shape is None else remembered[1].get(shape)
+    if request is None:
+        request = PodRequest(
+            init=[read(c, settings) for c in init],
+            containers=[read(c, settings) for c in app],
+            sidecars=sidecar_indices(init),
+        )
+        if shape is not None and all(
+            r is None or r.family == _DEFAULT_FAMILY for r in (*request.init, *request.containers)
+        ):  # (another family's reader may read more than the shape: its chip; not remembered)
+            if len(remembered[1]) >= _REMEMBERED_REQUESTS:
+                remembered[1].clear()
+            remembered[1][shape] = request
     meta = pod.get("metadata")
     annotations = meta.get("annotations") if isinstance(meta, dict) else None
     if isinstance(annotations, dict) and (
@@ -346,6 +359,54 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     ):
         request = with_burst_limits(request, annotations, [*init, *app])
     return request
+
+
+# Pods' requests read before, by their shape (`_request_shape`): pods of one workload ask the
+# same. A PodRequest is never changed once read (a burst limit makes a new one), so one object
+# serves them all. Kept for one resource map (`registry.resource_map`: which family each
+# resource name belongs to, per settings object and device kinds' version; held here, so never
+# mistaken for another); refusals are never remembered; the memory starts over when full.
+_remembered_requests: list[Any] = [None, {}]
+_REMEMBERED_REQUESTS = 4096
+_DEFAULT_FAMILY = "nvidia"  # (ContainerRequest.family's default: NVIDIA's reader)
+
+
+def _request_shape(
+    init: list[dict[str, Any]], app: list[dict[str, Any]], settings: TesseraSettings
+) -> tuple[Any, ...] | None:
+    """Everything `PodRequest` is read from, as a key: the settings it reads, the device kinds'
+    version, and per container its limits and requests (in order) and, for an init container,
+    whether it is a native sidecar; None when a value is not plainly a string or an int (a
+    bool or a float equals an int as a key but is read differently: such a pod is read afresh,
+    as are malformed ones, which are refused with the container's name)."""
+    parts: list[Any] = [
+        settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
+        settings.resource_cores, settings.resource_priority, settings.memory_factor,
+        settings.default_cores, settings.default_mem, settings.default_gpu_num,
+        _kinds_registry.version, len(init),
+    ]  # fmt: skip
+    for at, c in enumerate((*init, *app)):
+        resources = c.get("resources")
+        if resources is None:
+            limits = requests = None
+        elif type(resources) is dict:
+            limits, requests = resources.get("limits"), resources.get("requests")
+        else:
+            return None
+        for section in (limits, requests):
+            if section is None:
+                parts.append(None)
+                continue
+            if type(section) is not dict:
+                return None
+            for key, value in section.items():
+                kind = type(value)
+                if (kind is not str and kind is not int) or type(key) is not str:
+                    return None
+            parts.append(tuple(section.items()))
+        if at < len(init):
+            parts.append(c.get("restartPolicy") == "Always")
+    return tuple(parts)
 
 
 def with_burst_limits(

@@ -8,7 +8,7 @@ succeeded only the app containers count.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tessera import mig
@@ -266,17 +266,39 @@ def cards_with_usage(
                     usages)  # fmt: skip
 
 
-def recharged(like: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[Card]:
+def recharged(like: list[Card], usages: Sequence[dict[str, list[int]]]) -> list[Card]:
     """`cards_with_usage` of the registration and cordon `like` was built from (by it or by
-    this), without reading the devices again: new cards with `like`'s static facts (a fresh
-    card's MIG holdings: none) charged with the usage maps. A node's cards are built again
-    after every change to its row; reading eight pydantic devices cost 5x copying eight cards."""
+    this), without reading the devices again: `like`'s static facts (a fresh card's MIG
+    holdings: none) charged with the usage maps. A node's cards are built again after every
+    change to its row; reading eight pydantic devices cost 5x copying eight cards. With one
+    usage map (a node without HAMi's pods), a card whose usage did not change is `like`'s own:
+    a card of the generic kind (`Card.plain`) is never changed once built (fits copy the cards
+    they take; only a dynamic MIG or partition card holds anything more), so a write that
+    charges one card makes one new card, not eight."""
+    if len(usages) == 1:
+        usage = usages[0]
+        cards = []
+        for c in like:
+            used = usage.get(c.uuid)
+            memory, cores, slots = _NOTHING if used is None else used
+            if c.plain and c.used_mem == memory and c.used_cores == cores and (
+                c.used_slots == slots
+            ):
+                cards.append(c)
+                continue
+            cards.append(Card(c.uuid, c.index, c.type, c.mode, c.numa, c.healthy, c.cordoned,
+                              c.memory_mib, c.cores, c.split_count, c.links, memory, cores, slots,
+                              c.mig_model, c.mig_geometries, [], 0, c.kind, c.family, c.plain))
+        return cards
     return _charged([
         Card(c.uuid, c.index, c.type, c.mode, c.numa, c.healthy, c.cordoned, c.memory_mib,
              c.cores, c.split_count, c.links, 0, 0, 0, c.mig_model, c.mig_geometries, [], 0,
              c.kind, c.family, c.plain)
         for c in like
     ], usages)  # fmt: skip
+
+
+_NOTHING = (0, 0, 0)
 
 
 def _charged(cards: list[Card], usages: Iterable[dict[str, list[int]]]) -> list[Card]:

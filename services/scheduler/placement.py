@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tessera import elastic
+from tessera.device_kinds import registry
 from tessera.device_kinds.base import NO_SELECTION
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant
@@ -85,10 +86,35 @@ def _sort_key(
         for policy in options.gpu_policies
         if policy in ("binpack", "spread")
     ]
+    if len(signs) == 1:
+        return _one_policy_key(request, options.weights, signs[0])
 
     def key(card: Card) -> tuple[float, ...]:
         score = device_score(card, request, options.weights) if signs else 0.0
         return (*(sign * score for sign in signs), card.index)
+
+    return key
+
+
+def _one_policy_key(
+    request: ContainerRequest, weights: tuple[int, int, int], sign: float
+) -> Callable[[Card], tuple[float, ...]]:
+    """`_sort_key` of a chain with one ordering policy: `device_score` inlined, the same
+    operations in the same order (so the same floats), read once per request, not per card."""
+    w_slot, w_core, w_mem = weights
+    cores, memory, percentage = request.cores, request.memory_mib, request.memory_percentage
+
+    def key(card: Card) -> tuple[float, ...]:
+        score = 0.0
+        if card.split_count:
+            score += w_slot * (1 + card.used_slots) / card.split_count
+        if card.cores:
+            score += w_core * (cores + card.used_cores) / card.cores
+        total = card.memory_mib
+        if total:
+            asked = memory if percentage is None else total * percentage // 100
+            score += w_mem * (asked + card.used_mem) / total
+        return (sign * (10.0 * score), card.index)
 
     return key
 
@@ -133,15 +159,64 @@ def _topology_pick(cards: list[Card], count: int) -> list[Card]:
     return picked
 
 
+class _Plan:
+    """What `pick_cards` works out from the request and the options alone (and whether the
+    budget limits memory, cores): the same for every node a decision fits the pod on."""
+
+    __slots__ = ("checks", "key", "min_only", "one_pass", "options", "plain", "quota_kinds",
+                 "request")
+
+    def __init__(self, request: ContainerRequest, ctx: FitContext, quota_kinds: int) -> None:
+        options = ctx.options
+        self.request, self.options, self.quota_kinds = request, options, quota_kinds
+        self.checks = relevant_checks(request, ctx)
+        self.plain = plain_applies(self.checks, options)  # `plain_card` clears a card for all
+        self.key = _sort_key(request, options)
+        policies = options.gpu_policies
+        self.min_only = request.count == 1 and not options.numa_bind and (
+            "numa" not in policies and "topology-aware" not in policies
+        )
+        ordering = [p for p in policies if p in ("binpack", "spread")]
+        # (`_pick_one`: the sign of the one ordering policy; None: not that case)
+        self.one_pass = (-1.0 if ordering[0] == "binpack" else 1.0) if (
+            self.min_only and self.plain and len(ordering) == 1
+        ) else None  # fmt: skip
+
+
+# Plans of the requests fitted lately, by the identity of the request and options objects (held
+# by the plan, so never mistaken for others): a decision asks for one request's on node after
+# node, and pods of one workload share their request and options objects (`hami`'s remembered
+# requests, `rules`' remembered options). Forgotten when full and when the device kinds change
+# (`relevant_checks` reads which families count in the quota).
+_plans: dict[tuple[int, int, int], _Plan] = {}
+_PLANS = 1024
+registry.on_change(_plans.clear)
+
+
+def _plan(request: ContainerRequest, ctx: FitContext) -> _Plan:
+    quota = ctx.quota
+    options = ctx.options
+    key = (id(request), id(options),
+           (quota.memory_mib is None) + 2 * (quota.cores is None))  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None or plan.request is not request or plan.options is not options:
+        if len(_plans) >= _PLANS:
+            _plans.clear()
+        plan = _plans[key] = _Plan(request, ctx, key[2])
+    return plan
+
+
 def pick_cards(
     cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str]
 ) -> list[Card] | None:
     """The cards for one container, or None with the reasons counted."""
-    options = ctx.options
+    plan = _plan(request, ctx)
+    if plan.one_pass is not None:
+        return _pick_one(cards, request, ctx, reasons, plan)
     passing: list[Card] = []
     local: dict[str, int] = {}
-    checks = relevant_checks(request, ctx)
-    plain = plain_applies(checks, options)  # `plain_card` clears a card for all of them
+    checks = plan.checks
+    plain = plan.plain
     for card in cards:
         if plain and plain_card(card, request):
             passing.append(card)
@@ -157,12 +232,10 @@ def pick_cards(
         if passing:
             reasons[CARDS_INSUFFICIENT] += len(passing)
         return None
-    key = _sort_key(request, options)
-    policies = options.gpu_policies
-    if count == 1 and not options.numa_bind and "numa" not in policies and (
-        "topology-aware" not in policies
-    ):
+    key = plan.key
+    if plan.min_only:
         return [min(passing, key=key)]  # (sorted's first: the keys end with the card index)
+    options = ctx.options
     ordered = sorted(passing, key=key)
     if options.numa_bind or "numa" in options.gpu_policies:
         groups = [g for g in _numa_groups(ordered) if len(g) >= count]
@@ -175,6 +248,58 @@ def pick_cards(
     if "topology-aware" in options.gpu_policies:
         return _topology_pick(ordered, count)
     return ordered[:count]
+
+
+def _pick_one(
+    cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str],
+    plan: _Plan,
+) -> list[Card] | None:
+    """`pick_cards` of a one-card container under one ordering policy (binpack or spread) whose
+    checks `plain_card` answers (the common pod): `plain_card` and the sort key
+    (`_one_policy_key`) inlined in one pass over the cards, the best kept as it goes (the same
+    card: the first with the least key, as `min`), the refused counted as `pick_cards` counts
+    them (in card order)."""
+    count, family, cores = request.count, request.family, request.cores
+    memory, percentage = request.memory_mib, request.memory_percentage
+    w_slot, w_core, w_mem = plan.options.weights
+    sign = plan.one_pass
+    checks = plan.checks
+    best: Card | None = None
+    best_key = 0.0
+    best_index = 0
+    local: dict[str, int] | None = None
+    for card in cards:
+        total = card.memory_mib
+        asked = memory if percentage is None else total * percentage // 100
+        used_slots, split = card.used_slots, card.split_count
+        card_cores, used_cores = card.cores, card.used_cores
+        if not (
+            count <= card.plain and card.family == family and card.healthy
+            and not card.cordoned and used_slots < split and asked <= total - card.used_mem
+            and cores <= card_cores - used_cores and (cores < 100 or used_slots == 0)
+            and (cores > 0 or not (card_cores > 0 and used_cores >= card_cores))
+        ):  # (`plain_card`, inlined; when it does not clear the card, the checks decide)
+            reason = card_refusal(card, request, ctx, checks)
+            if reason is not None:
+                if local is None:
+                    local = {}
+                local[reason] = local.get(reason, 0) + 1
+                continue
+        score = 0.0  # (`device_score`, as `_one_policy_key` computes it)
+        if split:
+            score += w_slot * (1 + used_slots) / split
+        if card_cores:
+            score += w_core * (cores + used_cores) / card_cores
+        if total:
+            score += w_mem * (asked + card.used_mem) / total
+        key = sign * (10.0 * score)  # type: ignore[operator]
+        if best is None or key < best_key or (key == best_key and card.index < best_index):
+            best, best_key, best_index = card, key, card.index
+    if best is None:
+        if local:
+            reasons.update(local)
+        return None
+    return [best]
 
 
 def _grant(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
@@ -254,6 +379,8 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
 
     Init containers run one at a time, so each is fitted against the node as it is; app
     containers together. Both follow kubelet's device reuse (`_pick_with_reuse`)."""
+    if not request.init:
+        return _fit_app(cards, request.containers, ctx)
     fit = PodFit(ok=False, total_cards=len(cards), details=ctx.details)
     grants: list[list[DeviceGrant]] = []
     budget = ctx.quota
@@ -303,6 +430,41 @@ def fit_pod(cards: list[Card], request: PodRequest, ctx: FitContext) -> PodFit:
         grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
         pool = [u for u in pool if u not in {c.uuid for c in picked}]
     grants += [[] for _ in range(len(request.init) + len(request.containers) - len(grants))]
+    fit.ok = True
+    fit.containers = grants
+    return fit
+
+
+def _fit_app(
+    cards: list[Card], containers: list[ContainerRequest | None], ctx: FitContext
+) -> PodFit:
+    """`fit_pod` of a pod without init containers (the common pod): no device reuse to follow
+    (nothing hands GPUs on), and the cards and the budget are copied only when a container that
+    is not the last to ask for GPUs takes some (a one-GPU-container pod's fit copies nothing)."""
+    fit = PodFit(ok=False, total_cards=len(cards), details=ctx.details)
+    last = len(containers) - 1
+    while last >= 0 and containers[last] is None:
+        last -= 1
+    grants: list[list[DeviceGrant]] = []
+    scratch, owned, app_ctx = cards, None, ctx
+    for i in range(last + 1):
+        r = containers[i]
+        if r is None:
+            grants.append([])
+            continue
+        picked = pick_cards(scratch, r, app_ctx, fit.reasons)
+        if picked is None:
+            return fit
+        if i == last:
+            grants.append([_grant(c, r, app_ctx) for c in picked])
+            break
+        if owned is None:  # (the first take: this fit's own cards and budget from here on)
+            scratch, owned = list(cards), set()
+            budget = ctx.quota
+            app_ctx = FitContext(ctx.options, type(budget)(budget.memory_mib, budget.cores),
+                                 ctx.details)  # fmt: skip
+        grants.append([_take(_own(scratch, owned, c), r, app_ctx) for c in picked])
+    grants += [[] for _ in range(len(containers) - len(grants))]
     fit.ok = True
     fit.containers = grants
     return fit

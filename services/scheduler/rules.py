@@ -145,6 +145,7 @@ _FAMILY_ANNOTATIONS = tuple(
 )
 _OPTION_ANNOTATIONS = (*_OPTION_ANNOTATIONS,
                        *(key for _, keys in _FAMILY_ANNOTATIONS for key in keys))
+_TEXT_OR_NONE = frozenset({str, type(None)})
 
 
 def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOptions:
@@ -157,9 +158,9 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
     annotations = meta.get("annotations") or {} if isinstance(meta, dict) else {}
     if not isinstance(annotations, dict):
         raise RequestError("metadata.annotations must be a map")
-    values = tuple(annotations.get(key) for key in _OPTION_ANNOTATIONS)
+    values = tuple(map(annotations.get, _OPTION_ANNOTATIONS))
     args = (values, settings.gpu_scheduler_policy, settings.node_scheduler_policy, _sidecars(pod))
-    if all(value is None or type(value) is str for value in values):
+    if _TEXT_OR_NONE.issuperset(map(type, values)):  # (each value a str or None, exactly)
         return _remembered_options(*args)
     return _options(*args)  # a value of another type: refused as before, never remembered
 

@@ -10,7 +10,10 @@ import random
 import pytest
 from tessera.scheduler.cards import Card, cards_with_usage
 from tessera.scheduler.index import ClusterIndex
+from tessera.scheduler.placement import fit_pod
+from tessera.scheduler.rules import FitContext, PodOptions
 
+from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import Allocation, DeviceGrant, NodeLedger, NodeRegistration
 
 from .factories import GIB, device
@@ -44,6 +47,14 @@ def ledger(name: str, reg: NodeRegistration, rng: random.Random, count: int) -> 
     return NodeLedger(node=name, allocations=allocations)
 
 
+def two_containers(rng: random.Random) -> PodRequest:
+    """A pod whose first container's cards are taken (charged) before the second is fitted."""
+    return PodRequest(containers=[
+        ContainerRequest(rng.choice([1, 2]), rng.randint(1, 8) * GIB, None, rng.choice([0, 10]))
+        for _ in range(2)
+    ])  # fmt: skip
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_cards_after_every_change_are_the_ones_built_afresh(seed: int) -> None:
     rng = random.Random(seed)
@@ -51,11 +62,19 @@ def test_cards_after_every_change_are_the_ones_built_afresh(seed: int) -> None:
     reg = registration("n", rng)
     index.set_registration("n", reg, NOW)
     revision = 0
-    for _step in range(40):
+    built: list[tuple[list[Card], list[tuple]]] = []  # every list of cards read, as it was
+    for _step in range(60):
         what = rng.random()
-        if what < 0.6:
+        if what < 0.3:
             revision += 1
             index.set_ledger("n", ledger("n", reg, rng, rng.randint(0, 6)), revision, NOW)
+        elif what < 0.6:  # one pod more: most cards keep their usage
+            now = index.entries["n"].ledger or NodeLedger(node="n")
+            more = ledger("n", reg, rng, 1).allocations["n-0"]
+            revision += 1
+            more = more.model_copy(update={"pod_uid": f"more-{revision}"})
+            index.set_ledger("n", NodeLedger(node="n", allocations={
+                **now.allocations, more.pod_uid: more}), revision, NOW)  # fmt: skip
         elif what < 0.8:
             index.set_cordon("n", frozenset(
                 d.uuid for d in reg.devices if rng.random() < 0.3
@@ -68,6 +87,10 @@ def test_cards_after_every_change_are_the_ones_built_afresh(seed: int) -> None:
         entry = index.entries["n"]
         usages, cordon = entry._card_usage
         assert fields(entry.cards) == fields(cards_with_usage(reg, usages, cordon))
+        fit_pod(entry.cards, two_containers(rng), FitContext(PodOptions()))  # (takes cards)
+        built.append((entry.cards, fields(entry.cards)))
+        # (a card kept from one list in the next is never changed by either's use)
+        assert all(fields(cards) == before for cards, before in built)
 
 
 def test_the_devices_are_read_again_only_when_they_or_the_cordon_change(
