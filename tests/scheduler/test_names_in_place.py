@@ -113,6 +113,17 @@ def counting_cache(index: object, calls: dict[str, int]) -> NodeNamesCache:
     )  # fmt: skip
 
 
+def parsed_as_decoded(cache, pod: dict, slots: dict[str, int], listed: list[str]) -> object:
+    """The body of `listed` parsed by the cache: exactly what decoding it whole gives, its names
+    resolved to their slots; its NodeNames."""
+    body = json.dumps({"pod": pod, "nodenames": listed}, separators=(",", ":")).encode()
+    data = cache.parse(body)
+    assert data == full(body)
+    assert data is not None
+    assert data["nodenames"].resolved[1].tolist() == [slots[n] for n in listed]
+    return data["nodenames"]
+
+
 def test_the_cache_reads_new_lists_in_place_and_finds_them_and_their_rotations_again() -> None:
     """Through `NodeNamesCache` as the service builds it: lists in a new order every call are
     read in place once runs and rotations rest (the first ones cut out and looked at), each
@@ -125,12 +136,7 @@ def test_the_cache_reads_new_lists_in_place_and_finds_them_and_their_rotations_a
     pod = {"metadata": {"name": "p", "uid": "u1"}, "spec": {"containers": []}}
 
     def parsed(listed: list[str]) -> object:
-        body = json.dumps({"pod": pod, "nodenames": listed}, separators=(",", ":")).encode()
-        data = cache.parse(body)
-        assert data == full(body)
-        assert data is not None
-        assert data["nodenames"].resolved[1].tolist() == [slots[n] for n in listed]
-        return data["nodenames"]
+        return parsed_as_decoded(cache, pod, slots, listed)
 
     rng = random.Random(9)
     lists = parallel_lists(names, rng, 40)
@@ -165,11 +171,7 @@ def test_lists_in_the_node_order_are_read_as_runs_again_after_lists_read_in_plac
     pod = {"metadata": {"name": "p", "uid": "u2"}}
 
     def parsed(listed: list[str]) -> None:
-        body = json.dumps({"pod": pod, "nodenames": listed}, separators=(",", ":")).encode()
-        data = cache.parse(body)
-        assert data == full(body)
-        assert data is not None
-        assert data["nodenames"].resolved[1].tolist() == [slots[n] for n in listed]
+        parsed_as_decoded(cache, pod, slots, listed)
 
     for listed in parallel_lists(names, random.Random(10), 30):
         parsed(listed)
