@@ -136,7 +136,9 @@ class ContainerStore:
         # Preparing and removing run in worker threads (asyncio.to_thread): one at a time.
         self._lock = threading.RLock()
         self._changes = 0
-        self._version = 0  # every preparation, relabel and removal: the tree's contents moved
+        # Every preparation, relabel and removal, counted once it is complete: a reader (the
+        # lease service's sync, in the event loop) that sees the new number sees the new tree.
+        self._version = 0
         self._touched: dict[str, int] = {}  # pod uid -> the change that last prepared for it
 
     @property
@@ -150,7 +152,6 @@ class ContainerStore:
         return self._version
 
     def _touch(self, pod_uid: str) -> None:
-        self._version += 1
         self._changes += 1
         self._touched[pod_uid] = self._changes
 
@@ -175,7 +176,9 @@ class ContainerStore:
         """Create (or re-create) the container's directory, empty limits, an empty region."""
         with self._lock:
             self._touch(prepared.pod_uid)
-            return self._prepare(prepared)
+            cdir = self._prepare(prepared)
+            self._version += 1
+            return cdir
 
     def _prepare(self, prepared: PreparedContainer) -> ContainerDir:
         from tessera.region import prepare_region_file
@@ -220,7 +223,9 @@ class ContainerStore:
         return self._index
 
     def all(self) -> list[ContainerDir]:
-        return [ContainerDir(path, prepared) for path, prepared in self._scan().items()]
+        # One C-level copy first: a worker thread may be preparing meanwhile, and iterating the
+        # live index while it grows raises.
+        return [ContainerDir(path, prepared) for path, prepared in list(self._scan().items())]
 
     def for_pod(self, pod_uid: str) -> list[ContainerDir]:
         return [c for c in self.all() if c.prepared.pod_uid == pod_uid]
@@ -239,13 +244,14 @@ class ContainerStore:
             self._touch(prepared.pod_uid)
             _write_atomic(cdir.path / PREPARED_FILE, prepared.model_dump_json().encode())
             self._scan()[cdir.path] = prepared
+            self._version += 1
             return ContainerDir(cdir.path, prepared)
 
     def pod_uids(self) -> list[str]:
         """Every pod that owns a directory (by its label), and pod directories holding none."""
         owners = {c.prepared.pod_uid for c in self.all()}
         if self.root.is_dir():
-            held = {p.parent.name for p in self._scan()}
+            held = {p.parent.name for p in list(self._scan())}
             # Dot-directories are the agent's own (`.mps`: MPS daemons), never a pod's.
             owners |= {p.name for p in self.root.iterdir()
                        if p.is_dir() and p.name not in held and not p.name.startswith(".")}
@@ -253,11 +259,11 @@ class ContainerStore:
 
     def remove_container(self, cdir: ContainerDir) -> None:
         with self._lock:
-            self._version += 1
             self._scan().pop(cdir.path, None)
             shutil.rmtree(cdir.path, ignore_errors=True)
             with contextlib.suppress(OSError):
                 cdir.path.parent.rmdir()  # the pod's directory, when it was its only container
+            self._version += 1
 
     def remove_pod(self, pod_uid: str) -> None:
         """Remove the directories the pod owns (wherever a relabel left them)."""

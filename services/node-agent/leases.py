@@ -141,7 +141,7 @@ class LeaseService:
         version = self.version() if self.version else None
         if version is not None and version == self._synced and not self._failed:
             return
-        self._synced, self._failed = version, False
+        self._failed = False
         present = {c.limits_dir: c for c in self.containers()}
         for path in [p for p in self.served if p not in present]:
             gone = self.served.pop(path)
@@ -163,6 +163,8 @@ class LeaseService:
         self._by_pod = {}
         for c in self.served.values():
             self._by_pod.setdefault(c.pod_uid, []).append(c)
+        # Recorded only once the sweep is through: one that raised is swept again next time.
+        self._synced = version
         async with self.changed:
             self.changed.notify_all()  # a container gone: its memory may be what one waits for
 

@@ -179,18 +179,23 @@ def containers_of(uid: str) -> list[str]:
     return listed.stdout.split()
 
 
-def region_used(sim: RunningStack, uid: str) -> int:
+def region_of(sim: RunningStack, uid: str) -> region.RegionUsage | None:
     [admitted] = [a for a in sim.kube.containers(NODE) if a["uid"] == uid]
     [mount] = [m for m in admitted["containers"][0]["mounts"]
                if m["container_path"] == REGION_CONTAINER_PATH]
-    usage = region.read_region(Path(mount["host_path"]))
+    return region.read_region(Path(mount["host_path"]))
+
+
+def region_used(sim: RunningStack, uid: str) -> int:
+    usage = region_of(sim, uid)
     dev = usage.device(gpu_uuid(NODE, 0)) if usage else None
     return dev.used_bytes if dev else 0
 
 
-def holds_three_chunks(sim: RunningStack, uid: str) -> None:
+def holds_three_chunks(sim: RunningStack, uid: str, log: str) -> None:
     """The region on the host shows what the container holds: read without its lock (as the
-    node agent reads it), so a read may land mid-update; waited for, the values seen shown."""
+    node agent reads it), so a read may land mid-update; waited for, the values seen shown
+    (with the region's processes and the pod's log, `log`, when it never does)."""
     seen: list[int] = []
 
     def three() -> bool:
@@ -200,7 +205,8 @@ def holds_three_chunks(sim: RunningStack, uid: str) -> None:
     try:
         sim.kube.wait_for("the region to show three chunks", three, 10, 0.2)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; used bytes seen: {sorted(set(seen))}") from None
+        raise AssertionError(f"{exc}; used bytes seen: {sorted(set(seen))}; region: "
+                             f"{region_of(sim, uid)}; pod log:\n{log}") from None
 
 
 def test_the_slice_is_enforced_in_a_pod_run_as_a_real_container(sim, namespace, host) -> None:
@@ -217,7 +223,7 @@ def test_the_slice_is_enforced_in_a_pod_run_as_a_real_container(sim, namespace, 
     # the lease service is the account: libvgpu connected to it and was refused the fourth
     assert "lease service /run/tessera/limits/lease.sock: connected" in text, text
     assert re.search(r"lease of \d+ bytes on slot 0 refused", text), text
-    holds_three_chunks(sim, uid)
+    holds_three_chunks(sim, uid, text)
     # a process in the container can neither write nor replace what limits it
     assert [line for line in text.splitlines() if line.startswith("probe")] == [
         "probe uid 65534", "probe maps libvgpu True"], text
@@ -242,7 +248,7 @@ def test_deleting_the_pod_stops_and_removes_its_container(sim, namespace, host) 
     sim.kube.wait_for("the container holding its memory",
                       lambda: len(answers(pod_log(sim, namespace, "held"))) >= 6, 90, 0.5)
     assert containers_of(uid)
-    holds_three_chunks(sim, uid)
+    holds_three_chunks(sim, uid, pod_log(sim, namespace, "held"))
     sim.kube.delete_pod(namespace, "held")
     sim.kube.wait_for("the container stopped and removed", lambda: not containers_of(uid),
                       60, 0.5)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import pytest
-from tessera.node_agent.containers import ContainerStore, PreparedContainer
+from tessera.node_agent.containers import ContainerDir, ContainerStore, PreparedContainer
 from tessera.node_agent.leases import (
     ContainerLeases,
     LeaseBook,
@@ -18,6 +19,7 @@ from tessera.node_agent.leases import (
     parse_line,
 )
 
+from tessera import region
 from tessera.region import (
     LEASE_SOCKET_NAME,
     LEASE_SPILL_NAME,
@@ -103,6 +105,48 @@ def _served(tmp_path: Path, limit: int = LIMIT) -> tuple[ContainerStore, LeaseSe
     ))  # fmt: skip
     seal_limits(cdir.limits_dir, ContainerLimits(devices=(DeviceLimit(GPU, limit),), lease=True))
     return store, LeaseService(store.all), cdir.limits_dir / LEASE_SOCKET_NAME
+
+
+async def test_a_container_prepared_while_the_service_syncs_is_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Allocate prepares a directory in a worker thread while the lease service sweeps the
+    store in the event loop: a sweep that lands mid-preparation must not count the preparation
+    as seen, or the container's socket never opens and libvgpu, finding no service, is refused
+    every allocation (the slice unusable, not enforced)."""
+    store = ContainerStore(tmp_path / "regions")
+    service = LeaseService(store.all, version=lambda: store.version)
+    await service.sync()
+    inside, go = threading.Event(), threading.Event()
+    real = region.prepare_region_file
+
+    def held(path: Path, mode: int = 0o666) -> None:
+        inside.set()
+        assert go.wait(10)
+        real(path, mode)
+
+    monkeypatch.setattr(region, "prepare_region_file", held)
+    done: list[ContainerDir] = []
+    worker = threading.Thread(target=lambda: done.append(store.prepare(PreparedContainer(
+        pod_uid="5d1e2a3b-4c5d-4e6f-8a9b-0c1d2e3f4a5b", namespace="ns", pod="p", container="c",
+        index=0, device_ids=["GPU-aaaa::0"], grants=[]))))  # fmt: skip
+    worker.start()
+    assert await asyncio.to_thread(inside.wait, 10)
+    await service.sync()  # the sweep Allocate's preparation raced
+    go.set()
+    await asyncio.to_thread(worker.join, 10)
+    [cdir] = done
+    seal_limits(cdir.limits_dir, ContainerLimits(devices=(DeviceLimit(GPU, LIMIT),), lease=True))
+    for _ in range(3):  # the sweeps of the next 0.6 s (SYNC_S)
+        await service.sync()
+    sock = cdir.limits_dir / LEASE_SOCKET_NAME
+    assert sock.is_socket(), "the prepared container is never served"
+    link = tmp_path / "l"
+    link.symlink_to(sock.parent)
+    client = await Client.connect(link / LEASE_SOCKET_NAME)
+    assert await client.ask(300 * MiB, 320 * MiB) == 320 * MiB
+    await client.close()
+    await service.close()
 
 
 async def test_leases_over_the_socket(tmp_path: Path) -> None:
