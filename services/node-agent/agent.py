@@ -242,7 +242,7 @@ class NodeAgent:
             ledger_kv=self.buckets.ledger, js=self.js, cluster=self.cluster,
             pod_resources=self.pod_resources, clock=self.clock, metrics=self.metrics,
             node_settings=self.configurator.node_settings, mps=self.mps, mig=self.dynamic_mig,
-            family=self.settings.device_family or None, **common,
+            family=self.settings.device_family or None, lease_ready=self.leases.ready, **common,
         )
         self.endpoint = PluginEndpoint(
             self.settings.device_plugin_dir, self.plugin.ctx.resource_name, self.plugin, self.log

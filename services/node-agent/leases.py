@@ -81,6 +81,7 @@ __all__ = [
 ]
 
 SYNC_S = 0.2  # how often the service looks for new or removed container directories
+READY_WAIT_S = 2.0  # how long a seal waits for its directory's socket (`LeaseService.ready`)
 RECLAIM_WAIT_S = 15.0  # how long a guaranteed request waits for borrowed memory to come back
 RECLAIM_GRACE_S = 5.0  # how long borrowers have to give it back before the node evicts them
 
@@ -136,11 +137,36 @@ class LeaseService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._borrowers: dict[str, set[str]] = {}  # uuid -> keys of containers borrowing there
         self._booked: dict[str, dict[str, int]] = {}  # uuid -> pod uid -> guaranteed bytes
+        self._sweeping = asyncio.Lock()  # the loop's sweeps and `ready` never open one socket twice
 
     async def sync(self) -> None:
         version = self.version() if self.version else None
         if version is not None and version == self._synced and not self._failed:
             return
+        async with self._sweeping:
+            await self._sweep(version)
+
+    async def ready(self, limits_dir: Path, timeout_s: float = READY_WAIT_S) -> bool:
+        """Serve a just-sealed container's directory now, not at the next sweep: its container
+        may start as soon as kubelet hears back, and libvgpu finding no service refuses every
+        allocation until one answers. True once its socket is open; False after `timeout_s`
+        (said in the log: the container then waits for the next sweep)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            async with self._sweeping:
+                if limits_dir not in self.served:
+                    await self._sweep(self.version() if self.version else None)
+            if limits_dir in self.served:
+                return True
+            if time.monotonic() >= deadline:
+                self.log.warning("lease service: %s is not served %.1f s after its limits were "
+                                 "sealed; its container waits for the next sweep", limits_dir,
+                                 timeout_s)  # fmt: skip
+                return False
+            await asyncio.sleep(0.05)
+
+    async def _sweep(self, version: int | None) -> None:
+        """Open a socket for every prepared directory not served yet, close those gone."""
         self._failed = False
         present = {c.limits_dir: c for c in self.containers()}
         for path in [p for p in self.served if p not in present]:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import grpc
 from nats.js import JetStreamContext
@@ -97,11 +98,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         mps: MpsDaemons | None = None,
         mig: DynamicMig | None = None,
         family: str | None = None,
+        lease_ready: Callable[[Path], Awaitable[bool]] | None = None,
     ) -> None:
         """`family`: the device family this plugin serves (tessera.device_kinds; its count
         resource is what kubelet knows the devices by, and ListAndWatch lists its devices
         only); None: the node's devices as one NVIDIA resource (TESSERA_RESOURCE_NAME)."""
         self.family = family
+        # The lease service's `ready`: a sealed container's account is open before kubelet
+        # starts it (None: no lease service, as in the plugin's own tests).
+        self.lease_ready = lease_ready
         resource = (registry.family(family).resource_names(settings).count if family
                     else settings.resource_name)  # fmt: skip
         self.ctx = ctx = PluginContext(
@@ -314,6 +319,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         ctx.log.info("limits sealed", extra={
             "pod": f"{p.namespace}/{p.pod}", "container": p.container, "devices": ids,
         })
+        if limits.lease and self.lease_ready is not None:
+            await self.lease_ready(cdir.limits_dir)
         # Allocate's finish is written after its answer (finish_soon): wait for it; a crash
         # between that answer and its write leaves the claim held: written here then.
         if self.records.answered(allocation.pod_uid):

@@ -21,6 +21,7 @@ from tessera.node_agent.dra.driver import DraDriver
 from tessera.node_agent.dra.endpoint import DraEndpoint
 from tessera.node_agent.dra.quota import DraQuota
 from tessera.node_agent.dra.settings import DraSettings
+from tessera.node_agent.leases import LeaseService
 from tessera.node_agent.state import DeviceState
 from tessera.quota import QuotaService
 
@@ -47,7 +48,7 @@ from tessera.models import (
     QuotaSetRequest,
     QuotaStatusRequest,
 )
-from tessera.region import read_limits
+from tessera.region import LEASE_SOCKET_NAME, read_limits
 from tessera.settings import TesseraSettings
 
 GPU_TYPE = "NVIDIA-A100-SXM4-80GB"
@@ -116,8 +117,11 @@ def pod_and_claim(
 
 class Harness:
     def __init__(
-        self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster, quota: bool = False
+        self, base: Path, nc, buckets, node: str, cluster: InMemoryCluster, quota: bool = False,
+        leases: bool = False,
     ) -> None:
+        """`leases`: the agent's lease service beside the driver, its own sweeps never run
+        (`self.leases`; the driver opens a claim's socket through its `ready`)."""
         self.base = base
         self.node = node
         self.cluster = cluster
@@ -129,6 +133,7 @@ class Harness:
         self.state = DeviceState(devices())
         self.store = ContainerStore(self.settings.region_host_dir)
         self.store.ensure_root()
+        self.leases = LeaseService(self.store.all, version=lambda: self.store.version)
         self.driver = DraDriver(
             settings=self.settings,
             dra=self.dra,
@@ -140,6 +145,7 @@ class Harness:
             cluster=cluster,
             log=logging.getLogger("test.dra"),
             quota=DraQuota(nc, TesseraSettings()) if quota else None,
+            lease_ready=self.leases.ready if leases else None,
         )
         self.endpoint = DraEndpoint(self.driver, poll_s=0.05)
         self.stop = asyncio.Event()
@@ -155,6 +161,7 @@ class Harness:
         self.stop.set()
         assert self.task is not None
         await asyncio.wait_for(self.task, 10)
+        await self.leases.close()
 
     async def kubelet_prepare(self, claim: dict) -> dra.NodePrepareResourcesResponse:
         info = await self.info()
@@ -276,6 +283,24 @@ async def test_prepare_seals_the_consumed_capacity_and_unprepare_frees_it(
         # the ended pod's allocation is the scheduler's to release (ledger, quota, event)
         ledger = await h.ledger()
         assert ledger is not None and pod["metadata"]["uid"] in ledger.allocations
+
+
+async def test_a_prepared_claims_lease_socket_is_open_when_kubelet_may_start_its_container(
+        short_dir, nc, buckets, node):  # fmt: skip
+    """libvgpu finding no lease service is refused every allocation: NodePrepareResources
+    answers once the claim's account is open (the lease service's own sweeps never run here)."""
+    cluster = InMemoryCluster()
+    async with Harness(short_dir, nc, buckets, node, cluster, leases=True) as h:
+        pod, claim = pod_and_claim(node, "gpu-1", "4Gi", "30")
+        cluster.add_pod(pod)
+        cluster.put_resource_claim(claim)
+        answer = (await h.kubelet_prepare(claim)).claims[claim["metadata"]["uid"]]
+        assert answer.error == ""
+        spec = json.loads(cdi.spec_path(h.dra.cdi_dir, claim["metadata"]["uid"]).read_text())
+        mounts = {m["containerPath"]: m for m in spec["devices"][0]["containerEdits"]["mounts"]}
+        limits_dir = Path(mounts["/run/tessera/limits"]["hostPath"])
+        assert read_limits(limits_dir).lease
+        assert (limits_dir / LEASE_SOCKET_NAME).is_socket()
 
 
 async def test_bad_claims_get_a_sentence_and_nothing_is_sealed(short_dir, nc, buckets, node):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from node_agent_rig import grants, make_pod, running_rig
+from tessera.node_agent import leases as agent_leases
 from tessera.node_agent.devices import HealthEvent
 
 from tessera import hami
@@ -15,7 +17,7 @@ from tessera.codec import decode
 from tessera.events import subscribe
 from tessera.kubeapi import HEALTHY, UNHEALTHY, dp, dp_grpc
 from tessera.models import AllocationState, NodeRegistration
-from tessera.region import SEALED_LIMITS_DIR, read_limits
+from tessera.region import LEASE_SOCKET_NAME, SEALED_LIMITS_DIR, read_limits
 
 
 async def test_registers_and_advertises_replicas_with_numa(short_dir, nc, buckets):
@@ -143,6 +145,24 @@ async def test_admission_steers_kubelet_and_seals_each_containers_limits(short_d
             return pod_now["metadata"]["annotations"].get(hami.ANN_BIND_PHASE) == "success"
 
         await eventually(bind_phase_success, timeout=10)
+
+
+async def test_a_sealed_containers_lease_socket_is_open_when_kubelet_may_start_it(
+    short_dir, nc, buckets, monkeypatch
+):
+    """libvgpu in a container that finds no lease service is refused every allocation: the
+    account opens before PreStartContainer answers, not at the lease service's next sweep
+    (made slow here, as on a busy node)."""
+    monkeypatch.setattr(agent_leases, "SYNC_S", 60.0)
+    async with running_rig(short_dir, nc, buckets) as rig:
+        gpu0, gpu1 = rig.gpus
+        pod = make_pod("early", [("main", 1), ("side", 1)])
+        await rig.bind(pod, [grants((gpu0, 2000, 10)), grants((gpu1, 1000, 0))])
+        admission = await rig.kubelet.admit_pod(pod)
+        assert admission.ok, admission.error
+        for container in admission.containers:
+            limits_dir = Path(container.mount(SEALED_LIMITS_DIR).host_path)
+            assert (limits_dir / LEASE_SOCKET_NAME).is_socket(), container
 
 
 async def test_reused_init_replica_still_gets_each_containers_own_limits(short_dir, nc, buckets):

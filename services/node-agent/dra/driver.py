@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tessera import bus
@@ -89,6 +89,7 @@ class DraDriver(HandOn):
         quota: DraQuota | None = None,
         mig: DynamicMig | None = None,
         mps: MpsDaemons | None = None,
+        lease_ready: Callable[[Path], Awaitable[bool]] | None = None,
     ) -> None:
         self.settings = settings
         self.dra = dra
@@ -105,6 +106,8 @@ class DraDriver(HandOn):
         self.quota = quota
         self.mig = mig  # dynamic MIG (mig_service.py): None when the node does not run it
         self.mps = mps  # MPS cards' control daemons (mps.py)
+        # the lease service's `ready`: a claim's account is open before its container can start
+        self.lease_ready = lease_ready
         self._lock = asyncio.Lock()  # one claim at a time: the ledger body reads the records
         self._publishing: set[asyncio.Task[None]] = set()
 
@@ -241,6 +244,8 @@ class DraDriver(HandOn):
             return cdir
 
         cdir = await asyncio.to_thread(make_dir)
+        if limits.lease and self.lease_ready is not None:
+            await self.lease_ready(cdir.limits_dir)
         if all(g.mig is not None for g in grants):  # MIG instances only: no libvgpu
             ctx = GrantContext(devices={}, settings=node_settings, priority=allocation.priority,
                                core_policy=allocation.core_policy)  # fmt: skip

@@ -76,6 +76,7 @@ def start_driver(agent: NodeAgent, stop: asyncio.Event,
         quota=DraQuota(agent.nc, agent.settings, agent.clock),
         mig=agent.dynamic_mig,
         mps=agent.mps,
+        lease_ready=agent.leases.ready,
     )
     endpoint = DraEndpoint(driver)
     agent.dra = endpoint
