@@ -42,6 +42,7 @@ struct tv_region {
                                * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
     int slot_idx;
+    int slot_locked;          /* fd holds the kernel lock on procs[slot_idx] (slot_lock) */
     pid_t pid;
     uint64_t start_time;
     uint64_t mine[TV_MAX_SLOTS];          /* bytes this process charged, per slot */
@@ -71,15 +72,24 @@ struct tv_region_seed {
 
 void tv_region_open(struct tv_region *rg, const char *path, int strict,
                     const struct tv_region_seed *seed) TV_HIDDEN;
-void tv_region_lock_slow(struct tv_region *rg, int err) TV_HIDDEN; /* owner died, broken */
-static inline void tv_region_lock(struct tv_region *rg)
+/* The region's lock: the mutex locked, to be passed to tv_region_unlock (the poll thread may
+ * swap rg->map meanwhile: the mutex unlocked must be the one locked), or NULL when it could not
+ * be had: the region went bad while this thread waited (truncated or replaced: whoever held the
+ * lock then released a zero page's, and nothing would ever wake the waiter), or it stayed held
+ * TV_REGION_LOCK_WAIT_MS (a lock word the tenant forged, a holder it stopped). A caller given
+ * NULL refuses what it was doing (a charge) or does it in this process alone (a free, mine[]):
+ * never a wait without end. */
+#define TV_REGION_LOCK_WAIT_MS 1000
+pthread_mutex_t *tv_region_lock_slow(struct tv_region *rg, pthread_mutex_t *m, int err) TV_HIDDEN;
+static inline pthread_mutex_t *tv_region_lock(struct tv_region *rg)
 {
-    int r = pthread_mutex_lock(&rg->map->lock.mutex);
-    if (tv_unlikely(r != 0)) tv_region_lock_slow(rg, r);
+    pthread_mutex_t *m = &rg->map->lock.mutex;
+    int r = pthread_mutex_trylock(m);
+    return tv_likely(r == 0) ? m : tv_region_lock_slow(rg, m, r);
 }
-static inline void tv_region_unlock(struct tv_region *rg)
+static inline void tv_region_unlock(pthread_mutex_t *m)
 {
-    pthread_mutex_unlock(&rg->map->lock.mutex);
+    pthread_mutex_unlock(m);
 }
 struct tsr_proc_slot *tv_region_register(struct tv_region *rg) TV_HIDDEN;
 void tv_region_release(struct tv_region *rg) TV_HIDDEN;
