@@ -166,3 +166,33 @@ def test_a_lock_word_the_tenant_forged_is_waited_for_a_bounded_time(tenant):
     assert time.monotonic() - t0 < 5
     assert a("info")["rc"] == 0
     assert a("phys")["phys"] <= LIMIT
+
+
+def test_a_forked_childs_slot_is_reclaimed_when_it_ends_before_its_parent(tenant):
+    """A slot is held by its process's own description of the region file. A forked child
+    inherits its parent's: it must open one of its own before it registers, or its slot's lock
+    would live on in the parent after the child ended (never reclaimed by any other process: a
+    slot lost for every worker a program forks) and the parent's in the child after the parent
+    ended. Every poll thread held: b's charge is what looks for dead slots."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {CHUNK}")["ok"]
+    assert a("forkinfo")["ok"]  # a child registers at its first call, then _exit()s
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert b(f"alloc plain {2 * CHUNK}")["ok"]
+    limits = None
+    try:
+        limits = HeldLimitsFile(tenant.base / "sealed")
+        polls, _ = wait_for(
+            lambda: all(threads_waiting(p, "wait_for_partner") == 1 for p in (a.pid, b.pid)), 10
+        )
+        assert polls, "the poll threads never reached the limits file"
+        assert len(region.read_region(tenant.region_path).processes) == 3
+        assert not b(f"alloc plain {CHUNK}")["ok"]  # does not fit: looks for dead slots
+        pids = sorted(s.pid for s in region.read_region(tenant.region_path).processes)
+        assert pids == sorted((a.pid, b.pid)), "the ended child's slot was kept"
+    finally:
+        if limits:
+            limits.release()
+    assert tenant.used() == 3 * CHUNK

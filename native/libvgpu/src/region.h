@@ -17,7 +17,12 @@
  *    TSR_LIMITS_POLL_MS); without a lease service it also raises each device total to what the
  *    live slots hold;
  *  - device-table entries for UUIDs that no sealed limit names and that hold nothing are
- *    reclaimed when a sealed device needs a slot.
+ *    reclaimed when a sealed device needs a slot;
+ *  - who holds a process slot is the kernel's word: an open-file-description lock on the slot's
+ *    first byte, held by its process while it lives (region.c, slot_lock). A held slot is never
+ *    reclaimed or handed out, whatever its pid or start time say;
+ *  - the region's mutex is waited for in slices (tv_region_lock): a truncated region or a lock
+ *    word nobody will release makes the caller refuse, never wait without end.
  */
 #ifndef TV_REGION_H
 #define TV_REGION_H
