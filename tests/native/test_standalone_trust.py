@@ -17,6 +17,7 @@ from .tenant_rig import (
     HeldLimitsFile,
     HeldStderr,
     dead_slot,
+    dev_off,
     slot_off,
     threads_waiting,
 )
@@ -196,3 +197,39 @@ def test_a_forked_childs_slot_is_reclaimed_when_it_ends_before_its_parent(tenant
         if limits:
             limits.release()
     assert tenant.used() == 3 * CHUNK
+
+
+def test_counters_the_tenant_zeroed_make_no_room_beside_what_processes_hold(tenant):
+    """The tenant zeroes a sibling's count and the device's total: a charge then read room that
+    the sibling still held, and took it before any poll thread put the counters back (a tick:
+    here every poll thread held): 1,550 MiB of a 1,000 MiB slice on the device. Now every byte
+    charged is also a byte its process holds locked in the region file (kacct.c): what the
+    processes hold leaves no room, whatever the counters say."""
+    a = tenant.cuctl()
+    assert a("init")["ok"]
+    assert a(f"alloc plain {2 * CHUNK}")["ok"]
+    b = tenant.cuctl()
+    assert b("init")["ok"]
+    assert b(f"alloc plain {50 * MiB}")["ok"]
+    limits = None
+    try:
+        limits = HeldLimitsFile(tenant.base / "sealed")
+        polls, _ = wait_for(
+            lambda: all(threads_waiting(p, "wait_for_partner") == 1 for p in (a.pid, b.pid)), 10
+        )
+        assert polls, "the poll threads never reached the limits file"
+        i = slot_of(tenant, a.pid).slot
+        with open(tenant.region_path, "r+b") as f:  # a's count and the total: nothing
+            f.seek(slot_off(i, "used"))
+            f.write(bytes(8))
+            f.seek(dev_off("used_bytes"))
+            f.write(bytes(8))
+        assert not b(f"alloc plain {3 * CHUNK}")["ok"], "charged in room a still holds"
+        assert a("phys")["phys"] <= LIMIT
+        assert b(f"alloc plain {CHUNK}")["ok"]  # what is really left: 350 MiB
+        assert a("phys")["phys"] <= LIMIT
+    finally:
+        if limits:
+            limits.release()
+    back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK + 50 * MiB, timeout=5)
+    assert back, f"the total was never put back: {tenant.used()}"

@@ -168,9 +168,18 @@ static void init_mutex(struct tsr_region *r)
 
 /* `bad_ok`: a value of rg->bad to wait through (the poll thread's own TV_BAD_FILE while it
  * re-attaches), 0 none. */
+/* Who holds m (glibc: a robust mutex's word is its owner's thread id and two flag bits). */
+static int lock_owner(pthread_mutex_t *m)
+{
+    return __atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffff;
+}
+
 static pthread_mutex_t *lock_wait(struct tv_region *rg, pthread_mutex_t *m, int r, int bad_ok)
 {
+    /* the bound runs while one owner keeps it: a lock passing from holder to holder (many
+     * threads charging) is waited for as long as it takes */
     uint64_t since = tv_mono_ns();
+    int owner = lock_owner(m);
     for (int reinit = 0;;) {
         if (r == EOWNERDEAD) {
             TV_LOG(TV_LOG_WARN, "region lock: its owner died; recovering");
@@ -204,9 +213,13 @@ static pthread_mutex_t *lock_wait(struct tv_region *rg, pthread_mutex_t *m, int 
             }
         }
         if (bad) return NULL; /* truncated or replaced: nobody will wake us */
-        if (tv_mono_ns() - since >= TV_REGION_LOCK_WAIT_MS * 1000000ull) {
-            TV_LOG(TV_LOG_ERROR, "region lock held for %d ms: giving up (refusing)",
-                   TV_REGION_LOCK_WAIT_MS);
+        int now_owner = lock_owner(m);
+        if (now_owner != owner) {
+            owner = now_owner;
+            since = tv_mono_ns();
+        } else if (tv_mono_ns() - since >= TV_REGION_LOCK_WAIT_MS * 1000000ull) {
+            TV_LOG(TV_LOG_ERROR, "region lock held by thread %d for %d ms: giving up "
+                   "(refusing)", owner, TV_REGION_LOCK_WAIT_MS);
             return NULL;
         }
         struct timespec ts;
@@ -436,13 +449,26 @@ static int attach(struct tv_region *rg, const char *path, int strict,
         }
         r = m;
     }
-    if (rg->fd >= 0) close(rg->fd); /* with it, our slot's kernel lock: register takes one */
+    int kept = 0;
+    if (rg->fd >= 0) {
+        struct stat old;
+        if (fstat(rg->fd, &old) == 0 && old.st_ino == st.st_ino && old.st_dev == st.st_dev) {
+            /* the same file (rewritten in place): our description stays, and with it our
+             * locks (our slot's, our account's) */
+            close(fd);
+            fd = rg->fd;
+            kept = 1;
+        } else {
+            close(rg->fd); /* another file: our locks go with the old one */
+            rg->slot_locked = 0;
+        }
+    }
     rg->fd = fd;
-    rg->slot_locked = 0;
     rg->ino = st.st_ino;
     rg->dev = st.st_dev;
     rg->shared = r;
     rg->map = r;
+    if (!kept && rg->kacct) tv_kacct_relock(rg);
     if (seed && seed->nuuid) {
         pthread_mutex_t *mu = tv_region_lock(rg);
         if (mu) {
@@ -460,6 +486,7 @@ void tv_region_open(struct tv_region *rg, const char *path, int strict,
     rg->slot_idx = -1;
     rg->pid = getpid();
     rg->strict = strict;
+    rg->kacct = strict && seed && seed->region_is_account;
     pthread_mutex_init(&rg->priv_mu, NULL);
     rg->priv = map_anon();
     snprintf(rg->path, sizeof rg->path, "%s", path ? path : "");
@@ -589,6 +616,7 @@ void tv_region_after_fork_child(struct tv_region *rg)
      * its parent's charges to its own, taking them off the totals */
     memset(&overflow_slot, 0, sizeof overflow_slot);
     pthread_mutex_init(&rg->priv_mu, NULL);
+    tv_kacct_after_fork_child();
     /* A description of the file of its own: the one inherited is the parent's, with the
      * parent's slot lock on it (slot_lock). Same inode, same fd number. Only async-signal-safe
      * calls here (a child of a multithreaded parent). */
@@ -725,8 +753,7 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
      * must not resume on it */
     atomic_store(&rg->bad, TV_BAD_FILE);
     if (attach(rg, rg->path, rg->strict, seed) != 0) return;
-    atomic_store(&rg->slot, NULL);
-    rg->slot_idx = -1;
+    atomic_store(&rg->slot, NULL); /* register_locked gives up the old slot's lock if it moves */
     pthread_mutex_t *mu = &rg->map->lock.mutex;
     int r = pthread_mutex_trylock(mu);
     if (r != 0 && !(mu = lock_wait(rg, mu, r, TV_BAD_FILE))) return; /* again next tick */
@@ -938,6 +965,9 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
     }
     /* truncated since the check above: what was read may be the zero page (on_sigbus) */
     int ok = !faulted(rg) && fits(used, limit, bytes);
+    /* where the region is the account, the bytes are locked in the file too: counters the
+     * tenant lowered cannot make room the container's processes still hold (kacct.c) */
+    if (ok && rg->kacct && tv_kacct_take(rg, d, bytes, limit) != 0) ok = 0;
     if (ok) {
         used += bytes;
         STORE(rd->used_bytes, used);
@@ -959,6 +989,7 @@ static void uncharge_mine(struct tv_region *rg, int d, uint64_t bytes)
 void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
 {
     if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return;
+    if (rg->kacct && d < TSR_MAX_DEVICES) tv_kacct_give(rg, d, bytes);
     if (d >= TSR_MAX_DEVICES || atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
         uncharge_mine(rg, d, bytes);
         return;

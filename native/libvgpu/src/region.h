@@ -43,6 +43,7 @@ struct tv_region {
     int fd;
     int is_private;           /* no shared file at all (standalone without a path) */
     int strict;               /* the node agent prepared the file: never initialise it */
+    int kacct;                /* strict and no lease service: charges also locked (kacct.c) */
     _Atomic int bad;          /* the shared file failed validation: refuse charges (a
                                * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
@@ -80,8 +81,9 @@ void tv_region_open(struct tv_region *rg, const char *path, int strict,
 /* The region's lock: the mutex locked, to be passed to tv_region_unlock (the poll thread may
  * swap rg->map meanwhile: the mutex unlocked must be the one locked), or NULL when it could not
  * be had: the region went bad while this thread waited (truncated or replaced: whoever held the
- * lock then released a zero page's, and nothing would ever wake the waiter), or it stayed held
- * TV_REGION_LOCK_WAIT_MS (a lock word the tenant forged, a holder it stopped). A caller given
+ * lock then released a zero page's, and nothing would ever wake the waiter), or one owner kept
+ * it TV_REGION_LOCK_WAIT_MS (a lock word the tenant forged, a holder it stopped; a lock passing
+ * from holder to holder is waited for as long as it takes). A caller given
  * NULL refuses what it was doing (a charge) or does it in this process alone (a free, mine[]):
  * never a wait without end. */
 #define TV_REGION_LOCK_WAIT_MS 1000
@@ -150,6 +152,13 @@ static inline uint64_t tv_region_used(struct tv_region *rg, int d)
     uint64_t u = __atomic_load_n(&tv_region_dev(rg, d)->used_bytes, __ATOMIC_RELAXED);
     return u < rg->mine[d] ? rg->mine[d] : u;
 }
+
+/* kacct.c: the account in kernel file locks, where the region is the account and its limits
+ * sealed (rg->kacct). 0 taken (0 <= d < TSR_MAX_DEVICES; limit 0: unlimited), -1 refused. */
+int tv_kacct_take(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit) TV_HIDDEN;
+void tv_kacct_give(struct tv_region *rg, int d, uint64_t bytes) TV_HIDDEN;
+void tv_kacct_relock(struct tv_region *rg) TV_HIDDEN;
+void tv_kacct_after_fork_child(void) TV_HIDDEN;
 
 /* liveness.c: is the process in a slot (pid, start time from /proc/<pid>/stat, 0 = unknown)
  * alive, as seen from process `self`? This process's own start time (0 if unreadable). */
