@@ -101,47 +101,56 @@ static void give_locked(int fd, unsigned d, uint64_t bytes)
     }
 }
 
-/* Caller holds acct_mu. Lock `need` free bytes in [from, end) (ours skipped), into the list;
- * what was found (may be less than asked). -1 when the list or the step budget ran out. */
-static int64_t take_from(int fd, unsigned d, uint64_t from, uint64_t end, uint64_t need,
-                         unsigned *steps)
+/* Caller holds acct_mu. Lock [s, e) (none of it ours) and list it: 0 done, 1 another holds
+ * some of it, -1 failed (the list full, an error). */
+static int grab(int fd, unsigned d, uint64_t s, uint64_t e)
+{
+    if (setlk(fd, F_WRLCK, s, e - s) != 0) return errno == EAGAIN || errno == EACCES ? 1 : -1;
+    if (add_range(d, s, e) == 0) return 0;
+    setlk(fd, F_UNLCK, s, e - s);
+    return -1;
+}
+
+/* Caller holds acct_mu. Lock up to `need` free bytes in [from, end) (ours skipped) and list
+ * them; stops early when the list or the step budget runs out. */
+static void take_from(int fd, unsigned d, uint64_t from, uint64_t end, uint64_t need,
+                      unsigned *steps)
 {
     uint64_t got = 0, pos = from;
     while (got < need && pos < end) {
-        if (++*steps > KACCT_STEPS) return -1;
+        if (++*steps > KACCT_STEPS) return;
         uint64_t qend = pos + (need - got) < end ? pos + (need - got) : end;
-        int inside = 0; /* ours: skipped; stop the query at our next range */
+        int inside = 0; /* ours: skipped; stop the range at our next one */
         for (unsigned k = 0; k < acct[d].n && !inside; k++) {
             const struct range *r = &acct[d].r[k];
             if (pos >= r->start && pos < r->end) pos = r->end, inside = 1;
             else if (r->start > pos && r->start < qend) qend = r->start;
         }
         if (inside) continue;
-        /* the kernel names one lock over the range, not the lowest: narrow down to a range
-         * none is over, or one over its start */
-        uint64_t cs = 0, ce = 0;
-        int c;
-        while ((c = getlk(fd, pos, qend - pos, &cs, &ce)) == 1 && cs > pos) {
-            if (++*steps > KACCT_STEPS) return -1;
-            qend = cs;
+        /* if the kernel lets us lock it, nobody else held any of it: one call in the common
+         * case (right above our own highest range) */
+        int g = grab(fd, d, pos, qend);
+        if (g == 1) {
+            /* the kernel names one lock over a range, not the lowest: narrow down to a range
+             * none is over, or one over its start */
+            uint64_t cs = 0, ce = 0;
+            int c;
+            while ((c = getlk(fd, pos, qend - pos, &cs, &ce)) == 1 && cs > pos) {
+                if (++*steps > KACCT_STEPS) return;
+                qend = cs;
+            }
+            if (c < 0) return;
+            if (c == 1) {
+                pos = ce; /* another's: past it */
+                continue;
+            }
+            g = grab(fd, d, pos, qend);
+            if (g == 1) continue; /* taken meanwhile: look again */
         }
-        if (c < 0) return -1;
-        if (c == 1) {
-            pos = ce; /* another's: past it */
-            continue;
-        }
-        if (setlk(fd, F_WRLCK, pos, qend - pos) != 0) {
-            if (errno == EAGAIN || errno == EACCES) continue; /* taken meanwhile: look again */
-            return -1;
-        }
-        if (add_range(d, pos, qend) != 0) {
-            setlk(fd, F_UNLCK, pos, qend - pos);
-            return -1;
-        }
+        if (g < 0) return;
         got += qend - pos;
         pos = qend;
     }
-    return (int64_t)got;
 }
 
 int tv_kacct_take(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
@@ -156,7 +165,8 @@ int tv_kacct_take(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit)
     unsigned steps = 0;
     /* just above our highest range first (it grows in place), then from the bottom */
     uint64_t top = acct[d].n ? acct[d].r[acct[d].n - 1].end : base;
-    if (take_from(fd, (unsigned)d, top, end, bytes, &steps) >= 0 && acct[d].held - before < bytes)
+    take_from(fd, (unsigned)d, top, end, bytes, &steps);
+    if (acct[d].held - before < bytes)
         take_from(fd, (unsigned)d, base, end, bytes - (acct[d].held - before), &steps);
     int ok = acct[d].held - before == bytes;
     if (!ok) give_locked(fd, (unsigned)d, acct[d].held - before); /* fungible: from the top */
