@@ -62,10 +62,17 @@ static off_t slot_off(int i)
     return (off_t)(offsetof(struct tsr_region, procs) + (size_t)i * sizeof(struct tsr_proc_slot));
 }
 
+/* Slots are held by kernel locks: a shared file whose file system has them (probed at attach;
+ * without them, as before: the slot's pid and start time). */
+static int locking(const struct tv_region *rg)
+{
+    return rg->fd >= 0 && !rg->no_locks;
+}
+
 /* 0: slot i's lock is this process's (taken now or before); -1: another's, or no file */
 static int slot_lock(struct tv_region *rg, int i)
 {
-    if (rg->fd < 0 || i < 0) return -1;
+    if (!locking(rg) || i < 0) return -1;
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
     return fcntl(rg->fd, F_OFD_SETLK, &fl) == 0 ? 0 : -1;
 }
@@ -80,7 +87,7 @@ static void slot_unlock(struct tv_region *rg, int i)
 /* Does another description (a live process) hold slot i's lock? */
 static int slot_held(struct tv_region *rg, int i)
 {
-    if (rg->fd < 0) return 0;
+    if (!locking(rg)) return 0;
     struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
     return fcntl(rg->fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
 }
@@ -468,7 +475,16 @@ static int attach(struct tv_region *rg, const char *path, int strict,
     rg->dev = st.st_dev;
     rg->shared = r;
     rg->map = r;
-    if (!kept && rg->kacct) tv_kacct_relock(rg);
+    if (!kept) {
+        /* kernel locks on this file system? (a file system without them: a FUSE or network
+         * one) Without them slots are judged as before, and the region alone is the account */
+        struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_len = 1};
+        rg->no_locks = fcntl(fd, F_OFD_GETLK, &probe) != 0;
+        if (rg->no_locks)
+            TV_LOG(TV_LOG_ERROR, "region %s: no file locks here (%s): process slots judged by "
+                   "/proc, the region's counters the only account", path, strerror(errno));
+        if (rg->kacct && !rg->no_locks) tv_kacct_relock(rg);
+    }
     if (seed && seed->nuuid) {
         pthread_mutex_t *mu = tv_region_lock(rg);
         if (mu) {
@@ -535,7 +551,7 @@ static int take_slot(struct tv_region *rg)
         for (int i = 0; i < TSR_MAX_PROCS; i++) {
             pid_t pid = LOAD(R->procs[i].pid);
             if (pid != (want_ours ? rg->pid : 0)) continue;
-            if (rg->fd >= 0 && slot_lock(rg, i) != 0) continue;
+            if (locking(rg) && slot_lock(rg, i) != 0) continue;
             if (want_ours) reclaim_slot(R, &R->procs[i]);
             return i;
         }
@@ -562,7 +578,7 @@ static struct tsr_proc_slot *register_locked(struct tv_region *rg)
         s = &overflow_slot;
     }
     rg->slot_idx = idx;
-    rg->slot_locked = idx >= 0 && rg->fd >= 0;
+    rg->slot_locked = idx >= 0 && locking(rg);
     assert_mine(rg, s);
     atomic_store_explicit(&rg->slot, s, memory_order_release);
     return s;
@@ -967,7 +983,7 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
     int ok = !faulted(rg) && fits(used, limit, bytes);
     /* where the region is the account, the bytes are locked in the file too: counters the
      * tenant lowered cannot make room the container's processes still hold (kacct.c) */
-    if (ok && rg->kacct && tv_kacct_take(rg, d, bytes, limit) != 0) ok = 0;
+    if (ok && rg->kacct && !rg->no_locks && tv_kacct_take(rg, d, bytes, limit) != 0) ok = 0;
     if (ok) {
         used += bytes;
         STORE(rd->used_bytes, used);
@@ -989,7 +1005,7 @@ static void uncharge_mine(struct tv_region *rg, int d, uint64_t bytes)
 void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
 {
     if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return;
-    if (rg->kacct && d < TSR_MAX_DEVICES) tv_kacct_give(rg, d, bytes);
+    if (rg->kacct && !rg->no_locks && d < TSR_MAX_DEVICES) tv_kacct_give(rg, d, bytes);
     if (d >= TSR_MAX_DEVICES || atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
         uncharge_mine(rg, d, bytes);
         return;

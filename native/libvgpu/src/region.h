@@ -44,6 +44,7 @@ struct tv_region {
     int is_private;           /* no shared file at all (standalone without a path) */
     int strict;               /* the node agent prepared the file: never initialise it */
     int kacct;                /* strict and no lease service: charges also locked (kacct.c) */
+    int no_locks;             /* the file's file system has no kernel file locks (probed) */
     _Atomic int bad;          /* the shared file failed validation: refuse charges (a
                                * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
