@@ -233,3 +233,26 @@ def test_counters_the_tenant_zeroed_make_no_room_beside_what_processes_hold(tena
             limits.release()
     back, _ = wait_for(lambda: tenant.used() == 3 * CHUNK + 50 * MiB, timeout=5)
     assert back, f"the total was never put back: {tenant.used()}"
+
+
+def test_the_locked_account_fills_every_gap_a_freeing_process_leaves(tenant):
+    """The account in file locks holds byte ranges: two processes allocating in turn hold
+    interleaved ones, and when one frees everything (in no order), the other's next charge must
+    find the room in the twenty gaps it left, exactly up to the limit and not a byte past it."""
+    a, b = tenant.cuctl(), tenant.cuctl()
+    assert a("init")["ok"] and b("init")["ok"]
+    piece = LIMIT // 40
+    ids = []
+    for _ in range(20):
+        got = a(f"alloc plain {piece}")
+        assert got["ok"]
+        ids.append(got["id"])
+        assert b(f"alloc plain {piece}")["ok"]
+    assert not a(f"alloc plain {MiB}")["ok"]  # the slice is full
+    for i in ids[1::2] + ids[::2]:
+        assert a(f"free {i}")["ok"]
+    assert b(f"alloc plain {LIMIT // 2}")["ok"], "the gaps a left were not found"
+    assert not b(f"alloc plain {MiB}")["ok"]
+    assert not a(f"alloc plain {MiB}")["ok"]
+    assert tenant.used() == LIMIT
+    assert a("phys")["phys"] <= LIMIT

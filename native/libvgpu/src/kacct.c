@@ -25,7 +25,7 @@
 
 #define KACCT_BASE (1ull << 46)
 #define KACCT_SPAN (1ull << 44) /* 16 TiB a device: beyond any limit */
-#define KACCT_RANGES 64         /* per device; more fragments than this: refused */
+#define KACCT_RANGES 512        /* per device and process; more fragments: refused */
 #define KACCT_STEPS 4096        /* fcntl calls one charge may make (a tenant's many locks) */
 
 struct range {
