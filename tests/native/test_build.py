@@ -86,6 +86,7 @@ alloc plain 314572800
 alloc pitch 314572800
 alloc plain 314572800
 info
+forkinfo
 nvml
 nvml2
 free 0

@@ -7,12 +7,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "region.h"
@@ -43,14 +45,81 @@ static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
     memset(s, 0, sizeof *s);
 }
 
+/* ---- the kernel's word on who holds a slot ---------------------------------------------------
+ * A process that registers in procs[i] takes an open-file-description lock (F_OFD_SETLK) on the
+ * slot's first byte of the file, through its own description of it, and holds it for as long as
+ * it lives: the kernel drops it when the last reference to that description closes (the
+ * process's exit, however it ends). Every byte of the region is the tenant's to write (pid,
+ * start time, counters); this lock is not: no other description can take it or drop it. So a
+ * slot whose lock is held belongs to a live process whatever the slot says (its start time
+ * rewritten, its pid zeroed or made another's): it is never reclaimed and never handed to
+ * another process. A fork's child opens a description of its own (tv_region_after_fork_child):
+ * sharing its parent's, it would keep the parent's slot held after the parent died. A slot
+ * nobody holds (filled in by hand, or its process closed our descriptor) is judged by /proc. */
+
+static off_t slot_off(int i)
+{
+    return (off_t)(offsetof(struct tsr_region, procs) + (size_t)i * sizeof(struct tsr_proc_slot));
+}
+
+/* Slots are held by kernel locks: a shared file whose file system has them (probed at attach;
+ * without them, as before: the slot's pid and start time). */
+static int locking(const struct tv_region *rg)
+{
+    return rg->fd >= 0 && !rg->no_locks;
+}
+
+/* 0: slot i's lock is this process's (taken now or before); -1: another's, or no file */
+static int slot_lock(struct tv_region *rg, int i)
+{
+    if (!locking(rg) || i < 0) return -1;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
+    return fcntl(rg->fd, F_OFD_SETLK, &fl) == 0 ? 0 : -1;
+}
+
+static void slot_unlock(struct tv_region *rg, int i)
+{
+    if (rg->fd < 0 || i < 0) return;
+    struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
+    fcntl(rg->fd, F_OFD_SETLK, &fl);
+}
+
+/* Does another description (a live process) hold slot i's lock? */
+static int slot_held(struct tv_region *rg, int i)
+{
+    if (!locking(rg)) return 0;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
+    return fcntl(rg->fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
+}
+
+/* Is the process of slot i gone? Never while it holds the slot's lock; else as /proc says. A
+ * process being killed still holds its lock a moment after the kernel released the region's
+ * mutex for it (robust mutexes go before files close): where /proc says the slot's process is
+ * ending, the lock is waited for until `deadline` (tv_mono_ns; 0 = not at all). The pid and
+ * start time are the tenant's to write: a slot made to look ending whose lock stays held is a
+ * live process's, and the wait is bounded. */
+#define DEAD_LOCK_WAIT_NS 200000000ull
+static int slot_dead(struct tv_region *rg, int i, pid_t pid, uint64_t start, uint64_t deadline)
+{
+    int proc_alive = tv_proc_alive(rg->pid, pid, start);
+    if (!slot_held(rg, i)) return !proc_alive;
+    if (proc_alive) return 0;
+    while (tv_mono_ns() < deadline) {
+        tv_sleep_ns(1000000ull);
+        if (!slot_held(rg, i)) return 1;
+    }
+    return 0;
+}
+
 int tv_region_reclaim_dead(struct tv_region *rg)
 {
     int n = 0;
+    uint64_t deadline = tv_mono_ns() + DEAD_LOCK_WAIT_NS; /* all slots together */
     for (int i = 0; i < TSR_MAX_PROCS; i++) {
         struct tsr_proc_slot *s = &rg->map->procs[i];
         pid_t pid = LOAD(s->pid);
         if (pid == 0 || pid == rg->pid) continue;
-        if (!tv_proc_alive(rg->pid, pid, LOAD(s->start_time))) {
+        if (slot_dead(rg, i, pid, LOAD(s->start_time), deadline)) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", i, (int)pid);
             reclaim_slot(rg->map, s);
             n++;
@@ -99,20 +168,79 @@ static void init_mutex(struct tsr_region *r)
     __atomic_store_n(&r->lock_ready, TSR_LOCK_READY, __ATOMIC_RELEASE);
 }
 
-void tv_region_lock_slow(struct tv_region *rg, int r)
+/* Waited for in slices: a holder whose mapping was truncated releases a zero page's mutex and
+ * wakes nobody (the waiter sleeps on the file's futex), so a waiter that only slept would sleep
+ * for ever; between slices it looks whether the region went bad (on_sigbus, the poll thread). */
+#define LOCK_SLICE_NS 10000000ull
+
+/* `bad_ok`: a value of rg->bad to wait through (the poll thread's own TV_BAD_FILE while it
+ * re-attaches), 0 none. */
+/* Who holds m (glibc: a robust mutex's word is its owner's thread id and two flag bits). */
+static int lock_owner(pthread_mutex_t *m)
 {
-    struct tsr_region *R = rg->map;
-    if (r == EOWNERDEAD) {
-        TV_LOG(TV_LOG_WARN, "region lock: its owner died; recovering");
-        recover(rg);
-        pthread_mutex_consistent(&R->lock.mutex);
-        return;
+    return __atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffff;
+}
+
+static pthread_mutex_t *lock_wait(struct tv_region *rg, pthread_mutex_t *m, int r, int bad_ok)
+{
+    /* the bound runs while one owner keeps it: a lock passing from holder to holder (many
+     * threads charging) is waited for as long as it takes */
+    uint64_t since = tv_mono_ns();
+    int owner = lock_owner(m);
+    for (int reinit = 0;;) {
+        if (r == EOWNERDEAD) {
+            TV_LOG(TV_LOG_WARN, "region lock: its owner died; recovering");
+            recover(rg);
+            pthread_mutex_consistent(m);
+            r = 0;
+        }
+        int bad = atomic_load(&rg->bad);
+        if (bad == bad_ok) bad = 0;
+        if (r == 0) {
+            if (!bad) return m;
+            pthread_mutex_unlock(m); /* a zero page's (on_sigbus): nothing to decide on */
+            return NULL;
+        }
+        if (r != EBUSY && r != ETIMEDOUT && r != EINTR) {
+            /* a lock word the tenant made unusable: made again under the file's flock, once */
+            if (reinit++ || m != &rg->map->lock.mutex) return NULL;
+            TV_LOG(TV_LOG_ERROR, "region lock: error %d: re-initialising it", r);
+            if (rg->fd >= 0) flock(rg->fd, LOCK_EX);
+            init_mutex(rg->map);
+            if (rg->fd >= 0) flock(rg->fd, LOCK_UN);
+            r = pthread_mutex_trylock(m);
+            continue;
+        }
+        if (r == ETIMEDOUT && rg->fd >= 0 && m == &rg->shared->lock.mutex) {
+            /* truncated while we wait (our poll thread may be the waiter): say so ourselves */
+            struct stat st;
+            if (fstat(rg->fd, &st) == 0 && (size_t)st.st_size != REGION_SZ) {
+                atomic_store(&rg->bad, TV_BAD_FAULTED);
+                bad = TV_BAD_FAULTED;
+            }
+        }
+        if (bad) return NULL; /* truncated or replaced: nobody will wake us */
+        int now_owner = lock_owner(m);
+        if (now_owner != owner) {
+            owner = now_owner;
+            since = tv_mono_ns();
+        } else if (tv_mono_ns() - since >= TV_REGION_LOCK_WAIT_MS * 1000000ull) {
+            TV_LOG(TV_LOG_ERROR, "region lock held by thread %d for %d ms: giving up "
+                   "(refusing)", owner, TV_REGION_LOCK_WAIT_MS);
+            return NULL;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t ns = (uint64_t)ts.tv_nsec + LOCK_SLICE_NS;
+        ts.tv_sec += (time_t)(ns / 1000000000ull);
+        ts.tv_nsec = (long)(ns % 1000000000ull);
+        r = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
     }
-    TV_LOG(TV_LOG_ERROR, "region lock: error %d: re-initialising it", r);
-    if (rg->fd >= 0) flock(rg->fd, LOCK_EX);
-    init_mutex(R);
-    if (rg->fd >= 0) flock(rg->fd, LOCK_UN);
-    if (pthread_mutex_lock(&R->lock.mutex) == EOWNERDEAD) pthread_mutex_consistent(&R->lock.mutex);
+}
+
+pthread_mutex_t *tv_region_lock_slow(struct tv_region *rg, pthread_mutex_t *m, int r)
+{
+    return lock_wait(rg, m, r, 0);
 }
 
 /* ---- creation and validation -------------------------------------------------------------- */
@@ -328,16 +456,41 @@ static int attach(struct tv_region *rg, const char *path, int strict,
         }
         r = m;
     }
-    if (rg->fd >= 0) close(rg->fd);
+    int kept = 0;
+    if (rg->fd >= 0) {
+        struct stat old;
+        if (fstat(rg->fd, &old) == 0 && old.st_ino == st.st_ino && old.st_dev == st.st_dev) {
+            /* the same file (rewritten in place): our description stays, and with it our
+             * locks (our slot's, our account's) */
+            close(fd);
+            fd = rg->fd;
+            kept = 1;
+        } else {
+            close(rg->fd); /* another file: our locks go with the old one */
+            rg->slot_locked = 0;
+        }
+    }
     rg->fd = fd;
     rg->ino = st.st_ino;
     rg->dev = st.st_dev;
     rg->shared = r;
     rg->map = r;
+    if (!kept) {
+        /* kernel locks on this file system? (a file system without them: a FUSE or network
+         * one) Without them slots are judged as before, and the region alone is the account */
+        struct flock probe = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_len = 1};
+        rg->no_locks = fcntl(fd, F_OFD_GETLK, &probe) != 0;
+        if (rg->no_locks)
+            TV_LOG(TV_LOG_ERROR, "region %s: no file locks here (%s): process slots judged by "
+                   "/proc, the region's counters the only account", path, strerror(errno));
+        if (rg->kacct && !rg->no_locks) tv_kacct_relock(rg);
+    }
     if (seed && seed->nuuid) {
-        tv_region_lock(rg);
-        seed_devices(rg, seed);
-        tv_region_unlock(rg);
+        pthread_mutex_t *mu = tv_region_lock(rg);
+        if (mu) {
+            seed_devices(rg, seed);
+            tv_region_unlock(mu);
+        }
     }
     return 0;
 }
@@ -349,6 +502,7 @@ void tv_region_open(struct tv_region *rg, const char *path, int strict,
     rg->slot_idx = -1;
     rg->pid = getpid();
     rg->strict = strict;
+    rg->kacct = strict && seed && seed->region_is_account;
     pthread_mutex_init(&rg->priv_mu, NULL);
     rg->priv = map_anon();
     snprintf(rg->path, sizeof rg->path, "%s", path ? path : "");
@@ -387,43 +541,59 @@ static void assert_mine(struct tv_region *rg, struct tsr_proc_slot *s)
     }
 }
 
+/* Caller holds the lock. The slot i of a previous process with our pid (it is dead), or a free
+ * one, if this process gets its kernel lock (slot_lock): a slot another live process holds is
+ * never taken, whatever its pid field says. -1: none. */
+static int take_slot(struct tv_region *rg)
+{
+    struct tsr_region *R = rg->map;
+    for (int want_ours = 1; want_ours >= 0; want_ours--)
+        for (int i = 0; i < TSR_MAX_PROCS; i++) {
+            pid_t pid = LOAD(R->procs[i].pid);
+            if (pid != (want_ours ? rg->pid : 0)) continue;
+            if (locking(rg) && slot_lock(rg, i) != 0) continue;
+            if (want_ours) reclaim_slot(R, &R->procs[i]);
+            return i;
+        }
+    return -1;
+}
+
+/* Caller holds the lock. Take a slot (a dead process's if none is free; the overflow slot if
+ * none at all) and write what this process holds into it and the totals. */
+static struct tsr_proc_slot *register_locked(struct tv_region *rg)
+{
+    int idx = take_slot(rg);
+    if (idx < 0 && tv_region_reclaim_dead(rg)) idx = take_slot(rg);
+    if (rg->slot_locked && rg->slot_idx >= 0 && rg->slot_idx != idx)
+        slot_unlock(rg, rg->slot_idx); /* a slot we held before (never two) */
+    struct tsr_proc_slot *s;
+    if (idx >= 0) {
+        s = &rg->map->procs[idx];
+        memset(s, 0, sizeof *s);
+        STORE(s->start_time, rg->start_time);
+        STORE(s->pid, (int32_t)rg->pid);
+    } else {
+        TV_LOG(TV_LOG_ERROR, "region full (%d processes): this process is not tracked",
+               TSR_MAX_PROCS);
+        s = &overflow_slot;
+    }
+    rg->slot_idx = idx;
+    rg->slot_locked = idx >= 0 && locking(rg);
+    assert_mine(rg, s);
+    atomic_store_explicit(&rg->slot, s, memory_order_release);
+    return s;
+}
+
 struct tsr_proc_slot *tv_region_register(struct tv_region *rg)
 {
     struct tsr_proc_slot *s = atomic_load_explicit(&rg->slot, memory_order_acquire);
     if (tv_likely(s != NULL)) return s;
     if (!rg->start_time) rg->start_time = tv_self_start_time();
-    struct tsr_region *R = rg->map;
-    tv_region_lock(rg);
+    pthread_mutex_t *mu = tv_region_lock(rg);
+    if (!mu) return NULL; /* the caller refuses its charge */
     s = atomic_load(&rg->slot);
-    if (!s) {
-        int idx = -1;
-        for (int pass = 0; pass < 2 && idx < 0; pass++) {
-            for (int i = 0; i < TSR_MAX_PROCS; i++) {
-                pid_t pid = LOAD(R->procs[i].pid);
-                if (pid == rg->pid) { /* a previous process with our pid: it is dead */
-                    reclaim_slot(R, &R->procs[i]);
-                    idx = i;
-                    break;
-                }
-                if (pid == 0 && idx < 0) idx = i;
-            }
-            if (idx < 0) tv_region_reclaim_dead(rg);
-        }
-        if (idx >= 0) {
-            s = &R->procs[idx];
-            memset(s, 0, sizeof *s);
-            STORE(s->start_time, rg->start_time);
-            STORE(s->pid, (int32_t)rg->pid);
-        } else {
-            TV_LOG(TV_LOG_ERROR, "region full (%d processes): this process is not tracked",
-                   TSR_MAX_PROCS);
-            s = &overflow_slot;
-        }
-        rg->slot_idx = idx;
-        assert_mine(rg, s);
-        atomic_store_explicit(&rg->slot, s, memory_order_release);
-    }
-    tv_region_unlock(rg);
+    if (!s) s = register_locked(rg);
+    tv_region_unlock(mu);
     return s;
 }
 
@@ -431,7 +601,8 @@ void tv_region_release(struct tv_region *rg)
 {
     struct tsr_proc_slot *s = atomic_load(&rg->slot);
     if (!s || !rg->map || atomic_load(&rg->bad)) return;
-    tv_region_lock(rg);
+    pthread_mutex_t *mu = tv_region_lock(rg);
+    if (!mu) return; /* our slot's kernel lock goes at exit: a sweep reclaims it */
     if (s == &overflow_slot) {
         for (int d = 0; d < TSR_MAX_DEVICES; d++) {
             uint64_t u = s->used[d], total = LOAD(rg->map->dev[d].used_bytes);
@@ -440,11 +611,13 @@ void tv_region_release(struct tv_region *rg)
         uint64_t sp = s->spilled_bytes, spt = LOAD(rg->map->spilled_bytes);
         STORE(rg->map->spilled_bytes, spt > sp ? spt - sp : 0);
         memset(s, 0, sizeof *s);
-    } else if (LOAD(s->pid) == (int32_t)rg->pid) {
-        reclaim_slot(rg->map, s);
+    } else if (rg->slot_locked || LOAD(s->pid) == (int32_t)rg->pid) {
+        reclaim_slot(rg->map, s); /* ours (its kernel lock), whatever its pid field says */
     }
+    if (rg->slot_locked) slot_unlock(rg, rg->slot_idx);
+    rg->slot_locked = 0;
     atomic_store(&rg->slot, NULL);
-    tv_region_unlock(rg);
+    tv_region_unlock(mu);
 }
 
 void tv_region_after_fork_child(struct tv_region *rg)
@@ -459,6 +632,27 @@ void tv_region_after_fork_child(struct tv_region *rg)
      * its parent's charges to its own, taking them off the totals */
     memset(&overflow_slot, 0, sizeof overflow_slot);
     pthread_mutex_init(&rg->priv_mu, NULL);
+    tv_kacct_after_fork_child();
+    /* A description of the file of its own: the one inherited is the parent's, with the
+     * parent's slot lock on it (slot_lock). Same inode, same fd number. Only async-signal-safe
+     * calls here (a child of a multithreaded parent). */
+    rg->slot_locked = 0;
+    if (rg->fd >= 0) {
+        char path[32] = "/proc/self/fd/", digits[12];
+        int n = 0, len = 14;
+        for (unsigned v = (unsigned)rg->fd; n == 0 || v; v /= 10) digits[n++] = (char)('0' + v % 10);
+        while (n) path[len++] = digits[--n];
+        path[len] = 0;
+        int fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd >= 0 && dup3(fd, rg->fd, O_CLOEXEC) >= 0) {
+            close(fd);
+        } else { /* refused until the poll thread re-attaches by path (a new description) */
+            if (fd >= 0) close(fd);
+            close(rg->fd);
+            rg->fd = -1;
+            atomic_store(&rg->bad, TV_BAD_FILE);
+        }
+    }
 }
 
 /* ---- the poll thread's share --------------------------------------------------------------- */
@@ -479,28 +673,33 @@ static void reclaim_periodic(struct tv_region *rg)
     for (int i = 0; i < TSR_MAX_PROCS; i++) { /* liveness checked outside the lock */
         int32_t pid = LOAD(R->procs[i].pid);
         uint64_t st = LOAD(R->procs[i].start_time);
-        if (pid && pid != rg->pid && !tv_proc_alive(rg->pid, pid, st)) {
+        if (pid && pid != rg->pid && slot_dead(rg, i, pid, st, 0)) {
             idx[n] = i;
             pids[n] = pid;
             starts[n++] = st;
         }
     }
     if (!n) return;
-    tv_region_lock(rg);
+    pthread_mutex_t *mu = tv_region_lock(rg);
+    if (!mu) return;
     for (int k = 0; k < n; k++) {
         struct tsr_proc_slot *s = &R->procs[idx[k]];
-        if (LOAD(s->pid) == pids[k] && LOAD(s->start_time) == starts[k]) {
+        /* the same process, and still nobody's lock: a process registering meanwhile took it */
+        if (LOAD(s->pid) == pids[k] && LOAD(s->start_time) == starts[k] &&
+            !slot_held(rg, idx[k])) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", idx[k], (int)pids[k]);
             reclaim_slot(R, s);
         }
     }
-    tv_region_unlock(rg);
+    tv_region_unlock(mu);
 }
 
 /* Is our slot, or a total, below what this process holds? (read without the lock) */
 static int tampered(struct tv_region *rg, struct tsr_proc_slot *s)
 {
-    if (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) return 1;
+    if (s != &overflow_slot &&
+        (LOAD(s->pid) != (int32_t)rg->pid || LOAD(s->start_time) != rg->start_time))
+        return 1;
     for (int d = 0; d < TSR_MAX_DEVICES; d++)
         if (LOAD(s->used[d]) != rg->mine[d] || LOAD(rg->map->dev[d].used_bytes) < rg->mine[d])
             return 1;
@@ -533,21 +732,22 @@ static inline int tampered_dev(struct tv_region *rg, struct tsr_proc_slot *s, in
            LOAD(s->used[d]) != rg->mine[d] || LOAD(rg->map->dev[d].used_bytes) < rg->mine[d];
 }
 
-/* Caller holds the lock. Put back what a tenant took out: our slot, our share of each total. */
+/* Caller holds the lock. Put back what a tenant took out: our slot, our share of each total.
+ * The slot may be another one afterwards (rg->slot). */
 static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
 {
-    if (s != &overflow_slot && LOAD(s->pid) != (int32_t)rg->pid) {
-        if (LOAD(s->pid) == 0) {
-            /* freed: maybe reclaimed (its charges taken off the totals): what is not in the
-             * slot any more goes back into the totals, as when a slot is taken */
+    if (s != &overflow_slot &&
+        (LOAD(s->pid) != (int32_t)rg->pid || LOAD(s->start_time) != rg->start_time)) {
+        /* Ours while we hold its kernel lock, whatever its pid says (no other process could
+         * take it); without one (no file), ours again only if freed */
+        if (rg->slot_locked ? slot_lock(rg, rg->slot_idx) == 0 : LOAD(s->pid) == 0) {
+            /* rewritten, or freed as if reclaimed (its charges taken off the totals): what is
+             * not in the slot any more goes back into the totals, as when a slot is taken */
             STORE(s->start_time, rg->start_time);
             STORE(s->pid, (int32_t)rg->pid);
             assert_mine(rg, s);
         } else { /* someone else holds it now: take a new one */
-            atomic_store(&rg->slot, NULL);
-            tv_region_unlock(rg);
-            tv_region_register(rg);
-            tv_region_lock(rg);
+            register_locked(rg);
             return;
         }
     }
@@ -569,9 +769,10 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
      * must not resume on it */
     atomic_store(&rg->bad, TV_BAD_FILE);
     if (attach(rg, rg->path, rg->strict, seed) != 0) return;
-    atomic_store(&rg->slot, NULL);
-    rg->slot_idx = -1;
-    tv_region_lock(rg);
+    atomic_store(&rg->slot, NULL); /* register_locked gives up the old slot's lock if it moves */
+    pthread_mutex_t *mu = &rg->map->lock.mutex;
+    int r = pthread_mutex_trylock(mu);
+    if (r != 0 && !(mu = lock_wait(rg, mu, r, TV_BAD_FILE))) return; /* again next tick */
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         if (!rg->uuid[d][0]) continue;
         struct tsr_region_device *rd = &rg->map->dev[d];
@@ -580,8 +781,8 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
             if (LOAD(rg->map->num_devices) <= (uint32_t)d) STORE(rg->map->num_devices, d + 1);
         }
     }
-    tv_region_unlock(rg);
-    tv_region_register(rg); /* writes mine[] into the slot and the totals */
+    register_locked(rg); /* writes mine[] into the slot and the totals */
+    tv_region_unlock(mu);
     atomic_fetch_add(&rg->reattached, 1);
     int was = TV_BAD_FILE;
     if (!atomic_compare_exchange_strong(&rg->bad, &was, 0)) {
@@ -612,16 +813,19 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
     struct tsr_proc_slot *s = atomic_load(&rg->slot);
     if (s && tampered(rg, s)) {
         TV_LOG(TV_LOG_WARN, "region %s: this process's charges were changed: restored", rg->path);
-        tv_region_lock(rg);
-        /* read again under the lock: the process may have given its slot up meanwhile (its
-         * exit handler, tv_region_release): then there is nothing of ours to repair */
-        s = atomic_load(&rg->slot);
-        if (s) repair(rg, s);
-        tv_region_unlock(rg);
+        pthread_mutex_t *mu = tv_region_lock(rg);
+        if (mu) {
+            /* read again under the lock: the process may have given its slot up meanwhile
+             * (its exit handler, tv_region_release): then there is nothing of ours to repair */
+            s = atomic_load(&rg->slot);
+            if (s) repair(rg, s);
+            tv_region_unlock(mu);
+        }
     } else if (s && seed && seed->region_is_account && total_below_slots(rg)) {
         /* the region is the account (no lease service): every device total, not only ours. A
          * free in flight looks like a lowered total without the lock: decided under it. */
-        tv_region_lock(rg);
+        pthread_mutex_t *mu = tv_region_lock(rg);
+        if (!mu) return;
         int raised = 0;
         uint32_t n = LOAD(rg->map->num_devices);
         for (uint32_t d = 0; d < n && d < TSR_MAX_DEVICES; d++) {
@@ -631,7 +835,7 @@ void tv_region_poll(struct tv_region *rg, int reclaim, const struct tv_region_se
                 raised = 1;
             }
         }
-        tv_region_unlock(rg);
+        tv_region_unlock(mu);
         if (raised)
             TV_LOG(TV_LOG_WARN, "region %s: a device total was below what the processes hold: "
                    "restored", rg->path);
@@ -663,9 +867,13 @@ int tv_region_dev_slot(struct tv_region *rg, const char *uuid,
     /* read once: a repair between two reads would let a stand-in pass for a real slot */
     int bad = atomic_load(&rg->bad);
     if (!bad) {
-        tv_region_lock(rg);
-        k = shared_slot_locked(rg, uuid, seed);
-        tv_region_unlock(rg);
+        pthread_mutex_t *mu = tv_region_lock(rg);
+        if (mu) {
+            k = shared_slot_locked(rg, uuid, seed);
+            tv_region_unlock(mu);
+        } else {
+            bad = TV_BAD_FILE; /* the lock not to be had: a stand-in, never kept */
+        }
     }
     if (k >= 0) {
         snprintf(rg->uuid[k], TSR_UUID_LEN, "%s", uuid);
@@ -753,10 +961,12 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
     if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) return -1; /* until repaired */
     if (d >= TSR_MAX_DEVICES) return charge_private(rg, d, bytes, limit);
     struct tsr_proc_slot *s = tv_region_slot(rg);
+    if (tv_unlikely(!s)) return -1; /* the region's lock not to be had */
     struct tsr_region_device *rd = &rg->map->dev[d];
-    tv_region_lock(rg);
+    pthread_mutex_t *mu = tv_region_lock(rg);
+    if (tv_unlikely(!mu)) return -1;
     if (tv_unlikely(atomic_load_explicit(&rg->bad, memory_order_relaxed))) {
-        tv_region_unlock(rg); /* truncated under us: the lock itself faulted (on_sigbus) */
+        tv_region_unlock(mu); /* truncated under us: the lock itself faulted (on_sigbus) */
         return -1;
     }
     uint64_t used = LOAD(rd->used_bytes);
@@ -771,33 +981,54 @@ int tv_region_charge(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit
     }
     /* truncated since the check above: what was read may be the zero page (on_sigbus) */
     int ok = !faulted(rg) && fits(used, limit, bytes);
+    /* where the region is the account, the bytes are locked in the file too: counters the
+     * tenant lowered cannot make room the container's processes still hold (kacct.c) */
+    if (ok && rg->kacct && !rg->no_locks && tv_kacct_take(rg, d, bytes, limit) != 0) ok = 0;
     if (ok) {
         used += bytes;
         STORE(rd->used_bytes, used);
         STORE(s->used[d], mine_add(rg, d, bytes));
         if (used > LOAD(rd->peak_bytes)) STORE(rd->peak_bytes, used);
     }
-    tv_region_unlock(rg);
+    tv_region_unlock(mu);
     return ok ? 0 : -1;
+}
+
+static void uncharge_mine(struct tv_region *rg, int d, uint64_t bytes)
+{
+    pthread_mutex_lock(&rg->priv_mu);
+    uint64_t m = mine_sub(rg, d, bytes);
+    if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, m);
+    pthread_mutex_unlock(&rg->priv_mu);
 }
 
 void tv_region_uncharge(struct tv_region *rg, int d, uint64_t bytes)
 {
     if (d < 0 || d >= TV_MAX_SLOTS || bytes == 0) return;
+    if (rg->kacct && !rg->no_locks && d < TSR_MAX_DEVICES) tv_kacct_give(rg, d, bytes);
     if (d >= TSR_MAX_DEVICES || atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
-        pthread_mutex_lock(&rg->priv_mu);
-        uint64_t m = mine_sub(rg, d, bytes);
-        if (d >= TSR_MAX_DEVICES) STORE(tv_region_dev(rg, d)->used_bytes, m);
-        pthread_mutex_unlock(&rg->priv_mu);
+        uncharge_mine(rg, d, bytes);
         return;
     }
     struct tsr_proc_slot *s = tv_region_slot(rg);
-    tv_region_lock(rg);
+    pthread_mutex_t *mu = s ? tv_region_lock(rg) : NULL;
+    if (tv_unlikely(!mu)) {
+        /* the region's lock not to be had: this process's own account only; its slot then
+         * reads more than it holds (counted high, never low) until it is written again */
+        uncharge_mine(rg, d, bytes);
+        return;
+    }
+    /* Our slot as it is now, before writing to it: a slot pointer kept across a tenant's
+     * rewrite (a free used to write our count into whatever the slot had become) */
+    if (tv_unlikely(tampered_dev(rg, s, d))) {
+        repair(rg, s);
+        s = atomic_load(&rg->slot);
+    }
     struct tsr_region_device *rd = &rg->map->dev[d];
     uint64_t used = LOAD(rd->used_bytes);
     STORE(rd->used_bytes, used > bytes ? used - bytes : 0);
     STORE(s->used[d], mine_sub(rg, d, bytes));
-    tv_region_unlock(rg);
+    tv_region_unlock(mu);
 }
 
 void tv_region_count_oom(struct tv_region *rg, int d)
@@ -812,9 +1043,10 @@ int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit)
 {
     if (atomic_load_explicit(&rg->bad, memory_order_relaxed) || !limit) return -1;
     struct tsr_proc_slot *s = tv_region_slot(rg);
-    tv_region_lock(rg);
+    pthread_mutex_t *mu = s ? tv_region_lock(rg) : NULL;
+    if (!mu) return -1;
     if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
-        tv_region_unlock(rg);
+        tv_region_unlock(mu);
         return -1;
     }
     if (tampered(rg, s)) {
@@ -835,24 +1067,26 @@ int tv_region_spill_charge(struct tv_region *rg, uint64_t bytes, uint64_t limit)
             STORE(rg->map->spilled_peak_bytes, used + bytes);
         STORE(s->spilled_bytes, rg->mine_spill);
     }
-    tv_region_unlock(rg);
+    tv_region_unlock(mu);
     return ok ? 0 : -1;
 }
 
 void tv_region_spill_uncharge(struct tv_region *rg, uint64_t bytes)
 {
     if (!bytes) return;
-    if (atomic_load_explicit(&rg->bad, memory_order_relaxed)) {
+    struct tsr_proc_slot *s = NULL;
+    pthread_mutex_t *mu = NULL;
+    if (!atomic_load_explicit(&rg->bad, memory_order_relaxed) && (s = tv_region_slot(rg)))
+        mu = tv_region_lock(rg);
+    if (!mu) { /* bad, or its lock not to be had: this process's own account only */
         pthread_mutex_lock(&rg->priv_mu);
         rg->mine_spill = rg->mine_spill > bytes ? rg->mine_spill - bytes : 0;
         pthread_mutex_unlock(&rg->priv_mu);
         return;
     }
-    struct tsr_proc_slot *s = tv_region_slot(rg);
-    tv_region_lock(rg);
     uint64_t used = LOAD(rg->map->spilled_bytes);
     rg->mine_spill = rg->mine_spill > bytes ? rg->mine_spill - bytes : 0;
     STORE(rg->map->spilled_bytes, used > bytes ? used - bytes : 0);
     STORE(s->spilled_bytes, rg->mine_spill);
-    tv_region_unlock(rg);
+    tv_region_unlock(mu);
 }

@@ -17,7 +17,12 @@
  *    TSR_LIMITS_POLL_MS); without a lease service it also raises each device total to what the
  *    live slots hold;
  *  - device-table entries for UUIDs that no sealed limit names and that hold nothing are
- *    reclaimed when a sealed device needs a slot.
+ *    reclaimed when a sealed device needs a slot;
+ *  - who holds a process slot is the kernel's word: an open-file-description lock on the slot's
+ *    first byte, held by its process while it lives (region.c, slot_lock). A held slot is never
+ *    reclaimed or handed out, whatever its pid or start time say;
+ *  - the region's mutex is waited for in slices (tv_region_lock): a truncated region or a lock
+ *    word nobody will release makes the caller refuse, never wait without end.
  */
 #ifndef TV_REGION_H
 #define TV_REGION_H
@@ -38,10 +43,13 @@ struct tv_region {
     int fd;
     int is_private;           /* no shared file at all (standalone without a path) */
     int strict;               /* the node agent prepared the file: never initialise it */
+    int kacct;                /* strict and no lease service: charges also locked (kacct.c) */
+    int no_locks;             /* the file's file system has no kernel file locks (probed) */
     _Atomic int bad;          /* the shared file failed validation: refuse charges (a
                                * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
     int slot_idx;
+    int slot_locked;          /* fd holds the kernel lock on procs[slot_idx] (slot_lock) */
     pid_t pid;
     uint64_t start_time;
     uint64_t mine[TV_MAX_SLOTS];          /* bytes this process charged, per slot */
@@ -71,15 +79,25 @@ struct tv_region_seed {
 
 void tv_region_open(struct tv_region *rg, const char *path, int strict,
                     const struct tv_region_seed *seed) TV_HIDDEN;
-void tv_region_lock_slow(struct tv_region *rg, int err) TV_HIDDEN; /* owner died, broken */
-static inline void tv_region_lock(struct tv_region *rg)
+/* The region's lock: the mutex locked, to be passed to tv_region_unlock (the poll thread may
+ * swap rg->map meanwhile: the mutex unlocked must be the one locked), or NULL when it could not
+ * be had: the region went bad while this thread waited (truncated or replaced: whoever held the
+ * lock then released a zero page's, and nothing would ever wake the waiter), or one owner kept
+ * it TV_REGION_LOCK_WAIT_MS (a lock word the tenant forged, a holder it stopped; a lock passing
+ * from holder to holder is waited for as long as it takes). A caller given
+ * NULL refuses what it was doing (a charge) or does it in this process alone (a free, mine[]):
+ * never a wait without end. */
+#define TV_REGION_LOCK_WAIT_MS 1000
+pthread_mutex_t *tv_region_lock_slow(struct tv_region *rg, pthread_mutex_t *m, int err) TV_HIDDEN;
+static inline pthread_mutex_t *tv_region_lock(struct tv_region *rg)
 {
-    int r = pthread_mutex_lock(&rg->map->lock.mutex);
-    if (tv_unlikely(r != 0)) tv_region_lock_slow(rg, r);
+    pthread_mutex_t *m = &rg->map->lock.mutex;
+    int r = pthread_mutex_trylock(m);
+    return tv_likely(r == 0) ? m : tv_region_lock_slow(rg, m, r);
 }
-static inline void tv_region_unlock(struct tv_region *rg)
+static inline void tv_region_unlock(pthread_mutex_t *m)
 {
-    pthread_mutex_unlock(&rg->map->lock.mutex);
+    pthread_mutex_unlock(m);
 }
 struct tsr_proc_slot *tv_region_register(struct tv_region *rg) TV_HIDDEN;
 void tv_region_release(struct tv_region *rg) TV_HIDDEN;
@@ -135,6 +153,13 @@ static inline uint64_t tv_region_used(struct tv_region *rg, int d)
     uint64_t u = __atomic_load_n(&tv_region_dev(rg, d)->used_bytes, __ATOMIC_RELAXED);
     return u < rg->mine[d] ? rg->mine[d] : u;
 }
+
+/* kacct.c: the account in kernel file locks, where the region is the account and its limits
+ * sealed (rg->kacct). 0 taken (0 <= d < TSR_MAX_DEVICES; limit 0: unlimited), -1 refused. */
+int tv_kacct_take(struct tv_region *rg, int d, uint64_t bytes, uint64_t limit) TV_HIDDEN;
+void tv_kacct_give(struct tv_region *rg, int d, uint64_t bytes) TV_HIDDEN;
+void tv_kacct_relock(struct tv_region *rg) TV_HIDDEN;
+void tv_kacct_after_fork_child(void) TV_HIDDEN;
 
 /* liveness.c: is the process in a slot (pid, start time from /proc/<pid>/stat, 0 = unknown)
  * alive, as seen from process `self`? This process's own start time (0 if unreadable). */
