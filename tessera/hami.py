@@ -140,7 +140,7 @@ def _as_int(value: object, resource: str, *, low: int, high: int) -> int:
 # --- container requests -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ContainerRequest:
     """What one container asks of each of its GPUs, after HAMi's defaults.
 
@@ -157,6 +157,17 @@ class ContainerRequest:
     # The device family whose resources the container names (tessera.device_kinds): a request
     # only goes on devices of a kind of this family.
     family: str = "nvidia"
+
+    def __init__(
+        self, count: int, memory_mib: int, memory_percentage: int | None, cores: int,
+        priority: int | None = None, burst: elastic.BurstLimit | None = None,
+        family: str = "nvidia",
+    ) -> None:  # fmt: skip
+        # (the generated one of a frozen dataclass sets each field through object.__setattr__:
+        # 3-4x the cost of one update of the instance's dict, on every pod a decision reads)
+        self.__dict__.update(count=count, memory_mib=memory_mib,
+                             memory_percentage=memory_percentage, cores=cores, priority=priority,
+                             burst=burst, family=family)  # fmt: skip
 
     @property
     def exclusive(self) -> bool:
@@ -288,7 +299,7 @@ def parse_container_request(
     return ContainerRequest(count, memory, percentage, cores, priority)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PodRequest:
     """Every container's request, positionally: init containers first (None = no GPU)."""
 
@@ -297,6 +308,16 @@ class PodRequest:
     # Indices (into `init`) of native sidecars: init containers with restartPolicy: Always keep
     # running beside the app containers, so they are summed with them, never maxed.
     sidecars: frozenset[int] = frozenset()
+
+    def __init__(
+        self, init: list[ContainerRequest | None] | None = None,
+        containers: list[ContainerRequest | None] | None = None,
+        sidecars: frozenset[int] = frozenset(),
+    ) -> None:  # fmt: skip
+        # (as ContainerRequest's: one update of the dict, not a frozen setattr per field)
+        self.__dict__.update(init=[] if init is None else init,
+                             containers=[] if containers is None else containers,
+                             sidecars=sidecars)  # fmt: skip
 
     @property
     def all(self) -> list[ContainerRequest | None]:
