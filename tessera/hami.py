@@ -363,9 +363,9 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     request = None if shape is None else remembered[1].get(shape)
     if request is None:
         request = PodRequest(
-            init=[read(c, settings) for c in init],
+            init=[read(c, settings) for c in init] if init else [],
             containers=[read(c, settings) for c in app],
-            sidecars=sidecar_indices(init),
+            sidecars=sidecar_indices(init) if init else _NO_SIDECARS,
         )
         if shape is not None and all(
             r is None or r.family == _DEFAULT_FAMILY for r in (*request.init, *request.containers)
@@ -380,6 +380,9 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     ):
         request = with_burst_limits(request, annotations, [*init, *app])
     return request
+
+
+_NO_SIDECARS: frozenset[int] = frozenset()
 
 
 # Pods' requests read before, by their shape (`_request_shape`): pods of one workload ask the
