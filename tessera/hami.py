@@ -222,6 +222,23 @@ def _whole(value: object, resource: Callable[[], str], *, low: int, high: int,
     return _as_int(value, resource(), low=low, high=high)  # (refuses it)
 
 
+_MAX_CORES = 10**9  # (read, then clamped to 100)
+
+
+def _plain_whole(value: object, high: int) -> int:
+    """What `_whole(value, ..., low=0, high=high)` gives when the value is plainly a whole number
+    in [0, high] (an int, or a string of at most 64 ASCII digits); -1 for any other value
+    (`_whole` then reads or refuses it)."""
+    kind = type(value)
+    if kind is int:
+        number: int = value  # type: ignore[assignment]
+    elif kind is str and value.isdigit() and value.isascii() and len(value) <= 64:  # type: ignore[union-attr]
+        number = int(value)  # type: ignore[call-overload]
+    else:
+        return -1
+    return number if 0 <= number <= high else -1
+
+
 def _resources_of(container: dict[str, Any], keys: tuple[str, ...]) -> list[object | None]:
     """`_resources(container, key)` for each key, in order (the same values, the same refusal):
     the container's limits and requests read once when both are maps."""
@@ -256,15 +273,21 @@ def parse_container_request(
         settings.resource_cores, settings.resource_priority,
     ))  # fmt: skip
     where = f"container {name}: "
+    # (each value read by `_plain_whole` when it is plainly one in range, as most are; any other
+    # through `_whole`, which reads or refuses it as before)
     count = 0
     if raw_count is not None:
-        count = _whole(raw_count, lambda: where + settings.resource_name, low=0,
-                       high=MAX_GPU_COUNT)  # fmt: skip
+        count = _plain_whole(raw_count, MAX_GPU_COUNT)
+        if count < 0:
+            count = _whole(raw_count, lambda: where + settings.resource_name, low=0,
+                           high=MAX_GPU_COUNT)  # fmt: skip
     memory = 0
     if raw_mem is not None:
-        memory = _whole(raw_mem, lambda: where + settings.resource_mem, low=0,
-                        high=MAX_MEMORY_MIB,
-                        read=lambda value, _: memory_mib(value, settings.resource_mem, where))
+        memory = _plain_whole(raw_mem, MAX_MEMORY_MIB)
+        if memory < 0:
+            memory = _whole(raw_mem, lambda: where + settings.resource_mem, low=0,
+                            high=MAX_MEMORY_MIB,
+                            read=lambda value, _: memory_mib(value, settings.resource_mem, where))
         memory *= settings.memory_factor
         if memory > MAX_MEMORY_MIB:
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
@@ -279,8 +302,11 @@ def parse_container_request(
             percentage = int(min(pct, Decimal(100)))
     cores = settings.default_cores
     if raw_cores is not None:
-        cores = min(100, _whole(raw_cores, lambda: where + settings.resource_cores, low=0,
-                                high=10**9))  # fmt: skip
+        cores = _plain_whole(raw_cores, _MAX_CORES)
+        if cores < 0:
+            cores = _whole(raw_cores, lambda: where + settings.resource_cores, low=0,
+                           high=_MAX_CORES)  # fmt: skip
+        cores = min(100, cores)
     priority: int | None = None
     if raw_priority is not None:
         priority = _whole(raw_priority, lambda: where + settings.resource_priority, low=0,
