@@ -381,6 +381,8 @@ _AMOUNTS = ("uuid", "type", "memory_mib", "cores")
 
 
 def _grant_template() -> dict[str, object] | None:
+    """DeviceGrant's fields in order, the four amounts as None and the others at their
+    (immutable) defaults; None when the model is not one this shortcut can build exactly."""
     template: dict[str, object] = {}
     for name, info in DeviceGrant.model_fields.items():
         if name in _AMOUNTS:
@@ -392,14 +394,17 @@ def _grant_template() -> dict[str, object] | None:
             ):  # fmt: skip
                 return None
             template[name] = None
-        elif info.default_factory is not None or info.is_required():
-            return None  # (not a plain default: build it validated)
+        elif info.default_factory is not None or info.is_required() or (
+            type(info.default) not in (type(None), bool, int, float, str)
+        ):  # fmt: skip
+            return None  # (not a plain, immutable default: build it validated)
         else:
             template[name] = info.default
     decorators = DeviceGrant.__pydantic_decorators__
     if not set(_AMOUNTS) <= set(template) or (
         DeviceGrant.model_config.get("extra") == "allow" or decorators.field_validators
         or decorators.model_validators or DeviceGrant.__pydantic_post_init__ is not None
+        or DeviceGrant.__private_attributes__
     ):  # fmt: skip
         return None
     return template

@@ -121,3 +121,32 @@ def test_a_value_validation_refuses_is_still_refused() -> None:
                healthy=True, cordoned=False, memory_mib=80 * GIB, cores=100, split_count=10)
     with pytest.raises(ValidationError):
         placement._amounts_grant(odd, ContainerRequest(1, GIB, None, 0))
+
+
+@pytest.mark.parametrize("change", ["validator", "field", "constraint", "mutable default"])
+def test_the_shortcut_is_off_for_a_grant_model_it_cannot_build_exactly(
+    change: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DeviceGrant that gained a validator, a field without a plain default, a constraint
+    on an amount or a mutable default is built validated (no template)."""
+    from pydantic import Field, field_validator
+
+    if change == "validator":
+        class Changed(DeviceGrant):
+            @field_validator("uuid")
+            @classmethod
+            def upper(cls, value: str) -> str:
+                return value.upper()
+    elif change == "field":
+        class Changed(DeviceGrant):  # type: ignore[no-redef]
+            owner: str
+    elif change == "constraint":
+        class Changed(DeviceGrant):  # type: ignore[no-redef]
+            cores: int = Field(ge=0, le=100)
+    else:
+        class Changed(DeviceGrant):  # type: ignore[no-redef]
+            notes: list[str] = []  # noqa: RUF012
+
+    assert placement._grant_template() is not None
+    monkeypatch.setattr(placement, "DeviceGrant", Changed)
+    assert placement._grant_template() is None
