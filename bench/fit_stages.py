@@ -4,12 +4,19 @@ placed pod's call spends outside the candidate walk on reading the pod and on th
 The pods are `scheduler.decision_trace`'s (varied: 1-8 GPUs per container, MiB or %, binpack or
 spread, some two-container pods), the cluster `scheduler.build_cluster`'s (8 GPUs a node, half
 used). Per pod, µs of this thread (the best of 9 passes over all pods, so warm): the pod's request
-(`hami.parse_pod_request`) and options (`rules.parse_pod_options`), read again as the next pod of
-its workload would be; a node's cards built again after a write that changed one card's usage
-(`NodeEntry.cards` after the row was rebuilt: `cards.recharged`), and built from its devices
-(the node's first fit: `cards.cards_with_usage`); the pod's fit on a node (`fit_pod`).
+(`hami.parse_pod_request`) read again as the next pod of its workload would be, and read for
+the first time ("first read": its shape not remembered, as most of the varied trace's pods
+are: 221 shapes in 400 pods), and its options (`rules.parse_pod_options`); a node's cards built
+again after a write that changed one card's usage (`NodeEntry.cards` after the row was rebuilt:
+`cards.recharged`), and built from its devices (the node's first fit: `cards.cards_with_usage`);
+the pod's fit on a node (`fit_pod`), and of it the answer's grants alone (`placement._grant`
+of each card the fit took, where the version has it).
 
     python bench/fit_stages.py      (BENCH_NODES, 300; BENCH_PODS, 400; ROOT, this checkout)
+
+Two versions compare run by run, alternating (`ROOT=<the other tree>`): the pods' container
+requests are read by whichever `tessera.hami` the device kinds import, so run each version
+with its own tree first on PYTHONPATH.
 
 Cold costs (a call after other work evicted the caches) are 2-4x these: see h35's per-stage
 figures in bench/RESULTS.md "fitfast". Printed, not recorded.
@@ -90,16 +97,44 @@ def main() -> None:
     per_recharge = spent[0] / 9 / nodes
     fresh = best_of(lambda: [C.cards_with_usage(e.registered, *e._card_usage) for e in entries])  # type: ignore[arg-type]
     read = best_of(lambda: [hami.parse_pod_request(spec, settings) for spec in specs])
+    remembered = hami._remembered_requests
+
+    def first_reads() -> None:
+        for spec in specs:
+            remembered[1].clear()  # (not cleared at once: the next read fills it again)
+            hami.parse_pod_request(spec, settings)
+
+    cleared = best_of(lambda: [remembered[1].clear() for _ in specs])
+    first = best_of(first_reads) - cleared
     opts = best_of(lambda: [R.parse_pod_options(spec, settings) for spec in specs])
     fit = best_of(lambda: [
         PL.fit_pod(entries[i % nodes].cards, request, R.FitContext(option, R.QuotaBudget()))
         for i, (request, option) in enumerate(zip(requests, options, strict=True))
     ])
+    fits = [
+        PL.fit_pod(entries[i % nodes].cards, request, R.FitContext(option, R.QuotaBudget()))
+        for i, (request, option) in enumerate(zip(requests, options, strict=True))
+    ]
+    taken = [(entries[i % nodes], request, option, fitted) for i, (request, option, fitted)
+             in enumerate(zip(requests, options, fits, strict=True)) if fitted.ok]  # fmt: skip
+
+    def grants() -> None:
+        for entry, request, option, fitted in taken:
+            by_uuid = {c.uuid: c for c in entry.cards}
+            ctx = R.FitContext(option, R.QuotaBudget())
+            for wanted, given in zip(request.all, fitted.containers, strict=True):
+                for grant in given:
+                    PL._grant(by_uuid[grant.uuid], wanted, ctx)  # type: ignore[arg-type]
+
+    granted = best_of(grants) if hasattr(PL, "_grant") else 0
+    given = sum(len(g) for *_, fitted in taken for g in fitted.containers)
     pods = len(specs)
     print(f"{ROOT.name}: {pods} pods, {nodes} nodes; µs per call, warm: request "
-          f"{read / pods / 1e3:.2f}, options {opts / pods / 1e3:.2f}, cards after a write "
-          f"{per_recharge / 1e3:.2f}, cards from the devices {fresh / nodes / 1e3:.2f}, fit "
-          f"{fit / pods / 1e3:.2f}")
+          f"{read / pods / 1e3:.2f} (first read {first / pods / 1e3:.2f}), options "
+          f"{opts / pods / 1e3:.2f}, cards after a write {per_recharge / 1e3:.2f}, cards from "
+          f"the devices {fresh / nodes / 1e3:.2f}, fit {fit / pods / 1e3:.2f} (of which the "
+          f"grants {granted / pods / 1e3:.2f}: {given} grants for the {len(taken)} pods that "
+          "fit)")
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def _as_int(value: object, resource: str, *, low: int, high: int) -> int:
 # --- container requests -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ContainerRequest:
     """What one container asks of each of its GPUs, after HAMi's defaults.
 
@@ -157,6 +157,17 @@ class ContainerRequest:
     # The device family whose resources the container names (tessera.device_kinds): a request
     # only goes on devices of a kind of this family.
     family: str = "nvidia"
+
+    def __init__(
+        self, count: int, memory_mib: int, memory_percentage: int | None, cores: int,
+        priority: int | None = None, burst: elastic.BurstLimit | None = None,
+        family: str = "nvidia",
+    ) -> None:  # fmt: skip
+        # (the generated one of a frozen dataclass sets each field through object.__setattr__:
+        # 3-4x the cost of one update of the instance's dict, on every pod a decision reads)
+        self.__dict__.update(count=count, memory_mib=memory_mib,
+                             memory_percentage=memory_percentage, cores=cores, priority=priority,
+                             burst=burst, family=family)  # fmt: skip
 
     @property
     def exclusive(self) -> bool:
@@ -211,6 +222,23 @@ def _whole(value: object, resource: Callable[[], str], *, low: int, high: int,
     return _as_int(value, resource(), low=low, high=high)  # (refuses it)
 
 
+_MAX_CORES = 10**9  # (read, then clamped to 100)
+
+
+def _plain_whole(value: object, high: int) -> int:
+    """What `_whole(value, ..., low=0, high=high)` gives when the value is plainly a whole number
+    in [0, high] (an int, or a string of at most 64 ASCII digits); -1 for any other value
+    (`_whole` then reads or refuses it)."""
+    kind = type(value)
+    if kind is int:
+        number: int = value  # type: ignore[assignment]
+    elif kind is str and value.isdigit() and value.isascii() and len(value) <= 64:  # type: ignore[union-attr]
+        number = int(value)  # type: ignore[call-overload]
+    else:
+        return -1
+    return number if 0 <= number <= high else -1
+
+
 def _resources_of(container: dict[str, Any], keys: tuple[str, ...]) -> list[object | None]:
     """`_resources(container, key)` for each key, in order (the same values, the same refusal):
     the container's limits and requests read once when both are maps."""
@@ -245,15 +273,21 @@ def parse_container_request(
         settings.resource_cores, settings.resource_priority,
     ))  # fmt: skip
     where = f"container {name}: "
+    # (each value read by `_plain_whole` when it is plainly one in range, as most are; any other
+    # through `_whole`, which reads or refuses it as before)
     count = 0
     if raw_count is not None:
-        count = _whole(raw_count, lambda: where + settings.resource_name, low=0,
-                       high=MAX_GPU_COUNT)  # fmt: skip
+        count = _plain_whole(raw_count, MAX_GPU_COUNT)
+        if count < 0:
+            count = _whole(raw_count, lambda: where + settings.resource_name, low=0,
+                           high=MAX_GPU_COUNT)  # fmt: skip
     memory = 0
     if raw_mem is not None:
-        memory = _whole(raw_mem, lambda: where + settings.resource_mem, low=0,
-                        high=MAX_MEMORY_MIB,
-                        read=lambda value, _: memory_mib(value, settings.resource_mem, where))
+        memory = _plain_whole(raw_mem, MAX_MEMORY_MIB)
+        if memory < 0:
+            memory = _whole(raw_mem, lambda: where + settings.resource_mem, low=0,
+                            high=MAX_MEMORY_MIB,
+                            read=lambda value, _: memory_mib(value, settings.resource_mem, where))
         memory *= settings.memory_factor
         if memory > MAX_MEMORY_MIB:
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
@@ -268,8 +302,11 @@ def parse_container_request(
             percentage = int(min(pct, Decimal(100)))
     cores = settings.default_cores
     if raw_cores is not None:
-        cores = min(100, _whole(raw_cores, lambda: where + settings.resource_cores, low=0,
-                                high=10**9))  # fmt: skip
+        cores = _plain_whole(raw_cores, _MAX_CORES)
+        if cores < 0:
+            cores = _whole(raw_cores, lambda: where + settings.resource_cores, low=0,
+                           high=_MAX_CORES)  # fmt: skip
+        cores = min(100, cores)
     priority: int | None = None
     if raw_priority is not None:
         priority = _whole(raw_priority, lambda: where + settings.resource_priority, low=0,
@@ -288,7 +325,7 @@ def parse_container_request(
     return ContainerRequest(count, memory, percentage, cores, priority)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PodRequest:
     """Every container's request, positionally: init containers first (None = no GPU)."""
 
@@ -297,6 +334,16 @@ class PodRequest:
     # Indices (into `init`) of native sidecars: init containers with restartPolicy: Always keep
     # running beside the app containers, so they are summed with them, never maxed.
     sidecars: frozenset[int] = frozenset()
+
+    def __init__(
+        self, init: list[ContainerRequest | None] | None = None,
+        containers: list[ContainerRequest | None] | None = None,
+        sidecars: frozenset[int] = frozenset(),
+    ) -> None:  # fmt: skip
+        # (as ContainerRequest's: one update of the dict, not a frozen setattr per field)
+        self.__dict__.update(init=[] if init is None else init,
+                             containers=[] if containers is None else containers,
+                             sidecars=sidecars)  # fmt: skip
 
     @property
     def all(self) -> list[ContainerRequest | None]:
@@ -342,9 +389,9 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     request = None if shape is None else remembered[1].get(shape)
     if request is None:
         request = PodRequest(
-            init=[read(c, settings) for c in init],
+            init=[read(c, settings) for c in init] if init else [],
             containers=[read(c, settings) for c in app],
-            sidecars=sidecar_indices(init),
+            sidecars=sidecar_indices(init) if init else _NO_SIDECARS,
         )
         if shape is not None and all(
             r is None or r.family == _DEFAULT_FAMILY for r in (*request.init, *request.containers)
@@ -359,6 +406,9 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     ):
         request = with_burst_limits(request, annotations, [*init, *app])
     return request
+
+
+_NO_SIDECARS: frozenset[int] = frozenset()
 
 
 # Pods' requests read before, by their shape (`_request_shape`): pods of one workload ask the

@@ -261,9 +261,49 @@ def cards_with_usage(
     usages: Iterable[dict[str, list[int]]],
     cordoned: frozenset[str] = frozenset(),
 ) -> list[Card]:
-    """The node's GPUs charged with the given usage maps (summed)."""
-    return _charged([Card.from_device(d, d.uuid in cordoned) for d in registration.devices],
-                    usages)  # fmt: skip
+    """The node's GPUs charged with the given usage maps (summed).
+
+    A node's cards are built from its devices on its first fit (at 20,000 nodes, on about half
+    of the placed calls): a card that is not a dynamic MIG one is made here field by field,
+    as `Card.from_device` makes it (`tests/scheduler/test_cards_fresh.py` compares every
+    field), without the call of `Card.__init__` with 21 arguments and its defaults' checks:
+    ~30 % of the build."""
+    cards: list[Card] = []
+    append = cards.append
+    fields_of = _KIND_FIELDS.get
+    new = _new_object
+    for d in registration.devices:
+        if d.mig is not None:
+            append(Card.from_device(d, d.uuid in cordoned))
+            continue
+        mode = d.mode
+        kind, family, plain = fields_of(mode) or _kind_fields(mode)
+        card = new(Card)
+        card.uuid = uuid = d.uuid
+        card.index = d.index
+        card.type = d.type
+        card.mode = mode
+        card.numa = d.numa
+        card.healthy = d.healthy
+        card.cordoned = uuid in cordoned
+        card.memory_mib = d.memory_mib
+        card.cores = d.cores
+        card.split_count = d.split_count
+        links = d.links
+        card.links = {} if links is None else links
+        card.used_mem = card.used_cores = card.used_slots = 0
+        card.mig_model = ""
+        card.mig_geometries = ()
+        card.mig_instances = []
+        card.libvgpu_slices = 0
+        card.kind = kind
+        card.family = family
+        card.plain = plain
+        append(card)
+    return _charged(cards, usages)
+
+
+_new_object = object.__new__
 
 
 def recharged(like: list[Card], usages: Sequence[dict[str, list[int]]]) -> list[Card]:

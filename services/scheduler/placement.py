@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from tessera import elastic
 from tessera.device_kinds import registry
-from tessera.device_kinds.base import NO_SELECTION
+from tessera.device_kinds.base import NO_SELECTION, Selection
+from tessera.device_kinds.nvidia import SLICES
 from tessera.hami import ContainerRequest, PodRequest
 from tessera.models import DeviceGrant
 
@@ -164,7 +165,7 @@ class _Plan:
     budget limits memory, cores): the same for every node a decision fits the pod on."""
 
     __slots__ = ("checks", "key", "min_only", "one_pass", "options", "plain", "quota_kinds",
-                 "request")
+                 "request", "sorted_pass")
 
     def __init__(self, request: ContainerRequest, ctx: FitContext, quota_kinds: int) -> None:
         options = ctx.options
@@ -180,6 +181,12 @@ class _Plan:
         # (`_pick_one`: the sign of the one ordering policy; None: not that case)
         self.one_pass = (-1.0 if ordering[0] == "binpack" else 1.0) if (
             self.min_only and self.plain and len(ordering) == 1
+        ) else None  # fmt: skip
+        # (`_pick_sorted`: the same for a container of several cards that only orders them:
+        # no NUMA nor topology selection after the sort)
+        self.sorted_pass = (-1.0 if ordering[0] == "binpack" else 1.0) if (
+            request.count > 1 and self.plain and len(ordering) == 1 and not options.numa_bind
+            and "numa" not in policies and "topology-aware" not in policies
         ) else None  # fmt: skip
 
 
@@ -213,6 +220,8 @@ def pick_cards(
     plan = _plan(request, ctx)
     if plan.one_pass is not None:
         return _pick_one(cards, request, ctx, reasons, plan)
+    if plan.sorted_pass is not None:
+        return _pick_sorted(cards, request, ctx, reasons, plan)
     passing: list[Card] = []
     local: dict[str, int] = {}
     checks = plan.checks
@@ -302,11 +311,146 @@ def _pick_one(
     return [best]
 
 
+def _pick_sorted(
+    cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str],
+    plan: _Plan,
+) -> list[Card] | None:
+    """`pick_cards` of a container of several cards under one ordering policy whose checks
+    `plain_card` answers, with no NUMA nor topology selection (a multi-GPU pod as most ask):
+    `plain_card` and the sort key inlined in one pass over the cards, the passing ones sorted
+    by (key, card index, position) (the order `sorted` gives them by `_one_policy_key`: it is
+    stable, so equal keys stay in card order), the refused counted as `pick_cards` counts
+    them (in card order, then the passing ones as CardInsufficient when too few pass)."""
+    count, family, cores = request.count, request.family, request.cores
+    memory, percentage = request.memory_mib, request.memory_percentage
+    w_slot, w_core, w_mem = plan.options.weights
+    sign = plan.sorted_pass
+    checks = plan.checks
+    keyed: list[tuple[float, int, int, Card]] = []
+    local: dict[str, int] | None = None
+    for position, card in enumerate(cards):
+        total = card.memory_mib
+        asked = memory if percentage is None else total * percentage // 100
+        used_slots, split = card.used_slots, card.split_count
+        card_cores, used_cores = card.cores, card.used_cores
+        if not (
+            count <= card.plain and card.family == family and card.healthy
+            and not card.cordoned and used_slots < split and asked <= total - card.used_mem
+            and cores <= card_cores - used_cores and (cores < 100 or used_slots == 0)
+            and (cores > 0 or not (card_cores > 0 and used_cores >= card_cores))
+        ):  # (`plain_card`, inlined; when it does not clear the card, the checks decide)
+            reason = card_refusal(card, request, ctx, checks)
+            if reason is not None:
+                if local is None:
+                    local = {}
+                local[reason] = local.get(reason, 0) + 1
+                continue
+        score = 0.0  # (`device_score`, as `_one_policy_key` computes it)
+        if split:
+            score += w_slot * (1 + used_slots) / split
+        if card_cores:
+            score += w_core * (cores + used_cores) / card_cores
+        if total:
+            score += w_mem * (asked + card.used_mem) / total
+        keyed.append((sign * (10.0 * score), card.index, position, card))  # type: ignore[operator]
+    if len(keyed) < count:
+        if local:
+            reasons.update(local)
+        if keyed:
+            reasons[CARDS_INSUFFICIENT] += len(keyed)
+        return None
+    keyed.sort()  # (never compares two cards: the positions differ)
+    return [k[3] for k in keyed[:count]]
+
+
+# A grant of the kind whose grant is the request's own amounts on the card (`_SLICE_GRANT`:
+# NVIDIA's libvgpu slices, the card most pods take) is built here without pydantic's
+# validation (`_amounts_grant`): the answer's grants are built on every placed call, and
+# validating them cost more than the rest of the fit of a one-card pod. The values are the
+# card's (a registration validated when it was read off the bus) and the request's (read and
+# checked by `hami`); a value that is not a plain str or a non-negative int is built
+# validated, as before (refused the same way).
+_SLICE_GRANT = type(SLICES).grant
+_new_object = object.__new__
+_set_slot = object.__setattr__
+# DeviceGrant's fields in their order, each at its default (the four set below are replaced).
+# Any field added to the model without a plain default, or a validator that changes a value,
+# must end the shortcut: checked at import (`_grant_template`) and by
+# tests/scheduler/test_grant_trusted.py (equal models, identical wire bytes).
+_AMOUNTS = ("uuid", "type", "memory_mib", "cores")
+
+
+def _grant_template() -> dict[str, object] | None:
+    """DeviceGrant's fields in order, the four amounts as None and the others at their
+    (immutable) defaults; None when the model is not one this shortcut can build exactly."""
+    template: dict[str, object] = {}
+    for name, info in DeviceGrant.model_fields.items():
+        if name in _AMOUNTS:
+            # (checked below: a str, or an int of at least 0, and nothing more)
+            plain = str if name in ("uuid", "type") else int
+            if info.annotation is not plain or not all(
+                plain is int and type(m).__name__ == "Ge" and getattr(m, "ge", None) == 0
+                for m in info.metadata
+            ):  # fmt: skip
+                return None
+            template[name] = None
+        elif info.default_factory is not None or info.is_required() or (
+            type(info.default) not in (type(None), bool, int, float, str)
+        ):  # fmt: skip
+            return None  # (not a plain, immutable default: build it validated)
+        else:
+            template[name] = info.default
+    decorators = DeviceGrant.__pydantic_decorators__
+    if not set(_AMOUNTS) <= set(template) or (
+        DeviceGrant.model_config.get("extra") == "allow" or decorators.field_validators
+        or decorators.model_validators or DeviceGrant.__pydantic_post_init__ is not None
+        or DeviceGrant.__private_attributes__
+    ):  # fmt: skip
+        return None
+    return template
+
+
+_GRANT_TEMPLATE = _grant_template()
+
+
+def _amounts_grant(card: Card, request: ContainerRequest) -> DeviceGrant:
+    """`NvidiaSlices.grant` (the request's own memory and cores on the card), the model built
+    from the trusted values without validation where they are plainly valid."""
+    percentage = request.memory_percentage
+    memory = request.memory_mib if percentage is None else card.memory_mib * percentage // 100
+    cores, uuid, type_ = request.cores, card.uuid, card.type
+    template = _GRANT_TEMPLATE
+    if (
+        template is None or type(memory) is not int or type(cores) is not int or memory < 0
+        or cores < 0 or type(uuid) is not str or type(type_) is not str
+    ):  # fmt: skip
+        return DeviceGrant(uuid=uuid, type=type_, memory_mib=memory, cores=cores)
+    values = template.copy()  # (the model's field order: its dump's order)
+    values["uuid"] = uuid
+    values["type"] = type_
+    values["memory_mib"] = memory
+    values["cores"] = cores
+    grant = _new_object(DeviceGrant)
+    _set_slot(grant, "__dict__", values)
+    _set_slot(grant, "__pydantic_fields_set__", {"uuid", "type", "memory_mib", "cores"})
+    _set_slot(grant, "__pydantic_extra__", None)
+    _set_slot(grant, "__pydantic_private__", None)
+    return grant
+
+
+def _kind_grant(card: Card, request: ContainerRequest, selection: Selection) -> DeviceGrant:
+    """The card's kind's grant for the request (`DeviceKind.grant`)."""
+    kind = card.kind
+    if type(kind).grant is _SLICE_GRANT:
+        return _amounts_grant(card, request)
+    return kind.grant(card, request, selection)
+
+
 def _grant(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant:
     """The card's kind's grant for the request, on the card as it is (read, not charged)."""
     options = ctx.options
     selection = options.selection_for(request.family) if options.selections else NO_SELECTION
-    grant = card.kind.grant(card, request, selection)
+    grant = _kind_grant(card, request, selection)
     if request.burst is not None:  # elastic: packed by the guarantee, the limit rides along
         mem_limit, cores_limit = elastic.burst_of_grant(request.burst, grant, card.memory_mib)
         grant = grant.model_copy(update={"memory_limit_mib": mem_limit,
@@ -319,7 +463,7 @@ def _take(card: Card, request: ContainerRequest, ctx: FitContext) -> DeviceGrant
     profile's), charged on the card and the quota budget."""
     options = ctx.options
     selection = options.selection_for(request.family) if options.selections else NO_SELECTION
-    grant = card.kind.grant(card, request, selection)
+    grant = _kind_grant(card, request, selection)
     memory, cores = grant.memory_mib, grant.cores
     card.used_mem += memory
     card.used_cores += cores

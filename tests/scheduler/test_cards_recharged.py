@@ -8,6 +8,7 @@ import dataclasses
 import random
 
 import pytest
+from tessera.scheduler import index as index_module
 from tessera.scheduler.cards import Card, cards_with_usage
 from tessera.scheduler.index import ClusterIndex
 from tessera.scheduler.placement import fit_pod
@@ -101,11 +102,13 @@ def test_the_devices_are_read_again_only_when_they_or_the_cordon_change(
     index = ClusterIndex()
     index.set_registration("n", reg, NOW)
     index.set_ledger("n", ledger("n", reg, rng, 3), 1, NOW)
-    read = []
-    original = Card.from_device
-    monkeypatch.setattr(Card, "from_device", classmethod(
-        lambda cls, d, cordoned=False: read.append(d.uuid) or original(d, cordoned)
-    ))  # fmt: skip
+    read: list[str] = []  # (a device's UUID each time its card is built from it)
+
+    def reading(registration: NodeRegistration, *args: object) -> list[Card]:
+        read.extend(d.uuid for d in registration.devices)
+        return cards_with_usage(registration, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(index_module, "cards_with_usage", reading)
     index.entries["n"].cards  # noqa: B018 (built)
     assert len(read) == len(reg.devices)
     for revision in range(2, 6):  # usage changes only: copied, not read
