@@ -27,6 +27,7 @@ import numpy as np
 from .native_address import address_of
 
 LIBRARY_ENV = "TESSERA_NAMES_LIBRARY"
+ABI = 2  # the library's `tn_abi()` this code calls it as (rows and slots written as int32)
 _BUILT = Path(__file__).resolve().parents[2] / "native" / "names" / "build" / "libtessera_names.so"
 _library: ctypes.CDLL | None = None
 
@@ -38,8 +39,9 @@ def library_path() -> Path:
 
 
 def library() -> ctypes.CDLL | None:
-    """The library, loaded once per process; None while there is none (looked for again at
-    the next name table: a stat)."""
+    """The library, loaded once per process; None while there is none, or while the one found
+    is not of this interface (`ABI`: an older build writes int64 where int32 is read; looked
+    for again at the next name table: a stat and a load)."""
     global _library
     if _library is not None:
         return _library
@@ -49,6 +51,13 @@ def library() -> ctypes.CDLL | None:
     except OSError:
         return None
     if lib is None:
+        return None
+    abi = getattr(lib, "tn_abi", None)
+    if abi is None:
+        return None  # (older than `tn_abi`: its resolver writes int64)
+    abi.restype = ctypes.c_uint32
+    abi.argtypes = []
+    if abi() != ABI:
         return None
     lib.tn_build.restype = ctypes.c_void_p
     lib.tn_build.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -100,7 +109,8 @@ class NativeNames:
         return cls(lib, handle) if handle else None
 
     def resolve(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
-        """(rows, slots) of the names of a JSON array (its bytes, `[` to `]`), in order; None
+        """(rows, slots) of the names of a JSON array (its bytes, `[` to `]`), in order, as
+        int32 (a table's rows and slots are below 2^31: `tn_build` refuses others); None
         unless every name is a registered node's and the array is in the compact form."""
         # room for as many names as names 2 bytes shorter than the first would make (names
         # are often all as long: 15 % spare at 10 bytes, the pages past them never touched);
@@ -109,14 +119,14 @@ class NativeNames:
         if first < 1 or len(array) < 4:
             return None
         capacity = (len(array) - 1) // max(4, first + 1) + 1
-        rows = np.empty(capacity, dtype=np.int64)
-        slots = np.empty(capacity, dtype=np.int64)
+        rows = np.empty(capacity, dtype=np.int32)
+        slots = np.empty(capacity, dtype=np.int32)
         count = self._resolve(self._handle, array, len(array), address_of(rows),
                               address_of(slots), capacity)  # fmt: skip
         if count == -2:
             capacity = (len(array) - 1) // 4 + 1  # (a name takes at least `"x",`)
-            rows = np.empty(capacity, dtype=np.int64)
-            slots = np.empty(capacity, dtype=np.int64)
+            rows = np.empty(capacity, dtype=np.int32)
+            slots = np.empty(capacity, dtype=np.int32)
             count = self._resolve(self._handle, array, len(array), rows.ctypes.data,
                                   slots.ctypes.data, capacity)  # fmt: skip
             if count >= 0:
@@ -132,21 +142,24 @@ class NativeNames:
         gives it, and also when a registered name holds a `"`, a backslash or a control
         character (the array's end is then not known before a pass over it: the caller cuts
         it out and calls `resolve`). The rows are not written (a placed pod's call reads only
-        the slots; `NameTable.row_of_slot` gives them)."""
+        the slots; `NameTable.row_of_slot` gives them). The slots are int32, as `resolve`'s:
+        80 KB written by C and read again by the walk at 20,000 names, not 160."""
         first = body.find(b'"', start + 2) - start - 2
         size = len(body) - start
         if first < 1 or size < 4:
             return None
         capacity = (size - 1) // max(4, first + 1) + 1  # (as `resolve`)
         for _ in range(2):
-            # (one more element: where the array ends, written by the call itself)
-            slots = np.empty(capacity + 1, dtype=np.int64)
+            # (two more int32 elements, 8-byte aligned: where the array ends, a uint64 written
+            # by the call itself; numpy's buffers are 16-byte aligned)
+            room = capacity + (capacity & 1)
+            slots = np.empty(room + 2, dtype=np.int32)
             at = address_of(slots)
             count = self._resolve_in(self._handle, body, len(body), start, None, at, capacity,
-                                     at + 8 * capacity)  # fmt: skip
+                                     at + 4 * room)  # fmt: skip
             if count != -2:
                 break
             capacity = (size - 1) // 4 + 1  # (room for every name the bytes could hold)
         if count < 0:
             return None
-        return slots[:count], int(slots[capacity])
+        return slots[:count], int(slots[room : room + 2].view(np.uint64)[0])

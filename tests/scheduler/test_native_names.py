@@ -256,8 +256,8 @@ def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[s
     for array in arrays:
         both = native.resolve(array)
         capacity = len(array) // 4 + 1
-        rows = np.full(capacity, -1, dtype=np.int64)
-        slots = np.full(capacity, -1, dtype=np.int64)
+        rows = np.full(capacity, -1, dtype=np.int32)  # (the library writes int32)
+        slots = np.full(capacity, -1, dtype=np.int32)
         resolve = native._resolve
         counts = [
             resolve(native._handle, array, len(array), rows.ctypes.data, None, capacity),
@@ -277,3 +277,72 @@ def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[s
                                   capacity, end.ctypes.data) == counts[0]  # fmt: skip
         assert rows[: counts[0]].tolist() == both[0].tolist()
         assert int(end[0]) == len(body) - 1
+
+
+def test_a_full_list_of_20000_names_resolves_to_int32_slots() -> None:
+    """A 20,500-name table: every kube-scheduler order of it, read as an array and in place in
+    a body, gives the slots exactly, as int32 (4 bytes a name: half the memory the resolver
+    writes and the walk reads again)."""
+    names = [f"node-{i:05d}" for i in range(20_500)]
+    slots = random.Random(3).sample(range(30_000), len(names))
+    table = NameTable(names, slots)
+    assert table.native is not None
+    slot_of = dict(zip(names, slots, strict=True))
+    for listed in lists_of(names, random.Random(20_500))[:6]:
+        array = compact(listed)
+        expected = [slot_of[n] for n in listed]
+        found = same_as_numpy(table, array)
+        assert found is not None and found[1].dtype == np.int32
+        assert found[1].tolist() == expected
+        body = b'{"pod":{},"nodenames":' + array + b',"x":"]"}'
+        start = body.index(b"[")
+        read = table.slots_in(body, start)
+        assert read is not None
+        assert read[0].dtype == np.int32 and read[0].nbytes == 4 * len(listed)
+        assert read[0].tolist() == expected and read[1] == start + len(array)
+
+
+def test_slots_up_to_the_largest_int32_resolve_exactly_and_no_larger_one_is_taken() -> None:
+    """The int32 the resolver writes holds every slot it is given: `tn_build` takes slots up
+    to 2^31 - 1 and refuses a table with a larger one (the scheduler then resolves in numpy;
+    an index's slots are rows of its arrays, so one that large would need arrays of 2^31
+    entries each). Slots at both ends of the range come back exactly, in a body too."""
+    top = (1 << 31) - 1
+    encoded = [f"node-{i:05d}".encode() for i in range(2_000)]
+    slots = np.array([top - i // 2 if i % 2 else i for i in range(len(encoded))],
+                     dtype=np.int64)  # fmt: skip
+    native = NativeNames.load(encoded, slots)
+    assert native is not None
+    listed = random.Random(4).sample(range(len(encoded)), len(encoded))
+    array = b"[" + b",".join(b'"' + encoded[i] + b'"' for i in listed) + b"]"
+    found = native.resolve(array)
+    assert found is not None
+    assert found[0].tolist() == listed and found[1].tolist() == slots[listed].tolist()
+    assert top in found[1].tolist()
+    read = native.slots_in(b'{"nodenames":' + array + b"}", 13)
+    assert read is not None and read[0].tolist() == slots[listed].tolist()
+    assert read[1] == 13 + len(array)
+    too_large = slots.copy()
+    too_large[7] = top + 1
+    assert NativeNames.load(encoded, too_large) is None
+
+
+def test_a_library_of_another_interface_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A stale build (one that writes int64 slots: no `tn_abi`, or another version) is not
+    called with int32 arrays: the scheduler resolves in numpy until it is rebuilt."""
+    stubs = ("void *tn_build(void) { return 0; } long tn_resolve(void) { return -1; } "
+             "long tn_resolve_in(void) { return -1; } void tn_free(void) {} "
+             "long tn_walk_round(void) { return -1; }")  # fmt: skip
+    for name, extra in (("old", ""), ("other", "unsigned tn_abi(void) { return 1; }"),
+                        ("same", f"unsigned tn_abi(void) {{ return {native_names.ABI}; }}")):
+        source = tmp_path / f"{name}.c"
+        source.write_text(stubs + extra)
+        built_lib = tmp_path / f"lib{name}.so"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(built_lib), str(source)],
+                       check=True)  # fmt: skip
+        monkeypatch.setattr(native_names, "_library", None)
+        monkeypatch.setenv(native_names.LIBRARY_ENV, str(built_lib))
+        loaded = native_names.library()
+        assert (loaded is not None) == (name == "same"), name

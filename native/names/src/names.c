@@ -121,6 +121,11 @@ static int tn_any_escape(const unsigned char *p, uint64_t n)
 	return bad != 0;
 }
 
+uint32_t tn_abi(void)
+{
+	return TN_ABI;
+}
+
 void tn_free(tn_table *t)
 {
 	if (t == NULL)
@@ -348,7 +353,7 @@ static inline uint16_t tn_pair(const unsigned char *p)
 /* tn_resolve (`prefix` 0) and tn_resolve_prefix (`prefix` 1: the array ends at the first `]`
  * after a name's closing quote; its length to `*length`). */
 static inline __attribute__((always_inline)) int64_t
-tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, int64_t *slots,
+tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int32_t *rows, int32_t *slots,
 	uint64_t capacity, const int prefix, uint64_t *length, const int outputs)
 {
 	if (t == NULL || t->count == 0 || n < 4 || a[0] != '[' || a[1] != '"'
@@ -501,8 +506,8 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 	}
 }
 
-int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
-		   int64_t *slots, uint64_t capacity)
+int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int32_t *rows,
+		   int32_t *slots, uint64_t capacity)
 {
 	if (rows != NULL && slots != NULL)
 		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS | TN_SLOTS);
@@ -514,7 +519,7 @@ int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_
 }
 
 int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n, uint64_t start,
-		      int64_t *rows, int64_t *slots, uint64_t capacity, uint64_t *end)
+		      int32_t *rows, int32_t *slots, uint64_t capacity, uint64_t *end)
 {
 	uint64_t length = 0;
 	if (end == NULL || start >= n)
