@@ -111,6 +111,22 @@ typedef struct {
 	int64_t top_position;
 } tn_round;
 
+/* The entry `(key, position)` added to the round's heap (its bounds reached). */
+static inline void tn_take(tn_round *r, double key, uint64_t position)
+{
+	if (r->count < r->cap) {
+		r->heap[r->count] = (tn_pick){key, (int64_t)position};
+		tn_sift_up(r->heap, r->count++);
+	} else {
+		r->heap[0] = (tn_pick){key, (int64_t)position};
+		tn_sift_down(r->heap, r->count, 0);
+	}
+	if (r->count == r->cap) {
+		r->top_key = r->heap[0].key;
+		r->top_position = r->heap[0].position;
+	}
+}
+
 /* Position `i` (its `key`, in the group `flag` when the round is by group) offered to the
  * round: 0, or -1 for a slot past the arrays (`check`: the first round checked it already). */
 static inline int
@@ -136,19 +152,71 @@ tn_offer(tn_round *r, uint64_t i, double key, int by_group, uint8_t flag, uint8_
 	int64_t slot = tn_slot(slots, i, width);
 	if (check && (slot < 0 || (uint64_t)slot >= limit))
 		return -1;
-	if (!tn_reaches(slot, spec, bounds))
-		return 0;
-	if (r->count < r->cap) {
-		r->heap[r->count] = (tn_pick){key, (int64_t)i};
-		tn_sift_up(r->heap, r->count++);
-	} else {
-		r->heap[0] = (tn_pick){key, (int64_t)i};
-		tn_sift_down(r->heap, r->count, 0);
+	if (tn_reaches(slot, spec, bounds))
+		tn_take(r, key, i);
+	return 0;
+}
+
+/* One position of a first round (`tn_first_round`): its key and group written, and offered
+ * to the round; `ahead`: the slot TN_AHEAD positions on (`limit`: none). 0, or -1. */
+static inline __attribute__((always_inline)) int
+tn_first_step(tn_round *r, uint64_t i, int64_t slot, uint64_t ahead, uint64_t limit,
+	      const double *scores, double sign, const uint8_t *busy, double *keys,
+	      uint8_t *busy_at, const int grouped, uint8_t wanted, const int64_t *spec,
+	      uint32_t bounds, uint64_t *seen)
+{
+	if (slot < 0 || (uint64_t)slot >= limit)
+		return -1;
+	if (ahead < limit) /* (a gather: its cache lines asked for ahead) */
+		__builtin_prefetch(&scores[ahead]);
+	double key = sign * scores[slot];
+	if (key != key)
+		return -1; /* NaN: no order to give (the caller walks in numpy) */
+	keys[i] = key;
+	uint8_t flag = 0;
+	if (grouped) {
+		flag = busy[slot] ? 1 : 0;
+		busy_at[i] = flag;
+		*seen += flag;
 	}
 	if (r->count == r->cap) {
-		r->top_key = r->heap[0].key;
-		r->top_position = r->heap[0].position;
+		if (r->cap == 0 || !(key < r->top_key))
+			return 0;
+	} else if (ahead < limit) {
+		/* (a heap not full yet reads the bounds of every position of its group, a random
+		 * gather: their cache lines asked for ahead, as the keys) */
+		tn_prefetch_bounds(ahead, spec, bounds);
 	}
+	if (grouped && flag != wanted)
+		return 0;
+	if (tn_reaches(slot, spec, bounds))
+		tn_take(r, key, i);
+	return 0;
+}
+
+/* The first round of a walk that resumes after nothing (`tn_offer`'s, for that case, with
+ * `grouped` and `width` constants where it is inlined): the positions are offered in
+ * increasing order, so the heap's largest entry always has an earlier position than the one
+ * offered, and a position enters a full heap exactly when its key is below the largest's.
+ * Most positions of a long list cost that one comparison after their key and group are
+ * written. 0, or -1 for a slot past the arrays or a NaN key. */
+static inline __attribute__((always_inline)) int
+tn_first_round(tn_round *r, const void *slots, const uint32_t width, uint64_t n, uint64_t limit,
+	       const double *scores, double sign, const uint8_t *busy, double *keys,
+	       uint8_t *busy_at, const int grouped, uint8_t wanted, const int64_t *spec,
+	       uint32_t bounds, uint64_t *busy_seen)
+{
+	uint64_t seen = 0, i = 0;
+	for (; i + TN_AHEAD < n; i++) /* (a slot TN_AHEAD on: prefetched) */
+		if (tn_first_step(r, i, tn_slot(slots, i, width),
+				  (uint64_t)tn_slot(slots, i + TN_AHEAD, width), limit, scores, sign,
+				  busy, keys, busy_at, grouped, wanted, spec, bounds, &seen) < 0)
+			return -1;
+	for (; i < n; i++)
+		if (tn_first_step(r, i, tn_slot(slots, i, width), limit, limit, scores, sign, busy,
+				  keys, busy_at, grouped, wanted, spec, bounds, &seen) < 0)
+			return -1;
+	*busy_seen = seen;
 	return 0;
 }
 
@@ -165,9 +233,23 @@ tn_walk(const void *slots, const uint32_t width, uint64_t n, uint64_t limit, con
 	tn_round r = {heap, cap, 0, 0.0, 0};
 	const uint8_t wanted = (uint8_t)(group != 0);
 	const int by_group = busy_at != NULL;
-	if (scores) {
+	if (scores && !resume) {
 		/* The first round: every key and group read from the index (kept), each position
 		 * offered to the round as it is read (one pass over the list). */
+		uint64_t busy_seen = 0;
+		int read = by_group
+			? tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
+					 busy_at, 1, wanted, spec, bounds, &busy_seen)
+			: tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
+					 NULL, 0, wanted, spec, bounds, &busy_seen);
+		if (read < 0) {
+			free(heap);
+			return -1;
+		}
+		if (busy_count)
+			*busy_count = busy_seen;
+	} else if (scores) {
+		/* (a first round that resumes: every position offered as in later rounds) */
 		uint64_t busy_seen = 0;
 		for (uint64_t i = 0; i < n; i++) {
 			int64_t slot = tn_slot(slots, i, width);
