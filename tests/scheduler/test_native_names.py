@@ -16,6 +16,7 @@ import pytest
 from tessera.scheduler import native_names
 from tessera.scheduler.name_table import NameTable
 from tessera.scheduler.native_names import NativeNames
+from tessera.scheduler.native_walk import NATIVE_FROM
 
 from .test_node_names import compact, damaged, order_index
 
@@ -282,7 +283,8 @@ def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[s
 def test_a_full_list_of_20000_names_resolves_to_int32_slots() -> None:
     """A 20,500-name table: every kube-scheduler order of it, read as an array and in place in
     a body, gives the slots exactly, as int32 (4 bytes a name: half the memory the resolver
-    writes and the walk reads again)."""
+    writes and the walk in C reads again); a list shorter than C walks (numpy gathers by it:
+    an int32 index is cast to int64 at every gather) as int64."""
     names = [f"node-{i:05d}" for i in range(20_500)]
     slots = random.Random(3).sample(range(30_000), len(names))
     table = NameTable(names, slots)
@@ -300,6 +302,13 @@ def test_a_full_list_of_20000_names_resolves_to_int32_slots() -> None:
         assert read is not None
         assert read[0].dtype == np.int32 and read[0].nbytes == 4 * len(listed)
         assert read[0].tolist() == expected and read[1] == start + len(array)
+    window = compact(lists_of(names, random.Random(5))[2][:500])
+    for found in (table.rows_and_slots(window),
+                  table.slots_in(b'{"nodenames":' + window + b"}", 13)):  # fmt: skip
+        assert found is not None and found[0].dtype == np.int64
+    assert table.rows_and_slots(window)[1].dtype == np.int64  # type: ignore[index]
+    long_list = compact(lists_of(names, random.Random(5))[2][:NATIVE_FROM])
+    assert table.rows_and_slots(long_list)[0].dtype == np.int32  # type: ignore[index]
 
 
 def test_slots_up_to_the_largest_int32_resolve_exactly_and_no_larger_one_is_taken() -> None:
