@@ -30,15 +30,6 @@ RUN_TRIES = 8  # lists in a row that were no runs before one in 8 is looked at (
 _MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 
 
-def _sized(resolved: np.ndarray) -> np.ndarray:
-    """The native resolver's int32 rows or slots, kept so for a list long enough to be walked
-    in C (`native_walk.NATIVE_FROM`: C reads them at that width, half the memory of int64),
-    widened to int64 for a shorter one, which numpy walks: numpy casts an index array that is
-    not int64 (intp) to int64 at every gather, and a short list is gathered by a dozen
-    (500-name windows at 20,000 nodes: ~0.017 ms a call more as int32)."""
-    return resolved if len(resolved) >= NATIVE_FROM else resolved.astype(np.int64)
-
-
 class NameTable:
     """Every registered node's name as bytes, for resolving a `nodenames` array straight from
     the body's bytes (kube-scheduler's lists change every cycle: a new list of 20,000 names
@@ -215,11 +206,11 @@ class NameTable:
 
     def rows_and_slots(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, slots) of the names of a JSON array, as `rows` and `lookup` give them: by the
-        native resolver where it is built (one pass in C; int32 for a list walked in C,
-        `_sized`), else in numpy."""
+        native resolver where it is built (one pass in C; int32 for a list long enough to be
+        walked in C, `native_walk.NATIVE_FROM`, int64 for a shorter one, which numpy walks:
+        `NativeNames.resolve`), else in numpy."""
         if self.native is not None:
-            found = self.native.resolve(array)
-            return None if found is None else (_sized(found[0]), _sized(found[1]))
+            return self.native.resolve(array, NATIVE_FROM)
         rows = self.numpy_rows(array)
         return None if rows is None else (rows, self.slots[rows])
 
@@ -227,10 +218,9 @@ class NameTable:
         """(slots, end) of the names of the JSON array at `body[start]`, read in place by the
         native resolver (`NativeNames.slots_in`: no copy of the array, no search for its end;
         `end` just past its `]`); None without the library or when it cannot read it there (the
-        caller cuts the array out and calls `rows_and_slots`). The slots as `_sized` leaves
-        them."""
-        found = None if self.native is None else self.native.slots_in(body, start)
-        return None if found is None else (_sized(found[0]), found[1])
+        caller cuts the array out and calls `rows_and_slots`). The slots' width as
+        `rows_and_slots` gives it."""
+        return None if self.native is None else self.native.slots_in(body, start, NATIVE_FROM)
 
     def rows(self, array: bytes) -> np.ndarray | None:
         """`lookup`, as the table's rows (`names`, `slots` by row)."""

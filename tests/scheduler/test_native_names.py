@@ -245,8 +245,9 @@ def test_the_library_is_looked_for_where_the_environment_says(
 @pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
 def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[str]) -> None:
     """`tn_resolve` writes the rows and the slots only where asked (each may be NULL: its
-    loop is built once per combination): each alone is what both give, and asking for neither
-    counts the same names or refuses the same arrays; so does `tn_resolve_in` in a body."""
+    loop is built once per combination), as int32 or int64 (`width`): each alone is what both
+    give at either width, and asking for neither counts the same names or refuses the same
+    arrays; so does `tn_resolve_in` in a body; a width other than 4 or 8 is refused."""
     table = table_of(names)
     native = table.native
     assert native is not None
@@ -254,30 +255,37 @@ def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[s
     arrays = [compact(listed) for listed in lists_of(names, rng)]
     damage = [b'"', b",", b"]", b"\\", b"\x00", b" ", b"0"]
     arrays += [damaged(array, rng, damage) for array in arrays for _ in range(3)]
+    resolve = native._resolve
     for array in arrays:
         both = native.resolve(array)
         capacity = len(array) // 4 + 1
-        rows = np.full(capacity, -1, dtype=np.int32)  # (the library writes int32)
-        slots = np.full(capacity, -1, dtype=np.int32)
-        resolve = native._resolve
-        counts = [
-            resolve(native._handle, array, len(array), rows.ctypes.data, None, capacity),
-            resolve(native._handle, array, len(array), None, slots.ctypes.data, capacity),
-            resolve(native._handle, array, len(array), None, None, capacity),
-        ]
-        if both is None:
-            assert counts == [-1, -1, -1], array[:80]
-            continue
-        assert counts == [len(both[0])] * 3
-        assert rows[: counts[0]].tolist() == both[0].tolist()
-        assert slots[: counts[1]].tolist() == both[1].tolist()
         body = b'{"nodenames":' + array + b"}"
         end = np.zeros(1, dtype=np.uint64)
-        rows[:] = -1
-        assert native._resolve_in(native._handle, body, len(body), 13, rows.ctypes.data, None,
-                                  capacity, end.ctypes.data) == counts[0]  # fmt: skip
-        assert rows[: counts[0]].tolist() == both[0].tolist()
-        assert int(end[0]) == len(body) - 1
+        assert resolve(native._handle, array, len(array), None, None, 2, capacity) == -1
+        assert native._resolve_in(native._handle, body, len(body), 13, None, None, 0,
+                                  capacity, end.ctypes.data) == -1  # fmt: skip
+        for kind in (np.int32, np.int64):
+            width = np.dtype(kind).itemsize
+            rows = np.full(capacity + 1, -1, dtype=kind)  # (one more: nothing written there)
+            slots = np.full(capacity + 1, -1, dtype=kind)
+            counts = [
+                resolve(native._handle, array, len(array), rows.ctypes.data, None, width,
+                        capacity),
+                resolve(native._handle, array, len(array), None, slots.ctypes.data, width,
+                        capacity),
+                resolve(native._handle, array, len(array), None, None, width, capacity),
+            ]  # fmt: skip
+            if both is None:
+                assert counts == [-1, -1, -1], array[:80]
+                continue
+            assert counts == [len(both[0])] * 3
+            assert rows[: counts[0]].tolist() == both[0].tolist() and rows[capacity] == -1
+            assert slots[: counts[1]].tolist() == both[1].tolist() and slots[capacity] == -1
+            rows[:] = -1
+            assert native._resolve_in(native._handle, body, len(body), 13, rows.ctypes.data,
+                                      None, width, capacity, end.ctypes.data) == counts[0]
+            assert rows[: counts[0]].tolist() == both[0].tolist() and rows[capacity] == -1
+            assert int(end[0]) == len(body) - 1
 
 
 def test_a_full_list_of_20000_names_resolves_to_int32_slots() -> None:

@@ -9,9 +9,9 @@
 
 typedef struct tn_table tn_table;
 
-/* The interface's version: 2 since the resolver writes rows and slots as int32 and the walk
- * takes either width (`tn_walk_round`'s `width`). A library without this symbol is older
- * (int64 only): native_names.py does not load it. */
+/* The interface's version: 2 since the resolver writes rows and slots as int32 or int64
+ * (`tn_resolve`'s `width`) and the walk reads either (`tn_walk_round`'s). A library without
+ * this symbol is older (int64 only, no width): native_names.py does not load it. */
 #define TN_ABI 2
 TN_EXPORT uint32_t tn_abi(void);
 
@@ -25,14 +25,16 @@ TN_EXPORT tn_table *tn_build(const unsigned char *names, const uint64_t *lengths
 			     const int64_t *slots, const int64_t *order, uint64_t count,
 			     uint64_t seed);
 
-/* The rows (when `rows` is not NULL) and the slots (when `slots` is not NULL), as int32 (half
- * the memory written and read again per list of int64's: a table's rows and slots are below
- * 2^31, `tn_build` refuses others), of the names of the JSON array `a` of `n` bytes (`[` to `]`), in order, at most `capacity`; the number of names, or -1 unless the
- * array is `["a","b",...]` with no space, every name non-empty, free of `\` and control
- * characters, and byte for byte a name of the table; -2 when it holds more than `capacity`
- * names (and what it has read of them is a prefix of such an array). */
-TN_EXPORT int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n,
-			     int32_t *rows, int32_t *slots, uint64_t capacity);
+/* The rows (when `rows` is not NULL) and the slots (when `slots` is not NULL), each an
+ * integer of `width` bytes (4: int32, half the memory written and read again of int64's, a
+ * table's rows and slots being below 2^31, `tn_build` refuses others; 8: int64; any other
+ * width is -1), of the names of the JSON array `a` of `n` bytes (`[` to `]`), in order, at
+ * most `capacity`; the number of names, or -1 unless the array is `["a","b",...]` with no
+ * space, every name non-empty, free of `\` and control characters, and byte for byte a name
+ * of the table; -2 when it holds more than `capacity` names (and what it has read of them is
+ * a prefix of such an array). */
+TN_EXPORT int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, void *rows,
+			     void *slots, uint32_t width, uint64_t capacity);
 
 /* tn_resolve for the array that starts at `body[start]` (its `[`) among the `n` bytes of
  * `body` (a request body: what follows the array is not read): it ends at the first `]` after
@@ -40,13 +42,14 @@ TN_EXPORT int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t
  * also when a name of the table holds a `"`, a backslash or a control character (the array's
  * end is then not known before a pass over it: tn_resolve reads it). */
 TN_EXPORT int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n,
-				uint64_t start, int32_t *rows, int32_t *slots, uint64_t capacity,
-				uint64_t *end);
+				uint64_t start, void *rows, void *slots, uint32_t width,
+				uint64_t capacity, uint64_t *end);
 
 TN_EXPORT void tn_free(tn_table *t);
 
 /* One round of a candidate list's walk in the node policy's order (src/walk.c): the positions
- * 0..n-1 of `slots` (each `width` bytes: 4, int32, or 8, int64; any other width is -1) ordered by (group, key, position), keeping those whose slot has
+ * 0..n-1 of `slots` (each `width` bytes: 4, int32, or 8, int64; any other width is -1)
+ * ordered by (group, key, position), keeping those whose slot has
  * `column[slot] >= minimum` for every bound (`spec`: `bounds` triples of the address of a
  * signed integer column by slot, its width in bytes, 1, 2, 4 or 8, and the minimum); written
  * to `out`: the `cap` first positions of group `group` (busy or not; every position when
