@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .native_names import NativeNames
+from .native_walk import NATIVE_FROM
 
 _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*\Z')  # a name JSON writes as it is, between quotes
 # _MASKS[k]: the low k bytes of a little-endian uint64 word (a name shorter than 8 bytes)
@@ -205,9 +206,11 @@ class NameTable:
 
     def rows_and_slots(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         """(rows, slots) of the names of a JSON array, as `rows` and `lookup` give them: by the
-        native resolver where it is built (one pass in C), else in numpy."""
+        native resolver where it is built (one pass in C; int32 for a list long enough to be
+        walked in C, `native_walk.NATIVE_FROM`, int64 for a shorter one, which numpy walks:
+        `NativeNames.resolve`), else in numpy."""
         if self.native is not None:
-            return self.native.resolve(array)
+            return self.native.resolve(array, NATIVE_FROM)
         rows = self.numpy_rows(array)
         return None if rows is None else (rows, self.slots[rows])
 
@@ -215,8 +218,9 @@ class NameTable:
         """(slots, end) of the names of the JSON array at `body[start]`, read in place by the
         native resolver (`NativeNames.slots_in`: no copy of the array, no search for its end;
         `end` just past its `]`); None without the library or when it cannot read it there (the
-        caller cuts the array out and calls `rows_and_slots`)."""
-        return None if self.native is None else self.native.slots_in(body, start)
+        caller cuts the array out and calls `rows_and_slots`). The slots' width as
+        `rows_and_slots` gives it."""
+        return None if self.native is None else self.native.slots_in(body, start, NATIVE_FROM)
 
     def rows(self, array: bytes) -> np.ndarray | None:
         """`lookup`, as the table's rows (`names`, `slots` by row)."""

@@ -27,6 +27,7 @@ import numpy as np
 from .native_address import address_of
 
 LIBRARY_ENV = "TESSERA_NAMES_LIBRARY"
+ABI = 2  # the library's `tn_abi()` this code calls it as (rows and slots of a width asked)
 _BUILT = Path(__file__).resolve().parents[2] / "native" / "names" / "build" / "libtessera_names.so"
 _library: ctypes.CDLL | None = None
 
@@ -38,8 +39,9 @@ def library_path() -> Path:
 
 
 def library() -> ctypes.CDLL | None:
-    """The library, loaded once per process; None while there is none (looked for again at
-    the next name table: a stat)."""
+    """The library, loaded once per process; None while there is none, or while the one found
+    is not of this interface (`ABI`: an older build writes int64 where int32 is read; looked
+    for again at the next name table: a stat and a load)."""
     global _library
     if _library is not None:
         return _library
@@ -50,16 +52,24 @@ def library() -> ctypes.CDLL | None:
         return None
     if lib is None:
         return None
+    abi = getattr(lib, "tn_abi", None)
+    if abi is None:
+        return None  # (older than `tn_abi`: its resolver writes int64)
+    abi.restype = ctypes.c_uint32
+    abi.argtypes = []
+    if abi() != ABI:
+        return None
     lib.tn_build.restype = ctypes.c_void_p
     lib.tn_build.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]  # fmt: skip
     lib.tn_resolve.restype = ctypes.c_int64
     lib.tn_resolve.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]  # fmt: skip
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32,
+                               ctypes.c_uint64]  # fmt: skip
     lib.tn_resolve_in.restype = ctypes.c_int64
     lib.tn_resolve_in.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
                                   ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_uint64, ctypes.c_void_p]  # fmt: skip
+                                  ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p]  # fmt: skip
     lib.tn_free.restype = None
     lib.tn_free.argtypes = [ctypes.c_void_p]
     _library = lib
@@ -99,9 +109,12 @@ class NativeNames:
                               ordered.ctypes.data, len(encoded), seed)  # fmt: skip
         return cls(lib, handle) if handle else None
 
-    def resolve(self, array: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    def resolve(self, array: bytes, narrow_from: int = 0
+                ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
         """(rows, slots) of the names of a JSON array (its bytes, `[` to `]`), in order; None
-        unless every name is a registered node's and the array is in the compact form."""
+        unless every name is a registered node's and the array is in the compact form. As
+        int32 when the array holds `narrow_from` names or more (a table's rows and slots are
+        below 2^31: `tn_build` refuses others), else int64 (`_width`)."""
         # room for as many names as names 2 bytes shorter than the first would make (names
         # are often all as long: 15 % spare at 10 bytes, the pages past them never touched);
         # if the array holds more, room for every name it could hold, then cut to size
@@ -109,44 +122,71 @@ class NativeNames:
         if first < 1 or len(array) < 4:
             return None
         capacity = (len(array) - 1) // max(4, first + 1) + 1
-        rows = np.empty(capacity, dtype=np.int64)
-        slots = np.empty(capacity, dtype=np.int64)
-        count = self._resolve(self._handle, array, len(array), address_of(rows),
-                              address_of(slots), capacity)  # fmt: skip
-        if count == -2:
+        retried = False
+        for _ in range(2):
+            kind = _width(capacity, narrow_from)
+            rows = np.empty(capacity, dtype=kind)
+            slots = np.empty(capacity, dtype=kind)
+            count = self._resolve(self._handle, array, len(array), address_of(rows),
+                                  address_of(slots), kind.itemsize, capacity)  # fmt: skip
+            if count != -2:
+                break
             capacity = (len(array) - 1) // 4 + 1  # (a name takes at least `"x",`)
-            rows = np.empty(capacity, dtype=np.int64)
-            slots = np.empty(capacity, dtype=np.int64)
-            count = self._resolve(self._handle, array, len(array), rows.ctypes.data,
-                                  slots.ctypes.data, capacity)  # fmt: skip
-            if count >= 0:
-                return rows[:count].copy(), slots[:count].copy()
+            retried = True
         if count < 0:
             return None
+        if count < narrow_from and kind.itemsize == 4:  # (fewer names than room for)
+            return rows[:count].astype(np.int64), slots[:count].astype(np.int64)
+        if retried:  # (room for every name the bytes could hold: cut to size)
+            return rows[:count].copy(), slots[:count].copy()
         return (rows, slots) if count == capacity else (rows[:count], slots[:count])
 
-    def slots_in(self, body: bytes, start: int) -> tuple[np.ndarray, int] | None:
+    def slots_in(self, body: bytes, start: int,
+                 narrow_from: int = 0) -> tuple[np.ndarray, int] | None:  # fmt: skip
         """(slots, end) of the names of the JSON array that starts at `body[start]` (its `[`),
         read in place: no copy of the array and no search for its end first (it ends at the
         first `]` after a name's closing quote; `end` is just past it). None as `resolve`
         gives it, and also when a registered name holds a `"`, a backslash or a control
         character (the array's end is then not known before a pass over it: the caller cuts
         it out and calls `resolve`). The rows are not written (a placed pod's call reads only
-        the slots; `NameTable.row_of_slot` gives them)."""
+        the slots; `NameTable.row_of_slot` gives them). The slots as `resolve` gives them:
+        int32 from `narrow_from` names (80 KB written by C and read again by the walk at
+        20,000 names, not 160), int64 below."""
         first = body.find(b'"', start + 2) - start - 2
         size = len(body) - start
         if first < 1 or size < 4:
             return None
         capacity = (size - 1) // max(4, first + 1) + 1  # (as `resolve`)
         for _ in range(2):
-            # (one more element: where the array ends, written by the call itself)
-            slots = np.empty(capacity + 1, dtype=np.int64)
+            kind = _width(capacity, narrow_from)
+            # (then 8 bytes for where the array ends, a uint64 written by the call itself,
+            # 8-byte aligned: numpy's buffers are 16-byte aligned)
+            room = capacity + (capacity & 1) if kind.itemsize == 4 else capacity
+            slots = np.empty(room + 8 // kind.itemsize, dtype=kind)
             at = address_of(slots)
-            count = self._resolve_in(self._handle, body, len(body), start, None, at, capacity,
-                                     at + 8 * capacity)  # fmt: skip
+            count = self._resolve_in(self._handle, body, len(body), start, None, at,
+                                     kind.itemsize, capacity,
+                                     at + kind.itemsize * room)  # fmt: skip
             if count != -2:
                 break
             capacity = (size - 1) // 4 + 1  # (room for every name the bytes could hold)
         if count < 0:
             return None
-        return slots[:count], int(slots[capacity])
+        if kind.itemsize == 8:
+            return slots[:count], int(slots[room])
+        # (the end's two halves read as ints: ~0.3 us, a uint64 view of them ~1.1)
+        end = int(slots[room]) & 0xFFFFFFFF | int(slots[room + 1]) << 32
+        if count < narrow_from:  # (fewer names than room for)
+            return slots[:count].astype(np.int64), end
+        return slots[:count], end
+
+
+_INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _width(capacity: int, narrow_from: int) -> np.dtype:
+    """The integers a list with room for `capacity` names is resolved into: int32 from
+    `narrow_from` names (what C reads, `native_walk`: half the memory), int64 below (numpy
+    casts an index array that is not int64 to int64 at every gather, and a short list is
+    gathered by a dozen)."""
+    return _INT32 if capacity >= narrow_from else _INT64

@@ -33,9 +33,10 @@ from .native_names import library
 NATIVE_FROM = 1024  # candidates from which a fresh list is walked in C
 _NATIVE_CHECKED = 128  # candidates walked in C before numpy goes on
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_SLOT_TYPES = (np.dtype(np.int32), np.dtype(np.int64))  # slot widths C reads (4 and 8 bytes)
 _POINTER = ctypes.c_void_p
 _ARGUMENTS = [
-    _POINTER, ctypes.c_uint64, ctypes.c_uint64,  # slots, n, limit
+    _POINTER, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,  # slots, width, n, limit
     _POINTER, ctypes.c_double, _POINTER,  # scores, sign, busy
     _POINTER, _POINTER, ctypes.c_int32,  # keys, busy_at, group
     _POINTER, ctypes.c_uint32,  # spec (address, width, minimum per bound), bounds
@@ -46,7 +47,7 @@ _ARGUMENTS = [
 
 def walk_function() -> Callable[..., int] | None:
     """`tn_walk_round` of the scheduler's native library, or None (not built, or a build
-    older than it)."""
+    older than this code: `native_names.library` loads only its own interface)."""
     lib = library()
     function = getattr(lib, "tn_walk_round", None) if lib is not None else None
     if function is not None and function.argtypes is None:
@@ -140,8 +141,10 @@ class NativePlan:
         function = walk_function()
         if function is None:
             return None
-        walk = NativeWalk(function, np.ascontiguousarray(slots, dtype=np.int64), self, sign,
-                          possible)  # fmt: skip
+        # (read as they are: int32 from the native resolver, int64 from numpy's paths)
+        if slots.dtype not in _SLOT_TYPES or not slots.flags.c_contiguous:
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+        walk = NativeWalk(function, slots, self, sign, possible)
         return walk if walk.start() else None
 
 
@@ -223,7 +226,7 @@ class NativeWalk:
 
     def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
                  sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
-        """`slots`: int64, contiguous; `plan`: the index's arrays and the bounds
+        """`slots`: int32 or int64, contiguous; `plan`: the index's arrays and the bounds
         (`native_plan`)."""
         self._core = _Rounds(function, slots, plan, sign, possible)
         self.keys, self.busy = self._core.keys, self._core.busy
@@ -247,7 +250,7 @@ class _Rounds:
 
     def __init__(self, function: Callable[..., int], slots: np.ndarray, plan: NativePlan,
                  sign: float, possible: Callable[[np.ndarray], np.ndarray]) -> None:  # fmt: skip
-        """`slots`: int64, contiguous; `plan`: the index's arrays and the bounds
+        """`slots`: int32 or int64, contiguous; `plan`: the index's arrays and the bounds
         (`native_plan`)."""
         self._function = function
         self._possible = possible  # (numpy's, for the rounds after C's)
@@ -264,7 +267,7 @@ class _Rounds:
         self._keys_at, self._out_at = base, base + 8 * n
         self._busy_at = base + 8 * (n + room) if by_busy else None
         self._kept = (slots, plan)  # (their addresses are used below)
-        self._list = (address_of(slots), n, plan._limit)
+        self._list = (address_of(slots), slots.itemsize, n, plan._limit)
         self._first = (plan._scores_at, sign, plan._busy_at)
         self._spec = plan._spec
         self._sign = sign

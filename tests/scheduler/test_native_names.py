@@ -16,6 +16,7 @@ import pytest
 from tessera.scheduler import native_names
 from tessera.scheduler.name_table import NameTable
 from tessera.scheduler.native_names import NativeNames
+from tessera.scheduler.native_walk import NATIVE_FROM
 
 from .test_node_names import compact, damaged, order_index
 
@@ -244,8 +245,9 @@ def test_the_library_is_looked_for_where_the_environment_says(
 @pytest.mark.parametrize("names", [UNIFORM, MIXED], ids=["uniform", "mixed"])
 def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[str]) -> None:
     """`tn_resolve` writes the rows and the slots only where asked (each may be NULL: its
-    loop is built once per combination): each alone is what both give, and asking for neither
-    counts the same names or refuses the same arrays; so does `tn_resolve_in` in a body."""
+    loop is built once per combination), as int32 or int64 (`width`): each alone is what both
+    give at either width, and asking for neither counts the same names or refuses the same
+    arrays; so does `tn_resolve_in` in a body; a width other than 4 or 8 is refused."""
     table = table_of(names)
     native = table.native
     assert native is not None
@@ -253,27 +255,111 @@ def test_the_rows_or_the_slots_alone_or_neither_are_what_both_give(names: list[s
     arrays = [compact(listed) for listed in lists_of(names, rng)]
     damage = [b'"', b",", b"]", b"\\", b"\x00", b" ", b"0"]
     arrays += [damaged(array, rng, damage) for array in arrays for _ in range(3)]
+    resolve = native._resolve
     for array in arrays:
         both = native.resolve(array)
         capacity = len(array) // 4 + 1
-        rows = np.full(capacity, -1, dtype=np.int64)
-        slots = np.full(capacity, -1, dtype=np.int64)
-        resolve = native._resolve
-        counts = [
-            resolve(native._handle, array, len(array), rows.ctypes.data, None, capacity),
-            resolve(native._handle, array, len(array), None, slots.ctypes.data, capacity),
-            resolve(native._handle, array, len(array), None, None, capacity),
-        ]
-        if both is None:
-            assert counts == [-1, -1, -1], array[:80]
-            continue
-        assert counts == [len(both[0])] * 3
-        assert rows[: counts[0]].tolist() == both[0].tolist()
-        assert slots[: counts[1]].tolist() == both[1].tolist()
         body = b'{"nodenames":' + array + b"}"
         end = np.zeros(1, dtype=np.uint64)
-        rows[:] = -1
-        assert native._resolve_in(native._handle, body, len(body), 13, rows.ctypes.data, None,
-                                  capacity, end.ctypes.data) == counts[0]  # fmt: skip
-        assert rows[: counts[0]].tolist() == both[0].tolist()
-        assert int(end[0]) == len(body) - 1
+        assert resolve(native._handle, array, len(array), None, None, 2, capacity) == -1
+        assert native._resolve_in(native._handle, body, len(body), 13, None, None, 0,
+                                  capacity, end.ctypes.data) == -1  # fmt: skip
+        for kind in (np.int32, np.int64):
+            width = np.dtype(kind).itemsize
+            rows = np.full(capacity + 1, -1, dtype=kind)  # (one more: nothing written there)
+            slots = np.full(capacity + 1, -1, dtype=kind)
+            counts = [
+                resolve(native._handle, array, len(array), rows.ctypes.data, None, width,
+                        capacity),
+                resolve(native._handle, array, len(array), None, slots.ctypes.data, width,
+                        capacity),
+                resolve(native._handle, array, len(array), None, None, width, capacity),
+            ]  # fmt: skip
+            if both is None:
+                assert counts == [-1, -1, -1], array[:80]
+                continue
+            assert counts == [len(both[0])] * 3
+            assert rows[: counts[0]].tolist() == both[0].tolist() and rows[capacity] == -1
+            assert slots[: counts[1]].tolist() == both[1].tolist() and slots[capacity] == -1
+            rows[:] = -1
+            assert native._resolve_in(native._handle, body, len(body), 13, rows.ctypes.data,
+                                      None, width, capacity, end.ctypes.data) == counts[0]
+            assert rows[: counts[0]].tolist() == both[0].tolist() and rows[capacity] == -1
+            assert int(end[0]) == len(body) - 1
+
+
+def test_a_full_list_of_20000_names_resolves_to_int32_slots() -> None:
+    """A 20,500-name table: every kube-scheduler order of it, read as an array and in place in
+    a body, gives the slots exactly, as int32 (4 bytes a name: half the memory the resolver
+    writes and the walk in C reads again); a list shorter than C walks (numpy gathers by it:
+    an int32 index is cast to int64 at every gather) as int64."""
+    names = [f"node-{i:05d}" for i in range(20_500)]
+    slots = random.Random(3).sample(range(30_000), len(names))
+    table = NameTable(names, slots)
+    assert table.native is not None
+    slot_of = dict(zip(names, slots, strict=True))
+    for listed in lists_of(names, random.Random(20_500))[:6]:
+        array = compact(listed)
+        expected = [slot_of[n] for n in listed]
+        found = same_as_numpy(table, array)
+        assert found is not None and found[1].dtype == np.int32
+        assert found[1].tolist() == expected
+        body = b'{"pod":{},"nodenames":' + array + b',"x":"]"}'
+        start = body.index(b"[")
+        read = table.slots_in(body, start)
+        assert read is not None
+        assert read[0].dtype == np.int32 and read[0].nbytes == 4 * len(listed)
+        assert read[0].tolist() == expected and read[1] == start + len(array)
+    window = compact(lists_of(names, random.Random(5))[2][:500])
+    for found in (table.rows_and_slots(window),
+                  table.slots_in(b'{"nodenames":' + window + b"}", 13)):  # fmt: skip
+        assert found is not None and found[0].dtype == np.int64
+    assert table.rows_and_slots(window)[1].dtype == np.int64  # type: ignore[index]
+    long_list = compact(lists_of(names, random.Random(5))[2][:NATIVE_FROM])
+    assert table.rows_and_slots(long_list)[0].dtype == np.int32  # type: ignore[index]
+
+
+def test_slots_up_to_the_largest_int32_resolve_exactly_and_no_larger_one_is_taken() -> None:
+    """The int32 the resolver writes holds every slot it is given: `tn_build` takes slots up
+    to 2^31 - 1 and refuses a table with a larger one (the scheduler then resolves in numpy;
+    an index's slots are rows of its arrays, so one that large would need arrays of 2^31
+    entries each). Slots at both ends of the range come back exactly, in a body too."""
+    top = (1 << 31) - 1
+    encoded = [f"node-{i:05d}".encode() for i in range(2_000)]
+    slots = np.array([top - i // 2 if i % 2 else i for i in range(len(encoded))],
+                     dtype=np.int64)  # fmt: skip
+    native = NativeNames.load(encoded, slots)
+    assert native is not None
+    listed = random.Random(4).sample(range(len(encoded)), len(encoded))
+    array = b"[" + b",".join(b'"' + encoded[i] + b'"' for i in listed) + b"]"
+    found = native.resolve(array)
+    assert found is not None
+    assert found[0].tolist() == listed and found[1].tolist() == slots[listed].tolist()
+    assert top in found[1].tolist()
+    read = native.slots_in(b'{"nodenames":' + array + b"}", 13)
+    assert read is not None and read[0].tolist() == slots[listed].tolist()
+    assert read[1] == 13 + len(array)
+    too_large = slots.copy()
+    too_large[7] = top + 1
+    assert NativeNames.load(encoded, too_large) is None
+
+
+def test_a_library_of_another_interface_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A stale build (one that writes int64 slots: no `tn_abi`, or another version) is not
+    called with int32 arrays: the scheduler resolves in numpy until it is rebuilt."""
+    stubs = ("void *tn_build(void) { return 0; } long tn_resolve(void) { return -1; } "
+             "long tn_resolve_in(void) { return -1; } void tn_free(void) {} "
+             "long tn_walk_round(void) { return -1; }")  # fmt: skip
+    for name, extra in (("old", ""), ("other", "unsigned tn_abi(void) { return 1; }"),
+                        ("same", f"unsigned tn_abi(void) {{ return {native_names.ABI}; }}")):
+        source = tmp_path / f"{name}.c"
+        source.write_text(stubs + extra)
+        built_lib = tmp_path / f"lib{name}.so"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(built_lib), str(source)],
+                       check=True)  # fmt: skip
+        monkeypatch.setattr(native_names, "_library", None)
+        monkeypatch.setenv(native_names.LIBRARY_ENV, str(built_lib))
+        loaded = native_names.library()
+        assert (loaded is not None) == (name == "same"), name

@@ -7,16 +7,18 @@ decision over the index is the same with the library and without it."""
 
 from __future__ import annotations
 
+import json
 import random
 from itertools import islice
 
 import numpy as np
 import pytest
-from tessera.scheduler import native_walk
+from tessera.scheduler import native_names, native_walk
 from tessera.scheduler.candidate_order import fresh_walk
 from tessera.scheduler.decide import decide
 from tessera.scheduler.index import Need
 from tessera.scheduler.native_walk import NATIVE_FROM, Addresses, NativeWalk
+from tessera.scheduler.node_names import NodeNamesCache
 from tessera.scheduler.rules import parse_pod_options
 
 from tessera.hami import parse_pod_request
@@ -24,7 +26,10 @@ from tessera.settings import TesseraSettings
 
 from .factories import GIB, container, pod
 from .test_index_order import cluster, reference
-from .test_native_names import built  # noqa: F401  (the library, built once per module)
+from .test_native_names import (
+    built,  # noqa: F401  (the library, built once per module)
+    lists_of,
+)
 
 WIDTHS = (np.int8, np.int16, np.int32, np.int64)
 
@@ -72,13 +77,16 @@ def numpy_possible(c: dict):  # type: ignore[no-untyped-def]
     return possible
 
 
-def walked_both(c: dict, avoid_busy: bool) -> tuple[list[int], list[int], NativeWalk]:
+def walked_both(c: dict, avoid_busy: bool, width: type = np.int64
+                ) -> tuple[list[int], list[int], NativeWalk]:  # fmt: skip
+    """(C's walk of the list's slots as `width` integers, numpy's, C's walk)."""
     busy = c["busy"] if avoid_busy else None
     keys = c["sign"] * c["scores"][c["slots"]]
     expected = flat(fresh_walk(keys, None if busy is None else busy[c["slots"]],
                                numpy_possible(c)))  # fmt: skip
-    walk = native_walk.native_walk(c["slots"], c["scores"], c["sign"], busy, bounds_of(c),
-                                   numpy_possible(c), Addresses(), shortest=0)  # fmt: skip
+    walk = native_walk.native_walk(c["slots"].astype(width), c["scores"], c["sign"], busy,
+                                   bounds_of(c), numpy_possible(c), Addresses(),
+                                   shortest=0)  # fmt: skip
     assert walk is not None
     np.testing.assert_array_equal(walk.keys, keys)
     if busy is not None:
@@ -88,12 +96,33 @@ def walked_both(c: dict, avoid_busy: bool) -> tuple[list[int], list[int], Native
 
 @pytest.mark.parametrize("seed", range(40))
 def test_every_position_in_numpys_order_on_adversarial_lists(seed: int) -> None:
+    """Slots as the native resolver gives them (int32), as numpy's paths do (int64), and of
+    another width (int16: read as a converted int64 copy)."""
     rng = random.Random(seed)
     n = rng.choice([0, 1, 2, 7, 8, 9, 127, 128, 129, 300, 2500])
     c = case(rng, n, rng.choice([1, 3, 50, 4000]))
-    for avoid_busy in (True, False):
-        native, expected, _walk = walked_both(c, avoid_busy)
-        assert native == expected, (seed, avoid_busy)
+    for width in (np.int32, np.int64, np.int16):
+        for avoid_busy in (True, False):
+            native, expected, _walk = walked_both(c, avoid_busy, width)
+            assert native == expected, (seed, width, avoid_busy)
+
+
+@pytest.mark.parametrize("width", [np.int32, np.int64])
+def test_a_slot_below_zero_or_past_the_arrays_is_left_to_numpy_at_either_width(
+    width: type,
+) -> None:
+    """A slot the walk cannot read (negative, the arrays' length, the largest or smallest
+    int32) makes C step aside whatever the list's width: never a read outside the arrays."""
+    rng = random.Random(21)
+    c = case(rng, NATIVE_FROM + 300, 2000)
+    args = (c["scores"], c["sign"], c["busy"], bounds_of(c), numpy_possible(c), Addresses())
+    slots = c["slots"].astype(width)
+    assert native_walk.native_walk(slots, *args) is not None
+    for bad in (-1, 2000, np.iinfo(np.int32).max, np.iinfo(np.int32).min):
+        for at in (0, NATIVE_FROM // 2, len(slots) - 1):
+            broken = slots.copy()
+            broken[at] = bad
+            assert native_walk.native_walk(broken, *args) is None, (bad, at)
 
 
 def test_a_walk_stopped_early_reads_one_pass_and_its_head_first() -> None:
@@ -189,5 +218,55 @@ def test_a_decision_is_the_same_with_the_library_and_without(
     with_library = walked()
     monkeypatch.setattr(native_walk, "walk_function", lambda: None)
     assert walked() == with_library
+    assert any(len(fitting) == 150 for fitting, _ in with_library)
+    assert any(not fitting for fitting, _ in with_library)
+
+
+def test_a_decision_on_lists_read_from_the_body_is_the_same_with_the_library_and_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lists as the service reads them (`NodeNamesCache` over the body, the index's resolvers:
+    int32 slots from the native resolver, walked in C at that width) give the same fitting
+    nodes, cards and refusal reasons as numpy with no library at all (int64 slots), on fresh
+    lists in kube-scheduler's orders, duplicates and a list with an unknown name included."""
+    settings = TesseraSettings()
+    pods = [pod(container(gpus=g, mem=m, cores=k),
+                annotations={"hami.io/node-scheduler-policy": policy})
+            for policy in ("binpack", "spread")
+            for g, m, k in ((1, 4 * GIB, None), (2, 20 * GIB, 30), (1, 200 * GIB, None))]
+
+    def decided() -> tuple[list, set[str]]:
+        index, names = cluster(random.Random(13), NATIVE_FROM + 76)
+        cache = NodeNamesCache(100_000, resolver=index.names_from_bytes,
+                               runs=index.names_of_run, in_place=index.names_in_body)
+        lists = [listed for listed in lists_of(names, random.Random(6)) if len(listed) > 100]
+        lists += [lists[2] + ["ghost"]] * 2
+        out, dtypes = [], set()
+        for listed in lists:
+            for spec in pods:
+                body = json.dumps({"pod": spec, "nodenames": listed},
+                                  separators=(",", ":")).encode()  # fmt: skip
+                parsed = cache.parse(body) or json.loads(body)  # (as the service falls back)
+                candidates = parsed["nodenames"]
+                resolved = getattr(candidates, "resolved", None)
+                if resolved is not None:
+                    dtypes.add(resolved[1].dtype.name)
+                request = parse_pod_request(parsed["pod"], settings)
+                decision = decide(index, request, parse_pod_options(parsed["pod"], settings),
+                                  candidates)  # fmt: skip
+                fitting = [(entry.name, [[g.uuid for g in c] for c in fit.containers])
+                           for entry, fit in islice(decision.fits(), 150)]  # fmt: skip
+                if not fitting:
+                    decision.explain_rest()
+                out.append((fitting, sorted(decision.failed.items())))
+        return out, dtypes
+
+    with_library, widths = decided()
+    assert "int32" in widths  # (read in place by the native resolver)
+    monkeypatch.setattr(native_names, "library", lambda: None)
+    monkeypatch.setattr(native_walk, "walk_function", lambda: None)
+    without, widths = decided()
+    assert "int32" not in widths
+    assert without == with_library
     assert any(len(fitting) == 150 for fitting, _ in with_library)
     assert any(not fitting for fitting, _ in with_library)

@@ -121,6 +121,11 @@ static int tn_any_escape(const unsigned char *p, uint64_t n)
 	return bad != 0;
 }
 
+uint32_t tn_abi(void)
+{
+	return TN_ABI;
+}
+
 void tn_free(tn_table *t)
 {
 	if (t == NULL)
@@ -331,6 +336,15 @@ static inline int tn_expects(const tn_table *t, const tn_cursor *c, const unsign
 #define TN_ROWS 1
 #define TN_SLOTS 2
 
+/* `value` written as the k-th element of `out`: an int64 when `wide`, else an int32. */
+static inline void tn_put(void *out, uint64_t k, int32_t value, int wide)
+{
+	if (wide)
+		((int64_t *)out)[k] = value;
+	else
+		((int32_t *)out)[k] = value;
+}
+
 /* The two bytes at p, as one 16-bit value (`TN_COMMA_QUOTE`: `,"`). */
 static inline uint16_t tn_pair(const unsigned char *p)
 {
@@ -348,8 +362,8 @@ static inline uint16_t tn_pair(const unsigned char *p)
 /* tn_resolve (`prefix` 0) and tn_resolve_prefix (`prefix` 1: the array ends at the first `]`
  * after a name's closing quote; its length to `*length`). */
 static inline __attribute__((always_inline)) int64_t
-tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, int64_t *slots,
-	uint64_t capacity, const int prefix, uint64_t *length, const int outputs)
+tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void *slots,
+	uint64_t capacity, const int prefix, uint64_t *length, const int outputs, int wide)
 {
 	if (t == NULL || t->count == 0 || n < 4 || a[0] != '[' || a[1] != '"'
 	    || (!prefix && a[n - 1] != ']'))
@@ -428,9 +442,9 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 			/* the name after one already read */
 			position = c->position;
 			if (outputs & TN_ROWS)
-				rows[k] = c->row;
+				tn_put(rows, k, c->row, wide);
 			if (outputs & TN_SLOTS)
-				slots[k] = c->slot;
+				tn_put(slots, k, c->slot, wide);
 		} else {
 			uint64_t h = ahead == s && ahead_length == len ? ahead_hash : tn_hash(seed, s, len);
 			/* A list the cursors do not follow (a label's nodes, a few of the order's
@@ -447,9 +461,9 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 			position = (uint64_t)found;
 			next_key = at[position].next_key;
 			if (outputs & TN_ROWS)
-				rows[k] = at[position].row;
+				tn_put(rows, k, at[position].row, wide);
 			if (outputs & TN_SLOTS)
-				slots[k] = at[position].slot;
+				tn_put(slots, k, at[position].slot, wide);
 			/* Two in a row: the cursors do not follow this list. Among its first
 			 * TN_LEARN names, a stride proposed by TN_AGREE such names in a row is taken
 			 * (a list in another order proposes one at random); more than TN_RECENT in a
@@ -501,28 +515,38 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows, in
 	}
 }
 
-int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, int64_t *rows,
-		   int64_t *slots, uint64_t capacity)
+int64_t tn_resolve(const tn_table *t, const unsigned char *a, uint64_t n, void *rows,
+		   void *slots, uint32_t width, uint64_t capacity)
 {
+	if (width != 4 && width != 8)
+		return -1;
+	int wide = width == 8;
 	if (rows != NULL && slots != NULL)
-		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS | TN_SLOTS);
+		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS | TN_SLOTS, wide);
 	if (rows != NULL)
-		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS);
+		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_ROWS, wide);
 	if (slots != NULL)
-		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_SLOTS);
-	return tn_read(t, a, n, rows, slots, capacity, 0, NULL, 0);
+		return tn_read(t, a, n, rows, slots, capacity, 0, NULL, TN_SLOTS, wide);
+	return tn_read(t, a, n, rows, slots, capacity, 0, NULL, 0, wide);
 }
 
 int64_t tn_resolve_in(const tn_table *t, const unsigned char *body, uint64_t n, uint64_t start,
-		      int64_t *rows, int64_t *slots, uint64_t capacity, uint64_t *end)
+		      void *rows, void *slots, uint32_t width, uint64_t capacity, uint64_t *end)
 {
 	uint64_t length = 0;
-	if (end == NULL || start >= n)
+	if (end == NULL || start >= n || (width != 4 && width != 8))
 		return -1;
-	int64_t k = rows == NULL && slots != NULL
-		? tn_read(t, body + start, n - start, rows, slots, capacity, 1, &length, TN_SLOTS)
-		: tn_read(t, body + start, n - start, rows, slots, capacity, 1, &length,
-			  (rows != NULL ? TN_ROWS : 0) | (slots != NULL ? TN_SLOTS : 0));
+	int wide = width == 8;
+	const unsigned char *a = body + start;
+	int64_t k;
+	/* (slots alone, as the scheduler asks: a loop built per width, no test a name) */
+	if (rows == NULL && slots != NULL && !wide)
+		k = tn_read(t, a, n - start, rows, slots, capacity, 1, &length, TN_SLOTS, 0);
+	else if (rows == NULL && slots != NULL)
+		k = tn_read(t, a, n - start, rows, slots, capacity, 1, &length, TN_SLOTS, 1);
+	else
+		k = tn_read(t, a, n - start, rows, slots, capacity, 1, &length,
+			    (rows != NULL ? TN_ROWS : 0) | (slots != NULL ? TN_SLOTS : 0), wide);
 	if (k >= 0)
 		*end = start + length;
 	return k;

@@ -23,6 +23,14 @@ typedef struct {
 	int64_t position;
 } tn_pick;
 
+/* The slot at position i of a list of `width`-byte slots (4: int32, as the resolver writes
+ * them; 8: int64, as numpy's paths give them). Inlined with `width` a constant: one load. */
+static inline __attribute__((always_inline)) int64_t tn_slot(const void *slots, uint64_t i,
+							      const uint32_t width)
+{
+	return width == 4 ? (int64_t)((const int32_t *)slots)[i] : ((const int64_t *)slots)[i];
+}
+
 /* (a.key, a.position) < (b.key, b.position) */
 static inline int tn_before(double key, int64_t position, const tn_pick *b)
 {
@@ -103,17 +111,34 @@ typedef struct {
 	int64_t top_position;
 } tn_round;
 
+/* The entry `(key, position)` added to the round's heap (its bounds reached). */
+static inline void tn_take(tn_round *r, double key, uint64_t position)
+{
+	if (r->count < r->cap) {
+		r->heap[r->count] = (tn_pick){key, (int64_t)position};
+		tn_sift_up(r->heap, r->count++);
+	} else {
+		r->heap[0] = (tn_pick){key, (int64_t)position};
+		tn_sift_down(r->heap, r->count, 0);
+	}
+	if (r->count == r->cap) {
+		r->top_key = r->heap[0].key;
+		r->top_position = r->heap[0].position;
+	}
+}
+
 /* Position `i` (its `key`, in the group `flag` when the round is by group) offered to the
  * round: 0, or -1 for a slot past the arrays (`check`: the first round checked it already). */
-static inline int tn_offer(tn_round *r, uint64_t i, double key, int by_group, uint8_t flag,
-			   uint8_t wanted, const int64_t *slots, uint64_t n, uint64_t limit,
-			   int check, const int64_t *spec, uint32_t bounds, int32_t resume,
-			   double after_key, int64_t after_position)
+static inline int
+tn_offer(tn_round *r, uint64_t i, double key, int by_group, uint8_t flag, uint8_t wanted,
+	 const void *slots, const uint32_t width, uint64_t n, uint64_t limit, int check,
+	 const int64_t *spec, uint32_t bounds, int32_t resume, double after_key,
+	 int64_t after_position)
 {
 	if (r->count < r->cap && i + TN_AHEAD < n) {
 		/* (a heap not full yet reads the bounds of every position of its group, a random
 		 * gather: their cache lines asked for ahead, as the first round's keys) */
-		uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
+		uint64_t ahead = (uint64_t)tn_slot(slots, i + TN_AHEAD, width);
 		if (ahead < limit)
 			tn_prefetch_bounds(ahead, spec, bounds);
 	}
@@ -124,57 +149,116 @@ static inline int tn_offer(tn_round *r, uint64_t i, double key, int by_group, ui
 		return 0;
 	if (resume && !(after_key < key || (after_key == key && after_position < (int64_t)i)))
 		return 0;
-	int64_t slot = slots[i];
+	int64_t slot = tn_slot(slots, i, width);
 	if (check && (slot < 0 || (uint64_t)slot >= limit))
 		return -1;
-	if (!tn_reaches(slot, spec, bounds))
-		return 0;
-	if (r->count < r->cap) {
-		r->heap[r->count] = (tn_pick){key, (int64_t)i};
-		tn_sift_up(r->heap, r->count++);
-	} else {
-		r->heap[0] = (tn_pick){key, (int64_t)i};
-		tn_sift_down(r->heap, r->count, 0);
-	}
-	if (r->count == r->cap) {
-		r->top_key = r->heap[0].key;
-		r->top_position = r->heap[0].position;
-	}
+	if (tn_reaches(slot, spec, bounds))
+		tn_take(r, key, i);
 	return 0;
 }
 
-TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit,
-				const double *scores, double sign, const uint8_t *busy,
-				double *keys, uint8_t *busy_at, int32_t group, const int64_t *spec,
-				uint32_t bounds, int32_t resume, double after_key,
-				int64_t after_position, int64_t *out, uint64_t cap,
-				uint64_t *busy_count)
+/* One position of a first round (`tn_first_round`): its key and group written, and offered
+ * to the round; `ahead`: the slot TN_AHEAD positions on (`limit`: none). 0, or -1. */
+static inline __attribute__((always_inline)) int
+tn_first_step(tn_round *r, uint64_t i, int64_t slot, uint64_t ahead, uint64_t limit,
+	      const double *scores, double sign, const uint8_t *busy, double *keys,
+	      uint8_t *busy_at, const int grouped, uint8_t wanted, const int64_t *spec,
+	      uint32_t bounds, uint64_t *seen)
 {
-	if (!slots || !keys || !out || (bounds && !spec))
+	if (slot < 0 || (uint64_t)slot >= limit)
 		return -1;
-	for (uint32_t b = 0; b < bounds; b++) {
-		int64_t width = spec[3 * b + 1];
-		if (!spec[3 * b] || (width != 1 && width != 2 && width != 4 && width != 8))
-			return -1;
+	if (ahead < limit) /* (a gather: its cache lines asked for ahead) */
+		__builtin_prefetch(&scores[ahead]);
+	double key = sign * scores[slot];
+	if (key != key)
+		return -1; /* NaN: no order to give (the caller walks in numpy) */
+	keys[i] = key;
+	uint8_t flag = 0;
+	if (grouped) {
+		flag = busy[slot] ? 1 : 0;
+		busy_at[i] = flag;
+		*seen += flag;
 	}
+	if (r->count == r->cap) {
+		if (r->cap == 0 || !(key < r->top_key))
+			return 0;
+	} else if (ahead < limit) {
+		/* (a heap not full yet reads the bounds of every position of its group, a random
+		 * gather: their cache lines asked for ahead, as the keys) */
+		tn_prefetch_bounds(ahead, spec, bounds);
+	}
+	if (grouped && flag != wanted)
+		return 0;
+	if (tn_reaches(slot, spec, bounds))
+		tn_take(r, key, i);
+	return 0;
+}
+
+/* The first round of a walk that resumes after nothing (`tn_offer`'s, for that case, with
+ * `grouped` and `width` constants where it is inlined): the positions are offered in
+ * increasing order, so the heap's largest entry always has an earlier position than the one
+ * offered, and a position enters a full heap exactly when its key is below the largest's.
+ * Most positions of a long list cost that one comparison after their key and group are
+ * written. 0, or -1 for a slot past the arrays or a NaN key. */
+static inline __attribute__((always_inline)) int
+tn_first_round(tn_round *r, const void *slots, const uint32_t width, uint64_t n, uint64_t limit,
+	       const double *scores, double sign, const uint8_t *busy, double *keys,
+	       uint8_t *busy_at, const int grouped, uint8_t wanted, const int64_t *spec,
+	       uint32_t bounds, uint64_t *busy_seen)
+{
+	uint64_t seen = 0, i = 0;
+	for (; i + TN_AHEAD < n; i++) /* (a slot TN_AHEAD on: prefetched) */
+		if (tn_first_step(r, i, tn_slot(slots, i, width),
+				  (uint64_t)tn_slot(slots, i + TN_AHEAD, width), limit, scores, sign,
+				  busy, keys, busy_at, grouped, wanted, spec, bounds, &seen) < 0)
+			return -1;
+	for (; i < n; i++)
+		if (tn_first_step(r, i, tn_slot(slots, i, width), limit, limit, scores, sign, busy,
+				  keys, busy_at, grouped, wanted, spec, bounds, &seen) < 0)
+			return -1;
+	*busy_seen = seen;
+	return 0;
+}
+
+/* tn_walk_round for slots of `width` bytes (a constant where it is inlined). */
+static inline __attribute__((always_inline)) int64_t
+tn_walk(const void *slots, const uint32_t width, uint64_t n, uint64_t limit, const double *scores,
+	double sign, const uint8_t *busy, double *keys, uint8_t *busy_at, int32_t group,
+	const int64_t *spec, uint32_t bounds, int32_t resume, double after_key,
+	int64_t after_position, int64_t *out, uint64_t cap, uint64_t *busy_count)
+{
 	tn_pick *heap = cap ? malloc(cap * sizeof *heap) : NULL;
 	if (cap && !heap)
 		return -1;
 	tn_round r = {heap, cap, 0, 0.0, 0};
 	const uint8_t wanted = (uint8_t)(group != 0);
 	const int by_group = busy_at != NULL;
-	if (scores) {
+	if (scores && !resume) {
 		/* The first round: every key and group read from the index (kept), each position
 		 * offered to the round as it is read (one pass over the list). */
 		uint64_t busy_seen = 0;
+		int read = by_group
+			? tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
+					 busy_at, 1, wanted, spec, bounds, &busy_seen)
+			: tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
+					 NULL, 0, wanted, spec, bounds, &busy_seen);
+		if (read < 0) {
+			free(heap);
+			return -1;
+		}
+		if (busy_count)
+			*busy_count = busy_seen;
+	} else if (scores) {
+		/* (a first round that resumes: every position offered as in later rounds) */
+		uint64_t busy_seen = 0;
 		for (uint64_t i = 0; i < n; i++) {
-			int64_t slot = slots[i];
+			int64_t slot = tn_slot(slots, i, width);
 			if (slot < 0 || (uint64_t)slot >= limit) {
 				free(heap);
 				return -1;
 			}
 			if (i + TN_AHEAD < n) { /* (a gather: its cache lines asked for ahead) */
-				uint64_t ahead = (uint64_t)slots[i + TN_AHEAD];
+				uint64_t ahead = (uint64_t)tn_slot(slots, i + TN_AHEAD, width);
 				if (ahead < limit)
 					__builtin_prefetch(&scores[ahead]);
 			}
@@ -191,15 +275,16 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 				busy_seen += flag;
 			}
 			if (cap)
-				(void)tn_offer(&r, i, key, by_group, flag, wanted, slots, n, limit, 0,
-					       spec, bounds, resume, after_key, after_position);
+				(void)tn_offer(&r, i, key, by_group, flag, wanted, slots, width, n,
+					       limit, 0, spec, bounds, resume, after_key,
+					       after_position);
 		}
 		if (busy_count)
 			*busy_count = busy_seen;
 	} else {
 		for (uint64_t i = 0; i < n && cap; i++) {
 			if (tn_offer(&r, i, keys[i], by_group, by_group ? busy_at[i] : 0, wanted,
-				     slots, n, limit, 1, spec, bounds, resume, after_key,
+				     slots, width, n, limit, 1, spec, bounds, resume, after_key,
 				     after_position) < 0) {
 				free(heap);
 				return -1;
@@ -215,4 +300,28 @@ TN_EXPORT int64_t tn_walk_round(const int64_t *slots, uint64_t n, uint64_t limit
 	}
 	free(heap);
 	return (int64_t)r.count;
+}
+
+TN_EXPORT int64_t tn_walk_round(const void *slots, uint32_t width, uint64_t n, uint64_t limit,
+				const double *scores, double sign, const uint8_t *busy,
+				double *keys, uint8_t *busy_at, int32_t group, const int64_t *spec,
+				uint32_t bounds, int32_t resume, double after_key,
+				int64_t after_position, int64_t *out, uint64_t cap,
+				uint64_t *busy_count)
+{
+	if (!slots || !keys || !out || (bounds && !spec))
+		return -1;
+	for (uint32_t b = 0; b < bounds; b++) {
+		int64_t column_width = spec[3 * b + 1];
+		if (!spec[3 * b] || (column_width != 1 && column_width != 2 && column_width != 4
+				     && column_width != 8))
+			return -1;
+	}
+	if (width == 4)
+		return tn_walk(slots, 4, n, limit, scores, sign, busy, keys, busy_at, group, spec,
+			       bounds, resume, after_key, after_position, out, cap, busy_count);
+	if (width == 8)
+		return tn_walk(slots, 8, n, limit, scores, sign, busy, keys, busy_at, group, spec,
+			       bounds, resume, after_key, after_position, out, cap, busy_count);
+	return -1;
 }
