@@ -137,6 +137,7 @@ class LeaseService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._borrowers: dict[str, set[str]] = {}  # uuid -> keys of containers borrowing there
         self._booked: dict[str, dict[str, int]] = {}  # uuid -> pod uid -> guaranteed bytes
+        self._unservable: set[Path] = set()  # directories the last sweep failed to serve
         self._sweeping = asyncio.Lock()  # the loop's sweeps and `ready` never open one socket twice
 
     async def sync(self) -> None:
@@ -158,6 +159,8 @@ class LeaseService:
                     await self._sweep(self.version() if self.version else None)
             if limits_dir in self.served:
                 return True
+            if limits_dir in self._unservable:  # (the sweep said why; the next one tries again)
+                return False
             if time.monotonic() >= deadline:
                 self.log.warning("lease service: %s is not served %.1f s after its limits were "
                                  "sealed; its container waits for the next sweep", limits_dir,
@@ -168,6 +171,7 @@ class LeaseService:
     async def _sweep(self, version: int | None) -> None:
         """Open a socket for every prepared directory not served yet, close those gone."""
         self._failed = False
+        unservable: set[Path] = set()
         present = {c.limits_dir: c for c in self.containers()}
         for path in [p for p in self.served if p not in present]:
             gone = self.served.pop(path)
@@ -183,6 +187,7 @@ class LeaseService:
             except OSError as e:
                 self.log.error("lease service: cannot serve %s: %s", path, e)
                 self._failed = True  # try again at the next sync
+                unservable.add(path)
                 continue
             self.served[path] = leases
             self._arrived(leases)
@@ -191,6 +196,7 @@ class LeaseService:
             self._by_pod.setdefault(c.pod_uid, []).append(c)
         # Recorded only once the sweep is through: one that raised is swept again next time.
         self._synced = version
+        self._unservable = unservable
         async with self.changed:
             self.changed.notify_all()  # a container gone: its memory may be what one waits for
 

@@ -149,6 +149,27 @@ async def test_a_container_prepared_while_the_service_syncs_is_served(
     await service.close()
 
 
+async def test_a_directory_that_cannot_be_served_does_not_hold_up_its_seal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ready` answers at once when the sweep could not open the socket (logged there), instead
+    of holding kubelet's call (and the plugin's lock) for its whole wait."""
+    _store, service, sock = _served(tmp_path)
+
+    async def cannot(self: ContainerLeases) -> None:
+        raise OSError("no room for a socket")
+
+    monkeypatch.setattr(ContainerLeases, "start", cannot)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    assert not await service.ready(sock.parent, timeout_s=30)
+    assert loop.time() - began < 5
+    monkeypatch.undo()
+    assert await service.ready(sock.parent)  # the next try serves it
+    assert sock.is_socket()
+    await service.close()
+
+
 async def test_leases_over_the_socket(tmp_path: Path) -> None:
     _store, service, sock = _served(tmp_path)
     await service.sync()
