@@ -1,11 +1,13 @@
 /*
- * liveness.c — is the process a region slot names alive (region.h)? From /proc: a pid that
- * exists, whose start time is the slot's (else the pid was reused), and that is not ending: its
- * thread group leader has not ended, or ended alone (the main thread's pthread_exit) while
- * another of its threads goes on.
+ * liveness.c — is the process a region slot names alive (region.h)? First the kernel's word:
+ * the open-file-description lock its process holds on the slot (below); else from /proc: a
+ * pid that exists, whose start time is the slot's (else the pid was reused), and that is not
+ * ending: its thread group leader has not ended, or ended alone (the main thread's
+ * pthread_exit) while another of its threads goes on.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <stddef.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -107,4 +109,69 @@ int tv_proc_alive(pid_t self, pid_t pid, uint64_t start)
      * sets the leader's code before its robust futexes are released): dying, whatever its
      * other threads are doing this instant. Code 0: its main thread may have ended alone. */
     return code == 0 && other_thread_alive(pid);
+}
+
+/* ---- the kernel's word on who holds a slot ---------------------------------------------------
+ * A process that registers in procs[i] takes an open-file-description lock (F_OFD_SETLK) on the
+ * slot's first byte of the file, through its own description of it, and holds it for as long as
+ * it lives: the kernel drops it when the last reference to that description closes (the
+ * process's exit, however it ends). Every byte of the region is the tenant's to write (pid,
+ * start time, counters); this lock is not: no other description can take it or drop it. So a
+ * slot whose lock is held belongs to a live process whatever the slot says (its start time
+ * rewritten, its pid zeroed or made another's): it is never reclaimed and never handed to
+ * another process. A fork's child opens a description of its own (tv_region_after_fork_child):
+ * sharing its parent's, it would keep the parent's slot held after the parent died. A slot
+ * nobody holds (filled in by hand, or its process closed our descriptor) is judged by /proc. */
+
+static off_t slot_off(int i)
+{
+    return (off_t)(offsetof(struct tsr_region, procs) + (size_t)i * sizeof(struct tsr_proc_slot));
+}
+
+/* Slots are held by kernel locks: a shared file whose file system has them (probed at attach;
+ * without them, as before: the slot's pid and start time). */
+int tv_slot_locking(const struct tv_region *rg)
+{
+    return rg->fd >= 0 && !rg->no_locks;
+}
+
+/* 0: slot i's lock is this process's (taken now or before); -1: another's, or no file */
+int tv_slot_lock(struct tv_region *rg, int i)
+{
+    if (!tv_slot_locking(rg) || i < 0) return -1;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
+    return fcntl(rg->fd, F_OFD_SETLK, &fl) == 0 ? 0 : -1;
+}
+
+void tv_slot_unlock(struct tv_region *rg, int i)
+{
+    if (rg->fd < 0 || i < 0) return;
+    struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
+    fcntl(rg->fd, F_OFD_SETLK, &fl);
+}
+
+/* Does another description (a live process) hold slot i's lock? */
+int tv_slot_held(struct tv_region *rg, int i)
+{
+    if (!tv_slot_locking(rg)) return 0;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
+    return fcntl(rg->fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
+}
+
+/* Is the process of slot i gone? Never while it holds the slot's lock; else as /proc says. A
+ * process being killed still holds its lock a moment after the kernel released the region's
+ * mutex for it (robust mutexes go before files close): where /proc says the slot's process is
+ * ending, the lock is waited for until `deadline` (tv_mono_ns; 0 = not at all). The pid and
+ * start time are the tenant's to write: a slot made to look ending whose lock stays held is a
+ * live process's, and the wait is bounded. */
+int tv_slot_dead(struct tv_region *rg, int i, pid_t pid, uint64_t start, uint64_t deadline)
+{
+    int proc_alive = tv_proc_alive(rg->pid, pid, start);
+    if (!tv_slot_held(rg, i)) return !proc_alive;
+    if (proc_alive) return 0;
+    while (tv_mono_ns() < deadline) {
+        tv_sleep_ns(1000000ull);
+        if (!tv_slot_held(rg, i)) return 1;
+    }
+    return 0;
 }

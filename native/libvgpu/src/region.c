@@ -1,7 +1,8 @@
 /*
- * region.c — the usage region (region.h): opening and validating it, the robust cross-process
- * lock, process slots (and reclaiming those of dead processes), per-device charges against a
- * limit the caller passes, and repairing what a tenant may have written into it.
+ * region.c — the usage region (region.h): opening and validating it, process slots (and
+ * reclaiming those of dead processes: liveness.c says which), per-device charges against a
+ * limit the caller passes, and repairing what a tenant may have written into it. Its robust
+ * cross-process lock is regionlock.c's.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,81 +46,15 @@ static void reclaim_slot(struct tsr_region *R, struct tsr_proc_slot *s)
     memset(s, 0, sizeof *s);
 }
 
-/* ---- the kernel's word on who holds a slot ---------------------------------------------------
- * A process that registers in procs[i] takes an open-file-description lock (F_OFD_SETLK) on the
- * slot's first byte of the file, through its own description of it, and holds it for as long as
- * it lives: the kernel drops it when the last reference to that description closes (the
- * process's exit, however it ends). Every byte of the region is the tenant's to write (pid,
- * start time, counters); this lock is not: no other description can take it or drop it. So a
- * slot whose lock is held belongs to a live process whatever the slot says (its start time
- * rewritten, its pid zeroed or made another's): it is never reclaimed and never handed to
- * another process. A fork's child opens a description of its own (tv_region_after_fork_child):
- * sharing its parent's, it would keep the parent's slot held after the parent died. A slot
- * nobody holds (filled in by hand, or its process closed our descriptor) is judged by /proc. */
-
-static off_t slot_off(int i)
-{
-    return (off_t)(offsetof(struct tsr_region, procs) + (size_t)i * sizeof(struct tsr_proc_slot));
-}
-
-/* Slots are held by kernel locks: a shared file whose file system has them (probed at attach;
- * without them, as before: the slot's pid and start time). */
-static int locking(const struct tv_region *rg)
-{
-    return rg->fd >= 0 && !rg->no_locks;
-}
-
-/* 0: slot i's lock is this process's (taken now or before); -1: another's, or no file */
-static int slot_lock(struct tv_region *rg, int i)
-{
-    if (!locking(rg) || i < 0) return -1;
-    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
-    return fcntl(rg->fd, F_OFD_SETLK, &fl) == 0 ? 0 : -1;
-}
-
-static void slot_unlock(struct tv_region *rg, int i)
-{
-    if (rg->fd < 0 || i < 0) return;
-    struct flock fl = {.l_type = F_UNLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
-    fcntl(rg->fd, F_OFD_SETLK, &fl);
-}
-
-/* Does another description (a live process) hold slot i's lock? */
-static int slot_held(struct tv_region *rg, int i)
-{
-    if (!locking(rg)) return 0;
-    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_off(i), .l_len = 1};
-    return fcntl(rg->fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
-}
-
-/* Is the process of slot i gone? Never while it holds the slot's lock; else as /proc says. A
- * process being killed still holds its lock a moment after the kernel released the region's
- * mutex for it (robust mutexes go before files close): where /proc says the slot's process is
- * ending, the lock is waited for until `deadline` (tv_mono_ns; 0 = not at all). The pid and
- * start time are the tenant's to write: a slot made to look ending whose lock stays held is a
- * live process's, and the wait is bounded. */
-#define DEAD_LOCK_WAIT_NS 200000000ull
-static int slot_dead(struct tv_region *rg, int i, pid_t pid, uint64_t start, uint64_t deadline)
-{
-    int proc_alive = tv_proc_alive(rg->pid, pid, start);
-    if (!slot_held(rg, i)) return !proc_alive;
-    if (proc_alive) return 0;
-    while (tv_mono_ns() < deadline) {
-        tv_sleep_ns(1000000ull);
-        if (!slot_held(rg, i)) return 1;
-    }
-    return 0;
-}
-
 int tv_region_reclaim_dead(struct tv_region *rg)
 {
     int n = 0;
-    uint64_t deadline = tv_mono_ns() + DEAD_LOCK_WAIT_NS; /* all slots together */
+    uint64_t deadline = tv_mono_ns() + TV_DEAD_LOCK_WAIT_NS; /* all slots together */
     for (int i = 0; i < TSR_MAX_PROCS; i++) {
         struct tsr_proc_slot *s = &rg->map->procs[i];
         pid_t pid = LOAD(s->pid);
         if (pid == 0 || pid == rg->pid) continue;
-        if (slot_dead(rg, i, pid, LOAD(s->start_time), deadline)) {
+        if (tv_slot_dead(rg, i, pid, LOAD(s->start_time), deadline)) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", i, (int)pid);
             reclaim_slot(rg->map, s);
             n++;
@@ -150,97 +85,11 @@ static uint64_t spill_live_sum(struct tv_region *rg)
 
 /* After a lock owner died: free dead slots, then rebuild every total from the live slots (the
  * dead owner may have stopped between updating a total and its slot). */
-static void recover(struct tv_region *rg)
+void tv_region_recover(struct tv_region *rg)
 {
     tv_region_reclaim_dead(rg);
     for (int d = 0; d < TSR_MAX_DEVICES; d++) STORE(rg->map->dev[d].used_bytes, live_sum(rg, d));
     STORE(rg->map->spilled_bytes, spill_live_sum(rg));
-}
-
-static void init_mutex(struct tsr_region *r)
-{
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(&r->lock.mutex, &a);
-    pthread_mutexattr_destroy(&a);
-    __atomic_store_n(&r->lock_ready, TSR_LOCK_READY, __ATOMIC_RELEASE);
-}
-
-/* Waited for in slices: a holder whose mapping was truncated releases a zero page's mutex and
- * wakes nobody (the waiter sleeps on the file's futex), so a waiter that only slept would sleep
- * for ever; between slices it looks whether the region went bad (on_sigbus, the poll thread). */
-#define LOCK_SLICE_NS 10000000ull
-
-/* `bad_ok`: a value of rg->bad to wait through (the poll thread's own TV_BAD_FILE while it
- * re-attaches), 0 none. */
-/* Who holds m (glibc: a robust mutex's word is its owner's thread id and two flag bits). */
-static int lock_owner(pthread_mutex_t *m)
-{
-    return __atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffff;
-}
-
-static pthread_mutex_t *lock_wait(struct tv_region *rg, pthread_mutex_t *m, int r, int bad_ok)
-{
-    /* the bound runs while one owner keeps it: a lock passing from holder to holder (many
-     * threads charging) is waited for as long as it takes */
-    uint64_t since = tv_mono_ns();
-    int owner = lock_owner(m);
-    for (int reinit = 0;;) {
-        if (r == EOWNERDEAD) {
-            TV_LOG(TV_LOG_WARN, "region lock: its owner died; recovering");
-            recover(rg);
-            pthread_mutex_consistent(m);
-            r = 0;
-        }
-        int bad = atomic_load(&rg->bad);
-        if (bad == bad_ok) bad = 0;
-        if (r == 0) {
-            if (!bad) return m;
-            pthread_mutex_unlock(m); /* a zero page's (on_sigbus): nothing to decide on */
-            return NULL;
-        }
-        if (r != EBUSY && r != ETIMEDOUT && r != EINTR) {
-            /* a lock word the tenant made unusable: made again under the file's flock, once */
-            if (reinit++ || m != &rg->map->lock.mutex) return NULL;
-            TV_LOG(TV_LOG_ERROR, "region lock: error %d: re-initialising it", r);
-            if (rg->fd >= 0) flock(rg->fd, LOCK_EX);
-            init_mutex(rg->map);
-            if (rg->fd >= 0) flock(rg->fd, LOCK_UN);
-            r = pthread_mutex_trylock(m);
-            continue;
-        }
-        if (r == ETIMEDOUT && rg->fd >= 0 && m == &rg->shared->lock.mutex) {
-            /* truncated while we wait (our poll thread may be the waiter): say so ourselves */
-            struct stat st;
-            if (fstat(rg->fd, &st) == 0 && (size_t)st.st_size != REGION_SZ) {
-                atomic_store(&rg->bad, TV_BAD_FAULTED);
-                bad = TV_BAD_FAULTED;
-            }
-        }
-        if (bad) return NULL; /* truncated or replaced: nobody will wake us */
-        int now_owner = lock_owner(m);
-        if (now_owner != owner) {
-            owner = now_owner;
-            since = tv_mono_ns();
-        } else if (tv_mono_ns() - since >= TV_REGION_LOCK_WAIT_MS * 1000000ull) {
-            TV_LOG(TV_LOG_ERROR, "region lock held by thread %d for %d ms: giving up "
-                   "(refusing)", owner, TV_REGION_LOCK_WAIT_MS);
-            return NULL;
-        }
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t ns = (uint64_t)ts.tv_nsec + LOCK_SLICE_NS;
-        ts.tv_sec += (time_t)(ns / 1000000000ull);
-        ts.tv_nsec = (long)(ns % 1000000000ull);
-        r = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
-    }
-}
-
-pthread_mutex_t *tv_region_lock_slow(struct tv_region *rg, pthread_mutex_t *m, int r)
-{
-    return lock_wait(rg, m, r, 0);
 }
 
 /* ---- creation and validation -------------------------------------------------------------- */
@@ -262,7 +111,7 @@ static void init_fresh(struct tsr_region *r, const struct tv_region_seed *seed)
     r->priority = seed ? seed->priority : 0;
     r->core_policy = seed ? seed->core_policy : 0;
     r->created_ns = tv_real_ns();
-    init_mutex(r);
+    tv_region_init_mutex(r);
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         r->dev[d].achieved_sm_x100 = TSR_SM_UNKNOWN;
         r->dev[d].sm_limit_pct = 100;
@@ -432,7 +281,7 @@ static int attach(struct tv_region *rg, const char *path, int strict,
         init_fresh(r, seed);
         ok = 1;
     }
-    if (ok && __atomic_load_n(&r->lock_ready, __ATOMIC_ACQUIRE) != TSR_LOCK_READY) init_mutex(r);
+    if (ok && __atomic_load_n(&r->lock_ready, __ATOMIC_ACQUIRE) != TSR_LOCK_READY) tv_region_init_mutex(r);
     flock(fd, LOCK_UN);
     if (!ok) {
         TV_LOG(TV_LOG_ERROR, "region %s: bad header: refusing device memory until it is "
@@ -542,7 +391,7 @@ static void assert_mine(struct tv_region *rg, struct tsr_proc_slot *s)
 }
 
 /* Caller holds the lock. The slot i of a previous process with our pid (it is dead), or a free
- * one, if this process gets its kernel lock (slot_lock): a slot another live process holds is
+ * one, if this process gets its kernel lock (tv_slot_lock): a slot another live process holds is
  * never taken, whatever its pid field says. -1: none. */
 static int take_slot(struct tv_region *rg)
 {
@@ -551,7 +400,7 @@ static int take_slot(struct tv_region *rg)
         for (int i = 0; i < TSR_MAX_PROCS; i++) {
             pid_t pid = LOAD(R->procs[i].pid);
             if (pid != (want_ours ? rg->pid : 0)) continue;
-            if (locking(rg) && slot_lock(rg, i) != 0) continue;
+            if (tv_slot_locking(rg) && tv_slot_lock(rg, i) != 0) continue;
             if (want_ours) reclaim_slot(R, &R->procs[i]);
             return i;
         }
@@ -565,7 +414,7 @@ static struct tsr_proc_slot *register_locked(struct tv_region *rg)
     int idx = take_slot(rg);
     if (idx < 0 && tv_region_reclaim_dead(rg)) idx = take_slot(rg);
     if (rg->slot_locked && rg->slot_idx >= 0 && rg->slot_idx != idx)
-        slot_unlock(rg, rg->slot_idx); /* a slot we held before (never two) */
+        tv_slot_unlock(rg, rg->slot_idx); /* a slot we held before (never two) */
     struct tsr_proc_slot *s;
     if (idx >= 0) {
         s = &rg->map->procs[idx];
@@ -578,7 +427,7 @@ static struct tsr_proc_slot *register_locked(struct tv_region *rg)
         s = &overflow_slot;
     }
     rg->slot_idx = idx;
-    rg->slot_locked = idx >= 0 && locking(rg);
+    rg->slot_locked = idx >= 0 && tv_slot_locking(rg);
     assert_mine(rg, s);
     atomic_store_explicit(&rg->slot, s, memory_order_release);
     return s;
@@ -614,7 +463,7 @@ void tv_region_release(struct tv_region *rg)
     } else if (rg->slot_locked || LOAD(s->pid) == (int32_t)rg->pid) {
         reclaim_slot(rg->map, s); /* ours (its kernel lock), whatever its pid field says */
     }
-    if (rg->slot_locked) slot_unlock(rg, rg->slot_idx);
+    if (rg->slot_locked) tv_slot_unlock(rg, rg->slot_idx);
     rg->slot_locked = 0;
     atomic_store(&rg->slot, NULL);
     tv_region_unlock(mu);
@@ -634,7 +483,7 @@ void tv_region_after_fork_child(struct tv_region *rg)
     pthread_mutex_init(&rg->priv_mu, NULL);
     tv_kacct_after_fork_child();
     /* A description of the file of its own: the one inherited is the parent's, with the
-     * parent's slot lock on it (slot_lock). Same inode, same fd number. Only async-signal-safe
+     * parent's slot lock on it (tv_slot_lock). Same inode, same fd number. Only async-signal-safe
      * calls here (a child of a multithreaded parent). */
     rg->slot_locked = 0;
     if (rg->fd >= 0) {
@@ -673,7 +522,7 @@ static void reclaim_periodic(struct tv_region *rg)
     for (int i = 0; i < TSR_MAX_PROCS; i++) { /* liveness checked outside the lock */
         int32_t pid = LOAD(R->procs[i].pid);
         uint64_t st = LOAD(R->procs[i].start_time);
-        if (pid && pid != rg->pid && slot_dead(rg, i, pid, st, 0)) {
+        if (pid && pid != rg->pid && tv_slot_dead(rg, i, pid, st, 0)) {
             idx[n] = i;
             pids[n] = pid;
             starts[n++] = st;
@@ -686,7 +535,7 @@ static void reclaim_periodic(struct tv_region *rg)
         struct tsr_proc_slot *s = &R->procs[idx[k]];
         /* the same process, and still nobody's lock: a process registering meanwhile took it */
         if (LOAD(s->pid) == pids[k] && LOAD(s->start_time) == starts[k] &&
-            !slot_held(rg, idx[k])) {
+            !tv_slot_held(rg, idx[k])) {
             TV_LOG(TV_LOG_INFO, "reclaiming slot %d of dead process %d", idx[k], (int)pids[k]);
             reclaim_slot(R, s);
         }
@@ -740,7 +589,7 @@ static void repair(struct tv_region *rg, struct tsr_proc_slot *s)
         (LOAD(s->pid) != (int32_t)rg->pid || LOAD(s->start_time) != rg->start_time)) {
         /* Ours while we hold its kernel lock, whatever its pid says (no other process could
          * take it); without one (no file), ours again only if freed */
-        if (rg->slot_locked ? slot_lock(rg, rg->slot_idx) == 0 : LOAD(s->pid) == 0) {
+        if (rg->slot_locked ? tv_slot_lock(rg, rg->slot_idx) == 0 : LOAD(s->pid) == 0) {
             /* rewritten, or freed as if reclaimed (its charges taken off the totals): what is
              * not in the slot any more goes back into the totals, as when a slot is taken */
             STORE(s->start_time, rg->start_time);
@@ -772,7 +621,7 @@ static void try_reattach(struct tv_region *rg, const struct tv_region_seed *seed
     atomic_store(&rg->slot, NULL); /* register_locked gives up the old slot's lock if it moves */
     pthread_mutex_t *mu = &rg->map->lock.mutex;
     int r = pthread_mutex_trylock(mu);
-    if (r != 0 && !(mu = lock_wait(rg, mu, r, TV_BAD_FILE))) return; /* again next tick */
+    if (r != 0 && !(mu = tv_region_lock_wait(rg, mu, r, TV_BAD_FILE))) return; /* again next tick */
     for (int d = 0; d < TSR_MAX_DEVICES; d++) {
         if (!rg->uuid[d][0]) continue;
         struct tsr_region_device *rd = &rg->map->dev[d];

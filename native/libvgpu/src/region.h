@@ -19,8 +19,8 @@
  *  - device-table entries for UUIDs that no sealed limit names and that hold nothing are
  *    reclaimed when a sealed device needs a slot;
  *  - who holds a process slot is the kernel's word: an open-file-description lock on the slot's
- *    first byte, held by its process while it lives (region.c, slot_lock). A held slot is never
- *    reclaimed or handed out, whatever its pid or start time say;
+ *    first byte, held by its process while it lives (liveness.c, tv_slot_lock). A held slot is
+ *    never reclaimed or handed out, whatever its pid or start time say;
  *  - the region's mutex is waited for in slices (tv_region_lock): a truncated region or a lock
  *    word nobody will release makes the caller refuse, never wait without end.
  */
@@ -49,7 +49,7 @@ struct tv_region {
                                * TV_BAD_* reason; any non-zero value is bad) */
     _Atomic(struct tsr_proc_slot *) slot;
     int slot_idx;
-    int slot_locked;          /* fd holds the kernel lock on procs[slot_idx] (slot_lock) */
+    int slot_locked;          /* fd holds the kernel lock on procs[slot_idx] (tv_slot_lock) */
     pid_t pid;
     uint64_t start_time;
     uint64_t mine[TV_MAX_SLOTS];          /* bytes this process charged, per slot */
@@ -165,6 +165,26 @@ void tv_kacct_after_fork_child(void) TV_HIDDEN;
  * alive, as seen from process `self`? This process's own start time (0 if unreadable). */
 int tv_proc_alive(pid_t self, pid_t pid, uint64_t start) TV_HIDDEN;
 uint64_t tv_self_start_time(void) TV_HIDDEN;
+/* liveness.c, the slots' kernel locks: whether this region's slots are held by them; slot i's
+ * lock taken by this process (0) or another's (-1), given back; held by another description;
+ * its process gone (never while its lock is held; a held lock of a process /proc says is ending
+ * waited for until `deadline`, tv_mono_ns, 0 = not at all). */
+#define TV_DEAD_LOCK_WAIT_NS 200000000ull
+int tv_slot_locking(const struct tv_region *rg) TV_HIDDEN;
+int tv_slot_lock(struct tv_region *rg, int i) TV_HIDDEN;
+void tv_slot_unlock(struct tv_region *rg, int i) TV_HIDDEN;
+int tv_slot_held(struct tv_region *rg, int i) TV_HIDDEN;
+int tv_slot_dead(struct tv_region *rg, int i, pid_t pid, uint64_t start,
+                 uint64_t deadline) TV_HIDDEN;
+
+/* regionlock.c: the region's mutex made (`lock_ready` set); waited for (`r`: the first try's
+ * answer; `bad_ok`: a value of rg->bad to wait through, 0 none): the mutex locked, or NULL
+ * (refused). region.c: a dead lock owner's region put right (dead slots freed, totals from the
+ * live slots). */
+void tv_region_init_mutex(struct tsr_region *r) TV_HIDDEN;
+pthread_mutex_t *tv_region_lock_wait(struct tv_region *rg, pthread_mutex_t *m, int r,
+                                     int bad_ok) TV_HIDDEN;
+void tv_region_recover(struct tv_region *rg) TV_HIDDEN;
 
 /* When this process last saw device memory given back for it (tv_mono_ns; 0 never): a dead
  * process's device charge reclaimed here (region.c), a lease the node agent's service held
