@@ -178,11 +178,11 @@ class _Plan:
             "numa" not in policies and "topology-aware" not in policies
         )
         ordering = [p for p in policies if p in ("binpack", "spread")]
-        # (`_pick_one`: the sign of the one ordering policy; None: not that case)
+        # (`_pick_in_one_pass`: the sign of the one ordering policy; None: not that case)
         self.one_pass = (-1.0 if ordering[0] == "binpack" else 1.0) if (
             self.min_only and self.plain and len(ordering) == 1
         ) else None  # fmt: skip
-        # (`_pick_sorted`: the same for a container of several cards that only orders them:
+        # (the same for a container of several cards that only orders them:
         # no NUMA nor topology selection after the sort)
         self.sorted_pass = (-1.0 if ordering[0] == "binpack" else 1.0) if (
             request.count > 1 and self.plain and len(ordering) == 1 and not options.numa_bind
@@ -219,9 +219,9 @@ def pick_cards(
     """The cards for one container, or None with the reasons counted."""
     plan = _plan(request, ctx)
     if plan.one_pass is not None:
-        return _pick_one(cards, request, ctx, reasons, plan)
+        return _pick_in_one_pass(cards, request, ctx, reasons, plan, plan.one_pass)
     if plan.sorted_pass is not None:
-        return _pick_sorted(cards, request, ctx, reasons, plan)
+        return _pick_in_one_pass(cards, request, ctx, reasons, plan, plan.sorted_pass)
     passing: list[Card] = []
     local: dict[str, int] = {}
     checks = plan.checks
@@ -259,72 +259,20 @@ def pick_cards(
     return ordered[:count]
 
 
-def _pick_one(
+def _pick_in_one_pass(
     cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str],
-    plan: _Plan,
+    plan: _Plan, sign: float,
 ) -> list[Card] | None:
-    """`pick_cards` of a one-card container under one ordering policy (binpack or spread) whose
-    checks `plain_card` answers (the common pod): `plain_card` and the sort key
-    (`_one_policy_key`) inlined in one pass over the cards, the best kept as it goes (the same
-    card: the first with the least key, as `min`), the refused counted as `pick_cards` counts
-    them (in card order)."""
+    """`pick_cards` of a container under one ordering policy (binpack or spread: `sign`) whose
+    checks `plain_card` answers, with no NUMA nor topology selection (the common pod, one card
+    or several): `plain_card` and the sort key (`_one_policy_key`) inlined in one pass over the
+    cards, the passing ones ordered by (key, card index, position) (the order `sorted` gives
+    them by `_one_policy_key`: it is stable, so equal keys stay in card order; one card: the
+    first with the least key, as `min`), the refused counted as `pick_cards` counts them (in
+    card order, then the passing ones as CardInsufficient when too few pass)."""
     count, family, cores = request.count, request.family, request.cores
     memory, percentage = request.memory_mib, request.memory_percentage
     w_slot, w_core, w_mem = plan.options.weights
-    sign = plan.one_pass
-    checks = plan.checks
-    best: Card | None = None
-    best_key = 0.0
-    best_index = 0
-    local: dict[str, int] | None = None
-    for card in cards:
-        total = card.memory_mib
-        asked = memory if percentage is None else total * percentage // 100
-        used_slots, split = card.used_slots, card.split_count
-        card_cores, used_cores = card.cores, card.used_cores
-        if not (
-            count <= card.plain and card.family == family and card.healthy
-            and not card.cordoned and used_slots < split and asked <= total - card.used_mem
-            and cores <= card_cores - used_cores and (cores < 100 or used_slots == 0)
-            and (cores > 0 or not (card_cores > 0 and used_cores >= card_cores))
-        ):  # (`plain_card`, inlined; when it does not clear the card, the checks decide)
-            reason = card_refusal(card, request, ctx, checks)
-            if reason is not None:
-                if local is None:
-                    local = {}
-                local[reason] = local.get(reason, 0) + 1
-                continue
-        score = 0.0  # (`device_score`, as `_one_policy_key` computes it)
-        if split:
-            score += w_slot * (1 + used_slots) / split
-        if card_cores:
-            score += w_core * (cores + used_cores) / card_cores
-        if total:
-            score += w_mem * (asked + card.used_mem) / total
-        key = sign * (10.0 * score)  # type: ignore[operator]
-        if best is None or key < best_key or (key == best_key and card.index < best_index):
-            best, best_key, best_index = card, key, card.index
-    if best is None:
-        if local:
-            reasons.update(local)
-        return None
-    return [best]
-
-
-def _pick_sorted(
-    cards: list[Card], request: ContainerRequest, ctx: FitContext, reasons: Counter[str],
-    plan: _Plan,
-) -> list[Card] | None:
-    """`pick_cards` of a container of several cards under one ordering policy whose checks
-    `plain_card` answers, with no NUMA nor topology selection (a multi-GPU pod as most ask):
-    `plain_card` and the sort key inlined in one pass over the cards, the passing ones sorted
-    by (key, card index, position) (the order `sorted` gives them by `_one_policy_key`: it is
-    stable, so equal keys stay in card order), the refused counted as `pick_cards` counts
-    them (in card order, then the passing ones as CardInsufficient when too few pass)."""
-    count, family, cores = request.count, request.family, request.cores
-    memory, percentage = request.memory_mib, request.memory_percentage
-    w_slot, w_core, w_mem = plan.options.weights
-    sign = plan.sorted_pass
     checks = plan.checks
     keyed: list[tuple[float, int, int, Card]] = []
     local: dict[str, int] | None = None
@@ -359,7 +307,9 @@ def _pick_sorted(
         if keyed:
             reasons[CARDS_INSUFFICIENT] += len(keyed)
         return None
-    keyed.sort()  # (never compares two cards: the positions differ)
+    if count == 1:
+        return [min(keyed)[3]]  # (never compares two cards: the positions differ)
+    keyed.sort()
     return [k[3] for k in keyed[:count]]
 
 

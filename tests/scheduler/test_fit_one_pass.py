@@ -1,6 +1,6 @@
 """A one-card container under one ordering policy is fitted in one pass over the node's cards
-(`placement._pick_one`: the plain checks and HAMi's device score inlined, the best card kept as
-it goes), and a request's checks and sort key are worked out once for node after node: the card
+(`placement._pick_in_one_pass`: the plain checks and HAMi's device score inlined, the least key
+taken), and a request's checks and sort key are worked out once for node after node: the card
 taken, and for a refusal every reason in the order it was met, must be exactly those of checking
 every card with every check and sorting the ones that pass by `device_score` (the policy's
 score, then the card index), whatever the node's cards and the request before it."""

@@ -1,5 +1,5 @@
 """A container of several cards under one ordering policy, with no NUMA nor topology selection,
-is fitted in one pass over the node's cards (`placement._pick_sorted`: the plain checks and
+is fitted in one pass over the node's cards (`placement._pick_in_one_pass`: the plain checks and
 HAMi's device score inlined, the passing cards sorted once): the cards taken, in the order
 taken, and for a refusal every reason in the order it was met (CardInsufficient for the cards
 that passed when too few did), must be exactly those of checking every card with every check
