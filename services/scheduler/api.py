@@ -125,10 +125,11 @@ def _filter_reply(outcome: FilterOutcome) -> bytes:
     def written(reasons: dict[str, str] | NodeReasons) -> bytes:
         return reasons.to_json() if isinstance(reasons, NodeReasons) else encode_compact(reasons)
 
-    return (b'{"failedNodes":' + written(outcome.failed)
-            + b',"failedAndUnresolvableNodes":' + written(outcome.unresolvable)
-            + b',"error":' + encode_compact(outcome.error)
-            + b',"nodenames":' + encode_compact(list(outcome.nodenames or [])) + b"}")
+    # (one join: each `+` copied the whole reply again, ~0.8 MB at 20,000 refused nodes)
+    return b"".join((b'{"failedNodes":', written(outcome.failed),
+                     b',"failedAndUnresolvableNodes":', written(outcome.unresolvable),
+                     b',"error":', encode_compact(outcome.error),
+                     b',"nodenames":', encode_compact(list(outcome.nodenames or [])), b"}"))
 
 
 Handler = Callable[[bytes], Awaitable[Reply]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from bisect import bisect_right
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -159,6 +160,19 @@ class NameTable:
         left = np.ones(len(pending), dtype=bool)
         left[first] = False
         return pending[left]
+
+    @cached_property
+    def json_keys(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every row's `keys` entry back to back (uint8, 64 zero bytes after the last: the C
+        writer's padding) and where each starts (row r's is `blob[at[r]:at[r + 1]]`), for a
+        refusal's reply written in C (`failed_nodes_json`); built once per table; None without
+        `keys`."""
+        if self.keys is None:
+            return None
+        keys = self.keys.tolist()
+        at = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, keys), dtype=np.int64, count=len(keys)), out=at[1:])
+        return np.frombuffer(b"".join(keys) + bytes(64), dtype=np.uint8), at
 
     def row_of(self, name: str) -> int:
         """A name's row, -1 when the table has none (a dict built on first use)."""

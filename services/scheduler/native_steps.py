@@ -28,6 +28,7 @@ from .native_address import address_of
 LIBRARY_ENV = "TESSERA_REFUSALS_LIBRARY"
 _BUILT = (Path(__file__).resolve().parents[2] / "native" / "refusals" / "build"
           / "libtessera_refusals.so")  # fmt: skip
+PADDING = 64  # bytes readable after `reasons_json`'s tables' last entry (src/reply.c TR_SPAN)
 _MAX_WIDTH = 64  # cards per row the library takes (src/steps.c MAX_WIDTH)
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -80,6 +81,13 @@ class NativeSteps:
         distinct.restype = ctypes.c_int64
         distinct.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P]
         self._distinct = distinct
+        # (a library built before the reply's writer: the steps still load, the reply is joined
+        # in Python)
+        reasons_json = getattr(lib, "tr_reasons_json", None)
+        if reasons_json is not None:
+            reasons_json.restype = ctypes.c_int64
+            reasons_json.argtypes = [_P, _P, _I, _P, _P, _P, _I, _P, _I, _P, _I]
+        self._reasons_json = reasons_json
 
     @classmethod
     def load(cls) -> NativeSteps | None:
@@ -237,3 +245,30 @@ class NativeSteps:
         if found < 0:
             return None
         return reps[:found], rank
+
+    def reasons_json(self, keys: np.ndarray, key_at: np.ndarray, rows: np.ndarray,
+                     texts: np.ndarray, text_at: np.ndarray, ids: np.ndarray) -> bytes | None:
+        """The failedNodes JSON object of the pairs (`rows[i]`'s key, `ids[i]`'s text):
+        `keys` (uint8) holds each row's key (`"name":`) at `key_at[row]:key_at[row + 1]`,
+        `texts` each id's JSON string likewise (`text_at`), both with at least `PADDING` bytes
+        after the last (read, never written). None where it does not apply (a library without
+        the writer, a row or id out of range)."""
+        if self._reasons_json is None or len(rows) != len(ids):
+            return None
+        arrays = (keys, key_at, texts, text_at)
+        if (keys.dtype != np.uint8 or texts.dtype != np.uint8 or key_at.dtype != np.int64
+                or text_at.dtype != np.int64 or not all(a.flags.c_contiguous for a in arrays)
+                or len(key_at) < 1 or len(text_at) < 1 or len(keys) < key_at[-1] + PADDING
+                or len(texts) < text_at[-1] + PADDING):  # fmt: skip
+            return None
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        pairs = (address_of(keys), address_of(key_at), len(key_at) - 1, address_of(rows),
+                 address_of(texts), address_of(text_at), len(text_at) - 1, address_of(ids),
+                 len(rows))  # fmt: skip
+        size = self._reasons_json(*pairs, None, 0)  # (its size first: every row and id checked)
+        if size < 0:
+            return None
+        out = np.empty(size, dtype=np.uint8)  # (written once, copied once into the reply)
+        written = self._reasons_json(*pairs, address_of(out), size)
+        return out.tobytes() if written == size else None

@@ -71,4 +71,16 @@ TR_EXPORT int64_t tr_distinct(const int64_t *numbers, const int64_t *at, const i
 			      int64_t rows, const int64_t *slots, int64_t n, int64_t *first_of,
 			      int64_t top, int64_t *reps, int64_t *rank, int64_t *stale_count);
 
+/* A refused pod's failedNodes JSON object (`{"name":"text",...}`, `{}` for none) written to
+ * `out`: for each of the `count` pairs, the key of row `rows[i]` (`keys[key_at[row] ..
+ * key_at[row + 1]]`, `"name":` as JSON writes it) and the text of id `ids[i]` (`texts[text_at[id]
+ * .. text_at[id + 1]]`, a JSON string), comma-separated; `keys` and `texts` must be readable
+ * 64 bytes past their last entry (zero padding). The bytes written (with `out` NULL:
+ * its size, nothing written), or -1 (nothing written) when a row or id is out of range or the
+ * object would not fit in `capacity`. */
+TR_EXPORT int64_t tr_reasons_json(const uint8_t *keys, const int64_t *key_at, int64_t key_count,
+				  const int64_t *rows, const uint8_t *texts,
+				  const int64_t *text_at, int64_t text_count, const int64_t *ids,
+				  int64_t count, uint8_t *out, int64_t capacity);
+
 #endif
