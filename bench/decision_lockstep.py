@@ -36,10 +36,10 @@ server writes it; each call's request read from the pod the list parse decoded f
 as the service reads it). The same decisions either way (same digests).
 
 A revision is a git revision (its `services/scheduler` and `tessera/hami.py`, whose pod parsing
-the decision includes, are extracted to a temporary directory, and its `native/names` built
-there, as `make native` builds it) or `worktree` (the checkout's own; its library as built).
-Default: HEAD against the worktree, varied trace. The traces and cluster are
-`bench/scheduler.py`'s / `bench/scheduler_scale.py`'s (5,000 nodes × 8 GPUs).
+the decision includes, are extracted to a temporary directory, and its `native/names` and
+`native/refusals` built there, as `make native` builds them) or `worktree` (the checkout's
+own; its libraries as built). Default: HEAD against the worktree, varied trace. The traces and
+cluster are `bench/scheduler.py`'s / `bench/scheduler_scale.py`'s (5,000 nodes × 8 GPUs).
 Printed, not recorded.
 """
 
@@ -95,6 +95,14 @@ def source(rev: str, into: Path) -> Path:
         if shared.returncode == 0:
             subprocess.run(["tar", "-x", "-C", str(into)], input=shared.stdout, check=True)
         subprocess.run(["make", "-s", "-C", str(into / "native" / "names")], check=True,
+                       capture_output=True)  # fmt: skip
+    # Its refusals library likewise, where it has one (a refused call's steps, its reply's
+    # JSON): without it a revision's refusals would run in numpy beside the other's C.
+    refusals = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native/refusals"],
+                              capture_output=True)  # fmt: skip
+    if refusals.returncode == 0:
+        subprocess.run(["tar", "-x", "-C", str(into)], input=refusals.stdout, check=True)
+        subprocess.run(["make", "-s", "-C", str(into / "native" / "refusals")], check=True,
                        capture_output=True)  # fmt: skip
     # An older scheduler checks at import that its msgspec wire Structs mirror the shared
     # models (`wire_fast._check_specs`); the models have gained fields since (elastic grants),
@@ -236,6 +244,10 @@ def main() -> None:
         served: dict[str, list[float]] = {"before": [], "after": []}  # + reply body + event
         parse: dict[str, list[float]] = {"before": [], "after": []}
         both: dict[str, list[float]] = {"before": [], "after": []}  # list parse + decision
+        # the same, of the placed calls right after a refused one (either version's): what a
+        # refusal left in the caches (its reply above all) shows there
+        after_refusal: dict[str, list[float]] = {"before": [], "after": []}
+        previous = {"refused": False}  # (whether the call just before was refused)
         placed: dict[str, list[Any]] = {"before": [], "after": []}
         reasons: dict[str, list[Any]] = {"before": [], "after": []}
         # `BENCH_SLOWEST=N`: the N slowest placed calls of each version, stage by stage
@@ -280,10 +292,15 @@ def main() -> None:
                     if spec["metadata"]["uid"].startswith("unfit-"):
                         backlog[label].append(spent)
                         served[label].append(spent + replied)
-                reasons[label].append(sorted(decision.failed.items()))
+                # (read after the run: sorting 20,000 entries here, between two timed calls,
+                # left the next call's data out of the caches, which the service never does)
+                reasons[label].append(decision.failed)
             elif i >= bench.WARMUP:
                 cpu[label].append(time.thread_time() - started)
                 both[label].append(cpu[label][-1] + parsed_in)
+                if previous["refused"]:
+                    after_refusal[label].append(both[label][-1])
+            previous["refused"] = chosen is None
             tidy_between_calls(index)
             if chosen is None:
                 placed[label].append(None)
@@ -334,6 +351,8 @@ def main() -> None:
                     policy.collect()
                     collect_at = time.perf_counter() + policy.interval_s
         gc.set_threshold(*thresholds)
+        for label in reasons:
+            reasons[label] = [sorted(failed.items()) for failed in reasons[label]]
         faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / len(pods)
     def ms(values: list[float], q: float) -> str:
         return f"{bench.percentile(values, q) * 1000:.3f}" if values else "-"
@@ -347,7 +366,9 @@ def main() -> None:
         f"failedNodes JSON and the event's message p50 {ms(served[label], 0.5)} p99 "
         f"{ms(served[label], 0.99)} ms); list parse p50 "
         f"{ms(parse[label], 0.5)} p99 {ms(parse[label], 0.99)} ms; placed, list parse + "
-        f"decision p50 {ms(both[label], 0.5)} p99 {ms(both[label], 0.99)} ms"
+        f"decision p50 {ms(both[label], 0.5)} p99 {ms(both[label], 0.99)} ms (right after a "
+        f"refused call n {len(after_refusal[label])} p50 {ms(after_refusal[label], 0.5)} p99 "
+        f"{ms(after_refusal[label], 0.99)} ms)"
         for label, rev in (("before", before_rev), ("after", after_rev))
     )
     for label in ("before", "after") if slowest else ():
