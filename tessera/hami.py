@@ -223,6 +223,7 @@ def _whole(value: object, resource: Callable[[], str], *, low: int, high: int,
 
 
 _MAX_CORES = 10**9  # (read, then clamped to 100)
+_MAX_PLAIN = 10**64  # (above any plain string `_plain_whole` reads: at most 64 digits)
 
 
 def _plain_whole(value: object, high: int) -> int:
@@ -293,13 +294,15 @@ def parse_container_request(
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
     percentage: int | None = None
     if raw_pct is not None:
-        if type(raw_pct) is int:  # (parse_quantity's Decimal of an int is exact)
-            pct: Decimal | int = raw_pct
-        else:
-            pct = parse_quantity(raw_pct, where + settings.resource_mem_percentage)
+        # (a whole number as `_plain_whole` reads it is the one parse_quantity reads exactly,
+        # without its Fractions and Decimal context: ~12 µs; an int's Decimal is exact too)
+        pct: Decimal | int = _plain_whole(raw_pct, _MAX_PLAIN)
+        if pct < 0:
+            pct = (raw_pct if type(raw_pct) is int
+                   else parse_quantity(raw_pct, where + settings.resource_mem_percentage))
         # HAMi: > 100 clamps to 100, <= 0 is ignored (unset is not the same as 0).
         if pct > 0:
-            percentage = int(min(pct, Decimal(100)))
+            percentage = int(min(pct, 100))
     cores = settings.default_cores
     if raw_cores is not None:
         cores = _plain_whole(raw_cores, _MAX_CORES)
@@ -385,9 +388,11 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     remembered = _remembered_requests
     mapping = _kinds_registry.resource_map(settings)  # (which family each resource names)
     if remembered[0] is not mapping:
-        remembered[:] = [mapping, {}]
+        remembered[:] = [mapping, {}, _FamilyNames(mapping)]
     request = None if shape is None else remembered[1].get(shape)
     if request is None:
+        if shape is not None and read is _kinds_registry.read_request:
+            read = remembered[2].reader(read, settings)  # (its sections maps, its keys strings)
         request = PodRequest(
             init=[read(c, settings) for c in init] if init else [],
             containers=[read(c, settings) for c in app],
@@ -409,6 +414,44 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
 
 
 _NO_SIDECARS: frozenset[int] = frozenset()
+
+
+class _FamilyNames:
+    """Which resource names (of a `registry.resource_map`) are the default family's (NVIDIA's)
+    and which another family's, for `reader`."""
+
+    def __init__(self, mapping: dict[str, Any]) -> None:
+        self.own = frozenset(k for k, fam in mapping.items() if fam.name == _DEFAULT_FAMILY)
+        self.other = frozenset(k for k, fam in mapping.items() if fam.name != _DEFAULT_FAMILY)
+
+    def reader(
+        self, read: Callable[[dict[str, Any], TesseraSettings], ContainerRequest | None],
+        settings: TesseraSettings,
+    ) -> Callable[[dict[str, Any], TesseraSettings], ContainerRequest | None]:
+        """`read` (`registry.read_request`: the families a container names, then that family's
+        reader), answered without the registry for a container whose limits and requests are
+        maps naming no other family's resource: None when they name none of NVIDIA's either,
+        else NVIDIA's reader, `parse_container_request` (what `read` answers; `read` itself for
+        any other container)."""
+        own, other = self.own, self.other
+
+        def read_fast(container: dict[str, Any], _settings: TesseraSettings) -> Any:
+            resources = container.get("resources")
+            if resources is None:
+                return None  # (read_request names no family in it: None)
+            if type(resources) is dict:
+                limits = resources.get("limits") or _EMPTY  # (each None or a map: the shape's)
+                requests = resources.get("requests") or _EMPTY
+                if other.isdisjoint(limits) and other.isdisjoint(requests):
+                    if own.isdisjoint(limits) and own.isdisjoint(requests):
+                        return None
+                    return parse_container_request(container, settings)
+            return read(container, settings)
+
+        return read_fast
+
+
+_EMPTY: dict[str, Any] = {}
 
 
 # Pods' requests read before, by their shape (`_request_shape`): pods of one workload ask the
@@ -435,28 +478,32 @@ def _request_shape(
         settings.default_cores, settings.default_mem, settings.default_gpu_num,
         _kinds_registry.version, len(init),
     ]  # fmt: skip
-    for at, c in enumerate((*init, *app)):
+    add = parts.append
+    sidecars = len(init)
+    for c in (*init, *app):
         resources = c.get("resources")
         if resources is None:
-            limits = requests = None
+            add(None)
+            add(None)
         elif type(resources) is dict:
-            limits, requests = resources.get("limits"), resources.get("requests")
+            for section in (resources.get("limits"), resources.get("requests")):
+                if section is None:
+                    add(None)
+                elif (type(section) is dict and _STR_OR_INT.issuperset(map(type, section.values()))
+                      and _STR.issuperset(map(type, section))):  # fmt: skip
+                    add(tuple(section.items()))
+                else:
+                    return None
         else:
             return None
-        for section in (limits, requests):
-            if section is None:
-                parts.append(None)
-                continue
-            if type(section) is not dict:
-                return None
-            for key, value in section.items():
-                kind = type(value)
-                if (kind is not str and kind is not int) or type(key) is not str:
-                    return None
-            parts.append(tuple(section.items()))
-        if at < len(init):
-            parts.append(c.get("restartPolicy") == "Always")
+        if sidecars:
+            sidecars -= 1
+            add(c.get("restartPolicy") == "Always")
     return tuple(parts)
+
+
+_STR_OR_INT = frozenset({str, int})  # (exactly: not bool, not a subclass)
+_STR = frozenset({str})
 
 
 def with_burst_limits(
