@@ -392,7 +392,7 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     request = None if shape is None else remembered[1].get(shape)
     if request is None:
         if shape is not None and read is _kinds_registry.read_request:
-            read = remembered[2].reader(read, settings)  # (its sections maps, its keys strings)
+            read = remembered[2].read  # (its sections maps, its keys strings)
         request = PodRequest(
             init=[read(c, settings) for c in init] if init else [],
             containers=[read(c, settings) for c in app],
@@ -418,37 +418,92 @@ _NO_SIDECARS: frozenset[int] = frozenset()
 
 class _FamilyNames:
     """Which resource names (of a `registry.resource_map`) are the default family's (NVIDIA's)
-    and which another family's, for `reader`."""
+    and which another family's, for `read`."""
 
     def __init__(self, mapping: dict[str, Any]) -> None:
         self.own = frozenset(k for k, fam in mapping.items() if fam.name == _DEFAULT_FAMILY)
         self.other = frozenset(k for k, fam in mapping.items() if fam.name != _DEFAULT_FAMILY)
 
-    def reader(
-        self, read: Callable[[dict[str, Any], TesseraSettings], ContainerRequest | None],
-        settings: TesseraSettings,
-    ) -> Callable[[dict[str, Any], TesseraSettings], ContainerRequest | None]:
-        """`read` (`registry.read_request`: the families a container names, then that family's
-        reader), answered without the registry for a container whose limits and requests are
-        maps naming no other family's resource: None when they name none of NVIDIA's either,
-        else NVIDIA's reader, `parse_container_request` (what `read` answers; `read` itself for
-        any other container)."""
-        own, other = self.own, self.other
+    def read(self, container: dict[str, Any], settings: TesseraSettings) -> ContainerRequest | None:
+        """`registry.read_request(container, settings)` (the families the container names,
+        then that family's reader) for a container of a pod with a shape (`_request_shape`:
+        its limits and requests None or maps), without the registry when they name no other
+        family's resource: None when they name none of NVIDIA's either, else what NVIDIA's
+        reader, `parse_container_request`, reads (`_plain_request` first)."""
+        resources = container.get("resources")
+        if resources is None:
+            return None  # (read_request names no family in it: None)
+        if type(resources) is dict:
+            limits = resources.get("limits") or _EMPTY
+            requests = resources.get("requests") or _EMPTY
+            other = self.other
+            if other.isdisjoint(limits) and other.isdisjoint(requests):
+                own = self.own
+                if own.isdisjoint(limits) and own.isdisjoint(requests):
+                    return None
+                if type(limits) is dict and type(requests) is dict:
+                    request = _plain_request(limits, requests, settings)
+                    if request is not _NOT_PLAIN:
+                        return request  # type: ignore[return-value]
+                return parse_container_request(container, settings)
+        return _kinds_registry.read_request(container, settings)  # type: ignore[no-any-return]
 
-        def read_fast(container: dict[str, Any], _settings: TesseraSettings) -> Any:
-            resources = container.get("resources")
-            if resources is None:
-                return None  # (read_request names no family in it: None)
-            if type(resources) is dict:
-                limits = resources.get("limits") or _EMPTY  # (each None or a map: the shape's)
-                requests = resources.get("requests") or _EMPTY
-                if other.isdisjoint(limits) and other.isdisjoint(requests):
-                    if own.isdisjoint(limits) and own.isdisjoint(requests):
-                        return None
-                    return parse_container_request(container, settings)
-            return read(container, settings)
 
-        return read_fast
+_NOT_PLAIN = object()
+
+
+def _plain_request(
+    limits: dict[str, Any], requests: dict[str, Any], settings: TesseraSettings
+) -> ContainerRequest | None | object:
+    """What `parse_container_request` reads from a container with these limits and requests
+    (maps) when each of its five values is plainly a whole number in range (an int, or a string
+    of at most 64 ASCII digits: what `_plain_whole` reads) and the memory within the limit after
+    the memory factor; `_NOT_PLAIN` for any other (parse_container_request then reads or
+    refuses it). One loop, no call per value: this runs for every pod shape not seen before."""
+    numbers: list[int | None] = []
+    for key in (settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
+                settings.resource_cores, settings.resource_priority):  # fmt: skip
+        if key in limits:
+            value = limits[key]
+        elif key in requests:
+            value = requests[key]
+        else:
+            numbers.append(None)
+            continue
+        kind = type(value)
+        if kind is int:
+            if value < 0:
+                return _NOT_PLAIN
+            numbers.append(value)
+        elif kind is str and value.isdigit() and value.isascii() and len(value) <= 64:
+            numbers.append(int(value))
+        else:
+            return _NOT_PLAIN
+    count, memory, pct, cores, priority = numbers
+    if (
+        (count is not None and count > MAX_GPU_COUNT)
+        or (memory is not None and (memory > MAX_MEMORY_MIB
+                                    or memory * settings.memory_factor > MAX_MEMORY_MIB))
+        or (pct is not None and pct > _MAX_PLAIN)
+        or (cores is not None and cores > _MAX_CORES)
+        or (priority is not None and priority > 1)
+    ):  # fmt: skip
+        return _NOT_PLAIN
+    if not count:
+        if memory is None and pct is None and cores is None:
+            return None
+        count = settings.default_gpu_num
+    percentage = min(pct, 100) if pct else None  # (HAMi: above 100 is 100, 0 is unset)
+    memory = memory * settings.memory_factor if memory is not None else 0
+    if memory == 0 and percentage is None:
+        if settings.default_mem:
+            memory = settings.default_mem
+        else:
+            percentage = 100
+    if memory and percentage is not None:
+        percentage = None  # an explicit MiB request wins over a percentage
+    cores = settings.default_cores if cores is None else min(100, cores)
+    return ContainerRequest(count, memory, percentage, cores, priority)
 
 
 _EMPTY: dict[str, Any] = {}
@@ -478,32 +533,28 @@ def _request_shape(
         settings.default_cores, settings.default_mem, settings.default_gpu_num,
         _kinds_registry.version, len(init),
     ]  # fmt: skip
-    add = parts.append
-    sidecars = len(init)
-    for c in (*init, *app):
+    for at, c in enumerate((*init, *app)):
         resources = c.get("resources")
         if resources is None:
-            add(None)
-            add(None)
+            limits = requests = None
         elif type(resources) is dict:
-            for section in (resources.get("limits"), resources.get("requests")):
-                if section is None:
-                    add(None)
-                elif (type(section) is dict and _STR_OR_INT.issuperset(map(type, section.values()))
-                      and _STR.issuperset(map(type, section))):  # fmt: skip
-                    add(tuple(section.items()))
-                else:
-                    return None
+            limits, requests = resources.get("limits"), resources.get("requests")
         else:
             return None
-        if sidecars:
-            sidecars -= 1
-            add(c.get("restartPolicy") == "Always")
+        for section in (limits, requests):
+            if section is None:
+                parts.append(None)
+                continue
+            if type(section) is not dict:
+                return None
+            for key, value in section.items():
+                kind = type(value)
+                if (kind is not str and kind is not int) or type(key) is not str:
+                    return None
+            parts.append(tuple(section.items()))
+        if at < len(init):
+            parts.append(c.get("restartPolicy") == "Always")
     return tuple(parts)
-
-
-_STR_OR_INT = frozenset({str, int})  # (exactly: not bool, not a subclass)
-_STR = frozenset({str})
 
 
 def with_burst_limits(

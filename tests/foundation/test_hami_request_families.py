@@ -1,5 +1,6 @@
 """A pod's containers are read without the device kinds' registry when they name no other
-family's resource (`_FamilyNames.reader`): the same request, and the same refusal, as each
+family's resource (`_FamilyNames.read`), plain values in one loop (`_plain_request`): the same
+request, and the same refusal, as each
 container read through `registry.read_request` (the families it names, then that family's
 reader), for every kind of container."""
 
@@ -70,7 +71,8 @@ def through_registry(p: dict[str, Any], settings: TesseraSettings) -> PodRequest
     """The pod read afresh, every container through `registry.read_request`."""
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(hami, "_remembered_requests", [None, {}])
-        patched.setattr(hami._FamilyNames, "reader", lambda self, read, settings: read)
+        patched.setattr(hami._FamilyNames, "read",
+                        lambda _self, c, settings: registry.read_request(c, settings))
         return outcome(p, settings)
 
 
@@ -113,3 +115,24 @@ def test_settings_changed_in_place_read_as_through_the_registry() -> None:
     settings.resource_name = "example.com/vgpu"
     hami._remembered_requests[:] = [None, {}]
     assert outcome(p, settings) == through_registry(p, settings)
+
+
+@pytest.mark.parametrize("changed", [{}, {"memory_factor": 4}, {"default_mem": 2048},
+                                     {"default_cores": 30, "default_gpu_num": 2}])
+def test_plain_values_read_as_parse_container_request(changed: dict[str, Any]) -> None:
+    settings = TesseraSettings(**changed)
+    rng = random.Random(5)
+    plain = 0
+    for _ in range(4000):
+        c = container(rng)
+        resources = c.get("resources") or {}
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        try:
+            expected: object = hami.parse_container_request(c, settings)
+        except RequestError as exc:
+            expected = ("refused", str(exc))
+        got = hami._plain_request(limits, requests, settings)
+        if got is not hami._NOT_PLAIN:
+            assert got == expected
+            plain += 1
+    assert plain > 1000
