@@ -454,7 +454,7 @@ _NOT_PLAIN = object()
 
 def _plain_request(
     limits: dict[str, Any], requests: dict[str, Any], settings: TesseraSettings
-) -> ContainerRequest | None | object:
+) -> ContainerRequest | object | None:
     """What `parse_container_request` reads from a container with these limits and requests
     (maps) when each of its five values is plainly a whole number in range (an int, or a string
     of at most 64 ASCII digits: what `_plain_whole` reads) and the memory within the limit after
