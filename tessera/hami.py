@@ -456,8 +456,9 @@ def _plain_request(
     limits: dict[str, Any], requests: dict[str, Any], settings: TesseraSettings
 ) -> ContainerRequest | object | None:
     """What `parse_container_request` reads from a container with these limits and requests
-    (maps) when each of its five values is plainly a whole number in range (an int, or a string
-    of at most 64 ASCII digits: what `_plain_whole` reads) and the memory within the limit after
+    (maps) when each of its five values is plainly a whole number in range (an int, a string
+    of at most 64 ASCII digits as `_plain_whole` reads it, or such digits and `k`) and the
+    memory within the limit after
     the memory factor; `_NOT_PLAIN` for any other (parse_container_request then reads or
     refuses it). One loop, no call per value: this runs for every pod shape not seen before."""
     numbers: list[int | None] = []
@@ -475,8 +476,15 @@ def _plain_request(
             if value < 0:
                 return _NOT_PLAIN
             numbers.append(value)
-        elif kind is str and value.isdigit() and value.isascii() and len(value) <= 64:
-            numbers.append(int(value))
+        elif kind is str and len(value) <= 64 and value.isascii():
+            if value.isdigit():
+                numbers.append(int(value))
+            elif value[-1:] == "k" and value[:-1].isdigit():
+                # (thousands as kube-apiserver writes them: 8000 comes back `8k`; a quantity's
+                # value, read exactly as parse_quantity and memory_mib read it)
+                numbers.append(int(value[:-1]) * 1000)
+            else:
+                return _NOT_PLAIN
         else:
             return _NOT_PLAIN
     count, memory, pct, cores, priority = numbers
