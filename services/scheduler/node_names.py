@@ -13,7 +13,9 @@ value. (A new array read in place by the native resolver, `NodeNamesCache._in_pl
 cut: the resolver proves where its compact form ends.) The rest of the body, with a placeholder
 string in place of the array, must parse as a
 JSON object whose `nodenames` key holds the placeholder, and the placeholder must occur in it
-exactly once; anything else falls back to parsing the whole body, as before.
+exactly once; anything else falls back to parsing the whole body, as before. When the body is
+ExtenderArgs as kube-scheduler writes it (`{"Pod":...,"Nodes":null,"NodeNames":[...]}`: its Go
+struct has no JSON tags) the pod is decoded where it lies instead, with no copy (`_pod_around`).
 """
 
 from __future__ import annotations
