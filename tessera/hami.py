@@ -223,6 +223,7 @@ def _whole(value: object, resource: Callable[[], str], *, low: int, high: int,
 
 
 _MAX_CORES = 10**9  # (read, then clamped to 100)
+_MAX_PLAIN = 10**64  # (above any plain string `_plain_whole` reads: at most 64 digits)
 
 
 def _plain_whole(value: object, high: int) -> int:
@@ -293,13 +294,15 @@ def parse_container_request(
             raise RequestError(f"{where}{settings.resource_mem} overflows after memory factor")
     percentage: int | None = None
     if raw_pct is not None:
-        if type(raw_pct) is int:  # (parse_quantity's Decimal of an int is exact)
-            pct: Decimal | int = raw_pct
-        else:
-            pct = parse_quantity(raw_pct, where + settings.resource_mem_percentage)
+        # (a whole number as `_plain_whole` reads it is the one parse_quantity reads exactly,
+        # without its Fractions and Decimal context: ~12 µs; an int's Decimal is exact too)
+        pct: Decimal | int = _plain_whole(raw_pct, _MAX_PLAIN)
+        if pct < 0:
+            pct = (raw_pct if type(raw_pct) is int
+                   else parse_quantity(raw_pct, where + settings.resource_mem_percentage))
         # HAMi: > 100 clamps to 100, <= 0 is ignored (unset is not the same as 0).
         if pct > 0:
-            percentage = int(min(pct, Decimal(100)))
+            percentage = int(min(pct, 100))
     cores = settings.default_cores
     if raw_cores is not None:
         cores = _plain_whole(raw_cores, _MAX_CORES)
@@ -385,9 +388,11 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
     remembered = _remembered_requests
     mapping = _kinds_registry.resource_map(settings)  # (which family each resource names)
     if remembered[0] is not mapping:
-        remembered[:] = [mapping, {}]
+        remembered[:] = [mapping, {}, _FamilyNames(mapping)]
     request = None if shape is None else remembered[1].get(shape)
     if request is None:
+        if shape is not None and read is _kinds_registry.read_request:
+            read = remembered[2].read  # (its sections maps, its keys strings)
         request = PodRequest(
             init=[read(c, settings) for c in init] if init else [],
             containers=[read(c, settings) for c in app],
@@ -409,6 +414,107 @@ def parse_pod_request(pod: dict[str, Any], settings: TesseraSettings) -> PodRequ
 
 
 _NO_SIDECARS: frozenset[int] = frozenset()
+
+
+class _FamilyNames:
+    """Which resource names (of a `registry.resource_map`) are the default family's (NVIDIA's)
+    and which another family's, for `read`."""
+
+    def __init__(self, mapping: dict[str, Any]) -> None:
+        self.own = frozenset(k for k, fam in mapping.items() if fam.name == _DEFAULT_FAMILY)
+        self.other = frozenset(k for k, fam in mapping.items() if fam.name != _DEFAULT_FAMILY)
+
+    def read(self, container: dict[str, Any], settings: TesseraSettings) -> ContainerRequest | None:
+        """`registry.read_request(container, settings)` (the families the container names,
+        then that family's reader) for a container of a pod with a shape (`_request_shape`:
+        its limits and requests None or maps), without the registry when they name no other
+        family's resource: None when they name none of NVIDIA's either, else what NVIDIA's
+        reader, `parse_container_request`, reads (`_plain_request` first)."""
+        resources = container.get("resources")
+        if resources is None:
+            return None  # (read_request names no family in it: None)
+        if type(resources) is dict:
+            limits = resources.get("limits") or _EMPTY
+            requests = resources.get("requests") or _EMPTY
+            other = self.other
+            if other.isdisjoint(limits) and other.isdisjoint(requests):
+                own = self.own
+                if own.isdisjoint(limits) and own.isdisjoint(requests):
+                    return None
+                if type(limits) is dict and type(requests) is dict:
+                    request = _plain_request(limits, requests, settings)
+                    if request is not _NOT_PLAIN:
+                        return request  # type: ignore[return-value]
+                return parse_container_request(container, settings)
+        return _kinds_registry.read_request(container, settings)  # type: ignore[no-any-return]
+
+
+_NOT_PLAIN = object()
+
+
+def _plain_request(
+    limits: dict[str, Any], requests: dict[str, Any], settings: TesseraSettings
+) -> ContainerRequest | object | None:
+    """What `parse_container_request` reads from a container with these limits and requests
+    (maps) when each of its five values is plainly a whole number in range (an int, a string
+    of at most 64 ASCII digits as `_plain_whole` reads it, or such digits and `k`) and the
+    memory within the limit after
+    the memory factor; `_NOT_PLAIN` for any other (parse_container_request then reads or
+    refuses it). One loop, no call per value: this runs for every pod shape not seen before."""
+    numbers: list[int | None] = []
+    for key in (settings.resource_name, settings.resource_mem, settings.resource_mem_percentage,
+                settings.resource_cores, settings.resource_priority):  # fmt: skip
+        if key in limits:
+            value = limits[key]
+        elif key in requests:
+            value = requests[key]
+        else:
+            numbers.append(None)
+            continue
+        kind = type(value)
+        if kind is int:
+            if value < 0:
+                return _NOT_PLAIN
+            numbers.append(value)
+        elif kind is str and len(value) <= 64 and value.isascii():
+            if value.isdigit():
+                numbers.append(int(value))
+            elif value[-1:] == "k" and value[:-1].isdigit():
+                # (thousands as kube-apiserver writes them: 8000 comes back `8k`; a quantity's
+                # value, read exactly as parse_quantity and memory_mib read it)
+                numbers.append(int(value[:-1]) * 1000)
+            else:
+                return _NOT_PLAIN
+        else:
+            return _NOT_PLAIN
+    count, memory, pct, cores, priority = numbers
+    if (
+        (count is not None and count > MAX_GPU_COUNT)
+        or (memory is not None and (memory > MAX_MEMORY_MIB
+                                    or memory * settings.memory_factor > MAX_MEMORY_MIB))
+        or (pct is not None and pct > _MAX_PLAIN)
+        or (cores is not None and cores > _MAX_CORES)
+        or (priority is not None and priority > 1)
+    ):  # fmt: skip
+        return _NOT_PLAIN
+    if not count:
+        if memory is None and pct is None and cores is None:
+            return None
+        count = settings.default_gpu_num
+    percentage = min(pct, 100) if pct else None  # (HAMi: above 100 is 100, 0 is unset)
+    memory = memory * settings.memory_factor if memory is not None else 0
+    if memory == 0 and percentage is None:
+        if settings.default_mem:
+            memory = settings.default_mem
+        else:
+            percentage = 100
+    if memory and percentage is not None:
+        percentage = None  # an explicit MiB request wins over a percentage
+    cores = settings.default_cores if cores is None else min(100, cores)
+    return ContainerRequest(count, memory, percentage, cores, priority)
+
+
+_EMPTY: dict[str, Any] = {}
 
 
 # Pods' requests read before, by their shape (`_request_shape`): pods of one workload ask the

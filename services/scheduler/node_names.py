@@ -13,7 +13,9 @@ value. (A new array read in place by the native resolver, `NodeNamesCache._in_pl
 cut: the resolver proves where its compact form ends.) The rest of the body, with a placeholder
 string in place of the array, must parse as a
 JSON object whose `nodenames` key holds the placeholder, and the placeholder must occur in it
-exactly once; anything else falls back to parsing the whole body, as before.
+exactly once; anything else falls back to parsing the whole body, as before. When the body is
+ExtenderArgs as kube-scheduler writes it (`{"Pod":...,"Nodes":null,"NodeNames":[...]}`: its Go
+struct has no JSON tags) the pod is decoded where it lies instead, with no copy (`_pod_around`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import msgspec
 import numpy as np
 
 _KEY = b'"nodenames"'
+_KEY_TAIL = _KEY[6:]  # `ames"`: looked for, then the key before it compared lower-cased
 _PLACEHOLDER = "\\u0000tessera-nodenames"
 _PLACEHOLDER_JSON = b'"' + _PLACEHOLDER.encode() + b'"'
 _PLACEHOLDER_VALUE = json.loads(_PLACEHOLDER_JSON)
@@ -179,6 +182,89 @@ Resolver = Callable[[bytes], "tuple[list[str], tuple[int, np.ndarray]] | None"]
 InPlace = Callable[[bytes, int], "tuple[NodeNames, tuple[int, np.ndarray], int] | None"]
 
 
+def _skip_back(body: bytes, at: int) -> int:
+    """The index of the last byte before `at` that is not JSON whitespace (-1: none)."""
+    at -= 1
+    while at >= 0 and body[at] in _WS:
+        at -= 1
+    return at
+
+
+_POD_KEYS = (b'"pod"', b'"Pod"')  # (kube-scheduler's ExtenderArgs has no JSON tags: "Pod")
+_NODES_KEYS = (b'"nodes"', b'"Nodes"')
+_NULL = b"null"
+
+
+def _pod_around(body: bytes, start: int, end: int) -> dict[str, Any] | None:
+    """The body's members other than `nodenames` (lower-cased, in order), decoded from the
+    body where they lie, when the body is ExtenderArgs as kube-scheduler writes it:
+    `{"Pod":<pod>,"Nodes":null,"NodeNames":[...]}` (or with `pod`, `nodes`, any whitespace,
+    `Nodes` left out) with the array at `start:end`; None for any other body (`parse` then
+    decodes it with the array cut out, as before).
+
+    Exact: the bytes from `{` to the pod value's start and from its end to the array are
+    checked to be exactly those members' keys, colons, commas and whitespace (and `null`), the
+    array ends the object, and the pod's bytes must decode as one JSON value (msgspec refuses
+    trailing bytes): so the body is that object, whose decoding is these members and the array.
+    A pod msgspec refuses (NaN, 1e400, lone surrogates, depth) goes the old way, to json."""
+    close = end
+    n = len(body)
+    while close < n and body[close] in _WS:
+        close += 1
+    if close >= n or body[close] != 0x7D:  # `}`: the array must be the last member
+        return None
+    close += 1
+    while close < n and body[close] in _WS:
+        close += 1
+    if close != n:
+        return None
+    at = _skip_back(body, start)  # the `:` after the array's key
+    if at < 0 or body[at] != 0x3A:
+        return None
+    at = _skip_back(body, at)  # the key's closing quote
+    if at < 10 or body[at - 10 : at + 1].lower() != b'"nodenames"':
+        return None
+    at = _skip_back(body, at - 10)  # the comma before the array's key
+    if at < 0 or body[at] != 0x2C:
+        return None
+    pod_end = _skip_back(body, at) + 1
+    nodes = False
+    if body.endswith(_NULL, 0, pod_end):  # `"Nodes": null,` before it?
+        colon = _skip_back(body, pod_end - 4)
+        if colon >= 0 and body[colon] == 0x3A:
+            quote = _skip_back(body, colon)
+            if quote >= 6 and body[quote - 6 : quote + 1] in _NODES_KEYS:
+                comma = _skip_back(body, quote - 6)
+                if comma >= 0 and body[comma] == 0x2C:
+                    nodes = True
+                    pod_end = _skip_back(body, comma) + 1
+    at = 0
+    while at < n and body[at] in _WS:
+        at += 1
+    if at >= n or body[at] != 0x7B:  # `{`
+        return None
+    at += 1
+    while at < n and body[at] in _WS:
+        at += 1
+    if body[at : at + 5] not in _POD_KEYS:
+        return None
+    at += 5
+    while at < n and body[at] in _WS:
+        at += 1
+    if at >= n or body[at] != 0x3A:
+        return None
+    at += 1
+    while at < n and body[at] in _WS:
+        at += 1
+    if at >= pod_end:
+        return None
+    try:
+        pod = _decode(memoryview(body)[at:pod_end])
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    return {"pod": pod, "nodes": None} if nodes else {"pod": pod}
+
+
 class NodeNamesCache:
     def __init__(
         self, max_names: int, remembered: int = _REMEMBERED, resolver: Resolver | None = None,
@@ -225,6 +311,10 @@ class NodeNamesCache:
                 return None
         else:
             known, end = found
+        members = _pod_around(body, start, end)
+        if members is not None:
+            members["nodenames"] = known
+            return members
         rest = body[:start] + _PLACEHOLDER_JSON + body[end:]
         if rest.count(_PLACEHOLDER_JSON) != 1:
             return None
@@ -245,14 +335,19 @@ class NodeNamesCache:
 
     @staticmethod
     def _start(body: bytes) -> int | None:
-        """Where the array after the first `"nodenames":` starts (its `[`). (The first such,
-        not the last: kube-scheduler writes the pod first and the list after it, and a search
-        from the end walks back through the whole list. Which occurrence is cut does not matter
-        for exactness: the rest must parse with the placeholder as the top-level `nodenames`.)"""
-        at = body.find(_KEY)
+        """Where the array after the first `"nodenames":` starts (its `[`), the key in any case
+        whose last letters are lower-case (kube-scheduler's `"NodeNames"`, kube-sim's
+        `"nodenames"`). (The first such, not the last: kube-scheduler writes the pod first and
+        the list after it, and a search from the end walks back through the whole list. Which
+        occurrence is cut does not matter for exactness: the rest must parse with the
+        placeholder as the top-level `nodenames`, its key lower-cased.)"""
+        at = body.find(_KEY_TAIL)
         n = len(body)
         while at >= 0:
-            i = at + len(_KEY)
+            i = at + len(_KEY_TAIL)
+            if at < 6 or body[at - 6 : i].lower() != _KEY:
+                at = body.find(_KEY_TAIL, at + 1)
+                continue
             while i < n and body[i] in _WS:
                 i += 1
             if i < n and body[i] == ord(":"):
@@ -261,7 +356,7 @@ class NodeNamesCache:
                     i += 1
                 if i < n and body[i] == ord("["):
                     return i
-            at = body.find(_KEY, at + 1)
+            at = body.find(_KEY_TAIL, at + 1)
         return None
 
     def _lookup(self, body: bytes, start: int) -> tuple[NodeNames, int] | None:

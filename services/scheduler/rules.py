@@ -145,6 +145,7 @@ _FAMILY_ANNOTATIONS = tuple(
 )
 _OPTION_ANNOTATIONS = (*_OPTION_ANNOTATIONS,
                        *(key for _, keys in _FAMILY_ANNOTATIONS for key in keys))
+_OPTION_KEYS = frozenset(_OPTION_ANNOTATIONS)
 _TEXT_OR_NONE = frozenset({str, type(None)})
 
 
@@ -158,10 +159,17 @@ def parse_pod_options(pod: dict[str, Any], settings: TesseraSettings) -> PodOpti
     annotations = meta.get("annotations") or {} if isinstance(meta, dict) else {}
     if not isinstance(annotations, dict):
         raise RequestError("metadata.annotations must be a map")
+    if type(annotations) is dict:
+        # (the few annotations a pod carries looked at, not every key it might carry: 41)
+        given = tuple([(key, annotations[key]) for key in annotations if key in _OPTION_KEYS])
+        if _TEXT_OR_NONE.issuperset([type(value) for _, value in given]):
+            return _remembered_options(given, settings.gpu_scheduler_policy,
+                                       settings.node_scheduler_policy, _sidecars(pod))  # fmt: skip
     values = tuple(map(annotations.get, _OPTION_ANNOTATIONS))
     args = (values, settings.gpu_scheduler_policy, settings.node_scheduler_policy, _sidecars(pod))
     if _TEXT_OR_NONE.issuperset(map(type, values)):  # (each value a str or None, exactly)
-        return _remembered_options(*args)
+        return _remembered_options(tuple(zip(_OPTION_ANNOTATIONS, values, strict=True)),
+                                   *args[1:])  # fmt: skip
     return _options(*args)  # a value of another type: refused as before, never remembered
 
 
@@ -215,8 +223,19 @@ def _options(
     )
 
 
-# A refusal (RequestError) is not remembered: lru_cache keeps results only.
-_remembered_options = functools.lru_cache(maxsize=512)(_options)
+def _options_given(
+    given: tuple[tuple[str, Any], ...], gpu_default: str, node_default: str,
+    sidecars: tuple[bool, ...],
+) -> PodOptions:
+    """`_options` of the option annotations given as (key, value) pairs (the others None)."""
+    named = dict(given)
+    return _options(tuple(map(named.get, _OPTION_ANNOTATIONS)), gpu_default, node_default,
+                    sidecars)  # fmt: skip
+
+
+# Kept per distinct set of (key, value) pairs given; a refusal (RequestError) is not
+# remembered: lru_cache keeps results only.
+_remembered_options = functools.lru_cache(maxsize=512)(_options_given)
 
 
 # --- the checks, in HAMi's order ----------------------------------------------------------------

@@ -117,3 +117,16 @@ def test_plain_quantities_need_no_decimal(monkeypatch: pytest.MonkeyPatch) -> No
     assert hami.parse_container_request(container, SETTINGS) == ContainerRequest(
         2, 8192 * SETTINGS.memory_factor, None, 30, None
     )
+
+
+def test_a_plain_percentage_needs_no_decimal(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(value: object, resource: str = "") -> Decimal:
+        raise AssertionError(f"parsed {value!r} through a Decimal")
+
+    monkeypatch.setattr(hami, "parse_quantity", refuse)
+    for written, read in (("40", 40), ("0040", 40), ("250", 100), ("1" * 64, 100), (7, 7)):
+        container = {"name": "c", "resources": {
+            "limits": {SETTINGS.resource_name: "1", SETTINGS.resource_mem_percentage: written},
+        }}  # fmt: skip
+        got = hami.parse_container_request(container, SETTINGS)
+        assert got == ContainerRequest(1, 0, read, SETTINGS.default_cores, None)
