@@ -188,7 +188,7 @@ def main() -> None:
     trace_name = args.pop() if args and args[-1] in ("bench", "varied") else "varied"
     before_rev = args[0] if args else "HEAD"
     after_rev = args[1] if len(args) > 1 else "worktree"
-    from kube_lists import COMPACT, KubeLists
+    from kube_lists import COMPACT, KubeLists, extender_args
 
     settings = TesseraSettings()
     nodes = int(os.environ.get("BENCH_NODES", "5000"))
@@ -344,7 +344,7 @@ def main() -> None:
         for i, (spec, pool) in enumerate(pods):
             listed = made[i] if made is not None else listed_of(pool)
             # (the body as the server reads it off the socket: a new buffer each call)
-            body = b'{"pod": %s, "nodenames": %s}' % (sent[i], listed)
+            body = extender_args(sent[i], listed)
             for label in ("before", "after") if i % 2 else ("after", "before"):
                 decide_one(label, spec, body, i)
                 if time.perf_counter() >= collect_at:

@@ -2,12 +2,13 @@
 the candidate list (finding the array, the pod decoded, the keys lowered) and the list's
 resolution (the native resolver reading the array in place).
 
-kube-scheduler's `ExtenderArgs` is `{"pod": <the v1 Pod as its informer holds it>,
-"nodenames": [...]}` (`nodes` omitted with `nodeCacheCapable`), written by Go's encoding/json:
-no spaces, the pod first. The pod here is a realistic pending pod of a Deployment (labels,
-annotations with kubectl's last-applied configuration, an owner, managed fields, two
-containers with env, mounts, probes and GPU limits, the default tolerations, status Pending):
-~6 KB. The lists are `kube_lists.py`'s, 20,000 nodes in the parallel filters' order.
+kube-scheduler's `ExtenderArgs` is `{"Pod":<the v1 Pod as its informer holds it>,
+"Nodes":null,"NodeNames":[...]}` (the Go struct has no JSON tags; `kube_lists.extender_args`),
+written by Go's encoding/json: no spaces, the pod first. The pod here is a realistic pending
+pod of a Deployment (labels, annotations with kubectl's last-applied configuration, an owner,
+managed fields, two containers with env, mounts, probes and GPU limits, the default
+tolerations, status Pending): ~6 KB. The lists are `kube_lists.py`'s, 20,000 nodes in the
+parallel filters' order.
 
     python bench/extender_body.py      (BENCH_NODES, 20000; BENCH_CALLS, 200)
 
@@ -33,7 +34,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kube_lists import COMPACT, KubeLists  # noqa: E402
+from kube_lists import COMPACT, KubeLists, extender_args  # noqa: E402
 
 GIB = 1024**3
 
@@ -122,9 +123,10 @@ def main() -> None:
         device = DeviceInfo(uuid=f"GPU-{name}", index=0, type="T", memory_mib=1024, cores=100)
         index.set_registration(name, NodeRegistration(node=name, devices=[device]), 0.0)
     kube = KubeLists(names, "full", order="parallel")
-    bodies = [json.dumps({"pod": pod(i), "nodenames": kube.next()}, separators=COMPACT).encode()
+    bodies = [extender_args(json.dumps(pod(i), separators=COMPACT).encode(),
+                            json.dumps(kube.next(), separators=COMPACT).encode())
               for i in range(calls)]  # fmt: skip
-    pod_bytes = bodies[0].find(b'"nodenames"')
+    pod_bytes = bodies[0].lower().find(b'"nodenames"')
     cache = NodeNamesCache(100_000, resolver=index.names_from_bytes, runs=index.names_of_run,
                            in_place=index.names_in_body)  # fmt: skip
     for body in bodies[:20]:  # (runs and rotations resting, as after any 8 such lists)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import random
 from collections.abc import Sequence
 
@@ -45,6 +46,18 @@ ORDERS = ("sequential", "parallel")
 WORKERS = 16  # kube-scheduler's default parallelism
 # kube-scheduler's JSON (Go's encoding/json): no spaces between elements
 COMPACT = (",", ":")
+
+
+def extender_args(pod: bytes, names: bytes) -> bytes:
+    """A nodeCacheCapable filter call's body as kube-scheduler writes it: `ExtenderArgs` has no
+    JSON tags (upstream `kube-scheduler/extender/v1/types.go`), so Go writes its field names,
+    the unused node list as null, compactly: `{"Pod":...,"Nodes":null,"NodeNames":[...]}`.
+    `BENCH_KEYS=lower`: `{"pod": ..., "nodenames": ...}`, as kube-sim and these benchmarks
+    wrote it before session 21 (the extender reads either; only the real form is what a
+    cluster sends)."""
+    if os.environ.get("BENCH_KEYS", "go") == "lower":
+        return b'{"pod": %s, "nodenames": %s}' % (pod, names)
+    return b'{"Pod":%s,"Nodes":null,"NodeNames":%s}' % (pod, names)
 
 
 def nodes_to_find(total: int, percentage: int = 0) -> int:

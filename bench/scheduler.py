@@ -218,7 +218,7 @@ def run_decisions(
     list every call), of every node or a label pool's, handed over as the extender's HTTP layer
     does: `NodeNamesCache.parse` of the call's body, timed apart (`parse_cpu_*`: the list's
     bytes are new on almost every call but in mode `same`)."""
-    from kube_lists import COMPACT, KubeLists
+    from kube_lists import COMPACT, KubeLists, extender_args
     from tessera.scheduler.api import MAX_CANDIDATES
     from tessera.scheduler.node_names import NodeNamesCache
 
@@ -262,7 +262,7 @@ def run_decisions(
     made = [listed_of(pool) for _spec, pool in pods] if body_mode == "made" else None
     for i, (spec, pool) in enumerate(pods):
         array = made[i] if made is not None else listed_of(pool)
-        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), array)
+        body = extender_args(json.dumps(spec).encode(), array)
         started_cpu = time.thread_time()
         parsed = names_cache.parse(body)
         # (a short list is not remembered: the extender parses the whole body)
@@ -593,7 +593,7 @@ async def drive(
     half of the run, one after every ~9 of `pods`) and retried after kube-scheduler's backoff
     (1 s, doubling, at most 10 s) until every pod of `pods` is placed; pods/s and latency
     count `pods` only, the refused calls are counted apart."""
-    from kube_lists import COMPACT, KubeLists, backoff_s
+    from kube_lists import COMPACT, KubeLists, backoff_s, extender_args
 
     latencies: list[float] = []
     splits: list[tuple[float, float, str]] = []
@@ -619,7 +619,7 @@ async def drive(
         return known[0]
 
     async def filter_call(spec: dict[str, Any]) -> dict[str, Any]:
-        body = b'{"pod": %s, "nodenames": %s}' % (json.dumps(spec).encode(), names_json())
+        body = extender_args(json.dumps(spec).encode(), names_json())
         return await rng.choice(clients).post("/filter", body)
 
     async def one(spec: dict[str, Any]) -> None:

@@ -2,8 +2,12 @@
 
 kube-scheduler POSTs `ExtenderArgs` to `<urlPrefix>/<verb>`; with `nodeCacheCapable: true` it
 sends node names only. Filter answers `ExtenderFilterResult`, prioritize a `HostPriorityList`
-(0-10, multiplied by the extender's weight), bind takes `ExtenderBindingArgs` (Go field names,
-no JSON tags) and answers `ExtenderBindingResult`.
+(0-10, multiplied by the extender's weight), bind takes `ExtenderBindingArgs` and answers
+`ExtenderBindingResult`. None of these Go structs has JSON tags (upstream
+`staging/src/k8s.io/kube-scheduler/extender/v1/types.go`), so kube-scheduler writes their field
+names as the keys, `{"Pod":{...},"Nodes":null,"NodeNames":[...]}` (the unused pointer as
+`null`, compact, as Go's encoder writes it), and reads a reply's keys as Go's decoder does, in
+any case (Tessera's replies, `"nodenames"`, `"failedNodes"`, are read so).
 """
 
 from __future__ import annotations
@@ -66,6 +70,17 @@ def requests_managed_resource(pod: KubeObject, managed: tuple[str, ...]) -> bool
     return False
 
 
+def go_field(reply: dict[str, Any], name: str) -> Any:
+    """The value of the struct field `name` as Go's JSON decoder reads it from an object: every
+    key equal to the name in any case sets the field, so the last such key's value (None:
+    absent, or null)."""
+    folded, found = name.lower(), None
+    for key, value in reply.items():
+        if isinstance(key, str) and key.lower() == folded:
+            found = value
+    return found
+
+
 class ExtenderClient:
     def __init__(self, config: ExtenderConfig) -> None:
         self.config = config
@@ -89,32 +104,35 @@ class ExtenderClient:
 
     def _args(self, pod: KubeObject, nodes: list[str]) -> dict[str, Any]:
         if self.config.node_cache_capable:
-            return {"pod": pod, "nodenames": nodes}
+            return {"Pod": pod, "Nodes": None, "NodeNames": nodes}
         node_list = {
             "kind": "NodeList",
             "apiVersion": "v1",
             "metadata": {},
             "items": [{"metadata": {"name": name}} for name in nodes],
         }
-        return {"pod": pod, "nodes": node_list}
+        return {"Pod": pod, "Nodes": node_list, "NodeNames": None}
 
     async def filter(self, pod: KubeObject, nodes: list[str]) -> FilterResult:
         result = await self._post(self.config.filter_verb, self._args(pod, nodes))
         if not isinstance(result, dict):
             raise ExtenderError("extender filter: the reply is not an ExtenderFilterResult")
-        if result.get("error"):
-            raise ExtenderError(str(result["error"]))
+        error = go_field(result, "Error")
+        if error:
+            raise ExtenderError(str(error))
         if self.config.node_cache_capable:
-            names = result.get("nodenames") or []
+            names = go_field(result, "NodeNames") or []
         else:
-            items = (result.get("nodes") or {}).get("items") or []
+            items = (go_field(result, "Nodes") or {}).get("items") or []
             names = [item.get("metadata", {}).get("name", "") for item in items]
         # The extender may only narrow the candidates down, never add nodes.
         kept = [str(name) for name in names if name in nodes]
+        failed = go_field(result, "FailedNodes") or {}
+        unresolvable = go_field(result, "FailedAndUnresolvableNodes") or {}
         return FilterResult(
             kept,
-            {str(k): str(v) for k, v in (result.get("failedNodes") or {}).items()},
-            {str(k): str(v) for k, v in (result.get("failedAndUnresolvableNodes") or {}).items()},
+            {str(k): str(v) for k, v in failed.items()},
+            {str(k): str(v) for k, v in unresolvable.items()},
         )
 
     async def prioritize(self, pod: KubeObject, nodes: list[str]) -> dict[str, int]:
@@ -123,8 +141,9 @@ class ExtenderClient:
             raise ExtenderError("extender prioritize: the reply is not a HostPriorityList")
         scores: dict[str, int] = {}
         for entry in result:
-            if isinstance(entry, dict) and entry.get("host") in nodes:
-                scores[str(entry["host"])] = int(entry.get("score") or 0) * self.config.weight
+            host = go_field(entry, "Host") if isinstance(entry, dict) else None
+            if host in nodes:
+                scores[str(host)] = int(go_field(entry, "Score") or 0) * self.config.weight
         return scores
 
     async def bind(self, pod: KubeObject, node: str) -> None:
@@ -136,6 +155,6 @@ class ExtenderClient:
             "Node": node,
         }
         result = await self._post(self.config.bind_verb, body)
-        error = result.get("Error") or result.get("error") if isinstance(result, dict) else None
+        error = go_field(result, "Error") if isinstance(result, dict) else None
         if error:
             raise ExtenderError(str(error))
