@@ -356,6 +356,23 @@ static inline int tn_expects(const tn_table *t, const tn_cursor *c, const unsign
 	return tn_same(t->blob + c->head, s, len);
 }
 
+#define TN_WORKERS 16 /* kube-scheduler's parallel filters (its default parallelism) */
+
+/* A list's first name at `first` in the order: were it one of kube-scheduler's parallel
+ * filters' lists, that name starts one of the chunks its `TN_WORKERS` workers start with, and
+ * the others start up to `TN_WORKERS - 1` chunks before or after it: cursors expect them. */
+static inline void tn_aim_starts(const tn_table *t, tn_cursor *cursor, uint64_t first,
+				 uint64_t chunk)
+{
+	const uint64_t count = t->count;
+	for (uint64_t m = 1, d = chunk; m < TN_WORKERS && d < count; m++, d += chunk) {
+		uint64_t later = first + d >= count ? first + d - count : first + d;
+		uint64_t earlier = first >= d ? first - d : first + count - d;
+		tn_aim(t, cursor, later, t->at[later == 0 ? count - 1 : later - 1].next_key);
+		tn_aim(t, cursor, earlier, t->at[earlier == 0 ? count - 1 : earlier - 1].next_key);
+	}
+}
+
 /* The position of the chunk after the one that starts `furthest` past `first` (a multiple of
  * `chunk`), when it is in the order before `first` again; else UINT64_MAX. */
 static inline uint64_t tn_chunk_after(uint64_t first, uint64_t furthest, uint64_t chunk,
@@ -365,6 +382,19 @@ static inline uint64_t tn_chunk_after(uint64_t first, uint64_t furthest, uint64_
 	if (from_first >= count)
 		return UINT64_MAX;
 	return first + from_first >= count ? first + from_first - count : first + from_first;
+}
+
+#define TN_LATELY 4
+
+/* Which of the `TN_LATELY` positions of the order (0 to `count`) at `lately` holds the name of
+ * n bytes at s; `TN_LATELY` if none. */
+static inline uint64_t tn_among(const tn_table *t, const uint32_t *lately,
+				const unsigned char *s, uint64_t n)
+{
+	for (uint64_t j = 0; j < TN_LATELY; j++)
+		if (tn_is(t, lately[j], s, n))
+			return j;
+	return TN_LATELY;
 }
 
 #define TN_ROWS 1
@@ -441,6 +471,13 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 	 * (`chunk_next`: compared before a lookup in the hash table, its cache misses). */
 	const uint64_t chunk = t->chunk;
 	uint64_t first = 0, chunk_furthest = 0, chunk_next = UINT64_MAX;
+	/* The names after the last `TN_LATELY` found in the hash table (0 to `count`, that the
+	 * first again; the first at the start): two runs whose names differ by a constant in some
+	 * bytes have keys that collide name after name (`tn_key` is linear in the bytes), and
+	 * each takes the other's cursors; a name no cursor expected, after one a cursor
+	 * expected, is compared with these before a lookup in the hash table. */
+	uint32_t lately[TN_LATELY] = { 0 };
+	uint64_t lately_next = 0, lately_at;
 	for (;;) {
 		const unsigned char *s = p + 1;
 		const unsigned char *q = s + guess;
@@ -496,6 +533,15 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_put(slots, k, at[position].slot, wide);
 			chunk_furthest += chunk;
 			chunk_next = tn_chunk_after(first, chunk_furthest, chunk, count);
+		} else if (last_miss + 1 != k && (lately_at = tn_among(t, lately, s, len)) < TN_LATELY) {
+			/* (a run whose cursors another run's keys take, name after name) */
+			position = at[lately[lately_at]].position; /* (`count`: the first) */
+			lately[lately_at] = (uint32_t)position + 1;
+			next_key = at[position].next_key;
+			if (outputs & TN_ROWS)
+				tn_put(rows, k, at[position].row, wide);
+			if (outputs & TN_SLOTS)
+				tn_put(slots, k, at[position].slot, wide);
 		} else {
 			uint64_t h = ahead == s && ahead_length == len ? ahead_hash : tn_hash(seed, s, len);
 			/* A list the cursors do not follow (a label's nodes, a few of the order's
@@ -519,8 +565,11 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_put(rows, k, at[position].row, wide);
 			if (outputs & TN_SLOTS)
 				tn_put(slots, k, at[position].slot, wide);
-			if (k == 0)
+			if (k == 0) {
 				first = position;
+				tn_aim_starts(t, cursor, first, chunk);
+			}
+			lately[lately_next++ % TN_LATELY] = (uint32_t)position + 1;
 			uint64_t from_first = position >= first ? position - first
 								: position + count - first;
 			if (from_first > chunk_furthest && from_first % chunk == 0) {
