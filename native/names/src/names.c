@@ -6,16 +6,20 @@
  * returns -1 and the caller reads the array the slow way.
  *
  * The names are kept in an order (kube-scheduler's node order as the caller guesses it: by
- * name), back to back. kube-scheduler's lists are that order's runs: the whole order from a
- * start index, with the nodes its filters refused left out, or (its parallel filters) up to 16
- * such runs interleaved name by name. So each name resolved sets a cursor on the name after it
- * (1,024 cursors keyed by 10 bits of a mix of that name's bytes, `tn_key`), and a name is
- * first compared with the cursor its own key finds: when equal, it is that name, with no lookup
- * in the large table; the order's records and bytes are read in a few forward streams (each
- * prefetched a few names ahead), not at random. A cursor holds a copy of what its name is
- * compared with and resolves to (`tn_cursor`), so the loop waits on no record. `tn_resolve_in`
- * reads the array where it lies in a request body and finds its end itself. Used by
- * services/scheduler/native_names.py (ctypes); the contract is name_table.NameTable.rows'. */
+ * name), one 32-byte record each (`tn_name`: a name of 8 to 16 bytes as its first and last 8
+ * bytes, with its slot and the key of the name after it), their bytes back to back besides.
+ * kube-scheduler's lists are that order's runs: the whole order from a start index, with the
+ * nodes its filters refused left out, or (its parallel filters) up to 16 such runs interleaved
+ * name by name, each of the order's chunks started in turn. So each name resolved sets a
+ * cursor on the name after it (1,024 cursors keyed by 10 bits of a mix of that name's bytes,
+ * `tn_key`; a cursor is a copy of its name's record, so the loop waits on no record), and a
+ * name is first compared with the cursor its own key finds: when equal, it is that name, with
+ * no lookup in the large table; the order's records are read in a few forward streams (each
+ * prefetched a few names ahead), not at random. A name no cursor expected is then compared
+ * with the few it is likely to be (a chunk's first name, a name after one lately looked up)
+ * before the hash table is looked in. `tn_resolve_in` reads the array where it lies in a
+ * request body and finds its end itself. Used by services/scheduler/native_names.py
+ * (ctypes); the contract is name_table.NameTable.rows'. */
 #include "tessera_names.h"
 
 #include <stdlib.h>
