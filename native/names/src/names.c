@@ -27,9 +27,8 @@
 
 typedef struct {
 	uint32_t tag;      /* the high 32 bits of the name's hash */
-	uint32_t position; /* the name's position in the order + 1; 0: an empty bucket */
-	uint32_t offset;   /* where the name's bytes start in `blob` */
-	uint32_t length;   /* its length in bytes */
+	uint32_t position; /* the name's position in the order + 1; 0: an empty bucket (its
+			    * record, `tn_name`, says the rest) */
 } tn_entry;
 
 /* A name, by its position in the order, as a cursor expecting it holds it (`tn_aim` copies it
@@ -152,6 +151,17 @@ void tn_free(tn_table *t)
 	free(t);
 }
 
+/* Whether the name at `position` of the order is the n bytes at s. */
+static inline int tn_is(const tn_table *t, uint64_t position, const unsigned char *s, uint64_t n)
+{
+	const tn_name *r = &t->at[position];
+	if (r->length != n)
+		return 0;
+	if (n >= 8 && n <= 16)
+		return r->head == tn_word(s) && r->tail == tn_word(s + n - 8);
+	return memcmp(t->blob + r->head, s, n) == 0;
+}
+
 tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const int64_t *slots,
 		   const int64_t *order, uint64_t count, uint64_t seed)
 {
@@ -205,7 +215,8 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		uint64_t h = tn_hash(seed, name, n);
 		int words = n >= 8 && n <= 16; /* compared as its first and last 8 bytes */
 		t->at[position] = (tn_name){
-			.head = words ? tn_word(name) : offset, .tail = words ? tn_word(name + n - 8) : 0,
+			.head = words ? tn_word(name) : offset,
+			.tail = words ? tn_word(name + n - 8) : 0,
 			.position = (uint32_t)position, .row = (int32_t)row,
 			.slot = (int32_t)slots[row], .length = (uint16_t)n,
 		};
@@ -215,12 +226,9 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 			if (e->position == 0) {
 				e->tag = tag;
 				e->position = (uint32_t)position + 1;
-				e->offset = (uint32_t)offset;
-				e->length = (uint32_t)n;
 				break;
 			}
-			if (e->tag == tag && e->length == n
-			    && memcmp(t->blob + e->offset, name, n) == 0)
+			if (e->tag == tag && tn_is(t, e->position - 1, name, n))
 				goto fail; /* two rows with one name: not a table of distinct names */
 		}
 		uint16_t key = tn_key(name, n);
@@ -297,20 +305,11 @@ static inline const unsigned char *tn_next_name(const unsigned char *q, const un
 	return s;
 }
 
-/* Whether the name at `position` of the order is the n bytes at s. */
-static inline int tn_is(const tn_table *t, uint64_t position, const unsigned char *s, uint64_t n)
-{
-	const tn_name *r = &t->at[position];
-	if (r->length != n)
-		return 0;
-	if (n >= 8 && n <= 16)
-		return r->head == tn_word(s) && r->tail == tn_word(s + n - 8);
-	return memcmp(t->blob + r->head, s, n) == 0;
-}
-
 /* The position of the name of n bytes at s (its hash h) in the table's order; -1 if none. A
- * name of 8 to 16 bytes is compared with the words of its record (which its caller reads
- * next: one cache miss fewer in a cold table than its bytes in `blob`). */
+ * bucket holds a tag and a position (8 bytes: the table half the memory it took with the
+ * name's offset and length), and a name is compared with its record (`tn_is`: which the caller
+ * reads next; a name of 8 to 16 bytes by its words, one cache miss fewer in a cold table than
+ * its bytes in `blob`). */
 static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_t n,
 			      uint64_t h)
 {
@@ -319,11 +318,7 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
 		const tn_entry *e = &t->entries[i];
 		if (e->position == 0)
 			return -1; /* an empty bucket before the name: unknown */
-		if (e->tag != tag || e->length != n)
-			continue;
-		const tn_name *r = &t->at[e->position - 1];
-		if (n >= 8 && n <= 16 ? r->head == tn_word(s) && r->tail == tn_word(s + n - 8)
-				      : memcmp(t->blob + e->offset, s, n) == 0)
+		if (e->tag == tag && tn_is(t, e->position - 1, s, n))
 			return (int64_t)e->position - 1;
 	}
 }
@@ -527,7 +522,8 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_put(rows, k, c->row, wide);
 			if (outputs & TN_SLOTS)
 				tn_put(slots, k, c->slot, wide);
-		} else if (chunk_next < count && tn_is(t, chunk_next, s, len)) {
+		} else if (last_miss + 1 != k && chunk_next < count
+			   && tn_is(t, chunk_next, s, len)) {
 			position = chunk_next; /* (the stride's learning below is for lists the
 						* cursors do not follow: not one of these) */
 			next_key = at[position].next_key;
@@ -537,7 +533,8 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_put(slots, k, at[position].slot, wide);
 			chunk_furthest += chunk;
 			chunk_next = tn_chunk_after(first, chunk_furthest, chunk, count);
-		} else if (last_miss + 1 != k && (lately_at = tn_among(t, lately, s, len)) < TN_LATELY) {
+		} else if (last_miss + 1 != k
+			   && (lately_at = tn_among(t, lately, s, len)) < TN_LATELY) {
 			/* (a run whose cursors another run's keys take, name after name) */
 			position = at[lately[lately_at]].position; /* (`count`: the first) */
 			lately[lately_at] = (uint32_t)position + 1;
@@ -574,9 +571,12 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_aim_starts(t, cursor, first, chunk);
 			}
 			lately[lately_next++ % TN_LATELY] = (uint32_t)position + 1;
+			/* (a chunk's first name comes after names cursors expected, and is tried
+			 * only then: a list in another order, every name looked up, is spared) */
 			uint64_t from_first = position >= first ? position - first
 								: position + count - first;
-			if (from_first > chunk_furthest && from_first % chunk == 0) {
+			if (last_miss + 1 != k && from_first > chunk_furthest
+			    && from_first % chunk == 0) {
 				chunk_furthest = from_first;
 				chunk_next = tn_chunk_after(first, chunk_furthest, chunk, count);
 			}
