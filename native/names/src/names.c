@@ -6,16 +6,20 @@
  * returns -1 and the caller reads the array the slow way.
  *
  * The names are kept in an order (kube-scheduler's node order as the caller guesses it: by
- * name), back to back. kube-scheduler's lists are that order's runs: the whole order from a
- * start index, with the nodes its filters refused left out, or (its parallel filters) up to 16
- * such runs interleaved name by name. So each name resolved sets a cursor on the name after it
- * (1,024 cursors keyed by 10 bits of a mix of that name's bytes, `tn_key`), and a name is
- * first compared with the cursor its own key finds: when equal, it is that name, with no lookup
- * in the large table; the order's records and bytes are read in a few forward streams (each
- * prefetched a few names ahead), not at random. A cursor holds a copy of what its name is
- * compared with and resolves to (`tn_cursor`), so the loop waits on no record. `tn_resolve_in`
- * reads the array where it lies in a request body and finds its end itself. Used by
- * services/scheduler/native_names.py (ctypes); the contract is name_table.NameTable.rows'. */
+ * name), one 32-byte record each (`tn_name`: a name of 8 to 16 bytes as its first and last 8
+ * bytes, with its slot and the key of the name after it), their bytes back to back besides.
+ * kube-scheduler's lists are that order's runs: the whole order from a start index, with the
+ * nodes its filters refused left out, or (its parallel filters) up to 16 such runs interleaved
+ * name by name, each of the order's chunks started in turn. So each name resolved sets a
+ * cursor on the name after it (1,024 cursors keyed by 10 bits of a mix of that name's bytes,
+ * `tn_key`; a cursor is a copy of its name's record, so the loop waits on no record), and a
+ * name is first compared with the cursor its own key finds: when equal, it is that name, with
+ * no lookup in the large table; the order's records are read in a few forward streams (each
+ * prefetched a few names ahead), not at random. A name no cursor expected is then compared
+ * with the few it is likely to be (a chunk's first name, a name after one lately looked up)
+ * before the hash table is looked in. `tn_resolve_in` reads the array where it lies in a
+ * request body and finds its end itself. Used by services/scheduler/native_names.py
+ * (ctypes); the contract is name_table.NameTable.rows'. */
 #include "tessera_names.h"
 
 #include <stdlib.h>
@@ -23,19 +27,26 @@
 
 typedef struct {
 	uint32_t tag;      /* the high 32 bits of the name's hash */
-	uint32_t position; /* the name's position in the order + 1; 0: an empty bucket */
-	uint32_t offset;   /* where the name's bytes start in `blob` */
-	uint32_t length;   /* its length in bytes */
+	uint32_t position; /* the name's position in the order + 1; 0: an empty bucket (its
+			    * record, `tn_name`, says the rest) */
 } tn_entry;
 
+/* A name, by its position in the order, as a cursor expecting it holds it (`tn_aim` copies it
+ * whole: no load of its bytes then): what a name of a list is compared with and what it
+ * resolves to. A name of 8 to 16 bytes is compared with `head` and `tail` alone (its first
+ * and last 8 bytes: together every byte of it); others with the order's bytes at `head`. One
+ * 32-byte record, read in a forward stream per run of the order a list holds. */
 typedef struct {
-	uint32_t offset; /* where its bytes start in `blob` */
-	uint16_t length;   /* its length in bytes */
-	uint16_t next_key; /* the cursor key (`tn_key`) of the name after it in the order */
-	int32_t row;     /* the caller's row */
-	int32_t slot;    /* the index slot the caller gave */
-} tn_name;           /* a name, by its position in the order: one 16-byte record, read in
-		      * a forward stream per run of the order a list holds */
+	uint64_t head;     /* the name's first 8 bytes (8 to 16 bytes long); else where its
+			    * bytes start in `blob` */
+	uint64_t tail;     /* its last 8 bytes (8 to 16 bytes long) */
+	uint32_t position; /* in the order */
+	int32_t row;       /* the caller's row */
+	int32_t slot;      /* the index slot the caller gave */
+	uint16_t length;   /* in bytes; 0 in a cursor: none expected there (no name is empty) */
+	uint16_t next_key; /* the cursor key (`tn_key`) of the name after it in the order: where
+			    * the cursor set once it is read goes, known without another load */
+} tn_name;
 
 struct tn_table {
 	tn_entry *entries;
@@ -44,9 +55,12 @@ struct tn_table {
 	unsigned char *blob; /* every name's bytes, back to back, in the order (`TN_PAD` zero
 			      * bytes before and after them: any name's first and last 8 bytes
 			      * can be loaded as words) */
-	tn_name *at;         /* by position */
+	tn_name *at;         /* by position; `count + 1` (the last a copy of the first: a run
+			      * that reaches the order's end goes on from its start) */
 	uint32_t count;
 	uint32_t longest;
+	uint32_t chunk; /* the nodes a parallel filter of kube-scheduler's checks at a time, were
+			 * the table its nodes: min(sqrt(count), count / 16 + 1) (`chunkSizeFor`) */
 	int plain; /* no name holds a `"`, a backslash or a control character */
 };
 
@@ -137,6 +151,17 @@ void tn_free(tn_table *t)
 	free(t);
 }
 
+/* Whether the name at `position` of the order is the n bytes at s. */
+static inline int tn_is(const tn_table *t, uint64_t position, const unsigned char *s, uint64_t n)
+{
+	const tn_name *r = &t->at[position];
+	if (r->length != n)
+		return 0;
+	if (n >= 8 && n <= 16)
+		return r->head == tn_word(s) && r->tail == tn_word(s + n - 8);
+	return memcmp(t->blob + r->head, s, n) == 0;
+}
+
 tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const int64_t *slots,
 		   const int64_t *order, uint64_t count, uint64_t seed)
 {
@@ -161,7 +186,7 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 	t->entries = calloc(buckets, sizeof *t->entries);
 	unsigned char *bytes = calloc(total + 2 * TN_PAD, 1);
 	t->blob = bytes != NULL ? bytes + TN_PAD : NULL;
-	t->at = malloc((count ? count : 1) * sizeof *t->at);
+	t->at = malloc((count + 1) * sizeof *t->at);
 	if (start == NULL || placed == NULL || t->entries == NULL || t->blob == NULL
 	    || t->at == NULL)
 		goto fail;
@@ -170,8 +195,15 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 	t->mask = buckets - 1;
 	t->seed = seed;
 	t->count = (uint32_t)count;
+	uint64_t root = 0; /* (count < 2^31: its square root below 2^16) */
+	for (uint64_t bit = 1ULL << 16; bit != 0; bit >>= 1)
+		if ((root + bit) * (root + bit) <= count)
+			root += bit;
+	root = root < count / 16 + 1 ? root : count / 16 + 1;
+	t->chunk = (uint32_t)(root > 0 ? root : 1);
 	t->plain = 1;
 	uint64_t offset = 0;
+	uint16_t first_key = 0;
 	for (uint64_t position = 0; position < count; position++) {
 		int64_t row = order[position];
 		if (row < 0 || (uint64_t)row >= count || placed[row])
@@ -181,9 +213,12 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 		unsigned char *name = t->blob + offset;
 		memcpy(name, names + start[row], n);
 		uint64_t h = tn_hash(seed, name, n);
+		int words = n >= 8 && n <= 16; /* compared as its first and last 8 bytes */
 		t->at[position] = (tn_name){
-			.offset = (uint32_t)offset, .length = (uint16_t)n,
-			.row = (int32_t)row, .slot = (int32_t)slots[row],
+			.head = words ? tn_word(name) : offset,
+			.tail = words ? tn_word(name + n - 8) : 0,
+			.position = (uint32_t)position, .row = (int32_t)row,
+			.slot = (int32_t)slots[row], .length = (uint16_t)n,
 		};
 		uint32_t tag = (uint32_t)(h >> 32);
 		for (uint64_t i = h & t->mask;; i = (i + 1) & t->mask) {
@@ -191,23 +226,25 @@ tn_table *tn_build(const unsigned char *names, const uint64_t *lengths, const in
 			if (e->position == 0) {
 				e->tag = tag;
 				e->position = (uint32_t)position + 1;
-				e->offset = (uint32_t)offset;
-				e->length = (uint32_t)n;
 				break;
 			}
-			if (e->tag == tag && e->length == n
-			    && memcmp(t->blob + e->offset, name, n) == 0)
+			if (e->tag == tag && tn_is(t, e->position - 1, name, n))
 				goto fail; /* two rows with one name: not a table of distinct names */
 		}
+		uint16_t key = tn_key(name, n);
+		if (position > 0)
+			t->at[position - 1].next_key = key;
+		else
+			first_key = key;
 		if (n > t->longest)
 			t->longest = (uint32_t)n;
 		if (tn_any_escape(name, n) || memchr(name, '"', n) != NULL)
 			t->plain = 0;
 		offset += n;
 	}
-	for (uint64_t position = 0; position < count; position++) {
-		const tn_name *next = &t->at[position + 1 == count ? 0 : position + 1];
-		t->at[position].next_key = tn_key(t->blob + next->offset, next->length);
+	if (count > 0) {
+		t->at[count - 1].next_key = first_key; /* (the order wraps) */
+		t->at[count] = t->at[0];
 	}
 	free(start);
 	free(placed);
@@ -268,7 +305,11 @@ static inline const unsigned char *tn_next_name(const unsigned char *q, const un
 	return s;
 }
 
-/* The position of the name of n bytes at s (its hash h) in the table's order; -1 if none. */
+/* The position of the name of n bytes at s (its hash h) in the table's order; -1 if none. A
+ * bucket holds a tag and a position (8 bytes: the table half the memory it took with the
+ * name's offset and length), and a name is compared with its record (`tn_is`: which the caller
+ * reads next; a name of 8 to 16 bytes by its words, one cache miss fewer in a cold table than
+ * its bytes in `blob`). */
 static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_t n,
 			      uint64_t h)
 {
@@ -277,48 +318,27 @@ static inline int64_t tn_find(const tn_table *t, const unsigned char *s, uint64_
 		const tn_entry *e = &t->entries[i];
 		if (e->position == 0)
 			return -1; /* an empty bucket before the name: unknown */
-		if (e->tag == tag && e->length == n && tn_same(t->blob + e->offset, s, n))
+		if (e->tag == tag && tn_is(t, e->position - 1, s, n))
 			return (int64_t)e->position - 1;
 	}
 }
 
-#define TN_AHEAD 8 /* records: two cache lines */
+#define TN_AHEAD 8 /* records: four cache lines */
 #define TN_RECENT 32 /* positions read last, for learning a list's stride */
 #define TN_LEARN 512 /* names of a list among which a stride is learnt */
 #define TN_AGREE 4   /* names in a row proposing a stride before it is taken */
 
-/* A name expected next in some run of the list: its position in the order and, copied from
- * its record and bytes when the cursor is set (`tn_aim`, off the path a list's next name
- * waits on), what a name of the list is compared with and what it resolves to. A name of 8 to
- * 16 bytes is compared with `head` and `tail` alone (its first and last 8 bytes: together
- * every byte of it), so a name a cursor expects costs no load of its record or its bytes in
- * the order (two dependent cache misses in a cold table); others are compared with the
- * order's bytes. 32 bytes; `head` and `tail` are loaded whatever the name's length (the
- * blob's pads) and compared only when it is 8 to 16 bytes long. */
-typedef struct {
-	uint64_t head;     /* the name's first 8 bytes (8 to 16 bytes long) */
-	uint64_t tail;     /* its last 8 bytes */
-	uint32_t position; /* in the order */
-	int32_t row;
-	int32_t slot;
-	uint16_t length;   /* 0: none expected here (no name is empty) */
-	uint16_t next_key; /* the key of the name after it in the order: where the cursor set once
-			    * it is read goes, known without a load that waits on its record */
-} tn_cursor;
+/* A name expected next in some run of the list (a cursor: `tn_cursor`, by key) is a copy of its
+ * record (`tn_name`), set when the name before it in the order is read: the copy is two
+ * loads off the path a list's next name waits on, and a name a cursor expects costs no load
+ * of its record or its bytes in the order (two dependent cache misses in a cold table). */
+typedef tn_name tn_cursor;
 
-/* Expect the name at `position` of the order next, in the cursor of its key, `key`. */
+/* Expect the name at `position` of the order (up to `count`: the first again) next, in the
+ * cursor of its key, `key`. */
 static inline void tn_aim(const tn_table *t, tn_cursor *cursor, uint64_t position, uint16_t key)
 {
-	const tn_name *r = &t->at[position];
-	tn_cursor *c = &cursor[key];
-	c->position = (uint32_t)position;
-	c->row = r->row;
-	c->slot = r->slot;
-	c->length = r->length;
-	c->next_key = r->next_key;
-	const unsigned char *name = t->blob + r->offset;
-	c->head = tn_word(name);
-	c->tail = tn_word(name + r->length - 8);
+	cursor[key] = t->at[position];
 }
 
 /* Whether the cursor expects the name of `len` bytes at s (`w0`, `w1`: its first and last 8
@@ -330,7 +350,50 @@ static inline int tn_expects(const tn_table *t, const tn_cursor *c, const unsign
 		return 0;
 	if (len >= 8 && len <= 16)
 		return c->head == w0 && c->tail == w1;
-	return tn_same(t->blob + t->at[c->position].offset, s, len);
+	/* (the bytes of this run's names a few on, on their way: a record holds no bytes) */
+	__builtin_prefetch(t->blob + c->head + len + 64);
+	return tn_same(t->blob + c->head, s, len);
+}
+
+#define TN_WORKERS 16 /* kube-scheduler's parallel filters (its default parallelism) */
+
+/* A list's first name at `first` in the order: were it one of kube-scheduler's parallel
+ * filters' lists, that name starts one of the chunks its `TN_WORKERS` workers start with, and
+ * the others start up to `TN_WORKERS - 1` chunks before or after it: cursors expect them. */
+static inline void tn_aim_starts(const tn_table *t, tn_cursor *cursor, uint64_t first,
+				 uint64_t chunk)
+{
+	const uint64_t count = t->count;
+	for (uint64_t m = 1, d = chunk; m < TN_WORKERS && d < count; m++, d += chunk) {
+		uint64_t later = first + d >= count ? first + d - count : first + d;
+		uint64_t earlier = first >= d ? first - d : first + count - d;
+		tn_aim(t, cursor, later, t->at[later == 0 ? count - 1 : later - 1].next_key);
+		tn_aim(t, cursor, earlier, t->at[earlier == 0 ? count - 1 : earlier - 1].next_key);
+	}
+}
+
+/* The position of the chunk after the one that starts `furthest` past `first` (a multiple of
+ * `chunk`), when it is in the order before `first` again; else UINT64_MAX. */
+static inline uint64_t tn_chunk_after(uint64_t first, uint64_t furthest, uint64_t chunk,
+				      uint64_t count)
+{
+	uint64_t from_first = furthest + chunk;
+	if (from_first >= count)
+		return UINT64_MAX;
+	return first + from_first >= count ? first + from_first - count : first + from_first;
+}
+
+#define TN_LATELY 4
+
+/* Which of the `TN_LATELY` positions of the order (0 to `count`) at `lately` holds the name of
+ * n bytes at s; `TN_LATELY` if none. */
+static inline uint64_t tn_among(const tn_table *t, const uint32_t *lately,
+				const unsigned char *s, uint64_t n)
+{
+	for (uint64_t j = 0; j < TN_LATELY; j++)
+		if (tn_is(t, lately[j], s, n))
+			return j;
+	return TN_LATELY;
 }
 
 #define TN_ROWS 1
@@ -379,7 +442,6 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 	/* the `]` (a prefix: the end of the bytes; the `]` is found after a name) */
 	const unsigned char *end = prefix ? a + n : a + n - 1;
 	const tn_name *at = t->at;
-	const unsigned char *blob = t->blob;
 	const uint64_t longest = t->longest, count = t->count, seed = t->seed;
 	tn_cursor cursor[1 << TN_CURSOR_BITS]; /* by key: names expected next in some run */
 	for (unsigned i = 0; i < (1u << TN_CURSOR_BITS); i++)
@@ -400,6 +462,21 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 	uint64_t last_miss = UINT64_MAX; /* k of the last name no cursor found */
 	uint32_t recent[TN_RECENT];
 	const int plain = t->plain;
+	/* kube-scheduler's parallel filters take the order's nodes in chunks (`chunk`, from the
+	 * start index on, the next chunk to whichever is done first), so a list of theirs is
+	 * runs that start a chunk's length apart, each first name expected by no cursor: the
+	 * list's first name starts a chunk; one no cursor expected a multiple of `chunk` on
+	 * starts one; and the next to start is the one after the furthest started
+	 * (`chunk_next`: compared before a lookup in the hash table, its cache misses). */
+	const uint64_t chunk = t->chunk;
+	uint64_t first = 0, chunk_furthest = 0, chunk_next = UINT64_MAX;
+	/* The names after the last `TN_LATELY` found in the hash table (0 to `count`, that the
+	 * first again; the first at the start): two runs whose names differ by a constant in some
+	 * bytes have keys that collide name after name (`tn_key` is linear in the bytes), and
+	 * each takes the other's cursors; a name no cursor expected, after one a cursor
+	 * expected, is compared with these before a lookup in the hash table. */
+	uint32_t lately[TN_LATELY] = { 0 };
+	uint64_t lately_next = 0, lately_at;
 	for (;;) {
 		const unsigned char *s = p + 1;
 		const unsigned char *q = s + guess;
@@ -445,12 +522,37 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_put(rows, k, c->row, wide);
 			if (outputs & TN_SLOTS)
 				tn_put(slots, k, c->slot, wide);
+		} else if (last_miss + 1 != k && chunk_next < count
+			   && tn_is(t, chunk_next, s, len)) {
+			position = chunk_next; /* (the stride's learning below is for lists the
+						* cursors do not follow: not one of these) */
+			next_key = at[position].next_key;
+			if (outputs & TN_ROWS)
+				tn_put(rows, k, at[position].row, wide);
+			if (outputs & TN_SLOTS)
+				tn_put(slots, k, at[position].slot, wide);
+			chunk_furthest += chunk;
+			chunk_next = tn_chunk_after(first, chunk_furthest, chunk, count);
+		} else if (last_miss + 1 != k
+			   && (lately_at = tn_among(t, lately, s, len)) < TN_LATELY) {
+			/* (a run whose cursors another run's keys take, name after name) */
+			position = at[lately[lately_at]].position; /* (`count`: the first) */
+			lately[lately_at] = (uint32_t)position + 1;
+			next_key = at[position].next_key;
+			if (outputs & TN_ROWS)
+				tn_put(rows, k, at[position].row, wide);
+			if (outputs & TN_SLOTS)
+				tn_put(slots, k, at[position].slot, wide);
 		} else {
 			uint64_t h = ahead == s && ahead_length == len ? ahead_hash : tn_hash(seed, s, len);
 			/* A list the cursors do not follow (a label's nodes, a few of the order's
-			 * each, or another order) looks every name up at random in the table: the
-			 * next name's bucket asked for now, so its cache miss overlaps this one's. */
-			ahead = tn_next_name(q, end, guess, longest, &ahead_length);
+			 * each, or another order) looks every name up at random in the table: once
+			 * two in a row are, the next name's bucket is asked for now, so its cache
+			 * miss overlaps this one's (not after a name alone no cursor expected: a
+			 * run's start, its next name expected). */
+			ahead = last_miss + 1 == k ? tn_next_name(q, end, guess, longest,
+								  &ahead_length)
+						   : NULL;
 			if (ahead != NULL) {
 				ahead_hash = tn_hash(seed, ahead, ahead_length);
 				__builtin_prefetch(&t->entries[ahead_hash & t->mask]);
@@ -464,6 +566,20 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 				tn_put(rows, k, at[position].row, wide);
 			if (outputs & TN_SLOTS)
 				tn_put(slots, k, at[position].slot, wide);
+			if (k == 0) {
+				first = position;
+				tn_aim_starts(t, cursor, first, chunk);
+			}
+			lately[lately_next++ % TN_LATELY] = (uint32_t)position + 1;
+			/* (a chunk's first name comes after names cursors expected, and is tried
+			 * only then: a list in another order, every name looked up, is spared) */
+			uint64_t from_first = position >= first ? position - first
+								: position + count - first;
+			if (last_miss + 1 != k && from_first > chunk_furthest
+			    && from_first % chunk == 0) {
+				chunk_furthest = from_first;
+				chunk_next = tn_chunk_after(first, chunk_furthest, chunk, count);
+			}
 			/* Two in a row: the cursors do not follow this list. Among its first
 			 * TN_LEARN names, a stride proposed by TN_AGREE such names in a row is taken
 			 * (a list in another order proposes one at random); more than TN_RECENT in a
@@ -490,17 +606,21 @@ tn_read(const tn_table *t, const unsigned char *a, uint64_t n, void *rows, void 
 		if (k < TN_LEARN)
 			recent[k % TN_RECENT] = (uint32_t)position;
 		k++;
-		uint64_t next = position + 1 == count ? 0 : position + 1;
-		tn_aim(t, cursor, next, next_key); /* (the order wraps: a window may) */
+		uint64_t next = position + 1; /* (`count`: the first again; a window may wrap) */
+		tn_aim(t, cursor, next, next_key);
 		if (stride > 1) {
-			uint64_t far = (position + stride) % count;
-			tn_aim(t, cursor, far, at[far == 0 ? count - 1 : far - 1].next_key);
+			/* (1 to `count`: a stride is below `count`, and `count` is the first again) */
+			uint64_t far = position + stride > count ? position + stride - count
+								  : position + stride;
+			tn_aim(t, cursor, far, at[far - 1].next_key);
+			/* (this run's records a few names on: `TN_AHEAD` below is too few) */
+			__builtin_prefetch((const void *)((uintptr_t)at
+							  + (far + TN_AHEAD * stride) * sizeof *at));
 		}
 		/* this run's records and bytes a few names on, on their way (16 runs interleaved
 		 * are more forward streams than the hardware follows) */
 		/* (a prefetch past the records' end faults on nothing: not bounded) */
 		__builtin_prefetch((const void *)((uintptr_t)at + (next + TN_AHEAD) * sizeof *at));
-		__builtin_prefetch(blob + at[next].offset + 64);
 		p = q + 1;
 		if (p + 1 < end && tn_pair(p) == TN_COMMA_QUOTE) {
 			p++; /* `,"`: the next name's opening quote */
