@@ -229,12 +229,14 @@ class NativeWalk:
         """`slots`: int32 or int64, contiguous; `plan`: the index's arrays and the bounds
         (`native_plan`)."""
         self._core = _Rounds(function, slots, plan, sign, possible)
-        self.keys, self.busy = self._core.keys, self._core.busy
+        self.keys = self._core.keys
+        self.busy: np.ndarray | None = None  # (known once started)
         self._rounds: Iterator[list[int] | np.ndarray] | None = None
 
     def start(self) -> bool:
         """The first round (reads every key): False when C does not take this list."""
         self._rounds = self._core.start()
+        self.busy = self._core.busy
         return self._rounds is not None
 
     def __iter__(self) -> Iterator[list[int] | np.ndarray]:
@@ -278,9 +280,11 @@ class _Rounds:
         first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
         if first is None:
             return None
-        # (none busy: one group; `busy` as C wrote it, every flag False)
-        busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
-        return self._walk(first, busy)
+        if self.busy is not None and not self._out[_NATIVE_CHECKED]:
+            # (no candidate busy: one group, as no flags; C wrote none where no node of the
+            # index is busy)
+            self.busy = None
+        return self._walk(first, self.busy)
 
     def _round(self, group: bool | None, after: tuple[float, int] | None, cap: int,
                walked: int, first: bool = False) -> np.ndarray | None:  # fmt: skip

@@ -56,7 +56,8 @@ TN_EXPORT void tn_free(tn_table *t);
  * `busy_at` is NULL) after (`after_key`, `after_position`) when `resume`, ascending.
  * The first round gives `scores` (by slot; key = sign x score): every position's key is
  * written to `keys` and, unless `busy_at` is NULL, its group (`busy[slot]` != 0) to
- * `busy_at`, and the number of busy positions to `*busy_count`; later rounds give `scores`
+ * `busy_at`, and the number of busy positions to `*busy_count` (none of `busy[0..limit)` set:
+ * `busy_at` is not written, the count is 0); later rounds give `scores`
  * NULL and read `keys` and `busy_at` as written. Every slot must be below `limit` (the
  * length of `scores`, `busy` and every column). The number of positions written, or -1 (a
  * slot out of range, a NaN key, a width not 1/2/4/8, no memory). */

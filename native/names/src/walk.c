@@ -220,6 +220,15 @@ tn_first_round(tn_round *r, const void *slots, const uint32_t width, uint64_t n,
 	return 0;
 }
 
+/* Whether any of the `n` flags is set (an OR of every byte: vectorised by the compiler). */
+static int tn_any_set(const uint8_t *flags, uint64_t n)
+{
+	uint8_t any = 0;
+	for (uint64_t i = 0; i < n; i++)
+		any |= flags[i];
+	return any != 0;
+}
+
 /* tn_walk_round for slots of `width` bytes (a constant where it is inlined). */
 static inline __attribute__((always_inline)) int64_t
 tn_walk(const void *slots, const uint32_t width, uint64_t n, uint64_t limit, const double *scores,
@@ -235,9 +244,12 @@ tn_walk(const void *slots, const uint32_t width, uint64_t n, uint64_t limit, con
 	const int by_group = busy_at != NULL;
 	if (scores && !resume) {
 		/* The first round: every key and group read from the index (kept), each position
-		 * offered to the round as it is read (one pass over the list). */
+		 * offered to the round as it is read (one pass over the list). No node of the index
+		 * busy (most calls: a flag is set only while a bind is in flight): one group, so the
+		 * round is the ungrouped one and `busy_at` is not written (busy count 0); a sequential
+		 * pass over `busy` instead of a gather, a store and a test a position. */
 		uint64_t busy_seen = 0;
-		int read = by_group
+		int read = by_group && tn_any_set(busy, limit)
 			? tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
 					 busy_at, 1, wanted, spec, bounds, &busy_seen)
 			: tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
