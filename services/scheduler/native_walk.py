@@ -56,41 +56,76 @@ def walk_function() -> Callable[..., int] | None:
     return function
 
 
+class Block:
+    """One block a walk in C writes, with its views for lists of `n` candidates: the keys
+    (`n` floats), the positions of its rounds (`_NATIVE_CHECKED` + 1 ints, the busy count
+    last) and the busy flags (`n` bytes), made once per length, not per walk (six numpy
+    calls, ~5 µs of a cold call)."""
+
+    __slots__ = ("address", "block", "busy", "keys", "n", "out")
+
+    def __init__(self, size: int) -> None:
+        self.block = np.empty(size, dtype=np.uint8)
+        self.address = address_of(self.block)
+        self.n = -1
+        self.keys = self.out = self.busy = self.block[:0]
+
+    def views(self, n: int) -> None:
+        """Its views for `n` candidates (the block must hold `_room(n)` bytes)."""
+        room = _NATIVE_CHECKED + 1
+        block = self.block
+        self.keys = block[: 8 * n].view(np.float64)
+        self.out = block[8 * n : 8 * (n + room)].view(np.int64)
+        self.busy = block[8 * (n + room) : 8 * (n + room) + n].view(np.bool_)
+        self.n = n
+
+
+def _room(n: int) -> int:
+    """The bytes a walk of `n` candidates writes (`Block`)."""
+    return 8 * (n + _NATIVE_CHECKED + 1) + n
+
+
+def _idle(block: Block) -> tuple[int, int, int, int]:
+    """The references to a kept block and its views (what `Blocks.take` compares)."""
+    return (sys.getrefcount(block.block), sys.getrefcount(block.keys),
+            sys.getrefcount(block.out), sys.getrefcount(block.busy))  # fmt: skip
+
+
 class Blocks:
-    """The memory a walk in C writes (its keys, rounds and busy flags: ~180 KB at 20,000
+    """The memory a walk in C writes (its keys, rounds and busy flags: ~200 KB at 20,000
     candidates), handed out again once no walk reads it. A fresh block each call was given back
     to the system by the allocator now and then (the heap's top trimmed) and faulted in again
     page by page: about one fresh-list decision in seven took 44 page faults, ~80 µs more of
     its CPU (bench/RESULTS.md "walkpy"). A block is reused only when nothing but this keeper
-    refers to it (every view of it, a walk's keys, rounds and flags, holds a reference): a
-    decision still walked (a filter's CAS in flight) keeps its own."""
+    refers to it or to its views (a walk's keys, rounds and flags are its views or slices of
+    them, each holding a reference): a decision still walked (a filter's CAS in flight) keeps
+    its own."""
 
     KEEP = 2  # blocks kept (a decision in flight and the next one)
 
     def __init__(self) -> None:
-        self._kept: list[tuple[np.ndarray, int]] = []
-        # references to a kept block that nothing else refers to, as `take` counts them (the
-        # list's, the loop's, the call's: counted here on a probe, not assumed)
-        self._unread = self._references([(np.empty(0, dtype=np.uint8), 0)])
+        self._kept: list[Block] = []
+        # the references `_idle` counts on a kept block that nothing else refers to (counted
+        # here on a probe with views, as `take` counts them, not assumed)
+        probe = Block(_room(1))
+        probe.views(1)
+        self._unread = _idle(probe)
 
-    @staticmethod
-    def _references(kept: list[tuple[np.ndarray, int]]) -> int:
-        for block, _address in kept:
-            return sys.getrefcount(block)
-        return 0
-
-    def take(self, size: int) -> tuple[np.ndarray, int]:
-        """A block of at least `size` bytes no walk reads (its contents undefined), and its
-        address."""
-        for block, address in self._kept:
-            if len(block) >= size and sys.getrefcount(block) == self._unread:
-                return block, address
-        block = np.empty(size, dtype=np.uint8)
-        address = address_of(block)
+    def take(self, n: int) -> Block:
+        """A block with its views for `n` candidates that no walk reads (its contents
+        undefined)."""
+        size = _room(n)
+        for kept in self._kept:
+            if len(kept.block) >= size and _idle(kept) == self._unread:
+                if kept.n != n:
+                    kept.views(n)
+                return kept
+        block = Block(size)
+        block.views(n)
         if len(self._kept) >= self.KEEP:
             self._kept.pop(0)  # (a walk that still reads it holds it)
-        self._kept.append((block, address))
-        return block, address
+        self._kept.append(block)
+        return block
 
 
 class Addresses:
@@ -122,7 +157,7 @@ class NativePlan:
     by the index per request shape, `index._FreshPlans`), then walks its list with it (`walk`):
     a few µs of checks and conversions per call less."""
 
-    __slots__ = ("_blocks", "_busy_at", "_kept", "_limit", "_scores_at", "_spec")
+    __slots__ = ("_blocks", "_busy_at", "_function", "_kept", "_limit", "_scores_at", "_spec")
 
     def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray,
                  blocks: Blocks) -> None:  # fmt: skip
@@ -130,6 +165,7 @@ class NativePlan:
         self._blocks = blocks
         self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
         self._spec = (address_of(spec), len(spec) // 3)
+        self._function = walk_function()  # (None: looked for again at each walk)
 
     def walk(self, slots: np.ndarray, sign: float, possible: Callable[[np.ndarray], np.ndarray],
              shortest: int = NATIVE_FROM) -> NativeWalk | None:  # fmt: skip
@@ -138,9 +174,11 @@ class NativePlan:
         take)."""
         if len(slots) < shortest:
             return None
-        function = walk_function()
+        function = self._function
         if function is None:
-            return None
+            function = self._function = walk_function()
+            if function is None:
+                return None
         # (read as they are: int32 from the native resolver, int64 from numpy's paths)
         if slots.dtype not in _SLOT_TYPES or not slots.flags.c_contiguous:
             slots = np.ascontiguousarray(slots, dtype=np.int64)
@@ -262,10 +300,11 @@ class _Rounds:
         # after the last one's: a round given as an array is never written over), the busy
         # count, the busy flags.
         room = _NATIVE_CHECKED + 1
-        block, base = plan._blocks.take(8 * (n + room) + (n if by_busy else 0))
-        self.keys = block[: 8 * n].view(np.float64)
-        self._out = block[8 * n : 8 * (n + room)].view(np.int64)
-        self.busy = block[8 * (n + room) : 8 * (n + room) + n].view(np.bool_) if by_busy else None
+        block = plan._blocks.take(n)
+        base = block.address
+        self.keys = block.keys
+        self._out = block.out
+        self.busy = block.busy if by_busy else None
         self._keys_at, self._out_at = base, base + 8 * n
         self._busy_at = base + 8 * (n + room) if by_busy else None
         self._kept = (slots, plan)  # (their addresses are used below)
