@@ -272,3 +272,48 @@ def test_a_decision_on_lists_read_from_the_body_is_the_same_with_the_library_and
     assert without == with_library
     assert any(len(fitting) == 150 for fitting, _ in with_library)
     assert any(not fitting for fitting, _ in with_library)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2, 3])
+def test_what_c_cannot_order_at_any_lane_is_left_to_numpy(extra: int) -> None:
+    """The first round reads an int32 list four positions at a time (AVX2 where the CPU has
+    it) once its heap is full, and its last few one by one: a NaN key or a slot out of range
+    at any of those places (the heap's first positions, each lane of a four, the last ones)
+    makes C step aside; the same list without them is walked as numpy walks it."""
+    rng = random.Random(40 + extra)
+    n = NATIVE_FROM + extra
+    c = case(rng, n, 2000)
+    c["slots"] = np.array([rng.randrange(1999) for _ in range(n)], dtype=np.int32)
+    c["scores"][1999] = np.nan  # (read only where a slot 1999 is put)
+    for avoid_busy in (True, False):
+        native, expected, _walk = walked_both(c, avoid_busy, np.int32)
+        assert native == expected
+    args = (c["scores"], c["sign"], None, bounds_of(c), numpy_possible(c), Addresses())
+    places = [0, 7, 8, 9, 10, 11, 12, n // 2, n // 2 + 1, n // 2 + 2, n // 2 + 3,
+              *range(n - 7, n)]  # fmt: skip
+    for at in places:
+        for bad in (1999, -1, 2000, np.iinfo(np.int32).max, np.iinfo(np.int32).min):
+            broken = c["slots"].copy()
+            broken[at] = bad
+            assert native_walk.native_walk(broken, *args) is None, (at, bad)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keys_falling_along_the_list_enter_the_heap_lane_by_lane(seed: int) -> None:
+    """Keys that fall along the list's start, not evenly (a four's lanes often below the
+    heap's largest, some of them no longer once an earlier lane entered; ties), then stay
+    above them: every lane offered in position order against the heap as it is then, so the
+    head and every later round are numpy's."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = NATIVE_FROM + rng.randrange(64)
+        sign = rng.choice([1.0, -1.0])
+        spread, falls = rng.choice([4, 12, 30]), rng.randrange(12, 200)  # (then none enters)
+        scores = sign * np.array([rng.randrange(spread) / 2 - (i / 4 if i < falls else -1e6)
+                                  for i in range(n)])  # fmt: skip
+        possible = np.array([rng.random() < 0.9 for _ in range(n)], dtype=np.int8)
+        c = {"slots": np.arange(n, dtype=np.int32), "scores": scores, "sign": sign,
+             "busy": np.zeros(n, dtype=bool), "bounds": [(possible, 1)]}  # fmt: skip
+        for avoid_busy in (True, False):
+            native, expected, _walk = walked_both(c, avoid_busy, np.int32)
+            assert native == expected
