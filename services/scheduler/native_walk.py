@@ -45,6 +45,19 @@ _ARGUMENTS = [
 ]
 
 
+def first_function() -> Callable[..., int] | None:
+    """`tn_walk_first` of the scheduler's native library (a walk's first round in six
+    arguments: each one ctypes converts costs ~0.2 µs a call), or None (not built, or a build
+    without it: the first round is then `tn_walk_round`'s)."""
+    lib = library()
+    function = getattr(lib, "tn_walk_first", None) if lib is not None else None
+    if function is not None and function.argtypes is None:
+        function.restype = ctypes.c_int64
+        function.argtypes = [_POINTER, _POINTER, ctypes.c_uint32, ctypes.c_uint64,
+                             ctypes.c_double, _POINTER]  # fmt: skip
+    return function
+
+
 def walk_function() -> Callable[..., int] | None:
     """`tn_walk_round` of the scheduler's native library, or None (not built, or a build
     older than this code: `native_names.library` loads only its own interface)."""
@@ -157,7 +170,8 @@ class NativePlan:
     by the index per request shape, `index._FreshPlans`), then walks its list with it (`walk`):
     a few µs of checks and conversions per call less."""
 
-    __slots__ = ("_blocks", "_busy_at", "_function", "_kept", "_limit", "_scores_at", "_spec")
+    __slots__ = ("_blocks", "_busy_at", "_call", "_call_at", "_first", "_function", "_kept",
+                 "_limit", "_scores_at", "_spec")
 
     def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray,
                  blocks: Blocks) -> None:  # fmt: skip
@@ -166,6 +180,11 @@ class NativePlan:
         self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
         self._spec = (address_of(spec), len(spec) // 3)
         self._function = walk_function()  # (None: looked for again at each walk)
+        self._first = first_function()
+        # (`tn_walk_first`'s plan: what its first round reads besides the list and the block)
+        self._call = np.array([scores_at, busy_at or 0, limit, self._spec[0], self._spec[1],
+                               HEAD, _NATIVE_CHECKED], dtype=np.int64)  # fmt: skip
+        self._call_at = address_of(self._call)
 
     def walk(self, slots: np.ndarray, sign: float, possible: Callable[[np.ndarray], np.ndarray],
              shortest: int = NATIVE_FROM) -> NativeWalk | None:  # fmt: skip
@@ -309,6 +328,9 @@ class _Rounds:
         self._busy_at = base + 8 * (n + room) if by_busy else None
         self._kept = (slots, plan)  # (their addresses are used below)
         self._list = (address_of(slots), slots.itemsize, n, plan._limit)
+        self._first_call = None if plan._first is None else (
+            plan._call_at, self._list[0], slots.itemsize, n, sign, base)  # fmt: skip
+        self._first_function = plan._first
         self._first = (plan._scores_at, sign, plan._busy_at)
         self._spec = plan._spec
         self._sign = sign
@@ -316,7 +338,11 @@ class _Rounds:
     def start(self) -> Iterator[list[int] | np.ndarray] | None:
         """The first round (reads every key), and the rounds from it; None when C does not
         take this list."""
-        first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
+        if self._first_call is not None:  # (the same round, its arguments mostly the plan's)
+            count = self._first_function(*self._first_call)  # type: ignore[misc]
+            first = self._out[:count] if count >= 0 else None
+        else:
+            first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
         if first is None:
             return None
         if self.busy is not None and not self._out[_NATIVE_CHECKED]:

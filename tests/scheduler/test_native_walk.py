@@ -317,3 +317,34 @@ def test_keys_falling_along_the_list_enter_the_heap_lane_by_lane(seed: int) -> N
         for avoid_busy in (True, False):
             native, expected, _walk = walked_both(c, avoid_busy, np.int32)
             assert native == expected
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_first_round_in_six_arguments_is_the_eighteen_argument_round(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tn_walk_first` (the plan's arguments read from one array) walks every list as
+    `tn_walk_round` given them one by one does (a build without it takes that path): same
+    rounds, keys and busy flags, the same lists left to numpy."""
+    rng = random.Random(100 + seed)
+    n = (0, 9, 130, 1500)[seed % 4]
+    total = rng.choice([3, 50, 4000])
+    c = case(rng, n, total)
+    if seed % 3 != 2:  # (every candidate possible: long walks)
+        c["bounds"] = [(np.zeros(total, dtype=np.int32), 0)]
+    bad = seed % 6 == 5
+    if bad:
+        c["slots"][rng.randrange(n)] = total  # (past every array: left to numpy)
+    walks = []
+    for first in (native_walk.first_function, lambda: None):
+        monkeypatch.setattr(native_walk, "first_function", first)
+        for width in (np.int32, np.int64):
+            for busy in (c["busy"], None):
+                walk = native_walk.native_walk(c["slots"].astype(width), c["scores"], c["sign"],
+                                               busy, bounds_of(c), numpy_possible(c),
+                                               Addresses(), shortest=0)  # fmt: skip
+                walks.append(None if walk is None else (
+                    walk.keys.tolist(), None if walk.busy is None else walk.busy.tolist(),
+                    [(type(chunk), list(chunk)) for chunk in walk]))  # (the rounds apart)
+    assert walks[:4] == walks[4:]
+    assert (walks[0] is None) == bad

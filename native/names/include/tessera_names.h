@@ -68,4 +68,12 @@ TN_EXPORT int64_t tn_walk_round(const void *slots, uint32_t width, uint64_t n, u
 				int64_t after_position, int64_t *out, uint64_t cap,
 				uint64_t *busy_count);
 
+/* The first round of a walk (tn_walk_round's with `scores`, group 0 where `busy` is given, no
+ * resume) in six arguments, the list's and the request's apart: `plan` holds the scores'
+ * address, the busy flags' (0: not grouped), `limit`, the spec's address, `bounds`, `cap`
+ * and `checked`; `block` is where the walk writes: `n` keys, then `checked` + 1 positions
+ * (the round's from the first, the busy count at `checked`), then `n` busy flags. */
+TN_EXPORT int64_t tn_walk_first(const int64_t *plan, const void *slots, uint32_t width,
+				uint64_t n, double sign, void *block);
+
 #endif

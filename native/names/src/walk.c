@@ -420,3 +420,18 @@ TN_EXPORT int64_t tn_walk_round(const void *slots, uint32_t width, uint64_t n, u
 			       bounds, resume, after_key, after_position, out, cap, busy_count);
 	return -1;
 }
+
+TN_EXPORT int64_t tn_walk_first(const int64_t *plan, const void *slots, uint32_t width,
+				uint64_t n, double sign, void *block)
+{
+	if (!plan || !block || !plan[0])
+		return -1;
+	const uint64_t checked = (uint64_t)plan[6];
+	const uint8_t *busy = (const uint8_t *)(uintptr_t)plan[1];
+	int64_t *out = (int64_t *)(void *)((char *)block + 8 * n);
+	uint8_t *busy_at = busy ? (uint8_t *)block + 8 * (n + checked + 1) : NULL;
+	return tn_walk_round(slots, width, n, (uint64_t)plan[2],
+			     (const double *)(uintptr_t)plan[0], sign, busy, (double *)block,
+			     busy_at, 0, (const int64_t *)(uintptr_t)plan[3], (uint32_t)plan[4], 0,
+			     0.0, 0, out, (uint64_t)plan[5], (uint64_t *)(void *)(out + checked));
+}
