@@ -348,3 +348,28 @@ def test_the_first_round_in_six_arguments_is_the_eighteen_argument_round(
                     [(type(chunk), list(chunk)) for chunk in walk]))  # (the rounds apart)
     assert walks[:4] == walks[4:]
     assert (walks[0] is None) == bad
+
+
+@pytest.mark.parametrize("where", ["none", "outside", "last slot", "first slot", "candidate"])
+def test_busy_flags_anywhere_in_the_index_or_none(where: str) -> None:
+    """The first round walks one group when no node of the index is busy (a pass over the
+    flags, not one a candidate); a flag set anywhere, a candidate's or not, the first slot's
+    or the last's, walks the two groups: numpy's order either way, the flags as numpy reads
+    them (None where no candidate is busy)."""
+    rng = random.Random(len(where))
+    total = 3000
+    c = case(rng, NATIVE_FROM + 77, total)
+    c["slots"] = np.array(rng.sample(range(1, total - 1), NATIVE_FROM + 77), dtype=np.int64)
+    busy = np.zeros(total, dtype=bool)
+    outside = sorted(set(range(1, total - 1)) - set(c["slots"].tolist()))
+    at = {"none": None, "outside": outside[len(outside) // 2], "last slot": total - 1,
+          "first slot": 0, "candidate": int(c["slots"][NATIVE_FROM // 2])}[where]  # fmt: skip
+    if at is not None:
+        busy[at] = True
+    if where.endswith("slot"):  # (a candidate too, at the arrays' either end)
+        c["slots"][rng.randrange(len(c["slots"]))] = at
+    c["busy"] = busy
+    for width in (np.int32, np.int64):
+        native, expected, walk = walked_both(c, True, width)
+        assert native == expected
+        assert (walk.busy is None) == (where in ("none", "outside"))
