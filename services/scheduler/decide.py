@@ -14,7 +14,7 @@ import numpy as np
 
 from tessera.hami import PodRequest
 
-from .index import ClusterIndex, Need, NodeEntry
+from .index import ClusterIndex, NodeEntry
 from .node_reasons import NodeReasons
 from .placement import PodFit, fit_pod
 from .refusal_fast import refused_at_once, refused_rest_at_once
@@ -239,9 +239,9 @@ class Decision:
 
     def memo_key(self) -> str:
         """What a node's refusal depends on besides its cards (`ClusterIndex.refusal_memo`)."""
-        if self._key is None:
-            self._key = repr((self.request, self.options, self.budget.memory_mib,
-                              self.budget.cores))  # fmt: skip
+        if self._key is None:  # (the request's `repr`, kept per request and options object)
+            self._key = self.index.request_facts.memo_key(
+                self.request, self.options, self.budget.memory_mib, self.budget.cores)
         return self._key
 
     def record(self, node: str, fit: PodFit) -> None:
@@ -345,16 +345,16 @@ def decide(
 ) -> Decision:
     slots, unknown = index.resolve(names)
     budget = budget or QuotaBudget()
-    if index.refusal_memos.maybe_refused(request):  # (refused everywhere last time?)
+    facts = index.request_facts.of(request)  # (needs and sketch, kept per request object)
+    if index.refusal_memos.maybe_refused(facts.sketch):  # (refused everywhere last time?)
         at_once = Decision(index, request, options, budget, (), (), [])
         if refused_at_once(at_once, slots, unknown):
             return at_once
         key = at_once._key
     else:
         key = None
-    ordered, pruned = index.order(
-        slots, Need.of(request), options.node_policy, avoid_busy, Need.together(request)
-    )
+    ordered, pruned = index.order(slots, facts.needs, options.node_policy, avoid_busy,
+                                  facts.together)  # fmt: skip
     return Decision(index, request, options, budget, ordered, pruned, unknown, _key=key)
 
 

@@ -49,6 +49,7 @@ from .node_usage import NodeUsage
 from .refusal_memo import RefusalMemo, RefusalMemos
 from .refusal_shapes import UNSHAREABLE, CardClasses
 from .refusal_states import RowStates
+from .request_facts import RequestFacts
 from .wire_fast import LedgerWire, RegistrationWire
 
 _GROW = 1024
@@ -634,6 +635,7 @@ class ClusterIndex:
         # Per distinct request, the reason each node refused it for, valid while the node's row
         # is the one it was found on (`row_version`: advanced by every write of the row).
         self.refusal_memos = RefusalMemos()
+        self.request_facts = RequestFacts()  # (what decisions derive from a request alone)
         self.row_version = np.zeros(capacity, dtype=np.int64)
         self._version_clock = 0
         # the row version at which some request's refusal was last remembered there (a slot

@@ -45,6 +45,19 @@ _ARGUMENTS = [
 ]
 
 
+def first_function() -> Callable[..., int] | None:
+    """`tn_walk_first` of the scheduler's native library (a walk's first round in six
+    arguments: each one ctypes converts costs ~0.2 µs a call), or None (not built, or a build
+    without it: the first round is then `tn_walk_round`'s)."""
+    lib = library()
+    function = getattr(lib, "tn_walk_first", None) if lib is not None else None
+    if function is not None and function.argtypes is None:
+        function.restype = ctypes.c_int64
+        function.argtypes = [_POINTER, _POINTER, ctypes.c_uint32, ctypes.c_uint64,
+                             ctypes.c_double, _POINTER]  # fmt: skip
+    return function
+
+
 def walk_function() -> Callable[..., int] | None:
     """`tn_walk_round` of the scheduler's native library, or None (not built, or a build
     older than this code: `native_names.library` loads only its own interface)."""
@@ -56,41 +69,76 @@ def walk_function() -> Callable[..., int] | None:
     return function
 
 
+class Block:
+    """One block a walk in C writes, with its views for lists of `n` candidates: the keys
+    (`n` floats), the positions of its rounds (`_NATIVE_CHECKED` + 1 ints, the busy count
+    last) and the busy flags (`n` bytes), made once per length, not per walk (six numpy
+    calls, ~5 µs of a cold call)."""
+
+    __slots__ = ("address", "block", "busy", "keys", "n", "out")
+
+    def __init__(self, size: int) -> None:
+        self.block = np.empty(size, dtype=np.uint8)
+        self.address = address_of(self.block)
+        self.n = -1
+        self.keys = self.out = self.busy = self.block[:0]
+
+    def views(self, n: int) -> None:
+        """Its views for `n` candidates (the block must hold `_room(n)` bytes)."""
+        room = _NATIVE_CHECKED + 1
+        block = self.block
+        self.keys = block[: 8 * n].view(np.float64)
+        self.out = block[8 * n : 8 * (n + room)].view(np.int64)
+        self.busy = block[8 * (n + room) : 8 * (n + room) + n].view(np.bool_)
+        self.n = n
+
+
+def _room(n: int) -> int:
+    """The bytes a walk of `n` candidates writes (`Block`)."""
+    return 8 * (n + _NATIVE_CHECKED + 1) + n
+
+
+def _idle(block: Block) -> tuple[int, int, int, int]:
+    """The references to a kept block and its views (what `Blocks.take` compares)."""
+    return (sys.getrefcount(block.block), sys.getrefcount(block.keys),
+            sys.getrefcount(block.out), sys.getrefcount(block.busy))  # fmt: skip
+
+
 class Blocks:
-    """The memory a walk in C writes (its keys, rounds and busy flags: ~180 KB at 20,000
+    """The memory a walk in C writes (its keys, rounds and busy flags: ~200 KB at 20,000
     candidates), handed out again once no walk reads it. A fresh block each call was given back
     to the system by the allocator now and then (the heap's top trimmed) and faulted in again
     page by page: about one fresh-list decision in seven took 44 page faults, ~80 µs more of
     its CPU (bench/RESULTS.md "walkpy"). A block is reused only when nothing but this keeper
-    refers to it (every view of it, a walk's keys, rounds and flags, holds a reference): a
-    decision still walked (a filter's CAS in flight) keeps its own."""
+    refers to it or to its views (a walk's keys, rounds and flags are its views or slices of
+    them, each holding a reference): a decision still walked (a filter's CAS in flight) keeps
+    its own."""
 
     KEEP = 2  # blocks kept (a decision in flight and the next one)
 
     def __init__(self) -> None:
-        self._kept: list[tuple[np.ndarray, int]] = []
-        # references to a kept block that nothing else refers to, as `take` counts them (the
-        # list's, the loop's, the call's: counted here on a probe, not assumed)
-        self._unread = self._references([(np.empty(0, dtype=np.uint8), 0)])
+        self._kept: list[Block] = []
+        # the references `_idle` counts on a kept block that nothing else refers to (counted
+        # here on a probe with views, as `take` counts them, not assumed)
+        probe = Block(_room(1))
+        probe.views(1)
+        self._unread = _idle(probe)
 
-    @staticmethod
-    def _references(kept: list[tuple[np.ndarray, int]]) -> int:
-        for block, _address in kept:
-            return sys.getrefcount(block)
-        return 0
-
-    def take(self, size: int) -> tuple[np.ndarray, int]:
-        """A block of at least `size` bytes no walk reads (its contents undefined), and its
-        address."""
-        for block, address in self._kept:
-            if len(block) >= size and sys.getrefcount(block) == self._unread:
-                return block, address
-        block = np.empty(size, dtype=np.uint8)
-        address = address_of(block)
+    def take(self, n: int) -> Block:
+        """A block with its views for `n` candidates that no walk reads (its contents
+        undefined)."""
+        size = _room(n)
+        for kept in self._kept:
+            if len(kept.block) >= size and _idle(kept) == self._unread:
+                if kept.n != n:
+                    kept.views(n)
+                return kept
+        block = Block(size)
+        block.views(n)
         if len(self._kept) >= self.KEEP:
             self._kept.pop(0)  # (a walk that still reads it holds it)
-        self._kept.append((block, address))
-        return block, address
+        self._kept.append(block)
+        return block
 
 
 class Addresses:
@@ -122,7 +170,8 @@ class NativePlan:
     by the index per request shape, `index._FreshPlans`), then walks its list with it (`walk`):
     a few µs of checks and conversions per call less."""
 
-    __slots__ = ("_blocks", "_busy_at", "_kept", "_limit", "_scores_at", "_spec")
+    __slots__ = ("_blocks", "_busy_at", "_call", "_call_at", "_first", "_function", "_kept",
+                 "_limit", "_scores_at", "_spec")
 
     def __init__(self, scores_at: int, busy_at: int | None, limit: int, spec: np.ndarray,
                  blocks: Blocks) -> None:  # fmt: skip
@@ -130,6 +179,12 @@ class NativePlan:
         self._blocks = blocks
         self._scores_at, self._busy_at, self._limit = scores_at, busy_at, limit
         self._spec = (address_of(spec), len(spec) // 3)
+        self._function = walk_function()  # (None: looked for again at each walk)
+        self._first = first_function()
+        # (`tn_walk_first`'s plan: what its first round reads besides the list and the block)
+        self._call = np.array([scores_at, busy_at or 0, limit, self._spec[0], self._spec[1],
+                               HEAD, _NATIVE_CHECKED], dtype=np.int64)  # fmt: skip
+        self._call_at = address_of(self._call)
 
     def walk(self, slots: np.ndarray, sign: float, possible: Callable[[np.ndarray], np.ndarray],
              shortest: int = NATIVE_FROM) -> NativeWalk | None:  # fmt: skip
@@ -138,9 +193,11 @@ class NativePlan:
         take)."""
         if len(slots) < shortest:
             return None
-        function = walk_function()
+        function = self._function
         if function is None:
-            return None
+            function = self._function = walk_function()
+            if function is None:
+                return None
         # (read as they are: int32 from the native resolver, int64 from numpy's paths)
         if slots.dtype not in _SLOT_TYPES or not slots.flags.c_contiguous:
             slots = np.ascontiguousarray(slots, dtype=np.int64)
@@ -229,12 +286,14 @@ class NativeWalk:
         """`slots`: int32 or int64, contiguous; `plan`: the index's arrays and the bounds
         (`native_plan`)."""
         self._core = _Rounds(function, slots, plan, sign, possible)
-        self.keys, self.busy = self._core.keys, self._core.busy
+        self.keys = self._core.keys
+        self.busy: np.ndarray | None = None  # (known once started)
         self._rounds: Iterator[list[int] | np.ndarray] | None = None
 
     def start(self) -> bool:
         """The first round (reads every key): False when C does not take this list."""
         self._rounds = self._core.start()
+        self.busy = self._core.busy
         return self._rounds is not None
 
     def __iter__(self) -> Iterator[list[int] | np.ndarray]:
@@ -260,14 +319,18 @@ class _Rounds:
         # after the last one's: a round given as an array is never written over), the busy
         # count, the busy flags.
         room = _NATIVE_CHECKED + 1
-        block, base = plan._blocks.take(8 * (n + room) + (n if by_busy else 0))
-        self.keys = block[: 8 * n].view(np.float64)
-        self._out = block[8 * n : 8 * (n + room)].view(np.int64)
-        self.busy = block[8 * (n + room) : 8 * (n + room) + n].view(np.bool_) if by_busy else None
+        block = plan._blocks.take(n)
+        base = block.address
+        self.keys = block.keys
+        self._out = block.out
+        self.busy = block.busy if by_busy else None
         self._keys_at, self._out_at = base, base + 8 * n
         self._busy_at = base + 8 * (n + room) if by_busy else None
         self._kept = (slots, plan)  # (their addresses are used below)
         self._list = (address_of(slots), slots.itemsize, n, plan._limit)
+        self._first_call = None if plan._first is None else (
+            plan._call_at, self._list[0], slots.itemsize, n, sign, base)  # fmt: skip
+        self._first_function = plan._first
         self._first = (plan._scores_at, sign, plan._busy_at)
         self._spec = plan._spec
         self._sign = sign
@@ -275,12 +338,18 @@ class _Rounds:
     def start(self) -> Iterator[list[int] | np.ndarray] | None:
         """The first round (reads every key), and the rounds from it; None when C does not
         take this list."""
-        first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
+        if self._first_call is not None:  # (the same round, its arguments mostly the plan's)
+            count = self._first_function(*self._first_call)  # type: ignore[misc]
+            first = self._out[:count] if count >= 0 else None
+        else:
+            first = self._round(False if self.busy is not None else None, None, HEAD, 0, True)
         if first is None:
             return None
-        # (none busy: one group; `busy` as C wrote it, every flag False)
-        busy = self.busy if self.busy is not None and self._out[_NATIVE_CHECKED] else None
-        return self._walk(first, busy)
+        if self.busy is not None and not self._out[_NATIVE_CHECKED]:
+            # (no candidate busy: one group, as no flags; C wrote none where no node of the
+            # index is busy)
+            self.busy = None
+        return self._walk(first, self.busy)
 
     def _round(self, group: bool | None, after: tuple[float, int] | None, cap: int,
                walked: int, first: bool = False) -> np.ndarray | None:  # fmt: skip

@@ -112,9 +112,9 @@ class RefusalMemos:
             self.refused.clear()
         self.refused.add(sketch(request))
 
-    def maybe_refused(self, request: Any) -> bool:
-        """Whether a request like this one was refused everywhere (False: it was not)."""
-        return bool(self.refused) and sketch(request) in self.refused
+    def maybe_refused(self, sketched: tuple) -> bool:
+        """Whether a request of this `sketch` was refused everywhere (False: it was not)."""
+        return bool(self.refused) and sketched in self.refused
 
     def of(self, key: str, capacity: int) -> RefusalMemo:
         """The request's memo (a new one once it holds more than `_TEXTS` distinct reasons: a

@@ -89,8 +89,10 @@ def walked_both(c: dict, avoid_busy: bool, width: type = np.int64
                                    shortest=0)  # fmt: skip
     assert walk is not None
     np.testing.assert_array_equal(walk.keys, keys)
-    if busy is not None:
+    if busy is not None and busy[c["slots"]].any():
         np.testing.assert_array_equal(walk.busy, busy[c["slots"]])
+    else:  # (no candidate busy: one group, no flags)
+        assert walk.busy is None
     return flat(walk), expected, walk
 
 
@@ -270,3 +272,104 @@ def test_a_decision_on_lists_read_from_the_body_is_the_same_with_the_library_and
     assert without == with_library
     assert any(len(fitting) == 150 for fitting, _ in with_library)
     assert any(not fitting for fitting, _ in with_library)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2, 3])
+def test_what_c_cannot_order_at_any_lane_is_left_to_numpy(extra: int) -> None:
+    """The first round reads an int32 list four positions at a time (AVX2 where the CPU has
+    it) once its heap is full, and its last few one by one: a NaN key or a slot out of range
+    at any of those places (the heap's first positions, each lane of a four, the last ones)
+    makes C step aside; the same list without them is walked as numpy walks it."""
+    rng = random.Random(40 + extra)
+    n = NATIVE_FROM + extra
+    c = case(rng, n, 2000)
+    c["slots"] = np.array([rng.randrange(1999) for _ in range(n)], dtype=np.int32)
+    c["scores"][1999] = np.nan  # (read only where a slot 1999 is put)
+    for avoid_busy in (True, False):
+        native, expected, _walk = walked_both(c, avoid_busy, np.int32)
+        assert native == expected
+    args = (c["scores"], c["sign"], None, bounds_of(c), numpy_possible(c), Addresses())
+    places = [0, 7, 8, 9, 10, 11, 12, n // 2, n // 2 + 1, n // 2 + 2, n // 2 + 3,
+              *range(n - 7, n)]  # fmt: skip
+    for at in places:
+        for bad in (1999, -1, 2000, np.iinfo(np.int32).max, np.iinfo(np.int32).min):
+            broken = c["slots"].copy()
+            broken[at] = bad
+            assert native_walk.native_walk(broken, *args) is None, (at, bad)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keys_falling_along_the_list_enter_the_heap_lane_by_lane(seed: int) -> None:
+    """Keys that fall along the list's start, not evenly (a four's lanes often below the
+    heap's largest, some of them no longer once an earlier lane entered; ties), then stay
+    above them: every lane offered in position order against the heap as it is then, so the
+    head and every later round are numpy's."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = NATIVE_FROM + rng.randrange(64)
+        sign = rng.choice([1.0, -1.0])
+        spread, falls = rng.choice([4, 12, 30]), rng.randrange(12, 200)  # (then none enters)
+        scores = sign * np.array([rng.randrange(spread) / 2 - (i / 4 if i < falls else -1e6)
+                                  for i in range(n)])  # fmt: skip
+        possible = np.array([rng.random() < 0.9 for _ in range(n)], dtype=np.int8)
+        c = {"slots": np.arange(n, dtype=np.int32), "scores": scores, "sign": sign,
+             "busy": np.zeros(n, dtype=bool), "bounds": [(possible, 1)]}  # fmt: skip
+        for avoid_busy in (True, False):
+            native, expected, _walk = walked_both(c, avoid_busy, np.int32)
+            assert native == expected
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_first_round_in_six_arguments_is_the_eighteen_argument_round(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tn_walk_first` (the plan's arguments read from one array) walks every list as
+    `tn_walk_round` given them one by one does (a build without it takes that path): same
+    rounds, keys and busy flags, the same lists left to numpy."""
+    rng = random.Random(100 + seed)
+    n = (0, 9, 130, 1500)[seed % 4]
+    total = rng.choice([3, 50, 4000])
+    c = case(rng, n, total)
+    if seed % 3 != 2:  # (every candidate possible: long walks)
+        c["bounds"] = [(np.zeros(total, dtype=np.int32), 0)]
+    bad = seed % 6 == 5
+    if bad:
+        c["slots"][rng.randrange(n)] = total  # (past every array: left to numpy)
+    walks = []
+    for first in (native_walk.first_function, lambda: None):
+        monkeypatch.setattr(native_walk, "first_function", first)
+        for width in (np.int32, np.int64):
+            for busy in (c["busy"], None):
+                walk = native_walk.native_walk(c["slots"].astype(width), c["scores"], c["sign"],
+                                               busy, bounds_of(c), numpy_possible(c),
+                                               Addresses(), shortest=0)  # fmt: skip
+                walks.append(None if walk is None else (
+                    walk.keys.tolist(), None if walk.busy is None else walk.busy.tolist(),
+                    [(type(chunk), list(chunk)) for chunk in walk]))  # (the rounds apart)
+    assert walks[:4] == walks[4:]
+    assert (walks[0] is None) == bad
+
+
+@pytest.mark.parametrize("where", ["none", "outside", "last slot", "first slot", "candidate"])
+def test_busy_flags_anywhere_in_the_index_or_none(where: str) -> None:
+    """The first round walks one group when no node of the index is busy (a pass over the
+    flags, not one a candidate); a flag set anywhere, a candidate's or not, the first slot's
+    or the last's, walks the two groups: numpy's order either way, the flags as numpy reads
+    them (None where no candidate is busy)."""
+    rng = random.Random(len(where))
+    total = 3000
+    c = case(rng, NATIVE_FROM + 77, total)
+    c["slots"] = np.array(rng.sample(range(1, total - 1), NATIVE_FROM + 77), dtype=np.int64)
+    busy = np.zeros(total, dtype=bool)
+    outside = sorted(set(range(1, total - 1)) - set(c["slots"].tolist()))
+    at = {"none": None, "outside": outside[len(outside) // 2], "last slot": total - 1,
+          "first slot": 0, "candidate": int(c["slots"][NATIVE_FROM // 2])}[where]  # fmt: skip
+    if at is not None:
+        busy[at] = True
+    if where.endswith("slot"):  # (a candidate too, at the arrays' either end)
+        c["slots"][rng.randrange(len(c["slots"]))] = at
+    c["busy"] = busy
+    for width in (np.int32, np.int64):
+        native, expected, walk = walked_both(c, True, width)
+        assert native == expected
+        assert (walk.busy is None) == (where in ("none", "outside"))

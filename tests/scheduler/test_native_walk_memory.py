@@ -11,7 +11,6 @@ import random
 import weakref
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 from tessera.scheduler.index import Need
 from tessera.scheduler.native_walk import NATIVE_FROM, Blocks, NativeWalk
@@ -61,18 +60,31 @@ def test_a_walk_no_decision_holds_is_freed_at_once(
 
 
 def test_a_block_is_handed_out_again_only_when_no_walk_reads_it() -> None:
+    """A walk reads its block through the block's views (keys, rounds, flags) or slices of
+    them: while any is held, the block is not handed out again; its views follow the length
+    asked for."""
     blocks = Blocks()
-    one, one_at = blocks.take(4096)
-    view = one[64:128].view(np.int64)  # (what a walk keeps: views of its block)
-    del one
-    two, two_at = blocks.take(4096)
-    assert two_at != one_at  # (`view` still reads the first)
-    del view
-    three, three_at = blocks.take(1024)
-    assert three_at == one_at  # (nothing reads the first any more; large enough)
-    del two, three
-    bigger, bigger_at = blocks.take(8192)
-    assert len(bigger) >= 8192 and bigger_at not in (one_at, two_at)
+    one = blocks.take(500)
+    one_at = one.address
+    out = one.out[2:4]  # (a round's positions: a slice of the block's view)
+    two = blocks.take(500)
+    two_at = two.address
+    assert two_at != one_at  # (`out` still reads the first)
+    del out
+    three = blocks.take(100)
+    assert three.address == one_at  # (nothing reads the first any more; large enough)
+    assert (len(three.keys), len(three.out), len(three.busy)) == (100, 129, 100)
+    assert three.keys.__array_interface__["data"][0] == one_at
+    keys = three.keys  # (a walk's keys: the block's own view)
+    four = blocks.take(100)
+    assert four.address == two_at  # (`keys` reads the first; the second is free)
+    flags = four.busy
+    five = blocks.take(100)
+    assert five.address not in (one_at, two_at)  # (both read)
+    del keys, flags
+    bigger = blocks.take(5000)
+    assert len(bigger.keys) == 5000 and bigger.address not in (one_at, two_at, five.address)
+    assert len(bigger.block) >= 8 * (5000 + 129) + 5000
 
 
 def test_a_walk_in_flight_keeps_its_block_while_other_decisions_walk(

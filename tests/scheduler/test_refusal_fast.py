@@ -198,7 +198,7 @@ def test_a_backlogs_memos_outlive_the_requests_of_placed_pods() -> None:
     """Between two retries of a pending pod (seconds of backoff) many placed pods' requests
     come and go; the pending request's memo, which answers its retry at once, is forgotten
     only after every memo of a request that was not refused."""
-    from tessera.scheduler.refusal_memo import RefusalMemos
+    from tessera.scheduler.refusal_memo import RefusalMemos, sketch
 
     memos = RefusalMemos()
     kept = [memos.of(f"pending-{i}", 10) for i in range(3)]
@@ -208,8 +208,8 @@ def test_a_backlogs_memos_outlive_the_requests_of_placed_pods() -> None:
     for i in range(500):  # placed pods' lookups
         memos.of(f"placed-{i}", 10)
     assert all(memos.peek(f"pending-{i}") is kept[i] for i in range(3))
-    assert memos.maybe_refused(request)
-    assert not memos.maybe_refused(hami.parse_pod_request(pending(1, "y"), SETTINGS))
+    assert memos.maybe_refused(sketch(request))
+    assert not memos.maybe_refused(sketch(hami.parse_pod_request(pending(1, "y"), SETTINGS)))
     assert memos.peek("placed-0") is None  # (the others are forgotten as before)
 
 

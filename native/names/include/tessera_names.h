@@ -56,7 +56,8 @@ TN_EXPORT void tn_free(tn_table *t);
  * `busy_at` is NULL) after (`after_key`, `after_position`) when `resume`, ascending.
  * The first round gives `scores` (by slot; key = sign x score): every position's key is
  * written to `keys` and, unless `busy_at` is NULL, its group (`busy[slot]` != 0) to
- * `busy_at`, and the number of busy positions to `*busy_count`; later rounds give `scores`
+ * `busy_at`, and the number of busy positions to `*busy_count` (none of `busy[0..limit)` set:
+ * `busy_at` is not written, the count is 0); later rounds give `scores`
  * NULL and read `keys` and `busy_at` as written. Every slot must be below `limit` (the
  * length of `scores`, `busy` and every column). The number of positions written, or -1 (a
  * slot out of range, a NaN key, a width not 1/2/4/8, no memory). */
@@ -66,5 +67,13 @@ TN_EXPORT int64_t tn_walk_round(const void *slots, uint32_t width, uint64_t n, u
 				uint32_t bounds, int32_t resume, double after_key,
 				int64_t after_position, int64_t *out, uint64_t cap,
 				uint64_t *busy_count);
+
+/* The first round of a walk (tn_walk_round's with `scores`, group 0 where `busy` is given, no
+ * resume) in six arguments, the list's and the request's apart: `plan` holds the scores'
+ * address, the busy flags' (0: not grouped), `limit`, the spec's address, `bounds`, `cap`
+ * and `checked`; `block` is where the walk writes: `n` keys, then `checked` + 1 positions
+ * (the round's from the first, the busy count at `checked`), then `n` busy flags. */
+TN_EXPORT int64_t tn_walk_first(const int64_t *plan, const void *slots, uint32_t width,
+				uint64_t n, double sign, void *block);
 
 #endif

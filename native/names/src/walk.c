@@ -12,7 +12,12 @@
  * one pass over the list, no sort and no array per candidate. */
 #include "tessera_names.h"
 
+#include <stdint.h>
 #include <stdlib.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #ifndef TN_AHEAD
 #define TN_AHEAD 16 /* positions ahead whose key is prefetched in the first round */
@@ -220,6 +225,86 @@ tn_first_round(tn_round *r, const void *slots, const uint32_t width, uint64_t n,
 	return 0;
 }
 
+#if defined(__x86_64__)
+/* `tn_first_round` of an ungrouped walk of int32 slots with AVX2, four positions at a time once
+ * the heap is full (before, the scalar steps: every position is offered). Per four: the slots
+ * checked in range (none read before), their scores gathered, the keys written, and only the
+ * lanes whose key is below the heap's largest offered, in position order, each checked again
+ * against the largest as it is then (it only falls): the same positions taken in the same
+ * order as the scalar round, the same keys (sign x score, one rounding either way); -1 for a
+ * slot out of range or a NaN key anywhere, as the scalar round. */
+__attribute__((target("avx2"))) static int
+tn_first_round_avx2(tn_round *r, const int32_t *slots, uint64_t n, uint64_t limit,
+		    const double *scores, double sign, double *keys, const int64_t *spec,
+		    uint32_t bounds)
+{
+	uint64_t seen = 0, i = 0;
+	for (; i < n && r->count < r->cap; i++)
+		if (tn_first_step(r, i, slots[i],
+				  i + TN_AHEAD < n ? (uint64_t)(int64_t)slots[i + TN_AHEAD] : limit,
+				  limit, scores, sign, NULL, keys, NULL, 0, 0, spec, bounds,
+				  &seen) < 0)
+			return -1;
+	const __m256d times = _mm256_set1_pd(sign);
+	const __m128i zero = _mm_setzero_si128();
+	/* (a slot is in range when 0 <= slot <= last; every int32 slot is below a larger limit) */
+	const int capped = limit <= (uint64_t)INT32_MAX;
+	const __m128i last = _mm_set1_epi32(!capped ? INT32_MAX : limit ? (int32_t)(limit - 1) : -1);
+	for (; i + 4 <= n; i += 4) {
+		__m128i four = _mm_loadu_si128((const __m128i *)(const void *)(slots + i));
+		__m128i out = _mm_cmpgt_epi32(zero, four);
+		if (capped)
+			out = _mm_or_si128(out, _mm_cmpgt_epi32(four, last));
+		if (_mm_movemask_epi8(out))
+			return -1;
+		if (i + TN_AHEAD + 4 <= n) /* (a gather: its cache lines asked for ahead) */
+			for (uint64_t k = i + TN_AHEAD; k < i + TN_AHEAD + 4; k++)
+				if ((uint64_t)(int64_t)slots[k] < limit)
+					__builtin_prefetch(&scores[slots[k]]);
+		__m256d key = _mm256_mul_pd(_mm256_i32gather_pd(scores, four, 8), times);
+		_mm256_storeu_pd(keys + i, key);
+		if (_mm256_movemask_pd(_mm256_cmp_pd(key, key, _CMP_UNORD_Q)))
+			return -1; /* NaN: no order to give (the caller walks in numpy) */
+		if (!r->cap)
+			continue;
+		int below = _mm256_movemask_pd(
+			_mm256_cmp_pd(key, _mm256_set1_pd(r->top_key), _CMP_LT_OQ));
+		while (below) {
+			uint64_t at = i + (uint64_t)__builtin_ctz((unsigned)below);
+			below &= below - 1;
+			double one = keys[at];
+			if (one < r->top_key && tn_reaches(slots[at], spec, bounds))
+				tn_take(r, one, at);
+		}
+	}
+	for (; i < n; i++)
+		if (tn_first_step(r, i, slots[i], limit, limit, scores, sign, NULL, keys, NULL, 0, 0,
+				  spec, bounds, &seen) < 0)
+			return -1;
+	return 0;
+}
+#endif
+
+/* Whether AVX2 can be used here (the CPU's, read by libgcc once per process). */
+static int tn_avx2(void)
+{
+#if defined(__x86_64__)
+	__builtin_cpu_init();
+	return __builtin_cpu_supports("avx2");
+#else
+	return 0;
+#endif
+}
+
+/* Whether any of the `n` flags is set (an OR of every byte: vectorised by the compiler). */
+static int tn_any_set(const uint8_t *flags, uint64_t n)
+{
+	uint8_t any = 0;
+	for (uint64_t i = 0; i < n; i++)
+		any |= flags[i];
+	return any != 0;
+}
+
 /* tn_walk_round for slots of `width` bytes (a constant where it is inlined). */
 static inline __attribute__((always_inline)) int64_t
 tn_walk(const void *slots, const uint32_t width, uint64_t n, uint64_t limit, const double *scores,
@@ -235,13 +320,23 @@ tn_walk(const void *slots, const uint32_t width, uint64_t n, uint64_t limit, con
 	const int by_group = busy_at != NULL;
 	if (scores && !resume) {
 		/* The first round: every key and group read from the index (kept), each position
-		 * offered to the round as it is read (one pass over the list). */
+		 * offered to the round as it is read (one pass over the list). No node of the index
+		 * busy (most calls: a flag is set only while a bind is in flight): one group, so the
+		 * round is the ungrouped one and `busy_at` is not written (busy count 0); a sequential
+		 * pass over `busy` instead of a gather, a store and a test a position. */
 		uint64_t busy_seen = 0;
-		int read = by_group
-			? tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
-					 busy_at, 1, wanted, spec, bounds, &busy_seen)
-			: tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
-					 NULL, 0, wanted, spec, bounds, &busy_seen);
+		int read;
+		if (by_group && tn_any_set(busy, limit))
+			read = tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
+					      busy_at, 1, wanted, spec, bounds, &busy_seen);
+#if defined(__x86_64__)
+		else if (width == 4 && tn_avx2())
+			read = tn_first_round_avx2(&r, slots, n, limit, scores, sign, keys, spec,
+						   bounds);
+#endif
+		else
+			read = tn_first_round(&r, slots, width, n, limit, scores, sign, busy, keys,
+					      NULL, 0, wanted, spec, bounds, &busy_seen);
 		if (read < 0) {
 			free(heap);
 			return -1;
@@ -324,4 +419,19 @@ TN_EXPORT int64_t tn_walk_round(const void *slots, uint32_t width, uint64_t n, u
 		return tn_walk(slots, 8, n, limit, scores, sign, busy, keys, busy_at, group, spec,
 			       bounds, resume, after_key, after_position, out, cap, busy_count);
 	return -1;
+}
+
+TN_EXPORT int64_t tn_walk_first(const int64_t *plan, const void *slots, uint32_t width,
+				uint64_t n, double sign, void *block)
+{
+	if (!plan || !block || !plan[0])
+		return -1;
+	const uint64_t checked = (uint64_t)plan[6];
+	const uint8_t *busy = (const uint8_t *)(uintptr_t)plan[1];
+	int64_t *out = (int64_t *)(void *)((char *)block + 8 * n);
+	uint8_t *busy_at = busy ? (uint8_t *)block + 8 * (n + checked + 1) : NULL;
+	return tn_walk_round(slots, width, n, (uint64_t)plan[2],
+			     (const double *)(uintptr_t)plan[0], sign, busy, (double *)block,
+			     busy_at, 0, (const int64_t *)(uintptr_t)plan[3], (uint32_t)plan[4], 0,
+			     0.0, 0, out, (uint64_t)plan[5], (uint64_t *)(void *)(out + checked));
 }
