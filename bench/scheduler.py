@@ -266,7 +266,9 @@ def run_decisions(
         started_cpu = time.thread_time()
         parsed = names_cache.parse(body)
         # (a short list is not remembered: the extender parses the whole body)
-        candidates = parsed["nodenames"] if parsed is not None else json.loads(body)["nodenames"]
+        if parsed is None:  # (the whole body read, its keys lower-cased, as the service does)
+            parsed = {k.lower(): v for k, v in json.loads(body).items()}
+        candidates = parsed["nodenames"]
         if i >= warmup:
             parse_cpu.append(time.thread_time() - started_cpu)
             listed.append(len(candidates))
