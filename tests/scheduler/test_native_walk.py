@@ -373,3 +373,39 @@ def test_busy_flags_anywhere_in_the_index_or_none(where: str) -> None:
         native, expected, walk = walked_both(c, True, width)
         assert native == expected
         assert (walk.busy is None) == (where in ("none", "outside"))
+
+
+_SCALAR_CHILD = """
+import random, sys
+sys.path.insert(0, "tests")
+import numpy as np
+from scheduler.test_native_walk import case, walked_both
+from tessera.scheduler.native_walk import NATIVE_FROM
+walks = 0
+for seed in range(60):
+    rng = random.Random(seed)
+    c = case(rng, rng.choice([NATIVE_FROM, NATIVE_FROM + 3, 2500]), rng.choice([50, 4000]))
+    for avoid_busy in (True, False):
+        native, expected, _walk = walked_both(c, avoid_busy, np.int32)
+        assert native == expected, seed
+        walks += 1
+print("walks", walks)
+"""
+
+
+def test_the_scalar_first_round_is_numpys_where_avx2_would_take_it() -> None:
+    """On an AVX2 machine an int32 list's first round runs vectorised; a process whose
+    environment says `TESSERA_WALK_SCALAR=1` takes the scalar round instead (read once, by the
+    library; the suite's own processes drop `TESSERA_*` variables, so a child checks it): its
+    walks of adversarial int32 lists are numpy's too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _SCALAR_CHILD], cwd=root, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "TESSERA_WALK_SCALAR": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.split() == ["walks", "120"]

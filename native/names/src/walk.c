@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -285,12 +286,23 @@ tn_first_round_avx2(tn_round *r, const int32_t *slots, uint64_t n, uint64_t limi
 }
 #endif
 
-/* Whether AVX2 can be used here (the CPU's, read by libgcc once per process). */
+/* Whether AVX2 can be used here (the CPU's, read by libgcc once per process), unless the
+ * environment says `TESSERA_WALK_SCALAR` (not empty, not 0) when first asked: the scalar round
+ * everywhere, so that its tests reach it on an AVX2 machine too
+ * (tests/scheduler/test_native_walk.py). */
 static int tn_avx2(void)
 {
 #if defined(__x86_64__)
-	__builtin_cpu_init();
-	return __builtin_cpu_supports("avx2");
+	static int known = -1;
+	int usable = __atomic_load_n(&known, __ATOMIC_RELAXED);
+	if (usable < 0) {
+		const char *scalar = getenv("TESSERA_WALK_SCALAR");
+		__builtin_cpu_init();
+		usable = !(scalar && *scalar && strcmp(scalar, "0") != 0)
+			 && __builtin_cpu_supports("avx2");
+		__atomic_store_n(&known, usable, __ATOMIC_RELAXED);
+	}
+	return usable;
 #else
 	return 0;
 #endif
