@@ -82,28 +82,22 @@ def source(rev: str, into: Path) -> Path:
         check=True, capture_output=True,
     ).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    # The revision's native library (the name resolver, the walk), built beside its scheduler
-    # where its `native_names.py` looks for it: without it the revision would resolve names in
-    # numpy, and a side by side would compare C with numpy.
-    native = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native/names"],
-                            capture_output=True)  # fmt: skip
-    if native.returncode == 0:
-        subprocess.run(["tar", "-x", "-C", str(into)], input=native.stdout, check=True)
-        # (its Makefile includes the native libraries' shared rules where the revision has them)
-        shared = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native/library.mk"],
-                                capture_output=True)  # fmt: skip
-        if shared.returncode == 0:
-            subprocess.run(["tar", "-x", "-C", str(into)], input=shared.stdout, check=True)
-        subprocess.run(["make", "-s", "-C", str(into / "native" / "names")], check=True,
-                       capture_output=True)  # fmt: skip
-    # Its refusals library likewise, where it has one (a refused call's steps, its reply's
-    # JSON): without it a revision's refusals would run in numpy beside the other's C.
-    refusals = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native/refusals"],
-                              capture_output=True)  # fmt: skip
-    if refusals.returncode == 0:
-        subprocess.run(["tar", "-x", "-C", str(into)], input=refusals.stdout, check=True)
-        subprocess.run(["make", "-s", "-C", str(into / "native" / "refusals")], check=True,
-                       capture_output=True)  # fmt: skip
+    # The revision's native libraries, built beside its scheduler where its `native_names.py`
+    # and `native_steps.py` look for them, where it has them: the name resolver and the walk,
+    # the refusals' steps and reply. Without them its names would be resolved and its refusals
+    # worked out in numpy, and a side by side would compare C with numpy.
+    def extracted(path: str) -> bool:
+        found = subprocess.run(["git", "-C", str(ROOT), "archive", rev, path],
+                               capture_output=True)  # fmt: skip
+        if found.returncode == 0:
+            subprocess.run(["tar", "-x", "-C", str(into)], input=found.stdout, check=True)
+        return found.returncode == 0
+
+    extracted("native/library.mk")  # (their Makefiles include it where the revision has it)
+    for library in ("names", "refusals"):
+        if extracted(f"native/{library}"):
+            subprocess.run(["make", "-s", "-C", str(into / "native" / library)], check=True,
+                           capture_output=True)  # fmt: skip
     # An older scheduler checks at import that its msgspec wire Structs mirror the shared
     # models (`wire_fast._check_specs`); the models have gained fields since (elastic grants),
     # and the bench never decodes wire bytes (it hands the index model objects): skipped there.

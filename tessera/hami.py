@@ -314,8 +314,19 @@ def parse_container_request(
     if raw_priority is not None:
         priority = _whole(raw_priority, lambda: where + settings.resource_priority, low=0,
                           high=1)  # fmt: skip
+    asked = raw_mem is not None or raw_pct is not None or raw_cores is not None
+    return _with_defaults(count, memory, percentage, cores, priority, asked, settings)
+
+
+def _with_defaults(count: int, memory: int, percentage: int | None, cores: int,
+                   priority: int | None, asked: bool, settings: TesseraSettings
+                   ) -> ContainerRequest | None:  # fmt: skip
+    """HAMi's defaults for the values read (memory after its factor, cores clamped): no count
+    and nothing `asked` (memory, percentage or cores) is no GPU; no count otherwise is
+    `defaultGPUNum`; neither memory nor a percentage is `defaultMem`, else the whole card;
+    an explicit MiB request wins over a percentage."""
     if count == 0:
-        if raw_mem is None and raw_pct is None and raw_cores is None:
+        if not asked:
             return None
         count = settings.default_gpu_num
     if memory == 0 and percentage is None:
@@ -324,7 +335,7 @@ def parse_container_request(
         else:
             percentage = 100
     if memory and percentage is not None:
-        percentage = None  # an explicit MiB request wins over a percentage
+        percentage = None
     return ContainerRequest(count, memory, percentage, cores, priority)
 
 
@@ -497,21 +508,12 @@ def _plain_request(
         or (priority is not None and priority > 1)
     ):  # fmt: skip
         return _NOT_PLAIN
-    if not count:
-        if memory is None and pct is None and cores is None:
-            return None
-        count = settings.default_gpu_num
-    percentage = min(pct, 100) if pct else None  # (HAMi: above 100 is 100, 0 is unset)
-    memory = memory * settings.memory_factor if memory is not None else 0
-    if memory == 0 and percentage is None:
-        if settings.default_mem:
-            memory = settings.default_mem
-        else:
-            percentage = 100
-    if memory and percentage is not None:
-        percentage = None  # an explicit MiB request wins over a percentage
-    cores = settings.default_cores if cores is None else min(100, cores)
-    return ContainerRequest(count, memory, percentage, cores, priority)
+    asked = memory is not None or pct is not None or cores is not None
+    return _with_defaults(
+        count or 0, memory * settings.memory_factor if memory is not None else 0,
+        min(pct, 100) if pct else None,  # (HAMi: above 100 is 100, 0 is unset)
+        settings.default_cores if cores is None else min(100, cores), priority, asked, settings,
+    )  # fmt: skip
 
 
 _EMPTY: dict[str, Any] = {}

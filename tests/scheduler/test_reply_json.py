@@ -7,10 +7,8 @@ built before the writer) is refused, and the reply is then joined in Python, the
 
 from __future__ import annotations
 
-import fcntl
 import json
 import random
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,24 +20,10 @@ from tessera.scheduler.native_address import address_of
 from tessera.scheduler.native_steps import LIBRARY_ENV, PADDING, NativeSteps
 from tessera.scheduler.node_reasons import NodeReasons
 
+from .test_native_steps import built  # noqa: F401  (the library as `make native` builds it)
+
 REFUSALS_DIR = Path(__file__).resolve().parents[2] / "native" / "refusals"
 ALPHABET = [chr(c) for c in range(1, 128)] + ["é", "ü", "\u2028", "\U0001f600", '"', "\\", "\n"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    """The library as `make native` builds it (built here when missing: one cc call)."""
-    build = REFUSALS_DIR / "build"
-    build.mkdir(exist_ok=True)
-    with (build / ".lock").open("a") as lock:  # (the suite's workers share the build)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            made = subprocess.run(["make", "-s", "-C", str(REFUSALS_DIR)], capture_output=True,
-                                  text=True)  # fmt: skip
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    assert made.returncode == 0, made.stdout + made.stderr
-    assert NativeSteps.load() is not None
 
 
 def word(rng: random.Random, longest: int) -> str:
